@@ -1,0 +1,224 @@
+"""Artifact store: fingerprints, stage folders, manifests written last and atomically.
+
+Layout: `<workspace>/artifacts/<stage>/<fingerprint>/` holds a stage's files, `metrics.jsonl`,
+`config.json` and, written LAST, `manifest.json`. No manifest means the stage is not done.
+Stages hand each other `ArtifactRef`s (a few hundred bytes), never weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+MANIFEST = "manifest.json"
+# Not covered by the manifest: transient resume state and logs that a re-run appends to.
+UNHASHED_DIRS = ("checkpoints", "logs")
+FINGERPRINT_LEN = 16
+
+
+class ArtifactRef(BaseModel):
+    """What one stage hands the next: where its output is and what it was made from."""
+
+    stage: str = Field(description="Stage that produced the artifact.")
+    uri: str = Field(description="Absolute path of the stage output folder.")
+    fingerprint: str = Field(description="Hash of stage, code version, recipe section and parents.")
+    sha256: str = Field(description="sha256 of the manifest's file table (content identity).")
+    parents: list[str] = Field(default_factory=list, description="Fingerprints of the inputs.")
+
+    @property
+    def path(self) -> Path:
+        return Path(self.uri)
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def fingerprint(
+    stage: str, code_version: str, section: Any, parents: list[str], extra: Any = None
+) -> str:
+    """Hash of everything that determines a stage's output.
+
+    `extra` carries inputs that live outside the recipe text, such as the identity of data files
+    or of a base checkpoint folder, so editing a file in place re-runs the stage.
+    """
+    payload = canonical_json(
+        {
+            "stage": stage,
+            "version": code_version,
+            "section": section,
+            "parents": list(parents),
+            "extra": extra,
+        }
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:FINGERPRINT_LEN]
+
+
+def stage_dir(workspace: str | os.PathLike[str], stage: str, fp: str) -> Path:
+    return Path(workspace) / "artifacts" / stage / fp
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def path_identity(path: str | os.PathLike[str], hash_limit: int = 64 << 20) -> dict[str, Any]:
+    """Content identity of a file or folder for fingerprints.
+
+    Files up to `hash_limit` bytes are hashed; larger ones (weights) are identified by size and
+    mtime, which is what changes when a checkpoint is replaced, without hashing gigabytes on
+    every plan.
+    """
+    root = Path(path)
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    out = {}
+    for f in files:
+        st = f.stat()
+        rel = f.name if f == root else str(f.relative_to(root))
+        out[rel] = sha256_file(f) if st.st_size <= hash_limit else f"{st.st_size}:{st.st_mtime_ns}"
+    return out
+
+
+def _hashed_files(folder: Path) -> list[Path]:
+    out = []
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder)
+        if not p.is_file() or rel.parts[0] in UNHASHED_DIRS or str(rel) == MANIFEST:
+            continue
+        if rel.name.startswith(".tmp"):
+            continue
+        out.append(p)
+    return out
+
+
+def file_table(folder: Path) -> dict[str, dict[str, Any]]:
+    return {
+        str(p.relative_to(folder)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+        for p in _hashed_files(folder)
+    }
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temp file in the same folder, fsync, rename over `path`, fsync the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def environment_info() -> dict[str, Any]:
+    """Library versions and host facts recorded in every manifest."""
+    versions = {"python": sys.version.split()[0]}
+    for name in (
+        "torch",
+        "transformers",
+        "peft",
+        "datasets",
+        "accelerate",
+        "safetensors",
+        "tokenizers",
+    ):
+        mod = sys.modules.get(name)
+        if mod is not None:
+            versions[name] = getattr(mod, "__version__", "?")
+    device: dict[str, Any] = {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+    }
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        device["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"versions": versions, "device": device}
+
+
+def write_manifest(
+    folder: Path,
+    *,
+    stage: str,
+    fp: str,
+    parents: list[str],
+    section: Any,
+    seed: int,
+    summary: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> ArtifactRef:
+    """Hash every file in `folder` and write `manifest.json` last, atomically. Returns the ref."""
+    files = file_table(folder)
+    content_sha = hashlib.sha256(canonical_json(files).encode()).hexdigest()
+    manifest = {
+        "stage": stage,
+        "fingerprint": fp,
+        "parents": parents,
+        "files": files,
+        "content_sha256": content_sha,
+        "section": section,
+        "seed": seed,
+        "summary": summary,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **environment_info(),
+        **(extra or {}),
+    }
+    atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=2, default=str))
+    return ArtifactRef(
+        stage=stage, uri=str(folder), fingerprint=fp, sha256=content_sha, parents=parents
+    )
+
+
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def verify(folder: Path) -> tuple[bool, str]:
+    """Is `folder` a complete, unaltered artifact? Returns (ok, reason when not)."""
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return False, f"no readable {MANIFEST} in {folder}"
+    for rel, meta in manifest.get("files", {}).items():
+        p = folder / rel
+        if not p.is_file():
+            return False, f"{rel} is missing"
+        if p.stat().st_size != meta["bytes"] or sha256_file(p) != meta["sha256"]:
+            return False, f"{rel} was altered (sha256 differs from the manifest)"
+    return True, ""
+
+
+def ref_from_manifest(folder: Path) -> ArtifactRef:
+    m = read_manifest(folder)
+    if m is None:
+        raise FileNotFoundError(f"no {MANIFEST} in {folder}")
+    return ArtifactRef(
+        stage=m["stage"],
+        uri=str(folder),
+        fingerprint=m["fingerprint"],
+        sha256=m["content_sha256"],
+        parents=m["parents"],
+    )

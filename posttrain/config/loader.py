@@ -1,0 +1,159 @@
+"""Load a recipe: YAML file + dotted overrides -> validated, resolved `Recipe`.
+
+Resolution turns every `auto` into a concrete value (device, devices_per_node, precision) and
+fills the derived batch field, so the recipe written into a run folder says exactly what ran.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from posttrain.config.batch import ResolvedBatch, resolve_batch
+from posttrain.config.schema import Recipe
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; `errors` holds one `field.path: message` line per problem."""
+
+    def __init__(self, errors: list[str], source: str = "recipe"):
+        self.errors = errors
+        super().__init__(f"{source} is invalid:\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+def format_validation_error(err: ValidationError) -> list[str]:
+    """One line per error, each starting with its dotted field path (`sft.optim.lr: ...`)."""
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; see docs/recipes.md)"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        lines.append(f"{path}: {msg}" if path else msg)
+    return lines
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`sft.optim.lr=1e-4` -> (["sft", "optim", "lr"], 0.0001). Values are parsed as YAML."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise RecipeError([f"override {item!r}: expected key.path=value"], "overrides")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as exc:
+        raise RecipeError([f"{key}: cannot parse value {raw!r}: {exc}"], "overrides") from exc
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of `data` with each dotted override set (creating sections as needed)."""
+    data = copy.deepcopy(data)
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for i, part in enumerate(path[:-1]):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                where = ".".join(path[: i + 1])
+                raise RecipeError(
+                    [f"{where}: is a value, cannot set {'.'.join(path)}"], "overrides"
+                )
+            node = nxt
+        node[path[-1]] = value
+    return data
+
+
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError([f"{p}: no such recipe file"], str(p))
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise RecipeError([f"{p}: not valid YAML: {exc}"], str(p)) from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError([f"{p}: top level must be a mapping of sections"], str(p))
+    return data
+
+
+def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(format_validation_error(exc), source) from exc
+
+
+def _cuda_devices() -> int:
+    import torch  # deferred: validation alone should not pay torch's import
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _bf16_supported() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def resolve(recipe: Recipe) -> Recipe:
+    """Make every `auto` concrete and every path absolute; check batch arithmetic."""
+    r = recipe.model_copy(deep=True)
+    infra = r.infra
+    gpus = None
+    if infra.device == "auto" or infra.devices_per_node == "auto" or infra.precision == "auto":
+        gpus = _cuda_devices()
+    if infra.device == "auto":
+        infra.device = "cuda" if gpus else "cpu"
+    if infra.devices_per_node == "auto":
+        infra.devices_per_node = gpus if infra.device == "cuda" else 1
+    if infra.precision == "auto":
+        infra.precision = "bf16" if infra.device == "cuda" and _bf16_supported() else "fp32"
+    errors = []
+    if infra.device == "cpu" and infra.precision in ("bf16", "fp16"):
+        errors.append(
+            f"infra.precision: {infra.precision} on CPU is refused: half-precision matmul on CPU is "
+            "~100x slower than fp32 here; use fp32 (or precision: auto)"
+        )
+    r.run.workspace = str(Path(r.run.workspace).expanduser().resolve())
+    if r.ingest.path:
+        r.ingest.path = str(Path(r.ingest.path).expanduser().resolve())
+    for attr in ("path", "eval_path"):
+        value = getattr(r.sft.data, attr)
+        if value:
+            setattr(r.sft.data, attr, str(Path(value).expanduser().resolve()))
+    try:
+        b = sft_batch(r)
+        r.sft.batch.micro_batch_size = b.micro_batch_size
+        r.sft.batch.grad_accum_steps = b.grad_accum_steps
+        r.sft.batch.global_batch_size = b.global_batch_size
+    except ValueError as exc:
+        errors.append(str(exc))
+    if errors:
+        raise RecipeError(errors)
+    return r
+
+
+def sft_batch(recipe: Recipe) -> ResolvedBatch:
+    b = recipe.sft.batch
+    dp = recipe.infra.devices_per_node
+    assert isinstance(dp, int), "resolve() first"
+    return resolve_batch(
+        b.micro_batch_size, b.grad_accum_steps, b.global_batch_size, dp, where="sft.batch"
+    )
+
+
+def load_recipe(path: str | os.PathLike[str], overrides: list[str] | None = None) -> Recipe:
+    """Read, override, validate and resolve a recipe file. Raises RecipeError listing every problem."""
+    data = apply_overrides(read_yaml(path), overrides or [])
+    return resolve(validate_recipe(data, str(path)))

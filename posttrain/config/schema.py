@@ -1,0 +1,317 @@
+"""The recipe: one pydantic schema for the YAML file, the CLI overrides and the Prefect UI form.
+
+Every field is documented where it is declared; `docs/recipes.md` is generated from these
+descriptions (`python -m posttrain.config.docs`). Validation happens at load time, before any
+work starts, and every error names the field path (`sft.optim.lr: ...`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from posttrain.config.batch import resolve_batch
+
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
+
+
+class _Section(BaseModel):
+    # extra="forbid": a misspelt key is an error that names it, never silently ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = Field(
+        "posttrain-run",
+        description="Pipeline name: groups runs, names the Prefect flow run and the champion slot.",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+    )
+    workspace: str = Field(
+        "./workspace",
+        description="Folder that holds artifacts/, runs/ and Prefect results. Relative paths are "
+        "resolved against the current directory when the recipe is loaded.",
+    )
+    seed: int = Field(0, ge=0, description="Seed for data order, initialisation and sampling.")
+
+
+class StageTimeouts(_Section):
+    ingest: float = Field(1800, gt=0, description="Seconds before the ingest stage is killed.")
+    sft: float = Field(6 * 3600, gt=0, description="Seconds before the SFT stage is killed.")
+    evaluate: float = Field(3600, gt=0, description="Seconds before the evaluate stage is killed.")
+    export: float = Field(3600, gt=0, description="Seconds before the export stage is killed.")
+
+
+class InfraConfig(_Section):
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="`auto` picks CUDA when a GPU is visible, else CPU."
+    )
+    devices_per_node: int | Literal["auto"] = Field(
+        1,
+        description="Processes per node for distributed stages (one per GPU). `auto` = all visible "
+        "GPUs, or 1 on CPU. Data-parallel size = devices_per_node.",
+    )
+    precision: Precision = Field(
+        "auto",
+        description="`auto` = bf16 on a GPU that supports it, fp32 on CPU (CPU bf16 matmul is ~100x "
+        "slower than fp32). fp16 needs `loss_scaling: true`.",
+    )
+    loss_scaling: bool = Field(
+        False, description="Dynamic loss scaling; required for fp16, whose losses otherwise go NaN."
+    )
+    threads_per_rank: int | None = Field(
+        None, ge=1, description="torch threads per process; default = CPU cores / processes."
+    )
+    pg_timeout_s: float = Field(
+        600,
+        gt=0,
+        description="Process-group (collective) timeout: a mismatched collective fails "
+        "after this many seconds instead of hanging.",
+    )
+    timeouts: StageTimeouts = Field(default_factory=StageTimeouts, description="Per-stage limits.")
+
+    @model_validator(mode="after")
+    def _fp16_needs_scaling(self) -> InfraConfig:
+        if self.precision == "fp16" and not self.loss_scaling:
+            raise ValueError(
+                "precision fp16 without loss scaling is refused: fp16 gradients underflow and "
+                "preference losses go NaN. Set infra.loss_scaling: true, or use bf16/fp32."
+            )
+        return self
+
+
+class FromConfigModel(_Section):
+    architecture: Literal["llama", "qwen2"] = Field(
+        "llama", description="transformers model family."
+    )
+    hidden_size: int = Field(128, ge=8, description="Model width.")
+    num_layers: int = Field(4, ge=1, description="Decoder blocks.")
+    num_heads: int = Field(4, ge=1, description="Attention heads.")
+    num_kv_heads: int | None = Field(None, ge=1, description="KV heads (GQA); default = num_heads.")
+    intermediate_size: int = Field(256, ge=8, description="MLP width.")
+    vocab_size: int = Field(2048, ge=300, description="BPE vocabulary size to train.")
+    max_position_embeddings: int = Field(
+        512, ge=16, description="Longest sequence the model takes."
+    )
+    tie_word_embeddings: bool = Field(True, description="Share input embedding and LM head.")
+    pretrain_steps: int = Field(
+        0,
+        ge=0,
+        description="Causal-LM warm-up steps on the synthetic corpus, so LoRA has a "
+        "non-random base to adapt (0 = random init).",
+    )
+    pretrain_lr: float = Field(3e-3, gt=0, description="Warm-up learning rate.")
+    pretrain_batch_size: int = Field(16, ge=1, description="Warm-up sequences per step.")
+    pretrain_seq_len: int = Field(128, ge=8, description="Warm-up sequence length.")
+    corpus_examples: int = Field(
+        4000, ge=100, description="Synthetic examples used to train the tokenizer and warm-up."
+    )
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> FromConfigModel:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
+            )
+        kv = self.num_kv_heads or self.num_heads
+        if self.num_heads % kv:
+            raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {kv}")
+        return self
+
+
+class IngestConfig(_Section):
+    source: Literal["path", "from_config"] = Field(
+        "path",
+        description="`path`: a local Hugging Face folder. `from_config`: build a small "
+        "random-init model and train a BPE tokenizer offline (quickstart, tests).",
+    )
+    path: str | None = Field(None, description="Local model folder (config, weights, tokenizer).")
+    allow_pickle: bool = Field(
+        False, description="Accept pickle weights (*.bin, *.pt). Pickle can run code when loaded."
+    )
+    trust_remote_code: bool = Field(
+        False, description="Accept models whose config needs custom code from the folder."
+    )
+    chat_template: str | None = Field(
+        None,
+        description="Jinja chat template to install. Required when the tokenizer has none; "
+        "replaces the tokenizer's own when given.",
+    )
+    from_config: FromConfigModel = Field(
+        default_factory=FromConfigModel, description="Model to build when source = from_config."
+    )
+
+    @model_validator(mode="after")
+    def _path_given(self) -> IngestConfig:
+        if self.source == "path" and not self.path:
+            raise ValueError("source 'path' needs ingest.path (a local Hugging Face model folder)")
+        return self
+
+
+class SyntheticData(_Section):
+    n_examples: int = Field(3000, ge=10, description="Rows to generate.")
+    seed: int = Field(1234, ge=0, description="Generator seed (independent of run.seed).")
+
+
+class DataConfig(_Section):
+    path: str | None = Field(
+        None,
+        description="JSONL, JSON, Parquet file, or a `datasets.save_to_disk` folder. Rows are "
+        "`messages` (list of {role, content}) or `prompt`/`completion` strings.",
+    )
+    synthetic: SyntheticData | None = Field(
+        None, description="Generate the quickstart task instead of reading `path`."
+    )
+    eval_path: str | None = Field(None, description="Held-out file; default: split from `path`.")
+    eval_fraction: float = Field(
+        0.05, ge=0.0, lt=1.0, description="Held-out share when there is no eval_path."
+    )
+    max_seq_len: int = Field(256, ge=8, description="Tokens per sequence after the chat template.")
+    on_too_long: Literal["truncate", "drop"] = Field(
+        "truncate", description="Rows longer than max_seq_len: cut at the right, or drop (counted)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if (self.path is None) == (self.synthetic is None):
+            raise ValueError("give exactly one of data.path or data.synthetic")
+        return self
+
+
+class LoraConfig(_Section):
+    r: int = Field(8, ge=1, description="LoRA rank.")
+    alpha: float = Field(16, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="Module names to adapt, or `all-linear` (every linear but the head).",
+    )
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="LR decay.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up optimizer steps.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of lr.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip gradient norm; null = off.")
+
+
+class BatchConfig(_Section):
+    """Give any two of the three; the third is derived. All three must agree:
+    global_batch_size = micro_batch_size x grad_accum_steps x data-parallel size."""
+
+    micro_batch_size: int | None = Field(None, ge=1, description="Sequences per device per step.")
+    grad_accum_steps: int | None = Field(
+        None, ge=1, description="Micro-batches per optimizer step."
+    )
+    global_batch_size: int | None = Field(None, ge=1, description="Sequences per optimizer step.")
+
+
+class SFTConfig(_Section):
+    data: DataConfig = Field(description="Training data.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="Adapter shape.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and schedule.")
+    batch: BatchConfig = Field(
+        default_factory=lambda: BatchConfig(micro_batch_size=8, grad_accum_steps=1),
+        description=BatchConfig.__doc__,
+    )
+    epochs: float = Field(
+        1.0, gt=0, description="Passes over the training set (fractions allowed)."
+    )
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each block's activations in backward: less memory, ~30% slower.",
+    )
+    packing: bool = Field(
+        False,
+        description="Concatenate short rows into full max_seq_len sequences (position ids "
+        "restart per row; attention across rows is not masked, as in most packers).",
+    )
+    checkpoint_every: int = Field(
+        50, ge=0, description="Save a resumable checkpoint every N steps."
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints kept on disk.")
+    log_every: int = Field(1, ge=1, description="Write metrics.jsonl every N optimizer steps.")
+    eval_every: int = Field(
+        0, ge=0, description="Held-out loss every N steps (0 = only at the end)."
+    )
+
+
+class SamplingConfig(_Section):
+    name: str = Field(description="Label used in reports.")
+    strategy: Literal["greedy", "sample", "beam"] = Field("greedy", description="Decoding.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (sample only).")
+    top_k: int | None = Field(None, ge=1, description="Top-k filter (sample only).")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus filter (sample only).")
+    num_beams: int = Field(4, ge=2, description="Beams (beam only).")
+    max_new_tokens: int = Field(48, ge=1, description="Longest generation.")
+
+
+def _default_sampling() -> list[SamplingConfig]:
+    return [
+        SamplingConfig(name="greedy", strategy="greedy"),
+        SamplingConfig(name="beam4", strategy="beam", num_beams=4),
+        SamplingConfig(name="t0.7-top_p0.9", strategy="sample", temperature=0.7, top_p=0.9),
+        SamplingConfig(name="t1.0-top_k20", strategy="sample", temperature=1.0, top_k=20),
+    ]
+
+
+class EvaluateConfig(_Section):
+    max_eval_rows: int = Field(256, ge=1, description="Held-out rows scored for loss/perplexity.")
+    batch_size: int = Field(16, ge=1, description="Rows per forward pass when scoring.")
+    num_prompts: int = Field(8, ge=1, description="Held-out prompts to generate from.")
+    sampling: list[SamplingConfig] = Field(
+        default_factory=_default_sampling, description="Decoding settings to sample under."
+    )
+    inference_prompt_tokens: int = Field(64, ge=1, description="Prompt length for latency figures.")
+    inference_new_tokens: int = Field(32, ge=1, description="Generated tokens for latency figures.")
+    inference_repeats: int = Field(3, ge=1, description="Timed repeats (median is reported).")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> EvaluateConfig:
+        names = [s.name for s in self.sampling]
+        if len(names) != len(set(names)):
+            raise ValueError(f"sampling names must be unique, got {names}")
+        return self
+
+
+class ExportConfig(_Section):
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="Saved weight dtype; `auto` keeps the base checkpoint's dtype."
+    )
+    logits_atol: float = Field(
+        1e-4,
+        gt=0,
+        description="Max |logit difference| allowed between the reloaded export and "
+        "base+adapter (fp32); scaled up for half-precision exports.",
+    )
+
+
+class Recipe(_Section):
+    """A whole post-training run."""
+
+    run: RunConfig = Field(default_factory=RunConfig, description="Name, workspace, seed.")
+    infra: InfraConfig = Field(default_factory=InfraConfig, description="Devices and limits.")
+    ingest: IngestConfig = Field(description="Base checkpoint.")
+    sft: SFTConfig = Field(description="LoRA supervised fine-tuning.")
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation.")
+    export: ExportConfig = Field(default_factory=ExportConfig, description="Merged export.")
+
+    @model_validator(mode="after")
+    def _batch_arithmetic(self) -> Recipe:
+        # With devices_per_node = "auto" the data-parallel size is only known once devices are
+        # probed; `posttrain.config.loader.resolve` checks it then.
+        if isinstance(self.infra.devices_per_node, int):
+            b = self.sft.batch
+            resolve_batch(
+                b.micro_batch_size,
+                b.grad_accum_steps,
+                b.global_batch_size,
+                self.infra.devices_per_node,
+                where="sft.batch",
+            )
+        return self

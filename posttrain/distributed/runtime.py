@@ -1,0 +1,88 @@
+"""Process-group setup shared by every stage: one code path for world size 1 and N.
+
+Under torchrun the usual env vars (RANK, WORLD_SIZE, MASTER_ADDR, ...) are set; a plain
+`python -m posttrain.stages.X` run gets a world of one on a free local port, so FSDP2 and
+DCP run exactly as they do at scale.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device_kind: str, timeout_s: float, threads: int | None = None) -> DistInfo:
+    """Initialise the default process group and a 1-D data-parallel DeviceMesh.
+
+    Backend: NCCL on CUDA, gloo on CPU. `timeout_s` bounds every collective so a rank that
+    diverges fails the stage instead of hanging it.
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+        )
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if device_kind == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        # Share the cores between the ranks on this node instead of oversubscribing them.
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_world))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device_kind == "cuda" else None,
+        )
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    return DistInfo(rank, world, local_rank, device, mesh)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(value: float | int, device: torch.device) -> float:
+    """Sum a Python number over ranks (used for token counts and losses)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item())

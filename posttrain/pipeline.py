@@ -1,0 +1,121 @@
+"""The stage graph and its plan: which stages run, in what order, with which fingerprints.
+
+Light on purpose (no torch import): the orchestration layer plans a run, decides what is cached,
+and launches `python -m <StageDef.module> --spec <spec.json>` for each stage that must run.
+Adding a stage = one `StageDef` here, its recipe section, its module, its test.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posttrain.artifacts import ArtifactRef, fingerprint, path_identity, stage_dir
+from posttrain.config.schema import Recipe
+
+
+@dataclass(frozen=True)
+class StageDef:
+    name: str
+    module: str
+    # Bump when a change to the stage's code should invalidate its cached artifacts.
+    version: str
+    parents: tuple[str, ...]
+    # Distributed stages are launched with torchrun, one process per device.
+    distributed: bool = False
+
+
+STAGES: dict[str, StageDef] = {
+    s.name: s
+    for s in (
+        StageDef("ingest", "posttrain.stages.ingest", "1", ()),
+        StageDef("sft", "posttrain.stages.sft", "1", ("ingest",), distributed=True),
+        StageDef("evaluate", "posttrain.stages.evaluate", "1", ("ingest", "sft")),
+        StageDef("export", "posttrain.stages.export", "1", ("ingest", "sft", "evaluate")),
+    )
+}
+
+
+def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
+    """(recipe-derived inputs, outside-world inputs) that determine a stage's output.
+
+    Only what changes the result goes in: timeouts, workspace and run name do not.
+    """
+    section = getattr(recipe, name).model_dump(mode="json")
+    numerics = {
+        "seed": recipe.run.seed,
+        "precision": recipe.infra.precision,
+        "device": recipe.infra.device,
+    }
+    extra: Any = None
+    if name == "ingest":
+        if recipe.ingest.source == "path":
+            assert recipe.ingest.path
+            extra = {"source": path_identity(recipe.ingest.path)}
+        else:
+            section.pop("path", None)
+    elif name == "sft":
+        numerics["dp_size"] = recipe.infra.devices_per_node
+        data = recipe.sft.data
+        extra = {
+            k: path_identity(v)
+            for k, v in (("path", data.path), ("eval_path", data.eval_path))
+            if v
+        }
+    return {"section": section, **numerics}, extra
+
+
+@dataclass
+class PlannedStage:
+    name: str
+    module: str
+    fingerprint: str
+    out_dir: Path
+    parents: dict[str, str]  # parent stage name -> fingerprint
+    nprocs: int
+    timeout_s: float
+    inputs: dict[str, Any] = field(repr=False, default_factory=dict)
+
+
+def plan(recipe: Recipe) -> list[PlannedStage]:
+    """Fingerprint every stage in order. `recipe` must be resolved (no `auto` left)."""
+    out: list[PlannedStage] = []
+    fps: dict[str, str] = {}
+    for s in STAGES.values():
+        inputs, extra = stage_inputs(recipe, s.name)
+        parents = {p: fps[p] for p in s.parents}
+        fp = fingerprint(s.name, s.version, inputs, list(parents.values()), extra)
+        fps[s.name] = fp
+        nprocs = int(recipe.infra.devices_per_node) if s.distributed else 1
+        out.append(
+            PlannedStage(
+                name=s.name,
+                module=s.module,
+                fingerprint=fp,
+                out_dir=stage_dir(recipe.run.workspace, s.name, fp),
+                parents=parents,
+                nprocs=nprocs,
+                timeout_s=getattr(recipe.infra.timeouts, s.name),
+                inputs=inputs,
+            )
+        )
+    return out
+
+
+def write_spec(stage: PlannedStage, recipe: Recipe, parent_refs: dict[str, ArtifactRef]) -> Path:
+    """Write the JSON a stage process reads (`--spec`): the resolved recipe, its fingerprint, its
+    output folder and its parents' refs. Kept under logs/ so the manifest does not cover it."""
+    spec = {
+        "stage": stage.name,
+        "fingerprint": stage.fingerprint,
+        "out_dir": str(stage.out_dir),
+        "inputs": stage.inputs,
+        "parents": {k: v.model_dump() for k, v in parent_refs.items()},
+        "recipe": recipe.model_dump(mode="json"),
+    }
+    path = stage.out_dir / "logs" / "spec.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(spec, indent=2))
+    return path

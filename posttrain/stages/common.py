@@ -1,0 +1,182 @@
+"""What every stage process shares: read the spec, set up ranks and seeds, run, write the manifest.
+
+A stage module defines `run(ctx) -> summary` and ends with `stage_main("<name>", run)`. It can be
+started three ways:
+  - by the flow:       python -m posttrain.stages.sft --spec <out_dir>/logs/spec.json
+  - by hand, same:     (torchrun --nproc-per-node 2) python -m posttrain.stages.sft --spec ...
+  - from a recipe:     python -m posttrain.stages.sft --recipe recipes/quickstart.yaml [k=v ...]
+                       (its parent stages must already be complete in the workspace)
+Exit code 0 means the manifest was written; anything else means the stage is not done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posttrain.artifacts import ArtifactRef, ref_from_manifest, verify, write_manifest
+from posttrain.config.schema import Recipe
+
+log = logging.getLogger("posttrain")
+
+
+@dataclass
+class StageContext:
+    name: str
+    fingerprint: str
+    out_dir: Path
+    recipe: Recipe
+    parents: dict[str, ArtifactRef]
+    inputs: dict[str, Any]
+    rank: int = 0
+    world_size: int = 1
+    dist: Any = None  # posttrain.distributed.runtime.DistInfo for distributed stages
+    extra_manifest: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def parent_dir(self, name: str) -> Path:
+        return self.parents[name].path
+
+    def parent_manifest(self, name: str) -> dict[str, Any]:
+        return json.loads((self.parent_dir(name) / "manifest.json").read_text())
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _spec_from_recipe(stage: str, recipe_path: str, overrides: list[str]) -> dict[str, Any]:
+    from posttrain.config.loader import load_recipe
+    from posttrain.pipeline import plan, write_spec
+
+    recipe = load_recipe(recipe_path, overrides)
+    planned = {p.name: p for p in plan(recipe)}
+    me = planned[stage]
+    refs = {}
+    for parent in me.parents:
+        folder = planned[parent].out_dir
+        ok, why = verify(folder)
+        if not ok:
+            raise SystemExit(f"parent stage '{parent}' is not complete ({why}); run it first")
+        refs[parent] = ref_from_manifest(folder)
+    return json.loads(write_spec(me, recipe, refs).read_text())
+
+
+def _parse(stage: str, argv: list[str] | None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(prog=f"python -m posttrain.stages.{stage}")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--spec", "--config", dest="spec", help="spec JSON written by the planner")
+    src.add_argument("--recipe", help="recipe YAML; parents must already exist in the workspace")
+    ap.add_argument("overrides", nargs="*", help="key.path=value (with --recipe)")
+    args = ap.parse_args(argv)
+    if args.recipe:
+        return _spec_from_recipe(stage, args.recipe, args.overrides)
+    return json.loads(Path(args.spec).read_text())
+
+
+def stage_main(
+    stage: str,
+    run: Callable[[StageContext], dict[str, Any]],
+    *,
+    distributed: bool = False,
+    argv: list[str] | None = None,
+) -> None:
+    """Entry point of a stage process. Writes the manifest (rank 0) only after `run` returns."""
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stdout,
+        force=True,
+        format="%(asctime)s %(levelname)s [%(name)s] %(message)s",
+    )
+    spec = _parse(stage, argv)
+    recipe = Recipe.model_validate(spec["recipe"])
+    ctx = StageContext(
+        name=stage,
+        fingerprint=spec["fingerprint"],
+        out_dir=Path(spec["out_dir"]),
+        recipe=recipe,
+        parents={k: ArtifactRef.model_validate(v) for k, v in spec["parents"].items()},
+        inputs=spec["inputs"],
+    )
+    ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        if distributed:
+            from posttrain.distributed.runtime import init_distributed
+
+            ctx.dist = init_distributed(
+                recipe.infra.device, recipe.infra.pg_timeout_s, recipe.infra.threads_per_rank
+            )
+            ctx.rank, ctx.world_size = ctx.dist.rank, ctx.dist.world_size
+        elif recipe.infra.threads_per_rank:
+            import torch
+
+            torch.set_num_threads(recipe.infra.threads_per_rank)
+        seed_everything(recipe.run.seed)
+        if ctx.is_main:
+            (ctx.out_dir / "config.json").write_text(
+                json.dumps({"stage": stage, "inputs": ctx.inputs}, indent=2, sort_keys=True)
+            )
+        log.info(
+            "stage %s fingerprint %s -> %s (rank %d/%d)",
+            stage,
+            ctx.fingerprint,
+            ctx.out_dir,
+            ctx.rank,
+            ctx.world_size,
+        )
+        summary = run(ctx)
+        if distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+        if ctx.is_main:
+            ref = write_manifest(
+                ctx.out_dir,
+                stage=stage,
+                fp=ctx.fingerprint,
+                parents=[p.fingerprint for p in ctx.parents.values()],
+                section=ctx.inputs,
+                seed=recipe.run.seed,
+                summary=summary,
+                extra=ctx.extra_manifest,
+            )
+            log.info("stage %s done: %s", stage, json.dumps(summary, default=str)[:2000])
+            print(f"POSTTRAIN_ARTIFACT {ref.model_dump_json()}", flush=True)
+    except BaseException as exc:
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            raise
+        tb = traceback.format_exc()
+        if ctx.is_main:
+            err = ctx.out_dir / "logs" / "error.txt"
+            err.parent.mkdir(parents=True, exist_ok=True)
+            err.write_text(tb)
+        print(tb, file=sys.stderr, flush=True)
+        print(
+            f"POSTTRAIN_ERROR stage {stage} failed: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(1)
+    finally:
+        if distributed:
+            from posttrain.distributed.runtime import shutdown
+
+            shutdown()

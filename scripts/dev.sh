@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine with Python 3.11:
+#   bash scripts/dev.sh quickstart   install everything, run recipes/quickstart.yaml end to end
+#   bash scripts/dev.sh test         install everything, run the whole test suite
+#   bash scripts/dev.sh test-fast    install everything, run the fast tier (about a minute)
+# The virtual environment lives in .venv (override with POSTTRAIN_VENV). Every package version is
+# pinned by constraints.txt; torch==2.13.0 resolves to the CPU build where one is offered, so no
+# multi-GB CUDA stack is pulled on a CPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${POSTTRAIN_VENV:-.venv}"
+py="${PYTHON:-python3.11}"
+command -v "$py" >/dev/null 2>&1 || py=python3
+
+install() {
+  if [ ! -x "$venv/bin/python" ]; then
+    "$py" -m venv "$venv"
+  fi
+  # Installing torch in the same command as everything else, under the constraints, keeps pip
+  # from resolving a newer CUDA build first.
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+    -c constraints.txt -e ".[dev]"
+}
+
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+case "${1:-}" in
+  quickstart)
+    install
+    "$venv/bin/posttrain" run recipes/quickstart.yaml "${@:2}"
+    ;;
+  test | test-fast)
+    install
+    marker=()
+    [ "$1" = test-fast ] && marker=(-m "not slow")
+    set +e
+    "$venv/bin/python" -m pytest "${marker[@]}" "${@:2}"
+    rc=$?
+    set -e
+    # pytest exits 5 when it collected no test: that is a failure here, never a silent pass.
+    if [ "$rc" -eq 5 ]; then
+      echo "ERROR: pytest collected no tests" >&2
+      exit 1
+    fi
+    exit "$rc"
+    ;;
+  *)
+    echo "usage: bash scripts/dev.sh {quickstart|test|test-fast} [extra args]" >&2
+    exit 2
+    ;;
+esac
