@@ -6,6 +6,7 @@ fills the derived batch field, so the recipe written into a run folder says exac
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from pathlib import Path
@@ -49,6 +50,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as exc:
         raise RecipeError([f"{key}: cannot parse value {raw!r}: {exc}"], "overrides") from exc
+    if isinstance(value, str):
+        # YAML 1.1 reads "1e-4" (no dot) as a string; on a command line it means a number.
+        with contextlib.suppress(ValueError):
+            value = float(value) if value.strip().lower() not in ("nan", "inf", "-inf") else value
     return key.split("."), value
 
 

@@ -117,6 +117,12 @@ def stage_main(
     )
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if verify(ctx.out_dir)[0]:
+        # Complete and unaltered: nothing to do (re-running would only append to its files).
+        print(f"POSTTRAIN_ARTIFACT {ref_from_manifest(ctx.out_dir).model_dump_json()}", flush=True)
+        return
+    # A manifest that no longer verifies must not outlive the re-run that replaces it.
+    (ctx.out_dir / "manifest.json").unlink(missing_ok=True)
     try:
         if distributed:
             from posttrain.distributed.runtime import init_distributed
@@ -125,6 +131,8 @@ def stage_main(
                 recipe.infra.device, recipe.infra.pg_timeout_s, recipe.infra.threads_per_rank
             )
             ctx.rank, ctx.world_size = ctx.dist.rank, ctx.dist.world_size
+            if not ctx.is_main:  # one copy of the progress log, not one per rank
+                logging.getLogger().setLevel(logging.WARNING)
         elif recipe.infra.threads_per_rank:
             import torch
 

@@ -1,0 +1,86 @@
+"""SFT data: read or generate rows, split off a held-out set, tokenize with the chat template."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posttrain.config.schema import DataConfig
+from posttrain.data.chat import encode_chat
+from posttrain.data.loading import load_sft_rows
+from posttrain.data.synthetic import quickstart_sft_rows
+
+
+@dataclass
+class SFTData:
+    train_rows: list[dict[str, Any]]
+    eval_rows: list[dict[str, Any]]
+    train: list[dict[str, list[int]]] = field(default_factory=list)  # tokenized
+    eval: list[dict[str, list[int]]] = field(default_factory=list)
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+def read_split(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows) in conversational form. The split is a seeded shuffle, so it is
+    the same in every process and every run with the same seed."""
+    if cfg.synthetic is not None:
+        rows = quickstart_sft_rows(cfg.synthetic.n_examples, cfg.synthetic.seed)
+        rows = [{"messages": r["messages"]} for r in rows]
+    else:
+        assert cfg.path is not None
+        rows = load_sft_rows(cfg.path)
+    if cfg.eval_path:
+        return rows, load_sft_rows(cfg.eval_path)
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    n_eval = max(1, round(len(rows) * cfg.eval_fraction)) if cfg.eval_fraction > 0 else 0
+    if len(rows) - n_eval < 1:
+        raise ValueError(
+            f"sft.data: {len(rows)} rows leave nothing to train on after the "
+            f"held-out split (eval_fraction {cfg.eval_fraction})"
+        )
+    held = set(order[:n_eval])
+    return (
+        [r for i, r in enumerate(rows) if i not in held],
+        [r for i, r in enumerate(rows) if i in held],
+    )
+
+
+def tokenize_rows(
+    rows: list[dict], tokenizer: Any, cfg: DataConfig
+) -> tuple[list[dict[str, list[int]]], dict[str, int]]:
+    out, dropped, truncated = [], 0, 0
+    for r in rows:
+        enc = encode_chat(tokenizer, r["messages"], cfg.max_seq_len, cfg.on_too_long)
+        if enc is None:
+            dropped += 1
+            continue
+        truncated += len(enc["input_ids"]) == cfg.max_seq_len
+        out.append(enc)
+    return out, {"rows": len(rows), "dropped": dropped, "at_max_len": truncated}
+
+
+def prepare(cfg: DataConfig, tokenizer: Any, seed: int) -> SFTData:
+    train_rows, eval_rows = read_split(cfg, seed)
+    data = SFTData(train_rows, eval_rows)
+    data.train, tstats = tokenize_rows(train_rows, tokenizer, cfg)
+    data.eval, estats = tokenize_rows(eval_rows, tokenizer, cfg)
+    if not data.train:
+        raise ValueError(
+            "sft.data: no training row survived tokenization (all too long or "
+            "without assistant tokens); raise sft.data.max_seq_len"
+        )
+    data.stats = {f"train_{k}": v for k, v in tstats.items()} | {
+        f"eval_{k}": v for k, v in estats.items()
+    }
+    return data
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")

@@ -1,0 +1,43 @@
+"""FSDP2 sharding, applied in one place for every model of every stage.
+
+Order (as in torchtitan): shard each decoder block, then the root. Trainable and frozen models go
+through the same function; frozen ones simply get no optimizer. World size 1 takes this path too,
+so single-device runs exercise the same DTensor code as multi-device ones.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from posttrain.models.loading import DTYPES
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks, found by the class names transformers marks as not splittable."""
+    # Works through peft wrappers: any transformers model inside declares its block classes.
+    names: set[str] = set()
+    for m in model.modules():
+        names |= set(getattr(m, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(
+            f"no decoder blocks found in {type(model).__name__} "
+            f"(looked for {sorted(names) or 'transformers _no_split_modules'})"
+        )
+    return blocks
+
+
+def shard_model(
+    model: nn.Module, mesh: DeviceMesh, precision: str, reshard_after_forward: bool = True
+) -> nn.Module:
+    """Apply `fully_shard` per decoder block, then to the root. Parameters stay fp32 (master
+    weights); with bf16/fp16 the policy casts them for compute and reduces gradients in fp32."""
+    param_dtype = DTYPES[precision] if precision in ("bf16", "fp16") else None
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in decoder_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return model

@@ -1,0 +1,73 @@
+"""Build a small model and tokenizer offline: the `from_config` ingest mode, quickstart and tests.
+
+No model hub is reachable, so the tokenizer is a byte-level BPE trained on text we generate, and
+the model is a transformers architecture built from a config with random weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from posttrain.config.schema import FromConfigModel
+
+IM_START, IM_END, PAD, EOT = "<|im_start|>", "<|im_end|>", "<|pad|>", "<|endoftext|>"
+SPECIAL_TOKENS = [PAD, EOT, IM_START, IM_END]
+
+# ChatML layout. `<|im_end|>` closes every turn and is the EOS a generation stops at; the template
+# adds no BOS, so there is no double-BOS when text is tokenized without special tokens.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def train_tokenizer(corpus: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE (every byte representable, so no unknown tokens) with ChatML specials."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=PAD,
+        unk_token=None,
+        additional_special_tokens=[IM_START, EOT],
+        model_max_length=1 << 20,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def build_model(cfg: FromConfigModel, tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
+    """Random-init causal LM of the configured family, sized to the tokenizer's vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
+    if cfg.architecture == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common))
+    return Qwen2ForCausalLM(Qwen2Config(**common))

@@ -1,0 +1,217 @@
+"""ingest: admit a base checkpoint into the pipeline, or build one from a config.
+
+`path` mode checks a local Hugging Face folder before anything trains on it: safetensors only
+(pickle refused unless allowed), no custom code unless allowed, readable weight headers, a chat
+template that renders prefixes consistently (installed from the recipe when missing), and it
+hashes every file. The weights are not copied: the artifact records where they are and their
+hashes; the tokenizer (with the template that will be used everywhere downstream) is saved into
+the artifact.
+
+`from_config` mode trains a byte-level BPE on the synthetic corpus, builds a random-init model
+and optionally warms it up with a short causal-LM run, so LoRA has a base worth adapting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.artifacts import sha256_file
+from posttrain.config.schema import FromConfigModel, IngestConfig
+from posttrain.data.chat import assistant_char_spans
+from posttrain.data.synthetic import pretrain_corpus, quickstart_sft_rows
+from posttrain.stages.common import StageContext, stage_main
+
+log = logging.getLogger("posttrain.ingest")
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+SAMPLE_CHAT = [
+    {"role": "system", "content": "s"},
+    {"role": "user", "content": "hello"},
+    {"role": "assistant", "content": "hi"},
+    {"role": "user", "content": "again"},
+    {"role": "assistant", "content": "yes"},
+]
+
+
+class IngestError(ValueError):
+    pass
+
+
+def check_weights(folder: Path, allow_pickle: bool) -> tuple[list[Path], int, str]:
+    """Weight files, parameter count and dtype(s) read from safetensors headers (no tensors
+    loaded). Refuses pickle weights unless allowed; names the file whose header is unreadable."""
+    from safetensors import safe_open
+
+    pickles = sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    safes = sorted(folder.glob("*.safetensors"))
+    if pickles and not allow_pickle:
+        raise IngestError(
+            f"{folder}: pickle weight files {[p.name for p in pickles]} refused: loading pickle "
+            "can run arbitrary code. Convert them to safetensors, or set ingest.allow_pickle: true"
+        )
+    if not safes:
+        raise IngestError(f"{folder}: no *.safetensors weight files found")
+    n_params, dtypes = 0, set()
+    for f in safes:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    sl = st.get_slice(key)
+                    n_params += math.prod(sl.get_shape())
+                    dtypes.add(str(sl.get_dtype()))
+        except Exception as exc:  # a truncated or corrupted file fails here
+            raise IngestError(f"{f}: unreadable safetensors file ({exc})") from exc
+    return safes, n_params, ",".join(sorted(dtypes))
+
+
+def install_template(tokenizer: Any, cfg: IngestConfig) -> None:
+    """Use the recipe's template if given, else the tokenizer's own; fail if neither works."""
+    from posttrain.data.chat import TemplateError
+
+    if cfg.chat_template:
+        tokenizer.chat_template = cfg.chat_template
+    if not tokenizer.chat_template:
+        raise IngestError("the tokenizer has no chat template; set ingest.chat_template")
+    try:
+        assistant_char_spans(tokenizer, SAMPLE_CHAT)
+    except TemplateError as exc:
+        raise IngestError(str(exc)) from exc
+    except Exception as exc:
+        raise IngestError(
+            f"the chat template does not render a sample conversation: {exc}"
+        ) from exc
+
+
+def ingest_path(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    from posttrain.models.loading import load_tokenizer
+
+    src = Path(cfg.path or "")
+    if not (src / "config.json").is_file():
+        raise IngestError(f"{src}: not a Hugging Face model folder (no config.json)")
+    config_json = json.loads((src / "config.json").read_text())
+    if config_json.get("auto_map") and not cfg.trust_remote_code:
+        raise IngestError(
+            f"{src}: config.json needs custom code (auto_map); refused unless "
+            "ingest.trust_remote_code: true"
+        )
+    _, n_params, dtype = check_weights(src, cfg.allow_pickle)
+    config = AutoConfig.from_pretrained(str(src), trust_remote_code=cfg.trust_remote_code)
+    tok = load_tokenizer(src)
+    install_template(tok, cfg)
+    tok.save_pretrained(str(ctx.out_dir / "tokenizer"))
+    files = {str(p.relative_to(src)): sha256_file(p) for p in sorted(src.rglob("*")) if p.is_file()}
+    return {
+        "model_dir": str(src),
+        "architecture": (config.architectures or [config.model_type])[0],
+        "model_type": config.model_type,
+        "num_params": n_params,
+        "dtype": dtype,
+        "vocab_size": len(tok),
+        "source_files": files,
+        "trust_remote_code": cfg.trust_remote_code,
+    }
+
+
+def warm_up(
+    model: torch.nn.Module,
+    tok: Any,
+    cfg: FromConfigModel,
+    docs: list[str],
+    seed: int,
+) -> dict[str, float]:
+    """Short full-parameter causal-LM training on plain text (documents joined by EOS)."""
+    ids: list[int] = []
+    for d in docs:
+        ids += tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    seqs = torch.tensor(ids[: len(ids) // cfg.pretrain_seq_len * cfg.pretrain_seq_len])
+    seqs = seqs.view(-1, cfg.pretrain_seq_len)  # [N, S]
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.pretrain_lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / cfg.pretrain_steps)),
+    )
+    model.train()
+    losses = []
+    t0 = time.perf_counter()
+    for step in range(cfg.pretrain_steps):
+        batch = seqs[torch.randint(len(seqs), (cfg.pretrain_batch_size,), generator=g)]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if step % 25 == 0 or step == cfg.pretrain_steps - 1:
+            log.info("warm-up step %d/%d loss %.4f", step + 1, cfg.pretrain_steps, losses[-1])
+    model.eval()
+    return {
+        "warmup_first_loss": losses[0],
+        "warmup_final_loss": sum(losses[-10:]) / len(losses[-10:]),
+        "warmup_seconds": time.perf_counter() - t0,
+    }
+
+
+def ingest_from_config(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
+    from posttrain.models.tiny import build_model, train_tokenizer
+
+    fc = cfg.from_config
+    seed = ctx.recipe.run.seed
+    docs = pretrain_corpus(fc.corpus_examples, seed)
+    chats = [r["messages"] for r in quickstart_sft_rows(fc.corpus_examples // 2, seed + 1)]
+    corpus = docs + [m["content"] for c in chats for m in c]
+    tok = train_tokenizer(corpus, fc.vocab_size)
+    install_template(tok, cfg)
+    torch.manual_seed(seed)
+    model = build_model(fc, tok)
+    summary: dict[str, Any] = {}
+    if fc.pretrain_steps:
+        summary.update(warm_up(model, tok, fc, docs, seed))
+    model_dir = ctx.out_dir / "model"
+    model.save_pretrained(str(model_dir), safe_serialization=True)
+    tok.save_pretrained(str(ctx.out_dir / "tokenizer"))
+    return {
+        "model_dir": str(model_dir),
+        "architecture": type(model).__name__,
+        "model_type": model.config.model_type,
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "dtype": "float32",
+        "vocab_size": len(tok),
+        "trust_remote_code": False,
+        **summary,
+    }
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    cfg = ctx.recipe.ingest
+    info = ingest_path(ctx, cfg) if cfg.source == "path" else ingest_from_config(ctx, cfg)
+    template = ctx.out_dir / "tokenizer" / "chat_template.jinja"
+    tpl_text = template.read_text() if template.exists() else ""
+    info["chat_template_sha256"] = hashlib.sha256(tpl_text.encode()).hexdigest()
+    ctx.extra_manifest["chat_template"] = tpl_text
+    headline = {"params": info["num_params"], "architecture": info["architecture"]}
+    if "warmup_final_loss" in info:
+        headline["warmup_loss"] = round(info["warmup_final_loss"], 4)
+    info["headline"] = headline
+    log.info(
+        "ingested %s (%s params, %s)",
+        info["architecture"],
+        f"{info['num_params']:,}",
+        info["dtype"],
+    )
+    return info
+
+
+if __name__ == "__main__":
+    stage_main("ingest", run)

@@ -1,0 +1,160 @@
+"""Recipe schema, overrides, batch arithmetic and resolution."""
+
+from pathlib import Path
+
+import pytest
+
+from posttrain.config.batch import resolve_batch
+from posttrain.config.loader import RecipeError, apply_overrides, load_recipe, validate_recipe
+
+RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").glob("*.yaml"))
+MINIMAL = {"ingest": {"source": "from_config"}, "sft": {"data": {"synthetic": {}}}}
+
+
+def errors_of(data: dict) -> list[str]:
+    with pytest.raises(RecipeError) as exc:
+        validate_recipe(data)
+    return exc.value.errors
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_every_shipped_recipe_validates(path: Path) -> None:
+    recipe = load_recipe(path)
+    assert recipe.infra.precision in ("fp32", "bf16")
+    assert Path(recipe.run.workspace).is_absolute()
+    assert path.read_text().startswith("#"), "recipe needs a header saying how to run it"
+
+
+def test_shipped_recipes_exist() -> None:
+    assert any(p.name == "quickstart.yaml" for p in RECIPES)
+
+
+def test_error_names_the_field() -> None:
+    errs = errors_of(apply_overrides(MINIMAL, ["sft.optim.lr=0"]))
+    assert errs == ["sft.optim.lr: Input should be greater than 0"]
+
+
+def test_unknown_key_is_named() -> None:
+    errs = errors_of(apply_overrides(MINIMAL, ["sft.optim.learning_rate=1e-4"]))
+    assert errs[0].startswith("sft.optim.learning_rate: unknown field")
+
+
+def test_every_error_is_reported_at_once() -> None:
+    errs = errors_of(apply_overrides(MINIMAL, ["sft.optim.lr=-1", "sft.lora.r=0", "run.seed=x"]))
+    fields = sorted(e.split(":")[0] for e in errs)
+    assert fields == ["run.seed", "sft.lora.r", "sft.optim.lr"]
+
+
+def test_missing_section() -> None:
+    assert errors_of({"ingest": {"source": "from_config"}}) == ["sft: required field is missing"]
+
+
+def test_wrong_type_in_list_field() -> None:
+    errs = errors_of(apply_overrides(MINIMAL, ["evaluate.sampling=[{strategy: greedy}]"]))
+    assert errs == ["evaluate.sampling.0.name: required field is missing"]
+
+
+def test_fp16_without_loss_scaling_refused() -> None:
+    errs = errors_of(apply_overrides(MINIMAL, ["infra.precision=fp16"]))
+    assert "loss scaling" in errs[0] and errs[0].startswith("infra:")
+    validate_recipe(apply_overrides(MINIMAL, ["infra.precision=fp16", "infra.loss_scaling=true"]))
+
+
+def test_half_precision_on_cpu_refused(tmp_path: Path) -> None:
+    import yaml
+
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(MINIMAL))
+    with pytest.raises(RecipeError, match="infra.precision: bf16 on CPU"):
+        load_recipe(p, ["infra.device=cpu", "infra.precision=bf16"])
+    assert load_recipe(p, ["infra.device=cpu"]).infra.precision == "fp32"
+
+
+def test_ingest_path_required() -> None:
+    errs = errors_of({"ingest": {"source": "path"}, "sft": {"data": {"synthetic": {}}}})
+    assert "ingest.path" in errs[0]
+
+
+def test_data_needs_exactly_one_source() -> None:
+    errs = errors_of({"ingest": {"source": "from_config"}, "sft": {"data": {}}})
+    assert errs == ["sft.data: give exactly one of data.path or data.synthetic"]
+
+
+def test_overrides_parse_yaml_values() -> None:
+    out = apply_overrides(
+        MINIMAL,
+        [
+            "sft.optim.lr=1e-4",
+            "sft.packing=true",
+            "run.name=abc",
+            "sft.lora.target_modules=[q_proj, v_proj]",
+        ],
+    )
+    assert out["sft"]["optim"]["lr"] == 1e-4 and out["sft"]["packing"] is True
+    assert out["sft"]["lora"]["target_modules"] == ["q_proj", "v_proj"]
+    assert "optim" not in MINIMAL["sft"], "overrides must not mutate the input"
+
+
+@pytest.mark.parametrize("bad", ["novalue", "=3", "a..b=1"])
+def test_malformed_override(bad: str) -> None:
+    with pytest.raises(RecipeError, match="expected key.path=value"):
+        apply_overrides(MINIMAL, [bad])
+
+
+def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
+    p = tmp_path / "broken.yaml"
+    p.write_text("run: [unclosed\n")
+    with pytest.raises(RecipeError, match="broken.yaml: not valid YAML"):
+        load_recipe(p)
+    with pytest.raises(RecipeError, match="no such recipe file"):
+        load_recipe(tmp_path / "missing.yaml")
+
+
+# --- batch arithmetic -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("micro", "accum", "glob", "dp", "expect"),
+    [
+        (4, 2, None, 2, (4, 2, 16)),
+        (4, None, 16, 2, (4, 2, 16)),
+        (None, 2, 16, 2, (4, 2, 16)),
+        (4, 2, 16, 2, (4, 2, 16)),
+        (8, 1, None, 1, (8, 1, 8)),
+    ],
+)
+def test_batch_two_of_three(micro, accum, glob, dp, expect) -> None:
+    b = resolve_batch(micro, accum, glob, dp)
+    assert (b.micro_batch_size, b.grad_accum_steps, b.global_batch_size) == expect
+
+
+def test_batch_inconsistent_triple_names_numbers() -> None:
+    with pytest.raises(ValueError) as exc:
+        resolve_batch(4, 2, 20, 2, where="sft.batch")
+    assert str(exc.value) == (
+        "sft.batch: micro_batch_size 4 x grad_accum_steps 2 x "
+        "data-parallel size 2 = 16, but global_batch_size is 20"
+    )
+
+
+def test_batch_not_divisible() -> None:
+    with pytest.raises(ValueError, match="not divisible by grad_accum_steps 3"):
+        resolve_batch(None, 3, 16, 2)
+    with pytest.raises(ValueError, match="at least two"):
+        resolve_batch(4, None, None, 1)
+
+
+def test_recipe_checks_batch_against_devices() -> None:
+    errs = errors_of(
+        apply_overrides(
+            MINIMAL,
+            [
+                "infra.devices_per_node=2",
+                "sft.batch={micro_batch_size: 4, grad_accum_steps: 1, global_batch_size: 4}",
+            ],
+        )
+    )
+    assert errs == [
+        "sft.batch: micro_batch_size 4 x grad_accum_steps 1 x data-parallel size 2 = 8, "
+        "but global_batch_size is 4"
+    ]
