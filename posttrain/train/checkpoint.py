@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 # Frozen base weights are reloaded from the ingest artifact; only what training changes is saved.
 _OPTS = StateDictOptions(ignore_frozen_params=True)
+# Loading such a partial state dict must not demand the frozen keys.
+_LOAD_OPTS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def _rank() -> int:
@@ -101,8 +103,8 @@ def load_checkpoint(
         "optim": get_optimizer_state_dict(model, optim, options=_OPTS),
     }
     dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"], options=_OPTS)
-    set_optimizer_state_dict(model, optim, state["optim"], options=_OPTS)
+    set_model_state_dict(model, state["model"], options=_LOAD_OPTS)
+    set_optimizer_state_dict(model, optim, state["optim"], options=_LOAD_OPTS)
     meta = json.loads((path / "meta.json").read_text())
     scheduler.load_state_dict(meta["scheduler"])
     random.setstate(_tuplify(meta["python_rng"]))

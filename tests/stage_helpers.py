@@ -1,0 +1,102 @@
+"""Run real stages on a tiny recipe, in-process (world size 1) or under torchrun."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from posttrain.config.loader import load_recipe
+from posttrain.pipeline import STAGES, plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY = {
+    "run": {"name": "tiny", "seed": 0},
+    "infra": {"device": "cpu", "devices_per_node": 1},
+    "ingest": {
+        "source": "from_config",
+        "from_config": {
+            "hidden_size": 64,
+            "num_layers": 2,
+            "num_heads": 4,
+            "intermediate_size": 128,
+            "vocab_size": 512,
+            "max_position_embeddings": 128,
+            "pretrain_steps": 100,
+            "pretrain_batch_size": 8,
+            "pretrain_seq_len": 64,
+            "corpus_examples": 400,
+        },
+    },
+    "sft": {
+        "data": {"synthetic": {"n_examples": 240}, "eval_fraction": 0.1, "max_seq_len": 64},
+        "lora": {"r": 8, "alpha": 16},
+        "optim": {"lr": 1e-2, "warmup_steps": 2},
+        "batch": {"micro_batch_size": 8, "grad_accum_steps": 1},
+        "max_steps": 16,
+        "checkpoint_every": 0,
+    },
+    "evaluate": {
+        "max_eval_rows": 24,
+        "num_prompts": 2,
+        "inference_prompt_tokens": 16,
+        "inference_new_tokens": 8,
+        "inference_repeats": 1,
+        "sampling": [
+            {"name": "greedy", "strategy": "greedy", "max_new_tokens": 12},
+            {"name": "sample", "strategy": "sample", "top_k": 10, "max_new_tokens": 12},
+        ],
+    },
+}
+
+
+def write_recipe(folder: Path, data: dict | None = None) -> Path:
+    data = yaml.safe_load(yaml.safe_dump(data or TINY))
+    data["run"]["workspace"] = str(folder / "ws")
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def run_inprocess(stage: str, recipe: Path, *overrides: str) -> Path:
+    """Run one stage through its real entry point in this process; returns its output folder."""
+    from posttrain.stages.common import stage_main
+
+    module = importlib.import_module(STAGES[stage].module)
+    stage_main(
+        stage,
+        module.run,
+        distributed=STAGES[stage].distributed,
+        argv=["--recipe", str(recipe), *overrides],
+    )
+    return planned_dir(stage, recipe, *overrides)
+
+
+def planned_dir(stage: str, recipe: Path, *overrides: str) -> Path:
+    return next(s.out_dir for s in plan(load_recipe(recipe, list(overrides))) if s.name == stage)
+
+
+def run_torchrun(
+    stage: str, recipe: Path, nproc: int, *overrides: str, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        STAGES[stage].module,
+        "--recipe",
+        str(recipe),
+        *overrides,
+    ]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
