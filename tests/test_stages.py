@@ -133,3 +133,58 @@ def test_two_rank_fsdp_matches_one_rank(tiny) -> None:
     # differ only by the schedule length (4 vs 12 steps), so compare the first two.
     for a, b in zip(one[:2], two[:2], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-4)
+
+
+def _path_recipe(tmp_path: Path, model_dir: Path, *extra: str) -> tuple[Path, list[str]]:
+    recipe = write_recipe(tmp_path)
+    return recipe, ["ingest.source=path", f"ingest.path={model_dir}", *extra]
+
+
+def _hf_folder(tiny, tmp_path: Path) -> Path:
+    folder = tmp_path / "base"
+    shutil.copytree(tiny["ingest"] / "model", folder)
+    for f in (tiny["ingest"] / "tokenizer").iterdir():
+        shutil.copy(f, folder / f.name)
+    return folder
+
+
+def test_ingest_path_admits_a_hf_folder(tiny, tmp_path: Path) -> None:
+    folder = _hf_folder(tiny, tmp_path)
+    recipe, over = _path_recipe(tmp_path, folder)
+    out = run_inprocess("ingest", recipe, *over)
+    s = json.loads((out / "manifest.json").read_text())["summary"]
+    assert s["model_dir"] == str(folder) and s["num_params"] > 50_000
+    assert set(s["source_files"]) >= {"model.safetensors", "config.json", "tokenizer.json"}
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("pickle", "pickle weight files ['pytorch_model.bin'] refused"),
+        ("remote_code", "needs custom code (auto_map)"),
+        ("truncated", "model.safetensors: unreadable safetensors file"),
+        ("no_template", "has no chat template; set ingest.chat_template"),
+    ],
+)
+def test_ingest_refuses_unsafe_or_broken_folders(tiny, tmp_path: Path, damage, message) -> None:
+    folder = _hf_folder(tiny, tmp_path)
+    if damage == "pickle":
+        torch.save({"w": torch.zeros(1)}, folder / "pytorch_model.bin")
+    elif damage == "remote_code":
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.Model"}
+        (folder / "config.json").write_text(json.dumps(cfg))
+    elif damage == "truncated":
+        data = (folder / "model.safetensors").read_bytes()
+        (folder / "model.safetensors").write_bytes(data[: len(data) // 3])
+    else:
+        (folder / "chat_template.jinja").unlink()
+        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        cfg.pop("chat_template", None)
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    recipe, over = _path_recipe(tmp_path, folder)
+    with pytest.raises(SystemExit):
+        run_inprocess("ingest", recipe, *over)
+    err = (planned_dir("ingest", recipe, *over) / "logs" / "error.txt").read_text()
+    assert message in err
+    assert not (planned_dir("ingest", recipe, *over) / "manifest.json").exists()
