@@ -1,0 +1,141 @@
+"""evaluate: how much did SFT help, what does the model say, and how fast does it answer?
+
+- Held-out loss and perplexity of the base and of base+adapter on the rows SFT held out (the
+  same model object: the adapter is disabled for the base, so both see identical weights).
+- Exact match of greedy answers against the held-out references, base vs tuned.
+- Generations from held-out prompts under every sampling setting of the recipe (samples.jsonl).
+- Inference figures of the merged tuned model (what export ships): time to first token, time
+  per output token and tokens/s, with the KV cache on and off.
+Runs as one process on one device: evaluation of a model that needs sharding is future work.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from typing import Any
+
+import torch
+
+from posttrain.data.batching import pad_batch
+from posttrain.data.chat import prompt_text
+from posttrain.data.sft_data import tokenize_rows, write_rows
+from posttrain.eval.generation import generate
+from posttrain.eval.heldout import heldout_loss
+from posttrain.eval.inference import compare_cache_modes
+from posttrain.models.loading import load_base
+from posttrain.stages.common import StageContext, stage_main
+
+log = logging.getLogger("posttrain.evaluate")
+
+
+def _batches(examples: list[dict], pad_id: int, size: int):
+    for i in range(0, len(examples), size):
+        yield pad_batch(examples[i : i + size], pad_id)
+
+
+def _inference_prompt(tok: Any, prompts: list[str], n_tokens: int) -> torch.Tensor:
+    """[1, n_tokens] prompt ids cut from real held-out prompts (repeated if they are short)."""
+    ids: list[int] = []
+    while len(ids) < n_tokens:
+        for p in prompts:
+            ids += tok(p, add_special_tokens=False)["input_ids"]
+    return torch.tensor([ids[:n_tokens]])
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    from peft import PeftModel
+
+    cfg = ctx.recipe.evaluate
+    seed = ctx.recipe.run.seed
+    device = torch.device("cuda" if ctx.recipe.infra.device == "cuda" else "cpu")
+    base, tok = load_base(ctx.parent_dir("ingest"), ctx.parent_manifest("ingest"))
+    sft_dir = ctx.parent_dir("sft")
+    model = PeftModel.from_pretrained(base, str(sft_dir / "adapter")).to(device).eval()
+
+    rows = [json.loads(x) for x in (sft_dir / "data" / "eval.jsonl").read_text().splitlines()]
+    rows = rows[: cfg.max_eval_rows]
+    examples, _ = tokenize_rows(rows, tok, ctx.recipe.sft.data)
+    with model.disable_adapter():
+        base_scores = heldout_loss(
+            model, _batches(examples, tok.pad_token_id, cfg.batch_size), device
+        )
+    tuned_scores = heldout_loss(model, _batches(examples, tok.pad_token_id, cfg.batch_size), device)
+    log.info(
+        "held-out loss: base %.4f -> tuned %.4f (perplexity %.2f -> %.2f)",
+        base_scores["loss"],
+        tuned_scores["loss"],
+        base_scores["perplexity"],
+        tuned_scores["perplexity"],
+    )
+
+    prompts, refs = zip(*(prompt_text(tok, r["messages"]) for r in rows), strict=True)
+    n = min(cfg.num_prompts, len(prompts))
+    samples: list[dict[str, Any]] = []
+    exact: dict[str, float] = {}
+    greedy = next((s for s in cfg.sampling if s.strategy == "greedy"), None)
+    if greedy is not None:
+        with model.disable_adapter():
+            base_out = generate(model, tok, list(prompts), greedy, seed, cfg.batch_size)
+        tuned_out = generate(model, tok, list(prompts), greedy, seed, cfg.batch_size)
+        exact = {
+            "base": sum(o.strip() == r.strip() for o, r in zip(base_out, refs, strict=True))
+            / len(refs),
+            "tuned": sum(o.strip() == r.strip() for o, r in zip(tuned_out, refs, strict=True))
+            / len(refs),
+        }
+        log.info(
+            "greedy exact match on %d held-out prompts: base %.3f -> tuned %.3f",
+            len(refs),
+            exact["base"],
+            exact["tuned"],
+        )
+        samples += [
+            {"sampling": f"base/{greedy.name}", "prompt": p, "reference": r, "output": o}
+            for p, r, o in zip(prompts[:n], refs[:n], base_out[:n], strict=True)
+        ]
+    for s in cfg.sampling:
+        outs = generate(model, tok, list(prompts[:n]), s, seed, cfg.batch_size)
+        samples += [
+            {"sampling": s.name, "prompt": p, "reference": r, "output": o}
+            for p, r, o in zip(prompts[:n], refs[:n], outs, strict=True)
+        ]
+    write_rows(ctx.out_dir / "samples.jsonl", samples)
+
+    merged = copy.deepcopy(model).merge_and_unload().eval()
+    ids = _inference_prompt(tok, list(prompts), cfg.inference_prompt_tokens).to(device)
+    inference = compare_cache_modes(merged, ids, cfg.inference_new_tokens, cfg.inference_repeats)
+    for mode in ("cache", "no_cache"):
+        inference[mode].pop("token_ids", None)
+    log.info(
+        "inference (merged, %d prompt + %d new tokens): cache %.1f tok/s, TTFT %.1f ms, "
+        "TPOT %.1f ms; no cache %.1f tok/s",
+        cfg.inference_prompt_tokens,
+        cfg.inference_new_tokens,
+        inference["cache"]["tokens_per_s"],
+        1e3 * inference["cache"]["ttft_s"],
+        1e3 * (inference["cache"]["tpot_s"] or 0),
+        inference["no_cache"]["tokens_per_s"],
+    )
+
+    report = {
+        "heldout": {"base": base_scores, "tuned": tuned_scores, "rows": len(examples)},
+        "exact_match": exact,
+        "inference": inference,
+        "samples": len(samples),
+    }
+    (ctx.out_dir / "eval.json").write_text(json.dumps(report, indent=2))
+    headline = {
+        "base_loss": base_scores["loss"],
+        "tuned_loss": tuned_scores["loss"],
+        "tuned_ppl": tuned_scores["perplexity"],
+    }
+    if exact:
+        headline |= {"exact_match_base": exact["base"], "exact_match_tuned": exact["tuned"]}
+    headline["decode_tok/s"] = inference["cache"]["tokens_per_s"]
+    return {**report, "headline": {k: round(v, 4) for k, v in headline.items()}}
+
+
+if __name__ == "__main__":
+    stage_main("evaluate", run)

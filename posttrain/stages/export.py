@@ -1,0 +1,130 @@
+"""export: merge the LoRA adapter into the base, save a plain transformers checkpoint, prove it.
+
+Writes model/ (safetensors, tokenizer with the pipeline's chat template, README.md model card with
+the whole lineage and file hashes) and verification.json. The stage fails, and so leaves no
+manifest, when the export reloads differently from base+adapter or is identical to the base.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import torch
+
+from posttrain.artifacts import sha256_file
+from posttrain.data.chat import encode_chat
+from posttrain.export.merge import merge_adapter, save_export
+from posttrain.export.model_card import model_card
+from posttrain.export.verify import verify_export
+from posttrain.models.loading import DTYPES, load_tokenizer
+from posttrain.stages.common import StageContext, stage_main
+
+log = logging.getLogger("posttrain.export")
+
+
+def base_dtype(ingest_summary: dict[str, Any]) -> str:
+    """The base checkpoint's stored precision as a recipe precision name."""
+    stored = str(ingest_summary.get("dtype", "")).lower()
+    if "bf16" in stored or "bfloat16" in stored:
+        return "bf16"
+    if "f16" in stored.replace("bf16", "") or "float16" in stored:
+        return "fp16"
+    return "fp32"
+
+
+def _verify_inputs(ctx: StageContext, tok: Any, n_rows: int = 4) -> torch.Tensor:
+    """[n, T] token ids from held-out rows, cut to a common length (no padding to mask)."""
+    lines = (ctx.parent_dir("sft") / "data" / "eval.jsonl").read_text().splitlines()[:n_rows]
+    seqs = [encode_chat(tok, json.loads(x)["messages"], 512) for x in lines]
+    ids = [s["input_ids"] for s in seqs if s]
+    width = min(len(i) for i in ids)
+    return torch.tensor([i[:width] for i in ids])
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    cfg = ctx.recipe.export
+    ingest = ctx.parent_manifest("ingest")
+    base_dir = ingest["summary"]["model_dir"]
+    adapter_dir = ctx.parent_dir("sft") / "adapter"
+    dtype_name = base_dtype(ingest["summary"]) if cfg.dtype == "auto" else cfg.dtype
+    trust = bool(ingest["summary"].get("trust_remote_code", False))
+
+    tok = load_tokenizer(ctx.parent_dir("ingest") / "tokenizer")
+    merged = merge_adapter(base_dir, adapter_dir, DTYPES[dtype_name], trust_remote_code=trust)
+    out = ctx.out_dir / "model"
+    save_export(merged, tok, out)
+    del merged
+    report = verify_export(
+        out,
+        base_dir,
+        adapter_dir,
+        _verify_inputs(ctx, tok),
+        cfg.logits_atol,
+        trust_remote_code=trust,
+    )
+    (ctx.out_dir / "verification.json").write_text(json.dumps(report, indent=2, default=str))
+    log.info(
+        "export verified: max |logit diff| vs base+adapter %.2e (allowed %.2e); "
+        "max |weight diff| vs base %.3e",
+        report["max_abs_logit_diff"],
+        report["atol_effective"],
+        report["max_abs_weight_diff_vs_base"],
+    )
+
+    # The card is written last in model/ and lists the hashes of every other file there.
+    files = {str(p.relative_to(out)): sha256_file(p) for p in sorted(out.rglob("*")) if p.is_file()}
+    lineage = [
+        {"stage": name, "fingerprint": ref.fingerprint, "parents": ref.parents}
+        for name, ref in ctx.parents.items()
+    ]
+    lineage.append(
+        {
+            "stage": "export",
+            "fingerprint": ctx.fingerprint,
+            "parents": [r.fingerprint for r in ctx.parents.values()],
+        }
+    )
+    ev = ctx.parent_manifest("evaluate")["summary"]
+    sft = ctx.parent_manifest("sft")["summary"]
+    metrics = {
+        "sft": {
+            "eval_loss_start": sft["eval_loss_start"],
+            "eval_loss_final": sft["eval_loss_final"],
+            "steps": sft["total_steps"],
+        },
+        "evaluate": ev.get("headline", {}),
+        "export_verification": {
+            k: report[k]
+            for k in ("max_abs_logit_diff", "atol_effective", "max_abs_weight_diff_vs_base")
+        },
+    }
+    base_info = {
+        "name": ingest["summary"]["architecture"],
+        "source": base_dir,
+        "params": ingest["summary"]["num_params"],
+        "fingerprint": ctx.parents["ingest"].fingerprint,
+    }
+    sections = {
+        s: getattr(ctx.recipe, s).model_dump(mode="json") for s in ("ingest", "sft", "export")
+    }
+    (out / "README.md").write_text(
+        model_card(ctx.recipe.run.name, base_info, lineage, files, metrics, sections)
+    )
+    headline = {
+        "dtype": dtype_name,
+        "logit_diff": report["max_abs_logit_diff"],
+        "weight_delta": report["max_abs_weight_diff_vs_base"],
+    }
+    return {
+        "export_dir": str(out),
+        "dtype": dtype_name,
+        "verification": report,
+        "files": files,
+        "headline": headline,
+    }
+
+
+if __name__ == "__main__":
+    stage_main("export", run)
