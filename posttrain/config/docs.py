@@ -1,0 +1,130 @@
+"""Generate docs/recipes.md from the recipe schema, so the reference cannot drift from the code.
+
+    python -m posttrain.config.docs > docs/recipes.md
+(tests/test_docs.py fails when the committed file differs from this output.)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, get_args, get_origin
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from posttrain.config.schema import Recipe
+
+INTRO = """# Recipe reference
+
+A recipe is one YAML file that describes a whole run. Every key below is checked when the recipe
+is loaded (`posttrain validate RECIPE`), before any work starts; an unknown key, a wrong type or
+an out-of-range value is an error that names its field (`sft.optim.lr: Input should be greater
+than 0`). Any key can be overridden on the command line as `key.path=value`, for example
+`posttrain run recipes/quickstart.yaml sft.optim.lr=5e-4 sft.max_steps=100`; values are parsed
+as YAML (`true`, `[q_proj, v_proj]`, `{micro_batch_size: 4}`).
+
+The same schema is the form of the Prefect UI and the parameters of deployments.
+
+Generated from `posttrain/config/schema.py` by `python -m posttrain.config.docs`; do not edit.
+"""
+
+
+def _type_name(annotation: Any) -> str:
+    origin = get_origin(annotation)
+    if origin is None:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            return "section"
+        return getattr(annotation, "__name__", str(annotation))
+    args = get_args(annotation)
+    if str(origin) == "typing.Literal":
+        return " \\| ".join(f"`{a}`" for a in args)
+    if origin is list:
+        return f"list of {_type_name(args[0])}"
+    if origin is tuple:
+        return "[" + ", ".join(_type_name(a) for a in args) + "]"
+    return " \\| ".join(_type_name(a) for a in args if a is not type(None)) + (
+        " \\| null" if type(None) in args else ""
+    )
+
+
+def _default(field: FieldInfo) -> str:
+    if field.default_factory is not None:
+        value = field.default_factory()
+        if isinstance(value, BaseModel):
+            return "(section defaults)"
+        if isinstance(value, list) and value and isinstance(value[0], BaseModel):
+            return f"{len(value)} entries (see below)"
+        return f"`{json.dumps(value)}`"
+    if field.default is PydanticUndefined:
+        return "**required**"
+    if isinstance(field.default, BaseModel):
+        return "`" + json.dumps(field.default.model_dump(mode="json")) + "`"
+    return f"`{json.dumps(field.default)}`"
+
+
+def _limits(field: FieldInfo) -> str:
+    out = []
+    for m in field.metadata:
+        for attr, sym in (
+            ("gt", ">"),
+            ("ge", ">="),
+            ("lt", "<"),
+            ("le", "<="),
+            ("pattern", "matches"),
+        ):
+            v = getattr(m, attr, None)
+            if v is not None:
+                out.append(f"{sym} {v}")
+    return ", ".join(out)
+
+
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    candidates = [annotation, *get_args(annotation)]
+    for c in candidates:
+        if isinstance(c, type) and issubclass(c, BaseModel):
+            return c
+        for inner in get_args(c):
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                return inner
+    return None
+
+
+def _section(model: type[BaseModel], path: str, out: list[str]) -> None:
+    doc = (model.__doc__ or "").strip()
+    out.append(f"\n## `{path}`\n")
+    if doc and not doc.startswith("!"):
+        out.append(" ".join(doc.split()) + "\n")
+    out.append("| key | type | default | limits | meaning |\n|---|---|---|---|---|")
+    nested = []
+    for name, field in model.model_fields.items():
+        sub = _nested_model(field.annotation)
+        kind = (
+            f"[section](#{(path + '.' + name).replace('.', '')})"
+            if sub
+            else _type_name(field.annotation)
+        )
+        if sub and get_origin(field.annotation) is list:
+            kind = f"list of [entries](#{(path + '.' + name).replace('.', '')})"
+        desc = " ".join((field.description or "").split())
+        out.append(f"| `{name}` | {kind} | {_default(field)} | {_limits(field)} | {desc} |")
+        if sub:
+            nested.append((sub, f"{path}.{name}"))
+    for sub, sub_path in nested:
+        _section(sub, sub_path, out)
+
+
+def render() -> str:
+    out = [INTRO, "| section | meaning |\n|---|---|"]
+    for name, field in Recipe.model_fields.items():
+        out.append(f"| [`{name}`](#{name}) | {field.description} |")
+    for name, field in Recipe.model_fields.items():
+        sub = _nested_model(field.annotation)
+        assert sub is not None
+        _section(sub, name, out)
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())
