@@ -1,0 +1,153 @@
+"""`posttrain` command line: validate, plan and run a recipe.
+
+    posttrain validate recipes/quickstart.yaml sft.optim.lr=3e-4
+    posttrain plan     recipes/quickstart.yaml
+    posttrain run      recipes/quickstart.yaml run.name=try2
+
+Parsing lives in `main`; each command is a plain function returning an exit code, so tests call
+them directly. Prefect is imported only by `run`, after its environment defaults are set:
+`validate` and `plan` never start a server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+from typing import TextIO
+
+import yaml
+
+from flows.prefect_env import apply_prefect_defaults, prefect_target
+from flows.report import StageRecord, summary_table, text_table
+from posttrain.artifacts import read_manifest, verify
+from posttrain.config.loader import RecipeError, load_recipe
+from posttrain.config.schema import Recipe
+from posttrain.pipeline import plan
+
+EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
+
+
+class Terminated(BaseException):
+    """SIGTERM reached the CLI (e.g. `kill`, a container stop)."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    # Without this, SIGTERM ends the process at once: Prefect's own handler stops the stage
+    # (our task's cleanup runs), then re-delivers SIGTERM to the default action, which skips
+    # interpreter exit, so the embedded Prefect server process is left running. Raising
+    # instead lets the run end normally and the server be stopped.
+    raise Terminated()
+
+
+def load_or_report(path: str, overrides: list[str], err: TextIO) -> Recipe | None:
+    """The resolved recipe, or None after printing every problem as `field.path: message`."""
+    try:
+        return load_recipe(path, overrides)
+    except RecipeError as exc:
+        print(f"error: {path} is invalid:", file=err)
+        for line in exc.errors:
+            print(f"  {line}", file=err)
+        return None
+
+
+def cmd_validate(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
+    recipe = load_or_report(path, overrides, err)
+    if recipe is None:
+        return EXIT_INVALID
+    out.write(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    return EXIT_OK
+
+
+def plan_rows(recipe: Recipe) -> list[tuple[str, str, str, str]]:
+    """(stage, fingerprint, processes, artifact state) for each planned stage."""
+    rows = []
+    for stage in plan(recipe):
+        if not stage.out_dir.exists():
+            state = "missing"
+        elif read_manifest(stage.out_dir) is None:
+            state = "incomplete (started, no manifest)"
+        else:
+            ok, why = verify(stage.out_dir)
+            state = "complete" if ok else f"invalid ({why})"
+        rows.append((stage.name, stage.fingerprint, str(stage.nprocs), state))
+    return rows
+
+
+def cmd_plan(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
+    recipe = load_or_report(path, overrides, err)
+    if recipe is None:
+        return EXIT_INVALID
+    rows = plan_rows(recipe)
+    print(text_table(rows, ("stage", "fingerprint", "procs", "artifact")), file=out)
+    print(f"workspace: {recipe.run.workspace}", file=out)
+    return EXIT_OK
+
+
+def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
+    # Validate before anything starts: a bad recipe costs no Prefect server start.
+    recipe = load_or_report(path, overrides, err)
+    if recipe is None:
+        return EXIT_INVALID
+    apply_prefect_defaults()
+    print(f"posttrain: running '{recipe.run.name}' on {prefect_target()}", file=err)
+    from flows.pipeline import post_train  # imports prefect: only now, after its defaults
+
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        result = post_train(recipe)
+    except (KeyboardInterrupt, Terminated) as exc:
+        what = "terminated" if isinstance(exc, Terminated) else "interrupted"
+        print(f"\nposttrain: {what}; the running stage was stopped", file=err)
+        return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
+    except Exception as exc:
+        # Prefect has already logged the traceback; end with the part a person needs.
+        print(f"\nposttrain run failed: {type(exc).__name__}: {exc}", file=err)
+        for note in getattr(exc, "__notes__", []):
+            print(note, file=err)
+        return EXIT_FAILED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    records = [
+        StageRecord(
+            stage=s["stage"],
+            fingerprint="",
+            status=s["status"],
+            duration_s=s["duration_s"],
+            uri=s["uri"],
+            headline=s["headline"],
+        )
+        for s in result["stages"]
+    ]
+    print(summary_table(records), file=out)
+    if result.get("export_path"):
+        print(f"\nexported model: {result['export_path']}", file=out)
+    print(f"run folder:     {result['run_dir']}", file=out)
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="posttrain", description="Post-training pipeline: ingest -> SFT -> evaluate -> export."
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+    for name, func, help_text in (
+        ("validate", cmd_validate, "print the resolved recipe, or every error (exit 2)"),
+        ("plan", cmd_plan, "show each stage's fingerprint and whether its artifact exists"),
+        ("run", cmd_run, "run the pipeline (embedded Prefect unless PREFECT_API_URL is set)"),
+    ):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("recipe", type=Path, help="recipe YAML file")
+        p.add_argument("overrides", nargs="*", help="key.path=value (values parsed as YAML)")
+        p.set_defaults(func=func)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(str(args.recipe), args.overrides, sys.stdout, sys.stderr)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

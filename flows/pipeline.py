@@ -1,0 +1,192 @@
+"""The Prefect flow `post-train`: orders the planned stages and records the run.
+
+The flow body only wires: plan, then for each stage write its spec and launch it through the one
+generic task (flows/stage_task.py). Everything a stage does happens in its own process. The run
+report is made here, at flow level, because a cached task does not re-create its artifacts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prefect import Task, flow
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.context import FlowRunContext
+from prefect.logging import get_run_logger
+
+from flows.report import StageRecord, lineage, markdown_report, metrics_table
+from flows.stage_task import artifact_key, stage_task_for
+from posttrain.artifacts import ArtifactRef, read_manifest, verify
+from posttrain.config.loader import resolve
+from posttrain.config.schema import Recipe
+from posttrain.pipeline import PlannedStage, plan, write_spec
+
+
+def _flow_run_name() -> str:
+    ctx = FlowRunContext.get()
+    recipe = (ctx.parameters or {}).get("recipe") if ctx else None
+    if isinstance(recipe, Recipe):
+        name = recipe.run.name
+    elif isinstance(recipe, dict):
+        name = str((recipe.get("run") or {}).get("name", "posttrain-run"))
+    else:
+        name = "posttrain-run"
+    return f"{name}-{datetime.now(UTC):%Y%m%d-%H%M%S}"
+
+
+def _new_run_id() -> str:
+    ctx = FlowRunContext.get()
+    suffix = ctx.flow_run.id.hex[:8] if ctx and ctx.flow_run else "local"
+    return f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{suffix}"
+
+
+def launch(
+    launcher: Task[..., dict[str, Any]], stage: PlannedStage, spec: Path
+) -> tuple[str, ArtifactRef]:
+    """Run one stage through the task; returns (status, ref). Raises the stage's error."""
+    state = launcher(stage, spec, return_state=True)
+    outcome = state.result()  # raises StageFailed / StageTimeout when the task failed
+    if state.name == "Cached":
+        ref = ArtifactRef.model_validate(outcome["ref"])
+        ok, why = verify(ref.path)
+        if ok and ref.fingerprint == stage.fingerprint:
+            return "cached", ref
+        # The cache record outlived its files (deleted or edited): rebuild, and overwrite the
+        # record so the next run hits again.
+        get_run_logger().warning(
+            "cached %s artifact is not valid (%s); re-running", stage.name, why
+        )
+        state = launcher.with_options(refresh_cache=True)(stage, spec, return_state=True)
+        outcome = state.result()
+    return outcome["status"], ArtifactRef.model_validate(outcome["ref"])
+
+
+def stage_record(
+    stage: PlannedStage, status: str, ref: ArtifactRef, duration_s: float
+) -> StageRecord:
+    summary = (read_manifest(ref.path) or {}).get("summary") or {}
+    headline = summary.get("headline") if isinstance(summary, dict) else None
+    return StageRecord(
+        stage=stage.name,
+        fingerprint=ref.fingerprint,
+        status=status,
+        duration_s=duration_s,
+        uri=ref.uri,
+        sha256=ref.sha256,
+        parents=list(ref.parents),
+        headline=headline if isinstance(headline, dict) else {},
+    )
+
+
+def export_model_path(records: list[StageRecord]) -> str | None:
+    """The merged model the export stage wrote (`<export artifact>/model`)."""
+    done = [r for r in records if r.stage == "export" and r.status != "failed" and r.uri]
+    return str(Path(done[-1].uri) / "model") if done else None
+
+
+def record_run(
+    recipe: Recipe, run_id: str, records: list[StageRecord], quiet: bool = False
+) -> dict[str, Any]:
+    """Write `<workspace>/runs/<run-id>/` and the flow-level Prefect artifacts.
+
+    `quiet`: used while a failure propagates, so a problem here cannot hide the stage's error.
+    """
+    try:
+        return _record_run(recipe, run_id, records)
+    except Exception as exc:
+        if not quiet:
+            raise
+        get_run_logger().error("could not write the run record: %s", exc)
+        return {}
+
+
+def _record_run(recipe: Recipe, run_id: str, records: list[StageRecord]) -> dict[str, Any]:
+    run_dir = Path(recipe.run.workspace) / "runs" / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    export_path = export_model_path(records)
+    ctx = FlowRunContext.get()
+    meta = {
+        "run_id": run_id,
+        "run_name": recipe.run.name,
+        "flow_run_id": str(ctx.flow_run.id) if ctx and ctx.flow_run else None,
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "export_path": export_path,
+    }
+    report = markdown_report(recipe.run.name, run_id, records, export_path, str(run_dir))
+    (run_dir / "recipe.resolved.yaml").write_text(
+        yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+    )
+    (run_dir / "lineage.json").write_text(json.dumps(lineage(meta, records), indent=2))
+    (run_dir / "report.md").write_text(report)
+    key = artifact_key(recipe.run.name)
+    create_markdown_artifact(report, key=f"{key}-report", description=f"posttrain run {run_id}")
+    create_table_artifact(
+        metrics_table(records), key=f"{key}-metrics", description="Per-stage key metrics"
+    )
+    return {
+        "run_id": run_id,
+        "run_dir": str(run_dir),
+        "stages": [
+            {
+                "stage": r.stage,
+                "status": r.status,
+                "duration_s": round(r.duration_s, 2),
+                "uri": r.uri,
+                "headline": r.headline,
+            }
+            for r in records
+        ],
+        "export_path": export_path,
+    }
+
+
+def run_recorded(
+    launcher: Task[..., dict[str, Any]],
+    stage: PlannedStage,
+    recipe: Recipe,
+    refs: dict[str, ArtifactRef],
+    records: list[StageRecord],
+) -> ArtifactRef:
+    """Write the stage's spec, launch it, and append its record (a failed one on error)."""
+    t0 = time.monotonic()
+    try:
+        spec = write_spec(stage, recipe, {p: refs[p] for p in stage.parents})
+        status, ref = launch(launcher, stage, spec)
+    except BaseException as exc:
+        failed = StageRecord(
+            stage.name,
+            stage.fingerprint,
+            "failed",
+            time.monotonic() - t0,
+            uri=str(stage.out_dir),
+            parents=list(stage.parents.values()),
+            error=str(exc) or type(exc).__name__,
+        )
+        records.append(failed)
+        raise
+    records.append(stage_record(stage, status, ref, time.monotonic() - t0))
+    return ref
+
+
+@flow(name="post-train", flow_run_name=_flow_run_name)
+def post_train(recipe: Recipe) -> dict[str, Any]:
+    """Ingest -> LoRA SFT -> evaluate -> export, skipping every stage whose artifact exists."""
+    recipe = resolve(recipe)  # idempotent; a UI or deployment run arrives unresolved
+    run_id, launcher = _new_run_id(), stage_task_for(recipe.run.workspace)
+    refs: dict[str, ArtifactRef] = {}
+    records: list[StageRecord] = []
+    try:
+        for stage in plan(recipe):
+            refs[stage.name] = run_recorded(launcher, stage, recipe, refs, records)
+    except BaseException as exc:
+        # The run folder and report still say which stage failed and what ran before it.
+        run_dir = record_run(recipe, run_id, records, quiet=True).get("run_dir")
+        if run_dir:
+            exc.add_note(f"run folder: {run_dir}")
+        raise
+    return record_run(recipe, run_id, records)

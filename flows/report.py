@@ -1,0 +1,169 @@
+"""Run reports built from per-stage records: pure functions, no Prefect, no I/O.
+
+The flow collects one `StageRecord` per planned stage and hands them here for the markdown report
+(Prefect artifact and `runs/<run-id>/report.md`), the per-stage metrics table, the lineage graph
+(`lineage.json`) and the CLI's summary table, so the same numbers appear everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# ran: the stage process was launched and completed. cached: Prefect's cache returned the ref of
+# an earlier run. reused: no cache record, but a complete artifact with this fingerprint was on
+# disk (made by an earlier run or by hand). failed: the stage process failed or was killed.
+STATUSES = ("ran", "cached", "reused", "failed")
+
+
+@dataclass
+class StageRecord:
+    """What one stage contributed to a run."""
+
+    stage: str
+    fingerprint: str
+    status: str
+    duration_s: float
+    uri: str = ""
+    sha256: str = ""
+    parents: list[str] = field(default_factory=list)
+    # The stage summary's "headline": a few key metrics the stage chose to show.
+    headline: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+    @property
+    def reused_result(self) -> bool:
+        """True when no stage process ran for this record (Prefect cache or artifact on disk)."""
+        return self.status in ("cached", "reused")
+
+
+def format_duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m {secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m"
+
+
+def format_value(value: Any) -> str:
+    """Compact numbers for tables: 4 significant digits, integers as integers."""
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+            return f"{value:.3e}"
+        return f"{value:.4g}"
+    return str(value)
+
+
+def headline_text(headline: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={format_value(v)}" for k, v in headline.items())
+
+
+def _md_cell(text: str) -> str:
+    # A pipe inside a cell would split it; newlines would end the row.
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_report(
+    run_name: str,
+    run_id: str,
+    records: Sequence[StageRecord],
+    export_path: str | None = None,
+    run_dir: str | None = None,
+) -> str:
+    """The run report: one row per stage, then the lineage (which artifact fed which)."""
+    failed = [r for r in records if r.status == "failed"]
+    outcome = f"**failed** at stage `{failed[0].stage}`" if failed else "**completed**"
+    lines = [
+        f"# posttrain run `{run_name}`",
+        "",
+        f"Run id `{run_id}`: {outcome}.",
+        "",
+        "| stage | status | cached | duration | key metrics | artifact |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        lines.append(
+            "| "
+            + " | ".join(
+                _md_cell(c)
+                for c in (
+                    r.stage,
+                    r.status,
+                    "yes" if r.reused_result else "no",
+                    format_duration(r.duration_s),
+                    headline_text(r.headline) or "-",
+                    f"`{r.uri}`" if r.uri else "-",
+                )
+            )
+            + " |"
+        )
+    if export_path:
+        lines += ["", f"Exported model: `{export_path}`"]
+    if run_dir:
+        lines += ["", f"Run folder: `{run_dir}`"]
+    for r in failed:
+        lines += ["", f"## `{r.stage}` failed", "", "```", r.error.strip(), "```"]
+    by_fp = {r.fingerprint: r.stage for r in records}
+    lines += ["", "## Lineage", ""]
+    for r in records:
+        inputs = ", ".join(f"{by_fp.get(p, '?')}@{p}" for p in r.parents) or "none"
+        sha = f" sha256 {r.sha256[:12]}" if r.sha256 else ""
+        lines.append(f"- `{r.stage}@{r.fingerprint}`{sha} <- {inputs}")
+    return "\n".join(lines) + "\n"
+
+
+def metrics_table(records: Sequence[StageRecord]) -> list[dict[str, Any]]:
+    """Long format (stage, metric, value): stages report different metrics, so a wide table
+    would be mostly empty columns."""
+    rows: list[dict[str, Any]] = []
+    for r in records:
+        rows.append({"stage": r.stage, "metric": "duration_s", "value": round(r.duration_s, 2)})
+        for k, v in r.headline.items():
+            rows.append({"stage": r.stage, "metric": k, "value": v})
+    return rows
+
+
+def lineage(run_meta: dict[str, Any], records: Sequence[StageRecord]) -> dict[str, Any]:
+    """`lineage.json`: every artifact the run used or made, and which fed which."""
+    return {
+        **run_meta,
+        "artifacts": [
+            {
+                "stage": r.stage,
+                "fingerprint": r.fingerprint,
+                "parents": r.parents,
+                "uri": r.uri,
+                "sha256": r.sha256,
+                "status": r.status,
+            }
+            for r in records
+        ],
+    }
+
+
+def text_table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
+    """Left-aligned plain-text table for the terminal."""
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    out += [fmt.format(*(str(c) for c in row)) for row in rows]
+    return "\n".join(line.rstrip() for line in out)
+
+
+def summary_table(records: Sequence[StageRecord]) -> str:
+    """CLI summary: stage | status | duration | headline metrics."""
+    rows = [
+        (r.stage, r.status, format_duration(r.duration_s), headline_text(r.headline) or "-")
+        for r in records
+    ]
+    return text_table(rows, ("stage", "status", "duration", "headline metrics"))

@@ -1,0 +1,529 @@
+"""One generic Prefect task that launches a planned stage as a child process and supervises it.
+
+Why a child process: a stage imports torch, may run under torchrun with several ranks, and may
+need to be killed; the flow process stays light and outlives it. Supervision means:
+  - reuse: a complete, unaltered artifact with the stage's fingerprint is returned, not rebuilt;
+  - logs: the child's stdout+stderr go line by line to the Prefect run logger and to
+    `<out_dir>/logs/stage.log` (appended; logs/ is outside the manifest);
+  - progress: `<out_dir>/metrics.jsonl` is tailed into a Prefect progress artifact;
+  - limits: the stage timeout is enforced, and on timeout, failure, cancel or any exception in
+    this process the stage's whole process tree is terminated. Prefect's cancel only kills the
+    flow process, and torchrun starts each worker in a session of its own, so killing our child's
+    process group is not enough: every process carrying this launch's marker is killed too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import logging
+import os
+import shlex
+import signal
+import site
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import psutil
+from prefect import Task, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import CachePolicy
+from prefect.context import TaskRunContext
+from prefect.exceptions import MissingContextError
+from prefect.logging import get_run_logger
+
+import posttrain
+from posttrain.artifacts import MANIFEST, ArtifactRef, ref_from_manifest, verify
+from posttrain.pipeline import PlannedStage
+
+ARTIFACT_MARKER = "POSTTRAIN_ARTIFACT "
+# Every process of one launch inherits this variable, so stray ranks can be found and killed
+# even after their parent died or when they run in a session of their own.
+LAUNCH_ENV_VAR = "POSTTRAIN_LAUNCH_ID"
+CHILD_ENV = {
+    # Stages read local folders only; a stray hub id would otherwise cost ~47 s of retries.
+    "HF_HUB_OFFLINE": "1",
+    # Line-buffered output, so the log and Prefect see lines as they happen.
+    "PYTHONUNBUFFERED": "1",
+    # tokenizers' thread pool warns and can deadlock after fork (DataLoader workers).
+    "TOKENIZERS_PARALLELISM": "false",
+}
+TAIL_LINES = 30
+KILL_GRACE_S = 10.0
+PROGRESS_INTERVAL_S = 2.0
+
+
+class StageFailed(RuntimeError):
+    """A stage process exited non-zero, was killed, or left an incomplete artifact."""
+
+
+class StageTimeout(StageFailed):
+    """A stage ran past its `infra.timeouts.<stage>` limit and was killed."""
+
+
+# --- command and environment -------------------------------------------------------------------
+
+
+def stage_command(
+    module: str, spec_path: Path | str, nprocs: int, python: str = sys.executable
+) -> list[str]:
+    """The command line that runs one stage; torchrun (one process per device) when nprocs > 1.
+
+    Kept separate so multi-node arguments (--nnodes, --node-rank, --rdzv-endpoint) slot in here.
+    """
+    stage_args = ["-m", module, "--spec", str(spec_path)]
+    if nprocs <= 1:
+        return [python, *stage_args]
+    launcher = [python, "-m", "torch.distributed.run", "--standalone"]
+    return [*launcher, "--nproc-per-node", str(nprocs), *stage_args]
+
+
+def child_env(launch_id: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The stage's environment: ours, plus the fixed settings and the launch marker.
+
+    The folder holding the `posttrain` package goes on PYTHONPATH so `python -m posttrain...`
+    works from any working directory when the project is used from a checkout.
+    """
+    env = dict(os.environ if base is None else base)
+    env.update(CHILD_ENV)
+    env[LAUNCH_ENV_VAR] = launch_id
+    root = str(Path(posttrain.__file__).resolve().parent.parent)
+    if root not in site.getsitepackages():
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if root not in paths:
+            env["PYTHONPATH"] = os.pathsep.join([root, *paths])
+    return env
+
+
+# --- killing a stage's processes ---------------------------------------------------------------
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        # Orphans here may be re-parented to a PID 1 that never reaps: a zombie is dead.
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def stage_processes(proc: subprocess.Popen[str], launch_id: str) -> list[psutil.Process]:
+    """The stage process, its descendants, and any other process carrying the launch marker."""
+    found: dict[int, psutil.Process] = {}
+    # Only while our child is unreaped is its PID surely still ours (not reused).
+    if proc.poll() is None:
+        with contextlib.suppress(psutil.Error):
+            leader = psutil.Process(proc.pid)
+            for p in [leader, *leader.children(recursive=True)]:
+                found[p.pid] = p
+    me = os.getpid()
+    for p in psutil.process_iter():
+        if p.pid in found or p.pid == me:
+            continue
+        try:
+            if p.environ().get(LAUNCH_ENV_VAR) == launch_id:
+                found[p.pid] = p
+        except psutil.Error:
+            continue  # gone, a zombie, or not ours to read
+    return [p for p in found.values() if _alive(p)]
+
+
+def _in_group(p: psutil.Process, pgid: int) -> bool:
+    try:
+        return os.getpgid(p.pid) == pgid
+    except OSError:
+        return False
+
+
+def _signal_all(
+    proc: subprocess.Popen[str], procs: list[psutil.Process], sig: signal.Signals
+) -> None:
+    """Signal the stage's process group (which catches processes spawned since `procs` was
+    listed) and each of `procs` (which catches those in sessions of their own)."""
+    pgid = proc.pid  # start_new_session: the child leads its own group
+    # Signal the group only while it surely is ours: our child is unreaped, or a member is
+    # known. An empty group's id could be reused by an unrelated process.
+    if proc.poll() is None or any(_in_group(p, pgid) for p in procs):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(sig)
+
+
+def kill_stage(
+    proc: subprocess.Popen[str],
+    launch_id: str,
+    grace_s: float,
+    log: logging.LoggerAdapter | logging.Logger,
+) -> None:
+    """SIGTERM the stage's process group and every process of the launch; SIGKILL what is
+    still alive after `grace_s` (torchrun forwards SIGTERM to its ranks and needs a moment).
+
+    Every process of the launch inherits the marker, so finding none (and our child reaped)
+    means there is nothing left to kill.
+    """
+    procs = stage_processes(proc, launch_id)
+    if not procs and proc.poll() is not None:
+        return
+    log.warning("stage: terminating %d process(es)", len(procs))
+    _signal_all(proc, procs, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None and not any(_alive(p) for p in procs):
+            break
+        time.sleep(0.1)
+    # Processes may have started during the grace period (a rank being spawned): look again.
+    survivors = [p for p in {*procs, *stage_processes(proc, launch_id)} if _alive(p)]
+    if survivors or proc.poll() is None:
+        log.warning("stage: killing %d process(es) still alive after SIGTERM", len(survivors))
+        _signal_all(proc, survivors, signal.SIGKILL)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        log.error("stage process %d did not exit after SIGKILL", proc.pid)
+
+
+# --- logs and progress -------------------------------------------------------------------------
+
+
+def _run_logger() -> logging.LoggerAdapter | logging.Logger:
+    """Prefect's run logger inside a task; a plain logger when called outside Prefect (tests)."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("posttrain.flows")
+
+
+def _start_thread(target: Callable[[], None], name: str) -> threading.Thread:
+    # Prefect's run context and settings live in contextvars, which a new thread does not
+    # inherit: run the thread inside a copy so logs and artifacts land on this task run.
+    ctx = contextvars.copy_context()
+    t = threading.Thread(target=ctx.run, args=(target,), name=name, daemon=True)
+    t.start()
+    return t
+
+
+class OutputPump:
+    """Copies the child's merged stdout/stderr to the log file and the run logger, keeps the
+    last lines for error messages and catches the POSTTRAIN_ARTIFACT line."""
+
+    def __init__(
+        self,
+        stream: IO[str],
+        log_file: IO[str],
+        log: logging.LoggerAdapter | logging.Logger,
+        stage: str,
+    ):
+        self.stream, self.log_file, self.log, self.stage = stream, log_file, log, stage
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.artifact_json: str | None = None
+        self.thread = _start_thread(self._run, f"{stage}-output")
+
+    def _run(self) -> None:
+        for raw in self.stream:
+            line = raw.rstrip("\n")
+            self.tail.append(line)
+            if line.startswith(ARTIFACT_MARKER):
+                self.artifact_json = line[len(ARTIFACT_MARKER) :]
+            try:
+                self.log_file.write(line + "\n")
+                self.log_file.flush()
+                self.log.info("[%s] %s", self.stage, line)
+            except Exception:
+                # Keep draining whatever happens (disk full, logging down): a child writing
+                # into a full pipe nobody reads would block until its timeout.
+                pass
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+
+    def tail_text(self) -> str:
+        return "\n".join(self.tail)
+
+
+def progress_from_record(record: dict[str, Any]) -> tuple[float, str] | None:
+    """(percent, description) from one metrics.jsonl line; None unless it is a training step."""
+    if record.get("kind") != "train":
+        return None
+    step, total = record.get("step"), record.get("total_steps")
+    if not isinstance(step, int | float) or not isinstance(total, int | float) or total <= 0:
+        return None
+    parts = [f"step {step:g}/{total:g}"]
+    for key, fmt in (
+        ("loss", "loss {:.4g}"),
+        ("tokens_per_s", "{:,.0f} tok/s"),
+        ("mfu", "MFU {:.1%}"),
+    ):
+        value = record.get(key)
+        if isinstance(value, int | float):
+            parts.append(fmt.format(value))
+    return min(100.0, max(0.0, 100.0 * step / total)), " · ".join(parts)
+
+
+class MetricsTail:
+    """Follows metrics.jsonl and reports training progress every `interval_s` seconds."""
+
+    def __init__(
+        self,
+        path: Path,
+        report: Callable[[float, str], None],
+        interval_s: float = PROGRESS_INTERVAL_S,
+    ):
+        self.path, self.report, self.interval_s = path, report, interval_s
+        self._offset = 0
+        self._partial = ""
+        self._last: tuple[float, str] | None = None
+        self._stop = threading.Event()
+        self.thread = _start_thread(self._run, f"{path.parent.name}-metrics")
+
+    def poll(self) -> None:
+        """Read the lines appended since the last poll; report the newest training step."""
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return
+        if size < self._offset:  # rewritten (a restarted stage): start over
+            self._offset, self._partial = 0, ""
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+            self._offset = f.tell()
+        lines = (self._partial + chunk).split("\n")
+        self._partial = lines.pop()  # a line still being written
+        latest = None
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                latest = progress_from_record(record) or latest
+        if latest is not None and latest != self._last:
+            self._last = latest
+            self.report(*latest)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._safe_poll()
+
+    def _safe_poll(self) -> None:
+        try:
+            self.poll()
+        except Exception as exc:  # progress is decoration: never let it fail the stage
+            logging.getLogger("posttrain.flows").debug("progress update failed: %s", exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=10)
+        self._safe_poll()  # the last steps written before exit
+
+
+class ProgressArtifact:
+    """A Prefect progress artifact for one stage run; does nothing outside a task run."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+        self.id = None
+        if TaskRunContext.get() is None:
+            return
+        try:
+            self.id = create_progress_artifact(
+                0.0, key=f"{artifact_key(stage)}-progress", description=f"{stage}: starting"
+            )
+        except Exception as exc:  # progress is decoration: never fail a stage over it
+            _run_logger().warning("no progress artifact for %s: %s", stage, exc)
+
+    def update(self, percent: float, description: str) -> None:
+        if self.id is None:
+            return
+        try:
+            update_progress_artifact(self.id, percent, description=f"{self.stage}: {description}")
+        except Exception as exc:
+            logging.getLogger("posttrain.flows").debug("progress update failed: %s", exc)
+
+
+def artifact_key(text: str) -> str:
+    """Prefect artifact keys allow only lowercase letters, digits and dashes."""
+    key = "".join(c if c.isalnum() else "-" for c in text.lower())
+    return "-".join(part for part in key.split("-") if part) or "stage"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+# --- the launcher ------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    status: str  # "ran" or "reused"
+    ref: ArtifactRef
+
+    def to_dict(self) -> dict[str, Any]:
+        # JSON-serialisable: this is what Prefect persists as the cached result.
+        return {"status": self.status, "ref": self.ref.model_dump(mode="json")}
+
+
+def _drop_stale_manifest(
+    out_dir: Path, why: str, log: logging.LoggerAdapter | logging.Logger
+) -> None:
+    # An altered artifact must not look complete while (or if) the re-run is in progress:
+    # "no manifest means not done". The stage's other files, checkpoints included, stay.
+    manifest = out_dir / MANIFEST
+    if manifest.exists():
+        log.warning(
+            "artifact in %s is not valid (%s): removing its manifest and re-running", out_dir, why
+        )
+        manifest.unlink()
+
+
+def _completed_ref(stage: PlannedStage, artifact_json: str | None) -> ArtifactRef:
+    ref = (
+        ArtifactRef.model_validate_json(artifact_json)
+        if artifact_json
+        else ref_from_manifest(stage.out_dir)
+    )
+    ok, why = verify(stage.out_dir)
+    if not ok:
+        raise StageFailed(f"stage '{stage.name}' exited 0 but its artifact is incomplete: {why}")
+    if ref.fingerprint != stage.fingerprint:
+        raise StageFailed(
+            f"stage '{stage.name}' wrote fingerprint {ref.fingerprint}, expected {stage.fingerprint}"
+        )
+    return ref
+
+
+def supervise_stage(
+    stage: PlannedStage, spec_path: Path | str, kill_grace_s: float = KILL_GRACE_S
+) -> Outcome:
+    """Run one planned stage to completion (or reuse its artifact) and return its ref."""
+    log = _run_logger()
+    ok, why = verify(stage.out_dir)
+    if ok:
+        log.info("stage %s: complete artifact found in %s, reusing it", stage.name, stage.out_dir)
+        return Outcome("reused", ref_from_manifest(stage.out_dir))
+    _drop_stale_manifest(stage.out_dir, why, log)
+
+    cmd = stage_command(stage.module, spec_path, stage.nprocs)
+    launch_id = uuid.uuid4().hex
+    log_path = stage.out_dir / "logs" / "stage.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    progress = ProgressArtifact(stage.name)
+    log.info("stage %s: %s", stage.name, shlex.join(cmd))
+    timed_out = False
+    with open(log_path, "a", encoding="utf-8") as log_file:
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        log_file.write(f"=== {started} launch {launch_id}: {shlex.join(cmd)}\n")
+        log_file.flush()
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_env(launch_id),
+            start_new_session=True,  # its own process group, so killpg reaches every rank
+            text=True,
+            errors="replace",
+            bufsize=1,
+        )
+        pump = OutputPump(proc.stdout, log_file, log, stage.name)  # type: ignore[arg-type]
+        metrics = MetricsTail(stage.out_dir / "metrics.jsonl", progress.update)
+        deadline = time.monotonic() + stage.timeout_s
+        try:
+            while proc.poll() is None:
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    log.error("stage %s: timeout after %.0f s", stage.name, stage.timeout_s)
+                    break
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=0.5)
+        finally:
+            # Runs on success too: ranks or helpers the stage left behind must not outlive it.
+            # On an exception here (KeyboardInterrupt, Prefect's TerminationSignal on cancel)
+            # this is what stops the stage.
+            kill_stage(proc, launch_id, kill_grace_s, log)
+            pump.join(timeout=10)
+            metrics.stop()
+
+    tail = pump.tail_text()
+    if timed_out:
+        raise StageTimeout(
+            f"stage '{stage.name}' timed out after {stage.timeout_s:g} s "
+            f"(infra.timeouts.{stage.name}) and was killed with its process group. "
+            f"Log: {log_path}\n--- end of the log ---\n{tail}"
+        )
+    rc = proc.returncode
+    if rc != 0:
+        how = f"was killed by {_signal_name(-rc)}" if rc < 0 else f"exited with code {rc}"
+        raise StageFailed(
+            f"stage '{stage.name}' {how}. Log: {log_path}\n--- end of the log ---\n{tail}"
+        )
+    ref = _completed_ref(stage, pump.artifact_json)
+    progress.update(100.0, "done")
+    return Outcome("ran", ref)
+
+
+# --- the Prefect task --------------------------------------------------------------------------
+
+
+@dataclass
+class StageFingerprintPolicy(CachePolicy):
+    """Cache key = stage name + fingerprint, so an unchanged stage hits across flow runs.
+
+    Prefect's DEFAULT policy hashes the flow-run id in, so it never hits across runs.
+    """
+
+    def compute_key(
+        self,
+        task_ctx: TaskRunContext,
+        inputs: dict[str, Any],
+        flow_parameters: dict[str, Any],
+        **kwargs: Any,
+    ) -> str | None:
+        stage = inputs.get("stage")
+        if not isinstance(stage, PlannedStage):
+            return None
+        return f"posttrain-{stage.name}-{stage.fingerprint}"
+
+
+@task(
+    name="run-stage",
+    task_run_name="{stage.name}",
+    cache_policy=StageFingerprintPolicy(),
+    persist_result=True,
+    result_serializer="json",
+)
+def run_stage(
+    stage: PlannedStage, spec_path: Path, kill_grace_s: float = KILL_GRACE_S
+) -> dict[str, Any]:
+    """Launch and supervise one stage. Returns `{"status": "ran"|"reused", "ref": {...}}`."""
+    return supervise_stage(stage, spec_path, kill_grace_s).to_dict()
+
+
+def results_dir(workspace: str | os.PathLike[str]) -> Path:
+    """Prefect results and cache records live in the workspace, next to the artifacts they
+    point at, not in ~/.prefect/storage (shared by every run and test on the machine)."""
+    return Path(workspace) / ".prefect" / "results"
+
+
+def stage_task_for(workspace: str | os.PathLike[str]) -> Task[..., dict[str, Any]]:
+    """`run_stage` with its results stored inside `workspace`.
+
+    A Path, not a `LocalFileSystem` block: Prefect refuses unsaved blocks as task result
+    storage, and saving one per workspace would litter the server with blocks. Prefect turns
+    the path into a local file system itself.
+    """
+    return run_stage.with_options(result_storage=results_dir(workspace))

@@ -1,0 +1,41 @@
+"""Test session setup: offline hub, Prefect defaults, and one Prefect test server on request."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+# The project is used from its checkout (not necessarily pip-installed): make `flows` and
+# `posttrain` importable wherever pytest is started from.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# Before anything imports huggingface_hub: a stray hub id otherwise costs ~47 s of retries.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+# Before anything imports prefect, which reads its settings once at import.
+from flows.prefect_env import apply_prefect_defaults  # noqa: E402
+
+apply_prefect_defaults()
+
+from collections.abc import Iterator  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A temporary Prefect server and database for the whole session (~25 s to start), only
+    for tests that ask for it. Results default into the session's temp folder, never
+    ~/.prefect/storage, so cached results cannot leak between sessions."""
+    import prefect.settings as ps
+    from prefect.settings import temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    updates: dict = {ps.PREFECT_RESULTS_LOCAL_STORAGE_PATH: tmp_path_factory.mktemp("results")}
+    heartbeat = getattr(ps, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY", None)
+    if heartbeat is not None:
+        # The heartbeat thread's join costs ~1 s at the end of every flow run.
+        updates[heartbeat] = None
+    with temporary_settings(updates=updates), prefect_test_harness(server_startup_timeout=120):
+        yield

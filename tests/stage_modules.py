@@ -1,0 +1,96 @@
+"""Tiny stage modules for launcher and flow tests, written into a temp folder on PYTHONPATH.
+
+They run through the real `posttrain.stages.common.stage_main` harness, so the launcher is
+tested against the same spec/manifest/exit-code contract as the real stages.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+OK = """
+import json
+import sys
+
+from posttrain.stages.common import stage_main
+
+STAGE = {stage!r}
+
+
+def run(ctx):
+    with open(ctx.out_dir / "metrics.jsonl", "a") as f:
+        for step in range(1, 4):
+            rec = {{"kind": "train", "step": step, "total_steps": 3, "loss": 2.0 / step,
+                   "tokens_per_s": 1000.0, "mfu": 0.5}}
+            f.write(json.dumps(rec) + "\\n")
+    # Content depends on the inputs and parents, as a real stage's output would.
+    (ctx.out_dir / "result.json").write_text(json.dumps(
+        {{"inputs": ctx.inputs, "parents": sorted(p.fingerprint for p in ctx.parents.values())}}
+    ))
+    if STAGE == "export":
+        (ctx.out_dir / "model").mkdir(exist_ok=True)
+        (ctx.out_dir / "model" / "weights.txt").write_text("merged")
+    print(f"hello from {{STAGE}}", flush=True)
+    return {{"headline": {{"loss": 0.667, "steps": 3}}, "parents": len(ctx.parents)}}
+
+
+if __name__ == "__main__":
+    stage_main(STAGE, run)
+"""
+
+FAIL = """
+from posttrain.stages.common import stage_main
+
+
+def run(ctx):
+    for i in range(40):
+        print(f"progress line {{i}}", flush=True)
+    raise ValueError("boom: the stage broke on purpose")
+
+
+if __name__ == "__main__":
+    stage_main({stage!r}, run)
+"""
+
+# Ignores SIGTERM (so the launcher must escalate to SIGKILL) and leaves two grandchildren that
+# inherit the ignored SIGTERM: one in its process group, one in a session of its own (as
+# torchrun's ranks are). Its parent's PID, its own and theirs go to $PT_PIDS_FILE (suffixed with
+# the local rank under torchrun) once they exist.
+HANG = """
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from posttrain.stages.common import stage_main
+
+
+def _sleeper(new_session):
+    cmd = [sys.executable, "-c", "import time; time.sleep(600)"]
+    return subprocess.Popen(cmd, start_new_session=new_session)
+
+
+def run(ctx):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    kids = [_sleeper(False), _sleeper(True)]
+    pids = [os.getppid(), os.getpid(), *(k.pid for k in kids)]
+    path = Path(os.environ["PT_PIDS_FILE"] + os.environ.get("LOCAL_RANK", ""))
+    path.with_suffix(".tmp").write_text(" ".join(map(str, pids)))
+    path.with_suffix(".tmp").rename(path)
+    while True:
+        time.sleep(1)
+
+
+if __name__ == "__main__":
+    stage_main({stage!r}, run)
+"""
+
+
+def write_stage_modules(folder: Path, stages: tuple[str, ...] = ("ingest",)) -> None:
+    """Write `pt_ok_<stage>`, `pt_fail_<stage>` and `pt_hang_<stage>` modules into `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for stage in stages:
+        for kind, template in (("ok", OK), ("fail", FAIL), ("hang", HANG)):
+            (folder / f"pt_{kind}_{stage}.py").write_text(template.format(stage=stage))

@@ -1,0 +1,111 @@
+"""CLI: validation errors name the field and exit 2 before anything starts."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import yaml
+
+from flows.cli import cmd_plan, cmd_validate, main
+from flows.prefect_env import apply_prefect_defaults, prefect_target
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+# device/precision given: resolving needs no torch import, so these tests stay fast.
+GOOD = """
+    run: {{name: cli-test, workspace: {ws}}}
+    infra: {{device: cpu, precision: fp32}}
+    ingest: {{source: from_config}}
+    sft:
+      data: {{synthetic: {{n_examples: 50}}}}
+"""
+
+BAD = """
+    infra: {device: cpu, precision: fp32}
+    ingest: {source: from_config}
+    sft:
+      data: {synthetic: {n_examples: 50}}
+      optim: {lr: -1}
+      epochz: 2
+"""
+
+
+def test_validate_bad_recipe_exits_2_and_names_every_field(tmp_path: Path) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    assert cmd_validate(str(_write(tmp_path, BAD)), [], out, err) == 2
+    assert out.getvalue() == ""
+    lines = err.getvalue().splitlines()
+    assert any(line.strip().startswith("sft.optim.lr:") for line in lines)
+    assert any(line.strip().startswith("sft.epochz: unknown field") for line in lines)
+
+
+def test_validate_bad_override_through_main(tmp_path: Path, capsys) -> None:
+    path = _write(tmp_path, GOOD.format(ws=tmp_path / "ws"))
+    assert main(["validate", str(path), "sft.lora.r=0"]) == 2
+    assert "sft.lora.r:" in capsys.readouterr().err
+
+
+def test_validate_prints_resolved_recipe(tmp_path: Path) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    path = _write(tmp_path, GOOD.format(ws=tmp_path / "ws"))
+    assert cmd_validate(str(path), ["sft.optim.lr=0.0003"], out, err) == 0
+    data = yaml.safe_load(out.getvalue())
+    assert data["sft"]["optim"]["lr"] == 0.0003
+    assert data["sft"]["batch"]["global_batch_size"] == 8  # derived: 8 x 1 x 1
+    assert data["run"]["workspace"] == str(tmp_path / "ws")
+
+
+def test_plan_lists_stages_and_missing_artifacts(tmp_path: Path) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    path = _write(tmp_path, GOOD.format(ws=tmp_path / "ws"))
+    assert cmd_plan(str(path), [], out, err) == 0
+    rows = out.getvalue().splitlines()[2:6]
+    assert [r.split()[0] for r in rows] == ["ingest", "sft", "evaluate", "export"]
+    assert all(r.split()[-1] == "missing" and len(r.split()[1]) == 16 for r in rows)
+
+
+def test_run_with_bad_recipe_exits_2_without_importing_prefect(tmp_path: Path) -> None:
+    path = _write(tmp_path, BAD)
+    code = (
+        "import sys; from flows.cli import main; rc = main(['run', sys.argv[1]]); "
+        "assert 'prefect' not in sys.modules, 'prefect was imported'; sys.exit(rc)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(path)], cwd=REPO, capture_output=True, text=True
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "sft.optim.lr:" in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_flow_modules_do_not_import_torch() -> None:
+    # The flow process stays light: torch is for the stage processes it launches.
+    code = (
+        "import sys, flows.cli, flows.pipeline, flows.stage_task; "
+        "heavy = [m for m in ('torch', 'transformers', 'peft') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_prefect_defaults_never_override_the_user() -> None:
+    env = {"PREFECT_SERVER_ANALYTICS_ENABLED": "true"}
+    apply_prefect_defaults(env)
+    assert env == {
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "true",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    }
+    assert prefect_target(env) == "embedded Prefect (local SQLite)"
+    assert "http://h:4200/api" in prefect_target({"PREFECT_API_URL": "http://h:4200/api"})

@@ -1,0 +1,166 @@
+"""The `post-train` flow on a Prefect test server, with tiny stand-in stage modules.
+
+The stage registry is pointed at modules written by the test (same stage names, same harness,
+same spec/manifest contract), so this checks the orchestration itself in about a minute:
+caching across runs, re-running only downstream of a change, rebuilding a cached artifact
+whose files were altered, and the run folder. The end-to-end test against the real stages
+lives with them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from uuid import UUID
+
+import pytest
+from stage_modules import write_stage_modules
+
+import posttrain.pipeline
+from flows.pipeline import post_train
+from flows.stage_task import StageFailed
+from posttrain.config.schema import Recipe
+from posttrain.pipeline import STAGES, StageDef
+
+pytestmark = pytest.mark.slow
+
+NAMES = tuple(STAGES)
+
+
+@pytest.fixture
+def fake_stages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    folder = tmp_path / "mods"
+    write_stage_modules(folder, NAMES)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])
+    )
+    kinds = {name: "ok" for name in NAMES}
+
+    def use(**overrides: str) -> None:
+        kinds.update(overrides)
+        registry = {
+            s.name: StageDef(s.name, f"pt_{kinds[s.name]}_{s.name}", s.version, s.parents)
+            for s in STAGES.values()
+        }
+        monkeypatch.setattr(posttrain.pipeline, "STAGES", registry)
+
+    use()
+    return use  # type: ignore[return-value]
+
+
+def _recipe(workspace: Path, **sections: dict) -> Recipe:
+    data = {
+        "run": {"name": "flow-test", "workspace": str(workspace)},
+        "infra": {"device": "cpu", "precision": "fp32"},
+        "ingest": {"source": "from_config"},
+        "sft": {"data": {"synthetic": {"n_examples": 20}}},
+        **sections,
+    }
+    return Recipe.model_validate(data)
+
+
+def _statuses(result: dict) -> dict[str, str]:
+    return {s["stage"]: s["status"] for s in result["stages"]}
+
+
+def _prefect_view(run_dir: str) -> tuple[str, dict[str, list]]:
+    """(flow run name, {artifact type: [(key, data)]}) of the flow run that wrote `run_dir`."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    flow_run_id = UUID(json.loads((Path(run_dir) / "lineage.json").read_text())["flow_run_id"])
+    only_this_run = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+    with get_client(sync_client=True) as client:
+        name = client.read_flow_run(flow_run_id).name
+        artifacts = client.read_artifacts(artifact_filter=only_this_run)
+    by_type: dict[str, list] = {}
+    for a in artifacts:
+        by_type.setdefault(a.type, []).append((a.key, a.data))
+    return name, by_type
+
+
+def _launches(workspace: Path) -> int:
+    logs = workspace.glob("artifacts/*/*/logs/stage.log")
+    return sum(p.read_text().count("=== ") for p in logs)
+
+
+def test_flow_caches_reruns_downstream_and_records_runs(
+    prefect_harness: None, fake_stages, tmp_path: Path
+) -> None:
+    ws = tmp_path / "ws"
+    recipe = _recipe(ws)
+
+    first = post_train(recipe)
+    assert _statuses(first) == dict.fromkeys(NAMES, "ran")
+    assert _launches(ws) == 4
+    export = next(s for s in first["stages"] if s["stage"] == "export")
+    assert first["export_path"] == str(Path(export["uri"]) / "model")
+    assert export["headline"] == {"loss": 0.667, "steps": 3}
+    run_dir = Path(first["run_dir"])
+    assert run_dir.parent == ws / "runs"
+    lineage = json.loads((run_dir / "lineage.json").read_text())
+    arts = {a["stage"]: a for a in lineage["artifacts"]}
+    assert arts["evaluate"]["parents"] == [
+        arts["ingest"]["fingerprint"],
+        arts["sft"]["fingerprint"],
+    ]
+    assert all(len(a["sha256"]) == 64 for a in arts.values())
+    assert "| sft | ran | no |" in (run_dir / "report.md").read_text()
+    assert "name: flow-test" in (run_dir / "recipe.resolved.yaml").read_text()
+    assert list((ws / ".prefect" / "results").iterdir()), "results belong in the workspace"
+    name, artifacts = _prefect_view(first["run_dir"])
+    assert name.startswith("flow-test-")
+    progress = sorted(artifacts["progress"])
+    assert [k for k, _ in progress] == [f"{n}-progress" for n in sorted(NAMES)]
+    assert all(float(data) == 100.0 for _, data in progress)
+    assert [k for k, _ in artifacts["markdown"]] == ["flow-test-report"]
+    assert [k for k, _ in artifacts["table"]] == ["flow-test-metrics"]
+
+    # Same recipe: every stage is a Prefect cache hit, nothing is launched.
+    second = post_train(recipe)
+    assert _statuses(second) == dict.fromkeys(NAMES, "cached")
+    assert _launches(ws) == 4
+    assert second["run_dir"] != first["run_dir"]
+    assert "| export | cached | yes |" in (Path(second["run_dir"]) / "report.md").read_text()
+    # The report is made at flow level, so it exists although no task ran.
+    _, artifacts = _prefect_view(second["run_dir"])
+    assert "progress" not in artifacts
+    report = artifacts["markdown"][0][1]
+    assert "| export | cached | yes |" in report
+
+    # A change to evaluate's section re-runs evaluate and what depends on it, nothing upstream.
+    changed = _recipe(ws, evaluate={"max_eval_rows": 7})
+    third = post_train(changed)
+    assert _statuses(third) == {
+        "ingest": "cached", "sft": "cached", "evaluate": "ran", "export": "ran",
+    }  # fmt: skip
+    assert _launches(ws) == 6
+
+    # A cached artifact whose files were deleted is rebuilt, and the cache then hits again.
+    export_dir = Path(third["export_path"]).parent
+    (export_dir / "model" / "weights.txt").unlink()
+    fourth = post_train(changed)
+    assert _statuses(fourth)["export"] == "ran"
+    assert _launches(ws) == 7
+    assert _statuses(post_train(changed))["export"] == "cached"
+
+
+def test_flow_failure_names_the_stage_and_still_writes_the_report(
+    prefect_harness: None, fake_stages, tmp_path: Path
+) -> None:
+    ws = tmp_path / "ws"
+    fake_stages(sft="fail")
+    with pytest.raises(StageFailed) as info:
+        post_train(_recipe(ws))
+    msg = str(info.value)
+    assert "stage 'sft' exited with code 1" in msg and "boom" in msg
+    notes = getattr(info.value, "__notes__", [])
+    assert notes and notes[0].startswith("run folder: ")
+    run_dir = Path(notes[0].removeprefix("run folder: "))
+    report = (run_dir / "report.md").read_text()
+    assert "**failed** at stage `sft`" in report and "boom" in report
+    lineage = json.loads((run_dir / "lineage.json").read_text())
+    assert [(a["stage"], a["status"]) for a in lineage["artifacts"]] == [
+        ("ingest", "ran"), ("sft", "failed"),
+    ]  # fmt: skip

@@ -1,0 +1,262 @@
+"""The stage launcher against tiny stage modules that use the real stage harness.
+
+These call the task's function directly (`run_stage.fn`), so no Prefect server starts; the
+launcher falls back to a plain logger and skips the progress artifact outside a task run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from stage_modules import write_stage_modules
+
+from flows.stage_task import (
+    LAUNCH_ENV_VAR,
+    MetricsTail,
+    StageFailed,
+    StageTimeout,
+    child_env,
+    progress_from_record,
+    run_stage,
+    stage_command,
+)
+from posttrain.artifacts import stage_dir, verify, write_manifest
+from posttrain.config.schema import Recipe
+from posttrain.pipeline import PlannedStage, write_spec
+
+FP = "0123456789abcdef"
+
+
+@pytest.fixture
+def modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "mods"
+    write_stage_modules(folder)
+    # The launcher passes its environment on, so the child finds the modules.
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])
+    )
+    return folder
+
+
+def _recipe(workspace: Path) -> Recipe:
+    return Recipe.model_validate(
+        {
+            "run": {"workspace": str(workspace)},
+            "infra": {"device": "cpu", "precision": "fp32"},
+            "ingest": {"source": "from_config"},
+            "sft": {"data": {"synthetic": {}}},
+        }
+    )
+
+
+def _planned(tmp_path: Path, module: str, timeout_s: float = 120) -> tuple[PlannedStage, Path]:
+    workspace = tmp_path / "ws"
+    stage = PlannedStage(
+        name="ingest",
+        module=module,
+        fingerprint=FP,
+        out_dir=stage_dir(workspace, "ingest", FP),
+        parents={},
+        nprocs=1,
+        timeout_s=timeout_s,
+        inputs={"section": {"source": "from_config"}},
+    )
+    return stage, write_spec(stage, _recipe(workspace), {})
+
+
+def _launches(stage: PlannedStage) -> int:
+    log = stage.out_dir / "logs" / "stage.log"
+    return log.read_text().count("=== ") if log.exists() else 0
+
+
+def _is_dead(pid: int) -> bool:
+    try:
+        # Orphans re-parented to a PID 1 that does not reap stay zombies: dead all the same.
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_stage_command_single_and_torchrun() -> None:
+    assert stage_command("posttrain.stages.sft", "/s.json", 1, python="py") == [
+        "py", "-m", "posttrain.stages.sft", "--spec", "/s.json",
+    ]  # fmt: skip
+    cmd = stage_command("posttrain.stages.sft", "/s.json", 4, python="py")
+    assert cmd[:4] == ["py", "-m", "torch.distributed.run", "--standalone"]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "4"
+    assert cmd[-4:] == ["-m", "posttrain.stages.sft", "--spec", "/s.json"]
+
+
+def test_child_env_sets_fixed_values_and_marker() -> None:
+    env = child_env("abc", base={"HF_HUB_OFFLINE": "0", "PYTHONPATH": "/x"})
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert env["PYTHONUNBUFFERED"] == "1"
+    assert env["TOKENIZERS_PARALLELISM"] == "false"
+    assert env[LAUNCH_ENV_VAR] == "abc"
+    assert env["PYTHONPATH"].split(os.pathsep)[-1] == "/x"
+
+
+def test_progress_from_record() -> None:
+    pct, desc = progress_from_record(
+        {"kind": "train", "step": 25, "total_steps": 100, "loss": 1.23456, "mfu": 0.6}
+    )
+    assert pct == 25.0
+    assert "step 25/100" in desc and "loss 1.235" in desc and "MFU 60.0%" in desc
+    assert progress_from_record({"kind": "eval", "step": 5, "total_steps": 10}) is None
+    assert progress_from_record({"kind": "train", "step": 5, "total_steps": 0}) is None
+
+
+def test_metrics_tail_reports_latest_complete_train_line(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    seen: list[tuple[float, str]] = []
+    tail = MetricsTail(path, lambda pct, desc: seen.append((pct, desc)), interval_s=3600)
+    tail.poll()  # no file yet: nothing, no error
+    with open(path, "w") as f:
+        f.write(json.dumps({"kind": "start"}) + "\n")
+        f.write(json.dumps({"kind": "train", "step": 1, "total_steps": 4}) + "\n")
+        f.write(json.dumps({"kind": "train", "step": 2, "total_steps": 4}) + "\n")
+        f.write('{"kind": "train", "step": 3, "tot')  # still being written
+    tail.poll()
+    assert [p for p, _ in seen] == [50.0]
+    with open(path, "a") as f:
+        f.write('al_steps": 4}\n')
+    tail.stop()  # the final poll picks up the completed line
+    assert [p for p, _ in seen] == [50.0, 75.0]
+
+
+def test_success_returns_verified_ref_and_streams_logs(tmp_path: Path, modules: Path) -> None:
+    stage, spec = _planned(tmp_path, "pt_ok_ingest")
+    out = run_stage.fn(stage, spec)
+    assert out["status"] == "ran"
+    ref = out["ref"]
+    assert ref["fingerprint"] == FP and ref["stage"] == "ingest"
+    assert Path(ref["uri"]) == stage.out_dir
+    assert verify(stage.out_dir) == (True, "")
+    json.dumps(out)  # what Prefect persists must be plain JSON
+    log = (stage.out_dir / "logs" / "stage.log").read_text()
+    assert "hello from ingest" in log and "POSTTRAIN_ARTIFACT" in log
+
+
+def _complete_artifact(stage: PlannedStage) -> None:
+    """Make a complete artifact in-process, as an earlier run would have left it."""
+    stage.out_dir.mkdir(parents=True, exist_ok=True)
+    (stage.out_dir / "result.json").write_text("{}")
+    write_manifest(
+        stage.out_dir, stage=stage.name, fp=stage.fingerprint, parents=[], section={}, seed=0,
+        summary={},
+    )  # fmt: skip
+
+
+def test_complete_artifact_is_reused_without_launching(tmp_path: Path, modules: Path) -> None:
+    # A module that cannot run: launching would fail the test.
+    stage, spec = _planned(tmp_path, "pt_no_such_module")
+    _complete_artifact(stage)
+    out = run_stage.fn(stage, spec)
+    assert out["status"] == "reused"
+    assert out["ref"]["fingerprint"] == FP and Path(out["ref"]["uri"]) == stage.out_dir
+    assert _launches(stage) == 0
+
+
+def test_altered_artifact_is_rebuilt(tmp_path: Path, modules: Path) -> None:
+    stage, spec = _planned(tmp_path, "pt_ok_ingest")
+    _complete_artifact(stage)
+    (stage.out_dir / "result.json").write_text("tampered")
+    assert verify(stage.out_dir)[0] is False
+    out = run_stage.fn(stage, spec)
+    assert out["status"] == "ran"
+    assert _launches(stage) == 1
+    assert verify(stage.out_dir) == (True, "")
+
+
+def test_failure_raises_with_stage_exit_code_and_last_lines(tmp_path: Path, modules: Path) -> None:
+    stage, spec = _planned(tmp_path, "pt_fail_ingest")
+    with pytest.raises(StageFailed) as info:
+        run_stage.fn(stage, spec)
+    msg = str(info.value)
+    assert "'ingest'" in msg and "exit" in msg and "code 1" in msg
+    assert "boom: the stage broke on purpose" in msg
+    assert "progress line 39" in msg
+    assert "progress line 0\n" not in msg  # only the tail, not the whole log
+    assert "progress line 0\n" in (stage.out_dir / "logs" / "stage.log").read_text()
+    assert not (stage.out_dir / "manifest.json").exists()
+
+
+def _pids(path: Path) -> list[int]:
+    return [int(p) for p in path.read_text().split()]
+
+
+def _wait_dead(pids: list[int], timeout: float = 5.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if not _is_dead(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return alive
+
+
+@pytest.mark.slow
+def test_timeout_kills_the_whole_process_tree(
+    tmp_path: Path, modules: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pids_file = tmp_path / "pids.txt"
+    monkeypatch.setenv("PT_PIDS_FILE", str(pids_file))
+    stage, spec = _planned(tmp_path, "pt_hang_ingest", timeout_s=8)
+    t0 = time.monotonic()
+    with pytest.raises(StageTimeout) as info:
+        run_stage.fn(stage, spec, kill_grace_s=1.0)
+    assert "timed out after 8 s" in str(info.value)
+    assert time.monotonic() - t0 < 30
+    assert pids_file.exists(), "the stage did not start within its 8 s timeout (machine busy?)"
+    # The stage, a grandchild in its group, one in its own session (the parent is pytest).
+    pids = _pids(pids_file)[1:]
+    assert len(pids) == 3
+    assert _wait_dead(pids) == []
+
+
+@pytest.mark.slow
+def test_interrupt_in_the_parent_kills_the_process_tree(
+    tmp_path: Path, modules: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pids_file = tmp_path / "pids.txt"
+    monkeypatch.setenv("PT_PIDS_FILE", str(pids_file))
+    stage, spec = _planned(tmp_path, "pt_hang_ingest", timeout_s=300)
+
+    def interrupt_when_started() -> None:
+        deadline = time.monotonic() + 60
+        while not pids_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C (or Prefect's SIGTERM bridge) does
+
+    threading.Thread(target=interrupt_when_started, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        run_stage.fn(stage, spec, kill_grace_s=1.0)
+    pids = _pids(pids_file)[1:]
+    assert len(pids) == 3
+    assert _wait_dead(pids) == []
+
+
+@pytest.mark.slow
+def test_timeout_kills_torchrun_and_ranks_in_their_own_sessions(
+    tmp_path: Path, modules: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torchrun starts each rank with start_new_session=True: killing our child's process group
+    # alone would leave the ranks running.
+    pids_file = tmp_path / "pids"
+    monkeypatch.setenv("PT_PIDS_FILE", str(pids_file))
+    stage, spec = _planned(tmp_path, "pt_hang_ingest", timeout_s=30)
+    stage.nprocs = 2
+    with pytest.raises(StageTimeout):
+        run_stage.fn(stage, spec, kill_grace_s=1.0)
+    files = sorted(tmp_path.glob("pids?"))
+    assert [f.name for f in files] == ["pids0", "pids1"], "ranks did not start within 30 s"
+    pids = {pid for f in files for pid in _pids(f)}
+    assert len(pids) == 7  # torchrun's agent, 2 ranks, 2 grandchildren each
+    assert _wait_dead(sorted(pids)) == []
