@@ -100,7 +100,10 @@ def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
 
 
 def _cuda_devices() -> int:
-    import torch  # deferred: validation alone should not pay torch's import
+    # No NVIDIA device node: no GPU, and the orchestrating process need not import torch (2-4 s).
+    if not any(Path("/dev").glob("nvidia[0-9]*")):
+        return 0
+    import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
