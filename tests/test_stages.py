@@ -189,3 +189,51 @@ def test_ingest_refuses_unsafe_or_broken_folders(tiny, tmp_path: Path, damage, m
     err = (planned_dir("ingest", recipe, *over) / "logs" / "error.txt").read_text()
     assert message in err
     assert not (planned_dir("ingest", recipe, *over) / "manifest.json").exists()
+
+
+def test_accumulation_equals_a_bigger_micro_batch(tiny) -> None:
+    """micro 4 x accum 2 takes the same rows and the same token-weighted loss as micro 8 x 1."""
+    big = run_inprocess("sft", tiny["recipe"], "sft.max_steps=2")
+    acc = run_inprocess(
+        "sft",
+        tiny["recipe"],
+        "sft.max_steps=2",
+        "sft.batch.micro_batch_size=4",
+        "sft.batch.grad_accum_steps=2",
+    )
+    a = read_metrics(big / "metrics.jsonl", "train")
+    b = read_metrics(acc / "metrics.jsonl", "train")
+    assert [r["target_tokens"] for r in a] == [r["target_tokens"] for r in b]
+    for x, y in zip(a, b, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], abs=1e-5)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
+
+
+def test_packing_and_activation_checkpointing(tiny) -> None:
+    out = run_inprocess(
+        "sft",
+        tiny["recipe"],
+        "sft.max_steps=3",
+        "sft.packing=true",
+        "sft.activation_checkpointing=true",
+        "sft.data.max_seq_len=128",
+    )
+    start = read_metrics(out / "metrics.jsonl", "start")[0]
+    assert start["train_examples"] < start["train_rows"], "rows were packed together"
+    train = read_metrics(out / "metrics.jsonl", "train")
+    assert len(train) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in train)
+    # Packed rows hold several examples: more target tokens per step than unpacked rows give.
+    plain = read_metrics(tiny["sft"] / "metrics.jsonl", "train")
+    assert train[0]["target_tokens"] > plain[0]["target_tokens"]
+
+
+def test_bad_data_row_fails_the_stage_naming_file_and_line(tiny, tmp_path: Path) -> None:
+    data = tmp_path / "train.jsonl"
+    good = json.dumps({"prompt": "What is 1 + 1?", "completion": "2"})
+    data.write_text("\n".join([good] * 5 + ['{"prompt": "x", "completion": 7}']) + "\n")
+    over = ("sft.data.synthetic=null", f"sft.data.path={data}")
+    with pytest.raises(SystemExit):
+        run_inprocess("sft", tiny["recipe"], *over)
+    err = (planned_dir("sft", tiny["recipe"], *over) / "logs" / "error.txt").read_text()
+    assert f"{data}:6: 'completion' must be a string, got int" in err
+    assert verify(tiny["ingest"])[0], "the failure leaves earlier artifacts intact"
