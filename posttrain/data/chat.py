@@ -8,6 +8,7 @@ token so the model learns to stop.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 IGNORE = -100  # label value cross-entropy skips
@@ -70,3 +71,8 @@ def prompt_text(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, st
     """(templated prompt up to the last assistant turn, that turn's reference content)."""
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     return render(tokenizer, messages[:last], add_generation_prompt=True), messages[last]["content"]
+
+
+def template_sha256(tokenizer: Any) -> str:
+    """Identity of the chat template a stage formatted its text with (recorded in manifests)."""
+    return hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()

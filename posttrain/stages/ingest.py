@@ -13,7 +13,6 @@ and optionally warms it up with a short causal-LM run, so LoRA has a base worth 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -25,7 +24,7 @@ import torch
 
 from posttrain.artifacts import sha256_file
 from posttrain.config.schema import FromConfigModel, IngestConfig
-from posttrain.data.chat import assistant_char_spans
+from posttrain.data.chat import assistant_char_spans, template_sha256
 from posttrain.data.synthetic import pretrain_corpus, quickstart_sft_rows
 from posttrain.stages.common import StageContext, stage_main
 
@@ -196,10 +195,13 @@ def ingest_from_config(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.recipe.ingest
     info = ingest_path(ctx, cfg) if cfg.source == "path" else ingest_from_config(ctx, cfg)
-    template = ctx.out_dir / "tokenizer" / "chat_template.jinja"
-    tpl_text = template.read_text() if template.exists() else ""
-    info["chat_template_sha256"] = hashlib.sha256(tpl_text.encode()).hexdigest()
-    ctx.extra_manifest["chat_template"] = tpl_text
+    from posttrain.models.loading import load_tokenizer
+
+    # The saved tokenizer is the template of record for every later stage: reload it to check it
+    # round-trips, and record the template it carries.
+    saved = load_tokenizer(ctx.out_dir / "tokenizer")
+    info["chat_template_sha256"] = template_sha256(saved)
+    ctx.extra_manifest["chat_template"] = saved.chat_template
     headline = {"params": info["num_params"], "architecture": info["architecture"]}
     if "warmup_final_loss" in info:
         headline["warmup_loss"] = round(info["warmup_final_loss"], 4)

@@ -1,0 +1,264 @@
+"""The DPO family of preference losses: small pure functions over sequence log-probs, and a registry.
+
+Every loss sees, for a batch of B (prompt, chosen, rejected) pairs, the log-probability of each
+whole response summed over its tokens:
+
+    policy_chosen_logps, policy_rejected_logps: [B]  log pi(y | x) under the model being trained
+    ref_chosen_logps, ref_rejected_logps:       [B]  the same under the frozen reference
+                                                     (None for reference-free losses)
+    chosen_lengths, rejected_lengths:           [B]  number of response tokens (SimPO only)
+
+and returns `(losses [B], chosen_rewards [B], rejected_rewards [B])`. The caller takes the mean of
+`losses` over the global batch; the rewards are the loss's implicit rewards, detached, for metrics
+(reward accuracy = mean(chosen_rewards > rejected_rewards), margin = their difference).
+
+All losses share one call signature (unused inputs are accepted and ignored), so the training loop
+calls whichever one the config names without branching; `preference_loss(name, **hparams)` binds a
+loss's hyperparameters once, at setup, and fails there on a bad name or value.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+LossOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+PreferenceLoss = Callable[..., LossOutput]
+
+
+def _check(beta: float, label_smoothing: float = 0.0) -> None:
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    # Above 0.5 the smoothed loss prefers the rejected response: a config mistake, not a prior.
+    if not 0.0 <= label_smoothing <= 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5], got {label_smoothing}")
+
+
+def _logratio_margin(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, chosen log-ratio, rejected log-ratio), all [B] and float32.
+
+    h = (log pi(y_c) - log ref(y_c)) - (log pi(y_r) - log ref(y_r)). Upcast first: the four
+    sums can be hundreds of nats apart in magnitude, and their difference in fp16/bf16 loses the
+    small margin the loss actually depends on (the NaN/inf preference losses of TRL#878).
+    """
+    chosen = policy_chosen_logps.float() - ref_chosen_logps.float()
+    rejected = policy_rejected_logps.float() - ref_rejected_logps.float()
+    return chosen - rejected, chosen, rejected
+
+
+def _smoothed_sigmoid(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    # The expected logistic loss when each preference label is flipped with probability eps.
+    return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
+
+
+def sigmoid_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+    *,
+    beta: float,
+    label_smoothing: float = 0.0,
+) -> LossOutput:
+    """DPO (Rafailov et al., 2023), with the conservative label smoothing of cDPO.
+
+        logits = beta * ((pi_c - ref_c) - (pi_r - ref_r))
+        loss   = -log sigmoid(logits) * (1 - eps) - log sigmoid(-logits) * eps
+
+    eps = label_smoothing in [0, 0.5]; eps = 0 is plain DPO. Rewards: beta * (pi - ref).
+    Inputs [B] (lengths unused); outputs (losses, chosen_rewards, rejected_rewards), each [B].
+    """
+    _check(beta, label_smoothing)
+    h, chosen, rejected = _logratio_margin(
+        policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps
+    )
+    losses = _smoothed_sigmoid(beta * h, label_smoothing)
+    return losses, (beta * chosen).detach(), (beta * rejected).detach()
+
+
+def robust_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+    *,
+    beta: float,
+    label_smoothing: float = 0.0,
+) -> LossOutput:
+    """Robust DPO (Chowdhury et al., 2024): an unbiased estimate of the clean-label DPO loss when
+    each label is flipped with probability eps.
+
+        logits = beta * ((pi_c - ref_c) - (pi_r - ref_r))
+        loss   = (-log sigmoid(logits) * (1 - eps) + log sigmoid(-logits) * eps) / (1 - 2 eps)
+
+    Unlike cDPO (`sigmoid` with eps > 0), the flipped-label term enters with a minus sign, which
+    de-biases the gradient instead of capping the margin. Needs eps < 0.5 (the division).
+    Inputs [B] (lengths unused); outputs (losses, chosen_rewards, rejected_rewards), each [B].
+    """
+    _check(beta, label_smoothing)
+    if label_smoothing >= 0.5:
+        raise ValueError(f"robust loss needs label_smoothing < 0.5, got {label_smoothing}")
+    h, chosen, rejected = _logratio_margin(
+        policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps
+    )
+    logits = beta * h
+    eps = label_smoothing
+    losses = (-F.logsigmoid(logits) * (1 - eps) + F.logsigmoid(-logits) * eps) / (1 - 2 * eps)
+    return losses, (beta * chosen).detach(), (beta * rejected).detach()
+
+
+def ipo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+    *,
+    beta: float,
+) -> LossOutput:
+    """IPO (Azar et al., 2023, eq. 17), beta being the paper's tau.
+
+        h    = (pi_c - ref_c) - (pi_r - ref_r)
+        loss = (h - 1 / (2 beta))^2
+
+    A squared loss regresses the log-ratio margin to a finite target instead of pushing it to
+    infinity, so IPO does not overfit deterministic preferences the way DPO can.
+
+    h uses the SUMMED log-probs, as the paper defines it (log-likelihood ratios of whole
+    responses). TRL instead averages log-probs over response tokens for IPO, which makes the
+    target 1/(2 beta) independent of response length. We keep the paper's definition so all
+    reference-based losses here share one input and `beta` means what the paper says; the cost
+    is that a beta tuned for TRL's IPO is not transferable (summed margins are ~length times
+    larger, so the matching target, and hence beta, differs).
+    Inputs [B] (lengths unused); outputs (losses, chosen_rewards, rejected_rewards), each [B].
+    """
+    _check(beta)
+    h, chosen, rejected = _logratio_margin(
+        policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps
+    )
+    losses = (h - 1 / (2 * beta)) ** 2
+    return losses, (beta * chosen).detach(), (beta * rejected).detach()
+
+
+def hinge_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+    *,
+    beta: float,
+) -> LossOutput:
+    """SLiC-HF's calibration loss (Zhao et al., 2023) on the DPO log-ratio margin.
+
+        logits = beta * ((pi_c - ref_c) - (pi_r - ref_r))
+        loss   = relu(1 - logits)
+
+    Zero (and zero gradient) once the margin exceeds 1/beta, so well-separated pairs stop
+    pulling on the model. Inputs [B] (lengths unused); outputs each [B].
+    """
+    _check(beta)
+    h, chosen, rejected = _logratio_margin(
+        policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps
+    )
+    losses = torch.relu(1 - beta * h)
+    return losses, (beta * chosen).detach(), (beta * rejected).detach()
+
+
+def simpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor | None = None,
+    ref_rejected_logps: torch.Tensor | None = None,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+    *,
+    beta: float,
+    gamma: float,
+    label_smoothing: float = 0.0,
+) -> LossOutput:
+    """SimPO (Meng et al., 2024): reference-free, length-normalised, with a target margin.
+
+        r      = beta * logp / len                    (the implicit reward, per response)
+        logits = r_c - r_r - gamma
+        loss   = -log sigmoid(logits) * (1 - eps) - log sigmoid(-logits) * eps
+
+    gamma is the paper's target reward margin (TRL's `simpo_gamma`), on the scale of the
+    already beta-scaled rewards. Dividing by the length removes DPO's incentive to prefer longer
+    responses, and matches how generation scores a response (average log-prob per token).
+    ref_* are ignored (pass None); chosen_lengths, rejected_lengths [B] are required (>= 1).
+    Outputs (losses, chosen_rewards, rejected_rewards), each [B].
+    """
+    _check(beta, label_smoothing)
+    assert chosen_lengths is not None and rejected_lengths is not None, "SimPO needs lengths"
+    chosen = beta * policy_chosen_logps.float() / chosen_lengths.float()
+    rejected = beta * policy_rejected_logps.float() / rejected_lengths.float()
+    losses = _smoothed_sigmoid(chosen - rejected - gamma, label_smoothing)
+    return losses, chosen.detach(), rejected.detach()
+
+
+PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
+    "sigmoid": sigmoid_loss,
+    "robust": robust_loss,
+    "ipo": ipo_loss,
+    "hinge": hinge_loss,
+    "simpo": simpo_loss,
+}
+
+# Losses that never read ref_*_logps: the stage can skip building and running a reference model.
+REFERENCE_FREE = {"simpo"}
+
+
+def preference_loss(name: str, **hparams: float) -> PreferenceLoss:
+    """The loss `name` with its hyperparameters bound: call it with the tensors only.
+
+    Raises ValueError for an unknown name (listing the known ones), a hyperparameter the loss
+    does not take, or an invalid value. The bound loss is run once on a one-pair batch here, so a
+    bad value fails at setup rather than at the first training step, after models are loaded.
+    """
+    if name not in PREFERENCE_LOSSES:
+        raise ValueError(
+            f"unknown preference loss {name!r}; known: {', '.join(sorted(PREFERENCE_LOSSES))}"
+        )
+    fn = PREFERENCE_LOSSES[name]
+    params = inspect.signature(fn).parameters.values()
+    takes = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    unknown = sorted(set(hparams) - set(takes))
+    if unknown:
+        raise ValueError(
+            f"preference loss {name!r} takes {', '.join(takes)}; got unexpected {', '.join(unknown)}"
+        )
+    bound = functools.partial(fn, **hparams)
+    one, zero = torch.ones(1), torch.zeros(1)
+    try:
+        bound(zero, zero, zero, zero, one, one)
+    except TypeError as exc:  # a required hyperparameter is missing
+        raise ValueError(f"preference loss {name!r}: {exc}") from None
+    return bound
+
+
+def nll_term(policy_chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor) -> torch.Tensor:
+    """Optional SFT term on the chosen responses (as in RPO / CPO), added by the caller:
+
+        nll = mean_b( -policy_chosen_logps[b] / chosen_lengths[b] )
+
+    Inputs [B]; returns a scalar. Each pair weighs the same whatever its length (per-sequence
+    mean of the per-token NLL), matching how the preference losses weigh pairs; the caller
+    scales it (e.g. loss = pref_loss.mean() + alpha * nll).
+    """
+    return (-policy_chosen_logps.float() / chosen_lengths.float()).mean()

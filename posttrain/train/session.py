@@ -1,0 +1,237 @@
+"""The parts every training stage shares around its own loop.
+
+A stage keeps its loop explicit (what a step computes is the stage's business); this module
+does the rest the same way everywhere: shard the model, build optimizer and schedule, resume
+from the newest checkpoint, write the start record, take an optimizer step with clipping (and
+loss scaling for fp16), compute throughput/MFU/memory for each step, save checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from posttrain.config.batch import ResolvedBatch
+from posttrain.config.schema import OptimConfig
+from posttrain.distributed.fsdp import shard_model
+from posttrain.distributed.runtime import DistInfo, all_reduce_sum
+from posttrain.models.loading import count_params
+from posttrain.telemetry.metrics import (
+    MetricsWriter,
+    device_peak_flops,
+    matmul_params,
+    memory_snapshot,
+    train_flops_per_token,
+)
+from posttrain.train.checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
+from posttrain.train.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger("posttrain.train")
+
+
+@dataclass
+class TrainSession:
+    model: torch.nn.Module
+    dist: DistInfo
+    trainable: list[torch.nn.Parameter]
+    opt: torch.optim.Optimizer
+    sched: Any
+    scaler: Any
+    metrics: MetricsWriter
+    total_steps: int
+    start_step: int
+    n_matmul: int
+    n_trainable: int
+    n_total: int
+    peak_flops: float
+    ckpt_root: Any
+    last: dict[str, float] = field(default_factory=dict)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def optimizer_step(self, max_grad_norm: float | None) -> tuple[float, float]:
+        """Clip, step, schedule, zero. Returns (grad norm before clipping, lr used)."""
+        if self.scaler:
+            self.scaler.unscale_(self.opt)
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_grad_norm or float("inf"))
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        lr = self.opt.param_groups[0]["lr"]
+        if self.scaler:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        return norm, lr
+
+    def record_step(
+        self,
+        step: int,
+        *,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        local_tokens: int,
+        seq_len: float,
+        t_start: float,
+        t_data: float,
+        **extra: float,
+    ) -> None:
+        """Throughput, FLOP/s, MFU and memory of one optimizer step -> metrics.jsonl.
+
+        `local_tokens` are this rank's processed (non-pad) tokens; `seq_len` their mean length.
+        """
+        device = self.dist.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t_start
+        world = self.dist.world_size
+        tokens = all_reduce_sum(local_tokens, device)
+        cfg = self.model.config
+        fpt = train_flops_per_token(
+            self.n_matmul, self.n_trainable, cfg.num_hidden_layers, cfg.hidden_size, int(seq_len)
+        )
+        achieved = fpt * tokens / dt
+        mfu = achieved / (self.peak_flops * world) if self.peak_flops else float("nan")
+        self.last = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens / dt,
+            "mfu": mfu,
+            **extra,
+        }
+        self.metrics.write(
+            "train",
+            step=step,
+            total_steps=self.total_steps,
+            loss=loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            tokens=tokens,
+            tokens_per_s=tokens / dt,
+            tokens_per_s_per_device=tokens / dt / world,
+            tflops=achieved / 1e12,
+            tflops_per_device=achieved / world / 1e12,
+            mfu=mfu,
+            step_time_s=dt,
+            data_wait_s=t_data,
+            compute_s=dt - t_data,
+            **extra,
+            **memory_snapshot(device),
+        )
+        log.info(
+            "step %d/%d loss %.4f lr %.2e gnorm %.3f tok/s %.0f mfu %.1f%%%s",
+            step,
+            self.total_steps,
+            loss,
+            lr,
+            grad_norm,
+            tokens / dt,
+            100 * mfu,
+            "".join(f" {k} {v:.4g}" for k, v in extra.items()),
+        )
+
+    def maybe_checkpoint(self, step: int, every: int, keep: int) -> None:
+        if every and step % every == 0 and step < self.total_steps:
+            save_checkpoint(self.ckpt_root, step, self.model, self.opt, self.sched, keep)
+
+
+def start_session(
+    ctx: Any,
+    model: torch.nn.Module,
+    optim: OptimConfig,
+    batch: ResolvedBatch,
+    total_steps: int,
+    **start_fields: Any,
+) -> TrainSession:
+    """Shard `model` (trainable parts already marked), build optimizer + schedule, resume from
+    the newest complete checkpoint, and write the `start` metrics record."""
+    d: DistInfo = ctx.dist
+    precision = ctx.recipe.infra.precision
+    assert batch.dp_size == d.world_size, f"recipe dp {batch.dp_size} != world {d.world_size}"
+    n_total, n_trainable = count_params(model)
+    n_matmul = matmul_params(model)
+    model = shard_model(model.to(d.device), d.mesh, precision)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = build_optimizer(trainable, optim)
+    sched = build_scheduler(opt, total_steps, optim)
+    scaler = None
+    if precision == "fp16":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler(d.device.type)
+    start_step = 0
+    ckpt_root = ctx.out_dir / "checkpoints"
+    if done := complete_checkpoints(ckpt_root):
+        start_step = load_checkpoint(done[-1], model, opt, sched)["step"]
+        log.info("resumed from %s at step %d", done[-1].name, start_step)
+    peak, peak_src = device_peak_flops(d.device, precision)
+    metrics = MetricsWriter(
+        ctx.out_dir / "metrics.jsonl", enabled=ctx.is_main, resume_step=start_step
+    )
+    metrics.write(
+        "start",
+        total_steps=total_steps,
+        start_step=start_step,
+        world_size=d.world_size,
+        params_total=n_total,
+        params_trainable=n_trainable,
+        trainable_fraction=n_trainable / n_total,
+        micro_batch_size=batch.micro_batch_size,
+        grad_accum_steps=batch.grad_accum_steps,
+        global_batch_size=batch.global_batch_size,
+        precision=precision,
+        peak_flops_per_device=peak,
+        peak_flops_source=peak_src,
+        **start_fields,
+    )
+    log.info(
+        "trainable params %s / %s (%.3f%%); micro %d x accum %d x dp %d = global %d; %d steps",
+        f"{n_trainable:,}",
+        f"{n_total:,}",
+        100 * n_trainable / n_total,
+        batch.micro_batch_size,
+        batch.grad_accum_steps,
+        d.world_size,
+        batch.global_batch_size,
+        total_steps,
+    )
+    return TrainSession(
+        model,
+        d,
+        trainable,
+        opt,
+        sched,
+        scaler,
+        metrics,
+        total_steps,
+        start_step,
+        n_matmul,
+        n_trainable,
+        n_total,
+        peak,
+        ckpt_root,
+    )
+
+
+def save_adapter(model: torch.nn.Module, ctx: Any, name: str = "adapter") -> None:
+    """Gather the trainable weights to full tensors (collective on every rank) and save them in
+    peft format on rank 0 under `<out_dir>/<name>`."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(
+        model,
+        options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True),
+    )
+    if ctx.is_main:
+        model.save_pretrained(str(ctx.out_dir / name), state_dict=full)
+    if dist.is_initialized():
+        dist.barrier()
