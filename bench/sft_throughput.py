@@ -74,7 +74,7 @@ def plain_loop(recipe_path: Path, steps: int) -> dict:
     """The same work with nothing around it: peft model, AdamW, the same batches in order."""
     import torch
 
-    from posttrain.config.loader import load_recipe, sft_batch
+    from posttrain.config.loader import load_recipe, section_batch
     from posttrain.data.batching import pad_batch, step_indices
     from posttrain.data.sft_data import prepare
     from posttrain.models.loading import load_causal_lm, load_tokenizer
@@ -92,7 +92,7 @@ def plain_loop(recipe_path: Path, steps: int) -> dict:
     tok = load_tokenizer(ingest_dir / "tokenizer")
     model = apply_lora(load_causal_lm(ingest_dir / "model"), recipe.sft.lora)
     data = prepare(recipe.sft.data, tok, recipe.run.seed)
-    b = sft_batch(recipe)
+    b = section_batch(recipe, "sft")
     opt = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=recipe.sft.optim.lr
     )

@@ -145,6 +145,20 @@ def _record_run(recipe: Recipe, run_id: str, records: list[StageRecord]) -> dict
     }
 
 
+class QualityGateFailed(RuntimeError):
+    """A stage completed but its result is below a quality bar the recipe sets."""
+
+
+def check_gate(ref: ArtifactRef, record: StageRecord) -> None:
+    """Stop the pipeline when a stage's summary reports a failed gate (e.g. reward accuracy
+    below reward.min_accuracy): its artifact stays valid, nothing downstream runs on it."""
+    summary = (read_manifest(ref.path) or {}).get("summary") or {}
+    gate = summary.get("gate") if isinstance(summary, dict) else None
+    if isinstance(gate, dict) and gate.get("passed") is False:
+        record.error = f"quality gate: {gate.get('message', 'failed')}"
+        raise QualityGateFailed(f"{ref.stage}: {gate.get('message', 'quality gate failed')}")
+
+
 def run_recorded(
     launcher: Task[..., dict[str, Any]],
     stage: PlannedStage,
@@ -170,6 +184,7 @@ def run_recorded(
         records.append(failed)
         raise
     records.append(stage_record(stage, status, ref, time.monotonic() - t0))
+    check_gate(ref, records[-1])
     return ref
 
 

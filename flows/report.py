@@ -81,8 +81,14 @@ def markdown_report(
     run_dir: str | None = None,
 ) -> str:
     """The run report: one row per stage, then the lineage (which artifact fed which)."""
-    failed = [r for r in records if r.status == "failed"]
-    outcome = f"**failed** at stage `{failed[0].stage}`" if failed else "**completed**"
+    # A stage with an error either failed or completed below a quality gate and stopped the run.
+    failed = [r for r in records if r.status == "failed" or r.error]
+    if not failed:
+        outcome = "**completed**"
+    elif failed[0].status == "failed":
+        outcome = f"**failed** at stage `{failed[0].stage}`"
+    else:
+        outcome = f"**stopped** by the quality gate of stage `{failed[0].stage}`"
     lines = [
         f"# posttrain run `{run_name}`",
         "",
@@ -112,7 +118,8 @@ def markdown_report(
     if run_dir:
         lines += ["", f"Run folder: `{run_dir}`"]
     for r in failed:
-        lines += ["", f"## `{r.stage}` failed", "", "```", r.error.strip(), "```"]
+        title = "stopped the run" if r.status != "failed" else "failed"
+        lines += ["", f"## `{r.stage}` {title}", "", "```", r.error.strip(), "```"]
     by_fp = {r.fingerprint: r.stage for r in records}
     lines += ["", "## Lineage", ""]
     for r in records:

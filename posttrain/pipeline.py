@@ -25,6 +25,9 @@ class StageDef:
     parents: tuple[str, ...]
     # Distributed stages are launched with torchrun, one process per device.
     distributed: bool = False
+    # Optional stages run only when the recipe has their section; parents that do not run are
+    # simply not inputs (evaluate without dpo evaluates the SFT policy).
+    optional: bool = False
 
 
 STAGES: dict[str, StageDef] = {
@@ -32,8 +35,12 @@ STAGES: dict[str, StageDef] = {
     for s in (
         StageDef("ingest", "posttrain.stages.ingest", "1", ()),
         StageDef("sft", "posttrain.stages.sft", "1", ("ingest",), distributed=True),
-        StageDef("evaluate", "posttrain.stages.evaluate", "1", ("ingest", "sft")),
-        StageDef("export", "posttrain.stages.export", "1", ("ingest", "sft", "evaluate")),
+        StageDef("reward", "posttrain.stages.reward", "1", ("ingest", "sft"), distributed=True,
+                 optional=True),
+        StageDef("dpo", "posttrain.stages.dpo", "1", ("ingest", "sft"), distributed=True,
+                 optional=True),
+        StageDef("evaluate", "posttrain.stages.evaluate", "1", ("ingest", "sft", "reward", "dpo")),
+        StageDef("export", "posttrain.stages.export", "1", ("ingest", "sft", "dpo", "evaluate")),
     )
 }
 
@@ -56,9 +63,9 @@ def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
             extra = {"source": path_identity(recipe.ingest.path)}
         else:
             section.pop("path", None)
-    elif name == "sft":
+    elif name in ("sft", "reward", "dpo"):
         numerics["dp_size"] = recipe.infra.devices_per_node
-        data = recipe.sft.data
+        data = getattr(recipe, name).data
         extra = {
             k: path_identity(v)
             for k, v in (("path", data.path), ("eval_path", data.eval_path))
@@ -84,8 +91,10 @@ def plan(recipe: Recipe) -> list[PlannedStage]:
     out: list[PlannedStage] = []
     fps: dict[str, str] = {}
     for s in STAGES.values():
+        if s.optional and getattr(recipe, s.name) is None:
+            continue
         inputs, extra = stage_inputs(recipe, s.name)
-        parents = {p: fps[p] for p in s.parents}
+        parents = {p: fps[p] for p in s.parents if p in fps}
         fp = fingerprint(s.name, s.version, inputs, list(parents.values()), extra)
         fps[s.name] = fp
         nprocs = int(recipe.infra.devices_per_node) if s.distributed else 1

@@ -136,28 +136,30 @@ def resolve(recipe: Recipe) -> Recipe:
     r.run.workspace = str(Path(r.run.workspace).expanduser().resolve())
     if r.ingest.path:
         r.ingest.path = str(Path(r.ingest.path).expanduser().resolve())
-    for attr in ("path", "eval_path"):
-        value = getattr(r.sft.data, attr)
-        if value:
-            setattr(r.sft.data, attr, str(Path(value).expanduser().resolve()))
-    try:
-        b = sft_batch(r)
-        r.sft.batch.micro_batch_size = b.micro_batch_size
-        r.sft.batch.grad_accum_steps = b.grad_accum_steps
-        r.sft.batch.global_batch_size = b.global_batch_size
-    except ValueError as exc:
-        errors.append(str(exc))
+    for name, section in r.training_sections().items():
+        for attr in ("path", "eval_path"):
+            value = getattr(section.data, attr)
+            if value:
+                setattr(section.data, attr, str(Path(value).expanduser().resolve()))
+        try:
+            b = section_batch(r, name)
+            section.batch.micro_batch_size = b.micro_batch_size
+            section.batch.grad_accum_steps = b.grad_accum_steps
+            section.batch.global_batch_size = b.global_batch_size
+        except ValueError as exc:
+            errors.append(str(exc))
     if errors:
         raise RecipeError(errors)
     return r
 
 
-def sft_batch(recipe: Recipe) -> ResolvedBatch:
-    b = recipe.sft.batch
+def section_batch(recipe: Recipe, name: str) -> ResolvedBatch:
+    """The resolved batch triple of training section `name` (sft, reward, dpo)."""
+    b = getattr(recipe, name).batch
     dp = recipe.infra.devices_per_node
     assert isinstance(dp, int), "resolve() first"
     return resolve_batch(
-        b.micro_batch_size, b.grad_accum_steps, b.global_batch_size, dp, where="sft.batch"
+        b.micro_batch_size, b.grad_accum_steps, b.global_batch_size, dp, where=f"{name}.batch"
     )
 
 

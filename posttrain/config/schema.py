@@ -38,6 +38,8 @@ class RunConfig(_Section):
 class StageTimeouts(_Section):
     ingest: float = Field(1800, gt=0, description="Seconds before the ingest stage is killed.")
     sft: float = Field(6 * 3600, gt=0, description="Seconds before the SFT stage is killed.")
+    reward: float = Field(6 * 3600, gt=0, description="Seconds before the reward stage is killed.")
+    dpo: float = Field(6 * 3600, gt=0, description="Seconds before the DPO stage is killed.")
     evaluate: float = Field(3600, gt=0, description="Seconds before the evaluate stage is killed.")
     export: float = Field(3600, gt=0, description="Seconds before the export stage is killed.")
 
@@ -210,9 +212,9 @@ class BatchConfig(_Section):
     global_batch_size: int | None = Field(None, ge=1, description="Sequences per optimizer step.")
 
 
-class SFTConfig(_Section):
-    data: DataConfig = Field(description="Training data.")
-    lora: LoraConfig = Field(default_factory=LoraConfig, description="Adapter shape.")
+class TrainingSection(_Section):
+    """Fields every training stage shares."""
+
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and schedule.")
     batch: BatchConfig = Field(
         default_factory=lambda: BatchConfig(micro_batch_size=8, grad_accum_steps=1),
@@ -226,18 +228,110 @@ class SFTConfig(_Section):
         False,
         description="Recompute each block's activations in backward: less memory, ~30% slower.",
     )
-    packing: bool = Field(
-        False,
-        description="Concatenate short rows into full max_seq_len sequences (position ids "
-        "restart per row; attention across rows is not masked, as in most packers).",
-    )
     checkpoint_every: int = Field(
         50, ge=0, description="Save a resumable checkpoint every N steps."
     )
     keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints kept on disk.")
     log_every: int = Field(1, ge=1, description="Write metrics.jsonl every N optimizer steps.")
+
+
+class SFTConfig(TrainingSection):
+    data: DataConfig = Field(description="Training data.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="Adapter shape.")
+    packing: bool = Field(
+        False,
+        description="Concatenate short rows into full max_seq_len sequences (position ids "
+        "restart per row; attention across rows is not masked, as in most packers).",
+    )
     eval_every: int = Field(
         0, ge=0, description="Held-out loss every N steps (0 = only at the end)."
+    )
+
+
+class PreferenceDataConfig(_Section):
+    path: str | None = Field(
+        None,
+        description="JSONL, JSON, Parquet file, or a saved `datasets` folder of pairs: "
+        "`prompt`/`chosen`/`rejected` as text or message lists, or `chosen`/`rejected` full "
+        "conversations with the prompt implicit in their shared prefix.",
+    )
+    synthetic: SyntheticData | None = Field(
+        None, description="Generate quickstart pairs (correct vs wrong answer) instead of `path`."
+    )
+    eval_path: str | None = Field(None, description="Held-out pairs; default: split from `path`.")
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Held-out share of pairs.")
+    max_seq_len: int = Field(256, ge=8, description="Tokens per prompt + response.")
+    max_prompt_len: int = Field(
+        128, ge=1, description="Longer prompts keep their last max_prompt_len tokens."
+    )
+    on_invalid: Literal["error", "skip"] = Field(
+        "error",
+        description="A bad pair (missing/empty field, chosen == rejected, no room for a "
+        "response): stop naming file and row, or skip it and count it by reason.",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PreferenceDataConfig:
+        if (self.path is None) == (self.synthetic is None):
+            raise ValueError("give exactly one of data.path or data.synthetic")
+        if self.max_prompt_len >= self.max_seq_len:
+            raise ValueError(
+                f"max_prompt_len {self.max_prompt_len} leaves no room for a response "
+                f"within max_seq_len {self.max_seq_len}"
+            )
+        return self
+
+
+class TemplateGuard(_Section):
+    chat_template: str | None = Field(
+        None,
+        description="Format this stage's text with another chat template than the one "
+        "recorded at SFT. Refused unless allow_template_change is true.",
+    )
+    allow_template_change: bool = Field(
+        False,
+        description="Accept a template that differs from the one the policy was "
+        "fine-tuned with (template mismatches silently cost reward accuracy).",
+    )
+
+
+class RewardConfig(TrainingSection, TemplateGuard):
+    data: PreferenceDataConfig = Field(description="Preference pairs.")
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig, description="Adapter shape (the score head is trained in full)."
+    )
+    margin: float = Field(
+        0.0,
+        description="Bradley-Terry margin: loss = -log sigmoid(r_chosen - r_rejected - margin).",
+    )
+    min_accuracy: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Quality gate: held-out pair accuracy below this stops the "
+        "pipeline before any RL stage.",
+    )
+
+
+class DPOConfig(TrainingSection, TemplateGuard):
+    data: PreferenceDataConfig = Field(description="Preference pairs.")
+    loss: Literal["sigmoid", "ipo", "robust", "hinge", "simpo"] = Field(
+        "sigmoid",
+        description="Preference loss: sigmoid (DPO), ipo, robust (label-smoothing "
+        "unbiased), hinge (SLiC), simpo (reference-free, length-normalised).",
+    )
+    beta: float = Field(0.1, gt=0, description="Strength of the implicit KL constraint.")
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="Assumed preference-label noise (sigmoid, robust, simpo)."
+    )
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO target reward margin.")
+    sft_weight: float = Field(
+        0.0, ge=0, description="Weight of an added NLL term on the chosen response."
+    )
+    precompute_reference: bool = Field(
+        False,
+        description="Compute reference log-probs once, store them as an artifact keyed by "
+        "reference, data, template and max length, and reuse them across runs.",
     )
 
 
@@ -298,6 +392,8 @@ class Recipe(_Section):
     infra: InfraConfig = Field(default_factory=InfraConfig, description="Devices and limits.")
     ingest: IngestConfig = Field(description="Base checkpoint.")
     sft: SFTConfig = Field(description="LoRA supervised fine-tuning.")
+    reward: RewardConfig | None = Field(None, description="Reward-model training; omit to skip.")
+    dpo: DPOConfig | None = Field(None, description="DPO-family preference tuning; omit to skip.")
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation.")
     export: ExportConfig = Field(default_factory=ExportConfig, description="Merged export.")
 
@@ -306,12 +402,17 @@ class Recipe(_Section):
         # With devices_per_node = "auto" the data-parallel size is only known once devices are
         # probed; `posttrain.config.loader.resolve` checks it then.
         if isinstance(self.infra.devices_per_node, int):
-            b = self.sft.batch
-            resolve_batch(
-                b.micro_batch_size,
-                b.grad_accum_steps,
-                b.global_batch_size,
-                self.infra.devices_per_node,
-                where="sft.batch",
-            )
+            for name, section in self.training_sections().items():
+                b = section.batch
+                resolve_batch(
+                    b.micro_batch_size,
+                    b.grad_accum_steps,
+                    b.global_batch_size,
+                    self.infra.devices_per_node,
+                    where=f"{name}.batch",
+                )
         return self
+
+    def training_sections(self) -> dict[str, TrainingSection]:
+        """The training stages this recipe runs, by name."""
+        return {n: s for n in ("sft", "reward", "dpo") if (s := getattr(self, n)) is not None}

@@ -79,7 +79,17 @@ def _as_conversation(value: Any, field: str, where: str) -> Messages:
     # A bare string response is one assistant turn.
     if isinstance(value, str):
         return [{"role": "assistant", "content": value}]
+    _string_or_list(value, field, where)
     return _messages(value, field, where)
+
+
+def _string_or_list(value: Any, field: str, where: str) -> None:
+    if not isinstance(value, str | list):
+        _fail(
+            where,
+            "wrong_type",
+            f"'{field}' must be a string or a list of messages, got {type(value).__name__}",
+        )
 
 
 def _split_final_replies(
@@ -125,6 +135,7 @@ def check_preference_row(row: Any, where: str) -> dict[str, Any]:
             _messages(chosen, "chosen", where), _messages(rejected, "rejected", where), where
         )
     else:
+        _string_or_list(prompt, "prompt", where)
         if isinstance(prompt, str):
             msgs = [{"role": "user", "content": prompt}]
         else:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from posttrain.config.loader import sft_batch
+from posttrain.config.loader import section_batch
 from posttrain.data.batching import pack_examples, pad_batch, step_indices
 from posttrain.data.chat import IGNORE, template_sha256
 from posttrain.data.sft_data import prepare, write_rows
@@ -93,7 +93,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         write_rows(ctx.out_dir / "data" / "train.jsonl", data.train_rows)
         write_rows(ctx.out_dir / "data" / "eval.jsonl", data.eval_rows)
     train = pack_examples(data.train, cfg.data.max_seq_len) if cfg.packing else data.train
-    batch = sft_batch(ctx.recipe)
+    batch = section_batch(ctx.recipe, "sft")
     assert batch.dp_size == world, f"recipe dp size {batch.dp_size} != world size {world}"
     total_steps = cfg.max_steps or max(
         1, math.ceil(cfg.epochs * len(train) / batch.global_batch_size)
