@@ -25,3 +25,28 @@ def token_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
         reduction="sum",
     )
     return nll, (shift_labels != IGNORE).sum()
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence summed log-probability of the labelled (response) tokens.
+
+    logits: [B, T, V]; labels: [B, T] with IGNORE outside the response. Position t predicts
+    labels[t + 1]. Returns (logps [B], n_tokens [B]); log_softmax is taken in fp32.
+    """
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = labels[:, 1:]
+    mask = shift_labels != IGNORE
+    safe = shift_labels.masked_fill(~mask, 0)
+    token_logps = torch.gather(shift_logits.log_softmax(-1), 2, safe.unsqueeze(-1)).squeeze(-1)
+    return (token_logps * mask).sum(-1), mask.sum(-1)
+
+
+def bradley_terry_loss(
+    chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, margin: float = 0.0
+) -> torch.Tensor:
+    """Reward-model pairwise loss per pair: -log sigmoid(r_chosen - r_rejected - margin).
+
+    chosen_rewards, rejected_rewards: [B] scalar scores. Returns losses [B]. A positive margin
+    asks the model to separate the pair by at least that much (Llama 2's margin term).
+    """
+    return -F.logsigmoid(chosen_rewards - rejected_rewards - margin)

@@ -224,25 +224,35 @@ PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
 REFERENCE_FREE = {"simpo"}
 
 
+def _unknown(name: str) -> ValueError:
+    return ValueError(
+        f"unknown preference loss {name!r}; known: {', '.join(sorted(PREFERENCE_LOSSES))}"
+    )
+
+
+def loss_hyperparameters(name: str) -> list[str]:
+    """The hyperparameters loss `name` takes, e.g. ["beta", "label_smoothing"] for "sigmoid"."""
+    if name not in PREFERENCE_LOSSES:
+        raise _unknown(name)
+    params = inspect.signature(PREFERENCE_LOSSES[name]).parameters.values()
+    return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
 def preference_loss(name: str, **hparams: float) -> PreferenceLoss:
     """The loss `name` with its hyperparameters bound: call it with the tensors only.
 
     Raises ValueError for an unknown name (listing the known ones), a hyperparameter the loss
-    does not take, or an invalid value. The bound loss is run once on a one-pair batch here, so a
-    bad value fails at setup rather than at the first training step, after models are loaded.
+    does not take (see `loss_hyperparameters`), or an invalid value. The bound loss is run once
+    on a one-pair batch here, so a bad value fails at setup rather than at the first training
+    step, after the models are loaded.
     """
-    if name not in PREFERENCE_LOSSES:
-        raise ValueError(
-            f"unknown preference loss {name!r}; known: {', '.join(sorted(PREFERENCE_LOSSES))}"
-        )
-    fn = PREFERENCE_LOSSES[name]
-    params = inspect.signature(fn).parameters.values()
-    takes = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    takes = loss_hyperparameters(name)
     unknown = sorted(set(hparams) - set(takes))
     if unknown:
         raise ValueError(
             f"preference loss {name!r} takes {', '.join(takes)}; got unexpected {', '.join(unknown)}"
         )
+    fn = PREFERENCE_LOSSES[name]
     bound = functools.partial(fn, **hparams)
     one, zero = torch.ones(1), torch.zeros(1)
     try:

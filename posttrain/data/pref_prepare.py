@@ -1,0 +1,94 @@
+"""Preference pairs for a training stage: read or generate, split, check the template, encode."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from posttrain.config.schema import PreferenceDataConfig, TemplateGuard
+from posttrain.data.chat import TemplateError, template_sha256
+from posttrain.data.preference import (
+    encode_pairs,
+    quickstart_preference_rows,
+    read_preference_rows,
+)
+
+
+@dataclass
+class PreferenceData:
+    train_rows: list[dict[str, Any]]
+    eval_rows: list[dict[str, Any]]
+    train: list[dict[str, Any]] = field(default_factory=list)  # encoded pairs
+    eval: list[dict[str, Any]] = field(default_factory=list)
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+def guard_template(
+    tokenizer: Any, recorded_sha: str | None, stage: str, guard: TemplateGuard
+) -> str:
+    """Install the stage's template override, if any, and refuse a template that differs from
+    the one the policy was fine-tuned with unless the recipe says so on purpose. Returns the
+    sha256 of the template in use."""
+    if guard.chat_template:
+        tokenizer.chat_template = guard.chat_template
+    sha = template_sha256(tokenizer)
+    if recorded_sha and sha != recorded_sha and not guard.allow_template_change:
+        raise TemplateError(
+            f"{stage}: the chat template differs from the one recorded at SFT (sha256 "
+            f"{sha[:12]} vs {recorded_sha[:12]}); formatting preference data with another "
+            f"template than the policy learnt silently costs accuracy. Remove {stage}.chat_template "
+            f"or set {stage}.allow_template_change: true"
+        )
+    return sha
+
+
+def _read(cfg: PreferenceDataConfig, seed: int) -> tuple[list, list, list, list, dict[str, int]]:
+    if cfg.synthetic is not None:
+        rows = quickstart_preference_rows(cfg.synthetic.n_examples, cfg.synthetic.seed)
+        located, dropped = [(f"synthetic row {i}", r) for i, r in enumerate(rows)], {}
+    else:
+        assert cfg.path is not None
+        located, dropped = read_preference_rows(cfg.path, cfg.on_invalid)
+    if cfg.eval_path:
+        held, more = read_preference_rows(cfg.eval_path, cfg.on_invalid)
+        dropped = {k: dropped.get(k, 0) + more.get(k, 0) for k in {*dropped, *more}}
+        train = located
+    else:
+        order = list(range(len(located)))
+        random.Random(seed).shuffle(order)
+        n_eval = max(1, round(len(located) * cfg.eval_fraction)) if cfg.eval_fraction else 0
+        if len(located) - n_eval < 1:
+            raise ValueError(
+                f"{len(located)} pairs leave nothing to train on after the held-out "
+                f"split (eval_fraction {cfg.eval_fraction})"
+            )
+        held_idx = set(order[:n_eval])
+        train = [x for i, x in enumerate(located) if i not in held_idx]
+        held = [x for i, x in enumerate(located) if i in held_idx]
+    return (
+        [r for _, r in train],
+        [w for w, _ in train],
+        [r for _, r in held],
+        [w for w, _ in held],
+        dropped,
+    )
+
+
+def prepare(cfg: PreferenceDataConfig, tokenizer: Any, seed: int) -> PreferenceData:
+    train_rows, train_where, eval_rows, eval_where, dropped = _read(cfg, seed)
+    data = PreferenceData(train_rows, eval_rows)
+    data.train, tstats = encode_pairs(
+        tokenizer, train_rows, cfg.max_seq_len, cfg.max_prompt_len, cfg.on_invalid, train_where
+    )
+    data.eval, estats = encode_pairs(
+        tokenizer, eval_rows, cfg.max_seq_len, cfg.max_prompt_len, cfg.on_invalid, eval_where
+    )
+    if not data.train:
+        raise ValueError("no training pair left after validation and encoding")
+    data.stats = (
+        {f"dropped_{k}": v for k, v in dropped.items()}
+        | {f"train_{k}": v for k, v in tstats.items()}
+        | {f"eval_{k}": v for k, v in estats.items()}
+    )
+    return data

@@ -1,0 +1,48 @@
+"""Several LoRA adapters on one base: the trainable policy and a frozen reference share the base
+weights, so a DPO/PPO stage holds one copy of the base instead of two models."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from peft.tuners.tuners_utils import BaseTunerLayer
+from transformers import PreTrainedModel
+
+POLICY, REFERENCE = "default", "reference"
+
+
+def policy_with_reference(base: PreTrainedModel, sft_adapter: Path) -> PeftModel:
+    """Base + the SFT adapter twice: "default" (trainable, continues from SFT) and "reference"
+    (frozen copy of SFT: never the raw base). The reference has no gradients and so no
+    optimizer state."""
+    model = PeftModel.from_pretrained(
+        base, str(sft_adapter), adapter_name=POLICY, is_trainable=True
+    )
+    model.load_adapter(str(sft_adapter), adapter_name=REFERENCE, is_trainable=False)
+    for name, p in model.named_parameters():
+        if f".{REFERENCE}." in name:
+            p.requires_grad_(False)
+    return model
+
+
+@contextmanager
+def active_adapter(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """Route every LoRA layer through adapter `name` for the duration.
+
+    Sets the layers' active adapter directly rather than through `PeftModel.set_adapter`, which
+    also flips `requires_grad` (it would make the frozen reference trainable and the policy
+    frozen mid-step, and FSDP2 would then see changed gradient layouts).
+    """
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    previous = [m._active_adapter for m in layers]
+    for m in layers:
+        m._active_adapter = name
+    try:
+        yield
+    finally:
+        for m, prev in zip(layers, previous, strict=True):
+            m._active_adapter = prev
