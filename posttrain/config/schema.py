@@ -364,6 +364,16 @@ class EvaluateConfig(_Section):
     inference_prompt_tokens: int = Field(64, ge=1, description="Prompt length for latency figures.")
     inference_new_tokens: int = Field(32, ge=1, description="Generated tokens for latency figures.")
     inference_repeats: int = Field(3, ge=1, description="Timed repeats (median is reported).")
+    win_rate_prompts: int = Field(
+        64,
+        ge=1,
+        description="Held-out DPO prompts on which the tuned policy's answers are judged "
+        "against the SFT policy's by the reward model (needs reward and dpo sections).",
+    )
+    win_rate_sampling: SamplingConfig = Field(
+        default_factory=lambda: SamplingConfig(name="win-rate", strategy="greedy"),
+        description="Decoding used for the win-rate generations.",
+    )
 
     @model_validator(mode="after")
     def _unique_names(self) -> EvaluateConfig:

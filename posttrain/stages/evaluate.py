@@ -24,6 +24,7 @@ from posttrain.data.sft_data import tokenize_rows, write_rows
 from posttrain.eval.generation import generate
 from posttrain.eval.heldout import heldout_loss
 from posttrain.eval.inference import compare_cache_modes
+from posttrain.models.adapters import active_adapter
 from posttrain.models.loading import load_base
 from posttrain.stages.common import StageContext, stage_main
 
@@ -44,6 +45,80 @@ def _inference_prompt(tok: Any, prompts: list[str], n_tokens: int) -> torch.Tens
     return torch.tensor([ids[:n_tokens]])
 
 
+def _pairs(ctx: StageContext, stage: str, tok: Any) -> list[dict]:
+    """Encoded held-out pairs of a preference stage (its data/eval.jsonl, its length limits)."""
+    from posttrain.data.preference import encode_pairs
+
+    cfg = getattr(ctx.recipe, stage).data
+    rows = [
+        json.loads(x)
+        for x in (ctx.parent_dir(stage) / "data" / "eval.jsonl").read_text().splitlines()
+    ]
+    return encode_pairs(
+        tok, rows[: ctx.recipe.evaluate.max_eval_rows], cfg.max_seq_len, cfg.max_prompt_len, "skip"
+    )[0]
+
+
+def preference_metrics(
+    ctx: StageContext, model: Any, tok: Any, device: torch.device
+) -> dict[str, Any]:
+    """Reward-model accuracy, DPO implicit-reward accuracy and the DPO policy's win-rate against
+    the SFT policy judged by the reward model — each when its stages ran."""
+    from posttrain.eval.preference_eval import implicit_reward_accuracy, reward_accuracy, win_rate
+    from posttrain.models.reward import load_reward_model
+
+    cfg = ctx.recipe.evaluate
+    out: dict[str, Any] = {}
+    rm = None
+    if "reward" in ctx.parents:
+        ingest = ctx.parent_manifest("ingest")["summary"]
+        rm = load_reward_model(
+            ingest["model_dir"],
+            ctx.parent_dir("reward") / "adapter",
+            tok.pad_token_id,
+            ingest.get("trust_remote_code", False),
+        ).to(device)
+        out["reward_model"] = reward_accuracy(
+            rm, _pairs(ctx, "reward", tok), tok.pad_token_id, cfg.batch_size
+        )
+        log.info("reward model held-out accuracy %.3f", out["reward_model"]["accuracy"])
+    if "dpo" in ctx.parents:
+        assert ctx.recipe.dpo is not None
+        pairs = _pairs(ctx, "dpo", tok)
+        out["dpo_implicit"] = implicit_reward_accuracy(
+            model, "default", "sft", pairs, tok.pad_token_id, ctx.recipe.dpo.beta, cfg.batch_size
+        )
+        log.info("DPO implicit-reward held-out accuracy %.3f", out["dpo_implicit"]["accuracy"])
+        if rm is not None:
+            rows = [
+                json.loads(x)
+                for x in (ctx.parent_dir("dpo") / "data" / "eval.jsonl").read_text().splitlines()
+            ]
+            prompts = [r["prompt"] for r in rows[: cfg.win_rate_prompts]]
+            wr = win_rate(
+                model,
+                tok,
+                rm,
+                prompts,
+                "default",
+                "sft",
+                cfg.win_rate_sampling,
+                ctx.recipe.run.seed,
+                cfg.batch_size,
+            )
+            write_rows(ctx.out_dir / "win_rate_samples.jsonl", wr.pop("examples"))
+            out["win_rate_vs_sft"] = wr
+            log.info(
+                "DPO policy vs SFT policy, judged by the reward model: %d wins, %d losses, "
+                "%d ties (win-rate %.3f)",
+                wr["wins"],
+                wr["losses"],
+                wr["ties"],
+                wr["win_rate"],
+            )
+    return out
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     from peft import PeftModel
 
@@ -52,7 +127,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     device = torch.device("cuda" if ctx.recipe.infra.device == "cuda" else "cpu")
     base, tok = load_base(ctx.parent_dir("ingest"), ctx.parent_manifest("ingest"))
     sft_dir = ctx.parent_dir("sft")
-    model = PeftModel.from_pretrained(base, str(sft_dir / "adapter")).to(device).eval()
+    # The tuned policy is the last policy stage that ran; with DPO the SFT policy is loaded as a
+    # second adapter ("sft") on the same base, for the comparisons below.
+    policy_stage = "dpo" if "dpo" in ctx.parents else "sft"
+    model = PeftModel.from_pretrained(base, str(ctx.parent_dir(policy_stage) / "adapter"))
+    if policy_stage == "dpo":
+        model.load_adapter(str(sft_dir / "adapter"), adapter_name="sft")
+    model = model.to(device).eval()
 
     rows = [json.loads(x) for x in (sft_dir / "data" / "eval.jsonl").read_text().splitlines()]
     rows = rows[: cfg.max_eval_rows]
@@ -119,12 +200,20 @@ def run(ctx: StageContext) -> dict[str, Any]:
         inference["no_cache"]["tokens_per_s"],
     )
 
+    heldout = {"base": base_scores, "tuned": tuned_scores, "rows": len(examples)}
+    if policy_stage == "dpo":  # how far preference tuning moved the policy from SFT's fit
+        with active_adapter(model, "sft"):
+            heldout["sft"] = heldout_loss(
+                model, _batches(examples, tok.pad_token_id, cfg.batch_size), device
+            )
     report = {
-        "heldout": {"base": base_scores, "tuned": tuned_scores, "rows": len(examples)},
+        "policy": policy_stage,
+        "heldout": heldout,
         "exact_match": exact,
         "inference": inference,
         "samples": len(samples),
     }
+    report |= preference_metrics(ctx, model, tok, device)
     (ctx.out_dir / "eval.json").write_text(json.dumps(report, indent=2))
     headline = {
         "base_loss": base_scores["loss"],
@@ -133,7 +222,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
     }
     if exact:
         headline |= {"exact_match_base": exact["base"], "exact_match_tuned": exact["tuned"]}
+    if "sft" in heldout:
+        headline["sft_loss"] = heldout["sft"]["loss"]
     headline["decode_tok/s"] = inference["cache"]["tokens_per_s"]
+    if "reward_model" in report:
+        headline["rm_accuracy"] = report["reward_model"]["accuracy"]
+    if "dpo_implicit" in report:
+        headline["dpo_accuracy"] = report["dpo_implicit"]["accuracy"]
+    if "win_rate_vs_sft" in report:
+        headline["win_rate_vs_sft"] = report["win_rate_vs_sft"]["win_rate"]
     return {**report, "headline": {k: round(v, 4) for k, v in headline.items()}}
 
 

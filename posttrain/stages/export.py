@@ -47,7 +47,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.recipe.export
     ingest = ctx.parent_manifest("ingest")
     base_dir = ingest["summary"]["model_dir"]
-    adapter_dir = ctx.parent_dir("sft") / "adapter"
+    # The policy to ship is the last policy stage that ran.
+    policy_stage = "dpo" if "dpo" in ctx.parents else "sft"
+    adapter_dir = ctx.parent_dir(policy_stage) / "adapter"
     dtype_name = base_dtype(ingest["summary"]) if cfg.dtype == "auto" else cfg.dtype
     trust = bool(ingest["summary"].get("trust_remote_code", False))
 
@@ -107,7 +109,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "fingerprint": ctx.parents["ingest"].fingerprint,
     }
     sections = {
-        s: getattr(ctx.recipe, s).model_dump(mode="json") for s in ("ingest", "sft", "export")
+        s: getattr(ctx.recipe, s).model_dump(mode="json")
+        for s in ("ingest", "sft", "reward", "dpo", "export")
+        if getattr(ctx.recipe, s) is not None
     }
     (out / "README.md").write_text(
         model_card(ctx.recipe.run.name, base_info, lineage, files, metrics, sections)

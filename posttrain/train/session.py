@@ -221,7 +221,12 @@ def start_session(
     )
 
 
-def save_adapter(model: torch.nn.Module, ctx: Any, name: str = "adapter") -> None:
+def save_adapter(
+    model: torch.nn.Module,
+    ctx: Any,
+    name: str = "adapter",
+    selected_adapters: list[str] | None = None,
+) -> None:
     """Gather the trainable weights to full tensors (collective on every rank) and save them in
     peft format on rank 0 under `<out_dir>/<name>`."""
     import torch.distributed as dist
@@ -232,6 +237,7 @@ def save_adapter(model: torch.nn.Module, ctx: Any, name: str = "adapter") -> Non
         options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True),
     )
     if ctx.is_main:
-        model.save_pretrained(str(ctx.out_dir / name), state_dict=full)
+        kw = {"selected_adapters": selected_adapters} if selected_adapters else {}
+        model.save_pretrained(str(ctx.out_dir / name), state_dict=full, **kw)
     if dist.is_initialized():
         dist.barrier()

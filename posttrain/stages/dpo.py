@@ -1,0 +1,384 @@
+"""dpo: preference tuning of the SFT policy with the DPO loss family.
+
+Algorithm choices:
+- Policy = base + the SFT adapter, trained further. Reference = a frozen second copy of the SFT
+  adapter on the SAME base ("reference" adapter): the reference is the SFT policy, never silently
+  the raw base, and the base weights are held once. Both are sharded together by FSDP2.
+- Per pair: summed log-probs of the response tokens (final assistant turn + its end-of-turn) under
+  policy and reference; the loss comes from the registry (`dpo.loss`: sigmoid, ipo, robust,
+  hinge, simpo), plus `sft_weight` x per-token NLL of the chosen response. Pairs weigh equally:
+  each micro-batch backprops sum(pair losses) * world / global_pairs.
+- `precompute_reference`: reference log-probs of every training pair are computed once and
+  stored under `<workspace>/artifacts/ref_logps/<key>/`, key = hash(SFT adapter fingerprint,
+  encoded pairs, template, lengths); later runs with the same key (another beta, loss, lr...)
+  reuse them instead of running the reference forward every step.
+- Held-out pairs at step 0 and at the end: implicit-reward accuracy and margin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.artifacts import canonical_json, fingerprint, verify, write_manifest
+from posttrain.config.loader import section_batch
+from posttrain.data.batching import step_indices
+from posttrain.data.pref_prepare import guard_template, prepare
+from posttrain.data.sft_data import write_rows
+from posttrain.distributed.runtime import all_reduce_sum
+from posttrain.models.adapters import REFERENCE, active_adapter, policy_with_reference
+from posttrain.models.loading import load_base
+from posttrain.models.reward import pair_batch
+from posttrain.stages.common import StageContext, stage_main
+from posttrain.telemetry.metrics import memory_snapshot
+from posttrain.train.losses import sequence_logps
+from posttrain.train.preference_losses import (
+    REFERENCE_FREE,
+    loss_hyperparameters,
+    nll_term,
+    preference_loss,
+)
+from posttrain.train.session import save_adapter, start_session
+
+log = logging.getLogger("posttrain.dpo")
+REF_CACHE_VERSION = "1"
+
+
+def pair_logps(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chosen logps [B], rejected logps [B], chosen lengths [B], rejected lengths [B]) from one
+    `pair_batch` (chosen rows first, then rejected, in one forward)."""
+    logits = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+    ).logits  # [2B, T, V]
+    logps, lengths = sequence_logps(logits, batch["labels"])
+    half = logps.size(0) // 2
+    return logps[:half], logps[half:], lengths[:half], lengths[half:]
+
+
+def _equal_batches(n: int, world: int, batch_size: int) -> int:
+    return math.ceil(math.ceil(n / world) / batch_size)
+
+
+@torch.no_grad()
+def reference_logps(
+    model: torch.nn.Module,
+    pairs: list[dict],
+    pad_id: int,
+    batch_size: int,
+    device: torch.device,
+    rank: int,
+    world: int,
+) -> torch.Tensor:
+    """[N, 2] (chosen, rejected) reference log-probs of every pair, computed rank-strided with
+    the same number of forwards on every rank, then summed across ranks."""
+    out = torch.zeros(len(pairs), 2, dtype=torch.float64, device=device)
+    mine = list(range(rank, len(pairs), world))
+    for b in range(_equal_batches(len(pairs), world, batch_size)):
+        idx = mine[b * batch_size : (b + 1) * batch_size]
+        chunk = [pairs[i] for i in idx] or pairs[:1]
+        batch = {k: v.to(device) for k, v in pair_batch(chunk, pad_id).items()}
+        with active_adapter(model, REFERENCE):
+            c, r, _, _ = pair_logps(model, batch)
+        if idx:
+            out[idx, 0], out[idx, 1] = c.double(), r.double()
+    if torch.distributed.is_initialized() and world > 1:
+        torch.distributed.all_reduce(out)
+    return out
+
+
+def ref_cache_key(
+    sft_fp: str, pairs: list[dict], template_sha: str, max_len: int, max_prompt_len: int
+) -> str:
+    content = hashlib.sha256(
+        canonical_json(
+            [
+                [p["chosen_ids"], p["chosen_labels"], p["rejected_ids"], p["rejected_labels"]]
+                for p in pairs
+            ]
+        ).encode()
+    ).hexdigest()
+    return fingerprint(
+        "ref_logps",
+        REF_CACHE_VERSION,
+        {
+            "template": template_sha,
+            "max_len": max_len,
+            "max_prompt_len": max_prompt_len,
+            "pairs": content,
+        },
+        [sft_fp],
+    )
+
+
+def cached_reference(
+    ctx: StageContext,
+    model: torch.nn.Module,
+    pairs: list[dict],
+    key: str,
+    pad_id: int,
+    batch_size: int,
+) -> tuple[torch.Tensor, str]:
+    """Reference log-probs from the workspace cache, computing and storing them on a miss.
+    Returns ([N, 2] log-probs, "hit" | "miss")."""
+    from safetensors.torch import load_file, save_file
+
+    d = ctx.dist
+    folder = Path(ctx.recipe.run.workspace) / "artifacts" / "ref_logps" / key
+    if verify(folder)[0]:
+        return load_file(folder / "ref_logps.safetensors")["logps"].to(d.device), "hit"
+    logps = reference_logps(model, pairs, pad_id, batch_size, d.device, d.rank, d.world_size)
+    if ctx.is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({"logps": logps.cpu()}, folder / "ref_logps.safetensors")
+        write_manifest(
+            folder,
+            stage="ref_logps",
+            fp=key,
+            parents=[ctx.parents["sft"].fingerprint],
+            section={"pairs": len(pairs)},
+            seed=ctx.recipe.run.seed,
+            summary={"pairs": len(pairs)},
+        )
+    torch.distributed.barrier()
+    return logps, "miss"
+
+
+@torch.no_grad()
+def heldout_preferences(
+    model: torch.nn.Module,
+    pairs: list[dict],
+    loss_fn: Any,
+    pad_id: int,
+    batch_size: int,
+    device: torch.device,
+    rank: int,
+    world: int,
+) -> dict[str, float]:
+    """Implicit-reward accuracy, margin and loss on held-out pairs (reference computed online)."""
+    model.eval()
+    mine = pairs[rank::world]
+    s = {"n": 0.0, "correct": 0.0, "margin": 0.0, "loss": 0.0}
+    for b in range(_equal_batches(len(pairs), world, batch_size)):
+        chunk = mine[b * batch_size : (b + 1) * batch_size]
+        w = 1.0 if chunk else 0.0
+        batch = {k: v.to(device) for k, v in pair_batch(chunk or pairs[:1], pad_id).items()}
+        pc, pr, lc, lr_ = pair_logps(model, batch)
+        with active_adapter(model, REFERENCE):
+            rc, rr, _, _ = pair_logps(model, batch)
+        losses, cr, rj = loss_fn(pc, pr, rc, rr, lc, lr_)
+        s["n"] += w * len(losses)
+        s["correct"] += w * (cr > rj).sum().item()
+        s["margin"] += w * (cr - rj).sum().item()
+        s["loss"] += w * losses.sum().item()
+    model.train()
+    t = {k: all_reduce_sum(v, device) for k, v in s.items()}
+    n = max(1.0, t["n"])
+    return {"accuracy": t["correct"] / n, "margin": t["margin"] / n, "loss": t["loss"] / n}
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    cfg = ctx.recipe.dpo
+    assert cfg is not None
+    d = ctx.dist
+    device, rank, world = d.device, d.rank, d.world_size
+    seed = ctx.recipe.run.seed
+
+    base, tok = load_base(ctx.parent_dir("ingest"), ctx.parent_manifest("ingest"))
+    sft_sha = ctx.parent_manifest("sft")["summary"].get("chat_template_sha256")
+    template_sha = guard_template(tok, sft_sha, "dpo", cfg)
+    data = prepare(cfg.data, tok, seed)
+    if ctx.is_main:
+        write_rows(ctx.out_dir / "data" / "train.jsonl", data.train_rows)
+        write_rows(ctx.out_dir / "data" / "eval.jsonl", data.eval_rows)
+    batch = section_batch(ctx.recipe, "dpo")
+    total_steps = cfg.max_steps or max(
+        1, math.ceil(cfg.epochs * len(data.train) / batch.global_batch_size)
+    )
+    hp = {"beta": cfg.beta, "label_smoothing": cfg.label_smoothing, "gamma": cfg.simpo_gamma}
+    loss_fn = preference_loss(cfg.loss, **{k: hp[k] for k in loss_hyperparameters(cfg.loss)})
+    needs_ref = cfg.loss not in REFERENCE_FREE
+
+    if cfg.activation_checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.config.use_cache = False
+    model = policy_with_reference(base, ctx.parent_dir("sft") / "adapter")
+    tr = start_session(
+        ctx,
+        model,
+        cfg.optim,
+        batch,
+        total_steps,
+        train_examples=len(data.train),
+        eval_examples=len(data.eval),
+        loss_type=cfg.loss,
+        **data.stats,
+    )
+    model = tr.model
+    eval_bs = batch.micro_batch_size
+
+    ref_table, ref_cache = None, "off"
+    if needs_ref and cfg.precompute_reference:
+        key = ref_cache_key(
+            ctx.parents["sft"].fingerprint,
+            data.train,
+            template_sha,
+            cfg.data.max_seq_len,
+            cfg.data.max_prompt_len,
+        )
+        ref_table, ref_cache = cached_reference(
+            ctx, model, data.train, key, tok.pad_token_id, eval_bs
+        )
+        log.info("reference log-probs: cache %s (%s)", ref_cache, key)
+    first = None
+    if tr.start_step == 0:
+        first = heldout_preferences(
+            model, data.eval, loss_fn, tok.pad_token_id, eval_bs, device, rank, world
+        )
+        tr.metrics.write("eval", step=0, **{f"eval_{k}": v for k, v in first.items()})
+        log.info(
+            "held-out preference accuracy at step 0 (policy = reference): %.3f", first["accuracy"]
+        )
+
+    for step in range(tr.start_step, total_steps):
+        t0 = time.perf_counter()
+        idx = step_indices(
+            len(data.train),
+            step,
+            micro=batch.micro_batch_size,
+            accum=batch.grad_accum_steps,
+            dp_size=world,
+            rank=rank,
+            seed=seed,
+        )
+        micro = [
+            (
+                ix,
+                {
+                    k: v.to(device)
+                    for k, v in pair_batch([data.train[i] for i in ix], tok.pad_token_id).items()
+                },
+            )
+            for ix in idx
+        ]
+        local_tokens = sum(int(mb["attention_mask"].sum()) for _, mb in micro)
+        t_data = time.perf_counter() - t0
+        t_ref = 0.0
+        sums = dict.fromkeys(
+            (
+                "loss",
+                "correct",
+                "margin",
+                "chosen_reward",
+                "rejected_reward",
+                "policy_chosen_logps",
+                "policy_rejected_logps",
+                "ref_chosen_logps",
+                "ref_rejected_logps",
+            ),
+            0.0,
+        )
+        for k, (ix, mb) in enumerate(micro):
+            model.set_requires_gradient_sync(k == len(micro) - 1)
+            if not needs_ref:
+                rc = rr = torch.zeros(len(ix), device=device)
+            elif ref_table is not None:
+                rc, rr = ref_table[ix, 0].float(), ref_table[ix, 1].float()
+            else:
+                t_r = time.perf_counter()
+                with torch.no_grad(), active_adapter(model, REFERENCE):
+                    rc, rr, _, _ = pair_logps(model, mb)
+                t_ref += time.perf_counter() - t_r
+            pc, pr, lc, lr_ = pair_logps(model, mb)
+            losses, cr, rj = loss_fn(pc, pr, rc, rr, lc, lr_)  # [micro] each
+            loss = losses.sum() * world / batch.global_batch_size
+            if cfg.sft_weight:
+                loss = (
+                    loss
+                    + cfg.sft_weight * nll_term(pc, lc) * len(ix) * world / batch.global_batch_size
+                )
+            tr.backward(loss)
+            for name, v in (
+                ("loss", losses),
+                ("correct", (cr > rj).float()),
+                ("margin", cr - rj),
+                ("chosen_reward", cr),
+                ("rejected_reward", rj),
+                ("policy_chosen_logps", pc),
+                ("policy_rejected_logps", pr),
+                ("ref_chosen_logps", rc),
+                ("ref_rejected_logps", rr),
+            ):
+                sums[name] += v.detach().sum().item()
+        grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm)
+        g = {k: all_reduce_sum(v, device) / batch.global_batch_size for k, v in sums.items()}
+        if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
+            n_seqs = sum(mb["input_ids"].size(0) for _, mb in micro)
+            tr.record_step(
+                step + 1,
+                loss=g.pop("loss"),
+                grad_norm=grad_norm,
+                lr=lr,
+                local_tokens=local_tokens,
+                seq_len=local_tokens / n_seqs,
+                t_start=t0,
+                t_data=t_data,
+                accuracy=g.pop("correct"),
+                reference_s=t_ref,
+                **g,
+            )
+        tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints)
+
+    final = heldout_preferences(
+        model, data.eval, loss_fn, tok.pad_token_id, eval_bs, device, rank, world
+    )
+    tr.metrics.write("eval", step=total_steps, **{f"eval_{k}": v for k, v in final.items()})
+    log.info("held-out preference accuracy %.3f, margin %.3f", final["accuracy"], final["margin"])
+    save_adapter(model, ctx, selected_adapters=["default"])
+    tr.metrics.write("end", step=total_steps, **memory_snapshot(device))
+    tr.metrics.close()
+    if ctx.is_main:
+        (ctx.out_dir / "reference.json").write_text(
+            json.dumps(
+                {
+                    "reference": "sft adapter",
+                    "sft_fingerprint": ctx.parents["sft"].fingerprint,
+                    "precomputed": ref_cache,
+                },
+                indent=2,
+            )
+        )
+    return {
+        "total_steps": total_steps,
+        "loss_type": cfg.loss,
+        "beta": cfg.beta,
+        "eval_start": first,
+        "eval_final": final,
+        "reference_cache": ref_cache,
+        "adapter_dir": str(ctx.out_dir / "adapter"),
+        "chat_template_sha256": template_sha,
+        "final_train_loss": tr.last.get("loss"),
+        "tokens_per_s": tr.last.get("tokens_per_s"),
+        "mfu": tr.last.get("mfu"),
+        **data.stats,
+        "headline": {
+            "eval_pref_accuracy": round(final["accuracy"], 4),
+            "eval_margin": round(final["margin"], 4),
+            "train_loss": round(tr.last.get("loss", float("nan")), 4),
+            "mfu": round(tr.last.get("mfu", float("nan")), 4),
+        },
+    }
+
+
+if __name__ == "__main__":
+    stage_main("dpo", run, distributed=True)

@@ -1,0 +1,220 @@
+"""reward: a Bradley-Terry reward model on preference pairs, LoRA + a trained score head.
+
+Algorithm choices:
+- Model: the base as a sequence classifier with one output, scored at the last non-pad token;
+  LoRA on the body, the score head trained in full. The text is formatted with the chat
+  template recorded at SFT (the guard refuses another unless the recipe allows it), so the
+  reward model sees exactly the format the policy will produce.
+- Loss per pair: -log sigmoid(r_chosen - r_rejected - margin), averaged over the pairs of the
+  global batch (every micro-batch holds the same number of pairs, so each backprops
+  sum(losses) * world / global_pairs and FSDP's gradient averaging divides the world back out).
+- Held-out pairs at step 0 and at the end: accuracy, mean margin, reward mean/std for chosen
+  and rejected. `reward.min_accuracy` becomes a gate the flow enforces before any RL stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from posttrain.config.loader import section_batch
+from posttrain.data.batching import step_indices
+from posttrain.data.pref_prepare import guard_template, prepare
+from posttrain.data.sft_data import write_rows
+from posttrain.distributed.runtime import all_reduce_sum
+from posttrain.models.loading import load_tokenizer
+from posttrain.models.reward import apply_reward_lora, load_score_model, pair_batch, pair_scores
+from posttrain.stages.common import StageContext, stage_main
+from posttrain.telemetry.metrics import memory_snapshot
+from posttrain.train.losses import bradley_terry_loss
+from posttrain.train.session import save_adapter, start_session
+
+log = logging.getLogger("posttrain.reward")
+
+
+@torch.no_grad()
+def heldout_pairs(
+    model: torch.nn.Module,
+    pairs: list[dict],
+    pad_id: int,
+    batch_size: int,
+    device: torch.device,
+    rank: int,
+    world: int,
+    margin: float,
+) -> dict[str, float]:
+    """Pair accuracy, margin, loss and reward statistics over held-out pairs (all ranks run the
+    same number of forwards; a rank short of pairs repeats one with zero weight)."""
+    model.eval()
+    mine = pairs[rank::world]
+    n_batches = math.ceil(math.ceil(len(pairs) / world) / batch_size)
+    acc = {k: 0.0 for k in ("n", "correct", "margin", "loss", "c", "c2", "r", "r2")}
+    for b in range(n_batches):
+        chunk = mine[b * batch_size : (b + 1) * batch_size]
+        w = 1.0 if chunk else 0.0
+        batch = {k: v.to(device) for k, v in pair_batch(chunk or pairs[:1], pad_id).items()}
+        rc, rr = pair_scores(model, batch)
+        acc["n"] += w * rc.numel()
+        acc["correct"] += w * (rc > rr).sum().item()
+        acc["margin"] += w * (rc - rr).sum().item()
+        acc["loss"] += w * bradley_terry_loss(rc, rr, margin).sum().item()
+        acc["c"] += w * rc.sum().item()
+        acc["c2"] += w * (rc**2).sum().item()
+        acc["r"] += w * rr.sum().item()
+        acc["r2"] += w * (rr**2).sum().item()
+    model.train()
+    t = {k: all_reduce_sum(v, device) for k, v in acc.items()}
+    n = max(1.0, t["n"])
+
+    def std(s: float, s2: float) -> float:
+        return math.sqrt(max(0.0, s2 / n - (s / n) ** 2))
+
+    return {
+        "accuracy": t["correct"] / n,
+        "margin": t["margin"] / n,
+        "loss": t["loss"] / n,
+        "chosen_mean": t["c"] / n,
+        "chosen_std": std(t["c"], t["c2"]),
+        "rejected_mean": t["r"] / n,
+        "rejected_std": std(t["r"], t["r2"]),
+        "pairs": t["n"],
+    }
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    cfg = ctx.recipe.reward
+    assert cfg is not None
+    d = ctx.dist
+    device, rank, world = d.device, d.rank, d.world_size
+    seed = ctx.recipe.run.seed
+    ingest = ctx.parent_manifest("ingest")["summary"]
+
+    tok = load_tokenizer(ctx.parent_dir("ingest") / "tokenizer")
+    sft_sha = ctx.parent_manifest("sft")["summary"].get("chat_template_sha256")
+    template_sha = guard_template(tok, sft_sha, "reward", cfg)
+    data = prepare(cfg.data, tok, seed)
+    if ctx.is_main:
+        write_rows(ctx.out_dir / "data" / "train.jsonl", data.train_rows)
+        write_rows(ctx.out_dir / "data" / "eval.jsonl", data.eval_rows)
+    batch = section_batch(ctx.recipe, "reward")
+    total_steps = cfg.max_steps or max(
+        1, math.ceil(cfg.epochs * len(data.train) / batch.global_batch_size)
+    )
+
+    model = load_score_model(
+        ingest["model_dir"], tok.pad_token_id, ingest.get("trust_remote_code", False)
+    )
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = apply_reward_lora(model, cfg.lora)
+    tr = start_session(ctx, model, cfg.optim, batch, total_steps, train_examples=len(data.train),
+                       eval_examples=len(data.eval), **data.stats)
+    model = tr.model
+    eval_bs = batch.micro_batch_size
+    first = None
+    if tr.start_step == 0:
+        first = heldout_pairs(
+            model, data.eval, tok.pad_token_id, eval_bs, device, rank, world, cfg.margin
+        )
+        tr.metrics.write("eval", step=0, **{f"eval_{k}": v for k, v in first.items()})
+        log.info("held-out accuracy at step 0: %.3f", first["accuracy"])
+
+    for step in range(tr.start_step, total_steps):
+        t0 = time.perf_counter()
+        idx = step_indices(
+            len(data.train),
+            step,
+            micro=batch.micro_batch_size,
+            accum=batch.grad_accum_steps,
+            dp_size=world,
+            rank=rank,
+            seed=seed,
+        )
+        micro = [
+            {
+                k: v.to(device)
+                for k, v in pair_batch([data.train[i] for i in ix], tok.pad_token_id).items()
+            }
+            for ix in idx
+        ]
+        local_tokens = sum(int(mb["attention_mask"].sum()) for mb in micro)
+        t_data = time.perf_counter() - t0
+        sums = {"loss": 0.0, "correct": 0.0, "margin": 0.0, "chosen": 0.0, "rejected": 0.0}
+        for k, mb in enumerate(micro):
+            model.set_requires_gradient_sync(k == len(micro) - 1)
+            rc, rr = pair_scores(model, mb)
+            losses = bradley_terry_loss(rc, rr, cfg.margin)  # [micro]
+            tr.backward(losses.sum() * world / batch.global_batch_size)
+            sums["loss"] += losses.sum().item()
+            sums["correct"] += (rc > rr).sum().item()
+            sums["margin"] += (rc - rr).sum().item()
+            sums["chosen"] += rc.sum().item()
+            sums["rejected"] += rr.sum().item()
+        grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm)
+        g = {k: all_reduce_sum(v, device) / batch.global_batch_size for k, v in sums.items()}
+        if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
+            n_seqs = sum(mb["input_ids"].size(0) for mb in micro)
+            tr.record_step(
+                step + 1,
+                loss=g["loss"],
+                grad_norm=grad_norm,
+                lr=lr,
+                local_tokens=local_tokens,
+                seq_len=local_tokens / n_seqs,
+                t_start=t0,
+                t_data=t_data,
+                accuracy=g["correct"],
+                margin=g["margin"],
+                reward_chosen=g["chosen"],
+                reward_rejected=g["rejected"],
+            )
+        tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints)
+
+    final = heldout_pairs(
+        model, data.eval, tok.pad_token_id, eval_bs, device, rank, world, cfg.margin
+    )
+    tr.metrics.write("eval", step=total_steps, **{f"eval_{k}": v for k, v in final.items()})
+    log.info("held-out pairs: accuracy %.3f, margin %.3f", final["accuracy"], final["margin"])
+    save_adapter(model, ctx)
+    tr.metrics.write("end", step=total_steps, **memory_snapshot(device))
+    tr.metrics.close()
+
+    gate: dict[str, Any] = {"passed": True}
+    if cfg.min_accuracy is not None:
+        passed = final["accuracy"] >= cfg.min_accuracy
+        gate = {
+            "passed": passed,
+            "accuracy": final["accuracy"],
+            "min_accuracy": cfg.min_accuracy,
+            "message": (
+                f"held-out reward accuracy {final['accuracy']:.3f} "
+                f"{'>=' if passed else '<'} reward.min_accuracy {cfg.min_accuracy}"
+                + ("" if passed else "; stopping before any RL stage")
+            ),
+        }
+    return {
+        "total_steps": total_steps,
+        "eval_start": first,
+        "eval_final": final,
+        "gate": gate,
+        "adapter_dir": str(ctx.out_dir / "adapter"),
+        "chat_template_sha256": template_sha,
+        "final_train_loss": tr.last.get("loss"),
+        "tokens_per_s": tr.last.get("tokens_per_s"),
+        "mfu": tr.last.get("mfu"),
+        **data.stats,
+        "headline": {
+            "eval_accuracy": round(final["accuracy"], 4),
+            "eval_margin": round(final["margin"], 4),
+            "train_loss": round(tr.last.get("loss", float("nan")), 4),
+            "mfu": round(tr.last.get("mfu", float("nan")), 4),
+        },
+    }
+
+
+if __name__ == "__main__":
+    stage_main("reward", run, distributed=True)
