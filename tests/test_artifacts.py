@@ -86,12 +86,18 @@ def _fps(recipe_file: Path, *overrides: str) -> dict[str, str]:
 
 def test_section_change_moves_only_downstream(recipe_file: Path) -> None:
     base = _fps(recipe_file)
-    assert list(base) == ["ingest", "sft", "evaluate", "export"]
+    assert list(base) == ["ingest", "sft", "reward", "dpo", "evaluate", "export"]
     sft = _fps(recipe_file, "sft.optim.lr=1e-4")
     assert sft["ingest"] == base["ingest"]
-    assert all(sft[s] != base[s] for s in ("sft", "evaluate", "export"))
+    assert all(sft[s] != base[s] for s in ("sft", "reward", "dpo", "evaluate", "export"))
     ev = _fps(recipe_file, "evaluate.num_prompts=3")
-    assert [ev[s] == base[s] for s in base] == [True, True, False, False]
+    assert [ev[s] == base[s] for s in base] == [True, True, True, True, False, False]
+    # The reward model feeds evaluation only: the DPO policy and its export do not move.
+    rw = _fps(recipe_file, "reward.margin=0.5")
+    assert [rw[s] == base[s] for s in base] == [True, True, False, True, False, False]
+    # Without the optional stages, downstream stages just lose those parents.
+    bare = _fps(recipe_file, "reward=null", "dpo=null")
+    assert list(bare) == ["ingest", "sft", "evaluate", "export"]
     # Run name, workspace-independent settings and timeouts change nothing.
     assert _fps(recipe_file, "run.name=other", "infra.timeouts.sft=5") == base
 
