@@ -230,7 +230,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if "dpo_implicit" in report:
         headline["dpo_accuracy"] = report["dpo_implicit"]["accuracy"]
     if "win_rate_vs_sft" in report:
-        headline["win_rate_vs_sft"] = report["win_rate_vs_sft"]["win_rate"]
+        wr = report["win_rate_vs_sft"]
+        headline |= {
+            "win_rate_vs_sft": wr["win_rate"],
+            "wins": wr["wins"],
+            "losses": wr["losses"],
+            "ties": wr["ties"],
+        }
     return {**report, "headline": {k: round(v, 4) for k, v in headline.items()}}
 
 
