@@ -35,10 +35,17 @@ STAGES: dict[str, StageDef] = {
     for s in (
         StageDef("ingest", "posttrain.stages.ingest", "1", ()),
         StageDef("sft", "posttrain.stages.sft", "1", ("ingest",), distributed=True),
-        StageDef("reward", "posttrain.stages.reward", "1", ("ingest", "sft"), distributed=True,
-                 optional=True),
-        StageDef("dpo", "posttrain.stages.dpo", "1", ("ingest", "sft"), distributed=True,
-                 optional=True),
+        StageDef(
+            "reward",
+            "posttrain.stages.reward",
+            "1",
+            ("ingest", "sft"),
+            distributed=True,
+            optional=True,
+        ),
+        StageDef(
+            "dpo", "posttrain.stages.dpo", "1", ("ingest", "sft"), distributed=True, optional=True
+        ),
         StageDef("evaluate", "posttrain.stages.evaluate", "1", ("ingest", "sft", "reward", "dpo")),
         StageDef("export", "posttrain.stages.export", "1", ("ingest", "sft", "dpo", "evaluate")),
     )

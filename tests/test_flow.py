@@ -9,6 +9,7 @@ lives with them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -21,7 +22,7 @@ import posttrain.pipeline
 from flows.pipeline import post_train
 from flows.stage_task import StageFailed
 from posttrain.config.schema import Recipe
-from posttrain.pipeline import STAGES, StageDef
+from posttrain.pipeline import STAGES
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +41,8 @@ def fake_stages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, st
     def use(**overrides: str) -> None:
         kinds.update(overrides)
         registry = {
-            s.name: StageDef(s.name, f"pt_{kinds[s.name]}_{s.name}", s.version, s.parents)
+            # Same graph (parents, optional stages) with stand-in modules, one process each.
+            s.name: dataclasses.replace(s, module=f"pt_{kinds[s.name]}_{s.name}", distributed=False)
             for s in STAGES.values()
         }
         monkeypatch.setattr(posttrain.pipeline, "STAGES", registry)

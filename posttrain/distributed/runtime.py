@@ -7,6 +7,7 @@ DCP run exactly as they do at scale.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -86,3 +87,13 @@ def all_reduce_sum(value: float | int, device: torch.device) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return float(t.item())
+
+
+def rank_batches(n_items: int, rank: int, world: int, batch_size: int) -> list[list[int]]:
+    """This rank's share of `n_items` (rank-strided) in batches, padded with empty batches so
+    every rank runs the same number of forwards: FSDP all-gathers are collective, and a rank that
+    stops early hangs the others. Callers run a filler forward with zero weight for an empty
+    batch."""
+    mine = list(range(rank, n_items, world))
+    n_batches = math.ceil(math.ceil(n_items / world) / batch_size) if n_items else 0
+    return [mine[b * batch_size : (b + 1) * batch_size] for b in range(n_batches)]

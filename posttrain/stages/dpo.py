@@ -32,7 +32,7 @@ from posttrain.config.loader import section_batch
 from posttrain.data.batching import step_indices
 from posttrain.data.pref_prepare import guard_template, prepare
 from posttrain.data.sft_data import write_rows
-from posttrain.distributed.runtime import all_reduce_sum
+from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import REFERENCE, active_adapter, policy_with_reference
 from posttrain.models.loading import load_base
 from posttrain.models.reward import pair_batch
@@ -66,10 +66,6 @@ def pair_logps(
     return logps[:half], logps[half:], lengths[:half], lengths[half:]
 
 
-def _equal_batches(n: int, world: int, batch_size: int) -> int:
-    return math.ceil(math.ceil(n / world) / batch_size)
-
-
 @torch.no_grad()
 def reference_logps(
     model: torch.nn.Module,
@@ -83,9 +79,7 @@ def reference_logps(
     """[N, 2] (chosen, rejected) reference log-probs of every pair, computed rank-strided with
     the same number of forwards on every rank, then summed across ranks."""
     out = torch.zeros(len(pairs), 2, dtype=torch.float64, device=device)
-    mine = list(range(rank, len(pairs), world))
-    for b in range(_equal_batches(len(pairs), world, batch_size)):
-        idx = mine[b * batch_size : (b + 1) * batch_size]
+    for idx in rank_batches(len(pairs), rank, world, batch_size):
         chunk = [pairs[i] for i in idx] or pairs[:1]
         batch = {k: v.to(device) for k, v in pair_batch(chunk, pad_id).items()}
         with active_adapter(model, REFERENCE):
@@ -167,12 +161,11 @@ def heldout_preferences(
 ) -> dict[str, float]:
     """Implicit-reward accuracy, margin and loss on held-out pairs (reference computed online)."""
     model.eval()
-    mine = pairs[rank::world]
     s = {"n": 0.0, "correct": 0.0, "margin": 0.0, "loss": 0.0}
-    for b in range(_equal_batches(len(pairs), world, batch_size)):
-        chunk = mine[b * batch_size : (b + 1) * batch_size]
-        w = 1.0 if chunk else 0.0
-        batch = {k: v.to(device) for k, v in pair_batch(chunk or pairs[:1], pad_id).items()}
+    for idx in rank_batches(len(pairs), rank, world, batch_size):
+        chunk = [pairs[i] for i in idx] or pairs[:1]
+        w = 1.0 if idx else 0.0
+        batch = {k: v.to(device) for k, v in pair_batch(chunk, pad_id).items()}
         pc, pr, lc, lr_ = pair_logps(model, batch)
         with active_adapter(model, REFERENCE):
             rc, rr, _, _ = pair_logps(model, batch)
@@ -358,26 +351,17 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 indent=2,
             )
         )
-    return {
-        "total_steps": total_steps,
-        "loss_type": cfg.loss,
-        "beta": cfg.beta,
-        "eval_start": first,
-        "eval_final": final,
-        "reference_cache": ref_cache,
-        "adapter_dir": str(ctx.out_dir / "adapter"),
-        "chat_template_sha256": template_sha,
-        "final_train_loss": tr.last.get("loss"),
-        "tokens_per_s": tr.last.get("tokens_per_s"),
-        "mfu": tr.last.get("mfu"),
+    return tr.summary(
+        ctx,
+        loss_type=cfg.loss,
+        beta=cfg.beta,
+        eval_start=first,
+        eval_final=final,
+        reference_cache=ref_cache,
+        chat_template_sha256=template_sha,
         **data.stats,
-        "headline": {
-            "eval_pref_accuracy": round(final["accuracy"], 4),
-            "eval_margin": round(final["margin"], 4),
-            "train_loss": round(tr.last.get("loss", float("nan")), 4),
-            "mfu": round(tr.last.get("mfu", float("nan")), 4),
-        },
-    }
+        headline=tr.headline(eval_pref_accuracy=final["accuracy"], eval_margin=final["margin"]),
+    )
 
 
 if __name__ == "__main__":

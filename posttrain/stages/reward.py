@@ -25,7 +25,7 @@ from posttrain.config.loader import section_batch
 from posttrain.data.batching import step_indices
 from posttrain.data.pref_prepare import guard_template, prepare
 from posttrain.data.sft_data import write_rows
-from posttrain.distributed.runtime import all_reduce_sum
+from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.reward import apply_reward_lora, load_score_model, pair_batch, pair_scores
 from posttrain.stages.common import StageContext, stage_main
@@ -50,13 +50,11 @@ def heldout_pairs(
     """Pair accuracy, margin, loss and reward statistics over held-out pairs (all ranks run the
     same number of forwards; a rank short of pairs repeats one with zero weight)."""
     model.eval()
-    mine = pairs[rank::world]
-    n_batches = math.ceil(math.ceil(len(pairs) / world) / batch_size)
     acc = {k: 0.0 for k in ("n", "correct", "margin", "loss", "c", "c2", "r", "r2")}
-    for b in range(n_batches):
-        chunk = mine[b * batch_size : (b + 1) * batch_size]
-        w = 1.0 if chunk else 0.0
-        batch = {k: v.to(device) for k, v in pair_batch(chunk or pairs[:1], pad_id).items()}
+    for idx in rank_batches(len(pairs), rank, world, batch_size):
+        chunk = [pairs[i] for i in idx] or pairs[:1]
+        w = 1.0 if idx else 0.0
+        batch = {k: v.to(device) for k, v in pair_batch(chunk, pad_id).items()}
         rc, rr = pair_scores(model, batch)
         acc["n"] += w * rc.numel()
         acc["correct"] += w * (rc > rr).sum().item()
@@ -111,8 +109,16 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = apply_reward_lora(model, cfg.lora)
-    tr = start_session(ctx, model, cfg.optim, batch, total_steps, train_examples=len(data.train),
-                       eval_examples=len(data.eval), **data.stats)
+    tr = start_session(
+        ctx,
+        model,
+        cfg.optim,
+        batch,
+        total_steps,
+        train_examples=len(data.train),
+        eval_examples=len(data.eval),
+        **data.stats,
+    )
     model = tr.model
     eval_bs = batch.micro_batch_size
     first = None
@@ -196,24 +202,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 + ("" if passed else "; stopping before any RL stage")
             ),
         }
-    return {
-        "total_steps": total_steps,
-        "eval_start": first,
-        "eval_final": final,
-        "gate": gate,
-        "adapter_dir": str(ctx.out_dir / "adapter"),
-        "chat_template_sha256": template_sha,
-        "final_train_loss": tr.last.get("loss"),
-        "tokens_per_s": tr.last.get("tokens_per_s"),
-        "mfu": tr.last.get("mfu"),
+    return tr.summary(
+        ctx,
+        eval_start=first,
+        eval_final=final,
+        gate=gate,
+        chat_template_sha256=template_sha,
         **data.stats,
-        "headline": {
-            "eval_accuracy": round(final["accuracy"], 4),
-            "eval_margin": round(final["margin"], 4),
-            "train_loss": round(tr.last.get("loss", float("nan")), 4),
-            "mfu": round(tr.last.get("mfu", float("nan")), 4),
-        },
-    }
+        headline=tr.headline(eval_accuracy=final["accuracy"], eval_margin=final["margin"]),
+    )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from posttrain.config.loader import section_batch
 from posttrain.data.batching import pack_examples, pad_batch, step_indices
 from posttrain.data.chat import IGNORE, template_sha256
 from posttrain.data.sft_data import prepare, write_rows
-from posttrain.distributed.runtime import all_reduce_sum
+from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.loading import load_base
 from posttrain.models.lora import apply_lora
 from posttrain.stages.common import StageContext, stage_main
@@ -68,13 +68,11 @@ def heldout_loss(
     if not examples:
         return float("nan")
     model.eval()
-    mine = examples[rank::world]
-    n_batches = math.ceil(math.ceil(len(examples) / world) / batch_size)
     total, count = 0.0, 0.0
-    for b in range(n_batches):
-        chunk = mine[b * batch_size : (b + 1) * batch_size]
-        weight = 1.0 if chunk else 0.0
-        nll, n = _forward_nll(model, _to(pad_batch(chunk or examples[:1], pad_id), device))
+    for idx in rank_batches(len(examples), rank, world, batch_size):
+        chunk = [examples[i] for i in idx] or examples[:1]
+        weight = 1.0 if idx else 0.0
+        nll, n = _forward_nll(model, _to(pad_batch(chunk, pad_id), device))
         total += weight * nll.item()
         count += weight * n.item()
     model.train()
@@ -178,19 +176,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     tr.metrics.write("end", step=total_steps, **memory_snapshot(device))
     tr.metrics.close()
     last = tr.last
-    summary = {
-        "total_steps": total_steps,
-        "params_trainable": tr.n_trainable,
-        "params_total": tr.n_total,
-        "final_train_loss": last.get("loss"),
-        "eval_loss_start": first_eval,
-        "eval_loss_final": final_eval,
-        "tokens_per_s": last.get("tokens_per_s"),
-        "mfu": last.get("mfu"),
-        "adapter_dir": str(ctx.out_dir / "adapter"),
-        "chat_template_sha256": template_sha256(tok),
+    summary = tr.summary(
+        ctx,
+        eval_loss_start=first_eval,
+        eval_loss_final=final_eval,
+        chat_template_sha256=template_sha256(tok),
         **data.stats,
-    }
+    )
     summary["headline"] = {
         k: round(v, 4)
         for k, v in (

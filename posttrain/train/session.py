@@ -137,6 +137,24 @@ class TrainSession:
             "".join(f" {k} {v:.4g}" for k, v in extra.items()),
         )
 
+    def summary(self, ctx: Any, **fields: Any) -> dict[str, Any]:
+        """The manifest summary fields every training stage reports, plus the stage's own."""
+        return {
+            "total_steps": self.total_steps,
+            "params_trainable": self.n_trainable,
+            "params_total": self.n_total,
+            "adapter_dir": str(ctx.out_dir / "adapter"),
+            "final_train_loss": self.last.get("loss"),
+            "tokens_per_s": self.last.get("tokens_per_s"),
+            "mfu": self.last.get("mfu"),
+            **fields,
+        }
+
+    def headline(self, **fields: float) -> dict[str, float]:
+        """A stage's key metrics plus its last train loss and MFU, rounded for reports."""
+        out = {**fields, "train_loss": self.last.get("loss"), "mfu": self.last.get("mfu")}
+        return {k: round(v, 4) for k, v in out.items() if v is not None}
+
     def maybe_checkpoint(self, step: int, every: int, keep: int) -> None:
         if every and step % every == 0 and step < self.total_steps:
             save_checkpoint(self.ckpt_root, step, self.model, self.opt, self.sched, keep)
