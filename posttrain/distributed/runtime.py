@@ -43,17 +43,9 @@ def init_distributed(device_kind: str, timeout_s: float, threads: int | None = N
     Backend: NCCL on CUDA, gloo on CPU. `timeout_s` bounds every collective so a rank that
     diverges fails the stage instead of hanging it.
     """
-    if "RANK" not in os.environ:
-        os.environ.update(
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-            LOCAL_WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()),
-        )
-    rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
+    standalone = "RANK" not in os.environ
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     if device_kind == "cuda":
@@ -66,8 +58,14 @@ def init_distributed(device_kind: str, timeout_s: float, threads: int | None = N
         # Share the cores between the ranks on this node instead of oversubscribing them.
         torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_world))
     if not dist.is_initialized():
+        # A standalone process (no torchrun env) is a world of one on a free local port. The
+        # environment is left untouched: a process that runs a stage in-process and then starts
+        # children must not hand them RANK/LOCAL_RANK of a world they are not part of.
         dist.init_process_group(
             backend=backend,
+            init_method=f"tcp://127.0.0.1:{free_port()}" if standalone else "env://",
+            rank=rank,
+            world_size=world,
             timeout=timedelta(seconds=timeout_s),
             device_id=device if device_kind == "cuda" else None,
         )
