@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from posttrain.config.loader import section_batch
-from posttrain.data.batching import step_indices
 from posttrain.data.pref_prepare import guard_template, prepare
 from posttrain.data.sft_data import write_rows
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
@@ -131,15 +130,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     for step in range(tr.start_step, total_steps):
         t0 = time.perf_counter()
-        idx = step_indices(
-            len(data.train),
-            step,
-            micro=batch.micro_batch_size,
-            accum=batch.grad_accum_steps,
-            dp_size=world,
-            rank=rank,
-            seed=seed,
-        )
+        idx = tr.step_rows(len(data.train), step, batch, seed)
         micro = [
             {
                 k: v.to(device)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from posttrain.config.loader import section_batch
-from posttrain.data.batching import pack_examples, pad_batch, step_indices
+from posttrain.data.batching import pack_examples, pad_batch
 from posttrain.data.chat import IGNORE, template_sha256
 from posttrain.data.sft_data import prepare, write_rows
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
@@ -126,15 +126,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     for step in range(tr.start_step, total_steps):
         t0 = time.perf_counter()
-        idx = step_indices(
-            len(train),
-            step,
-            micro=batch.micro_batch_size,
-            accum=batch.grad_accum_steps,
-            dp_size=world,
-            rank=rank,
-            seed=seed,
-        )
+        idx = tr.step_rows(len(train), step, batch, seed)
         micro_batches = [
             _to(pad_batch([train[i] for i in ix], tok.pad_token_id), device) for ix in idx
         ]

@@ -17,6 +17,7 @@ import torch
 
 from posttrain.config.batch import ResolvedBatch
 from posttrain.config.schema import OptimConfig
+from posttrain.data.batching import step_indices
 from posttrain.distributed.fsdp import shard_model
 from posttrain.distributed.runtime import DistInfo, all_reduce_sum
 from posttrain.models.loading import count_params
@@ -50,6 +51,19 @@ class TrainSession:
     peak_flops: float
     ckpt_root: Any
     last: dict[str, float] = field(default_factory=dict)
+
+    def step_rows(self, n_rows: int, step: int, batch: ResolvedBatch, seed: int) -> list[list[int]]:
+        """This rank's row indices for optimizer step `step` -> [accum][micro] (see
+        `posttrain.data.batching.step_indices`: a pure function of seed and step)."""
+        return step_indices(
+            n_rows,
+            step,
+            micro=batch.micro_batch_size,
+            accum=batch.grad_accum_steps,
+            dp_size=self.dist.world_size,
+            rank=self.dist.rank,
+            seed=seed,
+        )
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
