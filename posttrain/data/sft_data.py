@@ -79,6 +79,12 @@ def prepare(cfg: DataConfig, tokenizer: Any, seed: int) -> SFTData:
     return data
 
 
+def write_splits(out_dir: Path, train_rows: list[dict], eval_rows: list[dict]) -> None:
+    """Record exactly what a stage trained on and held out: data/{train,eval}.jsonl."""
+    write_rows(out_dir / "data" / "train.jsonl", train_rows)
+    write_rows(out_dir / "data" / "eval.jsonl", eval_rows)
+
+
 def write_rows(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:

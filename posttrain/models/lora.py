@@ -9,8 +9,18 @@ from transformers import PreTrainedModel
 from posttrain.config.schema import LoraConfig
 
 
-def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
+def prepare_for_training(model: PreTrainedModel, activation_checkpointing: bool) -> None:
+    """Training-time settings of a base model, before adapters wrap it: optional activation
+    checkpointing (non-reentrant, so frozen inputs need no requires_grad trick) and no KV cache
+    (a training forward never reuses it)."""
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
+def apply_lora(model: PreTrainedModel, cfg: LoraConfig, task_type: str = "CAUSAL_LM") -> PeftModel:
     """Wrap `model` with a trainable LoRA adapter named "default"; base weights are frozen.
+    With task_type "SEQ_CLS" (reward models) peft also trains and saves the score head in full.
 
     Must run before FSDP2 sharding, so the adapter's parameters are sharded with their blocks.
     """
@@ -19,7 +29,7 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
-        task_type="CAUSAL_LM",
+        task_type=task_type,
         bias="none",
     )
     return get_peft_model(model, peft_cfg)

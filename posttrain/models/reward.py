@@ -6,11 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model
+from peft import PeftModel
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
-from posttrain.config.schema import LoraConfig
 from posttrain.data.batching import pad_batch
 
 
@@ -24,19 +22,6 @@ def load_score_model(
     )
     model.config.pad_token_id = pad_token_id
     return model
-
-
-def apply_reward_lora(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
-    """LoRA on the body; the score head is trained in full (peft's SEQ_CLS task saves it)."""
-    peft_cfg = PeftLoraConfig(
-        r=cfg.r,
-        lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
-        target_modules=cfg.target_modules,
-        task_type="SEQ_CLS",
-        bias="none",
-    )
-    return get_peft_model(model, peft_cfg)
 
 
 def load_reward_model(

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -30,10 +29,11 @@ import torch
 from posttrain.artifacts import canonical_json, fingerprint, verify, write_manifest
 from posttrain.config.loader import section_batch
 from posttrain.data.pref_prepare import guard_template, prepare
-from posttrain.data.sft_data import write_rows
+from posttrain.data.sft_data import write_splits
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import REFERENCE, active_adapter, policy_with_reference
 from posttrain.models.loading import load_base
+from posttrain.models.lora import prepare_for_training
 from posttrain.models.reward import pair_batch
 from posttrain.stages.common import StageContext, stage_main
 from posttrain.telemetry.metrics import memory_snapshot
@@ -44,7 +44,7 @@ from posttrain.train.preference_losses import (
     nll_term,
     preference_loss,
 )
-from posttrain.train.session import save_adapter, start_session
+from posttrain.train.session import planned_steps, save_adapter, start_session
 
 log = logging.getLogger("posttrain.dpo")
 REF_CACHE_VERSION = "1"
@@ -191,19 +191,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
     template_sha = guard_template(tok, sft_sha, "dpo", cfg)
     data = prepare(cfg.data, tok, seed)
     if ctx.is_main:
-        write_rows(ctx.out_dir / "data" / "train.jsonl", data.train_rows)
-        write_rows(ctx.out_dir / "data" / "eval.jsonl", data.eval_rows)
+        write_splits(ctx.out_dir, data.train_rows, data.eval_rows)
     batch = section_batch(ctx.recipe, "dpo")
-    total_steps = cfg.max_steps or max(
-        1, math.ceil(cfg.epochs * len(data.train) / batch.global_batch_size)
-    )
+    total_steps = planned_steps(cfg.max_steps, cfg.epochs, len(data.train), batch)
     hp = {"beta": cfg.beta, "label_smoothing": cfg.label_smoothing, "gamma": cfg.simpo_gamma}
     loss_fn = preference_loss(cfg.loss, **{k: hp[k] for k in loss_hyperparameters(cfg.loss)})
     needs_ref = cfg.loss not in REFERENCE_FREE
 
-    if cfg.activation_checkpointing:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    base.config.use_cache = False
+    prepare_for_training(base, cfg.activation_checkpointing)
     model = policy_with_reference(base, ctx.parent_dir("sft") / "adapter")
     tr = start_session(
         ctx,

@@ -23,14 +23,15 @@ import torch
 
 from posttrain.config.loader import section_batch
 from posttrain.data.pref_prepare import guard_template, prepare
-from posttrain.data.sft_data import write_rows
+from posttrain.data.sft_data import write_splits
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.loading import load_tokenizer
-from posttrain.models.reward import apply_reward_lora, load_score_model, pair_batch, pair_scores
+from posttrain.models.lora import apply_lora, prepare_for_training
+from posttrain.models.reward import load_score_model, pair_batch, pair_scores
 from posttrain.stages.common import StageContext, stage_main
 from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.losses import bradley_terry_loss
-from posttrain.train.session import save_adapter, start_session
+from posttrain.train.session import planned_steps, save_adapter, start_session
 
 log = logging.getLogger("posttrain.reward")
 
@@ -95,19 +96,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
     template_sha = guard_template(tok, sft_sha, "reward", cfg)
     data = prepare(cfg.data, tok, seed)
     if ctx.is_main:
-        write_rows(ctx.out_dir / "data" / "train.jsonl", data.train_rows)
-        write_rows(ctx.out_dir / "data" / "eval.jsonl", data.eval_rows)
+        write_splits(ctx.out_dir, data.train_rows, data.eval_rows)
     batch = section_batch(ctx.recipe, "reward")
-    total_steps = cfg.max_steps or max(
-        1, math.ceil(cfg.epochs * len(data.train) / batch.global_batch_size)
-    )
+    total_steps = planned_steps(cfg.max_steps, cfg.epochs, len(data.train), batch)
 
     model = load_score_model(
         ingest["model_dir"], tok.pad_token_id, ingest.get("trust_remote_code", False)
     )
-    if cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = apply_reward_lora(model, cfg.lora)
+    prepare_for_training(model, cfg.activation_checkpointing)
+    model = apply_lora(model, cfg.lora, task_type="SEQ_CLS")
     tr = start_session(
         ctx,
         model,

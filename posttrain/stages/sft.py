@@ -17,7 +17,6 @@ metrics.jsonl, checkpoints/ (resume only; not part of the artifact's hashes).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any
 
@@ -26,14 +25,14 @@ import torch
 from posttrain.config.loader import section_batch
 from posttrain.data.batching import pack_examples, pad_batch
 from posttrain.data.chat import IGNORE, template_sha256
-from posttrain.data.sft_data import prepare, write_rows
+from posttrain.data.sft_data import prepare, write_splits
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.loading import load_base
-from posttrain.models.lora import apply_lora
+from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.stages.common import StageContext, stage_main
 from posttrain.telemetry.metrics import memory_snapshot, read_metrics
 from posttrain.train.losses import token_nll_sum
-from posttrain.train.session import save_adapter, start_session
+from posttrain.train.session import planned_steps, save_adapter, start_session
 
 log = logging.getLogger("posttrain.sft")
 
@@ -88,18 +87,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     model, tok = load_base(ctx.parent_dir("ingest"), ctx.parent_manifest("ingest"))
     data = prepare(cfg.data, tok, seed)
     if ctx.is_main:
-        write_rows(ctx.out_dir / "data" / "train.jsonl", data.train_rows)
-        write_rows(ctx.out_dir / "data" / "eval.jsonl", data.eval_rows)
+        write_splits(ctx.out_dir, data.train_rows, data.eval_rows)
     train = pack_examples(data.train, cfg.data.max_seq_len) if cfg.packing else data.train
     batch = section_batch(ctx.recipe, "sft")
     assert batch.dp_size == world, f"recipe dp size {batch.dp_size} != world size {world}"
-    total_steps = cfg.max_steps or max(
-        1, math.ceil(cfg.epochs * len(train) / batch.global_batch_size)
-    )
+    total_steps = planned_steps(cfg.max_steps, cfg.epochs, len(train), batch)
 
-    if cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
+    prepare_for_training(model, cfg.activation_checkpointing)
     model = apply_lora(model, cfg.lora)
     tr = start_session(
         ctx,

@@ -9,6 +9,7 @@ loss scaling for fp16), compute throughput/MFU/memory for each step, save checkp
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,6 +173,11 @@ class TrainSession:
     def maybe_checkpoint(self, step: int, every: int, keep: int) -> None:
         if every and step % every == 0 and step < self.total_steps:
             save_checkpoint(self.ckpt_root, step, self.model, self.opt, self.sched, keep)
+
+
+def planned_steps(max_steps: int | None, epochs: float, n_rows: int, batch: ResolvedBatch) -> int:
+    """Optimizer steps a training stage runs: max_steps, or epochs over n_rows rows."""
+    return max_steps or max(1, math.ceil(epochs * n_rows / batch.global_batch_size))
 
 
 def start_session(
