@@ -46,10 +46,40 @@ STAGES: dict[str, StageDef] = {
         StageDef(
             "dpo", "posttrain.stages.dpo", "1", ("ingest", "sft"), distributed=True, optional=True
         ),
-        StageDef("evaluate", "posttrain.stages.evaluate", "1", ("ingest", "sft", "reward", "dpo")),
-        StageDef("export", "posttrain.stages.export", "1", ("ingest", "sft", "dpo", "evaluate")),
+        *(
+            StageDef(
+                name,
+                f"posttrain.stages.{name}",
+                "1",
+                ("ingest", "sft", "reward"),
+                distributed=True,
+                optional=True,
+            )
+            for name in ("ppo", "grpo")
+        ),
+        StageDef(
+            "evaluate",
+            "posttrain.stages.evaluate",
+            "1",
+            ("ingest", "sft", "reward", "dpo", "ppo", "grpo"),
+        ),
+        StageDef(
+            "export",
+            "posttrain.stages.export",
+            "1",
+            ("ingest", "sft", "dpo", "ppo", "grpo", "evaluate"),
+        ),
     )
 }
+
+# Stages that tune the SFT policy further; a recipe has at most one (the schema checks), and
+# evaluate/export take the policy from it, or from sft when there is none.
+POLICY_STAGES = ("dpo", "ppo", "grpo")
+
+
+def policy_stage(parents: Any) -> str:
+    """The stage whose adapter is the final policy, among a stage's parents."""
+    return next((s for s in POLICY_STAGES if s in parents), "sft")
 
 
 def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
@@ -70,7 +100,7 @@ def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
             extra = {"source": path_identity(recipe.ingest.path)}
         else:
             section.pop("path", None)
-    elif name in ("sft", "reward", "dpo"):
+    elif name in ("sft", "reward", *POLICY_STAGES):
         numerics["dp_size"] = recipe.infra.devices_per_node
         data = getattr(recipe, name).data
         extra = {

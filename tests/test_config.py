@@ -158,3 +158,63 @@ def test_recipe_checks_batch_against_devices() -> None:
         "sft.batch: micro_batch_size 4 x grad_accum_steps 1 x data-parallel size 2 = 8, "
         "but global_batch_size is 4"
     ]
+
+
+PAIRS = {"data": {"synthetic": {}}}
+PROMPTS = {"data": {"synthetic": {}}}
+
+
+def test_one_policy_stage_per_recipe() -> None:
+    errs = errors_of({**MINIMAL, "reward": PAIRS, "dpo": PAIRS, "ppo": PROMPTS})
+    assert len(errs) == 1 and "sections dpo, ppo: one policy-tuning stage" in errs[0]
+
+
+def test_rl_needs_a_reward_model() -> None:
+    errs = errors_of({**MINIMAL, "grpo": PROMPTS})
+    assert errs == ["grpo: needs a `reward` section (its reward model scores rollouts)"]
+
+
+def test_grpo_needs_groups_and_kl_defaults_differ() -> None:
+    errs = errors_of(
+        {**MINIMAL, "reward": PAIRS, "grpo": {**PROMPTS, "rollout": {"samples_per_prompt": 1}}}
+    )
+    assert (
+        len(errs) == 1
+        and errs[0].startswith("grpo:")
+        and "samples_per_prompt must be >= 2" in errs[0]
+    )
+    r = validate_recipe(
+        {**MINIMAL, "reward": PAIRS, "grpo": PROMPTS, "infra": {"devices_per_node": 2}}
+    )
+    assert r.grpo.kl.estimator == "k3" and r.grpo.rollout.samples_per_prompt == 4
+    r = validate_recipe({**MINIMAL, "reward": PAIRS, "ppo": PROMPTS})
+    assert r.ppo.kl.estimator == "k1" and r.ppo.rollout.samples_per_prompt == 1
+
+
+def test_rl_rollout_and_update_sizes_must_fit() -> None:
+    from posttrain.config.loader import section_batch
+    from posttrain.stages.online_rl import check_shapes
+
+    data = {**MINIMAL, "reward": PAIRS, "ppo": {**PROMPTS, "rollout": {"prompts_per_step": 6}}}
+    r = load_recipe_data(apply_overrides(data, ["infra.devices_per_node=4"]))
+    with pytest.raises(ValueError, match="prompts_per_step 6 must be a multiple of the 4 ranks"):
+        check_shapes("ppo", r.ppo, section_batch(r, "ppo"), 4)
+    r = load_recipe_data(
+        apply_overrides(data, ["ppo.batch={micro_batch_size: 4, grad_accum_steps: 1}"])
+    )
+    with pytest.raises(
+        ValueError, match=r"micro 4 x accum 1 = 4 sequences per rank, but a rollout gives 6"
+    ):
+        check_shapes("ppo", r.ppo, section_batch(r, "ppo"), 1)
+    r = load_recipe_data(
+        apply_overrides(
+            data, ["ppo.batch={micro_batch_size: 3, grad_accum_steps: 1}", "ppo.update_epochs=2"]
+        )
+    )
+    assert check_shapes("ppo", r.ppo, section_batch(r, "ppo"), 1) == (6, 4)
+
+
+def load_recipe_data(data: dict):
+    from posttrain.config.loader import resolve
+
+    return resolve(validate_recipe(data))

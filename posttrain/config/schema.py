@@ -40,6 +40,8 @@ class StageTimeouts(_Section):
     sft: float = Field(6 * 3600, gt=0, description="Seconds before the SFT stage is killed.")
     reward: float = Field(6 * 3600, gt=0, description="Seconds before the reward stage is killed.")
     dpo: float = Field(6 * 3600, gt=0, description="Seconds before the DPO stage is killed.")
+    ppo: float = Field(6 * 3600, gt=0, description="Seconds before the PPO stage is killed.")
+    grpo: float = Field(6 * 3600, gt=0, description="Seconds before the GRPO stage is killed.")
     evaluate: float = Field(3600, gt=0, description="Seconds before the evaluate stage is killed.")
     export: float = Field(3600, gt=0, description="Seconds before the export stage is killed.")
 
@@ -248,38 +250,56 @@ class SFTConfig(TrainingSection):
     )
 
 
-class PreferenceDataConfig(_Section):
+class _HeldOutSource(_Section):
+    """Where a stage's rows come from and how a held-out share is split off."""
+
+    synthetic: SyntheticData | None = Field(
+        None, description="Generate quickstart rows instead of reading `path`."
+    )
+    eval_path: str | None = Field(None, description="Held-out file; default: split from `path`.")
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Held-out share of rows.")
+    max_prompt_len: int = Field(
+        128, ge=1, description="Longer prompts keep their last max_prompt_len tokens."
+    )
+    on_invalid: Literal["error", "skip"] = Field(
+        "error",
+        description="A bad row (missing/empty field, wrong type, no room for a response): stop "
+        "naming file and row, or skip it and count it by reason.",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> _HeldOutSource:
+        if (getattr(self, "path", None) is None) == (self.synthetic is None):
+            raise ValueError("give exactly one of data.path or data.synthetic")
+        return self
+
+
+class PreferenceDataConfig(_HeldOutSource):
     path: str | None = Field(
         None,
         description="JSONL, JSON, Parquet file, or a saved `datasets` folder of pairs: "
         "`prompt`/`chosen`/`rejected` as text or message lists, or `chosen`/`rejected` full "
         "conversations with the prompt implicit in their shared prefix.",
     )
-    synthetic: SyntheticData | None = Field(
-        None, description="Generate quickstart pairs (correct vs wrong answer) instead of `path`."
-    )
-    eval_path: str | None = Field(None, description="Held-out pairs; default: split from `path`.")
-    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Held-out share of pairs.")
     max_seq_len: int = Field(256, ge=8, description="Tokens per prompt + response.")
-    max_prompt_len: int = Field(
-        128, ge=1, description="Longer prompts keep their last max_prompt_len tokens."
-    )
-    on_invalid: Literal["error", "skip"] = Field(
-        "error",
-        description="A bad pair (missing/empty field, chosen == rejected, no room for a "
-        "response): stop naming file and row, or skip it and count it by reason.",
-    )
 
     @model_validator(mode="after")
-    def _one_source(self) -> PreferenceDataConfig:
-        if (self.path is None) == (self.synthetic is None):
-            raise ValueError("give exactly one of data.path or data.synthetic")
+    def _room_for_response(self) -> PreferenceDataConfig:
         if self.max_prompt_len >= self.max_seq_len:
             raise ValueError(
                 f"max_prompt_len {self.max_prompt_len} leaves no room for a response "
                 f"within max_seq_len {self.max_seq_len}"
             )
         return self
+
+
+class PromptDataConfig(_HeldOutSource):
+    path: str | None = Field(
+        None,
+        description="JSONL, JSON, Parquet file, or a saved `datasets` folder of prompts: "
+        "`prompt` as text or a message list ending with a user turn (preference files work as "
+        "they are), or `messages` (the prompt is everything before the last assistant turn).",
+    )
 
 
 class TemplateGuard(_Section):
@@ -333,6 +353,114 @@ class DPOConfig(TrainingSection, TemplateGuard):
         description="Compute reference log-probs once, store them as an artifact keyed by "
         "reference, data, template and max length, and reuse them across runs.",
     )
+
+
+class RolloutConfig(_Section):
+    prompts_per_step: int = Field(
+        16, ge=1, description="Prompts per rollout, over all ranks (a multiple of the ranks)."
+    )
+    samples_per_prompt: int = Field(
+        1, ge=1, description="Responses sampled per prompt (GRPO's group size; needs >= 2 there)."
+    )
+    max_new_tokens: int = Field(32, ge=1, description="Longest response; generation stops at EOS.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_k: int | None = Field(None, ge=1, description="Top-k filter; null = off.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus filter; null = off.")
+    generation_batch_size: int | None = Field(
+        None, ge=1, description="Sequences per `generate` call on a rank; null = all at once."
+    )
+    keep_gathered: bool = Field(
+        True,
+        description="Keep the sharded weights gathered for the whole decode loop (one all-gather "
+        "per rollout, full-model memory while generating) instead of gathering every block at "
+        "every new token.",
+    )
+
+
+class KLConfig(_Section):
+    estimator: Literal["k1", "k2", "k3"] = Field(
+        "k1",
+        description="Per-token KL(policy || reference) estimate: k1 = log-ratio, k2 = half its "
+        "square, k3 = exp(-log-ratio) - 1 + log-ratio (unbiased, never negative).",
+    )
+    placement: Literal["auto", "reward", "loss"] = Field(
+        "auto",
+        description="`reward`: subtract coef x KL from each token's reward (PPO); `loss`: add "
+        "coef x KL to the loss (GRPO). `auto` = the algorithm's usual place.",
+    )
+    coef: float = Field(0.05, ge=0, description="KL coefficient (initial value when adaptive).")
+    adaptive: bool = Field(
+        False, description="Adapt the coefficient towards `target` (proportional controller)."
+    )
+    target: float = Field(
+        6.0, gt=0, description="Adaptive target: KL per sequence (sum over its tokens)."
+    )
+    horizon: int = Field(10000, ge=1, description="Adaptive controller horizon, in sequences.")
+
+
+class _OnlineRLConfig(TrainingSection, TemplateGuard):
+    """What PPO and GRPO share: prompts, rollouts, scoring, KL, clipped updates, gates."""
+
+    data: PromptDataConfig = Field(description="Prompts to roll out from.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
+    kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty against the reference.")
+    update_epochs: int = Field(
+        1, ge=1, description="Passes over each rollout batch; `batch` sizes one update."
+    )
+    clip_range: float = Field(0.2, gt=0, description="Policy ratio clip (1 +- clip_range).")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
+    missing_eos_penalty: float | None = Field(
+        None,
+        le=0,
+        description="Added to the score of a response that never stopped (no EOS within "
+        "max_new_tokens); null = no penalty.",
+    )
+    eval_prompts: int = Field(
+        32, ge=1, description="Held-out prompts scored for the final reward and KL."
+    )
+    eval_every: int = Field(0, ge=0, description="Also evaluate every N rollouts; 0 = end only.")
+    max_kl: float | None = Field(
+        None,
+        gt=0,
+        description="Quality gate: held-out KL(policy || SFT) per response above this stops "
+        "the pipeline.",
+    )
+    min_reward_gain: float | None = Field(
+        None,
+        description="Quality gate: held-out mean reward minus the SFT policy's below this "
+        "stops the pipeline.",
+    )
+
+
+class PPOConfig(_OnlineRLConfig):
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    value_clip: float = Field(0.2, gt=0, description="Value clip around the rollout's values.")
+    vf_coef: float = Field(0.1, ge=0, description="Value-loss weight.")
+    whiten_advantages: bool = Field(True, description="Normalise advantages over the rollout.")
+
+
+class GRPOConfig(_OnlineRLConfig):
+    rollout: RolloutConfig = Field(
+        default_factory=lambda: RolloutConfig(prompts_per_step=8, samples_per_prompt=4),
+        description="Generation; samples_per_prompt is the group size (>= 2).",
+    )
+    kl: KLConfig = Field(
+        default_factory=lambda: KLConfig(estimator="k3", coef=0.04),
+        description="KL penalty against the reference (in the loss, k3, by default).",
+    )
+    scale_rewards: bool = Field(
+        True, description="Divide group-centred rewards by the group's standard deviation."
+    )
+
+    @model_validator(mode="after")
+    def _groups(self) -> GRPOConfig:
+        if self.rollout.samples_per_prompt < 2:
+            raise ValueError(
+                "rollout.samples_per_prompt must be >= 2: GRPO's advantage compares the samples "
+                "of one prompt with each other"
+            )
+        return self
 
 
 class SamplingConfig(_Section):
@@ -404,8 +532,30 @@ class Recipe(_Section):
     sft: SFTConfig = Field(description="LoRA supervised fine-tuning.")
     reward: RewardConfig | None = Field(None, description="Reward-model training; omit to skip.")
     dpo: DPOConfig | None = Field(None, description="DPO-family preference tuning; omit to skip.")
+    ppo: PPOConfig | None = Field(
+        None, description="PPO against the reward model (needs `reward`); omit to skip."
+    )
+    grpo: GRPOConfig | None = Field(
+        None, description="GRPO against the reward model (needs `reward`); omit to skip."
+    )
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation.")
     export: ExportConfig = Field(default_factory=ExportConfig, description="Merged export.")
+
+    @model_validator(mode="after")
+    def _policy_stages(self) -> Recipe:
+        tuners = [n for n in ("dpo", "ppo", "grpo") if getattr(self, n) is not None]
+        if len(tuners) > 1:
+            raise ValueError(
+                f"sections {', '.join(tuners)}: one policy-tuning stage per recipe (each starts "
+                "from the SFT policy, and evaluate/export ship one policy). To compare them, run "
+                "one recipe each with the same workspace: ingest, sft and reward are reused."
+            )
+        for n in ("ppo", "grpo"):
+            if getattr(self, n) is not None and self.reward is None:
+                raise ValueError(
+                    f"{n}: needs a `reward` section (its reward model scores rollouts)"
+                )
+        return self
 
     @model_validator(mode="after")
     def _batch_arithmetic(self) -> Recipe:
@@ -425,4 +575,8 @@ class Recipe(_Section):
 
     def training_sections(self) -> dict[str, TrainingSection]:
         """The training stages this recipe runs, by name."""
-        return {n: s for n in ("sft", "reward", "dpo") if (s := getattr(self, n)) is not None}
+        return {
+            n: s
+            for n in ("sft", "reward", "dpo", "ppo", "grpo")
+            if (s := getattr(self, n)) is not None
+        }

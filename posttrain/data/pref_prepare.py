@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,40 +44,48 @@ def guard_template(
     return sha
 
 
-def _read(cfg: PreferenceDataConfig, seed: int) -> tuple[list, list, list, list, dict[str, int]]:
+Located = list[tuple[str, Any]]  # (where, row) pairs
+
+
+def read_and_split(
+    cfg: Any,
+    seed: int,
+    read: Callable[[str, str], tuple[Located, dict[str, int]]],
+    synthetic: Callable[[int, int], list[Any]],
+) -> tuple[Located, Located, dict[str, int]]:
+    """(train, held-out, {reason: rows dropped}) for a data section with path / synthetic /
+    eval_path / eval_fraction / on_invalid. `read(path, on_invalid)` returns located rows;
+    `synthetic(n, seed)` generates rows. Without eval_path the held-out share is a seeded split."""
     if cfg.synthetic is not None:
-        rows = quickstart_preference_rows(cfg.synthetic.n_examples, cfg.synthetic.seed)
+        rows = synthetic(cfg.synthetic.n_examples, cfg.synthetic.seed)
         located, dropped = [(f"synthetic row {i}", r) for i, r in enumerate(rows)], {}
     else:
         assert cfg.path is not None
-        located, dropped = read_preference_rows(cfg.path, cfg.on_invalid)
+        located, dropped = read(cfg.path, cfg.on_invalid)
     if cfg.eval_path:
-        held, more = read_preference_rows(cfg.eval_path, cfg.on_invalid)
+        held, more = read(cfg.eval_path, cfg.on_invalid)
         dropped = {k: dropped.get(k, 0) + more.get(k, 0) for k in {*dropped, *more}}
-        train = located
-    else:
-        order = list(range(len(located)))
-        random.Random(seed).shuffle(order)
-        n_eval = max(1, round(len(located) * cfg.eval_fraction)) if cfg.eval_fraction else 0
-        if len(located) - n_eval < 1:
-            raise ValueError(
-                f"{len(located)} pairs leave nothing to train on after the held-out "
-                f"split (eval_fraction {cfg.eval_fraction})"
-            )
-        held_idx = set(order[:n_eval])
-        train = [x for i, x in enumerate(located) if i not in held_idx]
-        held = [x for i, x in enumerate(located) if i in held_idx]
-    return (
-        [r for _, r in train],
-        [w for w, _ in train],
-        [r for _, r in held],
-        [w for w, _ in held],
-        dropped,
-    )
+        return located, held, dropped
+    order = list(range(len(located)))
+    random.Random(seed).shuffle(order)
+    n_eval = max(1, round(len(located) * cfg.eval_fraction)) if cfg.eval_fraction else 0
+    if len(located) - n_eval < 1:
+        raise ValueError(
+            f"{len(located)} rows leave nothing to train on after the held-out "
+            f"split (eval_fraction {cfg.eval_fraction})"
+        )
+    held_idx = set(order[:n_eval])
+    train = [x for i, x in enumerate(located) if i not in held_idx]
+    held = [x for i, x in enumerate(located) if i in held_idx]
+    return train, held, dropped
 
 
 def prepare(cfg: PreferenceDataConfig, tokenizer: Any, seed: int) -> PreferenceData:
-    train_rows, train_where, eval_rows, eval_where, dropped = _read(cfg, seed)
+    train, held, dropped = read_and_split(
+        cfg, seed, read_preference_rows, quickstart_preference_rows
+    )
+    train_rows, train_where = [r for _, r in train], [w for w, _ in train]
+    eval_rows, eval_where = [r for _, r in held], [w for w, _ in held]
     data = PreferenceData(train_rows, eval_rows)
     data.train, tstats = encode_pairs(
         tokenizer, train_rows, cfg.max_seq_len, cfg.max_prompt_len, cfg.on_invalid, train_where

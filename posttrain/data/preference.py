@@ -220,6 +220,25 @@ def _tokenize_side(
     return enc["input_ids"], n_prompt, [start <= s < end for s, _ in offsets]
 
 
+def keep_prompt_tail(tokenizer: Any, prompt_ids: list[int], max_prompt_len: int) -> list[int]:
+    """A prompt cut to its last max_prompt_len tokens: the end is the question being answered.
+    A leading BOS is kept too, since models are trained to always see it at position 0."""
+    if len(prompt_ids) <= max_prompt_len:
+        return prompt_ids
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and prompt_ids[0] == bos and max_prompt_len >= 2:
+        return [bos] + prompt_ids[len(prompt_ids) - max_prompt_len + 1 :]
+    return prompt_ids[len(prompt_ids) - max_prompt_len :]
+
+
+def encode_reply(tokenizer: Any, prompt: Messages, reply: str, max_prompt_len: int) -> list[int]:
+    """Token ids of prompt + one assistant reply exactly as a pair side is encoded (the reply's
+    end-of-turn text included, the prompt cut to its tail): what a reward model trained on these
+    pairs scores."""
+    ids, n_prompt, _ = _tokenize_side(tokenizer, prompt, reply)
+    return keep_prompt_tail(tokenizer, ids[:n_prompt], max_prompt_len) + ids[n_prompt:]
+
+
 def _encode_pair(
     tokenizer: Any, row: dict[str, Any], max_len: int, max_prompt_len: int
 ) -> tuple[dict[str, Any] | None, bool, bool]:
@@ -234,14 +253,7 @@ def _encode_pair(
             "prompt ends at a token boundary"
         )
     prompt_truncated = len(prompt_ids) > max_prompt_len
-    if prompt_truncated:
-        # Keep the end (the question being answered); keep a leading BOS too, since models are
-        # trained to always see it at position 0.
-        bos = getattr(tokenizer, "bos_token_id", None)
-        if bos is not None and prompt_ids[0] == bos and max_prompt_len >= 2:
-            prompt_ids = [bos] + prompt_ids[len(prompt_ids) - max_prompt_len + 1 :]
-        else:
-            prompt_ids = prompt_ids[len(prompt_ids) - max_prompt_len :]
+    prompt_ids = keep_prompt_tail(tokenizer, prompt_ids, max_prompt_len)
     if len(prompt_ids) >= max_len:
         return None, prompt_truncated, False
     out: dict[str, Any] = {"prompt_len": len(prompt_ids)}

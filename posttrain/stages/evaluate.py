@@ -26,6 +26,7 @@ from posttrain.eval.heldout import heldout_loss
 from posttrain.eval.inference import compare_cache_modes
 from posttrain.models.adapters import active_adapter
 from posttrain.models.loading import load_base
+from posttrain.pipeline import policy_stage
 from posttrain.stages.common import StageContext, stage_main
 
 log = logging.getLogger("posttrain.evaluate")
@@ -62,8 +63,9 @@ def _pairs(ctx: StageContext, stage: str, tok: Any) -> list[dict]:
 def preference_metrics(
     ctx: StageContext, model: Any, tok: Any, device: torch.device
 ) -> dict[str, Any]:
-    """Reward-model accuracy, DPO implicit-reward accuracy and the DPO policy's win-rate against
-    the SFT policy judged by the reward model — each when its stages ran."""
+    """Reward-model accuracy, DPO implicit-reward accuracy and the tuned policy's (DPO, PPO or
+    GRPO) win-rate against the SFT policy judged by the reward model — each when its stages
+    ran."""
     from posttrain.eval.preference_eval import implicit_reward_accuracy, reward_accuracy, win_rate
     from posttrain.models.reward import load_reward_model
 
@@ -89,33 +91,35 @@ def preference_metrics(
             model, "default", "sft", pairs, tok.pad_token_id, ctx.recipe.dpo.beta, cfg.batch_size
         )
         log.info("DPO implicit-reward held-out accuracy %.3f", out["dpo_implicit"]["accuracy"])
-        if rm is not None:
-            rows = [
-                json.loads(x)
-                for x in (ctx.parent_dir("dpo") / "data" / "eval.jsonl").read_text().splitlines()
-            ]
-            prompts = [r["prompt"] for r in rows[: cfg.win_rate_prompts]]
-            wr = win_rate(
-                model,
-                tok,
-                rm,
-                prompts,
-                "default",
-                "sft",
-                cfg.win_rate_sampling,
-                ctx.recipe.run.seed,
-                cfg.batch_size,
-            )
-            write_rows(ctx.out_dir / "win_rate_samples.jsonl", wr.pop("examples"))
-            out["win_rate_vs_sft"] = wr
-            log.info(
-                "DPO policy vs SFT policy, judged by the reward model: %d wins, %d losses, "
-                "%d ties (win-rate %.3f)",
-                wr["wins"],
-                wr["losses"],
-                wr["ties"],
-                wr["win_rate"],
-            )
+    tuned = policy_stage(ctx.parents)
+    if rm is not None and tuned != "sft":
+        rows = [
+            json.loads(x)
+            for x in (ctx.parent_dir(tuned) / "data" / "eval.jsonl").read_text().splitlines()
+        ]
+        prompts = [r["prompt"] for r in rows[: cfg.win_rate_prompts]]
+        wr = win_rate(
+            model,
+            tok,
+            rm,
+            prompts,
+            "default",
+            "sft",
+            cfg.win_rate_sampling,
+            ctx.recipe.run.seed,
+            cfg.batch_size,
+        )
+        write_rows(ctx.out_dir / "win_rate_samples.jsonl", wr.pop("examples"))
+        out["win_rate_vs_sft"] = wr
+        log.info(
+            "%s policy vs SFT policy, judged by the reward model: %d wins, %d losses, "
+            "%d ties (win-rate %.3f)",
+            tuned.upper(),
+            wr["wins"],
+            wr["losses"],
+            wr["ties"],
+            wr["win_rate"],
+        )
     return out
 
 
@@ -127,11 +131,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
     device = torch.device("cuda" if ctx.recipe.infra.device == "cuda" else "cpu")
     base, tok = load_base(ctx.parent_dir("ingest"), ctx.parent_manifest("ingest"))
     sft_dir = ctx.parent_dir("sft")
-    # The tuned policy is the last policy stage that ran; with DPO the SFT policy is loaded as a
-    # second adapter ("sft") on the same base, for the comparisons below.
-    policy_stage = "dpo" if "dpo" in ctx.parents else "sft"
-    model = PeftModel.from_pretrained(base, str(ctx.parent_dir(policy_stage) / "adapter"))
-    if policy_stage == "dpo":
+    # The tuned policy is the policy stage that ran (dpo, ppo or grpo), else sft; the SFT policy
+    # is then loaded as a second adapter ("sft") on the same base, for the comparisons below.
+    tuned = policy_stage(ctx.parents)
+    model = PeftModel.from_pretrained(base, str(ctx.parent_dir(tuned) / "adapter"))
+    if tuned != "sft":
         model.load_adapter(str(sft_dir / "adapter"), adapter_name="sft")
     model = model.to(device).eval()
 
@@ -201,13 +205,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     )
 
     heldout = {"base": base_scores, "tuned": tuned_scores, "rows": len(examples)}
-    if policy_stage == "dpo":  # how far preference tuning moved the policy from SFT's fit
+    if tuned != "sft":  # how far preference tuning moved the policy from SFT's fit
         with active_adapter(model, "sft"):
             heldout["sft"] = heldout_loss(
                 model, _batches(examples, tok.pad_token_id, cfg.batch_size), device
             )
     report = {
-        "policy": policy_stage,
+        "policy": tuned,
         "heldout": heldout,
         "exact_match": exact,
         "inference": inference,

@@ -19,6 +19,7 @@ from posttrain.export.merge import merge_adapter, save_export
 from posttrain.export.model_card import model_card
 from posttrain.export.verify import verify_export
 from posttrain.models.loading import DTYPES, load_tokenizer
+from posttrain.pipeline import policy_stage
 from posttrain.stages.common import StageContext, stage_main
 
 log = logging.getLogger("posttrain.export")
@@ -48,8 +49,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ingest = ctx.parent_manifest("ingest")
     base_dir = ingest["summary"]["model_dir"]
     # The policy to ship is the last policy stage that ran.
-    policy_stage = "dpo" if "dpo" in ctx.parents else "sft"
-    adapter_dir = ctx.parent_dir(policy_stage) / "adapter"
+    adapter_dir = ctx.parent_dir(policy_stage(ctx.parents)) / "adapter"
     dtype_name = base_dtype(ingest["summary"]) if cfg.dtype == "auto" else cfg.dtype
     trust = bool(ingest["summary"].get("trust_remote_code", False))
 
@@ -110,7 +110,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     }
     sections = {
         s: getattr(ctx.recipe, s).model_dump(mode="json")
-        for s in ("ingest", "sft", "reward", "dpo", "export")
+        for s in ("ingest", "sft", "reward", "dpo", "ppo", "grpo", "export")
         if getattr(ctx.recipe, s) is not None
     }
     (out / "README.md").write_text(

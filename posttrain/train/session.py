@@ -52,6 +52,8 @@ class TrainSession:
     peak_flops: float
     ckpt_root: Any
     last: dict[str, float] = field(default_factory=dict)
+    # meta.json of the checkpoint this session resumed from (a stage's own state lives there)
+    resume_meta: dict[str, Any] = field(default_factory=dict)
 
     def step_rows(self, n_rows: int, step: int, batch: ResolvedBatch, seed: int) -> list[list[int]]:
         """This rank's row indices for optimizer step `step` -> [accum][micro] (see
@@ -96,11 +98,14 @@ class TrainSession:
         seq_len: float,
         t_start: float,
         t_data: float,
+        flops: float | None = None,
         **extra: float,
     ) -> None:
         """Throughput, FLOP/s, MFU and memory of one optimizer step -> metrics.jsonl.
 
         `local_tokens` are this rank's processed (non-pad) tokens; `seq_len` their mean length.
+        `flops`: this rank's FLOPs for the step when it is not one training pass over
+        `local_tokens` (RL steps also generate and score); default: the training estimate.
         """
         device = self.dist.device
         if device.type == "cuda":
@@ -112,7 +117,7 @@ class TrainSession:
         fpt = train_flops_per_token(
             self.n_matmul, self.n_trainable, cfg.num_hidden_layers, cfg.hidden_size, int(seq_len)
         )
-        achieved = fpt * tokens / dt
+        achieved = (all_reduce_sum(flops, device) if flops is not None else fpt * tokens) / dt
         mfu = achieved / (self.peak_flops * world) if self.peak_flops else float("nan")
         self.last = {
             "loss": loss,
@@ -170,9 +175,13 @@ class TrainSession:
         out = {**fields, "train_loss": self.last.get("loss"), "mfu": self.last.get("mfu")}
         return {k: round(v, 4) for k, v in out.items() if v is not None}
 
-    def maybe_checkpoint(self, step: int, every: int, keep: int) -> None:
+    def maybe_checkpoint(
+        self, step: int, every: int, keep: int, extra: dict[str, Any] | None = None
+    ) -> None:
+        """Checkpoint every `every` steps (not after the last: the stage's output follows).
+        `extra`: JSON-able stage state saved in meta.json, back as `resume_meta` on resume."""
         if every and step % every == 0 and step < self.total_steps:
-            save_checkpoint(self.ckpt_root, step, self.model, self.opt, self.sched, keep)
+            save_checkpoint(self.ckpt_root, step, self.model, self.opt, self.sched, keep, extra)
 
 
 def planned_steps(max_steps: int | None, epochs: float, n_rows: int, batch: ResolvedBatch) -> int:
@@ -186,10 +195,13 @@ def start_session(
     optim: OptimConfig,
     batch: ResolvedBatch,
     total_steps: int,
+    schedule_steps: int | None = None,
     **start_fields: Any,
 ) -> TrainSession:
     """Shard `model` (trainable parts already marked), build optimizer + schedule, resume from
-    the newest complete checkpoint, and write the `start` metrics record."""
+    the newest complete checkpoint, and write the `start` metrics record. `schedule_steps`:
+    optimizer steps the LR schedule spans when a logged step holds several (default
+    total_steps)."""
     d: DistInfo = ctx.dist
     precision = ctx.recipe.infra.precision
     assert batch.dp_size == d.world_size, f"recipe dp {batch.dp_size} != world {d.world_size}"
@@ -199,16 +211,17 @@ def start_session(
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(trainable, optim)
-    sched = build_scheduler(opt, total_steps, optim)
+    sched = build_scheduler(opt, schedule_steps or total_steps, optim)
     scaler = None
     if precision == "fp16":
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         scaler = ShardedGradScaler(d.device.type)
-    start_step = 0
+    start_step, meta = 0, {}
     ckpt_root = ctx.out_dir / "checkpoints"
     if done := complete_checkpoints(ckpt_root):
-        start_step = load_checkpoint(done[-1], model, opt, sched)["step"]
+        meta = load_checkpoint(done[-1], model, opt, sched)
+        start_step = meta["step"]
         log.info("resumed from %s at step %d", done[-1].name, start_step)
     peak, peak_src = device_peak_flops(d.device, precision)
     metrics = MetricsWriter(
@@ -256,6 +269,7 @@ def start_session(
         n_total,
         peak,
         ckpt_root,
+        resume_meta=meta,
     )
 
 

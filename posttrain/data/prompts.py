@@ -1,0 +1,126 @@
+"""Prompts for online RL: read or generate, validate, split, and encode for generation.
+
+Accepted rows:
+  {"prompt": str}                         one user turn
+  {"prompt": [messages]}                  must end with a user turn (preference files work as is)
+  {"messages": [messages]}                the prompt is everything before the last assistant turn,
+                                          or the whole list when it ends with a user turn
+A bad row raises `PreferenceDataError` naming `<file>:<line>` and the problem (`on_invalid: skip`
+counts it by reason instead).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posttrain.config.schema import PromptDataConfig
+from posttrain.data.chat import render
+from posttrain.data.loading import DataError, read_rows
+from posttrain.data.pref_prepare import Located, read_and_split
+from posttrain.data.preference import (
+    Messages,
+    PreferenceDataError,
+    _fail,
+    _messages,
+    keep_prompt_tail,
+)
+from posttrain.data.synthetic import SYSTEM_PROMPT, quickstart_triples
+
+log = logging.getLogger(__name__)
+
+
+def check_prompt_row(row: Any, where: str) -> Messages:
+    """Validate one prompt row and return its prompt messages (ending with a user turn)."""
+    if not isinstance(row, dict):
+        _fail(where, "wrong_type", f"row must be a JSON object, got {type(row).__name__}")
+    if row.get("prompt") is not None:
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            msgs = [{"role": "user", "content": prompt}]
+        elif isinstance(prompt, list):
+            msgs = _messages(prompt, "prompt", where)
+        else:
+            _fail(
+                where,
+                "wrong_type",
+                f"'prompt' must be a string or a list of messages, got {type(prompt).__name__}",
+            )
+    elif row.get("messages") is not None:
+        msgs = _messages(row["messages"], "messages", where)
+        last_reply = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        if last_reply and last_reply[-1] == len(msgs) - 1:
+            msgs = msgs[: last_reply[-1]]
+    else:
+        _fail(where, "missing_field", f"expected 'prompt' or 'messages', got keys {sorted(row)}")
+    if not any(m["role"] == "user" and m["content"].strip() for m in msgs):
+        _fail(where, "no_user_turn", "the prompt has no non-empty user turn")
+    if msgs[-1]["role"] != "user":
+        _fail(
+            where,
+            "prompt_end_not_user",
+            f"the prompt must end with a user turn, it ends with {msgs[-1]['role']!r}",
+        )
+    return msgs
+
+
+def read_prompt_rows(path: str | Path, on_invalid: str = "error") -> tuple[Located, dict[str, int]]:
+    """(location, prompt messages) pairs and {reason: rows dropped}; see `check_prompt_row`."""
+    out, dropped = [], Counter()
+    for where, raw in read_rows(path):
+        try:
+            out.append((where, check_prompt_row(raw, where)))
+        except PreferenceDataError as exc:
+            if on_invalid == "error":
+                raise
+            if not dropped[exc.reason]:
+                log.warning("skipping invalid prompt rows, first %s: %s", exc.reason, exc)
+            dropped[exc.reason] += 1
+    if not out:
+        raise DataError(f"{path}: no valid prompt row (dropped: {dict(dropped)})")
+    return out, dict(dropped)
+
+
+def quickstart_prompts(n: int, seed: int) -> list[Messages]:
+    """n quickstart prompts (the SFT/preference tasks); every third has a system turn."""
+    out = []
+    for i, (_task, prompt, _right, _wrong) in enumerate(quickstart_triples(n, seed)):
+        sys_turn = [{"role": "system", "content": SYSTEM_PROMPT}] if i % 3 == 0 else []
+        out.append(sys_turn + [{"role": "user", "content": prompt}])
+    return out
+
+
+def encode_prompt(tokenizer: Any, msgs: Messages, max_prompt_len: int) -> list[int]:
+    """Generation input: the templated prompt with the assistant header, cut to its tail; the
+    same ids a preference pair's prompt part has."""
+    text = render(tokenizer, msgs, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return keep_prompt_tail(tokenizer, ids, max_prompt_len)
+
+
+@dataclass
+class PromptData:
+    train: list[dict[str, Any]]  # {"messages": [...], "ids": [int]}
+    eval: list[dict[str, Any]]
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+def prepare_prompts(cfg: PromptDataConfig, tokenizer: Any, seed: int) -> PromptData:
+    train, held, dropped = read_and_split(cfg, seed, read_prompt_rows, quickstart_prompts)
+
+    def enc(located: Located) -> list[dict[str, Any]]:
+        return [
+            {"messages": m, "ids": encode_prompt(tokenizer, m, cfg.max_prompt_len)}
+            for _, m in located
+        ]
+
+    data = PromptData(enc(train), enc(held))
+    data.stats = {f"dropped_{k}": v for k, v in dropped.items()} | {
+        "train_prompts": len(data.train),
+        "eval_prompts": len(data.eval),
+        "prompts_at_max_len": sum(len(r["ids"]) >= cfg.max_prompt_len for r in data.train),
+    }
+    return data

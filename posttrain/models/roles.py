@@ -1,0 +1,160 @@
+"""The four roles of online RL on ONE base model: policy, reference, value (critic), reward.
+
+Every role here is a LoRA adapter on the same frozen base (plus a small head), not a model of its
+own, so the base weights are held once and sharded once:
+- policy    "default"   the SFT adapter, trained further                      -> logits
+- reference "reference" a frozen copy of the SFT adapter (never the raw base)  -> logits
+- reward    "reward"    the reward stage's adapter + its score head, frozen    -> one score
+- value     "value"     initialised from the reward model (adapter + head, as in InstructGPT),
+                        trained                                               -> one value per token
+The reward stage trains on the same base (the ingest artifact), which is what makes sharing exact:
+the shared-trunk reward score equals the stand-alone reward model's (tested).
+
+`RoleModel.forward(role, ...)` runs the decoder body with the role's adapter active and applies
+the role's head; one `fully_shard` of this module covers every role, and frozen roles simply have
+no optimizer state. `generate` is registered as an FSDP forward method by the caller after
+sharding, so decoding runs on the sharded policy.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import PeftModel
+from safetensors import safe_open
+from torch import nn
+from transformers import PreTrainedModel
+
+from posttrain.models.adapters import POLICY, REFERENCE, active_adapter, policy_with_reference
+
+VALUE, REWARD = "value", "reward"
+LOGIT_ROLES = (POLICY, REFERENCE)
+
+
+class RoleModel(nn.Module):
+    def __init__(self, lm: PeftModel, score_head: nn.Linear, value_head: nn.Linear | None) -> None:
+        super().__init__()
+        self.lm = lm
+        self.score_head = score_head
+        self.value_head = value_head
+        # Telemetry reads the architecture (layers, width) from `model.config`.
+        self.config = lm.get_base_model().config
+
+    @property
+    def causal_lm(self) -> PreTrainedModel:
+        return self.lm.get_base_model()
+
+    def forward(
+        self,
+        role: str,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> torch.Tensor:
+        """input_ids/attention_mask/position_ids [B, T] ->
+        policy/reference: logits [B, stop-start, V] of positions start..stop-1;
+        value: values [B, stop-start] (fp32);  reward: scores [B] at each row's last real token.
+        Only the requested positions go through the LM head (a [B, T, V] tensor is the largest
+        activation of a small-vocabulary-to-hidden ratio model)."""
+        with active_adapter(self.lm, role):
+            hidden = (
+                self.causal_lm.get_decoder()(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=False,
+                )
+            ).last_hidden_state  # [B, T, H], after the final norm
+        if role == REWARD:
+            # The reward model reads the last non-pad token, wherever the padding is.
+            positions = torch.arange(attention_mask.size(1), device=attention_mask.device)
+            last = (positions * attention_mask).argmax(1)  # [B]
+            rows = torch.arange(hidden.size(0), device=hidden.device)
+            # [B, 1] -> [B] by a sum, not a squeeze: FSDP2 warns when a forward returns a view.
+            return self.score_head(hidden[rows, last]).sum(-1).float()
+        hidden = hidden[:, start:stop]
+        if role == VALUE:
+            if self.value_head is None:
+                raise ValueError("this RoleModel was built without a critic")
+            return self.value_head(hidden).sum(-1).float()  # [B, R, 1] -> [B, R]
+        if role not in LOGIT_ROLES:
+            raise ValueError(f"unknown role {role!r}; known: {LOGIT_ROLES + (VALUE, REWARD)}")
+        return self.causal_lm.get_output_embeddings()(hidden)
+
+    def generate(self, role: str = POLICY, **kwargs: Any) -> torch.Tensor:
+        with active_adapter(self.lm, role):
+            return self.lm.generate(**kwargs)
+
+    def save_pretrained(
+        self, path: str, state_dict: dict[str, Any], selected_adapters: list[str]
+    ) -> None:
+        """Save from a full state dict of this module (keys "lm.*", "value_head.*"): the policy
+        in peft format (loads with PeftModel.from_pretrained on the base); the critic as one
+        safetensors file of its adapter and head (loads into `build_roles(..., critic=True)`
+        with load_state_dict(strict=False))."""
+        if selected_adapters == [VALUE]:
+            from safetensors.torch import save_file
+
+            critic = {
+                k: v.contiguous()
+                for k, v in state_dict.items()
+                if k.startswith("value_head.") or _adapter_of(k) == VALUE
+            }
+            Path(path).mkdir(parents=True, exist_ok=True)
+            save_file(critic, str(Path(path) / "critic.safetensors"))
+            return
+        inner = {k.removeprefix("lm."): v for k, v in state_dict.items() if k.startswith("lm.")}
+        self.lm.save_pretrained(path, state_dict=inner, selected_adapters=selected_adapters)
+
+
+def _adapter_of(param_name: str) -> str | None:
+    """The adapter a peft parameter belongs to ('...lora_A.<adapter>.weight'), else None."""
+    parts = param_name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.startswith("lora_"):
+            return parts[i + 1]
+    return None
+
+
+def load_score_head(reward_adapter: Path, hidden_size: int) -> nn.Linear:
+    """The reward model's score head (trained in full by the reward stage, saved with its
+    adapter as `...score.weight` [1, H] and, for some architectures, a bias)."""
+    with safe_open(str(reward_adapter / "adapter_model.safetensors"), "pt") as f:
+        keys = {k.rsplit(".", 1)[-1]: k for k in f.keys() if ".score." in f".{k}"}  # noqa: SIM118
+        if "weight" not in keys:
+            raise ValueError(f"{reward_adapter}: no score head weight in the reward adapter")
+        weight = f.get_tensor(keys["weight"]).float()
+        bias = f.get_tensor(keys["bias"]).float() if "bias" in keys else None
+    if tuple(weight.shape) != (1, hidden_size):
+        raise ValueError(
+            f"{reward_adapter}: score head {tuple(weight.shape)} does not fit hidden size "
+            f"{hidden_size}: the reward model was trained on another base"
+        )
+    head = nn.Linear(hidden_size, 1, bias=bias is not None)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        if bias is not None:
+            head.bias.copy_(bias)
+    return head
+
+
+def build_roles(
+    base: PreTrainedModel, sft_adapter: Path, reward_adapter: Path, critic: bool
+) -> RoleModel:
+    """Base + adapters for every role (see module docstring). Only the policy adapter (and the
+    critic's adapter and head) require gradients."""
+    lm = policy_with_reference(base, sft_adapter)
+    lm.load_adapter(str(reward_adapter), adapter_name=REWARD, is_trainable=False)
+    if critic:
+        lm.load_adapter(str(reward_adapter), adapter_name=VALUE, is_trainable=True)
+    trainable = {POLICY, VALUE} if critic else {POLICY}
+    for name, p in lm.named_parameters():
+        p.requires_grad_(_adapter_of(name) in trainable)
+    score = load_score_head(reward_adapter, base.config.hidden_size).requires_grad_(False)
+    value = copy.deepcopy(score).requires_grad_(True) if critic else None
+    return RoleModel(lm, score, value)

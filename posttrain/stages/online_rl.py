@@ -1,0 +1,485 @@
+"""The online-RL loop PPO and GRPO share (`posttrain.stages.ppo`, `posttrain.stages.grpo`).
+
+One logged step = one rollout:
+1. generate: each rank samples responses for its share of `rollout.prompts_per_step` prompts
+   (x samples_per_prompt) from the sharded policy, KV cache on, stopping at EOS;
+2. score: policy and reference log-probs, critic values (PPO) and reward-model scores, no grad;
+3. advantages: from the algorithm registry (`posttrain.train.rl_algos`): GAE over the critic for
+   PPO, group-normalised scores for GRPO; KL against the reference in the reward or the loss;
+4. update: `update_epochs` passes over the rollout in shuffled minibatches of `batch` (micro x
+   accum x ranks sequences), clipped policy loss - entropy bonus (+ KL) and, with a critic, the
+   clipped value loss; token-level means over the whole minibatch on all ranks.
+
+All four roles live on one base (`posttrain.models.roles`), sharded together by FSDP2.
+Checkpoints at rollout boundaries hold the trainable adapters and heads, optimizer, schedule and
+the KL coefficient; rollouts are seeded by (seed, step, rank), so a resumed run samples what an
+uninterrupted one would. Held-out prompts at the end (and every `eval_every`): mean reward of the
+policy's samples vs the SFT policy's, and KL(policy || SFT) per response; `max_kl` and
+`min_reward_gain` are quality gates.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import register_fsdp_forward_method
+
+from posttrain.config.loader import section_batch
+from posttrain.data.batching import step_indices
+from posttrain.data.pref_prepare import guard_template
+from posttrain.data.prompts import PromptData, prepare_prompts
+from posttrain.data.sft_data import write_rows
+from posttrain.distributed.runtime import DistInfo, all_reduce_sum, rank_batches
+from posttrain.models.adapters import POLICY, REFERENCE
+from posttrain.models.loading import load_base
+from posttrain.models.lora import prepare_for_training
+from posttrain.models.roles import REWARD, VALUE, build_roles
+from posttrain.stages.common import StageContext
+from posttrain.telemetry.metrics import memory_snapshot, train_flops_per_token
+from posttrain.train.rl_algos import ALGORITHMS, Algorithm, sequence_kl
+from posttrain.train.rl_losses import (
+    KLController,
+    clipped_policy_loss,
+    clipped_value_loss,
+    entropy_from_logits,
+    explained_variance,
+    kl_penalty,
+    token_logps,
+)
+from posttrain.train.rollout import Rollout, decode_responses, sample, score
+from posttrain.train.session import TrainSession, save_adapter, start_session
+
+log = logging.getLogger("posttrain.rl")
+
+
+def _reduce(device: torch.device):  # noqa: ANN202 - a Reduce callable
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            t = t.to(device)
+            torch.distributed.all_reduce(t)
+        return t.cpu()
+
+    return reduce
+
+
+def rollout_seed(seed: int, step: int, rank: int) -> int:
+    return (seed * 1_000_003 + step * 7_919 + rank * 104_729) % (2**31)
+
+
+def check_shapes(name: str, cfg: Any, batch: Any, world: int) -> tuple[int, int]:
+    """(sequences per rank per rollout, optimizer updates per rollout), or a ValueError naming
+    the fields that do not fit together."""
+    r = cfg.rollout
+    if r.prompts_per_step % world:
+        raise ValueError(
+            f"{name}.rollout.prompts_per_step {r.prompts_per_step} must be a multiple of the "
+            f"{world} ranks (each rank rolls out the same number of prompts)"
+        )
+    local = r.prompts_per_step // world * r.samples_per_prompt
+    per_update = batch.micro_batch_size * batch.grad_accum_steps
+    if local % per_update:
+        raise ValueError(
+            f"{name}.batch: one update takes micro {batch.micro_batch_size} x accum "
+            f"{batch.grad_accum_steps} = {per_update} sequences per rank, but a rollout gives "
+            f"{local} per rank (prompts_per_step / ranks x samples_per_prompt); make it a "
+            f"multiple"
+        )
+    return local, cfg.update_epochs * local // per_update
+
+
+def _to(inp: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in inp.items()}
+
+
+def update(
+    tr: TrainSession,
+    ro: Rollout,
+    adv: torch.Tensor,
+    returns: torch.Tensor | None,
+    cfg: Any,
+    batch: Any,
+    kl_in_loss: float,
+    seed: int,
+) -> dict[str, float]:
+    """`update_epochs` passes of clipped updates over one rollout. Returns token-weighted means
+    over all ranks (policy_loss, value_loss, entropy, clip_frac, value_clip_frac, approx_kl,
+    kl_loss) and the mean grad norm; `updates` counts optimizer steps."""
+    model, d = tr.model, tr.dist
+    device, world = d.device, d.world_size
+    micro, per_update = batch.micro_batch_size, batch.micro_batch_size * batch.grad_accum_steps
+    critic = returns is not None
+    sums: Counter[str] = Counter()
+    norms: list[float] = []
+    old, ref = ro.scored["logps"], ro.scored["ref_logps"]
+    for epoch in range(cfg.update_epochs):
+        g = torch.Generator().manual_seed(seed + epoch)
+        perm = torch.randperm(ro.n, generator=g)
+        for u in range(ro.n // per_update):
+            rows = perm[u * per_update : (u + 1) * per_update]
+            # Token-level mean over the whole minibatch on every rank: each rank scales its token
+            # sum by world / global tokens, and FSDP's gradient averaging divides the world back.
+            scale = world / max(1.0, all_reduce_sum(float(ro.mask[rows].sum()), device))
+            micros = rows.split(micro)
+            for k, mi in enumerate(micros):
+                last = k == len(micros) - 1
+                inp = _to(ro.inputs(mi), device)
+                m = ro.mask[mi].to(device)
+                model.set_requires_gradient_sync(last and not critic)
+                logits = model(POLICY, **inp)  # [n, R, V]
+                logp = token_logps(logits, ro.response[mi].to(device))
+                ent = entropy_from_logits(logits)
+                pg, clipped = clipped_policy_loss(
+                    logp, old[mi].to(device), adv[mi].to(device), cfg.clip_range
+                )
+                per_token = pg - cfg.entropy_coef * ent
+                kl_t = kl_penalty(logp, ref[mi].to(device), cfg.kl.estimator)
+                if kl_in_loss:
+                    per_token = per_token + kl_in_loss * kl_t
+                tr.backward((per_token * m).sum() * scale)
+                ratio_log = logp.detach() - old[mi].to(device)
+                for name, v in (
+                    ("policy_loss", pg),
+                    ("entropy", ent),
+                    ("clip_frac", clipped.float()),
+                    ("approx_kl", 0.5 * ratio_log**2),
+                    ("kl_loss", kl_t),
+                    ("tokens", torch.ones_like(pg)),
+                ):
+                    sums[name] += float((v.detach() * m).sum())
+                if critic:
+                    model.set_requires_gradient_sync(last)
+                    values = model(VALUE, **inp)  # [n, R]
+                    vf, vclipped = clipped_value_loss(
+                        values,
+                        ro.scored["values"][mi].to(device),
+                        returns[mi].to(device),
+                        cfg.value_clip,
+                    )
+                    tr.backward(cfg.vf_coef * (vf * m).sum() * scale)
+                    sums["value_loss"] += float((vf.detach() * m).sum())
+                    sums["value_clip_frac"] += float((vclipped.float() * m).sum())
+            norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm)
+            norms.append(norm)
+    tot = {k: all_reduce_sum(v, device) for k, v in sums.items()}
+    n_tok = max(1.0, tot.pop("tokens"))
+    out = {k: v / n_tok for k, v in tot.items()}
+    out |= {"grad_norm": sum(norms) / len(norms), "lr": lr, "updates": len(norms)}
+    return out
+
+
+@torch.no_grad()
+def heldout(
+    model: torch.nn.Module,
+    tok: Any,
+    rows: list[dict[str, Any]],
+    cfg: Any,
+    seed: int,
+    d: DistInfo,
+    role: str,
+    batch_size: int,
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Mean reward-model score (and KL(policy || reference) per response, for the policy) of one
+    sample per held-out prompt from `role`. Prompt batch b is sampled with seed + b's first row,
+    so the policy and the reference see the same prompts under the same seeds. Returns (means
+    over all ranks, this rank's examples)."""
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    roles = (POLICY, REFERENCE, REWARD) if role == POLICY else (REWARD,)
+    sums: Counter[str] = Counter()
+    examples = []
+    for idx in rank_batches(len(rows), d.rank, d.world_size, batch_size):
+        chunk = [rows[i] for i in idx] or rows[:1]
+        w = 1.0 if idx else 0.0
+        ro = sample(
+            model,
+            [r["ids"] for r in chunk],
+            [r["messages"] for r in chunk],
+            cfg.rollout,
+            pad,
+            eos,
+            seed + (idx[0] if idx else 0),
+            d.world_size,
+            role=role,
+        )
+        score(model, ro, tok, batch_size, cfg.data.max_prompt_len, roles)
+        s = ro.scored["scores"]
+        sums["n"] += w * ro.n
+        sums["reward"] += w * float(s.sum())
+        sums["reward_sq"] += w * float((s**2).sum())
+        sums["length"] += w * float(ro.mask.sum())
+        sums["stopped"] += w * float(ro.stopped.sum())
+        if role == POLICY:
+            sums["kl"] += w * float(sequence_kl(ro, "k1").sum())
+        if w:
+            examples += [
+                {"prompt": r["messages"], "response": t, "reward": float(v)}
+                for r, t, v in zip(chunk, decode_responses(tok, ro), s.tolist(), strict=True)
+            ]
+    t = {k: all_reduce_sum(v, d.device) for k, v in sums.items()}
+    n = max(1.0, t.pop("n"))
+    out = {
+        "reward": t["reward"] / n,
+        "reward_std": math.sqrt(max(0.0, t["reward_sq"] / n - (t["reward"] / n) ** 2)),
+        "response_len": t["length"] / n,
+        "stop_rate": t["stopped"] / n,
+        "prompts": n,
+    }
+    if role == POLICY:
+        out["kl"] = t["kl"] / n
+    return out, examples
+
+
+def _gate(cfg: Any, final: dict[str, float], sft: dict[str, float]) -> dict[str, Any]:
+    problems = []
+    gain = final["reward"] - sft["reward"]
+    if cfg.max_kl is not None and final["kl"] > cfg.max_kl:
+        problems.append(f"held-out KL {final['kl']:.3f} exceeds max_kl {cfg.max_kl}")
+    if cfg.min_reward_gain is not None and gain < cfg.min_reward_gain:
+        problems.append(
+            f"held-out reward gain {gain:.4f} over the SFT policy is below min_reward_gain "
+            f"{cfg.min_reward_gain}"
+        )
+    return {"passed": not problems, **({"message": "; ".join(problems)} if problems else {})}
+
+
+def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
+    algo: Algorithm = ALGORITHMS[name]
+    cfg = getattr(ctx.recipe, name)
+    assert cfg is not None
+    d = ctx.dist
+    device, rank, world = d.device, d.rank, d.world_size
+    seed = ctx.recipe.run.seed
+
+    base, tok = load_base(ctx.parent_dir("ingest"), ctx.parent_manifest("ingest"))
+    template_sha = guard_template(
+        tok, ctx.parent_manifest("sft")["summary"].get("chat_template_sha256"), name, cfg
+    )
+    guard_template(
+        tok, ctx.parent_manifest("reward")["summary"].get("chat_template_sha256"), name, cfg
+    )
+    data: PromptData = prepare_prompts(cfg.data, tok, seed)
+    if ctx.is_main:
+        (ctx.out_dir / "data").mkdir(parents=True, exist_ok=True)
+        for split, rows in (("train", data.train), ("eval", data.eval)):
+            write_rows(
+                ctx.out_dir / "data" / f"{split}.jsonl", [{"prompt": r["messages"]} for r in rows]
+            )
+    if not data.eval:
+        raise ValueError(f"{name}.data: no held-out prompts; set eval_fraction > 0 or eval_path")
+    batch = section_batch(ctx.recipe, name)
+    local_seqs, updates_per_rollout = check_shapes(name, cfg, batch, world)
+    n_rollouts = cfg.max_steps or max(
+        1, math.ceil(cfg.epochs * len(data.train) / cfg.rollout.prompts_per_step)
+    )
+    placement = algo.kl_placement if cfg.kl.placement == "auto" else cfg.kl.placement
+
+    prepare_for_training(base, cfg.activation_checkpointing)
+    model = build_roles(
+        base,
+        ctx.parent_dir("sft") / "adapter",
+        ctx.parent_dir("reward") / "adapter",
+        critic=algo.critic,
+    )
+    tr = start_session(
+        ctx,
+        model,
+        cfg.optim,
+        batch,
+        n_rollouts,
+        schedule_steps=n_rollouts * updates_per_rollout,
+        algorithm=name,
+        roles="policy,reference,reward" + (",value" if algo.critic else ""),
+        kl_placement=placement,
+        updates_per_rollout=updates_per_rollout,
+        sequences_per_rollout=local_seqs * world,
+        **data.stats,
+    )
+    model = tr.model
+    register_fsdp_forward_method(model, "generate")
+    ctl = KLController(cfg.kl.coef, cfg.kl.adaptive, cfg.kl.target, cfg.kl.horizon)
+    ctl.coef = tr.resume_meta.get("kl_coef", ctl.coef)
+    reduce = _reduce(device)
+    eval_rows = data.eval[: cfg.eval_prompts]
+    eval_bs = batch.micro_batch_size
+    sft_eval: dict[str, float] | None = None
+
+    def evaluate(step: int) -> dict[str, float]:
+        nonlocal sft_eval
+        if sft_eval is None:
+            sft_eval, _ = heldout(model, tok, eval_rows, cfg, seed, d, REFERENCE, eval_bs)
+            tr.metrics.write("eval", step=step, **{f"sft_{k}": v for k, v in sft_eval.items()})
+        pol, examples = heldout(model, tok, eval_rows, cfg, seed, d, POLICY, eval_bs)
+        pol["reward_gain"] = pol["reward"] - sft_eval["reward"]
+        tr.metrics.write("eval", step=step, **{f"eval_{k}": v for k, v in pol.items()})
+        log.info(
+            "held-out reward %.4f (SFT policy %.4f, gain %+.4f), KL to SFT %.3f",
+            pol["reward"],
+            sft_eval["reward"],
+            pol["reward_gain"],
+            pol["kl"],
+        )
+        if ctx.is_main:
+            write_rows(ctx.out_dir / "eval_samples.jsonl", examples)
+        return pol
+
+    roles = (POLICY, REFERENCE, REWARD) + ((VALUE,) if algo.critic else ())
+    n_mat, cfg_m = tr.n_matmul, model.config
+    for step in range(tr.start_step, n_rollouts):
+        t0 = time.perf_counter()
+        idx = step_indices(
+            len(data.train),
+            step,
+            micro=cfg.rollout.prompts_per_step // world,
+            accum=1,
+            dp_size=world,
+            rank=rank,
+            seed=seed,
+        )[0]
+        rows = [data.train[i] for i in idx for _ in range(cfg.rollout.samples_per_prompt)]
+        ro = sample(
+            model,
+            [r["ids"] for r in rows],
+            [r["messages"] for r in rows],
+            cfg.rollout,
+            tok.pad_token_id,
+            tok.eos_token_id,
+            rollout_seed(seed, step, rank),
+            world,
+        )
+        t_gen = time.perf_counter() - t0
+        score(model, ro, tok, batch.micro_batch_size, cfg.data.max_prompt_len, roles)
+        t_score = time.perf_counter() - t0 - t_gen
+        kl_coef = ctl.coef
+        adv, returns = algo.advantages(ro, cfg, kl_coef if placement == "reward" else 0.0, reduce)
+        stats = update(
+            tr,
+            ro,
+            adv,
+            returns,
+            cfg,
+            batch,
+            kl_coef if placement == "loss" else 0.0,
+            rollout_seed(seed, step, rank) + 1,
+        )
+        t_train = time.perf_counter() - t0 - t_gen - t_score
+
+        scores = ro.scored["scores"]
+        seq_kl = sequence_kl(ro, "k1")
+        g = {
+            k: all_reduce_sum(v, device)
+            for k, v in (
+                ("n", ro.n),
+                ("score", float(scores.sum())),
+                ("score_sq", float((scores**2).sum())),
+                ("kl", float(seq_kl.sum())),
+                ("length", float(ro.mask.sum())),
+                ("stopped", float(ro.stopped.sum())),
+            )
+        }
+        n = g["n"]
+        kl_mean = g["kl"] / n
+        ctl.update(kl_mean, int(n))
+        # This rank's FLOPs: prefill + one decode step per row and new token (rows that ended
+        # still step), role forwards over the rollout, forward+backward per update epoch.
+        r_w = ro.width[1]
+        w_min, w_max = _minmax(r_w, device)
+        seq_len = ro.tokens() / ro.n
+        gen_flops = 2 * n_mat * (float(ro.prompt_mask.sum()) + ro.n * r_w)
+        score_flops = 2 * n_mat * ro.tokens() * len(roles)
+        per_tok = train_flops_per_token(
+            n_mat, tr.n_trainable, cfg_m.num_hidden_layers, cfg_m.hidden_size, int(seq_len)
+        )
+        train_flops = per_tok * ro.tokens() * cfg.update_epochs * (2 if algo.critic else 1)
+        extra = {
+            "score_mean": g["score"] / n,
+            "score_std": math.sqrt(max(0.0, g["score_sq"] / n - (g["score"] / n) ** 2)),
+            "kl": kl_mean,
+            "kl_coef": kl_coef,
+            "response_len": g["length"] / n,
+            "stop_rate": g["stopped"] / n,
+            # Generated columns per rank: ranks stop at different lengths (synced generation).
+            "gen_width_min": w_min,
+            "gen_width_max": w_max,
+            "generation_s": t_gen,
+            "scoring_s": t_score,
+            "training_s": t_train,
+            "generation_share": t_gen / (time.perf_counter() - t0),
+            **{k: v for k, v in stats.items() if k not in ("grad_norm", "lr")},
+        }
+        if returns is not None:
+            extra["explained_var"] = explained_variance(
+                ro.scored["values"], returns, ro.mask, reduce
+            )
+        total_loss = stats["policy_loss"] + (
+            cfg.vf_coef * stats["value_loss"] if algo.critic else 0.0
+        )
+        if (step + 1) % cfg.log_every == 0 or step + 1 == n_rollouts:
+            tr.record_step(
+                step + 1,
+                loss=total_loss,
+                grad_norm=stats["grad_norm"],
+                lr=stats["lr"],
+                local_tokens=ro.tokens(),
+                seq_len=seq_len,
+                t_start=t0,
+                t_data=0.0,
+                flops=gen_flops + score_flops + train_flops,
+                **extra,
+            )
+        tr.maybe_checkpoint(
+            step + 1, cfg.checkpoint_every, cfg.keep_checkpoints, extra={"kl_coef": ctl.coef}
+        )
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < n_rollouts:
+            evaluate(step + 1)
+
+    final = evaluate(n_rollouts)
+    assert sft_eval is not None
+    save_adapter(model, ctx, selected_adapters=[POLICY])
+    if algo.critic:
+        save_adapter(model, ctx, name="critic", selected_adapters=[VALUE])
+    tr.metrics.write("end", step=n_rollouts, **memory_snapshot(device))
+    tr.metrics.close()
+    gate = _gate(cfg, final, sft_eval)
+    if not gate["passed"]:
+        log.error("quality gate: %s", gate["message"])
+    if ctx.is_main:
+        (ctx.out_dir / "reference.json").write_text(
+            json.dumps(
+                {
+                    "reference": "sft adapter",
+                    "sft_fingerprint": ctx.parents["sft"].fingerprint,
+                    "reward_fingerprint": ctx.parents["reward"].fingerprint,
+                },
+                indent=2,
+            )
+        )
+    return tr.summary(
+        ctx,
+        algorithm=name,
+        kl_placement=placement,
+        kl_coef_final=ctl.coef,
+        eval_final=final,
+        eval_sft=sft_eval,
+        gate=gate,
+        chat_template_sha256=template_sha,
+        **data.stats,
+        headline=tr.headline(
+            eval_reward=final["reward"],
+            sft_reward=sft_eval["reward"],
+            reward_gain=final["reward_gain"],
+            eval_kl=final["kl"],
+        ),
+    )
+
+
+def _minmax(value: float, device: torch.device) -> tuple[float, float]:
+    """(min, max) of a number over ranks."""
+    t = torch.tensor([value, -value], dtype=torch.float64, device=device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return -float(t[1]), float(t[0])

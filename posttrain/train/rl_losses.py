@@ -1,0 +1,194 @@
+"""The arithmetic of online RL (PPO, GRPO) as pure functions, tested against hand-computed values.
+
+Shapes: B sequences, R response positions. `mask` [B, R] is 1.0 on the response tokens (up to and
+including the EOS that ended it) and 0.0 on the padding after them, so every response is a
+contiguous prefix of its row. Log-probs are per token, [B, R].
+
+Distributed statistics (whitening, explained variance) take an optional `reduce` callable that
+sums a small float64 tensor over ranks; without it they are local.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return logp - ref_logp
+
+
+def _k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+def _k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    # r = ref/policy: E_policy[r - 1 - log r] = KL(policy || ref), and every term is >= 0.
+    log_r = ref_logp - logp
+    return torch.exp(log_r) - 1 - log_r
+
+
+# Per-token estimators of KL(policy || reference) on tokens sampled from the policy.
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "k1": _k1,
+    "k2": _k2,
+    "k3": _k3,
+}
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """[B, R] per-token KL estimate; `estimator` is a key of KL_ESTIMATORS."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; known: {sorted(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[estimator](logp, ref_logp)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def token_logps(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(token) [B, R] from logits [B, R, V] that predict `tokens` [B, R]."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of each position's next-token distribution [B, R] from logits [B, R, V]."""
+    logits = logits.float()
+    p = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
+
+
+def masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    reduce: Reduce | None = None,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """(x - mean) / std over the masked entries (over all ranks with `reduce`); the unbiased
+    variance, as for a sample. `shift_mean=False` keeps the mean. Padding stays 0."""
+    stats = torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]).double()
+    if reduce is not None:
+        stats = reduce(stats)
+    s, s2, n = stats.unbind()
+    mean = s / n
+    var = (s2 / n - mean**2) * n / (n - 1).clamp(min=1)
+    out = (x - mean.to(x.dtype)) * torch.rsqrt(var.clamp(min=0).to(x.dtype) + eps)
+    if not shift_mean:
+        out = out + mean.to(x.dtype)
+    return out * mask
+
+
+def token_rewards(
+    scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float
+) -> torch.Tensor:
+    """[B, R] rewards: -kl_coef * KL at every response token, plus the sequence's score [B] at its
+    last token (the reward model judges the finished response)."""
+    rewards = -kl_coef * kl * mask
+    last = mask.sum(1).long().clamp(min=1) - 1  # [B]
+    rewards[torch.arange(rewards.size(0)), last] += scores.to(rewards.dtype)
+    return rewards
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation -> (advantages [B, R], returns [B, R]).
+
+    delta_t = r_t + gamma V_{t+1} - V_t and A_t = delta_t + gamma lam A_{t+1}, with V = 0 after
+    the last response token (the episode ends there). Returns = A + V are the value targets.
+    """
+    values = values * mask
+    rewards = rewards * mask
+    n = rewards.size(1)
+    adv = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(n)):
+        next_v = values[:, t + 1] if t + 1 < n else torch.zeros_like(running)
+        delta = rewards[:, t] + gamma * next_v - values[:, t]
+        running = delta + gamma * lam * running
+        adv[:, t] = running
+    adv = adv * mask
+    return adv, (adv + values) * mask
+
+
+def group_advantages(
+    scores: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4
+) -> torch.Tensor:
+    """GRPO: each score minus its group's mean, divided by the group's (unbiased) standard
+    deviation when `scale`. `scores` [B] holds groups of `group_size` consecutive samples of one
+    prompt; returns [B]. A group whose samples all score the same gets advantage 0."""
+    if scores.numel() % group_size:
+        raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size}")
+    g = scores.view(-1, group_size)
+    centred = g - g.mean(dim=1, keepdim=True)
+    if scale:
+        centred = centred / (g.std(dim=1, keepdim=True) + eps)
+    return centred.reshape(-1)
+
+
+def clipped_policy_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate -> (per-token loss [B, R], clipped [B, R] bool).
+
+    loss = max(-A r, -A clip(r, 1-clip, 1+clip)) with r = exp(logp - old_logp); a token is
+    clipped when the clipped term is the larger (its gradient is then zero).
+    """
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + clip)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (per-token loss [B, R], clipped [B, R] bool):
+    0.5 max((V - R)^2, (V_old + clip(V - V_old, -clip, clip) - R)^2)."""
+    v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+    a, b = (values - returns) ** 2, (v_clipped - returns) ** 2
+    return 0.5 * torch.maximum(a, b), b > a
+
+
+def explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None
+) -> float:
+    """1 - Var(returns - values) / Var(returns) over the masked tokens: 1 = the critic predicts
+    the returns exactly, 0 = no better than their mean, < 0 = worse."""
+    err = returns - values
+    stats = torch.stack(
+        [
+            (returns * mask).sum(),
+            (returns**2 * mask).sum(),
+            (err * mask).sum(),
+            (err**2 * mask).sum(),
+            mask.sum(),
+        ]
+    ).double()
+    if reduce is not None:
+        stats = reduce(stats)
+    r, r2, e, e2, n = stats.tolist()
+    var_r = r2 / n - (r / n) ** 2
+    var_e = e2 / n - (e / n) ** 2
+    return float(1 - var_e / var_r) if var_r > 0 else float("nan")
+
+
+class KLController:
+    """The KL coefficient: fixed, or adaptive (Ziegler et al. 2019): after a rollout of n sequences
+    with mean KL k, coef *= 1 + clip(k / target - 1, -0.2, 0.2) * n / horizon."""
+
+    def __init__(
+        self, coef: float, adaptive: bool = False, target: float = 6.0, horizon: int = 10000
+    ) -> None:
+        self.coef, self.adaptive, self.target, self.horizon = coef, adaptive, target, horizon
+
+    def update(self, kl: float, n_sequences: int) -> float:
+        if self.adaptive:
+            error = min(max(kl / self.target - 1, -0.2), 0.2)
+            self.coef *= 1 + error * n_sequences / self.horizon
+        return self.coef

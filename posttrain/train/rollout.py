@@ -1,0 +1,203 @@
+"""Rollouts for online RL: sample responses from the sharded policy, then score them with every
+role (policy and reference log-probs, critic values, reward-model scores) without gradients.
+
+Layout of one rank's rollout of N sequences: prompts LEFT-padded to P columns, responses after
+them in R columns, right-padded after the EOS that ended each (or full width when a response never
+stopped). The logits/values for response token t come from sequence position P-1+t, so every role
+is read at positions [P-1, P+R-1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from posttrain.config.schema import RolloutConfig, SamplingConfig
+from posttrain.data.batching import pad_batch
+from posttrain.data.preference import Messages, encode_reply
+from posttrain.distributed.fsdp import gathered
+from posttrain.eval.generation import generate_kwargs
+from posttrain.models.adapters import POLICY, REFERENCE
+from posttrain.models.roles import REWARD, VALUE
+from posttrain.train.rl_losses import token_logps
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.Tensor  # [N, P] left-padded
+    prompt_mask: torch.Tensor  # [N, P] 1 on real prompt tokens
+    response: torch.Tensor  # [N, R]
+    mask: torch.Tensor  # [N, R] float: 1 on response tokens up to and including EOS
+    stopped: torch.Tensor  # [N] bool: the response ended with EOS
+    messages: list[Messages]  # prompt messages of each sequence
+    scored: dict[str, torch.Tensor] = field(
+        default_factory=dict
+    )  # logps, ref_logps, values, scores
+
+    @property
+    def n(self) -> int:
+        return self.response.size(0)
+
+    @property
+    def width(self) -> tuple[int, int]:
+        return self.prompt_ids.size(1), self.response.size(1)
+
+    def inputs(self, idx: list[int] | torch.Tensor) -> dict[str, torch.Tensor]:
+        """Model inputs of rows `idx`: prompt + response with position ids that skip the left
+        padding, and the slice bounds that select the response positions."""
+        ids = torch.cat([self.prompt_ids[idx], self.response[idx]], dim=1)  # [n, P+R]
+        attn = torch.cat([self.prompt_mask[idx], self.mask[idx].long()], dim=1)
+        pos = (attn.cumsum(1) - 1).clamp(min=0)
+        p, r = self.width
+        return {
+            "input_ids": ids,
+            "attention_mask": attn,
+            "position_ids": pos,
+            "start": p - 1,
+            "stop": p + r - 1,
+        }
+
+    def tokens(self) -> int:
+        """Real (non-pad) tokens of the rollout: prompts plus responses."""
+        return int(self.prompt_mask.sum() + self.mask.sum())
+
+
+def response_mask(response: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask [N, R] float, stopped [N] bool): tokens up to and including the first EOS."""
+    is_eos = response == eos_id
+    eos_before = is_eos.long().cumsum(1) - is_eos.long()  # EOS tokens strictly before t
+    return (eos_before == 0).float(), is_eos.any(1)
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s) :] = torch.tensor(s)
+        mask[i, width - len(s) :] = 1
+    return ids, mask
+
+
+def sampling_of(cfg: RolloutConfig) -> SamplingConfig:
+    return SamplingConfig(
+        name="rollout",
+        strategy="sample",
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        max_new_tokens=cfg.max_new_tokens,
+    )
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    messages: list[Messages],
+    cfg: RolloutConfig,
+    pad_id: int,
+    eos_id: int,
+    seed: int,
+    world: int,
+    role: str = POLICY,
+) -> Rollout:
+    """Sample one response per prompt (repeat a prompt for several samples) with the KV cache.
+
+    Every rank runs the same number of `generate` calls; with more than one rank, generation is
+    synced (`synced_gpus`): a rank whose sequences all ended keeps stepping with the others until
+    every rank is done, since each step of a sharded model is a collective and a rank that
+    stopped early would leave the others waiting forever. Sampling is seeded by `seed` (call it
+    with a value derived from seed, step and rank) and the caller's RNG state is restored.
+    """
+    device = next(model.parameters()).device
+    ids, attn = left_pad(prompts, pad_id)
+    bs = cfg.generation_batch_size or len(prompts)
+    kwargs = generate_kwargs(sampling_of(cfg))
+    chunks: list[torch.Tensor] = []
+    was_training = model.training
+    model.eval()
+    fork = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=fork), gathered(model, cfg.keep_gathered):
+            torch.manual_seed(seed)
+            for start in range(0, len(prompts), bs):
+                out = model.generate(
+                    role=role,
+                    input_ids=ids[start : start + bs].to(device),
+                    attention_mask=attn[start : start + bs].to(device),
+                    eos_token_id=eos_id,
+                    pad_token_id=pad_id,
+                    synced_gpus=world > 1,
+                    **kwargs,
+                )  # [b, P + new]
+                chunks.append(out[:, ids.size(1) :].cpu())
+    finally:
+        model.train(was_training)
+    width = max(c.size(1) for c in chunks)
+    response = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    row = 0
+    for c in chunks:
+        response[row : row + c.size(0), : c.size(1)] = c
+        row += c.size(0)
+    mask, stopped = response_mask(response, eos_id)
+    return Rollout(ids, attn, response, mask, stopped, messages)
+
+
+def decode_responses(tokenizer: Any, ro: Rollout) -> list[str]:
+    return [
+        tokenizer.decode(r[: int(m.sum())].tolist(), skip_special_tokens=True)
+        for r, m in zip(ro.response, ro.mask, strict=True)
+    ]
+
+
+@torch.no_grad()
+def score(
+    model: torch.nn.Module,
+    ro: Rollout,
+    tokenizer: Any,
+    batch_size: int,
+    max_prompt_len: int,
+    roles: tuple[str, ...] = (POLICY, REFERENCE, VALUE, REWARD),
+) -> dict[str, torch.Tensor]:
+    """Fill `ro.scored` for the requested roles: "logps" (policy) / "ref_logps" [N, R], "values"
+    [N, R] (critic), "scores" [N] (reward model, on the response re-rendered through the chat
+    template exactly as its training pairs were, so it sees the end-of-turn text it learnt on).
+    Every rank runs the same number of forwards for the same N."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out: dict[str, list[torch.Tensor]] = {}
+    names = {POLICY: "logps", REFERENCE: "ref_logps", VALUE: "values"}
+    for start in range(0, ro.n, batch_size):
+        idx = list(range(start, min(start + batch_size, ro.n)))
+        inp = {k: v.to(device) if torch.is_tensor(v) else v for k, v in ro.inputs(idx).items()}
+        for role in (r for r in roles if r in names):
+            y = model(role, **inp)
+            if role != VALUE:
+                y = token_logps(y, ro.response[idx].to(device))
+            out.setdefault(names[role], []).append(y.float() * ro.mask[idx].to(device))
+    if REWARD in roles:
+        texts = decode_responses(tokenizer, ro)
+        seqs = [
+            encode_reply(tokenizer, m, t, max_prompt_len)
+            for m, t in zip(ro.messages, texts, strict=True)
+        ]
+        for start in range(0, ro.n, batch_size):
+            b = pad_batch(
+                [{"input_ids": s, "labels": s} for s in seqs[start : start + batch_size]],
+                tokenizer.pad_token_id,
+            )
+            out.setdefault("scores", []).append(
+                model(
+                    REWARD,
+                    b["input_ids"].to(device),
+                    b["attention_mask"].to(device),
+                    b["position_ids"].to(device),
+                )
+            )
+    model.train(was_training)
+    ro.scored |= {k: torch.cat(v).cpu() for k, v in out.items()}
+    return ro.scored

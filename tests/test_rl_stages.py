@@ -1,0 +1,256 @@
+"""ppo and grpo stages on a tiny model: the shared-trunk roles, sharded rollouts on two ranks,
+reward gain within a KL bound, exact resume, and evaluate/export taking the RL policy."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from posttrain.stages.online_rl import _gate
+from posttrain.telemetry.metrics import read_metrics
+from tests.stage_helpers import ROOT, planned_dir, run_inprocess, run_torchrun, write_recipe
+from tests.test_preference_stages import PREF
+
+pytestmark = pytest.mark.slow
+
+RL = copy.deepcopy(PREF)
+RL.pop("dpo")
+PROMPTS = {"synthetic": {"n_examples": 200, "seed": 7}, "eval_fraction": 0.1, "max_prompt_len": 40}
+COMMON = {
+    "data": PROMPTS,
+    "optim": {"lr": 5e-3},
+    "batch": {"micro_batch_size": 8, "grad_accum_steps": 1},
+    "max_steps": 12,
+    "checkpoint_every": 0,
+    "eval_prompts": 16,
+    "max_kl": 20.0,
+}
+PPO = {**COMMON, "rollout": {"prompts_per_step": 8, "max_new_tokens": 16}}
+GRPO = {
+    **COMMON,
+    "rollout": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 16},
+}
+
+
+@pytest.fixture(scope="module")
+def parents(tmp_path_factory) -> dict:
+    """ingest, sft and reward artifacts shared by every RL test (one workspace)."""
+    folder = tmp_path_factory.mktemp("rl")
+    recipe = write_recipe(folder, {**RL, "ppo": PPO})
+    out = {"folder": folder, "recipe": recipe}
+    for stage in ("ingest", "sft", "reward"):
+        out[stage] = run_inprocess(stage, recipe)
+    return out
+
+
+def recipe_with(parents: dict, name: str, section: dict, tag: str) -> Path:
+    """A recipe with an RL section, in the fixture's workspace (its parents are reused)."""
+    data = copy.deepcopy(RL) | {name: section}
+    data["run"]["workspace"] = str(parents["folder"] / "ws")
+    path = parents["folder"] / f"{tag}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def summary(folder: Path) -> dict:
+    return json.loads((folder / "manifest.json").read_text())["summary"]
+
+
+def test_shared_trunk_roles_match_standalone_models(parents) -> None:
+    """One base with four adapters reproduces the stand-alone SFT policy and reward model."""
+    from peft import PeftModel
+
+    from posttrain.models.adapters import POLICY, REFERENCE
+    from posttrain.models.loading import load_base
+    from posttrain.models.reward import load_reward_model
+    from posttrain.models.roles import REWARD, VALUE, build_roles
+
+    ingest = json.loads((parents["ingest"] / "manifest.json").read_text())
+    base, tok = load_base(parents["ingest"], ingest)
+    roles = build_roles(base, parents["sft"] / "adapter", parents["reward"] / "adapter", True)
+    trainable = {n for n, p in roles.named_parameters() if p.requires_grad}
+    assert trainable and all(
+        (".default." in n or ".value." in n or "value_head" in n) for n in trainable
+    )
+    assert any("value_head" in n for n in trainable)
+
+    texts = [
+        "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n2 + 3 = 5.<|im_end|>\n",
+        "<|im_start|>user\nSort ascending: 3 1 2<|im_end|>\n<|im_start|>assistant\n1 2 3<|im_end|>\n",
+    ]
+    enc = tok(
+        texts, add_special_tokens=False, padding=True, padding_side="right", return_tensors="pt"
+    )
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        shared = roles(REWARD, ids, mask, pos)
+        rm = load_reward_model(
+            ingest["summary"]["model_dir"], parents["reward"] / "adapter", tok.pad_token_id
+        )
+        alone = rm(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
+        torch.testing.assert_close(shared, alone, atol=1e-5, rtol=0)
+
+        base2, _ = load_base(parents["ingest"], ingest)
+        sft = PeftModel.from_pretrained(base2, str(parents["sft"] / "adapter")).eval()
+        want = sft(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        torch.testing.assert_close(roles(POLICY, ids, mask, pos), want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(roles(REFERENCE, ids, mask, pos), want, atol=1e-5, rtol=0)
+        # The critic starts as the reward model: its value at the last token is the score.
+        last = mask.sum(1) - 1
+        values = roles(VALUE, ids, mask, pos)
+        torch.testing.assert_close(values[torch.arange(2), last], alone, atol=1e-5, rtol=0)
+
+
+def test_sharded_rollout_with_ranks_stopping_at_different_lengths(parents) -> None:
+    """Without synced generation this crashes (gloo sees mismatched collectives) or hangs."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "tests.rl_rollout_worker",
+        *(str(parents[s]) for s in ("ingest", "sft", "reward")),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert len(rows) == 4
+    for r in rows:
+        assert r["width"] == (2 if r["rank"] == 0 else 10), r
+        assert r["scored"] == ["logps", "ref_logps", "scores", "values"] and r["finite"]
+
+
+def test_ppo_step_on_two_ranks_with_four_sharded_roles(parents) -> None:
+    recipe = recipe_with(parents, "ppo", PPO, "ppo2")
+    over = (
+        "infra.devices_per_node=2",
+        *(f"{s}.batch.micro_batch_size=4" for s in ("sft", "reward")),
+        *(f"{s}.max_steps=4" for s in ("sft", "reward")),
+        "ppo.batch.micro_batch_size=2",
+        "ppo.max_steps=1",
+    )
+    # The data-parallel size is a fingerprint input: the 2-rank plan has its own (short) SFT and
+    # reward model, trained on 2 ranks as well.
+    for stage in ("sft", "reward", "ppo"):
+        proc = run_torchrun(stage, recipe, 2, *over)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = planned_dir("ppo", recipe, *over)
+    start = read_metrics(out / "metrics.jsonl", "start")[0]
+    assert start["world_size"] == 2 and start["roles"] == "policy,reference,reward,value"
+    (row,) = read_metrics(out / "metrics.jsonl", "train")
+    for key in (
+        "score_mean",
+        "score_std",
+        "kl",
+        "clip_frac",
+        "approx_kl",
+        "value_loss",
+        "explained_var",
+        "entropy",
+        "response_len",
+        "generation_s",
+        "scoring_s",
+        "training_s",
+        "generation_share",
+        "tokens_per_s",
+        "tokens_per_s_per_device",
+        "mfu",
+        "mem_peak_rss_gib",
+    ):
+        assert key in row, key
+    # 4 prompts per rank over micro-batches of 2 and accumulation 1: 2 updates per rollout.
+    assert row["updates"] == 2
+    assert (out / "adapter" / "adapter_model.safetensors").exists()
+    from safetensors.torch import load_file
+
+    critic = load_file(out / "critic" / "critic.safetensors")
+    assert "value_head.weight" in critic and any(".lora_A.value." in k for k in critic)
+    assert not any(".default." in k or ".reward." in k for k in critic)
+
+
+@pytest.fixture(scope="module")
+def ppo_run(parents) -> Path:
+    return run_inprocess("ppo", recipe_with(parents, "ppo", PPO, "ppo1"))
+
+
+@pytest.fixture(scope="module")
+def grpo_run(parents) -> Path:
+    return run_inprocess("grpo", recipe_with(parents, "grpo", GRPO, "grpo1"))
+
+
+@pytest.mark.parametrize("run", ["ppo_run", "grpo_run"])
+def test_rl_raises_heldout_reward_within_kl_bound(run, request) -> None:
+    out = request.getfixturevalue(run)
+    s = summary(out)
+    final, sft = s["eval_final"], s["eval_sft"]
+    assert final["prompts"] == sft["prompts"] == 16
+    assert final["reward"] > sft["reward"], (final, sft)
+    assert final["reward_gain"] == pytest.approx(final["reward"] - sft["reward"])
+    assert 0 < final["kl"] <= 20.0
+    assert s["gate"] == {"passed": True}
+    train = read_metrics(out / "metrics.jsonl", "train")
+    assert len(train) == 12
+    assert train[0]["kl"] == pytest.approx(0.0, abs=1e-5)  # the policy starts as the reference
+    first, last = (sum(r["score_mean"] for r in rs) / 4 for rs in (train[:4], train[-4:]))
+    assert last > first, (first, last)
+
+
+def test_grpo_trains_no_critic_and_puts_kl_in_the_loss(grpo_run) -> None:
+    start = read_metrics(grpo_run / "metrics.jsonl", "start")[0]
+    assert start["roles"] == "policy,reference,reward" and start["kl_placement"] == "loss"
+    train = read_metrics(grpo_run / "metrics.jsonl", "train")
+    assert "value_loss" not in train[0] and train[-1]["kl_loss"] > 0
+    assert not (grpo_run / "critic").exists()
+
+
+def test_gates_stop_on_kl_and_reward_gain(parents, ppo_run) -> None:
+    from flows.pipeline import QualityGateFailed, check_gate
+    from flows.report import StageRecord
+    from posttrain.artifacts import ref_from_manifest
+    from posttrain.config.schema import PPOConfig
+
+    check_gate(ref_from_manifest(ppo_run), StageRecord("ppo", "f", "ran", 1.0))  # passed
+    s = summary(ppo_run)
+    cfg = PPOConfig.model_validate({"data": PROMPTS, "min_reward_gain": 1e6})
+    assert "below min_reward_gain" in _gate(cfg, s["eval_final"], s["eval_sft"])["message"]
+    out = run_inprocess(
+        "ppo", recipe_with(parents, "ppo", {**PPO, "max_steps": 2, "max_kl": 1e-3}, "ppo_gate")
+    )
+    gate = summary(out)["gate"]
+    assert gate["passed"] is False and "exceeds max_kl 0.001" in gate["message"]
+    record = StageRecord("ppo", "f", "ran", 1.0)
+    with pytest.raises(QualityGateFailed, match="max_kl"):
+        check_gate(ref_from_manifest(out), record)
+    assert record.error.startswith("quality gate:")
+
+
+def test_ppo_crash_resumes_to_the_same_trajectory(parents) -> None:
+    section = {**PPO, "max_steps": 4, "checkpoint_every": 2}
+    recipe = recipe_with(parents, "ppo", section, "ppo_resume")
+    out = run_inprocess("ppo", recipe)
+    full = read_metrics(out / "metrics.jsonl", "train")
+    ckpt = json.loads((out / "checkpoints" / "step_0000002" / "meta.json").read_text())
+    assert "kl_coef" in ckpt
+    # A crash during step 3: no outputs, metrics up to step 3, the step-2 checkpoint on disk.
+    (out / "manifest.json").unlink()
+    for d in ("adapter", "critic"):
+        shutil.rmtree(out / d)
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join(lines[: 1 + 3]) + "\n")
+    run_inprocess("ppo", recipe)
+    resumed = read_metrics(out / "metrics.jsonl", "train")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(full[2:], resumed[2:], strict=True):
+        for key in ("score_mean", "kl", "loss", "value_loss", "response_len"):
+            assert b[key] == pytest.approx(a[key], abs=1e-6), key
