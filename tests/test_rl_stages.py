@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -124,7 +125,8 @@ def test_sharded_rollout_with_ranks_stopping_at_different_lengths(parents) -> No
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    # Both ranks print to one pipe, so lines may run together: find the records themselves.
+    rows = [json.loads(x) for x in re.findall(r'\{"rank".*?\}', proc.stdout)]
     assert len(rows) == 4
     for r in rows:
         assert r["width"] == (2 if r["rank"] == 0 else 10), r
@@ -254,3 +256,22 @@ def test_ppo_crash_resumes_to_the_same_trajectory(parents) -> None:
     for a, b in zip(full[2:], resumed[2:], strict=True):
         for key in ("score_mean", "kl", "loss", "value_loss", "response_len"):
             assert b[key] == pytest.approx(a[key], abs=1e-6), key
+
+
+def test_evaluate_and_export_take_the_rl_policy(parents, ppo_run) -> None:
+    """Downstream of ppo, evaluate compares the PPO policy with the SFT policy (win-rate judged
+    by the reward model) and export merges the PPO adapter, not the SFT one."""
+    recipe = recipe_with(parents, "ppo", PPO, "ppo1")
+    ev = run_inprocess("evaluate", recipe)
+    s = summary(ev)
+    assert s["policy"] == "ppo" and "dpo_implicit" not in s
+    wr = s["win_rate_vs_sft"]
+    assert wr["wins"] + wr["losses"] + wr["ties"] == wr["n"] > 0
+    manifest = json.loads((ev / "manifest.json").read_text())
+    assert ppo_run.name in manifest["parents"]
+    ex = run_inprocess("export", recipe)
+    card = (ex / "model" / "README.md").read_text()
+    assert ppo_run.name in card  # the lineage names the PPO artifact
+    assert summary(ex)["policy"] == "ppo"
+    assert summary(ex)["adapter_dir"] == str(ppo_run / "adapter")
+    assert summary(ex)["verification"]["max_abs_logit_diff"] < 1e-3

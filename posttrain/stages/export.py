@@ -49,7 +49,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ingest = ctx.parent_manifest("ingest")
     base_dir = ingest["summary"]["model_dir"]
     # The policy to ship is the last policy stage that ran.
-    adapter_dir = ctx.parent_dir(policy_stage(ctx.parents)) / "adapter"
+    policy = policy_stage(ctx.parents)
+    adapter_dir = ctx.parent_dir(policy) / "adapter"
     dtype_name = base_dtype(ingest["summary"]) if cfg.dtype == "auto" else cfg.dtype
     trust = bool(ingest["summary"].get("trust_remote_code", False))
 
@@ -123,6 +124,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     }
     return {
         "export_dir": str(out),
+        "policy": policy,
+        "adapter_dir": str(adapter_dir),
         "dtype": dtype_name,
         "verification": report,
         "files": files,
