@@ -143,3 +143,87 @@ def test_logps_entropy_and_mean() -> None:
     logits[0, 1, 2] = math.log(3)  # p = 3/6 for token 2 at position 1
     close(token_logps(logits, torch.tensor([[0, 2]])), [[math.log(0.25), math.log(0.5)]])
     assert masked_mean(t([1, 2, 30]), t([1, 1, 0])).item() == pytest.approx(1.5)
+
+
+def _rollout(scores: list[float], stopped: list[bool]):
+    """A scored two-sequence rollout: responses of 3 and 2 tokens (EOS id 9)."""
+    from posttrain.train.rollout import Rollout, response_mask
+
+    response = torch.tensor([[5, 6, 9], [7, 9, 0]])
+    mask, stop = response_mask(response, eos_id=9)
+    stop = torch.tensor(stopped)
+    ro = Rollout(
+        torch.ones(2, 2, dtype=torch.long),
+        torch.ones(2, 2, dtype=torch.long),
+        response,
+        mask,
+        stop,
+        [[], []],
+    )
+    ro.scored = {
+        "scores": torch.tensor(scores),
+        "logps": torch.log(t([0.5, 0.5, 0.5], [0.25, 0.5, 1.0])),
+        "ref_logps": torch.log(t([0.25, 0.5, 0.5], [0.25, 0.25, 1.0])),
+        "values": t([0.1, 0.2, 0.3], [0.4, 0.5, 0.6]),
+    }
+    return ro
+
+
+def test_response_mask_ends_at_the_first_eos() -> None:
+    from posttrain.train.rollout import response_mask
+
+    mask, stopped = response_mask(torch.tensor([[5, 9, 9, 0], [5, 6, 7, 8]]), eos_id=9)
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]] and stopped.tolist() == [True, False]
+
+
+def test_missing_eos_penalty_only_hits_responses_that_never_stopped() -> None:
+    from types import SimpleNamespace
+
+    from posttrain.train.rl_algos import shaped_scores
+
+    ro = _rollout([1.0, 2.0], [True, False])
+    assert shaped_scores(ro, SimpleNamespace(missing_eos_penalty=-3.0)).tolist() == [1.0, -1.0]
+    assert shaped_scores(ro, SimpleNamespace(missing_eos_penalty=None)).tolist() == [1.0, 2.0]
+
+
+def test_ppo_advantages_are_gae_over_kl_shaped_rewards_whitened() -> None:
+    from types import SimpleNamespace
+
+    from posttrain.train.rl_algos import ppo_advantages
+
+    ro = _rollout([1.0, 2.0], [True, True])
+    cfg = SimpleNamespace(
+        missing_eos_penalty=None,
+        kl=SimpleNamespace(estimator="k1"),
+        gamma=1.0,
+        lam=1.0,
+        whiten_advantages=False,
+    )
+    adv, ret = ppo_advantages(ro, cfg, 0.5, None)
+    # k1 per token: row 0 [log 2, 0, 0], row 1 [0, log 2, pad]; rewards -0.5 KL, score at the
+    # end. gamma = lam = 1: the return at t is the sum of rewards from t on.
+    l2 = math.log(2)
+    close(ret, [[1 - 0.5 * l2, 1.0, 1.0], [2 - 0.5 * l2, 2 - 0.5 * l2, 0.0]])
+    close(adv, ret - ro.scored["values"] * ro.mask)
+    cfg.whiten_advantages = True
+    white, _ = ppo_advantages(ro, cfg, 0.5, None)
+    assert abs(masked_mean(white, ro.mask).item()) < 1e-6
+
+
+def test_grpo_advantages_compare_samples_of_one_prompt() -> None:
+    from types import SimpleNamespace
+
+    from posttrain.train.rl_algos import grpo_advantages
+
+    ro = _rollout([1.0, 3.0], [True, True])
+    cfg = SimpleNamespace(
+        missing_eos_penalty=None,
+        kl=SimpleNamespace(estimator="k1"),
+        rollout=SimpleNamespace(samples_per_prompt=2),
+        scale_rewards=False,
+    )
+    adv, returns = grpo_advantages(ro, cfg, 0.0, None)
+    assert returns is None
+    close(adv, [[-1, -1, -1], [1, 1, 0]])  # the group mean is 2; the same value at every token
+    # KL in the reward: each response's KL sum is log 2, so the scores shift equally: same result.
+    close(grpo_advantages(ro, cfg, 1.0, None)[0], adv)

@@ -38,6 +38,8 @@ PPO = {**COMMON, "rollout": {"prompts_per_step": 8, "max_new_tokens": 16}}
 GRPO = {
     **COMMON,
     "rollout": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 16},
+    # Adaptive coefficient with a low target and short horizon, so it visibly moves.
+    "kl": {"estimator": "k3", "coef": 0.04, "adaptive": True, "target": 0.5, "horizon": 64},
 }
 
 
@@ -213,6 +215,10 @@ def test_grpo_trains_no_critic_and_puts_kl_in_the_loss(grpo_run) -> None:
     assert start["roles"] == "policy,reference,reward" and start["kl_placement"] == "loss"
     train = read_metrics(grpo_run / "metrics.jsonl", "train")
     assert "value_loss" not in train[0] and train[-1]["kl_loss"] > 0
+    # The KL rises above the 0.5 target, so the adaptive controller raises the coefficient.
+    coefs = [r["kl_coef"] for r in train]
+    assert coefs[0] == 0.04 and coefs[-1] > coefs[0]
+    assert summary(grpo_run)["kl_coef_final"] >= coefs[-1]
     assert not (grpo_run / "critic").exists()
 
 
