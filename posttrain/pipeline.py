@@ -77,6 +77,11 @@ STAGES: dict[str, StageDef] = {
 POLICY_STAGES = ("dpo", "ppo", "grpo")
 
 
+# Online RL samples rollouts per rank (each rank its share of prompts, with its own seed), so its
+# result depends on the number of ranks: that stays in its fingerprint.
+RANK_DEPENDENT = ("ppo", "grpo")
+
+
 def policy_stage(parents: Any) -> str:
     """The stage whose adapter is the final policy, among a stage's parents."""
     return next((s for s in POLICY_STAGES if s in parents), "sft")
@@ -101,7 +106,13 @@ def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
         else:
             section.pop("path", None)
     elif name in ("sft", "reward", *POLICY_STAGES):
-        numerics["dp_size"] = recipe.infra.devices_per_node
+        if name in RANK_DEPENDENT:
+            numerics["dp_size"] = recipe.infra.devices_per_node
+        else:
+            # How the global batch is split (micro x accum x ranks) is execution, not result: the
+            # rows of each step and the token-normalised loss do not depend on it, so a run can
+            # resume on another number of ranks in the same folder (and reuse a cached artifact).
+            section["batch"] = {"global_batch_size": section["batch"]["global_batch_size"]}
         data = getattr(recipe, name).data
         extra = {
             k: path_identity(v)

@@ -172,18 +172,22 @@ def test_dpo_two_ranks_match_one(pref) -> None:
     over = ("sft.max_steps=2", "dpo.max_steps=2")
     run_inprocess("sft", pref["recipe"], *over)
     one = read_metrics(run_inprocess("dpo", pref["recipe"], *over) / "metrics.jsonl", "train")
+    # The 2-rank run reuses the 1-rank SFT (same global batch: how it is split over ranks is not
+    # a fingerprint input); a different step count keeps its DPO a separate artifact, and the
+    # first step, computed before any update, must match.
     two_over = (
-        *over,
+        "sft.max_steps=2",
+        "dpo.max_steps=3",
         "infra.devices_per_node=2",
         "dpo.batch.micro_batch_size=4",
         "sft.batch.micro_batch_size=4",
         "reward.batch.micro_batch_size=4",
     )
-    # The data-parallel size is a fingerprint input, so the 2-rank plan has its own SFT: train it
-    # on 2 ranks too (SFT itself is shown rank-count independent in test_stages).
-    for stage in ("sft", "dpo"):
-        proc = run_torchrun(stage, pref["recipe"], 2, *two_over)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert planned_dir("sft", pref["recipe"], *two_over) == planned_dir(
+        "sft", pref["recipe"], *over
+    )
+    proc = run_torchrun("dpo", pref["recipe"], 2, *two_over)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     two = read_metrics(planned_dir("dpo", pref["recipe"], *two_over) / "metrics.jsonl", "train")
     # Same pairs in the same global batch, split over two ranks: same reference, same loss.
     assert two[0]["ref_chosen_logps"] == pytest.approx(one[0]["ref_chosen_logps"], abs=1e-4)
