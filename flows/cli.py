@@ -3,6 +3,7 @@
     posttrain validate recipes/quickstart.yaml sft.optim.lr=3e-4
     posttrain plan     recipes/quickstart.yaml
     posttrain run      recipes/quickstart.yaml run.name=try2
+    posttrain launch   sft recipes/quickstart.yaml   # one stage on this node (multi-node agents)
 
 Parsing lives in `main`; each command is a plain function returning an exit code, so tests call
 them directly. Prefect is imported only by `run`, after its environment defaults are set:
@@ -127,6 +128,49 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
     return EXIT_OK
 
 
+def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
+    """Run one stage on this machine, in the foreground, without Prefect: its parents must be
+    complete in the (shared) workspace. For a multi-node stage every node runs this with its
+    own POSTTRAIN_NODE_RANK; the torchrun agents meet at infra.rdzv_endpoint."""
+    import subprocess
+    import uuid
+
+    from flows.stage_task import child_env, node_rank, stage_command
+    from posttrain.artifacts import ref_from_manifest
+    from posttrain.pipeline import write_spec
+
+    recipe = load_or_report(path, overrides, err)
+    if recipe is None:
+        return EXIT_INVALID
+    stages = {s.name: s for s in plan(recipe)}
+    if stage_name not in stages:
+        print(f"error: no stage {stage_name!r} in this recipe; it has {list(stages)}", file=err)
+        return EXIT_INVALID
+    stage = stages[stage_name]
+    refs = {}
+    for parent in stage.parents:
+        ok, why = verify(stages[parent].out_dir)
+        if not ok:
+            print(f"error: parent stage {parent!r} is not complete ({why}); run it first", file=err)
+            return EXIT_FAILED
+        refs[parent] = ref_from_manifest(stages[parent].out_dir)
+    try:
+        cmd = stage_command(
+            stage.module,
+            write_spec(stage, recipe, refs),
+            stage.nprocs,
+            nnodes=stage.nnodes,
+            node_rank=node_rank(),
+            rdzv_endpoint=stage.rdzv_endpoint,
+            rdzv_id=stage.fingerprint,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=err)
+        return EXIT_INVALID
+    print(f"node {node_rank()}: {' '.join(cmd)}", file=out, flush=True)
+    return subprocess.call(cmd, env=child_env(uuid.uuid4().hex))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="posttrain", description="Post-training pipeline: ingest -> SFT -> evaluate -> export."
@@ -141,11 +185,21 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("recipe", type=Path, help="recipe YAML file")
         p.add_argument("overrides", nargs="*", help="key.path=value (values parsed as YAML)")
         p.set_defaults(func=func)
+    help_text = (
+        "run one stage on this node without Prefect (parents must be complete); for a "
+        "multi-node stage, run it on every node with POSTTRAIN_NODE_RANK set"
+    )
+    p = sub.add_parser("launch", help=help_text, description=help_text)
+    p.add_argument("stage", help="stage name, e.g. sft")
+    p.add_argument("recipe", type=Path, help="recipe YAML file")
+    p.add_argument("overrides", nargs="*", help="key.path=value (values parsed as YAML)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "launch":
+        return cmd_launch(args.stage, str(args.recipe), args.overrides, sys.stdout, sys.stderr)
     return args.func(str(args.recipe), args.overrides, sys.stdout, sys.stderr)
 
 

@@ -73,18 +73,61 @@ class StageTimeout(StageFailed):
 # --- command and environment -------------------------------------------------------------------
 
 
-def stage_command(
-    module: str, spec_path: Path | str, nprocs: int, python: str = sys.executable
-) -> list[str]:
-    """The command line that runs one stage; torchrun (one process per device) when nprocs > 1.
+NODE_RANK_ENV = "POSTTRAIN_NODE_RANK"
 
-    Kept separate so multi-node arguments (--nnodes, --node-rank, --rdzv-endpoint) slot in here.
+
+def node_rank(env: dict[str, str] | None = None) -> int:
+    """This machine's node rank for multi-node stages (POSTTRAIN_NODE_RANK, default 0)."""
+    value = (os.environ if env is None else env).get(NODE_RANK_ENV, "0")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{NODE_RANK_ENV} must be an integer, got {value!r}") from None
+
+
+def stage_command(
+    module: str,
+    spec_path: Path | str,
+    nprocs: int,
+    python: str = sys.executable,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str = "posttrain",
+) -> list[str]:
+    """The command line that runs one stage on this node.
+
+    One process: `python -m <module>`. Several on one node: `torchrun --standalone`. Several
+    nodes: every node runs `torchrun --nnodes N --node-rank K` and they meet at the c10d
+    rendezvous on `rdzv_endpoint` (hosted by the agent whose endpoint host is local, normally
+    node rank 0) under `rdzv_id` (the stage fingerprint: every node derives the same one).
     """
     stage_args = ["-m", module, "--spec", str(spec_path)]
-    if nprocs <= 1:
+    if nnodes <= 1 and nprocs <= 1:
         return [python, *stage_args]
-    launcher = [python, "-m", "torch.distributed.run", "--standalone"]
-    return [*launcher, "--nproc-per-node", str(nprocs), *stage_args]
+    launcher = [python, "-m", "torch.distributed.run"]
+    if nnodes <= 1:
+        return [*launcher, "--standalone", "--nproc-per-node", str(nprocs), *stage_args]
+    if not rdzv_endpoint:
+        raise ValueError("a multi-node stage needs a rendezvous endpoint (infra.rdzv_endpoint)")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"node rank {node_rank} is outside 0..{nnodes - 1}")
+    return [
+        *launcher,
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(node_rank),
+        "--nproc-per-node",
+        str(nprocs),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        rdzv_endpoint,
+        "--rdzv-id",
+        rdzv_id,
+        *stage_args,
+    ]
 
 
 def child_env(launch_id: str, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -417,7 +460,15 @@ def supervise_stage(
         return Outcome("reused", ref_from_manifest(stage.out_dir))
     _drop_stale_manifest(stage.out_dir, why, log)
 
-    cmd = stage_command(stage.module, spec_path, stage.nprocs)
+    cmd = stage_command(
+        stage.module,
+        spec_path,
+        stage.nprocs,
+        nnodes=stage.nnodes,
+        node_rank=node_rank(),
+        rdzv_endpoint=stage.rdzv_endpoint,
+        rdzv_id=stage.fingerprint,
+    )
     launch_id = uuid.uuid4().hex
     log_path = stage.out_dir / "logs" / "stage.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -107,7 +107,7 @@ def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
             section.pop("path", None)
     elif name in ("sft", "reward", *POLICY_STAGES):
         if name in RANK_DEPENDENT:
-            numerics["dp_size"] = recipe.infra.devices_per_node
+            numerics["dp_size"] = recipe.infra.world_size()
         else:
             # How the global batch is split (micro x accum x ranks) is execution, not result: the
             # rows of each step and the token-normalised loss do not depend on it, so a run can
@@ -129,9 +129,11 @@ class PlannedStage:
     fingerprint: str
     out_dir: Path
     parents: dict[str, str]  # parent stage name -> fingerprint
-    nprocs: int
+    nprocs: int  # processes per node
     timeout_s: float
     inputs: dict[str, Any] = field(repr=False, default_factory=dict)
+    nnodes: int = 1
+    rdzv_endpoint: str | None = None
 
 
 def plan(recipe: Recipe) -> list[PlannedStage]:
@@ -146,6 +148,7 @@ def plan(recipe: Recipe) -> list[PlannedStage]:
         fp = fingerprint(s.name, s.version, inputs, list(parents.values()), extra)
         fps[s.name] = fp
         nprocs = int(recipe.infra.devices_per_node) if s.distributed else 1
+        nnodes = recipe.infra.nnodes if s.distributed else 1
         out.append(
             PlannedStage(
                 name=s.name,
@@ -156,6 +159,8 @@ def plan(recipe: Recipe) -> list[PlannedStage]:
                 nprocs=nprocs,
                 timeout_s=getattr(recipe.infra.timeouts, s.name),
                 inputs=inputs,
+                nnodes=nnodes,
+                rdzv_endpoint=recipe.infra.rdzv_endpoint if nnodes > 1 else None,
             )
         )
     return out

@@ -218,3 +218,21 @@ def load_recipe_data(data: dict):
     from posttrain.config.loader import resolve
 
     return resolve(validate_recipe(data))
+
+
+def test_multinode_needs_a_rendezvous_and_counts_every_rank() -> None:
+    errs = errors_of(apply_overrides(MINIMAL, ["infra.nnodes=2"]))
+    assert len(errs) == 1 and errs[0].startswith("infra:") and "needs rdzv_endpoint" in errs[0]
+    data = apply_overrides(
+        MINIMAL,
+        [
+            "infra.nnodes=2",
+            "infra.devices_per_node=4",
+            "infra.rdzv_endpoint=node0.example:29400",
+            "sft.batch={micro_batch_size: 2, grad_accum_steps: 1}",
+        ],
+    )
+    r = load_recipe_data(data)
+    assert r.infra.world_size() == 8 and r.sft.batch.global_batch_size == 16
+    errs = errors_of(apply_overrides(data, ["infra.rdzv_endpoint=no-port"]))
+    assert errs[0].startswith("infra.rdzv_endpoint:")

@@ -156,8 +156,7 @@ def resolve(recipe: Recipe) -> Recipe:
 def section_batch(recipe: Recipe, name: str) -> ResolvedBatch:
     """The resolved batch triple of training section `name` (sft, reward, dpo)."""
     b = getattr(recipe, name).batch
-    dp = recipe.infra.devices_per_node
-    assert isinstance(dp, int), "resolve() first"
+    dp = recipe.infra.world_size()
     return resolve_batch(
         b.micro_batch_size, b.grad_accum_steps, b.global_batch_size, dp, where=f"{name}.batch"
     )

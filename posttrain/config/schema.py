@@ -53,7 +53,25 @@ class InfraConfig(_Section):
     devices_per_node: int | Literal["auto"] = Field(
         1,
         description="Processes per node for distributed stages (one per GPU). `auto` = all visible "
-        "GPUs, or 1 on CPU. Data-parallel size = devices_per_node.",
+        "GPUs, or 1 on CPU. Data-parallel size = nnodes x devices_per_node.",
+    )
+    nnodes: int = Field(
+        1,
+        ge=1,
+        description="Machines a distributed stage spans. Above 1, every node runs the stage's "
+        "torchrun agent with its own node rank (POSTTRAIN_NODE_RANK) and they meet at "
+        "`rdzv_endpoint`.",
+    )
+    layout: Literal["fsdp", "hsdp", "ddp"] = Field(
+        "fsdp",
+        description="Data-parallel layout: `fsdp` shards every model across all ranks; `hsdp` "
+        "replicates across nodes and shards within a node (a 2-D mesh: inter-node traffic is "
+        "only the gradient all-reduce); `ddp` replicates everything (no sharding).",
+    )
+    rdzv_endpoint: str | None = Field(
+        None,
+        description="host:port of the c10d rendezvous (the node-rank-0 machine) when nnodes > 1.",
+        pattern=r"^[A-Za-z0-9_.\[\]:-]+:[0-9]{1,5}$",
     )
     precision: Precision = Field(
         "auto",
@@ -73,6 +91,20 @@ class InfraConfig(_Section):
         "after this many seconds instead of hanging.",
     )
     timeouts: StageTimeouts = Field(default_factory=StageTimeouts, description="Per-stage limits.")
+
+    @model_validator(mode="after")
+    def _rendezvous(self) -> InfraConfig:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(
+                f"nnodes {self.nnodes} needs rdzv_endpoint (host:port of the node-rank-0 machine, "
+                "reachable from every node)"
+            )
+        return self
+
+    def world_size(self) -> int:
+        """Data-parallel size of a distributed stage: nnodes x devices_per_node (resolved)."""
+        assert isinstance(self.devices_per_node, int), "resolve() first"
+        return self.nnodes * self.devices_per_node
 
     @model_validator(mode="after")
     def _fp16_needs_scaling(self) -> InfraConfig:
@@ -568,7 +600,7 @@ class Recipe(_Section):
                     b.micro_batch_size,
                     b.grad_accum_steps,
                     b.global_batch_size,
-                    self.infra.devices_per_node,
+                    self.infra.world_size(),
                     where=f"{name}.batch",
                 )
         return self

@@ -37,11 +37,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device_kind: str, timeout_s: float, threads: int | None = None) -> DistInfo:
-    """Initialise the default process group and a 1-D data-parallel DeviceMesh.
+def data_parallel_mesh(device_type: str, world: int, local_world: int, layout: str) -> DeviceMesh:
+    """The DeviceMesh FSDP2 shards over, by layout:
+    fsdp  1-D (world,)                       every model sharded across all ranks
+    hsdp  2-D (world / local_world, local_world) = (replicate across nodes, shard within a node)
+    ddp   2-D (world, 1)                     replicated on every rank, nothing sharded
+    `fully_shard` on a 2-D mesh replicates over dim 0 and shards over dim 1 (HSDP)."""
+    if layout == "fsdp":
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
+    if layout == "hsdp":
+        if world % local_world:
+            raise ValueError(
+                f"hsdp: world size {world} is not a multiple of {local_world} per node"
+            )
+        shape = (world // local_world, local_world)
+    elif layout == "ddp":
+        shape = (world, 1)
+    else:
+        raise ValueError(f"unknown layout {layout!r}; known: fsdp, hsdp, ddp")
+    return init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def init_distributed(
+    device_kind: str, timeout_s: float, threads: int | None = None, layout: str = "fsdp"
+) -> DistInfo:
+    """Initialise the default process group and the data-parallel DeviceMesh of `layout`.
 
     Backend: NCCL on CUDA, gloo on CPU. `timeout_s` bounds every collective so a rank that
-    diverges fails the stage instead of hanging it.
+    diverges fails the stage instead of hanging it. Under a multi-node torchrun the node count
+    is WORLD_SIZE / LOCAL_WORLD_SIZE.
     """
     standalone = "RANK" not in os.environ
     rank = int(os.environ.get("RANK", "0"))
@@ -69,7 +93,7 @@ def init_distributed(device_kind: str, timeout_s: float, threads: int | None = N
             timeout=timedelta(seconds=timeout_s),
             device_id=device if device_kind == "cuda" else None,
         )
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    mesh = data_parallel_mesh(device.type, world, local_world, layout)
     return DistInfo(rank, world, local_rank, device, mesh)
 
 

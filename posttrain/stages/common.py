@@ -128,9 +128,19 @@ def stage_main(
             from posttrain.distributed.runtime import init_distributed
 
             ctx.dist = init_distributed(
-                recipe.infra.device, recipe.infra.pg_timeout_s, recipe.infra.threads_per_rank
+                recipe.infra.device,
+                recipe.infra.pg_timeout_s,
+                recipe.infra.threads_per_rank,
+                recipe.infra.layout,
             )
             ctx.rank, ctx.world_size = ctx.dist.rank, ctx.dist.world_size
+            log.info(
+                "process group: world %d, layout %s, mesh %s %s",
+                ctx.world_size,
+                recipe.infra.layout,
+                tuple(ctx.dist.mesh.shape),
+                ctx.dist.mesh.mesh_dim_names,
+            )
             if not ctx.is_main:  # one copy of the progress log, not one per rank
                 logging.getLogger().setLevel(logging.WARNING)
         elif recipe.infra.threads_per_rank:
