@@ -248,7 +248,7 @@ def test_ppo_crash_resumes_to_the_same_trajectory(parents) -> None:
     out = run_inprocess("ppo", recipe)
     full = read_metrics(out / "metrics.jsonl", "train")
     ckpt = json.loads((out / "checkpoints" / "step_0000002" / "meta.json").read_text())
-    assert "kl_coef" in ckpt
+    assert "kl_coef" in ckpt and ckpt["data"]["samples_seen"] == 2 * 8  # prompts
     # A crash during step 3: no outputs, metrics up to step 3, the step-2 checkpoint on disk.
     (out / "manifest.json").unlink()
     for d in ("adapter", "critic"):

@@ -42,6 +42,7 @@ from posttrain.models.lora import prepare_for_training
 from posttrain.models.roles import REWARD, VALUE, build_roles
 from posttrain.stages.common import StageContext
 from posttrain.telemetry.metrics import memory_snapshot, train_flops_per_token
+from posttrain.train.checkpoint import data_position
 from posttrain.train.rl_algos import ALGORITHMS, Algorithm, sequence_kl
 from posttrain.train.rl_losses import (
     KLController,
@@ -432,7 +433,15 @@ def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
                 **extra,
             )
         tr.maybe_checkpoint(
-            step + 1, cfg.checkpoint_every, cfg.keep_checkpoints, extra={"kl_coef": ctl.coef}
+            step + 1,
+            cfg.checkpoint_every,
+            cfg.keep_checkpoints,
+            extra={
+                "kl_coef": ctl.coef,
+                "data": data_position(
+                    step + 1, len(data.train), cfg.rollout.prompts_per_step, seed
+                ),
+            },
         )
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < n_rollouts:
             evaluate(step + 1)

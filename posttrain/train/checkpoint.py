@@ -1,10 +1,16 @@
 """Resumable training checkpoints with torch.distributed.checkpoint (DCP).
 
 A checkpoint is `checkpoints/step_<N>/`: the trainable parameters and optimizer state as DCP
-shards (world-size independent), `meta.json` (step, scheduler, Python/NumPy RNG as JSON) and one
-`rng_rank<r>.pt` tensor per rank (loaded with weights_only=True: no pickled objects). It is
-written under `step_<N>.tmp/` and renamed when every rank is done, so a crash mid-save leaves the
-previous checkpoint as the newest complete one. Retention never deletes the newest.
+shards (world-size independent), `meta.json` (step, scheduler, Python/NumPy RNG as JSON, the
+data-loader position, a stage's own `extra` state) and one `rng_rank<r>.pt` tensor per rank (loaded
+with weights_only=True: no pickled objects). It is written under `step_<N>.tmp/` and renamed when
+every rank is done, so a crash mid-save leaves the previous checkpoint as the newest complete one.
+Retention never deletes the newest.
+
+The data-loader position (`meta["data"]`, see `data_position`) is a record, not state to restore:
+the rows of step s are a pure function of (seed, s) (`posttrain.data.batching.step_indices`), so
+`step` alone resumes the stream; the record says where in it the run stood and lets a resume check
+that it walks the same stream (same rows, global batch and seed).
 """
 
 from __future__ import annotations
@@ -52,6 +58,23 @@ def complete_checkpoints(root: Path) -> list[Path]:
         if p.is_dir() and not p.name.endswith(".tmp") and (p / "meta.json").exists()
     ]
     return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+
+
+def data_position(step: int, n_rows: int, global_batch_size: int, seed: int) -> dict[str, int]:
+    """Where the data stream stands after `step` optimizer steps of `global_batch_size` rows over
+    per-epoch shuffles of `n_rows` rows: `epoch` and the next sample `offset` within that epoch's
+    permutation, `samples_seen` in all, and the shuffle `seed` the permutations are drawn from
+    (`epoch_permutation(n_rows, epoch, seed)`)."""
+    seen = step * global_batch_size
+    epoch, offset = divmod(seen, n_rows)
+    return {
+        "epoch": epoch,
+        "offset": offset,
+        "samples_seen": seen,
+        "n_rows": n_rows,
+        "global_batch_size": global_batch_size,
+        "seed": seed,
+    }
 
 
 def save_checkpoint(

@@ -29,7 +29,12 @@ from posttrain.telemetry.metrics import (
     memory_snapshot,
     train_flops_per_token,
 )
-from posttrain.train.checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
+from posttrain.train.checkpoint import (
+    complete_checkpoints,
+    data_position,
+    load_checkpoint,
+    save_checkpoint,
+)
 from posttrain.train.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger("posttrain.train")
@@ -54,10 +59,23 @@ class TrainSession:
     last: dict[str, float] = field(default_factory=dict)
     # meta.json of the checkpoint this session resumed from (a stage's own state lives there)
     resume_meta: dict[str, Any] = field(default_factory=dict)
+    # (n_rows, global batch, seed) of the stream `step_rows` walks: the checkpoint's data position
+    data_stream: tuple[int, int, int] | None = None
 
     def step_rows(self, n_rows: int, step: int, batch: ResolvedBatch, seed: int) -> list[list[int]]:
         """This rank's row indices for optimizer step `step` -> [accum][micro] (see
         `posttrain.data.batching.step_indices`: a pure function of seed and step)."""
+        stream = (n_rows, batch.global_batch_size, seed)
+        if stream != self.data_stream:
+            saved = self.resume_meta.get("data")
+            if saved and self.data_stream is None:
+                was = (saved["n_rows"], saved["global_batch_size"], saved["seed"])
+                if was != stream:  # same fingerprint should mean same stream: refuse to diverge
+                    raise RuntimeError(
+                        f"resumed checkpoint walked (rows, global batch, seed) {was}, this run "
+                        f"{stream}: the steps after it would not see the rows they should"
+                    )
+            self.data_stream = stream
         return step_indices(
             n_rows,
             step,
@@ -179,8 +197,12 @@ class TrainSession:
         self, step: int, every: int, keep: int, extra: dict[str, Any] | None = None
     ) -> None:
         """Checkpoint every `every` steps (not after the last: the stage's output follows).
-        `extra`: JSON-able stage state saved in meta.json, back as `resume_meta` on resume."""
+        `extra`: JSON-able stage state saved in meta.json, back as `resume_meta` on resume. The
+        data position (`meta["data"]`, see `checkpoint.data_position`) is added for a stage that
+        draws its rows with `step_rows`."""
         if every and step % every == 0 and step < self.total_steps:
+            if self.data_stream is not None:
+                extra = {"data": data_position(step, *self.data_stream), **(extra or {})}
             save_checkpoint(self.ckpt_root, step, self.model, self.opt, self.sched, keep, extra)
 
 
@@ -223,7 +245,12 @@ def start_session(
         meta = load_checkpoint(done[-1], model, opt, sched)
         start_step = meta["step"]
         log.info("resumed from %s at step %d", done[-1].name, start_step)
-    peak, peak_src = device_peak_flops(d.device, precision)
+        if pos := meta.get("data"):
+            log.info("data position: epoch %d, offset %d", pos["epoch"], pos["offset"])
+    # The CPU peak is measured with torch.randn (once per process): keep it off the global RNG, or a
+    # resumed run's stream (restored just above) would drift from the uninterrupted run's.
+    with torch.random.fork_rng(devices=[]):
+        peak, peak_src = device_peak_flops(d.device, precision)
     metrics = MetricsWriter(
         ctx.out_dir / "metrics.jsonl", enabled=ctx.is_main, resume_step=start_step
     )

@@ -1,0 +1,197 @@
+"""Real crashes: SIGKILL a training stage (its whole process group) after a checkpoint, re-run it,
+and get what an uninterrupted run gets: bit-exact on the same world size, the same rows and losses
+when resumed on another number of ranks."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from posttrain.artifacts import verify
+from posttrain.pipeline import STAGES
+from posttrain.telemetry.metrics import read_metrics
+from posttrain.train.checkpoint import complete_checkpoints, data_position
+from tests.stage_helpers import ROOT, TINY, planned_dir, run_inprocess, write_recipe
+
+pytestmark = pytest.mark.slow
+
+STEPS, EVERY = 24, 4
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory) -> Path:
+    data = copy.deepcopy(TINY)
+    data["infra"]["threads_per_rank"] = 1  # 2 threads per process on a busy 2-core box: ~30x slower
+    data["ingest"]["from_config"]["pretrain_steps"] = 30
+    data["sft"].update(max_steps=STEPS, checkpoint_every=EVERY)
+    data["sft"]["data"]["synthetic"]["n_examples"] = 120  # 108 train rows: 24 x 8 crosses an epoch
+    path = write_recipe(tmp_path_factory.mktemp("resume"), data)
+    run_inprocess("ingest", path)
+    return path
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def _train_steps(out: Path) -> list[int]:
+    """Logged train steps so far; tolerates a line the running stage is writing."""
+    path, steps = out / "metrics.jsonl", []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("kind") == "train":
+            steps.append(rec["step"])
+    return steps
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group and every descendant (torchrun starts its workers in sessions of
+    their own, so the group alone would leave them training)."""
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:  # already gone
+        children = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    proc.wait(timeout=30)
+    psutil.wait_procs(children, timeout=30)
+
+
+def _run_and_kill(cmd: list[str], out: Path, log: Path, after: int) -> int:
+    """Start `cmd` in its own process group, SIGKILL it once a checkpoint at step >= `after` is
+    complete and a later step has been logged; returns the newest complete checkpoint's step."""
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            cmd, env=_env(), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def past_a_checkpoint() -> bool:
+        done = complete_checkpoints(out / "checkpoints")
+        newest = int(done[-1].name.split("_")[1]) if done else 0
+        return newest >= after and max(_train_steps(out), default=0) > newest
+
+    try:
+        deadline = time.monotonic() + 240
+        while not past_a_checkpoint():
+            assert proc.poll() is None, f"stage ended before the kill:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.02)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]
+    assert not (out / "manifest.json").exists() and not (out / "adapter").exists()
+    return int(complete_checkpoints(out / "checkpoints")[-1].name.split("_")[1])
+
+
+def _uninterrupted(recipe: Path, tmp_path: Path, *over: str) -> tuple[Path, Path]:
+    """Run the stage to the end in its folder, move the result aside; -> (folder, reference)."""
+    out = run_inprocess("sft", recipe, *over)
+    ref = tmp_path / "reference"
+    out.rename(ref)
+    return out, ref
+
+
+def _check_data_position(out: Path, step: int) -> dict:
+    meta = json.loads((out / "checkpoints" / f"step_{step:07d}" / "meta.json").read_text())
+    n_rows = read_metrics(out / "metrics.jsonl", "start")[0]["train_examples"]
+    assert meta["step"] == step and meta["scheduler"]["last_epoch"] == step
+    assert meta["data"] == data_position(step, n_rows, 8, 0)
+    assert meta["data"]["epoch"] * n_rows + meta["data"]["offset"] == step * 8
+    return meta
+
+
+def test_sigkill_then_rerun_is_bit_exact(recipe: Path, tmp_path: Path) -> None:
+    over = ("sft.lora.dropout=0.1",)  # dropout draws on the torch RNG: its restore is checked too
+    out, ref = _uninterrupted(recipe, tmp_path, *over)
+    cmd = [sys.executable, "-m", STAGES["sft"].module, "--recipe", str(recipe), *over]
+    at = _run_and_kill(cmd, out, tmp_path / "killed.log", EVERY)
+    assert EVERY <= at < STEPS
+    _check_data_position(out, at)
+
+    # Re-run as a fresh process, as after a real crash (an in-process re-run would share state
+    # with the reference run, e.g. the CPU peak measured once per process with torch.randn).
+    rerun = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert f"resumed from step_{at:07d} at step {at}" in rerun.stdout
+    assert verify(out)[0]
+    assert read_metrics(out / "metrics.jsonl", "start")[-1]["start_step"] == at
+
+    from safetensors.torch import load_file
+
+    name = "adapter/adapter_model.safetensors"
+    got, want = load_file(out / name), load_file(ref / name)
+    assert got.keys() == want.keys() and got
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    got_m, want_m = (read_metrics(p / "metrics.jsonl", "train") for p in (out, ref))
+    assert [r["step"] for r in got_m] == [r["step"] for r in want_m] == list(range(1, STEPS + 1))
+    for a, b in zip(want_m, got_m, strict=True):
+        assert (b["loss"], b["grad_norm"], b["lr"]) == (a["loss"], a["grad_norm"], a["lr"]), a
+    evals = [
+        [r["eval_loss"] for r in read_metrics(p / "metrics.jsonl", "eval")] for p in (out, ref)
+    ]
+    assert evals[0] == evals[1]
+    # The checkpoints the re-run wrote (retention keeps the last two) are past the epoch boundary.
+    last = _check_data_position(out, STEPS - EVERY)["data"]
+    assert last["epoch"] == 1 and last["offset"] == (STEPS - EVERY) * 8 - last["n_rows"]
+
+
+def test_two_rank_run_killed_resumes_on_one_rank(recipe: Path, tmp_path: Path, capsys) -> None:
+    two = ("infra.devices_per_node=2", "sft.batch.micro_batch_size=4")
+    one = ("infra.devices_per_node=1", "sft.batch.micro_batch_size=8")
+    # Same global batch: the same folder, so the 1-rank re-run picks up the 2-rank checkpoints.
+    assert planned_dir("sft", recipe, *two) == planned_dir("sft", recipe, *one)
+    out, ref = _uninterrupted(recipe, tmp_path, *one)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        STAGES["sft"].module,
+        "--recipe",
+        str(recipe),
+        *two,
+    ]
+    at = _run_and_kill(cmd, out, tmp_path / "killed.log", EVERY)
+    assert EVERY <= at < STEPS
+    assert _check_data_position(out, at)["world_size"] == 2
+    assert {p.name for p in (out / "checkpoints" / f"step_{at:07d}").glob("rng_rank*.pt")} == {
+        "rng_rank0.pt",
+        "rng_rank1.pt",
+    }
+
+    capsys.readouterr()
+    run_inprocess("sft", recipe, *one)
+    assert f"resumed from step_{at:07d} at step {at}" in capsys.readouterr().out
+    assert verify(out)[0]
+    start = read_metrics(out / "metrics.jsonl", "start")[-1]
+    assert (start["start_step"], start["world_size"], start["micro_batch_size"]) == (at, 1, 8)
+    got_m, want_m = (read_metrics(p / "metrics.jsonl", "train") for p in (out, ref))
+    assert [r["step"] for r in got_m] == list(range(1, STEPS + 1))
+    # Same rows every step (on 2 ranks before the checkpoint, on 1 after it): same losses, up to
+    # the order of float sums across ranks.
+    for a, b in zip(want_m, got_m, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-4), (a["step"], a["loss"], b["loss"])
+        assert b["target_tokens"] == a["target_tokens"], a["step"]
