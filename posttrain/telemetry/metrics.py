@@ -164,7 +164,18 @@ class MetricsWriter:
 
 
 def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (of one `kind`, if given). A torn last line — the process
+    was killed while writing it — is dropped, so a resume after SIGKILL can read the file; an
+    unreadable line before the last is corruption and raises, naming the line."""
     if not path.exists():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    rows = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{n}: not a JSON record ({exc.msg})") from None
     return [r for r in rows if kind is None or r.get("kind") == kind]
