@@ -77,6 +77,19 @@ def data_position(step: int, n_rows: int, global_batch_size: int, seed: int) -> 
     }
 
 
+def trainable_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """The model state a checkpoint holds: trainable parameters (and buffers) only.
+
+    `ignore_frozen_params` alone is not enough: torch drops frozen parameters by walking
+    `named_parameters()`, which names a shared parameter once, so the tied alias of a frozen
+    embedding (`lm_head.weight`) stayed in, vocab x hidden values in every LoRA checkpoint.
+    Every name of every frozen parameter is dropped here.
+    """
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    state = get_model_state_dict(model, options=_OPTS)
+    return {k: v for k, v in state.items() if k not in frozen}
+
+
 def save_checkpoint(
     root: Path,
     step: int,
@@ -93,7 +106,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
     state = {
-        "model": get_model_state_dict(model, options=_OPTS),
+        "model": trainable_state_dict(model),
         "optim": get_optimizer_state_dict(model, optim, options=_OPTS),
     }
     dcp.save(state, checkpoint_id=str(tmp))
@@ -122,7 +135,7 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and RNG from `path`; returns its meta."""
     state = {
-        "model": get_model_state_dict(model, options=_OPTS),
+        "model": trainable_state_dict(model),
         "optim": get_optimizer_state_dict(model, optim, options=_OPTS),
     }
     dcp.load(state, checkpoint_id=str(path))

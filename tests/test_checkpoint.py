@@ -1,0 +1,61 @@
+"""A LoRA checkpoint holds the trainable weights only (no frozen tied embedding) and loads back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from posttrain.config.schema import FromConfigModel, LoraConfig, OptimConfig
+from posttrain.distributed.fsdp import shard_model
+from posttrain.distributed.runtime import init_distributed, shutdown
+from posttrain.models.lora import apply_lora
+from posttrain.models.tiny import build_model
+from posttrain.train.checkpoint import load_checkpoint, save_checkpoint, trainable_state_dict
+from posttrain.train.optim import build_optimizer, build_scheduler
+
+
+class _Tok:
+    pad_token_id, eos_token_id = 0, 1
+
+    def __len__(self) -> int:
+        return 512
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_lora_checkpoint_holds_only_trainable_weights(tmp_path: Path, tied: bool) -> None:
+    d = init_distributed("cpu", 60, 1)
+    try:
+        cfg = FromConfigModel(
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            intermediate_size=128,
+            vocab_size=512,
+            tie_word_embeddings=tied,
+        )
+        model = apply_lora(build_model(cfg, _Tok()), LoraConfig(r=4, alpha=8))
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        model = shard_model(model, d.mesh, "fp32")
+        opt = build_optimizer([p for p in model.parameters() if p.requires_grad], OptimConfig())
+        sched = build_scheduler(opt, 1, OptimConfig())
+        path = save_checkpoint(tmp_path, 1, model, opt, sched, 1)
+        meta = dcp.FileSystemReader(str(path)).read_metadata()
+        saved = {
+            k.removeprefix("model.") for k in meta.state_dict_metadata if k.startswith("model.")
+        }
+        assert saved == trainable  # tied: no 'base_model.model.lm_head.weight'
+        # Perturb the adapter, load: the saved values come back.
+        before = {k: v.full_tensor().clone() for k, v in trainable_state_dict(model).items()}
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(1.0)
+        load_checkpoint(path, model, opt, sched)
+        after = trainable_state_dict(model)
+        for k, v in before.items():
+            assert torch.equal(after[k].full_tensor(), v), k
+    finally:
+        shutdown()
