@@ -1,4 +1,5 @@
-"""A LoRA checkpoint holds the trainable weights only (no frozen tied embedding) and loads back."""
+"""A checkpoint holds each trainable weight once (no frozen or duplicate tied embedding) and
+loads back exactly."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ class _Tok:
         return 512
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_lora_checkpoint_holds_only_trainable_weights(tmp_path: Path, tied: bool) -> None:
+@pytest.mark.parametrize(("tied", "lora"), [(True, True), (False, True), (True, False)])
+def test_checkpoint_holds_each_trainable_weight_once(
+    tmp_path: Path, tied: bool, lora: bool
+) -> None:
     d = init_distributed("cpu", 60, 1)
     try:
         cfg = FromConfigModel(
@@ -36,7 +39,10 @@ def test_lora_checkpoint_holds_only_trainable_weights(tmp_path: Path, tied: bool
             vocab_size=512,
             tie_word_embeddings=tied,
         )
-        model = apply_lora(build_model(cfg, _Tok()), LoraConfig(r=4, alpha=8))
+        model = build_model(cfg, _Tok())
+        if lora:
+            model = apply_lora(model, LoraConfig(r=4, alpha=8))
+        # named_parameters() names a shared (tied) parameter once: the set to expect.
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         model = shard_model(model, d.mesh, "fp32")
         opt = build_optimizer([p for p in model.parameters() if p.requires_grad], OptimConfig())
@@ -46,7 +52,8 @@ def test_lora_checkpoint_holds_only_trainable_weights(tmp_path: Path, tied: bool
         saved = {
             k.removeprefix("model.") for k in meta.state_dict_metadata if k.startswith("model.")
         }
-        assert saved == trainable  # tied: no 'base_model.model.lm_head.weight'
+        # LoRA + tied: no frozen 'lm_head.weight' alias; full + tied: the embedding once.
+        assert saved == trainable
         # Perturb the adapter, load: the saved values come back.
         before = {k: v.full_tensor().clone() for k, v in trainable_state_dict(model).items()}
         with torch.no_grad():

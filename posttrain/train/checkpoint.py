@@ -83,11 +83,17 @@ def trainable_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     `ignore_frozen_params` alone is not enough: torch drops frozen parameters by walking
     `named_parameters()`, which names a shared parameter once, so the tied alias of a frozen
     embedding (`lm_head.weight`) stayed in, vocab x hidden values in every LoRA checkpoint.
-    Every name of every frozen parameter is dropped here.
+    Every name of a frozen parameter is dropped here, and a trainable parameter shared under
+    several names (tied embeddings in full fine-tuning) is kept once: loading it restores every
+    alias, since they are one tensor.
     """
-    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    drop, seen = set(), set()
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if not p.requires_grad or id(p) in seen:
+            drop.add(n)
+        seen.add(id(p))
     state = get_model_state_dict(model, options=_OPTS)
-    return {k: v for k, v in state.items() if k not in frozen}
+    return {k: v for k, v in state.items() if k not in drop}
 
 
 def save_checkpoint(
