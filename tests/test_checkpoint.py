@@ -66,3 +66,34 @@ def test_checkpoint_holds_each_trainable_weight_once(
             assert torch.equal(after[k].full_tensor(), v), k
     finally:
         shutdown()
+
+
+def test_retention_and_incomplete_checkpoints(tmp_path: Path) -> None:
+    """Keep the newest `keep` complete checkpoints; a half-written one (`.tmp`, or no meta.json)
+    is never taken for the newest, and the next save of that step replaces it."""
+    from posttrain.train.checkpoint import complete_checkpoints
+
+    d = init_distributed("cpu", 60, 1)
+    try:
+        cfg = FromConfigModel(
+            hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, vocab_size=512
+        )
+        model = shard_model(
+            apply_lora(build_model(cfg, _Tok()), LoraConfig(r=2, alpha=4)), d.mesh, "fp32"
+        )
+        opt = build_optimizer([p for p in model.parameters() if p.requires_grad], OptimConfig())
+        sched = build_scheduler(opt, 10, OptimConfig())
+        for step in (1, 2, 3):
+            save_checkpoint(tmp_path, step, model, opt, sched, keep=2)
+        assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_0000002", "step_0000003"]
+        # A save killed half-way: its temp folder, and a renamed folder missing meta.json.
+        (tmp_path / "step_0000004.tmp").mkdir()
+        (tmp_path / "step_0000004.tmp" / "__0_0.distcp").write_bytes(b"partial")
+        (tmp_path / "step_0000009").mkdir()
+        assert complete_checkpoints(tmp_path)[-1].name == "step_0000003"
+        save_checkpoint(tmp_path, 4, model, opt, sched, keep=2)
+        assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_0000003", "step_0000004"]
+        assert not (tmp_path / "step_0000004.tmp").exists()
+        assert load_checkpoint(tmp_path / "step_0000004", model, opt, sched)["step"] == 4
+    finally:
+        shutdown()
