@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
@@ -172,10 +172,14 @@ def _check_on_invalid(on_invalid: str) -> None:
         raise ValueError(f"on_invalid must be 'error' or 'skip', got {on_invalid!r}")
 
 
-def read_preference_rows(
-    path: str | Path, on_invalid: OnInvalid = "error"
-) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, int]]:
-    """(location, normalised row) pairs and {reason: rows dropped}.
+def read_checked_rows(
+    path: str | Path,
+    check: Callable[[Any, str], Any],
+    on_invalid: OnInvalid = "error",
+    what: str = "preference",
+) -> tuple[list[tuple[str, Any]], dict[str, int]]:
+    """(location, checked row) pairs and {reason: rows dropped}, `check(raw, where)` raising
+    PreferenceDataError for a bad row.
 
     "error": the first bad row raises. "skip": bad rows are dropped and counted by reason (the
     first of each reason is logged with its location). Unreadable files and invalid JSON lines
@@ -185,16 +189,23 @@ def read_preference_rows(
     out, dropped = [], Counter()
     for where, raw in read_rows(path):
         try:
-            out.append((where, check_preference_row(raw, where)))
+            out.append((where, check(raw, where)))
         except PreferenceDataError as exc:
             if on_invalid == "error":
                 raise
             if not dropped[exc.reason]:
-                log.warning("skipping invalid preference rows, first %s: %s", exc.reason, exc)
+                log.warning("skipping invalid %s rows, first %s: %s", what, exc.reason, exc)
             dropped[exc.reason] += 1
     if not out:
-        raise DataError(f"{path}: no valid preference row (dropped: {dict(dropped)})")
+        raise DataError(f"{path}: no valid {what} row (dropped: {dict(dropped)})")
     return out, dict(dropped)
+
+
+def read_preference_rows(
+    path: str | Path, on_invalid: OnInvalid = "error"
+) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, int]]:
+    """(location, normalised row) pairs and {reason: rows dropped}; see `read_checked_rows`."""
+    return read_checked_rows(path, check_preference_row, on_invalid, "preference")
 
 
 def load_preference_rows(

@@ -11,26 +11,21 @@ counts it by reason instead).
 
 from __future__ import annotations
 
-import logging
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from posttrain.config.schema import PromptDataConfig
 from posttrain.data.chat import render
-from posttrain.data.loading import DataError, read_rows
 from posttrain.data.pref_prepare import Located, read_and_split
 from posttrain.data.preference import (
     Messages,
-    PreferenceDataError,
     _fail,
     _messages,
     keep_prompt_tail,
+    read_checked_rows,
 )
 from posttrain.data.synthetic import SYSTEM_PROMPT, quickstart_triples
-
-log = logging.getLogger(__name__)
 
 
 def check_prompt_row(row: Any, where: str) -> Messages:
@@ -68,20 +63,9 @@ def check_prompt_row(row: Any, where: str) -> Messages:
 
 
 def read_prompt_rows(path: str | Path, on_invalid: str = "error") -> tuple[Located, dict[str, int]]:
-    """(location, prompt messages) pairs and {reason: rows dropped}; see `check_prompt_row`."""
-    out, dropped = [], Counter()
-    for where, raw in read_rows(path):
-        try:
-            out.append((where, check_prompt_row(raw, where)))
-        except PreferenceDataError as exc:
-            if on_invalid == "error":
-                raise
-            if not dropped[exc.reason]:
-                log.warning("skipping invalid prompt rows, first %s: %s", exc.reason, exc)
-            dropped[exc.reason] += 1
-    if not out:
-        raise DataError(f"{path}: no valid prompt row (dropped: {dict(dropped)})")
-    return out, dict(dropped)
+    """(location, prompt messages) pairs and {reason: rows dropped}; see `check_prompt_row` and
+    `read_checked_rows`."""
+    return read_checked_rows(path, check_prompt_row, on_invalid, "prompt")
 
 
 def quickstart_prompts(n: int, seed: int) -> list[Messages]:
