@@ -125,6 +125,40 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
     if result.get("export_path"):
         print(f"\nexported model: {result['export_path']}", file=out)
     print(f"run folder:     {result['run_dir']}", file=out)
+    if result.get("promotion"):
+        p = result["promotion"]
+        print(
+            f"promotion:      {'promoted' if p['promoted'] else 'NOT promoted'}: {p['reason']}",
+            file=out,
+        )
+    return EXIT_OK
+
+
+def cmd_models(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
+    """The champion of every pipeline in the recipe's workspace, with its metrics and lineage."""
+    from posttrain.promotion import champions
+
+    recipe = load_or_report(path, overrides, err)
+    if recipe is None:
+        return EXIT_INVALID
+    found = champions(recipe.run.workspace)
+    if not found:
+        print(f"no champion yet in {recipe.run.workspace}", file=out)
+        return EXIT_OK
+    rows = [
+        (
+            c["name"],
+            c["run_id"],
+            c["decided_at"],
+            ", ".join(f"{k}={v}" for k, v in c["metrics"].items()),
+            c.get("export_path") or "-",
+        )
+        for c in found
+    ]
+    print(text_table(rows, ("pipeline", "run", "promoted at", "metrics", "export")), file=out)
+    for c in found:
+        chain = " -> ".join(f"{stage}@{fp}" for stage, fp in c["lineage"].items())
+        print(f"\n{c['name']} lineage: {chain}", file=out)
     return EXIT_OK
 
 
@@ -180,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("validate", cmd_validate, "print the resolved recipe, or every error (exit 2)"),
         ("plan", cmd_plan, "show each stage's fingerprint and whether its artifact exists"),
         ("run", cmd_run, "run the pipeline (embedded Prefect unless PREFECT_API_URL is set)"),
+        ("models", cmd_models, "list each pipeline's champion (promoted run) and its lineage"),
     ):
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("recipe", type=Path, help="recipe YAML file")

@@ -25,6 +25,13 @@ from posttrain.artifacts import ArtifactRef, read_manifest, verify
 from posttrain.config.loader import resolve
 from posttrain.config.schema import Recipe
 from posttrain.pipeline import PlannedStage, plan, write_spec
+from posttrain.promotion import (
+    Decision,
+    compare,
+    comparison_markdown,
+    read_registry,
+    record_decision,
+)
 
 
 def _flow_run_name() -> str:
@@ -90,14 +97,18 @@ def export_model_path(records: list[StageRecord]) -> str | None:
 
 
 def record_run(
-    recipe: Recipe, run_id: str, records: list[StageRecord], quiet: bool = False
+    recipe: Recipe,
+    run_id: str,
+    records: list[StageRecord],
+    promotion: Decision | None = None,
+    quiet: bool = False,
 ) -> dict[str, Any]:
     """Write `<workspace>/runs/<run-id>/` and the flow-level Prefect artifacts.
 
     `quiet`: used while a failure propagates, so a problem here cannot hide the stage's error.
     """
     try:
-        return _record_run(recipe, run_id, records)
+        return _record_run(recipe, run_id, records, promotion)
     except Exception as exc:
         if not quiet:
             raise
@@ -105,7 +116,9 @@ def record_run(
         return {}
 
 
-def _record_run(recipe: Recipe, run_id: str, records: list[StageRecord]) -> dict[str, Any]:
+def _record_run(
+    recipe: Recipe, run_id: str, records: list[StageRecord], promotion: Decision | None
+) -> dict[str, Any]:
     run_dir = Path(recipe.run.workspace) / "runs" / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     export_path = export_model_path(records)
@@ -118,6 +131,8 @@ def _record_run(recipe: Recipe, run_id: str, records: list[StageRecord]) -> dict
         "export_path": export_path,
     }
     report = markdown_report(recipe.run.name, run_id, records, export_path, str(run_dir))
+    if promotion is not None:
+        report += "\n## Promotion\n\n" + "\n".join(comparison_markdown(promotion)) + "\n"
     (run_dir / "recipe.resolved.yaml").write_text(
         yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
     )
@@ -142,6 +157,9 @@ def _record_run(recipe: Recipe, run_id: str, records: list[StageRecord]) -> dict
             for r in records
         ],
         "export_path": export_path,
+        "promotion": None
+        if promotion is None
+        else {"promoted": promotion.promoted, "reason": promotion.reason},
     }
 
 
@@ -204,4 +222,30 @@ def post_train(recipe: Recipe) -> dict[str, Any]:
         if run_dir:
             exc.add_note(f"run folder: {run_dir}")
         raise
-    return record_run(recipe, run_id, records)
+    return record_run(recipe, run_id, records, promote(recipe, run_id, records))
+
+
+def promote(recipe: Recipe, run_id: str, records: list[StageRecord]) -> Decision | None:
+    """The promotion gate after a completed run: the evaluate headline against the champion's
+    (`posttrain.promotion`); the registry records the decision, and the champion when promoted."""
+    if not recipe.promotion.enabled:
+        return None
+    by_stage = {r.stage: r for r in records}
+    evaluate = by_stage.get("evaluate")
+    if evaluate is None:
+        return None
+    export_fp = by_stage["export"].fingerprint if "export" in by_stage else None
+    champion = read_registry(recipe.run.workspace, recipe.run.name)["champion"]
+    if champion and export_fp and champion.get("export_fingerprint") == export_fp:
+        return Decision(True, "already the champion (same export artifact)", [])
+    decision = compare(evaluate.headline, champion and champion["metrics"], recipe.promotion.rules)
+    candidate = {
+        "run_id": run_id,
+        "metrics": evaluate.headline,
+        "export_path": export_model_path(records),
+        "export_fingerprint": export_fp,
+        "lineage": {r.stage: r.fingerprint for r in records},
+    }
+    record_decision(recipe.run.workspace, recipe.run.name, candidate, decision)
+    get_run_logger().info("promotion: %s", decision.reason)
+    return decision

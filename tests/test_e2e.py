@@ -18,11 +18,15 @@ pytestmark = pytest.mark.slow
 FAST = ["ingest.from_config.pretrain_steps=5", "sft.max_steps=3"]
 
 
+LAST_OUTPUT: list[str] = []
+
+
 def _run(recipe: Path, *overrides: str) -> dict[str, str]:
     out, err = io.StringIO(), io.StringIO()
     code = cmd_run(str(recipe), [*FAST, *overrides], out, err)
     assert code == 0, err.getvalue()[-3000:]
     text = out.getvalue()
+    LAST_OUTPUT[:] = [text]
     rows = text.split("\n\n")[0].splitlines()[2:]
     statuses = {row.split()[0]: row.split()[1] for row in rows}
     model = Path(text.split("exported model:")[1].split()[0])
@@ -38,3 +42,24 @@ def test_run_then_cached_then_downstream_only(prefect_harness: None, tmp_path: P
         "ingest": "cached", "sft": "cached", "evaluate": "ran", "export": "ran",
     }  # fmt: skip
     assert len(list((tmp_path / "ws" / "runs").iterdir())) == 3
+
+
+def test_promotion_gate_promotes_then_refuses_a_worse_candidate(
+    prefect_harness: None, tmp_path: Path
+) -> None:
+    from posttrain.promotion import read_registry
+
+    recipe = write_recipe(tmp_path, TINY)
+    _run(recipe)
+    assert "promotion:      promoted: first candidate of this pipeline" in LAST_OUTPUT[0]
+    _run(recipe)  # all cached: the same export is already the champion
+    assert "already the champion" in LAST_OUTPUT[0]
+    # Deliberately worse: one SFT step instead of three.
+    _run(recipe, "sft.max_steps=1")
+    assert "promotion:      NOT promoted: regressed: tuned_loss" in LAST_OUTPUT[0]
+    reg = read_registry(tmp_path / "ws", "tiny")
+    assert [h["promoted"] for h in reg["history"]] == [True, False]
+    assert reg["champion"]["run_id"] == reg["history"][0]["run_id"]
+    run_dir = Path(LAST_OUTPUT[0].split("run folder:")[1].split()[0])
+    report = (run_dir / "report.md").read_text()
+    assert "## Promotion" in report and "| tuned_loss | lower | 0.02 |" in report

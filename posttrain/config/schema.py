@@ -555,6 +555,31 @@ class ExportConfig(_Section):
     )
 
 
+class PromotionRule(_Section):
+    metric: str = Field(description="A key of the evaluate stage's headline, e.g. tuned_loss.")
+    direction: Literal["min", "max"] = Field(description="`min`: lower is better; `max`: higher.")
+    tolerance: float = Field(
+        0.0, ge=0, description="How much worse than the champion still counts as no regression."
+    )
+
+
+class PromotionConfig(_Section):
+    enabled: bool = Field(
+        True,
+        description="Compare each completed run with the pipeline's champion and promote it "
+        "only if no rule regresses.",
+    )
+    rules: list[PromotionRule] = Field(
+        default_factory=lambda: [
+            PromotionRule(metric="tuned_loss", direction="min", tolerance=0.02),
+            PromotionRule(metric="exact_match_tuned", direction="max", tolerance=0.02),
+            PromotionRule(metric="rm_accuracy", direction="max", tolerance=0.02),
+            PromotionRule(metric="win_rate_vs_sft", direction="max", tolerance=0.05),
+        ],
+        description="Metric, direction, tolerance; a metric absent from either run is skipped.",
+    )
+
+
 class Recipe(_Section):
     """A whole post-training run."""
 
@@ -572,6 +597,10 @@ class Recipe(_Section):
     )
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation.")
     export: ExportConfig = Field(default_factory=ExportConfig, description="Merged export.")
+    promotion: PromotionConfig = Field(
+        default_factory=PromotionConfig,
+        description="The gate that decides whether a run replaces the pipeline's champion.",
+    )
 
     @model_validator(mode="after")
     def _policy_stages(self) -> Recipe:
