@@ -113,6 +113,19 @@ def _split_final_replies(
     return chosen[:n], chosen[n]["content"], rejected[n]["content"]
 
 
+def check_prompt_end(msgs: Messages, where: str) -> None:
+    """A prompt needs a non-empty user turn and must end with one (the response answers it)."""
+    if not any(m["role"] == "user" and m["content"].strip() for m in msgs):
+        _fail(where, "no_user_turn", "the prompt has no non-empty user turn")
+    if msgs[-1]["role"] != "user":
+        _fail(
+            where,
+            "prompt_end_not_user",
+            f"the prompt must end with a user turn (the response answers it), "
+            f"it ends with {msgs[-1]['role']!r}",
+        )
+
+
 def check_preference_row(row: Any, where: str) -> dict[str, Any]:
     """Validate one preference row (format a, b or c) and return it normalised to
     {"prompt": [messages], "chosen": str, "rejected": str}. Raises PreferenceDataError."""
@@ -155,15 +168,7 @@ def check_preference_row(row: Any, where: str) -> dict[str, Any]:
             _fail(where, "empty_response", f"'{field}' is empty, nothing to compare")
     if chosen_text == rejected_text:
         _fail(where, "identical", "chosen and rejected are identical: no preference to learn")
-    if not any(m["role"] == "user" and m["content"].strip() for m in msgs):
-        _fail(where, "no_user_turn", "the prompt has no non-empty user turn")
-    if msgs[-1]["role"] != "user":
-        _fail(
-            where,
-            "prompt_end_not_user",
-            f"the prompt must end with a user turn (the response answers it), "
-            f"it ends with {msgs[-1]['role']!r}",
-        )
+    check_prompt_end(msgs, where)
     return {"prompt": msgs, "chosen": chosen_text, "rejected": rejected_text}
 
 

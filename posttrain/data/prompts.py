@@ -22,6 +22,7 @@ from posttrain.data.preference import (
     Messages,
     _fail,
     _messages,
+    check_prompt_end,
     keep_prompt_tail,
     read_checked_rows,
 )
@@ -51,14 +52,7 @@ def check_prompt_row(row: Any, where: str) -> Messages:
             msgs = msgs[: last_reply[-1]]
     else:
         _fail(where, "missing_field", f"expected 'prompt' or 'messages', got keys {sorted(row)}")
-    if not any(m["role"] == "user" and m["content"].strip() for m in msgs):
-        _fail(where, "no_user_turn", "the prompt has no non-empty user turn")
-    if msgs[-1]["role"] != "user":
-        _fail(
-            where,
-            "prompt_end_not_user",
-            f"the prompt must end with a user turn, it ends with {msgs[-1]['role']!r}",
-        )
+    check_prompt_end(msgs, where)
     return msgs
 
 

@@ -111,6 +111,22 @@ def all_reduce_sum(value: float | int, device: torch.device) -> float:
     return float(t.item())
 
 
+def all_reduce_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Sum a small tensor over ranks (on `device`, as NCCL needs); returned on the CPU."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = t.to(device)
+        dist.all_reduce(t)
+    return t.cpu()
+
+
+def min_max(value: float, device: torch.device) -> tuple[float, float]:
+    """(min, max) of a number over ranks, with one all-reduce (max of value and of -value)."""
+    t = torch.tensor([value, -value], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return -float(t[1]), float(t[0])
+
+
 def rank_batches(n_items: int, rank: int, world: int, batch_size: int) -> list[list[int]]:
     """This rank's share of `n_items` (rank-strided) in batches, padded with empty batches so
     every rank runs the same number of forwards: FSDP all-gathers are collective, and a rank that

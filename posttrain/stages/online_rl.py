@@ -25,6 +25,7 @@ import logging
 import math
 import time
 from collections import Counter
+from functools import partial
 from typing import Any
 
 import torch
@@ -35,7 +36,13 @@ from posttrain.data.batching import step_indices
 from posttrain.data.pref_prepare import guard_template
 from posttrain.data.prompts import PromptData, prepare_prompts
 from posttrain.data.sft_data import write_rows
-from posttrain.distributed.runtime import DistInfo, all_reduce_sum, rank_batches
+from posttrain.distributed.runtime import (
+    DistInfo,
+    all_reduce_sum,
+    all_reduce_tensor,
+    min_max,
+    rank_batches,
+)
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.loading import load_base
 from posttrain.models.lora import prepare_for_training
@@ -57,16 +64,6 @@ from posttrain.train.rollout import Rollout, decode_responses, sample, score
 from posttrain.train.session import TrainSession, save_adapter, start_session
 
 log = logging.getLogger("posttrain.rl")
-
-
-def _reduce(device: torch.device):  # noqa: ANN202 - a Reduce callable
-    def reduce(t: torch.Tensor) -> torch.Tensor:
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            t = t.to(device)
-            torch.distributed.all_reduce(t)
-        return t.cpu()
-
-    return reduce
 
 
 def rollout_seed(seed: int, step: int, rank: int) -> int:
@@ -304,7 +301,7 @@ def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
     register_fsdp_forward_method(model, "generate")
     ctl = KLController(cfg.kl.coef, cfg.kl.adaptive, cfg.kl.target, cfg.kl.horizon)
     ctl.coef = tr.resume_meta.get("kl_coef", ctl.coef)
-    reduce = _reduce(device)
+    reduce = partial(all_reduce_tensor, device=device)
     eval_rows = data.eval[: cfg.eval_prompts]
     eval_bs = batch.micro_batch_size
     sft_eval: dict[str, float] | None = None
@@ -388,7 +385,7 @@ def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
         # This rank's FLOPs: prefill + one decode step per row and new token (rows that ended
         # still step), role forwards over the rollout, forward+backward per update epoch.
         r_w = ro.width[1]
-        w_min, w_max = _minmax(r_w, device)
+        w_min, w_max = min_max(r_w, device)
         seq_len = ro.tokens() / ro.n
         gen_flops = 2 * n_mat * (float(ro.prompt_mask.sum()) + ro.n * r_w)
         score_flops = 2 * n_mat * ro.tokens() * len(roles)
@@ -484,11 +481,3 @@ def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
             eval_kl=final["kl"],
         ),
     )
-
-
-def _minmax(value: float, device: torch.device) -> tuple[float, float]:
-    """(min, max) of a number over ranks."""
-    t = torch.tensor([value, -value], dtype=torch.float64, device=device)
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return -float(t[1]), float(t[0])
