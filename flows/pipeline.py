@@ -19,7 +19,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import FlowRunContext
 from prefect.logging import get_run_logger
 
-from flows.report import StageRecord, lineage, markdown_report, metrics_table
+from flows.report import StageRecord, curves_markdown, lineage, markdown_report, metrics_table
 from flows.stage_task import artifact_key, stage_task_for
 from posttrain.artifacts import ArtifactRef, read_manifest, verify
 from posttrain.config.loader import resolve
@@ -32,6 +32,7 @@ from posttrain.promotion import (
     read_registry,
     record_decision,
 )
+from posttrain.telemetry.plots import CurvePlot, plot_curves
 
 
 def _flow_run_name() -> str:
@@ -133,13 +134,26 @@ def _record_run(
     report = markdown_report(recipe.run.name, run_id, records, export_path, str(run_dir))
     if promotion is not None:
         report += "\n## Promotion\n\n" + "\n".join(comparison_markdown(promotion)) + "\n"
+    # Curves are decoration: a plotting failure (matplotlib missing, a corrupt metrics file) is
+    # logged and the run record is written without them.
+    plots: list[CurvePlot] = []
+    try:
+        plots = plot_curves([(r.stage, Path(r.uri)) for r in records if r.uri], run_dir)
+    except Exception as exc:
+        get_run_logger().warning("training curves not drawn: %s: %s", type(exc).__name__, exc)
+    artifact_report = report
+    if plots:
+        report += "\n" + "\n".join(curves_markdown(plots)) + "\n"
+        artifact_report += "\n" + "\n".join(curves_markdown(plots, inline=False)) + "\n"
     (run_dir / "recipe.resolved.yaml").write_text(
         yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
     )
     (run_dir / "lineage.json").write_text(json.dumps(lineage(meta, records), indent=2))
     (run_dir / "report.md").write_text(report)
     key = artifact_key(recipe.run.name)
-    create_markdown_artifact(report, key=f"{key}-report", description=f"posttrain run {run_id}")
+    create_markdown_artifact(
+        artifact_report, key=f"{key}-report", description=f"posttrain run {run_id}"
+    )
     create_table_artifact(
         metrics_table(records), key=f"{key}-metrics", description="Per-stage key metrics"
     )

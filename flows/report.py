@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from posttrain.telemetry.plots import CurvePlot
+
 # ran: the stage process was launched and completed. cached: Prefect's cache returned the ref of
 # an earlier run. reused: no cache record, but a complete artifact with this fingerprint was on
 # disk (made by an earlier run or by hand). failed: the stage process failed or was killed.
@@ -127,6 +129,21 @@ def markdown_report(
         sha = f" sha256 {r.sha256[:12]}" if r.sha256 else ""
         lines.append(f"- `{r.stage}@{r.fingerprint}`{sha} <- {inputs}")
     return "\n".join(lines) + "\n"
+
+
+def curves_markdown(plots: Sequence[CurvePlot], inline: bool = True) -> list[str]:
+    """The "## Curves" section: one image per plotted stage. `inline` links each image by file
+    name, relative to report.md, which sits beside the images in the run folder; otherwise each
+    image is named by its full path (the Prefect UI cannot fetch files from the run folder)."""
+    if not plots:
+        return []
+    lines = ["## Curves", ""]
+    for p in plots:
+        alt = f"{p.stage} {', '.join(p.panels)}"
+        lines.append(f"![{alt}]({p.path.name})" if inline else f"- {alt}: `{p.path}`")
+        if inline:
+            lines.append("")
+    return lines[:-1] if inline else lines
 
 
 def metrics_table(records: Sequence[StageRecord]) -> list[dict[str, Any]]:

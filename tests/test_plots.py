@@ -1,0 +1,184 @@
+"""Training curves for the run report: PNGs drawn from hand-written metrics.jsonl files."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PIL import Image
+
+from flows.report import curves_markdown
+from posttrain.telemetry.plots import (
+    DPI,
+    PANEL_INCHES,
+    plot_curves,
+    read_records,
+    series_points,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_metrics(folder: Path, records: list[dict[str, Any]], torn: str = "") -> Path:
+    """metrics.jsonl as MetricsWriter writes it (json.dumps: NaN as a bare `NaN` token), plus an
+    optional torn last line, as left by a writer killed mid-line."""
+    folder.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(r) + "\n" for r in records) + torn
+    (folder / "metrics.jsonl").write_text(text)
+    return folder
+
+
+def _sft_records() -> list[dict[str, Any]]:
+    return [
+        {"kind": "start", "total_steps": 5, "world_size": 1},
+        {"kind": "eval", "step": 0, "eval_loss": 4.0},
+        {"kind": "train", "step": 1, "loss": 3.5, "lr": 0.01, "tokens_per_s": 900.0},
+        {"kind": "train", "step": 2, "loss": float("nan"), "lr": 0.01, "tokens_per_s": 900.0},
+        {"kind": "train", "step": 3, "loss": 2.5, "lr": 0.01, "tokens_per_s": 900.0},
+        {"kind": "train", "step": 4, "loss": float("inf"), "lr": 0.01, "tokens_per_s": 900.0},
+        {"kind": "train", "step": 5, "loss": 1.5, "lr": 0.01, "tokens_per_s": 900.0},
+        {"kind": "eval", "step": 5, "eval_loss": 2.0},
+        {"kind": "end", "step": 5, "mem_rss_gib": 0.5},
+    ]
+
+
+def _rl_records() -> list[dict[str, Any]]:
+    # Field names as posttrain/stages/online_rl.py writes them.
+    rows: list[dict[str, Any]] = [{"kind": "start", "total_steps": 4}]
+    for step in range(1, 5):
+        rows.append(
+            {
+                "kind": "train",
+                "step": step,
+                "loss": 0.1 * step,
+                "score_mean": float(step),
+                "score_std": 1.0,
+                "kl": 0.5 * step,
+                "kl_coef": 0.05,
+            }
+        )
+    rows += [
+        {"kind": "eval", "step": 4, "sft_reward": 0.2, "sft_prompts": 16.0},
+        {"kind": "eval", "step": 4, "eval_reward": 3.0, "eval_kl": 1.5, "eval_reward_gain": 2.8},
+        {"kind": "end", "step": 4},
+    ]
+    return rows
+
+
+def _assert_png(path: Path, panels: int) -> None:
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    width, height = PANEL_INCHES
+    with Image.open(path) as img:
+        assert img.format == "PNG"
+        assert img.size == (round(width * DPI * panels), round(height * DPI))
+        img.load()  # decodes every pixel: a truncated file fails here
+
+
+def test_sft_curves_skip_nan_and_torn_line_and_stages_without_training(tmp_path: Path) -> None:
+    sft = _write_metrics(tmp_path / "sft", _sft_records(), torn='{"kind": "train", "step": 6, "lo')
+    ingest = _write_metrics(tmp_path / "ingest", [{"kind": "start"}, {"kind": "end"}])
+    evaluate = tmp_path / "evaluate"
+    evaluate.mkdir()
+    (evaluate / "metrics.jsonl").write_text("")  # empty file
+    export = tmp_path / "export"  # no metrics.jsonl at all
+    out = tmp_path / "run"
+
+    plots = plot_curves(
+        [("ingest", ingest), ("sft", sft), ("evaluate", evaluate), ("export", export)], out
+    )
+
+    assert [p.stage for p in plots] == ["sft"]
+    (plot,) = plots
+    assert plot.path == out / "curves-sft.png"
+    assert plot.panels == ("loss",)
+    assert plot.series == ("loss", "eval_loss")
+    _assert_png(plot.path, panels=1)
+    # Only the one image: no file for stages without training steps, no temp file left behind.
+    assert sorted(p.name for p in out.iterdir()) == ["curves-sft.png"]
+
+
+def test_points_are_finite_sorted_and_the_torn_line_is_dropped(tmp_path: Path) -> None:
+    folder = _write_metrics(tmp_path, _sft_records(), torn='{"kind": "train", "step": 6, "lo')
+    records = read_records(folder / "metrics.jsonl")
+    assert len(records) == len(_sft_records())
+    assert series_points(records, "train", "loss") == ([1.0, 3.0, 5.0], [3.5, 2.5, 1.5])
+    assert series_points(records, "eval", "eval_loss") == ([0.0, 5.0], [4.0, 2.0])
+    assert series_points(records, "train", "score_mean") == ([], [])
+    # A step logged twice keeps its last value, and points come out in step order.
+    rows = [
+        {"kind": "train", "step": 2, "loss": 9.0},
+        {"kind": "train", "step": 1, "loss": 1.0},
+        {"kind": "train", "step": 2, "loss": 2.0},
+        {"kind": "train", "step": "3", "loss": 3.0},  # not a number: left out
+        {"kind": "train", "step": 4, "loss": True},
+    ]
+    assert series_points(rows, "train", "loss") == ([1.0, 2.0], [1.0, 2.0])
+
+
+def test_read_records_follows_read_metrics(tmp_path: Path) -> None:
+    # plots.py repeats read_metrics' rules to keep torch out of the flow process; this keeps
+    # the two readers in step.
+    from posttrain.telemetry.metrics import read_metrics
+
+    path = _write_metrics(tmp_path, _sft_records(), torn='{"kind": "tr').joinpath("metrics.jsonl")
+    ours, theirs = read_records(path), read_metrics(path)
+    assert json.dumps(ours) == json.dumps(theirs)  # NaN != NaN, so compare as text
+    assert read_records(tmp_path / "missing.jsonl") == read_metrics(tmp_path / "missing.jsonl")
+    path.write_text('{"kind": "train"}\nnot json\n{"kind": "end"}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
+        read_records(path)
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
+        read_metrics(path)
+
+
+def test_online_rl_stage_gets_reward_and_kl_panels(tmp_path: Path) -> None:
+    ppo = _write_metrics(tmp_path / "ppo", _rl_records())
+    (plot,) = plot_curves([("ppo", ppo)], tmp_path / "run")
+    assert plot.panels == ("loss", "reward", "kl")
+    assert plot.series == ("loss", "score_mean", "eval_reward", "kl", "eval_kl")
+    _assert_png(plot.path, panels=3)
+
+
+def test_a_stage_whose_values_are_all_nan_gets_no_image(tmp_path: Path) -> None:
+    rows = [{"kind": "train", "step": s, "loss": math.nan} for s in (1, 2, 3)]
+    folder = _write_metrics(tmp_path / "sft", rows)
+    assert plot_curves([("sft", folder)], tmp_path / "run") == []
+    assert not (tmp_path / "run").exists()
+
+
+def test_curves_section_links_exactly_the_drawn_images(tmp_path: Path) -> None:
+    sft = _write_metrics(tmp_path / "sft", _sft_records())
+    ppo = _write_metrics(tmp_path / "ppo", _rl_records())
+    ingest = _write_metrics(tmp_path / "ingest", [{"kind": "start"}])
+    out = tmp_path / "run"
+    plots = plot_curves([("ingest", ingest), ("sft", sft), ("ppo", ppo)], out)
+
+    lines = curves_markdown(plots)
+    assert lines[0] == "## Curves"
+    links = re.findall(r"!\[([^\]]*)\]\(([^)]*)\)", "\n".join(lines))
+    assert links == [("sft loss", "curves-sft.png"), ("ppo loss, reward, kl", "curves-ppo.png")]
+    # Relative to report.md, which is written into the same folder as the images.
+    assert sorted(target for _, target in links) == sorted(p.name for p in out.iterdir())
+
+    listed = curves_markdown(plots, inline=False)
+    assert listed[2:] == [f"- sft loss: `{out / 'curves-sft.png'}`",
+                          f"- ppo loss, reward, kl: `{out / 'curves-ppo.png'}`"]  # fmt: skip
+    assert curves_markdown([]) == []
+
+
+def test_importing_plots_loads_neither_torch_nor_matplotlib() -> None:
+    # flows/pipeline.py imports this module: the flow process must stay light until it draws.
+    code = (
+        "import sys, posttrain.telemetry.plots; "
+        "heavy = [m for m in ('torch', 'matplotlib') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
