@@ -19,19 +19,14 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import FlowRunContext
 from prefect.logging import get_run_logger
 
+from flows.gate import promote
 from flows.report import StageRecord, curves_markdown, lineage, markdown_report, metrics_table
 from flows.stage_task import artifact_key, stage_task_for
 from posttrain.artifacts import ArtifactRef, read_manifest, verify
 from posttrain.config.loader import resolve
 from posttrain.config.schema import Recipe
 from posttrain.pipeline import PlannedStage, plan, write_spec
-from posttrain.promotion import (
-    Decision,
-    compare,
-    comparison_markdown,
-    read_registry,
-    record_decision,
-)
+from posttrain.promotion import Decision, comparison_markdown
 from posttrain.telemetry.plots import CurvePlot, plot_curves
 
 
@@ -237,29 +232,3 @@ def post_train(recipe: Recipe) -> dict[str, Any]:
             exc.add_note(f"run folder: {run_dir}")
         raise
     return record_run(recipe, run_id, records, promote(recipe, run_id, records))
-
-
-def promote(recipe: Recipe, run_id: str, records: list[StageRecord]) -> Decision | None:
-    """The promotion gate after a completed run: the evaluate headline against the champion's
-    (`posttrain.promotion`); the registry records the decision, and the champion when promoted."""
-    if not recipe.promotion.enabled:
-        return None
-    by_stage = {r.stage: r for r in records}
-    evaluate = by_stage.get("evaluate")
-    if evaluate is None:
-        return None
-    export_fp = by_stage["export"].fingerprint if "export" in by_stage else None
-    champion = read_registry(recipe.run.workspace, recipe.run.name)["champion"]
-    if champion and export_fp and champion.get("export_fingerprint") == export_fp:
-        return Decision(True, "already the champion (same export artifact)", [])
-    decision = compare(evaluate.headline, champion and champion["metrics"], recipe.promotion.rules)
-    candidate = {
-        "run_id": run_id,
-        "metrics": evaluate.headline,
-        "export_path": export_model_path(records),
-        "export_fingerprint": export_fp,
-        "lineage": {r.stage: r.fingerprint for r in records},
-    }
-    record_decision(recipe.run.workspace, recipe.run.name, candidate, decision)
-    get_run_logger().info("promotion: %s", decision.reason)
-    return decision

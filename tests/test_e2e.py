@@ -49,7 +49,8 @@ def test_promotion_gate_promotes_then_refuses_a_worse_candidate(
 ) -> None:
     from posttrain.promotion import read_registry
 
-    recipe = write_recipe(tmp_path, TINY)
+    # With a reward stage, the gate also runs the head-to-head against the champion.
+    recipe = write_recipe(tmp_path, {**TINY, "reward": REWARD, "evaluate": H2H_EVALUATE})
     _run(recipe)
     assert "promotion:      promoted: first candidate of this pipeline" in LAST_OUTPUT[0]
     _run(recipe)  # all cached: the same export is already the champion
@@ -63,3 +64,30 @@ def test_promotion_gate_promotes_then_refuses_a_worse_candidate(
     run_dir = Path(LAST_OUTPUT[0].split("run folder:")[1].split()[0])
     report = (run_dir / "report.md").read_text()
     assert "## Promotion" in report and "| tuned_loss | lower | 0.02 |" in report
+    h2h = reg["history"][1]["head_to_head"]
+    assert h2h["champion_run_id"] == reg["champion"]["run_id"] and h2h["n"] == 4
+    win_rate = reg["history"][1]["metrics"]["win_rate_vs_champion"]
+    assert win_rate == h2h["win_rate"] and (h2h["wins"] + h2h["ties"] / 2) / 4 == win_rate
+    assert f"| win_rate_vs_champion | higher | 0.05 | {win_rate:.4g} | 0.5 |" in report
+    assert f"head-to-head against champion {h2h['champion_run_id']} (ran)" in report
+    assert Path(h2h["artifact"]).parent == tmp_path / "ws" / "artifacts" / "head_to_head"
+
+
+REWARD = {
+    "data": {
+        "synthetic": {"n_examples": 40},
+        "eval_fraction": 0.2,
+        "max_seq_len": 64,
+        "max_prompt_len": 40,
+    },
+    "lora": {"r": 8, "alpha": 16},
+    "optim": {"lr": 1e-2},
+    "batch": {"micro_batch_size": 8, "grad_accum_steps": 1},
+    "max_steps": 3,
+    "checkpoint_every": 0,
+}
+H2H_EVALUATE = {
+    **TINY["evaluate"],
+    "win_rate_prompts": 4,
+    "win_rate_sampling": {"name": "win-rate", "strategy": "greedy", "max_new_tokens": 8},
+}

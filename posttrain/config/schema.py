@@ -44,6 +44,12 @@ class StageTimeouts(_Section):
     grpo: float = Field(6 * 3600, gt=0, description="Seconds before the GRPO stage is killed.")
     evaluate: float = Field(3600, gt=0, description="Seconds before the evaluate stage is killed.")
     export: float = Field(3600, gt=0, description="Seconds before the export stage is killed.")
+    head_to_head: float = Field(
+        3600,
+        gt=0,
+        description="Seconds before the promotion gate's head-to-head against the champion "
+        "is killed (the run still completes; the candidate is not promoted).",
+    )
 
 
 class InfraConfig(_Section):
@@ -528,11 +534,13 @@ class EvaluateConfig(_Section):
         64,
         ge=1,
         description="Held-out DPO prompts on which the tuned policy's answers are judged "
-        "against the SFT policy's by the reward model (needs reward and dpo sections).",
+        "against the SFT policy's by the reward model (needs reward and dpo sections); also "
+        "how many held-out reward prompts the promotion gate's head-to-head against the "
+        "champion uses.",
     )
     win_rate_sampling: SamplingConfig = Field(
         default_factory=lambda: SamplingConfig(name="win-rate", strategy="greedy"),
-        description="Decoding used for the win-rate generations.",
+        description="Decoding used for the win-rate and head-to-head generations.",
     )
 
     @model_validator(mode="after")
@@ -575,8 +583,12 @@ class PromotionConfig(_Section):
             PromotionRule(metric="exact_match_tuned", direction="max", tolerance=0.02),
             PromotionRule(metric="rm_accuracy", direction="max", tolerance=0.02),
             PromotionRule(metric="win_rate_vs_sft", direction="max", tolerance=0.05),
+            PromotionRule(metric="win_rate_vs_champion", direction="max", tolerance=0.05),
         ],
-        description="Metric, direction, tolerance; a metric absent from either run is skipped.",
+        description="Metric, direction, tolerance; a metric absent from either run is skipped. "
+        "`win_rate_vs_champion` (candidate vs champion answers judged by the candidate's reward "
+        "model; needs a reward section) is compared with 0.5, the champion against itself; "
+        "if its head-to-head fails, the candidate is not promoted.",
     )
 
 

@@ -1,15 +1,20 @@
-"""Preference-side evaluation: reward-model accuracy, DPO implicit-reward accuracy, and the
-win-rate of a tuned policy against its reference judged by the trained reward model."""
+"""Preference-side evaluation: reward-model accuracy, DPO implicit-reward accuracy, and
+win-rates judged by a trained reward model: a tuned policy against its reference (two adapters
+of one model), and a candidate export against the champion's (two merged model folders)."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from posttrain.config.schema import SamplingConfig
 from posttrain.data.chat import render
 from posttrain.eval.generation import generate
 from posttrain.models.adapters import active_adapter
+from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.models.reward import pair_batch, pair_scores, score_sequences
 from posttrain.train.losses import sequence_logps
 
@@ -67,32 +72,39 @@ def implicit_reward_accuracy(
     return {"accuracy": correct / len(pairs), "margin": margin / len(pairs), "pairs": len(pairs)}
 
 
-def win_rate(
-    model: torch.nn.Module,
+def answers(
+    model: Any,
     tok: Any,
-    rm: torch.nn.Module,
     prompts: list[list[dict]],
-    candidate: str,
-    baseline: str,
-    sampling: Any,
+    sampling: SamplingConfig,
     seed: int,
     batch_size: int,
-) -> dict[str, Any]:
-    """Generate an answer to each prompt with adapter `candidate` and with `baseline`, score
-    both with the reward model, count wins/losses/ties. win_rate = (wins + ties / 2) / n."""
+) -> list[str]:
+    """`model`'s answer to each chat prompt (messages), rendered with `tok`'s chat template."""
     texts = [render(tok, p, add_generation_prompt=True) for p in prompts]
-    answers = {}
-    for name in (candidate, baseline):
-        with active_adapter(model, name):
-            answers[name] = generate(model, tok, texts, sampling, seed, batch_size)
+    return generate(model, tok, texts, sampling, seed, batch_size)
+
+
+def judge(
+    rm: torch.nn.Module,
+    tok: Any,
+    prompts: list[list[dict]],
+    replies: dict[str, list[str]],
+    candidate: str,
+    baseline: str,
+    batch_size: int,
+) -> dict[str, Any]:
+    """Score `replies[candidate][i]` and `replies[baseline][i]` to prompt i with the reward
+    model (prompt + reply rendered with `tok`, the reward model's tokenizer) and count
+    wins/losses/ties of the candidate. win_rate = (wins + ties / 2) / n, so 0.5 is a draw."""
     scores = {}
-    for name, outs in answers.items():
+    for name in (candidate, baseline):
         seqs = [
             tok(
                 render(tok, p + [{"role": "assistant", "content": o}], False),
                 add_special_tokens=False,
             )["input_ids"]
-            for p, o in zip(prompts, outs, strict=True)
+            for p, o in zip(prompts, replies[name], strict=True)
         ]
         scores[name] = score_sequences(rm, seqs, tok.pad_token_id, batch_size)
     wins = sum(c > b for c, b in zip(scores[candidate], scores[baseline], strict=True))
@@ -108,8 +120,8 @@ def win_rate(
         }
         for p, a, b, sa, sb in zip(
             prompts,
-            answers[candidate],
-            answers[baseline],
+            replies[candidate],
+            replies[baseline],
             scores[candidate],
             scores[baseline],
             strict=True,
@@ -127,3 +139,57 @@ def win_rate(
         },
         "examples": examples,
     }
+
+
+def win_rate(
+    model: torch.nn.Module,
+    tok: Any,
+    rm: torch.nn.Module,
+    prompts: list[list[dict]],
+    candidate: str,
+    baseline: str,
+    sampling: SamplingConfig,
+    seed: int,
+    batch_size: int,
+) -> dict[str, Any]:
+    """Generate an answer to each prompt with adapter `candidate` and with `baseline` of one
+    PeftModel, and judge the pairs with the reward model (`judge`)."""
+    replies = {}
+    for name in (candidate, baseline):
+        with active_adapter(model, name):
+            replies[name] = answers(model, tok, prompts, sampling, seed, batch_size)
+    return judge(rm, tok, prompts, replies, candidate, baseline, batch_size)
+
+
+def head_to_head(
+    candidate_dir: str | Path,
+    champion_dir: str | Path,
+    rm: torch.nn.Module,
+    rm_tok: Any,
+    prompts: list[list[dict]],
+    sampling: SamplingConfig,
+    seed: int,
+    batch_size: int,
+    device: torch.device | str = "cpu",
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
+    """Candidate vs champion: two merged model folders (weights + tokenizer, as export writes
+    them) answer the same prompts with the same sampling settings and seed, and the reward model
+    judges each pair (`judge`; names "candidate" and "champion").
+
+    Each model renders prompts with its own tokenizer's chat template (the one it was tuned
+    with); the reward model scores both answers re-rendered with `rm_tok`. Models are loaded in
+    fp32, one at a time, so the peak is one policy plus the reward model. A folder against
+    itself ties on every prompt: same weights, same batches, same per-batch seeds.
+    """
+    replies: dict[str, list[str]] = {}
+    seconds: dict[str, float] = {}
+    for name, folder in (("candidate", candidate_dir), ("champion", champion_dir)):
+        t0 = time.perf_counter()
+        tok = load_tokenizer(folder)
+        model = load_causal_lm(folder, torch.float32, trust_remote_code).to(device).eval()
+        replies[name] = answers(model, tok, prompts, sampling, seed, batch_size)
+        del model
+        seconds[name] = time.perf_counter() - t0
+    out = judge(rm, rm_tok, prompts, replies, "candidate", "champion", batch_size)
+    return {**out, "generate_s": seconds}

@@ -1,0 +1,183 @@
+"""The promotion gate, flow side: after a completed run, does its export replace the champion?
+
+The comparison is `posttrain.promotion` (pure, rule by rule). This module gathers the candidate's
+metrics: the evaluate headline, plus `win_rate_vs_champion` when a rule asks for it, measured by
+the head-to-head stage (`posttrain.stages.head_to_head`, launched like every stage: a child
+process under the `run-stage` task, its artifact fingerprinted and reused). The gate is
+decoration on a completed run: nothing here fails the run. A head-to-head that does not apply
+is skipped (the rule shows n/a with the reason); one that fails refuses promotion.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefect.logging import get_run_logger
+
+from flows.report import StageRecord
+from flows.stage_task import stage_task_for
+from posttrain.artifacts import ArtifactRef, read_manifest, ref_from_manifest
+from posttrain.config.schema import Recipe
+from posttrain.pipeline import PlannedStage, write_spec
+from posttrain.promotion import (
+    WIN_RATE_VS_CHAMPION,
+    Decision,
+    Unmeasured,
+    compare,
+    head_to_head_stage,
+    read_registry,
+    record_decision,
+    uses_metric,
+)
+
+# (planned stage, spec path) -> (status, ref); raises the stage's error.
+Launch = Callable[[PlannedStage, Path], tuple[str, ArtifactRef]]
+Log = logging.Logger | logging.LoggerAdapter
+
+
+@dataclass
+class HeadToHead:
+    """What the gate learnt from the head-to-head: the metric, or why there is none."""
+
+    value: float | None = None
+    unmeasured: Unmeasured | None = None
+    note: str = ""  # one report line
+    record: dict[str, Any] = field(default_factory=dict)  # kept in the registry entry
+
+
+def promote(recipe: Recipe, run_id: str, records: list[StageRecord]) -> Decision | None:
+    """The promotion gate after a completed run: the evaluate headline (and the head-to-head
+    against the champion) against the champion's (`posttrain.promotion`); the registry records
+    the decision, and the champion when promoted."""
+    from flows.pipeline import export_model_path  # flows.pipeline imports this module
+
+    if not recipe.promotion.enabled:
+        return None
+    by_stage = {r.stage: r for r in records}
+    evaluate = by_stage.get("evaluate")
+    if evaluate is None:
+        return None
+    log = get_run_logger()
+    export_fp = by_stage["export"].fingerprint if "export" in by_stage else None
+    champion = read_registry(recipe.run.workspace, recipe.run.name)["champion"]
+    if champion and export_fp and champion.get("export_fingerprint") == export_fp:
+        return Decision(True, "already the champion (same export artifact)", [])
+    metrics = dict(evaluate.headline)
+    unmeasured: dict[str, Unmeasured] = {}
+    h2h = None
+    if champion and uses_metric(recipe.promotion.rules, WIN_RATE_VS_CHAMPION):
+        h2h = head_to_head_vs_champion(recipe, by_stage, champion, log)
+        if h2h.value is not None:
+            metrics[WIN_RATE_VS_CHAMPION] = h2h.value
+        elif h2h.unmeasured is not None:
+            unmeasured[WIN_RATE_VS_CHAMPION] = h2h.unmeasured
+    decision = compare(
+        metrics, champion and champion["metrics"], recipe.promotion.rules, unmeasured
+    )
+    candidate = {
+        "run_id": run_id,
+        "metrics": metrics,
+        "export_path": export_model_path(records),
+        "export_fingerprint": export_fp,
+        "lineage": {r.stage: r.fingerprint for r in records},
+    }
+    if h2h is not None:
+        decision.notes.append(h2h.note)
+        candidate["head_to_head"] = h2h.record
+    record_decision(recipe.run.workspace, recipe.run.name, candidate, decision)
+    log.info("promotion: %s", decision.reason)
+    return decision
+
+
+def head_to_head_vs_champion(
+    recipe: Recipe,
+    by_stage: dict[str, StageRecord],
+    champion: dict[str, Any],
+    log: Log,
+    launch: Launch | None = None,
+) -> HeadToHead:
+    """Run (or reuse) the head-to-head of this run's export against the champion's.
+
+    Skipped, with the reason, when it cannot apply: no reward stage to judge with, no held-out
+    reward prompts, or the champion's export folder is gone. Any error while running it is
+    caught: the result then blocks promotion, naming the error. `launch` defaults to the
+    `run-stage` Prefect task (flows.pipeline.launch), so it needs a flow run.
+    """
+    why = _cannot_run(by_stage, champion)
+    if why:
+        log.warning("head-to-head against the champion skipped: %s", why)
+        return HeadToHead(
+            unmeasured=Unmeasured(why), note=f"head-to-head against the champion skipped: {why}"
+        )
+    try:
+        parents = {
+            "candidate": ref_from_manifest(Path(by_stage["export"].uri)),
+            "champion": ref_from_manifest(Path(champion["export_path"]).parent),
+            "reward": ref_from_manifest(Path(by_stage["reward"].uri)),
+            "ingest": ref_from_manifest(Path(by_stage["ingest"].uri)),
+        }
+        stage = head_to_head_stage(recipe, parents)
+        spec = write_spec(stage, recipe, parents)
+        status, ref = (launch or _task_launch(recipe))(stage, spec)
+        summary = (read_manifest(ref.path) or {}).get("summary") or {}
+        value = float(summary["headline"][WIN_RATE_VS_CHAMPION])
+    except Exception as exc:
+        text = str(exc) or type(exc).__name__
+        reason = f"head-to-head against the champion failed: {_first_line(text)}"
+        log.error("%s\n%s", reason, text)
+        return HeadToHead(unmeasured=Unmeasured(reason, blocks=True), note=reason)
+    note = (
+        f"head-to-head against champion {champion.get('run_id')} ({status}): "
+        f"{summary['wins']} wins, {summary['losses']} losses, {summary['ties']} ties on "
+        f"{summary['n']} held-out prompts, judged by this run's reward model "
+        f"(win-rate {value:.4g}); answers in {ref.path / 'samples.jsonl'}"
+    )
+    log.info(note)
+    record = {
+        "champion_run_id": champion.get("run_id"),
+        "artifact": ref.uri,
+        "fingerprint": ref.fingerprint,
+        **{k: summary[k] for k in ("wins", "losses", "ties", "n", "win_rate")},
+    }
+    return HeadToHead(value=value, note=note, record=record)
+
+
+def _cannot_run(by_stage: dict[str, StageRecord], champion: dict[str, Any]) -> str:
+    """Why the head-to-head does not apply to this run, or "" when it does."""
+    if "reward" not in by_stage:
+        return "the recipe has no reward stage to judge with"
+    if "export" not in by_stage or "ingest" not in by_stage:
+        return "the run has no export to compare"
+    reward_prompts = Path(by_stage["reward"].uri) / "data" / "eval.jsonl"
+    if not reward_prompts.is_file() or not reward_prompts.read_text().strip():
+        return f"the reward stage held out no pairs to take prompts from ({reward_prompts})"
+    if not champion.get("export_path") or not champion.get("export_fingerprint"):
+        return "the champion's registry entry names no export"
+    # Present and the recorded artifact: hashing every file of a large export here would cost
+    # minutes, and the stage reads the weights anyway.
+    model_dir = Path(champion["export_path"])
+    manifest = read_manifest(model_dir.parent) or {}
+    if (
+        not (model_dir / "config.json").is_file()
+        or manifest.get("fingerprint") != champion["export_fingerprint"]
+    ):
+        return f"the champion's export {model_dir} no longer exists"
+    return ""
+
+
+def _task_launch(recipe: Recipe) -> Launch:
+    from flows.pipeline import launch  # flows.pipeline imports this module
+
+    launcher = stage_task_for(recipe.run.workspace)
+    return lambda stage, spec: launch(launcher, stage, spec)
+
+
+def _first_line(text: str) -> str:
+    """The first line of a stage error, plus the stage's own POSTTRAIN_ERROR line if any."""
+    lines = text.splitlines()
+    cause = next((x for x in lines if x.startswith("POSTTRAIN_ERROR")), "")
+    return lines[0] + (f" ({cause.split(' failed: ', 1)[-1]})" if cause else "")
