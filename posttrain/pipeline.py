@@ -33,7 +33,7 @@ class StageDef:
 STAGES: dict[str, StageDef] = {
     s.name: s
     for s in (
-        StageDef("ingest", "posttrain.stages.ingest", "1", ()),
+        StageDef("ingest", "posttrain.stages.ingest", "2", ()),
         StageDef("sft", "posttrain.stages.sft", "1", ("ingest",), distributed=True),
         StageDef(
             "reward",

@@ -133,14 +133,8 @@ def resolve(recipe: Recipe) -> Recipe:
             f"infra.precision: {infra.precision} on CPU is refused: half-precision matmul on CPU is "
             "~100x slower than fp32 here; use fp32 (or precision: auto)"
         )
-    r.run.workspace = str(Path(r.run.workspace).expanduser().resolve())
-    if r.ingest.path:
-        r.ingest.path = str(Path(r.ingest.path).expanduser().resolve())
+    r = resolve_paths(r)
     for name, section in r.training_sections().items():
-        for attr in ("path", "eval_path"):
-            value = getattr(section.data, attr)
-            if value:
-                setattr(section.data, attr, str(Path(value).expanduser().resolve()))
         try:
             b = section_batch(r, name)
             section.batch.micro_batch_size = b.micro_batch_size
@@ -153,6 +147,22 @@ def resolve(recipe: Recipe) -> Recipe:
     return r
 
 
+def resolve_paths(recipe: Recipe) -> Recipe:
+    """A copy with the workspace and every data/model path absolute (against the current
+    directory). What `posttrain serve`/`submit` send: paths are the sender's, while `auto`
+    devices and precision stay for the machine that runs the flow to resolve."""
+    r = recipe.model_copy(deep=True)
+    r.run.workspace = str(Path(r.run.workspace).expanduser().resolve())
+    if r.ingest.path:
+        r.ingest.path = str(Path(r.ingest.path).expanduser().resolve())
+    for section in r.training_sections().values():
+        for attr in ("path", "eval_path"):
+            value = getattr(section.data, attr)
+            if value:
+                setattr(section.data, attr, str(Path(value).expanduser().resolve()))
+    return r
+
+
 def section_batch(recipe: Recipe, name: str) -> ResolvedBatch:
     """The resolved batch triple of training section `name` (sft, reward, dpo)."""
     b = getattr(recipe, name).batch
@@ -162,7 +172,13 @@ def section_batch(recipe: Recipe, name: str) -> ResolvedBatch:
     )
 
 
-def load_recipe(path: str | os.PathLike[str], overrides: list[str] | None = None) -> Recipe:
-    """Read, override, validate and resolve a recipe file. Raises RecipeError listing every problem."""
+def load_recipe(
+    path: str | os.PathLike[str], overrides: list[str] | None = None, devices: bool = True
+) -> Recipe:
+    """Read, override, validate and resolve a recipe file. Raises RecipeError listing every problem.
+
+    `devices=False` resolves paths only (`resolve_paths`), for a recipe that will run elsewhere.
+    """
     data = apply_overrides(read_yaml(path), overrides or [])
-    return resolve(validate_recipe(data, str(path)))
+    recipe = validate_recipe(data, str(path))
+    return resolve(recipe) if devices else resolve_paths(recipe)

@@ -8,8 +8,9 @@ work starts, and every error names the field path (`sft.optim.lr: ...`).
 from __future__ import annotations
 
 from typing import Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from posttrain.config.batch import resolve_batch
 
@@ -592,6 +593,52 @@ class PromotionConfig(_Section):
     )
 
 
+_CRON_FIELD = r"[0-9A-Za-z*/,\-?LW#]+"
+
+
+class ScheduleConfig(_Section):
+    """When a served deployment of this recipe runs by itself (`posttrain serve`)."""
+
+    cron: str | None = Field(
+        None,
+        description="Cron expression (5 fields, e.g. `0 3 * * 1` = Mondays 03:00) in `timezone`.",
+        pattern=rf"^\s*{_CRON_FIELD}(\s+{_CRON_FIELD}){{4}}\s*$",
+    )
+    interval_s: float | None = Field(
+        None, ge=60, description="Run every this many seconds (at least 60); instead of cron."
+    )
+    timezone: str = Field(
+        "UTC",
+        description="IANA time zone for cron (e.g. Europe/Paris): 03:00 stays 03:00 "
+        "across daylight-saving changes.",
+    )
+    on_new_base: bool = Field(
+        False,
+        description="Also run when another pipeline's ingest emits `posttrain.base.published`; "
+        "the run uses that base checkpoint (ingest.source = path).",
+    )
+    active: bool = Field(
+        True,
+        description="False: the schedule is created paused (the deployment still runs "
+        "on request and on events).",
+    )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ScheduleConfig:
+        if self.cron is not None and self.interval_s is not None:
+            raise ValueError("give cron or interval_s, not both")
+        return self
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, value: str) -> str:
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown time zone {value!r} (use an IANA name)") from None
+        return value
+
+
 class Recipe(_Section):
     """A whole post-training run."""
 
@@ -612,6 +659,11 @@ class Recipe(_Section):
     promotion: PromotionConfig = Field(
         default_factory=PromotionConfig,
         description="The gate that decides whether a run replaces the pipeline's champion.",
+    )
+    schedule: ScheduleConfig | None = Field(
+        None,
+        description="Cron/interval schedule and event trigger for the served deployment "
+        "(`posttrain serve`); omit for on-request runs only.",
     )
 
     @model_validator(mode="after")

@@ -179,6 +179,9 @@ def ingest_from_config(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
         summary.update(warm_up(model, tok, fc, docs, seed))
     model_dir = ctx.out_dir / "model"
     model.save_pretrained(str(model_dir), safe_serialization=True)
+    # model/ gets the tokenizer too: it is a complete checkpoint that another pipeline can
+    # ingest by path (what `posttrain.base.published` announces).
+    tok.save_pretrained(str(model_dir))
     tok.save_pretrained(str(ctx.out_dir / "tokenizer"))
     return {
         "model_dir": str(model_dir),
