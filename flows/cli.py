@@ -4,6 +4,8 @@
     posttrain plan     recipes/quickstart.yaml
     posttrain run      recipes/quickstart.yaml run.name=try2
     posttrain launch   sft recipes/quickstart.yaml   # one stage on this node (multi-node agents)
+    posttrain serve    recipes/quickstart.yaml       # deployments on PREFECT_API_URL's server
+    posttrain submit   recipes/quickstart.yaml sft.max_steps=50   # prints the run's URL
 
 Parsing lives in `main`; each command is a plain function returning an exit code, so tests call
 them directly. Prefect is imported only by `run`, after its environment defaults are set:
@@ -13,6 +15,7 @@ them directly. Prefect is imported only by `run`, after its environment defaults
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -42,10 +45,14 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated()
 
 
-def load_or_report(path: str, overrides: list[str], err: TextIO) -> Recipe | None:
-    """The resolved recipe, or None after printing every problem as `field.path: message`."""
+def load_or_report(
+    path: str, overrides: list[str], err: TextIO, devices: bool = True
+) -> Recipe | None:
+    """The resolved recipe, or None after printing every problem as `field.path: message`.
+
+    `devices=False`: paths only, for a recipe sent to a server to run elsewhere."""
     try:
-        return load_recipe(path, overrides)
+        return load_recipe(path, overrides, devices=devices)
     except RecipeError as exc:
         print(f"error: {path} is invalid:", file=err)
         for line in exc.errors:
@@ -162,6 +169,95 @@ def cmd_models(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int
     return EXIT_OK
 
 
+def _server_url(err: TextIO) -> str | None:
+    url = os.environ.get("PREFECT_API_URL")
+    if not url:
+        print(
+            "error: this command needs a Prefect server: set PREFECT_API_URL (e.g. "
+            "http://127.0.0.1:4200/api after `prefect server start`; see docs/operations.md)",
+            file=err,
+        )
+    return url
+
+
+def cmd_serve(paths: list[str], out: TextIO, err: TextIO) -> int:
+    """Serve one deployment per recipe until stopped (SIGINT/SIGTERM); runs execute here."""
+    recipes = []
+    for path in paths:
+        recipe = load_or_report(path, [], err, devices=False)
+        if recipe is None:
+            return EXIT_INVALID
+        recipes.append((path, recipe))
+    if _server_url(err) is None:
+        return EXIT_INVALID
+    apply_prefect_defaults()
+    from prefect import serve
+
+    from flows.deploy import check_unique, deployment_for, describe
+
+    problems = check_unique(recipes)
+    if problems:
+        print("error: " + "\n  ".join(problems), file=err)
+        return EXIT_INVALID
+    deployments = []
+    for _, recipe in recipes:
+        try:
+            deployments.append(deployment_for(recipe))
+        except ValueError as exc:  # a cron expression Prefect's parser refuses
+            print(f"error: schedule of '{recipe.run.name}': {exc}", file=err)
+            return EXIT_INVALID
+        print(describe(recipe), file=out, flush=True)
+    # pause_on_shutdown=False: a restart of this process must not silently stop retraining.
+    serve(*deployments, pause_on_shutdown=False, print_starting_message=False)
+    return EXIT_OK
+
+
+def cmd_submit(path: str, overrides: list[str], out: TextIO, err: TextIO, wait: bool) -> int:
+    """Start a run of the served deployment of this recipe, with overrides; print its URL."""
+    recipe = load_or_report(path, overrides, err, devices=False)
+    if recipe is None or _server_url(err) is None:
+        return EXIT_INVALID
+    apply_prefect_defaults()
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
+
+    from flows.deploy import FLOW_NAME, flow_run_url, recipe_parameters
+
+    name = f"{FLOW_NAME}/{recipe.run.name}"
+    try:
+        run = run_deployment(
+            name, parameters=recipe_parameters(recipe), timeout=None if wait else 0
+        )
+    except ObjectNotFound:
+        print(f"error: no deployment {name}; is `posttrain serve {path}` running?", file=err)
+        return EXIT_FAILED
+    print(flow_run_url(run), file=out, flush=True)
+    if not wait:
+        return EXIT_OK
+    state = run.state
+    print(f"{run.name}: {state.name if state else 'unknown'}", file=out)
+    return EXIT_OK if state is not None and state.is_completed() else EXIT_FAILED
+
+
+def cmd_publish_base(model_dir: str, pipeline: str, out: TextIO, err: TextIO) -> int:
+    """Emit posttrain.base.published for a checkpoint folder made outside posttrain."""
+    folder = Path(model_dir)
+    if not (folder / "config.json").is_file():
+        print(f"error: {folder} is not a model folder (no config.json)", file=err)
+        return EXIT_INVALID
+    if _server_url(err) is None:
+        return EXIT_INVALID
+    apply_prefect_defaults()
+    from prefect.events.worker import EventsWorker
+
+    from flows.events import BASE_EVENT, publish_base
+
+    publish_base(folder, pipeline)
+    EventsWorker.drain_all()  # the event is sent by a background worker: send it before exit
+    print(f"emitted {BASE_EVENT} for {folder.resolve()}", file=out)
+    return EXIT_OK
+
+
 def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
     """Run one stage on this machine, in the foreground, without Prefect: its parents must be
     complete in the (shared) workspace. For a multi-node stage every node runs this with its
@@ -220,6 +316,29 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("recipe", type=Path, help="recipe YAML file")
         p.add_argument("overrides", nargs="*", help="key.path=value (values parsed as YAML)")
         p.set_defaults(func=func)
+    p = sub.add_parser(
+        "serve",
+        help="serve a deployment per recipe on the Prefect server (PREFECT_API_URL)",
+        description="Serve deployments post-train/<run.name> until stopped: runs requested from "
+        "the UI, `posttrain submit`, the recipe's schedule or a new-base event execute here.",
+    )
+    p.add_argument("recipes", type=Path, nargs="+", help="recipe YAML files")
+    p = sub.add_parser(
+        "submit",
+        help="start a run of a served deployment and print its URL",
+        description="Start a run of post-train/<run.name> with the recipe (and overrides) as "
+        "its parameters; print the run's URL.",
+    )
+    p.add_argument("recipe", type=Path, help="recipe YAML file")
+    p.add_argument("overrides", nargs="*", help="key.path=value (values parsed as YAML)")
+    p.add_argument("--wait", action="store_true", help="wait for the run; exit 0 if Completed")
+    p = sub.add_parser(
+        "publish-base",
+        help="emit posttrain.base.published for a base checkpoint folder",
+        description="Tell deployments with schedule.on_new_base that a new base is ready.",
+    )
+    p.add_argument("model_dir", type=Path, help="Hugging Face model folder")
+    p.add_argument("--pipeline", default="external", help="who published it (default external)")
     help_text = (
         "run one stage on this node without Prefect (parents must be complete); for a "
         "multi-node stage, run it on every node with POSTTRAIN_NODE_RANK set"
@@ -233,8 +352,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    out, err = sys.stdout, sys.stderr
     if args.command == "launch":
-        return cmd_launch(args.stage, str(args.recipe), args.overrides, sys.stdout, sys.stderr)
+        return cmd_launch(args.stage, str(args.recipe), args.overrides, out, err)
+    if args.command == "serve":
+        return cmd_serve([str(p) for p in args.recipes], out, err)
+    if args.command == "submit":
+        return cmd_submit(str(args.recipe), args.overrides, out, err, args.wait)
+    if args.command == "publish-base":
+        return cmd_publish_base(str(args.model_dir), args.pipeline, out, err)
     return args.func(str(args.recipe), args.overrides, sys.stdout, sys.stderr)
 
 

@@ -8,6 +8,7 @@ report is made here, at flow level, because a cached task does not re-create its
 from __future__ import annotations
 
 import json
+import logging
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -16,12 +17,15 @@ from typing import Any
 import yaml
 from prefect import Task, flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.client.schemas.objects import FlowRun, State
 from prefect.context import FlowRunContext
 from prefect.logging import get_run_logger
 
+from flows.devices import device_set_name, ensure_device_limit, hold_devices
+from flows.events import BASE_EVENT, publish_base
 from flows.gate import promote
 from flows.report import StageRecord, curves_markdown, lineage, markdown_report, metrics_table
-from flows.stage_task import artifact_key, stage_task_for
+from flows.stage_task import artifact_key, kill_flow_run_processes, stage_task_for
 from posttrain.artifacts import ArtifactRef, read_manifest, verify
 from posttrain.config.loader import resolve
 from posttrain.config.schema import Recipe
@@ -215,20 +219,53 @@ def run_recorded(
     return ref
 
 
-@flow(name="post-train", flow_run_name=_flow_run_name)
+def stop_stage_processes(flow: Any, flow_run: FlowRun, state: State) -> None:
+    """on_cancellation / on_crashed hook: kill every stage process still carrying this flow
+    run's id. The task's own cleanup normally did it already; this covers a flow process that
+    was killed outright (the runner's SIGKILL after its grace period, an OOM kill)."""
+    n = kill_flow_run_processes(str(flow_run.id))
+    if n:
+        logging.getLogger("posttrain.flows").warning(
+            "flow run %s ended %s: stopped %d stage process(es)", flow_run.id, state.name, n
+        )
+
+
+def announce_base(recipe: Recipe, ref: ArtifactRef) -> None:
+    """A newly ingested base checkpoint is news for pipelines that retrain on new bases."""
+    model_dir = ((read_manifest(ref.path) or {}).get("summary") or {}).get("model_dir")
+    if not model_dir:
+        return
+    try:
+        publish_base(model_dir, recipe.run.name, ref.fingerprint)
+    except Exception as exc:  # an event is a notification: never fail the run over it
+        get_run_logger().warning("could not emit %s: %s", BASE_EVENT, exc)
+
+
+@flow(
+    name="post-train",
+    flow_run_name=_flow_run_name,
+    on_cancellation=[stop_stage_processes],
+    on_crashed=[stop_stage_processes],
+)
 def post_train(recipe: Recipe) -> dict[str, Any]:
     """Ingest -> LoRA SFT -> evaluate -> export, skipping every stage whose artifact exists."""
     recipe = resolve(recipe)  # idempotent; a UI or deployment run arrives unresolved
     run_id, launcher = _new_run_id(), stage_task_for(recipe.run.workspace)
     refs: dict[str, ArtifactRef] = {}
     records: list[StageRecord] = []
-    try:
-        for stage in plan(recipe):
-            refs[stage.name] = run_recorded(launcher, stage, recipe, refs, records)
-    except BaseException as exc:
-        # The run folder and report still say which stage failed and what ran before it.
-        run_dir = record_run(recipe, run_id, records, quiet=True).get("run_dir")
-        if run_dir:
-            exc.add_note(f"run folder: {run_dir}")
-        raise
-    return record_run(recipe, run_id, records, promote(recipe, run_id, records))
+    slot = device_set_name(recipe)
+    ensure_device_limit(slot)
+    with hold_devices(slot):  # the gate's head-to-head runs models too: it is inside
+        try:
+            for stage in plan(recipe):
+                refs[stage.name] = run_recorded(launcher, stage, recipe, refs, records)
+                if stage.name == "ingest" and records[-1].status == "ran":
+                    announce_base(recipe, refs["ingest"])
+        except BaseException as exc:
+            # The run folder and report still say which stage failed and what ran before it.
+            run_dir = record_run(recipe, run_id, records, quiet=True).get("run_dir")
+            if run_dir:
+                exc.add_note(f"run folder: {run_dir}")
+            raise
+        decision = promote(recipe, run_id, records)
+    return record_run(recipe, run_id, records, decision)

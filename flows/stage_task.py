@@ -37,7 +37,7 @@ import psutil
 from prefect import Task, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import CachePolicy
-from prefect.context import TaskRunContext
+from prefect.context import FlowRunContext, TaskRunContext
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 
@@ -49,6 +49,9 @@ ARTIFACT_MARKER = "POSTTRAIN_ARTIFACT "
 # Every process of one launch inherits this variable, so stray ranks can be found and killed
 # even after their parent died or when they run in a session of their own.
 LAUNCH_ENV_VAR = "POSTTRAIN_LAUNCH_ID"
+# ...and this one, the flow run's id: when the flow process itself is killed (a cancel that runs
+# out of grace, a crash), the flow's hooks find the run's stage processes by it.
+FLOW_RUN_ENV_VAR = "POSTTRAIN_FLOW_RUN_ID"
 CHILD_ENV = {
     # Stages read local folders only; a stray hub id would otherwise cost ~47 s of retries.
     "HF_HUB_OFFLINE": "1",
@@ -139,12 +142,20 @@ def child_env(launch_id: str, base: dict[str, str] | None = None) -> dict[str, s
     env = dict(os.environ if base is None else base)
     env.update(CHILD_ENV)
     env[LAUNCH_ENV_VAR] = launch_id
+    flow_run_id = current_flow_run_id()
+    if flow_run_id:
+        env[FLOW_RUN_ENV_VAR] = flow_run_id
     root = str(Path(posttrain.__file__).resolve().parent.parent)
     if root not in site.getsitepackages():
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         if root not in paths:
             env["PYTHONPATH"] = os.pathsep.join([root, *paths])
     return env
+
+
+def current_flow_run_id() -> str | None:
+    ctx = FlowRunContext.get()
+    return str(ctx.flow_run.id) if ctx and ctx.flow_run else None
 
 
 # --- killing a stage's processes ---------------------------------------------------------------
@@ -167,16 +178,39 @@ def stage_processes(proc: subprocess.Popen[str], launch_id: str) -> list[psutil.
             leader = psutil.Process(proc.pid)
             for p in [leader, *leader.children(recursive=True)]:
                 found[p.pid] = p
-    me = os.getpid()
+    for p in processes_with_env(LAUNCH_ENV_VAR, launch_id):
+        found.setdefault(p.pid, p)
+    return [p for p in found.values() if _alive(p)]
+
+
+def processes_with_env(var: str, value: str) -> list[psutil.Process]:
+    """Live processes (other than this one) whose environment has `var=value`."""
+    me, found = os.getpid(), []
     for p in psutil.process_iter():
-        if p.pid in found or p.pid == me:
+        if p.pid == me:
             continue
         try:
-            if p.environ().get(LAUNCH_ENV_VAR) == launch_id:
-                found[p.pid] = p
+            if p.environ().get(var) == value and _alive(p):
+                found.append(p)
         except psutil.Error:
             continue  # gone, a zombie, or not ours to read
-    return [p for p in found.values() if _alive(p)]
+    return found
+
+
+def kill_flow_run_processes(flow_run_id: str, grace_s: float = KILL_GRACE_S) -> int:
+    """SIGTERM, then SIGKILL after `grace_s`, every stage process of a flow run; returns how
+    many were found. The backstop for a flow process that died before its tasks cleaned up."""
+    procs = processes_with_env(FLOW_RUN_ENV_VAR, flow_run_id)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(sig)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(_alive(p) for p in procs):
+            time.sleep(0.1)
+        if not any(_alive(p) for p in procs):
+            break
+    return len(procs)
 
 
 def _in_group(p: psutil.Process, pgid: int) -> bool:
@@ -238,7 +272,7 @@ def kill_stage(
 # --- logs and progress -------------------------------------------------------------------------
 
 
-def _run_logger() -> logging.LoggerAdapter | logging.Logger:
+def run_logger() -> logging.LoggerAdapter | logging.Logger:
     """Prefect's run logger inside a task; a plain logger when called outside Prefect (tests)."""
     try:
         return get_run_logger()
@@ -383,7 +417,7 @@ class ProgressArtifact:
                 0.0, key=f"{artifact_key(stage)}-progress", description=f"{stage}: starting"
             )
         except Exception as exc:  # progress is decoration: never fail a stage over it
-            _run_logger().warning("no progress artifact for %s: %s", stage, exc)
+            run_logger().warning("no progress artifact for %s: %s", stage, exc)
 
     def update(self, percent: float, description: str) -> None:
         if self.id is None:
@@ -453,7 +487,7 @@ def supervise_stage(
     stage: PlannedStage, spec_path: Path | str, kill_grace_s: float = KILL_GRACE_S
 ) -> Outcome:
     """Run one planned stage to completion (or reuse its artifact) and return its ref."""
-    log = _run_logger()
+    log = run_logger()
     ok, why = verify(stage.out_dir)
     if ok:
         log.info("stage %s: complete artifact found in %s, reusing it", stage.name, stage.out_dir)
