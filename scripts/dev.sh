@@ -22,6 +22,19 @@ install() {
     -c constraints.txt -e ".[dev]"
 }
 
+# The Prefect UI test drives Debian's chromium (playwright never downloads a browser here).
+install_browser() {
+  command -v chromium >/dev/null 2>&1 && return 0
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing Debian's chromium for the Prefect UI test" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null ||
+      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+  else
+    echo "warning: chromium is missing and cannot be installed here (needs root and apt-get);" \
+      "the Prefect UI test will fail: install Debian's chromium package" >&2
+  fi
+}
+
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 case "${1:-}" in
   quickstart)
@@ -30,6 +43,7 @@ case "${1:-}" in
     ;;
   test | test-fast)
     install
+    [ "$1" = test ] && install_browser
     marker=()
     [ "$1" = test-fast ] && marker=(-m "not slow")
     set +e

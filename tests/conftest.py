@@ -39,3 +39,16 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         updates[heartbeat] = None
     with temporary_settings(updates=updates), prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A real `prefect server start` (127.0.0.1, free port, own PREFECT_HOME), healthy before
+    the first test uses it and stopped by PID after the last one."""
+    from prefect_server import start_server
+
+    server = start_server(tmp_path_factory.mktemp("prefect-home"))
+    try:
+        yield server
+    finally:
+        server.stop()

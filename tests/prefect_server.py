@@ -1,0 +1,108 @@
+"""A real `prefect server start` for tests: 127.0.0.1, a free port, its own PREFECT_HOME.
+
+Started once per test session by the `prefect_server` fixture (conftest.py), health-checked
+before use, and stopped by PID (SIGTERM to its process group, SIGKILL after a grace period), so
+no server outlives the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+STARTUP_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(home: Path, port: int) -> dict[str, str]:
+    """The environment of the server and of every client process that talks to it."""
+    env = dict(os.environ)
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
+        PREFECT_UI_URL=f"http://127.0.0.1:{port}",
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        # Runs scheduled by the server, cancellations noticed by runners, automations fired by
+        # events: each service polls; the defaults (10-60 s) would make the tests wait.
+        PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2",
+        PREFECT_RUNNER_POLL_FREQUENCY="2",
+        PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(home / "results"),
+    )
+    env.pop("PREFECT_PROFILES_PATH", None)
+    return env
+
+
+@dataclass
+class PrefectServer:
+    proc: subprocess.Popen[bytes]
+    port: int
+    home: Path
+    env: dict[str, str]
+    log_path: Path
+
+    @property
+    def api_url(self) -> str:
+        return self.env["PREFECT_API_URL"]
+
+    @property
+    def ui_url(self) -> str:
+        return self.env["PREFECT_UI_URL"]
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def log_tail(self, n: int = 40) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        if self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)  # its own group: uvicorn and service workers
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+def start_server(home: Path) -> PrefectServer:
+    """Start the server and wait until /api/health answers (~22 s on a fresh database here)."""
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = server_env(home, port)
+    log_path = home / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+             "--port", str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+    server = PrefectServer(proc, port, home, env, log_path)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not server.healthy():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"prefect server did not become healthy:\n{server.log_tail()}")
+        time.sleep(0.5)
+    return server

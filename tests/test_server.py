@@ -1,0 +1,361 @@
+"""The three ways in, against a real `prefect server start` and a real `posttrain serve`.
+
+One server and one serve process for the module (starting them costs ~30 s). The tests run in
+file order and build on each other, as a user's day would:
+  1. the server rejects an invalid recipe before a run exists;
+  2. the scheduled deployment has its upcoming runs, in its time zone;
+  3. `posttrain submit` starts a run that waits while another holder has the devices, then
+     completes; its report artifact is readable through the API; its ingest publishes the base;
+  4. that event started the retraining deployment on that base; cancelling it mid-SFT (under
+     torchrun) leaves no stage process and keeps its ingest artifact for the next run;
+  5. the Prefect UI renders the report artifact of the finished run (headless Chromium);
+  6. stopping `posttrain serve` does not pause the schedules.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from stage_helpers import TINY, write_recipe
+
+from posttrain.artifacts import verify
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+POSTTRAIN = [sys.executable, "-m", "flows.cli"]
+SERVED = "served"
+NIGHTLY = "nightly"
+# Shared between the ordered tests of this module.
+STATE: dict[str, Any] = {}
+
+
+def _recipe(folder: Path, name: str, **changes: Any) -> Path:
+    data = copy.deepcopy(TINY)
+    data["run"]["name"] = name
+    data["infra"]["threads_per_rank"] = 1
+    data["sft"]["max_steps"] = 6
+    data["promotion"] = {"enabled": True}
+    for key, value in changes.items():
+        data[key] = value if not isinstance(value, dict) else {**data.get(key, {}), **value}
+    folder.mkdir(parents=True, exist_ok=True)
+    return write_recipe(folder, data)
+
+
+def _client(server: Any) -> Any:
+    """A sync Prefect client bound to the test server, whatever the session's settings say."""
+    from prefect.client.orchestration import SyncPrefectClient
+
+    return SyncPrefectClient(server.api_url)
+
+
+def _wait(what: str, check: Any, timeout: float, every: float = 1.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def _flow_run_processes(flow_run_id: str) -> list[psutil.Process]:
+    from flows.stage_task import FLOW_RUN_ENV_VAR, processes_with_env
+
+    return processes_with_env(FLOW_RUN_ENV_VAR, flow_run_id)
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def served(prefect_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """`posttrain serve` of two recipes: `served` (on request) and `nightly` (cron in
+    Europe/Paris, retrains on a new base; its SFT is long and runs under torchrun on 2 ranks,
+    so cancelling it has a process tree to clean up)."""
+    tmp = tmp_path_factory.mktemp("served")
+    recipes = {
+        SERVED: _recipe(tmp / SERVED, SERVED),
+        NIGHTLY: _recipe(
+            tmp / NIGHTLY,
+            NIGHTLY,
+            infra={"devices_per_node": 2},
+            sft={"max_steps": 5000},
+            schedule={"cron": "0 3 * * *", "timezone": "Europe/Paris", "on_new_base": True},
+        ),
+    }
+    log_path = tmp / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [*POSTTRAIN, "serve", str(recipes[SERVED]), str(recipes[NIGHTLY])],
+            cwd=ROOT,
+            env=prefect_server.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    client = _client(prefect_server)
+
+    def deployments() -> bool:
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        return len(client.read_deployments()) == 2
+
+    try:
+        _wait("both deployments", deployments, 120)
+        yield {
+            "proc": proc,
+            "recipes": recipes,
+            "client": client,
+            "log": log_path,
+            "env": prefect_server.env,
+        }
+    finally:
+        _stop(proc)
+        for p in psutil.Process().children(recursive=True):
+            # Nothing the serve process started may outlive the module.
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "serve" in p.cmdline():
+                p.kill()
+
+
+def _deployment(served: dict, name: str) -> Any:
+    return served["client"].read_deployment_by_name(f"post-train/{name}")
+
+
+def _runs_of(served: dict, name: str) -> list[Any]:
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    dep = _deployment(served, name)
+    return served["client"].read_flow_runs(
+        deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id]))
+    )
+
+
+def test_server_rejects_an_invalid_recipe_before_a_run_exists(served: dict) -> None:
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    dep = _deployment(served, SERVED)
+    assert dep.enforce_parameter_schema
+    # The UI form is the recipe schema: nested sections, Literal choices and limits.
+    schema = dep.parameter_openapi_schema
+    assert {"Recipe", "SFTConfig", "InfraConfig", "ScheduleConfig"} <= set(schema["definitions"])
+    bad = copy.deepcopy(dep.parameters)
+    bad["recipe"]["infra"]["device"] = "tpu"
+    before = len(served["client"].read_flow_runs())
+    with pytest.raises(PrefectHTTPStatusError, match="recipe.infra.device"):
+        served["client"].create_flow_run_from_deployment(dep.id, parameters=bad)
+    assert len(served["client"].read_flow_runs()) == before
+    # The CLI validates first, naming the field, and never reaches the server.
+    out = subprocess.run(
+        [*POSTTRAIN, "submit", str(served["recipes"][SERVED]), "sft.optim.lr=-1"],
+        env=served["env"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "sft.optim.lr: Input should be greater than 0" in out.stderr
+
+
+def test_scheduled_deployment_has_upcoming_runs_in_its_time_zone(served: dict) -> None:
+    dep = _deployment(served, NIGHTLY)
+    assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in dep.schedules] == [
+        ("0 3 * * *", "Europe/Paris", True)
+    ]
+
+    def upcoming() -> list[Any]:
+        return [r for r in _runs_of(served, NIGHTLY) if r.state and r.state.name == "Scheduled"]
+
+    runs = _wait("scheduled runs of the nightly deployment", upcoming, 60)
+    from zoneinfo import ZoneInfo
+
+    for run in runs:
+        local = run.expected_start_time.astimezone(ZoneInfo("Europe/Paris"))
+        assert (local.hour, local.minute) == (3, 0), local
+
+
+def test_submitted_run_waits_for_the_devices_then_completes(
+    served: dict, prefect_server: Any
+) -> None:
+    from prefect.concurrency.sync import concurrency
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.devices import device_set_name, ensure_device_limit
+    from posttrain.config.loader import load_recipe
+
+    recipe_path = served["recipes"][SERVED]
+    recipe = load_recipe(recipe_path)
+    slot = device_set_name(recipe)
+    client = served["client"]
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+        ensure_device_limit(slot)
+        # Another holder (as a second run would be) has the devices: the run must wait.
+        with concurrency(slot, occupy=1, strict=True):
+            out = subprocess.run(
+                [*POSTTRAIN, "submit", str(recipe_path)],
+                env=prefect_server.env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert out.returncode == 0, out.stderr
+            url = out.stdout.strip().splitlines()[-1]
+            assert url.startswith(f"{prefect_server.ui_url}/runs/flow-run/"), url
+            run_id = url.rsplit("/", 1)[1]
+            _wait(
+                "the run to start",
+                lambda: client.read_flow_run(run_id).state.name == "Running",
+                120,
+            )
+            time.sleep(8)  # long enough for an unguarded ingest to have started
+            assert client.read_flow_run(run_id).state.name == "Running"
+            assert _flow_run_processes(run_id) == [], "a stage started without the devices"
+            limit = client.read_global_concurrency_limit_by_name(slot)
+            assert (limit.limit, limit.active_slots) == (1, 1)
+    run = _wait(
+        "the run to finish",
+        lambda: (r := client.read_flow_run(run_id)).state.is_final() and r,
+        420,
+        every=2,
+    )
+    assert run.state.name == "Completed", served["log"].read_text()[-4000:]
+    STATE["served_run"] = run_id
+
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    artifacts = client.read_artifacts(
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]))
+    )
+    by_key = {a.key: a for a in artifacts if a.key}
+    report = by_key[f"{SERVED}-report"].data
+    assert report.startswith(f"# posttrain run `{SERVED}`")
+    for stage in ("ingest", "sft", "evaluate", "export"):
+        assert f"| {stage} | ran |" in report
+    assert "## Promotion" in report and "first candidate" in report
+    rows = by_key[f"{SERVED}-metrics"].data
+    assert any(row["stage"] == "sft" and row["metric"] == "eval_loss" for row in _rows(rows))
+    # The ingest ran, so the base it built was announced.
+    events = client.request(
+        "POST",
+        "/events/filter",
+        json={"filter": {"event": {"name": ["posttrain.base.published"]}}, "limit": 10},
+    ).json()["events"]
+    published = [e for e in events if e["resource"]["posttrain.pipeline"] == SERVED]
+    assert len(published) == 1
+    base = Path(published[0]["resource"]["posttrain.base.path"])
+    assert (base / "config.json").is_file() and (base / "tokenizer.json").is_file()
+    STATE["base"] = str(base)
+
+
+def _rows(data: Any) -> list[dict]:
+    import json
+
+    return json.loads(data) if isinstance(data, str) else data
+
+
+def test_new_base_triggers_retraining_and_cancel_leaves_no_process(served: dict) -> None:
+    from prefect.states import Cancelling
+
+    assert "base" in STATE, "needs the submitted run of the previous test"
+    client = served["client"]
+
+    def triggered() -> Any:
+        runs = [
+            r
+            for r in _runs_of(served, NIGHTLY)
+            if r.parameters["recipe"]["ingest"].get("path") == STATE["base"]
+        ]
+        return runs[0] if runs else None
+
+    run = _wait("the event-triggered nightly run", triggered, 60)
+    assert run.parameters["recipe"]["ingest"]["source"] == "path"
+
+    # Wait for SFT under torchrun: the launcher and both ranks carry the flow run's id.
+    def sft_running() -> list[psutil.Process]:
+        procs = _flow_run_processes(str(run.id))
+        return procs if len(procs) >= 3 else []
+
+    procs = _wait("the nightly SFT ranks", sft_running, 240)
+    assert any("torch.distributed.run" in " ".join(p.cmdline()) for p in procs)
+    client.set_flow_run_state(run.id, Cancelling(), force=True)
+    final = _wait(
+        "the cancelled run",
+        lambda: (r := client.read_flow_run(run.id)).state.is_final() and r,
+        120,
+    )
+    assert final.state.name == "Cancelled", final.state
+    # Nothing of the run is left: not the flow process, not torchrun, not a rank.
+    _wait("every stage process to exit", lambda: not _flow_run_processes(str(run.id)), 30)
+    assert served["proc"].poll() is None, "the serve process must survive a cancel"
+    # The ingest it finished is intact, and a re-run would reuse it.
+    from posttrain.config.loader import load_recipe
+    from posttrain.pipeline import plan
+
+    recipe = load_recipe(
+        served["recipes"][NIGHTLY], ["ingest.source=path", f"ingest.path={STATE['base']}"]
+    )
+    stages = {s.name: s for s in plan(recipe)}
+    assert verify(stages["ingest"].out_dir)[0]
+    assert not (stages["sft"].out_dir / "manifest.json").exists()
+
+
+def test_ui_renders_the_report_artifact_of_a_finished_run(prefect_server: Any) -> None:
+    assert "served_run" in STATE, "needs the completed run of an earlier test"
+    chromium = shutil.which("chromium")
+    assert chromium, "Debian's chromium package is needed (scripts/dev.sh installs it)"
+    from playwright.sync_api import sync_playwright
+
+    url = f"{prefect_server.ui_url}/runs/flow-run/{STATE['served_run']}"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=chromium,
+            # This machine has no route out: Chromium's background fetches only add noise.
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
+        )
+        try:
+            page = browser.new_page()
+            page.goto(url)
+            page.locator("li.p-tab", has_text="Artifacts").click()
+            card = page.get_by_text(f"{SERVED}-report").first
+            card.wait_for(timeout=60_000)
+            card.click()
+            # The markdown is rendered, not shown raw: its headings and tables are elements.
+            page.locator("h1", has_text="posttrain run").first.wait_for(timeout=60_000)
+            headings = page.locator("h2").all_inner_texts()
+            assert "Promotion" in headings, headings
+            assert page.locator("table tr", has_text="sft").count() >= 1
+            assert "| sft |" not in page.inner_text("body")
+        finally:
+            browser.close()
+
+
+def test_stopping_serve_keeps_the_schedules_active(served: dict) -> None:
+    _stop(served["proc"])
+    dep = _deployment(served, NIGHTLY)
+    assert not dep.paused
+    assert [s.active for s in dep.schedules] == [True]
