@@ -31,3 +31,12 @@ def test_readme_commands_exist() -> None:
     assert "bash scripts/dev.sh quickstart" in readme and "bash scripts/dev.sh test" in readme
     ci = (ROOT / ".ci" / "run").read_text()
     assert "scripts/dev.sh test" in ci
+
+
+def test_prefect_yaml_is_current() -> None:
+    from flows.prefect_yaml import render as render_prefect_yaml
+
+    recipes = [str(p) for p in (ROOT / "recipes").glob("*.yaml")]
+    assert (ROOT / "prefect.yaml").read_text() == render_prefect_yaml(recipes), (
+        "regenerate: python -m flows.prefect_yaml recipes/*.yaml > prefect.yaml"
+    )

@@ -9,7 +9,8 @@ file order and build on each other, as a user's day would:
   4. that event started the retraining deployment on that base; cancelling it mid-SFT (under
      torchrun) leaves no stage process and keeps its ingest artifact for the next run;
   5. the Prefect UI renders the report artifact of the finished run (headless Chromium);
-  6. stopping `posttrain serve` does not pause the schedules.
+  6. stopping `posttrain serve` does not pause the schedules;
+  7. prefect.yaml deploys the same kind of deployments to a process work pool.
 """
 
 from __future__ import annotations
@@ -359,3 +360,25 @@ def test_stopping_serve_keeps_the_schedules_active(served: dict) -> None:
     dep = _deployment(served, NIGHTLY)
     assert not dep.paused
     assert [s.active for s in dep.schedules] == [True]
+
+
+def test_prefect_yaml_deploys_to_a_process_work_pool(prefect_server: Any, served: dict) -> None:
+    env = {**prefect_server.env, "POSTTRAIN_HOME": str(ROOT)}
+    prefect = [sys.executable, "-m", "prefect"]
+    for cmd in (
+        [*prefect, "work-pool", "create", "posttrain", "--type", "process"],
+        [*prefect, "--no-prompt", "deploy", "--all"],
+    ):
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    dep = _deployment(served, "quickstart")
+    assert dep.work_pool_name == "posttrain" and dep.enforce_parameter_schema
+    assert dep.entrypoint == "flows/pipeline.py:post_train"
+    assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in dep.schedules] == [
+        ("0 3 * * *", "Europe/Paris", False)
+    ]
+    assert dep.parameters["recipe"]["run"]["workspace"] == "./workspace"
+    # `{{ $POSTTRAIN_HOME }}` is filled in when `prefect deploy` runs.
+    assert dep.pull_steps == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}
+    ]
