@@ -31,6 +31,7 @@ from posttrain.config.loader import resolve
 from posttrain.config.schema import Recipe
 from posttrain.pipeline import PlannedStage, plan, write_spec
 from posttrain.promotion import Decision, comparison_markdown
+from posttrain.secrets import redact, redact_obj
 from posttrain.telemetry.plots import CurvePlot, plot_curves
 
 
@@ -144,17 +145,22 @@ def _record_run(
     if plots:
         report += "\n" + "\n".join(curves_markdown(plots)) + "\n"
         artifact_report += "\n" + "\n".join(curves_markdown(plots, inline=False)) + "\n"
+    # Nothing that looks like a credential (e.g. in a stage's error message) is written into
+    # the run folder or the Prefect UI; the recipe itself was refused at validation if it had one.
+    report, artifact_report = redact(report), redact(artifact_report)
     (run_dir / "recipe.resolved.yaml").write_text(
-        yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+        yaml.safe_dump(redact_obj(recipe.model_dump(mode="json")), sort_keys=False)
     )
-    (run_dir / "lineage.json").write_text(json.dumps(lineage(meta, records), indent=2))
+    (run_dir / "lineage.json").write_text(json.dumps(redact_obj(lineage(meta, records)), indent=2))
     (run_dir / "report.md").write_text(report)
     key = artifact_key(recipe.run.name)
     create_markdown_artifact(
         artifact_report, key=f"{key}-report", description=f"posttrain run {run_id}"
     )
     create_table_artifact(
-        metrics_table(records), key=f"{key}-metrics", description="Per-stage key metrics"
+        redact_obj(metrics_table(records)),
+        key=f"{key}-metrics",
+        description="Per-stage key metrics",
     )
     return {
         "run_id": run_id,

@@ -19,6 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from posttrain.secrets import redact_obj
+
 MANIFEST = "manifest.json"
 # Not covered by the manifest: transient resume state and logs that a re-run appends to.
 UNHASHED_DIRS = ("checkpoints", "logs")
@@ -184,6 +186,10 @@ def write_manifest(
         **environment_info(),
         **(extra or {}),
     }
+    # Last line of defence against leaking a credential (an error message, an environment value
+    # or a path in a summary) into a file every later stage, report and copy of the workspace
+    # carries. The file table stays verbatim: verification compares its names with the folder.
+    manifest = {k: v if k == "files" else redact_obj(v, k) for k, v in manifest.items()}
     atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=2, default=str))
     return ArtifactRef(
         stage=stage, uri=str(folder), fingerprint=fp, sha256=content_sha, parents=parents

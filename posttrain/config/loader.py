@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from posttrain.config.batch import ResolvedBatch, resolve_batch
 from posttrain.config.schema import Recipe
+from posttrain.secrets import find_secrets
 
 
 class RecipeError(ValueError):
@@ -92,7 +93,21 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
+def secret_errors(data: Any) -> list[str]:
+    """One `field.path: ...` line per secret-looking value. The recipe has no secret fields, so
+    a token anywhere in it is a mistake, and a recipe is copied into run folders, specs, the
+    Prefect UI and manifests. The value itself is never echoed."""
+    return [
+        f"{where}: looks like a secret ({kind}); a recipe holds no credentials (they would be "
+        "copied into run folders, manifests and the Prefect UI): pass them through the "
+        "environment, e.g. HF_TOKEN"
+        for where, kind in find_secrets(data)
+    ]
+
+
 def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
+    if errors := secret_errors(data):
+        raise RecipeError(errors, source)
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:

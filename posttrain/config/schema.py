@@ -7,12 +7,13 @@ work starts, and every error names the field path (`sft.optim.lr: ...`).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from posttrain.config.batch import resolve_batch
+from posttrain.secrets import find_secrets
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 
@@ -641,6 +642,22 @@ class ScheduleConfig(_Section):
 
 class Recipe(_Section):
     """A whole post-training run."""
+
+    # A refused recipe's error must not echo its input: it may hold the token it is refused for.
+    model_config = ConfigDict(hide_input_in_errors=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_secrets(cls, data: Any) -> Any:
+        # The loader reports these field by field before validating; this catches recipes that
+        # arrive by another way (a Prefect UI form, a deployment parameter, code).
+        found = find_secrets(data) if isinstance(data, dict) else []
+        if found:
+            raise ValueError(
+                "; ".join(f"{where}: looks like a secret ({kind})" for where, kind in found)
+                + ". A recipe holds no credentials: pass them through the environment"
+            )
+        return data
 
     run: RunConfig = Field(default_factory=RunConfig, description="Name, workspace, seed.")
     infra: InfraConfig = Field(default_factory=InfraConfig, description="Devices and limits.")
