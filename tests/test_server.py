@@ -99,6 +99,8 @@ def served(prefect_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Ite
         NIGHTLY: _recipe(
             tmp / NIGHTLY,
             NIGHTLY,
+            # New bases come from the served pipeline's workspace: a folder this one must allow.
+            run={"allowed_paths": [str(tmp)]},
             infra={"devices_per_node": 2},
             sft={"max_steps": 5000},
             schedule={"cron": "0 3 * * *", "timezone": "Europe/Paris", "on_new_base": True},

@@ -249,7 +249,8 @@ def test_bad_data_row_fails_the_stage_naming_file_and_line(tiny, tmp_path: Path)
     data = tmp_path / "train.jsonl"
     good = json.dumps({"prompt": "What is 1 + 1?", "completion": "2"})
     data.write_text("\n".join([good] * 5 + ['{"prompt": "x", "completion": 7}']) + "\n")
-    over = ("sft.data.synthetic=null", f"sft.data.path={data}")
+    # The data lives outside the recipe's folder: the recipe must allow it explicitly.
+    over = ("sft.data.synthetic=null", f"sft.data.path={data}", f"run.allowed_paths=[{tmp_path}]")
     with pytest.raises(SystemExit):
         run_inprocess("sft", tiny["recipe"], *over)
     err = (planned_dir("sft", tiny["recipe"], *over) / "logs" / "error.txt").read_text()

@@ -129,8 +129,9 @@ def _bf16_supported() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
-def resolve(recipe: Recipe) -> Recipe:
-    """Make every `auto` concrete and every path absolute; check batch arithmetic."""
+def resolve(recipe: Recipe, recipe_dir: str | os.PathLike[str] | None = None) -> Recipe:
+    """Make every `auto` concrete and every path absolute; check batch arithmetic and that
+    every input path stays inside the allowed folders (`resolve_paths`)."""
     r = recipe.model_copy(deep=True)
     infra = r.infra
     gpus = None
@@ -148,7 +149,10 @@ def resolve(recipe: Recipe) -> Recipe:
             f"infra.precision: {infra.precision} on CPU is refused: half-precision matmul on CPU is "
             "~100x slower than fp32 here; use fp32 (or precision: auto)"
         )
-    r = resolve_paths(r)
+    try:
+        r = resolve_paths(r, recipe_dir)
+    except RecipeError as exc:
+        errors.extend(exc.errors)
     for name, section in r.training_sections().items():
         try:
             b = section_batch(r, name)
@@ -162,19 +166,66 @@ def resolve(recipe: Recipe) -> Recipe:
     return r
 
 
-def resolve_paths(recipe: Recipe) -> Recipe:
-    """A copy with the workspace and every data/model path absolute (against the current
-    directory). What `posttrain serve`/`submit` send: paths are the sender's, while `auto`
-    devices and precision stay for the machine that runs the flow to resolve."""
-    r = recipe.model_copy(deep=True)
-    r.run.workspace = str(Path(r.run.workspace).expanduser().resolve())
-    if r.ingest.path:
-        r.ingest.path = str(Path(r.ingest.path).expanduser().resolve())
-    for section in r.training_sections().values():
+def input_paths(recipe: Recipe) -> dict[str, str]:
+    """{field path: value} of every path the recipe reads from (not the workspace it writes)."""
+    out = {}
+    if recipe.ingest.path:
+        out["ingest.path"] = recipe.ingest.path
+    for name, section in recipe.training_sections().items():
         for attr in ("path", "eval_path"):
             value = getattr(section.data, attr)
             if value:
-                setattr(section.data, attr, str(Path(value).expanduser().resolve()))
+                out[f"{name}.data.{attr}"] = value
+    return out
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or path.is_relative_to(root)
+
+
+def resolve_paths(recipe: Recipe, recipe_dir: str | os.PathLike[str] | None = None) -> Recipe:
+    """A copy with the workspace and every data/model path absolute (against the current
+    directory), symlinks resolved. What `posttrain serve`/`submit` send: paths are the sender's,
+    while `auto` devices and precision stay for the machine that runs the flow to resolve.
+
+    Every input path must lie inside an allowed folder: the recipe file's folder (`recipe_dir`),
+    the current directory (relative paths are resolved against it), the workspace, or one of
+    `run.allowed_paths`. Symlinks are resolved first, so neither `..` nor a link out of an
+    allowed folder reaches /etc or ~/.ssh. A recipe folder or current directory that a path
+    needed is appended to `run.allowed_paths`, so the resolved recipe (what a run folder records
+    and what a server runs, in another directory) passes the same check again.
+    """
+    r = recipe.model_copy(deep=True)
+    cwd = Path.cwd().resolve()
+    r.run.workspace = str(Path(r.run.workspace).expanduser().resolve())
+    explicit = [Path(p).expanduser().resolve() for p in r.run.allowed_paths]
+    implicit = [cwd] if recipe_dir is None else [Path(recipe_dir).resolve(), cwd]
+    roots = [Path(r.run.workspace), *explicit]
+    errors, needed = [], []
+    for where, value in input_paths(r).items():
+        given = Path(value).expanduser()
+        resolved = given.resolve()
+        root = next((x for x in [*roots, *implicit] if _inside(resolved, x)), None)
+        if root is None:
+            via = "" if value == str(resolved) else f" (given as {value}"
+            if via and resolved != Path(os.path.abspath(given)):
+                via += ", through a symlink"
+            via += ")" if via else ""
+            errors.append(
+                f"{where}: {resolved}{via} is outside the folders a recipe may read from: the "
+                f"recipe's folder, the current directory, the workspace and run.allowed_paths "
+                f"({', '.join(str(x) for x in [*implicit, *roots])}); add its folder to "
+                "run.allowed_paths to allow it"
+            )
+            continue
+        if root in implicit and root not in needed and not any(_inside(root, x) for x in roots):
+            needed.append(root)
+        section, _, attr = where.rpartition(".")
+        target = r.ingest if section == "ingest" else getattr(r, section.split(".")[0]).data
+        setattr(target, attr, str(resolved))
+    if errors:
+        raise RecipeError(errors)
+    r.run.allowed_paths = [*r.run.allowed_paths, *(str(x) for x in needed)]
     return r
 
 
@@ -196,4 +247,8 @@ def load_recipe(
     """
     data = apply_overrides(read_yaml(path), overrides or [])
     recipe = validate_recipe(data, str(path))
-    return resolve(recipe) if devices else resolve_paths(recipe)
+    folder = Path(path).resolve().parent
+    try:
+        return resolve(recipe, folder) if devices else resolve_paths(recipe, folder)
+    except RecipeError as exc:
+        raise RecipeError(exc.errors, str(path)) from None

@@ -1,0 +1,139 @@
+"""Recipe paths may only read from allowed folders: `..` and symlinks out of them are refused,
+naming the field; `run.allowed_paths` allows a folder explicitly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from posttrain.config.loader import RecipeError, load_recipe, resolve
+
+FIELDS = ("ingest.path", "sft.data.path", "sft.data.eval_path", "reward.data.path")
+
+
+def _recipe(
+    folder: Path,
+    field: str,
+    value: str,
+    allowed: list[str] | None = None,
+    workspace: Path | None = None,
+) -> Path:
+    """A recipe in `folder` whose `field` is `value`; every other input is a file beside it."""
+    (folder / "data").mkdir(parents=True, exist_ok=True)
+    (folder / "data" / "rows.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    (folder / "base").mkdir(exist_ok=True)
+    data: dict = {
+        "run": {"workspace": str(workspace or folder / "ws")},
+        "infra": {"device": "cpu", "devices_per_node": 1},
+        "ingest": {"source": "path", "path": str(folder / "base")},
+        "sft": {"data": {"path": str(folder / "data" / "rows.jsonl")}},
+        "reward": {"data": {"path": str(folder / "data" / "rows.jsonl")}},
+    }
+    if allowed is not None:
+        data["run"]["allowed_paths"] = allowed
+    section, *rest = field.split(".")
+    node = data[section]
+    for part in rest[:-1]:
+        node = node[part]
+    node[rest[-1]] = value
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_dotdot_out_of_the_recipe_folder_is_refused(tmp_path: Path, field: str) -> None:
+    escape = str(tmp_path / "data" / ".." / ".." / ".." / ".." / ".." / ".." / "etc" / "hostname")
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(_recipe(tmp_path, field, escape))
+    [line] = exc.value.errors
+    assert line.startswith(f"{field}: /etc/hostname (given as {escape}) is outside the folders")
+    assert "add its folder to run.allowed_paths" in line
+    assert str(tmp_path / "recipe.yaml") in str(exc.value)
+
+
+def test_relative_dotdot_escapes_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe = _recipe(tmp_path, "sft.data.path", "data/rows.jsonl")
+    monkeypatch.chdir(tmp_path)
+    assert load_recipe(recipe).sft.data.path == str(tmp_path / "data" / "rows.jsonl")
+    depth = len(tmp_path.parts)
+    recipe = _recipe(tmp_path, "sft.data.path", "../" * depth + "etc/hostname")
+    with pytest.raises(RecipeError, match=r"sft\.data\.path: /etc/hostname \(given as \.\./"):
+        load_recipe(recipe)
+
+
+def test_symlink_in_the_recipe_folder_to_etc_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "system").symlink_to("/etc")
+    link = str(tmp_path / "data" / "system" / "hostname")
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(_recipe(tmp_path, "sft.data.path", link))
+    [line] = exc.value.errors
+    assert line.startswith(
+        f"sft.data.path: /etc/hostname (given as {link}, through a symlink) is outside"
+    )
+    # A folder linked to as a whole (a model folder symlinked elsewhere) is refused the same way.
+    (tmp_path / "etc-link").symlink_to("/etc")
+    with pytest.raises(
+        RecipeError, match=r"ingest\.path: /etc \(given as .*etc-link, through a symlink\)"
+    ):
+        load_recipe(_recipe(tmp_path, "ingest.path", str(tmp_path / "etc-link")))
+
+
+def test_every_escaping_field_is_reported_at_once(tmp_path: Path) -> None:
+    recipe = _recipe(tmp_path, "ingest.path", "/etc")
+    data = yaml.safe_load(recipe.read_text())
+    data["sft"]["data"]["eval_path"] = "/etc/hostname"
+    recipe.write_text(yaml.safe_dump(data))
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(recipe, devices=False)  # what `posttrain serve`/`submit` load
+    assert [e.split(":")[0] for e in exc.value.errors] == ["ingest.path", "sft.data.eval_path"]
+
+
+def test_allowed_paths_admit_a_folder_explicitly(tmp_path: Path) -> None:
+    recipe = _recipe(tmp_path, "sft.data.eval_path", "/etc/hostname", allowed=["/etc"])
+    r = load_recipe(recipe)
+    assert r.sft.data.eval_path == "/etc/hostname"
+    # A relative allowed path would depend on where the recipe is loaded from.
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(_recipe(tmp_path, "sft.data.eval_path", "/etc/hostname", allowed=["etc"]))
+    assert exc.value.errors == [
+        "run.allowed_paths: 'etc' is not an absolute folder (start it with / or ~)"
+    ]
+
+
+def test_workspace_is_an_allowed_folder(tmp_path: Path) -> None:
+    base = tmp_path / "ws" / "artifacts" / "export" / "0123456789abcdef" / "model"
+    base.mkdir(parents=True)
+    recipe = _recipe(tmp_path / "recipes", "ingest.path", str(base), workspace=tmp_path / "ws")
+    r = load_recipe(recipe)
+    assert r.ingest.path == str(base)
+
+
+def test_resolved_recipe_passes_again_from_another_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The flow (on a server, in another directory) re-resolves what `serve`/`submit` sent: the
+    recipe's folder travels in run.allowed_paths, and nothing else is admitted."""
+    rows = tmp_path / "proj" / "data" / "rows.jsonl"
+    sent = load_recipe(_recipe(tmp_path / "proj", "sft.data.path", str(rows)), devices=False)
+    assert sent.run.allowed_paths == [str((tmp_path / "proj").resolve())]
+    elsewhere = tmp_path / "worker"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert resolve(sent).sft.data.path == str(rows)
+    # A path edited in the UI form to point out of those folders is refused by the flow.
+    edited = sent.model_copy(deep=True)
+    edited.sft.data.path = "/etc/hostname"
+    with pytest.raises(RecipeError, match=r"sft\.data\.path: /etc/hostname is outside"):
+        resolve(edited)
+
+
+def test_shipped_recipes_need_no_allowed_paths() -> None:
+    root = Path(__file__).resolve().parents[1]
+    for path in sorted((root / "recipes").glob("*.yaml")):
+        assert load_recipe(path).run.allowed_paths == [], path
