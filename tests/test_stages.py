@@ -182,6 +182,7 @@ def test_ingest_path_admits_a_hf_folder(tiny, tmp_path: Path) -> None:
         ("pickle", "pickle weight files ['pytorch_model.bin'] refused"),
         ("remote_code", "needs custom code (auto_map)"),
         ("truncated", "model.safetensors: unreadable safetensors file"),
+        ("header_length", "model.safetensors: unreadable safetensors file (header length"),
         ("no_template", "has no chat template; set ingest.chat_template"),
     ],
 )
@@ -196,6 +197,9 @@ def test_ingest_refuses_unsafe_or_broken_folders(tiny, tmp_path: Path, damage, m
     elif damage == "truncated":
         data = (folder / "model.safetensors").read_bytes()
         (folder / "model.safetensors").write_bytes(data[: len(data) // 3])
+    elif damage == "header_length":
+        data = (folder / "model.safetensors").read_bytes()
+        (folder / "model.safetensors").write_bytes((1 << 40).to_bytes(8, "little") + data[8:])
     else:
         (folder / "chat_template.jinja").unlink()
         cfg = json.loads((folder / "tokenizer_config.json").read_text())

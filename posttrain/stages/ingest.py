@@ -44,9 +44,117 @@ class IngestError(ValueError):
     pass
 
 
+# Bits per element of every dtype the safetensors format defines (sub-byte float formats too).
+SAFETENSORS_DTYPE_BITS = {
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "E8M0": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "I64": 64,
+    "U64": 64,
+    "F64": 64,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
+# The format's own limit; a larger length is a corrupted header, not a big model.
+SAFETENSORS_MAX_HEADER = 100_000_000
+
+
+def check_safetensors_header(path: Path) -> dict[str, Any]:
+    """Validate a safetensors file's layout from its header alone (no tensor is read):
+    the 8-byte little-endian header length fits in the file, the header is a JSON object, and
+    every tensor's data_offsets lie inside the data section, do not overlap, cover it without
+    gaps and span exactly dtype x shape bytes. Returns the header; raises IngestError naming the
+    file and what is wrong (a truncated download, a corrupted or hand-edited file)."""
+
+    def bad(problem: str) -> IngestError:
+        return IngestError(f"{path}: unreadable safetensors file ({problem})")
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise bad(f"{size} bytes, shorter than the 8-byte header length")
+        n = int.from_bytes(prefix, "little")
+        if n > min(size - 8, SAFETENSORS_MAX_HEADER):
+            raise bad(
+                f"header length {n} exceeds the {size - 8} bytes after it: the file is truncated "
+                "or its first 8 bytes are corrupted"
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise bad(f"header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise bad(f"header is a JSON {type(header).__name__}, not an object")
+    data_len = size - 8 - n
+    spans: list[tuple[int, int, str]] = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            if not isinstance(info, dict):
+                raise bad("__metadata__ is not an object")
+            continue
+        if not isinstance(info, dict):
+            raise bad(f"tensor {name!r}: entry is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in SAFETENSORS_DTYPE_BITS:
+            raise bad(f"tensor {name!r}: unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise bad(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        ):
+            raise bad(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end]")
+        begin, end = offsets
+        if not 0 <= begin <= end:
+            raise bad(f"tensor {name!r}: data_offsets [{begin}, {end}] are not 0 <= begin <= end")
+        if end > data_len:
+            raise bad(
+                f"tensor {name!r}: data_offsets [{begin}, {end}] end beyond the {data_len}-byte "
+                f"data section: the file is truncated (it needs at least {8 + n + end} bytes, "
+                f"has {size})"
+            )
+        bits = math.prod(shape) * SAFETENSORS_DTYPE_BITS[dtype]
+        if bits % 8 or end - begin != bits // 8:
+            raise bad(
+                f"tensor {name!r}: {dtype} {shape} needs {bits / 8:g} bytes but data_offsets "
+                f"[{begin}, {end}] span {end - begin}"
+            )
+        spans.append((begin, end, name))
+    covered = 0
+    prev = ""
+    for begin, end, name in sorted(spans):
+        if begin < covered:
+            raise bad(f"tensors {prev!r} and {name!r} overlap (byte {begin} < {covered})")
+        if begin > covered:
+            raise bad(f"bytes {covered}..{begin} of the data section belong to no tensor")
+        covered, prev = end, name
+    if covered != data_len:
+        raise bad(f"bytes {covered}..{data_len} of the data section belong to no tensor")
+    return header
+
+
 def check_weights(folder: Path, allow_pickle: bool) -> tuple[list[Path], int, str]:
     """Weight files, parameter count and dtype(s) read from safetensors headers (no tensors
-    loaded). Refuses pickle weights unless allowed; names the file whose header is unreadable."""
+    loaded). Refuses pickle weights unless allowed; names the file whose header is unreadable
+    or whose layout is inconsistent (`check_safetensors_header`)."""
     from safetensors import safe_open
 
     pickles = sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -60,6 +168,9 @@ def check_weights(folder: Path, allow_pickle: bool) -> tuple[list[Path], int, st
         raise IngestError(f"{folder}: no *.safetensors weight files found")
     n_params, dtypes = 0, set()
     for f in safes:
+        # The header's own arithmetic first: it names what is wrong (truncated, overlapping,
+        # wrong span) where the library only says it cannot deserialize.
+        check_safetensors_header(f)
         try:
             with safe_open(str(f), framework="pt") as st:
                 for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
