@@ -108,6 +108,20 @@ class InfraConfig(_Section):
     threads_per_rank: int | None = Field(
         None, ge=1, description="torch threads per process; default = CPU cores / processes."
     )
+    memory_preflight: Literal["refuse", "warn", "off"] = Field(
+        "refuse",
+        description="Before a training stage loads anything, estimate its per-device memory "
+        "(weights by role and sharding, gradients and AdamW state of the trainable parts, "
+        "activations, logits, generation KV cache) against the device's. `refuse`: a stage that "
+        "cannot fit stops with the numbers and the fixes; `warn`: log them and run; `off`: no "
+        "check.",
+    )
+    device_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        description="Memory of one device in GiB (2^30 bytes) for the pre-flight, instead of "
+        "the detected free GPU memory or this process's share of the host's available RAM.",
+    )
     pg_timeout_s: float = Field(
         600,
         gt=0,

@@ -8,6 +8,7 @@ and on CPU a matmul peak measured on this machine at stage start.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import time
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger("posttrain.telemetry")
 
 # Dense (no sparsity) peak FLOP/s per device for bf16/fp16 tensor cores; fp32 uses TF32 peaks.
 GPU_PEAKS_BF16 = {
@@ -110,14 +113,43 @@ def train_flops_per_token(
     return 4 * n_matmul + 2 * n_trainable + 12 * n_layers * seq_len * hidden
 
 
+def fragmentation_warning(
+    allocated_gib: float, reserved_gib: float, ratio: float = 1.5, min_gap_gib: float = 1.0
+) -> str | None:
+    """A warning when the CUDA caching allocator holds far more than the tensors use: reserved
+    above `ratio` x allocated AND more than `min_gap_gib` GiB apart (a small process always
+    rounds up a little). None when it is not heavy."""
+    gap = reserved_gib - allocated_gib
+    if reserved_gib <= ratio * allocated_gib or gap <= min_gap_gib:
+        return None
+    return (
+        f"GPU memory fragmentation: peak reserved {reserved_gib:.2f} GiB is "
+        f"{reserved_gib / max(allocated_gib, 1e-9):.1f}x peak allocated {allocated_gib:.2f} GiB "
+        f"({gap:.2f} GiB cached but unused); varying sequence lengths fragment the caching "
+        "allocator: try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    )
+
+
+_FRAGMENTATION_WARNED = False
+
+
 def memory_snapshot(device: torch.device) -> dict[str, float]:
-    """Peak allocated vs reserved (GPU) or current and peak RSS (CPU), in GiB."""
+    """Peak allocated vs reserved (GPU) or current and peak RSS (CPU), in GiB. On GPU, heavy
+    fragmentation (see `fragmentation_warning`) is logged the first time it is seen."""
+    global _FRAGMENTATION_WARNED
     gib = 1024**3
     if device.type == "cuda":
-        return {
+        snap = {
             "mem_peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
             "mem_peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib,
         }
+        warning = fragmentation_warning(
+            snap["mem_peak_allocated_gib"], snap["mem_peak_reserved_gib"]
+        )
+        if warning and not _FRAGMENTATION_WARNED:
+            _FRAGMENTATION_WARNED = True
+            log.warning("%s", warning)
+        return snap
     import psutil
 
     rss = psutil.Process().memory_info().rss

@@ -1,0 +1,457 @@
+"""Per-device memory of one training stage, from numbers alone (no torch import).
+
+What one device holds, by component:
+
+static, for the whole stage
+  base weights       every base parameter x 4 bytes / shards. Parameters stay fp32 at every
+                     precision: FSDP2's mixed-precision policy casts blocks to bf16 for compute,
+                     so the fp32 parameters are the master weights (no separate master copy).
+  adapter <role>     each role's LoRA adapter (and head) x 4 / shards, trainable or frozen.
+  gradients          trainable parameters only, fp32, / shards.
+  optimizer          AdamW exp_avg + exp_avg_sq: 2 x 4 bytes per trainable parameter / shards.
+  framework          the runtime: on CPU this process's RSS (Python, torch, transformers, peft),
+                     on GPU a fixed allowance (NCCL buffers, cuBLAS workspace, allocator slack).
+per phase; the largest phase is what the peak adds to the static part
+  step / update      weights gathered by FSDP2 (the root's, plus two blocks: the running one and
+                     the prefetched next), activations saved for backward, the logits buffers.
+  rollout (RL)       the generation KV cache of one `generate` call and the gathered model
+                     (`rollout.keep_gathered` holds every block gathered while decoding).
+
+shards = data-parallel ranks that split the parameters: world size (fsdp), devices per node
+(hsdp), 1 (ddp).
+
+Activations saved for backward, per token and decoder block (Llama/Qwen2 block, SDPA attention,
+frozen base + LoRA; a frozen linear saves nothing, a LoRA linear saves its input and its rank-r
+intermediate):
+  2 x H x 4        the two RMSNorm inputs (the norms compute in fp32)
+  2 x H x c        the two norm outputs (inputs of the q/k/v and gate/up adapters)
+  4 x nh x hd x c  SDPA's query, key and value (expanded to all heads when a padding mask is
+                   given) and output; attention probabilities are not stored (fused kernels)
+  nh x hd x c      the attention output reshaped for o_proj (its adapter's input)
+  4 x I x c        MLP: gate (SiLU input), SiLU output, up, and their product (down_proj's input)
+  r x c            per adapted linear (LoRA A output, kept for LoRA B)
+where c = 2 bytes for bf16/fp16 compute, 4 for fp32. With activation checkpointing each block
+keeps only its input (H x c per token) and one block's activations are recomputed at a time.
+Logits: the [micro, seq, vocab] output plus its fp32 log-softmax and gradient, 3 buffers of 4
+bytes (RL: log-softmax, softmax for the entropy, their product and gradients, 5 buffers). On
+small models the logits are often the largest single item.
+
+This is an estimate: `bench/memory_estimate.py` compares it with measured peaks and
+tests/test_memory_estimate.py keeps the error within the documented band.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+GIB = 1024**3
+MIB = 1024**2
+
+StageKind = Literal["sft", "reward", "dpo", "ppo", "grpo"]
+Layout = Literal["fsdp", "hsdp", "ddp"]
+
+# Fixed allowance for what the estimate does not model, per device. GPU: NCCL buffers, cuBLAS
+# workspaces, caching-allocator rounding (the CUDA context is already outside the free memory
+# the pre-flight reads). CPU: used only when the runtime's RSS is not measured (the pre-flight
+# measures it).
+FRAMEWORK_OVERHEAD = {"cuda": 1 * GIB, "cpu": 600 * MIB}
+# Logits-sized buffers alive at the peak of a training step (see the module docstring).
+LOGIT_BUFFERS = {"sft": 3, "dpo": 3, "reward": 0, "ppo": 5, "grpo": 5}
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def compute_bytes(precision: str) -> int:
+    """Bytes per element of activations and gathered weights: bf16/fp16 compute is 2, fp32 4."""
+    return 2 if precision in ("bf16", "fp16") else 4
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a Llama-style decoder that memory depends on."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelShape:
+        """From a transformers config.json (Llama, Qwen2, Mistral and alike). Raises ValueError
+        for configs whose blocks this estimate does not describe (mixture of experts, no MLP
+        width)."""
+        if any(k in cfg for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+            raise ValueError(f"model_type {cfg.get('model_type')!r}: mixture of experts")
+        try:
+            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            layers, inter = int(cfg["num_hidden_layers"]), int(cfg["intermediate_size"])
+            vocab = int(cfg["vocab_size"])
+        except KeyError as exc:
+            raise ValueError(f"config has no {exc.args[0]}") from None
+        bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            hidden=hidden,
+            layers=layers,
+            heads=heads,
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate=inter,
+            vocab=vocab,
+            # transformers' Llama default is untied; a saved config states it explicitly.
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 hard-codes q/k/v biases; Llama-style configs say so in attention_bias.
+            qkv_bias=bias or cfg.get("model_type") == "qwen2",
+            o_bias=bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+        )
+
+    @classmethod
+    def from_recipe_model(cls, m: Any) -> ModelShape:
+        """From `ingest.from_config` (a FromConfigModel). Its vocab_size bounds the BPE
+        vocabulary from above, so this over-counts the embedding slightly at most."""
+        return cls(
+            hidden=m.hidden_size,
+            layers=m.num_layers,
+            heads=m.num_heads,
+            kv_heads=m.num_kv_heads or m.num_heads,
+            head_dim=m.hidden_size // m.num_heads,
+            intermediate=m.intermediate_size,
+            vocab=m.vocab_size,
+            tied=m.tie_word_embeddings,
+            qkv_bias=m.architecture == "qwen2",
+        )
+
+    def linears(self) -> dict[str, tuple[int, int, bool]]:
+        """Per block: linear name -> (in features, out features, has bias)."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        i = self.intermediate
+        return {
+            "q_proj": (h, q, self.qkv_bias),
+            "k_proj": (h, kv, self.qkv_bias),
+            "v_proj": (h, kv, self.qkv_bias),
+            "o_proj": (q, h, self.o_bias),
+            "gate_proj": (h, i, self.mlp_bias),
+            "up_proj": (h, i, self.mlp_bias),
+            "down_proj": (i, h, self.mlp_bias),
+        }
+
+    def block_params(self) -> int:
+        """One decoder block: its linears plus two RMSNorm weights."""
+        lin = sum(a * b + (b if bias else 0) for a, b, bias in self.linears().values())
+        return lin + 2 * self.hidden
+
+    def root_params(self, head: Literal["lm", "score", "none"]) -> int:
+        """Parameters outside the blocks: embedding, final norm, and the head (the LM head only
+        when untied; a 1-output score head for a sequence classifier; none)."""
+        out = self.vocab * self.hidden + self.hidden
+        if head == "lm" and not self.tied:
+            out += self.vocab * self.hidden
+        if head == "score":
+            out += self.hidden
+        return out
+
+    def base_params(self, head: Literal["lm", "score", "none"] = "lm") -> int:
+        """Every parameter of the base model (`sum(p.numel())` of the transformers model)."""
+        return self.layers * self.block_params() + self.root_params(head)
+
+    def lora_params(self, r: int, targets: list[str] | str) -> int:
+        """Parameters of one LoRA adapter: r x (in + out) per adapted linear and block.
+        `all-linear` adapts every linear of the blocks (peft leaves the output head out)."""
+        names = LINEARS if targets == "all-linear" else tuple(targets)
+        per_block = sum(r * (a + b) for n, (a, b, _) in self.linears().items() if n in names)
+        total = self.layers * per_block
+        if "lm_head" in names:
+            total += r * (self.hidden + self.vocab)
+        return total
+
+    def adapted(self, targets: list[str] | str) -> set[str]:
+        return set(LINEARS) if targets == "all-linear" else set(targets) & set(LINEARS)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One role's LoRA adapter on the shared base."""
+
+    role: str
+    r: int
+    targets: list[str] | str
+    trainable: bool
+    dropout: bool = False
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What a stage runs, as far as memory goes. `micro_batch` counts rows of the stage's batch
+    (pairs for reward and dpo, which run chosen and rejected together: 2 x micro sequences);
+    `seq_len` the longest sequence (for RL: prompt + new tokens)."""
+
+    kind: StageKind
+    micro_batch: int
+    seq_len: int
+    adapters: tuple[Adapter, ...]
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
+    # Heads outside the adapters: "score" (reward model, trained in full by the reward stage;
+    # frozen in RL) and "value" (PPO's critic head, trained).
+    score_head: Literal["none", "trainable", "frozen"] = "none"
+    value_head: bool = False
+    # RL: positions that go through the LM head in an update (the response), rows per
+    # `generate` call on one rank, prompt and new tokens, keep_gathered.
+    logit_positions: int | None = None
+    rollout_rows: int = 0
+    prompt_len: int = 0
+    new_tokens: int = 0
+    keep_gathered: bool = False
+
+    @property
+    def sequences(self) -> int:
+        """Sequences in one forward: chosen + rejected for pair stages."""
+        return self.micro_batch * (2 if self.kind in ("reward", "dpo") else 1)
+
+
+@dataclass(frozen=True)
+class DeviceLayout:
+    world: int = 1
+    layout: Layout = "fsdp"
+    devices_per_node: int = 1
+    device: Literal["cpu", "cuda"] = "cpu"
+
+    @property
+    def shards(self) -> int:
+        """Ranks that split each parameter (the shard dimension of the data-parallel mesh)."""
+        if self.layout == "fsdp":
+            return self.world
+        if self.layout == "hsdp":
+            return self.devices_per_node
+        return 1
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    bytes: int
+    note: str = ""
+    phase: str = ""  # "" = held for the whole stage
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per component on one device. Peak = static rows + the largest phase."""
+
+    rows: list[Row] = field(default_factory=list)
+    stage: str = ""
+    shards: int = 1
+    activation_checkpointing: bool = False
+
+    @property
+    def static(self) -> int:
+        return sum(r.bytes for r in self.rows if not r.phase)
+
+    def phase_totals(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.rows:
+            if r.phase:
+                out[r.phase] = out.get(r.phase, 0) + r.bytes
+        return out
+
+    @property
+    def peak_phase(self) -> str:
+        phases = self.phase_totals()
+        return max(phases, key=phases.__getitem__) if phases else ""
+
+    @property
+    def total(self) -> int:
+        return self.static + max(self.phase_totals().values(), default=0)
+
+    def component(self, name: str) -> int:
+        """Bytes of the rows whose name starts with `name` (e.g. "adapter", "activations")."""
+        return sum(r.bytes for r in self.rows if r.name.startswith(name))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "total_bytes": self.total,
+            "total_gib": round(self.total / GIB, 4),
+            "peak_phase": self.peak_phase,
+            "shards": self.shards,
+            "activation_checkpointing": self.activation_checkpointing,
+            "components": {
+                (f"{r.phase}: {r.name}" if r.phase else r.name): r.bytes for r in self.rows
+            },
+        }
+
+    def table(self) -> str:
+        """The breakdown as aligned text, one row per component, then the peak."""
+        lines = [f"{'component':<34} {'phase':<8} {'size':>10}  note"]
+        for r in self.rows:
+            lines.append(f"{r.name:<34} {r.phase or 'all':<8} {fmt_bytes(r.bytes):>10}  {r.note}")
+        phases = self.phase_totals()
+        peak = self.peak_phase
+        if len(phases) > 1:
+            lines.append(
+                "phases: "
+                + ", ".join(f"{p} {fmt_bytes(b)}" for p, b in phases.items())
+                + f" (peak in {peak})"
+            )
+        lines.append(f"{'estimated peak':<34} {'':<8} {fmt_bytes(self.total):>10}")
+        return "\n".join(lines)
+
+
+def fmt_bytes(n: float) -> str:
+    if abs(n) >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    if abs(n) >= MIB:
+        return f"{n / MIB:.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
+
+
+def activation_bytes_per_token(
+    m: ModelShape, adapters: tuple[Adapter, ...], c: int, checkpointing: bool
+) -> tuple[int, int]:
+    """(bytes saved per token over all blocks, bytes of one block's activations per token).
+
+    `adapters`: the adapter whose backward runs (one role at a time); see the module docstring
+    for what each term is."""
+    h, i, q = m.hidden, m.intermediate, m.heads * m.head_dim
+    adapted = set().union(*(m.adapted(a.targets) for a in adapters)) if adapters else set()
+    per_block = 2 * h * 4  # RMSNorm inputs, fp32
+    per_block += 4 * q * c  # SDPA q, k, v (expanded to all heads), output
+    if adapted & {"q_proj", "k_proj", "v_proj"}:
+        per_block += h * c  # input norm output, shared by the q/k/v adapters
+    if "o_proj" in adapted:
+        per_block += q * c
+    per_block += 3 * i * c  # gate (SiLU input), SiLU output, up: needed for the input gradient
+    if adapted & {"gate_proj", "up_proj"}:
+        per_block += h * c
+    if "down_proj" in adapted:
+        per_block += i * c
+    for a in adapters:
+        per_block += a.r * c * len(m.adapted(a.targets))
+        if a.dropout:  # dropout output + its mask (1 byte) per adapted linear input
+            lin = m.linears()
+            per_block += sum((c + 1) * lin[n][0] for n in m.adapted(a.targets))
+    if checkpointing:
+        return m.layers * h * c, per_block
+    return m.layers * per_block, per_block
+
+
+def estimate(
+    model: ModelShape,
+    stage: StageShape,
+    layout: DeviceLayout,
+    overhead_bytes: int | None = None,
+) -> MemoryEstimate:
+    """Per-device memory of `stage` on `layout` (see the module docstring)."""
+    shards = layout.shards
+    c = compute_bytes(stage.precision)
+    # The reward model's score head is a row of its own (with peft's trained copy), not base.
+    head: Literal["lm", "none"] = "none" if stage.kind == "reward" else "lm"
+    est = MemoryEstimate(
+        stage=stage.kind, shards=shards, activation_checkpointing=stage.activation_checkpointing
+    )
+    rows = est.rows
+    base = model.base_params(head)
+    shard_note = f"fp32, 1/{shards} per device" if shards > 1 else "fp32, not sharded"
+    rows.append(Row("base weights", base * 4 // shards, f"{base:,} params, frozen, {shard_note}"))
+
+    trainable = 0
+    adapter_params = 0
+    for a in stage.adapters:
+        n = model.lora_params(a.r, a.targets)
+        adapter_params += n
+        trainable += n if a.trainable else 0
+        state = "trainable" if a.trainable else "frozen"
+        rows.append(Row(f"adapter {a.role}", n * 4 // shards, f"{n:,} params, r={a.r}, {state}"))
+    heads = 0
+    if stage.score_head != "none":
+        # The reward stage trains the score head as a peft modules_to_save copy: two [1, H].
+        n = model.hidden * (2 if stage.score_head == "trainable" else 1)
+        heads += n
+        trainable += model.hidden if stage.score_head == "trainable" else 0
+        rows.append(Row("score head", n * 4 // shards, f"{n:,} params, {stage.score_head}"))
+    if stage.value_head:
+        heads += model.hidden
+        trainable += model.hidden
+        rows.append(Row("value head", model.hidden * 4 // shards, "trainable"))
+    rows.append(Row("gradients", trainable * 4 // shards, f"{trainable:,} trainable params, fp32"))
+    rows.append(Row("optimizer (AdamW)", 2 * 4 * trainable // shards, "exp_avg + exp_avg_sq, fp32"))
+    note = "runtime, measured"
+    if overhead_bytes is None:
+        overhead_bytes, note = FRAMEWORK_OVERHEAD[layout.device], "fixed allowance"
+    rows.append(Row("framework", overhead_bytes, note))
+
+    # Gathered weights while computing: FSDP2 unshards the root (embedding, final norm, head)
+    # for the whole forward/backward and one block at a time plus the prefetched next.
+    adapter_per_block = adapter_params // max(1, model.layers)
+    block = model.block_params() + adapter_per_block
+    gathered_step = (model.root_params(head) + heads + 2 * block) * c
+    update = "update" if stage.kind in ("ppo", "grpo") else "step"
+    rows.append(Row("gathered weights", gathered_step, "FSDP2 all-gather: root + 2 blocks", update))
+
+    # The backward of one role at a time: the policy's adapter (RL: the policy's update; the
+    # critic's pass has no logits and the same body, so it is not larger).
+    running = tuple(a for a in stage.adapters if a.trainable)[:1]
+    tokens = stage.sequences * stage.seq_len
+    saved, one_block = activation_bytes_per_token(model, running, c, stage.activation_checkpointing)
+    ac = "checkpointed: block inputs + 1 block" if stage.activation_checkpointing else "no AC"
+    act = tokens * (saved + (one_block if stage.activation_checkpointing else 0))
+    act += tokens * model.hidden * 4  # final norm input (fp32)
+    act += stage.sequences * stage.seq_len * stage.seq_len  # [B, 1, T, T] bool attention mask
+    if stage.kind == "reward":
+        act += tokens * model.hidden * c  # score head input (trained)
+    rows.append(
+        Row(
+            "activations",
+            act,
+            f"{stage.sequences} seqs x {stage.seq_len} tokens, {ac}",
+            update,
+        )
+    )
+    k = LOGIT_BUFFERS[stage.kind]
+    if k:
+        positions = stage.logit_positions or stage.seq_len
+        logits = k * stage.sequences * positions * model.vocab * 4
+        rows.append(
+            Row(
+                "logits",
+                logits,
+                f"{k} x {stage.sequences} x {positions} x vocab {model.vocab} x 4 B",
+                update,
+            )
+        )
+
+    if stage.kind in ("ppo", "grpo") and stage.rollout_rows:
+        ctx_len = stage.prompt_len + stage.new_tokens
+        kv = stage.rollout_rows * ctx_len * model.layers * 2 * model.kv_heads * model.head_dim * c
+        rows.append(
+            Row(
+                "KV cache",
+                kv,
+                f"{stage.rollout_rows} rows x {ctx_len} tokens x {model.layers} layers",
+                "rollout",
+            )
+        )
+        if stage.keep_gathered:
+            full = (model.base_params("lm") + adapter_params + heads) * c
+            rows.append(Row("gathered weights", full, "keep_gathered: whole model", "rollout"))
+        else:
+            rows.append(Row("gathered weights", gathered_step, "root + 2 blocks", "rollout"))
+        # Prefill without gradients: one block's working set over the prompts, and the sampled
+        # position's logits (fp32, a few copies for the sampling filters).
+        prefill = (
+            stage.rollout_rows * stage.prompt_len * (3 * model.hidden + 3 * model.intermediate)
+        )
+        prefill = prefill * c + 4 * stage.rollout_rows * model.vocab * 4
+        rows.append(Row("prefill working set", prefill, "one block, no grad", "rollout"))
+    return est
+
+
+def with_changes(stage: StageShape, **changes: Any) -> StageShape:
+    return replace(stage, **changes)

@@ -1,0 +1,394 @@
+"""Memory pre-flight of a training stage: estimate, compare with the device, refuse or warn.
+
+`stage_main` runs `preflight` in every training stage process before it loads anything, so a
+stage that cannot fit fails in seconds with the numbers and the fixes, instead of with an
+out-of-memory kill minutes (or hours) into loading and sharding. The recipe decides what happens
+(`infra.memory_preflight`: refuse | warn | off) and may state the device's memory
+(`infra.device_memory_gb`) instead of reading it.
+
+Capacity per process: on GPU the device's free memory (`torch.cuda.mem_get_info`, read after
+the CUDA context exists, so the context is already outside it); on CPU this process's RSS (the
+runtime, already imported) plus its share of the host's available memory (also bounded by a
+cgroup v2 memory limit), since every rank of a node draws on the same RAM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posttrain.memory.estimate import (
+    GIB,
+    Adapter,
+    DeviceLayout,
+    MemoryEstimate,
+    ModelShape,
+    StageShape,
+    estimate,
+    fmt_bytes,
+    with_changes,
+)
+
+log = logging.getLogger("posttrain.memory")
+
+# Refuse when the estimate exceeds this share of the capacity: the estimate is not exact (see
+# docs/operations.md for its measured error) and allocators fragment.
+SAFETY_FRACTION = 0.9
+TRAINING_STAGES = ("sft", "reward", "dpo", "ppo", "grpo")
+
+
+class MemoryPreflightError(RuntimeError):
+    """A stage refused before loading anything: its estimate does not fit the device."""
+
+
+@dataclass(frozen=True)
+class Capacity:
+    bytes: int
+    source: str
+    # The runtime's measured memory (CPU: this process's RSS at the pre-flight), used as the
+    # estimate's framework row; None = the fixed allowance.
+    runtime_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Fix:
+    change: str
+    total: int
+    fits: bool
+
+
+@dataclass
+class PreflightReport:
+    stage: str
+    estimate: MemoryEstimate
+    # The same stage with activation checkpointing the other way (on if off, off if on).
+    alternative: MemoryEstimate
+    capacity: Capacity
+    fraction: float = SAFETY_FRACTION
+    fixes: list[Fix] = field(default_factory=list)
+
+    @property
+    def budget(self) -> int:
+        return int(self.capacity.bytes * self.fraction)
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate.total <= self.budget
+
+    def headline(self) -> str:
+        verdict = "fits" if self.fits else "does NOT fit"
+        return (
+            f"stage {self.stage}: estimated peak {fmt_bytes(self.estimate.total)} per device "
+            f"{verdict} in {self.fraction:.0%} of {fmt_bytes(self.capacity.bytes)} "
+            f"({self.capacity.source})"
+        )
+
+    def text(self) -> str:
+        """Everything a refusal prints: the verdict, the breakdown, the other checkpointing
+        setting and the fixes, each with its own estimate."""
+        on = self.alternative.activation_checkpointing
+        lines = [
+            self.headline(),
+            self.estimate.table(),
+            f"with activation checkpointing {'on' if on else 'off'}: "
+            f"{fmt_bytes(self.alternative.total)}",
+        ]
+        if self.fixes:
+            lines.append(f"fixes (estimated peak each; budget {fmt_bytes(self.budget)}):")
+            lines += [
+                f"  - {f.change}: {fmt_bytes(f.total)}{' (fits)' if f.fits else ''}"
+                for f in self.fixes
+            ]
+        if not self.fits and not any(f.fits for f in self.fixes):
+            need = smallest_device(self.fixes) or int(self.estimate.total / self.fraction)
+            lines.append(
+                f"no change above fits on its own: this stage needs a device with at least "
+                f"{fmt_bytes(need)} (or more shards, where listed)"
+            )
+        return "\n".join(lines)
+
+    def record(self) -> dict[str, Any]:
+        """JSON fields for metrics.jsonl (kind "preflight"), logs/preflight.json and the
+        stage summary."""
+        return {
+            "estimate_bytes": self.estimate.total,
+            "estimate_gib": round(self.estimate.total / GIB, 4),
+            "estimate_other_checkpointing_gib": round(self.alternative.total / GIB, 4),
+            "activation_checkpointing": self.estimate.activation_checkpointing,
+            "capacity_gib": round(self.capacity.bytes / GIB, 4),
+            "capacity_source": self.capacity.source,
+            "safety_fraction": self.fraction,
+            "fits": self.fits,
+            "peak_phase": self.estimate.peak_phase,
+            "components": self.estimate.as_dict()["components"],
+            "fixes": [{"change": f.change, "gib": round(f.total / GIB, 4)} for f in self.fixes],
+        }
+
+
+def model_shape(recipe: Any, model_dir: str | Path | None = None) -> ModelShape:
+    """The base's shape: its config.json when the ingest artifact exists (exact vocabulary),
+    else the recipe's `ingest.from_config` numbers. Raises ValueError when neither describes a
+    model the estimate knows."""
+    if model_dir is not None and (Path(model_dir) / "config.json").is_file():
+        import json
+
+        return ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    if recipe.ingest.source == "from_config":
+        return ModelShape.from_recipe_model(recipe.ingest.from_config)
+    raise ValueError("no config.json for the base model (ingest.path) to estimate from")
+
+
+def _adapter(role: str, lora: Any, trainable: bool) -> Adapter:
+    return Adapter(role, lora.r, lora.target_modules, trainable, lora.dropout > 0)
+
+
+def stage_shape(recipe: Any, stage: str) -> StageShape:
+    """What the stage's recipe section runs, as the estimate needs it (see StageShape)."""
+    section = getattr(recipe, stage)
+    micro = section.batch.micro_batch_size
+    if micro is None:  # not resolved (a recipe loaded without devices): derive it
+        from posttrain.config.loader import section_batch
+
+        micro = section_batch(recipe, stage).micro_batch_size
+    common = {
+        "micro_batch": micro,
+        "precision": recipe.infra.precision if recipe.infra.precision != "auto" else "fp32",
+        "activation_checkpointing": section.activation_checkpointing,
+    }
+    policy = _adapter("policy", recipe.sft.lora, True)
+    if stage == "sft":
+        return StageShape("sft", seq_len=section.data.max_seq_len, adapters=(policy,), **common)
+    if stage == "reward":
+        return StageShape(
+            "reward",
+            seq_len=section.data.max_seq_len,
+            adapters=(_adapter("reward", section.lora, True),),
+            score_head="trainable",
+            **common,
+        )
+    reference = _adapter("reference", recipe.sft.lora, False)
+    if stage == "dpo":
+        return StageShape(
+            "dpo", seq_len=section.data.max_seq_len, adapters=(policy, reference), **common
+        )
+    if stage not in ("ppo", "grpo"):
+        raise ValueError(f"no memory estimate for stage {stage!r}")
+    critic = stage == "ppo"
+    adapters = (policy, reference, _adapter("reward", recipe.reward.lora, False))
+    if critic:
+        adapters += (_adapter("value", recipe.reward.lora, True),)
+    r = section.rollout
+    world = recipe.infra.world_size() if isinstance(recipe.infra.devices_per_node, int) else 1
+    rows = r.generation_batch_size or max(1, r.prompts_per_step // world) * r.samples_per_prompt
+    prompt = section.data.max_prompt_len
+    return StageShape(
+        stage,
+        seq_len=prompt + r.max_new_tokens,
+        adapters=adapters,
+        score_head="frozen",
+        value_head=critic,
+        logit_positions=r.max_new_tokens,
+        rollout_rows=rows,
+        prompt_len=prompt,
+        new_tokens=r.max_new_tokens,
+        keep_gathered=r.keep_gathered,
+        **common,
+    )
+
+
+def device_layout(recipe: Any) -> DeviceLayout:
+    infra = recipe.infra
+    per_node = infra.devices_per_node if isinstance(infra.devices_per_node, int) else 1
+    return DeviceLayout(
+        world=infra.nnodes * per_node,
+        layout=infra.layout,
+        devices_per_node=per_node,
+        device="cuda" if infra.device == "cuda" else "cpu",
+    )
+
+
+def _cgroup_room() -> int | None:
+    """Bytes left under this cgroup's (v2) memory limit, or None without a limit."""
+    root = Path("/sys/fs/cgroup")
+    try:
+        limit = (root / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int((root / "memory.current").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def detect_capacity(recipe: Any) -> Capacity:
+    """This process's memory budget (see the module docstring); `infra.device_memory_gb`
+    replaces the device's total (GiB) when set."""
+    infra = recipe.infra
+    local = infra.devices_per_node if isinstance(infra.devices_per_node, int) else 1
+    runtime = None
+    if infra.device != "cuda":
+        import psutil
+
+        runtime = psutil.Process().memory_info().rss
+    if infra.device_memory_gb is not None:
+        return Capacity(
+            int(infra.device_memory_gb * GIB), "infra.device_memory_gb override", runtime
+        )
+    if infra.device == "cuda":
+        import torch
+
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        free, total = torch.cuda.mem_get_info(index)
+        return Capacity(free, f"cuda:{index} free of {fmt_bytes(total)}")
+    import psutil
+
+    available = psutil.virtual_memory().available
+    room = _cgroup_room()
+    where = "host available"
+    if room is not None and room < available:
+        available, where = room, "cgroup memory.max room"
+    assert runtime is not None
+    share = available // max(1, local)
+    split = f" / {local} ranks" if local > 1 else ""
+    return Capacity(
+        runtime + share,
+        f"{where} {fmt_bytes(available)}{split} + this process's RSS {fmt_bytes(runtime)}",
+        runtime,
+    )
+
+
+def suggest_fixes(
+    model: ModelShape,
+    shape: StageShape,
+    layout: DeviceLayout,
+    budget: int,
+    overhead: int | None,
+    stage: str,
+    accum: int = 1,
+) -> list[Fix]:
+    """Changes that lower the estimate, each with its own estimated peak: activation
+    checkpointing, a smaller micro-batch (same global batch), more shards, and for RL smaller
+    generate calls and no keep_gathered; then all of them together when none fits alone."""
+
+    def total(s: StageShape, lay: DeviceLayout = layout) -> int:
+        return estimate(model, s, lay, overhead).total
+
+    now = total(shape)
+    fixes: list[Fix] = []
+
+    def add(change: str, s: StageShape, lay: DeviceLayout = layout) -> None:
+        t = total(s, lay)
+        if t < now:  # a change that does not lower the peak (another phase's row) is no fix
+            fixes.append(Fix(change, t, t <= budget))
+
+    best = shape
+    if not shape.activation_checkpointing:
+        add(
+            f"{stage}.activation_checkpointing: true",
+            with_changes(shape, activation_checkpointing=True),
+        )
+        best = with_changes(best, activation_checkpointing=True)
+    # Divisors of micro keep micro x accum, so the global batch (and the RL update size) stays.
+    divisors = [m for m in range(shape.micro_batch - 1, 0, -1) if shape.micro_batch % m == 0]
+    if divisors:
+        pick = next(
+            (m for m in divisors if total(with_changes(shape, micro_batch=m)) <= budget),
+            divisors[-1],
+        )
+        new_accum = accum * shape.micro_batch // pick
+        add(
+            f"{stage}.batch.micro_batch_size: {pick} with grad_accum_steps: {new_accum} "
+            "(same global batch)",
+            with_changes(shape, micro_batch=pick),
+        )
+        best = with_changes(best, micro_batch=1)
+    if shape.kind in ("ppo", "grpo"):
+        if shape.rollout_rows > 1:
+            rows = max(1, shape.rollout_rows // 4)
+            add(
+                f"{stage}.rollout.generation_batch_size: {rows}",
+                with_changes(shape, rollout_rows=rows),
+            )
+            best = with_changes(best, rollout_rows=1)
+        if shape.keep_gathered:
+            add(f"{stage}.rollout.keep_gathered: false", with_changes(shape, keep_gathered=False))
+            best = with_changes(best, keep_gathered=False)
+    if layout.layout != "fsdp" and layout.world > 1:
+        add(
+            f"infra.layout: fsdp (shard over all {layout.world} ranks)",
+            shape,
+            DeviceLayout(layout.world, "fsdp", layout.devices_per_node, layout.device),
+        )
+    # Shards only shrink the static parameter/gradient/optimizer rows: the smallest world that
+    # fits, if any does within 1024 devices.
+    need = next(
+        (
+            w
+            for w in (2**k for k in range(11))
+            if w > layout.shards
+            and total(shape, DeviceLayout(w, "fsdp", layout.devices_per_node, layout.device))
+            <= budget
+        ),
+        None,
+    )
+    if need is not None:
+        add(
+            f"shard over {need} devices (infra.layout: fsdp, nnodes x devices_per_node = {need})",
+            shape,
+            DeviceLayout(need, "fsdp", layout.devices_per_node, layout.device),
+        )
+    if best != shape and not any(f.fits for f in fixes):
+        add("all of the above changes to this stage together", best)
+    return fixes
+
+
+def smallest_device(fixes: list[Fix], fraction: float = SAFETY_FRACTION) -> int | None:
+    """Device memory the best fix would need (its estimate over the safety fraction)."""
+    return int(min(f.total for f in fixes) / fraction) if fixes else None
+
+
+def preflight(
+    recipe: Any,
+    stage: str,
+    *,
+    model: ModelShape | None = None,
+    model_dir: str | Path | None = None,
+    capacity: Capacity | None = None,
+) -> PreflightReport:
+    """Estimate `stage` of a resolved recipe against the device (detected unless `capacity`
+    is given). `model`/`model_dir`: the base's shape or its folder (see `model_shape`)."""
+    if model is None:
+        model = model_shape(recipe, model_dir)
+    shape = stage_shape(recipe, stage)
+    layout = device_layout(recipe)
+    cap = capacity or detect_capacity(recipe)
+    est = estimate(model, shape, layout, cap.runtime_bytes)
+    other = estimate(
+        model,
+        with_changes(shape, activation_checkpointing=not shape.activation_checkpointing),
+        layout,
+        cap.runtime_bytes,
+    )
+    report = PreflightReport(stage, est, other, cap)
+    if not report.fits:
+        accum = getattr(recipe, stage).batch.grad_accum_steps or 1
+        report.fixes = suggest_fixes(
+            model, shape, layout, report.budget, cap.runtime_bytes, stage, accum
+        )
+    return report
+
+
+def enforce(report: PreflightReport, mode: str) -> None:
+    """refuse: raise MemoryPreflightError when the estimate does not fit; warn: log it."""
+    if report.fits:
+        log.info("memory pre-flight: %s", report.headline())
+        return
+    if mode == "refuse":
+        raise MemoryPreflightError(
+            report.text() + "\nRefused before loading the model. Apply a fix above, or set "
+            "infra.memory_preflight: warn to run anyway (infra.device_memory_gb states the "
+            "device's memory if the detected figure is wrong)."
+        )
+    log.warning("memory pre-flight (warn only):\n%s", report.text())

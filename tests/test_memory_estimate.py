@@ -1,0 +1,357 @@
+"""Memory pre-flight: the estimate's parts against real models, the fixes, the GPU warning.
+
+Fast: parameter counts against `sum(p.numel())` of real transformers/peft models (plain, LoRA,
+reward model, DPO policy + reference, the four RL roles), AdamW state against a real optimizer
+step, activations and logits against hand-computed numbers, the fixes and the fragmentation
+warning."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from posttrain.config.loader import load_recipe
+from posttrain.config.schema import LoraConfig
+from posttrain.memory.estimate import (
+    GIB,
+    Adapter,
+    DeviceLayout,
+    ModelShape,
+    StageShape,
+    estimate,
+)
+from posttrain.memory.preflight import (
+    Capacity,
+    MemoryPreflightError,
+    enforce,
+    preflight,
+    stage_shape,
+)
+from posttrain.models.lora import apply_lora
+from posttrain.telemetry.metrics import fragmentation_warning
+from tests.stage_helpers import TINY, write_recipe
+
+SMALL = dict(
+    vocab_size=300,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    pad_token_id=0,
+)
+
+
+def numel(model: torch.nn.Module, trainable: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable)
+
+
+def shape_of(model: Any) -> ModelShape:
+    return ModelShape.from_hf_config(model.config.to_dict())
+
+
+def weight_bytes(est: Any) -> int:
+    """Every parameter row of an estimate (base, adapters, heads)."""
+    return sum(
+        r.bytes for r in est.rows if r.name in ("base weights", "score head", "value head")
+    ) + est.component("adapter")
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters, gradients, optimizer
+
+
+@pytest.mark.parametrize(
+    ("cls", "cfg"),
+    [
+        (LlamaForCausalLM, LlamaConfig(**SMALL, tie_word_embeddings=True)),
+        (LlamaForCausalLM, LlamaConfig(**SMALL, tie_word_embeddings=False)),
+        (LlamaForCausalLM, LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True)),
+        (Qwen2ForCausalLM, Qwen2Config(**SMALL, tie_word_embeddings=False)),
+    ],
+    ids=["llama-tied", "llama-untied", "llama-biases", "qwen2"],
+)
+def test_base_params_equal_transformers(cls: Any, cfg: Any) -> None:
+    model = cls(cfg)
+    assert shape_of(model).base_params("lm") == numel(model)
+
+
+def test_score_model_params_equal_transformers() -> None:
+    cfg = LlamaConfig(**SMALL, tie_word_embeddings=False, num_labels=1)
+    model = LlamaForSequenceClassification(cfg)
+    # A sequence classifier has no LM head, only a [1, H] score head.
+    assert shape_of(model).base_params("score") == numel(model)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"], ["down_proj"]])
+def test_lora_params_equal_peft(targets: Any) -> None:
+    model = LlamaForCausalLM(LlamaConfig(**SMALL, tie_word_embeddings=False))
+    shape = shape_of(model)
+    peft_model = apply_lora(model, LoraConfig(r=4, target_modules=targets))
+    assert shape.lora_params(4, targets) == numel(peft_model, trainable=True)
+    assert shape.base_params() + shape.lora_params(4, targets) == numel(peft_model)
+
+
+def test_reward_stage_weights_equal_peft_score_model() -> None:
+    """LoRA on the body, the score head trained as a peft copy beside the original."""
+    model = LlamaForSequenceClassification(LlamaConfig(**SMALL, num_labels=1))
+    shape = shape_of(model)
+    peft_model = apply_lora(model, LoraConfig(r=4), task_type="SEQ_CLS")
+    st = StageShape(
+        "reward", 2, 16, (Adapter("reward", 4, "all-linear", True),), score_head="trainable"
+    )
+    est = estimate(shape, st, DeviceLayout(), overhead_bytes=0)
+    assert weight_bytes(est) == 4 * numel(peft_model)
+    assert est.component("gradients") == 4 * numel(peft_model, trainable=True)
+
+
+def _adapters(tmp_path: Path, cfg: LlamaConfig) -> tuple[Path, Path]:
+    """An SFT adapter (causal LM) and a reward adapter (score model) of one base, saved."""
+    base = LlamaForCausalLM(cfg)
+    base.save_pretrained(tmp_path / "base")
+    apply_lora(base, LoraConfig(r=4)).save_pretrained(tmp_path / "sft")
+    score = LlamaForSequenceClassification.from_pretrained(tmp_path / "base", num_labels=1)
+    apply_lora(score, LoraConfig(r=2), task_type="SEQ_CLS").save_pretrained(tmp_path / "reward")
+    return tmp_path / "sft", tmp_path / "reward"
+
+
+def test_dpo_and_rl_role_weights_equal_the_real_models(tmp_path: Path) -> None:
+    """DPO: policy + frozen reference adapter on one base. PPO: four adapters (policy and
+    reference from SFT, reward and value from the reward stage) and two heads on one base;
+    only the policy, the value adapter and the value head train."""
+    from posttrain.models.adapters import policy_with_reference
+    from posttrain.models.roles import build_roles
+
+    cfg = LlamaConfig(**SMALL, tie_word_embeddings=True)
+    sft, reward = _adapters(tmp_path, cfg)
+    load = lambda: LlamaForCausalLM.from_pretrained(tmp_path / "base")  # noqa: E731
+    shape = shape_of(load())
+    policy = Adapter("policy", 4, "all-linear", True)
+    reference = Adapter("reference", 4, "all-linear", False)
+
+    dpo = policy_with_reference(load(), sft)
+    est = estimate(shape, StageShape("dpo", 2, 16, (policy, reference)), DeviceLayout(), 0)
+    assert weight_bytes(est) == 4 * numel(dpo)
+    assert est.component("gradients") == 4 * numel(dpo, trainable=True)
+
+    roles = build_roles(load(), sft, reward, critic=True)
+    rl = StageShape(
+        "ppo",
+        2,
+        24,
+        (
+            policy,
+            reference,
+            Adapter("reward", 2, "all-linear", False),
+            Adapter("value", 2, "all-linear", True),
+        ),
+        score_head="frozen",
+        value_head=True,
+        logit_positions=8,
+        rollout_rows=4,
+        prompt_len=16,
+        new_tokens=8,
+    )
+    est = estimate(shape, rl, DeviceLayout(), 0)
+    assert weight_bytes(est) == 4 * numel(roles)
+    trainable = numel(roles, trainable=True)
+    assert est.component("gradients") == 4 * trainable
+    assert est.component("optimizer") == 2 * 4 * trainable
+
+
+def test_adamw_state_is_two_fp32_per_trainable_param() -> None:
+    """The optimizer row against a real AdamW after one step (exp_avg + exp_avg_sq)."""
+    model = apply_lora(LlamaForCausalLM(LlamaConfig(**SMALL)), LoraConfig(r=4))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-3)
+    ids = torch.randint(2, 300, (2, 8))
+    model(input_ids=ids).logits.sum().backward()
+    opt.step()
+    state = sum(
+        t.numel() * t.element_size()
+        for s in opt.state.values()
+        for k, t in s.items()
+        if k in ("exp_avg", "exp_avg_sq")
+    )
+    st = StageShape("sft", 2, 8, (Adapter("policy", 4, "all-linear", True),))
+    est = estimate(shape_of(model), st, DeviceLayout(), 0)
+    assert est.component("optimizer") == state == 2 * 4 * numel(model, trainable=True)
+
+
+def test_sharding_divides_parameters_gradients_and_optimizer() -> None:
+    shape = ModelShape(256, 4, 4, 4, 64, 512, 4096, tied=True)
+    st = StageShape("sft", 4, 128, (Adapter("policy", 8, "all-linear", True),))
+    one = estimate(shape, st, DeviceLayout(world=1), 0)
+    for layout, shards in (
+        (DeviceLayout(world=8, layout="fsdp", devices_per_node=4), 8),
+        (DeviceLayout(world=8, layout="hsdp", devices_per_node=4), 4),
+        (DeviceLayout(world=8, layout="ddp", devices_per_node=4), 1),
+    ):
+        est = estimate(shape, st, layout, 0)
+        for name in ("base weights", "adapter", "gradients", "optimizer"):
+            assert est.component(name) == one.component(name) // shards, (layout, name)
+        # What a step computes with is not sharded.
+        assert est.component("activations") == one.component("activations")
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations and logits, by hand
+
+
+def test_activations_and_logits_hand_computed() -> None:
+    """H=64, I=96, 4 heads x 16, 2 layers, vocab 300, LoRA r=4 on every linear, fp32,
+    micro 2 x seq 10 = 20 tokens."""
+    shape = ModelShape(64, 2, 4, 2, 16, 96, 300, tied=True)
+    policy = Adapter("policy", 4, "all-linear", True)
+    st = StageShape("sft", 2, 10, (policy,))
+    est = estimate(shape, st, DeviceLayout(), 0)
+    # Per token and block: norm inputs 2*64*4 = 512; SDPA q,k,v,out 4*64*4 = 1024; q/k/v and
+    # gate/up adapter inputs 2*64*4 = 512; o_proj input 64*4 = 256; MLP 4*96*4 = 1536;
+    # LoRA A outputs 7*4*4 = 112  -> 3952 bytes.
+    per_block = 512 + 1024 + 512 + 256 + 1536 + 112
+    assert per_block == 3952
+    tokens = 20
+    expected = tokens * 2 * per_block + tokens * 64 * 4 + 2 * 10 * 10  # + final norm + mask
+    assert est.component("activations") == expected
+    assert est.component("logits") == 3 * 2 * 10 * 300 * 4
+
+    # Checkpointing: each block keeps its input (64 x 4 bytes per token), one block recomputed.
+    ac = estimate(
+        shape, StageShape("sft", 2, 10, (policy,), activation_checkpointing=True), DeviceLayout(), 0
+    )
+    assert ac.component("activations") == (
+        tokens * 2 * 64 * 4 + tokens * per_block + tokens * 64 * 4 + 2 * 10 * 10
+    )
+    assert ac.total < est.total
+
+    # bf16 compute: 2-byte activations except the fp32 norm inputs.
+    bf16 = estimate(shape, StageShape("sft", 2, 10, (policy,), precision="bf16"), DeviceLayout(), 0)
+    assert bf16.component("activations") == (
+        tokens * 2 * (512 + (per_block - 512) // 2) + tokens * 64 * 4 + 2 * 10 * 10
+    )
+
+
+def test_pair_stages_run_chosen_and_rejected_together() -> None:
+    shape = ModelShape(64, 2, 4, 4, 16, 96, 300, tied=True)
+    a = Adapter("policy", 4, "all-linear", True)
+    sft = estimate(shape, StageShape("sft", 4, 32, (a,)), DeviceLayout(), 0)
+    dpo = estimate(
+        shape,
+        StageShape("dpo", 4, 32, (a, Adapter("reference", 4, "all-linear", False))),
+        DeviceLayout(),
+        0,
+    )
+    assert dpo.component("activations") == 2 * sft.component("activations")
+    assert dpo.component("logits") == 2 * sft.component("logits")
+
+
+def test_rl_rollout_kv_cache_and_peak_phase() -> None:
+    shape = ModelShape(64, 2, 4, 2, 16, 96, 300, tied=True)
+    st = StageShape(
+        "grpo",
+        2,
+        48,
+        (Adapter("policy", 4, "all-linear", True), Adapter("reference", 4, "all-linear", False)),
+        logit_positions=16,
+        rollout_rows=64,
+        prompt_len=32,
+        new_tokens=16,
+        keep_gathered=True,
+    )
+    est = estimate(shape, st, DeviceLayout(), 0)
+    # 64 rows x 48 tokens x 2 layers x (K and V) x 2 kv heads x 16 dims x 4 bytes
+    kv = [r for r in est.rows if r.name == "KV cache"][0]
+    assert kv.bytes == 64 * 48 * 2 * 2 * 2 * 16 * 4 and kv.phase == "rollout"
+    phases = est.phase_totals()
+    assert est.total == est.static + max(phases.values())
+    assert est.peak_phase == max(phases, key=phases.__getitem__)
+
+
+# ---------------------------------------------------------------------------------------------
+# The pre-flight: recipe -> shape, fixes, refusal
+
+
+def _recipe(tmp_path: Path, **infra: Any) -> Any:
+    data = json.loads(json.dumps(TINY))
+    data["infra"].update(infra)
+    return load_recipe(write_recipe(tmp_path, data))
+
+
+def test_stage_shape_from_recipe(tmp_path: Path) -> None:
+    recipe = _recipe(tmp_path)
+    st = stage_shape(recipe, "sft")
+    assert (st.kind, st.micro_batch, st.seq_len) == ("sft", 8, 64)
+    assert st.adapters == (Adapter("policy", 8, "all-linear", True, False),)
+    assert st.precision == "fp32" and not st.activation_checkpointing
+
+
+def test_fixes_each_carry_their_own_estimate(tmp_path: Path) -> None:
+    recipe = _recipe(tmp_path)
+    shape = ModelShape.from_recipe_model(recipe.ingest.from_config)
+    full = preflight(recipe, "sft", model=shape, capacity=Capacity(64 * GIB, "test", 0))
+    assert full.fits and not full.fixes
+    # A budget between the checkpointed and the plain estimate: checkpointing fits.
+    cap = int((full.estimate.total + full.alternative.total) / 2 / 0.9)
+    report = preflight(recipe, "sft", model=shape, capacity=Capacity(cap, "test", 0))
+    assert not report.fits
+    fixes = {f.change.split(":")[0]: f for f in report.fixes}
+    assert fixes["sft.activation_checkpointing"].fits
+    assert fixes["sft.activation_checkpointing"].total == report.alternative.total
+    micro = fixes["sft.batch.micro_batch_size"]
+    assert micro.total < report.estimate.total and "same global batch" in micro.change
+    with pytest.raises(MemoryPreflightError, match="sft.activation_checkpointing: true"):
+        enforce(report, "refuse")
+    enforce(report, "warn")  # logs, does not raise
+
+
+def test_unknown_architecture_is_not_estimated(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps({**SMALL, "model_type": "mixtral", "num_local_experts": 8})
+    )
+    with pytest.raises(ValueError, match="mixture of experts"):
+        preflight(_recipe(tmp_path), "sft", model_dir=tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU fragmentation (the warning logic; the GPU path itself cannot run here)
+
+
+@pytest.mark.parametrize(
+    ("allocated", "reserved", "warns"),
+    [
+        (10.0, 14.0, False),  # 1.4x: normal caching
+        (10.0, 16.0, True),  # 1.6x and 6 GiB unused
+        (0.5, 1.2, False),  # 2.4x but 0.7 GiB: a small process rounding up
+        (1.0, 2.6, True),  # 2.6x and 1.6 GiB
+    ],
+)
+def test_fragmentation_warning(allocated: float, reserved: float, warns: bool) -> None:
+    text = fragmentation_warning(allocated, reserved)
+    assert (text is not None) == warns
+    if text:
+        assert "expandable_segments" in text and f"{reserved:.2f}" in text
+
+
+def test_memory_snapshot_warns_once_on_gpu(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    import posttrain.telemetry.metrics as metrics
+
+    monkeypatch.setattr(metrics, "_FRAGMENTATION_WARNED", False)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda _d: 2 * GIB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda _d: 6 * GIB)
+    with caplog.at_level(logging.WARNING, logger="posttrain.telemetry"):
+        for _ in range(3):
+            snap = metrics.memory_snapshot(torch.device("cuda", 0))
+    assert snap == {"mem_peak_allocated_gib": 2.0, "mem_peak_reserved_gib": 6.0}
+    assert sum("fragmentation" in r.message for r in caplog.records) == 1
