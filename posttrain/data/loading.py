@@ -7,6 +7,9 @@ any training starts, instead of failing later deep inside a collator.
 from __future__ import annotations
 
 import json
+import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +17,42 @@ from datasets import Dataset, load_dataset, load_from_disk
 
 ROLES = ("system", "user", "assistant")
 
+# A JSONL line longer than this is refused before it is held in memory whole: one 300 MB line
+# would otherwise be read, decoded and parsed (several times its size) before any check ran.
+# An input-validation limit, not an input: it is read from the environment of the stage
+# process, not from the recipe, so raising it re-fingerprints nothing.
+MAX_LINE_BYTES_ENV = "POSTTRAIN_MAX_LINE_BYTES"
+DEFAULT_MAX_LINE_BYTES = 16 << 20
+_CHUNK = 1 << 16
+# Error messages quote what they found; a huge value must not make a huge message.
+_MAX_MESSAGE = 2000
+# `\ud800`-style escapes are the only way JSON text yields a lone surrogate, which tokenizers
+# reject deep inside encoding ("TextEncodeInput must be ..."): look closer only when present.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
 
 class DataError(ValueError):
     """Bad input data; the message names the file and line or row."""
+
+    def __init__(self, message: str) -> None:
+        if len(message) > _MAX_MESSAGE:
+            message = f"{message[:_MAX_MESSAGE]}... ({len(message)} characters in all)"
+        super().__init__(message)
+
+
+def line_limit() -> int:
+    """The JSONL line limit: $POSTTRAIN_MAX_LINE_BYTES, or 16 MiB."""
+    raw = os.environ.get(MAX_LINE_BYTES_ENV)
+    if raw is None:
+        return DEFAULT_MAX_LINE_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise DataError(f"{MAX_LINE_BYTES_ENV}={raw!r}: expected a positive number of bytes")
+    return value
 
 
 def _check_messages(msgs: Any, where: str) -> None:
@@ -66,48 +102,119 @@ def check_sft_row(row: Any, where: str) -> dict[str, Any]:
     )
 
 
-def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
-    out = []
+def _lines(path: Path, limit: int) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw line) of a file, refusing a line over `limit` bytes without ever
+    holding more than `limit` bytes of it: its length is measured by reading on in chunks."""
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
+        for lineno in range(1, 1 << 62):
+            raw = f.readline(limit + 1)
+            if not raw:
+                return
+            if len(raw) > limit and not raw.endswith(b"\n"):
+                size = len(raw)
+                del raw  # measured, not kept: only one chunk of the rest is held at a time
+                while chunk := f.readline(_CHUNK):
+                    size += len(chunk)
+                    if chunk.endswith(b"\n"):
+                        break
                 raise DataError(
-                    f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start})"
-                ) from None
-            if not text.strip():
-                continue
-            try:
-                out.append((where, json.loads(text)))
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+                    f"{path}:{lineno}: line of {size} bytes is over the {limit}-byte limit "
+                    f"(a missing newline, or a row far larger than training can use; "
+                    f"{MAX_LINE_BYTES_ENV} raises it)"
+                )
+            yield lineno, raw
+
+
+def _has_surrogate(value: Any) -> bool:
+    # Iterative: the value may nest as deeply as the JSON parser allowed.
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
+
+
+def parse_json_line(raw: bytes, where: str) -> Any:
+    """One JSONL line's value, or None for a blank line. Raises DataError naming `where` for
+    bytes that are not UTF-8, text that is not JSON (or nests too deeply, or holds an integer
+    too long to convert) and lone surrogates (`"\\ud800"`), which no tokenizer can encode."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    text = text.removeprefix("\ufeff")  # a byte-order mark some editors write first
+    if not text.strip():
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+    except RecursionError:
+        raise DataError(f"{where}: invalid JSON: nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer literal of more than 4300 digits
+        raise DataError(f"{where}: invalid JSON: {exc}") from None
+    if _SURROGATE_ESCAPE.search(raw) and _has_surrogate(value):
+        raise DataError(
+            f"{where}: a string holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), "
+            "which is not text any tokenizer can encode"
+        )
+    return value
+
+
+def _read_jsonl(path: Path, limit: int) -> list[tuple[str, Any]]:
+    out = []
+    for lineno, raw in _lines(path, limit):
+        where = f"{path}:{lineno}"
+        value = parse_json_line(raw, where)
+        if value is not None:
+            out.append((where, value))
     return out
 
 
-def read_rows(path: str | Path) -> list[tuple[str, Any]]:
-    """(location, raw row) pairs from a JSONL/JSON/Parquet file or a saved dataset folder."""
+def read_rows(path: str | Path, max_line_bytes: int | None = None) -> list[tuple[str, Any]]:
+    """(location, raw row) pairs from a JSONL/JSON/Parquet file or a saved dataset folder.
+
+    `max_line_bytes` (default `max_line_bytes()`) bounds one JSONL line. Whatever the file
+    holds, the only exception is DataError naming the file (and line or row)."""
     p = Path(path)
     if not p.exists():
         raise DataError(f"{p}: no such file or folder")
     if p.is_dir():
-        ds = load_from_disk(str(p))
+        try:
+            ds = load_from_disk(str(p))
+        except Exception as exc:  # the library's many ways of saying "not a saved dataset"
+            raise DataError(
+                f"{p}: not a saved dataset folder ({type(exc).__name__}: {exc})"
+            ) from None
         if not isinstance(ds, Dataset):
             raise DataError(f"{p}: holds a DatasetDict; point at one split's folder")
         rows = [(f"{p} row {i}", r) for i, r in enumerate(ds)]
     elif p.suffix == ".jsonl":
-        rows = _read_jsonl(p)
+        rows = _read_jsonl(p, max_line_bytes or line_limit())
     elif p.suffix == ".json":
         try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise DataError(f"{p}: not valid JSON: {exc}") from None
+            data = json.loads(p.read_bytes().decode("utf-8").removeprefix("\ufeff"))
+        except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deeply
+            raise DataError(f"{p}: not valid JSON: {type(exc).__name__}: {exc}") from None
         if not isinstance(data, list):
             raise DataError(f"{p}: a .json data file must hold a list of rows (or use .jsonl)")
+        if any(_has_surrogate(r) for r in data):
+            raise DataError(f"{p}: a string holds an unpaired UTF-16 surrogate escape")
         rows = [(f"{p} row {i}", r) for i, r in enumerate(data)]
     elif p.suffix == ".parquet":
-        ds = load_dataset("parquet", data_files=str(p), split="train")
+        try:
+            ds = load_dataset("parquet", data_files=str(p), split="train")
+        except Exception as exc:  # pyarrow's errors for a truncated or non-Parquet file
+            raise DataError(
+                f"{p}: not a readable Parquet file ({type(exc).__name__}: {exc})"
+            ) from None
         rows = [(f"{p} row {i}", r) for i, r in enumerate(ds)]
     else:
         raise DataError(f"{p}: unknown data format (use .jsonl, .json, .parquet or a saved folder)")
