@@ -119,6 +119,13 @@ def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
             for k, v in (("path", data.path), ("eval_path", data.eval_path))
             if v
         }
+        # The guard's spike test decides which finite updates are applied: part of the result.
+        # Its stop rule (max_bad_steps, window) only decides whether a stage fails, and skipping
+        # non-finite steps is always on, so a spike-free recipe's fingerprint stays as it was.
+        if recipe.guard.loss_spike_k is not None:
+            numerics["guard"] = recipe.guard.model_dump(
+                mode="json", include={"loss_spike_k", "loss_spike_window", "loss_spike_min_history"}
+            )
     return {"section": section, **numerics}, extra
 
 

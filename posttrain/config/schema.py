@@ -670,6 +670,50 @@ class ScheduleConfig(_Section):
         return value
 
 
+class GuardConfig(_Section):
+    """Numerical guards of the training stages (sft, reward, dpo, ppo, grpo)."""
+
+    max_bad_steps: int = Field(
+        3,
+        ge=0,
+        description="Bad optimizer steps (non-finite loss or gradient norm, or a loss spike) "
+        "tolerated within `window`; one more stops the stage with an error. A bad step's update "
+        "is skipped either way.",
+    )
+    window: int = Field(
+        50, ge=1, description="How many of the most recent optimizer steps `max_bad_steps` counts."
+    )
+    loss_spike_k: float | None = Field(
+        None,
+        gt=0,
+        description="Also treat as bad (skip) a step whose loss exceeds mean + k x std of the "
+        "last `loss_spike_window` good steps' losses; null = off. When set, it is part of the "
+        "training stages' fingerprints (it decides which updates are applied).",
+    )
+    loss_spike_window: int = Field(
+        20, ge=2, description="Good steps' losses the spike test takes its mean and std over."
+    )
+    loss_spike_min_history: int = Field(
+        10,
+        ge=2,
+        description="Good steps needed before the spike test applies (early losses move fast).",
+    )
+
+    @model_validator(mode="after")
+    def _reachable(self) -> GuardConfig:
+        if self.max_bad_steps >= self.window:
+            raise ValueError(
+                f"max_bad_steps {self.max_bad_steps} must be below window {self.window}: "
+                "the guard could never stop the stage"
+            )
+        if self.loss_spike_min_history > self.loss_spike_window:
+            raise ValueError(
+                f"loss_spike_min_history {self.loss_spike_min_history} exceeds "
+                f"loss_spike_window {self.loss_spike_window}: the spike test would never apply"
+            )
+        return self
+
+
 class Recipe(_Section):
     """A whole post-training run."""
 
@@ -703,6 +747,11 @@ class Recipe(_Section):
     )
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation.")
     export: ExportConfig = Field(default_factory=ExportConfig, description="Merged export.")
+    guard: GuardConfig = Field(
+        default_factory=GuardConfig,
+        description="Numerical guards of the training stages: skip non-finite or spiking "
+        "steps, stop after too many.",
+    )
     promotion: PromotionConfig = Field(
         default_factory=PromotionConfig,
         description="The gate that decides whether a run replaces the pipeline's champion.",

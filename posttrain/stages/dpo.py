@@ -299,8 +299,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 ("ref_rejected_logps", rr),
             ):
                 sums[name] += v.detach().sum().item()
-        grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm)
         g = {k: all_reduce_sum(v, device) / batch.global_batch_size for k, v in sums.items()}
+        # The preference loss judges the step; a non-finite SFT term shows in the gradient norm.
+        grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=g["loss"], step=step + 1)
         if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
             n_seqs = sum(mb["input_ids"].size(0) for _, mb in micro)
             tr.record_step(

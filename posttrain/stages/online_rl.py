@@ -104,10 +104,12 @@ def update(
     batch: Any,
     kl_in_loss: float,
     seed: int,
+    step: int,
 ) -> dict[str, float]:
     """`update_epochs` passes of clipped updates over one rollout. Returns token-weighted means
     over all ranks (policy_loss, value_loss, entropy, clip_frac, value_clip_frac, approx_kl,
-    kl_loss) and the mean grad norm; `updates` counts optimizer steps."""
+    kl_loss) and the mean grad norm; `updates` counts optimizer steps. `step`: the rollout's
+    logged step (1-based), for the guard's records."""
     model, d = tr.model, tr.dist
     device, world = d.device, d.world_size
     micro, per_update = batch.micro_batch_size, batch.micro_batch_size * batch.grad_accum_steps
@@ -124,6 +126,9 @@ def update(
             # sum by world / global tokens, and FSDP's gradient averaging divides the world back.
             scale = world / max(1.0, all_reduce_sum(float(ro.mask[rows].sum()), device))
             micros = rows.split(micro)
+            # This rank's share of the update's objective: summed over ranks, the token mean
+            # (scale carries world / global tokens; FSDP's averaging divides the world back).
+            share = 0.0
             for k, mi in enumerate(micros):
                 last = k == len(micros) - 1
                 inp = _to(ro.inputs(mi), device)
@@ -139,7 +144,9 @@ def update(
                 kl_t = kl_penalty(logp, ref[mi].to(device), cfg.kl.estimator)
                 if kl_in_loss:
                     per_token = per_token + kl_in_loss * kl_t
-                tr.backward((per_token * m).sum() * scale)
+                objective = (per_token * m).sum() * scale
+                tr.backward(objective)
+                share += float(objective.detach()) / world
                 ratio_log = logp.detach() - old[mi].to(device)
                 for name, v in (
                     ("policy_loss", pg),
@@ -159,10 +166,18 @@ def update(
                         returns[mi].to(device),
                         cfg.value_clip,
                     )
-                    tr.backward(cfg.vf_coef * (vf * m).sum() * scale)
+                    value_objective = cfg.vf_coef * (vf * m).sum() * scale
+                    tr.backward(value_objective)
+                    share += float(value_objective.detach()) / world
                     sums["value_loss"] += float((vf.detach() * m).sum())
                     sums["value_clip_frac"] += float((vclipped.float() * m).sum())
-            norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm)
+            norm, lr = tr.optimizer_step(
+                cfg.optim.max_grad_norm,
+                loss=all_reduce_sum(share, device),
+                step=step,
+                epoch=epoch,
+                update=u,
+            )
             norms.append(norm)
     tot = {k: all_reduce_sum(v, device) for k, v in sums.items()}
     n_tok = max(1.0, tot.pop("tokens"))
@@ -363,6 +378,7 @@ def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
             batch,
             kl_coef if placement == "loss" else 0.0,
             rollout_seed(seed, step, rank) + 1,
+            step + 1,
         )
         t_train = time.perf_counter() - t0 - t_gen - t_score
 

@@ -148,8 +148,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
             sums["margin"] += (rc - rr).sum().item()
             sums["chosen"] += rc.sum().item()
             sums["rejected"] += rr.sum().item()
-        grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm)
         g = {k: all_reduce_sum(v, device) / batch.global_batch_size for k, v in sums.items()}
+        grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=g["loss"], step=step + 1)
         if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
             n_seqs = sum(mb["input_ids"].size(0) for mb in micro)
             tr.record_step(

@@ -135,8 +135,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
             nll, _ = _forward_nll(model, mb)
             tr.backward(nll * world / global_targets)
             step_nll += nll.item()
-        grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm)
         step_loss = all_reduce_sum(step_nll, device) / global_targets
+        grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=step_loss, step=step + 1)
         if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
             n_rows = sum(mb["input_ids"].size(0) for mb in micro_batches)
             tr.record_step(
@@ -176,6 +176,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
             ("eval_loss", final_eval),
             ("tokens/s", last.get("tokens_per_s")),
             ("mfu", last.get("mfu")),
+            ("skipped_steps", tr.skipped_steps or None),
         )
         if v is not None
     }

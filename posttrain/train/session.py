@@ -4,6 +4,10 @@ A stage keeps its loop explicit (what a step computes is the stage's business); 
 does the rest the same way everywhere: shard the model, build optimizer and schedule, resume
 from the newest checkpoint, write the start record, take an optimizer step with clipping (and
 loss scaling for fp16), compute throughput/MFU/memory for each step, save checkpoints.
+
+Numerical guards (`posttrain.train.guard`, recipe section `guard`) live in `optimizer_step`: a
+step whose loss or gradient norm is not finite, or whose loss spikes, is not applied, and too
+many of them stop the stage.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from posttrain.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from posttrain.train.guard import StepGuard
 from posttrain.train.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger("posttrain.train")
@@ -61,6 +66,10 @@ class TrainSession:
     resume_meta: dict[str, Any] = field(default_factory=dict)
     # (n_rows, global batch, seed) of the stream `step_rows` walks: the checkpoint's data position
     data_stream: tuple[int, int, int] | None = None
+    guard: StepGuard | None = None
+    # updates skipped since the last `record_step` / the last `maybe_checkpoint` call
+    skipped_since_record: int = 0
+    skipped_since_boundary: int = 0
 
     def step_rows(self, n_rows: int, step: int, batch: ResolvedBatch, seed: int) -> list[list[int]]:
         """This rank's row indices for optimizer step `step` -> [accum][micro] (see
@@ -89,20 +98,50 @@ class TrainSession:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def optimizer_step(self, max_grad_norm: float | None) -> tuple[float, float]:
-        """Clip, step, schedule, zero. Returns (grad norm before clipping, lr used)."""
+    def optimizer_step(
+        self, max_grad_norm: float | None, *, loss: float, step: int, **record: Any
+    ) -> tuple[float, float]:
+        """Clip, check, step, schedule, zero. Returns (grad norm before clipping, lr).
+
+        `loss`: the step's loss over all ranks (callers all-reduce it: every rank must pass the
+        same value, and the clipped norm is global, so every rank takes the same decision without
+        another collective). `step`: the step number the stage logs (1-based); `record`: extra
+        fields for a guard record (online RL: which update of the rollout).
+
+        A bad step (see `posttrain.train.guard`) is skipped: gradients zeroed, neither the
+        optimizer nor the schedule stepped, so parameters and optimizer state stay bit-identical;
+        a `guard` record goes to metrics.jsonl. Raises `TooManyBadSteps` when the guard's window
+        holds too many.
+        """
+        assert self.guard is not None, "start_session sets the guard"
         if self.scaler:
             self.scaler.unscale_(self.opt)
         norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_grad_norm or float("inf"))
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         lr = self.opt.param_groups[0]["lr"]
-        if self.scaler:
-            self.scaler.step(self.opt)
-            self.scaler.update()
+        # With a loss scaler, inf/nan gradients are its overflow signal: scaler.step skips them
+        # and update() lowers the scale. The guard then judges the loss only.
+        reason = self.guard.judge(loss, norm, check_norm=self.scaler is None)
+        if reason is None:
+            if self.scaler:
+                self.scaler.step(self.opt)
+                self.scaler.update()
+            else:
+                self.opt.step()
+            self.sched.step()
         else:
-            self.opt.step()
-        self.sched.step()
+            if self.scaler:
+                # Clears unscale_'s record (the next unscale_ would refuse) and lowers the scale
+                # if the gradients overflowed; it applies nothing.
+                self.scaler.update()
+            self.skipped_since_record += 1
+            self.skipped_since_boundary += 1
+            self.metrics.write(
+                "guard", step=step, reason=reason, loss=loss, grad_norm=norm, lr=lr, **record
+            )
+            log.warning("step %d: update skipped: %s", step, reason)
         self.opt.zero_grad(set_to_none=True)
+        self.guard.commit(step, loss, reason)
         return norm, lr
 
     def record_step(
@@ -124,6 +163,8 @@ class TrainSession:
         `local_tokens` are this rank's processed (non-pad) tokens; `seq_len` their mean length.
         `flops`: this rank's FLOPs for the step when it is not one training pass over
         `local_tokens` (RL steps also generate and score); default: the training estimate.
+        Updates the guard skipped since the last record are counted in `skipped_updates`; a
+        non-finite loss is written but does not replace the last good one in the headline.
         """
         device = self.dist.device
         if device.type == "cuda":
@@ -137,13 +178,17 @@ class TrainSession:
         )
         achieved = (all_reduce_sum(flops, device) if flops is not None else fpt * tokens) / dt
         mfu = achieved / (self.peak_flops * world) if self.peak_flops else float("nan")
-        self.last = {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "tokens_per_s": tokens / dt,
-            "mfu": mfu,
-            **extra,
-        }
+        if self.skipped_since_record:
+            extra = {**extra, "skipped_updates": self.skipped_since_record}
+            self.skipped_since_record = 0
+        if math.isfinite(loss):
+            self.last = {
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "tokens_per_s": tokens / dt,
+                "mfu": mfu,
+                **extra,
+            }
         self.metrics.write(
             "train",
             step=step,
@@ -185,12 +230,21 @@ class TrainSession:
             "final_train_loss": self.last.get("loss"),
             "tokens_per_s": self.last.get("tokens_per_s"),
             "mfu": self.last.get("mfu"),
+            "skipped_steps": self.skipped_steps,
             **fields,
         }
 
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps the guard skipped in this stage (a resumed run's included)."""
+        return self.guard.skipped if self.guard else 0
+
     def headline(self, **fields: float) -> dict[str, float]:
-        """A stage's key metrics plus its last train loss and MFU, rounded for reports."""
+        """A stage's key metrics plus its last train loss and MFU, rounded for reports, and
+        `skipped_steps` when the guard skipped any (absent otherwise: nothing to report)."""
         out = {**fields, "train_loss": self.last.get("loss"), "mfu": self.last.get("mfu")}
+        if self.skipped_steps:
+            out["skipped_steps"] = self.skipped_steps
         return {k: round(v, 4) for k, v in out.items() if v is not None}
 
     def maybe_checkpoint(
@@ -199,10 +253,21 @@ class TrainSession:
         """Checkpoint every `every` steps (not after the last: the stage's output follows).
         `extra`: JSON-able stage state saved in meta.json, back as `resume_meta` on resume. The
         data position (`meta["data"]`, see `checkpoint.data_position`) is added for a stage that
-        draws its rows with `step_rows`."""
+        draws its rows with `step_rows`, and the guard's window (`meta["guard"]`) always.
+
+        Called once per logged step. No checkpoint follows a step with a skipped update: the
+        newest checkpoint is always a state reached by good updates, and a resume replays the
+        skipped step (same rows, same parameters: the same verdict)."""
+        skipped, self.skipped_since_boundary = self.skipped_since_boundary, 0
         if every and step % every == 0 and step < self.total_steps:
+            if skipped:
+                log.warning("step %d: no checkpoint after a skipped update", step)
+                return
+            extra = {**(extra or {})}
             if self.data_stream is not None:
-                extra = {"data": data_position(step, *self.data_stream), **(extra or {})}
+                extra = {"data": data_position(step, *self.data_stream), **extra}
+            if self.guard is not None:
+                extra["guard"] = self.guard.state_dict()
             save_checkpoint(self.ckpt_root, step, self.model, self.opt, self.sched, keep, extra)
 
 
@@ -240,6 +305,7 @@ def start_session(
 
         scaler = ShardedGradScaler(d.device.type)
     start_step, meta = 0, {}
+    guard = StepGuard(ctx.recipe.guard, where=f"stage {ctx.name}")
     ckpt_root = ctx.out_dir / "checkpoints"
     if done := complete_checkpoints(ckpt_root):
         meta = load_checkpoint(done[-1], model, opt, sched)
@@ -247,6 +313,7 @@ def start_session(
         log.info("resumed from %s at step %d", done[-1].name, start_step)
         if pos := meta.get("data"):
             log.info("data position: epoch %d, offset %d", pos["epoch"], pos["offset"])
+        guard.load_state_dict(meta.get("guard", {}))
     # The CPU peak is measured with torch.randn (once per process): keep it off the global RNG, or a
     # resumed run's stream (restored just above) would drift from the uninterrupted run's.
     with torch.random.fork_rng(devices=[]):
@@ -270,6 +337,8 @@ def start_session(
         peak_flops_source=peak_src,
         **start_fields,
     )
+    if getattr(ctx, "preflight", None):  # the memory pre-flight's estimate, for estimate vs peak
+        metrics.write("preflight", **ctx.preflight)
     log.info(
         "trainable params %s / %s (%.3f%%); micro %d x accum %d x dp %d = global %d; %d steps",
         f"{n_trainable:,}",
@@ -297,6 +366,7 @@ def start_session(
         peak,
         ckpt_root,
         resume_meta=meta,
+        guard=guard,
     )
 
 
