@@ -43,6 +43,7 @@ from prefect.logging import get_run_logger
 
 import posttrain
 from posttrain.artifacts import MANIFEST, ArtifactRef, ref_from_manifest, verify
+from posttrain.locking import LOCK_HELD_ENV, ArtifactLock, LockTimeout, describe_holder
 from posttrain.pipeline import PlannedStage
 
 ARTIFACT_MARKER = "POSTTRAIN_ARTIFACT "
@@ -52,6 +53,12 @@ LAUNCH_ENV_VAR = "POSTTRAIN_LAUNCH_ID"
 # ...and this one, the flow run's id: when the flow process itself is killed (a cancel that runs
 # out of grace, a crash), the flow's hooks find the run's stage processes by it.
 FLOW_RUN_ENV_VAR = "POSTTRAIN_FLOW_RUN_ID"
+# The artifact lock this thread's `supervise_stage` holds, passed to the stage process it starts
+# (LOCK_HELD_ENV) so the process does not wait for its own launcher. A context variable, not
+# os.environ: several stages may be supervised at once from threads of one process.
+_HELD_LOCK: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "posttrain_held_lock", default=None
+)
 CHILD_ENV = {
     # Stages read local folders only; a stray hub id would otherwise cost ~47 s of retries.
     "HF_HUB_OFFLINE": "1",
@@ -142,6 +149,9 @@ def child_env(launch_id: str, base: dict[str, str] | None = None) -> dict[str, s
     env = dict(os.environ if base is None else base)
     env.update(CHILD_ENV)
     env[LAUNCH_ENV_VAR] = launch_id
+    env.pop(LOCK_HELD_ENV, None)
+    if held := _HELD_LOCK.get():
+        env[LOCK_HELD_ENV] = held
     flow_run_id = current_flow_run_id()
     if flow_run_id:
         env[FLOW_RUN_ENV_VAR] = flow_run_id
@@ -486,7 +496,46 @@ def _completed_ref(stage: PlannedStage, artifact_json: str | None) -> ArtifactRe
 def supervise_stage(
     stage: PlannedStage, spec_path: Path | str, kill_grace_s: float = KILL_GRACE_S
 ) -> Outcome:
-    """Run one planned stage to completion (or reuse its artifact) and return its ref."""
+    """Run one planned stage to completion (or reuse its artifact) and return its ref.
+
+    The artifact folder's lock (`posttrain.locking`) is held from the first look at the folder
+    to the completion check, so a second run of the same stage (same fingerprint) waits for
+    the first, logging that it does, then reuses what it made; the wait counts against the
+    stage's timeout.
+    """
+    log = run_logger()
+    if node_rank() != 0:
+        # Another node's agent joins node 0's launch; the lock is node 0's to hold.
+        return _supervise(stage, spec_path, kill_grace_s)
+    lock = ArtifactLock(stage.out_dir)
+
+    def waiting(holder: dict[str, Any] | None) -> None:
+        log.info(
+            "stage %s: waiting for another run of the same stage to finish (%s holds %s)",
+            stage.name,
+            describe_holder(holder),
+            lock.path,
+        )
+
+    try:
+        waited = lock.acquire(
+            {"what": f"stage {stage.name} launcher"}, on_wait=waiting, timeout_s=stage.timeout_s
+        )
+    except LockTimeout as exc:
+        raise StageTimeout(f"stage '{stage.name}' was not started: {exc}") from None
+    token = _HELD_LOCK.set(str(lock.path))
+    try:
+        outcome = _supervise(stage, spec_path, kill_grace_s)
+    finally:
+        _HELD_LOCK.reset(token)
+        lock.release()
+    if waited:
+        log.info("stage %s: the other run is done; this one %s", stage.name, outcome.status)
+    return outcome
+
+
+def _supervise(stage: PlannedStage, spec_path: Path | str, kill_grace_s: float) -> Outcome:
+    """`supervise_stage` under the lock: reuse, or launch, watch and check the stage."""
     log = run_logger()
     ok, why = verify(stage.out_dir)
     if ok:

@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.artifacts import ArtifactRef, fingerprint, path_identity, stage_dir
+from posttrain.artifacts import (
+    ArtifactRef,
+    atomic_write_text,
+    fingerprint,
+    path_identity,
+    stage_dir,
+)
 from posttrain.config.schema import Recipe
 
 
@@ -186,5 +192,7 @@ def write_spec(stage: PlannedStage, recipe: Recipe, parent_refs: dict[str, Artif
     }
     path = stage.out_dir / "logs" / "spec.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(spec, indent=2))
+    # Atomically: a concurrent run of the same stage rewrites this file while our process (or
+    # one of its ranks) may be reading it.
+    atomic_write_text(path, json.dumps(spec, indent=2))
     return path

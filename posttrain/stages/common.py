@@ -25,6 +25,7 @@ from typing import Any
 
 from posttrain.artifacts import ArtifactRef, ref_from_manifest, verify, write_manifest
 from posttrain.config.schema import Recipe
+from posttrain.locking import stage_lock
 
 log = logging.getLogger("posttrain")
 
@@ -117,12 +118,19 @@ def stage_main(
     )
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Another run of this very stage (same fingerprint, same folder) may be at work: wait for
+    # it, then find its artifact complete. The flow's launcher holds the lock for us already.
+    lock = stage_lock(ctx.out_dir, stage, lambda: verify(ctx.out_dir)[0])
     if verify(ctx.out_dir)[0]:
         # Complete and unaltered: nothing to do (re-running would only append to its files).
         print(f"POSTTRAIN_ARTIFACT {ref_from_manifest(ctx.out_dir).model_dump_json()}", flush=True)
+        if lock is not None:
+            lock.release()
         return
-    # A manifest that no longer verifies must not outlive the re-run that replaces it.
-    (ctx.out_dir / "manifest.json").unlink(missing_ok=True)
+    # A manifest that no longer verifies must not outlive the re-run that replaces it. Rank 0
+    # only: it holds the lock, while another rank's look at the folder may predate it.
+    if os.environ.get("RANK", "0") == "0":
+        (ctx.out_dir / "manifest.json").unlink(missing_ok=True)
     try:
         if distributed:
             from posttrain.distributed.runtime import init_distributed
@@ -198,3 +206,5 @@ def stage_main(
             from posttrain.distributed.runtime import shutdown
 
             shutdown()
+        if lock is not None:
+            lock.release()

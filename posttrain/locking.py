@@ -1,0 +1,181 @@
+"""One writer per artifact folder: an exclusive `flock` on `<out_dir>.lock`.
+
+Two runs of the same recipe plan the same fingerprints, hence the same folders. Without a lock
+both would train into one folder at once (interleaved checkpoints, metrics and weights, each
+sealing the other's files in its manifest). With it, the second waits, then finds the first's
+artifact complete and reuses it.
+
+Who holds the lock, once per launch:
+  - the flow's launcher (`flows.stage_task.supervise_stage`), around verify + launch + the
+    completion check; it tells its stage process so through `LOCK_HELD_ENV`;
+  - otherwise the stage process itself (`python -m posttrain.stages.x`, `posttrain launch`):
+    rank 0 of node 0 takes it; the other ranks of node 0 wait until the lock's owner record names
+    their own torchrun launch (or the artifact is complete), so no rank touches the folder, or
+    waits in a collective with a timeout, while another run holds it.
+
+The lock file sits beside the folder, not in it: everything in the folder is sealed by the
+manifest. It is never deleted (removing a flock'ed file lets a third process lock a new inode
+while the first still holds the old one). `flock` is released by the kernel when its holder
+dies, so a killed run never leaves a stale lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+# Set by a launcher that holds the lock for the stage process it starts: the lock file's path.
+LOCK_HELD_ENV = "POSTTRAIN_ARTIFACT_LOCK"
+WAIT_LOG_EVERY_S = 60.0
+
+log = logging.getLogger("posttrain.lock")
+
+
+class LockTimeout(TimeoutError):
+    """Another run held the artifact folder's lock longer than this run was willing to wait."""
+
+
+def lock_path(out_dir: str | os.PathLike[str]) -> Path:
+    out = Path(out_dir)
+    return out.with_name(out.name + ".lock")
+
+
+def describe_holder(holder: dict[str, Any] | None) -> str:
+    if not holder:
+        return "another process"
+    return (
+        f"pid {holder.get('pid')} on {holder.get('host')} "
+        f"({holder.get('what', 'a run')}, since {holder.get('since')})"
+    )
+
+
+class ArtifactLock:
+    """Exclusive lock of one artifact folder. Not re-entrant: `flock` locks conflict between
+    two opens of the file even within one process, which is what makes two threads of one
+    process exclude each other too."""
+
+    def __init__(self, out_dir: str | os.PathLike[str]) -> None:
+        self.path = lock_path(out_dir)
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def try_acquire(self, owner: Mapping[str, Any]) -> bool:
+        """Take the lock if it is free and record `owner` in it; never blocks."""
+        assert self._fd is None, "already held"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **owner,
+        }
+        # Rewritten in place (no rename: the lock is on this inode). Readers that catch it
+        # half-written get None from `holder()` and poll again.
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        self._fd = fd
+        return True
+
+    def acquire(
+        self,
+        owner: Mapping[str, Any],
+        on_wait: Callable[[dict[str, Any] | None], None] | None = None,
+        timeout_s: float | None = None,
+        poll_s: float = 0.25,
+    ) -> bool:
+        """Take the lock, waiting for the holder; `on_wait(holder)` is called when the wait
+        starts and every WAIT_LOG_EVERY_S. Returns whether it had to wait. Raises LockTimeout
+        after `timeout_s`. Polling (not a blocking flock) keeps the wait interruptible by the
+        signals Prefect and Ctrl-C deliver."""
+        start = time.monotonic()
+        told = None
+        while not self.try_acquire(owner):
+            now = time.monotonic()
+            if told is None or now - told >= WAIT_LOG_EVERY_S:
+                if on_wait is not None:
+                    on_wait(self.holder())
+                told = now
+            if timeout_s is not None and now - start > timeout_s:
+                raise LockTimeout(
+                    f"{self.path}: still held by {describe_holder(self.holder())} after "
+                    f"{timeout_s:g} s"
+                )
+            time.sleep(poll_s)
+        return told is not None
+
+    def holder(self) -> dict[str, Any] | None:
+        """The owner record of the last holder (the current one while it is held)."""
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def stage_lock(
+    out_dir: Path,
+    stage: str,
+    complete: Callable[[], bool],
+    env: Mapping[str, str] | None = None,
+    poll_s: float = 0.25,
+) -> ArtifactLock | None:
+    """The lock a stage process must hold before touching `out_dir`, or None when it needs none.
+
+    None when a launcher holds it for this process (`LOCK_HELD_ENV`), on nodes other than 0
+    (torchrun's GROUP_RANK; their workspace may not even be the same file system), and for
+    ranks other than 0 of node 0, which instead wait here until the lock's owner record names
+    their torchrun launch (TORCHELASTIC_RUN_ID), i.e. their rank 0 holds it, or `complete()`.
+    """
+    env = os.environ if env is None else env
+    lock = ArtifactLock(out_dir)
+    if env.get(LOCK_HELD_ENV) == str(lock.path) or env.get("GROUP_RANK", "0") != "0":
+        return None
+    launch = env.get("TORCHELASTIC_RUN_ID") or f"pid-{os.getpid()}"
+    what = f"stage {stage}, launch {launch}"
+
+    def waiting(holder: dict[str, Any] | None) -> None:
+        log.info(
+            "stage %s: waiting for another run of the same stage (%s) to release %s",
+            stage,
+            describe_holder(holder),
+            lock.path,
+        )
+
+    if env.get("RANK", "0") == "0":
+        lock.acquire({"launch": launch, "what": what}, on_wait=waiting, poll_s=poll_s)
+        return lock
+    told = False
+    while True:
+        holder = lock.holder()  # cheap; `complete()` hashes files, so it comes second
+        if (holder is not None and holder.get("launch") == launch) or complete():
+            break
+        if not told:
+            waiting(holder)
+            told = True
+        time.sleep(poll_s)
+    return None

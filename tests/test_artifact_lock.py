@@ -1,0 +1,272 @@
+"""Two runs of the same stage at once: one runs, the other waits for it and reuses its artifact;
+the folder is never written by both (posttrain.locking)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flows.stage_task import supervise_stage
+from posttrain.artifacts import read_manifest, stage_dir, verify
+from posttrain.config.loader import validate_recipe
+from posttrain.locking import (
+    LOCK_HELD_ENV,
+    ArtifactLock,
+    LockTimeout,
+    lock_path,
+    stage_lock,
+)
+from posttrain.pipeline import PlannedStage, plan, write_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+FP = "0123456789abcdef"
+
+# A stage that takes about a second to write its output in pieces, so two unsynchronised runs
+# would interleave (a torn result.bin, two entries in runs.log).
+SLOW_STAGE = """
+import os
+import time
+from pathlib import Path
+
+from posttrain.stages.common import stage_main
+
+
+def run(ctx):
+    with open(os.environ["PT_RUNS_LOG"], "a") as log:
+        log.write(f"{os.getpid()}\\n")
+    with open(ctx.out_dir / "result.bin", "ab") as f:
+        for i in range(20):
+            f.write(bytes([i]) * 1000)
+            f.flush()
+            time.sleep(0.05)
+    return {"headline": {"bytes": 20000}}
+
+
+if __name__ == "__main__":
+    stage_main("ingest", run)
+"""
+
+
+@pytest.fixture
+def slow_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[PlannedStage, Path, Path]:
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "pt_slow_stage.py").write_text(SLOW_STAGE)
+    runs = tmp_path / "runs.log"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(mods), str(ROOT)]))
+    monkeypatch.setenv("PT_RUNS_LOG", str(runs))
+    workspace = tmp_path / "ws"
+    stage = PlannedStage(
+        name="ingest",
+        module="pt_slow_stage",
+        fingerprint=FP,
+        out_dir=stage_dir(workspace, "ingest", FP),
+        parents={},
+        nprocs=1,
+        timeout_s=120,
+        inputs={"section": {"source": "from_config"}},
+    )
+    recipe = validate_recipe(
+        {
+            "run": {"workspace": str(workspace)},
+            "infra": {"device": "cpu", "precision": "fp32"},
+            "ingest": {"source": "from_config"},
+            "sft": {"data": {"synthetic": {}}},
+        }
+    )
+    return stage, write_spec(stage, recipe, {}), runs
+
+
+def _intact(out_dir: Path) -> None:
+    assert verify(out_dir) == (True, "")
+    data = (out_dir / "result.bin").read_bytes()
+    assert data == b"".join(bytes([i]) * 1000 for i in range(20)), "torn or doubled output"
+
+
+def _in_threads(*calls: Any) -> list[Any]:
+    results: list[Any] = [None] * len(calls)
+
+    def run(i: int, call: Any) -> None:
+        try:
+            results[i] = call()
+        except BaseException as exc:  # reported by the assertion below
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for i, t in enumerate(threads):
+        t.start()
+        if i == 0:
+            time.sleep(0.3)  # the first one takes the lock
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(isinstance(r, BaseException) for r in results), results
+    return results
+
+
+def test_lock_excludes_a_second_holder_and_records_the_owner(tmp_path: Path) -> None:
+    out = tmp_path / "artifacts" / "sft" / FP
+    first, second = ArtifactLock(out), ArtifactLock(out)
+    assert first.path == lock_path(out) == out.with_name(f"{FP}.lock")
+    assert first.try_acquire({"what": "first"})
+    assert not second.try_acquire({"what": "second"})  # even from this same process
+    assert first.holder()["what"] == "first" and first.holder()["pid"] == os.getpid()
+    seen: list[Any] = []
+    with pytest.raises(LockTimeout, match=r"still held by pid \d+ .*\(first, since"):
+        second.acquire({}, on_wait=seen.append, timeout_s=0.3, poll_s=0.05)
+    assert seen and seen[0]["what"] == "first"
+    first.release()
+    assert second.acquire({"what": "second"}, poll_s=0.05) is False  # no wait needed
+    second.release()
+    assert not out.exists(), "the lock lives beside the folder, never in it"
+
+
+def test_a_killed_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
+    out = tmp_path / "artifacts" / "sft" / FP
+    code = (
+        "import sys, time; from posttrain.locking import ArtifactLock; "
+        f"assert ArtifactLock({str(out)!r}).try_acquire({{}}); print('held', flush=True); "
+        "time.sleep(60)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        assert not ArtifactLock(out).try_acquire({})
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        lock = ArtifactLock(out)
+        assert lock.acquire({}, timeout_s=5, poll_s=0.05) is False
+        lock.release()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_torchrun_ranks_wait_for_their_own_rank_0(tmp_path: Path) -> None:
+    """Rank 1 of launch B must not touch the folder while launch A holds it, nor proceed before
+    its own rank 0 has it; a launcher's child and other nodes take no lock at all."""
+    out = tmp_path / "artifacts" / "sft" / FP
+    other_run = ArtifactLock(out)
+    assert other_run.try_acquire({"launch": "A"})
+    order: list[str] = []
+    got: dict[str, Any] = {}
+
+    def rank(r: int) -> None:
+        env = {"RANK": str(r), "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "B"}
+        got[r] = stage_lock(out, "sft", lambda: False, env=env, poll_s=0.02)
+        order.append(f"rank{r}")
+
+    r1 = threading.Thread(target=rank, args=(1,))
+    r1.start()
+    time.sleep(0.2)
+    r0 = threading.Thread(target=rank, args=(0,))
+    r0.start()
+    time.sleep(0.3)
+    assert order == [], "both ranks of launch B wait while launch A holds the folder"
+    other_run.release()
+    r0.join(5)
+    r1.join(5)
+    assert sorted(order) == ["rank0", "rank1"]
+    assert isinstance(got[0], ArtifactLock) and got[0].held and got[1] is None
+    assert got[0].holder()["launch"] == "B"
+    got[0].release()
+    # A complete artifact also releases a waiting rank (its rank 0 found it done and left).
+    assert other_run.try_acquire({"launch": "C"})
+    env1 = {"RANK": "1", "TORCHELASTIC_RUN_ID": "B"}
+    assert stage_lock(out, "sft", lambda: True, env=env1) is None
+    # Under the flow's launcher, and on other nodes: no lock, no wait.
+    assert stage_lock(out, "sft", lambda: False, env={LOCK_HELD_ENV: str(lock_path(out))}) is None
+    assert stage_lock(out, "sft", lambda: False, env={"GROUP_RANK": "1"}) is None
+    other_run.release()
+
+
+def test_two_launchers_at_once_one_runs_the_other_reuses(
+    slow_stage: tuple[PlannedStage, Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    stage, spec, runs = slow_stage
+    caplog.set_level(logging.INFO, logger="posttrain.flows")
+    first, second = _in_threads(
+        lambda: supervise_stage(stage, spec), lambda: supervise_stage(stage, spec)
+    )
+    assert (first.status, second.status) == ("ran", "reused")
+    assert first.ref == second.ref
+    assert len(runs.read_text().split()) == 1, "the stage ran once"
+    log = (stage.out_dir / "logs" / "stage.log").read_text()
+    assert log.count("=== ") == 1, "the second launcher started no process"
+    assert "waiting for another run of the same stage to finish" in caplog.text
+    assert "stage ingest launcher" in caplog.text
+    _intact(stage.out_dir)
+
+
+def test_two_hand_launched_stage_processes_at_once(
+    slow_stage: tuple[PlannedStage, Path, Path],
+) -> None:
+    """`python -m <stage> --spec ...` twice, no launcher: the stage processes lock themselves."""
+    stage, spec, runs = slow_stage
+    cmd = [sys.executable, "-m", stage.module, "--spec", str(spec)]
+    env = {k: v for k, v in os.environ.items() if k != LOCK_HELD_ENV}
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not runs.exists() and time.monotonic() < deadline:  # it holds the lock and writes
+        time.sleep(0.05)
+    second = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out1, _ = first.communicate(timeout=120)
+    out2, _ = second.communicate(timeout=120)
+    assert (first.returncode, second.returncode) == (0, 0), (out1, out2)
+    assert len(runs.read_text().split()) == 1, "the stage ran once"
+    assert b"waiting for another run of the same stage" in out2
+    refs = [
+        json.loads(line.split(b"POSTTRAIN_ARTIFACT ", 1)[1])
+        for line in (out1 + out2).splitlines()
+        if b"POSTTRAIN_ARTIFACT " in line
+    ]
+    assert len(refs) == 2 and refs[0] == refs[1]
+    _intact(stage.out_dir)
+
+
+def test_two_real_ingest_runs_at_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The real ingest stage (from_config, tiny) launched twice at once through the launcher."""
+    recipe = validate_recipe(
+        {
+            "run": {"workspace": str(tmp_path / "ws")},
+            "infra": {"device": "cpu", "precision": "fp32", "devices_per_node": 1},
+            "ingest": {
+                "source": "from_config",
+                "from_config": {
+                    "hidden_size": 32,
+                    "num_layers": 1,
+                    "num_heads": 2,
+                    "intermediate_size": 64,
+                    "vocab_size": 300,
+                    "max_position_embeddings": 64,
+                    "corpus_examples": 100,
+                },
+            },
+            "sft": {"data": {"synthetic": {}}},
+        }
+    )
+    ingest = plan(recipe)[0]
+    spec = write_spec(ingest, recipe, {})
+    caplog.set_level(logging.INFO, logger="posttrain.flows")
+    first, second = _in_threads(
+        lambda: supervise_stage(ingest, spec), lambda: supervise_stage(ingest, spec)
+    )
+    assert (first.status, second.status) == ("ran", "reused")
+    assert first.ref == second.ref and verify(ingest.out_dir) == (True, "")
+    log = (ingest.out_dir / "logs" / "stage.log").read_text()
+    assert log.count("=== ") == 1
+    manifest = read_manifest(ingest.out_dir)
+    assert manifest is not None and manifest["summary"]["num_params"] > 0
+    assert "waiting for another run of the same stage to finish" in caplog.text
