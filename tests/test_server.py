@@ -194,44 +194,57 @@ def test_scheduled_deployment_has_upcoming_runs_in_its_time_zone(served: dict) -
         assert (local.hour, local.minute) == (3, 0), local
 
 
+HOLD_DEVICES = """
+import sys
+from flows.devices import ensure_device_limit, hold_devices
+ensure_device_limit(sys.argv[1])
+with hold_devices(sys.argv[1]):
+    print("held", flush=True)
+    sys.stdin.read()  # until the test closes our stdin
+"""
+
+
 def test_submitted_run_waits_for_the_devices_then_completes(
     served: dict, prefect_server: Any
 ) -> None:
-    from prefect.concurrency.sync import concurrency
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from flows.devices import device_set_name, ensure_device_limit
+    from flows.devices import device_set_name
     from posttrain.config.loader import load_recipe
 
     recipe_path = served["recipes"][SERVED]
-    recipe = load_recipe(recipe_path)
-    slot = device_set_name(recipe)
+    slot = device_set_name(load_recipe(recipe_path))
     client = served["client"]
-    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
-        ensure_device_limit(slot)
-        # Another holder (as a second run would be) has the devices: the run must wait.
-        with concurrency(slot, occupy=1, strict=True):
-            out = subprocess.run(
-                [*POSTTRAIN, "submit", str(recipe_path)],
-                env=prefect_server.env,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            assert out.returncode == 0, out.stderr
-            url = out.stdout.strip().splitlines()[-1]
-            assert url.startswith(f"{prefect_server.ui_url}/runs/flow-run/"), url
-            run_id = url.rsplit("/", 1)[1]
-            _wait(
-                "the run to start",
-                lambda: client.read_flow_run(run_id).state.name == "Running",
-                120,
-            )
-            time.sleep(8)  # long enough for an unguarded ingest to have started
-            assert client.read_flow_run(run_id).state.name == "Running"
-            assert _flow_run_processes(run_id) == [], "a stage started without the devices"
-            limit = client.read_global_concurrency_limit_by_name(slot)
-            assert (limit.limit, limit.active_slots) == (1, 1)
+    # Another holder (as a second run would be) has the devices: the run must wait. It is a
+    # process of its own, bound to this server only by its environment, as a second run is.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_DEVICES, slot],
+        cwd=ROOT,
+        env=prefect_server.env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        out = subprocess.run(
+            [*POSTTRAIN, "submit", str(recipe_path)],
+            env=prefect_server.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        url = out.stdout.strip().splitlines()[-1]
+        assert url.startswith(f"{prefect_server.ui_url}/runs/flow-run/"), url
+        run_id = url.rsplit("/", 1)[1]
+        _wait("the run to start", lambda: client.read_flow_run(run_id).state.name == "Running", 120)
+        time.sleep(8)  # long enough for an unguarded ingest to have started
+        assert client.read_flow_run(run_id).state.name == "Running"
+        assert _flow_run_processes(run_id) == [], "a stage started without the devices"
+        limit = client.read_global_concurrency_limit_by_name(slot)
+        assert (limit.limit, limit.active_slots) == (1, 1)
+    finally:
+        holder.communicate(timeout=30)  # closing stdin releases the slot
+    assert holder.returncode == 0
     run = _wait(
         "the run to finish",
         lambda: (r := client.read_flow_run(run_id)).state.is_final() and r,
