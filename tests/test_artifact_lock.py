@@ -31,8 +31,9 @@ from posttrain.pipeline import PlannedStage, plan, write_spec
 ROOT = Path(__file__).resolve().parents[1]
 FP = "0123456789abcdef"
 
-# A stage that takes about a second to write its output in pieces, so two unsynchronised runs
-# would interleave (a torn result.bin, two entries in runs.log).
+# A stage that writes its output in pieces, so two unsynchronised runs would interleave (a torn
+# result.bin, two entries in runs.log). It starts writing only once $PT_RELEASE exists, so the
+# test can first see the second run waiting, however slowly the machine starts processes.
 SLOW_STAGE = """
 import os
 import time
@@ -44,6 +45,9 @@ from posttrain.stages.common import stage_main
 def run(ctx):
     with open(os.environ["PT_RUNS_LOG"], "a") as log:
         log.write(f"{os.getpid()}\\n")
+    release, deadline = Path(os.environ["PT_RELEASE"]), time.monotonic() + 120
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     with open(ctx.out_dir / "result.bin", "ab") as f:
         for i in range(20):
             f.write(bytes([i]) * 1000)
@@ -65,6 +69,7 @@ def slow_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Planned
     runs = tmp_path / "runs.log"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(mods), str(ROOT)]))
     monkeypatch.setenv("PT_RUNS_LOG", str(runs))
+    monkeypatch.setenv("PT_RELEASE", str(tmp_path / "release"))
     workspace = tmp_path / "ws"
     stage = PlannedStage(
         name="ingest",
@@ -93,7 +98,14 @@ def _intact(out_dir: Path) -> None:
     assert data == b"".join(bytes([i]) * 1000 for i in range(20)), "torn or doubled output"
 
 
-def _in_threads(*calls: Any) -> list[Any]:
+def _wait_for(what: str, check: Any, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _in_threads(*calls: Any, before_join: Any = None) -> list[Any]:
     results: list[Any] = [None] * len(calls)
 
     def run(i: int, call: Any) -> None:
@@ -107,6 +119,8 @@ def _in_threads(*calls: Any) -> list[Any]:
         t.start()
         if i == 0:
             time.sleep(0.3)  # the first one takes the lock
+    if before_join is not None:
+        before_join()
     for t in threads:
         t.join(timeout=120)
     assert not any(isinstance(r, BaseException) for r in results), results
@@ -197,8 +211,15 @@ def test_two_launchers_at_once_one_runs_the_other_reuses(
 ) -> None:
     stage, spec, runs = slow_stage
     caplog.set_level(logging.INFO, logger="posttrain.flows")
+
+    def release_once_the_second_waits() -> None:
+        _wait_for("the second launcher to wait", lambda: "waiting for another run" in caplog.text)
+        (runs.parent / "release").touch()
+
     first, second = _in_threads(
-        lambda: supervise_stage(stage, spec), lambda: supervise_stage(stage, spec)
+        lambda: supervise_stage(stage, spec),
+        lambda: supervise_stage(stage, spec),
+        before_join=release_once_the_second_waits,
     )
     assert (first.status, second.status) == ("ran", "reused")
     assert first.ref == second.ref
@@ -217,13 +238,22 @@ def test_two_hand_launched_stage_processes_at_once(
     stage, spec, runs = slow_stage
     cmd = [sys.executable, "-m", stage.module, "--spec", str(spec)]
     env = {k: v for k, v in os.environ.items() if k != LOCK_HELD_ENV}
-    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while not runs.exists() and time.monotonic() < deadline:  # it holds the lock and writes
-        time.sleep(0.05)
-    second = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out1, _ = first.communicate(timeout=120)
-    out2, _ = second.communicate(timeout=120)
+    logs = [runs.parent / "first.log", runs.parent / "second.log"]
+    with open(logs[0], "wb") as log1, open(logs[1], "wb") as log2:
+        first = subprocess.Popen(cmd, env=env, stdout=log1, stderr=subprocess.STDOUT)
+        _wait_for("the first run to hold the lock", runs.exists)  # it runs: it holds the lock
+        second = subprocess.Popen(cmd, env=env, stdout=log2, stderr=subprocess.STDOUT)
+        try:
+            _wait_for("the second run to wait", lambda: b"waiting for" in logs[1].read_bytes())
+            (runs.parent / "release").touch()
+            first.wait(timeout=120)
+            second.wait(timeout=120)
+        finally:
+            for p in (first, second):
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    out1, out2 = (p.read_bytes() for p in logs)
     assert (first.returncode, second.returncode) == (0, 0), (out1, out2)
     assert len(runs.read_text().split()) == 1, "the stage ran once"
     assert b"waiting for another run of the same stage" in out2
