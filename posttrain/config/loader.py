@@ -42,15 +42,69 @@ def format_validation_error(err: ValidationError) -> list[str]:
     return lines
 
 
+# A recipe is a few hundred values, five levels deep. YAML aliases can make a structure that
+# refers to itself (`&a [*a]`) or expands exponentially ("billion laughs"): either would hang
+# or crash validation, so a parsed value is walked once, with both bounds, before anything else.
+MAX_VALUES = 100_000
+MAX_DEPTH = 64
+
+
+def check_plain(value: Any, where: str) -> list[str]:
+    """Errors for a value too deep, recursive or large to be a recipe (aliases expanded)."""
+    stack, seen = [(value, 0)], 0
+    while stack:
+        node, depth = stack.pop()
+        seen += 1
+        if depth > MAX_DEPTH:
+            return [f"{where}: nested more than {MAX_DEPTH} levels deep (a recursive YAML alias?)"]
+        if seen > MAX_VALUES:
+            return [f"{where}: more than {MAX_VALUES} values once YAML aliases are expanded"]
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list | tuple | set):
+            stack.extend((v, depth + 1) for v in node)
+    return []
+
+
+def _bracket_depth(text: str) -> int:
+    depth = deepest = 0
+    for c in text:
+        if c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def _safe_yaml(text: str) -> Any:
+    """yaml.safe_load, whose errors besides YAMLError (a date like 2023-02-30, nesting deeper
+    than the parser's recursion) become YAMLError too."""
+    # The pure-Python parser recurses per level: "[" * 3000 costs ~2 s before RecursionError.
+    # Counting brackets (quoted ones too) over-estimates, which only matters far past MAX_DEPTH.
+    if _bracket_depth(text) > 2 * MAX_DEPTH:
+        raise yaml.YAMLError(f"brackets nested more than {2 * MAX_DEPTH} deep")
+    try:
+        return yaml.safe_load(text)
+    except RecursionError:
+        raise yaml.YAMLError("nested too deeply") from None
+    except (ValueError, OverflowError) as exc:
+        raise yaml.YAMLError(f"{type(exc).__name__}: {exc}") from None
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
     """`sft.optim.lr=1e-4` -> (["sft", "optim", "lr"], 0.0001). Values are parsed as YAML."""
     key, sep, raw = item.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise RecipeError([f"override {item!r}: expected key.path=value"], "overrides")
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = _safe_yaml(raw) if raw != "" else ""
     except yaml.YAMLError as exc:
-        raise RecipeError([f"{key}: cannot parse value {raw!r}: {exc}"], "overrides") from exc
+        raise RecipeError(
+            [f"{key}: cannot parse value {raw[:200]!r}: {exc}"], "overrides"
+        ) from None
+    if errors := check_plain(value, key):
+        raise RecipeError(errors, "overrides")
     if isinstance(value, str):
         # YAML 1.1 reads "1e-4" (no dot) as a string; on a command line it means a number.
         with contextlib.suppress(ValueError):
@@ -83,13 +137,19 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not p.is_file():
         raise RecipeError([f"{p}: no such recipe file"], str(p))
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        data = _safe_yaml(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise RecipeError(
+            [f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})"], str(p)
+        ) from None
     except yaml.YAMLError as exc:
-        raise RecipeError([f"{p}: not valid YAML: {exc}"], str(p)) from exc
+        raise RecipeError([f"{p}: not valid YAML: {exc}"], str(p)) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise RecipeError([f"{p}: top level must be a mapping of sections"], str(p))
+    if errors := check_plain(data, str(p)):
+        raise RecipeError(errors, str(p))
     return data
 
 
@@ -106,7 +166,7 @@ def secret_errors(data: Any) -> list[str]:
 
 
 def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
-    if errors := secret_errors(data):
+    if errors := check_plain(data, source) or secret_errors(data):
         raise RecipeError(errors, source)
     try:
         return Recipe.model_validate(data)
@@ -183,6 +243,16 @@ def _inside(path: Path, root: Path) -> bool:
     return path == root or path.is_relative_to(root)
 
 
+def _real(value: str, where: str, errors: list[str]) -> Path | None:
+    """`value` made absolute with `~` expanded and symlinks resolved; None (and an error line)
+    when it cannot be: a NUL byte, `~user` of no such user, a name too long for the system."""
+    try:
+        return Path(value).expanduser().resolve()
+    except (RuntimeError, ValueError, OSError) as exc:
+        errors.append(f"{where}: {value[:200]!r} is not a usable path ({exc})")
+        return None
+
+
 def resolve_paths(recipe: Recipe, recipe_dir: str | os.PathLike[str] | None = None) -> Recipe:
     """A copy with the workspace and every data/model path absolute (against the current
     directory), symlinks resolved. What `posttrain serve`/`submit` send: paths are the sender's,
@@ -197,14 +267,24 @@ def resolve_paths(recipe: Recipe, recipe_dir: str | os.PathLike[str] | None = No
     """
     r = recipe.model_copy(deep=True)
     cwd = Path.cwd().resolve()
-    r.run.workspace = str(Path(r.run.workspace).expanduser().resolve())
-    explicit = [Path(p).expanduser().resolve() for p in r.run.allowed_paths]
+    errors: list[str] = []
+    workspace = _real(r.run.workspace, "run.workspace", errors)
+    explicit = [
+        x
+        for i, p in enumerate(r.run.allowed_paths)
+        if (x := _real(p, f"run.allowed_paths.{i}", errors)) is not None
+    ]
+    if workspace is None or len(explicit) < len(r.run.allowed_paths):
+        raise RecipeError(errors)
+    r.run.workspace = str(workspace)
     implicit = [cwd] if recipe_dir is None else [Path(recipe_dir).resolve(), cwd]
-    roots = [Path(r.run.workspace), *explicit]
-    errors, needed = [], []
+    roots = [workspace, *explicit]
+    needed: list[Path] = []
     for where, value in input_paths(r).items():
+        resolved = _real(value, where, errors)
+        if resolved is None:
+            continue
         given = Path(value).expanduser()
-        resolved = given.resolve()
         root = next((x for x in [*roots, *implicit] if _inside(resolved, x)), None)
         if root is None:
             via = "" if value == str(resolved) else f" (given as {value}"

@@ -665,8 +665,8 @@ class ScheduleConfig(_Section):
     def _known_zone(cls, value: str) -> str:
         try:
             ZoneInfo(value)
-        except (ZoneInfoNotFoundError, ValueError):
-            raise ValueError(f"unknown time zone {value!r} (use an IANA name)") from None
+        except (ZoneInfoNotFoundError, ValueError, OSError):  # OSError: a name too long
+            raise ValueError(f"unknown time zone {value[:100]!r} (use an IANA name)") from None
         return value
 
 
