@@ -9,7 +9,10 @@ need to be killed; the flow process stays light and outlives it. Supervision mea
   - limits: the stage timeout is enforced, and on timeout, failure, cancel or any exception in
     this process the stage's whole process tree is terminated. Prefect's cancel only kills the
     flow process, and torchrun starts each worker in a session of its own, so killing our child's
-    process group is not enough: every process carrying this launch's marker is killed too.
+    process group is not enough: every process carrying this launch's marker is killed too;
+  - hangs: a training stage whose ranks' heartbeats all stop for `infra.hang_timeout_s` gets its
+    ranks' Python stacks dumped (SIGUSR1 -> faulthandler) into logs/stacks-rank<k>.txt, is killed,
+    and fails with `StageHung` naming the rank that is behind.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import posttrain
 from posttrain.artifacts import MANIFEST, ArtifactRef, ref_from_manifest, verify
 from posttrain.locking import LOCK_HELD_ENV, ArtifactLock, LockTimeout, describe_holder
 from posttrain.pipeline import PlannedStage
+from posttrain.telemetry.heartbeat import Hang, HangWatch, stack_file
 
 ARTIFACT_MARKER = "POSTTRAIN_ARTIFACT "
 # Every process of one launch inherits this variable, so stray ranks can be found and killed
@@ -70,6 +74,10 @@ CHILD_ENV = {
 TAIL_LINES = 30
 KILL_GRACE_S = 10.0
 PROGRESS_INTERVAL_S = 2.0
+# How long the ranks get to write their stacks after SIGUSR1 (faulthandler writes from the
+# signal handler itself, so this is normally a few milliseconds).
+STACK_DUMP_WAIT_S = 5.0
+STACK_EXCERPT_LINES = 40
 
 
 class StageFailed(RuntimeError):
@@ -78,6 +86,16 @@ class StageFailed(RuntimeError):
 
 class StageTimeout(StageFailed):
     """A stage ran past its `infra.timeouts.<stage>` limit and was killed."""
+
+
+class StageHung(StageFailed):
+    """No rank of a training stage beat its heartbeat for `infra.hang_timeout_s`; its stacks
+    were dumped and it was killed."""
+
+    def __init__(self, message: str, hang: Hang, stack_files: list[Path]):
+        super().__init__(message)
+        self.hang = hang
+        self.stack_files = stack_files
 
 
 # --- command and environment -------------------------------------------------------------------
@@ -444,6 +462,63 @@ def artifact_key(text: str) -> str:
     return "-".join(part for part in key.split("-") if part) or "stage"
 
 
+def dump_stacks(
+    proc: subprocess.Popen[str],
+    launch_id: str,
+    hang: Hang,
+    out_dir: Path,
+    wait_s: float = STACK_DUMP_WAIT_S,
+) -> list[Path]:
+    """SIGUSR1 to every rank that announced its PID in a beat and is still a process of this
+    launch, then wait until their stack files stop growing. Only those: they registered
+    faulthandler, while SIGUSR1 kills a process that did not (torchrun's agent, a helper).
+    Returns the stack files of the ranks signalled."""
+    ours = {p.pid: p for p in stage_processes(proc, launch_id)}
+    files = []
+    for r in hang.ranks:
+        if r.pid in ours:
+            with contextlib.suppress(psutil.Error):
+                ours[r.pid].send_signal(signal.SIGUSR1)
+                files.append(stack_file(out_dir, r.rank))
+    deadline = time.monotonic() + wait_s
+    sizes: list[int] = []
+    while files and time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = [f.stat().st_size if f.exists() else 0 for f in files]
+        if all(now) and now == sizes:
+            break
+        sizes = now
+    return files
+
+
+def _hang_message(
+    stage: PlannedStage, hang: Hang, files: list[Path], log_path: Path, tail: str
+) -> str:
+    behind = hang.behind
+    where = (
+        "stopped before beating"
+        if behind.silent_s is None
+        else (
+            f"is behind: last beat at step {behind.step} (phase {behind.phase}), "
+            f"{behind.silent_s:.0f} s ago"
+        )
+    )
+    text = (
+        f"stage '{stage.name}' hung: no rank's heartbeat advanced for {hang.limit_s:g} s "
+        f"(infra.hang_timeout_s {stage.hang_timeout_s:g}); rank {behind.rank} {where}. "
+        f"Ranks: {hang.describe()}. The stage was killed with its process group. "
+    )
+    if files:
+        text += "Python stacks (SIGUSR1): " + ", ".join(str(f) for f in files) + "."
+        mine = stack_file(stage.out_dir, behind.rank)
+        if mine in files and mine.exists():
+            lines = mine.read_text(errors="replace").splitlines()[:STACK_EXCERPT_LINES]
+            text += f"\n--- rank {behind.rank}'s stacks ---\n" + "\n".join(lines)
+    else:
+        text += "No rank process was left to dump its stacks."
+    return f"{text}\nLog: {log_path}\n--- end of the log ---\n{tail}"
+
+
 def _signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -558,6 +633,13 @@ def _supervise(stage: PlannedStage, spec_path: Path | str, kill_grace_s: float) 
     progress = ProgressArtifact(stage.name)
     log.info("stage %s: %s", stage.name, shlex.join(cmd))
     timed_out = False
+    watch = hang = None
+    stacks: list[Path] = []
+    if stage.hang_timeout_s:
+        # Ranks of other nodes beat there; only this node's can be expected here.
+        local = tuple(range(stage.nprocs)) if stage.nnodes <= 1 else ()
+        watch = HangWatch(stage.out_dir, stage.hang_timeout_s, stage.hang_startup_s, local)
+        watch.clear()  # an earlier launch's beats must not count as this one's
     with open(log_path, "a", encoding="utf-8") as log_file:
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         log_file.write(f"=== {started} launch {launch_id}: {shlex.join(cmd)}\n")
@@ -582,6 +664,15 @@ def _supervise(stage: PlannedStage, spec_path: Path | str, kill_grace_s: float) 
                     timed_out = True
                     log.error("stage %s: timeout after %.0f s", stage.name, stage.timeout_s)
                     break
+                if watch is not None and (hang := watch.poll()) is not None:
+                    log.error(
+                        "stage %s: no heartbeat for %.0f s (%s); dumping stacks",
+                        stage.name,
+                        hang.limit_s,
+                        hang.describe(),
+                    )
+                    stacks = dump_stacks(proc, launch_id, hang, stage.out_dir)
+                    break
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=0.5)
         finally:
@@ -593,6 +684,8 @@ def _supervise(stage: PlannedStage, spec_path: Path | str, kill_grace_s: float) 
             metrics.stop()
 
     tail = pump.tail_text()
+    if hang is not None:
+        raise StageHung(_hang_message(stage, hang, stacks, log_path, tail), hang, stacks)
     if timed_out:
         raise StageTimeout(
             f"stage '{stage.name}' timed out after {stage.timeout_s:g} s "

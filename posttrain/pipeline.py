@@ -147,6 +147,10 @@ class PlannedStage:
     inputs: dict[str, Any] = field(repr=False, default_factory=dict)
     nnodes: int = 1
     rdzv_endpoint: str | None = None
+    # Hang watch (training stages only; see flows.stage_task.supervise_stage): seconds without
+    # any rank's heartbeat advancing, plus the allowance before the training loop's first beat.
+    hang_timeout_s: float | None = None
+    hang_startup_s: float = 0.0
 
 
 def plan(recipe: Recipe) -> list[PlannedStage]:
@@ -162,6 +166,8 @@ def plan(recipe: Recipe) -> list[PlannedStage]:
         fps[s.name] = fp
         nprocs = int(recipe.infra.devices_per_node) if s.distributed else 1
         nnodes = recipe.infra.nnodes if s.distributed else 1
+        # Only training stages beat regularly; ingest's warm-up, evaluate and export do not.
+        trains = s.name in ("sft", "reward", *POLICY_STAGES)
         out.append(
             PlannedStage(
                 name=s.name,
@@ -174,6 +180,8 @@ def plan(recipe: Recipe) -> list[PlannedStage]:
                 inputs=inputs,
                 nnodes=nnodes,
                 rdzv_endpoint=recipe.infra.rdzv_endpoint if nnodes > 1 else None,
+                hang_timeout_s=recipe.infra.hang_timeout_s if trains else None,
+                hang_startup_s=recipe.infra.hang_startup_s,
             )
         )
     return out

@@ -94,3 +94,73 @@ def write_stage_modules(folder: Path, stages: tuple[str, ...] = ("ingest",)) -> 
     for stage in stages:
         for kind, template in (("ok", OK), ("fail", FAIL), ("hang", HANG)):
             (folder / f"pt_{kind}_{stage}.py").write_text(template.format(stage=stage))
+
+
+# A 2-rank stage whose rank 1 stops beating at step STUCK_AT: it passes that step's collective,
+# then blocks in `wait_for_nothing_forever` before its beat, so its last beat is step
+# STUCK_AT - 1, while rank 0 beats STUCK_AT and then waits in the next step's collective. Each
+# rank writes "<parent pid> <pid>" to $PT_PIDS_FILE<local rank> once it runs.
+STUCK = """
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from posttrain.stages.common import stage_main
+from posttrain.telemetry import heartbeat
+
+STUCK_AT = 3
+
+
+def wait_for_nothing_forever():
+    while True:
+        time.sleep(0.5)
+
+
+def run(ctx):
+    path = Path(os.environ["PT_PIDS_FILE"] + os.environ.get("LOCAL_RANK", ""))
+    path.with_suffix(".tmp").write_text(f"{{os.getppid()}} {{os.getpid()}}")
+    path.with_suffix(".tmp").rename(path)
+    heartbeat.beat(step=0, phase="train")
+    for step in range(1, 1000):
+        dist.all_reduce(torch.ones(1))  # every rank must reach it
+        if ctx.rank == 1 and step == STUCK_AT:
+            wait_for_nothing_forever()
+        heartbeat.beat(step=step, phase="train")
+        time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    stage_main({stage!r}, run, distributed=True)
+"""
+
+# A healthy but slow stage: a silent startup (phase "start") of $PT_STARTUP_S seconds, then beats
+# every $PT_BEAT_S seconds for $PT_STEPS steps, then done.
+SLOW_BEATS = """
+import os
+import time
+
+from posttrain.stages.common import stage_main
+from posttrain.telemetry import heartbeat
+
+
+def run(ctx):
+    time.sleep(float(os.environ["PT_STARTUP_S"]))
+    for step in range(1, int(os.environ["PT_STEPS"]) + 1):
+        time.sleep(float(os.environ["PT_BEAT_S"]))
+        heartbeat.beat(step=step, phase="train")
+    return {{"headline": {{"steps": step}}}}
+
+
+if __name__ == "__main__":
+    stage_main({stage!r}, run)
+"""
+
+
+def write_heartbeat_modules(folder: Path, stage: str = "sft") -> None:
+    """Write `pt_stuck_<stage>` (2 ranks, rank 1 hangs) and `pt_slowbeats_<stage>`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for kind, template in (("stuck", STUCK), ("slowbeats", SLOW_BEATS)):
+        (folder / f"pt_{kind}_{stage}.py").write_text(template.format(stage=stage))

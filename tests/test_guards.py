@@ -1,22 +1,29 @@
-"""Numerical guards, each triggered for real.
+"""Numerical guards and the hang watchdog, each triggered for real.
 
-- StepGuard bookkeeping: pure, hand-computed (fast).
+- StepGuard / HangWatch bookkeeping: pure, hand-computed (fast).
 - TrainSession.optimizer_step on a real tiny LoRA model in a real (world of one) process group:
   a NaN step and a loss spike leave parameters, optimizer state and schedule bit-identical.
 - A real SFT stage with an absurd learning rate (1e20: after one update the LoRA product
   overflows fp32, so the forward returns NaN): updates skipped, stopped after
   max_bad_steps + 1, the checkpoint from before the blow-up untouched and resumable.
+- supervise_stage against stage modules using the real heartbeat + faulthandler: a 2-rank
+  torchrun stage whose rank 1 blocks is dumped, killed and reported; a slow healthy one is not.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+from stage_modules import write_heartbeat_modules
 
 from posttrain.config.schema import GuardConfig, Recipe
+from posttrain.telemetry.heartbeat import HangWatch, Heartbeat, read_heartbeats
 from posttrain.train.guard import StepGuard, TooManyBadSteps
 from tests.stage_helpers import TINY, planned_dir, run_inprocess, write_recipe
 
@@ -126,6 +133,61 @@ def test_fingerprints_carry_the_spike_test_only() -> None:
     assert spiky["sft"] != base["sft"]
 
 
+# --- HangWatch: fake clock, real beat files ----------------------------------------------------
+
+
+def test_hang_settings_reach_training_stages_only() -> None:
+    from posttrain.pipeline import plan
+
+    with pytest.raises(ValueError, match="hang_timeout_s"):
+        Recipe.model_validate({**TINY, "infra": {"hang_timeout_s": 0}})
+    planned = {s.name: s for s in plan(Recipe.model_validate(copy.deepcopy(TINY)))}
+    assert planned["sft"].hang_timeout_s == 1800 and planned["sft"].hang_startup_s == 1800
+    assert planned["ingest"].hang_timeout_s is None  # no beats during the warm-up
+    assert planned["evaluate"].hang_timeout_s is None
+    off = Recipe.model_validate({**copy.deepcopy(TINY), "infra": {"hang_timeout_s": None}})
+    assert all(s.hang_timeout_s is None for s in plan(off))
+
+
+def test_hang_watch_arms_at_first_beat_and_names_the_rank_behind(tmp_path: Path) -> None:
+    watch = HangWatch(tmp_path, timeout_s=10, startup_s=100, expected_ranks=(0, 1))
+    assert watch.poll(now=0.0) is None
+    assert watch.poll(now=1e6) is None  # no beat yet: not armed
+    r0, r1 = Heartbeat(tmp_path, 0), Heartbeat(tmp_path, 1)
+    r0.beat(phase="start")
+    assert watch.poll(now=1000.0) is None
+    # rank 1 never beat: still starting, so timeout + startup allowance
+    assert watch.poll(now=1000.0 + 105) is None
+    hang = watch.poll(now=1000.0 + 111)
+    assert hang is not None and hang.behind.rank == 1 and hang.behind.silent_s is None
+
+    r1.beat(phase="start")
+    assert watch.poll(now=2000.0) is None
+    r0.beat(step=0, phase="train")
+    r1.beat(step=0, phase="train")
+    assert watch.poll(now=2001.0) is None
+    r1.beat(step=1)
+    r0.beat(step=1)
+    assert watch.poll(now=2002.0) is None
+    r0.beat(step=2)  # rank 0 one step further, then both go quiet
+    assert watch.poll(now=2003.0) is None
+    assert watch.poll(now=2012.9) is None  # 9.9 s since the last change
+    hang = watch.poll(now=2013.5)
+    assert hang is not None and hang.limit_s == 10
+    assert [(r.rank, r.step, r.phase) for r in hang.ranks] == [(1, 1, "train"), (0, 2, "train")]
+    assert hang.ranks[0].silent_s == pytest.approx(11.5)
+    assert hang.ranks[0].pid == os.getpid()
+    assert "rank 1 at step 1 (phase train), silent 11.5 s" in hang.describe()
+
+
+def test_hang_watch_ignores_an_earlier_launch(tmp_path: Path) -> None:
+    Heartbeat(tmp_path, 0).beat(step=7, phase="train")
+    watch = HangWatch(tmp_path, timeout_s=1)
+    watch.clear()
+    assert read_heartbeats(tmp_path) == {}
+    assert watch.poll(now=0.0) is None and watch.poll(now=100.0) is None
+
+
 # --- TrainSession on a real tiny model ---------------------------------------------------------
 
 
@@ -138,6 +200,7 @@ def _tiny_session(tmp_path: Path, guard: dict):
     from posttrain.distributed.runtime import init_distributed
     from posttrain.models.lora import apply_lora
     from posttrain.stages.common import StageContext
+    from posttrain.telemetry import heartbeat
     from posttrain.train.session import start_session
 
     data = copy.deepcopy(TINY)
@@ -148,6 +211,7 @@ def _tiny_session(tmp_path: Path, guard: dict):
     ctx = StageContext("sft", "f" * 16, tmp_path / "out", recipe, {}, {})
     ctx.out_dir.mkdir()
     ctx.dist = init_distributed("cpu", 60, 1)
+    heartbeat.start(ctx.out_dir, 0)
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=64,
@@ -190,6 +254,7 @@ def _same(a: dict, b: dict) -> bool:
 
 def test_session_skips_non_finite_and_spiking_steps_bit_exactly(tmp_path: Path) -> None:
     from posttrain.distributed.runtime import shutdown
+    from posttrain.telemetry import heartbeat
     from posttrain.telemetry.metrics import read_metrics
 
     guard = {"max_bad_steps": 2, "window": 10, "loss_spike_k": 3.0}
@@ -226,7 +291,10 @@ def test_session_skips_non_finite_and_spiking_steps_bit_exactly(tmp_path: Path) 
         assert records[0]["reason"] == "non-finite loss (nan)" and records[0]["loss"] != 0
         assert records[1]["reason"].startswith("loss spike (")
         assert set(records[0]) >= {"step", "reason", "loss", "grad_norm", "lr"}
+        beat = read_heartbeats(tmp_path / "out")[0]
+        assert (beat["step"], beat["phase"], beat["pid"]) == (6, "train", os.getpid())
     finally:
+        heartbeat.stop()
         shutdown()
 
 
@@ -291,3 +359,102 @@ def test_sft_blowup_is_skipped_then_stopped_and_the_checkpoint_kept(tmp_path: Pa
     assert [r["step"] for r in read_metrics(metrics, "guard")] == [2, 3, 4, 5]
     assert {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in files} == stamp
     assert [c.name for c in complete_checkpoints(out / "checkpoints")] == ["step_0000001"]
+
+
+# --- the hang watchdog through the real supervisor ---------------------------------------------
+
+
+@pytest.fixture
+def beat_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "mods"
+    write_heartbeat_modules(folder)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])
+    )
+    return folder
+
+
+def _planned(tmp_path: Path, module: str, nprocs: int, hang_s: float, startup_s: float):
+    from posttrain.artifacts import stage_dir
+    from posttrain.pipeline import PlannedStage, write_spec
+
+    data = copy.deepcopy(TINY)
+    data["run"]["workspace"] = str(tmp_path / "ws")
+    data["infra"].update(threads_per_rank=1, pg_timeout_s=120, precision="fp32")
+    fp = "0123456789abcdef"
+    stage = PlannedStage(
+        name="sft",
+        module=module,
+        fingerprint=fp,
+        out_dir=stage_dir(tmp_path / "ws", "sft", fp),
+        parents={},
+        nprocs=nprocs,
+        timeout_s=240,
+        inputs={"section": {}},
+        hang_timeout_s=hang_s,
+        hang_startup_s=startup_s,
+    )
+    return stage, write_spec(stage, Recipe.model_validate(data), {})
+
+
+def _dead(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.slow
+def test_hung_rank_is_dumped_killed_and_named(
+    tmp_path: Path, beat_modules: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flows.stage_task import StageFailed, StageHung, run_stage
+
+    monkeypatch.setenv("PT_PIDS_FILE", str(tmp_path / "pids"))
+    hang_s = 4.0
+    stage, spec = _planned(tmp_path, "pt_stuck_sft", nprocs=2, hang_s=hang_s, startup_s=60)
+    with pytest.raises(StageHung) as info:
+        run_stage.fn(stage, spec, kill_grace_s=1.0)
+    raised = time.time()
+    assert isinstance(info.value, StageFailed)
+    hang = info.value.hang
+    behind = hang.behind
+    assert (behind.rank, behind.step, behind.phase) == (1, 2, "train")
+    assert hang_s < behind.silent_s < hang_s + 2  # polled every 0.5 s
+    msg = str(info.value)
+    assert "rank 1 is behind: last beat at step 2 (phase train)" in msg
+    assert "rank 0 at step 3 (phase train)" in msg
+    # Detected within the limit plus polling, the stack dump and the kill.
+    beats = read_heartbeats(stage.out_dir)
+    assert raised - beats[1]["time"] < hang_s + 8
+
+    stacks = {r: stage.out_dir / "logs" / f"stacks-rank{r}.txt" for r in (0, 1)}
+    assert sorted(info.value.stack_files) == sorted(stacks.values())
+    assert "wait_for_nothing_forever" in stacks[1].read_text()
+    assert "all_reduce" in stacks[0].read_text()  # rank 0 waits in the next collective
+    assert "wait_for_nothing_forever" in msg  # the excerpt of the rank behind
+
+    pids = {int(p) for f in tmp_path.glob("pids?") for p in f.read_text().split()}
+    assert len(pids) == 3  # torchrun's agent (both ranks' parent) and the two ranks
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(_dead(p) for p in pids):
+        time.sleep(0.1)
+    assert [p for p in pids if not _dead(p)] == []
+
+
+def test_slow_but_beating_stage_is_not_killed(
+    tmp_path: Path, beat_modules: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flows.stage_task import run_stage
+
+    # A silent startup longer than the hang timeout (covered by the startup allowance), then
+    # five beats 1 s apart, against a 2 s hang timeout.
+    monkeypatch.setenv("PT_STARTUP_S", "3")
+    monkeypatch.setenv("PT_BEAT_S", "1")
+    monkeypatch.setenv("PT_STEPS", "5")
+    stage, spec = _planned(tmp_path, "pt_slowbeats_sft", nprocs=1, hang_s=2.0, startup_s=30)
+    out = run_stage.fn(stage, spec, kill_grace_s=1.0)
+    assert out["status"] == "ran"
+    beats = read_heartbeats(stage.out_dir)
+    assert beats[0]["step"] == 5 and beats[0]["phase"] == "finish"
+    assert (stage.out_dir / "logs" / "stacks-rank0.txt").read_text() == ""

@@ -129,6 +129,20 @@ class InfraConfig(_Section):
         "after this many seconds instead of hanging.",
     )
     timeouts: StageTimeouts = Field(default_factory=StageTimeouts, description="Per-stage limits.")
+    hang_timeout_s: float | None = Field(
+        1800,
+        gt=0,
+        description="Hang watchdog of training stages: when no rank's heartbeat (one per "
+        "optimizer step, evaluation batch, checkpoint) has advanced for this many seconds, the "
+        "ranks' Python stacks are dumped to logs/stacks-rank<k>.txt and the stage is killed. "
+        "null = off (only the stage timeout applies).",
+    )
+    hang_startup_s: float = Field(
+        1800,
+        ge=0,
+        description="Extra silence the hang watchdog allows before the training loop's first "
+        "beat: loading the base model, preparing data, sharding and resuming send no beats.",
+    )
 
     @model_validator(mode="after")
     def _rendezvous(self) -> InfraConfig:

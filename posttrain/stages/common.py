@@ -7,6 +7,9 @@ started three ways:
   - from a recipe:     python -m posttrain.stages.sft --recipe recipes/quickstart.yaml [k=v ...]
                        (its parent stages must already be complete in the workspace)
 Exit code 0 means the manifest was written; anything else means the stage is not done.
+
+Every rank beats `<out_dir>/logs/heartbeat/rank<k>.json` and dumps its Python stacks into
+`<out_dir>/logs/stacks-rank<k>.txt` on SIGUSR1 (`posttrain.telemetry.heartbeat`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 from posttrain.artifacts import ArtifactRef, ref_from_manifest, verify, write_manifest
 from posttrain.config.schema import Recipe
 from posttrain.locking import stage_lock
+from posttrain.telemetry import heartbeat
 
 log = logging.getLogger("posttrain")
 
@@ -155,6 +159,9 @@ def stage_main(
             import torch
 
             torch.set_num_threads(recipe.infra.threads_per_rank)
+        # After the process group is up (its rendezvous may legitimately wait for other nodes):
+        # the supervisor's hang watch arms on this first beat.
+        heartbeat.start(ctx.out_dir, ctx.rank)
         seed_everything(recipe.run.seed)
         if ctx.is_main:
             (ctx.out_dir / "config.json").write_text(
@@ -169,6 +176,7 @@ def stage_main(
             ctx.world_size,
         )
         summary = run(ctx)
+        heartbeat.beat(phase="finish")
         if distributed:
             import torch.distributed as dist
 
@@ -202,6 +210,7 @@ def stage_main(
         )
         sys.exit(1)
     finally:
+        heartbeat.stop()
         if distributed:
             from posttrain.distributed.runtime import shutdown
 

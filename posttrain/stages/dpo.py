@@ -36,6 +36,7 @@ from posttrain.models.loading import load_base
 from posttrain.models.lora import prepare_for_training
 from posttrain.models.reward import pair_batch
 from posttrain.stages.common import StageContext, stage_main
+from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.losses import sequence_logps
 from posttrain.train.preference_losses import (
@@ -79,6 +80,7 @@ def reference_logps(
     the same number of forwards on every rank, then summed across ranks."""
     out = torch.zeros(len(pairs), 2, dtype=torch.float64, device=device)
     for idx in rank_batches(len(pairs), rank, world, batch_size):
+        heartbeat.beat(phase="reference")
         chunk = [pairs[i] for i in idx] or pairs[:1]
         batch = {k: v.to(device) for k, v in pair_batch(chunk, pad_id).items()}
         with active_adapter(model, REFERENCE):
@@ -162,6 +164,7 @@ def heldout_preferences(
     model.eval()
     s = {"n": 0.0, "correct": 0.0, "margin": 0.0, "loss": 0.0}
     for idx in rank_batches(len(pairs), rank, world, batch_size):
+        heartbeat.beat(phase="eval")
         chunk = [pairs[i] for i in idx] or pairs[:1]
         w = 1.0 if idx else 0.0
         batch = {k: v.to(device) for k, v in pair_batch(chunk, pad_id).items()}

@@ -48,6 +48,7 @@ from posttrain.models.loading import load_base
 from posttrain.models.lora import prepare_for_training
 from posttrain.models.roles import REWARD, VALUE, build_roles
 from posttrain.stages.common import StageContext
+from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot, train_flops_per_token
 from posttrain.train.checkpoint import data_position
 from posttrain.train.rl_algos import ALGORITHMS, Algorithm, sequence_kl
@@ -206,6 +207,7 @@ def heldout(
     sums: Counter[str] = Counter()
     examples = []
     for idx in rank_batches(len(rows), d.rank, d.world_size, batch_size):
+        heartbeat.beat(phase="eval")
         chunk = [rows[i] for i in idx] or rows[:1]
         w = 1.0 if idx else 0.0
         ro = sample(
@@ -344,6 +346,7 @@ def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
     n_mat, cfg_m = tr.n_matmul, model.config
     for step in range(tr.start_step, n_rollouts):
         t0 = time.perf_counter()
+        heartbeat.beat(phase="rollout")
         idx = step_indices(
             len(data.train),
             step,

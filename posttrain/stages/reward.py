@@ -29,6 +29,7 @@ from posttrain.models.loading import load_tokenizer
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.models.reward import load_score_model, pair_batch, pair_scores
 from posttrain.stages.common import StageContext, stage_main
+from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.losses import bradley_terry_loss
 from posttrain.train.session import planned_steps, save_adapter, start_session
@@ -52,6 +53,7 @@ def heldout_pairs(
     model.eval()
     acc = {k: 0.0 for k in ("n", "correct", "margin", "loss", "c", "c2", "r", "r2")}
     for idx in rank_batches(len(pairs), rank, world, batch_size):
+        heartbeat.beat(phase="eval")
         chunk = [pairs[i] for i in idx] or pairs[:1]
         w = 1.0 if idx else 0.0
         batch = {k: v.to(device) for k, v in pair_batch(chunk, pad_id).items()}

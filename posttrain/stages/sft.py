@@ -30,6 +30,7 @@ from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.loading import load_base
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.stages.common import StageContext, stage_main
+from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot, read_metrics
 from posttrain.train.losses import token_nll_sum
 from posttrain.train.session import planned_steps, save_adapter, start_session
@@ -69,6 +70,7 @@ def heldout_loss(
     model.eval()
     total, count = 0.0, 0.0
     for idx in rank_batches(len(examples), rank, world, batch_size):
+        heartbeat.beat(phase="eval")
         chunk = [examples[i] for i in idx] or examples[:1]
         weight = 1.0 if idx else 0.0
         nll, n = _forward_nll(model, _to(pad_batch(chunk, pad_id), device))

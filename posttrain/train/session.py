@@ -7,7 +7,8 @@ loss scaling for fp16), compute throughput/MFU/memory for each step, save checkp
 
 Numerical guards (`posttrain.train.guard`, recipe section `guard`) live in `optimizer_step`: a
 step whose loss or gradient norm is not finite, or whose loss spikes, is not applied, and too
-many of them stop the stage.
+many of them stop the stage. Every optimizer step also beats the rank's heartbeat
+(`posttrain.telemetry.heartbeat`), which the supervisor's hang watch reads.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from posttrain.data.batching import step_indices
 from posttrain.distributed.fsdp import shard_model
 from posttrain.distributed.runtime import DistInfo, all_reduce_sum
 from posttrain.models.loading import count_params
+from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import (
     MetricsWriter,
     device_peak_flops,
@@ -141,6 +143,7 @@ class TrainSession:
             )
             log.warning("step %d: update skipped: %s", step, reason)
         self.opt.zero_grad(set_to_none=True)
+        heartbeat.beat(step=step, phase="train")
         self.guard.commit(step, loss, reason)
         return norm, lr
 
@@ -268,6 +271,7 @@ class TrainSession:
                 extra = {"data": data_position(step, *self.data_stream), **extra}
             if self.guard is not None:
                 extra["guard"] = self.guard.state_dict()
+            heartbeat.beat(phase="checkpoint")
             save_checkpoint(self.ckpt_root, step, self.model, self.opt, self.sched, keep, extra)
 
 
@@ -292,6 +296,7 @@ def start_session(
     d: DistInfo = ctx.dist
     precision = ctx.recipe.infra.precision
     assert batch.dp_size == d.world_size, f"recipe dp {batch.dp_size} != world {d.world_size}"
+    heartbeat.beat(phase="setup")  # model loaded and data prepared; sharding and resume next
     n_total, n_trainable = count_params(model)
     n_matmul = matmul_params(model)
     model = shard_model(model.to(d.device), d.mesh, precision)
@@ -350,6 +355,7 @@ def start_session(
         batch.global_batch_size,
         total_steps,
     )
+    heartbeat.beat(step=start_step, phase="train")
     return TrainSession(
         model,
         d,
@@ -381,6 +387,7 @@ def save_adapter(
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    heartbeat.beat(phase="save")
     full = get_model_state_dict(
         model,
         options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True),

@@ -1,0 +1,230 @@
+"""Per-rank heartbeats and the hang watch that reads them.
+
+Every rank of a stage process writes `<out_dir>/logs/heartbeat/rank<k>.json` (logs/ is outside
+the manifest) at stage start, at the start of its training loop, after every optimizer step, at
+every evaluation batch and before every checkpoint: `{rank, pid, seq, step, phase, time}`,
+replaced atomically (write a temporary file, `os.replace`), so a reader never sees half a beat.
+A beat costs one small file write; the steps it marks take far longer.
+
+At stage start every rank also registers `faulthandler` on SIGUSR1 into
+`<out_dir>/logs/stacks-rank<k>.txt`: `kill -USR1 <pid>` (or the supervisor's hang watch) dumps
+the Python stacks of all its threads there, even while the rank is stuck in C code (a
+collective, a read).
+
+`HangWatch` is the supervisor's side (no torch, no Prefect): it polls the beat files and says
+when no rank's beat has advanced for too long. It measures silence with the supervisor's own
+monotonic clock from when it saw each beat change (`seq`), so ranks on other machines with other
+clocks are judged the same way.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+log = logging.getLogger("posttrain.heartbeat")
+
+HEARTBEAT_DIR = Path("logs") / "heartbeat"
+# Phases before the training loop (loading the model, preparing data, sharding, resuming): the
+# watch allows `startup_s` more silence while any rank is still in one of them.
+STARTUP_PHASES = ("start", "setup")
+
+
+def heartbeat_dir(out_dir: Path) -> Path:
+    return Path(out_dir) / HEARTBEAT_DIR
+
+
+def stack_file(out_dir: Path, rank: int) -> Path:
+    return Path(out_dir) / "logs" / f"stacks-rank{rank}.txt"
+
+
+class Heartbeat:
+    """One rank's beat file."""
+
+    def __init__(self, out_dir: Path, rank: int):
+        self.rank = rank
+        self.path = heartbeat_dir(out_dir) / f"rank{rank}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = self.path.with_name(f".rank{rank}.json.tmp")
+        self.seq = 0
+        self.step: int | None = None
+        self.phase = "start"
+        self._warned = False
+
+    def beat(self, step: int | None = None, phase: str | None = None) -> None:
+        """Record progress. `step`/`phase` of None keep the previous value."""
+        self.seq += 1
+        if step is not None:
+            self.step = step
+        if phase is not None:
+            self.phase = phase
+        record = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "seq": self.seq,
+            "step": self.step,
+            "phase": self.phase,
+            "time": round(time.time(), 3),
+        }
+        try:
+            self._tmp.write_text(json.dumps(record))
+            os.replace(self._tmp, self.path)
+        except OSError as exc:
+            # A beat is bookkeeping: never fail a training step over it (a full disk fails the
+            # next checkpoint anyway). Without beats the hang watch will stop the stage.
+            if not self._warned:
+                log.warning("heartbeat %s not written: %s", self.path, exc)
+                self._warned = True
+
+
+# The process's heartbeat and stack file, set by `start` (stage_main); beats before it are no-ops,
+# so library code can beat unconditionally (tests that call it outside a stage included).
+_current: Heartbeat | None = None
+_stack_file: IO[str] | None = None
+
+
+def start(out_dir: Path, rank: int) -> Heartbeat:
+    """Register the SIGUSR1 stack dump and write this rank's first beat (phase `start`)."""
+    global _current, _stack_file
+    stacks = stack_file(out_dir, rank)
+    stacks.parent.mkdir(parents=True, exist_ok=True)
+    if _stack_file is not None:
+        _stack_file.close()
+    # Truncated per launch: non-empty means this launch was asked for its stacks. Kept open for
+    # the life of the process: faulthandler writes to its descriptor from the signal handler.
+    _stack_file = open(stacks, "w", encoding="utf-8")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
+    _current = Heartbeat(out_dir, rank)
+    _current.beat(phase="start")
+    return _current
+
+
+def beat(step: int | None = None, phase: str | None = None) -> None:
+    """Beat this process's heartbeat, if `start` was called."""
+    if _current is not None:
+        _current.beat(step, phase)
+
+
+def stop() -> None:
+    """Unregister the stack dump and forget the heartbeat (the files stay)."""
+    global _current, _stack_file
+    if _stack_file is not None:
+        faulthandler.unregister(signal.SIGUSR1)
+        _stack_file.close()
+        _stack_file = None
+    _current = None
+
+
+def read_heartbeats(out_dir: Path) -> dict[int, dict[str, Any]]:
+    """The latest beat of every rank that has written one, by rank."""
+    out = {}
+    folder = heartbeat_dir(out_dir)
+    if not folder.is_dir():
+        return out
+    for path in folder.glob("rank*.json"):
+        try:
+            record = json.loads(path.read_text())
+            out[int(record["rank"])] = record
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # vanished or foreign: the next poll sees the next beat
+    return out
+
+
+@dataclass
+class RankSilence:
+    rank: int
+    pid: int | None
+    step: int | None
+    phase: str | None
+    silent_s: float | None  # None: never beat
+
+
+@dataclass
+class Hang:
+    """What the watch saw when it gave up: every rank's last beat, the ones behind first."""
+
+    limit_s: float
+    ranks: list[RankSilence]
+
+    @property
+    def behind(self) -> RankSilence:
+        return self.ranks[0]
+
+    def describe(self) -> str:
+        def one(r: RankSilence) -> str:
+            if r.silent_s is None:
+                return f"rank {r.rank}: no beat at all"
+            step = "before its first step" if r.step is None else f"at step {r.step}"
+            return f"rank {r.rank} {step} (phase {r.phase}), silent {r.silent_s:.1f} s"
+
+        return "; ".join(one(r) for r in self.ranks)
+
+
+class HangWatch:
+    """Decides from the beat files whether a stage hangs.
+
+    Armed by the first beat of any rank (before it, process start, imports and the process-group
+    rendezvous are bounded by the stage timeout only). Then: a hang is `timeout_s` without any
+    rank's beat advancing, or `timeout_s + startup_s` while some rank is still in a startup
+    phase (or has not beaten yet). `expected_ranks`: ranks that should beat here (reported when they never did)."""
+
+    def __init__(
+        self,
+        out_dir: Path,
+        timeout_s: float,
+        startup_s: float = 0.0,
+        expected_ranks: tuple[int, ...] = (),
+    ):
+        self.out_dir = Path(out_dir)
+        self.timeout_s, self.startup_s = timeout_s, startup_s
+        self.expected = expected_ranks
+        # rank -> (seq, monotonic time the supervisor saw it change, record)
+        self.seen: dict[int, tuple[int, float, dict[str, Any]]] = {}
+
+    def clear(self) -> None:
+        """Remove beats of an earlier launch (before starting a new one)."""
+        folder = heartbeat_dir(self.out_dir)
+        if folder.is_dir():
+            for path in folder.iterdir():
+                path.unlink(missing_ok=True)
+
+    def poll(self, now: float | None = None) -> Hang | None:
+        """Read the beats; a `Hang` when the stage has been silent past its limit."""
+        now = time.monotonic() if now is None else now
+        for rank, record in read_heartbeats(self.out_dir).items():
+            prev = self.seen.get(rank)
+            if prev is None or prev[0] != record.get("seq"):
+                self.seen[rank] = (record.get("seq"), now, record)
+        if not self.seen:
+            return None
+        last_change = max(t for _, t, _ in self.seen.values())
+        # A rank still loading keeps the others waiting in their first collective: the startup
+        # allowance lasts until every rank has reached its training loop.
+        starting = any(k not in self.seen for k in self.expected) or any(
+            r.get("phase") in STARTUP_PHASES for _, _, r in self.seen.values()
+        )
+        limit = self.timeout_s + (self.startup_s if starting else 0.0)
+        if now - last_change <= limit:
+            return None
+        ranks = [
+            RankSilence(rank, r.get("pid"), r.get("step"), r.get("phase"), now - t)
+            for rank, (_, t, r) in self.seen.items()
+        ]
+        ranks += [
+            RankSilence(k, None, None, None, None) for k in self.expected if k not in self.seen
+        ]
+
+        # Behind first: a rank that never beat, then the lowest step, then the longest silent.
+        def order(r: RankSilence) -> tuple[int, float, float]:
+            if r.silent_s is None:
+                return (0, 0.0, 0.0)
+            return (1, -1.0 if r.step is None else float(r.step), -r.silent_s)
+
+        return Hang(limit, sorted(ranks, key=order))
