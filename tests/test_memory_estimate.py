@@ -1,14 +1,17 @@
-"""Memory pre-flight: the estimate's parts against real models, the fixes, the GPU warning.
+"""Memory pre-flight: the estimate's parts against real models, the refusal, the GPU warning.
 
 Fast: parameter counts against `sum(p.numel())` of real transformers/peft models (plain, LoRA,
 reward model, DPO policy + reference, the four RL roles), AdamW state against a real optimizer
-step, activations and logits against hand-computed numbers, the fixes and the fragmentation
-warning."""
+step, activations and logits against hand-computed numbers, the fixes, the fragmentation
+warning, and a stage refused in-process before anything is loaded. Slow: a real sft stage
+records the estimate beside its measured peak.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -297,13 +300,33 @@ def test_stage_shape_from_recipe(tmp_path: Path) -> None:
     assert st.precision == "fp32" and not st.activation_checkpointing
 
 
+@pytest.mark.parametrize("name", ["quickstart", "ppo", "grpo"])
+def test_every_training_stage_of_the_shipped_recipes_is_estimated(name: str) -> None:
+    """sft, reward, dpo, ppo, grpo: each stage of the shipped recipes maps to its roles."""
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / f"{name}.yaml")
+    shape = ModelShape.from_recipe_model(recipe.ingest.from_config)
+    roles = {
+        "sft": ["policy"],
+        "reward": ["reward"],
+        "dpo": ["policy", "reference"],
+        "ppo": ["policy", "reference", "reward", "value"],
+        "grpo": ["policy", "reference", "reward"],
+    }
+    for stage in recipe.training_sections():
+        report = preflight(recipe, stage, model=shape, capacity=Capacity(64 * GIB, "test", 0))
+        assert report.fits and report.estimate.total > 0, stage
+        assert [a.role for a in stage_shape(recipe, stage).adapters] == roles[stage]
+        if stage in ("ppo", "grpo"):
+            assert set(report.estimate.phase_totals()) >= {"rollout", "update"}
+
+
 def test_fixes_each_carry_their_own_estimate(tmp_path: Path) -> None:
     recipe = _recipe(tmp_path)
     shape = ModelShape.from_recipe_model(recipe.ingest.from_config)
     full = preflight(recipe, "sft", model=shape, capacity=Capacity(64 * GIB, "test", 0))
     assert full.fits and not full.fixes
     # A budget between the checkpointed and the plain estimate: checkpointing fits.
-    cap = int((full.estimate.total + full.alternative.total) / 2 / 0.9)
+    cap = int((full.estimate.total + full.alternative.total) / 2 / full.fraction)
     report = preflight(recipe, "sft", model=shape, capacity=Capacity(cap, "test", 0))
     assert not report.fits
     fixes = {f.change.split(":")[0]: f for f in report.fixes}
@@ -316,12 +339,93 @@ def test_fixes_each_carry_their_own_estimate(tmp_path: Path) -> None:
     enforce(report, "warn")  # logs, does not raise
 
 
+def test_stage_refused_before_loading_anything(tmp_path: Path) -> None:
+    """`infra.device_memory_gb: 0.001`: the sft stage exits 1 with the estimate and the fixes
+    before its run function (which loads the model) is called, and before a process group."""
+    import torch.distributed as dist
+
+    from posttrain.pipeline import plan, write_spec
+    from posttrain.stages.common import stage_main
+
+    recipe = _recipe(tmp_path, device_memory_gb=0.001)
+    sft = next(s for s in plan(recipe) if s.name == "sft")
+    spec = write_spec(sft, recipe, {})  # no ingest yet: the recipe's from_config numbers
+    called: list[Any] = []
+    t = time.perf_counter()
+    with pytest.raises(SystemExit) as exit_info:
+        stage_main("sft", called.append, distributed=True, argv=["--spec", str(spec)])
+    took = time.perf_counter() - t
+    assert exit_info.value.code == 1
+    assert not called and not dist.is_initialized()
+    assert took < 10, f"refusal took {took:.1f} s"
+    error = (sft.out_dir / "logs" / "error.txt").read_text()
+    assert "estimated peak" in error and "does NOT fit" in error
+    assert "0.001 GiB" in error or "1.0 MiB" in error
+    assert "sft.activation_checkpointing: true" in error
+    assert "Traceback" not in error  # a verdict, not a crash
+    record = json.loads((sft.out_dir / "logs" / "preflight.json").read_text())
+    assert record["fits"] is False and record["estimate_bytes"] > 0.001 * GIB
+    assert not (sft.out_dir / "manifest.json").exists()
+
+
+def test_warn_and_off_modes_let_the_stage_run(tmp_path: Path) -> None:
+    from posttrain.pipeline import plan, write_spec
+    from posttrain.stages.common import stage_main
+
+    for mode in ("warn", "off"):
+        folder = tmp_path / mode
+        folder.mkdir()
+        recipe = _recipe(folder, device_memory_gb=0.001, memory_preflight=mode)
+        sft = next(s for s in plan(recipe) if s.name == "sft")
+        spec = write_spec(sft, recipe, {})
+        seen: list[Any] = []
+
+        def run(ctx: Any, seen: list[Any] = seen) -> dict[str, Any]:
+            seen.append(ctx.preflight)
+            return {"headline": {}}
+
+        stage_main("sft", run, argv=["--spec", str(spec)])
+        manifest = json.loads((sft.out_dir / "manifest.json").read_text())
+        if mode == "warn":
+            assert seen[0]["fits"] is False
+            memory = manifest["summary"]["memory"]
+            assert memory["measured"] == "peak RSS" and memory["measured_peak_gib"] > 0
+            assert memory["estimate_gib"] == seen[0]["estimate_gib"]
+        else:
+            assert seen == [None] and "memory" not in manifest["summary"]
+            assert not (sft.out_dir / "logs" / "preflight.json").exists()
+
+
 def test_unknown_architecture_is_not_estimated(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(
         json.dumps({**SMALL, "model_type": "mixtral", "num_local_experts": 8})
     )
     with pytest.raises(ValueError, match="mixture of experts"):
         preflight(_recipe(tmp_path), "sft", model_dir=tmp_path)
+
+
+def test_unknown_architecture_skips_the_stage_check(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A base the estimate cannot describe never blocks a stage: a warning, no report."""
+    from posttrain.artifacts import ArtifactRef
+    from posttrain.stages.common import StageContext, memory_preflight
+
+    ingest = tmp_path / "ingest"
+    (ingest / "model").mkdir(parents=True)
+    (ingest / "model" / "config.json").write_text(
+        json.dumps({**SMALL, "model_type": "mixtral", "num_local_experts": 8})
+    )
+    (ingest / "manifest.json").write_text(
+        json.dumps({"summary": {"model_dir": str(ingest / "model")}})
+    )
+    ref = ArtifactRef(stage="ingest", uri=str(ingest), fingerprint="f" * 16, sha256="0" * 64)
+    recipe = _recipe(tmp_path, device_memory_gb=0.001)
+    ctx = StageContext("sft", "0" * 16, tmp_path / "sft", recipe, {"ingest": ref}, {})
+    with caplog.at_level(logging.WARNING, logger="posttrain"):
+        memory_preflight(ctx)
+    assert ctx.preflight is None
+    assert any("pre-flight skipped" in r.message for r in caplog.records)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,3 +459,32 @@ def test_memory_snapshot_warns_once_on_gpu(monkeypatch: pytest.MonkeyPatch, capl
             snap = metrics.memory_snapshot(torch.device("cuda", 0))
     assert snap == {"mem_peak_allocated_gib": 2.0, "mem_peak_reserved_gib": 6.0}
     assert sum("fragmentation" in r.message for r in caplog.records) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# A real stage (slow)
+
+
+@pytest.mark.slow
+def test_real_stage_records_estimate_and_measured_peak(tmp_path: Path) -> None:
+    """A real ingest + sft in this process: the sft stage's metrics.jsonl has the pre-flight
+    record after `start`, and its summary the estimate beside the measured peak RSS."""
+    from posttrain.telemetry.metrics import read_metrics
+    from tests.stage_helpers import run_inprocess
+
+    data = json.loads(json.dumps(TINY))
+    data["ingest"]["from_config"]["pretrain_steps"] = 2
+    data["sft"]["max_steps"] = 2
+    recipe = write_recipe(tmp_path, data)
+    run_inprocess("ingest", recipe)
+    out = run_inprocess("sft", recipe)
+    kinds = [r["kind"] for r in read_metrics(out / "metrics.jsonl")]
+    assert kinds.index("preflight") == kinds.index("start") + 1
+    (pre,) = read_metrics(out / "metrics.jsonl", "preflight")
+    assert pre["fits"] and pre["components"]["base weights"] > 0
+    memory = json.loads((out / "manifest.json").read_text())["summary"]["memory"]
+    assert memory["estimate_gib"] == pre["estimate_gib"]
+    assert memory["measured"] == "peak RSS" and memory["measured_peak_gib"] > 0
+    assert memory["estimate_over_measured"] == pytest.approx(
+        memory["estimate_gib"] / memory["measured_peak_gib"], rel=1e-2
+    )

@@ -46,6 +46,8 @@ class StageContext:
     world_size: int = 1
     dist: Any = None  # posttrain.distributed.runtime.DistInfo for distributed stages
     extra_manifest: dict[str, Any] = field(default_factory=dict)
+    # The memory pre-flight's record (training stages): metrics.jsonl and the summary get it.
+    preflight: dict[str, Any] | None = None
 
     @property
     def is_main(self) -> bool:
@@ -65,6 +67,64 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def memory_preflight(ctx: StageContext) -> None:
+    """Estimate a training stage's per-device memory against the device before anything is
+    loaded; refuse (MemoryPreflightError) or warn per `infra.memory_preflight`. The report goes
+    to logs/preflight.json (rank 0) and `ctx.preflight`."""
+    from posttrain.memory.preflight import TRAINING_STAGES, enforce, preflight
+
+    mode = ctx.recipe.infra.memory_preflight
+    if mode == "off" or ctx.name not in TRAINING_STAGES:
+        return
+    model_dir = None
+    if "ingest" in ctx.parents:
+        model_dir = ctx.parent_manifest("ingest").get("summary", {}).get("model_dir")
+    try:
+        report = preflight(ctx.recipe, ctx.name, model_dir=model_dir)
+    except ValueError as exc:  # a base the estimate does not describe: never block on that
+        log.warning("memory pre-flight skipped: %s", exc)
+        return
+    ctx.preflight = report.record()
+    if ctx.is_main:
+        out = ctx.out_dir / "logs" / "preflight.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({**ctx.preflight, "report": report.text()}, indent=2))
+    enforce(report, mode)
+
+
+def measured_memory(ctx: StageContext) -> dict[str, Any]:
+    """The pre-flight estimate beside this process's measured peak, for the stage summary:
+    peak RSS on CPU (the whole process, as the estimate's framework row counts the runtime),
+    peak reserved on GPU (what the caching allocator took from the device), with peak allocated
+    and a fragmentation warning when reserved is far above allocated."""
+    import torch
+
+    from posttrain.telemetry.metrics import fragmentation_warning, memory_snapshot
+
+    assert ctx.preflight is not None
+    device = ctx.dist.device if ctx.dist is not None else torch.device("cpu")
+    snap = memory_snapshot(device)
+    out = {k: ctx.preflight[k] for k in ("estimate_gib", "capacity_gib", "fits")}
+    if device.type == "cuda":
+        alloc, reserved = snap["mem_peak_allocated_gib"], snap["mem_peak_reserved_gib"]
+        out |= {"measured": "peak reserved", "measured_peak_gib": round(reserved, 4)}
+        out["peak_allocated_gib"] = round(alloc, 4)
+        log.info("GPU memory: peak allocated %.3f GiB, peak reserved %.3f GiB", alloc, reserved)
+        if warning := fragmentation_warning(alloc, reserved):
+            log.warning("%s", warning)
+    else:
+        out |= {"measured": "peak RSS", "measured_peak_gib": round(snap["mem_peak_rss_gib"], 4)}
+    if out["measured_peak_gib"]:
+        out["estimate_over_measured"] = round(out["estimate_gib"] / out["measured_peak_gib"], 3)
+    log.info(
+        "memory: estimated %.3f GiB, measured %s %.3f GiB",
+        out["estimate_gib"],
+        out["measured"],
+        out["measured_peak_gib"],
+    )
+    return out
 
 
 def _spec_from_recipe(stage: str, recipe_path: str, overrides: list[str]) -> dict[str, Any]:
@@ -136,6 +196,10 @@ def stage_main(
     if os.environ.get("RANK", "0") == "0":
         (ctx.out_dir / "manifest.json").unlink(missing_ok=True)
     try:
+        # Before the process group exists: torchrun's RANK says which process writes the report.
+        ctx.rank = int(os.environ.get("RANK", "0"))
+        # Before loading anything: a stage that cannot fit fails here, in seconds.
+        memory_preflight(ctx)
         if distributed:
             from posttrain.distributed.runtime import init_distributed
 
@@ -182,6 +246,8 @@ def stage_main(
 
             dist.barrier()
         if ctx.is_main:
+            if ctx.preflight is not None:
+                summary = {**summary, "memory": measured_memory(ctx)}
             ref = write_manifest(
                 ctx.out_dir,
                 stage=stage,
@@ -197,7 +263,10 @@ def stage_main(
     except BaseException as exc:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
-        tb = traceback.format_exc()
+        from posttrain.memory.preflight import MemoryPreflightError
+
+        # A refusal is a verdict on the recipe, not a bug: its numbers, without a traceback.
+        tb = str(exc) if isinstance(exc, MemoryPreflightError) else traceback.format_exc()
         if ctx.is_main:
             err = ctx.out_dir / "logs" / "error.txt"
             err.parent.mkdir(parents=True, exist_ok=True)
