@@ -271,7 +271,8 @@ def stage_main(
             err = ctx.out_dir / "logs" / "error.txt"
             err.parent.mkdir(parents=True, exist_ok=True)
             err.write_text(tb)
-        print(tb, file=sys.stderr, flush=True)
+        if not isinstance(exc, MemoryPreflightError):  # its text is in the line below
+            print(tb, file=sys.stderr, flush=True)
         print(
             f"POSTTRAIN_ERROR stage {stage} failed: {type(exc).__name__}: {exc}",
             file=sys.stderr,
