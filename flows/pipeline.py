@@ -79,6 +79,7 @@ def stage_record(
 ) -> StageRecord:
     summary = (read_manifest(ref.path) or {}).get("summary") or {}
     headline = summary.get("headline") if isinstance(summary, dict) else None
+    memory = summary.get("memory") if isinstance(summary, dict) else None
     return StageRecord(
         stage=stage.name,
         fingerprint=ref.fingerprint,
@@ -88,6 +89,7 @@ def stage_record(
         sha256=ref.sha256,
         parents=list(ref.parents),
         headline=headline if isinstance(headline, dict) else {},
+        memory=memory if isinstance(memory, dict) else {},
     )
 
 

@@ -34,6 +34,8 @@ class StageRecord:
     # The stage summary's "headline": a few key metrics the stage chose to show.
     headline: dict[str, Any] = field(default_factory=dict)
     error: str = ""
+    # Training stages: the memory pre-flight's estimate beside the measured peak (summary.memory).
+    memory: dict[str, Any] = field(default_factory=dict)
 
     @property
     def reused_result(self) -> bool:
@@ -122,6 +124,7 @@ def markdown_report(
     for r in failed:
         title = "stopped the run" if r.status != "failed" else "failed"
         lines += ["", f"## `{r.stage}` {title}", "", "```", r.error.strip(), "```"]
+    lines += memory_markdown(records)
     by_fp = {r.fingerprint: r.stage for r in records}
     lines += ["", "## Lineage", ""]
     for r in records:
@@ -129,6 +132,34 @@ def markdown_report(
         sha = f" sha256 {r.sha256[:12]}" if r.sha256 else ""
         lines.append(f"- `{r.stage}@{r.fingerprint}`{sha} <- {inputs}")
     return "\n".join(lines) + "\n"
+
+
+def memory_markdown(records: Sequence[StageRecord]) -> list[str]:
+    """The "## Memory" section: per training stage, the pre-flight estimate beside the measured
+    peak (peak RSS on CPU, peak reserved on GPU); empty when no stage has one."""
+    rows = [r for r in records if r.memory.get("estimate_gib") is not None]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Memory",
+        "",
+        "| stage | estimate (GiB) | measured peak (GiB) | measured as | estimate / measured "
+        "| capacity (GiB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        m = r.memory
+        cells = (
+            r.stage,
+            format_value(m.get("estimate_gib")),
+            format_value(m.get("measured_peak_gib")),
+            str(m.get("measured", "-")),
+            format_value(m.get("estimate_over_measured")),
+            format_value(m.get("capacity_gib")),
+        )
+        lines.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
+    return lines
 
 
 def curves_markdown(plots: Sequence[CurvePlot], inline: bool = True) -> list[str]:

@@ -508,3 +508,39 @@ def test_real_stage_records_estimate_and_measured_peak(tmp_path: Path) -> None:
     assert memory["estimate_over_measured"] == pytest.approx(
         memory["estimate_gib"] / memory["measured_peak_gib"], rel=1e-2
     )
+
+
+def test_run_report_shows_estimate_beside_measured_peak() -> None:
+    from flows.report import StageRecord, markdown_report
+
+    memory = {
+        "estimate_gib": 1.32,
+        "capacity_gib": 20.5,
+        "fits": True,
+        "measured": "peak RSS",
+        "measured_peak_gib": 2.106,
+        "estimate_over_measured": 0.627,
+    }
+    records = [
+        StageRecord("ingest", "a" * 16, "ran", 1.0),
+        StageRecord("sft", "b" * 16, "ran", 2.0, memory=memory),
+    ]
+    text = markdown_report("run", "id", records)
+    section = text[text.index("## Memory") : text.index("## Lineage")]
+    assert "| sft | 1.32 | 2.106 | peak RSS | 0.627 | 20.5 |" in section
+    assert "ingest" not in section
+    assert "## Memory" not in markdown_report("run", "id", records[:1])
+
+
+def test_flow_stage_record_carries_the_summary_memory(tmp_path: Path) -> None:
+    from flows.pipeline import stage_record
+    from posttrain.artifacts import ArtifactRef
+    from posttrain.pipeline import PlannedStage
+
+    memory = {"estimate_gib": 1.0, "measured_peak_gib": 1.2, "measured": "peak RSS"}
+    (tmp_path / "manifest.json").write_text(
+        json.dumps({"summary": {"headline": {"loss": 1.0}, "memory": memory}})
+    )
+    ref = ArtifactRef(stage="sft", uri=str(tmp_path), fingerprint="f" * 16, sha256="0" * 64)
+    planned = PlannedStage("sft", "posttrain.stages.sft", "f" * 16, tmp_path, {}, 1, 60.0)
+    assert stage_record(planned, "ran", ref, 1.0).memory == memory
