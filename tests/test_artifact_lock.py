@@ -206,6 +206,7 @@ def test_torchrun_ranks_wait_for_their_own_rank_0(tmp_path: Path) -> None:
     other_run.release()
 
 
+@pytest.mark.slow
 def test_two_launchers_at_once_one_runs_the_other_reuses(
     slow_stage: tuple[PlannedStage, Path, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -231,6 +232,7 @@ def test_two_launchers_at_once_one_runs_the_other_reuses(
     _intact(stage.out_dir)
 
 
+@pytest.mark.slow
 def test_two_hand_launched_stage_processes_at_once(
     slow_stage: tuple[PlannedStage, Path, Path],
 ) -> None:
@@ -266,6 +268,7 @@ def test_two_hand_launched_stage_processes_at_once(
     _intact(stage.out_dir)
 
 
+@pytest.mark.slow
 def test_two_real_ingest_runs_at_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The real ingest stage (from_config, tiny) launched twice at once through the launcher."""
     recipe = validate_recipe(

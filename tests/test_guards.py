@@ -442,6 +442,7 @@ def test_hung_rank_is_dumped_killed_and_named(
     assert [p for p in pids if not _dead(p)] == []
 
 
+@pytest.mark.slow
 def test_slow_but_beating_stage_is_not_killed(
     tmp_path: Path, beat_modules: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
