@@ -256,7 +256,9 @@ def announce_base(recipe: Recipe, ref: ArtifactRef) -> None:
     on_crashed=[stop_stage_processes],
 )
 def post_train(recipe: Recipe) -> dict[str, Any]:
-    """Ingest -> LoRA SFT -> evaluate -> export, skipping every stage whose artifact exists."""
+    """The recipe's stages in order (ingest, sft, reward/dpo/ppo/grpo, evaluate, export), each
+    skipped when its artifact exists, then the promotion gate; all while holding the device
+    set's slot."""
     recipe = resolve(recipe)  # idempotent; a UI or deployment run arrives unresolved
     run_id, launcher = _new_run_id(), stage_task_for(recipe.run.workspace)
     refs: dict[str, ArtifactRef] = {}
