@@ -6,7 +6,10 @@ tested against the same spec/manifest/exit-code contract as the real stages.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import pytest
 
 OK = """
 import json
@@ -86,6 +89,15 @@ def run(ctx):
 if __name__ == "__main__":
     stage_main({stage!r}, run)
 """
+
+
+def on_child_path(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Put `folder` first on PYTHONPATH for the rest of the test: the launcher passes its
+    environment on, so a stage child started from it imports the modules written there."""
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])
+    )
+    return folder
 
 
 def write_stage_modules(folder: Path, stages: tuple[str, ...] = ("ingest",)) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from stage_modules import write_heartbeat_modules
+from stage_modules import on_child_path, write_heartbeat_modules
 
 from posttrain.config.schema import GuardConfig, Recipe
 from posttrain.telemetry.heartbeat import HangWatch, Heartbeat, read_heartbeats
@@ -368,10 +368,7 @@ def test_sft_blowup_is_skipped_then_stopped_and_the_checkpoint_kept(tmp_path: Pa
 def beat_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     folder = tmp_path / "mods"
     write_heartbeat_modules(folder)
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])
-    )
-    return folder
+    return on_child_path(folder, monkeypatch)
 
 
 def _planned(tmp_path: Path, module: str, nprocs: int, hang_s: float, startup_s: float):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from stage_modules import write_stage_modules
+from stage_modules import on_child_path, write_stage_modules
 
 from flows.stage_task import (
     LAUNCH_ENV_VAR,
@@ -38,11 +38,7 @@ FP = "0123456789abcdef"
 def modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     folder = tmp_path / "mods"
     write_stage_modules(folder)
-    # The launcher passes its environment on, so the child finds the modules.
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])
-    )
-    return folder
+    return on_child_path(folder, monkeypatch)
 
 
 def _recipe(workspace: Path) -> Recipe:
