@@ -143,6 +143,19 @@ class InfraConfig(_Section):
         description="Extra silence the hang watchdog allows before the training loop's first "
         "beat: loading the base model, preparing data, sharding and resuming send no beats.",
     )
+    orphan: Literal["stop", "finish"] = Field(
+        "stop",
+        description="What a stage process does when the process that launched it (`posttrain "
+        "run`, a Prefect worker or runner) dies: `stop` ends it within seconds, leaving only "
+        "complete checkpoints (the next run resumes from the newest); `finish` lets it train to "
+        "the end and seal its artifact, which the next run then reuses.",
+    )
+    no_intact_checkpoint: Literal["restart", "fail"] = Field(
+        "restart",
+        description="What a training stage does when it has checkpoints but none passes its "
+        "integrity check (sizes and checksums recorded at save): `restart` from step 0, saying "
+        "so, or `fail` naming each damaged file. An intact older checkpoint is always preferred.",
+    )
 
     @model_validator(mode="after")
     def _rendezvous(self) -> InfraConfig:
