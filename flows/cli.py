@@ -24,7 +24,7 @@ from typing import TextIO
 import yaml
 
 from flows.prefect_env import apply_prefect_defaults, prefect_target
-from flows.report import StageRecord, summary_table, text_table
+from flows.report import StageRecord, recovery_lines, summary_table, text_table
 from posttrain.artifacts import read_manifest, verify
 from posttrain.config.loader import RecipeError, load_recipe
 from posttrain.config.schema import Recipe
@@ -125,10 +125,15 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
             duration_s=s["duration_s"],
             uri=s["uri"],
             headline=s["headline"],
+            recovery=s.get("recovery") or {},
         )
         for s in result["stages"]
     ]
     print(summary_table(records), file=out)
+    if recovered := recovery_lines(records):
+        print("\nrecovered:", file=out)
+        for line in recovered:
+            print(f"  {line}", file=out)
     if result.get("export_path"):
         print(f"\nexported model: {result['export_path']}", file=out)
     print(f"run folder:     {result['run_dir']}", file=out)

@@ -80,6 +80,7 @@ def stage_record(
     summary = (read_manifest(ref.path) or {}).get("summary") or {}
     headline = summary.get("headline") if isinstance(summary, dict) else None
     memory = summary.get("memory") if isinstance(summary, dict) else None
+    recovery = summary.get("recovery") if isinstance(summary, dict) else None
     return StageRecord(
         stage=stage.name,
         fingerprint=ref.fingerprint,
@@ -90,6 +91,8 @@ def stage_record(
         parents=list(ref.parents),
         headline=headline if isinstance(headline, dict) else {},
         memory=memory if isinstance(memory, dict) else {},
+        # Only what this run's launch recovered from: a reused artifact's is history.
+        recovery=recovery if isinstance(recovery, dict) and status == "ran" else {},
     )
 
 
@@ -174,6 +177,7 @@ def _record_run(
                 "duration_s": round(r.duration_s, 2),
                 "uri": r.uri,
                 "headline": r.headline,
+                "recovery": r.recovery,
             }
             for r in records
         ],

@@ -36,6 +36,9 @@ class StageRecord:
     error: str = ""
     # Training stages: the memory pre-flight's estimate beside the measured peak (summary.memory).
     memory: dict[str, Any] = field(default_factory=dict)
+    # What this launch recovered from (summary.recovery): an earlier attempt that did not
+    # finish, the checkpoint it resumed from, checkpoints it rejected as damaged.
+    recovery: dict[str, Any] = field(default_factory=dict)
 
     @property
     def reused_result(self) -> bool:
@@ -124,6 +127,8 @@ def markdown_report(
     for r in failed:
         title = "stopped the run" if r.status != "failed" else "failed"
         lines += ["", f"## `{r.stage}` {title}", "", "```", r.error.strip(), "```"]
+    if recovered := recovery_lines(records):
+        lines += ["", "## Recovered", "", *(f"- {_md_cell(line)}" for line in recovered)]
     lines += memory_markdown(records)
     by_fp = {r.fingerprint: r.stage for r in records}
     lines += ["", "## Lineage", ""]
@@ -132,6 +137,23 @@ def markdown_report(
         sha = f" sha256 {r.sha256[:12]}" if r.sha256 else ""
         lines.append(f"- `{r.stage}@{r.fingerprint}`{sha} <- {inputs}")
     return "\n".join(lines) + "\n"
+
+
+def recovery_lines(records: Sequence[StageRecord]) -> list[str]:
+    """One line per stage that recovered from an earlier attempt: what happened, where it
+    resumed, which checkpoints it rejected. Empty when every stage started clean."""
+    out = []
+    for r in records:
+        rec = r.recovery
+        if not rec:
+            continue
+        parts = [str(rec["earlier_attempt"])] if rec.get("earlier_attempt") else []
+        for bad in rec.get("rejected_checkpoints") or []:
+            parts.append(f"rejected damaged checkpoint {bad}")
+        step = rec.get("resumed_from_step")
+        parts.append(f"resumed from step {step}" if step else "started from step 0")
+        out.append(f"{r.stage}: " + "; ".join(parts))
+    return out
 
 
 def memory_markdown(records: Sequence[StageRecord]) -> list[str]:

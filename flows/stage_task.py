@@ -48,6 +48,7 @@ import posttrain
 from posttrain.artifacts import MANIFEST, ArtifactRef, ref_from_manifest, verify
 from posttrain.locking import LOCK_HELD_ENV, ArtifactLock, LockTimeout, describe_holder
 from posttrain.pipeline import PlannedStage
+from posttrain.recovery import EARLIER_ATTEMPT_ENV, earlier_attempt
 from posttrain.telemetry.heartbeat import Hang, HangWatch, stack_file
 
 ARTIFACT_MARKER = "POSTTRAIN_ARTIFACT "
@@ -158,8 +159,14 @@ def stage_command(
     ]
 
 
-def child_env(launch_id: str, base: dict[str, str] | None = None) -> dict[str, str]:
+def child_env(
+    launch_id: str, base: dict[str, str] | None = None, earlier_attempt: str | None = None
+) -> dict[str, str]:
     """The stage's environment: ours, plus the fixed settings and the launch marker.
+
+    `earlier_attempt`: the launcher's account of an unfinished earlier attempt of this stage
+    (`posttrain.recovery`), for the stage's summary: the launcher reads it before it clears
+    the old heartbeats, which the stage then can no longer see.
 
     The folder holding the `posttrain` package goes on PYTHONPATH so `python -m posttrain...`
     works from any working directory when the project is used from a checkout.
@@ -167,6 +174,9 @@ def child_env(launch_id: str, base: dict[str, str] | None = None) -> dict[str, s
     env = dict(os.environ if base is None else base)
     env.update(CHILD_ENV)
     env[LAUNCH_ENV_VAR] = launch_id
+    env.pop(EARLIER_ATTEMPT_ENV, None)
+    if earlier_attempt:
+        env[EARLIER_ATTEMPT_ENV] = earlier_attempt
     env.pop(LOCK_HELD_ENV, None)
     if held := _HELD_LOCK.get():
         env[LOCK_HELD_ENV] = held
@@ -617,6 +627,10 @@ def _supervise(stage: PlannedStage, spec_path: Path | str, kill_grace_s: float) 
         log.info("stage %s: complete artifact found in %s, reusing it", stage.name, stage.out_dir)
         return Outcome("reused", ref_from_manifest(stage.out_dir))
     _drop_stale_manifest(stage.out_dir, why, log)
+    # Before this launch writes its own traces (launch line, heartbeats) over the old ones.
+    earlier = earlier_attempt(stage.out_dir)
+    if earlier:
+        log.warning("stage %s: %s", stage.name, earlier)
 
     cmd = stage_command(
         stage.module,
@@ -649,7 +663,7 @@ def _supervise(stage: PlannedStage, spec_path: Path | str, kill_grace_s: float) 
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=child_env(launch_id),
+            env=child_env(launch_id, earlier_attempt=earlier),
             start_new_session=True,  # its own process group, so killpg reaches every rank
             text=True,
             errors="replace",

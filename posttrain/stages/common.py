@@ -29,6 +29,7 @@ from typing import Any
 from posttrain.artifacts import ArtifactRef, ref_from_manifest, verify, write_manifest
 from posttrain.config.schema import Recipe
 from posttrain.locking import stage_lock
+from posttrain.recovery import launch_account, recovery_record
 from posttrain.telemetry import heartbeat
 
 log = logging.getLogger("posttrain")
@@ -223,6 +224,10 @@ def stage_main(
             import torch
 
             torch.set_num_threads(recipe.infra.threads_per_rank)
+        # Before this launch's first beat replaces the old ones: what an earlier attempt left.
+        account = launch_account(ctx.out_dir, dict(os.environ)) if ctx.is_main else None
+        if account:
+            log.warning("%s", account)
         # After the process group is up (its rendezvous may legitimately wait for other nodes):
         # the supervisor's hang watch arms on this first beat.
         heartbeat.start(ctx.out_dir, ctx.rank)
@@ -248,6 +253,8 @@ def stage_main(
         if ctx.is_main:
             if ctx.preflight is not None:
                 summary = {**summary, "memory": measured_memory(ctx)}
+            if recovery := recovery_record(account, summary):
+                summary = {**summary, "recovery": recovery}
             ref = write_manifest(
                 ctx.out_dir,
                 stage=stage,

@@ -234,6 +234,8 @@ class TrainSession:
             "tokens_per_s": self.last.get("tokens_per_s"),
             "mfu": self.last.get("mfu"),
             "skipped_steps": self.skipped_steps,
+            # > 0: this launch resumed from that checkpoint (stage_main reports it as recovery)
+            "resumed_from_step": self.start_step,
             **fields,
         }
 
