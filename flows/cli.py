@@ -100,7 +100,10 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
         return EXIT_INVALID
     apply_prefect_defaults()
     print(f"posttrain: running '{recipe.run.name}' on {prefect_target()}", file=err)
+    from flows.embedded_db import set_aside_if_damaged
     from flows.pipeline import post_train  # imports prefect: only now, after its defaults
+
+    set_aside_if_damaged(err)  # before the embedded server tries, and fails, to start on it
 
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:

@@ -1,0 +1,87 @@
+"""The embedded Prefect's SQLite database: checked before the server starts, set aside if damaged.
+
+`posttrain run` without PREFECT_API_URL starts a Prefect server in-process on
+`$PREFECT_HOME/prefect.db`. A damaged file (a full disk or a dying disk mid-write, a copy taken
+while it was written, a stray edit) makes that server fail to start with several thousand lines
+of tracebacks, on every later run, forever. Nothing in that database is needed to train: the
+workspace's manifests are the lineage of record, and a complete artifact is reused without a
+Prefect cache record. So a damaged database is moved aside (kept, for whoever wants to look)
+with one line saying so, and the server starts on a fresh one.
+
+Only a database that SQLite itself calls damaged is moved; one that is merely locked or
+unreadable (permissions) is left alone and the server's own error stands.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+from typing import TextIO
+
+# Above this size only the cheap check runs (the header, the schema and Prefect's migration
+# table): quick_check reads every page, which for a months-old multi-GB history costs seconds.
+FULL_CHECK_MAX_BYTES = 256 << 20
+SIDE_FILES = ("-wal", "-shm", "-journal")
+
+
+def embedded_database() -> Path | None:
+    """The SQLite file the embedded server will use; None for a server or another database."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    if settings.api.url:
+        return None
+    url = settings.server.database.connection_url
+    text = url.get_secret_value() if url is not None else ""
+    prefix = "sqlite+aiosqlite:///"
+    if not text.startswith(prefix) or ":memory:" in text:
+        return None
+    return Path(text[len(prefix) :].split("?")[0]).expanduser()
+
+
+def damage(db: Path) -> str | None:
+    """Why SQLite calls `db` damaged, or None (intact, missing, or not ours to judge)."""
+    if not db.is_file():
+        return None
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    except sqlite3.Error:
+        return None
+    try:
+        con.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        if db.stat().st_size <= FULL_CHECK_MAX_BYTES:
+            rows = con.execute("PRAGMA quick_check").fetchall()
+            problems = [r[0] for r in rows if r and r[0] != "ok"]
+            if problems:
+                return f"{problems[0]}" + (f" (+{len(problems) - 1} more)" if problems[1:] else "")
+        return None
+    except sqlite3.DatabaseError as exc:
+        text = str(exc)
+        # Locked or busy: another process writes it now; that is no damage.
+        return None if "locked" in text or "busy" in text else text
+    finally:
+        con.close()
+
+
+def set_aside_if_damaged(err: TextIO, db: Path | None = None) -> Path | None:
+    """Move a damaged embedded database (and its WAL/SHM files) to `<name>.damaged-<UTC time>`
+    and say so in one line; returns where it went, or None when nothing was wrong."""
+    db = embedded_database() if db is None else db
+    if db is None or (why := damage(db)) is None:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = db.with_name(f"{db.name}.damaged-{stamp}")
+    db.rename(aside)
+    for suffix in SIDE_FILES:
+        side = db.with_name(db.name + suffix)
+        if side.exists():
+            side.rename(aside.with_name(aside.name + suffix))
+    print(
+        f"posttrain: the embedded Prefect database {db} is damaged ({why}); moved it to "
+        f"{aside.name} and starting with a fresh one. Only Prefect's run history is lost: "
+        "artifacts, checkpoints and run folders are in the workspace and are reused.",
+        file=err,
+        flush=True,
+    )
+    return aside
