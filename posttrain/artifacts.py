@@ -7,10 +7,12 @@ Stages hand each other `ArtifactRef`s (a few hundred bytes), never weights.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
+import stat
 import sys
 import tempfile
 import threading
@@ -184,6 +186,25 @@ def environment_info() -> dict[str, Any]:
     return {"versions": versions, "device": device}
 
 
+def honour_umask(folder: Path) -> list[Path]:
+    """Give every file under `folder` the mode `open()` would have (0666 less the umask; 0777
+    less it for executables); returns the files changed. safetensors (0.8) writes through a
+    0600 temporary file, so weights and adapters came out unreadable to the group that shares
+    the workspace while the rest of the artifact was readable. Files this process cannot chmod
+    (another user's) are left as they are."""
+    mask, changed = current_umask(), []
+    for p in folder.rglob("*"):
+        if not p.is_file() or p.is_symlink():
+            continue
+        mode = stat.S_IMODE(p.stat().st_mode)
+        want = (0o777 if mode & 0o111 else 0o666) & ~mask
+        if mode != want:
+            with contextlib.suppress(PermissionError):
+                os.chmod(p, want)
+                changed.append(p)
+    return changed
+
+
 def write_manifest(
     folder: Path,
     *,
@@ -195,7 +216,9 @@ def write_manifest(
     summary: dict[str, Any],
     extra: dict[str, Any] | None = None,
 ) -> ArtifactRef:
-    """Hash every file in `folder` and write `manifest.json` last, atomically. Returns the ref."""
+    """Hash every file in `folder` and write `manifest.json` last, atomically. Returns the ref.
+    File modes are made to follow the umask first (`honour_umask`)."""
+    honour_umask(folder)
     files = file_table(folder)
     content_sha = hashlib.sha256(canonical_json(files).encode()).hexdigest()
     manifest = {

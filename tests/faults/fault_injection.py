@@ -119,9 +119,10 @@ class InjectedDisk(SmallDisk):
 
 
 @contextlib.contextmanager
-def disk_filled_when_dcp_writes(disk: SmallDisk) -> Iterator[None]:
-    """Fill `disk` the moment DCP opens its first file for writing: the free-space check before
-    the save passes, the save itself meets ENOSPC (as when another job fills the disk)."""
+def disk_filled_when_dcp_writes(disk: SmallDisk, folder: str = "") -> Iterator[None]:
+    """Fill `disk` the moment DCP opens a file for writing (in a folder whose path contains
+    `folder`): the free-space check before the save passes, the save itself meets ENOSPC (as
+    when another job fills the disk)."""
     import errno
 
     from torch.distributed.checkpoint import filesystem
@@ -140,10 +141,10 @@ def disk_filled_when_dcp_writes(disk: SmallDisk) -> Iterator[None]:
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
-        if "w" in mode or "a" in mode:
+        if ("w" in mode or "a" in mode) and folder in str(path):
             disk.fill(0)
         with real(self, path, mode) as stream:
-            injected = isinstance(disk, InjectedDisk) and disk.full_at == 0
+            injected = isinstance(disk, InjectedDisk) and disk.full_at == 0 and folder in str(path)
             yield _Full(stream, path) if injected else stream
 
     filesystem.FileSystem.create_stream = create_stream
