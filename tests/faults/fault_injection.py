@@ -59,7 +59,9 @@ class SmallDisk:
                     break
 
     def free_up(self) -> None:
-        self.ballast.unlink(missing_ok=True)
+        """Delete every ballast file, this process's and any a stage process wrote."""
+        for ballast in self.mount.glob(".ballast-*"):
+            ballast.unlink(missing_ok=True)
 
 
 def can_mount_tmpfs(probe: Path) -> bool:
