@@ -23,7 +23,7 @@ from tests.faults.fault_injection import (
     disk_filled_when_dcp_writes,
     disk_for_test,
 )
-from tests.faults.test_fault_checkpoints import Trainer
+from tests.faults.fault_trainer import Trainer
 from tests.fixtures_tiny import load_base, tiny_assets
 
 
