@@ -7,12 +7,15 @@ Stages hand each other `ArtifactRef`s (a few hundred bytes), never weights.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
+import stat
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -113,11 +116,35 @@ def file_table(folder: Path) -> dict[str, dict[str, Any]]:
     }
 
 
+_UMASK_LOCK = threading.Lock()
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where the kernel says it (Linux 4.7+:
+    /proc/self/status); else set and restored under a lock (a file created by another thread in
+    between would get mode 0666)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temp file in the same folder, fsync, rename over `path`, fsync the folder."""
+    """Write to a temp file in the same folder, fsync, rename over `path`, fsync the folder.
+
+    The file gets the mode a plain `open(path, "w")` would (0666 less the umask): mkstemp
+    creates 0600, which on a shared workspace hid manifests and specs from the group that can
+    read every other artifact file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -159,6 +186,25 @@ def environment_info() -> dict[str, Any]:
     return {"versions": versions, "device": device}
 
 
+def honour_umask(folder: Path) -> list[Path]:
+    """Give every file under `folder` the mode `open()` would have (0666 less the umask; 0777
+    less it for executables); returns the files changed. safetensors (0.8) writes through a
+    0600 temporary file, so weights and adapters came out unreadable to the group that shares
+    the workspace while the rest of the artifact was readable. Files this process cannot chmod
+    (another user's) are left as they are."""
+    mask, changed = current_umask(), []
+    for p in folder.rglob("*"):
+        if not p.is_file() or p.is_symlink():
+            continue
+        mode = stat.S_IMODE(p.stat().st_mode)
+        want = (0o777 if mode & 0o111 else 0o666) & ~mask
+        if mode != want:
+            with contextlib.suppress(PermissionError):
+                os.chmod(p, want)
+                changed.append(p)
+    return changed
+
+
 def write_manifest(
     folder: Path,
     *,
@@ -170,7 +216,9 @@ def write_manifest(
     summary: dict[str, Any],
     extra: dict[str, Any] | None = None,
 ) -> ArtifactRef:
-    """Hash every file in `folder` and write `manifest.json` last, atomically. Returns the ref."""
+    """Hash every file in `folder` and write `manifest.json` last, atomically. Returns the ref.
+    File modes are made to follow the umask first (`honour_umask`)."""
+    honour_umask(folder)
     files = file_table(folder)
     content_sha = hashlib.sha256(canonical_json(files).encode()).hexdigest()
     manifest = {
@@ -203,8 +251,9 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
         return None
 
 
-def verify(folder: Path) -> tuple[bool, str]:
-    """Is `folder` a complete, unaltered artifact? Returns (ok, reason when not)."""
+def verify(folder: Path, hashes: bool = True) -> tuple[bool, str]:
+    """Is `folder` a complete, unaltered artifact? Returns (ok, reason when not). `hashes=False`
+    checks presence and sizes only (a stat per file instead of reading every byte)."""
     manifest = read_manifest(folder)
     if manifest is None:
         return False, f"no readable {MANIFEST} in {folder}"
@@ -212,7 +261,9 @@ def verify(folder: Path) -> tuple[bool, str]:
         p = folder / rel
         if not p.is_file():
             return False, f"{rel} is missing"
-        if p.stat().st_size != meta["bytes"] or sha256_file(p) != meta["sha256"]:
+        if (size := p.stat().st_size) != meta["bytes"]:
+            return False, f"{rel} was altered ({size} bytes, the manifest says {meta['bytes']})"
+        if hashes and sha256_file(p) != meta["sha256"]:
             return False, f"{rel} was altered (sha256 differs from the manifest)"
     return True, ""
 

@@ -74,7 +74,9 @@ class ArtifactLock:
         """Take the lock if it is free and record `owner` in it; never blocks."""
         assert self._fd is None, "already held"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # 0666 less the umask, like every other file: under umask 002 the group's runs can open
+        # (O_RDWR) and lock it too; 0644 would lock them out of a shared workspace.
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -20,17 +20,25 @@ import logging
 import os
 import random
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.artifacts import ArtifactRef, ref_from_manifest, verify, write_manifest
+from posttrain.artifacts import (
+    ArtifactRef,
+    read_manifest,
+    ref_from_manifest,
+    verify,
+    write_manifest,
+)
 from posttrain.config.schema import Recipe
 from posttrain.locking import stage_lock
 from posttrain.recovery import launch_account, recovery_record
 from posttrain.telemetry import heartbeat
+from posttrain.verdicts import ParentArtifactDamaged, StageVerdict
 
 log = logging.getLogger("posttrain")
 
@@ -68,6 +76,33 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def verify_parents(ctx: StageContext) -> None:
+    """Every parent artifact still matches its manifest (each file's size and sha256) and is the
+    one this run planned with; raises ParentArtifactDamaged naming the parent, the file and what
+    is wrong. Runs before anything reads a parent: a truncated adapter would otherwise fail deep
+    in safetensors, or, worse, a file altered in place would load and train on silently."""
+    t0, n_bytes = time.perf_counter(), 0
+    for name, ref in ctx.parents.items():
+        ok, why = verify(ref.path)
+        manifest = read_manifest(ref.path) or {}
+        if ok and manifest.get("content_sha256") != ref.sha256:
+            ok, why = False, "its manifest is not the one this run was planned with"
+        if not ok:
+            raise ParentArtifactDamaged(
+                f"parent stage '{name}' artifact {ref.path} is damaged: {why}. Nothing was "
+                f"loaded from it. Re-running the pipeline rebuilds '{name}' (its launcher drops "
+                "a manifest that no longer verifies and runs the stage again), then this stage."
+            )
+        n_bytes += sum(f["bytes"] for f in manifest.get("files", {}).values())
+    if ctx.parents:
+        log.info(
+            "parents %s verified (%.1f MiB, sha256) in %.2f s",
+            ", ".join(ctx.parents),
+            n_bytes / 2**20,
+            time.perf_counter() - t0,
+        )
 
 
 def memory_preflight(ctx: StageContext) -> None:
@@ -199,6 +234,10 @@ def stage_main(
     try:
         # Before the process group exists: torchrun's RANK says which process writes the report.
         ctx.rank = int(os.environ.get("RANK", "0"))
+        # Before reading any parent. Rank 0 only: a failing rank ends the whole torchrun launch,
+        # and N ranks hashing the same files would only multiply the reads.
+        if ctx.is_main:
+            verify_parents(ctx)
         # Before loading anything: a stage that cannot fit fails here, in seconds.
         memory_preflight(ctx)
         if distributed:
@@ -270,15 +309,26 @@ def stage_main(
     except BaseException as exc:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
+        from posttrain.diskspace import as_disk_full
         from posttrain.memory.preflight import MemoryPreflightError
 
-        # A refusal is a verdict on the recipe, not a bug: its numbers, without a traceback.
-        tb = str(exc) if isinstance(exc, MemoryPreflightError) else traceback.format_exc()
+        tb = traceback.format_exc()
+        # A full disk, wherever it struck (a json write, save_pretrained), is a verdict too.
+        exc = as_disk_full(exc, f"stage {stage}'s output") or exc
+        # A refusal or another known condition is a verdict, not a bug: its message, without a
+        # traceback on stderr (logs/error.txt keeps it, after the message).
+        known = isinstance(exc, MemoryPreflightError | StageVerdict)
         if ctx.is_main:
             err = ctx.out_dir / "logs" / "error.txt"
-            err.parent.mkdir(parents=True, exist_ok=True)
-            err.write_text(tb)
-        if not isinstance(exc, MemoryPreflightError):  # its text is in the line below
+            text = str(exc) if isinstance(exc, MemoryPreflightError) else tb
+            if isinstance(exc, StageVerdict):
+                text = f"{exc}\n\n{tb}"
+            try:
+                err.parent.mkdir(parents=True, exist_ok=True)
+                err.write_text(text)
+            except OSError:  # the disk may be the problem: the verdict below still goes out
+                pass
+        if not known:  # a verdict's text is in the line below
             print(tb, file=sys.stderr, flush=True)
         print(
             f"POSTTRAIN_ERROR stage {stage} failed: {type(exc).__name__}: {exc}",

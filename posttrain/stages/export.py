@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from typing import Any
 
 import torch
 
 from posttrain.artifacts import sha256_file
 from posttrain.data.chat import encode_chat
+from posttrain.diskspace import (
+    DiskFull,
+    ensure_free,
+    free_bytes,
+    full_disk_error,
+    model_bytes,
+    required_bytes,
+)
 from posttrain.export.merge import merge_adapter, save_export
 from posttrain.export.model_card import model_card
 from posttrain.export.verify import verify_export
@@ -44,6 +53,28 @@ def _verify_inputs(ctx: StageContext, tok: Any, n_rows: int = 4) -> torch.Tensor
     return torch.tensor([i[:width] for i in ids])
 
 
+def _save_with_room(merged: Any, tok: Any, out: Any) -> None:
+    """save_export, after checking the disk has room for the merged weights (parameters x dtype
+    size); a save that fills the disk anyway removes its partial folder. Both raise DiskFull."""
+    what = f"the exported model ({out.name}/)"
+    expected = model_bytes(merged)
+    ensure_free(out.parent, expected, what)
+    try:
+        save_export(merged, tok, out)
+    except OSError as exc:
+        if (err := full_disk_error(exc)) is None:
+            raise
+        shutil.rmtree(out, ignore_errors=True)
+        raise DiskFull(
+            what,
+            out.parent,
+            required_bytes(expected),
+            free_bytes(out.parent),
+            f"; the disk filled while writing it ({err.strerror}): the partial {out.name}/ was "
+            "removed",
+        ) from exc
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.recipe.export
     ingest = ctx.parent_manifest("ingest")
@@ -57,7 +88,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     tok = load_tokenizer(ctx.parent_dir("ingest") / "tokenizer")
     merged = merge_adapter(base_dir, adapter_dir, DTYPES[dtype_name], trust_remote_code=trust)
     out = ctx.out_dir / "model"
-    save_export(merged, tok, out)
+    _save_with_room(merged, tok, out)
     del merged
     report = verify_export(
         out,

@@ -2,8 +2,8 @@
 
 A stage keeps its loop explicit (what a step computes is the stage's business); this module
 does the rest the same way everywhere: shard the model, build optimizer and schedule, resume
-from the newest checkpoint, write the start record, take an optimizer step with clipping (and
-loss scaling for fp16), compute throughput/MFU/memory for each step, save checkpoints.
+from the newest intact checkpoint, write the start record, take an optimizer step with clipping
+(and loss scaling for fp16), compute throughput/MFU/memory for each step, save checkpoints.
 
 Numerical guards (`posttrain.train.guard`, recipe section `guard`) live in `optimizer_step`: a
 step whose loss or gradient norm is not finite, or whose loss spikes, is not applied, and too
@@ -35,14 +35,10 @@ from posttrain.telemetry.metrics import (
     memory_snapshot,
     train_flops_per_token,
 )
-from posttrain.train.checkpoint import (
-    complete_checkpoints,
-    data_position,
-    load_checkpoint,
-    save_checkpoint,
-)
+from posttrain.train.checkpoint import data_position, save_checkpoint
 from posttrain.train.guard import StepGuard
 from posttrain.train.optim import build_optimizer, build_scheduler
+from posttrain.train.resume import resume_newest_intact
 
 log = logging.getLogger("posttrain.train")
 
@@ -292,9 +288,9 @@ def start_session(
     **start_fields: Any,
 ) -> TrainSession:
     """Shard `model` (trainable parts already marked), build optimizer + schedule, resume from
-    the newest complete checkpoint, and write the `start` metrics record. `schedule_steps`:
-    optimizer steps the LR schedule spans when a logged step holds several (default
-    total_steps)."""
+    the newest intact checkpoint (`posttrain.train.resume`), and write the `start` metrics
+    record. `schedule_steps`: optimizer steps the LR schedule spans when a logged step holds
+    several (default total_steps)."""
     d: DistInfo = ctx.dist
     precision = ctx.recipe.infra.precision
     assert batch.dp_size == d.world_size, f"recipe dp {batch.dp_size} != world {d.world_size}"
@@ -314,10 +310,20 @@ def start_session(
     start_step, meta = 0, {}
     guard = StepGuard(ctx.recipe.guard, where=f"stage {ctx.name}")
     ckpt_root = ctx.out_dir / "checkpoints"
-    if done := complete_checkpoints(ckpt_root):
-        meta = load_checkpoint(done[-1], model, opt, sched)
+    # The newest intact checkpoint: damaged ones are named, moved aside and skipped; with none
+    # intact, infra.no_intact_checkpoint says restart (from step 0) or fail.
+    point = resume_newest_intact(
+        ckpt_root,
+        model,
+        opt,
+        sched,
+        on_none=ctx.recipe.infra.no_intact_checkpoint,
+        where=f"stage {ctx.name}",
+    )
+    if point.path is not None:
+        meta = point.meta
         start_step = meta["step"]
-        log.info("resumed from %s at step %d", done[-1].name, start_step)
+        log.info("resumed from %s at step %d", point.path.name, start_step)
         if pos := meta.get("data"):
             log.info("data position: epoch %d, offset %d", pos["epoch"], pos["offset"])
         guard.load_state_dict(meta.get("guard", {}))
@@ -344,6 +350,8 @@ def start_session(
         peak_flops_source=peak_src,
         **start_fields,
     )
+    if record := point.record():  # damaged checkpoints skipped, a restart, an unverified resume
+        metrics.write("resume", **record)
     if getattr(ctx, "preflight", None):  # the memory pre-flight's estimate, for estimate vs peak
         metrics.write("preflight", **ctx.preflight)
     log.info(
