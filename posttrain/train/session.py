@@ -68,6 +68,8 @@ class TrainSession:
     # updates skipped since the last `record_step` / the last `maybe_checkpoint` call
     skipped_since_record: int = 0
     skipped_since_boundary: int = 0
+    # checkpoints the resume rejected as damaged: "step_N: problem (moved to step_N.damaged)"
+    rejected_checkpoints: list[str] = field(default_factory=list)
 
     def step_rows(self, n_rows: int, step: int, batch: ResolvedBatch, seed: int) -> list[list[int]]:
         """This rank's row indices for optimizer step `step` -> [accum][micro] (see
@@ -232,6 +234,7 @@ class TrainSession:
             "skipped_steps": self.skipped_steps,
             # > 0: this launch resumed from that checkpoint (stage_main reports it as recovery)
             "resumed_from_step": self.start_step,
+            "rejected_checkpoints": self.rejected_checkpoints,
             **fields,
         }
 
@@ -383,7 +386,15 @@ def start_session(
         ckpt_root,
         resume_meta=meta,
         guard=guard,
+        rejected_checkpoints=[_rejected_line(r) for r in point.rejected],
     )
+
+
+def _rejected_line(rejected: dict[str, Any]) -> str:
+    problems = rejected.get("problems") or ["damaged"]
+    more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+    moved = f"; moved to {rejected['moved_to']}" if rejected.get("moved_to") else ""
+    return f"{rejected.get('checkpoint')}: {problems[0]}{more}{moved}"
 
 
 def save_adapter(
