@@ -114,6 +114,10 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
         print(f"\nposttrain run failed: {type(exc).__name__}: {exc}", file=err)
         for note in getattr(exc, "__notes__", []):
             print(note, file=err)
+        headline = str(exc).split("\n", 1)[0]
+        if headline != str(exc):
+            # The message ends with the stage's log tail: repeat what failed as the last line.
+            print(f"posttrain run failed: {headline}", file=err)
         return EXIT_FAILED
     finally:
         signal.signal(signal.SIGTERM, previous)
