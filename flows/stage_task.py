@@ -43,6 +43,7 @@ from prefect.cache_policies import CachePolicy
 from prefect.context import FlowRunContext, TaskRunContext
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
+from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 import posttrain
 from posttrain.artifacts import MANIFEST, ArtifactRef, ref_from_manifest, verify
@@ -456,7 +457,12 @@ class ProgressArtifact:
         if self.id is None:
             return
         try:
-            update_progress_artifact(self.id, percent, description=f"{self.stage}: {description}")
+            # No retries: while the server is away a retried update would hold the caller (the
+            # supervisor, for the last one) for a minute or more; the next update comes anyway.
+            with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}):
+                update_progress_artifact(
+                    self.id, percent, description=f"{self.stage}: {description}"
+                )
         except Exception as exc:
             logging.getLogger("posttrain.flows").debug("progress update failed: %s", exc)
 
