@@ -27,6 +27,7 @@ from flows.prefect_env import apply_prefect_defaults, prefect_target
 from flows.report import StageRecord, recovery_lines, summary_table, text_table
 from posttrain.artifacts import read_manifest, verify
 from posttrain.config.loader import RecipeError, load_recipe
+from posttrain.config.reach import ALLOWED_ENV, served_roots, with_roots
 from posttrain.config.schema import Recipe
 from posttrain.pipeline import plan
 
@@ -117,6 +118,10 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
         print(f"\nposttrain run failed: {type(exc).__name__}: {exc}", file=err)
         for note in getattr(exc, "__notes__", []):
             print(note, file=err)
+        headline = str(exc).split("\n", 1)[0]
+        if headline != str(exc):
+            # The message ends with the stage's log tail: repeat what failed as the last line.
+            print(f"posttrain run failed: {headline}", file=err)
         return EXIT_FAILED
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -188,14 +193,26 @@ def _server_url(err: TextIO) -> str | None:
     return url
 
 
-def cmd_serve(paths: list[str], out: TextIO, err: TextIO) -> int:
+def cmd_serve(
+    paths: list[str], out: TextIO, err: TextIO, allow_paths: list[str] | None = None
+) -> int:
     """Serve one deployment per recipe until stopped (SIGINT/SIGTERM); runs execute here."""
+    bad = [p for p in allow_paths or [] if not p.startswith(("/", "~"))]
+    if bad:
+        print(f"error: --allow-path needs absolute folders, got {', '.join(bad)}", file=err)
+        return EXIT_INVALID
     recipes = []
     for path in paths:
         recipe = load_or_report(path, [], err, devices=False)
         if recipe is None:
             return EXIT_INVALID
         recipes.append((path, recipe))
+    # What served runs may read: the operator's folders and those of the recipe files served
+    # (the operator wrote them); a recipe sent with a run may only narrow them. Set here, before
+    # serving: the runs are subprocesses of this process and inherit it.
+    trusted = [*(allow_paths or []), *(p for _, r in recipes for p in served_roots(r))]
+    os.environ[ALLOWED_ENV] = with_roots(os.environ.get(ALLOWED_ENV), trusted)
+    print(f"served runs may read from: {os.environ[ALLOWED_ENV]}", file=out, flush=True)
     if _server_url(err) is None:
         return EXIT_INVALID
     apply_prefect_defaults()
@@ -331,6 +348,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the UI, `posttrain submit`, the recipe's schedule or a new-base event execute here.",
     )
     p.add_argument("recipes", type=Path, nargs="+", help="recipe YAML files")
+    p.add_argument(
+        "--allow-path",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder served runs may read from besides the served recipes' workspaces and "
+        f"allowed paths (repeatable; added to ${ALLOWED_ENV})",
+    )
     p = sub.add_parser(
         "submit",
         help="start a run of a served deployment and print its URL",
@@ -364,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "launch":
         return cmd_launch(args.stage, str(args.recipe), args.overrides, out, err)
     if args.command == "serve":
-        return cmd_serve([str(p) for p in args.recipes], out, err)
+        return cmd_serve([str(p) for p in args.recipes], out, err, args.allow_path)
     if args.command == "submit":
         return cmd_submit(str(args.recipe), args.overrides, out, err, args.wait)
     if args.command == "publish-base":

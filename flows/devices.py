@@ -51,13 +51,15 @@ def ensure_device_limit(name: str) -> None:
 @contextlib.contextmanager
 def hold_devices(name: str) -> Iterator[None]:
     """Wait for and hold a slot of the device limit. strict=True: a missing limit is an error,
-    never a silent pass without any limit."""
+    never a silent pass without any limit. A lease renewal that fails (the server away for
+    minutes) only logs a warning: with strict, Prefect would otherwise cancel the run, killing a
+    training stage that needs no server, to protect a slot that may or may not be reclaimed."""
     log = run_logger()
     with contextlib.suppress(Exception):  # the message is a courtesy; acquiring decides
         with get_client(sync_client=True) as client:
             limit = client.read_global_concurrency_limit_by_name(name)
         if limit.active_slots >= limit.limit:
             log.info("waiting for the devices: %s is held by another run", name)
-    with concurrency(name, occupy=1, strict=True):
+    with concurrency(name, occupy=1, strict=True, raise_on_lease_renewal_failure=False):
         log.info("holding %s", name)
         yield

@@ -25,6 +25,7 @@ from flows.devices import device_set_name, ensure_device_limit, hold_devices
 from flows.events import BASE_EVENT, publish_base
 from flows.gate import promote
 from flows.report import StageRecord, curves_markdown, lineage, markdown_report, metrics_table
+from flows.served import check_served
 from flows.stage_task import artifact_key, kill_flow_run_processes, stage_task_for
 from posttrain.artifacts import ArtifactRef, read_manifest, verify
 from posttrain.config.loader import resolve
@@ -263,6 +264,8 @@ def post_train(recipe: Recipe) -> dict[str, Any]:
     """The recipe's stages in order (ingest, sft, reward/dpo/ppo/grpo, evaluate, export), each
     skipped when its artifact exists, then the promotion gate; all while holding the device
     set's slot."""
+    # A served run's recipe came from whoever sent it: it may only narrow the worker's folders.
+    check_served(recipe)
     recipe = resolve(recipe)  # idempotent; a UI or deployment run arrives unresolved
     run_id, launcher = _new_run_id(), stage_task_for(recipe.run.workspace)
     refs: dict[str, ArtifactRef] = {}

@@ -17,6 +17,13 @@ PREFECT_DEFAULTS: dict[str, str] = {
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     # Machines running training jobs are often offline; don't try to phone home.
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    # A request that fails because the server is away (a restart, an upgrade, a network blip) is
+    # retried with back-off 2, 4, 8, ... s. Prefect's 5 retries give up after ~62 s, and a task
+    # whose Completed state cannot be recorded fails a run whose stage trained fine. 7 retries
+    # ride out ~4 min (2 + 4 + ... + 128 s, +-20% jitter); the price is up to ~2 min between the
+    # server's return and the call that notices. A first connection is not retried: a wrong
+    # PREFECT_API_URL still fails at once.
+    "PREFECT_CLIENT_MAX_RETRIES": "7",
 }
 
 

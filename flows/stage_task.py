@@ -43,13 +43,15 @@ from prefect.cache_policies import CachePolicy
 from prefect.context import FlowRunContext, TaskRunContext
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
+from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 import posttrain
 from posttrain.artifacts import MANIFEST, ArtifactRef, ref_from_manifest, verify
 from posttrain.locking import LOCK_HELD_ENV, ArtifactLock, LockTimeout, describe_holder
 from posttrain.pipeline import PlannedStage
 from posttrain.recovery import EARLIER_ATTEMPT_ENV, earlier_attempt
-from posttrain.telemetry.heartbeat import Hang, HangWatch, stack_file
+from posttrain.telemetry.heartbeat import Hang, HangWatch, read_heartbeats, stack_file
+from posttrain.telemetry.rank_exit import describe_beat, describe_exit, how_it_ended, root_causes
 
 ARTIFACT_MARKER = "POSTTRAIN_ARTIFACT "
 # Every process of one launch inherits this variable, so stray ranks can be found and killed
@@ -73,6 +75,8 @@ CHILD_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 TAIL_LINES = 30
+# Lines kept to find torchrun's failure summary in (it follows the ranks' tracebacks).
+SUMMARY_LINES = 400
 KILL_GRACE_S = 10.0
 PROGRESS_INTERVAL_S = 2.0
 # How long the ranks get to write their stacks after SIGUSR1 (faulthandler writes from the
@@ -340,6 +344,7 @@ class OutputPump:
     ):
         self.stream, self.log_file, self.log, self.stage = stream, log_file, log, stage
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.recent: deque[str] = deque(maxlen=SUMMARY_LINES)
         self.artifact_json: str | None = None
         self.thread = _start_thread(self._run, f"{stage}-output")
 
@@ -347,6 +352,7 @@ class OutputPump:
         for raw in self.stream:
             line = raw.rstrip("\n")
             self.tail.append(line)
+            self.recent.append(line)
             if line.startswith(ARTIFACT_MARKER):
                 self.artifact_json = line[len(ARTIFACT_MARKER) :]
             try:
@@ -461,7 +467,12 @@ class ProgressArtifact:
         if self.id is None:
             return
         try:
-            update_progress_artifact(self.id, percent, description=f"{self.stage}: {description}")
+            # No retries: while the server is away a retried update would hold the caller (the
+            # supervisor, for the last one) for a minute or more; the next update comes anyway.
+            with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}):
+                update_progress_artifact(
+                    self.id, percent, description=f"{self.stage}: {description}"
+                )
         except Exception as exc:
             logging.getLogger("posttrain.flows").debug("progress update failed: %s", exc)
 
@@ -529,11 +540,23 @@ def _hang_message(
     return f"{text}\nLog: {log_path}\n--- end of the log ---\n{tail}"
 
 
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
+def _failure_headline(stage: PlannedStage, rc: int, recent: list[str]) -> str:
+    """What ended a failed launch, in one line. Under torchrun the launcher's own exit code (1)
+    says nothing: name the rank its failure summary blames first, how that rank ended and where
+    its last heartbeat was. A single process is rank 0 itself."""
+    beats = read_heartbeats(stage.out_dir)
+    causes = root_causes(recent)
+    if causes:
+        first = "; ".join(describe_exit(c, beats) for c in causes)
+        return f"stage '{stage.name}' failed: {first}. The launcher stopped the other ranks"
+    text = f"stage '{stage.name}' {how_it_ended(rc)}"
+    if stage.nprocs <= 1 and stage.nnodes <= 1 and 0 in beats:
+        text += f"; its last heartbeat: {describe_beat(beats[0])}"
+    elif beats:
+        text += "; last heartbeats: " + ", ".join(
+            f"rank {k}: {describe_beat(b)}" for k, b in sorted(beats.items())
+        )
+    return text
 
 
 # --- the launcher ------------------------------------------------------------------------------
@@ -708,10 +731,8 @@ def _supervise(stage: PlannedStage, spec_path: Path | str, kill_grace_s: float) 
         )
     rc = proc.returncode
     if rc != 0:
-        how = f"was killed by {_signal_name(-rc)}" if rc < 0 else f"exited with code {rc}"
-        raise StageFailed(
-            f"stage '{stage.name}' {how}. Log: {log_path}\n--- end of the log ---\n{tail}"
-        )
+        headline = _failure_headline(stage, rc, list(pump.recent))
+        raise StageFailed(f"{headline}. Log: {log_path}\n--- end of the log ---\n{tail}")
     ref = _completed_ref(stage, pump.artifact_json)
     progress.update(100.0, "done")
     return Outcome("ran", ref)

@@ -82,13 +82,14 @@ class PrefectServer:
             self.proc.wait(timeout=10)
 
 
-def start_server(home: Path) -> PrefectServer:
-    """Start the server and wait until /api/health answers (~22 s on a fresh database here)."""
+def start_server(home: Path, port: int | None = None) -> PrefectServer:
+    """Start the server and wait until /api/health answers (~22 s on a fresh database here).
+    `port` and `home` of a stopped server restart it: same URL, same database."""
     home.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     env = server_env(home, port)
     log_path = home / "server.log"
-    with open(log_path, "wb") as log:
+    with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
              "--port", str(port)],

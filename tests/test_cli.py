@@ -106,6 +106,7 @@ def test_prefect_defaults_never_override_the_user() -> None:
     assert env == {
         "PREFECT_SERVER_ANALYTICS_ENABLED": "true",
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        "PREFECT_CLIENT_MAX_RETRIES": "7",
     }
     assert prefect_target(env) == "embedded Prefect (local SQLite)"
     assert "http://h:4200/api" in prefect_target({"PREFECT_API_URL": "http://h:4200/api"})

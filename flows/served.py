@@ -1,0 +1,37 @@
+"""Served runs may only narrow the folders their worker allows (posttrain.config.reach).
+
+A run is served when the server created it from a deployment (`flow_run.deployment_id`): the UI's
+Run form, the API, an event trigger, a schedule or `posttrain submit`. Its recipe parameter is
+whatever the sender sent. That marker is the server's, not a parameter, so no recipe can claim to
+be a `posttrain run`. The worker's folders come from this process's environment, which the serve
+process (or a worker) set; a run's own job variables may not set them.
+"""
+
+from __future__ import annotations
+
+from prefect.context import FlowRunContext
+
+from posttrain.config.loader import RecipeError
+from posttrain.config.reach import ALLOWED_ENV, check_served_reach, worker_roots
+from posttrain.config.schema import Recipe
+
+
+def is_served_run() -> bool:
+    ctx = FlowRunContext.get()
+    return bool(ctx and ctx.flow_run and ctx.flow_run.deployment_id)
+
+
+def check_served(recipe: Recipe) -> None:
+    """For a served run, refuse a recipe that widens the worker's reach (RecipeError naming each
+    field); nothing for a `posttrain run`."""
+    if not is_served_run():
+        return
+    ctx = FlowRunContext.get()
+    job_env = ((ctx.flow_run.job_variables or {}) if ctx and ctx.flow_run else {}).get("env")
+    if isinstance(job_env, dict) and ALLOWED_ENV in job_env:
+        # A work-pool worker would put a run's job variables into this process's environment.
+        raise RecipeError(
+            [f"job_variables.env.{ALLOWED_ENV}: set by the run; only the worker may set it"],
+            "served run",
+        )
+    check_served_reach(recipe, worker_roots())

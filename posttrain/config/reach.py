@@ -1,0 +1,109 @@
+"""What a served run may read: the worker decides the reach, a recipe may only narrow it.
+
+`run.allowed_paths` is a field of the recipe, so for a recipe that arrives through a served
+deployment (the Prefect UI's Run form, an API call, an event trigger, `posttrain submit`) it is
+whatever the sender typed: `/` would let anyone who can open the form train on, and echo into
+samples and reports, any file the worker can read. So for a served run the folders come from the
+process that runs the flow, never from the recipe:
+
+  - `POSTTRAIN_ALLOWED_PATHS` (os.pathsep-separated absolute folders) in the worker's environment;
+  - `posttrain serve --allow-path DIR` (repeatable) adds DIR to it in the serve process;
+  - `posttrain serve RECIPE...` adds each served recipe's workspace and `run.allowed_paths` (as
+    resolved when it loaded the file): the operator wrote those files, so their folders are
+    trusted; the runs it executes are its subprocesses and inherit the variable.
+
+A served recipe's `run.workspace` and each of its `run.allowed_paths` must lie inside one of
+those folders, and each input path inside its own workspace or allowed paths (the recipe's folder
+and the current directory, which `posttrain run` allows implicitly, are not allowed here: a
+served flow runs wherever the worker was started). `posttrain run` trusts its own recipe file,
+as before. No Prefect here: the flow decides which runs are served.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from posttrain.config.loader import RecipeError, _inside, _real, input_paths
+from posttrain.config.schema import Recipe
+
+ALLOWED_ENV = "POSTTRAIN_ALLOWED_PATHS"
+
+
+def parse_roots(value: str | None) -> list[Path]:
+    """Absolute folders from an os.pathsep-separated list; relative or empty entries are
+    ignored (a root relative to wherever a flow happens to run would be a guess)."""
+    roots: list[Path] = []
+    for part in (value or "").split(os.pathsep):
+        part = part.strip()
+        if not part or not part.startswith(("/", "~")):
+            continue
+        try:
+            root = Path(part).expanduser().resolve()
+        except (RuntimeError, ValueError, OSError):
+            continue
+        if root not in roots:
+            roots.append(root)
+    return roots
+
+
+def worker_roots(env: Mapping[str, str] | None = None) -> list[Path]:
+    """The folders this worker allows served runs to read from (`POSTTRAIN_ALLOWED_PATHS`)."""
+    return parse_roots((os.environ if env is None else env).get(ALLOWED_ENV))
+
+
+def with_roots(current: str | None, extra: Iterable[str | os.PathLike[str]]) -> str:
+    """`current` (a POSTTRAIN_ALLOWED_PATHS value) with `extra` folders appended, resolved."""
+    roots = parse_roots(current)
+    for root in parse_roots(os.pathsep.join(str(p) for p in extra)):
+        if root not in roots:
+            roots.append(root)
+    return os.pathsep.join(str(r) for r in roots)
+
+
+def served_roots(recipe: Recipe) -> list[str]:
+    """The folders a served recipe file (resolved by `resolve_paths`) trusts: its workspace and
+    its `run.allowed_paths`, the recipe's folder included when a path needed it."""
+    return [recipe.run.workspace, *recipe.run.allowed_paths]
+
+
+def _describe(roots: list[Path]) -> str:
+    if not roots:
+        return f"none: start `posttrain serve --allow-path DIR` or set {ALLOWED_ENV}"
+    return ", ".join(str(r) for r in roots)
+
+
+def check_served_reach(recipe: Recipe, roots: list[Path]) -> None:
+    """Refuse a served recipe that reaches outside the worker's folders. Raises RecipeError with
+    one `field: message` line per problem; reads no file (paths are only resolved)."""
+    errors: list[str] = []
+
+    def inside_worker(where: str, value: str) -> Path | None:
+        real = _real(value, where, errors)
+        if real is None:
+            return None
+        if not any(_inside(real, root) for root in roots):
+            errors.append(
+                f"{where}: {value} is outside the folders this worker allows ({_describe(roots)})"
+            )
+            return None
+        return real
+
+    own = [inside_worker("run.workspace", recipe.run.workspace)]
+    own += [
+        inside_worker(f"run.allowed_paths.{i}", p) for i, p in enumerate(recipe.run.allowed_paths)
+    ]
+    mine = [p for p in own if p is not None]
+    for where, value in input_paths(recipe).items():
+        real = _real(value, where, errors)
+        if real is None:
+            continue
+        if not any(_inside(real, root) for root in mine):
+            via = "" if value == str(real) else f" (given as {value})"
+            errors.append(
+                f"{where}: {real}{via} is outside this served run's run.workspace and "
+                f"run.allowed_paths ({', '.join(str(p) for p in mine) or 'none allowed'})"
+            )
+    if errors:
+        raise RecipeError(errors, "served recipe")

@@ -1,0 +1,138 @@
+"""A Prefect server outage during a served run: a real `prefect server start` is stopped while
+the run's SFT stage trains, and started again on the same port and database.
+
+What must hold: the stage keeps training while the server is away (its supervisor makes no call
+the stage depends on: logs and progress to the server are decoration), and the run ends
+Completed once the server is back, its stages' artifacts complete.
+
+The outage is OUTAGE_S seconds (default 25, to keep the test short; POSTTRAIN_OUTAGE_S=60 runs
+the ~60 s case of docs/reliability.md). Prefect's client retries a failed request 5 times with
+2, 4, 8, 16, 32 s back-off (~62 s); calls made during the outage wait inside those retries.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect_server import start_server
+
+from posttrain.artifacts import verify
+from posttrain.config.loader import load_recipe
+from posttrain.pipeline import plan
+from tests.stage_helpers import ROOT, TINY, write_recipe
+
+pytestmark = pytest.mark.slow
+
+OUTAGE_S = float(os.environ.get("POSTTRAIN_OUTAGE_S", "25"))
+NAME = "outage"
+
+
+def _wait(what: str, check: Any, timeout: float, every: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def _train_steps(out: Path) -> int:
+    path, step = out / "metrics.jsonl", 0
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("kind") == "train":
+            step = max(step, rec["step"])
+    return step
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def test_served_run_survives_a_server_outage_mid_stage(tmp_path: Path) -> None:
+    from prefect.client.orchestration import SyncPrefectClient
+
+    data = copy.deepcopy(TINY)
+    data["run"]["name"] = NAME
+    data["infra"]["threads_per_rank"] = 1
+    data["ingest"]["from_config"]["pretrain_steps"] = 20
+    # Long enough to train through the outage: ~OUTAGE_S + 40 s of steps on this box.
+    data["sft"].update(max_steps=int(os.environ.get("POSTTRAIN_OUTAGE_STEPS", "1500")))
+    data["sft"]["checkpoint_every"] = 50
+    recipe_path = write_recipe(tmp_path, data)
+    sft_dir = next(s.out_dir for s in plan(load_recipe(recipe_path)) if s.name == "sft")
+
+    server = start_server(tmp_path / "prefect-home")
+    serve = None
+    try:
+        log_path = tmp_path / "serve.log"
+        with open(log_path, "wb") as log:
+            serve = subprocess.Popen(
+                [sys.executable, "-m", "flows.cli", "serve", str(recipe_path)],
+                cwd=ROOT,
+                env=server.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        client = SyncPrefectClient(server.api_url)
+
+        def deployed() -> Any:
+            assert serve.poll() is None, log_path.read_text()[-3000:]
+            try:
+                return client.read_deployment_by_name(f"post-train/{NAME}")
+            except Exception:
+                return None
+
+        dep = _wait("the deployment", deployed, 120)
+        run = client.create_flow_run_from_deployment(dep.id, parameters=dep.parameters)
+        _wait("sft to train", lambda: _train_steps(sft_dir) >= 3, 300)
+
+        server.stop()
+        down_at, step_down = time.monotonic(), _train_steps(sft_dir)
+        time.sleep(OUTAGE_S)
+        step_back = _train_steps(sft_dir)
+        assert serve.poll() is None, "posttrain serve died during the outage"
+        server = start_server(server.home, server.port)
+        back_at = time.monotonic()
+        print(
+            f"outage {back_at - down_at:.0f} s (server healthy again included); sft trained "
+            f"steps {step_down} -> {step_back} while the server was down"
+        )
+        assert step_back > step_down, "the stage stopped training while the server was down"
+
+        client = SyncPrefectClient(server.api_url)
+        final = _wait(
+            "the run to end",
+            lambda: (r := client.read_flow_run(run.id)).state.is_final() and r,
+            600,
+            every=2,
+        )
+        print(f"run ended {final.state.name} {time.monotonic() - back_at:.0f} s after the restart")
+        assert final.state.name == "Completed", (final.state, log_path.read_text()[-4000:])
+        assert verify(sft_dir)[0]
+        assert "resumed from" not in (sft_dir / "logs" / "stage.log").read_text()
+    finally:
+        if serve is not None:
+            _stop(serve)
+        server.stop()

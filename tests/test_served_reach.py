@@ -1,0 +1,106 @@
+"""The narrowing rule for served recipes (posttrain.config.reach): fast, real folders, no server."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+
+from posttrain.config.loader import RecipeError
+from posttrain.config.reach import (
+    check_served_reach,
+    parse_roots,
+    served_roots,
+    with_roots,
+    worker_roots,
+)
+from posttrain.config.schema import Recipe
+from tests.stage_helpers import TINY
+
+
+def _recipe(tmp_path: Path, **run: object) -> Recipe:
+    data = copy.deepcopy(TINY)
+    data["run"]["workspace"] = str(tmp_path / "ws")
+    data["run"].update(run)
+    return Recipe.model_validate(data)
+
+
+def _with_data(recipe: Recipe, path: str) -> Recipe:
+    data = recipe.model_dump(mode="json")
+    data["sft"]["data"].update(synthetic=None, path=path)
+    return Recipe.model_validate(data)
+
+
+def _errors(recipe: Recipe, roots: list[Path]) -> list[str]:
+    with pytest.raises(RecipeError) as info:
+        check_served_reach(recipe, roots)
+    return info.value.errors
+
+
+def test_roots_come_from_the_environment_absolute_only(tmp_path: Path) -> None:
+    value = os.pathsep.join([str(tmp_path), "relative/dir", "", "~", str(tmp_path)])
+    assert parse_roots(value) == [tmp_path.resolve(), Path.home().resolve()]
+    assert worker_roots({"POSTTRAIN_ALLOWED_PATHS": str(tmp_path)}) == [tmp_path.resolve()]
+    assert worker_roots({}) == []
+    joined = with_roots(str(tmp_path / "a"), [tmp_path / "b", str(tmp_path / "a")])
+    assert joined.split(os.pathsep) == [str(tmp_path / "a"), str(tmp_path / "b")]
+
+
+def test_the_served_recipe_itself_passes_inside_its_own_roots(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    rows = tmp_path / "data" / "rows.jsonl"
+    rows.write_text("{}\n")
+    served = _with_data(_recipe(tmp_path, allowed_paths=[str(tmp_path / "data")]), str(rows))
+    roots = parse_roots(os.pathsep.join(served_roots(served)))
+    check_served_reach(served, roots)
+    # Narrowing is fine: a sub-folder of an allowed root, a workspace inside the old one.
+    narrowed = _with_data(
+        _recipe(tmp_path, workspace=str(tmp_path / "ws" / "sub"), allowed_paths=[str(rows.parent)]),
+        str(rows),
+    )
+    check_served_reach(narrowed, roots)
+
+
+def test_widening_names_every_field_and_the_worker_folders(tmp_path: Path) -> None:
+    roots = [tmp_path.resolve()]
+    hostile = _with_data(_recipe(tmp_path, allowed_paths=["/"]), "/etc/hostname")
+    errors = _errors(hostile, roots)
+    assert errors[0] == (
+        f"run.allowed_paths.0: / is outside the folders this worker allows ({tmp_path.resolve()})"
+    )
+    assert errors[1].startswith("sft.data.path: /etc/hostname is outside this served run's")
+    # Moving the workspace (an implicit root for `posttrain run`) is widening too.
+    errors = _errors(_recipe(tmp_path, workspace="/"), roots)
+    assert errors == [
+        f"run.workspace: / is outside the folders this worker allows ({tmp_path.resolve()})"
+    ]
+
+
+def test_no_implicit_current_directory_and_no_symlink_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    roots = [(tmp_path / "ws").resolve()]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "secret.jsonl").write_text("{}\n")
+    # `posttrain run` allows the current directory; a served run does not.
+    errors = _errors(_with_data(_recipe(tmp_path), "secret.jsonl"), roots)
+    assert errors == [
+        f"sft.data.path: {tmp_path.resolve() / 'secret.jsonl'} (given as secret.jsonl) is "
+        f"outside this served run's run.workspace and run.allowed_paths ({roots[0]})"
+    ]
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "link").symlink_to("/etc")
+    errors = _errors(
+        _with_data(_recipe(tmp_path), str(tmp_path / "ws" / "link" / "hostname")), roots
+    )
+    assert errors[0].startswith("sft.data.path: /etc/hostname (given as ")
+
+
+def test_a_worker_without_folders_refuses_everything(tmp_path: Path) -> None:
+    errors = _errors(_recipe(tmp_path), [])
+    assert errors == [
+        f"run.workspace: {tmp_path / 'ws'} is outside the folders this worker allows (none: start "
+        "`posttrain serve --allow-path DIR` or set POSTTRAIN_ALLOWED_PATHS)"
+    ]
