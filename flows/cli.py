@@ -15,6 +15,7 @@ them directly. Prefect is imported only by `run`, after its environment defaults
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -32,18 +33,24 @@ from posttrain.config.schema import Recipe
 from posttrain.pipeline import plan
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
+EXIT_HUNG_UP = 129
 
 
 class Terminated(BaseException):
     """SIGTERM reached the CLI (e.g. `kill`, a container stop)."""
 
 
+class HungUp(Terminated):
+    """SIGHUP reached the CLI: its terminal closed, an SSH session dropped."""
+
+
 def _raise_terminated(signum: int, frame: object) -> None:
     # Without this, SIGTERM ends the process at once: Prefect's own handler stops the stage
     # (our task's cleanup runs), then re-delivers SIGTERM to the default action, which skips
     # interpreter exit, so the embedded Prefect server process is left running. Raising
-    # instead lets the run end normally and the server be stopped.
-    raise Terminated()
+    # instead lets the run end normally and the server be stopped. SIGHUP's default action is
+    # the same abrupt end (and Prefect does not handle it at all): it gets the same treatment.
+    raise HungUp() if signum == signal.SIGHUP else Terminated()
 
 
 def load_or_report(
@@ -101,18 +108,28 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
         return EXIT_INVALID
     apply_prefect_defaults()
     print(f"posttrain: running '{recipe.run.name}' on {prefect_target()}", file=err)
-    from flows.embedded_db import set_aside_if_damaged
-    from flows.pipeline import post_train  # imports prefect: only now, after its defaults
-
-    set_aside_if_damaged(err)  # before the embedded server tries, and fails, to start on it
-
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = {
+        sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)
+    }
     try:
+        from flows.embedded_db import set_aside_if_damaged
+        from flows.embedded_server import start_embedded_server
+        from flows.pipeline import post_train  # imports prefect: only now, after its defaults
+
+        set_aside_if_damaged(err)  # before the embedded server tries, and fails, to start on it
+        # Before Prefect would start it, from this (main) thread: it then dies with this
+        # process even when nothing here gets to stop it (SIGKILL).
+        start_embedded_server()
         result = post_train(recipe)
     except (KeyboardInterrupt, Terminated) as exc:
-        what = "terminated" if isinstance(exc, Terminated) else "interrupted"
-        print(f"\nposttrain: {what}; the running stage was stopped", file=err)
-        return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
+        what, code = "interrupted", EXIT_INTERRUPTED
+        if isinstance(exc, HungUp):
+            what, code = "hung up", EXIT_HUNG_UP
+        elif isinstance(exc, Terminated):
+            what, code = "terminated", EXIT_TERMINATED
+        with contextlib.suppress(OSError):  # a hang-up may have closed our terminal
+            print(f"\nposttrain: {what}; the running stage was stopped", file=err)
+        return code
     except Exception as exc:
         # Prefect has already logged the traceback; end with the part a person needs.
         print(f"\nposttrain run failed: {type(exc).__name__}: {exc}", file=err)
@@ -124,7 +141,8 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
             print(f"posttrain run failed: {headline}", file=err)
         return EXIT_FAILED
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     records = [
         StageRecord(
             stage=s["stage"],

@@ -47,7 +47,9 @@ from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 import posttrain
 from posttrain.artifacts import MANIFEST, ArtifactRef, ref_from_manifest, verify
+from posttrain.device_lock import HELD_ENV as DEVICE_LOCK_ENV
 from posttrain.locking import LOCK_HELD_ENV, ArtifactLock, LockTimeout, describe_holder
+from posttrain.orphan import launcher_env
 from posttrain.pipeline import PlannedStage
 from posttrain.recovery import EARLIER_ATTEMPT_ENV, earlier_attempt
 from posttrain.telemetry.heartbeat import Hang, HangWatch, read_heartbeats, stack_file
@@ -65,6 +67,11 @@ FLOW_RUN_ENV_VAR = "POSTTRAIN_FLOW_RUN_ID"
 # os.environ: several stages may be supervised at once from threads of one process.
 _HELD_LOCK: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "posttrain_held_lock", default=None
+)
+# The device lock file (posttrain.device_lock) the flow holds, passed to its stage processes so
+# an orphaned stage that goes on (infra.orphan=finish) can take the devices over.
+HELD_DEVICE_LOCK: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "posttrain_device_lock", default=None
 )
 CHILD_ENV = {
     # Stages read local folders only; a stray hub id would otherwise cost ~47 s of retries.
@@ -184,6 +191,11 @@ def child_env(
     env.pop(LOCK_HELD_ENV, None)
     if held := _HELD_LOCK.get():
         env[LOCK_HELD_ENV] = held
+    env.pop(DEVICE_LOCK_ENV, None)
+    if device_lock := HELD_DEVICE_LOCK.get():
+        env[DEVICE_LOCK_ENV] = device_lock
+    # Who launched the stage, so it notices when its launcher is gone (posttrain.orphan).
+    env.update(launcher_env())
     flow_run_id = current_flow_run_id()
     if flow_run_id:
         env[FLOW_RUN_ENV_VAR] = flow_run_id

@@ -57,14 +57,40 @@ def describe_holder(holder: dict[str, Any] | None) -> str:
     )
 
 
-class ArtifactLock:
-    """Exclusive lock of one artifact folder. Not re-entrant: `flock` locks conflict between
-    two opens of the file even within one process, which is what makes two threads of one
-    process exclude each other too."""
+def _parse_record(data: bytes) -> dict[str, Any] | None:
+    try:
+        record = json.loads(data)
+    except ValueError:  # empty, or caught half-written
+        return None
+    return record if isinstance(record, dict) else None
 
-    def __init__(self, out_dir: str | os.PathLike[str]) -> None:
-        self.path = lock_path(out_dir)
+
+def _write_record(fd: int, record: Mapping[str, Any]) -> None:
+    # Rewritten in place (no rename: the lock is on this inode). Readers that catch it
+    # half-written get None from `holder()` and poll again.
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
+
+
+class FileLock:
+    """Exclusive `flock` on one file, with an owner record (JSON) written into it. Not
+    re-entrant: `flock` locks conflict between two opens of the file even within one process,
+    which is what makes two threads of one process exclude each other too. The descriptor is
+    not inherited by child processes (PEP 446), so only this process's death frees it."""
+
+    # 0666 less the umask, like every other file: under umask 002 the group's runs can open
+    # (O_RDWR) and lock it too; 0644 would lock them out of a shared workspace.
+    MODE = 0o666
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
         self._fd: int | None = None
+        self._record: dict[str, Any] = {}
+        self.previous: dict[str, Any] | None = None
+
+    def _open(self) -> int:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(self.path, os.O_RDWR | os.O_CREAT, self.MODE)
 
     @property
     def held(self) -> bool:
@@ -73,27 +99,31 @@ class ArtifactLock:
     def try_acquire(self, owner: Mapping[str, Any]) -> bool:
         """Take the lock if it is free and record `owner` in it; never blocks."""
         assert self._fd is None, "already held"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # 0666 less the umask, like every other file: under umask 002 the group's runs can open
-        # (O_RDWR) and lock it too; 0644 would lock them out of a shared workspace.
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = self._open()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return False
+        # The record left by the previous holder, read under the lock: who had it last (a
+        # holder that died left its record behind; `previous` names it).
+        self.previous = _parse_record(os.pread(fd, 1 << 16, 0))
         record = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **owner,
         }
-        # Rewritten in place (no rename: the lock is on this inode). Readers that catch it
-        # half-written get None from `holder()` and poll again.
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
+        _write_record(fd, record)
         self._fd = fd
+        self._record = record
         return True
+
+    def update(self, **fields: Any) -> None:
+        """Add `fields` to the owner record of the lock this object holds."""
+        assert self._fd is not None, "not held"
+        self._record = {**self._record, **fields}
+        _write_record(self._fd, self._record)
 
     def acquire(
         self,
@@ -125,10 +155,9 @@ class ArtifactLock:
     def holder(self) -> dict[str, Any] | None:
         """The owner record of the last holder (the current one while it is held)."""
         try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            return _parse_record(self.path.read_bytes())
+        except OSError:
             return None
-        return data if isinstance(data, dict) else None
 
     def release(self) -> None:
         if self._fd is None:
@@ -137,6 +166,13 @@ class ArtifactLock:
         with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+class ArtifactLock(FileLock):
+    """Exclusive lock of one artifact folder (`<out_dir>.lock`)."""
+
+    def __init__(self, out_dir: str | os.PathLike[str]) -> None:
+        super().__init__(lock_path(out_dir))
 
 
 def stage_lock(

@@ -9,7 +9,9 @@ started three ways:
 Exit code 0 means the manifest was written; anything else means the stage is not done.
 
 Every rank beats `<out_dir>/logs/heartbeat/rank<k>.json` and dumps its Python stacks into
-`<out_dir>/logs/stacks-rank<k>.txt` on SIGUSR1 (`posttrain.telemetry.heartbeat`).
+`<out_dir>/logs/stacks-rank<k>.txt` on SIGUSR1 (`posttrain.telemetry.heartbeat`), and watches
+the process that launched it (`posttrain.orphan`): when it dies, the stage stops or finishes
+alone, per `infra.orphan`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from posttrain.artifacts import (
 )
 from posttrain.config.schema import Recipe
 from posttrain.locking import stage_lock
+from posttrain.orphan import OrphanWatch
 from posttrain.recovery import launch_account, recovery_record
 from posttrain.telemetry import heartbeat
 from posttrain.verdicts import ParentArtifactDamaged, StageVerdict
@@ -217,6 +220,9 @@ def stage_main(
         inputs=spec["inputs"],
     )
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    # First thing: a stage whose launcher died (while this process imported torch, say) must
+    # not start, or must go on alone, per infra.orphan (posttrain.orphan).
+    orphan_watch = OrphanWatch.start(ctx.out_dir, stage, recipe.infra.orphan)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # Another run of this very stage (same fingerprint, same folder) may be at work: wait for
     # it, then find its artifact complete. The flow's launcher holds the lock for us already.
@@ -337,6 +343,8 @@ def stage_main(
         )
         sys.exit(1)
     finally:
+        if orphan_watch is not None:
+            orphan_watch.stop()
         heartbeat.stop()
         if distributed:
             from posttrain.distributed.runtime import shutdown

@@ -1,0 +1,183 @@
+"""A stage process notices when the process that launched it is gone, and acts on it.
+
+A stage runs in a session of its own (so it can be killed as a group), hence nothing stops it
+when its launcher dies: `posttrain run` SIGKILLed by the OOM killer, a lost pod, a Prefect
+worker killed outright. Left alone it would go on training with nobody reading its output, its
+artifact lock already released by the kernel (the launcher held it), so a new run could start
+writing the same folder.
+
+The launcher puts its PID and start time in the stage's environment (`launcher_env`); every
+process of the stage that runs `stage_main` (each rank under torchrun) starts a daemon thread
+that checks once a second that this very process (same PID, same start time: a PID can be
+reused) is still alive. When it is not, per `infra.orphan`:
+  - `stop`: one line in the stage's log, then the process ends at once (`os._exit`). Safe at any
+    moment: checkpoints are written to `step_N.tmp` and renamed, the manifest is written last,
+    so what is left is complete checkpoints and no manifest; the next run resumes from the
+    newest. Under torchrun the rank also SIGTERMs its torchrun agent (it carries the same
+    launch marker), which stops the other ranks.
+  - `finish`: the stage goes on to the end and seals its artifact. Its output goes to its log
+    file (the launcher's pipe has no reader any more). Rank 0 takes over the artifact lock (and
+    the device lock) from the dead launcher, so a new run of the same stage waits, then reuses
+    the artifact. If a new run already took the artifact lock, two writers must not share the
+    folder: the stage stops instead.
+No Prefect here: the stage side knows only processes, files and locks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import psutil
+
+from posttrain.device_lock import HELD_ENV as DEVICE_LOCK_ENV
+from posttrain.locking import LOCK_HELD_ENV, FileLock
+
+LAUNCHER_PID_ENV = "POSTTRAIN_LAUNCHER_PID"
+LAUNCHER_START_ENV = "POSTTRAIN_LAUNCHER_START"
+LAUNCH_ENV_VAR = "POSTTRAIN_LAUNCH_ID"  # set by flows.stage_task: one value per launch
+POLL_S = 1.0
+EXIT_ORPHANED = 1  # like any stage that did not finish: no manifest, "not done"
+
+log = logging.getLogger("posttrain.orphan")
+
+
+def launcher_env(pid: int | None = None) -> dict[str, str]:
+    """The variables a launcher passes to the stage it starts: its PID and start time."""
+    pid = os.getpid() if pid is None else pid
+    return {LAUNCHER_PID_ENV: str(pid), LAUNCHER_START_ENV: repr(psutil.Process(pid).create_time())}
+
+
+def launcher_alive(pid: int, start: float) -> bool:
+    """Whether the process `pid` that started at `start` still runs (a zombie does not)."""
+    try:
+        p = psutil.Process(pid)
+        return abs(p.create_time() - start) < 0.05 and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:  # not ours to inspect: it exists, so assume it is the launcher
+        return True
+
+
+class OrphanWatch:
+    """The watching thread of one stage process; `start()` returns None when the process has
+    no launcher to watch (started by hand)."""
+
+    def __init__(
+        self,
+        out_dir: Path,
+        stage: str,
+        policy: str,
+        env: Mapping[str, str] | None = None,
+        poll_s: float = POLL_S,
+    ) -> None:
+        self.env = dict(os.environ if env is None else env)
+        self.out_dir, self.stage, self.policy, self.poll_s = Path(out_dir), stage, policy, poll_s
+        self.pid = int(self.env[LAUNCHER_PID_ENV])
+        self.start_time = float(self.env[LAUNCHER_START_ENV])
+        self.taken: list[FileLock] = []  # locks taken over (finish): freed when we exit
+        self._stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    @classmethod
+    def start(
+        cls, out_dir: Path, stage: str, policy: str, poll_s: float = POLL_S
+    ) -> OrphanWatch | None:
+        if not (os.environ.get(LAUNCHER_PID_ENV) and os.environ.get(LAUNCHER_START_ENV)):
+            return None
+        watch = cls(out_dir, stage, policy, poll_s=poll_s)
+        watch.thread = threading.Thread(target=watch._run, name="orphan-watch", daemon=True)
+        watch.thread.start()
+        return watch
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while True:  # first look at once: the launcher may have died while we imported torch
+            if not launcher_alive(self.pid, self.start_time):
+                self.orphaned()
+                return
+            if self._stop.wait(self.poll_s):
+                return
+
+    def orphaned(self) -> None:
+        self._to_log_file()
+        what = f"stage {self.stage}: its launcher (pid {self.pid}) is gone"
+        if self.policy == "finish":
+            taken = self._take_over_locks()
+            if taken is not None:
+                log.warning(
+                    "%s; infra.orphan=finish: finishing the stage (now holding %s; a new run "
+                    "waits for it, then reuses the artifact)",
+                    what,
+                    ", ".join(taken) or "no lock",
+                )
+                return
+            log.warning(
+                "%s; infra.orphan=finish, but a new run already holds the artifact lock: "
+                "stopping, so that two runs never write one folder",
+                what,
+            )
+        else:
+            log.warning(
+                "%s; infra.orphan=stop: stopping now (complete checkpoints are kept; the next "
+                "run resumes from the newest)",
+                what,
+            )
+        self._stop_agent()
+        with contextlib.suppress(Exception):
+            logging.shutdown()
+        os._exit(EXIT_ORPHANED)
+
+    def _to_log_file(self) -> None:
+        # Our stdout/stderr were the dead launcher's pipe: a write would fail (EPIPE) and end
+        # the stage mid-step. The launcher appended them to logs/stage.log: go on doing so.
+        path = self.out_dir / "logs" / "stage.log"
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+
+    def _take_over_locks(self) -> list[str] | None:
+        """Rank 0 of node 0 takes the artifact lock (when the launcher held it) and the device
+        lock. None when the artifact lock is taken by someone else."""
+        if self.env.get("RANK", "0") != "0" or self.env.get("GROUP_RANK", "0") != "0":
+            return []
+        owner = {"what": f"stage {self.stage}, orphaned (infra.orphan=finish)"}
+        names = []
+        if artifact := self.env.get(LOCK_HELD_ENV):
+            lock = FileLock(artifact)
+            if not lock.try_acquire(owner):
+                return None
+            self.taken.append(lock)
+            names.append(artifact)
+        if devices := self.env.get(DEVICE_LOCK_ENV):
+            lock = FileLock(devices)
+            with contextlib.suppress(OSError):
+                if lock.try_acquire(owner):  # a new run may have it already: go on anyway
+                    self.taken.append(lock)
+                    names.append(devices)
+        return names
+
+    def _stop_agent(self) -> None:
+        # Under torchrun our parent is its agent, of the same launch: SIGTERM makes it stop
+        # the other ranks and exit, rather than wait for them to notice on their own.
+        launch = self.env.get(LAUNCH_ENV_VAR)
+        with contextlib.suppress(psutil.Error):
+            parent = psutil.Process(os.getppid())
+            if launch and parent.environ().get(LAUNCH_ENV_VAR) == launch:
+                parent.send_signal(signal.SIGTERM)
+                time.sleep(0.2)  # let it start forwarding before this rank vanishes

@@ -1,0 +1,117 @@
+"""Faults of the device slot: whatever kills `posttrain run` while it holds the devices, the next
+run gets them within seconds, and nothing the killed run started outlives it.
+
+Real CLI processes on the embedded Prefect (one PREFECT_HOME per module: the migrations are paid
+once), real signals. Run A holds the devices (its stage is running), run B waits for them; A
+gets the signal; B must get the devices within RECOVERY_BOUND_S, and A's embedded server and
+stage process must be gone. Then run C, waiting behind B, gets the same signal (SIGINT for the
+SIGKILL case, whose path needs no code) and must exit within EXIT_BOUND_S.
+"""
+
+from __future__ import annotations
+
+import signal
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.faults.fault_runs import Run, kill_all, run_env, wait_file, wait_gone, write_slow_stage
+
+pytestmark = pytest.mark.slow
+
+RECOVERY_BOUND_S = 60.0  # measured: see docs/reliability.md, "Faults"
+EXIT_BOUND_S = 30.0
+GONE_BOUND_S = 30.0
+
+RECIPE = """
+    run: {name: fault-slot, workspace: WS}
+    infra: {device: cpu, precision: fp32}
+    ingest: {source: from_config}
+    sft:
+      data: {synthetic: {n_examples: 20}}
+"""
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    root = tmp_path_factory.mktemp("fault-slot")
+    mods = root / "mods"
+    module = write_slow_stage(mods, "ingest")
+    recipe = root / "recipe.yaml"
+    recipe.write_text(textwrap.dedent(RECIPE).replace("WS", str(root / "ws")))
+    env = run_env(root / "prefect-home", root / "locks", mods, PT_STAGE_MODULES=f"ingest={module}")
+    yield {"root": root, "recipe": recipe, "env": env, "n": 0}
+
+
+def start(setup: dict, name: str) -> tuple[Run, Path]:
+    """A run with a workspace of its own (no artifact lock in common with the others)."""
+    setup["n"] += 1
+    pids = setup["root"] / f"{name}-{setup['n']}.pid"
+    env = {**setup["env"], "PT_PIDS_FILE": str(pids)}
+    ws = setup["root"] / f"ws-{name}-{setup['n']}"
+    log = setup["root"] / f"{name}-{setup['n']}.out"
+    return Run(setup["recipe"], env, f"run.workspace={ws}", log=log), pids
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP, signal.SIGTERM], ids=lambda s: s.name)
+def test_killed_holder_frees_the_devices_and_leaves_nothing_behind(
+    setup: dict, sig: signal.Signals
+) -> None:
+    runs: list[Run] = []
+    try:
+        a, a_pids = start(setup, "a")
+        runs.append(a)
+        a.wait_for("holding posttrain-devices-")
+        wait_file(a_pids, run=a)
+        stage = psutil.Process(int(a_pids.read_text()))
+        server = a.server()
+        assert server is not None, "no embedded server found under the run"
+        doomed = [stage, server, *a.descendants()]
+
+        b, _ = start(setup, "b")
+        runs.append(b)
+        b.wait_for("waiting for the devices")
+        assert f"pid {a.pid} " in b.text(), b.text()[-3000:]
+
+        t_signal = time.monotonic()
+        a.proc.send_signal(sig)
+        t_holding = b.wait_for("holding posttrain-devices-", timeout=RECOVERY_BOUND_S + 60)
+        recovery = t_holding - t_signal
+        a.proc.wait(timeout=EXIT_BOUND_S)
+        a_exit = time.monotonic() - t_signal
+        wait_gone(doomed, GONE_BOUND_S)
+        gone = time.monotonic() - t_signal
+        print(
+            f"\n{sig.name}: next run holds the devices {recovery:.1f} s after the signal; "
+            f"run exited rc={a.proc.returncode} after {a_exit:.1f} s; its server and stage "
+            f"gone within {gone:.1f} s"
+        )
+        assert recovery < RECOVERY_BOUND_S
+        if sig == signal.SIGKILL:
+            # The dead run's Prefect slot stayed occupied: repossessed, naming that run.
+            assert "repossessed the devices" in b.text() and f"pid {a.pid} " in b.text()
+        else:
+            assert a.proc.returncode == {signal.SIGHUP: 129, signal.SIGTERM: 143}[sig]
+            assert "the running stage was stopped" in a.text()
+
+        # A run waiting for the devices ends promptly on the same signal.
+        c, _ = start(setup, "c")
+        runs.append(c)
+        c.wait_for("waiting for the devices")
+        c_doomed = c.descendants()
+        c_sig = signal.SIGINT if sig == signal.SIGKILL else sig
+        t0 = time.monotonic()
+        c.proc.send_signal(c_sig)
+        c.proc.wait(timeout=EXIT_BOUND_S)
+        c_exit = time.monotonic() - t0
+        wait_gone(c_doomed, GONE_BOUND_S)
+        print(f"{c_sig.name} while waiting for the devices: exited after {c_exit:.1f} s")
+        assert c_exit < EXIT_BOUND_S
+    finally:
+        for run in runs:
+            run.stop()
+        kill_all([p for r in runs for p in r.descendants()])
