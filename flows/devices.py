@@ -67,10 +67,14 @@ def ensure_device_limit(name: str) -> None:
 
 
 def describe_device_holder(holder: dict[str, Any] | None) -> str:
+    """`pid 123 (posttrain run, flow run happy-fox, since ...)` from a device lock record."""
     if not holder:
         return "another run"
-    run = holder.get("flow_run_name") or holder.get("flow_run_id") or "no flow run"
-    return f"pid {holder.get('pid')} (flow run {run}, since {holder.get('since')})"
+    parts = [str(holder.get("what") or "a run")]
+    if run := holder.get("flow_run_name") or holder.get("flow_run_id"):
+        parts.append(f"flow run {run}")
+    parts.append(f"since {holder.get('since')}")
+    return f"pid {holder.get('pid')} ({', '.join(parts)})"
 
 
 def repossess_stale_slot(name: str, previous: dict[str, Any] | None) -> bool:
@@ -88,8 +92,8 @@ def repossess_stale_slot(name: str, previous: dict[str, Any] | None) -> bool:
             return False
         client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
     run_logger().warning(
-        "repossessed the devices: %s was still occupied by %s, which is gone (the process "
-        "holding it died without releasing it)",
+        "repossessed the devices: %s was still occupied by a run that is gone (it died "
+        "without releasing it); last holder: %s",
         name,
         describe_device_holder(previous),
     )

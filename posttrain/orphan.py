@@ -168,6 +168,12 @@ class OrphanWatch:
             lock = FileLock(devices)
             with contextlib.suppress(OSError):
                 if lock.try_acquire(owner):  # a new run may have it already: go on anyway
+                    # Keep naming the dead run's flow run: its Prefect slot is still occupied,
+                    # and the run that repossesses it says whose it was.
+                    dead = lock.previous or {}
+                    lock.update(
+                        **{k: dead[k] for k in ("flow_run_id", "flow_run_name") if k in dead}
+                    )
                     self.taken.append(lock)
                     names.append(devices)
         return names

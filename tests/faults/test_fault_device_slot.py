@@ -57,7 +57,9 @@ def start(setup: dict, name: str) -> tuple[Run, Path]:
     return Run(setup["recipe"], env, f"run.workspace={ws}", log=log), pids
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP, signal.SIGTERM], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "sig", [signal.SIGKILL, signal.SIGHUP, signal.SIGTERM], ids=lambda s: s.name
+)
 def test_killed_holder_frees_the_devices_and_leaves_nothing_behind(
     setup: dict, sig: signal.Signals
 ) -> None:

@@ -1,0 +1,128 @@
+"""A dead orchestrator: `posttrain run` SIGKILLed (the OOM killer, a lost pod) while a real SFT
+stage trains. Per `infra.orphan`:
+  - stop: the stage process stops itself within ORPHAN_BOUND_S, leaving complete checkpoints
+    and no manifest; the next run resumes from the newest checkpoint;
+  - finish: the stage trains to the end and seals its artifact (taking the artifact lock over
+    from its dead launcher); the next run reuses it.
+Real stages on the tiny recipe, real CLI processes on the embedded Prefect.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from posttrain.artifacts import verify
+from posttrain.train.checkpoint import complete_checkpoints
+from tests.faults.fault_runs import Run, alive, kill_all, run_env, wait_gone
+from tests.stage_helpers import TINY, planned_dir, write_recipe
+
+pytestmark = pytest.mark.slow
+
+ORPHAN_BOUND_S = 15.0  # measured: see docs/reliability.md, "Faults"
+FINISH_BOUND_S = 240.0
+
+
+def _recipe(folder: Path, max_steps: int) -> Path:
+    data = {**TINY, "run": {**TINY["run"], "name": "fault-orphan"}}
+    data["ingest"] = {
+        **TINY["ingest"],
+        "from_config": {**TINY["ingest"]["from_config"], "pretrain_steps": 5},
+    }
+    data["sft"] = {**TINY["sft"], "max_steps": max_steps, "checkpoint_every": 10}
+    return write_recipe(folder, data)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    yield tmp_path_factory.mktemp("fault-orphan-prefect")
+
+
+def _stage_procs(run: Run, stage: str) -> list[psutil.Process]:
+    found = []
+    for p in run.descendants():
+        try:
+            if f"posttrain.stages.{stage}" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _kill_mid_stage(run: Run, sft_dir: Path) -> tuple[list[psutil.Process], float]:
+    """Wait for the first complete checkpoint of sft, then SIGKILL the CLI; returns the stage
+    processes found before the kill and the time of the kill."""
+    deadline = time.monotonic() + 300
+    while not complete_checkpoints(sft_dir / "checkpoints"):
+        assert run.proc.poll() is None, run.text()[-6000:]
+        assert time.monotonic() < deadline, "no sft checkpoint within 300 s"
+        time.sleep(0.2)
+    procs = _stage_procs(run, "sft")
+    assert procs, run.text()[-3000:]
+    run.embedded_server = run.server()  # type: ignore[attr-defined]
+    t_kill = time.monotonic()
+    run.proc.send_signal(signal.SIGKILL)
+    run.proc.wait(timeout=10)
+    return procs, t_kill
+
+
+def test_orphan_stop_stops_the_stage_and_the_next_run_resumes(tmp_path: Path, home: Path) -> None:
+    recipe = _recipe(tmp_path, max_steps=3000)
+    sft_dir = planned_dir("sft", recipe)
+    env = run_env(home, tmp_path / "locks")
+    runs: list[Run] = []
+    try:
+        a = Run(recipe, env, log=tmp_path / "a.out")
+        runs.append(a)
+        procs, t_kill = _kill_mid_stage(a, sft_dir)
+        detect = wait_gone(procs, ORPHAN_BOUND_S)
+        print(f"\norphan (stop): stage process gone {detect:.1f} s after the CLI's SIGKILL")
+        # The embedded Prefect server dies with its CLI, even one killed outright.
+        assert a.embedded_server is not None
+        wait_gone([a.embedded_server], 10)
+        log = (sft_dir / "logs" / "stage.log").read_text()
+        assert "its launcher (pid" in log and "infra.orphan=stop: stopping now" in log
+        assert not (sft_dir / "manifest.json").exists()
+        kept = complete_checkpoints(sft_dir / "checkpoints")
+        assert kept
+
+        b = Run(recipe, env, log=tmp_path / "b.out")
+        runs.append(b)
+        b.wait_for(f"resumed from {kept[-1].name}", timeout=300)
+    finally:
+        for run in runs:
+            run.stop()
+        kill_all([p for r in runs for p in r.descendants()])
+
+
+def test_orphan_finish_seals_the_artifact_and_the_next_run_reuses_it(
+    tmp_path: Path, home: Path
+) -> None:
+    recipe = _recipe(tmp_path, max_steps=150)
+    sft_dir = planned_dir("sft", recipe)
+    env = run_env(home, tmp_path / "locks")
+    runs: list[Run] = []
+    try:
+        a = Run(recipe, env, "infra.orphan=finish", log=tmp_path / "a.out")
+        runs.append(a)
+        procs, t_kill = _kill_mid_stage(a, sft_dir)
+        # The next run starts at once: it must wait for the orphan (it holds the lock now).
+        b = Run(recipe, env, "infra.orphan=finish", log=tmp_path / "b.out")
+        runs.append(b)
+        wait_gone(procs, FINISH_BOUND_S)
+        print(f"\norphan (finish): stage done {time.monotonic() - t_kill:.1f} s after the kill")
+        ok, why = verify(sft_dir)
+        assert ok, why
+        log = (sft_dir / "logs" / "stage.log").read_text()
+        assert "infra.orphan=finish: finishing the stage" in log
+        b.wait_for("stage sft: complete artifact found", timeout=300)
+        assert not any(alive(p) for p in procs)
+    finally:
+        for run in runs:
+            run.stop()
+        kill_all([p for r in runs for p in r.descendants()])
