@@ -27,16 +27,17 @@ CLI_WRAPPER = """
 import dataclasses, os, sys
 import posttrain.pipeline as pipeline
 mods = dict(kv.split("=") for kv in os.environ.get("PT_STAGE_MODULES", "").split(",") if kv)
+ranks = os.environ.get("PT_STAGE_DISTRIBUTED") == "1"  # several processes under torchrun
 pipeline.STAGES = {
-    name: dataclasses.replace(s, module=mods[name], distributed=False) if name in mods else s
+    name: dataclasses.replace(s, module=mods[name], distributed=ranks) if name in mods else s
     for name, s in pipeline.STAGES.items()
 }
 from flows.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
-# A stage that beats and sleeps for $PT_SLOW_S seconds, writing "<pid>" to $PT_PIDS_FILE once
-# it runs.
+# A stage that beats and sleeps for $PT_SLOW_S seconds, writing "<pid>" to $PT_PIDS_FILE
+# (suffixed with the local rank under torchrun) once it runs.
 SLOW_STAGE = """
 import os
 import time
@@ -47,7 +48,7 @@ from posttrain.telemetry import heartbeat
 
 
 def run(ctx):
-    path = Path(os.environ["PT_PIDS_FILE"])
+    path = Path(os.environ["PT_PIDS_FILE"] + os.environ.get("LOCAL_RANK", ""))
     path.with_suffix(".tmp").write_text(str(os.getpid()))
     path.with_suffix(".tmp").rename(path)
     for step in range(int(float(os.environ.get("PT_SLOW_S", "600")))):
@@ -86,12 +87,20 @@ def run_env(home: Path, lock_dir: Path, extra_path: Path | None = None, **extra:
 
 
 class Run:
-    """One `posttrain run` process; its merged output is collected line by line."""
+    """One `posttrain run` process (or another `command`, e.g. ("launch", "ingest")); its
+    merged output is collected line by line."""
 
-    def __init__(self, recipe: Path, env: dict, *overrides: str, log: Path | None = None):
+    def __init__(
+        self,
+        recipe: Path,
+        env: dict,
+        *overrides: str,
+        log: Path | None = None,
+        command: tuple[str, ...] = ("run",),
+    ):
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", CLI_WRAPPER, "run", str(recipe), *overrides],
+            [sys.executable, "-c", CLI_WRAPPER, *command, str(recipe), *overrides],
             cwd=ROOT,
             env=env,
             stdin=subprocess.DEVNULL,

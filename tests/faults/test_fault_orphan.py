@@ -16,10 +16,19 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from posttrain.artifacts import verify
 from posttrain.train.checkpoint import complete_checkpoints
-from tests.faults.fault_runs import Run, alive, kill_all, run_env, wait_gone
+from tests.faults.fault_runs import (
+    Run,
+    alive,
+    kill_all,
+    run_env,
+    wait_file,
+    wait_gone,
+    write_slow_stage,
+)
 from tests.stage_helpers import TINY, planned_dir, write_recipe
 
 pytestmark = pytest.mark.slow
@@ -126,3 +135,44 @@ def test_orphan_finish_seals_the_artifact_and_the_next_run_reuses_it(
         for run in runs:
             run.stop()
         kill_all([p for r in runs for p in r.descendants()])
+
+
+def test_orphan_stop_under_torchrun_stops_every_rank_and_the_agent(tmp_path: Path) -> None:
+    """`posttrain launch` (no Prefect) runs a 2-rank stand-in stage under torchrun; SIGKILL the
+    launcher: both ranks and the torchrun agent must be gone within the bound."""
+    mods = tmp_path / "mods"
+    module = write_slow_stage(mods, "ingest")
+    pids = tmp_path / "rank.pid"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "run": {"name": "fault-torchrun", "workspace": str(tmp_path / "ws")},
+                "infra": {"device": "cpu", "precision": "fp32", "devices_per_node": 2},
+                "ingest": {"source": "from_config"},
+                "sft": {"data": {"synthetic": {"n_examples": 20}}},
+            }
+        )
+    )
+    env = run_env(
+        tmp_path / "home",
+        tmp_path / "locks",
+        mods,
+        PT_STAGE_MODULES=f"ingest={module}",
+        PT_STAGE_DISTRIBUTED="1",
+        PT_PIDS_FILE=str(pids),
+    )
+    launcher = Run(recipe, env, command=("launch", "ingest"), log=tmp_path / "launch.out")
+    try:
+        for rank in (0, 1):
+            wait_file(Path(f"{pids}{rank}"), timeout=120, run=launcher)
+        procs = launcher.descendants()  # the torchrun agent and its two ranks
+        assert len(procs) >= 3, [p.cmdline() for p in procs]
+        t_kill = time.monotonic()
+        launcher.proc.send_signal(signal.SIGKILL)
+        launcher.proc.wait(timeout=10)
+        wait_gone(procs, ORPHAN_BOUND_S)
+        print(f"\norphan (stop, torchrun): agent and ranks gone {time.monotonic() - t_kill:.1f} s")
+    finally:
+        launcher.stop()
+        kill_all(launcher.descendants())
