@@ -10,7 +10,9 @@ Here the CLI starts that same server itself, from its main thread, before Prefec
 the singleton Prefect's clients then use (same settings, same PREFECT_HOME database). Its
 process is given a parent-death signal (Linux `prctl(PR_SET_PDEATHSIG, SIGTERM)`), which the
 kernel delivers when the thread that forked it ends: the main thread, so when the CLI process
-ends, however it ends. The start-up cost is the same as Prefect's own start (it is Prefect's
+ends, however it ends. It runs in a session of its own, so the signals a terminal sends to its
+whole foreground group (SIGHUP when it closes, SIGINT on Ctrl-C) reach only the CLI, which then
+ends the run, reports it to the server and stops the server. The start-up cost is the same as Prefect's own start (it is Prefect's
 own start, done earlier); the `prctl` call costs microseconds.
 """
 
@@ -64,6 +66,10 @@ def start_embedded_server() -> Any | None:
 
             def popen(*args: Any, **kwargs: Any) -> subprocess.Popen[Any]:
                 kwargs.setdefault("preexec_fn", die_with(parent))
+                # Out of the terminal's process group: a hang-up or Ctrl-C reaches the whole
+                # foreground group, and a server that died with it left the CLI unable to
+                # record the run's end, retrying for minutes instead of exiting.
+                kwargs.setdefault("start_new_session", True)
                 return real.Popen(*args, **kwargs)
 
             shim = types.SimpleNamespace(**{**vars(real), "Popen": popen})

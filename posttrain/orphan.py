@@ -13,7 +13,8 @@ reused) is still alive. When it is not, per `infra.orphan`:
   - `stop`: one line in the stage's log, then the process ends at once (`os._exit`). Safe at any
     moment: checkpoints are written to `step_N.tmp` and renamed, the manifest is written last,
     so what is left is complete checkpoints and no manifest; the next run resumes from the
-    newest. Under torchrun the rank also SIGTERMs its torchrun agent (it carries the same
+    newest. Rank 0 looks once more right before sealing the manifest, so an orphan never seals
+    (nobody holds the artifact's lock any more), however fast its last steps were. Under torchrun the rank also SIGTERMs its torchrun agent (it carries the same
     launch marker), which stops the other ranks.
   - `finish`: the stage goes on to the end and seals its artifact. Its output goes to its log
     file (the launcher's pipe has no reader any more). Rank 0 takes over the artifact lock (and
@@ -84,6 +85,8 @@ class OrphanWatch:
         self.start_time = float(self.env[LAUNCHER_START_ENV])
         self.taken: list[FileLock] = []  # locks taken over (finish): freed when we exit
         self._stop = threading.Event()
+        self._acting = threading.Lock()
+        self.launcher_gone = False
         self.thread: threading.Thread | None = None
 
     @classmethod
@@ -102,11 +105,23 @@ class OrphanWatch:
 
     def _run(self) -> None:
         while True:  # first look at once: the launcher may have died while we imported torch
-            if not launcher_alive(self.pid, self.start_time):
-                self.orphaned()
+            if self.check():
                 return
             if self._stop.wait(self.poll_s):
                 return
+
+    def check(self) -> bool:
+        """Act now if the launcher is gone (once); returns whether it is. Also called right
+        before the manifest is sealed, so that with `stop` an orphan never seals an artifact
+        (nobody holds its lock any more), however short its last steps were."""
+        with self._acting:
+            if self.launcher_gone:
+                return True
+            if launcher_alive(self.pid, self.start_time):
+                return False
+            self.launcher_gone = True
+            self.orphaned()
+            return True
 
     def orphaned(self) -> None:
         self._to_log_file()

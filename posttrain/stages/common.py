@@ -296,6 +296,11 @@ def stage_main(
 
             dist.barrier()
         if ctx.is_main:
+            if orphan_watch is not None:
+                # A last look before sealing: with infra.orphan=stop an orphan ends here
+                # without a manifest (its launcher's lock is gone); with finish it has taken
+                # the lock over.
+                orphan_watch.check()
             if ctx.preflight is not None:
                 summary = {**summary, "memory": measured_memory(ctx)}
             if recovery := recovery_record(account, summary):

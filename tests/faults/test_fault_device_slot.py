@@ -10,6 +10,7 @@ SIGKILL case, whose path needs no code) and must exit within EXIT_BOUND_S.
 
 from __future__ import annotations
 
+import os
 import signal
 import textwrap
 import time
@@ -47,6 +48,16 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     yield {"root": root, "recipe": recipe, "env": env, "n": 0}
 
 
+def deliver(run: Run, sig: signal.Signals) -> None:
+    """As the fault would: a closed terminal (SIGHUP) or Ctrl-C (SIGINT) signals the terminal's
+    whole foreground process group (the CLI and its embedded server; stages run in sessions of
+    their own); `kill`, a container stop and the OOM killer signal the process alone."""
+    if sig in (signal.SIGHUP, signal.SIGINT):
+        os.killpg(run.pid, sig)  # the run leads its own group (fault_runs.Run)
+    else:
+        run.proc.send_signal(sig)
+
+
 def start(setup: dict, name: str) -> tuple[Run, Path]:
     """A run with a workspace of its own (no artifact lock in common with the others)."""
     setup["n"] += 1
@@ -80,7 +91,7 @@ def test_killed_holder_frees_the_devices_and_leaves_nothing_behind(
         assert f"pid {a.pid} " in b.text(), b.text()[-3000:]
 
         t_signal = time.monotonic()
-        a.proc.send_signal(sig)
+        deliver(a, sig)
         t_holding = b.wait_for("holding posttrain-devices-", timeout=RECOVERY_BOUND_S + 60)
         recovery = t_holding - t_signal
         a.proc.wait(timeout=EXIT_BOUND_S)
@@ -107,7 +118,7 @@ def test_killed_holder_frees_the_devices_and_leaves_nothing_behind(
         c_doomed = c.descendants()
         c_sig = signal.SIGINT if sig == signal.SIGKILL else sig
         t0 = time.monotonic()
-        c.proc.send_signal(c_sig)
+        deliver(c, c_sig)
         c.proc.wait(timeout=EXIT_BOUND_S)
         c_exit = time.monotonic() - t0
         wait_gone(c_doomed, GONE_BOUND_S)
