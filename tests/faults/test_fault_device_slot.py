@@ -58,11 +58,11 @@ def deliver(run: Run, sig: signal.Signals) -> None:
         run.proc.send_signal(sig)
 
 
-def start(setup: dict, name: str) -> tuple[Run, Path]:
+def start(setup: dict, name: str, **env_extra: str) -> tuple[Run, Path]:
     """A run with a workspace of its own (no artifact lock in common with the others)."""
     setup["n"] += 1
     pids = setup["root"] / f"{name}-{setup['n']}.pid"
-    env = {**setup["env"], "PT_PIDS_FILE": str(pids)}
+    env = {**setup["env"], "PT_PIDS_FILE": str(pids), **env_extra}
     ws = setup["root"] / f"ws-{name}-{setup['n']}"
     log = setup["root"] / f"{name}-{setup['n']}.out"
     return Run(setup["recipe"], env, f"run.workspace={ws}", log=log), pids
@@ -124,6 +124,35 @@ def test_killed_holder_frees_the_devices_and_leaves_nothing_behind(
         wait_gone(c_doomed, GONE_BOUND_S)
         print(f"{c_sig.name} while waiting for the devices: exited after {c_exit:.1f} s")
         assert c_exit < EXIT_BOUND_S
+    finally:
+        for run in runs:
+            run.stop()
+        kill_all([p for r in runs for p in r.descendants()])
+
+
+def test_killed_holder_on_a_prefect_server_frees_the_devices(
+    setup: dict, prefect_server: object
+) -> None:
+    """The same on a `prefect server start`: the dead run's lease would hold the slot for 5
+    minutes; the next run repossesses it at once."""
+    server = {"PREFECT_API_URL": prefect_server.api_url}  # type: ignore[attr-defined]
+    runs: list[Run] = []
+    try:
+        a, a_pids = start(setup, "server-a", **server)
+        runs.append(a)
+        a.wait_for("holding posttrain-devices-")
+        wait_file(a_pids, run=a)
+        stage = psutil.Process(int(a_pids.read_text()))
+        b, _ = start(setup, "server-b", **server)
+        runs.append(b)
+        b.wait_for("waiting for the devices")
+        t_kill = time.monotonic()
+        a.proc.kill()
+        recovery = b.wait_for("holding posttrain-devices-", timeout=RECOVERY_BOUND_S + 60) - t_kill
+        print(f"\nSIGKILL on a Prefect server: next run holds the devices after {recovery:.1f} s")
+        assert recovery < RECOVERY_BOUND_S
+        assert "repossessed the devices" in b.text()
+        wait_gone([stage], GONE_BOUND_S)  # the orphaned stage stopped itself
     finally:
         for run in runs:
             run.stop()
