@@ -14,8 +14,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 STARTUP_TIMEOUT_S = 180.0
 
@@ -107,3 +109,53 @@ def start_server(home: Path, port: int | None = None) -> PrefectServer:
             raise RuntimeError(f"prefect server did not become healthy:\n{server.log_tail()}")
         time.sleep(0.5)
     return server
+
+
+# --- `posttrain serve` and waiting, shared by the server and fault tests -------------------------
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, every: float = 1.0) -> Any:
+    """Poll `check` until it returns something truthy (returned), or fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def start_serve(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """`posttrain serve ARGS` against the server of `env`, in a session of its own (so
+    `stop_group` reaches everything it started), its output in `log_path`."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "serve", *args],
+            cwd=Path(__file__).resolve().parents[1],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """SIGTERM `proc`'s process group, SIGKILL it after `grace_s`."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def serving(proc: subprocess.Popen[bytes], log_path: Path, check: Callable[[], Any]) -> Any:
+    """One poll of `check` while `posttrain serve` must be alive (its log tail when it died);
+    a server call that fails counts as not yet."""
+    assert proc.poll() is None, log_path.read_text()[-3000:]
+    try:
+        return check()
+    except Exception:
+        return None

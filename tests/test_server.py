@@ -16,9 +16,7 @@ file order and build on each other, as a user's day would:
 from __future__ import annotations
 
 import copy
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -28,6 +26,7 @@ from typing import Any
 
 import psutil
 import pytest
+from prefect_server import serving, start_serve, stop_group, wait_for
 from stage_helpers import TINY, write_recipe
 
 from posttrain.artifacts import verify
@@ -61,31 +60,10 @@ def _client(server: Any) -> Any:
     return SyncPrefectClient(server.api_url)
 
 
-def _wait(what: str, check: Any, timeout: float, every: float = 1.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-
-
 def _flow_run_processes(flow_run_id: str) -> list[psutil.Process]:
     from flows.stage_task import FLOW_RUN_ENV_VAR, processes_with_env
 
     return processes_with_env(FLOW_RUN_ENV_VAR, flow_run_id)
-
-
-def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -107,24 +85,14 @@ def served(prefect_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Ite
         ),
     }
     log_path = tmp / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [*POSTTRAIN, "serve", str(recipes[SERVED]), str(recipes[NIGHTLY])],
-            cwd=ROOT,
-            env=prefect_server.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    proc = start_serve([str(recipes[SERVED]), str(recipes[NIGHTLY])], prefect_server.env, log_path)
     client = _client(prefect_server)
 
     def deployments() -> bool:
-        assert proc.poll() is None, log_path.read_text()[-3000:]
-        return len(client.read_deployments()) == 2
+        return serving(proc, log_path, lambda: len(client.read_deployments()) == 2)
 
     try:
-        _wait("both deployments", deployments, 120)
+        wait_for("both deployments", deployments, 120)
         yield {
             "proc": proc,
             "recipes": recipes,
@@ -133,7 +101,7 @@ def served(prefect_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Ite
             "env": prefect_server.env,
         }
     finally:
-        _stop(proc)
+        stop_group(proc)
         for p in psutil.Process().children(recursive=True):
             # Nothing the serve process started may outlive the module.
             if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "serve" in p.cmdline():
@@ -187,7 +155,7 @@ def test_scheduled_deployment_has_upcoming_runs_in_its_time_zone(served: dict) -
     def upcoming() -> list[Any]:
         return [r for r in _runs_of(served, NIGHTLY) if r.state and r.state.name == "Scheduled"]
 
-    runs = _wait("scheduled runs of the nightly deployment", upcoming, 60)
+    runs = wait_for("scheduled runs of the nightly deployment", upcoming, 60)
     from zoneinfo import ZoneInfo
 
     for run in runs:
@@ -237,7 +205,9 @@ def test_submitted_run_waits_for_the_devices_then_completes(
         url = out.stdout.strip().splitlines()[-1]
         assert url.startswith(f"{prefect_server.ui_url}/runs/flow-run/"), url
         run_id = url.rsplit("/", 1)[1]
-        _wait("the run to start", lambda: client.read_flow_run(run_id).state.name == "Running", 120)
+        wait_for(
+            "the run to start", lambda: client.read_flow_run(run_id).state.name == "Running", 120
+        )
         time.sleep(8)  # long enough for an unguarded ingest to have started
         assert client.read_flow_run(run_id).state.name == "Running"
         assert _flow_run_processes(run_id) == [], "a stage started without the devices"
@@ -246,7 +216,7 @@ def test_submitted_run_waits_for_the_devices_then_completes(
     finally:
         holder.communicate(timeout=30)  # closing stdin releases the slot
     assert holder.returncode == 0
-    run = _wait(
+    run = wait_for(
         "the run to finish",
         lambda: (r := client.read_flow_run(run_id)).state.is_final() and r,
         420,
@@ -301,7 +271,7 @@ def test_new_base_triggers_retraining_and_cancel_leaves_no_process(served: dict)
         ]
         return runs[0] if runs else None
 
-    run = _wait("the event-triggered nightly run", triggered, 60)
+    run = wait_for("the event-triggered nightly run", triggered, 60)
     assert run.parameters["recipe"]["ingest"]["source"] == "path"
 
     # Wait for SFT under torchrun: the launcher and both ranks carry the flow run's id.
@@ -309,17 +279,17 @@ def test_new_base_triggers_retraining_and_cancel_leaves_no_process(served: dict)
         procs = _flow_run_processes(str(run.id))
         return procs if len(procs) >= 3 else []
 
-    procs = _wait("the nightly SFT ranks", sft_running, 240)
+    procs = wait_for("the nightly SFT ranks", sft_running, 240)
     assert any("torch.distributed.run" in " ".join(p.cmdline()) for p in procs)
     client.set_flow_run_state(run.id, Cancelling(), force=True)
-    final = _wait(
+    final = wait_for(
         "the cancelled run",
         lambda: (r := client.read_flow_run(run.id)).state.is_final() and r,
         120,
     )
     assert final.state.name == "Cancelled", final.state
     # Nothing of the run is left: not the flow process, not torchrun, not a rank.
-    _wait("every stage process to exit", lambda: not _flow_run_processes(str(run.id)), 30)
+    wait_for("every stage process to exit", lambda: not _flow_run_processes(str(run.id)), 30)
     assert served["proc"].poll() is None, "the serve process must survive a cancel"
     # The ingest it finished is intact, and a re-run would reuse it.
     from posttrain.config.loader import load_recipe
@@ -372,7 +342,7 @@ def test_ui_renders_the_report_artifact_of_a_finished_run(prefect_server: Any) -
 
 
 def test_stopping_serve_keeps_the_schedules_active(served: dict) -> None:
-    _stop(served["proc"])
+    stop_group(served["proc"])
     dep = _deployment(served, NIGHTLY)
     assert not dep.paused
     assert [s.active for s in dep.schedules] == [True]

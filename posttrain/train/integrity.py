@@ -13,22 +13,15 @@ about bytes / (world x ~1.6 GB/s) on this machine's cores (sha256 with SHA exten
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
+from posttrain.artifacts import sha256_file
+
 INTEGRITY = "integrity.json"
 ALGORITHM = "sha256"
 META = "meta.json"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def listing(folder: Path) -> list[str]:

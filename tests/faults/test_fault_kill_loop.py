@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import json
 import os
 import random
 import signal
@@ -29,6 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import ROOT, TINY, write_recipe
 
 pytestmark = pytest.mark.slow
@@ -125,16 +125,12 @@ def _wait_gone(home: Path, limit_s: float) -> list[psutil.Process]:
 
 def _train_step(ws: Path, stage: str) -> int:
     """The newest training step `stage` logged in this workspace (0 before its first)."""
-    step = 0
-    for metrics in (ws / "artifacts" / stage).glob("*/metrics.jsonl"):
-        for line in metrics.read_text(errors="replace").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line being written
-            if record.get("kind") == "train":
-                step = max(step, int(record.get("step", 0)))
-    return step
+    steps = [
+        int(record["step"])
+        for metrics in (ws / "artifacts" / stage).glob("*/metrics.jsonl")
+        for record in read_metrics(metrics, "train")  # drops a line being written
+    ]
+    return max(steps, default=0)
 
 
 def _kill_moments(rng: random.Random) -> list[tuple[str, int | float]]:

@@ -13,27 +13,17 @@ import copy
 import os
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from prefect_server import serving, start_serve, wait_for
 
-from tests.stage_helpers import ROOT, TINY, write_recipe
+from tests.stage_helpers import TINY, write_recipe
 
 pytestmark = pytest.mark.slow
 
 NAME = "reach"
-
-
-def _wait(what: str, check: Any, timeout: float, every: float = 1.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := check():
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -50,27 +40,14 @@ def served(prefect_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Ite
     shared = tmp / "shared"
     shared.mkdir()
     log_path = tmp / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "serve", str(recipe), "--allow-path", str(shared)],
-            cwd=ROOT,
-            env=prefect_server.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    proc = start_serve([str(recipe), "--allow-path", str(shared)], prefect_server.env, log_path)
     client = SyncPrefectClient(prefect_server.api_url)
 
     def deployed() -> Any:
-        assert proc.poll() is None, log_path.read_text()[-3000:]
-        try:
-            return client.read_deployment_by_name(f"post-train/{NAME}")
-        except Exception:
-            return None
+        return serving(proc, log_path, lambda: client.read_deployment_by_name(f"post-train/{NAME}"))
 
     try:
-        dep = _wait("the deployment", deployed, 120)
+        dep = wait_for("the deployment", deployed, 120)
         yield {"client": client, "deployment": dep, "log": log_path, "shared": shared, "tmp": tmp}
     finally:
         if proc.poll() is None:
@@ -85,7 +62,7 @@ def served(prefect_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Ite
 def _run(served: dict, parameters: dict, timeout: float) -> Any:
     client = served["client"]
     run = client.create_flow_run_from_deployment(served["deployment"].id, parameters=parameters)
-    return _wait(
+    return wait_for(
         "the run to end",
         lambda: (r := client.read_flow_run(run.id)).state.is_final() and r,
         timeout,
@@ -93,7 +70,7 @@ def _run(served: dict, parameters: dict, timeout: float) -> Any:
 
 
 def test_served_log_lists_the_worker_folders(served: dict) -> None:
-    text = _wait("serve's first lines", lambda: served["log"].read_text(), 30)
+    text = wait_for("serve's first lines", lambda: served["log"].read_text(), 30)
     assert f"served runs may read from: {served['shared']}" in text
     assert str(served["tmp"] / "ws") in text  # the served recipe's own workspace
 

@@ -13,22 +13,19 @@ the ~60 s case of docs/reliability.md). Prefect's client retries a failed reques
 from __future__ import annotations
 
 import copy
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prefect_server import start_server
+from prefect_server import serving, start_serve, start_server, stop_group, wait_for
 
 from posttrain.artifacts import verify
 from posttrain.config.loader import load_recipe
 from posttrain.pipeline import plan
-from tests.stage_helpers import ROOT, TINY, write_recipe
+from posttrain.telemetry.metrics import read_metrics
+from tests.stage_helpers import TINY, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -36,36 +33,9 @@ OUTAGE_S = float(os.environ.get("POSTTRAIN_OUTAGE_S", "25"))
 NAME = "outage"
 
 
-def _wait(what: str, check: Any, timeout: float, every: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := check():
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-
-
 def _train_steps(out: Path) -> int:
-    path, step = out / "metrics.jsonl", 0
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if rec.get("kind") == "train":
-            step = max(step, rec["step"])
-    return step
-
-
-def _stop(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+    """The newest logged training step (read_metrics drops the line being written)."""
+    return max((r["step"] for r in read_metrics(out / "metrics.jsonl", "train")), default=0)
 
 
 def test_served_run_survives_a_server_outage_mid_stage(tmp_path: Path) -> None:
@@ -85,28 +55,17 @@ def test_served_run_survives_a_server_outage_mid_stage(tmp_path: Path) -> None:
     serve = None
     try:
         log_path = tmp_path / "serve.log"
-        with open(log_path, "wb") as log:
-            serve = subprocess.Popen(
-                [sys.executable, "-m", "flows.cli", "serve", str(recipe_path)],
-                cwd=ROOT,
-                env=server.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        serve = start_serve([str(recipe_path)], server.env, log_path)
         client = SyncPrefectClient(server.api_url)
 
         def deployed() -> Any:
-            assert serve.poll() is None, log_path.read_text()[-3000:]
-            try:
-                return client.read_deployment_by_name(f"post-train/{NAME}")
-            except Exception:
-                return None
+            return serving(
+                serve, log_path, lambda: client.read_deployment_by_name(f"post-train/{NAME}")
+            )
 
-        dep = _wait("the deployment", deployed, 120)
+        dep = wait_for("the deployment", deployed, 120)
         run = client.create_flow_run_from_deployment(dep.id, parameters=dep.parameters)
-        _wait("sft to train", lambda: _train_steps(sft_dir) >= 3, 300)
+        wait_for("sft to train", lambda: _train_steps(sft_dir) >= 3, 300)
 
         server.stop()
         down_at, step_down = time.monotonic(), _train_steps(sft_dir)
@@ -122,7 +81,7 @@ def test_served_run_survives_a_server_outage_mid_stage(tmp_path: Path) -> None:
         assert step_back > step_down, "the stage stopped training while the server was down"
 
         client = SyncPrefectClient(server.api_url)
-        final = _wait(
+        final = wait_for(
             "the run to end",
             lambda: (r := client.read_flow_run(run.id)).state.is_final() and r,
             600,
@@ -134,5 +93,5 @@ def test_served_run_survives_a_server_outage_mid_stage(tmp_path: Path) -> None:
         assert "resumed from" not in (sft_dir / "logs" / "stage.log").read_text()
     finally:
         if serve is not None:
-            _stop(serve)
+            stop_group(serve)
         server.stop()
