@@ -26,7 +26,9 @@ from flows.events import BASE_EVENT, publish_base
 from flows.gate import promote
 from flows.report import StageRecord, curves_markdown, lineage, markdown_report, metrics_table
 from flows.served import check_served
-from flows.stage_task import artifact_key, kill_flow_run_processes, stage_task_for
+from flows.stage_output import artifact_key
+from flows.stage_procs import kill_flow_run_processes
+from flows.stage_task import stage_task_for
 from posttrain.artifacts import ArtifactRef, read_manifest, verify
 from posttrain.config.loader import resolve
 from posttrain.config.schema import Recipe

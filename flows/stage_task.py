@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import json
 import logging
 import os
 import shlex
@@ -27,25 +26,31 @@ import signal
 import site
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import psutil
 from prefect import Task, task
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import CachePolicy
 from prefect.context import FlowRunContext, TaskRunContext
-from prefect.exceptions import MissingContextError
-from prefect.logging import get_run_logger
-from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 import posttrain
+from flows.stage_output import (
+    MetricsTail,
+    OutputPump,
+    ProgressArtifact,
+    run_logger,
+)
+from flows.stage_procs import (
+    FLOW_RUN_ENV_VAR,
+    KILL_GRACE_S,
+    LAUNCH_ENV_VAR,
+    kill_stage,
+    stage_processes,
+)
 from posttrain.artifacts import MANIFEST, ArtifactRef, ref_from_manifest, verify
 from posttrain.device_lock import HELD_ENV as DEVICE_LOCK_ENV
 from posttrain.locking import LOCK_HELD_ENV, ArtifactLock, LockTimeout, describe_holder
@@ -55,13 +60,6 @@ from posttrain.recovery import EARLIER_ATTEMPT_ENV, earlier_attempt
 from posttrain.telemetry.heartbeat import Hang, HangWatch, read_heartbeats, stack_file
 from posttrain.telemetry.rank_exit import describe_beat, describe_exit, how_it_ended, root_causes
 
-ARTIFACT_MARKER = "POSTTRAIN_ARTIFACT "
-# Every process of one launch inherits this variable, so stray ranks can be found and killed
-# even after their parent died or when they run in a session of their own.
-LAUNCH_ENV_VAR = "POSTTRAIN_LAUNCH_ID"
-# ...and this one, the flow run's id: when the flow process itself is killed (a cancel that runs
-# out of grace, a crash), the flow's hooks find the run's stage processes by it.
-FLOW_RUN_ENV_VAR = "POSTTRAIN_FLOW_RUN_ID"
 # The artifact lock this thread's `supervise_stage` holds, passed to the stage process it starts
 # (LOCK_HELD_ENV) so the process does not wait for its own launcher. A context variable, not
 # os.environ: several stages may be supervised at once from threads of one process.
@@ -81,11 +79,6 @@ CHILD_ENV = {
     # tokenizers' thread pool warns and can deadlock after fork (DataLoader workers).
     "TOKENIZERS_PARALLELISM": "false",
 }
-TAIL_LINES = 30
-# Lines kept to find torchrun's failure summary in (it follows the ranks' tracebacks).
-SUMMARY_LINES = 400
-KILL_GRACE_S = 10.0
-PROGRESS_INTERVAL_S = 2.0
 # How long the ranks get to write their stacks after SIGUSR1 (faulthandler writes from the
 # signal handler itself, so this is normally a few milliseconds).
 STACK_DUMP_WAIT_S = 5.0
@@ -210,289 +203,6 @@ def child_env(
 def current_flow_run_id() -> str | None:
     ctx = FlowRunContext.get()
     return str(ctx.flow_run.id) if ctx and ctx.flow_run else None
-
-
-# --- killing a stage's processes ---------------------------------------------------------------
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        # Orphans here may be re-parented to a PID 1 that never reaps: a zombie is dead.
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def stage_processes(proc: subprocess.Popen[str], launch_id: str) -> list[psutil.Process]:
-    """The stage process, its descendants, and any other process carrying the launch marker."""
-    found: dict[int, psutil.Process] = {}
-    # Only while our child is unreaped is its PID surely still ours (not reused).
-    if proc.poll() is None:
-        with contextlib.suppress(psutil.Error):
-            leader = psutil.Process(proc.pid)
-            for p in [leader, *leader.children(recursive=True)]:
-                found[p.pid] = p
-    for p in processes_with_env(LAUNCH_ENV_VAR, launch_id):
-        found.setdefault(p.pid, p)
-    return [p for p in found.values() if _alive(p)]
-
-
-def processes_with_env(var: str, value: str) -> list[psutil.Process]:
-    """Live processes (other than this one) whose environment has `var=value`."""
-    me, found = os.getpid(), []
-    for p in psutil.process_iter():
-        if p.pid == me:
-            continue
-        try:
-            if p.environ().get(var) == value and _alive(p):
-                found.append(p)
-        except psutil.Error:
-            continue  # gone, a zombie, or not ours to read
-    return found
-
-
-def kill_flow_run_processes(flow_run_id: str, grace_s: float = KILL_GRACE_S) -> int:
-    """SIGTERM, then SIGKILL after `grace_s`, every stage process of a flow run; returns how
-    many were found. The backstop for a flow process that died before its tasks cleaned up."""
-    procs = processes_with_env(FLOW_RUN_ENV_VAR, flow_run_id)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                p.send_signal(sig)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(_alive(p) for p in procs):
-            time.sleep(0.1)
-        if not any(_alive(p) for p in procs):
-            break
-    return len(procs)
-
-
-def _in_group(p: psutil.Process, pgid: int) -> bool:
-    try:
-        return os.getpgid(p.pid) == pgid
-    except OSError:
-        return False
-
-
-def _signal_all(
-    proc: subprocess.Popen[str], procs: list[psutil.Process], sig: signal.Signals
-) -> None:
-    """Signal the stage's process group (which catches processes spawned since `procs` was
-    listed) and each of `procs` (which catches those in sessions of their own)."""
-    pgid = proc.pid  # start_new_session: the child leads its own group
-    # Signal the group only while it surely is ours: our child is unreaped, or a member is
-    # known. An empty group's id could be reused by an unrelated process.
-    if proc.poll() is None or any(_in_group(p, pgid) for p in procs):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, sig)
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            p.send_signal(sig)
-
-
-def kill_stage(
-    proc: subprocess.Popen[str],
-    launch_id: str,
-    grace_s: float,
-    log: logging.LoggerAdapter | logging.Logger,
-) -> None:
-    """SIGTERM the stage's process group and every process of the launch; SIGKILL what is
-    still alive after `grace_s` (torchrun forwards SIGTERM to its ranks and needs a moment).
-
-    Every process of the launch inherits the marker, so finding none (and our child reaped)
-    means there is nothing left to kill.
-    """
-    procs = stage_processes(proc, launch_id)
-    if not procs and proc.poll() is not None:
-        return
-    log.warning("stage: terminating %d process(es)", len(procs))
-    _signal_all(proc, procs, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None and not any(_alive(p) for p in procs):
-            break
-        time.sleep(0.1)
-    # Processes may have started during the grace period (a rank being spawned): look again.
-    survivors = [p for p in {*procs, *stage_processes(proc, launch_id)} if _alive(p)]
-    if survivors or proc.poll() is None:
-        log.warning("stage: killing %d process(es) still alive after SIGTERM", len(survivors))
-        _signal_all(proc, survivors, signal.SIGKILL)
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        log.error("stage process %d did not exit after SIGKILL", proc.pid)
-
-
-# --- logs and progress -------------------------------------------------------------------------
-
-
-def run_logger() -> logging.LoggerAdapter | logging.Logger:
-    """Prefect's run logger inside a task; a plain logger when called outside Prefect (tests)."""
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        return logging.getLogger("posttrain.flows")
-
-
-def _start_thread(target: Callable[[], None], name: str) -> threading.Thread:
-    # Prefect's run context and settings live in contextvars, which a new thread does not
-    # inherit: run the thread inside a copy so logs and artifacts land on this task run.
-    ctx = contextvars.copy_context()
-    t = threading.Thread(target=ctx.run, args=(target,), name=name, daemon=True)
-    t.start()
-    return t
-
-
-class OutputPump:
-    """Copies the child's merged stdout/stderr to the log file and the run logger, keeps the
-    last lines for error messages and catches the POSTTRAIN_ARTIFACT line."""
-
-    def __init__(
-        self,
-        stream: IO[str],
-        log_file: IO[str],
-        log: logging.LoggerAdapter | logging.Logger,
-        stage: str,
-    ):
-        self.stream, self.log_file, self.log, self.stage = stream, log_file, log, stage
-        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
-        self.recent: deque[str] = deque(maxlen=SUMMARY_LINES)
-        self.artifact_json: str | None = None
-        self.thread = _start_thread(self._run, f"{stage}-output")
-
-    def _run(self) -> None:
-        for raw in self.stream:
-            line = raw.rstrip("\n")
-            self.tail.append(line)
-            self.recent.append(line)
-            if line.startswith(ARTIFACT_MARKER):
-                self.artifact_json = line[len(ARTIFACT_MARKER) :]
-            try:
-                self.log_file.write(line + "\n")
-                self.log_file.flush()
-                self.log.info("[%s] %s", self.stage, line)
-            except Exception:
-                # Keep draining whatever happens (disk full, logging down): a child writing
-                # into a full pipe nobody reads would block until its timeout.
-                pass
-
-    def join(self, timeout: float) -> None:
-        self.thread.join(timeout)
-
-    def tail_text(self) -> str:
-        return "\n".join(self.tail)
-
-
-def progress_from_record(record: dict[str, Any]) -> tuple[float, str] | None:
-    """(percent, description) from one metrics.jsonl line; None unless it is a training step."""
-    if record.get("kind") != "train":
-        return None
-    step, total = record.get("step"), record.get("total_steps")
-    if not isinstance(step, int | float) or not isinstance(total, int | float) or total <= 0:
-        return None
-    parts = [f"step {step:g}/{total:g}"]
-    for key, fmt in (
-        ("loss", "loss {:.4g}"),
-        ("tokens_per_s", "{:,.0f} tok/s"),
-        ("mfu", "MFU {:.1%}"),
-    ):
-        value = record.get(key)
-        if isinstance(value, int | float):
-            parts.append(fmt.format(value))
-    return min(100.0, max(0.0, 100.0 * step / total)), " · ".join(parts)
-
-
-class MetricsTail:
-    """Follows metrics.jsonl and reports training progress every `interval_s` seconds."""
-
-    def __init__(
-        self,
-        path: Path,
-        report: Callable[[float, str], None],
-        interval_s: float = PROGRESS_INTERVAL_S,
-    ):
-        self.path, self.report, self.interval_s = path, report, interval_s
-        self._offset = 0
-        self._partial = ""
-        self._last: tuple[float, str] | None = None
-        self._stop = threading.Event()
-        self.thread = _start_thread(self._run, f"{path.parent.name}-metrics")
-
-    def poll(self) -> None:
-        """Read the lines appended since the last poll; report the newest training step."""
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            return
-        if size < self._offset:  # rewritten (a restarted stage): start over
-            self._offset, self._partial = 0, ""
-        with open(self.path, encoding="utf-8", errors="replace") as f:
-            f.seek(self._offset)
-            chunk = f.read()
-            self._offset = f.tell()
-        lines = (self._partial + chunk).split("\n")
-        self._partial = lines.pop()  # a line still being written
-        latest = None
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict):
-                latest = progress_from_record(record) or latest
-        if latest is not None and latest != self._last:
-            self._last = latest
-            self.report(*latest)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._safe_poll()
-
-    def _safe_poll(self) -> None:
-        try:
-            self.poll()
-        except Exception as exc:  # progress is decoration: never let it fail the stage
-            logging.getLogger("posttrain.flows").debug("progress update failed: %s", exc)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.thread.join(timeout=10)
-        self._safe_poll()  # the last steps written before exit
-
-
-class ProgressArtifact:
-    """A Prefect progress artifact for one stage run; does nothing outside a task run."""
-
-    def __init__(self, stage: str):
-        self.stage = stage
-        self.id = None
-        if TaskRunContext.get() is None:
-            return
-        try:
-            self.id = create_progress_artifact(
-                0.0, key=f"{artifact_key(stage)}-progress", description=f"{stage}: starting"
-            )
-        except Exception as exc:  # progress is decoration: never fail a stage over it
-            run_logger().warning("no progress artifact for %s: %s", stage, exc)
-
-    def update(self, percent: float, description: str) -> None:
-        if self.id is None:
-            return
-        try:
-            # No retries: while the server is away a retried update would hold the caller (the
-            # supervisor, for the last one) for a minute or more; the next update comes anyway.
-            with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}):
-                update_progress_artifact(
-                    self.id, percent, description=f"{self.stage}: {description}"
-                )
-        except Exception as exc:
-            logging.getLogger("posttrain.flows").debug("progress update failed: %s", exc)
-
-
-def artifact_key(text: str) -> str:
-    """Prefect artifact keys allow only lowercase letters, digits and dashes."""
-    key = "".join(c if c.isalnum() else "-" for c in text.lower())
-    return "-".join(part for part in key.split("-") if part) or "stage"
 
 
 def dump_stacks(

@@ -17,7 +17,7 @@ from stage_helpers import TINY, write_recipe
 from flows.cli import EXIT_INVALID, cmd_publish_base, cmd_serve, cmd_submit
 from flows.deploy import base_trigger, check_unique, deployment_for, describe, schedules_for
 from flows.events import BASE_EVENT, BASE_PATH_LABEL, PIPELINE_LABEL
-from flows.stage_task import FLOW_RUN_ENV_VAR, kill_flow_run_processes, processes_with_env
+from flows.stage_procs import FLOW_RUN_ENV_VAR, kill_flow_run_processes, processes_with_env
 from posttrain.config.loader import RecipeError, load_recipe, validate_recipe
 
 

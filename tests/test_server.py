@@ -61,7 +61,7 @@ def _client(server: Any) -> Any:
 
 
 def _flow_run_processes(flow_run_id: str) -> list[psutil.Process]:
-    from flows.stage_task import FLOW_RUN_ENV_VAR, processes_with_env
+    from flows.stage_procs import FLOW_RUN_ENV_VAR, processes_with_env
 
     return processes_with_env(FLOW_RUN_ENV_VAR, flow_run_id)
 

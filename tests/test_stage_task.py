@@ -17,13 +17,13 @@ import psutil
 import pytest
 from stage_modules import on_child_path, write_stage_modules
 
+from flows.stage_output import progress_from_record
 from flows.stage_task import (
     LAUNCH_ENV_VAR,
     MetricsTail,
     StageFailed,
     StageTimeout,
     child_env,
-    progress_from_record,
     run_stage,
     stage_command,
 )

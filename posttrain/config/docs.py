@@ -27,7 +27,7 @@ as YAML (`true`, `[q_proj, v_proj]`, `{micro_batch_size: 4}`).
 
 The same schema is the form of the Prefect UI and the parameters of deployments.
 
-Generated from `posttrain/config/schema.py` by `python -m posttrain.config.docs`; do not edit.
+Generated from `posttrain/config/schema.py` and `run_sections.py` by `python -m posttrain.config.docs`; do not edit.
 """
 
 

@@ -1,0 +1,266 @@
+"""The recipe sections that say how and where a run runs, not what a stage trains: `run`,
+`infra` (devices, processes, precision, timeouts, fault handling), `schedule` and `guard`, and
+the base every section model shares. `posttrain.config.schema` assembles them into the recipe.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
+
+
+class _Section(BaseModel):
+    # extra="forbid": a misspelt key is an error that names it, never silently ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = Field(
+        "posttrain-run",
+        description="Pipeline name: groups runs, names the Prefect flow run and the champion slot.",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+    )
+    workspace: str = Field(
+        "./workspace",
+        description="Folder that holds artifacts/, runs/ and Prefect results. Relative paths are "
+        "resolved against the current directory when the recipe is loaded.",
+    )
+    seed: int = Field(0, ge=0, description="Seed for data order, initialisation and sampling.")
+    allowed_paths: list[str] = Field(
+        default_factory=list,
+        description="Absolute folders the recipe's input paths (ingest.path, data.path, "
+        "data.eval_path) may point into, besides the recipe file's folder, the current directory "
+        "and the workspace. Anything else, reached by an absolute path, `..` or a symlink, is "
+        "refused. Loading appends the recipe's folder or current directory when a path needed "
+        "it, so a resolved recipe passes the same check on the machine that runs it.",
+    )
+
+    @field_validator("allowed_paths")
+    @classmethod
+    def _absolute(cls, value: list[str]) -> list[str]:
+        for p in value:
+            if not p.startswith(("/", "~")):
+                raise ValueError(f"{p!r} is not an absolute folder (start it with / or ~)")
+        return value
+
+
+class StageTimeouts(_Section):
+    ingest: float = Field(1800, gt=0, description="Seconds before the ingest stage is killed.")
+    sft: float = Field(6 * 3600, gt=0, description="Seconds before the SFT stage is killed.")
+    reward: float = Field(6 * 3600, gt=0, description="Seconds before the reward stage is killed.")
+    dpo: float = Field(6 * 3600, gt=0, description="Seconds before the DPO stage is killed.")
+    ppo: float = Field(6 * 3600, gt=0, description="Seconds before the PPO stage is killed.")
+    grpo: float = Field(6 * 3600, gt=0, description="Seconds before the GRPO stage is killed.")
+    evaluate: float = Field(3600, gt=0, description="Seconds before the evaluate stage is killed.")
+    export: float = Field(3600, gt=0, description="Seconds before the export stage is killed.")
+    head_to_head: float = Field(
+        3600,
+        gt=0,
+        description="Seconds before the promotion gate's head-to-head against the champion "
+        "is killed (the run still completes; the candidate is not promoted).",
+    )
+
+
+class InfraConfig(_Section):
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="`auto` picks CUDA when a GPU is visible, else CPU."
+    )
+    devices_per_node: int | Literal["auto"] = Field(
+        1,
+        description="Processes per node for distributed stages (one per GPU). `auto` = all visible "
+        "GPUs, or 1 on CPU. Data-parallel size = nnodes x devices_per_node.",
+    )
+    nnodes: int = Field(
+        1,
+        ge=1,
+        description="Machines a distributed stage spans. Above 1, every node runs the stage's "
+        "torchrun agent with its own node rank (POSTTRAIN_NODE_RANK) and they meet at "
+        "`rdzv_endpoint`.",
+    )
+    layout: Literal["fsdp", "hsdp", "ddp"] = Field(
+        "fsdp",
+        description="Data-parallel layout: `fsdp` shards every model across all ranks; `hsdp` "
+        "replicates across nodes and shards within a node (a 2-D mesh: inter-node traffic is "
+        "only the gradient all-reduce); `ddp` replicates everything (no sharding).",
+    )
+    rdzv_endpoint: str | None = Field(
+        None,
+        description="host:port of the c10d rendezvous (the node-rank-0 machine) when nnodes > 1.",
+        pattern=r"^[A-Za-z0-9_.\[\]:-]+:[0-9]{1,5}$",
+    )
+    precision: Precision = Field(
+        "auto",
+        description="`auto` = bf16 on a GPU that supports it, fp32 on CPU (CPU bf16 matmul is ~100x "
+        "slower than fp32). fp16 needs `loss_scaling: true`.",
+    )
+    loss_scaling: bool = Field(
+        False, description="Dynamic loss scaling; required for fp16, whose losses otherwise go NaN."
+    )
+    threads_per_rank: int | None = Field(
+        None, ge=1, description="torch threads per process; default = CPU cores / processes."
+    )
+    memory_preflight: Literal["refuse", "warn", "off"] = Field(
+        "refuse",
+        description="Before a training stage loads anything, estimate its per-device memory "
+        "(weights by role and sharding, gradients and AdamW state of the trainable parts, "
+        "activations, logits, generation KV cache) against the device's. `refuse`: a stage that "
+        "cannot fit stops with the numbers and the fixes; `warn`: log them and run; `off`: no "
+        "check.",
+    )
+    device_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        description="Memory of one device in GiB (2^30 bytes) for the pre-flight, instead of "
+        "the detected free GPU memory or this process's share of the host's available RAM.",
+    )
+    pg_timeout_s: float = Field(
+        600,
+        gt=0,
+        description="Process-group (collective) timeout: a mismatched collective fails "
+        "after this many seconds instead of hanging.",
+    )
+    timeouts: StageTimeouts = Field(default_factory=StageTimeouts, description="Per-stage limits.")
+    hang_timeout_s: float | None = Field(
+        1800,
+        gt=0,
+        description="Hang watchdog of training stages: when no rank's heartbeat (one per "
+        "optimizer step, evaluation batch, checkpoint) has advanced for this many seconds, the "
+        "ranks' Python stacks are dumped to logs/stacks-rank<k>.txt and the stage is killed. "
+        "null = off (only the stage timeout applies).",
+    )
+    hang_startup_s: float = Field(
+        1800,
+        ge=0,
+        description="Extra silence the hang watchdog allows before the training loop's first "
+        "beat: loading the base model, preparing data, sharding and resuming send no beats.",
+    )
+    orphan: Literal["stop", "finish"] = Field(
+        "stop",
+        description="What a stage process does when the process that launched it (`posttrain "
+        "run`, a Prefect worker or runner) dies: `stop` ends it within seconds, leaving only "
+        "complete checkpoints (the next run resumes from the newest); `finish` lets it train to "
+        "the end and seal its artifact, which the next run then reuses.",
+    )
+    no_intact_checkpoint: Literal["restart", "fail"] = Field(
+        "restart",
+        description="What a training stage does when it has checkpoints but none passes its "
+        "integrity check (sizes and checksums recorded at save): `restart` from step 0, saying "
+        "so, or `fail` naming each damaged file. An intact older checkpoint is always preferred.",
+    )
+
+    @model_validator(mode="after")
+    def _rendezvous(self) -> InfraConfig:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(
+                f"nnodes {self.nnodes} needs rdzv_endpoint (host:port of the node-rank-0 machine, "
+                "reachable from every node)"
+            )
+        return self
+
+    def world_size(self) -> int:
+        """Data-parallel size of a distributed stage: nnodes x devices_per_node (resolved)."""
+        assert isinstance(self.devices_per_node, int), "resolve() first"
+        return self.nnodes * self.devices_per_node
+
+    @model_validator(mode="after")
+    def _fp16_needs_scaling(self) -> InfraConfig:
+        if self.precision == "fp16" and not self.loss_scaling:
+            raise ValueError(
+                "precision fp16 without loss scaling is refused: fp16 gradients underflow and "
+                "preference losses go NaN. Set infra.loss_scaling: true, or use bf16/fp32."
+            )
+        return self
+
+
+_CRON_FIELD = r"[0-9A-Za-z*/,\-?LW#]+"
+
+
+class ScheduleConfig(_Section):
+    """When a served deployment of this recipe runs by itself (`posttrain serve`)."""
+
+    cron: str | None = Field(
+        None,
+        description="Cron expression (5 fields, e.g. `0 3 * * 1` = Mondays 03:00) in `timezone`.",
+        pattern=rf"^\s*{_CRON_FIELD}(\s+{_CRON_FIELD}){{4}}\s*$",
+    )
+    interval_s: float | None = Field(
+        None, ge=60, description="Run every this many seconds (at least 60); instead of cron."
+    )
+    timezone: str = Field(
+        "UTC",
+        description="IANA time zone for cron (e.g. Europe/Paris): 03:00 stays 03:00 "
+        "across daylight-saving changes.",
+    )
+    on_new_base: bool = Field(
+        False,
+        description="Also run when another pipeline's ingest emits `posttrain.base.published`; "
+        "the run uses that base checkpoint (ingest.source = path).",
+    )
+    active: bool = Field(
+        True,
+        description="False: the schedule is created paused (the deployment still runs "
+        "on request and on events).",
+    )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ScheduleConfig:
+        if self.cron is not None and self.interval_s is not None:
+            raise ValueError("give cron or interval_s, not both")
+        return self
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, value: str) -> str:
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError, OSError):  # OSError: a name too long
+            raise ValueError(f"unknown time zone {value[:100]!r} (use an IANA name)") from None
+        return value
+
+
+class GuardConfig(_Section):
+    """Numerical guards of the training stages (sft, reward, dpo, ppo, grpo)."""
+
+    max_bad_steps: int = Field(
+        3,
+        ge=0,
+        description="Bad optimizer steps (non-finite loss or gradient norm, or a loss spike) "
+        "tolerated within `window`; one more stops the stage with an error. A bad step's update "
+        "is skipped either way.",
+    )
+    window: int = Field(
+        50, ge=1, description="How many of the most recent optimizer steps `max_bad_steps` counts."
+    )
+    loss_spike_k: float | None = Field(
+        None,
+        gt=0,
+        description="Also treat as bad (skip) a step whose loss exceeds mean + k x std of the "
+        "last `loss_spike_window` good steps' losses; null = off. When set, it is part of the "
+        "training stages' fingerprints (it decides which updates are applied).",
+    )
+    loss_spike_window: int = Field(
+        20, ge=2, description="Good steps' losses the spike test takes its mean and std over."
+    )
+    loss_spike_min_history: int = Field(
+        10,
+        ge=2,
+        description="Good steps needed before the spike test applies (early losses move fast).",
+    )
+
+    @model_validator(mode="after")
+    def _reachable(self) -> GuardConfig:
+        if self.max_bad_steps >= self.window:
+            raise ValueError(
+                f"max_bad_steps {self.max_bad_steps} must be below window {self.window}: "
+                "the guard could never stop the stage"
+            )
+        if self.loss_spike_min_history > self.loss_spike_window:
+            raise ValueError(
+                f"loss_spike_min_history {self.loss_spike_min_history} exceeds "
+                f"loss_spike_window {self.loss_spike_window}: the spike test would never apply"
+            )
+        return self
