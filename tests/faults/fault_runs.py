@@ -201,6 +201,13 @@ def kill_all(procs: list[psutil.Process]) -> None:
                 p.kill()
 
 
+def stop_runs(runs: list[Run]) -> None:
+    """Stop each run, then kill whatever any of them left behind (a test's `finally`)."""
+    for run in runs:
+        run.stop()
+    kill_all([p for r in runs for p in r.descendants()])
+
+
 def wait_file(path: Path, timeout: float = 240, run: Run | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():

@@ -20,7 +20,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.faults.fault_runs import Run, kill_all, run_env, wait_file, wait_gone, write_slow_stage
+from tests.faults.fault_runs import (
+    Run,
+    run_env,
+    stop_runs,
+    wait_file,
+    wait_gone,
+    write_slow_stage,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -125,9 +132,7 @@ def test_killed_holder_frees_the_devices_and_leaves_nothing_behind(
         print(f"{c_sig.name} while waiting for the devices: exited after {c_exit:.1f} s")
         assert c_exit < EXIT_BOUND_S
     finally:
-        for run in runs:
-            run.stop()
-        kill_all([p for r in runs for p in r.descendants()])
+        stop_runs(runs)
 
 
 def test_killed_holder_on_a_prefect_server_frees_the_devices(
@@ -154,6 +159,4 @@ def test_killed_holder_on_a_prefect_server_frees_the_devices(
         assert "repossessed the devices" in b.text()
         wait_gone([stage], GONE_BOUND_S)  # the orphaned stage stopped itself
     finally:
-        for run in runs:
-            run.stop()
-        kill_all([p for r in runs for p in r.descendants()])
+        stop_runs(runs)

@@ -25,6 +25,7 @@ from tests.faults.fault_runs import (
     alive,
     kill_all,
     run_env,
+    stop_runs,
     wait_file,
     wait_gone,
     write_slow_stage,
@@ -104,9 +105,7 @@ def test_orphan_stop_stops_the_stage_and_the_next_run_resumes(tmp_path: Path, ho
         runs.append(b)
         b.wait_for(f"resumed from {kept[-1].name}", timeout=300)
     finally:
-        for run in runs:
-            run.stop()
-        kill_all([p for r in runs for p in r.descendants()])
+        stop_runs(runs)
 
 
 def test_orphan_finish_seals_the_artifact_and_the_next_run_reuses_it(
@@ -132,9 +131,7 @@ def test_orphan_finish_seals_the_artifact_and_the_next_run_reuses_it(
         b.wait_for("stage sft: complete artifact found", timeout=300)
         assert not any(alive(p) for p in procs)
     finally:
-        for run in runs:
-            run.stop()
-        kill_all([p for r in runs for p in r.descendants()])
+        stop_runs(runs)
 
 
 def test_orphan_stop_under_torchrun_stops_every_rank_and_the_agent(tmp_path: Path) -> None:
