@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from posttrain import jsonsafe
 from posttrain.secrets import redact_obj
 
 MANIFEST = "manifest.json"
@@ -45,7 +46,7 @@ class ArtifactRef(BaseModel):
 
 
 def canonical_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return jsonsafe.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
 def fingerprint(
@@ -238,7 +239,7 @@ def write_manifest(
     # or a path in a summary) into a file every later stage, report and copy of the workspace
     # carries. The file table stays verbatim: verification compares its names with the folder.
     manifest = {k: v if k == "files" else redact_obj(v, k) for k, v in manifest.items()}
-    atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=2, default=str))
+    atomic_write_text(folder / MANIFEST, jsonsafe.dumps(manifest, indent=2, default=str))
     return ArtifactRef(
         stage=stage, uri=str(folder), fingerprint=fp, sha256=content_sha, parents=parents
     )

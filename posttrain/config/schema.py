@@ -21,8 +21,70 @@ from posttrain.config.run_sections import (
 )
 from posttrain.secrets import find_secrets
 
+# Real models' shapes for `ingest.from_config.shape`: random-init stand-ins with the exact width,
+# depth, heads and vocabulary of a public checkpoint (its config.json), for memory and throughput
+# checks where the hub is out of reach. `vocab_size` is the tokenizer's size, `embedding_rows`
+# the model's (Qwen pads its embedding past the tokenizer).
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": {
+        "architecture": "qwen2",
+        "hidden_size": 896,
+        "num_layers": 24,
+        "num_heads": 14,
+        "num_kv_heads": 2,
+        "intermediate_size": 4864,
+        "vocab_size": 151_665,
+        "embedding_rows": 151_936,
+        "max_position_embeddings": 32_768,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-1.5b": {
+        "architecture": "qwen2",
+        "hidden_size": 1536,
+        "num_layers": 28,
+        "num_heads": 12,
+        "num_kv_heads": 2,
+        "intermediate_size": 8960,
+        "vocab_size": 151_665,
+        "embedding_rows": 151_936,
+        "max_position_embeddings": 32_768,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-7b": {
+        "architecture": "qwen2",
+        "hidden_size": 3584,
+        "num_layers": 28,
+        "num_heads": 28,
+        "num_kv_heads": 4,
+        "intermediate_size": 18_944,
+        "vocab_size": 151_665,
+        "embedding_rows": 152_064,
+        "max_position_embeddings": 32_768,
+        "tie_word_embeddings": False,
+    },
+    "llama3.1-8b": {
+        "architecture": "llama",
+        "hidden_size": 4096,
+        "num_layers": 32,
+        "num_heads": 32,
+        "num_kv_heads": 8,
+        "intermediate_size": 14_336,
+        "vocab_size": 128_256,
+        "embedding_rows": 128_256,
+        "max_position_embeddings": 131_072,
+        "tie_word_embeddings": False,
+    },
+}
+
 
 class FromConfigModel(_Section):
+    shape: Literal["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama3.1-8b"] | None = Field(
+        None,
+        description="A public model's exact shape (width, depth, heads, vocabulary) as the "
+        "default for every model field not set here; the BPE is filled to the real vocabulary "
+        "size. Set `num_layers`/`hidden_size`... to shrink it (e.g. the real 151,936-row "
+        "vocabulary on a 2-block model).",
+    )
     architecture: Literal["llama", "qwen2"] = Field(
         "llama", description="transformers model family."
     )
@@ -34,6 +96,17 @@ class FromConfigModel(_Section):
     vocab_size: int = Field(2048, ge=300, description="BPE vocabulary size to train.")
     max_position_embeddings: int = Field(
         512, ge=16, description="Longest sequence the model takes."
+    )
+    embedding_rows: int | None = Field(
+        None,
+        ge=300,
+        description="Rows of the model's embedding and LM head (config.vocab_size); default the "
+        "tokenizer's size. Real checkpoints pad it (Qwen2.5: 151,936 rows, 151,665 tokens).",
+    )
+    fill_vocab: bool = Field(
+        False,
+        description="Extend the trained BPE with merges of its own tokens to exactly `vocab_size` "
+        "tokens, for a real-size vocabulary from a small corpus (on by default with `shape`).",
     )
     tie_word_embeddings: bool = Field(True, description="Share input embedding and LM head.")
     pretrain_steps: int = Field(
@@ -49,6 +122,14 @@ class FromConfigModel(_Section):
         4000, ge=100, description="Synthetic examples used to train the tokenizer and warm-up."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _shape_defaults(cls, data: Any) -> Any:
+        # The shape fills only what the recipe leaves out, so `num_layers: 2` shrinks it.
+        if isinstance(data, dict) and data.get("shape") in MODEL_SHAPES:
+            data = {**MODEL_SHAPES[data["shape"]], "fill_vocab": True, **data}
+        return data
+
     @model_validator(mode="after")
     def _heads_divide(self) -> FromConfigModel:
         if self.hidden_size % self.num_heads:
@@ -58,6 +139,11 @@ class FromConfigModel(_Section):
         kv = self.num_kv_heads or self.num_heads
         if self.num_heads % kv:
             raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {kv}")
+        if self.embedding_rows is not None and self.embedding_rows < self.vocab_size:
+            raise ValueError(
+                f"embedding_rows {self.embedding_rows} is smaller than vocab_size "
+                f"{self.vocab_size}: every token needs an embedding row"
+            )
         return self
 
 

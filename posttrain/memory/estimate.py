@@ -128,7 +128,7 @@ class ModelShape:
             kv_heads=m.num_kv_heads or m.num_heads,
             head_dim=m.hidden_size // m.num_heads,
             intermediate=m.intermediate_size,
-            vocab=m.vocab_size,
+            vocab=m.embedding_rows or m.vocab_size,
             tied=m.tie_word_embeddings,
             qkv_bias=m.architecture == "qwen2",
         )

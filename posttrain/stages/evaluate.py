@@ -14,10 +14,12 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from posttrain import jsonsafe
 from posttrain.data.batching import pad_batch
 from posttrain.data.chat import prompt_text
 from posttrain.data.sft_data import tokenize_rows, write_rows
@@ -35,6 +37,10 @@ log = logging.getLogger("posttrain.evaluate")
 def _batches(examples: list[dict], pad_id: int, size: int):
     for i in range(0, len(examples), size):
         yield pad_batch(examples[i : i + size], pad_id)
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def _inference_prompt(tok: Any, prompts: list[str], n_tokens: int) -> torch.Tensor:
@@ -139,28 +145,42 @@ def run(ctx: StageContext) -> dict[str, Any]:
         model.load_adapter(str(sft_dir / "adapter"), adapter_name="sft")
     model = model.to(device).eval()
 
-    rows = [json.loads(x) for x in (sft_dir / "data" / "eval.jsonl").read_text().splitlines()]
-    rows = rows[: cfg.max_eval_rows]
-    examples, _ = tokenize_rows(rows, tok, ctx.recipe.sft.data)
-    with model.disable_adapter():
-        base_scores = heldout_loss(
+    rows = _read_rows(sft_dir / "data" / "eval.jsonl")[: cfg.max_eval_rows]
+    held_out = bool(rows)
+    if not held_out:
+        # SFT kept no held-out split (eval_fraction 0, no eval_path): there is nothing unseen to
+        # score, so loss and exact match are left out rather than measured on training rows;
+        # samples and the inference benchmark still need prompts, and take training ones.
+        log.warning(
+            "no held-out rows (sft.data.eval_fraction is 0 and no eval_path): held-out loss "
+            "and exact match are skipped; samples and the inference benchmark use training "
+            "prompts"
+        )
+        rows = _read_rows(sft_dir / "data" / "train.jsonl")[: cfg.max_eval_rows]
+    base_scores = tuned_scores = None
+    if held_out:
+        examples, _ = tokenize_rows(rows, tok, ctx.recipe.sft.data)
+        with model.disable_adapter():
+            base_scores = heldout_loss(
+                model, _batches(examples, tok.pad_token_id, cfg.batch_size), device
+            )
+        tuned_scores = heldout_loss(
             model, _batches(examples, tok.pad_token_id, cfg.batch_size), device
         )
-    tuned_scores = heldout_loss(model, _batches(examples, tok.pad_token_id, cfg.batch_size), device)
-    log.info(
-        "held-out loss: base %.4f -> tuned %.4f (perplexity %.2f -> %.2f)",
-        base_scores["loss"],
-        tuned_scores["loss"],
-        base_scores["perplexity"],
-        tuned_scores["perplexity"],
-    )
+        log.info(
+            "held-out loss: base %.4f -> tuned %.4f (perplexity %.2f -> %.2f)",
+            base_scores["loss"],
+            tuned_scores["loss"],
+            base_scores["perplexity"],
+            tuned_scores["perplexity"],
+        )
 
     prompts, refs = zip(*(prompt_text(tok, r["messages"]) for r in rows), strict=True)
     n = min(cfg.num_prompts, len(prompts))
     samples: list[dict[str, Any]] = []
     exact: dict[str, float] = {}
     greedy = next((s for s in cfg.sampling if s.strategy == "greedy"), None)
-    if greedy is not None:
+    if greedy is not None and held_out:
         with model.disable_adapter():
             base_out = generate(model, tok, list(prompts), greedy, seed, cfg.batch_size)
         tuned_out = generate(model, tok, list(prompts), greedy, seed, cfg.batch_size)
@@ -204,8 +224,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
         inference["no_cache"]["tokens_per_s"],
     )
 
-    heldout = {"base": base_scores, "tuned": tuned_scores, "rows": len(examples)}
-    if tuned != "sft":  # how far preference tuning moved the policy from SFT's fit
+    heldout: dict[str, Any] | None = None
+    if held_out:
+        heldout = {"base": base_scores, "tuned": tuned_scores, "rows": len(examples)}
+    if held_out and tuned != "sft":  # how far preference tuning moved the policy from SFT's fit
         with active_adapter(model, "sft"):
             heldout["sft"] = heldout_loss(
                 model, _batches(examples, tok.pad_token_id, cfg.batch_size), device
@@ -218,15 +240,17 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "samples": len(samples),
     }
     report |= preference_metrics(ctx, model, tok, device)
-    (ctx.out_dir / "eval.json").write_text(json.dumps(report, indent=2))
-    headline = {
-        "base_loss": base_scores["loss"],
-        "tuned_loss": tuned_scores["loss"],
-        "tuned_ppl": tuned_scores["perplexity"],
-    }
+    (ctx.out_dir / "eval.json").write_text(jsonsafe.dumps(report, indent=2))
+    headline: dict[str, float] = {}
+    if heldout is not None:
+        headline |= {
+            "base_loss": base_scores["loss"],
+            "tuned_loss": tuned_scores["loss"],
+            "tuned_ppl": tuned_scores["perplexity"],
+        }
     if exact:
         headline |= {"exact_match_base": exact["base"], "exact_match_tuned": exact["tuned"]}
-    if "sft" in heldout:
+    if heldout is not None and "sft" in heldout:
         headline["sft_loss"] = heldout["sft"]["loss"]
     headline["decode_tok/s"] = inference["cache"]["tokens_per_s"]
     if "reward_model" in report:

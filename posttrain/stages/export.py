@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from posttrain import jsonsafe
 from posttrain.artifacts import sha256_file
 from posttrain.data.chat import encode_chat
 from posttrain.diskspace import (
@@ -45,8 +46,13 @@ def base_dtype(ingest_summary: dict[str, Any]) -> str:
 
 
 def _verify_inputs(ctx: StageContext, tok: Any, n_rows: int = 4) -> torch.Tensor:
-    """[n, T] token ids from held-out rows, cut to a common length (no padding to mask)."""
-    lines = (ctx.parent_dir("sft") / "data" / "eval.jsonl").read_text().splitlines()[:n_rows]
+    """[n, T] token ids from held-out rows (training rows when SFT kept none: any text checks
+    that merged and unmerged weights agree), cut to a common length (no padding to mask)."""
+    data = ctx.parent_dir("sft") / "data"
+    lines = [x for x in (data / "eval.jsonl").read_text().splitlines() if x.strip()]
+    if not lines:
+        lines = [x for x in (data / "train.jsonl").read_text().splitlines() if x.strip()]
+    lines = lines[:n_rows]
     seqs = [encode_chat(tok, json.loads(x)["messages"], 512) for x in lines]
     ids = [s["input_ids"] for s in seqs if s]
     width = min(len(i) for i in ids)
@@ -98,7 +104,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         cfg.logits_atol,
         trust_remote_code=trust,
     )
-    (ctx.out_dir / "verification.json").write_text(json.dumps(report, indent=2, default=str))
+    (ctx.out_dir / "verification.json").write_text(jsonsafe.dumps(report, indent=2, default=str))
     log.info(
         "export verified: max |logit diff| vs base+adapter %.2e (allowed %.2e); "
         "max |weight diff| vs base %.3e",

@@ -274,7 +274,7 @@ def warm_up(
 
 
 def ingest_from_config(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
-    from posttrain.models.tiny import build_model, train_tokenizer
+    from posttrain.models.tiny import build_model, fill_vocabulary, train_tokenizer
 
     fc = cfg.from_config
     seed = ctx.recipe.run.seed
@@ -282,6 +282,8 @@ def ingest_from_config(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
     chats = [r["messages"] for r in quickstart_sft_rows(fc.corpus_examples // 2, seed + 1)]
     corpus = docs + [m["content"] for c in chats for m in c]
     tok = train_tokenizer(corpus, fc.vocab_size)
+    if fc.fill_vocab:
+        tok = fill_vocabulary(tok, fc.vocab_size)
     install_template(tok, cfg)
     torch.manual_seed(seed)
     model = build_model(fc, tok)

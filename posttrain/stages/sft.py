@@ -62,11 +62,13 @@ def heldout_loss(
     device: torch.device,
     rank: int,
     world: int,
-) -> float:
-    """Token-weighted held-out NLL. Every rank runs the same number of forwards (FSDP all-gathers
-    are collective); a rank short of rows repeats a batch with zero weight."""
+) -> float | None:
+    """Token-weighted held-out NLL, or None without held-out rows (eval_fraction 0 and no
+    eval_path: there is no figure, and NaN would not be valid JSON in the manifest). Every rank
+    runs the same number of forwards (FSDP all-gathers are collective); a rank short of rows
+    repeats a batch with zero weight."""
     if not examples:
-        return float("nan")
+        return None
     model.eval()
     total, count = 0.0, 0.0
     for idx in rank_batches(len(examples), rank, world, batch_size):
@@ -113,7 +115,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if tr.start_step == 0:
         first_eval = heldout_loss(model, data.eval, tok.pad_token_id, eval_bs, device, rank, world)
         tr.metrics.write("eval", step=0, eval_loss=first_eval)
-        log.info("held-out loss at step 0 (base): %.4f", first_eval)
+        if first_eval is not None:
+            log.info("held-out loss at step 0 (base): %.4f", first_eval)
     else:  # resumed: the step-0 figure is in the kept metrics
         first_eval = next(
             (r["eval_loss"] for r in read_metrics(tr.metrics.path, "eval") if r.get("step") == 0),
@@ -159,7 +162,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     final_eval = heldout_loss(model, data.eval, tok.pad_token_id, eval_bs, device, rank, world)
     tr.metrics.write("eval", step=total_steps, eval_loss=final_eval)
-    log.info("held-out loss after SFT: %.4f", final_eval)
+    if final_eval is not None:
+        log.info("held-out loss after SFT: %.4f", final_eval)
     save_adapter(model, ctx)
     tr.metrics.write("end", step=total_steps, **memory_snapshot(device))
     tr.metrics.close()

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from posttrain import jsonsafe
+
 log = logging.getLogger("posttrain.telemetry")
 
 # Dense (no sparsity) peak FLOP/s per device for bf16/fp16 tensor cores; fp32 uses TF32 peaks.
@@ -179,13 +181,13 @@ class MetricsWriter:
         )
         self._f = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed in close())
         for rec in kept:
-            self._f.write(json.dumps(rec) + "\n")
+            self._f.write(jsonsafe.dumps(rec) + "\n")
 
     def write(self, kind: str, **fields: Any) -> None:
         if self._f is None:
             return
         rec = {"kind": kind, "time": round(time.time(), 3), **fields}
-        self._f.write(json.dumps(rec, default=float) + "\n")
+        self._f.write(jsonsafe.dumps(rec, default=float) + "\n")
         self._f.flush()
         os.fsync(self._f.fileno())
 
