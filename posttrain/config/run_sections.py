@@ -100,6 +100,12 @@ class InfraConfig(_Section):
     loss_scaling: bool = Field(
         False, description="Dynamic loss scaling; required for fp16, whose losses otherwise go NaN."
     )
+    attention: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
+        "auto",
+        description="Attention kernel every model of the run loads with (transformers' "
+        "`attn_implementation`): `auto` = torch SDPA (flash or memory-efficient kernels on GPU); "
+        "`flash_attention_2` needs the flash-attn package and a bf16/fp16 GPU.",
+    )
     threads_per_rank: int | None = Field(
         None, ge=1, description="torch threads per process; default = CPU cores / processes."
     )

@@ -1,0 +1,251 @@
+"""GPU check: SFT and DPO on random-init Qwen2.5-0.5B and -1.5B shapes in bf16, with the figures an
+SRE asks for first.
+
+For each shape it builds the model offline (`ingest.from_config.shape`: real width, depth, heads
+and 151,936-row vocabulary, random weights), writes long synthetic conversations and preference
+pairs (so steps run at a realistic sequence length, not the quickstart's ~60 tokens), and runs the
+real stages (`python -m posttrain.stages.<stage> --recipe ...`: the same entry points the flow
+starts) for a few dozen steps. Then it prints, per stage: tokens/s per GPU, MFU, peak allocated and
+reserved memory, and the memory pre-flight's estimate beside the measured peak.
+
+    bash bench/gpu_check.sh                     # on a machine with a GPU
+    python bench/gpu_check.py --shapes qwen2.5-0.5b --sft-steps 40 --seq 2048
+    python bench/gpu_check.py --cpu-smoke       # the same path, shrunk, on CPU (minutes)
+
+Needs no hub access. Writes under --work (default a temp folder) and removes nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = [
+    "the",
+    "a",
+    "of",
+    "to",
+    "and",
+    "in",
+    "is",
+    "it",
+    "that",
+    "for",
+    "on",
+    "with",
+    "as",
+    "was",
+    "at",
+    "by",
+    "an",
+    "be",
+    "this",
+    "from",
+    "or",
+    "have",
+    "not",
+    "are",
+    "river",
+    "stone",
+    "cloud",
+    "tiger",
+    "piano",
+    "garden",
+    "rocket",
+    "candle",
+    "forest",
+    "mirror",
+    "silver",
+    "ocean",
+    "pencil",
+    "winter",
+    "castle",
+    "dragon",
+    "meadow",
+    "button",
+    "violin",
+    "desert",
+    "island",
+    "planet",
+    "lantern",
+    "harbor",
+    "marble",
+    "thunder",
+]
+
+
+def _text(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def write_data(folder: Path, rows: int, words: int, seed: int = 0) -> tuple[Path, Path]:
+    """SFT conversations (a short question, an answer of `words` words) and preference pairs
+    (two answers of half that each), as JSONL in the shapes users bring."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    sft, pref = folder / "sft.jsonl", folder / "pref.jsonl"
+    with sft.open("w") as f:
+        for _ in range(rows):
+            msgs = [
+                {"role": "user", "content": _text(rng, 48)},
+                {"role": "assistant", "content": _text(rng, words)},
+            ]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    with pref.open("w") as f:
+        for _ in range(rows):
+            row = {
+                "prompt": _text(rng, 48),
+                "chosen": _text(rng, words // 2),
+                "rejected": _text(rng, words // 2),
+            }
+            f.write(json.dumps(row) + "\n")
+    return sft, pref
+
+
+def recipe(
+    work: Path, shape: str, args: argparse.Namespace, sft_data: Path, pref_data: Path
+) -> dict[str, Any]:
+    model: dict[str, Any] = {
+        "shape": shape,
+        "max_position_embeddings": max(4096, args.seq),
+        "pretrain_steps": 0,
+        "corpus_examples": 400,
+    }
+    if args.cpu_smoke:  # the same code path at a size CPU runs in minutes
+        model |= {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "intermediate_size": 128}
+    train = {
+        "optim": {"lr": 1e-4, "warmup_steps": 2},
+        "batch": {"micro_batch_size": args.micro, "grad_accum_steps": 1},
+        "log_every": 1,
+        "checkpoint_every": 0,
+    }
+    return {
+        "run": {"name": f"gpu-check-{shape}", "workspace": str(work / "ws"), "seed": 0},
+        "infra": {
+            "device": "cpu" if args.cpu_smoke else "cuda",
+            "devices_per_node": 1,
+            "precision": "fp32" if args.cpu_smoke else "bf16",
+            "base_dtype": "auto",
+            "attention": args.attention,
+        },
+        "ingest": {"source": "from_config", "from_config": model},
+        "sft": {
+            "data": {"path": str(sft_data), "eval_fraction": 0.0, "max_seq_len": args.seq},
+            "lora": {"r": 16, "alpha": 32},
+            "max_steps": args.sft_steps,
+            **train,
+        },
+        "dpo": {
+            "data": {
+                "path": str(pref_data),
+                "eval_fraction": 0.0,
+                "max_seq_len": args.seq,
+                "max_prompt_len": 128,
+            },
+            "beta": 0.1,
+            "max_steps": args.dpo_steps,
+            **train,
+        },
+    }
+
+
+def run_stage(stage: str, recipe_path: Path, log: Path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", f"posttrain.stages.{stage}", "--recipe", str(recipe_path)]
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    tail = log.read_text().splitlines()[-15:]
+    if rc:
+        raise SystemExit(f"{stage} failed (exit {rc}); log {log}:\n" + "\n".join(tail))
+    print(f"  {stage:7s} done in {time.perf_counter() - t0:6.1f} s", flush=True)
+
+
+def figures(stage_dir: Path) -> dict[str, Any]:
+    """Median throughput over the steps after warm-up, the memory peaks and the estimate."""
+    recs = [json.loads(x) for x in (stage_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r["kind"] == "train"]
+    steady = train[len(train) // 4 :] or train
+    end = next(r for r in recs if r["kind"] == "end")
+    pre = next((r for r in recs if r["kind"] == "preflight"), {})
+    start = next(r for r in recs if r["kind"] == "start")
+    peak = end.get("mem_peak_allocated_gib", end.get("mem_peak_rss_gib"))
+    return {
+        "params": start["params_total"],
+        "tokens_per_s_per_device": statistics.median(r["tokens_per_s_per_device"] for r in steady),
+        "tflops_per_device": statistics.median(r["tflops_per_device"] for r in steady),
+        "mfu": statistics.median(r["mfu"] for r in steady),
+        "peak_allocated_gib": peak,
+        "peak_reserved_gib": end.get("mem_peak_reserved_gib"),
+        "estimate_gib": pre.get("estimate_gib"),
+        "tokens_per_step": statistics.median(r["tokens"] for r in steady),
+    }
+
+
+def stage_dir(ws: Path, stage: str) -> Path:
+    dirs = sorted((ws / "artifacts" / stage).iterdir(), key=lambda p: p.stat().st_mtime)
+    return dirs[-1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b"])
+    ap.add_argument("--sft-steps", type=int, default=30)
+    ap.add_argument("--dpo-steps", type=int, default=20)
+    ap.add_argument("--micro", type=int, default=8, help="micro-batch rows")
+    ap.add_argument("--seq", type=int, default=1024, help="max sequence length")
+    ap.add_argument("--attention", default="sdpa", help="infra.attention (sdpa or flash)")
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument("--cpu-smoke", action="store_true", help="shrunk shapes, CPU, fp32")
+    args = ap.parse_args()
+    if args.cpu_smoke:
+        args.sft_steps, args.dpo_steps, args.micro, args.seq = 3, 2, 2, 128
+    work = args.work or Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    words = max(16, int(args.seq * 0.6))  # ~1.2 tokens per word: rows fill most of --seq
+    sft_data, pref_data = write_data(work / "data", rows=64 * args.micro, words=words)
+    results: dict[str, dict[str, Any]] = {}
+    for shape in args.shapes:
+        print(f"{shape}:", flush=True)
+        folder = work / shape
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "recipe.yaml"
+        path.write_text(yaml.safe_dump(recipe(folder, shape, args, sft_data, pref_data)))
+        for stage in ("ingest", "sft", "dpo"):
+            run_stage(stage, path, folder / f"{stage}.log")
+        for stage in ("sft", "dpo"):
+            results[f"{shape} {stage}"] = figures(stage_dir(folder / "ws", stage))
+
+    head = (
+        f"{'run':22s} {'params':>8s} {'tok/step':>8s} {'tok/s/GPU':>10s} {'TFLOP/s':>8s} "
+        f"{'MFU':>6s} {'alloc GiB':>9s} {'resv GiB':>8s} {'est GiB':>8s} {'est/alloc':>9s}"
+    )
+    print("\n" + head + "\n" + "-" * len(head))
+    for name, r in results.items():
+        ratio = (r["estimate_gib"] or 0) / r["peak_allocated_gib"] if r["peak_allocated_gib"] else 0
+        resv = r["peak_reserved_gib"]
+        print(
+            f"{name:22s} {r['params'] / 1e6:7.0f}M {r['tokens_per_step']:8.0f} "
+            f"{r['tokens_per_s_per_device']:10.0f} {r['tflops_per_device']:8.1f} "
+            f"{r['mfu']:6.1%} {r['peak_allocated_gib']:9.2f} "
+            f"{resv if resv is not None else float('nan'):8.2f} "
+            f"{r['estimate_gib'] or float('nan'):8.2f} {ratio:9.2f}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

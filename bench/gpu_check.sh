@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# GPU check: SFT and DPO for a few dozen steps on random-init Qwen2.5-0.5B and -1.5B shapes in
+# bf16; prints tokens/s per GPU, MFU, peak allocated and reserved memory and the pre-flight
+# estimate beside it. Run from the repository root on a machine with an NVIDIA GPU:
+#
+#   bash bench/gpu_check.sh                 # both shapes, seq 1024, micro 8 (about 5 minutes)
+#   bash bench/gpu_check.sh --seq 2048      # any bench/gpu_check.py option passes through
+#
+# Uses .venv if present (the project installed with a CUDA build of torch), else python3.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+"$PY" - <<'PYEOF'
+import sys, torch
+if not torch.cuda.is_available():
+    sys.exit(f"no CUDA device visible to torch {torch.__version__}: this check needs a GPU "
+             "(bench/gpu_check.py --cpu-smoke runs the same path shrunk on CPU)")
+p = torch.cuda.get_device_properties(0)
+print(f"GPU: {p.name}, {p.total_memory / 2**30:.0f} GiB; torch {torch.__version__}, "
+      f"CUDA {torch.version.cuda}")
+PYEOF
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+exec "$PY" bench/gpu_check.py "$@"
