@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from posttrain.config.batch import ResolvedBatch, resolve_batch
 from posttrain.config.schema import Recipe
+from posttrain.hub import is_hub_id
 from posttrain.secrets import find_secrets
 
 
@@ -227,14 +228,15 @@ def resolve(recipe: Recipe, recipe_dir: str | os.PathLike[str] | None = None) ->
 
 
 def input_paths(recipe: Recipe) -> dict[str, str]:
-    """{field path: value} of every path the recipe reads from (not the workspace it writes)."""
+    """{field path: value} of every path the recipe reads from (not the workspace it writes).
+    Hub ids (`org/name` that is no local path) are not paths: the hub cache serves them."""
     out = {}
-    if recipe.ingest.path:
+    if recipe.ingest.path and not is_hub_id(recipe.ingest.path):
         out["ingest.path"] = recipe.ingest.path
     for name, section in recipe.training_sections().items():
         for attr in ("path", "eval_path"):
             value = getattr(section.data, attr)
-            if value:
+            if value and not is_hub_id(value):
                 out[f"{name}.data.{attr}"] = value
     return out
 
