@@ -267,3 +267,41 @@ def test_ingest_hub_snapshot_goes_through_the_local_checks(hub_model: Path, tmp_
         run_inprocess("ingest", recipe)
     err = (planned_dir("ingest", recipe) / "logs" / "error.txt").read_text()
     assert "needs custom code (auto_map)" in err and str(hub_model) in err
+
+
+@pytest.mark.slow
+def test_ingest_and_sft_from_hub_ids_offline(hub_model: Path, tmp_path: Path) -> None:
+    """The whole path a user takes: a model id and a dataset id (Q/A columns renamed,
+    train and test splits), both served offline from the hub cache, through ingest and a short LoRA SFT."""
+    from posttrain.data.synthetic import quickstart_sft_rows
+
+    def qa(rows: list[dict]) -> list[dict]:
+        out = []
+        for r in rows:
+            user = next(m["content"] for m in r["messages"] if m["role"] == "user")
+            out.append({"q": user, "a": r["messages"][-1]["content"]})
+        return out
+
+    data_sha = commit_sha("sft data")
+    splits = {"train": qa(quickstart_sft_rows(96, 1)), "test": qa(quickstart_sft_rows(16, 2))}
+    add_dataset(hub_model, "org/qa-sft", splits, data_sha)
+    sft = {
+        "data": {
+            "path": "org/qa-sft",
+            "eval_path": "org/qa-sft",
+            "columns": {"q": "prompt", "a": "completion"},
+            "max_seq_len": 64,
+        },
+        "max_steps": 4,
+    }
+    recipe = _recipe(tmp_path, ingest={"source": "path", "path": MODEL}, sft=sft)
+    ingest = run_inprocess("ingest", recipe)
+    out = run_inprocess("sft", recipe)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["section"]["hub"]["path"]["commit_sha"] == data_sha
+    assert m["section"]["hub"]["eval_path"]["commit_sha"] == data_sha
+    s = m["summary"]
+    assert s["train_rows"] == 96 and s["eval_rows"] == 16, s
+    assert s["eval_loss_final"] < s["eval_loss_start"], s
+    ingest_summary = json.loads((ingest / "manifest.json").read_text())["summary"]
+    assert ingest_summary["commit_sha"] == SHA_1
