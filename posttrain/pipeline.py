@@ -113,8 +113,10 @@ def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
         elif recipe.ingest.source == "path":
             assert recipe.ingest.path
             extra = {"source": path_identity(recipe.ingest.path)}
+            section.pop("revision", None)  # means nothing for a local folder
         else:
             section.pop("path", None)
+            section.pop("revision", None)
     elif name in ("sft", "reward", *POLICY_STAGES):
         if name in RANK_DEPENDENT:
             numerics["dp_size"] = recipe.infra.world_size()
@@ -129,6 +131,13 @@ def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
         hub_inputs = {
             k: hub_record(v, data.revision, "dataset") for k, v in sources.items() if is_hub_id(v)
         }
+        # Hub-only fields mean nothing for local files, and no renames is no renames: left out,
+        # a recipe that uses neither keeps the fingerprints it had before they existed.
+        if not hub_inputs:
+            for key in ("split", "eval_split", "revision", "subset"):
+                section["data"].pop(key, None)
+        if not data.columns:
+            section["data"].pop("columns", None)
         # The guard's spike test decides which finite updates are applied: part of the result.
         # Its stop rule (max_bad_steps, window) only decides whether a stage fails, and skipping
         # non-finite steps is always on, so a spike-free recipe's fingerprint stays as it was.

@@ -305,3 +305,31 @@ def test_ingest_and_sft_from_hub_ids_offline(hub_model: Path, tmp_path: Path) ->
     assert s["eval_loss_final"] < s["eval_loss_start"], s
     ingest_summary = json.loads((ingest / "manifest.json").read_text())["summary"]
     assert ingest_summary["commit_sha"] == SHA_1
+
+
+def test_local_recipes_keep_their_fingerprint_inputs(cache: Path, tmp_path: Path) -> None:
+    """The hub-only fields stay out of a local recipe's inputs (its fingerprints are the ones it
+    had before they existed); with a hub id they are in, and so is the commit."""
+    from posttrain.pipeline import stage_inputs
+
+    add_dataset(cache, "org/sft", {"train": [{"prompt": "p", "completion": "c"}]}, SHA_1)
+    local = load_recipe(_recipe(tmp_path))
+    ingest, _ = stage_inputs(local, "ingest")
+    data = stage_inputs(local, "sft")[0]["section"]["data"]
+    assert "revision" not in ingest["section"] and "hub" not in ingest
+    assert not {"split", "eval_split", "revision", "subset", "columns"} & set(data)
+    hub_recipe = load_recipe(_recipe(tmp_path, sft={"data": {"path": "org/sft"}}))
+    inputs = stage_inputs(hub_recipe, "sft")[0]
+    assert inputs["section"]["data"]["split"] == "train"
+    assert inputs["hub"]["path"]["commit_sha"] == SHA_1
+
+
+def test_ingest_error_for_a_missing_hub_model(cache: Path) -> None:
+    from posttrain.config.schema import IngestConfig
+    from posttrain.stages.ingest import IngestError, hub_model_folder
+
+    with pytest.raises(IngestError) as exc:
+        hub_model_folder(IngestConfig(path="org/gone", revision="v3"))
+    msg = str(exc.value)
+    assert msg.startswith("ingest.path: model 'org/gone' at revision 'v3' (cache ")
+    assert str(cache) in msg and "HF_HUB_OFFLINE=on" in msg and "\n" not in msg

@@ -149,7 +149,10 @@ class DataConfig(DataSourceFields):
     synthetic: SyntheticData | None = Field(
         None, description="Generate the quickstart task instead of reading `path`."
     )
-    eval_path: str | None = Field(None, description="Held-out file; default: split from `path`.")
+    eval_path: str | None = Field(
+        None,
+        description="Held-out file or hub dataset id (its `eval_split`); default: split from `path`.",
+    )
     eval_fraction: float = Field(
         0.05, ge=0.0, lt=1.0, description="Held-out share when there is no eval_path."
     )
@@ -239,7 +242,10 @@ class _HeldOutSource(DataSourceFields):
     synthetic: SyntheticData | None = Field(
         None, description="Generate quickstart rows instead of reading `path`."
     )
-    eval_path: str | None = Field(None, description="Held-out file; default: split from `path`.")
+    eval_path: str | None = Field(
+        None,
+        description="Held-out file or hub dataset id (its `eval_split`); default: split from `path`.",
+    )
     eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Held-out share of rows.")
     max_prompt_len: int = Field(
         128, ge=1, description="Longer prompts keep their last max_prompt_len tokens."
