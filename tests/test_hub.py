@@ -163,6 +163,46 @@ def test_hub_preference_and_prompt_data_with_message_lists(cache: Path) -> None:
     assert prompts[1] == ("org/prefs[train] row 1", [turn("user", "q1")])
 
 
+def test_preference_config_reads_hub_splits_with_renamed_columns(cache: Path) -> None:
+    """A preference section with split / eval_split / columns, through the stage's reader."""
+    from posttrain.config.schema import PreferenceDataConfig
+    from posttrain.data.pref_prepare import read_and_split
+    from posttrain.data.preference import quickstart_preference_rows
+
+    def pairs(n: int, tag: str) -> list[dict]:
+        return [{"q": f"{tag}{i}", "better": "yes", "worse": "no"} for i in range(n)]
+
+    add_dataset(cache, "org/pairs", {"train": pairs(4, "t"), "eval": pairs(2, "e")}, SHA_2)
+    cfg = PreferenceDataConfig(
+        path="org/pairs",
+        eval_path="org/pairs",
+        eval_split="eval",
+        columns={"q": "prompt", "better": "chosen", "worse": "rejected"},
+    )
+    train, held, dropped = read_and_split(cfg, 0, read_preference_rows, quickstart_preference_rows)
+    assert [w for w, _ in train] == [f"org/pairs[train] row {i}" for i in range(4)]
+    assert [w for w, _ in held] == ["org/pairs[eval] row 0", "org/pairs[eval] row 1"]
+    assert held[1][1] == {
+        "prompt": [{"role": "user", "content": "e1"}],
+        "chosen": "yes",
+        "rejected": "no",
+    }
+    assert dropped == {}
+
+
+def test_cache_folder_follows_hf_home_and_hf_hub_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    assert hub.cache_dir() == tmp_path / "home" / "hub"
+    add_snapshot(tmp_path / "home" / "hub", MODEL, {"config.json": b"{}"}, SHA_1)
+    assert hub.snapshot(MODEL).commit_sha == SHA_1
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    with pytest.raises(hub.HubError, match="elsewhere"):
+        hub.snapshot(MODEL)
+
+
 def test_columns_rename_local_files_too(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text(
@@ -305,6 +345,10 @@ def test_ingest_and_sft_from_hub_ids_offline(hub_model: Path, tmp_path: Path) ->
     assert s["eval_loss_final"] < s["eval_loss_start"], s
     ingest_summary = json.loads((ingest / "manifest.json").read_text())["summary"]
     assert ingest_summary["commit_sha"] == SHA_1
+    # The export's model card names the hub base (front matter base_model) and its commit.
+    run_inprocess("evaluate", recipe)
+    card = (run_inprocess("export", recipe) / "model" / "README.md").read_text()
+    assert f"base_model: {MODEL}" in card and SHA_1 in card
 
 
 def test_local_recipes_keep_their_fingerprint_inputs(cache: Path, tmp_path: Path) -> None:
