@@ -190,6 +190,26 @@ def test_preference_config_reads_hub_splits_with_renamed_columns(cache: Path) ->
     assert dropped == {}
 
 
+def test_hub_dataset_subset_from_the_card_configs(cache: Path) -> None:
+    """Subsets as the hub declares them: `configs` in the dataset card's YAML header."""
+    card = (
+        "---\nconfigs:\n"
+        "- config_name: easy\n  data_files:\n  - split: train\n    path: easy/train-*.parquet\n"
+        "- config_name: hard\n  data_files:\n  - split: train\n    path: hard/train-*.parquet\n"
+        "---\n# qa\n"
+    )
+    files = {
+        "README.md": card.encode(),
+        "easy/train-00000-of-00001.parquet": parquet([{"prompt": "1+1?", "completion": "2"}]),
+        "hard/train-00000-of-00001.parquet": parquet([{"prompt": "7*8?", "completion": "56"}]),
+    }
+    add_snapshot(cache, "org/levels", files, SHA_1, repo_type="dataset")
+    rows = load_sft_rows(DataSource("org/levels", subset="hard"))
+    assert rows[0]["messages"][0]["content"] == "7*8?"
+    with pytest.raises(DataError, match=r"org/levels\[train\] \(subset 'medium'"):
+        load_sft_rows(DataSource("org/levels", subset="medium"))
+
+
 def test_cache_folder_follows_hf_home_and_hf_hub_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
