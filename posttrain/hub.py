@@ -111,7 +111,7 @@ def _missing(repo_id: str, revision: str, repo_type: RepoType, why: str) -> HubE
     if not folder.is_dir():
         what = f"not in the cache (no {folder.name})"
     else:
-        refs = sorted(p.name for p in (folder / "refs").glob("*")) if folder.is_dir() else []
+        refs = sorted(p.name for p in (folder / "refs").glob("*"))
         what = f"revision not in the cache (cached refs: {refs or 'none'})"
     hint = (
         "it is not a local path either; pre-fetch it (`hf download "

@@ -18,7 +18,6 @@ from typing import Any
 from datasets import Dataset, load_dataset, load_from_disk
 
 from posttrain import hub
-from posttrain.hub import is_hub_id
 
 ROLES = ("system", "user", "assistant")
 
@@ -322,7 +321,7 @@ def read_rows(
     `max_line_bytes` (default `max_line_bytes()`) bounds one JSONL line. Whatever the file
     holds, the only exception is DataError naming the file (and line or row)."""
     src = path if isinstance(path, DataSource) else DataSource(str(path))
-    rows = _read_hub(src) if is_hub_id(src.path) else _read_local(src.path, max_line_bytes)
+    rows = _read_hub(src) if hub.is_hub_id(src.path) else _read_local(src.path, max_line_bytes)
     return [(where, rename_columns(row, src.columns, where)) for where, row in rows]
 
 
