@@ -20,6 +20,7 @@ from posttrain.artifacts import (
     stage_dir,
 )
 from posttrain.config.schema import Recipe
+from posttrain.hub import RepoType, is_hub_id, resolve_sha
 
 
 @dataclass(frozen=True)
@@ -105,12 +106,17 @@ def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
         "device": recipe.infra.device,
     }
     extra: Any = None
+    hub_inputs: dict[str, Any] = {}
     if name == "ingest":
-        if recipe.ingest.source == "path":
+        if recipe.ingest.source == "path" and is_hub_id(recipe.ingest.path):
+            hub_inputs["path"] = hub_record(recipe.ingest.path, recipe.ingest.revision, "model")
+        elif recipe.ingest.source == "path":
             assert recipe.ingest.path
             extra = {"source": path_identity(recipe.ingest.path)}
+            section.pop("revision", None)  # means nothing for a local folder
         else:
             section.pop("path", None)
+            section.pop("revision", None)
     elif name in ("sft", "reward", *POLICY_STAGES):
         if name in RANK_DEPENDENT:
             numerics["dp_size"] = recipe.infra.world_size()
@@ -120,11 +126,18 @@ def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
             # resume on another number of ranks in the same folder (and reuse a cached artifact).
             section["batch"] = {"global_batch_size": section["batch"]["global_batch_size"]}
         data = getattr(recipe, name).data
-        extra = {
-            k: path_identity(v)
-            for k, v in (("path", data.path), ("eval_path", data.eval_path))
-            if v
+        sources = {k: v for k, v in (("path", data.path), ("eval_path", data.eval_path)) if v}
+        extra = {k: path_identity(v) for k, v in sources.items() if not is_hub_id(v)}
+        hub_inputs = {
+            k: hub_record(v, data.revision, "dataset") for k, v in sources.items() if is_hub_id(v)
         }
+        # Hub-only fields mean nothing for local files, and no renames is no renames: left out,
+        # a recipe that uses neither keeps the fingerprints it had before they existed.
+        if not hub_inputs:
+            for key in ("split", "eval_split", "revision", "subset"):
+                section["data"].pop(key, None)
+        if not data.columns:
+            section["data"].pop("columns", None)
         # The guard's spike test decides which finite updates are applied: part of the result.
         # Its stop rule (max_bad_steps, window) only decides whether a stage fails, and skipping
         # non-finite steps is always on, so a spike-free recipe's fingerprint stays as it was.
@@ -132,7 +145,17 @@ def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
             numerics["guard"] = recipe.guard.model_dump(
                 mode="json", include={"loss_spike_k", "loss_spike_window", "loss_spike_min_history"}
             )
-    return {"section": section, **numerics}, extra
+    # Only recipes with hub ids get the key, so local-path recipes keep their fingerprints.
+    hub = {"hub": hub_inputs} if hub_inputs else {}
+    return {"section": section, **numerics, **hub}, extra
+
+
+def hub_record(repo_id: str, revision: str, repo_type: RepoType) -> dict[str, str]:
+    """A hub id's identity for the fingerprint: the commit its revision resolves to now (a
+    moved branch is a new run). The stage process pins this commit (`posttrain.hub.pin`), so it
+    reads exactly what was fingerprinted. Raises HubError (what, where, offline or not)."""
+    sha = resolve_sha(repo_id, revision, repo_type)
+    return {"repo_type": repo_type, "hub_repo": repo_id, "revision": revision, "commit_sha": sha}
 
 
 @dataclass

@@ -77,7 +77,7 @@ def test_bad_rows_name_file_and_line(tmp_path: Path) -> None:
             good,
             json.dumps({"messages": [{"role": "user", "content": "x"}]}),
         ],
-        "expected 'messages' or 'prompt'/'completion'": [good, json.dumps({"text": "x"})],
+        "expected one of 'messages'": [good, json.dumps({"text": "x"})],
         "row must be a JSON object": [good, "[1, 2]"],
         "not valid UTF-8": [good, b'{"prompt": "\xff\xfe"}'],
     }

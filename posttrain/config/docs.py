@@ -42,6 +42,8 @@ def _type_name(annotation: Any) -> str:
         return " \\| ".join(f"`{a}`" for a in args)
     if origin is list:
         return f"list of {_type_name(args[0])}"
+    if origin is dict:
+        return f"mapping of {_type_name(args[0])} to {_type_name(args[1])}"
     if origin is tuple:
         return "[" + ", ".join(_type_name(a) for a in args) + "]"
     return " \\| ".join(_type_name(a) for a in args if a is not type(None)) + (

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from posttrain.config.batch import ResolvedBatch, resolve_batch
 from posttrain.config.schema import Recipe
+from posttrain.hub import HubError, RepoType, is_hub_id, resolve_sha
 from posttrain.secrets import find_secrets
 
 
@@ -213,6 +214,7 @@ def resolve(recipe: Recipe, recipe_dir: str | os.PathLike[str] | None = None) ->
         r = resolve_paths(r, recipe_dir)
     except RecipeError as exc:
         errors.extend(exc.errors)
+    errors.extend(hub_id_errors(r))
     for name, section in r.training_sections().items():
         try:
             b = section_batch(r, name)
@@ -227,16 +229,43 @@ def resolve(recipe: Recipe, recipe_dir: str | os.PathLike[str] | None = None) ->
 
 
 def input_paths(recipe: Recipe) -> dict[str, str]:
-    """{field path: value} of every path the recipe reads from (not the workspace it writes)."""
+    """{field path: value} of every path the recipe reads from (not the workspace it writes).
+    Hub ids (`org/name` that is no local path) are not paths: the hub cache serves them."""
     out = {}
-    if recipe.ingest.path:
+    if recipe.ingest.path and not is_hub_id(recipe.ingest.path):
         out["ingest.path"] = recipe.ingest.path
     for name, section in recipe.training_sections().items():
         for attr in ("path", "eval_path"):
             value = getattr(section.data, attr)
-            if value:
+            if value and not is_hub_id(value):
                 out[f"{name}.data.{attr}"] = value
     return out
+
+
+def hub_ids(recipe: Recipe) -> dict[str, tuple[str, str, RepoType]]:
+    """{field path: (hub id, revision, repo type)} of every input given as a hub id."""
+    out: dict[str, tuple[str, str, RepoType]] = {}
+    if recipe.ingest.source == "path" and is_hub_id(recipe.ingest.path):
+        out["ingest.path"] = (str(recipe.ingest.path), recipe.ingest.revision, "model")
+    for name, section in recipe.training_sections().items():
+        for attr in ("path", "eval_path"):
+            value = getattr(section.data, attr)
+            if is_hub_id(value):
+                out[f"{name}.data.{attr}"] = (value, section.data.revision, "dataset")
+    return out
+
+
+def hub_id_errors(recipe: Recipe) -> list[str]:
+    """One `field.path: ...` line per hub id whose revision does not resolve (from the cache
+    offline, from the hub online): checked where the run resolves, before any work starts.
+    Not in `resolve_paths`: a recipe sent to a server is resolved against the server's cache."""
+    errors = []
+    for where, (repo_id, revision, repo_type) in hub_ids(recipe).items():
+        try:
+            resolve_sha(repo_id, revision, repo_type)
+        except HubError as exc:
+            errors.append(f"{where}: {exc}")
+    return errors
 
 
 def _inside(path: Path, root: Path) -> bool:

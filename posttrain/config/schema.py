@@ -150,10 +150,21 @@ class FromConfigModel(_Section):
 class IngestConfig(_Section):
     source: Literal["path", "from_config"] = Field(
         "path",
-        description="`path`: a local Hugging Face folder. `from_config`: build a small "
-        "random-init model and train a BPE tokenizer offline (quickstart, tests).",
+        description="`path`: a local Hugging Face folder or a hub id. `from_config`: build a "
+        "small random-init model and train a BPE tokenizer offline (quickstart, tests).",
     )
-    path: str | None = Field(None, description="Local model folder (config, weights, tokenizer).")
+    path: str | None = Field(
+        None,
+        description="Local model folder (config, weights, tokenizer), or a hub id `org/name` "
+        "(anything that is not an existing local path), read from the huggingface_hub cache "
+        "(downloaded first only when HF_HUB_OFFLINE=0).",
+    )
+    revision: str = Field(
+        "main",
+        min_length=1,
+        description="Hub ids only: branch, tag or commit sha. The commit it resolves to is "
+        "part of the fingerprint and the manifest.",
+    )
     allow_pickle: bool = Field(
         False, description="Accept pickle weights (*.bin, *.pt). Pickle can run code when loaded."
     )
@@ -172,7 +183,9 @@ class IngestConfig(_Section):
     @model_validator(mode="after")
     def _path_given(self) -> IngestConfig:
         if self.source == "path" and not self.path:
-            raise ValueError("source 'path' needs ingest.path (a local Hugging Face model folder)")
+            raise ValueError(
+                "source 'path' needs ingest.path (a local Hugging Face model folder or a hub id)"
+            )
         return self
 
 
@@ -181,16 +194,51 @@ class SyntheticData(_Section):
     seed: int = Field(1234, ge=0, description="Generator seed (independent of run.seed).")
 
 
-class DataConfig(_Section):
+class DataSourceFields(_Section):
+    """How `path` / `eval_path` are read when they are hub dataset ids, and column renames."""
+
+    split: str = Field("train", min_length=1, description="Hub datasets: the split of `path`.")
+    eval_split: str = Field(
+        "test", min_length=1, description="Hub datasets: the split of `eval_path`."
+    )
+    revision: str = Field(
+        "main",
+        min_length=1,
+        description="Hub datasets: branch, tag or commit sha; the commit it resolves to is part "
+        "of the fingerprint and the manifest.",
+    )
+    subset: str | None = Field(
+        None, description="Hub datasets: the configuration (subset) name, when it has several."
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Rename source columns to ours before reading rows, e.g. "
+        "`{question: prompt, answer: completion}`; for local files and hub datasets alike.",
+    )
+
+    @model_validator(mode="after")
+    def _columns_distinct(self) -> DataSourceFields:
+        targets = list(self.columns.values())
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"columns: two source columns renamed to one name ({self.columns})")
+        return self
+
+
+class DataConfig(DataSourceFields):
     path: str | None = Field(
         None,
-        description="JSONL, JSON, Parquet file, or a `datasets.save_to_disk` folder. Rows are "
-        "`messages` (list of {role, content}) or `prompt`/`completion` strings.",
+        description="JSONL, JSON, Parquet file, a `datasets.save_to_disk` folder, or a hub "
+        "dataset id `org/name`. Rows are `messages` (list of {role, content}), `prompt`/"
+        "`completion` (strings or message lists), ShareGPT `conversations` (from/value) or "
+        "Alpaca `instruction`/`input`/`output`.",
     )
     synthetic: SyntheticData | None = Field(
         None, description="Generate the quickstart task instead of reading `path`."
     )
-    eval_path: str | None = Field(None, description="Held-out file; default: split from `path`.")
+    eval_path: str | None = Field(
+        None,
+        description="Held-out file or hub dataset id (its `eval_split`); default: split from `path`.",
+    )
     eval_fraction: float = Field(
         0.05, ge=0.0, lt=1.0, description="Held-out share when there is no eval_path."
     )
@@ -274,13 +322,16 @@ class SFTConfig(TrainingSection):
     )
 
 
-class _HeldOutSource(_Section):
+class _HeldOutSource(DataSourceFields):
     """Where a stage's rows come from and how a held-out share is split off."""
 
     synthetic: SyntheticData | None = Field(
         None, description="Generate quickstart rows instead of reading `path`."
     )
-    eval_path: str | None = Field(None, description="Held-out file; default: split from `path`.")
+    eval_path: str | None = Field(
+        None,
+        description="Held-out file or hub dataset id (its `eval_split`); default: split from `path`.",
+    )
     eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Held-out share of rows.")
     max_prompt_len: int = Field(
         128, ge=1, description="Longer prompts keep their last max_prompt_len tokens."
@@ -301,7 +352,8 @@ class _HeldOutSource(_Section):
 class PreferenceDataConfig(_HeldOutSource):
     path: str | None = Field(
         None,
-        description="JSONL, JSON, Parquet file, or a saved `datasets` folder of pairs: "
+        description="JSONL, JSON, Parquet file, a saved `datasets` folder or a hub dataset id "
+        "`org/name` of pairs: "
         "`prompt`/`chosen`/`rejected` as text or message lists, or `chosen`/`rejected` full "
         "conversations with the prompt implicit in their shared prefix.",
     )
@@ -320,7 +372,8 @@ class PreferenceDataConfig(_HeldOutSource):
 class PromptDataConfig(_HeldOutSource):
     path: str | None = Field(
         None,
-        description="JSONL, JSON, Parquet file, or a saved `datasets` folder of prompts: "
+        description="JSONL, JSON, Parquet file, a saved `datasets` folder or a hub dataset id "
+        "`org/name` of prompts: "
         "`prompt` as text or a message list ending with a user turn (preference files work as "
         "they are), or `messages` (the prompt is everything before the last assistant turn).",
     )

@@ -10,10 +10,14 @@ import json
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
 from datasets import Dataset, load_dataset, load_from_disk
+
+from posttrain import hub
 
 ROLES = ("system", "user", "assistant")
 
@@ -55,51 +59,122 @@ def line_limit() -> int:
     return value
 
 
-def _check_messages(msgs: Any, where: str) -> None:
+def clean_message(m: dict[str, Any]) -> dict[str, Any]:
+    """The keys of a checked message that training keeps (source rows carry more)."""
+    return {"role": m["role"], "content": m["content"]}
+
+
+def _check_messages(msgs: Any, where: str, field: str = "messages") -> list[dict[str, Any]]:
+    """A checked, cleaned copy of a conversation that has something to learn from."""
     if not isinstance(msgs, list) or not msgs:
-        raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
+        raise DataError(f"{where}: '{field}' must be a non-empty list of {{role, content}}")
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
-            raise DataError(f"{where}: messages[{i}] must be an object, got {type(m).__name__}")
+            raise DataError(f"{where}: {field}[{i}] must be an object, got {type(m).__name__}")
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
-            raise DataError(f"{where}: messages[{i}].role must be one of {ROLES}, got {role!r}")
+            raise DataError(f"{where}: {field}[{i}].role must be one of {ROLES}, got {role!r}")
         if not isinstance(content, str):
             raise DataError(
-                f"{where}: messages[{i}].content must be a string, got {type(content).__name__}"
+                f"{where}: {field}[{i}].content must be a string, got {type(content).__name__}"
             )
     if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
         raise DataError(f"{where}: no non-empty assistant message, nothing to learn from")
+    return [clean_message(m) for m in msgs]
+
+
+# ShareGPT speaker names -> our roles.
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
+
+
+def _turns(value: Any, field: str, where: str, role: str) -> list[dict[str, Any]]:
+    """A prompt or completion: a string is one `role` turn, a list is messages as they are."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list):
+        return value
+    raise DataError(
+        f"{where}: '{field}' must be a string, got {type(value).__name__} (a list of messages "
+        "is accepted too)"
+    )
+
+
+def _from_prompt_completion(row: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    for key in ("prompt", "completion"):
+        if row.get(key) is None:
+            raise DataError(f"{where}: 'prompt'/'completion' row without '{key}'")
+    completion = _turns(row["completion"], "completion", where, "assistant")
+    if not any(isinstance(m, dict) and str(m.get("content") or "").strip() for m in completion):
+        raise DataError(f"{where}: 'completion' is empty, nothing to learn from")
+    return _turns(row["prompt"], "prompt", where, "user") + completion
+
+
+def _from_sharegpt(row: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    turns = row["conversations"]
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: 'conversations' must be a non-empty list of {{from, value}}")
+    out = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict):
+            raise DataError(f"{where}: conversations[{i}] must be an object")
+        if "from" not in t and "role" in t:  # some ShareGPT files use role/content
+            out.append(t)
+            continue
+        speaker = t.get("from")
+        if speaker not in SHAREGPT_ROLES:
+            raise DataError(
+                f"{where}: conversations[{i}].from must be one of {tuple(SHAREGPT_ROLES)}, "
+                f"got {speaker!r}"
+            )
+        out.append({"role": SHAREGPT_ROLES[speaker], "content": t.get("value")})
+    return out
+
+
+def _from_alpaca(row: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    instruction, extra, output = row.get("instruction"), row.get("input"), row.get("output")
+    for key, value in (("instruction", instruction), ("output", output)):
+        if not isinstance(value, str):
+            raise DataError(f"{where}: Alpaca '{key}' must be a string, got {type(value).__name__}")
+    if extra is not None and not isinstance(extra, str):
+        raise DataError(f"{where}: Alpaca 'input' must be a string, got {type(extra).__name__}")
+    # The usual Alpaca rendering: the input, when there is one, follows the instruction.
+    user = f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+
+
+# (key that marks the shape, its name in errors, what message errors call the converted list,
+# converter to a message list), in the order they are tried: a row is read by the first whose
+# key it has (not None: Parquet fills absent columns with None).
+SFT_SHAPES = (
+    ("messages", "'messages'", "messages", lambda row, where: row["messages"]),
+    ("conversations", "ShareGPT 'conversations'", "conversations", _from_sharegpt),
+    ("instruction", "Alpaca 'instruction'/'input'/'output'", "alpaca", _from_alpaca),
+    ("prompt", "'prompt'/'completion'", "prompt+completion", _from_prompt_completion),
+    ("completion", "'prompt'/'completion'", "prompt+completion", _from_prompt_completion),
+)
 
 
 def check_sft_row(row: Any, where: str) -> dict[str, Any]:
     """Validate one SFT row and return it in conversational form {"messages": [...]}.
 
-    Accepted: {"messages": [{role, content}, ...]} or {"prompt": str, "completion": str}
-    (the latter becomes a user turn and an assistant turn).
+    Accepted shapes: {"messages": [{role, content}, ...]}; {"prompt", "completion"} as strings
+    (a user turn and an assistant turn) or message lists (conversational: prompt + completion);
+    ShareGPT {"conversations": [{from: human|gpt|system|user|assistant, value}]}; Alpaca
+    {"instruction", "input" (optional, may be empty), "output"}.
     """
     if not isinstance(row, dict):
         raise DataError(f"{where}: row must be a JSON object, got {type(row).__name__}")
-    if "messages" in row:
-        _check_messages(row["messages"], where)
-        return {"messages": [{"role": m["role"], "content": m["content"]} for m in row["messages"]]}
-    if "prompt" in row or "completion" in row:
-        for key in ("prompt", "completion"):
-            if not isinstance(row.get(key), str):
-                raise DataError(
-                    f"{where}: '{key}' must be a string, got {type(row.get(key)).__name__}"
-                )
-        if not row["completion"].strip():
-            raise DataError(f"{where}: 'completion' is empty, nothing to learn from")
-        return {
-            "messages": [
-                {"role": "user", "content": row["prompt"]},
-                {"role": "assistant", "content": row["completion"]},
-            ]
-        }
-    raise DataError(
-        f"{where}: expected 'messages' or 'prompt'/'completion', got keys {sorted(row)}"
-    )
+    for key, _name, field, convert in SFT_SHAPES:
+        if row.get(key) is not None:
+            return {"messages": _check_messages(convert(row, where), where, field)}
+    shapes = "; ".join(dict.fromkeys(name for _, name, _, _ in SFT_SHAPES))
+    raise DataError(f"{where}: expected one of {shapes}; got keys {sorted(row)}")
 
 
 def _lines(path: Path, limit: int) -> Iterator[tuple[int, bytes]]:
@@ -178,11 +253,79 @@ def _read_jsonl(path: Path, limit: int) -> list[tuple[str, Any]]:
     return out
 
 
-def read_rows(path: str | Path, max_line_bytes: int | None = None) -> list[tuple[str, Any]]:
-    """(location, raw row) pairs from a JSONL/JSON/Parquet file or a saved dataset folder.
+@dataclass
+class DataSource:
+    """Where rows come from: a local file/folder, or a hub dataset id with split, revision and
+    subset (config name); `columns` renames source columns to ours (both kinds)."""
+
+    path: str
+    split: str = "train"
+    revision: str = "main"
+    subset: str | None = None
+    columns: dict[str, str] = dataclass_field(default_factory=dict)
+
+
+def data_source(cfg: Any, attr: str = "path") -> DataSource | None:
+    """The DataSource of a data section's `path` or `eval_path` (None when unset)."""
+    value = getattr(cfg, attr)
+    if value is None:
+        return None
+    split = cfg.split if attr == "path" else cfg.eval_split
+    return DataSource(str(value), split, cfg.revision, cfg.subset, dict(cfg.columns))
+
+
+def rename_columns(row: Any, columns: dict[str, str], where: str) -> Any:
+    """`row` with source columns renamed to ours (`{question: prompt}`); a renamed column
+    replaces a column of the target name. A mapped column missing from the row is an error."""
+    if not columns or not isinstance(row, dict):
+        return row
+    missing = [k for k in columns if k not in row]
+    if missing:
+        raise DataError(
+            f"{where}: columns {missing} (to rename per `columns: {columns}`) not in the row; "
+            f"it has {sorted(row)}"
+        )
+    out = {k: v for k, v in row.items() if k not in columns and k not in columns.values()}
+    out.update({new: row[old] for old, new in columns.items()})
+    return out
+
+
+def _read_hub(src: DataSource) -> list[tuple[str, Any]]:
+    """Rows of one split of a hub dataset, from its snapshot in the huggingface_hub cache
+    (downloaded first only when online; `posttrain.hub`), read by `datasets.load_dataset`."""
+    try:
+        snap = hub.snapshot(src.path, src.revision, "dataset")
+    except hub.HubError as exc:
+        raise DataError(str(exc)) from None
+    label = f"{src.path}[{src.split}]"
+    try:
+        ds = load_dataset(str(snap.folder), name=src.subset, split=src.split)
+    except Exception as exc:  # unknown split or subset, unreadable files
+        raise DataError(
+            f"{label} (subset {src.subset!r}, commit {snap.commit_sha}, {snap.folder}): "
+            f"cannot load it ({type(exc).__name__}: {exc})"
+        ) from None
+    rows = [(f"{label} row {i}", r) for i, r in enumerate(ds)]
+    if not rows:
+        raise DataError(f"{label}: no rows")
+    return rows
+
+
+def read_rows(
+    path: str | Path | DataSource, max_line_bytes: int | None = None
+) -> list[tuple[str, Any]]:
+    """(location, raw row) pairs from a JSONL/JSON/Parquet file, a saved dataset folder or a
+    hub dataset id (a DataSource: its split, revision and subset; `org/name[split] row N`), with
+    the source's column renames applied.
 
     `max_line_bytes` (default `max_line_bytes()`) bounds one JSONL line. Whatever the file
     holds, the only exception is DataError naming the file (and line or row)."""
+    src = path if isinstance(path, DataSource) else DataSource(str(path))
+    rows = _read_hub(src) if hub.is_hub_id(src.path) else _read_local(src.path, max_line_bytes)
+    return [(where, rename_columns(row, src.columns, where)) for where, row in rows]
+
+
+def _read_local(path: str, max_line_bytes: int | None) -> list[tuple[str, Any]]:
     p = Path(path)
     if not p.exists():
         raise DataError(f"{p}: no such file or folder")
@@ -223,7 +366,7 @@ def read_rows(path: str | Path, max_line_bytes: int | None = None) -> list[tuple
     return rows
 
 
-def load_sft_rows(path: str | Path) -> list[dict[str, Any]]:
+def load_sft_rows(path: str | Path | DataSource) -> list[dict[str, Any]]:
     """Validated conversational rows; raises DataError at the first bad row."""
     return [check_sft_row(row, where) for where, row in read_rows(path)]
 

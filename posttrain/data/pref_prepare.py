@@ -9,6 +9,7 @@ from typing import Any
 
 from posttrain.config.schema import PreferenceDataConfig, TemplateGuard
 from posttrain.data.chat import TemplateError, template_sha256
+from posttrain.data.loading import DataSource, data_source
 from posttrain.data.preference import (
     encode_pairs,
     quickstart_preference_rows,
@@ -50,20 +51,21 @@ Located = list[tuple[str, Any]]  # (where, row) pairs
 def read_and_split(
     cfg: Any,
     seed: int,
-    read: Callable[[str, str], tuple[Located, dict[str, int]]],
+    read: Callable[[DataSource, str], tuple[Located, dict[str, int]]],
     synthetic: Callable[[int, int], list[Any]],
 ) -> tuple[Located, Located, dict[str, int]]:
     """(train, held-out, {reason: rows dropped}) for a data section with path / synthetic /
-    eval_path / eval_fraction / on_invalid. `read(path, on_invalid)` returns located rows;
+    eval_path / eval_fraction / on_invalid (and the DataSourceFields: split, revision, subset,
+    columns). `read(source, on_invalid)` returns located rows;
     `synthetic(n, seed)` generates rows. Without eval_path the held-out share is a seeded split."""
     if cfg.synthetic is not None:
         rows = synthetic(cfg.synthetic.n_examples, cfg.synthetic.seed)
         located, dropped = [(f"synthetic row {i}", r) for i, r in enumerate(rows)], {}
     else:
         assert cfg.path is not None
-        located, dropped = read(cfg.path, cfg.on_invalid)
+        located, dropped = read(data_source(cfg, "path"), cfg.on_invalid)
     if cfg.eval_path:
-        held, more = read(cfg.eval_path, cfg.on_invalid)
+        held, more = read(data_source(cfg, "eval_path"), cfg.on_invalid)
         dropped = {k: dropped.get(k, 0) + more.get(k, 0) for k in {*dropped, *more}}
         return located, held, dropped
     order = list(range(len(located)))

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 from posttrain.data.chat import IGNORE, TemplateError, assistant_char_spans
-from posttrain.data.loading import ROLES, DataError, read_rows
+from posttrain.data.loading import ROLES, DataError, DataSource, clean_message, read_rows
 from posttrain.data.synthetic import SYSTEM_PROMPT, quickstart_triples
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def _messages(value: Any, field: str, where: str) -> Messages:
                 "wrong_type",
                 f"{field}[{i}].content must be a string, got {type(content).__name__}",
             )
-        out.append({"role": role, "content": content})
+        out.append(clean_message(m))
     return out
 
 
@@ -178,7 +178,7 @@ def _check_on_invalid(on_invalid: str) -> None:
 
 
 def read_checked_rows(
-    path: str | Path,
+    path: str | Path | DataSource,
     check: Callable[[Any, str], Any],
     on_invalid: OnInvalid = "error",
     what: str = "preference",
@@ -202,19 +202,20 @@ def read_checked_rows(
                 log.warning("skipping invalid %s rows, first %s: %s", what, exc.reason, exc)
             dropped[exc.reason] += 1
     if not out:
-        raise DataError(f"{path}: no valid {what} row (dropped: {dict(dropped)})")
+        name = path.path if isinstance(path, DataSource) else path
+        raise DataError(f"{name}: no valid {what} row (dropped: {dict(dropped)})")
     return out, dict(dropped)
 
 
 def read_preference_rows(
-    path: str | Path, on_invalid: OnInvalid = "error"
+    path: str | Path | DataSource, on_invalid: OnInvalid = "error"
 ) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, int]]:
     """(location, normalised row) pairs and {reason: rows dropped}; see `read_checked_rows`."""
     return read_checked_rows(path, check_preference_row, on_invalid, "preference")
 
 
 def load_preference_rows(
-    path: str | Path, on_invalid: OnInvalid = "error"
+    path: str | Path | DataSource, on_invalid: OnInvalid = "error"
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Normalised rows and {reason: rows dropped}; see `read_preference_rows`."""
     located, dropped = read_preference_rows(path, on_invalid)

@@ -17,6 +17,7 @@ from typing import Any
 
 from posttrain.config.schema import PromptDataConfig
 from posttrain.data.chat import render
+from posttrain.data.loading import DataSource
 from posttrain.data.pref_prepare import Located, read_and_split
 from posttrain.data.preference import (
     Messages,
@@ -56,7 +57,9 @@ def check_prompt_row(row: Any, where: str) -> Messages:
     return msgs
 
 
-def read_prompt_rows(path: str | Path, on_invalid: str = "error") -> tuple[Located, dict[str, int]]:
+def read_prompt_rows(
+    path: str | Path | DataSource, on_invalid: str = "error"
+) -> tuple[Located, dict[str, int]]:
     """(location, prompt messages) pairs and {reason: rows dropped}; see `check_prompt_row` and
     `read_checked_rows`."""
     return read_checked_rows(path, check_prompt_row, on_invalid, "prompt")

@@ -10,7 +10,7 @@ from typing import Any
 
 from posttrain.config.schema import DataConfig
 from posttrain.data.chat import encode_chat
-from posttrain.data.loading import load_sft_rows
+from posttrain.data.loading import data_source, load_sft_rows
 from posttrain.data.synthetic import quickstart_sft_rows
 
 
@@ -31,9 +31,9 @@ def read_split(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
         rows = [{"messages": r["messages"]} for r in rows]
     else:
         assert cfg.path is not None
-        rows = load_sft_rows(cfg.path)
+        rows = load_sft_rows(data_source(cfg, "path"))
     if cfg.eval_path:
-        return rows, load_sft_rows(cfg.eval_path)
+        return rows, load_sft_rows(data_source(cfg, "eval_path"))
     order = list(range(len(rows)))
     random.Random(seed).shuffle(order)
     n_eval = max(1, round(len(rows) * cfg.eval_fraction)) if cfg.eval_fraction > 0 else 0

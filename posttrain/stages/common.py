@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain import hub
 from posttrain.artifacts import (
     ArtifactRef,
     read_manifest,
@@ -219,6 +220,8 @@ def stage_main(
         parents={k: ArtifactRef.model_validate(v) for k, v in spec["parents"].items()},
         inputs=spec["inputs"],
     )
+    # Hub ids read the commits the plan fingerprinted, even if a branch moved since.
+    hub.pin(ctx.inputs.get("hub", {}).values())
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     # First thing: a stage whose launcher died (while this process imported torch, say) must
     # not start, or must go on alone, per infra.orphan (posttrain.orphan).

@@ -146,6 +146,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "params": ingest["summary"]["num_params"],
         "fingerprint": ctx.parents["ingest"].fingerprint,
     }
+    if "hub_repo" in ingest["summary"]:  # a hub base: the card's base_model, at its commit
+        base_info["hub_id"] = ingest["summary"]["hub_repo"]
+        base_info["commit_sha"] = ingest["summary"]["commit_sha"]
     sections = {
         s: getattr(ctx.recipe, s).model_dump(mode="json")
         for s in ("ingest", "sft", "reward", "dpo", "ppo", "grpo", "export")

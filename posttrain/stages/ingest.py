@@ -5,7 +5,9 @@
 template that renders prefixes consistently (installed from the recipe when missing), and it
 hashes every file. The weights are not copied: the artifact records where they are and their
 hashes; the tokenizer (with the template that will be used everywhere downstream) is saved into
-the artifact.
+the artifact. `path` may also be a hub id (`org/name` at `revision`): its snapshot folder in the
+huggingface_hub cache goes through the same checks, and the summary records the repo, the
+revision and the commit it resolved to (`posttrain.hub`).
 
 `from_config` mode trains a byte-level BPE on the synthetic corpus, builds a random-init model
 and optionally warms it up with a short causal-LM run, so LoRA has a base worth adapting.
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 
+from posttrain import hub
 from posttrain.artifacts import sha256_file
 from posttrain.config.schema import FromConfigModel, IngestConfig
 from posttrain.data.chat import assistant_char_spans, template_sha256
@@ -200,12 +203,38 @@ def install_template(tokenizer: Any, cfg: IngestConfig) -> None:
         ) from exc
 
 
+# What a model needs from a hub snapshot: pickle weights are fetched only when allowed (a
+# repo often holds both formats), so their mere presence does not refuse the model.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py"]
+
+
+def hub_model_folder(cfg: IngestConfig) -> tuple[Path, dict[str, str]]:
+    """(snapshot folder, hub record) of a hub id: resolved through the huggingface_hub cache
+    (downloaded first only when HF_HUB_OFFLINE=0). Raises IngestError saying what was looked
+    up, where, and whether offline mode was on."""
+    assert cfg.path
+    patterns = HUB_PATTERNS + (list(f"*{x}" for x in PICKLE_SUFFIXES) if cfg.allow_pickle else [])
+    try:
+        snap = hub.snapshot(cfg.path, cfg.revision, "model", allow_patterns=patterns)
+    except hub.HubError as exc:
+        raise IngestError(f"ingest.path: {exc}") from None
+    log.info(
+        "hub model %s@%s = commit %s (%s)", cfg.path, cfg.revision, snap.commit_sha, snap.folder
+    )
+    return snap.folder, snap.record()
+
+
 def ingest_path(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
+    """Check a local model folder (or a hub id's snapshot folder) and record it."""
     from transformers import AutoConfig
 
     from posttrain.models.loading import load_tokenizer
 
-    src = Path(cfg.path or "")
+    record: dict[str, str] = {}
+    if hub.is_hub_id(cfg.path):
+        src, record = hub_model_folder(cfg)
+    else:
+        src = Path(cfg.path or "")
     if not (src / "config.json").is_file():
         raise IngestError(f"{src}: not a Hugging Face model folder (no config.json)")
     config_json = json.loads((src / "config.json").read_text())
@@ -229,6 +258,7 @@ def ingest_path(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
         "vocab_size": len(tok),
         "source_files": files,
         "trust_remote_code": cfg.trust_remote_code,
+        **record,
     }
 
 
