@@ -51,6 +51,7 @@ from flows.stage_procs import (
     kill_stage,
     stage_processes,
 )
+from posttrain import hub
 from posttrain.artifacts import MANIFEST, ArtifactRef, ref_from_manifest, verify
 from posttrain.device_lock import HELD_ENV as DEVICE_LOCK_ENV
 from posttrain.locking import LOCK_HELD_ENV, ArtifactLock, LockTimeout, describe_holder
@@ -72,8 +73,6 @@ HELD_DEVICE_LOCK: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "posttrain_device_lock", default=None
 )
 CHILD_ENV = {
-    # Stages read local folders only; a stray hub id would otherwise cost ~47 s of retries.
-    "HF_HUB_OFFLINE": "1",
     # Line-buffered output, so the log and Prefect see lines as they happen.
     "PYTHONUNBUFFERED": "1",
     # tokenizers' thread pool warns and can deadlock after fork (DataLoader workers).
@@ -177,6 +176,9 @@ def child_env(
     """
     env = dict(os.environ if base is None else base)
     env.update(CHILD_ENV)
+    # Offline exactly when the launcher is (posttrain.hub.offline): a hub id the plan resolved
+    # online is downloaded by the stage that reads it.
+    env["HF_HUB_OFFLINE"] = "1" if hub.offline() else "0"
     env[LAUNCH_ENV_VAR] = launch_id
     env.pop(EARLIER_ATTEMPT_ENV, None)
     if earlier_attempt:

@@ -4,9 +4,10 @@ A recipe names a model or dataset either by a local path or by a hub id plus a r
 tag or commit). The revision is resolved to a commit sha, which is what fingerprints and
 manifests record: `main` moving to a new commit is a new run, the same commit is the same run.
 
-Posttrain stays offline unless `HF_HUB_OFFLINE=0` is set explicitly (stage processes have
-always defaulted to offline; a stray hub lookup costs ~47 s of retries without a network). Offline,
-ids resolve from the cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
+Online or offline follows huggingface_hub's own switch: `HF_HUB_OFFLINE=1` reads the cache only
+(tests, CI and air-gapped machines set it: without a network each hub lookup costs ~47 s of
+retries); unset, a missing snapshot is downloaded. The flow passes the launcher's setting on to
+its stage processes. Offline, ids resolve from the cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
 `~/.cache/huggingface/hub`); online, snapshot_download fetches what is missing. Light on purpose
 (no torch): the plan calls `resolve_sha` to fingerprint.
 """
@@ -66,8 +67,8 @@ def is_hub_id(value: str | None) -> bool:
 
 
 def offline() -> bool:
-    """True unless HF_HUB_OFFLINE is explicitly 0/false/no/off."""
-    return os.environ.get("HF_HUB_OFFLINE", "1").strip().lower() not in ("0", "false", "no", "off")
+    """True when HF_HUB_OFFLINE is set to 1/true/yes/on (huggingface_hub's convention)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def cache_dir() -> Path:
@@ -116,7 +117,7 @@ def _missing(repo_id: str, revision: str, repo_type: RepoType, why: str) -> HubE
     hint = (
         "it is not a local path either; pre-fetch it (`hf download "
         f"{repo_id}{' --repo-type dataset' if repo_type == 'dataset' else ''} --revision "
-        f"{revision}`) or set HF_HUB_OFFLINE=0 to let the run download"
+        f"{revision}`) or unset HF_HUB_OFFLINE to let the run download"
         if offline()
         else "check the id and revision on the hub"
     )

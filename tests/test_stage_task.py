@@ -90,9 +90,12 @@ def test_stage_command_single_and_torchrun() -> None:
     assert cmd[-4:] == ["-m", "posttrain.stages.sft", "--spec", "/s.json"]
 
 
-def test_child_env_sets_fixed_values_and_marker() -> None:
+def test_child_env_sets_fixed_values_and_marker(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The stage is offline exactly when the launcher is, whatever the base environment says.
     env = child_env("abc", base={"HF_HUB_OFFLINE": "0", "PYTHONPATH": "/x"})
     assert env["HF_HUB_OFFLINE"] == "1"
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    assert child_env("abc", base={"HF_HUB_OFFLINE": "1"})["HF_HUB_OFFLINE"] == "0"
     assert env["PYTHONUNBUFFERED"] == "1"
     assert env["TOKENIZERS_PARALLELISM"] == "false"
     assert env[LAUNCH_ENV_VAR] == "abc"

@@ -157,7 +157,7 @@ class IngestConfig(_Section):
         None,
         description="Local model folder (config, weights, tokenizer), or a hub id `org/name` "
         "(anything that is not an existing local path), read from the huggingface_hub cache "
-        "(downloaded first only when HF_HUB_OFFLINE=0).",
+        "(downloaded first unless HF_HUB_OFFLINE=1).",
     )
     revision: str = Field(
         "main",

@@ -226,7 +226,6 @@ def stage_main(
     # First thing: a stage whose launcher died (while this process imported torch, say) must
     # not start, or must go on alone, per infra.orphan (posttrain.orphan).
     orphan_watch = OrphanWatch.start(ctx.out_dir, stage, recipe.infra.orphan)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # Another run of this very stage (same fingerprint, same folder) may be at work: wait for
     # it, then find its artifact complete. The flow's launcher holds the lock for us already.
     lock = stage_lock(ctx.out_dir, stage, lambda: verify(ctx.out_dir)[0])

@@ -210,7 +210,7 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tik
 
 def hub_model_folder(cfg: IngestConfig) -> tuple[Path, dict[str, str]]:
     """(snapshot folder, hub record) of a hub id: resolved through the huggingface_hub cache
-    (downloaded first only when HF_HUB_OFFLINE=0). Raises IngestError saying what was looked
+    (downloaded first unless HF_HUB_OFFLINE=1). Raises IngestError saying what was looked
     up, where, and whether offline mode was on."""
     assert cfg.path
     patterns = HUB_PATTERNS + (list(f"*{x}" for x in PICKLE_SUFFIXES) if cfg.allow_pickle else [])
