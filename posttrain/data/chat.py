@@ -35,7 +35,7 @@ PROBE = "PtProbeQx"
 # The conversation every template is checked on (ingest) and its strategy chosen with: a system
 # turn, then two exchanges, so that "only the last turn" behaviours show.
 SAMPLE_CHAT = [
-    {"role": "system", "content": "s"},
+    {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "hello"},
     {"role": "assistant", "content": "hi"},
     {"role": "user", "content": "again"},
@@ -295,6 +295,20 @@ def template_strategy(tokenizer: Any) -> str:
     return template_info(tokenizer).strategy
 
 
+def check_system_role(tokenizer: Any, located: list[tuple[str, list[dict[str, str]]]]) -> None:
+    """Refuse, naming its location, the first conversation with a system message when the
+    template refuses the system role (Gemma-2). Not folded into the first user turn: that would
+    train on text neither the data nor the template wrote."""
+    if template_info(tokenizer).system_role:
+        return
+    for where, messages in located:
+        if any(m["role"] == "system" for m in messages):
+            raise TemplateError(
+                f"{where}: a system message, but the chat template refuses the system role; "
+                "merge it into the first user message or drop it"
+            )
+
+
 def assistant_char_spans(
     tokenizer: Any, messages: list[dict[str, str]]
 ) -> tuple[str, list[tuple[int, int]]]:
@@ -344,19 +358,24 @@ def template_sha256(tokenizer: Any) -> str:
     return hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
 
 
+def looks_like_template_file(value: str) -> bool:
+    """A chat_template value that is a file path rather than Jinja text: one line without `{`,
+    ending in .jinja, holding a /, or naming an existing file."""
+    if "\n" in value or "{" in value or len(value) > 4096:
+        return False
+    return value.endswith(".jinja") or "/" in value or Path(value).expanduser().is_file()
+
+
 def read_template(value: str, field: str) -> tuple[str, str | None]:
-    """(template text, file it was read from or None) for a recipe's chat_template value: a
-    Jinja string, or the path of a file holding one (`.jinja`). A value that looks like a path
-    (one line, no Jinja, ends in .jinja or holds a /) but names no file is an error naming
+    """(template text, file it was read from or None) for a recipe's chat_template value: Jinja
+    text, or the path of a file holding it. A path that names no file is an error naming
     `field`."""
-    one_line = "\n" not in value and "{" not in value and len(value) < 4096
-    if one_line:
-        path = Path(value).expanduser()
-        if path.is_file():
-            return path.read_text(encoding="utf-8"), str(path.resolve())
-        if value.endswith(".jinja") or "/" in value:
-            raise TemplateError(f"{field}: {value!r} looks like a template file, but no such file")
-    return value, None
+    if not looks_like_template_file(value):
+        return value, None
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise TemplateError(f"{field}: {value!r} looks like a template file, but no such file")
+    return path.read_text(encoding="utf-8"), str(path.resolve())
 
 
 def template_markers(tokenizer: Any, messages: list[dict[str, str]]) -> list[str]:

@@ -68,8 +68,23 @@ def _check_messages(msgs: Any, where: str) -> None:
             raise DataError(
                 f"{where}: messages[{i}].content must be a string, got {type(content).__name__}"
             )
+        # Optional reasoning on assistant turns: the chat template keeps or drops it.
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
+            raise DataError(
+                f"{where}: messages[{i}].reasoning_content must be a string on an assistant "
+                f"message, got {type(reasoning).__name__} on {role!r}"
+            )
     if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
         raise DataError(f"{where}: no non-empty assistant message, nothing to learn from")
+
+
+def keep_message(m: dict[str, Any]) -> dict[str, str]:
+    """role, content and (when given) reasoning_content of a checked message."""
+    out = {"role": m["role"], "content": m["content"]}
+    if m.get("reasoning_content") is not None:
+        out["reasoning_content"] = m["reasoning_content"]
+    return out
 
 
 def check_sft_row(row: Any, where: str) -> dict[str, Any]:
@@ -82,7 +97,7 @@ def check_sft_row(row: Any, where: str) -> dict[str, Any]:
         raise DataError(f"{where}: row must be a JSON object, got {type(row).__name__}")
     if "messages" in row:
         _check_messages(row["messages"], where)
-        return {"messages": [{"role": m["role"], "content": m["content"]} for m in row["messages"]]}
+        return {"messages": [keep_message(m) for m in row["messages"]]}
     if "prompt" in row or "completion" in row:
         for key in ("prompt", "completion"):
             if not isinstance(row.get(key), str):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 from posttrain.data.chat import IGNORE, TemplateError, assistant_char_spans
-from posttrain.data.loading import ROLES, DataError, read_rows
+from posttrain.data.loading import ROLES, DataError, keep_message, read_rows
 from posttrain.data.synthetic import SYSTEM_PROMPT, quickstart_triples
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,8 @@ def _fail(where: str, reason: str, problem: str) -> NoReturn:
 
 
 def _messages(value: Any, field: str, where: str) -> Messages:
-    """A validated copy of a message list, keeping only role and content."""
+    """A validated copy of a message list, keeping role, content and an assistant turn's
+    reasoning_content (the chat template keeps or drops it)."""
     if not isinstance(value, list) or not value:
         _fail(where, "wrong_type", f"'{field}' must be a non-empty list of {{role, content}}")
     out = []
@@ -71,7 +72,14 @@ def _messages(value: Any, field: str, where: str) -> Messages:
                 "wrong_type",
                 f"{field}[{i}].content must be a string, got {type(content).__name__}",
             )
-        out.append({"role": role, "content": content})
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
+            _fail(
+                where,
+                "wrong_type",
+                f"{field}[{i}].reasoning_content must be a string on an assistant message",
+            )
+        out.append(keep_message(m))
     return out
 
 
@@ -102,6 +110,14 @@ def _split_final_replies(
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
         n += 1
     for field, rest in (("chosen", chosen[n:]), ("rejected", rejected[n:])):
+        if rest and "reasoning_content" in rest[-1]:
+            # A pair side is one reply string; reasoning kept apart would be lost silently.
+            _fail(
+                where,
+                "wrong_type",
+                f"'{field}': reasoning_content on the final reply is not supported in preference "
+                "rows; write it into content as <think>...</think> (the template keeps or strips it)",
+            )
         if len(rest) != 1 or rest[0]["role"] != "assistant":
             roles = [m["role"] for m in rest]
             _fail(
