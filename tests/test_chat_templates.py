@@ -230,3 +230,45 @@ def test_check_templates_script_passes_on_the_real_templates(capsys) -> None:
     assert rc == 0, out
     n = len(list(SHARED_TEMPLATES.glob("*.jinja")))
     assert f"{n}/{n} templates ok" in out
+
+
+def test_template_file_is_resolved_and_fingerprinted_by_content(tmp_path: Path) -> None:
+    import yaml
+
+    from posttrain.config.loader import load_recipe
+    from posttrain.pipeline import plan
+
+    f = tmp_path / "tpl.jinja"
+    f.write_text(NO_SYSTEM)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "run": {"workspace": str(tmp_path / "ws")},
+                "infra": {"device": "cpu", "devices_per_node": 1},
+                "ingest": {"source": "from_config", "chat_template": str(f)},
+                "sft": {"data": {"synthetic": {"n_examples": 10}}},
+            }
+        )
+    )
+
+    def ingest_fp() -> str:
+        return next(s.fingerprint for s in plan(load_recipe(recipe)) if s.name == "ingest")
+
+    before = ingest_fp()
+    assert before == ingest_fp()
+    f.write_text(NO_SYSTEM + " ")
+    assert ingest_fp() != before, "the file's text, not its name, decides the fingerprint"
+
+
+def test_stage_guard_reads_a_template_file(tmp_path: Path) -> None:
+    from posttrain.config.schema import TemplateGuard
+    from posttrain.data.pref_prepare import guard_template
+
+    f = tmp_path / "other.jinja"
+    f.write_text(NO_SYSTEM)
+    tok = _copy(base_tokenizer())
+    guard_template(tok, None, "dpo", TemplateGuard(chat_template=str(f)))
+    assert tok.chat_template == NO_SYSTEM
+    with pytest.raises(TemplateError, match=r"^dpo\.chat_template: .*nope\.jinja' looks like"):
+        guard_template(tok, None, "dpo", TemplateGuard(chat_template=str(tmp_path / "nope.jinja")))
