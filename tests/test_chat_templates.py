@@ -272,3 +272,25 @@ def test_stage_guard_reads_a_template_file(tmp_path: Path) -> None:
     assert tok.chat_template == NO_SYSTEM
     with pytest.raises(TemplateError, match=r"^dpo\.chat_template: .*nope\.jinja' looks like"):
         guard_template(tok, None, "dpo", TemplateGuard(chat_template=str(tmp_path / "nope.jinja")))
+
+
+@pytest.mark.parametrize("f", FIXTURES, ids=lambda f: f.name)
+def test_search_agrees_with_exact_prefixes_wherever_they_apply(f: Fixture) -> None:
+    """A prefix-strategy row whose prefixes disagree falls back to search: the two must mean
+    the same span wherever both apply. The one difference by design: a render-final EOS (Phi's,
+    on a one-reply conversation, where prefixes happen to agree) is not end-of-turn text."""
+    from posttrain.data.chat import _prefix_spans, _search_spans
+
+    tok = fixture_tokenizer(f)
+    compared = 0
+    for msgs in (chat_for(f), CHAT[1:], CHAT[1:3]):
+        exact = _prefix_spans(tok, msgs)
+        if exact is not None:
+            text, spans = _search_spans(tok, msgs)
+            if f.name == "eos_every_render":
+                (a, b), (pa, pb) = spans[-1], exact[1][-1]
+                assert (a, text[b:pb]) == (pa, f.eos)
+                spans[-1] = (pa, pb)
+            assert (text, spans) == exact
+            compared += 1
+    assert compared or f.strategy == "search"
