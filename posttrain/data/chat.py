@@ -68,15 +68,19 @@ def render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt
 
 
 def _generation_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    from jinja2 import TemplateError as JinjaError
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    rendered, indices = render_jinja_template(
-        conversations=[messages],
-        chat_template=tokenizer.chat_template,
-        return_assistant_tokens_mask=True,
-        add_generation_prompt=False,
-        **tokenizer.special_tokens_map,
-    )
+    try:
+        rendered, indices = render_jinja_template(
+            conversations=[messages],
+            chat_template=tokenizer.chat_template,
+            return_assistant_tokens_mask=True,
+            add_generation_prompt=False,
+            **tokenizer.special_tokens_map,
+        )
+    except JinjaError as exc:
+        raise TemplateError(f"the chat template refuses this conversation: {exc}") from exc
     return rendered[0], [tuple(x) for x in indices[0]]
 
 
