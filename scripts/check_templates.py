@@ -26,6 +26,7 @@ from posttrain.data.chat import (
     prompt_text,
     template_info,
 )
+from posttrain.data.preference import encode_pair
 from posttrain.data.synthetic import pretrain_corpus
 from posttrain.models.tiny import train_tokenizer, with_chat_tokens
 
@@ -80,6 +81,13 @@ def check(tok: Any) -> tuple[str, list[str]]:
     prompt, _ = prompt_text(tok, sample)
     if not prompt:
         problems.append("empty generation prompt")
+    # A preference pair: both sides share the prompt tokens, and each learns its reply + EOT.
+    pair = encode_pair(tok, {"prompt": sample[:-1], "chosen": "yes", "rejected": "no"}, 4096, 2048)
+    for key, reply in (("chosen", "yes"), ("rejected", "no")):
+        ids, labels = pair[f"{key}_ids"], pair[f"{key}_labels"]
+        learned = tok.decode([i for i, lab in zip(ids, labels, strict=True) if lab != IGNORE])
+        if reply not in learned or not learned.endswith(info.end_of_turn):
+            problems.append(f"pair side {key} learns {learned!r}")
     return info.strategy, problems
 
 
@@ -112,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    masked:    {masked_text(tok, sample)!r}")
             print(f"    reasoning: {masked_text(tok, REASONING_CHAT)!r}")
             print(f"    prompt:    ...{prompt_text(tok, sample)[0][-50:]!r}")
+            pair = encode_pair(
+                tok, {"prompt": sample[:-1], "chosen": "yes", "rejected": "no"}, 4096, 2048
+            )
+            n = pair["prompt_len"]
+            print(
+                f"    pair:      ...{tok.decode(pair['chosen_ids'][:n])[-30:]!r} + {tok.decode(pair['chosen_ids'][n:])!r}"
+            )
             for p in problems:
                 print(f"    problem:   {p}")
         except TemplateError as exc:
