@@ -20,6 +20,7 @@ from posttrain.artifacts import (
     stage_dir,
 )
 from posttrain.config.schema import Recipe
+from posttrain.data.chat import looks_like_template_file
 from posttrain.hub import RepoType, is_hub_id, resolve_sha
 
 
@@ -145,6 +146,10 @@ def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
             numerics["guard"] = recipe.guard.model_dump(
                 mode="json", include={"loss_spike_k", "loss_spike_window", "loss_spike_min_history"}
             )
+    # A template file's text decides the result, not its name: fingerprint its content.
+    template = getattr(getattr(recipe, name), "chat_template", None)
+    if template and looks_like_template_file(template) and Path(template).is_file():
+        extra = {**(extra or {}), "chat_template": path_identity(template)}
     # Only recipes with hub ids get the key, so local-path recipes keep their fingerprints.
     hub = {"hub": hub_inputs} if hub_inputs else {}
     return {"section": section, **numerics, **hub}, extra

@@ -10,7 +10,14 @@ import yaml
 
 from posttrain.config.loader import RecipeError, load_recipe, resolve
 
-FIELDS = ("ingest.path", "sft.data.path", "sft.data.eval_path", "reward.data.path")
+FIELDS = (
+    "ingest.path",
+    "ingest.chat_template",
+    "reward.chat_template",
+    "sft.data.path",
+    "sft.data.eval_path",
+    "reward.data.path",
+)
 
 
 def _recipe(

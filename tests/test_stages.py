@@ -32,6 +32,10 @@ def test_ingest_from_config(tiny) -> None:
     assert s["architecture"] == "LlamaForCausalLM" and s["num_params"] > 50_000
     assert s["warmup_final_loss"] < s["warmup_first_loss"] - 1.0
     assert "<|im_start|>" in m["chat_template"]
+    assert (s["chat_template_strategy"], s["chat_template_end_of_turn"]) == (
+        "prefix",
+        "<|im_end|>\n",
+    )
     assert {"model/model.safetensors", "tokenizer/tokenizer.json"} <= set(m["files"])
 
 

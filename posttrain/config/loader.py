@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from posttrain.config.batch import ResolvedBatch, resolve_batch
 from posttrain.config.schema import Recipe
+from posttrain.data.chat import looks_like_template_file
 from posttrain.hub import HubError, RepoType, is_hub_id, resolve_sha
 from posttrain.secrets import find_secrets
 
@@ -234,6 +235,12 @@ def input_paths(recipe: Recipe) -> dict[str, str]:
     out = {}
     if recipe.ingest.path and not is_hub_id(recipe.ingest.path):
         out["ingest.path"] = recipe.ingest.path
+    # A chat template given as a file is read by the stage (and saved into its artifact).
+    guards = [("ingest", recipe.ingest), *recipe.training_sections().items()]
+    for name, section in guards:
+        value = getattr(section, "chat_template", None)
+        if value and looks_like_template_file(value):
+            out[f"{name}.chat_template"] = value
     for name, section in recipe.training_sections().items():
         for attr in ("path", "eval_path"):
             value = getattr(section.data, attr)
@@ -330,7 +337,9 @@ def resolve_paths(recipe: Recipe, recipe_dir: str | os.PathLike[str] | None = No
         if root in implicit and root not in needed and not any(_inside(root, x) for x in roots):
             needed.append(root)
         section, _, attr = where.rpartition(".")
-        target = r.ingest if section == "ingest" else getattr(r, section.split(".")[0]).data
+        target: Any = r
+        for part in section.split("."):
+            target = getattr(target, part)
         setattr(target, attr, str(resolved))
     if errors:
         raise RecipeError(errors)

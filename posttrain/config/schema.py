@@ -173,8 +173,9 @@ class IngestConfig(_Section):
     )
     chat_template: str | None = Field(
         None,
-        description="Jinja chat template to install. Required when the tokenizer has none; "
-        "replaces the tokenizer's own when given.",
+        description="Jinja chat template to install, as text or the path of a file holding "
+        "it (e.g. `templates/qwen3.jinja`). Required when the tokenizer has none; replaces the "
+        "tokenizer's own when given.",
     )
     from_config: FromConfigModel = Field(
         default_factory=FromConfigModel, description="Model to build when source = from_config."
@@ -383,7 +384,8 @@ class TemplateGuard(_Section):
     chat_template: str | None = Field(
         None,
         description="Format this stage's text with another chat template than the one "
-        "recorded at SFT. Refused unless allow_template_change is true.",
+        "recorded at SFT (Jinja text or a template file's path). Refused unless "
+        "allow_template_change is true.",
     )
     allow_template_change: bool = Field(
         False,

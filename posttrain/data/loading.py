@@ -60,8 +60,12 @@ def line_limit() -> int:
 
 
 def clean_message(m: dict[str, Any]) -> dict[str, Any]:
-    """The keys of a checked message that training keeps (source rows carry more)."""
-    return {"role": m["role"], "content": m["content"]}
+    """The keys of a checked message that training keeps (source rows carry more): role,
+    content and, when given, reasoning_content (the chat template keeps or drops it)."""
+    out = {"role": m["role"], "content": m["content"]}
+    if m.get("reasoning_content") is not None:
+        out["reasoning_content"] = m["reasoning_content"]
+    return out
 
 
 def _check_messages(msgs: Any, where: str, field: str = "messages") -> list[dict[str, Any]]:
@@ -77,6 +81,13 @@ def _check_messages(msgs: Any, where: str, field: str = "messages") -> list[dict
         if not isinstance(content, str):
             raise DataError(
                 f"{where}: {field}[{i}].content must be a string, got {type(content).__name__}"
+            )
+        # Optional reasoning on assistant turns: the chat template keeps or drops it.
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
+            raise DataError(
+                f"{where}: {field}[{i}].reasoning_content must be a string on an assistant "
+                f"message, got {type(reasoning).__name__} on {role!r}"
             )
     if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
         raise DataError(f"{where}: no non-empty assistant message, nothing to learn from")

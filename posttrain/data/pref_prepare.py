@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.config.schema import PreferenceDataConfig, TemplateGuard
-from posttrain.data.chat import TemplateError, template_sha256
+from posttrain.data.chat import (
+    TemplateError,
+    check_system_role,
+    read_template,
+    template_sha256,
+)
 from posttrain.data.loading import DataSource, data_source
 from posttrain.data.preference import (
     encode_pairs,
@@ -33,7 +38,7 @@ def guard_template(
     the one the policy was fine-tuned with unless the recipe says so on purpose. Returns the
     sha256 of the template in use."""
     if guard.chat_template:
-        tokenizer.chat_template = guard.chat_template
+        tokenizer.chat_template, _ = read_template(guard.chat_template, f"{stage}.chat_template")
     sha = template_sha256(tokenizer)
     if recorded_sha and sha != recorded_sha and not guard.allow_template_change:
         raise TemplateError(
@@ -86,6 +91,7 @@ def prepare(cfg: PreferenceDataConfig, tokenizer: Any, seed: int) -> PreferenceD
     train, held, dropped = read_and_split(
         cfg, seed, read_preference_rows, quickstart_preference_rows
     )
+    check_system_role(tokenizer, [(w, r["prompt"]) for w, r in train + held])
     train_rows, train_where = [r for _, r in train], [w for w, _ in train]
     eval_rows, eval_where = [r for _, r in held], [w for w, _ in held]
     data = PreferenceData(train_rows, eval_rows)

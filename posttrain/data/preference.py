@@ -55,7 +55,8 @@ def _fail(where: str, reason: str, problem: str) -> NoReturn:
 
 
 def _messages(value: Any, field: str, where: str) -> Messages:
-    """A validated copy of a message list, keeping only role and content."""
+    """A validated copy of a message list, keeping role, content and an assistant turn's
+    reasoning_content (the chat template keeps or drops it)."""
     if not isinstance(value, list) or not value:
         _fail(where, "wrong_type", f"'{field}' must be a non-empty list of {{role, content}}")
     out = []
@@ -70,6 +71,13 @@ def _messages(value: Any, field: str, where: str) -> Messages:
                 where,
                 "wrong_type",
                 f"{field}[{i}].content must be a string, got {type(content).__name__}",
+            )
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
+            _fail(
+                where,
+                "wrong_type",
+                f"{field}[{i}].reasoning_content must be a string on an assistant message",
             )
         out.append(clean_message(m))
     return out
@@ -102,6 +110,14 @@ def _split_final_replies(
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
         n += 1
     for field, rest in (("chosen", chosen[n:]), ("rejected", rejected[n:])):
+        if rest and "reasoning_content" in rest[-1]:
+            # A pair side is one reply string; reasoning kept apart would be lost silently.
+            _fail(
+                where,
+                "wrong_type",
+                f"'{field}': reasoning_content on the final reply is not supported in preference "
+                "rows; write it into content as <think>...</think> (the template keeps or strips it)",
+            )
         if len(rest) != 1 or rest[0]["role"] != "assistant":
             roles = [m["role"] for m in rest]
             _fail(

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config.schema import PromptDataConfig
-from posttrain.data.chat import render
+from posttrain.data.chat import check_system_role, render
 from posttrain.data.loading import DataSource
 from posttrain.data.pref_prepare import Located, read_and_split
 from posttrain.data.preference import (
@@ -91,6 +91,7 @@ class PromptData:
 
 def prepare_prompts(cfg: PromptDataConfig, tokenizer: Any, seed: int) -> PromptData:
     train, held, dropped = read_and_split(cfg, seed, read_prompt_rows, quickstart_prompts)
+    check_system_role(tokenizer, train + held)
 
     def enc(located: Located) -> list[dict[str, Any]]:
         return [

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config.schema import DataConfig
-from posttrain.data.chat import encode_chat
-from posttrain.data.loading import data_source, load_sft_rows
+from posttrain.data.chat import TemplateError, check_system_role, encode_chat, template_info
+from posttrain.data.loading import DataError, check_sft_row, data_source, load_sft_rows, read_rows
 from posttrain.data.synthetic import quickstart_sft_rows
 
 
@@ -63,8 +63,23 @@ def tokenize_rows(
     return out, {"rows": len(rows), "dropped": dropped, "at_max_len": truncated}
 
 
+def located_rows(cfg: DataConfig) -> list[tuple[str, list[dict]]]:
+    """(location, messages) of every row, read again: only an error message needs them."""
+    if cfg.synthetic is not None:
+        rows = quickstart_sft_rows(cfg.synthetic.n_examples, cfg.synthetic.seed)
+        return [(f"sft.data.synthetic row {i}", r["messages"]) for i, r in enumerate(rows)]
+    paths = [p for p in (cfg.path, cfg.eval_path) if p]
+    return [(w, check_sft_row(r, w)["messages"]) for p in paths for w, r in read_rows(p)]
+
+
 def prepare(cfg: DataConfig, tokenizer: Any, seed: int) -> SFTData:
     train_rows, eval_rows = read_split(cfg, seed)
+    has_system = any(m["role"] == "system" for r in train_rows + eval_rows for m in r["messages"])
+    if has_system and not template_info(tokenizer).system_role:
+        try:
+            check_system_role(tokenizer, located_rows(cfg))
+        except TemplateError as exc:
+            raise DataError(f"sft.data: {exc}") from None
     data = SFTData(train_rows, eval_rows)
     data.train, tstats = tokenize_rows(train_rows, tokenizer, cfg)
     data.eval, estats = tokenize_rows(eval_rows, tokenizer, cfg)

@@ -1,8 +1,9 @@
 """ingest: admit a base checkpoint into the pipeline, or build one from a config.
 
 `path` mode checks a local Hugging Face folder before anything trains on it: safetensors only
-(pickle refused unless allowed), no custom code unless allowed, readable weight headers, a chat
-template that renders prefixes consistently (installed from the recipe when missing), and it
+(pickle refused unless allowed), no custom code unless allowed, readable weight headers, a
+tokenizer that fits the embedding, a chat template in which a strategy locates the assistant turns
+(installed from the recipe when missing; see posttrain.data.chat), and it
 hashes every file. The weights are not copied: the artifact records where they are and their
 hashes; the tokenizer (with the template that will be used everywhere downstream) is saved into
 the artifact. `path` may also be a hub id (`org/name` at `revision`): its snapshot folder in the
@@ -27,20 +28,22 @@ import torch
 from posttrain import hub
 from posttrain.artifacts import sha256_file
 from posttrain.config.schema import FromConfigModel, IngestConfig
-from posttrain.data.chat import assistant_char_spans, template_sha256
+from posttrain.data.chat import (
+    SAMPLE_CHAT,
+    TemplateError,
+    assistant_char_spans,
+    read_template,
+    render,
+    template_info,
+    template_markers,
+    template_sha256,
+)
 from posttrain.data.synthetic import pretrain_corpus, quickstart_sft_rows
 from posttrain.stages.common import StageContext, stage_main
 
 log = logging.getLogger("posttrain.ingest")
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-SAMPLE_CHAT = [
-    {"role": "system", "content": "s"},
-    {"role": "user", "content": "hello"},
-    {"role": "assistant", "content": "hi"},
-    {"role": "user", "content": "again"},
-    {"role": "assistant", "content": "yes"},
-]
 
 
 class IngestError(ValueError):
@@ -185,22 +188,87 @@ def check_weights(folder: Path, allow_pickle: bool) -> tuple[list[Path], int, st
     return safes, n_params, ",".join(sorted(dtypes))
 
 
-def install_template(tokenizer: Any, cfg: IngestConfig) -> None:
-    """Use the recipe's template if given, else the tokenizer's own; fail if neither works."""
-    from posttrain.data.chat import TemplateError
-
+def install_template(tokenizer: Any, cfg: IngestConfig) -> dict[str, Any]:
+    """Use the recipe's template (a Jinja string or a .jinja file) if given, else the
+    tokenizer's own; check that one strategy locates the assistant turns of a sample
+    conversation (without its system turn when the template refuses a system role). Returns the
+    facts for the summary; raises IngestError saying why no strategy serves the template."""
+    source = None
     if cfg.chat_template:
-        tokenizer.chat_template = cfg.chat_template
+        try:
+            tokenizer.chat_template, source = read_template(
+                cfg.chat_template, "ingest.chat_template"
+            )
+        except TemplateError as exc:
+            raise IngestError(str(exc)) from None
     if not tokenizer.chat_template:
         raise IngestError("the tokenizer has no chat template; set ingest.chat_template")
     try:
-        assistant_char_spans(tokenizer, SAMPLE_CHAT)
+        info = template_info(tokenizer)
+        sample = SAMPLE_CHAT if info.system_role else SAMPLE_CHAT[1:]
+        assistant_char_spans(tokenizer, sample)
+        split = template_markers(tokenizer, sample)
+        # Mistral v0.3 writes the system message into the last user turn only when the
+        # conversation ends with one: a training conversation (ending with a reply) loses it.
+        drops_system = info.system_role and SAMPLE_CHAT[0]["content"] not in render(
+            tokenizer, sample, add_generation_prompt=False
+        )
     except TemplateError as exc:
         raise IngestError(str(exc)) from exc
     except Exception as exc:
         raise IngestError(
             f"the chat template does not render a sample conversation: {exc}"
         ) from exc
+    log.info(
+        "chat template: strategy %s (assistant spans), system role %s, end of turn %r%s",
+        info.strategy,
+        "accepted" if info.system_role else "refused (rows with a system turn are errors)",
+        info.end_of_turn,
+        f", from {source}" if source else "",
+    )
+    if not info.end_of_turn:
+        log.warning(
+            "the chat template writes nothing after an assistant turn: the model cannot learn "
+            "to end its turn"
+        )
+    elif tokenizer.eos_token and not info.end_of_turn.startswith(tokenizer.eos_token):
+        log.warning(
+            "the chat template ends assistant turns with %r, not with the tokenizer's EOS %r: "
+            "generation that stops at EOS only runs past the end of a turn",
+            info.end_of_turn,
+            tokenizer.eos_token,
+        )
+    if drops_system:
+        log.warning(
+            "the chat template drops the system message from a conversation that ends with an "
+            "assistant turn: training text has no system prompt, generation prompts have it"
+        )
+    if split:
+        log.warning(
+            "chat template markers %s are not single tokens in this tokenizer: each costs "
+            "several tokens per turn (add them as special tokens, and resize the embeddings)",
+            split,
+        )
+    return {
+        "chat_template_strategy": info.strategy,
+        "chat_template_system_role": info.system_role,
+        "chat_template_end_of_turn": info.end_of_turn,
+        "chat_template_file": source,
+        "chat_template_split_markers": split,
+        "chat_template_drops_system": drops_system,
+    }
+
+
+def check_vocab(tokenizer: Any, config: Any) -> None:
+    """A token id at or past the embedding rows fails deep inside the first forward pass
+    (IndexError); refuse such a pair here, naming both sizes."""
+    rows = getattr(config.get_text_config(), "vocab_size", None)
+    if rows is not None and len(tokenizer) > rows:
+        raise IngestError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's embedding has {rows} "
+            "rows (config vocab_size): ids past the last row cannot be embedded; resize the "
+            "model's embeddings (model.resize_token_embeddings) or use the matching tokenizer"
+        )
 
 
 # What a model needs from a hub snapshot: pickle weights are fetched only when allowed (a
@@ -246,7 +314,8 @@ def ingest_path(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
     _, n_params, dtype = check_weights(src, cfg.allow_pickle)
     config = AutoConfig.from_pretrained(str(src), trust_remote_code=cfg.trust_remote_code)
     tok = load_tokenizer(src)
-    install_template(tok, cfg)
+    check_vocab(tok, config)
+    template = install_template(tok, cfg)
     tok.save_pretrained(str(ctx.out_dir / "tokenizer"))
     files = {str(p.relative_to(src)): sha256_file(p) for p in sorted(src.rglob("*")) if p.is_file()}
     return {
@@ -259,6 +328,7 @@ def ingest_path(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
         "source_files": files,
         "trust_remote_code": cfg.trust_remote_code,
         **record,
+        **template,
     }
 
 
@@ -314,7 +384,7 @@ def ingest_from_config(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
     tok = train_tokenizer(corpus, fc.vocab_size)
     if fc.fill_vocab:
         tok = fill_vocabulary(tok, fc.vocab_size)
-    install_template(tok, cfg)
+    template = install_template(tok, cfg)
     torch.manual_seed(seed)
     model = build_model(fc, tok)
     summary: dict[str, Any] = {}
@@ -334,6 +404,7 @@ def ingest_from_config(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
         "dtype": "float32",
         "vocab_size": len(tok),
         "trust_remote_code": False,
+        **template,
         **summary,
     }
 
@@ -348,6 +419,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     saved = load_tokenizer(ctx.out_dir / "tokenizer")
     info["chat_template_sha256"] = template_sha256(saved)
     ctx.extra_manifest["chat_template"] = saved.chat_template
+    ctx.extra_manifest["chat_template_file"] = info["chat_template_file"]
     headline = {"params": info["num_params"], "architecture": info["architecture"]}
     if "warmup_final_loss" in info:
         headline["warmup_loss"] = round(info["warmup_final_loss"], 4)
