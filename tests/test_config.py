@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from posttrain.config.batch import resolve_batch
 from posttrain.config.loader import RecipeError, apply_overrides, load_recipe, validate_recipe
@@ -17,8 +18,28 @@ def errors_of(data: dict) -> list[str]:
     return exc.value.errors
 
 
+def _cache_hub_ids(path: Path, cache: Path) -> None:
+    """A recipe's hub ids resolve at load time: give each a snapshot in a local hub cache (the
+    real layout; nothing is downloaded here), as `hf download` would have left it."""
+    from posttrain.hub import is_hub_id
+    from tests.hub_cache import add_snapshot, commit_sha
+
+    data = yaml.safe_load(path.read_text())
+    ids = {(data.get("ingest", {}).get("path"), "model")}
+    for section in data.values():
+        source = section.get("data", {}) if isinstance(section, dict) else {}
+        ids |= {(source.get(k), "dataset") for k in ("path", "eval_path")}
+    for repo, kind in ids:
+        if is_hub_id(repo):
+            add_snapshot(cache, repo, {"README.md": b"x"}, commit_sha(repo), repo_type=kind)
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
-def test_every_shipped_recipe_validates(path: Path) -> None:
+def test_every_shipped_recipe_validates(
+    path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    _cache_hub_ids(path, tmp_path)
     recipe = load_recipe(path)
     assert recipe.infra.precision in ("fp32", "bf16")
     assert Path(recipe.run.workspace).is_absolute()
