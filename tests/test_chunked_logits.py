@@ -5,8 +5,10 @@ real tiny model sharded by FSDP2 at world size 1 (LoRA, a trainable head, tied o
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -289,3 +291,39 @@ def test_role_model_policy_loss_under_fsdp2(mesh: object) -> None:
         torch.testing.assert_close(b, a, atol=ATOL, rtol=0)
     assert all(".default." in k for k in out[0][3])
     _assert_same(out[3][3], out[0][3])
+
+
+@pytest.mark.slow
+def test_sft_stage_same_trajectory_chunked_and_unchunked(tmp_path: Path) -> None:
+    """The real sft stage with the head in chunks of 16 tokens and with full logits: the same
+    losses, gradient norms and held-out losses step by step (the setting is not part of the
+    fingerprint, so the variants get their own folders through an inert keep_checkpoints)."""
+    from stage_helpers import TINY, planned_dir, run_inprocess, write_recipe
+
+    from posttrain.telemetry.metrics import read_metrics
+
+    data = copy.deepcopy(TINY)
+    data["ingest"]["from_config"]["pretrain_steps"] = 5
+    data["sft"]["max_steps"] = 4
+    recipe = write_recipe(tmp_path, data)
+    run_inprocess("ingest", recipe)
+    variants = {
+        "full": ("infra.logits_chunk_tokens=0",),
+        "chunked": ("infra.logits_chunk_tokens=16", "sft.keep_checkpoints=4"),
+    }
+    assert len({planned_dir("sft", recipe, *v) for v in variants.values()}) == 2
+    runs = {}
+    for name, over in variants.items():
+        out = run_inprocess("sft", recipe, *over)
+        runs[name] = (
+            read_metrics(out / "metrics.jsonl", "train"),
+            read_metrics(out / "metrics.jsonl", "eval"),
+        )
+    (full_train, full_eval), (ch_train, ch_eval) = runs["full"], runs["chunked"]
+    assert len(full_train) == len(ch_train) == 4
+    for a, b in zip(full_train, ch_train, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert [r["eval_loss"] for r in ch_eval] == pytest.approx(
+        [r["eval_loss"] for r in full_eval], rel=1e-5
+    )
