@@ -249,6 +249,26 @@ def test_activations_and_logits_hand_computed() -> None:
     )
 
 
+def test_chunked_logits_hand_computed() -> None:
+    """With the head in chunks of 8 tokens: 2 [8, 300] fp32 buffers (RL: 3) plus the scored
+    positions' hidden states and gradient, instead of 3 (RL: 5) [seqs x positions, 300]; a chunk
+    larger than the scored tokens counts only those."""
+    shape = ModelShape(64, 2, 4, 2, 16, 96, 300, tied=True)
+    policy = Adapter("policy", 4, "all-linear", True)
+    est = estimate(
+        shape, StageShape("sft", 2, 10, (policy,), logits_chunk_tokens=8), DeviceLayout(), 0
+    )
+    assert est.component("logits") == 2 * 8 * 300 * 4 + 2 * 20 * 64 * 4
+    big = estimate(
+        shape, StageShape("sft", 2, 10, (policy,), logits_chunk_tokens=4096), DeviceLayout(), 0
+    )
+    assert big.component("logits") == 2 * 20 * 300 * 4 + 2 * 20 * 64 * 4
+    rl = StageShape("grpo", 2, 10, (policy,), logit_positions=4, logits_chunk_tokens=8)
+    assert estimate(shape, rl, DeviceLayout(), 0).component("logits") == (
+        3 * 8 * 300 * 4 + 2 * 8 * 64 * 4
+    )
+
+
 def test_pair_stages_run_chosen_and_rejected_together() -> None:
     shape = ModelShape(64, 2, 4, 4, 16, 96, 300, tied=True)
     a = Adapter("policy", 4, "all-linear", True)
@@ -301,6 +321,7 @@ def test_stage_shape_from_recipe(tmp_path: Path) -> None:
     assert (st.kind, st.micro_batch, st.seq_len) == ("sft", 8, 64)
     assert st.adapters == (Adapter("policy", 8, "all-linear", True, False),)
     assert st.precision == "fp32" and not st.activation_checkpointing
+    assert st.logits_chunk_tokens == recipe.infra.logits_chunk_tokens == 2048
 
 
 @pytest.mark.parametrize("name", ["quickstart", "ppo", "grpo"])

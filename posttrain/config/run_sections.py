@@ -109,6 +109,17 @@ class InfraConfig(_Section):
     threads_per_rank: int | None = Field(
         None, ge=1, description="torch threads per process; default = CPU cores / processes."
     )
+    logits_chunk_tokens: int = Field(
+        2048,
+        ge=0,
+        description="Tokens per pass through the LM head when computing log-probs and losses "
+        "(SFT and held-out NLL, DPO policy and reference, PPO/GRPO scoring and update): only "
+        "labelled positions are scored, this many at a time, so full-vocabulary fp32 logits "
+        "([batch, tokens, vocab]: 10 GB for 8 x 2048 tokens of a 152k vocabulary) never exist; "
+        "peak is a few [chunk, vocab] fp32 buffers (2048 x 152k x 4 B = 1.2 GB each). Same "
+        "results as unchunked (to ~1e-6). 0 = unchunked: full logits, needed for models whose "
+        "head output is transformed into logits (Gemma soft-capping, Cohere/Granite scaling).",
+    )
     memory_preflight: Literal["refuse", "warn", "off"] = Field(
         "refuse",
         description="Before a training stage loads anything, estimate its per-device memory "

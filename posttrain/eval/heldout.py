@@ -8,11 +8,14 @@ from typing import Any
 
 import torch
 
-from posttrain.train.losses import token_nll_sum
+from posttrain.train.chunked import forward_nll_sum
 
 
 def heldout_loss(
-    model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]], device: torch.device | str
+    model: torch.nn.Module,
+    batches: Iterable[dict[str, torch.Tensor]],
+    device: torch.device | str,
+    chunk_tokens: int = 0,
 ) -> dict[str, Any]:
     """Token-weighted mean next-token NLL over every label token of every batch.
 
@@ -21,7 +24,8 @@ def heldout_loss(
     weighs per token, not per batch, and the number does not depend on how rows were batched.
     Returns {"loss", "perplexity" = exp(loss), "tokens"}. The model is put in eval mode for the
     pass (no dropout) and returned to training mode afterwards if it was training, so a training
-    loop can call this between steps.
+    loop can call this between steps. `chunk_tokens`: tokens per pass through the LM head
+    (`posttrain.train.chunked`; 0 = full [B, T, V] logits).
     """
     was_training = model.training
     model.eval()
@@ -30,13 +34,8 @@ def heldout_loss(
     try:
         with torch.no_grad():
             for batch in batches:
-                logits = model(
-                    input_ids=batch["input_ids"].to(device),
-                    attention_mask=batch["attention_mask"].to(device),
-                    position_ids=batch["position_ids"].to(device),
-                    use_cache=False,
-                ).logits  # [B, T, V]
-                nll, n = token_nll_sum(logits, batch["labels"].to(device))
+                b = {k: v.to(device) for k, v in batch.items()}
+                nll, n = forward_nll_sum(model, b, chunk_tokens)
                 nll_total += float(nll)
                 tokens += int(n)
     finally:

@@ -16,7 +16,7 @@ from posttrain.eval.generation import generate
 from posttrain.models.adapters import active_adapter
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.models.reward import pair_batch, pair_scores, score_sequences
-from posttrain.train.losses import sequence_logps
+from posttrain.train.chunked import forward_sequence_logps
 
 
 def _batches(pairs: list[dict], size: int):
@@ -48,10 +48,11 @@ def implicit_reward_accuracy(
     pad_id: int,
     beta: float,
     batch_size: int,
+    chunk_tokens: int = 0,
 ) -> dict[str, float]:
     """DPO's implicit reward beta * (log pi - log ref) on held-out pairs: accuracy (chosen
     strictly above rejected) and mean margin. `policy`/`reference` are adapter names on one
-    PeftModel."""
+    PeftModel; `chunk_tokens` per pass through the LM head (0 = full logits)."""
     device = next(model.parameters()).device
     correct = margin = 0.0
     for chunk in _batches(pairs, batch_size):
@@ -59,12 +60,7 @@ def implicit_reward_accuracy(
         out = {}
         for name in (policy, reference):
             with active_adapter(model, name):
-                logits = model(
-                    input_ids=b["input_ids"],
-                    attention_mask=b["attention_mask"],
-                    position_ids=b["position_ids"],
-                ).logits
-            out[name] = sequence_logps(logits, b["labels"])[0]
+                out[name] = forward_sequence_logps(model, b, chunk_tokens)[0]
         r = beta * (out[policy] - out[reference])  # [2B]: chosen rows, then rejected
         half = r.size(0) // 2
         correct += (r[:half] > r[half:]).sum().item()

@@ -36,7 +36,10 @@ where c = 2 bytes for bf16/fp16 compute, 4 for fp32. With activation checkpointi
 keeps only its input (H x c per token) and one block's activations are recomputed at a time.
 Logits: the [micro, seq, vocab] output plus its fp32 log-softmax and gradient, 3 buffers of 4
 bytes (RL: log-softmax, softmax for the entropy, their product and gradients, 5 buffers). On
-small models the logits are often the largest single item.
+small models the logits are often the largest single item. With `infra.logits_chunk_tokens`
+(posttrain/train/chunked.py) only [chunk, vocab] fp32 buffers exist at a time: the chunk's logits
+and its exp/softmax (RL: and the entropy's product), 2 buffers (RL 3), plus the scored positions'
+hidden states and their gradient (2 x tokens x H x c).
 
 This models the bytes of live tensors (what max_memory_allocated reports on a GPU): on CPU it
 was 1.04-1.15x the measured allocated peak of real steps (`bench/memory_estimate.py`;
@@ -63,6 +66,8 @@ Layout = Literal["fsdp", "hsdp", "ddp"]
 FRAMEWORK_OVERHEAD = {"cuda": 1 * GIB, "cpu": 600 * MIB}
 # Logits-sized buffers alive at the peak of a training step (see the module docstring).
 LOGIT_BUFFERS = {"sft": 3, "dpo": 3, "reward": 0, "ppo": 5, "grpo": 5}
+# The same with the head in token chunks: [chunk, vocab] fp32 buffers.
+CHUNK_BUFFERS = {"sft": 2, "dpo": 2, "reward": 0, "ppo": 3, "grpo": 3}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -214,6 +219,8 @@ class StageShape:
     prompt_len: int = 0
     new_tokens: int = 0
     keep_gathered: bool = False
+    # Tokens per pass through the LM head (infra.logits_chunk_tokens); 0 = full logits.
+    logits_chunk_tokens: int = 0
 
     @property
     def sequences(self) -> int:
@@ -424,7 +431,20 @@ def estimate(
         )
     )
     k = LOGIT_BUFFERS[stage.kind]
-    if k:
+    if k and stage.logits_chunk_tokens:
+        scored = stage.sequences * (stage.logit_positions or stage.seq_len)
+        chunk = min(stage.logits_chunk_tokens, scored)
+        kc = CHUNK_BUFFERS[stage.kind]
+        logits = kc * chunk * model.vocab * 4 + 2 * scored * model.hidden * c
+        rows.append(
+            Row(
+                "logits",
+                logits,
+                f"chunked: {kc} x {chunk} tokens x vocab {model.vocab} x 4 B",
+                update,
+            )
+        )
+    elif k:
         positions = stage.logit_positions or stage.seq_len
         logits = k * stage.sequences * positions * model.vocab * 4
         rows.append(

@@ -162,6 +162,7 @@ def stage_shape(recipe: Any, stage: str) -> StageShape:
         "micro_batch": micro,
         "precision": recipe.infra.precision if recipe.infra.precision != "auto" else "fp32",
         "activation_checkpointing": section.activation_checkpointing,
+        "logits_chunk_tokens": recipe.infra.logits_chunk_tokens,
     }
     policy = _adapter("policy", recipe.sft.lora, True)
     if stage == "sft":

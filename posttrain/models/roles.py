@@ -29,6 +29,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from posttrain.models.adapters import POLICY, REFERENCE, active_adapter, policy_with_reference
+from posttrain.train.chunked import head_scores, output_head
 
 VALUE, REWARD = "value", "reward"
 LOGIT_ROLES = (POLICY, REFERENCE)
@@ -55,9 +56,15 @@ class RoleModel(nn.Module):
         position_ids: torch.Tensor,
         start: int = 0,
         stop: int | None = None,
+        targets: torch.Tensor | None = None,
+        chunk_tokens: int = 0,
+        entropy: bool = False,
     ) -> torch.Tensor:
         """input_ids/attention_mask/position_ids [B, T] ->
-        policy/reference: logits [B, stop-start, V] of positions start..stop-1;
+        policy/reference: logits [B, stop-start, V] of positions start..stop-1; with `targets`
+        [B, stop-start] (IGNORE = not scored) instead their log-probs [B, stop-start] ([.., 2]:
+        log-prob, entropy, with `entropy`) through the head `chunk_tokens` at a time
+        (`posttrain.train.chunked`), inside this root forward so FSDP2's hooks see the head;
         value: values [B, stop-start] (fp32);  reward: scores [B] at each row's last real token.
         Only the requested positions go through the LM head (a [B, T, V] tensor is the largest
         activation of a small-vocabulary-to-hidden ratio model)."""
@@ -84,7 +91,11 @@ class RoleModel(nn.Module):
             return self.value_head(hidden).sum(-1).float()  # [B, R, 1] -> [B, R]
         if role not in LOGIT_ROLES:
             raise ValueError(f"unknown role {role!r}; known: {LOGIT_ROLES + (VALUE, REWARD)}")
-        return self.causal_lm.get_output_embeddings()(hidden)
+        if targets is None:
+            return self.causal_lm.get_output_embeddings()(hidden)
+        head = output_head(self.causal_lm)
+        logp, ent = head_scores(head, hidden, targets, chunk_tokens, entropy)
+        return logp if ent is None else torch.stack([logp, ent], dim=-1)
 
     def generate(self, role: str = POLICY, **kwargs: Any) -> torch.Tensor:
         with active_adapter(self.lm, role):

@@ -38,7 +38,7 @@ from posttrain.models.reward import pair_batch
 from posttrain.stages.common import StageContext, stage_main
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
-from posttrain.train.losses import sequence_logps
+from posttrain.train.chunked import forward_sequence_logps
 from posttrain.train.preference_losses import (
     REFERENCE_FREE,
     loss_hyperparameters,
@@ -52,16 +52,12 @@ REF_CACHE_VERSION = "1"
 
 
 def pair_logps(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor]
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_tokens: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(chosen logps [B], rejected logps [B], chosen lengths [B], rejected lengths [B]) from one
-    `pair_batch` (chosen rows first, then rejected, in one forward)."""
-    logits = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
-    ).logits  # [2B, T, V]
-    logps, lengths = sequence_logps(logits, batch["labels"])
+    `pair_batch` (chosen rows first, then rejected, in one forward); `chunk_tokens` per pass
+    through the LM head (0 = full [2B, T, V] logits)."""
+    logps, lengths = forward_sequence_logps(model, batch, chunk_tokens)  # [2B] each
     half = logps.size(0) // 2
     return logps[:half], logps[half:], lengths[:half], lengths[half:]
 
@@ -75,6 +71,7 @@ def reference_logps(
     device: torch.device,
     rank: int,
     world: int,
+    chunk_tokens: int = 0,
 ) -> torch.Tensor:
     """[N, 2] (chosen, rejected) reference log-probs of every pair, computed rank-strided with
     the same number of forwards on every rank, then summed across ranks."""
@@ -84,7 +81,7 @@ def reference_logps(
         chunk = [pairs[i] for i in idx] or pairs[:1]
         batch = {k: v.to(device) for k, v in pair_batch(chunk, pad_id).items()}
         with active_adapter(model, REFERENCE):
-            c, r, _, _ = pair_logps(model, batch)
+            c, r, _, _ = pair_logps(model, batch, chunk_tokens)
         if idx:
             out[idx, 0], out[idx, 1] = c.double(), r.double()
     if torch.distributed.is_initialized() and world > 1:
@@ -132,7 +129,16 @@ def cached_reference(
     folder = Path(ctx.recipe.run.workspace) / "artifacts" / "ref_logps" / key
     if verify(folder)[0]:
         return load_file(folder / "ref_logps.safetensors")["logps"].to(d.device), "hit"
-    logps = reference_logps(model, pairs, pad_id, batch_size, d.device, d.rank, d.world_size)
+    logps = reference_logps(
+        model,
+        pairs,
+        pad_id,
+        batch_size,
+        d.device,
+        d.rank,
+        d.world_size,
+        ctx.recipe.infra.logits_chunk_tokens,
+    )
     if ctx.is_main:
         folder.mkdir(parents=True, exist_ok=True)
         save_file({"logps": logps.cpu()}, folder / "ref_logps.safetensors")
@@ -159,6 +165,7 @@ def heldout_preferences(
     device: torch.device,
     rank: int,
     world: int,
+    chunk_tokens: int = 0,
 ) -> dict[str, float]:
     """Implicit-reward accuracy, margin and loss on held-out pairs (reference computed online)."""
     model.eval()
@@ -168,9 +175,9 @@ def heldout_preferences(
         chunk = [pairs[i] for i in idx] or pairs[:1]
         w = 1.0 if idx else 0.0
         batch = {k: v.to(device) for k, v in pair_batch(chunk, pad_id).items()}
-        pc, pr, lc, lr_ = pair_logps(model, batch)
+        pc, pr, lc, lr_ = pair_logps(model, batch, chunk_tokens)
         with active_adapter(model, REFERENCE):
-            rc, rr, _, _ = pair_logps(model, batch)
+            rc, rr, _, _ = pair_logps(model, batch, chunk_tokens)
         losses, cr, rj = loss_fn(pc, pr, rc, rr, lc, lr_)
         s["n"] += w * len(losses)
         s["correct"] += w * (cr > rj).sum().item()
@@ -188,6 +195,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     d = ctx.dist
     device, rank, world = d.device, d.rank, d.world_size
     seed = ctx.recipe.run.seed
+    chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
 
     base, tok = load_base(ctx.parent_dir("ingest"), ctx.parent_manifest("ingest"))
     sft_sha = ctx.parent_manifest("sft")["summary"].get("chat_template_sha256")
@@ -233,7 +241,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     first = None
     if tr.start_step == 0:
         first = heldout_preferences(
-            model, data.eval, loss_fn, tok.pad_token_id, eval_bs, device, rank, world
+            model, data.eval, loss_fn, tok.pad_token_id, eval_bs, device, rank, world, chunk_tokens
         )
         tr.metrics.write("eval", step=0, **{f"eval_{k}": v for k, v in first.items()})
         log.info(
@@ -279,9 +287,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
             else:
                 t_r = time.perf_counter()
                 with torch.no_grad(), active_adapter(model, REFERENCE):
-                    rc, rr, _, _ = pair_logps(model, mb)
+                    rc, rr, _, _ = pair_logps(model, mb, chunk_tokens)
                 t_ref += time.perf_counter() - t_r
-            pc, pr, lc, lr_ = pair_logps(model, mb)
+            pc, pr, lc, lr_ = pair_logps(model, mb, chunk_tokens)
             losses, cr, rj = loss_fn(pc, pr, rc, rr, lc, lr_)  # [micro] each
             loss = losses.sum() * world / batch.global_batch_size
             if cfg.sft_weight:
@@ -323,7 +331,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints)
 
     final = heldout_preferences(
-        model, data.eval, loss_fn, tok.pad_token_id, eval_bs, device, rank, world
+        model, data.eval, loss_fn, tok.pad_token_id, eval_bs, device, rank, world, chunk_tokens
     )
     tr.metrics.write("eval", step=total_steps, **{f"eval_{k}": v for k, v in final.items()})
     log.info("held-out preference accuracy %.3f, margin %.3f", final["accuracy"], final["margin"])

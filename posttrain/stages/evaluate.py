@@ -94,7 +94,14 @@ def preference_metrics(
         assert ctx.recipe.dpo is not None
         pairs = _pairs(ctx, "dpo", tok)
         out["dpo_implicit"] = implicit_reward_accuracy(
-            model, "default", "sft", pairs, tok.pad_token_id, ctx.recipe.dpo.beta, cfg.batch_size
+            model,
+            "default",
+            "sft",
+            pairs,
+            tok.pad_token_id,
+            ctx.recipe.dpo.beta,
+            cfg.batch_size,
+            ctx.recipe.infra.logits_chunk_tokens,
         )
         log.info("DPO implicit-reward held-out accuracy %.3f", out["dpo_implicit"]["accuracy"])
     tuned = policy_stage(ctx.parents)
@@ -157,15 +164,16 @@ def run(ctx: StageContext) -> dict[str, Any]:
             "prompts"
         )
         rows = _read_rows(sft_dir / "data" / "train.jsonl")[: cfg.max_eval_rows]
+    chunk = ctx.recipe.infra.logits_chunk_tokens
     base_scores = tuned_scores = None
     if held_out:
         examples, _ = tokenize_rows(rows, tok, ctx.recipe.sft.data)
         with model.disable_adapter():
             base_scores = heldout_loss(
-                model, _batches(examples, tok.pad_token_id, cfg.batch_size), device
+                model, _batches(examples, tok.pad_token_id, cfg.batch_size), device, chunk
             )
         tuned_scores = heldout_loss(
-            model, _batches(examples, tok.pad_token_id, cfg.batch_size), device
+            model, _batches(examples, tok.pad_token_id, cfg.batch_size), device, chunk
         )
         log.info(
             "held-out loss: base %.4f -> tuned %.4f (perplexity %.2f -> %.2f)",
@@ -230,7 +238,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if held_out and tuned != "sft":  # how far preference tuning moved the policy from SFT's fit
         with active_adapter(model, "sft"):
             heldout["sft"] = heldout_loss(
-                model, _batches(examples, tok.pad_token_id, cfg.batch_size), device
+                model, _batches(examples, tok.pad_token_id, cfg.batch_size), device, chunk
             )
     report = {
         "policy": tuned,

@@ -56,12 +56,10 @@ from posttrain.train.rl_losses import (
     KLController,
     clipped_policy_loss,
     clipped_value_loss,
-    entropy_from_logits,
     explained_variance,
     kl_penalty,
-    token_logps,
 )
-from posttrain.train.rollout import Rollout, decode_responses, sample, score
+from posttrain.train.rollout import Rollout, decode_responses, response_logps, sample, score
 from posttrain.train.session import TrainSession, save_adapter, start_session
 
 log = logging.getLogger("posttrain.rl")
@@ -106,11 +104,13 @@ def update(
     kl_in_loss: float,
     seed: int,
     step: int,
+    chunk_tokens: int = 0,
 ) -> dict[str, float]:
     """`update_epochs` passes of clipped updates over one rollout. Returns token-weighted means
     over all ranks (policy_loss, value_loss, entropy, clip_frac, value_clip_frac, approx_kl,
     kl_loss) and the mean grad norm; `updates` counts optimizer steps. `step`: the rollout's
-    logged step (1-based), for the guard's records."""
+    logged step (1-based), for the guard's records. `chunk_tokens`: tokens per pass through the
+    LM head (`infra.logits_chunk_tokens`; 0 = full logits)."""
     model, d = tr.model, tr.dist
     device, world = d.device, d.world_size
     micro, per_update = batch.micro_batch_size, batch.micro_batch_size * batch.grad_accum_steps
@@ -135,9 +135,10 @@ def update(
                 inp = _to(ro.inputs(mi), device)
                 m = ro.mask[mi].to(device)
                 model.set_requires_gradient_sync(last and not critic)
-                logits = model(POLICY, **inp)  # [n, R, V]
-                logp = token_logps(logits, ro.response[mi].to(device))
-                ent = entropy_from_logits(logits)
+                logp, ent = response_logps(
+                    model, POLICY, inp, ro.response[mi].to(device), m, chunk_tokens, entropy=True
+                )  # [n, R] each
+                assert ent is not None
                 pg, clipped = clipped_policy_loss(
                     logp, old[mi].to(device), adv[mi].to(device), cfg.clip_range
                 )
@@ -197,6 +198,7 @@ def heldout(
     d: DistInfo,
     role: str,
     batch_size: int,
+    chunk_tokens: int = 0,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Mean reward-model score (and KL(policy || reference) per response, for the policy) of one
     sample per held-out prompt from `role`. Prompt batch b is sampled with seed + b's first row,
@@ -221,7 +223,7 @@ def heldout(
             d.world_size,
             role=role,
         )
-        score(model, ro, tok, batch_size, cfg.data.max_prompt_len, roles)
+        score(model, ro, tok, batch_size, cfg.data.max_prompt_len, roles, chunk_tokens)
         s = ro.scored["scores"]
         sums["n"] += w * ro.n
         sums["reward"] += w * float(s.sum())
@@ -269,6 +271,7 @@ def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
     d = ctx.dist
     device, rank, world = d.device, d.rank, d.world_size
     seed = ctx.recipe.run.seed
+    chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
 
     base, tok = load_base(ctx.parent_dir("ingest"), ctx.parent_manifest("ingest"))
     template_sha = guard_template(
@@ -326,9 +329,11 @@ def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
     def evaluate(step: int) -> dict[str, float]:
         nonlocal sft_eval
         if sft_eval is None:
-            sft_eval, _ = heldout(model, tok, eval_rows, cfg, seed, d, REFERENCE, eval_bs)
+            sft_eval, _ = heldout(
+                model, tok, eval_rows, cfg, seed, d, REFERENCE, eval_bs, chunk_tokens
+            )
             tr.metrics.write("eval", step=step, **{f"sft_{k}": v for k, v in sft_eval.items()})
-        pol, examples = heldout(model, tok, eval_rows, cfg, seed, d, POLICY, eval_bs)
+        pol, examples = heldout(model, tok, eval_rows, cfg, seed, d, POLICY, eval_bs, chunk_tokens)
         pol["reward_gain"] = pol["reward"] - sft_eval["reward"]
         tr.metrics.write("eval", step=step, **{f"eval_{k}": v for k, v in pol.items()})
         log.info(
@@ -368,7 +373,7 @@ def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
             world,
         )
         t_gen = time.perf_counter() - t0
-        score(model, ro, tok, batch.micro_batch_size, cfg.data.max_prompt_len, roles)
+        score(model, ro, tok, batch.micro_batch_size, cfg.data.max_prompt_len, roles, chunk_tokens)
         t_score = time.perf_counter() - t0 - t_gen
         kl_coef = ctl.coef
         adv, returns = algo.advantages(ro, cfg, kl_coef if placement == "reward" else 0.0, reduce)
@@ -382,6 +387,7 @@ def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
             kl_coef if placement == "loss" else 0.0,
             rollout_seed(seed, step, rank) + 1,
             step + 1,
+            chunk_tokens,
         )
         t_train = time.perf_counter() - t0 - t_gen - t_score
 

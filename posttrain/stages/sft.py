@@ -32,7 +32,7 @@ from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.stages.common import StageContext, stage_main
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot, read_metrics
-from posttrain.train.losses import token_nll_sum
+from posttrain.train.chunked import forward_nll_sum
 from posttrain.train.session import planned_steps, save_adapter, start_session
 
 log = logging.getLogger("posttrain.sft")
@@ -40,17 +40,6 @@ log = logging.getLogger("posttrain.sft")
 
 def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def _forward_nll(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
-    ).logits  # [B, T, V]
-    return token_nll_sum(logits, batch["labels"])
 
 
 @torch.no_grad()
@@ -62,6 +51,7 @@ def heldout_loss(
     device: torch.device,
     rank: int,
     world: int,
+    chunk_tokens: int = 0,
 ) -> float | None:
     """Token-weighted held-out NLL, or None without held-out rows (eval_fraction 0 and no
     eval_path: there is no figure, and NaN would not be valid JSON in the manifest). Every rank
@@ -75,7 +65,7 @@ def heldout_loss(
         heartbeat.beat(phase="eval")
         chunk = [examples[i] for i in idx] or examples[:1]
         weight = 1.0 if idx else 0.0
-        nll, n = _forward_nll(model, _to(pad_batch(chunk, pad_id), device))
+        nll, n = forward_nll_sum(model, _to(pad_batch(chunk, pad_id), device), chunk_tokens)
         total += weight * nll.item()
         count += weight * n.item()
     model.train()
@@ -87,6 +77,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     d = ctx.dist
     device, rank, world = d.device, d.rank, d.world_size
     seed = ctx.recipe.run.seed
+    chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
 
     model, tok = load_base(ctx.parent_dir("ingest"), ctx.parent_manifest("ingest"))
     data = prepare(cfg.data, tok, seed)
@@ -113,7 +104,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     eval_bs = batch.micro_batch_size
     if tr.start_step == 0:
-        first_eval = heldout_loss(model, data.eval, tok.pad_token_id, eval_bs, device, rank, world)
+        first_eval = heldout_loss(
+            model, data.eval, tok.pad_token_id, eval_bs, device, rank, world, chunk_tokens
+        )
         tr.metrics.write("eval", step=0, eval_loss=first_eval)
         if first_eval is not None:
             log.info("held-out loss at step 0 (base): %.4f", first_eval)
@@ -137,7 +130,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         step_nll = 0.0
         for k, mb in enumerate(micro_batches):
             model.set_requires_gradient_sync(k == len(micro_batches) - 1)
-            nll, _ = _forward_nll(model, mb)
+            nll, _ = forward_nll_sum(model, mb, chunk_tokens)
             tr.backward(nll * world / global_targets)
             step_nll += nll.item()
         step_loss = all_reduce_sum(step_nll, device) / global_targets
@@ -156,11 +149,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 target_tokens=global_targets,
             )
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total_steps:
-            ev = heldout_loss(model, data.eval, tok.pad_token_id, eval_bs, device, rank, world)
+            ev = heldout_loss(
+                model, data.eval, tok.pad_token_id, eval_bs, device, rank, world, chunk_tokens
+            )
             tr.metrics.write("eval", step=step + 1, eval_loss=ev)
         tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints)
 
-    final_eval = heldout_loss(model, data.eval, tok.pad_token_id, eval_bs, device, rank, world)
+    final_eval = heldout_loss(
+        model, data.eval, tok.pad_token_id, eval_bs, device, rank, world, chunk_tokens
+    )
     tr.metrics.write("eval", step=total_steps, eval_loss=final_eval)
     if final_eval is not None:
         log.info("held-out loss after SFT: %.4f", final_eval)

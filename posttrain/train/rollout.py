@@ -16,12 +16,13 @@ import torch
 
 from posttrain.config.schema import RolloutConfig, SamplingConfig
 from posttrain.data.batching import pad_batch
+from posttrain.data.chat import IGNORE
 from posttrain.data.preference import Messages, encode_reply
 from posttrain.distributed.fsdp import gathered
 from posttrain.eval.generation import generate_kwargs
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import REWARD, VALUE
-from posttrain.train.rl_losses import token_logps
+from posttrain.train.rl_losses import entropy_from_logits, token_logps
 
 
 @dataclass
@@ -153,6 +154,26 @@ def decode_responses(tokenizer: Any, ro: Rollout) -> list[str]:
     ]
 
 
+def response_logps(
+    model: torch.nn.Module,
+    role: str,
+    inp: dict[str, Any],
+    response: torch.Tensor,
+    mask: torch.Tensor,
+    chunk_tokens: int,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(response) [n, R], entropy [n, R] | None) under `role` for `inp` (from
+    `Rollout.inputs`): through the chunked head on the response tokens only (mask [n, R] > 0;
+    0.0 on padding) when `chunk_tokens`, else from the full [n, R, V] logits."""
+    if not chunk_tokens:
+        logits = model(role, **inp)  # [n, R, V]
+        return token_logps(logits, response), entropy_from_logits(logits) if entropy else None
+    targets = response.masked_fill(mask == 0, IGNORE)
+    y = model(role, **inp, targets=targets, chunk_tokens=chunk_tokens, entropy=entropy)
+    return (y[..., 0], y[..., 1]) if entropy else (y, None)
+
+
 @torch.no_grad()
 def score(
     model: torch.nn.Module,
@@ -161,11 +182,13 @@ def score(
     batch_size: int,
     max_prompt_len: int,
     roles: tuple[str, ...] = (POLICY, REFERENCE, VALUE, REWARD),
+    chunk_tokens: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Fill `ro.scored` for the requested roles: "logps" (policy) / "ref_logps" [N, R], "values"
     [N, R] (critic), "scores" [N] (reward model, on the response re-rendered through the chat
     template exactly as its training pairs were, so it sees the end-of-turn text it learnt on).
-    Every rank runs the same number of forwards for the same N."""
+    Every rank runs the same number of forwards for the same N. `chunk_tokens`: tokens per pass
+    through the LM head for the log-probs (0 = full logits)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -174,11 +197,15 @@ def score(
     for start in range(0, ro.n, batch_size):
         idx = list(range(start, min(start + batch_size, ro.n)))
         inp = {k: v.to(device) if torch.is_tensor(v) else v for k, v in ro.inputs(idx).items()}
+        mask = ro.mask[idx].to(device)
         for role in (r for r in roles if r in names):
-            y = model(role, **inp)
-            if role != VALUE:
-                y = token_logps(y, ro.response[idx].to(device))
-            out.setdefault(names[role], []).append(y.float() * ro.mask[idx].to(device))
+            if role == VALUE:
+                y = model(role, **inp)
+            else:
+                y, _ = response_logps(
+                    model, role, inp, ro.response[idx].to(device), mask, chunk_tokens
+                )
+            out.setdefault(names[role], []).append(y.float() * mask)
     if REWARD in roles:
         texts = decode_responses(tokenizer, ro)
         seqs = [
