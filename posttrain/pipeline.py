@@ -104,6 +104,8 @@ def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
         "precision": recipe.infra.precision,
         "device": recipe.infra.device,
     }
+    if recipe.infra.base_dtype not in ("fp32", "auto"):  # fp32 runs keep their fingerprints
+        numerics["base_dtype"] = recipe.infra.base_dtype
     extra: Any = None
     if name == "ingest":
         if recipe.ingest.source == "path":
