@@ -104,8 +104,6 @@ def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
         "precision": recipe.infra.precision,
         "device": recipe.infra.device,
     }
-    if recipe.infra.base_dtype not in ("fp32", "auto"):  # fp32 runs keep their fingerprints
-        numerics["base_dtype"] = recipe.infra.base_dtype
     extra: Any = None
     if name == "ingest":
         if recipe.ingest.source == "path":
@@ -114,6 +112,8 @@ def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
         else:
             section.pop("path", None)
     elif name in ("sft", "reward", *POLICY_STAGES):
+        if recipe.infra.base_dtype == "bf16":  # the training stages' base; fp32 keeps old prints
+            numerics["base_dtype"] = "bf16"
         if name in RANK_DEPENDENT:
             numerics["dp_size"] = recipe.infra.world_size()
         else:

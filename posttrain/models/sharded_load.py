@@ -22,6 +22,7 @@ Non-persistent buffers (rotary `inv_freq`) are recomputed by `_init_weights` aft
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, PreTrainedModel
 
 INDEX = "model.safetensors.index.json"
+log = logging.getLogger("posttrain.models")
 
 
 @dataclass(frozen=True)
@@ -76,13 +78,22 @@ def build_on_meta(
         setattr(config, k, v)
     with torch.device("meta"):
         model = auto_cls.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    for name, _ in model.named_parameters():  # tied parameters appear once, under their source
-        if checkpoint_key(name, files) is None:
-            module = model.get_submodule(name.rpartition(".")[0])
-            if any(p.is_meta for p in module.parameters(recurse=False)):
-                module.to_empty(device="cpu", recurse=False).float()
-                with torch.no_grad():
-                    model._init_weights(module)
+    # Tied parameters appear once, under their source name.
+    missing = [n for n, _ in model.named_parameters() if checkpoint_key(n, files) is None]
+    body = f"{model.base_model_prefix}."
+    if lost := [n for n in missing if n.startswith(body)]:
+        # A head may be new (a score head on a causal-LM checkpoint); the body never is.
+        raise ValueError(
+            f"{model_dir}: no tensor in the checkpoint for {lost[:5]}"
+            + (f" (+{len(lost) - 5} more)" if len(lost) > 5 else "")
+        )
+    for name in missing:
+        module = model.get_submodule(name.rpartition(".")[0])
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            log.info("%s: not in the checkpoint, initialised fresh (fp32)", name)
+            module.to_empty(device="cpu", recurse=False).float()
+            with torch.no_grad():
+                model._init_weights(module)
     return model, files
 
 
