@@ -163,8 +163,8 @@ class InfraConfig(_Section):
     def _base_dtype(self) -> InfraConfig:
         if self.base_dtype == "bf16" and self.precision == "fp16":
             raise ValueError(
-                "infra.base_dtype: bf16 with precision fp16 is refused (fp16 compute would cast "
-                "the bf16 base down to fp16's narrower range); use precision bf16 or base_dtype fp32"
+                "base_dtype bf16 with precision fp16 is refused (fp16 compute would cast the bf16 "
+                "base down to fp16's narrower range); use precision bf16 or base_dtype fp32"
             )
         return self
 
