@@ -119,6 +119,8 @@ def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
             section.pop("path", None)
             section.pop("revision", None)
     elif name in ("sft", "reward", *POLICY_STAGES):
+        if recipe.infra.base_dtype == "bf16":  # the training stages' base; fp32 keeps old prints
+            numerics["base_dtype"] = "bf16"
         if name in RANK_DEPENDENT:
             numerics["dp_size"] = recipe.infra.world_size()
         else:

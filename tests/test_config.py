@@ -91,6 +91,28 @@ def test_half_precision_on_cpu_refused(tmp_path: Path) -> None:
     assert load_recipe(p, ["infra.device=cpu"]).infra.precision == "fp32"
 
 
+def test_base_dtype_auto_is_bf16_only_for_bf16_gpu_runs(tmp_path: Path, monkeypatch) -> None:
+    import yaml
+
+    from posttrain.config import loader
+
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(MINIMAL))
+    assert load_recipe(p, ["infra.device=cpu"]).infra.base_dtype == "fp32"
+    assert load_recipe(p, ["infra.device=cpu", "infra.base_dtype=bf16"]).infra.base_dtype == "bf16"
+    # What a GPU machine resolves to (this one has none): the device probes answer as a GPU's.
+    monkeypatch.setattr(loader, "_cuda_devices", lambda: 8)
+    monkeypatch.setattr(loader, "_bf16_supported", lambda: True)
+    assert load_recipe(p).infra.base_dtype == "bf16"
+    assert load_recipe(p, ["infra.precision=fp32"]).infra.base_dtype == "fp32"
+    errs = errors_of(
+        apply_overrides(
+            MINIMAL, ["infra.precision=fp16", "infra.loss_scaling=true", "infra.base_dtype=bf16"]
+        )
+    )
+    assert errs[0].startswith("infra: base_dtype bf16 with precision fp16 is refused"), errs
+
+
 def test_ingest_path_required() -> None:
     errs = errors_of({"ingest": {"source": "path"}, "sft": {"data": {"synthetic": {}}}})
     assert "ingest.path" in errs[0]

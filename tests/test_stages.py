@@ -235,6 +235,24 @@ def test_accumulation_equals_a_bigger_micro_batch(tiny) -> None:
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
 
 
+def test_bf16_base_sft_trains_fp32_adapter(tiny) -> None:
+    """infra.base_dtype bf16 on CPU (slow matmul, so 4 steps): the stage holds the base in
+    bf16, computes in bf16, and its step-1 loss is the fp32 run's to bf16 rounding; losses stay
+    finite and fall; the saved adapter is fp32."""
+    out = run_inprocess("sft", tiny["recipe"], "sft.max_steps=4", "infra.base_dtype=bf16")
+    assert read_metrics(out / "metrics.jsonl", "start")[0]["base_dtype"] == "bfloat16"
+    losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl", "train")]
+    fp32 = read_metrics(tiny["sft"] / "metrics.jsonl", "train")
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[0] == pytest.approx(fp32[0]["loss"], abs=0.05)  # same rows, LoRA B = 0
+    m = json.loads((out / "manifest.json").read_text())["summary"]
+    assert m["eval_loss_final"] < m["eval_loss_start"] - 0.05, m  # held-out loss falls
+    from safetensors import safe_open
+
+    with safe_open(str(out / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}  # noqa: SIM118
+
+
 def test_packing_and_activation_checkpointing(tiny) -> None:
     out = run_inprocess(
         "sft",

@@ -205,6 +205,10 @@ def resolve(recipe: Recipe, recipe_dir: str | os.PathLike[str] | None = None) ->
         infra.devices_per_node = gpus if infra.device == "cuda" else 1
     if infra.precision == "auto":
         infra.precision = "bf16" if infra.device == "cuda" and _bf16_supported() else "fp32"
+    if infra.base_dtype == "auto":
+        infra.base_dtype = (
+            "bf16" if infra.device == "cuda" and infra.precision == "bf16" else "fp32"
+        )
     errors = []
     if infra.device == "cpu" and infra.precision in ("bf16", "fp16"):
         errors.append(

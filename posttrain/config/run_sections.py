@@ -106,6 +106,13 @@ class InfraConfig(_Section):
         "`attn_implementation`): `auto` = torch SDPA (flash or memory-efficient kernels on GPU); "
         "`flash_attention_2` needs the flash-attn package and a bf16/fp16 GPU.",
     )
+    base_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="dtype the frozen base weights are held in (trainable parts - LoRA, heads, "
+        "critic - always keep fp32 masters). `auto` = bf16 when the run computes in bf16 on a "
+        "GPU (precision bf16), else fp32 (CPU bf16 matmul is ~100x slower). A bf16 base "
+        "computes in bf16 whatever `precision` says; it is refused with fp16.",
+    )
     threads_per_rank: int | None = Field(
         None, ge=1, description="torch threads per process; default = CPU cores / processes."
     )
@@ -168,6 +175,15 @@ class InfraConfig(_Section):
         "integrity check (sizes and checksums recorded at save): `restart` from step 0, saying "
         "so, or `fail` naming each damaged file. An intact older checkpoint is always preferred.",
     )
+
+    @model_validator(mode="after")
+    def _base_dtype(self) -> InfraConfig:
+        if self.base_dtype == "bf16" and self.precision == "fp16":
+            raise ValueError(
+                "base_dtype bf16 with precision fp16 is refused (fp16 compute would cast the bf16 "
+                "base down to fp16's narrower range); use precision bf16 or base_dtype fp32"
+            )
+        return self
 
     @model_validator(mode="after")
     def _rendezvous(self) -> InfraConfig:

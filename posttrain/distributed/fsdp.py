@@ -34,11 +34,24 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(
-    model: nn.Module, mesh: DeviceMesh, precision: str, reshard_after_forward: bool = True
+    model: nn.Module,
+    mesh: DeviceMesh,
+    precision: str,
+    reshard_after_forward: bool = True,
+    base_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
-    """Apply `fully_shard` per decoder block, then to the root. Parameters stay fp32 (master
-    weights); with bf16/fp16 the policy casts them for compute and reduces gradients in fp32."""
+    """Apply `fully_shard` per decoder block, then to the root. Parameters keep their dtypes
+    (fp32 masters for what trains; the frozen base in `base_dtype`); with bf16/fp16, or a bf16
+    base, the policy casts them for compute and reduces gradients in fp32.
+
+    One group holds a block's frozen bf16 base weights and its fp32 LoRA factors: FSDP2 (torch
+    2.13) asks for one original dtype among a group's *trainable* parameters only, and packs an
+    all-gather of mixed dtypes as bytes (architecture decision 24). Parameters on the meta device
+    stay there (`posttrain.models.sharded_load.fill_from_checkpoint` fills them after)."""
     param_dtype = DTYPES[precision] if precision in ("bf16", "fp16") else None
+    if param_dtype is None and base_dtype == torch.bfloat16:
+        # Activations out of a bf16 base are bf16: compute everything (heads too) in bf16.
+        param_dtype = torch.bfloat16
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

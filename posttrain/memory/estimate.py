@@ -3,17 +3,17 @@
 What one device holds, by component:
 
 static, for the whole stage
-  base weights       every base parameter x 4 bytes / shards. Parameters stay fp32 at every
-                     precision: FSDP2's mixed-precision policy casts blocks to bf16 for compute,
-                     so the fp32 parameters are the master weights (no separate master copy).
+  base weights       every base parameter x its `infra.base_dtype` bytes (2 for bf16, 4 for
+                     fp32) / shards. Frozen, so no master copy: FSDP2's mixed-precision policy
+                     casts blocks for compute. A stage loads the base sharded (meta device,
+                     then each rank reads only its rows), so no device ever holds it whole: there
+                     is no load phase beyond one tensor's rows in flight, far below a step's.
   adapter <role>     each role's LoRA adapter (and head) x 4 / shards, trainable or frozen.
   gradients          trainable parameters only, fp32, / shards.
   optimizer          AdamW exp_avg + exp_avg_sq: 2 x 4 bytes per trainable parameter / shards.
   framework          the runtime: on CPU this process's RSS (Python, torch, transformers, peft),
                      on GPU a fixed allowance (NCCL buffers, cuBLAS workspace, allocator slack).
 per phase; the largest phase is what the peak adds to the static part
-  setup              the whole model, unsharded, on each device: a stage loads the base, moves
-                     it to its device and only then shards it (`start_session`).
   step / update      weights gathered by FSDP2 (the root's, plus two blocks: the running one and
                      the prefetched next), activations saved for backward, the logits buffers.
   rollout (RL)       the generation KV cache of one `generate` call and the gathered model
@@ -208,6 +208,7 @@ class StageShape:
     adapters: tuple[Adapter, ...]
     precision: str = "fp32"
     activation_checkpointing: bool = False
+    base_dtype: Literal["fp32", "bf16"] = "fp32"  # the frozen base's (infra.base_dtype)
     # Heads outside the adapters: "score" (reward model, trained in full by the reward stage;
     # frozen in RL) and "value" (PPO's critic head, trained).
     score_head: Literal["none", "trainable", "frozen"] = "none"
@@ -361,7 +362,8 @@ def estimate(
 ) -> MemoryEstimate:
     """Per-device memory of `stage` on `layout` (see the module docstring)."""
     shards = layout.shards
-    c = compute_bytes(stage.precision)
+    # A bf16 base computes in bf16 whatever the precision (`shard_model`).
+    c = 2 if stage.base_dtype == "bf16" else compute_bytes(stage.precision)
     # The reward model's score head is a row of its own (with peft's trained copy), not base.
     head: Literal["lm", "none"] = "none" if stage.kind == "reward" else "lm"
     est = MemoryEstimate(
@@ -369,8 +371,10 @@ def estimate(
     )
     rows = est.rows
     base = model.base_params(head)
-    shard_note = f"fp32, 1/{shards} per device" if shards > 1 else "fp32, not sharded"
-    rows.append(Row("base weights", base * 4 // shards, f"{base:,} params, frozen, {shard_note}"))
+    b = 2 if stage.base_dtype == "bf16" else 4
+    where = f"1/{shards} per device" if shards > 1 else "not sharded"
+    shard_note = f"{stage.base_dtype}, {where}"
+    rows.append(Row("base weights", base * b // shards, f"{base:,} params, frozen, {shard_note}"))
 
     trainable = 0
     adapter_params = 0
@@ -397,11 +401,6 @@ def estimate(
     if overhead_bytes is None:
         overhead_bytes, note = FRAMEWORK_OVERHEAD[layout.device], "fixed allowance"
     rows.append(Row("framework", overhead_bytes, note))
-
-    # Loading: the stage moves the whole model to the device and then shards it, so every
-    # device briefly holds all its weights unsharded beside the shards being made.
-    full = (base + adapter_params + heads) * 4
-    rows.append(Row("weights before sharding", full, "whole model on each device", "setup"))
 
     # Gathered weights while computing: FSDP2 unshards the root (embedding, final norm, head)
     # for the whole forward/backward and one block at a time plus the prefetched next.

@@ -150,6 +150,13 @@ def _adapter(role: str, lora: Any, trainable: bool) -> Adapter:
     return Adapter(role, lora.r, lora.target_modules, trainable, lora.dropout > 0)
 
 
+def _base_dtype(infra: Any) -> str:
+    """infra.base_dtype as `resolve` makes `auto` (an unresolved recipe: fp32, as precision)."""
+    if infra.base_dtype != "auto":
+        return infra.base_dtype
+    return "bf16" if infra.device == "cuda" and infra.precision == "bf16" else "fp32"
+
+
 def stage_shape(recipe: Any, stage: str) -> StageShape:
     """What the stage's recipe section runs, as the estimate needs it (see StageShape)."""
     section = getattr(recipe, stage)
@@ -163,6 +170,7 @@ def stage_shape(recipe: Any, stage: str) -> StageShape:
         "precision": recipe.infra.precision if recipe.infra.precision != "auto" else "fp32",
         "activation_checkpointing": section.activation_checkpointing,
         "logits_chunk_tokens": recipe.infra.logits_chunk_tokens,
+        "base_dtype": _base_dtype(recipe.infra),
     }
     policy = _adapter("policy", recipe.sft.lora, True)
     if stage == "sft":

@@ -12,6 +12,8 @@ from peft import PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import PreTrainedModel
 
+from posttrain.models.sharded_load import adapters_stay_real
+
 POLICY, REFERENCE = "default", "reference"
 
 
@@ -19,10 +21,11 @@ def policy_with_reference(base: PreTrainedModel, sft_adapter: Path) -> PeftModel
     """Base + the SFT adapter twice: "default" (trainable, continues from SFT) and "reference"
     (frozen copy of SFT: never the raw base). The reference has no gradients and so no
     optimizer state."""
-    model = PeftModel.from_pretrained(
-        base, str(sft_adapter), adapter_name=POLICY, is_trainable=True
-    )
-    model.load_adapter(str(sft_adapter), adapter_name=REFERENCE, is_trainable=False)
+    with adapters_stay_real():  # a base on the meta device keeps the adapters' values
+        model = PeftModel.from_pretrained(
+            base, str(sft_adapter), adapter_name=POLICY, is_trainable=True
+        )
+        model.load_adapter(str(sft_adapter), adapter_name=REFERENCE, is_trainable=False)
     for name, p in model.named_parameters():
         if f".{REFERENCE}." in name:
             p.requires_grad_(False)

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from posttrain.models.sharded_load import CheckpointFiles, build_on_meta
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -33,12 +35,38 @@ def load_causal_lm(
 def load_base(
     ingest_dir: Path, manifest: dict[str, Any], dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, Any]:
-    """The base model and tokenizer an ingest artifact points at."""
+    """The base model and tokenizer an ingest artifact points at, whole on this process (for
+    evaluation and export; training stages load sharded: `base_for_training`)."""
     info = manifest["summary"]
     model_dir = Path(info["model_dir"])
     tok = load_tokenizer(ingest_dir / "tokenizer")
     model = load_causal_lm(model_dir, dtype, trust_remote_code=info.get("trust_remote_code", False))
     return model, tok
+
+
+def base_dtype(infra: Any) -> torch.dtype:
+    """The frozen base's dtype for a recipe's `infra` section (`auto` as `resolve` makes it)."""
+    name = infra.base_dtype
+    if name == "auto":
+        name = "bf16" if infra.device == "cuda" and infra.precision == "bf16" else "fp32"
+    return DTYPES[name]
+
+
+def base_for_training(
+    ingest_dir: Path, manifest: dict[str, Any], dtype: torch.dtype
+) -> tuple[PreTrainedModel, Any, CheckpointFiles]:
+    """The base causal LM on the meta device (base weights in `dtype`), its tokenizer, and the
+    checkpoint files `start_session` fills each rank's shards from after sharding
+    (`posttrain.models.sharded_load`). Adapters go on it under `adapters_stay_real`."""
+    info = manifest["summary"]
+    tok = load_tokenizer(ingest_dir / "tokenizer")
+    model, files = build_on_meta(
+        info["model_dir"],
+        AutoModelForCausalLM,
+        dtype,
+        trust_remote_code=info.get("trust_remote_code", False),
+    )
+    return model, tok, files
 
 
 def count_params(model: torch.nn.Module) -> tuple[int, int]:

@@ -7,6 +7,7 @@ from peft import PeftModel, get_peft_model
 from transformers import PreTrainedModel
 
 from posttrain.config.schema import LoraConfig
+from posttrain.models.sharded_load import adapters_stay_real
 
 
 def prepare_for_training(model: PreTrainedModel, activation_checkpointing: bool) -> None:
@@ -32,4 +33,5 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig, task_type: str = "CAUSAL
         task_type=task_type,
         bias="none",
     )
-    return get_peft_model(model, peft_cfg)
+    with adapters_stay_real():  # a base on the meta device keeps its adapter's values
+        return get_peft_model(model, peft_cfg)

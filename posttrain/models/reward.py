@@ -10,6 +10,7 @@ from peft import PeftModel
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
 from posttrain.data.batching import pad_batch
+from posttrain.models.sharded_load import CheckpointFiles, build_on_meta
 
 
 def load_score_model(
@@ -22,6 +23,23 @@ def load_score_model(
     )
     model.config.pad_token_id = pad_token_id
     return model
+
+
+def score_model_for_training(
+    base_dir: str | Path, pad_token_id: int, dtype: torch.dtype, trust_remote_code: bool = False
+) -> tuple[PreTrainedModel, CheckpointFiles]:
+    """`load_score_model` on the meta device (base weights in `dtype`; the fresh score head real,
+    fp32, drawn as `from_pretrained` draws it) and the checkpoint `start_session` fills each
+    rank's shards from."""
+    model, files = build_on_meta(
+        base_dir,
+        AutoModelForSequenceClassification,
+        dtype,
+        trust_remote_code=trust_remote_code,
+        num_labels=1,
+    )
+    model.config.pad_token_id = pad_token_id  # after construction, as `load_score_model` sets it
+    return model, files
 
 
 def load_reward_model(

@@ -29,6 +29,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from posttrain.models.adapters import POLICY, REFERENCE, active_adapter, policy_with_reference
+from posttrain.models.sharded_load import adapters_stay_real
 from posttrain.train.chunked import head_scores, output_head
 
 VALUE, REWARD = "value", "reward"
@@ -160,9 +161,10 @@ def build_roles(
     """Base + adapters for every role (see module docstring). Only the policy adapter (and the
     critic's adapter and head) require gradients."""
     lm = policy_with_reference(base, sft_adapter)
-    lm.load_adapter(str(reward_adapter), adapter_name=REWARD, is_trainable=False)
-    if critic:
-        lm.load_adapter(str(reward_adapter), adapter_name=VALUE, is_trainable=True)
+    with adapters_stay_real():  # a base on the meta device keeps the adapters' values
+        lm.load_adapter(str(reward_adapter), adapter_name=REWARD, is_trainable=False)
+        if critic:
+            lm.load_adapter(str(reward_adapter), adapter_name=VALUE, is_trainable=True)
     trainable = {POLICY, VALUE} if critic else {POLICY}
     for name, p in lm.named_parameters():
         p.requires_grad_(_adapter_of(name) in trainable)

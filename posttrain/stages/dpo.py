@@ -32,7 +32,7 @@ from posttrain.data.pref_prepare import guard_template, prepare
 from posttrain.data.sft_data import write_splits
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import REFERENCE, active_adapter, policy_with_reference
-from posttrain.models.loading import load_base
+from posttrain.models.loading import base_dtype, base_for_training
 from posttrain.models.lora import prepare_for_training
 from posttrain.models.reward import pair_batch
 from posttrain.stages.common import StageContext, stage_main
@@ -197,7 +197,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     seed = ctx.recipe.run.seed
     chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
 
-    base, tok = load_base(ctx.parent_dir("ingest"), ctx.parent_manifest("ingest"))
+    base, tok, weights = base_for_training(
+        ctx.parent_dir("ingest"), ctx.parent_manifest("ingest"), base_dtype(ctx.recipe.infra)
+    )
     sft_sha = ctx.parent_manifest("sft")["summary"].get("chat_template_sha256")
     template_sha = guard_template(tok, sft_sha, "dpo", cfg)
     data = prepare(cfg.data, tok, seed)
@@ -217,6 +219,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         cfg.optim,
         batch,
         total_steps,
+        weights=weights,
         train_examples=len(data.train),
         eval_examples=len(data.eval),
         loss_type=cfg.loss,

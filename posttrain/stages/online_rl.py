@@ -44,7 +44,7 @@ from posttrain.distributed.runtime import (
     rank_batches,
 )
 from posttrain.models.adapters import POLICY, REFERENCE
-from posttrain.models.loading import load_base
+from posttrain.models.loading import base_dtype, base_for_training
 from posttrain.models.lora import prepare_for_training
 from posttrain.models.roles import REWARD, VALUE, build_roles
 from posttrain.stages.common import StageContext
@@ -273,7 +273,9 @@ def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
     seed = ctx.recipe.run.seed
     chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
 
-    base, tok = load_base(ctx.parent_dir("ingest"), ctx.parent_manifest("ingest"))
+    base, tok, weights = base_for_training(
+        ctx.parent_dir("ingest"), ctx.parent_manifest("ingest"), base_dtype(ctx.recipe.infra)
+    )
     template_sha = guard_template(
         tok, ctx.parent_manifest("sft")["summary"].get("chat_template_sha256"), name, cfg
     )
@@ -310,6 +312,7 @@ def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
         batch,
         n_rollouts,
         schedule_steps=n_rollouts * updates_per_rollout,
+        weights=weights,
         algorithm=name,
         roles="policy,reference,reward" + (",value" if algo.critic else ""),
         kl_placement=placement,

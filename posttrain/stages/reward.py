@@ -25,9 +25,9 @@ from posttrain.config.loader import section_batch
 from posttrain.data.pref_prepare import guard_template, prepare
 from posttrain.data.sft_data import write_splits
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
-from posttrain.models.loading import load_tokenizer
+from posttrain.models.loading import base_dtype, load_tokenizer
 from posttrain.models.lora import apply_lora, prepare_for_training
-from posttrain.models.reward import load_score_model, pair_batch, pair_scores
+from posttrain.models.reward import pair_batch, pair_scores, score_model_for_training
 from posttrain.stages.common import StageContext, stage_main
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
@@ -102,8 +102,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
     batch = section_batch(ctx.recipe, "reward")
     total_steps = planned_steps(cfg.max_steps, cfg.epochs, len(data.train), batch)
 
-    model = load_score_model(
-        ingest["model_dir"], tok.pad_token_id, ingest.get("trust_remote_code", False)
+    model, weights = score_model_for_training(
+        ingest["model_dir"],
+        tok.pad_token_id,
+        base_dtype(ctx.recipe.infra),
+        ingest.get("trust_remote_code", False),
     )
     prepare_for_training(model, cfg.activation_checkpointing)
     model = apply_lora(model, cfg.lora, task_type="SEQ_CLS")
@@ -113,6 +116,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         cfg.optim,
         batch,
         total_steps,
+        weights=weights,
         train_examples=len(data.train),
         eval_examples=len(data.eval),
         **data.stats,

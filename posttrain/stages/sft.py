@@ -27,7 +27,7 @@ from posttrain.data.batching import pack_examples, pad_batch
 from posttrain.data.chat import IGNORE, template_sha256
 from posttrain.data.sft_data import prepare, write_splits
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
-from posttrain.models.loading import load_base
+from posttrain.models.loading import base_dtype, base_for_training
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.stages.common import StageContext, stage_main
 from posttrain.telemetry import heartbeat
@@ -79,7 +79,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     seed = ctx.recipe.run.seed
     chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
 
-    model, tok = load_base(ctx.parent_dir("ingest"), ctx.parent_manifest("ingest"))
+    model, tok, weights = base_for_training(
+        ctx.parent_dir("ingest"), ctx.parent_manifest("ingest"), base_dtype(ctx.recipe.infra)
+    )
     data = prepare(cfg.data, tok, seed)
     if ctx.is_main:
         write_splits(ctx.out_dir, data.train_rows, data.eval_rows)
@@ -96,6 +98,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         cfg.optim,
         batch,
         total_steps,
+        weights=weights,
         train_examples=len(train),
         eval_examples=len(data.eval),
         **data.stats,

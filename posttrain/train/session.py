@@ -26,7 +26,8 @@ from posttrain.config.schema import OptimConfig
 from posttrain.data.batching import step_indices
 from posttrain.distributed.fsdp import shard_model
 from posttrain.distributed.runtime import DistInfo, all_reduce_sum
-from posttrain.models.loading import count_params
+from posttrain.models.loading import base_dtype, count_params
+from posttrain.models.sharded_load import CheckpointFiles, fill_from_checkpoint
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import (
     MetricsWriter,
@@ -288,19 +289,27 @@ def start_session(
     batch: ResolvedBatch,
     total_steps: int,
     schedule_steps: int | None = None,
+    weights: CheckpointFiles | None = None,
     **start_fields: Any,
 ) -> TrainSession:
     """Shard `model` (trainable parts already marked), build optimizer + schedule, resume from
     the newest intact checkpoint (`posttrain.train.resume`), and write the `start` metrics
     record. `schedule_steps`: optimizer steps the LR schedule spans when a logged step holds
-    several (default total_steps)."""
+    several (default total_steps). `weights`: the checkpoint of a base built on the meta device
+    (`posttrain.models.loading.base_for_training`); each rank reads only its shards of it after
+    sharding. Without it, `model` is real and whole on this process."""
     d: DistInfo = ctx.dist
     precision = ctx.recipe.infra.precision
     assert batch.dp_size == d.world_size, f"recipe dp {batch.dp_size} != world {d.world_size}"
     heartbeat.beat(phase="setup")  # model loaded and data prepared; sharding and resume next
     n_total, n_trainable = count_params(model)
     n_matmul = matmul_params(model)
-    model = shard_model(model.to(d.device), d.mesh, precision)
+    dtype = base_dtype(ctx.recipe.infra)
+    if weights is None:
+        model = shard_model(model.to(d.device), d.mesh, precision, base_dtype=dtype)
+    else:
+        model = shard_model(model, d.mesh, precision, base_dtype=dtype)
+        fill_from_checkpoint(model, weights, d.device)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(trainable, optim)
@@ -349,6 +358,7 @@ def start_session(
         grad_accum_steps=batch.grad_accum_steps,
         global_batch_size=batch.global_batch_size,
         precision=precision,
+        base_dtype=str(dtype).removeprefix("torch."),
         peak_flops_per_device=peak,
         peak_flops_source=peak_src,
         **start_fields,
