@@ -140,7 +140,13 @@ def test_resolved_recipe_passes_again_from_another_directory(
         resolve(edited)
 
 
-def test_shipped_recipes_need_no_allowed_paths() -> None:
+def test_shipped_recipes_need_no_allowed_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.test_config import _cache_hub_ids
+
     root = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     for path in sorted((root / "recipes").glob("*.yaml")):
+        _cache_hub_ids(path, tmp_path)  # hub ids are no paths, but must resolve to load
         assert load_recipe(path).run.allowed_paths == [], path

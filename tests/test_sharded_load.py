@@ -108,6 +108,16 @@ def _headers(files: CheckpointFiles) -> int:
     return total
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_infra_attention_reaches_every_loader(tmp_path, attention) -> None:
+    from posttrain.models.loading import load_causal_lm
+
+    folder = _save(tmp_path, tied=True)
+    meta, _ = build_on_meta(folder, AutoModelForCausalLM, torch.float32, attention=attention)
+    whole = load_causal_lm(folder, attention=attention)
+    assert meta.config._attn_implementation == whole.config._attn_implementation == attention
+
+
 def test_a_body_tensor_missing_from_the_checkpoint_is_named(tmp_path) -> None:
     from safetensors.torch import load_file, save_file
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from posttrain.models.sharded_load import CheckpointFiles, build_on_meta
+from posttrain.models.sharded_load import CheckpointFiles, attn_kwargs, build_on_meta
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -22,25 +22,36 @@ def load_tokenizer(path: str | Path) -> Any:
 
 
 def load_causal_lm(
-    path: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    attention: str = "auto",
 ) -> PreTrainedModel:
     """Weights stay in `dtype` (fp32 master weights for training; FSDP2's mixed-precision policy
     casts to bf16 for compute on GPU)."""
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True
+        str(path),
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        use_safetensors=True,
+        **attn_kwargs(attention),
     )
     return model
 
 
 def load_base(
-    ingest_dir: Path, manifest: dict[str, Any], dtype: torch.dtype = torch.float32
+    ingest_dir: Path,
+    manifest: dict[str, Any],
+    dtype: torch.dtype = torch.float32,
+    attention: str = "auto",
 ) -> tuple[PreTrainedModel, Any]:
     """The base model and tokenizer an ingest artifact points at, whole on this process (for
     evaluation and export; training stages load sharded: `base_for_training`)."""
     info = manifest["summary"]
     model_dir = Path(info["model_dir"])
     tok = load_tokenizer(ingest_dir / "tokenizer")
-    model = load_causal_lm(model_dir, dtype, trust_remote_code=info.get("trust_remote_code", False))
+    trust = info.get("trust_remote_code", False)
+    model = load_causal_lm(model_dir, dtype, trust_remote_code=trust, attention=attention)
     return model, tok
 
 
@@ -53,7 +64,7 @@ def base_dtype(infra: Any) -> torch.dtype:
 
 
 def base_for_training(
-    ingest_dir: Path, manifest: dict[str, Any], dtype: torch.dtype
+    ingest_dir: Path, manifest: dict[str, Any], dtype: torch.dtype, attention: str = "auto"
 ) -> tuple[PreTrainedModel, Any, CheckpointFiles]:
     """The base causal LM on the meta device (base weights in `dtype`), its tokenizer, and the
     checkpoint files `start_session` fills each rank's shards from after sharding
@@ -65,6 +76,7 @@ def base_for_training(
         AutoModelForCausalLM,
         dtype,
         trust_remote_code=info.get("trust_remote_code", False),
+        attention=attention,
     )
     return model, tok, files
 

@@ -26,7 +26,11 @@ def load_score_model(
 
 
 def score_model_for_training(
-    base_dir: str | Path, pad_token_id: int, dtype: torch.dtype, trust_remote_code: bool = False
+    base_dir: str | Path,
+    pad_token_id: int,
+    dtype: torch.dtype,
+    trust_remote_code: bool = False,
+    attention: str = "auto",
 ) -> tuple[PreTrainedModel, CheckpointFiles]:
     """`load_score_model` on the meta device (base weights in `dtype`; the fresh score head real,
     fp32, drawn as `from_pretrained` draws it) and the checkpoint `start_session` fills each
@@ -36,6 +40,7 @@ def score_model_for_training(
         AutoModelForSequenceClassification,
         dtype,
         trust_remote_code=trust_remote_code,
+        attention=attention,
         num_labels=1,
     )
     model.config.pad_token_id = pad_token_id  # after construction, as `load_score_model` sets it

@@ -63,11 +63,18 @@ class CheckpointFiles:
         return cls(folder, where)
 
 
+def attn_kwargs(attention: str) -> dict[str, str]:
+    """transformers' `attn_implementation` for `infra.attention` (`auto`: the library's default,
+    SDPA for every family this project trains)."""
+    return {} if attention == "auto" else {"attn_implementation": attention}
+
+
 def build_on_meta(
     model_dir: str | Path,
     auto_cls: Any,
     dtype: torch.dtype,
     trust_remote_code: bool = False,
+    attention: str = "auto",
     **config_overrides: Any,
 ) -> tuple[PreTrainedModel, CheckpointFiles]:
     """The model of `model_dir`'s config on the meta device, base parameters in `dtype`; what the
@@ -77,7 +84,12 @@ def build_on_meta(
     for k, v in config_overrides.items():
         setattr(config, k, v)
     with torch.device("meta"):
-        model = auto_cls.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = auto_cls.from_config(
+            config,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            **attn_kwargs(attention),
+        )
     # Tied parameters appear once, under their source name.
     missing = [n for n, _ in model.named_parameters() if checkpoint_key(n, files) is None]
     body = f"{model.base_model_prefix}."

@@ -198,7 +198,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
 
     base, tok, weights = base_for_training(
-        ctx.parent_dir("ingest"), ctx.parent_manifest("ingest"), base_dtype(ctx.recipe.infra)
+        ctx.parent_dir("ingest"),
+        ctx.parent_manifest("ingest"),
+        base_dtype(ctx.recipe.infra),
+        ctx.recipe.infra.attention,
     )
     sft_sha = ctx.parent_manifest("sft")["summary"].get("chat_template_sha256")
     template_sha = guard_template(tok, sft_sha, "dpo", cfg)

@@ -142,7 +142,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.recipe.evaluate
     seed = ctx.recipe.run.seed
     device = torch.device("cuda" if ctx.recipe.infra.device == "cuda" else "cpu")
-    base, tok = load_base(ctx.parent_dir("ingest"), ctx.parent_manifest("ingest"))
+    base, tok = load_base(
+        ctx.parent_dir("ingest"),
+        ctx.parent_manifest("ingest"),
+        attention=ctx.recipe.infra.attention,
+    )
     sft_dir = ctx.parent_dir("sft")
     # The tuned policy is the policy stage that ran (dpo, ppo or grpo), else sft; the SFT policy
     # is then loaded as a second adapter ("sft") on the same base, for the comparisons below.

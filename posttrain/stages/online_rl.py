@@ -274,7 +274,10 @@ def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
     chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
 
     base, tok, weights = base_for_training(
-        ctx.parent_dir("ingest"), ctx.parent_manifest("ingest"), base_dtype(ctx.recipe.infra)
+        ctx.parent_dir("ingest"),
+        ctx.parent_manifest("ingest"),
+        base_dtype(ctx.recipe.infra),
+        ctx.recipe.infra.attention,
     )
     template_sha = guard_template(
         tok, ctx.parent_manifest("sft")["summary"].get("chat_template_sha256"), name, cfg

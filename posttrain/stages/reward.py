@@ -107,6 +107,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         tok.pad_token_id,
         base_dtype(ctx.recipe.infra),
         ingest.get("trust_remote_code", False),
+        ctx.recipe.infra.attention,
     )
     prepare_for_training(model, cfg.activation_checkpointing)
     model = apply_lora(model, cfg.lora, task_type="SEQ_CLS")

@@ -80,7 +80,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
 
     model, tok, weights = base_for_training(
-        ctx.parent_dir("ingest"), ctx.parent_manifest("ingest"), base_dtype(ctx.recipe.infra)
+        ctx.parent_dir("ingest"),
+        ctx.parent_manifest("ingest"),
+        base_dtype(ctx.recipe.infra),
+        ctx.recipe.infra.attention,
     )
     data = prepare(cfg.data, tok, seed)
     if ctx.is_main:
