@@ -132,7 +132,12 @@ def recipe(
         "checkpoint_every": 0,
     }
     return {
-        "run": {"name": f"gpu-check-{shape}", "workspace": str(work / "ws"), "seed": 0},
+        "run": {
+            "name": f"gpu-check-{shape}",
+            "workspace": str(work / "ws"),
+            "seed": 0,
+            "allowed_paths": [str(sft_data.parent)],  # the generated data sits beside, not inside
+        },
         "infra": {
             "device": "cpu" if args.cpu_smoke else "cuda",
             "devices_per_node": 1,
@@ -152,7 +157,7 @@ def recipe(
                 "path": str(pref_data),
                 "eval_fraction": 0.0,
                 "max_seq_len": args.seq,
-                "max_prompt_len": 128,
+                "max_prompt_len": min(256, args.seq // 4),
             },
             "beta": 0.1,
             "max_steps": args.dpo_steps,
@@ -243,6 +248,8 @@ def main() -> None:
             f"{resv if resv is not None else float('nan'):8.2f} "
             f"{r['estimate_gib'] or float('nan'):8.2f} {ratio:9.2f}"
         )
+    if args.cpu_smoke:
+        print("(CPU smoke: 'alloc' is the peak RSS, MFU against this CPU's measured fp32 peak)")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -93,3 +93,22 @@ def test_smoke_152k_recipe_runs_every_stage(tmp_path: Path) -> None:
         metrics = d / "metrics.jsonl"
         for line in metrics.read_text().splitlines() if metrics.exists() else []:
             _strict(line)
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_its_path_shrunk_on_cpu(tmp_path: Path) -> None:
+    """bench/gpu_check.py is run by hand on GPU machines; its --cpu-smoke mode runs the very
+    same code (shape, data, stages, figures) shrunk, so the script cannot rot between them."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "figures.json"
+    cmd = [sys.executable, "bench/gpu_check.py", "--cpu-smoke", "--shapes", "qwen2.5-0.5b"]
+    cmd += ["--work", str(tmp_path / "w"), "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert set(figures) == {"qwen2.5-0.5b sft", "qwen2.5-0.5b dpo"}
+    for r in figures.values():
+        assert r["tokens_per_s_per_device"] > 0 and 0 < r["mfu"] < 1
+        assert r["peak_allocated_gib"] > 0 and r["estimate_gib"] > 0
