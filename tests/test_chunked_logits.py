@@ -145,24 +145,30 @@ def test_hand_computed_softcap_gradient() -> None:
 
 
 def test_logit_transform_from_real_configs() -> None:
-    """Read from transformers' own config classes: Gemma-2/3 soft-cap (Gemma-3's multimodal
-    config through its text config), Cohere's multiplier, Granite's divisor, MiniCPM3's
-    before-the-head divisor (nothing to do); unread architectures setting one are refused."""
+    """Read from transformers' own config classes: Gemma-2 and Gemma-3 text soft-cap, Gemma-3's
+    multimodal model (whose forward does not soft-cap), Cohere's multiplier, Granite's divisor,
+    MiniCPM3's before-the-head divisor (nothing to do); unread architectures setting one, on
+    their config or their text config, are refused."""
     from transformers import (
         CohereConfig,
         Gemma2Config,
         Gemma3Config,
+        Gemma3TextConfig,
         GraniteConfig,
         LlamaConfig,
+        LlavaConfig,
         MiniCPM3Config,
     )
 
     assert logit_transform(Gemma2Config()) == LogitTransform(softcap=30.0)
     assert logit_transform(Gemma2Config(final_logit_softcapping=None)) == IDENTITY
-    assert (
-        logit_transform(Gemma3Config()).softcap
-        == Gemma3Config().text_config.final_logit_softcapping
-    )
+    capped = {"final_logit_softcapping": 30.0}
+    assert logit_transform(Gemma3TextConfig(**capped)) == LogitTransform(softcap=30.0)
+    assert logit_transform(Gemma3Config(text_config=capped)) == IDENTITY
+    llava = LlavaConfig()
+    llava.text_config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="model_type 'llava'"):
+        logit_transform(llava)
     assert logit_transform(CohereConfig(logit_scale=0.0625)) == LogitTransform(scale=0.0625)
     assert logit_transform(GraniteConfig(logits_scaling=8.0)) == LogitTransform(scale=0.125)
     assert logit_transform(GraniteConfig()) == IDENTITY

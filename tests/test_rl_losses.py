@@ -174,6 +174,10 @@ def test_response_mask_ends_at_the_first_eos() -> None:
 
     mask, stopped = response_mask(torch.tensor([[5, 9, 9, 0], [5, 6, 7, 8]]), stop_ids=9)
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]] and stopped.tolist() == [True, False]
+    # Several stop ids (EOS 9, an end-of-turn marker 6): the first of any ends the response.
+    mask, stopped = response_mask(torch.tensor([[5, 9, 9, 0], [5, 6, 7, 8], [5, 7, 8, 4]]), [9, 6])
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+    assert stopped.tolist() == [True, True, False]
 
 
 def test_missing_eos_penalty_only_hits_responses_that_never_stopped() -> None:

@@ -115,7 +115,9 @@ def generate_ids(
         return []
     kwargs = generate_kwargs(cfg)
     stop_ids = model_stop_token_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None and stop_ids:
+        pad_id = stop_ids[0]
     device = _model_device(model)
     was_training = model.training
     model.eval()

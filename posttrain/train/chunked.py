@@ -83,26 +83,31 @@ IDENTITY = LogitTransform()
 
 # Config attributes of architectures that transform the head's output into the logits, and the
 # model types (text configs) whose transformers 5.24 modeling code was read for what it does
-# with each: soft-capping after the head (Gemma-2/3, VaultGemma), multiplying (Cohere), dividing
-# (Granite). `minicpm3` divides the *hidden states* by `logits_scaling` before the head, which
-# the chunked head receives as its input: nothing to do. Any other model type that sets one of
-# these to a non-trivial value is refused (its code is unread: the transform could be anything).
+# with each: soft-capping after the head (Gemma-2, Gemma-3 text, VaultGemma), multiplying
+# (Cohere), dividing (Granite). Keyed by the model's own config (the one its forward reads), with
+# a multimodal config's text config looked at too, so a transform set there is never missed.
+# Not applied by the model, so nothing to do: `minicpm3` divides the *hidden states* by
+# `logits_scaling` before the head (the chunked head receives them as its input), and Gemma-3's
+# multimodal Gemma3ForConditionalGeneration does not soft-cap whatever its text config says. Any
+# other model type that sets one of these to a non-trivial value is refused (its code is unread:
+# the transform could be anything, e.g. granite vision models divide by the text config's value).
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 _SOFTCAP_TYPES = frozenset({"gemma2", "gemma3_text", "vaultgemma"})
 _SCALE_TYPES = frozenset({"cohere", "cohere2"})
 _DIVISOR_TYPES = frozenset({"granite", "granitemoe", "granitemoeshared", "granitemoehybrid"})
-_BEFORE_HEAD = {"minicpm3": "logits_scaling"}
+_NOT_APPLIED = {"minicpm3": "logits_scaling", "gemma3": "final_logit_softcapping"}
 
 
 def logit_transform(config: Any) -> LogitTransform:
-    """The `LogitTransform` of a model's config (a multimodal config's text config); refuses a
-    transform attribute set on an architecture not known to apply it as above."""
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
+    """The `LogitTransform` of a model's own config; refuses a transform attribute (on it or on
+    its text config) of an architecture not known to apply it as above."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     model_type = getattr(config, "model_type", None)
     out = IDENTITY
     for name in LOGIT_TRANSFORMS:
         value = getattr(config, name, None)
+        if value is None:
+            value = getattr(text, name, None)
         if value is None or (name != "final_logit_softcapping" and value == 1):
             continue
         if name == "final_logit_softcapping" and model_type in _SOFTCAP_TYPES:
@@ -111,7 +116,7 @@ def logit_transform(config: Any) -> LogitTransform:
             out = LogitTransform(out.scale * float(value), out.softcap)
         elif name == "logits_scaling" and model_type in _DIVISOR_TYPES:
             out = LogitTransform(out.scale / float(value), out.softcap)
-        elif _BEFORE_HEAD.get(model_type or "") == name:
+        elif _NOT_APPLIED.get(model_type or "") == name:
             continue
         else:
             raise ValueError(
@@ -329,15 +334,13 @@ def scoring_head(
 @contextmanager
 def _transform_off(model: nn.Module, transform: LogitTransform) -> Iterator[None]:
     """Neutral values, for the duration, where transformers 5.24's forward reads the transform
-    after the head: `config.final_logit_softcapping` (Gemma, through a multimodal config's text
-    config), `config.logits_scaling` (Granite), and Cohere's `logit_scale`, which its causal LM
-    copies from the config onto itself at construction. Restored afterwards, also on error."""
+    after the head: `config.final_logit_softcapping` (Gemma), `config.logits_scaling` (Granite),
+    and Cohere's `logit_scale`, which its causal LM copies from the config onto itself at
+    construction. Restored afterwards, also on error."""
     if transform.identity:
         yield
         return
     config = getattr(model, "config", None)
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
     model_type = getattr(config, "model_type", None)
     saved: list[tuple[Any, str, Any]] = []
     if model_type in _SOFTCAP_TYPES:
