@@ -22,9 +22,12 @@ from posttrain.models.lora import apply_lora
 from posttrain.models.roles import RoleModel
 from posttrain.models.tiny import build_model
 from posttrain.train.chunked import (
+    IDENTITY,
+    LogitTransform,
     chunked_target_logps,
     forward_nll_sum,
     forward_sequence_logps,
+    logit_transform,
     output_head,
     scoring_head,
     shifted_targets,
@@ -68,25 +71,114 @@ def test_function_equals_full_logits(chunk: int, bias: bool) -> None:
     head = nn.Linear(hid, vocab, bias=bias)
     t = torch.randint(0, vocab, (n,))
     a, b = torch.randn(n), torch.randn(n)
+    _assert_function_matches(h, head, t, a, b, chunk, IDENTITY)
 
-    logits = head(h)
+
+def _assert_function_matches(
+    h: torch.Tensor,
+    head: nn.Linear,
+    t: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    chunk: int,
+    transform: LogitTransform,
+) -> None:
+    """Chunked log-probs/entropy/gradients of sum(a logp + b H) equal the full-logits ones."""
+    logits = transform.logits(head(h))
     ref_lp, ref_ent = token_logps(logits, t), entropy_from_logits(logits)
     params = [h, *head.parameters()]
     ref_grads = torch.autograd.grad((a * ref_lp).sum() + (b * ref_ent).sum(), params)
 
-    lp, ent = chunked_target_logps(h, head.weight, head.bias, t, chunk, entropy=True)
+    lp, ent = chunked_target_logps(h, head.weight, head.bias, t, chunk, True, transform)
     grads = torch.autograd.grad((a * lp).sum() + (b * ent).sum(), params)
     torch.testing.assert_close(lp, ref_lp, atol=ATOL, rtol=0)
     torch.testing.assert_close(ent, ref_ent, atol=ATOL, rtol=0)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, atol=ATOL, rtol=0)
     # Without the entropy: log-probs alone, and their gradient.
-    lp2, none = chunked_target_logps(h, head.weight, head.bias, t, chunk)
+    lp2, none = chunked_target_logps(h, head.weight, head.bias, t, chunk, transform=transform)
     assert none is None
     g2 = torch.autograd.grad((a * lp2).sum(), params)
-    r2 = torch.autograd.grad((a * token_logps(head(h), t)).sum(), params)
+    r2 = torch.autograd.grad((a * token_logps(transform.logits(head(h)), t)).sum(), params)
     for g, r in zip(g2, r2, strict=True):
         torch.testing.assert_close(g, r, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [3, 0])
+@pytest.mark.parametrize(
+    "transform",
+    [LogitTransform(softcap=2.0), LogitTransform(scale=0.25), LogitTransform(3.0, 1.5)],
+    ids=["softcap", "scale", "scale+softcap"],
+)
+def test_function_with_logit_transform_equals_full_logits(
+    chunk: int, transform: LogitTransform
+) -> None:
+    """Soft-capped and scaled logits: log-probs, entropy and gradients equal those of the
+    transformed full logits; head outputs of a few units, so a cap of 2 bends them hard."""
+    torch.manual_seed(0)
+    n, hid, vocab = 10, 16, 37
+    h = torch.randn(n, hid, requires_grad=True)
+    head = nn.Linear(hid, vocab)
+    with torch.no_grad():
+        head.weight.mul_(4.0)
+    t = torch.randint(0, vocab, (n,))
+    a, b = torch.randn(n), torch.randn(n)
+    _assert_function_matches(h, head, t, a, b, chunk, transform)
+    # The transform is not a no-op here: the untransformed log-probs are far off.
+    raw, _ = chunked_target_logps(h, head.weight, head.bias, t, chunk)
+    assert (raw - token_logps(transform.logits(head(h)), t)).abs().max() > 0.1
+
+
+def test_hand_computed_softcap_gradient() -> None:
+    """One position, H = 1, weights (0, 1), h = 2, cap 1: logits (0, tanh 2); d logp(1)/dh =
+    (1 - p1) * (1 - tanh^2 2) * 1."""
+    w = torch.tensor([[0.0], [1.0]])
+    h = torch.tensor([[2.0]], requires_grad=True)
+    logp, _ = chunked_target_logps(
+        h, w, None, torch.tensor([1]), 1, transform=LogitTransform(softcap=1.0)
+    )
+    t = math.tanh(2.0)
+    p1 = math.exp(t) / (1 + math.exp(t))
+    assert logp.item() == pytest.approx(math.log(p1), abs=ATOL)
+    logp.sum().backward()
+    assert h.grad.item() == pytest.approx((1 - p1) * (1 - t * t), abs=ATOL)
+
+
+def test_logit_transform_from_real_configs() -> None:
+    """Read from transformers' own config classes: Gemma-2 and Gemma-3 text soft-cap, Gemma-3's
+    multimodal model (whose forward does not soft-cap), Cohere's multiplier, Granite's divisor,
+    MiniCPM3's before-the-head divisor (nothing to do); unread architectures setting one, on
+    their config or their text config, are refused."""
+    from transformers import (
+        CohereConfig,
+        Gemma2Config,
+        Gemma3Config,
+        Gemma3TextConfig,
+        GraniteConfig,
+        LlamaConfig,
+        LlavaConfig,
+        MiniCPM3Config,
+    )
+
+    assert logit_transform(Gemma2Config()) == LogitTransform(softcap=30.0)
+    assert logit_transform(Gemma2Config(final_logit_softcapping=None)) == IDENTITY
+    capped = {"final_logit_softcapping": 30.0}
+    assert logit_transform(Gemma3TextConfig(**capped)) == LogitTransform(softcap=30.0)
+    assert logit_transform(Gemma3Config(text_config=capped)) == IDENTITY
+    llava = LlavaConfig()
+    llava.text_config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="model_type 'llava'"):
+        logit_transform(llava)
+    assert logit_transform(CohereConfig(logit_scale=0.0625)) == LogitTransform(scale=0.0625)
+    assert logit_transform(GraniteConfig(logits_scaling=8.0)) == LogitTransform(scale=0.125)
+    assert logit_transform(GraniteConfig()) == IDENTITY
+    assert MiniCPM3Config(dim_model_base=64).logits_scaling != 1  # divides the hidden states
+    assert logit_transform(MiniCPM3Config(dim_model_base=64)) == IDENTITY
+    assert logit_transform(LlamaConfig()) == IDENTITY
+    odd = LlamaConfig()
+    odd.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="model_type 'llama'.*logits_chunk_tokens: 0"):
+        logit_transform(odd)
 
 
 def test_refuses_a_transformed_head_and_misaligned_targets() -> None:
@@ -186,10 +278,15 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+def _assert_same(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], relative: bool = False
+) -> None:
+    """Same gradients to ATOL (with `relative`, ATOL times the largest gradient of the tensor:
+    gradients of a few units carry fp32 rounding of a few 1e-6 on either path)."""
     assert a.keys() == b.keys() and a
     for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=ATOL, rtol=2e-6, msg=lambda m, k=k: f"{k}: {m}")
+        atol = ATOL * max(1.0, float(b[k].abs().max())) if relative else ATOL
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=2e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.parametrize(("tied", "lora"), [(True, True), (False, False), (True, False)])
@@ -327,3 +424,138 @@ def test_sft_stage_same_trajectory_chunked_and_unchunked(tmp_path: Path) -> None
     assert [r["eval_loss"] for r in ch_eval] == pytest.approx(
         [r["eval_loss"] for r in full_eval], rel=1e-5
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Architectures whose logits are a transform of the head's output, real tiny models
+
+
+def _transformed_model(family: str, lora: bool) -> nn.Module:
+    """A tiny Gemma-2 (soft-cap 3), Cohere (logit_scale 0.5) or Granite (logits_scaling 4) with
+    an initialisation wide enough that the head's output reaches a few units (so the cap bends
+    it), tied head."""
+    from transformers import (
+        CohereConfig,
+        CohereForCausalLM,
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        GraniteConfig,
+        GraniteForCausalLM,
+    )
+
+    torch.manual_seed(0)
+    dims = {
+        "vocab_size": 512,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "pad_token_id": 0,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "initializer_range": 0.3,
+        "use_cache": False,
+    }
+    if family == "gemma2":
+        cfg = Gemma2Config(
+            **dims, head_dim=8, final_logit_softcapping=3.0, attn_implementation="eager"
+        )
+        model = Gemma2ForCausalLM(cfg)
+    elif family == "cohere":
+        model = CohereForCausalLM(CohereConfig(**dims, logit_scale=0.5))
+    else:
+        model = GraniteForCausalLM(GraniteConfig(**dims, logits_scaling=4.0))
+    if lora:
+        model = apply_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("family", "lora"),
+    [("gemma2", True), ("gemma2", False), ("cohere", False), ("granite", True)],
+)
+def test_transformed_logits_models_under_fsdp2(mesh: object, family: str, lora: bool) -> None:
+    """Gemma-2 (soft-cap), Cohere (scale) and Granite (divisor): NLL sums, per-row sequence
+    log-probs and the gradients of every trainable parameter through the chunked head equal
+    those of the model's own logits (chunk 0 = model(...).logits -> log_softmax); without the
+    transform the chunked numbers would be far off."""
+    model = shard_model(_transformed_model(family, lora), mesh, "fp32")
+    batch = _batch()
+    nll0, n0 = forward_nll_sum(model, batch, 0)
+    nll1, n1 = forward_nll_sum(model, batch, 5)
+    assert int(n0) == int(n1)
+    torch.testing.assert_close(nll1, nll0, atol=1e-5, rtol=1e-6)
+    # The SFT loss: the mean over label tokens (a sum of ~20 tokens' gradients through a wide
+    # initialisation differs in fp32 rounding by a few 1e-6 on both paths alike).
+    (nll0 / n0).backward()
+    ref = _grads(model)
+    (nll1 / n1).backward()
+    _assert_same(_grads(model), ref)
+    if not lora:
+        assert "model.embed_tokens.weight" in ref  # the tied head trains too
+
+    weights = torch.tensor([1.0, -2.0, 0.5])
+    (lp0, len0), (lp1, len1) = (forward_sequence_logps(model, batch, c) for c in (0, 4))
+    assert torch.equal(len0, len1)
+    torch.testing.assert_close(lp1, lp0, atol=ATOL, rtol=1e-6)
+    (lp0 * weights).sum().backward()
+    ref = _grads(model)
+    (lp1 * weights).sum().backward()
+    _assert_same(_grads(model), ref, relative=True)
+
+    # The transform matters at this scale: the head's raw output scores differently.
+    config = model.config
+    name = {"gemma2": "final_logit_softcapping", "cohere": "logit_scale"}.get(
+        family, "logits_scaling"
+    )
+    kept = getattr(config, name)
+    setattr(config, name, None if family == "gemma2" else 1.0)
+    try:
+        with torch.no_grad():
+            raw, _ = forward_sequence_logps(model, batch, 4)
+    finally:
+        setattr(config, name, kept)
+    assert (raw - lp0.detach()).abs().max() > 0.5
+
+
+def test_role_model_gemma2_softcap_under_fsdp2(mesh: object) -> None:
+    """The RL role model on Gemma-2: response log-probs and entropy are those of the model's
+    own (soft-capped) logits on both paths, and chunked equals unchunked with gradients."""
+    lm = _transformed_model("gemma2", True)
+    lm.add_adapter("reference", lm.peft_config["default"])
+    for name, p in lm.named_parameters():
+        p.requires_grad_(".default." in name)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(2, 512, (4, 10), generator=g)
+    with torch.no_grad():  # the causal LM's own logits (soft-capped), default adapter
+        own = lm(input_ids=ids).logits[:, 4:9]
+    model = shard_model(RoleModel(lm, nn.Linear(32, 1), None), mesh, "fp32")
+    response = ids[:, 5:]
+    mask = torch.ones(4, 5)
+    mask[1, 3:] = 0
+    inp = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": torch.arange(10).expand(4, 10).clone(),
+        "start": 4,
+        "stop": 9,
+    }
+    weights = torch.randn(4, 5, generator=g)
+    out = {}
+    for chunk in (0, 3):
+        lp, ent = response_logps(model, "default", inp, response, mask, chunk, entropy=True)
+        ((weights * lp - 0.1 * ent) * mask).sum().backward()
+        out[chunk] = (lp * mask, ent * mask, _grads(model))
+    want = token_logps(own, response) * mask
+    torch.testing.assert_close(out[0][0].detach(), want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        out[0][1].detach(), entropy_from_logits(own) * mask, atol=ATOL, rtol=0
+    )
+    for a, b in zip(out[0][:2], out[3][:2], strict=True):
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=0)
+    _assert_same(out[3][2], out[0][2])

@@ -150,7 +150,7 @@ def _rollout(scores: list[float], stopped: list[bool]):
     from posttrain.train.rollout import Rollout, response_mask
 
     response = torch.tensor([[5, 6, 9], [7, 9, 0]])
-    mask, stop = response_mask(response, eos_id=9)
+    mask, stop = response_mask(response, stop_ids=9)
     stop = torch.tensor(stopped)
     ro = Rollout(
         torch.ones(2, 2, dtype=torch.long),
@@ -172,8 +172,12 @@ def _rollout(scores: list[float], stopped: list[bool]):
 def test_response_mask_ends_at_the_first_eos() -> None:
     from posttrain.train.rollout import response_mask
 
-    mask, stopped = response_mask(torch.tensor([[5, 9, 9, 0], [5, 6, 7, 8]]), eos_id=9)
+    mask, stopped = response_mask(torch.tensor([[5, 9, 9, 0], [5, 6, 7, 8]]), stop_ids=9)
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]] and stopped.tolist() == [True, False]
+    # Several stop ids (EOS 9, an end-of-turn marker 6): the first of any ends the response.
+    mask, stopped = response_mask(torch.tensor([[5, 9, 9, 0], [5, 6, 7, 8], [5, 7, 8, 4]]), [9, 6])
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+    assert stopped.tolist() == [True, True, False]
 
 
 def test_missing_eos_penalty_only_hits_responses_that_never_stopped() -> None:

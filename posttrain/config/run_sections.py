@@ -124,8 +124,10 @@ class InfraConfig(_Section):
         "labelled positions are scored, this many at a time, so full-vocabulary fp32 logits "
         "([batch, tokens, vocab]: 10 GB for 8 x 2048 tokens of a 152k vocabulary) never exist; "
         "peak is a few [chunk, vocab] fp32 buffers (2048 x 152k x 4 B = 1.2 GB each). Same "
-        "results as unchunked (to ~1e-6). 0 = unchunked: full logits, needed for models whose "
-        "head output is transformed into logits (Gemma soft-capping, Cohere/Granite scaling).",
+        "results as unchunked (to ~1e-6), also for models whose head output is transformed into "
+        "logits (Gemma-2/3 soft-capping, Cohere's logit_scale, Granite's logits_scaling are "
+        "applied per chunk; another architecture setting one of these is refused). 0 = "
+        "unchunked: full logits, needed for an adapter on the LM head.",
     )
     memory_preflight: Literal["refuse", "warn", "off"] = Field(
         "refuse",

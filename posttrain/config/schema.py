@@ -441,7 +441,13 @@ class RolloutConfig(_Section):
     samples_per_prompt: int = Field(
         1, ge=1, description="Responses sampled per prompt (GRPO's group size; needs >= 2 there)."
     )
-    max_new_tokens: int = Field(32, ge=1, description="Longest response; generation stops at EOS.")
+    max_new_tokens: int = Field(
+        32,
+        ge=1,
+        description="Longest response; generation stops earlier at a stop token: the "
+        "tokenizer's EOS, the model's generation_config eos ids, or the chat template's "
+        "end-of-turn token when it is one token.",
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_k: int | None = Field(None, ge=1, description="Top-k filter; null = off.")
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus filter; null = off.")
@@ -491,8 +497,9 @@ class _OnlineRLConfig(TrainingSection, TemplateGuard):
     missing_eos_penalty: float | None = Field(
         None,
         le=0,
-        description="Added to the score of a response that never stopped (no EOS within "
-        "max_new_tokens); null = no penalty.",
+        description="Added to the score of a response that never stopped (no stop token - EOS, "
+        "generation_config eos id or end-of-turn token - within max_new_tokens); null = no "
+        "penalty.",
     )
     eval_prompts: int = Field(
         32, ge=1, description="Held-out prompts scored for the final reward and KL."

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from posttrain.config.schema import SamplingConfig
+from posttrain.eval.stop_tokens import model_stop_token_ids
 
 
 def generate_kwargs(cfg: SamplingConfig) -> dict[str, Any]:
@@ -80,12 +81,31 @@ def generate(
     seed: int,
     batch_size: int = 8,
 ) -> list[str]:
-    """Completions for `prompts` (already chat-templated text), one string per prompt, in order.
+    """Completions for `prompts` (already chat-templated text), one string per prompt, in order:
+    the new tokens of `generate_ids` up to the stop token that ended each (left out), decoded
+    with special tokens removed."""
+    texts = []
+    for ids, stopped in generate_ids(model, tokenizer, prompts, cfg, seed, batch_size):
+        texts.append(tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=True))
+    return texts
+
+
+def generate_ids(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    cfg: SamplingConfig,
+    seed: int,
+    batch_size: int = 8,
+) -> list[tuple[list[int], bool]]:
+    """(new token ids, stopped) per prompt (already chat-templated text), in order. A row ends at
+    the first of the stop ids (`stop_token_ids`: the tokenizer's EOS, the model's
+    generation_config eos ids, the template's end-of-turn token), which is its last id and makes
+    `stopped` True; a row that never stopped has max_new_tokens ids.
 
     Prompts are tokenized without special tokens (the template already holds them) and padded on
     the LEFT, so every row's last prompt token sits at the same position and new tokens are the
-    columns after the input width. Generation stops at the tokenizer's EOS; the decoded text is
-    the new tokens only, with special tokens removed.
+    columns after the input width.
 
     Batch k is seeded with seed + k, so a batch's samples do not depend on how many random
     numbers earlier batches used. The caller's global RNG state is restored afterwards. Works on
@@ -94,12 +114,14 @@ def generate(
     if not prompts:
         return []
     kwargs = generate_kwargs(cfg)
-    eos_id = tokenizer.eos_token_id
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    stop_ids = model_stop_token_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None and stop_ids:
+        pad_id = stop_ids[0]
     device = _model_device(model)
     was_training = model.training
     model.eval()
-    texts: list[str] = []
+    rows: list[tuple[list[int], bool]] = []
     fork_devices = [device] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=fork_devices), torch.no_grad():
@@ -117,12 +139,22 @@ def generate(
                 out = model.generate(
                     input_ids=input_ids,
                     attention_mask=enc["attention_mask"].to(device),
-                    eos_token_id=eos_id,
+                    eos_token_id=stop_ids or None,
                     pad_token_id=pad_id,
                     **kwargs,
                 )  # [b, P + new]; rows that stopped early are padded with pad_id
-                new_tokens = out[:, input_ids.shape[1] :]
-                texts += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+                for row in out[:, input_ids.shape[1] :].tolist():
+                    rows.append(cut_at_stop(row, stop_ids))
     finally:
         model.train(was_training)
-    return texts
+    return rows
+
+
+def cut_at_stop(ids: list[int], stop_ids: list[int]) -> tuple[list[int], bool]:
+    """`ids` up to and including the first stop id (the padding after it dropped) -> (ids,
+    stopped)."""
+    stops = set(stop_ids)
+    for i, t in enumerate(ids):
+        if t in stops:
+            return ids[: i + 1], True
+    return ids, False

@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from posttrain.models.adapters import POLICY, REFERENCE, active_adapter, policy_with_reference
 from posttrain.models.sharded_load import adapters_stay_real
-from posttrain.train.chunked import head_scores, output_head
+from posttrain.train.chunked import head_scores, model_transform, output_head
 
 VALUE, REWARD = "value", "reward"
 LOGIT_ROLES = (POLICY, REFERENCE)
@@ -92,10 +92,13 @@ class RoleModel(nn.Module):
             return self.value_head(hidden).sum(-1).float()  # [B, R, 1] -> [B, R]
         if role not in LOGIT_ROLES:
             raise ValueError(f"unknown role {role!r}; known: {LOGIT_ROLES + (VALUE, REWARD)}")
+        # The architecture's logit transform (Gemma soft-cap, Cohere/Granite scale), which the
+        # causal LM's own forward applies after its head.
+        transform = model_transform(self.causal_lm)
         if targets is None:
-            return self.causal_lm.get_output_embeddings()(hidden)
+            return transform.logits(self.causal_lm.get_output_embeddings()(hidden))
         head = output_head(self.causal_lm)
-        logp, ent = head_scores(head, hidden, targets, chunk_tokens, entropy)
+        logp, ent = head_scores(head, hidden, targets, chunk_tokens, entropy, transform)
         return logp if ent is None else torch.stack([logp, ent], dim=-1)
 
     def generate(self, role: str = POLICY, **kwargs: Any) -> torch.Tensor:

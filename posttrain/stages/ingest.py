@@ -39,6 +39,7 @@ from posttrain.data.chat import (
     template_sha256,
 )
 from posttrain.data.synthetic import pretrain_corpus, quickstart_sft_rows
+from posttrain.eval.stop_tokens import end_of_turn_token
 from posttrain.stages.common import StageContext, stage_main
 
 log = logging.getLogger("posttrain.ingest")
@@ -231,10 +232,17 @@ def install_template(tokenizer: Any, cfg: IngestConfig) -> dict[str, Any]:
             "the chat template writes nothing after an assistant turn: the model cannot learn "
             "to end its turn"
         )
-    elif tokenizer.eos_token and not info.end_of_turn.startswith(tokenizer.eos_token):
+    elif (
+        tokenizer.eos_token
+        and not info.end_of_turn.startswith(tokenizer.eos_token)
+        and end_of_turn_token(tokenizer) is None
+    ):
+        # A single-token marker is a stop token of every sampler (posttrain.eval.stop_tokens);
+        # one of several tokens is not, so only the EOS and generation_config ids end a turn.
         log.warning(
-            "the chat template ends assistant turns with %r, not with the tokenizer's EOS %r: "
-            "generation that stops at EOS only runs past the end of a turn",
+            "the chat template ends assistant turns with %r, not with the tokenizer's EOS %r, "
+            "and that marker is not one token: generation stops at the EOS (and the model's "
+            "generation_config eos ids) only, so it may run past the end of a turn",
             info.end_of_turn,
             tokenizer.eos_token,
         )

@@ -43,6 +43,7 @@ from posttrain.distributed.runtime import (
     min_max,
     rank_batches,
 )
+from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.loading import base_dtype, base_for_training
 from posttrain.models.lora import prepare_for_training
@@ -204,7 +205,8 @@ def heldout(
     sample per held-out prompt from `role`. Prompt batch b is sampled with seed + b's first row,
     so the policy and the reference see the same prompts under the same seeds. Returns (means
     over all ranks, this rank's examples)."""
-    pad, eos = tok.pad_token_id, tok.eos_token_id
+    # The tokenizer's EOS, the model's generation_config eos ids, the template's end of turn.
+    pad, stops = tok.pad_token_id, model_stop_token_ids(model, tok)
     roles = (POLICY, REFERENCE, REWARD) if role == POLICY else (REWARD,)
     sums: Counter[str] = Counter()
     examples = []
@@ -218,7 +220,7 @@ def heldout(
             [r["messages"] for r in chunk],
             cfg.rollout,
             pad,
-            eos,
+            stops,
             seed + (idx[0] if idx else 0),
             d.world_size,
             role=role,
@@ -354,6 +356,10 @@ def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
         return pol
 
     roles = (POLICY, REFERENCE, REWARD) + ((VALUE,) if algo.critic else ())
+    # Responses end at any stop id (EOS, generation_config eos ids, the template's end of turn):
+    # the response mask, the reward's input and `missing_eos_penalty` all follow it.
+    stop_ids = model_stop_token_ids(model, tok)
+    log.info("rollouts stop at token ids %s", stop_ids)
     n_mat, cfg_m = tr.n_matmul, model.config
     for step in range(tr.start_step, n_rollouts):
         t0 = time.perf_counter()
@@ -374,7 +380,7 @@ def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
             [r["messages"] for r in rows],
             cfg.rollout,
             tok.pad_token_id,
-            tok.eos_token_id,
+            stop_ids,
             rollout_seed(seed, step, rank),
             world,
         )

@@ -2,13 +2,16 @@
 role (policy and reference log-probs, critic values, reward-model scores) without gradients.
 
 Layout of one rank's rollout of N sequences: prompts LEFT-padded to P columns, responses after
-them in R columns, right-padded after the EOS that ended each (or full width when a response never
-stopped). The logits/values for response token t come from sequence position P-1+t, so every role
-is read at positions [P-1, P+R-1).
+them in R columns, right-padded after the stop token that ended each (or full width when a
+response never stopped). Stop tokens: `posttrain.eval.stop_tokens.stop_token_ids` (the
+tokenizer's EOS, the model's generation_config eos ids, the template's end-of-turn token). The
+logits/values for response token t come from sequence position P-1+t, so every role is read at
+positions [P-1, P+R-1).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +33,8 @@ class Rollout:
     prompt_ids: torch.Tensor  # [N, P] left-padded
     prompt_mask: torch.Tensor  # [N, P] 1 on real prompt tokens
     response: torch.Tensor  # [N, R]
-    mask: torch.Tensor  # [N, R] float: 1 on response tokens up to and including EOS
-    stopped: torch.Tensor  # [N] bool: the response ended with EOS
+    mask: torch.Tensor  # [N, R] float: 1 on response tokens up to and including the stop token
+    stopped: torch.Tensor  # [N] bool: the response ended with a stop token
     messages: list[Messages]  # prompt messages of each sequence
     scored: dict[str, torch.Tensor] = field(
         default_factory=dict
@@ -65,11 +68,19 @@ class Rollout:
         return int(self.prompt_mask.sum() + self.mask.sum())
 
 
-def response_mask(response: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask [N, R] float, stopped [N] bool): tokens up to and including the first EOS."""
-    is_eos = response == eos_id
-    eos_before = is_eos.long().cumsum(1) - is_eos.long()  # EOS tokens strictly before t
-    return (eos_before == 0).float(), is_eos.any(1)
+def response_mask(
+    response: torch.Tensor, stop_ids: int | Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask [N, R] float, stopped [N] bool): tokens up to and including the first of the stop
+    ids (an EOS, an end-of-turn marker)."""
+    stops = torch.tensor(_ids(stop_ids), dtype=response.dtype, device=response.device)
+    is_stop = torch.isin(response, stops)  # [N, R]
+    stops_before = is_stop.long().cumsum(1) - is_stop.long()  # stop tokens strictly before t
+    return (stops_before == 0).float(), is_stop.any(1)
+
+
+def _ids(stop_ids: int | Sequence[int]) -> list[int]:
+    return [stop_ids] if isinstance(stop_ids, int) else [int(i) for i in stop_ids]
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +111,7 @@ def sample(
     messages: list[Messages],
     cfg: RolloutConfig,
     pad_id: int,
-    eos_id: int,
+    stop_ids: int | Sequence[int],
     seed: int,
     world: int,
     role: str = POLICY,
@@ -112,7 +123,10 @@ def sample(
     every rank is done, since each step of a sharded model is a collective and a rank that
     stopped early would leave the others waiting forever. Sampling is seeded by `seed` (call it
     with a value derived from seed, step and rank) and the caller's RNG state is restored.
+    A response ends at the first of `stop_ids` (`stop_token_ids`; an id no token has, e.g. -1,
+    never stops).
     """
+    stops = _ids(stop_ids)
     device = next(model.parameters()).device
     ids, attn = left_pad(prompts, pad_id)
     bs = cfg.generation_batch_size or len(prompts)
@@ -129,7 +143,7 @@ def sample(
                     role=role,
                     input_ids=ids[start : start + bs].to(device),
                     attention_mask=attn[start : start + bs].to(device),
-                    eos_token_id=eos_id,
+                    eos_token_id=stops,
                     pad_token_id=pad_id,
                     synced_gpus=world > 1,
                     **kwargs,
@@ -143,14 +157,17 @@ def sample(
     for c in chunks:
         response[row : row + c.size(0), : c.size(1)] = c
         row += c.size(0)
-    mask, stopped = response_mask(response, eos_id)
+    mask, stopped = response_mask(response, stops)
     return Rollout(ids, attn, response, mask, stopped, messages)
 
 
 def decode_responses(tokenizer: Any, ro: Rollout) -> list[str]:
+    """Each response's text without the stop token that ended it (the reward model's input is
+    re-rendered through the chat template, which writes the end of turn itself; an end-of-turn
+    marker that is not a special token would otherwise appear twice)."""
     return [
-        tokenizer.decode(r[: int(m.sum())].tolist(), skip_special_tokens=True)
-        for r, m in zip(ro.response, ro.mask, strict=True)
+        tokenizer.decode(r[: int(m.sum()) - int(s)].tolist(), skip_special_tokens=True)
+        for r, m, s in zip(ro.response, ro.mask, ro.stopped, strict=True)
     ]
 
 
