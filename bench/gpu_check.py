@@ -31,59 +31,11 @@ from typing import Any
 
 import yaml
 
+from posttrain.data.synthetic import WORDS as NOUNS
+
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = [
-    "the",
-    "a",
-    "of",
-    "to",
-    "and",
-    "in",
-    "is",
-    "it",
-    "that",
-    "for",
-    "on",
-    "with",
-    "as",
-    "was",
-    "at",
-    "by",
-    "an",
-    "be",
-    "this",
-    "from",
-    "or",
-    "have",
-    "not",
-    "are",
-    "river",
-    "stone",
-    "cloud",
-    "tiger",
-    "piano",
-    "garden",
-    "rocket",
-    "candle",
-    "forest",
-    "mirror",
-    "silver",
-    "ocean",
-    "pencil",
-    "winter",
-    "castle",
-    "dragon",
-    "meadow",
-    "button",
-    "violin",
-    "desert",
-    "island",
-    "planet",
-    "lantern",
-    "harbor",
-    "marble",
-    "thunder",
-]
+# Function words, so the text is not a list of nouns, and the quickstart's own vocabulary.
+WORDS = ["the", "a", "of", "to", "and", "in", "is", "it", "that", "for", "on", "with", *NOUNS]
 
 
 def _text(rng: random.Random, n_words: int) -> str:
