@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from posttrain.memory.estimate import (
     ModelShape,
     StageShape,
     estimate,
+    fmt_bytes,
 )
 from posttrain.memory.preflight import (
     Capacity,
@@ -42,6 +44,7 @@ from posttrain.memory.preflight import (
     enforce,
     preflight,
     stage_shape,
+    suggest_fixes,
 )
 from posttrain.models.lora import apply_lora
 from posttrain.telemetry.metrics import fragmentation_warning
@@ -381,6 +384,39 @@ def test_fixes_each_carry_their_own_estimate(tmp_path: Path) -> None:
     with pytest.raises(MemoryPreflightError, match="sft.activation_checkpointing: true"):
         enforce(report, "refuse")
     enforce(report, "warn")  # logs, does not raise
+
+
+def test_unchunked_large_logits_suggest_the_chunked_head() -> None:
+    """`logits_chunk_tokens: 0` with a 32k vocabulary (full logits the largest step item): the
+    fixes suggest the recipe's default chunk, with the logits saving in the text and the chunked
+    estimate as its peak; already chunked, or logits under a tenth of the peak: no such fix."""
+    policy = (Adapter("policy", 8, "all-linear", True),)
+    wide = ModelShape(64, 2, 4, 2, 16, 96, 32000, tied=True)
+    full = StageShape("sft", 8, 256, policy, logits_chunk_tokens=0)
+    now = estimate(wide, full, DeviceLayout(), 0)
+    chunked = estimate(wide, replace(full, logits_chunk_tokens=2048), DeviceLayout(), 0)
+    assert now.component("logits") > 0.5 * now.total  # 3 x 2048 x 32000 x 4 B
+    fixes = {
+        f.change.split(" (")[0]: f for f in suggest_fixes(wide, full, DeviceLayout(), 1, 0, "sft")
+    }
+    fix = fixes["infra.logits_chunk_tokens: 2048"]
+    assert fix.total == chunked.total < now.total and not fix.fits
+    assert fix.change.startswith(
+        f"infra.logits_chunk_tokens: 2048 (logits {fmt_bytes(now.component('logits'))} -> "
+        f"{fmt_bytes(chunked.component('logits'))}"
+    )
+    on = suggest_fixes(wide, replace(full, logits_chunk_tokens=512), DeviceLayout(), 1, 0, "sft")
+    assert not any("logits_chunk_tokens" in f.change for f in on)
+    # A 300-token vocabulary on a 512-wide body: full logits are a few percent of the peak.
+    small = ModelShape(512, 4, 8, 8, 64, 1408, 300, tied=True)
+    assert (
+        estimate(small, full, DeviceLayout(), 0).component("logits")
+        < 0.1 * estimate(small, full, DeviceLayout(), 0).total
+    )
+    assert not any(
+        "logits_chunk_tokens" in f.change
+        for f in suggest_fixes(small, full, DeviceLayout(), 1, 0, "sft")
+    )
 
 
 def test_stage_refused_before_loading_anything(tmp_path: Path) -> None:
