@@ -42,8 +42,9 @@ and its exp/softmax (RL: and the entropy's product), 2 buffers (RL 3), plus the 
 hidden states and their gradient (2 x tokens x H x c).
 
 This models the bytes of live tensors (what max_memory_allocated reports on a GPU): on CPU it
-was 1.04-1.15x the measured allocated peak of real steps (`bench/memory_estimate.py`;
-tests/test_memory_estimate.py keeps it within 1.0-1.25x). It assumes every sequence is
+was 1.02-1.19x the measured allocated peak of real steps built as the stages build them (meta
+device, sharded fill, chunked or full logits; Qwen2.5-0.5B's shape included:
+`bench/memory_estimate.py`; tests/test_memory_estimate.py keeps it within 1.0-1.25x). It assumes every sequence is
 `seq_len` long (batches pad to their longest row, so real steps are usually smaller).
 """
 
