@@ -26,19 +26,19 @@ Beside each: the estimate (`posttrain.memory.estimate.estimate`, its framework r
 runtime RSS, as the pre-flight reads it on CPU), the ratio estimate / measured, and the same
 ratio for what the model and the step add above the runtime.
 
-    .venv/bin/python bench/memory_estimate.py                # the six medium configurations
+    .venv/bin/python bench/memory_estimate.py                # the seven small configurations
     .venv/bin/python bench/memory_estimate.py sft dpo --measures allocated --chunk 0
     .venv/bin/python bench/memory_estimate.py --json out.json --components
     .venv/bin/python bench/memory_estimate.py qwen-sft qwen-dpo --measures allocated --work DIR
 
 Measured 2026-12-01 (2 shared cores; allocated peak, GiB; docs/operations.md has the rest):
-  medium configurations, chunk 2048: estimate / allocated 1.02-1.12 (peak RSS 0.58-0.90,
-  fixed mmap threshold 1.00-1.07); unchunked 1.04-1.15.
+  small configurations, chunk 2048: estimate / allocated 1.02-1.12 (peak RSS 0.58-0.90,
+  fixed mmap threshold 1.00-1.07); unchunked 1.02-1.11.
   Qwen2.5-0.5B shape, micro 4 x 128, LoRA r=16 all-linear:
     sft  chunk 2048  estimate 4.878  allocated 4.549  x1.07
-    sft  chunk 0     estimate 5.165  allocated 4.329  x1.19
+    sft  chunk 0     estimate 4.585  allocated 4.329  x1.06
     dpo  chunk 2048  estimate 6.763  allocated 6.315  x1.07
-    dpo  chunk 0     estimate 7.336  allocated 6.381  x1.15
+    dpo  chunk 0     estimate 6.713  allocated 6.381  x1.05
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "medium": ("llama", MEDIUM),
     "wide-vocab": ("llama", WIDE_VOCAB),
     "qwen2.5-0.5b": ("qwen2", QWEN_05B),
+    "qwen-2-blocks": ("qwen2", {**QWEN_05B, "num_hidden_layers": 2}),
 }
 LORA = {"r": 16, "targets": "all-linear"}
 MEASURES = ("allocated", "rss", "rss-fixed-mmap")
@@ -126,8 +127,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # step on a small CPU; not in the default selection).
     "qwen-sft": {"kind": "sft", "model": "qwen2.5-0.5b", "micro": 4, "seq": 128},
     "qwen-dpo": {"kind": "dpo", "model": "qwen2.5-0.5b", "micro": 4, "seq": 128},
+    # Its real vocabulary on two blocks: the tied 151,936-row embedding (519 MiB) dominates the
+    # gathered weights, the logits the step (seconds per step).
+    "sft-qwen-vocab": {"kind": "sft", "model": "qwen-2-blocks", "micro": 4, "seq": 128},
 }
-DEFAULT_CONFIGS = ("sft", "sft-ac", "sft-vocab", "reward", "dpo", "ppo")
+DEFAULT_CONFIGS = ("sft", "sft-ac", "sft-vocab", "sft-qwen-vocab", "reward", "dpo", "ppo")
 
 
 def stage_shape(cfg: dict[str, Any], chunk: int = DEFAULT_CHUNK) -> StageShape:
@@ -332,13 +336,25 @@ def measure_child(
 
     with torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = allocated = 0
+    all_events = prof.profiler.kineto_results.events()
+    events = [e for e in all_events if e.name() == "[memory]"]
+    live = allocated = at = 0
     for e in sorted(events, key=lambda e: e.start_ns()):
         live += e.nbytes()
-        allocated = max(allocated, live)
+        if live > allocated:
+            allocated, at = live, e.start_ns()
+    # Where the peak was reached: the ops running at that instant, outermost first (autograd's
+    # "evaluate_function: XBackward0" marks the backward), for telling the estimate's rows apart.
+    running = sorted(
+        (e for e in all_events if e.name() != "[memory]" and e.start_ns() <= at <= e.end_ns()),
+        key=lambda e: e.start_ns(),
+    )
     shutdown()
-    return {"baseline_kib": baseline, "allocated_peak_bytes": allocated}
+    return {
+        "baseline_kib": baseline,
+        "allocated_peak_bytes": allocated,
+        "peak_during": " > ".join(e.name() for e in running),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,6 +400,7 @@ def run_config(
         baseline = m["baseline_kib"] * 1024
         if measure == "allocated":
             peak = baseline + m["allocated_peak_bytes"]
+            out["allocated_peak_during"] = m["peak_during"]
         else:
             peak = m["peak_kib"] * 1024
         # The framework row is this child's runtime, as the pre-flight reads it on CPU.
@@ -411,6 +428,8 @@ def print_row(r: dict[str, Any], components: bool = False) -> None:
             )
     print("  ".join(parts) + f"  runtime {r['runtime_gib']:.3f}", flush=True)
     if components:
+        if "allocated_peak_during" in r:
+            print(f"    allocated peak during: {r['allocated_peak_during'] or '?'}", flush=True)
         for k, v in r["components_mib"].items():
             print(f"    {k:<32} {v:>10.1f} MiB", flush=True)
 
@@ -447,7 +466,11 @@ def main() -> None:
         help="keep the saved bases here and reuse them (default: a temporary folder); the "
         "0.5B base is 2 GB and takes minutes to write",
     )
-    ap.add_argument("--components", action="store_true", help="print the estimate's rows")
+    ap.add_argument(
+        "--components",
+        action="store_true",
+        help="print the estimate's rows and the ops running at the allocated peak",
+    )
     args = ap.parse_args()
     if unknown := set(args.configs) - set(CONFIGS):
         ap.error(f"unknown configurations {sorted(unknown)}; known: {', '.join(CONFIGS)}")

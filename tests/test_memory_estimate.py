@@ -272,6 +272,30 @@ def test_activations_and_logits_hand_computed() -> None:
     )
 
 
+def test_full_logits_and_gathered_root_are_not_live_together() -> None:
+    """Unchunked, the loss runs after the root's forward has resharded it: the step holds
+    activations + max(3 logits buffers, gathered weights + 1 buffer), so the gathered row is what
+    it adds beyond the logits. Same shape as above: L = 20 x 300 x 4 B per buffer; gathered =
+    root (300 x 64 embedding + 64 norm) + 2 blocks of 30,848 base + 3,712 LoRA, x 4 B."""
+    shape = ModelShape(64, 2, 4, 2, 16, 96, 300, tied=True)
+    policy = Adapter("policy", 4, "all-linear", True)
+    one = 20 * 300 * 4
+    gathered = (300 * 64 + 64 + 2 * (30848 + 3712)) * 4
+    full = estimate(shape, StageShape("sft", 2, 10, (policy,)), DeviceLayout(), 0)
+    chunked = estimate(
+        shape, StageShape("sft", 2, 10, (policy,), logits_chunk_tokens=8), DeviceLayout(), 0
+    )
+    assert chunked.component("gathered weights") == gathered  # head inside the root forward
+    assert full.component("gathered weights") == gathered - 2 * one
+    act = full.component("activations")
+    assert full.total == full.static + act + max(3 * one, gathered + one)
+    # A 32k vocabulary: the logits outweigh the gathered weights, which add nothing.
+    wide = ModelShape(64, 2, 4, 2, 16, 96, 32000, tied=True)
+    w = estimate(wide, StageShape("sft", 8, 256, (policy,)), DeviceLayout(), 0)
+    assert w.component("gathered weights") == 0
+    assert w.total == w.static + w.component("activations") + 3 * 8 * 256 * 32000 * 4
+
+
 def test_chunked_logits_hand_computed() -> None:
     """With the head in chunks of 8 tokens: 2 [8, 300] fp32 buffers (RL: 3) plus the scored
     positions' hidden states and gradient, instead of 3 (RL: 5) [seqs x positions, 300]; a chunk
@@ -549,17 +573,19 @@ def test_memory_snapshot_warns_once_on_gpu(monkeypatch: pytest.MonkeyPatch, capl
 def test_estimate_bounds_the_measured_allocated_peak(tmp_path: Path) -> None:
     """One real step per configuration in a child process (bench/memory_estimate.py), built as
     the stages build it (meta device, adapters, shard, fill from the safetensors) and scored
-    through their loss functions (chunked head at the recipe's 2048 tokens; sft-vocab also
-    unchunked, where full logits are the largest item): torch's CPU allocator events give the
-    peak bytes of live tensors (what max_memory_allocated is on a GPU). Measured on 6 medium
-    configurations chunked and unchunked and on Qwen2.5-0.5B's shape, the estimate was 1.02-1.19x
-    that peak for the whole process and 1.04-1.41x for what the model and the step add above
-    the runtime (the largest with activation checkpointing, whose recompute is counted as a
-    whole block); the band below is that, with room for library changes: an upper bound, never
-    more than 25% over. docs/operations.md (Memory pre-flight) has the figures."""
+    through their loss functions (chunked head at the recipe's 2048 tokens; sft-qwen-vocab, the
+    real 151,936-row tied vocabulary on 2 blocks, also unchunked: 1.32x before the estimate
+    stopped adding the gathered root to full logits): torch's CPU allocator events give the
+    peak bytes of live tensors (what max_memory_allocated is on a GPU). Measured on 7 small
+    configurations chunked and unchunked and on Qwen2.5-0.5B's shape, the estimate was
+    1.02-1.12x that peak for the whole process and 1.02-1.32x for what the model and the step
+    add above the runtime (the largest with activation checkpointing, whose recompute is
+    counted as a whole block); the band below is that, with room for library changes: an upper
+    bound, never more than 25% over. docs/operations.md (Memory pre-flight) has the figures."""
     from bench.memory_estimate import run_config
 
-    for name, chunk in (("sft-ac", 2048), ("sft-vocab", 2048), ("sft-vocab", 0), ("ppo", 2048)):
+    runs = (("sft-ac", 2048), ("sft-vocab", 2048), ("sft-qwen-vocab", 0), ("ppo", 2048))
+    for name, chunk in runs:
         r = run_config(name, tmp_path, measures=("allocated",), chunk=chunk)
         assert 1.0 <= r["ratio_allocated"] <= 1.25, r
         assert 1.0 <= r["ratio_allocated_above_runtime"] <= 1.6, r
