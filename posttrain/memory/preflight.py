@@ -39,7 +39,7 @@ log = logging.getLogger("posttrain.memory")
 # live tensors (measured on CPU: 1.02-1.12x the allocated peak, docs/operations.md); what the
 # allocator holds is more. GPU: the caching allocator reserves above what it allocates (not
 # measured here; heavy fragmentation is warned about at run time). CPU: glibc keeps freed
-# tensor memory in its heap, and the peak RSS reached 1.1-1.75x the estimate
+# tensor memory in its heap, and the peak RSS reached 1.0-1.75x the estimate
 # (bench/memory_estimate.py), hence half the capacity.
 SAFETY_FRACTION = {"cuda": 0.9, "cpu": 0.5}
 # Unchunked logits at least this share of the estimated peak: suggest the chunked head.
