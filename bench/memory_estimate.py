@@ -1,12 +1,17 @@
 """Memory pre-flight estimate vs the measured peak of one real training step, on CPU.
 
-For each configuration, a fresh child process loads a saved base the way the stage does
-(`load_causal_lm` / `load_score_model` / `policy_with_reference` / `build_roles`), applies
-activation checkpointing and LoRA as the stage does, shards it with `shard_model` at world size
-one, builds AdamW, and runs one training step at full length (micro x seq tokens, no padding):
-the forward, the stage's loss, backward, clipping, the optimizer step. The ppo configuration
+For each configuration, a fresh child process builds the model the way the stage does: the base
+on the meta device (`build_on_meta`, as `base_for_training` / `score_model_for_training`),
+activation checkpointing and the stage's adapters on it (`apply_lora` / `policy_with_reference`
+/ `build_roles`), `shard_model` at world size one, then `fill_from_checkpoint` reads the saved
+safetensors into the shards (what `start_session(weights=...)` does); AdamW; and one training
+step at full length (micro x seq tokens, no padding, every token labelled) through the stage's
+loss: `forward_nll_sum` (sft), `forward_sequence_logps` under the reference then the policy
+(dpo), `pair_scores` (reward), backward, clipping, the optimizer step. The ppo configuration
 first samples a rollout with the real `sample` (KV cache, keep_gathered) and then takes one
-PPO-shaped update (policy pass with log-probs and entropy, then the critic's pass).
+PPO-shaped update (`response_logps` with entropy: the RoleModel's chunked targets, then the
+critic's pass). `--chunk` is `infra.logits_chunk_tokens` (default the recipe's 2048; 0 = full
+logits), for the step and the estimate alike.
 
 Each measure is its own child (the parent never imports torch: Linux carries ru_maxrss across
 fork+exec, so a big parent would hide the children's peaks):
@@ -21,9 +26,19 @@ Beside each: the estimate (`posttrain.memory.estimate.estimate`, its framework r
 runtime RSS, as the pre-flight reads it on CPU), the ratio estimate / measured, and the same
 ratio for what the model and the step add above the runtime.
 
-    .venv/bin/python bench/memory_estimate.py                       # every configuration
-    .venv/bin/python bench/memory_estimate.py sft dpo --measures allocated
-    .venv/bin/python bench/memory_estimate.py --json out.json
+    .venv/bin/python bench/memory_estimate.py                # the seven small configurations
+    .venv/bin/python bench/memory_estimate.py sft dpo --measures allocated --chunk 0
+    .venv/bin/python bench/memory_estimate.py --json out.json --components
+    .venv/bin/python bench/memory_estimate.py qwen-sft qwen-dpo --measures allocated --work DIR
+
+Measured 2026-12-01 (2 shared cores; allocated peak, GiB; docs/operations.md has the rest):
+  small configurations, chunk 2048: estimate / allocated 1.02-1.12 (peak RSS 0.58-0.99,
+  fixed mmap threshold 1.00-1.07); unchunked 1.02-1.11.
+  Qwen2.5-0.5B shape, micro 4 x 128, LoRA r=16 all-linear:
+    sft  chunk 2048  estimate 4.878  allocated 4.549  x1.07
+    sft  chunk 0     estimate 4.585  allocated 4.329  x1.06
+    dpo  chunk 2048  estimate 6.763  allocated 6.315  x1.07
+    dpo  chunk 0     estimate 6.713  allocated 6.381  x1.05
 """
 
 from __future__ import annotations
@@ -72,28 +87,56 @@ WIDE_VOCAB = {
     "vocab_size": 32000,
     "tie_word_embeddings": False,
 }
+# Qwen2.5-0.5B's exact shape (494M parameters; the 151,936-row embedding is tied to the head).
+QWEN_05B = {
+    "hidden_size": 896,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "intermediate_size": 4864,
+    "vocab_size": 151_936,
+    "tie_word_embeddings": True,
+}
+# model key -> (transformers family, config numbers)
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "medium": ("llama", MEDIUM),
+    "wide-vocab": ("llama", WIDE_VOCAB),
+    "qwen2.5-0.5b": ("qwen2", QWEN_05B),
+    "qwen-2-blocks": ("qwen2", {**QWEN_05B, "num_hidden_layers": 2}),
+}
 LORA = {"r": 16, "targets": "all-linear"}
 MEASURES = ("allocated", "rss", "rss-fixed-mmap")
+# The recipe default of infra.logits_chunk_tokens.
+DEFAULT_CHUNK = 2048
 CONFIGS: dict[str, dict[str, Any]] = {
-    "sft": {"kind": "sft", "model": MEDIUM, "micro": 8, "seq": 256},
-    "sft-ac": {"kind": "sft", "model": MEDIUM, "micro": 8, "seq": 256, "ac": True},
-    "sft-vocab": {"kind": "sft", "model": WIDE_VOCAB, "micro": 8, "seq": 256},
-    "reward": {"kind": "reward", "model": MEDIUM, "micro": 4, "seq": 256},
-    "dpo": {"kind": "dpo", "model": MEDIUM, "micro": 4, "seq": 256},
+    "sft": {"kind": "sft", "model": "medium", "micro": 8, "seq": 256},
+    "sft-ac": {"kind": "sft", "model": "medium", "micro": 8, "seq": 256, "ac": True},
+    "sft-vocab": {"kind": "sft", "model": "wide-vocab", "micro": 8, "seq": 256},
+    "reward": {"kind": "reward", "model": "medium", "micro": 4, "seq": 256},
+    "dpo": {"kind": "dpo", "model": "medium", "micro": 4, "seq": 256},
     "ppo": {
         "kind": "ppo",
-        "model": MEDIUM,
+        "model": "medium",
         "micro": 8,
         "prompt": 64,
         "new": 64,
         "rows": 16,
         "keep_gathered": True,
     },
+    # The real 0.5B shape at the issue's measurement point (2 GB of fp32 weights: minutes per
+    # step on a small CPU; not in the default selection).
+    "qwen-sft": {"kind": "sft", "model": "qwen2.5-0.5b", "micro": 4, "seq": 128},
+    "qwen-dpo": {"kind": "dpo", "model": "qwen2.5-0.5b", "micro": 4, "seq": 128},
+    # Its real vocabulary on two blocks: the tied 151,936-row embedding (519 MiB) dominates the
+    # gathered weights, the logits the step (seconds per step).
+    "sft-qwen-vocab": {"kind": "sft", "model": "qwen-2-blocks", "micro": 4, "seq": 128},
 }
+DEFAULT_CONFIGS = ("sft", "sft-ac", "sft-vocab", "sft-qwen-vocab", "reward", "dpo", "ppo")
 
 
-def stage_shape(cfg: dict[str, Any]) -> StageShape:
-    """The StageShape the pre-flight would build for this configuration."""
+def stage_shape(cfg: dict[str, Any], chunk: int = DEFAULT_CHUNK) -> StageShape:
+    """The StageShape the pre-flight would build for this configuration, `chunk` tokens per pass
+    through the LM head."""
     kind = cfg["kind"]
     policy = Adapter("policy", LORA["r"], LORA["targets"], True)
     if kind == "sft":
@@ -123,6 +166,7 @@ def stage_shape(cfg: dict[str, Any]) -> StageShape:
             new_tokens=cfg["new"],
             keep_gathered=cfg["keep_gathered"],
             activation_checkpointing=cfg.get("ac", False),
+            logits_chunk_tokens=chunk,
         )
     return StageShape(
         kind,
@@ -131,6 +175,7 @@ def stage_shape(cfg: dict[str, Any]) -> StageShape:
         adapters=adapters,
         score_head="trainable" if kind == "reward" else "none",
         activation_checkpointing=cfg.get("ac", False),
+        logits_chunk_tokens=chunk,
     )
 
 
@@ -145,74 +190,82 @@ def _rss_kib() -> int:
     return 0
 
 
-def prepare_child(model_cfg: dict[str, Any], folder: Path) -> None:
-    """A random-init base saved as the ingest stage saves one, plus an SFT (causal LM) and a
-    reward (sequence classifier + score head) LoRA adapter on it."""
+def prepare_child(key: str, folder: Path, with_reward: bool) -> None:
+    """A random-init base saved as the ingest stage saves one (safetensors), plus an SFT (causal
+    LM) LoRA adapter on it and (`with_reward`) a reward (sequence classifier + score head) one."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     from posttrain.config.schema import LoraConfig
     from posttrain.models.lora import apply_lora
+    from posttrain.models.reward import score_model_for_training
 
     torch.manual_seed(0)
-    config = LlamaConfig(**model_cfg, pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    LlamaForCausalLM(config).save_pretrained(folder / "base")
+    arch, numbers = MODELS[key]
+    config_cls = Qwen2Config if arch == "qwen2" else LlamaConfig
+    config = config_cls(**numbers, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    base = AutoModelForCausalLM.from_config(config)
+    base.save_pretrained(folder / "base")
     lora = LoraConfig(r=LORA["r"], alpha=2 * LORA["r"], target_modules=LORA["targets"])
-    base = LlamaForCausalLM.from_pretrained(folder / "base")
     apply_lora(base, lora).save_pretrained(folder / "sft")
-    score = LlamaForSequenceClassification.from_pretrained(folder / "base", num_labels=1)
-    score.config.pad_token_id = 0
-    apply_lora(score, lora, task_type="SEQ_CLS").save_pretrained(folder / "reward")
+    del base
+    if with_reward:  # adapters on the meta-built score model: only they (and the head) are real
+        score, _ = score_model_for_training(folder / "base", 0, torch.float32)
+        apply_lora(score, lora, task_type="SEQ_CLS").save_pretrained(folder / "reward")
 
 
-def measure_child(name: str, folder: Path, threads: int, profile: bool) -> dict[str, Any]:
+def measure_child(
+    name: str, folder: Path, threads: int, profile: bool, chunk: int
+) -> dict[str, Any]:
     """One configuration's real step in this process: the RSS after the imports, and the peak
-    RSS or (`profile`) the peak of bytes held by live tensors from loading to the step's end."""
+    RSS or (`profile`) the peak of bytes held by live tensors from loading to the step's end.
+    `chunk`: tokens per pass through the LM head (infra.logits_chunk_tokens; 0 = full logits)."""
     import peft  # noqa: F401  (every import a stage has made before its pre-flight)
     import torch
     import transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM
 
     from posttrain.config.schema import LoraConfig, OptimConfig, RolloutConfig
     from posttrain.distributed.fsdp import shard_model
     from posttrain.distributed.runtime import init_distributed, shutdown
     from posttrain.models.adapters import POLICY, REFERENCE, active_adapter, policy_with_reference
-    from posttrain.models.loading import load_causal_lm
     from posttrain.models.lora import apply_lora, prepare_for_training
-    from posttrain.models.reward import load_score_model, pair_scores
+    from posttrain.models.reward import pair_scores, score_model_for_training
     from posttrain.models.roles import VALUE, build_roles
-    from posttrain.train.losses import bradley_terry_loss, sequence_logps, token_nll_sum
+    from posttrain.models.sharded_load import build_on_meta, fill_from_checkpoint
+    from posttrain.train.chunked import forward_nll_sum, forward_sequence_logps
+    from posttrain.train.losses import bradley_terry_loss
     from posttrain.train.optim import build_optimizer
-    from posttrain.train.rl_losses import entropy_from_logits, token_logps
-    from posttrain.train.rollout import sample
+    from posttrain.train.rollout import response_logps, sample
 
     cfg = CONFIGS[name]
     d = init_distributed("cpu", 600, threads)
     baseline = _rss_kib()
 
     def step() -> None:
-        """Build the stage's model as the stage does, then one training step."""
+        """Build the stage's model as the stage does (meta build, adapters, shard, fill each
+        rank's rows from the safetensors), then one training step through the stage's loss."""
         kind, ac = cfg["kind"], cfg.get("ac", False)
-        vocab = cfg["model"]["vocab_size"]
+        vocab = MODELS[cfg["model"]][1]["vocab_size"]
         base_dir = folder / "base"
         g = torch.Generator().manual_seed(0)
         lora = LoraConfig(r=LORA["r"], alpha=2 * LORA["r"], target_modules=LORA["targets"])
-        if kind == "sft":
-            model = load_causal_lm(base_dir)
-            prepare_for_training(model, ac)
-            model = apply_lora(model, lora)
-        elif kind == "reward":
-            model = load_score_model(base_dir, pad_token_id=0)
+        if kind == "reward":  # reward.py: score_model_for_training
+            model, weights = score_model_for_training(base_dir, 0, torch.float32)
             prepare_for_training(model, ac)
             model = apply_lora(model, lora, task_type="SEQ_CLS")
-        elif kind == "dpo":
-            model = load_causal_lm(base_dir)
+        else:  # sft.py, dpo.py, online_rl.py: base_for_training (build_on_meta)
+            model, weights = build_on_meta(base_dir, AutoModelForCausalLM, torch.float32)
             prepare_for_training(model, ac)
-            model = policy_with_reference(model, folder / "sft")
-        else:
-            model = load_causal_lm(base_dir)
-            prepare_for_training(model, ac)
-            model = build_roles(model, folder / "sft", folder / "reward", critic=True)
+            if kind == "sft":
+                model = apply_lora(model, lora)
+            elif kind == "dpo":
+                model = policy_with_reference(model, folder / "sft")
+            else:
+                model = build_roles(model, folder / "sft", folder / "reward", critic=True)
+        # start_session(weights=...): shard the meta model, then fill this rank's rows.
         model = shard_model(model, d.mesh, "fp32")
+        fill_from_checkpoint(model, weights, d.device)
         if kind == "ppo":  # as the stage does: decoding runs on the sharded policy
             from torch.distributed.fsdp import register_fsdp_forward_method
 
@@ -222,36 +275,33 @@ def measure_child(name: str, folder: Path, threads: int, profile: bool) -> dict[
         opt = build_optimizer(trainable, OptimConfig(lr=1e-4))
 
         def tokens(rows: int, length: int) -> dict[str, torch.Tensor]:
-            # Ordinary ids (no pad 0, no eos 1), every position real: the full micro x seq load.
+            # Ordinary ids (no pad 0, no eos 1), every position real and labelled: the full
+            # micro x seq load.
             ids = torch.randint(2, vocab, (rows, length), generator=g)
             return {
                 "input_ids": ids,
                 "attention_mask": torch.ones_like(ids),
                 "position_ids": torch.arange(length).expand(rows, length).contiguous(),
+                "labels": ids,
             }
 
-        if kind == "sft":
+        if kind == "sft":  # sft.py: forward_nll_sum
             b = tokens(cfg["micro"], cfg["seq"])
-            out = model(**b).logits  # [B, T, V]
-            nll, n = token_nll_sum(out, b["input_ids"])
-            del out
+            nll, n = forward_nll_sum(model, b, chunk)
             (nll / n).backward()
         elif kind == "reward":
             b = tokens(2 * cfg["micro"], cfg["seq"])
             rc, rr = pair_scores(model, b)
             bradley_terry_loss(rc, rr).mean().backward()
-        elif kind == "dpo":
-            b = {**tokens(2 * cfg["micro"], cfg["seq"])}
-            b["labels"] = b["input_ids"]
+        elif kind == "dpo":  # dpo.py: pair_logps = forward_sequence_logps, reference first
+            b = tokens(2 * cfg["micro"], cfg["seq"])
             with torch.no_grad(), active_adapter(model, REFERENCE):
-                ref = sequence_logps(model(**b).logits, b["labels"])[0]
-            logits = model(**b).logits  # [2B, T, V]
-            pol, _ = sequence_logps(logits, b["labels"])
-            del logits
+                ref = forward_sequence_logps(model, b, chunk)[0]
+            pol, _ = forward_sequence_logps(model, b, chunk)
             half = pol.size(0) // 2
             margin = (pol[:half] - ref[:half]) - (pol[half:] - ref[half:])
             (-torch.nn.functional.logsigmoid(0.1 * margin)).mean().backward()
-        else:
+        else:  # online_rl.py: response_logps (RoleModel targets when chunked), then the critic
             rollout = RolloutConfig(
                 prompts_per_step=cfg["rows"],
                 max_new_tokens=cfg["new"],
@@ -260,14 +310,14 @@ def measure_child(name: str, folder: Path, threads: int, profile: bool) -> dict[
             prompts = torch.randint(2, vocab, (cfg["rows"], cfg["prompt"]), generator=g).tolist()
             ro = sample(model, prompts, [[]] * cfg["rows"], rollout, 0, 1, 0, 1)
             b = tokens(cfg["micro"], cfg["prompt"] + cfg["new"])
-            span = {"start": cfg["prompt"] - 1, "stop": cfg["prompt"] + cfg["new"] - 1}
+            del b["labels"]
+            inp = {**b, "start": cfg["prompt"] - 1, "stop": cfg["prompt"] + cfg["new"] - 1}
             response = b["input_ids"][:, cfg["prompt"] :]
-            logits = model(POLICY, **b, **span)  # [B, R, V]
-            logp = token_logps(logits, response)
-            ent = entropy_from_logits(logits)
-            del logits
+            mask = torch.ones_like(response)
+            logp, ent = response_logps(model, POLICY, inp, response, mask, chunk, entropy=True)
+            assert ent is not None
             (-(logp.exp() * 1.0).mean() - 0.01 * ent.mean()).backward()
-            model(VALUE, **b, **span).pow(2).mean().backward()
+            model(VALUE, **inp).pow(2).mean().backward()
             del ro
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         opt.step()
@@ -286,13 +336,25 @@ def measure_child(name: str, folder: Path, threads: int, profile: bool) -> dict[
 
     with torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = allocated = 0
+    all_events = prof.profiler.kineto_results.events()
+    events = [e for e in all_events if e.name() == "[memory]"]
+    live = allocated = at = 0
     for e in sorted(events, key=lambda e: e.start_ns()):
         live += e.nbytes()
-        allocated = max(allocated, live)
+        if live > allocated:
+            allocated, at = live, e.start_ns()
+    # Where the peak was reached: the ops running at that instant, outermost first (autograd's
+    # "evaluate_function: XBackward0" marks the backward), for telling the estimate's rows apart.
+    running = sorted(
+        (e for e in all_events if e.name() != "[memory]" and e.start_ns() <= at <= e.end_ns()),
+        key=lambda e: e.start_ns(),
+    )
     shutdown()
-    return {"baseline_kib": baseline, "allocated_peak_bytes": allocated}
+    return {
+        "baseline_kib": baseline,
+        "allocated_peak_bytes": allocated,
+        "peak_during": " > ".join(e.name() for e in running),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,30 +375,36 @@ def _child(args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]
 
 
 def run_config(
-    name: str, work: Path, threads: int = 1, measures: tuple[str, ...] = MEASURES
+    name: str,
+    work: Path,
+    threads: int = 1,
+    measures: tuple[str, ...] = MEASURES,
+    chunk: int = DEFAULT_CHUNK,
 ) -> dict[str, Any]:
-    """Prepare the configuration's base (once per model), measure one step in a child per
-    measure, and put the estimate beside each: `allocated` (runtime RSS + the peak of live
-    tensor bytes), `rss` (peak RSS, glibc defaults), `rss-fixed-mmap` (peak RSS with
-    MALLOC_MMAP_THRESHOLD_=65536: freed tensors go back to the OS at once)."""
+    """Prepare the configuration's base (once per model and `work` folder), measure one step in
+    a child per measure, and put the estimate beside each: `allocated` (runtime RSS + the peak
+    of live tensor bytes), `rss` (peak RSS, glibc defaults), `rss-fixed-mmap` (peak RSS with
+    MALLOC_MMAP_THRESHOLD_=65536: freed tensors go back to the OS at once). `chunk`: tokens per
+    pass through the LM head (infra.logits_chunk_tokens; 0 = full logits)."""
     cfg = CONFIGS[name]
-    model_key = "medium" if cfg["model"] is MEDIUM else "wide-vocab"
-    folder = work / model_key
-    if not (folder / "reward").exists():
-        _child(["--prepare", model_key, str(folder)])
+    folder = work / cfg["model"]
+    needs_reward = cfg["kind"] in ("reward", "ppo")
+    if not (folder / "sft").exists() or (needs_reward and not (folder / "reward").exists()):
+        _child(["--prepare", cfg["model"], str(folder), "reward" if needs_reward else "-"])
     model = ModelShape.from_hf_config(json.loads((folder / "base" / "config.json").read_text()))
-    out: dict[str, Any] = {"config": name}
+    out: dict[str, Any] = {"config": name, "chunk": chunk}
     for measure in measures:
-        args = ["--measure", name, str(folder), str(threads)]
+        args = ["--measure", name, str(folder), str(threads), str(chunk)]
         env = {"MALLOC_MMAP_THRESHOLD_": "65536"} if measure == "rss-fixed-mmap" else {}
         m = _child(args + (["profile"] if measure == "allocated" else []), env)
         baseline = m["baseline_kib"] * 1024
         if measure == "allocated":
             peak = baseline + m["allocated_peak_bytes"]
+            out["allocated_peak_during"] = m["peak_during"]
         else:
             peak = m["peak_kib"] * 1024
         # The framework row is this child's runtime, as the pre-flight reads it on CPU.
-        est = estimate(model, stage_shape(cfg), DeviceLayout(), overhead_bytes=baseline)
+        est = estimate(model, stage_shape(cfg, chunk), DeviceLayout(), overhead_bytes=baseline)
         out["estimate_gib"] = est.total / GIB
         out["runtime_gib"] = baseline / GIB
         out[f"{measure}_gib"] = peak / GIB
@@ -350,8 +418,8 @@ def run_config(
     return out
 
 
-def print_row(r: dict[str, Any]) -> None:
-    parts = [f"{r['config']:<10} estimate {r['estimate_gib']:.3f} GiB"]
+def print_row(r: dict[str, Any], components: bool = False) -> None:
+    parts = [f"{r['config']:<10} chunk {r['chunk']:<5} estimate {r['estimate_gib']:.3f} GiB"]
     for measure in MEASURES:
         if f"{measure}_gib" in r:
             parts.append(
@@ -359,19 +427,27 @@ def print_row(r: dict[str, Any]) -> None:
                 f"runtime x{r[f'ratio_{measure}_above_runtime']:.2f})"
             )
     print("  ".join(parts) + f"  runtime {r['runtime_gib']:.3f}", flush=True)
+    if components:
+        if "allocated_peak_during" in r:
+            print(f"    allocated peak during: {r['allocated_peak_during'] or '?'}", flush=True)
+        for k, v in r["components_mib"].items():
+            print(f"    {k:<32} {v:>10.1f} MiB", flush=True)
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--prepare":
-        prepare_child(MEDIUM if sys.argv[2] == "medium" else WIDE_VOCAB, Path(sys.argv[3]))
+        prepare_child(sys.argv[2], Path(sys.argv[3]), sys.argv[4] == "reward")
         print(json.dumps({"ok": True}))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--measure":
-        profile = len(sys.argv) > 5 and sys.argv[5] == "profile"
-        print(json.dumps(measure_child(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), profile)))
+        name, folder, threads, chunk = sys.argv[2], Path(sys.argv[3]), sys.argv[4], sys.argv[5]
+        profile = len(sys.argv) > 6 and sys.argv[6] == "profile"
+        print(json.dumps(measure_child(name, folder, int(threads), profile, int(chunk))))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("configs", nargs="*", help=f"some of {', '.join(CONFIGS)} (default: all)")
+    ap.add_argument(
+        "configs", nargs="*", help=f"some of {', '.join(CONFIGS)} (default: {DEFAULT_CONFIGS})"
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads per child")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument(
@@ -379,14 +455,32 @@ def main() -> None:
         default=",".join(MEASURES),
         help=f"comma-separated, of {', '.join(MEASURES)} (one child process each)",
     )
+    ap.add_argument(
+        "--chunk",
+        type=int,
+        default=DEFAULT_CHUNK,
+        help="tokens per pass through the LM head (infra.logits_chunk_tokens; 0 = full logits)",
+    )
+    ap.add_argument(
+        "--work",
+        help="keep the saved bases here and reuse them (default: a temporary folder); the "
+        "0.5B base is 2 GB and takes minutes to write",
+    )
+    ap.add_argument(
+        "--components",
+        action="store_true",
+        help="print the estimate's rows and the ops running at the allocated peak",
+    )
     args = ap.parse_args()
     if unknown := set(args.configs) - set(CONFIGS):
         ap.error(f"unknown configurations {sorted(unknown)}; known: {', '.join(CONFIGS)}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="memory-estimate-") as tmp:
-        for name in args.configs or list(CONFIGS):
-            rows.append(run_config(name, Path(tmp), args.threads, tuple(args.measures.split(","))))
-            print_row(rows[-1])
+        work = Path(args.work) if args.work else Path(tmp)
+        for name in args.configs or list(DEFAULT_CONFIGS):
+            measures = tuple(args.measures.split(","))
+            rows.append(run_config(name, work, args.threads, measures, args.chunk))
+            print_row(rows[-1], args.components)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

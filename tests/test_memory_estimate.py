@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from posttrain.memory.estimate import (
     ModelShape,
     StageShape,
     estimate,
+    fmt_bytes,
 )
 from posttrain.memory.preflight import (
     Capacity,
@@ -42,6 +44,7 @@ from posttrain.memory.preflight import (
     enforce,
     preflight,
     stage_shape,
+    suggest_fixes,
 )
 from posttrain.models.lora import apply_lora
 from posttrain.telemetry.metrics import fragmentation_warning
@@ -269,6 +272,30 @@ def test_activations_and_logits_hand_computed() -> None:
     )
 
 
+def test_full_logits_and_gathered_root_are_not_live_together() -> None:
+    """Unchunked, the loss runs after the root's forward has resharded it: the step holds
+    activations + max(3 logits buffers, gathered weights + 1 buffer), so the gathered row is what
+    it adds beyond the logits. Same shape as above: L = 20 x 300 x 4 B per buffer; gathered =
+    root (300 x 64 embedding + 64 norm) + 2 blocks of 30,848 base + 3,712 LoRA, x 4 B."""
+    shape = ModelShape(64, 2, 4, 2, 16, 96, 300, tied=True)
+    policy = Adapter("policy", 4, "all-linear", True)
+    one = 20 * 300 * 4
+    gathered = (300 * 64 + 64 + 2 * (30848 + 3712)) * 4
+    full = estimate(shape, StageShape("sft", 2, 10, (policy,)), DeviceLayout(), 0)
+    chunked = estimate(
+        shape, StageShape("sft", 2, 10, (policy,), logits_chunk_tokens=8), DeviceLayout(), 0
+    )
+    assert chunked.component("gathered weights") == gathered  # head inside the root forward
+    assert full.component("gathered weights") == gathered - 2 * one
+    act = full.component("activations")
+    assert full.total == full.static + act + max(3 * one, gathered + one)
+    # A 32k vocabulary: the logits outweigh the gathered weights, which add nothing.
+    wide = ModelShape(64, 2, 4, 2, 16, 96, 32000, tied=True)
+    w = estimate(wide, StageShape("sft", 8, 256, (policy,)), DeviceLayout(), 0)
+    assert w.component("gathered weights") == 0
+    assert w.total == w.static + w.component("activations") + 3 * 8 * 256 * 32000 * 4
+
+
 def test_chunked_logits_hand_computed() -> None:
     """With the head in chunks of 8 tokens: 2 [8, 300] fp32 buffers (RL: 3) plus the scored
     positions' hidden states and gradient, instead of 3 (RL: 5) [seqs x positions, 300]; a chunk
@@ -381,6 +408,39 @@ def test_fixes_each_carry_their_own_estimate(tmp_path: Path) -> None:
     with pytest.raises(MemoryPreflightError, match="sft.activation_checkpointing: true"):
         enforce(report, "refuse")
     enforce(report, "warn")  # logs, does not raise
+
+
+def test_unchunked_large_logits_suggest_the_chunked_head() -> None:
+    """`logits_chunk_tokens: 0` with a 32k vocabulary (full logits the largest step item): the
+    fixes suggest the recipe's default chunk, with the logits saving in the text and the chunked
+    estimate as its peak; already chunked, or logits under a tenth of the peak: no such fix."""
+    policy = (Adapter("policy", 8, "all-linear", True),)
+    wide = ModelShape(64, 2, 4, 2, 16, 96, 32000, tied=True)
+    full = StageShape("sft", 8, 256, policy, logits_chunk_tokens=0)
+    now = estimate(wide, full, DeviceLayout(), 0)
+    chunked = estimate(wide, replace(full, logits_chunk_tokens=2048), DeviceLayout(), 0)
+    assert now.component("logits") > 0.5 * now.total  # 3 x 2048 x 32000 x 4 B
+    fixes = {
+        f.change.split(" (")[0]: f for f in suggest_fixes(wide, full, DeviceLayout(), 1, 0, "sft")
+    }
+    fix = fixes["infra.logits_chunk_tokens: 2048"]
+    assert fix.total == chunked.total < now.total and not fix.fits
+    assert fix.change.startswith(
+        f"infra.logits_chunk_tokens: 2048 (logits {fmt_bytes(now.component('logits'))} -> "
+        f"{fmt_bytes(chunked.component('logits'))}"
+    )
+    on = suggest_fixes(wide, replace(full, logits_chunk_tokens=512), DeviceLayout(), 1, 0, "sft")
+    assert not any("logits_chunk_tokens" in f.change for f in on)
+    # A 300-token vocabulary on a 512-wide body: full logits are a few percent of the peak.
+    small = ModelShape(512, 4, 8, 8, 64, 1408, 300, tied=True)
+    assert (
+        estimate(small, full, DeviceLayout(), 0).component("logits")
+        < 0.1 * estimate(small, full, DeviceLayout(), 0).total
+    )
+    assert not any(
+        "logits_chunk_tokens" in f.change
+        for f in suggest_fixes(small, full, DeviceLayout(), 1, 0, "sft")
+    )
 
 
 def test_stage_refused_before_loading_anything(tmp_path: Path) -> None:
@@ -511,17 +571,22 @@ def test_memory_snapshot_warns_once_on_gpu(monkeypatch: pytest.MonkeyPatch, capl
 
 @pytest.mark.slow
 def test_estimate_bounds_the_measured_allocated_peak(tmp_path: Path) -> None:
-    """One real step per configuration in a child process (bench/memory_estimate.py): torch's
-    CPU allocator events give the peak bytes of live tensors (what max_memory_allocated is on a
-    GPU). Measured on 6 configurations, the estimate was 1.04-1.15x that peak for the whole
-    process and 1.06-1.41x for what the model and the step add above the runtime (the largest
-    with activation checkpointing, whose recompute is counted as a whole block); the band
-    below is that, with room for library changes: an upper bound, never more than 25% over.
-    docs/operations.md (Memory pre-flight) has the figures, peak RSS included."""
+    """One real step per configuration in a child process (bench/memory_estimate.py), built as
+    the stages build it (meta device, adapters, shard, fill from the safetensors) and scored
+    through their loss functions (chunked head at the recipe's 2048 tokens; sft-qwen-vocab, the
+    real 151,936-row tied vocabulary on 2 blocks, also unchunked: 1.32x before the estimate
+    stopped adding the gathered root to full logits): torch's CPU allocator events give the
+    peak bytes of live tensors (what max_memory_allocated is on a GPU). Measured on 7 small
+    configurations chunked and unchunked and on Qwen2.5-0.5B's shape, the estimate was
+    1.02-1.12x that peak for the whole process and 1.02-1.32x for what the model and the step
+    add above the runtime (the largest with activation checkpointing, whose recompute is
+    counted as a whole block); the band below is that, with room for library changes: an upper
+    bound, never more than 25% over. docs/operations.md (Memory pre-flight) has the figures."""
     from bench.memory_estimate import run_config
 
-    for name in ("sft-ac", "sft-vocab", "ppo"):
-        r = run_config(name, tmp_path, measures=("allocated",))
+    runs = (("sft-ac", 2048), ("sft-vocab", 2048), ("sft-qwen-vocab", 0), ("ppo", 2048))
+    for name, chunk in runs:
+        r = run_config(name, tmp_path, measures=("allocated",), chunk=chunk)
         assert 1.0 <= r["ratio_allocated"] <= 1.25, r
         assert 1.0 <= r["ratio_allocated_above_runtime"] <= 1.6, r
 

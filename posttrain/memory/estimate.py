@@ -16,6 +16,9 @@ static, for the whole stage
 per phase; the largest phase is what the peak adds to the static part
   step / update      weights gathered by FSDP2 (the root's, plus two blocks: the running one and
                      the prefetched next), activations saved for backward, the logits buffers.
+                     With full logits (no chunking) the loss runs after the root's forward has
+                     resharded the root, so the gathered weights count only beyond the logits:
+                     activations + max(logits buffers, gathered + one logits buffer).
   rollout (RL)       the generation KV cache of one `generate` call and the gathered model
                      (`rollout.keep_gathered` holds every block gathered while decoding).
 
@@ -42,9 +45,11 @@ and its exp/softmax (RL: and the entropy's product), 2 buffers (RL 3), plus the 
 hidden states and their gradient (2 x tokens x H x c).
 
 This models the bytes of live tensors (what max_memory_allocated reports on a GPU): on CPU it
-was 1.04-1.15x the measured allocated peak of real steps (`bench/memory_estimate.py`;
-tests/test_memory_estimate.py keeps it within 1.0-1.25x). It assumes every sequence is
-`seq_len` long (batches pad to their longest row, so real steps are usually smaller).
+was 1.02-1.12x the measured allocated peak of real steps built as the stages build them (meta
+device, sharded fill, chunked or full logits; Qwen2.5-0.5B's shape included:
+`bench/memory_estimate.py`; tests/test_memory_estimate.py keeps it within 1.0-1.25x). It
+assumes every sequence is `seq_len` long (batches pad to their longest row, so real steps are
+usually smaller).
 """
 
 from __future__ import annotations
@@ -403,12 +408,29 @@ def estimate(
     rows.append(Row("framework", overhead_bytes, note))
 
     # Gathered weights while computing: FSDP2 unshards the root (embedding, final norm, head)
-    # for the whole forward/backward and one block at a time plus the prefetched next.
+    # inside its forward and again for its backward, and one block at a time plus the
+    # prefetched next.
     adapter_per_block = adapter_params // max(1, model.layers)
     block = model.block_params() + adapter_per_block
     gathered_step = (model.root_params(head) + heads + 2 * block) * c
     update = "update" if stage.kind in ("ppo", "grpo") else "step"
-    rows.append(Row("gathered weights", gathered_step, "FSDP2 all-gather: root + 2 blocks", update))
+    k = LOGIT_BUFFERS[stage.kind]
+    full_logits = k * stage.sequences * (stage.logit_positions or stage.seq_len) * model.vocab * 4
+    if k and not stage.logits_chunk_tokens:
+        # Full logits: the loss runs after the root's forward, which reshards the root (and every
+        # block) when it returns (measured, torch 2.13), so the k logits buffers and the gathered
+        # weights are not live together; the backward gathers the root again beside one buffer
+        # (the logits' gradient). Peak = activations + max(k buffers, gathered + 1 buffer): this
+        # row is what the gathered weights add above the logits row. Counting both in full
+        # over-estimated a Qwen2.5-0.5B-shaped sft step by 19%, its vocabulary on 2 blocks by
+        # 32% (bench/memory_estimate.py; now 1.06x and 1.03x).
+        extra = max(0, gathered_step - (k - 1) * full_logits // k)
+        note = "root + 2 blocks, beyond the full logits"
+        rows.append(Row("gathered weights", extra, note, update))
+    else:
+        rows.append(
+            Row("gathered weights", gathered_step, "FSDP2 all-gather: root + 2 blocks", update)
+        )
 
     # The backward of one role at a time: the policy's adapter (RL: the policy's update; the
     # critic's pass has no logits and the same body, so it is not larger).
@@ -429,7 +451,6 @@ def estimate(
             update,
         )
     )
-    k = LOGIT_BUFFERS[stage.kind]
     if k and stage.logits_chunk_tokens:
         scored = stage.sequences * (stage.logit_positions or stage.seq_len)
         chunk = min(stage.logits_chunk_tokens, scored)
@@ -445,11 +466,10 @@ def estimate(
         )
     elif k:
         positions = stage.logit_positions or stage.seq_len
-        logits = k * stage.sequences * positions * model.vocab * 4
         rows.append(
             Row(
                 "logits",
-                logits,
+                full_logits,
                 f"{k} x {stage.sequences} x {positions} x vocab {model.vocab} x 4 B",
                 update,
             )

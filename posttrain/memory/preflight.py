@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain.config.run_sections import InfraConfig
 from posttrain.memory.estimate import (
     GIB,
     Adapter,
@@ -35,12 +36,16 @@ from posttrain.memory.estimate import (
 log = logging.getLogger("posttrain.memory")
 
 # Refuse when the estimate exceeds this share of the capacity. The estimate counts the bytes of
-# live tensors (measured on CPU: 1.04-1.15x the allocated peak, docs/operations.md); what the
+# live tensors (measured on CPU: 1.02-1.12x the allocated peak, docs/operations.md); what the
 # allocator holds is more. GPU: the caching allocator reserves above what it allocates (not
 # measured here; heavy fragmentation is warned about at run time). CPU: glibc keeps freed
-# tensor memory in its heap, and the peak RSS reached 1.05-1.7x the estimate
+# tensor memory in its heap, and the peak RSS reached 1.0-1.75x the estimate
 # (bench/memory_estimate.py), hence half the capacity.
 SAFETY_FRACTION = {"cuda": 0.9, "cpu": 0.5}
+# Unchunked logits at least this share of the estimated peak: suggest the chunked head.
+LARGE_LOGITS = 0.1
+# infra.logits_chunk_tokens' recipe default, the value the fix suggests.
+DEFAULT_CHUNK_TOKENS: int = InfraConfig.model_fields["logits_chunk_tokens"].default
 TRAINING_STAGES = ("sft", "reward", "dpo", "ppo", "grpo")
 
 
@@ -283,8 +288,9 @@ def suggest_fixes(
     accum: int = 1,
 ) -> list[Fix]:
     """Changes that lower the estimate, each with its own estimated peak: activation
-    checkpointing, a smaller micro-batch (same global batch), more shards, and for RL smaller
-    generate calls and no keep_gathered; then all of them together when none fits alone."""
+    checkpointing, a smaller micro-batch (same global batch), the chunked LM head when full
+    logits are large, more shards, and for RL smaller generate calls and no keep_gathered; then
+    all of them together when none fits alone."""
 
     def total(s: StageShape, lay: DeviceLayout = layout) -> int:
         return estimate(model, s, lay, overhead).total
@@ -318,6 +324,18 @@ def suggest_fixes(
             with_changes(shape, micro_batch=pick),
         )
         best = with_changes(best, micro_batch=1)
+    # Full logits ([seqs, positions, vocab] fp32, several copies) on a large vocabulary: the
+    # chunked head keeps only [chunk, vocab] buffers (infra.logits_chunk_tokens, recipe default).
+    logits_now = estimate(model, shape, layout, overhead).component("logits")
+    if not shape.logits_chunk_tokens and logits_now >= LARGE_LOGITS * now:
+        chunked = with_changes(shape, logits_chunk_tokens=DEFAULT_CHUNK_TOKENS)
+        logits_then = estimate(model, chunked, layout, overhead).component("logits")
+        add(
+            f"infra.logits_chunk_tokens: {DEFAULT_CHUNK_TOKENS} (logits {fmt_bytes(logits_now)}"
+            f" -> {fmt_bytes(logits_then)})",
+            chunked,
+        )
+        best = with_changes(best, logits_chunk_tokens=DEFAULT_CHUNK_TOKENS)
     if shape.kind in ("ppo", "grpo"):
         if shape.rollout_rows > 1:
             rows = max(1, shape.rollout_rows // 4)
