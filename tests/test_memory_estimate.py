@@ -316,6 +316,28 @@ def test_chunked_logits_hand_computed() -> None:
     )
 
 
+def test_a_transformed_head_keeps_one_more_chunk_buffer() -> None:
+    """Gemma's soft-capping (and Cohere/Granite scaling, read from config.json) costs the
+    chunked backward one more [chunk, vocab] fp32 buffer: 3 instead of 2 for SFT."""
+    cfg = {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "intermediate_size": 96,
+        "vocab_size": 300,
+    }
+    plain = ModelShape.from_hf_config(cfg)
+    gemma = ModelShape.from_hf_config({**cfg, "final_logit_softcapping": 30.0})
+    assert not plain.logit_transform and gemma.logit_transform
+    assert not ModelShape.from_hf_config({**cfg, "logit_scale": 1.0}).logit_transform
+    stage = StageShape("sft", 2, 10, (Adapter("policy", 4, "all-linear", True),))
+    stage = replace(stage, logits_chunk_tokens=8)
+    diff = estimate(gemma, stage, DeviceLayout(), 0).component("logits") - estimate(
+        plain, stage, DeviceLayout(), 0
+    ).component("logits")
+    assert diff == 8 * 300 * 4
+
+
 def test_pair_stages_run_chosen_and_rejected_together() -> None:
     shape = ModelShape(64, 2, 4, 4, 16, 96, 300, tied=True)
     a = Adapter("policy", 4, "all-linear", True)

@@ -96,6 +96,9 @@ class ModelShape:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    # The head's output is transformed into logits (Gemma soft-capping, Cohere/Granite scaling):
+    # the chunked head's backward keeps one more [chunk, vocab] buffer (posttrain/train/chunked).
+    logit_transform: bool = False
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelShape:
@@ -123,6 +126,10 @@ class ModelShape:
             tied=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 hard-codes q/k/v biases; Llama-style configs say so in attention_bias.
             qkv_bias=bias or cfg.get("model_type") == "qwen2",
+            logit_transform=any(
+                cfg.get(k) not in (None, 1, 1.0)
+                for k in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+            ),
             o_bias=bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
         )
@@ -454,7 +461,7 @@ def estimate(
     if k and stage.logits_chunk_tokens:
         scored = stage.sequences * (stage.logit_positions or stage.seq_len)
         chunk = min(stage.logits_chunk_tokens, scored)
-        kc = CHUNK_BUFFERS[stage.kind]
+        kc = CHUNK_BUFFERS[stage.kind] + model.logit_transform
         logits = kc * chunk * model.vocab * 4 + 2 * scored * model.hidden * c
         rows.append(
             Row(
