@@ -6,7 +6,7 @@ fresh processes (gloo, one torch thread each), every rank loads it the way the t
 and the peak RSS of each is read from /proc/self/status (VmHWM):
 
   sharded  `build_on_meta` -> LoRA (`apply_lora`) -> `shard_model` -> `fill_from_checkpoint`:
-           each rank allocates and reads only its shards (architecture decision 24).
+           each rank allocates and reads only its shards (architecture decision 27).
   whole    (--old) the path before it: every rank loads the whole model (`load_causal_lm`),
            then LoRA, then shards.
 

@@ -46,7 +46,7 @@ def shard_model(
 
     One group holds a block's frozen bf16 base weights and its fp32 LoRA factors: FSDP2 (torch
     2.13) asks for one original dtype among a group's *trainable* parameters only, and packs an
-    all-gather of mixed dtypes as bytes (architecture decision 24). Parameters on the meta device
+    all-gather of mixed dtypes as bytes (architecture decision 27). Parameters on the meta device
     stay there (`posttrain.models.sharded_load.fill_from_checkpoint` fills them after)."""
     param_dtype = DTYPES[precision] if precision in ("bf16", "fp16") else None
     if param_dtype is None and base_dtype == torch.bfloat16:

@@ -1,4 +1,4 @@
-"""Load a base model so that no rank ever holds all of it (architecture decision 24).
+"""Load a base model so that no rank ever holds all of it (architecture decision 27).
 
 The order, as in torchtitan: build the model on the meta device from its config (no memory),
 put the adapters and heads on it (real tensors, initialised exactly as on a loaded base), shard
