@@ -114,7 +114,10 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
     try:
         from flows.embedded_db import set_aside_if_damaged
         from flows.embedded_server import start_embedded_server
+        from flows.known_failures import quiet_known_failures
         from flows.pipeline import post_train  # imports prefect: only now, after its defaults
+
+        quiet_known_failures()  # a failed stage or gate: one line, not a traceback wall
 
         set_aside_if_damaged(err)  # before the embedded server tries, and fails, to start on it
         # Before Prefect would start it, from this (main) thread: it then dies with this
@@ -131,7 +134,8 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
             print(f"\nposttrain: {what}; the running stage was stopped", file=err)
         return code
     except Exception as exc:
-        # Prefect has already logged the traceback; end with the part a person needs.
+        # Prefect has already logged it (with its traceback when it is not one of our own
+        # failures: flows.known_failures); end with the part a person needs.
         print(f"\nposttrain run failed: {type(exc).__name__}: {exc}", file=err)
         for note in getattr(exc, "__notes__", []):
             print(note, file=err)

@@ -66,8 +66,14 @@ def damage(db: Path) -> str | None:
 
 def set_aside_if_damaged(err: TextIO, db: Path | None = None) -> Path | None:
     """Move a damaged embedded database (and its WAL/SHM files) to `<name>.damaged-<UTC time>`
-    and say so in one line; returns where it went, or None when nothing was wrong."""
+    and say so in one line; returns where it went, or None when nothing was wrong. Creates the
+    database's folder when missing."""
     db = embedded_database() if db is None else db
+    if db is not None:
+        # SQLite creates the file but not its folder: a PREFECT_HOME that does not exist yet
+        # (a fresh `PREFECT_HOME=/data/x/prefect`) otherwise fails the embedded server's start
+        # with "unable to open database file", after a 2-minute timeout.
+        db.parent.mkdir(parents=True, exist_ok=True)
     if db is None or (why := damage(db)) is None:
         return None
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

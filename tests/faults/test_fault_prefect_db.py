@@ -59,6 +59,14 @@ def test_damaged_database_is_moved_aside_with_its_wal_and_one_line(tmp_path: Pat
     assert "moved it to prefect.db.damaged-" in line
 
 
+def test_a_prefect_home_that_does_not_exist_yet_is_created(tmp_path: Path) -> None:
+    """SQLite creates the database file but not its folder: a fresh nested PREFECT_HOME failed
+    the embedded server's start ("unable to open database file") after a 2-minute timeout."""
+    db = tmp_path / "not" / "yet" / "prefect.db"
+    assert set_aside_if_damaged(io.StringIO(), db) is None
+    assert db.parent.is_dir() and not db.exists()
+
+
 @pytest.mark.slow
 def test_run_on_a_damaged_embedded_database_starts_and_completes(tmp_path: Path) -> None:
     home = tmp_path / "home"
