@@ -356,6 +356,21 @@ def test_logits_to_keep_and_plain_logits_after(mesh: object) -> None:
     assert sequence_logps(full, batch["labels"])[0].shape == (3,)
 
 
+def _rl_inputs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """ids [4, 10] as RL scoring sees them: a 5-token prompt, a 5-token response (row 1 stopped
+    after 3), and the role model's inputs (positions 4..8 predict the response)."""
+    mask = torch.ones(4, 5)
+    mask[1, 3:] = 0
+    inp = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": torch.arange(10).expand(4, 10).clone(),
+        "start": 4,
+        "stop": 9,
+    }
+    return ids[:, 5:], mask, inp
+
+
 def test_role_model_policy_loss_under_fsdp2(mesh: object) -> None:
     """The RL role model: response log-probs of the policy and reference, the entropy, and the
     gradient of a policy-loss-like objective on the policy adapter are the same chunked."""
@@ -366,16 +381,7 @@ def test_role_model_policy_loss_under_fsdp2(mesh: object) -> None:
     model = shard_model(RoleModel(lm, nn.Linear(32, 1), None), mesh, "fp32")
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(2, 512, (4, 10), generator=g)
-    response = ids[:, 5:]
-    mask = torch.ones(4, 5)
-    mask[1, 3:] = 0
-    inp = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "position_ids": torch.arange(10).expand(4, 10).clone(),
-        "start": 4,
-        "stop": 9,
-    }
+    response, mask, inp = _rl_inputs(ids)
     weights = torch.randn(4, 5, generator=g)
     out = {}
     for chunk in (0, 3):
@@ -535,16 +541,7 @@ def test_role_model_gemma2_softcap_under_fsdp2(mesh: object) -> None:
     with torch.no_grad():  # the causal LM's own logits (soft-capped), default adapter
         own = lm(input_ids=ids).logits[:, 4:9]
     model = shard_model(RoleModel(lm, nn.Linear(32, 1), None), mesh, "fp32")
-    response = ids[:, 5:]
-    mask = torch.ones(4, 5)
-    mask[1, 3:] = 0
-    inp = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "position_ids": torch.arange(10).expand(4, 10).clone(),
-        "start": 4,
-        "stop": 9,
-    }
+    response, mask, inp = _rl_inputs(ids)
     weights = torch.randn(4, 5, generator=g)
     out = {}
     for chunk in (0, 3):
