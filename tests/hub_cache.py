@@ -13,6 +13,10 @@ import hashlib
 import os
 from pathlib import Path
 
+import yaml
+
+from posttrain.hub import is_hub_id
+
 
 def commit_sha(label: str) -> str:
     """A 40-hex commit id (a fake but well-formed git sha)."""
@@ -49,3 +53,16 @@ def add_snapshot(
 def folder_files(folder: Path) -> dict[str, Path]:
     """{path in repo: file} of a local folder, for add_snapshot."""
     return {str(p.relative_to(folder)): p for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def cache_recipe_hub_ids(path: Path, cache: Path) -> None:
+    """A recipe's hub ids resolve at load time: give each a snapshot in a local hub cache (the
+    real layout; nothing is downloaded here), as `hf download` would have left it."""
+    data = yaml.safe_load(path.read_text())
+    ids = {(data.get("ingest", {}).get("path"), "model")}
+    for section in data.values():
+        source = section.get("data", {}) if isinstance(section, dict) else {}
+        ids |= {(source.get(k), "dataset") for k in ("path", "eval_path")}
+    for repo, kind in ids:
+        if is_hub_id(repo):
+            add_snapshot(cache, repo, {"README.md": b"x"}, commit_sha(repo), repo_type=kind)

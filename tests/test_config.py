@@ -7,6 +7,7 @@ import yaml
 
 from posttrain.config.batch import resolve_batch
 from posttrain.config.loader import RecipeError, apply_overrides, load_recipe, validate_recipe
+from tests.hub_cache import cache_recipe_hub_ids
 
 RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").glob("*.yaml"))
 MINIMAL = {"ingest": {"source": "from_config"}, "sft": {"data": {"synthetic": {}}}}
@@ -18,28 +19,12 @@ def errors_of(data: dict) -> list[str]:
     return exc.value.errors
 
 
-def _cache_hub_ids(path: Path, cache: Path) -> None:
-    """A recipe's hub ids resolve at load time: give each a snapshot in a local hub cache (the
-    real layout; nothing is downloaded here), as `hf download` would have left it."""
-    from posttrain.hub import is_hub_id
-    from tests.hub_cache import add_snapshot, commit_sha
-
-    data = yaml.safe_load(path.read_text())
-    ids = {(data.get("ingest", {}).get("path"), "model")}
-    for section in data.values():
-        source = section.get("data", {}) if isinstance(section, dict) else {}
-        ids |= {(source.get(k), "dataset") for k in ("path", "eval_path")}
-    for repo, kind in ids:
-        if is_hub_id(repo):
-            add_snapshot(cache, repo, {"README.md": b"x"}, commit_sha(repo), repo_type=kind)
-
-
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
 def test_every_shipped_recipe_validates(
     path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    _cache_hub_ids(path, tmp_path)
+    cache_recipe_hub_ids(path, tmp_path)
     recipe = load_recipe(path)
     assert recipe.infra.precision in ("fp32", "bf16")
     assert Path(recipe.run.workspace).is_absolute()
@@ -82,7 +67,6 @@ def test_fp16_without_loss_scaling_refused() -> None:
 
 
 def test_half_precision_on_cpu_refused(tmp_path: Path) -> None:
-    import yaml
 
     p = tmp_path / "r.yaml"
     p.write_text(yaml.safe_dump(MINIMAL))
@@ -92,7 +76,6 @@ def test_half_precision_on_cpu_refused(tmp_path: Path) -> None:
 
 
 def test_base_dtype_auto_is_bf16_only_for_bf16_gpu_runs(tmp_path: Path, monkeypatch) -> None:
-    import yaml
 
     from posttrain.config import loader
 

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from posttrain.config.loader import RecipeError, load_recipe, resolve
+from tests.hub_cache import cache_recipe_hub_ids
 
 FIELDS = (
     "ingest.path",
@@ -143,10 +144,8 @@ def test_resolved_recipe_passes_again_from_another_directory(
 def test_shipped_recipes_need_no_allowed_paths(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tests.test_config import _cache_hub_ids
-
     root = Path(__file__).resolve().parents[1]
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     for path in sorted((root / "recipes").glob("*.yaml")):
-        _cache_hub_ids(path, tmp_path)  # hub ids are no paths, but must resolve to load
+        cache_recipe_hub_ids(path, tmp_path)  # hub ids are no paths, but must resolve to load
         assert load_recipe(path).run.allowed_paths == [], path
