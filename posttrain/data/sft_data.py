@@ -100,6 +100,12 @@ def write_splits(out_dir: Path, train_rows: list[dict], eval_rows: list[dict]) -
     write_rows(out_dir / "data" / "eval.jsonl", eval_rows)
 
 
+def saved_split(out_dir: Path, split: str) -> list[dict]:
+    """The rows `write_splits` recorded for `split` ("train" or "eval"); [] for an empty split."""
+    text = (out_dir / "data" / f"{split}.jsonl").read_text(encoding="utf-8")
+    return [json.loads(x) for x in text.splitlines() if x.strip()]
+
+
 def write_rows(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:

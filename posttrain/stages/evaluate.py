@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ import torch
 from posttrain import jsonsafe
 from posttrain.data.batching import pad_batch
 from posttrain.data.chat import prompt_text
-from posttrain.data.sft_data import tokenize_rows, write_rows
+from posttrain.data.sft_data import saved_split, tokenize_rows, write_rows
 from posttrain.eval.generation import generate
 from posttrain.eval.heldout import heldout_loss
 from posttrain.eval.inference import compare_cache_modes
@@ -37,10 +36,6 @@ log = logging.getLogger("posttrain.evaluate")
 def _batches(examples: list[dict], pad_id: int, size: int):
     for i in range(0, len(examples), size):
         yield pad_batch(examples[i : i + size], pad_id)
-
-
-def _read_rows(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def _inference_prompt(tok: Any, prompts: list[str], n_tokens: int) -> torch.Tensor:
@@ -156,7 +151,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         model.load_adapter(str(sft_dir / "adapter"), adapter_name="sft")
     model = model.to(device).eval()
 
-    rows = _read_rows(sft_dir / "data" / "eval.jsonl")[: cfg.max_eval_rows]
+    rows = saved_split(sft_dir, "eval")[: cfg.max_eval_rows]
     held_out = bool(rows)
     if not held_out:
         # SFT kept no held-out split (eval_fraction 0, no eval_path): there is nothing unseen to
@@ -167,7 +162,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
             "and exact match are skipped; samples and the inference benchmark use training "
             "prompts"
         )
-        rows = _read_rows(sft_dir / "data" / "train.jsonl")[: cfg.max_eval_rows]
+        rows = saved_split(sft_dir, "train")[: cfg.max_eval_rows]
     chunk = ctx.recipe.infra.logits_chunk_tokens
     base_scores = tuned_scores = None
     if held_out:

@@ -7,7 +7,6 @@ manifest, when the export reloads differently from base+adapter or is identical 
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from typing import Any
@@ -17,6 +16,7 @@ import torch
 from posttrain import jsonsafe
 from posttrain.artifacts import sha256_file
 from posttrain.data.chat import encode_chat
+from posttrain.data.sft_data import saved_split
 from posttrain.diskspace import (
     DiskFull,
     ensure_free,
@@ -48,12 +48,9 @@ def base_dtype(ingest_summary: dict[str, Any]) -> str:
 def _verify_inputs(ctx: StageContext, tok: Any, n_rows: int = 4) -> torch.Tensor:
     """[n, T] token ids from held-out rows (training rows when SFT kept none: any text checks
     that merged and unmerged weights agree), cut to a common length (no padding to mask)."""
-    data = ctx.parent_dir("sft") / "data"
-    lines = [x for x in (data / "eval.jsonl").read_text().splitlines() if x.strip()]
-    if not lines:
-        lines = [x for x in (data / "train.jsonl").read_text().splitlines() if x.strip()]
-    lines = lines[:n_rows]
-    seqs = [encode_chat(tok, json.loads(x)["messages"], 512) for x in lines]
+    sft_dir = ctx.parent_dir("sft")
+    rows = (saved_split(sft_dir, "eval") or saved_split(sft_dir, "train"))[:n_rows]
+    seqs = [encode_chat(tok, r["messages"], 512) for r in rows]
     ids = [s["input_ids"] for s in seqs if s]
     width = min(len(i) for i in ids)
     return torch.tensor([i[:width] for i in ids])
