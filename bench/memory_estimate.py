@@ -154,7 +154,7 @@ def stage_shape(cfg: dict[str, Any], chunk: int = DEFAULT_CHUNK) -> StageShape:
         )
     if kind == "ppo":
         return StageShape(
-            "ppo",
+            "rl",
             micro_batch=cfg["micro"],
             seq_len=cfg["prompt"] + cfg["new"],
             adapters=adapters,
@@ -168,8 +168,10 @@ def stage_shape(cfg: dict[str, Any], chunk: int = DEFAULT_CHUNK) -> StageShape:
             activation_checkpointing=cfg.get("ac", False),
             logits_chunk_tokens=chunk,
         )
+    family = {"sft": "lm", "reward": "score", "dpo": "pairs"}[kind]
     return StageShape(
-        kind,
+        family,
+        label=kind,
         micro_batch=cfg["micro"],
         seq_len=cfg["seq"],
         adapters=adapters,

@@ -30,7 +30,7 @@ from posttrain.artifacts import read_manifest, verify
 from posttrain.config.loader import RecipeError, load_recipe
 from posttrain.config.reach import ALLOWED_ENV, served_roots, with_roots
 from posttrain.config.schema import Recipe
-from posttrain.pipeline import plan
+from posttrain.planner import plan
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 EXIT_HUNG_UP = 129
@@ -115,7 +115,7 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
         from flows.embedded_db import set_aside_if_damaged
         from flows.embedded_server import start_embedded_server
         from flows.known_failures import quiet_known_failures
-        from flows.pipeline import post_train  # imports prefect: only now, after its defaults
+        from flows.post_train import post_train  # imports prefect: only now, after its defaults
 
         quiet_known_failures()  # a failed stage or gate: one line, not a traceback wall
 
@@ -314,7 +314,7 @@ def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, er
 
     from flows.stage_task import child_env, node_rank, stage_command
     from posttrain.artifacts import ref_from_manifest
-    from posttrain.pipeline import write_spec
+    from posttrain.planner import write_spec
 
     recipe = load_or_report(path, overrides, err)
     if recipe is None:

@@ -8,7 +8,7 @@ One recipe = one deployment, named after `run.name` (`post-train/<run.name>`):
     this one on that base checkpoint;
   - served with `pause_on_shutdown=False`: stopping or restarting the server process must not
     silently pause scheduled retraining.
-The entrypoint is the module path `flows.pipeline:post_train`, so a worker or runner imports the
+The entrypoint is the module path `flows.post_train:post_train`, so a worker or runner imports the
 flow from the installed package whatever its working directory.
 """
 
@@ -23,7 +23,7 @@ from prefect.schedules import Cron, Interval, Schedule
 from prefect.settings import PREFECT_UI_URL
 
 from flows.events import BASE_EVENT, BASE_PATH_LABEL, PIPELINE_LABEL
-from flows.pipeline import post_train
+from flows.post_train import post_train
 from posttrain.config.schema import Recipe
 
 FLOW_NAME = "post-train"

@@ -13,7 +13,7 @@ from prefect.events import emit_event
 
 BASE_EVENT = "posttrain.base.published"
 BASE_PATH_LABEL = "posttrain.base.path"
-PIPELINE_LABEL = "posttrain.pipeline"
+PIPELINE_LABEL = "posttrain.planner"
 
 
 def publish_base(model_dir: str | Path, pipeline: str, fingerprint: str = "") -> None:

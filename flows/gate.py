@@ -22,7 +22,7 @@ from flows.report import StageRecord
 from flows.stage_task import stage_task_for
 from posttrain.artifacts import ArtifactRef, read_manifest, ref_from_manifest
 from posttrain.config.schema import Recipe
-from posttrain.pipeline import PlannedStage, write_spec
+from posttrain.planner import PlannedStage, write_spec
 from posttrain.promotion import (
     WIN_RATE_VS_CHAMPION,
     Decision,
@@ -53,7 +53,7 @@ def promote(recipe: Recipe, run_id: str, records: list[StageRecord]) -> Decision
     """The promotion gate after a completed run: the evaluate headline (and the head-to-head
     against the champion) against the champion's (`posttrain.promotion`); the registry records
     the decision, and the champion when promoted."""
-    from flows.pipeline import export_model_path  # flows.pipeline imports this module
+    from flows.post_train import export_model_path  # flows.post_train imports this module
 
     if not recipe.promotion.enabled:
         return None
@@ -105,7 +105,7 @@ def head_to_head_vs_champion(
     Skipped, with the reason, when it cannot apply: no reward stage to judge with, no held-out
     reward prompts, or the champion's export folder is gone. Any error while running it is
     caught: the result then blocks promotion, naming the error. `launch` defaults to the
-    `run-stage` Prefect task (flows.pipeline.launch), so it needs a flow run.
+    `run-stage` Prefect task (flows.post_train.launch), so it needs a flow run.
     """
     why = _cannot_run(by_stage, champion)
     if why:
@@ -117,8 +117,8 @@ def head_to_head_vs_champion(
         parents = {
             "candidate": ref_from_manifest(Path(by_stage["export"].uri)),
             "champion": ref_from_manifest(Path(champion["export_path"]).parent),
-            "reward": ref_from_manifest(Path(by_stage["reward"].uri)),
-            "ingest": ref_from_manifest(Path(by_stage["ingest"].uri)),
+            "reward_model": ref_from_manifest(Path(by_stage[_judge(by_stage)].uri)),
+            "base": ref_from_manifest(Path(by_stage["ingest"].uri)),
         }
         stage = head_to_head_stage(recipe, parents)
         spec = write_spec(stage, recipe, parents)
@@ -146,13 +146,20 @@ def head_to_head_vs_champion(
     return HeadToHead(value=value, note=note, record=record)
 
 
+def _judge(by_stage: dict[str, StageRecord]) -> str:
+    """The reward stage the run's evaluation judged with ("" when it had none)."""
+    evaluate = by_stage.get("evaluate")
+    return evaluate.roles.get("reward_model", "") if evaluate is not None else ""
+
+
 def _cannot_run(by_stage: dict[str, StageRecord], champion: dict[str, Any]) -> str:
     """Why the head-to-head does not apply to this run, or "" when it does."""
-    if "reward" not in by_stage:
+    judge = _judge(by_stage)
+    if judge not in by_stage:
         return "the recipe has no reward stage to judge with"
     if "export" not in by_stage or "ingest" not in by_stage:
         return "the run has no export to compare"
-    reward_prompts = Path(by_stage["reward"].uri) / "data" / "eval.jsonl"
+    reward_prompts = Path(by_stage[judge].uri) / "data" / "eval.jsonl"
     if not reward_prompts.is_file() or not reward_prompts.read_text().strip():
         return f"the reward stage held out no pairs to take prompts from ({reward_prompts})"
     if not champion.get("export_path") or not champion.get("export_fingerprint"):
@@ -170,7 +177,7 @@ def _cannot_run(by_stage: dict[str, StageRecord], champion: dict[str, Any]) -> s
 
 
 def _task_launch(recipe: Recipe) -> Launch:
-    from flows.pipeline import launch  # flows.pipeline imports this module
+    from flows.post_train import launch  # flows.post_train imports this module
 
     launcher = stage_task_for(recipe.run.workspace)
     return lambda stage, spec: launch(launcher, stage, spec)

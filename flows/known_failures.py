@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from flows.pipeline import QualityGateFailed
+from flows.post_train import QualityGateFailed
 from flows.stage_task import StageFailed
 
 KNOWN_FAILURES: tuple[type[BaseException], ...] = (StageFailed, QualityGateFailed)

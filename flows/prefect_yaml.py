@@ -64,7 +64,7 @@ def deployment_entry(recipe: Recipe) -> dict[str, Any]:
 
     entry: dict[str, Any] = {
         "name": recipe.run.name,
-        "entrypoint": "flows/pipeline.py:post_train",
+        "entrypoint": "flows/post_train.py:post_train",
         "description": f"posttrain pipeline '{recipe.run.name}'",
         "tags": ["posttrain"],
         "enforce_parameter_schema": True,

@@ -39,6 +39,12 @@ class StageRecord:
     # What this launch recovered from (summary.recovery): an earlier attempt that did not
     # finish, the checkpoint it resumed from, checkpoints it rejected as damaged.
     recovery: dict[str, Any] = field(default_factory=dict)
+    # The stage's kind (its name, unless the recipe named it) and which stage played which of
+    # its input roles (posttrain.planner.PlannedStage.roles).
+    kind: str = ""
+    roles: dict[str, str] = field(default_factory=dict)
+    # evaluate: `evaluate.policies` side by side (summary.policies), for the chain table.
+    policies: dict[str, Any] = field(default_factory=dict)
 
     @property
     def reused_result(self) -> bool:
@@ -130,6 +136,7 @@ def markdown_report(
     if recovered := recovery_lines(records):
         lines += ["", "## Recovered", "", *(f"- {_md_cell(line)}" for line in recovered)]
     lines += memory_markdown(records)
+    lines += chain_markdown(records)
     by_fp = {r.fingerprint: r.stage for r in records}
     lines += ["", "## Lineage", ""]
     for r in records:
@@ -244,3 +251,43 @@ def summary_table(records: Sequence[StageRecord]) -> str:
         for r in records
     ]
     return text_table(rows, ("stage", "status", "duration", "headline metrics"))
+
+
+def chain_markdown(records: Sequence[StageRecord]) -> list[str]:
+    """`evaluate.policies` side by side: each policy against its parent (what each link of the
+    chain gained); nothing when the recipe lists none."""
+    ev = next((r for r in records if r.policies), None)
+    if ev is None:
+        return []
+    lines = [
+        "",
+        "## Along the chain",
+        "",
+        "Each policy against the one it started from (held-out loss: lower is better; the "
+        "gain columns are this policy minus its parent; win-rate judged by the reward model).",
+        "",
+        "| policy | kind | from | held-out loss | loss gain | exact match | exact-match gain "
+        "| win-rate vs parent |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    rows = ev.policies
+    for name, row in rows.items():
+        parent = rows.get(row.get("parent"), {})
+
+        def gain(key: str, row: dict[str, Any] = row, parent: dict[str, Any] = parent) -> str:
+            if key in row and key in parent:
+                return f"{row[key] - parent[key]:+.4g}"
+            return "-"
+
+        cells = (
+            name,
+            str(row.get("kind", "")),
+            str(row.get("parent", "")),
+            format_value(row["loss"]) if "loss" in row else "-",
+            gain("loss"),
+            format_value(row["exact_match"]) if "exact_match" in row else "-",
+            gain("exact_match"),
+            format_value(row["win_rate_vs_parent"]) if "win_rate_vs_parent" in row else "-",
+        )
+        lines.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
+    return lines

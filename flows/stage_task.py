@@ -56,7 +56,7 @@ from posttrain.artifacts import MANIFEST, ArtifactRef, ref_from_manifest, verify
 from posttrain.device_lock import HELD_ENV as DEVICE_LOCK_ENV
 from posttrain.locking import LOCK_HELD_ENV, ArtifactLock, LockTimeout, describe_holder
 from posttrain.orphan import launcher_env
-from posttrain.pipeline import PlannedStage
+from posttrain.planner import PlannedStage
 from posttrain.recovery import EARLIER_ATTEMPT_ENV, earlier_attempt
 from posttrain.telemetry.heartbeat import Hang, HangWatch, read_heartbeats, stack_file
 from posttrain.telemetry.rank_exit import describe_beat, describe_exit, how_it_ended, root_causes
@@ -163,7 +163,10 @@ def stage_command(
 
 
 def child_env(
-    launch_id: str, base: dict[str, str] | None = None, earlier_attempt: str | None = None
+    launch_id: str,
+    base: dict[str, str] | None = None,
+    earlier_attempt: str | None = None,
+    visible_devices: str | None = None,
 ) -> dict[str, str]:
     """The stage's environment: ours, plus the fixed settings and the launch marker.
 
@@ -176,6 +179,8 @@ def child_env(
     """
     env = dict(os.environ if base is None else base)
     env.update(CHILD_ENV)
+    if visible_devices is not None:  # one of several stages running side by side
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices
     # Offline exactly when the launcher is (posttrain.hub.offline): a hub id the plan resolved
     # online is downloaded by the stage that reads it.
     env["HF_HUB_OFFLINE"] = "1" if hub.offline() else "0"
@@ -410,7 +415,9 @@ def _supervise(stage: PlannedStage, spec_path: Path | str, kill_grace_s: float) 
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=child_env(launch_id, earlier_attempt=earlier),
+            env=child_env(
+                launch_id, earlier_attempt=earlier, visible_devices=stage.visible_devices
+            ),
             start_new_session=True,  # its own process group, so killpg reaches every rank
             text=True,
             errors="replace",

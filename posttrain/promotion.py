@@ -25,7 +25,7 @@ from typing import Any
 
 from posttrain.artifacts import ArtifactRef, atomic_write_text, fingerprint, stage_dir
 from posttrain.config.schema import PromotionRule, Recipe
-from posttrain.pipeline import PlannedStage
+from posttrain.planner import PlannedStage
 
 WIN_RATE_VS_CHAMPION = "win_rate_vs_champion"
 # The champion side of metrics measured against the champion itself: what the champion scores
@@ -39,7 +39,7 @@ HEAD_TO_HEAD_MODULE = "posttrain.stages.head_to_head"
 HEAD_TO_HEAD_VERSION = "1"
 # The artifacts the head-to-head reads, in the order their fingerprints are hashed: the
 # candidate's and the champion's exports, and the candidate run's reward model and its base.
-HEAD_TO_HEAD_PARENTS = ("candidate", "champion", "reward", "ingest")
+HEAD_TO_HEAD_PARENTS = ("candidate", "champion", "reward_model", "base")
 
 
 @dataclass

@@ -11,7 +11,8 @@ from pathlib import Path
 import yaml
 
 from posttrain.config.loader import load_recipe
-from posttrain.pipeline import STAGES, plan
+from posttrain.kinds import KINDS
+from posttrain.planner import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,11 +68,11 @@ def run_inprocess(stage: str, recipe: Path, *overrides: str) -> Path:
     """Run one stage through its real entry point in this process; returns its output folder."""
     from posttrain.stages.common import stage_main
 
-    module = importlib.import_module(STAGES[stage].module)
+    module = importlib.import_module(KINDS[stage].module)
     stage_main(
-        stage,
         module.run,
-        distributed=STAGES[stage].distributed,
+        kind=stage,
+        distributed=KINDS[stage].distributed,
         argv=["--recipe", str(recipe), *overrides],
     )
     return planned_dir(stage, recipe, *overrides)
@@ -94,7 +95,7 @@ def run_torchrun(
         "--standalone",
         f"--nproc-per-node={nproc}",
         "-m",
-        STAGES[stage].module,
+        KINDS[stage].module,
         "--recipe",
         str(recipe),
         *overrides,

@@ -38,7 +38,7 @@ def run(ctx):
 
 
 if __name__ == "__main__":
-    stage_main(STAGE, run)
+    stage_main(run, kind=STAGE)
 """
 
 FAIL = """
@@ -52,7 +52,7 @@ def run(ctx):
 
 
 if __name__ == "__main__":
-    stage_main({stage!r}, run)
+    stage_main(run, kind={stage!r})
 """
 
 # Ignores SIGTERM (so the launcher must escalate to SIGKILL) and leaves two grandchildren that
@@ -87,7 +87,7 @@ def run(ctx):
 
 
 if __name__ == "__main__":
-    stage_main({stage!r}, run)
+    stage_main(run, kind={stage!r})
 """
 
 
@@ -145,7 +145,7 @@ def run(ctx):
 
 
 if __name__ == "__main__":
-    stage_main({stage!r}, run, distributed=True)
+    stage_main(run, kind={stage!r}, distributed=True)
 """
 
 # A healthy but slow stage: a silent startup (phase "start") of $PT_STARTUP_S seconds, then beats
@@ -167,7 +167,7 @@ def run(ctx):
 
 
 if __name__ == "__main__":
-    stage_main({stage!r}, run)
+    stage_main(run, kind={stage!r})
 """
 
 

@@ -26,7 +26,7 @@ from posttrain.locking import (
     lock_path,
     stage_lock,
 )
-from posttrain.pipeline import PlannedStage, plan, write_spec
+from posttrain.planner import PlannedStage, plan, write_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 FP = "0123456789abcdef"
@@ -57,7 +57,7 @@ def run(ctx):
 
 
 if __name__ == "__main__":
-    stage_main("ingest", run)
+    stage_main(run, kind="ingest")
 """
 
 

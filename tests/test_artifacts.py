@@ -8,7 +8,7 @@ import yaml
 
 from posttrain.artifacts import fingerprint, verify, write_manifest
 from posttrain.config.loader import load_recipe
-from posttrain.pipeline import plan
+from posttrain.planner import plan
 
 
 def test_fingerprint_depends_on_every_input() -> None:

@@ -51,8 +51,9 @@ def test_every_error_is_reported_at_once() -> None:
     assert fields == ["run.seed", "sft.lora.r", "sft.optim.lr"]
 
 
-def test_missing_section() -> None:
-    assert errors_of({"ingest": {"source": "from_config"}}) == ["sft: required field is missing"]
+def test_missing_policy_stage() -> None:
+    (err,) = errors_of({"ingest": {"source": "from_config"}})
+    assert err.startswith("the recipe trains no policy: add an `sft:` section")
 
 
 def test_wrong_type_in_list_field() -> None:
@@ -190,14 +191,21 @@ PAIRS = {"data": {"synthetic": {}}}
 PROMPTS = {"data": {"synthetic": {}}}
 
 
-def test_one_policy_stage_per_recipe() -> None:
-    errs = errors_of({**MINIMAL, "reward": PAIRS, "dpo": PAIRS, "ppo": PROMPTS})
-    assert len(errs) == 1 and "sections dpo, ppo: one policy-tuning stage" in errs[0]
+def test_shorthand_policy_sections_chain() -> None:
+    # Several policy sections are a chain in registry order: PPO goes on from DPO's policy,
+    # measured against it, judged by the reward stage.
+    graph = validate_recipe({**MINIMAL, "reward": PAIRS, "dpo": PAIRS, "ppo": PROMPTS}).graph()
+    assert graph.names() == ["sft", "reward", "dpo", "ppo"]
+    assert graph.get("ppo").links == {"policy": "dpo", "reference": "dpo", "reward_model": "reward"}
+    assert graph.final_policy() == "ppo"
 
 
 def test_rl_needs_a_reward_model() -> None:
     errs = errors_of({**MINIMAL, "grpo": PROMPTS})
-    assert errs == ["grpo: needs a `reward` section (its reward model scores rollouts)"]
+    assert errs == [
+        "grpo.reward_model: a grpo stage needs a reward model: add a reward stage before it or "
+        "name one"
+    ]
 
 
 def test_grpo_needs_groups_and_kl_defaults_differ() -> None:

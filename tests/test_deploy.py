@@ -59,7 +59,7 @@ def test_cron_and_interval_become_prefect_schedules(tmp_path: Path) -> None:
 def test_deployment_takes_the_recipe_as_its_validated_parameter(tmp_path: Path) -> None:
     recipe = load_recipe(_recipe(tmp_path, cron="0 3 * * *", on_new_base=True), devices=False)
     dep = deployment_for(recipe)
-    assert dep.name == "tiny" and dep.entrypoint == "flows.pipeline.post_train"
+    assert dep.name == "tiny" and dep.entrypoint == "flows.post_train.post_train"
     assert dep.enforce_parameter_schema
     assert dep.parameters["recipe"]["sft"]["max_steps"] == TINY["sft"]["max_steps"]
     # Unresolved devices travel as written: the machine that runs the flow resolves them.

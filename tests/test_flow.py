@@ -18,15 +18,15 @@ from uuid import UUID
 import pytest
 from stage_modules import write_stage_modules
 
-import posttrain.pipeline
-from flows.pipeline import post_train
+import posttrain.planner
+from flows.post_train import post_train
 from flows.stage_task import StageFailed
 from posttrain.config.schema import Recipe
-from posttrain.pipeline import STAGES
+from posttrain.kinds import KINDS
 
 pytestmark = pytest.mark.slow
 
-NAMES = tuple(STAGES)
+NAMES = tuple(KINDS)
 # The stages a recipe without reward/dpo sections runs.
 PLANNED = ("ingest", "sft", "evaluate", "export")
 
@@ -45,9 +45,9 @@ def fake_stages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, st
         registry = {
             # Same graph (parents, optional stages) with stand-in modules, one process each.
             s.name: dataclasses.replace(s, module=f"pt_{kinds[s.name]}_{s.name}", distributed=False)
-            for s in STAGES.values()
+            for s in KINDS.values()
         }
-        monkeypatch.setattr(posttrain.pipeline, "STAGES", registry)
+        monkeypatch.setattr(posttrain.planner, "KINDS", registry)
 
     use()
     return use  # type: ignore[return-value]

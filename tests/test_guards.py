@@ -120,7 +120,7 @@ def test_guard_config_is_checked() -> None:
 
 
 def test_fingerprints_carry_the_spike_test_only() -> None:
-    from posttrain.pipeline import plan
+    from posttrain.planner import plan
 
     def fps(**guard: object) -> dict[str, str]:
         recipe = Recipe.model_validate({**copy.deepcopy(TINY), "guard": guard})
@@ -137,7 +137,7 @@ def test_fingerprints_carry_the_spike_test_only() -> None:
 
 
 def test_hang_settings_reach_training_stages_only() -> None:
-    from posttrain.pipeline import plan
+    from posttrain.planner import plan
 
     with pytest.raises(ValueError, match="hang_timeout_s"):
         Recipe.model_validate({**TINY, "infra": {"hang_timeout_s": 0}})
@@ -373,7 +373,7 @@ def beat_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def _planned(tmp_path: Path, module: str, nprocs: int, hang_s: float, startup_s: float):
     from posttrain.artifacts import stage_dir
-    from posttrain.pipeline import PlannedStage, write_spec
+    from posttrain.planner import PlannedStage, write_spec
 
     data = copy.deepcopy(TINY)
     data["run"]["workspace"] = str(tmp_path / "ws")

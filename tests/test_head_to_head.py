@@ -27,7 +27,7 @@ from posttrain.config.loader import load_recipe
 from posttrain.data.preference import quickstart_preference_rows
 from posttrain.eval.preference_eval import answers
 from posttrain.models.loading import load_causal_lm, load_tokenizer
-from posttrain.pipeline import write_spec
+from posttrain.planner import write_spec
 from posttrain.promotion import HEAD_TO_HEAD, WIN_RATE_VS_CHAMPION, head_to_head_stage
 from posttrain.stages import head_to_head as stage_module
 from posttrain.stages.common import stage_main
@@ -105,12 +105,12 @@ def _head_to_head(arts: dict, candidate: str, champion: str) -> tuple[Path, dict
     parents = {
         "candidate": ref_from_manifest(arts[candidate]),
         "champion": ref_from_manifest(arts[champion]),
-        "reward": ref_from_manifest(arts["reward"]),
-        "ingest": ref_from_manifest(arts["ingest"]),
+        "reward_model": ref_from_manifest(arts["reward"]),
+        "base": ref_from_manifest(arts["ingest"]),
     }
     stage = head_to_head_stage(recipe, parents)
     spec = write_spec(stage, recipe, parents)
-    stage_main(HEAD_TO_HEAD, stage_module.run, argv=["--spec", str(spec)])
+    stage_main(stage_module.run, kind=HEAD_TO_HEAD, argv=["--spec", str(spec)])
     return stage.out_dir, (read_manifest(stage.out_dir) or {})["summary"]
 
 

@@ -18,7 +18,7 @@ from posttrain.config.loader import RecipeError, load_recipe
 from posttrain.data.loading import DataError, DataSource, load_sft_rows
 from posttrain.data.preference import read_preference_rows
 from posttrain.data.prompts import read_prompt_rows
-from posttrain.pipeline import plan
+from posttrain.planner import plan
 from tests.fixtures_tiny import tiny_assets
 from tests.hub_cache import add_snapshot, commit_sha, folder_files
 from tests.stage_helpers import TINY, planned_dir, run_inprocess
@@ -374,7 +374,7 @@ def test_ingest_and_sft_from_hub_ids_offline(hub_model: Path, tmp_path: Path) ->
 def test_local_recipes_keep_their_fingerprint_inputs(cache: Path, tmp_path: Path) -> None:
     """The hub-only fields stay out of a local recipe's inputs (its fingerprints are the ones it
     had before they existed); with a hub id they are in, and so is the commit."""
-    from posttrain.pipeline import stage_inputs
+    from posttrain.planner import stage_inputs
 
     add_dataset(cache, "org/sft", {"train": [{"prompt": "p", "completion": "c"}]}, SHA_1)
     local = load_recipe(_recipe(tmp_path))

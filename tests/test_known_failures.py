@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from flows.known_failures import DropKnownTracebacks, quiet_known_failures
-from flows.pipeline import QualityGateFailed
+from flows.post_train import QualityGateFailed
 from flows.stage_task import StageFailed
 
 

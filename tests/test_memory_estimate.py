@@ -117,7 +117,7 @@ def test_reward_stage_weights_equal_peft_score_model() -> None:
     shape = shape_of(model)
     peft_model = apply_lora(model, LoraConfig(r=4), task_type="SEQ_CLS")
     st = StageShape(
-        "reward", 2, 16, (Adapter("reward", 4, "all-linear", True),), score_head="trainable"
+        "score", 2, 16, (Adapter("reward", 4, "all-linear", True),), score_head="trainable"
     )
     est = estimate(shape, st, DeviceLayout(), overhead_bytes=0)
     assert weight_bytes(est) == 4 * numel(peft_model)
@@ -137,8 +137,8 @@ def test_bf16_base_weights_cost_two_bytes_adapters_four(tmp_path: Path) -> None:
     held = sum(p.numel() * p.element_size() for p in peft_model.parameters())
     shape = shape_of(model)
     adapters = (Adapter("policy", 4, "all-linear", True),)
-    bf16 = estimate(shape, StageShape("sft", 2, 16, adapters, base_dtype="bf16"), DeviceLayout(), 0)
-    fp32 = estimate(shape, StageShape("sft", 2, 16, adapters), DeviceLayout(), 0)
+    bf16 = estimate(shape, StageShape("lm", 2, 16, adapters, base_dtype="bf16"), DeviceLayout(), 0)
+    fp32 = estimate(shape, StageShape("lm", 2, 16, adapters), DeviceLayout(), 0)
     assert weight_bytes(bf16) == held
     assert bf16.component("base weights") * 2 == fp32.component("base weights")
     for name in ("adapter", "gradients", "optimizer"):
@@ -170,13 +170,13 @@ def test_dpo_and_rl_role_weights_equal_the_real_models(tmp_path: Path) -> None:
     reference = Adapter("reference", 4, "all-linear", False)
 
     dpo = policy_with_reference(load(), sft)
-    est = estimate(shape, StageShape("dpo", 2, 16, (policy, reference)), DeviceLayout(), 0)
+    est = estimate(shape, StageShape("pairs", 2, 16, (policy, reference)), DeviceLayout(), 0)
     assert weight_bytes(est) == 4 * numel(dpo)
     assert est.component("gradients") == 4 * numel(dpo, trainable=True)
 
     roles = build_roles(load(), sft, reward, critic=True)
     rl = StageShape(
-        "ppo",
+        "rl",
         2,
         24,
         (
@@ -213,14 +213,14 @@ def test_adamw_state_is_two_fp32_per_trainable_param() -> None:
         for k, t in s.items()
         if k in ("exp_avg", "exp_avg_sq")
     )
-    st = StageShape("sft", 2, 8, (Adapter("policy", 4, "all-linear", True),))
+    st = StageShape("lm", 2, 8, (Adapter("policy", 4, "all-linear", True),))
     est = estimate(shape_of(model), st, DeviceLayout(), 0)
     assert est.component("optimizer") == state == 2 * 4 * numel(model, trainable=True)
 
 
 def test_sharding_divides_parameters_gradients_and_optimizer() -> None:
     shape = ModelShape(256, 4, 4, 4, 64, 512, 4096, tied=True)
-    st = StageShape("sft", 4, 128, (Adapter("policy", 8, "all-linear", True),))
+    st = StageShape("lm", 4, 128, (Adapter("policy", 8, "all-linear", True),))
     one = estimate(shape, st, DeviceLayout(world=1), 0)
     for layout, shards in (
         (DeviceLayout(world=8, layout="fsdp", devices_per_node=4), 8),
@@ -244,7 +244,7 @@ def test_activations_and_logits_hand_computed() -> None:
     micro 2 x seq 10 = 20 tokens."""
     shape = ModelShape(64, 2, 4, 2, 16, 96, 300, tied=True)
     policy = Adapter("policy", 4, "all-linear", True)
-    st = StageShape("sft", 2, 10, (policy,))
+    st = StageShape("lm", 2, 10, (policy,))
     est = estimate(shape, st, DeviceLayout(), 0)
     # Per token and block: norm inputs 2*64*4 = 512; SDPA q,k,v,out 4*64*4 = 1024; q/k/v and
     # gate/up adapter inputs 2*64*4 = 512; o_proj input 64*4 = 256; MLP 4*96*4 = 1536;
@@ -258,7 +258,7 @@ def test_activations_and_logits_hand_computed() -> None:
 
     # Checkpointing: each block keeps its input (64 x 4 bytes per token), one block recomputed.
     ac = estimate(
-        shape, StageShape("sft", 2, 10, (policy,), activation_checkpointing=True), DeviceLayout(), 0
+        shape, StageShape("lm", 2, 10, (policy,), activation_checkpointing=True), DeviceLayout(), 0
     )
     assert ac.component("activations") == (
         tokens * 2 * 64 * 4 + tokens * per_block + tokens * 64 * 4 + 2 * 10 * 10
@@ -266,7 +266,7 @@ def test_activations_and_logits_hand_computed() -> None:
     assert ac.total < est.total
 
     # bf16 compute: 2-byte activations except the fp32 norm inputs.
-    bf16 = estimate(shape, StageShape("sft", 2, 10, (policy,), precision="bf16"), DeviceLayout(), 0)
+    bf16 = estimate(shape, StageShape("lm", 2, 10, (policy,), precision="bf16"), DeviceLayout(), 0)
     assert bf16.component("activations") == (
         tokens * 2 * (512 + (per_block - 512) // 2) + tokens * 64 * 4 + 2 * 10 * 10
     )
@@ -281,9 +281,9 @@ def test_full_logits_and_gathered_root_are_not_live_together() -> None:
     policy = Adapter("policy", 4, "all-linear", True)
     one = 20 * 300 * 4
     gathered = (300 * 64 + 64 + 2 * (30848 + 3712)) * 4
-    full = estimate(shape, StageShape("sft", 2, 10, (policy,)), DeviceLayout(), 0)
+    full = estimate(shape, StageShape("lm", 2, 10, (policy,)), DeviceLayout(), 0)
     chunked = estimate(
-        shape, StageShape("sft", 2, 10, (policy,), logits_chunk_tokens=8), DeviceLayout(), 0
+        shape, StageShape("lm", 2, 10, (policy,), logits_chunk_tokens=8), DeviceLayout(), 0
     )
     assert chunked.component("gathered weights") == gathered  # head inside the root forward
     assert full.component("gathered weights") == gathered - 2 * one
@@ -291,7 +291,7 @@ def test_full_logits_and_gathered_root_are_not_live_together() -> None:
     assert full.total == full.static + act + max(3 * one, gathered + one)
     # A 32k vocabulary: the logits outweigh the gathered weights, which add nothing.
     wide = ModelShape(64, 2, 4, 2, 16, 96, 32000, tied=True)
-    w = estimate(wide, StageShape("sft", 8, 256, (policy,)), DeviceLayout(), 0)
+    w = estimate(wide, StageShape("lm", 8, 256, (policy,)), DeviceLayout(), 0)
     assert w.component("gathered weights") == 0
     assert w.total == w.static + w.component("activations") + 3 * 8 * 256 * 32000 * 4
 
@@ -303,14 +303,14 @@ def test_chunked_logits_hand_computed() -> None:
     shape = ModelShape(64, 2, 4, 2, 16, 96, 300, tied=True)
     policy = Adapter("policy", 4, "all-linear", True)
     est = estimate(
-        shape, StageShape("sft", 2, 10, (policy,), logits_chunk_tokens=8), DeviceLayout(), 0
+        shape, StageShape("lm", 2, 10, (policy,), logits_chunk_tokens=8), DeviceLayout(), 0
     )
     assert est.component("logits") == 2 * 8 * 300 * 4 + 2 * 20 * 64 * 4
     big = estimate(
-        shape, StageShape("sft", 2, 10, (policy,), logits_chunk_tokens=4096), DeviceLayout(), 0
+        shape, StageShape("lm", 2, 10, (policy,), logits_chunk_tokens=4096), DeviceLayout(), 0
     )
     assert big.component("logits") == 2 * 20 * 300 * 4 + 2 * 20 * 64 * 4
-    rl = StageShape("grpo", 2, 10, (policy,), logit_positions=4, logits_chunk_tokens=8)
+    rl = StageShape("rl", 2, 10, (policy,), logit_positions=4, logits_chunk_tokens=8)
     assert estimate(shape, rl, DeviceLayout(), 0).component("logits") == (
         3 * 8 * 300 * 4 + 2 * 8 * 64 * 4
     )
@@ -330,7 +330,7 @@ def test_a_transformed_head_keeps_one_more_chunk_buffer() -> None:
     gemma = ModelShape.from_hf_config({**cfg, "final_logit_softcapping": 30.0})
     assert not plain.logit_transform and gemma.logit_transform
     assert not ModelShape.from_hf_config({**cfg, "logit_scale": 1.0}).logit_transform
-    stage = StageShape("sft", 2, 10, (Adapter("policy", 4, "all-linear", True),))
+    stage = StageShape("lm", 2, 10, (Adapter("policy", 4, "all-linear", True),))
     stage = replace(stage, logits_chunk_tokens=8)
     diff = estimate(gemma, stage, DeviceLayout(), 0).component("logits") - estimate(
         plain, stage, DeviceLayout(), 0
@@ -341,10 +341,10 @@ def test_a_transformed_head_keeps_one_more_chunk_buffer() -> None:
 def test_pair_stages_run_chosen_and_rejected_together() -> None:
     shape = ModelShape(64, 2, 4, 4, 16, 96, 300, tied=True)
     a = Adapter("policy", 4, "all-linear", True)
-    sft = estimate(shape, StageShape("sft", 4, 32, (a,)), DeviceLayout(), 0)
+    sft = estimate(shape, StageShape("lm", 4, 32, (a,)), DeviceLayout(), 0)
     dpo = estimate(
         shape,
-        StageShape("dpo", 4, 32, (a, Adapter("reference", 4, "all-linear", False))),
+        StageShape("pairs", 4, 32, (a, Adapter("reference", 4, "all-linear", False))),
         DeviceLayout(),
         0,
     )
@@ -355,7 +355,7 @@ def test_pair_stages_run_chosen_and_rejected_together() -> None:
 def test_rl_rollout_kv_cache_and_peak_phase() -> None:
     shape = ModelShape(64, 2, 4, 2, 16, 96, 300, tied=True)
     st = StageShape(
-        "grpo",
+        "rl",
         2,
         48,
         (Adapter("policy", 4, "all-linear", True), Adapter("reference", 4, "all-linear", False)),
@@ -387,7 +387,7 @@ def _recipe(tmp_path: Path, **infra: Any) -> Any:
 def test_stage_shape_from_recipe(tmp_path: Path) -> None:
     recipe = _recipe(tmp_path)
     st = stage_shape(recipe, "sft")
-    assert (st.kind, st.micro_batch, st.seq_len) == ("sft", 8, 64)
+    assert (st.kind, st.label, st.micro_batch, st.seq_len) == ("lm", "sft", 8, 64)
     assert st.adapters == (Adapter("policy", 8, "all-linear", True, False),)
     assert st.precision == "fp32" and not st.activation_checkpointing
     assert st.logits_chunk_tokens == recipe.infra.logits_chunk_tokens == 2048
@@ -438,7 +438,7 @@ def test_unchunked_large_logits_suggest_the_chunked_head() -> None:
     estimate as its peak; already chunked, or logits under a tenth of the peak: no such fix."""
     policy = (Adapter("policy", 8, "all-linear", True),)
     wide = ModelShape(64, 2, 4, 2, 16, 96, 32000, tied=True)
-    full = StageShape("sft", 8, 256, policy, logits_chunk_tokens=0)
+    full = StageShape("lm", 8, 256, policy, logits_chunk_tokens=0)
     now = estimate(wide, full, DeviceLayout(), 0)
     chunked = estimate(wide, replace(full, logits_chunk_tokens=2048), DeviceLayout(), 0)
     assert now.component("logits") > 0.5 * now.total  # 3 x 2048 x 32000 x 4 B
@@ -470,7 +470,7 @@ def test_stage_refused_before_loading_anything(tmp_path: Path) -> None:
     before its run function (which loads the model) is called, and before a process group."""
     import torch.distributed as dist
 
-    from posttrain.pipeline import plan, write_spec
+    from posttrain.planner import plan, write_spec
     from posttrain.stages.common import stage_main
 
     recipe = _recipe(tmp_path, device_memory_gb=0.001)
@@ -479,7 +479,7 @@ def test_stage_refused_before_loading_anything(tmp_path: Path) -> None:
     called: list[Any] = []
     t = time.perf_counter()
     with pytest.raises(SystemExit) as exit_info:
-        stage_main("sft", called.append, distributed=True, argv=["--spec", str(spec)])
+        stage_main(called.append, kind="sft", distributed=True, argv=["--spec", str(spec)])
     took = time.perf_counter() - t
     assert exit_info.value.code == 1
     assert not called and not dist.is_initialized()
@@ -495,7 +495,7 @@ def test_stage_refused_before_loading_anything(tmp_path: Path) -> None:
 
 
 def test_warn_and_off_modes_let_the_stage_run(tmp_path: Path) -> None:
-    from posttrain.pipeline import plan, write_spec
+    from posttrain.planner import plan, write_spec
     from posttrain.stages.common import stage_main
 
     for mode in ("warn", "off"):
@@ -510,7 +510,7 @@ def test_warn_and_off_modes_let_the_stage_run(tmp_path: Path) -> None:
             seen.append(ctx.preflight)
             return {"headline": {}}
 
-        stage_main("sft", run, argv=["--spec", str(spec)])
+        stage_main(run, kind="sft", argv=["--spec", str(spec)])
         manifest = json.loads((sft.out_dir / "manifest.json").read_text())
         if mode == "warn":
             assert seen[0]["fits"] is False
@@ -535,6 +535,7 @@ def test_unknown_architecture_skips_the_stage_check(
 ) -> None:
     """A base the estimate cannot describe never blocks a stage: a warning, no report."""
     from posttrain.artifacts import ArtifactRef
+    from posttrain.kinds import KINDS
     from posttrain.stages.common import StageContext, memory_preflight
 
     ingest = tmp_path / "ingest"
@@ -547,7 +548,10 @@ def test_unknown_architecture_skips_the_stage_check(
     )
     ref = ArtifactRef(stage="ingest", uri=str(ingest), fingerprint="f" * 16, sha256="0" * 64)
     recipe = _recipe(tmp_path, device_memory_gb=0.001)
-    ctx = StageContext("sft", "0" * 16, tmp_path / "sft", recipe, {"ingest": ref}, {})
+    ctx = StageContext(
+        "sft", "0" * 16, tmp_path / "sft", recipe, {"ingest": ref}, {}, kind=KINDS["sft"]
+    )
+    ctx.roles = {"base": "ingest"}
     with caplog.at_level(logging.WARNING, logger="posttrain"):
         memory_preflight(ctx)
     assert ctx.preflight is None
@@ -661,9 +665,9 @@ def test_run_report_shows_estimate_beside_measured_peak() -> None:
 
 
 def test_flow_stage_record_carries_the_summary_memory(tmp_path: Path) -> None:
-    from flows.pipeline import stage_record
+    from flows.post_train import stage_record
     from posttrain.artifacts import ArtifactRef
-    from posttrain.pipeline import PlannedStage
+    from posttrain.planner import PlannedStage
 
     memory = {"estimate_gib": 1.0, "measured_peak_gib": 1.2, "measured": "peak RSS"}
     (tmp_path / "manifest.json").write_text(

@@ -174,7 +174,7 @@ def test_curves_section_links_exactly_the_drawn_images(tmp_path: Path) -> None:
 
 
 def test_importing_plots_loads_neither_torch_nor_matplotlib() -> None:
-    # flows/pipeline.py imports this module: the flow process must stay light until it draws.
+    # flows/post_train.py imports this module: the flow process must stay light until it draws.
     code = (
         "import sys, posttrain.telemetry.plots; "
         "heavy = [m for m in ('torch', 'matplotlib') if m in sys.modules]; "

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flows.pipeline import QualityGateFailed, check_gate
+from flows.post_train import QualityGateFailed, check_gate
 from flows.report import StageRecord
 from posttrain.artifacts import ref_from_manifest
 from posttrain.telemetry.metrics import read_metrics
@@ -200,7 +200,9 @@ def test_evaluate_reports_preference_metrics(pref) -> None:
     assert s["policy"] == "dpo"
     assert 0 <= s["reward_model"]["accuracy"] <= 1 and s["reward_model"]["pairs"] == 8
     assert 0 <= s["dpo_implicit"]["accuracy"] <= 1
-    wr = s["win_rate_vs_sft"]
+    wr = s["win_rate_vs_parent"]
     assert wr["wins"] + wr["losses"] + wr["ties"] == wr["n"] == 8
-    assert {"rm_accuracy", "dpo_accuracy", "win_rate_vs_sft", "sft_loss"} <= set(s["headline"])
+    assert {"rm_accuracy", "dpo_accuracy", "win_rate_vs_parent", "parent_loss"} <= set(
+        s["headline"]
+    )
     assert (out / "win_rate_samples.jsonl").exists()

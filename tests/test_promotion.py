@@ -36,7 +36,7 @@ def test_better_or_within_tolerance_is_promoted() -> None:
     d = compare(better, CHAMPION, RULES)
     assert d.promoted and not d.regressions()
     rows = {r.metric: r for r in d.rows}
-    assert rows["win_rate_vs_sft"].compared is False  # absent on both sides: skipped
+    assert rows["win_rate_vs_parent"].compared is False  # absent on both sides: skipped
 
 
 def test_worse_is_refused_naming_every_regression() -> None:
@@ -169,8 +169,8 @@ def test_head_to_head_stage_fingerprint_and_folder(tmp_path: Path) -> None:
     parents = {
         "candidate": _ref("export", "c" * 16),
         "champion": _ref("export", "d" * 16),
-        "reward": _ref("reward", "r" * 16),
-        "ingest": _ref("ingest", "i" * 16),
+        "reward_model": _ref("reward", "r" * 16),
+        "base": _ref("ingest", "i" * 16),
     }
     stage = head_to_head_stage(recipe, parents)
     assert stage.out_dir == tmp_path / "artifacts" / "head_to_head" / stage.fingerprint

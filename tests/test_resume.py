@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from posttrain.artifacts import verify
-from posttrain.pipeline import STAGES
+from posttrain.kinds import KINDS
 from posttrain.telemetry.metrics import read_metrics
 from posttrain.train.checkpoint import complete_checkpoints, data_position
 from tests.stage_helpers import ROOT, TINY, planned_dir, run_inprocess, write_recipe
@@ -123,7 +123,7 @@ def _check_data_position(out: Path, step: int) -> dict:
 def test_sigkill_then_rerun_is_bit_exact(recipe: Path, tmp_path: Path) -> None:
     over = ("sft.lora.dropout=0.1",)  # dropout draws on the torch RNG: its restore is checked too
     out, ref = _uninterrupted(recipe, tmp_path, *over)
-    cmd = [sys.executable, "-m", STAGES["sft"].module, "--recipe", str(recipe), *over]
+    cmd = [sys.executable, "-m", KINDS["sft"].module, "--recipe", str(recipe), *over]
     at = _run_and_kill(cmd, out, tmp_path / "killed.log", EVERY)
     assert EVERY <= at < STEPS
     _check_data_position(out, at)
@@ -169,7 +169,7 @@ def test_two_rank_run_killed_resumes_on_one_rank(recipe: Path, tmp_path: Path, c
         "--standalone",
         "--nproc-per-node=2",
         "-m",
-        STAGES["sft"].module,
+        KINDS["sft"].module,
         "--recipe",
         str(recipe),
         *two,

@@ -222,7 +222,7 @@ def test_grpo_trains_no_critic_and_puts_kl_in_the_loss(grpo_run) -> None:
 
 
 def test_gates_stop_on_kl_and_reward_gain(parents, ppo_run) -> None:
-    from flows.pipeline import QualityGateFailed, check_gate
+    from flows.post_train import QualityGateFailed, check_gate
     from flows.report import StageRecord
     from posttrain.artifacts import ref_from_manifest
     from posttrain.config.schema import PPOConfig
@@ -270,7 +270,7 @@ def test_evaluate_and_export_take_the_rl_policy(parents, ppo_run) -> None:
     ev = run_inprocess("evaluate", recipe)
     s = summary(ev)
     assert s["policy"] == "ppo" and "dpo_implicit" not in s
-    wr = s["win_rate_vs_sft"]
+    wr = s["win_rate_vs_parent"]
     assert wr["wins"] + wr["losses"] + wr["ties"] == wr["n"] > 0
     manifest = json.loads((ev / "manifest.json").read_text())
     assert ppo_run.name in manifest["parents"]

@@ -246,7 +246,7 @@ def test_submitted_run_waits_for_the_devices_then_completes(
         "/events/filter",
         json={"filter": {"event": {"name": ["posttrain.base.published"]}}, "limit": 10},
     ).json()["events"]
-    published = [e for e in events if e["resource"]["posttrain.pipeline"] == SERVED]
+    published = [e for e in events if e["resource"]["posttrain.planner"] == SERVED]
     assert len(published) == 1
     base = Path(published[0]["resource"]["posttrain.base.path"])
     assert (base / "config.json").is_file() and (base / "tokenizer.json").is_file()
@@ -295,7 +295,7 @@ def test_new_base_triggers_retraining_and_cancel_leaves_no_process(served: dict)
     assert served["proc"].poll() is None, "the serve process must survive a cancel"
     # The ingest it finished is intact, and a re-run would reuse it.
     from posttrain.config.loader import load_recipe
-    from posttrain.pipeline import plan
+    from posttrain.planner import plan
 
     recipe = load_recipe(
         served["recipes"][NIGHTLY], ["ingest.source=path", f"ingest.path={STATE['base']}"]
@@ -361,7 +361,7 @@ def test_prefect_yaml_deploys_to_a_process_work_pool(prefect_server: Any, served
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     dep = _deployment(served, "quickstart")
     assert dep.work_pool_name == "posttrain" and dep.enforce_parameter_schema
-    assert dep.entrypoint == "flows/pipeline.py:post_train"
+    assert dep.entrypoint == "flows/post_train.py:post_train"
     assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in dep.schedules] == [
         ("0 3 * * *", "Europe/Paris", False)
     ]

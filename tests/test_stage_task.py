@@ -29,7 +29,7 @@ from flows.stage_task import (
 )
 from posttrain.artifacts import stage_dir, verify, write_manifest
 from posttrain.config.schema import Recipe
-from posttrain.pipeline import PlannedStage, write_spec
+from posttrain.planner import PlannedStage, write_spec
 
 FP = "0123456789abcdef"
 

@@ -14,7 +14,13 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from posttrain.config.schema import Recipe
+from posttrain.config.graph import __doc__ as _graph_module_doc
+from posttrain.config.schema import Recipe, StageLinks
+from posttrain.kinds import graph_kinds
+
+# How shorthand sections and `stages:` entries make one graph (the graph module's docstring,
+# from its second paragraph).
+GRAPH_DOC = " ".join((_graph_module_doc or "").split("\n\n", 1)[-1].split())
 
 INTRO = """# Recipe reference
 
@@ -27,7 +33,7 @@ as YAML (`true`, `[q_proj, v_proj]`, `{micro_batch_size: 4}`).
 
 The same schema is the form of the Prefect UI and the parameters of deployments.
 
-Generated from `posttrain/config/schema.py` and `run_sections.py` by `python -m posttrain.config.docs`; do not edit.
+Generated from the stage registry (`posttrain/kinds/`), `posttrain/config/schema.py`, `sections.py` and `run_sections.py` by `python -m posttrain.config.docs`; do not edit.
 """
 
 
@@ -117,11 +123,34 @@ def _section(model: type[BaseModel], path: str, out: list[str]) -> None:
         _section(sub, sub_path, out)
 
 
+def _stages(out: list[str]) -> None:
+    """The `stages:` list: its link fields, then which kinds an entry may be (each takes the
+    fields of its kind's section, documented under the shorthand section of that name)."""
+    out.append("\n## `stages`\n")
+    out.append(" ".join((StageLinks.__doc__ or "").split()) + " " + GRAPH_DOC + "\n")
+    out.append("| key | type | default | limits | meaning |\n|---|---|---|---|---|")
+    kinds = " \\| ".join(f"`{n}`" for n in graph_kinds())
+    out.append(f"| `kind` | {kinds} | **required** |  | The stage kind (see below). |")
+    for name, field in StageLinks.model_fields.items():
+        key = field.alias or name
+        default = "its kind" if name == "name" else _default(field)
+        desc = " ".join((field.description or "").split())
+        out.append(
+            f"| `{key}` | {_type_name(field.annotation)} | {default} | {_limits(field)} | {desc} |"
+        )
+    out.append("\n| kind | its fields | what it is |\n|---|---|---|")
+    for name, kind in graph_kinds().items():
+        out.append(f"| `{name}` | [`{name}`](#{name}) | {kind.help} |")
+
+
 def render() -> str:
     out = [INTRO, "| section | meaning |\n|---|---|"]
     for name, field in Recipe.model_fields.items():
         out.append(f"| [`{name}`](#{name}) | {field.description} |")
     for name, field in Recipe.model_fields.items():
+        if name == "stages":
+            _stages(out)
+            continue
         sub = _nested_model(field.annotation)
         assert sub is not None
         _section(sub, name, out)

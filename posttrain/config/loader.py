@@ -30,11 +30,34 @@ class RecipeError(ValueError):
         super().__init__(f"{source} is invalid:\n" + "\n".join(f"  - {e}" for e in errors))
 
 
-def format_validation_error(err: ValidationError) -> list[str]:
-    """One line per error, each starting with its dotted field path (`sft.optim.lr: ...`)."""
+def _loc(loc: tuple[Any, ...], data: Any) -> str:
+    """A pydantic error location as the recipe's field path: `stages.<i>.<kind tag>.x` becomes
+    `stages.<name>.x` (the entry's name, or its kind when it has none)."""
+    parts = list(loc)
+    if len(parts) >= 2 and parts[0] == "stages" and isinstance(parts[1], int):
+        entries = data.get("stages") if isinstance(data, dict) else None
+        entry = entries[parts[1]] if isinstance(entries, list) and parts[1] < len(entries) else {}
+        entry = entry if isinstance(entry, dict) else {}
+        label = entry.get("name") or entry.get("kind")
+        if isinstance(label, str) and label:
+            parts[1] = label
+        if len(parts) >= 3 and parts[2] == entry.get("kind"):
+            del parts[2]  # the union's tag: the entry's own kind
+    return ".".join(str(p) for p in parts)
+
+
+def format_validation_error(err: ValidationError, data: Any = None) -> list[str]:
+    """One line per error, each starting with its dotted field path (`sft.optim.lr: ...`,
+    `stages.dpo2.beta: ...`)."""
+    from posttrain.config.graph import GraphError
+
     lines = []
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"])
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, GraphError):  # one line per problem, each with its own field path
+            lines += cause.errors
+            continue
+        path = _loc(e["loc"], data)
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling; see docs/recipes.md)"
@@ -173,7 +196,7 @@ def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
-        raise RecipeError(format_validation_error(exc), source) from exc
+        raise RecipeError(format_validation_error(exc, data), source) from exc
 
 
 def _cuda_devices() -> int:
@@ -197,7 +220,8 @@ def resolve(recipe: Recipe, recipe_dir: str | os.PathLike[str] | None = None) ->
     r = recipe.model_copy(deep=True)
     infra = r.infra
     gpus = None
-    if infra.device == "auto" or infra.devices_per_node == "auto" or infra.precision == "auto":
+    autos = (infra.device, infra.devices_per_node, infra.precision, infra.parallel_stages)
+    if "auto" in autos or (infra.device == "cuda" and infra.parallel_stages != 1):
         gpus = _cuda_devices()
     if infra.device == "auto":
         infra.device = "cuda" if gpus else "cpu"
@@ -210,6 +234,17 @@ def resolve(recipe: Recipe, recipe_dir: str | os.PathLike[str] | None = None) ->
             "bf16" if infra.device == "cuda" and infra.precision == "bf16" else "fp32"
         )
     errors = []
+    per_stage = int(infra.devices_per_node)
+    if infra.parallel_stages == "auto":
+        fits = (gpus or 0) // max(1, per_stage) if infra.device == "cuda" else 1
+        infra.parallel_stages = max(1, fits) if infra.nnodes == 1 else 1
+    elif infra.device == "cuda" and infra.parallel_stages * per_stage > (gpus or 0):
+        errors.append(
+            f"infra.parallel_stages: {infra.parallel_stages} stages x {per_stage} devices each "
+            f"need {infra.parallel_stages * per_stage} GPUs; {gpus or 0} are visible"
+        )
+    elif infra.nnodes > 1 and infra.parallel_stages > 1:
+        errors.append("infra.parallel_stages: multi-node runs run one stage at a time")
     if infra.device == "cpu" and infra.precision in ("bf16", "fp16"):
         errors.append(
             f"infra.precision: {infra.precision} on CPU is refused: half-precision matmul on CPU is "
@@ -240,17 +275,29 @@ def input_paths(recipe: Recipe) -> dict[str, str]:
     if recipe.ingest.path and not is_hub_id(recipe.ingest.path):
         out["ingest.path"] = recipe.ingest.path
     # A chat template given as a file is read by the stage (and saved into its artifact).
-    guards = [("ingest", recipe.ingest), *recipe.training_sections().items()]
-    for name, section in guards:
+    graph = recipe.graph()
+    guards = [("ingest", recipe.ingest), *((s.where, s.section) for s in graph)]
+    for where, section in guards:
         value = getattr(section, "chat_template", None)
         if value and looks_like_template_file(value):
-            out[f"{name}.chat_template"] = value
-    for name, section in recipe.training_sections().items():
+            out[f"{where}.chat_template"] = value
+    for s in graph:
         for attr in ("path", "eval_path"):
-            value = getattr(section.data, attr)
+            value = getattr(s.section.data, attr)
             if value and not is_hub_id(value):
-                out[f"{name}.data.{attr}"] = value
+                out[f"{s.where}.data.{attr}"] = value
     return out
+
+
+def _owner(recipe: Recipe, path: str) -> Any:
+    """The section object at dotted `path` (`sft.data`, `stages.dpo2.data`)."""
+    target: Any = recipe
+    parts = path.split(".")
+    if parts[0] == "stages":
+        target, parts = recipe.stage(parts[1]), parts[2:]
+    for part in parts:
+        target = getattr(target, part)
+    return target
 
 
 def hub_ids(recipe: Recipe) -> dict[str, tuple[str, str, RepoType]]:
@@ -258,11 +305,11 @@ def hub_ids(recipe: Recipe) -> dict[str, tuple[str, str, RepoType]]:
     out: dict[str, tuple[str, str, RepoType]] = {}
     if recipe.ingest.source == "path" and is_hub_id(recipe.ingest.path):
         out["ingest.path"] = (str(recipe.ingest.path), recipe.ingest.revision, "model")
-    for name, section in recipe.training_sections().items():
+    for s in recipe.graph():
         for attr in ("path", "eval_path"):
-            value = getattr(section.data, attr)
+            value = getattr(s.section.data, attr)
             if is_hub_id(value):
-                out[f"{name}.data.{attr}"] = (value, section.data.revision, "dataset")
+                out[f"{s.where}.data.{attr}"] = (value, s.section.data.revision, "dataset")
     return out
 
 
@@ -341,10 +388,7 @@ def resolve_paths(recipe: Recipe, recipe_dir: str | os.PathLike[str] | None = No
         if root in implicit and root not in needed and not any(_inside(root, x) for x in roots):
             needed.append(root)
         section, _, attr = where.rpartition(".")
-        target: Any = r
-        for part in section.split("."):
-            target = getattr(target, part)
-        setattr(target, attr, str(resolved))
+        setattr(_owner(r, section), attr, str(resolved))
     if errors:
         raise RecipeError(errors)
     r.run.allowed_paths = [*r.run.allowed_paths, *(str(x) for x in needed)]
@@ -352,11 +396,12 @@ def resolve_paths(recipe: Recipe, recipe_dir: str | os.PathLike[str] | None = No
 
 
 def section_batch(recipe: Recipe, name: str) -> ResolvedBatch:
-    """The resolved batch triple of training section `name` (sft, reward, dpo)."""
-    b = getattr(recipe, name).batch
+    """The resolved batch triple of graph stage `name`."""
+    node = recipe.graph().get(name)
+    b = node.section.batch
     dp = recipe.infra.world_size()
     return resolve_batch(
-        b.micro_batch_size, b.grad_accum_steps, b.global_batch_size, dp, where=f"{name}.batch"
+        b.micro_batch_size, b.grad_accum_steps, b.global_batch_size, dp, where=f"{node.where}.batch"
     )
 
 

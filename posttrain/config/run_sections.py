@@ -5,7 +5,7 @@ the base every section model shares. `posttrain.config.schema` assembles them in
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -49,12 +49,20 @@ class RunConfig(_Section):
 
 
 class StageTimeouts(_Section):
+    """Seconds before a stage is killed. `ingest`, `evaluate`, `export` and `head_to_head` have
+    fields of their own; every graph stage gets `train` unless a key names it (`dpo: 7200`,
+    `dpo_round2: 3600`)."""
+
+    # Keys naming graph stages are checked against the recipe's stages by the Recipe.
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
     ingest: float = Field(1800, gt=0, description="Seconds before the ingest stage is killed.")
-    sft: float = Field(6 * 3600, gt=0, description="Seconds before the SFT stage is killed.")
-    reward: float = Field(6 * 3600, gt=0, description="Seconds before the reward stage is killed.")
-    dpo: float = Field(6 * 3600, gt=0, description="Seconds before the DPO stage is killed.")
-    ppo: float = Field(6 * 3600, gt=0, description="Seconds before the PPO stage is killed.")
-    grpo: float = Field(6 * 3600, gt=0, description="Seconds before the GRPO stage is killed.")
+    train: float = Field(
+        6 * 3600,
+        gt=0,
+        description="Seconds before a graph stage (sft, reward, dpo ...) is killed, unless a key "
+        "named after the stage sets its own.",
+    )
     evaluate: float = Field(3600, gt=0, description="Seconds before the evaluate stage is killed.")
     export: float = Field(3600, gt=0, description="Seconds before the export stage is killed.")
     head_to_head: float = Field(
@@ -63,6 +71,22 @@ class StageTimeouts(_Section):
         description="Seconds before the promotion gate's head-to-head against the champion "
         "is killed (the run still completes; the candidate is not promoted).",
     )
+
+    @model_validator(mode="after")
+    def _positive(self) -> StageTimeouts:
+        for key, value in (self.model_extra or {}).items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"{key}: a stage timeout is a positive number of seconds")
+        return self
+
+    def for_stage(self, name: str) -> float:
+        """The limit of stage `name`: its own key, a fixed stage's field, or `train`."""
+        extra = self.model_extra or {}
+        if name in extra:
+            return float(extra[name])
+        return float(
+            getattr(self, name, self.train) if name in type(self).model_fields else self.train
+        )
 
 
 class InfraConfig(_Section):
@@ -73,6 +97,14 @@ class InfraConfig(_Section):
         1,
         description="Processes per node for distributed stages (one per GPU). `auto` = all visible "
         "GPUs, or 1 on CPU. Data-parallel size = nnodes x devices_per_node.",
+    )
+    parallel_stages: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
+        description="Graph stages that may run at once when neither needs the other's output "
+        "(a reward model beside an SFT, two DPO branches). Each gets its own devices_per_node "
+        "GPUs (CUDA_VISIBLE_DEVICES), so N x devices_per_node must fit the visible GPUs. "
+        "`auto` = as many as the visible GPUs hold on one node, 1 on CPU or across nodes "
+        "(ranks of concurrent stages on CPU share the cores).",
     )
     nnodes: int = Field(
         1,

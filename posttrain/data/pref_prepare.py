@@ -32,20 +32,24 @@ class PreferenceData:
 
 
 def guard_template(
-    tokenizer: Any, recorded_sha: str | None, stage: str, guard: TemplateGuard
+    tokenizer: Any,
+    recorded_sha: str | None,
+    stage: str,
+    guard: TemplateGuard,
+    parent: str = "its parent",
 ) -> str:
     """Install the stage's template override, if any, and refuse a template that differs from
-    the one the policy was fine-tuned with unless the recipe says so on purpose. Returns the
-    sha256 of the template in use."""
+    the one `parent` (the policy it starts from, or its reward model) recorded, unless the
+    recipe says so on purpose. Returns the sha256 of the template in use."""
     if guard.chat_template:
         tokenizer.chat_template, _ = read_template(guard.chat_template, f"{stage}.chat_template")
     sha = template_sha256(tokenizer)
     if recorded_sha and sha != recorded_sha and not guard.allow_template_change:
         raise TemplateError(
-            f"{stage}: the chat template differs from the one recorded at SFT (sha256 "
-            f"{sha[:12]} vs {recorded_sha[:12]}); formatting preference data with another "
-            f"template than the policy learnt silently costs accuracy. Remove {stage}.chat_template "
-            f"or set {stage}.allow_template_change: true"
+            f"{stage}: the chat template differs from the one recorded by {parent!r} (sha256 "
+            f"{sha[:12]} vs {recorded_sha[:12]}); formatting data with another template than "
+            f"the model learnt silently costs accuracy. Remove {stage}.chat_template or set "
+            f"{stage}.allow_template_change: true"
         )
     return sha
 

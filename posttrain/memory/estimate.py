@@ -61,7 +61,12 @@ from typing import Any, Literal
 GIB = 1024**3
 MIB = 1024**2
 
-StageKind = Literal["sft", "reward", "dpo", "ppo", "grpo"]
+# What a training step holds, by family (a stage kind's memory function picks one):
+#   lm      one causal-LM forward per row (SFT)
+#   pairs   two sequences per row through the LM head (DPO-family, ORPO, KTO)
+#   score   two sequences per row through a score head, no LM head (reward models)
+#   rl      rollouts + response-only logits of an update (PPO, GRPO)
+Family = Literal["lm", "pairs", "score", "rl"]
 Layout = Literal["fsdp", "hsdp", "ddp"]
 
 # Fixed allowance for what the estimate does not model, per device. GPU: NCCL buffers, cuBLAS
@@ -70,9 +75,9 @@ Layout = Literal["fsdp", "hsdp", "ddp"]
 # measures it).
 FRAMEWORK_OVERHEAD = {"cuda": 1 * GIB, "cpu": 600 * MIB}
 # Logits-sized buffers alive at the peak of a training step (see the module docstring).
-LOGIT_BUFFERS = {"sft": 3, "dpo": 3, "reward": 0, "ppo": 5, "grpo": 5}
+LOGIT_BUFFERS = {"lm": 3, "pairs": 3, "score": 0, "rl": 5}
 # The same with the head in token chunks: [chunk, vocab] fp32 buffers.
-CHUNK_BUFFERS = {"sft": 2, "dpo": 2, "reward": 0, "ppo": 3, "grpo": 3}
+CHUNK_BUFFERS = {"lm": 2, "pairs": 2, "score": 0, "rl": 3}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -214,7 +219,7 @@ class StageShape:
     (pairs for reward and dpo, which run chosen and rejected together: 2 x micro sequences);
     `seq_len` the longest sequence (for RL: prompt + new tokens)."""
 
-    kind: StageKind
+    kind: Family
     micro_batch: int
     seq_len: int
     adapters: tuple[Adapter, ...]
@@ -234,11 +239,13 @@ class StageShape:
     keep_gathered: bool = False
     # Tokens per pass through the LM head (infra.logits_chunk_tokens); 0 = full logits.
     logits_chunk_tokens: int = 0
+    # The stage's name, for reports (default the family).
+    label: str = ""
 
     @property
     def sequences(self) -> int:
         """Sequences in one forward: chosen + rejected for pair stages."""
-        return self.micro_batch * (2 if self.kind in ("reward", "dpo") else 1)
+        return self.micro_batch * (2 if self.kind in ("score", "pairs") else 1)
 
 
 @dataclass(frozen=True)
@@ -377,9 +384,11 @@ def estimate(
     # A bf16 base computes in bf16 whatever the precision (`shard_model`).
     c = 2 if stage.base_dtype == "bf16" else compute_bytes(stage.precision)
     # The reward model's score head is a row of its own (with peft's trained copy), not base.
-    head: Literal["lm", "none"] = "none" if stage.kind == "reward" else "lm"
+    head: Literal["lm", "none"] = "none" if stage.kind == "score" else "lm"
     est = MemoryEstimate(
-        stage=stage.kind, shards=shards, activation_checkpointing=stage.activation_checkpointing
+        stage=stage.label or stage.kind,
+        shards=shards,
+        activation_checkpointing=stage.activation_checkpointing,
     )
     rows = est.rows
     base = model.base_params(head)
@@ -420,7 +429,7 @@ def estimate(
     adapter_per_block = adapter_params // max(1, model.layers)
     block = model.block_params() + adapter_per_block
     gathered_step = (model.root_params(head) + heads + 2 * block) * c
-    update = "update" if stage.kind in ("ppo", "grpo") else "step"
+    update = "update" if stage.kind == "rl" else "step"
     k = LOGIT_BUFFERS[stage.kind]
     full_logits = k * stage.sequences * (stage.logit_positions or stage.seq_len) * model.vocab * 4
     if k and not stage.logits_chunk_tokens:
@@ -448,7 +457,7 @@ def estimate(
     act = tokens * (saved + (one_block if stage.activation_checkpointing else 0))
     act += tokens * model.hidden * 4  # final norm input (fp32)
     act += stage.sequences * stage.seq_len * stage.seq_len  # [B, 1, T, T] bool attention mask
-    if stage.kind == "reward":
+    if stage.kind == "score":
         act += tokens * model.hidden * c  # score head input (trained)
     rows.append(
         Row(
@@ -482,7 +491,7 @@ def estimate(
             )
         )
 
-    if stage.kind in ("ppo", "grpo") and stage.rollout_rows:
+    if stage.kind == "rl" and stage.rollout_rows:
         ctx_len = stage.prompt_len + stage.new_tokens
         kv = stage.rollout_rows * ctx_len * model.layers * 2 * model.kv_heads * model.head_dim * c
         rows.append(

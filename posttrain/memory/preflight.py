@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,6 @@ SAFETY_FRACTION = {"cuda": 0.9, "cpu": 0.5}
 LARGE_LOGITS = 0.1
 # infra.logits_chunk_tokens' recipe default, the value the fix suggests.
 DEFAULT_CHUNK_TOKENS: int = InfraConfig.model_fields["logits_chunk_tokens"].default
-TRAINING_STAGES = ("sft", "reward", "dpo", "ppo", "grpo")
 
 
 class MemoryPreflightError(RuntimeError):
@@ -163,8 +162,17 @@ def _base_dtype(infra: Any) -> str:
 
 
 def stage_shape(recipe: Any, stage: str) -> StageShape:
-    """What the stage's recipe section runs, as the estimate needs it (see StageShape)."""
-    section = getattr(recipe, stage)
+    """What graph stage `stage` runs, as the estimate needs it (see StageShape): its kind's
+    memory function (posttrain/kinds/) over its section, with the adapters shaped by the stages
+    that created them (a DPO after SFT trains SFT's adapter; its reference is its `reference`'s
+    adapter; the reward model is its reward stage's)."""
+    from posttrain.kinds import MemoryInputs
+
+    graph = recipe.graph()
+    node = graph.get(stage)
+    if node.kind.memory is None:
+        raise ValueError(f"no memory estimate for stage {stage!r} ({node.kind.name})")
+    section = node.section
     micro = section.batch.micro_batch_size
     if micro is None:  # not resolved (a recipe loaded without devices): derive it
         from posttrain.config.loader import section_batch
@@ -177,45 +185,31 @@ def stage_shape(recipe: Any, stage: str) -> StageShape:
         "logits_chunk_tokens": recipe.infra.logits_chunk_tokens,
         "base_dtype": _base_dtype(recipe.infra),
     }
-    policy = _adapter("policy", recipe.sft.lora, True)
-    if stage == "sft":
-        return StageShape("sft", seq_len=section.data.max_seq_len, adapters=(policy,), **common)
-    if stage == "reward":
-        return StageShape(
-            "reward",
-            seq_len=section.data.max_seq_len,
-            adapters=(_adapter("reward", section.lora, True),),
-            score_head="trainable",
-            **common,
-        )
-    reference = _adapter("reference", recipe.sft.lora, False)
-    if stage == "dpo":
-        return StageShape(
-            "dpo", seq_len=section.data.max_seq_len, adapters=(policy, reference), **common
-        )
-    if stage not in ("ppo", "grpo"):
-        raise ValueError(f"no memory estimate for stage {stage!r}")
-    critic = stage == "ppo"
-    adapters = (policy, reference, _adapter("reward", recipe.reward.lora, False))
-    if critic:
-        adapters += (_adapter("value", recipe.reward.lora, True),)
-    r = section.rollout
-    world = recipe.infra.world_size() if isinstance(recipe.infra.devices_per_node, int) else 1
-    rows = r.generation_batch_size or max(1, r.prompts_per_step // world) * r.samples_per_prompt
-    prompt = section.data.max_prompt_len
-    return StageShape(
-        stage,
-        seq_len=prompt + r.max_new_tokens,
-        adapters=adapters,
-        score_head="frozen",
-        value_head=critic,
-        logit_positions=r.max_new_tokens,
-        rollout_rows=rows,
-        prompt_len=prompt,
-        new_tokens=r.max_new_tokens,
-        keep_gathered=r.keep_gathered,
-        **common,
+
+    def adapter(role: str, name: str | None, trainable: bool) -> Adapter | None:
+        origin = graph.adapter_origin(name) if name and name in graph else None
+        if origin is None:  # from the base: the stage's own new adapter
+            lora = getattr(section, "lora", None)
+            return _adapter(role, lora, trainable) if lora is not None else None
+        return _adapter(role, origin.section.lora, trainable)
+
+    rm = node.links.get("reward_model")
+    m = MemoryInputs(
+        common=common,
+        policy=adapter("policy", node.links.get("policy"), True),
+        reference=adapter("reference", node.links.get("reference"), False),
+        reward_model=_adapter("reward", graph.get(rm).section.lora, False)
+        if rm
+        else _adapter("reward", getattr(section, "lora", None) or _default_lora(), False),
+        world=recipe.infra.world_size() if isinstance(recipe.infra.devices_per_node, int) else 1,
     )
+    return replace(node.kind.memory(section, m), label=stage)
+
+
+def _default_lora() -> Any:
+    from posttrain.config.sections import LoraConfig
+
+    return LoraConfig()
 
 
 def device_layout(recipe: Any) -> DeviceLayout:
@@ -336,7 +330,7 @@ def suggest_fixes(
             chunked,
         )
         best = with_changes(best, logits_chunk_tokens=DEFAULT_CHUNK_TOKENS)
-    if shape.kind in ("ppo", "grpo"):
+    if shape.kind == "rl":
         if shape.rollout_rows > 1:
             rows = max(1, shape.rollout_rows // 4)
             add(

@@ -17,15 +17,26 @@ from posttrain.models.sharded_load import adapters_stay_real
 POLICY, REFERENCE = "default", "reference"
 
 
-def policy_with_reference(base: PreTrainedModel, sft_adapter: Path) -> PeftModel:
-    """Base + the SFT adapter twice: "default" (trainable, continues from SFT) and "reference"
-    (frozen copy of SFT: never the raw base). The reference has no gradients and so no
-    optimizer state."""
+def continue_adapter(base: PreTrainedModel, adapter: Path) -> PeftModel:
+    """Base + a trained policy adapter as "default", trainable: a stage that goes on from
+    another stage's policy."""
+    with adapters_stay_real():  # a base on the meta device keeps the adapter's values
+        return PeftModel.from_pretrained(base, str(adapter), adapter_name=POLICY, is_trainable=True)
+
+
+def policy_with_reference(
+    base: PreTrainedModel, policy_adapter: Path, reference_adapter: Path | None = None
+) -> PeftModel:
+    """Base + two adapters: "default" (trainable, continues from `policy_adapter`) and
+    "reference" (frozen; `reference_adapter`, by default the same policy: never the raw base).
+    The reference has no gradients and so no optimizer state."""
     with adapters_stay_real():  # a base on the meta device keeps the adapters' values
         model = PeftModel.from_pretrained(
-            base, str(sft_adapter), adapter_name=POLICY, is_trainable=True
+            base, str(policy_adapter), adapter_name=POLICY, is_trainable=True
         )
-        model.load_adapter(str(sft_adapter), adapter_name=REFERENCE, is_trainable=False)
+        model.load_adapter(
+            str(reference_adapter or policy_adapter), adapter_name=REFERENCE, is_trainable=False
+        )
     for name, p in model.named_parameters():
         if f".{REFERENCE}." in name:
             p.requires_grad_(False)

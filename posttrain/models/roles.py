@@ -159,11 +159,16 @@ def load_score_head(reward_adapter: Path, hidden_size: int) -> nn.Linear:
 
 
 def build_roles(
-    base: PreTrainedModel, sft_adapter: Path, reward_adapter: Path, critic: bool
+    base: PreTrainedModel,
+    policy_adapter: Path,
+    reward_adapter: Path,
+    critic: bool,
+    reference_adapter: Path | None = None,
 ) -> RoleModel:
-    """Base + adapters for every role (see module docstring). Only the policy adapter (and the
-    critic's adapter and head) require gradients."""
-    lm = policy_with_reference(base, sft_adapter)
+    """Base + adapters for every role (see module docstring): the policy starts from
+    `policy_adapter`, the reference is `reference_adapter` (default the same). Only the policy
+    adapter (and the critic's adapter and head) require gradients."""
+    lm = policy_with_reference(base, policy_adapter, reference_adapter)
     with adapters_stay_real():  # a base on the meta device keeps the adapters' values
         lm.load_adapter(str(reward_adapter), adapter_name=REWARD, is_trainable=False)
         if critic:

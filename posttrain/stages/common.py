@@ -1,11 +1,13 @@
 """What every stage process shares: read the spec, set up ranks and seeds, run, write the manifest.
 
-A stage module defines `run(ctx) -> summary` and ends with `stage_main("<name>", run)`. It can be
-started three ways:
+A stage module defines `run(ctx) -> summary` and ends with `stage_main(run)`; what kind it is
+(and whether it is distributed) comes from the registry, by its module name. It can be started
+three ways:
   - by the flow:       python -m posttrain.stages.sft --spec <out_dir>/logs/spec.json
   - by hand, same:     (torchrun --nproc-per-node 2) python -m posttrain.stages.sft --spec ...
   - from a recipe:     python -m posttrain.stages.sft --recipe recipes/quickstart.yaml [k=v ...]
-                       (its parent stages must already be complete in the workspace)
+                       (--stage NAME when the recipe has several stages of this kind; its
+                       parent stages must already be complete in the workspace)
 Exit code 0 means the manifest was written; anything else means the stage is not done.
 
 Every rank beats `<out_dir>/logs/heartbeat/rank<k>.json` and dumps its Python stacks into
@@ -37,7 +39,9 @@ from posttrain.artifacts import (
     verify,
     write_manifest,
 )
+from posttrain.config.graph import BASE
 from posttrain.config.schema import Recipe
+from posttrain.kinds import KINDS, StageKind, kind_of
 from posttrain.locking import stage_lock
 from posttrain.orphan import OrphanWatch
 from posttrain.recovery import launch_account, recovery_record
@@ -61,10 +65,39 @@ class StageContext:
     extra_manifest: dict[str, Any] = field(default_factory=dict)
     # The memory pre-flight's record (training stages): metrics.jsonl and the summary get it.
     preflight: dict[str, Any] | None = None
+    # role -> parent stage name (posttrain.planner.PlannedStage.roles): "base", "policy", ...
+    roles: dict[str, str] = field(default_factory=dict)
+    kind: StageKind | None = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def section(self) -> Any:
+        """This stage's recipe section (a shorthand section or its `stages:` entry)."""
+        return self.recipe.stage(self.name)
+
+    def has_role(self, role: str) -> bool:
+        """A stage playing `role` is among this stage's parents."""
+        return self.roles.get(role) in self.parents
+
+    def role_ref(self, role: str) -> ArtifactRef:
+        """The artifact playing `role` for this stage (see `roles`)."""
+        return self.parents[self.roles[role]]
+
+    def role_dir(self, role: str) -> Path:
+        return self.role_ref(role).path
+
+    def role_manifest(self, role: str) -> dict[str, Any]:
+        return self.parent_manifest(self.roles[role])
+
+    def adapter_dir(self, role: str) -> Path | None:
+        """The adapter folder of the policy playing `role`; None when it is the base model
+        (a stage starting from the base creates its adapter)."""
+        if KINDS.get(self.role_ref(role).stage, KINDS[BASE]).produces == "base":
+            return None
+        return self.role_dir(role) / "adapter"
 
     def parent_dir(self, name: str) -> Path:
         return self.parents[name].path
@@ -113,14 +146,14 @@ def memory_preflight(ctx: StageContext) -> None:
     """Estimate a training stage's per-device memory against the device before anything is
     loaded; refuse (MemoryPreflightError) or warn per `infra.memory_preflight`. The report goes
     to logs/preflight.json (rank 0) and `ctx.preflight`."""
-    from posttrain.memory.preflight import TRAINING_STAGES, enforce, preflight
+    from posttrain.memory.preflight import enforce, preflight
 
     mode = ctx.recipe.infra.memory_preflight
-    if mode == "off" or ctx.name not in TRAINING_STAGES:
+    if mode == "off" or ctx.kind is None or not ctx.kind.trains:
         return
     model_dir = None
-    if "ingest" in ctx.parents:
-        model_dir = ctx.parent_manifest("ingest").get("summary", {}).get("model_dir")
+    if ctx.has_role("base"):
+        model_dir = ctx.role_manifest("base").get("summary", {}).get("model_dir")
     try:
         report = preflight(ctx.recipe, ctx.name, model_dir=model_dir)
     except ValueError as exc:  # a base the estimate does not describe: never block on that
@@ -167,13 +200,23 @@ def measured_memory(ctx: StageContext) -> dict[str, Any]:
     return out
 
 
-def _spec_from_recipe(stage: str, recipe_path: str, overrides: list[str]) -> dict[str, Any]:
+def _spec_from_recipe(
+    kind: str, name: str | None, recipe_path: str, overrides: list[str]
+) -> dict[str, Any]:
     from posttrain.config.loader import load_recipe
-    from posttrain.pipeline import plan, write_spec
+    from posttrain.planner import plan, write_spec
 
     recipe = load_recipe(recipe_path, overrides)
     planned = {p.name: p for p in plan(recipe)}
-    me = planned[stage]
+    mine = [p.name for p in planned.values() if p.kind == kind]
+    if name is None and len(mine) != 1:
+        raise SystemExit(
+            f"the recipe has {len(mine)} {kind} stages ({', '.join(mine) or 'none'}): "
+            "say which with --stage NAME"
+        )
+    if name is not None and name not in mine:
+        raise SystemExit(f"the recipe has no {kind} stage named {name!r} ({', '.join(mine)})")
+    me = planned[name or mine[0]]
     refs = {}
     for parent in me.parents:
         folder = planned[parent].out_dir
@@ -184,36 +227,57 @@ def _spec_from_recipe(stage: str, recipe_path: str, overrides: list[str]) -> dic
     return json.loads(write_spec(me, recipe, refs).read_text())
 
 
-def _parse(stage: str, argv: list[str] | None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog=f"python -m posttrain.stages.{stage}")
+def _parse(kind: str, argv: list[str] | None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(prog=f"python -m posttrain.stages.{kind}")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--spec", "--config", dest="spec", help="spec JSON written by the planner")
     src.add_argument("--recipe", help="recipe YAML; parents must already exist in the workspace")
+    ap.add_argument("--stage", help=f"which {kind} stage of the recipe (with --recipe)")
     ap.add_argument("overrides", nargs="*", help="key.path=value (with --recipe)")
     args = ap.parse_args(argv)
     if args.recipe:
-        return _spec_from_recipe(stage, args.recipe, args.overrides)
+        return _spec_from_recipe(kind, args.stage, args.recipe, args.overrides)
     return json.loads(Path(args.spec).read_text())
 
 
+def _own_kind(run: Callable[..., Any]) -> StageKind:
+    """The kind of the stage module that defines `run` (`python -m` runs it as __main__)."""
+    module = run.__module__
+    if module == "__main__":
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        module = spec.name if spec is not None else module
+    return kind_of(module)
+
+
 def stage_main(
-    stage: str,
     run: Callable[[StageContext], dict[str, Any]],
     *,
-    distributed: bool = False,
+    kind: str | None = None,
+    distributed: bool | None = None,
     argv: list[str] | None = None,
 ) -> None:
-    """Entry point of a stage process. Writes the manifest (rank 0) only after `run` returns."""
+    """Entry point of a stage process. Writes the manifest (rank 0) only after `run` returns.
+
+    `kind`: default the registered kind whose module defines `run`; a name outside the registry
+    (the promotion gate's head-to-head, test stand-ins) runs as a plain, local stage."""
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stdout,
         force=True,
         format="%(asctime)s %(levelname)s [%(name)s] %(message)s",
     )
-    spec = _parse(stage, argv)
+    registered = _own_kind(run) if kind is None else KINDS.get(kind)
+    kind_name = registered.name if registered is not None else str(kind)
+    if distributed is None:  # a kind named by the caller (a stand-in) runs locally unless told
+        distributed = kind is None and registered is not None and registered.distributed
+    spec = _parse(kind_name, argv)
+    stage = spec.get("stage", kind_name)
     recipe = Recipe.model_validate(spec["recipe"])
     ctx = StageContext(
         name=stage,
+        kind=registered,
+        # A spec written by hand (or before roles existed) names the base by its stage name.
+        roles=spec.get("roles") or ({"base": BASE} if BASE in spec["parents"] else {}),
         fingerprint=spec["fingerprint"],
         out_dir=Path(spec["out_dir"]),
         recipe=recipe,
@@ -309,7 +373,7 @@ def stage_main(
                 summary = {**summary, "recovery": recovery}
             ref = write_manifest(
                 ctx.out_dir,
-                stage=stage,
+                stage=kind_name,
                 fp=ctx.fingerprint,
                 parents=[p.fingerprint for p in ctx.parents.values()],
                 section=ctx.inputs,

@@ -146,7 +146,7 @@ def cached_reference(
             folder,
             stage="ref_logps",
             fp=key,
-            parents=[ctx.parents["sft"].fingerprint],
+            parents=[ctx.role_ref("reference").fingerprint],
             section={"pairs": len(pairs)},
             seed=ctx.recipe.run.seed,
             summary={"pairs": len(pairs)},
@@ -190,32 +190,33 @@ def heldout_preferences(
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    cfg = ctx.recipe.dpo
-    assert cfg is not None
+    cfg = ctx.section
     d = ctx.dist
     device, rank, world = d.device, d.rank, d.world_size
     seed = ctx.recipe.run.seed
     chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
 
     base, tok, weights = base_for_training(
-        ctx.parent_dir("ingest"),
-        ctx.parent_manifest("ingest"),
+        ctx.role_dir("base"),
+        ctx.role_manifest("base"),
         base_dtype(ctx.recipe.infra),
         ctx.recipe.infra.attention,
     )
-    sft_sha = ctx.parent_manifest("sft")["summary"].get("chat_template_sha256")
-    template_sha = guard_template(tok, sft_sha, "dpo", cfg)
+    parent_sha = ctx.role_manifest("policy")["summary"].get("chat_template_sha256")
+    template_sha = guard_template(tok, parent_sha, ctx.name, cfg, ctx.roles["policy"])
     data = prepare(cfg.data, tok, seed)
     if ctx.is_main:
         write_splits(ctx.out_dir, data.train_rows, data.eval_rows)
-    batch = section_batch(ctx.recipe, "dpo")
+    batch = section_batch(ctx.recipe, ctx.name)
     total_steps = planned_steps(cfg.max_steps, cfg.epochs, len(data.train), batch)
     hp = {"beta": cfg.beta, "label_smoothing": cfg.label_smoothing, "gamma": cfg.simpo_gamma}
     loss_fn = preference_loss(cfg.loss, **{k: hp[k] for k in loss_hyperparameters(cfg.loss)})
     needs_ref = cfg.loss not in REFERENCE_FREE
 
     prepare_for_training(base, cfg.activation_checkpointing)
-    model = policy_with_reference(base, ctx.parent_dir("sft") / "adapter")
+    policy_dir, reference_dir = ctx.adapter_dir("policy"), ctx.adapter_dir("reference")
+    assert policy_dir is not None and reference_dir is not None  # the graph checks both
+    model = policy_with_reference(base, policy_dir, reference_dir)
     tr = start_session(
         ctx,
         model,
@@ -234,7 +235,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ref_table, ref_cache = None, "off"
     if needs_ref and cfg.precompute_reference:
         key = ref_cache_key(
-            ctx.parents["sft"].fingerprint,
+            ctx.role_ref("reference").fingerprint,
             data.train,
             template_sha,
             cfg.data.max_seq_len,
@@ -348,8 +349,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
         (ctx.out_dir / "reference.json").write_text(
             json.dumps(
                 {
-                    "reference": "sft adapter",
-                    "sft_fingerprint": ctx.parents["sft"].fingerprint,
+                    "reference": f"{ctx.roles['reference']} adapter",
+                    "reference_fingerprint": ctx.role_ref("reference").fingerprint,
                     "precomputed": ref_cache,
                 },
                 indent=2,
@@ -369,4 +370,4 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    stage_main("dpo", run, distributed=True)
+    stage_main(run)

@@ -1,8 +1,14 @@
-"""evaluate: how much did SFT help, what does the model say, and how fast does it answer?
+"""evaluate: how much did the run help, what does the model say, and how fast does it answer?
 
-- Held-out loss and perplexity of the base and of base+adapter on the rows SFT held out (the
-  same model object: the adapter is disabled for the base, so both see identical weights).
-- Exact match of greedy answers against the held-out references, base vs tuned.
+The final policy (the graph's last policy stage) is scored against the base and against its
+parent (the policy it started from), on the rows held out by the nearest stage of its lineage
+that trained on conversations:
+- Held-out loss and perplexity of the base, the parent and the final policy (one model object:
+  adapters are switched, or disabled for the base, so all see identical base weights).
+- Exact match of greedy answers against the held-out references, base vs final.
+- With a reward model: its held-out accuracy, and the final policy's win-rate against its
+  parent; for a policy trained on pairs against a reference, its implicit-reward accuracy.
+- `evaluate.policies`: each listed policy against its own parent, side by side.
 - Generations from held-out prompts under every sampling setting of the recipe (samples.jsonl).
 - Inference figures of the merged tuned model (what export ships): time to first token, time
   per output token and tokens/s, with the KV cache on and off.
@@ -12,7 +18,6 @@ Runs as one process on one device: evaluation of a model that needs sharding is 
 from __future__ import annotations
 
 import copy
-import json
 import logging
 from typing import Any
 
@@ -27,7 +32,6 @@ from posttrain.eval.heldout import heldout_loss
 from posttrain.eval.inference import compare_cache_modes
 from posttrain.models.adapters import active_adapter
 from posttrain.models.loading import load_base
-from posttrain.pipeline import policy_stage
 from posttrain.stages.common import StageContext, stage_main
 
 log = logging.getLogger("posttrain.evaluate")
@@ -51,138 +55,275 @@ def _pairs(ctx: StageContext, stage: str, tok: Any) -> list[dict]:
     """Encoded held-out pairs of a preference stage (its data/eval.jsonl, its length limits)."""
     from posttrain.data.preference import encode_pairs
 
-    cfg = getattr(ctx.recipe, stage).data
-    rows = [
-        json.loads(x)
-        for x in (ctx.parent_dir(stage) / "data" / "eval.jsonl").read_text().splitlines()
-    ]
+    cfg = ctx.recipe.stage(stage).data
+    rows = saved_split(ctx.parent_dir(stage), "eval")
     return encode_pairs(
         tok, rows[: ctx.recipe.evaluate.max_eval_rows], cfg.max_seq_len, cfg.max_prompt_len, "skip"
     )[0]
 
 
+def _prompts(ctx: StageContext, stage: str, n: int) -> list[Any]:
+    """Up to `n` held-out prompts of stage `stage` (its data/eval.jsonl rows' `prompt`)."""
+    return [r["prompt"] for r in saved_split(ctx.parent_dir(stage), "eval") if "prompt" in r][:n]
+
+
+def _win_rate(
+    ctx: StageContext, model: Any, tok: Any, rm: Any, policy: str, parent: str
+) -> dict[str, Any] | None:
+    """`policy`'s answers vs its parent's on `policy`'s held-out prompts, judged by the reward
+    model; None when the stage kept no prompts."""
+    from posttrain.eval.preference_eval import win_rate
+
+    cfg = ctx.recipe.evaluate
+    prompts = _prompts(ctx, policy, cfg.win_rate_prompts)
+    if not prompts:
+        return None
+    name = ADAPTER if policy == ctx.roles["policy"] else policy
+    wr = win_rate(
+        model,
+        tok,
+        rm,
+        prompts,
+        name,
+        parent,
+        cfg.win_rate_sampling,
+        ctx.recipe.run.seed,
+        cfg.batch_size,
+    )
+    log.info(
+        "%s vs %s, judged by the reward model: %d wins, %d losses, %d ties (win-rate %.3f)",
+        policy,
+        parent,
+        wr["wins"],
+        wr["losses"],
+        wr["ties"],
+        wr["win_rate"],
+    )
+    return wr
+
+
 def preference_metrics(
     ctx: StageContext, model: Any, tok: Any, device: torch.device
-) -> dict[str, Any]:
-    """Reward-model accuracy, DPO implicit-reward accuracy and the tuned policy's (DPO, PPO or
-    GRPO) win-rate against the SFT policy judged by the reward model — each when its stages
-    ran."""
-    from posttrain.eval.preference_eval import implicit_reward_accuracy, reward_accuracy, win_rate
+) -> tuple[dict[str, Any], Any]:
+    """Reward-model accuracy, the final policy's implicit-reward accuracy (kinds trained on
+    pairs against a reference) and its win-rate against its parent judged by the reward model
+    — each when the run has what it needs. Returns (report, reward model or None)."""
+    from posttrain.eval.preference_eval import implicit_reward_accuracy, reward_accuracy
     from posttrain.models.reward import load_reward_model
 
     cfg = ctx.recipe.evaluate
     out: dict[str, Any] = {}
     rm = None
-    if "reward" in ctx.parents:
-        ingest = ctx.parent_manifest("ingest")["summary"]
+    final = ctx.roles["policy"]
+    if ctx.has_role("reward_model"):
+        ingest = ctx.role_manifest("base")["summary"]
         rm = load_reward_model(
             ingest["model_dir"],
-            ctx.parent_dir("reward") / "adapter",
+            ctx.role_dir("reward_model") / "adapter",
             tok.pad_token_id,
             ingest.get("trust_remote_code", False),
         ).to(device)
         out["reward_model"] = reward_accuracy(
-            rm, _pairs(ctx, "reward", tok), tok.pad_token_id, cfg.batch_size
+            rm, _pairs(ctx, ctx.roles["reward_model"], tok), tok.pad_token_id, cfg.batch_size
         )
         log.info("reward model held-out accuracy %.3f", out["reward_model"]["accuracy"])
-    if "dpo" in ctx.parents:
-        assert ctx.recipe.dpo is not None
-        pairs = _pairs(ctx, "dpo", tok)
+    node = ctx.recipe.graph().get(final)
+    if node.kind.data == "pairs" and "reference" in node.links:
+        pairs = _pairs(ctx, final, tok)
         out["dpo_implicit"] = implicit_reward_accuracy(
             model,
-            "default",
-            "sft",
+            ADAPTER,
+            node.links["reference"],
             pairs,
             tok.pad_token_id,
-            ctx.recipe.dpo.beta,
+            node.section.beta,
             cfg.batch_size,
             ctx.recipe.infra.logits_chunk_tokens,
         )
-        log.info("DPO implicit-reward held-out accuracy %.3f", out["dpo_implicit"]["accuracy"])
-    tuned = policy_stage(ctx.parents)
-    if rm is not None and tuned != "sft":
-        rows = [
-            json.loads(x)
-            for x in (ctx.parent_dir(tuned) / "data" / "eval.jsonl").read_text().splitlines()
-        ]
-        prompts = [r["prompt"] for r in rows[: cfg.win_rate_prompts]]
-        wr = win_rate(
-            model,
-            tok,
-            rm,
-            prompts,
-            "default",
-            "sft",
-            cfg.win_rate_sampling,
-            ctx.recipe.run.seed,
-            cfg.batch_size,
-        )
-        write_rows(ctx.out_dir / "win_rate_samples.jsonl", wr.pop("examples"))
-        out["win_rate_vs_sft"] = wr
         log.info(
-            "%s policy vs SFT policy, judged by the reward model: %d wins, %d losses, "
-            "%d ties (win-rate %.3f)",
-            tuned.upper(),
-            wr["wins"],
-            wr["losses"],
-            wr["ties"],
-            wr["win_rate"],
+            "%s implicit-reward held-out accuracy %.3f", final, out["dpo_implicit"]["accuracy"]
+        )
+    if rm is not None and ctx.has_role("parent"):
+        wr = _win_rate(ctx, model, tok, rm, final, ctx.roles["parent"])
+        if wr is not None:
+            write_rows(ctx.out_dir / "win_rate_samples.jsonl", wr.pop("examples"))
+            out["win_rate_vs_parent"] = {"parent": ctx.roles["parent"], **wr}
+    return out, rm
+
+
+# The final policy's adapter name on the evaluation model; every other policy goes by its
+# stage name.
+ADAPTER = "default"
+
+
+def _load_policies(ctx: StageContext, base: Any) -> tuple[Any, list[str]]:
+    """Base + the final policy's adapter (active, as "default") + every other policy the
+    evaluation compares (its parent, its reference, the `policies` and their parents), each
+    named after its stage."""
+    from peft import PeftModel
+
+    graph = ctx.recipe.graph()
+    final = ctx.roles["policy"]
+    others = [ctx.roles.get("parent")]
+    others.append(graph.get(final).links.get("reference"))
+    for n in ctx.recipe.evaluate.policies:
+        others += [n, graph.parent(n)]
+    names = [n for n in dict.fromkeys(others) if n and n in graph and n != final]
+    model = PeftModel.from_pretrained(base, str(ctx.role_dir("policy") / "adapter"))
+    for n in names:
+        model.load_adapter(str(ctx.parent_dir(n) / "adapter"), adapter_name=n)
+    return model, names
+
+
+def _scores(
+    model: Any,
+    adapter: str | None,
+    examples: list[dict],
+    pad_id: int,
+    bs: int,
+    device: Any,
+    chunk: int,
+) -> dict[str, float]:
+    """Held-out loss/perplexity of one adapter (None = the base: adapters disabled)."""
+    if adapter is None:
+        with model.disable_adapter():
+            return heldout_loss(model, _batches(examples, pad_id, bs), device, chunk)
+    with active_adapter(model, adapter):
+        return heldout_loss(model, _batches(examples, pad_id, bs), device, chunk)
+
+
+def _exact(model: Any, adapter: str | None, tok: Any, prompts: list, refs: list, ctx: Any) -> float:
+    cfg = ctx.recipe.evaluate
+    greedy = next(s for s in cfg.sampling if s.strategy == "greedy")
+    if adapter is None:
+        with model.disable_adapter():
+            outs = generate(model, tok, prompts, greedy, ctx.recipe.run.seed, cfg.batch_size)
+    else:
+        with active_adapter(model, adapter):
+            outs = generate(model, tok, prompts, greedy, ctx.recipe.run.seed, cfg.batch_size)
+    return sum(o.strip() == r.strip() for o, r in zip(outs, refs, strict=True)) / len(refs)
+
+
+def compare_policies(
+    ctx: StageContext,
+    model: Any,
+    tok: Any,
+    rm: Any,
+    examples: list[dict] | None,
+    prompts: list,
+    refs: list,
+    device: Any,
+) -> dict[str, Any]:
+    """`evaluate.policies` side by side, each against its parent: held-out loss, greedy exact
+    match, reward-model win-rate (what each link of the chain gained)."""
+    cfg = ctx.recipe.evaluate
+    graph = ctx.recipe.graph()
+    final = ctx.roles["policy"]
+    chunk = ctx.recipe.infra.logits_chunk_tokens
+    out: dict[str, Any] = {}
+    for n in cfg.policies:
+        parent = graph.parent(n)
+        row: dict[str, Any] = {"kind": graph.get(n).kind.name, "parent": parent}
+        adapter = ADAPTER if n == final else n
+        if examples:
+            row["loss"] = _scores(
+                model, adapter, examples, tok.pad_token_id, cfg.batch_size, device, chunk
+            )["loss"]
+            if any(x.strategy == "greedy" for x in cfg.sampling):
+                row["exact_match"] = _exact(model, adapter, tok, list(prompts), list(refs), ctx)
+        if rm is not None and parent in graph:
+            from posttrain.eval.preference_eval import win_rate
+
+            own = _prompts(ctx, n, cfg.win_rate_prompts) or [
+                [{"role": "user", "content": p}] for p in list(prompts)[: cfg.win_rate_prompts]
+            ]
+            wr = win_rate(
+                model,
+                tok,
+                rm,
+                own,
+                adapter,
+                ADAPTER if parent == final else parent,
+                cfg.win_rate_sampling,
+                ctx.recipe.run.seed,
+                cfg.batch_size,
+            )
+            wr.pop("examples", None)
+            row["win_rate_vs_parent"] = wr["win_rate"]
+        out[n] = row
+        log.info(
+            "policy %s (from %s): %s",
+            n,
+            parent,
+            {k: v for k, v in row.items() if k not in ("kind", "parent")},
         )
     return out
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    from peft import PeftModel
-
     cfg = ctx.recipe.evaluate
     seed = ctx.recipe.run.seed
     device = torch.device("cuda" if ctx.recipe.infra.device == "cuda" else "cpu")
     base, tok = load_base(
-        ctx.parent_dir("ingest"),
-        ctx.parent_manifest("ingest"),
+        ctx.role_dir("base"),
+        ctx.role_manifest("base"),
         attention=ctx.recipe.infra.attention,
     )
-    sft_dir = ctx.parent_dir("sft")
-    # The tuned policy is the policy stage that ran (dpo, ppo or grpo), else sft; the SFT policy
-    # is then loaded as a second adapter ("sft") on the same base, for the comparisons below.
-    tuned = policy_stage(ctx.parents)
-    model = PeftModel.from_pretrained(base, str(ctx.parent_dir(tuned) / "adapter"))
-    if tuned != "sft":
-        model.load_adapter(str(sft_dir / "adapter"), adapter_name="sft")
+    final = ctx.roles["policy"]
+    parent = ctx.roles.get("parent")  # None: the final policy started from the base
+    model, _ = _load_policies(ctx, base)
     model = model.to(device).eval()
 
-    rows = saved_split(sft_dir, "eval")[: cfg.max_eval_rows]
-    held_out = bool(rows)
-    if not held_out:
-        # SFT kept no held-out split (eval_fraction 0, no eval_path): there is nothing unseen to
-        # score, so loss and exact match are left out rather than measured on training rows;
-        # samples and the inference benchmark still need prompts, and take training ones.
-        log.warning(
-            "no held-out rows (sft.data.eval_fraction is 0 and no eval_path): held-out loss "
-            "and exact match are skipped; samples and the inference benchmark use training "
-            "prompts"
-        )
-        rows = saved_split(sft_dir, "train")[: cfg.max_eval_rows]
+    # Held-out conversations: from the nearest stage of the final policy's lineage that trained
+    # on them (none when, say, ORPO started from the base: then loss and exact match are left
+    # out, and samples use the final stage's own prompts).
+    rows: list[dict] = []
+    held_out = False
+    if ctx.has_role("heldout"):
+        source = ctx.role_dir("heldout")
+        rows = saved_split(source, "eval")[: cfg.max_eval_rows]
+        held_out = bool(rows)
+        if not held_out:
+            # No held-out split (eval_fraction 0, no eval_path): there is nothing unseen to
+            # score, so loss and exact match are left out rather than measured on training
+            # rows; samples and the inference benchmark still need prompts, and take training
+            # ones.
+            log.warning(
+                "no held-out rows (%s.data.eval_fraction is 0 and no eval_path): held-out loss "
+                "and exact match are skipped; samples and the inference benchmark use training "
+                "prompts",
+                ctx.roles["heldout"],
+            )
+            rows = saved_split(source, "train")[: cfg.max_eval_rows]
     chunk = ctx.recipe.infra.logits_chunk_tokens
     base_scores = tuned_scores = None
+    examples: list[dict] = []
     if held_out:
-        examples, _ = tokenize_rows(rows, tok, ctx.recipe.sft.data)
-        with model.disable_adapter():
-            base_scores = heldout_loss(
-                model, _batches(examples, tok.pad_token_id, cfg.batch_size), device, chunk
-            )
-        tuned_scores = heldout_loss(
-            model, _batches(examples, tok.pad_token_id, cfg.batch_size), device, chunk
+        examples, _ = tokenize_rows(rows, tok, ctx.recipe.stage(ctx.roles["heldout"]).data)
+        base_scores = _scores(
+            model, None, examples, tok.pad_token_id, cfg.batch_size, device, chunk
+        )
+        tuned_scores = _scores(
+            model, ADAPTER, examples, tok.pad_token_id, cfg.batch_size, device, chunk
         )
         log.info(
-            "held-out loss: base %.4f -> tuned %.4f (perplexity %.2f -> %.2f)",
+            "held-out loss: base %.4f -> %s %.4f (perplexity %.2f -> %.2f)",
             base_scores["loss"],
+            final,
             tuned_scores["loss"],
             base_scores["perplexity"],
             tuned_scores["perplexity"],
         )
 
-    prompts, refs = zip(*(prompt_text(tok, r["messages"]) for r in rows), strict=True)
+    if rows:
+        prompts, refs = zip(*(prompt_text(tok, r["messages"]) for r in rows), strict=True)
+    else:
+        own = _prompts(ctx, final, cfg.max_eval_rows)
+        as_turns = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in own]
+        prompts = tuple(
+            prompt_text(tok, [*p, {"role": "assistant", "content": ""}])[0] for p in as_turns
+        )
+        refs = ("",) * len(prompts)
     n = min(cfg.num_prompts, len(prompts))
     samples: list[dict[str, Any]] = []
     exact: dict[str, float] = {}
@@ -198,9 +339,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
             / len(refs),
         }
         log.info(
-            "greedy exact match on %d held-out prompts: base %.3f -> tuned %.3f",
+            "greedy exact match on %d held-out prompts: base %.3f -> %s %.3f",
             len(refs),
             exact["base"],
+            final,
             exact["tuned"],
         )
         samples += [
@@ -215,9 +357,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
         ]
     write_rows(ctx.out_dir / "samples.jsonl", samples)
 
-    merged = copy.deepcopy(model).merge_and_unload().eval()
+    merged = copy.deepcopy(model)
+    for name in list(merged.peft_config):
+        if name != ADAPTER:
+            merged.delete_adapter(name)
+    merged = merged.merge_and_unload().eval()
     ids = _inference_prompt(tok, list(prompts), cfg.inference_prompt_tokens).to(device)
     inference = compare_cache_modes(merged, ids, cfg.inference_new_tokens, cfg.inference_repeats)
+    del merged
     for mode in ("cache", "no_cache"):
         inference[mode].pop("token_ids", None)
     log.info(
@@ -234,19 +381,22 @@ def run(ctx: StageContext) -> dict[str, Any]:
     heldout: dict[str, Any] | None = None
     if held_out:
         heldout = {"base": base_scores, "tuned": tuned_scores, "rows": len(examples)}
-    if held_out and tuned != "sft":  # how far preference tuning moved the policy from SFT's fit
-        with active_adapter(model, "sft"):
-            heldout["sft"] = heldout_loss(
-                model, _batches(examples, tok.pad_token_id, cfg.batch_size), device, chunk
+        if parent is not None:  # how far the last stage moved the policy from its parent's fit
+            heldout["parent"] = _scores(
+                model, parent, examples, tok.pad_token_id, cfg.batch_size, device, chunk
             )
-    report = {
-        "policy": tuned,
+    report: dict[str, Any] = {
+        "policy": final,
+        "parent": parent,
         "heldout": heldout,
         "exact_match": exact,
         "inference": inference,
         "samples": len(samples),
     }
-    report |= preference_metrics(ctx, model, tok, device)
+    prefs, rm = preference_metrics(ctx, model, tok, device)
+    report |= prefs
+    if cfg.policies:
+        report["policies"] = compare_policies(ctx, model, tok, rm, examples, prompts, refs, device)
     (ctx.out_dir / "eval.json").write_text(jsonsafe.dumps(report, indent=2))
     headline: dict[str, float] = {}
     if heldout is not None:
@@ -257,17 +407,17 @@ def run(ctx: StageContext) -> dict[str, Any]:
         }
     if exact:
         headline |= {"exact_match_base": exact["base"], "exact_match_tuned": exact["tuned"]}
-    if heldout is not None and "sft" in heldout:
-        headline["sft_loss"] = heldout["sft"]["loss"]
+    if heldout is not None and "parent" in heldout:
+        headline["parent_loss"] = heldout["parent"]["loss"]
     headline["decode_tok/s"] = inference["cache"]["tokens_per_s"]
     if "reward_model" in report:
         headline["rm_accuracy"] = report["reward_model"]["accuracy"]
     if "dpo_implicit" in report:
         headline["dpo_accuracy"] = report["dpo_implicit"]["accuracy"]
-    if "win_rate_vs_sft" in report:
-        wr = report["win_rate_vs_sft"]
+    if "win_rate_vs_parent" in report:
+        wr = report["win_rate_vs_parent"]
         headline |= {
-            "win_rate_vs_sft": wr["win_rate"],
+            "win_rate_vs_parent": wr["win_rate"],
             "wins": wr["wins"],
             "losses": wr["losses"],
             "ties": wr["ties"],
@@ -276,4 +426,4 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    stage_main("evaluate", run)
+    stage_main(run)

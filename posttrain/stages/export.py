@@ -7,6 +7,7 @@ manifest, when the export reloads differently from base+adapter or is identical 
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from typing import Any
@@ -29,7 +30,6 @@ from posttrain.export.merge import merge_adapter, save_export
 from posttrain.export.model_card import model_card
 from posttrain.export.verify import verify_export
 from posttrain.models.loading import DTYPES, load_tokenizer
-from posttrain.pipeline import policy_stage
 from posttrain.stages.common import StageContext, stage_main
 
 log = logging.getLogger("posttrain.export")
@@ -46,12 +46,18 @@ def base_dtype(ingest_summary: dict[str, Any]) -> str:
 
 
 def _verify_inputs(ctx: StageContext, tok: Any, n_rows: int = 4) -> torch.Tensor:
-    """[n, T] token ids from held-out rows (training rows when SFT kept none: any text checks
-    that merged and unmerged weights agree), cut to a common length (no padding to mask)."""
-    sft_dir = ctx.parent_dir("sft")
-    rows = (saved_split(sft_dir, "eval") or saved_split(sft_dir, "train"))[:n_rows]
-    seqs = [encode_chat(tok, r["messages"], 512) for r in rows]
-    ids = [s["input_ids"] for s in seqs if s]
+    """[n, T] token ids from held-out conversations (training rows when none were held out), or
+    the shipped policy's own rows when no stage of its lineage trained on conversations: any
+    text checks that merged and unmerged weights agree. Cut to a common length (no padding)."""
+    if ctx.has_role("heldout"):
+        folder = ctx.role_dir("heldout")
+        rows = (saved_split(folder, "eval") or saved_split(folder, "train"))[:n_rows]
+        seqs = [encode_chat(tok, r["messages"], 512) for r in rows]
+        ids = [s["input_ids"] for s in seqs if s]
+    else:
+        folder = ctx.role_dir("policy")
+        rows = (saved_split(folder, "eval") or saved_split(folder, "train"))[:n_rows]
+        ids = [tok(json.dumps(r), add_special_tokens=False)["input_ids"][:256] for r in rows]
     width = min(len(i) for i in ids)
     return torch.tensor([i[:width] for i in ids])
 
@@ -80,15 +86,15 @@ def _save_with_room(merged: Any, tok: Any, out: Any) -> None:
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.recipe.export
-    ingest = ctx.parent_manifest("ingest")
+    ingest = ctx.role_manifest("base")
     base_dir = ingest["summary"]["model_dir"]
-    # The policy to ship is the last policy stage that ran.
-    policy = policy_stage(ctx.parents)
-    adapter_dir = ctx.parent_dir(policy) / "adapter"
+    # The policy to ship: export.policy, else the graph's final policy (the planner's role).
+    policy = ctx.roles["policy"]
+    adapter_dir = ctx.role_dir("policy") / "adapter"
     dtype_name = base_dtype(ingest["summary"]) if cfg.dtype == "auto" else cfg.dtype
     trust = bool(ingest["summary"].get("trust_remote_code", False))
 
-    tok = load_tokenizer(ctx.parent_dir("ingest") / "tokenizer")
+    tok = load_tokenizer(ctx.role_dir("base") / "tokenizer")
     merged = merge_adapter(base_dir, adapter_dir, DTYPES[dtype_name], trust_remote_code=trust)
     out = ctx.out_dir / "model"
     _save_with_room(merged, tok, out)
@@ -123,14 +129,16 @@ def run(ctx: StageContext) -> dict[str, Any]:
             "parents": [r.fingerprint for r in ctx.parents.values()],
         }
     )
-    ev = ctx.parent_manifest("evaluate")["summary"]
-    sft = ctx.parent_manifest("sft")["summary"]
-    metrics = {
-        "sft": {
+    ev = ctx.role_manifest("evaluation")["summary"]
+    metrics: dict[str, Any] = {}
+    if ctx.has_role("heldout"):
+        sft = ctx.role_manifest("heldout")["summary"]
+        metrics[ctx.roles["heldout"]] = {
             "eval_loss_start": sft["eval_loss_start"],
             "eval_loss_final": sft["eval_loss_final"],
             "steps": sft["total_steps"],
-        },
+        }
+    metrics |= {
         "evaluate": ev.get("headline", {}),
         "export_verification": {
             k: report[k]
@@ -141,16 +149,17 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "name": ingest["summary"]["architecture"],
         "source": base_dir,
         "params": ingest["summary"]["num_params"],
-        "fingerprint": ctx.parents["ingest"].fingerprint,
+        "fingerprint": ctx.role_ref("base").fingerprint,
     }
     if "hub_repo" in ingest["summary"]:  # a hub base: the card's base_model, at its commit
         base_info["hub_id"] = ingest["summary"]["hub_repo"]
         base_info["commit_sha"] = ingest["summary"]["commit_sha"]
-    sections = {
-        s: getattr(ctx.recipe, s).model_dump(mode="json")
-        for s in ("ingest", "sft", "reward", "dpo", "ppo", "grpo", "export")
-        if getattr(ctx.recipe, s) is not None
-    }
+    # The recipe sections of every stage the shipped policy descends from, base first.
+    graph = ctx.recipe.graph()
+    lineage_names = list(reversed(graph.lineage(policy)))
+    sections = {"ingest": ctx.recipe.ingest.model_dump(mode="json")}
+    sections |= {n: graph.get(n).section.model_dump(mode="json") for n in lineage_names}
+    sections["export"] = cfg.model_dump(mode="json")
     (out / "README.md").write_text(
         model_card(ctx.recipe.run.name, base_info, lineage, files, metrics, sections)
     )
@@ -171,4 +180,4 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    stage_main("export", run)
+    stage_main(run)

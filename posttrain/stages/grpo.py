@@ -15,4 +15,4 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    stage_main("grpo", run, distributed=True)
+    stage_main(run)

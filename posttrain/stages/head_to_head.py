@@ -44,17 +44,17 @@ def heldout_prompts(reward_dir: Path, n: int) -> list[list[dict[str, str]]]:
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.recipe.evaluate
     device = torch.device("cuda" if ctx.recipe.infra.device == "cuda" else "cpu")
-    ingest = ctx.parent_manifest("ingest")["summary"]
+    ingest = ctx.parent_manifest("base")["summary"]
     trust = bool(ingest.get("trust_remote_code", False))
-    prompts = heldout_prompts(ctx.parent_dir("reward"), cfg.win_rate_prompts)
+    prompts = heldout_prompts(ctx.parent_dir("reward_model"), cfg.win_rate_prompts)
     if not prompts:
         raise ValueError(
-            f"the reward artifact {ctx.parent_dir('reward')} has no held-out pairs to take "
+            f"the reward artifact {ctx.parent_dir('reward_model')} has no held-out pairs to take "
             "prompts from (reward.data.eval_fraction or eval_path)"
         )
-    tok = load_tokenizer(ctx.parent_dir("ingest") / "tokenizer")
+    tok = load_tokenizer(ctx.parent_dir("base") / "tokenizer")
     rm = load_reward_model(
-        ingest["model_dir"], ctx.parent_dir("reward") / "adapter", tok.pad_token_id, trust
+        ingest["model_dir"], ctx.parent_dir("reward_model") / "adapter", tok.pad_token_id, trust
     ).to(device)
     result = head_to_head(
         ctx.parent_dir("candidate") / "model",
@@ -96,4 +96,4 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    stage_main(HEAD_TO_HEAD, run)
+    stage_main(run, kind=HEAD_TO_HEAD)

@@ -442,4 +442,4 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    stage_main("ingest", run)
+    stage_main(run)

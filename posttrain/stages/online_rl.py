@@ -260,32 +260,39 @@ def _gate(cfg: Any, final: dict[str, float], sft: dict[str, float]) -> dict[str,
         problems.append(f"held-out KL {final['kl']:.3f} exceeds max_kl {cfg.max_kl}")
     if cfg.min_reward_gain is not None and gain < cfg.min_reward_gain:
         problems.append(
-            f"held-out reward gain {gain:.4f} over the SFT policy is below min_reward_gain "
+            f"held-out reward gain {gain:.4f} over the starting policy is below min_reward_gain "
             f"{cfg.min_reward_gain}"
         )
     return {"passed": not problems, **({"message": "; ".join(problems)} if problems else {})}
 
 
-def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
-    algo: Algorithm = ALGORITHMS[name]
-    cfg = getattr(ctx.recipe, name)
-    assert cfg is not None
+def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
+    algo: Algorithm = ALGORITHMS[algorithm]
+    cfg, name = ctx.section, ctx.name
     d = ctx.dist
     device, rank, world = d.device, d.rank, d.world_size
     seed = ctx.recipe.run.seed
     chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
 
     base, tok, weights = base_for_training(
-        ctx.parent_dir("ingest"),
-        ctx.parent_manifest("ingest"),
+        ctx.role_dir("base"),
+        ctx.role_manifest("base"),
         base_dtype(ctx.recipe.infra),
         ctx.recipe.infra.attention,
     )
     template_sha = guard_template(
-        tok, ctx.parent_manifest("sft")["summary"].get("chat_template_sha256"), name, cfg
+        tok,
+        ctx.role_manifest("policy")["summary"].get("chat_template_sha256"),
+        name,
+        cfg,
+        ctx.roles["policy"],
     )
     guard_template(
-        tok, ctx.parent_manifest("reward")["summary"].get("chat_template_sha256"), name, cfg
+        tok,
+        ctx.role_manifest("reward_model")["summary"].get("chat_template_sha256"),
+        name,
+        cfg,
+        ctx.roles["reward_model"],
     )
     data: PromptData = prepare_prompts(cfg.data, tok, seed)
     if ctx.is_main:
@@ -304,11 +311,14 @@ def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
     placement = algo.kl_placement if cfg.kl.placement == "auto" else cfg.kl.placement
 
     prepare_for_training(base, cfg.activation_checkpointing)
+    policy_dir, reference_dir = ctx.adapter_dir("policy"), ctx.adapter_dir("reference")
+    assert policy_dir is not None and reference_dir is not None  # the graph checks both
     model = build_roles(
         base,
-        ctx.parent_dir("sft") / "adapter",
-        ctx.parent_dir("reward") / "adapter",
+        policy_dir,
+        ctx.role_dir("reward_model") / "adapter",
         critic=algo.critic,
+        reference_adapter=reference_dir,
     )
     tr = start_session(
         ctx,
@@ -345,7 +355,7 @@ def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
         pol["reward_gain"] = pol["reward"] - sft_eval["reward"]
         tr.metrics.write("eval", step=step, **{f"eval_{k}": v for k, v in pol.items()})
         log.info(
-            "held-out reward %.4f (SFT policy %.4f, gain %+.4f), KL to SFT %.3f",
+            "held-out reward %.4f (starting policy %.4f, gain %+.4f), KL to the reference %.3f",
             pol["reward"],
             sft_eval["reward"],
             pol["reward_gain"],
@@ -494,9 +504,10 @@ def run_online_rl(ctx: StageContext, name: str) -> dict[str, Any]:
         (ctx.out_dir / "reference.json").write_text(
             json.dumps(
                 {
-                    "reference": "sft adapter",
-                    "sft_fingerprint": ctx.parents["sft"].fingerprint,
-                    "reward_fingerprint": ctx.parents["reward"].fingerprint,
+                    "reference": f"{ctx.roles['reference']} adapter",
+                    "reference_fingerprint": ctx.role_ref("reference").fingerprint,
+                    "reward_model": ctx.roles["reward_model"],
+                    "reward_fingerprint": ctx.role_ref("reward_model").fingerprint,
                 },
                 indent=2,
             )

@@ -14,4 +14,4 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    stage_main("ppo", run, distributed=True)
+    stage_main(run)

@@ -86,20 +86,21 @@ def heldout_pairs(
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    cfg = ctx.recipe.reward
-    assert cfg is not None
+    cfg = ctx.section
     d = ctx.dist
     device, rank, world = d.device, d.rank, d.world_size
     seed = ctx.recipe.run.seed
-    ingest = ctx.parent_manifest("ingest")["summary"]
+    ingest = ctx.role_manifest("base")["summary"]
 
-    tok = load_tokenizer(ctx.parent_dir("ingest") / "tokenizer")
-    sft_sha = ctx.parent_manifest("sft")["summary"].get("chat_template_sha256")
-    template_sha = guard_template(tok, sft_sha, "reward", cfg)
+    tok = load_tokenizer(ctx.role_dir("base") / "tokenizer")
+    # The policy it will judge formats its text with the template it recorded (ingest's when
+    # the reward model is trained beside the base).
+    policy_sha = ctx.role_manifest("policy")["summary"].get("chat_template_sha256")
+    template_sha = guard_template(tok, policy_sha, ctx.name, cfg, ctx.roles["policy"])
     data = prepare(cfg.data, tok, seed)
     if ctx.is_main:
         write_splits(ctx.out_dir, data.train_rows, data.eval_rows)
-    batch = section_batch(ctx.recipe, "reward")
+    batch = section_batch(ctx.recipe, ctx.name)
     total_steps = planned_steps(cfg.max_steps, cfg.epochs, len(data.train), batch)
 
     model, weights = score_model_for_training(
@@ -209,4 +210,4 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    stage_main("reward", run, distributed=True)
+    stage_main(run)

@@ -27,6 +27,7 @@ from posttrain.data.batching import pack_examples, pad_batch
 from posttrain.data.chat import IGNORE, template_sha256
 from posttrain.data.sft_data import prepare, write_splits
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
+from posttrain.models.adapters import continue_adapter
 from posttrain.models.loading import base_dtype, base_for_training
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.stages.common import StageContext, stage_main
@@ -73,15 +74,15 @@ def heldout_loss(
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    cfg = ctx.recipe.sft
+    cfg = ctx.section
     d = ctx.dist
     device, rank, world = d.device, d.rank, d.world_size
     seed = ctx.recipe.run.seed
     chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
 
     model, tok, weights = base_for_training(
-        ctx.parent_dir("ingest"),
-        ctx.parent_manifest("ingest"),
+        ctx.role_dir("base"),
+        ctx.role_manifest("base"),
         base_dtype(ctx.recipe.infra),
         ctx.recipe.infra.attention,
     )
@@ -89,12 +90,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if ctx.is_main:
         write_splits(ctx.out_dir, data.train_rows, data.eval_rows)
     train = pack_examples(data.train, cfg.data.max_seq_len) if cfg.packing else data.train
-    batch = section_batch(ctx.recipe, "sft")
+    batch = section_batch(ctx.recipe, ctx.name)
     assert batch.dp_size == world, f"recipe dp size {batch.dp_size} != world size {world}"
     total_steps = planned_steps(cfg.max_steps, cfg.epochs, len(train), batch)
 
     prepare_for_training(model, cfg.activation_checkpointing)
-    model = apply_lora(model, cfg.lora)
+    # From the base: a new adapter shaped by `lora`. From a policy (an SFT round after RL, say):
+    # that policy's adapter, trained further (its own shape; `lora` does not apply).
+    start = ctx.adapter_dir("policy")
+    model = apply_lora(model, cfg.lora) if start is None else continue_adapter(model, start)
     tr = start_session(
         ctx,
         model,
@@ -193,4 +197,4 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    stage_main("sft", run, distributed=True)
+    stage_main(run)

@@ -25,12 +25,12 @@ ROOT = Path(__file__).resolve().parents[2]
 # the real CLI in a real process. Without PT_STAGE_MODULES it is exactly `python -m flows.cli`.
 CLI_WRAPPER = """
 import dataclasses, os, sys
-import posttrain.pipeline as pipeline
+import posttrain.planner as pipeline
 mods = dict(kv.split("=") for kv in os.environ.get("PT_STAGE_MODULES", "").split(",") if kv)
 ranks = os.environ.get("PT_STAGE_DISTRIBUTED") == "1"  # several processes under torchrun
-pipeline.STAGES = {
+pipeline.KINDS = {
     name: dataclasses.replace(s, module=mods[name], distributed=ranks) if name in mods else s
-    for name, s in pipeline.STAGES.items()
+    for name, s in pipeline.KINDS.items()
 }
 from flows.cli import main
 sys.exit(main(sys.argv[1:]))
@@ -58,7 +58,7 @@ def run(ctx):
 
 
 if __name__ == "__main__":
-    stage_main({stage!r}, run)
+    stage_main(run, kind={stage!r})
 """
 
 

@@ -22,7 +22,7 @@ from flows.stage_procs import processes_with_env
 from flows.stage_task import LAUNCH_ENV_VAR, StageFailed, run_stage
 from posttrain.artifacts import ref_from_manifest, verify
 from posttrain.config.loader import load_recipe
-from posttrain.pipeline import plan, write_spec
+from posttrain.planner import plan, write_spec
 from posttrain.telemetry.heartbeat import read_heartbeats
 from posttrain.train.checkpoint import complete_checkpoints
 from tests.stage_helpers import TINY, run_inprocess, write_recipe

@@ -23,7 +23,7 @@ from prefect_server import serving, start_serve, start_server, stop_group, wait_
 
 from posttrain.artifacts import verify
 from posttrain.config.loader import load_recipe
-from posttrain.pipeline import plan
+from posttrain.planner import plan
 from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import TINY, write_recipe
 

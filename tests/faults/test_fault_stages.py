@@ -24,7 +24,7 @@ from posttrain.artifacts import ref_from_manifest, verify
 from posttrain.config.loader import load_recipe
 from posttrain.diskspace import folder_bytes, required_bytes
 from posttrain.locking import lock_path
-from posttrain.pipeline import plan, write_spec
+from posttrain.planner import plan, write_spec
 from posttrain.telemetry.metrics import read_metrics
 from posttrain.train.checkpoint import complete_checkpoints
 from posttrain.train.resume import inspect_checkpoint
@@ -234,7 +234,7 @@ def test_damaged_parent_fails_the_downstream_stage_before_loading_it(
         from posttrain.stages.sft import run
 
         with pytest.raises(SystemExit):
-            stage_main("sft", run, distributed=True, argv=["--spec", str(spec)])
+            stage_main(run, kind="sft", distributed=True, argv=["--spec", str(spec)])
         err = capsys.readouterr().err
         last = err.strip().splitlines()[-1]
         assert "Traceback" not in err

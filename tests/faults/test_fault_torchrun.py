@@ -41,7 +41,7 @@ if os.environ.get("RANK") == os.environ["PT_FULL_RANK"]:
     # Kept referenced: a collected context manager would undo the patch at once.
     FILL = disk_filled_when_dcp_writes(SmallDisk(Path(os.environ["PT_DISK"])), "step_0000006.tmp")
     FILL.__enter__()
-stage_main("sft", run, distributed=True)
+stage_main(run, kind="sft", distributed=True)
 """
 
 

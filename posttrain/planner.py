@@ -1,8 +1,10 @@
-"""The stage graph and its plan: which stages run, in what order, with which fingerprints.
+"""The plan of a run: the recipe's stages in run order, each with its inputs (which artifact
+plays which role), its fingerprint and its folder.
 
 Light on purpose (no torch import): the orchestration layer plans a run, decides what is cached,
-and launches `python -m <StageDef.module> --spec <spec.json>` for each stage that must run.
-Adding a stage = one `StageDef` here, its recipe section, its module, its test.
+and launches `python -m <kind.module> --spec <spec.json>` for each stage that must run. What a
+stage kind is (its module, what it consumes, whether it trains) comes from the registry
+(`posttrain/kinds/`); how stages link comes from the recipe's graph (`posttrain/config/graph.py`).
 """
 
 from __future__ import annotations
@@ -19,88 +21,26 @@ from posttrain.artifacts import (
     path_identity,
     stage_dir,
 )
+from posttrain.config.graph import BASE, StageGraph
 from posttrain.config.schema import Recipe
 from posttrain.data.chat import looks_like_template_file
 from posttrain.hub import RepoType, is_hub_id, resolve_sha
-
-
-@dataclass(frozen=True)
-class StageDef:
-    name: str
-    module: str
-    # Bump when a change to the stage's code should invalidate its cached artifacts.
-    version: str
-    parents: tuple[str, ...]
-    # Distributed stages are launched with torchrun, one process per device.
-    distributed: bool = False
-    # Optional stages run only when the recipe has their section; parents that do not run are
-    # simply not inputs (evaluate without dpo evaluates the SFT policy).
-    optional: bool = False
-
-
-STAGES: dict[str, StageDef] = {
-    s.name: s
-    for s in (
-        StageDef("ingest", "posttrain.stages.ingest", "2", ()),
-        StageDef("sft", "posttrain.stages.sft", "1", ("ingest",), distributed=True),
-        StageDef(
-            "reward",
-            "posttrain.stages.reward",
-            "1",
-            ("ingest", "sft"),
-            distributed=True,
-            optional=True,
-        ),
-        StageDef(
-            "dpo", "posttrain.stages.dpo", "1", ("ingest", "sft"), distributed=True, optional=True
-        ),
-        *(
-            StageDef(
-                name,
-                f"posttrain.stages.{name}",
-                "1",
-                ("ingest", "sft", "reward"),
-                distributed=True,
-                optional=True,
-            )
-            for name in ("ppo", "grpo")
-        ),
-        StageDef(
-            "evaluate",
-            "posttrain.stages.evaluate",
-            "1",
-            ("ingest", "sft", "reward", "dpo", "ppo", "grpo"),
-        ),
-        StageDef(
-            "export",
-            "posttrain.stages.export",
-            "1",
-            ("ingest", "sft", "dpo", "ppo", "grpo", "evaluate"),
-        ),
-    )
-}
-
-# Stages that tune the SFT policy further; a recipe has at most one (the schema checks), and
-# evaluate/export take the policy from it, or from sft when there is none.
-POLICY_STAGES = ("dpo", "ppo", "grpo")
-
-
-# Online RL samples rollouts per rank (each rank its share of prompts, with its own seed), so its
-# result depends on the number of ranks: that stays in its fingerprint.
-RANK_DEPENDENT = ("ppo", "grpo")
-
-
-def policy_stage(parents: Any) -> str:
-    """The stage whose adapter is the final policy, among a stage's parents."""
-    return next((s for s in POLICY_STAGES if s in parents), "sft")
+from posttrain.kinds import KINDS, StageKind
 
 
 def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
     """(recipe-derived inputs, outside-world inputs) that determine a stage's output.
 
-    Only what changes the result goes in: timeouts, workspace and run name do not.
+    Only what changes the result goes in: timeouts, workspace, run name and a stage's own name
+    do not (renaming a stage reuses its artifact).
     """
-    section = getattr(recipe, name).model_dump(mode="json")
+    graph = recipe.graph()
+    kind = KINDS[name] if name in KINDS and KINDS[name].placement != "graph" else None
+    if kind is None:
+        node = graph.get(name)
+        kind, section = node.kind, node.section_fields()
+    else:
+        section = getattr(recipe, name).model_dump(mode="json")
     numerics = {
         "seed": recipe.run.seed,
         "precision": recipe.infra.precision,
@@ -108,7 +48,7 @@ def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
     }
     extra: Any = None
     hub_inputs: dict[str, Any] = {}
-    if name == "ingest":
+    if kind.placement == "first":
         if recipe.ingest.source == "path" and is_hub_id(recipe.ingest.path):
             hub_inputs["path"] = hub_record(recipe.ingest.path, recipe.ingest.revision, "model")
         elif recipe.ingest.source == "path":
@@ -118,17 +58,26 @@ def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
         else:
             section.pop("path", None)
             section.pop("revision", None)
-    elif name in ("sft", "reward", *POLICY_STAGES):
+    elif kind.placement == "last":
+        # Fields added since: left out at their defaults, so older recipes keep their prints.
+        for key in ("policies", "policy"):
+            if section.get(key) in ([], None):
+                section.pop(key, None)
+    elif kind.trains:
+        node = graph.get(name)
         if recipe.infra.base_dtype == "bf16":  # the training stages' base; fp32 keeps old prints
             numerics["base_dtype"] = "bf16"
-        if name in RANK_DEPENDENT:
+        if kind.rank_dependent:
             numerics["dp_size"] = recipe.infra.world_size()
         else:
             # How the global batch is split (micro x accum x ranks) is execution, not result: the
             # rows of each step and the token-normalised loss do not depend on it, so a run can
             # resume on another number of ranks in the same folder (and reuse a cached artifact).
             section["batch"] = {"global_batch_size": section["batch"]["global_batch_size"]}
-        data = getattr(recipe, name).data
+        # Which parent plays which role, where the parents' fingerprints alone do not say it.
+        if "reference" in node.links and node.links["reference"] != node.links.get("policy"):
+            numerics["links"] = dict(sorted(node.links.items()))
+        data = node.section.data
         sources = {k: v for k, v in (("path", data.path), ("eval_path", data.eval_path)) if v}
         extra = {k: path_identity(v) for k, v in sources.items() if not is_hub_id(v)}
         hub_inputs = {
@@ -149,7 +98,7 @@ def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
                 mode="json", include={"loss_spike_k", "loss_spike_window", "loss_spike_min_history"}
             )
     # A template file's text decides the result, not its name: fingerprint its content.
-    template = getattr(getattr(recipe, name), "chat_template", None)
+    template = getattr(recipe.stage(name), "chat_template", None)
     if template and looks_like_template_file(template) and Path(template).is_file():
         extra = {**(extra or {}), "chat_template": path_identity(template)}
     # Only recipes with hub ids get the key, so local-path recipes keep their fingerprints.
@@ -181,37 +130,90 @@ class PlannedStage:
     # any rank's heartbeat advancing, plus the allowance before the training loop's first beat.
     hang_timeout_s: float | None = None
     hang_startup_s: float = 0.0
+    kind: str = ""
+    # role -> parent stage name: "base", "policy" (what it starts from), "reference",
+    # "reward_model"; evaluate and export also "parent" (the policy's own parent), "heldout"
+    # (where held-out conversations come from) and "evaluation".
+    roles: dict[str, str] = field(default_factory=dict)
+    # GPUs this stage may use (CUDA_VISIBLE_DEVICES), set by the flow when stages run side by
+    # side (infra.parallel_stages); None = all the launcher sees.
+    visible_devices: str | None = None
+
+
+def stage_roles(recipe: Recipe, graph: StageGraph, kind: StageKind, name: str) -> dict[str, str]:
+    """Which artifact each input of stage `name` is."""
+    if kind.placement == "first":
+        return {}
+    if kind.placement == "graph":
+        return {"base": BASE, **graph.get(name).links}
+    chosen = getattr(recipe.stage(name), "policy", None)
+    final = chosen or graph.final_policy()
+    assert final is not None  # the schema requires a policy stage
+    roles = {"base": BASE, "policy": final}
+    if (parent := graph.parent(final)) != BASE:
+        roles["parent"] = parent
+    if (heldout := graph.heldout_source(final)) is not None:
+        roles["heldout"] = heldout
+    rm = graph.get(final).links.get("reward_model") or (graph.reward_models() or [None])[-1]
+    if kind.produces == "evaluation":
+        if rm is not None:
+            roles["reward_model"] = rm
+    else:
+        evaluation = next(k.name for k in KINDS.values() if k.produces == "evaluation")
+        roles["evaluation"] = evaluation
+    return roles
+
+
+def evaluate_reads(recipe: Recipe, graph: StageGraph) -> list[str]:
+    """Every stage evaluate's `policies` comparison reads: each listed policy and its parent."""
+    out = []
+    for n in recipe.evaluate.policies:
+        out += [n, graph.parent(n)]
+        if (heldout := graph.heldout_source(n)) is not None:
+            out.append(heldout)
+    return out
 
 
 def plan(recipe: Recipe) -> list[PlannedStage]:
-    """Fingerprint every stage in order. `recipe` must be resolved (no `auto` left)."""
+    """Fingerprint every stage in run order. `recipe` must be resolved (no `auto` left)."""
+    graph = recipe.graph()
+    order = [k.name for k in KINDS.values() if k.placement == "first"]
+    order += graph.names()
+    order += [k.name for k in KINDS.values() if k.placement == "last"]
     out: list[PlannedStage] = []
     fps: dict[str, str] = {}
-    for s in STAGES.values():
-        if s.optional and getattr(recipe, s.name) is None:
-            continue
-        inputs, extra = stage_inputs(recipe, s.name)
-        parents = {p: fps[p] for p in s.parents if p in fps}
-        fp = fingerprint(s.name, s.version, inputs, list(parents.values()), extra)
-        fps[s.name] = fp
-        nprocs = int(recipe.infra.devices_per_node) if s.distributed else 1
-        nnodes = recipe.infra.nnodes if s.distributed else 1
-        # Only training stages beat regularly; ingest's warm-up, evaluate and export do not.
-        trains = s.name in ("sft", "reward", *POLICY_STAGES)
+    for name in order:
+        kind = KINDS[name] if name in KINDS and KINDS[name].placement != "graph" else None
+        # Looked up here (not taken from the graph) so a test can stand another module in.
+        kind = KINDS[(kind or graph.get(name).kind).name]
+        roles = stage_roles(recipe, graph, kind, name)
+        reads = set(roles.values())
+        if kind.produces == "evaluation":
+            reads |= set(evaluate_reads(recipe, graph))
+        # In run order: the fingerprint hashes the parents' prints in this order.
+        parents = {p: fps[p] for p in order if p in reads and p in fps}
+        inputs, extra = stage_inputs(recipe, name)
+        fp = fingerprint(kind.name, kind.version, inputs, list(parents.values()), extra)
+        fps[name] = fp
+        nprocs = int(recipe.infra.devices_per_node) if kind.distributed else 1
+        nnodes = recipe.infra.nnodes if kind.distributed else 1
         out.append(
             PlannedStage(
-                name=s.name,
-                module=s.module,
+                name=name,
+                module=kind.module,
                 fingerprint=fp,
-                out_dir=stage_dir(recipe.run.workspace, s.name, fp),
+                out_dir=stage_dir(recipe.run.workspace, kind.name, fp),
                 parents=parents,
                 nprocs=nprocs,
-                timeout_s=getattr(recipe.infra.timeouts, s.name),
+                timeout_s=recipe.infra.timeouts.for_stage(name),
                 inputs=inputs,
                 nnodes=nnodes,
                 rdzv_endpoint=recipe.infra.rdzv_endpoint if nnodes > 1 else None,
-                hang_timeout_s=recipe.infra.hang_timeout_s if trains else None,
+                # Only training stages beat regularly; ingest, evaluate and export do not.
+                hang_timeout_s=recipe.infra.hang_timeout_s if kind.trains else None,
                 hang_startup_s=recipe.infra.hang_startup_s,
+                kind=kind.name,
+                roles=roles,
             )
         )
     return out
@@ -222,6 +224,8 @@ def write_spec(stage: PlannedStage, recipe: Recipe, parent_refs: dict[str, Artif
     output folder and its parents' refs. Kept under logs/ so the manifest does not cover it."""
     spec = {
         "stage": stage.name,
+        "kind": stage.kind,
+        "roles": stage.roles,
         "fingerprint": stage.fingerprint,
         "out_dir": str(stage.out_dir),
         "inputs": stage.inputs,

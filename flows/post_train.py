@@ -25,6 +25,7 @@ from flows.devices import device_set_name, ensure_device_limit, hold_devices
 from flows.events import BASE_EVENT, publish_base
 from flows.gate import promote
 from flows.report import StageRecord, curves_markdown, lineage, markdown_report, metrics_table
+from flows.schedule import device_slots, run_stages
 from flows.served import check_served
 from flows.stage_output import artifact_key
 from flows.stage_procs import kill_flow_run_processes
@@ -32,7 +33,8 @@ from flows.stage_task import stage_task_for
 from posttrain.artifacts import ArtifactRef, read_manifest, verify
 from posttrain.config.loader import resolve
 from posttrain.config.schema import Recipe
-from posttrain.pipeline import PlannedStage, plan, write_spec
+from posttrain.kinds import KINDS
+from posttrain.planner import PlannedStage, plan, write_spec
 from posttrain.promotion import Decision, comparison_markdown
 from posttrain.secrets import redact, redact_obj
 from posttrain.telemetry.plots import CurvePlot, plot_curves
@@ -84,6 +86,7 @@ def stage_record(
     headline = summary.get("headline") if isinstance(summary, dict) else None
     memory = summary.get("memory") if isinstance(summary, dict) else None
     recovery = summary.get("recovery") if isinstance(summary, dict) else None
+    policies = summary.get("policies") if isinstance(summary, dict) else None
     return StageRecord(
         stage=stage.name,
         fingerprint=ref.fingerprint,
@@ -96,6 +99,9 @@ def stage_record(
         memory=memory if isinstance(memory, dict) else {},
         # Only what this run's launch recovered from: a reused artifact's is history.
         recovery=recovery if isinstance(recovery, dict) and status == "ran" else {},
+        kind=stage.kind,
+        roles=dict(stage.roles),
+        policies=policies if isinstance(policies, dict) else {},
     )
 
 
@@ -226,6 +232,8 @@ def run_recorded(
             uri=str(stage.out_dir),
             parents=list(stage.parents.values()),
             error=str(exc) or type(exc).__name__,
+            kind=stage.kind,
+            roles=dict(stage.roles),
         )
         records.append(failed)
         raise
@@ -263,23 +271,35 @@ def announce_base(recipe: Recipe, ref: ArtifactRef) -> None:
     on_crashed=[stop_stage_processes],
 )
 def post_train(recipe: Recipe) -> dict[str, Any]:
-    """The recipe's stages in order (ingest, sft, reward/dpo/ppo/grpo, evaluate, export), each
-    skipped when its artifact exists, then the promotion gate; all while holding the device
-    set's slot."""
+    """The recipe's stages (ingest, the stage graph, evaluate, export), each skipped when its
+    artifact exists, then the promotion gate; all while holding the device set's slot."""
     # A served run's recipe came from whoever sent it: it may only narrow the worker's folders.
     check_served(recipe)
     recipe = resolve(recipe)  # idempotent; a UI or deployment run arrives unresolved
     run_id, launcher = _new_run_id(), stage_task_for(recipe.run.workspace)
-    refs: dict[str, ArtifactRef] = {}
     records: list[StageRecord] = []
     slot = device_set_name(recipe)
     ensure_device_limit(slot)
+    infra = recipe.infra
+    parallel = int(infra.parallel_stages)  # resolved: "auto" is a number by now
+
+    def run_stage(stage: PlannedStage, refs: dict[str, ArtifactRef]) -> ArtifactRef:
+        return run_recorded(launcher, stage, recipe, refs, records)
+
+    def announce(stage: PlannedStage, ref: ArtifactRef) -> None:
+        ran = next((r.status == "ran" for r in records if r.stage == stage.name), False)
+        if KINDS[stage.kind].produces == "base" and ran:
+            announce_base(recipe, ref)
+
     with hold_devices(slot):  # the gate's head-to-head runs models too: it is inside
         try:
-            for stage in plan(recipe):
-                refs[stage.name] = run_recorded(launcher, stage, recipe, refs, records)
-                if stage.name == "ingest" and records[-1].status == "ran":
-                    announce_base(recipe, refs["ingest"])
+            run_stages(
+                plan(recipe),
+                run_stage,
+                parallel,
+                device_slots(parallel, int(infra.devices_per_node), infra.device == "cuda"),
+                on_done=announce,
+            )
         except BaseException as exc:
             # The run folder and report still say which stage failed and what ran before it.
             run_dir = record_run(recipe, run_id, records, quiet=True).get("run_dir")

@@ -1,0 +1,277 @@
+"""The recipe's stage graph: which stages run, what each one starts from, and checks that the
+graph makes sense before anything runs.
+
+A recipe names its stages two ways, which may be mixed:
+  - shorthand top-level sections (`sft:`, `reward:`, `dpo:` ...): one stage each, named after
+    its kind, in the registry's chain order (sft, reward, dpo, ppo, grpo ...);
+  - a `stages:` list: entries with `kind`, a unique `name`, their section's fields and their
+    links (`from`, `reference`, `reward_model`). They come after the shorthand stages.
+
+Links default to what the chain means: `from` = the previous stage that produces a policy (the
+base when there is none), `reference` = the policy it starts from (lineage-correct, never
+silently the raw base), `reward_model` = the last reward stage before it. Stages may be written
+in any order; they run in an order where every stage follows its inputs (list order otherwise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posttrain.kinds import KINDS, ROLE_FIELDS, StageKind
+
+# The base model: the `ingest` stage's artifact, named by its kind.
+BASE = next(k.name for k in KINDS.values() if k.placement == "first")
+# Stage names a graph stage cannot take: the fixed stages'.
+RESERVED = tuple(k.name for k in KINDS.values() if k.placement != "graph")
+# The fields of a `stages:` entry that wire it into the graph (not part of what it computes).
+LINK_FIELDS = ("kind", "name", *ROLE_FIELDS.values())
+
+
+class GraphError(ValueError):
+    """A stage graph that cannot run; `errors` holds one `field.path: message` per problem."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__("; ".join(errors))
+
+
+@dataclass(frozen=True)
+class GraphStage:
+    name: str
+    kind: StageKind
+    # The recipe section (a shorthand section, or a `stages:` entry with its link fields).
+    section: Any
+    # Field path for messages: `dpo` (shorthand) or `stages.dpo2`.
+    where: str
+    # role -> stage name (BASE for the base model): "policy" (from), "reference", "reward_model".
+    links: dict[str, str] = field(default_factory=dict)
+
+    def section_fields(self) -> dict[str, Any]:
+        """The section as JSON without the link fields: what the stage computes with."""
+        return self.section.model_dump(mode="json", exclude=set(LINK_FIELDS) | {"from_"})
+
+
+@dataclass
+class StageGraph:
+    # Run order: every stage after the stages it links to.
+    stages: list[GraphStage]
+
+    def __iter__(self) -> Iterator[GraphStage]:
+        return iter(self.stages)
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def __contains__(self, name: object) -> bool:
+        return any(s.name == name for s in self.stages)
+
+    def get(self, name: str) -> GraphStage:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def names(self) -> list[str]:
+        return [s.name for s in self.stages]
+
+    def policies(self) -> list[str]:
+        return [s.name for s in self.stages if s.kind.produces == "policy"]
+
+    def final_policy(self) -> str | None:
+        """The policy the run ships by default: the last policy stage in run order."""
+        return (self.policies() or [None])[-1]
+
+    def lineage(self, name: str) -> list[str]:
+        """`name`, the policy it started from, that one's, ... (not the base)."""
+        out = []
+        while name != BASE:
+            out.append(name)
+            name = self.get(name).links.get("policy", BASE)
+        return out
+
+    def adapter_origin(self, name: str) -> GraphStage | None:
+        """The stage that created the adapter `name` trains (the first of its lineage that
+        started from the base), whose `lora` shapes it."""
+        line = self.lineage(name)
+        return self.get(line[-1]) if line else None
+
+    def heldout_source(self, name: str) -> str | None:
+        """The nearest stage of `name`'s lineage that trained on conversations (its held-out
+        rows measure held-out loss and exact match)."""
+        return next((n for n in self.lineage(name) if self.get(n).kind.data == "messages"), None)
+
+    def reward_models(self) -> list[str]:
+        return [s.name for s in self.stages if s.kind.produces == "reward_model"]
+
+    def parent(self, name: str) -> str:
+        """The stage `name` started from (BASE for the base)."""
+        return self.get(name).links.get("policy", BASE)
+
+
+def _entries(recipe: Any) -> list[tuple[str, str, Any]]:
+    """(name, field path, section) of every graph stage in written order."""
+    out = []
+    for name in KINDS:
+        section = getattr(recipe, name, None) if KINDS[name].placement == "graph" else None
+        if section is not None:
+            out.append((name, name, section))
+    for i, entry in enumerate(getattr(recipe, "stages", None) or []):
+        out.append((entry.name, f"stages.{entry.name}" if entry.name else f"stages.{i}", entry))
+    return out
+
+
+def _template_text(value: str | None) -> str | None:
+    from posttrain.data.chat import looks_like_template_file
+
+    if value and looks_like_template_file(value) and Path(value).is_file():
+        return Path(value).read_text()
+    return value
+
+
+def build_graph(recipe: Any) -> StageGraph:
+    """The recipe's stage graph, links filled and checked. Raises GraphError naming each bad
+    field (`stages.grpo.reward_model: ...`)."""
+    errors: list[str] = []
+    entries = _entries(recipe)
+    names = [n for n, _, _ in entries]
+    for n, where, _ in entries:
+        if names.count(n) > 1:
+            errors.append(f"{where}: two stages are named {n!r}; give each a unique `name`")
+        if n in RESERVED:
+            errors.append(f"{where}.name: {n!r} is reserved for the fixed stage of that name")
+    if errors:
+        raise GraphError(sorted(set(errors)))
+    kinds = {n: KINDS[getattr(s, "kind", None) or n] for n, _, s in entries}
+    produces = {n: k.produces for n, k in kinds.items()}
+    stages: list[GraphStage] = []
+    for i, (n, where, section) in enumerate(entries):
+        kind, links = kinds[n], {}
+        before = names[:i]
+        for role, fld in ROLE_FIELDS.items():
+            given = getattr(section, "from_" if fld == "from" else fld, None)
+            if role not in kind.consumes:
+                if given is not None:
+                    errors.append(f"{where}.{fld}: a {kind.name} stage takes no {fld}")
+                continue
+            target = given if given is not None else _default(role, before, produces, links)
+            if target is None:
+                errors.append(
+                    f"{where}.{fld}: a {kind.name} stage needs a reward model: add a reward "
+                    "stage before it or name one"
+                )
+                continue
+            if problem := _link_problem(role, target, n, produces, kind):
+                errors.append(f"{where}.{fld}: {problem}")
+                continue
+            links[role] = target
+        stages.append(GraphStage(n, kind, section, where, links))
+    if errors:
+        raise GraphError(errors)
+    graph = StageGraph(_run_order(stages))
+    errors += _template_errors(recipe, graph)
+    if not graph.policies():
+        errors.append(
+            "the recipe trains no policy: add an `sft:` section or a `stages:` entry of a "
+            "policy kind (" + ", ".join(k for k, v in KINDS.items() if v.produces == "policy") + ")"
+        )
+    if errors:
+        raise GraphError(errors)
+    return graph
+
+
+def _default(
+    role: str, before: list[str], produces: Mapping[str, str], links: Mapping[str, str]
+) -> str | None:
+    if role == "policy":
+        return next((n for n in reversed(before) if produces[n] == "policy"), BASE)
+    if role == "reference":
+        return links.get("policy", BASE)
+    return next((n for n in reversed(before) if produces[n] == "reward_model"), None)
+
+
+def _link_problem(
+    role: str, target: str, me: str, produces: Mapping[str, str], kind: StageKind
+) -> str | None:
+    valid = sorted(produces) + [BASE]
+    if target == me:
+        return "a stage cannot take its own output"
+    if target not in produces and target != BASE:
+        return f"no stage named {target!r} (stages: {', '.join(valid)})"
+    what = "base" if target == BASE else produces[target]
+    if role == "reward_model":
+        if what != "reward_model":
+            return f"{target!r} is a {what} stage, not a reward model"
+        return None
+    if what not in ("policy", "base"):
+        return f"{target!r} produces a {what}, not a policy to start from"
+    base_start = role == "policy" and what == "base" and kind.produces == "policy"
+    if base_start and not kind.new_adapter_from_base:
+        return (
+            f"a {kind.name} stage starts from a trained policy adapter, not the base: "
+            "put a stage that creates one (e.g. sft) before it"
+        )
+    return None
+
+
+def _run_order(stages: list[GraphStage]) -> list[GraphStage]:
+    """Stages with every stage after its inputs, otherwise in written order. Raises GraphError
+    naming the stages of a cycle."""
+    by_name = {s.name: s for s in stages}
+    done: list[GraphStage] = []
+    placed: set[str] = set()
+    waiting = list(stages)
+    while waiting:
+        ready = next(
+            (s for s in waiting if all(t == BASE or t in placed for t in s.links.values())), None
+        )
+        if ready is None:
+            cycle = " -> ".join(s.name for s in waiting)
+            raise GraphError(
+                [f"{waiting[0].where}: the stages {cycle} wait on each other (a cycle)"]
+            )
+        waiting.remove(ready)
+        done.append(ready)
+        placed.add(ready.name)
+    assert len(done) == len(by_name)
+    return done
+
+
+def _template_errors(recipe: Any, graph: StageGraph) -> list[str]:
+    """A stage formatting its data with another chat template than the policy it starts from
+    (or than its reward model) learnt, without `allow_template_change`: refused now, where it
+    would otherwise silently cost accuracy. Only templates the recipe spells out are compared
+    here; the stage compares the recorded ones (sha256) when it runs."""
+    root = _template_text(getattr(recipe.ingest, "chat_template", None))
+    own: dict[str, str | None] = {}
+    for s in graph:
+        own[s.name] = _template_text(getattr(s.section, "chat_template", None))
+
+    def effective(name: str) -> str | None:
+        while name != BASE:
+            if own.get(name):
+                return own[name]
+            name = graph.get(name).links.get("policy", BASE)
+        return root
+
+    errors = []
+    for s in graph:
+        if getattr(s.section, "allow_template_change", False):
+            continue
+        mine = effective(s.name)
+        parent = s.links.get("policy", BASE)
+        theirs = effective(parent)
+        if own[s.name] and theirs and own[s.name] != theirs:
+            errors.append(
+                f"{s.where}.chat_template: differs from the template of {parent!r}, the policy "
+                "it starts from; set allow_template_change: true if that is on purpose"
+            )
+        rm = s.links.get("reward_model")
+        if rm and mine and effective(rm) and effective(rm) != mine:
+            errors.append(
+                f"{s.where}.reward_model: {rm!r} was trained with another chat template than "
+                "this stage uses; set allow_template_change: true if that is on purpose"
+            )
+    return errors

@@ -1,0 +1,307 @@
+"""Recipe-section building blocks that several stage kinds share: data sources, LoRA, optimizer,
+batch, the training fields every training stage has, the template guard, rollouts and KL.
+
+Each stage kind's own section lives beside its registration in `posttrain/kinds/<kind>.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from posttrain.config.run_sections import _Section
+
+
+class SyntheticData(_Section):
+    n_examples: int = Field(3000, ge=10, description="Rows to generate.")
+    seed: int = Field(1234, ge=0, description="Generator seed (independent of run.seed).")
+
+
+class DataSourceFields(_Section):
+    """How `path` / `eval_path` are read when they are hub dataset ids, and column renames."""
+
+    split: str = Field("train", min_length=1, description="Hub datasets: the split of `path`.")
+    eval_split: str = Field(
+        "test", min_length=1, description="Hub datasets: the split of `eval_path`."
+    )
+    revision: str = Field(
+        "main",
+        min_length=1,
+        description="Hub datasets: branch, tag or commit sha; the commit it resolves to is part "
+        "of the fingerprint and the manifest.",
+    )
+    subset: str | None = Field(
+        None, description="Hub datasets: the configuration (subset) name, when it has several."
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Rename source columns to ours before reading rows, e.g. "
+        "`{question: prompt, answer: completion}`; for local files and hub datasets alike.",
+    )
+
+    @model_validator(mode="after")
+    def _columns_distinct(self) -> DataSourceFields:
+        targets = list(self.columns.values())
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"columns: two source columns renamed to one name ({self.columns})")
+        return self
+
+
+class DataConfig(DataSourceFields):
+    path: str | None = Field(
+        None,
+        description="JSONL, JSON, Parquet file, a `datasets.save_to_disk` folder, or a hub "
+        "dataset id `org/name`. Rows are `messages` (list of {role, content}), `prompt`/"
+        "`completion` (strings or message lists), ShareGPT `conversations` (from/value) or "
+        "Alpaca `instruction`/`input`/`output`.",
+    )
+    synthetic: SyntheticData | None = Field(
+        None, description="Generate the quickstart task instead of reading `path`."
+    )
+    eval_path: str | None = Field(
+        None,
+        description="Held-out file or hub dataset id (its `eval_split`); default: split from `path`.",
+    )
+    eval_fraction: float = Field(
+        0.05, ge=0.0, lt=1.0, description="Held-out share when there is no eval_path."
+    )
+    max_seq_len: int = Field(256, ge=8, description="Tokens per sequence after the chat template.")
+    on_too_long: Literal["truncate", "drop"] = Field(
+        "truncate", description="Rows longer than max_seq_len: cut at the right, or drop (counted)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if (self.path is None) == (self.synthetic is None):
+            raise ValueError("give exactly one of data.path or data.synthetic")
+        return self
+
+
+class LoraConfig(_Section):
+    r: int = Field(8, ge=1, description="LoRA rank.")
+    alpha: float = Field(16, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="Module names to adapt, or `all-linear` (every linear but the head).",
+    )
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="LR decay.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up optimizer steps.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of lr.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip gradient norm; null = off.")
+
+
+class BatchConfig(_Section):
+    """Give any two of the three; the third is derived. All three must agree:
+    global_batch_size = micro_batch_size x grad_accum_steps x data-parallel size."""
+
+    micro_batch_size: int | None = Field(None, ge=1, description="Sequences per device per step.")
+    grad_accum_steps: int | None = Field(
+        None, ge=1, description="Micro-batches per optimizer step."
+    )
+    global_batch_size: int | None = Field(None, ge=1, description="Sequences per optimizer step.")
+
+
+class TrainingSection(_Section):
+    """Fields every training stage shares."""
+
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and schedule.")
+    batch: BatchConfig = Field(
+        default_factory=lambda: BatchConfig(micro_batch_size=8, grad_accum_steps=1),
+        description=BatchConfig.__doc__,
+    )
+    epochs: float = Field(
+        1.0, gt=0, description="Passes over the training set (fractions allowed)."
+    )
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each block's activations in backward: less memory, ~30% slower.",
+    )
+    checkpoint_every: int = Field(
+        50, ge=0, description="Save a resumable checkpoint every N steps."
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints kept on disk.")
+    log_every: int = Field(1, ge=1, description="Write metrics.jsonl every N optimizer steps.")
+
+
+class _HeldOutSource(DataSourceFields):
+    """Where a stage's rows come from and how a held-out share is split off."""
+
+    synthetic: SyntheticData | None = Field(
+        None, description="Generate quickstart rows instead of reading `path`."
+    )
+    eval_path: str | None = Field(
+        None,
+        description="Held-out file or hub dataset id (its `eval_split`); default: split from `path`.",
+    )
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Held-out share of rows.")
+    max_prompt_len: int = Field(
+        128, ge=1, description="Longer prompts keep their last max_prompt_len tokens."
+    )
+    on_invalid: Literal["error", "skip"] = Field(
+        "error",
+        description="A bad row (missing/empty field, wrong type, no room for a response): stop "
+        "naming file and row, or skip it and count it by reason.",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> _HeldOutSource:
+        if (getattr(self, "path", None) is None) == (self.synthetic is None):
+            raise ValueError("give exactly one of data.path or data.synthetic")
+        return self
+
+
+class PreferenceDataConfig(_HeldOutSource):
+    path: str | None = Field(
+        None,
+        description="JSONL, JSON, Parquet file, a saved `datasets` folder or a hub dataset id "
+        "`org/name` of pairs: "
+        "`prompt`/`chosen`/`rejected` as text or message lists, or `chosen`/`rejected` full "
+        "conversations with the prompt implicit in their shared prefix.",
+    )
+    max_seq_len: int = Field(256, ge=8, description="Tokens per prompt + response.")
+
+    @model_validator(mode="after")
+    def _room_for_response(self) -> PreferenceDataConfig:
+        if self.max_prompt_len >= self.max_seq_len:
+            raise ValueError(
+                f"max_prompt_len {self.max_prompt_len} leaves no room for a response "
+                f"within max_seq_len {self.max_seq_len}"
+            )
+        return self
+
+
+class PromptDataConfig(_HeldOutSource):
+    path: str | None = Field(
+        None,
+        description="JSONL, JSON, Parquet file, a saved `datasets` folder or a hub dataset id "
+        "`org/name` of prompts: "
+        "`prompt` as text or a message list ending with a user turn (preference files work as "
+        "they are), or `messages` (the prompt is everything before the last assistant turn).",
+    )
+
+
+class TemplateGuard(_Section):
+    chat_template: str | None = Field(
+        None,
+        description="Format this stage's text with another chat template than the one "
+        "recorded at SFT (Jinja text or a template file's path). Refused unless "
+        "allow_template_change is true.",
+    )
+    allow_template_change: bool = Field(
+        False,
+        description="Accept a template that differs from the one the policy was "
+        "fine-tuned with (template mismatches silently cost reward accuracy).",
+    )
+
+
+class RolloutConfig(_Section):
+    prompts_per_step: int = Field(
+        16, ge=1, description="Prompts per rollout, over all ranks (a multiple of the ranks)."
+    )
+    samples_per_prompt: int = Field(
+        1, ge=1, description="Responses sampled per prompt (GRPO's group size; needs >= 2 there)."
+    )
+    max_new_tokens: int = Field(
+        32,
+        ge=1,
+        description="Longest response; generation stops earlier at a stop token: the "
+        "tokenizer's EOS, the model's generation_config eos ids, or the chat template's "
+        "end-of-turn token when it is one token.",
+    )
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_k: int | None = Field(None, ge=1, description="Top-k filter; null = off.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus filter; null = off.")
+    generation_batch_size: int | None = Field(
+        None, ge=1, description="Sequences per `generate` call on a rank; null = all at once."
+    )
+    keep_gathered: bool = Field(
+        True,
+        description="Keep the sharded weights gathered for the whole decode loop (one all-gather "
+        "per rollout, full-model memory while generating) instead of gathering every block at "
+        "every new token.",
+    )
+
+
+class KLConfig(_Section):
+    estimator: Literal["k1", "k2", "k3"] = Field(
+        "k1",
+        description="Per-token KL(policy || reference) estimate: k1 = log-ratio, k2 = half its "
+        "square, k3 = exp(-log-ratio) - 1 + log-ratio (unbiased, never negative).",
+    )
+    placement: Literal["auto", "reward", "loss"] = Field(
+        "auto",
+        description="`reward`: subtract coef x KL from each token's reward (PPO); `loss`: add "
+        "coef x KL to the loss (GRPO). `auto` = the algorithm's usual place.",
+    )
+    coef: float = Field(0.05, ge=0, description="KL coefficient (initial value when adaptive).")
+    adaptive: bool = Field(
+        False, description="Adapt the coefficient towards `target` (proportional controller)."
+    )
+    target: float = Field(
+        6.0, gt=0, description="Adaptive target: KL per sequence (sum over its tokens)."
+    )
+    horizon: int = Field(10000, ge=1, description="Adaptive controller horizon, in sequences.")
+
+
+class OnlineRLConfig(TrainingSection, TemplateGuard):
+    """What PPO and GRPO share: prompts, rollouts, scoring, KL, clipped updates, gates."""
+
+    data: PromptDataConfig = Field(description="Prompts to roll out from.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
+    kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty against the reference.")
+    update_epochs: int = Field(
+        1, ge=1, description="Passes over each rollout batch; `batch` sizes one update."
+    )
+    clip_range: float = Field(0.2, gt=0, description="Policy ratio clip (1 +- clip_range).")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
+    missing_eos_penalty: float | None = Field(
+        None,
+        le=0,
+        description="Added to the score of a response that never stopped (no stop token - EOS, "
+        "generation_config eos id or end-of-turn token - within max_new_tokens); null = no "
+        "penalty.",
+    )
+    eval_prompts: int = Field(
+        32, ge=1, description="Held-out prompts scored for the final reward and KL."
+    )
+    eval_every: int = Field(0, ge=0, description="Also evaluate every N rollouts; 0 = end only.")
+    max_kl: float | None = Field(
+        None,
+        gt=0,
+        description="Quality gate: held-out KL(policy || SFT) per response above this stops "
+        "the pipeline.",
+    )
+    min_reward_gain: float | None = Field(
+        None,
+        description="Quality gate: held-out mean reward minus the SFT policy's below this "
+        "stops the pipeline.",
+    )
+
+
+class SamplingConfig(_Section):
+    name: str = Field(description="Label used in reports.")
+    strategy: Literal["greedy", "sample", "beam"] = Field("greedy", description="Decoding.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (sample only).")
+    top_k: int | None = Field(None, ge=1, description="Top-k filter (sample only).")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus filter (sample only).")
+    num_beams: int = Field(4, ge=2, description="Beams (beam only).")
+    max_new_tokens: int = Field(48, ge=1, description="Longest generation.")
+
+
+def _default_sampling() -> list[SamplingConfig]:
+    return [
+        SamplingConfig(name="greedy", strategy="greedy"),
+        SamplingConfig(name="beam4", strategy="beam", num_beams=4),
+        SamplingConfig(name="t0.7-top_p0.9", strategy="sample", temperature=0.7, top_p=0.9),
+        SamplingConfig(name="t1.0-top_k20", strategy="sample", temperature=1.0, top_k=20),
+    ]

@@ -1,0 +1,35 @@
+"""What the online-RL kinds (PPO, GRPO) share for the memory estimate."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from posttrain.config.sections import OnlineRLConfig
+from posttrain.kinds._kind import MemoryInputs
+
+
+def rollout_memory(section: OnlineRLConfig, m: MemoryInputs, critic: bool) -> Any:
+    """Policy, reference and frozen reward model (+ PPO's trainable value copy of the reward
+    model), with generation rows and the response-only logits of an update."""
+    from posttrain.memory.estimate import StageShape
+
+    adapters = (m.policy, m.reference, m.reward_model)
+    if critic:
+        adapters += (replace(m.reward_model, role="value", trainable=True),)
+    r = section.rollout
+    rows = r.generation_batch_size or max(1, r.prompts_per_step // m.world) * r.samples_per_prompt
+    prompt = section.data.max_prompt_len
+    return StageShape(
+        "rl",
+        seq_len=prompt + r.max_new_tokens,
+        adapters=adapters,
+        score_head="frozen",
+        value_head=critic,
+        logit_positions=r.max_new_tokens,
+        rollout_rows=rows,
+        prompt_len=prompt,
+        new_tokens=r.max_new_tokens,
+        keep_gathered=r.keep_gathered,
+        **m.common,
+    )

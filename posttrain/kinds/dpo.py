@@ -1,0 +1,56 @@
+"""dpo: DPO-family preference tuning (sigmoid, IPO, robust, hinge, SimPO) against a frozen
+reference adapter."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from posttrain.config.sections import PreferenceDataConfig, TemplateGuard, TrainingSection
+from posttrain.kinds._kind import MemoryInputs, StageKind
+
+
+class DPOConfig(TrainingSection, TemplateGuard):
+    data: PreferenceDataConfig = Field(description="Preference pairs.")
+    loss: Literal["sigmoid", "ipo", "robust", "hinge", "simpo"] = Field(
+        "sigmoid",
+        description="Preference loss: sigmoid (DPO), ipo, robust (label-smoothing "
+        "unbiased), hinge (SLiC), simpo (reference-free, length-normalised).",
+    )
+    beta: float = Field(0.1, gt=0, description="Strength of the implicit KL constraint.")
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="Assumed preference-label noise (sigmoid, robust, simpo)."
+    )
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO target reward margin.")
+    sft_weight: float = Field(
+        0.0, ge=0, description="Weight of an added NLL term on the chosen response."
+    )
+    precompute_reference: bool = Field(
+        False,
+        description="Compute reference log-probs once, store them as an artifact keyed by "
+        "reference, data, template and max length, and reuse them across runs.",
+    )
+
+
+def _memory(section: DPOConfig, m: MemoryInputs) -> Any:
+    from posttrain.memory.estimate import StageShape
+
+    return StageShape(
+        "pairs", seq_len=section.data.max_seq_len, adapters=(m.policy, m.reference), **m.common
+    )
+
+
+KIND = StageKind(
+    name="dpo",
+    section=DPOConfig,
+    module="posttrain.stages.dpo",
+    help="DPO-family preference tuning against a reference policy.",
+    order=30,
+    produces="policy",
+    consumes=("policy", "reference"),
+    data="pairs",
+    trains=True,
+    distributed=True,
+    memory=_memory,
+)

@@ -1,0 +1,70 @@
+"""evaluate: scores the final policy against its parent and the base (held-out loss, exact
+match, samples, decode speed, reward-model accuracy and win-rate), and any listed policies side
+by side."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from posttrain.config.run_sections import _Section
+from posttrain.config.sections import SamplingConfig
+from posttrain.kinds._kind import StageKind
+
+
+def _default_sampling() -> list[SamplingConfig]:
+    return [
+        SamplingConfig(name="greedy", strategy="greedy"),
+        SamplingConfig(name="beam4", strategy="beam", num_beams=4),
+        SamplingConfig(name="t0.7-top_p0.9", strategy="sample", temperature=0.7, top_p=0.9),
+        SamplingConfig(name="t1.0-top_k20", strategy="sample", temperature=1.0, top_k=20),
+    ]
+
+
+class EvaluateConfig(_Section):
+    max_eval_rows: int = Field(256, ge=1, description="Held-out rows scored for loss/perplexity.")
+    batch_size: int = Field(16, ge=1, description="Rows per forward pass when scoring.")
+    num_prompts: int = Field(8, ge=1, description="Held-out prompts to generate from.")
+    sampling: list[SamplingConfig] = Field(
+        default_factory=_default_sampling, description="Decoding settings to sample under."
+    )
+    inference_prompt_tokens: int = Field(64, ge=1, description="Prompt length for latency figures.")
+    inference_new_tokens: int = Field(32, ge=1, description="Generated tokens for latency figures.")
+    inference_repeats: int = Field(3, ge=1, description="Timed repeats (median is reported).")
+    win_rate_prompts: int = Field(
+        64,
+        ge=1,
+        description="Held-out prompts of the final policy's stage on which its answers are "
+        "judged against its parent's (and each compared policy's against its parent's) by the "
+        "reward model, when the run has one; also how many held-out reward prompts the "
+        "promotion gate's head-to-head against the champion uses.",
+    )
+    policies: list[str] = Field(
+        default_factory=list,
+        description="Policy stages (by name) to score side by side in the report, each against "
+        "its parent (held-out loss, exact match, reward-model win-rate): e.g. `[sft, dpo, grpo]` "
+        "shows each link's gain. Empty = the final policy only (against its parent and the base).",
+    )
+    win_rate_sampling: SamplingConfig = Field(
+        default_factory=lambda: SamplingConfig(name="win-rate", strategy="greedy"),
+        description="Decoding used for the win-rate and head-to-head generations.",
+    )
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> EvaluateConfig:
+        names = [s.name for s in self.sampling]
+        if len(names) != len(set(names)):
+            raise ValueError(f"sampling names must be unique, got {names}")
+        return self
+
+
+KIND = StageKind(
+    name="evaluate",
+    section=EvaluateConfig,
+    module="posttrain.stages.evaluate",
+    help="Evaluation of the final policy (and `policies`).",
+    order=900,
+    produces="evaluation",
+    consumes=("policy",),
+    placement="last",
+    timeout_s=3600,
+)

@@ -1,0 +1,40 @@
+"""export: merges the shipped policy's adapter into the base and checks the reloaded model."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from posttrain.config.run_sections import _Section
+from posttrain.kinds._kind import StageKind
+
+
+class ExportConfig(_Section):
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="Saved weight dtype; `auto` keeps the base checkpoint's dtype."
+    )
+    logits_atol: float = Field(
+        1e-4,
+        gt=0,
+        description="Max |logit difference| allowed between the reloaded export and "
+        "base+adapter (fp32); scaled up for half-precision exports.",
+    )
+    policy: str | None = Field(
+        None,
+        description="The policy stage (by name) to merge and ship; default the final policy "
+        "(the last policy stage of the graph).",
+    )
+
+
+KIND = StageKind(
+    name="export",
+    section=ExportConfig,
+    module="posttrain.stages.export",
+    help="Merged export of the shipped policy.",
+    order=910,
+    produces="export",
+    consumes=("policy",),
+    placement="last",
+    timeout_s=3600,
+)

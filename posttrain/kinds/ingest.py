@@ -1,0 +1,192 @@
+"""ingest: the base checkpoint (a local folder or hub id, checked and recorded), or a tiny
+model built from a config with a trained tokenizer."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from posttrain.config.run_sections import _Section
+from posttrain.kinds._kind import StageKind
+
+# Real models' shapes for `ingest.from_config.shape`: random-init stand-ins with the exact width,
+# depth, heads and vocabulary of a public checkpoint (its config.json), for memory and throughput
+# checks where the hub is out of reach. `vocab_size` is the tokenizer's size, `embedding_rows`
+# the model's (Qwen pads its embedding past the tokenizer).
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": {
+        "architecture": "qwen2",
+        "hidden_size": 896,
+        "num_layers": 24,
+        "num_heads": 14,
+        "num_kv_heads": 2,
+        "intermediate_size": 4864,
+        "vocab_size": 151_665,
+        "embedding_rows": 151_936,
+        "max_position_embeddings": 32_768,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-1.5b": {
+        "architecture": "qwen2",
+        "hidden_size": 1536,
+        "num_layers": 28,
+        "num_heads": 12,
+        "num_kv_heads": 2,
+        "intermediate_size": 8960,
+        "vocab_size": 151_665,
+        "embedding_rows": 151_936,
+        "max_position_embeddings": 32_768,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-7b": {
+        "architecture": "qwen2",
+        "hidden_size": 3584,
+        "num_layers": 28,
+        "num_heads": 28,
+        "num_kv_heads": 4,
+        "intermediate_size": 18_944,
+        "vocab_size": 151_665,
+        "embedding_rows": 152_064,
+        "max_position_embeddings": 32_768,
+        "tie_word_embeddings": False,
+    },
+    "llama3.1-8b": {
+        "architecture": "llama",
+        "hidden_size": 4096,
+        "num_layers": 32,
+        "num_heads": 32,
+        "num_kv_heads": 8,
+        "intermediate_size": 14_336,
+        "vocab_size": 128_256,
+        "embedding_rows": 128_256,
+        "max_position_embeddings": 131_072,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+class FromConfigModel(_Section):
+    shape: Literal["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama3.1-8b"] | None = Field(
+        None,
+        description="A public model's exact shape (width, depth, heads, vocabulary) as the "
+        "default for every model field not set here; the BPE is filled to the real vocabulary "
+        "size. Set `num_layers`/`hidden_size`... to shrink it (e.g. the real 151,936-row "
+        "vocabulary on a 2-block model).",
+    )
+    architecture: Literal["llama", "qwen2"] = Field(
+        "llama", description="transformers model family."
+    )
+    hidden_size: int = Field(128, ge=8, description="Model width.")
+    num_layers: int = Field(4, ge=1, description="Decoder blocks.")
+    num_heads: int = Field(4, ge=1, description="Attention heads.")
+    num_kv_heads: int | None = Field(None, ge=1, description="KV heads (GQA); default = num_heads.")
+    intermediate_size: int = Field(256, ge=8, description="MLP width.")
+    vocab_size: int = Field(2048, ge=300, description="BPE vocabulary size to train.")
+    max_position_embeddings: int = Field(
+        512, ge=16, description="Longest sequence the model takes."
+    )
+    embedding_rows: int | None = Field(
+        None,
+        ge=300,
+        description="Rows of the model's embedding and LM head (config.vocab_size); default the "
+        "tokenizer's size. Real checkpoints pad it (Qwen2.5: 151,936 rows, 151,665 tokens).",
+    )
+    fill_vocab: bool = Field(
+        False,
+        description="Extend the trained BPE with merges of its own tokens to exactly `vocab_size` "
+        "tokens, for a real-size vocabulary from a small corpus (on by default with `shape`).",
+    )
+    tie_word_embeddings: bool = Field(True, description="Share input embedding and LM head.")
+    pretrain_steps: int = Field(
+        0,
+        ge=0,
+        description="Causal-LM warm-up steps on the synthetic corpus, so LoRA has a "
+        "non-random base to adapt (0 = random init).",
+    )
+    pretrain_lr: float = Field(3e-3, gt=0, description="Warm-up learning rate.")
+    pretrain_batch_size: int = Field(16, ge=1, description="Warm-up sequences per step.")
+    pretrain_seq_len: int = Field(128, ge=8, description="Warm-up sequence length.")
+    corpus_examples: int = Field(
+        4000, ge=100, description="Synthetic examples used to train the tokenizer and warm-up."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shape_defaults(cls, data: Any) -> Any:
+        # The shape fills only what the recipe leaves out, so `num_layers: 2` shrinks it.
+        if isinstance(data, dict) and data.get("shape") in MODEL_SHAPES:
+            data = {**MODEL_SHAPES[data["shape"]], "fill_vocab": True, **data}
+        return data
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> FromConfigModel:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
+            )
+        kv = self.num_kv_heads or self.num_heads
+        if self.num_heads % kv:
+            raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {kv}")
+        if self.embedding_rows is not None and self.embedding_rows < self.vocab_size:
+            raise ValueError(
+                f"embedding_rows {self.embedding_rows} is smaller than vocab_size "
+                f"{self.vocab_size}: every token needs an embedding row"
+            )
+        return self
+
+
+class IngestConfig(_Section):
+    source: Literal["path", "from_config"] = Field(
+        "path",
+        description="`path`: a local Hugging Face folder or a hub id. `from_config`: build a "
+        "small random-init model and train a BPE tokenizer offline (quickstart, tests).",
+    )
+    path: str | None = Field(
+        None,
+        description="Local model folder (config, weights, tokenizer), or a hub id `org/name` "
+        "(anything that is not an existing local path), read from the huggingface_hub cache "
+        "(downloaded first unless HF_HUB_OFFLINE=1).",
+    )
+    revision: str = Field(
+        "main",
+        min_length=1,
+        description="Hub ids only: branch, tag or commit sha. The commit it resolves to is "
+        "part of the fingerprint and the manifest.",
+    )
+    allow_pickle: bool = Field(
+        False, description="Accept pickle weights (*.bin, *.pt). Pickle can run code when loaded."
+    )
+    trust_remote_code: bool = Field(
+        False, description="Accept models whose config needs custom code from the folder."
+    )
+    chat_template: str | None = Field(
+        None,
+        description="Jinja chat template to install, as text or the path of a file holding "
+        "it (e.g. `templates/qwen3.jinja`). Required when the tokenizer has none; replaces the "
+        "tokenizer's own when given.",
+    )
+    from_config: FromConfigModel = Field(
+        default_factory=FromConfigModel, description="Model to build when source = from_config."
+    )
+
+    @model_validator(mode="after")
+    def _path_given(self) -> IngestConfig:
+        if self.source == "path" and not self.path:
+            raise ValueError(
+                "source 'path' needs ingest.path (a local Hugging Face model folder or a hub id)"
+            )
+        return self
+
+
+KIND = StageKind(
+    name="ingest",
+    section=IngestConfig,
+    module="posttrain.stages.ingest",
+    help="Base checkpoint.",
+    order=0,
+    produces="base",
+    version="2",
+    placement="first",
+    timeout_s=1800,
+)

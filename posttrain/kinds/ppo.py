@@ -1,0 +1,39 @@
+"""ppo: PPO with a value head against a reward model, KL to a reference policy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from posttrain.config.sections import OnlineRLConfig
+from posttrain.kinds._kind import MemoryInputs, StageKind
+from posttrain.kinds._online import rollout_memory
+
+
+class PPOConfig(OnlineRLConfig):
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    value_clip: float = Field(0.2, gt=0, description="Value clip around the rollout's values.")
+    vf_coef: float = Field(0.1, ge=0, description="Value-loss weight.")
+    whiten_advantages: bool = Field(True, description="Normalise advantages over the rollout.")
+
+
+def _memory(section: PPOConfig, m: MemoryInputs) -> Any:
+    return rollout_memory(section, m, critic=True)
+
+
+KIND = StageKind(
+    name="ppo",
+    section=PPOConfig,
+    module="posttrain.stages.ppo",
+    help="PPO against a reward model (needs one: `reward_model`).",
+    order=40,
+    produces="policy",
+    consumes=("policy", "reference", "reward_model"),
+    data="prompts",
+    trains=True,
+    distributed=True,
+    rank_dependent=True,
+    memory=_memory,
+)

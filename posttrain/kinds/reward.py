@@ -1,0 +1,63 @@
+"""reward: a Bradley-Terry reward model (LoRA + score head on the base) on preference pairs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from pydantic import Field
+
+from posttrain.config.sections import (
+    LoraConfig,
+    PreferenceDataConfig,
+    TemplateGuard,
+    TrainingSection,
+)
+from posttrain.kinds._kind import MemoryInputs, StageKind
+
+
+class RewardConfig(TrainingSection, TemplateGuard):
+    data: PreferenceDataConfig = Field(description="Preference pairs.")
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig, description="Adapter shape (the score head is trained in full)."
+    )
+    margin: float = Field(
+        0.0,
+        description="Bradley-Terry margin: loss = -log sigmoid(r_chosen - r_rejected - margin).",
+    )
+    min_accuracy: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Quality gate: held-out pair accuracy below this stops the "
+        "pipeline before any RL stage.",
+    )
+
+
+def _memory(section: RewardConfig, m: MemoryInputs) -> Any:
+    from posttrain.memory.estimate import StageShape
+
+    own = replace(m.reward_model, role="reward", trainable=True)
+    return StageShape(
+        "score",
+        seq_len=section.data.max_seq_len,
+        adapters=(own,),
+        score_head="trainable",
+        **m.common,
+    )
+
+
+KIND = StageKind(
+    name="reward",
+    section=RewardConfig,
+    module="posttrain.stages.reward",
+    help="Reward model (its weights start from the base; `from` names the policy whose chat "
+    "template it must share).",
+    order=20,
+    produces="reward_model",
+    consumes=("policy",),
+    data="pairs",
+    trains=True,
+    distributed=True,
+    memory=_memory,
+)

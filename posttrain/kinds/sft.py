@@ -1,0 +1,45 @@
+"""sft: LoRA supervised fine-tuning on conversations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from posttrain.config.sections import DataConfig, LoraConfig, TrainingSection
+from posttrain.kinds._kind import MemoryInputs, StageKind
+
+
+class SFTConfig(TrainingSection):
+    data: DataConfig = Field(description="Training data.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="Adapter shape.")
+    packing: bool = Field(
+        False,
+        description="Concatenate short rows into full max_seq_len sequences (position ids "
+        "restart per row; attention across rows is not masked, as in most packers).",
+    )
+    eval_every: int = Field(
+        0, ge=0, description="Held-out loss every N steps (0 = only at the end)."
+    )
+
+
+def _memory(section: SFTConfig, m: MemoryInputs) -> Any:
+    from posttrain.memory.estimate import StageShape
+
+    return StageShape("lm", seq_len=section.data.max_seq_len, adapters=(m.policy,), **m.common)
+
+
+KIND = StageKind(
+    name="sft",
+    section=SFTConfig,
+    module="posttrain.stages.sft",
+    help="LoRA supervised fine-tuning; from the base (a new adapter) or a policy (continues it).",
+    order=10,
+    produces="policy",
+    consumes=("policy",),
+    data="messages",
+    trains=True,
+    distributed=True,
+    new_adapter_from_base=True,
+    memory=_memory,
+)
