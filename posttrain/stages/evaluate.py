@@ -97,6 +97,7 @@ def preference_metrics(
             ctx.recipe.dpo.beta,
             cfg.batch_size,
             ctx.recipe.infra.logits_chunk_tokens,
+            loss=ctx.recipe.dpo.loss,
         )
         log.info("DPO implicit-reward held-out accuracy %.3f", out["dpo_implicit"]["accuracy"])
     tuned = policy_stage(ctx.parents)
