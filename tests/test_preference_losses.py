@@ -9,6 +9,7 @@ from posttrain.train.preference_losses import (
     PREFERENCE_LOSSES,
     REFERENCE_FREE,
     hinge_loss,
+    implicit_rewards,
     ipo_loss,
     loss_hyperparameters,
     nll_term,
@@ -117,6 +118,37 @@ def test_simpo_by_hand() -> None:
     assert smooth.item() == pytest.approx(0.9 * math.log(4 / 3) + 0.1 * math.log(4), abs=1e-6)
 
 
+@pytest.mark.parametrize("name", ["sigmoid", "robust", "ipo", "hinge"])
+def test_implicit_rewards_of_the_dpo_family_by_hand(name: str) -> None:
+    # beta = 0.5: chosen -3 vs ref -4 -> 0.5 * 1 = 0.5; rejected -7 vs ref -5 -> 0.5 * -2 = -1.
+    # Summed log-probs: the lengths (3 and 30 tokens) change nothing.
+    r = implicit_rewards(t(-3.0, -7.0), t(-4.0, -5.0), t(3.0, 30.0), beta=0.5, loss=name)
+    assert r.dtype == torch.float32 and not r.requires_grad
+    assert r.tolist() == pytest.approx([0.5, -1.0], abs=1e-6)
+
+
+def test_implicit_rewards_of_simpo_by_hand() -> None:
+    # beta = 2: -6 over 3 tokens -> 2 * -2 = -4; -12 over 4 tokens -> 2 * -3 = -6. No
+    # reference: passing one changes nothing. The DPO-family reward of the same numbers with a
+    # zero reference would be 2 * -6 = -12 and 2 * -12 = -24: a 12-nat margin, not 2.
+    pc, lengths = t(-6.0, -12.0), t(3.0, 4.0)
+    r = implicit_rewards(pc, None, lengths, beta=2.0, loss="simpo")
+    assert r.tolist() == pytest.approx([-4.0, -6.0], abs=1e-6)
+    with_ref = implicit_rewards(pc, t(-1.0, -1.0), lengths, beta=2.0, loss="simpo")
+    assert with_ref.tolist() == r.tolist()
+    dpo = implicit_rewards(pc, t(0.0, 0.0), lengths, beta=2.0, loss="sigmoid")
+    assert dpo.tolist() == pytest.approx([-12.0, -24.0], abs=1e-6)
+
+
+def test_implicit_rewards_upcast_and_name_the_known_losses() -> None:
+    # bf16 log-probs 256 nats apart from the reference: the difference is taken in fp32.
+    pc, ref = torch.tensor([-1000.0]).bfloat16(), torch.tensor([-744.0]).bfloat16()
+    r = implicit_rewards(pc, ref, None, beta=0.1, loss="sigmoid")
+    assert r.dtype == torch.float32 and r.item() == pytest.approx(-25.6, abs=1e-4)
+    with pytest.raises(ValueError, match="unknown preference loss 'dpo'; known: hinge, ipo"):
+        implicit_rewards(pc, ref, None, beta=0.1, loss="dpo")
+
+
 def test_nll_term_is_mean_per_token_nll() -> None:
     # -(-6)/3 = 2 and -(-2)/1 = 2 -> mean 2; -(-3)/1 = 3 -> mean (2 + 3) / 2 = 2.5.
     assert nll_term(t(-6.0, -2.0), t(3.0, 1.0)).item() == pytest.approx(2.0)
@@ -171,6 +203,18 @@ def test_raising_chosen_lowers_the_loss(name: str) -> None:
     assert losses.shape == (2,) and torch.isfinite(losses).all()
     losses.mean().backward()
     assert (pc.grad < 0).all() and (pr.grad > 0).all(), (pc.grad, pr.grad)
+
+
+@pytest.mark.parametrize("name", sorted(PREFERENCE_LOSSES))
+def test_each_loss_returns_its_implicit_rewards(name: str) -> None:
+    # The per-step training metrics read the loss's rewards, the held-out ones implicit_rewards:
+    # the same numbers, exactly, for every loss.
+    pc, pr, rc, rr = t(-3.0, -8.0), t(-6.0, -2.0), t(-4.0, -9.0), t(-5.0, -1.0)
+    lc, lr = t(2.0, 5.0), t(3.0, 1.0)
+    hp = HPARAMS[name]
+    _, chosen, rejected = preference_loss(name, **hp)(pc, pr, rc, rr, lc, lr)
+    assert torch.equal(chosen, implicit_rewards(pc, rc, lc, beta=hp["beta"], loss=name))
+    assert torch.equal(rejected, implicit_rewards(pr, rr, lr, beta=hp["beta"], loss=name))
 
 
 def test_half_precision_inputs_are_upcast() -> None:

@@ -17,6 +17,7 @@ from posttrain.models.adapters import active_adapter
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.models.reward import pair_batch, pair_scores, score_sequences
 from posttrain.train.chunked import forward_sequence_logps
+from posttrain.train.preference_losses import REFERENCE_FREE, implicit_rewards
 
 
 def _batches(pairs: list[dict], size: int):
@@ -49,19 +50,26 @@ def implicit_reward_accuracy(
     beta: float,
     batch_size: int,
     chunk_tokens: int = 0,
+    *,
+    loss: str,
 ) -> dict[str, float]:
-    """DPO's implicit reward beta * (log pi - log ref) on held-out pairs: accuracy (chosen
-    strictly above rejected) and mean margin. `policy`/`reference` are adapter names on one
-    PeftModel; `chunk_tokens` per pass through the LM head (0 = full logits)."""
+    """The implicit reward of preference loss `loss` (`implicit_rewards`: beta * (log pi -
+    log ref) for the DPO family, beta * log pi / length for SimPO) on held-out pairs: accuracy
+    (chosen strictly above rejected) and mean margin, as the DPO stage's held-out metrics
+    compute them. `policy`/`reference` are adapter names on one PeftModel (the reference is
+    not run for a reference-free loss); `chunk_tokens` per pass through the LM head (0 = full
+    logits)."""
     device = next(model.parameters()).device
+    adapters = (policy,) if loss in REFERENCE_FREE else (policy, reference)
     correct = margin = 0.0
     for chunk in _batches(pairs, batch_size):
         b = {k: v.to(device) for k, v in pair_batch(chunk, pad_id).items()}
-        out = {}
-        for name in (policy, reference):
+        logps: dict[str, torch.Tensor] = {}
+        for name in adapters:
             with active_adapter(model, name):
-                out[name] = forward_sequence_logps(model, b, chunk_tokens)[0]
-        r = beta * (out[policy] - out[reference])  # [2B]: chosen rows, then rejected
+                logps[name], lengths = forward_sequence_logps(model, b, chunk_tokens)
+        # [2B]: chosen rows, then rejected
+        r = implicit_rewards(logps[policy], logps.get(reference), lengths, beta=beta, loss=loss)
         half = r.size(0) // 2
         correct += (r[:half] > r[half:]).sum().item()
         margin += (r[:half] - r[half:]).sum().item()

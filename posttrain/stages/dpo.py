@@ -41,6 +41,7 @@ from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.chunked import forward_sequence_logps
 from posttrain.train.preference_losses import (
     REFERENCE_FREE,
+    implicit_rewards,
     loss_hyperparameters,
     nll_term,
     preference_loss,
@@ -166,9 +167,15 @@ def heldout_preferences(
     rank: int,
     world: int,
     chunk_tokens: int = 0,
+    *,
+    loss: str,
+    beta: float,
 ) -> dict[str, float]:
-    """Implicit-reward accuracy, margin and loss on held-out pairs (reference computed online)."""
+    """Implicit-reward accuracy and margin (`implicit_rewards` of loss `loss`, as evaluate
+    computes them) and the mean loss on held-out pairs. The reference runs online, and not at
+    all for a reference-free loss."""
     model.eval()
+    needs_ref = loss not in REFERENCE_FREE
     s = {"n": 0.0, "correct": 0.0, "margin": 0.0, "loss": 0.0}
     for idx in rank_batches(len(pairs), rank, world, batch_size):
         heartbeat.beat(phase="eval")
@@ -176,9 +183,13 @@ def heldout_preferences(
         w = 1.0 if idx else 0.0
         batch = {k: v.to(device) for k, v in pair_batch(chunk, pad_id).items()}
         pc, pr, lc, lr_ = pair_logps(model, batch, chunk_tokens)
-        with active_adapter(model, REFERENCE):
-            rc, rr, _, _ = pair_logps(model, batch, chunk_tokens)
-        losses, cr, rj = loss_fn(pc, pr, rc, rr, lc, lr_)
+        rc = rr = None
+        if needs_ref:
+            with active_adapter(model, REFERENCE):
+                rc, rr, _, _ = pair_logps(model, batch, chunk_tokens)
+        losses = loss_fn(pc, pr, rc, rr, lc, lr_)[0]
+        cr = implicit_rewards(pc, rc, lc, beta=beta, loss=loss)
+        rj = implicit_rewards(pr, rr, lr_, beta=beta, loss=loss)
         s["n"] += w * len(losses)
         s["correct"] += w * (cr > rj).sum().item()
         s["margin"] += w * (cr - rj).sum().item()
@@ -245,11 +256,25 @@ def run(ctx: StageContext) -> dict[str, Any]:
             ctx, model, data.train, key, tok.pad_token_id, eval_bs
         )
         log.info("reference log-probs: cache %s (%s)", ref_cache, key)
+
+    def heldout() -> dict[str, float]:
+        return heldout_preferences(
+            model,
+            data.eval,
+            loss_fn,
+            tok.pad_token_id,
+            eval_bs,
+            device,
+            rank,
+            world,
+            chunk_tokens,
+            loss=cfg.loss,
+            beta=cfg.beta,
+        )
+
     first = None
     if tr.start_step == 0:
-        first = heldout_preferences(
-            model, data.eval, loss_fn, tok.pad_token_id, eval_bs, device, rank, world, chunk_tokens
-        )
+        first = heldout()
         tr.metrics.write("eval", step=0, **{f"eval_{k}": v for k, v in first.items()})
         log.info(
             "held-out preference accuracy at step 0 (policy = reference): %.3f", first["accuracy"]
@@ -337,9 +362,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
             )
         tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints)
 
-    final = heldout_preferences(
-        model, data.eval, loss_fn, tok.pad_token_id, eval_bs, device, rank, world, chunk_tokens
-    )
+    final = heldout()
     tr.metrics.write("eval", step=total_steps, **{f"eval_{k}": v for k, v in final.items()})
     log.info("held-out preference accuracy %.3f, margin %.3f", final["accuracy"], final["margin"])
     save_adapter(model, ctx, selected_adapters=["default"])

@@ -55,6 +55,40 @@ def _logratio_margin(
     return chosen - rejected, chosen, rejected
 
 
+def implicit_rewards(
+    policy_logps: torch.Tensor,
+    ref_logps: torch.Tensor | None,
+    lengths: torch.Tensor | None,
+    *,
+    beta: float,
+    loss: str,
+) -> torch.Tensor:
+    """The reward that loss `loss` implicitly gives each response, for held-out metrics: the
+    DPO stage's held-out accuracy and margin and evaluate's implicit-reward accuracy both read
+    it, so they cannot disagree (each loss below returns the same values for its pairs; a test
+    holds them to it).
+
+        reference-based losses (sigmoid, robust, ipo, hinge):
+            r = beta * (log pi(y|x) - log ref(y|x))      log-probs summed over the response
+        reference-free losses (REFERENCE_FREE: simpo):
+            r = beta * log pi(y|x) / |y|                 per-token average, no reference
+
+    policy_logps [N]; ref_logps [N], or None for a reference-free loss; lengths [N] response
+    tokens (>= 1), read by reference-free losses only. Returns [N] float32, detached; accuracy
+    is mean(r_chosen > r_rejected), margin mean(r_chosen - r_rejected).
+    """
+    if loss not in PREFERENCE_LOSSES:
+        raise _unknown(loss)
+    if loss in REFERENCE_FREE:
+        assert lengths is not None, f"the {loss} reward is length-normalised: pass lengths"
+        rewards = beta * policy_logps.float() / lengths.float()
+    else:
+        assert ref_logps is not None, f"the {loss} reward is a log-ratio: pass ref_logps"
+        # Upcast before the difference, as in _logratio_margin.
+        rewards = beta * (policy_logps.float() - ref_logps.float())
+    return rewards.detach()
+
+
 def _smoothed_sigmoid(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
     # The expected logistic loss when each preference label is flipped with probability eps.
     return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing

@@ -1,0 +1,350 @@
+"""The run's stage graph as one PNG for the run report: which stage fed which, and how each ended.
+
+A recipe is becoming a graph of stages (several of one kind, branches such as reward ‖ sft,
+chains such as sft -> dpo -> grpo). `draw_stage_graph(nodes, path)` draws it left to right:
+
+- Layers by LONGEST path from the roots, so every edge points right and a stage sits just after
+  its latest input (dpo after both sft and reward, not beside sft). Within a layer, nodes are
+  ordered by the mean position of their parents (one barycentre pass), which removes most edge
+  crossings in graphs of this size without a layout library.
+- A box per stage, coloured by status (legend below the graph): name, kind when it differs from
+  the name, status, and up to three headline metrics.
+- An arrow per (parent, child) pair; the roles it carries are written on it when one of them is
+  not the obvious `base`/`policy` (a DPO stage reading sft as policy AND reference says so). An
+  arrow that skips layers takes a waypoint row in each layer it crosses, so it runs between the
+  boxes there, not through them.
+- A parent named by an input but absent from the list (a reused artifact from another run, a
+  stage the plan dropped) is drawn as a dashed stub instead of failing the report.
+
+Pure library code, no Prefect, no graph library (layering 15 nodes is a few lines; graphviz
+would need its system binary on every worker). matplotlib is imported inside the drawing
+function and used through its object API (`Figure` renders with Agg), as in `plots.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STATUS_COLOURS = {
+    "ran": "#b7e1b0",
+    "cached": "#b9d3ee",
+    "failed": "#f4a6a6",
+    "skipped": "#dcdcdc",
+    "pending": "#fff3c4",
+}
+STUB_COLOUR = "#ffffff"
+# Roles every reader expects on an edge; anything else (reference, reward_model, evaluated...)
+# is written on the arrow.
+OBVIOUS_ROLES = frozenset({"base", "policy"})
+MAX_METRICS = 3
+
+# Layout in inches (the figure is drawn at DPI): a box, and the pitch between layers / rows.
+BOX_W, BOX_H = 2.3, 1.25
+COL_PITCH, ROW_PITCH = 3.3, 1.65
+MARGIN = 0.4
+LEGEND_H = 0.55
+MIN_WIDTH = 6.0  # the legend's one row of six entries
+DPI = 100
+
+
+@dataclass(frozen=True)
+class GraphNode:
+    """One stage of a run. `inputs` maps a role (base, policy, reference, reward_model,
+    evaluated...) to the name of the parent node that fills it; `headline` holds the few
+    numbers that say how the stage went (shown in order, first three)."""
+
+    name: str
+    kind: str
+    status: str
+    inputs: Mapping[str, str] = field(default_factory=dict)
+    headline: Mapping[str, float] = field(default_factory=dict)
+
+
+def missing_parents(nodes: Sequence[GraphNode]) -> list[str]:
+    """Parents named by some node's inputs but absent from `nodes`, in first-seen order."""
+    names = {n.name for n in nodes}
+    out: list[str] = []
+    for n in nodes:
+        for parent in n.inputs.values():
+            if parent not in names and parent not in out:
+                out.append(parent)
+    return out
+
+
+def _check(nodes: Sequence[GraphNode]) -> None:
+    if not nodes:
+        raise ValueError("stage graph: no nodes to draw")
+    seen: set[str] = set()
+    for n in nodes:
+        if n.name in seen:
+            raise ValueError(f"stage graph: node {n.name!r} appears twice")
+        seen.add(n.name)
+        if n.status not in STATUS_COLOURS:
+            raise ValueError(
+                f"stage graph: node {n.name!r} has status {n.status!r}; "
+                f"known: {', '.join(STATUS_COLOURS)}"
+            )
+
+
+def _parents(nodes: Sequence[GraphNode]) -> dict[str, list[str]]:
+    """node name -> its distinct parents (stubs included, as roots), in input order."""
+    out: dict[str, list[str]] = {stub: [] for stub in missing_parents(nodes)}
+    for n in nodes:
+        out[n.name] = list(dict.fromkeys(n.inputs.values()))
+    return out
+
+
+def layer_of(nodes: Sequence[GraphNode]) -> dict[str, int]:
+    """Layer of every node and every missing-parent stub: 0 for roots, else 1 + the largest
+    layer among its parents (the longest path from a root). Raises ValueError on a cycle,
+    naming the nodes on or behind it."""
+    _check(nodes)
+    parents = _parents(nodes)
+    children: dict[str, list[str]] = {name: [] for name in parents}
+    for child, ps in parents.items():
+        for p in ps:
+            children[p].append(child)
+    # Kahn's algorithm: a node is placed once all its parents are; what is never placed is on
+    # a cycle or downstream of one.
+    waiting = {name: len(ps) for name, ps in parents.items()}
+    layer = {name: 0 for name, k in waiting.items() if k == 0}
+    ready = list(layer)
+    while ready:
+        name = ready.pop()
+        for child in children[name]:
+            layer[child] = max(layer.get(child, 0), layer[name] + 1)
+            waiting[child] -= 1
+            if waiting[child] == 0:
+                ready.append(child)
+    stuck = [name for name in parents if name not in layer or waiting[name] > 0]
+    if stuck:
+        raise ValueError(f"stage graph has a cycle through {', '.join(sorted(stuck))}")
+    # A stub is drawn just before its earliest child, not in layer 0: its edge then spans one
+    # gap instead of crossing the whole graph.
+    for stub in missing_parents(nodes):
+        layer[stub] = min(layer[c] for c in children[stub]) - 1
+    return layer
+
+
+# A waypoint of an edge that skips layers: (parent, child, layer). It takes a row in each layer
+# the edge crosses, so the edge runs between boxes instead of through them (the "dummy nodes"
+# of Sugiyama-style layered drawing).
+Waypoint = tuple[str, str, int]
+
+
+def _columns(nodes: Sequence[GraphNode]) -> list[list[str | Waypoint]]:
+    """Nodes, stubs and waypoints per layer, each layer in drawing order (top to bottom)."""
+    layer = layer_of(nodes)
+    parents = _parents(nodes)  # stubs first, then input order
+    columns: list[list[str | Waypoint]] = [[] for _ in range(max(layer.values()) + 1)]
+    # What each slot hangs from, for ordering: a node's parents, with an edge that skips
+    # layers replaced by its waypoint in the layer just before the node.
+    above: dict[str | Waypoint, list[str | Waypoint]] = {}
+    for name, ps in parents.items():
+        columns[layer[name]].append(name)
+        above[name] = []
+        for p in ps:
+            prev: str | Waypoint = p
+            for k in range(layer[p] + 1, layer[name]):
+                wp = (p, name, k)
+                columns[k].append(wp)
+                above[wp] = [prev]
+                prev = wp
+            above[name].append(prev)
+    # One barycentre pass, left to right: rows are centred per layer, as drawn (row i of n at
+    # i - (n - 1) / 2), and a slot sorts by the mean row of what it hangs from, which sits in
+    # the previous layer and is already placed. A stub (nothing above) goes to the top.
+    row: dict[str | Waypoint, float] = {}
+    for k, col in enumerate(columns):
+        if k:
+            key = {
+                slot: sum(row[p] for p in above[slot]) / len(above[slot])
+                if above[slot]
+                else -math.inf
+                for slot in col
+            }
+            col.sort(key=lambda slot: key[slot])  # stable: ties keep the input order
+        for i, slot in enumerate(col):
+            row[slot] = i - (len(col) - 1) / 2
+    return columns
+
+
+def layers(nodes: Sequence[GraphNode]) -> list[list[str]]:
+    """Node names (stubs included) per layer, left to right, each layer top to bottom. Within
+    a layer, nodes sort by the mean row of their parents (ties keep the input order; stubs
+    first), so a child sits level with what feeds it."""
+    return [[s for s in col if isinstance(s, str)] for col in _columns(nodes)]
+
+
+def _short(value: float) -> str:
+    """A metric in at most ~7 characters: 0.812, 12.3, 1,234, 1.2e+07, nan."""
+    v = float(value)
+    if not math.isfinite(v):
+        return str(v)
+    if v == int(v) and abs(v) < 1e6:
+        return f"{int(v):,}"
+    if 100 <= abs(v) < 1e6:
+        return f"{v:,.0f}"
+    if abs(v) >= 1e6 or abs(v) < 1e-3:
+        return f"{v:.1e}"
+    return f"{v:.3g}"
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _box_text(node: GraphNode) -> tuple[str, str]:
+    """(title line, body lines) of a box."""
+    title = _clip(node.name, 24)
+    lines = []
+    if node.kind != node.name:
+        lines.append(_clip(node.kind, 28))
+    lines.append(node.status)
+    for key, value in list(node.headline.items())[:MAX_METRICS]:
+        lines.append(f"{_clip(key, 18)} {_short(value)}")
+    return title, "\n".join(lines)
+
+
+def _edge_path(points: Sequence[tuple[float, float]]) -> tuple[list, list[int]]:
+    """(vertices, codes) of a smooth edge through `points`: cubic pieces that leave and enter
+    each point horizontally, so the edge ends square on the box and runs straight through a
+    waypoint's slot."""
+    from matplotlib.path import Path as MplPath
+
+    verts, codes = [points[0]], [MplPath.MOVETO]
+    for (xa, ya), (xb, yb) in zip(points[:-1], points[1:], strict=True):
+        half = (xb - xa) / 2
+        verts += [(xa + half, ya), (xb - half, yb), (xb, yb)]
+        codes += [MplPath.CURVE4] * 3
+    return verts, codes
+
+
+def draw_stage_graph(nodes: Sequence[GraphNode], path: str | os.PathLike[str]) -> Path:
+    """Draw the stage graph of `nodes` to the PNG `path` (parent folders created) and return it.
+
+    Raises ValueError for no nodes, a duplicate name, an unknown status or a cycle. A parent
+    missing from `nodes` is drawn as a dashed stub. The image grows with the graph: 3.3 in per
+    layer and 1.65 in per row of the tallest layer (edges that skip layers take a row in each
+    layer they cross), at 100 dpi.
+    """
+    columns = _columns(nodes)
+    by_name = {n.name: n for n in nodes}
+    stubs = set(missing_parents(nodes))
+    tallest = max(len(c) for c in columns)
+    graph_w = (len(columns) - 1) * COL_PITCH + BOX_W
+    width = max(MIN_WIDTH, 2 * MARGIN + graph_w)
+    height = 2 * MARGIN + (tallest - 1) * ROW_PITCH + BOX_H + LEGEND_H
+
+    # Slot centres, in inches from the bottom-left corner: layer k at x, rows spread evenly
+    # around the vertical middle of the graph area (above the legend).
+    mid_y = LEGEND_H + MARGIN + ((tallest - 1) * ROW_PITCH + BOX_H) / 2
+    centre: dict[str | Waypoint, tuple[float, float]] = {}
+    for k, col in enumerate(columns):
+        x = (width - graph_w) / 2 + BOX_W / 2 + k * COL_PITCH
+        for i, slot in enumerate(col):
+            centre[slot] = (x, mid_y + ((len(col) - 1) / 2 - i) * ROW_PITCH)
+
+    from matplotlib.figure import Figure
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
+    from matplotlib.path import Path as MplPath
+
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(0, width)
+    ax.set_ylim(0, height)
+    ax.set_axis_off()
+
+    for name, (x, y) in centre.items():
+        if not isinstance(name, str):
+            continue  # a waypoint: drawn as part of its edge
+        stub = name in stubs
+        ax.add_patch(
+            FancyBboxPatch(
+                (x - BOX_W / 2, y - BOX_H / 2),
+                BOX_W,
+                BOX_H,
+                boxstyle="round,pad=0,rounding_size=0.08",
+                facecolor=STUB_COLOUR if stub else STATUS_COLOURS[by_name[name].status],
+                edgecolor="#777777" if stub else "#333333",
+                linestyle="--" if stub else "-",
+                linewidth=1.0,
+            )
+        )
+        title, body = (_clip(name, 24), "not in this run") if stub else _box_text(by_name[name])
+        top = y + BOX_H / 2 - 0.1
+        ax.text(x, top, title, ha="center", va="top", fontsize=9, fontweight="bold")
+        ax.text(x, top - 0.22, body, ha="center", va="top", fontsize=7.5, linespacing=1.25)
+
+    # One edge per (parent, child), from the parent's right side through the waypoints of the
+    # layers it crosses to the child's left side. Its roles are written on it (on the last
+    # waypoint, or halfway) unless all are obvious.
+    for child in nodes:
+        roles: dict[str, list[str]] = {}
+        for role, parent in child.inputs.items():
+            roles.setdefault(parent, []).append(role)
+        for parent, rs in roles.items():
+            (x0, y0), (x1, y1) = centre[parent], centre[child.name]
+            points = [(x0 + BOX_W / 2, y0)]
+            waypoints = [s for col in columns for s in col if s[:2] == (parent, child.name)]
+            for wp in waypoints:
+                xw, yw = centre[wp]
+                points += [(xw - BOX_W / 2, yw), (xw + BOX_W / 2, yw)]
+            points.append((x1 - BOX_W / 2, y1))
+            verts, codes = _edge_path(points)
+            ax.add_patch(
+                FancyArrowPatch(
+                    path=MplPath(verts, codes),
+                    arrowstyle="-|>",
+                    mutation_scale=12,
+                    linestyle="--" if parent in stubs else "-",
+                    color="#555555",
+                    linewidth=1.0,
+                )
+            )
+            if not set(rs) <= OBVIOUS_ROLES:
+                if waypoints:
+                    lx, ly = centre[waypoints[-1]]
+                else:
+                    lx, ly = (points[0][0] + points[1][0]) / 2, (y0 + y1) / 2
+                ax.text(
+                    lx,
+                    ly,
+                    ", ".join(rs),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="#333333",
+                    bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1},
+                )
+
+    handles = [Patch(facecolor=c, edgecolor="#333333", label=s) for s, c in STATUS_COLOURS.items()]
+    if stubs:
+        handles.append(
+            Patch(facecolor=STUB_COLOUR, edgecolor="#777777", linestyle="--", label="not in run")
+        )
+    ax.legend(
+        handles=handles,
+        loc="lower center",
+        ncol=len(handles),
+        fontsize=7.5,
+        frameon=False,
+        bbox_to_anchor=(0.5, 0.0),
+        handlelength=1.2,
+        columnspacing=1.0,
+    )
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside and renamed, so a report never links a half-written image.
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, format="png", dpi=DPI)
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
