@@ -37,6 +37,7 @@ from posttrain.kinds import KINDS
 from posttrain.planner import PlannedStage, plan, write_spec
 from posttrain.promotion import Decision, comparison_markdown
 from posttrain.secrets import redact, redact_obj
+from posttrain.telemetry.graph_plot import GraphNode, draw_stage_graph
 from posttrain.telemetry.plots import CurvePlot, plot_curves
 
 
@@ -155,7 +156,15 @@ def _record_run(
         plots = plot_curves([(r.stage, Path(r.uri)) for r in records if r.uri], run_dir)
     except Exception as exc:
         get_run_logger().warning("training curves not drawn: %s: %s", type(exc).__name__, exc)
+    graph_png: Path | None = None
+    try:
+        graph_png = draw_stage_graph(graph_nodes(recipe, records), run_dir / "graph.png")
+    except Exception as exc:
+        get_run_logger().warning("stage graph not drawn: %s: %s", type(exc).__name__, exc)
     artifact_report = report
+    if graph_png is not None:  # the Prefect UI cannot fetch files: it gets the path
+        report += f"\n## Stage graph\n\n![stage graph]({graph_png.name})\n"
+        artifact_report += f"\n## Stage graph\n\n- stage graph: `{graph_png}`\n"
     if plots:
         report += "\n" + "\n".join(curves_markdown(plots)) + "\n"
         artifact_report += "\n" + "\n".join(curves_markdown(plots, inline=False)) + "\n"
@@ -195,6 +204,32 @@ def _record_run(
         if promotion is None
         else {"promoted": promotion.promoted, "reason": promotion.reason},
     }
+
+
+def graph_nodes(recipe: Recipe, records: list[StageRecord]) -> list[GraphNode]:
+    """The run's stages for the graph image: each record with its status, inputs and headline,
+    and the stages the run did not reach (after a failure) as pending."""
+    nodes = [
+        GraphNode(
+            r.stage,
+            r.kind or r.stage,
+            "cached" if r.reused_result else ("failed" if r.error else r.status),
+            dict(r.roles),
+            {k: v for k, v in r.headline.items() if isinstance(v, int | float)},
+        )
+        for r in records
+    ]
+    seen = {n.name for n in nodes}
+    graph = recipe.graph()
+    first = [k.name for k in KINDS.values() if k.placement == "first"]
+    last = [k.name for k in KINDS.values() if k.placement == "last"]
+    for name in [*first, *graph.names(), *last]:
+        if name not in seen:
+            links = dict(graph.get(name).links) if name in graph else {}
+            kind = graph.get(name).kind.name if name in graph else name
+            nodes.append(GraphNode(name, kind, "pending", links, {}))
+            seen.add(name)
+    return nodes
 
 
 class QualityGateFailed(RuntimeError):

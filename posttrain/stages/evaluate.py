@@ -139,7 +139,7 @@ def preference_metrics(
             node.section.beta,
             cfg.batch_size,
             ctx.recipe.infra.logits_chunk_tokens,
-            loss=ctx.recipe.dpo.loss,
+            loss=getattr(node.section, "loss", "sigmoid"),
         )
         log.info(
             "%s implicit-reward held-out accuracy %.3f", final, out["dpo_implicit"]["accuracy"]
