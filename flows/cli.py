@@ -312,7 +312,7 @@ def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, er
     import subprocess
     import uuid
 
-    from flows.stage_task import child_env, node_rank, stage_command
+    from flows.stage_launch import child_env, node_rank, stage_command
     from posttrain.artifacts import ref_from_manifest
     from posttrain.planner import write_spec
 

@@ -37,8 +37,8 @@ from prefect.concurrency.sync import concurrency
 from prefect.context import FlowRunContext
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
+from flows.stage_launch import HELD_DEVICE_LOCK
 from flows.stage_output import artifact_key, run_logger
-from flows.stage_task import HELD_DEVICE_LOCK
 from posttrain.config.schema import Recipe
 from posttrain.device_lock import DeviceLock
 

@@ -18,8 +18,8 @@ from typing import Any
 
 from prefect.logging import get_run_logger
 
-from flows.report import StageRecord
-from flows.stage_task import stage_task_for
+from flows.report import StageRecord, export_model_path
+from flows.stage_task import launch, stage_task_for
 from posttrain.artifacts import ArtifactRef, read_manifest, ref_from_manifest
 from posttrain.config.schema import Recipe
 from posttrain.planner import PlannedStage, write_spec
@@ -53,8 +53,6 @@ def promote(recipe: Recipe, run_id: str, records: list[StageRecord]) -> Decision
     """The promotion gate after a completed run: the evaluate headline (and the head-to-head
     against the champion) against the champion's (`posttrain.promotion`); the registry records
     the decision, and the champion when promoted."""
-    from flows.post_train import export_model_path  # flows.post_train imports this module
-
     if not recipe.promotion.enabled:
         return None
     by_stage = {r.stage: r for r in records}
@@ -105,7 +103,7 @@ def head_to_head_vs_champion(
     Skipped, with the reason, when it cannot apply: no reward stage to judge with, no held-out
     reward prompts, or the champion's export folder is gone. Any error while running it is
     caught: the result then blocks promotion, naming the error. `launch` defaults to the
-    `run-stage` Prefect task (flows.post_train.launch), so it needs a flow run.
+    `run-stage` Prefect task (flows.stage_task.launch), so it needs a flow run.
     """
     why = _cannot_run(by_stage, champion)
     if why:
@@ -177,8 +175,6 @@ def _cannot_run(by_stage: dict[str, StageRecord], champion: dict[str, Any]) -> s
 
 
 def _task_launch(recipe: Recipe) -> Launch:
-    from flows.post_train import launch  # flows.post_train imports this module
-
     launcher = stage_task_for(recipe.run.workspace)
     return lambda stage, spec: launch(launcher, stage, spec)
 

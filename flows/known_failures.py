@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from flows.post_train import QualityGateFailed
-from flows.stage_task import StageFailed
+from flows.stage_failures import StageFailed
 
 KNOWN_FAILURES: tuple[type[BaseException], ...] = (StageFailed, QualityGateFailed)
 PREFECT_RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")

@@ -24,13 +24,20 @@ from prefect.logging import get_run_logger
 from flows.devices import device_set_name, ensure_device_limit, hold_devices
 from flows.events import BASE_EVENT, publish_base
 from flows.gate import promote
-from flows.report import StageRecord, curves_markdown, lineage, markdown_report, metrics_table
+from flows.report import (
+    StageRecord,
+    curves_markdown,
+    export_model_path,
+    lineage,
+    markdown_report,
+    metrics_table,
+)
 from flows.schedule import device_slots, run_stages
 from flows.served import check_served
 from flows.stage_output import artifact_key
 from flows.stage_procs import kill_flow_run_processes
-from flows.stage_task import stage_task_for
-from posttrain.artifacts import ArtifactRef, read_manifest, verify
+from flows.stage_task import launch, stage_task_for
+from posttrain.artifacts import ArtifactRef, read_manifest
 from posttrain.config.loader import resolve
 from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS
@@ -59,27 +66,6 @@ def _new_run_id() -> str:
     return f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{suffix}"
 
 
-def launch(
-    launcher: Task[..., dict[str, Any]], stage: PlannedStage, spec: Path
-) -> tuple[str, ArtifactRef]:
-    """Run one stage through the task; returns (status, ref). Raises the stage's error."""
-    state = launcher(stage, spec, return_state=True)
-    outcome = state.result()  # raises StageFailed / StageTimeout when the task failed
-    if state.name == "Cached":
-        ref = ArtifactRef.model_validate(outcome["ref"])
-        ok, why = verify(ref.path)
-        if ok and ref.fingerprint == stage.fingerprint:
-            return "cached", ref
-        # The cache record outlived its files (deleted or edited): rebuild, and overwrite the
-        # record so the next run hits again.
-        get_run_logger().warning(
-            "cached %s artifact is not valid (%s); re-running", stage.name, why
-        )
-        state = launcher.with_options(refresh_cache=True)(stage, spec, return_state=True)
-        outcome = state.result()
-    return outcome["status"], ArtifactRef.model_validate(outcome["ref"])
-
-
 def stage_record(
     stage: PlannedStage, status: str, ref: ArtifactRef, duration_s: float
 ) -> StageRecord:
@@ -104,12 +90,6 @@ def stage_record(
         roles=dict(stage.roles),
         policies=policies if isinstance(policies, dict) else {},
     )
-
-
-def export_model_path(records: list[StageRecord]) -> str | None:
-    """The merged model the export stage wrote (`<export artifact>/model`)."""
-    done = [r for r in records if r.stage == "export" and r.status != "failed" and r.uri]
-    return str(Path(done[-1].uri) / "model") if done else None
 
 
 def record_run(

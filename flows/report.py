@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from posttrain.telemetry.plots import CurvePlot
@@ -291,3 +292,9 @@ def chain_markdown(records: Sequence[StageRecord]) -> list[str]:
         )
         lines.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
     return lines
+
+
+def export_model_path(records: list[StageRecord]) -> str | None:
+    """The merged model the export stage wrote (`<export artifact>/model`)."""
+    done = [r for r in records if r.stage == "export" and r.status != "failed" and r.uri]
+    return str(Path(done[-1].uri) / "model") if done else None

@@ -6,7 +6,7 @@ sealing the other's files in its manifest). With it, the second waits, then find
 artifact complete and reuses it.
 
 Who holds the lock, once per launch:
-  - the flow's launcher (`flows.stage_task.supervise_stage`), around verify + launch + the
+  - the flow's launcher (`flows.stage_supervise.supervise_stage`), around verify + launch + the
     completion check; it tells its stage process so through `LOCK_HELD_ENV`;
   - otherwise the stage process itself (`python -m posttrain.stages.x`, `posttrain launch`):
     rank 0 of node 0 takes it; the other ranks of node 0 wait until the lock's owner record names

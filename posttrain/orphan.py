@@ -43,7 +43,7 @@ from posttrain.locking import LOCK_HELD_ENV, FileLock
 
 LAUNCHER_PID_ENV = "POSTTRAIN_LAUNCHER_PID"
 LAUNCHER_START_ENV = "POSTTRAIN_LAUNCHER_START"
-LAUNCH_ENV_VAR = "POSTTRAIN_LAUNCH_ID"  # set by flows.stage_task: one value per launch
+LAUNCH_ENV_VAR = "POSTTRAIN_LAUNCH_ID"  # set by flows.stage_launch: one value per launch
 POLL_S = 1.0
 EXIT_ORPHANED = 1  # like any stage that did not finish: no manifest, "not done"
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from flows.stage_task import supervise_stage
+from flows.stage_supervise import supervise_stage
 from posttrain.artifacts import read_manifest, stage_dir, verify
 from posttrain.config.loader import validate_recipe
 from posttrain.locking import (

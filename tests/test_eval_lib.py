@@ -25,9 +25,10 @@ from transformers import GenerationConfig
 from posttrain.config.schema import SamplingConfig
 from posttrain.data.batching import pad_batch
 from posttrain.data.chat import IGNORE
-from posttrain.eval.generation import generate, generate_kwargs
+from posttrain.eval.generation import generate
 from posttrain.eval.heldout import heldout_loss
 from posttrain.eval.inference import compare_cache_modes, greedy_decode, measure_inference
+from posttrain.models.decoding import generate_kwargs
 from posttrain.models.lora import apply_lora
 
 GREEDY = SamplingConfig(name="greedy", strategy="greedy", max_new_tokens=12)

@@ -20,7 +20,7 @@ from stage_modules import write_stage_modules
 
 import posttrain.planner
 from flows.post_train import post_train
-from flows.stage_task import StageFailed
+from flows.stage_failures import StageFailed
 from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS
 

@@ -405,7 +405,9 @@ def _dead(pid: int) -> bool:
 def test_hung_rank_is_dumped_killed_and_named(
     tmp_path: Path, beat_modules: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flows.stage_task import StageFailed, StageHung, run_stage
+    from flows.stage_failures import StageFailed
+    from flows.stage_hang import StageHung
+    from flows.stage_task import run_stage
 
     monkeypatch.setenv("PT_PIDS_FILE", str(tmp_path / "pids"))
     hang_s = 4.0

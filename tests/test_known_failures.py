@@ -10,7 +10,7 @@ import pytest
 
 from flows.known_failures import DropKnownTracebacks, quiet_known_failures
 from flows.post_train import QualityGateFailed
-from flows.stage_task import StageFailed
+from flows.stage_failures import StageFailed
 
 
 def _record(exc: BaseException) -> logging.LogRecord:

@@ -17,16 +17,11 @@ import psutil
 import pytest
 from stage_modules import on_child_path, write_stage_modules
 
-from flows.stage_output import progress_from_record
-from flows.stage_task import (
-    LAUNCH_ENV_VAR,
-    MetricsTail,
-    StageFailed,
-    StageTimeout,
-    child_env,
-    run_stage,
-    stage_command,
-)
+from flows.stage_failures import StageFailed, StageTimeout
+from flows.stage_launch import child_env, stage_command
+from flows.stage_output import MetricsTail, progress_from_record
+from flows.stage_procs import LAUNCH_ENV_VAR
+from flows.stage_task import run_stage
 from posttrain.artifacts import stage_dir, verify, write_manifest
 from posttrain.config.schema import Recipe
 from posttrain.planner import PlannedStage, write_spec

@@ -22,8 +22,8 @@ from posttrain.data.batching import pad_batch
 from posttrain.data.chat import IGNORE
 from posttrain.data.preference import Messages, encode_reply
 from posttrain.distributed.fsdp import gathered
-from posttrain.eval.generation import generate_kwargs
 from posttrain.models.adapters import POLICY, REFERENCE
+from posttrain.models.decoding import generate_kwargs
 from posttrain.models.roles import REWARD, VALUE
 from posttrain.train.rl_losses import entropy_from_logits, token_logps
 

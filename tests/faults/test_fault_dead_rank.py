@@ -18,8 +18,9 @@ from typing import Any
 import psutil
 import pytest
 
-from flows.stage_procs import processes_with_env
-from flows.stage_task import LAUNCH_ENV_VAR, StageFailed, run_stage
+from flows.stage_failures import StageFailed
+from flows.stage_procs import LAUNCH_ENV_VAR, processes_with_env
+from flows.stage_task import run_stage
 from posttrain.artifacts import ref_from_manifest, verify
 from posttrain.config.loader import load_recipe
 from posttrain.planner import plan, write_spec
