@@ -30,6 +30,7 @@ from posttrain.artifacts import read_manifest, verify
 from posttrain.config.loader import RecipeError, load_recipe
 from posttrain.config.reach import ALLOWED_ENV, served_roots, with_roots
 from posttrain.config.schema import Recipe
+from posttrain.kinds import KINDS
 from posttrain.planner import plan
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
@@ -76,8 +77,17 @@ def cmd_validate(path: str, overrides: list[str], out: TextIO, err: TextIO) -> i
     return EXIT_OK
 
 
-def plan_rows(recipe: Recipe) -> list[tuple[str, str, str, str]]:
-    """(stage, fingerprint, processes, artifact state) for each planned stage."""
+# How `posttrain plan` names a stage's inputs (the base is every stage's: left out).
+ROLE_LABELS = {"policy": "from", "reference": "ref", "reward_model": "rm"}
+
+
+def inputs_text(roles: dict[str, str]) -> str:
+    """`from dpo, ref sft, rm reward` (graph stages' links; "" for the fixed stages)."""
+    return ", ".join(f"{ROLE_LABELS[r]} {n}" for r, n in roles.items() if r in ROLE_LABELS)
+
+
+def plan_rows(recipe: Recipe) -> list[tuple[str, str, str, str, str, str]]:
+    """(stage, kind, inputs, fingerprint, processes, artifact state) per planned stage."""
     rows = []
     for stage in plan(recipe):
         if not stage.out_dir.exists():
@@ -87,7 +97,9 @@ def plan_rows(recipe: Recipe) -> list[tuple[str, str, str, str]]:
         else:
             ok, why = verify(stage.out_dir)
             state = "complete" if ok else f"invalid ({why})"
-        rows.append((stage.name, stage.fingerprint, str(stage.nprocs), state))
+        graph_stage = KINDS[stage.kind].placement == "graph"
+        links = inputs_text(stage.roles) if graph_stage else stage.roles.get("policy", "")
+        rows.append((stage.name, stage.kind, links, stage.fingerprint, str(stage.nprocs), state))
     return rows
 
 
@@ -96,7 +108,10 @@ def cmd_plan(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
     if recipe is None:
         return EXIT_INVALID
     rows = plan_rows(recipe)
-    print(text_table(rows, ("stage", "fingerprint", "procs", "artifact")), file=out)
+    print(
+        text_table(rows, ("stage", "kind", "inputs", "fingerprint", "procs", "artifact")),
+        file=out,
+    )
     print(f"workspace: {recipe.run.workspace}", file=out)
     return EXIT_OK
 

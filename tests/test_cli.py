@@ -72,7 +72,8 @@ def test_plan_lists_stages_and_missing_artifacts(tmp_path: Path) -> None:
     assert cmd_plan(str(path), [], out, err) == 0
     rows = out.getvalue().splitlines()[2:6]
     assert [r.split()[0] for r in rows] == ["ingest", "sft", "evaluate", "export"]
-    assert all(r.split()[-1] == "missing" and len(r.split()[1]) == 16 for r in rows)
+    assert all(r.split()[-1] == "missing" and len(r.split()[-3]) == 16 for r in rows)
+    assert " from ingest " in rows[1] and rows[2].split()[2] == "sft"  # evaluate's policy
 
 
 def test_run_with_bad_recipe_exits_2_without_importing_prefect(tmp_path: Path) -> None:

@@ -157,14 +157,14 @@ def test_template_change_is_refused_unless_allowed(pref) -> None:
     sha = summary(pref["sft"])["chat_template_sha256"]
     tok = load_tokenizer(pref["ingest"] / "tokenizer")
     assert guard_template(tok, sha, "dpo", TemplateGuard()) == sha
-    with pytest.raises(TemplateError, match="differs from the one recorded at SFT"):
-        guard_template(tok, sha, "dpo", TemplateGuard(chat_template=other))
+    with pytest.raises(TemplateError, match="differs from the one recorded by 'sft'"):
+        guard_template(tok, sha, "dpo", TemplateGuard(chat_template=other), "sft")
     guard_template(tok, sha, "dpo", TemplateGuard(chat_template=other, allow_template_change=True))
     over = (f"dpo.chat_template={json.dumps(other)}",)
     with pytest.raises(SystemExit):
         run_inprocess("dpo", pref["recipe"], *over)
     err = (planned_dir("dpo", pref["recipe"], *over) / "logs" / "error.txt").read_text()
-    assert "dpo.allow_template_change: true" in err
+    assert "dpo.allow_template_change: true" in err and "recorded by 'sft'" in err
 
 
 def test_dpo_two_ranks_match_one(pref) -> None:

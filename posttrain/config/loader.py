@@ -137,17 +137,30 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
+def _stage_entry(entries: list[Any], name: str, where: str) -> dict[str, Any]:
+    """The `stages:` entry named `name` (its kind when it has no name), for an override."""
+    for entry in entries:
+        if isinstance(entry, dict) and (entry.get("name") or entry.get("kind")) == name:
+            return entry
+    names = [e.get("name") or e.get("kind") for e in entries if isinstance(e, dict)]
+    raise RecipeError([f"{where}: no stage named {name!r} in stages ({names})"], "overrides")
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Return a copy of `data` with each dotted override set (creating sections as needed)."""
+    """Return a copy of `data` with each dotted override set (creating sections as needed).
+    `stages.<name>.field=...` reaches into the `stages:` entry of that name."""
     data = copy.deepcopy(data)
     for item in overrides:
         path, value = parse_override(item)
         node = data
         for i, part in enumerate(path[:-1]):
+            if isinstance(node, list):  # the `stages:` list: entries by name
+                node = _stage_entry(node, part, ".".join(path[: i + 1]))
+                continue
             nxt = node.get(part)
             if nxt is None:
                 nxt = node[part] = {}
-            if not isinstance(nxt, dict):
+            if not isinstance(nxt, dict) and not (part == "stages" and isinstance(nxt, list)):
                 where = ".".join(path[: i + 1])
                 raise RecipeError(
                     [f"{where}: is a value, cannot set {'.'.join(path)}"], "overrides"

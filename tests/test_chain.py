@@ -1,0 +1,93 @@
+"""A chained recipe through the real flow: SFT -> DPO -> GRPO (reward model beside them), then
+evaluate along the chain and export; an edit of the DPO section re-runs DPO and what follows it
+only; `export.policy` ships another stage of the chain."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from flows.post_train import post_train
+from posttrain.config.loader import load_recipe
+from tests.stage_helpers import write_recipe
+from tests.test_preference_stages import PREF
+
+pytestmark = pytest.mark.slow
+
+CHAIN = copy.deepcopy(PREF)
+CHAIN["run"]["name"] = "chain"
+CHAIN["stages"] = [
+    {
+        "kind": "grpo",
+        "name": "grpo",
+        "from": "dpo",
+        "data": {"synthetic": {"n_examples": 120, "seed": 7}, "eval_fraction": 0.1},
+        "rollout": {"prompts_per_step": 4, "samples_per_prompt": 2, "max_new_tokens": 8},
+        "optim": {"lr": 5e-3},
+        "batch": {"micro_batch_size": 8, "grad_accum_steps": 1},
+        "max_steps": 3,
+        "checkpoint_every": 0,
+        "eval_prompts": 8,
+    }
+]
+CHAIN["evaluate"] = {**CHAIN["evaluate"], "policies": ["sft", "dpo", "grpo"]}
+
+
+def _statuses(result: dict) -> dict[str, str]:
+    return {s["stage"]: s["status"] for s in result["stages"]}
+
+
+def _summary(uri: str) -> dict:
+    return json.loads((Path(uri) / "manifest.json").read_text())["summary"]
+
+
+def test_chain_runs_evaluates_each_link_and_reruns_from_an_edit(
+    prefect_harness: None, tmp_path: Path
+) -> None:
+    path = write_recipe(tmp_path, CHAIN)
+    first = post_train(load_recipe(path))
+    assert _statuses(first) == dict.fromkeys(
+        ["ingest", "sft", "reward", "dpo", "grpo", "evaluate", "export"], "ran"
+    )
+    by = {s["stage"]: s for s in first["stages"]}
+    # GRPO went on from DPO's policy, held to it, judged by the reward stage.
+    grpo = json.loads((Path(by["grpo"]["uri"]) / "reference.json").read_text())
+    assert grpo["reference"] == "dpo adapter" and grpo["reward_model"] == "reward"
+    grpo_parents = json.loads((Path(by["grpo"]["uri"]) / "manifest.json").read_text())["parents"]
+    assert Path(by["dpo"]["uri"]).name in grpo_parents
+    # Evaluate: the final policy against its parent and the base, and each link side by side.
+    ev = _summary(by["evaluate"]["uri"])
+    assert (ev["policy"], ev["parent"]) == ("grpo", "dpo")
+    assert {"base_loss", "tuned_loss", "parent_loss", "win_rate_vs_parent"} <= set(ev["headline"])
+    assert list(ev["policies"]) == ["sft", "dpo", "grpo"]
+    assert [r["parent"] for r in ev["policies"].values()] == ["ingest", "sft", "dpo"]
+    assert all("loss" in r and "exact_match" in r for r in ev["policies"].values())
+    assert all("win_rate_vs_parent" in r for n, r in ev["policies"].items() if n != "sft")
+    report = (Path(first["run_dir"]) / "report.md").read_text()
+    assert "## Along the chain" in report and "| grpo | grpo | dpo |" in report
+    assert (Path(first["run_dir"]) / "graph.png").stat().st_size > 10_000
+    export = _summary(by["export"]["uri"])
+    assert export["policy"] == "grpo"
+    assert export["adapter_dir"] == str(Path(by["grpo"]["uri"]) / "adapter")
+
+    # Editing DPO re-runs DPO and everything after it; ingest, sft and reward are reused.
+    second = post_train(load_recipe(path, ["dpo.beta=0.2"]))
+    assert _statuses(second) == {
+        "ingest": "cached",
+        "sft": "cached",
+        "reward": "cached",
+        "dpo": "ran",
+        "grpo": "ran",
+        "evaluate": "ran",
+        "export": "ran",
+    }
+
+    # Shipping another link of the chain re-runs export only.
+    third = post_train(load_recipe(path, ["dpo.beta=0.2", "export.policy=dpo"]))
+    statuses = _statuses(third)
+    assert statuses.pop("export") == "ran" and set(statuses.values()) == {"cached"}
+    by3 = {s["stage"]: s for s in third["stages"]}
+    assert _summary(by3["export"]["uri"])["policy"] == "dpo"
