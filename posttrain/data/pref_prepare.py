@@ -16,9 +16,12 @@ from posttrain.data.chat import (
 )
 from posttrain.data.loading import DataSource, data_source
 from posttrain.data.preference import (
+    encode_completions,
     encode_pairs,
     quickstart_preference_rows,
+    quickstart_unpaired_rows,
     read_preference_rows,
+    read_unpaired_rows,
 )
 
 
@@ -111,5 +114,42 @@ def prepare(cfg: PreferenceDataConfig, tokenizer: Any, seed: int) -> PreferenceD
         {f"dropped_{k}": v for k, v in dropped.items()}
         | {f"train_{k}": v for k, v in tstats.items()}
         | {f"eval_{k}": v for k, v in estats.items()}
+    )
+    return data
+
+
+def prepare_unpaired(cfg: PreferenceDataConfig, tokenizer: Any, seed: int) -> PreferenceData:
+    """Labelled single completions (unpaired feedback, KTO): `train`/`eval` hold
+    `encode_completions` rows. Paired sources are expanded before encoding, and the held-out
+    split is drawn over source rows, so both halves of a pair land on the same side."""
+    train, held, dropped = read_and_split(cfg, seed, read_unpaired_rows, quickstart_unpaired_rows)
+    train = [(w, r) for w, rows in train for r in rows]
+    held = [(w, r) for w, rows in held for r in rows]
+    check_system_role(tokenizer, [(w, r["prompt"]) for w, r in train + held])
+    data = PreferenceData([r for _, r in train], [r for _, r in held])
+    data.train, tstats = encode_completions(
+        tokenizer,
+        data.train_rows,
+        cfg.max_seq_len,
+        cfg.max_prompt_len,
+        cfg.on_invalid,
+        [w for w, _ in train],
+    )
+    data.eval, estats = encode_completions(
+        tokenizer,
+        data.eval_rows,
+        cfg.max_seq_len,
+        cfg.max_prompt_len,
+        cfg.on_invalid,
+        [w for w, _ in held],
+    )
+    if not data.train:
+        raise ValueError("no training row left after validation and encoding")
+    desirable = sum(r["desirable"] for r in data.train)
+    data.stats = (
+        {f"dropped_{k}": v for k, v in dropped.items()}
+        | {f"train_{k}": v for k, v in tstats.items()}
+        | {f"eval_{k}": v for k, v in estats.items()}
+        | {"train_desirable": desirable, "train_undesirable": len(data.train) - desirable}
     )
     return data

@@ -8,6 +8,9 @@ Accepted row formats (the common ones on the hub):
 Every row is normalised to {"prompt": [{role, content}, ...], "chosen": str, "rejected": str},
 the response being the text of one final assistant turn.
 
+Unpaired feedback (KTO) reads {"prompt", "completion", "label": bool} rows, and paired rows as
+they are, each expanded to a desirable and an undesirable row (`check_unpaired_row`).
+
 A bad row raises `PreferenceDataError` (a `DataError`) naming `<file>:<line>` or `<file> row <n>`
 and the problem; its `.reason` is one of REASONS, which is what `on_invalid: skip` counts.
 """
@@ -38,6 +41,7 @@ REASONS = (
     "prompt_end_not_user",  # the prompt ends with a system/assistant turn
     "not_final_reply",  # chosen and rejected differ in more than one final assistant reply
     "no_room",  # (tokenization) the prompt leaves no room for a response token
+    "bad_label",  # (unpaired rows) `label` missing or not a boolean
 )
 
 
@@ -188,6 +192,52 @@ def check_preference_row(row: Any, where: str) -> dict[str, Any]:
     return {"prompt": msgs, "chosen": chosen_text, "rejected": rejected_text}
 
 
+def check_unpaired_row(row: Any, where: str) -> list[dict[str, Any]]:
+    """Validate one row for an unpaired-feedback stage (KTO) and return it as labelled rows
+    {"prompt": [messages], "completion": str, "desirable": bool, "pair": str | None}.
+
+    Accepted: {"prompt", "completion", "label": true | false} (prompt as text or messages,
+    completion as text or messages ending with the assistant reply; earlier completion messages
+    join the prompt), giving one row; or any paired row `check_preference_row` accepts, expanded to
+    two rows (chosen -> desirable, rejected -> undesirable) that share `pair` = `where`, so a
+    held-out split can keep them together and score pair accuracy. Raises PreferenceDataError.
+    """
+    if not isinstance(row, dict):
+        _fail(where, "wrong_type", f"row must be a JSON object, got {type(row).__name__}")
+    if "completion" not in row and "label" not in row:
+        return expand_pair(check_preference_row(row, where), where)
+    label = row.get("label")
+    if label is None:
+        _fail(where, "bad_label", "missing 'label' (true = desirable, false = undesirable)")
+    if not isinstance(label, bool):
+        _fail(where, "bad_label", f"'label' must be true or false, got {label!r}")
+    prompt, completion = row.get("prompt"), row.get("completion")
+    for key, value in (("prompt", prompt), ("completion", completion)):
+        if value is None:
+            _fail(where, "missing_field", f"missing '{key}' (got keys {sorted(row)})")
+        _string_or_list(value, key, where)
+    msgs = (
+        [{"role": "user", "content": prompt}]
+        if isinstance(prompt, str)
+        else _messages(prompt, "prompt", where)
+    )
+    reply = _as_conversation(completion, "completion", where)
+    if reply[-1]["role"] != "assistant":
+        _fail(where, "not_final_reply", "'completion' must end with an assistant message")
+    if "reasoning_content" in reply[-1]:
+        _fail(
+            where,
+            "wrong_type",
+            "'completion': reasoning_content on the final reply is not supported; write it into "
+            "content as <think>...</think> (the template keeps or strips it)",
+        )
+    msgs, text = msgs + reply[:-1], reply[-1]["content"]
+    if not text.strip():
+        _fail(where, "empty_response", "'completion' is empty, nothing to judge")
+    check_prompt_end(msgs, where)
+    return [{"prompt": msgs, "completion": text, "desirable": label, "pair": None}]
+
+
 def _check_on_invalid(on_invalid: str) -> None:
     if on_invalid not in ("error", "skip"):
         raise ValueError(f"on_invalid must be 'error' or 'skip', got {on_invalid!r}")
@@ -228,6 +278,14 @@ def read_preference_rows(
 ) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, int]]:
     """(location, normalised row) pairs and {reason: rows dropped}; see `read_checked_rows`."""
     return read_checked_rows(path, check_preference_row, on_invalid, "preference")
+
+
+def read_unpaired_rows(
+    path: str | Path | DataSource, on_invalid: OnInvalid = "error"
+) -> tuple[list[tuple[str, list[dict[str, Any]]]], dict[str, int]]:
+    """(location, [labelled rows]) per source row and {reason: rows dropped}; see
+    `check_unpaired_row` and `read_checked_rows`."""
+    return read_checked_rows(path, check_unpaired_row, on_invalid, "unpaired feedback")
 
 
 def load_preference_rows(
@@ -303,6 +361,53 @@ def _encode_pair(
     return out, prompt_truncated, response_truncated
 
 
+def encode_completions(
+    tokenizer: Any,
+    rows: Sequence[dict[str, Any]],
+    max_len: int,
+    max_prompt_len: int,
+    on_invalid: OnInvalid = "error",
+    wheres: Sequence[str] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Encode labelled rows (`check_unpaired_row`) -> (encoded, stats) as one side of a pair is:
+    {"ids", "labels": [T] lists, "prompt_len": int, "desirable": bool, "pair": str | None}.
+
+    Prompt tail kept as in `encode_pair`, the response cut to fit max_len; labels are IGNORE on
+    the prompt. stats: {"rows", "no_room", "prompt_truncated", "response_truncated"}; a no-room
+    row raises (naming `wheres[i]`) under on_invalid "error" and is dropped under "skip".
+    """
+    _check_on_invalid(on_invalid)
+    assert wheres is None or len(wheres) == len(rows)
+    out, stats = [], Counter(rows=len(rows), no_room=0, prompt_truncated=0, response_truncated=0)
+    for i, row in enumerate(rows):
+        ids, n_prompt, is_response = _tokenize_side(tokenizer, row["prompt"], row["completion"])
+        prompt_ids = keep_prompt_tail(tokenizer, ids[:n_prompt], max_prompt_len)
+        rest = ids[n_prompt:][: max(0, max_len - len(prompt_ids))]
+        labels = [t if r else IGNORE for t, r in zip(rest, is_response[n_prompt:], strict=False)]
+        if all(x == IGNORE for x in labels):
+            if on_invalid == "error":
+                _fail(
+                    wheres[i] if wheres is not None else f"row {i}",
+                    "no_room",
+                    f"the prompt (kept to max_prompt_len={max_prompt_len} tokens) leaves no "
+                    f"room for a response within max_len={max_len}; set max_prompt_len < max_len",
+                )
+            stats["no_room"] += 1
+            continue
+        stats["prompt_truncated"] += n_prompt > max_prompt_len
+        stats["response_truncated"] += len(ids) - n_prompt > len(rest)
+        out.append(
+            {
+                "ids": prompt_ids + rest,
+                "labels": [IGNORE] * len(prompt_ids) + labels,
+                "prompt_len": len(prompt_ids),
+                "desirable": row["desirable"],
+                "pair": row["pair"],
+            }
+        )
+    return out, dict(stats)
+
+
 def encode_pair(
     tokenizer: Any, row: dict[str, Any], max_len: int, max_prompt_len: int
 ) -> dict[str, Any] | None:
@@ -374,3 +479,20 @@ def quickstart_preference_rows(n: int, seed: int) -> list[dict[str, Any]]:
             raw = {"prompt": prompt, "chosen": correct, "rejected": wrong}
         rows.append(check_preference_row(raw, f"quickstart row {i}"))
     return rows
+
+
+def expand_pair(row: dict[str, Any], pair: str) -> list[dict[str, Any]]:
+    """A normalised pair as two labelled rows (chosen desirable, rejected undesirable) sharing
+    the pair id `pair`: the unpaired form `check_unpaired_row` returns."""
+    return [
+        {"prompt": row["prompt"], "completion": row[side], "desirable": ok, "pair": pair}
+        for side, ok in (("chosen", True), ("rejected", False))
+    ]
+
+
+def quickstart_unpaired_rows(n: int, seed: int) -> list[list[dict[str, Any]]]:
+    """`quickstart_preference_rows` expanded, per pair: [desirable row, undesirable row]."""
+    return [
+        expand_pair(row, f"synthetic row {i}")
+        for i, row in enumerate(quickstart_preference_rows(n, seed))
+    ]
