@@ -22,6 +22,7 @@ from flows.report import StageRecord, export_model_path
 from flows.stage_task import launch, stage_task_for
 from posttrain.artifacts import ArtifactRef, read_manifest, ref_from_manifest
 from posttrain.config.schema import Recipe
+from posttrain.kinds import KINDS
 from posttrain.planner import PlannedStage, write_spec
 from posttrain.promotion import (
     WIN_RATE_VS_CHAMPION,
@@ -145,9 +146,17 @@ def head_to_head_vs_champion(
 
 
 def _judge(by_stage: dict[str, StageRecord]) -> str:
-    """The reward stage the run's evaluation judged with ("" when it had none)."""
+    """The reward stage the run's evaluation judged with, else the run's last reward stage
+    ("" when it had none)."""
     evaluate = by_stage.get("evaluate")
-    return evaluate.roles.get("reward_model", "") if evaluate is not None else ""
+    if evaluate is not None and evaluate.roles.get("reward_model"):
+        return evaluate.roles["reward_model"]
+    rewards = [
+        name
+        for name, r in by_stage.items()
+        if (kind := KINDS.get(r.kind or r.stage)) is not None and kind.produces == "reward_model"
+    ]
+    return rewards[-1] if rewards else ""
 
 
 def _cannot_run(by_stage: dict[str, StageRecord], champion: dict[str, Any]) -> str:
