@@ -306,3 +306,100 @@ def nll_term(policy_chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor) ->
     scales it (e.g. loss = pref_loss.mean() + alpha * nll).
     """
     return (-policy_chosen_logps.float() / chosen_lengths.float()).mean()
+
+
+# --- KTO (unpaired feedback) ---------------------------------------------------------------------
+
+
+def kto_kl_estimate(
+    policy_kl_logps: torch.Tensor,
+    ref_kl_logps: torch.Tensor,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """KTO's reference point z0 (Ethayarajh et al., 2024, eq. 7): a detached, clamped batch
+    estimate of KL(pi || ref), from MISMATCHED pairs (prompt x_i with the completion of another
+    row, so the estimate is not the rows' own rewards):
+
+        z0 = max(0, sum_i (pi_kl[i] - ref_kl[i]) / n)     n = mismatched pairs in the batch
+
+    Inputs [B] summed log-probs of the mismatched sequences. `reduce` sums a [2] tensor
+    (sum, count) over ranks (an all-reduce) so every rank gets the global batch's estimate;
+    None = this batch alone. Returns a scalar float32 tensor with no gradient.
+    """
+    with torch.no_grad():
+        diff = policy_kl_logps.detach().float() - ref_kl_logps.detach().float()
+        totals = torch.stack([diff.sum(), torch.tensor(float(diff.numel()), device=diff.device)])
+        if reduce is not None:
+            totals = reduce(totals)
+        return (totals[0] / totals[1].clamp(min=1.0)).clamp(min=0.0)
+
+
+def kto_loss(
+    policy_logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    desirable: torch.Tensor,
+    kl: torch.Tensor,
+    *,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KTO (Ethayarajh et al., 2024, eq. 8) on B unpaired rows.
+
+        r    = pi - ref                                   (summed response log-probs) [B]
+        loss = lambda_D * (1 - sigmoid(beta * (r - z0)))  for a desirable row
+               lambda_U * (1 - sigmoid(beta * (z0 - r)))  for an undesirable row
+
+    desirable: [B] bool; kl: the scalar z0 from `kto_kl_estimate` (no gradient). The caller
+    takes the mean of `losses` over the global batch. Returns (losses [B], metrics): metrics
+    hold sums over this batch, so they add across micro-batches and ranks: "reward_desirable",
+    "reward_undesirable" (sums of the implicit reward beta * r), "n_desirable",
+    "n_undesirable", and "kl" (z0 as given); `kto_summary` turns them into means and a margin.
+    """
+    _check(beta)
+    if desirable_weight < 0 or undesirable_weight < 0:
+        raise ValueError(
+            f"KTO weights must be >= 0, got desirable {desirable_weight}, "
+            f"undesirable {undesirable_weight}"
+        )
+    r = policy_logps.float() - ref_logps.float()  # upcast first, as in _logratio_margin
+    z0 = kl.detach().float()
+    good = desirable.bool()
+    losses = torch.where(
+        good,
+        desirable_weight * (1 - torch.sigmoid(beta * (r - z0))),
+        undesirable_weight * (1 - torch.sigmoid(beta * (z0 - r))),
+    )
+    rewards = (beta * r).detach()
+    metrics = {
+        "reward_desirable": rewards[good].sum(),
+        "reward_undesirable": rewards[~good].sum(),
+        "n_desirable": good.sum().float(),
+        "n_undesirable": (~good).sum().float(),
+        "kl": z0,
+    }
+    return losses, metrics
+
+
+def kto_summary(sums: dict[str, float]) -> dict[str, float]:
+    """Means from `kto_loss` metrics summed over a batch: mean implicit reward of desirable and
+    of undesirable rows (0 with none) and margin = their difference; counts and kl pass through."""
+    d = sums["reward_desirable"] / max(1.0, sums["n_desirable"])
+    u = sums["reward_undesirable"] / max(1.0, sums["n_undesirable"])
+    return {
+        "reward_desirable": d,
+        "reward_undesirable": u,
+        "margin": d - u,
+        "n_desirable": sums["n_desirable"],
+        "n_undesirable": sums["n_undesirable"],
+        "kl": sums["kl"],
+    }
+
+
+def kto_weight_balance(
+    n_desirable: int, n_undesirable: int, desirable_weight: float, undesirable_weight: float
+) -> float | None:
+    """lambda_D * n_D / (lambda_U * n_U): the paper recommends [1, 4/3] (section 4.2). None when
+    it is undefined (no undesirable row, or undesirable_weight 0)."""
+    denom = undesirable_weight * n_undesirable
+    return desirable_weight * n_desirable / denom if denom else None

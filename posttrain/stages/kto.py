@@ -1,0 +1,374 @@
+"""kto: tuning of the SFT policy from unpaired desirable / undesirable completions (KTO).
+
+Algorithm choices:
+- Policy and reference as in dpo: base + the starting adapter twice on one base (trainable
+  "default", frozen "reference"), sharded together by FSDP2; `starting_adapter` is the one place
+  that says which adapter that is (the SFT policy).
+- Per row: summed log-probs of the completion tokens (final assistant turn + its end-of-turn)
+  under policy and reference; loss `kto_loss` (Ethayarajh et al., 2024). Rows weigh equally:
+  each micro-batch backprops sum(row losses) * world / global_rows.
+- The reference point z0 is estimated per optimizer step from MISMATCHED rows: the prompt of
+  the row at stream position q of the global batch with the completion of the row at q + 1
+  (wrapping), i.e. the batch shifted by one as in the paper and TRL. It is taken over the whole
+  global batch (all micro-batches, all ranks: two no-grad forwards per micro-batch, policy and
+  reference) before the loss, so every rank uses the same z0 whatever the batch split.
+- Held-out rows at step 0 and at the end: loss, mean implicit reward of desirable and
+  undesirable rows, their margin, z0 (over the held-out rows shifted by one), and, for rows that
+  came from pairs, pair accuracy of the implicit reward (a tie counts half: 0.5 at step 0).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.config.loader import section_batch
+from posttrain.data.batching import pad_batch, step_indices
+from posttrain.data.pref_prepare import guard_template, prepare_unpaired
+from posttrain.data.sft_data import write_splits
+from posttrain.distributed.runtime import all_reduce_sum, all_reduce_tensor, rank_batches
+from posttrain.models.adapters import REFERENCE, active_adapter, policy_with_reference
+from posttrain.models.loading import base_dtype, base_for_training
+from posttrain.models.lora import prepare_for_training
+from posttrain.stages.common import StageContext, stage_main
+from posttrain.telemetry import heartbeat
+from posttrain.telemetry.metrics import memory_snapshot
+from posttrain.train.chunked import forward_sequence_logps
+from posttrain.train.preference_losses import (
+    kto_kl_estimate,
+    kto_loss,
+    kto_summary,
+    kto_weight_balance,
+)
+from posttrain.train.session import planned_steps, save_adapter, start_session
+
+log = logging.getLogger("posttrain.kto")
+# The paper's recommended range of desirable_weight * n_D / (undesirable_weight * n_U).
+BALANCE_RANGE = (1.0, 4 / 3)
+
+
+@dataclass(frozen=True)
+class StartingPoint:
+    """The adapter the policy starts from (its `from`) and the frozen reference (its
+    `reference`, by default the same policy)."""
+
+    adapter: Path
+    reference: Path
+    fingerprint: str  # the reference's
+    chat_template_sha256: str | None  # the starting policy's
+
+
+def starting_adapter(ctx: StageContext) -> StartingPoint:
+    """The policy it starts from and the reference, by role (the graph checks both are
+    trained policies)."""
+    policy, reference = ctx.adapter_dir("policy"), ctx.adapter_dir("reference")
+    assert policy is not None and reference is not None
+    return StartingPoint(
+        policy,
+        reference,
+        ctx.role_ref("reference").fingerprint,
+        ctx.role_manifest("policy")["summary"].get("chat_template_sha256"),
+    )
+
+
+def completion_batch(rows: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Encoded completions (`encode_completions`) -> one padded [B, T] batch."""
+    return pad_batch([{"input_ids": r["ids"], "labels": r["labels"]} for r in rows], pad_id)
+
+
+def mismatched(row: dict[str, Any], other: dict[str, Any], max_len: int) -> dict[str, Any]:
+    """`row`'s prompt tokens followed by `other`'s completion tokens, cut to max_len: a sequence
+    for z0. Spliced at the token level (both were encoded the same way, the generation prompt
+    ending at a token boundary, which `encode_pair`'s check holds templates to)."""
+    p, q = row["prompt_len"], other["prompt_len"]
+    ids = (row["ids"][:p] + other["ids"][q:])[:max_len]
+    labels = (row["labels"][:p] + other["labels"][q:])[:max_len]
+    return {"ids": ids, "labels": labels}
+
+
+def partner_rows(
+    n_rows: int, step: int, micro: int, accum: int, rank: int, world: int, seed: int
+) -> list[list[int]]:
+    """For each of this rank's rows at step `step` ([accum][micro], as `step_indices`), the row
+    whose completion its mismatched sequence takes: the next row of the global batch's stream
+    (wrapping), so the pairing does not depend on how the batch is split over ranks."""
+    g = micro * accum * world
+    stream = step_indices(n_rows, step, micro=g, accum=1, dp_size=1, rank=0, seed=seed)[0]
+    return [
+        [stream[((k * world + rank) * micro + j + 1) % g] for j in range(micro)]
+        for k in range(accum)
+    ]
+
+
+def _logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk: int) -> torch.Tensor:
+    return forward_sequence_logps(model, batch, chunk)[0]  # [B] summed completion log-probs
+
+
+@torch.no_grad()
+def both_logps(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(policy [B], reference [B]) summed completion log-probs, no gradient."""
+    policy = _logps(model, batch, chunk)
+    with active_adapter(model, REFERENCE):
+        ref = _logps(model, batch, chunk)
+    return policy, ref
+
+
+@torch.no_grad()
+def heldout_kto(
+    model: torch.nn.Module,
+    rows: list[dict[str, Any]],
+    hp: dict[str, float],
+    pad_id: int,
+    max_len: int,
+    batch_size: int,
+    device: torch.device,
+    rank: int,
+    world: int,
+    chunk_tokens: int = 0,
+) -> dict[str, float]:
+    """Held-out KTO loss, rewards, margin, z0 and (for rows from pairs) pair accuracy.
+
+    Log-probs of every row and of its mismatched sequence (row i's prompt, row i+1's completion)
+    are gathered rank-strided into [N, 4] (policy, reference, policy KL, reference KL), summed
+    over ranks, then scored whole."""
+    model.eval()
+    table = torch.zeros(len(rows), 4, dtype=torch.float64)
+    n = len(rows)
+    for idx in rank_batches(n, rank, world, batch_size):
+        heartbeat.beat(phase="eval")
+        ix = idx or [0]  # a filler forward keeps FSDP's collectives in step
+        batch = completion_batch([rows[i] for i in ix], pad_id)
+        kl_batch = completion_batch(
+            [mismatched(rows[i], rows[(i + 1) % n], max_len) for i in ix], pad_id
+        )
+        cols = [*both_logps(model, _to(batch, device), chunk_tokens)]
+        cols += both_logps(model, _to(kl_batch, device), chunk_tokens)
+        if idx:
+            table[idx] = torch.stack(cols, dim=1).double().cpu()
+    model.train()
+    table = all_reduce_tensor(table, device)
+    desirable = torch.tensor([r["desirable"] for r in rows])
+    z0 = kto_kl_estimate(table[:, 2], table[:, 3])
+    losses, m = kto_loss(table[:, 0], table[:, 1], desirable, z0, **hp)
+    out = kto_summary({k: float(v) for k, v in m.items()}) | {"loss": float(losses.mean())}
+    accuracy, n_pairs = pair_accuracy(rows, table[:, 0] - table[:, 1])
+    if n_pairs:
+        out |= {"pair_accuracy": accuracy, "pairs": n_pairs}
+    return out
+
+
+def pair_accuracy(rows: list[dict[str, Any]], logratios: torch.Tensor) -> tuple[float, int]:
+    """(share of pairs whose desirable row has the higher implicit reward, a tie counting half;
+    number of complete pairs) over rows sharing a `pair` id. logratios: [N] pi - ref."""
+    sides: dict[str, dict[bool, float]] = {}
+    for r, x in zip(rows, logratios.tolist(), strict=True):
+        if r["pair"] is not None:
+            sides.setdefault(r["pair"], {})[r["desirable"]] = x
+    full = [s for s in sides.values() if len(s) == 2]
+    if not full:
+        return 0.0, 0
+    score = sum(1.0 if s[True] > s[False] else 0.5 if s[True] == s[False] else 0.0 for s in full)
+    return score / len(full), len(full)
+
+
+def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def warn_balance(stats: dict[str, int], desirable_weight: float, undesirable_weight: float) -> None:
+    """Log a warning when lambda_D * n_D / (lambda_U * n_U) leaves the paper's [1, 4/3]."""
+    ratio = kto_weight_balance(
+        stats["train_desirable"], stats["train_undesirable"], desirable_weight, undesirable_weight
+    )
+    lo, hi = BALANCE_RANGE
+    if ratio is None or not lo <= ratio <= hi:
+        log.warning(
+            "kto.desirable_weight x desirable rows / (kto.undesirable_weight x undesirable rows) "
+            "= %s x %d / (%s x %d) = %s, outside the paper's recommended [1, 4/3]; adjust "
+            "kto.desirable_weight or kto.undesirable_weight",
+            desirable_weight,
+            stats["train_desirable"],
+            undesirable_weight,
+            stats["train_undesirable"],
+            "undefined" if ratio is None else f"{ratio:.3f}",
+        )
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    cfg = ctx.section
+    d = ctx.dist
+    device, rank, world = d.device, d.rank, d.world_size
+    seed = ctx.recipe.run.seed
+    chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
+    max_len = cfg.data.max_seq_len
+    start = starting_adapter(ctx)
+
+    base, tok, weights = base_for_training(
+        ctx.role_dir("base"),
+        ctx.role_manifest("base"),
+        base_dtype(ctx.recipe.infra),
+        ctx.recipe.infra.attention,
+    )
+    template_sha = guard_template(
+        tok, start.chat_template_sha256, ctx.name, cfg, ctx.roles["policy"]
+    )
+    data = prepare_unpaired(cfg.data, tok, seed)
+    if ctx.is_main:
+        write_splits(ctx.out_dir, data.train_rows, data.eval_rows)
+    batch = section_batch(ctx.recipe, ctx.name)
+    if batch.global_batch_size < 2:
+        raise ValueError(
+            f"{ctx.name}.batch: the KL reference point needs mismatched rows within a step; "
+            "set a global batch of at least 2"
+        )
+    warn_balance(data.stats, cfg.desirable_weight, cfg.undesirable_weight)
+    total_steps = planned_steps(cfg.max_steps, cfg.epochs, len(data.train), batch)
+    hp = {
+        "beta": cfg.beta,
+        "desirable_weight": cfg.desirable_weight,
+        "undesirable_weight": cfg.undesirable_weight,
+    }
+
+    prepare_for_training(base, cfg.activation_checkpointing)
+    model = policy_with_reference(base, start.adapter, start.reference)
+    tr = start_session(
+        ctx,
+        model,
+        cfg.optim,
+        batch,
+        total_steps,
+        weights=weights,
+        train_examples=len(data.train),
+        eval_examples=len(data.eval),
+        **data.stats,
+    )
+    model = tr.model
+    pad_id, eval_bs = tok.pad_token_id, batch.micro_batch_size
+
+    def heldout() -> dict[str, float]:
+        return heldout_kto(
+            model, data.eval, hp, pad_id, max_len, eval_bs, device, rank, world, chunk_tokens
+        )
+
+    first = None
+    if tr.start_step == 0 and data.eval:
+        first = heldout()
+        tr.metrics.write("eval", step=0, **{f"eval_{k}": v for k, v in first.items()})
+        log.info("held-out at step 0 (policy = reference): %s", first)
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_tensor(t, device).to(device)
+
+    for step in range(tr.start_step, total_steps):
+        t0 = time.perf_counter()
+        idx = tr.step_rows(len(data.train), step, batch, seed)
+        partners = partner_rows(
+            len(data.train),
+            step,
+            batch.micro_batch_size,
+            batch.grad_accum_steps,
+            rank,
+            world,
+            seed,
+        )
+        rows = [[data.train[i] for i in ix] for ix in idx]
+        micro = [_to(completion_batch(rs, pad_id), device) for rs in rows]
+        kl_micro = [
+            _to(
+                completion_batch(
+                    [mismatched(r, data.train[j], max_len) for r, j in zip(rs, js, strict=True)],
+                    pad_id,
+                ),
+                device,
+            )
+            for rs, js in zip(rows, partners, strict=True)
+        ]
+        local_tokens = sum(int(mb["attention_mask"].sum()) for mb in micro)
+        t_data = time.perf_counter() - t0
+
+        t_kl = time.perf_counter()
+        kl_logps = [both_logps(model, kb, chunk_tokens) for kb in kl_micro]
+        z0 = kto_kl_estimate(
+            torch.cat([p for p, _ in kl_logps]), torch.cat([r for _, r in kl_logps]), reduce
+        )
+        t_kl = time.perf_counter() - t_kl
+
+        sums = dict.fromkeys(
+            ("loss", "reward_desirable", "reward_undesirable", "n_desirable", "n_undesirable"), 0.0
+        )
+        t_ref = 0.0
+        for k, (rs, mb) in enumerate(zip(rows, micro, strict=True)):
+            model.set_requires_gradient_sync(k == len(micro) - 1)
+            t_r = time.perf_counter()
+            with torch.no_grad(), active_adapter(model, REFERENCE):
+                ref = _logps(model, mb, chunk_tokens)
+            t_ref += time.perf_counter() - t_r
+            policy = _logps(model, mb, chunk_tokens)
+            desirable = torch.tensor([r["desirable"] for r in rs], device=device)
+            losses, m = kto_loss(policy, ref, desirable, z0, **hp)  # [micro]
+            tr.backward(losses.sum() * world / batch.global_batch_size)
+            sums["loss"] += losses.detach().sum().item()
+            for key in ("reward_desirable", "reward_undesirable", "n_desirable", "n_undesirable"):
+                sums[key] += m[key].item()
+        g = {k: all_reduce_sum(v, device) for k, v in sums.items()}
+        g["loss"] /= batch.global_batch_size
+        grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=g["loss"], step=step + 1)
+        if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
+            n_seqs = sum(mb["input_ids"].size(0) for mb in micro)
+            stats = kto_summary({**g, "kl": float(z0)})
+            tr.record_step(
+                step + 1,
+                loss=g["loss"],
+                grad_norm=grad_norm,
+                lr=lr,
+                local_tokens=local_tokens,
+                seq_len=local_tokens / n_seqs,
+                t_start=t0,
+                t_data=t_data,
+                reference_s=t_ref,
+                kl_s=t_kl,
+                **stats,
+            )
+        tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints)
+
+    final = heldout() if data.eval else None
+    if final is not None:
+        tr.metrics.write("eval", step=total_steps, **{f"eval_{k}": v for k, v in final.items()})
+        log.info("held-out at the end: %s", final)
+    save_adapter(model, ctx, selected_adapters=["default"])
+    tr.metrics.write("end", step=total_steps, **memory_snapshot(device))
+    tr.metrics.close()
+    if ctx.is_main:
+        (ctx.out_dir / "reference.json").write_text(
+            json.dumps(
+                {"reference": str(start.reference), "fingerprint": start.fingerprint}, indent=2
+            )
+        )
+    head = {}
+    if final is not None:
+        head = {"eval_margin": final["margin"], "eval_kl": final["kl"]}
+        if "pair_accuracy" in final:
+            head["eval_pair_accuracy"] = final["pair_accuracy"]
+    return tr.summary(
+        ctx,
+        beta=cfg.beta,
+        desirable_weight=cfg.desirable_weight,
+        undesirable_weight=cfg.undesirable_weight,
+        eval_start=first,
+        eval_final=final,
+        chat_template_sha256=template_sha,
+        **data.stats,
+        headline=tr.headline(**head),
+    )
+
+
+if __name__ == "__main__":
+    stage_main(run)
