@@ -97,7 +97,8 @@ def test_dpo_reference_is_the_sft_policy(pref) -> None:
     from posttrain.models.adapters import policy_with_reference
     from posttrain.models.loading import load_causal_lm, load_tokenizer
     from posttrain.models.reward import pair_batch
-    from posttrain.stages.dpo import pair_logps, reference_logps
+    from posttrain.stages.dpo import reference_logps
+    from posttrain.train.chunked import pair_logps
 
     recipe = load_recipe(pref["recipe"])
     tok = load_tokenizer(pref["ingest"] / "tokenizer")

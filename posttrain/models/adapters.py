@@ -17,11 +17,13 @@ from posttrain.models.sharded_load import adapters_stay_real
 POLICY, REFERENCE = "default", "reference"
 
 
-def continue_adapter(base: PreTrainedModel, adapter: Path) -> PeftModel:
-    """Base + a trained policy adapter as "default", trainable: a stage that goes on from
-    another stage's policy."""
+def trainable_adapter(base: PreTrainedModel, adapter_dir: Path) -> PeftModel:
+    """Base + a saved adapter as the trainable policy ("default"), to continue training it (a
+    stage that goes on from another stage's policy)."""
     with adapters_stay_real():  # a base on the meta device keeps the adapter's values
-        return PeftModel.from_pretrained(base, str(adapter), adapter_name=POLICY, is_trainable=True)
+        return PeftModel.from_pretrained(
+            base, str(adapter_dir), adapter_name=POLICY, is_trainable=True
+        )
 
 
 def policy_with_reference(
@@ -30,10 +32,8 @@ def policy_with_reference(
     """Base + two adapters: "default" (trainable, continues from `policy_adapter`) and
     "reference" (frozen; `reference_adapter`, by default the same policy: never the raw base).
     The reference has no gradients and so no optimizer state."""
+    model = trainable_adapter(base, policy_adapter)
     with adapters_stay_real():  # a base on the meta device keeps the adapters' values
-        model = PeftModel.from_pretrained(
-            base, str(policy_adapter), adapter_name=POLICY, is_trainable=True
-        )
         model.load_adapter(
             str(reference_adapter or policy_adapter), adapter_name=REFERENCE, is_trainable=False
         )

@@ -38,7 +38,7 @@ from posttrain.models.reward import pair_batch
 from posttrain.stages.common import StageContext, stage_main
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
-from posttrain.train.chunked import forward_sequence_logps
+from posttrain.train.chunked import pair_logps
 from posttrain.train.preference_losses import (
     REFERENCE_FREE,
     implicit_rewards,
@@ -50,17 +50,6 @@ from posttrain.train.session import planned_steps, save_adapter, start_session
 
 log = logging.getLogger("posttrain.dpo")
 REF_CACHE_VERSION = "1"
-
-
-def pair_logps(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_tokens: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(chosen logps [B], rejected logps [B], chosen lengths [B], rejected lengths [B]) from one
-    `pair_batch` (chosen rows first, then rejected, in one forward); `chunk_tokens` per pass
-    through the LM head (0 = full [2B, T, V] logits)."""
-    logps, lengths = forward_sequence_logps(model, batch, chunk_tokens)  # [2B] each
-    half = logps.size(0) // 2
-    return logps[:half], logps[half:], lengths[:half], lengths[half:]
 
 
 @torch.no_grad()

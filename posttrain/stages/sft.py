@@ -27,7 +27,7 @@ from posttrain.data.batching import pack_examples, pad_batch
 from posttrain.data.chat import IGNORE, template_sha256
 from posttrain.data.sft_data import prepare, write_splits
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
-from posttrain.models.adapters import continue_adapter
+from posttrain.models.adapters import trainable_adapter
 from posttrain.models.loading import base_dtype, base_for_training
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.stages.common import StageContext, stage_main
@@ -98,7 +98,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     # From the base: a new adapter shaped by `lora`. From a policy (an SFT round after RL, say):
     # that policy's adapter, trained further (its own shape; `lora` does not apply).
     start = ctx.adapter_dir("policy")
-    model = apply_lora(model, cfg.lora) if start is None else continue_adapter(model, start)
+    model = apply_lora(model, cfg.lora) if start is None else trainable_adapter(model, start)
     tr = start_session(
         ctx,
         model,

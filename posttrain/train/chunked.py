@@ -406,3 +406,14 @@ def forward_sequence_logps(
         return sequence_logps(model(**_model_inputs(batch)).logits, batch["labels"])
     logp, mask = label_logps(model, batch, chunk)
     return logp.sum(-1), mask.sum(-1)
+
+
+def pair_logps(
+    model: nn.Module, batch: dict[str, torch.Tensor], chunk_tokens: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chosen logps [B], rejected logps [B], chosen lengths [B], rejected lengths [B]) from one
+    `pair_batch` (chosen rows first, then rejected, in one forward); `chunk_tokens` per pass
+    through the LM head (0 = full [2B, T, V] logits). Shared by the preference stages."""
+    logps, lengths = forward_sequence_logps(model, batch, chunk_tokens)  # [2B] each
+    half = logps.size(0) // 2
+    return logps[:half], logps[half:], lengths[:half], lengths[half:]
