@@ -403,3 +403,71 @@ def kto_weight_balance(
     it is undefined (no undesirable row, or undesirable_weight 0)."""
     denom = undesirable_weight * n_undesirable
     return desirable_weight * n_desirable / denom if denom else None
+
+
+# --- ORPO: a reference-free loss with its own inputs (no registry entry: it is its own stage) ---
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stably (Maechler, 2012): log(-expm1(x)) near 0, where
+    1 - exp(x) cancels, and log1p(-exp(x)) further out, where expm1 loses digits."""
+    return torch.where(
+        x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x))
+    )
+
+
+# Cap on the per-token mean log-prob fed to log-odds: a response the model is certain of has
+# mean logp 0.0 in fp32, whose odds are infinite. -1e-6 caps its log-odds at ~13.8.
+_ORPO_MAX_MEAN_LOGP = -1e-6
+
+
+def orpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    chosen_lengths: torch.Tensor,
+    rejected_lengths: torch.Tensor,
+    *,
+    beta: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """ORPO (Hong et al., 2024): SFT on the chosen response plus an odds-ratio penalty, with no
+    reference model.
+
+        m_y        = logp(y | x) / len(y)                  (mean per-token log-prob)
+        log_odds_y = m_y - log(1 - exp(m_y))               (log of p / (1 - p), p = exp(m_y))
+        ratio      = log_odds_c - log_odds_r
+        loss       = -m_c + beta * (-log sigmoid(ratio))   (NLL of chosen + beta * L_OR)
+
+    beta is the paper's lambda (TRL's `beta`). The NLL is per pair (the chosen response's mean
+    per-token NLL), so pairs weigh equally whatever their length, as in `nll_term`.
+
+    Inputs: summed response log-probs and response token counts (>= 1), each [B]. Returns
+    (losses [B], metrics): metrics are detached [B] tensors: chosen_reward / rejected_reward
+    (beta * m_y, TRL's rewards), margin (their difference), correct (1.0 where the chosen
+    reward is higher), log_odds_chosen / log_odds_rejected, log_odds_ratio (= ratio; TRL's
+    `log_odds_chosen` metric is this difference), or_loss and nll.
+    """
+    _check(beta)
+    # Upcast as in _logratio_margin: the odds of means near 0 need fp32 at least.
+    chosen = (policy_chosen_logps.float() / chosen_lengths.float()).clamp(max=_ORPO_MAX_MEAN_LOGP)
+    rejected = (policy_rejected_logps.float() / rejected_lengths.float()).clamp(
+        max=_ORPO_MAX_MEAN_LOGP
+    )
+    odds_c = chosen - log1mexp(chosen)
+    odds_r = rejected - log1mexp(rejected)
+    ratio = odds_c - odds_r
+    or_loss = -F.logsigmoid(ratio)
+    nll = -policy_chosen_logps.float() / chosen_lengths.float()  # unclamped: the true NLL
+    losses = nll + beta * or_loss
+    cr, rj = (beta * chosen).detach(), (beta * rejected).detach()
+    metrics = {
+        "chosen_reward": cr,
+        "rejected_reward": rj,
+        "margin": cr - rj,
+        "correct": (cr > rj).float(),
+        "log_odds_chosen": odds_c.detach(),
+        "log_odds_rejected": odds_r.detach(),
+        "log_odds_ratio": ratio.detach(),
+        "or_loss": or_loss.detach(),
+        "nll": nll.detach(),
+    }
+    return losses, metrics
