@@ -79,7 +79,10 @@ def run_inprocess(stage: str, recipe: Path, *overrides: str) -> Path:
 
 
 def planned_dir(stage: str, recipe: Path, *overrides: str) -> Path:
-    return next(s.out_dir for s in plan(load_recipe(recipe, list(overrides))) if s.name == stage)
+    """The folder of the stage named `stage`, else of the recipe's one stage of that kind."""
+    planned = plan(load_recipe(recipe, list(overrides)))
+    named = [s for s in planned if s.name == stage] or [s for s in planned if s.kind == stage]
+    return named[0].out_dir
 
 
 def run_torchrun(
