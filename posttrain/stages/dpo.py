@@ -333,23 +333,19 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 sums[name] += v.detach().sum().item()
         g = {k: all_reduce_sum(v, device) / batch.global_batch_size for k, v in sums.items()}
         # The preference loss judges the step; a non-finite SFT term shows in the gradient norm.
-        grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=g["loss"], step=step + 1)
-        if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
-            n_seqs = sum(mb["input_ids"].size(0) for _, mb in micro)
-            tr.record_step(
-                step + 1,
-                loss=g.pop("loss"),
-                grad_norm=grad_norm,
-                lr=lr,
-                local_tokens=local_tokens,
-                seq_len=local_tokens / n_seqs,
-                t_start=t0,
-                t_data=t_data,
-                accuracy=g.pop("correct"),
-                reference_s=t_ref,
-                **g,
-            )
-        tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints)
+        loss = g.pop("loss")
+        tr.finish_step(
+            step + 1,
+            cfg,
+            loss=loss,
+            local_tokens=local_tokens,
+            n_seqs=sum(mb["input_ids"].size(0) for _, mb in micro),
+            t_start=t0,
+            t_data=t_data,
+            accuracy=g.pop("correct"),
+            reference_s=t_ref,
+            **g,
+        )
 
     final = heldout()
     tr.metrics.write("eval", step=total_steps, **{f"eval_{k}": v for k, v in final.items()})

@@ -320,24 +320,18 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 sums[key] += m[key].item()
         g = {k: all_reduce_sum(v, device) for k, v in sums.items()}
         g["loss"] /= batch.global_batch_size
-        grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=g["loss"], step=step + 1)
-        if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
-            n_seqs = sum(mb["input_ids"].size(0) for mb in micro)
-            stats = kto_summary({**g, "kl": float(z0)})
-            tr.record_step(
-                step + 1,
-                loss=g["loss"],
-                grad_norm=grad_norm,
-                lr=lr,
-                local_tokens=local_tokens,
-                seq_len=local_tokens / n_seqs,
-                t_start=t0,
-                t_data=t_data,
-                reference_s=t_ref,
-                kl_s=t_kl,
-                **stats,
-            )
-        tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints)
+        tr.finish_step(
+            step + 1,
+            cfg,
+            loss=g["loss"],
+            local_tokens=local_tokens,
+            n_seqs=sum(mb["input_ids"].size(0) for mb in micro),
+            t_start=t0,
+            t_data=t_data,
+            reference_s=t_ref,
+            kl_s=t_kl,
+            **kto_summary({**g, "kl": float(z0)}),
+        )
 
     final = heldout() if data.eval else None
     if final is not None:

@@ -157,24 +157,19 @@ def run(ctx: StageContext) -> dict[str, Any]:
             sums["chosen"] += rc.sum().item()
             sums["rejected"] += rr.sum().item()
         g = {k: all_reduce_sum(v, device) / batch.global_batch_size for k, v in sums.items()}
-        grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=g["loss"], step=step + 1)
-        if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
-            n_seqs = sum(mb["input_ids"].size(0) for mb in micro)
-            tr.record_step(
-                step + 1,
-                loss=g["loss"],
-                grad_norm=grad_norm,
-                lr=lr,
-                local_tokens=local_tokens,
-                seq_len=local_tokens / n_seqs,
-                t_start=t0,
-                t_data=t_data,
-                accuracy=g["correct"],
-                margin=g["margin"],
-                reward_chosen=g["chosen"],
-                reward_rejected=g["rejected"],
-            )
-        tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints)
+        tr.finish_step(
+            step + 1,
+            cfg,
+            loss=g["loss"],
+            local_tokens=local_tokens,
+            n_seqs=sum(mb["input_ids"].size(0) for mb in micro),
+            t_start=t0,
+            t_data=t_data,
+            accuracy=g["correct"],
+            margin=g["margin"],
+            reward_chosen=g["chosen"],
+            reward_rejected=g["rejected"],
+        )
 
     final = heldout_pairs(
         model, data.eval, tok.pad_token_id, eval_bs, device, rank, world, cfg.margin
