@@ -296,12 +296,3 @@ class SamplingConfig(_Section):
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus filter (sample only).")
     num_beams: int = Field(4, ge=2, description="Beams (beam only).")
     max_new_tokens: int = Field(48, ge=1, description="Longest generation.")
-
-
-def _default_sampling() -> list[SamplingConfig]:
-    return [
-        SamplingConfig(name="greedy", strategy="greedy"),
-        SamplingConfig(name="beam4", strategy="beam", num_beams=4),
-        SamplingConfig(name="t0.7-top_p0.9", strategy="sample", temperature=0.7, top_p=0.9),
-        SamplingConfig(name="t1.0-top_k20", strategy="sample", temperature=1.0, top_k=20),
-    ]

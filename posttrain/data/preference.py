@@ -385,13 +385,7 @@ def encode_completions(
         rest = ids[n_prompt:][: max(0, max_len - len(prompt_ids))]
         labels = [t if r else IGNORE for t, r in zip(rest, is_response[n_prompt:], strict=False)]
         if all(x == IGNORE for x in labels):
-            if on_invalid == "error":
-                _fail(
-                    wheres[i] if wheres is not None else f"row {i}",
-                    "no_room",
-                    f"the prompt (kept to max_prompt_len={max_prompt_len} tokens) leaves no "
-                    f"room for a response within max_len={max_len}; set max_prompt_len < max_len",
-                )
+            _no_room(wheres, i, on_invalid, max_prompt_len, max_len)
             stats["no_room"] += 1
             continue
         stats["prompt_truncated"] += n_prompt > max_prompt_len
@@ -425,6 +419,20 @@ def encode_pair(
     return _encode_pair(tokenizer, row, max_len, max_prompt_len)[0]
 
 
+def _no_room(
+    wheres: list[str] | None, i: int, on_invalid: str, max_prompt_len: int, max_len: int
+) -> None:
+    """A row whose prompt leaves no room for a response: an error naming it (on_invalid=error);
+    otherwise the caller counts and drops it."""
+    if on_invalid == "error":
+        _fail(
+            wheres[i] if wheres is not None else f"row {i}",
+            "no_room",
+            f"the prompt (kept to max_prompt_len={max_prompt_len} tokens) leaves no room for a "
+            f"response within max_len={max_len}; set max_prompt_len < max_len",
+        )
+
+
 def encode_pairs(
     tokenizer: Any,
     rows: Sequence[dict[str, Any]],
@@ -445,13 +453,7 @@ def encode_pairs(
     for i, row in enumerate(rows):
         enc, prompt_cut, response_cut = _encode_pair(tokenizer, row, max_len, max_prompt_len)
         if enc is None:
-            if on_invalid == "error":
-                _fail(
-                    wheres[i] if wheres is not None else f"row {i}",
-                    "no_room",
-                    f"the prompt (kept to max_prompt_len={max_prompt_len} tokens) leaves no "
-                    f"room for a response within max_len={max_len}; set max_prompt_len < max_len",
-                )
+            _no_room(wheres, i, on_invalid, max_prompt_len, max_len)
             stats["no_room"] += 1
             continue
         stats["prompt_truncated"] += prompt_cut
