@@ -13,7 +13,9 @@ import pytest
 
 OK = """
 import json
+import os
 import sys
+import time
 
 from posttrain.stages.common import stage_main
 
@@ -21,6 +23,8 @@ STAGE = {stage!r}
 
 
 def run(ctx):
+    started = time.time()
+    time.sleep(float(os.environ.get("PT_OK_SLEEP_S", "0")))
     with open(ctx.out_dir / "metrics.jsonl", "a") as f:
         for step in range(1, 4):
             rec = {{"kind": "train", "step": step, "total_steps": 3, "loss": 2.0 / step,
@@ -30,6 +34,8 @@ def run(ctx):
     (ctx.out_dir / "result.json").write_text(json.dumps(
         {{"inputs": ctx.inputs, "parents": sorted(p.fingerprint for p in ctx.parents.values())}}
     ))
+    # When it ran (outside the manifest's hashed files: logs/), for tests of stages side by side.
+    (ctx.out_dir / "logs" / "span.json").write_text(json.dumps([started, time.time()]))
     if STAGE == "export":
         (ctx.out_dir / "model").mkdir(exist_ok=True)
         (ctx.out_dir / "model" / "weights.txt").write_text("merged")

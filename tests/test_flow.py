@@ -169,3 +169,23 @@ def test_flow_failure_names_the_stage_and_still_writes_the_report(
     assert [(a["stage"], a["status"]) for a in lineage["artifacts"]] == [
         ("ingest", "ran"), ("sft", "failed"),
     ]  # fmt: skip
+
+
+def test_independent_branches_run_side_by_side_when_allowed(
+    prefect_harness: None, fake_stages, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reward model trained beside the SFT (`from: ingest`) runs at the same time as it with
+    infra.parallel_stages 2; evaluate waits for both; the report draws the graph."""
+    monkeypatch.setenv("PT_OK_SLEEP_S", "3")
+    rm = {"kind": "reward", "name": "rm", "from": "ingest", "data": {"synthetic": {}}}
+    recipe = _recipe(tmp_path / "ws", stages=[rm])
+    recipe.infra.parallel_stages = 2
+    result = post_train(recipe)
+    assert _statuses(result) == dict.fromkeys(["ingest", *PLANNED[1:2], "rm", *PLANNED[2:]], "ran")
+    uris = {s["stage"]: Path(s["uri"]) for s in result["stages"]}
+    span = {n: json.loads((uris[n] / "logs" / "span.json").read_text()) for n in uris}
+    assert span["sft"][0] < span["rm"][1] and span["rm"][0] < span["sft"][1], span
+    assert span["evaluate"][0] >= max(span["sft"][1], span["rm"][1])
+    run_dir = Path(result["run_dir"])
+    assert (run_dir / "graph.png").stat().st_size > 5_000
+    assert "![stage graph](graph.png)" in (run_dir / "report.md").read_text()
