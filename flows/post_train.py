@@ -186,6 +186,17 @@ def _record_run(
     }
 
 
+# Inputs the graph image leaves out: every stage reads the base, and evaluate/export also read
+# their policy's parent and held-out source; drawn, they hide the chain. A stage whose only
+# input is the base keeps that edge.
+IMPLIED_ROLES = ("base", "parent", "heldout")
+
+
+def _drawn(roles: dict[str, str]) -> dict[str, str]:
+    kept = {r: n for r, n in roles.items() if r not in IMPLIED_ROLES}
+    return kept or {r: n for r, n in roles.items() if r == "base"}
+
+
 def graph_nodes(recipe: Recipe, records: list[StageRecord]) -> list[GraphNode]:
     """The run's stages for the graph image: each record with its status, inputs and headline,
     and the stages the run did not reach (after a failure) as pending."""
@@ -194,7 +205,7 @@ def graph_nodes(recipe: Recipe, records: list[StageRecord]) -> list[GraphNode]:
             r.stage,
             r.kind or r.stage,
             "cached" if r.reused_result else ("failed" if r.error else r.status),
-            dict(r.roles),
+            _drawn(r.roles),
             {k: v for k, v in r.headline.items() if isinstance(v, int | float)},
         )
         for r in records
@@ -205,7 +216,7 @@ def graph_nodes(recipe: Recipe, records: list[StageRecord]) -> list[GraphNode]:
     last = [k.name for k in KINDS.values() if k.placement == "last"]
     for name in [*first, *graph.names(), *last]:
         if name not in seen:
-            links = dict(graph.get(name).links) if name in graph else {}
+            links = _drawn(dict(graph.get(name).links)) if name in graph else {}
             kind = graph.get(name).kind.name if name in graph else name
             nodes.append(GraphNode(name, kind, "pending", links, {}))
             seen.add(name)

@@ -62,9 +62,11 @@ def test_chain_runs_evaluates_each_link_and_reruns_from_an_edit(
     ev = _summary(by["evaluate"]["uri"])
     assert (ev["policy"], ev["parent"]) == ("grpo", "dpo")
     assert {"base_loss", "tuned_loss", "parent_loss", "win_rate_vs_parent"} <= set(ev["headline"])
-    assert list(ev["policies"]) == ["sft", "dpo", "grpo"]
-    assert [r["parent"] for r in ev["policies"].values()] == ["ingest", "sft", "dpo"]
+    # The base first: sft started from it.
+    assert list(ev["policies"]) == ["ingest", "sft", "dpo", "grpo"]
+    assert [r["parent"] for r in ev["policies"].values()] == ["", "ingest", "sft", "dpo"]
     assert all("loss" in r and "exact_match" in r for r in ev["policies"].values())
+    assert ev["policies"]["ingest"]["loss"] == pytest.approx(ev["headline"]["base_loss"], abs=1e-4)
     assert all("win_rate_vs_parent" in r for n, r in ev["policies"].items() if n != "sft")
     report = (Path(first["run_dir"]) / "report.md").read_text()
     assert "## Along the chain" in report and "| grpo | grpo | dpo |" in report

@@ -64,6 +64,8 @@ KIND = StageKind(
     help="Evaluation of the final policy (and `policies`).",
     order=900,
     produces="evaluation",
+    # 2: scores against the policy's parent (parent_loss, win_rate_vs_parent), not SFT.
+    version="2",
     consumes=("policy",),
     placement="last",
     timeout_s=3600,

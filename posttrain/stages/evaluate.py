@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from posttrain import jsonsafe
+from posttrain.config.graph import BASE
 from posttrain.data.batching import pad_batch
 from posttrain.data.chat import prompt_text
 from posttrain.data.sft_data import saved_split, tokenize_rows, write_rows
@@ -214,14 +215,18 @@ def compare_policies(
     prompts: list,
     refs: list,
     device: Any,
+    base: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """`evaluate.policies` side by side, each against its parent: held-out loss, greedy exact
-    match, reward-model win-rate (what each link of the chain gained)."""
+    match, reward-model win-rate (what each link of the chain gained). `base`: the base
+    model's loss and exact match, shown first when a listed policy started from the base."""
     cfg = ctx.recipe.evaluate
     graph = ctx.recipe.graph()
     final = ctx.roles["policy"]
     chunk = ctx.recipe.infra.logits_chunk_tokens
     out: dict[str, Any] = {}
+    if base and any(graph.parent(n) == BASE for n in cfg.policies):
+        out[BASE] = {"kind": "base", "parent": "", **base}
     for n in cfg.policies:
         parent = graph.parent(n)
         row: dict[str, Any] = {"kind": graph.get(n).kind.name, "parent": parent}
