@@ -402,7 +402,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
     prefs, rm = preference_metrics(ctx, model, tok, device)
     report |= prefs
     if cfg.policies:
-        report["policies"] = compare_policies(ctx, model, tok, rm, examples, prompts, refs, device)
+        base_row = {"loss": base_scores["loss"]} if base_scores else {}
+        if "base" in exact:
+            base_row["exact_match"] = exact["base"]
+        report["policies"] = compare_policies(
+            ctx, model, tok, rm, examples, prompts, refs, device, base_row
+        )
     (ctx.out_dir / "eval.json").write_text(jsonsafe.dumps(report, indent=2))
     headline: dict[str, float] = {}
     if heldout is not None:
