@@ -151,6 +151,10 @@ def test_evaluate_and_export_roles_along_a_chain() -> None:
         ),
         ([sft(**{"from": "sft"})], "stages.sft.from: a stage cannot take its own output"),
         (
+            [sft(), stage("dpo", reference="ingest")],
+            "stages.dpo.reference: the raw base is not a reference",
+        ),
+        (
             [sft("a", **{"from": "b"}), sft("b", **{"from": "a"})],
             "wait on each other (a cycle)",
         ),

@@ -207,6 +207,11 @@ def _link_problem(
         return None
     if what not in ("policy", "base"):
         return f"{target!r} produces a {what}, not a policy to start from"
+    if role == "reference" and what == "base":
+        return (
+            "the raw base is not a reference: name a policy stage (by default the reference "
+            "is the policy the stage starts from)"
+        )
     base_start = role == "policy" and what == "base" and kind.produces == "policy"
     if base_start and not kind.new_adapter_from_base:
         return (
