@@ -167,7 +167,7 @@ _RecipeFields = create_model(  # type: ignore[call-overload]
             default_factory=list,
             description="The stage graph beyond the shorthand sections: entries with `kind`, "
             "`name`, their kind's fields and links (`from`, `reference`, `reward_model`). "
-            "Shorthand sections run first, in chain order; see docs/recipes.md#stage-graphs.",
+            "Shorthand sections run first, in chain order; see docs/operations.md, Stage graphs.",
         ),
     ),
     evaluate=(EvaluateConfig, Field(default_factory=EvaluateConfig, description="Evaluation.")),
