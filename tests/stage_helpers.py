@@ -64,18 +64,20 @@ def write_recipe(folder: Path, data: dict | None = None) -> Path:
     return path
 
 
-def run_inprocess(stage: str, recipe: Path, *overrides: str) -> Path:
-    """Run one stage through its real entry point in this process; returns its output folder."""
+def run_inprocess(stage: str, recipe: Path, *overrides: str, name: str | None = None) -> Path:
+    """Run one stage of kind `stage` (the one named `name` when the recipe has several) through
+    its real entry point in this process; returns its output folder."""
     from posttrain.stages.common import stage_main
 
     module = importlib.import_module(KINDS[stage].module)
+    which = ["--stage", name] if name else []
     stage_main(
         module.run,
         kind=stage,
         distributed=KINDS[stage].distributed,
-        argv=["--recipe", str(recipe), *overrides],
+        argv=["--recipe", str(recipe), *which, *overrides],
     )
-    return planned_dir(stage, recipe, *overrides)
+    return planned_dir(name or stage, recipe, *overrides)
 
 
 def planned_dir(stage: str, recipe: Path, *overrides: str) -> Path:

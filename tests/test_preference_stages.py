@@ -207,3 +207,31 @@ def test_evaluate_reports_preference_metrics(pref) -> None:
         s["headline"]
     )
     assert (out / "win_rate_samples.jsonl").exists()
+
+
+def test_second_sft_round_continues_the_policy_adapter(pref, tmp_path: Path) -> None:
+    """`stages: [{kind: sft, name: sft2, from: dpo}]`: a second SFT round (rejection-sampling
+    SFT, say) trains the DPO policy's adapter further, its shape kept, from its weights."""
+    import yaml
+    from safetensors.torch import load_file
+
+    data = yaml.safe_load(pref["recipe"].read_text())
+    data["stages"] = [
+        {**copy.deepcopy(PREF["sft"]), "kind": "sft", "name": "sft2", "from": "dpo", "max_steps": 2}
+    ]
+    data["stages"][0]["lora"] = {"r": 2, "alpha": 4}  # ignored: the adapter is DPO's
+    recipe = tmp_path / "round2.yaml"
+    recipe.write_text(yaml.safe_dump(data))
+    out = run_inprocess("sft", recipe, name="sft2")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert ref_from_manifest(pref["dpo"]).fingerprint in manifest["parents"]
+    dpo = load_file(pref["dpo"] / "adapter" / "adapter_model.safetensors")
+    mine = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert mine.keys() == dpo.keys()
+    key = next(k for k in dpo if "lora_A" in k)
+    assert mine[key].shape == dpo[key].shape and mine[key].shape[0] == 8  # DPO's (SFT's) rank
+    # Trained on from DPO's weights: every tensor moved, and by far less than DPO's B matrices
+    # are from zero (a fresh adapter would start with B = 0).
+    moved = max((mine[k] - dpo[k]).abs().max().item() for k in dpo)
+    b_size = max(dpo[k].abs().max().item() for k in dpo if "lora_B" in k)
+    assert 0 < moved < 0.5 * b_size, (moved, b_size)  # measured: 0.015 vs 0.095
