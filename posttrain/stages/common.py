@@ -106,6 +106,20 @@ class StageContext:
         return json.loads((self.parent_dir(name) / "manifest.json").read_text())
 
 
+def training_base(ctx: StageContext) -> tuple[Any, Any, Any]:
+    """(model, tokenizer, weights) of the base a training stage builds on: its `base` role's
+    checkpoint, sharded-loadable, in `infra.base_dtype`, with `infra.attention`
+    (posttrain.models.loading.base_for_training)."""
+    from posttrain.models.loading import base_dtype, base_for_training
+
+    return base_for_training(
+        ctx.role_dir("base"),
+        ctx.role_manifest("base"),
+        base_dtype(ctx.recipe.infra),
+        ctx.recipe.infra.attention,
+    )
+
+
 def seed_everything(seed: int) -> None:
     import numpy as np
     import torch

@@ -32,10 +32,9 @@ from posttrain.data.pref_prepare import guard_template, prepare
 from posttrain.data.sft_data import write_splits
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import REFERENCE, active_adapter, policy_with_reference
-from posttrain.models.loading import base_dtype, base_for_training
 from posttrain.models.lora import prepare_for_training
 from posttrain.models.reward import pair_batch
-from posttrain.stages.common import StageContext, stage_main
+from posttrain.stages.common import StageContext, stage_main, training_base
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.chunked import pair_logps
@@ -196,12 +195,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     seed = ctx.recipe.run.seed
     chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
 
-    base, tok, weights = base_for_training(
-        ctx.role_dir("base"),
-        ctx.role_manifest("base"),
-        base_dtype(ctx.recipe.infra),
-        ctx.recipe.infra.attention,
-    )
+    base, tok, weights = training_base(ctx)
     parent_sha = ctx.role_manifest("policy")["summary"].get("chat_template_sha256")
     template_sha = guard_template(tok, parent_sha, ctx.name, cfg, ctx.roles["policy"])
     data = prepare(cfg.data, tok, seed)

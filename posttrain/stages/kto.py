@@ -34,9 +34,8 @@ from posttrain.data.pref_prepare import guard_template, prepare_unpaired
 from posttrain.data.sft_data import write_splits
 from posttrain.distributed.runtime import all_reduce_sum, all_reduce_tensor, rank_batches
 from posttrain.models.adapters import REFERENCE, active_adapter, policy_with_reference
-from posttrain.models.loading import base_dtype, base_for_training
 from posttrain.models.lora import prepare_for_training
-from posttrain.stages.common import StageContext, stage_main
+from posttrain.stages.common import StageContext, stage_main, training_base
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.chunked import forward_sequence_logps
@@ -211,12 +210,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     max_len = cfg.data.max_seq_len
     start = starting_adapter(ctx)
 
-    base, tok, weights = base_for_training(
-        ctx.role_dir("base"),
-        ctx.role_manifest("base"),
-        base_dtype(ctx.recipe.infra),
-        ctx.recipe.infra.attention,
-    )
+    base, tok, weights = training_base(ctx)
     template_sha = guard_template(
         tok, start.chat_template_sha256, ctx.name, cfg, ctx.roles["policy"]
     )

@@ -45,10 +45,9 @@ from posttrain.distributed.runtime import (
 )
 from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.models.adapters import POLICY, REFERENCE
-from posttrain.models.loading import base_dtype, base_for_training
 from posttrain.models.lora import prepare_for_training
 from posttrain.models.roles import REWARD, VALUE, build_roles
-from posttrain.stages.common import StageContext
+from posttrain.stages.common import StageContext, training_base
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot, train_flops_per_token
 from posttrain.train.checkpoint import data_position
@@ -274,12 +273,7 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
     seed = ctx.recipe.run.seed
     chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
 
-    base, tok, weights = base_for_training(
-        ctx.role_dir("base"),
-        ctx.role_manifest("base"),
-        base_dtype(ctx.recipe.infra),
-        ctx.recipe.infra.attention,
-    )
+    base, tok, weights = training_base(ctx)
     template_sha = guard_template(
         tok,
         ctx.role_manifest("policy")["summary"].get("chat_template_sha256"),

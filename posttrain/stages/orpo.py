@@ -29,10 +29,9 @@ from posttrain.data.sft_data import write_splits
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.kinds.orpo import ORPOConfig
 from posttrain.models.adapters import trainable_adapter
-from posttrain.models.loading import base_dtype, base_for_training
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.models.reward import pair_batch
-from posttrain.stages.common import StageContext, stage_main
+from posttrain.stages.common import StageContext, stage_main, training_base
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.chunked import pair_logps
@@ -97,12 +96,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     seed = ctx.recipe.run.seed
     chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
 
-    base, tok, weights = base_for_training(
-        ctx.role_dir("base"),
-        ctx.role_manifest("base"),
-        base_dtype(ctx.recipe.infra),
-        ctx.recipe.infra.attention,
-    )
+    base, tok, weights = training_base(ctx)
     adapter = start_adapter(ctx)
     # The policy it starts from recorded the template it learnt (from the base: ingest's).
     recorded = ctx.role_manifest("policy")["summary"].get("chat_template_sha256")

@@ -28,9 +28,8 @@ from posttrain.data.chat import IGNORE, template_sha256
 from posttrain.data.sft_data import prepare, write_splits
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import trainable_adapter
-from posttrain.models.loading import base_dtype, base_for_training
 from posttrain.models.lora import apply_lora, prepare_for_training
-from posttrain.stages.common import StageContext, stage_main
+from posttrain.stages.common import StageContext, stage_main, training_base
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot, read_metrics
 from posttrain.train.chunked import forward_nll_sum
@@ -80,12 +79,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     seed = ctx.recipe.run.seed
     chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
 
-    model, tok, weights = base_for_training(
-        ctx.role_dir("base"),
-        ctx.role_manifest("base"),
-        base_dtype(ctx.recipe.infra),
-        ctx.recipe.infra.attention,
-    )
+    model, tok, weights = training_base(ctx)
     data = prepare(cfg.data, tok, seed)
     if ctx.is_main:
         write_splits(ctx.out_dir, data.train_rows, data.eval_rows)
