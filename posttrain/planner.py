@@ -28,19 +28,25 @@ from posttrain.hub import RepoType, is_hub_id, resolve_sha
 from posttrain.kinds import KINDS, StageKind
 
 
-def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
+def stage_inputs(
+    recipe: Recipe, name: str, graph: StageGraph | None = None
+) -> tuple[dict[str, Any], Any]:
     """(recipe-derived inputs, outside-world inputs) that determine a stage's output.
 
     Only what changes the result goes in: timeouts, workspace, run name and a stage's own name
     do not (renaming a stage reuses its artifact).
     """
-    graph = recipe.graph()
+    # `plan` passes the graph it built: rebuilding it per stage re-validates the recipe and
+    # re-reads its template files every time.
+    graph = graph or recipe.graph()
     kind = KINDS[name] if name in KINDS and KINDS[name].placement != "graph" else None
     if kind is None:
         node = graph.get(name)
-        kind, section = node.kind, node.section_fields()
+        kind, own = node.kind, node.section
+        section = node.section_fields()
     else:
-        section = getattr(recipe, name).model_dump(mode="json")
+        own = getattr(recipe, name)
+        section = own.model_dump(mode="json")
     numerics = {
         "seed": recipe.run.seed,
         "precision": recipe.infra.precision,
@@ -98,7 +104,7 @@ def stage_inputs(recipe: Recipe, name: str) -> tuple[dict[str, Any], Any]:
                 mode="json", include={"loss_spike_k", "loss_spike_window", "loss_spike_min_history"}
             )
     # A template file's text decides the result, not its name: fingerprint its content.
-    template = getattr(recipe.stage(name), "chat_template", None)
+    template = getattr(own, "chat_template", None)
     if template and looks_like_template_file(template) and Path(template).is_file():
         extra = {**(extra or {}), "chat_template": path_identity(template)}
     # Only recipes with hub ids get the key, so local-path recipes keep their fingerprints.
@@ -146,7 +152,7 @@ def stage_roles(recipe: Recipe, graph: StageGraph, kind: StageKind, name: str) -
         return {}
     if kind.placement == "graph":
         return {"base": BASE, **graph.get(name).links}
-    chosen = getattr(recipe.stage(name), "policy", None)
+    chosen = getattr(getattr(recipe, name), "policy", None)
     final = chosen or graph.final_policy()
     assert final is not None  # the schema requires a policy stage
     roles = {"base": BASE, "policy": final}
@@ -192,7 +198,7 @@ def plan(recipe: Recipe) -> list[PlannedStage]:
             reads |= set(evaluate_reads(recipe, graph))
         # In run order: the fingerprint hashes the parents' prints in this order.
         parents = {p: fps[p] for p in order if p in reads and p in fps}
-        inputs, extra = stage_inputs(recipe, name)
+        inputs, extra = stage_inputs(recipe, name, graph)
         fp = fingerprint(kind.name, kind.version, inputs, list(parents.values()), extra)
         fps[name] = fp
         nprocs = int(recipe.infra.devices_per_node) if kind.distributed else 1

@@ -69,14 +69,22 @@ def _prompts(ctx: StageContext, stage: str, n: int) -> list[Any]:
 
 
 def _win_rate(
-    ctx: StageContext, model: Any, tok: Any, rm: Any, policy: str, parent: str
+    ctx: StageContext,
+    model: Any,
+    tok: Any,
+    rm: Any,
+    policy: str,
+    parent: str,
+    fallback: list[Any] | None = None,
 ) -> dict[str, Any] | None:
-    """`policy`'s answers vs its parent's on `policy`'s held-out prompts, judged by the reward
-    model; None when the stage kept no prompts."""
+    """`policy`'s answers vs its parent's on `policy`'s held-out prompts (else `fallback`'s),
+    judged by the reward model; None when there are no prompts."""
     from posttrain.eval.preference_eval import win_rate
 
     cfg = ctx.recipe.evaluate
-    prompts = _prompts(ctx, policy, cfg.win_rate_prompts)
+    prompts = (
+        _prompts(ctx, policy, cfg.win_rate_prompts) or (fallback or [])[: cfg.win_rate_prompts]
+    )
     if not prompts:
         return None
     name = ADAPTER if policy == ctx.roles["policy"] else policy
@@ -238,24 +246,10 @@ def compare_policies(
             if any(x.strategy == "greedy" for x in cfg.sampling):
                 row["exact_match"] = _exact(model, adapter, tok, list(prompts), list(refs), ctx)
         if rm is not None and parent in graph:
-            from posttrain.eval.preference_eval import win_rate
-
-            own = _prompts(ctx, n, cfg.win_rate_prompts) or [
-                [{"role": "user", "content": p}] for p in list(prompts)[: cfg.win_rate_prompts]
-            ]
-            wr = win_rate(
-                model,
-                tok,
-                rm,
-                own,
-                adapter,
-                ADAPTER if parent == final else parent,
-                cfg.win_rate_sampling,
-                ctx.recipe.run.seed,
-                cfg.batch_size,
-            )
-            wr.pop("examples", None)
-            row["win_rate_vs_parent"] = wr["win_rate"]
+            turns = [[{"role": "user", "content": p}] for p in prompts]
+            wr = _win_rate(ctx, model, tok, rm, n, parent, turns)
+            if wr is not None:
+                row["win_rate_vs_parent"] = wr["win_rate"]
         out[n] = row
         log.info(
             "policy %s (from %s): %s",
