@@ -28,7 +28,13 @@ from flows.prefect_env import apply_prefect_defaults, prefect_target
 from flows.report import StageRecord, recovery_lines, summary_table, text_table
 from posttrain.artifacts import read_manifest, verify
 from posttrain.config.loader import RecipeError, load_recipe
-from posttrain.config.reach import ALLOWED_ENV, served_roots, with_roots
+from posttrain.config.reach import (
+    ALLOWED_ENV,
+    REWARDS_ENV,
+    served_reward_roots,
+    served_roots,
+    with_roots,
+)
 from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS
 from posttrain.planner import plan
@@ -231,13 +237,18 @@ def _server_url(err: TextIO) -> str | None:
 
 
 def cmd_serve(
-    paths: list[str], out: TextIO, err: TextIO, allow_paths: list[str] | None = None
+    paths: list[str],
+    out: TextIO,
+    err: TextIO,
+    allow_paths: list[str] | None = None,
+    allow_rewards: list[str] | None = None,
 ) -> int:
     """Serve one deployment per recipe until stopped (SIGINT/SIGTERM); runs execute here."""
-    bad = [p for p in allow_paths or [] if not p.startswith(("/", "~"))]
-    if bad:
-        print(f"error: --allow-path needs absolute folders, got {', '.join(bad)}", file=err)
-        return EXIT_INVALID
+    for flag, given in (("--allow-path", allow_paths), ("--allow-rewards", allow_rewards)):
+        bad = [p for p in given or [] if not p.startswith(("/", "~"))]
+        if bad:
+            print(f"error: {flag} needs absolute folders, got {', '.join(bad)}", file=err)
+            return EXIT_INVALID
     recipes = []
     for path in paths:
         recipe = load_or_report(path, [], err, devices=False)
@@ -250,6 +261,11 @@ def cmd_serve(
     trusted = [*(allow_paths or []), *(p for _, r in recipes for p in served_roots(r))]
     os.environ[ALLOWED_ENV] = with_roots(os.environ.get(ALLOWED_ENV), trusted)
     print(f"served runs may read from: {os.environ[ALLOWED_ENV]}", file=out, flush=True)
+    # Reward code likewise: the operator's folders and the served recipes' own reward modules.
+    code = [*(allow_rewards or []), *(p for _, r in recipes for p in served_reward_roots(r))]
+    os.environ[REWARDS_ENV] = with_roots(os.environ.get(REWARDS_ENV), code)
+    if os.environ[REWARDS_ENV]:
+        print(f"served runs may import reward code from: {os.environ[REWARDS_ENV]}", file=out)
     if _server_url(err) is None:
         return EXIT_INVALID
     apply_prefect_defaults()
@@ -393,6 +409,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a folder served runs may read from besides the served recipes' workspaces and "
         f"allowed paths (repeatable; added to ${ALLOWED_ENV})",
     )
+    p.add_argument(
+        "--allow-rewards",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder served runs may import reward functions from, besides posttrain.rewards "
+        f"and the served recipes' own reward modules (repeatable; added to ${REWARDS_ENV})",
+    )
     p = sub.add_parser(
         "submit",
         help="start a run of a served deployment and print its URL",
@@ -426,7 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "launch":
         return cmd_launch(args.stage, str(args.recipe), args.overrides, out, err)
     if args.command == "serve":
-        return cmd_serve([str(p) for p in args.recipes], out, err, args.allow_path)
+        return cmd_serve(
+            [str(p) for p in args.recipes], out, err, args.allow_path, args.allow_rewards
+        )
     if args.command == "submit":
         return cmd_submit(str(args.recipe), args.overrides, out, err, args.wait)
     if args.command == "publish-base":

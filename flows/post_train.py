@@ -33,12 +33,13 @@ from flows.report import (
     metrics_table,
 )
 from flows.schedule import device_slots, run_stages
-from flows.served import check_served
+from flows.served import check_served, is_served_run
 from flows.stage_output import artifact_key
 from flows.stage_procs import kill_flow_run_processes
 from flows.stage_task import launch, stage_task_for
 from posttrain.artifacts import ArtifactRef, read_manifest
 from posttrain.config.loader import resolve
+from posttrain.config.reach import reward_roots
 from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS
 from posttrain.planner import PlannedStage, plan, write_spec
@@ -301,7 +302,9 @@ def post_train(recipe: Recipe) -> dict[str, Any]:
     artifact exists, then the promotion gate; all while holding the device set's slot."""
     # A served run's recipe came from whoever sent it: it may only narrow the worker's folders.
     check_served(recipe)
-    recipe = resolve(recipe)  # idempotent; a UI or deployment run arrives unresolved
+    # Idempotent; a UI or deployment run arrives unresolved, and imports reward code only from
+    # the worker's reward folders.
+    recipe = resolve(recipe, code_roots=reward_roots() if is_served_run() else None)
     run_id, launcher = _new_run_id(), stage_task_for(recipe.run.workspace)
     records: list[StageRecord] = []
     slot = device_set_name(recipe)

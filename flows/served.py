@@ -12,7 +12,7 @@ from __future__ import annotations
 from prefect.context import FlowRunContext
 
 from posttrain.config.loader import RecipeError
-from posttrain.config.reach import ALLOWED_ENV, check_served_reach, worker_roots
+from posttrain.config.reach import ALLOWED_ENV, REWARDS_ENV, check_served_reach, worker_roots
 from posttrain.config.schema import Recipe
 
 
@@ -28,10 +28,13 @@ def check_served(recipe: Recipe) -> None:
         return
     ctx = FlowRunContext.get()
     job_env = ((ctx.flow_run.job_variables or {}) if ctx and ctx.flow_run else {}).get("env")
-    if isinstance(job_env, dict) and ALLOWED_ENV in job_env:
+    if isinstance(job_env, dict) and (env := {ALLOWED_ENV, REWARDS_ENV} & set(job_env)):
         # A work-pool worker would put a run's job variables into this process's environment.
         raise RecipeError(
-            [f"job_variables.env.{ALLOWED_ENV}: set by the run; only the worker may set it"],
+            [
+                f"job_variables.env.{k}: set by the run; only the worker may set it"
+                for k in sorted(env)
+            ],
             "served run",
         )
     check_served_reach(recipe, worker_roots())

@@ -69,6 +69,18 @@ def stage_inputs(
         for key in ("policies", "policy"):
             if section.get(key) in ([], None):
                 section.pop(key, None)
+        own_verifiers = getattr(own, "verifiers", None)
+        if own_verifiers:
+            section["verifiers"] = [reward_identity(v) for v in own_verifiers]
+        # The verifier report's fields (added since): left out at their defaults.
+        fields = type(own).model_fields
+        for key in ("verifiers", "pass_threshold", "pass_prompts", "pass_k", "pass_samples"):
+            if key in fields and section.get(key) == fields[key].get_default():
+                section.pop(key)
+        if "pass_sampling" in fields:
+            default_sampling = fields["pass_sampling"].get_default(call_default_factory=True)
+            if section.get("pass_sampling") == default_sampling.model_dump(mode="json"):
+                section.pop("pass_sampling")
     elif kind.trains:
         node = graph.get(name)
         if recipe.infra.base_dtype == "bf16":  # the training stages' base; fp32 keeps old prints
@@ -96,6 +108,14 @@ def stage_inputs(
                 section["data"].pop(key, None)
         if not data.columns:
             section["data"].pop("columns", None)
+        # Reward functions: their code decides the result, not where its file lies.
+        rewards = getattr(node.section, "rewards", None)
+        if rewards:
+            section["rewards"] = [reward_identity(spec) for spec in rewards]
+        else:
+            section.pop("rewards", None)
+        if section.get("reward_model_weight") == 1.0:
+            section.pop("reward_model_weight")
         # The guard's spike test decides which finite updates are applied: part of the result.
         # Its stop rule (max_bad_steps, window) only decides whether a stage fails, and skipping
         # non-finite steps is always on, so a spike-free recipe's fingerprint stays as it was.
@@ -110,6 +130,19 @@ def stage_inputs(
     # Only recipes with hub ids get the key, so local-path recipes keep their fingerprints.
     hub = {"hub": hub_inputs} if hub_inputs else {}
     return {"section": section, **numerics, **hub}, extra
+
+
+def reward_identity(spec: Any) -> dict[str, Any]:
+    """A reward function's part of the fingerprint: its name, weight, bound kwargs and its
+    module's source (sha256), not the module's path."""
+    from posttrain.rewards.loader import source_file, source_sha256
+    from posttrain.rewards.spec import split_ref
+
+    out = spec.model_dump(mode="json", exclude={"fn"})
+    return out | {
+        "function": split_ref(spec.fn)[1],
+        "source_sha256": source_sha256(source_file(spec.fn)),
+    }
 
 
 def hub_record(repo_id: str, revision: str, repo_type: RepoType) -> dict[str, str]:
@@ -164,6 +197,8 @@ def stage_roles(recipe: Recipe, graph: StageGraph, kind: StageKind, name: str) -
     if kind.produces == "evaluation":
         if rm is not None:
             roles["reward_model"] = rm
+        if (verifier := graph.verifier_source(final)) is not None:
+            roles["verifier"] = verifier
     else:
         evaluation = next(k.name for k in KINDS.values() if k.produces == "evaluation")
         roles["evaluation"] = evaluation

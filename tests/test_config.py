@@ -203,8 +203,8 @@ def test_shorthand_policy_sections_chain() -> None:
 def test_rl_needs_a_reward_model() -> None:
     errs = errors_of({**MINIMAL, "grpo": PROMPTS})
     assert errs == [
-        "grpo.reward_model: a grpo stage needs a reward model: add a reward stage before it or "
-        "name one"
+        "grpo.reward_model: a grpo stage needs a reward: add a reward stage before it, name "
+        "one, or list reward functions in `rewards`"
     ]
 
 

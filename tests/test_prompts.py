@@ -15,12 +15,40 @@ USER = {"role": "user", "content": "What is 2 + 3?"}
 REPLY = {"role": "assistant", "content": "5"}
 
 
+def _msgs(row: dict) -> list:
+    return check_prompt_row(row, "x")["messages"]
+
+
 def test_prompt_formats() -> None:
-    assert check_prompt_row({"prompt": "hi"}, "x") == [{"role": "user", "content": "hi"}]
-    assert check_prompt_row({"prompt": [USER], "chosen": "a", "rejected": "b"}, "x") == [USER]
+    assert _msgs({"prompt": "hi"}) == [{"role": "user", "content": "hi"}]
+    assert _msgs({"prompt": [USER], "chosen": "a", "rejected": "b"}) == [USER]
     # messages: the prompt is everything before the last assistant turn
-    assert check_prompt_row({"messages": [USER, REPLY]}, "x") == [USER]
-    assert check_prompt_row({"messages": [USER, REPLY, USER]}, "x") == [USER, REPLY, USER]
+    assert _msgs({"messages": [USER, REPLY]}) == [USER]
+    assert _msgs({"messages": [USER, REPLY, USER]}) == [USER, REPLY, USER]
+
+
+def test_other_fields_are_columns_and_a_final_reply_is_the_answer() -> None:
+    row = check_prompt_row({"prompt": "What is 2 + 3?", "answer": "5", "level": 1}, "x")
+    assert row["columns"] == {"answer": "5", "level": 1}
+    # SFT rows double as prompts with references: the reply they end with is the answer ...
+    assert check_prompt_row({"messages": [USER, REPLY]}, "x")["columns"] == {"answer": "5"}
+    # ... unless the row has its own.
+    given = check_prompt_row({"messages": [USER, REPLY], "answer": "five"}, "x")
+    assert given["columns"] == {"answer": "five"}
+    assert check_prompt_row({"messages": [USER, REPLY, USER]}, "x")["columns"] == {}
+
+
+def test_gsm8k_rows_through_a_column_map(tmp_path: Path) -> None:
+    from posttrain.data.loading import DataSource
+
+    path = tmp_path / "gsm8k.jsonl"
+    row = {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = 7\n#### 7"}
+    path.write_text(json.dumps(row) + "\n")
+    located, _ = read_prompt_rows(DataSource(str(path), columns={"question": "prompt"}))
+    ((where, got),) = located
+    assert where == f"{path}:1"
+    assert got["messages"] == [{"role": "user", "content": row["question"]}]
+    assert got["columns"] == {"answer": "3 + 4 = 7\n#### 7"}
 
 
 @pytest.mark.parametrize(

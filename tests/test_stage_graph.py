@@ -136,7 +136,7 @@ def test_evaluate_and_export_roles_along_a_chain() -> None:
         ),
         (
             [sft(), stage("ppo")],
-            "stages.ppo.reward_model: a ppo stage needs a reward model",
+            "stages.ppo.reward_model: a ppo stage needs a reward: add a reward stage",
         ),
         (
             [sft(), stage("reward"), stage("ppo", reward_model="sft")],

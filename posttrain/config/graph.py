@@ -103,6 +103,13 @@ class StageGraph:
         rows measure held-out loss and exact match)."""
         return next((n for n in self.lineage(name) if self.get(n).kind.data == "messages"), None)
 
+    def verifier_source(self, name: str) -> str | None:
+        """The nearest stage of `name`'s lineage scored by reward functions (`rewards`): its
+        functions and held-out prompts are evaluate's verifiers by default."""
+        return next(
+            (n for n in self.lineage(name) if getattr(self.get(n).section, "rewards", None)), None
+        )
+
     def reward_models(self) -> list[str]:
         return [s.name for s in self.stages if s.kind.produces == "reward_model"]
 
@@ -157,10 +164,13 @@ def build_graph(recipe: Any) -> StageGraph:
                     errors.append(f"{where}.{fld}: a {kind.name} stage takes no {fld}")
                 continue
             target = given if given is not None else _default(role, before, produces, links)
+            if role == "reward_model" and given is None and getattr(section, "rewards", None):
+                # Scored by its reward functions: a reward model joins only when named.
+                continue
             if target is None:
                 errors.append(
-                    f"{where}.{fld}: a {kind.name} stage needs a reward model: add a reward "
-                    "stage before it or name one"
+                    f"{where}.{fld}: a {kind.name} stage needs a reward: add a reward stage "
+                    "before it, name one, or list reward functions in `rewards`"
                 )
                 continue
             if problem := _link_problem(role, target, n, produces, kind):

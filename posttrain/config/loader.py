@@ -227,9 +227,15 @@ def _bf16_supported() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
-def resolve(recipe: Recipe, recipe_dir: str | os.PathLike[str] | None = None) -> Recipe:
+def resolve(
+    recipe: Recipe,
+    recipe_dir: str | os.PathLike[str] | None = None,
+    code_roots: list[Path] | None = None,
+) -> Recipe:
     """Make every `auto` concrete and every path absolute; check batch arithmetic and that
-    every input path stays inside the allowed folders (`resolve_paths`)."""
+    every input path stays inside the allowed folders (`resolve_paths`; `code_roots`: where
+    reward functions may come from instead of the recipe's folder and run.allowed_paths, for a
+    served run)."""
     r = recipe.model_copy(deep=True)
     infra = r.infra
     gpus = None
@@ -264,7 +270,7 @@ def resolve(recipe: Recipe, recipe_dir: str | os.PathLike[str] | None = None) ->
             "~100x slower than fp32 here; use fp32 (or precision: auto)"
         )
     try:
-        r = resolve_paths(r, recipe_dir)
+        r = resolve_paths(r, recipe_dir, code_roots)
     except RecipeError as exc:
         errors.extend(exc.errors)
     errors.extend(hub_id_errors(r))
@@ -300,6 +306,43 @@ def input_paths(recipe: Recipe) -> dict[str, str]:
             if value and not is_hub_id(value):
                 out[f"{s.where}.data.{attr}"] = value
     return out
+
+
+def reward_specs(recipe: Recipe) -> dict[str, Any]:
+    """{field path: RewardSpec} of every reward function the recipe names
+    (`grpo.rewards.0`, `stages.rl2.rewards.1`, `evaluate.verifiers.0`)."""
+    out = {
+        f"{s.where}.rewards.{i}": spec
+        for s in recipe.graph()
+        for i, spec in enumerate(getattr(s.section, "rewards", None) or [])
+    }
+    for i, spec in enumerate(recipe.evaluate.verifiers or []):
+        out[f"evaluate.verifiers.{i}"] = spec
+    return out
+
+
+def _resolve_rewards(
+    r: Recipe, code_roots: list[Path], implicit: Path | None, errors: list[str]
+) -> Path | None:
+    """Point each user reward function at its module's absolute file (`/dir/mod.py:fn`), found
+    in the recipe's folder or run.allowed_paths only (no current directory, no workspace: code
+    is not data). Returns the recipe's folder when a module was found there, else None."""
+    from posttrain.rewards.loader import RewardLoadError, locate
+    from posttrain.rewards.spec import is_builtin, split_ref
+
+    needed = None
+    for where, spec in reward_specs(r).items():
+        if is_builtin(spec.fn):
+            continue
+        try:
+            path = locate(spec.fn, code_roots)
+        except RewardLoadError as exc:
+            errors.append(f"{where}.fn: {exc}")
+            continue
+        if implicit is not None and _inside(path, implicit):
+            needed = implicit
+        spec.fn = f"{path}:{split_ref(spec.fn)[1]}"
+    return needed
 
 
 def _owner(recipe: Recipe, path: str) -> Any:
@@ -353,7 +396,11 @@ def _real(value: str, where: str, errors: list[str]) -> Path | None:
         return None
 
 
-def resolve_paths(recipe: Recipe, recipe_dir: str | os.PathLike[str] | None = None) -> Recipe:
+def resolve_paths(
+    recipe: Recipe,
+    recipe_dir: str | os.PathLike[str] | None = None,
+    code_roots: list[Path] | None = None,
+) -> Recipe:
     """A copy with the workspace and every data/model path absolute (against the current
     directory), symlinks resolved. What `posttrain serve`/`submit` send: paths are the sender's,
     while `auto` devices and precision stay for the machine that runs the flow to resolve.
@@ -402,6 +449,19 @@ def resolve_paths(recipe: Recipe, recipe_dir: str | os.PathLike[str] | None = No
             needed.append(root)
         section, _, attr = where.rpartition(".")
         setattr(_owner(r, section), attr, str(resolved))
+    # Reward code: from the recipe's folder or run.allowed_paths (a served run: only the
+    # worker's reward folders, `code_roots`).
+    if code_roots is not None:
+        _resolve_rewards(r, list(code_roots), None, errors)
+    else:
+        code_dir = Path(recipe_dir).resolve() if recipe_dir is not None else cwd
+        found = _resolve_rewards(r, [code_dir, *explicit], code_dir, errors)
+        if (
+            found is not None
+            and found not in needed
+            and not any(_inside(found, x) for x in explicit)
+        ):
+            needed.append(found)
     if errors:
         raise RecipeError(errors)
     r.run.allowed_paths = [*r.run.allowed_paths, *(str(x) for x in needed)]

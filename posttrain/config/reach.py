@@ -29,6 +29,9 @@ from posttrain.config.loader import RecipeError, _inside, _real, input_paths
 from posttrain.config.schema import Recipe
 
 ALLOWED_ENV = "POSTTRAIN_ALLOWED_PATHS"
+# Reward functions run code: the folders a served run may import reward modules from are a list
+# of their own (reading a data file is not executing it), set the same way as ALLOWED_ENV.
+REWARDS_ENV = "POSTTRAIN_REWARD_PATHS"
 
 
 def parse_roots(value: str | None) -> list[Path]:
@@ -51,6 +54,49 @@ def parse_roots(value: str | None) -> list[Path]:
 def worker_roots(env: Mapping[str, str] | None = None) -> list[Path]:
     """The folders this worker allows served runs to read from (`POSTTRAIN_ALLOWED_PATHS`)."""
     return parse_roots((os.environ if env is None else env).get(ALLOWED_ENV))
+
+
+def reward_roots(env: Mapping[str, str] | None = None) -> list[Path]:
+    """The folders this worker allows served runs to import reward functions from
+    (`POSTTRAIN_REWARD_PATHS`; `posttrain serve --allow-rewards DIR`)."""
+    return parse_roots((os.environ if env is None else env).get(REWARDS_ENV))
+
+
+def served_reward_roots(recipe: Recipe) -> list[str]:
+    """The folders holding a served recipe file's own reward modules (resolved by
+    `resolve_paths`): the operator wrote that file, so its code folders are trusted."""
+    from posttrain.config.loader import reward_specs
+    from posttrain.rewards.loader import source_file
+    from posttrain.rewards.spec import is_builtin
+
+    return [
+        str(source_file(s.fn).parent) for s in reward_specs(recipe).values() if not is_builtin(s.fn)
+    ]
+
+
+def check_served_rewards(recipe: Recipe, roots: list[Path]) -> list[str]:
+    """`field: message` lines for each reward function of a served recipe that is neither a
+    built-in (`posttrain.rewards.*`) nor a module inside the worker's reward folders."""
+    from posttrain.config.loader import reward_specs
+    from posttrain.rewards.loader import RewardLoadError, locate
+    from posttrain.rewards.spec import is_builtin
+
+    errors = []
+    for where, spec in reward_specs(recipe).items():
+        if is_builtin(spec.fn):
+            continue
+        if not roots:
+            errors.append(
+                f"{where}.fn: {spec.fn} is not a built-in (posttrain.rewards.*) and this worker "
+                f"allows no reward code of its own: start `posttrain serve --allow-rewards DIR` "
+                f"or set {REWARDS_ENV}"
+            )
+            continue
+        try:
+            locate(spec.fn, roots)
+        except RewardLoadError as exc:
+            errors.append(f"{where}.fn: {exc} (this worker's reward folders, {REWARDS_ENV})")
+    return errors
 
 
 def with_roots(current: str | None, extra: Iterable[str | os.PathLike[str]]) -> str:
@@ -105,5 +151,6 @@ def check_served_reach(recipe: Recipe, roots: list[Path]) -> None:
                 f"{where}: {real}{via} is outside this served run's run.workspace and "
                 f"run.allowed_paths ({', '.join(str(p) for p in mine) or 'none allowed'})"
             )
+    errors += check_served_rewards(recipe, reward_roots())
     if errors:
         raise RecipeError(errors, "served recipe")

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from posttrain.config.run_sections import _Section
+from posttrain.rewards.spec import RewardSpec
 
 
 class SyntheticData(_Section):
@@ -271,6 +272,25 @@ class OnlineRLConfig(TrainingSection, TemplateGuard):
         "generation_config eos id or end-of-turn token - within max_new_tokens); null = no "
         "penalty.",
     )
+    rewards: list[RewardSpec] = Field(
+        default_factory=list,
+        description="Reward functions (verifiers) scoring each response, summed with their "
+        "weights: e.g. `[{fn: posttrain.rewards.match:exact_match}]` against the prompt rows' "
+        "`answer` column. With rewards, a reward model is used only when `reward_model` names "
+        "one (its score then joins the sum with `reward_model_weight`); without, the stage "
+        "needs one.",
+    )
+    reward_model_weight: float = Field(
+        1.0, description="Weight of the reward model's score in the summed reward."
+    )
+
+    @model_validator(mode="after")
+    def _reward_labels(self) -> OnlineRLConfig:
+        labels = [r.label for r in self.rewards]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"rewards: two functions share a label ({labels}); set `name`")
+        return self
+
     eval_prompts: int = Field(
         32, ge=1, description="Held-out prompts scored for the final reward and KL."
     )

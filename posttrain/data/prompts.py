@@ -5,8 +5,12 @@ Accepted rows:
   {"prompt": [messages]}                  must end with a user turn (preference files work as is)
   {"messages": [messages]}                the prompt is everything before the last assistant turn,
                                           or the whole list when it ends with a user turn
-A bad row raises `PreferenceDataError` naming `<file>:<line>` and the problem (`on_invalid: skip`
-counts it by reason instead).
+A row's other fields are its columns (`answer`, `task`, ...), handed to reward functions as
+keyword arguments; a `messages` row that ends with an assistant turn and has no `answer` gets that
+turn as its `answer` (SFT data doubles as prompts with references). `data.columns` renames source
+fields first (GSM8K: `{question: prompt}`; its `answer` keeps the `#### 72` the math verifier
+reads). A bad row raises `PreferenceDataError` naming `<file>:<line>` and the problem
+(`on_invalid: skip` counts it by reason instead).
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ from posttrain.data.preference import (
 from posttrain.data.synthetic import SYSTEM_PROMPT, quickstart_triples
 
 
-def check_prompt_row(row: Any, where: str) -> Messages:
-    """Validate one prompt row and return its prompt messages (ending with a user turn)."""
+def check_prompt_row(row: Any, where: str) -> dict[str, Any]:
+    """Validate one prompt row -> {"messages": prompt messages (ending with a user turn),
+    "columns": its other fields}."""
     if not isinstance(row, dict):
         _fail(where, "wrong_type", f"row must be a JSON object, got {type(row).__name__}")
+    columns = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
     if row.get("prompt") is not None:
         prompt = row["prompt"]
         if isinstance(prompt, str):
@@ -50,11 +56,13 @@ def check_prompt_row(row: Any, where: str) -> Messages:
         msgs = _messages(row["messages"], "messages", where)
         last_reply = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
         if last_reply and last_reply[-1] == len(msgs) - 1:
+            if row.get("answer") is None:
+                columns["answer"] = msgs[-1]["content"]
             msgs = msgs[: last_reply[-1]]
     else:
         _fail(where, "missing_field", f"expected 'prompt' or 'messages', got keys {sorted(row)}")
     check_prompt_end(msgs, where)
-    return msgs
+    return {"messages": msgs, "columns": columns}
 
 
 def read_prompt_rows(
@@ -65,12 +73,18 @@ def read_prompt_rows(
     return read_checked_rows(path, check_prompt_row, on_invalid, "prompt")
 
 
-def quickstart_prompts(n: int, seed: int) -> list[Messages]:
-    """n quickstart prompts (the SFT/preference tasks); every third has a system turn."""
+def quickstart_prompts(n: int, seed: int) -> list[dict[str, Any]]:
+    """n quickstart prompts (the SFT/preference tasks) with their checkable answers (columns
+    `answer`, `task`); every third has a system turn."""
     out = []
-    for i, (_task, prompt, _right, _wrong) in enumerate(quickstart_triples(n, seed)):
+    for i, (task, prompt, right, _wrong) in enumerate(quickstart_triples(n, seed)):
         sys_turn = [{"role": "system", "content": SYSTEM_PROMPT}] if i % 3 == 0 else []
-        out.append(sys_turn + [{"role": "user", "content": prompt}])
+        out.append(
+            {
+                "messages": sys_turn + [{"role": "user", "content": prompt}],
+                "columns": {"answer": right, "task": task},
+            }
+        )
     return out
 
 
@@ -84,19 +98,25 @@ def encode_prompt(tokenizer: Any, msgs: Messages, max_prompt_len: int) -> list[i
 
 @dataclass
 class PromptData:
-    train: list[dict[str, Any]]  # {"messages": [...], "ids": [int]}
+    # {"messages": [...], "ids": [int], "columns": {name: value}, "where": "<file>:<line>"}
+    train: list[dict[str, Any]]
     eval: list[dict[str, Any]]
     stats: dict[str, int] = field(default_factory=dict)
 
 
 def prepare_prompts(cfg: PromptDataConfig, tokenizer: Any, seed: int) -> PromptData:
     train, held, dropped = read_and_split(cfg, seed, read_prompt_rows, quickstart_prompts)
-    check_system_role(tokenizer, train + held)
+    check_system_role(tokenizer, [(w, r["messages"]) for w, r in train + held])
 
     def enc(located: Located) -> list[dict[str, Any]]:
         return [
-            {"messages": m, "ids": encode_prompt(tokenizer, m, cfg.max_prompt_len)}
-            for _, m in located
+            {
+                "messages": r["messages"],
+                "ids": encode_prompt(tokenizer, r["messages"], cfg.max_prompt_len),
+                "columns": r["columns"],
+                "where": w,
+            }
+            for w, r in located
         ]
 
     data = PromptData(enc(train), enc(held))

@@ -14,9 +14,12 @@ def rollout_memory(section: OnlineRLConfig, m: MemoryInputs, critic: bool) -> An
     model), with generation rows and the response-only logits of an update."""
     from posttrain.memory.estimate import StageShape
 
-    adapters = (m.policy, m.reference, m.reward_model)
+    # No reward model (reward functions only): no reward adapter nor score head; the critic
+    # then starts from the policy's adapter.
+    adapters = tuple(a for a in (m.policy, m.reference, m.reward_model) if a is not None)
     if critic:
-        adapters += (replace(m.reward_model, role="value", trainable=True),)
+        start = m.reward_model if m.reward_model is not None else m.policy
+        adapters += (replace(start, role="value", trainable=True),)
     r = section.rollout
     rows = r.generation_batch_size or max(1, r.prompts_per_step // m.world) * r.samples_per_prompt
     prompt = section.data.max_prompt_len
@@ -24,7 +27,7 @@ def rollout_memory(section: OnlineRLConfig, m: MemoryInputs, critic: bool) -> An
         "rl",
         seq_len=prompt + r.max_new_tokens,
         adapters=adapters,
-        score_head="frozen",
+        score_head="frozen" if m.reward_model is not None else "none",
         value_head=critic,
         logit_positions=r.max_new_tokens,
         rollout_rows=rows,

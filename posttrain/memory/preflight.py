@@ -198,8 +198,11 @@ def stage_shape(recipe: Any, stage: str) -> StageShape:
         common=common,
         policy=adapter("policy", node.links.get("policy"), True),
         reference=adapter("reference", node.links.get("reference"), False),
+        # None: scored by reward functions alone (no reward role on the base).
         reward_model=_adapter("reward", graph.get(rm).section.lora, False)
         if rm
+        else None
+        if getattr(section, "rewards", None)
         else _adapter("reward", getattr(section, "lora", None) or _default_lora(), False),
         world=recipe.infra.world_size() if isinstance(recipe.infra.devices_per_node, int) else 1,
     )

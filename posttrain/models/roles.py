@@ -7,6 +7,9 @@ own, so the base weights are held once and sharded once:
 - reward    "reward"    the reward stage's adapter + its score head, frozen    -> one score
 - value     "value"     initialised from the reward model (adapter + head, as in InstructGPT),
                         trained                                               -> one value per token
+A stage scored by reward functions alone has no reward role; its critic (PPO) then starts from
+the policy's adapter with a zero value head (every value 0 at first, so early advantages are the
+returns themselves).
 The reward stage trains on the same base (the ingest artifact), which is what makes sharing exact:
 the shared-trunk reward score equals the stand-alone reward model's (tested).
 
@@ -37,7 +40,9 @@ LOGIT_ROLES = (POLICY, REFERENCE)
 
 
 class RoleModel(nn.Module):
-    def __init__(self, lm: PeftModel, score_head: nn.Linear, value_head: nn.Linear | None) -> None:
+    def __init__(
+        self, lm: PeftModel, score_head: nn.Linear | None, value_head: nn.Linear | None
+    ) -> None:
         super().__init__()
         self.lm = lm
         self.score_head = score_head
@@ -79,6 +84,8 @@ class RoleModel(nn.Module):
                 )
             ).last_hidden_state  # [B, T, H], after the final norm
         if role == REWARD:
+            if self.score_head is None:
+                raise ValueError("this RoleModel was built without a reward model")
             # The reward model reads the last non-pad token, wherever the padding is.
             positions = torch.arange(attention_mask.size(1), device=attention_mask.device)
             last = (positions * attention_mask).argmax(1)  # [B]
@@ -161,21 +168,35 @@ def load_score_head(reward_adapter: Path, hidden_size: int) -> nn.Linear:
 def build_roles(
     base: PreTrainedModel,
     policy_adapter: Path,
-    reward_adapter: Path,
+    reward_adapter: Path | None,
     critic: bool,
     reference_adapter: Path | None = None,
 ) -> RoleModel:
     """Base + adapters for every role (see module docstring): the policy starts from
-    `policy_adapter`, the reference is `reference_adapter` (default the same). Only the policy
-    adapter (and the critic's adapter and head) require gradients."""
+    `policy_adapter`, the reference is `reference_adapter` (default the same); no reward role
+    when `reward_adapter` is None (reward functions only). Only the policy adapter (and the
+    critic's adapter and head) require gradients."""
     lm = policy_with_reference(base, policy_adapter, reference_adapter)
     with adapters_stay_real():  # a base on the meta device keeps the adapters' values
-        lm.load_adapter(str(reward_adapter), adapter_name=REWARD, is_trainable=False)
+        if reward_adapter is not None:
+            lm.load_adapter(str(reward_adapter), adapter_name=REWARD, is_trainable=False)
         if critic:
-            lm.load_adapter(str(reward_adapter), adapter_name=VALUE, is_trainable=True)
+            start = reward_adapter if reward_adapter is not None else policy_adapter
+            lm.load_adapter(str(start), adapter_name=VALUE, is_trainable=True)
     trainable = {POLICY, VALUE} if critic else {POLICY}
     for name, p in lm.named_parameters():
         p.requires_grad_(_adapter_of(name) in trainable)
-    score = load_score_head(reward_adapter, base.config.hidden_size).requires_grad_(False)
-    value = copy.deepcopy(score).requires_grad_(True) if critic else None
+    hidden = base.config.hidden_size
+    score = None
+    if reward_adapter is not None:
+        score = load_score_head(reward_adapter, hidden).requires_grad_(False)
+    value = None
+    if critic:
+        if score is not None:
+            value = copy.deepcopy(score)
+        else:
+            value = nn.Linear(hidden, 1)
+            nn.init.zeros_(value.weight)
+            nn.init.zeros_(value.bias)
+        value.requires_grad_(True)
     return RoleModel(lm, score, value)

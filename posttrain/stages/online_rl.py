@@ -46,7 +46,8 @@ from posttrain.distributed.runtime import (
 from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.lora import prepare_for_training
-from posttrain.models.roles import REWARD, VALUE, build_roles
+from posttrain.models.roles import VALUE, build_roles
+from posttrain.rewards.combine import load_rewards
 from posttrain.stages.common import StageContext, training_base
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot, train_flops_per_token
@@ -59,6 +60,7 @@ from posttrain.train.rl_losses import (
     explained_variance,
     kl_penalty,
 )
+from posttrain.train.rl_rewards import Rewarder, add_function_sums, function_metrics
 from posttrain.train.rollout import Rollout, decode_responses, response_logps, sample, score
 from posttrain.train.session import TrainSession, save_adapter, start_session
 
@@ -198,15 +200,17 @@ def heldout(
     d: DistInfo,
     role: str,
     batch_size: int,
+    rewarder: Rewarder,
     chunk_tokens: int = 0,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Mean reward-model score (and KL(policy || reference) per response, for the policy) of one
+    """Mean reward (`rewarder`: functions and/or reward model; each function's own mean as
+    `reward_fn_<label>`) and KL(policy || reference) per response, for the policy, of one
     sample per held-out prompt from `role`. Prompt batch b is sampled with seed + b's first row,
     so the policy and the reference see the same prompts under the same seeds. Returns (means
     over all ranks, this rank's examples)."""
     # The tokenizer's EOS, the model's generation_config eos ids, the template's end of turn.
     pad, stops = tok.pad_token_id, model_stop_token_ids(model, tok)
-    roles = (POLICY, REFERENCE, REWARD) if role == POLICY else (REWARD,)
+    roles = ((POLICY, REFERENCE) if role == POLICY else ()) + rewarder.roles
     sums: Counter[str] = Counter()
     examples = []
     for idx in rank_batches(len(rows), d.rank, d.world_size, batch_size):
@@ -225,6 +229,8 @@ def heldout(
             role=role,
         )
         score(model, ro, tok, batch_size, cfg.data.max_prompt_len, roles, chunk_tokens)
+        per = rewarder(ro, chunk)
+        add_function_sums(sums, per, w)
         s = ro.scored["scores"]
         sums["n"] += w * ro.n
         sums["reward"] += w * float(s.sum())
@@ -235,8 +241,16 @@ def heldout(
             sums["kl"] += w * float(sequence_kl(ro, "k1").sum())
         if w:
             examples += [
-                {"prompt": r["messages"], "response": t, "reward": float(v)}
-                for r, t, v in zip(chunk, decode_responses(tok, ro), s.tolist(), strict=True)
+                {
+                    "prompt": r["messages"],
+                    "response": t,
+                    "reward": float(v),
+                    **{f"reward_{k}": _finite(p[i]) for k, p in per.items()},
+                    **r.get("columns", {}),
+                }
+                for i, (r, t, v) in enumerate(
+                    zip(chunk, decode_responses(tok, ro), s.tolist(), strict=True)
+                )
             ]
     t = {k: all_reduce_sum(v, d.device) for k, v in sums.items()}
     n = max(1.0, t.pop("n"))
@@ -249,7 +263,12 @@ def heldout(
     }
     if role == POLICY:
         out["kl"] = t["kl"] / n
+    out |= function_metrics(t)
     return out, examples
+
+
+def _finite(x: torch.Tensor) -> float | None:
+    return None if torch.isnan(x) else float(x)
 
 
 def _gate(cfg: Any, final: dict[str, float], sft: dict[str, float]) -> dict[str, Any]:
@@ -281,19 +300,24 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
         cfg,
         ctx.roles["policy"],
     )
-    guard_template(
-        tok,
-        ctx.role_manifest("reward_model")["summary"].get("chat_template_sha256"),
-        name,
-        cfg,
-        ctx.roles["reward_model"],
-    )
+    has_rm = ctx.has_role("reward_model")
+    if has_rm:
+        guard_template(
+            tok,
+            ctx.role_manifest("reward_model")["summary"].get("chat_template_sha256"),
+            name,
+            cfg,
+            ctx.roles["reward_model"],
+        )
+    # Imported from the files the resolved recipe points at (the flow checked where from).
+    rewarder = Rewarder(load_rewards(cfg.rewards), cfg.reward_model_weight if has_rm else None, tok)
     data: PromptData = prepare_prompts(cfg.data, tok, seed)
     if ctx.is_main:
         (ctx.out_dir / "data").mkdir(parents=True, exist_ok=True)
         for split, rows in (("train", data.train), ("eval", data.eval)):
             write_rows(
-                ctx.out_dir / "data" / f"{split}.jsonl", [{"prompt": r["messages"]} for r in rows]
+                ctx.out_dir / "data" / f"{split}.jsonl",
+                [{"prompt": r["messages"], **r["columns"]} for r in rows],
             )
     if not data.eval:
         raise ValueError(f"{name}.data: no held-out prompts; set eval_fraction > 0 or eval_path")
@@ -310,7 +334,7 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
     model = build_roles(
         base,
         policy_dir,
-        ctx.role_dir("reward_model") / "adapter",
+        ctx.role_dir("reward_model") / "adapter" if has_rm else None,
         critic=algo.critic,
         reference_adapter=reference_dir,
     )
@@ -323,7 +347,10 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
         schedule_steps=n_rollouts * updates_per_rollout,
         weights=weights,
         algorithm=name,
-        roles="policy,reference,reward" + (",value" if algo.critic else ""),
+        roles="policy,reference"
+        + (",reward" if has_rm else "")
+        + (",value" if algo.critic else ""),
+        reward_functions=",".join(f.label for f in rewarder.funcs),
         kl_placement=placement,
         updates_per_rollout=updates_per_rollout,
         sequences_per_rollout=local_seqs * world,
@@ -342,10 +369,12 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
         nonlocal sft_eval
         if sft_eval is None:
             sft_eval, _ = heldout(
-                model, tok, eval_rows, cfg, seed, d, REFERENCE, eval_bs, chunk_tokens
+                model, tok, eval_rows, cfg, seed, d, REFERENCE, eval_bs, rewarder, chunk_tokens
             )
             tr.metrics.write("eval", step=step, **{f"sft_{k}": v for k, v in sft_eval.items()})
-        pol, examples = heldout(model, tok, eval_rows, cfg, seed, d, POLICY, eval_bs, chunk_tokens)
+        pol, examples = heldout(
+            model, tok, eval_rows, cfg, seed, d, POLICY, eval_bs, rewarder, chunk_tokens
+        )
         pol["reward_gain"] = pol["reward"] - sft_eval["reward"]
         tr.metrics.write("eval", step=step, **{f"eval_{k}": v for k, v in pol.items()})
         log.info(
@@ -359,7 +388,7 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
             write_rows(ctx.out_dir / "eval_samples.jsonl", examples)
         return pol
 
-    roles = (POLICY, REFERENCE, REWARD) + ((VALUE,) if algo.critic else ())
+    roles = (POLICY, REFERENCE) + rewarder.roles + ((VALUE,) if algo.critic else ())
     # Responses end at any stop id (EOS, generation_config eos ids, the template's end of turn):
     # the response mask, the reward's input and `missing_eos_penalty` all follow it.
     stop_ids = model_stop_token_ids(model, tok)
@@ -390,6 +419,7 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
         )
         t_gen = time.perf_counter() - t0
         score(model, ro, tok, batch.micro_batch_size, cfg.data.max_prompt_len, roles, chunk_tokens)
+        per_fn = rewarder(ro, rows)
         t_score = time.perf_counter() - t0 - t_gen
         kl_coef = ctl.coef
         adv, returns = algo.advantages(ro, cfg, kl_coef if placement == "reward" else 0.0, reduce)
@@ -409,9 +439,12 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
 
         scores = ro.scored["scores"]
         seq_kl = sequence_kl(ro, "k1")
+        fn_sums: Counter[str] = Counter()
+        add_function_sums(fn_sums, per_fn)
         g = {
             k: all_reduce_sum(v, device)
             for k, v in (
+                *fn_sums.items(),
                 ("n", ro.n),
                 ("score", float(scores.sum())),
                 ("score_sq", float((scores**2).sum())),
@@ -436,6 +469,7 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
         train_flops = per_tok * ro.tokens() * cfg.update_epochs * (2 if algo.critic else 1)
         extra = {
             "score_mean": g["score"] / n,
+            **function_metrics(g),
             "score_std": math.sqrt(max(0.0, g["score_sq"] / n - (g["score"] / n) ** 2)),
             "kl": kl_mean,
             "kl_coef": kl_coef,
@@ -500,8 +534,19 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
                 {
                     "reference": f"{ctx.roles['reference']} adapter",
                     "reference_fingerprint": ctx.role_ref("reference").fingerprint,
-                    "reward_model": ctx.roles["reward_model"],
-                    "reward_fingerprint": ctx.role_ref("reward_model").fingerprint,
+                    **(
+                        {
+                            "reward_model": ctx.roles["reward_model"],
+                            "reward_fingerprint": ctx.role_ref("reward_model").fingerprint,
+                            "reward_model_weight": cfg.reward_model_weight,
+                        }
+                        if has_rm
+                        else {}
+                    ),
+                    "reward_functions": [
+                        {"label": f.label, "fn": f.fn_ref, "weight": f.weight, "sha256": f.sha256}
+                        for f in rewarder.funcs
+                    ],
                 },
                 indent=2,
             )

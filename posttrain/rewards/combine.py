@@ -1,0 +1,166 @@
+"""Call a recipe's reward functions on a batch of responses, check what they return, and sum
+them with their weights (and the reward model's score, when the stage has one).
+
+A function that raises, returns the wrong number of values, a non-number or a non-finite value
+fails the stage with a `RewardFunctionError` naming the function and the row (its data
+location, prompt and response): a broken verifier scored as 0 would train the policy on noise
+and look like a hard task. `None` is "not applicable": that function is left out of the row's
+sum and of its mean.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from numbers import Real
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.rewards.loader import bind
+from posttrain.rewards.spec import RewardSpec
+
+# Keyword arguments the caller fills; a data column of the same name would be shadowed.
+RESERVED = ("prompts", "completions", "completion_ids", "stopped")
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function misbehaved; the message names it and the row."""
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    label: str
+    fn_ref: str  # the recipe's `fn`
+    weight: float
+    fn: Callable[..., Any]
+    sha256: str
+
+
+def load_rewards(
+    specs: Sequence[RewardSpec], roots: Sequence[Path] | None = None
+) -> list[RewardFunction]:
+    """Import every function of `specs` (see `posttrain.rewards.loader.load_function`);
+    labels must differ."""
+    out: list[RewardFunction] = []
+    for s in specs:
+        fn, sha = bind(s, roots)
+        out.append(RewardFunction(s.label, s.fn, s.weight, fn, sha))
+    labels = [f.label for f in out]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"reward functions need distinct labels (set `name`), got {labels}")
+    return out
+
+
+def _clip(text: Any, n: int = 160) -> str:
+    s = text if isinstance(text, str) else repr(text)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _row(i: int, prompts: Sequence[Any], completions: Sequence[Any], where: Sequence[str]) -> str:
+    prompt = prompts[i][-1]["content"] if isinstance(prompts[i], list) else prompts[i]
+    reply = completions[i][0]["content"] if isinstance(completions[i], list) else completions[i]
+    origin = f" ({where[i]})" if where else ""
+    return f"row {i}{origin}: prompt {_clip(prompt)!r}, response {_clip(reply)!r}"
+
+
+def _call(
+    f: RewardFunction, args: dict[str, Any], n: int, where: Sequence[str]
+) -> list[float | None]:
+    name = f"reward function {f.label} ({f.fn_ref})"
+    try:
+        values = f.fn(**args)
+    except Exception as exc:
+        # Find the row it fails on: the batch call says only that some row did.
+        bad = next((i for i in range(n) if _raises(f.fn, args, i)), None)
+        at = (
+            _row(bad, args["prompts"], args["completions"], where)
+            if bad is not None
+            else f"a batch of {n} rows (each row alone passes)"
+        )
+        raise RewardFunctionError(f"{name} raised {type(exc).__name__}: {exc} on {at}") from exc
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise RewardFunctionError(
+            f"{name} returned {type(values).__name__}; expected a list of {n} floats (None = "
+            "not applicable)"
+        )
+    if len(values) != n:
+        raise RewardFunctionError(f"{name} returned {len(values)} values for {n} rows")
+    out: list[float | None] = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(None)
+            continue
+        if not isinstance(v, Real):
+            raise RewardFunctionError(
+                f"{name} returned {_clip(v)!r} ({type(v).__name__}), not a number, for "
+                + _row(i, args["prompts"], args["completions"], where)
+            )
+        if not math.isfinite(float(v)):
+            raise RewardFunctionError(
+                f"{name} returned {v} for " + _row(i, args["prompts"], args["completions"], where)
+            )
+        out.append(float(v))
+    return out
+
+
+def _raises(fn: Callable[..., Any], args: dict[str, Any], i: int) -> bool:
+    one = {k: [v[i]] for k, v in args.items()}
+    try:
+        fn(**one)
+    except Exception:
+        return True
+    return False
+
+
+def score_functions(
+    funcs: Sequence[RewardFunction],
+    prompts: Sequence[Any],
+    completions: Sequence[str],
+    columns: Sequence[dict[str, Any]],
+    completion_ids: Sequence[list[int]],
+    stopped: Sequence[bool],
+    where: Sequence[str] = (),
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(weighted sum [N], {label: values [N], NaN where None}) for N responses.
+
+    `prompts`: message lists; `completions`: response texts (passed on as TRL's conversational
+    `[{"role": "assistant", "content": text}]`); `columns`: each row's data columns, passed as
+    one list per column (a column a row lacks is None there); `where`: each row's data location,
+    for error messages. A row where every function returned None sums to 0."""
+    n = len(completions)
+    names = sorted({k for c in columns for k in c})
+    clash = [k for k in names if k in RESERVED]
+    if clash:
+        raise RewardFunctionError(
+            f"data columns {clash} collide with reward-function arguments {list(RESERVED)}; "
+            "rename them with data.columns"
+        )
+    args: dict[str, Any] = {
+        "prompts": list(prompts),
+        "completions": [[{"role": "assistant", "content": c}] for c in completions],
+        "completion_ids": [list(x) for x in completion_ids],
+        "stopped": [bool(s) for s in stopped],
+        **{k: [c.get(k) for c in columns] for k in names},
+    }
+    total = torch.zeros(n, dtype=torch.float32)
+    per: dict[str, torch.Tensor] = {}
+    for f in funcs:
+        vals = _call(f, args, n, where)
+        t = torch.tensor([math.nan if v is None else v for v in vals], dtype=torch.float32)
+        per[f.label] = t
+        total += f.weight * torch.nan_to_num(t, nan=0.0)
+    return total, per
+
+
+def function_means(per: dict[str, torch.Tensor]) -> dict[str, tuple[float, int]]:
+    """{label: (sum over applicable rows, applicable rows)}: reducible over ranks."""
+    out = {}
+    for label, t in per.items():
+        ok = ~torch.isnan(t)
+        out[label] = (float(t[ok].sum()), int(ok.sum()))
+    return out

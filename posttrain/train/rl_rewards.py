@@ -1,0 +1,75 @@
+"""The reward of an online-RL rollout: the recipe's reward functions (verifiers) and/or the
+learned reward model, summed with their weights into `ro.scored["scores"]` [N], which every
+algorithm's advantage reads (`posttrain.train.rl_algos.shaped_scores`).
+
+Rows carry what the functions need: prompt messages, data columns (`answer`, ...) and the data
+location a misbehaving function's error names (`posttrain.data.prompts.PromptData`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posttrain.models.roles import REWARD
+from posttrain.rewards.combine import RewardFunction, function_means, score_functions
+from posttrain.train.rollout import Rollout, decode_responses
+
+
+@dataclass(frozen=True)
+class Rewarder:
+    funcs: list[RewardFunction]
+    rm_weight: float | None  # the reward model's weight; None: the stage has no reward model
+    tokenizer: Any
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The role forwards the reward needs from `posttrain.train.rollout.score`."""
+        return (REWARD,) if self.rm_weight is not None else ()
+
+    def __call__(self, ro: Rollout, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Set ro.scored["scores"] [N] (and "rm_scores", the reward model's own) for the N
+        responses of `rows` (after `score` ran with `roles`); returns each function's values
+        [N] (NaN where it returned None)."""
+        total = torch.zeros(ro.n, dtype=torch.float32)
+        if self.rm_weight is not None:
+            ro.scored["rm_scores"] = ro.scored["scores"].float()
+            total += self.rm_weight * ro.scored["rm_scores"]
+        per: dict[str, torch.Tensor] = {}
+        if self.funcs:
+            ids = [r[: int(m.sum())].tolist() for r, m in zip(ro.response, ro.mask, strict=True)]
+            fsum, per = score_functions(
+                self.funcs,
+                [r["messages"] for r in rows],
+                decode_responses(self.tokenizer, ro),
+                [r.get("columns", {}) for r in rows],
+                ids,
+                ro.stopped.tolist(),
+                [r.get("where", "") for r in rows],
+            )
+            total += fsum
+        ro.scored["scores"] = total
+        return per
+
+
+def add_function_sums(
+    sums: Counter[str], per: dict[str, torch.Tensor], weight: float = 1.0
+) -> None:
+    """Accumulate each function's (sum, applicable rows) into `sums` under `reward_fn_<label>` and
+    `count_fn_<label>`, for means over ranks (`function_metrics`)."""
+    for label, (total, n) in function_means(per).items():
+        sums[f"reward_fn_{label}"] += weight * total
+        sums[f"count_fn_{label}"] += weight * n
+
+
+def function_metrics(totals: dict[str, float]) -> dict[str, float]:
+    """{reward_fn_<label>: mean over applicable rows} from reduced `add_function_sums` totals."""
+    prefix = "reward_fn_"
+    return {
+        k: totals[k] / max(1.0, totals["count_fn_" + k.removeprefix(prefix)])
+        for k in totals
+        if k.startswith(prefix)
+    }
