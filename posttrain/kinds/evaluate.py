@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from posttrain.config.run_sections import _Section
 from posttrain.config.sections import SamplingConfig
 from posttrain.kinds._kind import StageKind
+from posttrain.rewards.spec import RewardSpec
 
 
 def _default_sampling() -> list[SamplingConfig]:
@@ -48,6 +49,41 @@ class EvaluateConfig(_Section):
         default_factory=lambda: SamplingConfig(name="win-rate", strategy="greedy"),
         description="Decoding used for the win-rate and head-to-head generations.",
     )
+
+    verifiers: list[RewardSpec] | None = Field(
+        None,
+        description="Reward functions that judge an answer correct (each that applies must "
+        "give at least `pass_threshold`) for the pass@1 / pass@k report. null = the first reward "
+        "function of the nearest stage of the final policy's lineage that has `rewards` (list "
+        "the correctness check first); [] = no verifier report.",
+    )
+    pass_threshold: float = Field(
+        1.0, description="A verifier's value at or above this counts as correct."
+    )
+    pass_prompts: int = Field(
+        100,
+        ge=1,
+        description="Held-out prompts with references (the verifier stage's held-out prompts, "
+        "else the held-out conversations, whose last reply is the reference) scored for pass@k.",
+    )
+    pass_k: int = Field(4, ge=1, description="k of the sampled pass@k.")
+    pass_samples: int = Field(
+        8, ge=1, description="Samples per prompt for pass@k (n >= k; unbiased estimator)."
+    )
+    pass_sampling: SamplingConfig = Field(
+        default_factory=lambda: SamplingConfig(
+            name="pass@k", strategy="sample", temperature=1.0, max_new_tokens=48
+        ),
+        description="Decoding of the pass@k samples; greedy pass@1 uses its max_new_tokens.",
+    )
+
+    @model_validator(mode="after")
+    def _pass_k(self) -> EvaluateConfig:
+        if self.pass_k > self.pass_samples:
+            raise ValueError(
+                f"pass_k {self.pass_k} needs at least as many pass_samples ({self.pass_samples})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _unique_names(self) -> EvaluateConfig:

@@ -9,6 +9,9 @@ that trained on conversations:
 - With a reward model: its held-out accuracy, and the final policy's win-rate against its
   parent; for a policy trained on pairs against a reference, its implicit-reward accuracy.
 - `evaluate.policies`: each listed policy against its own parent, side by side.
+- With verifiers (the reward functions RL trained against, or `evaluate.verifiers`): greedy
+  pass@1 and sampled pass@k of the base, the parent, the final policy and each listed policy on
+  held-out prompts with references (`posttrain.eval.verify`).
 - Generations from held-out prompts under every sampling setting of the recipe (samples.jsonl).
 - Inference figures of the merged tuned model (what export ships): time to first token, time
   per output token and tokens/s, with the KV cache on and off.
@@ -159,6 +162,63 @@ def preference_metrics(
             write_rows(ctx.out_dir / "win_rate_samples.jsonl", wr.pop("examples"))
             out["win_rate_vs_parent"] = {"parent": ctx.roles["parent"], **wr}
     return out, rm
+
+
+def verifier_metrics(ctx: StageContext, model: Any, tok: Any) -> dict[str, Any] | None:
+    """Greedy pass@1 and sampled pass@k under the verifiers, for the base, the parent, the
+    final policy and `evaluate.policies`; None when the run has no verifier or no prompts with
+    references."""
+    from posttrain.eval.verify import VerifyPrompts, verify_policy
+    from posttrain.rewards.combine import load_rewards
+
+    cfg = ctx.recipe.evaluate
+    source = ctx.roles.get("verifier")
+    if cfg.verifiers == []:
+        return None
+    if cfg.verifiers is not None:
+        specs = cfg.verifiers
+    elif source is not None:
+        specs = ctx.recipe.stage(source).rewards[:1]
+    else:
+        return None
+    if source is not None and ctx.has_role("verifier"):
+        rows, origin = saved_split(ctx.role_dir("verifier"), "eval"), f"{source} held-out prompts"
+    elif ctx.has_role("heldout"):
+        rows = saved_split(ctx.role_dir("heldout"), "eval")
+        origin = f"{ctx.roles['heldout']} held-out conversations"
+    else:
+        log.warning("verifiers but no held-out prompts with references: no pass@k report")
+        return None
+    prompts = VerifyPrompts.from_rows(rows[: cfg.pass_prompts], origin)
+    if not prompts.messages:
+        return None
+    funcs = load_rewards(specs)
+    final = ctx.roles["policy"]
+    graph = ctx.recipe.graph()
+    names = [BASE, ctx.roles.get("parent"), final, *cfg.policies]
+    out: dict[str, Any] = {}
+    for n in dict.fromkeys(x for x in names if x):
+        if n != BASE and n not in graph:
+            continue
+        args = (tok, prompts, funcs, cfg.pass_sampling, cfg.pass_samples, cfg.pass_k)
+        rest = (ctx.recipe.run.seed, cfg.batch_size, cfg.pass_threshold)
+        if n == BASE:
+            with model.disable_adapter():
+                out[n], _ = verify_policy(model, *args, *rest)
+        else:
+            with active_adapter(model, ADAPTER if n == final else n):
+                out[n], examples = verify_policy(model, *args, *rest)
+            if n == final:
+                write_rows(ctx.out_dir / "verify_samples.jsonl", examples)
+        log.info("verifiers on %d prompts: %s %s", out[n]["prompts"], n, out[n])
+    return {
+        "verifiers": [{"label": f.label, "fn": f.fn_ref, "sha256": f.sha256} for f in funcs],
+        "source": origin,
+        "k": cfg.pass_k,
+        "samples": cfg.pass_samples,
+        "threshold": cfg.pass_threshold,
+        "policies": out,
+    }
 
 
 # The final policy's adapter name on the evaluation model; every other policy goes by its
@@ -395,6 +455,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     }
     prefs, rm = preference_metrics(ctx, model, tok, device)
     report |= prefs
+    verified = verifier_metrics(ctx, model, tok)
+    if verified is not None:
+        report["verifier"] = verified
     if cfg.policies:
         base_row = {"loss": base_scores["loss"]} if base_scores else {}
         if "base" in exact:
@@ -419,6 +482,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
         headline["rm_accuracy"] = report["reward_model"]["accuracy"]
     if "dpo_implicit" in report:
         headline["dpo_accuracy"] = report["dpo_implicit"]["accuracy"]
+    if verified is not None:
+        k, by = verified["k"], verified["policies"]
+        headline |= {"pass@1": by[final]["pass@1"], f"pass@{k}": by[final][f"pass@{k}"]}
+        if parent in by:
+            headline["pass@1_parent"] = by[parent]["pass@1"]
+        headline["pass@1_base"] = by[BASE]["pass@1"]
     if "win_rate_vs_parent" in report:
         wr = report["win_rate_vs_parent"]
         headline |= {

@@ -1,0 +1,136 @@
+"""Accuracy under verifiers: greedy pass@1 and sampled pass@k of a policy on held-out prompts
+with references, each answer checked by the same reward functions RL trained against.
+
+pass@k is the unbiased estimator of Chen et al. (2021): with n samples of a prompt of which c
+pass, pass@k = 1 - C(n-c, k) / C(n, k), the chance that k samples drawn without replacement from
+the n include a passing one; averaged over prompts. An answer passes when every verifier that
+applies to it (did not return None) gives at least `threshold`; a prompt no verifier applies to
+is left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from posttrain.config.schema import SamplingConfig
+from posttrain.data.chat import render
+from posttrain.eval.generation import generate_ids
+from posttrain.rewards.combine import RewardFunction, score_functions
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (k <= n)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    miss = 1.0  # C(n-c, k) / C(n, k) as a product, without big binomials
+    for i in range(k):
+        miss *= (n - c - i) / (n - i)
+    return 1.0 - miss
+
+
+@dataclass(frozen=True)
+class VerifyPrompts:
+    messages: list[list[dict[str, Any]]]  # each prompt's conversation, ending with a user turn
+    columns: list[dict[str, Any]]  # each prompt's data columns (`answer`, ...)
+    where: list[str]  # each prompt's origin, for error messages
+
+    @staticmethod
+    def from_rows(rows: Sequence[dict[str, Any]], origin: str) -> VerifyPrompts:
+        """From saved prompt rows (`{"prompt": [...], **columns}`, an RL stage's data/eval.jsonl)
+        or conversations (`{"messages": [..., assistant]}`: the last reply is the `answer`)."""
+        msgs, cols = [], []
+        for r in rows:
+            if "prompt" in r:
+                p = r["prompt"]
+                msgs.append([{"role": "user", "content": p}] if isinstance(p, str) else p)
+                cols.append({k: v for k, v in r.items() if k != "prompt"})
+            else:
+                m = r["messages"]
+                last = max(i for i, x in enumerate(m) if x["role"] == "assistant")
+                msgs.append(m[:last])
+                extra = {k: v for k, v in r.items() if k != "messages"}
+                cols.append({"answer": m[last]["content"], **extra})
+        return VerifyPrompts(msgs, cols, [f"{origin}:{i + 1}" for i in range(len(rows))])
+
+
+def _passes(
+    model: Any,
+    tok: Any,
+    prompts: VerifyPrompts,
+    repeat: int,
+    funcs: Sequence[RewardFunction],
+    sampling: SamplingConfig,
+    seed: int,
+    batch_size: int,
+    threshold: float,
+) -> tuple[list[bool | None], list[str]]:
+    """Each of `repeat` samples per prompt (prompt-major): passed, or None where no verifier
+    applies; and the answers."""
+    idx = [i for i in range(len(prompts.messages)) for _ in range(repeat)]
+    texts = [render(tok, prompts.messages[i], add_generation_prompt=True) for i in idx]
+    out = generate_ids(model, tok, texts, sampling, seed, batch_size)
+    answers = [
+        tok.decode(ids[:-1] if stopped else ids, skip_special_tokens=True) for ids, stopped in out
+    ]
+    _, per = score_functions(
+        funcs,
+        [prompts.messages[i] for i in idx],
+        answers,
+        [prompts.columns[i] for i in idx],
+        [ids for ids, _ in out],
+        [stopped for _, stopped in out],
+        [prompts.where[i] for i in idx],
+    )
+    passed: list[bool | None] = []
+    for j in range(len(idx)):
+        vals = [float(v[j]) for v in per.values() if v[j] == v[j]]  # NaN: not applicable
+        passed.append(None if not vals else all(v >= threshold for v in vals))
+    return passed, answers
+
+
+def verify_policy(
+    model: Any,
+    tok: Any,
+    prompts: VerifyPrompts,
+    funcs: Sequence[RewardFunction],
+    sampling: SamplingConfig,
+    n: int,
+    k: int,
+    seed: int,
+    batch_size: int,
+    threshold: float,
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """({"pass@1": greedy accuracy, "pass@<k>": sampled, "sampled_pass@1": mean c/n,
+    "prompts": scored prompts}, greedy examples) for the active adapter of `model`."""
+    greedy = sampling.model_copy(update={"strategy": "greedy", "name": "greedy"})
+    g_pass, g_answers = _passes(model, tok, prompts, 1, funcs, greedy, seed, batch_size, threshold)
+    s_pass, _ = _passes(model, tok, prompts, n, funcs, sampling, seed, batch_size, threshold)
+    scored = [i for i, p in enumerate(g_pass) if p is not None]
+    at_k, at_1 = [], []
+    for i in scored:
+        got = [p for p in s_pass[i * n : (i + 1) * n] if p is not None]
+        if len(got) >= k:
+            c = sum(got)
+            at_k.append(pass_at_k(len(got), c, k))
+            at_1.append(c / len(got))
+    m = max(1, len(scored))
+    out = {
+        "pass@1": sum(bool(g_pass[i]) for i in scored) / m,
+        f"pass@{k}": sum(at_k) / max(1, len(at_k)),
+        "sampled_pass@1": sum(at_1) / max(1, len(at_1)),
+        "prompts": len(scored),
+    }
+    examples = [
+        {
+            "prompt": prompts.messages[i],
+            "answer": g_answers[i],
+            "passed": g_pass[i],
+            **prompts.columns[i],
+        }
+        for i in range(len(g_pass))
+    ]
+    return out, examples

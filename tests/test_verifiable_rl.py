@@ -1,0 +1,160 @@
+"""RL with verifiable rewards on a tiny model: GRPO and PPO scored by reward functions alone (no
+reward model), a misbehaving function failing the stage by name, and evaluate's pass@k."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from posttrain.rewards.combine import RewardFunctionError
+from posttrain.telemetry.metrics import read_metrics
+from tests.stage_helpers import TINY, run_inprocess, write_recipe
+
+pytestmark = pytest.mark.slow
+
+REWARDS = """
+import re
+
+
+def _norm(s):
+    return re.sub(r"\\s+", " ", str(s).strip().casefold()).rstrip(".")
+
+
+def exact(prompts, completions, answer=None, **kwargs):
+    return [
+        None if a is None else float(_norm(c[0]["content"]) == _norm(a))
+        for c, a in zip(completions, answer)
+    ]
+
+
+def longish(prompts, completions, completion_ids, **kwargs):
+    return [min(len(ids), 8) / 8 for ids in completion_ids]
+
+
+def boom(prompts, completions, task=None, **kwargs):
+    if "capital" in task:
+        raise KeyError("no capitals here")
+    return [0.0] * len(completions)
+
+
+def short(prompts, completions, **kwargs):
+    return [0.0] * (len(completions) - 1)
+"""
+GRPO = {
+    "data": {
+        "synthetic": {"n_examples": 120, "seed": 7},
+        "eval_fraction": 0.1,
+        "max_prompt_len": 40,
+    },
+    "rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 12},
+    "optim": {"lr": 5e-3},
+    "batch": {"micro_batch_size": 8, "grad_accum_steps": 1},
+    "max_steps": 4,
+    "checkpoint_every": 0,
+    "eval_prompts": 8,
+    # A longish-answer bonus every response can earn: the reward moves even for a tiny model.
+    "rewards": [{"fn": "qs_rewards:exact"}, {"fn": "qs_rewards:longish", "weight": 0.5}],
+}
+
+
+@pytest.fixture(scope="module")
+def parents(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("vrl")
+    (folder / "qs_rewards.py").write_text(REWARDS)
+    data = copy.deepcopy(TINY)
+    data["evaluate"] |= {"pass_prompts": 6, "pass_k": 2, "pass_samples": 3, "policies": ["sft"]}
+    data["evaluate"]["pass_sampling"] = {
+        "name": "pass@k",
+        "strategy": "sample",
+        "max_new_tokens": 12,
+    }
+    recipe = write_recipe(folder, data)
+    out = {"folder": folder, "recipe": recipe, "data": data}
+    for stage in ("ingest", "sft"):
+        out[stage] = run_inprocess(stage, recipe)
+    return out
+
+
+def recipe_with(parents: dict, tag: str, **sections: dict) -> Path:
+    data = copy.deepcopy(parents["data"]) | sections
+    data["run"]["workspace"] = str(parents["folder"] / "ws")
+    path = parents["folder"] / f"{tag}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def summary(folder: Path) -> dict:
+    return json.loads((folder / "manifest.json").read_text())["summary"]
+
+
+def test_grpo_with_reward_functions_only_then_pass_at_k(parents) -> None:
+    recipe = recipe_with(parents, "grpo", grpo=GRPO)
+    out = run_inprocess("grpo", recipe)
+    start = read_metrics(out / "metrics.jsonl", "start")[0]
+    assert start["roles"] == "policy,reference" and start["reward_functions"] == "exact,longish"
+    train = read_metrics(out / "metrics.jsonl", "train")
+    assert len(train) == 4
+    for row in train:
+        assert 0.0 <= row["reward_fn_exact"] <= 1.0 and 0.0 < row["reward_fn_longish"] <= 1.0
+        # The summed reward is the weighted sum of the two means (every row applicable).
+        assert row["score_mean"] == pytest.approx(
+            row["reward_fn_exact"] + 0.5 * row["reward_fn_longish"], abs=1e-5
+        )
+    s = summary(out)
+    assert {"reward_fn_exact", "reward_fn_longish"} <= set(s["eval_final"])
+    assert {"reward_fn_exact", "reward_fn_longish"} <= set(s["eval_sft"])
+    held = [json.loads(x) for x in (out / "data" / "eval.jsonl").read_text().splitlines()]
+    assert held and all({"prompt", "answer", "task"} <= set(r) for r in held)
+    ref = json.loads((out / "reference.json").read_text())
+    assert "reward_model" not in ref
+    assert [f["label"] for f in ref["reward_functions"]] == ["exact", "longish"]
+    assert all(len(f["sha256"]) == 64 for f in ref["reward_functions"])
+    samples = [json.loads(x) for x in (out / "eval_samples.jsonl").read_text().splitlines()]
+    assert {"reward_exact", "reward_longish", "answer"} <= set(samples[0])
+
+    ev = run_inprocess("evaluate", recipe)
+    report = json.loads((ev / "eval.json").read_text())
+    v = report["verifier"]
+    assert [f["label"] for f in v["verifiers"]] == ["exact"]  # the first function by default
+    assert v["k"] == 2 and v["samples"] == 3 and v["source"] == "grpo held-out prompts"
+    assert set(v["policies"]) == {"ingest", "sft", "grpo"}
+    for m in v["policies"].values():
+        assert m["prompts"] == min(6, len(held))
+        assert 0.0 <= m["pass@1"] <= 1.0 and m["sampled_pass@1"] <= m["pass@2"] <= 1.0
+    head = summary(ev)["headline"]
+    assert head["pass@1"] == round(v["policies"]["grpo"]["pass@1"], 4)
+    assert {"pass@2", "pass@1_parent", "pass@1_base"} <= set(head)
+    lines = (ev / "verify_samples.jsonl").read_text().splitlines()
+    assert len(lines) == min(6, len(held)) and "passed" in json.loads(lines[0])
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        (
+            "boom",
+            r"reward function boom \(.*qs_rewards.py:boom\) raised KeyError: 'no capitals "
+            r"here' on row \d+ \(synthetic row \d+\): prompt 'What is the capital of",
+        ),
+        ("short", r"reward function short \(.*\) returned 15 values for 16 rows"),
+    ],
+)
+def test_a_misbehaving_function_fails_the_stage_naming_it(parents, fn, message) -> None:
+    section = {**GRPO, "max_steps": 2, "rewards": [{"fn": f"qs_rewards:{fn}"}]}
+    with pytest.raises(RewardFunctionError, match=message):
+        run_inprocess("grpo", recipe_with(parents, fn, grpo=section))
+
+
+def test_ppo_with_reward_functions_and_no_reward_model(parents) -> None:
+    ppo = {k: v for k, v in GRPO.items() if k != "rollout"}
+    ppo["rollout"] = {"prompts_per_step": 8, "max_new_tokens": 12}
+    out = run_inprocess("ppo", recipe_with(parents, "ppo", ppo=ppo))
+    start = read_metrics(out / "metrics.jsonl", "start")[0]
+    assert start["roles"] == "policy,reference,value"
+    train = read_metrics(out / "metrics.jsonl", "train")
+    assert len(train) == 4 and all(r["value_loss"] >= 0 for r in train)
+    assert (out / "critic" / "critic.safetensors").exists()
