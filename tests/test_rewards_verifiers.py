@@ -175,6 +175,12 @@ def test_answer_match_symbolic_needs_math_verify() -> None:
 
 def test_answer_match_none_and_errors() -> None:
     assert answer_match(["q", "q"], ["1", "2"], answer=[None, "#### 2"]) == [None, 1.0]
+    # A numeric answer column (ints, floats) reads as text.
+    assert answer_match(["q"] * 3, ["\\boxed{72}", "so 0.5", "7"], answer=[72, 0.5, 8]) == [
+        1.0,
+        1.0,
+        0.0,
+    ]
     with pytest.raises(TypeError, match="'answer'"):
         answer_match(["q"], ["1"])
     with pytest.raises(ValueError, match="timeout_s"):
