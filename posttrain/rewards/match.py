@@ -12,7 +12,7 @@ import re
 
 from posttrain.rewards.extract import completion_text
 
-__all__ = ["exact_match", "normalize", "reference_or_none"]
+__all__ = ["exact_match", "normalize", "reference_or_none", "require_column"]
 
 _QUOTES = "\"'`\u201c\u201d\u2018\u2019"
 

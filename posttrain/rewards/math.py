@@ -16,8 +16,9 @@ the reference in the data column `answer`, None for rows without one.
 - math-verify bounds its work with `signal.alarm`, which only the main thread may use (its default
   raises ValueError elsewhere). In the main thread its timeouts are `timeout_s` seconds per parse
   and per comparison (a timeout scores 0.0); in any other thread they are off, so only short
-  answers with no power or factorial go to it (sympy evaluates those eagerly: `9^{9^{9}}` had not
-  finished after 60 s); the rest get the plain comparison only.
+  answers (<= 100 characters) with no power, factorial, `\\binom`, `\\prod` or `\\sum` go to it
+  (sympy evaluates those eagerly: `9^{9^{9}}` had not finished after 60 s); the rest get the plain
+  comparison only.
 - math-verify reads letters as symbols, so products of the same letters compare equal (`apple` ==
   `paple`): use `posttrain.rewards.match:exact_match` for word answers.
 """
