@@ -165,6 +165,42 @@ def test_scheduled_deployment_has_upcoming_runs_in_its_time_zone(served: dict) -
         assert (local.hour, local.minute) == (3, 0), local
 
 
+def test_a_ui_run_naming_reward_code_outside_the_worker_is_refused(
+    served: dict, tmp_path: Path
+) -> None:
+    """A recipe sent through the deployment (what the UI's Run form sends) may import reward
+    functions only from posttrain.rewards and the worker's reward folders: a module of its own
+    choosing fails the run before any stage, and is never imported."""
+    marker = tmp_path / "imported"
+    evil = tmp_path / "evil_rewards.py"
+    evil.write_text(
+        f"open({str(marker)!r}, 'w').close()\n\n"
+        "def hit(prompts, completions, **kw):\n    return [1.0] * len(completions)\n"
+    )
+    dep = _deployment(served, SERVED)
+    params = copy.deepcopy(dep.parameters)
+    params["recipe"]["grpo"] = {
+        "data": {"synthetic": {"n_examples": 40}},
+        "rollout": {"prompts_per_step": 2, "samples_per_prompt": 2},
+        "rewards": [{"fn": f"{evil}:hit"}, {"fn": "os:system", "name": "shell"}],
+    }
+    client = served["client"]
+    run = client.create_flow_run_from_deployment(dep.id, parameters=params)
+    run = wait_for(
+        "the refused run to end",
+        lambda: (r := client.read_flow_run(run.id)).state.is_final() and r,
+        180,
+        every=2,
+    )
+    assert run.state.name == "Failed"
+    message = run.state.message or ""
+    for i, fn in enumerate((f"{evil}:hit", "os:system")):
+        assert f"grpo.rewards.{i}.fn: {fn} is not a built-in" in message, message
+    assert "allows no reward code of its own" in message
+    assert not marker.exists()
+    assert _flow_run_processes(str(run.id)) == []
+
+
 HOLD_DEVICES = """
 import sys
 from flows.devices import ensure_device_limit, hold_devices

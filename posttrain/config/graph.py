@@ -104,11 +104,13 @@ class StageGraph:
         return next((n for n in self.lineage(name) if self.get(n).kind.data == "messages"), None)
 
     def verifier_source(self, name: str) -> str | None:
-        """The nearest stage of `name`'s lineage scored by reward functions (`rewards`): its
-        functions and held-out prompts are evaluate's verifiers by default."""
-        return next(
-            (n for n in self.lineage(name) if getattr(self.get(n).section, "rewards", None)), None
-        )
+        """The nearest stage of `name`'s lineage scored by reward functions (`rewards`), else
+        the nearest that trained on prompts: its held-out prompts (and functions) are what
+        evaluate's verifiers judge by default."""
+        line = self.lineage(name)
+        scored = (n for n in line if getattr(self.get(n).section, "rewards", None))
+        prompted = (n for n in line if self.get(n).kind.data == "prompts")
+        return next(scored, None) or next(prompted, None)
 
     def reward_models(self) -> list[str]:
         return [s.name for s in self.stages if s.kind.produces == "reward_model"]

@@ -177,16 +177,20 @@ def verifier_metrics(ctx: StageContext, model: Any, tok: Any) -> dict[str, Any] 
         return None
     if cfg.verifiers is not None:
         specs = cfg.verifiers
-    elif source is not None:
+    elif source is not None and ctx.recipe.stage(source).rewards:
         specs = ctx.recipe.stage(source).rewards[:1]
     else:
         return None
+    rows: list[dict] = []
     if source is not None and ctx.has_role("verifier"):
-        rows, origin = saved_split(ctx.role_dir("verifier"), "eval"), f"{source} held-out prompts"
-    elif ctx.has_role("heldout"):
+        # Prompts saved without their columns (an artifact from before they were kept) have no
+        # references to check against: the held-out conversations have them.
+        rows = [r for r in saved_split(ctx.role_dir("verifier"), "eval") if len(r) > 1]
+        origin = f"{source} held-out prompts"
+    if not rows and ctx.has_role("heldout"):
         rows = saved_split(ctx.role_dir("heldout"), "eval")
         origin = f"{ctx.roles['heldout']} held-out conversations"
-    else:
+    if not rows:
         log.warning("verifiers but no held-out prompts with references: no pass@k report")
         return None
     prompts = VerifyPrompts.from_rows(rows[: cfg.pass_prompts], origin)
