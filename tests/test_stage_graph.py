@@ -115,6 +115,8 @@ def test_evaluate_and_export_roles_along_a_chain() -> None:
         "parent": "dpo",
         "heldout": "sft",
         "reward_model": "reward",
+        # The RL stage's held-out prompts: what verifiers (if any) judge.
+        "verifier": "grpo",
     }
     assert list(by["evaluate"].parents) == ["ingest", "sft", "reward", "dpo", "grpo"]
     assert by["export"].roles == {
