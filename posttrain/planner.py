@@ -116,6 +116,19 @@ def stage_inputs(
             section.pop("rewards", None)
         if section.get("reward_model_weight") == 1.0:
             section.pop("reward_model_weight")
+        # Online-RL fields added with the algorithm registry, left out where they mean what the
+        # loop did before them (grpo, token mean, symmetric clip, no dynamic sampling).
+        if "clip_range" in section:
+            for key, before in (
+                ("algorithm", ("grpo",)),
+                ("loss_aggregation", (None, "token_mean")),
+                ("clip_range_high", (None, section["clip_range"])),
+                ("dynamic_sampling", (False,)),
+            ):
+                if key in section and section[key] in before:
+                    section.pop(key)
+            if not section.get("dynamic_sampling"):
+                section.pop("max_sampling_rounds", None)
         # The guard's spike test decides which finite updates are applied: part of the result.
         # Its stop rule (max_bad_steps, window) only decides whether a stage fails, and skipping
         # non-finite steps is always on, so a spike-free recipe's fingerprint stays as it was.

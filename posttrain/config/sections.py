@@ -263,7 +263,34 @@ class OnlineRLConfig(TrainingSection, TemplateGuard):
     update_epochs: int = Field(
         1, ge=1, description="Passes over each rollout batch; `batch` sizes one update."
     )
-    clip_range: float = Field(0.2, gt=0, description="Policy ratio clip (1 +- clip_range).")
+    clip_range: float = Field(
+        0.2,
+        gt=0,
+        description="Policy ratio clip (1 +- clip_range; the low side with clip_range_high).",
+    )
+    clip_range_high: float | None = Field(
+        None,
+        gt=0,
+        description="Upper side of the ratio clip (1 + clip_range_high; DAPO's clip-higher lets "
+        "unlikely tokens with positive advantage grow); null = clip_range.",
+    )
+    loss_aggregation: Literal["token_mean", "sequence_mean", "token_sum_norm"] | None = Field(
+        None,
+        description="How per-token losses of a minibatch become one number: `token_mean` = "
+        "over all its tokens (every token counts the same); `sequence_mean` = each response's "
+        "token mean, averaged over responses; `token_sum_norm` = each response's token sum over "
+        "rollout.max_new_tokens, averaged over responses (Dr. GRPO, no length bias). null = the "
+        "algorithm's default (token_mean for ppo).",
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic sampling: drop prompt groups whose samples all score the "
+        "same (zero advantage) and sample more, up to max_sampling_rounds rollouts, to fill "
+        "the batch. Needs rollout.samples_per_prompt >= 2.",
+    )
+    max_sampling_rounds: int = Field(
+        3, ge=1, description="Dynamic sampling: most generation rounds per rollout step."
+    )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
     missing_eos_penalty: float | None = Field(
         None,
@@ -306,6 +333,15 @@ class OnlineRLConfig(TrainingSection, TemplateGuard):
         description="Quality gate: held-out mean reward minus the SFT policy's below this "
         "stops the pipeline.",
     )
+
+    @model_validator(mode="after")
+    def _dynamic_sampling_groups(self) -> OnlineRLConfig:
+        if self.dynamic_sampling and self.rollout.samples_per_prompt < 2:
+            raise ValueError(
+                "dynamic_sampling needs rollout.samples_per_prompt >= 2: it keeps the prompts "
+                "whose samples score differently"
+            )
+        return self
 
 
 class SamplingConfig(_Section):

@@ -11,7 +11,7 @@ from posttrain.stages.online_rl import run_online_rl
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    return run_online_rl(ctx, "grpo")
+    return run_online_rl(ctx, ctx.section.algorithm)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ One logged step = one rollout:
    PPO, group-normalised scores for GRPO; KL against the reference in the reward or the loss;
 4. update: `update_epochs` passes over the rollout in shuffled minibatches of `batch` (micro x
    accum x ranks sequences), clipped policy loss - entropy bonus (+ KL) and, with a critic, the
-   clipped value loss; token-level means over the whole minibatch on all ranks.
+   clipped value loss; means over the whole minibatch on all ranks, per token or per response
+   (`loss_aggregation`).
 
 All four roles live on one base (`posttrain.models.roles`), sharded together by FSDP2.
 Checkpoints at rollout boundaries hold the trainable adapters and heads, optimizer, schedule and
@@ -59,6 +60,7 @@ from posttrain.train.rl_losses import (
     clipped_value_loss,
     explained_variance,
     kl_penalty,
+    loss_weights,
 )
 from posttrain.train.rl_rewards import Rewarder, add_function_sums, function_metrics
 from posttrain.train.rollout import Rollout, decode_responses, response_logps, sample, score
@@ -108,7 +110,9 @@ def update(
     step: int,
     chunk_tokens: int = 0,
 ) -> dict[str, float]:
-    """`update_epochs` passes of clipped updates over one rollout. Returns token-weighted means
+    """`update_epochs` passes of clipped updates over one rollout; each minibatch's objective is
+    aggregated as `cfg.loss_aggregation` says (`rl_losses.loss_weights`), the policy ratio
+    clipped to [1 - clip_range, 1 + clip_range_high]. Returns token-weighted means
     over all ranks (policy_loss, value_loss, entropy, clip_frac, value_clip_frac, approx_kl,
     kl_loss) and the mean grad norm; `updates` counts optimizer steps. `step`: the rollout's
     logged step (1-based), for the guard's records. `chunk_tokens`: tokens per pass through the
@@ -120,35 +124,42 @@ def update(
     sums: Counter[str] = Counter()
     norms: list[float] = []
     old, ref = ro.scored["logps"], ro.scored["ref_logps"]
+    # None only on ppo (token_mean); a grpo section holds its algorithm's (GRPOConfig presets).
+    aggregation = cfg.loss_aggregation or "token_mean"
+    clip_high = cfg.clip_range_high  # None = clip_range on both sides
     for epoch in range(cfg.update_epochs):
         g = torch.Generator().manual_seed(seed + epoch)
         perm = torch.randperm(ro.n, generator=g)
         for u in range(ro.n // per_update):
             rows = perm[u * per_update : (u + 1) * per_update]
-            # Token-level mean over the whole minibatch on every rank: each rank scales its token
-            # sum by world / global tokens, and FSDP's gradient averaging divides the world back.
-            scale = world / max(1.0, all_reduce_sum(float(ro.mask[rows].sum()), device))
+            # The mean over the whole minibatch on every rank: per-token weights [rows, R] that
+            # depend on their row only (the mask, or the mask over the row's tokens or over
+            # max_new_tokens) and a count summed over ranks (tokens or sequences). Each rank
+            # scales its weighted sum by world / global count, and FSDP's gradient averaging
+            # divides the world back: exactly the global mean at any number of ranks.
+            weights, count = loss_weights(ro.mask[rows], aggregation, cfg.rollout.max_new_tokens)
+            scale = world / max(1.0, all_reduce_sum(count, device))
             micros = rows.split(micro)
-            # This rank's share of the update's objective: summed over ranks, the token mean
-            # (scale carries world / global tokens; FSDP's averaging divides the world back).
+            # This rank's share of the update's objective: summed over ranks, the global mean.
             share = 0.0
             for k, mi in enumerate(micros):
                 last = k == len(micros) - 1
                 inp = _to(ro.inputs(mi), device)
                 m = ro.mask[mi].to(device)
+                w = weights[k * micro : k * micro + len(mi)].to(device)  # [n, R]
                 model.set_requires_gradient_sync(last and not critic)
                 logp, ent = response_logps(
                     model, POLICY, inp, ro.response[mi].to(device), m, chunk_tokens, entropy=True
                 )  # [n, R] each
                 assert ent is not None
                 pg, clipped = clipped_policy_loss(
-                    logp, old[mi].to(device), adv[mi].to(device), cfg.clip_range
+                    logp, old[mi].to(device), adv[mi].to(device), cfg.clip_range, clip_high
                 )
                 per_token = pg - cfg.entropy_coef * ent
                 kl_t = kl_penalty(logp, ref[mi].to(device), cfg.kl.estimator)
                 if kl_in_loss:
                     per_token = per_token + kl_in_loss * kl_t
-                objective = (per_token * m).sum() * scale
+                objective = (per_token * w).sum() * scale
                 tr.backward(objective)
                 share += float(objective.detach()) / world
                 ratio_log = logp.detach() - old[mi].to(device)
@@ -170,7 +181,7 @@ def update(
                         returns[mi].to(device),
                         cfg.value_clip,
                     )
-                    value_objective = cfg.vf_coef * (vf * m).sum() * scale
+                    value_objective = cfg.vf_coef * (vf * w).sum() * scale
                     tr.backward(value_objective)
                     share += float(value_objective.detach()) / world
                     sums["value_loss"] += float((vf.detach() * m).sum())

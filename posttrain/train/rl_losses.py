@@ -131,18 +131,72 @@ def group_advantages(
     return centred.reshape(-1)
 
 
+def leave_one_out_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO: each score minus the mean of the OTHER samples of its prompt,
+    A_i = r_i - mean_{j != i} r_j = k / (k - 1) (r_i - mean_j r_j) for a group of k; [B] -> [B].
+    The baseline does not depend on the sample it judges, so the estimate stays unbiased."""
+    if group_size < 2 or scores.numel() % group_size:
+        raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size} >= 2")
+    g = scores.view(-1, group_size)
+    others = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
+    return (g - others).reshape(-1)
+
+
+def informative_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """DAPO's dynamic sampling filter: [N] scores in groups of `group_size` consecutive samples
+    -> [N / group_size] bool, True where the group's scores are not all equal (a group whose
+    samples all score the same has zero group-relative advantage: no gradient, only noise in
+    the token mean)."""
+    if scores.numel() % group_size:
+        raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size}")
+    g = scores.view(-1, group_size)
+    return (g != g[:, :1]).any(dim=1)
+
+
 def clipped_policy_loss(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip: float
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    clip: float,
+    clip_high: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate -> (per-token loss [B, R], clipped [B, R] bool).
 
-    loss = max(-A r, -A clip(r, 1-clip, 1+clip)) with r = exp(logp - old_logp); a token is
-    clipped when the clipped term is the larger (its gradient is then zero).
+    loss = max(-A r, -A clip(r, 1-clip, 1+clip_high)) with r = exp(logp - old_logp); a token is
+    clipped when the clipped term is the larger (its gradient is then zero). `clip_high` (DAPO's
+    clip-higher: a wider upper side lets unlikely tokens with A > 0 grow) defaults to `clip`.
     """
+    high = clip if clip_high is None else clip_high
     ratio = torch.exp(logp - old_logp)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + clip)
+    clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + high)
     return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "token_sum_norm")
+
+
+def loss_weights(
+    mask: torch.Tensor, aggregation: str, max_new_tokens: int
+) -> tuple[torch.Tensor, float]:
+    """How a minibatch's per-token losses become one number -> (weights [B, R], count).
+
+    objective = sum(loss * weights) / count, with `count` summed over every rank's rows of the
+    minibatch (weights are row-local, so any split of the rows over ranks sums to the same value):
+    - token_mean: weights = mask, count = tokens: every token counts the same (long responses
+      weigh more; PPO, GRPO as implemented here, DAPO);
+    - sequence_mean: weights = mask / tokens of the row, count = sequences: each response's
+      token mean, averaged over responses (the GRPO paper; short responses' tokens weigh more);
+    - token_sum_norm: weights = mask / max_new_tokens, count = sequences: each response's token
+      sum over a constant, averaged over responses (Dr. GRPO: no per-response length bias).
+    """
+    if aggregation == "token_mean":
+        return mask, float(mask.sum())
+    if aggregation == "sequence_mean":
+        return mask / mask.sum(1, keepdim=True).clamp(min=1), float(mask.size(0))
+    if aggregation == "token_sum_norm":
+        return mask / max_new_tokens, float(mask.size(0))
+    raise ValueError(f"unknown loss aggregation {aggregation!r}; known: {list(LOSS_AGGREGATIONS)}")
 
 
 def clipped_value_loss(

@@ -67,6 +67,60 @@ class Rollout:
         """Real (non-pad) tokens of the rollout: prompts plus responses."""
         return int(self.prompt_mask.sum() + self.mask.sum())
 
+    def select(self, rows: list[int] | torch.Tensor) -> Rollout:
+        """The rollout of `rows` only (scored tensors alongside), e.g. the informative groups of
+        dynamic sampling; widths stay as they are (padding columns are harmless)."""
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        return Rollout(
+            self.prompt_ids[idx],
+            self.prompt_mask[idx],
+            self.response[idx],
+            self.mask[idx],
+            self.stopped[idx],
+            [self.messages[int(i)] for i in idx],
+            {k: v[idx] for k, v in self.scored.items()},
+        )
+
+    @staticmethod
+    def cat(parts: Sequence[Rollout], pad_id: int = 0) -> Rollout:
+        """One rollout of several (rounds of dynamic sampling), in order: prompts re-padded on
+        the LEFT and responses on the RIGHT to the widest, so the model inputs of a row and the
+        response column of each token keep their meaning; per-token scored tensors [N, R]
+        (logps, values) get zeros on the new columns (the mask is 0 there), per-sequence ones
+        [N] (scores) are concatenated. `pad_id` fills the new token columns (never attended:
+        their masks are 0). Every part must hold the same scored keys."""
+        if not parts:
+            raise ValueError("Rollout.cat needs at least one rollout")
+        keys = set(parts[0].scored)
+        if any(set(p.scored) != keys for p in parts):
+            raise ValueError(
+                f"rollouts with different scored keys: {[sorted(p.scored) for p in parts]}"
+            )
+        p_w = max(p.width[0] for p in parts)
+        r_w = max(p.width[1] for p in parts)
+
+        def left(x: torch.Tensor, fill: float) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (p_w - x.size(1), 0), value=fill)
+
+        def right(x: torch.Tensor, fill: float) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (0, r_w - x.size(1)), value=fill)
+
+        scored = {
+            k: torch.cat(
+                [right(p.scored[k], 0.0) if p.scored[k].dim() == 2 else p.scored[k] for p in parts]
+            )
+            for k in sorted(keys)
+        }
+        return Rollout(
+            torch.cat([left(p.prompt_ids, pad_id) for p in parts]),
+            torch.cat([left(p.prompt_mask, 0) for p in parts]),
+            torch.cat([right(p.response, pad_id) for p in parts]),
+            torch.cat([right(p.mask, 0.0) for p in parts]),
+            torch.cat([p.stopped for p in parts]),
+            [m for p in parts for m in p.messages],
+            scored,
+        )
+
 
 def response_mask(
     response: torch.Tensor, stop_ids: int | Sequence[int]
