@@ -277,3 +277,19 @@ def test_existing_rl_recipes_keep_their_fingerprints(recipe: str) -> None:
 
     prints = {p.name: p.fingerprint for p in plan(load_recipe(ROOT / recipe))}
     assert {k: prints[k] for k in FINGERPRINTS[recipe]} == FINGERPRINTS[recipe]
+
+
+def test_another_algorithm_is_another_fingerprint() -> None:
+    from posttrain.config.loader import load_recipe
+    from posttrain.planner import plan
+
+    prints = {
+        algo: next(
+            p.fingerprint
+            for p in plan(load_recipe(ROOT / "recipes/grpo.yaml", [f"grpo.algorithm={algo}"]))
+            if p.name == "grpo"
+        )
+        for algo in ("grpo", "dr_grpo", "rloo")
+    }
+    assert prints["grpo"] == FINGERPRINTS["recipes/grpo.yaml"]["grpo"]
+    assert len(set(prints.values())) == 3
