@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from posttrain.config.rl_algorithms import SPECS
 from posttrain.kinds.grpo import GRPOConfig
 from posttrain.kinds.ppo import PPOConfig
 from posttrain.train.rl_algos import ALGORITHMS, reinforce_pp_advantages, rloo_advantages
@@ -148,6 +149,26 @@ def test_every_grpo_algorithm_is_registered_without_a_critic() -> None:
     assert set(names) == set(ALGORITHMS) - {"ppo"}
     assert not any(ALGORITHMS[n].critic for n in names)
     assert ALGORITHMS["rloo"].kl_placement == ALGORITHMS["reinforce_pp"].kl_placement == "reward"
+    # Every preset names a field of the grpo section (a sub-field for dotted paths).
+    for name in names:
+        for path in SPECS[name].presets:
+            head, _, leaf = path.partition(".")
+            field = GRPOConfig.model_fields[head]
+            assert not leaf or leaf in field.default_factory().model_fields, path
+
+
+def test_validating_a_grpo_section_does_not_import_torch() -> None:
+    # The flow process validates and plans recipes; torch is for the stage processes.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from posttrain.kinds.grpo import GRPOConfig; "
+        "GRPOConfig.model_validate({'data': {'synthetic': {}}, 'algorithm': 'dapo'}); "
+        "assert 'torch' not in sys.modules"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
 
 
 def _grpo(**kw: object) -> GRPOConfig:

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from posttrain.config.rl_algorithms import SPECS
 from posttrain.config.sections import KLConfig, OnlineRLConfig, RolloutConfig
 from posttrain.kinds._kind import MemoryInputs, StageKind
 from posttrain.kinds._online import rollout_memory
@@ -48,9 +49,7 @@ class GRPOConfig(OnlineRLConfig):
     def _presets(self) -> GRPOConfig:
         """The algorithm's presets on the fields the recipe left out, and its loss aggregation
         when none is set: the validated section holds the values the run uses."""
-        from posttrain.train.rl_algos import ALGORITHMS  # rollout -> config: import when used
-
-        algo = ALGORITHMS[self.algorithm]
+        algo = SPECS[self.algorithm]
         for path, value in algo.presets.items():
             head, _, leaf = path.partition(".")
             if not leaf:

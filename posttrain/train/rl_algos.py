@@ -2,20 +2,20 @@
 (rollouts, scoring, KL estimation, the clipped update, metrics, checkpoints) is one shared loop in
 `posttrain.stages.online_rl`.
 
-An algorithm says whether it trains a critic, where the KL penalty goes by default, how the
-update aggregates per-token losses by default, how a scored rollout becomes per-token advantages
-(and value targets, with a critic), and its presets: recipe fields it changes when the recipe
-does not set them (applied when the section is validated, so `posttrain config` shows them).
+An algorithm is its declared spec (`posttrain.config.rl_algorithms`: critic or not, default KL
+placement and loss aggregation, presets applied when the recipe is validated, torch-free) and
+how a scored rollout becomes per-token advantages (and value targets, with a critic).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from posttrain.config.rl_algorithms import SPECS, AlgorithmSpec
 from posttrain.train.rl_losses import (
     Reduce,
     gae,
@@ -104,51 +104,28 @@ def reinforce_pp_advantages(
 @dataclass(frozen=True)
 class Algorithm:
     name: str
-    critic: bool
-    kl_placement: str  # where `kl.placement: auto` puts the penalty: "reward" or "loss"
+    spec: AlgorithmSpec  # critic, default KL placement and loss aggregation, presets
     advantages: AdvantageFn
-    loss_aggregation: str = "token_mean"  # see rl_losses.loss_weights
-    # Recipe fields (dotted paths in the section) set when the recipe leaves them out.
-    presets: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def critic(self) -> bool:
+        return self.spec.critic
+
+    @property
+    def kl_placement(self) -> str:  # where `kl.placement: auto` puts the penalty
+        return self.spec.kl_placement
+
+
+_ADVANTAGES: dict[str, AdvantageFn] = {
+    "ppo": ppo_advantages,
+    "grpo": grpo_advantages,
+    "dr_grpo": grpo_advantages,  # with scale_rewards false (its preset)
+    "dapo": grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
+}
+assert _ADVANTAGES.keys() == SPECS.keys(), (sorted(_ADVANTAGES), sorted(SPECS))
 
 ALGORITHMS: dict[str, Algorithm] = {
-    a.name: a
-    for a in (
-        Algorithm("ppo", critic=True, kl_placement="reward", advantages=ppo_advantages),
-        # The paper averages each response's tokens, then the responses (`sequence_mean`); the
-        # token mean over the minibatch has been the default here since GRPO was added.
-        Algorithm("grpo", critic=False, kl_placement="loss", advantages=grpo_advantages),
-        # Dr. GRPO (Liu et al. 2025): no std scaling and no per-response length normalisation.
-        Algorithm(
-            "dr_grpo",
-            critic=False,
-            kl_placement="loss",
-            advantages=grpo_advantages,
-            loss_aggregation="token_sum_norm",
-            presets={"scale_rewards": False},
-        ),
-        # DAPO (Yu et al. 2025): clip-higher, token-level loss, no KL, dynamic sampling.
-        Algorithm(
-            "dapo",
-            critic=False,
-            kl_placement="loss",
-            advantages=grpo_advantages,
-            presets={"clip_range_high": 0.28, "kl.coef": 0.0, "dynamic_sampling": True},
-        ),
-        Algorithm(
-            "rloo",
-            critic=False,
-            kl_placement="reward",
-            advantages=rloo_advantages,
-            presets={"scale_rewards": False},
-        ),
-        Algorithm(
-            "reinforce_pp",
-            critic=False,
-            kl_placement="reward",
-            advantages=reinforce_pp_advantages,
-            presets={"scale_rewards": False},
-        ),
-    )
+    name: Algorithm(name, SPECS[name], fn) for name, fn in _ADVANTAGES.items()
 }
