@@ -103,9 +103,12 @@ def reinforce_pp_advantages(
 
 @dataclass(frozen=True)
 class Algorithm:
-    name: str
-    spec: AlgorithmSpec  # critic, default KL placement and loss aggregation, presets
+    spec: AlgorithmSpec  # name, critic, default KL placement and loss aggregation, presets
     advantages: AdvantageFn
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
     @property
     def critic(self) -> bool:
@@ -116,16 +119,15 @@ class Algorithm:
         return self.spec.kl_placement
 
 
-_ADVANTAGES: dict[str, AdvantageFn] = {
-    "ppo": ppo_advantages,
-    "grpo": grpo_advantages,
-    "dr_grpo": grpo_advantages,  # with scale_rewards false (its preset)
-    "dapo": grpo_advantages,
-    "rloo": rloo_advantages,
-    "reinforce_pp": reinforce_pp_advantages,
-}
-assert _ADVANTAGES.keys() == SPECS.keys(), (sorted(_ADVANTAGES), sorted(SPECS))
-
 ALGORITHMS: dict[str, Algorithm] = {
-    name: Algorithm(name, SPECS[name], fn) for name, fn in _ADVANTAGES.items()
+    a.name: a
+    for a in (
+        Algorithm(SPECS["ppo"], ppo_advantages),
+        Algorithm(SPECS["grpo"], grpo_advantages),
+        Algorithm(SPECS["dr_grpo"], grpo_advantages),  # with scale_rewards false (its preset)
+        Algorithm(SPECS["dapo"], grpo_advantages),
+        Algorithm(SPECS["rloo"], rloo_advantages),
+        Algorithm(SPECS["reinforce_pp"], reinforce_pp_advantages),
+    )
 }
+assert ALGORITHMS.keys() == SPECS.keys(), (sorted(ALGORITHMS), sorted(SPECS))
