@@ -145,7 +145,8 @@ def test_implicit_prompt_error_names_file_and_line(tmp_path: Path) -> None:
 )
 def test_prompt_only_shapes(tmp_path: Path, row: dict, prompt: list) -> None:
     located, _ = read_prompt_rows(_jsonl(tmp_path / "r.jsonl", [row]))
-    assert located == [(f"{tmp_path / 'r.jsonl'}:1", prompt)]
+    ((where, got),) = located
+    assert (where, got["messages"]) == (f"{tmp_path / 'r.jsonl'}:1", prompt)
 
 
 def test_prompt_error_names_file_and_line(tmp_path: Path) -> None:

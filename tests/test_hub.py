@@ -160,7 +160,8 @@ def test_hub_preference_and_prompt_data_with_message_lists(cache: Path) -> None:
     )
     # The same files as prompts for RL, through a rename: `chosen` read as `messages`.
     prompts, _ = read_prompt_rows(DataSource("org/prefs", columns={"chosen": "messages"}))
-    assert prompts[1] == ("org/prefs[train] row 1", [turn("user", "q1")])
+    where, row = prompts[1]
+    assert (where, row["messages"]) == ("org/prefs[train] row 1", [turn("user", "q1")])
 
 
 def test_preference_config_reads_hub_splits_with_renamed_columns(cache: Path) -> None:
