@@ -135,3 +135,48 @@ def test_new_rollout_fields_stay_out_of_the_fingerprint_at_their_defaults() -> N
     d["grpo"]["rollout"]["drop_finished"] = True
     rollout = stage_inputs(Recipe.model_validate(d), "grpo")[0]["section"]["rollout"]
     assert rollout["drop_finished"] is True and "engine" not in rollout
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma2"])
+def test_decode_loop_matches_generate_on_other_families(family: str) -> None:
+    """Random-init tiny models of other cache layouts: grouped KV heads (Qwen2/3), and Gemma-2's
+    sliding-window layers (window 8 < prompt lengths) with its logit soft-cap."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    common = dict(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        pad_token_id=0,
+    )
+    cls, cfg = {
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config(**common)),
+        "qwen3": (Qwen3ForCausalLM, Qwen3Config(head_dim=16, **common)),
+        "gemma2": (
+            Gemma2ForCausalLM,
+            Gemma2Config(head_dim=16, sliding_window=8, final_logit_softcapping=30.0, **common),
+        ),
+    }[family]
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    lm = get_peft_model(cls(cfg).float().eval(), lora)
+    model = RoleModel(lm, nn.Linear(64, 1), None)
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 9, 14, 20, 7, 11)]
+    s = _sampling("sample", 20, temperature=1.0)
+    full = HFEngine(model, POLICY, 1).generate(ids, s, [-1], 0, seed=3)
+    stops = [int(full[0, 1]), int(full[2, 4]), int(full[4, 7])]
+    want = HFEngine(model, POLICY, 1).generate(ids, s, stops, 0, seed=3)
+    got = HFEngine(model, POLICY, 1, drop_finished=True).generate(ids, s, stops, 0, seed=3)
+    assert torch.equal(got, want)
