@@ -129,6 +129,12 @@ def stage_inputs(
                     section.pop(key)
             if not section.get("dynamic_sampling"):
                 section.pop("max_sampling_rounds", None)
+        # Rollout fields added since: left out at their defaults, so RL recipes keep their prints.
+        rollout = section.get("rollout")
+        if isinstance(rollout, dict):
+            for key, default in (("engine", "hf"), ("drop_finished", False)):
+                if rollout.get(key) == default:
+                    rollout.pop(key)
         # The guard's spike test decides which finite updates are applied: part of the result.
         # Its stop rule (max_bad_steps, window) only decides whether a stage fails, and skipping
         # non-finite steps is always on, so a spike-free recipe's fingerprint stays as it was.

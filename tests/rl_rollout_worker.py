@@ -1,6 +1,6 @@
 """torchrun worker for test_rl_stages: sampling from the sharded four-role model when ranks
 stop at different lengths. Usage: torchrun --nproc-per-node 2 -m tests.rl_rollout_worker
-<ingest_dir> <sft_dir> <reward_dir>; prints one JSON line per rank and gathering mode."""
+<ingest_dir> <sft_dir> <reward_dir>; prints one JSON line per rank, gathering mode and decode path."""
 
 from __future__ import annotations
 
@@ -30,21 +30,43 @@ def main() -> None:
     register_fsdp_forward_method(model, "generate")
     msgs = quickstart_prompts(4, seed=d.rank)
     ids = [encode_prompt(tok, m, 64) for m in msgs]
-    for keep in (False, True):
-        # Rank 0 stops after 2 new tokens, rank 1 runs to 10 (EOS id -1 never ends a row early),
-        # so rank 0 must keep stepping with rank 1: with every block re-gathered at each token
-        # (keep False) and with the weights kept gathered for the whole loop (keep True).
-        cfg = RolloutConfig(max_new_tokens=2 if d.rank == 0 else 10, keep_gathered=keep)
-        ro = sample(model, ids, msgs, cfg, tok.pad_token_id, -1, seed=d.rank, world=d.world_size)
-        score(model, ro, tok, 2, 64)
-        record = {
-            "rank": d.rank,
-            "keep_gathered": keep,
-            "width": ro.width[1],
-            "scored": sorted(ro.scored),
-            "finite": all(bool(torch.isfinite(v).all()) for v in ro.scored.values()),
-        }
-        print(json.dumps(record), flush=True)
+    responses = {}
+    for drop in (False, True):
+        for keep in (False, True):
+            # Rank 0 stops after 2 new tokens, rank 1 runs to 10 (EOS id -1 never ends a row
+            # early), so rank 0 must keep stepping with rank 1: with every block re-gathered at
+            # each token (keep False) and with the weights kept gathered for the whole loop
+            # (keep True); through generate and through the decode loop that drops finished
+            # rows (drop True; its rank 0 steps a one-row dummy).
+            cfg = RolloutConfig(
+                max_new_tokens=2 if d.rank == 0 else 10, keep_gathered=keep, drop_finished=drop
+            )
+            ro = sample(model, ids, msgs, cfg, tok.pad_token_id, -1, d.rank, d.world_size)
+            responses[drop, keep] = ro.response
+            score(model, ro, tok, 2, 64)
+            record = {
+                "rank": d.rank,
+                "keep_gathered": keep,
+                "drop_finished": drop,
+                "width": ro.width[1],
+                "scored": sorted(ro.scored),
+                "finite": all(bool(torch.isfinite(v).all()) for v in ro.scored.values()),
+                "same_tokens": bool(torch.equal(ro.response, responses[False, keep])),
+            }
+            print(json.dumps(record), flush=True)
+    # Rows that end at different steps inside each rank: the token row 0 sampled second stops
+    # it; the decode loop drops it and must sample what generate samples.
+    stop = [int(responses[False, True][0, 1])]
+    got = {}
+    for drop in (False, True):
+        cfg = RolloutConfig(max_new_tokens=2 if d.rank == 0 else 10, drop_finished=drop)
+        got[drop] = sample(model, ids, msgs, cfg, tok.pad_token_id, stop, d.rank, d.world_size)
+    record = {
+        "stop_rank": d.rank,
+        "stopped": got[True].stopped.tolist(),
+        "same_tokens": bool(torch.equal(got[True].response, got[False].response)),
+    }
+    print(json.dumps(record), flush=True)
     shutdown()
 
 

@@ -115,7 +115,8 @@ def test_shared_trunk_roles_match_standalone_models(parents) -> None:
 
 
 def test_sharded_rollout_with_ranks_stopping_at_different_lengths(parents) -> None:
-    """Without synced generation this crashes (gloo sees mismatched collectives) or hangs."""
+    """Without synced generation this crashes (gloo sees mismatched collectives) or hangs; the
+    same for the rollout engine's decode loop (`rollout.drop_finished`)."""
     cmd = [
         sys.executable,
         "-m",
@@ -130,10 +131,16 @@ def test_sharded_rollout_with_ranks_stopping_at_different_lengths(parents) -> No
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     # Both ranks print to one pipe, so lines may run together: find the records themselves.
     rows = [json.loads(x) for x in re.findall(r'\{"rank".*?\}', proc.stdout)]
-    assert len(rows) == 4
+    assert len(rows) == 8
     for r in rows:
         assert r["width"] == (2 if r["rank"] == 0 else 10), r
         assert r["scored"] == ["logps", "ref_logps", "scores", "values"] and r["finite"]
+        assert r["same_tokens"], r  # the decode loop samples what generate samples
+    # Rows ending at different steps within each rank, through the decode loop that drops them.
+    stops = [json.loads(x) for x in re.findall(r'\{"stop_rank".*?\}', proc.stdout)]
+    assert sorted(r["stop_rank"] for r in stops) == [0, 1]
+    for r in stops:
+        assert r["same_tokens"] and r["stopped"][0], r
 
 
 def test_ppo_step_on_two_ranks_with_four_sharded_roles(parents) -> None:

@@ -231,6 +231,19 @@ class RolloutConfig(_Section):
         "per rollout, full-model memory while generating) instead of gathering every block at "
         "every new token.",
     )
+    engine: Literal["hf"] = Field(
+        "hf",
+        description="Rollout engine (`posttrain.train.rollout_engine`): `hf` decodes in process "
+        "on the sharded role model. The interface leaves room for a serving engine (vLLM, "
+        "SGLang).",
+    )
+    drop_finished: bool = Field(
+        False,
+        description="`hf` engine: decode with a loop that drops a response from the batch (and "
+        "its KV cache) once it emits a stop token, instead of transformers' `generate`, which "
+        "steps every row until the longest ends. Same tokens for the same seed (up to "
+        "floating-point ties); faster when response lengths vary.",
+    )
 
 
 class KLConfig(_Section):

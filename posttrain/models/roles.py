@@ -112,6 +112,30 @@ class RoleModel(nn.Module):
         with active_adapter(self.lm, role):
             return self.lm.generate(**kwargs)
 
+    def decode(
+        self,
+        role: str,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any,
+    ) -> torch.Tensor:
+        """One step of a hand-written decode loop (`posttrain.train.rollout_engine`): input_ids /
+        position_ids [B, T] (the prompt at prefill, the last sampled token after), attention_mask
+        [B, cached + T], the KV `cache` (a transformers Cache, filled in place) -> fp32 logits
+        [B, V] of the last position, through the causal LM's own head and logit transform. The
+        caller registers it as an FSDP forward method."""
+        with active_adapter(self.lm, role):
+            out = self.causal_lm(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return out.logits[:, -1].float()  # [B, 1, V] -> [B, V]
+
     def save_pretrained(
         self, path: str, state_dict: dict[str, Any], selected_adapters: list[str]
     ) -> None:

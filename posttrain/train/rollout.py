@@ -21,11 +21,10 @@ from posttrain.config.schema import RolloutConfig, SamplingConfig
 from posttrain.data.batching import pad_batch
 from posttrain.data.chat import IGNORE
 from posttrain.data.preference import Messages, encode_reply
-from posttrain.distributed.fsdp import gathered
 from posttrain.models.adapters import POLICY, REFERENCE
-from posttrain.models.decoding import generate_kwargs
 from posttrain.models.roles import REWARD, VALUE
 from posttrain.train.rl_losses import entropy_from_logits, token_logps
+from posttrain.train.rollout_engine import build_engine, left_pad
 
 
 @dataclass
@@ -137,16 +136,6 @@ def _ids(stop_ids: int | Sequence[int]) -> list[int]:
     return [stop_ids] if isinstance(stop_ids, int) else [int(i) for i in stop_ids]
 
 
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s) :] = torch.tensor(s)
-        mask[i, width - len(s) :] = 1
-    return ids, mask
-
-
 def sampling_of(cfg: RolloutConfig) -> SamplingConfig:
     return SamplingConfig(
         name="rollout",
@@ -170,47 +159,20 @@ def sample(
     world: int,
     role: str = POLICY,
 ) -> Rollout:
-    """Sample one response per prompt (repeat a prompt for several samples) with the KV cache.
+    """Sample one response per prompt (repeat a prompt for several samples) with the KV cache,
+    through the rollout engine `cfg.engine` (`posttrain.train.rollout_engine`).
 
-    Every rank runs the same number of `generate` calls; with more than one rank, generation is
-    synced (`synced_gpus`): a rank whose sequences all ended keeps stepping with the others until
-    every rank is done, since each step of a sharded model is a collective and a rank that
-    stopped early would leave the others waiting forever. Sampling is seeded by `seed` (call it
-    with a value derived from seed, step and rank) and the caller's RNG state is restored.
-    A response ends at the first of `stop_ids` (`stop_token_ids`; an id no token has, e.g. -1,
-    never stops).
+    Every rank runs the same number of forwards; with more than one rank, generation is synced:
+    a rank whose sequences all ended keeps stepping with the others until every rank is done,
+    since each step of a sharded model is a collective and a rank that stopped early would leave
+    the others waiting forever. Sampling is seeded by `seed` (call it with a value derived from
+    seed, step and rank) and the caller's RNG state is restored. A response ends at the first of
+    `stop_ids` (`stop_token_ids`; an id no token has, e.g. -1, never stops).
     """
     stops = _ids(stop_ids)
-    device = next(model.parameters()).device
+    engine = build_engine(cfg, model, role, world)
+    response = engine.generate(prompts, sampling_of(cfg), stops, pad_id, seed)  # [N, R]
     ids, attn = left_pad(prompts, pad_id)
-    bs = cfg.generation_batch_size or len(prompts)
-    kwargs = generate_kwargs(sampling_of(cfg))
-    chunks: list[torch.Tensor] = []
-    was_training = model.training
-    model.eval()
-    fork = [device] if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=fork), gathered(model, cfg.keep_gathered):
-            torch.manual_seed(seed)
-            for start in range(0, len(prompts), bs):
-                out = model.generate(
-                    role=role,
-                    input_ids=ids[start : start + bs].to(device),
-                    attention_mask=attn[start : start + bs].to(device),
-                    eos_token_id=stops,
-                    pad_token_id=pad_id,
-                    synced_gpus=world > 1,
-                    **kwargs,
-                )  # [b, P + new]
-                chunks.append(out[:, ids.size(1) :].cpu())
-    finally:
-        model.train(was_training)
-    width = max(c.size(1) for c in chunks)
-    response = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    row = 0
-    for c in chunks:
-        response[row : row + c.size(0), : c.size(1)] = c
-        row += c.size(0)
     mask, stopped = response_mask(response, stops)
     return Rollout(ids, attn, response, mask, stopped, messages)
 

@@ -1,0 +1,301 @@
+"""The rollout engine: what turns prompt token ids into sampled responses for online RL.
+
+`sample()` (posttrain.train.rollout) asks an engine for response tokens and builds the Rollout
+(masks, stop flags) around them; scoring and updates never see the engine. The interface is
+small so that a serving engine (vLLM, SGLang: paged KV cache, continuous batching) can be added
+beside the in-process one without touching the RL loop:
+
+- `generate(prompts, sampling, stop_ids, pad_id, seed)` -> response ids [N, R]
+- `sync_weights(model)`: after each policy update; a no-op for the in-process engine, which
+  decodes with the training model itself; a serving engine would push the merged (or LoRA-only)
+  policy weights here.
+- `sleep()` / `wake()`: free / re-take the engine's memory (weights, KV cache) around the
+  training phase; no-ops in process.
+
+`HFEngine` decodes in process on the (FSDP2-sharded) role model, either with transformers'
+`generate` (`drop_finished=False`, the default) or with a decode loop of its own that drops rows
+from the batch (and their KV cache) as soon as they emit a stop token. transformers' `generate`
+keeps stepping every row until the last one ends, so a batch of long-tailed responses pays for
+its longest one in every row.
+
+The decode loop samples exactly as `generate` does, token for token for the same seed (on CPU
+and CUDA; tested against `generate`): same logit warpers in the same order (temperature, top-k,
+top-p), and the same random draws: torch.multinomial(probs, 1) is argmax(probs / q) with
+q ~ Exp(1) drawn for the whole [B, V] batch, so the loop draws q for the full batch every step
+and reads the rows still running. Logits of a smaller batch may differ from the full batch's in
+the last bits (other matmul blocking), which can flip a near-tie.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from transformers import DynamicCache
+from transformers.generation import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from posttrain.config.schema import RolloutConfig, SamplingConfig
+from posttrain.distributed.fsdp import gathered
+from posttrain.models.decoding import generate_kwargs
+
+_DECODE_REGISTERED = "_posttrain_decode_registered"
+
+
+class RolloutEngine(Protocol):
+    """Samples responses for online RL; see the module docstring."""
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        stop_ids: list[int],
+        pad_id: int,
+        seed: int,
+    ) -> torch.Tensor:
+        """Response ids [N, R] (R = longest response of this call; rows right-padded with
+        `pad_id` after the stop token that ended them), one per prompt, seeded by `seed`; the
+        caller's RNG state is left as it was."""
+        ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Make the engine sample from `model`'s current weights (after an update)."""
+        ...
+
+    def sleep(self) -> None:
+        """Release the engine's memory while the trainer runs."""
+        ...
+
+    def wake(self) -> None:
+        """Take the memory back before the next `generate`."""
+        ...
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [N, P], mask [N, P]): each sequence right-aligned, pad_id / 0 on its left."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s) :] = torch.tensor(s)
+        mask[i, width - len(s) :] = 1
+    return ids, mask
+
+
+class HFEngine:
+    """In-process engine on the role model (`RoleModel.generate` / `RoleModel.decode` with the
+    role's adapter active). `world` > 1: generation is synced, every rank runs the same number
+    of forwards (each forward of a sharded model is a collective; a rank that stopped early
+    would leave the others waiting forever), so a rank whose rows all ended keeps stepping with
+    a one-row dummy. `batch_size`: sequences per generate call (None = all). `keep_gathered`:
+    hold the sharded blocks gathered for the whole call (`posttrain.distributed.fsdp.gathered`).
+    `cache_implementation`: transformers' cache for `generate` (None = dynamic; "static" is
+    measured in bench/rollout_cost.py) - not used by the decode loop."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        role: str,
+        world: int,
+        batch_size: int | None = None,
+        keep_gathered: bool = True,
+        drop_finished: bool = False,
+        cache_implementation: str | None = None,
+    ) -> None:
+        self.model, self.role, self.world = model, role, world
+        self.batch_size = batch_size
+        self.keep_gathered = keep_gathered
+        self.drop_finished = drop_finished
+        self.cache_implementation = cache_implementation
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        self.model = model  # decodes with the training model's own (sharded) weights
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        stop_ids: list[int],
+        pad_id: int,
+        seed: int,
+    ) -> torch.Tensor:
+        model = self.model
+        device = next(model.parameters()).device
+        ids, attn = left_pad(prompts, pad_id)
+        bs = self.batch_size or len(prompts)
+        run = self._decode if self.drop_finished else self._generate
+        if self.drop_finished:
+            _register_decode(model)
+        chunks: list[torch.Tensor] = []
+        was_training = model.training
+        model.eval()
+        fork = [device] if device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=fork), gathered(model, self.keep_gathered):
+                torch.manual_seed(seed)
+                for start in range(0, len(prompts), bs):
+                    chunk = (
+                        ids[start : start + bs].to(device),
+                        attn[start : start + bs].to(device),
+                    )
+                    chunks.append(run(*chunk, sampling, stop_ids, pad_id).cpu())
+        finally:
+            model.train(was_training)
+        width = max(c.size(1) for c in chunks)
+        response = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        row = 0
+        for c in chunks:
+            response[row : row + c.size(0), : c.size(1)] = c
+            row += c.size(0)
+        return response
+
+    def _generate(
+        self,
+        ids: torch.Tensor,
+        attn: torch.Tensor,
+        sampling: SamplingConfig,
+        stop_ids: list[int],
+        pad_id: int,
+    ) -> torch.Tensor:
+        """transformers' generate: ids/attn [b, P] -> new tokens [b, R]."""
+        extra = {"cache_implementation": self.cache_implementation}
+        out = self.model.generate(
+            role=self.role,
+            input_ids=ids,
+            attention_mask=attn,
+            eos_token_id=stop_ids,
+            pad_token_id=pad_id,
+            synced_gpus=self.world > 1,
+            **generate_kwargs(sampling),
+            **{k: v for k, v in extra.items() if v is not None},
+        )  # [b, P + R]
+        return out[:, ids.size(1) :]
+
+    def _decode(
+        self,
+        ids: torch.Tensor,
+        attn: torch.Tensor,
+        sampling: SamplingConfig,
+        stop_ids: list[int],
+        pad_id: int,
+    ) -> torch.Tensor:
+        """The decode loop that drops finished rows: ids/attn [b, P] -> new tokens [b, R]."""
+        if sampling.strategy not in ("greedy", "sample"):
+            raise ValueError(
+                f"the decode loop samples or decodes greedily, not {sampling.strategy!r}"
+            )
+        b, device = ids.size(0), ids.device
+        warp = _warpers(sampling)
+        stops = torch.tensor(stop_ids, device=device)
+        out = torch.full((b, sampling.max_new_tokens), pad_id, dtype=torch.long, device=device)
+        cache = DynamicCache(config=self.model.causal_lm.config)
+        rows = torch.arange(b, device=device)  # original row of each row still in the batch
+        pos = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 0)  # [b, P] as generate makes them
+        inp, mask = ids, attn
+        steps, done = 0, False
+        while _any_running(not done, self.world > 1, device):
+            logits = self.model.decode(self.role, inp, mask, pos, cache)  # [n, V] fp32
+            if done:  # every row here ended; a dummy step keeps the ranks' forwards in step
+                nxt = torch.full((inp.size(0),), pad_id, dtype=torch.long, device=device)
+            else:
+                nxt = _pick(warp(inp, logits), b, rows, sampling.strategy == "sample")
+                out[rows, steps] = nxt
+                steps += 1
+                ended = torch.isin(nxt, stops)
+                done = bool(ended.all()) or steps == sampling.max_new_tokens
+                if ended.any() and not done:
+                    keep = (~ended).nonzero().squeeze(1)  # [n'] rows still running
+                    cache.batch_select_indices(keep)
+                    rows, nxt, mask, pos = rows[keep], nxt[keep], mask[keep], pos[keep]
+                elif done and inp.size(0) > 1:  # the dummy steps need one row, not n
+                    one = torch.zeros(1, dtype=torch.long, device=device)
+                    cache.batch_select_indices(one)
+                    nxt, mask, pos = nxt[one], mask[one], pos[one]
+            inp = nxt[:, None]  # [n, 1]
+            mask = torch.cat([mask, mask.new_ones(mask.size(0), 1)], dim=1)
+            pos = pos[:, -1:] + 1
+        return out[:, :steps]
+
+
+def _any_running(running: bool, synced: bool, device: torch.device) -> bool:
+    """Whether any rank still has rows to decode (one all-reduce per step when synced, as in
+    transformers' generate)."""
+    if not synced:
+        return running
+    flag = torch.tensor(1.0 if running else 0.0, device=device)
+    dist.all_reduce(flag)
+    return bool(flag.item() > 0)
+
+
+def _warpers(sampling: SamplingConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The logit warpers `generate` applies for these settings, in its order (temperature,
+    top-k, top-p); none for greedy. (ids, fp32 logits [n, V]) -> scores [n, V]."""
+    warpers: list[Any] = []
+    if sampling.strategy == "sample":
+        if sampling.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_k:
+            warpers.append(TopKLogitsWarper(top_k=sampling.top_k, min_tokens_to_keep=1))
+        if sampling.top_p is not None and sampling.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=sampling.top_p, min_tokens_to_keep=1))
+
+    def apply(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for w in warpers:
+            scores = w(ids, scores)
+        return scores
+
+    return apply
+
+
+def _pick(scores: torch.Tensor, b: int, rows: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """Next token [n] of the running rows `rows` (of a batch of b) from scores [n, V].
+
+    Sampling draws what torch.multinomial(probs [b, V], 1) draws on the full batch - it is
+    argmax(probs / q) with q ~ Exp(1) of probs' shape - so a row's token does not depend on
+    which other rows are still running, and matches `generate`'s for the same seed."""
+    if not do_sample:
+        return scores.argmax(-1)
+    probs = torch.softmax(scores, dim=-1)  # [n, V]
+    q = torch.empty((b, probs.size(1)), dtype=probs.dtype, device=probs.device).exponential_(1)
+    return (probs / q[rows]).argmax(-1)
+
+
+def _register_decode(model: torch.nn.Module) -> None:
+    """Make `model.decode` run FSDP2's pre/post-forward hooks (all-gather, reshard), once: a
+    second registration would wrap the hooks twice. A no-op for an unsharded model."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    if not getattr(model, _DECODE_REGISTERED, False):
+        register_fsdp_forward_method(model, "decode")
+        setattr(model, _DECODE_REGISTERED, True)
+
+
+ENGINES: dict[str, Callable[..., RolloutEngine]] = {"hf": HFEngine}
+
+
+def build_engine(
+    cfg: RolloutConfig, model: torch.nn.Module, role: str, world: int
+) -> RolloutEngine:
+    """The engine a recipe's `rollout.engine` names, set up from its rollout section."""
+    if cfg.engine not in ENGINES:
+        raise ValueError(f"rollout.engine: unknown engine {cfg.engine!r}; known: {sorted(ENGINES)}")
+    return ENGINES[cfg.engine](
+        model,
+        role,
+        world,
+        batch_size=cfg.generation_batch_size,
+        keep_gathered=cfg.keep_gathered,
+        drop_finished=cfg.drop_finished,
+    )
