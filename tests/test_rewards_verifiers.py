@@ -317,3 +317,20 @@ def test_length_penalty_errors() -> None:
         length_penalty(["p"], ["c"], completion_ids=[[1]], max_tokens=10, buffer=11)
     with pytest.raises(ValueError, match="penalty"):
         length_penalty(["p"], ["c"], completion_ids=[[1]], max_tokens=10, buffer=2, penalty=-1)
+
+
+def test_token_similarity_gives_ordered_partial_credit() -> None:
+    from posttrain.rewards.match import token_similarity
+
+    got = token_similarity(
+        [""] * 5,
+        [
+            "10 28 52 53",  # sorted: full marks, as exact_match
+            "53 52 28 10",  # the list reversed: one token in order, 2*1/(4+4)
+            "The capital of France is Paris.",  # 5 of 6 tokens: 2*5/(6+6)
+            [{"role": "assistant", "content": ""}],  # nothing: 0
+            "anything",
+        ],
+        answer=["10 28 52 53", "10 28 52 53", "the capital of France is Lyon", "1 2", None],
+    )
+    assert got[:4] == pytest.approx([1.0, 0.25, 10 / 12, 0.0]) and got[4] is None

@@ -242,8 +242,6 @@ def test_grpo_family_algorithms_train_the_policy(parents, algorithm) -> None:
         "max_steps": 2,
         "eval_prompts": 4,
         "max_kl": None,
-        # The loop does not do dynamic sampling yet (the flag and its helpers exist).
-        **({"dynamic_sampling": False} if algorithm == "dapo" else {}),
     }
     out = run_inprocess("grpo", recipe_with(parents, "grpo", section, f"algo-{algorithm}"))
     start = read_metrics(out / "metrics.jsonl", "start")[0]

@@ -126,10 +126,10 @@ def verify_policy(
     }
     examples = [
         {
+            **prompts.columns[i],  # the reference `answer` among them
             "prompt": prompts.messages[i],
-            "answer": g_answers[i],
+            "response": g_answers[i],
             "passed": g_pass[i],
-            **prompts.columns[i],
         }
         for i in range(len(g_pass))
     ]

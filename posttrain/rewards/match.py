@@ -9,10 +9,11 @@ comes in the data column `answer`. For numbers written many ways use `posttrain.
 from __future__ import annotations
 
 import re
+from difflib import SequenceMatcher
 
 from posttrain.rewards.extract import completion_text
 
-__all__ = ["exact_match", "normalize", "reference_or_none", "require_column"]
+__all__ = ["exact_match", "normalize", "reference_or_none", "require_column", "token_similarity"]
 
 _QUOTES = "\"'`\u201c\u201d\u2018\u2019"
 
@@ -61,4 +62,25 @@ def exact_match(
             scores.append(None)
             continue
         scores.append(float(normalize(completion_text(completion)) == normalize(ref_text)))
+    return scores
+
+
+def token_similarity(
+    prompts: list, completions: list, answer: list | None = None, **kwargs
+) -> list[float | None]:
+    """Partial credit in [0, 1]: 2 x (matched tokens, in order) / (tokens of both), over the
+    normalised whitespace tokens (difflib's ratio on token lists); 1.0 exactly when
+    `exact_match` is 1. Order counts, so a list copied unsorted scores below a sorted one; a
+    denser signal than exact match for a policy that rarely gets everything right. None for
+    rows without a reference."""
+    answers = require_column("token_similarity", "answer", answer)
+    scores: list[float | None] = []
+    for completion, ref in zip(completions, answers, strict=True):
+        ref_text = reference_or_none(ref)
+        if ref_text is None:
+            scores.append(None)
+            continue
+        a = normalize(completion_text(completion)).split()
+        b = normalize(ref_text).split()
+        scores.append(SequenceMatcher(None, a, b, autojunk=False).ratio() if a or b else 1.0)
     return scores

@@ -59,6 +59,7 @@ from posttrain.train.rl_losses import (
     clipped_policy_loss,
     clipped_value_loss,
     explained_variance,
+    informative_groups,
     kl_penalty,
     loss_weights,
 )
@@ -405,33 +406,91 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
     stop_ids = model_stop_token_ids(model, tok)
     log.info("rollouts stop at token ids %s", stop_ids)
     n_mat, cfg_m = tr.n_matmul, model.config
-    for step in range(tr.start_step, n_rollouts):
-        t0 = time.perf_counter()
-        heartbeat.beat(phase="rollout")
+    group = cfg.rollout.samples_per_prompt
+    per_rank = cfg.rollout.prompts_per_step // world
+
+    def one_round(step: int, r: int) -> tuple[Rollout, dict[str, torch.Tensor], float, float]:
+        """Round r of step `step`: this rank's prompts (round 0: the step's own; later rounds of
+        dynamic sampling: another seeded draw) x samples, generated, scored and rewarded; with
+        the generation and scoring seconds."""
+        t = time.perf_counter()
         idx = step_indices(
             len(data.train),
             step,
-            micro=cfg.rollout.prompts_per_step // world,
+            micro=per_rank,
             accum=1,
             dp_size=world,
             rank=rank,
-            seed=seed,
+            seed=seed + r * 1_000_003,
         )[0]
-        rows = [data.train[i] for i in idx for _ in range(cfg.rollout.samples_per_prompt)]
+        rows = [data.train[i] for i in idx for _ in range(group)]
         ro = sample(
             model,
-            [r["ids"] for r in rows],
-            [r["messages"] for r in rows],
+            [r_["ids"] for r_ in rows],
+            [r_["messages"] for r_ in rows],
             cfg.rollout,
             tok.pad_token_id,
             stop_ids,
-            rollout_seed(seed, step, rank),
+            rollout_seed(seed + r, step, rank),
             world,
         )
-        t_gen = time.perf_counter() - t0
+        t_gen = time.perf_counter() - t
         score(model, ro, tok, batch.micro_batch_size, cfg.data.max_prompt_len, roles, chunk_tokens)
-        per_fn = rewarder(ro, rows)
-        t_score = time.perf_counter() - t0 - t_gen
+        per = rewarder(ro, rows)
+        return ro, per, t_gen, time.perf_counter() - t - t_gen
+
+    def rollout_step(
+        step: int,
+    ) -> tuple[Rollout, dict[str, torch.Tensor], float, float, dict[str, float]]:
+        """The step's rollout, per-function rewards, generation and scoring seconds, and
+        sampling stats. With dynamic sampling (DAPO), groups whose samples all score the same
+        are dropped and more prompts sampled, up to max_sampling_rounds rounds; every rank runs
+        the same number of rounds (generation is synced), and a batch still short after the
+        last round is topped up with dropped groups (zero advantage) so shapes hold."""
+        t_gen = t_score = 0.0
+        kept: list[tuple[Rollout, dict[str, torch.Tensor]]] = []
+        spare: list[tuple[Rollout, dict[str, torch.Tensor]]] = []
+        have, rounds, first_frac = 0, 0, 1.0
+        for r in range(cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
+            ro, per, gen_s, score_s = one_round(step, r)
+            t_gen, t_score, rounds = t_gen + gen_s, t_score + score_s, rounds + 1
+            informative = informative_groups(ro.scored["scores"], group) if group > 1 else None
+            if informative is not None and r == 0:
+                first_frac = all_reduce_sum(float(informative.float().mean()), device) / world
+            if not cfg.dynamic_sampling:
+                kept.append((ro, per))
+                break
+            assert informative is not None
+            take = informative.nonzero().flatten()[: per_rank - have].tolist()
+            drop = (~informative).nonzero().flatten().tolist()
+            for groups, out in ((take, kept), (drop, spare)):
+                if groups:
+                    rows_ = [g * group + j for g in groups for j in range(group)]
+                    out.append((ro.select(rows_), {k: v[rows_] for k, v in per.items()}))
+            have += len(take)
+            if all_reduce_sum(float(have < per_rank), device) == 0:
+                break
+        filled = 0
+        while have < per_rank:  # top up with zero-advantage groups
+            ro, per = spare.pop(0)
+            n = min(ro.n // group, per_rank - have)
+            rows_ = list(range(n * group))
+            kept.append((ro.select(rows_), {k: v[rows_] for k, v in per.items()}))
+            have, filled = have + n, filled + n
+        ro = Rollout.cat([k[0] for k in kept], tok.pad_token_id) if len(kept) > 1 else kept[0][0]
+        per_fn = {k: torch.cat([p[k] for _, p in kept]) for k in kept[0][1]}
+        stats = {"informative_frac": first_frac}
+        if cfg.dynamic_sampling:
+            stats |= {
+                "sampling_rounds": rounds,
+                "topped_up_groups": all_reduce_sum(float(filled), device),
+            }
+        return ro, per_fn, t_gen, t_score, stats
+
+    for step in range(tr.start_step, n_rollouts):
+        t0 = time.perf_counter()
+        heartbeat.beat(phase="rollout")
+        ro, per_fn, t_gen, t_score, sampling = rollout_step(step)
         kl_coef = ctl.coef
         adv, returns = algo.advantages(ro, cfg, kl_coef if placement == "reward" else 0.0, reduce)
         stats = update(
@@ -493,6 +552,7 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
             "scoring_s": t_score,
             "training_s": t_train,
             "generation_share": t_gen / (time.perf_counter() - t0),
+            **(sampling if group > 1 else {}),
             **{k: v for k, v in stats.items() if k not in ("grad_norm", "lr")},
         }
         if returns is not None:
