@@ -459,6 +459,7 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
                 first_frac = all_reduce_sum(float(informative.float().mean()), device) / world
             if not cfg.dynamic_sampling:
                 kept.append((ro, per))
+                have = per_rank
                 break
             assert informative is not None
             take = informative.nonzero().flatten()[: per_rank - have].tolist()
