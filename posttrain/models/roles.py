@@ -22,6 +22,7 @@ sharding, so decoding runs on the sharded policy.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ class RoleModel(nn.Module):
         targets: torch.Tensor | None = None,
         chunk_tokens: int = 0,
         entropy: bool = False,
+        temperature: float = 1.0,
     ) -> torch.Tensor:
         """input_ids/attention_mask/position_ids [B, T] ->
         policy/reference: logits [B, stop-start, V] of positions start..stop-1; with `targets`
@@ -72,6 +74,8 @@ class RoleModel(nn.Module):
         log-prob, entropy, with `entropy`) through the head `chunk_tokens` at a time
         (`posttrain.train.chunked`), inside this root forward so FSDP2's hooks see the head;
         value: values [B, stop-start] (fp32);  reward: scores [B] at each row's last real token.
+        `temperature`: policy/reference logits divided by it (the sampling temperature, so
+        log-probs are those of the distribution the rollout was drawn from).
         Only the requested positions go through the LM head (a [B, T, V] tensor is the largest
         activation of a small-vocabulary-to-hidden ratio model)."""
         with active_adapter(self.lm, role):
@@ -102,6 +106,8 @@ class RoleModel(nn.Module):
         # The architecture's logit transform (Gemma soft-cap, Cohere/Granite scale), which the
         # causal LM's own forward applies after its head.
         transform = model_transform(self.causal_lm)
+        if temperature != 1.0:
+            transform = replace(transform, temperature=temperature)
         if targets is None:
             return transform.logits(self.causal_lm.get_output_embeddings()(hidden))
         head = output_head(self.causal_lm)

@@ -150,8 +150,15 @@ def update(
                 w = weights[k * micro : k * micro + len(mi)].to(device)  # [n, R]
                 model.set_requires_gradient_sync(last and not critic)
                 logp, ent = response_logps(
-                    model, POLICY, inp, ro.response[mi].to(device), m, chunk_tokens, entropy=True
-                )  # [n, R] each
+                    model,
+                    POLICY,
+                    inp,
+                    ro.response[mi].to(device),
+                    m,
+                    chunk_tokens,
+                    entropy=True,
+                    temperature=cfg.rollout.temperature,
+                )  # [n, R] each, under the sampling temperature
                 assert ent is not None
                 pg, clipped = clipped_policy_loss(
                     logp, old[mi].to(device), adv[mi].to(device), cfg.clip_range, clip_high
@@ -240,7 +247,16 @@ def heldout(
             d.world_size,
             role=role,
         )
-        score(model, ro, tok, batch_size, cfg.data.max_prompt_len, roles, chunk_tokens)
+        score(
+            model,
+            ro,
+            tok,
+            batch_size,
+            cfg.data.max_prompt_len,
+            roles,
+            chunk_tokens,
+            cfg.rollout.temperature,
+        )
         per = rewarder(ro, chunk)
         add_function_sums(sums, per, w)
         s = ro.scored["scores"]
@@ -435,7 +451,16 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
             world,
         )
         t_gen = time.perf_counter() - t
-        score(model, ro, tok, batch.micro_batch_size, cfg.data.max_prompt_len, roles, chunk_tokens)
+        score(
+            model,
+            ro,
+            tok,
+            batch.micro_batch_size,
+            cfg.data.max_prompt_len,
+            roles,
+            chunk_tokens,
+            cfg.rollout.temperature,
+        )
         per = rewarder(ro, rows)
         return ro, per, t_gen, time.perf_counter() - t - t_gen
 

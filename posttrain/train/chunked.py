@@ -43,14 +43,16 @@ from posttrain.train.losses import sequence_logps, token_nll_sum
 @dataclass(frozen=True)
 class LogitTransform:
     """How an architecture turns the head's output u [.., V] into logits l:
-    l = scale * u, then, with a soft-cap c, l = c * tanh(l / c)."""
+    l = scale * u, then, with a soft-cap c, l = c * tanh(l / c); then divided by a sampling
+    `temperature` T (online RL scores its samples under the distribution it drew them from)."""
 
     scale: float = 1.0
     softcap: float | None = None
+    temperature: float = 1.0
 
     @property
     def identity(self) -> bool:
-        return self.scale == 1.0 and self.softcap is None
+        return self.scale == 1.0 and self.softcap is None and self.temperature == 1.0
 
     def apply_(self, u: torch.Tensor) -> torch.Tensor:
         """u -> l in place (u is a chunk's own fp32 buffer; nothing tracks its gradient)."""
@@ -59,6 +61,8 @@ class LogitTransform:
         if self.softcap is not None:
             # The model's order (divide, tanh, multiply), so the rounding is the same too.
             u = u.div_(self.softcap).tanh_().mul_(self.softcap)
+        if self.temperature != 1.0:
+            u = u.div_(self.temperature)
         return u
 
     def logits(self, u: torch.Tensor) -> torch.Tensor:
@@ -68,15 +72,20 @@ class LogitTransform:
             u = u * self.scale
         if self.softcap is not None:
             u = torch.tanh(u / self.softcap) * self.softcap
+        if self.temperature != 1.0:
+            u = u / self.temperature
         return u
 
     def grad_factor(self, logits: torch.Tensor) -> torch.Tensor | float | None:
-        """dl/du from the transformed logits l [c, V]: scale * (1 - (l / c)^2) with a soft-cap
-        (a new [c, V] buffer), the constant scale without one, None for the identity."""
+        """dl/du from the transformed logits l [c, V]: scale / T * (1 - (l T / c)^2) with a
+        soft-cap (a new [c, V] buffer), the constant scale / T without one, None for the
+        identity."""
+        factor = self.scale / self.temperature
         if self.softcap is not None:
-            t = logits / self.softcap  # tanh(scale * u / c)
-            return t.square_().neg_().add_(1.0).mul_(self.scale)
-        return self.scale if self.scale != 1.0 else None
+            l_cap = logits if self.temperature == 1.0 else logits * self.temperature
+            t = l_cap / self.softcap  # tanh(scale * u / c)
+            return t.square_().neg_().add_(1.0).mul_(factor)
+        return factor if factor != 1.0 else None
 
 
 IDENTITY = LogitTransform()

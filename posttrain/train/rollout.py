@@ -195,15 +195,23 @@ def response_logps(
     mask: torch.Tensor,
     chunk_tokens: int,
     entropy: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(response) [n, R], entropy [n, R] | None) under `role` for `inp` (from
     `Rollout.inputs`): through the chunked head on the response tokens only (mask [n, R] > 0;
     0.0 on padding) when `chunk_tokens`, else from the full [n, R, V] logits."""
     if not chunk_tokens:
-        logits = model(role, **inp)  # [n, R, V]
+        logits = model(role, **inp, temperature=temperature)  # [n, R, V]
         return token_logps(logits, response), entropy_from_logits(logits) if entropy else None
     targets = response.masked_fill(mask == 0, IGNORE)
-    y = model(role, **inp, targets=targets, chunk_tokens=chunk_tokens, entropy=entropy)
+    y = model(
+        role,
+        **inp,
+        targets=targets,
+        chunk_tokens=chunk_tokens,
+        entropy=entropy,
+        temperature=temperature,
+    )
     return (y[..., 0], y[..., 1]) if entropy else (y, None)
 
 
@@ -216,6 +224,7 @@ def score(
     max_prompt_len: int,
     roles: tuple[str, ...] = (POLICY, REFERENCE, VALUE, REWARD),
     chunk_tokens: int = 0,
+    temperature: float = 1.0,
 ) -> dict[str, torch.Tensor]:
     """Fill `ro.scored` for the requested roles: "logps" (policy) / "ref_logps" [N, R], "values"
     [N, R] (critic), "scores" [N] (reward model, on the response re-rendered through the chat
@@ -236,7 +245,13 @@ def score(
                 y = model(role, **inp)
             else:
                 y, _ = response_logps(
-                    model, role, inp, ro.response[idx].to(device), mask, chunk_tokens
+                    model,
+                    role,
+                    inp,
+                    ro.response[idx].to(device),
+                    mask,
+                    chunk_tokens,
+                    temperature=temperature,
                 )
             out.setdefault(names[role], []).append(y.float() * mask)
     if REWARD in roles:
