@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-from posttrain.rewards.combine import RewardFunctionError
 from posttrain.telemetry.metrics import read_metrics
-from tests.stage_helpers import TINY, run_inprocess, write_recipe
+from tests.stage_helpers import TINY, planned_dir, run_inprocess, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -36,8 +36,8 @@ def longish(prompts, completions, completion_ids, **kwargs):
 
 
 def boom(prompts, completions, task=None, **kwargs):
-    if "capital" in task:
-        raise KeyError("no capitals here")
+    if any(t != "count" for t in task):  # a bug only some rows trigger
+        raise KeyError("only counting here")
     return [0.0] * len(completions)
 
 
@@ -138,16 +138,24 @@ def test_grpo_with_reward_functions_only_then_pass_at_k(parents) -> None:
     [
         (
             "boom",
-            r"reward function boom \(.*qs_rewards.py:boom\) raised KeyError: 'no capitals "
-            r"here' on row \d+ \(synthetic row \d+\): prompt 'What is the capital of",
+            r"reward function boom \(.*qs_rewards.py:boom\) raised KeyError: 'only counting "
+            r"here' on row \d+ \(synthetic row \d+\): prompt '(?!How many words)",
         ),
         ("short", r"reward function short \(.*\) returned 15 values for 16 rows"),
     ],
 )
-def test_a_misbehaving_function_fails_the_stage_naming_it(parents, fn, message) -> None:
+def test_a_misbehaving_function_fails_the_stage_naming_it(parents, fn, message, capfd) -> None:
     section = {**GRPO, "max_steps": 2, "rewards": [{"fn": f"qs_rewards:{fn}"}]}
-    with pytest.raises(RewardFunctionError, match=message):
-        run_inprocess("grpo", recipe_with(parents, fn, grpo=section))
+    recipe = recipe_with(parents, fn, grpo=section)
+    with pytest.raises(SystemExit) as exc:
+        run_inprocess("grpo", recipe)
+    assert exc.value.code == 1
+    # One line naming the function and the row, no traceback wall (that is in error.txt).
+    err = capfd.readouterr().err
+    assert "Traceback" not in err
+    assert re.search(r"POSTTRAIN_ERROR stage grpo failed: RewardFunctionError: " + message, err)
+    logged = (planned_dir("grpo", recipe) / "logs" / "error.txt").read_text()
+    assert re.search(message, logged) and "Traceback" in logged
 
 
 def test_ppo_with_reward_functions_and_no_reward_model(parents) -> None:

@@ -21,13 +21,16 @@ import torch
 
 from posttrain.rewards.loader import bind
 from posttrain.rewards.spec import RewardSpec
+from posttrain.verdicts import StageVerdict
 
 # Keyword arguments the caller fills; a data column of the same name would be shadowed.
 RESERVED = ("prompts", "completions", "completion_ids", "stopped")
 
 
-class RewardFunctionError(RuntimeError):
-    """A reward function misbehaved; the message names it and the row."""
+class RewardFunctionError(StageVerdict):
+    """A reward function misbehaved; the message names it and the row. A verdict on the user's
+    code, not a bug of ours: the stage fails with this message, without a traceback wall (the
+    function's own traceback is in the stage's logs/error.txt)."""
 
 
 @dataclass(frozen=True)
