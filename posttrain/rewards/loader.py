@@ -35,10 +35,7 @@ def locate(fn: str, roots: Sequence[Path]) -> Path:
     aside)."""
     module, _ = split_ref(fn)
     if is_builtin(fn):
-        found = importlib.util.find_spec(module)
-        if found is None or not found.origin:
-            raise RewardLoadError(f"{fn}: no built-in module {module!r}")
-        return Path(found.origin)
+        return source_file(fn)
     real_roots = [Path(r).expanduser().resolve() for r in roots]
     if is_file_ref(module):
         candidates = [Path(module).expanduser()]

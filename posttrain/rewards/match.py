@@ -9,11 +9,19 @@ comes in the data column `answer`. For numbers written many ways use `posttrain.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from difflib import SequenceMatcher
 
 from posttrain.rewards.extract import completion_text
 
-__all__ = ["exact_match", "normalize", "reference_or_none", "require_column", "token_similarity"]
+__all__ = [
+    "against_reference",
+    "exact_match",
+    "normalize",
+    "reference_or_none",
+    "require_column",
+    "token_similarity",
+]
 
 _QUOTES = "\"'`\u201c\u201d\u2018\u2019"
 
@@ -50,19 +58,34 @@ def require_column(fn_name: str, column: str, values: list | None) -> list:
     return values
 
 
+def against_reference(
+    fn_name: str,
+    completions: list,
+    answer: list | None,
+    score: Callable[[str, str], float],
+) -> list[float | None]:
+    """score(completion text, reference text) for each row with a reference, None for rows
+    without one; a TypeError naming `fn_name` when the data has no `answer` column."""
+    answers = require_column(fn_name, "answer", answer)
+    scores: list[float | None] = []
+    for completion, ref in zip(completions, answers, strict=True):
+        ref_text = reference_or_none(ref)
+        scores.append(None if ref_text is None else score(completion_text(completion), ref_text))
+    return scores
+
+
 def exact_match(
     prompts: list, completions: list, answer: list | None = None, **kwargs
 ) -> list[float | None]:
     """1.0 where normalize(completion) == normalize(answer), else 0.0; None for rows without one."""
-    answers = require_column("exact_match", "answer", answer)
-    scores: list[float | None] = []
-    for completion, ref in zip(completions, answers, strict=True):
-        ref_text = reference_or_none(ref)
-        if ref_text is None:
-            scores.append(None)
-            continue
-        scores.append(float(normalize(completion_text(completion)) == normalize(ref_text)))
-    return scores
+    return against_reference(
+        "exact_match", completions, answer, lambda c, r: float(normalize(c) == normalize(r))
+    )
+
+
+def _similarity(completion: str, reference: str) -> float:
+    a, b = normalize(completion).split(), normalize(reference).split()
+    return SequenceMatcher(None, a, b, autojunk=False).ratio() if a or b else 1.0
 
 
 def token_similarity(
@@ -73,14 +96,4 @@ def token_similarity(
     `exact_match` is 1. Order counts, so a list copied unsorted scores below a sorted one; a
     denser signal than exact match for a policy that rarely gets everything right. None for
     rows without a reference."""
-    answers = require_column("token_similarity", "answer", answer)
-    scores: list[float | None] = []
-    for completion, ref in zip(completions, answers, strict=True):
-        ref_text = reference_or_none(ref)
-        if ref_text is None:
-            scores.append(None)
-            continue
-        a = normalize(completion_text(completion)).split()
-        b = normalize(ref_text).split()
-        scores.append(SequenceMatcher(None, a, b, autojunk=False).ratio() if a or b else 1.0)
-    return scores
+    return against_reference("token_similarity", completions, answer, _similarity)

@@ -29,8 +29,8 @@ import re
 import threading
 from fractions import Fraction
 
-from posttrain.rewards.extract import boxed, completion_text, hash_answer, last_number, tag
-from posttrain.rewards.match import normalize, reference_or_none, require_column
+from posttrain.rewards.extract import boxed, hash_answer, last_number, tag
+from posttrain.rewards.match import against_reference, normalize
 
 try:
     from math_verify import parse as _mv_parse
@@ -113,19 +113,13 @@ def answer_match(
     prompts: list, completions: list, answer: list | None = None, timeout_s: int = 2, **kwargs
 ) -> list[float | None]:
     """1.0 where the completion's final answer equals the reference's, else 0.0; None without one."""
-    answers = require_column("answer_match", "answer", answer)
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, int) or timeout_s < 1:
         raise ValueError(f"answer_match: timeout_s must be a whole number >= 1, got {timeout_s!r}")
-    scores: list[float | None] = []
-    for completion, ref in zip(completions, answers, strict=True):
-        ref_text = reference_or_none(ref)
-        if ref_text is None:
-            scores.append(None)
-            continue
-        gold, pred = reference_answer(ref_text), completion_answer(completion_text(completion))
+
+    def same(completion: str, ref: str) -> float:
+        gold, pred = reference_answer(ref), completion_answer(completion)
         if pred is None:
-            scores.append(0.0)
-            continue
-        same = plain_equal(gold, pred) or math_verify_equal(gold, pred, timeout_s)
-        scores.append(float(same))
-    return scores
+            return 0.0
+        return float(plain_equal(gold, pred) or math_verify_equal(gold, pred, timeout_s))
+
+    return against_reference("answer_match", completions, answer, same)
