@@ -202,3 +202,16 @@ def test_head_to_head_stage_fingerprint_and_folder(tmp_path: Path) -> None:
     assert fp(max_eval_rows=3) == stage.fingerprint
     with pytest.raises(ValueError, match="champion"):
         head_to_head_stage(recipe, {k: v for k, v in parents.items() if k != "champion"})
+
+
+def test_verifier_accuracy_is_a_default_rule() -> None:
+    """evaluate's headline `pass@1` (greedy accuracy under the verifiers) gates promotion when
+    both runs have it; a run without verifiers skips the rule."""
+    champion = {**CHAMPION, "pass@1": 0.31}
+    worse = {**CHAMPION, "pass@1": 0.25}
+    d = compare(worse, champion, RULES)
+    assert not d.promoted and [r.metric for r in d.regressions()] == ["pass@1"]
+    assert "pass@1 0.25 vs champion 0.31 (lower beyond tolerance 0.02)" in d.reason
+    assert compare({**CHAMPION, "pass@1": 0.30}, champion, RULES).promoted
+    rows = {r.metric: r for r in compare(CHAMPION, CHAMPION, RULES).rows}
+    assert rows["pass@1"].compared is False

@@ -69,6 +69,7 @@ class PromotionConfig(_Section):
         default_factory=lambda: [
             PromotionRule(metric="tuned_loss", direction="min", tolerance=0.02),
             PromotionRule(metric="exact_match_tuned", direction="max", tolerance=0.02),
+            PromotionRule(metric="pass@1", direction="max", tolerance=0.02),
             PromotionRule(metric="rm_accuracy", direction="max", tolerance=0.02),
             PromotionRule(metric="win_rate_vs_parent", direction="max", tolerance=0.05),
             PromotionRule(metric="win_rate_vs_champion", direction="max", tolerance=0.05),
