@@ -28,7 +28,7 @@ def main() -> None:
         build_roles(base, sft / "adapter", reward / "adapter", True), d.mesh, "fp32"
     )
     register_fsdp_forward_method(model, "generate")
-    msgs = quickstart_prompts(4, seed=d.rank)
+    msgs = [r["messages"] for r in quickstart_prompts(4, seed=d.rank)]
     ids = [encode_prompt(tok, m, 64) for m in msgs]
     responses = {}
     for drop in (False, True):
