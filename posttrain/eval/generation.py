@@ -30,10 +30,13 @@ def generate(
     """Completions for `prompts` (already chat-templated text), one string per prompt, in order:
     the new tokens of `generate_ids` up to the stop token that ended each (left out), decoded
     with special tokens removed."""
-    texts = []
-    for ids, stopped in generate_ids(model, tokenizer, prompts, cfg, seed, batch_size):
-        texts.append(tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=True))
-    return texts
+    rows = generate_ids(model, tokenizer, prompts, cfg, seed, batch_size)
+    return [decode_new(tokenizer, ids, stopped) for ids, stopped in rows]
+
+
+def decode_new(tokenizer: Any, ids: list[int], stopped: bool) -> str:
+    """The text of new token ids from `generate_ids`, without the stop token that ended them."""
+    return tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=True)
 
 
 def generate_ids(

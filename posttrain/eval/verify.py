@@ -16,7 +16,7 @@ from typing import Any
 
 from posttrain.config.schema import SamplingConfig
 from posttrain.data.chat import render
-from posttrain.eval.generation import generate_ids
+from posttrain.eval.generation import decode_new, generate_ids
 from posttrain.rewards.combine import RewardFunction, score_functions
 
 
@@ -73,9 +73,7 @@ def _passes(
     idx = [i for i in range(len(prompts.messages)) for _ in range(repeat)]
     texts = [render(tok, prompts.messages[i], add_generation_prompt=True) for i in idx]
     out = generate_ids(model, tok, texts, sampling, seed, batch_size)
-    answers = [
-        tok.decode(ids[:-1] if stopped else ids, skip_special_tokens=True) for ids, stopped in out
-    ]
+    answers = [decode_new(tok, ids, stopped) for ids, stopped in out]
     _, per = score_functions(
         funcs,
         [prompts.messages[i] for i in idx],

@@ -204,16 +204,22 @@ def verifier_metrics(ctx: StageContext, model: Any, tok: Any) -> dict[str, Any] 
     for n in dict.fromkeys(x for x in names if x):
         if n != BASE and n not in graph:
             continue
-        args = (tok, prompts, funcs, cfg.pass_sampling, cfg.pass_samples, cfg.pass_k)
-        rest = (ctx.recipe.run.seed, cfg.batch_size, cfg.pass_threshold)
-        if n == BASE:
-            with model.disable_adapter():
-                out[n], _ = verify_policy(model, *args, *rest)
-        else:
-            with active_adapter(model, ADAPTER if n == final else n):
-                out[n], examples = verify_policy(model, *args, *rest)
-            if n == final:
-                write_rows(ctx.out_dir / "verify_samples.jsonl", examples)
+        adapter = None if n == BASE else ADAPTER if n == final else n
+        with _as_policy(model, adapter):
+            out[n], examples = verify_policy(
+                model,
+                tok,
+                prompts,
+                funcs,
+                cfg.pass_sampling,
+                cfg.pass_samples,
+                cfg.pass_k,
+                ctx.recipe.run.seed,
+                cfg.batch_size,
+                cfg.pass_threshold,
+            )
+        if n == final:
+            write_rows(ctx.out_dir / "verify_samples.jsonl", examples)
         log.info("verifiers on %d prompts: %s %s", out[n]["prompts"], n, out[n])
     return {
         "verifiers": [{"label": f.label, "fn": f.fn_ref, "sha256": f.sha256} for f in funcs],
@@ -249,6 +255,11 @@ def _load_policies(ctx: StageContext, base: Any) -> tuple[Any, list[str]]:
     return model, names
 
 
+def _as_policy(model: Any, adapter: str | None) -> Any:
+    """A context in which `model` is the policy of `adapter` (None = the base: adapters off)."""
+    return model.disable_adapter() if adapter is None else active_adapter(model, adapter)
+
+
 def _scores(
     model: Any,
     adapter: str | None,
@@ -259,22 +270,15 @@ def _scores(
     chunk: int,
 ) -> dict[str, float]:
     """Held-out loss/perplexity of one adapter (None = the base: adapters disabled)."""
-    if adapter is None:
-        with model.disable_adapter():
-            return heldout_loss(model, _batches(examples, pad_id, bs), device, chunk)
-    with active_adapter(model, adapter):
+    with _as_policy(model, adapter):
         return heldout_loss(model, _batches(examples, pad_id, bs), device, chunk)
 
 
 def _exact(model: Any, adapter: str | None, tok: Any, prompts: list, refs: list, ctx: Any) -> float:
     cfg = ctx.recipe.evaluate
     greedy = next(s for s in cfg.sampling if s.strategy == "greedy")
-    if adapter is None:
-        with model.disable_adapter():
-            outs = generate(model, tok, prompts, greedy, ctx.recipe.run.seed, cfg.batch_size)
-    else:
-        with active_adapter(model, adapter):
-            outs = generate(model, tok, prompts, greedy, ctx.recipe.run.seed, cfg.batch_size)
+    with _as_policy(model, adapter):
+        outs = generate(model, tok, prompts, greedy, ctx.recipe.run.seed, cfg.batch_size)
     return sum(o.strip() == r.strip() for o, r in zip(outs, refs, strict=True)) / len(refs)
 
 

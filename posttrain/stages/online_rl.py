@@ -63,7 +63,12 @@ from posttrain.train.rl_losses import (
     kl_penalty,
     loss_weights,
 )
-from posttrain.train.rl_rewards import Rewarder, add_function_sums, function_metrics
+from posttrain.train.rl_rewards import (
+    Rewarder,
+    add_function_sums,
+    function_metrics,
+    function_values,
+)
 from posttrain.train.rollout import Rollout, decode_responses, response_logps, sample, score
 from posttrain.train.session import TrainSession, save_adapter, start_session
 
@@ -257,7 +262,8 @@ def heldout(
             chunk_tokens,
             cfg.rollout.temperature,
         )
-        per = rewarder(ro, chunk)
+        rewarder(ro, chunk)
+        per = function_values(ro)
         add_function_sums(sums, per, w)
         s = ro.scored["scores"]
         sums["n"] += w * ro.n
@@ -425,7 +431,7 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
     group = cfg.rollout.samples_per_prompt
     per_rank = cfg.rollout.prompts_per_step // world
 
-    def one_round(step: int, r: int) -> tuple[Rollout, dict[str, torch.Tensor], float, float]:
+    def one_round(step: int, r: int) -> tuple[Rollout, float, float]:
         """Round r of step `step`: this rank's prompts (round 0: the step's own; later rounds of
         dynamic sampling: another seeded draw) x samples, generated, scored and rewarded; with
         the generation and scoring seconds."""
@@ -442,8 +448,8 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
         rows = [data.train[i] for i in idx for _ in range(group)]
         ro = sample(
             model,
-            [r_["ids"] for r_ in rows],
-            [r_["messages"] for r_ in rows],
+            [x["ids"] for x in rows],
+            [x["messages"] for x in rows],
             cfg.rollout,
             tok.pad_token_id,
             stop_ids,
@@ -461,62 +467,61 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
             chunk_tokens,
             cfg.rollout.temperature,
         )
-        per = rewarder(ro, rows)
-        return ro, per, t_gen, time.perf_counter() - t - t_gen
+        rewarder(ro, rows)
+        return ro, t_gen, time.perf_counter() - t - t_gen
 
-    def rollout_step(
-        step: int,
-    ) -> tuple[Rollout, dict[str, torch.Tensor], float, float, dict[str, float]]:
-        """The step's rollout, per-function rewards, generation and scoring seconds, and
-        sampling stats. With dynamic sampling (DAPO), groups whose samples all score the same
-        are dropped and more prompts sampled, up to max_sampling_rounds rounds; every rank runs
-        the same number of rounds (generation is synced), and a batch still short after the
-        last round is topped up with dropped groups (zero advantage) so shapes hold."""
-        t_gen = t_score = 0.0
-        kept: list[tuple[Rollout, dict[str, torch.Tensor]]] = []
-        spare: list[tuple[Rollout, dict[str, torch.Tensor]]] = []
-        have, rounds, first_frac = 0, 0, 1.0
-        for r in range(cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
-            ro, per, gen_s, score_s = one_round(step, r)
-            t_gen, t_score, rounds = t_gen + gen_s, t_score + score_s, rounds + 1
-            informative = informative_groups(ro.scored["scores"], group) if group > 1 else None
-            if informative is not None and r == 0:
-                first_frac = all_reduce_sum(float(informative.float().mean()), device) / world
-            if not cfg.dynamic_sampling:
-                kept.append((ro, per))
-                have = per_rank
-                break
-            assert informative is not None
+    def groups(ro: Rollout, which: list[int]) -> Rollout:
+        """The sequences of prompt groups `which` (consecutive runs of `group` samples)."""
+        return ro.select([g * group + j for g in which for j in range(group)])
+
+    def rollout_step(step: int) -> tuple[Rollout, float, float, dict[str, float]]:
+        """The step's rollout, generation and scoring seconds, and sampling stats. With dynamic
+        sampling (DAPO), groups whose samples all score the same are dropped and more prompts
+        sampled, up to max_sampling_rounds rounds; every rank runs the same number of rounds
+        (generation is synced), and a batch still short after the last round is topped up with
+        dropped groups (zero advantage) so shapes hold."""
+        ro, t_gen, t_score = one_round(step, 0)
+        stats: dict[str, float] = {}
+        if group < 2:
+            return ro, t_gen, t_score, stats
+        informative = informative_groups(ro.scored["scores"], group)
+        stats["informative_frac"] = (
+            all_reduce_sum(float(informative.float().mean()), device) / world
+        )
+        if not cfg.dynamic_sampling:
+            return ro, t_gen, t_score, stats
+        kept: list[Rollout] = []
+        spare: list[Rollout] = []
+        have, rounds = 0, 1
+        while True:
             take = informative.nonzero().flatten()[: per_rank - have].tolist()
-            drop = (~informative).nonzero().flatten().tolist()
-            for groups, out in ((take, kept), (drop, spare)):
-                if groups:
-                    rows_ = [g * group + j for g in groups for j in range(group)]
-                    out.append((ro.select(rows_), {k: v[rows_] for k, v in per.items()}))
+            kept.append(groups(ro, take))
+            spare.append(groups(ro, (~informative).nonzero().flatten().tolist()))
             have += len(take)
-            if all_reduce_sum(float(have < per_rank), device) == 0:
+            if rounds == cfg.max_sampling_rounds or not all_reduce_sum(
+                float(have < per_rank), device
+            ):
                 break
-        filled = 0
-        while have < per_rank:  # top up with zero-advantage groups
-            ro, per = spare.pop(0)
-            n = min(ro.n // group, per_rank - have)
-            rows_ = list(range(n * group))
-            kept.append((ro.select(rows_), {k: v[rows_] for k, v in per.items()}))
-            have, filled = have + n, filled + n
-        ro = Rollout.cat([k[0] for k in kept], tok.pad_token_id) if len(kept) > 1 else kept[0][0]
-        per_fn = {k: torch.cat([p[k] for _, p in kept]) for k in kept[0][1]}
-        stats = {"informative_frac": first_frac}
-        if cfg.dynamic_sampling:
-            stats |= {
-                "sampling_rounds": rounds,
-                "topped_up_groups": all_reduce_sum(float(filled), device),
-            }
-        return ro, per_fn, t_gen, t_score, stats
+            ro, gen_s, score_s = one_round(step, rounds)
+            t_gen, t_score, rounds = t_gen + gen_s, t_score + score_s, rounds + 1
+            informative = informative_groups(ro.scored["scores"], group)
+        topped = 0
+        for extra in spare:  # top up with zero-advantage groups
+            n = min(extra.n // group, per_rank - have)
+            if n:
+                kept.append(groups(extra, list(range(n))))
+                have, topped = have + n, topped + n
+        ro = Rollout.cat([k for k in kept if k.n], tok.pad_token_id)
+        stats |= {
+            "sampling_rounds": rounds,
+            "topped_up_groups": all_reduce_sum(float(topped), device),
+        }
+        return ro, t_gen, t_score, stats
 
     for step in range(tr.start_step, n_rollouts):
         t0 = time.perf_counter()
         heartbeat.beat(phase="rollout")
-        ro, per_fn, t_gen, t_score, sampling = rollout_step(step)
+        ro, t_gen, t_score, sampling = rollout_step(step)
         kl_coef = ctl.coef
         adv, returns = algo.advantages(ro, cfg, kl_coef if placement == "reward" else 0.0, reduce)
         stats = update(
@@ -536,7 +541,7 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
         scores = ro.scored["scores"]
         seq_kl = sequence_kl(ro, "k1")
         fn_sums: Counter[str] = Counter()
-        add_function_sums(fn_sums, per_fn)
+        add_function_sums(fn_sums, function_values(ro))
         g = {
             k: all_reduce_sum(v, device)
             for k, v in (
@@ -578,7 +583,7 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
             "scoring_s": t_score,
             "training_s": t_train,
             "generation_share": t_gen / (time.perf_counter() - t0),
-            **(sampling if group > 1 else {}),
+            **sampling,
             **{k: v for k, v in stats.items() if k not in ("grad_norm", "lr")},
         }
         if returns is not None:

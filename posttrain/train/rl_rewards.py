@@ -30,15 +30,15 @@ class Rewarder:
         """The role forwards the reward needs from `posttrain.train.rollout.score`."""
         return (REWARD,) if self.rm_weight is not None else ()
 
-    def __call__(self, ro: Rollout, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """Set ro.scored["scores"] [N] (and "rm_scores", the reward model's own) for the N
-        responses of `rows` (after `score` ran with `roles`); returns each function's values
-        [N] (NaN where it returned None)."""
+    def __call__(self, ro: Rollout, rows: list[dict[str, Any]]) -> None:
+        """Set ro.scored["scores"] [N] (and "rm_scores", the reward model's own; and each
+        function's values [N], NaN where it returned None, read back by `function_values`) for
+        the N responses of `rows` (after `score` ran with `roles`). Kept in `ro.scored`, they
+        follow the rollout through `Rollout.select` and `Rollout.cat`."""
         total = torch.zeros(ro.n, dtype=torch.float32)
         if self.rm_weight is not None:
             ro.scored["rm_scores"] = ro.scored["scores"].float()
             total += self.rm_weight * ro.scored["rm_scores"]
-        per: dict[str, torch.Tensor] = {}
         if self.funcs:
             ids = [r[: int(m.sum())].tolist() for r, m in zip(ro.response, ro.mask, strict=True)]
             fsum, per = score_functions(
@@ -51,8 +51,17 @@ class Rewarder:
                 [r.get("where", "") for r in rows],
             )
             total += fsum
+            ro.scored |= {FUNCTION + label: v for label, v in per.items()}
         ro.scored["scores"] = total
-        return per
+
+
+# ro.scored key prefix of a reward function's values.
+FUNCTION = "fn:"
+
+
+def function_values(ro: Rollout) -> dict[str, torch.Tensor]:
+    """{label: values [N]} of each reward function on `ro` (NaN: not applicable)."""
+    return {k.removeprefix(FUNCTION): v for k, v in ro.scored.items() if k.startswith(FUNCTION)}
 
 
 def add_function_sums(
