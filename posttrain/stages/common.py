@@ -263,6 +263,27 @@ def _own_kind(run: Callable[..., Any]) -> StageKind:
     return kind_of(module)
 
 
+def emit_line(text: str, stream: Any = None) -> None:
+    """Write one marker line (POSTTRAIN_ARTIFACT, POSTTRAIN_ERROR) in a single write.
+
+    Under torchrun every rank shares the launcher's stdout/stderr pipes; `print` writes the text
+    and the newline separately, so two ranks failing together could glue their lines into one
+    and a reader counting or parsing lines would miss one. One write of under PIPE_BUF (4 KiB)
+    bytes to a pipe is atomic."""
+    stream = stream or sys.stdout
+    line = text + "\n"
+    stream.flush()
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # a captured stream (pytest capsys)
+        stream.write(line)
+        stream.flush()
+        return
+    data = line.encode()
+    while data:  # a long line may need several writes; each is still whole for short ones
+        data = data[os.write(fd, data) :]
+
+
 def stage_main(
     run: Callable[[StageContext], dict[str, Any]],
     *,
@@ -309,7 +330,7 @@ def stage_main(
     lock = stage_lock(ctx.out_dir, stage, lambda: verify(ctx.out_dir)[0])
     if verify(ctx.out_dir)[0]:
         # Complete and unaltered: nothing to do (re-running would only append to its files).
-        print(f"POSTTRAIN_ARTIFACT {ref_from_manifest(ctx.out_dir).model_dump_json()}", flush=True)
+        emit_line(f"POSTTRAIN_ARTIFACT {ref_from_manifest(ctx.out_dir).model_dump_json()}")
         if lock is not None:
             lock.release()
         return
@@ -396,7 +417,7 @@ def stage_main(
                 extra=ctx.extra_manifest,
             )
             log.info("stage %s done: %s", stage, json.dumps(summary, default=str)[:2000])
-            print(f"POSTTRAIN_ARTIFACT {ref.model_dump_json()}", flush=True)
+            emit_line(f"POSTTRAIN_ARTIFACT {ref.model_dump_json()}")
     except BaseException as exc:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
@@ -421,11 +442,7 @@ def stage_main(
                 pass
         if not known:  # a verdict's text is in the line below
             print(tb, file=sys.stderr, flush=True)
-        print(
-            f"POSTTRAIN_ERROR stage {stage} failed: {type(exc).__name__}: {exc}",
-            file=sys.stderr,
-            flush=True,
-        )
+        emit_line(f"POSTTRAIN_ERROR stage {stage} failed: {type(exc).__name__}: {exc}", sys.stderr)
         sys.exit(1)
     finally:
         if orphan_watch is not None:
