@@ -87,6 +87,10 @@ def stage_inputs(
             numerics["base_dtype"] = "bf16"
         if kind.rank_dependent:
             numerics["dp_size"] = recipe.infra.world_size()
+            # Execution layout of a step's rows (padded or not, how many per forward), added
+            # since: it does not apply to these stages' rollouts; left out of their prints.
+            for key in ("padding_free", "by_tokens"):
+                section["batch"].pop(key, None)
         else:
             # How the global batch is split (micro x accum x ranks) is execution, not result: the
             # rows of each step and the token-normalised loss do not depend on it, so a run can
@@ -114,6 +118,9 @@ def stage_inputs(
             section["rewards"] = [reward_identity(spec) for spec in rewards]
         else:
             section.pop("rewards", None)
+        # Auto precompute (null, added since) reads as the `false` older recipes fingerprinted.
+        if "precompute_reference" in section and section["precompute_reference"] is None:
+            section["precompute_reference"] = False
         if section.get("reward_model_weight") == 1.0:
             section.pop("reward_model_weight")
         # Online-RL fields added with the algorithm registry, left out where they mean what the

@@ -217,22 +217,47 @@ def test_ingest_refuses_unsafe_or_broken_folders(tiny, tmp_path: Path, damage, m
     assert not (planned_dir("ingest", recipe, *over) / "manifest.json").exists()
 
 
+def _fresh_run(recipe: Path, *overrides: str) -> list[dict]:
+    """Train records of one run, its folder removed after: how a step's rows are split and
+    laid out is not part of the fingerprint, so without that the next run would be a cache
+    hit of this one."""
+    out = run_inprocess("sft", recipe, *overrides)
+    rows = read_metrics(out / "metrics.jsonl", "train")
+    shutil.rmtree(out)
+    return rows
+
+
 def test_accumulation_equals_a_bigger_micro_batch(tiny) -> None:
     """micro 4 x accum 2 takes the same rows and the same token-weighted loss as micro 8 x 1."""
-    big = run_inprocess("sft", tiny["recipe"], "sft.max_steps=2")
-    acc = run_inprocess(
-        "sft",
+    a = _fresh_run(tiny["recipe"], "sft.max_steps=2")
+    b = _fresh_run(
         tiny["recipe"],
         "sft.max_steps=2",
         "sft.batch.micro_batch_size=4",
         "sft.batch.grad_accum_steps=2",
     )
-    a = read_metrics(big / "metrics.jsonl", "train")
-    b = read_metrics(acc / "metrics.jsonl", "train")
+    assert [r["forwards"] for r in a] == [1, 1] and [r["forwards"] for r in b] == [2, 2]
     assert [r["target_tokens"] for r in a] == [r["target_tokens"] for r in b]
     for x, y in zip(a, b, strict=True):
         assert y["loss"] == pytest.approx(x["loss"], abs=1e-5)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
+
+
+def test_padding_free_and_token_budgets_change_nothing_but_the_layout(tiny) -> None:
+    """Padded rows, padding-free rows (the default) and micro-batches by token budget take the
+    same rows and give the same losses and gradient norms; only padding and forwards differ."""
+    flat = _fresh_run(tiny["recipe"], "sft.max_steps=3")
+    padded = _fresh_run(tiny["recipe"], "sft.max_steps=3", "sft.batch.padding_free=false")
+    budget = _fresh_run(tiny["recipe"], "sft.max_steps=3", "sft.batch.by_tokens=200")
+    assert all(r["padding_frac"] == 0 for r in flat + budget)
+    assert all(r["padding_frac"] > 0.05 for r in padded)  # rows of unequal length
+    assert all(r["forwards"] == 1 for r in flat) and all(r["forwards"] > 1 for r in budget)
+    for other in (padded, budget):
+        assert [r["target_tokens"] for r in other] == [r["target_tokens"] for r in flat]
+        assert [r["tokens"] for r in other] == [r["tokens"] for r in flat]  # real tokens
+        for x, y in zip(flat, other, strict=True):
+            assert y["loss"] == pytest.approx(x["loss"], abs=1e-5)
+            assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
 
 
 def test_bf16_base_sft_trains_fp32_adapter(tiny) -> None:

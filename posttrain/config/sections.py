@@ -109,6 +109,23 @@ class BatchConfig(_Section):
         None, ge=1, description="Micro-batches per optimizer step."
     )
     global_batch_size: int | None = Field(None, ge=1, description="Sequences per optimizer step.")
+    padding_free: bool = Field(
+        True,
+        description="SFT, reward, DPO, ORPO, KTO: lay each micro-batch's rows end to end in one "
+        "sequence (position ids restart per row, attention confined to each row) instead of "
+        "padding them to the longest: no compute on padding, same results. Models whose "
+        "attention cannot (soft-capped logits, eager attention) fall back to padding, said in "
+        "the log.",
+    )
+    by_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="SFT, reward, DPO, ORPO, KTO: regroup each rank's rows of a step into "
+        "micro-batches of at most this many tokens (longest first) instead of "
+        "micro_batch_size rows each: the same rows and loss per step, as few forwards as fit "
+        "(short rows share one, a long row goes alone), bounded activation memory. A pair "
+        "counts both replies.",
+    )
 
 
 class TrainingSection(_Section):

@@ -6,11 +6,13 @@ sees exactly the rows an uninterrupted run would have seen, with no sampler stat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from posttrain.data.chat import IGNORE
+from posttrain.data.segments import flat_batch
 
 
 def epoch_permutation(n_rows: int, epoch: int, seed: int) -> list[int]:
@@ -60,6 +62,14 @@ def pad_batch(examples: list[dict[str, list[int]]], pad_id: int) -> dict[str, to
     return {"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": pos}
 
 
+def collate(
+    examples: list[dict[str, list[int]]], pad_id: int, padding_free: bool
+) -> dict[str, Any]:
+    """One micro-batch: padding-free ([1, N] rows end to end, `flat_batch`) or right-padded
+    ([B, T_max], `pad_batch`). Same rows, same per-row results either way."""
+    return flat_batch(examples) if padding_free else pad_batch(examples, pad_id)
+
+
 def pack_examples(examples: list[dict[str, list[int]]], max_len: int) -> list[dict[str, Any]]:
     """Greedy first-fit packing in order; position ids restart at every packed row."""
     packed: list[dict[str, Any]] = []
@@ -76,3 +86,35 @@ def pack_examples(examples: list[dict[str, list[int]]], max_len: int) -> list[di
     if cur["input_ids"]:
         packed.append(cur)
     return packed
+
+
+def regroup_by_tokens(
+    rows: list[int], length: Callable[[int], int], budget: int, at_least: int = 1
+) -> list[list[int]]:
+    """A rank's rows of one step regrouped into micro-batches of at most `budget` tokens:
+    longest first, each into the first micro-batch it fits (first-fit decreasing; a row longer
+    than the budget goes alone). Then split, largest group first, until there are `at_least`
+    groups (ranks must run as many forwards as each other: FSDP gathers are collective).
+
+    Same rows per step as row-count micro-batches, so a token-normalised loss does not change;
+    only how many forwards carry them, and how full each is."""
+    order = sorted(rows, key=lambda i: (-length(i), i))
+    groups: list[list[int]] = []
+    used: list[int] = []
+    for i in order:
+        n = length(i)
+        for g, u in enumerate(used):
+            if u + n <= budget:
+                groups[g].append(i)
+                used[g] += n
+                break
+        else:
+            groups.append([i])
+            used.append(n)
+    if at_least > len(rows):
+        raise ValueError(f"cannot make {at_least} micro-batches of {len(rows)} rows")
+    while len(groups) < at_least:
+        big = max(range(len(groups)), key=lambda g: (len(groups[g]), -g))
+        g = groups.pop(big)
+        groups += [g[: len(g) // 2], g[len(g) // 2 :]]
+    return groups

@@ -26,10 +26,12 @@ class DPOConfig(TrainingSection, TemplateGuard):
     sft_weight: float = Field(
         0.0, ge=0, description="Weight of an added NLL term on the chosen response."
     )
-    precompute_reference: bool = Field(
-        False,
+    precompute_reference: bool | None = Field(
+        None,
         description="Compute reference log-probs once, store them as an artifact keyed by "
-        "reference, data, template and max length, and reuse them across runs.",
+        "reference, data, template and max length, and reuse them across runs. Default "
+        "(null): on when the stage visits its pairs more than once (more than one epoch), "
+        "where a reference forward per step would repeat work; true/false force it.",
     )
 
 

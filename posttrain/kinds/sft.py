@@ -15,8 +15,10 @@ class SFTConfig(TrainingSection):
     lora: LoraConfig = Field(default_factory=LoraConfig, description="Adapter shape.")
     packing: bool = Field(
         False,
-        description="Concatenate short rows into full max_seq_len sequences (position ids "
-        "restart per row; attention across rows is not masked, as in most packers).",
+        description="Concatenate short rows into sequences of up to max_seq_len tokens before "
+        "batching (fewer, fuller rows per step: changes what a step holds). Position ids "
+        "restart per row and attention stays inside each row (padding-free batches; with "
+        "batch.padding_free: false rows are padded and packed rows see each other).",
     )
     eval_every: int = Field(
         0, ge=0, description="Held-out loss every N steps (0 = only at the end)."

@@ -9,8 +9,9 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
-from posttrain.data.batching import pad_batch
+from posttrain.data.batching import collate, pad_batch
 from posttrain.models.sharded_load import CheckpointFiles, build_on_meta
+from posttrain.train.chunked import model_call
 
 
 def load_score_model(
@@ -57,24 +58,64 @@ def load_reward_model(
     return PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=False).eval()
 
 
-def pair_batch(pairs: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Chosen sequences then rejected ones in one padded batch -> [2B, T] tensors."""
+def pair_batch(
+    pairs: list[dict[str, Any]], pad_id: int, padding_free: bool = False
+) -> dict[str, Any]:
+    """Chosen sequences then rejected ones in one batch: padded [2B, T] tensors, or padding-free
+    ([1, N], the 2B rows end to end: `posttrain.data.segments`)."""
     seqs = [
         {"input_ids": p[f"{side}_ids"], "labels": p[f"{side}_labels"]}
         for side in ("chosen", "rejected")
         for p in pairs
     ]
-    return pad_batch(seqs, pad_id)
+    return collate(seqs, pad_id, padding_free)
 
 
-def pair_scores(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def score_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The sequence classifier's per-position head (`score` in every causal-LM family
+    transformers gives a sequence-classification class; through peft's modules_to_save
+    wrapper, which returns the trained copy's output)."""
+    found = [m for name, m in model.named_modules() if name.split(".")[-1] == "score"]
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} has no `score` head to read padding-free scores from; "
+            "set the stage's batch.padding_free: false"
+        )
+    return found[0]  # the outermost: peft's wrapper when there is one
+
+
+def pair_scores(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen rewards [B], rejected rewards [B]) from one `pair_batch`."""
-    scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    scores = scores.squeeze(-1).float()  # [2B]
+    scores = sequence_scores(model, batch)  # [2B]
     half = scores.size(0) // 2
     return scores[:half], scores[half:]
+
+
+def sequence_scores(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    """One score per row [B] (fp32): at each row's last token. A padded batch: the model's own
+    pooling (last non-pad token). A padding-free one [1, N]: for the duration of the call the
+    score head returns, at every position, the vector of the S rows' scores (its own output read
+    at each row's last token) [1, N, S], so the model's pooling, at the last token, returns all
+    S. The scores must come out of the model's own forward: under FSDP2 that output is what
+    gathers the root's weights again for backward."""
+    segments = batch.get("segments")
+    if segments is None:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return logits.squeeze(-1).float()
+    head = score_head(model)
+    own = head.forward
+    last = segments.last_positions()  # [S]
+
+    def rows_at_every_position(hidden: torch.Tensor) -> torch.Tensor:  # [1, N, H] -> [1, N, S]
+        scores = own(hidden)[0, last, 0]  # [S]
+        return scores.expand(hidden.shape[1], -1).unsqueeze(0)
+
+    head.forward = rows_at_every_position
+    try:
+        out = model_call(model, batch).logits  # [1, S]
+    finally:
+        del head.forward
+    return out.reshape(-1).float()
 
 
 @torch.no_grad()

@@ -29,6 +29,7 @@ import torch
 from posttrain.artifacts import canonical_json, fingerprint, verify, write_manifest
 from posttrain.config.loader import section_batch
 from posttrain.data.pref_prepare import guard_template, prepare
+from posttrain.data.segments import batch_rows, layout_stats, real_tokens
 from posttrain.data.sft_data import write_splits
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import REFERENCE, active_adapter, policy_with_reference
@@ -38,6 +39,7 @@ from posttrain.stages.common import StageContext, stage_main, training_base
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.chunked import pair_logps
+from posttrain.train.micro_batches import padding_free, regroup_step
 from posttrain.train.preference_losses import (
     REFERENCE_FREE,
     implicit_rewards,
@@ -61,14 +63,16 @@ def reference_logps(
     rank: int,
     world: int,
     chunk_tokens: int = 0,
+    flat: bool = False,
 ) -> torch.Tensor:
     """[N, 2] (chosen, rejected) reference log-probs of every pair, computed rank-strided with
-    the same number of forwards on every rank, then summed across ranks."""
+    the same number of forwards on every rank, then summed across ranks; `flat`: padding-free
+    batches."""
     out = torch.zeros(len(pairs), 2, dtype=torch.float64, device=device)
     for idx in rank_batches(len(pairs), rank, world, batch_size):
         heartbeat.beat(phase="reference")
         chunk = [pairs[i] for i in idx] or pairs[:1]
-        batch = {k: v.to(device) for k, v in pair_batch(chunk, pad_id).items()}
+        batch = {k: v.to(device) for k, v in pair_batch(chunk, pad_id, flat).items()}
         with active_adapter(model, REFERENCE):
             c, r, _, _ = pair_logps(model, batch, chunk_tokens)
         if idx:
@@ -109,6 +113,7 @@ def cached_reference(
     key: str,
     pad_id: int,
     batch_size: int,
+    flat: bool = False,
 ) -> tuple[torch.Tensor, str]:
     """Reference log-probs from the workspace cache, computing and storing them on a miss.
     Returns ([N, 2] log-probs, "hit" | "miss")."""
@@ -127,6 +132,7 @@ def cached_reference(
         d.rank,
         d.world_size,
         ctx.recipe.infra.logits_chunk_tokens,
+        flat,
     )
     if ctx.is_main:
         folder.mkdir(parents=True, exist_ok=True)
@@ -224,10 +230,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
         **data.stats,
     )
     model = tr.model
+    flat = padding_free(cfg.batch, model)
     eval_bs = batch.micro_batch_size
 
     ref_table, ref_cache = None, "off"
-    if needs_ref and cfg.precompute_reference:
+    precompute = cfg.precompute_reference
+    if precompute is None:  # auto: when each pair's reference would be computed again
+        precompute = total_steps * batch.global_batch_size > len(data.train)
+    if needs_ref and precompute:
         key = ref_cache_key(
             ctx.role_ref("reference").fingerprint,
             data.train,
@@ -236,7 +246,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
             cfg.data.max_prompt_len,
         )
         ref_table, ref_cache = cached_reference(
-            ctx, model, data.train, key, tok.pad_token_id, eval_bs
+            ctx, model, data.train, key, tok.pad_token_id, eval_bs, flat
         )
         log.info("reference log-probs: cache %s (%s)", ref_cache, key)
 
@@ -265,18 +275,25 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     for step in range(tr.start_step, total_steps):
         t0 = time.perf_counter()
-        idx = tr.step_rows(len(data.train), step, batch, seed)
+        idx = regroup_step(
+            tr.step_rows(len(data.train), step, batch, seed),
+            lambda i: len(data.train[i]["chosen_ids"]) + len(data.train[i]["rejected_ids"]),
+            cfg.batch,
+            device,
+        )
         micro = [
             (
                 ix,
                 {
                     k: v.to(device)
-                    for k, v in pair_batch([data.train[i] for i in ix], tok.pad_token_id).items()
+                    for k, v in pair_batch(
+                        [data.train[i] for i in ix], tok.pad_token_id, flat
+                    ).items()
                 },
             )
             for ix in idx
         ]
-        local_tokens = sum(int(mb["attention_mask"].sum()) for _, mb in micro)
+        local_tokens = sum(real_tokens(mb) for _, mb in micro)
         t_data = time.perf_counter() - t0
         t_ref = 0.0
         sums = dict.fromkeys(
@@ -333,7 +350,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
             cfg,
             loss=loss,
             local_tokens=local_tokens,
-            n_seqs=sum(mb["input_ids"].size(0) for _, mb in micro),
+            n_seqs=sum(batch_rows(mb) for _, mb in micro),
+            **layout_stats([mb for _, mb in micro]),
             t_start=t0,
             t_data=t_data,
             accuracy=g.pop("correct"),

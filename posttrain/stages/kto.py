@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from posttrain.config.loader import section_batch
-from posttrain.data.batching import pad_batch, step_indices
+from posttrain.data.batching import collate, step_indices
 from posttrain.data.pref_prepare import guard_template, prepare_unpaired
+from posttrain.data.segments import batch_rows, layout_stats, real_tokens
 from posttrain.data.sft_data import write_splits
 from posttrain.distributed.runtime import all_reduce_sum, all_reduce_tensor, rank_batches
 from posttrain.models.adapters import REFERENCE, active_adapter, policy_with_reference
@@ -39,6 +40,7 @@ from posttrain.stages.common import StageContext, stage_main, training_base
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.chunked import forward_sequence_logps
+from posttrain.train.micro_batches import padding_free, regroup_step
 from posttrain.train.preference_losses import (
     kto_kl_estimate,
     kto_loss,
@@ -76,9 +78,13 @@ def starting_adapter(ctx: StageContext) -> StartingPoint:
     )
 
 
-def completion_batch(rows: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Encoded completions (`encode_completions`) -> one padded [B, T] batch."""
-    return pad_batch([{"input_ids": r["ids"], "labels": r["labels"]} for r in rows], pad_id)
+def completion_batch(
+    rows: list[dict[str, Any]], pad_id: int, padding_free: bool = False
+) -> dict[str, Any]:
+    """Encoded completions (`encode_completions`) -> one batch: padded [B, T], or padding-free
+    [1, N] (`posttrain.data.segments`)."""
+    seqs = [{"input_ids": r["ids"], "labels": r["labels"]} for r in rows]
+    return collate(seqs, pad_id, padding_free)
 
 
 def mismatched(row: dict[str, Any], other: dict[str, Any], max_len: int) -> dict[str, Any]:
@@ -245,6 +251,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         **data.stats,
     )
     model = tr.model
+    flat = padding_free(cfg.batch, model)
     pad_id, eval_bs = tok.pad_token_id, batch.micro_batch_size
 
     def heldout() -> dict[str, float]:
@@ -263,7 +270,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     for step in range(tr.start_step, total_steps):
         t0 = time.perf_counter()
-        idx = tr.step_rows(len(data.train), step, batch, seed)
+        own = tr.step_rows(len(data.train), step, batch, seed)
         partners = partner_rows(
             len(data.train),
             step,
@@ -273,19 +280,38 @@ def run(ctx: StageContext) -> dict[str, Any]:
             world,
             seed,
         )
+        # (row, partner) of each of this rank's rows, then micro-batches of positions in that
+        # list: with batch.by_tokens the rows regroup and keep their partners.
+        slots = [
+            (i, j)
+            for ix, js in zip(own, partners, strict=True)
+            for i, j in zip(ix, js, strict=True)
+        ]
+        width = len(own[0])
+        groups = regroup_step(
+            [list(range(k * width, (k + 1) * width)) for k in range(len(own))],
+            lambda p, slots=slots: len(data.train[slots[p][0]]["ids"]),
+            cfg.batch,
+            device,
+        )
+        idx = [[slots[p][0] for p in g] for g in groups]
         rows = [[data.train[i] for i in ix] for ix in idx]
-        micro = [_to(completion_batch(rs, pad_id), device) for rs in rows]
+        micro = [_to(completion_batch(rs, pad_id, flat), device) for rs in rows]
         kl_micro = [
             _to(
                 completion_batch(
-                    [mismatched(r, data.train[j], max_len) for r, j in zip(rs, js, strict=True)],
+                    [
+                        mismatched(data.train[slots[p][0]], data.train[slots[p][1]], max_len)
+                        for p in g
+                    ],
                     pad_id,
+                    flat,
                 ),
                 device,
             )
-            for rs, js in zip(rows, partners, strict=True)
+            for g in groups
         ]
-        local_tokens = sum(int(mb["attention_mask"].sum()) for mb in micro)
+        local_tokens = sum(real_tokens(mb) for mb in micro)
         t_data = time.perf_counter() - t0
 
         t_kl = time.perf_counter()
@@ -319,7 +345,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
             cfg,
             loss=g["loss"],
             local_tokens=local_tokens,
-            n_seqs=sum(mb["input_ids"].size(0) for mb in micro),
+            n_seqs=sum(batch_rows(mb) for mb in micro),
+            **layout_stats(micro),
             t_start=t0,
             t_data=t_data,
             reference_s=t_ref,

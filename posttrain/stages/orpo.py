@@ -25,6 +25,7 @@ import torch
 
 from posttrain.config.loader import section_batch
 from posttrain.data.pref_prepare import guard_template, prepare
+from posttrain.data.segments import batch_rows, layout_stats, real_tokens
 from posttrain.data.sft_data import write_splits
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.kinds.orpo import ORPOConfig
@@ -35,6 +36,7 @@ from posttrain.stages.common import StageContext, stage_main, training_base
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.chunked import pair_logps
+from posttrain.train.micro_batches import padding_free, regroup_step
 from posttrain.train.preference_losses import orpo_loss
 from posttrain.train.session import planned_steps, save_adapter, start_session
 
@@ -122,6 +124,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         **data.stats,
     )
     model = tr.model
+    flat = padding_free(cfg.batch, model)
     pad, eval_bs = tok.pad_token_id, batch.micro_batch_size
 
     first = None
@@ -135,10 +138,21 @@ def run(ctx: StageContext) -> dict[str, Any]:
     for step in range(tr.start_step, total_steps):
         t0 = time.perf_counter()
         micro = [
-            (ix, {k: v.to(device) for k, v in pair_batch([data.train[i] for i in ix], pad).items()})
-            for ix in tr.step_rows(len(data.train), step, batch, seed)
+            (
+                ix,
+                {
+                    k: v.to(device)
+                    for k, v in pair_batch([data.train[i] for i in ix], pad, flat).items()
+                },
+            )
+            for ix in regroup_step(
+                tr.step_rows(len(data.train), step, batch, seed),
+                lambda i: len(data.train[i]["chosen_ids"]) + len(data.train[i]["rejected_ids"]),
+                cfg.batch,
+                device,
+            )
         ]
-        local_tokens = sum(int(mb["attention_mask"].sum()) for _, mb in micro)
+        local_tokens = sum(real_tokens(mb) for _, mb in micro)
         t_data = time.perf_counter() - t0
         sums: dict[str, float] = {}
         for k, (_, mb) in enumerate(micro):
@@ -158,7 +172,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
             cfg,
             loss=loss,
             local_tokens=local_tokens,
-            n_seqs=sum(mb["input_ids"].size(0) for _, mb in micro),
+            n_seqs=sum(batch_rows(mb) for _, mb in micro),
+            **layout_stats([mb for _, mb in micro]),
             t_start=t0,
             t_data=t_data,
             accuracy=g.pop("correct"),

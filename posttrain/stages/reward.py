@@ -23,6 +23,7 @@ import torch
 
 from posttrain.config.loader import section_batch
 from posttrain.data.pref_prepare import guard_template, prepare
+from posttrain.data.segments import batch_rows, layout_stats, real_tokens
 from posttrain.data.sft_data import write_splits
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.loading import base_dtype, load_tokenizer
@@ -32,6 +33,7 @@ from posttrain.stages.common import StageContext, stage_main
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.losses import bradley_terry_loss
+from posttrain.train.micro_batches import padding_free, regroup_step
 from posttrain.train.session import planned_steps, save_adapter, start_session
 
 log = logging.getLogger("posttrain.reward")
@@ -124,6 +126,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         **data.stats,
     )
     model = tr.model
+    flat = padding_free(cfg.batch, model)
     eval_bs = batch.micro_batch_size
     first = None
     if tr.start_step == 0:
@@ -135,15 +138,20 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     for step in range(tr.start_step, total_steps):
         t0 = time.perf_counter()
-        idx = tr.step_rows(len(data.train), step, batch, seed)
+        idx = regroup_step(
+            tr.step_rows(len(data.train), step, batch, seed),
+            lambda i: len(data.train[i]["chosen_ids"]) + len(data.train[i]["rejected_ids"]),
+            cfg.batch,
+            device,
+        )
         micro = [
             {
                 k: v.to(device)
-                for k, v in pair_batch([data.train[i] for i in ix], tok.pad_token_id).items()
+                for k, v in pair_batch([data.train[i] for i in ix], tok.pad_token_id, flat).items()
             }
             for ix in idx
         ]
-        local_tokens = sum(int(mb["attention_mask"].sum()) for mb in micro)
+        local_tokens = sum(real_tokens(mb) for mb in micro)
         t_data = time.perf_counter() - t0
         sums = {"loss": 0.0, "correct": 0.0, "margin": 0.0, "chosen": 0.0, "rejected": 0.0}
         for k, mb in enumerate(micro):
@@ -162,7 +170,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
             cfg,
             loss=g["loss"],
             local_tokens=local_tokens,
-            n_seqs=sum(mb["input_ids"].size(0) for mb in micro),
+            n_seqs=sum(batch_rows(mb) for mb in micro),
+            **layout_stats(micro),
             t_start=t0,
             t_data=t_data,
             accuracy=g["correct"],

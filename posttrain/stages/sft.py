@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from posttrain.config.loader import section_batch
-from posttrain.data.batching import pack_examples, pad_batch
+from posttrain.data.batching import collate, pack_examples
 from posttrain.data.chat import IGNORE, template_sha256
+from posttrain.data.segments import batch_rows, layout_stats, real_tokens
 from posttrain.data.sft_data import prepare, write_splits
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import trainable_adapter
@@ -33,12 +34,13 @@ from posttrain.stages.common import StageContext, stage_main, training_base
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot, read_metrics
 from posttrain.train.chunked import forward_nll_sum
+from posttrain.train.micro_batches import padding_free, regroup_step
 from posttrain.train.session import planned_steps, save_adapter, start_session
 
 log = logging.getLogger("posttrain.sft")
 
 
-def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
@@ -52,6 +54,7 @@ def heldout_loss(
     rank: int,
     world: int,
     chunk_tokens: int = 0,
+    flat: bool = False,
 ) -> float | None:
     """Token-weighted held-out NLL, or None without held-out rows (eval_fraction 0 and no
     eval_path: there is no figure, and NaN would not be valid JSON in the manifest). Every rank
@@ -65,7 +68,7 @@ def heldout_loss(
         heartbeat.beat(phase="eval")
         chunk = [examples[i] for i in idx] or examples[:1]
         weight = 1.0 if idx else 0.0
-        nll, n = forward_nll_sum(model, _to(pad_batch(chunk, pad_id), device), chunk_tokens)
+        nll, n = forward_nll_sum(model, _to(collate(chunk, pad_id, flat), device), chunk_tokens)
         total += weight * nll.item()
         count += weight * n.item()
     model.train()
@@ -105,11 +108,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
         **data.stats,
     )
     model = tr.model
+    flat = padding_free(cfg.batch, model)
 
     eval_bs = batch.micro_batch_size
     if tr.start_step == 0:
         first_eval = heldout_loss(
-            model, data.eval, tok.pad_token_id, eval_bs, device, rank, world, chunk_tokens
+            model, data.eval, tok.pad_token_id, eval_bs, device, rank, world, chunk_tokens, flat
         )
         tr.metrics.write("eval", step=0, eval_loss=first_eval)
         if first_eval is not None:
@@ -122,12 +126,17 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     for step in range(tr.start_step, total_steps):
         t0 = time.perf_counter()
-        idx = tr.step_rows(len(train), step, batch, seed)
+        idx = regroup_step(
+            tr.step_rows(len(train), step, batch, seed),
+            lambda i: len(train[i]["input_ids"]),
+            cfg.batch,
+            device,
+        )
         micro_batches = [
-            _to(pad_batch([train[i] for i in ix], tok.pad_token_id), device) for ix in idx
+            _to(collate([train[i] for i in ix], tok.pad_token_id, flat), device) for ix in idx
         ]
         local_targets = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in micro_batches)
-        local_tokens = sum(int(mb["attention_mask"].sum()) for mb in micro_batches)
+        local_tokens = sum(real_tokens(mb) for mb in micro_batches)
         global_targets = all_reduce_sum(local_targets, device)
         t_data = time.perf_counter() - t0
 
@@ -140,7 +149,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         step_loss = all_reduce_sum(step_nll, device) / global_targets
         grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=step_loss, step=step + 1)
         if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
-            n_rows = sum(mb["input_ids"].size(0) for mb in micro_batches)
+            n_rows = sum(batch_rows(mb) for mb in micro_batches)
             tr.record_step(
                 step + 1,
                 loss=step_loss,
@@ -151,16 +160,17 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 t_start=t0,
                 t_data=t_data,
                 target_tokens=global_targets,
+                **layout_stats(micro_batches),
             )
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total_steps:
             ev = heldout_loss(
-                model, data.eval, tok.pad_token_id, eval_bs, device, rank, world, chunk_tokens
+                model, data.eval, tok.pad_token_id, eval_bs, device, rank, world, chunk_tokens, flat
             )
             tr.metrics.write("eval", step=step + 1, eval_loss=ev)
         tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints)
 
     final_eval = heldout_loss(
-        model, data.eval, tok.pad_token_id, eval_bs, device, rank, world, chunk_tokens
+        model, data.eval, tok.pad_token_id, eval_bs, device, rank, world, chunk_tokens, flat
     )
     tr.metrics.write("eval", step=total_steps, eval_loss=final_eval)
     if final_eval is not None:

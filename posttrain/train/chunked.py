@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.data.chat import IGNORE
-from posttrain.train.losses import sequence_logps, token_nll_sum
+from posttrain.models.varlen_attention import SEGMENTS_KW, confined_attention
+from posttrain.train.losses import token_logps, token_nll_sum
 
 
 @dataclass(frozen=True)
@@ -377,44 +378,55 @@ def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
 
 
 def label_logps(
-    model: nn.Module, batch: dict[str, torch.Tensor], chunk: int
+    model: nn.Module, batch: dict[str, Any], chunk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward of a causal LM over `batch` (input_ids/attention_mask/position_ids/labels,
     [B, T]) -> (log-probs [B, T-1] of labels[:, 1:], 0.0 where IGNORE; mask [B, T-1] bool),
     through the chunked head."""
     targets = shifted_targets(batch["labels"])
     with scoring_head(model, targets, chunk):
-        logp = model(**_model_inputs(batch)).logits  # [B, T]
+        logp = model_call(model, batch).logits  # [B, T]
     return logp[:, :-1], targets[:, :-1] != IGNORE
 
 
-def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-    # No KV cache: a scoring forward never reuses it.
-    return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")} | {
-        "use_cache": False
-    }
+def model_call(model: nn.Module, batch: dict[str, Any]) -> Any:
+    """One scoring forward (no KV cache) over a padded batch (input_ids/attention_mask/
+    position_ids [B, T]) or a padding-free one (input_ids/position_ids [1, N] and `segments`,
+    `posttrain.data.segments`), whose rows' attention stays inside each row."""
+    keys = ("input_ids", "attention_mask", "position_ids")
+    inputs = {k: batch[k] for k in keys if k in batch} | {"use_cache": False}
+    segments = batch.get("segments")
+    if segments is None:
+        return model(**inputs)
+    with confined_attention(model):
+        return model(**inputs, **{SEGMENTS_KW: segments})
 
 
 def forward_nll_sum(
-    model: nn.Module, batch: dict[str, torch.Tensor], chunk: int
+    model: nn.Module, batch: dict[str, Any], chunk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_nll_sum` of one forward over `batch`: (summed NLL of the label tokens, their
     count). `chunk` tokens per pass through the head; 0 = full logits (the unchunked path)."""
     if not chunk:
-        return token_nll_sum(model(**_model_inputs(batch)).logits, batch["labels"])
+        return token_nll_sum(model_call(model, batch).logits, batch["labels"])
     logp, mask = label_logps(model, batch, chunk)
     return -logp.sum(), mask.sum()
 
 
 def forward_sequence_logps(
-    model: nn.Module, batch: dict[str, torch.Tensor], chunk: int
+    model: nn.Module, batch: dict[str, Any], chunk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sequence_logps` of one forward over `batch`: (summed label log-prob per row [B], label
-    count per row [B]). `chunk` as in `forward_nll_sum`."""
-    if not chunk:
-        return sequence_logps(model(**_model_inputs(batch)).logits, batch["labels"])
-    logp, mask = label_logps(model, batch, chunk)
-    return logp.sum(-1), mask.sum(-1)
+    """Summed label log-prob per row [B] and label count per row [B] from one forward over
+    `batch` (padded, or padding-free: rows in the order they were laid out). `chunk` as in
+    `forward_nll_sum`."""
+    if chunk:
+        logp, mask = label_logps(model, batch, chunk)  # [B, T-1] each
+    else:
+        logp, mask = token_logps(model_call(model, batch).logits, batch["labels"])
+    segments = batch.get("segments")
+    if segments is None:
+        return logp.sum(-1), mask.sum(-1)
+    return segments.row_sums(logp), segments.row_sums(mask.long())
 
 
 def pair_logps(

@@ -27,18 +27,26 @@ def token_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
     return nll, (shift_labels != IGNORE).sum()
 
 
+def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each labelled token: logits [B, T, V], labels [B, T] (IGNORE outside
+    the response; position t predicts labels[t + 1]) -> (logps [B, T-1], 0.0 where IGNORE;
+    mask [B, T-1] bool). log_softmax in fp32."""
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = labels[:, 1:]
+    mask = shift_labels != IGNORE
+    safe = shift_labels.masked_fill(~mask, 0)
+    logps = torch.gather(shift_logits.log_softmax(-1), 2, safe.unsqueeze(-1)).squeeze(-1)
+    return logps * mask, mask
+
+
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence summed log-probability of the labelled (response) tokens.
 
     logits: [B, T, V]; labels: [B, T] with IGNORE outside the response. Position t predicts
     labels[t + 1]. Returns (logps [B], n_tokens [B]); log_softmax is taken in fp32.
     """
-    shift_logits = logits[:, :-1, :].float()
-    shift_labels = labels[:, 1:]
-    mask = shift_labels != IGNORE
-    safe = shift_labels.masked_fill(~mask, 0)
-    token_logps = torch.gather(shift_logits.log_softmax(-1), 2, safe.unsqueeze(-1)).squeeze(-1)
-    return (token_logps * mask).sum(-1), mask.sum(-1)
+    logps, mask = token_logps(logits, labels)
+    return logps.sum(-1), mask.sum(-1)
 
 
 def bradley_terry_loss(
