@@ -122,7 +122,7 @@ def padding_free_unsupported(model: torch.nn.Module) -> str | None:
 
 
 @contextmanager
-def confined_attention(model: torch.nn.Module) -> Iterator[None]:
+def confined_attention(model: torch.nn.Module) -> Iterator[bool]:
     """For the duration of one padding-free forward: attention stays inside each row.
 
     Flash-attention models need nothing (transformers derives varlen lengths from the position
@@ -131,11 +131,12 @@ def confined_attention(model: torch.nn.Module) -> Iterator[None]:
     context, with the same keywords (the segments among them), and the recompute must confine
     attention as the forward did. Without segments the function is SDPA itself, so padded
     batches through the same model are unchanged. Raises after the forward if no attention
-    layer saw the segments (an architecture that drops the keyword)."""
+    layer saw the segments (an architecture that drops the keyword). Yields whether the
+    model's own attention handles the rows (flash-attention)."""
     config = model.config
     impl = config._attn_implementation
     if str(impl).startswith("flash_attention"):
-        yield
+        yield True  # native varlen: the caller passes no segments
         return
     if impl == "sdpa":
         config._attn_implementation = NAME
@@ -144,7 +145,7 @@ def confined_attention(model: torch.nn.Module) -> Iterator[None]:
     _STATE.active = getattr(_STATE, "active", 0) + 1
     before = getattr(_STATE, "calls", 0)
     try:
-        yield
+        yield False
     finally:
         _STATE.active -= 1
     if getattr(_STATE, "calls", 0) == before:

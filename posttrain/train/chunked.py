@@ -398,8 +398,10 @@ def model_call(model: nn.Module, batch: dict[str, Any]) -> Any:
     segments = batch.get("segments")
     if segments is None:
         return model(**inputs)
-    with confined_attention(model):
-        return model(**inputs, **{SEGMENTS_KW: segments})
+    with confined_attention(model) as native:
+        # Flash-attention finds the rows from the position ids itself; anything else reads
+        # them from the segments, handed down to every attention call as a keyword.
+        return model(**inputs, **({} if native else {SEGMENTS_KW: segments}))
 
 
 def forward_nll_sum(
