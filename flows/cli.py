@@ -15,7 +15,9 @@ them directly. Prefect is imported only by `run`, after its environment defaults
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -41,6 +43,7 @@ from posttrain.planner import plan
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 EXIT_HUNG_UP = 129
+_EXIT_HOOKS: list[object] = []  # registered once per process (tests call main repeatedly)
 
 
 class Terminated(BaseException):
@@ -132,19 +135,28 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
     previous = {
         sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)
     }
+    early = None
     try:
         from flows.embedded_db import set_aside_if_damaged
-        from flows.embedded_server import start_embedded_server
+        from flows.embedded_server import (
+            embedded_run_settings,
+            launch_embedded_server,
+            start_embedded_server,
+        )
+
+        set_aside_if_damaged(err)  # before the embedded server tries, and fails, to start on it
+        # Before Prefect would start it, from this (main) thread: it then dies with this
+        # process even when nothing here gets to stop it (SIGKILL). Launched before the flow's
+        # imports, so that its boot and those imports overlap (docs/operations.md).
+        early = launch_embedded_server()
         from flows.known_failures import quiet_known_failures
         from flows.post_train import post_train  # imports prefect: only now, after its defaults
 
         quiet_known_failures()  # a failed stage or gate: one line, not a traceback wall
-
-        set_aside_if_damaged(err)  # before the embedded server tries, and fails, to start on it
-        # Before Prefect would start it, from this (main) thread: it then dies with this
-        # process even when nothing here gets to stop it (SIGKILL).
-        start_embedded_server()
-        result = post_train(recipe)
+        server = start_embedded_server(early)  # adopts it: waits until it is healthy
+        early = None
+        with embedded_run_settings() if server is not None else contextlib.nullcontext():
+            result = post_train(recipe)
     except (KeyboardInterrupt, Terminated) as exc:
         what, code = "interrupted", EXIT_INTERRUPTED
         if isinstance(exc, HungUp):
@@ -166,6 +178,8 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
             print(f"posttrain run failed: {headline}", file=err)
         return EXIT_FAILED
     finally:
+        if early is not None:  # the run ended before the server was adopted
+            early.discard()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     records = [
@@ -444,7 +458,18 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _exit_without_collecting() -> None:
+    # At interpreter exit, the cyclic GC walks every object a run created, Prefect's server
+    # modules included (~2,000 modules): ~1-3 s on this machine before the process ends. The
+    # OS frees that memory anyway. Registered first, this runs after every other exit hook
+    # (Prefect's server stop and log/event flushes, which are registered later).
+    gc.freeze()
+
+
 def main(argv: list[str] | None = None) -> int:
+    if _exit_without_collecting not in _EXIT_HOOKS:
+        atexit.register(_exit_without_collecting)
+        _EXIT_HOOKS.append(_exit_without_collecting)
     args = build_parser().parse_args(argv)
     out, err = sys.stdout, sys.stderr
     if args.command == "launch":

@@ -12,23 +12,35 @@ process is given a parent-death signal (Linux `prctl(PR_SET_PDEATHSIG, SIGTERM)`
 kernel delivers when the thread that forked it ends: the main thread, so when the CLI process
 ends, however it ends. It runs in a session of its own, so the signals a terminal sends to its
 whole foreground group (SIGHUP when it closes, SIGINT on Ctrl-C) reach only the CLI, which then
-ends the run, reports it to the server and stops the server. The start-up cost is the same as Prefect's own start (it is Prefect's
-own start, done earlier); the `prctl` call costs microseconds.
+ends the run, reports it to the server and stops the server. The `prctl` call costs microseconds.
+
+The server's process is launched early (`launch_embedded_server`), as soon as the recipe is
+valid, and adopted later (`start_embedded_server(early)`): its boot (a fresh interpreter
+importing Prefect's server, ~3-4 s of CPU) then overlaps the CLI's own imports of the flow and
+of `prefect.server` (~2-3 s), instead of following them. Prefect's own `start()` adopts it (its
+health wait, start-up timeout, port-clash retry and exit hook are unchanged); the command line
+and environment are Prefect's (`uvicorn_command`; a test compares them with Prefect's own).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 PR_SET_PDEATHSIG = 1
+# Prefect's port range for its temporary server (SubprocessASGIServer._port_range).
+PORT_RANGE = (8000, 9000)
 
 
 def die_with(parent: int, sig: int = signal.SIGTERM) -> Callable[[], None]:
@@ -43,36 +55,125 @@ def die_with(parent: int, sig: int = signal.SIGTERM) -> Callable[[], None]:
     return preexec
 
 
-def start_embedded_server() -> Any | None:
-    """Start Prefect's embedded server now, tied to this process; None when runs go to a
-    server (PREFECT_API_URL), when not on Linux, or when not called from the main thread
-    (the death signal follows the forking thread)."""
+def _wanted() -> bool:
+    """Whether this process should start the embedded server itself: on Linux, from the main
+    thread (the death signal follows the forking thread), and only when runs go to no server."""
     if not sys.platform.startswith("linux"):
-        return None
+        return False
     if threading.current_thread() is not threading.main_thread():
-        return None
+        return False
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
     # The same test as Prefect's client (a profile may set the URL, not only the environment).
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+    return not PREFECT_API_URL.value() and bool(PREFECT_SERVER_EPHEMERAL_ENABLED.value())
+
+
+def uvicorn_command(port: int) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment Prefect 3.9's `SubprocessASGIServer` starts its server
+    with, built without importing `prefect.server` (~2 s of imports)."""
+    import prefect
+    from prefect.settings import get_current_settings
+
+    args = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--app-dir",
+        str(prefect.__module_path__.parent),
+        "--factory",
+        "prefect.server.api.server:create_app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "error",
+        "--lifespan",
+        "on",
+    ]
+    env = {
+        **os.environ,
+        # Prefect's: no UI, the ephemeral set of services, one app per process.
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT__SERVER_FINAL": "1",
+        **get_current_settings().to_environment_variables(exclude_unset=True),
+    }
+    return args, env
+
+
+def _tied_popen(args: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
+    """`subprocess.Popen` for the server: it dies with this process's main thread."""
+    kwargs.setdefault("preexec_fn", die_with(os.getpid()))
+    # Out of the terminal's process group: a hang-up or Ctrl-C reaches the whole foreground
+    # group, and a server that died with it left the CLI unable to record the run's end,
+    # retrying for minutes instead of exiting.
+    kwargs.setdefault("start_new_session", True)
+    return subprocess.Popen(args, **kwargs)
+
+
+@dataclass
+class EarlyServer:
+    """The embedded server's process, launched and not yet waited for."""
+
+    port: int
+    process: subprocess.Popen[Any]
+
+    def discard(self) -> None:
+        """Stop it (the run ended before it was adopted)."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _free_port() -> int:
+    # Prefect's own choice (a random free port in its range); a port taken meanwhile makes
+    # uvicorn exit with code 3, and Prefect's start() then starts another on a new port.
+    for _ in range(20):
+        port = random.randrange(*PORT_RANGE)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port for the embedded Prefect server")
+
+
+def launch_embedded_server() -> EarlyServer | None:
+    """Launch the embedded server's process now and return at once (adopt it with
+    `start_embedded_server`); None when this process should not start it (`_wanted`)."""
+    if not _wanted():
+        return None
+    port = _free_port()
+    args, env = uvicorn_command(port)
+    return EarlyServer(port, _tied_popen(args, env=env))
+
+
+def start_embedded_server(early: EarlyServer | None = None) -> Any | None:
+    """Start Prefect's embedded server now, tied to this process, adopting the process of
+    `launch_embedded_server` when given; returns it once healthy. None when runs go to a
+    server (PREFECT_API_URL), when not on Linux, or when not called from the main thread."""
+    if not _wanted():
+        if early is not None:
+            early.discard()
         return None
     import prefect.server.api.server as server_module
 
     class TiedServer(server_module.SubprocessASGIServer):
         def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
+            nonlocal early
+            if early is not None and self.port == early.port:
+                adopted, early = early.process, None
+                return adopted
             # Prefect's own command line and environment, with a death signal added: the
             # module's `subprocess` is swapped, for this call only, for one whose Popen adds it.
-            parent, real = os.getpid(), server_module.subprocess
-
-            def popen(*args: Any, **kwargs: Any) -> subprocess.Popen[Any]:
-                kwargs.setdefault("preexec_fn", die_with(parent))
-                # Out of the terminal's process group: a hang-up or Ctrl-C reaches the whole
-                # foreground group, and a server that died with it left the CLI unable to
-                # record the run's end, retrying for minutes instead of exiting.
-                kwargs.setdefault("start_new_session", True)
-                return real.Popen(*args, **kwargs)
-
-            shim = types.SimpleNamespace(**{**vars(real), "Popen": popen})
+            real = server_module.subprocess
+            shim = types.SimpleNamespace(**{**vars(real), "Popen": _tied_popen})
             server_module.subprocess = shim  # type: ignore[assignment]
             try:
                 return super()._run_uvicorn_command()
@@ -81,6 +182,29 @@ def start_embedded_server() -> Any | None:
 
     server = TiedServer()  # the port-less singleton every Prefect client will use
     if not isinstance(server, TiedServer):  # Prefect already started its own
+        if early is not None:
+            early.discard()
         return None
-    server.start()
+    if early is not None:
+        server.port = early.port  # start() then runs the early process through the override
+    try:
+        server.start()
+    finally:
+        if early is not None:  # not adopted (start() failed before): not left running
+            early.discard()
     return server
+
+
+@contextlib.contextmanager
+def embedded_run_settings() -> Iterator[None]:
+    """Prefect settings for a flow run on the embedded server: no flow-run heartbeats, unless
+    the user set their frequency (environment or profile).
+
+    Heartbeats let a server's automations call a run crashed when its process vanished. The
+    embedded server runs only the ephemeral set of services (no proactive triggers) and dies
+    with the run's process, so no one can act on a missing heartbeat; what they cost is the
+    join of their thread when the flow ends, up to 1 s (it sleeps in 1 s steps)."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    with temporary_settings(set_defaults={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield

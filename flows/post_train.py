@@ -21,6 +21,7 @@ from prefect.client.schemas.objects import FlowRun, State
 from prefect.context import FlowRunContext
 from prefect.logging import get_run_logger
 
+from flows import drawn
 from flows.devices import device_set_name, ensure_device_limit, hold_devices
 from flows.events import BASE_EVENT, publish_base
 from flows.gate import promote
@@ -45,8 +46,8 @@ from posttrain.kinds import KINDS
 from posttrain.planner import PlannedStage, plan, write_spec
 from posttrain.promotion import Decision, comparison_markdown
 from posttrain.secrets import redact, redact_obj
-from posttrain.telemetry.graph_plot import GraphNode, draw_stage_graph
-from posttrain.telemetry.plots import CurvePlot, plot_curves
+from posttrain.telemetry.graph_plot import GraphNode
+from posttrain.telemetry.plots import CurvePlot
 
 
 def _flow_run_name() -> str:
@@ -132,14 +133,19 @@ def _record_run(
         report += "\n## Promotion\n\n" + "\n".join(comparison_markdown(promotion)) + "\n"
     # Curves are decoration: a plotting failure (matplotlib missing, a corrupt metrics file) is
     # logged and the run record is written without them.
+    # Both are copied from the workspace's image cache when drawn before from the same inputs
+    # (flows.drawn): a cached re-run draws nothing.
     plots: list[CurvePlot] = []
+    images = drawn.cache_dir(recipe.run.workspace)
     try:
-        plots = plot_curves([(r.stage, Path(r.uri)) for r in records if r.uri], run_dir)
+        stages = [(r.stage, Path(r.uri)) for r in records if r.uri]
+        plots, _ = drawn.curves(stages, run_dir, images)
     except Exception as exc:
         get_run_logger().warning("training curves not drawn: %s: %s", type(exc).__name__, exc)
     graph_png: Path | None = None
     try:
-        graph_png = draw_stage_graph(graph_nodes(recipe, records), run_dir / "graph.png")
+        nodes = graph_nodes(recipe, records)
+        graph_png, _ = drawn.stage_graph(nodes, run_dir / "graph.png", images)
     except Exception as exc:
         get_run_logger().warning("stage graph not drawn: %s: %s", type(exc).__name__, exc)
     artifact_report = report
