@@ -43,7 +43,6 @@ from posttrain.planner import plan
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 EXIT_HUNG_UP = 129
-_EXIT_HOOKS: list[object] = []  # registered once per process (tests call main repeatedly)
 
 
 class Terminated(BaseException):
@@ -460,16 +459,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _exit_without_collecting() -> None:
     # At interpreter exit, the cyclic GC walks every object a run created, Prefect's server
-    # modules included (~2,000 modules): ~1-3 s on this machine before the process ends. The
-    # OS frees that memory anyway. Registered first, this runs after every other exit hook
-    # (Prefect's server stop and log/event flushes, which are registered later).
+    # modules included (~2,000 modules): ~1-3 s on this machine before the process ends, for
+    # memory the OS frees anyway. Frozen objects are skipped. Registered before Prefect is
+    # imported, this runs after Prefect's exit hooks (server stop, log and event flushes).
     gc.freeze()
 
 
 def main(argv: list[str] | None = None) -> int:
-    if _exit_without_collecting not in _EXIT_HOOKS:
-        atexit.register(_exit_without_collecting)
-        _EXIT_HOOKS.append(_exit_without_collecting)
+    atexit.unregister(_exit_without_collecting)  # once per process (tests call main often)
+    atexit.register(_exit_without_collecting)
     args = build_parser().parse_args(argv)
     out, err = sys.stdout, sys.stderr
     if args.command == "launch":

@@ -11,6 +11,7 @@ matplotlib version. Any change draws anew; a missing or deleted cache only costs
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ import shutil
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
+from types import ModuleType
 
 from posttrain.telemetry import graph_plot, plots
 from posttrain.telemetry.graph_plot import GraphNode, draw_stage_graph
@@ -25,12 +27,16 @@ from posttrain.telemetry.plots import CurvePlot, plot_stage, read_records
 
 
 def cache_dir(workspace: str | os.PathLike[str]) -> Path:
+    """Where a workspace keeps its drawn images (safe to delete)."""
     return Path(workspace) / ".cache" / "plots"
 
 
-def _key(module: object, *parts: bytes | str) -> str:
+def _key(drawer: ModuleType, *inputs: bytes | str) -> str:
+    """Hash of what an image is drawn from: the drawing module's source, matplotlib's version
+    and the inputs (length-prefixed, so no two input lists hash alike)."""
+    code = Path(str(drawer.__file__)).read_bytes()
     h = hashlib.sha256()
-    for part in (Path(module.__file__).read_bytes(), metadata.version("matplotlib"), *parts):  # type: ignore[attr-defined]
+    for part in (code, metadata.version("matplotlib"), *inputs):
         data = part.encode() if isinstance(part, str) else part
         h.update(len(data).to_bytes(8, "little") + data)
     return h.hexdigest()[:32]
@@ -73,9 +79,10 @@ def curves(
         if plot is None:
             continue
         drawn.append(plot)
-        _put(image, plot.path)
         saved = {"file": plot.path.name, "panels": plot.panels, "series": plot.series}
-        _put(meta, text=json.dumps(saved))  # last: a hit needs both files
+        with contextlib.suppress(OSError):  # a cache that cannot be written costs only time
+            _put(image, plot.path)
+            _put(meta, text=json.dumps(saved))  # last: a hit needs both files
     return drawn, copied
 
 
@@ -87,5 +94,6 @@ def stage_graph(nodes: Sequence[GraphNode], path: Path, cache: Path) -> tuple[Pa
         _put(path, image)
         return path, True
     drawn = draw_stage_graph(nodes, path)
-    _put(image, drawn)
+    with contextlib.suppress(OSError):
+        _put(image, drawn)
     return drawn, False
