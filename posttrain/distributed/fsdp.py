@@ -1,19 +1,35 @@
 """FSDP2 sharding, applied in one place for every model of every stage.
 
 Order (as in torchtitan): shard each decoder block, then the root. Trainable and frozen models go
-through the same function; frozen ones simply get no optimizer. World size 1 takes this path too,
-so single-device runs exercise the same DTensor code as multi-device ones.
+through the same function; frozen ones simply get no optimizer.
+
+`place_model` decides whether a model is sharded at all: on a mesh of one device it is not
+(architecture decision 43). FSDP2 at world size 1 shards over nothing but still pays a pre- and
+post-forward hook per block, an all-gather "copy" and DTensor dispatch on every parameter access
+(0.68-0.74x of a plain loop's throughput in `bench/sft_throughput.py`). Unwrapped, the model keeps
+the plain module's state-dict names, so DCP checkpoints still resume across world sizes, and the
+compute dtype FSDP's MixedPrecisionPolicy would give is given by autocast instead. The few calls
+that only exist on FSDP modules go through the helpers here (`grad_sync`, `forward_method`,
+`gathered`), which do the right thing for both. `infra.shard_single_device` keeps the sharded
+path at world size 1 (to exercise the DTensor code on one device).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 from posttrain.models.loading import DTYPES
 
@@ -48,15 +64,82 @@ def shard_model(
     2.13) asks for one original dtype among a group's *trainable* parameters only, and packs an
     all-gather of mixed dtypes as bytes (architecture decision 27). Parameters on the meta device
     stay there (`posttrain.models.sharded_load.fill_from_checkpoint` fills them after)."""
-    param_dtype = DTYPES[precision] if precision in ("bf16", "fp16") else None
-    if param_dtype is None and base_dtype == torch.bfloat16:
-        # Activations out of a bf16 base are bf16: compute everything (heads too) in bf16.
-        param_dtype = torch.bfloat16
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(
+        param_dtype=compute_dtype(precision, base_dtype), reduce_dtype=torch.float32
+    )
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     return model
+
+
+def compute_dtype(precision: str, base_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype parameters are used in for compute, None = as held. bf16/fp16 precision casts
+    them; a bf16 base computes in bf16 whatever the precision (activations out of a bf16 base are
+    bf16: heads and adapters compute in bf16 too)."""
+    dtype = DTYPES[precision] if precision in ("bf16", "fp16") else None
+    if dtype is None and base_dtype == torch.bfloat16:
+        dtype = torch.bfloat16
+    return dtype
+
+
+def place_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    precision: str,
+    base_dtype: torch.dtype = torch.float32,
+    shard_single_device: bool = False,
+) -> nn.Module:
+    """Every stage's model goes through here (`posttrain.train.session.start_session`): sharded
+    by `shard_model` on a mesh of more than one device (or with `shard_single_device`), returned
+    unwrapped on one device. The module must already be on its device, or on the meta device for
+    `posttrain.models.sharded_load.fill_from_checkpoint` to fill after (which also moves the real
+    parameters, adapters and heads, to the device: `to_empty` works on plain modules too).
+
+    Unwrapped with a compute dtype (`compute_dtype`), the root forward runs under
+    `torch.autocast(dtype)`: matmuls take bf16/fp16 inputs as under FSDP's param cast (fp32
+    masters, fp32 gradients), while autocast keeps softmax/log-softmax/norm reductions in fp32;
+    losses agree with the sharded path to bf16 rounding, not bit for bit. Other entry points
+    (`generate`, `decode`) get the same through `forward_method`."""
+    if mesh.size() > 1 or shard_single_device:
+        return shard_model(model, mesh, precision, base_dtype=base_dtype)
+    dtype = compute_dtype(precision, base_dtype)
+    if dtype is not None:
+        device_type = mesh.device_type
+        model.forward = _autocast(model.forward, device_type, dtype)  # type: ignore[method-assign]
+        model._posttrain_autocast = (device_type, dtype)  # for forward_method
+    return model
+
+
+def _autocast(fn: Callable[..., Any], device_type: str, dtype: torch.dtype) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, dtype=dtype):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def grad_sync(model: nn.Module, enabled: bool) -> None:
+    """Whether the next backward reduce-scatters gradients (FSDP2's
+    `set_requires_gradient_sync`: off for all but the last micro-batch of a step, so gradients
+    accumulate locally). Nothing to do for an unwrapped model: there is nothing to reduce."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+
+
+def forward_method(model: nn.Module, name: str) -> None:
+    """Make `model.<name>` (a forward other than `forward`: `generate`, `decode`) run as the
+    forward does: under FSDP2's pre/post-forward hooks (all-gather, reshard) when sharded, under
+    the model's autocast when unwrapped with a compute dtype. Call once per method."""
+    if isinstance(model, FSDPModule):
+        register_fsdp_forward_method(model, name)
+    elif (amp := getattr(model, "_posttrain_autocast", None)) is not None:
+        setattr(model, name, _autocast(getattr(model, name), *amp))
 
 
 @contextmanager
@@ -65,7 +148,8 @@ def gathered(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     instead of all-gathering each block again at every forward. For decoding: a generation of n
     tokens otherwise costs n all-gathers of the whole model; this costs one, at the price of
     holding the full (unsharded) weights while it runs. The root module is left alone: FSDP2
-    keeps the root's parameters gathered through a registered forward method anyway."""
+    keeps the root's parameters gathered through a registered forward method anyway. An
+    unwrapped model has no sharded blocks: nothing to do."""
     if not enabled:
         yield
         return

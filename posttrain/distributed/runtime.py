@@ -111,6 +111,18 @@ def all_reduce_sum(value: float | int, device: torch.device) -> float:
     return float(t.item())
 
 
+def all_reduce_sums(
+    sums: dict[str, float | torch.Tensor], device: torch.device
+) -> dict[str, float]:
+    """Sum each value over ranks -> Python floats, with one all-reduce and one device-to-host
+    copy for the whole dict. Loops accumulate their per-step metrics as device tensors and read
+    them here once per step: a `.item()` per micro-batch and metric stalls a GPU stream each."""
+    t = torch.stack([torch.as_tensor(v, device=device).detach().double() for v in sums.values()])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return dict(zip(sums, t.tolist(), strict=True))
+
+
 def all_reduce_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Sum a small tensor over ranks (on `device`, as NCCL needs); returned on the CPU."""
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -174,11 +174,21 @@ def _owner_init(model: nn.Module) -> dict[nn.Module, PreTrainedModel]:
     return owner
 
 
+def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """[(module, attribute), ...] for each parameter that more than one module holds."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((module, name))
+    return [h for h in holders.values() if len(h) > 1]
+
+
 @torch.no_grad()
 def fill_from_checkpoint(model: nn.Module, files: CheckpointFiles, device: torch.device) -> int:
-    """After `fully_shard`: allocate every meta parameter's local shard on `device` and read its
-    rows from the checkpoint; keep every real parameter's values; recompute non-persistent
-    buffers. Returns the bytes read by this rank. Raises naming any meta parameter that has no
+    """After `place_model` (sharded or not): allocate every meta parameter's local shard (the
+    whole tensor when unwrapped) on `device` and read its rows from the checkpoint; keep every
+    real parameter's values; recompute non-persistent buffers. Returns the bytes read by this rank. Raises naming any meta parameter that has no
     tensor in the checkpoint."""
     kept = {
         n: _local_view(t)[0].detach().clone()
@@ -194,7 +204,13 @@ def fill_from_checkpoint(model: nn.Module, files: CheckpointFiles, device: torch
             + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         )
     meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
+    tied = _shared_parameters(model)
     model.to_empty(device=device)
+    # On an unwrapped model `to_empty` gives each module its own new tensor for a parameter two
+    # modules share (tied embeddings); share it again. (FSDP2 keeps the tie: a no-op there.)
+    for (owner, name), *aliases in tied:
+        for module, attr in aliases:
+            setattr(module, attr, getattr(owner, name))
     for name, b in model.named_buffers():
         if name in kept:
             b.copy_(kept.pop(name))

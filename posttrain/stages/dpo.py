@@ -31,7 +31,8 @@ from posttrain.config.loader import section_batch
 from posttrain.data.pref_prepare import guard_template, prepare
 from posttrain.data.segments import batch_rows, layout_stats, real_tokens
 from posttrain.data.sft_data import write_splits
-from posttrain.distributed.runtime import all_reduce_sum, rank_batches
+from posttrain.distributed.fsdp import grad_sync
+from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, rank_batches
 from posttrain.models.adapters import REFERENCE, active_adapter, policy_with_reference
 from posttrain.models.lora import prepare_for_training
 from posttrain.models.reward import pair_batch
@@ -311,7 +312,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
             0.0,
         )
         for k, (ix, mb) in enumerate(micro):
-            model.set_requires_gradient_sync(k == len(micro) - 1)
+            grad_sync(model, k == len(micro) - 1)
             if not needs_ref:
                 rc = rr = torch.zeros(len(ix), device=device)
             elif ref_table is not None:
@@ -341,8 +342,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 ("ref_chosen_logps", rc),
                 ("ref_rejected_logps", rr),
             ):
-                sums[name] += v.detach().sum().item()
-        g = {k: all_reduce_sum(v, device) / batch.global_batch_size for k, v in sums.items()}
+                sums[name] += v.detach().sum()  # read once per step
+        g = {k: v / batch.global_batch_size for k, v in all_reduce_sums(sums, device).items()}
         # The preference loss judges the step; a non-finite SFT term shows in the gradient norm.
         loss = g.pop("loss")
         tr.finish_step(

@@ -33,7 +33,12 @@ from posttrain.data.batching import collate, step_indices
 from posttrain.data.pref_prepare import guard_template, prepare_unpaired
 from posttrain.data.segments import batch_rows, layout_stats, real_tokens
 from posttrain.data.sft_data import write_splits
-from posttrain.distributed.runtime import all_reduce_sum, all_reduce_tensor, rank_batches
+from posttrain.distributed.fsdp import grad_sync
+from posttrain.distributed.runtime import (
+    all_reduce_sums,
+    all_reduce_tensor,
+    rank_batches,
+)
 from posttrain.models.adapters import REFERENCE, active_adapter, policy_with_reference
 from posttrain.models.lora import prepare_for_training
 from posttrain.stages.common import StageContext, stage_main, training_base
@@ -326,7 +331,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         )
         t_ref = 0.0
         for k, (rs, mb) in enumerate(zip(rows, micro, strict=True)):
-            model.set_requires_gradient_sync(k == len(micro) - 1)
+            grad_sync(model, k == len(micro) - 1)
             t_r = time.perf_counter()
             with torch.no_grad(), active_adapter(model, REFERENCE):
                 ref = _logps(model, mb, chunk_tokens)
@@ -335,10 +340,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
             desirable = torch.tensor([r["desirable"] for r in rs], device=device)
             losses, m = kto_loss(policy, ref, desirable, z0, **hp)  # [micro]
             tr.backward(losses.sum() * world / batch.global_batch_size)
-            sums["loss"] += losses.detach().sum().item()
+            # Summed on the device and read once per step (`all_reduce_sums`).
+            sums["loss"] += losses.detach().sum()
             for key in ("reward_desirable", "reward_undesirable", "n_desirable", "n_undesirable"):
-                sums[key] += m[key].item()
-        g = {k: all_reduce_sum(v, device) for k, v in sums.items()}
+                sums[key] += m[key].detach()
+        g = all_reduce_sums(sums, device)
         g["loss"] /= batch.global_batch_size
         tr.finish_step(
             step + 1,

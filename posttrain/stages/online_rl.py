@@ -30,13 +30,13 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import register_fsdp_forward_method
 
 from posttrain.config.loader import section_batch
 from posttrain.data.batching import step_indices
 from posttrain.data.pref_prepare import guard_template
 from posttrain.data.prompts import PromptData, prepare_prompts
 from posttrain.data.sft_data import write_rows
+from posttrain.distributed.fsdp import forward_method, grad_sync
 from posttrain.distributed.runtime import (
     DistInfo,
     all_reduce_sum,
@@ -153,7 +153,7 @@ def update(
                 inp = _to(ro.inputs(mi), device)
                 m = ro.mask[mi].to(device)
                 w = weights[k * micro : k * micro + len(mi)].to(device)  # [n, R]
-                model.set_requires_gradient_sync(last and not critic)
+                grad_sync(model, last and not critic)
                 logp, ent = response_logps(
                     model,
                     POLICY,
@@ -186,7 +186,7 @@ def update(
                 ):
                     sums[name] += float((v.detach() * m).sum())
                 if critic:
-                    model.set_requires_gradient_sync(last)
+                    grad_sync(model, last)
                     values = model(VALUE, **inp)  # [n, R]
                     vf, vclipped = clipped_value_loss(
                         values,
@@ -391,7 +391,7 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
         **data.stats,
     )
     model = tr.model
-    register_fsdp_forward_method(model, "generate")
+    forward_method(model, "generate")
     ctl = KLController(cfg.kl.coef, cfg.kl.adaptive, cfg.kl.target, cfg.kl.horizon)
     ctl.coef = tr.resume_meta.get("kl_coef", ctl.coef)
     reduce = partial(all_reduce_tensor, device=device)

@@ -27,7 +27,8 @@ from posttrain.config.loader import section_batch
 from posttrain.data.pref_prepare import guard_template, prepare
 from posttrain.data.segments import batch_rows, layout_stats, real_tokens
 from posttrain.data.sft_data import write_splits
-from posttrain.distributed.runtime import all_reduce_sum, rank_batches
+from posttrain.distributed.fsdp import grad_sync
+from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, rank_batches
 from posttrain.kinds.orpo import ORPOConfig
 from posttrain.models.adapters import trainable_adapter
 from posttrain.models.lora import apply_lora, prepare_for_training
@@ -154,17 +155,17 @@ def run(ctx: StageContext) -> dict[str, Any]:
         ]
         local_tokens = sum(real_tokens(mb) for _, mb in micro)
         t_data = time.perf_counter() - t0
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor] = {}  # summed on the device, read once per step
         for k, (_, mb) in enumerate(micro):
-            model.set_requires_gradient_sync(k == len(micro) - 1)
+            grad_sync(model, k == len(micro) - 1)
             pc, pr, lc, lr_ = pair_logps(model, mb, chunk_tokens)  # [micro] each
             losses, m = orpo_loss(pc, pr, lc, lr_, beta=cfg.beta)
             tr.backward(losses.sum() * world / batch.global_batch_size)
             m |= {"loss": losses, "policy_chosen_logps": pc, "policy_rejected_logps": pr}
             for name, v in m.items():
-                sums[name] = sums.get(name, 0.0) + v.detach().sum().item()
+                sums[name] = sums.get(name, 0.0) + v.detach().sum()
         g = {
-            k: all_reduce_sum(v, device) / batch.global_batch_size for k, v in sorted(sums.items())
+            k: v / batch.global_batch_size for k, v in sorted(all_reduce_sums(sums, device).items())
         }
         loss = g.pop("loss")
         tr.finish_step(

@@ -25,7 +25,8 @@ from posttrain.config.loader import section_batch
 from posttrain.data.pref_prepare import guard_template, prepare
 from posttrain.data.segments import batch_rows, layout_stats, real_tokens
 from posttrain.data.sft_data import write_splits
-from posttrain.distributed.runtime import all_reduce_sum, rank_batches
+from posttrain.distributed.fsdp import grad_sync
+from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, rank_batches
 from posttrain.models.loading import base_dtype, load_tokenizer
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.models.reward import pair_batch, pair_scores, score_model_for_training
@@ -155,16 +156,18 @@ def run(ctx: StageContext) -> dict[str, Any]:
         t_data = time.perf_counter() - t0
         sums = {"loss": 0.0, "correct": 0.0, "margin": 0.0, "chosen": 0.0, "rejected": 0.0}
         for k, mb in enumerate(micro):
-            model.set_requires_gradient_sync(k == len(micro) - 1)
+            grad_sync(model, k == len(micro) - 1)
             rc, rr = pair_scores(model, mb)
             losses = bradley_terry_loss(rc, rr, cfg.margin)  # [micro]
             tr.backward(losses.sum() * world / batch.global_batch_size)
-            sums["loss"] += losses.sum().item()
-            sums["correct"] += (rc > rr).sum().item()
-            sums["margin"] += (rc - rr).sum().item()
-            sums["chosen"] += rc.sum().item()
-            sums["rejected"] += rr.sum().item()
-        g = {k: all_reduce_sum(v, device) / batch.global_batch_size for k, v in sums.items()}
+            # Summed on the device and read once per step (`all_reduce_sums`).
+            rc, rr = rc.detach(), rr.detach()
+            sums["loss"] += losses.detach().sum()
+            sums["correct"] += (rc > rr).sum()
+            sums["margin"] += (rc - rr).sum()
+            sums["chosen"] += rc.sum()
+            sums["rejected"] += rr.sum()
+        g = {k: v / batch.global_batch_size for k, v in all_reduce_sums(sums, device).items()}
         tr.finish_step(
             step + 1,
             cfg,

@@ -27,6 +27,7 @@ from posttrain.data.batching import collate, pack_examples
 from posttrain.data.chat import IGNORE, template_sha256
 from posttrain.data.segments import batch_rows, layout_stats, real_tokens
 from posttrain.data.sft_data import prepare, write_splits
+from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import trainable_adapter
 from posttrain.models.lora import apply_lora, prepare_for_training
@@ -132,21 +133,21 @@ def run(ctx: StageContext) -> dict[str, Any]:
             cfg.batch,
             device,
         )
-        micro_batches = [
-            _to(collate([train[i] for i in ix], tok.pad_token_id, flat), device) for ix in idx
-        ]
-        local_targets = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in micro_batches)
-        local_tokens = sum(real_tokens(mb) for mb in micro_batches)
+        host = [collate([train[i] for i in ix], tok.pad_token_id, flat) for ix in idx]
+        # Counted on the host: int() of a device tensor would wait for the last step's update.
+        local_targets = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in host)
+        local_tokens = sum(real_tokens(mb) for mb in host)
+        micro_batches = [_to(mb, device) for mb in host]
         global_targets = all_reduce_sum(local_targets, device)
         t_data = time.perf_counter() - t0
 
-        step_nll = 0.0
+        step_nll = torch.zeros((), device=device)  # summed on the device: one sync per step
         for k, mb in enumerate(micro_batches):
-            model.set_requires_gradient_sync(k == len(micro_batches) - 1)
+            grad_sync(model, k == len(micro_batches) - 1)
             nll, _ = forward_nll_sum(model, mb, chunk_tokens)
             tr.backward(nll * world / global_targets)
-            step_nll += nll.item()
-        step_loss = all_reduce_sum(step_nll, device) / global_targets
+            step_nll += nll.detach().float()
+        step_loss = all_reduce_sum(float(step_nll), device) / global_targets
         grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=step_loss, step=step + 1)
         if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
             n_rows = sum(batch_rows(mb) for mb in micro_batches)
@@ -160,7 +161,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 t_start=t0,
                 t_data=t_data,
                 target_tokens=global_targets,
-                **layout_stats(micro_batches),
+                **layout_stats(host),
             )
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total_steps:
             ev = heldout_loss(

@@ -10,9 +10,26 @@ from posttrain.config.schema import OptimConfig
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW, fused (one kernel over the whole parameter list) where torch has the kernel for
+    the parameters' device (CPU and CUDA in torch 2.13), else the foreach implementation.
+
+    Fused wins on the CPU too, most on many small LoRA tensors (`bench/adamw_step.py`, 2 cores,
+    LoRA r=16, step + zero_grad): 56 tensors / 139k params 0.8 ms fused vs 1.7 foreach vs 2.0
+    for-loop; 224 tensors / 5.0M params 48 ms vs 558 vs 475. On CUDA it is torch's fastest and
+    skips a launch per tensor. Works on FSDP2's DTensor parameters as on plain ones."""
+    fused = all(p.device.type in _FUSED_DEVICES and p.is_floating_point() for p in params)
     return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        params,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        fused=fused or None,
+        foreach=None if fused else True,
     )
+
+
+_FUSED_DEVICES = ("cpu", "cuda")
 
 
 def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:

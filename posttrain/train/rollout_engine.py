@@ -41,7 +41,7 @@ from transformers.generation import (
 )
 
 from posttrain.config.schema import RolloutConfig, SamplingConfig
-from posttrain.distributed.fsdp import gathered
+from posttrain.distributed.fsdp import forward_method, gathered
 from posttrain.models.decoding import generate_kwargs
 
 _DECODE_REGISTERED = "_posttrain_decode_registered"
@@ -273,12 +273,11 @@ def _pick(scores: torch.Tensor, b: int, rows: torch.Tensor, do_sample: bool) -> 
 
 
 def _register_decode(model: torch.nn.Module) -> None:
-    """Make `model.decode` run FSDP2's pre/post-forward hooks (all-gather, reshard), once: a
-    second registration would wrap the hooks twice. A no-op for an unsharded model."""
-    from torch.distributed.fsdp import register_fsdp_forward_method
-
+    """Make `model.decode` run as the forward does (FSDP2's pre/post-forward hooks when sharded,
+    the autocast of an unwrapped bf16 model: `posttrain.distributed.fsdp.forward_method`), once:
+    a second registration would wrap it twice."""
     if not getattr(model, _DECODE_REGISTERED, False):
-        register_fsdp_forward_method(model, "decode")
+        forward_method(model, "decode")
         setattr(model, _DECODE_REGISTERED, True)
 
 

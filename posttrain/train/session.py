@@ -1,9 +1,9 @@
 """The parts every training stage shares around its own loop.
 
 A stage keeps its loop explicit (what a step computes is the stage's business); this module
-does the rest the same way everywhere: shard the model, build optimizer and schedule, resume
-from the newest intact checkpoint, write the start record, take an optimizer step with clipping
-(and loss scaling for fp16), compute throughput/MFU/memory for each step, save checkpoints.
+does the rest the same way everywhere: place the model (sharded, or unwrapped on one device),
+build optimizer and schedule, resume from the newest intact checkpoint, write the start record,
+take an optimizer step with clipping (and loss scaling for fp16), compute throughput/MFU/memory for each step, save checkpoints.
 
 Numerical guards (`posttrain.train.guard`, recipe section `guard`) live in `optimizer_step`: a
 step whose loss or gradient norm is not finite, or whose loss spikes, is not applied, and too
@@ -24,7 +24,7 @@ import torch
 from posttrain.config.batch import ResolvedBatch
 from posttrain.config.schema import OptimConfig
 from posttrain.data.batching import step_indices
-from posttrain.distributed.fsdp import shard_model
+from posttrain.distributed.fsdp import is_sharded, place_model
 from posttrain.distributed.runtime import DistInfo, all_reduce_sum
 from posttrain.models.loading import base_dtype, count_params
 from posttrain.models.sharded_load import CheckpointFiles, fill_from_checkpoint
@@ -322,7 +322,8 @@ def start_session(
     weights: CheckpointFiles | None = None,
     **start_fields: Any,
 ) -> TrainSession:
-    """Shard `model` (trainable parts already marked), build optimizer + schedule, resume from
+    """Place `model` (trainable parts already marked; `posttrain.distributed.fsdp.place_model`:
+    sharded, or unwrapped on one device), build optimizer + schedule, resume from
     the newest intact checkpoint (`posttrain.train.resume`), and write the `start` metrics
     record. `schedule_steps`: optimizer steps the LR schedule spans when a logged step holds
     several (default total_steps). `weights`: the checkpoint of a base built on the meta device
@@ -335,20 +336,24 @@ def start_session(
     n_total, n_trainable = count_params(model)
     n_matmul = matmul_params(model)
     dtype = base_dtype(ctx.recipe.infra)
+    # Sharded on more than one device, unwrapped on one (`place_model`, decision 43).
+    single = ctx.recipe.infra.shard_single_device
     if weights is None:
-        model = shard_model(model.to(d.device), d.mesh, precision, base_dtype=dtype)
+        model = place_model(model.to(d.device), d.mesh, precision, dtype, single)
     else:
-        model = shard_model(model, d.mesh, precision, base_dtype=dtype)
+        model = place_model(model, d.mesh, precision, dtype, single)
         fill_from_checkpoint(model, weights, d.device)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(trainable, optim)
     sched = build_scheduler(opt, schedule_steps or total_steps, optim)
     scaler = None
-    if precision == "fp16":
+    if precision == "fp16" and is_sharded(model):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         scaler = ShardedGradScaler(d.device.type)
+    elif precision == "fp16":
+        scaler = torch.amp.GradScaler(d.device.type)
     start_step, meta = 0, {}
     guard = StepGuard(ctx.recipe.guard, where=f"stage {ctx.name}")
     ckpt_root = ctx.out_dir / "checkpoints"
