@@ -231,7 +231,8 @@ def _tiny_session(tmp_path: Path, guard: dict):
 def _snapshot(tr) -> dict:
     import torch
 
-    params = [p.detach().to_local().clone() for p in tr.trainable]
+    local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in tr.trainable]
+    params = [p.clone() for p in local]
     opt = {
         (i, k): (v.to_local() if hasattr(v, "to_local") else v).clone()
         for i, p in enumerate(tr.trainable)

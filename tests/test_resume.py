@@ -195,3 +195,35 @@ def test_two_rank_run_killed_resumes_on_one_rank(recipe: Path, tmp_path: Path, c
     for a, b in zip(want_m, got_m, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-4), (a["step"], a["loss"], b["loss"])
         assert b["target_tokens"] == a["target_tokens"], a["step"]
+
+
+def test_one_rank_run_killed_resumes_on_two_ranks(recipe: Path, tmp_path: Path) -> None:
+    """The other way: a checkpoint written by one unwrapped rank (full tensors, no FSDP2) loads
+    into two sharded ranks, which train on to the uninterrupted run's losses."""
+    two = ("infra.devices_per_node=2", "sft.batch.micro_batch_size=4")
+    one = ("infra.devices_per_node=1", "sft.batch.micro_batch_size=8")
+    out, ref = _uninterrupted(recipe, tmp_path, *one)
+    cmd = [sys.executable, "-m", KINDS["sft"].module, "--recipe", str(recipe), *one]
+    at = _run_and_kill(cmd, out, tmp_path / "killed.log", EVERY)
+    assert EVERY <= at < STEPS
+    assert _check_data_position(out, at)["world_size"] == 1
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    rerun = subprocess.run(
+        [*torchrun, "--nproc-per-node=2", "-m", KINDS["sft"].module, "--recipe", str(recipe), *two],
+        env=_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert f"resumed from step_{at:07d} at step {at}" in rerun.stdout + rerun.stderr
+    assert verify(out)[0]
+    start = read_metrics(out / "metrics.jsonl", "start")[-1]
+    assert (start["start_step"], start["world_size"], start["micro_batch_size"]) == (at, 2, 4)
+    got_m, want_m = (read_metrics(p / "metrics.jsonl", "train") for p in (out, ref))
+    assert [r["step"] for r in got_m] == list(range(1, STEPS + 1))
+    for a, b in zip(want_m, got_m, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-4), (a["step"], a["loss"], b["loss"])
+        assert b["target_tokens"] == a["target_tokens"], a["step"]

@@ -1,0 +1,81 @@
+"""Does `torch.compile` pay for a LoRA SFT step? Eager vs the whole model compiled vs each
+decoder block compiled, on the `bench/sft_throughput.py` models (micro-batch 16 x 96 tokens,
+LoRA r=16, fused AdamW). Reports the first step (compilation included), the steady-state step
+(median after 3 warm-up steps) and the wall time of 20 and of `--steps` steps.
+
+    .venv/bin/python bench/compile_step.py            # both sizes, 40 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from posttrain.config.schema import FromConfigModel, LoraConfig, OptimConfig
+from posttrain.distributed.fsdp import decoder_blocks
+from posttrain.models.lora import apply_lora
+from posttrain.models.tiny import build_model
+from posttrain.train.losses import token_nll_sum
+from posttrain.train.optim import build_optimizer
+
+SIZES = {
+    "small": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "intermediate_size": 256},
+    "medium": {"hidden_size": 256, "num_layers": 6, "num_heads": 8, "intermediate_size": 688},
+}
+
+
+class _Tok:
+    pad_token_id, eos_token_id = 0, 1
+
+    def __len__(self) -> int:
+        return 2048
+
+
+def run(size: str, mode: str, steps: int) -> list[float]:
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = apply_lora(build_model(FromConfigModel(**SIZES[size], vocab_size=2048), _Tok()),
+                       LoraConfig(r=16, alpha=32))
+    model.train()
+    if mode == "model":
+        model.compile()
+    elif mode == "blocks":
+        for block in decoder_blocks(model):
+            block.compile()
+    opt = build_optimizer([p for p in model.parameters() if p.requires_grad], OptimConfig())
+    g = torch.Generator().manual_seed(1)
+    times = []
+    for _ in range(steps):
+        ids = torch.randint(2, 2048, (16, 96), generator=g)
+        t = time.perf_counter()
+        logits = model(input_ids=ids, use_cache=False).logits
+        nll, n = token_nll_sum(logits, ids)
+        (nll / n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    args = ap.parse_args()
+    print("size | mode | first step s | steady step ms | 20 steps s | %d steps s" % args.steps)
+    print("--- | --- | --- | --- | --- | ---")
+    for size in args.sizes:
+        for mode in ("eager", "model", "blocks"):
+            t = run(size, mode, args.steps)
+            print(
+                f"{size} | {mode} | {t[0]:.2f} | {1e3 * statistics.median(t[3:]):.1f} | "
+                f"{sum(t[:20]):.1f} | {sum(t):.1f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
