@@ -37,8 +37,10 @@ class _Tok:
 def run(size: str, mode: str, steps: int) -> list[float]:
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model = apply_lora(build_model(FromConfigModel(**SIZES[size], vocab_size=2048), _Tok()),
-                       LoraConfig(r=16, alpha=32))
+    model = apply_lora(
+        build_model(FromConfigModel(**SIZES[size], vocab_size=2048), _Tok()),
+        LoraConfig(r=16, alpha=32),
+    )
     model.train()
     if mode == "model":
         model.compile()
@@ -65,7 +67,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     args = ap.parse_args()
-    print("size | mode | first step s | steady step ms | 20 steps s | %d steps s" % args.steps)
+    print(f"size | mode | first step s | steady step ms | 20 steps s | {args.steps} steps s")
     print("--- | --- | --- | --- | --- | ---")
     for size in args.sizes:
         for mode in ("eager", "model", "blocks"):
