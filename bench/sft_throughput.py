@@ -2,12 +2,14 @@
 
 For two model sizes, runs (1) the real sft stage process (world size 1: the plain module,
 metrics, checkpoint-free) and (2) a bare loop over the same model, adapter, batches and
-optimizer (`build_optimizer`: the stage's fused AdamW), with no telemetry. Prints tokens/s and MFU for each and their ratio, which is what
-the stage's orchestration, sharding and telemetry cost. Both run in this one invocation, side by
-side, because absolute times on shared CPUs are noisy.
+optimizer (`build_optimizer`: the stage's fused AdamW), with no telemetry. Both pad (the
+stage with `batch.padding_free: false`). Prints tokens/s and MFU for each and their ratio,
+which is what the stage's orchestration and telemetry cost. Both run in this one invocation,
+side by side, because absolute times on shared CPUs are noisy.
 
     .venv/bin/python bench/sft_throughput.py            # default: 40 steps per size
     .venv/bin/python bench/sft_throughput.py --steps 80
+    .venv/bin/python bench/sft_throughput.py --threads 1  # on a machine busy with other jobs
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ SIZES = {
 }
 
 
-def recipe_for(size: dict, steps: int, workspace: Path) -> dict:
+def recipe_for(size: dict, steps: int, workspace: Path, threads: int | None = None) -> dict:
     return {
         "run": {"name": "bench", "workspace": str(workspace), "seed": 0},
-        "infra": {"device": "cpu", "devices_per_node": 1},
+        "infra": {"device": "cpu", "devices_per_node": 1, "threads_per_rank": threads},
         "ingest": {
             "source": "from_config",
             "from_config": {
@@ -73,6 +75,8 @@ def run_stage(stage: str, recipe: Path) -> float:
 
 def plain_loop(recipe_path: Path, steps: int) -> dict:
     """The same work with nothing around it: peft model, AdamW, the same batches in order."""
+    import torch
+
     from posttrain.config.loader import load_recipe, section_batch
     from posttrain.data.batching import pad_batch, step_indices
     from posttrain.data.sft_data import prepare
@@ -88,6 +92,8 @@ def plain_loop(recipe_path: Path, steps: int) -> dict:
     from posttrain.train.optim import build_optimizer
 
     recipe = load_recipe(recipe_path)
+    if recipe.infra.threads_per_rank:  # as the stage sets it (posttrain.distributed.runtime)
+        torch.set_num_threads(recipe.infra.threads_per_rank)
     ingest_dir = plan(recipe)[0].out_dir
     tok = load_tokenizer(ingest_dir / "tokenizer")
     model = apply_lora(load_causal_lm(ingest_dir / "model"), recipe.sft.lora)
@@ -165,11 +171,11 @@ def plain_in_subprocess(recipe: Path, steps: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def measure(name: str, steps: int, rounds: int, tmp: Path) -> dict:
+def measure(name: str, steps: int, rounds: int, tmp: Path, threads: int | None) -> dict:
     ws = tmp / name
     ws.mkdir()
     recipe = ws / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump(recipe_for(SIZES[name], steps, ws / "ws")))
+    recipe.write_text(yaml.safe_dump(recipe_for(SIZES[name], steps, ws / "ws", threads)))
     run_stage("ingest", recipe)
     best_stage: dict = {}
     best_plain: dict = {}
@@ -206,16 +212,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    # On a box shared with other jobs, 1 thread per process avoids OpenMP threads spinning on
+    # each other (2 threads on a loaded 2-core machine ran steps ~30x slower).
+    ap.add_argument("--threads", type=int, help="torch threads of each side (default: all cores)")
     ap.add_argument("--plain", type=Path, help=argparse.SUPPRESS)  # internal: one plain run
     args = ap.parse_args()
     if args.plain:
         print(json.dumps(plain_loop(args.plain, args.steps)))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [measure(name, args.steps, args.rounds, Path(tmp)) for name in args.sizes]
+        rows = [
+            measure(name, args.steps, args.rounds, Path(tmp), args.threads) for name in args.sizes
+        ]
     print(
         f"\nSFT throughput, {args.steps} steps, micro-batch 16, seq <= 96, fp32 CPU "
-        f"({os.cpu_count()} cores), best of {args.rounds} alternating rounds; steady state "
+        f"({os.cpu_count()} cores, {args.threads or 'all'} threads), best of {args.rounds} alternating rounds; steady state "
         "excludes the first 3 steps\n"
     )
     hdr = (
