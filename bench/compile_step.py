@@ -4,6 +4,7 @@ LoRA r=16, fused AdamW). Reports the first step (compilation included), the stea
 (median after 3 warm-up steps) and the wall time of 20 and of `--steps` steps.
 
     .venv/bin/python bench/compile_step.py            # both sizes, 40 steps
+    .venv/bin/python bench/compile_step.py --threads 1 --steps 30
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    ap.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"size | mode | first step s | steady step ms | 20 steps s | {args.steps} steps s")
     print("--- | --- | --- | --- | --- | ---")
     for size in args.sizes:
