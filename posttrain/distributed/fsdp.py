@@ -6,7 +6,7 @@ through the same function; frozen ones simply get no optimizer.
 `place_model` decides whether a model is sharded at all: on a mesh of one device it is not
 (architecture decision 44). FSDP2 at world size 1 shards over nothing but still pays a pre- and
 post-forward hook per block, an all-gather "copy" and DTensor dispatch on every parameter access
-(0.68-0.74x of a plain loop's throughput in `bench/sft_throughput.py`). Unwrapped, the model keeps
+(5-7% of a LoRA step on CPU, `bench/fsdp_tax.py`; more where kernels are fast, on a GPU). Unwrapped, the model keeps
 the plain module's state-dict names, so DCP checkpoints still resume across world sizes, and the
 compute dtype FSDP's MixedPrecisionPolicy would give is given by autocast instead. The few calls
 that only exist on FSDP modules go through the helpers here (`grad_sync`, `forward_method`,
