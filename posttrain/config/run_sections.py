@@ -149,7 +149,7 @@ class InfraConfig(_Section):
         False,
         description="Wrap models with FSDP2 also when a stage runs on one device. Off: one device "
         "trains the plain module (FSDP2 there shards nothing but costs per-block hooks and "
-        "DTensor dispatch: ~25% of CPU throughput on small models); bf16/fp16 compute then runs "
+        "DTensor dispatch: 5-7% of a CPU LoRA step, more on a GPU); bf16/fp16 compute then runs "
         "under autocast. On: to exercise the sharded code path (DTensor parameters, FSDP mixed "
         "precision) on a single device, e.g. to debug it without a second one.",
     )
