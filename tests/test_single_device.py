@@ -1,4 +1,4 @@
-"""One device, no FSDP2 (`posttrain.distributed.fsdp.place_model`, architecture decision 44): a
+"""One device, no FSDP2 (`posttrain.distributed.fsdp.place_model`, architecture decision 45): a
 model on a mesh of one is left unwrapped, and sharded only with `shard_single_device`; both train
 to the same losses, a checkpoint saved by either loads into the other, a meta-built base fills
 unwrapped, and bf16 compute under autocast agrees with FSDP's bf16 cast to bf16 rounding."""

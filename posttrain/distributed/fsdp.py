@@ -4,7 +4,7 @@ Order (as in torchtitan): shard each decoder block, then the root. Trainable and
 through the same function; frozen ones simply get no optimizer.
 
 `place_model` decides whether a model is sharded at all: on a mesh of one device it is not
-(architecture decision 44). FSDP2 at world size 1 shards over nothing but still pays a pre- and
+(architecture decision 45). FSDP2 at world size 1 shards over nothing but still pays a pre- and
 post-forward hook per block, an all-gather "copy" and DTensor dispatch on every parameter access
 (5-7% of a LoRA step on CPU, `bench/fsdp_tax.py`; more where kernels are fast, on a GPU). Unwrapped, the model keeps
 the plain module's state-dict names, so DCP checkpoints still resume across world sizes, and the

@@ -336,7 +336,7 @@ def start_session(
     n_total, n_trainable = count_params(model)
     n_matmul = matmul_params(model)
     dtype = base_dtype(ctx.recipe.infra)
-    # Sharded on more than one device, unwrapped on one (`place_model`, decision 44).
+    # Sharded on more than one device, unwrapped on one (`place_model`, decision 45).
     single = ctx.recipe.infra.shard_single_device
     if weights is None:
         model = place_model(model.to(d.device), d.mesh, precision, dtype, single)
