@@ -43,6 +43,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -148,6 +149,9 @@ def summarize(steps: list[dict[str, float]]) -> dict[str, float]:
     secs = sum(s["step_time_s"] for s in timed)
     return {
         "tokens_per_s": sum(s["tokens"] for s in timed) / secs,
+        # The median step's rate: a burst of load from other processes that slows a few steps
+        # (on a shared machine, one side more than the other) moves it less than the mean.
+        "median_tokens_per_s": statistics.median(s["tokens"] / s["step_time_s"] for s in timed),
         "step_time_s": secs / len(timed),
         "tokens_per_step": sum(s["tokens"] for s in timed) / len(timed),
         "first_loss": steps[0]["loss"],
@@ -498,6 +502,7 @@ def compare(stage: str, recipe: Path, steps: int, threads: int, gc: str) -> dict
         "posttrain": pt | {"wall_s": wall},
         "trl": tl | {k: tr[k] for k in ("gradient_checkpointing", "padding_free")},
         "ratio": pt["tokens_per_s"] / tl["tokens_per_s"],
+        "median_ratio": pt["median_tokens_per_s"] / tl["median_tokens_per_s"],
         "first_loss_rel_diff": rel,
         "first_loss_match": rel <= FIRST_LOSS_RTOL,
     }
@@ -525,7 +530,11 @@ def measure(
         r["notes"] = trl_default_notes(stage, load_recipe(recipe))
         rows.append(r)
         # As each comparison ends: a slow machine's long run shows its figures as they come.
-        print(json.dumps({k: r[k] for k in ("size", "stage", "ratio", "posttrain", "trl")}))
+        print(
+            json.dumps(
+                {k: r[k] for k in ("size", "stage", "ratio", "median_ratio", "posttrain", "trl")}
+            )
+        )
         sys.stdout.flush()
     return rows
 
@@ -563,6 +572,7 @@ def print_table(rows: list[dict[str, Any]], steps: int, threads: int) -> None:
         "posttrain tok/s",
         "TRL tok/s",
         "posttrain/TRL",
+        "median-step ratio",
         "step s (pt / TRL)",
         "first loss (pt / TRL)",
         "rel diff",
@@ -575,6 +585,7 @@ def print_table(rows: list[dict[str, Any]], steps: int, threads: int) -> None:
         print(
             f"{r['size']} | {r['base_params'] / 1e6:.1f}M | {r['stage']} | "
             f"{p['tokens_per_s']:.0f} | {t['tokens_per_s']:.0f} | {r['ratio']:.2f}x | "
+            f"{r['median_ratio']:.2f}x | "
             f"{p['step_time_s']:.3f} / {t['step_time_s']:.3f} | "
             f"{p['first_loss']:.4f} / {t['first_loss']:.4f} | {r['first_loss_rel_diff']:.1e}"
             f"{'' if r['first_loss_match'] else ' MISMATCH'} | "
@@ -634,7 +645,7 @@ def main() -> None:
     print_table(rows, args.steps, args.threads)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
-    print(json.dumps([{k: r[k] for k in ("size", "stage", "ratio")} for r in rows]))
+    print(json.dumps([{k: r[k] for k in ("size", "stage", "ratio", "median_ratio")} for r in rows]))
 
 
 if __name__ == "__main__":
