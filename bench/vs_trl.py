@@ -456,13 +456,12 @@ def trl_default_notes(stage: str, recipe: Any) -> list[str]:
     speed, and the ones it overrides to compare like with like."""
     from trl import DPOConfig, SFTConfig
 
-    from posttrain.config.loader import section_batch
-
     cls = {"sft": SFTConfig, "dpo": DPOConfig}[stage]
     # The declared defaults: an instance with them cannot be built on CPU (bf16 defaults to True).
     d = SimpleNamespace(**{f.name: f.default for f in dataclasses.fields(cls)})
     section = getattr(recipe, stage)
-    pt_free = getattr(section_batch(recipe, stage), "padding_free", False)
+    # batch.padding_free is the stage's own field once it has one; before, the stage pads.
+    pt_free = getattr(section.batch, "padding_free", "absent (pads)")
     kept = [
         f"gradient_checkpointing={d.gradient_checkpointing} "
         f"(stage activation_checkpointing={section.activation_checkpointing})",
