@@ -32,6 +32,7 @@ def test_summarize_skips_warmup_steps() -> None:
     assert s["tokens_per_s"] == pytest.approx(800 / 4)  # (300 + 500) tokens / (1 + 3) s
     assert s["step_time_s"] == pytest.approx(2.0)
     assert s["median_tokens_per_s"] == pytest.approx((300 / 1 + 500 / 3) / 2)
+    assert s["fast_tokens_per_s"] == pytest.approx(500 / 3 + 0.75 * (300 - 500 / 3))
     assert (s["first_loss"], s["last_loss"], s["timed_steps"]) == (5.0, 2.0, 2)
 
 
@@ -88,7 +89,7 @@ def test_tiny_sft_and_dpo_against_trl(tmp_path: Path) -> None:
     for r in rows:
         p, t = r["posttrain"], r["trl"]
         assert p["tokens_per_s"] > 0 and t["tokens_per_s"] > 0 and r["ratio"] > 0
-        assert r["median_ratio"] > 0
+        assert r["median_ratio"] > 0 and r["fast_ratio"] > 0
         assert p["steps"] == t["steps"] == 3
         assert p["tokens_per_step"] == t["tokens_per_step"]  # same batches, same real tokens
         assert r["first_loss_match"], (p["first_loss"], t["first_loss"])
