@@ -1,0 +1,669 @@
+"""posttrain vs TRL 1.16: real-token throughput of the SFT and DPO stages, side by side.
+
+For each model size (Llama built by the project's own ingest `from_config`) and stage, in this one
+invocation:
+  posttrain  the real stage process (`python -m posttrain.stages.sft|dpo --recipe r`), with its
+             defaults; figures from its metrics.jsonl train records (`tokens` = attention-mask
+             sum = real tokens, `step_time_s`, `loss`).
+  TRL        `trl.SFTTrainer` / `trl.DPOTrainer` in a fresh process of its own (so both sides pay
+             the same interpreter state), on the same base folder (ingest `model/`, `tokenizer/`),
+             the same rows already tokenized by the project (`sft_data.prepare` /
+             `pref_prepare.prepare`: both sides compute the loss on exactly the same tokens), in
+             the stage's batch order (the rows laid out in `step_indices` order, read
+             sequentially), the same LoRA (r, alpha, dropout, all-linear), AdamW (betas, eps,
+             weight decay), lr and cosine schedule, grad clipping, micro-batch, accumulation,
+             max length, steps and seed; fp32 on CPU, no eval, no checkpoints, `report_to=[]`.
+             DPO: policy = base + the SFT stage's adapter, reference = a frozen copy of it on the
+             same base (what the dpo stage does, and what TRL does for a PEFT model with an
+             adapter), sigmoid loss, the same beta. TRL's other defaults are kept (what users
+             run); the ones that matter are printed. Timing: a TrainerCallback's
+             on_step_begin -> on_step_end wall time plus the default collator's time for the
+             step's micro-batches (the stage's step time includes its collation); real tokens =
+             attention-mask sum of each collated micro-batch.
+Both sides skip the first 3 steps (warm-up) in tokens/s and mean step time. The table shows
+posttrain/TRL real tokens/s, and the loss check: the first step's loss must agree to 1e-3
+relative (same base, rows and LoRA B = 0, so it is the SFT step's base-model loss, and the DPO
+step's log 2 with policy = reference), the last losses side by side. Both sides seed torch with the
+run seed right before the adapter is created, so the new SFT adapters start equal too and the
+trajectories agree to float noise (measured: last losses within 1e-6 at the tiny size).
+
+Both sides run one after the other, so on a shared machine a burst of load from other processes
+hits one side and not the other: measured here, the same configuration gave posttrain/TRL from
+0.08x to 21x as the load moved. Besides the mean (tokens over seconds), the table gives the ratio
+of the median step's rate and of the upper-quartile step's rate ("fast"; load only ever slows a
+step); every step is in the --json output. Quote figures from an idle machine.
+
+    pip install -e .[bench]                     # trl==1.16.0; not a runtime dependency
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_trl.py            # 20 steps, small+medium, sft+dpo
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_trl.py --steps 40 --sizes medium --stages dpo \\
+        --threads 2 --json vs_trl.json
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_trl.py --trl-gradient-checkpointing off
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = {
+    # ~4.9M and ~26M parameters with the 2048-token vocabulary below.
+    "small": {"hidden_size": 256, "num_layers": 6, "num_heads": 8, "intermediate_size": 688},
+    "medium": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "intermediate_size": 1376},
+    # Tests only: seconds per run.
+    "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128},
+}
+STAGES = ("sft", "dpo")
+WARMUP = 3  # steps left out of tokens/s and step time, on both sides
+FIRST_LOSS_RTOL = 1e-3
+TRL_MISSING = "trl is not installed: pip install -e .[bench]"
+
+
+def recipe_for(size: dict, steps: int, workspace: Path, threads: int) -> dict:
+    """One recipe, ingest -> sft -> dpo. Stage defaults everywhere the comparison allows; warm-up
+    0 because the stage's warm-up factor is (s+1)/w and transformers' is s/w."""
+    common = {
+        "optim": {"lr": 1e-3, "schedule": "cosine", "warmup_steps": 0},
+        "batch": {"micro_batch_size": 16, "grad_accum_steps": 1},
+        "max_steps": steps,
+        "checkpoint_every": 0,
+    }
+    return {
+        "run": {"name": "vs-trl", "workspace": str(workspace), "seed": 0},
+        "infra": {"device": "cpu", "devices_per_node": 1, "threads_per_rank": threads},
+        "ingest": {
+            "source": "from_config",
+            "from_config": {
+                **size,
+                "vocab_size": 2048,
+                "max_position_embeddings": 256,
+                "pretrain_steps": 0,
+                "corpus_examples": 2000,
+            },
+        },
+        "sft": {
+            "data": {"synthetic": {"n_examples": 2000}, "max_seq_len": 96},
+            "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"},
+            **common,
+        },
+        "dpo": {
+            "data": {
+                "synthetic": {"n_examples": 1000},
+                "max_seq_len": 96,
+                "max_prompt_len": 64,
+            },
+            "loss": "sigmoid",
+            "beta": 0.1,
+            **common,
+            "optim": {**common["optim"], "lr": 5e-4},
+        },
+    }
+
+
+def child_env(threads: int) -> dict[str, str]:
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+
+
+def run_stage(stage: str, recipe: Path, threads: int) -> float:
+    """One posttrain stage process; returns its wall seconds."""
+    t = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", f"posttrain.stages.{stage}", "--recipe", str(recipe)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=child_env(threads),
+    )
+    if proc.returncode:
+        raise RuntimeError(f"{stage} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - t
+
+
+def stage_dirs(recipe_path: Path) -> dict[str, Path]:
+    from posttrain.config.loader import load_recipe
+    from posttrain.planner import plan
+
+    return {p.name: p.out_dir for p in plan(load_recipe(recipe_path))}
+
+
+def summarize(steps: list[dict[str, float]]) -> dict[str, float]:
+    """steps: per optimizer step {"tokens", "step_time_s", "loss"}, in order -> figures over the
+    steps after the warm-up (all of them if there are not more than WARMUP)."""
+    timed = steps[WARMUP:] or steps
+    secs = sum(s["step_time_s"] for s in timed)
+    return {
+        "tokens_per_s": sum(s["tokens"] for s in timed) / secs,
+        # The median step's rate: a burst of load from other processes that slows a few steps
+        # (on a shared machine, one side more than the other) moves it less than the mean.
+        "median_tokens_per_s": statistics.median(s["tokens"] / s["step_time_s"] for s in timed),
+        # The upper-quartile step rate: load from other processes only ever slows a step, so the
+        # fast steps are the nearest to the uncontended speed (best-of, as bench/sft_throughput).
+        "fast_tokens_per_s": upper_quartile([s["tokens"] / s["step_time_s"] for s in timed]),
+        "step_records": steps,  # every step, so figures can be recomputed from the JSON
+        "step_time_s": secs / len(timed),
+        "tokens_per_step": sum(s["tokens"] for s in timed) / len(timed),
+        "first_loss": steps[0]["loss"],
+        "last_loss": steps[-1]["loss"],
+        "steps": len(steps),
+        "timed_steps": len(timed),
+    }
+
+
+def upper_quartile(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=4, method="inclusive")[2] if len(xs) > 1 else xs[0]
+
+
+def posttrain_figures(stage_dir: Path) -> dict[str, float]:
+    from posttrain.telemetry.metrics import read_metrics
+
+    rows = read_metrics(stage_dir / "metrics.jsonl", "train")
+    # One record per step (log_every 1, the default), or the warm-up skip would be off.
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "bench needs log_every 1"
+    return summarize([{k: float(r[k]) for k in ("tokens", "step_time_s", "loss")} for r in rows])
+
+
+# ---------------------------------------------------------------------------------------------
+# TRL side (runs in its own process: `vs_trl.py --trl-run <stage> <recipe>`)
+
+
+def stage_order(n_rows: int, steps: int, micro: int, accum: int, seed: int) -> list[int]:
+    """Row indices in the order the stage trains them: step by step, micro-batch by micro-batch
+    (`step_indices` at world size 1). Read sequentially, TRL then sees the same batches."""
+    from posttrain.data.batching import step_indices
+
+    return [
+        i
+        for step in range(steps)
+        for ix in step_indices(n_rows, step, micro=micro, accum=accum, dp_size=1, rank=0, seed=seed)
+        for i in ix
+    ]
+
+
+def trl_args(cls: type, section: Any, batch: Any, steps: int, seed: int, out: Path, gc: str):
+    """TRL config with everything the comparison must hold equal set from the stage's section;
+    the rest stays at TRL's defaults."""
+    o = section.optim
+    schedules = {
+        "cosine": ("cosine_with_min_lr", {"min_lr_rate": o.min_lr_ratio}),
+        "linear": ("linear", {}),  # floor 0 only; checked below
+        "constant": ("constant", {}),
+    }
+    assert o.schedule != "linear" or o.min_lr_ratio == 0, "linear with a floor has no TRL twin"
+    sched, sched_kw = schedules[o.schedule]
+    # transformers 5 renamed it activation_checkpointing; TRL's default (True) is set on the old name.
+    extra = {} if gc == "default" else {"activation_checkpointing": gc == "on"}
+    return cls(
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=batch.micro_batch_size,
+        gradient_accumulation_steps=batch.grad_accum_steps,
+        learning_rate=o.lr,
+        lr_scheduler_type=sched,
+        lr_scheduler_kwargs=sched_kw,
+        warmup_steps=o.warmup_steps,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.betas[0],
+        adam_beta2=o.betas[1],
+        adam_epsilon=o.eps,
+        optim="adamw_torch",
+        max_grad_norm=o.max_grad_norm or 0.0,
+        max_length=section.data.max_seq_len,
+        seed=seed,
+        data_seed=seed,
+        bf16=False,  # TRL's default is True; fp32 here, as the stage on CPU
+        fp16=False,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=1,  # a loss per step; logged after on_step_end, so outside the timing
+        disable_tqdm=True,
+        train_sampling_strategy="sequential",  # the rows are already in the stage's order
+        **extra,
+    )
+
+
+class CountingCollator:
+    """Wraps TRL's own collator: real tokens (attention-mask sum) and collation seconds of each
+    micro-batch, in the order the trainer asked for them."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.tokens: list[int] = []
+        self.seconds: list[float] = []
+
+    def __call__(self, examples: list[dict]) -> dict:
+        t = time.perf_counter()
+        out = self.inner(examples)
+        self.seconds.append(time.perf_counter() - t)
+        self.tokens.append(int(out["attention_mask"].sum()))
+        return out
+
+
+def step_timer(collator: CountingCollator, accum: int) -> Any:
+    """A TrainerCallback recording each optimizer step's wall time (on_step_begin ->
+    on_step_end, plus its micro-batches' collation) and its logged loss."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.losses: dict[int, float] = {}
+            self._t = 0.0
+
+        def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+            self._t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+            self.times.append(time.perf_counter() - self._t)
+
+        def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001
+            if logs and "loss" in logs:
+                self.losses[state.global_step] = float(logs["loss"])
+
+        def steps(self) -> list[dict[str, float]]:
+            n = len(self.times)
+            return [
+                {
+                    "tokens": sum(collator.tokens[k * accum : (k + 1) * accum]),
+                    "step_time_s": self.times[k]
+                    + sum(collator.seconds[k * accum : (k + 1) * accum]),
+                    "loss": self.losses[k + 1],
+                }
+                for k in range(n)
+            ]
+
+    return StepTimer()
+
+
+def _load(recipe_path: Path, stage: str) -> tuple[Any, Any, Any, dict[str, Path]]:
+    from posttrain.config.loader import load_recipe, section_batch
+    from posttrain.models.loading import load_tokenizer
+
+    recipe = load_recipe(recipe_path)
+    dirs = stage_dirs(recipe_path)
+    tok = load_tokenizer(dirs["ingest"] / "tokenizer")
+    return recipe, section_batch(recipe, stage), tok, dirs
+
+
+def _base(dirs: dict[str, Path]) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(dirs["ingest"] / "model"), dtype=torch.float32)
+
+
+def trl_sft(recipe_path: Path, steps: int, out: Path, gc: str) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    from posttrain.data.sft_data import prepare, saved_split
+
+    recipe, batch, tok, dirs = _load(recipe_path, "sft")
+    cfg, seed = recipe.sft, recipe.run.seed
+    data = prepare(cfg.data, tok, seed)
+    # The rows the stage wrote as trained are the rows tokenized here.
+    assert data.train_rows == saved_split(dirs["sft"], "train"), "SFT rows differ from the stage's"
+    order = stage_order(
+        len(data.train), steps, batch.micro_batch_size, batch.grad_accum_steps, seed
+    )
+    # Pre-tokenized with labels: TRL uses them as they are (-100 = no loss), so both sides
+    # score exactly the template's assistant tokens.
+    ds = Dataset.from_list(
+        [
+            {"input_ids": data.train[i]["input_ids"], "labels": data.train[i]["labels"]}
+            for i in order
+        ]
+    )
+    lora = LoraConfig(
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=cfg.lora.target_modules,
+        task_type="CAUSAL_LM",
+        bias="none",
+    )
+    args = trl_args(SFTConfig, cfg, batch, steps, seed, out, gc)
+    torch.manual_seed(seed)  # the adapter's A init, as the stage seeds before apply_lora
+    trainer = SFTTrainer(
+        model=_base(dirs), args=args, train_dataset=ds, processing_class=tok, peft_config=lora
+    )
+    return _train(trainer, batch.grad_accum_steps, args)
+
+
+def trl_pairs(pairs: list[dict]) -> list[dict[str, list[int]]]:
+    """The project's encoded pairs (full chosen/rejected ids + labels, -100 before the response)
+    as TRL's pre-tokenized prompt_ids / chosen_ids / rejected_ids. Checks the split is exact:
+    one shared prompt, and every token after it scored (TRL scores all completion tokens)."""
+    from posttrain.data.chat import IGNORE
+
+    out = []
+    for p in pairs:
+        ends = {}
+        for side in ("chosen", "rejected"):
+            labels = p[f"{side}_labels"]
+            start = next(i for i, x in enumerate(labels) if x != IGNORE)
+            assert all(x != IGNORE for x in labels[start:]), "unscored token after the response"
+            ends[side] = start
+        assert ends["chosen"] == ends["rejected"], "chosen and rejected prompts differ"
+        assert p["chosen_ids"][: ends["chosen"]] == p["rejected_ids"][: ends["chosen"]]
+        s = ends["chosen"]
+        out.append(
+            {
+                "prompt_ids": p["chosen_ids"][:s],
+                "chosen_ids": p["chosen_ids"][s:],
+                "rejected_ids": p["rejected_ids"][s:],
+            }
+        )
+    return out
+
+
+def trl_dpo(recipe_path: Path, steps: int, out: Path, gc: str) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from peft import PeftModel
+    from trl import DPOConfig, DPOTrainer
+
+    from posttrain.data.pref_prepare import prepare
+    from posttrain.data.sft_data import saved_split
+
+    recipe, batch, tok, dirs = _load(recipe_path, "dpo")
+    cfg, seed = recipe.dpo, recipe.run.seed
+    data = prepare(cfg.data, tok, seed)
+    assert [r for r in data.train_rows] == saved_split(dirs["dpo"], "train"), (
+        "DPO pairs differ from the stage's"
+    )
+    order = stage_order(
+        len(data.train), steps, batch.micro_batch_size, batch.grad_accum_steps, seed
+    )
+    pairs = trl_pairs(data.train)
+    ds = Dataset.from_list([pairs[i] for i in order])
+
+    class PreTokenizedDPOTrainer(DPOTrainer):
+        # TRL 1.16's DPO preparation always tokenizes text (no pre-tokenized path, unlike
+        # SFTTrainer); these rows already are prompt_ids/chosen_ids/rejected_ids.
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):  # noqa: ANN001
+            return dataset
+
+    # Policy = base + the SFT stage's adapter, trainable. With ref_model=None TRL adds a frozen
+    # "ref" copy of that adapter as the reference: the dpo stage's policy_with_reference.
+    torch.manual_seed(seed)
+    model = PeftModel.from_pretrained(_base(dirs), str(dirs["sft"] / "adapter"), is_trainable=True)
+    args = trl_args(DPOConfig, cfg, batch, steps, seed, out, gc)
+    args.beta, args.loss_type, args.label_smoothing = cfg.beta, [cfg.loss], cfg.label_smoothing
+    assert cfg.loss == "sigmoid" and not cfg.sft_weight, "bench compares plain sigmoid DPO"
+    trainer = PreTokenizedDPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
+    return _train(trainer, batch.grad_accum_steps, args)
+
+
+def _train(trainer: Any, accum: int, args: Any) -> dict[str, Any]:
+    collator = CountingCollator(trainer.data_collator)
+    trainer.data_collator = collator
+    timer = step_timer(collator, accum)
+    trainer.add_callback(timer)
+    trainer.train()
+    return {
+        "steps": timer.steps(),
+        "gradient_checkpointing": bool(args.activation_checkpointing),
+        "padding_free": bool(getattr(args, "padding_free", False)),
+    }
+
+
+def trl_in_subprocess(stage: str, recipe: Path, steps: int, threads: int, gc: str) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--trl-run",
+                stage,
+                str(recipe),
+                "--steps",
+                str(steps),
+                "--threads",
+                str(threads),
+                "--trl-gradient-checkpointing",
+                gc,
+                "--trl-out",
+                out,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env=child_env(threads),
+        )
+    if proc.returncode:
+        raise RuntimeError(f"TRL {stage} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Both sides
+
+
+def trl_default_notes(stage: str, recipe: Any) -> list[str]:
+    """TRL defaults this bench keeps (what users run) that differ from the stage and matter for
+    speed, and the ones it overrides to compare like with like."""
+    from trl import DPOConfig, SFTConfig
+
+    cls = {"sft": SFTConfig, "dpo": DPOConfig}[stage]
+    # The declared defaults: an instance with them cannot be built on CPU (bf16 defaults to True).
+    d = SimpleNamespace(**{f.name: f.default for f in dataclasses.fields(cls)})
+    section = getattr(recipe, stage)
+    # batch.padding_free is the stage's own field once it has one; before, the stage pads.
+    pt_free = getattr(section.batch, "padding_free", "absent (pads)")
+    kept = [
+        f"gradient_checkpointing={d.gradient_checkpointing} "
+        f"(stage activation_checkpointing={section.activation_checkpointing})",
+        f"padding_free={d.padding_free} (stage batch.padding_free={pt_free})",
+    ]
+    if stage == "sft":
+        kept.append(f"packing={d.packing} (stage packing={section.packing})")
+    if stage == "dpo":
+        kept.append(
+            f"precompute_ref_log_probs={d.precompute_ref_log_probs} "
+            f"(stage precompute_reference={section.precompute_reference})"
+        )
+    kept.append(f"use_liger_kernel={d.use_liger_kernel}")
+    overridden = [
+        f"bf16={d.bf16}->False",
+        f"learning_rate={d.learning_rate}->{section.optim.lr}",
+        f"lr_scheduler_type={d.lr_scheduler_type}->stage schedule",
+        f"logging_steps={d.logging_steps}->1",
+        f"max_length={d.max_length}->{section.data.max_seq_len}",
+        "sampler random->sequential over rows in the stage's order",
+    ]
+    return [f"TRL {stage} defaults kept: " + "; ".join(kept)] + [
+        f"TRL {stage} defaults overridden: " + "; ".join(overridden)
+    ]
+
+
+def compare(stage: str, recipe: Path, steps: int, threads: int, gc: str) -> dict[str, Any]:
+    """Runs the posttrain stage, then TRL on the same inputs -> figures of both and the checks."""
+    dirs = stage_dirs(recipe)
+    wall = run_stage(stage, recipe, threads)
+    pt = posttrain_figures(dirs[stage])
+    tr = trl_in_subprocess(stage, recipe, steps, threads, gc)
+    tl = summarize(tr["steps"])
+    rel = abs(pt["first_loss"] - tl["first_loss"]) / max(abs(tl["first_loss"]), 1e-12)
+    return {
+        "stage": stage,
+        "posttrain": pt | {"wall_s": wall},
+        "trl": tl | {k: tr[k] for k in ("gradient_checkpointing", "padding_free")},
+        "ratio": pt["tokens_per_s"] / tl["tokens_per_s"],
+        "median_ratio": pt["median_tokens_per_s"] / tl["median_tokens_per_s"],
+        "fast_ratio": pt["fast_tokens_per_s"] / tl["fast_tokens_per_s"],
+        "first_loss_rel_diff": rel,
+        "first_loss_match": rel <= FIRST_LOSS_RTOL,
+    }
+
+
+def measure(
+    size: str, steps: int, stages: list[str], threads: int, gc: str, tmp: Path
+) -> list[dict[str, Any]]:
+    import yaml
+
+    from posttrain.config.loader import load_recipe
+
+    ws = tmp / size
+    ws.mkdir(parents=True)
+    recipe = ws / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(recipe_for(SIZES[size], steps, ws / "ws", threads)))
+    run_stage("ingest", recipe, threads)
+    if "dpo" in stages and "sft" not in stages:
+        run_stage("sft", recipe, threads)  # the dpo stage's policy and reference
+    params = base_params(stage_dirs(recipe)["ingest"])
+    rows = []
+    for stage in stages:
+        r = compare(stage, recipe, steps, threads, gc)
+        r |= {"size": size, "base_params": params}
+        r["notes"] = trl_default_notes(stage, load_recipe(recipe))
+        rows.append(r)
+        # As each comparison ends: a slow machine's long run shows its figures as they come.
+        print(
+            json.dumps({k: r[k] for k in ("size", "stage", "ratio", "median_ratio", "fast_ratio")})
+        )
+        sys.stdout.flush()
+    return rows
+
+
+def base_params(ingest_dir: Path) -> int:
+    """Parameters of the base checkpoint, read from its safetensors headers."""
+    from safetensors import safe_open
+
+    n = 0
+    for f in (ingest_dir / "model").glob("*.safetensors"):
+        with safe_open(str(f), "pt") as s:
+            for k in s.keys():  # noqa: SIM118 (safe_open is not iterable)
+                shape = s.get_slice(k).get_shape()
+                n += _prod(shape)
+    return n
+
+
+def _prod(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def print_table(rows: list[dict[str, Any]], steps: int, threads: int) -> None:
+    print(
+        f"\nposttrain vs TRL 1.16, {steps} steps, micro-batch 16, seq <= 96, LoRA r16 all-linear, "
+        f"fp32 CPU, {threads} threads per side ({os.cpu_count()} cores), both sides fresh "
+        f"processes; tokens/s = real (non-padding) tokens over steps {WARMUP + 1}..{steps}\n"
+    )
+    hdr = (
+        "size",
+        "params",
+        "stage",
+        "posttrain tok/s",
+        "TRL tok/s",
+        "posttrain/TRL",
+        "median-step ratio",
+        "fast-step ratio",
+        "step s (pt / TRL)",
+        "first loss (pt / TRL)",
+        "rel diff",
+        "last loss (pt / TRL)",
+    )
+    print(" | ".join(hdr))
+    print(" | ".join("---" for _ in hdr))
+    for r in rows:
+        p, t = r["posttrain"], r["trl"]
+        print(
+            f"{r['size']} | {r['base_params'] / 1e6:.1f}M | {r['stage']} | "
+            f"{p['tokens_per_s']:.0f} | {t['tokens_per_s']:.0f} | {r['ratio']:.2f}x | "
+            f"{r['median_ratio']:.2f}x | {r['fast_ratio']:.2f}x | "
+            f"{p['step_time_s']:.3f} / {t['step_time_s']:.3f} | "
+            f"{p['first_loss']:.4f} / {t['first_loss']:.4f} | {r['first_loss_rel_diff']:.1e}"
+            f"{'' if r['first_loss_match'] else ' MISMATCH'} | "
+            f"{p['last_loss']:.4f} / {t['last_loss']:.4f}"
+        )
+    print()
+    for note in dict.fromkeys(n for r in rows for n in r["notes"]):
+        print(note)
+    print(
+        "TRL's step time = on_step_begin..on_step_end + its collator; its dataset row fetch and "
+        "logging are outside it (in TRL's favour)."
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=20, help="optimizer steps per run (default 20)")
+    ap.add_argument("--sizes", default="small,medium", help=f"comma list of {list(SIZES)}")
+    ap.add_argument("--stages", default="sft,dpo", help="comma list of sft,dpo")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads, both sides alike")
+    ap.add_argument(
+        "--trl-gradient-checkpointing",
+        choices=("default", "on", "off"),
+        default="default",
+        help="TRL's gradient checkpointing (default: TRL's own default, on)",
+    )
+    ap.add_argument("--json", type=Path, help="also save the figures here")
+    ap.add_argument("--trl-run", nargs=2, metavar=("STAGE", "RECIPE"), help=argparse.SUPPRESS)
+    ap.add_argument("--trl-out", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    sizes = [s for s in args.sizes.split(",") if s]
+    stages = [s for s in args.stages.split(",") if s]
+    bad = [s for s in sizes if s not in SIZES] + [s for s in stages if s not in STAGES]
+    if bad:
+        ap.error(f"unknown size or stage {bad}: sizes {list(SIZES)}, stages {list(STAGES)}")
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        sys.exit(TRL_MISSING)
+
+    if args.trl_run:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        stage, recipe = args.trl_run
+        fn = {"sft": trl_sft, "dpo": trl_dpo}[stage]
+        result = fn(Path(recipe), args.steps, args.trl_out, args.trl_gradient_checkpointing)
+        print(json.dumps(result))
+        return
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in sizes:
+            rows += measure(
+                size, args.steps, stages, args.threads, args.trl_gradient_checkpointing, Path(tmp)
+            )
+    print_table(rows, args.steps, args.threads)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    print(
+        json.dumps(
+            [
+                {k: r[k] for k in ("size", "stage", "ratio", "median_ratio", "fast_ratio")}
+                for r in rows
+            ]
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

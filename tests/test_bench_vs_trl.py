@@ -1,0 +1,97 @@
+"""bench/vs_trl.py: its figures, its pair conversion, and one tiny end-to-end comparison.
+
+The end-to-end test needs the `bench` extra (trl==1.16.0) and is skipped without it (CI does not
+install it); the others run everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import vs_trl
+from posttrain.data.chat import IGNORE
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench" / "vs_trl.py"
+
+
+def test_summarize_skips_warmup_steps() -> None:
+    steps = [
+        {"tokens": 1000.0, "step_time_s": 10.0, "loss": 5.0},  # warm-up: left out
+        {"tokens": 1000.0, "step_time_s": 10.0, "loss": 4.0},
+        {"tokens": 1000.0, "step_time_s": 10.0, "loss": 3.0},
+        {"tokens": 300.0, "step_time_s": 1.0, "loss": 2.5},
+        {"tokens": 500.0, "step_time_s": 3.0, "loss": 2.0},
+    ]
+    s = vs_trl.summarize(steps)
+    assert s["tokens_per_s"] == pytest.approx(800 / 4)  # (300 + 500) tokens / (1 + 3) s
+    assert s["step_time_s"] == pytest.approx(2.0)
+    assert s["median_tokens_per_s"] == pytest.approx((300 / 1 + 500 / 3) / 2)
+    assert s["fast_tokens_per_s"] == pytest.approx(500 / 3 + 0.75 * (300 - 500 / 3))
+    assert (s["first_loss"], s["last_loss"], s["timed_steps"]) == (5.0, 2.0, 2)
+
+
+def test_trl_pairs_split_at_the_first_scored_token() -> None:
+    pair = {
+        "chosen_ids": [1, 2, 3, 7, 8, 9],
+        "chosen_labels": [IGNORE, IGNORE, IGNORE, 7, 8, 9],
+        "rejected_ids": [1, 2, 3, 5],
+        "rejected_labels": [IGNORE, IGNORE, IGNORE, 5],
+    }
+    assert vs_trl.trl_pairs([pair]) == [
+        {"prompt_ids": [1, 2, 3], "chosen_ids": [7, 8, 9], "rejected_ids": [5]}
+    ]
+    # TRL scores every completion token: an unscored one after the response would differ.
+    bad = pair | {"chosen_labels": [IGNORE, IGNORE, IGNORE, 7, 8, IGNORE]}
+    with pytest.raises(AssertionError, match="unscored"):
+        vs_trl.trl_pairs([bad])
+
+
+def test_stage_order_is_the_stages_batches() -> None:
+    from posttrain.data.batching import step_indices
+
+    order = vs_trl.stage_order(10, 3, micro=2, accum=2, seed=5)
+    assert len(order) == 12
+    assert order[4:8] == [
+        i for ix in step_indices(10, 1, micro=2, accum=2, dp_size=1, rank=0, seed=5) for i in ix
+    ]
+
+
+def test_help_and_missing_trl_without_trl(tmp_path: Path) -> None:
+    """--help needs nothing heavy; without trl the bench says how to get it in one line."""
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    help_ = subprocess.run([sys.executable, str(BENCH), "--help"], capture_output=True, text=True)
+    assert help_.returncode == 0 and "--steps" in help_.stdout
+    (tmp_path / "trl").mkdir()  # shadows an installed trl with one that cannot import
+    (tmp_path / "trl" / "__init__.py").write_text("raise ImportError('no trl here')\n")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--sizes", "tiny"], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == vs_trl.TRL_MISSING
+    assert "pip install -e .[bench]" in vs_trl.TRL_MISSING
+
+
+@pytest.mark.slow
+def test_tiny_sft_and_dpo_against_trl(tmp_path: Path) -> None:
+    """The whole comparison at the tiny size, 3 steps (about a minute on an idle machine, five
+    process starts): positive figures, the same tokens counted on both sides, the first-step
+    losses equal (same base, rows and B = 0 adapter) and, with the adapter's init seeded alike,
+    the last ones too."""
+    pytest.importorskip("trl")
+    rows = vs_trl.measure("tiny", 3, ["sft", "dpo"], 2, "default", tmp_path)
+    assert [r["stage"] for r in rows] == ["sft", "dpo"]
+    for r in rows:
+        p, t = r["posttrain"], r["trl"]
+        assert p["tokens_per_s"] > 0 and t["tokens_per_s"] > 0 and r["ratio"] > 0
+        assert r["median_ratio"] > 0 and r["fast_ratio"] > 0
+        assert p["steps"] == t["steps"] == 3
+        assert p["tokens_per_step"] == t["tokens_per_step"]  # same batches, same real tokens
+        assert r["first_loss_match"], (p["first_loss"], t["first_loss"])
+        assert p["last_loss"] == pytest.approx(t["last_loss"], rel=1e-3)
+        assert t["gradient_checkpointing"]  # TRL's default, kept
