@@ -2,8 +2,9 @@
 
 For two model sizes, runs (1) the real sft stage process (world size 1: the plain module,
 metrics, checkpoint-free) and (2) a bare loop over the same model, adapter, batches and
-optimizer (`build_optimizer`: the stage's fused AdamW), with no telemetry. Both pad (the
-stage with `batch.padding_free: false`). Prints tokens/s and MFU for each and their ratio,
+optimizer (`build_optimizer`: the stage's fused AdamW), timing the same computation a stage
+step does (collation, the loss through the stage's head path, clipping, AdamW, the schedule)
+with no telemetry. Both pad (the stage with `batch.padding_free: false`). Prints tokens/s and MFU for each and their ratio,
 which is what the stage's orchestration and telemetry cost. Both run in this one invocation,
 side by side, because absolute times on shared CPUs are noisy.
 
@@ -88,8 +89,8 @@ def plain_loop(recipe_path: Path, steps: int) -> dict:
         measure_cpu_matmul_peak,
         train_flops_per_token,
     )
-    from posttrain.train.losses import token_nll_sum
-    from posttrain.train.optim import build_optimizer
+    from posttrain.train.chunked import forward_nll_sum
+    from posttrain.train.optim import build_optimizer, build_scheduler
 
     recipe = load_recipe(recipe_path)
     if recipe.infra.threads_per_rank:  # as the stage sets it (posttrain.distributed.runtime)
@@ -100,7 +101,9 @@ def plain_loop(recipe_path: Path, steps: int) -> dict:
     data = prepare(recipe.sft.data, tok, recipe.run.seed)
     b = section_batch(recipe, "sft")
     # The stage's optimizer, so the ratio measures what is around the step, not AdamW's kernel.
-    opt = build_optimizer([p for p in model.parameters() if p.requires_grad], recipe.sft.optim)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = build_optimizer(trainable, recipe.sft.optim)
+    sched = build_scheduler(opt, steps, recipe.sft.optim)
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_matmul = matmul_params(model)
     cfg = model.config
@@ -116,14 +119,15 @@ def plain_loop(recipe_path: Path, steps: int) -> dict:
             rank=0,
             seed=recipe.run.seed,
         )[0]
-        batch = pad_batch([data.train[i] for i in idx], tok.pad_token_id)
+        # The same computation as a stage step, nothing around it: collation, the loss through
+        # the stage's head path (infra.logits_chunk_tokens), clipping, AdamW, the schedule.
         t = time.perf_counter()
-        logits = model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
-        ).logits
-        nll, n = token_nll_sum(logits, batch["labels"])
+        batch = pad_batch([data.train[i] for i in idx], tok.pad_token_id)
+        nll, n = forward_nll_sum(model, batch, recipe.infra.logits_chunk_tokens)
         (nll / n).backward()
+        torch.nn.utils.clip_grad_norm_(trainable, recipe.sft.optim.max_grad_norm or float("inf"))
         opt.step()
+        sched.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t
         if step >= 3:  # skip warm-up steps, as the stage figures below do

@@ -462,7 +462,7 @@ def trl_in_subprocess(stage: str, recipe: Path, steps: int, threads: int, gc: st
 # Both sides
 
 
-def trl_default_notes(stage: str, recipe: Any) -> list[str]:
+def trl_default_notes(stage: str, recipe: Any, gc: str = "default") -> list[str]:
     """TRL defaults this bench keeps (what users run) that differ from the stage and matter for
     speed, and the ones it overrides to compare like with like."""
     from trl import DPOConfig, SFTConfig
@@ -473,11 +473,14 @@ def trl_default_notes(stage: str, recipe: Any) -> list[str]:
     section = getattr(recipe, stage)
     # batch.padding_free is the stage's own field once it has one; before, the stage pads.
     pt_free = getattr(section.batch, "padding_free", "absent (pads)")
-    kept = [
-        f"gradient_checkpointing={d.gradient_checkpointing} "
-        f"(stage activation_checkpointing={section.activation_checkpointing})",
-        f"padding_free={d.padding_free} (stage batch.padding_free={pt_free})",
-    ]
+    checkpointing = (
+        f"gradient_checkpointing={d.gradient_checkpointing}"
+        f"{'' if gc == 'default' else '->' + str(gc == 'on')} "
+        f"(stage activation_checkpointing={section.activation_checkpointing})"
+    )
+    kept = [f"padding_free={d.padding_free} (stage batch.padding_free={pt_free})"]
+    if gc == "default":
+        kept.insert(0, checkpointing)
     if stage == "sft":
         kept.append(f"packing={d.packing} (stage packing={section.packing})")
     if stage == "dpo":
@@ -493,7 +496,7 @@ def trl_default_notes(stage: str, recipe: Any) -> list[str]:
         f"logging_steps={d.logging_steps}->1",
         f"max_length={d.max_length}->{section.data.max_seq_len}",
         "sampler random->sequential over rows in the stage's order",
-    ]
+    ] + ([checkpointing] if gc != "default" else [])
     return [f"TRL {stage} defaults kept: " + "; ".join(kept)] + [
         f"TRL {stage} defaults overridden: " + "; ".join(overridden)
     ]
@@ -538,7 +541,7 @@ def measure(
     for stage in stages:
         r = compare(stage, recipe, steps, threads, gc)
         r |= {"size": size, "base_params": params}
-        r["notes"] = trl_default_notes(stage, load_recipe(recipe))
+        r["notes"] = trl_default_notes(stage, load_recipe(recipe), gc)
         rows.append(r)
         # As each comparison ends: a slow machine's long run shows its figures as they come.
         print(
