@@ -122,9 +122,14 @@ def batch_rows(batch: dict[str, Any]) -> int:
     return batch["input_ids"].size(0)
 
 
-def layout_stats(batches: list[dict[str, Any]]) -> dict[str, float]:
+def layout_stats(batches: list[dict[str, Any]], real: int) -> dict[str, float]:
     """How a step's micro-batches were laid out, for metrics.jsonl: the share of token slots
-    that were padding (0 when padding-free) and the number of forwards."""
+    that were padding (0 when padding-free) and the number of forwards. `real`: the step's real
+    tokens, which the caller counted on the host (the slots are read from shapes: no sync)."""
     slots = sum(b["input_ids"].numel() for b in batches)
-    real = sum(real_tokens(b) for b in batches)
     return {"padding_frac": round(1 - real / max(1, slots), 4), "forwards": len(batches)}
+
+
+def pair_tokens(pair: dict[str, Any]) -> int:
+    """Tokens one encoded preference pair costs in a forward: both replies with their prompt."""
+    return len(pair["chosen_ids"]) + len(pair["rejected_ids"])

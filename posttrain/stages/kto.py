@@ -31,7 +31,7 @@ import torch
 from posttrain.config.loader import section_batch
 from posttrain.data.batching import collate, step_indices
 from posttrain.data.pref_prepare import guard_template, prepare_unpaired
-from posttrain.data.segments import batch_rows, layout_stats, real_tokens
+from posttrain.data.segments import batch_rows, layout_stats
 from posttrain.data.sft_data import write_splits
 from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import (
@@ -316,7 +316,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
             )
             for g in groups
         ]
-        local_tokens = sum(real_tokens(mb) for mb in micro)
+        # Counted on the host: reading a device tensor would wait for the last update.
+        local_tokens = sum(len(r["ids"]) for rs in rows for r in rs)
         t_data = time.perf_counter() - t0
 
         t_kl = time.perf_counter()
@@ -352,7 +353,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
             loss=g["loss"],
             local_tokens=local_tokens,
             n_seqs=sum(batch_rows(mb) for mb in micro),
-            **layout_stats(micro),
+            **layout_stats(micro, local_tokens),
             t_start=t0,
             t_data=t_data,
             reference_s=t_ref,

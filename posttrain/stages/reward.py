@@ -23,7 +23,7 @@ import torch
 
 from posttrain.config.loader import section_batch
 from posttrain.data.pref_prepare import guard_template, prepare
-from posttrain.data.segments import batch_rows, layout_stats, real_tokens
+from posttrain.data.segments import batch_rows, layout_stats, pair_tokens
 from posttrain.data.sft_data import write_splits
 from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, rank_batches
@@ -141,7 +141,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         t0 = time.perf_counter()
         idx = regroup_step(
             tr.step_rows(len(data.train), step, batch, seed),
-            lambda i: len(data.train[i]["chosen_ids"]) + len(data.train[i]["rejected_ids"]),
+            lambda i: pair_tokens(data.train[i]),
             cfg.batch,
             device,
         )
@@ -152,7 +152,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
             }
             for ix in idx
         ]
-        local_tokens = sum(real_tokens(mb) for mb in micro)
+        # Counted on the host: reading a device tensor would wait for the last update.
+        local_tokens = sum(pair_tokens(data.train[i]) for ix in idx for i in ix)
         t_data = time.perf_counter() - t0
         sums = {"loss": 0.0, "correct": 0.0, "margin": 0.0, "chosen": 0.0, "rejected": 0.0}
         for k, mb in enumerate(micro):
@@ -174,7 +175,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
             loss=g["loss"],
             local_tokens=local_tokens,
             n_seqs=sum(batch_rows(mb) for mb in micro),
-            **layout_stats(micro),
+            **layout_stats(micro, local_tokens),
             t_start=t0,
             t_data=t_data,
             accuracy=g["correct"],

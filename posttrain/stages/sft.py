@@ -161,7 +161,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 t_start=t0,
                 t_data=t_data,
                 target_tokens=global_targets,
-                **layout_stats(host),
+                **layout_stats(host, local_tokens),
             )
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total_steps:
             ev = heldout_loss(
