@@ -180,6 +180,36 @@ def test_hang_watch_arms_at_first_beat_and_names_the_rank_behind(tmp_path: Path)
     assert "rank 1 at step 1 (phase train), silent 11.5 s" in hang.describe()
 
 
+def test_stage_beats_reach_the_file_within_the_write_interval(tmp_path: Path) -> None:
+    from posttrain.telemetry import heartbeat
+
+    hb = heartbeat.start(tmp_path, 0)
+    try:
+        assert read_heartbeats(tmp_path)[0]["phase"] == "start"  # the first beat at once
+        heartbeat.beat(step=0, phase="train")  # a new phase: at once
+        assert (read_heartbeats(tmp_path)[0]["step"], hb.seq) == (0, 2)
+        for step in range(1, 200):  # within one phase: held in memory, no write per beat
+            heartbeat.beat(step=step)
+        on_disk = read_heartbeats(tmp_path)[0]["seq"]
+        assert on_disk < hb.seq
+        deadline = time.monotonic() + 10 * heartbeat.WRITE_INTERVAL_S
+        while read_heartbeats(tmp_path)[0]["seq"] != hb.seq and time.monotonic() < deadline:
+            time.sleep(0.01)
+        beat = read_heartbeats(tmp_path)[0]
+        assert (beat["seq"], beat["step"], beat["phase"]) == (201, 199, "train")
+        heartbeat.beat(step=200)
+        heartbeat.beat(phase="checkpoint")  # a phase change carries the step with it
+        assert (read_heartbeats(tmp_path)[0]["step"], read_heartbeats(tmp_path)[0]["seq"]) == (
+            200,
+            203,
+        )
+        heartbeat.beat(step=201, phase="train")
+        heartbeat.beat(step=202)
+    finally:
+        heartbeat.stop()  # writes the newest beat
+    assert read_heartbeats(tmp_path)[0]["step"] == 202
+
+
 def test_hang_watch_ignores_an_earlier_launch(tmp_path: Path) -> None:
     Heartbeat(tmp_path, 0).beat(step=7, phase="train")
     watch = HangWatch(tmp_path, timeout_s=1)
@@ -292,6 +322,7 @@ def test_session_skips_non_finite_and_spiking_steps_bit_exactly(tmp_path: Path) 
         assert records[0]["reason"] == "non-finite loss (nan)" and records[0]["loss"] != 0
         assert records[1]["reason"].startswith("loss spike (")
         assert set(records[0]) >= {"step", "reason", "loss", "grad_norm", "lr"}
+        heartbeat.flush()  # beats within a phase reach the file from the writer thread
         beat = read_heartbeats(tmp_path / "out")[0]
         assert (beat["step"], beat["phase"], beat["pid"]) == (6, "train", os.getpid())
     finally:

@@ -4,7 +4,11 @@ Every rank of a stage process writes `<out_dir>/logs/heartbeat/rank<k>.json` (lo
 the manifest) at stage start, at the start of its training loop, after every optimizer step, at
 every evaluation batch and before every checkpoint: `{rank, pid, seq, step, phase, time}`,
 replaced atomically (write a temporary file, `os.replace`), so a reader never sees half a beat.
-A beat costs one small file write; the steps it marks take far longer.
+A beat that changes the phase is written at once. Beats within one phase (a step of a small model
+takes tens of milliseconds; a file write on a shared filesystem can take milliseconds) only
+replace the beat held in memory: a writer thread puts the newest on disk every
+`WRITE_INTERVAL_S`, so the file trails the loop by at most that. A rank stuck in C code or in a
+Python loop stops beating, so the file stops changing either way.
 
 At stage start every rank also registers `faulthandler` on SIGUSR1 into
 `<out_dir>/logs/stacks-rank<k>.txt`: `kill -USR1 <pid>` (or the supervisor's hang watch) dumps
@@ -24,6 +28,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +40,9 @@ HEARTBEAT_DIR = Path("logs") / "heartbeat"
 # Phases before the training loop (loading the model, preparing data, sharding, resuming): the
 # watch allows `startup_s` more silence while any rank is still in one of them.
 STARTUP_PHASES = ("start", "setup")
+# How far the beat file of a stage process may trail its newest beat within one phase: far below
+# any hang limit (seconds to minutes), far above a small model's step time.
+WRITE_INTERVAL_S = 0.25
 
 
 def heartbeat_dir(out_dir: Path) -> Path:
@@ -46,9 +54,10 @@ def stack_file(out_dir: Path, rank: int) -> Path:
 
 
 class Heartbeat:
-    """One rank's beat file."""
+    """One rank's beat file. `write_interval_s` 0: every beat is written at once (tests, tools);
+    above 0: phase changes at once, other beats by a writer thread at that interval."""
 
-    def __init__(self, out_dir: Path, rank: int):
+    def __init__(self, out_dir: Path, rank: int, write_interval_s: float = 0.0):
         self.rank = rank
         self.path = heartbeat_dir(out_dir) / f"rank{rank}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,25 +66,68 @@ class Heartbeat:
         self.step: int | None = None
         self.phase = "start"
         self._warned = False
+        self._pid = os.getpid()
+        self._interval = write_interval_s
+        # Guards `_pending` and the file: the writer thread and a phase change never interleave,
+        # and an older beat never replaces a newer one on disk.
+        self._lock = threading.Lock()
+        self._pending: dict[str, Any] | None = None
+        self._written_seq = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def beat(self, step: int | None = None, phase: str | None = None) -> None:
         """Record progress. `step`/`phase` of None keep the previous value."""
         self.seq += 1
+        new_phase = phase is not None and phase != self.phase
         if step is not None:
             self.step = step
         if phase is not None:
             self.phase = phase
         record = {
             "rank": self.rank,
-            "pid": os.getpid(),
+            "pid": self._pid,
             "seq": self.seq,
             "step": self.step,
             "phase": self.phase,
             "time": round(time.time(), 3),
         }
+        with self._lock:
+            self._pending = record
+            if self._interval <= 0 or new_phase or self._written_seq == 0:
+                self._write_pending()
+                return
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._writer, name=f"heartbeat-rank{self.rank}", daemon=True
+            )
+            self._thread.start()
+
+    def flush(self) -> None:
+        """Write the newest beat now, if the file does not hold it yet."""
+        with self._lock:
+            self._write_pending()
+
+    def close(self) -> None:
+        """Stop the writer thread and write the newest beat."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        self.flush()
+
+    def _writer(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.flush()
+
+    def _write_pending(self) -> None:  # under self._lock
+        record, self._pending = self._pending, None
+        if record is None or record["seq"] <= self._written_seq:
+            return
         try:
             self._tmp.write_text(json.dumps(record))
             os.replace(self._tmp, self.path)
+            self._written_seq = record["seq"]
         except OSError as exc:
             # A beat is bookkeeping: never fail a training step over it (a full disk fails the
             # next checkpoint anyway). Without beats the hang watch will stop the stage.
@@ -101,7 +153,9 @@ def start(out_dir: Path, rank: int) -> Heartbeat:
     # the life of the process: faulthandler writes to its descriptor from the signal handler.
     _stack_file = open(stacks, "w", encoding="utf-8")  # noqa: SIM115
     faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
-    _current = Heartbeat(out_dir, rank)
+    if _current is not None:
+        _current.close()
+    _current = Heartbeat(out_dir, rank, write_interval_s=WRITE_INTERVAL_S)
     _current.beat(phase="start")
     return _current
 
@@ -112,9 +166,19 @@ def beat(step: int | None = None, phase: str | None = None) -> None:
         _current.beat(step, phase)
 
 
+def flush() -> None:
+    """Put this process's newest beat on disk now (a beat within a phase trails by up to
+    `WRITE_INTERVAL_S`)."""
+    if _current is not None:
+        _current.flush()
+
+
 def stop() -> None:
-    """Unregister the stack dump and forget the heartbeat (the files stay)."""
+    """Write the newest beat, unregister the stack dump and forget the heartbeat (the files
+    stay)."""
     global _current, _stack_file
+    if _current is not None:
+        _current.close()
     if _stack_file is not None:
         faulthandler.unregister(signal.SIGUSR1)
         _stack_file.close()

@@ -188,11 +188,20 @@ class MetricsWriter:
             return
         rec = {"kind": kind, "time": round(time.time(), 3), **fields}
         self._f.write(jsonsafe.dumps(rec, default=float) + "\n")
+        # Flushed to the OS, which keeps it if the process is killed; made durable (fsync) at
+        # checkpoints and at close, not per record: a resume keeps only records up to the
+        # checkpoint it resumes from, and an fsync per record costs ~0.3 ms (a small model's step
+        # is ~40 ms).
         self._f.flush()
-        os.fsync(self._f.fileno())
+
+    def sync(self) -> None:
+        """Make the records written so far durable (before a checkpoint is written)."""
+        if self._f is not None:
+            os.fsync(self._f.fileno())
 
     def close(self) -> None:
         if self._f is not None:
+            self.sync()
             self._f.close()
             self._f = None
 

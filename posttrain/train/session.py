@@ -304,6 +304,7 @@ class TrainSession:
             if self.guard is not None:
                 extra["guard"] = self.guard.state_dict()
             heartbeat.beat(phase="checkpoint")
+            self.metrics.sync()
             save_checkpoint(self.ckpt_root, step, self.model, self.opt, self.sched, keep, extra)
 
 
