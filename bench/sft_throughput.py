@@ -4,8 +4,10 @@ For two model sizes, runs (1) the real sft stage process (world size 1: the plai
 metrics, checkpoint-free) and (2) a bare loop over the same model, adapter, batches and
 optimizer (`build_optimizer`: the stage's fused AdamW), timing the same computation a stage
 step does (collation, the loss through the stage's head path, clipping, AdamW, the schedule)
-with no telemetry. Both pad (the stage with `batch.padding_free: false`). Prints tokens/s and MFU for each and their ratio,
-which is what the stage's orchestration and telemetry cost. Both run in this one invocation,
+with no telemetry. Both pad (the stage with `batch.padding_free: false`). Prints tokens/s and
+MFU for each and their ratio, which is what the stage's orchestration and telemetry cost, two
+ways: best round over best round, and the median of per-step ratios (the same rows on both
+sides). Both run in this one invocation,
 side by side, because absolute times on shared CPUs are noisy.
 
     .venv/bin/python bench/sft_throughput.py            # default: 40 steps per size
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,6 +59,7 @@ def recipe_for(size: dict, steps: int, workspace: Path, threads: int | None = No
             "batch": {"micro_batch_size": 16, "grad_accum_steps": 1, "padding_free": False},
             "max_steps": steps,
             "checkpoint_every": 0,
+            "log_every": 1,  # every step's time, for the paired ratio
         },
     }
 
@@ -109,6 +113,7 @@ def plain_loop(recipe_path: Path, steps: int) -> dict:
     cfg = model.config
     tokens = flops = 0.0
     t_total = 0.0
+    step_times: list[float] = []  # per step, for the paired comparison with the stage's
     for step in range(steps):
         idx = step_indices(
             len(data.train),
@@ -130,6 +135,7 @@ def plain_loop(recipe_path: Path, steps: int) -> dict:
         sched.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t
+        step_times.append(dt)
         if step >= 3:  # skip warm-up steps, as the stage figures below do
             ntok = int(batch["attention_mask"].sum())
             seq = ntok / batch["input_ids"].size(0)
@@ -143,6 +149,7 @@ def plain_loop(recipe_path: Path, steps: int) -> dict:
         "tokens_per_s": tokens / t_total,
         "mfu": flops / t_total / peak,
         "params": sum(p.numel() for p in model.parameters()) - n_trainable,
+        "step_times": step_times,
     }
 
 
@@ -155,6 +162,7 @@ def stage_figures(recipe_path: Path) -> dict:
     rows = read_metrics(sft_dir / "metrics.jsonl", "train")[3:]
     secs = sum(r["step_time_s"] for r in rows)
     return {
+        "step_times": [r["step_time_s"] for r in read_metrics(sft_dir / "metrics.jsonl", "train")],
         "tokens_per_s": sum(r["tokens"] for r in rows) / secs,
         "mfu": sum(r["mfu"] * r["step_time_s"] for r in rows) / secs,
         "tokens_total": sum(r["tokens"] for r in read_metrics(sft_dir / "metrics.jsonl", "train")),
@@ -184,6 +192,11 @@ def measure(name: str, steps: int, rounds: int, tmp: Path, threads: int | None) 
     best_stage: dict = {}
     best_plain: dict = {}
     wall = 0.0
+    # Both sides take the same rows in the same order, so step i is the same work on each:
+    # plain_time[i] / stage_time[i] is that step's stage/plain throughput ratio. Its median over
+    # all steps of all rounds shrugs off the bursts of a shared VM (a round's total moved by
+    # +-15% between identical runs here) that a ratio of two totals absorbs whole.
+    paired: list[float] = []
     # Alternate stage and plain runs and keep each side's best round: load from other processes
     # on a shared machine then hits both sides alike instead of whichever ran second.
     for _ in range(rounds):
@@ -198,12 +211,14 @@ def measure(name: str, steps: int, rounds: int, tmp: Path, threads: int | None) 
         pl = plain_in_subprocess(recipe, steps)
         if pl["tokens_per_s"] > best_plain.get("tokens_per_s", 0):
             best_plain = pl
+        paired += [p / s for p, s in zip(pl["step_times"][3:], st["step_times"][3:], strict=True)]
     return {
         "size": name,
         "base_params": best_plain["params"],
         "stage_tok_s": best_stage["tokens_per_s"],
         "plain_tok_s": best_plain["tokens_per_s"],
         "ratio": best_stage["tokens_per_s"] / best_plain["tokens_per_s"],
+        "paired_ratio": statistics.median(paired),
         "stage_mfu": best_stage["mfu"],
         "plain_mfu": best_plain["mfu"],
         "stage_wall_s": wall,
@@ -239,6 +254,7 @@ def main() -> None:
         "stage tok/s",
         "plain tok/s",
         "stage/plain",
+        "paired stage/plain",
         "stage MFU",
         "plain MFU",
         "stage wall s",
@@ -249,13 +265,16 @@ def main() -> None:
     for r in rows:
         print(
             f"{r['size']} | {r['base_params']:,} | {r['stage_tok_s']:.0f} | "
-            f"{r['plain_tok_s']:.0f} | {r['ratio']:.2f} | {100 * r['stage_mfu']:.1f}% | "
+            f"{r['plain_tok_s']:.0f} | {r['ratio']:.2f} | {r['paired_ratio']:.3f} | "
+            f"{100 * r['stage_mfu']:.1f}% | "
             f"{100 * r['plain_mfu']:.1f}% | {r['stage_wall_s']:.1f} | {r['stage_wall_tok_s']:.0f}"
         )
     print(
         "\nstage/plain is the in-loop cost of the stage's orchestration (token-count all-reduces, "
-        "metrics, guard, heartbeat; 1.0 = free); 'wall tok/s' also pays process start, imports, "
-        "data prep, held-out evals and the adapter save."
+        "metrics, guard, heartbeat; 1.0 = free): best round's tokens/s over best round's; "
+        "'paired' is the median over every step of every round of plain step time / stage step "
+        "time for the same rows (robust to bursts); 'wall tok/s' also pays process start, "
+        "imports, data prep, held-out evals and the adapter save."
     )
     print(json.dumps(rows))
 
