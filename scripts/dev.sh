@@ -13,13 +13,14 @@ py="${PYTHON:-python3.11}"
 command -v "$py" >/dev/null 2>&1 || py=python3
 
 install() {
+  # $1: the extras to install (the tests also need the optional trackers and lm-eval).
   if [ ! -x "$venv/bin/python" ]; then
     "$py" -m venv "$venv"
   fi
   # Installing torch in the same command as everything else, under the constraints, keeps pip
   # from resolving a newer CUDA build first.
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-    -c constraints.txt -e ".[dev]"
+    -c constraints.txt -e ".[$1]"
 }
 
 # The Prefect UI test drives Debian's chromium (playwright never downloads a browser here).
@@ -38,11 +39,11 @@ install_browser() {
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 case "${1:-}" in
   quickstart)
-    install
+    install dev
     "$venv/bin/posttrain" run recipes/quickstart.yaml "${@:2}"
     ;;
   test | test-fast)
-    install
+    install dev,mlflow,wandb,lm-eval
     [ "$1" = test ] && install_browser
     marker=()
     [ "$1" = test-fast ] && marker=(-m "not slow")
