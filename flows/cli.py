@@ -28,6 +28,7 @@ import yaml
 
 from flows.prefect_env import apply_prefect_defaults, prefect_target
 from flows.report import StageRecord, recovery_lines, summary_table, text_table
+from flows.verdict_block import Block, gate_block, stage_failure_block, unexpected_block
 from posttrain.artifacts import read_manifest, verify
 from posttrain.config.loader import RecipeError, load_recipe
 from posttrain.config.reach import (
@@ -71,10 +72,34 @@ def load_or_report(
     try:
         return load_recipe(path, overrides, devices=devices)
     except RecipeError as exc:
-        print(f"error: {path} is invalid:", file=err)
+        # One block, like a failed stage's (flows.verdict_block): nothing ran, so no log.
+        print(f"posttrain: recipe {path} refused (nothing ran)", file=err)
         for line in exc.errors:
             print(f"  {line}", file=err)
+        print(
+            "  fix:  correct the fields named above (docs/recipes.md lists every field); "
+            "`posttrain validate` checks a recipe without running it",
+            file=err,
+        )
         return None
+
+
+def failure_block(exc: BaseException, recipe: Recipe) -> Block:
+    """The closing block of a failed run: a stage's failure, a quality gate, or a bug."""
+    from flows.post_train import QualityGateFailed
+    from flows.stage_failures import StageFailed, StageTimeout
+    from flows.stage_hang import StageHung
+
+    if isinstance(exc, StageFailed):
+        block = stage_failure_block(
+            str(exc), timed_out=isinstance(exc, StageTimeout), hung=isinstance(exc, StageHung)
+        )
+    elif isinstance(exc, QualityGateFailed):
+        block = gate_block(str(exc))
+    else:
+        block = unexpected_block(exc, Path(recipe.run.workspace) / "logs")
+    block.notes = tuple(getattr(exc, "__notes__", ()))
+    return block
 
 
 def cmd_validate(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
@@ -134,7 +159,7 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
     previous = {
         sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)
     }
-    early = None
+    early, printer = None, None
     try:
         from flows.embedded_db import set_aside_if_damaged
         from flows.embedded_server import (
@@ -151,7 +176,14 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
         from flows.known_failures import quiet_known_failures
         from flows.post_train import post_train  # imports prefect: only now, after its defaults
 
+        from flows.terminal import ProgressPrinter, attach_progress, quiet_console
+
         quiet_known_failures()  # a failed stage or gate: one line, not a traceback wall
+        # The terminal gets progress and, on failure, one closing block; stage output and
+        # tracebacks stay in logs/stage.log and the UI (flows.terminal).
+        quiet_console()
+        printer = ProgressPrinter(err)
+        attach_progress(printer)
         server = start_embedded_server(early)  # adopts it: waits until it is healthy
         early = None
         with embedded_run_settings() if server is not None else contextlib.nullcontext():
@@ -166,17 +198,16 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
             print(f"\nposttrain: {what}; the running stage was stopped", file=err)
         return code
     except Exception as exc:
-        # Prefect has already logged it (with its traceback when it is not one of our own
-        # failures: flows.known_failures); end with the part a person needs.
-        print(f"\nposttrain run failed: {type(exc).__name__}: {exc}", file=err)
-        for note in getattr(exc, "__notes__", []):
-            print(note, file=err)
-        headline = str(exc).split("\n", 1)[0]
-        if headline != str(exc):
-            # The message ends with the stage's log tail: repeat what failed as the last line.
-            print(f"posttrain run failed: {headline}", file=err)
+        # The terminal ends with one block: stage, what, fix, log path (flows.verdict_block).
+        if printer is not None:
+            printer.clear()
+        print("\n" + failure_block(exc, recipe).text(), file=err)
         return EXIT_FAILED
     finally:
+        if printer is not None:
+            from flows.terminal import detach_progress
+
+            detach_progress(printer)
         if early is not None:  # the run ended before the server was adopted
             early.discard()
         for sig, handler in previous.items():

@@ -24,6 +24,20 @@ TAIL_LINES = 30
 # Lines kept to find torchrun's failure summary in (it follows the ranks' tracebacks).
 SUMMARY_LINES = 400
 PROGRESS_INTERVAL_S = 2.0
+STAGE_OUTPUT = "posttrain_stage_output"  # LogRecord attribute on a stage's output lines
+
+# Who else wants each stage's newest training record, `(stage, record)`: the CLI's terminal
+# printer (flows.terminal). Empty under `posttrain serve` and deployments: nothing is printed.
+_step_listeners: list[Callable[[str, dict[str, Any]], None]] = []
+
+
+def add_step_listener(listener: Callable[[str, dict[str, Any]], None]) -> None:
+    _step_listeners.append(listener)
+
+
+def remove_step_listener(listener: Callable[[str, dict[str, Any]], None]) -> None:
+    if listener in _step_listeners:
+        _step_listeners.remove(listener)
 
 
 def run_logger() -> logging.LoggerAdapter | logging.Logger:
@@ -70,7 +84,9 @@ class OutputPump:
             try:
                 self.log_file.write(line + "\n")
                 self.log_file.flush()
-                self.log.info("[%s] %s", self.stage, line)
+                # Marked, so the CLI can keep it off the terminal (flows.terminal); it still
+                # goes to the UI, and the log file has it above.
+                self.log.info("[%s] %s", self.stage, line, extra={STAGE_OUTPUT: self.stage})
             except Exception:
                 # Keep draining whatever happens (disk full, logging down): a child writing
                 # into a full pipe nobody reads would block until its timeout.
@@ -110,8 +126,10 @@ class MetricsTail:
         path: Path,
         report: Callable[[float, str], None],
         interval_s: float = PROGRESS_INTERVAL_S,
+        stage: str | None = None,
     ):
         self.path, self.report, self.interval_s = path, report, interval_s
+        self.stage = stage  # named to the step listeners; None: they are not told
         self._offset = 0
         self._partial = ""
         self._last: tuple[float, str] | None = None
@@ -132,17 +150,20 @@ class MetricsTail:
             self._offset = f.tell()
         lines = (self._partial + chunk).split("\n")
         self._partial = lines.pop()  # a line still being written
-        latest = None
+        latest, newest = None, None
         for line in lines:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(record, dict):
-                latest = progress_from_record(record) or latest
+            if isinstance(record, dict) and (progress := progress_from_record(record)):
+                latest, newest = progress, record
         if latest is not None and latest != self._last:
             self._last = latest
             self.report(*latest)
+            if self.stage is not None and newest is not None:
+                for listener in list(_step_listeners):
+                    listener(self.stage, newest)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -64,6 +64,14 @@ def _stage_procs(run: Run, stage: str) -> list[psutil.Process]:
     return found
 
 
+def _wait_text(path: Path, needle: str, run: Run, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and needle in path.read_text(errors="replace")):
+        assert run.proc.poll() is None or time.monotonic() < deadline, run.text()[-6000:]
+        assert time.monotonic() < deadline, f"no {needle!r} in {path} within {timeout} s"
+        time.sleep(0.2)
+
+
 def _kill_mid_stage(run: Run, sft_dir: Path) -> tuple[list[psutil.Process], float]:
     """Wait for the first complete checkpoint of sft, then SIGKILL the CLI; returns the stage
     processes found before the kill and the time of the kill."""
@@ -103,7 +111,9 @@ def test_orphan_stop_stops_the_stage_and_the_next_run_resumes(tmp_path: Path, ho
 
         b = Run(recipe, env, log=tmp_path / "b.out")
         runs.append(b)
-        b.wait_for(f"resumed from {kept[-1].name}", timeout=300)
+        # The stage's own lines are in its log, not on the CLI's terminal (flows.terminal).
+        b.wait_for("Task run 'sft'", timeout=300)
+        _wait_text(sft_dir / "logs" / "stage.log", f"resumed from {kept[-1].name}", b, 300)
     finally:
         stop_runs(runs)
 

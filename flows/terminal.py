@@ -1,0 +1,193 @@
+"""What `posttrain run` shows on its terminal, besides Prefect's run/task lines: live training
+progress, and nothing of a failure but the closing block (`flows.verdict_block`).
+
+Only the CLI installs these (`quiet_console`, `ProgressPrinter`): a flow served by
+`posttrain serve` or a deployment has no terminal, so there its stage output goes to the Prefect
+UI and `logs/stage.log` as before, and no progress line is printed.
+
+- Console: the stage's own output (every line of it, tracebacks included) is kept off the
+  terminal; it is in `<artifact>/logs/stage.log` and in the UI. So are Prefect's repeats of a
+  failure (the task's and the flow's "Finished in state Failed(...)" with the log's tail, or a
+  traceback): the CLI's closing block says it once.
+- Progress: one line per training stage, `sft  step 120/400 · loss 1.23 · 5,100 tok/s · ETA 2m10s`.
+  On a TTY it is redrawn in place (`\\r`), several stages at once sharing the line (parallel
+  branches, flows.schedule); otherwise (a pipe, a CI log) a plain line per stage at most every
+  `POSTTRAIN_PROGRESS_EVERY_S` seconds (default 10), plus its last step: a log file never floods.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from typing import Any, TextIO
+
+from prefect.logging.handlers import PrefectConsoleHandler
+
+from flows.stage_output import STAGE_OUTPUT, add_step_listener, remove_step_listener
+
+RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+# Prefect's (and our supervisor's) repeats of a failure the closing block states once.
+REPEATS = re.compile(
+    r"^(Finished in state (Failed|Crashed)|Task run failed with exception|"
+    r"Encountered exception during execution|stage \S+: (timeout after|no heartbeat for))"
+)
+EVERY_ENV = "POSTTRAIN_PROGRESS_EVERY_S"
+DEFAULT_EVERY_S = 10.0
+
+
+class QuietConsole(logging.Filter):
+    """On the console handler only: drop stage output lines and failure repeats."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, STAGE_OUTPUT, None) is not None:
+            return False
+        if record.name in RUN_LOGGERS or record.name.startswith(RUN_LOGGERS):
+            if record.exc_info and record.levelno >= logging.ERROR:
+                return False
+            if REPEATS.match(record.getMessage()):
+                return False
+        return True
+
+
+def quiet_console() -> None:
+    """Install `QuietConsole` on Prefect's console handlers (those of the root logger, which
+    the run loggers propagate to). Their API handler is untouched: the UI keeps everything."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler) and not any(
+            isinstance(f, QuietConsole) for f in handler.filters
+        ):
+            handler.addFilter(QuietConsole())
+
+
+def fmt_duration(seconds: float) -> str:
+    """`45s`, `2m10s`, `3h05m`."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class _Rate:
+    """Steps per second of one stage, from the first step this printer saw to the newest."""
+
+    def __init__(self, step: float, now: float):
+        self.first = (step, now)
+
+    def eta(self, step: float, total: float, now: float) -> float | None:
+        step0, t0 = self.first
+        if step <= step0 or now <= t0:
+            return None
+        return (total - step) * (now - t0) / (step - step0)
+
+
+def progress_text(stage: str, record: dict[str, Any], eta_s: float | None) -> str:
+    """`sft  step 120/400 · loss 1.23 · 5,100 tok/s · ETA 2m10s`."""
+    parts = [f"step {record['step']:g}/{record['total_steps']:g}"]
+    if isinstance(record.get("loss"), int | float):
+        parts.append(f"loss {record['loss']:.4g}")
+    if isinstance(record.get("tokens_per_s"), int | float):
+        parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+    if eta_s is not None:
+        parts.append(f"ETA {fmt_duration(eta_s)}")
+    return f"{stage}  " + " · ".join(parts)
+
+
+class ProgressPrinter:
+    """Receives each stage's newest training record (`flows.stage_output.add_step_listener`)
+    from the stages' tail threads and prints progress; one lock keeps lines whole."""
+
+    def __init__(self, stream: TextIO, tty: bool | None = None, every_s: float | None = None):
+        self.stream = stream
+        self.tty = stream.isatty() if tty is None else tty
+        if every_s is None:
+            every_s = float(os.environ.get(EVERY_ENV) or DEFAULT_EVERY_S)
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._rates: dict[str, _Rate] = {}
+        self._shown: dict[str, str] = {}  # stage -> its newest text (TTY line)
+        self._printed_at: dict[str, float] = {}  # stage -> when its last plain line went out
+        self._drawn = False  # a TTY line is on screen, to be cleared before other output
+
+    def on_step(self, stage: str, record: dict[str, Any]) -> None:
+        step, total = record.get("step"), record.get("total_steps")
+        if not isinstance(step, int | float) or not isinstance(total, int | float) or total <= 0:
+            return
+        now = time.monotonic()
+        with self._lock:
+            rate = self._rates.setdefault(stage, _Rate(step, now))
+            text = progress_text(stage, record, rate.eta(step, total, now))
+            done = step >= total
+            if self.tty:
+                if done:
+                    self._shown.pop(stage, None)
+                    self._write_line(text)  # the stage's final figures stay on screen
+                else:
+                    self._shown[stage] = text
+                self._redraw()
+                return
+            last = self._printed_at.get(stage)
+            if last is None or done or now - last >= self.every_s:
+                self._printed_at[stage] = now
+                self._write(text + "\n")
+
+    def clear(self) -> None:
+        """Take the TTY line off the screen (before other output, and at the end)."""
+        with self._lock:
+            self._clear()
+
+    def _clear(self) -> None:
+        if self._drawn:
+            self._write("\r\x1b[K")
+            self._drawn = False
+
+    def _write_line(self, text: str) -> None:
+        self._clear()
+        self._write(text + "\n")
+
+    def _redraw(self) -> None:
+        self._clear()
+        if self._shown:
+            self._write(" | ".join(self._shown.values()))
+            self._drawn = True
+
+    def _write(self, text: str) -> None:
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError):  # a closed terminal: progress is decoration
+            pass
+
+
+class ClearBeforeLog(logging.Filter):
+    """On the console handler: clear the TTY progress line before a log line is printed
+    (the next progress update draws it again), so the two never share a line."""
+
+    def __init__(self, printer: ProgressPrinter):
+        super().__init__()
+        self.printer = printer
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.printer.clear()
+        return True
+
+
+def attach_progress(printer: ProgressPrinter) -> None:
+    """Feed `printer` from every stage's metrics tail in this process."""
+    add_step_listener(printer.on_step)
+    if printer.tty:
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, PrefectConsoleHandler):
+                handler.addFilter(ClearBeforeLog(printer))
+
+
+def detach_progress(printer: ProgressPrinter) -> None:
+    remove_step_listener(printer.on_step)
+    printer.clear()
+    for handler in logging.getLogger().handlers:
+        for f in [f for f in handler.filters if isinstance(f, ClearBeforeLog)]:
+            handler.removeFilter(f)

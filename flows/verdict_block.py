@@ -1,0 +1,154 @@
+"""The block `posttrain run` ends with when a run fails: what stage, what is wrong (file:line or
+field path), the fix, and where the full log is. Nothing else of the failure reaches the
+terminal: the stage's own output, tracebacks included, is in `logs/stage.log` (and in the
+Prefect UI), and Prefect's own repeats of the failure are kept off the console
+(`flows.terminal.quiet_console`).
+
+    posttrain: stage sft failed
+      what: /data/chat.jsonl:3: invalid JSON: Expecting ',' delimiter (column 1)
+      fix:  correct or remove that row (or point the recipe at another file), then run again
+      full log: /ws/artifacts/sft/18ad184aa1f3a563/logs/stage.log
+
+An error posttrain does not know (a bug) says "unexpected error", shows the last frame of its
+traceback, and points at the log that holds all of it.
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+RERUN = "then run again: finished stages are reused"
+
+# The errors a stage reports as verdicts (their `POSTTRAIN_ERROR` line names the type), with the
+# fix a person applies. Every name is a class of posttrain (tests/test_cli_terminal.py checks).
+FIXES: dict[str, str] = {
+    "DataError": f"correct or remove that row (or point the recipe at another file), {RERUN}",
+    "PreferenceDataError": f"correct or remove that pair (or point the recipe elsewhere), {RERUN}",
+    "TemplateError": f"give the model a chat template that renders these rows, {RERUN}",
+    "IngestError": f"correct the ingest section (model id, revision, local folder), {RERUN}",
+    "HubError": f"check the hub id, revision and network (or use a local folder), {RERUN}",
+    "MemoryPreflightError": (
+        "apply one of the changes listed above, or set infra.memory_preflight=warn to try anyway"
+    ),
+    "DiskFull": f"free disk space in the workspace (old artifacts, checkpoints), {RERUN}",
+    "NoIntactCheckpoint": "delete the damaged checkpoints folder, or set "
+    "infra.no_intact_checkpoint=restart to train from the start",
+    "ParentArtifactDamaged": f"delete the damaged artifact folder named above, {RERUN}",
+    "RewardFunctionError": f"fix the reward function named above, {RERUN}",
+    "RewardLoadError": f"fix the reward module or its name in the recipe, {RERUN}",
+    "TooManyBadSteps": "lower the learning rate or check the data (non-finite losses); "
+    "infra.guard.* sets how many bad steps are tolerated",
+    "ExportVerificationError": "the merged export does not match base+adapter: the stage's "
+    "log has the numbers; report it with the log",
+}
+ERROR_MARKER = "POSTTRAIN_ERROR stage "
+LOG_RE = re.compile(r"Log: (\S+stage\.log)")
+FRAME_RE = re.compile(r'^\s*File "[^"]+", line \d+, in .+$')
+
+
+@dataclass
+class Block:
+    """One failure, as the terminal shows it."""
+
+    head: str  # `posttrain: stage sft failed`
+    what: str
+    fix: str
+    log: str | None = None
+    frame: str | None = None  # unexpected errors: the last frame of the traceback
+    notes: tuple[str, ...] = ()  # e.g. `run folder: ...`
+
+    def text(self) -> str:
+        lines = [self.head, f"  what: {self.what}"]
+        if self.frame:
+            lines.append(f"  at:   {self.frame.strip()}")
+        lines.append(f"  fix:  {self.fix}")
+        if self.log:
+            lines.append(f"  full log: {self.log}")
+        lines.extend(f"  {note}" for note in self.notes)
+        return "\n".join(lines)
+
+
+def _stage_of(text: str) -> str:
+    match = re.search(r"stage '([^']+)'", text)
+    return match.group(1) if match else "?"
+
+
+def _last_frame(lines: list[str]) -> str | None:
+    frames = [x for x in lines if FRAME_RE.match(x)]
+    return frames[-1] if frames else None
+
+
+def stage_failure_block(message: str, timed_out: bool = False, hung: bool = False) -> Block:
+    """The block for a `StageFailed` (its message: headline, `Log: <path>`, the log's tail)."""
+    head_line, _, tail = message.partition("\n--- end of the log ---\n")
+    stage = _stage_of(head_line)
+    found = LOG_RE.search(message)
+    log = found.group(1) if found else None
+    headline = LOG_RE.sub("", head_line).strip().rstrip(".").strip()
+    head = f"posttrain: stage {stage} failed"
+    lines = tail.splitlines()
+    verdicts = [x for x in lines if x.startswith(ERROR_MARKER)]
+    if timed_out:
+        return Block(head, headline, f"raise infra.timeouts.{stage}, or make the stage smaller", log)
+    if hung:
+        first = headline.splitlines()[0] if headline else "every rank stopped beating"
+        return Block(head, first, "the stacks of every rank are in the log; report it", log)
+    if verdicts:
+        # `POSTTRAIN_ERROR stage sft failed: DataError: /data/x.jsonl:3: invalid JSON ...`
+        _, _, rest = verdicts[-1].partition(" failed: ")
+        kind, _, what = rest.partition(": ")
+        if kind == "MemoryPreflightError":
+            # Its message goes on with the estimate's table, then the changes that would fit
+            # (`  - sft.batch.micro_batch_size: 1 ...: 478.7 MiB`): the block keeps those.
+            after = lines[lines.index(verdicts[-1]) + 1 :]
+            changes = [x.strip()[2:] for x in after if x.startswith("  - ")]
+            fix = FIXES[kind]
+            if changes:
+                fix = "one of\n" + "\n".join(f"        {c}" for c in changes) + f"\n        {fix}"
+            return Block(head, what, fix, log)
+        if kind in FIXES:
+            return Block(head, what, FIXES[kind], log)
+        return Block(
+            head,
+            f"unexpected error: {kind}: {what}",
+            "this looks like a bug in posttrain: the full traceback is in the log",
+            log,
+            _last_frame(lines),
+        )
+    # No verdict line: the process was killed (a signal, the OOM killer) or left no artifact.
+    return Block(head, headline, "see the end of the log for what it did last", log)
+
+
+def gate_block(message: str) -> Block:
+    """The block for a `QualityGateFailed`: `<stage>: <what the gate measured>`."""
+    stage, _, what = message.partition(": ")
+    return Block(
+        f"posttrain: stage {stage} failed its quality gate",
+        what or message,
+        "its artifact is kept; train it better (steps, data, lr) or change the bar named "
+        f"above, {RERUN}",
+    )
+
+
+def unexpected_block(exc: BaseException, log_dir: Path) -> Block:
+    """A failure outside any stage (in the flow or the CLI): its traceback goes to a file in
+    `log_dir`, the block names that file and the last frame."""
+    text = "".join(traceback.format_exception(exc))
+    log = None
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        path = log_dir / "posttrain-run-error.log"
+        path.write_text(text)
+        log = str(path)
+    except OSError:
+        pass
+    return Block(
+        "posttrain: the run failed",
+        f"unexpected error: {type(exc).__name__}: {exc}".split("\n", 1)[0],
+        "this looks like a bug in posttrain: the full traceback is in the log",
+        log,
+        _last_frame(text.splitlines()),
+    )

@@ -1,0 +1,212 @@
+"""The terminal of `posttrain run`, in process: the closing block of a failure (what, fix, log),
+the console filter that keeps stage output and Prefect's repeats of a failure off the terminal,
+and the progress printer (rate-limited plain lines; one line redrawn in place on a TTY).
+The real CLI in a subprocess: tests/test_cli_terminal.py."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+from flows import terminal
+from flows.stage_output import MetricsTail, add_step_listener, remove_step_listener
+from flows.terminal import ProgressPrinter, QuietConsole, fmt_duration
+from flows.verdict_block import FIXES, gate_block, stage_failure_block, unexpected_block
+
+REPO = Path(__file__).resolve().parents[1]
+LOG = "/ws/artifacts/sft/18ad184aa1f3a563/logs/stage.log"
+
+
+def _stage_failed(tail: str, headline: str = "stage 'sft' exited with code 1") -> str:
+    # The message flows.stage_supervise raises a StageFailed with.
+    return f"{headline}. Log: {LOG}\n--- end of the log ---\n{tail}"
+
+
+DATA_TAIL = """\
+2026-12-01 23:33:39,472 INFO [posttrain] stage sft fingerprint 18ad184aa1f3a563
+Traceback (most recent call last):
+  File "/repo/posttrain/stages/common.py", line 393, in stage_main
+    summary = run(ctx)
+  File "/repo/posttrain/data/loading.py", line 244, in parse_json_line
+    raise DataError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+posttrain.data.loading.DataError: /data/chat.jsonl:3: invalid JSON: Expecting ',' delimiter
+
+POSTTRAIN_ERROR stage sft failed: DataError: /data/chat.jsonl:3: invalid JSON: Expecting ','"""
+
+MEMORY_TAIL = """\
+POSTTRAIN_ERROR stage sft failed: MemoryPreflightError: stage sft: estimated peak 484.7 MiB \
+per device does NOT fit in 50% of 1.0 MiB (infra.device_memory_gb override)
+component                          phase          size  note
+estimated peak                               484.7 MiB
+fixes (estimated peak each; budget 524.3 KiB):
+  - sft.activation_checkpointing: true: 482.7 MiB
+  - sft.batch.micro_batch_size: 1 with grad_accum_steps: 8 (same global batch): 478.7 MiB
+nothing above fits: this stage needs a device with at least 956.9 MiB
+Refused before loading the model. Apply a fix above, or set infra.memory_preflight: warn"""
+
+BUG_TAIL = """\
+Traceback (most recent call last):
+  File "/repo/posttrain/stages/common.py", line 393, in stage_main
+    summary = run(ctx)
+  File "/repo/posttrain/stages/sft.py", line 99, in run
+    x = rows[0]["nope"]
+KeyError: 'nope'
+
+POSTTRAIN_ERROR stage sft failed: KeyError: 'nope'"""
+
+
+def test_data_error_block_names_stage_file_line_fix_and_log() -> None:
+    text = stage_failure_block(_stage_failed(DATA_TAIL)).text()
+    lines = text.splitlines()
+    assert lines[0] == "posttrain: stage sft failed"
+    assert "what: /data/chat.jsonl:3: invalid JSON" in lines[1]
+    assert lines[2].startswith("  fix:  correct or remove that row")
+    assert lines[3] == f"  full log: {LOG}"
+    assert len(lines) == 4 and "Traceback" not in text
+
+
+def test_memory_refusal_block_lists_the_changes_that_fit() -> None:
+    text = stage_failure_block(_stage_failed(MEMORY_TAIL)).text()
+    assert text.startswith("posttrain: stage sft failed\n  what: stage sft: estimated peak")
+    assert "sft.activation_checkpointing: true" in text
+    assert "sft.batch.micro_batch_size: 1 with grad_accum_steps: 8" in text
+    assert "infra.memory_preflight=warn" in text and f"full log: {LOG}" in text
+    assert "component" not in text  # the estimate's table stays in the log
+    assert len(text.splitlines()) <= 8
+
+
+def test_unknown_error_says_unexpected_and_shows_the_last_frame() -> None:
+    text = stage_failure_block(_stage_failed(BUG_TAIL)).text()
+    assert "what: unexpected error: KeyError: 'nope'" in text
+    assert 'at:   File "/repo/posttrain/stages/sft.py", line 99, in run' in text
+    assert "Traceback" not in text and f"full log: {LOG}" in text
+
+
+def test_killed_stage_and_timeout_blocks() -> None:
+    killed = stage_failure_block(
+        _stage_failed("step 3", "stage 'sft' was killed by SIGKILL; its last heartbeat: step 3")
+    ).text()
+    assert "what: stage 'sft' was killed by SIGKILL; its last heartbeat: step 3" in killed
+    timeout = stage_failure_block(
+        f"stage 'dpo' timed out after 60 s (infra.timeouts.dpo) and was killed with its "
+        f"process group. Log: {LOG}\n--- end of the log ---\nstep 9",
+        timed_out=True,
+    ).text()
+    assert timeout.startswith("posttrain: stage dpo failed") and "infra.timeouts.dpo" in timeout
+
+
+def test_gate_block() -> None:
+    text = gate_block("reward: held-out reward accuracy 0.5 < reward.min_accuracy 1.0").text()
+    assert text.splitlines()[0] == "posttrain: stage reward failed its quality gate"
+    assert "reward.min_accuracy 1.0" in text and "fix:" in text
+
+
+def test_unexpected_flow_error_keeps_its_traceback_in_a_file(tmp_path: Path) -> None:
+    try:
+        {}["missing"]
+    except KeyError as exc:
+        block = unexpected_block(exc, tmp_path / "logs")
+    assert block.log is not None
+    assert "Traceback (most recent call last)" in Path(block.log).read_text()
+    assert "unexpected error: KeyError" in block.text() and "test_terminal.py" in block.text()
+
+
+def test_every_fix_names_a_real_posttrain_error() -> None:
+    source = "\n".join(p.read_text() for p in (REPO / "posttrain").rglob("*.py"))
+    for name in FIXES:
+        assert re.search(rf"^class {name}\(", source, re.M), name
+
+
+def _record(name: str, msg: str, level: int = logging.INFO, **extra: object) -> logging.LogRecord:
+    record = logging.LogRecord(name, level, __file__, 1, msg, (), None)
+    record.__dict__.update(extra)
+    return record
+
+
+def test_console_drops_stage_output_and_failure_repeats_only() -> None:
+    f = QuietConsole()
+    assert not f.filter(_record("prefect.task_runs", "[sft] x", posttrain_stage_output="sft"))
+    assert not f.filter(_record("prefect.task_runs", "Finished in state Failed('...')"))
+    assert not f.filter(
+        _record("prefect.flow_runs", "Encountered exception during execution: X", logging.ERROR)
+    )
+    assert f.filter(_record("prefect.task_runs", "Finished in state Completed()"))
+    assert f.filter(_record("prefect.task_runs", "stage sft: /usr/bin/python -m ..."))
+    assert f.filter(_record("prefect.flow_runs", "cached sft artifact is not valid", 30))
+
+
+def _train(step: int, total: int = 100) -> dict:
+    return {"kind": "train", "step": step, "total_steps": total, "loss": 2.5, "tokens_per_s": 5100}
+
+
+def test_plain_progress_is_rate_limited_and_has_an_eta(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(terminal.time, "monotonic", lambda: now[0])
+    out = io.StringIO()
+    printer = ProgressPrinter(out, tty=False, every_s=10)
+    for step in range(1, 101):  # one step per second for 100 s
+        printer.on_step("sft", _train(step))
+        now[0] += 1.0
+    lines = out.getvalue().splitlines()
+    # The first step, then one line per 10 s, then the last step: never one per step.
+    assert 10 <= len(lines) <= 12, lines
+    assert lines[0] == "sft  step 1/100 · loss 2.5 · 5,100 tok/s"
+    assert re.fullmatch(r"sft  step 11/100 · loss 2\.5 · 5,100 tok/s · ETA 1m29s", lines[1])
+    assert lines[-1].startswith("sft  step 100/100") and lines[-1].endswith("ETA 0s")
+    assert "\r" not in out.getvalue()
+
+
+def test_tty_progress_redraws_one_line_for_parallel_stages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(terminal.time, "monotonic", lambda: now[0])
+    out = io.StringIO()
+    printer = ProgressPrinter(out, tty=True, every_s=10)
+    printer.on_step("dpo", _train(1))
+    printer.on_step("kto", _train(1))
+    now[0] += 98.0
+    printer.on_step("dpo", _train(50))
+    screen = out.getvalue().split("\r\x1b[K")[-1]
+    assert screen == (
+        "dpo  step 50/100 · loss 2.5 · 5,100 tok/s · ETA 1m40s | "
+        "kto  step 1/100 · loss 2.5 · 5,100 tok/s"
+    )
+    assert "\n" not in out.getvalue()  # nothing scrolls while they train
+    printer.on_step("dpo", _train(100))  # done: its last figures stay, kto goes on below
+    done, redrawn = out.getvalue().split("\r\x1b[K")[-1].split("\n")
+    assert done.startswith("dpo  step 100/100")
+    assert redrawn == "kto  step 1/100 · loss 2.5 · 5,100 tok/s"
+    printer.clear()
+    assert out.getvalue().endswith("\r\x1b[K")
+
+
+def test_fmt_duration() -> None:
+    assert [fmt_duration(s) for s in (5, 130, 3 * 3600 + 300)] == ["5s", "2m10s", "3h05m"]
+
+
+def test_metrics_tail_tells_the_listeners_the_stage_and_its_newest_step(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(
+        "\n".join(json.dumps(r) for r in (_train(1), {"kind": "eval", "loss": 1}, _train(2)))
+        + "\n"
+    )
+    seen: list[tuple[str, int]] = []
+
+    def listener(stage: str, record: dict) -> None:
+        seen.append((stage, record["step"]))
+
+    add_step_listener(listener)
+    try:
+        tail = MetricsTail(path, lambda p, d: None, interval_s=3600, stage="sft")
+        tail.stop()
+        anonymous = MetricsTail(path, lambda p, d: None, interval_s=3600)  # no stage: untold
+        anonymous.stop()
+    finally:
+        remove_step_listener(listener)
+    assert seen == [("sft", 2)]
