@@ -44,6 +44,8 @@ class QuietConsole(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, STAGE_OUTPUT, None) is not None:
             return False
+        if record.name == "prefect" and record.getMessage().startswith("Stopping temporary"):
+            return False  # Prefect's exit hook, after the closing block: that block ends it
         if record.name in RUN_LOGGERS or record.name.startswith(RUN_LOGGERS):
             if record.exc_info and record.levelno >= logging.ERROR:
                 return False

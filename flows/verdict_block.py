@@ -6,7 +6,8 @@ Prefect UI), and Prefect's own repeats of the failure are kept off the console
 
     posttrain: stage sft failed
       what: /data/chat.jsonl:3: invalid JSON: Expecting ',' delimiter (column 1)
-      fix:  correct or remove that row (or point the recipe at another file), then run again
+      fix:  correct or remove that row (or point the recipe at another file), then run again...
+      run folder: /ws/runs/20261201T233654Z-c5b00207
       full log: /ws/artifacts/sft/18ad184aa1f3a563/logs/stage.log
 
 An error posttrain does not know (a bug) says "unexpected error", shows the last frame of its
@@ -65,9 +66,9 @@ class Block:
         if self.frame:
             lines.append(f"  at:   {self.frame.strip()}")
         lines.append(f"  fix:  {self.fix}")
+        lines.extend(f"  {note}" for note in self.notes)
         if self.log:
             lines.append(f"  full log: {self.log}")
-        lines.extend(f"  {note}" for note in self.notes)
         return "\n".join(lines)
 
 

@@ -1,0 +1,270 @@
+"""What a person sees on the terminal of a real `posttrain run` (a subprocess, stdout+stderr
+merged as on a terminal): each kind of failure ends in one short block naming the stage, the
+file:line or field, the fix and the stage's log, with no traceback and no repeats; training
+shows rate-limited progress lines through a pipe; a SIGKILLed CLI leaves no Prefect server and
+no stage process behind.
+
+The failing runs share one workspace and Prefect home, so the ingest stage and the database
+migrations are paid once (tests/faults/fault_runs.py starts the CLI as the fault tests do).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from tests.faults.fault_runs import CLI_WRAPPER, ROOT, Run, kill_all, run_env, wait_gone
+from tests.stage_helpers import TINY
+
+TRACEBACK = "Traceback (most recent call last)"
+
+
+def _tiny(ws: Path, name: str, **sections: dict) -> dict:
+    data = yaml.safe_load(yaml.safe_dump(TINY))
+    data["run"] = {**data["run"], "name": name, "workspace": str(ws)}
+    data["ingest"]["from_config"]["pretrain_steps"] = 5
+    data["sft"]["max_steps"] = 4
+    data.update(sections)
+    return data
+
+
+def _cli(folder: Path, env: dict, data: dict, *overrides: str) -> tuple[int, str]:
+    recipe = folder / f"{data['run']['name']}.yaml"
+    recipe.write_text(yaml.safe_dump(data))
+    proc = subprocess.run(
+        [sys.executable, "-c", CLI_WRAPPER, "run", str(recipe), *overrides],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+        start_new_session=True,
+    )
+    return proc.returncode, proc.stdout
+
+
+def _block(out: str, head: str, what: str, fix: str, log: bool = True) -> list[str]:
+    """The closing block: `head`, then a few lines with `what` and `fix` and (`log`) an
+    existing log file, at the very end of the output; no traceback anywhere, `what` once."""
+    lines = out.rstrip("\n").splitlines()
+    assert head in lines, out[-4000:]
+    block = lines[lines.index(head) :]
+    assert len(block) <= 9, block
+    text = "\n".join(block)
+    assert what in text and fix in text, text
+    assert TRACEBACK not in out, out[-4000:]
+    assert out.count(what) == 1, out[-4000:]  # no repeats of the failure above the block
+    if log:
+        found = re.search(r"full log: (\S+)", block[-1])
+        assert found and Path(found.group(1)).is_file(), block
+        assert found.group(1).endswith("logs/stage.log")
+    return block
+
+
+def test_a_refused_recipe_is_one_block_naming_each_field(tmp_path: Path) -> None:
+    data = _tiny(tmp_path / "ws", "refused")
+    data["sft"]["optim"]["lr"] = -1
+    data["sft"]["epochz"] = 2
+    rc, out = _cli(tmp_path, run_env(tmp_path / "home", tmp_path / "locks"), data)
+    assert rc == 2
+    head = f"posttrain: recipe {tmp_path / 'refused.yaml'} refused (nothing ran)"
+    block = _block(out, head, "sft.optim.lr:", "fix:", log=False)
+    assert any(x.strip().startswith("sft.epochz: unknown field") for x in block)
+    assert out.splitlines()[0] == head  # nothing started before it
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict]]:
+    folder = tmp_path_factory.mktemp("cli-terminal")
+    yield folder, run_env(folder / "home", folder / "locks")
+
+
+def _rows(path: Path, rows: list[str]) -> Path:
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def _chat(i: int) -> str:
+    return json.dumps(
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["broken-json", "no-messages"])
+def test_a_bad_data_row_is_one_block_with_its_file_and_line(
+    shared: tuple[Path, dict], fault: str
+) -> None:
+    folder, env = shared
+    rows = [_chat(i) for i in range(20)]
+    if fault == "broken-json":
+        rows[2] = '{"messages": [{"role": "user", "content": "oops"'
+        where = f"{folder / fault}.jsonl:3: invalid JSON"
+    else:
+        rows[4] = json.dumps({"text": "no messages"})
+        where = f"{folder / fault}.jsonl:5: expected one of 'messages'"
+    data = _tiny(folder / "ws", fault)
+    data["sft"]["data"] = {"path": str(_rows(folder / f"{fault}.jsonl", rows)), "max_seq_len": 64}
+    rc, out = _cli(folder, env, data)
+    assert rc == 1
+    block = _block(out, "posttrain: stage sft failed", where, "fix:  correct or remove that row")
+    log = Path(block[-1].split("full log: ")[1]).read_text()
+    assert TRACEBACK in log  # the stage's traceback is kept, in its log
+
+
+@pytest.mark.slow
+def test_a_memory_refusal_is_one_block_with_the_changes_that_fit(
+    shared: tuple[Path, dict],
+) -> None:
+    folder, env = shared
+    data = _tiny(folder / "ws", "memory")
+    rc, out = _cli(folder, env, data, "infra.device_memory_gb=0.001")
+    assert rc == 1
+    block = _block(
+        out,
+        "posttrain: stage sft failed",
+        "does NOT fit in 50% of 1.0 MiB (infra.device_memory_gb override)",
+        "infra.memory_preflight=warn",
+    )
+    assert any("sft.activation_checkpointing: true" in x for x in block), block
+
+
+@pytest.mark.slow
+def test_a_failed_quality_gate_is_one_block_naming_the_bar(shared: tuple[Path, dict]) -> None:
+    folder, env = shared
+    reward = {
+        "data": {
+            "synthetic": {"n_examples": 60},
+            "eval_fraction": 0.2,
+            "max_seq_len": 64,
+            "max_prompt_len": 32,
+        },
+        "lora": {"r": 4, "alpha": 8},
+        "batch": {"micro_batch_size": 8, "grad_accum_steps": 1},
+        "max_steps": 2,
+        "checkpoint_every": 0,
+        "min_accuracy": 1.0,  # a tiny model after 2 steps cannot rank every pair right
+    }
+    rc, out = _cli(folder, env, _tiny(folder / "ws", "gate", reward=reward))
+    assert rc == 1
+    _block(
+        out,
+        "posttrain: stage reward failed its quality gate",
+        "< reward.min_accuracy 1.0",
+        "fix:  its artifact is kept",
+        log=False,
+    )
+
+
+# Stand-in stages (no torch): sft writes PT_FAKE_STEPS training records PT_FAKE_STEP_S apart
+# into its metrics.jsonl, as a training stage does; every other stage just completes.
+FAKE_STAGE = """
+import json, os, time
+from posttrain.stages.common import stage_main
+
+
+def run(ctx):
+    steps = int(os.environ.get("PT_FAKE_STEPS", "0")) if ctx.name == "sft" else 0
+    with open(ctx.out_dir / "metrics.jsonl", "a") as f:
+        for step in range(1, steps + 1):
+            time.sleep(float(os.environ.get("PT_FAKE_STEP_S", "0.5")))
+            record = {"kind": "train", "step": step, "total_steps": steps, "loss": 3.0 - step / 10,
+                      "tokens_per_s": 1234.0}
+            f.write(json.dumps(record) + "\\n")
+            f.flush()
+    return {"headline": {"steps": steps}}
+
+
+if __name__ == "__main__":
+    stage_main(run, kind="standin")
+"""
+
+
+def _fake_env(folder: Path, **extra: str) -> dict:
+    mods = folder / "mods"
+    mods.mkdir(exist_ok=True)
+    (mods / "pt_fake_stage.py").write_text(FAKE_STAGE)
+    stages = ",".join(f"{s}=pt_fake_stage" for s in ("ingest", "sft", "evaluate", "export"))
+    return run_env(folder / "home", folder / "locks", mods, PT_STAGE_MODULES=stages, **extra)
+
+
+def _fake_recipe(folder: Path, name: str) -> Path:
+    recipe = folder / f"{name}.yaml"
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "run": {"name": name, "workspace": str(folder / "ws")},
+                "infra": {"device": "cpu", "precision": "fp32"},
+                "ingest": {"source": "from_config"},
+                "sft": {"data": {"synthetic": {"n_examples": 20}}},
+            }
+        )
+    )
+    return recipe
+
+
+@pytest.mark.slow
+def test_progress_through_a_pipe_is_plain_and_rate_limited(tmp_path: Path) -> None:
+    # 40 steps over ~20 s, a line at most every 4 s: about 6 lines, not 40.
+    env = _fake_env(
+        tmp_path, PT_FAKE_STEPS="40", PT_FAKE_STEP_S="0.5", POSTTRAIN_PROGRESS_EVERY_S="4"
+    )
+    run = Run(_fake_recipe(tmp_path, "progress"), env)
+    try:
+        assert run.proc.wait(timeout=300) == 0, run.text()[-4000:]
+    finally:
+        run.stop()
+    run._reader.join(timeout=5)
+    pattern = re.compile(
+        r"^sft  step (\d+)/40 · loss [\d.]+ · 1,234 tok/s(?: · ETA (?:\d+s|\d+m\d\ds))?$"
+    )
+    progress = [(t, line) for t, line in run.lines if pattern.match(line)]
+    assert 3 <= len(progress) <= 9, run.text()[-4000:]
+    steps = [int(pattern.match(line).group(1)) for _, line in progress]  # type: ignore[union-attr]
+    assert steps == sorted(steps) and steps[-1] == 40
+    assert all("ETA" in line for _, line in progress[1:-1])
+    gaps = [b - a for (a, _), (b, _) in zip(progress[:-2], progress[1:-1], strict=True)]
+    assert all(g >= 3.0 for g in gaps), gaps  # at most one line per 4 s (polled every 2)
+    assert "\r" not in run.text()
+
+
+@pytest.mark.slow
+def test_sigkilled_cli_leaves_no_prefect_server_and_no_stage(tmp_path: Path) -> None:
+    env = _fake_env(tmp_path, PT_FAKE_STEPS="600", PT_FAKE_STEP_S="1")
+    run = Run(_fake_recipe(tmp_path, "sigkill"), env)
+    procs: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300
+        server, stage = None, None
+        while stage is None:
+            assert run.proc.poll() is None, run.text()[-4000:]
+            assert time.monotonic() < deadline, run.text()[-4000:]
+            server = server or run.server()
+            for p in run.descendants():
+                if "posttrain.stages.sft" in " ".join(p.cmdline()) or (
+                    "pt_fake_stage" in " ".join(p.cmdline()) and "/sft/" in " ".join(p.cmdline())
+                ):
+                    stage = p
+            time.sleep(0.2)
+        assert server is not None and server.is_running()
+        procs = run.descendants()
+        run.proc.send_signal(signal.SIGKILL)
+        run.proc.wait(timeout=10)
+        gone = wait_gone([server], 10)
+        print(f"\nembedded server gone {gone:.1f} s after the CLI's SIGKILL")
+        wait_gone([stage], 20)  # the stage's orphan watch (posttrain.orphan)
+    finally:
+        run.stop()
+        kill_all(procs)
