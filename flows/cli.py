@@ -175,7 +175,6 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
         early = launch_embedded_server()
         from flows.known_failures import quiet_known_failures
         from flows.post_train import post_train  # imports prefect: only now, after its defaults
-
         from flows.terminal import ProgressPrinter, attach_progress, quiet_console
 
         quiet_known_failures()  # a failed stage or gate: one line, not a traceback wall

@@ -162,9 +162,7 @@ def _supervise(stage: PlannedStage, spec_path: Path | str, kill_grace_s: float) 
             bufsize=1,
         )
         pump = OutputPump(proc.stdout, log_file, log, stage.name)  # type: ignore[arg-type]
-        metrics = MetricsTail(
-            stage.out_dir / "metrics.jsonl", progress.update, stage=stage.name
-        )
+        metrics = MetricsTail(stage.out_dir / "metrics.jsonl", progress.update, stage=stage.name)
         try:
             timed_out, hang, stacks = _wait(proc, stage, watch, launch_id, log)
         finally:

@@ -93,7 +93,9 @@ def stage_failure_block(message: str, timed_out: bool = False, hung: bool = Fals
     lines = tail.splitlines()
     verdicts = [x for x in lines if x.startswith(ERROR_MARKER)]
     if timed_out:
-        return Block(head, headline, f"raise infra.timeouts.{stage}, or make the stage smaller", log)
+        return Block(
+            head, headline, f"raise infra.timeouts.{stage}, or make the stage smaller", log
+        )
     if hung:
         first = headline.splitlines()[0] if headline else "every rank stopped beating"
         return Block(head, first, "the stacks of every rank are in the log; report it", log)
@@ -103,12 +105,18 @@ def stage_failure_block(message: str, timed_out: bool = False, hung: bool = Fals
         kind, _, what = rest.partition(": ")
         if kind == "MemoryPreflightError":
             # Its message goes on with the estimate's table, then the changes that would fit
-            # (`  - sft.batch.micro_batch_size: 1 ...: 478.7 MiB`): the block keeps those.
+            # (`  - sft.batch.micro_batch_size: 1 ...: 478.7 MiB`), or that none would: the
+            # block keeps those, the table stays in the log.
             after = lines[lines.index(verdicts[-1]) + 1 :]
             changes = [x.strip()[2:] for x in after if x.startswith("  - ")]
+            need = next((x for x in after if x.startswith("nothing above fits")), None)
             fix = FIXES[kind]
-            if changes:
-                fix = "one of\n" + "\n".join(f"        {c}" for c in changes) + f"\n        {fix}"
+            if need:
+                need = need.replace("nothing above fits", "no setting of this stage fits", 1)
+                fix = f"{need}; or set infra.memory_preflight=warn to try anyway"
+            elif changes:
+                steps = "\n".join(f"        {c}" for c in changes)
+                fix = f"one of\n{steps}\n        or set infra.memory_preflight=warn to try anyway"
             return Block(head, what, fix, log)
         if kind in FIXES:
             return Block(head, what, FIXES[kind], log)

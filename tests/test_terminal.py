@@ -71,13 +71,22 @@ def test_data_error_block_names_stage_file_line_fix_and_log() -> None:
 
 
 def test_memory_refusal_block_lists_the_changes_that_fit() -> None:
-    text = stage_failure_block(_stage_failed(MEMORY_TAIL)).text()
+    fits = MEMORY_TAIL.replace(
+        "nothing above fits: this stage needs a device with at least 956.9 MiB\n", ""
+    )
+    text = stage_failure_block(_stage_failed(fits)).text()
     assert text.startswith("posttrain: stage sft failed\n  what: stage sft: estimated peak")
-    assert "sft.activation_checkpointing: true" in text
+    assert "  fix:  one of\n        sft.activation_checkpointing: true" in text
     assert "sft.batch.micro_batch_size: 1 with grad_accum_steps: 8" in text
     assert "infra.memory_preflight=warn" in text and f"full log: {LOG}" in text
     assert "component" not in text  # the estimate's table stays in the log
     assert len(text.splitlines()) <= 8
+
+
+def test_memory_refusal_block_says_when_no_change_fits() -> None:
+    text = stage_failure_block(_stage_failed(MEMORY_TAIL)).text()
+    assert "fix:  no setting of this stage fits: this stage needs a device with at least 956.9 MiB" in text
+    assert "activation_checkpointing" not in text and len(text.splitlines()) == 4
 
 
 def test_unknown_error_says_unexpected_and_shows_the_last_frame() -> None:
@@ -193,8 +202,7 @@ def test_fmt_duration() -> None:
 def test_metrics_tail_tells_the_listeners_the_stage_and_its_newest_step(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     path.write_text(
-        "\n".join(json.dumps(r) for r in (_train(1), {"kind": "eval", "loss": 1}, _train(2)))
-        + "\n"
+        "\n".join(json.dumps(r) for r in (_train(1), {"kind": "eval", "loss": 1}, _train(2))) + "\n"
     )
     seen: list[tuple[str, int]] = []
 
