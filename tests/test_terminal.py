@@ -85,7 +85,10 @@ def test_memory_refusal_block_lists_the_changes_that_fit() -> None:
 
 def test_memory_refusal_block_says_when_no_change_fits() -> None:
     text = stage_failure_block(_stage_failed(MEMORY_TAIL)).text()
-    assert "fix:  no setting of this stage fits: this stage needs a device with at least 956.9 MiB" in text
+    assert (
+        "fix:  no setting of this stage fits: this stage needs a device with at least 956.9 MiB"
+        in text
+    )
     assert "activation_checkpointing" not in text and len(text.splitlines()) == 4
 
 
