@@ -10,6 +10,7 @@ migrations are paid once (tests/faults/fault_runs.py starts the CLI as the fault
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -241,9 +242,15 @@ def test_progress_through_a_pipe_is_plain_and_rate_limited(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-def test_sigkilled_cli_leaves_no_prefect_server_and_no_stage(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=lambda s: s.name)
+def test_a_cli_killed_mid_stage_leaves_no_prefect_server_and_no_stage(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """SIGKILL: the server's parent-death signal (flows.embedded_server) and the stage's orphan
+    watch (posttrain.orphan) end them. SIGINT (Ctrl-C): the CLI stops both itself. SIGTERM and
+    SIGHUP: tests/faults/test_fault_device_slot.py."""
     env = _fake_env(tmp_path, PT_FAKE_STEPS="600", PT_FAKE_STEP_S="1")
-    run = Run(_fake_recipe(tmp_path, "sigkill"), env)
+    run = Run(_fake_recipe(tmp_path, f"kill-{sig.name.lower()}"), env)
     procs: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 300
@@ -253,18 +260,24 @@ def test_sigkilled_cli_leaves_no_prefect_server_and_no_stage(tmp_path: Path) -> 
             assert time.monotonic() < deadline, run.text()[-4000:]
             server = server or run.server()
             for p in run.descendants():
-                if "posttrain.stages.sft" in " ".join(p.cmdline()) or (
-                    "pt_fake_stage" in " ".join(p.cmdline()) and "/sft/" in " ".join(p.cmdline())
-                ):
-                    stage = p
+                with contextlib.suppress(psutil.Error):
+                    line = " ".join(p.cmdline())
+                    if "pt_fake_stage" in line and "/sft/" in line:
+                        stage = p
             time.sleep(0.2)
         assert server is not None and server.is_running()
         procs = run.descendants()
-        run.proc.send_signal(signal.SIGKILL)
-        run.proc.wait(timeout=10)
+        t0 = time.monotonic()
+        run.proc.send_signal(sig)
+        run.proc.wait(timeout=30)
         gone = wait_gone([server], 10)
-        print(f"\nembedded server gone {gone:.1f} s after the CLI's SIGKILL")
-        wait_gone([stage], 20)  # the stage's orphan watch (posttrain.orphan)
+        print(f"\n{sig.name}: embedded server gone {time.monotonic() - t0:.1f} s after it")
+        wait_gone([stage], 20)
+        if sig == signal.SIGINT:
+            assert run.proc.returncode == 130
+            run._reader.join(timeout=5)
+            assert run.text().rstrip().endswith("interrupted; the running stage was stopped")
+        assert gone < 10
     finally:
         run.stop()
         kill_all(procs)
