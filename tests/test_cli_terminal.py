@@ -181,7 +181,7 @@ def run(ctx):
     with open(ctx.out_dir / "metrics.jsonl", "a") as f:
         for step in range(1, steps + 1):
             time.sleep(float(os.environ.get("PT_FAKE_STEP_S", "0.5")))
-            record = {"kind": "train", "step": step, "total_steps": steps, "loss": 3.0 - step / 10,
+            record = {"kind": "train", "step": step, "total_steps": steps, "loss": 3.0 - step / 100,
                       "tokens_per_s": 1234.0}
             f.write(json.dumps(record) + "\\n")
             f.flush()
