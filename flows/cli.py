@@ -96,6 +96,12 @@ def failure_block(exc: BaseException, recipe: Recipe) -> Block:
         )
     elif isinstance(exc, QualityGateFailed):
         block = gate_block(str(exc))
+    elif isinstance(exc, RecipeError):  # refused in the flow (e.g. a path outside its reach)
+        block = Block(
+            "posttrain: recipe refused (no stage ran)",
+            "; ".join(exc.errors) or str(exc),
+            "correct the fields named above",
+        )
     else:
         block = unexpected_block(exc, Path(recipe.run.workspace) / "logs")
     block.notes = tuple(getattr(exc, "__notes__", ()))

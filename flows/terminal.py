@@ -107,7 +107,10 @@ class ProgressPrinter:
         self.stream = stream
         self.tty = stream.isatty() if tty is None else tty
         if every_s is None:
-            every_s = float(os.environ.get(EVERY_ENV) or DEFAULT_EVERY_S)
+            try:
+                every_s = float(os.environ.get(EVERY_ENV) or DEFAULT_EVERY_S)
+            except ValueError:  # a typo in the variable must not fail the run
+                every_s = DEFAULT_EVERY_S
         self.every_s = every_s
         self._lock = threading.Lock()
         self._rates: dict[str, _Rate] = {}

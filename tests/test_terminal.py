@@ -221,3 +221,32 @@ def test_metrics_tail_tells_the_listeners_the_stage_and_its_newest_step(tmp_path
     finally:
         remove_step_listener(listener)
     assert seen == [("sft", 2)]
+
+
+def test_cli_picks_the_block_by_failure(tmp_path: Path) -> None:
+    from flows.cli import failure_block
+    from flows.post_train import QualityGateFailed
+    from flows.stage_failures import StageFailed, StageTimeout
+    from posttrain.config.loader import RecipeError, validate_recipe
+
+    recipe = validate_recipe(
+        {
+            "run": {"workspace": str(tmp_path / "ws")},
+            "infra": {"device": "cpu", "precision": "fp32"},
+            "ingest": {"source": "from_config"},
+            "sft": {"data": {"synthetic": {}}},
+        }
+    )
+    data = StageFailed(_stage_failed(DATA_TAIL))
+    data.add_note("run folder: /ws/runs/1")
+    text = failure_block(data, recipe).text()
+    assert "run folder: /ws/runs/1" in text and text.endswith(f"full log: {LOG}")
+    timeout = StageTimeout(f"stage 'sft' timed out after 5 s. Log: {LOG}\n--- end of the log ---\n")
+    assert "infra.timeouts.sft" in failure_block(timeout, recipe).text()
+    gate = failure_block(QualityGateFailed("grpo: held-out KL 10.9 > grpo.max_kl 8.0"), recipe)
+    assert gate.head == "posttrain: stage grpo failed its quality gate"
+    refused = failure_block(RecipeError(["sft.data.path: /etc/x is outside"]), recipe)
+    assert refused.what == "sft.data.path: /etc/x is outside"
+    bug = failure_block(ZeroDivisionError("division by zero"), recipe)
+    assert bug.what == "unexpected error: ZeroDivisionError: division by zero"
+    assert bug.log == str(tmp_path / "ws" / "logs" / "posttrain-run-error.log")
