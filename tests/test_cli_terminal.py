@@ -126,7 +126,7 @@ def test_a_bad_data_row_is_one_block_with_its_file_and_line(
 
 
 @pytest.mark.slow
-def test_a_memory_refusal_is_one_block_with_the_changes_that_fit(
+def test_a_memory_refusal_is_one_block_with_what_would_fit(
     shared: tuple[Path, dict],
 ) -> None:
     folder, env = shared
@@ -139,7 +139,8 @@ def test_a_memory_refusal_is_one_block_with_the_changes_that_fit(
         "does NOT fit in 50% of 1.0 MiB (infra.device_memory_gb override)",
         "infra.memory_preflight=warn",
     )
-    assert any("sft.activation_checkpointing: true" in x for x in block), block
+    # At 1 MiB no setting of the stage fits: the block says what device would.
+    assert any("this stage needs a device with at least" in x for x in block), block
 
 
 @pytest.mark.slow
