@@ -213,7 +213,13 @@ def test_evaluate_runs_the_harness_and_the_gate_uses_its_score(tmp_path: Path) -
     write_task(tmp_path / "tasks")
     data = copy.deepcopy(TINY)
     data["dpo"] = DPO
-    lm = {"tasks": [TASK], "include_path": str(tmp_path / "tasks"), "limit": 8, "batch_size": 8}
+    lm = {
+        "tasks": [TASK],
+        "include_path": str(tmp_path / "tasks"),
+        "limit": 8,
+        "batch_size": 8,
+        "bootstrap_iters": 10,
+    }
     recipe = _recipe(tmp_path, lm, data)
     for stage in ("ingest", "sft", "dpo"):
         run_inprocess(stage, recipe)
@@ -233,6 +239,8 @@ def test_evaluate_runs_the_harness_and_the_gate_uses_its_score(tmp_path: Path) -
     }
     for row in by.values():
         assert row["n_samples"] == {TASK: 8}
+        assert row["seconds"] > 0
+        assert set(row["stderr"][TASK]) == {"acc", "acc_norm"}  # closed form, from the harness
         assert set(row["scores"][TASK]) == {"acc", "acc_norm"}
         assert all(0.0 <= v <= 1.0 for v in row["scores"][TASK].values())
     head = json.loads((ev / "manifest.json").read_text())["summary"]["headline"]
@@ -240,28 +248,37 @@ def test_evaluate_runs_the_harness_and_the_gate_uses_its_score(tmp_path: Path) -
     assert head[METRIC] == round(final_acc, 4)
     assert head[f"lm_eval/{TASK}/acc_norm"] == round(by["final"]["scores"][TASK]["acc_norm"], 4)
 
-    # Reproducible: the harness on the base again, outside the stage, gives the same scores.
+    # Each policy's scores are those of its own merged weights, and reproducible: the harness
+    # run again outside the stage, on the base and on base + adapter merged, gives the same.
+    from peft import PeftModel
+
     from posttrain.eval.lm_eval_harness import run_tasks, task_manager
+    from posttrain.models.loading import load_base
     from tests.fixtures_tiny import one_torch_thread
 
-    ingest = json.loads((ev / "manifest.json").read_text())["parents"]
-    assert ingest
-    base_dir = next(s.out_dir for s in plan(load_recipe(recipe)) if s.kind == "ingest")
-    from posttrain.models.loading import load_base
-
-    model, tok = load_base(base_dir, json.loads((base_dir / "manifest.json").read_text()))
-    with one_torch_thread():
-        again = run_tasks(
-            model.eval(),
-            tok,
-            [TASK],
-            task_manager([TASK], str(tmp_path / "tasks")),
-            limit=8,
-            num_fewshot=None,
-            batch_size=8,
-            seed=0,
+    dirs = {s.name: s.out_dir for s in plan(load_recipe(recipe))}
+    manager = task_manager([TASK], str(tmp_path / "tasks"))
+    for label, stage in (("base", "ingest"), ("sft", "sft"), ("final", "dpo")):
+        model, tok = load_base(
+            dirs["ingest"], json.loads((dirs["ingest"] / "manifest.json").read_text())
         )
-    assert again["scores"] == by["base"]["scores"]
+        if stage != "ingest":
+            model = PeftModel.from_pretrained(model, str(dirs[stage] / "adapter"))
+            model = model.merge_and_unload()
+        with one_torch_thread():
+            again = run_tasks(
+                model.eval(),
+                tok,
+                [TASK],
+                manager,
+                limit=8,
+                num_fewshot=None,
+                batch_size=8,
+                seed=0,
+                bootstrap_iters=10,
+            )
+        assert again["scores"] == by[label]["scores"], label
+        assert again["stderr"] == by[label]["stderr"], label
 
     # The gate: a rule on the harness score. A champion that scored higher blocks promotion...
     from posttrain.config.schema import PromotionRule

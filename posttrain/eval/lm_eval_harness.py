@@ -126,6 +126,7 @@ def run_tasks(
     num_fewshot: int | None,
     batch_size: int,
     seed: int,
+    bootstrap_iters: int = 0,
 ) -> dict[str, Any]:
     """Score one model (a `transformers` model object, e.g. a merged policy, in eval mode on
     its device) on `tasks`. Returns {"scores": {task: {metric: value}}, "stderr": {...},
@@ -142,9 +143,7 @@ def run_tasks(
             limit=limit,
             task_manager=manager,
             log_samples=False,
-            # Bootstrapped stderr of non-mean metrics costs minutes at 100k iterations; the
-            # promotion gate compares point estimates with a tolerance.
-            bootstrap_iters=0,
+            bootstrap_iters=bootstrap_iters,
             random_seed=seed,
             numpy_random_seed=seed,
             torch_random_seed=seed,

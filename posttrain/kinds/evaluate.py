@@ -45,6 +45,14 @@ class LmEvalConfig(_Section):
         None, ge=0, description="Few-shot examples per prompt; null = each task's own default."
     )
     batch_size: int = Field(8, ge=1, description="Requests per forward pass in the harness.")
+    bootstrap_iters: int = Field(
+        0,
+        ge=0,
+        description="The harness's bootstrap draws for standard errors; 0 = none reported. Any "
+        "value > 0 gives mean metrics (acc) their closed-form stderr; others (f1, bleu, ...) "
+        "are bootstrapped with that many draws (the harness's own default, 100000, takes "
+        "minutes).",
+    )
     include_path: str | None = Field(
         None,
         description="A folder of custom task YAMLs, resolved like the recipe's other input "

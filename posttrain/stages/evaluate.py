@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from typing import Any
 
 import torch
@@ -306,6 +307,7 @@ def lm_eval_report(
         "num_fewshot": cfg.num_fewshot,
         "batch_size": cfg.batch_size,
         "seed": ctx.recipe.run.seed,
+        "bootstrap_iters": cfg.bootstrap_iters,
     }
     by_stage: dict[str, dict[str, Any]] = {}
     out: dict[str, Any] = {}
@@ -315,6 +317,7 @@ def lm_eval_report(
             log.warning("lm_eval: the final policy's lineage has no SFT stage: no sft scores")
             continue
         if stage not in by_stage:
+            started = time.perf_counter()
             if stage == BASE:
                 with model.disable_adapter():
                     by_stage[stage] = run_tasks(
@@ -326,6 +329,7 @@ def lm_eval_report(
                 merged = _merged(model, stage)
                 by_stage[stage] = run_tasks(merged, tok, cfg.tasks, manager, **kwargs)
                 del merged
+            by_stage[stage]["seconds"] = round(time.perf_counter() - started, 2)
         out[label] = {
             "stage": stage,
             "kind": "base" if stage == BASE else graph.get(stage).kind.name,
