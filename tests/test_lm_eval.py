@@ -240,7 +240,10 @@ def test_evaluate_runs_the_harness_and_the_gate_uses_its_score(tmp_path: Path) -
     for row in by.values():
         assert row["n_samples"] == {TASK: 8}
         assert row["seconds"] > 0
-        assert set(row["stderr"][TASK]) == {"acc", "acc_norm"}  # closed form, from the harness
+        # The harness's closed-form stderr of a mean: sqrt(p (1 - p) / (n - 1)).
+        p = row["scores"][TASK]["acc"]
+        assert row["stderr"][TASK]["acc"] == pytest.approx((p * (1 - p) / 7) ** 0.5)
+        assert set(row["stderr"][TASK]) == {"acc", "acc_norm"}
         assert set(row["scores"][TASK]) == {"acc", "acc_norm"}
         assert all(0.0 <= v <= 1.0 for v in row["scores"][TASK].values())
     head = json.loads((ev / "manifest.json").read_text())["summary"]["headline"]
