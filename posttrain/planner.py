@@ -69,6 +69,13 @@ def stage_inputs(
         for key in ("policies", "policy"):
             if section.get(key) in ([], None):
                 section.pop(key, None)
+        # lm-eval tasks (added since): absent when off, so older recipes keep their prints; a
+        # custom task folder counts by its content (YAMLs and the data files kept beside them).
+        if section.get("lm_eval", 0) is None:
+            section.pop("lm_eval")
+        include = (section.get("lm_eval") or {}).get("include_path")
+        if include:
+            section["lm_eval"]["include_path"] = path_identity(include)
         own_verifiers = getattr(own, "verifiers", None)
         if own_verifiers:
             section["verifiers"] = [reward_identity(v) for v in own_verifiers]

@@ -274,6 +274,9 @@ def resolve(
     except RecipeError as exc:
         errors.extend(exc.errors)
     errors.extend(hub_id_errors(r))
+    include = r.evaluate.lm_eval.include_path if r.evaluate.lm_eval else None
+    if include and not Path(include).is_dir():
+        errors.append(f"evaluate.lm_eval.include_path: {include} is not a folder of task YAMLs")
     for name, section in r.training_sections().items():
         try:
             b = section_batch(r, name)
@@ -305,6 +308,9 @@ def input_paths(recipe: Recipe) -> dict[str, str]:
             value = getattr(s.section.data, attr)
             if value and not is_hub_id(value):
                 out[f"{s.where}.data.{attr}"] = value
+    lm_eval = recipe.evaluate.lm_eval
+    if lm_eval is not None and lm_eval.include_path:
+        out["evaluate.lm_eval.include_path"] = lm_eval.include_path
     return out
 
 

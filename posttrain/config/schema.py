@@ -52,7 +52,9 @@ STAGE_NAME = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
 
 
 class PromotionRule(_Section):
-    metric: str = Field(description="A key of the evaluate stage's headline, e.g. tuned_loss.")
+    metric: str = Field(
+        description="A key of the evaluate stage's headline, e.g. tuned_loss, lm_eval/mmlu/acc."
+    )
     direction: Literal["min", "max"] = Field(description="`min`: lower is better; `max`: higher.")
     tolerance: float = Field(
         0.0, ge=0, description="How much worse than the champion still counts as no regression."

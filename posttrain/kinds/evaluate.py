@@ -4,7 +4,10 @@ by side."""
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+import importlib.util
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
 
 from posttrain.config.run_sections import _Section
 from posttrain.config.sections import SamplingConfig
@@ -19,6 +22,68 @@ def _default_sampling() -> list[SamplingConfig]:
         SamplingConfig(name="t0.7-top_p0.9", strategy="sample", temperature=0.7, top_p=0.9),
         SamplingConfig(name="t1.0-top_k20", strategy="sample", temperature=1.0, top_k=20),
     ]
+
+
+LM_EVAL_POLICIES = ("base", "sft", "final")
+
+
+class LmEvalConfig(_Section):
+    """lm-evaluation-harness tasks run in-process on the merged policies (decision 48)."""
+
+    tasks: list[str] = Field(
+        min_length=1,
+        description="Harness task (or group) names, e.g. `[gsm8k, mmlu, ifeval]` (need the hub "
+        "for their datasets) or tasks defined by YAML files in `include_path`.",
+    )
+    limit: int | None = Field(
+        None,
+        ge=1,
+        description="Documents scored per task (the first ones); null = all. Standard tasks "
+        "are large (mmlu: 14k questions): a limit keeps evaluate short, at the cost of noise.",
+    )
+    num_fewshot: int | None = Field(
+        None, ge=0, description="Few-shot examples per prompt; null = each task's own default."
+    )
+    batch_size: int = Field(8, ge=1, description="Requests per forward pass in the harness.")
+    bootstrap_iters: int = Field(
+        0,
+        ge=0,
+        description="The harness's bootstrap draws for standard errors; 0 = none reported. Any "
+        "value > 0 gives mean metrics (acc) their closed-form stderr; others (f1, bleu, ...) "
+        "are bootstrapped with that many draws (the harness's own default, 100000, takes "
+        "minutes).",
+    )
+    include_path: str | None = Field(
+        None,
+        description="A folder of custom task YAMLs, resolved like the recipe's other input "
+        "paths (a relative path against the current directory; inside an allowed folder). "
+        "Keep a task's local data files in it, so that their content is fingerprinted.",
+    )
+    policies: list[Literal["base", "sft", "final"]] = Field(
+        default_factory=lambda: list(LM_EVAL_POLICIES),
+        min_length=1,
+        description="Which models to score: `base` (the ingested model), `sft` (the last SFT "
+        "stage of the final policy's lineage, merged), `final` (the final policy, merged). The "
+        "headline (`lm_eval/<task>/<metric>`) is the final policy's; base/sft go to eval.json.",
+    )
+
+    @field_validator("tasks")
+    @classmethod
+    def _unique_tasks(cls, v: list[str]) -> list[str]:
+        if len(v) != len(set(v)):
+            raise ValueError(f"task names must be unique, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _installed(self) -> LmEvalConfig:
+        # Checked when the recipe loads, so a run without the extra fails before any stage
+        # starts, with the fix, rather than with an ImportError traceback in evaluate.
+        if importlib.util.find_spec("lm_eval") is None:
+            raise ValueError(
+                "lm-evaluation-harness is not installed; install the extra: "
+                "pip install -e .[lm-eval]"
+            )
+        return self
 
 
 class EvaluateConfig(_Section):
@@ -75,6 +140,14 @@ class EvaluateConfig(_Section):
             name="pass@k", strategy="sample", temperature=1.0, max_new_tokens=48
         ),
         description="Decoding of the pass@k samples; greedy pass@1 uses its max_new_tokens.",
+    )
+
+    lm_eval: LmEvalConfig | None = Field(
+        None,
+        description="lm-evaluation-harness tasks scored on the base, the SFT and the final "
+        "policy (merged weights, HF backend); the final policy's scores become headline "
+        "metrics `lm_eval/<task>/<metric>` that promotion rules can name. null = off. Needs "
+        "the `lm-eval` extra.",
     )
 
     @model_validator(mode="after")

@@ -15,6 +15,9 @@ that trained on conversations:
 - Generations from held-out prompts under every sampling setting of the recipe (samples.jsonl).
 - Inference figures of the merged tuned model (what export ships): time to first token, time
   per output token and tokens/s, with the KV cache on and off.
+- `evaluate.lm_eval`: lm-evaluation-harness tasks on the base, the SFT and the final policy
+  (LoRA merged, in-process, HF backend); the final policy's scores are headline metrics
+  `lm_eval/<task>/<metric>` (`posttrain.eval.lm_eval_harness`, decision 48).
 Runs as one process on one device: evaluation of a model that needs sharding is future work.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from typing import Any
 
 import torch
@@ -248,11 +252,97 @@ def _load_policies(ctx: StageContext, base: Any) -> tuple[Any, list[str]]:
     others.append(graph.get(final).links.get("reference"))
     for n in ctx.recipe.evaluate.policies:
         others += [n, graph.parent(n)]
+    sft = _lm_eval_sft(ctx)
+    if sft is not None:
+        others.append(sft)
     names = [n for n in dict.fromkeys(others) if n and n in graph and n != final]
     model = PeftModel.from_pretrained(base, str(ctx.role_dir("policy") / "adapter"))
     for n in names:
         model.load_adapter(str(ctx.parent_dir(n) / "adapter"), adapter_name=n)
     return model, names
+
+
+def _lm_eval_sft(ctx: StageContext) -> str | None:
+    """The stage `evaluate.lm_eval`'s `sft` names: the last SFT stage of the final policy's
+    lineage (the final policy itself when it is one); None when not asked for or there is none."""
+    cfg = ctx.recipe.evaluate.lm_eval
+    if cfg is None or "sft" not in cfg.policies:
+        return None
+    graph = ctx.recipe.graph()
+    return next(
+        (n for n in graph.lineage(ctx.roles["policy"]) if graph.get(n).kind.name == "sft"), None
+    )
+
+
+def _merged(model: Any, adapter: str) -> Any:
+    """A copy of the policy of `adapter` with its LoRA merged into the weights (what export
+    ships): a plain `transformers` model. Costs one more copy of the model while it lives."""
+    merged = copy.deepcopy(model)
+    merged.set_adapter(adapter)  # first: deleting the active adapter would switch to another
+    for name in list(merged.peft_config):
+        if name != adapter:
+            merged.delete_adapter(name)
+    return merged.merge_and_unload().eval()
+
+
+def lm_eval_report(
+    ctx: StageContext, model: Any, tok: Any, merged_final: Any
+) -> dict[str, Any] | None:
+    """`evaluate.lm_eval`'s tasks on each of its `policies`: the base (adapters off), the SFT
+    and the final policy (merged; `merged_final` is the copy the inference figures used).
+    None when the section is off."""
+    cfg = ctx.recipe.evaluate.lm_eval
+    if cfg is None:
+        return None
+    import lm_eval
+
+    from posttrain.eval.lm_eval_harness import run_tasks, task_manager
+
+    graph = ctx.recipe.graph()
+    final = ctx.roles["policy"]
+    sft = _lm_eval_sft(ctx)
+    manager = task_manager(cfg.tasks, cfg.include_path)
+    kwargs = {
+        "limit": cfg.limit,
+        "num_fewshot": cfg.num_fewshot,
+        "batch_size": cfg.batch_size,
+        "seed": ctx.recipe.run.seed,
+        "bootstrap_iters": cfg.bootstrap_iters,
+    }
+    by_stage: dict[str, dict[str, Any]] = {}
+    out: dict[str, Any] = {}
+    for label in cfg.policies:
+        stage = {"base": BASE, "sft": sft, "final": final}[label]
+        if stage is None:
+            log.warning("lm_eval: the final policy's lineage has no SFT stage: no sft scores")
+            continue
+        if stage not in by_stage:
+            started = time.perf_counter()
+            if stage == BASE:
+                with model.disable_adapter():
+                    by_stage[stage] = run_tasks(
+                        model.get_base_model(), tok, cfg.tasks, manager, **kwargs
+                    )
+            elif stage == final:
+                by_stage[stage] = run_tasks(merged_final, tok, cfg.tasks, manager, **kwargs)
+            else:
+                merged = _merged(model, stage)
+                by_stage[stage] = run_tasks(merged, tok, cfg.tasks, manager, **kwargs)
+                del merged
+            by_stage[stage]["seconds"] = round(time.perf_counter() - started, 2)
+        out[label] = {
+            "stage": stage,
+            "kind": "base" if stage == BASE else graph.get(stage).kind.name,
+            **by_stage[stage],
+        }
+        log.info("lm_eval %s (%s): %s", label, stage, out[label]["scores"])
+    return {
+        "harness_version": lm_eval.__version__,
+        "tasks": list(cfg.tasks),
+        "limit": cfg.limit,
+        "num_fewshot": cfg.num_fewshot,
+        "policies": out,
+    }
 
 
 def _as_policy(model: Any, adapter: str | None) -> Any:
@@ -425,13 +515,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
         ]
     write_rows(ctx.out_dir / "samples.jsonl", samples)
 
-    merged = copy.deepcopy(model)
-    for name in list(merged.peft_config):
-        if name != ADAPTER:
-            merged.delete_adapter(name)
-    merged = merged.merge_and_unload().eval()
+    merged = _merged(model, ADAPTER)
     ids = _inference_prompt(tok, list(prompts), cfg.inference_prompt_tokens).to(device)
     inference = compare_cache_modes(merged, ids, cfg.inference_new_tokens, cfg.inference_repeats)
+    harness = lm_eval_report(ctx, model, tok, merged)
     del merged
     for mode in ("cache", "no_cache"):
         inference[mode].pop("token_ids", None)
@@ -466,6 +553,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     verified = verifier_metrics(ctx, model, tok)
     if verified is not None:
         report["verifier"] = verified
+    if harness is not None:
+        report["lm_eval"] = harness
     if cfg.policies:
         base_row = {"loss": base_scores["loss"]} if base_scores else {}
         if "base" in exact:
@@ -504,6 +593,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
             "losses": wr["losses"],
             "ties": wr["ties"],
         }
+    if harness is not None and "final" in harness["policies"]:
+        from posttrain.eval.lm_eval_harness import headline as lm_eval_headline
+
+        headline |= lm_eval_headline(harness["policies"]["final"]["scores"], harness["tasks"])
     return {**report, "headline": {k: round(v, 4) for k, v in headline.items()}}
 
 
