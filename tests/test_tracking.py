@@ -169,3 +169,30 @@ def test_mlflow_params_are_dotted_and_cut_to_the_limit() -> None:
     assert params["run.name"] == "a" and params["run.seed"] == "0"
     assert params["sft.l"] == "[1, 2]"
     assert len(params["sft.x"]) == PARAM_VALUE_MAX and params["sft.x"].endswith("...")
+
+
+RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_tracking_is_in_no_fingerprint(path: Path) -> None:
+    """Every shipped recipe plans the same stages with the same fingerprints, trackers or not."""
+    from posttrain.config.loader import RecipeError, load_recipe
+    from posttrain.planner import plan
+
+    try:
+        plain = {s.name: s.fingerprint for s in plan(load_recipe(path))}
+    except RecipeError as exc:
+        if "not in the cache" not in str(exc):
+            raise
+        pytest.skip("a hub recipe: its model and data are not in the offline cache")
+    tracked = load_recipe(
+        path,
+        [
+            "tracking.tensorboard=false",
+            "tracking.mlflow.uri=http://127.0.0.1:5000",
+            "tracking.wandb.project=p",
+        ],
+    )
+    assert tracked.tracking.mlflow is not None and not tracked.tracking.tensorboard
+    assert {s.name: s.fingerprint for s in plan(tracked)} == plain

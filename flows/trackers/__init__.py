@@ -263,7 +263,7 @@ def open_trackers(tracking: Any, run_dir: Path) -> Trackers:
     if tracking.mlflow is not None:
         wanted.append(("mlflow", lambda: _sink("mlflow")(tracking.mlflow)))
     if tracking.wandb is not None:
-        wanted.append(("wandb", lambda: _sink("wandb")(tracking.wandb)))
+        wanted.append(("wandb", lambda: _sink("wandb")(tracking.wandb, run_dir)))
     for name, make in wanted:
         try:
             sinks.append(make())

@@ -110,7 +110,9 @@ class MlflowSink(Sink):
 
         run_id = self.stage_runs[stage]
         ms, step = int(time.time() * 1000), self._last_step.get(stage, 0)
-        metrics = [Metric(k, v, ms, step) for k, v in headline_metrics(info.get("headline") or {})]
+        metrics = [
+            Metric(k, v, ms, step) for k, v in headline_metrics(info.get("headline") or {}).items()
+        ]
         tags = {
             "posttrain.status": status,
             "posttrain.reused": str(status in ("reused", "cached")).lower(),
