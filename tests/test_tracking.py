@@ -196,3 +196,11 @@ def test_tracking_is_in_no_fingerprint(path: Path) -> None:
     )
     assert tracked.tracking.mlflow is not None and not tracked.tracking.tensorboard
     assert {s.name: s.fingerprint for s in plan(tracked)} == plain
+
+
+def test_mlflow_metric_names_are_ones_the_server_accepts() -> None:
+    from flows.trackers.mlflow import metric_key
+
+    assert metric_key("headline/pass@1") == "headline/pass_1"
+    assert metric_key("train/tokens_per_s") == "train/tokens_per_s"
+    assert metric_key("headline/decode_tok/s") == "headline/decode_tok/s"

@@ -9,6 +9,7 @@ another pipeline in the same process may track elsewhere). Metrics and params go
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +25,12 @@ ALIAS = "champion"
 FINGERPRINT_TAG = "posttrain.export_fingerprint"
 
 
+def metric_key(key: str) -> str:
+    """A name MLflow accepts (letters, digits, `_ - . / :` and spaces): `headline/pass@1` ->
+    `headline/pass_1`. An invalid name would make the server refuse the whole batch."""
+    return re.sub(r"[^\w\-. /:]", "_", key)[:PARAM_KEY_MAX]
+
+
 def flatten(data: Any, prefix: str = "") -> dict[str, str]:
     """Nested recipe data as dotted keys -> strings (lists as JSON), cut to MLflow's limits."""
     out: dict[str, str] = {}
@@ -36,7 +43,7 @@ def flatten(data: Any, prefix: str = "") -> dict[str, str]:
     text = data if isinstance(data, str) else json.dumps(data)
     if len(text) > PARAM_VALUE_MAX:
         text = text[: PARAM_VALUE_MAX - 3] + "..."
-    out[prefix[:PARAM_KEY_MAX]] = text
+    out[metric_key(prefix)] = text
     return out
 
 
@@ -102,7 +109,9 @@ class MlflowSink(Sink):
                 continue
             self._last_step[stage] = int(step)
             ms = int(1000 * float(r.get("time") or time.time()))
-            metrics += [Metric(k, v, ms, int(step)) for k, v in numeric_fields(r).items()]
+            metrics += [
+                Metric(metric_key(k), v, ms, int(step)) for k, v in numeric_fields(r).items()
+            ]
         self._metrics(self.stage_runs[stage], metrics)
 
     def end_stage(self, stage: str, status: str, info: dict[str, Any]) -> None:
@@ -111,7 +120,8 @@ class MlflowSink(Sink):
         run_id = self.stage_runs[stage]
         ms, step = int(time.time() * 1000), self._last_step.get(stage, 0)
         metrics = [
-            Metric(k, v, ms, step) for k, v in headline_metrics(info.get("headline") or {}).items()
+            Metric(metric_key(k), v, ms, step)
+            for k, v in headline_metrics(info.get("headline") or {}).items()
         ]
         tags = {
             "posttrain.status": status,
