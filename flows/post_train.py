@@ -170,15 +170,15 @@ def _record_run(
         yaml.safe_dump(redact_obj(recipe.model_dump(mode="json")), sort_keys=False)
     )
     (run_dir / "lineage.json").write_text(json.dumps(redact_obj(lineage(meta, records)), indent=2))
-    tracked = tracking_markdown(trackers)
+    tracked = redact(tracking_markdown(trackers))  # a tracker URI may carry a credential
     (run_dir / "report.md").write_text(report + tracked)
     if trackers is not None:
         images = [p.path for p in plots] + ([graph_png] if graph_png is not None else [])
         finish_tracking(trackers, run_dir, records, promotion, export_path, images, failed)
-        if tracking_markdown(trackers) != tracked:  # a tracker failed while taking the files
-            tracked = tracking_markdown(trackers)
+        if redact(tracking_markdown(trackers)) != tracked:  # a tracker failed taking the files
+            tracked = redact(tracking_markdown(trackers))
             (run_dir / "report.md").write_text(report + tracked)
-    artifact_report += redact(tracked)
+    artifact_report += tracked
     key = artifact_key(recipe.run.name)
     create_markdown_artifact(
         artifact_report, key=f"{key}-report", description=f"posttrain run {run_id}"
