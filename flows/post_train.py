@@ -38,6 +38,7 @@ from flows.served import check_served, is_served_run
 from flows.stage_output import artifact_key
 from flows.stage_procs import kill_flow_run_processes
 from flows.stage_task import launch, stage_task_for
+from flows.trackers import StageFeed, Trackers, open_trackers
 from posttrain.artifacts import ArtifactRef, read_manifest
 from posttrain.config.loader import resolve
 from posttrain.config.reach import reward_roots
@@ -100,13 +101,15 @@ def record_run(
     records: list[StageRecord],
     promotion: Decision | None = None,
     quiet: bool = False,
+    trackers: Trackers | None = None,
 ) -> dict[str, Any]:
-    """Write `<workspace>/runs/<run-id>/` and the flow-level Prefect artifacts.
+    """Write `<workspace>/runs/<run-id>/` and the flow-level Prefect artifacts, and hand the
+    run's files to the experiment trackers (`trackers`), whose links end the report.
 
     `quiet`: used while a failure propagates, so a problem here cannot hide the stage's error.
     """
     try:
-        return _record_run(recipe, run_id, records, promotion)
+        return _record_run(recipe, run_id, records, promotion, trackers, failed=quiet)
     except Exception as exc:
         if not quiet:
             raise
@@ -115,7 +118,12 @@ def record_run(
 
 
 def _record_run(
-    recipe: Recipe, run_id: str, records: list[StageRecord], promotion: Decision | None
+    recipe: Recipe,
+    run_id: str,
+    records: list[StageRecord],
+    promotion: Decision | None,
+    trackers: Trackers | None = None,
+    failed: bool = False,
 ) -> dict[str, Any]:
     run_dir = Path(recipe.run.workspace) / "runs" / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -162,7 +170,15 @@ def _record_run(
         yaml.safe_dump(redact_obj(recipe.model_dump(mode="json")), sort_keys=False)
     )
     (run_dir / "lineage.json").write_text(json.dumps(redact_obj(lineage(meta, records)), indent=2))
-    (run_dir / "report.md").write_text(report)
+    tracked = redact(tracking_markdown(trackers))  # a tracker URI may carry a credential
+    (run_dir / "report.md").write_text(report + tracked)
+    if trackers is not None:
+        images = [p.path for p in plots] + ([graph_png] if graph_png is not None else [])
+        finish_tracking(trackers, run_dir, records, promotion, export_path, images, failed)
+        if redact(tracking_markdown(trackers)) != tracked:  # a tracker failed taking the files
+            tracked = redact(tracking_markdown(trackers))
+            (run_dir / "report.md").write_text(report + tracked)
+    artifact_report += tracked
     key = artifact_key(recipe.run.name)
     create_markdown_artifact(
         artifact_report, key=f"{key}-report", description=f"posttrain run {run_id}"
@@ -244,15 +260,70 @@ def check_gate(ref: ArtifactRef, record: StageRecord) -> None:
         raise QualityGateFailed(f"{ref.stage}: {gate.get('message', 'quality gate failed')}")
 
 
+def tracking_markdown(trackers: Trackers | None) -> str:
+    """The report's section on the experiment trackers: where to look, what failed."""
+    if trackers is None or not trackers.workers:
+        return ""
+    return "\n## Tracking\n\n" + "\n".join(trackers.report_lines()) + "\n"
+
+
+def finish_tracking(
+    trackers: Trackers,
+    run_dir: Path,
+    records: list[StageRecord],
+    promotion: Decision | None,
+    export_path: str | None,
+    images: list[Path],
+    failed: bool,
+) -> None:
+    """Hand the recorded run to the trackers and wait (bounded) for them to drain."""
+    export = next((r for r in records if r.stage == "export" and r.status != "failed"), None)
+    trackers.finish(
+        {
+            "run_dir": str(run_dir),
+            "report": str(run_dir / "report.md"),
+            "images": [str(p) for p in images],
+            "promoted": bool(promotion is not None and promotion.promoted),
+            "export_path": export_path,
+            "export_fingerprint": export.fingerprint if export else None,
+            "export_sha256": export.sha256 if export else None,
+            "fingerprints": {r.stage: r.fingerprint for r in records},
+            "failed": failed,
+        }
+    )
+
+
+def _end_tracking(trackers: Trackers | None, feed: StageFeed | None, record: StageRecord) -> None:
+    # The rest of metrics.jsonl (all of it for a reused stage), then the stage's outcome.
+    if trackers is None or feed is None:
+        return
+    try:
+        feed.stop()
+        info = {
+            "uri": record.uri,
+            "sha256": record.sha256,
+            "headline": record.headline,
+            "error": record.error,
+        }
+        trackers.end_stage(record.stage, record.status, info)
+    except Exception as exc:  # tracking is decoration: never fail a stage over it
+        get_run_logger().warning("tracking of stage %s: %s", record.stage, exc)
+
+
 def run_recorded(
     launcher: Task[..., dict[str, Any]],
     stage: PlannedStage,
     recipe: Recipe,
     refs: dict[str, ArtifactRef],
     records: list[StageRecord],
+    trackers: Trackers | None = None,
 ) -> ArtifactRef:
-    """Write the stage's spec, launch it, and append its record (a failed one on error)."""
+    """Write the stage's spec, launch it, and append its record (a failed one on error).
+    `trackers` get the stage's metrics.jsonl records while it runs and its outcome."""
     t0 = time.monotonic()
+    feed = None
+    if trackers is not None:
+        feed = trackers.start_stage(stage.name, stage.fingerprint, stage.out_dir / "metrics.jsonl")
     try:
         spec = write_spec(stage, recipe, {p: refs[p] for p in stage.parents})
         status, ref = launch(launcher, stage, spec)
@@ -269,8 +340,10 @@ def run_recorded(
             roles=dict(stage.roles),
         )
         records.append(failed)
+        _end_tracking(trackers, feed, failed)
         raise
     records.append(stage_record(stage, status, ref, time.monotonic() - t0))
+    _end_tracking(trackers, feed, records[-1])
     check_gate(ref, records[-1])
     return ref
 
@@ -284,6 +357,16 @@ def stop_stage_processes(flow: Any, flow_run: FlowRun, state: State) -> None:
         logging.getLogger("posttrain.flows").warning(
             "flow run %s ended %s: stopped %d stage process(es)", flow_run.id, state.name, n
         )
+
+
+def start_tracking(recipe: Recipe, run_id: str) -> Trackers:
+    """The recipe's experiment trackers, told that this pipeline run begins."""
+    run_dir = Path(recipe.run.workspace) / "runs" / run_id
+    trackers = open_trackers(recipe.tracking, run_dir)
+    ctx = FlowRunContext.get()
+    flow_run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else None
+    trackers.start_pipeline(run_id, flow_run_id, redact_obj(recipe.model_dump(mode="json")))
+    return trackers
 
 
 def announce_base(recipe: Recipe, ref: ArtifactRef) -> None:
@@ -317,9 +400,10 @@ def post_train(recipe: Recipe) -> dict[str, Any]:
     ensure_device_limit(slot)
     infra = recipe.infra
     parallel = int(infra.parallel_stages)  # resolved: "auto" is a number by now
+    trackers = start_tracking(recipe, run_id)
 
     def run_stage(stage: PlannedStage, refs: dict[str, ArtifactRef]) -> ArtifactRef:
-        return run_recorded(launcher, stage, recipe, refs, records)
+        return run_recorded(launcher, stage, recipe, refs, records, trackers)
 
     def announce(stage: PlannedStage, ref: ArtifactRef) -> None:
         ran = next((r.status == "ran" for r in records if r.stage == stage.name), False)
@@ -337,9 +421,11 @@ def post_train(recipe: Recipe) -> dict[str, Any]:
             )
         except BaseException as exc:
             # The run folder and report still say which stage failed and what ran before it.
-            run_dir = record_run(recipe, run_id, records, quiet=True).get("run_dir")
+            run_dir = record_run(recipe, run_id, records, quiet=True, trackers=trackers).get(
+                "run_dir"
+            )
             if run_dir:
                 exc.add_note(f"run folder: {run_dir}")
             raise
         decision = promote(recipe, run_id, records)
-    return record_run(recipe, run_id, records, decision)
+    return record_run(recipe, run_id, records, decision, trackers=trackers)

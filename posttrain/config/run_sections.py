@@ -1,6 +1,6 @@
 """The recipe sections that say how and where a run runs, not what a stage trains: `run`,
-`infra` (devices, processes, precision, timeouts, fault handling), `schedule` and `guard`, and
-the base every section model shares. `posttrain.config.schema` assembles them into the recipe.
+`infra` (devices, processes, precision, timeouts, fault handling), `schedule`, `guard` and
+`tracking`, and the base every section model shares. `posttrain.config.schema` assembles them into the recipe.
 """
 
 from __future__ import annotations
@@ -339,3 +339,58 @@ class GuardConfig(_Section):
                 f"loss_spike_window {self.loss_spike_window}: the spike test would never apply"
             )
         return self
+
+
+class MlflowTracking(_Section):
+    """An MLflow tracking server the run reports to (extra: `pip install posttrain[mlflow]`)."""
+
+    uri: str = Field(
+        description="Tracking server URI, e.g. `http://mlflow.internal:5000` (also the model "
+        "registry's). Credentials come from MLflow's own environment variables "
+        "(MLFLOW_TRACKING_TOKEN, MLFLOW_TRACKING_USERNAME/PASSWORD), never from the recipe.",
+        min_length=1,
+    )
+    experiment: str | None = Field(
+        None, description="Experiment the pipeline runs go to; default: `run.name`."
+    )
+    upload_model: bool = Field(
+        False,
+        description="On promotion, copy the exported model folder into MLflow's artifact store "
+        "(the weights: GBs for a large model) as the registered version's files. Off: the "
+        "version's files are a small `posttrain_export.json` naming the export's path, "
+        "fingerprint and checksum in the workspace.",
+    )
+
+
+class WandbTracking(_Section):
+    """A Weights & Biases project the run reports to (extra: `pip install posttrain[wandb]`)."""
+
+    project: str = Field(description="W&B project.", min_length=1)
+    entity: str | None = Field(None, description="W&B entity (user or team); default: yours.")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "online",
+        description="`offline` writes the runs under WANDB_DIR for a later `wandb sync`; the "
+        "WANDB_MODE environment variable, when set, wins.",
+    )
+
+
+class TrackingConfig(_Section):
+    """Experiment trackers fed from the stages' metrics.jsonl by the flow process. None of it is
+    part of any fingerprint; a tracker that is down never fails or stalls the run."""
+
+    tensorboard: bool = Field(
+        True,
+        description="Write TensorBoard event files to `<workspace>/runs/<run-id>/<stage>/`: "
+        "`tensorboard --logdir <workspace>/runs` shows every stage of every run, x = the "
+        "stage's optimizer step.",
+    )
+    mlflow: MlflowTracking | None = Field(
+        None,
+        description="MLflow: one parent run per pipeline run, a nested run per stage, the "
+        "report and curves as artifacts, the promoted export as a registered model version "
+        "with alias `champion`.",
+    )
+    wandb: WandbTracking | None = Field(
+        None,
+        description="Weights & Biases: one run per stage, grouped by the pipeline run id.",
+    )

@@ -22,6 +22,7 @@ from posttrain.config.run_sections import (
     InfraConfig,
     RunConfig,
     ScheduleConfig,
+    TrackingConfig,
     _Section,
 )
 from posttrain.config.sections import (  # noqa: F401  (re-exported: importers use schema)
@@ -196,6 +197,14 @@ _RecipeFields = create_model(  # type: ignore[call-overload]
             None,
             description="Cron/interval schedule and event trigger for the served deployment "
             "(`posttrain serve`); omit for on-request runs only.",
+        ),
+    ),
+    tracking=(
+        TrackingConfig,
+        Field(
+            default_factory=TrackingConfig,
+            description="Experiment trackers (TensorBoard on by default, MLflow, W&B) fed from "
+            "the stages' metrics.jsonl; not part of any fingerprint.",
         ),
     ),
 )
