@@ -1,0 +1,281 @@
+"""GGUF export: tiny Llama and Qwen2 folders converted, read back and compared with the weights;
+the rotary permutation checked on attention scores; other families refused up front; and, where
+llama-cpp-python is installed, llama.cpp's greedy tokens compared with transformers'."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from fixtures_tiny import TinyAssets, one_torch_thread, prompts, tiny_assets
+from pydantic import ValidationError
+
+from posttrain.config.schema import FromConfigModel
+from posttrain.data.synthetic import pretrain_corpus
+from posttrain.export.gguf import (
+    LLAMA3_SPLIT,
+    QWEN2_SPLIT,
+    GGUFUnsupported,
+    check_convertible,
+    family_problem,
+    ggml_to_hf_rope_rows,
+    hf_to_ggml_rope_rows,
+    plan_gguf,
+    pre_tokenizer_name,
+    write_gguf,
+)
+from posttrain.export.gguf_verify import GGUFVerificationError, verify_gguf
+from posttrain.export.merge import merge_adapter, save_export
+from posttrain.export.model_card import model_card
+from posttrain.kinds.export import ExportConfig
+from posttrain.models.tiny import build_model, train_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    with one_torch_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(pretrain_corpus(200, seed=0), 300)
+
+
+def _folder(root: Path, tokenizer, arch: str, tie: bool, kv_heads: int = 2) -> Path:
+    torch.manual_seed(0)
+    cfg = FromConfigModel(
+        architecture=arch,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=kv_heads,
+        intermediate_size=96,  # not a multiple of 32 * 2: ffn_down rows of 96 quantise, see below
+        tie_word_embeddings=tie,
+    )
+    out = root / f"{arch}-{'tied' if tie else 'untied'}"
+    build_model(cfg, tokenizer).save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+@pytest.mark.parametrize("gguf_type", ["f16", "bf16", "q8_0"])
+@pytest.mark.parametrize(("arch", "tie"), [("llama", False), ("qwen2", True), ("llama", True)])
+def test_gguf_reads_back_and_matches(tokenizer, tmp_path, arch, tie, gguf_type) -> None:
+    folder = _folder(tmp_path, tokenizer, arch, tie)
+    plan = plan_gguf(folder, gguf_type, "tiny")
+    path = write_gguf(plan, tmp_path / f"tiny-{gguf_type}.gguf")
+    report = verify_gguf(path, plan)
+    assert report["passed"] and not path.with_name(path.name + ".partial").exists()
+
+    reader = gguf.GGUFReader(path)
+    names = {t.name for t in reader.tensors}
+    # embedding + final norm (+ output unless tied) + 9 per block (+ q/k/v biases for Qwen2)
+    per_block = 9 + (3 if arch == "qwen2" else 0)
+    assert len(names) == 2 + (0 if tie else 1) + 2 * per_block
+    assert ("output.weight" in names) is not tie  # tied: llama.cpp reuses token_embd
+    field = lambda k: reader.get_field(k).contents()  # noqa: E731
+    assert field("general.architecture") == arch
+    assert field(f"{arch}.block_count") == 2 and field(f"{arch}.embedding_length") == 64
+    assert field(f"{arch}.attention.head_count_kv") == 2
+    assert field(f"{arch}.rope.dimension_count") == 16
+    assert field("tokenizer.ggml.pre") == "gpt-2"  # posttrain's ByteLevel BPE is GPT-2's split
+    assert field("tokenizer.ggml.tokens")[:4] == [
+        "<|pad|>",
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+    ]
+    assert field("tokenizer.ggml.eos_token_id") == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert "<|im_start|>" in field("tokenizer.chat_template")
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_norm.weight"] == "F32"  # 1-D tensors stay f32
+    assert types["blk.1.attn_q.weight"] == gguf_type.upper()
+    # q8_0 needs rows of whole 32-blocks: ffn_down's rows are 96 long (fine), and every 2-D
+    # tensor here qualifies, so none fell back to f16.
+    assert {t for n, t in types.items() if n.endswith("weight") and "norm" not in n} == {
+        gguf_type.upper()
+    }
+
+
+def test_q8_0_falls_back_to_f16_for_rows_that_are_not_whole_blocks(tokenizer, tmp_path) -> None:
+    cfg = FromConfigModel(hidden_size=64, num_layers=1, num_heads=4, intermediate_size=80)
+    folder = tmp_path / "odd"
+    build_model(cfg, tokenizer).save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    plan = plan_gguf(folder, "q8_0", "odd")
+    verify_gguf(write_gguf(plan, tmp_path / "odd.gguf"), plan)
+    types = {t.gguf_name: t.gtype.name for t in plan.tensors}
+    assert types["blk.0.ffn_down.weight"] == "F16"  # rows of 80
+    assert types["blk.0.ffn_up.weight"] == "Q8_0"  # rows of 64
+
+
+def _rope_rotate_half(x: torch.Tensor, pos: int, theta: float = 10000.0) -> torch.Tensor:
+    """HF Llama/Qwen2 rope on x [n_head, d]: dimension i pairs with i + d/2."""
+    d = x.shape[-1]
+    freqs = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # [d/2]
+    ang = torch.cat([freqs, freqs]) * pos
+    rot = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
+    return x * ang.cos() + rot * ang.sin()
+
+
+def _rope_interleaved(x: torch.Tensor, pos: int, theta: float = 10000.0) -> torch.Tensor:
+    """llama.cpp's LLAMA (rope type NORM) on x [n_head, d]: dimension 2i pairs with 2i+1."""
+    d = x.shape[-1]
+    ang = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d) * pos  # [d/2]
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = a * ang.cos() - b * ang.sin()
+    out[..., 1::2] = a * ang.sin() + b * ang.cos()
+    return out
+
+
+def test_llama_q_k_permutation_keeps_attention_scores_under_ggml_rope() -> None:
+    """HF's q/k rows with rotate_half rope give the same q.k scores as the permuted rows with
+    llama.cpp's interleaved rope (so the converted Llama attends as the original); written as
+    stored, the scores differ."""
+    torch.manual_seed(0)
+    n_head, n_kv, d, hidden = 4, 2, 16, 64
+    wq = torch.randn(n_head * d, hidden, dtype=torch.float64)
+    wk = torch.randn(n_kv * d, hidden, dtype=torch.float64)
+    x_m, x_n = torch.randn(hidden, dtype=torch.float64), torch.randn(hidden, dtype=torch.float64)
+
+    def scores(wq, wk, rope):
+        q = rope((wq @ x_m).view(n_head, d), pos=7)
+        k = rope((wk @ x_n).view(n_kv, d), pos=3)
+        return torch.einsum("hd,hd->h", q, k.repeat_interleave(n_head // n_kv, dim=0))
+
+    hf = scores(wq, wk, _rope_rotate_half)
+    perm = lambda w, h: torch.from_numpy(hf_to_ggml_rope_rows(w.numpy(), h))  # noqa: E731
+    ggml = scores(perm(wq, n_head), perm(wk, n_kv), _rope_interleaved)
+    assert torch.allclose(hf, ggml, atol=1e-9)
+    assert not torch.allclose(hf, scores(wq, wk, _rope_interleaved), atol=1e-3)
+    back = ggml_to_hf_rope_rows(hf_to_ggml_rope_rows(wq.numpy(), n_head), n_head)
+    assert np.array_equal(back, wq.numpy())
+
+
+def test_verification_catches_unpermuted_llama_q_k(tokenizer, tmp_path) -> None:
+    """A file written without the q/k permutation (the classic conversion bug) fails read-back."""
+    folder = _folder(tmp_path, tokenizer, "llama", tie=False)
+    plan = plan_gguf(folder, "f16", "tiny")
+    wrong = dataclasses.replace(
+        plan, tensors=[dataclasses.replace(t, permute_heads=0) for t in plan.tensors]
+    )
+    path = write_gguf(wrong, tmp_path / "wrong.gguf")
+    with pytest.raises(GGUFVerificationError, match=r"blk\.0\.attn_[qk]\.weight"):
+        verify_gguf(path, plan)
+
+
+def test_verification_catches_changed_metadata(tokenizer, tmp_path) -> None:
+    folder = _folder(tmp_path, tokenizer, "qwen2", tie=True)
+    plan = plan_gguf(folder, "q8_0", "tiny")
+    path = write_gguf(plan, tmp_path / "x.gguf")
+    meta = dict(plan.metadata) | {"qwen2.context_length": 99}
+    with pytest.raises(GGUFVerificationError, match="qwen2.context_length"):
+        verify_gguf(path, dataclasses.replace(plan, metadata=meta))
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "mistral", "gemma2"])
+def test_other_families_are_refused_naming_the_field(tmp_path, model_type) -> None:
+    config = {"model_type": model_type, "num_hidden_layers": 2}
+    problem = family_problem(config)
+    assert problem is not None
+    assert problem.startswith("export.gguf:") and "Llama and Qwen2" in problem
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(GGUFUnsupported, match=r"^export\.gguf: model_type"):
+        check_convertible(tmp_path)
+
+
+def test_rope_scaling_other_than_llama3_is_refused() -> None:
+    cfg = {"model_type": "qwen2", "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
+    assert "rope scaling 'yarn'" in family_problem(cfg)
+    assert (
+        family_problem({"model_type": "llama", "rope_parameters": {"rope_type": "llama3"}}) is None
+    )
+
+
+def test_pre_tokenizer_names(tokenizer) -> None:
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    assert pre_tokenizer_name(spec) == "gpt-2"
+    tail = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}
+    for regex, name in ((LLAMA3_SPLIT, "llama-bpe"), (QWEN2_SPLIT, "qwen2")):
+        split = {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated"}
+        spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [split, tail]}
+        assert pre_tokenizer_name(spec) == name
+    split["pattern"]["Regex"] = "\\s+"
+    with pytest.raises(GGUFUnsupported, match="pre-tokenizer"):
+        pre_tokenizer_name(spec)
+    spec["model"]["byte_fallback"] = True  # a SentencePiece-style BPE (Llama 2, Mistral)
+    with pytest.raises(GGUFUnsupported, match="not a byte-level BPE"):
+        pre_tokenizer_name(spec)
+
+
+def test_recipe_field() -> None:
+    assert ExportConfig(gguf=["f16", "q8_0"]).gguf == ["f16", "q8_0"]
+    assert ExportConfig().gguf == []
+    with pytest.raises(ValidationError, match="gguf"):
+        ExportConfig(gguf=["q4_k"])
+    with pytest.raises(ValidationError, match="at most once"):
+        ExportConfig(gguf=["f16", "f16"])
+
+
+def test_model_card_says_how_to_run_the_gguf() -> None:
+    card = model_card("run", {"name": "llama"}, [], {}, {}, {}, {"gguf/run-q8_0.gguf": "ab" * 32})
+    assert "llama-cli -m gguf/run-q8_0.gguf" in card
+    assert "FROM ./run-q8_0.gguf" in card and "ab" * 32 in card
+    assert "GGUF" not in model_card("run", {"name": "llama"}, [], {}, {}, {})
+
+
+# --- llama.cpp itself, when llama-cpp-python is installed -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyAssets:
+    return tiny_assets(tmp_path_factory)
+
+
+def _greedy_hf(folder: Path, ids: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None
+        )
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None,
+    reason="llama-cpp-python is not installed (optional; see docs/operations.md)",
+)
+def test_llama_cpp_greedy_tokens_match_transformers(tiny, tmp_path) -> None:
+    """The merged tiny Llama (base + trained adapter) as f16 GGUF in llama.cpp: the same prompt
+    tokens and the same greedy continuation as transformers on the fp32 merge."""
+    import llama_cpp
+
+    folder = tmp_path / "merged"
+    save_export(
+        merge_adapter(tiny.base_dir, tiny.adapter_trained, torch.float32), tiny.tokenizer, folder
+    )
+    plan = plan_gguf(folder, "f16", "tiny")
+    path = write_gguf(plan, tmp_path / "tiny-f16.gguf")
+    verify_gguf(path, plan)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=1, verbose=False)
+    for text in prompts(tiny.tokenizer, 3):
+        ids = tiny.tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == ids
+        llm.reset()
+        got = []
+        for tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
+            got.append(tok)
+            if len(got) == 8:
+                break
+        assert got == _greedy_hf(folder, ids, 8), text
