@@ -258,49 +258,75 @@ def _greedy_hf(folder: Path, ids: list[int], n: int) -> list[int]:
 )
 def test_llama_cpp_greedy_tokens_match_transformers(tiny, tmp_path) -> None:
     """The merged tiny Llama (base + trained adapter) as f16 GGUF in llama.cpp: the same prompt
-    tokens and the same greedy continuation as transformers on the fp32 merge."""
+    tokens, logits within f16 rounding and the same greedy continuation as transformers on the
+    fp32 merge. Measured: logits 3e-4 of their spread off; written without the q/k
+    permutation, 0.14-0.63 off, and the first prompt's greedy tokens differ."""
     import llama_cpp
+    from transformers import AutoModelForCausalLM
 
     folder = tmp_path / "merged"
-    save_export(
-        merge_adapter(tiny.base_dir, tiny.adapter_trained, torch.float32), tiny.tokenizer, folder
-    )
+    merged = merge_adapter(tiny.base_dir, tiny.adapter_trained, torch.float32)
+    save_export(merged, tiny.tokenizer, folder)
     plan = plan_gguf(folder, "f16", "tiny")
     path = write_gguf(plan, tmp_path / "tiny-f16.gguf")
     verify_gguf(path, plan)
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=1, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=str(path), n_ctx=256, n_threads=1, logits_all=True, verbose=False
+    )
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     for text in prompts(tiny.tokenizer, 3):
         ids = tiny.tokenizer(text, add_special_tokens=False)["input_ids"]
         assert llm.tokenize(text.encode(), add_bos=False, special=True) == ids
+        with torch.no_grad():
+            ref = model(torch.tensor([ids])).logits[0].numpy()  # [T, V]
         llm.reset()
-        got = []
+        llm.eval(ids)
+        got = np.asarray(llm.scores[: len(ids)])
+        assert np.abs(got - ref).max() < 2e-3 * (ref.max() - ref.min()), text
+        llm.reset()
+        tokens = []
         for tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
-            got.append(tok)
-            if len(got) == 8:
+            tokens.append(tok)
+            if len(tokens) == 8:
                 break
-        assert got == _greedy_hf(folder, ids, 8), text
+        assert tokens == _greedy_hf(folder, ids, 8), text
 
 
-@pytest.mark.slow
-def test_export_stage_writes_verified_gguf_files(tmp_path: Path) -> None:
-    """The quickstart-like tiny pipeline (ingest -> sft -> evaluate -> export) with
-    `export.gguf: [f16, q8_0]`: both files land in <export>/gguf/, are listed in the manifest,
-    read back, match the merged weights and are described by the model card."""
-    from stage_helpers import TINY, run_inprocess, write_recipe
+@pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None,
+    reason="llama-cpp-python is not installed (optional; see docs/operations.md)",
+)
+@pytest.mark.parametrize(
+    ("arch", "tie", "gguf_type", "rtol"),
+    [
+        ("llama", False, "f16", 2e-3),
+        ("qwen2", True, "f16", 2e-3),
+        ("llama", False, "q8_0", 2e-2),
+        ("qwen2", True, "q8_0", 2e-2),
+    ],
+)
+def test_llama_cpp_logits_match_transformers(
+    tokenizer, tmp_path, arch, tie, gguf_type, rtol
+) -> None:
+    """Both families (GQA; Qwen2 with tied embeddings and q/k/v biases) run in llama.cpp with
+    the logits of transformers, within the weight rounding of the file's type (as a share of
+    the logits' spread). Measured: f16 3e-4 (llama) and 2e-4 (qwen2), q8_0 9e-3 and 5e-3; the
+    Llama written without the q/k permutation is 4.8e-3 off in f16 on this random-init model
+    (near-uniform attention hides it; the greedy test on the trained model shows it plainly)."""
+    import llama_cpp
+    from transformers import AutoModelForCausalLM
 
-    recipe = write_recipe(tmp_path, {**TINY, "export": {"gguf": ["f16", "q8_0"]}})
-    for stage in ("ingest", "sft", "evaluate"):
-        run_inprocess(stage, recipe)
-    out = run_inprocess("export", recipe)
-    manifest = json.loads((out / "manifest.json").read_text())
-    summary = manifest["summary"]
-    assert set(summary["gguf"]) == {"f16", "q8_0"}
-    for gguf_type, entry in summary["gguf"].items():
-        assert entry["file"] == f"gguf/tiny-{gguf_type}.gguf"
-        assert entry["file"] in manifest["files"]  # hashed with the rest of the artifact
-        assert entry["verification"]["passed"] is True
-        # Read back here too, independently of the stage's own check.
-        plan = plan_gguf(out / "model", gguf_type, "tiny")
-        assert verify_gguf(out / entry["file"], plan)["tensors"] == len(plan.tensors)
-    card = (out / "model" / "README.md").read_text()
-    assert "llama-cli -m gguf/tiny-f16.gguf" in card and summary["gguf"]["q8_0"]["sha256"] in card
+    folder = _folder(tmp_path, tokenizer, arch, tie)
+    plan = plan_gguf(folder, gguf_type, "tiny")
+    path = write_gguf(plan, tmp_path / f"tiny-{gguf_type}.gguf")
+    ids = tokenizer("Reverse the list: 3, 1, 2.", add_special_tokens=False)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()  # [T, V]
+    llm = llama_cpp.Llama(
+        model_path=str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False
+    )
+    llm.eval(ids)
+    got = np.asarray(llm.scores[: len(ids)])  # [T, V]
+    spread = ref.max() - ref.min()
+    assert np.abs(got - ref).max() < rtol * spread, np.abs(got - ref).max() / spread

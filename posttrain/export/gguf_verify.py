@@ -3,7 +3,8 @@
 Checks: the tensor count and names are the planned ones, each shape is the HF tensor's, every
 metadata value reads back as written, and every de-quantised weight is within the rounding bound
 of its type of the merged weight (q/k rows un-permuted back to HF's order first, so a wrong
-rotary permutation fails here). Tensors are compared one at a time (the file is memory-mapped).
+rotary permutation fails here). Tensors are compared one at a time, in row chunks (the file is
+memory-mapped).
 
 Bounds, per element w (fp32 merged weight) and d (de-quantised):
   F32:  d == w
@@ -17,6 +18,8 @@ A q/k permutation error moves weights by about their own size, far above every b
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,15 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from posttrain.export.gguf import GGUFPlan, PlannedTensor, ggml_to_hf_rope_rows, load_hf
+from posttrain.export.gguf import (
+    GGUFPlan,
+    HParams,
+    PlannedTensor,
+    ggml_to_hf_rope_rows,
+    load_hf,
+)
+
+CHUNK_ELEMENTS = 1 << 22  # ~16 MB of fp32 per piece compared
 
 
 class GGUFVerificationError(RuntimeError):
@@ -89,23 +100,16 @@ def verify_gguf(path: str | Path, planned: GGUFPlan) -> dict[str, Any]:
                 f"{path}: {t.gguf_name} is {r.tensor_type.name} {list(shape)}, "
                 f"expected {t.gtype.name} {list(t.shape)}"
             )
-        d = gguf.quants.dequantize(np.asarray(r.data), r.tensor_type).reshape(t.shape)
-        if t.permute_heads:
-            # Compare in HF's own row order against the stored tensor itself, so the check does
-            # not only test the permutation against its own inverse.
-            w, d = _hf_original(t), ggml_to_hf_rope_rows(d, t.permute_heads)
-        else:
-            w = load_hf(t, hp)  # fp32
-        err = np.abs(d.astype(np.float32) - w)
-        excess = err - _bound(w, r.tensor_type)
-        if not np.all(np.isfinite(d)) or excess.max() > 0:
-            raise GGUFVerificationError(
-                f"{path}: {t.gguf_name} ({t.hf_name}) de-quantises to values up to "
-                f"{float(np.nan_to_num(err, nan=np.inf).max()):.3g} away from the merged weights, "
-                f"beyond the {r.tensor_type.name} rounding bound"
-            )
-        name = r.tensor_type.name
-        worst[name] = max(worst.get(name, 0.0), float(err.max()))
+        for w, d in _pairs(t, r, hp):
+            err = np.abs(d - w)
+            if not np.all(np.isfinite(d)) or np.any(err > _bound(w, r.tensor_type)):
+                raise GGUFVerificationError(
+                    f"{path}: {t.gguf_name} ({t.hf_name}) de-quantises to values up to "
+                    f"{float(np.nan_to_num(err, nan=np.inf).max()):.3g} away from the merged "
+                    f"weights, beyond the {r.tensor_type.name} rounding bound"
+                )
+            name = r.tensor_type.name
+            worst[name] = max(worst.get(name, 0.0), float(err.max()))
     return {
         "path": str(path),
         "tensors": len(plan),
@@ -115,7 +119,27 @@ def verify_gguf(path: str | Path, planned: GGUFPlan) -> dict[str, Any]:
     }
 
 
-def _hf_original(t: PlannedTensor) -> np.ndarray:
-    """The stored HF tensor, in fp32 and HF's row order."""
+def _pairs(t: PlannedTensor, r: Any, hp: HParams) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(merged fp32, de-quantised fp32) pieces of one tensor, in HF's row order.
+
+    Row chunks of about CHUNK_ELEMENTS, so that checking a 70B model's embedding holds a few
+    hundred MB, not several fp32 copies of 4 GB. Permuted q/k (at most n_head * head_dim rows)
+    are compared whole, against the stored HF tensor itself after undoing the permutation on the
+    file side, so the check does not only test the permutation against its own inverse.
+    """
+    if t.permute_heads:
+        with safe_open(str(t.file), framework="pt") as st:
+            w = st.get_tensor(t.hf_name).to(torch.float32).numpy()
+        d = gguf.quants.dequantize(np.asarray(r.data), r.tensor_type).reshape(t.shape)
+        yield w, ggml_to_hf_rope_rows(d, t.permute_heads)
+        return
+    if t.hf_name is None or len(t.shape) < 2:
+        d = gguf.quants.dequantize(np.asarray(r.data), r.tensor_type).reshape(t.shape)
+        yield load_hf(t, hp), d
+        return
+    step = max(1, CHUNK_ELEMENTS // math.prod(t.shape[1:]))
     with safe_open(str(t.file), framework="pt") as st:
-        return st.get_tensor(t.hf_name).to(torch.float32).numpy()
+        stored = st.get_slice(t.hf_name)
+        for a in range(0, t.shape[0], step):
+            w = stored[a : a + step].to(torch.float32).numpy()
+            yield w, gguf.quants.dequantize(np.asarray(r.data[a : a + step]), r.tensor_type)
