@@ -226,6 +226,20 @@ def test_recipe_field() -> None:
         ExportConfig(gguf=["f16", "f16"])
 
 
+def test_gguf_types_are_in_the_export_fingerprint_only() -> None:
+    from posttrain.config.loader import load_recipe
+    from posttrain.planner import plan
+
+    def prints(*overrides: str) -> dict[str, str]:
+        recipe = load_recipe("recipes/quickstart.yaml", list(overrides))
+        return {s.name: s.fingerprint for s in plan(recipe)}
+
+    before, f16, both = prints(), prints("export.gguf=[f16]"), prints("export.gguf=[f16,q8_0]")
+    assert {k for k in before if before[k] != f16[k]} == {"export"}
+    assert f16["export"] != both["export"]
+    assert prints("export.gguf=[]") == before  # empty: the print exports had before the field
+
+
 def test_model_card_says_how_to_run_the_gguf() -> None:
     card = model_card("run", {"name": "llama"}, [], {}, {}, {}, {"gguf/run-q8_0.gguf": "ab" * 32})
     assert "llama-cli -m gguf/run-q8_0.gguf" in card

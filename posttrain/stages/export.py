@@ -1,8 +1,10 @@
 """export: merge the LoRA adapter into the base, save a plain transformers checkpoint, prove it.
 
 Writes model/ (safetensors, tokenizer with the pipeline's chat template, README.md model card with
-the whole lineage and file hashes) and verification.json. The stage fails, and so leaves no
-manifest, when the export reloads differently from base+adapter or is identical to the base.
+the whole lineage and file hashes) and verification.json; with `export.gguf`, also
+gguf/<run>-<type>.gguf for llama.cpp, each read back and checked (posttrain/export/gguf.py). The
+stage fails, and so leaves no manifest, when the export reloads differently from base+adapter,
+is identical to the base, or a GGUF does not read back as written.
 """
 
 from __future__ import annotations
