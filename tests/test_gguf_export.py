@@ -16,6 +16,7 @@ import pytest
 import torch
 from fixtures_tiny import TinyAssets, one_torch_thread, prompts, tiny_assets
 from pydantic import ValidationError
+from transformers import LlamaForCausalLM
 
 from posttrain.config.schema import FromConfigModel
 from posttrain.data.synthetic import pretrain_corpus
@@ -27,6 +28,8 @@ from posttrain.export.gguf import (
     family_problem,
     ggml_to_hf_rope_rows,
     hf_to_ggml_rope_rows,
+    hparams,
+    llama3_rope_factors,
     plan_gguf,
     pre_tokenizer_name,
     write_gguf,
@@ -199,6 +202,41 @@ def test_rope_scaling_other_than_llama3_is_refused() -> None:
     assert (
         family_problem({"model_type": "llama", "rope_parameters": {"rope_type": "llama3"}}) is None
     )
+
+
+def test_llama3_rope_factors_match_transformers(tokenizer, tmp_path) -> None:
+    """Llama-3.1's rope scaling goes into rope_freqs.weight as per-frequency divisors: the
+    default frequencies divided by them are transformers' llama3 frequencies."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=131072,
+        rope_parameters=rope,
+    )
+    hp = hparams(json.loads(config.to_json_string()))
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")  # [head_dim / 2]
+    default = 1.0 / 500000.0 ** (np.arange(0, 64, 2) / 64)
+    assert np.allclose(default / llama3_rope_factors(hp), want.numpy(), rtol=1e-5)
+    folder = tmp_path / "llama31"
+    LlamaForCausalLM(config).save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    plan = plan_gguf(folder, "q8_0", "x")
+    assert plan.tensors[0].gguf_name == "rope_freqs.weight"
+    verify_gguf(write_gguf(plan, tmp_path / "x.gguf"), plan)
 
 
 def test_pre_tokenizer_names(tokenizer) -> None:

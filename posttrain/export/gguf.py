@@ -113,14 +113,17 @@ def family_problem(config: dict[str, Any]) -> str | None:
             f"export.gguf: model_type {model_type!r} cannot be exported to GGUF "
             f"({SUPPORTED}); remove export.gguf or export another base"
         )
-    rope = _rope(config)
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    kind = rope_kind(_rope(config))
     if kind not in ("default", "llama3") or (kind == "llama3" and model_type != "llama"):
         return (
             f"export.gguf: rope scaling {kind!r} of this {model_type} model is not converted "
             "(supported: none, and Llama-3's 'llama3')"
         )
     return None
+
+
+def rope_kind(rope: dict[str, Any]) -> str:
+    return str(rope.get("rope_type", rope.get("type", "default")))
 
 
 def _rope(config: dict[str, Any]) -> dict[str, Any]:
@@ -250,7 +253,7 @@ def plan_tensors(model_dir: str | Path, hp: HParams, wanted: Any) -> list[Planne
         )
     # Tied embeddings: no output.weight; llama.cpp's Llama and Qwen2 loaders then use
     # token_embd.weight as the output projection.
-    if hp.rope.get("rope_type") == "llama3":
+    if rope_kind(hp.rope) == "llama3":
         plan.insert(0, PlannedTensor("rope_freqs.weight", (hp.head_dim // 2,), Q.F32, None, None))
     return plan
 
