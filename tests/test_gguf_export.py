@@ -382,3 +382,45 @@ def test_llama_cpp_logits_match_transformers(
     got = np.asarray(llm.scores[: len(ids)])  # [T, V]
     spread = ref.max() - ref.min()
     assert np.abs(got - ref).max() < rtol * spread, np.abs(got - ref).max() / spread
+
+
+def test_recipe_with_a_local_base_of_another_family_is_refused_at_load(tmp_path) -> None:
+    import yaml
+
+    from posttrain.config.loader import RecipeError, load_recipe
+
+    base = tmp_path / "gpt2-base"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    data = yaml.safe_load(Path("recipes/quickstart.yaml").read_text())
+    data["ingest"] = {"source": "path", "path": str(base)}
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(data))
+    load_recipe(recipe, [])  # without export.gguf the same base is fine
+    with pytest.raises(RecipeError, match=r"export\.gguf: model_type 'gpt2' cannot be exported"):
+        load_recipe(recipe, ["export.gguf=[q8_0]"])
+
+
+@pytest.mark.slow
+def test_export_stage_writes_verified_gguf_files(tmp_path: Path) -> None:
+    """The quickstart-like tiny pipeline (ingest -> sft -> evaluate -> export) with
+    `export.gguf: [f16, q8_0]`: both files land in <export>/gguf/, are listed in the manifest,
+    read back, match the merged weights and are described by the model card."""
+    from stage_helpers import TINY, run_inprocess, write_recipe
+
+    recipe = write_recipe(tmp_path, {**TINY, "export": {"gguf": ["f16", "q8_0"]}})
+    for stage in ("ingest", "sft", "evaluate"):
+        run_inprocess(stage, recipe)
+    out = run_inprocess("export", recipe)
+    manifest = json.loads((out / "manifest.json").read_text())
+    summary = manifest["summary"]
+    assert set(summary["gguf"]) == {"f16", "q8_0"}
+    for gguf_type, entry in summary["gguf"].items():
+        assert entry["file"] == f"gguf/tiny-{gguf_type}.gguf"
+        assert entry["file"] in manifest["files"]  # hashed with the rest of the artifact
+        assert entry["verification"]["passed"] is True
+        # Read back here too, independently of the stage's own check.
+        plan = plan_gguf(out / "model", gguf_type, "tiny")
+        assert verify_gguf(out / entry["file"], plan)["tensors"] == len(plan.tensors)
+    card = (out / "model" / "README.md").read_text()
+    assert "llama-cli -m gguf/tiny-f16.gguf" in card and summary["gguf"]["q8_0"]["sha256"] in card

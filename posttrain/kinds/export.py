@@ -24,8 +24,9 @@ class ExportConfig(_Section):
         [],
         description="Also write GGUF files for llama.cpp/Ollama, one per type, to "
         "`gguf/<run name>-<type>.gguf` in the export; each is read back and checked against the "
-        "merged weights. Llama and Qwen2 families only (another family fails the export before "
-        "anything is written). `q8_0` is 8-bit; norms stay f32 in every file.",
+        "merged weights. Llama and Qwen2 families only: another family is refused when the "
+        "recipe loads (a local base) or when the export stage starts (a hub base), before "
+        "anything is written. `q8_0` is 8-bit; norms stay f32 in every file.",
     )
     policy: str | None = Field(
         None,
