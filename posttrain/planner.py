@@ -156,6 +156,9 @@ def stage_inputs(
             numerics["guard"] = recipe.guard.model_dump(
                 mode="json", include={"loss_spike_k", "loss_spike_window", "loss_spike_min_history"}
             )
+    # export.gguf, added since: left out when empty, so exports keep their fingerprints.
+    if kind.produces == "export" and not section.get("gguf"):
+        section.pop("gguf", None)
     # A template file's text decides the result, not its name: fingerprint its content.
     template = getattr(own, "chat_template", None)
     if template and looks_like_template_file(template) and Path(template).is_file():

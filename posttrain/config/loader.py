@@ -277,6 +277,7 @@ def resolve(
     include = r.evaluate.lm_eval.include_path if r.evaluate.lm_eval else None
     if include and not Path(include).is_dir():
         errors.append(f"evaluate.lm_eval.include_path: {include} is not a folder of task YAMLs")
+    errors.extend(gguf_errors(r))
     for name, section in r.training_sections().items():
         try:
             b = section_batch(r, name)
@@ -288,6 +289,24 @@ def resolve(
     if errors:
         raise RecipeError(errors)
     return r
+
+
+def gguf_errors(recipe: Recipe) -> list[str]:
+    """export.gguf with a base known now (a local folder) that cannot go to GGUF: refused at
+    load, before any stage runs. from_config builds only convertible families; a hub base is
+    checked by the export stage at its start (its files may not be in the cache yet)."""
+    base = recipe.ingest.path
+    if not recipe.export.gguf or recipe.ingest.source != "path" or not base or is_hub_id(base):
+        return []
+    if not (Path(base) / "config.json").is_file():
+        return []  # resolve_paths reports a missing folder
+    from posttrain.export.gguf import GGUFUnsupported, check_convertible
+
+    try:
+        check_convertible(base)
+    except GGUFUnsupported as exc:
+        return [str(exc)]
+    return []
 
 
 def input_paths(recipe: Recipe) -> dict[str, str]:

@@ -64,6 +64,7 @@ def model_card(
     files: dict[str, str],
     metrics: dict[str, Any],
     recipe_sections: dict[str, Any],
+    gguf_files: dict[str, str] | None = None,
 ) -> str:
     """Render README.md for an export.
 
@@ -73,6 +74,8 @@ def model_card(
     files: relative path -> sha256 of each file in the export.
     metrics: key figures, nested dicts allowed (rendered as dotted names).
     recipe_sections: recipe section name -> its resolved settings, shown as YAML.
+    gguf_files: path relative to the export folder (`gguf/<name>-<type>.gguf`) -> sha256, for
+    llama.cpp/Ollama; the card then says how to run them.
     """
     base_name = base.get("hub_id") or base.get("name") or "the base model"
     parts = [
@@ -124,4 +127,27 @@ def model_card(
         'print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))\n'
         "```\n",
     ]
+    if gguf_files:
+        parts.append(_gguf_usage(gguf_files))
     return "\n".join(parts)
+
+
+def _gguf_usage(gguf_files: dict[str, str]) -> str:
+    """How to run the GGUF files beside this folder with llama.cpp and Ollama."""
+    first = sorted(gguf_files)[0]
+    return "\n".join(
+        [
+            "## GGUF (llama.cpp, Ollama)\n",
+            "The same merged weights converted to GGUF, in the export's `gguf/` folder (next to "
+            "this one); each was read back and compared with the merged weights. The chat "
+            "template is inside the file.\n",
+            _table(["file", "sha256"], [[p, gguf_files[p]] for p in sorted(gguf_files)]) + "\n",
+            "```bash\n"
+            f"llama-cli -m {first} -cnv          # chat, with the embedded chat template\n"
+            f"llama-server -m {first} --port 8080  # OpenAI-compatible server\n"
+            "```\n",
+            "Ollama: a `Modelfile` beside the file holding\n",
+            f"```\nFROM ./{first.rsplit('/', 1)[-1]}\n```\n",
+            "then `ollama create my-model -f Modelfile` and `ollama run my-model`.\n",
+        ]
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from posttrain.config.run_sections import _Section
 from posttrain.kinds._kind import StageKind
@@ -20,11 +20,26 @@ class ExportConfig(_Section):
         description="Max |logit difference| allowed between the reloaded export and "
         "base+adapter (fp32); scaled up for half-precision exports.",
     )
+    gguf: list[Literal["f16", "bf16", "q8_0"]] = Field(
+        [],
+        description="Also write GGUF files for llama.cpp/Ollama, one per type, to "
+        "`gguf/<run name>-<type>.gguf` in the export; each is read back and checked against the "
+        "merged weights. Llama and Qwen2 families only: another family is refused when the "
+        "recipe loads (a local base) or when the export stage starts (a hub base), before "
+        "anything is written. `q8_0` is 8-bit; norms stay f32 in every file.",
+    )
     policy: str | None = Field(
         None,
         description="The policy stage (by name) to merge and ship; default the final policy "
         "(the last policy stage of the graph).",
     )
+
+    @field_validator("gguf")
+    @classmethod
+    def _one_file_per_type(cls, types: list[str]) -> list[str]:
+        if len(set(types)) != len(types):
+            raise ValueError(f"each GGUF type at most once, got {types}")
+        return types
 
 
 KIND = StageKind(

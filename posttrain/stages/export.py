@@ -1,8 +1,10 @@
 """export: merge the LoRA adapter into the base, save a plain transformers checkpoint, prove it.
 
 Writes model/ (safetensors, tokenizer with the pipeline's chat template, README.md model card with
-the whole lineage and file hashes) and verification.json. The stage fails, and so leaves no
-manifest, when the export reloads differently from base+adapter or is identical to the base.
+the whole lineage and file hashes) and verification.json; with `export.gguf`, also
+gguf/<run>-<type>.gguf for llama.cpp, each read back and checked (posttrain/export/gguf.py). The
+stage fails, and so leaves no manifest, when the export reloads differently from base+adapter,
+is identical to the base, or a GGUF does not read back as written.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +29,8 @@ from posttrain.diskspace import (
     model_bytes,
     required_bytes,
 )
+from posttrain.export.gguf import check_convertible, plan_gguf, write_gguf
+from posttrain.export.gguf_verify import verify_gguf
 from posttrain.export.merge import merge_adapter, save_export
 from posttrain.export.model_card import model_card
 from posttrain.export.verify import verify_export
@@ -84,6 +89,31 @@ def _save_with_room(merged: Any, tok: Any, out: Any) -> None:
         ) from exc
 
 
+def _write_ggufs(ctx: StageContext, model_dir: Path, types: list[str]) -> dict[str, Any]:
+    """One verified GGUF per type under `<export>/gguf/`: type -> {file, sha256, bytes, check}."""
+    out: dict[str, Any] = {}
+    for gguf_type in types:
+        plan = plan_gguf(model_dir, gguf_type, ctx.recipe.run.name)
+        path = ctx.out_dir / "gguf" / f"{ctx.recipe.run.name}-{gguf_type}.gguf"
+        ensure_free(ctx.out_dir, plan.nbytes, f"the {gguf_type} GGUF ({path.name})")
+        write_gguf(plan, path)
+        check = verify_gguf(path, plan)
+        log.info(
+            "gguf %s: %d tensors, %s, max |weight error| %s",
+            path.name,
+            check["tensors"],
+            f"{path.stat().st_size / 2**20:.1f} MiB",
+            {k: f"{v:.2e}" for k, v in check["max_abs_weight_error"].items()},
+        )
+        out[gguf_type] = {
+            "file": str(path.relative_to(ctx.out_dir)),
+            "sha256": sha256_file(path),
+            "bytes": path.stat().st_size,
+            "verification": check | {"path": path.name},
+        }
+    return out
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.recipe.export
     ingest = ctx.role_manifest("base")
@@ -94,6 +124,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     dtype_name = base_dtype(ingest["summary"]) if cfg.dtype == "auto" else cfg.dtype
     trust = bool(ingest["summary"].get("trust_remote_code", False))
 
+    if cfg.gguf:  # refuse an unconvertible family now, before the merge writes anything
+        check_convertible(base_dir, ctx.role_dir("base") / "tokenizer")
     tok = load_tokenizer(ctx.role_dir("base") / "tokenizer")
     merged = merge_adapter(base_dir, adapter_dir, DTYPES[dtype_name], trust_remote_code=trust)
     out = ctx.out_dir / "model"
@@ -115,6 +147,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
         report["atol_effective"],
         report["max_abs_weight_diff_vs_base"],
     )
+
+    ggufs = _write_ggufs(ctx, out, cfg.gguf) if cfg.gguf else {}
 
     # The card is written last in model/ and lists the hashes of every other file there.
     files = {str(p.relative_to(out)): sha256_file(p) for p in sorted(out.rglob("*")) if p.is_file()}
@@ -161,7 +195,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
     sections |= {n: graph.get(n).section.model_dump(mode="json") for n in lineage_names}
     sections["export"] = cfg.model_dump(mode="json")
     (out / "README.md").write_text(
-        model_card(ctx.recipe.run.name, base_info, lineage, files, metrics, sections)
+        model_card(
+            ctx.recipe.run.name,
+            base_info,
+            lineage,
+            files,
+            metrics,
+            sections,
+            gguf_files={v["file"]: v["sha256"] for v in ggufs.values()},
+        )
     )
     headline = {
         "dtype": dtype_name,
@@ -175,6 +217,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "dtype": dtype_name,
         "verification": report,
         "files": files,
+        "gguf": ggufs,
         "headline": headline,
     }
 
