@@ -5,7 +5,6 @@ never fails a stage: a logging or server problem is swallowed here."""
 from __future__ import annotations
 
 import contextvars
-import json
 import logging
 import threading
 from collections import deque
@@ -18,6 +17,8 @@ from prefect.context import TaskRunContext
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+from flows.jsonl_tail import JsonlTail
 
 ARTIFACT_MARKER = "POSTTRAIN_ARTIFACT "
 TAIL_LINES = 30
@@ -130,33 +131,16 @@ class MetricsTail:
     ):
         self.path, self.report, self.interval_s = path, report, interval_s
         self.stage = stage  # named to the step listeners; None: they are not told
-        self._offset = 0
-        self._partial = ""
+        self._tail = JsonlTail(path)
         self._last: tuple[float, str] | None = None
         self._stop = threading.Event()
         self.thread = _start_thread(self._run, f"{path.parent.name}-metrics")
 
     def poll(self) -> None:
         """Read the lines appended since the last poll; report the newest training step."""
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            return
-        if size < self._offset:  # rewritten (a restarted stage): start over
-            self._offset, self._partial = 0, ""
-        with open(self.path, encoding="utf-8", errors="replace") as f:
-            f.seek(self._offset)
-            chunk = f.read()
-            self._offset = f.tell()
-        lines = (self._partial + chunk).split("\n")
-        self._partial = lines.pop()  # a line still being written
         latest, newest = None, None
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and (progress := progress_from_record(record)):
+        for record in self._tail.read():
+            if progress := progress_from_record(record):
                 latest, newest = progress, record
         if latest is not None and latest != self._last:
             self._last = latest

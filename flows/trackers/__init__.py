@@ -15,7 +15,6 @@ waits at most `FINISH_TIMEOUT_S` for all of them together.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import queue
 import threading
@@ -24,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from flows.jsonl_tail import JsonlTail
 from flows.stage_output import _start_thread, run_logger
 
 log = logging.getLogger("posttrain.flows.trackers")
@@ -206,7 +206,7 @@ class StageFeed:
 
     def __init__(self, trackers: Trackers, stage: str, path: Path):
         self.trackers, self.stage, self.path = trackers, stage, path
-        self._offset, self._partial = 0, ""
+        self._tail = JsonlTail(path)
         self._stop = threading.Event()
         self._poll_lock = threading.Lock()
         self.interval_s = POLL_S
@@ -214,26 +214,7 @@ class StageFeed:
 
     def poll(self) -> None:
         with self._poll_lock:
-            try:
-                size = self.path.stat().st_size
-            except FileNotFoundError:
-                return
-            if size < self._offset:  # rewritten (a restarted or resumed stage): start over
-                self._offset, self._partial = 0, ""
-            with open(self.path, encoding="utf-8", errors="replace") as f:
-                f.seek(self._offset)
-                chunk = f.read()
-                self._offset = f.tell()
-            lines = (self._partial + chunk).split("\n")
-            self._partial = lines.pop()  # a line still being written
-            records = []
-            for line in lines:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(record, dict):
-                    records.append(record)
+            records = self._tail.read()
         if records:
             self.trackers.log(self.stage, records)
 

@@ -198,15 +198,6 @@ def check_convertible(model_dir: str | Path, tokenizer_dir: str | Path | None = 
     return hp
 
 
-def _tensor_files(model_dir: Path) -> dict[str, Path]:
-    index: dict[str, Path] = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                index[name] = f
-    return index
-
-
 def _shape(file: Path, name: str) -> tuple[int, ...]:
     with safe_open(str(file), framework="pt") as st:
         return tuple(st.get_slice(name).get_shape())
@@ -223,8 +214,12 @@ def tensor_type(shape: tuple[int, ...], wanted: gguf.GGMLQuantizationType) -> An
 
 def plan_tensors(model_dir: str | Path, hp: HParams, wanted: Any) -> list[PlannedTensor]:
     """Every tensor of the GGUF, in write order, from the safetensors headers only."""
+    # Imported here: recipe loading imports this module (check_convertible) and needs no
+    # transformers for that.
+    from posttrain.models.sharded_load import CheckpointFiles
+
     model_dir = Path(model_dir)
-    files = _tensor_files(model_dir)
+    files = CheckpointFiles.of(model_dir).where
     names = gguf.get_tensor_name_map(hp.arch, hp.n_layer)
     plan: list[PlannedTensor] = []
     for hf_name in sorted(files, key=_block_order):

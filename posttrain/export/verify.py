@@ -29,6 +29,8 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+from posttrain.models.sharded_load import CheckpointFiles
+
 ROUNDING_MARGIN = 3.0
 
 
@@ -49,23 +51,12 @@ def _round_weights_(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 p.copy_(p.to(dtype))
 
 
-def _tensor_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file that holds it (single file or sharded)."""
-    index: dict[str, Path] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                index[name] = f
-    if not index:
-        raise FileNotFoundError(f"{folder}: no *.safetensors weight files")
-    return index
-
-
 def weight_diff_vs_base(export_dir: Path, base_dir: Path) -> dict[str, Any]:
     """Largest |export - base| over all shared floating tensors, one tensor pair in memory at a
     time. The base tensor is first rounded to the export tensor's dtype, so an fp32 base exported
     to bf16 with a no-op merge compares equal (the rounding alone is not a change)."""
-    exp_index, base_index = _tensor_files(export_dir), _tensor_files(base_dir)
+    exp_index = CheckpointFiles.of(export_dir).where
+    base_index = CheckpointFiles.of(base_dir).where
     shared = sorted(set(exp_index) & set(base_index))
     if not shared:
         raise ExportVerificationError(
