@@ -10,26 +10,19 @@ parameter a gradient and times `opt.step()` + `zero_grad` for each implementatio
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from posttrain.config.schema import FromConfigModel, LoraConfig
-from posttrain.models.lora import apply_lora
-from posttrain.models.tiny import build_model
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny_models  # noqa: E402 (bench/, on the path above)
 
 SIZES = {
-    "small": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "intermediate_size": 256},
-    "medium": {"hidden_size": 256, "num_layers": 6, "num_heads": 8, "intermediate_size": 688},
+    **tiny_models.SIZES,
     "large": {"hidden_size": 1024, "num_layers": 16, "num_heads": 16, "intermediate_size": 2816},
 }
-
-
-class _Tok:
-    pad_token_id, eos_token_id = 0, 1
-
-    def __len__(self) -> int:
-        return 2048
 
 
 def time_step(params: list[torch.nn.Parameter], impl: str, steps: int) -> float:
@@ -60,8 +53,7 @@ def main() -> None:
     print("size | trainable tensors | trainable params | loop ms | foreach ms | fused ms")
     print("--- | --- | --- | --- | --- | ---")
     for name in args.sizes:
-        cfg = FromConfigModel(**SIZES[name], vocab_size=2048)
-        model = apply_lora(build_model(cfg, _Tok()), LoraConfig(r=16, alpha=32))
+        model = tiny_models.lora_model(SIZES[name])
         model.to(args.device)
         params = [p for p in model.parameters() if p.requires_grad]
         ms = {i: 1e3 * time_step(params, i, args.steps) for i in ("loop", "foreach", "fused")}

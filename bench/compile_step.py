@@ -11,37 +11,25 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from posttrain.config.schema import FromConfigModel, LoraConfig, OptimConfig
+from posttrain.config.schema import OptimConfig
 from posttrain.distributed.fsdp import decoder_blocks
-from posttrain.models.lora import apply_lora
-from posttrain.models.tiny import build_model
 from posttrain.train.losses import token_nll_sum
 from posttrain.train.optim import build_optimizer
 
-SIZES = {
-    "small": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "intermediate_size": 256},
-    "medium": {"hidden_size": 256, "num_layers": 6, "num_heads": 8, "intermediate_size": 688},
-}
-
-
-class _Tok:
-    pad_token_id, eos_token_id = 0, 1
-
-    def __len__(self) -> int:
-        return 2048
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_models import SIZES, lora_model  # noqa: E402 (bench/, on the path above)
 
 
 def run(size: str, mode: str, steps: int) -> list[float]:
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model = apply_lora(
-        build_model(FromConfigModel(**SIZES[size], vocab_size=2048), _Tok()),
-        LoraConfig(r=16, alpha=32),
-    )
+    model = lora_model(SIZES[size])
     model.train()
     if mode == "model":
         model.compile()

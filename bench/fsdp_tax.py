@@ -10,29 +10,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from posttrain.config.schema import FromConfigModel, LoraConfig, OptimConfig
+from posttrain.config.schema import OptimConfig
 from posttrain.distributed.fsdp import grad_sync, place_model
 from posttrain.distributed.runtime import init_distributed, shutdown
-from posttrain.models.lora import apply_lora
-from posttrain.models.tiny import build_model
 from posttrain.train.chunked import forward_nll_sum
 from posttrain.train.optim import build_optimizer
 
-SIZES = {
-    "small": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "intermediate_size": 256},
-    "medium": {"hidden_size": 256, "num_layers": 6, "num_heads": 8, "intermediate_size": 688},
-}
-
-
-class _Tok:
-    pad_token_id, eos_token_id = 0, 1
-
-    def __len__(self) -> int:
-        return 2048
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_models import SIZES, lora_model  # noqa: E402 (bench/, on the path above)
 
 
 def main() -> None:
@@ -48,8 +39,7 @@ def main() -> None:
         models, opts = [], []
         for shard in (False, True):
             torch.manual_seed(0)
-            cfg = FromConfigModel(**SIZES[size], vocab_size=2048)
-            m = apply_lora(build_model(cfg, _Tok()), LoraConfig(r=16, alpha=32))
+            m = lora_model(SIZES[size])
             m = place_model(m, d.mesh, "fp32", shard_single_device=shard)
             models.append(m)
             opts.append(

@@ -30,27 +30,17 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_models import SIZES, ingest_section  # noqa: E402 (bench/, on the path above)
+
 ROOT = Path(__file__).resolve().parents[1]
-SIZES = {
-    "small": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "intermediate_size": 256},
-    "medium": {"hidden_size": 256, "num_layers": 6, "num_heads": 8, "intermediate_size": 688},
-}
 
 
 def recipe_for(size: dict, steps: int, workspace: Path, threads: int | None = None) -> dict:
     return {
         "run": {"name": "bench", "workspace": str(workspace), "seed": 0},
         "infra": {"device": "cpu", "devices_per_node": 1, "threads_per_rank": threads},
-        "ingest": {
-            "source": "from_config",
-            "from_config": {
-                **size,
-                "vocab_size": 2048,
-                "max_position_embeddings": 256,
-                "pretrain_steps": 0,
-                "corpus_examples": 2000,
-            },
-        },
+        "ingest": ingest_section(size),
         "sft": {
             "data": {"synthetic": {"n_examples": 2000}, "max_seq_len": 96},
             "lora": {"r": 16, "alpha": 32},

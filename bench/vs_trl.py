@@ -55,6 +55,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_models import ingest_section  # noqa: E402 (bench/, on the path above)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,16 +86,7 @@ def recipe_for(size: dict, steps: int, workspace: Path, threads: int) -> dict:
     return {
         "run": {"name": "vs-trl", "workspace": str(workspace), "seed": 0},
         "infra": {"device": "cpu", "devices_per_node": 1, "threads_per_rank": threads},
-        "ingest": {
-            "source": "from_config",
-            "from_config": {
-                **size,
-                "vocab_size": 2048,
-                "max_position_embeddings": 256,
-                "pretrain_steps": 0,
-                "corpus_examples": 2000,
-            },
-        },
+        "ingest": ingest_section(size),
         "sft": {
             "data": {"synthetic": {"n_examples": 2000}, "max_seq_len": 96},
             "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"},
