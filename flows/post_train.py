@@ -175,8 +175,9 @@ def _record_run(
     if trackers is not None:
         images = [p.path for p in plots] + ([graph_png] if graph_png is not None else [])
         finish_tracking(trackers, run_dir, records, promotion, export_path, images, failed)
-        if redact(tracking_markdown(trackers)) != tracked:  # a tracker failed taking the files
-            tracked = redact(tracking_markdown(trackers))
+        after = redact(tracking_markdown(trackers))
+        if after != tracked:  # a tracker failed taking the files: the report says so
+            tracked = after
             (run_dir / "report.md").write_text(report + tracked)
     artifact_report += tracked
     key = artifact_key(recipe.run.name)

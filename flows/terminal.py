@@ -9,7 +9,7 @@ UI and `logs/stage.log` as before, and no progress line is printed.
   terminal; it is in `<artifact>/logs/stage.log` and in the UI. So are Prefect's repeats of a
   failure (the task's and the flow's "Finished in state Failed(...)" with the log's tail, or a
   traceback): the CLI's closing block says it once.
-- Progress: one line per training stage, `sft  step 120/400 · loss 1.23 · 5,100 tok/s · ETA 2m10s`.
+- Progress: one line per training stage, `sft  step 120/400 · loss 1.23 · 5,100 tok/s · ETA 2m 10s`.
   On a TTY it is redrawn in place (`\\r`), several stages at once sharing the line (parallel
   branches, flows.schedule); otherwise (a pipe, a CI log) a plain line per stage at most every
   `POSTTRAIN_PROGRESS_EVERY_S` seconds (default 10), plus its last step: a log file never floods.
@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 from prefect.logging.handlers import PrefectConsoleHandler
 
+from flows.report import format_duration
 from flows.stage_output import STAGE_OUTPUT, add_step_listener, remove_step_listener
 
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
@@ -64,16 +65,6 @@ def quiet_console() -> None:
             handler.addFilter(QuietConsole())
 
 
-def fmt_duration(seconds: float) -> str:
-    """`45s`, `2m10s`, `3h05m`."""
-    s = max(0, round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
-
-
 class _Rate:
     """Steps per second of one stage, from the first step this printer saw to the newest."""
 
@@ -88,14 +79,14 @@ class _Rate:
 
 
 def progress_text(stage: str, record: dict[str, Any], eta_s: float | None) -> str:
-    """`sft  step 120/400 · loss 1.23 · 5,100 tok/s · ETA 2m10s`."""
+    """`sft  step 120/400 · loss 1.23 · 5,100 tok/s · ETA 2m 10s`."""
     parts = [f"step {record['step']:g}/{record['total_steps']:g}"]
     if isinstance(record.get("loss"), int | float):
         parts.append(f"loss {record['loss']:.4g}")
     if isinstance(record.get("tokens_per_s"), int | float):
         parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
     if eta_s is not None:
-        parts.append(f"ETA {fmt_duration(eta_s)}")
+        parts.append(f"ETA {format_duration(round(eta_s))}")
     return f"{stage}  " + " · ".join(parts)
 
 
