@@ -230,7 +230,7 @@ def test_progress_through_a_pipe_is_plain_and_rate_limited(tmp_path: Path) -> No
         run.stop()
     run._reader.join(timeout=5)
     pattern = re.compile(
-        r"^sft  step (\d+)/40 · loss [\d.]+ · 1,234 tok/s(?: · ETA (?:\d+s|\d+m\d\ds))?$"
+        r"^sft  step (\d+)/40 · loss [\d.]+ · 1,234 tok/s(?: · ETA (?:[\d.]+ s|\d+m \d\ds|\d+h \d\dm))?$"
     )
     progress = [(t, line) for t, line in run.lines if pattern.match(line)]
     assert 3 <= len(progress) <= 9, run.text()[-4000:]
