@@ -61,7 +61,7 @@ def stage_command(
     nprocs: int,
     python: str = sys.executable,
     nnodes: int = 1,
-    node_rank: int = 0,
+    node_rank: int | str = 0,
     rdzv_endpoint: str | None = None,
     rdzv_id: str = "posttrain",
 ) -> list[str]:
@@ -71,6 +71,10 @@ def stage_command(
     nodes: every node runs `torchrun --nnodes N --node-rank K` and they meet at the c10d
     rendezvous on `rdzv_endpoint` (hosted by the agent whose endpoint host is local, normally
     node rank 0) under `rdzv_id` (the stage fingerprint: every node derives the same one).
+
+    A remote launcher, which learns a node's rank and the first node's address only when the
+    job runs, passes them as text the engine expands on each node (`$SLURM_PROCID`,
+    `$(POSTTRAIN_NODE_RANK)`): same command, every node.
     """
     stage_args = ["-m", module, "--spec", str(spec_path)]
     if nnodes <= 1 and nprocs <= 1:
@@ -80,7 +84,7 @@ def stage_command(
         return [*launcher, "--standalone", "--nproc-per-node", str(nprocs), *stage_args]
     if not rdzv_endpoint:
         raise ValueError("a multi-node stage needs a rendezvous endpoint (infra.rdzv_endpoint)")
-    if not 0 <= node_rank < nnodes:
+    if isinstance(node_rank, int) and not 0 <= node_rank < nnodes:
         raise ValueError(f"node rank {node_rank} is outside 0..{nnodes - 1}")
     return [
         *launcher,
