@@ -4,10 +4,10 @@
 each in its own network + UTS namespace (hostname n1, n2, ...), joined by veth pairs on a bridge.
 Debian's slurm-wlm is not built with --enable-multiple-slurmd, so namespaces are how one machine
 holds two real nodes: each slurmd, its slurmstepd and the job's tasks see their own hostname and
-address, and `ip netns exec` bind-mounts /etc/netns/<ns>/hosts over /etc/hosts so n1/n2 resolve
-to the bridge addresses inside every node. That is what torchrun's c10d rendezvous (`n1:port`)
-and gloo (which binds the address its hostname resolves to) rely on on a real cluster, so the
-launcher needs no test-only setting.
+address, and a private mount namespace bind-mounts /etc/netns/<ns>/hosts over /etc/hosts so
+n1/n2 resolve to the bridge addresses inside every node. That is what torchrun's c10d rendezvous
+(`n1:port`) and gloo (which binds the address its hostname resolves to) rely on on a real
+cluster, so the launcher needs no test-only setting (no GLOO_SOCKET_IFNAME).
 
 Clients (sbatch, squeue, scancel, scontrol) run in the root namespace with `env` (SLURM_CONF);
 sbatch exports it into jobs, so srun inside a job reaches the same controller.
@@ -16,8 +16,8 @@ Everything it creates is named after the owning process id, and recorded in a re
 `stop()` (and the next run, after a crash) removes exactly what it made: daemons by PID, every
 process left in its namespaces, the namespaces, veths, bridge and /etc/netns entries.
 
-Needs root, iproute2, util-linux `unshare`, and Debian's `slurm-wlm` + `munge`
-(`scripts/dev.sh test` installs them). Use through the `slurm_cluster` fixture.
+Needs root, iproute2, util-linux (`nsenter`, `unshare`, `mount`), and Debian's `slurm-wlm` and
+`munge` (`scripts/dev.sh test` installs them). Use through the `slurm_cluster` fixture.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ _NETNS_PREFIX = "posttrain-slurm-"
 _IFACE_RE = re.compile(r"^pts([0-9a-f]+)x(\d+)[bh]\d*$")
 _NETNS_RE = re.compile(rf"^{_NETNS_PREFIX}(\d+)-(\d+)-n\d+$")
 REGISTRY = Path(tempfile.gettempdir()) / "posttrain-test-slurm"
-_TOOLS = ("slurmctld", "slurmd", "munged", "sbatch", "ip", "unshare", "nsenter")
+_TOOLS = ("slurmctld", "slurmd", "munged", "sbatch", "ip", "unshare", "nsenter", "mount")
 _instances = 0
 
 
@@ -168,8 +168,9 @@ def clean_stale() -> None:
 def _free_subnet() -> str:
     """A 10.213.X.0/24 no interface on this machine uses yet (two runs must not share one)."""
     used = _run("ip", "-o", "-4", "addr", "show").stdout
-    for third in range(1, 255):
-        prefix = f"10.213.{third}."
+    # Start the scan at a pid-derived offset: two runs starting at once rarely pick the same.
+    for step in range(254):
+        prefix = f"10.213.{(os.getpid() + step) % 254 + 1}."
         if f" {prefix}" not in used:
             return prefix
     raise RuntimeError("no free 10.213.X.0/24 subnet for the test cluster")
@@ -266,8 +267,8 @@ class LocalSlurm:
         """Cancel every job, end our daemons by PID and everything left in our namespaces, and
         delete the namespaces, links and hosts files. Safe after a failed or partial start."""
         if len(self._procs) > 1 and all(p.poll() is None for p in self._procs[:2]):
-            # munged and slurmctld are up: cancel jobs so slurmstepd ends their tasks the
-            # normal way before the namespaces' processes are killed.
+            # munged and slurmctld are up: cancel the jobs. Their processes all live in our
+            # namespaces (inherited from slurmd), so the kill below reaches any that linger.
             self.client("scancel", "--full", "--user", "root", check=False, timeout=15)
         # The namespaces' processes first (slurmd, slurmstepd, tasks), then the root daemons.
         for netns in self._made_netns:
