@@ -134,7 +134,10 @@ def _supervise(stage: PlannedStage, spec_path: Path | str, kill_grace_s: float) 
     launcher = launcher_for(stage)
     # A flow that died may have left its remote job running. It holds no lock now (we do), so
     # it must be stopped before a new launch writes the same folder; the new one resumes.
-    stop_earlier_launch(launcher, stage, kill_grace_s, log)
+    if stop_earlier_launch(launcher, stage, kill_grace_s, log) and verify(stage.out_dir)[0]:
+        # It had sealed the artifact before it was stopped (its beat had not gone silent yet).
+        log.info("stage %s: the earlier job completed the artifact; reusing it", stage.name)
+        return Outcome("reused", ref_from_manifest(stage.out_dir))
     # Before this launch writes its own traces (launch line, heartbeats) over the old ones.
     earlier = earlier_attempt(stage.out_dir)
     if earlier:

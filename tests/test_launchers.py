@@ -92,6 +92,8 @@ def test_batch_script_and_sbatch_options(tmp_path: Path) -> None:
     assert f"--time={int(sft.timeout_s // 60) + 5}" in opts
     script = launcher.batch_script(request, tmp_path / "node.sh")
     assert script.index("module load cuda/12.4") < script.index("srun")
+    # The options are in the script too: `sbatch <script>` by hand submits the same job.
+    assert [line[8:] for line in script.splitlines() if line.startswith("#SBATCH ")] == opts
     assert "$((20000 + SLURM_JOB_ID % 20000))" in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     # CPU: no GPU request.

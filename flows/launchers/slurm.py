@@ -315,6 +315,8 @@ class SlurmLauncher:
         )
 
     def batch_script(self, request: LaunchRequest, node_script: Path) -> str:
+        """The job: its sbatch options as #SBATCH lines (so `sbatch <script>` by hand submits
+        the same job again), setup, the rendezvous address, and one srun task per node."""
         port = (
             str(self.config.rdzv_port)
             if self.config.rdzv_port
@@ -325,16 +327,17 @@ class SlurmLauncher:
             "#!/bin/bash\n"
             f"# posttrain stage {request.stage.name} (fingerprint {request.stage.fingerprint}), "
             f"launch {request.launch_id}.\n"
-            "# Written and submitted by the flow; its sbatch options are in logs/launch.json.\n"
-            "set -eo pipefail\n"
-            f"{setup}"
-            'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
-            f'export POSTTRAIN_RDZV_ENDPOINT="$head:{port}"\n'
+            "# Written and submitted by the flow; `sbatch` of this file submits it again.\n"
+            + "".join(f"#SBATCH {opt}\n" for opt in self.sbatch_options(request))
+            + "set -eo pipefail\n"
+            + setup
+            + 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
+            + f'export POSTTRAIN_RDZV_ENDPOINT="$head:{port}"\n'
             'echo "posttrain: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous at '
             '$POSTTRAIN_RDZV_ENDPOINT"\n'
             # --kill-on-bad-exit: one node's failure ends the others at once (the ranks there
             # would otherwise wait for a collective until infra.pg_timeout_s).
-            "exec srun --label --kill-on-bad-exit=1 --ntasks-per-node=1 "
+             + "exec srun --label --kill-on-bad-exit=1 --ntasks-per-node=1 "
             f"--nodes={request.stage.nnodes} bash {shlex.quote(str(node_script))}\n"
         )
 
@@ -344,8 +347,7 @@ class SlurmLauncher:
         batch = request.log_dir / f"slurm-{tag}.sbatch"
         node.write_text(self.node_script(request))
         batch.write_text(self.batch_script(request, node))
-        options = self.sbatch_options(request)
-        cmd = ["sbatch", "--parsable", *options, str(batch)]
+        cmd = ["sbatch", "--parsable", str(batch)]
         log.info("stage %s: %s", request.stage.name, shlex.join(cmd))
         env = project_pythonpath({**os.environ, **request.env})
         done = _run(cmd, env=env)

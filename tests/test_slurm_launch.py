@@ -1,0 +1,269 @@
+"""Stages on a real Slurm cluster (tests/slurm_cluster.py: slurmctld, munged and two slurmd
+nodes, each in its own network namespace, started on this machine).
+
+In file order, on one cluster:
+  1. a 2-node SFT through the flow (`posttrain run`, infra.launcher slurm): the flow killed
+     outright leaves its job running, the next run stops it and resumes; a node that fails
+     mid-stage fails the stage with Slurm's reason; the re-run resumes from the newest
+     checkpoint and finishes, with the same losses as the local launcher's 2-process
+     torchrun; nothing is left in the queue;
+  2. a UI cancel (the flow run set to Cancelling through the Prefect API) of a served run whose
+     SFT runs on Slurm leaves nothing in the queue and no process of the stage;
+  3. a flow killed outright: its job notices the silent beat file and stops by itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from prefect_server import serving, start_serve, stop_group, wait_for
+
+from flows.stage_procs import FLOW_RUN_ENV_VAR, LAUNCH_ENV_VAR, processes_with_env
+from posttrain.artifacts import verify
+from posttrain.config.loader import load_recipe
+from posttrain.planner import plan
+from posttrain.telemetry.metrics import read_metrics
+from tests.stage_helpers import ROOT, TINY, run_inprocess, run_torchrun, write_recipe
+
+pytestmark = pytest.mark.slow
+
+POSTTRAIN = [sys.executable, "-m", "flows.cli"]
+RUN_TIMEOUT_S = 420
+# Long enough that a killed flow's job is still training when the next run looks for it.
+STEPS = 160
+
+
+def _recipe(folder: Path, name: str, steps: int, checkpoint_every: int = 0, **infra: Any) -> Path:
+    data = copy.deepcopy(TINY)
+    data.pop("evaluate")
+    data["run"] |= {"name": name, "workspace": str(folder / "ws")}
+    data["ingest"]["from_config"]["pretrain_steps"] = 10
+    data["infra"] |= {
+        "launcher": "slurm",
+        "nnodes": 2,
+        "devices_per_node": 1,
+        "threads_per_rank": 1,
+        "slurm": {"poll_s": 0.5},
+        **infra,
+    }
+    data["sft"] |= {"max_steps": steps, "checkpoint_every": checkpoint_every}
+    data["sft"]["batch"] = {"micro_batch_size": 4, "grad_accum_steps": 1}  # x 2 ranks = 8
+    folder.mkdir(parents=True, exist_ok=True)
+    return write_recipe(folder, data)
+
+
+def _stage(recipe: Path, name: str = "sft") -> Any:
+    return {s.name: s for s in plan(load_recipe(recipe))}[name]
+
+
+def _env(cluster: Any, server: Any) -> dict[str, str]:
+    return {**os.environ, **server.env, **cluster.env, "HF_HUB_OFFLINE": "1"}
+
+
+def _queue(cluster: Any) -> list[str]:
+    return cluster.client("squeue", "--noheader", "--format=%i %T").split("\n")[:-1]
+
+
+def _start_run(recipe: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [*POSTTRAIN, "run", str(recipe)],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _losses(out_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(out_dir / "metrics.jsonl") if r.get("kind") == "train"]
+
+
+def _checkpoints(out_dir: Path) -> list[str]:
+    folder = out_dir / "checkpoints"
+    return sorted(p.name for p in folder.glob("step_*") if not p.name.endswith(".tmp"))
+
+
+def test_two_node_sft_on_slurm_recovers_and_trains_the_local_launchers_losses(
+    slurm_cluster: Any, prefect_server: Any, tmp_path: Path
+) -> None:
+    """Run 1 is SIGKILLed (its job goes on), run 2 stops that job and resumes, then loses a
+    node, run 3 resumes and finishes: the losses equal one uninterrupted local torchrun's."""
+    recipe = _recipe(tmp_path / "slurm", "onslurm", steps=STEPS, checkpoint_every=8)
+    env = _env(slurm_cluster, prefect_server)
+    sft = _stage(recipe)
+    log = tmp_path / "run.log"
+
+    # Run 1 is killed outright (SIGKILL: no cleanup) once a checkpoint exists; its job goes on.
+    first = _start_run(recipe, env, log)
+    wait_for("a first checkpoint", lambda: _checkpoints(sft.out_dir), 240)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    earlier = json.loads((sft.out_dir / "logs" / "launch.json").read_text())
+    assert _queue(slurm_cluster), "the killed flow's job still runs"
+
+    # Run 2 finds that job and stops it before launching its own; then node n2 fails.
+    second = _start_run(recipe, env, log)
+    wait_for(
+        "run 2's own job",
+        lambda: (
+            json.loads((sft.out_dir / "logs" / "launch.json").read_text())["launch_id"]
+            != earlier["launch_id"]
+        ),
+        120,
+    )
+    # Stopped by run 2, not by itself: its beat file's silence limit (120 s) is far off.
+    info = slurm_cluster.client("scontrol", "-o", "show", "job", earlier["job"]["job_id"])
+    assert "JobState=CANCELLED" in info
+    wait_for("run 2 to train", lambda: "resumed from step_" in _last_launch(sft), 240)
+    slurm_cluster.client(
+        "scontrol", "update", "nodename=n2", "state=down", "reason=test: node lost"
+    )
+    try:
+        assert second.wait(RUN_TIMEOUT_S) != 0
+        text = log.read_text().rsplit("posttrain: running", 1)[-1]
+        assert "was ended by Slurm: job" in text and "NODE_FAIL, it lost a node" in text, text
+        assert "Traceback" not in text
+    finally:
+        slurm_cluster.client("scontrol", "update", "nodename=n2", "state=resume")
+        slurm_cluster.wait_idle(60)
+    assert _queue(slurm_cluster) == []
+    kept = _checkpoints(sft.out_dir)
+    assert kept, "the checkpoints of the failed runs are kept"
+
+    # Run 3 resumes from the newest of them and finishes on both nodes.
+    third = _start_run(recipe, env, log)
+    assert third.wait(RUN_TIMEOUT_S) == 0, log.read_text()[-4000:]
+    assert verify(sft.out_dir)[0]
+    last = _last_launch(sft)
+    assert f"resumed from {kept[-1]}" in last
+    job = json.loads((sft.out_dir / "logs" / "launch.json").read_text())["job"]["job_id"]
+    assert f"Slurm job {job} (2 nodes)" in last and "rendezvous at n1:" in last
+    assert "[node 0] " in last and "[node 1] " in last  # both agents' lines, labelled
+    info = slurm_cluster.client("scontrol", "-o", "show", "job", job)
+    assert "JobState=COMPLETED" in info and "NodeList=n[1-2]" in info
+    assert _queue(slurm_cluster) == []
+
+    # The same stage under the local launcher, uninterrupted: torchrun, 2 processes here.
+    local = tmp_path / "local"
+    local.mkdir()
+    data = load_recipe(recipe).model_dump(mode="json")
+    data["run"]["workspace"] = str(local / "ws")
+    data["infra"] |= {"launcher": "local", "nnodes": 1, "devices_per_node": 2}
+    local_recipe = write_recipe(local, data)
+    run_inprocess("ingest", local_recipe)
+    done = run_torchrun("sft", local_recipe, 2)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    local_sft = _stage(local_recipe)
+    assert local_sft.fingerprint == sft.fingerprint  # where it ran is not what it computed
+    slurm_losses, local_losses = _losses(sft.out_dir), _losses(local_sft.out_dir)
+    assert len(slurm_losses) == STEPS
+    assert slurm_losses == pytest.approx(local_losses, rel=1e-5, abs=1e-6)
+
+
+def test_ui_cancel_of_a_slurm_stage_leaves_nothing_in_the_queue(
+    slurm_cluster: Any, prefect_server: Any, tmp_path: Path
+) -> None:
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.states import Cancelling
+
+    recipe = _recipe(tmp_path / "served", "slurmserved", steps=5000)
+    env = {**prefect_server.env, **slurm_cluster.env}
+    log_path = tmp_path / "serve.log"
+    serve = start_serve([str(recipe)], env, log_path)
+    client = SyncPrefectClient(prefect_server.api_url)
+    try:
+        deployment = serving(
+            serve,
+            log_path,
+            lambda: wait_for(
+                "the deployment",
+                lambda: next(
+                    (d for d in client.read_deployments() if d.name == "slurmserved"), None
+                ),
+                120,
+            ),
+        )
+        run = client.create_flow_run_from_deployment(deployment.id)
+        sft = _stage(recipe)
+        # Running on both nodes: each rank has written a training record.
+        wait_for(
+            "the Slurm SFT to train",
+            lambda: len(_losses(sft.out_dir)) >= 2 and _queue(slurm_cluster),
+            240,
+        )
+        job = json.loads((sft.out_dir / "logs" / "launch.json").read_text())
+        client.set_flow_run_state(run.id, Cancelling(), force=True)
+        final = wait_for(
+            "the cancelled run",
+            lambda: (r := client.read_flow_run(run.id)).state.is_final() and r,
+            120,
+        )
+        assert final.state.name == "Cancelled", final.state
+        assert _queue(slurm_cluster) == []
+        info = slurm_cluster.client("scontrol", "-o", "show", "job", job["job"]["job_id"])
+        assert "JobState=CANCELLED" in info
+        # No process of the stage on any node, nor of the flow run.
+        wait_for(
+            "the stage's processes to exit",
+            lambda: (
+                not processes_with_env(LAUNCH_ENV_VAR, job["launch_id"])
+                and not processes_with_env(FLOW_RUN_ENV_VAR, str(run.id))
+            ),
+            30,
+        )
+        assert serve.poll() is None, "the serve process must survive a cancel"
+    finally:
+        stop_group(serve)
+
+
+def _stage_log(stage: Any) -> str:
+    path = stage.out_dir / "logs" / "stage.log"
+    return path.read_text() if path.exists() else ""
+
+
+def _last_launch(stage: Any) -> str:
+    """The stage log from its newest launch line on."""
+    return _stage_log(stage).rsplit("\n=== ", 1)[-1]
+
+
+def test_a_killed_flows_job_stops_by_itself(
+    slurm_cluster: Any, prefect_server: Any, tmp_path: Path
+) -> None:
+    recipe = _recipe(
+        tmp_path / "orphan", "orphaned", steps=5000, checkpoint_every=4, launcher_silence_s=10
+    )
+    sft = _stage(recipe)
+    run = _start_run(recipe, _env(slurm_cluster, prefect_server), tmp_path / "run.log")
+    wait_for("the Slurm SFT to train", lambda: len(_losses(sft.out_dir)) >= 2, 240)
+    job = json.loads((sft.out_dir / "logs" / "launch.json").read_text())
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
+    t0 = time.monotonic()
+    wait_for("the orphaned job to leave the queue", lambda: not _queue(slurm_cluster), 90)
+    assert time.monotonic() - t0 >= 5  # it ran on after the kill, until the beat went silent
+    assert "its launcher is gone" in _stage_log(sft)
+    assert not processes_with_env(LAUNCH_ENV_VAR, job["launch_id"])
+
+    # Nor, once Slurm has cleaned up, a step daemon of the job on a node.
+    def step_daemons() -> list[psutil.Process]:
+        return [
+            p
+            for p in psutil.process_iter(["name", "cmdline", "status"])
+            if p.info["name"] == "slurmstepd"
+            and p.info["status"] != psutil.STATUS_ZOMBIE
+            and job["job"]["job_id"] in " ".join(p.info["cmdline"] or [])
+        ]
+
+    wait_for("the job's step daemons to exit", lambda: not step_daemons(), 30)
