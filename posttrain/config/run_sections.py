@@ -8,14 +8,12 @@ from __future__ import annotations
 from typing import Annotated, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from posttrain.config.kubernetes_section import KubernetesConfig
+from posttrain.config.section_base import _Section
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
-
-
-class _Section(BaseModel):
-    # extra="forbid": a misspelt key is an error that names it, never silently ignored.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class RunConfig(_Section):
@@ -217,6 +215,18 @@ class InfraConfig(_Section):
         "integrity check (sizes and checksums recorded at save): `restart` from step 0, saying "
         "so, or `fail` naming each damaged file. An intact older checkpoint is always preferred.",
     )
+    kubernetes: KubernetesConfig = Field(
+        default_factory=KubernetesConfig,
+        description="Image, GPUs, workspace volume and scheduling of the pods when "
+        "`infra.launcher` is `kubernetes` (one Indexed Job per stage, one pod per node).",
+    )
+
+    @model_validator(mode="after")
+    def _kubernetes_launcher(self) -> InfraConfig:
+        # getattr: `launcher` is declared beside this section by the launcher refactor.
+        if getattr(self, "launcher", None) == "kubernetes":
+            self.kubernetes.check_usable()
+        return self
 
     @model_validator(mode="after")
     def _base_dtype(self) -> InfraConfig:
