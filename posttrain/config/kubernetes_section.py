@@ -23,7 +23,9 @@ _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])
 _LABEL_NAME = re.compile(r"^(?=.{1,63}$)[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^((?=.{1,63}$)[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 # A resource quantity ("500m", "4", "64Gi", "1.5e3"): resource.ParseQuantity's grammar.
-_QUANTITY = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$"
+_QUANTITY = re.compile(
+    r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$"
+)
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 
 
@@ -114,23 +116,18 @@ class KubernetesConfig(_Section):
     cpu_request: str | None = Field(
         None,
         description="CPU each pod requests (a Kubernetes quantity: `8`, `500m`).",
-        pattern=_QUANTITY,
     )
-    cpu_limit: str | None = Field(None, description="CPU limit of each pod.", pattern=_QUANTITY)
-    memory_request: str | None = Field(
-        None, description="Memory each pod requests (`64Gi`).", pattern=_QUANTITY
-    )
+    cpu_limit: str | None = Field(None, description="CPU limit of each pod.")
+    memory_request: str | None = Field(None, description="Memory each pod requests (`64Gi`).")
     memory_limit: str | None = Field(
         None,
         description="Memory limit of each pod: above it the pod is OOM-killed.",
-        pattern=_QUANTITY,
     )
     shm_size: str | None = Field(
         "8Gi",
         description="Size limit of a memory-backed /dev/shm for each pod (NCCL and DataLoader "
         "workers need more than the container runtime's 64 MiB; it counts against the pod's "
         "memory). null = the runtime's default.",
-        pattern=_QUANTITY,
     )
     workspace_claim: str | None = Field(
         None,
@@ -204,6 +201,16 @@ class KubernetesConfig(_Section):
         for key, v in value.items():
             check_label_key(key)
             check_label_value(key, v)
+        return value
+
+    @field_validator("cpu_request", "cpu_limit", "memory_request", "memory_limit", "shm_size")
+    @classmethod
+    def _quantity(cls, value: str | None) -> str | None:
+        if value is not None and not _QUANTITY.match(value):
+            raise ValueError(
+                f"{value!r} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi, 1.5e3; "
+                "binary suffixes end in i: Ki, Mi, Gi)"
+            )
         return value
 
     @field_validator("env")
