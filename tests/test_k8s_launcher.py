@@ -40,6 +40,7 @@ from tests.k8s_replay import (
     Reply,
     api_client,
     load,
+    status_object,
 )
 from tests.k8s_schema import validate_object
 
@@ -325,3 +326,30 @@ def test_dump_stacks_cannot_signal_pods(server, tmp_path) -> None:
     submitted(server)
     launch = launcher.start(request, LOG)
     assert launch.dump_stacks(None, tmp_path) == []
+
+
+def test_a_suspended_job_and_a_failing_api_are_waiting_reasons(server, tmp_path) -> None:
+    launcher, request = make_launcher(server, tmp_path)
+    submitted(server)
+    job = load("job-created")
+    job["spec"]["suspend"] = True  # as Kueue holds it until the whole gang is admitted
+    validate_object(job)
+    server.add("GET", f"{JOBS}/{JOB}", Reply(200, job))
+    server.add("GET", PODS, Reply(200, load("pods-none")))
+    launch = launcher.start(request, LOG)
+    reason = launch.waiting_reason()
+    assert reason == (
+        "Kubernetes: 0 of 2 pods running; 0 of 2 pods created; "
+        "the Job is suspended (waiting for admission, e.g. by Kueue)"
+    )
+    # The API failing is no end of the stage: it is reported and the watch goes on.
+    unavailable = status_object(
+        503, "ServiceUnavailable", "the server is currently unable to handle the request"
+    )
+    validate_object(unavailable)
+    server.add("GET", f"{JOBS}/{JOB}", Reply(503, unavailable))
+    reason = wait_for(
+        lambda: "the API" in (launch.waiting_reason() or "") and launch.waiting_reason()
+    )
+    assert "the server is currently unable to handle the request (HTTP 503)" in reason
+    assert launch.poll() is None

@@ -238,6 +238,8 @@ class KubernetesLaunch(Launch):
         ]
         if len(self._pods) < self.plan.nnodes:
             reasons.append(f"{len(self._pods)} of {self.plan.nnodes} pods created")
+        if self._job is not None and self._job.spec and self._job.spec.suspend:
+            reasons.append("the Job is suspended (waiting for admission, e.g. by Kueue)")
         for pod in self._pods:
             if why := _pending_reason(pod):
                 reasons.append(f"pod {pod.metadata.name} {why}")
