@@ -356,3 +356,30 @@ def test_toleration_keys_are_the_schema_s() -> None:
     schema = definitions["io.k8s.api.core.v1.Toleration"]["properties"]
     assert set(Toleration.model_fields) == set(schema)
     assert json.dumps(sorted(schema))  # non-empty
+
+
+def test_pod_0_knows_it_hosts_the_rendezvous_before_dns_has_its_name(monkeypatch) -> None:
+    """torchrun decides which node hosts the c10d store by matching the endpoint's host to its
+    own machine (`_matches_machine_hostname`). On pod 0 the kubelet's /etc/hosts holds
+    `<ip> <job>-0.<svc>.<ns>.svc.<domain> <job>-0`, and the cluster DNS may not have the
+    record yet when pod 0 starts: emulate exactly that and ask the installed torch."""
+    import socket
+
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    plan, _, infra = plan_for("4-nodes-gpu-pvc-tolerations")
+    fqdn = f"{plan.name}-0.{plan.name}.training.svc.cluster.local"
+    hosts = {fqdn: fqdn, f"{plan.name}-0": fqdn}  # name -> canonical name (first on the line)
+
+    def getaddrinfo(host, port, *args, **kwargs):  # files first; DNS knows nothing yet
+        if host not in hosts:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, hosts[host], ("10.244.2.9", 0))]
+
+    monkeypatch.setattr(socket, "gethostname", lambda: f"{plan.name}-0")
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    endpoint_host = rdzv_endpoint(plan.name, infra.kubernetes).rpartition(":")[0]
+    assert endpoint_host == fqdn
+    assert _matches_machine_hostname(endpoint_host)
+    # The short name would leave pod 0 a client of a store nobody hosts until DNS answers.
+    assert not _matches_machine_hostname(f"{plan.name}-0.{plan.name}")
