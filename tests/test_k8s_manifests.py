@@ -264,18 +264,21 @@ def test_more_processes_than_gpus_is_refused() -> None:
         plan_job(request(nprocs=4), infra.kubernetes, infra, WORKSPACE)
 
 
-def test_kubernetes_expands_only_the_node_rank() -> None:
+def test_kubernetes_expands_only_the_node_rank_and_local_pids_stay_home() -> None:
     infra = InfraConfig(
         kubernetes={"image": "img:1", "workspace_claim": "ws", "env": {"A": "x$(HOME)y"}}
     )
     req = request(nnodes=2, nprocs=1)
     req.env["B"] = "$(PATH)"
+    # A PID of the launching machine would make the stage's orphan watch stop it in the pod.
+    req.env.update(POSTTRAIN_LAUNCHER_PID="4242", POSTTRAIN_LAUNCHER_START="1.5")
     plan = plan_job(req, infra.kubernetes, infra, WORKSPACE)
     env = {
         e["name"]: e.get("value")
         for e in plan.job["spec"]["template"]["spec"]["containers"][0]["env"]
     }
     assert env["A"] == "x$$(HOME)y" and env["B"] == "$$(PATH)"
+    assert "POSTTRAIN_LAUNCHER_PID" not in env and "POSTTRAIN_LAUNCHER_START" not in env
     assert "$(POSTTRAIN_NODE_RANK)" in plan.command
 
 

@@ -21,6 +21,7 @@ from flows.launchers.base import LaunchRequest
 from flows.stage_launch import NODE_RANK_ENV, stage_command
 from posttrain.config.kubernetes_section import KubernetesConfig
 from posttrain.config.run_sections import InfraConfig
+from posttrain.orphan import LAUNCHER_PID_ENV, LAUNCHER_START_ENV
 
 LABEL_PREFIX = "posttrain.io/"
 STAGE_LABEL = LABEL_PREFIX + "stage"
@@ -169,7 +170,10 @@ def plan_job(
         }
     ]
     merged = {**config.env, **request.env}
-    merged.pop(NODE_RANK_ENV, None)
+    # The launching process's PID means nothing in a pod (another machine): the stage's orphan
+    # watch would find it dead and stop at once. Remote engines tell liveness otherwise.
+    for local_only in (NODE_RANK_ENV, LAUNCHER_PID_ENV, LAUNCHER_START_ENV):
+        merged.pop(local_only, None)
     env += [{"name": k, "value": _escape(v)} for k, v in merged.items()]
 
     requests: dict[str, str] = {}
