@@ -349,11 +349,33 @@ def run_recorded(
     return ref
 
 
+def cancel_engine_jobs(flow_run: FlowRun) -> int:
+    """Cancel the jobs a remote engine (infra.launcher slurm or kubernetes) still runs or
+    queues for this flow run, found by the flow-run label they were submitted with."""
+    recipe = (flow_run.parameters or {}).get("recipe")
+    if isinstance(recipe, Recipe):
+        recipe = recipe.model_dump(mode="json")
+    infra = (recipe or {}).get("infra") or {}
+    try:
+        if infra.get("launcher") == "slurm":
+            from flows.launchers.slurm import cancel_flow_run_jobs
+
+            return cancel_flow_run_jobs(str(flow_run.id))
+        if infra.get("launcher") == "kubernetes":
+            from flows.launchers.kubernetes import cancel_flow_run_jobs as cancel_k8s
+
+            return cancel_k8s(str(flow_run.id), infra)
+    except Exception as exc:  # a hook must not fail the cancel itself
+        logging.getLogger("posttrain.flows").warning("could not cancel engine jobs: %s", exc)
+    return 0
+
+
 def stop_stage_processes(flow: Any, flow_run: FlowRun, state: State) -> None:
     """on_cancellation / on_crashed hook: kill every stage process still carrying this flow
     run's id. The task's own cleanup normally did it already; this covers a flow process that
     was killed outright (the runner's SIGKILL after its grace period, an OOM kill)."""
     n = kill_flow_run_processes(str(flow_run.id))
+    n += cancel_engine_jobs(flow_run)
     if n:
         logging.getLogger("posttrain.flows").warning(
             "flow run %s ended %s: stopped %d stage process(es)", flow_run.id, state.name, n

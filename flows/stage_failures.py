@@ -16,11 +16,22 @@ class StageTimeout(StageFailed):
     """A stage ran past its `infra.timeouts.<stage>` limit and was killed."""
 
 
-def failure_headline(stage: PlannedStage, rc: int, recent: list[str]) -> str:
+def failure_headline(
+    stage: PlannedStage, rc: int, recent: list[str], engine_reason: str | None = None
+) -> str:
     """What ended a failed launch, in one line. Under torchrun the launcher's own exit code (1)
     says nothing: name the rank its failure summary blames first, how that rank ended and where
-    its last heartbeat was. A single process is rank 0 itself."""
+    its last heartbeat was. A single process is rank 0 itself. When the engine ended the stage
+    (`engine_reason`: a Slurm time limit, preemption, a failed node, an OOM-killed pod), that
+    comes first: the ranks' own account is then only the consequence."""
     beats = read_heartbeats(stage.out_dir)
+    if engine_reason:
+        text = f"stage '{stage.name}' was ended by {engine_reason}"
+        if beats:
+            text += "; last heartbeats: " + ", ".join(
+                f"rank {k}: {describe_beat(b)}" for k, b in sorted(beats.items())
+            )
+        return text
     causes = root_causes(recent)
     if causes:
         first = "; ".join(describe_exit(c, beats) for c in causes)

@@ -35,14 +35,18 @@ class StageHung(StageFailed):
         self.stack_files = stack_files
 
 
-def hang_watch(stage: PlannedStage) -> HangWatch | None:
+def hang_watch(stage: PlannedStage, every_rank: bool = False) -> HangWatch | None:
     """The heartbeat watch for one launch of `stage`, cleared of an earlier launch's beats;
     None when the stage has no hang timeout (only training stages beat)."""
     if not stage.hang_timeout_s:
         return None
-    # Ranks of other nodes beat there; only this node's can be expected here.
-    local = tuple(range(stage.nprocs)) if stage.nnodes <= 1 else ()
-    watch = HangWatch(stage.out_dir, stage.hang_timeout_s, stage.hang_startup_s, local)
+    # Ranks beat into the (shared) workspace. A launch of this node's agent only can expect
+    # only this node's ranks; one the engine started on every node (`every_rank`), all of them.
+    if every_rank:
+        expected = tuple(range(stage.nprocs * stage.nnodes))
+    else:
+        expected = tuple(range(stage.nprocs)) if stage.nnodes <= 1 else ()
+    watch = HangWatch(stage.out_dir, stage.hang_timeout_s, stage.hang_startup_s, expected)
     watch.clear()  # an earlier launch's beats must not count as this one's
     return watch
 
@@ -65,6 +69,11 @@ def dump_stacks(
             with contextlib.suppress(psutil.Error):
                 ours[r.pid].send_signal(signal.SIGUSR1)
                 files.append(stack_file(out_dir, r.rank))
+    return wait_for_stacks(files, wait_s)
+
+
+def wait_for_stacks(files: list[Path], wait_s: float = STACK_DUMP_WAIT_S) -> list[Path]:
+    """Wait until the signalled ranks' stack files exist and stop growing; returns `files`."""
     deadline = time.monotonic() + wait_s
     sizes: list[int] = []
     while files and time.monotonic() < deadline:

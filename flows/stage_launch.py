@@ -21,7 +21,8 @@ from flows.stage_procs import FLOW_RUN_ENV_VAR, LAUNCH_ENV_VAR
 from posttrain import hub
 from posttrain.device_lock import HELD_ENV as DEVICE_LOCK_ENV
 from posttrain.locking import LOCK_HELD_ENV
-from posttrain.orphan import launcher_env
+from posttrain.orphan import LAUNCHER_BEAT_ENV, LAUNCHER_SILENCE_ENV, launcher_env
+from posttrain.planner import PlannedStage
 from posttrain.recovery import EARLIER_ATTEMPT_ENV
 
 # The artifact lock this thread's `supervise_stage` (flows.stage_supervise) holds, passed to the
@@ -116,8 +117,7 @@ def child_env(
     (`posttrain.recovery`), for the stage's summary: the launcher reads it before it clears
     the old heartbeats, which the stage then can no longer see.
 
-    The folder holding the `posttrain` package goes on PYTHONPATH so `python -m posttrain...`
-    works from any working directory when the project is used from a checkout.
+    The project goes on PYTHONPATH (`project_pythonpath`).
     """
     env = dict(os.environ if base is None else base)
     env.update(CHILD_ENV)
@@ -141,12 +141,57 @@ def child_env(
     flow_run_id = current_flow_run_id()
     if flow_run_id:
         env[FLOW_RUN_ENV_VAR] = flow_run_id
+    return project_pythonpath(env)
+
+
+def project_pythonpath(env: dict[str, str]) -> dict[str, str]:
+    """`env` with the folder holding the `posttrain` package first on PYTHONPATH, when the
+    project is used from a checkout (not installed), so `python -m posttrain...` works from any
+    working directory, on this machine or a node sharing its file system."""
     root = str(Path(posttrain.__file__).resolve().parent.parent)
     if root not in site.getsitepackages():
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         if root not in paths:
             env["PYTHONPATH"] = os.pathsep.join([root, *paths])
     return env
+
+
+def remote_env(
+    launch_id: str, beat_file: Path, silence_s: float, earlier_attempt: str | None = None
+) -> dict[str, str]:
+    """The variables of a stage an engine (Slurm, Kubernetes) runs on other machines: the same
+    markers as a local stage's, minus what only means something here (this machine's PID as
+    the launcher, its device lock, its GPU numbering), plus the beat file the flow rewrites
+    while it follows the stage (the stage's orphan watch reads it instead of a PID)."""
+    env = dict(CHILD_ENV)
+    env["HF_HUB_OFFLINE"] = "1" if hub.offline() else "0"
+    env[LAUNCH_ENV_VAR] = launch_id
+    if earlier_attempt:
+        env[EARLIER_ATTEMPT_ENV] = earlier_attempt
+    if held := HELD_ARTIFACT_LOCK.get():
+        env[LOCK_HELD_ENV] = held
+    if flow_run_id := current_flow_run_id():
+        env[FLOW_RUN_ENV_VAR] = flow_run_id
+    env[LAUNCHER_BEAT_ENV] = str(beat_file)
+    env[LAUNCHER_SILENCE_ENV] = f"{silence_s:g}"
+    return env
+
+
+def launch_env(stage: PlannedStage, launch_id: str, earlier_attempt: str | None) -> dict[str, str]:
+    """The environment of one launch of `stage`, local or remote (`stage.launcher`)."""
+    if stage.launcher == "local":
+        return child_env(
+            launch_id, earlier_attempt=earlier_attempt, visible_devices=stage.visible_devices
+        )
+    beat = stage.out_dir / "logs" / "launcher.beat"
+    return remote_env(launch_id, beat, float(stage.infra["launcher_silence_s"]), earlier_attempt)
+
+
+def launch_labels() -> dict[str, str]:
+    """What an engine tags a launch with so it can be found without this process: the flow
+    run's id (the flow's cancel and crash hooks cancel every job carrying it)."""
+    flow_run_id = current_flow_run_id()
+    return {"flow-run": flow_run_id} if flow_run_id else {}
 
 
 def current_flow_run_id() -> str | None:

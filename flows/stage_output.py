@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import re
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
@@ -21,6 +22,9 @@ from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 from flows.jsonl_tail import JsonlTail
 
 ARTIFACT_MARKER = "POSTTRAIN_ARTIFACT "
+# A remote engine's launch prefixes each line with the node it came from (`[node 1] ...`);
+# the marker and torchrun's failure summary are read without it.
+NODE_PREFIX = re.compile(r"^\[node \d+\] ")
 TAIL_LINES = 30
 # Lines kept to find torchrun's failure summary in (it follows the ranks' tracebacks).
 SUMMARY_LINES = 400
@@ -64,7 +68,7 @@ class OutputPump:
 
     def __init__(
         self,
-        stream: IO[str],
+        stream: Iterable[str],
         log_file: IO[str],
         log: logging.LoggerAdapter | logging.Logger,
         stage: str,
@@ -78,10 +82,11 @@ class OutputPump:
     def _run(self) -> None:
         for raw in self.stream:
             line = raw.rstrip("\n")
+            body = NODE_PREFIX.sub("", line, count=1)
             self.tail.append(line)
-            self.recent.append(line)
-            if line.startswith(ARTIFACT_MARKER):
-                self.artifact_json = line[len(ARTIFACT_MARKER) :]
+            self.recent.append(body)
+            if body.startswith(ARTIFACT_MARKER):
+                self.artifact_json = body[len(ARTIFACT_MARKER) :]
             try:
                 self.log_file.write(line + "\n")
                 self.log_file.flush()

@@ -1,39 +1,46 @@
-"""Supervising one stage launch: reuse a complete artifact, else start the stage process under
-the artifact's lock, watch it (timeout, hang) and check what it left.
+"""Supervising one stage launch: reuse a complete artifact, else start the stage under the
+artifact's lock through its launcher (`flows.launchers`: this machine, Slurm or Kubernetes),
+watch it (timeout, hang) and check what it left.
 
 Supervision means:
   - reuse: a complete, unaltered artifact with the stage's fingerprint is returned, not rebuilt;
-  - logs: the child's stdout+stderr go line by line to the Prefect run logger and to
+  - logs: the stage's output (every node's) goes line by line to the Prefect run logger and to
     `<out_dir>/logs/stage.log` (appended; logs/ is outside the manifest) (`flows.stage_output`);
   - progress: `<out_dir>/metrics.jsonl` is tailed into a Prefect progress artifact (same);
-  - limits: the stage timeout is enforced, and on timeout, failure, cancel or any exception in
-    this process the stage's whole process tree is terminated (`flows.stage_procs`);
+  - limits: the stage timeout is enforced (from when the stage runs, not while it is queued),
+    and on timeout, failure, cancel or any exception in this process the launch is stopped on
+    every node (`Launch.stop`: the process tree here, `scancel`, the Job's deletion);
   - hangs: ranks whose heartbeats all stop get their stacks dumped, then the stage is killed
     (`flows.stage_hang`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import shlex
-import subprocess
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
+from flows.launchers import launcher_for
+from flows.launchers.base import Launch, LaunchError, LaunchRequest
+from flows.launchers.records import record_launch, stop_earlier_launch
 from flows.stage_failures import StageFailed, StageTimeout, failure_headline
-from flows.stage_hang import StageHung, dump_stacks, hang_message, hang_watch
-from flows.stage_launch import HELD_ARTIFACT_LOCK, child_env, node_rank, stage_command
+from flows.stage_hang import StageHung, hang_message, hang_watch
+from flows.stage_launch import HELD_ARTIFACT_LOCK, launch_env, launch_labels, node_rank
 from flows.stage_output import MetricsTail, OutputPump, ProgressArtifact, run_logger
-from flows.stage_procs import KILL_GRACE_S, kill_stage
+from flows.stage_procs import KILL_GRACE_S
 from posttrain.artifacts import MANIFEST, ArtifactRef, ref_from_manifest, verify
 from posttrain.locking import ArtifactLock, LockTimeout, describe_holder
+from posttrain.orphan import LauncherBeat
 from posttrain.planner import PlannedStage
 from posttrain.recovery import earlier_attempt
 from posttrain.telemetry.heartbeat import Hang, HangWatch
+
+# How often the supervisor looks at the launch, its heartbeats and its timeout. A local child's
+# exit is seen at once (`Launch.wait`).
+POLL_S = 0.5
 
 
 @dataclass
@@ -124,54 +131,62 @@ def _supervise(stage: PlannedStage, spec_path: Path | str, kill_grace_s: float) 
         log.info("stage %s: complete artifact found in %s, reusing it", stage.name, stage.out_dir)
         return Outcome("reused", ref_from_manifest(stage.out_dir))
     _drop_stale_manifest(stage.out_dir, why, log)
+    launcher = launcher_for(stage)
+    # A flow that died may have left its remote job running. It holds no lock now (we do), so
+    # it must be stopped before a new launch writes the same folder; the new one resumes.
+    stop_earlier_launch(launcher, stage, kill_grace_s, log)
     # Before this launch writes its own traces (launch line, heartbeats) over the old ones.
     earlier = earlier_attempt(stage.out_dir)
     if earlier:
         log.warning("stage %s: %s", stage.name, earlier)
-
-    cmd = stage_command(
-        stage.module,
-        spec_path,
-        stage.nprocs,
-        nnodes=stage.nnodes,
-        node_rank=node_rank(),
-        rdzv_endpoint=stage.rdzv_endpoint,
-        rdzv_id=stage.fingerprint,
-    )
     launch_id = uuid.uuid4().hex
     log_path = stage.out_dir / "logs" / "stage.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    progress = ProgressArtifact(stage.name)
-    log.info("stage %s: %s", stage.name, shlex.join(cmd))
-    watch = hang_watch(stage)
-    with open(log_path, "a", encoding="utf-8") as log_file:
-        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        log_file.write(f"=== {started} launch {launch_id}: {shlex.join(cmd)}\n")
-        log_file.flush()
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=child_env(
-                launch_id, earlier_attempt=earlier, visible_devices=stage.visible_devices
-            ),
-            start_new_session=True,  # its own process group, so killpg reaches every rank
-            text=True,
-            errors="replace",
-            bufsize=1,
-        )
-        pump = OutputPump(proc.stdout, log_file, log, stage.name)  # type: ignore[arg-type]
-        metrics = MetricsTail(stage.out_dir / "metrics.jsonl", progress.update, stage=stage.name)
+    request = LaunchRequest(
+        stage=stage,
+        spec_path=Path(spec_path),
+        launch_id=launch_id,
+        env=launch_env(stage, launch_id, earlier),
+        log_dir=log_path.parent,
+        labels=launch_labels(),
+    )
+    watch = hang_watch(stage, every_rank=launcher.name != "local")
+    with open(log_path, "a", encoding="utf-8") as log_file, LauncherBeat.of(request.env):
         try:
-            timed_out, hang, stacks = _wait(proc, stage, watch, launch_id, log)
-        finally:
-            # Runs on success too: ranks or helpers the stage left behind must not outlive it.
-            # On an exception here (KeyboardInterrupt, Prefect's TerminationSignal on cancel)
-            # this is what stops the stage.
-            kill_stage(proc, launch_id, kill_grace_s, log)
-            pump.join(timeout=10)
-            metrics.stop()
+            launch = launcher.start(request, log)
+        except LaunchError as exc:
+            raise StageFailed(f"stage '{stage.name}' could not be started: {exc}") from None
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        log_file.write(f"=== {started} launch {launch_id}: {launch.description}\n")
+        log_file.flush()
+        log.info("stage %s: %s", stage.name, launch.description)
+        record_launch(launcher, launch, request)
+        return _follow(stage, launch, watch, log_file, log_path, kill_grace_s)
+
+
+def _follow(
+    stage: PlannedStage,
+    launch: Launch,
+    watch: HangWatch | None,
+    log_file: TextIO,
+    log_path: Path,
+    kill_grace_s: float,
+) -> Outcome:
+    """Stream a started launch's output, wait for its end, timeout or hang, stop whatever is
+    left of it, and check what it made."""
+    log = run_logger()
+    progress = ProgressArtifact(stage.name)
+    pump = OutputPump(launch.output(), log_file, log, stage.name)
+    metrics = MetricsTail(stage.out_dir / "metrics.jsonl", progress.update, stage=stage.name)
+    try:
+        timed_out, hang, stacks = _wait(launch, stage, watch, log)
+    finally:
+        # Runs on success too: ranks or helpers the stage left behind must not outlive it.
+        # On an exception here (KeyboardInterrupt, Prefect's TerminationSignal on cancel)
+        # this is what stops the stage, on every node.
+        launch.stop(kill_grace_s, log)
+        pump.join(timeout=10)
+        metrics.stop()
 
     tail = pump.tail_text()
     if hang is not None:
@@ -179,12 +194,13 @@ def _supervise(stage: PlannedStage, spec_path: Path | str, kill_grace_s: float) 
     if timed_out:
         raise StageTimeout(
             f"stage '{stage.name}' timed out after {stage.timeout_s:g} s "
-            f"(infra.timeouts.{stage.name}) and was killed with its process group. "
+            f"(infra.timeouts.{stage.name}) and was stopped ({launch.description}). "
             f"Log: {log_path}\n--- end of the log ---\n{tail}"
         )
-    rc = proc.returncode
+    rc = launch.poll()
+    assert rc is not None  # stop() returned: it has ended
     if rc != 0:
-        headline = failure_headline(stage, rc, list(pump.recent))
+        headline = failure_headline(stage, rc, list(pump.recent), launch.engine_reason())
         raise StageFailed(f"{headline}. Log: {log_path}\n--- end of the log ---\n{tail}")
     ref = _completed_ref(stage, pump.artifact_json)
     progress.update(100.0, "done")
@@ -192,17 +208,28 @@ def _supervise(stage: PlannedStage, spec_path: Path | str, kill_grace_s: float) 
 
 
 def _wait(
-    proc: subprocess.Popen[str],
+    launch: Launch,
     stage: PlannedStage,
     watch: HangWatch | None,
-    launch_id: str,
     log: logging.LoggerAdapter | logging.Logger,
 ) -> tuple[bool, Hang | None, list[Path]]:
-    """Wait for the stage process to exit, its timeout to pass, or its ranks to hang (their
-    stacks are dumped then). Returns (timed out, the hang, the stack files); kills nothing."""
-    deadline = time.monotonic() + stage.timeout_s
-    while proc.poll() is None:
-        if time.monotonic() > deadline:
+    """Wait for the launch to end, its timeout to pass, or its ranks to hang (their stacks are
+    dumped then). Returns (timed out, the hang, the stack files); kills nothing.
+
+    The timeout counts from when the stage's processes run: time a Slurm job or a pod waits
+    in its queue is not the stage's (a changed waiting reason is logged instead)."""
+    deadline: float | None = None
+    waiting: str | None = None
+    while launch.wait(POLL_S) is None:
+        if deadline is None:
+            if launch.started():
+                deadline = time.monotonic() + stage.timeout_s
+                if waiting is not None:
+                    log.info("stage %s: %s is running", stage.name, launch.description)
+            elif (reason := launch.waiting_reason()) != waiting and reason:
+                log.info("stage %s: %s waits: %s", stage.name, launch.description, reason)
+                waiting = reason
+        elif time.monotonic() > deadline:
             log.error("stage %s: timeout after %.0f s", stage.name, stage.timeout_s)
             return True, None, []
         if watch is not None and (hang := watch.poll()) is not None:
@@ -212,7 +239,5 @@ def _wait(
                 hang.limit_s,
                 hang.describe(),
             )
-            return False, hang, dump_stacks(proc, launch_id, hang, stage.out_dir)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=0.5)
+            return False, hang, launch.dump_stacks(hang, stage.out_dir)
     return False, None, []

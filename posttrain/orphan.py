@@ -9,7 +9,11 @@ writing the same folder.
 The launcher puts its PID and start time in the stage's environment (`launcher_env`); every
 process of the stage that runs `stage_main` (each rank under torchrun) starts a daemon thread
 that checks once a second that this very process (same PID, same start time: a PID can be
-reused) is still alive. When it is not, per `infra.orphan`:
+reused) is still alive. A stage that an engine (Slurm, Kubernetes) runs on other machines cannot
+see the launcher's PID: the launcher rewrites a beat file on the shared workspace instead
+(`LauncherBeat`), and the launcher counts as gone when the file's content has not changed for
+`infra.launcher_silence_s` by this process's own clock (no comparison of two machines' clocks).
+When it is gone, per `infra.orphan`:
   - `stop`: one line in the stage's log, then the process ends at once (`os._exit`). Safe at any
     moment: checkpoints are written to `step_N.tmp` and renamed, the manifest is written last,
     so what is left is complete checkpoints and no manifest; the next run resumes from the
@@ -44,6 +48,9 @@ from posttrain.locking import LOCK_HELD_ENV, FileLock
 LAUNCHER_PID_ENV = "POSTTRAIN_LAUNCHER_PID"
 LAUNCHER_START_ENV = "POSTTRAIN_LAUNCHER_START"
 LAUNCH_ENV_VAR = "POSTTRAIN_LAUNCH_ID"  # set by flows.stage_launch: one value per launch
+LAUNCHER_BEAT_ENV = "POSTTRAIN_LAUNCHER_BEAT"  # a remote stage's launcher: its beat file...
+LAUNCHER_SILENCE_ENV = "POSTTRAIN_LAUNCHER_SILENCE_S"  # ...and how long it may stay unchanged
+BEAT_EVERY_S = 5.0
 POLL_S = 1.0
 EXIT_ORPHANED = 1  # like any stage that did not finish: no manifest, "not done"
 
@@ -67,6 +74,61 @@ def launcher_alive(pid: int, start: float) -> bool:
         return True
 
 
+class LauncherBeat:
+    """The launcher side of a remote stage's orphan watch: a thread rewrites `path` with a new
+    counter every `every_s` while the launcher follows the stage. A context manager; `of(env)`
+    is a no-op one for a stage whose environment names no beat file (a local one)."""
+
+    def __init__(self, path: Path, every_s: float = BEAT_EVERY_S):
+        self.path, self.every_s = Path(path), every_s
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="launcher-beat", daemon=True)
+
+    @classmethod
+    def of(cls, env: Mapping[str, str]) -> contextlib.AbstractContextManager[object]:
+        path = env.get(LAUNCHER_BEAT_ENV)
+        return cls(Path(path)) if path else contextlib.nullcontext()
+
+    def beat(self, n: int) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with contextlib.suppress(OSError):  # a full disk must not end the flow; silence will
+            tmp.write_text(f"{n} {time.time():.3f} {os.getpid()}\n")
+            os.replace(tmp, self.path)
+
+    def _run(self) -> None:
+        n = 1
+        while not self._stop.wait(self.every_s):
+            n += 1
+            self.beat(n)
+
+    def __enter__(self) -> LauncherBeat:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.beat(1)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self.thread.join(timeout=5)
+
+
+class BeatReader:
+    """The stage side: whether the launcher's beat file changed within `silence_s`."""
+
+    def __init__(self, path: Path, silence_s: float):
+        self.path, self.silence_s = Path(path), silence_s
+        self.last: str | None = None
+        self.changed_at = time.monotonic()  # the launcher wrote a beat right before submitting
+
+    def alive(self, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        with contextlib.suppress(OSError):
+            text = self.path.read_text()
+            if text != self.last:
+                self.last, self.changed_at = text, now
+        return now - self.changed_at < self.silence_s
+
+
 class OrphanWatch:
     """The watching thread of one stage process; `start()` returns None when the process has
     no launcher to watch (started by hand)."""
@@ -81,8 +143,13 @@ class OrphanWatch:
     ) -> None:
         self.env = dict(os.environ if env is None else env)
         self.out_dir, self.stage, self.policy, self.poll_s = Path(out_dir), stage, policy, poll_s
-        self.pid = int(self.env[LAUNCHER_PID_ENV])
-        self.start_time = float(self.env[LAUNCHER_START_ENV])
+        self.beats: BeatReader | None = None
+        if beat_file := self.env.get(LAUNCHER_BEAT_ENV):
+            self.beats = BeatReader(Path(beat_file), float(self.env[LAUNCHER_SILENCE_ENV]))
+            self.pid, self.start_time = 0, 0.0
+        else:
+            self.pid = int(self.env[LAUNCHER_PID_ENV])
+            self.start_time = float(self.env[LAUNCHER_START_ENV])
         self.taken: list[FileLock] = []  # locks taken over (finish): freed when we exit
         self._stop = threading.Event()
         self._acting = threading.Lock()
@@ -93,7 +160,9 @@ class OrphanWatch:
     def start(
         cls, out_dir: Path, stage: str, policy: str, poll_s: float = POLL_S
     ) -> OrphanWatch | None:
-        if not (os.environ.get(LAUNCHER_PID_ENV) and os.environ.get(LAUNCHER_START_ENV)):
+        remote = os.environ.get(LAUNCHER_BEAT_ENV) and os.environ.get(LAUNCHER_SILENCE_ENV)
+        local = os.environ.get(LAUNCHER_PID_ENV) and os.environ.get(LAUNCHER_START_ENV)
+        if not (remote or local):
             return None
         watch = cls(out_dir, stage, policy, poll_s=poll_s)
         watch.thread = threading.Thread(target=watch._run, name="orphan-watch", daemon=True)
@@ -117,7 +186,10 @@ class OrphanWatch:
         with self._acting:
             if self.launcher_gone:
                 return True
-            if launcher_alive(self.pid, self.start_time):
+            if self.beats is not None:
+                if self.beats.alive():
+                    return False
+            elif launcher_alive(self.pid, self.start_time):
                 return False
             self.launcher_gone = True
             self.orphaned()
@@ -125,7 +197,13 @@ class OrphanWatch:
 
     def orphaned(self) -> None:
         self._to_log_file()
-        what = f"stage {self.stage}: its launcher (pid {self.pid}) is gone"
+        if self.beats is not None:
+            what = (
+                f"stage {self.stage}: its launcher is gone (its beat file {self.beats.path} has "
+                f"not changed for {self.beats.silence_s:g} s)"
+            )
+        else:
+            what = f"stage {self.stage}: its launcher (pid {self.pid}) is gone"
         if self.policy == "finish":
             taken = self._take_over_locks()
             if taken is not None:

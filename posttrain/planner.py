@@ -213,6 +213,10 @@ class PlannedStage:
     # GPUs this stage may use (CUDA_VISIBLE_DEVICES), set by the flow when stages run side by
     # side (infra.parallel_stages); None = all the launcher sees.
     visible_devices: str | None = None
+    # What runs it (infra.launcher: local, slurm, kubernetes) and the infra section the launcher
+    # reads its settings from (JSON-able: the stage travels as a Prefect task parameter).
+    launcher: str = "local"
+    infra: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
 def stage_roles(recipe: Recipe, graph: StageGraph, kind: StageKind, name: str) -> dict[str, str]:
@@ -286,6 +290,10 @@ def plan(recipe: Recipe) -> list[PlannedStage]:
                 inputs=inputs,
                 nnodes=nnodes,
                 rdzv_endpoint=recipe.infra.rdzv_endpoint if nnodes > 1 else None,
+                # Ingest stays where the flow runs (it may download, and compute nodes often
+                # have no internet); every other stage goes to the recipe's engine.
+                launcher="local" if kind.placement == "first" else recipe.infra.launcher,
+                infra=recipe.infra.model_dump(mode="json"),
                 # Only training stages beat regularly; ingest, evaluate and export do not.
                 hang_timeout_s=recipe.infra.hang_timeout_s if kind.trains else None,
                 hang_startup_s=recipe.infra.hang_startup_s,

@@ -96,7 +96,7 @@ def make_launcher(server: ReplayServer, tmp_path: Path) -> tuple[KubernetesLaunc
         {"flow-run": FLOW_RUN_ID},
     )
     client = api_client(server.host)  # type: ignore[attr-defined]
-    return KubernetesLauncher(infra.kubernetes, infra, WORKSPACE, client=client), request
+    return KubernetesLauncher(infra.kubernetes, infra.device, client=client), request
 
 
 def submitted(server: ReplayServer) -> None:
@@ -135,7 +135,7 @@ def test_start_submits_the_job_then_its_service_owned_by_it(server, tmp_path) ->
     launcher, request = make_launcher(server, tmp_path)
     submitted(server)
     launch = launcher.start(request, LOG)
-    plan = plan_job(request, launcher.config, launcher.infra, Path(WORKSPACE))
+    plan = plan_job(request, launcher.config, "cuda", Path(WORKSPACE))
     (job_post,) = server.sent("POST", JOBS)
     assert job_post.body == plan.job
     assert job_post.query["fieldValidation"] == ["Strict"]
@@ -144,6 +144,7 @@ def test_start_submits_the_job_then_its_service_owned_by_it(server, tmp_path) ->
     assert service_post.body == plan.service(uid, 29400)
     assert [r.path for r in server.requests] == [JOBS, SERVICES]  # the Job first
     assert launch.description == f"Kubernetes Job {NAMESPACE}/{JOB} (2 pod(s))"
+    assert launch.record == {"job": JOB, "namespace": NAMESPACE, "launch": LAUNCH_ID, "nnodes": "2"}
     saved = json.loads((tmp_path / "logs" / f"k8s-{JOB}.json").read_text())
     assert saved["items"][0] == plan.job
 
@@ -195,6 +196,10 @@ def test_pending_then_running_then_succeeded_with_both_logs(server, tmp_path) ->
     assert follow[0].query["follow"] == ["true"] and follow[0].query["timestamps"] == ["true"]
     assert "sinceSeconds" in follow[1].query  # reopened from where it was
     assert launch.engine_reason() is None
+    # The supervisor stops every launch at the end: a finished Job is left to its TTL.
+    launch.stop(3, LOG)
+    assert server.sent("DELETE", f"{JOBS}/{JOB}") == []
+    assert launch.poll() == 0
 
 
 def test_an_oom_killed_pod_fails_the_stage_and_is_named(server, tmp_path) -> None:
@@ -259,11 +264,11 @@ def test_stop_deletes_the_job_in_the_foreground_and_waits_for_its_pods(server, t
     assert len(server.sent("GET", PODS)) >= 3  # it waited for the pods to go
     assert list(launch.output()) == []  # nothing left to follow
 
-    # Twice: the Job is gone (404), which is fine.
-    server.add("DELETE", f"{JOBS}/{JOB}", Reply(404, load("status-job-notfound")))
-    server.add("DELETE", f"{SERVICES}/{JOB}", Reply(404, load("status-job-notfound")))
+    # Twice: it has ended (the Job is gone), nothing more is sent.
+    server.add("GET", f"{JOBS}/{JOB}", Reply(404, load("status-job-notfound")))
     launch.stop(3, LOG)
-    assert len(server.sent("DELETE", f"{JOBS}/{JOB}")) == 2
+    assert len(server.sent("DELETE", f"{JOBS}/{JOB}")) == 1
+    assert launch.poll() != 0 and launch.engine_reason() is None  # ended by us, not the engine
 
 
 @pytest.mark.parametrize(
@@ -313,7 +318,9 @@ def test_cancel_flow_run_jobs_deletes_them_by_label(server, tmp_path) -> None:
     server.add("GET", SERVICES, Reply(200, load("servicelist-flow-run")))
     server.add("DELETE", f"{SERVICES}/{JOB}", Reply(200, load("service-created")))
     client = api_client(server.host)
-    assert cancel_flow_run_jobs(FLOW_RUN_ID, launcher.config, client=client) == 1
+    # As the flow's cancel hook calls it: with the infra section as JSON.
+    infra = {"launcher": "kubernetes", "kubernetes": launcher.config.model_dump(mode="json")}
+    assert cancel_flow_run_jobs(FLOW_RUN_ID, infra, client=client) == 1
     (listed,) = server.sent("GET", JOBS)
     assert listed.query["labelSelector"] == [f"posttrain.io/flow-run={FLOW_RUN_ID}"]
     (delete,) = server.sent("DELETE", f"{JOBS}/{JOB}")
@@ -353,3 +360,29 @@ def test_a_suspended_job_and_a_failing_api_are_waiting_reasons(server, tmp_path)
     )
     assert "the server is currently unable to handle the request (HTTP 503)" in reason
     assert launch.poll() is None
+
+
+def test_find_returns_a_job_a_dead_flow_left_running_and_none_once_it_ended(
+    server, tmp_path
+) -> None:
+    launcher, request = make_launcher(server, tmp_path)
+    record = {"job": JOB, "namespace": NAMESPACE, "launch": LAUNCH_ID, "nnodes": "2"}
+    set_state(server, "job-running", "pods-running")
+    found = launcher.find(record, LOG)
+    assert found is not None and found.started() and found.description.endswith("(2 pod(s))")
+    set_state(server, "job-complete", "pods-succeeded")
+    assert launcher.find(record, LOG) is None
+    server.add("GET", f"{JOBS}/{JOB}", Reply(404, load("status-job-notfound")))
+    assert launcher.find(record, LOG) is None
+
+
+def test_from_infra_reads_the_planned_infra_section() -> None:
+    infra = InfraConfig(
+        launcher="kubernetes",
+        device="cuda",
+        devices_per_node=4,
+        kubernetes={"image": "img:1", "workspace_claim": "ws", "namespace": "training"},
+    ).model_dump(mode="json")
+    launcher = KubernetesLauncher.from_infra(infra)
+    assert launcher.name == "kubernetes"
+    assert launcher.device == "cuda" and launcher.config.namespace == "training"

@@ -107,7 +107,7 @@ def plan_for(recipe: str):
     }
     infra = InfraConfig(**infra_data, kubernetes=k8s_data)
     req = request(nnodes=nnodes, nprocs=nprocs)
-    return plan_job(req, infra.kubernetes, infra, WORKSPACE), req, infra
+    return plan_job(req, infra.kubernetes, infra.device, WORKSPACE), req, infra
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
@@ -261,7 +261,7 @@ def test_more_processes_than_gpus_is_refused() -> None:
         kubernetes={"image": "img:1", "workspace_claim": "ws", "gpus_per_node": 2},
     )
     with pytest.raises(ValueError, match="4 processes per node but each pod gets 2 GPU"):
-        plan_job(request(nprocs=4), infra.kubernetes, infra, WORKSPACE)
+        plan_job(request(nprocs=4), infra.kubernetes, infra.device, WORKSPACE)
 
 
 def test_kubernetes_expands_only_the_node_rank_and_local_pids_stay_home() -> None:
@@ -272,7 +272,7 @@ def test_kubernetes_expands_only_the_node_rank_and_local_pids_stay_home() -> Non
     req.env["B"] = "$(PATH)"
     # A PID of the launching machine would make the stage's orphan watch stop it in the pod.
     req.env.update(POSTTRAIN_LAUNCHER_PID="4242", POSTTRAIN_LAUNCHER_START="1.5")
-    plan = plan_job(req, infra.kubernetes, infra, WORKSPACE)
+    plan = plan_job(req, infra.kubernetes, infra.device, WORKSPACE)
     env = {
         e["name"]: e.get("value")
         for e in plan.job["spec"]["template"]["spec"]["containers"][0]["env"]
@@ -334,13 +334,26 @@ def test_section_errors_name_the_field() -> None:
 
 
 def test_launcher_kubernetes_needs_an_image_and_a_workspace_volume() -> None:
-    if "launcher" not in InfraConfig.model_fields:
-        pytest.skip("infra.launcher is added by the launcher refactor (issue 18)")
-    assert "infra.kubernetes.image is required" in _errors({"launcher": "kubernetes"})[0]
+    remote = {"launcher": "kubernetes", "device": "cpu", "devices_per_node": 1}
+    assert "infra.kubernetes.image is required" in _errors(remote)[0]
     assert (
         "infra.kubernetes.workspace_claim"
-        in _errors({"launcher": "kubernetes", "kubernetes": {"image": "img:1"}})[0]
+        in _errors({**remote, "kubernetes": {"image": "img:1"}})[0]
     )
+    ok = {**remote, "kubernetes": {"image": "img:1", "workspace_claim": "ws"}}
+    data = {"ingest": {"source": "from_config"}, "sft": {"data": {"synthetic": {}}}, "infra": ok}
+    assert validate_recipe(data).infra.kubernetes.image == "img:1"
+
+
+def test_the_workspace_is_found_from_the_stage_folder_and_holds_the_spec() -> None:
+    infra = InfraConfig(kubernetes={"image": "img:1", "workspace_claim": "ws"})
+    plan = plan_job(request(), infra.kubernetes, "cpu")
+    mount = plan.job["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0]
+    assert mount["mountPath"] == str(WORKSPACE)
+    outside = request()
+    outside.spec_path = Path("/tmp/spec.json")
+    with pytest.raises(ValueError, match="outside the workspace"):
+        plan_job(outside, infra.kubernetes, "cpu")
 
 
 def test_check_usable_names_the_missing_fields() -> None:

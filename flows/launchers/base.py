@@ -49,6 +49,9 @@ class Launch(Protocol):
 
     # What it is, for logs and errors: "process 1234", "Slurm job 57 (2 nodes)".
     description: str
+    # The engine's handle, JSON-able (`{"job_id": "57"}`), kept in `logs/launch.json` so a later
+    # run can find a launch whose flow died (`Launcher.find`).
+    record: dict[str, str]
 
     def output(self) -> Iterable[str]:
         """The stage's merged output, line by line, from every node (a remote engine prefixes
@@ -66,6 +69,10 @@ class Launch(Protocol):
 
     def poll(self) -> int | None:
         """The stage's exit status once every node ended (0 = all succeeded), else None."""
+        ...
+
+    def wait(self, timeout_s: float) -> int | None:
+        """`poll()` after waiting up to `timeout_s` for the end."""
         ...
 
     def engine_reason(self) -> str | None:
@@ -92,6 +99,11 @@ class Launcher(Protocol):
     def start(self, request: LaunchRequest, log: Log) -> Launch:
         """Start the stage on all its nodes (submit it); raises `LaunchError` when the engine
         refuses it (no such partition, the API says no), with the engine's words."""
+        ...
+
+    def find(self, record: dict[str, str], log: Log) -> Launch | None:
+        """The launch `record` names (`Launch.record`) if the engine still runs or queues it,
+        else None: a run whose flow died may have left it behind."""
         ...
 
 

@@ -20,7 +20,6 @@ from typing import Any
 from flows.launchers.base import LaunchRequest
 from flows.stage_launch import NODE_RANK_ENV, stage_command
 from posttrain.config.kubernetes_section import KubernetesConfig
-from posttrain.config.run_sections import InfraConfig
 from posttrain.orphan import LAUNCHER_PID_ENV, LAUNCHER_START_ENV
 
 LABEL_PREFIX = "posttrain.io/"
@@ -107,31 +106,48 @@ def _escape(text: str) -> str:
     return text.replace("$(", "$$(")
 
 
-def gpus_per_node(request: LaunchRequest, config: KubernetesConfig, infra: InfraConfig) -> int:
+def gpus_per_node(request: LaunchRequest, config: KubernetesConfig, device: str) -> int:
     """GPUs each pod requests: the recipe's number, else one per process on CUDA, else 0."""
     if config.gpus_per_node is not None:
         return config.gpus_per_node
-    return request.stage.nprocs if infra.device == "cuda" else 0
+    return request.stage.nprocs if device == "cuda" else 0
+
+
+def workspace_of(request: LaunchRequest) -> Path:
+    """The run's workspace, from the stage's folder (`<workspace>/artifacts/<kind>/<fp>`,
+    `posttrain.artifacts.stage_dir`); everything the stage reads and writes is under it."""
+    out_dir = request.stage.out_dir
+    if not out_dir.is_absolute() or out_dir.parent.parent.name != "artifacts":
+        raise ValueError(f"{out_dir} is not an absolute <workspace>/artifacts/<stage>/<fp> folder")
+    return out_dir.parents[2]
 
 
 def plan_job(
-    request: LaunchRequest, config: KubernetesConfig, infra: InfraConfig, workspace: Path
+    request: LaunchRequest, config: KubernetesConfig, device: str, workspace: Path | None = None
 ) -> JobPlan:
     """The Job (and, through `JobPlan.service`, the Service) that runs `request`'s stage.
 
-    `workspace`: the run's absolute workspace folder; the shared volume is mounted there in every
-    pod, so the spec path and every path inside the spec mean the same file everywhere.
+    `device`: infra.device (`cuda` gives each pod one GPU per process unless
+    `config.gpus_per_node` says otherwise). `workspace`: the run's absolute workspace folder
+    (default: found from the stage's folder); the shared volume is mounted there in every pod,
+    so the spec path and every path inside the spec mean the same file everywhere.
     """
     if not config.image:
         raise ValueError("infra.kubernetes.image is required to launch on Kubernetes")
     if not (config.workspace_claim or config.workspace_host_path):
         raise ValueError("infra.kubernetes.workspace_claim or workspace_host_path is required")
+    workspace = workspace_of(request) if workspace is None else workspace
     if not workspace.is_absolute():
         raise ValueError(f"the workspace {workspace} must be an absolute path")
+    if not Path(request.spec_path).is_relative_to(workspace):
+        raise ValueError(
+            f"the stage spec {request.spec_path} is outside the workspace {workspace}, "
+            "which is all the pods see"
+        )
     stage = request.stage
     name = job_name(stage.name, stage.fingerprint, request.launch_id)
     nnodes = max(1, stage.nnodes)
-    gpus = gpus_per_node(request, config, infra)
+    gpus = gpus_per_node(request, config, device)
     if gpus and stage.nprocs > gpus:
         raise ValueError(
             f"stage {stage.name} runs {stage.nprocs} processes per node but each pod gets "

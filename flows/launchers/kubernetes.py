@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from flows.launchers.base import Launch, LaunchError, LaunchRequest, Log
+from flows.launchers.base import LaunchError, LaunchRequest, Log
 from flows.launchers.k8s_manifests import (
     COMPLETION_INDEX_ANNOTATION,
     CONTAINER,
@@ -34,7 +34,6 @@ from flows.launchers.k8s_manifests import (
     sanitize_label,
 )
 from posttrain.config.kubernetes_section import KubernetesConfig
-from posttrain.config.run_sections import InfraConfig
 
 try:
     from kubernetes import client as k8s
@@ -93,8 +92,9 @@ def api_message(exc: Exception) -> str:
 class KubernetesLauncher:
     """Runs each stage as an Indexed Job + headless Service in `config.namespace`.
 
-    `workspace`: the run's absolute workspace folder (`run.workspace`), mounted at the same path
-    in every pod. `client`: an `ApiClient` to use instead of the kubeconfig's (tests).
+    `device`: infra.device (GPUs per pod default to one per process on `cuda`). `workspace`:
+    the run's absolute workspace folder, mounted at the same path in every pod (default: found
+    from each stage's folder). `client`: an `ApiClient` to use instead of the kubeconfig's.
     """
 
     name = "kubernetes"
@@ -102,22 +102,35 @@ class KubernetesLauncher:
     def __init__(
         self,
         config: KubernetesConfig,
-        infra: InfraConfig,
-        workspace: Path | str,
+        device: str,
+        workspace: Path | str | None = None,
         client: Any | None = None,
     ) -> None:
         _need_client()
         self.config = config
-        self.infra = infra
-        self.workspace = Path(workspace)
+        self.device = device
+        self.workspace = Path(workspace) if workspace is not None else None
         self._client = client
+
+    @classmethod
+    def from_infra(cls, infra: dict[str, Any]) -> KubernetesLauncher:
+        """From a stage's planned infra section (`PlannedStage.infra`, JSON)."""
+        return cls(
+            KubernetesConfig.model_validate(infra.get("kubernetes") or {}),
+            str(infra.get("device", "cpu")),
+        )
+
+    def _api(self, connections: int = 16) -> Any:
+        if self._client is None:
+            self._client = api_client(self.config, connections)
+        return self._client
 
     def start(self, request: LaunchRequest, log: Log) -> KubernetesLaunch:
         try:
-            plan = plan_job(request, self.config, self.infra, self.workspace)
+            plan = plan_job(request, self.config, self.device, self.workspace)
         except ValueError as exc:
             raise LaunchError(str(exc)) from None
-        client = self._client or api_client(self.config, connections=plan.nnodes + 4)
+        client = self._api(connections=plan.nnodes + 4)
         batch, core = k8s.BatchV1Api(client), k8s.CoreV1Api(client)
         _write_manifests(request.log_dir, plan, self.config)
         ns = plan.namespace
@@ -151,7 +164,30 @@ class KubernetesLauncher:
             plan.nnodes,
             plan.gpus,
         )
-        return KubernetesLaunch(client, plan, self.config)
+        return KubernetesLaunch(
+            client, self.config, plan.name, ns, plan.labels[LAUNCH_LABEL], plan.nnodes
+        )
+
+    def find(self, record: dict[str, str], log: Log) -> KubernetesLaunch | None:
+        """The Job `record` names if it still runs or waits (a flow that died left it), else
+        None."""
+        name, ns, launch = record.get("job", ""), record.get("namespace", ""), record.get("launch")
+        if not (name and ns and launch):
+            return None
+        try:
+            client = self._api()
+            job = k8s.BatchV1Api(client).read_namespaced_job(name, ns)
+        except ApiException as exc:
+            if exc.status != 404:
+                log.warning("could not read Kubernetes Job %s/%s: %s", ns, name, api_message(exc))
+            return None
+        except LaunchError as exc:
+            log.warning("could not reach Kubernetes for Job %s/%s: %s", ns, name, exc)
+            return None
+        conditions = (job.status and job.status.conditions) or []
+        if any(c.type in ("Complete", "Failed") and c.status == "True" for c in conditions):
+            return None
+        return KubernetesLaunch(client, self.config, name, ns, launch, int(record.get("nnodes", 1)))
 
 
 def _write_manifests(log_dir: Path, plan: JobPlan, config: KubernetesConfig) -> None:
@@ -163,18 +199,28 @@ def _write_manifests(log_dir: Path, plan: JobPlan, config: KubernetesConfig) -> 
         path.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": items}, indent=1))
 
 
-class KubernetesLaunch(Launch):
+class KubernetesLaunch:
     """One submitted Job. Thread-safe: the supervisor polls while another thread reads
-    `output()`; the Job and its pods are read at most once per `poll_s` for all of them."""
+    `output()`; the Job and its pods are read at most once per `poll_s` for all of them, and
+    no more once the Job has ended (its last state is kept: the end is final)."""
 
-    def __init__(self, client: Any, plan: JobPlan, config: KubernetesConfig) -> None:
-        self.plan = plan
-        self.description = f"Kubernetes Job {plan.namespace}/{plan.name} ({plan.nnodes} pod(s))"
+    def __init__(
+        self,
+        client: Any,
+        config: KubernetesConfig,
+        name: str,
+        namespace: str,
+        launch: str,
+        nnodes: int,
+    ) -> None:
+        self.name, self.namespace, self.nnodes = name, namespace, nnodes
+        self.description = f"Kubernetes Job {namespace}/{name} ({nnodes} pod(s))"
+        self.record = {"job": name, "namespace": namespace, "launch": launch, "nnodes": str(nnodes)}
         self._batch = k8s.BatchV1Api(client)
         self._core = k8s.CoreV1Api(client)
         self._poll_s = config.poll_s
         self._grace_s = config.termination_grace_s
-        self._selector = f"{LAUNCH_LABEL}={plan.labels[LAUNCH_LABEL]}"
+        self._selector = f"{LAUNCH_LABEL}={launch}"
         self._lock = threading.Lock()
         self._read_at = float("-inf")
         self._job: Any = None
@@ -182,24 +228,27 @@ class KubernetesLaunch(Launch):
         self._pods: list[Any] = []
         self._started = False
         self._stopped = False
+        self._final: int | None = None  # the exit status, once ended
         self._api_error: str | None = None
 
     # -- state ----------------------------------------------------------------------------
 
     def _refresh(self, force: bool = False) -> None:
         with self._lock:
-            if not force and time.monotonic() - self._read_at < self._poll_s:
+            if not force and (
+                self._final is not None or time.monotonic() - self._read_at < self._poll_s
+            ):
                 return
             self._read_at = time.monotonic()
             try:
                 try:
-                    self._job = self._batch.read_namespaced_job(self.plan.name, self.plan.namespace)
+                    self._job = self._batch.read_namespaced_job(self.name, self.namespace)
                 except ApiException as exc:
                     if exc.status != 404:
                         raise
                     self._job_gone = True
                 pods = self._core.list_namespaced_pod(
-                    self.plan.namespace, label_selector=self._selector
+                    self.namespace, label_selector=self._selector
                 ).items
                 self._pods = sorted(pods, key=_index)
                 self._api_error = None
@@ -227,17 +276,17 @@ class KubernetesLaunch(Launch):
         if not self._started:
             self._refresh()
             running = {_index(p) for p in self._pods if _container_started(p)}
-            self._started = len(running) >= self.plan.nnodes or self._ended()
+            self._started = len(running) >= self.nnodes or self._ended()
         return self._started
 
     def waiting_reason(self) -> str | None:
         if self.started():
             return None
         reasons = [
-            f"{sum(_container_started(p) for p in self._pods)} of {self.plan.nnodes} pods running"
+            f"{sum(_container_started(p) for p in self._pods)} of {self.nnodes} pods running"
         ]
-        if len(self._pods) < self.plan.nnodes:
-            reasons.append(f"{len(self._pods)} of {self.plan.nnodes} pods created")
+        if len(self._pods) < self.nnodes:
+            reasons.append(f"{len(self._pods)} of {self.nnodes} pods created")
         if self._job is not None and self._job.spec and self._job.spec.suspend:
             reasons.append("the Job is suspended (waiting for admission, e.g. by Kueue)")
         for pod in self._pods:
@@ -248,14 +297,25 @@ class KubernetesLaunch(Launch):
         return "Kubernetes: " + "; ".join(reasons)
 
     def poll(self) -> int | None:
+        if self._final is not None:
+            return self._final
         self._refresh()
         if not self._ended():
             return None
         if self._condition("Complete"):
-            return 0
-        failed = _first_failure(self._pods)
-        code = _exit_code(failed) if failed is not None else None
-        return code if code else 1
+            self._final = 0
+        else:
+            failed = _first_failure(self._pods)
+            code = _exit_code(failed) if failed is not None else None
+            self._final = code if code else 1
+        return self._final
+
+    def wait(self, timeout_s: float) -> int | None:
+        rc = self.poll()
+        if rc is None:
+            time.sleep(min(timeout_s, max(0.0, self._read_at + self._poll_s - time.monotonic())))
+            rc = self.poll()
+        return rc
 
     def engine_reason(self) -> str | None:
         self._refresh()
@@ -265,17 +325,21 @@ class KubernetesLaunch(Launch):
                 reasons.append(f"pod {pod.metadata.name} {why}")
         deadline = self._condition("Failed")
         if deadline is not None and deadline.reason == "DeadlineExceeded":
-            reasons.insert(0, f"Job {self.plan.name} DeadlineExceeded: {deadline.message}")
+            reasons.insert(0, f"Job {self.name} DeadlineExceeded: {deadline.message}")
         if self._job_gone and not self._stopped and not self._condition("Complete", "Failed"):
-            reasons.append(f"Job {self.plan.name} was deleted while it ran")
+            reasons.append(f"Job {self.name} was deleted while it ran")
         return "Kubernetes: " + "; ".join(reasons) if reasons else None
 
     def stop(self, grace_s: float, log: Log) -> None:
         """Delete the Job (foreground: its pods go first, each SIGTERMed, SIGKILLed after its
         grace period) and the Service, then wait until no pod of the launch is left; pods still
-        there after the grace (an unreachable node) are deleted with no grace."""
+        there after the grace (an unreachable node) are deleted with no grace. After the end
+        there is nothing to stop: the Job stays for `ttl_seconds_after_finished` (its pods'
+        logs with it) and its Service goes with it."""
+        if self.poll() is not None:
+            return
         self._stopped = True
-        ns, name = self.plan.namespace, self.plan.name
+        ns, name = self.namespace, self.name
         grace = max(0, int(grace_s))
         for what, delete in (
             (
@@ -363,7 +427,7 @@ class KubernetesLaunch(Launch):
             try:
                 response = self._core.read_namespaced_pod_log(
                     pod,
-                    self.plan.namespace,
+                    self.namespace,
                     container=CONTAINER,
                     follow=True,
                     timestamps=True,
@@ -396,17 +460,22 @@ class KubernetesLaunch(Launch):
 
     def _still_running(self, pod: str) -> bool:
         try:
-            status = self._core.read_namespaced_pod(pod, self.plan.namespace).status
+            status = self._core.read_namespaced_pod(pod, self.namespace).status
         except ApiException as exc:
             return exc.status != 404
         return (status.phase or "Pending") in ("Pending", "Running")
 
 
-def cancel_flow_run_jobs(flow_run_id: str, config: KubernetesConfig, client: Any = None) -> int:
+def cancel_flow_run_jobs(
+    flow_run_id: str, config: KubernetesConfig | dict[str, Any], client: Any = None
+) -> int:
     """Delete every Job (and Service) of a flow run, found by its `posttrain.io/flow-run`
     label, in the foreground; returns how many Jobs were deleted. For the flow's
-    cancellation and crash hooks, which run when the supervising process may be gone."""
+    cancellation and crash hooks, which run when the supervising process may be gone.
+    `config`: `infra.kubernetes`, or the whole infra section as JSON."""
     _need_client()
+    if isinstance(config, dict):
+        config = KubernetesConfig.model_validate(config.get("kubernetes") or {})
     client = client or api_client(config)
     batch, core = k8s.BatchV1Api(client), k8s.CoreV1Api(client)
     selector = f"{FLOW_RUN_LABEL}={sanitize_label(flow_run_id)}"

@@ -12,6 +12,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from posttrain.config.kubernetes_section import KubernetesConfig
 from posttrain.config.section_base import _Section
+from posttrain.config.slurm_section import SlurmConfig
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 
@@ -119,7 +120,8 @@ class InfraConfig(_Section):
     )
     rdzv_endpoint: str | None = Field(
         None,
-        description="host:port of the c10d rendezvous (the node-rank-0 machine) when nnodes > 1.",
+        description="host:port of the c10d rendezvous (the node-rank-0 machine) when nnodes > 1 "
+        "and the launcher is local; slurm and kubernetes put it on the job's first node.",
         pattern=r"^[A-Za-z0-9_.\[\]:-]+:[0-9]{1,5}$",
     )
     precision: Precision = Field(
@@ -209,6 +211,26 @@ class InfraConfig(_Section):
         "complete checkpoints (the next run resumes from the newest); `finish` lets it train to "
         "the end and seal its artifact, which the next run then reuses.",
     )
+    launcher: Literal["local", "slurm", "kubernetes"] = Field(
+        "local",
+        description="What runs the stages: `local` = processes on this machine (torchrun for "
+        "several ranks; for nnodes > 1 the other nodes' agents are started by hand, `posttrain "
+        "launch`); `slurm` = one sbatch job per stage (`infra.slurm`); `kubernetes` = one "
+        "Indexed Job and headless Service per stage (`infra.kubernetes`). With slurm or "
+        "kubernetes every stage but ingest runs on the engine's nodes, the workspace must be on "
+        "storage they share, and infra.device and devices_per_node must be set (the nodes' "
+        "GPUs are not visible from where the flow runs).",
+    )
+    slurm: SlurmConfig = Field(
+        default_factory=lambda: SlurmConfig(), description="Slurm job settings (launcher slurm)."
+    )
+    launcher_silence_s: float = Field(
+        120,
+        ge=10,
+        description="Stages run by slurm or kubernetes watch a beat file the flow rewrites every "
+        "few seconds: unchanged for this long, the flow is gone, and the stage acts per "
+        "`orphan`. Longer than the shared file system's attribute caching.",
+    )
     no_intact_checkpoint: Literal["restart", "fail"] = Field(
         "restart",
         description="What a training stage does when it has checkpoints but none passes its "
@@ -222,13 +244,6 @@ class InfraConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _kubernetes_launcher(self) -> InfraConfig:
-        # getattr: `launcher` is declared beside this section by the launcher refactor.
-        if getattr(self, "launcher", None) == "kubernetes":
-            self.kubernetes.check_usable()
-        return self
-
-    @model_validator(mode="after")
     def _base_dtype(self) -> InfraConfig:
         if self.base_dtype == "bf16" and self.precision == "fp16":
             raise ValueError(
@@ -239,10 +254,26 @@ class InfraConfig(_Section):
 
     @model_validator(mode="after")
     def _rendezvous(self) -> InfraConfig:
-        if self.nnodes > 1 and not self.rdzv_endpoint:
+        if self.nnodes > 1 and not self.rdzv_endpoint and self.launcher == "local":
             raise ValueError(
                 f"nnodes {self.nnodes} needs rdzv_endpoint (host:port of the node-rank-0 machine, "
                 "reachable from every node)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _remote_devices(self) -> InfraConfig:
+        if self.launcher == "local":
+            return self
+        if self.device == "auto":
+            raise ValueError(
+                f"launcher {self.launcher} needs infra.device set to cuda or cpu: `auto` would "
+                "look at the GPUs of the machine the flow runs on, not the nodes'"
+            )
+        if self.devices_per_node == "auto":
+            raise ValueError(
+                f"launcher {self.launcher} needs infra.devices_per_node set to a number (the "
+                "processes per node, one per GPU)"
             )
         return self
 
@@ -258,6 +289,13 @@ class InfraConfig(_Section):
                 "precision fp16 without loss scaling is refused: fp16 gradients underflow and "
                 "preference losses go NaN. Set infra.loss_scaling: true, or use bf16/fp32."
             )
+        return self
+
+    @model_validator(mode="after")
+    def _kubernetes_launcher(self) -> InfraConfig:
+        # Last: the launcher's general checks (device, devices_per_node) speak first.
+        if self.launcher == "kubernetes":
+            self.kubernetes.check_usable()
         return self
 
 

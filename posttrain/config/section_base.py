@@ -1,5 +1,4 @@
-"""The base every recipe section model shares, in a module of its own so that section modules
-kept apart from `run_sections` (`kubernetes_section`) can use it while `run_sections` uses them."""
+"""The base every recipe section model shares."""
 
 from __future__ import annotations
 
