@@ -386,3 +386,81 @@ def test_from_infra_reads_the_planned_infra_section() -> None:
     launcher = KubernetesLauncher.from_infra(infra)
     assert launcher.name == "kubernetes"
     assert launcher.device == "cuda" and launcher.config.namespace == "training"
+
+
+def test_the_supervisor_runs_a_stage_through_the_kubeconfig_and_names_the_oom_kill(
+    server, tmp_path, monkeypatch
+) -> None:
+    """The whole path the flow takes: `supervise_stage` picks the launcher from the planned
+    infra, the client reads a kubeconfig (pointing at the replay server), the Job fails with an
+    OOM-killed pod, and the stage's failure says so with both pods' logs in stage.log."""
+    import uuid
+
+    from kubernetes.config import kube_config
+
+    import flows.stage_supervise as supervise
+    from flows.stage_failures import StageFailed
+    from posttrain.artifacts import stage_dir
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "replay", "cluster": {"server": server.host}}],
+                "users": [{"name": "flow", "user": {"token": "t0ken"}}],
+                "contexts": [{"name": "replay", "context": {"cluster": "replay", "user": "flow"}}],
+                "current-context": "replay",
+            }
+        )
+    )
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setattr(supervise.uuid, "uuid4", lambda: uuid.UUID(hex=LAUNCH_ID))
+    infra = InfraConfig(
+        launcher="kubernetes",
+        device="cuda",
+        devices_per_node=1,
+        nnodes=2,
+        kubernetes={
+            "namespace": NAMESPACE,
+            "image": "registry.example.com/posttrain:0.1.0",
+            "workspace_claim": "posttrain-workspace",
+            "poll_s": 0.02,
+        },
+    )
+    fingerprint = FINGERPRINT + "9e0d1c2b3a495867"
+    out = stage_dir(tmp_path / "ws", STAGE, fingerprint)
+    (out / "logs").mkdir(parents=True)
+    spec = out / "logs" / "spec.json"
+    spec.write_text("{}")
+    stage = PlannedStage(
+        STAGE,
+        "posttrain.stages.sft",
+        fingerprint,
+        out,
+        {},
+        1,
+        600.0,
+        nnodes=2,
+        launcher="kubernetes",
+        infra=infra.model_dump(mode="json"),
+    )
+    submitted(server)
+    set_state(server, "job-failed", "pods-oom")
+    server.add("GET", f"{PODS}/{POD0}/log", log_stream("sft-node0.log"))
+    server.add("GET", f"{PODS}/{POD1}/log", log_stream("sft-node1.log"))
+
+    with pytest.raises(StageFailed) as exc:
+        supervise.supervise_stage(stage, spec, kill_grace_s=1)
+    assert f"was ended by Kubernetes: pod {POD0} OOMKilled (exit 137)" in str(exc.value)
+    (job_post,) = server.sent("POST", JOBS)
+    assert job_post.body["metadata"]["labels"]["posttrain.io/launch"] == LAUNCH_ID
+    mount = job_post.body["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0]
+    assert mount["mountPath"] == str(tmp_path / "ws")  # the workspace, at its own path
+    log = (out / "logs" / "stage.log").read_text()
+    assert "[node 0] stage sft: rank 0 of 2 (node 0), world 2, nccl" in log
+    assert "[node 1] stage sft: rank 1 done" in log
+    record = json.loads((out / "logs" / "launch.json").read_text())
+    assert record["launcher"] == "kubernetes" and record["job"]["job"] == JOB
