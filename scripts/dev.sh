@@ -37,6 +37,27 @@ install_browser() {
   fi
 }
 
+# The Slurm launcher's tests start a real 2-node cluster (tests/slurm_cluster.py): Debian's
+# slurm-wlm and munge, iproute2 for the nodes' network namespaces, and root. Where that is
+# available the tests must run, never skip.
+install_slurm() {
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "warning: the Slurm cluster tests need root: they will skip" >&2
+    return 0
+  fi
+  if ! command -v slurmctld >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1; then
+    if ! command -v apt-get >/dev/null 2>&1; then
+      echo "warning: slurm-wlm/iproute2 missing and no apt-get: the Slurm tests will skip" >&2
+      return 0
+    fi
+    echo "installing Debian's slurm-wlm, munge and iproute2 for the Slurm cluster tests" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge iproute2 >/dev/null ||
+      { apt-get update -qq &&
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge iproute2 >/dev/null; }
+  fi
+  export POSTTRAIN_REQUIRE_SLURM=1
+}
+
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 case "${1:-}" in
   quickstart)
@@ -46,6 +67,7 @@ case "${1:-}" in
   test | test-fast)
     install dev,mlflow,wandb,lm-eval,kubernetes
     [ "$1" = test ] && install_browser
+    [ "$1" = test ] && install_slurm
     marker=()
     [ "$1" = test-fast ] && marker=(-m "not slow")
     set +e
