@@ -13,7 +13,8 @@ py="${PYTHON:-python3.11}"
 command -v "$py" >/dev/null 2>&1 || py=python3
 
 install() {
-  # $1: the extras to install (the tests also need the optional trackers and lm-eval).
+  # $1: the extras to install (the tests also need the optional trackers, lm-eval and the
+  # Kubernetes client).
   if [ ! -x "$venv/bin/python" ]; then
     "$py" -m venv "$venv"
   fi
@@ -64,7 +65,7 @@ case "${1:-}" in
     "$venv/bin/posttrain" run recipes/quickstart.yaml "${@:2}"
     ;;
   test | test-fast)
-    install dev,mlflow,wandb,lm-eval
+    install dev,mlflow,wandb,lm-eval,kubernetes
     [ "$1" = test ] && install_browser
     [ "$1" = test ] && install_slurm
     marker=()

@@ -10,6 +10,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from posttrain.config.kubernetes_section import KubernetesConfig
 from posttrain.config.section_base import _Section
 from posttrain.config.slurm_section import SlurmConfig
 
@@ -236,6 +237,11 @@ class InfraConfig(_Section):
         "integrity check (sizes and checksums recorded at save): `restart` from step 0, saying "
         "so, or `fail` naming each damaged file. An intact older checkpoint is always preferred.",
     )
+    kubernetes: KubernetesConfig = Field(
+        default_factory=KubernetesConfig,
+        description="Image, GPUs, workspace volume and scheduling of the pods when "
+        "`infra.launcher` is `kubernetes` (one Indexed Job per stage, one pod per node).",
+    )
 
     @model_validator(mode="after")
     def _base_dtype(self) -> InfraConfig:
@@ -283,6 +289,13 @@ class InfraConfig(_Section):
                 "precision fp16 without loss scaling is refused: fp16 gradients underflow and "
                 "preference losses go NaN. Set infra.loss_scaling: true, or use bf16/fp32."
             )
+        return self
+
+    @model_validator(mode="after")
+    def _kubernetes_launcher(self) -> InfraConfig:
+        # Last: the launcher's general checks (device, devices_per_node) speak first.
+        if self.launcher == "kubernetes":
+            self.kubernetes.check_usable()
         return self
 
 

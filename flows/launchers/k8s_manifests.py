@@ -1,0 +1,287 @@
+"""The objects the Kubernetes launcher submits for one stage, as plain dicts (batch/v1 Job and
+core/v1 Service): pure functions of the launch request and the recipe, so tests validate them
+against the Kubernetes OpenAPI schema without a cluster.
+
+One stage = one Indexed Job (`completions = parallelism = nnodes`, one pod per node, the pod's
+completion index is its node rank) and one headless Service whose name is the pods' subdomain,
+so pod k is reachable at `<job>-k.<service>`; pod 0 hosts the c10d rendezvous. Every pod runs
+the same command (`flows.stage_launch.stage_command`), its rank expanded by Kubernetes from
+`$(POSTTRAIN_NODE_RANK)`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flows.launchers.base import LaunchRequest
+from flows.stage_launch import NODE_RANK_ENV, stage_command
+from posttrain.config.kubernetes_section import KubernetesConfig
+from posttrain.orphan import LAUNCHER_PID_ENV, LAUNCHER_START_ENV
+
+LABEL_PREFIX = "posttrain.io/"
+STAGE_LABEL = LABEL_PREFIX + "stage"
+LAUNCH_LABEL = LABEL_PREFIX + "launch"
+# `LaunchRequest.labels` keys become `posttrain.io/<key>`; the flow run's id goes under this key,
+# which `cancel_flow_run_jobs` selects on.
+FLOW_RUN_KEY = "flow-run"
+FLOW_RUN_LABEL = LABEL_PREFIX + FLOW_RUN_KEY
+# Set by the Job controller on each pod of an Indexed Job: the pod's index = its node rank.
+COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+CONTAINER = "stage"
+WORKSPACE_VOLUME = "workspace"
+# Object names stay short enough that pod k's hostname `<job>-<k>` is a DNS label (63).
+_NAME_MAX = 48
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """What one launch submits: the Job, the Service (its owner reference to the Job is added
+    once the Job's uid is known), the command every pod runs, and the labels of both."""
+
+    name: str  # of the Job and of the Service
+    namespace: str
+    labels: dict[str, str]
+    command: list[str]
+    job: dict[str, Any]
+    gpus: int
+    nnodes: int
+
+    def service(self, job_uid: str | None, port: int) -> dict[str, Any]:
+        """The headless Service of the pods, owned by the Job (so deleting the Job removes it)."""
+        metadata: dict[str, Any] = {
+            "name": self.name,
+            "namespace": self.namespace,
+            "labels": dict(self.labels),
+        }
+        if job_uid is not None:
+            metadata["ownerReferences"] = [
+                {"apiVersion": "batch/v1", "kind": "Job", "name": self.name, "uid": job_uid}
+            ]
+        return {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": metadata,
+            "spec": {
+                "clusterIP": "None",
+                "selector": {LAUNCH_LABEL: self.labels[LAUNCH_LABEL]},
+                # Pod 0's name must resolve before it is Ready (a training pod never reports
+                # readiness): the other nodes dial the rendezvous while it starts.
+                "publishNotReadyAddresses": True,
+                "ports": [{"name": "rdzv", "port": port, "targetPort": port, "protocol": "TCP"}],
+            },
+        }
+
+
+def sanitize_label(text: str, limit: int = 63) -> str:
+    """`text` as a label name or value: letters, digits, '-', '_', '.', alphanumeric at both
+    ends, at most `limit` characters ("" when nothing is left)."""
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]+", "-", text)[:limit]
+    return cleaned.strip("-_.")
+
+
+def job_name(stage: str, fingerprint: str, launch_id: str) -> str:
+    """An RFC 1123 / 1035 name (lowercase, starts with a letter, at most 48 characters): the
+    stage's name, its fingerprint's first 8 and the launch id's first 8 characters."""
+    base = re.sub(r"[^a-z0-9-]+", "-", stage.lower()).strip("-") or "stage"
+    if not base[0].isalpha():
+        base = "s-" + base
+    tail = f"-{fingerprint[:8].lower()}-{launch_id[:8].lower()}"
+    return base[: _NAME_MAX - len(tail)].rstrip("-") + tail
+
+
+def rdzv_endpoint(name: str, config: KubernetesConfig) -> str:
+    """Pod 0's fully qualified name and the rendezvous port. Fully qualified: the kubelet writes
+    exactly this name into pod 0's /etc/hosts, so torchrun on pod 0 knows it hosts the store
+    without asking DNS (which may not have the record yet), and other pods resolve it."""
+    host = f"{name}-0.{name}.{config.namespace}.svc.{config.cluster_domain}"
+    return f"{host}:{config.rdzv_port}"
+
+
+def _escape(text: str) -> str:
+    # Kubernetes expands `$(VAR)` in a container's command and env values; `$$` is a literal `$`.
+    return text.replace("$(", "$$(")
+
+
+def gpus_per_node(request: LaunchRequest, config: KubernetesConfig, device: str) -> int:
+    """GPUs each pod requests: the recipe's number, else one per process on CUDA, else 0."""
+    if config.gpus_per_node is not None:
+        return config.gpus_per_node
+    return request.stage.nprocs if device == "cuda" else 0
+
+
+def workspace_of(request: LaunchRequest) -> Path:
+    """The run's workspace, from the stage's folder (`<workspace>/artifacts/<kind>/<fp>`,
+    `posttrain.artifacts.stage_dir`); everything the stage reads and writes is under it."""
+    out_dir = request.stage.out_dir
+    if not out_dir.is_absolute() or out_dir.parent.parent.name != "artifacts":
+        raise ValueError(f"{out_dir} is not an absolute <workspace>/artifacts/<stage>/<fp> folder")
+    return out_dir.parents[2]
+
+
+def plan_job(
+    request: LaunchRequest, config: KubernetesConfig, device: str, workspace: Path | None = None
+) -> JobPlan:
+    """The Job (and, through `JobPlan.service`, the Service) that runs `request`'s stage.
+
+    `device`: infra.device (`cuda` gives each pod one GPU per process unless
+    `config.gpus_per_node` says otherwise). `workspace`: the run's absolute workspace folder
+    (default: found from the stage's folder); the shared volume is mounted there in every pod,
+    so the spec path and every path inside the spec mean the same file everywhere.
+    """
+    if not config.image:
+        raise ValueError("infra.kubernetes.image is required to launch on Kubernetes")
+    if not (config.workspace_claim or config.workspace_host_path):
+        raise ValueError("infra.kubernetes.workspace_claim or workspace_host_path is required")
+    workspace = workspace_of(request) if workspace is None else workspace
+    if not workspace.is_absolute():
+        raise ValueError(f"the workspace {workspace} must be an absolute path")
+    if not Path(request.spec_path).is_relative_to(workspace):
+        raise ValueError(
+            f"the stage spec {request.spec_path} is outside the workspace {workspace}, "
+            "which is all the pods see"
+        )
+    stage = request.stage
+    name = job_name(stage.name, stage.fingerprint, request.launch_id)
+    nnodes = max(1, stage.nnodes)
+    gpus = gpus_per_node(request, config, device)
+    if gpus and stage.nprocs > gpus:
+        raise ValueError(
+            f"stage {stage.name} runs {stage.nprocs} processes per node but each pod gets "
+            f"{gpus} GPU(s) (infra.kubernetes.gpus_per_node): one process needs one GPU"
+        )
+
+    labels = dict(config.labels)
+    labels["app.kubernetes.io/managed-by"] = "posttrain"
+    labels[STAGE_LABEL] = sanitize_label(stage.name)
+    labels[LAUNCH_LABEL] = sanitize_label(request.launch_id)
+    for key, value in request.labels.items():
+        labels[LABEL_PREFIX + sanitize_label(key, 63)] = sanitize_label(value)
+
+    command = stage_command(
+        stage.module,
+        str(request.spec_path),
+        stage.nprocs,
+        python=config.python,
+        nnodes=nnodes,
+        node_rank=f"$({NODE_RANK_ENV})",
+        rdzv_endpoint=rdzv_endpoint(name, config),
+        rdzv_id=stage.fingerprint,
+    )
+    # Every argument but the node rank is literal text.
+    rank_arg = f"$({NODE_RANK_ENV})"
+    command = [a if a == rank_arg else _escape(a) for a in command]
+
+    env: list[dict[str, Any]] = [
+        # First: later values may refer to it. The downward API reads the index the Job
+        # controller gives each pod.
+        {
+            "name": NODE_RANK_ENV,
+            "valueFrom": {
+                "fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}
+            },
+        }
+    ]
+    merged = {**config.env, **request.env}
+    # The launching process's PID means nothing in a pod (another machine): the stage's orphan
+    # watch would find it dead and stop at once. Remote engines tell liveness otherwise.
+    for local_only in (NODE_RANK_ENV, LAUNCHER_PID_ENV, LAUNCHER_START_ENV):
+        merged.pop(local_only, None)
+    env += [{"name": k, "value": _escape(v)} for k, v in merged.items()]
+
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if config.cpu_request:
+        requests["cpu"] = config.cpu_request
+    if config.memory_request:
+        requests["memory"] = config.memory_request
+    if config.cpu_limit:
+        limits["cpu"] = config.cpu_limit
+    if config.memory_limit:
+        limits["memory"] = config.memory_limit
+    if gpus:
+        limits[config.gpu_resource] = str(gpus)  # extended resources: requests = limits
+
+    mounts = [{"name": WORKSPACE_VOLUME, "mountPath": str(workspace)}]
+    if config.workspace_claim:
+        volumes: list[dict[str, Any]] = [
+            {
+                "name": WORKSPACE_VOLUME,
+                "persistentVolumeClaim": {"claimName": config.workspace_claim},
+            }
+        ]
+    else:
+        volumes = [
+            {
+                "name": WORKSPACE_VOLUME,
+                "hostPath": {"path": config.workspace_host_path, "type": "Directory"},
+            }
+        ]
+    if config.shm_size:
+        volumes.append(
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": config.shm_size}}
+        )
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": config.image,
+        "command": command,
+        "env": env,
+        "volumeMounts": mounts,
+    }
+    if config.image_pull_policy:
+        container["imagePullPolicy"] = config.image_pull_policy
+    if requests or limits:
+        container["resources"] = {
+            k: v for k, v in (("requests", requests), ("limits", limits)) if v
+        }
+    if nnodes > 1:
+        container["ports"] = [{"name": "rdzv", "containerPort": config.rdzv_port}]
+
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        # With the Service of the same name: pod k is `<job>-k.<job>` (Indexed Jobs set each
+        # pod's hostname to `<job>-<index>`).
+        "subdomain": name,
+        "terminationGracePeriodSeconds": config.termination_grace_s,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if config.service_account:
+        pod["serviceAccountName"] = config.service_account
+    if config.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": s} for s in config.image_pull_secrets]
+    if config.node_selector:
+        pod["nodeSelector"] = dict(config.node_selector)
+    if config.tolerations:
+        pod["tolerations"] = [t.model_dump(exclude_none=True) for t in config.tolerations]
+
+    spec: dict[str, Any] = {
+        "completionMode": "Indexed",
+        "completions": nnodes,
+        "parallelism": nnodes,
+        # A failed node fails the stage; the flow's re-run resumes from the newest complete
+        # checkpoint. A pod restarted alone could not rejoin its peers' process group.
+        "backoffLimit": 0,
+        "template": {"metadata": {"labels": dict(labels)}, "spec": pod},
+    }
+    if config.deadline_extra_s is not None:
+        spec["activeDeadlineSeconds"] = math.ceil(stage.timeout_s + config.deadline_extra_s)
+    if config.ttl_seconds_after_finished is not None:
+        spec["ttlSecondsAfterFinished"] = config.ttl_seconds_after_finished
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": name,
+            "namespace": config.namespace,
+            "labels": dict(labels),
+            "annotations": {LABEL_PREFIX + "spec": str(request.spec_path)},
+        },
+        "spec": spec,
+    }
+    return JobPlan(name, config.namespace, labels, command, job, gpus, nnodes)
