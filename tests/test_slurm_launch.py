@@ -9,7 +9,9 @@ In file order, on one cluster:
      torchrun; nothing is left in the queue;
   2. a UI cancel (the flow run set to Cancelling through the Prefect API) of a served run whose
      SFT runs on Slurm leaves nothing in the queue and no process of the stage;
-  3. a flow killed outright: its job notices the silent beat file and stops by itself.
+  3. a flow killed outright: its job notices the silent beat file and stops by itself;
+  4. a hung rank on the second node: stacks dumped through Slurm, the job cancelled;
+  5. the flow's cancel hook finds a run's jobs by their label.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import psutil
 import pytest
 from prefect_server import serving, start_serve, stop_group, wait_for
+from stage_modules import on_child_path, write_heartbeat_modules
 
 from flows.stage_procs import FLOW_RUN_ENV_VAR, LAUNCH_ENV_VAR, processes_with_env
 from posttrain.artifacts import verify
@@ -267,3 +270,75 @@ def test_a_killed_flows_job_stops_by_itself(
         ]
 
     wait_for("the job's step daemons to exit", lambda: not step_daemons(), 30)
+
+
+def test_a_hung_rank_on_slurm_is_dumped_and_the_job_cancelled(
+    slurm_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hang watch reads the heartbeats on the shared workspace, as for a local stage; the
+    stacks come from SIGUSR1 through `scancel --signal`."""
+    from flows.stage_hang import StageHung
+    from flows.stage_task import run_stage
+    from posttrain.artifacts import stage_dir
+    from posttrain.config.schema import Recipe
+    from posttrain.planner import PlannedStage, write_spec
+
+    on_child_path(tmp_path / "mods", monkeypatch)
+    write_heartbeat_modules(tmp_path / "mods")  # rank 1 of pt_stuck_sft stops at step 3
+    monkeypatch.setenv("PT_PIDS_FILE", str(tmp_path / "pids"))
+    for key, value in slurm_cluster.env.items():
+        monkeypatch.setenv(key, value)
+    data = copy.deepcopy(TINY)
+    data["run"]["workspace"] = str(tmp_path / "ws")
+    data["infra"] |= {"launcher": "slurm", "nnodes": 2, "threads_per_rank": 1}
+    data["infra"]["slurm"] = {"poll_s": 0.5}
+    recipe = Recipe.model_validate(data)
+    fp = "0123456789abcdef"
+    stage = PlannedStage(
+        name="sft",
+        module="pt_stuck_sft",
+        fingerprint=fp,
+        out_dir=stage_dir(tmp_path / "ws", "sft", fp),
+        parents={},
+        nprocs=1,
+        nnodes=2,
+        timeout_s=240,
+        inputs={"section": {}},
+        hang_timeout_s=4.0,
+        hang_startup_s=120,
+        launcher="slurm",
+        infra=recipe.infra.model_dump(mode="json"),
+    )
+    spec = write_spec(stage, recipe, {})
+    with pytest.raises(StageHung) as info:
+        run_stage.fn(stage, spec, kill_grace_s=1.0)
+    assert (info.value.hang.behind.rank, info.value.hang.behind.step) == (1, 2)
+    stacks = stage.out_dir / "logs" / "stacks-rank1.txt"
+    assert "wait_for_nothing_forever" in stacks.read_text()  # written on node n2
+    assert "rank 1 is behind: last beat at step 2" in str(info.value)
+    assert _queue(slurm_cluster) == []
+    # No rank outlived the job: the USR1 did not kill torchrun's agent and orphan its ranks
+    # (which a process-tree tracker, like this cluster's proctrack/linuxproc, then loses).
+    launch = json.loads((stage.out_dir / "logs" / "launch.json").read_text())["launch_id"]
+    assert not processes_with_env(LAUNCH_ENV_VAR, launch)
+
+
+def test_the_flows_hooks_cancel_its_jobs_by_label(slurm_cluster: Any, monkeypatch) -> None:
+    from flows.launchers.slurm import cancel_flow_run_jobs
+
+    for key, value in slurm_cluster.env.items():
+        monkeypatch.setenv(key, value)
+
+    def submit(comment: str) -> str:
+        out = slurm_cluster.client(
+            "sbatch", "--parsable", f"--comment={comment}", "--wrap", "sleep 300"
+        )
+        return out.strip()
+
+    ours, other = submit("posttrain-flow-run=abc"), submit("posttrain-flow-run=abcd")
+    assert cancel_flow_run_jobs("abc") == 1
+    wait_for("the run's job to leave the queue", lambda: len(_queue(slurm_cluster)) == 1, 30)
+    assert _queue(slurm_cluster)[0].split()[0] == other
+    slurm_cluster.client("scancel", other)
+    wait_for("the queue to empty", lambda: not _queue(slurm_cluster), 30)
+    assert "JobState=CANCELLED" in slurm_cluster.client("scontrol", "-o", "show", "job", ours)

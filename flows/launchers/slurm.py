@@ -311,6 +311,10 @@ class SlurmLauncher:
             "#!/bin/bash\n"
             f"# posttrain stage {stage.name}, launch {request.launch_id}: one node's share.\n"
             'export POSTTRAIN_NODE_RANK="$SLURM_PROCID"\n'
+            "# A hang dump (scancel --signal=USR1) reaches every process of the step: the ranks\n"
+            "# dump their stacks (faulthandler), torchrun's agent must ignore it, not die and\n"
+            "# leave its ranks outside the step's process tree.\n"
+            "trap '' USR1\n"
             f"exec {' '.join(words)}\n"
         )
 
