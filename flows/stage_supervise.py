@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -182,7 +182,7 @@ def _follow(
     pump = OutputPump(launch.output(), log_file, log, stage.name)
     metrics = MetricsTail(stage.out_dir / "metrics.jsonl", progress.update, stage=stage.name)
     try:
-        timed_out, hang, stacks = _wait(launch, stage, watch, log)
+        waited = _wait(launch, stage, watch, log)
     finally:
         # Runs on success too: ranks or helpers the stage left behind must not outlive it.
         # On an exception here (KeyboardInterrupt, Prefect's TerminationSignal on cancel)
@@ -192,9 +192,17 @@ def _follow(
         metrics.stop()
 
     tail = pump.tail_text()
-    if hang is not None:
-        raise StageHung(hang_message(stage, hang, stacks, log_path, tail), hang, stacks)
-    if timed_out:
+    if (hang := waited.hang) is not None:
+        raise StageHung(
+            hang_message(stage, hang, waited.stacks, log_path, tail), hang, waited.stacks
+        )
+    if waited.timeout == "queue":
+        raise StageTimeout(
+            f"stage '{stage.name}' waited {stage.infra['queue_timeout_s']:g} s without starting "
+            f"({launch.description}: {waited.waiting or 'queued'}) and was cancelled "
+            "(infra.queue_timeout_s)"
+        )
+    if waited.timeout == "run":
         raise StageTimeout(
             f"stage '{stage.name}' timed out after {stage.timeout_s:g} s "
             f"(infra.timeouts.{stage.name}) and was stopped ({launch.description}). "
@@ -210,17 +218,31 @@ def _follow(
     return Outcome("ran", ref)
 
 
+@dataclass
+class Waited:
+    """How `_wait` ended: a timeout ("run" or "queue"), a hang (with the stack files), or the
+    launch's own end (neither)."""
+
+    timeout: str | None = None
+    hang: Hang | None = None
+    stacks: list[Path] = field(default_factory=list)
+    waiting: str | None = None  # the engine's last reason for queueing it
+
+
 def _wait(
     launch: Launch,
     stage: PlannedStage,
     watch: HangWatch | None,
     log: logging.LoggerAdapter | logging.Logger,
-) -> tuple[bool, Hang | None, list[Path]]:
-    """Wait for the launch to end, its timeout to pass, or its ranks to hang (their stacks are
-    dumped then). Returns (timed out, the hang, the stack files); kills nothing.
+) -> Waited:
+    """Wait for the launch to end, a timeout to pass, or its ranks to hang (their stacks are
+    dumped then); kills nothing.
 
-    The timeout counts from when the stage's processes run: time a Slurm job or a pod waits
-    in its queue is not the stage's (a changed waiting reason is logged instead)."""
+    The stage timeout counts from when the stage's processes run: time a Slurm job or a pod
+    waits in its queue is not the stage's (a changed waiting reason is logged instead); that
+    wait has its own limit, `infra.queue_timeout_s`, off by default."""
+    start = time.monotonic()
+    queue_limit = stage.infra.get("queue_timeout_s")
     deadline: float | None = None
     waiting: str | None = None
     while launch.wait(POLL_S) is None:
@@ -232,9 +254,12 @@ def _wait(
             elif (reason := launch.waiting_reason()) != waiting and reason:
                 log.info("stage %s: %s waits: %s", stage.name, launch.description, reason)
                 waiting = reason
+            elif queue_limit is not None and time.monotonic() - start > queue_limit:
+                log.error("stage %s: still queued after %.0f s", stage.name, queue_limit)
+                return Waited("queue", waiting=waiting)
         elif time.monotonic() > deadline:
             log.error("stage %s: timeout after %.0f s", stage.name, stage.timeout_s)
-            return True, None, []
+            return Waited("run")
         if watch is not None and (hang := watch.poll()) is not None:
             log.error(
                 "stage %s: no heartbeat for %.0f s (%s); dumping stacks",
@@ -242,5 +267,5 @@ def _wait(
                 hang.limit_s,
                 hang.describe(),
             )
-            return False, hang, launch.dump_stacks(hang, stage.out_dir)
-    return False, None, []
+            return Waited(hang=hang, stacks=launch.dump_stacks(hang, stage.out_dir))
+    return Waited()

@@ -196,3 +196,40 @@ def test_launcher_settings_are_checked(tmp_path: Path, infra: dict, message: str
     data["infra"] = infra
     with pytest.raises((ValidationError, ValueError), match=message):
         load_recipe(write_recipe(tmp_path, data))
+
+
+class _Queued:
+    """An engine's launch, scripted: queued for `queued_s`, then running until stopped."""
+
+    description = "job 7"
+    record: dict[str, str] = {}
+
+    def __init__(self, queued_s: float):
+        self.t0, self.queued_s = time.monotonic(), queued_s
+
+    def started(self) -> bool:
+        return time.monotonic() - self.t0 >= self.queued_s
+
+    def waiting_reason(self) -> str | None:
+        return None if self.started() else "PENDING (Resources)"
+
+    def wait(self, timeout_s: float) -> None:
+        time.sleep(min(timeout_s, 0.05))
+
+
+def test_the_stage_timeout_counts_from_when_the_job_runs(tmp_path: Path, caplog) -> None:
+    import logging
+
+    from flows.stage_supervise import _wait
+
+    sft = _stages(tmp_path, launcher="slurm")["sft"]
+    sft.timeout_s = 0.3
+    log = logging.getLogger("test.wait")
+    with caplog.at_level(logging.INFO, logger="test.wait"):
+        t0 = time.monotonic()
+        waited = _wait(_Queued(1.0), sft, None, log)  # type: ignore[arg-type]
+    assert waited.timeout == "run" and time.monotonic() - t0 >= 1.3
+    assert "job 7 waits: PENDING (Resources)" in caplog.text and "job 7 is running" in caplog.text
+    sft.infra["queue_timeout_s"] = 0.3
+    waited = _wait(_Queued(10.0), sft, None, log)  # type: ignore[arg-type]
+    assert waited.timeout == "queue" and waited.waiting == "PENDING (Resources)"

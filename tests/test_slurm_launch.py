@@ -279,37 +279,13 @@ def test_a_hung_rank_on_slurm_is_dumped_and_the_job_cancelled(
     stacks come from SIGUSR1 through `scancel --signal`."""
     from flows.stage_hang import StageHung
     from flows.stage_task import run_stage
-    from posttrain.artifacts import stage_dir
-    from posttrain.config.schema import Recipe
-    from posttrain.planner import PlannedStage, write_spec
 
     on_child_path(tmp_path / "mods", monkeypatch)
     write_heartbeat_modules(tmp_path / "mods")  # rank 1 of pt_stuck_sft stops at step 3
     monkeypatch.setenv("PT_PIDS_FILE", str(tmp_path / "pids"))
     for key, value in slurm_cluster.env.items():
         monkeypatch.setenv(key, value)
-    data = copy.deepcopy(TINY)
-    data["run"]["workspace"] = str(tmp_path / "ws")
-    data["infra"] |= {"launcher": "slurm", "nnodes": 2, "threads_per_rank": 1}
-    data["infra"]["slurm"] = {"poll_s": 0.5}
-    recipe = Recipe.model_validate(data)
-    fp = "0123456789abcdef"
-    stage = PlannedStage(
-        name="sft",
-        module="pt_stuck_sft",
-        fingerprint=fp,
-        out_dir=stage_dir(tmp_path / "ws", "sft", fp),
-        parents={},
-        nprocs=1,
-        nnodes=2,
-        timeout_s=240,
-        inputs={"section": {}},
-        hang_timeout_s=4.0,
-        hang_startup_s=120,
-        launcher="slurm",
-        infra=recipe.infra.model_dump(mode="json"),
-    )
-    spec = write_spec(stage, recipe, {})
+    stage, spec = _direct_stage(tmp_path, "pt_stuck_sft", hang_timeout_s=4.0)
     with pytest.raises(StageHung) as info:
         run_stage.fn(stage, spec, kill_grace_s=1.0)
     assert (info.value.hang.behind.rank, info.value.hang.behind.step) == (1, 2)
@@ -342,3 +318,73 @@ def test_the_flows_hooks_cancel_its_jobs_by_label(slurm_cluster: Any, monkeypatc
     slurm_cluster.client("scancel", other)
     wait_for("the queue to empty", lambda: not _queue(slurm_cluster), 30)
     assert "JobState=CANCELLED" in slurm_cluster.client("scontrol", "-o", "show", "job", ours)
+
+
+def _direct_stage(tmp_path: Path, module: str, **changes: Any) -> tuple[Any, Path]:
+    """A 2-node Slurm stage running `module`, planned by hand (for run_stage without a flow)."""
+    from posttrain.artifacts import stage_dir
+    from posttrain.config.schema import Recipe
+    from posttrain.planner import PlannedStage, write_spec
+
+    data = copy.deepcopy(TINY)
+    data["run"]["workspace"] = str(tmp_path / "ws")
+    data["infra"] |= {"launcher": "slurm", "nnodes": 2, "threads_per_rank": 1}
+    data["infra"]["slurm"] = {"poll_s": 0.5, **changes.pop("slurm", {})}
+    data["infra"] |= changes.pop("infra", {})
+    recipe = Recipe.model_validate(data)
+    fp = "0123456789abcdef"
+    stage = PlannedStage(
+        name="sft",
+        module=module,
+        fingerprint=fp,
+        out_dir=stage_dir(tmp_path / "ws", "sft", fp),
+        parents={},
+        nprocs=1,
+        nnodes=2,
+        timeout_s=240,
+        inputs={"section": {}},
+        hang_startup_s=120,
+        launcher="slurm",
+        infra=recipe.infra.model_dump(mode="json"),
+        **changes,
+    )
+    return stage, write_spec(stage, recipe, {})
+
+
+def test_a_refused_submission_fails_with_slurms_words(
+    slurm_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flows.stage_failures import StageFailed
+    from flows.stage_task import run_stage
+
+    for key, value in slurm_cluster.env.items():
+        monkeypatch.setenv(key, value)
+    stage, spec = _direct_stage(tmp_path, "posttrain.stages.sft", slurm={"partition": "gpu"})
+    with pytest.raises(
+        StageFailed, match="could not be started: sbatch refused the job: .*invalid partition"
+    ):
+        run_stage.fn(stage, spec, kill_grace_s=1.0)
+    assert _queue(slurm_cluster) == []
+
+
+def test_a_job_that_cannot_start_fails_at_the_queue_timeout(
+    slurm_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flows.stage_failures import StageTimeout
+    from flows.stage_task import run_stage
+
+    for key, value in slurm_cluster.env.items():
+        monkeypatch.setenv(key, value)
+    stage, spec = _direct_stage(tmp_path, "posttrain.stages.sft", infra={"queue_timeout_s": 3})
+    slurm_cluster.client("scontrol", "update", "nodename=n2", "state=drain", "reason=test")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StageTimeout) as info:
+            run_stage.fn(stage, spec, kill_grace_s=1.0)
+        assert 3 <= time.monotonic() - t0 < 30
+    finally:
+        slurm_cluster.client("scontrol", "update", "nodename=n2", "state=resume")
+    assert "waited 3 s without starting (Slurm job" in str(info.value)
+    assert "Slurm: PENDING (" in str(info.value) and "infra.queue_timeout_s" in str(info.value)
+    assert _queue(slurm_cluster) == []
+    slurm_cluster.wait_idle(60)

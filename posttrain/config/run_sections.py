@@ -224,6 +224,13 @@ class InfraConfig(_Section):
     slurm: SlurmConfig = Field(
         default_factory=lambda: SlurmConfig(), description="Slurm job settings (launcher slurm)."
     )
+    queue_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds a stage may wait in the engine's queue (a pending Slurm job or pod) "
+        "before it is cancelled and fails; null = as long as the engine keeps it. The stage's "
+        "own timeout (infra.timeouts) counts from when it starts running.",
+    )
     launcher_silence_s: float = Field(
         120,
         ge=10,
