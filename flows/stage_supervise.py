@@ -131,7 +131,10 @@ def _supervise(stage: PlannedStage, spec_path: Path | str, kill_grace_s: float) 
         log.info("stage %s: complete artifact found in %s, reusing it", stage.name, stage.out_dir)
         return Outcome("reused", ref_from_manifest(stage.out_dir))
     _drop_stale_manifest(stage.out_dir, why, log)
-    launcher = launcher_for(stage)
+    try:
+        launcher = launcher_for(stage)
+    except LaunchError as exc:  # the engine's client is not installed
+        raise StageFailed(f"stage '{stage.name}' could not be started: {exc}") from None
     # A flow that died may have left its remote job running. It holds no lock now (we do), so
     # it must be stopped before a new launch writes the same folder; the new one resumes.
     if stop_earlier_launch(launcher, stage, kill_grace_s, log) and verify(stage.out_dir)[0]:
