@@ -82,6 +82,31 @@ def _last_frame(lines: list[str]) -> str | None:
     return frames[-1] if frames else None
 
 
+RESUMES = "run again: it resumes from the newest complete checkpoint"
+# What the engine said ended the job (flows.launchers: "was ended by Slurm: job 57 TIMEOUT, ..."),
+# in the order tried, and what to do about it.
+ENGINE_FIXES = (
+    (
+        "infra.queue_timeout_s",
+        "the cluster did not start it in time: check its partition and "
+        "resources (`squeue`, `sinfo`, `kubectl describe pod`), or raise infra.queue_timeout_s",
+    ),
+    ("TIMEOUT", f"raise infra.slurm.time (null = the stage's timeout + 5 min), then {RESUMES}"),
+    ("OUT_OF_MEMORY", "give the job more memory (infra.slurm.mem), or make the stage smaller"),
+    ("OOMKilled", "give the pods more memory (infra.kubernetes.memory), or make the stage smaller"),
+    ("PREEMPTED", f"{RESUMES}; or use a partition or QoS that is not preempted"),
+    ("cancelled outside the flow", f"someone cancelled the job outside the flow; {RESUMES}"),
+    ("was ended by ", f"{RESUMES}, once the cluster has healthy nodes for it"),
+)
+
+
+def engine_fix(headline: str) -> str | None:
+    """The fix for a stage a cluster engine ended or never started, from its headline."""
+    if "was ended by " not in headline and "infra.queue_timeout_s" not in headline:
+        return None
+    return next(fix for key, fix in ENGINE_FIXES if key in headline)
+
+
 def stage_failure_block(message: str, timed_out: bool = False, hung: bool = False) -> Block:
     """The block for a `StageFailed` (its message: headline, `Log: <path>`, the log's tail)."""
     head_line, _, tail = message.partition("\n--- end of the log ---\n")
@@ -92,6 +117,8 @@ def stage_failure_block(message: str, timed_out: bool = False, hung: bool = Fals
     head = f"posttrain: stage {stage} failed"
     lines = tail.splitlines()
     verdicts = [x for x in lines if x.startswith(ERROR_MARKER)]
+    if fix := engine_fix(headline):
+        return Block(head, headline, fix, log)
     if timed_out:
         return Block(
             head, headline, f"raise infra.timeouts.{stage}, or make the stage smaller", log

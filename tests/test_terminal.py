@@ -112,6 +112,31 @@ def test_killed_stage_and_timeout_blocks() -> None:
     assert timeout.startswith("posttrain: stage dpo failed") and "infra.timeouts.dpo" in timeout
 
 
+def test_blocks_of_stages_a_cluster_ended_or_never_started(tmp_path: Path) -> None:
+    from flows.stage_failures import failure_headline
+    from posttrain.planner import PlannedStage
+
+    stage = PlannedStage("sft", "m", "fp", tmp_path, {}, 1, 60.0, nnodes=2)
+
+    def block(reason: str, timed_out: bool = False) -> str:
+        headline = failure_headline(stage, 1, [], reason)
+        return stage_failure_block(_stage_failed("[node 0] step 3", headline), timed_out).text()
+
+    node = block("Slurm: job 57 NODE_FAIL, it lost a node (NodeDown) on n[1-2]")
+    assert "what: stage 'sft' was ended by Slurm: job 57 NODE_FAIL, it lost a node" in node
+    assert "fix:  run again: it resumes from the newest complete checkpoint, once" in node
+    limit = block("Slurm: job 57 TIMEOUT, it reached its time limit (00:06:00; infra.slurm.time)")
+    assert "fix:  raise infra.slurm.time" in limit
+    oom = block("Kubernetes: pod job-1 OOMKilled (exit 137)")
+    assert "infra.kubernetes.memory" in oom
+    queued = stage_failure_block(
+        "stage 'sft' waited 600 s without starting (Slurm job 57 (2 nodes): Slurm: PENDING "
+        "(Resources)) and was cancelled (infra.queue_timeout_s)",
+        timed_out=True,
+    ).text()
+    assert "raise infra.queue_timeout_s" in queued and "infra.timeouts" not in queued
+
+
 def test_gate_block() -> None:
     text = gate_block("reward: held-out reward accuracy 0.5 < reward.min_accuracy 1.0").text()
     assert text.splitlines()[0] == "posttrain: stage reward failed its quality gate"
