@@ -16,6 +16,7 @@ Supervision means:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -35,7 +36,7 @@ from posttrain.artifacts import MANIFEST, ArtifactRef, ref_from_manifest, verify
 from posttrain.locking import ArtifactLock, LockTimeout, describe_holder
 from posttrain.orphan import LauncherBeat
 from posttrain.planner import PlannedStage
-from posttrain.recovery import earlier_attempt
+from posttrain.recovery import ERROR_FILE, earlier_attempt
 from posttrain.telemetry.heartbeat import Hang, HangWatch
 
 # How often the supervisor looks at the launch, its heartbeats and its timeout. A local child's
@@ -214,7 +215,12 @@ def _follow(
     rc = launch.poll()
     assert rc is not None  # stop() returned: it has ended
     if rc != 0:
-        headline = failure_headline(stage, rc, list(pump.recent), launch.engine_reason())
+        engine = launch.engine_reason()
+        if engine:
+            # For the next run's account of this attempt (posttrain.recovery reads the last line).
+            with contextlib.suppress(OSError), open(stage.out_dir / ERROR_FILE, "a") as f:
+                f.write(f"ended by {engine}\n")
+        headline = failure_headline(stage, rc, list(pump.recent), engine)
         raise StageFailed(f"{headline}. Log: {log_path}\n--- end of the log ---\n{tail}")
     ref = _completed_ref(stage, pump.artifact_json)
     progress.update(100.0, "done")

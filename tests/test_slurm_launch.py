@@ -151,6 +151,8 @@ def test_two_node_sft_on_slurm_recovers_and_trains_the_local_launchers_losses(
     assert verify(sft.out_dir)[0]
     last = _last_launch(sft)
     assert f"resumed from {kept[-1]}" in last
+    # The account of the failed attempt says who ended it.
+    assert "it failed (ended by Slurm: job" in log.read_text().rsplit("posttrain: running", 1)[-1]
     job = json.loads((sft.out_dir / "logs" / "launch.json").read_text())["job"]["job_id"]
     assert f"Slurm job {job} (2 nodes)" in last and "rendezvous at n1:" in last
     assert "[node 0] " in last and "[node 1] " in last  # both agents' lines, labelled
