@@ -126,7 +126,10 @@ def inputs_text(roles: dict[str, str]) -> str:
 
 
 def plan_rows(recipe: Recipe) -> list[tuple[str, str, str, str, str, str]]:
-    """(stage, kind, inputs, fingerprint, processes, artifact state) per planned stage."""
+    """(stage, kind, inputs, fingerprint, where it runs, artifact state) per planned stage.
+
+    Where: the launcher, then nodes x processes per node (`slurm:4x8`), or the processes
+    alone on one node (`local:2`); `local` for one process here."""
     rows = []
     for stage in plan(recipe):
         if not stage.out_dir.exists():
@@ -138,7 +141,12 @@ def plan_rows(recipe: Recipe) -> list[tuple[str, str, str, str, str, str]]:
             state = "complete" if ok else f"invalid ({why})"
         graph_stage = KINDS[stage.kind].placement == "graph"
         links = inputs_text(stage.roles) if graph_stage else stage.roles.get("policy", "")
-        rows.append((stage.name, stage.kind, links, stage.fingerprint, str(stage.nprocs), state))
+        where = stage.launcher
+        if stage.nnodes > 1:
+            where += f":{stage.nnodes}x{stage.nprocs}"
+        elif stage.nprocs > 1 or stage.launcher != "local":
+            where += f":{stage.nprocs}"
+        rows.append((stage.name, stage.kind, links, stage.fingerprint, where, state))
     return rows
 
 
@@ -148,7 +156,7 @@ def cmd_plan(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
         return EXIT_INVALID
     rows = plan_rows(recipe)
     print(
-        text_table(rows, ("stage", "kind", "inputs", "fingerprint", "procs", "artifact")),
+        text_table(rows, ("stage", "kind", "inputs", "fingerprint", "runs on", "artifact")),
         file=out,
     )
     print(f"workspace: {recipe.run.workspace}", file=out)

@@ -74,6 +74,12 @@ def test_plan_lists_stages_and_missing_artifacts(tmp_path: Path) -> None:
     assert [r.split()[0] for r in rows] == ["ingest", "sft", "evaluate", "export"]
     assert all(r.split()[-1] == "missing" and len(r.split()[-3]) == 16 for r in rows)
     assert " from ingest " in rows[1] and rows[2].split()[2] == "sft"  # evaluate's policy
+    assert [r.split()[-2] for r in rows] == ["local"] * 4
+    out = io.StringIO()
+    overrides = ["infra.launcher=slurm", "infra.nnodes=4", "infra.devices_per_node=8"]
+    assert cmd_plan(str(path), overrides, out, err) == 0, err.getvalue()
+    rows = out.getvalue().splitlines()[2:6]
+    assert [r.split()[-2] for r in rows] == ["local", "slurm:4x8", "slurm:1", "slurm:1"]
 
 
 def test_run_with_bad_recipe_exits_2_without_importing_prefect(tmp_path: Path) -> None:
