@@ -49,6 +49,13 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
+def shared_parents(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where parent artifacts several stage-test modules build alike are built once per session
+    (tests/stage_helpers.run_shared)."""
+    return tmp_path_factory.mktemp("shared-parents")
+
+
+@pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A real `prefect server start` (127.0.0.1, free port, own PREFECT_HOME), healthy before
     the first test uses it and stopped by PID after the last one."""

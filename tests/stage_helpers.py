@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +79,28 @@ def run_inprocess(stage: str, recipe: Path, *overrides: str, name: str | None = 
         argv=["--recipe", str(recipe), *which, *overrides],
     )
     return planned_dir(name or stage, recipe, *overrides)
+
+
+def run_shared(stage: str, recipe: Path, store: Path) -> Path:
+    """`run_inprocess(stage, recipe)` for a parent that several test modules build from the same
+    sections (TINY's ingest and sft, PREF's reward): it is built once per session, in the
+    workspace of `store` (the `shared_parents` fixture), and copied into the recipe's workspace.
+    A copy with the same fingerprint and verified files is what the stage itself reuses, so the
+    call below then does nothing. Copies keep a module's changes to its artifacts its own; the
+    ingest manifest's model_dir names the store's model folder, which no test changes."""
+    out = planned_dir(stage, recipe)
+    data = yaml.safe_load(recipe.read_text())
+    data["run"]["workspace"] = str(store / "ws")
+    # Beside the recipe, so its relative paths and allowed folders read the same.
+    built_recipe = recipe.with_name(f".shared-{recipe.name}")
+    built_recipe.write_text(yaml.safe_dump(data))
+    built = planned_dir(stage, built_recipe)
+    assert built.name == out.name  # the fingerprint does not depend on the workspace
+    if not (built / "manifest.json").exists():
+        run_inprocess(stage, built_recipe)
+    if not out.exists():
+        shutil.copytree(built, out)
+    return run_inprocess(stage, recipe)
 
 
 def planned_dir(stage: str, recipe: Path, *overrides: str) -> Path:

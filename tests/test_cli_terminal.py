@@ -1,11 +1,12 @@
 """What a person sees on the terminal of a real `posttrain run` (a subprocess, stdout+stderr
 merged as on a terminal): each kind of failure ends in one short block naming the stage, the
 file:line or field, the fix and the stage's log, with no traceback and no repeats; training
-shows rate-limited progress lines through a pipe; a SIGKILLed CLI leaves no Prefect server and
-no stage process behind.
+shows rate-limited progress lines through a pipe; a CLI interrupted mid-stage leaves no Prefect
+server and no stage process behind.
 
-The failing runs share one workspace and Prefect home, so the ingest stage and the database
-migrations are paid once (tests/faults/fault_runs.py starts the CLI as the fault tests do).
+The runs that start a flow share one Prefect home, so the database migrations are paid once, and
+the failing runs share one workspace, so the ingest stage is too (tests/faults/fault_runs.py
+starts the CLI as the fault tests do).
 """
 
 from __future__ import annotations
@@ -104,20 +105,17 @@ def _chat(i: int) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["broken-json", "no-messages"])
-def test_a_bad_data_row_is_one_block_with_its_file_and_line(
-    shared: tuple[Path, dict], fault: str
-) -> None:
+def test_a_bad_data_row_is_one_block_with_its_file_and_line(shared: tuple[Path, dict]) -> None:
+    # One bad row is enough: the block's fix line is chosen by the exception class (DataError,
+    # flows/verdict_block.py), and every shape of bad row naming its file:line is checked on
+    # load_sft_rows itself (tests/test_data.py::test_bad_rows_name_file_and_line).
     folder, env = shared
     rows = [_chat(i) for i in range(20)]
-    if fault == "broken-json":
-        rows[2] = '{"messages": [{"role": "user", "content": "oops"'
-        where = f"{folder / fault}.jsonl:3: invalid JSON"
-    else:
-        rows[4] = json.dumps({"text": "no messages"})
-        where = f"{folder / fault}.jsonl:5: expected one of 'messages'"
-    data = _tiny(folder / "ws", fault)
-    data["sft"]["data"] = {"path": str(_rows(folder / f"{fault}.jsonl", rows)), "max_seq_len": 64}
+    rows[2] = '{"messages": [{"role": "user", "content": "oops"'
+    where = f"{folder / 'broken-json'}.jsonl:3: invalid JSON"
+    data = _tiny(folder / "ws", "broken-json")
+    path = _rows(folder / "broken-json.jsonl", rows)
+    data["sft"]["data"] = {"path": str(path), "max_seq_len": 64}
     rc, out = _cli(folder, env, data)
     assert rc == 1
     block = _block(out, "posttrain: stage sft failed", where, "fix:  correct or remove that row")
@@ -194,12 +192,14 @@ if __name__ == "__main__":
 """
 
 
-def _fake_env(folder: Path, **extra: str) -> dict:
+def _fake_env(folder: Path, shared: tuple[Path, dict], **extra: str) -> dict:
+    """Stand-in stages in `folder`; the Prefect home (its migrations paid once) is the module's."""
     mods = folder / "mods"
     mods.mkdir(exist_ok=True)
     (mods / "pt_fake_stage.py").write_text(FAKE_STAGE)
     stages = ",".join(f"{s}=pt_fake_stage" for s in ("ingest", "sft", "evaluate", "export"))
-    return run_env(folder / "home", folder / "locks", mods, PT_STAGE_MODULES=stages, **extra)
+    home = shared[0]
+    return run_env(home / "home", home / "locks", mods, PT_STAGE_MODULES=stages, **extra)
 
 
 def _fake_recipe(folder: Path, name: str) -> Path:
@@ -218,10 +218,12 @@ def _fake_recipe(folder: Path, name: str) -> Path:
 
 
 @pytest.mark.slow
-def test_progress_through_a_pipe_is_plain_and_rate_limited(tmp_path: Path) -> None:
+def test_progress_through_a_pipe_is_plain_and_rate_limited(
+    tmp_path: Path, shared: tuple[Path, dict]
+) -> None:
     # 40 steps over ~20 s, a line at most every 4 s: about 6 lines, not 40.
     env = _fake_env(
-        tmp_path, PT_FAKE_STEPS="40", PT_FAKE_STEP_S="0.5", POSTTRAIN_PROGRESS_EVERY_S="4"
+        tmp_path, shared, PT_FAKE_STEPS="40", PT_FAKE_STEP_S="0.5", POSTTRAIN_PROGRESS_EVERY_S="4"
     )
     run = Run(_fake_recipe(tmp_path, "progress"), env)
     try:
@@ -243,15 +245,15 @@ def test_progress_through_a_pipe_is_plain_and_rate_limited(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=lambda s: s.name)
 def test_a_cli_killed_mid_stage_leaves_no_prefect_server_and_no_stage(
-    tmp_path: Path, sig: signal.Signals
+    tmp_path: Path, shared: tuple[Path, dict]
 ) -> None:
-    """SIGKILL: the server's parent-death signal (flows.embedded_server) and the stage's orphan
-    watch (posttrain.orphan) end them. SIGINT (Ctrl-C): the CLI stops both itself. SIGTERM and
-    SIGHUP: tests/faults/test_fault_device_slot.py."""
-    env = _fake_env(tmp_path, PT_FAKE_STEPS="600", PT_FAKE_STEP_S="1")
-    run = Run(_fake_recipe(tmp_path, f"kill-{sig.name.lower()}"), env)
+    """SIGINT (Ctrl-C) mid-stage: the CLI stops the stage and its server itself, and says so.
+    SIGKILL, SIGTERM and SIGHUP of a run whose stage is running (the server's parent-death signal
+    and the stage's orphan watch end them after a SIGKILL, within the same bounds as here):
+    tests/faults/test_fault_device_slot.py."""
+    env = _fake_env(tmp_path, shared, PT_FAKE_STEPS="600", PT_FAKE_STEP_S="1")
+    run = Run(_fake_recipe(tmp_path, "kill-sigint"), env)
     procs: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 300
@@ -269,15 +271,14 @@ def test_a_cli_killed_mid_stage_leaves_no_prefect_server_and_no_stage(
         assert server is not None and server.is_running()
         procs = run.descendants()
         t0 = time.monotonic()
-        run.proc.send_signal(sig)
+        run.proc.send_signal(signal.SIGINT)
         run.proc.wait(timeout=30)
         gone = wait_gone([server], 10)
-        print(f"\n{sig.name}: embedded server gone {time.monotonic() - t0:.1f} s after it")
+        print(f"\nSIGINT: embedded server gone {time.monotonic() - t0:.1f} s after it")
         wait_gone([stage], 20)
-        if sig == signal.SIGINT:
-            assert run.proc.returncode == 130
-            run._reader.join(timeout=5)
-            assert run.text().rstrip().endswith("interrupted; the running stage was stopped")
+        assert run.proc.returncode == 130
+        run._reader.join(timeout=5)
+        assert run.text().rstrip().endswith("interrupted; the running stage was stopped")
         assert gone < 10
     finally:
         run.stop()

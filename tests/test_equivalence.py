@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from stage_helpers import TINY, planned_dir, run_inprocess, run_torchrun, write_recipe
+from stage_helpers import TINY, planned_dir, run_inprocess, run_shared, run_torchrun, write_recipe
 
 from posttrain.config.loader import load_recipe
 from posttrain.data.batching import step_indices
@@ -89,7 +89,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict:
+def env(tmp_path_factory, shared_parents: Path) -> dict:
     folder = tmp_path_factory.mktemp("equivalence")
     train, evals = _dataset()
     data = copy.deepcopy(TINY)
@@ -106,7 +106,7 @@ def env(tmp_path_factory) -> dict:
         checkpoint_every=0,
     )
     recipe = write_recipe(folder, data)
-    run_inprocess("ingest", recipe)
+    run_shared("ingest", recipe, shared_parents)  # TINY's, built once per session
     dirs = {name: planned_dir("sft", recipe, *over) for name, over in VARIANTS.items()}
     assert len(set(dirs.values())) == len(dirs), "variants would share an output folder"
     return {"recipe": recipe, "dirs": dirs, "done": set()}

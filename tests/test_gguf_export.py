@@ -402,15 +402,16 @@ def test_recipe_with_a_local_base_of_another_family_is_refused_at_load(tmp_path)
 
 
 @pytest.mark.slow
-def test_export_stage_writes_verified_gguf_files(tmp_path: Path) -> None:
+def test_export_stage_writes_verified_gguf_files(tmp_path: Path, shared_parents: Path) -> None:
     """The quickstart-like tiny pipeline (ingest -> sft -> evaluate -> export) with
     `export.gguf: [f16, q8_0]`: both files land in <export>/gguf/, are listed in the manifest,
     read back, match the merged weights and are described by the model card."""
-    from stage_helpers import TINY, run_inprocess, write_recipe
+    from stage_helpers import TINY, run_inprocess, run_shared, write_recipe
 
     recipe = write_recipe(tmp_path, {**TINY, "export": {"gguf": ["f16", "q8_0"]}})
-    for stage in ("ingest", "sft", "evaluate"):
-        run_inprocess(stage, recipe)
+    for stage in ("ingest", "sft"):  # TINY's, built once per session
+        run_shared(stage, recipe, shared_parents)
+    run_inprocess("evaluate", recipe)
     out = run_inprocess("export", recipe)
     manifest = json.loads((out / "manifest.json").read_text())
     summary = manifest["summary"]

@@ -25,7 +25,7 @@ from stage_modules import on_child_path, write_heartbeat_modules
 from posttrain.config.schema import GuardConfig, Recipe
 from posttrain.telemetry.heartbeat import HangWatch, Heartbeat, read_heartbeats
 from posttrain.train.guard import StepGuard, TooManyBadSteps
-from tests.stage_helpers import TINY, planned_dir, run_inprocess, write_recipe
+from tests.stage_helpers import TINY, planned_dir, run_inprocess, run_shared, write_recipe
 
 NAN, INF = float("nan"), float("inf")
 
@@ -346,12 +346,14 @@ def _blowup_recipe(folder: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_sft_blowup_is_skipped_then_stopped_and_the_checkpoint_kept(tmp_path: Path) -> None:
+def test_sft_blowup_is_skipped_then_stopped_and_the_checkpoint_kept(
+    tmp_path: Path, shared_parents: Path
+) -> None:
     from posttrain.telemetry.metrics import read_metrics
     from posttrain.train.checkpoint import complete_checkpoints
 
     recipe = _blowup_recipe(tmp_path)
-    run_inprocess("ingest", recipe)
+    run_shared("ingest", recipe, shared_parents)  # the 30-step base, built once per session
     out = planned_dir("sft", recipe)
     with pytest.raises(SystemExit) as exit_info:
         run_inprocess("sft", recipe)

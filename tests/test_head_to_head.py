@@ -32,7 +32,7 @@ from posttrain.planner import write_spec
 from posttrain.promotion import HEAD_TO_HEAD, WIN_RATE_VS_CHAMPION, head_to_head_stage
 from posttrain.stages import head_to_head as stage_module
 from posttrain.stages.common import stage_main
-from tests.stage_helpers import TINY, run_inprocess, write_recipe
+from tests.stage_helpers import TINY, run_inprocess, run_shared, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -73,9 +73,10 @@ def _export(recipe: Path, *overrides: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def arts(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def arts(tmp_path_factory: pytest.TempPathFactory, shared_parents: Path) -> dict:
     root = tmp_path_factory.mktemp("h2h")
     recipe = write_recipe(root, BASE)
+    run_shared("ingest", recipe, shared_parents)  # the 30-step base, built once per session
     out = {"good": _export(recipe), "worse": _export(recipe, WORSE)}
     out["ingest"] = run_inprocess("ingest", recipe)  # complete: returns its folder
     pairs = root / "pairs.jsonl"

@@ -292,15 +292,15 @@ KTO_SECTION = {
 
 
 @pytest.mark.slow
-def test_kto_stage_end_to_end(tmp_path) -> None:
+def test_kto_stage_end_to_end(tmp_path, shared_parents) -> None:
     from posttrain.telemetry.metrics import read_metrics
-    from tests.stage_helpers import TINY, run_inprocess, write_recipe
+    from tests.stage_helpers import TINY, run_inprocess, run_shared, write_recipe
 
     recipe_data = copy.deepcopy(TINY)
     recipe_data["kto"] = KTO_SECTION
     recipe = write_recipe(tmp_path, recipe_data)
-    for stage in ("ingest", "sft"):
-        run_inprocess(stage, recipe)
+    for stage in ("ingest", "sft"):  # TINY's, built once per session
+        run_shared(stage, recipe, shared_parents)
     out = run_inprocess("kto", recipe)
     assert (out / "adapter" / "adapter_model.safetensors").exists()
     s = json.loads((out / "manifest.json").read_text())["summary"]

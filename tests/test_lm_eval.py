@@ -25,7 +25,7 @@ from posttrain.eval.lm_eval_harness import (
 )
 from posttrain.planner import plan
 from posttrain.promotion import compare, read_registry, record_decision
-from tests.stage_helpers import TINY, run_inprocess, write_recipe
+from tests.stage_helpers import TINY, run_inprocess, run_shared, write_recipe
 
 TASK = "tiny_capitals"
 METRIC = f"lm_eval/{TASK}/acc"
@@ -206,7 +206,9 @@ DPO = {
 
 
 @pytest.mark.slow
-def test_evaluate_runs_the_harness_and_the_gate_uses_its_score(tmp_path: Path) -> None:
+def test_evaluate_runs_the_harness_and_the_gate_uses_its_score(
+    tmp_path: Path, shared_parents: Path
+) -> None:
     """base -> sft -> dpo on the tiny model; evaluate scores the custom task on all three
     (read from local files, offline) and the final policy's accuracy is a headline metric a
     promotion rule compares, in both directions."""
@@ -221,8 +223,9 @@ def test_evaluate_runs_the_harness_and_the_gate_uses_its_score(tmp_path: Path) -
         "bootstrap_iters": 10,
     }
     recipe = _recipe(tmp_path, lm, data)
-    for stage in ("ingest", "sft", "dpo"):
-        run_inprocess(stage, recipe)
+    for stage in ("ingest", "sft"):  # TINY's, built once per session
+        run_shared(stage, recipe, shared_parents)
+    run_inprocess("dpo", recipe)
     ours = logging.getLogger("posttrain.evaluate")
     level = ours.level
     ev = run_inprocess("evaluate", recipe)

@@ -116,13 +116,14 @@ def _orpo_recipe() -> dict:
 
 
 @pytest.fixture(scope="module")
-def orpo_ws(tmp_path_factory) -> dict:
-    from tests.stage_helpers import run_inprocess, write_recipe
+def orpo_ws(tmp_path_factory, shared_parents) -> dict:
+    from tests.stage_helpers import run_inprocess, run_shared, write_recipe
 
     recipe = write_recipe(tmp_path_factory.mktemp("orpo"), _orpo_recipe())
     out = {"recipe": recipe}
-    for stage in ("ingest", "sft", "orpo"):
-        out[stage] = run_inprocess(stage, recipe)
+    for stage in ("ingest", "sft"):  # TINY's, built once per session
+        out[stage] = run_shared(stage, recipe, shared_parents)
+    out["orpo"] = run_inprocess("orpo", recipe)
     return out
 
 

@@ -13,7 +13,14 @@ from flows.post_train import QualityGateFailed, check_gate
 from flows.report import StageRecord
 from posttrain.artifacts import ref_from_manifest
 from posttrain.telemetry.metrics import read_metrics
-from tests.stage_helpers import TINY, planned_dir, run_inprocess, run_torchrun, write_recipe
+from tests.stage_helpers import (
+    TINY,
+    planned_dir,
+    run_inprocess,
+    run_shared,
+    run_torchrun,
+    write_recipe,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -46,11 +53,13 @@ PREF["evaluate"] = {**TINY["evaluate"], "win_rate_prompts": 8}
 
 
 @pytest.fixture(scope="module")
-def pref(tmp_path_factory) -> dict:
+def pref(tmp_path_factory, shared_parents: Path) -> dict:
     recipe = write_recipe(tmp_path_factory.mktemp("pref"), PREF)
     out = {"recipe": recipe}
-    for stage in ("ingest", "sft", "reward", "dpo"):
-        out[stage] = run_inprocess(stage, recipe)
+    # ingest, sft and reward are TINY's and test_rl_stages's too: built once per session.
+    for stage in ("ingest", "sft", "reward"):
+        out[stage] = run_shared(stage, recipe, shared_parents)
+    out["dpo"] = run_inprocess("dpo", recipe)
     return out
 
 

@@ -22,7 +22,7 @@ from posttrain.artifacts import verify
 from posttrain.kinds import KINDS
 from posttrain.telemetry.metrics import read_metrics
 from posttrain.train.checkpoint import complete_checkpoints, data_position
-from tests.stage_helpers import ROOT, TINY, planned_dir, run_inprocess, write_recipe
+from tests.stage_helpers import ROOT, TINY, planned_dir, run_inprocess, run_shared, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -30,14 +30,14 @@ STEPS, EVERY = 24, 4
 
 
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory) -> Path:
+def recipe(tmp_path_factory, shared_parents: Path) -> Path:
     data = copy.deepcopy(TINY)
     data["infra"]["threads_per_rank"] = 1  # 2 threads per process on a busy 2-core box: ~30x slower
     data["ingest"]["from_config"]["pretrain_steps"] = 30
     data["sft"].update(max_steps=STEPS, checkpoint_every=EVERY)
     data["sft"]["data"]["synthetic"]["n_examples"] = 120  # 108 train rows: 24 x 8 crosses an epoch
     path = write_recipe(tmp_path_factory.mktemp("resume"), data)
-    run_inprocess("ingest", path)
+    run_shared("ingest", path, shared_parents)  # the 30-step base, built once per session
     return path
 
 

@@ -18,7 +18,14 @@ import yaml
 
 from posttrain.stages.online_rl import _gate
 from posttrain.telemetry.metrics import read_metrics
-from tests.stage_helpers import ROOT, planned_dir, run_inprocess, run_torchrun, write_recipe
+from tests.stage_helpers import (
+    ROOT,
+    planned_dir,
+    run_inprocess,
+    run_shared,
+    run_torchrun,
+    write_recipe,
+)
 from tests.test_preference_stages import PREF
 
 pytestmark = pytest.mark.slow
@@ -45,13 +52,14 @@ GRPO = {
 
 
 @pytest.fixture(scope="module")
-def parents(tmp_path_factory) -> dict:
-    """ingest, sft and reward artifacts shared by every RL test (one workspace)."""
+def parents(tmp_path_factory, shared_parents: Path) -> dict:
+    """ingest, sft and reward artifacts shared by every RL test (one workspace); they are
+    test_preference_stages's too, built once per session."""
     folder = tmp_path_factory.mktemp("rl")
     recipe = write_recipe(folder, {**RL, "ppo": PPO})
     out = {"folder": folder, "recipe": recipe}
     for stage in ("ingest", "sft", "reward"):
-        out[stage] = run_inprocess(stage, recipe)
+        out[stage] = run_shared(stage, recipe, shared_parents)
     return out
 
 

@@ -4,13 +4,17 @@ One server and one serve process for the module (starting them costs ~30 s). The
 file order and build on each other, as a user's day would:
   1. the server rejects an invalid recipe before a run exists;
   2. the scheduled deployment has its upcoming runs, in its time zone;
-  3. `posttrain submit` starts a run that waits while another holder has the devices, then
-     completes; its report artifact is readable through the API; its ingest publishes the base;
-  4. that event started the retraining deployment on that base; cancelling it mid-SFT (under
+  3. served runs cannot widen their reach: reward code, or `run.allowed_paths: ["/"]` with a data
+     path outside it, sent as the UI's Run form would, fails the run before any stage (serve is
+     started with `--allow-path DIR`, and its log lists the folders runs may read);
+  4. `posttrain submit` starts a run that waits while another holder has the devices, then
+     completes (the served recipe as it is still runs under `--allow-path`); its report artifact
+     is readable through the API; its ingest publishes the base;
+  5. that event started the retraining deployment on that base; cancelling it mid-SFT (under
      torchrun) leaves no stage process and keeps its ingest artifact for the next run;
-  5. the Prefect UI renders the report artifact of the finished run (headless Chromium);
-  6. stopping `posttrain serve` does not pause the schedules;
-  7. prefect.yaml deploys the same kind of deployments to a process work pool.
+  6. the Prefect UI renders the report artifact of the finished run (headless Chromium);
+  7. stopping `posttrain serve` does not pause the schedules;
+  8. prefect.yaml deploys the same kind of deployments to a process work pool.
 """
 
 from __future__ import annotations
@@ -84,8 +88,11 @@ def served(prefect_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Ite
             schedule={"cron": "0 3 * * *", "timezone": "Europe/Paris", "on_new_base": True},
         ),
     }
+    # A folder the operator lets served runs read (outside both recipes' folders).
+    shared = tmp_path_factory.mktemp("worker-shared")
     log_path = tmp / "serve.log"
-    proc = start_serve([str(recipes[SERVED]), str(recipes[NIGHTLY])], prefect_server.env, log_path)
+    args = [str(recipes[SERVED]), str(recipes[NIGHTLY]), "--allow-path", str(shared)]
+    proc = start_serve(args, prefect_server.env, log_path)
     client = _client(prefect_server)
 
     def deployments() -> bool:
@@ -101,6 +108,7 @@ def served(prefect_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Ite
             "client": client,
             "log": log_path,
             "env": prefect_server.env,
+            "shared": shared,
         }
     finally:
         stop_group(proc)
@@ -201,6 +209,41 @@ def test_a_ui_run_naming_reward_code_outside_the_worker_is_refused(
     assert _flow_run_processes(str(run.id)) == []
 
 
+def test_served_log_lists_the_worker_folders(served: dict) -> None:
+    text = served["log"].read_text()
+    assert f"served runs may read from: {served['shared']}" in text
+    # The served recipe's own workspace.
+    assert str(served["recipes"][SERVED].parent / "ws") in text
+
+
+def test_ui_parameters_allowing_root_are_refused_before_any_stage(served: dict) -> None:
+    """A parameter set as the UI's Run form would send it (the served recipe with
+    `run.allowed_paths` set to `/` and a data path at /etc/hostname) is accepted by the server (a
+    valid recipe), but the flow refuses it before any stage starts, naming the fields."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    params = copy.deepcopy(_deployment(served, SERVED).parameters)
+    recipe = params["recipe"]
+    recipe["run"]["allowed_paths"] = ["/"]
+    recipe["sft"]["data"].update(synthetic=None, path="/etc/hostname")
+    client = served["client"]
+    run = client.create_flow_run_from_deployment(_deployment(served, SERVED).id, parameters=params)
+    run = wait_for(
+        "the refused run to end",
+        lambda: (r := client.read_flow_run(run.id)).state.is_final() and r,
+        180,
+        every=2,
+    )
+    assert run.state.name == "Failed", run.state
+    message = run.state.message or ""
+    assert "run.allowed_paths.0: / is outside the folders this worker allows (" in message
+    assert str(served["shared"]) in message
+    assert "sft.data.path: /etc/hostname is outside this served run's" in message
+    # Refused before anything ran: no task run (no stage) exists for it.
+    tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    assert tasks == []
+
+
 HOLD_DEVICES = """
 import sys
 from flows.devices import ensure_device_limit, hold_devices
@@ -260,6 +303,7 @@ def test_submitted_run_waits_for_the_devices_then_completes(
         420,
         every=2,
     )
+    # The served recipe as it is runs: `--allow-path` and the reach check refuse none of it.
     assert run.state.name == "Completed", served["log"].read_text()[-4000:]
     STATE["served_run"] = run_id
 

@@ -91,6 +91,12 @@ def test_editing_a_stage_reruns_it_and_what_follows_only() -> None:
     assert changed == ["dpo", "evaluate", "export", "grpo"]
 
 
+def test_shipping_another_link_reruns_export_only() -> None:
+    stages = [sft(), stage("reward"), stage("dpo"), stage("grpo")]
+    before, after = fps(recipe(*stages)), fps(recipe(*stages, export={"policy": "dpo"}))
+    assert sorted(n for n in before if before[n] != after[n]) == ["export"]
+
+
 def test_roles_enter_the_fingerprint_where_parents_alone_do_not_say() -> None:
     a = recipe(sft(), stage("dpo", "d1"), stage("dpo", "d2", reference="sft"))
     b = recipe(sft(), stage("dpo", "d1"), stage("dpo", "d2", reference="d1"))

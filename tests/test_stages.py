@@ -11,17 +11,19 @@ import torch
 
 from posttrain.artifacts import verify
 from posttrain.telemetry.metrics import read_metrics
-from tests.stage_helpers import planned_dir, run_inprocess, run_torchrun, write_recipe
+from tests.stage_helpers import planned_dir, run_inprocess, run_shared, run_torchrun, write_recipe
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> dict:
+def tiny(tmp_path_factory, shared_parents: Path) -> dict:
     folder = tmp_path_factory.mktemp("stages")
     recipe = write_recipe(folder)
-    ingest = run_inprocess("ingest", recipe)
-    sft = run_inprocess("sft", recipe)
+    # Built once per session: test_preference_stages, test_rl_stages and test_verifiable_rl
+    # start from the same ingest and sft.
+    ingest = run_shared("ingest", recipe, shared_parents)
+    sft = run_shared("sft", recipe, shared_parents)
     return {"recipe": recipe, "ingest": ingest, "sft": sft}
 
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from posttrain.telemetry.metrics import read_metrics
-from tests.stage_helpers import TINY, planned_dir, run_inprocess, write_recipe
+from tests.stage_helpers import TINY, planned_dir, run_inprocess, run_shared, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ GRPO = {
 
 
 @pytest.fixture(scope="module")
-def parents(tmp_path_factory) -> dict:
+def parents(tmp_path_factory, shared_parents: Path) -> dict:
     folder = tmp_path_factory.mktemp("vrl")
     (folder / "qs_rewards.py").write_text(REWARDS)
     data = copy.deepcopy(TINY)
@@ -74,8 +74,8 @@ def parents(tmp_path_factory) -> dict:
     }
     recipe = write_recipe(folder, data)
     out = {"folder": folder, "recipe": recipe, "data": data}
-    for stage in ("ingest", "sft"):
-        out[stage] = run_inprocess(stage, recipe)
+    for stage in ("ingest", "sft"):  # TINY's, built once per session
+        out[stage] = run_shared(stage, recipe, shared_parents)
     return out
 
 

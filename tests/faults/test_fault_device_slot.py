@@ -99,6 +99,15 @@ def test_killed_holder_frees_the_devices_and_leaves_nothing_behind(
 
         t_signal = time.monotonic()
         deliver(a, sig)
+        if sig == signal.SIGKILL:
+            # Nothing of the CLI is left to stop them: the server's parent-death signal
+            # (flows.embedded_server) and the stage's orphan watch (posttrain.orphan) must.
+            # B's recovery is read from its output's timestamps, so waiting here costs nothing.
+            server_gone = wait_gone([server], 10)
+            stage_gone = wait_gone([stage], 20)
+            print(
+                f"\nSIGKILL: server gone after {server_gone:.1f} s, stage {stage_gone:.1f} s later"
+            )
         t_holding = b.wait_for("holding posttrain-devices-", timeout=RECOVERY_BOUND_S + 60)
         recovery = t_holding - t_signal
         a.proc.wait(timeout=EXIT_BOUND_S)

@@ -37,7 +37,7 @@ from tests.faults.fault_injection import (
     largest_shard,
     truncate,
 )
-from tests.stage_helpers import TINY, planned_dir, run_inprocess, write_recipe
+from tests.stage_helpers import TINY, planned_dir, run_inprocess, run_shared, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -55,9 +55,10 @@ def _tiny(pretrain_steps: int = 30) -> dict:
 
 
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory) -> Path:
+def recipe(tmp_path_factory, shared_parents: Path) -> Path:
     path = write_recipe(tmp_path_factory.mktemp("faults"), _tiny())
-    run_inprocess("ingest", path)
+    # The 30-step base of test_resume, test_head_to_head and test_guards too: built once.
+    run_shared("ingest", path, shared_parents)
     return path
 
 
