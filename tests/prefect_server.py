@@ -159,3 +159,18 @@ def serving(proc: subprocess.Popen[bytes], log_path: Path, check: Callable[[], A
         return check()
     except Exception:
         return None
+
+
+def cancel_from_ui(client: Any, flow_run_id: Any) -> Any:
+    """Cancel a flow run as the UI's button does (state Cancelling through the API) and return
+    the run once it reached a final state; asserts that state is Cancelled."""
+    from prefect.states import Cancelling
+
+    client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
+    final = wait_for(
+        "the cancelled run",
+        lambda: (r := client.read_flow_run(flow_run_id)).state.is_final() and r,
+        120,
+    )
+    assert final.state.name == "Cancelled", final.state
+    return final

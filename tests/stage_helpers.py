@@ -129,3 +129,37 @@ def run_torchrun(
         *overrides,
     ]
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def hand_planned(
+    tmp_path: Path, module: str, infra: dict | None = None, **fields: object
+) -> tuple[object, Path]:
+    """An `sft` stage running `module` (a stand-in stage module), planned by hand on TINY with
+    `infra` merged in, and its spec: for driving the supervisor (`run_stage.fn`) without a flow.
+    `fields` are PlannedStage fields (nprocs, nnodes, hang_timeout_s, launcher...)."""
+    import copy
+
+    from posttrain.artifacts import stage_dir
+    from posttrain.config.schema import Recipe
+    from posttrain.planner import PlannedStage, write_spec
+
+    data = copy.deepcopy(TINY)
+    data["run"]["workspace"] = str(tmp_path / "ws")
+    data["infra"] |= {"threads_per_rank": 1, **(infra or {})}
+    recipe = Recipe.model_validate(data)
+    fp = "0123456789abcdef"
+    stage = PlannedStage(
+        **{
+            "name": "sft",
+            "module": module,
+            "fingerprint": fp,
+            "out_dir": stage_dir(tmp_path / "ws", "sft", fp),
+            "parents": {},
+            "nprocs": 1,
+            "timeout_s": 240,
+            "inputs": {"section": {}},
+            "infra": recipe.infra.model_dump(mode="json"),
+            **fields,
+        }
+    )
+    return stage, write_spec(stage, recipe, {})

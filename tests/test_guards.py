@@ -25,7 +25,14 @@ from stage_modules import on_child_path, write_heartbeat_modules
 from posttrain.config.schema import GuardConfig, Recipe
 from posttrain.telemetry.heartbeat import HangWatch, Heartbeat, read_heartbeats
 from posttrain.train.guard import StepGuard, TooManyBadSteps
-from tests.stage_helpers import TINY, planned_dir, run_inprocess, run_shared, write_recipe
+from tests.stage_helpers import (
+    TINY,
+    hand_planned,
+    planned_dir,
+    run_inprocess,
+    run_shared,
+    write_recipe,
+)
 
 NAN, INF = float("nan"), float("inf")
 
@@ -406,26 +413,14 @@ def beat_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _planned(tmp_path: Path, module: str, nprocs: int, hang_s: float, startup_s: float):
-    from posttrain.artifacts import stage_dir
-    from posttrain.planner import PlannedStage, write_spec
-
-    data = copy.deepcopy(TINY)
-    data["run"]["workspace"] = str(tmp_path / "ws")
-    data["infra"].update(threads_per_rank=1, pg_timeout_s=120, precision="fp32")
-    fp = "0123456789abcdef"
-    stage = PlannedStage(
-        name="sft",
-        module=module,
-        fingerprint=fp,
-        out_dir=stage_dir(tmp_path / "ws", "sft", fp),
-        parents={},
+    return hand_planned(
+        tmp_path,
+        module,
+        {"pg_timeout_s": 120, "precision": "fp32"},
         nprocs=nprocs,
-        timeout_s=240,
-        inputs={"section": {}},
         hang_timeout_s=hang_s,
         hang_startup_s=startup_s,
     )
-    return stage, write_spec(stage, Recipe.model_validate(data), {})
 
 
 def _dead(pid: int) -> bool:

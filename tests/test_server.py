@@ -30,7 +30,7 @@ from typing import Any
 
 import psutil
 import pytest
-from prefect_server import serving, start_serve, stop_group, wait_for
+from prefect_server import cancel_from_ui, serving, start_serve, stop_group, wait_for
 from stage_helpers import TINY, write_recipe
 
 from posttrain.artifacts import verify
@@ -340,7 +340,6 @@ def _rows(data: Any) -> list[dict]:
 
 
 def test_new_base_triggers_retraining_and_cancel_leaves_no_process(served: dict) -> None:
-    from prefect.states import Cancelling
 
     assert "base" in STATE, "needs the submitted run of the previous test"
     client = served["client"]
@@ -363,13 +362,7 @@ def test_new_base_triggers_retraining_and_cancel_leaves_no_process(served: dict)
 
     procs = wait_for("the nightly SFT ranks", sft_running, 240)
     assert any("torch.distributed.run" in " ".join(p.cmdline()) for p in procs)
-    client.set_flow_run_state(run.id, Cancelling(), force=True)
-    final = wait_for(
-        "the cancelled run",
-        lambda: (r := client.read_flow_run(run.id)).state.is_final() and r,
-        120,
-    )
-    assert final.state.name == "Cancelled", final.state
+    cancel_from_ui(client, run.id)
     # Nothing of the run is left: not the flow process, not torchrun, not a rank.
     wait_for("every stage process to exit", lambda: not _flow_run_processes(str(run.id)), 30)
     assert served["proc"].poll() is None, "the serve process must survive a cancel"

@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 import pytest
-from prefect_server import serving, start_serve, stop_group, wait_for
+from prefect_server import cancel_from_ui, serving, start_serve, stop_group, wait_for
 from stage_modules import on_child_path, write_heartbeat_modules
 
 from flows.stage_procs import FLOW_RUN_ENV_VAR, LAUNCH_ENV_VAR, processes_with_env
@@ -36,7 +36,14 @@ from posttrain.artifacts import verify
 from posttrain.config.loader import load_recipe
 from posttrain.planner import plan
 from posttrain.telemetry.metrics import read_metrics
-from tests.stage_helpers import ROOT, TINY, run_inprocess, run_torchrun, write_recipe
+from tests.stage_helpers import (
+    ROOT,
+    TINY,
+    hand_planned,
+    run_inprocess,
+    run_torchrun,
+    write_recipe,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -181,7 +188,6 @@ def test_ui_cancel_of_a_slurm_stage_leaves_nothing_in_the_queue(
     slurm_cluster: Any, prefect_server: Any, tmp_path: Path
 ) -> None:
     from prefect.client.orchestration import SyncPrefectClient
-    from prefect.states import Cancelling
 
     recipe = _recipe(tmp_path / "served", "slurmserved", steps=5000)
     env = {**prefect_server.env, **slurm_cluster.env}
@@ -209,13 +215,7 @@ def test_ui_cancel_of_a_slurm_stage_leaves_nothing_in_the_queue(
             240,
         )
         job = json.loads((sft.out_dir / "logs" / "launch.json").read_text())
-        client.set_flow_run_state(run.id, Cancelling(), force=True)
-        final = wait_for(
-            "the cancelled run",
-            lambda: (r := client.read_flow_run(run.id)).state.is_final() and r,
-            120,
-        )
-        assert final.state.name == "Cancelled", final.state
+        cancel_from_ui(client, run.id)
         assert _queue(slurm_cluster) == []
         info = slurm_cluster.client("scontrol", "-o", "show", "job", job["job"]["job_id"])
         assert "JobState=CANCELLED" in info
@@ -324,33 +324,11 @@ def test_the_flows_hooks_cancel_its_jobs_by_label(slurm_cluster: Any, monkeypatc
 
 def _direct_stage(tmp_path: Path, module: str, **changes: Any) -> tuple[Any, Path]:
     """A 2-node Slurm stage running `module`, planned by hand (for run_stage without a flow)."""
-    from posttrain.artifacts import stage_dir
-    from posttrain.config.schema import Recipe
-    from posttrain.planner import PlannedStage, write_spec
-
-    data = copy.deepcopy(TINY)
-    data["run"]["workspace"] = str(tmp_path / "ws")
-    data["infra"] |= {"launcher": "slurm", "nnodes": 2, "threads_per_rank": 1}
-    data["infra"]["slurm"] = {"poll_s": 0.5, **changes.pop("slurm", {})}
-    data["infra"] |= changes.pop("infra", {})
-    recipe = Recipe.model_validate(data)
-    fp = "0123456789abcdef"
-    stage = PlannedStage(
-        name="sft",
-        module=module,
-        fingerprint=fp,
-        out_dir=stage_dir(tmp_path / "ws", "sft", fp),
-        parents={},
-        nprocs=1,
-        nnodes=2,
-        timeout_s=240,
-        inputs={"section": {}},
-        hang_startup_s=120,
-        launcher="slurm",
-        infra=recipe.infra.model_dump(mode="json"),
-        **changes,
+    infra = {"launcher": "slurm", "nnodes": 2, "slurm": {"poll_s": 0.5, **changes.pop("slurm", {})}}
+    infra |= changes.pop("infra", {})
+    return hand_planned(
+        tmp_path, module, infra, nnodes=2, hang_startup_s=120, launcher="slurm", **changes
     )
-    return stage, write_spec(stage, recipe, {})
 
 
 def test_a_refused_submission_fails_with_slurms_words(
