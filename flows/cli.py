@@ -400,7 +400,8 @@ def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, er
     import subprocess
     import uuid
 
-    from flows.stage_launch import child_env, node_rank, stage_command
+    from flows.launchers.local import LocalLauncher
+    from flows.stage_launch import child_env, node_rank
     from posttrain.artifacts import ref_from_manifest
     from posttrain.planner import write_spec
 
@@ -420,15 +421,7 @@ def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, er
             return EXIT_FAILED
         refs[parent] = ref_from_manifest(stages[parent].out_dir)
     try:
-        cmd = stage_command(
-            stage.module,
-            write_spec(stage, recipe, refs),
-            stage.nprocs,
-            nnodes=stage.nnodes,
-            node_rank=node_rank(),
-            rdzv_endpoint=stage.rdzv_endpoint,
-            rdzv_id=stage.fingerprint,
-        )
+        cmd = LocalLauncher.command(stage, write_spec(stage, recipe, refs))
     except ValueError as exc:
         print(f"error: {exc}", file=err)
         return EXIT_INVALID

@@ -105,42 +105,47 @@ def stage_command(
     ]
 
 
+def stage_markers(launch_id: str, earlier_attempt: str | None = None) -> dict[str, str]:
+    """What every process of one launch carries, wherever it runs: the fixed settings, the
+    launch marker, the offline switch, the earlier attempt's account, the artifact lock the
+    launcher holds and the flow run's id.
+
+    `earlier_attempt`: the launcher's account of an unfinished earlier attempt of this stage
+    (`posttrain.recovery`), for the stage's summary: the launcher reads it before it clears
+    the old heartbeats, which the stage then can no longer see."""
+    env = dict(CHILD_ENV)
+    # Offline exactly when the launcher is (posttrain.hub.offline): a hub id the plan resolved
+    # online is downloaded by the stage that reads it.
+    env["HF_HUB_OFFLINE"] = "1" if hub.offline() else "0"
+    env[LAUNCH_ENV_VAR] = launch_id
+    if earlier_attempt:
+        env[EARLIER_ATTEMPT_ENV] = earlier_attempt
+    if held := HELD_ARTIFACT_LOCK.get():
+        env[LOCK_HELD_ENV] = held
+    if flow_run_id := current_flow_run_id():
+        env[FLOW_RUN_ENV_VAR] = flow_run_id
+    return env
+
+
 def child_env(
     launch_id: str,
     base: dict[str, str] | None = None,
     earlier_attempt: str | None = None,
     visible_devices: str | None = None,
 ) -> dict[str, str]:
-    """The stage's environment: ours, plus the fixed settings and the launch marker.
-
-    `earlier_attempt`: the launcher's account of an unfinished earlier attempt of this stage
-    (`posttrain.recovery`), for the stage's summary: the launcher reads it before it clears
-    the old heartbeats, which the stage then can no longer see.
-
-    The project goes on PYTHONPATH (`project_pythonpath`).
-    """
+    """A local stage's environment: ours (less an outer launch's markers), its markers
+    (`stage_markers`), the device lock and this process as its launcher, and the project on
+    PYTHONPATH (`project_pythonpath`)."""
     env = dict(os.environ if base is None else base)
-    env.update(CHILD_ENV)
+    for inherited in (EARLIER_ATTEMPT_ENV, LOCK_HELD_ENV, DEVICE_LOCK_ENV):
+        env.pop(inherited, None)
+    env.update(stage_markers(launch_id, earlier_attempt))
     if visible_devices is not None:  # one of several stages running side by side
         env["CUDA_VISIBLE_DEVICES"] = visible_devices
-    # Offline exactly when the launcher is (posttrain.hub.offline): a hub id the plan resolved
-    # online is downloaded by the stage that reads it.
-    env["HF_HUB_OFFLINE"] = "1" if hub.offline() else "0"
-    env[LAUNCH_ENV_VAR] = launch_id
-    env.pop(EARLIER_ATTEMPT_ENV, None)
-    if earlier_attempt:
-        env[EARLIER_ATTEMPT_ENV] = earlier_attempt
-    env.pop(LOCK_HELD_ENV, None)
-    if held := HELD_ARTIFACT_LOCK.get():
-        env[LOCK_HELD_ENV] = held
-    env.pop(DEVICE_LOCK_ENV, None)
     if device_lock := HELD_DEVICE_LOCK.get():
         env[DEVICE_LOCK_ENV] = device_lock
     # Who launched the stage, so it notices when its launcher is gone (posttrain.orphan).
     env.update(launcher_env())
-    flow_run_id = current_flow_run_id()
-    if flow_run_id:
-        env[FLOW_RUN_ENV_VAR] = flow_run_id
     return project_pythonpath(env)
 
 
@@ -159,19 +164,11 @@ def project_pythonpath(env: dict[str, str]) -> dict[str, str]:
 def remote_env(
     launch_id: str, beat_file: Path, silence_s: float, earlier_attempt: str | None = None
 ) -> dict[str, str]:
-    """The variables of a stage an engine (Slurm, Kubernetes) runs on other machines: the same
-    markers as a local stage's, minus what only means something here (this machine's PID as
+    """The variables of a stage an engine (Slurm, Kubernetes) runs on other machines: its
+    markers (`stage_markers`), without what only means something here (this machine's PID as
     the launcher, its device lock, its GPU numbering), plus the beat file the flow rewrites
     while it follows the stage (the stage's orphan watch reads it instead of a PID)."""
-    env = dict(CHILD_ENV)
-    env["HF_HUB_OFFLINE"] = "1" if hub.offline() else "0"
-    env[LAUNCH_ENV_VAR] = launch_id
-    if earlier_attempt:
-        env[EARLIER_ATTEMPT_ENV] = earlier_attempt
-    if held := HELD_ARTIFACT_LOCK.get():
-        env[LOCK_HELD_ENV] = held
-    if flow_run_id := current_flow_run_id():
-        env[FLOW_RUN_ENV_VAR] = flow_run_id
+    env = stage_markers(launch_id, earlier_attempt)
     env[LAUNCHER_BEAT_ENV] = str(beat_file)
     env[LAUNCHER_SILENCE_ENV] = f"{silence_s:g}"
     return env

@@ -11,7 +11,6 @@ resumes. Both runs' output is written to <folder>/run1.txt and run2.txt (default
 
 from __future__ import annotations
 
-import copy
 import os
 import subprocess
 import sys
@@ -22,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
 from slurm_cluster import LocalSlurm  # noqa: E402
-from stage_helpers import TINY, write_recipe  # noqa: E402
+from stage_helpers import slurm_sft_recipe  # noqa: E402
 
 from posttrain.config.loader import load_recipe  # noqa: E402
 from posttrain.planner import plan  # noqa: E402
@@ -30,21 +29,7 @@ from posttrain.planner import plan  # noqa: E402
 
 def main(folder: Path) -> int:
     run = folder / "run"
-    run.mkdir(parents=True, exist_ok=True)
-    data = copy.deepcopy(TINY)
-    data.pop("evaluate")
-    data["run"] |= {"name": "demo", "workspace": str(run / "ws")}
-    data["ingest"]["from_config"]["pretrain_steps"] = 10
-    data["infra"] |= {
-        "launcher": "slurm",
-        "nnodes": 2,
-        "devices_per_node": 1,
-        "threads_per_rank": 1,
-        "slurm": {"poll_s": 1},
-    }
-    data["sft"] |= {"max_steps": 120, "checkpoint_every": 10}
-    data["sft"]["batch"] = {"micro_batch_size": 4, "grad_accum_steps": 1}
-    recipe = write_recipe(run, data)
+    recipe = slurm_sft_recipe(run, "demo", steps=120, checkpoint_every=10)
     sft = {s.name: s for s in plan(load_recipe(recipe))}["sft"]
     cmd = [sys.executable, "-m", "flows.cli", "run", str(recipe)]
     with LocalSlurm(folder / "cluster") as cluster:

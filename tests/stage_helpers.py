@@ -163,3 +163,27 @@ def hand_planned(
         }
     )
     return stage, write_spec(stage, recipe, {})
+
+
+def slurm_sft_recipe(
+    folder: Path, name: str, steps: int, checkpoint_every: int = 0, **infra: object
+) -> Path:
+    """TINY on the test Slurm cluster (tests/slurm_cluster.py): the SFT on 2 nodes x 1 process
+    (global batch 8), every stage but ingest submitted as a job; `infra` merged in."""
+    import copy
+
+    data = copy.deepcopy(TINY)
+    data["run"] |= {"name": name, "workspace": str(folder / "ws")}
+    data["ingest"]["from_config"]["pretrain_steps"] = 10
+    data["infra"] |= {
+        "launcher": "slurm",
+        "nnodes": 2,
+        "devices_per_node": 1,
+        "threads_per_rank": 1,
+        "slurm": {"poll_s": 0.5},
+        **infra,
+    }
+    data["sft"] |= {"max_steps": steps, "checkpoint_every": checkpoint_every}
+    data["sft"]["batch"] = {"micro_batch_size": 4, "grad_accum_steps": 1}  # x 2 ranks = 8
+    folder.mkdir(parents=True, exist_ok=True)
+    return write_recipe(folder, data)

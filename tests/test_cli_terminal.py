@@ -15,8 +15,6 @@ import contextlib
 import json
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +23,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.faults.fault_runs import CLI_WRAPPER, ROOT, Run, kill_all, run_env, wait_gone
+from tests.faults.fault_runs import Run, kill_all, run_env, wait_gone
 from tests.stage_helpers import TINY
 
 TRACEBACK = "Traceback (most recent call last)"
@@ -43,18 +41,7 @@ def _tiny(ws: Path, name: str, **sections: dict) -> dict:
 def _cli(folder: Path, env: dict, data: dict, *overrides: str) -> tuple[int, str]:
     recipe = folder / f"{data['run']['name']}.yaml"
     recipe.write_text(yaml.safe_dump(data))
-    proc = subprocess.run(
-        [sys.executable, "-c", CLI_WRAPPER, "run", str(recipe), *overrides],
-        cwd=ROOT,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-        start_new_session=True,
-    )
-    return proc.returncode, proc.stdout
+    return Run(recipe, env, *overrides).finish()
 
 
 def _block(out: str, head: str, what: str, fix: str, log: bool = True) -> list[str]:

@@ -105,7 +105,7 @@ def test_batch_script_and_sbatch_options(tmp_path: Path) -> None:
 
 
 def _ended(info: dict[str, str], cancelled: bool = False) -> SlurmLaunch:
-    launch = SlurmLaunch("57", Path("/nonexistent"), 2, poll_s=1e9, launch_id="x")
+    launch = SlurmLaunch("57", Path("/nonexistent"), 2, poll_s=1e9)
     launch.info, launch.read_at, launch.cancelled = info, time.monotonic(), cancelled
     return launch
 

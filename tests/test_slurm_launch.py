@@ -16,7 +16,6 @@ In file order, on one cluster:
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import signal
@@ -38,10 +37,10 @@ from posttrain.planner import plan
 from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import (
     ROOT,
-    TINY,
     hand_planned,
     run_inprocess,
     run_torchrun,
+    slurm_sft_recipe,
     write_recipe,
 )
 
@@ -51,25 +50,6 @@ POSTTRAIN = [sys.executable, "-m", "flows.cli"]
 RUN_TIMEOUT_S = 420
 # Long enough that a killed flow's job is still training when the next run looks for it.
 STEPS = 160
-
-
-def _recipe(folder: Path, name: str, steps: int, checkpoint_every: int = 0, **infra: Any) -> Path:
-    data = copy.deepcopy(TINY)
-    data.pop("evaluate")
-    data["run"] |= {"name": name, "workspace": str(folder / "ws")}
-    data["ingest"]["from_config"]["pretrain_steps"] = 10
-    data["infra"] |= {
-        "launcher": "slurm",
-        "nnodes": 2,
-        "devices_per_node": 1,
-        "threads_per_rank": 1,
-        "slurm": {"poll_s": 0.5},
-        **infra,
-    }
-    data["sft"] |= {"max_steps": steps, "checkpoint_every": checkpoint_every}
-    data["sft"]["batch"] = {"micro_batch_size": 4, "grad_accum_steps": 1}  # x 2 ranks = 8
-    folder.mkdir(parents=True, exist_ok=True)
-    return write_recipe(folder, data)
 
 
 def _stage(recipe: Path, name: str = "sft") -> Any:
@@ -110,7 +90,7 @@ def test_two_node_sft_on_slurm_recovers_and_trains_the_local_launchers_losses(
 ) -> None:
     """Run 1 is SIGKILLed (its job goes on), run 2 stops that job and resumes, then loses a
     node, run 3 resumes and finishes: the losses equal one uninterrupted local torchrun's."""
-    recipe = _recipe(tmp_path / "slurm", "onslurm", steps=STEPS, checkpoint_every=8)
+    recipe = slurm_sft_recipe(tmp_path / "slurm", "onslurm", steps=STEPS, checkpoint_every=8)
     env = _env(slurm_cluster, prefect_server)
     sft = _stage(recipe)
     log = tmp_path / "run.log"
@@ -189,7 +169,7 @@ def test_ui_cancel_of_a_slurm_stage_leaves_nothing_in_the_queue(
 ) -> None:
     from prefect.client.orchestration import SyncPrefectClient
 
-    recipe = _recipe(tmp_path / "served", "slurmserved", steps=5000)
+    recipe = slurm_sft_recipe(tmp_path / "served", "slurmserved", steps=5000)
     env = {**prefect_server.env, **slurm_cluster.env}
     log_path = tmp_path / "serve.log"
     serve = start_serve([str(recipe)], env, log_path)
@@ -246,7 +226,7 @@ def _last_launch(stage: Any) -> str:
 def test_a_killed_flows_job_stops_by_itself(
     slurm_cluster: Any, prefect_server: Any, tmp_path: Path
 ) -> None:
-    recipe = _recipe(
+    recipe = slurm_sft_recipe(
         tmp_path / "orphan", "orphaned", steps=5000, checkpoint_every=4, launcher_silence_s=10
     )
     sft = _stage(recipe)

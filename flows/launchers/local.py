@@ -12,6 +12,7 @@ from flows.launchers.base import LaunchRequest, Log
 from flows.stage_hang import dump_stacks
 from flows.stage_launch import node_rank, stage_command
 from flows.stage_procs import kill_stage
+from posttrain.planner import PlannedStage
 from posttrain.telemetry.heartbeat import Hang
 
 
@@ -56,11 +57,12 @@ class LocalLauncher:
 
     name = "local"
 
-    def command(self, request: LaunchRequest) -> list[str]:
-        stage = request.stage
+    @staticmethod
+    def command(stage: PlannedStage, spec_path: Path | str) -> list[str]:
+        """This node's command line for `stage` (also what `posttrain launch` runs)."""
         return stage_command(
             stage.module,
-            request.spec_path,
+            spec_path,
             stage.nprocs,
             nnodes=stage.nnodes,
             node_rank=node_rank(),
@@ -74,7 +76,7 @@ class LocalLauncher:
         return None
 
     def start(self, request: LaunchRequest, log: Log) -> LocalLaunch:
-        cmd = self.command(request)
+        cmd = self.command(request.stage, request.spec_path)
         proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,

@@ -108,9 +108,8 @@ def exit_status(info: dict[str, str]) -> int:
 class SlurmLaunch:
     """One submitted job. State is read at most every `poll_s` (each read asks slurmctld)."""
 
-    def __init__(self, job_id: str, output: Path, nnodes: int, poll_s: float, launch_id: str):
-        self.job_id, self.output_path, self.nnodes = job_id, output, nnodes
-        self.poll_s, self.launch_id = poll_s, launch_id
+    def __init__(self, job_id: str, output: Path, nnodes: int, poll_s: float):
+        self.job_id, self.output_path, self.nnodes, self.poll_s = job_id, output, nnodes, poll_s
         self.description = f"Slurm job {job_id} ({nnodes} node{'s' if nnodes > 1 else ''})"
         self.record = {"job_id": job_id, "output": str(output), "nnodes": str(nnodes)}
         self.info: dict[str, str] | None = None
@@ -124,11 +123,8 @@ class SlurmLaunch:
         if not ended and (fresh or time.monotonic() - self.read_at >= self.poll_s):
             info = job_info(self.job_id)
             self.read_at = time.monotonic()
-            if info is None:  # forgotten: it ended longer than MinJobAge ago
-                info = dict(self.info or {}, JobState=(self.info or {}).get("JobState", "UNKNOWN"))
-                if info["JobState"] in ACTIVE:
-                    info["JobState"] = "UNKNOWN"
-            self.info = info
+            # None: forgotten, it ended longer than MinJobAge ago, in a state we did not see.
+            self.info = info or {**(self.info or {}), "JobState": "UNKNOWN"}
         assert self.info is not None
         return self.info
 
@@ -361,7 +357,7 @@ class SlurmLauncher:
         if not job_id.isdigit():
             raise LaunchError(f"sbatch printed no job id: {done.stdout!r}")
         output = request.log_dir / f"slurm-{job_id}.out"
-        return SlurmLaunch(job_id, output, request.stage.nnodes, self.config.poll_s, tag)
+        return SlurmLaunch(job_id, output, request.stage.nnodes, self.config.poll_s)
 
     def find(self, record: dict[str, str], log: Log) -> SlurmLaunch | None:
         job_id = record.get("job_id", "")
@@ -379,7 +375,6 @@ class SlurmLauncher:
             Path(record.get("output", "")),
             int(record.get("nnodes", "1")),
             self.config.poll_s,
-            "",
         )
         launch.info, launch.read_at = info, time.monotonic()
         return launch

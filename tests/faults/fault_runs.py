@@ -148,6 +148,16 @@ class Run:
             time.sleep(0.1)
         raise AssertionError(f"no {needle!r} within {timeout} s:\n{self.text()[-6000:]}")
 
+    def finish(self, timeout: float = 600) -> tuple[int, str]:
+        """Wait for the run to end; its exit code and whole output. Stopped past `timeout`."""
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        self._reader.join(timeout=10)
+        return rc, self.text() + "\n"
+
     def server(self) -> psutil.Process | None:
         """The embedded Prefect server (a uvicorn child of this run)."""
         with contextlib.suppress(psutil.Error):
