@@ -252,7 +252,9 @@ def out_dir(stage: str, recipe: Path, *overrides: str) -> Path:
     from posttrain.config.loader import load_recipe
     from posttrain.planner import plan
 
-    return next(s.out_dir for s in plan(load_recipe(recipe, list(overrides))) if s.name == stage)
+    return next(
+        s.out_dir for s in plan(load_recipe(recipe, list(overrides))).stages if s.name == stage
+    )
 
 
 def train_records(folder: Path) -> list[dict[str, Any]]:

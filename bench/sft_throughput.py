@@ -89,7 +89,7 @@ def plain_loop(recipe_path: Path, steps: int) -> dict:
     recipe = load_recipe(recipe_path)
     if recipe.infra.threads_per_rank:  # as the stage sets it (posttrain.distributed.runtime)
         torch.set_num_threads(recipe.infra.threads_per_rank)
-    ingest_dir = plan(recipe)[0].out_dir
+    ingest_dir = plan(recipe).stages[0].out_dir
     tok = load_tokenizer(ingest_dir / "tokenizer")
     model = apply_lora(load_causal_lm(ingest_dir / "model"), recipe.sft.lora)
     data = prepare(recipe.sft.data, tok, recipe.run.seed)
@@ -148,7 +148,7 @@ def stage_figures(recipe_path: Path) -> dict:
     from posttrain.planner import plan
     from posttrain.telemetry.metrics import read_metrics
 
-    sft_dir = plan(load_recipe(recipe_path))[1].out_dir
+    sft_dir = plan(load_recipe(recipe_path)).stages[1].out_dir
     rows = read_metrics(sft_dir / "metrics.jsonl", "train")[3:]
     secs = sum(r["step_time_s"] for r in rows)
     return {
@@ -193,7 +193,7 @@ def measure(name: str, steps: int, rounds: int, tmp: Path, threads: int | None) 
         from posttrain.config.loader import load_recipe
         from posttrain.planner import plan
 
-        shutil.rmtree(plan(load_recipe(recipe))[1].out_dir, ignore_errors=True)
+        shutil.rmtree(plan(load_recipe(recipe)).stages[1].out_dir, ignore_errors=True)
         w = run_stage("sft", recipe)
         st = stage_figures(recipe)
         if st["tokens_per_s"] > best_stage.get("tokens_per_s", 0):

@@ -136,7 +136,7 @@ def stage_dirs(recipe_path: Path) -> dict[str, Path]:
     from posttrain.config.loader import load_recipe
     from posttrain.planner import plan
 
-    return {p.name: p.out_dir for p in plan(load_recipe(recipe_path))}
+    return {p.name: p.out_dir for p in plan(load_recipe(recipe_path)).stages}
 
 
 def summarize(steps: list[dict[str, float]]) -> dict[str, float]:

@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import yaml
 
@@ -131,7 +131,7 @@ def plan_rows(recipe: Recipe) -> list[tuple[str, str, str, str, str, str]]:
     Where: the launcher, then nodes x processes per node (`slurm:4x8`), or the processes
     alone on one node (`local:2`); `local` for one process here."""
     rows = []
-    for stage in plan(recipe):
+    for stage in plan(recipe).stages:
         if not stage.out_dir.exists():
             state = "missing"
         elif read_manifest(stage.out_dir) is None:
@@ -164,12 +164,22 @@ def cmd_plan(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
 
 
 def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
-    # Validate before anything starts: a bad recipe costs no Prefect server start.
+    # Validate (and resolve, once) before anything starts: a bad recipe costs no Prefect start.
     recipe = load_or_report(path, overrides, err)
     if recipe is None:
         return EXIT_INVALID
     apply_prefect_defaults()
     print(f"posttrain: running '{recipe.run.name}' on {prefect_target()}", file=err)
+    result = _run_flow(recipe, err)
+    if isinstance(result, int):
+        return result
+    print_result(result, out)
+    return EXIT_OK
+
+
+def _run_flow(recipe: Recipe, err: TextIO) -> dict[str, Any] | int:
+    """Run the flow on the embedded server (or PREFECT_API_URL's); its result, or the exit
+    code after one closing block (a failure) or one line (a signal) on `err`."""
     previous = {
         sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)
     }
@@ -200,7 +210,7 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
         server = start_embedded_server(early)  # adopts it: waits until it is healthy
         early = None
         with embedded_run_settings() if server is not None else contextlib.nullcontext():
-            result = post_train(recipe)
+            return post_train(recipe)
     except (KeyboardInterrupt, Terminated) as exc:
         what, code = "interrupted", EXIT_INTERRUPTED
         if isinstance(exc, HungUp):
@@ -225,6 +235,10 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
             early.discard()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def print_result(result: dict[str, Any], out: TextIO) -> None:
+    """The finished run's summary: the stage table, what was recovered, where things are."""
     records = [
         StageRecord(
             stage=s["stage"],
@@ -245,13 +259,9 @@ def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
     if result.get("export_path"):
         print(f"\nexported model: {result['export_path']}", file=out)
     print(f"run folder:     {result['run_dir']}", file=out)
-    if result.get("promotion"):
-        p = result["promotion"]
-        print(
-            f"promotion:      {'promoted' if p['promoted'] else 'NOT promoted'}: {p['reason']}",
-            file=out,
-        )
-    return EXIT_OK
+    if p := result.get("promotion"):
+        verdict = "promoted" if p["promoted"] else "NOT promoted"
+        print(f"promotion:      {verdict}: {p['reason']}", file=out)
 
 
 def cmd_models(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
@@ -396,37 +406,45 @@ def cmd_publish_base(model_dir: str, pipeline: str, out: TextIO, err: TextIO) ->
 def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
     """Run one stage on this machine, in the foreground, without Prefect: its parents must be
     complete in the (shared) workspace. For a multi-node stage every node runs this with its
-    own POSTTRAIN_NODE_RANK; the torchrun agents meet at infra.rdzv_endpoint."""
+    own POSTTRAIN_NODE_RANK; the torchrun agents meet at infra.rdzv_endpoint. This process is
+    the stage's supervisor (the stage stops if it dies); the stage takes the artifact's lock
+    and looks at the folder itself."""
     import subprocess
     import uuid
 
     from flows.launchers.local import LocalLauncher
-    from flows.stage_launch import child_env, node_rank
-    from posttrain.artifacts import ref_from_manifest
-    from posttrain.planner import write_spec
+    from flows.stage_launch import launch_info, local_env, node_rank
+    from posttrain.artifact_claim import find_complete
+    from posttrain.planner import spec_for
+    from posttrain.recovery import earlier_attempt
+    from posttrain.stage_spec import spec_path
 
     recipe = load_or_report(path, overrides, err)
     if recipe is None:
         return EXIT_INVALID
-    stages = {s.name: s for s in plan(recipe)}
+    stages = {s.name: s for s in plan(recipe).stages}
     if stage_name not in stages:
         print(f"error: no stage {stage_name!r} in this recipe; it has {list(stages)}", file=err)
         return EXIT_INVALID
     stage = stages[stage_name]
     refs = {}
-    for parent in stage.parents:
-        ok, why = verify(stages[parent].out_dir)
-        if not ok:
-            print(f"error: parent stage {parent!r} is not complete ({why}); run it first", file=err)
+    for parent, fp in stage.parents.items():
+        ref = find_complete(stages[parent].out_dir, fp, drop_stale=False)
+        if ref is None:
+            print(f"error: parent stage {parent!r} is not complete; run it first", file=err)
             return EXIT_FAILED
-        refs[parent] = ref_from_manifest(stages[parent].out_dir)
+        refs[parent] = ref
+    # Node 0 says what an unfinished earlier attempt left, before its heartbeats are replaced.
+    earlier = earlier_attempt(stage.out_dir) if node_rank() == 0 else None
+    launch = launch_info(stage, uuid.uuid4().hex, None, earlier)
+    spec = spec_for(stage, recipe, refs).model_copy(update={"launch": launch})
     try:
-        cmd = LocalLauncher.command(stage, write_spec(stage, recipe, refs))
+        cmd = LocalLauncher.command(stage, spec.write(spec_path(stage.out_dir, node_rank())))
     except ValueError as exc:
         print(f"error: {exc}", file=err)
         return EXIT_INVALID
     print(f"node {node_rank()}: {' '.join(cmd)}", file=out, flush=True)
-    return subprocess.call(cmd, env=child_env(uuid.uuid4().hex))
+    return subprocess.call(cmd, env=local_env(launch))
 
 
 def build_parser() -> argparse.ArgumentParser:

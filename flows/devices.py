@@ -39,16 +39,16 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from flows.stage_launch import HELD_DEVICE_LOCK
 from flows.stage_output import artifact_key, run_logger
-from posttrain.config.schema import Recipe
 from posttrain.device_lock import DeviceLock
 
 PREFIX = "posttrain-devices"
 SLOT_POLL_S = 2.0
 
 
-def device_set_name(recipe: Recipe) -> str:
-    """`posttrain-devices-<host>-cpu` or `posttrain-devices-<host>-cuda-<visible devices>`."""
-    if recipe.infra.device == "cuda":
+def device_set_name(device: str) -> str:
+    """`posttrain-devices-<host>-cpu` or `posttrain-devices-<host>-cuda-<visible devices>`, for
+    a run on `device` (the plan's resolved infra.device)."""
+    if device == "cuda":
         devices = "cuda-" + os.environ.get("CUDA_VISIBLE_DEVICES", "all").replace(",", "-")
     else:
         devices = "cpu"

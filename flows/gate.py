@@ -3,7 +3,7 @@
 The comparison is `posttrain.promotion` (pure, rule by rule). This module gathers the candidate's
 metrics: the evaluate headline, plus `win_rate_vs_champion` when a rule asks for it, measured by
 the head-to-head stage (`posttrain.stages.head_to_head`, launched like every stage: a child
-process under the `run-stage` task, its artifact fingerprinted and reused). The gate is
+process under the `stage` task, its artifact fingerprinted and reused). The gate is
 decoration on a completed run: nothing here fails the run. A head-to-head that does not apply
 is skipped (the rule shows n/a with the reason); one that fails refuses promotion.
 """
@@ -19,11 +19,11 @@ from typing import Any
 from prefect.logging import get_run_logger
 
 from flows.report import StageRecord, export_model_path
-from flows.stage_task import launch, stage_task_for
+from flows.stage_task import run_task
 from posttrain.artifacts import ArtifactRef, read_manifest, ref_from_manifest
 from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS
-from posttrain.planner import PlannedStage, write_spec
+from posttrain.planner import PlannedStage, spec_for
 from posttrain.promotion import (
     WIN_RATE_VS_CHAMPION,
     Decision,
@@ -34,9 +34,10 @@ from posttrain.promotion import (
     record_decision,
     uses_metric,
 )
+from posttrain.stage_spec import StageSpec
 
-# (planned stage, spec path) -> (status, ref); raises the stage's error.
-Launch = Callable[[PlannedStage, Path], tuple[str, ArtifactRef]]
+# (planned stage, its spec) -> (status, ref); raises the stage's error (flows.stage_task.run_task).
+RunSpec = Callable[[PlannedStage, StageSpec], tuple[str, ArtifactRef]]
 Log = logging.Logger | logging.LoggerAdapter
 
 
@@ -97,14 +98,14 @@ def head_to_head_vs_champion(
     by_stage: dict[str, StageRecord],
     champion: dict[str, Any],
     log: Log,
-    launch: Launch | None = None,
+    run_spec: RunSpec = run_task,
 ) -> HeadToHead:
     """Run (or reuse) the head-to-head of this run's export against the champion's.
 
     Skipped, with the reason, when it cannot apply: no reward stage to judge with, no held-out
     reward prompts, or the champion's export folder is gone. Any error while running it is
-    caught: the result then blocks promotion, naming the error. `launch` defaults to the
-    `run-stage` Prefect task (flows.stage_task.launch), so it needs a flow run.
+    caught: the result then blocks promotion, naming the error. `run_spec` defaults to the
+    `stage` Prefect task (flows.stage_task.run_task), so it needs a flow run.
     """
     why = _cannot_run(by_stage, champion)
     if why:
@@ -120,8 +121,7 @@ def head_to_head_vs_champion(
             "base": ref_from_manifest(Path(by_stage["ingest"].uri)),
         }
         stage = head_to_head_stage(recipe, parents)
-        spec = write_spec(stage, recipe, parents)
-        status, ref = (launch or _task_launch(recipe))(stage, spec)
+        status, ref = run_spec(stage, spec_for(stage, recipe, parents))
         summary = (read_manifest(ref.path) or {}).get("summary") or {}
         value = float(summary["headline"][WIN_RATE_VS_CHAMPION])
     except Exception as exc:
@@ -181,11 +181,6 @@ def _cannot_run(by_stage: dict[str, StageRecord], champion: dict[str, Any]) -> s
     ):
         return f"the champion's export {model_dir} no longer exists"
     return ""
-
-
-def _task_launch(recipe: Recipe) -> Launch:
-    launcher = stage_task_for(recipe.run.workspace)
-    return lambda stage, spec: launch(launcher, stage, spec)
 
 
 def _first_line(text: str) -> str:

@@ -15,10 +15,11 @@ from typing import Any
 
 from posttrain.telemetry.plots import CurvePlot
 
-# ran: the stage process was launched and completed. cached: Prefect's cache returned the ref of
-# an earlier run. reused: no cache record, but a complete artifact with this fingerprint was on
-# disk (made by an earlier run or by hand). failed: the stage process failed or was killed.
-STATUSES = ("ran", "cached", "reused", "failed")
+# ran: the stage process was launched and completed. reused: a complete artifact with this
+# fingerprint was in the workspace (made by an earlier run, or by hand), so nothing ran.
+# failed: the stage process failed or was killed. The same words everywhere: the terminal, the
+# report, the stage graph, the Prefect task state (Reused) and the trackers.
+STATUSES = ("ran", "reused", "failed")
 
 
 @dataclass
@@ -48,9 +49,9 @@ class StageRecord:
     policies: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def reused_result(self) -> bool:
-        """True when no stage process ran for this record (Prefect cache or artifact on disk)."""
-        return self.status in ("cached", "reused")
+    def reused(self) -> bool:
+        """True when no stage process ran for this record (its artifact was in the workspace)."""
+        return self.status == "reused"
 
 
 def format_duration(seconds: float) -> str:
@@ -108,8 +109,8 @@ def markdown_report(
         "",
         f"Run id `{run_id}`: {outcome}.",
         "",
-        "| stage | status | cached | duration | key metrics | artifact |",
-        "|---|---|---|---|---|---|",
+        "| stage | status | duration | key metrics | artifact |",
+        "|---|---|---|---|---|",
     ]
     for r in records:
         lines.append(
@@ -119,7 +120,6 @@ def markdown_report(
                 for c in (
                     r.stage,
                     r.status,
-                    "yes" if r.reused_result else "no",
                     format_duration(r.duration_s),
                     headline_text(r.headline) or "-",
                     f"`{r.uri}`" if r.uri else "-",

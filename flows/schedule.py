@@ -17,8 +17,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from posttrain.artifacts import ArtifactRef
 from posttrain.planner import PlannedStage
 
-# Runs one stage and returns its ref (flows.post_train.run_recorded, bound to the run).
-RunStage = Callable[[PlannedStage, dict[str, ArtifactRef]], ArtifactRef]
+# Runs one stage with its parents' refs and returns its ref (flows.post_train.PipelineRun).
+RunOne = Callable[[PlannedStage, dict[str, ArtifactRef]], ArtifactRef]
 
 
 def device_slots(parallel: int, per_stage: int, cuda: bool) -> list[str | None]:
@@ -32,7 +32,7 @@ def device_slots(parallel: int, per_stage: int, cuda: bool) -> list[str | None]:
 
 def run_stages(
     stages: list[PlannedStage],
-    run_stage: RunStage,
+    run_one: RunOne,
     parallel: int = 1,
     slots: list[str | None] | None = None,
     on_done: Callable[[PlannedStage, ArtifactRef], None] | None = None,
@@ -41,7 +41,7 @@ def run_stages(
     refs: dict[str, ArtifactRef] = {}
     if parallel <= 1:
         for stage in stages:
-            refs[stage.name] = run_stage(stage, refs)
+            refs[stage.name] = run_one(stage, refs)
             if on_done is not None:
                 on_done(stage, refs[stage.name])
         return refs
@@ -61,7 +61,7 @@ def run_stages(
                 # The flow run's context (Prefect's run context, our context variables) goes
                 # with the stage into its thread, as Prefect's own task runner does.
                 ctx = contextvars.copy_context()
-                running[pool.submit(ctx.run, run_stage, ready, dict(refs))] = (ready, slot)
+                running[pool.submit(ctx.run, run_one, ready, dict(refs))] = (ready, slot)
             if not running:
                 break
             done, _ = wait(list(running), return_when=FIRST_COMPLETED)

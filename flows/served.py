@@ -12,8 +12,7 @@ from __future__ import annotations
 from prefect.context import FlowRunContext
 
 from posttrain.config.loader import RecipeError
-from posttrain.config.reach import ALLOWED_ENV, REWARDS_ENV, check_served_reach, worker_roots
-from posttrain.config.schema import Recipe
+from posttrain.config.reach import ALLOWED_ENV, REWARDS_ENV, ServedReach
 
 
 def is_served_run() -> bool:
@@ -21,11 +20,11 @@ def is_served_run() -> bool:
     return bool(ctx and ctx.flow_run and ctx.flow_run.deployment_id)
 
 
-def check_served(recipe: Recipe) -> None:
-    """For a served run, refuse a recipe that widens the worker's reach (RecipeError naming each
-    field); nothing for a `posttrain run`."""
+def served_reach() -> ServedReach | None:
+    """For a served run, the worker's reach its recipe may only narrow (the plan checks it);
+    None for a `posttrain run`. Refuses a run whose job variables try to set that reach."""
     if not is_served_run():
-        return
+        return None
     ctx = FlowRunContext.get()
     job_env = ((ctx.flow_run.job_variables or {}) if ctx and ctx.flow_run else {}).get("env")
     if isinstance(job_env, dict) and (env := {ALLOWED_ENV, REWARDS_ENV} & set(job_env)):
@@ -37,4 +36,4 @@ def check_served(recipe: Recipe) -> None:
             ],
             "served run",
         )
-    check_served_reach(recipe, worker_roots())
+    return ServedReach.of_worker()

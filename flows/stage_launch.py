@@ -1,9 +1,10 @@
-"""The command line and environment a stage process is started with.
+"""The command line, environment and launch record a stage process is started with.
 
 One process runs `python -m <stage module> --spec <spec.json>`; several ranks run under torchrun,
-on one node or meeting at a rendezvous across nodes. The environment carries the launch marker
-(`flows.stage_procs` finds and kills the launch's processes by it), the locks the launcher holds
-(so the stage does not wait for its own launcher) and who launched it (`posttrain.orphan`).
+on one node or meeting at a rendezvous across nodes. What the stage needs to know about its
+launch (the lock its supervisor holds, who to watch) goes into its spec (`launch_info`,
+`posttrain.stage_spec`); the environment carries only the fixed settings and the launch's tag,
+by which `flows.stage_procs` finds and stops the launch's processes.
 """
 
 from __future__ import annotations
@@ -17,23 +18,14 @@ from pathlib import Path
 from prefect.context import FlowRunContext
 
 import posttrain
-from flows.stage_procs import FLOW_RUN_ENV_VAR, LAUNCH_ENV_VAR
 from posttrain import hub
-from posttrain.device_lock import HELD_ENV as DEVICE_LOCK_ENV
-from posttrain.locking import LOCK_HELD_ENV
-from posttrain.orphan import LAUNCHER_BEAT_ENV, LAUNCHER_SILENCE_ENV, launcher_env
+from posttrain.orphan import process_start
 from posttrain.planner import PlannedStage
-from posttrain.recovery import EARLIER_ATTEMPT_ENV
+from posttrain.stage_spec import LAUNCH_TAG_ENV, LaunchInfo
 
-# The artifact lock this thread's `supervise_stage` (flows.stage_supervise) holds, passed to the
-# stage process it starts (LOCK_HELD_ENV) so the process does not wait for its own launcher. A
-# context variable, not os.environ: several stages may be supervised at once from threads of one
-# process.
-HELD_ARTIFACT_LOCK: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "posttrain_held_lock", default=None
-)
-# The device lock file (posttrain.device_lock) the flow holds, passed to its stage processes so
-# an orphaned stage that goes on (infra.orphan=finish) can take the devices over.
+# The device lock file (posttrain.device_lock) the flow holds, named in its stages' specs so an
+# orphaned stage that goes on (infra.orphan=finish) can take the devices over. A context
+# variable: several stages may be supervised at once from threads of one flow.
 HELD_DEVICE_LOCK: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "posttrain_device_lock", default=None
 )
@@ -105,48 +97,51 @@ def stage_command(
     ]
 
 
-def stage_markers(launch_id: str, earlier_attempt: str | None = None) -> dict[str, str]:
-    """What every process of one launch carries, wherever it runs: the fixed settings, the
-    launch marker, the offline switch, the earlier attempt's account, the artifact lock the
-    launcher holds and the flow run's id.
+def launch_info(
+    stage: PlannedStage, launch_id: str, lock: str | None, earlier_attempt: str | None
+) -> LaunchInfo:
+    """How this launch of `stage` is held, for its spec: the launch id, the artifact lock this
+    supervisor holds (None: the stage takes it itself), the device lock the flow holds, the
+    earlier attempt's account, and what the stage watches to notice that this supervisor is
+    gone: its PID and start time here, a beat file it rewrites for an engine's remote nodes."""
+    info = LaunchInfo(
+        id=launch_id,
+        flow_run_id=current_flow_run_id(),
+        lock=lock,
+        device_lock=HELD_DEVICE_LOCK.get() if stage.launcher == "local" else None,
+        earlier_attempt=earlier_attempt,
+    )
+    if stage.launcher == "local":
+        info.supervisor_pid, info.supervisor_start = os.getpid(), process_start()
+    else:
+        info.beat_file = str(stage.out_dir / "logs" / "supervisor.beat")
+        info.silence_s = float(stage.infra["supervisor_silence_s"])
+    return info
 
-    `earlier_attempt`: the launcher's account of an unfinished earlier attempt of this stage
-    (`posttrain.recovery`), for the stage's summary: the launcher reads it before it clears
-    the old heartbeats, which the stage then can no longer see."""
-    env = dict(CHILD_ENV)
-    # Offline exactly when the launcher is (posttrain.hub.offline): a hub id the plan resolved
-    # online is downloaded by the stage that reads it.
-    env["HF_HUB_OFFLINE"] = "1" if hub.offline() else "0"
-    env[LAUNCH_ENV_VAR] = launch_id
-    if earlier_attempt:
-        env[EARLIER_ATTEMPT_ENV] = earlier_attempt
-    if held := HELD_ARTIFACT_LOCK.get():
-        env[LOCK_HELD_ENV] = held
-    if flow_run_id := current_flow_run_id():
-        env[FLOW_RUN_ENV_VAR] = flow_run_id
-    return env
 
-
-def child_env(
-    launch_id: str,
-    base: dict[str, str] | None = None,
-    earlier_attempt: str | None = None,
-    visible_devices: str | None = None,
+def local_env(
+    launch: LaunchInfo, base: dict[str, str] | None = None, visible_devices: str | None = None
 ) -> dict[str, str]:
-    """A local stage's environment: ours (less an outer launch's markers), its markers
-    (`stage_markers`), the device lock and this process as its launcher, and the project on
+    """The environment of a stage's processes on this machine: ours, with this launch's
+    variables (`launch_env`) over it, its GPUs when stages share the machine, and the project on
     PYTHONPATH (`project_pythonpath`)."""
     env = dict(os.environ if base is None else base)
-    for inherited in (EARLIER_ATTEMPT_ENV, LOCK_HELD_ENV, DEVICE_LOCK_ENV):
-        env.pop(inherited, None)
-    env.update(stage_markers(launch_id, earlier_attempt))
+    env.update(launch_env(launch))
     if visible_devices is not None:  # one of several stages running side by side
         env["CUDA_VISIBLE_DEVICES"] = visible_devices
-    if device_lock := HELD_DEVICE_LOCK.get():
-        env[DEVICE_LOCK_ENV] = device_lock
-    # Who launched the stage, so it notices when its launcher is gone (posttrain.orphan).
-    env.update(launcher_env())
     return project_pythonpath(env)
+
+
+def launch_env(launch: LaunchInfo) -> dict[str, str]:
+    """What every process of a launch must see wherever it runs, an engine's node included:
+    the fixed settings, the offline switch and the launch's tag. Everything else the stage
+    needs is in its spec."""
+    env = dict(CHILD_ENV)
+    # Offline exactly when the supervisor is (posttrain.hub.offline): a hub id the plan
+    # resolved online is downloaded by the stage that reads it.
+    env["HF_HUB_OFFLINE"] = "1" if hub.offline() else "0"
+    env[LAUNCH_TAG_ENV] = launch.tag()
+    return env
 
 
 def project_pythonpath(env: dict[str, str]) -> dict[str, str]:
@@ -159,29 +154,6 @@ def project_pythonpath(env: dict[str, str]) -> dict[str, str]:
         if root not in paths:
             env["PYTHONPATH"] = os.pathsep.join([root, *paths])
     return env
-
-
-def remote_env(
-    launch_id: str, beat_file: Path, silence_s: float, earlier_attempt: str | None = None
-) -> dict[str, str]:
-    """The variables of a stage an engine (Slurm, Kubernetes) runs on other machines: its
-    markers (`stage_markers`), without what only means something here (this machine's PID as
-    the launcher, its device lock, its GPU numbering), plus the beat file the flow rewrites
-    while it follows the stage (the stage's orphan watch reads it instead of a PID)."""
-    env = stage_markers(launch_id, earlier_attempt)
-    env[LAUNCHER_BEAT_ENV] = str(beat_file)
-    env[LAUNCHER_SILENCE_ENV] = f"{silence_s:g}"
-    return env
-
-
-def launch_env(stage: PlannedStage, launch_id: str, earlier_attempt: str | None) -> dict[str, str]:
-    """The environment of one launch of `stage`, local or remote (`stage.launcher`)."""
-    if stage.launcher == "local":
-        return child_env(
-            launch_id, earlier_attempt=earlier_attempt, visible_devices=stage.visible_devices
-        )
-    beat = stage.out_dir / "logs" / "launcher.beat"
-    return remote_env(launch_id, beat, float(stage.infra["launcher_silence_s"]), earlier_attempt)
 
 
 def launch_labels() -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Finding and killing a stage's processes: its process group, its descendants, and every
-process carrying its launch or flow-run marker (torchrun starts each rank in a session of its
-own, so a process group is not enough)."""
+process carrying its launch's tag (`POSTTRAIN_LAUNCH`, posttrain.stage_spec: torchrun starts
+each rank in a session of its own, so a process group is not enough)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,12 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 
 import psutil
 
-# Every process of one launch inherits this variable, so stray ranks can be found and killed
-# even after their parent died or when they run in a session of their own.
-LAUNCH_ENV_VAR = "POSTTRAIN_LAUNCH_ID"
-# ...and this one, the flow run's id: when the flow process itself is killed (a cancel that runs
-# out of grace, a crash), the flow's hooks find the run's stage processes by it.
-FLOW_RUN_ENV_VAR = "POSTTRAIN_FLOW_RUN_ID"
+from posttrain.stage_spec import LAUNCH_TAG_ENV, tag_flow_run_id, tag_launch_id
+
 KILL_GRACE_S = 10.0
 
 
@@ -31,7 +28,9 @@ def _alive(p: psutil.Process) -> bool:
 
 
 def stage_processes(proc: subprocess.Popen[str], launch_id: str) -> list[psutil.Process]:
-    """The stage process, its descendants, and any other process carrying the launch marker."""
+    """The stage process, its descendants, and any other process carrying the launch's tag
+    (every process of one launch inherits it, so stray ranks are found even after their parent
+    died or when they run in a session of their own)."""
     found: dict[int, psutil.Process] = {}
     # Only while our child is unreaped is its PID surely still ours (not reused).
     if proc.poll() is None:
@@ -39,19 +38,20 @@ def stage_processes(proc: subprocess.Popen[str], launch_id: str) -> list[psutil.
             leader = psutil.Process(proc.pid)
             for p in [leader, *leader.children(recursive=True)]:
                 found[p.pid] = p
-    for p in processes_with_env(LAUNCH_ENV_VAR, launch_id):
+    for p in tagged_processes(lambda tag: tag_launch_id(tag) == launch_id):
         found.setdefault(p.pid, p)
     return [p for p in found.values() if _alive(p)]
 
 
-def processes_with_env(var: str, value: str) -> list[psutil.Process]:
-    """Live processes (other than this one) whose environment has `var=value`."""
+def tagged_processes(match: Callable[[str], bool]) -> list[psutil.Process]:
+    """Live processes (other than this one) whose launch tag `match`es."""
     me, found = os.getpid(), []
     for p in psutil.process_iter():
         if p.pid == me:
             continue
         try:
-            if p.environ().get(var) == value and _alive(p):
+            tag = p.environ().get(LAUNCH_TAG_ENV)
+            if tag is not None and match(tag) and _alive(p):
                 found.append(p)
         except psutil.Error:
             continue  # gone, a zombie, or not ours to read
@@ -60,8 +60,9 @@ def processes_with_env(var: str, value: str) -> list[psutil.Process]:
 
 def kill_flow_run_processes(flow_run_id: str, grace_s: float = KILL_GRACE_S) -> int:
     """SIGTERM, then SIGKILL after `grace_s`, every stage process of a flow run; returns how
-    many were found. The backstop for a flow process that died before its tasks cleaned up."""
-    procs = processes_with_env(FLOW_RUN_ENV_VAR, flow_run_id)
+    many were found. The backstop for a flow process that died before its tasks cleaned up (a
+    cancel that ran out of grace, a crash): the tag names the flow run."""
+    procs = tagged_processes(lambda tag: tag_flow_run_id(tag) == flow_run_id)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in procs:
             with contextlib.suppress(psutil.Error):
@@ -106,7 +107,7 @@ def kill_stage(
     """SIGTERM the stage's process group and every process of the launch; SIGKILL what is
     still alive after `grace_s` (torchrun forwards SIGTERM to its ranks and needs a moment).
 
-    Every process of the launch inherits the marker, so finding none (and our child reaped)
+    Every process of the launch inherits the tag, so finding none (and our child reaped)
     means there is nothing left to kill.
     """
     procs = stage_processes(proc, launch_id)

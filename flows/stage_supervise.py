@@ -1,9 +1,13 @@
-"""Supervising one stage launch: reuse a complete artifact, else start the stage under the
-artifact's lock through its launcher (`flows.launchers`: this machine, Slurm or Kubernetes),
-watch it (timeout, hang) and check what it left.
+"""Supervising one stage launch: under the artifact's lock, reuse a complete artifact, else
+write the launch's spec and start the stage through its launcher (`flows.launchers`: this
+machine, Slurm or Kubernetes), watch it (timeout, hang) and check what it left.
 
 Supervision means:
-  - reuse: a complete, unaltered artifact with the stage's fingerprint is returned, not rebuilt;
+  - reuse: a complete, unaltered artifact with the stage's fingerprint is returned, not rebuilt
+    (`posttrain.artifact_claim.find_complete`: the one look, once per launch, under the lock);
+  - the contract: the stage process gets everything it needs in its spec (`spec.json`, with
+    this launch's `launch` record: the lock held for it, who to watch), nothing in variables
+    but the launch's tag (`posttrain.stage_spec`);
   - logs: the stage's output (every node's) goes line by line to the Prefect run logger and to
     `<out_dir>/logs/stage.log` (appended; logs/ is outside the manifest) (`flows.stage_output`);
   - progress: `<out_dir>/metrics.jsonl` is tailed into a Prefect progress artifact (same);
@@ -25,18 +29,20 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from flows.launchers import launcher_for
-from flows.launchers.base import Launch, LaunchError, LaunchRequest
+from flows.launchers.base import Launch, Launcher, LaunchError, LaunchRequest
 from flows.launchers.records import record_launch, stop_earlier_launch
 from flows.stage_failures import StageFailed, StageTimeout, failure_headline
 from flows.stage_hang import StageHung, hang_message, hang_watch
-from flows.stage_launch import HELD_ARTIFACT_LOCK, launch_env, launch_labels, node_rank
+from flows.stage_launch import launch_env, launch_info, launch_labels, local_env, node_rank
 from flows.stage_output import MetricsTail, OutputPump, ProgressArtifact, run_logger
 from flows.stage_procs import KILL_GRACE_S
-from posttrain.artifacts import MANIFEST, ArtifactRef, ref_from_manifest, verify
+from posttrain.artifact_claim import find_complete
+from posttrain.artifacts import ArtifactRef, ref_from_manifest, verify
 from posttrain.locking import ArtifactLock, LockTimeout, describe_holder
-from posttrain.orphan import LauncherBeat
+from posttrain.orphan import SupervisorBeat
 from posttrain.planner import PlannedStage
 from posttrain.recovery import ERROR_FILE, earlier_attempt
+from posttrain.stage_spec import StageSpec, spec_path
 from posttrain.telemetry.heartbeat import Hang, HangWatch
 
 # How often the supervisor looks at the launch, its heartbeats and its timeout. A local child's
@@ -49,54 +55,21 @@ class Outcome:
     status: str  # "ran" or "reused"
     ref: ArtifactRef
 
-    def to_dict(self) -> dict[str, Any]:
-        # JSON-serialisable: this is what Prefect persists as the cached result.
-        return {"status": self.status, "ref": self.ref.model_dump(mode="json")}
-
-
-def _drop_stale_manifest(
-    out_dir: Path, why: str, log: logging.LoggerAdapter | logging.Logger
-) -> None:
-    # An altered artifact must not look complete while (or if) the re-run is in progress:
-    # "no manifest means not done". The stage's other files, checkpoints included, stay.
-    manifest = out_dir / MANIFEST
-    if manifest.exists():
-        log.warning(
-            "artifact in %s is not valid (%s): removing its manifest and re-running", out_dir, why
-        )
-        manifest.unlink()
-
-
-def _completed_ref(stage: PlannedStage, artifact_json: str | None) -> ArtifactRef:
-    ref = (
-        ArtifactRef.model_validate_json(artifact_json)
-        if artifact_json
-        else ref_from_manifest(stage.out_dir)
-    )
-    ok, why = verify(stage.out_dir)
-    if not ok:
-        raise StageFailed(f"stage '{stage.name}' exited 0 but its artifact is incomplete: {why}")
-    if ref.fingerprint != stage.fingerprint:
-        raise StageFailed(
-            f"stage '{stage.name}' wrote fingerprint {ref.fingerprint}, expected {stage.fingerprint}"
-        )
-    return ref
-
 
 def supervise_stage(
-    stage: PlannedStage, spec_path: Path | str, kill_grace_s: float = KILL_GRACE_S
+    stage: PlannedStage, spec: StageSpec, kill_grace_s: float = KILL_GRACE_S
 ) -> Outcome:
-    """Run one planned stage to completion (or reuse its artifact) and return its ref.
+    """Run one planned stage to completion, or reuse its artifact, and return its ref.
 
-    The artifact folder's lock (`posttrain.locking`) is held from the first look at the folder
+    The artifact folder's lock (`posttrain.locking`) is held from the one look at the folder
     to the completion check, so a second run of the same stage (same fingerprint) waits for
     the first, logging that it does, then reuses what it made; the wait counts against the
     stage's timeout.
     """
     log = run_logger()
     if node_rank() != 0:
-        # Another node's agent joins node 0's launch; the lock is node 0's to hold.
-        return _supervise(stage, spec_path, kill_grace_s)
+        # Another node's agent joins node 0's launch; the lock, and the look, are node 0's.
+        return _launch(stage, spec, _engine(stage), None, kill_grace_s)
     lock = ArtifactLock(stage.out_dir)
 
     def waiting(holder: dict[str, Any] | None) -> None:
@@ -109,66 +82,100 @@ def supervise_stage(
 
     try:
         waited = lock.acquire(
-            {"what": f"stage {stage.name} launcher"}, on_wait=waiting, timeout_s=stage.timeout_s
+            {"what": f"stage {stage.name} supervisor"}, on_wait=waiting, timeout_s=stage.timeout_s
         )
     except LockTimeout as exc:
         raise StageTimeout(f"stage '{stage.name}' was not started: {exc}") from None
-    token = HELD_ARTIFACT_LOCK.set(str(lock.path))
     try:
-        outcome = _supervise(stage, spec_path, kill_grace_s)
+        outcome = _under_lock(stage, spec, str(lock.path), kill_grace_s)
     finally:
-        HELD_ARTIFACT_LOCK.reset(token)
         lock.release()
     if waited:
         log.info("stage %s: the other run is done; this one %s", stage.name, outcome.status)
     return outcome
 
 
-def _supervise(stage: PlannedStage, spec_path: Path | str, kill_grace_s: float) -> Outcome:
-    """`supervise_stage` under the lock: reuse, or launch, watch and check the stage."""
-    log = run_logger()
-    ok, why = verify(stage.out_dir)
-    if ok:
-        log.info("stage %s: complete artifact found in %s, reusing it", stage.name, stage.out_dir)
-        return Outcome("reused", ref_from_manifest(stage.out_dir))
-    _drop_stale_manifest(stage.out_dir, why, log)
+def _engine(stage: PlannedStage) -> Launcher | LaunchError:
+    """The launcher that runs `stage`, or the error that says why it cannot be made (its
+    engine's client is not installed)."""
     try:
-        launcher = launcher_for(stage)
-    except LaunchError as exc:  # the engine's client is not installed
-        raise StageFailed(f"stage '{stage.name}' could not be started: {exc}") from None
+        return launcher_for(stage)
+    except LaunchError as exc:
+        return exc
+
+
+def _under_lock(stage: PlannedStage, spec: StageSpec, lock: str, kill_grace_s: float) -> Outcome:
+    """Holding the lock: stop a job a dead flow left behind, look once, launch if not done."""
+    log = run_logger()
+    engine = _engine(stage)
     # A flow that died may have left its remote job running. It holds no lock now (we do), so
-    # it must be stopped before a new launch writes the same folder; the new one resumes.
-    if stop_earlier_launch(launcher, stage, kill_grace_s, log) and verify(stage.out_dir)[0]:
-        # It had sealed the artifact before it was stopped (its beat had not gone silent yet).
-        log.info("stage %s: the earlier job completed the artifact; reusing it", stage.name)
-        return Outcome("reused", ref_from_manifest(stage.out_dir))
+    # it is stopped before the look (it may have sealed the artifact meanwhile) and before a
+    # new launch writes the same folder; the new one resumes.
+    if not isinstance(engine, LaunchError):
+        stop_earlier_launch(engine, stage, kill_grace_s, log)
+    if (ref := find_complete(stage.out_dir, stage.fingerprint, log)) is not None:
+        log.info("stage %s: complete artifact found in %s, reusing it", stage.name, stage.out_dir)
+        return Outcome("reused", ref)
+    return _launch(stage, spec, engine, lock, kill_grace_s)
+
+
+def _launch(
+    stage: PlannedStage,
+    spec: StageSpec,
+    engine: Launcher | LaunchError,
+    lock: str | None,
+    kill_grace_s: float,
+) -> Outcome:
+    """Write this launch's spec, start the stage through `engine` and follow it to its end."""
+    if isinstance(engine, LaunchError):
+        raise StageFailed(f"stage '{stage.name}' could not be started: {engine}") from None
+    log = run_logger()
     # Before this launch writes its own traces (launch line, heartbeats) over the old ones.
     earlier = earlier_attempt(stage.out_dir)
     if earlier:
         log.warning("stage %s: %s", stage.name, earlier)
-    launch_id = uuid.uuid4().hex
+    launch = launch_info(stage, uuid.uuid4().hex, lock, earlier)
+    spec = spec.model_copy(update={"launch": launch})
+    if stage.launcher == "local":
+        env = local_env(launch, visible_devices=stage.visible_devices)
+    else:  # an engine's nodes get only what the launch needs, not this machine's environment
+        env = launch_env(launch)
     log_path = stage.out_dir / "logs" / "stage.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     request = LaunchRequest(
         stage=stage,
-        spec_path=Path(spec_path),
-        launch_id=launch_id,
-        env=launch_env(stage, launch_id, earlier),
+        spec_path=spec.write(spec_path(stage.out_dir, node_rank())),
+        launch_id=launch.id,
+        env=env,
         log_dir=log_path.parent,
         labels=launch_labels(),
     )
-    watch = hang_watch(stage, every_rank=launcher.name != "local")
-    with open(log_path, "a", encoding="utf-8") as log_file, LauncherBeat.of(request.env):
+    watch = hang_watch(stage, every_rank=engine.name != "local")
+    with open(log_path, "a", encoding="utf-8") as log_file, SupervisorBeat.of(launch):
         try:
-            launch = launcher.start(request, log)
+            started = engine.start(request, log)
         except LaunchError as exc:
             raise StageFailed(f"stage '{stage.name}' could not be started: {exc}") from None
-        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        log_file.write(f"=== {started} launch {launch_id}: {launch.description}\n")
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        log_file.write(f"=== {now} launch {launch.id}: {started.description}\n")
         log_file.flush()
-        log.info("stage %s: %s", stage.name, launch.description)
-        record_launch(launcher, launch, request)
-        return _follow(stage, launch, watch, log_file, log_path, kill_grace_s)
+        log.info("stage %s: %s", stage.name, started.description)
+        record_launch(engine, started, request)
+        return _follow(stage, started, watch, log_file, log_path, kill_grace_s)
+
+
+def _completed_ref(stage: PlannedStage, artifact_json: str | None) -> ArtifactRef:
+    """What a launch that exited 0 sealed: verified, with the planned fingerprint, and the
+    artifact the stage said it sealed (its POSTTRAIN_ARTIFACT line)."""
+    ok, why = verify(stage.out_dir)
+    if not ok:
+        raise StageFailed(f"stage '{stage.name}' exited 0 but its artifact is incomplete: {why}")
+    ref = ref_from_manifest(stage.out_dir)
+    said = ArtifactRef.model_validate_json(artifact_json) if artifact_json else ref
+    if ref.fingerprint != stage.fingerprint or said.fingerprint != ref.fingerprint:
+        raise StageFailed(
+            f"stage '{stage.name}' wrote fingerprint {said.fingerprint}, expected {stage.fingerprint}"
+        )
+    return ref
 
 
 def _follow(

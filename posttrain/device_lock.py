@@ -23,9 +23,6 @@ from posttrain.locking import FileLock
 
 DIR_ENV = "POSTTRAIN_DEVICE_LOCK_DIR"
 DEFAULT_DIR = "/tmp/posttrain-device-locks"
-# The lock file of the device set a stage's launcher holds, so an orphaned stage that goes on
-# (infra.orphan=finish) can take the devices over from its dead launcher.
-HELD_ENV = "POSTTRAIN_DEVICE_LOCK"
 
 
 def lock_dir() -> Path:

@@ -5,13 +5,10 @@ both would train into one folder at once (interleaved checkpoints, metrics and w
 sealing the other's files in its manifest). With it, the second waits, then finds the first's
 artifact complete and reuses it.
 
-Who holds the lock, once per launch:
-  - the flow's launcher (`flows.stage_supervise.supervise_stage`), around verify + launch + the
-    completion check; it tells its stage process so through `LOCK_HELD_ENV`;
-  - otherwise the stage process itself (`python -m posttrain.stages.x`, `posttrain launch`):
-    rank 0 of node 0 takes it; the other ranks of node 0 wait until the lock's owner record names
-    their own torchrun launch (or the artifact is complete), so no rank touches the folder, or
-    waits in a collective with a timeout, while another run holds it.
+Who holds the lock, once per launch: the stage's supervisor (`flows.stage_supervise`), from
+its one look at the folder to the completion check, telling the stage process it holds it in
+`spec.json` (`launch.lock`); or, when nothing holds it for the process, the stage process
+itself (`posttrain.artifact_claim.claim_by_hand`).
 
 The lock file sits beside the folder, not in it: everything in the folder is sealed by the
 manifest. It is never deleted (removing a flock'ed file lets a third process lock a new inode
@@ -32,8 +29,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-# Set by a launcher that holds the lock for the stage process it starts: the lock file's path.
-LOCK_HELD_ENV = "POSTTRAIN_ARTIFACT_LOCK"
 WAIT_LOG_EVERY_S = 60.0
 
 log = logging.getLogger("posttrain.lock")
@@ -173,47 +168,3 @@ class ArtifactLock(FileLock):
 
     def __init__(self, out_dir: str | os.PathLike[str]) -> None:
         super().__init__(lock_path(out_dir))
-
-
-def stage_lock(
-    out_dir: Path,
-    stage: str,
-    complete: Callable[[], bool],
-    env: Mapping[str, str] | None = None,
-    poll_s: float = 0.25,
-) -> ArtifactLock | None:
-    """The lock a stage process must hold before touching `out_dir`, or None when it needs none.
-
-    None when a launcher holds it for this process (`LOCK_HELD_ENV`), on nodes other than 0
-    (torchrun's GROUP_RANK; their workspace may not even be the same file system), and for
-    ranks other than 0 of node 0, which instead wait here until the lock's owner record names
-    their torchrun launch (TORCHELASTIC_RUN_ID), i.e. their rank 0 holds it, or `complete()`.
-    """
-    env = os.environ if env is None else env
-    lock = ArtifactLock(out_dir)
-    if env.get(LOCK_HELD_ENV) == str(lock.path) or env.get("GROUP_RANK", "0") != "0":
-        return None
-    launch = env.get("TORCHELASTIC_RUN_ID") or f"pid-{os.getpid()}"
-    what = f"stage {stage}, launch {launch}"
-
-    def waiting(holder: dict[str, Any] | None) -> None:
-        log.info(
-            "stage %s: waiting for another run of the same stage (%s) to release %s",
-            stage,
-            describe_holder(holder),
-            lock.path,
-        )
-
-    if env.get("RANK", "0") == "0":
-        lock.acquire({"launch": launch, "what": what}, on_wait=waiting, poll_s=poll_s)
-        return lock
-    told = False
-    while True:
-        holder = lock.holder()  # cheap; `complete()` hashes files, so it comes second
-        if (holder is not None and holder.get("launch") == launch) or complete():
-            break
-        if not told:
-            waiting(holder)
-            told = True
-        time.sleep(poll_s)
-    return None

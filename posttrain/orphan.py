@@ -1,28 +1,30 @@
 """A stage process notices when the process that launched it is gone, and acts on it.
 
 A stage runs in a session of its own (so it can be killed as a group), hence nothing stops it
-when its launcher dies: `posttrain run` SIGKILLed by the OOM killer, a lost pod, a Prefect
+when its supervisor dies: `posttrain run` SIGKILLed by the OOM killer, a lost pod, a Prefect
 worker killed outright. Left alone it would go on training with nobody reading its output, its
-artifact lock already released by the kernel (the launcher held it), so a new run could start
+artifact lock already released by the kernel (the supervisor held it), so a new run could start
 writing the same folder.
 
-The launcher puts its PID and start time in the stage's environment (`launcher_env`); every
-process of the stage that runs `stage_main` (each rank under torchrun) starts a daemon thread
-that checks once a second that this very process (same PID, same start time: a PID can be
-reused) is still alive. A stage that an engine (Slurm, Kubernetes) runs on other machines cannot
-see the launcher's PID: the launcher rewrites a beat file on the shared workspace instead
-(`LauncherBeat`), and the launcher counts as gone when the file's content has not changed for
-`infra.launcher_silence_s` by this process's own clock (no comparison of two machines' clocks).
-When it is gone, per `infra.orphan`:
+The supervisor (the process that started and follows the stage) writes its PID and start time
+into the stage's spec (`spec.json`, `launch.supervisor_pid`/`supervisor_start`); every process
+of the stage that runs `stage_main` (each rank under torchrun) starts a daemon thread that checks
+once a second that this very process (same PID, same start time: a PID can be reused) is still
+alive. A stage that an engine (Slurm, Kubernetes) runs on other machines cannot see the
+supervisor's PID: the supervisor rewrites a beat file on the shared workspace instead
+(`SupervisorBeat`, `launch.beat_file`), and it counts as gone when the file's content has not
+changed for `infra.supervisor_silence_s` by this process's own clock (no comparison of two
+machines' clocks). When it is gone, per `infra.orphan`:
   - `stop`: one line in the stage's log, then the process ends at once (`os._exit`). Safe at any
     moment: checkpoints are written to `step_N.tmp` and renamed, the manifest is written last,
     so what is left is complete checkpoints and no manifest; the next run resumes from the
     newest. Rank 0 looks once more right before sealing the manifest, so an orphan never seals
-    (nobody holds the artifact's lock any more), however fast its last steps were. Under torchrun the rank also SIGTERMs its torchrun agent (it carries the same
-    launch marker), which stops the other ranks.
+    (nobody holds the artifact's lock any more), however fast its last steps were. Under
+    torchrun the rank also SIGTERMs its torchrun agent (it carries the same launch tag), which
+    stops the other ranks.
   - `finish`: the stage goes on to the end and seals its artifact. Its output goes to its log
-    file (the launcher's pipe has no reader any more). Rank 0 takes over the artifact lock (and
-    the device lock) from the dead launcher, so a new run of the same stage waits, then reuses
+    file (the supervisor's pipe has no reader any more). Rank 0 takes over the artifact lock (and
+    the device lock) from the dead supervisor, so a new run of the same stage waits, then reuses
     the artifact. If a new run already took the artifact lock, two writers must not share the
     folder: the stage stops instead.
 No Prefect here: the stage side knows only processes, files and locks.
@@ -42,14 +44,9 @@ from pathlib import Path
 
 import psutil
 
-from posttrain.device_lock import HELD_ENV as DEVICE_LOCK_ENV
-from posttrain.locking import LOCK_HELD_ENV, FileLock
+from posttrain.locking import FileLock
+from posttrain.stage_spec import LAUNCH_TAG_ENV, LaunchInfo
 
-LAUNCHER_PID_ENV = "POSTTRAIN_LAUNCHER_PID"
-LAUNCHER_START_ENV = "POSTTRAIN_LAUNCHER_START"
-LAUNCH_ENV_VAR = "POSTTRAIN_LAUNCH_ID"  # set by flows.stage_launch: one value per launch
-LAUNCHER_BEAT_ENV = "POSTTRAIN_LAUNCHER_BEAT"  # a remote stage's launcher: its beat file...
-LAUNCHER_SILENCE_ENV = "POSTTRAIN_LAUNCHER_SILENCE_S"  # ...and how long it may stay unchanged
 BEAT_EVERY_S = 5.0
 POLL_S = 1.0
 EXIT_ORPHANED = 1  # like any stage that did not finish: no manifest, "not done"
@@ -57,37 +54,35 @@ EXIT_ORPHANED = 1  # like any stage that did not finish: no manifest, "not done"
 log = logging.getLogger("posttrain.orphan")
 
 
-def launcher_env(pid: int | None = None) -> dict[str, str]:
-    """The variables a launcher passes to the stage it starts: its PID and start time."""
-    pid = os.getpid() if pid is None else pid
-    return {LAUNCHER_PID_ENV: str(pid), LAUNCHER_START_ENV: repr(psutil.Process(pid).create_time())}
+def process_start(pid: int | None = None) -> float:
+    """A process's start time as psutil reports it (with its PID, the process's identity)."""
+    return psutil.Process(os.getpid() if pid is None else pid).create_time()
 
 
-def launcher_alive(pid: int, start: float) -> bool:
+def supervisor_alive(pid: int, start: float) -> bool:
     """Whether the process `pid` that started at `start` still runs (a zombie does not)."""
     try:
         p = psutil.Process(pid)
         return abs(p.create_time() - start) < 0.05 and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-    except psutil.Error:  # not ours to inspect: it exists, so assume it is the launcher
+    except psutil.Error:  # not ours to inspect: it exists, so assume it is the supervisor
         return True
 
 
-class LauncherBeat:
-    """The launcher side of a remote stage's orphan watch: a thread rewrites `path` with a new
-    counter every `every_s` while the launcher follows the stage. A context manager; `of(env)`
-    is a no-op one for a stage whose environment names no beat file (a local one)."""
+class SupervisorBeat:
+    """The supervisor side of a remote stage's orphan watch: a thread rewrites `path` with a
+    new counter every `every_s` while the supervisor follows the stage. A context manager;
+    `of(launch)` is a no-op one for a launch that names no beat file (a local one)."""
 
     def __init__(self, path: Path, every_s: float = BEAT_EVERY_S):
         self.path, self.every_s = Path(path), every_s
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="launcher-beat", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="supervisor-beat", daemon=True)
 
     @classmethod
-    def of(cls, env: Mapping[str, str]) -> contextlib.AbstractContextManager[object]:
-        path = env.get(LAUNCHER_BEAT_ENV)
-        return cls(Path(path)) if path else contextlib.nullcontext()
+    def of(cls, launch: LaunchInfo) -> contextlib.AbstractContextManager[object]:
+        return cls(Path(launch.beat_file)) if launch.beat_file else contextlib.nullcontext()
 
     def beat(self, n: int) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
@@ -101,7 +96,7 @@ class LauncherBeat:
             n += 1
             self.beat(n)
 
-    def __enter__(self) -> LauncherBeat:
+    def __enter__(self) -> SupervisorBeat:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.beat(1)
         self.thread.start()
@@ -113,12 +108,12 @@ class LauncherBeat:
 
 
 class BeatReader:
-    """The stage side: whether the launcher's beat file changed within `silence_s`."""
+    """The stage side: whether the supervisor's beat file changed within `silence_s`."""
 
     def __init__(self, path: Path, silence_s: float):
         self.path, self.silence_s = Path(path), silence_s
         self.last: str | None = None
-        self.changed_at = time.monotonic()  # the launcher wrote a beat right before submitting
+        self.changed_at = time.monotonic()  # the supervisor wrote a beat right before submitting
 
     def alive(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
@@ -131,40 +126,44 @@ class BeatReader:
 
 class OrphanWatch:
     """The watching thread of one stage process; `start()` returns None when the process has
-    no launcher to watch (started by hand)."""
+    no supervisor to watch (started by hand)."""
 
     def __init__(
         self,
         out_dir: Path,
         stage: str,
         policy: str,
+        launch: LaunchInfo,
         env: Mapping[str, str] | None = None,
         poll_s: float = POLL_S,
     ) -> None:
+        # RANK/GROUP_RANK (torchrun's) say which process takes the locks over; the launch tag
+        # says which parent is this launch's torchrun agent.
         self.env = dict(os.environ if env is None else env)
         self.out_dir, self.stage, self.policy, self.poll_s = Path(out_dir), stage, policy, poll_s
+        self.launch = launch
         self.beats: BeatReader | None = None
-        if beat_file := self.env.get(LAUNCHER_BEAT_ENV):
-            self.beats = BeatReader(Path(beat_file), float(self.env[LAUNCHER_SILENCE_ENV]))
-            self.pid, self.start_time = 0, 0.0
-        else:
-            self.pid = int(self.env[LAUNCHER_PID_ENV])
-            self.start_time = float(self.env[LAUNCHER_START_ENV])
+        if launch.beat_file:
+            self.beats = BeatReader(Path(launch.beat_file), float(launch.silence_s or 0.0))
+        self.pid, self.start_time = launch.supervisor_pid or 0, launch.supervisor_start or 0.0
         self.taken: list[FileLock] = []  # locks taken over (finish): freed when we exit
         self._stop = threading.Event()
         self._acting = threading.Lock()
-        self.launcher_gone = False
+        self.supervisor_gone = False
         self.thread: threading.Thread | None = None
 
     @classmethod
     def start(
-        cls, out_dir: Path, stage: str, policy: str, poll_s: float = POLL_S
+        cls,
+        out_dir: Path,
+        stage: str,
+        policy: str,
+        launch: LaunchInfo | None,
+        poll_s: float = POLL_S,
     ) -> OrphanWatch | None:
-        remote = os.environ.get(LAUNCHER_BEAT_ENV) and os.environ.get(LAUNCHER_SILENCE_ENV)
-        local = os.environ.get(LAUNCHER_PID_ENV) and os.environ.get(LAUNCHER_START_ENV)
-        if not (remote or local):
+        if launch is None or not (launch.beat_file or launch.supervisor_pid):
             return None
-        watch = cls(out_dir, stage, policy, poll_s=poll_s)
+        watch = cls(out_dir, stage, policy, launch, poll_s=poll_s)
         watch.thread = threading.Thread(target=watch._run, name="orphan-watch", daemon=True)
         watch.thread.start()
         return watch
@@ -173,25 +172,25 @@ class OrphanWatch:
         self._stop.set()
 
     def _run(self) -> None:
-        while True:  # first look at once: the launcher may have died while we imported torch
+        while True:  # first look at once: the supervisor may have died while we imported torch
             if self.check():
                 return
             if self._stop.wait(self.poll_s):
                 return
 
     def check(self) -> bool:
-        """Act now if the launcher is gone (once); returns whether it is. Also called right
+        """Act now if the supervisor is gone (once); returns whether it is. Also called right
         before the manifest is sealed, so that with `stop` an orphan never seals an artifact
         (nobody holds its lock any more), however short its last steps were."""
         with self._acting:
-            if self.launcher_gone:
+            if self.supervisor_gone:
                 return True
             if self.beats is not None:
                 if self.beats.alive():
                     return False
-            elif launcher_alive(self.pid, self.start_time):
+            elif supervisor_alive(self.pid, self.start_time):
                 return False
-            self.launcher_gone = True
+            self.supervisor_gone = True
             self.orphaned()
             return True
 
@@ -199,11 +198,11 @@ class OrphanWatch:
         self._to_log_file()
         if self.beats is not None:
             what = (
-                f"stage {self.stage}: its launcher is gone (its beat file {self.beats.path} has "
+                f"stage {self.stage}: its supervisor is gone (its beat file {self.beats.path} has "
                 f"not changed for {self.beats.silence_s:g} s)"
             )
         else:
-            what = f"stage {self.stage}: its launcher (pid {self.pid}) is gone"
+            what = f"stage {self.stage}: its supervisor (pid {self.pid}) is gone"
         if self.policy == "finish":
             taken = self._take_over_locks()
             if taken is not None:
@@ -231,8 +230,8 @@ class OrphanWatch:
         os._exit(EXIT_ORPHANED)
 
     def _to_log_file(self) -> None:
-        # Our stdout/stderr were the dead launcher's pipe: a write would fail (EPIPE) and end
-        # the stage mid-step. The launcher appended them to logs/stage.log: go on doing so.
+        # Our stdout/stderr were the dead supervisor's pipe: a write would fail (EPIPE) and end
+        # the stage mid-step. The supervisor appended them to logs/stage.log: go on doing so.
         path = self.out_dir / "logs" / "stage.log"
         with contextlib.suppress(OSError):
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -245,19 +244,19 @@ class OrphanWatch:
             os.close(fd)
 
     def _take_over_locks(self) -> list[str] | None:
-        """Rank 0 of node 0 takes the artifact lock (when the launcher held it) and the device
+        """Rank 0 of node 0 takes the artifact lock (when the supervisor held it) and the device
         lock. None when the artifact lock is taken by someone else."""
         if self.env.get("RANK", "0") != "0" or self.env.get("GROUP_RANK", "0") != "0":
             return []
         owner = {"what": f"stage {self.stage}, orphaned (infra.orphan=finish)"}
         names = []
-        if artifact := self.env.get(LOCK_HELD_ENV):
+        if artifact := self.launch.lock:
             lock = FileLock(artifact)
             if not lock.try_acquire(owner):
                 return None
             self.taken.append(lock)
             names.append(artifact)
-        if devices := self.env.get(DEVICE_LOCK_ENV):
+        if devices := self.launch.device_lock:
             lock = FileLock(devices)
             with contextlib.suppress(OSError):
                 if lock.try_acquire(owner):  # a new run may have it already: go on anyway
@@ -274,9 +273,9 @@ class OrphanWatch:
     def _stop_agent(self) -> None:
         # Under torchrun our parent is its agent, of the same launch: SIGTERM makes it stop
         # the other ranks and exit, rather than wait for them to notice on their own.
-        launch = self.env.get(LAUNCH_ENV_VAR)
+        tag = self.env.get(LAUNCH_TAG_ENV)
         with contextlib.suppress(psutil.Error):
             parent = psutil.Process(os.getppid())
-            if launch and parent.environ().get(LAUNCH_ENV_VAR) == launch:
+            if tag and parent.environ().get(LAUNCH_TAG_ENV) == tag:
                 parent.send_signal(signal.SIGTERM)
                 time.sleep(0.2)  # let it start forwarding before this rank vanishes

@@ -9,23 +9,19 @@ stage kind is (its module, what it consumes, whether it trains) comes from the r
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.artifacts import (
-    ArtifactRef,
-    atomic_write_text,
-    fingerprint,
-    path_identity,
-    stage_dir,
-)
+from posttrain.artifacts import ArtifactRef, fingerprint, path_identity, stage_dir
 from posttrain.config.graph import BASE, StageGraph
+from posttrain.config.loader import is_resolved, resolve
+from posttrain.config.reach import ServedReach
 from posttrain.config.schema import Recipe
 from posttrain.data.chat import looks_like_template_file
 from posttrain.hub import RepoType, is_hub_id, resolve_sha
 from posttrain.kinds import KINDS, StageKind
+from posttrain.stage_spec import StageSpec
 
 
 def stage_inputs(
@@ -206,6 +202,8 @@ class PlannedStage:
     hang_timeout_s: float | None = None
     hang_startup_s: float = 0.0
     kind: str = ""
+    # What its artifact is for the stages that consume it (the kind's `produces`).
+    produces: str = ""
     # role -> parent stage name: "base", "policy" (what it starts from), "reference",
     # "reward_model"; evaluate and export also "parent" (the policy's own parent), "heldout"
     # (where held-out conversations come from) and "evaluation".
@@ -255,7 +253,45 @@ def evaluate_reads(recipe: Recipe, graph: StageGraph) -> list[str]:
     return out
 
 
-def plan(recipe: Recipe) -> list[PlannedStage]:
+@dataclass
+class RunPlan:
+    """Everything a run needs from its recipe, asked once: the resolved recipe, its stages in
+    run order (fingerprints, folders, inputs by role, how each runs) and the devices."""
+
+    recipe: Recipe
+    stages: list[PlannedStage]
+    device: str  # "cpu" or "cuda"
+    parallel: int  # stages that may run at once (infra.parallel_stages, resolved)
+    devices_per_stage: int
+
+    def stage(self, name: str) -> PlannedStage:
+        return next(s for s in self.stages if s.name == name)
+
+    def pending(self, done: set[str]) -> list[PlannedStage]:
+        """The planned stages not in `done`, in run order (what a failed run did not reach)."""
+        return [s for s in self.stages if s.name not in done]
+
+
+def plan(recipe: Recipe, served: ServedReach | None = None) -> RunPlan:
+    """The run's plan. `recipe` is resolved here unless it already was (`posttrain run`
+    resolves it to validate before anything starts); `served`: the worker's reach, for a run a
+    server created from a deployment (its recipe may only narrow it), checked first.
+    Raises RecipeError naming each field at fault."""
+    if served is not None:
+        served.check(recipe)
+    if not is_resolved(recipe):
+        recipe = resolve(recipe, code_roots=served.reward_roots if served is not None else None)
+    infra = recipe.infra
+    return RunPlan(
+        recipe=recipe,
+        stages=_plan_stages(recipe),
+        device=str(infra.device),
+        parallel=int(infra.parallel_stages),
+        devices_per_stage=int(infra.devices_per_node),
+    )
+
+
+def _plan_stages(recipe: Recipe) -> list[PlannedStage]:
     """Fingerprint every stage in run order. `recipe` must be resolved (no `auto` left)."""
     graph = recipe.graph()
     order = [k.name for k in KINDS.values() if k.placement == "first"]
@@ -298,28 +334,24 @@ def plan(recipe: Recipe) -> list[PlannedStage]:
                 hang_timeout_s=recipe.infra.hang_timeout_s if kind.trains else None,
                 hang_startup_s=recipe.infra.hang_startup_s,
                 kind=kind.name,
+                produces=kind.produces,
                 roles=roles,
             )
         )
     return out
 
 
-def write_spec(stage: PlannedStage, recipe: Recipe, parent_refs: dict[str, ArtifactRef]) -> Path:
-    """Write the JSON a stage process reads (`--spec`): the resolved recipe, its fingerprint, its
-    output folder and its parents' refs. Kept under logs/ so the manifest does not cover it."""
-    spec = {
-        "stage": stage.name,
-        "kind": stage.kind,
-        "roles": stage.roles,
-        "fingerprint": stage.fingerprint,
-        "out_dir": str(stage.out_dir),
-        "inputs": stage.inputs,
-        "parents": {k: v.model_dump() for k, v in parent_refs.items()},
-        "recipe": recipe.model_dump(mode="json"),
-    }
-    path = stage.out_dir / "logs" / "spec.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Atomically: a concurrent run of the same stage rewrites this file while our process (or
-    # one of its ranks) may be reading it.
-    atomic_write_text(path, json.dumps(spec, indent=2))
-    return path
+def spec_for(stage: PlannedStage, recipe: Recipe, parent_refs: dict[str, ArtifactRef]) -> StageSpec:
+    """What a stage process builds (`posttrain.stage_spec`): the resolved recipe, the stage's
+    fingerprint, folder, inputs and roles, and its parents' refs. Its supervisor adds the
+    launch record and writes it to `logs/spec.json`."""
+    return StageSpec(
+        stage=stage.name,
+        kind=stage.kind,
+        roles=stage.roles,
+        fingerprint=stage.fingerprint,
+        out_dir=str(stage.out_dir),
+        inputs=stage.inputs,
+        parents=parent_refs,
+        recipe=recipe.model_dump(mode="json"),
+    )

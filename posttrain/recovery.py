@@ -9,7 +9,8 @@ says so before it starts, so a person reading the run sees what happened and wha
     last heartbeat 2026-12-01 07:41:02 UTC, rank 0 pid 4242); newest complete checkpoint:
     step 12, so 2 steps are redone; a half-written checkpoint (step_0000015.tmp) is discarded
 
-Reads files only (no torch, no Prefect): the flow's launcher calls it.
+Reads files only (no torch, no Prefect): the stage's supervisor calls it before a launch and
+hands the line to the stage in its spec (`launch.earlier_attempt`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.artifacts import MANIFEST
+from posttrain.stage_spec import LaunchInfo
 from posttrain.telemetry.heartbeat import read_heartbeats
 
-# Set by the flow's launcher for the stage it starts: its `earlier_attempt` line (the stage can
-# no longer read the old heartbeats: the launcher clears them before the launch).
-EARLIER_ATTEMPT_ENV = "POSTTRAIN_EARLIER_ATTEMPT"
 LAUNCH_LOG = Path("logs") / "stage.log"
 ERROR_FILE = Path("logs") / "error.txt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -127,9 +126,9 @@ def recovery_record(account: str | None, summary: dict[str, Any]) -> dict[str, A
     return {k: v for k, v in record.items() if v}
 
 
-def launch_account(out_dir: Path, environ: dict[str, str]) -> str | None:
-    """The stage process's view: its launcher's account when a launcher started it (one that
-    said nothing found nothing), else its own look at the folder (a stage started by hand)."""
-    if "POSTTRAIN_LAUNCH_ID" in environ:
-        return environ.get(EARLIER_ATTEMPT_ENV) or None
+def launch_account(out_dir: Path, launch: LaunchInfo | None) -> str | None:
+    """The stage process's view: its supervisor's account when a supervisor started it (one
+    that said nothing found nothing), else its own look at the folder (started by hand)."""
+    if launch is not None:
+        return launch.earlier_attempt
     return earlier_attempt(out_dir)

@@ -30,7 +30,7 @@ from posttrain.planner import plan  # noqa: E402
 def main(folder: Path) -> int:
     run = folder / "run"
     recipe = slurm_sft_recipe(run, "demo", steps=120, checkpoint_every=10)
-    sft = {s.name: s for s in plan(load_recipe(recipe))}["sft"]
+    sft = {s.name: s for s in plan(load_recipe(recipe)).stages}["sft"]
     cmd = [sys.executable, "-m", "flows.cli", "run", str(recipe)]
     with LocalSlurm(folder / "cluster") as cluster:
         env = {**os.environ, **cluster.env, "HF_HUB_OFFLINE": "1"}

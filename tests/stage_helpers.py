@@ -105,7 +105,7 @@ def run_shared(stage: str, recipe: Path, store: Path) -> Path:
 
 def planned_dir(stage: str, recipe: Path, *overrides: str) -> Path:
     """The folder of the stage named `stage`, else of the recipe's one stage of that kind."""
-    planned = plan(load_recipe(recipe, list(overrides)))
+    planned = plan(load_recipe(recipe, list(overrides))).stages
     named = [s for s in planned if s.name == stage] or [s for s in planned if s.kind == stage]
     return named[0].out_dir
 
@@ -135,13 +135,13 @@ def hand_planned(
     tmp_path: Path, module: str, infra: dict | None = None, **fields: object
 ) -> tuple[object, Path]:
     """An `sft` stage running `module` (a stand-in stage module), planned by hand on TINY with
-    `infra` merged in, and its spec: for driving the supervisor (`run_stage.fn`) without a flow.
+    `infra` merged in, and its spec: for driving the supervisor (`stage_task.fn`) without a flow.
     `fields` are PlannedStage fields (nprocs, nnodes, hang_timeout_s, launcher...)."""
     import copy
 
     from posttrain.artifacts import stage_dir
     from posttrain.config.schema import Recipe
-    from posttrain.planner import PlannedStage, write_spec
+    from posttrain.planner import PlannedStage, spec_for
 
     data = copy.deepcopy(TINY)
     data["run"]["workspace"] = str(tmp_path / "ws")
@@ -162,7 +162,7 @@ def hand_planned(
             **fields,
         }
     )
-    return stage, write_spec(stage, recipe, {})
+    return stage, spec_for(stage, recipe, {})
 
 
 def slurm_sft_recipe(

@@ -1,5 +1,5 @@
 """Two runs of the same stage at once: one runs, the other waits for it and reuses its artifact;
-the folder is never written by both (posttrain.locking)."""
+the folder is never written by both (posttrain.locking, posttrain.artifact_claim)."""
 
 from __future__ import annotations
 
@@ -17,16 +17,12 @@ from typing import Any
 import pytest
 
 from flows.stage_supervise import supervise_stage
-from posttrain.artifacts import read_manifest, stage_dir, verify
+from posttrain.artifact_claim import claim_by_hand
+from posttrain.artifacts import read_manifest, stage_dir, verify, write_manifest
 from posttrain.config.loader import validate_recipe
-from posttrain.locking import (
-    LOCK_HELD_ENV,
-    ArtifactLock,
-    LockTimeout,
-    lock_path,
-    stage_lock,
-)
-from posttrain.planner import PlannedStage, plan, write_spec
+from posttrain.locking import ArtifactLock, LockTimeout, lock_path
+from posttrain.planner import PlannedStage, plan, spec_for
+from posttrain.stage_spec import StageSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 FP = "0123456789abcdef"
@@ -62,7 +58,9 @@ if __name__ == "__main__":
 
 
 @pytest.fixture
-def slow_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[PlannedStage, Path, Path]:
+def slow_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[PlannedStage, StageSpec, Path]:
     mods = tmp_path / "mods"
     mods.mkdir()
     (mods / "pt_slow_stage.py").write_text(SLOW_STAGE)
@@ -89,7 +87,7 @@ def slow_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Planned
             "sft": {"data": {"synthetic": {}}},
         }
     )
-    return stage, write_spec(stage, recipe, {}), runs
+    return stage, spec_for(stage, recipe, {}), runs
 
 
 def _intact(out_dir: Path) -> None:
@@ -169,8 +167,9 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
 
 
 def test_torchrun_ranks_wait_for_their_own_rank_0(tmp_path: Path) -> None:
-    """Rank 1 of launch B must not touch the folder while launch A holds it, nor proceed before
-    its own rank 0 has it; a launcher's child and other nodes take no lock at all."""
+    """Started by hand (no supervisor holds the lock): rank 1 of launch B must not touch the
+    folder while launch A holds it, nor proceed before its own rank 0 has looked; it follows
+    rank 0's decision. Other nodes look read-only and take no lock."""
     out = tmp_path / "artifacts" / "sft" / FP
     other_run = ArtifactLock(out)
     assert other_run.try_acquire({"launch": "A"})
@@ -179,36 +178,49 @@ def test_torchrun_ranks_wait_for_their_own_rank_0(tmp_path: Path) -> None:
 
     def rank(r: int) -> None:
         env = {"RANK": str(r), "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "B"}
-        got[r] = stage_lock(out, "sft", lambda: False, env=env, poll_s=0.02)
+        got[r] = claim_by_hand(out, FP, "sft", env=env, poll_s=0.02)
         order.append(f"rank{r}")
 
-    r1 = threading.Thread(target=rank, args=(1,))
-    r1.start()
-    time.sleep(0.2)
-    r0 = threading.Thread(target=rank, args=(0,))
-    r0.start()
-    time.sleep(0.3)
-    assert order == [], "both ranks of launch B wait while launch A holds the folder"
-    other_run.release()
-    r0.join(5)
-    r1.join(5)
-    assert sorted(order) == ["rank0", "rank1"]
-    assert isinstance(got[0], ArtifactLock) and got[0].held and got[1] is None
-    assert got[0].holder()["launch"] == "B"
+    def both_ranks() -> None:
+        order.clear()
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 0)]
+        threads[0].start()
+        time.sleep(0.2)
+        threads[1].start()
+        time.sleep(0.3)
+        assert order == [], "both ranks of launch B wait while launch A holds the folder"
+        other_run.release()
+        for t in threads:
+            t.join(5)
+        assert sorted(order) == ["rank0", "rank1"]
+
+    both_ranks()
+    assert got[0].lock is not None and got[0].lock.held and got[1].lock is None
+    assert (got[0].done, got[1].done) == (False, False), "nothing built yet: both build"
+    assert got[0].lock.holder()["launch"] == f"B/{os.getppid()}"
+    assert got[0].lock.holder()["decision"] == "build"
     got[0].release()
-    # A complete artifact also releases a waiting rank (its rank 0 found it done and left).
-    assert other_run.try_acquire({"launch": "C"})
-    env1 = {"RANK": "1", "TORCHELASTIC_RUN_ID": "B"}
-    assert stage_lock(out, "sft", lambda: True, env=env1) is None
-    # Under the flow's launcher, and on other nodes: no lock, no wait.
-    assert stage_lock(out, "sft", lambda: False, env={LOCK_HELD_ENV: str(lock_path(out))}) is None
-    assert stage_lock(out, "sft", lambda: False, env={"GROUP_RANK": "1"}) is None
-    other_run.release()
+    # A complete artifact: rank 0 finds it (and its ref), rank 1 follows without looking.
+    out.mkdir(parents=True)
+    (out / "result.json").write_text("{}")
+    write_manifest(out, stage="sft", fp=FP, parents=[], section={}, seed=0, summary={})
+    assert other_run.try_acquire({"launch": "A"})
+    both_ranks()
+    assert (got[0].done, got[1].done) == (True, True)
+    assert got[0].ref is not None and got[0].ref.fingerprint == FP and got[1].ref is None
+    got[0].release()
+    # Another node: no lock, a read-only look (the manifest of a damaged artifact stays for
+    # node 0's rank 0 to deal with).
+    other = claim_by_hand(out, FP, "sft", env={"GROUP_RANK": "1"})
+    assert other.done and other.lock is None
+    (out / "result.json").write_text("altered")
+    assert not claim_by_hand(out, FP, "sft", env={"GROUP_RANK": "1"}).done
+    assert (out / "manifest.json").exists()
 
 
 @pytest.mark.slow
 def test_two_launchers_at_once_one_runs_the_other_reuses(
-    slow_stage: tuple[PlannedStage, Path, Path], caplog: pytest.LogCaptureFixture
+    slow_stage: tuple[PlannedStage, StageSpec, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     stage, spec, runs = slow_stage
     caplog.set_level(logging.INFO, logger="posttrain.flows")
@@ -228,18 +240,20 @@ def test_two_launchers_at_once_one_runs_the_other_reuses(
     log = (stage.out_dir / "logs" / "stage.log").read_text()
     assert log.count("=== ") == 1, "the second launcher started no process"
     assert "waiting for another run of the same stage to finish" in caplog.text
-    assert "stage ingest launcher" in caplog.text
+    assert "stage ingest supervisor" in caplog.text
     _intact(stage.out_dir)
 
 
 @pytest.mark.slow
 def test_two_hand_launched_stage_processes_at_once(
-    slow_stage: tuple[PlannedStage, Path, Path],
+    slow_stage: tuple[PlannedStage, StageSpec, Path],
 ) -> None:
-    """`python -m <stage> --spec ...` twice, no launcher: the stage processes lock themselves."""
+    """`python -m <stage> --spec ...` twice, no supervisor: the stage processes lock
+    themselves (the spec names no lock held for them)."""
     stage, spec, runs = slow_stage
-    cmd = [sys.executable, "-m", stage.module, "--spec", str(spec)]
-    env = {k: v for k, v in os.environ.items() if k != LOCK_HELD_ENV}
+    path = spec.write(runs.parent / "spec.json")
+    cmd = [sys.executable, "-m", stage.module, "--spec", str(path)]
+    env = dict(os.environ)
     logs = [runs.parent / "first.log", runs.parent / "second.log"]
     with open(logs[0], "wb") as log1, open(logs[1], "wb") as log2:
         first = subprocess.Popen(cmd, env=env, stdout=log1, stderr=subprocess.STDOUT)
@@ -290,8 +304,8 @@ def test_two_real_ingest_runs_at_once(tmp_path: Path, caplog: pytest.LogCaptureF
             "sft": {"data": {"synthetic": {}}},
         }
     )
-    ingest = plan(recipe)[0]
-    spec = write_spec(ingest, recipe, {})
+    ingest = plan(recipe).stages[0]
+    spec = spec_for(ingest, recipe, {})
     caplog.set_level(logging.INFO, logger="posttrain.flows")
     first, second = _in_threads(
         lambda: supervise_stage(ingest, spec), lambda: supervise_stage(ingest, spec)

@@ -81,7 +81,7 @@ def recipe_file(tmp_path: Path) -> Path:
 
 
 def _fps(recipe_file: Path, *overrides: str) -> dict[str, str]:
-    return {s.name: s.fingerprint for s in plan(load_recipe(recipe_file, list(overrides)))}
+    return {s.name: s.fingerprint for s in plan(load_recipe(recipe_file, list(overrides))).stages}
 
 
 def test_section_change_moves_only_downstream(recipe_file: Path) -> None:
@@ -113,6 +113,6 @@ def test_data_file_content_is_an_input(recipe_file: Path, tmp_path: Path) -> Non
 
 
 def test_planned_dirs_live_in_the_workspace(recipe_file: Path, tmp_path: Path) -> None:
-    for s in plan(load_recipe(recipe_file)):
+    for s in plan(load_recipe(recipe_file)).stages:
         assert s.out_dir == tmp_path / "ws" / "artifacts" / s.name / s.fingerprint
         assert s.nprocs == 1

@@ -253,7 +253,7 @@ def test_template_file_is_resolved_and_fingerprinted_by_content(tmp_path: Path) 
     )
 
     def ingest_fp() -> str:
-        return next(s.fingerprint for s in plan(load_recipe(recipe)) if s.name == "ingest")
+        return next(s.fingerprint for s in plan(load_recipe(recipe)).stages if s.name == "ingest")
 
     before = ingest_fp()
     assert before == ingest_fp()

@@ -17,8 +17,9 @@ from stage_helpers import TINY, write_recipe
 from flows.cli import EXIT_INVALID, cmd_publish_base, cmd_serve, cmd_submit
 from flows.deploy import base_trigger, check_unique, deployment_for, describe, schedules_for
 from flows.events import BASE_EVENT, BASE_PATH_LABEL, PIPELINE_LABEL
-from flows.stage_procs import FLOW_RUN_ENV_VAR, kill_flow_run_processes, processes_with_env
+from flows.stage_procs import kill_flow_run_processes, tagged_processes
 from posttrain.config.loader import RecipeError, load_recipe, validate_recipe
+from posttrain.stage_spec import LAUNCH_TAG_ENV, tag_flow_run_id
 
 
 def _recipe(tmp_path: Path, **schedule: object) -> Path:
@@ -107,8 +108,8 @@ def test_server_commands_explain_a_missing_server(
     assert "is not a model folder (no config.json)" in err.getvalue()
 
 
-def test_flow_run_processes_are_found_and_killed_by_their_marker() -> None:
-    env = {**os.environ, FLOW_RUN_ENV_VAR: "run-123"}
+def test_flow_run_processes_are_found_and_killed_by_their_tag() -> None:
+    env = {**os.environ, LAUNCH_TAG_ENV: "launch-1@run-123"}
     # One ignores SIGTERM (so SIGKILL is needed), one runs in a session of its own.
     ignoring = subprocess.Popen(
         [sys.executable, "-c", "import signal,time; signal.signal(15, signal.SIG_IGN); "
@@ -121,7 +122,7 @@ def test_flow_run_processes_are_found_and_killed_by_their_marker() -> None:
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         assert ignoring.stdout is not None and ignoring.stdout.readline().strip() == b"1"
-        found = {p.pid for p in processes_with_env(FLOW_RUN_ENV_VAR, "run-123")}
+        found = {p.pid for p in tagged_processes(lambda t: tag_flow_run_id(t) == "run-123")}
         assert found == {ignoring.pid, detached.pid}
         t0 = time.monotonic()
         assert kill_flow_run_processes("run-123", grace_s=1.0) == 2

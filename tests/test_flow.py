@@ -2,7 +2,7 @@
 
 The stage registry is pointed at modules written by the test (same stage names, same harness,
 same spec/manifest contract), so this checks the orchestration itself in about a minute:
-caching across runs, re-running only downstream of a change, rebuilding a cached artifact
+reusing artifacts across runs, re-running only downstream of a change, rebuilding an artifact
 whose files were altered, and the run folder. The end-to-end test against the real stages
 lives with them.
 """
@@ -68,20 +68,30 @@ def _statuses(result: dict) -> dict[str, str]:
     return {s["stage"]: s["status"] for s in result["stages"]}
 
 
-def _prefect_view(run_dir: str) -> tuple[str, dict[str, list]]:
-    """(flow run name, {artifact type: [(key, data)]}) of the flow run that wrote `run_dir`."""
+def _prefect_view(run_dir: str) -> tuple[str, dict[str, list], dict[str, str]]:
+    """(flow run name, {artifact type: [(key, data)]}, {task run name: its state's name}) of
+    the flow run that wrote `run_dir`."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterId,
+    )
 
     flow_run_id = UUID(json.loads((Path(run_dir) / "lineage.json").read_text())["flow_run_id"])
     only_this_run = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
     with get_client(sync_client=True) as client:
         name = client.read_flow_run(flow_run_id).name
         artifacts = client.read_artifacts(artifact_filter=only_this_run)
+        tasks = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
     by_type: dict[str, list] = {}
     for a in artifacts:
         by_type.setdefault(a.type, []).append((a.key, a.data))
-    return name, by_type
+    states = {t.name: t.state.name for t in tasks if t.state is not None}
+    return name, by_type, states
 
 
 def _launches(workspace: Path) -> int:
@@ -111,10 +121,11 @@ def test_flow_caches_reruns_downstream_and_records_runs(
         arts["sft"]["fingerprint"],
     ]
     assert all(len(a["sha256"]) == 64 for a in arts.values())
-    assert "| sft | ran | no |" in (run_dir / "report.md").read_text()
+    assert "| sft | ran |" in (run_dir / "report.md").read_text()
     assert "name: flow-test" in (run_dir / "recipe.resolved.yaml").read_text()
-    assert list((ws / ".prefect" / "results").iterdir()), "results belong in the workspace"
-    name, artifacts = _prefect_view(first["run_dir"])
+    assert not (ws / ".prefect").exists(), "no Prefect result cache: the artifacts are the cache"
+    name, artifacts, states = _prefect_view(first["run_dir"])
+    assert states == dict.fromkeys(PLANNED, "Completed")
     assert name.startswith("flow-test-")
     progress = sorted(artifacts["progress"])
     assert [k for k, _ in progress] == [f"{n}-progress" for n in sorted(PLANNED)]
@@ -122,33 +133,35 @@ def test_flow_caches_reruns_downstream_and_records_runs(
     assert [k for k, _ in artifacts["markdown"]] == ["flow-test-report"]
     assert [k for k, _ in artifacts["table"]] == ["flow-test-metrics"]
 
-    # Same recipe: every stage is a Prefect cache hit, nothing is launched.
+    # Same recipe: every artifact is found complete, nothing is launched; the Prefect UI shows
+    # each stage's task in a state named with the report's word.
     second = post_train(recipe)
-    assert _statuses(second) == dict.fromkeys(PLANNED, "cached")
+    assert _statuses(second) == dict.fromkeys(PLANNED, "reused")
     assert _launches(ws) == 4
     assert second["run_dir"] != first["run_dir"]
-    assert "| export | cached | yes |" in (Path(second["run_dir"]) / "report.md").read_text()
-    # The report is made at flow level, so it exists although no task ran.
-    _, artifacts = _prefect_view(second["run_dir"])
+    assert "| export | reused |" in (Path(second["run_dir"]) / "report.md").read_text()
+    # The report is made at flow level, so it exists although no stage ran.
+    _, artifacts, states = _prefect_view(second["run_dir"])
+    assert states == dict.fromkeys(PLANNED, "Reused")
     assert "progress" not in artifacts
     report = artifacts["markdown"][0][1]
-    assert "| export | cached | yes |" in report
+    assert "| export | reused |" in report
 
     # A change to evaluate's section re-runs evaluate and what depends on it, nothing upstream.
     changed = _recipe(ws, evaluate={"max_eval_rows": 7})
     third = post_train(changed)
     assert _statuses(third) == {
-        "ingest": "cached", "sft": "cached", "evaluate": "ran", "export": "ran",
+        "ingest": "reused", "sft": "reused", "evaluate": "ran", "export": "ran",
     }  # fmt: skip
     assert _launches(ws) == 6
 
-    # A cached artifact whose files were deleted is rebuilt, and the cache then hits again.
+    # An artifact whose files were deleted is rebuilt, and found complete the next time.
     export_dir = Path(third["export_path"]).parent
     (export_dir / "model" / "weights.txt").unlink()
     fourth = post_train(changed)
     assert _statuses(fourth)["export"] == "ran"
     assert _launches(ws) == 7
-    assert _statuses(post_train(changed))["export"] == "cached"
+    assert _statuses(post_train(changed))["export"] == "reused"
 
 
 def test_flow_failure_names_the_stage_and_still_writes_the_report(

@@ -270,7 +270,7 @@ def test_gguf_types_are_in_the_export_fingerprint_only() -> None:
 
     def prints(*overrides: str) -> dict[str, str]:
         recipe = load_recipe("recipes/quickstart.yaml", list(overrides))
-        return {s.name: s.fingerprint for s in plan(recipe)}
+        return {s.name: s.fingerprint for s in plan(recipe).stages}
 
     before, f16, both = prints(), prints("export.gguf=[f16]"), prints("export.gguf=[f16,q8_0]")
     assert {k for k in before if before[k] != f16[k]} == {"export"}

@@ -131,7 +131,7 @@ def test_fingerprints_carry_the_spike_test_only() -> None:
 
     def fps(**guard: object) -> dict[str, str]:
         recipe = Recipe.model_validate({**copy.deepcopy(TINY), "guard": guard})
-        return {s.name: s.fingerprint for s in plan(recipe)}
+        return {s.name: s.fingerprint for s in plan(recipe).stages}
 
     base = fps()
     assert fps(max_bad_steps=10, window=100) == base  # decides failure, not the result
@@ -148,12 +148,12 @@ def test_hang_settings_reach_training_stages_only() -> None:
 
     with pytest.raises(ValueError, match="hang_timeout_s"):
         Recipe.model_validate({**TINY, "infra": {"hang_timeout_s": 0}})
-    planned = {s.name: s for s in plan(Recipe.model_validate(copy.deepcopy(TINY)))}
+    planned = {s.name: s for s in plan(Recipe.model_validate(copy.deepcopy(TINY))).stages}
     assert planned["sft"].hang_timeout_s == 1800 and planned["sft"].hang_startup_s == 1800
     assert planned["ingest"].hang_timeout_s is None  # no beats during the warm-up
     assert planned["evaluate"].hang_timeout_s is None
     off = Recipe.model_validate({**copy.deepcopy(TINY), "infra": {"hang_timeout_s": None}})
-    assert all(s.hang_timeout_s is None for s in plan(off))
+    assert all(s.hang_timeout_s is None for s in plan(off).stages)
 
 
 def test_hang_watch_arms_at_first_beat_and_names_the_rank_behind(tmp_path: Path) -> None:
@@ -436,13 +436,13 @@ def test_hung_rank_is_dumped_killed_and_named(
 ) -> None:
     from flows.stage_failures import StageFailed
     from flows.stage_hang import StageHung
-    from flows.stage_task import run_stage
+    from flows.stage_task import stage_task
 
     monkeypatch.setenv("PT_PIDS_FILE", str(tmp_path / "pids"))
     hang_s = 4.0
     stage, spec = _planned(tmp_path, "pt_stuck_sft", nprocs=2, hang_s=hang_s, startup_s=60)
     with pytest.raises(StageHung) as info:
-        run_stage.fn(stage, spec, kill_grace_s=1.0)
+        stage_task.fn(stage, spec, kill_grace_s=1.0)
     raised = time.time()
     assert isinstance(info.value, StageFailed)
     hang = info.value.hang
@@ -474,7 +474,7 @@ def test_hung_rank_is_dumped_killed_and_named(
 def test_slow_but_beating_stage_is_not_killed(
     tmp_path: Path, beat_modules: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flows.stage_task import run_stage
+    from flows.stage_task import stage_task
 
     # A silent startup longer than the hang timeout (covered by the startup allowance), then
     # five beats 1 s apart, against a 2 s hang timeout.
@@ -482,7 +482,7 @@ def test_slow_but_beating_stage_is_not_killed(
     monkeypatch.setenv("PT_BEAT_S", "1")
     monkeypatch.setenv("PT_STEPS", "5")
     stage, spec = _planned(tmp_path, "pt_slowbeats_sft", nprocs=1, hang_s=2.0, startup_s=30)
-    out = run_stage.fn(stage, spec, kill_grace_s=1.0)
+    out = stage_task.fn(stage, spec, kill_grace_s=1.0)
     assert out["status"] == "ran"
     beats = read_heartbeats(stage.out_dir)
     assert beats[0]["step"] == 5 and beats[0]["phase"] == "finish"

@@ -28,8 +28,9 @@ from posttrain.config.loader import load_recipe
 from posttrain.data.preference import quickstart_preference_rows
 from posttrain.eval.preference_eval import answers
 from posttrain.models.loading import load_causal_lm, load_tokenizer
-from posttrain.planner import write_spec
+from posttrain.planner import spec_for
 from posttrain.promotion import HEAD_TO_HEAD, WIN_RATE_VS_CHAMPION, head_to_head_stage
+from posttrain.stage_spec import spec_path
 from posttrain.stages import head_to_head as stage_module
 from posttrain.stages.common import stage_main
 from tests.stage_helpers import TINY, run_inprocess, run_shared, write_recipe
@@ -111,7 +112,7 @@ def _head_to_head(arts: dict, candidate: str, champion: str) -> tuple[Path, dict
         "base": ref_from_manifest(arts["ingest"]),
     }
     stage = head_to_head_stage(recipe, parents)
-    spec = write_spec(stage, recipe, parents)
+    spec = spec_for(stage, recipe, parents).write(spec_path(stage.out_dir))
     stage_main(stage_module.run, kind=HEAD_TO_HEAD, argv=["--spec", str(spec)])
     return stage.out_dir, (read_manifest(stage.out_dir) or {})["summary"]
 

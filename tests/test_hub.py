@@ -255,7 +255,7 @@ def test_fingerprints_follow_the_resolved_commit(cache: Path, tmp_path: Path) ->
     recipe = _recipe(tmp_path, sft=sft)
 
     def sft_stage() -> tuple[str, dict]:
-        s = next(s for s in plan(load_recipe(recipe)) if s.name == "sft")
+        s = next(s for s in plan(load_recipe(recipe)).stages if s.name == "sft")
         return s.fingerprint, s.inputs["hub"]
 
     fp_a, record = sft_stage()

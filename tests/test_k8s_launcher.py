@@ -21,7 +21,8 @@ from flows.launchers.base import LaunchError, LaunchRequest
 from flows.launchers.k8s_manifests import plan_job
 from flows.launchers.kubernetes import KubernetesLauncher, cancel_flow_run_jobs
 from posttrain.config.run_sections import InfraConfig
-from posttrain.planner import PlannedStage
+from posttrain.config.schema import Recipe
+from posttrain.planner import PlannedStage, spec_for
 from tests.k8s_replay import (
     DATA,
     FINGERPRINT,
@@ -91,7 +92,7 @@ def make_launcher(server: ReplayServer, tmp_path: Path) -> tuple[KubernetesLaunc
         stage,
         out / "logs" / "spec.json",
         LAUNCH_ID,
-        {"POSTTRAIN_LAUNCH_ID": LAUNCH_ID},
+        {"POSTTRAIN_LAUNCH": LAUNCH_ID},
         tmp_path / "logs",
         {"flow-run": FLOW_RUN_ID},
     )
@@ -433,8 +434,6 @@ def test_the_supervisor_runs_a_stage_through_the_kubeconfig_and_names_the_oom_ki
     fingerprint = FINGERPRINT + "9e0d1c2b3a495867"
     out = stage_dir(tmp_path / "ws", STAGE, fingerprint)
     (out / "logs").mkdir(parents=True)
-    spec = out / "logs" / "spec.json"
-    spec.write_text("{}")
     stage = PlannedStage(
         STAGE,
         "posttrain.stages.sft",
@@ -452,8 +451,12 @@ def test_the_supervisor_runs_a_stage_through_the_kubeconfig_and_names_the_oom_ki
     server.add("GET", f"{PODS}/{POD0}/log", log_stream("sft-node0.log"))
     server.add("GET", f"{PODS}/{POD1}/log", log_stream("sft-node1.log"))
 
+    recipe = Recipe.model_validate(
+        {"run": {"workspace": str(tmp_path / "ws")}, "infra": infra.model_dump(mode="json"),
+         "ingest": {"source": "from_config"}, "sft": {"data": {"synthetic": {}}}}
+    )  # fmt: skip
     with pytest.raises(StageFailed) as exc:
-        supervise.supervise_stage(stage, spec, kill_grace_s=1)
+        supervise.supervise_stage(stage, spec_for(stage, recipe, {}), kill_grace_s=1)
     assert f"was ended by Kubernetes: pod {POD0} OOMKilled (exit 137)" in str(exc.value)
     (job_post,) = server.sent("POST", JOBS)
     assert job_post.body["metadata"]["labels"]["posttrain.io/launch"] == LAUNCH_ID

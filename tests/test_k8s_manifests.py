@@ -48,7 +48,7 @@ def request(
         stage=stage,
         spec_path=out / "logs" / "spec.json",
         launch_id=LAUNCH,
-        env={"POSTTRAIN_LAUNCH_ID": LAUNCH, "HF_HUB_OFFLINE": "1"},
+        env={"POSTTRAIN_LAUNCH": LAUNCH, "HF_HUB_OFFLINE": "1"},
         log_dir=out / "logs",
         labels={"flow-run": FLOW_RUN},
     )
@@ -209,7 +209,7 @@ def test_every_pod_runs_the_same_stage_command_with_its_index_as_node_rank() -> 
     assert values == {
         "NCCL_SOCKET_IFNAME": "eth0",
         "HF_HOME": "/mnt/posttrain/hf",
-        "POSTTRAIN_LAUNCH_ID": LAUNCH,
+        "POSTTRAIN_LAUNCH": LAUNCH,
         "HF_HUB_OFFLINE": "1",
     }
 
@@ -264,21 +264,20 @@ def test_more_processes_than_gpus_is_refused() -> None:
         plan_job(request(nprocs=4), infra.kubernetes, infra.device, WORKSPACE)
 
 
-def test_kubernetes_expands_only_the_node_rank_and_local_pids_stay_home() -> None:
+def test_kubernetes_expands_only_the_node_rank() -> None:
     infra = InfraConfig(
         kubernetes={"image": "img:1", "workspace_claim": "ws", "env": {"A": "x$(HOME)y"}}
     )
     req = request(nnodes=2, nprocs=1)
     req.env["B"] = "$(PATH)"
-    # A PID of the launching machine would make the stage's orphan watch stop it in the pod.
-    req.env.update(POSTTRAIN_LAUNCHER_PID="4242", POSTTRAIN_LAUNCHER_START="1.5")
+    req.env["POSTTRAIN_NODE_RANK"] = "0"  # this machine's: the pod gets its own from the index
     plan = plan_job(req, infra.kubernetes, infra.device, WORKSPACE)
     env = {
         e["name"]: e.get("value")
         for e in plan.job["spec"]["template"]["spec"]["containers"][0]["env"]
     }
     assert env["A"] == "x$$(HOME)y" and env["B"] == "$$(PATH)"
-    assert "POSTTRAIN_LAUNCHER_PID" not in env and "POSTTRAIN_LAUNCHER_START" not in env
+    assert env["POSTTRAIN_NODE_RANK"] is None  # from the downward API, not a value
     assert "$(POSTTRAIN_NODE_RANK)" in plan.command
 
 

@@ -18,7 +18,7 @@ from flows.launchers.base import LaunchRequest
 from flows.launchers.slurm import SlurmLaunch, SlurmLauncher, exit_status
 from flows.stage_output import NODE_PREFIX
 from posttrain.config.loader import load_recipe
-from posttrain.orphan import BeatReader, LauncherBeat
+from posttrain.orphan import BeatReader, SupervisorBeat
 from posttrain.planner import plan
 from tests.stage_helpers import TINY, write_recipe
 
@@ -28,7 +28,7 @@ def _stages(tmp_path: Path, **infra: object) -> dict:
     data["run"]["workspace"] = str(tmp_path / "ws")
     data["infra"] |= infra
     tmp_path.mkdir(parents=True, exist_ok=True)
-    return {s.name: s for s in plan(load_recipe(write_recipe(tmp_path, data)))}
+    return {s.name: s for s in plan(load_recipe(write_recipe(tmp_path, data))).stages}
 
 
 def _request(stage, tmp_path: Path, labels: dict | None = None) -> LaunchRequest:
@@ -161,19 +161,19 @@ def test_output_is_followed_to_the_end_with_node_prefixes(tmp_path: Path) -> Non
 
 
 def test_remote_orphan_beat(tmp_path: Path) -> None:
-    beat = tmp_path / "logs" / "launcher.beat"
-    with LauncherBeat(beat, every_s=0.05):
+    beat = tmp_path / "logs" / "supervisor.beat"
+    with SupervisorBeat(beat, every_s=0.05):
         reader = BeatReader(beat, silence_s=0.5)
         for _ in range(10):
             assert reader.alive()
             time.sleep(0.1)  # longer than a beat, so the content changes in between
     t0 = time.monotonic()
     while reader.alive():
-        assert time.monotonic() - t0 < 3, "a silent launcher must count as gone"
+        assert time.monotonic() - t0 < 3, "a silent supervisor must count as gone"
         time.sleep(0.05)
     assert time.monotonic() - t0 >= 0.3  # not before the silence limit (less the last beat)
-    # The launcher's clock is never compared with ours: an old timestamp in a changing file
-    # is a live launcher.
+    # The supervisor's clock is never compared with ours: an old timestamp in a changing file
+    # is a live supervisor.
     reader = BeatReader(beat, silence_s=0.5)
     for n in range(5):
         beat.write_text(f"{n} 0.0 1\n")

@@ -76,7 +76,7 @@ def _recipe(tmp_path: Path, lm_eval: dict | None, data: dict | None = None) -> P
 
 
 def _evaluate_fp(recipe: Path) -> str:
-    return next(s for s in plan(load_recipe(recipe)) if s.kind == "evaluate").fingerprint
+    return next(s for s in plan(load_recipe(recipe)).stages if s.kind == "evaluate").fingerprint
 
 
 # --- fast: the section, the keys, the global state ------------------------------------------
@@ -262,7 +262,7 @@ def test_evaluate_runs_the_harness_and_the_gate_uses_its_score(
     from posttrain.models.loading import load_base
     from tests.fixtures_tiny import one_torch_thread
 
-    dirs = {s.name: s.out_dir for s in plan(load_recipe(recipe))}
+    dirs = {s.name: s.out_dir for s in plan(load_recipe(recipe)).stages}
     manager = task_manager([TASK], str(tmp_path / "tasks"))
     for label, stage in (("base", "ingest"), ("sft", "sft"), ("final", "dpo")):
         model, tok = load_base(

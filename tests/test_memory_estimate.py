@@ -470,12 +470,13 @@ def test_stage_refused_before_loading_anything(tmp_path: Path) -> None:
     before its run function (which loads the model) is called, and before a process group."""
     import torch.distributed as dist
 
-    from posttrain.planner import plan, write_spec
+    from posttrain.planner import plan, spec_for
     from posttrain.stages.common import stage_main
 
     recipe = _recipe(tmp_path, device_memory_gb=0.001)
-    sft = next(s for s in plan(recipe) if s.name == "sft")
-    spec = write_spec(sft, recipe, {})  # no ingest yet: the recipe's from_config numbers
+    sft = next(s for s in plan(recipe).stages if s.name == "sft")
+    # No ingest yet: the recipe's from_config numbers.
+    spec = spec_for(sft, recipe, {}).write(tmp_path / "spec.json")
     called: list[Any] = []
     t = time.perf_counter()
     with pytest.raises(SystemExit) as exit_info:
@@ -495,15 +496,15 @@ def test_stage_refused_before_loading_anything(tmp_path: Path) -> None:
 
 
 def test_warn_and_off_modes_let_the_stage_run(tmp_path: Path) -> None:
-    from posttrain.planner import plan, write_spec
+    from posttrain.planner import plan, spec_for
     from posttrain.stages.common import stage_main
 
     for mode in ("warn", "off"):
         folder = tmp_path / mode
         folder.mkdir()
         recipe = _recipe(folder, device_memory_gb=0.001, memory_preflight=mode)
-        sft = next(s for s in plan(recipe) if s.name == "sft")
-        spec = write_spec(sft, recipe, {})
+        sft = next(s for s in plan(recipe).stages if s.name == "sft")
+        spec = spec_for(sft, recipe, {}).write(folder / "spec.json")
         seen: list[Any] = []
 
         def run(ctx: Any, seen: list[Any] = seen) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from flows.report import (
 
 def _records() -> list[StageRecord]:
     return [
-        StageRecord("ingest", "aaaa111122223333", "cached", 0.2, "/ws/artifacts/ingest/aaaa",
+        StageRecord("ingest", "aaaa111122223333", "reused", 0.2, "/ws/artifacts/ingest/aaaa",
                     "c0ffee" * 10, [], {"params": 1_300_000}),
         StageRecord("sft", "bbbb111122223333", "ran", 125.0, "/ws/artifacts/sft/bbbb",
                     "beef" * 16, ["aaaa111122223333"],
@@ -40,14 +40,14 @@ def test_format_helpers() -> None:
 def test_markdown_report_one_row_per_stage_with_status_and_metrics() -> None:
     md = markdown_report("quick", "run-1", _records(), export_path="/ws/x/model", run_dir="/r")
     rows = [line for line in md.splitlines() if line.startswith("| ") and "---" not in line]
-    assert rows[0].startswith("| stage | status | cached |")
+    assert rows[0].startswith("| stage | status | duration |")
     body = rows[1:]
     assert [r.split("|")[1].strip() for r in body] == ["ingest", "sft", "evaluate"]
     ingest, sft, evaluate = body
-    assert "| cached | yes |" in ingest
-    assert "| ran | no | 2m 05s |" in sft
+    assert "| reused | 0.2 s |" in ingest
+    assert "| ran | 2m 05s |" in sft
     assert "eval_loss=1.235" in sft and "mfu=0.61" in sft and "`/ws/artifacts/sft/bbbb`" in sft
-    assert "| reused | yes |" in evaluate and "| - |" in evaluate
+    assert "| reused | 0.0 s | - |" in evaluate
     assert "**completed**" in md and "/ws/x/model" in md
     # Lineage names each input by stage and fingerprint.
     assert "`evaluate@cccc111122223333` <- ingest@aaaa111122223333, sft@bbbb111122223333" in md
@@ -89,5 +89,5 @@ def test_summary_table_columns_line_up() -> None:
     lines = summary_table(_records()).splitlines()
     assert lines[0].split() == ["stage", "status", "duration", "headline", "metrics"]
     col = lines[0].index("status")
-    assert [line[col:].split()[0] for line in lines[2:]] == ["cached", "ran", "reused"]
+    assert [line[col:].split()[0] for line in lines[2:]] == ["reused", "ran", "reused"]
     assert "tokens_per_s=5012" in lines[3]

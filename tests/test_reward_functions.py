@@ -13,7 +13,12 @@ import torch
 import yaml
 
 from posttrain.config.loader import RecipeError, load_recipe
-from posttrain.config.reach import REWARDS_ENV, check_served_reach, served_reward_roots
+from posttrain.config.reach import (
+    REWARDS_ENV,
+    check_served_reach,
+    reward_roots,
+    served_reward_roots,
+)
 from posttrain.planner import plan
 from posttrain.rewards.combine import (
     RewardFunction,
@@ -142,7 +147,7 @@ def _rl_recipe(folder: Path, rewards: list, **run) -> Path:
 
 
 def _fp(recipe: Path, stage: str = "grpo") -> str:
-    return next(s.fingerprint for s in plan(load_recipe(recipe)) if s.name == stage)
+    return next(s.fingerprint for s in plan(load_recipe(recipe)).stages if s.name == stage)
 
 
 def test_recipe_functions_resolve_to_their_file_and_code_enters_the_fingerprint(
@@ -160,10 +165,10 @@ def test_recipe_functions_resolve_to_their_file_and_code_enters_the_fingerprint(
     moved = tmp_path / "b"
     home.rename(moved)
     assert _fp(_rl_recipe(moved, [{"fn": "mine:one", "weight": 0.5}])) == before
-    a = plan(load_recipe(moved / "recipe.yaml"))
+    a = plan(load_recipe(moved / "recipe.yaml")).stages
     # ... editing the function's source changes it.
     _module(moved, "mine", ONE + "# tuned\n")
-    b = plan(load_recipe(moved / "recipe.yaml"))
+    b = plan(load_recipe(moved / "recipe.yaml")).stages
     fa, fb = ({s.name: s.fingerprint for s in p} for p in (a, b))
     assert fa["sft"] == fb["sft"] and fa["grpo"] != fb["grpo"]
 
@@ -233,13 +238,13 @@ def test_served_recipes_import_reward_code_only_from_the_worker_folders(
     mine = served([{"fn": "ours:one"}])
     theirs = served([{"fn": f"{tmp_path / 'sent' / 'theirs.py'}:one"}])
     monkeypatch.delenv(REWARDS_ENV, raising=False)
-    check_served_reach(builtin, [tmp_path])
+    check_served_reach(builtin, [tmp_path], reward_roots())
     with pytest.raises(RecipeError, match="allows no reward code of its own"):
-        check_served_reach(mine, [tmp_path])
+        check_served_reach(mine, [tmp_path], reward_roots())
     monkeypatch.setenv(REWARDS_ENV, str(code))
-    check_served_reach(mine, [tmp_path])
+    check_served_reach(mine, [tmp_path], reward_roots())
     with pytest.raises(RecipeError) as exc:
-        check_served_reach(theirs, [tmp_path])
+        check_served_reach(theirs, [tmp_path], reward_roots())
     assert exc.value.errors[0].startswith("grpo.rewards.0.fn: ")
     assert "outside the folders reward code may come from" in exc.value.errors[0]
     # `posttrain serve RECIPE` trusts the served file's own reward folders.

@@ -296,7 +296,7 @@ def test_existing_rl_recipes_keep_their_fingerprints(recipe: str) -> None:
     from posttrain.config.loader import load_recipe
     from posttrain.planner import plan
 
-    prints = {p.name: p.fingerprint for p in plan(load_recipe(ROOT / recipe))}
+    prints = {p.name: p.fingerprint for p in plan(load_recipe(ROOT / recipe)).stages}
     assert {k: prints[k] for k in FINGERPRINTS[recipe]} == FINGERPRINTS[recipe]
 
 
@@ -307,7 +307,9 @@ def test_another_algorithm_is_another_fingerprint() -> None:
     prints = {
         algo: next(
             p.fingerprint
-            for p in plan(load_recipe(ROOT / "recipes/grpo.yaml", [f"grpo.algorithm={algo}"]))
+            for p in plan(
+                load_recipe(ROOT / "recipes/grpo.yaml", [f"grpo.algorithm={algo}"])
+            ).stages
             if p.name == "grpo"
         )
         for algo in ("grpo", "dr_grpo", "rloo")

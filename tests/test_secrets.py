@@ -221,8 +221,9 @@ def test_recipe_from_a_ui_form_is_refused_too_and_the_error_hides_the_value() ->
 
 
 def test_run_record_is_scrubbed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import flows.post_train as fp
+    import flows.run_record as fp
     from flows.report import StageRecord
+    from posttrain.planner import plan
 
     shown: dict[str, object] = {}
     monkeypatch.setattr(fp, "create_markdown_artifact", lambda text, **kw: shown.update(md=text))
@@ -236,7 +237,7 @@ def test_run_record_is_scrubbed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         error=f"HTTP 401: token {HF} rejected; retry with {OPENAI}",
         headline={"note": f"key {AWS}"},
     )
-    out = fp._record_run(recipe, "run-1", [failed], None)
+    out = fp._record_run(plan(recipe), "run-1", [failed], None, None, failed=True)
     run_dir = Path(out["run_dir"])
     for name in ("report.md", "lineage.json", "recipe.resolved.yaml"):
         text = (run_dir / name).read_text()

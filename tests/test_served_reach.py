@@ -12,6 +12,7 @@ from posttrain.config.loader import RecipeError
 from posttrain.config.reach import (
     check_served_reach,
     parse_roots,
+    reward_roots,
     served_roots,
     with_roots,
     worker_roots,
@@ -35,7 +36,7 @@ def _with_data(recipe: Recipe, path: str) -> Recipe:
 
 def _errors(recipe: Recipe, roots: list[Path]) -> list[str]:
     with pytest.raises(RecipeError) as info:
-        check_served_reach(recipe, roots)
+        check_served_reach(recipe, roots, reward_roots())
     return info.value.errors
 
 
@@ -54,13 +55,13 @@ def test_the_served_recipe_itself_passes_inside_its_own_roots(tmp_path: Path) ->
     rows.write_text("{}\n")
     served = _with_data(_recipe(tmp_path, allowed_paths=[str(tmp_path / "data")]), str(rows))
     roots = parse_roots(os.pathsep.join(served_roots(served)))
-    check_served_reach(served, roots)
+    check_served_reach(served, roots, reward_roots())
     # Narrowing is fine: a sub-folder of an allowed root, a workspace inside the old one.
     narrowed = _with_data(
         _recipe(tmp_path, workspace=str(tmp_path / "ws" / "sub"), allowed_paths=[str(rows.parent)]),
         str(rows),
     )
-    check_served_reach(narrowed, roots)
+    check_served_reach(narrowed, roots, reward_roots())
 
 
 def test_widening_names_every_field_and_the_worker_folders(tmp_path: Path) -> None:

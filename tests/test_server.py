@@ -373,7 +373,7 @@ def test_new_base_triggers_retraining_and_cancel_leaves_no_process(served: dict)
     recipe = load_recipe(
         served["recipes"][NIGHTLY], ["ingest.source=path", f"ingest.path={STATE['base']}"]
     )
-    stages = {s.name: s for s in plan(recipe)}
+    stages = {s.name: s for s in plan(recipe).stages}
     assert verify(stages["ingest"].out_dir)[0]
     assert not (stages["sft"].out_dir / "manifest.json").exists()
 

@@ -30,10 +30,11 @@ import pytest
 from prefect_server import cancel_from_ui, serving, start_serve, stop_group, wait_for
 from stage_modules import on_child_path, write_heartbeat_modules
 
-from flows.stage_procs import FLOW_RUN_ENV_VAR, LAUNCH_ENV_VAR, processes_with_env
+from flows.stage_procs import tagged_processes
 from posttrain.artifacts import verify
 from posttrain.config.loader import load_recipe
 from posttrain.planner import plan
+from posttrain.stage_spec import tag_flow_run_id, tag_launch_id
 from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import (
     ROOT,
@@ -53,7 +54,7 @@ STEPS = 160
 
 
 def _stage(recipe: Path, name: str = "sft") -> Any:
-    return {s.name: s for s in plan(load_recipe(recipe))}[name]
+    return {s.name: s for s in plan(load_recipe(recipe)).stages}[name]
 
 
 def _env(cluster: Any, server: Any) -> dict[str, str]:
@@ -203,8 +204,8 @@ def test_ui_cancel_of_a_slurm_stage_leaves_nothing_in_the_queue(
         wait_for(
             "the stage's processes to exit",
             lambda: (
-                not processes_with_env(LAUNCH_ENV_VAR, job["launch_id"])
-                and not processes_with_env(FLOW_RUN_ENV_VAR, str(run.id))
+                not tagged_processes(lambda t: tag_launch_id(t) == job["launch_id"])
+                and not tagged_processes(lambda t: tag_flow_run_id(t) == str(run.id))
             ),
             30,
         )
@@ -227,7 +228,7 @@ def test_a_killed_flows_job_stops_by_itself(
     slurm_cluster: Any, prefect_server: Any, tmp_path: Path
 ) -> None:
     recipe = slurm_sft_recipe(
-        tmp_path / "orphan", "orphaned", steps=5000, checkpoint_every=4, launcher_silence_s=10
+        tmp_path / "orphan", "orphaned", steps=5000, checkpoint_every=4, supervisor_silence_s=10
     )
     sft = _stage(recipe)
     run = _start_run(recipe, _env(slurm_cluster, prefect_server), tmp_path / "run.log")
@@ -239,7 +240,7 @@ def test_a_killed_flows_job_stops_by_itself(
     wait_for("the orphaned job to leave the queue", lambda: not _queue(slurm_cluster), 90)
     assert time.monotonic() - t0 >= 5  # it ran on after the kill, until the beat went silent
     assert "its launcher is gone" in _stage_log(sft)
-    assert not processes_with_env(LAUNCH_ENV_VAR, job["launch_id"])
+    assert not tagged_processes(lambda t: tag_launch_id(t) == job["launch_id"])
 
     # Nor, once Slurm has cleaned up, a step daemon of the job on a node.
     def step_daemons() -> list[psutil.Process]:
@@ -260,7 +261,7 @@ def test_a_hung_rank_on_slurm_is_dumped_and_the_job_cancelled(
     """The hang watch reads the heartbeats on the shared workspace, as for a local stage; the
     stacks come from SIGUSR1 through `scancel --signal`."""
     from flows.stage_hang import StageHung
-    from flows.stage_task import run_stage
+    from flows.stage_task import stage_task
 
     on_child_path(tmp_path / "mods", monkeypatch)
     write_heartbeat_modules(tmp_path / "mods")  # rank 1 of pt_stuck_sft stops at step 3
@@ -269,7 +270,7 @@ def test_a_hung_rank_on_slurm_is_dumped_and_the_job_cancelled(
         monkeypatch.setenv(key, value)
     stage, spec = _direct_stage(tmp_path, "pt_stuck_sft", hang_timeout_s=4.0)
     with pytest.raises(StageHung) as info:
-        run_stage.fn(stage, spec, kill_grace_s=1.0)
+        stage_task.fn(stage, spec, kill_grace_s=1.0)
     assert (info.value.hang.behind.rank, info.value.hang.behind.step) == (1, 2)
     stacks = stage.out_dir / "logs" / "stacks-rank1.txt"
     assert "wait_for_nothing_forever" in stacks.read_text()  # written on node n2
@@ -278,7 +279,7 @@ def test_a_hung_rank_on_slurm_is_dumped_and_the_job_cancelled(
     # No rank outlived the job: the USR1 did not kill torchrun's agent and orphan its ranks
     # (which a process-tree tracker, like this cluster's proctrack/linuxproc, then loses).
     launch = json.loads((stage.out_dir / "logs" / "launch.json").read_text())["launch_id"]
-    assert not processes_with_env(LAUNCH_ENV_VAR, launch)
+    assert not tagged_processes(lambda t: tag_launch_id(t) == launch)
 
 
 def test_the_flows_hooks_cancel_its_jobs_by_label(slurm_cluster: Any, monkeypatch) -> None:
@@ -303,7 +304,7 @@ def test_the_flows_hooks_cancel_its_jobs_by_label(slurm_cluster: Any, monkeypatc
 
 
 def _direct_stage(tmp_path: Path, module: str, **changes: Any) -> tuple[Any, Path]:
-    """A 2-node Slurm stage running `module`, planned by hand (for run_stage without a flow)."""
+    """A 2-node Slurm stage running `module`, planned by hand (for stage_task without a flow)."""
     infra = {"launcher": "slurm", "nnodes": 2, "slurm": {"poll_s": 0.5, **changes.pop("slurm", {})}}
     infra |= changes.pop("infra", {})
     return hand_planned(
@@ -315,7 +316,7 @@ def test_a_refused_submission_fails_with_slurms_words(
     slurm_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from flows.stage_failures import StageFailed
-    from flows.stage_task import run_stage
+    from flows.stage_task import stage_task
 
     for key, value in slurm_cluster.env.items():
         monkeypatch.setenv(key, value)
@@ -323,7 +324,7 @@ def test_a_refused_submission_fails_with_slurms_words(
     with pytest.raises(
         StageFailed, match="could not be started: sbatch refused the job: .*invalid partition"
     ):
-        run_stage.fn(stage, spec, kill_grace_s=1.0)
+        stage_task.fn(stage, spec, kill_grace_s=1.0)
     assert _queue(slurm_cluster) == []
 
 
@@ -331,7 +332,7 @@ def test_a_job_that_cannot_start_fails_at_the_queue_timeout(
     slurm_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from flows.stage_failures import StageTimeout
-    from flows.stage_task import run_stage
+    from flows.stage_task import stage_task
 
     for key, value in slurm_cluster.env.items():
         monkeypatch.setenv(key, value)
@@ -340,7 +341,7 @@ def test_a_job_that_cannot_start_fails_at_the_queue_timeout(
     try:
         t0 = time.monotonic()
         with pytest.raises(StageTimeout) as info:
-            run_stage.fn(stage, spec, kill_grace_s=1.0)
+            stage_task.fn(stage, spec, kill_grace_s=1.0)
         assert 3 <= time.monotonic() - t0 < 30
     finally:
         slurm_cluster.client("scontrol", "update", "nodename=n2", "state=resume")

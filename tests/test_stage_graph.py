@@ -43,7 +43,7 @@ def stage(kind: str, name: str | None = None, **kw: Any) -> dict[str, Any]:
 
 
 def fps(r: Any) -> dict[str, str]:
-    return {p.name: p.fingerprint for p in plan(r)}
+    return {p.name: p.fingerprint for p in plan(r).stages}
 
 
 def test_default_links_follow_the_chain() -> None:
@@ -101,8 +101,8 @@ def test_roles_enter_the_fingerprint_where_parents_alone_do_not_say() -> None:
     a = recipe(sft(), stage("dpo", "d1"), stage("dpo", "d2", reference="sft"))
     b = recipe(sft(), stage("dpo", "d1"), stage("dpo", "d2", reference="d1"))
     assert fps(a)["d2"] != fps(b)["d2"]
-    assert plan(a)[3].inputs.get("links") == {"policy": "d1", "reference": "sft"}
-    assert "links" not in plan(b)[3].inputs  # the default: reference = where it starts
+    assert plan(a).stages[3].inputs.get("links") == {"policy": "d1", "reference": "sft"}
+    assert "links" not in plan(b).stages[3].inputs  # the default: reference = where it starts
 
 
 def test_evaluate_and_export_roles_along_a_chain() -> None:
@@ -114,7 +114,7 @@ def test_evaluate_and_export_roles_along_a_chain() -> None:
         evaluate={"policies": ["sft", "dpo", "grpo"]},
         export={"policy": "dpo"},
     )
-    by = {p.name: p for p in plan(r)}
+    by = {p.name: p for p in plan(r).stages}
     assert by["evaluate"].roles == {
         "base": "ingest",
         "policy": "grpo",
@@ -213,7 +213,7 @@ def test_field_errors_inside_stage_entries_name_the_entry() -> None:
 
 def test_timeouts_policies_and_export_policy_name_existing_stages() -> None:
     r = recipe(sft(), stage("dpo", "d2"), infra={"timeouts": {"d2": 60, "train": 100}})
-    by = {p.name: p for p in plan(r)}
+    by = {p.name: p for p in plan(r).stages}
     assert (by["d2"].timeout_s, by["sft"].timeout_s, by["evaluate"].timeout_s) == (60, 100, 3600)
     errs = errors(
         sft(),
@@ -229,9 +229,11 @@ def test_timeouts_policies_and_export_policy_name_existing_stages() -> None:
 
 
 def test_shipped_chain_recipe_reuses_the_quickstart_stages() -> None:
-    quick = {p.name: p.fingerprint for p in plan(load_recipe(ROOT / "recipes/quickstart.yaml"))}
+    quick = {
+        p.name: p.fingerprint for p in plan(load_recipe(ROOT / "recipes/quickstart.yaml")).stages
+    }
     chain = load_recipe(ROOT / "recipes/chain.yaml")
-    planned = {p.name: p.fingerprint for p in plan(chain)}
+    planned = {p.name: p.fingerprint for p in plan(chain).stages}
     for name in ("ingest", "sft", "reward", "dpo"):
         assert planned[name] == quick[name], name
     g = chain.graph()

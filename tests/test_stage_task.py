@@ -1,7 +1,7 @@
-"""The stage launcher against tiny stage modules that use the real stage harness.
+"""The stage supervisor against tiny stage modules that use the real stage harness.
 
-These call the task's function directly (`run_stage.fn`), so no Prefect server starts; the
-launcher falls back to a plain logger and skips the progress artifact outside a task run.
+These call the task's function directly (`stage_task.fn`), so no Prefect server starts; the
+supervisor falls back to a plain logger and skips the progress artifact outside a task run.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import pytest
 from stage_modules import on_child_path, write_stage_modules
 
 from flows.stage_failures import StageFailed, StageTimeout
-from flows.stage_launch import child_env, stage_command
+from flows.stage_launch import launch_env, local_env, stage_command
 from flows.stage_output import MetricsTail, progress_from_record
-from flows.stage_procs import LAUNCH_ENV_VAR
-from flows.stage_task import run_stage
+from flows.stage_task import stage_task
 from posttrain.artifacts import stage_dir, verify, write_manifest
 from posttrain.config.schema import Recipe
-from posttrain.planner import PlannedStage, write_spec
+from posttrain.planner import PlannedStage, spec_for
+from posttrain.stage_spec import LAUNCH_TAG_ENV, LaunchInfo, StageSpec, read_spec, spec_path
 
 FP = "0123456789abcdef"
 
@@ -47,7 +47,7 @@ def _recipe(workspace: Path) -> Recipe:
     )
 
 
-def _planned(tmp_path: Path, module: str, timeout_s: float = 120) -> tuple[PlannedStage, Path]:
+def _planned(tmp_path: Path, module: str, timeout_s: float = 120) -> tuple[PlannedStage, StageSpec]:
     workspace = tmp_path / "ws"
     stage = PlannedStage(
         name="ingest",
@@ -59,7 +59,7 @@ def _planned(tmp_path: Path, module: str, timeout_s: float = 120) -> tuple[Plann
         timeout_s=timeout_s,
         inputs={"section": {"source": "from_config"}},
     )
-    return stage, write_spec(stage, _recipe(workspace), {})
+    return stage, spec_for(stage, _recipe(workspace), {})
 
 
 def _launches(stage: PlannedStage) -> int:
@@ -85,16 +85,37 @@ def test_stage_command_single_and_torchrun() -> None:
     assert cmd[-4:] == ["-m", "posttrain.stages.sft", "--spec", "/s.json"]
 
 
-def test_child_env_sets_fixed_values_and_marker(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The stage is offline exactly when the launcher is, whatever the base environment says.
-    env = child_env("abc", base={"HF_HUB_OFFLINE": "0", "PYTHONPATH": "/x"})
+def test_stage_env_sets_fixed_values_and_the_launch_tag(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The stage is offline exactly when the supervisor is, whatever the base environment says.
+    launch = LaunchInfo(id="abc", flow_run_id="run-1")
+    env = local_env(launch, base={"HF_HUB_OFFLINE": "0", "PYTHONPATH": "/x"})
     assert env["HF_HUB_OFFLINE"] == "1"
     monkeypatch.delenv("HF_HUB_OFFLINE")
-    assert child_env("abc", base={"HF_HUB_OFFLINE": "1"})["HF_HUB_OFFLINE"] == "0"
+    assert local_env(launch, base={"HF_HUB_OFFLINE": "1"})["HF_HUB_OFFLINE"] == "0"
     assert env["PYTHONUNBUFFERED"] == "1"
     assert env["TOKENIZERS_PARALLELISM"] == "false"
-    assert env[LAUNCH_ENV_VAR] == "abc"
+    assert env[LAUNCH_TAG_ENV] == "abc@run-1"
     assert env["PYTHONPATH"].split(os.pathsep)[-1] == "/x"
+    # An engine's nodes get the launch's variables only: one of ours, the process tag.
+    remote = launch_env(launch)
+    assert [k for k in remote if k.startswith("POSTTRAIN_")] == [LAUNCH_TAG_ENV]
+    assert "PYTHONPATH" not in remote
+
+
+def test_the_spec_carries_the_launch(tmp_path: Path, modules: Path) -> None:
+    """Everything the stage process needs about its launch is in its spec, not its
+    environment: the lock held for it, who supervises it, the earlier attempt's account."""
+    stage, spec = _planned(tmp_path, "pt_ok_ingest")
+    assert stage_task.fn(stage, spec)["status"] == "ran"
+    written = read_spec(spec_path(stage.out_dir))
+    assert (
+        written.launch is not None
+        and written.launch.id in stage.out_dir.joinpath("logs", "stage.log").read_text()
+    )
+    assert written.launch.lock == str(stage.out_dir.with_name(stage.out_dir.name + ".lock"))
+    assert written.launch.supervisor_pid == os.getpid()
+    assert written.launch.beat_file is None
+    assert written.fingerprint == FP and written.recipe["run"]["workspace"]
 
 
 def test_progress_from_record() -> None:
@@ -127,7 +148,7 @@ def test_metrics_tail_reports_latest_complete_train_line(tmp_path: Path) -> None
 
 def test_success_returns_verified_ref_and_streams_logs(tmp_path: Path, modules: Path) -> None:
     stage, spec = _planned(tmp_path, "pt_ok_ingest")
-    out = run_stage.fn(stage, spec)
+    out = stage_task.fn(stage, spec)
     assert out["status"] == "ran"
     ref = out["ref"]
     assert ref["fingerprint"] == FP and ref["stage"] == "ingest"
@@ -152,7 +173,10 @@ def test_complete_artifact_is_reused_without_launching(tmp_path: Path, modules: 
     # A module that cannot run: launching would fail the test.
     stage, spec = _planned(tmp_path, "pt_no_such_module")
     _complete_artifact(stage)
-    out = run_stage.fn(stage, spec)
+    state = stage_task.fn(stage, spec)
+    # Prefect shows it as a Completed task named Reused: the word every other view uses.
+    assert state.is_completed() and state.name == "Reused"
+    out = state.data
     assert out["status"] == "reused"
     assert out["ref"]["fingerprint"] == FP and Path(out["ref"]["uri"]) == stage.out_dir
     assert _launches(stage) == 0
@@ -163,7 +187,7 @@ def test_altered_artifact_is_rebuilt(tmp_path: Path, modules: Path) -> None:
     _complete_artifact(stage)
     (stage.out_dir / "result.json").write_text("tampered")
     assert verify(stage.out_dir)[0] is False
-    out = run_stage.fn(stage, spec)
+    out = stage_task.fn(stage, spec)
     assert out["status"] == "ran"
     assert _launches(stage) == 1
     assert verify(stage.out_dir) == (True, "")
@@ -172,7 +196,7 @@ def test_altered_artifact_is_rebuilt(tmp_path: Path, modules: Path) -> None:
 def test_failure_raises_with_stage_exit_code_and_last_lines(tmp_path: Path, modules: Path) -> None:
     stage, spec = _planned(tmp_path, "pt_fail_ingest")
     with pytest.raises(StageFailed) as info:
-        run_stage.fn(stage, spec)
+        stage_task.fn(stage, spec)
     msg = str(info.value)
     assert "'ingest'" in msg and "exit" in msg and "code 1" in msg
     assert "boom: the stage broke on purpose" in msg
@@ -206,7 +230,7 @@ def test_timeout_kills_the_whole_process_tree(
     stage, spec = _planned(tmp_path, "pt_hang_ingest", timeout_s=20)
     t0 = time.monotonic()
     with pytest.raises(StageTimeout) as info:
-        run_stage.fn(stage, spec, kill_grace_s=1.0)
+        stage_task.fn(stage, spec, kill_grace_s=1.0)
     assert "timed out after 20 s" in str(info.value)
     assert time.monotonic() - t0 < 45
     assert pids_file.exists(), "the stage did not start within its 20 s timeout (machine busy?)"
@@ -232,7 +256,7 @@ def test_interrupt_in_the_parent_kills_the_process_tree(
 
     threading.Thread(target=interrupt_when_started, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
-        run_stage.fn(stage, spec, kill_grace_s=1.0)
+        stage_task.fn(stage, spec, kill_grace_s=1.0)
     pids = _pids(pids_file)[1:]
     assert len(pids) == 3
     assert _wait_dead(pids) == []
@@ -249,7 +273,7 @@ def test_timeout_kills_torchrun_and_ranks_in_their_own_sessions(
     stage, spec = _planned(tmp_path, "pt_hang_ingest", timeout_s=30)
     stage.nprocs = 2
     with pytest.raises(StageTimeout):
-        run_stage.fn(stage, spec, kill_grace_s=1.0)
+        stage_task.fn(stage, spec, kill_grace_s=1.0)
     files = sorted(tmp_path.glob("pids?"))
     assert [f.name for f in files] == ["pids0", "pids1"], "ranks did not start within 30 s"
     pids = {pid for f in files for pid in _pids(f)}

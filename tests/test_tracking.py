@@ -181,7 +181,7 @@ def test_tracking_is_in_no_fingerprint(path: Path) -> None:
     from posttrain.planner import plan
 
     try:
-        plain = {s.name: s.fingerprint for s in plan(load_recipe(path))}
+        plain = {s.name: s.fingerprint for s in plan(load_recipe(path)).stages}
     except RecipeError as exc:
         if "not in the cache" not in str(exc):
             raise
@@ -195,7 +195,7 @@ def test_tracking_is_in_no_fingerprint(path: Path) -> None:
         ],
     )
     assert tracked.tracking.mlflow is not None and not tracked.tracking.tensorboard
-    assert {s.name: s.fingerprint for s in plan(tracked)} == plain
+    assert {s.name: s.fingerprint for s in plan(tracked).stages} == plain
 
 
 def test_mlflow_metric_names_are_ones_the_server_accepts() -> None:

@@ -20,7 +20,6 @@ from typing import Any
 from flows.launchers.base import LaunchRequest
 from flows.stage_launch import NODE_RANK_ENV, stage_command
 from posttrain.config.kubernetes_section import KubernetesConfig
-from posttrain.orphan import LAUNCHER_PID_ENV, LAUNCHER_START_ENV
 
 LABEL_PREFIX = "posttrain.io/"
 STAGE_LABEL = LABEL_PREFIX + "stage"
@@ -185,11 +184,9 @@ def plan_job(
             },
         }
     ]
+    # The recipe's variables, then the launch's (the engine's node rank is the pod's own).
     merged = {**config.env, **request.env}
-    # The launching process's PID means nothing in a pod (another machine): the stage's orphan
-    # watch would find it dead and stop at once. Remote engines tell liveness otherwise.
-    for local_only in (NODE_RANK_ENV, LAUNCHER_PID_ENV, LAUNCHER_START_ENV):
-        merged.pop(local_only, None)
+    merged.pop(NODE_RANK_ENV, None)
     env += [{"name": k, "value": _escape(v)} for k, v in merged.items()]
 
     requests: dict[str, str] = {}

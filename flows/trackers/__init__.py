@@ -52,7 +52,7 @@ class Sink:
         """New metrics.jsonl records of `stage` (each with `kind` and usually `step`)."""
 
     def end_stage(self, stage: str, status: str, info: dict[str, Any]) -> None:
-        """`status`: ran, reused, cached or failed; `info`: uri, sha256, headline, error."""
+        """`status`: ran, reused or failed; `info`: uri, sha256, headline, error."""
 
     def finish(self, result: dict[str, Any]) -> None:
         """The run is recorded. `result`: run_dir, report (path), images (paths), promoted

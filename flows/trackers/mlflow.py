@@ -125,7 +125,7 @@ class MlflowSink(Sink):
         ]
         tags = {
             "posttrain.status": status,
-            "posttrain.reused": str(status in ("reused", "cached")).lower(),
+            "posttrain.reused": str(status == "reused").lower(),
             "posttrain.artifact_uri": str(info.get("uri") or ""),
             "posttrain.sha256": str(info.get("sha256") or ""),
         }

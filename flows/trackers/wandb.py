@@ -81,7 +81,7 @@ class WandbSink(Sink):
             {
                 **headline_metrics(info.get("headline") or {}),
                 "posttrain/status": status,
-                "posttrain/reused": status in ("reused", "cached"),
+                "posttrain/reused": status == "reused",
                 "posttrain/sha256": info.get("sha256") or "",
                 "posttrain/artifact_uri": info.get("uri") or "",
             }

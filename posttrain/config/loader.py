@@ -288,7 +288,13 @@ def resolve(
             errors.append(str(exc))
     if errors:
         raise RecipeError(errors)
+    r._resolved = True
     return r
+
+
+def is_resolved(recipe: Recipe) -> bool:
+    """Whether `recipe` is what `resolve` returned (and needs no second resolution)."""
+    return recipe._resolved
 
 
 def gguf_errors(recipe: Recipe) -> list[str]:

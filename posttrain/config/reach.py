@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from posttrain.config.loader import RecipeError, _inside, _real, input_paths
@@ -120,7 +121,24 @@ def _describe(roots: list[Path]) -> str:
     return ", ".join(str(r) for r in roots)
 
 
-def check_served_reach(recipe: Recipe, roots: list[Path]) -> None:
+@dataclass(frozen=True)
+class ServedReach:
+    """What the worker running a served flow allows: the folders its runs may read from and
+    those they may import reward code from (from its environment, never from the recipe)."""
+
+    roots: list[Path]
+    reward_roots: list[Path]
+
+    @classmethod
+    def of_worker(cls, env: Mapping[str, str] | None = None) -> ServedReach:
+        return cls(worker_roots(env), reward_roots(env))
+
+    def check(self, recipe: Recipe) -> None:
+        """Refuse a recipe that reaches outside these folders (RecipeError, one line a field)."""
+        check_served_reach(recipe, self.roots, self.reward_roots)
+
+
+def check_served_reach(recipe: Recipe, roots: list[Path], code_roots: list[Path]) -> None:
     """Refuse a served recipe that reaches outside the worker's folders. Raises RecipeError with
     one `field: message` line per problem; reads no file (paths are only resolved)."""
     errors: list[str] = []
@@ -151,6 +169,6 @@ def check_served_reach(recipe: Recipe, roots: list[Path]) -> None:
                 f"{where}: {real}{via} is outside this served run's run.workspace and "
                 f"run.allowed_paths ({', '.join(str(p) for p in mine) or 'none allowed'})"
             )
-    errors += check_served_rewards(recipe, reward_roots())
+    errors += check_served_rewards(recipe, code_roots)
     if errors:
         raise RecipeError(errors, "served recipe")

@@ -231,7 +231,7 @@ class InfraConfig(_Section):
         "before it is cancelled and fails; null = as long as the engine keeps it. The stage's "
         "own timeout (infra.timeouts) counts from when it starts running.",
     )
-    launcher_silence_s: float = Field(
+    supervisor_silence_s: float = Field(
         120,
         ge=10,
         description="Stages run by slurm or kubernetes watch a beat file the flow rewrites every "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import ConfigDict, Field, create_model, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, create_model, model_validator
 
 from posttrain.config.batch import resolve_batch
 from posttrain.config.graph import GraphError, StageGraph, build_graph
@@ -212,6 +212,10 @@ _RecipeFields = create_model(  # type: ignore[call-overload]
 
 class Recipe(_RecipeFields):  # type: ignore[misc,valid-type]
     """A whole post-training run."""
+
+    # Set by `posttrain.config.loader.resolve` on the copy it returns, so a run resolves its
+    # recipe once; not a field (the form, the YAML and a copy sent elsewhere never carry it).
+    _resolved: bool = PrivateAttr(default=False)
 
     @model_validator(mode="before")
     @classmethod

@@ -12,7 +12,7 @@ Exit code 0 means the manifest was written; anything else means the stage is not
 
 Every rank beats `<out_dir>/logs/heartbeat/rank<k>.json` and dumps its Python stacks into
 `<out_dir>/logs/stacks-rank<k>.txt` on SIGUSR1 (`posttrain.telemetry.heartbeat`), and watches
-the process that launched it (`posttrain.orphan`): when it dies, the stage stops or finishes
+the process that supervises it (`posttrain.orphan`): when it dies, the stage stops or finishes
 alone, per `infra.orphan`.
 """
 
@@ -32,19 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from posttrain import hub
-from posttrain.artifacts import (
-    ArtifactRef,
-    read_manifest,
-    ref_from_manifest,
-    verify,
-    write_manifest,
-)
+from posttrain.artifact_claim import claim_by_hand, find_complete
+from posttrain.artifacts import ArtifactRef, read_manifest, verify, write_manifest
 from posttrain.config.graph import BASE
 from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS, StageKind, kind_of
-from posttrain.locking import stage_lock
 from posttrain.orphan import OrphanWatch
 from posttrain.recovery import launch_account, recovery_record
+from posttrain.stage_spec import LaunchInfo, StageSpec, read_spec
 from posttrain.telemetry import heartbeat
 from posttrain.verdicts import ParentArtifactDamaged, StageVerdict
 
@@ -68,6 +63,8 @@ class StageContext:
     # role -> parent stage name (posttrain.planner.PlannedStage.roles): "base", "policy", ...
     roles: dict[str, str] = field(default_factory=dict)
     kind: StageKind | None = None
+    # The kind the manifest records (a stand-in's own name when `kind` is None).
+    kind_name: str = ""
 
     @property
     def is_main(self) -> bool:
@@ -216,12 +213,12 @@ def measured_memory(ctx: StageContext) -> dict[str, Any]:
 
 def _spec_from_recipe(
     kind: str, name: str | None, recipe_path: str, overrides: list[str]
-) -> dict[str, Any]:
+) -> StageSpec:
     from posttrain.config.loader import load_recipe
-    from posttrain.planner import plan, write_spec
+    from posttrain.planner import plan, spec_for
 
     recipe = load_recipe(recipe_path, overrides)
-    planned = {p.name: p for p in plan(recipe)}
+    planned = {p.name: p for p in plan(recipe).stages}
     mine = [p.name for p in planned.values() if p.kind == kind]
     if name is None and len(mine) != 1:
         raise SystemExit(
@@ -232,26 +229,25 @@ def _spec_from_recipe(
         raise SystemExit(f"the recipe has no {kind} stage named {name!r} ({', '.join(mine)})")
     me = planned[name or mine[0]]
     refs = {}
-    for parent in me.parents:
-        folder = planned[parent].out_dir
-        ok, why = verify(folder)
-        if not ok:
-            raise SystemExit(f"parent stage '{parent}' is not complete ({why}); run it first")
-        refs[parent] = ref_from_manifest(folder)
-    return json.loads(write_spec(me, recipe, refs).read_text())
+    for parent, fp in me.parents.items():
+        ref = find_complete(planned[parent].out_dir, fp, drop_stale=False)
+        if ref is None:
+            raise SystemExit(f"parent stage '{parent}' is not complete; run it first")
+        refs[parent] = ref
+    return spec_for(me, recipe, refs)
 
 
-def _parse(kind: str, argv: list[str] | None) -> dict[str, Any]:
+def _parse(kind: str, argv: list[str] | None) -> StageSpec:
     ap = argparse.ArgumentParser(prog=f"python -m posttrain.stages.{kind}")
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--spec", "--config", dest="spec", help="spec JSON written by the planner")
+    src.add_argument("--spec", help="spec JSON written by the supervisor (posttrain.stage_spec)")
     src.add_argument("--recipe", help="recipe YAML; parents must already exist in the workspace")
     ap.add_argument("--stage", help=f"which {kind} stage of the recipe (with --recipe)")
     ap.add_argument("overrides", nargs="*", help="key.path=value (with --recipe)")
     args = ap.parse_args(argv)
     if args.recipe:
         return _spec_from_recipe(kind, args.stage, args.recipe, args.overrides)
-    return json.loads(Path(args.spec).read_text())
+    return read_spec(args.spec)
 
 
 def _own_kind(run: Callable[..., Any]) -> StageKind:
@@ -306,151 +302,178 @@ def stage_main(
     if distributed is None:  # a kind named by the caller (a stand-in) runs locally unless told
         distributed = kind is None and registered is not None and registered.distributed
     spec = _parse(kind_name, argv)
-    stage = spec.get("stage", kind_name)
-    recipe = Recipe.model_validate(spec["recipe"])
-    ctx = StageContext(
-        name=stage,
-        kind=registered,
-        # A spec written by hand (or before roles existed) names the base by its stage name.
-        roles=spec.get("roles") or ({"base": BASE} if BASE in spec["parents"] else {}),
-        fingerprint=spec["fingerprint"],
-        out_dir=Path(spec["out_dir"]),
-        recipe=recipe,
-        parents={k: ArtifactRef.model_validate(v) for k, v in spec["parents"].items()},
-        inputs=spec["inputs"],
-    )
+    ctx = _context(spec, registered, kind_name)
     # Hub ids read the commits the plan fingerprinted, even if a branch moved since.
     hub.pin(ctx.inputs.get("hub", {}).values())
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
-    # First thing: a stage whose launcher died (while this process imported torch, say) must
+    # First thing: a stage whose supervisor died (while this process imported torch, say) must
     # not start, or must go on alone, per infra.orphan (posttrain.orphan).
-    orphan_watch = OrphanWatch.start(ctx.out_dir, stage, recipe.infra.orphan)
-    # Another run of this very stage (same fingerprint, same folder) may be at work: wait for
-    # it, then find its artifact complete. The flow's launcher holds the lock for us already.
-    lock = stage_lock(ctx.out_dir, stage, lambda: verify(ctx.out_dir)[0])
-    if verify(ctx.out_dir)[0]:
-        # Complete and unaltered: nothing to do (re-running would only append to its files).
-        emit_line(f"POSTTRAIN_ARTIFACT {ref_from_manifest(ctx.out_dir).model_dump_json()}")
-        if lock is not None:
-            lock.release()
-        return
-    # A manifest that no longer verifies must not outlive the re-run that replaces it. Rank 0
-    # only: it holds the lock, while another rank's look at the folder may predate it.
-    if os.environ.get("RANK", "0") == "0":
-        (ctx.out_dir / "manifest.json").unlink(missing_ok=True)
+    watch = OrphanWatch.start(ctx.out_dir, ctx.name, ctx.recipe.infra.orphan, spec.launch)
+    # A supervisor that holds the artifact's lock for this launch has looked at the folder
+    # already; without one, this process takes the lock and looks (posttrain.artifact_claim).
+    claim = None
+    if spec.launch is None or spec.launch.lock is None:
+        claim = claim_by_hand(ctx.out_dir, ctx.fingerprint, ctx.name)
+        if claim.done:  # complete and unaltered: re-running would only append to its files
+            if claim.ref is not None:
+                emit_line(f"POSTTRAIN_ARTIFACT {claim.ref.model_dump_json()}")
+            claim.release()
+            return
     try:
-        # Before the process group exists: torchrun's RANK says which process writes the report.
-        ctx.rank = int(os.environ.get("RANK", "0"))
-        # Before reading any parent. Rank 0 only: a failing rank ends the whole torchrun launch,
-        # and N ranks hashing the same files would only multiply the reads.
-        if ctx.is_main:
-            verify_parents(ctx)
-        # Before loading anything: a stage that cannot fit fails here, in seconds.
-        memory_preflight(ctx)
-        if distributed:
-            from posttrain.distributed.runtime import init_distributed
-
-            ctx.dist = init_distributed(
-                recipe.infra.device,
-                recipe.infra.pg_timeout_s,
-                recipe.infra.threads_per_rank,
-                recipe.infra.layout,
-            )
-            ctx.rank, ctx.world_size = ctx.dist.rank, ctx.dist.world_size
-            log.info(
-                "process group: world %d, layout %s, mesh %s %s",
-                ctx.world_size,
-                recipe.infra.layout,
-                tuple(ctx.dist.mesh.shape),
-                ctx.dist.mesh.mesh_dim_names,
-            )
-            if not ctx.is_main:  # one copy of the progress log, not one per rank
-                logging.getLogger().setLevel(logging.WARNING)
-        elif recipe.infra.threads_per_rank:
-            import torch
-
-            torch.set_num_threads(recipe.infra.threads_per_rank)
-        # Before this launch's first beat replaces the old ones: what an earlier attempt left.
-        account = launch_account(ctx.out_dir, dict(os.environ)) if ctx.is_main else None
-        if account:
-            log.warning("%s", account)
-        # After the process group is up (its rendezvous may legitimately wait for other nodes):
-        # the supervisor's hang watch arms on this first beat.
-        heartbeat.start(ctx.out_dir, ctx.rank)
-        seed_everything(recipe.run.seed)
-        if ctx.is_main:
-            (ctx.out_dir / "config.json").write_text(
-                json.dumps({"stage": stage, "inputs": ctx.inputs}, indent=2, sort_keys=True)
-            )
-        log.info(
-            "stage %s fingerprint %s -> %s (rank %d/%d)",
-            stage,
-            ctx.fingerprint,
-            ctx.out_dir,
-            ctx.rank,
-            ctx.world_size,
-        )
-        summary = run(ctx)
-        heartbeat.beat(phase="finish")
-        if distributed:
-            import torch.distributed as dist
-
-            dist.barrier()
-        if ctx.is_main:
-            if orphan_watch is not None:
-                # A last look before sealing: with infra.orphan=stop an orphan ends here
-                # without a manifest (its launcher's lock is gone); with finish it has taken
-                # the lock over.
-                orphan_watch.check()
-            if ctx.preflight is not None:
-                summary = {**summary, "memory": measured_memory(ctx)}
-            if recovery := recovery_record(account, summary):
-                summary = {**summary, "recovery": recovery}
-            ref = write_manifest(
-                ctx.out_dir,
-                stage=kind_name,
-                fp=ctx.fingerprint,
-                parents=[p.fingerprint for p in ctx.parents.values()],
-                section=ctx.inputs,
-                seed=recipe.run.seed,
-                summary=summary,
-                extra=ctx.extra_manifest,
-            )
-            log.info("stage %s done: %s", stage, json.dumps(summary, default=str)[:2000])
-            emit_line(f"POSTTRAIN_ARTIFACT {ref.model_dump_json()}")
+        _run_and_seal(ctx, run, distributed, watch, spec.launch)
     except BaseException as exc:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
-        from posttrain.diskspace import as_disk_full
-        from posttrain.memory.preflight import MemoryPreflightError
-
-        tb = traceback.format_exc()
-        # A full disk, wherever it struck (a json write, save_pretrained), is a verdict too.
-        exc = as_disk_full(exc, f"stage {stage}'s output") or exc
-        # A refusal or another known condition is a verdict, not a bug: its message, without a
-        # traceback on stderr (logs/error.txt keeps it, after the message).
-        known = isinstance(exc, MemoryPreflightError | StageVerdict)
-        if ctx.is_main:
-            err = ctx.out_dir / "logs" / "error.txt"
-            text = str(exc) if isinstance(exc, MemoryPreflightError) else tb
-            if isinstance(exc, StageVerdict):
-                text = f"{exc}\n\n{tb}"
-            try:
-                err.parent.mkdir(parents=True, exist_ok=True)
-                err.write_text(text)
-            except OSError:  # the disk may be the problem: the verdict below still goes out
-                pass
-        if not known:  # a verdict's text is in the line below
-            print(tb, file=sys.stderr, flush=True)
-        emit_line(f"POSTTRAIN_ERROR stage {stage} failed: {type(exc).__name__}: {exc}", sys.stderr)
+        _report_failure(ctx, exc)
         sys.exit(1)
     finally:
-        if orphan_watch is not None:
-            orphan_watch.stop()
+        if watch is not None:
+            watch.stop()
         heartbeat.stop()
         if distributed:
             from posttrain.distributed.runtime import shutdown
 
             shutdown()
-        if lock is not None:
-            lock.release()
+        if claim is not None:
+            claim.release()
+
+
+def _context(spec: StageSpec, kind: StageKind | None, kind_name: str) -> StageContext:
+    return StageContext(
+        name=spec.stage,
+        kind=kind,
+        # A spec written by hand names the base by its stage name.
+        roles=spec.roles or ({"base": BASE} if BASE in spec.parents else {}),
+        fingerprint=spec.fingerprint,
+        out_dir=Path(spec.out_dir),
+        recipe=Recipe.model_validate(spec.recipe),
+        parents=dict(spec.parents),
+        inputs=spec.inputs,
+        kind_name=kind_name,
+    )
+
+
+def _start_ranks(ctx: StageContext, distributed: bool) -> None:
+    """The process group (distributed stages) or the thread count, and quiet non-main ranks."""
+    infra = ctx.recipe.infra
+    if not distributed:
+        if infra.threads_per_rank:
+            import torch
+
+            torch.set_num_threads(infra.threads_per_rank)
+        return
+    from posttrain.distributed.runtime import init_distributed
+
+    ctx.dist = init_distributed(
+        infra.device, infra.pg_timeout_s, infra.threads_per_rank, infra.layout
+    )
+    ctx.rank, ctx.world_size = ctx.dist.rank, ctx.dist.world_size
+    log.info(
+        "process group: world %d, layout %s, mesh %s %s",
+        ctx.world_size,
+        infra.layout,
+        tuple(ctx.dist.mesh.shape),
+        ctx.dist.mesh.mesh_dim_names,
+    )
+    if not ctx.is_main:  # one copy of the progress log, not one per rank
+        logging.getLogger().setLevel(logging.WARNING)
+
+
+def _run_and_seal(
+    ctx: StageContext,
+    run: Callable[[StageContext], dict[str, Any]],
+    distributed: bool,
+    watch: OrphanWatch | None,
+    launch: LaunchInfo | None,
+) -> None:
+    """Check the parents and memory, start the ranks, run the stage, seal its artifact."""
+    # Before the process group exists: torchrun's RANK says which process writes the report.
+    ctx.rank = int(os.environ.get("RANK", "0"))
+    # Before reading any parent. Rank 0 only: a failing rank ends the whole torchrun launch,
+    # and N ranks hashing the same files would only multiply the reads.
+    if ctx.is_main:
+        verify_parents(ctx)
+    # Before loading anything: a stage that cannot fit fails here, in seconds.
+    memory_preflight(ctx)
+    _start_ranks(ctx, distributed)
+    # Before this launch's first beat replaces the old ones: what an earlier attempt left.
+    account = launch_account(ctx.out_dir, launch) if ctx.is_main else None
+    if account:
+        log.warning("%s", account)
+    # After the process group is up (its rendezvous may legitimately wait for other nodes):
+    # the supervisor's hang watch arms on this first beat.
+    heartbeat.start(ctx.out_dir, ctx.rank)
+    seed_everything(ctx.recipe.run.seed)
+    if ctx.is_main:
+        (ctx.out_dir / "config.json").write_text(
+            json.dumps({"stage": ctx.name, "inputs": ctx.inputs}, indent=2, sort_keys=True)
+        )
+    log.info(
+        "stage %s fingerprint %s -> %s (rank %d/%d)",
+        ctx.name,
+        ctx.fingerprint,
+        ctx.out_dir,
+        ctx.rank,
+        ctx.world_size,
+    )
+    summary = run(ctx)
+    heartbeat.beat(phase="finish")
+    if distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
+    if ctx.is_main:
+        _seal(ctx, summary, watch, account)
+
+
+def _seal(
+    ctx: StageContext, summary: dict[str, Any], watch: OrphanWatch | None, account: str | None
+) -> None:
+    """Write the manifest, last, and say so on stdout (rank 0)."""
+    if watch is not None:
+        # A last look before sealing: with infra.orphan=stop an orphan ends here without a
+        # manifest (its supervisor's lock is gone); with finish it has taken the lock over.
+        watch.check()
+    if ctx.preflight is not None:
+        summary = {**summary, "memory": measured_memory(ctx)}
+    if recovery := recovery_record(account, summary):
+        summary = {**summary, "recovery": recovery}
+    ref = write_manifest(
+        ctx.out_dir,
+        stage=ctx.kind_name,
+        fp=ctx.fingerprint,
+        parents=[p.fingerprint for p in ctx.parents.values()],
+        section=ctx.inputs,
+        seed=ctx.recipe.run.seed,
+        summary=summary,
+        extra=ctx.extra_manifest,
+    )
+    log.info("stage %s done: %s", ctx.name, json.dumps(summary, default=str)[:2000])
+    emit_line(f"POSTTRAIN_ARTIFACT {ref.model_dump_json()}")
+
+
+def _report_failure(ctx: StageContext, exc: BaseException) -> None:
+    """logs/error.txt (rank 0) and one POSTTRAIN_ERROR line; a traceback on stderr only for an
+    unexpected error."""
+    from posttrain.diskspace import as_disk_full
+    from posttrain.memory.preflight import MemoryPreflightError
+
+    tb = traceback.format_exc()
+    # A full disk, wherever it struck (a json write, save_pretrained), is a verdict too.
+    exc = as_disk_full(exc, f"stage {ctx.name}'s output") or exc
+    # A refusal or another known condition is a verdict, not a bug: its message, without a
+    # traceback on stderr (logs/error.txt keeps it, after the message).
+    known = isinstance(exc, MemoryPreflightError | StageVerdict)
+    if ctx.is_main:
+        text = str(exc) if isinstance(exc, MemoryPreflightError) else tb
+        if isinstance(exc, StageVerdict):
+            text = f"{exc}\n\n{tb}"
+        err = ctx.out_dir / "logs" / "error.txt"
+        try:
+            err.parent.mkdir(parents=True, exist_ok=True)
+            err.write_text(text)
+        except OSError:  # the disk may be the problem: the verdict below still goes out
+            pass
+    if not known:  # a verdict's text is in the line below
+        print(tb, file=sys.stderr, flush=True)
+    emit_line(f"POSTTRAIN_ERROR stage {ctx.name} failed: {type(exc).__name__}: {exc}", sys.stderr)

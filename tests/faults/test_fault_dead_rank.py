@@ -19,11 +19,12 @@ import psutil
 import pytest
 
 from flows.stage_failures import StageFailed
-from flows.stage_procs import LAUNCH_ENV_VAR, processes_with_env
-from flows.stage_task import run_stage
+from flows.stage_procs import tagged_processes
+from flows.stage_task import stage_task
 from posttrain.artifacts import ref_from_manifest, verify
 from posttrain.config.loader import load_recipe
-from posttrain.planner import plan, write_spec
+from posttrain.planner import plan, spec_for
+from posttrain.stage_spec import LAUNCH_TAG_ENV
 from posttrain.telemetry.heartbeat import read_heartbeats
 from posttrain.train.checkpoint import complete_checkpoints
 from tests.stage_helpers import TINY, run_inprocess, write_recipe
@@ -42,10 +43,10 @@ def sft_stage(tmp_path_factory: pytest.TempPathFactory):
     path = write_recipe(tmp_path_factory.mktemp("deadrank"), data)
     run_inprocess("ingest", path)
     recipe = load_recipe(path)
-    stages = {s.name: s for s in plan(recipe)}
+    stages = {s.name: s for s in plan(recipe).stages}
     sft = stages["sft"]
     assert sft.nprocs == 2
-    spec = write_spec(sft, recipe, {"ingest": ref_from_manifest(stages["ingest"].out_dir)})
+    spec = spec_for(sft, recipe, {"ingest": ref_from_manifest(stages["ingest"].out_dir)})
     return sft, spec
 
 
@@ -57,11 +58,11 @@ def _dead(pid: int) -> bool:
 
 
 def _launch_processes() -> dict[int, str]:
-    """This test process's descendants that carry a launch marker: pid -> launch id."""
+    """This test process's descendants that carry a launch tag: pid -> tag."""
     found = {}
     for p in psutil.Process().children(recursive=True):
         try:
-            if launch := p.environ().get(LAUNCH_ENV_VAR):
+            if launch := p.environ().get(LAUNCH_TAG_ENV):
                 found[p.pid] = launch
         except psutil.Error:
             continue
@@ -75,7 +76,7 @@ def test_killed_rank_is_named_nothing_is_left_and_the_rerun_resumes(sft_stage) -
 
     def supervise() -> None:
         try:
-            result["outcome"] = run_stage.fn(stage, spec, kill_grace_s=5.0)
+            result["outcome"] = stage_task.fn(stage, spec, kill_grace_s=5.0)
         except StageFailed as exc:
             result["error"] = exc
         result["ended"] = time.monotonic()
@@ -124,11 +125,12 @@ def test_killed_rank_is_named_nothing_is_left_and_the_rerun_resumes(sft_stage) -
     while time.monotonic() < end and not all(_dead(p) for p in seen):
         time.sleep(0.1)
     assert [p for p in seen if not _dead(p)] == []
-    assert processes_with_env(LAUNCH_ENV_VAR, launches.pop()) == []
+    tag = launches.pop()
+    assert tagged_processes(lambda t: t == tag) == []
 
     # The re-run resumes from the newest checkpoint and completes.
     newest = complete_checkpoints(stage.out_dir / "checkpoints")[-1].name
-    outcome = run_stage.fn(stage, spec, kill_grace_s=5.0)
+    outcome = stage_task.fn(stage, spec, kill_grace_s=5.0)
     assert outcome["status"] == "ran"
     assert verify(stage.out_dir)[0]
     log = (stage.out_dir / "logs" / "stage.log").read_text()

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from posttrain.device_lock import DIR_ENV, DeviceLock
-from posttrain.orphan import LAUNCHER_PID_ENV, LAUNCHER_START_ENV, launcher_alive, launcher_env
+from posttrain.orphan import process_start, supervisor_alive
 from tests.faults.fault_runs import ROOT
 
 HOLD = """
@@ -63,18 +63,17 @@ def test_a_killed_holder_frees_the_device_lock_and_is_named(
         holder.wait()
 
 
-def test_launcher_alive_follows_the_process_not_the_pid() -> None:
+def test_supervisor_alive_follows_the_process_not_the_pid() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        env = launcher_env(child.pid)
-        pid, start = int(env[LAUNCHER_PID_ENV]), float(env[LAUNCHER_START_ENV])
-        assert launcher_alive(pid, start)
-        # Same PID, another start time: a reused PID is not our launcher.
-        assert not launcher_alive(pid, start - 10)
+        pid, start = child.pid, process_start(child.pid)
+        assert supervisor_alive(pid, start)
+        # Same PID, another start time: a reused PID is not our supervisor.
+        assert not supervisor_alive(pid, start - 10)
         child.kill()
         child.wait()
-        assert not launcher_alive(pid, start)
-        assert launcher_alive(os.getpid(), psutil.Process().create_time())
+        assert not supervisor_alive(pid, start)
+        assert supervisor_alive(os.getpid(), psutil.Process().create_time())
     finally:
         child.kill()
         child.wait()

@@ -49,7 +49,7 @@ def test_served_run_survives_a_server_outage_mid_stage(tmp_path: Path) -> None:
     data["sft"].update(max_steps=int(os.environ.get("POSTTRAIN_OUTAGE_STEPS", "1500")))
     data["sft"]["checkpoint_every"] = 50
     recipe_path = write_recipe(tmp_path, data)
-    sft_dir = next(s.out_dir for s in plan(load_recipe(recipe_path)) if s.name == "sft")
+    sft_dir = next(s.out_dir for s in plan(load_recipe(recipe_path)).stages if s.name == "sft")
 
     server = start_server(tmp_path / "prefect-home")
     serve = None

@@ -24,7 +24,8 @@ from posttrain.artifacts import ref_from_manifest, verify
 from posttrain.config.loader import load_recipe
 from posttrain.diskspace import folder_bytes, required_bytes
 from posttrain.locking import lock_path
-from posttrain.planner import plan, write_spec
+from posttrain.planner import plan, spec_for
+from posttrain.stage_spec import spec_path
 from posttrain.telemetry.metrics import read_metrics
 from posttrain.train.checkpoint import complete_checkpoints
 from posttrain.train.resume import inspect_checkpoint
@@ -226,10 +227,11 @@ def test_damaged_parent_fails_the_downstream_stage_before_loading_it(
     try:
         size = weights.stat().st_size
         (truncate if damage == "truncate" else flip_bytes)(weights)
-        stages = {s.name: s for s in plan(load_recipe(recipe, []))}
+        stages = {s.name: s for s in plan(load_recipe(recipe, [])).stages}
         sft = stages["sft"]
         shutil.rmtree(sft.out_dir, ignore_errors=True)
-        spec = write_spec(sft, load_recipe(recipe, []), {"ingest": _ref(ingest)})
+        spec = spec_for(sft, load_recipe(recipe, []), {"ingest": _ref(ingest)})
+        spec = spec.write(spec_path(sft.out_dir))
         capsys.readouterr()
         from posttrain.stages.common import stage_main
         from posttrain.stages.sft import run

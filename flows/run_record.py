@@ -1,0 +1,248 @@
+"""The run's record: `<workspace>/runs/<run-id>/` (the resolved recipe, `lineage.json`,
+`report.md` and its images) and the flow-level Prefect artifacts (report, metrics table).
+
+Made at flow level, from the stages' records, because it must say what every stage did, the
+reused ones included. The report's text is `flows.report` (pure functions); the images are
+drawn once per content (`flows.drawn`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.context import FlowRunContext
+from prefect.logging import get_run_logger
+
+from flows import drawn
+from flows.report import (
+    StageRecord,
+    curves_markdown,
+    export_model_path,
+    lineage,
+    markdown_report,
+    metrics_table,
+)
+from flows.stage_output import artifact_key
+from flows.trackers import Trackers
+from posttrain.planner import RunPlan
+from posttrain.promotion import Decision, comparison_markdown
+from posttrain.secrets import redact, redact_obj
+from posttrain.telemetry.graph_plot import GraphNode
+from posttrain.telemetry.plots import CurvePlot
+
+
+@dataclass
+class Images:
+    """The report's images: training curves per stage and the stage graph (None when it could
+    not be drawn)."""
+
+    plots: list[CurvePlot]
+    graph: Path | None
+
+    def paths(self) -> list[Path]:
+        return [p.path for p in self.plots] + ([self.graph] if self.graph is not None else [])
+
+
+def record_run(
+    run_plan: RunPlan,
+    run_id: str,
+    records: list[StageRecord],
+    promotion: Decision | None = None,
+    quiet: bool = False,
+    trackers: Trackers | None = None,
+) -> dict[str, Any]:
+    """Write `<workspace>/runs/<run-id>/` and the flow-level Prefect artifacts, and hand the
+    run's files to the experiment trackers (`trackers`), whose links end the report.
+
+    `quiet`: used while a failure propagates, so a problem here cannot hide the stage's error.
+    """
+    try:
+        return _record_run(run_plan, run_id, records, promotion, trackers, failed=quiet)
+    except Exception as exc:
+        if not quiet:
+            raise
+        get_run_logger().error("could not write the run record: %s", exc)
+        return {}
+
+
+def _record_run(
+    run_plan: RunPlan,
+    run_id: str,
+    records: list[StageRecord],
+    promotion: Decision | None,
+    trackers: Trackers | None,
+    failed: bool,
+) -> dict[str, Any]:
+    recipe = run_plan.recipe
+    run_dir = Path(recipe.run.workspace) / "runs" / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    export_path = export_model_path(records)
+    report = markdown_report(recipe.run.name, run_id, records, export_path, str(run_dir))
+    if promotion is not None:
+        report += "\n## Promotion\n\n" + "\n".join(comparison_markdown(promotion)) + "\n"
+    images = draw_images(run_plan, records, run_dir)
+    # Nothing that looks like a credential (e.g. in a stage's error message) is written into
+    # the run folder or the Prefect UI; the recipe itself was refused at validation if it had one.
+    on_disk, in_ui = (redact(text) for text in with_images(report, images))
+    (run_dir / "recipe.resolved.yaml").write_text(
+        yaml.safe_dump(redact_obj(recipe.model_dump(mode="json")), sort_keys=False)
+    )
+    meta = run_meta(run_id, recipe.run.name, export_path)
+    (run_dir / "lineage.json").write_text(json.dumps(redact_obj(lineage(meta, records)), indent=2))
+    tracked = tracking_markdown(trackers)  # a tracker URI may carry a credential: redacted
+    (run_dir / "report.md").write_text(on_disk + tracked)
+    if trackers is not None:
+        finish_tracking(trackers, run_dir, records, promotion, export_path, images, failed)
+        after = tracking_markdown(trackers)
+        if after != tracked:  # a tracker failed taking the files: the report says so
+            tracked = after
+            (run_dir / "report.md").write_text(on_disk + tracked)
+    key = artifact_key(recipe.run.name)
+    create_markdown_artifact(in_ui + tracked, key=f"{key}-report", description=f"run {run_id}")
+    create_table_artifact(
+        redact_obj(metrics_table(records)), key=f"{key}-metrics", description="Per-stage metrics"
+    )
+    return run_result(run_id, run_dir, records, export_path, promotion)
+
+
+def run_meta(run_id: str, run_name: str, export_path: str | None) -> dict[str, Any]:
+    """The head of `lineage.json`."""
+    ctx = FlowRunContext.get()
+    return {
+        "run_id": run_id,
+        "run_name": run_name,
+        "flow_run_id": str(ctx.flow_run.id) if ctx and ctx.flow_run else None,
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "export_path": export_path,
+    }
+
+
+def draw_images(run_plan: RunPlan, records: list[StageRecord], run_dir: Path) -> Images:
+    """Curves and the stage graph, copied from the workspace's image cache when drawn before
+    from the same inputs (flows.drawn: a re-run of reused stages draws nothing). Decoration: a
+    plotting failure (matplotlib missing, a corrupt metrics file) is logged and the run record
+    is written without the image."""
+    cache = drawn.cache_dir(run_plan.recipe.run.workspace)
+    plots: list[CurvePlot] = []
+    try:
+        stages = [(r.stage, Path(r.uri)) for r in records if r.uri]
+        plots, _ = drawn.curves(stages, run_dir, cache)
+    except Exception as exc:
+        get_run_logger().warning("training curves not drawn: %s: %s", type(exc).__name__, exc)
+    graph = None
+    try:
+        graph, _ = drawn.stage_graph(graph_nodes(run_plan, records), run_dir / "graph.png", cache)
+    except Exception as exc:
+        get_run_logger().warning("stage graph not drawn: %s: %s", type(exc).__name__, exc)
+    return Images(plots, graph)
+
+
+def with_images(report: str, images: Images) -> tuple[str, str]:
+    """(report.md's text, the Prefect artifact's): the file links its images beside it, the
+    Prefect UI, which cannot fetch files, gets their paths."""
+    on_disk, in_ui = report, report
+    if images.graph is not None:
+        on_disk += f"\n## Stage graph\n\n![stage graph]({images.graph.name})\n"
+        in_ui += f"\n## Stage graph\n\n- stage graph: `{images.graph}`\n"
+    if images.plots:
+        on_disk += "\n" + "\n".join(curves_markdown(images.plots)) + "\n"
+        in_ui += "\n" + "\n".join(curves_markdown(images.plots, inline=False)) + "\n"
+    return on_disk, in_ui
+
+
+def run_result(
+    run_id: str,
+    run_dir: Path,
+    records: list[StageRecord],
+    export_path: str | None,
+    promotion: Decision | None,
+) -> dict[str, Any]:
+    """What the flow returns (and the CLI prints from)."""
+    return {
+        "run_id": run_id,
+        "run_dir": str(run_dir),
+        "stages": [
+            {
+                "stage": r.stage,
+                "status": r.status,
+                "duration_s": round(r.duration_s, 2),
+                "uri": r.uri,
+                "headline": r.headline,
+                "recovery": r.recovery,
+            }
+            for r in records
+        ],
+        "export_path": export_path,
+        "promotion": None
+        if promotion is None
+        else {"promoted": promotion.promoted, "reason": promotion.reason},
+    }
+
+
+# Inputs the graph image leaves out: every stage reads the base, and evaluate/export also read
+# their policy's parent and held-out source; drawn, they hide the chain. A stage whose only
+# input is the base keeps that edge.
+IMPLIED_ROLES = ("base", "parent", "heldout")
+
+
+def drawn_links(roles: dict[str, str]) -> dict[str, str]:
+    """The inputs of a stage the graph image draws as edges."""
+    kept = {r: n for r, n in roles.items() if r not in IMPLIED_ROLES}
+    return kept or {r: n for r, n in roles.items() if r == "base"}
+
+
+def graph_nodes(run_plan: RunPlan, records: list[StageRecord]) -> list[GraphNode]:
+    """The run's stages for the graph image: each record with its status, inputs and headline,
+    and the stages the run did not reach (after a failure) as pending."""
+    nodes = [
+        GraphNode(
+            r.stage,
+            r.kind or r.stage,
+            "failed" if r.error else r.status,
+            drawn_links(r.roles),
+            {k: v for k, v in r.headline.items() if isinstance(v, int | float)},
+        )
+        for r in records
+    ]
+    for stage in run_plan.pending({r.stage for r in records}):
+        nodes.append(GraphNode(stage.name, stage.kind, "pending", drawn_links(stage.roles), {}))
+    return nodes
+
+
+def tracking_markdown(trackers: Trackers | None) -> str:
+    """The report's section on the experiment trackers: where to look, what failed."""
+    if trackers is None or not trackers.workers:
+        return ""
+    return redact("\n## Tracking\n\n" + "\n".join(trackers.report_lines()) + "\n")
+
+
+def finish_tracking(
+    trackers: Trackers,
+    run_dir: Path,
+    records: list[StageRecord],
+    promotion: Decision | None,
+    export_path: str | None,
+    images: Images,
+    failed: bool,
+) -> None:
+    """Hand the recorded run to the trackers and wait (bounded) for them to drain."""
+    export = next((r for r in records if r.stage == "export" and r.status != "failed"), None)
+    trackers.finish(
+        {
+            "run_dir": str(run_dir),
+            "report": str(run_dir / "report.md"),
+            "images": [str(p) for p in images.paths()],
+            "promoted": bool(promotion is not None and promotion.promoted),
+            "export_path": export_path,
+            "export_fingerprint": export.fingerprint if export else None,
+            "export_sha256": export.sha256 if export else None,
+            "fingerprints": {r.stage: r.fingerprint for r in records},
+            "failed": failed,
+        }
+    )
