@@ -38,13 +38,13 @@ from posttrain.memory.estimate import (
     estimate,
     fmt_bytes,
 )
+from posttrain.memory.fixes import suggest_fixes
 from posttrain.memory.preflight import (
     Capacity,
     MemoryPreflightError,
     enforce,
     preflight,
     stage_shape,
-    suggest_fixes,
 )
 from posttrain.models.lora import apply_lora
 from posttrain.telemetry.metrics import fragmentation_warning

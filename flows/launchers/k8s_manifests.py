@@ -131,6 +131,27 @@ def plan_job(
     (default: found from the stage's folder); the shared volume is mounted there in every pod,
     so the spec path and every path inside the spec mean the same file everywhere.
     """
+    workspace = checked_workspace(request, config, workspace)
+    stage = request.stage
+    name = job_name(stage.name, stage.fingerprint, request.launch_id)
+    nnodes = max(1, stage.nnodes)
+    gpus = checked_gpus(request, config, device)
+    labels = job_labels(request, config)
+    command = pod_command(request, config, name, nnodes)
+    volumes, mounts = workspace_volumes(config, workspace)
+    container = container_spec(
+        config, command, container_env(request, config), mounts, gpus, nnodes
+    )
+    pod = pod_spec(config, name, container, volumes)
+    job = job_manifest(request, config, name, labels, pod, nnodes)
+    return JobPlan(name, config.namespace, labels, command, job, gpus, nnodes)
+
+
+def checked_workspace(
+    request: LaunchRequest, config: KubernetesConfig, workspace: Path | None
+) -> Path:
+    """The run's workspace (`workspace`, else found from the stage's folder), after checking
+    that the recipe says what to run and what to mount, and that the pods will see the spec."""
     if not config.image:
         raise ValueError("infra.kubernetes.image is required to launch on Kubernetes")
     if not (config.workspace_claim or config.workspace_host_path):
@@ -143,37 +164,65 @@ def plan_job(
             f"the stage spec {request.spec_path} is outside the workspace {workspace}, "
             "which is all the pods see"
         )
+    return workspace
+
+
+def checked_gpus(request: LaunchRequest, config: KubernetesConfig, device: str) -> int:
+    """`gpus_per_node`, refused when a pod would run more processes than it has GPUs."""
     stage = request.stage
-    name = job_name(stage.name, stage.fingerprint, request.launch_id)
-    nnodes = max(1, stage.nnodes)
     gpus = gpus_per_node(request, config, device)
     if gpus and stage.nprocs > gpus:
         raise ValueError(
             f"stage {stage.name} runs {stage.nprocs} processes per node but each pod gets "
             f"{gpus} GPU(s) (infra.kubernetes.gpus_per_node): one process needs one GPU"
         )
+    return gpus
 
+
+def job_labels(request: LaunchRequest, config: KubernetesConfig) -> dict[str, str]:
+    """The labels of the Job, its pods and the Service: the recipe's, then posttrain's own
+    (stage, launch id), then the request's under `posttrain.io/`."""
     labels = dict(config.labels)
     labels["app.kubernetes.io/managed-by"] = "posttrain"
-    labels[STAGE_LABEL] = sanitize_label(stage.name)
+    labels[STAGE_LABEL] = sanitize_label(request.stage.name)
     labels[LAUNCH_LABEL] = sanitize_label(request.launch_id)
     for key, value in request.labels.items():
         labels[LABEL_PREFIX + sanitize_label(key, 63)] = sanitize_label(value)
+    return labels
 
+
+def pod_command(
+    request: LaunchRequest, config: KubernetesConfig, name: str, nnodes: int
+) -> list[str]:
+    """The stage's torchrun command line, the same in every pod: its node rank is left for
+    Kubernetes to expand from the pod's environment, every other argument is literal text."""
+    stage = request.stage
+    rank_arg = f"$({NODE_RANK_ENV})"
     command = stage_command(
         stage.module,
         str(request.spec_path),
         stage.nprocs,
         python=config.python,
         nnodes=nnodes,
-        node_rank=f"$({NODE_RANK_ENV})",
+        node_rank=rank_arg,
         rdzv_endpoint=rdzv_endpoint(name, config),
         rdzv_id=stage.fingerprint,
     )
-    # Every argument but the node rank is literal text.
-    rank_arg = f"$({NODE_RANK_ENV})"
-    command = [a if a == rank_arg else _escape(a) for a in command]
+    return [a if a == rank_arg else _escape(a) for a in command]
 
+
+def stage_env(request: LaunchRequest, config: KubernetesConfig) -> dict[str, str]:
+    """The variables a stage's pods get: the recipe's `infra.kubernetes.env`, overridden by the
+    launch's (`flows.stage_launch.launch_env`), less this machine's node rank (each pod's own
+    comes from its completion index)."""
+    merged = {**config.env, **request.env}
+    merged.pop(NODE_RANK_ENV, None)
+    return merged
+
+
+def container_env(request: LaunchRequest, config: KubernetesConfig) -> list[dict[str, Any]]:
+    """The container's `env`: the node rank from the pod's completion index, then
+    `stage_env`'s variables as literal values."""
     env: list[dict[str, Any]] = [
         # First: later values may refer to it. The downward API reads the index the Job
         # controller gives each pod.
@@ -184,11 +233,13 @@ def plan_job(
             },
         }
     ]
-    # The recipe's variables, then the launch's (the engine's node rank is the pod's own).
-    merged = {**config.env, **request.env}
-    merged.pop(NODE_RANK_ENV, None)
-    env += [{"name": k, "value": _escape(v)} for k, v in merged.items()]
+    env += [{"name": k, "value": _escape(v)} for k, v in stage_env(request, config).items()]
+    return env
 
+
+def container_resources(config: KubernetesConfig, gpus: int) -> dict[str, dict[str, str]]:
+    """The container's `resources`: the recipe's CPU and memory requests and limits and the
+    pod's GPUs, each of `requests` / `limits` only when it has an entry ({} for neither)."""
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
     if config.cpu_request:
@@ -201,7 +252,15 @@ def plan_job(
         limits["memory"] = config.memory_limit
     if gpus:
         limits[config.gpu_resource] = str(gpus)  # extended resources: requests = limits
+    return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
 
+
+def workspace_volumes(
+    config: KubernetesConfig, workspace: Path
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the pod's volumes, the container's mounts): the shared workspace (a claim, else a host
+    folder) mounted at the same path as on the launching machine, and a memory-backed
+    /dev/shm when the recipe sizes one."""
     mounts = [{"name": WORKSPACE_VOLUME, "mountPath": str(workspace)}]
     if config.workspace_claim:
         volumes: list[dict[str, Any]] = [
@@ -222,7 +281,18 @@ def plan_job(
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": config.shm_size}}
         )
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    return volumes, mounts
 
+
+def container_spec(
+    config: KubernetesConfig,
+    command: list[str],
+    env: list[dict[str, Any]],
+    mounts: list[dict[str, Any]],
+    gpus: int,
+    nnodes: int,
+) -> dict[str, Any]:
+    """The stage's one container; it exposes the rendezvous port when several nodes dial it."""
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": config.image,
@@ -232,13 +302,22 @@ def plan_job(
     }
     if config.image_pull_policy:
         container["imagePullPolicy"] = config.image_pull_policy
-    if requests or limits:
-        container["resources"] = {
-            k: v for k, v in (("requests", requests), ("limits", limits)) if v
-        }
+    resources = container_resources(config, gpus)
+    if resources:
+        container["resources"] = resources
     if nnodes > 1:
         container["ports"] = [{"name": "rdzv", "containerPort": config.rdzv_port}]
+    return container
 
+
+def pod_spec(
+    config: KubernetesConfig,
+    name: str,
+    container: dict[str, Any],
+    volumes: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The pod template's spec: never restarted, in the Service's subdomain, with the recipe's
+    scheduling and registry settings."""
     pod: dict[str, Any] = {
         "restartPolicy": "Never",
         # With the Service of the same name: pod k is `<job>-k.<job>` (Indexed Jobs set each
@@ -256,7 +335,18 @@ def plan_job(
         pod["nodeSelector"] = dict(config.node_selector)
     if config.tolerations:
         pod["tolerations"] = [t.model_dump(exclude_none=True) for t in config.tolerations]
+    return pod
 
+
+def job_manifest(
+    request: LaunchRequest,
+    config: KubernetesConfig,
+    name: str,
+    labels: dict[str, str],
+    pod: dict[str, Any],
+    nnodes: int,
+) -> dict[str, Any]:
+    """The Indexed Job: one pod per node, no retries, the recipe's deadline and clean-up."""
     spec: dict[str, Any] = {
         "completionMode": "Indexed",
         "completions": nnodes,
@@ -267,10 +357,10 @@ def plan_job(
         "template": {"metadata": {"labels": dict(labels)}, "spec": pod},
     }
     if config.deadline_extra_s is not None:
-        spec["activeDeadlineSeconds"] = math.ceil(stage.timeout_s + config.deadline_extra_s)
+        spec["activeDeadlineSeconds"] = math.ceil(request.stage.timeout_s + config.deadline_extra_s)
     if config.ttl_seconds_after_finished is not None:
         spec["ttlSecondsAfterFinished"] = config.ttl_seconds_after_finished
-    job = {
+    return {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {
@@ -281,4 +371,3 @@ def plan_job(
         },
         "spec": spec,
     }
-    return JobPlan(name, config.namespace, labels, command, job, gpus, nnodes)

@@ -379,23 +379,54 @@ def estimate(
     layout: DeviceLayout,
     overhead_bytes: int | None = None,
 ) -> MemoryEstimate:
-    """Per-device memory of `stage` on `layout` (see the module docstring)."""
+    """Per-device memory of `stage` on `layout` (see the module docstring): the static rows
+    (weights, gradients, optimizer, framework), then the rows of each phase."""
     shards = layout.shards
     # A bf16 base computes in bf16 whatever the precision (`shard_model`).
     c = 2 if stage.base_dtype == "bf16" else compute_bytes(stage.precision)
     # The reward model's score head is a row of its own (with peft's trained copy), not base.
     head: Literal["lm", "none"] = "none" if stage.kind == "score" else "lm"
-    est = MemoryEstimate(
+    weights, counts = weight_rows(model, stage, shards, head)
+    gathered = gathered_step_bytes(model, head, counts, c)
+    full_logits = full_logits_bytes(model, stage)
+    update = "update" if stage.kind == "rl" else "step"
+    rows = [
+        *weights,
+        *training_state_rows(counts.trainable, shards),
+        framework_row(layout.device, overhead_bytes),
+        step_weights_row(stage, gathered, full_logits, update),
+        activations_row(model, stage, c, update),
+        *logits_rows(model, stage, c, full_logits, update),
+        *rollout_rows(model, stage, counts, gathered, c),
+    ]
+    return MemoryEstimate(
+        rows,
         stage=stage.label or stage.kind,
         shards=shards,
         activation_checkpointing=stage.activation_checkpointing,
     )
-    rows = est.rows
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters beside the base that later rows depend on: every adapter's (trainable or
+    not), the heads outside the adapters (score, value), and how many of all are trained."""
+
+    adapters: int
+    heads: int
+    trainable: int
+
+
+def weight_rows(
+    model: ModelShape, stage: StageShape, shards: int, head: Literal["lm", "none"]
+) -> tuple[list[Row], ParamCounts]:
+    """The static weight rows (the frozen base, each role's adapter, the score and value heads)
+    and the parameter counts they add up to."""
     base = model.base_params(head)
     b = 2 if stage.base_dtype == "bf16" else 4
     where = f"1/{shards} per device" if shards > 1 else "not sharded"
     shard_note = f"{stage.base_dtype}, {where}"
-    rows.append(Row("base weights", base * b // shards, f"{base:,} params, frozen, {shard_note}"))
+    rows = [Row("base weights", base * b // shards, f"{base:,} params, frozen, {shard_note}")]
 
     trainable = 0
     adapter_params = 0
@@ -416,22 +447,45 @@ def estimate(
         heads += model.hidden
         trainable += model.hidden
         rows.append(Row("value head", model.hidden * 4 // shards, "trainable"))
-    rows.append(Row("gradients", trainable * 4 // shards, f"{trainable:,} trainable params, fp32"))
-    rows.append(Row("optimizer (AdamW)", 2 * 4 * trainable // shards, "exp_avg + exp_avg_sq, fp32"))
-    note = "runtime, measured"
-    if overhead_bytes is None:
-        overhead_bytes, note = FRAMEWORK_OVERHEAD[layout.device], "fixed allowance"
-    rows.append(Row("framework", overhead_bytes, note))
+    return rows, ParamCounts(adapter_params, heads, trainable)
 
-    # Gathered weights while computing: FSDP2 unshards the root (embedding, final norm, head)
-    # inside its forward and again for its backward, and one block at a time plus the
-    # prefetched next.
-    adapter_per_block = adapter_params // max(1, model.layers)
+
+def training_state_rows(trainable: int, shards: int) -> list[Row]:
+    """Gradients and AdamW's two moments of the trainable parameters, all fp32."""
+    return [
+        Row("gradients", trainable * 4 // shards, f"{trainable:,} trainable params, fp32"),
+        Row("optimizer (AdamW)", 2 * 4 * trainable // shards, "exp_avg + exp_avg_sq, fp32"),
+    ]
+
+
+def framework_row(device: str, overhead_bytes: int | None) -> Row:
+    """The runtime: its measured bytes when given, else the device's fixed allowance."""
+    if overhead_bytes is None:
+        return Row("framework", FRAMEWORK_OVERHEAD[device], "fixed allowance")
+    return Row("framework", overhead_bytes, "runtime, measured")
+
+
+def gathered_step_bytes(
+    model: ModelShape, head: Literal["lm", "none"], counts: ParamCounts, c: int
+) -> int:
+    """Weights gathered while computing: FSDP2 unshards the root (embedding, final norm, head)
+    inside its forward and again for its backward, and one block at a time plus the
+    prefetched next."""
+    adapter_per_block = counts.adapters // max(1, model.layers)
     block = model.block_params() + adapter_per_block
-    gathered_step = (model.root_params(head) + heads + 2 * block) * c
-    update = "update" if stage.kind == "rl" else "step"
+    return (model.root_params(head) + counts.heads + 2 * block) * c
+
+
+def full_logits_bytes(model: ModelShape, stage: StageShape) -> int:
+    """The stage's unchunked logits buffers: LOGIT_BUFFERS x [seqs, positions, vocab] fp32."""
     k = LOGIT_BUFFERS[stage.kind]
-    full_logits = k * stage.sequences * (stage.logit_positions or stage.seq_len) * model.vocab * 4
+    return k * stage.sequences * (stage.logit_positions or stage.seq_len) * model.vocab * 4
+
+
+def step_weights_row(stage: StageShape, gathered_step: int, full_logits: int, phase: str) -> Row:
+    """The gathered weights of a training step (`gathered_step_bytes`), less what the full
+    logits already cover when the head is not chunked."""
+    k = LOGIT_BUFFERS[stage.kind]
     if k and not stage.logits_chunk_tokens:
         # Full logits: the loss runs after the root's forward, which reshards the root (and every
         # block) when it returns (measured, torch 2.13), so the k logits buffers and the gathered
@@ -442,12 +496,13 @@ def estimate(
         # 32% (bench/memory_estimate.py; now 1.06x and 1.03x).
         extra = max(0, gathered_step - (k - 1) * full_logits // k)
         note = "root + 2 blocks, beyond the full logits"
-        rows.append(Row("gathered weights", extra, note, update))
-    else:
-        rows.append(
-            Row("gathered weights", gathered_step, "FSDP2 all-gather: root + 2 blocks", update)
-        )
+        return Row("gathered weights", extra, note, phase)
+    return Row("gathered weights", gathered_step, "FSDP2 all-gather: root + 2 blocks", phase)
 
+
+def activations_row(model: ModelShape, stage: StageShape, c: int, phase: str) -> Row:
+    """What a step saves for backward: the blocks' activations (see the module docstring), the
+    final norm's input, the attention mask and the score head's input."""
     # The backward of one role at a time: the policy's adapter (RL: the policy's update; the
     # critic's pass has no logits and the same body, so it is not larger).
     running = tuple(a for a in stage.adapters if a.trainable)[:1]
@@ -459,62 +514,52 @@ def estimate(
     act += stage.sequences * stage.seq_len * stage.seq_len  # [B, 1, T, T] bool attention mask
     if stage.kind == "score":
         act += tokens * model.hidden * c  # score head input (trained)
-    rows.append(
-        Row(
-            "activations",
-            act,
-            f"{stage.sequences} seqs x {stage.seq_len} tokens, {ac}",
-            update,
-        )
-    )
+    return Row("activations", act, f"{stage.sequences} seqs x {stage.seq_len} tokens, {ac}", phase)
+
+
+def logits_rows(
+    model: ModelShape, stage: StageShape, c: int, full_logits: int, phase: str
+) -> list[Row]:
+    """The LM head's buffers of a step: chunked ([chunk, vocab] buffers and the scored
+    positions' hidden states with their gradient) or full (`full_logits_bytes`); none for a
+    score head."""
+    k = LOGIT_BUFFERS[stage.kind]
     if k and stage.logits_chunk_tokens:
         scored = stage.sequences * (stage.logit_positions or stage.seq_len)
         chunk = min(stage.logits_chunk_tokens, scored)
         kc = CHUNK_BUFFERS[stage.kind] + model.logit_transform
         logits = kc * chunk * model.vocab * 4 + 2 * scored * model.hidden * c
-        rows.append(
-            Row(
-                "logits",
-                logits,
-                f"chunked: {kc} x {chunk} tokens x vocab {model.vocab} x 4 B",
-                update,
-            )
-        )
-    elif k:
+        note = f"chunked: {kc} x {chunk} tokens x vocab {model.vocab} x 4 B"
+        return [Row("logits", logits, note, phase)]
+    if k:
         positions = stage.logit_positions or stage.seq_len
-        rows.append(
-            Row(
-                "logits",
-                full_logits,
-                f"{k} x {stage.sequences} x {positions} x vocab {model.vocab} x 4 B",
-                update,
-            )
-        )
+        note = f"{k} x {stage.sequences} x {positions} x vocab {model.vocab} x 4 B"
+        return [Row("logits", full_logits, note, phase)]
+    return []
 
-    if stage.kind == "rl" and stage.rollout_rows:
-        ctx_len = stage.prompt_len + stage.new_tokens
-        kv = stage.rollout_rows * ctx_len * model.layers * 2 * model.kv_heads * model.head_dim * c
-        rows.append(
-            Row(
-                "KV cache",
-                kv,
-                f"{stage.rollout_rows} rows x {ctx_len} tokens x {model.layers} layers",
-                "rollout",
-            )
-        )
-        if stage.keep_gathered:
-            full = (model.base_params("lm") + adapter_params + heads) * c
-            rows.append(Row("gathered weights", full, "keep_gathered: whole model", "rollout"))
-        else:
-            rows.append(Row("gathered weights", gathered_step, "root + 2 blocks", "rollout"))
-        # Prefill without gradients: one block's working set over the prompts, and the sampled
-        # position's logits (fp32, a few copies for the sampling filters).
-        prefill = (
-            stage.rollout_rows * stage.prompt_len * (3 * model.hidden + 3 * model.intermediate)
-        )
-        prefill = prefill * c + 4 * stage.rollout_rows * model.vocab * 4
-        rows.append(Row("prefill working set", prefill, "one block, no grad", "rollout"))
-    return est
+
+def rollout_rows(
+    model: ModelShape, stage: StageShape, counts: ParamCounts, gathered_step: int, c: int
+) -> list[Row]:
+    """The rollout phase of an RL stage (none for other stages, or without rollout rows): the
+    KV cache of one `generate` call, the weights gathered while decoding, the prefill."""
+    if stage.kind != "rl" or not stage.rollout_rows:
+        return []
+    ctx_len = stage.prompt_len + stage.new_tokens
+    kv = stage.rollout_rows * ctx_len * model.layers * 2 * model.kv_heads * model.head_dim * c
+    kv_note = f"{stage.rollout_rows} rows x {ctx_len} tokens x {model.layers} layers"
+    rows = [Row("KV cache", kv, kv_note, "rollout")]
+    if stage.keep_gathered:
+        full = (model.base_params("lm") + counts.adapters + counts.heads) * c
+        rows.append(Row("gathered weights", full, "keep_gathered: whole model", "rollout"))
+    else:
+        rows.append(Row("gathered weights", gathered_step, "root + 2 blocks", "rollout"))
+    # Prefill without gradients: one block's working set over the prompts, and the sampled
+    # position's logits (fp32, a few copies for the sampling filters).
+    prefill = stage.rollout_rows * stage.prompt_len * (3 * model.hidden + 3 * model.intermediate)
+    prefill = prefill * c + 4 * stage.rollout_rows * model.vocab * 4
+    rows.append(Row("prefill working set", prefill, "one block, no grad", "rollout"))
+    return rows
 
 
 def with_changes(stage: StageShape, **changes: Any) -> StageShape:

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from posttrain.config.run_sections import InfraConfig
 from posttrain.memory.estimate import (
     GIB,
     Adapter,
@@ -32,6 +31,7 @@ from posttrain.memory.estimate import (
     fmt_bytes,
     with_changes,
 )
+from posttrain.memory.fixes import Fix, smallest_device, suggest_fixes
 
 log = logging.getLogger("posttrain.memory")
 
@@ -42,10 +42,6 @@ log = logging.getLogger("posttrain.memory")
 # tensor memory in its heap, and the peak RSS reached 1.0-1.75x the estimate
 # (bench/memory_estimate.py), hence half the capacity.
 SAFETY_FRACTION = {"cuda": 0.9, "cpu": 0.5}
-# Unchunked logits at least this share of the estimated peak: suggest the chunked head.
-LARGE_LOGITS = 0.1
-# infra.logits_chunk_tokens' recipe default, the value the fix suggests.
-DEFAULT_CHUNK_TOKENS: int = InfraConfig.model_fields["logits_chunk_tokens"].default
 
 
 class MemoryPreflightError(RuntimeError):
@@ -59,13 +55,6 @@ class Capacity:
     # The runtime's measured memory (CPU: this process's RSS at the pre-flight), used as the
     # estimate's framework row; None = the fixed allowance.
     runtime_bytes: int | None = None
-
-
-@dataclass(frozen=True)
-class Fix:
-    change: str
-    total: int
-    fits: bool
 
 
 @dataclass
@@ -273,109 +262,6 @@ def detect_capacity(recipe: Any) -> Capacity:
         f"{where} {fmt_bytes(available)}{split} + this process's RSS {fmt_bytes(runtime)}",
         runtime,
     )
-
-
-def suggest_fixes(
-    model: ModelShape,
-    shape: StageShape,
-    layout: DeviceLayout,
-    budget: int,
-    overhead: int | None,
-    stage: str,
-    accum: int = 1,
-) -> list[Fix]:
-    """Changes that lower the estimate, each with its own estimated peak: activation
-    checkpointing, a smaller micro-batch (same global batch), the chunked LM head when full
-    logits are large, more shards, and for RL smaller generate calls and no keep_gathered; then
-    all of them together when none fits alone."""
-
-    def total(s: StageShape, lay: DeviceLayout = layout) -> int:
-        return estimate(model, s, lay, overhead).total
-
-    now = total(shape)
-    fixes: list[Fix] = []
-
-    def add(change: str, s: StageShape, lay: DeviceLayout = layout) -> None:
-        t = total(s, lay)
-        if t < now:  # a change that does not lower the peak (another phase's row) is no fix
-            fixes.append(Fix(change, t, t <= budget))
-
-    best = shape
-    if not shape.activation_checkpointing:
-        add(
-            f"{stage}.activation_checkpointing: true",
-            with_changes(shape, activation_checkpointing=True),
-        )
-        best = with_changes(best, activation_checkpointing=True)
-    # Divisors of micro keep micro x accum, so the global batch (and the RL update size) stays.
-    divisors = [m for m in range(shape.micro_batch - 1, 0, -1) if shape.micro_batch % m == 0]
-    if divisors:
-        pick = next(
-            (m for m in divisors if total(with_changes(shape, micro_batch=m)) <= budget),
-            divisors[-1],
-        )
-        new_accum = accum * shape.micro_batch // pick
-        add(
-            f"{stage}.batch.micro_batch_size: {pick} with grad_accum_steps: {new_accum} "
-            "(same global batch)",
-            with_changes(shape, micro_batch=pick),
-        )
-        best = with_changes(best, micro_batch=1)
-    # Full logits ([seqs, positions, vocab] fp32, several copies) on a large vocabulary: the
-    # chunked head keeps only [chunk, vocab] buffers (infra.logits_chunk_tokens, recipe default).
-    logits_now = estimate(model, shape, layout, overhead).component("logits")
-    if not shape.logits_chunk_tokens and logits_now >= LARGE_LOGITS * now:
-        chunked = with_changes(shape, logits_chunk_tokens=DEFAULT_CHUNK_TOKENS)
-        logits_then = estimate(model, chunked, layout, overhead).component("logits")
-        add(
-            f"infra.logits_chunk_tokens: {DEFAULT_CHUNK_TOKENS} (logits {fmt_bytes(logits_now)}"
-            f" -> {fmt_bytes(logits_then)})",
-            chunked,
-        )
-        best = with_changes(best, logits_chunk_tokens=DEFAULT_CHUNK_TOKENS)
-    if shape.kind == "rl":
-        if shape.rollout_rows > 1:
-            rows = max(1, shape.rollout_rows // 4)
-            add(
-                f"{stage}.rollout.generation_batch_size: {rows}",
-                with_changes(shape, rollout_rows=rows),
-            )
-            best = with_changes(best, rollout_rows=1)
-        if shape.keep_gathered:
-            add(f"{stage}.rollout.keep_gathered: false", with_changes(shape, keep_gathered=False))
-            best = with_changes(best, keep_gathered=False)
-    if layout.layout != "fsdp" and layout.world > 1:
-        add(
-            f"infra.layout: fsdp (shard over all {layout.world} ranks)",
-            shape,
-            DeviceLayout(layout.world, "fsdp", layout.devices_per_node, layout.device),
-        )
-    # Shards only shrink the static parameter/gradient/optimizer rows: the smallest world that
-    # fits, if any does within 1024 devices.
-    need = next(
-        (
-            w
-            for w in (2**k for k in range(11))
-            if w > layout.shards
-            and total(shape, DeviceLayout(w, "fsdp", layout.devices_per_node, layout.device))
-            <= budget
-        ),
-        None,
-    )
-    if need is not None:
-        add(
-            f"shard over {need} devices (infra.layout: fsdp, nnodes x devices_per_node = {need})",
-            shape,
-            DeviceLayout(need, "fsdp", layout.devices_per_node, layout.device),
-        )
-    if best != shape and not any(f.fits for f in fixes):
-        add("all of the above changes to this stage together", best)
-    return fixes
-
-
-def smallest_device(fixes: list[Fix], fraction: float) -> int | None:
-    """Device memory the best fix would need (its estimate over the safety fraction)."""
-    return int(min(f.total for f in fixes) / fraction) if fixes else None
 
 
 def preflight(

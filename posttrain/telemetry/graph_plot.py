@@ -28,6 +28,11 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # matplotlib is imported where it draws (see the module docstring)
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 STATUS_COLOURS = {
     "ran": "#b7e1b0",
@@ -233,97 +238,150 @@ def draw_stage_graph(nodes: Sequence[GraphNode], path: str | os.PathLike[str]) -
     layer they cross), at 100 dpi.
     """
     columns = _columns(nodes)
-    by_name = {n.name: n for n in nodes}
     stubs = set(missing_parents(nodes))
-    tallest = max(len(c) for c in columns)
-    graph_w = (len(columns) - 1) * COL_PITCH + BOX_W
-    width = max(MIN_WIDTH, 2 * MARGIN + graph_w)
-    height = 2 * MARGIN + (tallest - 1) * ROW_PITCH + BOX_H + LEGEND_H
-
-    # Slot centres, in inches from the bottom-left corner: layer k at x, rows spread evenly
-    # around the vertical middle of the graph area (above the legend).
-    mid_y = LEGEND_H + MARGIN + ((tallest - 1) * ROW_PITCH + BOX_H) / 2
-    centre: dict[str | Waypoint, tuple[float, float]] = {}
-    for k, col in enumerate(columns):
-        x = (width - graph_w) / 2 + BOX_W / 2 + k * COL_PITCH
-        for i, slot in enumerate(col):
-            centre[slot] = (x, mid_y + ((len(col) - 1) / 2 - i) * ROW_PITCH)
+    width, height, centre = _slot_centres(columns)
 
     from matplotlib.figure import Figure
-    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
-    from matplotlib.path import Path as MplPath
 
     fig = Figure(figsize=(width, height), dpi=DPI)
     ax = fig.add_axes((0, 0, 1, 1))
     ax.set_xlim(0, width)
     ax.set_ylim(0, height)
     ax.set_axis_off()
+    by_name = {n.name: n for n in nodes}
+    for name, xy in centre.items():
+        if isinstance(name, str):  # a waypoint is drawn as part of its edge
+            _draw_box(ax, xy, name, None if name in stubs else by_name[name])
+    _draw_edges(ax, nodes, columns, centre, stubs)
+    _draw_legend(ax, bool(stubs))
+    return _save_png(fig, Path(path))
 
-    for name, (x, y) in centre.items():
-        if not isinstance(name, str):
-            continue  # a waypoint: drawn as part of its edge
-        stub = name in stubs
-        ax.add_patch(
-            FancyBboxPatch(
-                (x - BOX_W / 2, y - BOX_H / 2),
-                BOX_W,
-                BOX_H,
-                boxstyle="round,pad=0,rounding_size=0.08",
-                facecolor=STUB_COLOUR if stub else STATUS_COLOURS[by_name[name].status],
-                edgecolor="#777777" if stub else "#333333",
-                linestyle="--" if stub else "-",
-                linewidth=1.0,
-            )
+
+def _slot_centres(
+    columns: Sequence[Sequence[str | Waypoint]],
+) -> tuple[float, float, dict[str | Waypoint, tuple[float, float]]]:
+    """(figure width, figure height, centre of every slot), in inches from the bottom-left
+    corner: layer k at x, rows spread evenly around the vertical middle of the graph area
+    (above the legend)."""
+    tallest = max(len(c) for c in columns)
+    graph_w = (len(columns) - 1) * COL_PITCH + BOX_W
+    width = max(MIN_WIDTH, 2 * MARGIN + graph_w)
+    height = 2 * MARGIN + (tallest - 1) * ROW_PITCH + BOX_H + LEGEND_H
+    mid_y = LEGEND_H + MARGIN + ((tallest - 1) * ROW_PITCH + BOX_H) / 2
+    centre: dict[str | Waypoint, tuple[float, float]] = {}
+    for k, col in enumerate(columns):
+        x = (width - graph_w) / 2 + BOX_W / 2 + k * COL_PITCH
+        for i, slot in enumerate(col):
+            centre[slot] = (x, mid_y + ((len(col) - 1) / 2 - i) * ROW_PITCH)
+    return width, height, centre
+
+
+def _draw_box(ax: Axes, xy: tuple[float, float], name: str, node: GraphNode | None) -> None:
+    """The box of stage `name` centred at `xy`: filled with its status colour and its text, or
+    (`node` None) the dashed stub of a parent that is not in this run."""
+    from matplotlib.patches import FancyBboxPatch
+
+    x, y = xy
+    stub = node is None
+    ax.add_patch(
+        FancyBboxPatch(
+            (x - BOX_W / 2, y - BOX_H / 2),
+            BOX_W,
+            BOX_H,
+            boxstyle="round,pad=0,rounding_size=0.08",
+            facecolor=STUB_COLOUR if node is None else STATUS_COLOURS[node.status],
+            edgecolor="#777777" if stub else "#333333",
+            linestyle="--" if stub else "-",
+            linewidth=1.0,
         )
-        title, body = (_clip(name, 24), "not in this run") if stub else _box_text(by_name[name])
-        top = y + BOX_H / 2 - 0.1
-        ax.text(x, top, title, ha="center", va="top", fontsize=9, fontweight="bold")
-        ax.text(x, top - 0.22, body, ha="center", va="top", fontsize=7.5, linespacing=1.25)
+    )
+    title, body = (_clip(name, 24), "not in this run") if node is None else _box_text(node)
+    top = y + BOX_H / 2 - 0.1
+    ax.text(x, top, title, ha="center", va="top", fontsize=9, fontweight="bold")
+    ax.text(x, top - 0.22, body, ha="center", va="top", fontsize=7.5, linespacing=1.25)
 
-    # One edge per (parent, child), from the parent's right side through the waypoints of the
-    # layers it crosses to the child's left side. Its roles are written on it (on the last
-    # waypoint, or halfway) unless all are obvious.
+
+def _draw_edges(
+    ax: Axes,
+    nodes: Sequence[GraphNode],
+    columns: Sequence[Sequence[str | Waypoint]],
+    centre: Mapping[str | Waypoint, tuple[float, float]],
+    stubs: set[str],
+) -> None:
+    """One edge per (parent, child), from the parent's right side through the waypoints of the
+    layers it crosses to the child's left side. Its roles are written on it (on the last
+    waypoint, or halfway) unless all are obvious."""
     for child in nodes:
         roles: dict[str, list[str]] = {}
         for role, parent in child.inputs.items():
             roles.setdefault(parent, []).append(role)
         for parent, rs in roles.items():
-            (x0, y0), (x1, y1) = centre[parent], centre[child.name]
-            points = [(x0 + BOX_W / 2, y0)]
             waypoints = [s for col in columns for s in col if s[:2] == (parent, child.name)]
-            for wp in waypoints:
-                xw, yw = centre[wp]
-                points += [(xw - BOX_W / 2, yw), (xw + BOX_W / 2, yw)]
-            points.append((x1 - BOX_W / 2, y1))
-            verts, codes = _edge_path(points)
-            ax.add_patch(
-                FancyArrowPatch(
-                    path=MplPath(verts, codes),
-                    arrowstyle="-|>",
-                    mutation_scale=12,
-                    linestyle="--" if parent in stubs else "-",
-                    color="#555555",
-                    linewidth=1.0,
-                )
-            )
+            points = _edge_points(centre, parent, child.name, waypoints)
+            _draw_arrow(ax, points, dashed=parent in stubs)
             if not set(rs) <= OBVIOUS_ROLES:
                 if waypoints:
-                    lx, ly = centre[waypoints[-1]]
+                    at = centre[waypoints[-1]]
                 else:
-                    lx, ly = (points[0][0] + points[1][0]) / 2, (y0 + y1) / 2
-                ax.text(
-                    lx,
-                    ly,
-                    ", ".join(rs),
-                    ha="center",
-                    va="center",
-                    fontsize=7,
-                    color="#333333",
-                    bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1},
-                )
+                    at = ((points[0][0] + points[1][0]) / 2, (points[0][1] + points[1][1]) / 2)
+                _draw_roles(ax, at, rs)
+
+
+def _edge_points(
+    centre: Mapping[str | Waypoint, tuple[float, float]],
+    parent: str,
+    child: str,
+    waypoints: Sequence[Waypoint],
+) -> list[tuple[float, float]]:
+    """Where the edge parent -> child passes: the parent's right side, each waypoint's slot
+    (entered on its left, left on its right), the child's left side."""
+    (x0, y0), (x1, y1) = centre[parent], centre[child]
+    points = [(x0 + BOX_W / 2, y0)]
+    for wp in waypoints:
+        xw, yw = centre[wp]
+        points += [(xw - BOX_W / 2, yw), (xw + BOX_W / 2, yw)]
+    points.append((x1 - BOX_W / 2, y1))
+    return points
+
+
+def _draw_arrow(ax: Axes, points: Sequence[tuple[float, float]], dashed: bool) -> None:
+    """The edge through `points`, arrowhead on the child; dashed when it leaves a stub."""
+    from matplotlib.patches import FancyArrowPatch
+    from matplotlib.path import Path as MplPath
+
+    verts, codes = _edge_path(points)
+    ax.add_patch(
+        FancyArrowPatch(
+            path=MplPath(verts, codes),
+            arrowstyle="-|>",
+            mutation_scale=12,
+            linestyle="--" if dashed else "-",
+            color="#555555",
+            linewidth=1.0,
+        )
+    )
+
+
+def _draw_roles(ax: Axes, at: tuple[float, float], roles: Sequence[str]) -> None:
+    """The roles an edge carries, on a white label centred at `at`."""
+    ax.text(
+        at[0],
+        at[1],
+        ", ".join(roles),
+        ha="center",
+        va="center",
+        fontsize=7,
+        color="#333333",
+        bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1},
+    )
+
+
+def _draw_legend(ax: Axes, with_stub: bool) -> None:
+    """One row below the graph: every status colour, and the stub's when one is drawn."""
+    from matplotlib.patches import Patch
 
     handles = [Patch(facecolor=c, edgecolor="#333333", label=s) for s, c in STATUS_COLOURS.items()]
-    if stubs:
+    if with_stub:
         handles.append(
             Patch(facecolor=STUB_COLOUR, edgecolor="#777777", linestyle="--", label="not in run")
         )
@@ -338,7 +396,9 @@ def draw_stage_graph(nodes: Sequence[GraphNode], path: str | os.PathLike[str]) -
         columnspacing=1.0,
     )
 
-    out = Path(path)
+
+def _save_png(fig: Figure, out: Path) -> Path:
+    """`fig` as the PNG `out` (parent folders created)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     # Written beside and renamed, so a report never links a half-written image.
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")

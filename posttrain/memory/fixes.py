@@ -1,0 +1,237 @@
+"""The fixes a refused memory pre-flight suggests, each with its own estimated peak.
+
+Each kind of change (activation checkpointing, a smaller micro-batch, the chunked LM head, for
+RL smaller generate calls and no keep_gathered, more shards) is a `Change`: the recipe edit it
+names and the stage and layout it would give. A change becomes a `Fix` when its estimate is
+below the stage's; when no single fix fits, the stage's own changes are tried all together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from posttrain.config.run_sections import InfraConfig
+from posttrain.memory.estimate import (
+    DeviceLayout,
+    ModelShape,
+    StageShape,
+    estimate,
+    fmt_bytes,
+    with_changes,
+)
+
+# Unchunked logits at least this share of the estimated peak: suggest the chunked head.
+LARGE_LOGITS = 0.1
+# infra.logits_chunk_tokens' recipe default, the value the fix suggests.
+DEFAULT_CHUNK_TOKENS: int = InfraConfig.model_fields["logits_chunk_tokens"].default
+
+
+@dataclass(frozen=True)
+class Fix:
+    change: str
+    total: int
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Change:
+    """A candidate fix: the recipe edit it names (`text`), the stage and the layout it gives
+    (None: the stage's own layout), and the stage fields it sets in "all of the above" (the
+    most saving value of each: micro-batch 1, one rollout row; none for a layout change)."""
+
+    text: str
+    shape: StageShape
+    layout: DeviceLayout | None = None
+    combined: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """`estimate` of variants of one stage on one model, with the runtime's bytes fixed."""
+
+    model: ModelShape
+    overhead: int | None
+
+    def peak(self, shape: StageShape, layout: DeviceLayout) -> int:
+        return estimate(self.model, shape, layout, self.overhead).total
+
+    def logits(self, shape: StageShape, layout: DeviceLayout) -> int:
+        """Bytes of the stage's logits rows."""
+        return estimate(self.model, shape, layout, self.overhead).component("logits")
+
+
+def suggest_fixes(
+    model: ModelShape,
+    shape: StageShape,
+    layout: DeviceLayout,
+    budget: int,
+    overhead: int | None,
+    stage: str,
+    accum: int = 1,
+) -> list[Fix]:
+    """Changes that lower the estimate, each with its own estimated peak: activation
+    checkpointing, a smaller micro-batch (same global batch), the chunked LM head when full
+    logits are large, more shards, and for RL smaller generate calls and no keep_gathered; then
+    all of them together when none fits alone."""
+    est = Estimator(model, overhead)
+    now = est.peak(shape, layout)
+    changes = [
+        *checkpointing_change(shape, stage),
+        *micro_batch_change(est, shape, layout, budget, stage, accum),
+        *chunked_head_change(est, shape, layout, now),
+        *rollout_changes(shape, stage),
+        *layout_changes(est, shape, layout, budget),
+    ]
+    fixes = fixes_of(est, changes, layout, budget, now)
+    together = all_together(shape, changes)
+    if together is not None and not any(f.fits for f in fixes):
+        fixes += fixes_of(est, [together], layout, budget, now)
+    return fixes
+
+
+def fixes_of(
+    est: Estimator, changes: list[Change], layout: DeviceLayout, budget: int, now: int
+) -> list[Fix]:
+    """The changes that lower the peak `now`, as fixes: their estimate and whether it fits."""
+    fixes = []
+    for change in changes:
+        total = est.peak(change.shape, layout if change.layout is None else change.layout)
+        if total < now:  # a change that does not lower the peak (another phase's row) is no fix
+            fixes.append(Fix(change.text, total, total <= budget))
+    return fixes
+
+
+def all_together(shape: StageShape, changes: list[Change]) -> Change | None:
+    """Every change to the stage itself at once (None when there is none)."""
+    best = with_changes(shape, **{k: v for c in changes for k, v in c.combined.items()})
+    if best == shape:
+        return None
+    return Change("all of the above changes to this stage together", best)
+
+
+def checkpointing_change(shape: StageShape, stage: str) -> list[Change]:
+    """Activation checkpointing, when it is off."""
+    if shape.activation_checkpointing:
+        return []
+    on = {"activation_checkpointing": True}
+    return [Change(f"{stage}.activation_checkpointing: true", with_changes(shape, **on), None, on)]
+
+
+def micro_batch_change(
+    est: Estimator,
+    shape: StageShape,
+    layout: DeviceLayout,
+    budget: int,
+    stage: str,
+    accum: int,
+) -> list[Change]:
+    """The largest smaller micro-batch that fits (else the smallest), with the accumulation
+    that keeps the global batch."""
+    # Divisors of micro keep micro x accum, so the global batch (and the RL update size) stays.
+    divisors = [m for m in range(shape.micro_batch - 1, 0, -1) if shape.micro_batch % m == 0]
+    if not divisors:
+        return []
+    pick = next(
+        (m for m in divisors if est.peak(with_changes(shape, micro_batch=m), layout) <= budget),
+        divisors[-1],
+    )
+    new_accum = accum * shape.micro_batch // pick
+    text = (
+        f"{stage}.batch.micro_batch_size: {pick} with grad_accum_steps: {new_accum} "
+        "(same global batch)"
+    )
+    return [Change(text, with_changes(shape, micro_batch=pick), None, {"micro_batch": 1})]
+
+
+def chunked_head_change(
+    est: Estimator, shape: StageShape, layout: DeviceLayout, now: int
+) -> list[Change]:
+    """The chunked LM head, when the full logits are a large share of the peak `now`."""
+    if shape.logits_chunk_tokens:
+        return []
+    # Full logits ([seqs, positions, vocab] fp32, several copies) on a large vocabulary: the
+    # chunked head keeps only [chunk, vocab] buffers (infra.logits_chunk_tokens, recipe default).
+    logits_now = est.logits(shape, layout)
+    if logits_now < LARGE_LOGITS * now:
+        return []
+    chunk = {"logits_chunk_tokens": DEFAULT_CHUNK_TOKENS}
+    chunked = with_changes(shape, **chunk)
+    logits_then = est.logits(chunked, layout)
+    text = (
+        f"infra.logits_chunk_tokens: {DEFAULT_CHUNK_TOKENS} (logits {fmt_bytes(logits_now)}"
+        f" -> {fmt_bytes(logits_then)})"
+    )
+    return [Change(text, chunked, None, chunk)]
+
+
+def rollout_changes(shape: StageShape, stage: str) -> list[Change]:
+    """RL only: a quarter of the rows per `generate` call, and no keep_gathered."""
+    if shape.kind != "rl":
+        return []
+    changes = []
+    if shape.rollout_rows > 1:
+        rows = max(1, shape.rollout_rows // 4)
+        changes.append(
+            Change(
+                f"{stage}.rollout.generation_batch_size: {rows}",
+                with_changes(shape, rollout_rows=rows),
+                None,
+                {"rollout_rows": 1},
+            )
+        )
+    if shape.keep_gathered:
+        off = {"keep_gathered": False}
+        changes.append(
+            Change(f"{stage}.rollout.keep_gathered: false", with_changes(shape, **off), None, off)
+        )
+    return changes
+
+
+def layout_changes(
+    est: Estimator, shape: StageShape, layout: DeviceLayout, budget: int
+) -> list[Change]:
+    """Sharding over all ranks (from hsdp or ddp), and the smallest world size that fits."""
+    changes = []
+    if layout.layout != "fsdp" and layout.world > 1:
+        changes.append(
+            Change(
+                f"infra.layout: fsdp (shard over all {layout.world} ranks)",
+                shape,
+                DeviceLayout(layout.world, "fsdp", layout.devices_per_node, layout.device),
+            )
+        )
+    need = smallest_fitting_world(est, shape, layout, budget)
+    if need is not None:
+        changes.append(
+            Change(
+                f"shard over {need} devices (infra.layout: fsdp, nnodes x devices_per_node = "
+                f"{need})",
+                shape,
+                DeviceLayout(need, "fsdp", layout.devices_per_node, layout.device),
+            )
+        )
+    return changes
+
+
+def smallest_fitting_world(
+    est: Estimator, shape: StageShape, layout: DeviceLayout, budget: int
+) -> int | None:
+    """The smallest power-of-two world above today's shards whose fsdp estimate fits, up to
+    1024 devices. Shards only shrink the static parameter/gradient/optimizer rows."""
+    return next(
+        (
+            w
+            for w in (2**k for k in range(11))
+            if w > layout.shards
+            and est.peak(shape, DeviceLayout(w, "fsdp", layout.devices_per_node, layout.device))
+            <= budget
+        ),
+        None,
+    )
+
+
+def smallest_device(fixes: list[Fix], fraction: float) -> int | None:
+    """Device memory the best fix would need (its estimate over the safety fraction)."""
+    return int(min(f.total for f in fixes) / fraction) if fixes else None
