@@ -81,9 +81,9 @@ def test_chain_runs_evaluates_each_link_and_reruns_from_an_edit(
     # only is the planner's fingerprints: test_stage_graph.py).
     second = post_train(load_recipe(path, ["dpo.beta=0.2", "export.policy=dpo"]))
     assert _statuses(second) == {
-        "ingest": "cached",
-        "sft": "cached",
-        "reward": "cached",
+        "ingest": "reused",
+        "sft": "reused",
+        "reward": "reused",
         "dpo": "ran",
         "grpo": "ran",
         "evaluate": "ran",

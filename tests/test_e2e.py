@@ -1,7 +1,7 @@
 """`posttrain run` end to end on the real stages with a tiny recipe, on a Prefect test server:
-a first run builds every stage, a re-run is all cache hits, and a change to the SFT section
+a first run builds every stage, a re-run reuses every artifact, and a change to the SFT section
 re-runs SFT and what depends on it only; the promotion gate promotes the first candidate, keeps
-the champion on the cached re-run and refuses the worse one (a head-to-head against the champion
+the champion on the re-run and refuses the worse one (a head-to-head against the champion
 included).
 
 The three runs are shared by both tests (a module fixture): a first version ran three more of
@@ -42,21 +42,21 @@ def _run(recipe: Path, *overrides: str) -> tuple[dict[str, str], str]:
 @pytest.fixture(scope="module")
 def runs(prefect_harness: None, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """With a reward stage, so the promotion gate also runs the head-to-head against the
-    champion: a first run, the same again (all cached), then a deliberately worse candidate (one
+    champion: a first run, the same again (all reused), then a deliberately worse candidate (one
     SFT step instead of three)."""
     folder = tmp_path_factory.mktemp("e2e")
     recipe = write_recipe(folder, {**TINY, "reward": REWARD, "evaluate": H2H_EVALUATE})
-    first, cached, worse = _run(recipe), _run(recipe), _run(recipe, "sft.max_steps=1")
-    return {"ws": folder / "ws", "first": first, "cached": cached, "worse": worse}
+    first, again, worse = _run(recipe), _run(recipe), _run(recipe, "sft.max_steps=1")
+    return {"ws": folder / "ws", "first": first, "again": again, "worse": worse}
 
 
-def test_run_then_cached_then_downstream_only(runs: dict) -> None:
+def test_run_then_reused_then_downstream_only(runs: dict) -> None:
     stages = ("ingest", "sft", "reward", "evaluate", "export")
     assert runs["first"][0] == dict.fromkeys(stages, "ran")
-    assert runs["cached"][0] == dict.fromkeys(stages, "cached")
+    assert runs["again"][0] == dict.fromkeys(stages, "reused")
     # The reward model takes its chat template from the SFT policy, so it follows the SFT edit.
     assert runs["worse"][0] == {
-        "ingest": "cached", "sft": "ran", "reward": "ran", "evaluate": "ran", "export": "ran",
+        "ingest": "reused", "sft": "ran", "reward": "ran", "evaluate": "ran", "export": "ran",
     }  # fmt: skip
     assert len(list((runs["ws"] / "runs").iterdir())) == 3
 
@@ -65,7 +65,7 @@ def test_promotion_gate_promotes_then_refuses_a_worse_candidate(runs: dict) -> N
     from posttrain.promotion import read_registry
 
     assert "promotion:      promoted: first candidate of this pipeline" in runs["first"][1]
-    assert "already the champion" in runs["cached"][1]  # the same export is the champion
+    assert "already the champion" in runs["again"][1]  # the same export is the champion
     text = runs["worse"][1]
     assert "promotion:      NOT promoted: regressed: tuned_loss" in text
     reg = read_registry(runs["ws"], "tiny")

@@ -40,7 +40,7 @@ def diamond() -> list[GraphNode]:
     return [
         node("dpo", policy="sft", reference="sft", reward_model="reward"),
         node("reward", base="ingest"),
-        node("ingest", status="cached"),
+        node("ingest", status="reused"),
         node("sft", base="ingest"),
     ]
 
@@ -115,7 +115,7 @@ def test_bad_input_raises_naming_the_node() -> None:
         layers([])
     with pytest.raises(ValueError, match="'sft' appears twice"):
         layers([node("sft"), node("sft")])
-    with pytest.raises(ValueError, match=r"'sft' has status 'done'; known: ran, cached"):
+    with pytest.raises(ValueError, match=r"'sft' has status 'done'; known: ran, reused"):
         layers([node("sft", status="done")])
 
 
@@ -167,7 +167,7 @@ def test_missing_parent_is_a_stub_just_before_its_child(tmp_path: Path) -> None:
 def test_fifteen_stages_with_repeated_kinds(tmp_path: Path) -> None:
     # Three sft stages feeding three dpo variants each judged by one evaluate: kinds repeat,
     # names do not.
-    graph = [node("ingest", status="cached"), node("reward", base="ingest")]
+    graph = [node("ingest", status="reused"), node("reward", base="ingest")]
     for i in range(3):
         graph.append(node(f"sft_{i}", kind="sft", base="ingest"))
         graph.append(node(f"dpo_{i}", kind="dpo", policy=f"sft_{i}", reference=f"sft_{i}"))

@@ -90,7 +90,7 @@ def test_recovery_record_and_the_lines_the_cli_and_report_print() -> None:
         {"resumed_from_step": 12, "rejected_checkpoints": ["step_0000015: x.distcp truncated"]},
     )
     records = [
-        StageRecord("ingest", "a" * 16, "cached", 0.1),
+        StageRecord("ingest", "a" * 16, "reused", 0.1),
         StageRecord("sft", "b" * 16, "ran", 9.0, recovery=rec),
     ]
     (line,) = recovery_lines(records)

@@ -174,7 +174,11 @@ def test_console_drops_stage_output_and_failure_repeats_only() -> None:
     )
     assert f.filter(_record("prefect.task_runs", "Finished in state Completed()"))
     assert f.filter(_record("prefect.task_runs", "stage sft: /usr/bin/python -m ..."))
-    assert f.filter(_record("prefect.flow_runs", "cached sft artifact is not valid", 30))
+    assert f.filter(
+        _record(
+            "prefect.task_runs", "artifact in /ws/x is not valid (a.bin is missing): removing", 30
+        )
+    )
 
 
 def _train(step: int, total: int = 100) -> dict:

@@ -208,7 +208,7 @@ def test_one_run_feeds_tensorboard_mlflow_and_wandb(
     assert "- wandb: project pt-test, group " + run_id in report
     assert not _wandb_children(), "no wandb process outlives the run"
 
-    # A cached re-run: every stage is reused, its kept curve is logged at once, tagged reused;
+    # A re-run: every stage is reused, its kept curve is logged at once, tagged reused;
     # the same export is not registered again.
     second = post_train(recipe)
     runs = client.search_runs([exp.experiment_id], max_results=100)

@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # matplotlib is imported where it draws (see the module docst
 
 STATUS_COLOURS = {
     "ran": "#b7e1b0",
-    "cached": "#b9d3ee",
+    "reused": "#b9d3ee",
     "failed": "#f4a6a6",
     "skipped": "#dcdcdc",
     "pending": "#fff3c4",

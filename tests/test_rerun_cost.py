@@ -1,4 +1,4 @@
-"""What keeps a cached re-run cheap: the embedded server is launched early with Prefect's own
+"""What keeps a re-run of reused stages cheap: the embedded server is launched early with Prefect's own
 command (so its boot overlaps the CLI's imports), and the report's images are drawn once per
 content (flows.drawn)."""
 
@@ -45,7 +45,7 @@ def _metrics(folder: Path, losses: list[float]) -> Path:
 
 
 def test_report_images_are_drawn_once_per_content(tmp_path: Path) -> None:
-    """A cached stage's curves and an unchanged stage graph are copied from the image cache,
+    """A reused stage's curves and an unchanged stage graph are copied from the image cache,
     byte for byte what drawing gives; changed metrics are drawn anew."""
     cache = tmp_path / "cache"
     sft = _metrics(tmp_path / "sft", [2.0, 1.5, 1.2])
@@ -63,8 +63,8 @@ def test_report_images_are_drawn_once_per_content(tmp_path: Path) -> None:
     assert copied == 0 and third[0].path.read_bytes() != first[0].path.read_bytes()
 
     nodes = [
-        GraphNode("ingest", "ingest", "cached", {}, {}),
-        GraphNode("sft", "sft", "cached", {"base": "ingest"}, {"loss": 1.2}),
+        GraphNode("ingest", "ingest", "reused", {}, {}),
+        GraphNode("sft", "sft", "reused", {"base": "ingest"}, {"loss": 1.2}),
     ]
     path, hit = drawn.stage_graph(nodes, tmp_path / "run1" / "graph.png", cache)
     again, hit_again = drawn.stage_graph(nodes, tmp_path / "run2" / "graph.png", cache)
