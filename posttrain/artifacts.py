@@ -49,22 +49,13 @@ def canonical_json(obj: Any) -> str:
     return jsonsafe.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
-def fingerprint(
-    stage: str, code_version: str, section: Any, parents: list[str], extra: Any = None
-) -> str:
-    """Hash of everything that determines a stage's output.
-
-    `extra` carries inputs that live outside the recipe text, such as the identity of data files
-    or of a base checkpoint folder, so editing a file in place re-runs the stage.
-    """
+def fingerprint(kind: str, code_version: str, inputs: Any, parents: dict[str, str]) -> str:
+    """Hash of everything that determines a stage's output: its kind and the kind's code
+    version, its inputs (`posttrain.fingerprints.stage_inputs`: the result fields of what it
+    reads and the identity of the outside inputs they name) and its parents' fingerprints by
+    role."""
     payload = canonical_json(
-        {
-            "stage": stage,
-            "version": code_version,
-            "section": section,
-            "parents": list(parents),
-            "extra": extra,
-        }
+        {"kind": kind, "version": code_version, "inputs": inputs, "parents": parents}
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:FINGERPRINT_LEN]
 

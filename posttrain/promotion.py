@@ -36,7 +36,7 @@ CHAMPION_BASELINES: dict[str, float] = {WIN_RATE_VS_CHAMPION: 0.5}
 HEAD_TO_HEAD = "head_to_head"
 HEAD_TO_HEAD_MODULE = "posttrain.stages.head_to_head"
 # Bump when a change to the stage's code should invalidate its cached artifacts.
-HEAD_TO_HEAD_VERSION = "1"
+HEAD_TO_HEAD_VERSION = "2"
 # The artifacts the head-to-head reads, in the order their fingerprints are hashed: the
 # candidate's and the champion's exports, and the candidate run's reward model and its base.
 HEAD_TO_HEAD_PARENTS = ("candidate", "champion", "reward_model", "base")
@@ -163,7 +163,7 @@ def head_to_head_stage(recipe: Recipe, parents: dict[str, ArtifactRef]) -> Plann
         "device": recipe.infra.device,
     }
     fps = {p: parents[p].fingerprint for p in HEAD_TO_HEAD_PARENTS}
-    fp = fingerprint(HEAD_TO_HEAD, HEAD_TO_HEAD_VERSION, inputs, list(fps.values()))
+    fp = fingerprint(HEAD_TO_HEAD, HEAD_TO_HEAD_VERSION, inputs, fps)
     return PlannedStage(
         name=HEAD_TO_HEAD,
         module=HEAD_TO_HEAD_MODULE,

@@ -12,17 +12,18 @@ from posttrain.planner import plan
 
 
 def test_fingerprint_depends_on_every_input() -> None:
-    base = fingerprint("sft", "1", {"lr": 1}, ["p"])
-    assert base == fingerprint("sft", "1", {"lr": 1}, ["p"])
+    base = fingerprint("sft", "1", {"lr": 1}, {"policy": "p"})
+    assert base == fingerprint("sft", "1", {"lr": 1}, {"policy": "p"})
     assert (
         len(
             {
                 base,
-                fingerprint("dpo", "1", {"lr": 1}, ["p"]),
-                fingerprint("sft", "2", {"lr": 1}, ["p"]),
-                fingerprint("sft", "1", {"lr": 2}, ["p"]),
-                fingerprint("sft", "1", {"lr": 1}, ["q"]),
-                fingerprint("sft", "1", {"lr": 1}, ["p"], extra={"f": "x"}),
+                fingerprint("dpo", "1", {"lr": 1}, {"policy": "p"}),
+                fingerprint("sft", "2", {"lr": 1}, {"policy": "p"}),
+                fingerprint("sft", "1", {"lr": 2}, {"policy": "p"}),
+                fingerprint("sft", "1", {"lr": 1}, {"policy": "q"}),
+                # The same parent in another role is another result (a reference, not a start).
+                fingerprint("sft", "1", {"lr": 1}, {"reference": "p"}),
             }
         )
         == 6
@@ -30,8 +31,8 @@ def test_fingerprint_depends_on_every_input() -> None:
 
 
 def test_fingerprint_ignores_key_order() -> None:
-    assert fingerprint("s", "1", {"a": 1, "b": 2}, []) == fingerprint(
-        "s", "1", {"b": 2, "a": 1}, []
+    assert fingerprint("s", "1", {"a": 1, "b": 2}, {}) == fingerprint(
+        "s", "1", {"b": 2, "a": 1}, {}
     )
 
 

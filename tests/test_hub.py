@@ -260,7 +260,7 @@ def test_fingerprints_follow_the_resolved_commit(cache: Path, tmp_path: Path) ->
 
     fp_a, record = sft_stage()
     assert record == {
-        "path": {
+        "data.path": {
             "repo_type": "dataset",
             "hub_repo": "org/sft",
             "revision": "main",
@@ -270,7 +270,7 @@ def test_fingerprints_follow_the_resolved_commit(cache: Path, tmp_path: Path) ->
     assert sft_stage()[0] == fp_a  # same commit, same run
     add_dataset(cache, "org/sft", {"train": rows}, sha_b)  # main moves to a new commit
     fp_b, record = sft_stage()
-    assert fp_b != fp_a and record["path"]["commit_sha"] == sha_b
+    assert fp_b != fp_a and record["data.path"]["commit_sha"] == sha_b
 
 
 def test_unresolvable_hub_ids_are_recipe_errors(cache: Path, tmp_path: Path) -> None:
@@ -372,21 +372,16 @@ def test_ingest_and_sft_from_hub_ids_offline(hub_model: Path, tmp_path: Path) ->
     assert f"base_model: {MODEL}" in card and SHA_1 in card
 
 
-def test_local_recipes_keep_their_fingerprint_inputs(cache: Path, tmp_path: Path) -> None:
-    """The hub-only fields stay out of a local recipe's inputs (its fingerprints are the ones it
-    had before they existed); with a hub id they are in, and so is the commit."""
-    from posttrain.planner import stage_inputs
-
+def test_a_hub_id_enters_the_inputs_by_its_commit(cache: Path, tmp_path: Path) -> None:
+    """A local recipe has no hub records; a hub dataset id is in by the commit its revision
+    resolved to, the record the stage process pins."""
     add_dataset(cache, "org/sft", {"train": [{"prompt": "p", "completion": "c"}]}, SHA_1)
-    local = load_recipe(_recipe(tmp_path))
-    ingest, _ = stage_inputs(local, "ingest")
-    data = stage_inputs(local, "sft")[0]["section"]["data"]
-    assert "revision" not in ingest["section"] and "hub" not in ingest
-    assert not {"split", "eval_split", "revision", "subset", "columns"} & set(data)
+    local = {s.name: s.inputs for s in plan(load_recipe(_recipe(tmp_path))).stages}
+    assert not any("hub" in inputs for inputs in local.values())
     hub_recipe = load_recipe(_recipe(tmp_path, sft={"data": {"path": "org/sft"}}))
-    inputs = stage_inputs(hub_recipe, "sft")[0]
+    inputs = next(s.inputs for s in plan(hub_recipe).stages if s.name == "sft")
     assert inputs["section"]["data"]["split"] == "train"
-    assert inputs["hub"]["path"]["commit_sha"] == SHA_1
+    assert inputs["hub"]["data.path"]["commit_sha"] == SHA_1
 
 
 def test_ingest_error_for_a_missing_hub_model(cache: Path) -> None:

@@ -100,9 +100,9 @@ def test_shipping_another_link_reruns_export_only() -> None:
 def test_roles_enter_the_fingerprint_where_parents_alone_do_not_say() -> None:
     a = recipe(sft(), stage("dpo", "d1"), stage("dpo", "d2", reference="sft"))
     b = recipe(sft(), stage("dpo", "d1"), stage("dpo", "d2", reference="d1"))
-    assert fps(a)["d2"] != fps(b)["d2"]
-    assert plan(a).stages[3].inputs.get("links") == {"policy": "d1", "reference": "sft"}
-    assert "links" not in plan(b).stages[3].inputs  # the default: reference = where it starts
+    assert fps(a)["d2"] != fps(b)["d2"]  # the same two parents, in other roles
+    assert plan(a).stages[3].roles == {"base": "ingest", "policy": "d1", "reference": "sft"}
+    assert plan(b).stages[3].roles["reference"] == "d1"  # the default: where it starts
 
 
 def test_evaluate_and_export_roles_along_a_chain() -> None:

@@ -16,6 +16,7 @@ from pydantic_core import PydanticUndefined
 
 from posttrain.config.graph import __doc__ as _graph_module_doc
 from posttrain.config.schema import Recipe, StageLinks
+from posttrain.config.section_base import effect_of
 from posttrain.kinds import graph_kinds
 
 # How shorthand sections and `stages:` entries make one graph (the graph module's docstring,
@@ -32,6 +33,13 @@ than 0`). Any key can be overridden on the command line as `key.path=value`, for
 as YAML (`true`, `[q_proj, v_proj]`, `{micro_batch_size: 4}`).
 
 The same schema is the form of the Prefect UI and the parameters of deployments.
+
+**re-runs** says what changing a key does to the stage that reads it: `yes`, its fingerprint
+changes, so the stage and everything after it run again; `no`, it only changes how the stage
+runs (timeouts, the batch layout, progress, the launcher), so a complete artifact is reused.
+Blank for a section (its keys decide) and for the run-level sections no stage reads
+(`promotion`, `schedule`, `tracking`). Data files, checkpoints, templates and reward code count
+by content, hub ids by the commit they resolve to.
 
 Generated from the stage registry (`posttrain/kinds/`), `posttrain/config/schema.py`, `sections.py` and `run_sections.py` by `python -m posttrain.config.docs`; do not edit.
 """
@@ -88,6 +96,11 @@ def _limits(field: FieldInfo) -> str:
     return ", ".join(out)
 
 
+def _reruns(field: FieldInfo) -> str:
+    """yes / no by the field's fingerprint decision (posttrain.config.section_base)."""
+    return {"result": "yes", "execution": "no"}.get(effect_of(field) or "", "")
+
+
 def _nested_model(annotation: Any) -> type[BaseModel] | None:
     candidates = [annotation, *get_args(annotation)]
     for c in candidates:
@@ -99,12 +112,14 @@ def _nested_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _section(model: type[BaseModel], path: str, out: list[str]) -> None:
+def _section(model: type[BaseModel], path: str, out: list[str], inherited: str = "") -> None:
+    """One section's table, then its nested sections'; `inherited`: "no" inside a section
+    marked Execution as a whole (every key of it only changes how the stage runs)."""
     doc = (model.__doc__ or "").strip()
     out.append(f"\n## `{path}`\n")
     if doc and not doc.startswith("!"):
         out.append(" ".join(doc.split()) + "\n")
-    out.append("| key | type | default | limits | meaning |\n|---|---|---|---|---|")
+    out.append("| key | type | default | limits | re-runs | meaning |\n|---|---|---|---|---|---|")
     nested = []
     for name, field in model.model_fields.items():
         sub = _nested_model(field.annotation)
@@ -116,11 +131,13 @@ def _section(model: type[BaseModel], path: str, out: list[str]) -> None:
         if sub and get_origin(field.annotation) is list:
             kind = f"list of [entries](#{(path + '.' + name).replace('.', '')})"
         desc = " ".join((field.description or "").split())
-        out.append(f"| `{name}` | {kind} | {_default(field)} | {_limits(field)} | {desc} |")
+        reruns = inherited or _reruns(field)
+        cells = (f"`{name}`", kind, _default(field), _limits(field), reruns, desc)
+        out.append("| " + " | ".join(cells) + " |")
         if sub:
-            nested.append((sub, f"{path}.{name}"))
-    for sub, sub_path in nested:
-        _section(sub, sub_path, out)
+            nested.append((sub, f"{path}.{name}", "no" if reruns == "no" else ""))
+    for sub, sub_path, sub_inherited in nested:
+        _section(sub, sub_path, out, sub_inherited)
 
 
 def _stages(out: list[str]) -> None:
@@ -128,16 +145,17 @@ def _stages(out: list[str]) -> None:
     fields of its kind's section, documented under the shorthand section of that name)."""
     out.append("\n## `stages`\n")
     out.append(" ".join((StageLinks.__doc__ or "").split()) + " " + GRAPH_DOC + "\n")
-    out.append("| key | type | default | limits | meaning |\n|---|---|---|---|---|")
+    out.append("| key | type | default | limits | re-runs | meaning |\n|---|---|---|---|---|---|")
     kinds = " \\| ".join(f"`{n}`" for n in graph_kinds())
-    out.append(f"| `kind` | {kinds} | **required** |  | The stage kind (see below). |")
+    out.append(f"| `kind` | {kinds} | **required** |  | yes | The stage kind (see below). |")
     for name, field in StageLinks.model_fields.items():
         key = field.alias or name
         default = "its kind" if name == "name" else _default(field)
         desc = " ".join((field.description or "").split())
-        out.append(
-            f"| `{key}` | {_type_name(field.annotation)} | {default} | {_limits(field)} | {desc} |"
-        )
+        # A link's parent counts by its fingerprint in that role, not by the stage's name.
+        reruns = "no" if name == "name" else "yes (its parent, by role)"
+        cells = (f"`{key}`", _type_name(field.annotation), default, _limits(field), reruns, desc)
+        out.append("| " + " | ".join(cells) + " |")
     out.append("\n| kind | its fields | what it is |\n|---|---|---|")
     for name, kind in graph_kinds().items():
         out.append(f"| `{name}` | [`{name}`](#{name}) | {kind.help} |")

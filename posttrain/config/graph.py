@@ -26,8 +26,6 @@ from posttrain.kinds import KINDS, ROLE_FIELDS, StageKind
 BASE = next(k.name for k in KINDS.values() if k.placement == "first")
 # Stage names a graph stage cannot take: the fixed stages'.
 RESERVED = tuple(k.name for k in KINDS.values() if k.placement != "graph")
-# The fields of a `stages:` entry that wire it into the graph (not part of what it computes).
-LINK_FIELDS = ("kind", "name", *ROLE_FIELDS.values())
 
 
 class GraphError(ValueError):
@@ -48,10 +46,6 @@ class GraphStage:
     where: str
     # role -> stage name (BASE for the base model): "policy" (from), "reference", "reward_model".
     links: dict[str, str] = field(default_factory=dict)
-
-    def section_fields(self) -> dict[str, Any]:
-        """The section as JSON without the link fields: what the stage computes with."""
-        return self.section.model_dump(mode="json", exclude=set(LINK_FIELDS) | {"from_"})
 
 
 @dataclass

@@ -11,25 +11,25 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from posttrain.config.kubernetes_section import KubernetesConfig
-from posttrain.config.section_base import _Section
+from posttrain.config.section_base import Execution, Result, _Section
 from posttrain.config.slurm_section import SlurmConfig
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 
 
 class RunConfig(_Section):
-    name: str = Field(
+    name: str = Execution(
         "posttrain-run",
         description="Pipeline name: groups runs, names the Prefect flow run and the champion slot.",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
     )
-    workspace: str = Field(
+    workspace: str = Execution(
         "./workspace",
         description="Folder that holds artifacts/, runs/ and Prefect results. Relative paths are "
         "resolved against the current directory when the recipe is loaded.",
     )
-    seed: int = Field(0, ge=0, description="Seed for data order, initialisation and sampling.")
-    allowed_paths: list[str] = Field(
+    seed: int = Result(0, ge=0, description="Seed for data order, initialisation and sampling.")
+    allowed_paths: list[str] = Execution(
         default_factory=list,
         description="Absolute folders the recipe's input paths (ingest.path, data.path, "
         "data.eval_path) may point into, besides the recipe file's folder, the current directory "
@@ -89,15 +89,15 @@ class StageTimeouts(_Section):
 
 
 class InfraConfig(_Section):
-    device: Literal["auto", "cpu", "cuda"] = Field(
+    device: Literal["auto", "cpu", "cuda"] = Result(
         "auto", description="`auto` picks CUDA when a GPU is visible, else CPU."
     )
-    devices_per_node: int | Literal["auto"] = Field(
+    devices_per_node: int | Literal["auto"] = Execution(
         1,
         description="Processes per node for distributed stages (one per GPU). `auto` = all visible "
         "GPUs, or 1 on CPU. Data-parallel size = nnodes x devices_per_node.",
     )
-    parallel_stages: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+    parallel_stages: Annotated[int, Field(ge=1)] | Literal["auto"] = Execution(
         "auto",
         description="Graph stages that may run at once when neither needs the other's output "
         "(a reward model beside an SFT, two DPO branches). Each gets its own devices_per_node "
@@ -105,47 +105,47 @@ class InfraConfig(_Section):
         "`auto` = as many as the visible GPUs hold on one node, 1 on CPU or across nodes "
         "(ranks of concurrent stages on CPU share the cores).",
     )
-    nnodes: int = Field(
+    nnodes: int = Execution(
         1,
         ge=1,
         description="Machines a distributed stage spans. Above 1, every node runs the stage's "
         "torchrun agent with its own node rank (POSTTRAIN_NODE_RANK) and they meet at "
         "`rdzv_endpoint`.",
     )
-    layout: Literal["fsdp", "hsdp", "ddp"] = Field(
+    layout: Literal["fsdp", "hsdp", "ddp"] = Execution(
         "fsdp",
         description="Data-parallel layout: `fsdp` shards every model across all ranks; `hsdp` "
         "replicates across nodes and shards within a node (a 2-D mesh: inter-node traffic is "
         "only the gradient all-reduce); `ddp` replicates everything (no sharding).",
     )
-    rdzv_endpoint: str | None = Field(
+    rdzv_endpoint: str | None = Execution(
         None,
         description="host:port of the c10d rendezvous (the node-rank-0 machine) when nnodes > 1 "
         "and the launcher is local; slurm and kubernetes put it on the job's first node.",
         pattern=r"^[A-Za-z0-9_.\[\]:-]+:[0-9]{1,5}$",
     )
-    precision: Precision = Field(
+    precision: Precision = Result(
         "auto",
         description="`auto` = bf16 on a GPU that supports it, fp32 on CPU (CPU bf16 matmul is ~100x "
         "slower than fp32). fp16 needs `loss_scaling: true`.",
     )
-    loss_scaling: bool = Field(
+    loss_scaling: bool = Result(
         False, description="Dynamic loss scaling; required for fp16, whose losses otherwise go NaN."
     )
-    attention: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
+    attention: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Execution(
         "auto",
         description="Attention kernel every model of the run loads with (transformers' "
         "`attn_implementation`): `auto` = torch SDPA (flash or memory-efficient kernels on GPU); "
         "`flash_attention_2` needs the flash-attn package and a bf16/fp16 GPU.",
     )
-    base_dtype: Literal["auto", "fp32", "bf16"] = Field(
+    base_dtype: Literal["auto", "fp32", "bf16"] = Result(
         "auto",
         description="dtype the frozen base weights are held in (trainable parts - LoRA, heads, "
         "critic - always keep fp32 masters). `auto` = bf16 when the run computes in bf16 on a "
         "GPU (precision bf16), else fp32 (CPU bf16 matmul is ~100x slower). A bf16 base "
         "computes in bf16 whatever `precision` says; it is refused with fp16.",
     )
-    shard_single_device: bool = Field(
+    shard_single_device: bool = Execution(
         False,
         description="Wrap models with FSDP2 also when a stage runs on one device. Off: one device "
         "trains the plain module (FSDP2 there shards nothing but costs per-block hooks and "
@@ -153,10 +153,10 @@ class InfraConfig(_Section):
         "under autocast. On: to exercise the sharded code path (DTensor parameters, FSDP mixed "
         "precision) on a single device, e.g. to debug it without a second one.",
     )
-    threads_per_rank: int | None = Field(
+    threads_per_rank: int | None = Execution(
         None, ge=1, description="torch threads per process; default = CPU cores / processes."
     )
-    logits_chunk_tokens: int = Field(
+    logits_chunk_tokens: int = Execution(
         2048,
         ge=0,
         description="Tokens per pass through the LM head when computing log-probs and losses "
@@ -169,7 +169,7 @@ class InfraConfig(_Section):
         "applied per chunk; another architecture setting one of these is refused). 0 = "
         "unchunked: full logits, needed for an adapter on the LM head.",
     )
-    memory_preflight: Literal["refuse", "warn", "off"] = Field(
+    memory_preflight: Literal["refuse", "warn", "off"] = Execution(
         "refuse",
         description="Before a training stage loads anything, estimate its per-device memory "
         "(weights by role and sharding, gradients and AdamW state of the trainable parts, "
@@ -177,20 +177,22 @@ class InfraConfig(_Section):
         "cannot fit stops with the numbers and the fixes; `warn`: log them and run; `off`: no "
         "check.",
     )
-    device_memory_gb: float | None = Field(
+    device_memory_gb: float | None = Execution(
         None,
         gt=0,
         description="Memory of one device in GiB (2^30 bytes) for the pre-flight, instead of "
         "the detected free GPU memory or this process's share of the host's available RAM.",
     )
-    pg_timeout_s: float = Field(
+    pg_timeout_s: float = Execution(
         600,
         gt=0,
         description="Process-group (collective) timeout: a mismatched collective fails "
         "after this many seconds instead of hanging.",
     )
-    timeouts: StageTimeouts = Field(default_factory=StageTimeouts, description="Per-stage limits.")
-    hang_timeout_s: float | None = Field(
+    timeouts: StageTimeouts = Execution(
+        default_factory=StageTimeouts, description="Per-stage limits."
+    )
+    hang_timeout_s: float | None = Execution(
         1800,
         gt=0,
         description="Hang watchdog of training stages: when no rank's heartbeat (one per "
@@ -198,20 +200,20 @@ class InfraConfig(_Section):
         "ranks' Python stacks are dumped to logs/stacks-rank<k>.txt and the stage is killed. "
         "null = off (only the stage timeout applies).",
     )
-    hang_startup_s: float = Field(
+    hang_startup_s: float = Execution(
         1800,
         ge=0,
         description="Extra silence the hang watchdog allows before the training loop's first "
         "beat: loading the base model, preparing data, sharding and resuming send no beats.",
     )
-    orphan: Literal["stop", "finish"] = Field(
+    orphan: Literal["stop", "finish"] = Execution(
         "stop",
         description="What a stage process does when the process that launched it (`posttrain "
         "run`, a Prefect worker or runner) dies: `stop` ends it within seconds, leaving only "
         "complete checkpoints (the next run resumes from the newest); `finish` lets it train to "
         "the end and seal its artifact, which the next run then reuses.",
     )
-    launcher: Literal["local", "slurm", "kubernetes"] = Field(
+    launcher: Literal["local", "slurm", "kubernetes"] = Execution(
         "local",
         description="What runs the stages: `local` = processes on this machine (torchrun for "
         "several ranks; for nnodes > 1 the other nodes' agents are started by hand, `posttrain "
@@ -221,30 +223,30 @@ class InfraConfig(_Section):
         "storage they share, and infra.device and devices_per_node must be set (the nodes' "
         "GPUs are not visible from where the flow runs).",
     )
-    slurm: SlurmConfig = Field(
+    slurm: SlurmConfig = Execution(
         default_factory=lambda: SlurmConfig(), description="Slurm job settings (launcher slurm)."
     )
-    queue_timeout_s: float | None = Field(
+    queue_timeout_s: float | None = Execution(
         None,
         gt=0,
         description="Seconds a stage may wait in the engine's queue (a pending Slurm job or pod) "
         "before it is cancelled and fails; null = as long as the engine keeps it. The stage's "
         "own timeout (infra.timeouts) counts from when it starts running.",
     )
-    supervisor_silence_s: float = Field(
+    supervisor_silence_s: float = Execution(
         120,
         ge=10,
         description="Stages run by slurm or kubernetes watch a beat file the flow rewrites every "
         "few seconds: unchanged for this long, the flow is gone, and the stage acts per "
         "`orphan`. Longer than the shared file system's attribute caching.",
     )
-    no_intact_checkpoint: Literal["restart", "fail"] = Field(
+    no_intact_checkpoint: Literal["restart", "fail"] = Execution(
         "restart",
         description="What a training stage does when it has checkpoints but none passes its "
         "integrity check (sizes and checksums recorded at save): `restart` from step 0, saying "
         "so, or `fail` naming each damaged file. An intact older checkpoint is always preferred.",
     )
-    kubernetes: KubernetesConfig = Field(
+    kubernetes: KubernetesConfig = Execution(
         default_factory=KubernetesConfig,
         description="Image, GPUs, workspace volume and scheduling of the pods when "
         "`infra.launcher` is `kubernetes` (one Indexed Job per stage, one pod per node).",
@@ -355,27 +357,27 @@ class ScheduleConfig(_Section):
 class GuardConfig(_Section):
     """Numerical guards of the training stages (sft, reward, dpo, ppo, grpo)."""
 
-    max_bad_steps: int = Field(
+    max_bad_steps: int = Execution(
         3,
         ge=0,
         description="Bad optimizer steps (non-finite loss or gradient norm, or a loss spike) "
         "tolerated within `window`; one more stops the stage with an error. A bad step's update "
         "is skipped either way.",
     )
-    window: int = Field(
+    window: int = Execution(
         50, ge=1, description="How many of the most recent optimizer steps `max_bad_steps` counts."
     )
-    loss_spike_k: float | None = Field(
+    loss_spike_k: float | None = Result(
         None,
         gt=0,
         description="Also treat as bad (skip) a step whose loss exceeds mean + k x std of the "
         "last `loss_spike_window` good steps' losses; null = off. When set, it is part of the "
         "training stages' fingerprints (it decides which updates are applied).",
     )
-    loss_spike_window: int = Field(
+    loss_spike_window: int = Result(
         20, ge=2, description="Good steps' losses the spike test takes its mean and std over."
     )
-    loss_spike_min_history: int = Field(
+    loss_spike_min_history: int = Result(
         10,
         ge=2,
         description="Good steps needed before the spike test applies (early losses move fast).",

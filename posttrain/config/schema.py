@@ -25,6 +25,7 @@ from posttrain.config.run_sections import (
     TrackingConfig,
     _Section,
 )
+from posttrain.config.section_base import Execution
 from posttrain.config.sections import (  # noqa: F401  (re-exported: importers use schema)
     BatchConfig,
     DataConfig,
@@ -89,23 +90,23 @@ class StageLinks(_Section):
 
     model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
 
-    name: str = Field(
+    name: str = Execution(
         description="Unique stage name (default: its kind); names its folder in reports and "
         "what other stages' links refer to.",
         pattern=STAGE_NAME,
     )
-    from_: str | None = Field(
+    from_: str | None = Execution(
         None,
         alias="from",
         description="The stage whose policy this one starts from (`ingest` = the base model). "
         "Default: the previous policy stage, else the base.",
     )
-    reference: str | None = Field(
+    reference: str | None = Execution(
         None,
         description="The frozen policy its KL / implicit reward is measured against (kinds "
         "with a reference). Default: the policy it starts from.",
     )
-    reward_model: str | None = Field(
+    reward_model: str | None = Execution(
         None,
         description="The reward stage whose model scores its rollouts (PPO, GRPO). Default: "
         "the last reward stage before it.",
@@ -125,7 +126,8 @@ def _stage_entry(name: str) -> type:
         f"{kind.section.__name__.removesuffix('Config')}Stage",
         __base__=(StageLinks, kind.section),
         __doc__=kind.help,
-        kind=(Literal[name], Field(description=f"`{name}`: {kind.help}")),
+        # Which kind it is: its fingerprint hashes the kind itself.
+        kind=(Literal[name], Execution(description=f"`{name}`: {kind.help}")),
     )
 
 

@@ -10,32 +10,32 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from posttrain.config.run_sections import _Section
+from posttrain.config.section_base import Execution, Result, _Section
 from posttrain.rewards.spec import RewardSpec
 
 
 class SyntheticData(_Section):
-    n_examples: int = Field(3000, ge=10, description="Rows to generate.")
-    seed: int = Field(1234, ge=0, description="Generator seed (independent of run.seed).")
+    n_examples: int = Result(3000, ge=10, description="Rows to generate.")
+    seed: int = Result(1234, ge=0, description="Generator seed (independent of run.seed).")
 
 
 class DataSourceFields(_Section):
     """How `path` / `eval_path` are read when they are hub dataset ids, and column renames."""
 
-    split: str = Field("train", min_length=1, description="Hub datasets: the split of `path`.")
-    eval_split: str = Field(
+    split: str = Result("train", min_length=1, description="Hub datasets: the split of `path`.")
+    eval_split: str = Result(
         "test", min_length=1, description="Hub datasets: the split of `eval_path`."
     )
-    revision: str = Field(
+    revision: str = Result(
         "main",
         min_length=1,
         description="Hub datasets: branch, tag or commit sha; the commit it resolves to is part "
         "of the fingerprint and the manifest.",
     )
-    subset: str | None = Field(
+    subset: str | None = Result(
         None, description="Hub datasets: the configuration (subset) name, when it has several."
     )
-    columns: dict[str, str] = Field(
+    columns: dict[str, str] = Result(
         default_factory=dict,
         description="Rename source columns to ours before reading rows, e.g. "
         "`{question: prompt, answer: completion}`; for local files and hub datasets alike.",
@@ -50,8 +50,9 @@ class DataSourceFields(_Section):
 
 
 class DataConfig(DataSourceFields):
-    path: str | None = Field(
+    path: str | None = Result(
         None,
+        source="data",
         description="JSONL, JSON, Parquet file, a `datasets.save_to_disk` folder, or a hub "
         "dataset id `org/name`. Rows are `messages` (list of {role, content}), `prompt`/"
         "`completion` (strings or message lists), ShareGPT `conversations` (from/value) or "
@@ -60,15 +61,16 @@ class DataConfig(DataSourceFields):
     synthetic: SyntheticData | None = Field(
         None, description="Generate the quickstart task instead of reading `path`."
     )
-    eval_path: str | None = Field(
+    eval_path: str | None = Result(
         None,
+        source="data",
         description="Held-out file or hub dataset id (its `eval_split`); default: split from `path`.",
     )
-    eval_fraction: float = Field(
+    eval_fraction: float = Result(
         0.05, ge=0.0, lt=1.0, description="Held-out share when there is no eval_path."
     )
-    max_seq_len: int = Field(256, ge=8, description="Tokens per sequence after the chat template.")
-    on_too_long: Literal["truncate", "drop"] = Field(
+    max_seq_len: int = Result(256, ge=8, description="Tokens per sequence after the chat template.")
+    on_too_long: Literal["truncate", "drop"] = Result(
         "truncate", description="Rows longer than max_seq_len: cut at the right, or drop (counted)."
     )
 
@@ -80,36 +82,38 @@ class DataConfig(DataSourceFields):
 
 
 class LoraConfig(_Section):
-    r: int = Field(8, ge=1, description="LoRA rank.")
-    alpha: float = Field(16, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
-    target_modules: list[str] | Literal["all-linear"] = Field(
+    r: int = Result(8, ge=1, description="LoRA rank.")
+    alpha: float = Result(16, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Result(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Result(
         "all-linear",
         description="Module names to adapt, or `all-linear` (every linear but the head).",
     )
 
 
 class OptimConfig(_Section):
-    lr: float = Field(1e-3, gt=0, description="Peak learning rate (AdamW).")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="LR decay.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up optimizer steps.")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of lr.")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip gradient norm; null = off.")
+    lr: float = Result(1e-3, gt=0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Result(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Result((0.9, 0.999), description="AdamW betas.")
+    eps: float = Result(1e-8, gt=0, description="AdamW epsilon.")
+    schedule: Literal["cosine", "linear", "constant"] = Result("cosine", description="LR decay.")
+    warmup_steps: int = Result(0, ge=0, description="Linear warm-up optimizer steps.")
+    min_lr_ratio: float = Result(0.1, ge=0, le=1, description="Final LR as a fraction of lr.")
+    max_grad_norm: float | None = Result(1.0, gt=0, description="Clip gradient norm; null = off.")
 
 
 class BatchConfig(_Section):
     """Give any two of the three; the third is derived. All three must agree:
     global_batch_size = micro_batch_size x grad_accum_steps x data-parallel size."""
 
-    micro_batch_size: int | None = Field(None, ge=1, description="Sequences per device per step.")
-    grad_accum_steps: int | None = Field(
+    micro_batch_size: int | None = Execution(
+        None, ge=1, description="Sequences per device per step."
+    )
+    grad_accum_steps: int | None = Execution(
         None, ge=1, description="Micro-batches per optimizer step."
     )
-    global_batch_size: int | None = Field(None, ge=1, description="Sequences per optimizer step.")
-    padding_free: bool = Field(
+    global_batch_size: int | None = Result(None, ge=1, description="Sequences per optimizer step.")
+    padding_free: bool = Execution(
         True,
         description="SFT, reward, DPO, ORPO, KTO: lay each micro-batch's rows end to end in one "
         "sequence (position ids restart per row, attention confined to each row) instead of "
@@ -117,7 +121,7 @@ class BatchConfig(_Section):
         "attention cannot (soft-capped logits, eager attention) fall back to padding, said in "
         "the log.",
     )
-    by_tokens: int | None = Field(
+    by_tokens: int | None = Execution(
         None,
         ge=1,
         description="SFT, reward, DPO, ORPO, KTO: regroup each rank's rows of a step into "
@@ -128,6 +132,19 @@ class BatchConfig(_Section):
     )
 
 
+class RolloutBatchConfig(_Section):
+    """Give any two of the three; the third is derived. All three must agree:
+    global_batch_size = micro_batch_size x grad_accum_steps x data-parallel size. In online RL
+    one update takes micro x accum sequences of a rank's own rollout, and the held-out and
+    generation batches follow micro_batch_size: every field shapes the result."""
+
+    micro_batch_size: int | None = Result(None, ge=1, description="Sequences per device per step.")
+    grad_accum_steps: int | None = Result(
+        None, ge=1, description="Micro-batches per optimizer step."
+    )
+    global_batch_size: int | None = Result(None, ge=1, description="Sequences per optimizer step.")
+
+
 class TrainingSection(_Section):
     """Fields every training stage shares."""
 
@@ -136,19 +153,19 @@ class TrainingSection(_Section):
         default_factory=lambda: BatchConfig(micro_batch_size=8, grad_accum_steps=1),
         description=BatchConfig.__doc__,
     )
-    epochs: float = Field(
+    epochs: float = Result(
         1.0, gt=0, description="Passes over the training set (fractions allowed)."
     )
-    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
-    activation_checkpointing: bool = Field(
+    max_steps: int | None = Result(None, ge=1, description="Stop after this many optimizer steps.")
+    activation_checkpointing: bool = Execution(
         False,
         description="Recompute each block's activations in backward: less memory, ~30% slower.",
     )
-    checkpoint_every: int = Field(
+    checkpoint_every: int = Execution(
         50, ge=0, description="Save a resumable checkpoint every N steps."
     )
-    keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints kept on disk.")
-    log_every: int = Field(1, ge=1, description="Write metrics.jsonl every N optimizer steps.")
+    keep_checkpoints: int = Execution(2, ge=1, description="Complete checkpoints kept on disk.")
+    log_every: int = Execution(1, ge=1, description="Write metrics.jsonl every N optimizer steps.")
 
 
 class _HeldOutSource(DataSourceFields):
@@ -157,15 +174,16 @@ class _HeldOutSource(DataSourceFields):
     synthetic: SyntheticData | None = Field(
         None, description="Generate quickstart rows instead of reading `path`."
     )
-    eval_path: str | None = Field(
+    eval_path: str | None = Result(
         None,
+        source="data",
         description="Held-out file or hub dataset id (its `eval_split`); default: split from `path`.",
     )
-    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Held-out share of rows.")
-    max_prompt_len: int = Field(
+    eval_fraction: float = Result(0.1, ge=0.0, lt=1.0, description="Held-out share of rows.")
+    max_prompt_len: int = Result(
         128, ge=1, description="Longer prompts keep their last max_prompt_len tokens."
     )
-    on_invalid: Literal["error", "skip"] = Field(
+    on_invalid: Literal["error", "skip"] = Result(
         "error",
         description="A bad row (missing/empty field, wrong type, no room for a response): stop "
         "naming file and row, or skip it and count it by reason.",
@@ -179,14 +197,15 @@ class _HeldOutSource(DataSourceFields):
 
 
 class PreferenceDataConfig(_HeldOutSource):
-    path: str | None = Field(
+    path: str | None = Result(
         None,
+        source="data",
         description="JSONL, JSON, Parquet file, a saved `datasets` folder or a hub dataset id "
         "`org/name` of pairs: "
         "`prompt`/`chosen`/`rejected` as text or message lists, or `chosen`/`rejected` full "
         "conversations with the prompt implicit in their shared prefix.",
     )
-    max_seq_len: int = Field(256, ge=8, description="Tokens per prompt + response.")
+    max_seq_len: int = Result(256, ge=8, description="Tokens per prompt + response.")
 
     @model_validator(mode="after")
     def _room_for_response(self) -> PreferenceDataConfig:
@@ -199,8 +218,9 @@ class PreferenceDataConfig(_HeldOutSource):
 
 
 class PromptDataConfig(_HeldOutSource):
-    path: str | None = Field(
+    path: str | None = Result(
         None,
+        source="data",
         description="JSONL, JSON, Parquet file, a saved `datasets` folder or a hub dataset id "
         "`org/name` of prompts: "
         "`prompt` as text or a message list ending with a user turn (preference files work as "
@@ -209,13 +229,14 @@ class PromptDataConfig(_HeldOutSource):
 
 
 class TemplateGuard(_Section):
-    chat_template: str | None = Field(
+    chat_template: str | None = Result(
         None,
+        source="template",
         description="Format this stage's text with another chat template than the one "
         "recorded at SFT (Jinja text or a template file's path). Refused unless "
         "allow_template_change is true.",
     )
-    allow_template_change: bool = Field(
+    allow_template_change: bool = Result(
         False,
         description="Accept a template that differs from the one the policy was "
         "fine-tuned with (template mismatches silently cost reward accuracy).",
@@ -223,38 +244,40 @@ class TemplateGuard(_Section):
 
 
 class RolloutConfig(_Section):
-    prompts_per_step: int = Field(
+    prompts_per_step: int = Result(
         16, ge=1, description="Prompts per rollout, over all ranks (a multiple of the ranks)."
     )
-    samples_per_prompt: int = Field(
+    samples_per_prompt: int = Result(
         1, ge=1, description="Responses sampled per prompt (GRPO's group size; needs >= 2 there)."
     )
-    max_new_tokens: int = Field(
+    max_new_tokens: int = Result(
         32,
         ge=1,
         description="Longest response; generation stops earlier at a stop token: the "
         "tokenizer's EOS, the model's generation_config eos ids, or the chat template's "
         "end-of-turn token when it is one token.",
     )
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
-    top_k: int | None = Field(None, ge=1, description="Top-k filter; null = off.")
-    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus filter; null = off.")
-    generation_batch_size: int | None = Field(
+    temperature: float = Result(1.0, gt=0, description="Sampling temperature.")
+    top_k: int | None = Result(None, ge=1, description="Top-k filter; null = off.")
+    top_p: float | None = Result(None, gt=0, le=1, description="Nucleus filter; null = off.")
+    generation_batch_size: int | None = Result(
         None, ge=1, description="Sequences per `generate` call on a rank; null = all at once."
     )
-    keep_gathered: bool = Field(
+    keep_gathered: bool = Execution(
         True,
         description="Keep the sharded weights gathered for the whole decode loop (one all-gather "
         "per rollout, full-model memory while generating) instead of gathering every block at "
         "every new token.",
     )
-    engine: Literal["hf"] = Field(
+    engine: Literal["hf"] = Result(
         "hf",
         description="Rollout engine (`posttrain.train.rollout_engine`): `hf` decodes in process "
         "on the sharded role model. The interface leaves room for a serving engine (vLLM, "
         "SGLang).",
     )
-    drop_finished: bool = Field(
+    # A result, although the tokens are the same up to ties: the logits of a smaller batch may
+    # flip a near-tie, and a reused artifact must be exactly what the recipe asks for.
+    drop_finished: bool = Result(
         False,
         description="`hf` engine: decode with a loop that drops a response from the batch (and "
         "its KV cache) once it emits a stop token, instead of transformers' `generate`, which "
@@ -264,47 +287,51 @@ class RolloutConfig(_Section):
 
 
 class KLConfig(_Section):
-    estimator: Literal["k1", "k2", "k3"] = Field(
+    estimator: Literal["k1", "k2", "k3"] = Result(
         "k1",
         description="Per-token KL(policy || reference) estimate: k1 = log-ratio, k2 = half its "
         "square, k3 = exp(-log-ratio) - 1 + log-ratio (unbiased, never negative).",
     )
-    placement: Literal["auto", "reward", "loss"] = Field(
+    placement: Literal["auto", "reward", "loss"] = Result(
         "auto",
         description="`reward`: subtract coef x KL from each token's reward (PPO); `loss`: add "
         "coef x KL to the loss (GRPO). `auto` = the algorithm's usual place.",
     )
-    coef: float = Field(0.05, ge=0, description="KL coefficient (initial value when adaptive).")
-    adaptive: bool = Field(
+    coef: float = Result(0.05, ge=0, description="KL coefficient (initial value when adaptive).")
+    adaptive: bool = Result(
         False, description="Adapt the coefficient towards `target` (proportional controller)."
     )
-    target: float = Field(
+    target: float = Result(
         6.0, gt=0, description="Adaptive target: KL per sequence (sum over its tokens)."
     )
-    horizon: int = Field(10000, ge=1, description="Adaptive controller horizon, in sequences.")
+    horizon: int = Result(10000, ge=1, description="Adaptive controller horizon, in sequences.")
 
 
 class OnlineRLConfig(TrainingSection, TemplateGuard):
     """What PPO and GRPO share: prompts, rollouts, scoring, KL, clipped updates, gates."""
 
+    batch: RolloutBatchConfig = Field(
+        default_factory=lambda: RolloutBatchConfig(micro_batch_size=8, grad_accum_steps=1),
+        description=RolloutBatchConfig.__doc__,
+    )
     data: PromptDataConfig = Field(description="Prompts to roll out from.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty against the reference.")
-    update_epochs: int = Field(
+    update_epochs: int = Result(
         1, ge=1, description="Passes over each rollout batch; `batch` sizes one update."
     )
-    clip_range: float = Field(
+    clip_range: float = Result(
         0.2,
         gt=0,
         description="Policy ratio clip (1 +- clip_range; the low side with clip_range_high).",
     )
-    clip_range_high: float | None = Field(
+    clip_range_high: float | None = Result(
         None,
         gt=0,
         description="Upper side of the ratio clip (1 + clip_range_high; DAPO's clip-higher lets "
         "unlikely tokens with positive advantage grow); null = clip_range.",
     )
-    loss_aggregation: Literal["token_mean", "sequence_mean", "token_sum_norm"] | None = Field(
+    loss_aggregation: Literal["token_mean", "sequence_mean", "token_sum_norm"] | None = Result(
         None,
         description="How per-token losses of a minibatch become one number: `token_mean` = "
         "over all its tokens (every token counts the same); `sequence_mean` = each response's "
@@ -312,17 +339,17 @@ class OnlineRLConfig(TrainingSection, TemplateGuard):
         "rollout.max_new_tokens, averaged over responses (Dr. GRPO, no length bias). null = the "
         "algorithm's default (token_mean for ppo).",
     )
-    dynamic_sampling: bool = Field(
+    dynamic_sampling: bool = Result(
         False,
         description="DAPO's dynamic sampling: drop prompt groups whose samples all score the "
         "same (zero advantage) and sample more, up to max_sampling_rounds rollouts, to fill "
         "the batch. Needs rollout.samples_per_prompt >= 2.",
     )
-    max_sampling_rounds: int = Field(
+    max_sampling_rounds: int = Result(
         3, ge=1, description="Dynamic sampling: most generation rounds per rollout step."
     )
-    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
-    missing_eos_penalty: float | None = Field(
+    entropy_coef: float = Result(0.0, ge=0, description="Entropy bonus weight.")
+    missing_eos_penalty: float | None = Result(
         None,
         le=0,
         description="Added to the score of a response that never stopped (no stop token - EOS, "
@@ -337,7 +364,7 @@ class OnlineRLConfig(TrainingSection, TemplateGuard):
         "one (its score then joins the sum with `reward_model_weight`); without, the stage "
         "needs one.",
     )
-    reward_model_weight: float = Field(
+    reward_model_weight: float = Result(
         1.0, description="Weight of the reward model's score in the summed reward."
     )
 
@@ -348,17 +375,17 @@ class OnlineRLConfig(TrainingSection, TemplateGuard):
             raise ValueError(f"rewards: two functions share a label ({labels}); set `name`")
         return self
 
-    eval_prompts: int = Field(
+    eval_prompts: int = Result(
         32, ge=1, description="Held-out prompts scored for the final reward and KL."
     )
-    eval_every: int = Field(0, ge=0, description="Also evaluate every N rollouts; 0 = end only.")
-    max_kl: float | None = Field(
+    eval_every: int = Result(0, ge=0, description="Also evaluate every N rollouts; 0 = end only.")
+    max_kl: float | None = Result(
         None,
         gt=0,
         description="Quality gate: held-out KL(policy || SFT) per response above this stops "
         "the pipeline.",
     )
-    min_reward_gain: float | None = Field(
+    min_reward_gain: float | None = Result(
         None,
         description="Quality gate: held-out mean reward minus the SFT policy's below this "
         "stops the pipeline.",
@@ -375,10 +402,10 @@ class OnlineRLConfig(TrainingSection, TemplateGuard):
 
 
 class SamplingConfig(_Section):
-    name: str = Field(description="Label used in reports.")
-    strategy: Literal["greedy", "sample", "beam"] = Field("greedy", description="Decoding.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature (sample only).")
-    top_k: int | None = Field(None, ge=1, description="Top-k filter (sample only).")
-    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus filter (sample only).")
-    num_beams: int = Field(4, ge=2, description="Beams (beam only).")
-    max_new_tokens: int = Field(48, ge=1, description="Longest generation.")
+    name: str = Result(description="Label used in reports.")
+    strategy: Literal["greedy", "sample", "beam"] = Result("greedy", description="Decoding.")
+    temperature: float = Result(1.0, gt=0, description="Sampling temperature (sample only).")
+    top_k: int | None = Result(None, ge=1, description="Top-k filter (sample only).")
+    top_p: float | None = Result(None, gt=0, le=1, description="Nucleus filter (sample only).")
+    num_beams: int = Result(4, ge=2, description="Beams (beam only).")
+    max_new_tokens: int = Result(48, ge=1, description="Longest generation.")

@@ -60,9 +60,13 @@ class StageKind:
     trains: bool = False
     # Distributed stages are launched with torchrun, one process per device.
     distributed: bool = False
-    # Online RL samples rollouts per rank (its own share of prompts, its own seed): its result
-    # depends on the number of ranks, which is then part of its fingerprint.
-    rank_dependent: bool = False
+    # The shared recipe sections whose `Result` fields are part of its fingerprint, besides its
+    # own section (posttrain.fingerprints): `guard` only changes what training stages make.
+    reads: tuple[str, ...] = ("run", "infra")
+    # What else its result depends on, from the recipe (posttrain.fingerprints): online RL
+    # samples rollouts per rank (its own share of prompts, its own seed), so its result depends
+    # on the number of ranks.
+    inputs: Callable[[Any], dict[str, Any]] | None = None
     # "first"/"last": one per run, at a fixed place (ingest; evaluate and export), recipe field
     # of its own. "graph": any number, in the recipe's stage graph.
     placement: Literal["first", "graph", "last"] = "graph"

@@ -1,4 +1,5 @@
-"""What the online-RL kinds (PPO, GRPO) share for the memory estimate."""
+"""What the online-RL kinds (PPO, GRPO) share: their memory estimate and what their result
+depends on besides their section."""
 
 from __future__ import annotations
 
@@ -36,3 +37,9 @@ def rollout_memory(section: OnlineRLConfig, m: MemoryInputs, critic: bool) -> An
         keep_gathered=r.keep_gathered,
         **m.common,
     )
+
+
+def rollout_inputs(recipe: Any) -> dict[str, Any]:
+    """Each rank samples its own share of the prompts with its own seed: the number of ranks
+    changes the rollouts, so it is part of the fingerprint."""
+    return {"dp_size": recipe.infra.world_size()}

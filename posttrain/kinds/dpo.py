@@ -7,26 +7,27 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from posttrain.config.section_base import Execution, Result
 from posttrain.config.sections import PreferenceDataConfig, TemplateGuard, TrainingSection
 from posttrain.kinds._kind import MemoryInputs, StageKind
 
 
 class DPOConfig(TrainingSection, TemplateGuard):
     data: PreferenceDataConfig = Field(description="Preference pairs.")
-    loss: Literal["sigmoid", "ipo", "robust", "hinge", "simpo"] = Field(
+    loss: Literal["sigmoid", "ipo", "robust", "hinge", "simpo"] = Result(
         "sigmoid",
         description="Preference loss: sigmoid (DPO), ipo, robust (label-smoothing "
         "unbiased), hinge (SLiC), simpo (reference-free, length-normalised).",
     )
-    beta: float = Field(0.1, gt=0, description="Strength of the implicit KL constraint.")
-    label_smoothing: float = Field(
+    beta: float = Result(0.1, gt=0, description="Strength of the implicit KL constraint.")
+    label_smoothing: float = Result(
         0.0, ge=0, lt=0.5, description="Assumed preference-label noise (sigmoid, robust, simpo)."
     )
-    simpo_gamma: float = Field(0.5, ge=0, description="SimPO target reward margin.")
-    sft_weight: float = Field(
+    simpo_gamma: float = Result(0.5, ge=0, description="SimPO target reward margin.")
+    sft_weight: float = Result(
         0.0, ge=0, description="Weight of an added NLL term on the chosen response."
     )
-    precompute_reference: bool | None = Field(
+    precompute_reference: bool | None = Execution(
         None,
         description="Compute reference log-probs once, store them as an artifact keyed by "
         "reference, data, template and max length, and reuse them across runs. Default "
@@ -50,9 +51,12 @@ KIND = StageKind(
     help="DPO-family preference tuning against a reference policy.",
     order=30,
     produces="policy",
+    # 2: fingerprints by rule (fields and kinds decide, parents by role).
+    version="2",
     consumes=("policy", "reference"),
     data="pairs",
     trains=True,
+    reads=("run", "infra", "guard"),
     distributed=True,
     memory=_memory,
 )

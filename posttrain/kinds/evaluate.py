@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from posttrain.config.run_sections import _Section
+from posttrain.config.section_base import Result, _Section
 from posttrain.config.sections import SamplingConfig
 from posttrain.kinds._kind import StageKind
 from posttrain.rewards.spec import RewardSpec
@@ -30,22 +30,22 @@ LM_EVAL_POLICIES = ("base", "sft", "final")
 class LmEvalConfig(_Section):
     """lm-evaluation-harness tasks run in-process on the merged policies (decision 48)."""
 
-    tasks: list[str] = Field(
+    tasks: list[str] = Result(
         min_length=1,
         description="Harness task (or group) names, e.g. `[gsm8k, mmlu, ifeval]` (need the hub "
         "for their datasets) or tasks defined by YAML files in `include_path`.",
     )
-    limit: int | None = Field(
+    limit: int | None = Result(
         None,
         ge=1,
         description="Documents scored per task (the first ones); null = all. Standard tasks "
         "are large (mmlu: 14k questions): a limit keeps evaluate short, at the cost of noise.",
     )
-    num_fewshot: int | None = Field(
+    num_fewshot: int | None = Result(
         None, ge=0, description="Few-shot examples per prompt; null = each task's own default."
     )
-    batch_size: int = Field(8, ge=1, description="Requests per forward pass in the harness.")
-    bootstrap_iters: int = Field(
+    batch_size: int = Result(8, ge=1, description="Requests per forward pass in the harness.")
+    bootstrap_iters: int = Result(
         0,
         ge=0,
         description="The harness's bootstrap draws for standard errors; 0 = none reported. Any "
@@ -53,13 +53,14 @@ class LmEvalConfig(_Section):
         "are bootstrapped with that many draws (the harness's own default, 100000, takes "
         "minutes).",
     )
-    include_path: str | None = Field(
+    include_path: str | None = Result(
         None,
+        source="files",
         description="A folder of custom task YAMLs, resolved like the recipe's other input "
         "paths (a relative path against the current directory; inside an allowed folder). "
         "Keep a task's local data files in it, so that their content is fingerprinted.",
     )
-    policies: list[Literal["base", "sft", "final"]] = Field(
+    policies: list[Literal["base", "sft", "final"]] = Result(
         default_factory=lambda: list(LM_EVAL_POLICIES),
         min_length=1,
         description="Which models to score: `base` (the ingested model), `sft` (the last SFT "
@@ -87,16 +88,20 @@ class LmEvalConfig(_Section):
 
 
 class EvaluateConfig(_Section):
-    max_eval_rows: int = Field(256, ge=1, description="Held-out rows scored for loss/perplexity.")
-    batch_size: int = Field(16, ge=1, description="Rows per forward pass when scoring.")
-    num_prompts: int = Field(8, ge=1, description="Held-out prompts to generate from.")
+    max_eval_rows: int = Result(256, ge=1, description="Held-out rows scored for loss/perplexity.")
+    batch_size: int = Result(16, ge=1, description="Rows per forward pass when scoring.")
+    num_prompts: int = Result(8, ge=1, description="Held-out prompts to generate from.")
     sampling: list[SamplingConfig] = Field(
         default_factory=_default_sampling, description="Decoding settings to sample under."
     )
-    inference_prompt_tokens: int = Field(64, ge=1, description="Prompt length for latency figures.")
-    inference_new_tokens: int = Field(32, ge=1, description="Generated tokens for latency figures.")
-    inference_repeats: int = Field(3, ge=1, description="Timed repeats (median is reported).")
-    win_rate_prompts: int = Field(
+    inference_prompt_tokens: int = Result(
+        64, ge=1, description="Prompt length for latency figures."
+    )
+    inference_new_tokens: int = Result(
+        32, ge=1, description="Generated tokens for latency figures."
+    )
+    inference_repeats: int = Result(3, ge=1, description="Timed repeats (median is reported).")
+    win_rate_prompts: int = Result(
         64,
         ge=1,
         description="Held-out prompts of the final policy's stage on which its answers are "
@@ -104,7 +109,7 @@ class EvaluateConfig(_Section):
         "reward model, when the run has one; also how many held-out reward prompts the "
         "promotion gate's head-to-head against the champion uses.",
     )
-    policies: list[str] = Field(
+    policies: list[str] = Result(
         default_factory=list,
         description="Policy stages (by name) to score side by side in the report, each against "
         "its parent (held-out loss, exact match, reward-model win-rate): e.g. `[sft, dpo, grpo]` "
@@ -122,17 +127,17 @@ class EvaluateConfig(_Section):
         "function of the nearest stage of the final policy's lineage that has `rewards` (list "
         "the correctness check first); [] = no verifier report.",
     )
-    pass_threshold: float = Field(
+    pass_threshold: float = Result(
         1.0, description="A verifier's value at or above this counts as correct."
     )
-    pass_prompts: int = Field(
+    pass_prompts: int = Result(
         100,
         ge=1,
         description="Held-out prompts with references (the verifier stage's held-out prompts, "
         "else the held-out conversations, whose last reply is the reference) scored for pass@k.",
     )
-    pass_k: int = Field(4, ge=1, description="k of the sampled pass@k.")
-    pass_samples: int = Field(
+    pass_k: int = Result(4, ge=1, description="k of the sampled pass@k.")
+    pass_samples: int = Result(
         8, ge=1, description="Samples per prompt for pass@k (n >= k; unbiased estimator)."
     )
     pass_sampling: SamplingConfig = Field(
@@ -174,7 +179,8 @@ KIND = StageKind(
     order=900,
     produces="evaluation",
     # 2: scores against the policy's parent (parent_loss, win_rate_vs_parent), not SFT.
-    version="2",
+    # 3: fingerprints by rule (fields and kinds decide, parents by role).
+    version="3",
     consumes=("policy",),
     placement="last",
     timeout_s=3600,

@@ -4,23 +4,23 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import field_validator
 
-from posttrain.config.run_sections import _Section
+from posttrain.config.section_base import Result, _Section
 from posttrain.kinds._kind import StageKind
 
 
 class ExportConfig(_Section):
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Result(
         "auto", description="Saved weight dtype; `auto` keeps the base checkpoint's dtype."
     )
-    logits_atol: float = Field(
+    logits_atol: float = Result(
         1e-4,
         gt=0,
         description="Max |logit difference| allowed between the reloaded export and "
         "base+adapter (fp32); scaled up for half-precision exports.",
     )
-    gguf: list[Literal["f16", "bf16", "q8_0"]] = Field(
+    gguf: list[Literal["f16", "bf16", "q8_0"]] = Result(
         [],
         description="Also write GGUF files for llama.cpp/Ollama, one per type, to "
         "`gguf/<run name>-<type>.gguf` in the export; each is read back and checked against the "
@@ -28,7 +28,7 @@ class ExportConfig(_Section):
         "recipe loads (a local base) or when the export stage starts (a hub base), before "
         "anything is written. `q8_0` is 8-bit; norms stay f32 in every file.",
     )
-    policy: str | None = Field(
+    policy: str | None = Result(
         None,
         description="The policy stage (by name) to merge and ship; default the final policy "
         "(the last policy stage of the graph).",
@@ -49,6 +49,8 @@ KIND = StageKind(
     help="Merged export of the shipped policy.",
     order=910,
     produces="export",
+    # 2: fingerprints by rule (fields and kinds decide, parents by role).
+    version="2",
     consumes=("policy",),
     placement="last",
     timeout_s=3600,

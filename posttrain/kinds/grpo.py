@@ -8,9 +8,10 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from posttrain.config.rl_algorithms import SPECS
+from posttrain.config.section_base import Result
 from posttrain.config.sections import KLConfig, OnlineRLConfig, RolloutConfig
 from posttrain.kinds._kind import MemoryInputs, StageKind
-from posttrain.kinds._online import rollout_memory
+from posttrain.kinds._online import rollout_inputs, rollout_memory
 
 
 class GRPOConfig(OnlineRLConfig):
@@ -22,10 +23,10 @@ class GRPOConfig(OnlineRLConfig):
         default_factory=lambda: KLConfig(estimator="k3", coef=0.04),
         description="KL penalty against the reference (in the loss, k3, by default).",
     )
-    scale_rewards: bool = Field(
+    scale_rewards: bool = Result(
         True, description="Divide group-centred rewards by the group's standard deviation."
     )
-    algorithm: Literal["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp"] = Field(
+    algorithm: Literal["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp"] = Result(
         "grpo",
         description="`grpo`: score minus group mean over group std, token-mean loss (the paper "
         "averaged per response: loss_aggregation sequence_mean). `dr_grpo` (Dr. GRPO): no std "
@@ -83,10 +84,13 @@ KIND = StageKind(
     help="GRPO against a reward model (needs one: `reward_model`).",
     order=50,
     produces="policy",
+    # 2: fingerprints by rule (fields and kinds decide, parents by role).
+    version="2",
     consumes=("policy", "reference", "reward_model"),
     data="prompts",
     trains=True,
+    reads=("run", "infra", "guard"),
     distributed=True,
-    rank_dependent=True,
+    inputs=rollout_inputs,
     memory=_memory,
 )

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from posttrain.config.run_sections import _Section
+from posttrain.config.section_base import Execution, Result, _Section
 from posttrain.kinds._kind import StageKind
 
 # Real models' shapes for `ingest.from_config.shape`: random-init stand-ins with the exact width,
@@ -67,47 +67,49 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
 
 
 class FromConfigModel(_Section):
-    shape: Literal["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama3.1-8b"] | None = Field(
+    shape: Literal["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama3.1-8b"] | None = Result(
         None,
         description="A public model's exact shape (width, depth, heads, vocabulary) as the "
         "default for every model field not set here; the BPE is filled to the real vocabulary "
         "size. Set `num_layers`/`hidden_size`... to shrink it (e.g. the real 151,936-row "
         "vocabulary on a 2-block model).",
     )
-    architecture: Literal["llama", "qwen2"] = Field(
+    architecture: Literal["llama", "qwen2"] = Result(
         "llama", description="transformers model family."
     )
-    hidden_size: int = Field(128, ge=8, description="Model width.")
-    num_layers: int = Field(4, ge=1, description="Decoder blocks.")
-    num_heads: int = Field(4, ge=1, description="Attention heads.")
-    num_kv_heads: int | None = Field(None, ge=1, description="KV heads (GQA); default = num_heads.")
-    intermediate_size: int = Field(256, ge=8, description="MLP width.")
-    vocab_size: int = Field(2048, ge=300, description="BPE vocabulary size to train.")
-    max_position_embeddings: int = Field(
+    hidden_size: int = Result(128, ge=8, description="Model width.")
+    num_layers: int = Result(4, ge=1, description="Decoder blocks.")
+    num_heads: int = Result(4, ge=1, description="Attention heads.")
+    num_kv_heads: int | None = Result(
+        None, ge=1, description="KV heads (GQA); default = num_heads."
+    )
+    intermediate_size: int = Result(256, ge=8, description="MLP width.")
+    vocab_size: int = Result(2048, ge=300, description="BPE vocabulary size to train.")
+    max_position_embeddings: int = Result(
         512, ge=16, description="Longest sequence the model takes."
     )
-    embedding_rows: int | None = Field(
+    embedding_rows: int | None = Result(
         None,
         ge=300,
         description="Rows of the model's embedding and LM head (config.vocab_size); default the "
         "tokenizer's size. Real checkpoints pad it (Qwen2.5: 151,936 rows, 151,665 tokens).",
     )
-    fill_vocab: bool = Field(
+    fill_vocab: bool = Result(
         False,
         description="Extend the trained BPE with merges of its own tokens to exactly `vocab_size` "
         "tokens, for a real-size vocabulary from a small corpus (on by default with `shape`).",
     )
-    tie_word_embeddings: bool = Field(True, description="Share input embedding and LM head.")
-    pretrain_steps: int = Field(
+    tie_word_embeddings: bool = Result(True, description="Share input embedding and LM head.")
+    pretrain_steps: int = Result(
         0,
         ge=0,
         description="Causal-LM warm-up steps on the synthetic corpus, so LoRA has a "
         "non-random base to adapt (0 = random init).",
     )
-    pretrain_lr: float = Field(3e-3, gt=0, description="Warm-up learning rate.")
-    pretrain_batch_size: int = Field(16, ge=1, description="Warm-up sequences per step.")
-    pretrain_seq_len: int = Field(128, ge=8, description="Warm-up sequence length.")
-    corpus_examples: int = Field(
+    pretrain_lr: float = Result(3e-3, gt=0, description="Warm-up learning rate.")
+    pretrain_batch_size: int = Result(16, ge=1, description="Warm-up sequences per step.")
+    pretrain_seq_len: int = Result(128, ge=8, description="Warm-up sequence length.")
+    corpus_examples: int = Result(
         4000, ge=100, description="Synthetic examples used to train the tokenizer and warm-up."
     )
 
@@ -137,31 +139,33 @@ class FromConfigModel(_Section):
 
 
 class IngestConfig(_Section):
-    source: Literal["path", "from_config"] = Field(
+    source: Literal["path", "from_config"] = Result(
         "path",
         description="`path`: a local Hugging Face folder or a hub id. `from_config`: build a "
         "small random-init model and train a BPE tokenizer offline (quickstart, tests).",
     )
-    path: str | None = Field(
+    path: str | None = Result(
         None,
+        source="model",
         description="Local model folder (config, weights, tokenizer), or a hub id `org/name` "
         "(anything that is not an existing local path), read from the huggingface_hub cache "
         "(downloaded first unless HF_HUB_OFFLINE=1).",
     )
-    revision: str = Field(
+    revision: str = Result(
         "main",
         min_length=1,
         description="Hub ids only: branch, tag or commit sha. The commit it resolves to is "
         "part of the fingerprint and the manifest.",
     )
-    allow_pickle: bool = Field(
+    allow_pickle: bool = Execution(
         False, description="Accept pickle weights (*.bin, *.pt). Pickle can run code when loaded."
     )
-    trust_remote_code: bool = Field(
+    trust_remote_code: bool = Result(
         False, description="Accept models whose config needs custom code from the folder."
     )
-    chat_template: str | None = Field(
+    chat_template: str | None = Result(
         None,
+        source="template",
         description="Jinja chat template to install, as text or the path of a file holding "
         "it (e.g. `templates/qwen3.jinja`). Required when the tokenizer has none; replaces the "
         "tokenizer's own when given.",
@@ -186,7 +190,8 @@ KIND = StageKind(
     help="Base checkpoint.",
     order=0,
     produces="base",
-    version="2",
+    # 3: fingerprints by rule (fields and kinds decide, parents by role).
+    version="3",
     placement="first",
     timeout_s=1800,
 )

@@ -11,13 +11,15 @@ from typing import Any
 
 from pydantic import Field
 
+from posttrain.config.section_base import Result
 from posttrain.config.sections import PreferenceDataConfig, TemplateGuard, TrainingSection
 from posttrain.kinds._kind import MemoryInputs, StageKind
 
 
 class KTODataConfig(PreferenceDataConfig):
-    path: str | None = Field(
+    path: str | None = Result(
         None,
+        source="data",
         description="JSONL, JSON, Parquet file, a saved `datasets` folder or a hub dataset id "
         "`org/name` of unpaired feedback: `prompt` + `completion` (text or message lists) + "
         "`label` (true = desirable, false = undesirable); or a preference file as it is "
@@ -31,20 +33,20 @@ class KTOConfig(TrainingSection, TemplateGuard):
         description="Labelled completions (or preference pairs, expanded); the held-out split "
         "keeps both rows of a pair together."
     )
-    beta: float = Field(
+    beta: float = Result(
         0.1,
         gt=0,
         description="Scale of the implicit reward beta * (log pi - log ref) inside the sigmoid: "
         "higher stays closer to the reference.",
     )
-    desirable_weight: float = Field(
+    desirable_weight: float = Result(
         1.0,
         ge=0,
         description="lambda_D, weight of a desirable row's loss. The paper recommends "
         "desirable_weight x desirable rows / (undesirable_weight x undesirable rows) in "
         "[1, 4/3]; the stage warns outside it.",
     )
-    undesirable_weight: float = Field(
+    undesirable_weight: float = Result(
         1.0, ge=0, description="lambda_U, weight of an undesirable row's loss."
     )
 
@@ -67,9 +69,12 @@ KIND = StageKind(
     "reference policy.",
     order=35,
     produces="policy",
+    # 2: fingerprints by rule (fields and kinds decide, parents by role).
+    version="2",
     consumes=("policy", "reference"),
     data="unpaired",
     trains=True,
+    reads=("run", "infra", "guard"),
     distributed=True,
     memory=_memory,
 )

@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import Field
 
+from posttrain.config.section_base import Result
 from posttrain.config.sections import (
     LoraConfig,
     PreferenceDataConfig,
@@ -24,7 +25,7 @@ class ORPOConfig(TrainingSection, TemplateGuard):
     favours chosen over rejected; one policy forward per pair and no reference model."""
 
     data: PreferenceDataConfig = Field(description="Preference pairs.")
-    beta: float = Field(
+    beta: float = Result(
         0.1,
         gt=0,
         description="Weight of the odds-ratio term against the chosen response's NLL (the "
@@ -51,9 +52,12 @@ KIND = StageKind(
     help="ORPO: reference-free preference tuning (NLL + odds ratio), from a policy or the base.",
     order=33,
     produces="policy",
+    # 2: fingerprints by rule (fields and kinds decide, parents by role).
+    version="2",
     consumes=("policy",),
     data="pairs",
     trains=True,
+    reads=("run", "infra", "guard"),
     distributed=True,
     new_adapter_from_base=True,
     memory=_memory,

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
-
+from posttrain.config.section_base import Result
 from posttrain.config.sections import OnlineRLConfig
 from posttrain.kinds._kind import MemoryInputs, StageKind
-from posttrain.kinds._online import rollout_memory
+from posttrain.kinds._online import rollout_inputs, rollout_memory
 
 
 class PPOConfig(OnlineRLConfig):
-    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
-    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
-    value_clip: float = Field(0.2, gt=0, description="Value clip around the rollout's values.")
-    vf_coef: float = Field(0.1, ge=0, description="Value-loss weight.")
-    whiten_advantages: bool = Field(True, description="Normalise advantages over the rollout.")
+    gamma: float = Result(1.0, ge=0, le=1, description="GAE discount.")
+    lam: float = Result(0.95, ge=0, le=1, description="GAE lambda.")
+    value_clip: float = Result(0.2, gt=0, description="Value clip around the rollout's values.")
+    vf_coef: float = Result(0.1, ge=0, description="Value-loss weight.")
+    whiten_advantages: bool = Result(True, description="Normalise advantages over the rollout.")
 
 
 def _memory(section: PPOConfig, m: MemoryInputs) -> Any:
@@ -30,10 +29,13 @@ KIND = StageKind(
     help="PPO against a reward model (needs one: `reward_model`).",
     order=40,
     produces="policy",
+    # 2: fingerprints by rule (fields and kinds decide, parents by role).
+    version="2",
     consumes=("policy", "reference", "reward_model"),
     data="prompts",
     trains=True,
+    reads=("run", "infra", "guard"),
     distributed=True,
-    rank_dependent=True,
+    inputs=rollout_inputs,
     memory=_memory,
 )

@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import Field
 
+from posttrain.config.section_base import Result
 from posttrain.config.sections import (
     LoraConfig,
     PreferenceDataConfig,
@@ -21,11 +22,11 @@ class RewardConfig(TrainingSection, TemplateGuard):
     lora: LoraConfig = Field(
         default_factory=LoraConfig, description="Adapter shape (the score head is trained in full)."
     )
-    margin: float = Field(
+    margin: float = Result(
         0.0,
         description="Bradley-Terry margin: loss = -log sigmoid(r_chosen - r_rejected - margin).",
     )
-    min_accuracy: float | None = Field(
+    min_accuracy: float | None = Result(
         None,
         ge=0,
         le=1,
@@ -55,9 +56,12 @@ KIND = StageKind(
     "template it must share).",
     order=20,
     produces="reward_model",
+    # 2: fingerprints by rule (fields and kinds decide, parents by role).
+    version="2",
     consumes=("policy",),
     data="pairs",
     trains=True,
+    reads=("run", "infra", "guard"),
     distributed=True,
     memory=_memory,
 )

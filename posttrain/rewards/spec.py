@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import field_validator
 
-from posttrain.config.run_sections import _Section
+from posttrain.config.section_base import Result, _Section
 
 BUILTIN = "posttrain.rewards"
 
@@ -16,18 +16,19 @@ _REF = re.compile(r"^(?P<module>[^:]+):(?P<attr>[A-Za-z_][A-Za-z0-9_]*)$")
 
 
 class RewardSpec(_Section):
-    fn: str = Field(
+    fn: str = Result(
+        source="code",
         description="The function: `posttrain.rewards.<module>:<name>` (built in), "
         "`<module>:<name>` for `<module>.py` in the recipe's folder or one of "
         "`run.allowed_paths`, or `<file.py>:<name>`. Signature as TRL's reward functions: "
         "(prompts, completions, **columns) -> one float (or None) per row.",
     )
-    weight: float = Field(1.0, description="Weight of this function in the summed reward.")
-    kwargs: dict[str, Any] = Field(
+    weight: float = Result(1.0, description="Weight of this function in the summed reward.")
+    kwargs: dict[str, Any] = Result(
         default_factory=dict,
         description="Keyword arguments bound to the function (e.g. `{penalty: -0.5}`).",
     )
-    name: str | None = Field(
+    name: str | None = Result(
         None, description="Label in metrics and reports; default the function's name."
     )
 
