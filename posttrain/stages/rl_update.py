@@ -72,6 +72,15 @@ class UpdateStats:
 
 
 @dataclass(frozen=True)
+class Minibatch:
+    """The rows of one optimizer step on this rank, and how their losses are weighted."""
+
+    rows: torch.Tensor  # [B] rollout row indices (B = micro x accum)
+    weights: torch.Tensor  # [B, R] each token's weight in the objective (`loss_weights`)
+    scale: float  # world / the minibatch's count over ranks (tokens or sequences)
+
+
+@dataclass(frozen=True)
 class MicroBatch:
     """n rows of a minibatch, on the device."""
 
@@ -112,9 +121,9 @@ def update(
             # scales its weighted sum by world / global count, and FSDP's gradient averaging
             # divides the world back: exactly the global mean at any number of ranks.
             weights, count = loss_weights(ro.mask[rows], aggregation, cfg.rollout.max_new_tokens)
-            scale = world / max(1.0, all_reduce_sum(count, device))
+            mb = Minibatch(rows, weights, world / max(1.0, all_reduce_sum(count, device)))
             share = minibatch_backward(
-                tr, ro, adv, rows, weights, scale, cfg, batch.micro_batch_size, chunk_tokens, sums
+                tr, ro, adv, mb, cfg, batch.micro_batch_size, chunk_tokens, sums
             )
             norm, lr = tr.optimizer_step(
                 cfg.optim.max_grad_norm,
@@ -135,36 +144,33 @@ def minibatch_backward(
     tr: TrainSession,
     ro: Rollout,
     adv: Advantages,
-    rows: torch.Tensor,
-    weights: torch.Tensor,
-    scale: float,
+    mb: Minibatch,
     cfg: Any,
     micro: int,
     chunk_tokens: int,
     sums: Counter[str],
 ) -> float:
-    """Forward and backward of the minibatch `rows` [B] (token weights [B, R], `scale` = world
-    / the minibatch's count over ranks), `micro` rows at a time; gradients accumulate and are
-    synced over ranks by the last micro-batch's backward. Adds each token statistic's sum over
-    the response tokens to `sums`. Returns this rank's share of the minibatch's objective
-    (summed over ranks: the objective)."""
+    """Forward and backward of minibatch `mb`, `micro` rows at a time; gradients accumulate
+    and are synced over ranks by the last micro-batch's backward. Adds each token statistic's
+    sum over the response tokens to `sums`. Returns this rank's share of the minibatch's
+    objective (summed over ranks: the objective)."""
     device = tr.dist.device
     critic = adv.returns is not None
-    micros = rows.split(micro)
+    micros = mb.rows.split(micro)
     share = 0.0
-    for k, mi in enumerate(micros):
+    for k, rows in enumerate(micros):
         last = k == len(micros) - 1
-        mb = MicroBatch(
-            mi,
-            {n: v.to(device) if torch.is_tensor(v) else v for n, v in ro.inputs(mi).items()},
-            ro.mask[mi].to(device),
-            weights[k * micro : k * micro + len(mi)].to(device),
+        mi = MicroBatch(
+            rows,
+            {n: v.to(device) if torch.is_tensor(v) else v for n, v in ro.inputs(rows).items()},
+            ro.mask[rows].to(device),
+            mb.weights[k * micro : k * micro + len(rows)].to(device),
         )
         grad_sync(tr.model, last and not critic)
-        share += policy_backward(tr, ro, adv, mb, scale, cfg, chunk_tokens, sums)
+        share += policy_backward(tr, ro, adv, mi, mb.scale, cfg, chunk_tokens, sums)
         if critic:
             grad_sync(tr.model, last)
-            share += value_backward(tr, ro, adv, mb, scale, cfg, sums)
+            share += value_backward(tr, ro, adv, mi, mb.scale, cfg, sums)
     return share
 
 
@@ -172,7 +178,7 @@ def policy_backward(
     tr: TrainSession,
     ro: Rollout,
     adv: Advantages,
-    mb: MicroBatch,
+    mi: MicroBatch,
     scale: float,
     cfg: Any,
     chunk_tokens: int,
@@ -184,9 +190,9 @@ def policy_backward(
     logp, ent = response_logps(
         tr.model,
         POLICY,
-        mb.inputs,
-        ro.response[mb.rows].to(device),
-        mb.mask,
+        mi.inputs,
+        ro.response[mi.rows].to(device),
+        mi.mask,
         chunk_tokens,
         entropy=True,
         temperature=cfg.rollout.temperature,
@@ -195,16 +201,16 @@ def policy_backward(
     per_token, stats = policy_terms(
         logp,
         ent,
-        ro.scored["logps"][mb.rows].to(device),
-        ro.scored["ref_logps"][mb.rows].to(device),
-        adv.advantages[mb.rows].to(device),
+        ro.scored["logps"][mi.rows].to(device),
+        ro.scored["ref_logps"][mi.rows].to(device),
+        adv.advantages[mi.rows].to(device),
         cfg,
         adv.kl_in_loss,
     )
-    objective = (per_token * mb.weights).sum() * scale
+    objective = (per_token * mi.weights).sum() * scale
     tr.backward(objective)
     for name, v in stats.items():
-        sums[name] += float((v.detach() * mb.mask).sum())
+        sums[name] += float((v.detach() * mi.mask).sum())
     return float(objective.detach()) / tr.dist.world_size
 
 
@@ -246,7 +252,7 @@ def value_backward(
     tr: TrainSession,
     ro: Rollout,
     adv: Advantages,
-    mb: MicroBatch,
+    mi: MicroBatch,
     scale: float,
     cfg: Any,
     sums: Counter[str],
@@ -256,15 +262,15 @@ def value_backward(
     share of the objective (its value / world)."""
     assert adv.returns is not None
     device = tr.dist.device
-    values = tr.model(VALUE, **mb.inputs)  # [n, R]
+    values = tr.model(VALUE, **mi.inputs)  # [n, R]
     vf, vclipped = clipped_value_loss(
         values,
-        ro.scored["values"][mb.rows].to(device),
-        adv.returns[mb.rows].to(device),
+        ro.scored["values"][mi.rows].to(device),
+        adv.returns[mi.rows].to(device),
         cfg.value_clip,
     )
-    value_objective = cfg.vf_coef * (vf * mb.weights).sum() * scale
+    value_objective = cfg.vf_coef * (vf * mi.weights).sum() * scale
     tr.backward(value_objective)
-    sums["value_loss"] += float((vf.detach() * mb.mask).sum())
-    sums["value_clip_frac"] += float((vclipped.float() * mb.mask).sum())
+    sums["value_loss"] += float((vf.detach() * mi.mask).sum())
+    sums["value_clip_frac"] += float((vclipped.float() * mi.mask).sum())
     return float(value_objective.detach()) / tr.dist.world_size
