@@ -15,7 +15,7 @@ rollout, in five steps, each a module's:
 5. held-out (`posttrain.stages.rl_heldout`), at the end and every `eval_every`: mean reward of
    the policy's samples vs the SFT policy's, and KL(policy || SFT) per response; `max_kl` and
    `min_reward_gain` are quality gates.
-The step's `train` record is `posttrain.stages.rl_metrics`'.
+`posttrain.stages.rl_metrics` builds each step's `train` record.
 
 All four roles live on one base (`posttrain.models.roles`), sharded together by FSDP2.
 Checkpoints at rollout boundaries hold the trainable adapters and heads, optimizer, schedule and

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import torch
+from transformers import PreTrainedModel
+
 from posttrain.config.batch import ResolvedBatch
 from posttrain.config.loader import section_batch
 from posttrain.data.pref_prepare import guard_template
@@ -19,7 +22,7 @@ from posttrain.distributed.fsdp import forward_method
 from posttrain.distributed.runtime import all_reduce_tensor
 from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.models.lora import prepare_for_training
-from posttrain.models.roles import build_roles
+from posttrain.models.roles import RoleModel, build_roles
 from posttrain.rewards.combine import load_rewards
 from posttrain.stages.common import StageContext, training_base
 from posttrain.stages.rl_rollouts import RolloutSetup
@@ -165,7 +168,9 @@ def load_prompts(ctx: StageContext, tok: Any, seed: int) -> PromptData:
     return data
 
 
-def build_role_model(ctx: StageContext, base: Any, algo: Algorithm, has_rm: bool) -> Any:
+def build_role_model(
+    ctx: StageContext, base: PreTrainedModel, algo: Algorithm, has_rm: bool
+) -> RoleModel:
     """The policy, reference, reward-model (when a parent) and critic (PPO) roles on `base`."""
     prepare_for_training(base, ctx.section.activation_checkpointing)
     policy_dir, reference_dir = ctx.adapter_dir("policy"), ctx.adapter_dir("reference")
@@ -180,7 +185,12 @@ def build_role_model(ctx: StageContext, base: Any, algo: Algorithm, has_rm: bool
 
 
 def rollout_setup(
-    ctx: StageContext, model: Any, tok: Any, rewarder: Rewarder, critic: bool, batch_size: int
+    ctx: StageContext,
+    model: torch.nn.Module,
+    tok: Any,
+    rewarder: Rewarder,
+    critic: bool,
+    batch_size: int,
 ) -> RolloutSetup:
     """What the rollouts and held-out samples are drawn with, on the session's (sharded)
     `model`: generate registered as a forward method, the stop ids found."""
