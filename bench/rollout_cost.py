@@ -39,7 +39,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from posttrain.config.schema import RolloutConfig
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import REWARD, RoleModel
-from posttrain.train.rl_losses import clipped_policy_loss, group_advantages, masked_mean
+from posttrain.train.rl_losses import clipped_policy_loss, group_advantages, loss_weights
 from posttrain.train.rollout import Rollout, response_logps, sample, score
 from posttrain.train.rollout_engine import HFEngine
 
@@ -80,7 +80,9 @@ def grpo_update(model: RoleModel, ro: Rollout, opt: Any, micro: int, group: int)
         loss, _ = clipped_policy_loss(
             logp, ro.scored["logps"][idx], adv[idx, None].expand_as(logp), 0.2
         )
-        masked_mean(loss, ro.mask[idx]).backward()
+        # The token mean as the stage's update takes it (`posttrain.stages.rl_update.update`).
+        weights, count = loss_weights(ro.mask[idx], "token_mean", ro.width[1])
+        ((loss * weights).sum() * (1 / max(1.0, count))).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     model.eval()

@@ -16,7 +16,7 @@ from posttrain.train.rl_losses import (
     gae,
     group_advantages,
     kl_penalty,
-    masked_mean,
+    loss_weights,
     masked_whiten,
     token_logps,
     token_rewards,
@@ -29,6 +29,12 @@ def t(*rows: list[float]) -> torch.Tensor:
 
 def close(a: torch.Tensor, b: torch.Tensor | list, tol: float = 1e-4) -> None:
     torch.testing.assert_close(a, torch.as_tensor(b, dtype=a.dtype), atol=tol, rtol=0)
+
+
+def token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    """The mean over the masked tokens as the RL update takes it (`loss_weights`)."""
+    weights, count = loss_weights(mask, "token_mean", mask.size(-1))
+    return float((x * weights).sum()) / max(1.0, count)
 
 
 def test_gae_full_response() -> None:
@@ -142,7 +148,7 @@ def test_logps_entropy_and_mean() -> None:
     close(entropy_from_logits(logits), [[math.log(4)] * 2])
     logits[0, 1, 2] = math.log(3)  # p = 3/6 for token 2 at position 1
     close(token_logps(logits, torch.tensor([[0, 2]])), [[math.log(0.25), math.log(0.5)]])
-    assert masked_mean(t([1, 2, 30]), t([1, 1, 0])).item() == pytest.approx(1.5)
+    assert token_mean(t([1, 2, 30]), t([1, 1, 0])) == pytest.approx(1.5)
 
 
 def _rollout(scores: list[float], stopped: list[bool]):
@@ -211,7 +217,7 @@ def test_ppo_advantages_are_gae_over_kl_shaped_rewards_whitened() -> None:
     close(adv, ret - ro.scored["values"] * ro.mask)
     cfg.whiten_advantages = True
     white, _ = ppo_advantages(ro, cfg, 0.5, None)
-    assert abs(masked_mean(white, ro.mask).item()) < 1e-6
+    assert abs(token_mean(white, ro.mask)) < 1e-6
 
 
 def test_grpo_advantages_compare_samples_of_one_prompt() -> None:

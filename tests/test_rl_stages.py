@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from posttrain.stages.online_rl import _gate
+from posttrain.stages.rl_heldout import quality_gate
 from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import (
     ROOT,
@@ -277,7 +277,7 @@ def test_gates_stop_on_kl_and_reward_gain(parents, ppo_run) -> None:
     check_gate(ref_from_manifest(ppo_run), StageRecord("ppo", "f", "ran", 1.0))  # passed
     s = summary(ppo_run)
     cfg = PPOConfig.model_validate({"data": PROMPTS, "min_reward_gain": 1e6})
-    assert "below min_reward_gain" in _gate(cfg, s["eval_final"], s["eval_sft"])["message"]
+    assert "below min_reward_gain" in quality_gate(cfg, s["eval_final"], s["eval_sft"])["message"]
     out = run_inprocess(
         "ppo", recipe_with(parents, "ppo", {**PPO, "max_steps": 2, "max_kl": 1e-3}, "ppo_gate")
     )

@@ -46,10 +46,6 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
     return KL_ESTIMATORS[estimator](logp, ref_logp)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
 def token_logps(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log p(token) [B, R] from logits [B, R, V] that predict `tokens` [B, R]."""
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

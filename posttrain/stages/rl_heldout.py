@@ -1,0 +1,174 @@
+"""Step 5 of online RL (`posttrain.stages.online_rl`), at the end and every `eval_every`
+rollouts: the held-out prompts answered by the policy and by the starting (SFT) policy, and the
+quality gate on the final figures.
+
+Per policy: the mean reward of one sample per held-out prompt (functions and/or reward model;
+each function's own mean as `reward_fn_<label>`), its spread, length and stop rate and, for the
+policy being trained, KL(policy || reference) per response. Prompt batch b is sampled with seed
++ b's first row, so both policies see the same prompts under the same seeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.data.sft_data import write_rows
+from posttrain.distributed.runtime import all_reduce_sum, rank_batches
+from posttrain.models.adapters import POLICY, REFERENCE
+from posttrain.stages.rl_rollouts import RolloutSetup
+from posttrain.telemetry import heartbeat
+from posttrain.telemetry.metrics import MetricsWriter
+from posttrain.train.rl_algos import sequence_kl
+from posttrain.train.rl_rewards import add_function_sums, function_metrics, function_values
+from posttrain.train.rollout import Rollout, decode_responses, sample, score
+
+log = logging.getLogger("posttrain.rl")
+
+
+def evaluate(
+    s: RolloutSetup,
+    rows: list[dict[str, Any]],
+    step: int,
+    sft: dict[str, float] | None,
+    metrics: MetricsWriter,
+    samples_path: Path | None,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The held-out evaluation at logged step `step` -> (the policy's figures with its
+    reward_gain over the starting policy, the starting policy's). The starting policy (the
+    reference) is evaluated once: on the first call (`sft` None); later calls pass its figures
+    back. Writes `eval` records (sft_*, eval_*) to `metrics` and, with `samples_path` (the main
+    rank), the policy's samples there."""
+    if sft is None:
+        sft, _ = heldout(s, rows, REFERENCE)
+        metrics.write("eval", step=step, **{f"sft_{k}": v for k, v in sft.items()})
+    pol, examples = heldout(s, rows, POLICY)
+    pol["reward_gain"] = pol["reward"] - sft["reward"]
+    metrics.write("eval", step=step, **{f"eval_{k}": v for k, v in pol.items()})
+    log.info(
+        "held-out reward %.4f (starting policy %.4f, gain %+.4f), KL to the reference %.3f",
+        pol["reward"],
+        sft["reward"],
+        pol["reward_gain"],
+        pol["kl"],
+    )
+    if samples_path is not None:
+        write_rows(samples_path, examples)
+    return pol, sft
+
+
+@torch.no_grad()
+def heldout(
+    s: RolloutSetup, rows: list[dict[str, Any]], role: str
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """One sample per held-out prompt of `rows` from `role` (POLICY or REFERENCE), scored and
+    rewarded -> (means over all ranks, this rank's examples). Every rank runs the same number of
+    batches: a rank out of prompts samples a filler batch that counts with weight 0."""
+    roles = ((POLICY, REFERENCE) if role == POLICY else ()) + s.rewarder.roles
+    sums: Counter[str] = Counter()
+    examples = []
+    for idx in rank_batches(len(rows), s.rank, s.world, s.batch_size):
+        heartbeat.beat(phase="eval")
+        chunk = [rows[i] for i in idx] or rows[:1]
+        w = 1.0 if idx else 0.0
+        ro = sample(
+            s.model,
+            [r["ids"] for r in chunk],
+            [r["messages"] for r in chunk],
+            s.cfg.rollout,
+            s.tokenizer.pad_token_id,
+            s.stop_ids,
+            s.seed + (idx[0] if idx else 0),
+            s.world,
+            role=role,
+        )
+        score(
+            s.model,
+            ro,
+            s.tokenizer,
+            s.batch_size,
+            s.cfg.data.max_prompt_len,
+            roles,
+            s.chunk_tokens,
+            s.cfg.rollout.temperature,
+        )
+        s.rewarder(ro, chunk)
+        add_heldout_sums(sums, ro, w, kl=role == POLICY)
+        if w:
+            examples += heldout_examples(s.tokenizer, chunk, ro)
+    return heldout_means(sums, s.device, kl=role == POLICY), examples
+
+
+def add_heldout_sums(sums: Counter[str], ro: Rollout, weight: float, kl: bool) -> None:
+    """Add one scored batch's sums (x `weight`: 0 for a filler batch) to `sums`: each reward
+    function's, then sequences, reward and its square, response tokens, stopped responses and,
+    with `kl`, the summed per-response KL (k1) to the reference."""
+    add_function_sums(sums, function_values(ro), weight)
+    s = ro.scored["scores"]  # [N]
+    sums["n"] += weight * ro.n
+    sums["reward"] += weight * float(s.sum())
+    sums["reward_sq"] += weight * float((s**2).sum())
+    sums["length"] += weight * float(ro.mask.sum())
+    sums["stopped"] += weight * float(ro.stopped.sum())
+    if kl:
+        sums["kl"] += weight * float(sequence_kl(ro, "k1").sum())
+
+
+def heldout_means(sums: Counter[str], device: torch.device, kl: bool) -> dict[str, float]:
+    """Means over all ranks of `add_heldout_sums`' sums: reward, reward_std, response_len,
+    stop_rate, prompts (the count), kl (with `kl`) and each function's reward_fn_<label>."""
+    t = {k: all_reduce_sum(v, device) for k, v in sums.items()}
+    n = max(1.0, t.pop("n"))
+    out = {
+        "reward": t["reward"] / n,
+        "reward_std": math.sqrt(max(0.0, t["reward_sq"] / n - (t["reward"] / n) ** 2)),
+        "response_len": t["length"] / n,
+        "stop_rate": t["stopped"] / n,
+        "prompts": n,
+    }
+    if kl:
+        out["kl"] = t["kl"] / n
+    out |= function_metrics(t)
+    return out
+
+
+def heldout_examples(tokenizer: Any, rows: list[dict[str, Any]], ro: Rollout) -> list[dict]:
+    """One eval_samples.jsonl row per response: the prompt, the response text, its reward and
+    each function's value (None where not applicable), and the prompt row's data columns."""
+    per = function_values(ro)
+    return [
+        {
+            "prompt": r["messages"],
+            "response": t,
+            "reward": float(v),
+            **{f"reward_{k}": _finite(p[i]) for k, p in per.items()},
+            **r.get("columns", {}),
+        }
+        for i, (r, t, v) in enumerate(
+            zip(rows, decode_responses(tokenizer, ro), ro.scored["scores"].tolist(), strict=True)
+        )
+    ]
+
+
+def _finite(x: torch.Tensor) -> float | None:
+    return None if torch.isnan(x) else float(x)
+
+
+def quality_gate(cfg: Any, final: dict[str, float], sft: dict[str, float]) -> dict[str, Any]:
+    """{"passed": bool, "message" when not}: the held-out KL against `max_kl` and the reward
+    gain over the starting policy against `min_reward_gain` (each off when null)."""
+    problems = []
+    gain = final["reward"] - sft["reward"]
+    if cfg.max_kl is not None and final["kl"] > cfg.max_kl:
+        problems.append(f"held-out KL {final['kl']:.3f} exceeds max_kl {cfg.max_kl}")
+    if cfg.min_reward_gain is not None and gain < cfg.min_reward_gain:
+        problems.append(
+            f"held-out reward gain {gain:.4f} over the starting policy is below min_reward_gain "
+            f"{cfg.min_reward_gain}"
+        )
+    return {"passed": not problems, **({"message": "; ".join(problems)} if problems else {})}

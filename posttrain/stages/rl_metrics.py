@@ -1,0 +1,102 @@
+"""The `train` record of an online-RL step (`posttrain.stages.online_rl`): the rollout's
+statistics over all ranks, the update's, the step's phases in seconds and its FLOPs."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import torch
+
+from posttrain.distributed.runtime import all_reduce_sum
+from posttrain.stages.rl_rollouts import RolloutBatch
+from posttrain.stages.rl_update import UpdateStats
+from posttrain.telemetry.metrics import train_flops_per_token
+from posttrain.train.rl_algos import sequence_kl
+from posttrain.train.rl_rewards import add_function_sums, function_metrics, function_values
+from posttrain.train.rollout import Rollout
+
+
+def rollout_totals(ro: Rollout, device: torch.device) -> dict[str, float]:
+    """Sums over all ranks of a scored rollout: each reward function's (reward_fn_<label>,
+    count_fn_<label>: `add_function_sums`), then n (sequences), score and score_sq (the summed
+    reward and its square), kl (per-response KL k1 to the reference), length (response tokens)
+    and stopped (responses that ended with a stop token)."""
+    scores = ro.scored["scores"]  # [N]
+    fn_sums: Counter[str] = Counter()
+    add_function_sums(fn_sums, function_values(ro))
+    return {
+        k: all_reduce_sum(v, device)
+        for k, v in (
+            *fn_sums.items(),
+            ("n", ro.n),
+            ("score", float(scores.sum())),
+            ("score_sq", float((scores**2).sum())),
+            ("kl", float(sequence_kl(ro, "k1").sum())),
+            ("length", float(ro.mask.sum())),
+            ("stopped", float(ro.stopped.sum())),
+        )
+    }
+
+
+def step_flops(
+    ro: Rollout,
+    n_matmul: int,
+    n_trainable: int,
+    model_config: Any,
+    n_roles: int,
+    update_epochs: int,
+    critic: bool,
+) -> float:
+    """This rank's FLOPs for one step: prefill + one decode step per row and new token (rows
+    that ended still step), a forward of each of `n_roles` scoring roles over the rollout, and
+    forward+backward per update epoch (twice with a critic: the policy's pass and the
+    critic's)."""
+    seq_len = ro.tokens() / ro.n
+    gen_flops = 2 * n_matmul * (float(ro.prompt_mask.sum()) + ro.n * ro.width[1])
+    score_flops = 2 * n_matmul * ro.tokens() * n_roles
+    per_tok = train_flops_per_token(
+        n_matmul,
+        n_trainable,
+        model_config.num_hidden_layers,
+        model_config.hidden_size,
+        int(seq_len),
+    )
+    train_flops = per_tok * ro.tokens() * update_epochs * (2 if critic else 1)
+    return gen_flops + score_flops + train_flops
+
+
+def train_metrics(
+    totals: dict[str, float],
+    kl_coef: float,
+    widths: tuple[float, float],
+    rb: RolloutBatch,
+    training_s: float,
+    step_s: float,
+    stats: UpdateStats,
+) -> dict[str, float]:
+    """The step's own fields of its `train` record (`TrainSession.record_step` adds loss,
+    throughput and memory): means of the rollout `totals` (`rollout_totals`), the KL
+    coefficient it was trained with, the generated width per rank (min, max over ranks: ranks
+    stop at different lengths), the seconds of each phase and the generation's share of the
+    step's `step_s`, the sampling statistics and the update's means and count."""
+    n = totals["n"]
+    return {
+        "score_mean": totals["score"] / n,
+        **function_metrics(totals),
+        "score_std": math.sqrt(max(0.0, totals["score_sq"] / n - (totals["score"] / n) ** 2)),
+        "kl": totals["kl"] / n,
+        "kl_coef": kl_coef,
+        "response_len": totals["length"] / n,
+        "stop_rate": totals["stopped"] / n,
+        "gen_width_min": widths[0],
+        "gen_width_max": widths[1],
+        "generation_s": rb.generation_s,
+        "scoring_s": rb.scoring_s,
+        "training_s": training_s,
+        "generation_share": rb.generation_s / step_s,
+        **rb.sampling,
+        **stats.means,
+        "updates": stats.updates,
+    }

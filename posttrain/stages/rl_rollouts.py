@@ -1,0 +1,208 @@
+"""Steps 1 and 2 of an online-RL step (`posttrain.stages.online_rl`): this rank's rollout, its
+responses generated and then scored and rewarded, in rounds when DAPO's dynamic sampling asks
+for more prompts.
+
+A round draws this rank's share of `rollout.prompts_per_step` prompts (a pure function of seed,
+step, round and rank, so a resumed run draws what an uninterrupted one would), samples
+`samples_per_prompt` responses of each (a prompt's samples are consecutive rows: its group), then
+scores them with every role (`posttrain.train.rollout.score`) and the reward
+(`posttrain.train.rl_rewards.Rewarder`). Dynamic sampling needs the scores of a round to decide
+whether to draw another, which is why scoring runs per round rather than once per step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from posttrain.data.batching import step_indices
+from posttrain.distributed.runtime import all_reduce_sum
+from posttrain.models.adapters import POLICY, REFERENCE
+from posttrain.models.roles import VALUE
+from posttrain.train.rl_losses import informative_groups
+from posttrain.train.rl_rewards import Rewarder
+from posttrain.train.rollout import Rollout, sample, score
+
+
+def rollout_seed(seed: int, step: int, rank: int) -> int:
+    return (seed * 1_000_003 + step * 7_919 + rank * 104_729) % (2**31)
+
+
+@dataclass(frozen=True)
+class RolloutSetup:
+    """What every rollout (and the held-out samples, `posttrain.stages.rl_heldout`) is drawn
+    and scored with; fixed for the stage."""
+
+    model: torch.nn.Module  # the role model (`posttrain.models.roles`), sharded over the ranks
+    tokenizer: Any
+    cfg: Any  # the recipe section: rollout, data.max_prompt_len, dynamic sampling, kl, ...
+    rewarder: Rewarder
+    critic: bool  # score the critic's values too (PPO)
+    stop_ids: list[int]  # a response ends at the first of these (EOS, end of turn)
+    batch_size: int  # sequences per scoring forward and per held-out sampling batch
+    chunk_tokens: int  # tokens per pass through the LM head (0 = full logits)
+    seed: int
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles a rollout is scored by: policy and reference log-probs, the reward model's
+        score (when the stage has one), the critic's values (PPO)."""
+        return (POLICY, REFERENCE) + self.rewarder.roles + ((VALUE,) if self.critic else ())
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """One step's scored rollout on this rank, as the advantages and the update read it."""
+
+    # N sequences: prompts [N, P], responses and mask [N, R]; scored: logps / ref_logps [N, R],
+    # values [N, R] (critic), scores [N] (the summed reward), fn:<label> [N] per reward function
+    rollout: Rollout
+    generation_s: float  # seconds spent drawing prompts and generating, over every round
+    scoring_s: float  # seconds spent scoring and rewarding, over every round
+    # with groups (samples_per_prompt >= 2): informative_frac; with dynamic sampling also
+    # sampling_rounds and topped_up_groups (over all ranks)
+    sampling: dict[str, float] = field(default_factory=dict)
+
+
+def round_prompts(
+    s: RolloutSetup, prompts: list[dict[str, Any]], step: int, round_: int
+) -> list[dict[str, Any]]:
+    """This rank's prompt rows of round `round_` of step `step` (round 0: the step's own; later
+    rounds of dynamic sampling: another seeded draw), each repeated samples_per_prompt times."""
+    r = s.cfg.rollout
+    idx = step_indices(
+        len(prompts),
+        step,
+        micro=r.prompts_per_step // s.world,
+        accum=1,
+        dp_size=s.world,
+        rank=s.rank,
+        seed=s.seed + round_ * 1_000_003,
+    )[0]
+    return [prompts[i] for i in idx for _ in range(r.samples_per_prompt)]
+
+
+def generate(s: RolloutSetup, rows: list[dict[str, Any]], step: int, round_: int) -> Rollout:
+    """Step 1: one sampled response per row from the policy, seeded by (seed + round, step,
+    rank); every rank runs the same number of decode steps (`posttrain.train.rollout.sample`)."""
+    return sample(
+        s.model,
+        [x["ids"] for x in rows],
+        [x["messages"] for x in rows],
+        s.cfg.rollout,
+        s.tokenizer.pad_token_id,
+        s.stop_ids,
+        rollout_seed(s.seed + round_, step, s.rank),
+        s.world,
+    )
+
+
+def score_rollout(s: RolloutSetup, ro: Rollout, rows: list[dict[str, Any]]) -> None:
+    """Step 2: fill `ro.scored` with every role's forward (no grad) and the reward of each
+    response (`rows`: the prompt rows it answers, for the reward functions)."""
+    score(
+        s.model,
+        ro,
+        s.tokenizer,
+        s.batch_size,
+        s.cfg.data.max_prompt_len,
+        s.roles,
+        s.chunk_tokens,
+        s.cfg.rollout.temperature,
+    )
+    s.rewarder(ro, rows)
+
+
+def sampling_round(
+    s: RolloutSetup, prompts: list[dict[str, Any]], step: int, round_: int
+) -> RolloutBatch:
+    """One round: this rank's prompts drawn, generated, scored and rewarded, with the seconds
+    each part took."""
+    t = time.perf_counter()
+    rows = round_prompts(s, prompts, step, round_)
+    ro = generate(s, rows, step, round_)
+    t_gen = time.perf_counter() - t
+    score_rollout(s, ro, rows)
+    return RolloutBatch(ro, t_gen, time.perf_counter() - t - t_gen)
+
+
+def collect_rollout(s: RolloutSetup, prompts: list[dict[str, Any]], step: int) -> RolloutBatch:
+    """Steps 1 and 2 of step `step` (0-based): the step's scored rollout on this rank, drawn
+    from `prompts` (the training prompt rows), and its sampling statistics. With groups, the
+    share of groups whose samples score differently (`informative_frac`, over all ranks); with
+    dynamic sampling, rounds until the batch is made of such groups (`dynamic_sampling`)."""
+    first = sampling_round(s, prompts, step, 0)
+    group = s.cfg.rollout.samples_per_prompt
+    if group < 2:
+        return first
+    informative = informative_groups(first.rollout.scored["scores"], group)
+    stats = {
+        "informative_frac": all_reduce_sum(float(informative.float().mean()), s.device) / s.world
+    }
+    if not s.cfg.dynamic_sampling:
+        return replace(first, sampling=stats)
+    filled = dynamic_sampling(s, prompts, step, first, informative)
+    return replace(filled, sampling=stats | filled.sampling)
+
+
+def dynamic_sampling(
+    s: RolloutSetup,
+    prompts: list[dict[str, Any]],
+    step: int,
+    first: RolloutBatch,
+    informative: torch.Tensor,
+) -> RolloutBatch:
+    """DAPO's dynamic sampling after round 0 (`first`, its `informative` [groups] bool): groups
+    whose samples all score the same are dropped and more prompts sampled, up to
+    max_sampling_rounds rounds. Every rank runs the same number of rounds (generation is a
+    collective), and a batch still short after the last round is topped up with dropped groups
+    (zero advantage) so that every rank holds prompts_per_step / ranks groups."""
+    group, per_rank = s.cfg.rollout.samples_per_prompt, s.cfg.rollout.prompts_per_step // s.world
+    ro, t_gen, t_score = first.rollout, first.generation_s, first.scoring_s
+    kept: list[Rollout] = []
+    spare: list[Rollout] = []
+    have, rounds = 0, 1
+    while True:
+        take = informative.nonzero().flatten()[: per_rank - have].tolist()
+        kept.append(select_groups(ro, take, group))
+        spare.append(select_groups(ro, (~informative).nonzero().flatten().tolist(), group))
+        have += len(take)
+        if rounds == s.cfg.max_sampling_rounds or not all_reduce_sum(
+            float(have < per_rank), s.device
+        ):
+            break
+        more = sampling_round(s, prompts, step, rounds)
+        ro, rounds = more.rollout, rounds + 1
+        t_gen, t_score = t_gen + more.generation_s, t_score + more.scoring_s
+        informative = informative_groups(ro.scored["scores"], group)
+    filler = top_up(spare, per_rank - have, group)
+    topped = sum(f.n for f in filler) // group
+    ro = Rollout.cat([k for k in kept + filler if k.n], s.tokenizer.pad_token_id)
+    sampling = {
+        "sampling_rounds": rounds,
+        "topped_up_groups": all_reduce_sum(float(topped), s.device),
+    }
+    return RolloutBatch(ro, t_gen, t_score, sampling)
+
+
+def select_groups(ro: Rollout, which: list[int], group: int) -> Rollout:
+    """The sequences of prompt groups `which` (consecutive runs of `group` samples), in order."""
+    return ro.select([g * group + j for g in which for j in range(group)])
+
+
+def top_up(spare: list[Rollout], missing: int, group: int) -> list[Rollout]:
+    """Up to `missing` groups taken from `spare` (the rounds' dropped groups) in order, the
+    first groups of each round first: what fills a batch the rounds left short."""
+    out = []
+    for extra in spare:
+        n = min(extra.n // group, missing)
+        if n:
+            out.append(select_groups(extra, list(range(n)), group))
+            missing -= n
+    return out

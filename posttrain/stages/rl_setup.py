@@ -1,0 +1,216 @@
+"""Online RL before its first step (`posttrain.stages.online_rl`): the recipe's shapes and the
+chat templates checked, the reward and the prompts loaded, the four roles built on one base and
+the training session started (or resumed, with its KL coefficient)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from posttrain.config.batch import ResolvedBatch
+from posttrain.config.loader import section_batch
+from posttrain.data.pref_prepare import guard_template
+from posttrain.data.prompts import PromptData, prepare_prompts
+from posttrain.data.sft_data import write_rows
+from posttrain.distributed.fsdp import forward_method
+from posttrain.distributed.runtime import all_reduce_tensor
+from posttrain.eval.stop_tokens import model_stop_token_ids
+from posttrain.models.lora import prepare_for_training
+from posttrain.models.roles import RoleModel, build_roles
+from posttrain.rewards.combine import load_rewards
+from posttrain.stages.common import StageContext, training_base
+from posttrain.stages.rl_rollouts import RolloutSetup
+from posttrain.train.rl_algos import Algorithm
+from posttrain.train.rl_losses import KLController, Reduce
+from posttrain.train.rl_rewards import Rewarder
+from posttrain.train.session import TrainSession, start_session
+
+log = logging.getLogger("posttrain.rl")
+
+
+def check_shapes(name: str, cfg: Any, batch: Any, world: int) -> tuple[int, int]:
+    """(sequences per rank per rollout, optimizer updates per rollout), or a ValueError naming
+    the fields that do not fit together."""
+    r = cfg.rollout
+    if r.prompts_per_step % world:
+        raise ValueError(
+            f"{name}.rollout.prompts_per_step {r.prompts_per_step} must be a multiple of the "
+            f"{world} ranks (each rank rolls out the same number of prompts)"
+        )
+    local = r.prompts_per_step // world * r.samples_per_prompt
+    per_update = batch.micro_batch_size * batch.grad_accum_steps
+    if local % per_update:
+        raise ValueError(
+            f"{name}.batch: one update takes micro {batch.micro_batch_size} x accum "
+            f"{batch.grad_accum_steps} = {per_update} sequences per rank, but a rollout gives "
+            f"{local} per rank (prompts_per_step / ranks x samples_per_prompt); make it a "
+            f"multiple"
+        )
+    return local, cfg.update_epochs * local // per_update
+
+
+@dataclass(frozen=True)
+class RLRun:
+    """The stage's parts that every step reads, built once by `setup`."""
+
+    ctx: StageContext
+    algo: Algorithm
+    placement: str  # where the KL penalty goes: "reward" or "loss"
+    data: PromptData  # training and held-out prompt rows
+    batch: ResolvedBatch  # one update: micro x accum x ranks sequences
+    n_rollouts: int  # logged steps of the stage
+    tr: TrainSession
+    rollouts: RolloutSetup
+    ctl: KLController  # the KL coefficient, updated after each rollout
+    reduce: Reduce  # sums a small tensor over ranks
+    has_rm: bool  # a reward model scores the responses (with or without functions)
+    template_sha: str | None  # the policy's chat template, as the SFT stage recorded it
+
+
+def setup(ctx: StageContext, algo: Algorithm) -> RLRun:
+    """Everything before the first step: templates checked, reward and prompts loaded, the
+    roles built on the base and sharded, the session started (or resumed, with its KL
+    coefficient)."""
+    cfg, name, d = ctx.section, ctx.name, ctx.dist
+    seed = ctx.recipe.run.seed
+    base, tok, weights = training_base(ctx)
+    template_sha, has_rm = check_templates(ctx, tok)
+    # Imported from the files the resolved recipe points at (the flow checked where from).
+    rewarder = Rewarder(load_rewards(cfg.rewards), cfg.reward_model_weight if has_rm else None, tok)
+    data = load_prompts(ctx, tok, seed)
+    batch = section_batch(ctx.recipe, name)
+    local_seqs, updates_per_rollout = check_shapes(name, cfg, batch, d.world_size)
+    n_rollouts = cfg.max_steps or max(
+        1, math.ceil(cfg.epochs * len(data.train) / cfg.rollout.prompts_per_step)
+    )
+    placement = algo.kl_placement if cfg.kl.placement == "auto" else cfg.kl.placement
+    tr = start_session(
+        ctx,
+        build_role_model(ctx, base, algo, has_rm),
+        cfg.optim,
+        batch,
+        n_rollouts,
+        schedule_steps=n_rollouts * updates_per_rollout,
+        weights=weights,
+        algorithm=name,
+        roles="policy,reference"
+        + (",reward" if has_rm else "")
+        + (",value" if algo.critic else ""),
+        reward_functions=",".join(f.label for f in rewarder.funcs),
+        kl_placement=placement,
+        updates_per_rollout=updates_per_rollout,
+        sequences_per_rollout=local_seqs * d.world_size,
+        **data.stats,
+    )
+    ctl = KLController(cfg.kl.coef, cfg.kl.adaptive, cfg.kl.target, cfg.kl.horizon)
+    ctl.coef = tr.resume_meta.get("kl_coef", ctl.coef)
+    rollouts = rollout_setup(ctx, tr.model, tok, rewarder, algo.critic, batch.micro_batch_size)
+    reduce = partial(all_reduce_tensor, device=d.device)
+    return RLRun(
+        ctx,
+        algo,
+        placement,
+        data,
+        batch,
+        n_rollouts,
+        tr,
+        rollouts,
+        ctl,
+        reduce,
+        has_rm,
+        template_sha,
+    )
+
+
+def check_templates(ctx: StageContext, tok: Any) -> tuple[str | None, bool]:
+    """(the policy's chat template sha256, whether a reward model is a parent), after checking
+    that the tokenizer's template is the one the policy (and the reward model) trained with."""
+    cfg, name = ctx.section, ctx.name
+    template_sha = guard_template(
+        tok,
+        ctx.role_manifest("policy")["summary"].get("chat_template_sha256"),
+        name,
+        cfg,
+        ctx.roles["policy"],
+    )
+    has_rm = ctx.has_role("reward_model")
+    if has_rm:
+        guard_template(
+            tok,
+            ctx.role_manifest("reward_model")["summary"].get("chat_template_sha256"),
+            name,
+            cfg,
+            ctx.roles["reward_model"],
+        )
+    return template_sha, has_rm
+
+
+def load_prompts(ctx: StageContext, tok: Any, seed: int) -> PromptData:
+    """The section's prompts, encoded and split; the main rank writes both splits to data/."""
+    data: PromptData = prepare_prompts(ctx.section.data, tok, seed)
+    if ctx.is_main:
+        (ctx.out_dir / "data").mkdir(parents=True, exist_ok=True)
+        for split, rows in (("train", data.train), ("eval", data.eval)):
+            write_rows(
+                ctx.out_dir / "data" / f"{split}.jsonl",
+                [{"prompt": r["messages"], **r["columns"]} for r in rows],
+            )
+    if not data.eval:
+        raise ValueError(
+            f"{ctx.name}.data: no held-out prompts; set eval_fraction > 0 or eval_path"
+        )
+    return data
+
+
+def build_role_model(
+    ctx: StageContext, base: PreTrainedModel, algo: Algorithm, has_rm: bool
+) -> RoleModel:
+    """The policy, reference, reward-model (when a parent) and critic (PPO) roles on `base`."""
+    prepare_for_training(base, ctx.section.activation_checkpointing)
+    policy_dir, reference_dir = ctx.adapter_dir("policy"), ctx.adapter_dir("reference")
+    assert policy_dir is not None and reference_dir is not None  # the graph checks both
+    return build_roles(
+        base,
+        policy_dir,
+        ctx.role_dir("reward_model") / "adapter" if has_rm else None,
+        critic=algo.critic,
+        reference_adapter=reference_dir,
+    )
+
+
+def rollout_setup(
+    ctx: StageContext,
+    model: torch.nn.Module,
+    tok: Any,
+    rewarder: Rewarder,
+    critic: bool,
+    batch_size: int,
+) -> RolloutSetup:
+    """What the rollouts and held-out samples are drawn with, on the session's (sharded)
+    `model`: generate registered as a forward method, the stop ids found."""
+    d = ctx.dist
+    forward_method(model, "generate")
+    # Responses end at any stop id (EOS, generation_config eos ids, the template's end of turn):
+    # the response mask, the reward's input and `missing_eos_penalty` all follow it.
+    stop_ids = model_stop_token_ids(model, tok)
+    log.info("rollouts stop at token ids %s", stop_ids)
+    return RolloutSetup(
+        model,
+        tok,
+        ctx.section,
+        rewarder,
+        critic,
+        stop_ids,
+        batch_size,
+        ctx.recipe.infra.logits_chunk_tokens,
+        ctx.recipe.run.seed,
+        d.rank,
+        d.world_size,
+        d.device,
+    )

@@ -1,0 +1,276 @@
+"""Steps 3 and 4 of an online-RL step (`posttrain.stages.online_rl`): a scored rollout's
+advantages, and the clipped update over it.
+
+The update makes `update_epochs` passes over the rollout in shuffled minibatches of
+micro x accum sequences per rank (x ranks). Each minibatch's objective is the clipped policy
+loss - entropy bonus (+ KL when it goes in the loss) and, with a critic, vf_coef x the clipped
+value loss, aggregated as `loss_aggregation` says (`rl_losses.loss_weights`): a mean over the
+whole minibatch on all ranks, per token or per response.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posttrain.config.batch import ResolvedBatch
+from posttrain.distributed.fsdp import grad_sync
+from posttrain.distributed.runtime import all_reduce_sum
+from posttrain.models.adapters import POLICY
+from posttrain.models.roles import VALUE
+from posttrain.train.rl_algos import Algorithm
+from posttrain.train.rl_losses import (
+    Reduce,
+    clipped_policy_loss,
+    clipped_value_loss,
+    kl_penalty,
+    loss_weights,
+)
+from posttrain.train.rollout import Rollout, response_logps
+from posttrain.train.session import TrainSession
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """What the update of one rollout of N sequences optimises towards."""
+
+    advantages: torch.Tensor  # [N, R] per token, 0 on padding
+    returns: torch.Tensor | None  # [N, R] the critic's value targets; None without a critic
+    kl_coef: float  # the KL coefficient of this step (the controller's before this rollout)
+    kl_in_loss: float  # the KL term's weight in the loss: kl_coef, or 0 when in the reward
+
+
+def compute_advantages(
+    algo: Algorithm,
+    ro: Rollout,
+    cfg: Any,
+    kl_coef: float,
+    placement: str,
+    reduce: Reduce | None,
+) -> Advantages:
+    """Step 3: the algorithm's advantages (`posttrain.train.rl_algos`) with the KL penalty
+    where `placement` ("reward" or "loss") puts it: subtracted from the rewards before the
+    advantages, or added to the loss by the update. `reduce` sums statistics over ranks (PPO's
+    and REINFORCE++'s whitening)."""
+    adv, returns = algo.advantages(ro, cfg, kl_coef if placement == "reward" else 0.0, reduce)
+    return Advantages(adv, returns, kl_coef, kl_coef if placement == "loss" else 0.0)
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """What the update of one rollout measured, over all ranks."""
+
+    # token-weighted means over every pass: policy_loss, entropy, clip_frac, approx_kl, kl_loss,
+    # and with a critic value_loss, value_clip_frac
+    means: dict[str, float]
+    grad_norm: float  # mean over the optimizer steps, before clipping
+    lr: float  # of the last optimizer step
+    updates: int  # optimizer steps taken (a step the guard skipped counts)
+
+
+@dataclass(frozen=True)
+class Minibatch:
+    """The rows of one optimizer step on this rank, and how their losses are weighted."""
+
+    rows: torch.Tensor  # [B] rollout row indices (B = micro x accum)
+    weights: torch.Tensor  # [B, R] each token's weight in the objective (`loss_weights`)
+    scale: float  # world / the minibatch's count over ranks (tokens or sequences)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """n rows of a minibatch, on the device."""
+
+    rows: torch.Tensor  # [n] rollout row indices
+    inputs: dict[str, Any]  # `Rollout.inputs` of the rows: input_ids [n, P+R], ...
+    mask: torch.Tensor  # [n, R] 1 on response tokens
+    weights: torch.Tensor  # [n, R] each token's weight in the minibatch's objective
+
+
+def update(
+    tr: TrainSession,
+    ro: Rollout,
+    adv: Advantages,
+    cfg: Any,
+    batch: ResolvedBatch,
+    seed: int,
+    step: int,
+    chunk_tokens: int = 0,
+) -> UpdateStats:
+    """Step 4: `update_epochs` passes of clipped updates over one rollout, the policy ratio
+    clipped to [1 - clip_range, 1 + clip_range_high]; pass e shuffles the rows with `seed` + e.
+    `step`: the rollout's logged step (1-based), for the guard's records. `chunk_tokens`: tokens
+    per pass through the LM head (`infra.logits_chunk_tokens`; 0 = full logits)."""
+    device, world = tr.dist.device, tr.dist.world_size
+    per_update = batch.micro_batch_size * batch.grad_accum_steps
+    # None only on ppo (token_mean); a grpo section holds its algorithm's (GRPOConfig presets).
+    aggregation = cfg.loss_aggregation or "token_mean"
+    sums: Counter[str] = Counter()
+    norms: list[float] = []
+    for epoch in range(cfg.update_epochs):
+        g = torch.Generator().manual_seed(seed + epoch)
+        perm = torch.randperm(ro.n, generator=g)
+        for u in range(ro.n // per_update):
+            rows = perm[u * per_update : (u + 1) * per_update]
+            # The mean over the whole minibatch on every rank: per-token weights [rows, R] that
+            # depend on their row only (the mask, or the mask over the row's tokens or over
+            # max_new_tokens) and a count summed over ranks (tokens or sequences). Each rank
+            # scales its weighted sum by world / global count, and FSDP's gradient averaging
+            # divides the world back: exactly the global mean at any number of ranks.
+            weights, count = loss_weights(ro.mask[rows], aggregation, cfg.rollout.max_new_tokens)
+            mb = Minibatch(rows, weights, world / max(1.0, all_reduce_sum(count, device)))
+            share = minibatch_backward(
+                tr, ro, adv, mb, cfg, batch.micro_batch_size, chunk_tokens, sums
+            )
+            norm, lr = tr.optimizer_step(
+                cfg.optim.max_grad_norm,
+                loss=all_reduce_sum(share, device),
+                step=step,
+                epoch=epoch,
+                update=u,
+            )
+            norms.append(norm)
+    tot = {k: all_reduce_sum(v, device) for k, v in sums.items()}
+    n_tok = max(1.0, tot.pop("tokens"))
+    return UpdateStats(
+        {k: v / n_tok for k, v in tot.items()}, sum(norms) / len(norms), lr, len(norms)
+    )
+
+
+def minibatch_backward(
+    tr: TrainSession,
+    ro: Rollout,
+    adv: Advantages,
+    mb: Minibatch,
+    cfg: Any,
+    micro: int,
+    chunk_tokens: int,
+    sums: Counter[str],
+) -> float:
+    """Forward and backward of minibatch `mb`, `micro` rows at a time; gradients accumulate
+    and are synced over ranks by the last micro-batch's backward. Adds each token statistic's
+    sum over the response tokens to `sums`. Returns this rank's share of the minibatch's
+    objective (summed over ranks: the objective)."""
+    device = tr.dist.device
+    critic = adv.returns is not None
+    micros = mb.rows.split(micro)
+    share = 0.0
+    for k, rows in enumerate(micros):
+        last = k == len(micros) - 1
+        mi = MicroBatch(
+            rows,
+            {n: v.to(device) if torch.is_tensor(v) else v for n, v in ro.inputs(rows).items()},
+            ro.mask[rows].to(device),
+            mb.weights[k * micro : k * micro + len(rows)].to(device),
+        )
+        grad_sync(tr.model, last and not critic)
+        share += policy_backward(tr, ro, adv, mi, mb.scale, cfg, chunk_tokens, sums)
+        if critic:
+            grad_sync(tr.model, last)
+            share += value_backward(tr, ro, adv, mi, mb.scale, cfg, sums)
+    return share
+
+
+def policy_backward(
+    tr: TrainSession,
+    ro: Rollout,
+    adv: Advantages,
+    mi: MicroBatch,
+    scale: float,
+    cfg: Any,
+    chunk_tokens: int,
+    sums: Counter[str],
+) -> float:
+    """The policy's objective on one micro-batch, backward; its token statistics summed into
+    `sums`. Returns this rank's share of the objective (its value / world)."""
+    device = tr.dist.device
+    logp, ent = response_logps(
+        tr.model,
+        POLICY,
+        mi.inputs,
+        ro.response[mi.rows].to(device),
+        mi.mask,
+        chunk_tokens,
+        entropy=True,
+        temperature=cfg.rollout.temperature,
+    )  # [n, R] each, under the sampling temperature
+    assert ent is not None
+    per_token, stats = policy_terms(
+        logp,
+        ent,
+        ro.scored["logps"][mi.rows].to(device),
+        ro.scored["ref_logps"][mi.rows].to(device),
+        adv.advantages[mi.rows].to(device),
+        cfg,
+        adv.kl_in_loss,
+    )
+    objective = (per_token * mi.weights).sum() * scale
+    tr.backward(objective)
+    for name, v in stats.items():
+        sums[name] += float((v.detach() * mi.mask).sum())
+    return float(objective.detach()) / tr.dist.world_size
+
+
+def policy_terms(
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    cfg: Any,
+    kl_in_loss: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy's per-token objective [n, R] from its log-probs and entropy [n, R] (with
+    grad), the rollout's log-probs under the policy that sampled it and under the reference, and
+    the advantages [n, R]: clipped surrogate - entropy_coef x entropy (+ kl_in_loss x KL). With
+    the per-token statistics [n, R] the update reports: policy_loss, entropy, clip_frac,
+    approx_kl (half the squared log-ratio to the sampling policy), kl_loss (KL to the
+    reference), tokens (ones, for the count)."""
+    pg, clipped = clipped_policy_loss(
+        logp, old_logp, advantages, cfg.clip_range, cfg.clip_range_high
+    )  # clip_range_high None = clip_range on both sides
+    per_token = pg - cfg.entropy_coef * entropy
+    kl_t = kl_penalty(logp, ref_logp, cfg.kl.estimator)
+    if kl_in_loss:
+        per_token = per_token + kl_in_loss * kl_t
+    ratio_log = logp.detach() - old_logp
+    stats = {
+        "policy_loss": pg,
+        "entropy": entropy,
+        "clip_frac": clipped.float(),
+        "approx_kl": 0.5 * ratio_log**2,
+        "kl_loss": kl_t,
+        "tokens": torch.ones_like(pg),
+    }
+    return per_token, stats
+
+
+def value_backward(
+    tr: TrainSession,
+    ro: Rollout,
+    adv: Advantages,
+    mi: MicroBatch,
+    scale: float,
+    cfg: Any,
+    sums: Counter[str],
+) -> float:
+    """The critic's objective on one micro-batch (vf_coef x the clipped value loss against the
+    returns), backward; value_loss and value_clip_frac summed into `sums`. Returns this rank's
+    share of the objective (its value / world)."""
+    assert adv.returns is not None
+    device = tr.dist.device
+    values = tr.model(VALUE, **mi.inputs)  # [n, R]
+    vf, vclipped = clipped_value_loss(
+        values,
+        ro.scored["values"][mi.rows].to(device),
+        adv.returns[mi.rows].to(device),
+        cfg.value_clip,
+    )
+    value_objective = cfg.vf_coef * (vf * mi.weights).sum() * scale
+    tr.backward(value_objective)
+    sums["value_loss"] += float((vf.detach() * mi.mask).sum())
+    sums["value_clip_frac"] += float((vclipped.float() * mi.mask).sum())
+    return float(value_objective.detach()) / tr.dist.world_size
