@@ -10,6 +10,8 @@ Score keys: the harness reports `<metric>,<filter>` per task (`acc,none`,
 `exact_match,strict-match`). `metric_key` flattens that to `<metric>` when the filter is
 `none` (the harness's "no filter") and to `<metric>/<filter>` otherwise; the headline key is
 `lm_eval/<task>/<that>`, e.g. `lm_eval/arc_easy/acc`, `lm_eval/gsm8k/exact_match/strict-match`.
+
+`harness_report` is evaluate's block: the tasks on each of `evaluate.lm_eval.policies`.
 """
 
 from __future__ import annotations
@@ -180,14 +182,15 @@ def _policy_scores(
     model: PeftModel,
     tok: Any,
     stage: str,
-    final: tuple[str, Any],
+    final: str,
+    merged_final: Any,
     manager: Any,
     cfg: LmEvalConfig,
     seed: int,
 ) -> dict[str, Any]:
-    """`run_tasks` on one policy, timed (`seconds`): the base with adapters off, the final
-    policy as its merged copy (`final` = (its stage, that copy)), any other merged from its
-    adapter (named after its stage) for as long as it is scored."""
+    """`run_tasks` on policy `stage`, timed (`seconds`): the base with adapters off, the final
+    policy (stage `final`) as `merged_final`, any other merged from its adapter (named after
+    its stage) for as long as it is scored."""
     kwargs = {
         "limit": cfg.limit,
         "num_fewshot": cfg.num_fewshot,
@@ -199,8 +202,8 @@ def _policy_scores(
     if stage == BASE:
         with model.disable_adapter():
             out = run_tasks(model.get_base_model(), tok, cfg.tasks, manager, **kwargs)
-    elif stage == final[0]:
-        out = run_tasks(final[1], tok, cfg.tasks, manager, **kwargs)
+    elif stage == final:
+        out = run_tasks(merged_final, tok, cfg.tasks, manager, **kwargs)
     else:
         out = run_tasks(merged_copy(model, stage), tok, cfg.tasks, manager, **kwargs)
     out["seconds"] = round(time.perf_counter() - started, 2)
@@ -224,7 +227,6 @@ def harness_report(
     import lm_eval
 
     manager = task_manager(cfg.tasks, cfg.include_path)
-    final = (stages["final"], merged_final)
     by_stage: dict[str, dict[str, Any]] = {}
     out: dict[str, Any] = {}
     for label in cfg.policies:
@@ -233,7 +235,9 @@ def harness_report(
             log.warning("lm_eval: the final policy's lineage has no SFT stage: no sft scores")
             continue
         if stage not in by_stage:
-            by_stage[stage] = _policy_scores(model, tok, stage, final, manager, cfg, seed)
+            by_stage[stage] = _policy_scores(
+                model, tok, stage, stages["final"], merged_final, manager, cfg, seed
+            )
         out[label] = {"stage": stage, "kind": kinds[stage], **by_stage[stage]}
         log.info("lm_eval %s (%s): %s", label, stage, out[label]["scores"])
     return {
