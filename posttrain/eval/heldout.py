@@ -1,13 +1,18 @@
-"""Held-out loss and perplexity over the assistant tokens of padded batches."""
+"""Held-out loss and perplexity over the assistant tokens of padded batches: of a model, or of
+one policy of a model that holds several as LoRA adapters (evaluate's base, final policy and
+parent share one base)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from peft import PeftModel
 
+from posttrain.data.batching import pad_batch
+from posttrain.models.adapters import as_policy
 from posttrain.train.chunked import forward_nll_sum
 
 
@@ -46,3 +51,29 @@ def heldout_loss(
     # exp overflows a float above ~709; a loss that large means "no better than nothing" anyway.
     perplexity = math.exp(loss) if loss < 700 else math.inf
     return {"loss": loss, "perplexity": perplexity, "tokens": tokens}
+
+
+def padded_batches(
+    examples: list[dict], pad_id: int, size: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """`examples` (tokenized rows: input_ids/labels) in order, `size` at a time, each group
+    right-padded by `pad_batch` ([B, T] tensors; the last batch may be shorter)."""
+    for i in range(0, len(examples), size):
+        yield pad_batch(examples[i : i + size], pad_id)
+
+
+def policy_heldout_loss(
+    model: PeftModel,
+    adapter: str | None,
+    examples: list[dict],
+    pad_id: int,
+    batch_size: int,
+    device: torch.device | str,
+    chunk_tokens: int = 0,
+) -> dict[str, Any]:
+    """`heldout_loss` of one policy of `model`: the one of adapter `adapter`, or the base when
+    `adapter` is None (adapters off), over `examples` in batches of `batch_size`."""
+    with as_policy(model, adapter):
+        return heldout_loss(
+            model, padded_batches(examples, pad_id, batch_size), device, chunk_tokens
+        )

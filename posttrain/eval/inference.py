@@ -121,3 +121,14 @@ def compare_cache_modes(
         "tokens_match": cached["token_ids"] == uncached["token_ids"],
         "speedup": cached["tokens_per_s"] / uncached["tokens_per_s"],
     }
+
+
+def inference_prompt(tok: Any, prompts: list[str], n_tokens: int) -> torch.Tensor:
+    """[1, n_tokens] prompt ids cut from real prompts (text, tokenized without special tokens;
+    repeated if together they are shorter): latency on what the model will be asked, not on
+    arbitrary ids."""
+    ids: list[int] = []
+    while len(ids) < n_tokens:
+        for p in prompts:
+            ids += tok(p, add_special_tokens=False)["input_ids"]
+    return torch.tensor([ids[:n_tokens]])

@@ -10,18 +10,26 @@ Score keys: the harness reports `<metric>,<filter>` per task (`acc,none`,
 `exact_match,strict-match`). `metric_key` flattens that to `<metric>` when the filter is
 `none` (the harness's "no filter") and to `<metric>/<filter>` otherwise; the headline key is
 `lm_eval/<task>/<that>`, e.g. `lm_eval/arc_easy/acc`, `lm_eval/gsm8k/exact_match/strict-match`.
+
+`harness_report` is evaluate's block: the tasks on each of `evaluate.lm_eval.policies`.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
+from peft import PeftModel
+
+from posttrain.config.graph import BASE
+from posttrain.kinds.evaluate import LmEvalConfig
+from posttrain.models.adapters import merged_copy
 
 log = logging.getLogger("posttrain.evaluate")
 
@@ -167,4 +175,75 @@ def run_tasks(
         },
         "n_shot": dict(out.get("n-shot", {})),
         "versions": {t: str(v) for t, v in out.get("versions", {}).items()},
+    }
+
+
+def _policy_scores(
+    model: PeftModel,
+    tok: Any,
+    stage: str,
+    final: str,
+    merged_final: Any,
+    manager: Any,
+    cfg: LmEvalConfig,
+    seed: int,
+) -> dict[str, Any]:
+    """`run_tasks` on policy `stage`, timed (`seconds`): the base with adapters off, the final
+    policy (stage `final`) as `merged_final`, any other merged from its adapter (named after
+    its stage) for as long as it is scored."""
+    kwargs = {
+        "limit": cfg.limit,
+        "num_fewshot": cfg.num_fewshot,
+        "batch_size": cfg.batch_size,
+        "seed": seed,
+        "bootstrap_iters": cfg.bootstrap_iters,
+    }
+    started = time.perf_counter()
+    if stage == BASE:
+        with model.disable_adapter():
+            out = run_tasks(model.get_base_model(), tok, cfg.tasks, manager, **kwargs)
+    elif stage == final:
+        out = run_tasks(merged_final, tok, cfg.tasks, manager, **kwargs)
+    else:
+        out = run_tasks(merged_copy(model, stage), tok, cfg.tasks, manager, **kwargs)
+    out["seconds"] = round(time.perf_counter() - started, 2)
+    return out
+
+
+def harness_report(
+    model: PeftModel,
+    tok: Any,
+    stages: dict[str, str | None],
+    kinds: dict[str, str],
+    merged_final: Any,
+    cfg: LmEvalConfig,
+    seed: int,
+) -> dict[str, Any]:
+    """`cfg.tasks` on each of `cfg.policies`, in order; a stage two labels name is scored once.
+    `stages`: label -> the stage it names (`base`: BASE; `sft`: None when the final policy's
+    lineage has no SFT stage, which is left out with a warning; `final`: the final policy,
+    scored as `merged_final`, the merged copy the inference figures used). `kinds`: stage ->
+    its kind ("base" for the base)."""
+    import lm_eval
+
+    manager = task_manager(cfg.tasks, cfg.include_path)
+    by_stage: dict[str, dict[str, Any]] = {}
+    out: dict[str, Any] = {}
+    for label in cfg.policies:
+        stage = stages[label]
+        if stage is None:
+            log.warning("lm_eval: the final policy's lineage has no SFT stage: no sft scores")
+            continue
+        if stage not in by_stage:
+            by_stage[stage] = _policy_scores(
+                model, tok, stage, stages["final"], merged_final, manager, cfg, seed
+            )
+        out[label] = {"stage": stage, "kind": kinds[stage], **by_stage[stage]}
+        log.info("lm_eval %s (%s): %s", label, stage, out[label]["scores"])
+    return {
+        "harness_version": lm_eval.__version__,
+        "tasks": list(cfg.tasks),
+        "limit": cfg.limit,
+        "num_fewshot": cfg.num_fewshot,
+        "policies": out,
     }

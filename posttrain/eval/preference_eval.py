@@ -4,6 +4,7 @@ of one model), and a candidate export against the champion's (two merged model f
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.models.reward import pair_batch, pair_scores, score_sequences
 from posttrain.train.chunked import forward_sequence_logps
 from posttrain.train.preference_losses import REFERENCE_FREE, implicit_rewards
+
+log = logging.getLogger("posttrain.evaluate")
 
 
 def _batches(pairs: list[dict], size: int):
@@ -163,6 +166,37 @@ def win_rate(
         with active_adapter(model, name):
             replies[name] = answers(model, tok, prompts, sampling, seed, batch_size)
     return judge(rm, tok, prompts, replies, candidate, baseline, batch_size)
+
+
+def policy_win_rate(
+    model: torch.nn.Module,
+    tok: Any,
+    rm: torch.nn.Module,
+    prompts: list[list[dict]],
+    policy: tuple[str, str],
+    parent: str,
+    sampling: SamplingConfig,
+    seed: int,
+    batch_size: int,
+) -> dict[str, Any] | None:
+    """`win_rate` of a policy against its parent on `prompts`, logged; None when there are no
+    prompts. `policy` = (its stage name, for the log; its adapter on `model`); the parent's
+    adapter is named after its stage. The result's examples are keyed by the two adapter
+    names."""
+    if not prompts:
+        return None
+    name, adapter = policy
+    wr = win_rate(model, tok, rm, prompts, adapter, parent, sampling, seed, batch_size)
+    log.info(
+        "%s vs %s, judged by the reward model: %d wins, %d losses, %d ties (win-rate %.3f)",
+        name,
+        parent,
+        wr["wins"],
+        wr["losses"],
+        wr["ties"],
+        wr["win_rate"],
+    )
+    return wr
 
 
 def head_to_head(

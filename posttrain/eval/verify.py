@@ -10,14 +10,21 @@ is left out.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from peft import PeftModel
+
 from posttrain.config.schema import SamplingConfig
 from posttrain.data.chat import render
 from posttrain.eval.generation import decode_new, generate_ids
+from posttrain.kinds.evaluate import EvaluateConfig
+from posttrain.models.adapters import as_policy
 from posttrain.rewards.combine import RewardFunction, score_functions
+
+log = logging.getLogger("posttrain.evaluate")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -132,3 +139,46 @@ def verify_policy(
         for i in range(len(g_pass))
     ]
     return out, examples
+
+
+def verifier_report(
+    model: PeftModel,
+    tok: Any,
+    prompts: VerifyPrompts,
+    source: str,
+    funcs: Sequence[RewardFunction],
+    policies: dict[str, str | None],
+    cfg: EvaluateConfig,
+    seed: int,
+) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """`verify_policy` of each of `policies` (stage name -> its adapter on `model`, None = the
+    base), in order, with evaluate's pass@k settings (`cfg.pass_*`). Returns (the report: the
+    verifiers with the sha256 of their source, `source` (where the prompts come from), k, the
+    samples per prompt, the threshold and each policy's figures; each policy's greedy
+    examples)."""
+    out: dict[str, Any] = {}
+    examples: dict[str, list[dict[str, Any]]] = {}
+    for name, adapter in policies.items():
+        with as_policy(model, adapter):
+            out[name], examples[name] = verify_policy(
+                model,
+                tok,
+                prompts,
+                funcs,
+                cfg.pass_sampling,
+                cfg.pass_samples,
+                cfg.pass_k,
+                seed,
+                cfg.batch_size,
+                cfg.pass_threshold,
+            )
+        log.info("verifiers on %d prompts: %s %s", out[name]["prompts"], name, out[name])
+    report = {
+        "verifiers": [{"label": f.label, "fn": f.fn_ref, "sha256": f.sha256} for f in funcs],
+        "source": source,
+        "k": cfg.pass_k,
+        "samples": cfg.pass_samples,
+        "threshold": cfg.pass_threshold,
+        "policies": out,
+    }
+    return report, examples

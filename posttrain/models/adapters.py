@@ -3,8 +3,9 @@ weights, so a DPO/PPO stage holds one copy of the base instead of two models."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import torch
@@ -60,3 +61,21 @@ def active_adapter(model: torch.nn.Module, name: str) -> Iterator[None]:
     finally:
         for m, prev in zip(layers, previous, strict=True):
             m._active_adapter = prev
+
+
+def as_policy(model: PeftModel, adapter: str | None) -> AbstractContextManager[None]:
+    """A context in which `model` is the policy of adapter `adapter` (`active_adapter`), or the
+    base when `adapter` is None (every adapter off: the base's own weights)."""
+    return model.disable_adapter() if adapter is None else active_adapter(model, adapter)
+
+
+def merged_copy(model: PeftModel, adapter: str) -> PreTrainedModel:
+    """A copy of the policy of `adapter` with its LoRA merged into the weights (what export
+    ships): a plain `transformers` model in eval mode. Costs one more copy of the model while it
+    lives; `model` itself is left as it was."""
+    merged = copy.deepcopy(model)
+    merged.set_adapter(adapter)  # first: deleting the active adapter would switch to another
+    for name in list(merged.peft_config):
+        if name != adapter:
+            merged.delete_adapter(name)
+    return merged.merge_and_unload().eval()

@@ -5,6 +5,10 @@ the whole lineage and file hashes) and verification.json; with `export.gguf`, al
 gguf/<run>-<type>.gguf for llama.cpp, each read back and checked (posttrain/export/gguf.py). The
 stage fails, and so leaves no manifest, when the export reloads differently from base+adapter,
 is identical to the base, or a GGUF does not read back as written.
+
+`run` takes the steps in that order (merge and save, verify, GGUF, model card: the card goes
+last because it lists the hashes of every other file in model/), one function each; the pieces
+that do not need the stage's context are in `posttrain/export/`.
 """
 
 from __future__ import annotations
@@ -114,29 +118,27 @@ def _write_ggufs(ctx: StageContext, model_dir: Path, types: list[str]) -> dict[s
     return out
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
-    cfg = ctx.recipe.export
-    ingest = ctx.role_manifest("base")
-    base_dir = ingest["summary"]["model_dir"]
-    # The policy to ship: export.policy, else the graph's final policy (the planner's role).
-    policy = ctx.roles["policy"]
-    adapter_dir = ctx.role_dir("policy") / "adapter"
-    dtype_name = base_dtype(ingest["summary"]) if cfg.dtype == "auto" else cfg.dtype
-    trust = bool(ingest["summary"].get("trust_remote_code", False))
-
-    if cfg.gguf:  # refuse an unconvertible family now, before the merge writes anything
-        check_convertible(base_dir, ctx.role_dir("base") / "tokenizer")
-    tok = load_tokenizer(ctx.role_dir("base") / "tokenizer")
+def _merge_and_save(
+    base_dir: str, adapter_dir: Path, dtype_name: str, trust: bool, tok: Any, out: Path
+) -> None:
+    """Merge the adapter into the base (in fp32, cast to `dtype_name` last) and save the
+    result to `out` (`_save_with_room`); the merged model is freed when this returns."""
     merged = merge_adapter(base_dir, adapter_dir, DTYPES[dtype_name], trust_remote_code=trust)
-    out = ctx.out_dir / "model"
     _save_with_room(merged, tok, out)
-    del merged
+
+
+def _verify(
+    ctx: StageContext, out: Path, base_dir: str, adapter_dir: Path, tok: Any, trust: bool
+) -> dict[str, Any]:
+    """`verify_export` of the saved model against base + adapter, written to
+    verification.json; raises (and so fails the stage) when the export is not what it should
+    be."""
     report = verify_export(
         out,
         base_dir,
         adapter_dir,
         _verify_inputs(ctx, tok),
-        cfg.logits_atol,
+        ctx.recipe.export.logits_atol,
         trust_remote_code=trust,
     )
     (ctx.out_dir / "verification.json").write_text(jsonsafe.dumps(report, indent=2, default=str))
@@ -147,11 +149,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
         report["atol_effective"],
         report["max_abs_weight_diff_vs_base"],
     )
+    return report
 
-    ggufs = _write_ggufs(ctx, out, cfg.gguf) if cfg.gguf else {}
 
-    # The card is written last in model/ and lists the hashes of every other file there.
-    files = {str(p.relative_to(out)): sha256_file(p) for p in sorted(out.rglob("*")) if p.is_file()}
+def _lineage(ctx: StageContext) -> list[dict[str, Any]]:
+    """Every stage the export descends from, with its fingerprint and parents, then export."""
     lineage = [
         {"stage": name, "fingerprint": ref.fingerprint, "parents": ref.parents}
         for name, ref in ctx.parents.items()
@@ -163,7 +165,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
             "parents": [r.fingerprint for r in ctx.parents.values()],
         }
     )
-    ev = ctx.role_manifest("evaluation")["summary"]
+    return lineage
+
+
+def _card_metrics(ctx: StageContext, report: dict[str, Any]) -> dict[str, Any]:
+    """The card's metrics: the held-out stage's eval loss, evaluate's headline and the export's
+    own verification figures."""
     metrics: dict[str, Any] = {}
     if ctx.has_role("heldout"):
         sft = ctx.role_manifest("heldout")["summary"]
@@ -172,44 +179,80 @@ def run(ctx: StageContext) -> dict[str, Any]:
             "eval_loss_final": sft["eval_loss_final"],
             "steps": sft["total_steps"],
         }
-    metrics |= {
+    ev = ctx.role_manifest("evaluation")["summary"]
+    return metrics | {
         "evaluate": ev.get("headline", {}),
         "export_verification": {
             k: report[k]
             for k in ("max_abs_logit_diff", "atol_effective", "max_abs_weight_diff_vs_base")
         },
     }
-    base_info = {
-        "name": ingest["summary"]["architecture"],
-        "source": base_dir,
-        "params": ingest["summary"]["num_params"],
+
+
+def _base_info(ctx: StageContext) -> dict[str, Any]:
+    """The card's base model: architecture, source, size, fingerprint (and hub id at its
+    commit for a hub base, the card's `base_model`)."""
+    ingest = ctx.role_manifest("base")["summary"]
+    info = {
+        "name": ingest["architecture"],
+        "source": ingest["model_dir"],
+        "params": ingest["num_params"],
         "fingerprint": ctx.role_ref("base").fingerprint,
     }
-    if "hub_repo" in ingest["summary"]:  # a hub base: the card's base_model, at its commit
-        base_info["hub_id"] = ingest["summary"]["hub_repo"]
-        base_info["commit_sha"] = ingest["summary"]["commit_sha"]
-    # The recipe sections of every stage the shipped policy descends from, base first.
+    if "hub_repo" in ingest:
+        info["hub_id"] = ingest["hub_repo"]
+        info["commit_sha"] = ingest["commit_sha"]
+    return info
+
+
+def _recipe_sections(ctx: StageContext) -> dict[str, Any]:
+    """The recipe sections of ingest, every stage the shipped policy descends from (base
+    first) and export."""
     graph = ctx.recipe.graph()
-    lineage_names = list(reversed(graph.lineage(policy)))
+    lineage_names = list(reversed(graph.lineage(ctx.roles["policy"])))
     sections = {"ingest": ctx.recipe.ingest.model_dump(mode="json")}
     sections |= {n: graph.get(n).section.model_dump(mode="json") for n in lineage_names}
-    sections["export"] = cfg.model_dump(mode="json")
-    (out / "README.md").write_text(
-        model_card(
-            ctx.recipe.run.name,
-            base_info,
-            lineage,
-            files,
-            metrics,
-            sections,
-            gguf_files={v["file"]: v["sha256"] for v in ggufs.values()},
-        )
+    sections["export"] = ctx.recipe.export.model_dump(mode="json")
+    return sections
+
+
+def _write_model_card(
+    ctx: StageContext, out: Path, report: dict[str, Any], ggufs: dict[str, Any]
+) -> dict[str, str]:
+    """model/README.md, written last in model/: it lists the sha256 of every other file there,
+    which this returns (path relative to model/ -> sha256)."""
+    files = {str(p.relative_to(out)): sha256_file(p) for p in sorted(out.rglob("*")) if p.is_file()}
+    card = model_card(
+        ctx.recipe.run.name,
+        _base_info(ctx),
+        _lineage(ctx),
+        files,
+        _card_metrics(ctx, report),
+        _recipe_sections(ctx),
+        gguf_files={v["file"]: v["sha256"] for v in ggufs.values()},
     )
-    headline = {
-        "dtype": dtype_name,
-        "logit_diff": report["max_abs_logit_diff"],
-        "weight_delta": report["max_abs_weight_diff_vs_base"],
-    }
+    (out / "README.md").write_text(card)
+    return files
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    cfg = ctx.recipe.export
+    ingest = ctx.role_manifest("base")["summary"]
+    base_dir = ingest["model_dir"]
+    # The policy to ship: export.policy, else the graph's final policy (the planner's role).
+    policy = ctx.roles["policy"]
+    adapter_dir = ctx.role_dir("policy") / "adapter"
+    dtype_name = base_dtype(ingest) if cfg.dtype == "auto" else cfg.dtype
+    trust = bool(ingest.get("trust_remote_code", False))
+
+    if cfg.gguf:  # refuse an unconvertible family now, before the merge writes anything
+        check_convertible(base_dir, ctx.role_dir("base") / "tokenizer")
+    tok = load_tokenizer(ctx.role_dir("base") / "tokenizer")
+    out = ctx.out_dir / "model"
+    _merge_and_save(base_dir, adapter_dir, dtype_name, trust, tok, out)
+    report = _verify(ctx, out, base_dir, adapter_dir, tok, trust)
+    ggufs = _write_ggufs(ctx, out, cfg.gguf) if cfg.gguf else {}
+    files = _write_model_card(ctx, out, report, ggufs)
     return {
         "export_dir": str(out),
         "policy": policy,
@@ -218,7 +261,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "verification": report,
         "files": files,
         "gguf": ggufs,
-        "headline": headline,
+        "headline": {
+            "dtype": dtype_name,
+            "logit_diff": report["max_abs_logit_diff"],
+            "weight_delta": report["max_abs_weight_diff_vs_base"],
+        },
     }
 
 

@@ -1,0 +1,81 @@
+"""Greedy exact match: the share of held-out prompts a policy answers with the reference reply
+itself (surrounding whitespace aside).
+
+Greedy decoding, because exact match of a sampled answer measures the sampler as much as the
+policy; the policies are adapters of one model (`as_policy`), so the base and every policy answer
+the same templated prompts with the same decoding setting and seeds.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from peft import PeftModel
+
+from posttrain.config.schema import SamplingConfig
+from posttrain.eval.generation import generate
+from posttrain.models.adapters import as_policy
+
+log = logging.getLogger("posttrain.evaluate")
+
+
+def exact_match(outputs: list[str], refs: list[str]) -> float:
+    """Share of `outputs` equal to their reference (`refs[i]`), both stripped."""
+    return sum(o.strip() == r.strip() for o, r in zip(outputs, refs, strict=True)) / len(refs)
+
+
+def greedy_answers(
+    model: PeftModel,
+    adapter: str | None,
+    tok: Any,
+    prompts: list[str],
+    greedy: SamplingConfig,
+    seed: int,
+    batch_size: int,
+) -> list[str]:
+    """The answers of the policy of `adapter` (None = the base) to `prompts` (chat-templated
+    text), decoded with `greedy`."""
+    with as_policy(model, adapter):
+        return generate(model, tok, prompts, greedy, seed, batch_size)
+
+
+def policy_exact_match(
+    model: PeftModel,
+    adapter: str | None,
+    tok: Any,
+    prompts: list[str],
+    refs: list[str],
+    greedy: SamplingConfig,
+    seed: int,
+    batch_size: int,
+) -> float:
+    """`exact_match` of the greedy answers of the policy of `adapter` (None = the base)."""
+    return exact_match(greedy_answers(model, adapter, tok, prompts, greedy, seed, batch_size), refs)
+
+
+def base_vs_tuned(
+    model: PeftModel,
+    tok: Any,
+    prompts: list[str],
+    refs: list[str],
+    greedy: SamplingConfig,
+    seed: int,
+    batch_size: int,
+    tuned: tuple[str, str],
+) -> tuple[dict[str, float], list[str]]:
+    """({"base", "tuned"} exact match, the base's answers): the base (adapters off) against the
+    tuned policy, `tuned` = (its stage name, for the log; its adapter on `model`). The base's
+    answers are returned for the samples that show them."""
+    name, adapter = tuned
+    base_out = greedy_answers(model, None, tok, prompts, greedy, seed, batch_size)
+    tuned_out = greedy_answers(model, adapter, tok, prompts, greedy, seed, batch_size)
+    exact = {"base": exact_match(base_out, refs), "tuned": exact_match(tuned_out, refs)}
+    log.info(
+        "greedy exact match on %d held-out prompts: base %.3f -> %s %.3f",
+        len(refs),
+        exact["base"],
+        name,
+        exact["tuned"],
+    )
+    return exact, base_out
