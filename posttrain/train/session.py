@@ -223,36 +223,6 @@ class TrainSession:
             "".join(f" {k} {v:.4g}" for k, v in extra.items()),
         )
 
-    def finish_step(
-        self,
-        step: int,
-        section: Any,
-        *,
-        loss: float,
-        local_tokens: int,
-        n_seqs: int,
-        t_start: float,
-        t_data: float,
-        **metrics: float,
-    ) -> None:
-        """The end of a supervised step (reward, the preference kinds): the optimizer step under
-        the guard, the metrics record every `section.log_every` steps and at the last, and a
-        checkpoint every `section.checkpoint_every`. `step` is 1-based; `loss` all-reduced."""
-        grad_norm, lr = self.optimizer_step(section.optim.max_grad_norm, loss=loss, step=step)
-        if step % section.log_every == 0 or step == self.total_steps:
-            self.record_step(
-                step,
-                loss=loss,
-                grad_norm=grad_norm,
-                lr=lr,
-                local_tokens=local_tokens,
-                seq_len=local_tokens / max(1, n_seqs),
-                t_start=t_start,
-                t_data=t_data,
-                **metrics,
-            )
-        self.maybe_checkpoint(step, section.checkpoint_every, section.keep_checkpoints)
-
     def summary(self, ctx: Any, **fields: Any) -> dict[str, Any]:
         """The manifest summary fields every training stage reports, plus the stage's own."""
         return {
@@ -307,11 +277,6 @@ class TrainSession:
             heartbeat.beat(phase="checkpoint")
             self.metrics.sync()
             save_checkpoint(self.ckpt_root, step, self.model, self.opt, self.sched, keep, extra)
-
-
-def planned_steps(max_steps: int | None, epochs: float, n_rows: int, batch: ResolvedBatch) -> int:
-    """Optimizer steps a training stage runs: max_steps, or epochs over n_rows rows."""
-    return max_steps or max(1, math.ceil(epochs * n_rows / batch.global_batch_size))
 
 
 def start_session(
