@@ -151,7 +151,7 @@ def sft_step(loop: Training, sb: StepBatch) -> tuple[float, float]:
 
 def kept_start_loss(loop: Training) -> float | None:
     """A resumed run's step-0 held-out loss: the `eval` record its first launch wrote, kept in
-    metrics.jsonl (None without one: no held-out rows)."""
+    metrics.jsonl (None when there are no held-out rows)."""
     kept = read_metrics(loop.tr.metrics.path, "eval")
     return next((r["eval_loss"] for r in kept if r.get("step") == 0), None)
 

@@ -85,16 +85,15 @@ class StepBatch:
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """A collated batch's tensors (and `Segments`) on `device`. Non-blocking: a copy from
-    pageable host memory still completes before the host can touch the source again, and the
-    stream orders it before the forward that reads it."""
+    """A collated batch's tensors (and its `Segments`, padding-free) on `device`; non-blocking:
+    the device stream orders each copy before the forward that reads it."""
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def plan_steps(ctx: Any, data: PreparedData, n_rows: int) -> tuple[ResolvedBatch, int]:
-    """Record the splits (rank 0: data/{train,eval}.jsonl, exactly what is trained and held
-    out), then (the section's resolved batch, its optimizer steps over `n_rows` training rows:
-    `max_steps`, or `epochs` over the rows)."""
+    """Record what the stage trains on and holds out (rank 0: data/{train,eval}.jsonl) and plan
+    its steps: (the section's resolved batch, its optimizer steps over `n_rows` training rows:
+    `max_steps`, or `epochs` passes over them)."""
     if ctx.is_main:
         write_splits(ctx.out_dir, data.train_rows, data.eval_rows)
     cfg = ctx.section
@@ -181,8 +180,8 @@ class Training:
         return self.batch.micro_batch_size
 
     def steps(self) -> range:
-        """The optimizer steps this launch runs (0-based; a resumed run starts after its
-        checkpoint)."""
+        """The optimizer steps this launch runs, 0-based (a resumed run starts with the step
+        after its checkpoint's)."""
         return range(self.tr.start_step, self.tr.total_steps)
 
     def step_batch(self, step: int) -> StepBatch:
@@ -203,7 +202,7 @@ class Training:
         host = [
             self.draw.collate([rows[i] for i in g], self.draw.pad_id, self.flat) for g in groups
         ]
-        micro = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in host]
+        micro = [to_device(mb, self.device) for mb in host]
         local_tokens = sum(self.draw.tokens(rows[i]) for g in groups for i in g)
         return StepBatch(t_start, groups, host, micro, local_tokens, time.perf_counter() - t_start)
 
