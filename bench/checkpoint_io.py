@@ -6,7 +6,8 @@ Part 1 (I/O). Tiny Llamas of three sizes (~1M, ~8M, ~30M parameters, built by
 `posttrain.models.tiny.build_model`), each with a LoRA adapter of two ranks and with every
 parameter trainable (full fine-tuning), sharded by `shard_model` at world size 1 as every stage
 holds its model. After one real AdamW step (so the optimizer holds its moments), the project's
-`save_checkpoint` / `load_checkpoint` are timed (best of --rounds: load from other processes on
+`save_checkpoint` and a load (`read_checkpoint` + `apply_checkpoint`: what a resume runs once it
+has checked the checkpoint's integrity) are timed (best of --rounds: load from other processes on
 a shared machine only ever adds time; every save also prunes the previous checkpoint, keep=1,
 as a run does). A checkpoint is meant to hold only the trainable parameters and their optimizer
 state (frozen base weights are reloaded from the ingest artifact), so its size should follow the
@@ -128,7 +129,7 @@ def io_case(d: Any, size: str, mode: str, rounds: int, work: Path) -> dict[str, 
     from posttrain.models.loading import count_params
     from posttrain.models.lora import apply_lora
     from posttrain.models.tiny import build_model
-    from posttrain.train.checkpoint import load_checkpoint, save_checkpoint
+    from posttrain.train.checkpoint import apply_checkpoint, read_checkpoint, save_checkpoint
     from posttrain.train.optim import build_optimizer, build_scheduler
 
     torch.manual_seed(0)
@@ -174,7 +175,7 @@ def io_case(d: Any, size: str, mode: str, rounds: int, work: Path) -> dict[str, 
             for st in opt.state.values():
                 st["exp_avg"].add_(1.0)
         t = time.perf_counter()
-        meta = load_checkpoint(path, model, opt, sched)
+        meta = apply_checkpoint(read_checkpoint(path, model, opt), model, opt, sched)
         loads.append(time.perf_counter() - t)
         assert meta["step"] == rounds
         for p, s in zip(trainable, saved, strict=True):

@@ -14,8 +14,9 @@ from posttrain.distributed.fsdp import shard_model
 from posttrain.distributed.runtime import init_distributed, shutdown
 from posttrain.models.lora import apply_lora
 from posttrain.models.tiny import build_model
-from posttrain.train.checkpoint import load_checkpoint, save_checkpoint, trainable_state_dict
+from posttrain.train.checkpoint import save_checkpoint, trainable_state_dict
 from posttrain.train.optim import build_optimizer, build_scheduler
+from posttrain.train.resume import resume_newest_intact
 
 
 class _Tok:
@@ -54,13 +55,14 @@ def test_checkpoint_holds_each_trainable_weight_once(
         }
         # LoRA + tied: no frozen 'lm_head.weight' alias; full + tied: the embedding once.
         assert saved == trainable
-        # Perturb the adapter, load: the saved values come back.
+        # Perturb the adapter, resume (the path a stage takes): the saved values come back.
         before = {k: v.full_tensor().clone() for k, v in trainable_state_dict(model).items()}
         with torch.no_grad():
             for p in model.parameters():
                 if p.requires_grad:
                     p.add_(1.0)
-        load_checkpoint(path, model, opt, sched)
+        point = resume_newest_intact(tmp_path, model, opt, sched)
+        assert point.path == path and point.verified
         after = trainable_state_dict(model)
         for k, v in before.items():
             assert torch.equal(after[k].full_tensor(), v), k
@@ -94,6 +96,6 @@ def test_retention_and_incomplete_checkpoints(tmp_path: Path) -> None:
         save_checkpoint(tmp_path, 4, model, opt, sched, keep=2)
         assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_0000003", "step_0000004"]
         assert not (tmp_path / "step_0000004.tmp").exists()
-        assert load_checkpoint(tmp_path / "step_0000004", model, opt, sched)["step"] == 4
+        assert resume_newest_intact(tmp_path, model, opt, sched).meta["step"] == 4
     finally:
         shutdown()

@@ -32,7 +32,8 @@ from posttrain.train.chunked import (
     scoring_head,
     shifted_targets,
 )
-from posttrain.train.losses import sequence_logps, token_nll_sum
+from posttrain.train.losses import token_logps as label_token_logps
+from posttrain.train.losses import token_nll_sum
 from posttrain.train.rl_losses import entropy_from_logits, token_logps
 from posttrain.train.rollout import response_logps
 
@@ -365,7 +366,12 @@ def test_logits_to_keep_and_plain_logits_after(mesh: object) -> None:
     with torch.no_grad():
         chunked, _ = forward_nll_sum(model, batch, 3)
     assert float(nll.detach()) == pytest.approx(float(chunked), rel=1e-6)
-    assert sequence_logps(full, batch["labels"])[0].shape == (3,)
+    logps, mask = label_token_logps(full, batch["labels"])  # [B, T-1] each
+    with torch.no_grad():
+        seq, n = forward_sequence_logps(model, batch, 3)  # [B] each, through the chunked head
+    assert seq.shape == (3,)
+    torch.testing.assert_close(seq, logps.detach().sum(-1), atol=1e-5, rtol=1e-6)
+    assert n.tolist() == mask.sum(-1).tolist()
 
 
 def _rl_inputs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.data.loading import DataError, load_sft_rows
-from posttrain.data.preference import load_preference_rows
+from posttrain.data.preference import read_preference_rows
 from posttrain.data.prompts import read_prompt_rows
 
 
@@ -121,7 +121,8 @@ PREFERENCE_SHAPES = {
 
 @pytest.mark.parametrize("shape", PREFERENCE_SHAPES)
 def test_preference_shapes_read_as_they_are(tmp_path: Path, shape: str) -> None:
-    rows, _ = load_preference_rows(_jsonl(tmp_path / "p.jsonl", [PREFERENCE_SHAPES[shape]]))
+    located, _ = read_preference_rows(_jsonl(tmp_path / "p.jsonl", [PREFERENCE_SHAPES[shape]]))
+    rows = [row for _, row in located]
     prompt = [USER] if shape == "explicit prompt, strings" else [SYS, USER]
     assert rows == [{"prompt": prompt, "chosen": "4", "rejected": "5"}]
 
@@ -130,7 +131,7 @@ def test_implicit_prompt_error_names_file_and_line(tmp_path: Path) -> None:
     bad = {"chosen": [USER, BOT], "rejected": [turn("user", "other"), BOT]}
     path = _jsonl(tmp_path / "p.jsonl", [PREFERENCE_SHAPES["implicit prompt (shared prefix)"], bad])
     with pytest.raises(DataError) as exc:
-        load_preference_rows(path)
+        read_preference_rows(path)
     assert str(exc.value).startswith(f"{path}:2: chosen and rejected must differ only"), exc.value
 
 

@@ -14,7 +14,6 @@ from posttrain.data.preference import (
     check_preference_row,
     encode_pair,
     encode_pairs,
-    load_preference_rows,
     quickstart_preference_rows,
     read_preference_rows,
 )
@@ -115,7 +114,7 @@ def test_every_validation_error_names_file_line_and_reason(tmp_path: Path) -> No
     for i, (problem, (reason, row)) in enumerate(BAD_ROWS.items()):
         f = _write(tmp_path / f"d{i}.jsonl", [good, json.dumps(row)])
         with pytest.raises(PreferenceDataError) as exc:
-            load_preference_rows(f, on_invalid="error")
+            read_preference_rows(f, on_invalid="error")
         msg = str(exc.value)
         assert msg.startswith(f"{f}:2: ") and problem in msg, msg
         assert exc.value.reason == reason and isinstance(exc.value, DataError)
@@ -125,15 +124,14 @@ def test_skip_mode_drops_and_counts_by_reason(tmp_path: Path) -> None:
     empty = {"prompt": "p", "chosen": "", "rejected": "r"}
     same = {"prompt": "p", "chosen": "x", "rejected": "x"}
     f = _write(tmp_path / "d.jsonl", [json.dumps(r) for r in (NORMAL, empty, same, empty, NORMAL)])
-    rows, dropped = load_preference_rows(f, on_invalid="skip")
-    assert rows == [NORMAL, NORMAL]
+    located, dropped = read_preference_rows(f, on_invalid="skip")
+    assert [row for _, row in located] == [NORMAL, NORMAL]
     assert dropped == {"empty_response": 2, "identical": 1}
-    located, _ = read_preference_rows(f, on_invalid="skip")
     assert [w for w, _ in located] == [f"{f}:1", f"{f}:5"]
     with pytest.raises(DataError, match="no valid preference row"):
-        load_preference_rows(_write(tmp_path / "bad.jsonl", [json.dumps(same)]), on_invalid="skip")
+        read_preference_rows(_write(tmp_path / "bad.jsonl", [json.dumps(same)]), on_invalid="skip")
     with pytest.raises(ValueError, match="on_invalid"):
-        load_preference_rows(f, on_invalid="ignore")  # type: ignore[arg-type]
+        read_preference_rows(f, on_invalid="ignore")  # type: ignore[arg-type]
 
 
 def test_file_formats_agree(tmp_path: Path) -> None:
@@ -146,8 +144,12 @@ def test_file_formats_agree(tmp_path: Path) -> None:
     (tmp_path / "d.json").write_text(json.dumps(raw))
     Dataset.from_list(raw).to_parquet(str(tmp_path / "d.parquet"))
     Dataset.from_list(raw).save_to_disk(str(tmp_path / "saved"))
+    # Each format names its rows its own way; the rows themselves agree.
     loaded = [
-        load_preference_rows(tmp_path / n) for n in ("d.jsonl", "d.json", "d.parquet", "saved")
+        ([row for _, row in located], dropped)
+        for located, dropped in (
+            read_preference_rows(tmp_path / n) for n in ("d.jsonl", "d.json", "d.parquet", "saved")
+        )
     ]
     assert all(x == loaded[0] for x in loaded)
     assert loaded[0][0][3] == {"prompt": [USER], "chosen": "3", "rejected": "-3"}
@@ -155,7 +157,7 @@ def test_file_formats_agree(tmp_path: Path) -> None:
     bad = Dataset.from_list([{"prompt": "p", "chosen": "c", "rejected": "c"}])
     bad.save_to_disk(str(tmp_path / "bad"))
     with pytest.raises(DataError, match=f"^{tmp_path / 'bad'} row 0: .*identical"):
-        load_preference_rows(tmp_path / "bad")
+        read_preference_rows(tmp_path / "bad")
 
 
 def _learned(tok, ids: list[int], labels: list[int]) -> str:
@@ -254,6 +256,7 @@ def test_quickstart_rows_are_valid_and_deterministic(tok, tmp_path: Path) -> Non
     assert rows == quickstart_preference_rows(30, 3) and rows != quickstart_preference_rows(30, 4)
     assert sum(r["prompt"][0]["role"] == "system" for r in rows) == 10
     f = _write(tmp_path / "q.jsonl", [json.dumps(r) for r in rows])
-    assert load_preference_rows(f) == (rows, {})
+    located, dropped = read_preference_rows(f)
+    assert [row for _, row in located] == rows and dropped == {}
     enc, stats = encode_pairs(tok, rows, 128, 96)
     assert len(enc) == 30 and stats["no_room"] == 0

@@ -19,9 +19,10 @@ from posttrain.distributed.runtime import all_reduce_sums, init_distributed, shu
 from posttrain.models.lora import apply_lora
 from posttrain.models.sharded_load import build_on_meta, fill_from_checkpoint
 from posttrain.models.tiny import build_model
-from posttrain.train.checkpoint import load_checkpoint, save_checkpoint, trainable_state_dict
+from posttrain.train.checkpoint import save_checkpoint, trainable_state_dict
 from posttrain.train.chunked import forward_nll_sum
 from posttrain.train.optim import build_optimizer, build_scheduler
+from posttrain.train.resume import resume_newest_intact
 
 
 class _Tok:
@@ -116,7 +117,8 @@ def test_checkpoint_loads_across_wrapping(mesh, tmp_path: Path, saved_sharded: b
     dst = place_model(_lora_model(seed=9), mesh, "fp32", shard_single_device=not saved_sharded)
     opt2 = build_optimizer([p for p in dst.parameters() if p.requires_grad], OptimConfig())
     sched2 = build_scheduler(opt2, 10, OptimConfig())
-    assert load_checkpoint(path, dst, opt2, sched2)["step"] == 1
+    point = resume_newest_intact(tmp_path, dst, opt2, sched2)  # what a stage's resume runs
+    assert point.path == path and point.meta["step"] == 1
     got = trainable_state_dict(dst)
     for k, v in want.items():
         assert torch.equal(_full(got[k]), v), k

@@ -288,14 +288,6 @@ def read_unpaired_rows(
     return read_checked_rows(path, check_unpaired_row, on_invalid, "unpaired feedback")
 
 
-def load_preference_rows(
-    path: str | Path | DataSource, on_invalid: OnInvalid = "error"
-) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """Normalised rows and {reason: rows dropped}; see `read_preference_rows`."""
-    located, dropped = read_preference_rows(path, on_invalid)
-    return [row for _, row in located], dropped
-
-
 def _tokenize_side(
     tokenizer: Any, prompt: Messages, reply: str
 ) -> tuple[list[int], int, list[bool]]:

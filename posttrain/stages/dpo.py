@@ -27,10 +27,8 @@ from typing import Any
 import torch
 
 from posttrain.artifacts import canonical_json, fingerprint, verify, write_manifest
-from posttrain.config.loader import section_batch
 from posttrain.data.pref_prepare import guard_template, prepare
-from posttrain.data.segments import batch_rows, layout_stats, pair_tokens
-from posttrain.data.sft_data import write_splits
+from posttrain.data.segments import pair_tokens
 from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, rank_batches
 from posttrain.models.adapters import REFERENCE, active_adapter, policy_with_reference
@@ -38,9 +36,8 @@ from posttrain.models.lora import prepare_for_training
 from posttrain.models.reward import pair_batch
 from posttrain.stages.common import StageContext, stage_main, training_base
 from posttrain.telemetry import heartbeat
-from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.chunked import pair_logps
-from posttrain.train.micro_batches import padding_free, regroup_step
+from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
 from posttrain.train.preference_losses import (
     REFERENCE_FREE,
     implicit_rewards,
@@ -48,7 +45,6 @@ from posttrain.train.preference_losses import (
     nll_term,
     preference_loss,
 )
-from posttrain.train.session import planned_steps, save_adapter, start_session
 
 log = logging.getLogger("posttrain.dpo")
 REF_CACHE_VERSION = "1"
@@ -197,188 +193,53 @@ def heldout_preferences(
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.section
-    d = ctx.dist
-    device, rank, world = d.device, d.rank, d.world_size
-    seed = ctx.recipe.run.seed
-    chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
-
     base, tok, weights = training_base(ctx)
     parent_sha = ctx.role_manifest("policy")["summary"].get("chat_template_sha256")
     template_sha = guard_template(tok, parent_sha, ctx.name, cfg, ctx.roles["policy"])
-    data = prepare(cfg.data, tok, seed)
-    if ctx.is_main:
-        write_splits(ctx.out_dir, data.train_rows, data.eval_rows)
-    batch = section_batch(ctx.recipe, ctx.name)
-    total_steps = planned_steps(cfg.max_steps, cfg.epochs, len(data.train), batch)
+    data = prepare(cfg.data, tok, ctx.recipe.run.seed)
+    batch, total_steps = plan_steps(ctx, data, len(data.train))
     hp = {"beta": cfg.beta, "label_smoothing": cfg.label_smoothing, "gamma": cfg.simpo_gamma}
     loss_fn = preference_loss(cfg.loss, **{k: hp[k] for k in loss_hyperparameters(cfg.loss)})
-    needs_ref = cfg.loss not in REFERENCE_FREE
 
     prepare_for_training(base, cfg.activation_checkpointing)
     policy_dir, reference_dir = ctx.adapter_dir("policy"), ctx.adapter_dir("reference")
     assert policy_dir is not None and reference_dir is not None  # the graph checks both
     model = policy_with_reference(base, policy_dir, reference_dir)
-    tr = start_session(
-        ctx,
-        model,
-        cfg.optim,
-        batch,
-        total_steps,
-        weights=weights,
-        train_examples=len(data.train),
-        eval_examples=len(data.eval),
-        loss_type=cfg.loss,
-        **data.stats,
-    )
-    model = tr.model
-    flat = padding_free(cfg.batch, model)
-    eval_bs = batch.micro_batch_size
 
-    ref_table, ref_cache = None, "off"
-    precompute = cfg.precompute_reference
-    if precompute is None:  # auto: when each pair's reference would be computed again
-        precompute = total_steps * batch.global_batch_size > len(data.train)
-    if needs_ref and precompute:
-        key = ref_cache_key(
-            ctx.role_ref("reference").fingerprint,
-            data.train,
-            template_sha,
-            cfg.data.max_seq_len,
-            cfg.data.max_prompt_len,
-        )
-        ref_table, ref_cache = cached_reference(
-            ctx, model, data.train, key, tok.pad_token_id, eval_bs, flat
-        )
-        log.info("reference log-probs: cache %s (%s)", ref_cache, key)
-
-    def heldout() -> dict[str, float]:
+    def heldout(loop: Training) -> dict[str, float]:
         return heldout_preferences(
-            model,
+            loop.model,
             data.eval,
             loss_fn,
             tok.pad_token_id,
-            eval_bs,
-            device,
-            rank,
-            world,
-            chunk_tokens,
+            loop.eval_batch_size,
+            loop.device,
+            loop.rank,
+            loop.world,
+            loop.chunk_tokens,
             loss=cfg.loss,
             beta=cfg.beta,
         )
 
-    first = None
-    if tr.start_step == 0:
-        first = heldout()
-        tr.metrics.write("eval", step=0, **{f"eval_{k}": v for k, v in first.items()})
+    draw = Draw(data.train, pair_tokens, pair_batch, tok.pad_token_id)
+    loop = open_training(
+        ctx, model, weights, batch, total_steps, data, draw, heldout, loss_type=cfg.loss
+    )
+    ref_table, ref_cache = training_reference(ctx, loop, template_sha)
+    first = loop.heldout_at_start()
+    if first is not None:
         log.info(
             "held-out preference accuracy at step 0 (policy = reference): %.3f", first["accuracy"]
         )
-
-    for step in range(tr.start_step, total_steps):
-        t0 = time.perf_counter()
-        idx = regroup_step(
-            tr.step_rows(len(data.train), step, batch, seed),
-            lambda i: pair_tokens(data.train[i]),
-            cfg.batch,
-            device,
-        )
-        micro = [
-            (
-                ix,
-                {
-                    k: v.to(device)
-                    for k, v in pair_batch(
-                        [data.train[i] for i in ix], tok.pad_token_id, flat
-                    ).items()
-                },
-            )
-            for ix in idx
-        ]
-        # Counted on the host: reading a device tensor would wait for the last update.
-        local_tokens = sum(pair_tokens(data.train[i]) for ix, _ in micro for i in ix)
-        t_data = time.perf_counter() - t0
-        t_ref = 0.0
-        sums = dict.fromkeys(
-            (
-                "loss",
-                "correct",
-                "margin",
-                "chosen_reward",
-                "rejected_reward",
-                "policy_chosen_logps",
-                "policy_rejected_logps",
-                "ref_chosen_logps",
-                "ref_rejected_logps",
-            ),
-            0.0,
-        )
-        for k, (ix, mb) in enumerate(micro):
-            grad_sync(model, k == len(micro) - 1)
-            if not needs_ref:
-                rc = rr = torch.zeros(len(ix), device=device)
-            elif ref_table is not None:
-                rc, rr = ref_table[ix, 0].float(), ref_table[ix, 1].float()
-            else:
-                t_r = time.perf_counter()
-                with torch.no_grad(), active_adapter(model, REFERENCE):
-                    rc, rr, _, _ = pair_logps(model, mb, chunk_tokens)
-                t_ref += time.perf_counter() - t_r
-            pc, pr, lc, lr_ = pair_logps(model, mb, chunk_tokens)
-            losses, cr, rj = loss_fn(pc, pr, rc, rr, lc, lr_)  # [micro] each
-            loss = losses.sum() * world / batch.global_batch_size
-            if cfg.sft_weight:
-                loss = (
-                    loss
-                    + cfg.sft_weight * nll_term(pc, lc) * len(ix) * world / batch.global_batch_size
-                )
-            tr.backward(loss)
-            for name, v in (
-                ("loss", losses),
-                ("correct", (cr > rj).float()),
-                ("margin", cr - rj),
-                ("chosen_reward", cr),
-                ("rejected_reward", rj),
-                ("policy_chosen_logps", pc),
-                ("policy_rejected_logps", pr),
-                ("ref_chosen_logps", rc),
-                ("ref_rejected_logps", rr),
-            ):
-                sums[name] += v.detach().sum()  # read once per step
-        g = {k: v / batch.global_batch_size for k, v in all_reduce_sums(sums, device).items()}
-        # The preference loss judges the step; a non-finite SFT term shows in the gradient norm.
-        loss = g.pop("loss")
-        tr.finish_step(
-            step + 1,
-            cfg,
-            loss=loss,
-            local_tokens=local_tokens,
-            n_seqs=sum(batch_rows(mb) for _, mb in micro),
-            **layout_stats([mb for _, mb in micro], local_tokens),
-            t_start=t0,
-            t_data=t_data,
-            accuracy=g.pop("correct"),
-            reference_s=t_ref,
-            **g,
-        )
-
-    final = heldout()
-    tr.metrics.write("eval", step=total_steps, **{f"eval_{k}": v for k, v in final.items()})
+    for step in loop.steps():
+        sb = loop.step_batch(step)
+        loss, metrics = dpo_step(loop, sb, loss_fn, ref_table)
+        loop.finish_step(step, sb, loss=loss, **metrics)
+    final = loop.heldout_at_end()
     log.info("held-out preference accuracy %.3f, margin %.3f", final["accuracy"], final["margin"])
-    save_adapter(model, ctx, selected_adapters=["default"])
-    tr.metrics.write("end", step=total_steps, **memory_snapshot(device))
-    tr.metrics.close()
-    if ctx.is_main:
-        (ctx.out_dir / "reference.json").write_text(
-            json.dumps(
-                {
-                    "reference": f"{ctx.roles['reference']} adapter",
-                    "reference_fingerprint": ctx.role_ref("reference").fingerprint,
-                    "precomputed": ref_cache,
-                },
-                indent=2,
-            )
-        )
-    return tr.summary(
+    loop.close(selected_adapters=["default"])
+    write_reference_record(ctx, ref_cache)
+    return loop.tr.summary(
         ctx,
         loss_type=cfg.loss,
         beta=cfg.beta,
@@ -387,7 +248,121 @@ def run(ctx: StageContext) -> dict[str, Any]:
         reference_cache=ref_cache,
         chat_template_sha256=template_sha,
         **data.stats,
-        headline=tr.headline(eval_pref_accuracy=final["accuracy"], eval_margin=final["margin"]),
+        headline=loop.tr.headline(
+            eval_pref_accuracy=final["accuracy"], eval_margin=final["margin"]
+        ),
+    )
+
+
+def training_reference(
+    ctx: StageContext, loop: Training, template_sha: str
+) -> tuple[torch.Tensor | None, str]:
+    """([N, 2] reference log-probs of every training pair, "hit" | "miss") when
+    `precompute_reference` says they are computed once (auto: when a pair's reference would
+    otherwise run again in a later step), from the workspace cache; (None, "off") when the
+    reference runs online each step, or not at all (a reference-free loss)."""
+    cfg = ctx.section
+    precompute = cfg.precompute_reference
+    if precompute is None:  # auto: when each pair's reference would be computed again
+        precompute = loop.tr.total_steps * loop.batch.global_batch_size > len(loop.draw.rows)
+    if cfg.loss in REFERENCE_FREE or not precompute:
+        return None, "off"
+    key = ref_cache_key(
+        ctx.role_ref("reference").fingerprint,
+        loop.draw.rows,
+        template_sha,
+        cfg.data.max_seq_len,
+        cfg.data.max_prompt_len,
+    )
+    table, cache = cached_reference(
+        ctx,
+        loop.model,
+        loop.draw.rows,
+        key,
+        loop.draw.pad_id,
+        loop.eval_batch_size,
+        loop.flat,
+    )
+    log.info("reference log-probs: cache %s (%s)", cache, key)
+    return table, cache
+
+
+# What a step sums over its pairs, in the order the metrics record lists them.
+STEP_SUMS = (
+    "loss",
+    "correct",
+    "margin",
+    "chosen_reward",
+    "rejected_reward",
+    "policy_chosen_logps",
+    "policy_rejected_logps",
+    "ref_chosen_logps",
+    "ref_rejected_logps",
+)
+
+
+def dpo_step(
+    loop: Training, sb: StepBatch, loss_fn: Any, ref_table: torch.Tensor | None
+) -> tuple[float, dict[str, float]]:
+    """One step's forwards and backwards. Per micro-batch of pairs: the reference log-probs
+    (zeros for a reference-free loss, from `ref_table` when precomputed, else a no-grad forward
+    under the reference adapter), the policy forward (chosen and rejected rows together), the
+    pair losses, and sum(pair losses) * world / global_pairs (+ `sft_weight` x the chosen NLL,
+    weighted the same) backpropagated. Returns the step's mean preference loss over all ranks
+    and its mean accuracy, margins, rewards and log-probs, with the reference's time."""
+    cfg, model, device = loop.section, loop.model, loop.device
+    n_pairs, world = loop.batch.global_batch_size, loop.world
+    sums = dict.fromkeys(STEP_SUMS, 0.0)
+    t_ref = 0.0
+    for k, (ix, mb) in enumerate(zip(sb.rows, sb.micro, strict=True)):
+        grad_sync(model, k == len(sb.micro) - 1)
+        if cfg.loss in REFERENCE_FREE:
+            rc = rr = torch.zeros(len(ix), device=device)
+        elif ref_table is not None:
+            rc, rr = ref_table[ix, 0].float(), ref_table[ix, 1].float()
+        else:
+            t_r = time.perf_counter()
+            with torch.no_grad(), active_adapter(model, REFERENCE):
+                rc, rr, _, _ = pair_logps(model, mb, loop.chunk_tokens)
+            t_ref += time.perf_counter() - t_r
+        pc, pr, lc, lr_ = pair_logps(model, mb, loop.chunk_tokens)
+        losses, cr, rj = loss_fn(pc, pr, rc, rr, lc, lr_)  # [micro] each
+        loss = losses.sum() * world / n_pairs
+        if cfg.sft_weight:
+            loss = loss + cfg.sft_weight * nll_term(pc, lc) * len(ix) * world / n_pairs
+        loop.tr.backward(loss)
+        for name, v in (
+            ("loss", losses),
+            ("correct", (cr > rj).float()),
+            ("margin", cr - rj),
+            ("chosen_reward", cr),
+            ("rejected_reward", rj),
+            ("policy_chosen_logps", pc),
+            ("policy_rejected_logps", pr),
+            ("ref_chosen_logps", rc),
+            ("ref_rejected_logps", rr),
+        ):
+            sums[name] += v.detach().sum()  # read once per step
+    g = {k: v / n_pairs for k, v in all_reduce_sums(sums, device).items()}
+    # The preference loss judges the step; a non-finite SFT term shows in the gradient norm.
+    loss = g.pop("loss")
+    return loss, {"accuracy": g.pop("correct"), "reference_s": t_ref, **g}
+
+
+def write_reference_record(ctx: StageContext, ref_cache: str) -> None:
+    """reference.json (rank 0): which adapter was the reference, its fingerprint, and whether
+    its log-probs were precomputed ("hit" | "miss" of the cache, or "off")."""
+    if not ctx.is_main:
+        return
+    (ctx.out_dir / "reference.json").write_text(
+        json.dumps(
+            {
+                "reference": f"{ctx.roles['reference']} adapter",
+                "reference_fingerprint": ctx.role_ref("reference").fingerprint,
+                "precomputed": ref_cache,
+            },
+            indent=2,
+        )
     )
 
 

@@ -28,11 +28,8 @@ from typing import Any
 
 import torch
 
-from posttrain.config.loader import section_batch
 from posttrain.data.batching import collate, step_indices
 from posttrain.data.pref_prepare import guard_template, prepare_unpaired
-from posttrain.data.segments import batch_rows, layout_stats
-from posttrain.data.sft_data import write_splits
 from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import (
     all_reduce_sums,
@@ -43,16 +40,15 @@ from posttrain.models.adapters import REFERENCE, active_adapter, policy_with_ref
 from posttrain.models.lora import prepare_for_training
 from posttrain.stages.common import StageContext, stage_main, training_base
 from posttrain.telemetry import heartbeat
-from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.chunked import forward_sequence_logps
-from posttrain.train.micro_batches import padding_free, regroup_step
+from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps, to_device
+from posttrain.train.micro_batches import regroup_step
 from posttrain.train.preference_losses import (
     kto_kl_estimate,
     kto_loss,
     kto_summary,
     kto_weight_balance,
 )
-from posttrain.train.session import planned_steps, save_adapter, start_session
 
 log = logging.getLogger("posttrain.kto")
 # The paper's recommended range of desirable_weight * n_D / (undesirable_weight * n_U).
@@ -159,8 +155,8 @@ def heldout_kto(
         kl_batch = completion_batch(
             [mismatched(rows[i], rows[(i + 1) % n], max_len) for i in ix], pad_id
         )
-        cols = [*both_logps(model, _to(batch, device), chunk_tokens)]
-        cols += both_logps(model, _to(kl_batch, device), chunk_tokens)
+        cols = [*both_logps(model, to_device(batch, device), chunk_tokens)]
+        cols += both_logps(model, to_device(kl_batch, device), chunk_tokens)
         if idx:
             table[idx] = torch.stack(cols, dim=1).double().cpu()
     model.train()
@@ -189,10 +185,6 @@ def pair_accuracy(rows: list[dict[str, Any]], logratios: torch.Tensor) -> tuple[
     return score / len(full), len(full)
 
 
-def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device) for k, v in batch.items()}
-
-
 def warn_balance(stats: dict[str, int], desirable_weight: float, undesirable_weight: float) -> None:
     """Log a warning when lambda_D * n_D / (lambda_U * n_U) leaves the paper's [1, 4/3]."""
     ratio = kto_weight_balance(
@@ -214,28 +206,19 @@ def warn_balance(stats: dict[str, int], desirable_weight: float, undesirable_wei
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.section
-    d = ctx.dist
-    device, rank, world = d.device, d.rank, d.world_size
-    seed = ctx.recipe.run.seed
-    chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
-    max_len = cfg.data.max_seq_len
     start = starting_adapter(ctx)
-
     base, tok, weights = training_base(ctx)
     template_sha = guard_template(
         tok, start.chat_template_sha256, ctx.name, cfg, ctx.roles["policy"]
     )
-    data = prepare_unpaired(cfg.data, tok, seed)
-    if ctx.is_main:
-        write_splits(ctx.out_dir, data.train_rows, data.eval_rows)
-    batch = section_batch(ctx.recipe, ctx.name)
+    data = prepare_unpaired(cfg.data, tok, ctx.recipe.run.seed)
+    batch, total_steps = plan_steps(ctx, data, len(data.train))
     if batch.global_batch_size < 2:
         raise ValueError(
             f"{ctx.name}.batch: the KL reference point needs mismatched rows within a step; "
             "set a global batch of at least 2"
         )
     warn_balance(data.stats, cfg.desirable_weight, cfg.undesirable_weight)
-    total_steps = planned_steps(cfg.max_steps, cfg.epochs, len(data.train), batch)
     hp = {
         "beta": cfg.beta,
         "desirable_weight": cfg.desirable_weight,
@@ -244,142 +227,38 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     prepare_for_training(base, cfg.activation_checkpointing)
     model = policy_with_reference(base, start.adapter, start.reference)
-    tr = start_session(
-        ctx,
-        model,
-        cfg.optim,
-        batch,
-        total_steps,
-        weights=weights,
-        train_examples=len(data.train),
-        eval_examples=len(data.eval),
-        **data.stats,
-    )
-    model = tr.model
-    flat = padding_free(cfg.batch, model)
-    pad_id, eval_bs = tok.pad_token_id, batch.micro_batch_size
 
-    def heldout() -> dict[str, float]:
+    def heldout(loop: Training) -> dict[str, float] | None:
+        if not data.eval:  # no held-out rows: no figures
+            return None
         return heldout_kto(
-            model, data.eval, hp, pad_id, max_len, eval_bs, device, rank, world, chunk_tokens
+            loop.model,
+            data.eval,
+            hp,
+            tok.pad_token_id,
+            cfg.data.max_seq_len,
+            loop.eval_batch_size,
+            loop.device,
+            loop.rank,
+            loop.world,
+            loop.chunk_tokens,
         )
 
-    first = None
-    if tr.start_step == 0 and data.eval:
-        first = heldout()
-        tr.metrics.write("eval", step=0, **{f"eval_{k}": v for k, v in first.items()})
+    draw = Draw(data.train, completion_tokens, completion_batch, tok.pad_token_id)
+    loop = open_training(ctx, model, weights, batch, total_steps, data, draw, heldout)
+    first = loop.heldout_at_start()
+    if first is not None:
         log.info("held-out at step 0 (policy = reference): %s", first)
-
-    def reduce(t: torch.Tensor) -> torch.Tensor:
-        return all_reduce_tensor(t, device).to(device)
-
-    for step in range(tr.start_step, total_steps):
-        t0 = time.perf_counter()
-        own = tr.step_rows(len(data.train), step, batch, seed)
-        partners = partner_rows(
-            len(data.train),
-            step,
-            batch.micro_batch_size,
-            batch.grad_accum_steps,
-            rank,
-            world,
-            seed,
-        )
-        # (row, partner) of each of this rank's rows, then micro-batches of positions in that
-        # list: with batch.by_tokens the rows regroup and keep their partners.
-        slots = [
-            (i, j)
-            for ix, js in zip(own, partners, strict=True)
-            for i, j in zip(ix, js, strict=True)
-        ]
-        width = len(own[0])
-        groups = regroup_step(
-            [list(range(k * width, (k + 1) * width)) for k in range(len(own))],
-            lambda p, slots=slots: len(data.train[slots[p][0]]["ids"]),
-            cfg.batch,
-            device,
-        )
-        idx = [[slots[p][0] for p in g] for g in groups]
-        rows = [[data.train[i] for i in ix] for ix in idx]
-        micro = [_to(completion_batch(rs, pad_id, flat), device) for rs in rows]
-        kl_micro = [
-            _to(
-                completion_batch(
-                    [
-                        mismatched(data.train[slots[p][0]], data.train[slots[p][1]], max_len)
-                        for p in g
-                    ],
-                    pad_id,
-                    flat,
-                ),
-                device,
-            )
-            for g in groups
-        ]
-        # Counted on the host: reading a device tensor would wait for the last update.
-        local_tokens = sum(len(r["ids"]) for rs in rows for r in rs)
-        t_data = time.perf_counter() - t0
-
-        t_kl = time.perf_counter()
-        kl_logps = [both_logps(model, kb, chunk_tokens) for kb in kl_micro]
-        z0 = kto_kl_estimate(
-            torch.cat([p for p, _ in kl_logps]), torch.cat([r for _, r in kl_logps]), reduce
-        )
-        t_kl = time.perf_counter() - t_kl
-
-        sums = dict.fromkeys(
-            ("loss", "reward_desirable", "reward_undesirable", "n_desirable", "n_undesirable"), 0.0
-        )
-        t_ref = 0.0
-        for k, (rs, mb) in enumerate(zip(rows, micro, strict=True)):
-            grad_sync(model, k == len(micro) - 1)
-            t_r = time.perf_counter()
-            with torch.no_grad(), active_adapter(model, REFERENCE):
-                ref = _logps(model, mb, chunk_tokens)
-            t_ref += time.perf_counter() - t_r
-            policy = _logps(model, mb, chunk_tokens)
-            desirable = torch.tensor([r["desirable"] for r in rs], device=device)
-            losses, m = kto_loss(policy, ref, desirable, z0, **hp)  # [micro]
-            tr.backward(losses.sum() * world / batch.global_batch_size)
-            # Summed on the device and read once per step (`all_reduce_sums`).
-            sums["loss"] += losses.detach().sum()
-            for key in ("reward_desirable", "reward_undesirable", "n_desirable", "n_undesirable"):
-                sums[key] += m[key].detach()
-        g = all_reduce_sums(sums, device)
-        g["loss"] /= batch.global_batch_size
-        tr.finish_step(
-            step + 1,
-            cfg,
-            loss=g["loss"],
-            local_tokens=local_tokens,
-            n_seqs=sum(batch_rows(mb) for mb in micro),
-            **layout_stats(micro, local_tokens),
-            t_start=t0,
-            t_data=t_data,
-            reference_s=t_ref,
-            kl_s=t_kl,
-            **kto_summary({**g, "kl": float(z0)}),
-        )
-
-    final = heldout() if data.eval else None
+    for step in loop.steps():
+        sb, kl_micro = kto_step_batch(loop, step, cfg.data.max_seq_len)
+        loss, metrics = kto_step(loop, sb, kl_micro, hp)
+        loop.finish_step(step, sb, loss=loss, **metrics)
+    final = loop.heldout_at_end()
     if final is not None:
-        tr.metrics.write("eval", step=total_steps, **{f"eval_{k}": v for k, v in final.items()})
         log.info("held-out at the end: %s", final)
-    save_adapter(model, ctx, selected_adapters=["default"])
-    tr.metrics.write("end", step=total_steps, **memory_snapshot(device))
-    tr.metrics.close()
-    if ctx.is_main:
-        (ctx.out_dir / "reference.json").write_text(
-            json.dumps(
-                {"reference": str(start.reference), "fingerprint": start.fingerprint}, indent=2
-            )
-        )
-    head = {}
-    if final is not None:
-        head = {"eval_margin": final["margin"], "eval_kl": final["kl"]}
-        if "pair_accuracy" in final:
-            head["eval_pair_accuracy"] = final["pair_accuracy"]
-    return tr.summary(
+    loop.close(selected_adapters=["default"])
+    write_reference_record(ctx, start)
+    return loop.tr.summary(
         ctx,
         beta=cfg.beta,
         desirable_weight=cfg.desirable_weight,
@@ -388,8 +267,123 @@ def run(ctx: StageContext) -> dict[str, Any]:
         eval_final=final,
         chat_template_sha256=template_sha,
         **data.stats,
-        headline=tr.headline(**head),
+        headline=loop.tr.headline(**kto_headline(final)),
     )
+
+
+def completion_tokens(row: dict[str, Any]) -> int:
+    """Tokens one encoded completion (prompt included) costs in a forward."""
+    return len(row["ids"])
+
+
+def kto_step_batch(
+    loop: Training, step: int, max_len: int
+) -> tuple[StepBatch, list[dict[str, Any]]]:
+    """This rank's rows of step `step` in micro-batches, and beside each micro-batch the
+    mismatched sequences of its rows (each row's prompt with its partner's completion,
+    `partner_rows`) for z0, on the device. With batch.by_tokens the rows regroup and keep their
+    partners: the regrouping runs over positions in this rank's (row, partner) list."""
+    t_start = time.perf_counter()
+    rows, batch, seed = loop.draw.rows, loop.batch, loop.ctx.recipe.run.seed
+    own = loop.tr.step_rows(len(rows), step, batch, seed)
+    partners = partner_rows(
+        len(rows),
+        step,
+        batch.micro_batch_size,
+        batch.grad_accum_steps,
+        loop.rank,
+        loop.world,
+        seed,
+    )
+    slots = [
+        (i, j) for ix, js in zip(own, partners, strict=True) for i, j in zip(ix, js, strict=True)
+    ]
+    width = len(own[0])
+    groups = regroup_step(
+        [list(range(k * width, (k + 1) * width)) for k in range(len(own))],
+        lambda p: completion_tokens(rows[slots[p][0]]),
+        loop.section.batch,
+        loop.device,
+    )
+    kl_micro = [
+        to_device(
+            completion_batch(
+                [mismatched(rows[slots[p][0]], rows[slots[p][1]], max_len) for p in g],
+                loop.draw.pad_id,
+                loop.flat,
+            ),
+            loop.device,
+        )
+        for g in groups
+    ]
+    return loop.lay_out(t_start, [[slots[p][0] for p in g] for g in groups]), kl_micro
+
+
+def kto_step(
+    loop: Training, sb: StepBatch, kl_micro: list[dict[str, Any]], hp: dict[str, float]
+) -> tuple[float, dict[str, float]]:
+    """One step's forwards and backwards. First z0 over the whole global batch (no-grad policy
+    and reference forwards of every mismatched micro-batch, summed over ranks), so every rank
+    uses the same z0; then per micro-batch the reference (no grad) and policy log-probs, the
+    row losses `kto_loss`, and sum(row losses) * world / global_rows backpropagated. Returns the
+    step's mean loss over all ranks and its rewards, margin, counts and z0, with timings."""
+    model, device, chunk = loop.model, loop.device, loop.chunk_tokens
+    n_rows = loop.batch.global_batch_size
+    t_kl = time.perf_counter()
+    kl_logps = [both_logps(model, kb, chunk) for kb in kl_micro]
+    z0 = kto_kl_estimate(
+        torch.cat([p for p, _ in kl_logps]),
+        torch.cat([r for _, r in kl_logps]),
+        lambda t: all_reduce_tensor(t, device).to(device),
+    )
+    t_kl = time.perf_counter() - t_kl
+
+    sums = dict.fromkeys(
+        ("loss", "reward_desirable", "reward_undesirable", "n_desirable", "n_undesirable"), 0.0
+    )
+    t_ref = 0.0
+    for k, (ix, mb) in enumerate(zip(sb.rows, sb.micro, strict=True)):
+        grad_sync(model, k == len(sb.micro) - 1)
+        t_r = time.perf_counter()
+        with torch.no_grad(), active_adapter(model, REFERENCE):
+            ref = _logps(model, mb, chunk)
+        t_ref += time.perf_counter() - t_r
+        policy = _logps(model, mb, chunk)
+        desirable = torch.tensor([loop.draw.rows[i]["desirable"] for i in ix], device=device)
+        losses, m = kto_loss(policy, ref, desirable, z0, **hp)  # [micro]
+        loop.tr.backward(losses.sum() * loop.world / n_rows)
+        # Summed on the device and read once per step (`all_reduce_sums`).
+        sums["loss"] += losses.detach().sum()
+        for key in ("reward_desirable", "reward_undesirable", "n_desirable", "n_undesirable"):
+            sums[key] += m[key].detach()
+    g = all_reduce_sums(sums, device)
+    g["loss"] /= n_rows
+    return g["loss"], {
+        "reference_s": t_ref,
+        "kl_s": t_kl,
+        **kto_summary({**g, "kl": float(z0)}),
+    }
+
+
+def kto_headline(final: dict[str, float] | None) -> dict[str, float]:
+    """The stage's own headline figures: held-out margin, z0 and (rows from pairs) pair
+    accuracy; none without held-out rows."""
+    if final is None:
+        return {}
+    head = {"eval_margin": final["margin"], "eval_kl": final["kl"]}
+    if "pair_accuracy" in final:
+        head["eval_pair_accuracy"] = final["pair_accuracy"]
+    return head
+
+
+def write_reference_record(ctx: StageContext, start: StartingPoint) -> None:
+    """reference.json (rank 0): the frozen reference adapter and its fingerprint."""
+    if ctx.is_main:
+        (ctx.out_dir / "reference.json").write_text(
+            json.dumps(
+                {"reference": str(start.reference), "fingerprint": start.fingerprint}, indent=2
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -17,16 +17,13 @@ Algorithm choices:
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from posttrain.config.loader import section_batch
 from posttrain.data.pref_prepare import guard_template, prepare
-from posttrain.data.segments import batch_rows, layout_stats, pair_tokens
-from posttrain.data.sft_data import write_splits
+from posttrain.data.segments import pair_tokens
 from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, rank_batches
 from posttrain.kinds.orpo import ORPOConfig
@@ -35,11 +32,9 @@ from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.models.reward import pair_batch
 from posttrain.stages.common import StageContext, stage_main, training_base
 from posttrain.telemetry import heartbeat
-from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.chunked import pair_logps
-from posttrain.train.micro_batches import padding_free, regroup_step
+from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
 from posttrain.train.preference_losses import orpo_loss
-from posttrain.train.session import planned_steps, save_adapter, start_session
 
 log = logging.getLogger("posttrain.orpo")
 
@@ -94,116 +89,77 @@ def heldout_orpo(
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = _section(ctx)
-    d = ctx.dist
-    device, rank, world = d.device, d.rank, d.world_size
-    seed = ctx.recipe.run.seed
-    chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
-
     base, tok, weights = training_base(ctx)
     adapter = start_adapter(ctx)
     # The policy it starts from recorded the template it learnt (from the base: ingest's).
     recorded = ctx.role_manifest("policy")["summary"].get("chat_template_sha256")
     template_sha = guard_template(tok, recorded, ctx.name, cfg, ctx.roles["policy"])
-    data = prepare(cfg.data, tok, seed)
-    if ctx.is_main:
-        write_splits(ctx.out_dir, data.train_rows, data.eval_rows)
-    batch = section_batch(ctx.recipe, ctx.name)
-    total_steps = planned_steps(cfg.max_steps, cfg.epochs, len(data.train), batch)
+    data = prepare(cfg.data, tok, ctx.recipe.run.seed)
+    batch, total_steps = plan_steps(ctx, data, len(data.train))
 
     prepare_for_training(base, cfg.activation_checkpointing)
     model = trainable_adapter(base, adapter) if adapter else apply_lora(base, cfg.lora)
-    tr = start_session(
-        ctx,
-        model,
-        cfg.optim,
-        batch,
-        total_steps,
-        weights=weights,
-        train_examples=len(data.train),
-        eval_examples=len(data.eval),
-        start=f"{ctx.roles['policy']} adapter" if adapter else "fresh lora",
-        **data.stats,
-    )
-    model = tr.model
-    flat = padding_free(cfg.batch, model)
-    pad, eval_bs = tok.pad_token_id, batch.micro_batch_size
+    start = f"{ctx.roles['policy']} adapter" if adapter else "fresh lora"
 
-    first = None
-    if tr.start_step == 0:
-        first = heldout_orpo(
-            model, data.eval, cfg.beta, pad, eval_bs, device, rank, world, chunk_tokens
+    def heldout(loop: Training) -> dict[str, float]:
+        return heldout_orpo(
+            loop.model,
+            data.eval,
+            cfg.beta,
+            tok.pad_token_id,
+            loop.eval_batch_size,
+            loop.device,
+            loop.rank,
+            loop.world,
+            loop.chunk_tokens,
         )
-        tr.metrics.write("eval", step=0, **{f"eval_{k}": v for k, v in first.items()})
+
+    draw = Draw(data.train, pair_tokens, pair_batch, tok.pad_token_id)
+    loop = open_training(ctx, model, weights, batch, total_steps, data, draw, heldout, start=start)
+    first = loop.heldout_at_start()
+    if first is not None:
         log.info("held-out pair accuracy at step 0: %.3f", first["accuracy"])
-
-    for step in range(tr.start_step, total_steps):
-        t0 = time.perf_counter()
-        micro = [
-            (
-                ix,
-                {
-                    k: v.to(device)
-                    for k, v in pair_batch([data.train[i] for i in ix], pad, flat).items()
-                },
-            )
-            for ix in regroup_step(
-                tr.step_rows(len(data.train), step, batch, seed),
-                lambda i: pair_tokens(data.train[i]),
-                cfg.batch,
-                device,
-            )
-        ]
-        # Counted on the host: reading a device tensor would wait for the last update.
-        local_tokens = sum(pair_tokens(data.train[i]) for ix, _ in micro for i in ix)
-        t_data = time.perf_counter() - t0
-        sums: dict[str, torch.Tensor] = {}  # summed on the device, read once per step
-        for k, (_, mb) in enumerate(micro):
-            grad_sync(model, k == len(micro) - 1)
-            pc, pr, lc, lr_ = pair_logps(model, mb, chunk_tokens)  # [micro] each
-            losses, m = orpo_loss(pc, pr, lc, lr_, beta=cfg.beta)
-            tr.backward(losses.sum() * world / batch.global_batch_size)
-            m |= {"loss": losses, "policy_chosen_logps": pc, "policy_rejected_logps": pr}
-            for name, v in m.items():
-                sums[name] = sums.get(name, 0.0) + v.detach().sum()
-        g = {
-            k: v / batch.global_batch_size for k, v in sorted(all_reduce_sums(sums, device).items())
-        }
-        loss = g.pop("loss")
-        tr.finish_step(
-            step + 1,
-            cfg,
-            loss=loss,
-            local_tokens=local_tokens,
-            n_seqs=sum(batch_rows(mb) for _, mb in micro),
-            **layout_stats([mb for _, mb in micro], local_tokens),
-            t_start=t0,
-            t_data=t_data,
-            accuracy=g.pop("correct"),
-            **g,
-        )
-
-    final = heldout_orpo(
-        model, data.eval, cfg.beta, pad, eval_bs, device, rank, world, chunk_tokens
-    )
-    tr.metrics.write("eval", step=total_steps, **{f"eval_{k}": v for k, v in final.items()})
+    for step in loop.steps():
+        sb = loop.step_batch(step)
+        loss, metrics = orpo_step(loop, sb, cfg.beta)
+        loop.finish_step(step, sb, loss=loss, **metrics)
+    final = loop.heldout_at_end()
     log.info("held-out pair accuracy %.3f, margin %.4f", final["accuracy"], final["margin"])
-    save_adapter(model, ctx)
-    tr.metrics.write("end", step=total_steps, **memory_snapshot(device))
-    tr.metrics.close()
-    return tr.summary(
+    loop.close()
+    return loop.tr.summary(
         ctx,
         beta=cfg.beta,
-        start=f"{ctx.roles['policy']} adapter" if adapter else "fresh lora",
+        start=start,
         eval_start=first,
         eval_final=final,
         chat_template_sha256=template_sha,
         **data.stats,
-        headline=tr.headline(
+        headline=loop.tr.headline(
             eval_pref_accuracy=final["accuracy"],
             eval_margin=final["margin"],
             eval_nll=final["nll"],
         ),
     )
+
+
+def orpo_step(loop: Training, sb: StepBatch, beta: float) -> tuple[float, dict[str, float]]:
+    """One step's forwards and backwards: one policy forward per micro-batch of pairs (chosen
+    and rejected rows together), `orpo_loss` per pair, sum(pair losses) * world / global_pairs
+    backpropagated. Returns the step's mean loss over all ranks and its mean accuracy, margin,
+    NLL, log-odds ratio and policy log-probs (in name order)."""
+    n_pairs = loop.batch.global_batch_size
+    sums: dict[str, torch.Tensor] = {}  # summed on the device, read once per step
+    for k, mb in enumerate(sb.micro):
+        grad_sync(loop.model, k == len(sb.micro) - 1)
+        pc, pr, lc, lr_ = pair_logps(loop.model, mb, loop.chunk_tokens)  # [micro] each
+        losses, m = orpo_loss(pc, pr, lc, lr_, beta=beta)
+        loop.tr.backward(losses.sum() * loop.world / n_pairs)
+        m |= {"loss": losses, "policy_chosen_logps": pc, "policy_rejected_logps": pr}
+        for name, v in m.items():
+            sums[name] = sums.get(name, 0.0) + v.detach().sum()
+    g = {k: v / n_pairs for k, v in sorted(all_reduce_sums(sums, loop.device).items())}
+    loss = g.pop("loss")
+    return loss, {"accuracy": g.pop("correct"), **g}
 
 
 if __name__ == "__main__":

@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from typing import Any
 
 import torch
 
-from posttrain.config.loader import section_batch
 from posttrain.data.pref_prepare import guard_template, prepare
-from posttrain.data.segments import batch_rows, layout_stats, pair_tokens
-from posttrain.data.sft_data import write_splits
+from posttrain.data.segments import pair_tokens
 from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, rank_batches
 from posttrain.models.loading import base_dtype, load_tokenizer
@@ -32,10 +29,8 @@ from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.models.reward import pair_batch, pair_scores, score_model_for_training
 from posttrain.stages.common import StageContext, stage_main
 from posttrain.telemetry import heartbeat
-from posttrain.telemetry.metrics import memory_snapshot
+from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
 from posttrain.train.losses import bradley_terry_loss
-from posttrain.train.micro_batches import padding_free, regroup_step
-from posttrain.train.session import planned_steps, save_adapter, start_session
 
 log = logging.getLogger("posttrain.reward")
 
@@ -90,21 +85,14 @@ def heldout_pairs(
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.section
-    d = ctx.dist
-    device, rank, world = d.device, d.rank, d.world_size
-    seed = ctx.recipe.run.seed
     ingest = ctx.role_manifest("base")["summary"]
-
     tok = load_tokenizer(ctx.role_dir("base") / "tokenizer")
     # The policy it will judge formats its text with the template it recorded (ingest's when
     # the reward model is trained beside the base).
     policy_sha = ctx.role_manifest("policy")["summary"].get("chat_template_sha256")
     template_sha = guard_template(tok, policy_sha, ctx.name, cfg, ctx.roles["policy"])
-    data = prepare(cfg.data, tok, seed)
-    if ctx.is_main:
-        write_splits(ctx.out_dir, data.train_rows, data.eval_rows)
-    batch = section_batch(ctx.recipe, ctx.name)
-    total_steps = planned_steps(cfg.max_steps, cfg.epochs, len(data.train), batch)
+    data = prepare(cfg.data, tok, ctx.recipe.run.seed)
+    batch, total_steps = plan_steps(ctx, data, len(data.train))
 
     model, weights = score_model_for_training(
         ingest["model_dir"],
@@ -115,106 +103,88 @@ def run(ctx: StageContext) -> dict[str, Any]:
     )
     prepare_for_training(model, cfg.activation_checkpointing)
     model = apply_lora(model, cfg.lora, task_type="SEQ_CLS")
-    tr = start_session(
-        ctx,
-        model,
-        cfg.optim,
-        batch,
-        total_steps,
-        weights=weights,
-        train_examples=len(data.train),
-        eval_examples=len(data.eval),
-        **data.stats,
-    )
-    model = tr.model
-    flat = padding_free(cfg.batch, model)
-    eval_bs = batch.micro_batch_size
-    first = None
-    if tr.start_step == 0:
-        first = heldout_pairs(
-            model, data.eval, tok.pad_token_id, eval_bs, device, rank, world, cfg.margin
+
+    def heldout(loop: Training) -> dict[str, float]:
+        return heldout_pairs(
+            loop.model,
+            data.eval,
+            tok.pad_token_id,
+            loop.eval_batch_size,
+            loop.device,
+            loop.rank,
+            loop.world,
+            cfg.margin,
         )
-        tr.metrics.write("eval", step=0, **{f"eval_{k}": v for k, v in first.items()})
+
+    draw = Draw(data.train, pair_tokens, pair_batch, tok.pad_token_id)
+    loop = open_training(ctx, model, weights, batch, total_steps, data, draw, heldout)
+    first = loop.heldout_at_start()
+    if first is not None:
         log.info("held-out accuracy at step 0: %.3f", first["accuracy"])
-
-    for step in range(tr.start_step, total_steps):
-        t0 = time.perf_counter()
-        idx = regroup_step(
-            tr.step_rows(len(data.train), step, batch, seed),
-            lambda i: pair_tokens(data.train[i]),
-            cfg.batch,
-            device,
-        )
-        micro = [
-            {
-                k: v.to(device)
-                for k, v in pair_batch([data.train[i] for i in ix], tok.pad_token_id, flat).items()
-            }
-            for ix in idx
-        ]
-        # Counted on the host: reading a device tensor would wait for the last update.
-        local_tokens = sum(pair_tokens(data.train[i]) for ix in idx for i in ix)
-        t_data = time.perf_counter() - t0
-        sums = {"loss": 0.0, "correct": 0.0, "margin": 0.0, "chosen": 0.0, "rejected": 0.0}
-        for k, mb in enumerate(micro):
-            grad_sync(model, k == len(micro) - 1)
-            rc, rr = pair_scores(model, mb)
-            losses = bradley_terry_loss(rc, rr, cfg.margin)  # [micro]
-            tr.backward(losses.sum() * world / batch.global_batch_size)
-            # Summed on the device and read once per step (`all_reduce_sums`).
-            rc, rr = rc.detach(), rr.detach()
-            sums["loss"] += losses.detach().sum()
-            sums["correct"] += (rc > rr).sum()
-            sums["margin"] += (rc - rr).sum()
-            sums["chosen"] += rc.sum()
-            sums["rejected"] += rr.sum()
-        g = {k: v / batch.global_batch_size for k, v in all_reduce_sums(sums, device).items()}
-        tr.finish_step(
-            step + 1,
-            cfg,
-            loss=g["loss"],
-            local_tokens=local_tokens,
-            n_seqs=sum(batch_rows(mb) for mb in micro),
-            **layout_stats(micro, local_tokens),
-            t_start=t0,
-            t_data=t_data,
-            accuracy=g["correct"],
-            margin=g["margin"],
-            reward_chosen=g["chosen"],
-            reward_rejected=g["rejected"],
-        )
-
-    final = heldout_pairs(
-        model, data.eval, tok.pad_token_id, eval_bs, device, rank, world, cfg.margin
-    )
-    tr.metrics.write("eval", step=total_steps, **{f"eval_{k}": v for k, v in final.items()})
+    for step in loop.steps():
+        sb = loop.step_batch(step)
+        loss, metrics = bradley_terry_step(loop, sb, cfg.margin)
+        loop.finish_step(step, sb, loss=loss, **metrics)
+    final = loop.heldout_at_end()
     log.info("held-out pairs: accuracy %.3f, margin %.3f", final["accuracy"], final["margin"])
-    save_adapter(model, ctx)
-    tr.metrics.write("end", step=total_steps, **memory_snapshot(device))
-    tr.metrics.close()
-
-    gate: dict[str, Any] = {"passed": True}
-    if cfg.min_accuracy is not None:
-        passed = final["accuracy"] >= cfg.min_accuracy
-        gate = {
-            "passed": passed,
-            "accuracy": final["accuracy"],
-            "min_accuracy": cfg.min_accuracy,
-            "message": (
-                f"held-out reward accuracy {final['accuracy']:.3f} "
-                f"{'>=' if passed else '<'} reward.min_accuracy {cfg.min_accuracy}"
-                + ("" if passed else "; stopping before any RL stage")
-            ),
-        }
-    return tr.summary(
+    loop.close()
+    return loop.tr.summary(
         ctx,
         eval_start=first,
         eval_final=final,
-        gate=gate,
+        gate=accuracy_gate(final["accuracy"], cfg.min_accuracy),
         chat_template_sha256=template_sha,
         **data.stats,
-        headline=tr.headline(eval_accuracy=final["accuracy"], eval_margin=final["margin"]),
+        headline=loop.tr.headline(eval_accuracy=final["accuracy"], eval_margin=final["margin"]),
     )
+
+
+def bradley_terry_step(
+    loop: Training, sb: StepBatch, margin: float
+) -> tuple[float, dict[str, float]]:
+    """One step's forwards and backwards: each micro-batch of pairs is scored (chosen and
+    rejected rows in one forward) and backprops sum(pair losses) * world / global_pairs, so
+    every pair of the global batch weighs the same. Returns the step's mean loss over all ranks
+    and its mean accuracy, margin and rewards."""
+    n_pairs = loop.batch.global_batch_size
+    sums = {"loss": 0.0, "correct": 0.0, "margin": 0.0, "chosen": 0.0, "rejected": 0.0}
+    for k, mb in enumerate(sb.micro):
+        grad_sync(loop.model, k == len(sb.micro) - 1)
+        rc, rr = pair_scores(loop.model, mb)  # [micro] each
+        losses = bradley_terry_loss(rc, rr, margin)  # [micro]
+        loop.tr.backward(losses.sum() * loop.world / n_pairs)
+        # Summed on the device and read once per step (`all_reduce_sums`).
+        rc, rr = rc.detach(), rr.detach()
+        sums["loss"] += losses.detach().sum()
+        sums["correct"] += (rc > rr).sum()
+        sums["margin"] += (rc - rr).sum()
+        sums["chosen"] += rc.sum()
+        sums["rejected"] += rr.sum()
+    g = {k: v / n_pairs for k, v in all_reduce_sums(sums, loop.device).items()}
+    return g["loss"], {
+        "accuracy": g["correct"],
+        "margin": g["margin"],
+        "reward_chosen": g["chosen"],
+        "reward_rejected": g["rejected"],
+    }
+
+
+def accuracy_gate(accuracy: float, min_accuracy: float | None) -> dict[str, Any]:
+    """The gate the flow enforces before any RL stage: passed unless `reward.min_accuracy` is
+    set and the held-out accuracy falls short of it."""
+    if min_accuracy is None:
+        return {"passed": True}
+    passed = accuracy >= min_accuracy
+    return {
+        "passed": passed,
+        "accuracy": accuracy,
+        "min_accuracy": min_accuracy,
+        "message": (
+            f"held-out reward accuracy {accuracy:.3f} "
+            f"{'>=' if passed else '<'} reward.min_accuracy {min_accuracy}"
+            + ("" if passed else "; stopping before any RL stage")
+        ),
+    }
 
 
 if __name__ == "__main__":

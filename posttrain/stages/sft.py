@@ -17,32 +17,25 @@ metrics.jsonl, checkpoints/ (resume only; not part of the artifact's hashes).
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import torch
 
-from posttrain.config.loader import section_batch
 from posttrain.data.batching import collate, pack_examples
 from posttrain.data.chat import IGNORE, template_sha256
-from posttrain.data.segments import batch_rows, layout_stats, real_tokens
-from posttrain.data.sft_data import prepare, write_splits
+from posttrain.data.sft_data import prepare
 from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import trainable_adapter
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.stages.common import StageContext, stage_main, training_base
 from posttrain.telemetry import heartbeat
-from posttrain.telemetry.metrics import memory_snapshot, read_metrics
+from posttrain.telemetry.metrics import read_metrics
 from posttrain.train.chunked import forward_nll_sum
-from posttrain.train.micro_batches import padding_free, regroup_step
-from posttrain.train.session import planned_steps, save_adapter, start_session
+from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps, to_device
+from posttrain.train.session import TrainSession
 
 log = logging.getLogger("posttrain.sft")
-
-
-def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 @torch.no_grad()
@@ -69,7 +62,8 @@ def heldout_loss(
         heartbeat.beat(phase="eval")
         chunk = [examples[i] for i in idx] or examples[:1]
         weight = 1.0 if idx else 0.0
-        nll, n = forward_nll_sum(model, _to(collate(chunk, pad_id, flat), device), chunk_tokens)
+        batch = to_device(collate(chunk, pad_id, flat), device)
+        nll, n = forward_nll_sum(model, batch, chunk_tokens)
         total += weight * nll.item()
         count += weight * n.item()
     model.train()
@@ -78,116 +72,95 @@ def heldout_loss(
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.section
-    d = ctx.dist
-    device, rank, world = d.device, d.rank, d.world_size
-    seed = ctx.recipe.run.seed
-    chunk_tokens = ctx.recipe.infra.logits_chunk_tokens
-
     model, tok, weights = training_base(ctx)
-    data = prepare(cfg.data, tok, seed)
-    if ctx.is_main:
-        write_splits(ctx.out_dir, data.train_rows, data.eval_rows)
+    data = prepare(cfg.data, tok, ctx.recipe.run.seed)
     train = pack_examples(data.train, cfg.data.max_seq_len) if cfg.packing else data.train
-    batch = section_batch(ctx.recipe, ctx.name)
-    assert batch.dp_size == world, f"recipe dp size {batch.dp_size} != world size {world}"
-    total_steps = planned_steps(cfg.max_steps, cfg.epochs, len(train), batch)
+    batch, total_steps = plan_steps(ctx, data, len(train))
 
     prepare_for_training(model, cfg.activation_checkpointing)
     # From the base: a new adapter shaped by `lora`. From a policy (an SFT round after RL, say):
     # that policy's adapter, trained further (its own shape; `lora` does not apply).
     start = ctx.adapter_dir("policy")
     model = apply_lora(model, cfg.lora) if start is None else trainable_adapter(model, start)
-    tr = start_session(
-        ctx,
-        model,
-        cfg.optim,
-        batch,
-        total_steps,
-        weights=weights,
-        train_examples=len(train),
-        eval_examples=len(data.eval),
-        **data.stats,
-    )
-    model = tr.model
-    flat = padding_free(cfg.batch, model)
 
-    eval_bs = batch.micro_batch_size
-    if tr.start_step == 0:
-        first_eval = heldout_loss(
-            model, data.eval, tok.pad_token_id, eval_bs, device, rank, world, chunk_tokens, flat
+    def heldout(loop: Training) -> dict[str, float | None]:
+        loss = heldout_loss(
+            loop.model,
+            data.eval,
+            tok.pad_token_id,
+            loop.eval_batch_size,
+            loop.device,
+            loop.rank,
+            loop.world,
+            loop.chunk_tokens,
+            loop.flat,
         )
-        tr.metrics.write("eval", step=0, eval_loss=first_eval)
+        return {"loss": loss}
+
+    draw = Draw(train, sequence_tokens, collate, tok.pad_token_id)
+    loop = open_training(
+        ctx, model, weights, batch, total_steps, data, draw, heldout, eval_every=cfg.eval_every
+    )
+    if first := loop.heldout_at_start():
+        first_eval = first["loss"]
         if first_eval is not None:
             log.info("held-out loss at step 0 (base): %.4f", first_eval)
     else:  # resumed: the step-0 figure is in the kept metrics
-        first_eval = next(
-            (r["eval_loss"] for r in read_metrics(tr.metrics.path, "eval") if r.get("step") == 0),
-            None,
-        )
-
-    for step in range(tr.start_step, total_steps):
-        t0 = time.perf_counter()
-        idx = regroup_step(
-            tr.step_rows(len(train), step, batch, seed),
-            lambda i: len(train[i]["input_ids"]),
-            cfg.batch,
-            device,
-        )
-        host = [collate([train[i] for i in ix], tok.pad_token_id, flat) for ix in idx]
-        # Counted on the host: int() of a device tensor would wait for the last step's update.
-        local_targets = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in host)
-        local_tokens = sum(real_tokens(mb) for mb in host)
-        micro_batches = [_to(mb, device) for mb in host]
-        global_targets = all_reduce_sum(local_targets, device)
-        t_data = time.perf_counter() - t0
-
-        step_nll = torch.zeros((), device=device)  # summed on the device: one sync per step
-        for k, mb in enumerate(micro_batches):
-            grad_sync(model, k == len(micro_batches) - 1)
-            nll, _ = forward_nll_sum(model, mb, chunk_tokens)
-            tr.backward(nll * world / global_targets)
-            step_nll += nll.detach().float()
-        step_loss = all_reduce_sum(float(step_nll), device) / global_targets
-        grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=step_loss, step=step + 1)
-        if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
-            n_rows = sum(batch_rows(mb) for mb in micro_batches)
-            tr.record_step(
-                step + 1,
-                loss=step_loss,
-                grad_norm=grad_norm,
-                lr=lr,
-                local_tokens=local_tokens,
-                seq_len=local_tokens / n_rows,
-                t_start=t0,
-                t_data=t_data,
-                target_tokens=global_targets,
-                **layout_stats(host, local_tokens),
-            )
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total_steps:
-            ev = heldout_loss(
-                model, data.eval, tok.pad_token_id, eval_bs, device, rank, world, chunk_tokens, flat
-            )
-            tr.metrics.write("eval", step=step + 1, eval_loss=ev)
-        tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints)
-
-    final_eval = heldout_loss(
-        model, data.eval, tok.pad_token_id, eval_bs, device, rank, world, chunk_tokens, flat
-    )
-    tr.metrics.write("eval", step=total_steps, eval_loss=final_eval)
+        first_eval = kept_start_loss(loop)
+    for step in loop.steps():
+        sb = loop.step_batch(step)
+        loss, target_tokens = sft_step(loop, sb)
+        loop.finish_step(step, sb, loss=loss, target_tokens=target_tokens)
+    final_eval = loop.heldout_at_end()["loss"]
     if final_eval is not None:
         log.info("held-out loss after SFT: %.4f", final_eval)
-    save_adapter(model, ctx)
-    tr.metrics.write("end", step=total_steps, **memory_snapshot(device))
-    tr.metrics.close()
-    last = tr.last
-    summary = tr.summary(
+    loop.close()
+    summary = loop.tr.summary(
         ctx,
         eval_loss_start=first_eval,
         eval_loss_final=final_eval,
         chat_template_sha256=template_sha256(tok),
         **data.stats,
     )
-    summary["headline"] = {
+    summary["headline"] = sft_headline(loop.tr, final_eval)
+    return summary
+
+
+def sequence_tokens(row: dict[str, Any]) -> int:
+    """Tokens one (possibly packed) training row costs in a forward."""
+    return len(row["input_ids"])
+
+
+def sft_step(loop: Training, sb: StepBatch) -> tuple[float, float]:
+    """One step's forwards and backwards: each micro-batch backprops its summed NLL of the
+    target tokens * world / N_global, N_global the target tokens of the whole global batch (all
+    micro-batches, all ranks), so every token weighs the same however the batch is split.
+    Returns (the step's loss per target token over all ranks, N_global)."""
+    device = loop.device
+    # Counted on the host: int() of a device tensor would wait for the last step's update.
+    local_targets = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in sb.host)
+    global_targets = all_reduce_sum(local_targets, device)
+    step_nll = torch.zeros((), device=device)  # summed on the device: one sync per step
+    for k, mb in enumerate(sb.micro):
+        grad_sync(loop.model, k == len(sb.micro) - 1)
+        nll, _ = forward_nll_sum(loop.model, mb, loop.chunk_tokens)
+        loop.tr.backward(nll * loop.world / global_targets)
+        step_nll += nll.detach().float()
+    return all_reduce_sum(float(step_nll), device) / global_targets, global_targets
+
+
+def kept_start_loss(loop: Training) -> float | None:
+    """A resumed run's step-0 held-out loss: the `eval` record its first launch wrote, kept in
+    metrics.jsonl (None when there are no held-out rows)."""
+    kept = read_metrics(loop.tr.metrics.path, "eval")
+    return next((r["eval_loss"] for r in kept if r.get("step") == 0), None)
+
+
+def sft_headline(tr: TrainSession, final_eval: float | None) -> dict[str, float]:
+    """The figures a report leads with: train and held-out loss, throughput, MFU, and the
+    guard's skipped steps when there were any (rounded; absent figures left out)."""
+    last = tr.last
+    return {
         k: round(v, 4)
         for k, v in (
             ("train_loss", last.get("loss")),
@@ -198,7 +171,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
         )
         if v is not None
     }
-    return summary
 
 
 if __name__ == "__main__":

@@ -326,14 +326,6 @@ def apply_checkpoint(
     return staged.meta
 
 
-def load_checkpoint(
-    path: Path, model: torch.nn.Module, optim: torch.optim.Optimizer, scheduler: Any
-) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler and RNG from `path`; returns its meta. A checkpoint
-    that fails to load raises and leaves them as they were."""
-    return apply_checkpoint(read_checkpoint(path, model, optim), model, optim, scheduler)
-
-
 def _empty_like(x: Any) -> Any:
     """The same nesting with a new uninitialised tensor for every tensor (DTensors stay DTensors
     with the same placement); other values are kept (DCP replaces them when it loads)."""

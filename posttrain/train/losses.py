@@ -39,16 +39,6 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tenso
     return logps * mask, mask
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence summed log-probability of the labelled (response) tokens.
-
-    logits: [B, T, V]; labels: [B, T] with IGNORE outside the response. Position t predicts
-    labels[t + 1]. Returns (logps [B], n_tokens [B]); log_softmax is taken in fp32.
-    """
-    logps, mask = token_logps(logits, labels)
-    return logps.sum(-1), mask.sum(-1)
-
-
 def bradley_terry_loss(
     chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, margin: float = 0.0
 ) -> torch.Tensor:

@@ -17,6 +17,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ from posttrain.telemetry.metrics import (
 from posttrain.train.checkpoint import data_position, save_checkpoint
 from posttrain.train.guard import StepGuard
 from posttrain.train.optim import build_optimizer, build_scheduler
-from posttrain.train.resume import resume_newest_intact
+from posttrain.train.resume import ResumePoint, resume_newest_intact
 
 log = logging.getLogger("posttrain.train")
 
@@ -222,36 +223,6 @@ class TrainSession:
             "".join(f" {k} {v:.4g}" for k, v in extra.items()),
         )
 
-    def finish_step(
-        self,
-        step: int,
-        section: Any,
-        *,
-        loss: float,
-        local_tokens: int,
-        n_seqs: int,
-        t_start: float,
-        t_data: float,
-        **metrics: float,
-    ) -> None:
-        """The end of a supervised step (reward, the preference kinds): the optimizer step under
-        the guard, the metrics record every `section.log_every` steps and at the last, and a
-        checkpoint every `section.checkpoint_every`. `step` is 1-based; `loss` all-reduced."""
-        grad_norm, lr = self.optimizer_step(section.optim.max_grad_norm, loss=loss, step=step)
-        if step % section.log_every == 0 or step == self.total_steps:
-            self.record_step(
-                step,
-                loss=loss,
-                grad_norm=grad_norm,
-                lr=lr,
-                local_tokens=local_tokens,
-                seq_len=local_tokens / max(1, n_seqs),
-                t_start=t_start,
-                t_data=t_data,
-                **metrics,
-            )
-        self.maybe_checkpoint(step, section.checkpoint_every, section.keep_checkpoints)
-
     def summary(self, ctx: Any, **fields: Any) -> dict[str, Any]:
         """The manifest summary fields every training stage reports, plus the stage's own."""
         return {
@@ -308,11 +279,6 @@ class TrainSession:
             save_checkpoint(self.ckpt_root, step, self.model, self.opt, self.sched, keep, extra)
 
 
-def planned_steps(max_steps: int | None, epochs: float, n_rows: int, batch: ResolvedBatch) -> int:
-    """Optimizer steps a training stage runs: max_steps, or epochs over n_rows rows."""
-    return max_steps or max(1, math.ceil(epochs * n_rows / batch.global_batch_size))
-
-
 def start_session(
     ctx: Any,
     model: torch.nn.Module,
@@ -331,89 +297,24 @@ def start_session(
     (`posttrain.models.loading.base_for_training`); each rank reads only its shards of it after
     sharding. Without it, `model` is real and whole on this process."""
     d: DistInfo = ctx.dist
-    precision = ctx.recipe.infra.precision
     assert batch.dp_size == d.world_size, f"recipe dp {batch.dp_size} != world {d.world_size}"
     heartbeat.beat(phase="setup")  # model loaded and data prepared; sharding and resume next
-    n_total, n_trainable = count_params(model)
+    counts = count_params(model)  # (total, trainable), before sharding splits the tensors
     n_matmul = matmul_params(model)
     dtype = base_dtype(ctx.recipe.infra)
-    # Sharded on more than one device, unwrapped on one (`place_model`, decision 45).
-    single = ctx.recipe.infra.shard_single_device
-    if weights is None:
-        model = place_model(model.to(d.device), d.mesh, precision, dtype, single)
-    else:
-        model = place_model(model, d.mesh, precision, dtype, single)
-        fill_from_checkpoint(model, weights, d.device)
-    model.train()
+    model = _place(ctx, model, dtype, weights)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(trainable, optim)
     sched = build_scheduler(opt, schedule_steps or total_steps, optim)
-    scaler = None
-    if precision == "fp16" and is_sharded(model):
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        scaler = ShardedGradScaler(d.device.type)
-    elif precision == "fp16":
-        scaler = torch.amp.GradScaler(d.device.type)
-    start_step, meta = 0, {}
+    scaler = _loss_scaler(ctx.recipe.infra.precision, model, d.device)
     guard = StepGuard(ctx.recipe.guard, where=f"stage {ctx.name}")
     ckpt_root = ctx.out_dir / "checkpoints"
-    # The newest intact checkpoint: damaged ones are named, moved aside and skipped; with none
-    # intact, infra.no_intact_checkpoint says restart (from step 0) or fail.
-    point = resume_newest_intact(
-        ckpt_root,
-        model,
-        opt,
-        sched,
-        on_none=ctx.recipe.infra.no_intact_checkpoint,
-        where=f"stage {ctx.name}",
-    )
-    if point.path is not None:
-        meta = point.meta
-        start_step = meta["step"]
-        log.info("resumed from %s at step %d", point.path.name, start_step)
-        if pos := meta.get("data"):
-            log.info("data position: epoch %d, offset %d", pos["epoch"], pos["offset"])
-        guard.load_state_dict(meta.get("guard", {}))
-    # The CPU peak is measured with torch.randn (once per process): keep it off the global RNG, or a
-    # resumed run's stream (restored just above) would drift from the uninterrupted run's.
-    with torch.random.fork_rng(devices=[]):
-        peak, peak_src = device_peak_flops(d.device, precision)
-    metrics = MetricsWriter(
-        ctx.out_dir / "metrics.jsonl", enabled=ctx.is_main, resume_step=start_step
-    )
-    metrics.write(
-        "start",
-        total_steps=total_steps,
-        start_step=start_step,
-        world_size=d.world_size,
-        params_total=n_total,
-        params_trainable=n_trainable,
-        trainable_fraction=n_trainable / n_total,
-        micro_batch_size=batch.micro_batch_size,
-        grad_accum_steps=batch.grad_accum_steps,
-        global_batch_size=batch.global_batch_size,
-        precision=precision,
-        base_dtype=str(dtype).removeprefix("torch."),
-        peak_flops_per_device=peak,
-        peak_flops_source=peak_src,
-        **start_fields,
-    )
-    if record := point.record():  # damaged checkpoints skipped, a restart, an unverified resume
-        metrics.write("resume", **record)
-    if getattr(ctx, "preflight", None):  # the memory pre-flight's estimate, for estimate vs peak
-        metrics.write("preflight", **ctx.preflight)
-    log.info(
-        "trainable params %s / %s (%.3f%%); micro %d x accum %d x dp %d = global %d; %d steps",
-        f"{n_trainable:,}",
-        f"{n_total:,}",
-        100 * n_trainable / n_total,
-        batch.micro_batch_size,
-        batch.grad_accum_steps,
-        d.world_size,
-        batch.global_batch_size,
-        total_steps,
-    )
+    point = _resume(ctx, ckpt_root, model, opt, sched, guard)
+    start_step, meta = (point.meta["step"], point.meta) if point.path is not None else (0, {})
+    peak = _peak_flops(d.device, ctx.recipe.infra.precision)
+    start = _start_record(ctx, batch, total_steps, start_step, counts, dtype, peak, start_fields)
+    metrics = _open_metrics(ctx, start_step, start, point)
+    _log_plan(counts, batch, d.world_size, total_steps)
     heartbeat.beat(step=start_step, phase="train")
     return TrainSession(
         model,
@@ -426,13 +327,141 @@ def start_session(
         total_steps,
         start_step,
         n_matmul,
-        n_trainable,
-        n_total,
-        peak,
+        counts[1],
+        counts[0],
+        peak[0],
         ckpt_root,
         resume_meta=meta,
         guard=guard,
         rejected_checkpoints=[_rejected_line(r) for r in point.rejected],
+    )
+
+
+def _place(
+    ctx: Any, model: torch.nn.Module, dtype: torch.dtype, weights: CheckpointFiles | None
+) -> torch.nn.Module:
+    """`model` on this rank's device, in training mode: sharded on more than one device,
+    unwrapped on one (`place_model`, decision 45). A base built on the meta device (`weights`
+    given) is filled after sharding, each rank reading only its shards."""
+    d: DistInfo = ctx.dist
+    infra = ctx.recipe.infra
+    single = infra.shard_single_device
+    if weights is None:
+        model = place_model(model.to(d.device), d.mesh, infra.precision, dtype, single)
+    else:
+        model = place_model(model, d.mesh, infra.precision, dtype, single)
+        fill_from_checkpoint(model, weights, d.device)
+    model.train()
+    return model
+
+
+def _loss_scaler(precision: str, model: torch.nn.Module, device: torch.device) -> Any:
+    """The fp16 loss scaler (FSDP's sharded one for a sharded model); None in fp32 and bf16."""
+    if precision != "fp16":
+        return None
+    if is_sharded(model):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type)
+
+
+def _resume(
+    ctx: Any,
+    ckpt_root: Path,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    guard: StepGuard,
+) -> ResumePoint:
+    """Load the newest intact checkpoint into model, optimizer, schedule and RNG, and its guard
+    window into `guard`. Damaged ones are named, moved aside and skipped; with none intact,
+    infra.no_intact_checkpoint says restart (from step 0) or fail."""
+    point = resume_newest_intact(
+        ckpt_root,
+        model,
+        opt,
+        sched,
+        on_none=ctx.recipe.infra.no_intact_checkpoint,
+        where=f"stage {ctx.name}",
+    )
+    if point.path is not None:
+        log.info("resumed from %s at step %d", point.path.name, point.meta["step"])
+        if pos := point.meta.get("data"):
+            log.info("data position: epoch %d, offset %d", pos["epoch"], pos["offset"])
+        guard.load_state_dict(point.meta.get("guard", {}))
+    return point
+
+
+def _peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the figure comes from), for MFU. The CPU peak is
+    measured with torch.randn (once per process): it runs off the global RNG, or a resumed run's
+    stream (restored by the resume) would drift from the uninterrupted run's."""
+    with torch.random.fork_rng(devices=[]):
+        return device_peak_flops(device, precision)
+
+
+def _start_record(
+    ctx: Any,
+    batch: ResolvedBatch,
+    total_steps: int,
+    start_step: int,
+    counts: tuple[int, int],
+    dtype: torch.dtype,
+    peak: tuple[float, str],
+    stage_fields: dict[str, Any],
+) -> dict[str, Any]:
+    """The fields of the `start` metrics record: the plan, the parameter counts, the batch, the
+    precision, the device peak, then the stage's own fields."""
+    n_total, n_trainable = counts
+    return {
+        "total_steps": total_steps,
+        "start_step": start_step,
+        "world_size": ctx.dist.world_size,
+        "params_total": n_total,
+        "params_trainable": n_trainable,
+        "trainable_fraction": n_trainable / n_total,
+        "micro_batch_size": batch.micro_batch_size,
+        "grad_accum_steps": batch.grad_accum_steps,
+        "global_batch_size": batch.global_batch_size,
+        "precision": ctx.recipe.infra.precision,
+        "base_dtype": str(dtype).removeprefix("torch."),
+        "peak_flops_per_device": peak[0],
+        "peak_flops_source": peak[1],
+        **stage_fields,
+    }
+
+
+def _open_metrics(
+    ctx: Any, start_step: int, start: dict[str, Any], point: ResumePoint
+) -> MetricsWriter:
+    """metrics.jsonl for this launch (a resumed run keeps the records up to its step) with its
+    `start` record, a `resume` record when the resume has something to say (damaged checkpoints
+    skipped, a restart, an unverified resume) and the memory pre-flight's estimate (for
+    estimate vs peak)."""
+    metrics = MetricsWriter(
+        ctx.out_dir / "metrics.jsonl", enabled=ctx.is_main, resume_step=start_step
+    )
+    metrics.write("start", **start)
+    if record := point.record():
+        metrics.write("resume", **record)
+    if getattr(ctx, "preflight", None):
+        metrics.write("preflight", **ctx.preflight)
+    return metrics
+
+
+def _log_plan(counts: tuple[int, int], batch: ResolvedBatch, world: int, total_steps: int) -> None:
+    n_total, n_trainable = counts
+    log.info(
+        "trainable params %s / %s (%.3f%%); micro %d x accum %d x dp %d = global %d; %d steps",
+        f"{n_trainable:,}",
+        f"{n_total:,}",
+        100 * n_trainable / n_total,
+        batch.micro_batch_size,
+        batch.grad_accum_steps,
+        world,
+        batch.global_batch_size,
+        total_steps,
     )
 
 

@@ -1,0 +1,257 @@
+"""The loop skeleton of the offline training stages (sft, reward, dpo, orpo, kto).
+
+They all train the same way around a step of their own: record the rows they train on and hold
+out, plan their optimizer steps, open a `TrainSession` (sharding, optimizer, resume, metrics),
+take held-out figures at step 0, then step by step draw this rank's rows (a pure function of
+seed and step) and lay them out into micro-batches, backpropagate the stage's loss micro-batch by
+micro-batch, take the optimizer step under the guard, write the metrics record, evaluate every
+`eval_every` steps and checkpoint; last, take the final held-out figures, save the adapter and
+close the metrics. This module is that skeleton, as building blocks a stage calls in order:
+
+    batch, total_steps = plan_steps(ctx, data, len(rows))
+    loop = open_training(ctx, model, weights, batch, total_steps, data, draw, heldout, ...)
+    first = loop.heldout_at_start()
+    for step in loop.steps():
+        sb = loop.step_batch(step)
+        ...  # the stage's step: forward, loss and backward of each micro-batch in sb.micro
+        loop.finish_step(step, sb, loss=step_loss, **step_metrics)
+    final = loop.heldout_at_end()
+    loop.close()
+    return loop.tr.summary(ctx, ..., headline=...)
+
+What stays the stage's own: its data, the model it trains (which adapters), what one step
+computes (its loss per micro-batch and how it is normalised), its held-out metrics, its summary
+and headline. The loop over steps stays in the stage too, so it can be read top to bottom there.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from posttrain.config.batch import ResolvedBatch
+from posttrain.config.loader import section_batch
+from posttrain.data.segments import batch_rows, layout_stats
+from posttrain.data.sft_data import write_splits
+from posttrain.models.sharded_load import CheckpointFiles
+from posttrain.telemetry.metrics import memory_snapshot
+from posttrain.train.micro_batches import padding_free, regroup_step
+from posttrain.train.session import TrainSession, save_adapter, start_session
+
+Row = dict[str, Any]
+Figures = dict[str, Any]  # a stage's held-out metrics, by name (no "eval_" prefix)
+
+
+class PreparedData(Protocol):
+    """A stage's data (`SFTData`, `PreferenceData`): the rows as read, and as encoded."""
+
+    train_rows: list[Row]
+    eval_rows: list[Row]
+    train: list[Row]
+    eval: list[Row]
+    stats: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Draw:
+    """What the steps draw from: the encoded training rows, the tokens one row costs in a
+    forward (what `batch.by_tokens` regroups by and the throughput counts) and how rows become
+    one micro-batch: `collate(rows, pad_id, padding_free)` -> a padded or a padding-free batch
+    (`posttrain.data.batching.collate`, `posttrain.models.reward.pair_batch`)."""
+
+    rows: list[Row]
+    tokens: Callable[[Row], int]
+    collate: Callable[[list[Row], int, bool], dict[str, Any]]
+    pad_id: int
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """This rank's share of one optimizer step, laid out into micro-batches."""
+
+    t_start: float  # time.perf_counter() when the step began
+    rows: list[list[int]]  # indices into `Draw.rows`, one list per micro-batch
+    host: list[dict[str, Any]]  # the micro-batches as collated on the host
+    micro: list[dict[str, Any]]  # the same on the device
+    # This rank's tokens in the step, counted on the host: reading a device tensor would wait
+    # for the last step's update.
+    local_tokens: int
+    t_data: float  # seconds spent drawing and laying out the rows
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A collated batch's tensors (and its `Segments`, padding-free) on `device`; non-blocking:
+    the device stream orders each copy before the forward that reads it."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def plan_steps(ctx: Any, data: PreparedData, n_rows: int) -> tuple[ResolvedBatch, int]:
+    """Record what the stage trains on and holds out (rank 0: data/{train,eval}.jsonl) and plan
+    its steps: (the section's resolved batch, its optimizer steps over `n_rows` training rows:
+    `max_steps`, or `epochs` passes over them)."""
+    if ctx.is_main:
+        write_splits(ctx.out_dir, data.train_rows, data.eval_rows)
+    cfg = ctx.section
+    batch = section_batch(ctx.recipe, ctx.name)
+    return batch, cfg.max_steps or max(1, math.ceil(cfg.epochs * n_rows / batch.global_batch_size))
+
+
+def open_training(
+    ctx: Any,
+    model: torch.nn.Module,
+    weights: CheckpointFiles | None,
+    batch: ResolvedBatch,
+    total_steps: int,
+    data: PreparedData,
+    draw: Draw,
+    heldout: Callable[[Training], Figures | None],
+    *,
+    eval_every: int = 0,
+    **start_fields: Any,
+) -> Training:
+    """Start the session of an offline stage (`start_session`: place `model`, optimizer,
+    resume, the `start` record with the row counts, `start_fields` and the data's stats) and
+    decide whether its micro-batches go padding-free. `heldout(loop)`: the stage's held-out
+    figures of the model as it stands (None: no figures, no record); `eval_every`: also take
+    them every that many steps (0: at the start and the end only)."""
+    cfg = ctx.section
+    tr = start_session(
+        ctx,
+        model,
+        cfg.optim,
+        batch,
+        total_steps,
+        weights=weights,
+        train_examples=len(draw.rows),
+        eval_examples=len(data.eval),
+        **start_fields,
+        **data.stats,
+    )
+    flat = padding_free(cfg.batch, tr.model)
+    return Training(ctx, tr, batch, draw, heldout, flat, eval_every)
+
+
+@dataclass
+class Training:
+    """An offline stage's running session and what its steps share (see the module docstring)."""
+
+    ctx: Any
+    tr: TrainSession
+    batch: ResolvedBatch
+    draw: Draw
+    heldout: Callable[[Training], Figures | None]
+    flat: bool  # padding-free micro-batches
+    eval_every: int = 0
+
+    @property
+    def section(self) -> Any:
+        """The stage's recipe section."""
+        return self.ctx.section
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The placed model (sharded, or unwrapped on one device)."""
+        return self.tr.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.tr.dist.device
+
+    @property
+    def rank(self) -> int:
+        return self.tr.dist.rank
+
+    @property
+    def world(self) -> int:
+        return self.tr.dist.world_size
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per pass through the LM head (`infra.logits_chunk_tokens`; 0 = full logits)."""
+        return self.ctx.recipe.infra.logits_chunk_tokens
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.batch.micro_batch_size
+
+    def steps(self) -> range:
+        """The optimizer steps this launch runs, 0-based (a resumed run starts with the step
+        after its checkpoint's)."""
+        return range(self.tr.start_step, self.tr.total_steps)
+
+    def step_batch(self, step: int) -> StepBatch:
+        """This rank's rows of optimizer step `step` (`TrainSession.step_rows`), regrouped by
+        tokens when `batch.by_tokens` asks, collated and moved to the device."""
+        t_start = time.perf_counter()
+        rows = self.draw.rows
+        idx = self.tr.step_rows(len(rows), step, self.batch, self.ctx.recipe.run.seed)
+        groups = regroup_step(
+            idx, lambda i: self.draw.tokens(rows[i]), self.section.batch, self.device
+        )
+        return self.lay_out(t_start, groups)
+
+    def lay_out(self, t_start: float, groups: list[list[int]]) -> StepBatch:
+        """The micro-batches of `groups` (row indices, one list per micro-batch) on the host and
+        on the device, with the step's token count; `t_start`: when the step began."""
+        rows = self.draw.rows
+        host = [
+            self.draw.collate([rows[i] for i in g], self.draw.pad_id, self.flat) for g in groups
+        ]
+        micro = [to_device(mb, self.device) for mb in host]
+        local_tokens = sum(self.draw.tokens(rows[i]) for g in groups for i in g)
+        return StepBatch(t_start, groups, host, micro, local_tokens, time.perf_counter() - t_start)
+
+    def finish_step(self, step: int, sb: StepBatch, *, loss: float, **metrics: float) -> None:
+        """The end of optimizer step `step` (0-based), once its gradients are in: the optimizer
+        step under the guard; every `log_every` steps and at the last, the metrics record
+        (throughput, the layout, the stage's `metrics`); held-out figures every `eval_every`
+        steps (before the last); a checkpoint every `checkpoint_every` steps. `loss`: the
+        step's loss over all ranks (every rank passes the same value)."""
+        cfg, tr, done = self.section, self.tr, step + 1
+        grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=loss, step=done)
+        if done % cfg.log_every == 0 or done == tr.total_steps:
+            tr.record_step(
+                done,
+                loss=loss,
+                grad_norm=grad_norm,
+                lr=lr,
+                local_tokens=sb.local_tokens,
+                seq_len=sb.local_tokens / max(1, sum(batch_rows(mb) for mb in sb.host)),
+                t_start=sb.t_start,
+                t_data=sb.t_data,
+                **layout_stats(sb.host, sb.local_tokens),
+                **metrics,
+            )
+        # Before the checkpoint: a resume keeps the records up to its step, this one included.
+        if self.eval_every and done % self.eval_every == 0 and done < tr.total_steps:
+            self.evaluate(done)
+        tr.maybe_checkpoint(done, cfg.checkpoint_every, cfg.keep_checkpoints)
+
+    def evaluate(self, step: int) -> Figures | None:
+        """The stage's held-out figures now, written as an `eval` record at `step` (each
+        figure as `eval_<name>`); None, and no record, when the stage has none."""
+        figures = self.heldout(self)
+        if figures is not None:
+            self.tr.metrics.write("eval", step=step, **{f"eval_{k}": v for k, v in figures.items()})
+        return figures
+
+    def heldout_at_start(self) -> Figures | None:
+        """The held-out figures before any update (step 0) on a fresh run; None on a resumed
+        one (its step-0 record is among the metrics it kept)."""
+        return self.evaluate(0) if self.tr.start_step == 0 else None
+
+    def heldout_at_end(self) -> Figures | None:
+        """The held-out figures of the trained model (at the last step)."""
+        return self.evaluate(self.tr.total_steps)
+
+    def close(self, selected_adapters: list[str] | None = None) -> None:
+        """Save the trained adapter (`selected_adapters`: which of the model's, default all),
+        write the `end` record (peak memory) and close metrics.jsonl."""
+        save_adapter(self.model, self.ctx, selected_adapters=selected_adapters)
+        self.tr.metrics.write("end", step=self.tr.total_steps, **memory_snapshot(self.device))
+        self.tr.metrics.close()
