@@ -395,11 +395,13 @@ def _run_and_seal(
         verify_parents(ctx)
     # Before loading anything: a stage that cannot fit fails here, in seconds.
     memory_preflight(ctx)
-    _start_ranks(ctx, distributed)
-    # Before this launch's first beat replaces the old ones: what an earlier attempt left.
+    # What an earlier attempt left, read before the process group exists: the other ranks
+    # wait for rank 0 in its rendezvous, so none has beaten yet (their first beat would
+    # otherwise read as an earlier attempt's).
     account = launch_account(ctx.out_dir, launch) if ctx.is_main else None
     if account:
         log.warning("%s", account)
+    _start_ranks(ctx, distributed)
     # After the process group is up (its rendezvous may legitimately wait for other nodes):
     # the supervisor's hang watch arms on this first beat.
     heartbeat.start(ctx.out_dir, ctx.rank)
