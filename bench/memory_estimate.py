@@ -256,7 +256,7 @@ def measure_child(
             model, weights = score_model_for_training(base_dir, 0, torch.float32)
             prepare_for_training(model, ac)
             model = apply_lora(model, lora, task_type="SEQ_CLS")
-        else:  # sft.py, dpo.py, rl_setup.py: base_for_training (build_on_meta)
+        else:  # sft.py, dpo.py, rl/setup.py: base_for_training (build_on_meta)
             model, weights = build_on_meta(base_dir, AutoModelForCausalLM, torch.float32)
             prepare_for_training(model, ac)
             if kind == "sft":
@@ -303,7 +303,7 @@ def measure_child(
             half = pol.size(0) // 2
             margin = (pol[:half] - ref[:half]) - (pol[half:] - ref[half:])
             (-torch.nn.functional.logsigmoid(0.1 * margin)).mean().backward()
-        else:  # rl_update.py: response_logps (RoleModel targets when chunked), then the critic
+        else:  # rl/update.py: response_logps (RoleModel targets when chunked), then the critic
             rollout = RolloutConfig(
                 prompts_per_step=cfg["rows"],
                 max_new_tokens=cfg["new"],

@@ -80,7 +80,7 @@ def grpo_update(model: RoleModel, ro: Rollout, opt: Any, micro: int, group: int)
         loss, _ = clipped_policy_loss(
             logp, ro.scored["logps"][idx], adv[idx, None].expand_as(logp), 0.2
         )
-        # The token mean as the stage's update takes it (`posttrain.stages.rl_update.update`).
+        # The token mean as the stage's update takes it (`posttrain.rl.update.update`).
         weights, count = loss_weights(ro.mask[idx], "token_mean", ro.width[1])
         ((loss * weights).sum() * (1 / max(1.0, count))).backward()
         opt.step()

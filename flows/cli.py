@@ -26,19 +26,19 @@ from typing import Any, TextIO
 
 import yaml
 
+from flows.failure_block import Block, gate_block, stage_failure_block, unexpected_block
 from flows.prefect_env import apply_prefect_defaults, prefect_target
 from flows.report import StageRecord, recovery_lines, summary_table, text_table
-from flows.verdict_block import Block, gate_block, stage_failure_block, unexpected_block
 from posttrain.artifacts import read_manifest, verify
 from posttrain.config.loader import RecipeError, load_recipe
-from posttrain.config.reach import (
+from posttrain.config.schema import Recipe
+from posttrain.config.served_access import (
     ALLOWED_ENV,
     REWARDS_ENV,
     served_reward_roots,
     served_roots,
     with_roots,
 )
-from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS
 from posttrain.planner import plan
 
@@ -72,7 +72,7 @@ def load_or_report(
     try:
         return load_recipe(path, overrides, devices=devices)
     except RecipeError as exc:
-        # One block, like a failed stage's (flows.verdict_block): nothing ran, so no log.
+        # One block, like a failed stage's (flows.failure_block): nothing ran, so no log.
         print(f"posttrain: recipe {path} refused (nothing ran)", file=err)
         for line in exc.errors:
             print(f"  {line}", file=err)
@@ -86,8 +86,7 @@ def load_or_report(
 
 def failure_block(exc: BaseException, recipe: Recipe) -> Block:
     """The closing block of a failed run: a stage's failure, a quality gate, or a bug."""
-    from flows.post_train import QualityGateFailed
-    from flows.stage_failures import StageFailed, StageTimeout
+    from flows.stage_failures import QualityGateFailed, StageFailed, StageTimeout
     from flows.stage_hang import StageHung
 
     if isinstance(exc, StageFailed):
@@ -197,9 +196,13 @@ def _run_flow(recipe: Recipe, err: TextIO) -> dict[str, Any] | int:
         # process even when nothing here gets to stop it (SIGKILL). Launched before the flow's
         # imports, so that its boot and those imports overlap (docs/operations.md).
         early = launch_embedded_server()
-        from flows.known_failures import quiet_known_failures
         from flows.post_train import post_train  # imports prefect: only now, after its defaults
-        from flows.terminal import ProgressPrinter, attach_progress, quiet_console
+        from flows.terminal import (
+            ProgressPrinter,
+            attach_progress,
+            quiet_console,
+            quiet_known_failures,
+        )
 
         quiet_known_failures()  # a failed stage or gate: one line, not a traceback wall
         # The terminal gets progress and, on failure, one closing block; stage output and
@@ -221,7 +224,7 @@ def _run_flow(recipe: Recipe, err: TextIO) -> dict[str, Any] | int:
             print(f"\nposttrain: {what}; the running stage was stopped", file=err)
         return code
     except Exception as exc:
-        # The terminal ends with one block: stage, what, fix, log path (flows.verdict_block).
+        # The terminal ends with one block: stage, what, fix, log path (flows.failure_block).
         if printer is not None:
             printer.clear()
         print("\n" + failure_block(exc, recipe).text(), file=err)

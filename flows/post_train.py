@@ -25,7 +25,8 @@ from flows.gate import promote
 from flows.report import StageRecord
 from flows.run_record import record_run
 from flows.schedule import device_slots, run_stages
-from flows.served import served_reach
+from flows.served_run import served_reach
+from flows.stage_failures import QualityGateFailed
 from flows.stage_procs import kill_flow_run_processes
 from flows.stage_task import run_task
 from flows.trackers import StageFeed, Trackers, open_trackers
@@ -127,10 +128,6 @@ def failed_record(stage: PlannedStage, exc: BaseException, duration_s: float) ->
         kind=stage.kind,
         roles=dict(stage.roles),
     )
-
-
-class QualityGateFailed(RuntimeError):
-    """A stage completed but its result is below a quality bar the recipe sets."""
 
 
 def check_gate(ref: ArtifactRef, record: StageRecord) -> None:

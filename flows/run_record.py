@@ -3,7 +3,7 @@
 
 Made at flow level, from the stages' records, because it must say what every stage did, the
 reused ones included. The report's text is `flows.report` (pure functions); the images are
-drawn once per content (`flows.drawn`).
+drawn once per content (`flows.report_images`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import FlowRunContext
 from prefect.logging import get_run_logger
 
-from flows import drawn
+from flows import report_images
 from flows.report import (
     StageRecord,
     curves_markdown,
@@ -125,19 +125,21 @@ def run_meta(run_id: str, run_name: str, export_path: str | None) -> dict[str, A
 
 def draw_images(run_plan: RunPlan, records: list[StageRecord], run_dir: Path) -> Images:
     """Curves and the stage graph, copied from the workspace's image cache when drawn before
-    from the same inputs (flows.drawn: a re-run of reused stages draws nothing). Decoration: a
+    from the same inputs (flows.report_images: a re-run of reused stages draws nothing). Decoration: a
     plotting failure (matplotlib missing, a corrupt metrics file) is logged and the run record
     is written without the image."""
-    cache = drawn.cache_dir(run_plan.recipe.run.workspace)
+    cache = report_images.cache_dir(run_plan.recipe.run.workspace)
     plots: list[CurvePlot] = []
     try:
         stages = [(r.stage, Path(r.uri)) for r in records if r.uri]
-        plots, _ = drawn.curves(stages, run_dir, cache)
+        plots, _ = report_images.curves(stages, run_dir, cache)
     except Exception as exc:
         get_run_logger().warning("training curves not drawn: %s: %s", type(exc).__name__, exc)
     graph = None
     try:
-        graph, _ = drawn.stage_graph(graph_nodes(run_plan, records), run_dir / "graph.png", cache)
+        graph, _ = report_images.stage_graph(
+            graph_nodes(run_plan, records), run_dir / "graph.png", cache
+        )
     except Exception as exc:
         get_run_logger().warning("stage graph not drawn: %s: %s", type(exc).__name__, exc)
     return Images(plots, graph)

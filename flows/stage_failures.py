@@ -1,5 +1,6 @@
-"""Why a stage did not complete: the errors the launcher raises, and the one-line account of a
-failed launch (which rank failed first, how it ended, where its last heartbeat was)."""
+"""Why a stage did not complete, or stopped the run: the errors the supervisor and the flow
+raise, and the one-line account of a failed launch (which rank failed first, how it ended,
+where its last heartbeat was)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ class StageFailed(RuntimeError):
 
 class StageTimeout(StageFailed):
     """A stage ran past its `infra.timeouts.<stage>` limit and was killed."""
+
+
+class QualityGateFailed(RuntimeError):
+    """A stage completed but its result is below a quality bar the recipe sets."""
 
 
 def failure_headline(

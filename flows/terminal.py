@@ -1,5 +1,5 @@
 """What `posttrain run` shows on its terminal, besides Prefect's run/task lines: live training
-progress, and nothing of a failure but the closing block (`flows.verdict_block`).
+progress, and nothing of a failure but the closing block (`flows.failure_block`).
 
 Only the CLI installs these (`quiet_console`, `ProgressPrinter`): a flow served by
 `posttrain serve` or a deployment has no terminal, so there its stage output goes to the Prefect
@@ -9,6 +9,11 @@ UI and `logs/stage.log` as before, and no progress line is printed.
   terminal; it is in `<artifact>/logs/stage.log` and in the UI. So are Prefect's repeats of a
   failure (the task's and the flow's "Finished in state Failed(...)" with the log's tail, or a
   traceback): the CLI's closing block says it once.
+- Known failures: Prefect logs every exception that ends a flow or task run with its full
+  traceback. For the failures posttrain raises and explains (a stage that failed, timed out or
+  hung, a quality gate not met), that is a wall of orchestration frames above the one line a
+  person needs: those records keep their message and lose the traceback, in the UI too
+  (`quiet_known_failures`); any other exception (a bug) keeps it.
 - Progress: one line per training stage, `sft  step 120/400 · loss 1.23 · 5,100 tok/s · ETA 2m 10s`.
   On a TTY it is redrawn in place (`\\r`), several stages at once sharing the line (parallel
   branches, flows.schedule); otherwise (a pipe, a CI log) a plain line per stage at most every
@@ -27,6 +32,7 @@ from typing import Any, TextIO
 from prefect.logging.handlers import PrefectConsoleHandler
 
 from flows.report import format_duration
+from flows.stage_failures import QualityGateFailed, StageFailed
 from flows.stage_output import STAGE_OUTPUT, add_step_listener, remove_step_listener
 
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
@@ -187,3 +193,24 @@ def detach_progress(printer: ProgressPrinter) -> None:
     for handler in logging.getLogger().handlers:
         for f in [f for f in handler.filters if isinstance(f, ClearBeforeLog)]:
             handler.removeFilter(f)
+
+
+KNOWN_FAILURES: tuple[type[BaseException], ...] = (StageFailed, QualityGateFailed)
+
+
+class DropKnownTracebacks(logging.Filter):
+    """Known failures keep their message, not their traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, KNOWN_FAILURES):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_known_failures() -> None:
+    """Install `DropKnownTracebacks` on Prefect's run loggers (once per process)."""
+    for name in RUN_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, DropKnownTracebacks) for f in logger.filters):
+            logger.addFilter(DropKnownTracebacks())

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from posttrain.verdicts import StageVerdict
+from posttrain.stage_errors import StageVerdict
 
 # Headroom over an estimate: file headers, DCP metadata, JSON, filesystem blocks.
 MARGIN = 0.10

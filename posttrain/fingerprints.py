@@ -2,7 +2,7 @@
 
   - the `Result` fields of the sections the stage reads: its own section, and the shared
     sections its kind declares (`StageKind.reads`: `run` and `infra`, plus `guard` for the
-    training kinds); `Execution` fields are left out (`posttrain.config.section_base`);
+    training kinds); `Execution` fields are left out (`posttrain.config.section_fields`);
   - the outside-world inputs those fields name, by content (`source=`): data files and
     folders, a local checkpoint, a template file, a task folder by their files' identity
     (`posttrain.artifacts.path_identity`), hub ids by the commit their revision resolves to,
@@ -27,7 +27,7 @@ from pydantic_core import to_jsonable_python
 
 from posttrain.artifacts import path_identity
 from posttrain.config.schema import Recipe
-from posttrain.config.section_base import effect_of, source_of
+from posttrain.config.section_fields import effect_of, source_of
 from posttrain.data.chat import looks_like_template_file
 from posttrain.hub import RepoType, is_hub_id, resolve_sha
 from posttrain.kinds import StageKind
@@ -60,7 +60,7 @@ class FieldWalk:
         if effect_of(info) is None and not _holds_sections(info):
             raise UndecidedField(
                 f"{type(owner).__name__}.{where.rsplit('.', 1)[-1]}: declare it Result(...) or "
-                "Execution(...) (posttrain.config.section_base)"
+                "Execution(...) (posttrain.config.section_fields)"
             )
         source = source_of(info)
         if source is None or value is None:

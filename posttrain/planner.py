@@ -16,8 +16,8 @@ from typing import Any
 from posttrain.artifacts import ArtifactRef, fingerprint, stage_dir
 from posttrain.config.graph import BASE, StageGraph
 from posttrain.config.loader import is_resolved, resolve
-from posttrain.config.reach import ServedReach
 from posttrain.config.schema import Recipe
+from posttrain.config.served_access import ServedReach
 from posttrain.fingerprints import stage_inputs
 from posttrain.kinds import KINDS, StageKind
 from posttrain.stage_spec import StageSpec

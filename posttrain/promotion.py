@@ -67,9 +67,6 @@ class Decision:
     # Report lines under the table, e.g. the head-to-head's counts
     notes: list[str] = field(default_factory=list)
 
-    def regressions(self) -> list[RuleResult]:
-        return [r for r in self.rows if r.regressed]
-
 
 @dataclass(frozen=True)
 class Unmeasured:

@@ -28,7 +28,8 @@ from posttrain.data.chat import (
 )
 from posttrain.data.preference import encode_pair
 from posttrain.data.synthetic import pretrain_corpus
-from posttrain.models.tiny import train_tokenizer, with_chat_tokens
+from posttrain.models.tiny import train_tokenizer
+from tests.chat_template_fixtures import with_chat_tokens
 
 # (BOS, EOS) of each family's own tokenizer, by file name; markers come from the template text.
 FAMILY_TOKENS: dict[str, tuple[str | None, str]] = {

@@ -6,10 +6,13 @@ accepts a system role, and the exact text the SFT mask must cover for CHAT.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from transformers import PreTrainedTokenizerFast
+
 from posttrain.data.synthetic import pretrain_corpus
-from posttrain.models.tiny import CHATML_TEMPLATE, IM_END, train_tokenizer, with_chat_tokens
+from posttrain.models.tiny import CHATML_TEMPLATE, IM_END, train_tokenizer
 
 CHAT = [
     {"role": "system", "content": "Be brief."},
@@ -217,3 +220,23 @@ def fixture_tokenizer(f: Fixture):
 
 def chat_for(f: Fixture) -> list[dict[str, str]]:
     return CHAT if f.system_role else CHAT[1:]
+
+
+def with_chat_tokens(
+    tokenizer: PreTrainedTokenizerFast,
+    template: str,
+    specials: Iterable[str],
+    bos: str | None,
+    eos: str,
+) -> PreTrainedTokenizerFast:
+    """A copy of `tokenizer` with a model family's chat markers added as special tokens (one id
+    each, as in the family's own tokenizer), its BOS/EOS, and `template` installed: a stand-in
+    for a hub tokenizer when checking real chat templates offline."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_tokens([s for s in (*specials, bos, eos) if s], special_tokens=True)
+    tok.bos_token = bos
+    tok.eos_token = eos
+    tok.chat_template = template
+    return tok

@@ -15,7 +15,7 @@ from posttrain.kinds.grpo import GRPOConfig
 from posttrain.kinds.ppo import PPOConfig
 from posttrain.models.roles import RoleModel, build_roles
 from posttrain.rewards.combine import RewardFunction
-from posttrain.stages.rl_rollouts import RolloutSetup
+from posttrain.rl.rollouts import RolloutSetup
 from posttrain.train.rl_rewards import Rewarder
 
 MAX_PROMPT_LEN = 40

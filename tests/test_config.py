@@ -227,7 +227,7 @@ def test_grpo_needs_groups_and_kl_defaults_differ() -> None:
 
 def test_rl_rollout_and_update_sizes_must_fit() -> None:
     from posttrain.config.loader import section_batch
-    from posttrain.stages.rl_setup import check_shapes
+    from posttrain.rl.setup import check_shapes
 
     data = {**MINIMAL, "reward": PAIRS, "ppo": {**PROMPTS, "rollout": {"prompts_per_step": 6}}}
     r = load_recipe_data(apply_overrides(data, ["infra.devices_per_node=4"]))

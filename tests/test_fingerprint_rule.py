@@ -23,7 +23,7 @@ from pydantic.fields import FieldInfo
 
 from posttrain.config.loader import RecipeError, resolve, validate_recipe
 from posttrain.config.schema import Recipe
-from posttrain.config.section_base import effect_of
+from posttrain.config.section_fields import effect_of
 from posttrain.kinds import KINDS, StageKind
 from posttrain.planner import plan
 from tests.stage_helpers import TINY

@@ -20,7 +20,7 @@ import pytest
 from flows.launchers.base import LaunchError, LaunchRequest
 from flows.launchers.k8s_manifests import plan_job
 from flows.launchers.kubernetes import KubernetesLauncher, cancel_flow_run_jobs
-from posttrain.config.run_sections import InfraConfig
+from posttrain.config.infra_section import InfraConfig
 from posttrain.config.schema import Recipe
 from posttrain.planner import PlannedStage, spec_for
 from tests.k8s_replay import (

@@ -25,9 +25,9 @@ from flows.launchers.k8s_manifests import (
     rdzv_endpoint,
 )
 from flows.stage_launch import stage_command
+from posttrain.config.infra_section import InfraConfig
 from posttrain.config.kubernetes_section import KubernetesConfig, Toleration
 from posttrain.config.loader import RecipeError, validate_recipe
-from posttrain.config.run_sections import InfraConfig
 from posttrain.planner import PlannedStage
 from tests.k8s_schema import K8S_VERSION, validate_object
 

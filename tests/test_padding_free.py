@@ -20,7 +20,7 @@ from transformers import (
 from posttrain.config.sections import LoraConfig
 from posttrain.data.batching import pack_examples, pad_batch, regroup_by_tokens
 from posttrain.data.chat import IGNORE
-from posttrain.data.segments import Segments, batch_rows, flat_batch, real_tokens
+from posttrain.data.segments import Segments, batch_rows, flat_batch
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.models.reward import pair_batch, pair_scores
 from posttrain.train.chunked import forward_nll_sum, forward_sequence_logps
@@ -85,9 +85,9 @@ def test_flat_batch_layout() -> None:
     assert b["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2]]
     # Each row's first label is never a target: the previous row's last token would predict it.
     assert b["labels"][0, 4].item() == IGNORE
-    assert real_tokens(b) == 7 and batch_rows(b) == 2
+    assert b["segments"].tokens == 7 and batch_rows(b) == 2
     padded = pad_batch(rows([4, 3]), 0)
-    assert real_tokens(padded) == 7 and batch_rows(padded) == 2
+    assert int(padded["attention_mask"].sum()) == 7 and batch_rows(padded) == 2
     # Same targets either way.
     assert int((b["labels"][:, 1:] != IGNORE).sum()) == int(
         (padded["labels"][:, 1:] != IGNORE).sum()

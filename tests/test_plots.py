@@ -50,7 +50,7 @@ def _sft_records() -> list[dict[str, Any]]:
 
 
 def _rl_records() -> list[dict[str, Any]]:
-    # Field names as the online-RL stage writes them (posttrain/stages/rl_metrics.py, rl_heldout.py).
+    # Field names as the online-RL stage writes them (posttrain/rl/metrics.py, heldout.py).
     rows: list[dict[str, Any]] = [{"kind": "start", "total_steps": 4}]
     for step in range(1, 5):
         rows.append(

@@ -13,6 +13,8 @@ from posttrain.artifacts import ArtifactRef
 from posttrain.config.schema import PromotionConfig, PromotionRule, Recipe
 from posttrain.promotion import (
     WIN_RATE_VS_CHAMPION,
+    Decision,
+    RuleResult,
     Unmeasured,
     champions,
     compare,
@@ -21,6 +23,11 @@ from posttrain.promotion import (
     read_registry,
     record_decision,
 )
+
+
+def _regressions(d: Decision) -> list[RuleResult]:
+    return [r for r in d.rows if r.regressed]
+
 
 RULES = PromotionConfig().rules
 CHAMPION = {"tuned_loss": 1.50, "exact_match_tuned": 0.40, "rm_accuracy": 0.70}
@@ -34,7 +41,7 @@ def test_first_candidate_is_promoted() -> None:
 def test_better_or_within_tolerance_is_promoted() -> None:
     better = {"tuned_loss": 1.40, "exact_match_tuned": 0.41, "rm_accuracy": 0.69}  # rm -0.01
     d = compare(better, CHAMPION, RULES)
-    assert d.promoted and not d.regressions()
+    assert d.promoted and not _regressions(d)
     rows = {r.metric: r for r in d.rows}
     assert rows["win_rate_vs_parent"].compared is False  # absent on both sides: skipped
 
@@ -43,7 +50,7 @@ def test_worse_is_refused_naming_every_regression() -> None:
     worse = {"tuned_loss": 1.60, "exact_match_tuned": 0.30, "rm_accuracy": 0.70}
     d = compare(worse, CHAMPION, RULES)
     assert not d.promoted
-    assert [r.metric for r in d.regressions()] == ["tuned_loss", "exact_match_tuned"]
+    assert [r.metric for r in _regressions(d)] == ["tuned_loss", "exact_match_tuned"]
     assert "tuned_loss 1.6 vs champion 1.5 (higher beyond tolerance 0.02)" in d.reason
     assert "exact_match_tuned 0.3 vs champion 0.4 (lower beyond tolerance 0.02)" in d.reason
 
@@ -135,7 +142,7 @@ def test_a_failed_head_to_head_refuses_promotion_and_says_why() -> None:
     failed = "head-to-head against the champion failed: stage 'head_to_head' exited with code 1"
     why = {WIN_RATE_VS_CHAMPION: Unmeasured(failed, blocks=True)}
     d = compare(CHAMPION, CHAMPION, RULES, why)
-    assert not d.promoted and d.reason == failed and not d.regressions()
+    assert not d.promoted and d.reason == failed and not _regressions(d)
     # With a regression as well, both are named, the regression first.
     worse = compare({**CHAMPION, "tuned_loss": 2.0}, CHAMPION, RULES, why)
     assert worse.reason.startswith("regressed: tuned_loss 2 vs champion 1.5") and failed in (
@@ -210,7 +217,7 @@ def test_verifier_accuracy_is_a_default_rule() -> None:
     champion = {**CHAMPION, "pass@1": 0.31}
     worse = {**CHAMPION, "pass@1": 0.25}
     d = compare(worse, champion, RULES)
-    assert not d.promoted and [r.metric for r in d.regressions()] == ["pass@1"]
+    assert not d.promoted and [r.metric for r in _regressions(d)] == ["pass@1"]
     assert "pass@1 0.25 vs champion 0.31 (lower beyond tolerance 0.02)" in d.reason
     assert compare({**CHAMPION, "pass@1": 0.30}, champion, RULES).promoted
     rows = {r.metric: r for r in compare(CHAMPION, CHAMPION, RULES).rows}

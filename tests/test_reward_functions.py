@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from posttrain.config.loader import RecipeError, load_recipe
-from posttrain.config.reach import (
+from posttrain.config.served_access import (
     REWARDS_ENV,
     check_served_reach,
     reward_roots,

@@ -1,4 +1,4 @@
-"""Step 5 of online RL (posttrain.stages.rl_heldout): the held-out sums and means and the
+"""Step 5 of online RL (posttrain.rl.heldout): the held-out sums and means and the
 quality gate by hand; on a tiny real model, the samples each policy is judged on (the same
 prompts under the same seeds for the policy and the starting policy) and what `evaluate`
 writes."""
@@ -17,7 +17,7 @@ from fixtures_tiny import TinyAssets, one_torch_thread, tiny_assets
 from rl_tiny import prompt_rows, role_model, rollout_setup, section
 
 from posttrain.models.adapters import POLICY, REFERENCE
-from posttrain.stages.rl_heldout import (
+from posttrain.rl.heldout import (
     add_heldout_sums,
     evaluate,
     heldout,

@@ -1,4 +1,4 @@
-"""The `train` record of an online-RL step (posttrain.stages.rl_metrics) on a hand-made
+"""The `train` record of an online-RL step (posttrain.rl.metrics) on a hand-made
 rollout: the totals over ranks, the FLOPs and the record's fields, by hand."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from posttrain.stages.rl_metrics import rollout_totals, step_flops, train_metrics
-from posttrain.stages.rl_rollouts import RolloutBatch
-from posttrain.stages.rl_update import UpdateStats
+from posttrain.rl.metrics import rollout_totals, step_flops, train_metrics
+from posttrain.rl.rollouts import RolloutBatch
+from posttrain.rl.update import UpdateStats
 from tests.test_rl_losses import _rollout
 
 L2 = math.log(2)

@@ -1,4 +1,4 @@
-"""Steps 1-2 of an online-RL step (posttrain.stages.rl_rollouts): the prompts a round draws,
+"""Steps 1-2 of an online-RL step (posttrain.rl.rollouts): the prompts a round draws,
 the scored rollout `collect_rollout` hands on, and DAPO's dynamic sampling (which groups it
 keeps, how many rounds, what tops a short batch up), on a tiny real model; the group selection
 and top-up on hand-made rollouts."""
@@ -15,7 +15,7 @@ from rl_tiny import prompt_rows, role_model, rollout_setup, section
 
 from posttrain.data.batching import step_indices
 from posttrain.models.adapters import POLICY
-from posttrain.stages.rl_rollouts import (
+from posttrain.rl.rollouts import (
     collect_rollout,
     rollout_seed,
     round_prompts,

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from posttrain.stages.rl_heldout import quality_gate
+from posttrain.rl.heldout import quality_gate
 from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import (
     ROOT,
@@ -269,8 +269,9 @@ def test_grpo_family_algorithms_train_the_policy(parents, algorithm) -> None:
 
 
 def test_gates_stop_on_kl_and_reward_gain(parents, ppo_run) -> None:
-    from flows.post_train import QualityGateFailed, check_gate
+    from flows.post_train import check_gate
     from flows.report import StageRecord
+    from flows.stage_failures import QualityGateFailed
     from posttrain.artifacts import ref_from_manifest
     from posttrain.config.schema import PPOConfig
 

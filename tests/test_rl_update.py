@@ -1,4 +1,4 @@
-"""Steps 3-4 of an online-RL step (posttrain.stages.rl_update): where the KL goes in the
+"""Steps 3-4 of an online-RL step (posttrain.rl.update): where the KL goes in the
 advantages, the policy's per-token objective against hand-computed values, and the update on a
 tiny real model: one optimizer step per minibatch whose gradient is that of the minibatch's
 global mean, however the minibatch is split into micro-batches."""
@@ -22,9 +22,9 @@ from posttrain.config.schema import OptimConfig, Recipe
 from posttrain.distributed.runtime import DistInfo, init_distributed, shutdown
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import VALUE, RoleModel
+from posttrain.rl.rollouts import collect_rollout
+from posttrain.rl.update import Advantages, compute_advantages, policy_terms, update
 from posttrain.stages.common import StageContext
-from posttrain.stages.rl_rollouts import collect_rollout
-from posttrain.stages.rl_update import Advantages, compute_advantages, policy_terms, update
 from posttrain.train.rl_algos import ALGORITHMS
 from posttrain.train.rl_losses import clipped_policy_loss, clipped_value_loss, kl_penalty
 from posttrain.train.rollout import Rollout, response_logps

@@ -1,4 +1,4 @@
-"""The narrowing rule for served recipes (posttrain.config.reach): fast, real folders, no server."""
+"""The narrowing rule for served recipes (posttrain.config.served_access): fast, real folders, no server."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from posttrain.config.loader import RecipeError
-from posttrain.config.reach import (
+from posttrain.config.schema import Recipe
+from posttrain.config.served_access import (
     check_served_reach,
     parse_roots,
     reward_roots,
@@ -17,7 +18,6 @@ from posttrain.config.reach import (
     with_roots,
     worker_roots,
 )
-from posttrain.config.schema import Recipe
 from tests.stage_helpers import TINY
 
 

@@ -21,8 +21,9 @@ from posttrain.eval.generation import generate, generate_ids
 from posttrain.eval.stop_tokens import end_of_turn_token, model_stop_token_ids, stop_token_ids
 from posttrain.models.lora import apply_lora
 from posttrain.models.roles import RoleModel
-from posttrain.models.tiny import EOT, IM_END, with_chat_tokens
+from posttrain.models.tiny import EOT, IM_END
 from posttrain.train.rollout import decode_responses, sample
+from tests.chat_template_fixtures import with_chat_tokens
 
 GREEDY = SamplingConfig(name="greedy", strategy="greedy", max_new_tokens=12)
 

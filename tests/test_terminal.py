@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from flows import terminal
+from flows.failure_block import FIXES, gate_block, stage_failure_block, unexpected_block
 from flows.stage_output import MetricsTail, add_step_listener, remove_step_listener
 from flows.terminal import ProgressPrinter, QuietConsole
-from flows.verdict_block import FIXES, gate_block, stage_failure_block, unexpected_block
 
 REPO = Path(__file__).resolve().parents[1]
 LOG = "/ws/artifacts/sft/18ad184aa1f3a563/logs/stage.log"
@@ -250,8 +250,7 @@ def test_metrics_tail_tells_the_listeners_the_stage_and_its_newest_step(tmp_path
 
 def test_cli_picks_the_block_by_failure(tmp_path: Path) -> None:
     from flows.cli import failure_block
-    from flows.post_train import QualityGateFailed
-    from flows.stage_failures import StageFailed, StageTimeout
+    from flows.stage_failures import QualityGateFailed, StageFailed, StageTimeout
     from posttrain.config.loader import RecipeError, validate_recipe
 
     recipe = validate_recipe(

@@ -16,7 +16,7 @@ from pydantic_core import PydanticUndefined
 
 from posttrain.config.graph import __doc__ as _graph_module_doc
 from posttrain.config.schema import Recipe, StageLinks
-from posttrain.config.section_base import effect_of
+from posttrain.config.section_fields import effect_of
 from posttrain.kinds import graph_kinds
 
 # How shorthand sections and `stages:` entries make one graph (the graph module's docstring,
@@ -41,7 +41,7 @@ Blank for a section (its keys decide) and for the run-level sections no stage re
 (`promotion`, `schedule`, `tracking`). Data files, checkpoints, templates and reward code count
 by content, hub ids by the commit they resolve to.
 
-Generated from the stage registry (`posttrain/kinds/`), `posttrain/config/schema.py`, `sections.py` and `run_sections.py` by `python -m posttrain.config.docs`; do not edit.
+Generated from the stage registry (`posttrain/kinds/`), `posttrain/config/schema.py`, `sections.py`, `infra_section.py` and `run_section.py` by `python -m posttrain.config.docs`; do not edit.
 """
 
 
@@ -97,7 +97,7 @@ def _limits(field: FieldInfo) -> str:
 
 
 def _reruns(field: FieldInfo) -> str:
-    """yes / no by the field's fingerprint decision (posttrain.config.section_base)."""
+    """yes / no by the field's fingerprint decision (posttrain.config.section_fields)."""
     return {"result": "yes", "execution": "no"}.get(effect_of(field) or "", "")
 
 

@@ -17,18 +17,13 @@ from pydantic import ConfigDict, Field, PrivateAttr, create_model, model_validat
 
 from posttrain.config.batch import resolve_batch
 from posttrain.config.graph import GraphError, StageGraph, build_graph
-from posttrain.config.run_sections import (
-    GuardConfig,
-    InfraConfig,
-    RunConfig,
-    ScheduleConfig,
-    TrackingConfig,
-    _Section,
-)
-from posttrain.config.section_base import Execution
+from posttrain.config.infra_section import InfraConfig
+from posttrain.config.run_section import RunConfig, ScheduleConfig, TrackingConfig
+from posttrain.config.section_fields import Execution, _Section
 from posttrain.config.sections import (  # noqa: F401  (re-exported: importers use schema)
     BatchConfig,
     DataConfig,
+    GuardConfig,
     KLConfig,
     LoraConfig,
     OptimConfig,

@@ -1,5 +1,6 @@
 """Recipe-section building blocks that several stage kinds share: data sources, LoRA, optimizer,
-batch, the training fields every training stage has, the template guard, rollouts and KL.
+batch, the training fields every training stage has, the template guard, rollouts and KL, and
+the numerical guards of the training stages (`guard`).
 
 Each stage kind's own section lives beside its registration in `posttrain/kinds/<kind>.py`.
 """
@@ -10,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from posttrain.config.section_base import Execution, Result, _Section
+from posttrain.config.section_fields import Execution, Result, _Section
 from posttrain.rewards.spec import RewardSpec
 
 
@@ -409,3 +410,47 @@ class SamplingConfig(_Section):
     top_p: float | None = Result(None, gt=0, le=1, description="Nucleus filter (sample only).")
     num_beams: int = Result(4, ge=2, description="Beams (beam only).")
     max_new_tokens: int = Result(48, ge=1, description="Longest generation.")
+
+
+class GuardConfig(_Section):
+    """Numerical guards of the training stages (sft, reward, dpo, ppo, grpo)."""
+
+    max_bad_steps: int = Execution(
+        3,
+        ge=0,
+        description="Bad optimizer steps (non-finite loss or gradient norm, or a loss spike) "
+        "tolerated within `window`; one more stops the stage with an error. A bad step's update "
+        "is skipped either way.",
+    )
+    window: int = Execution(
+        50, ge=1, description="How many of the most recent optimizer steps `max_bad_steps` counts."
+    )
+    loss_spike_k: float | None = Result(
+        None,
+        gt=0,
+        description="Also treat as bad (skip) a step whose loss exceeds mean + k x std of the "
+        "last `loss_spike_window` good steps' losses; null = off. When set, it is part of the "
+        "training stages' fingerprints (it decides which updates are applied).",
+    )
+    loss_spike_window: int = Result(
+        20, ge=2, description="Good steps' losses the spike test takes its mean and std over."
+    )
+    loss_spike_min_history: int = Result(
+        10,
+        ge=2,
+        description="Good steps needed before the spike test applies (early losses move fast).",
+    )
+
+    @model_validator(mode="after")
+    def _reachable(self) -> GuardConfig:
+        if self.max_bad_steps >= self.window:
+            raise ValueError(
+                f"max_bad_steps {self.max_bad_steps} must be below window {self.window}: "
+                "the guard could never stop the stage"
+            )
+        if self.loss_spike_min_history > self.loss_spike_window:
+            raise ValueError(
+                f"loss_spike_min_history {self.loss_spike_min_history} exceeds "
+                f"loss_spike_window {self.loss_spike_window}: the spike test would never apply"
+            )
+        return self

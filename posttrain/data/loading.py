@@ -380,7 +380,3 @@ def _read_local(path: str, max_line_bytes: int | None) -> list[tuple[str, Any]]:
 def load_sft_rows(path: str | Path | DataSource) -> list[dict[str, Any]]:
     """Validated conversational rows; raises DataError at the first bad row."""
     return [check_sft_row(row, where) for where, row in read_rows(path)]
-
-
-def to_dataset(rows: list[dict[str, Any]]) -> Dataset:
-    return Dataset.from_list(rows)

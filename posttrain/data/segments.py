@@ -108,13 +108,6 @@ def flat_batch(examples: list[dict[str, list[int]]]) -> dict[str, Any]:
     }
 
 
-def real_tokens(batch: dict[str, Any]) -> int:
-    """Non-padding tokens of a batch (flat or padded)."""
-    if "segments" in batch:
-        return batch["segments"].tokens
-    return int(batch["attention_mask"].sum())
-
-
 def batch_rows(batch: dict[str, Any]) -> int:
     """Rows (sequences) in a batch (flat or padded)."""
     if "segments" in batch:

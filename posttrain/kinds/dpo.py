@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from posttrain.config.section_base import Execution, Result
+from posttrain.config.section_fields import Execution, Result
 from posttrain.config.sections import PreferenceDataConfig, TemplateGuard, TrainingSection
 from posttrain.kinds._kind import MemoryInputs, StageKind
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from posttrain.config.section_base import Result, _Section
+from posttrain.config.section_fields import Result, _Section
 from posttrain.config.sections import SamplingConfig
 from posttrain.kinds._kind import StageKind
 from posttrain.rewards.spec import RewardSpec

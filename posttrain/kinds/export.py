@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import field_validator
 
-from posttrain.config.section_base import Result, _Section
+from posttrain.config.section_fields import Result, _Section
 from posttrain.kinds._kind import StageKind
 
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from posttrain.config.rl_algorithms import SPECS
-from posttrain.config.section_base import Result
+from posttrain.config.section_fields import Result
 from posttrain.config.sections import KLConfig, OnlineRLConfig, RolloutConfig
 from posttrain.kinds._kind import MemoryInputs, StageKind
 from posttrain.kinds._online import rollout_inputs, rollout_memory

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from posttrain.config.section_base import Execution, Result, _Section
+from posttrain.config.section_fields import Execution, Result, _Section
 from posttrain.kinds._kind import StageKind
 
 # Real models' shapes for `ingest.from_config.shape`: random-init stand-ins with the exact width,

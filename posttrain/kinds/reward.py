@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field
 
-from posttrain.config.section_base import Result
+from posttrain.config.section_fields import Result
 from posttrain.config.sections import (
     LoraConfig,
     PreferenceDataConfig,

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.config.run_sections import InfraConfig
+from posttrain.config.infra_section import InfraConfig
 from posttrain.memory.estimate import (
     DeviceLayout,
     ModelShape,

@@ -97,23 +97,3 @@ def build_model(cfg: FromConfigModel, tokenizer: PreTrainedTokenizerFast) -> Pre
     if cfg.architecture == "llama":
         return LlamaForCausalLM(LlamaConfig(**common))
     return Qwen2ForCausalLM(Qwen2Config(**common))
-
-
-def with_chat_tokens(
-    tokenizer: PreTrainedTokenizerFast,
-    template: str,
-    specials: Iterable[str],
-    bos: str | None,
-    eos: str,
-) -> PreTrainedTokenizerFast:
-    """A copy of `tokenizer` with a model family's chat markers added as special tokens (one id
-    each, as in the family's own tokenizer), its BOS/EOS, and `template` installed: a stand-in
-    for a hub tokenizer when checking real chat templates offline."""
-    import copy
-
-    tok = copy.deepcopy(tokenizer)
-    tok.add_tokens([s for s in (*specials, bos, eos) if s], special_tokens=True)
-    tok.bos_token = bos
-    tok.eos_token = eos
-    tok.chat_template = template
-    return tok

@@ -21,7 +21,7 @@ import torch
 
 from posttrain.rewards.loader import bind
 from posttrain.rewards.spec import RewardSpec
-from posttrain.verdicts import StageVerdict
+from posttrain.stage_errors import StageVerdict
 
 # Keyword arguments the caller fills; a data column of the same name would be shadowed.
 RESERVED = ("prompts", "completions", "completion_ids", "stopped")

@@ -3,7 +3,7 @@
 Naming a function in a recipe runs its code, so where it may come from is decided here, not by
 the recipe: built-ins (`posttrain.rewards.*`) always; anything else only as a file inside the
 folders the caller allows (`roots`: the recipe's folder and `run.allowed_paths` for `posttrain
-run`; the worker's reward folders for a served run, see `posttrain.config.reach`). A user module
+run`; the worker's reward folders for a served run, see `posttrain.config.served_access`). A user module
 is imported from its file under a private name, never through `sys.path`, so a recipe cannot
 reach an installed package (`os:system`) or shadow one. While it executes, its own folder is on
 `sys.path` so it can import its sibling helpers.

@@ -39,9 +39,9 @@ from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS, StageKind, kind_of
 from posttrain.orphan import OrphanWatch
 from posttrain.recovery import launch_account, recovery_record
+from posttrain.stage_errors import ParentArtifactDamaged, StageVerdict
 from posttrain.stage_spec import LaunchInfo, StageSpec, read_spec
 from posttrain.telemetry import heartbeat
-from posttrain.verdicts import ParentArtifactDamaged, StageVerdict
 
 log = logging.getLogger("posttrain")
 

@@ -24,7 +24,7 @@ This module is the stage's wiring: which models are loaded and in which order, w
 family runs on which of them, and the summary with its headline. Each family is a module of
 `posttrain/eval/` (heldout, exact_match, samples, inference, preference_eval, side_by_side,
 verify, lm_eval_harness); what each is scored on is read from the parents' artifacts by
-`posttrain.stages.evaluate_inputs`. `run` keeps the families in the order they always ran in.
+`posttrain.eval.inputs`. `run` keeps the families in the order they always ran in.
 """
 
 from __future__ import annotations
@@ -41,6 +41,14 @@ from posttrain.data.sft_data import tokenize_rows, write_rows
 from posttrain.eval.exact_match import base_vs_tuned
 from posttrain.eval.heldout import policy_heldout_loss
 from posttrain.eval.inference import compare_cache_modes, inference_prompt
+from posttrain.eval.inputs import (
+    conversations,
+    prompts_and_refs,
+    stage_pairs,
+    stage_prompts,
+    verifier_prompts,
+    verifier_specs,
+)
 from posttrain.eval.lm_eval_harness import harness_report
 from posttrain.eval.lm_eval_harness import headline as lm_eval_headline
 from posttrain.eval.preference_eval import (
@@ -56,14 +64,6 @@ from posttrain.models.loading import load_base
 from posttrain.models.reward import load_reward_model
 from posttrain.rewards.combine import load_rewards
 from posttrain.stages.common import StageContext, stage_main
-from posttrain.stages.evaluate_inputs import (
-    conversations,
-    prompts_and_refs,
-    stage_pairs,
-    stage_prompts,
-    verifier_prompts,
-    verifier_specs,
-)
 
 log = logging.getLogger("posttrain.evaluate")
 

@@ -1,21 +1,21 @@
 """The online-RL stage PPO and GRPO share (`posttrain.stages.ppo`, `posttrain.stages.grpo`): its
-loop and its outputs, after its setup (`posttrain.stages.rl_setup`). One logged step = one
+loop and its outputs, after its setup (`posttrain.rl.setup`). One logged step = one
 rollout, in five steps, each a module's:
-1. generate and 2. score (`posttrain.stages.rl_rollouts`): each rank samples responses for its
+1. generate and 2. score (`posttrain.rl.rollouts`): each rank samples responses for its
    share of `rollout.prompts_per_step` prompts (x samples_per_prompt) from the sharded policy,
    KV cache on, stopping at a stop token; then policy and reference log-probs, critic values
    (PPO) and the reward (functions and/or reward model), no grad; in rounds with DAPO's dynamic
    sampling;
-3. advantages and 4. update (`posttrain.stages.rl_update`): from the algorithm registry
+3. advantages and 4. update (`posttrain.rl.update`): from the algorithm registry
    (`posttrain.train.rl_algos`): GAE over the critic for PPO, group-normalised scores for GRPO;
    KL against the reference in the reward or the loss; then `update_epochs` passes over the
    rollout in shuffled minibatches of `batch` (micro x accum x ranks sequences), clipped policy
    loss - entropy bonus (+ KL) and, with a critic, the clipped value loss; means over the whole
    minibatch on all ranks, per token or per response (`loss_aggregation`);
-5. held-out (`posttrain.stages.rl_heldout`), at the end and every `eval_every`: mean reward of
+5. held-out (`posttrain.rl.heldout`), at the end and every `eval_every`: mean reward of
    the policy's samples vs the SFT policy's, and KL(policy || SFT) per response; `max_kl` and
    `min_reward_gain` are quality gates.
-`posttrain.stages.rl_metrics` builds each step's `train` record.
+`posttrain.rl.metrics` builds each step's `train` record.
 
 All four roles live on one base (`posttrain.models.roles`), sharded together by FSDP2.
 Checkpoints at rollout boundaries hold the trainable adapters and heads, optimizer, schedule and
@@ -33,12 +33,12 @@ from typing import Any
 from posttrain.distributed.runtime import min_max
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import VALUE
+from posttrain.rl.heldout import evaluate, quality_gate
+from posttrain.rl.metrics import rollout_totals, step_flops, train_metrics
+from posttrain.rl.rollouts import RolloutBatch, collect_rollout, rollout_seed
+from posttrain.rl.setup import RLRun, setup
+from posttrain.rl.update import Advantages, UpdateStats, compute_advantages, update
 from posttrain.stages.common import StageContext
-from posttrain.stages.rl_heldout import evaluate, quality_gate
-from posttrain.stages.rl_metrics import rollout_totals, step_flops, train_metrics
-from posttrain.stages.rl_rollouts import RolloutBatch, collect_rollout, rollout_seed
-from posttrain.stages.rl_setup import RLRun, setup
-from posttrain.stages.rl_update import Advantages, UpdateStats, compute_advantages, update
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.checkpoint import data_position

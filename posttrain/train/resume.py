@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from posttrain.distributed.agree import barrier, from_rank0, gather_all, rank, world
+from posttrain.stage_errors import NoIntactCheckpoint
 from posttrain.train.checkpoint import (
     apply_checkpoint,
     complete_checkpoints,
@@ -40,7 +41,6 @@ from posttrain.train.integrity import (
     my_share,
     read_record,
 )
-from posttrain.verdicts import NoIntactCheckpoint
 
 log = logging.getLogger("posttrain.train")
 

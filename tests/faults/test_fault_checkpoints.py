@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from posttrain.distributed.runtime import init_distributed, shutdown
+from posttrain.stage_errors import NoIntactCheckpoint
 from posttrain.train.checkpoint import (
     complete_checkpoints,
     damaged_checkpoints,
@@ -23,7 +24,6 @@ from posttrain.train.checkpoint import (
 )
 from posttrain.train.integrity import INTEGRITY, read_record
 from posttrain.train.resume import inspect_checkpoint, resume_newest_intact
-from posttrain.verdicts import NoIntactCheckpoint
 from tests.faults.fault_injection import flip_bytes, largest_shard, truncate
 from tests.faults.fault_trainer import Trainer
 

@@ -21,7 +21,7 @@ import torch
 from posttrain.data.sft_data import write_rows
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import POLICY, REFERENCE
-from posttrain.stages.rl_rollouts import RolloutSetup
+from posttrain.rl.rollouts import RolloutSetup
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import MetricsWriter
 from posttrain.train.rl_algos import sequence_kl

@@ -33,7 +33,7 @@ def rollout_seed(seed: int, step: int, rank: int) -> int:
 
 @dataclass(frozen=True)
 class RolloutSetup:
-    """What every rollout (and the held-out samples, `posttrain.stages.rl_heldout`) is drawn
+    """What every rollout (and the held-out samples, `posttrain.rl.heldout`) is drawn
     and scored with; fixed for the stage."""
 
     model: torch.nn.Module  # the role model (`posttrain.models.roles`), sharded over the ranks

@@ -24,8 +24,8 @@ from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.models.lora import prepare_for_training
 from posttrain.models.roles import RoleModel, build_roles
 from posttrain.rewards.combine import load_rewards
+from posttrain.rl.rollouts import RolloutSetup
 from posttrain.stages.common import StageContext, training_base
-from posttrain.stages.rl_rollouts import RolloutSetup
 from posttrain.train.rl_algos import Algorithm
 from posttrain.train.rl_losses import KLController, Reduce
 from posttrain.train.rl_rewards import Rewarder

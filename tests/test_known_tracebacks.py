@@ -8,9 +8,8 @@ import sys
 
 import pytest
 
-from flows.known_failures import DropKnownTracebacks, quiet_known_failures
-from flows.post_train import QualityGateFailed
-from flows.stage_failures import StageFailed
+from flows.stage_failures import QualityGateFailed, StageFailed
+from flows.terminal import DropKnownTracebacks, quiet_known_failures
 
 
 def _record(exc: BaseException) -> logging.LogRecord:

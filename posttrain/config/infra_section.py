@@ -1,50 +1,17 @@
-"""The recipe sections that say how and where a run runs, not what a stage trains: `run`,
-`infra` (devices, processes, precision, timeouts, fault handling), `schedule`, `guard` and
-`tracking`, and the base every section model shares. `posttrain.config.schema` assembles them into the recipe.
-"""
+"""The recipe's `infra` section: devices, processes, precision, timeouts, fault handling and the
+engine that runs the stages (its Slurm and Kubernetes sub-sections live beside it)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from posttrain.config.kubernetes_section import KubernetesConfig
-from posttrain.config.section_base import Execution, Result, _Section
+from posttrain.config.section_fields import Execution, Result, _Section
 from posttrain.config.slurm_section import SlurmConfig
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
-
-
-class RunConfig(_Section):
-    name: str = Execution(
-        "posttrain-run",
-        description="Pipeline name: groups runs, names the Prefect flow run and the champion slot.",
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
-    )
-    workspace: str = Execution(
-        "./workspace",
-        description="Folder that holds artifacts/, runs/ and Prefect results. Relative paths are "
-        "resolved against the current directory when the recipe is loaded.",
-    )
-    seed: int = Result(0, ge=0, description="Seed for data order, initialisation and sampling.")
-    allowed_paths: list[str] = Execution(
-        default_factory=list,
-        description="Absolute folders the recipe's input paths (ingest.path, data.path, "
-        "data.eval_path) may point into, besides the recipe file's folder, the current directory "
-        "and the workspace. Anything else, reached by an absolute path, `..` or a symlink, is "
-        "refused. Loading appends the recipe's folder or current directory when a path needed "
-        "it, so a resolved recipe passes the same check on the machine that runs it.",
-    )
-
-    @field_validator("allowed_paths")
-    @classmethod
-    def _absolute(cls, value: list[str]) -> list[str]:
-        for p in value:
-            if not p.startswith(("/", "~")):
-                raise ValueError(f"{p!r} is not an absolute folder (start it with / or ~)")
-        return value
 
 
 class StageTimeouts(_Section):
@@ -306,148 +273,3 @@ class InfraConfig(_Section):
         if self.launcher == "kubernetes":
             self.kubernetes.check_usable()
         return self
-
-
-_CRON_FIELD = r"[0-9A-Za-z*/,\-?LW#]+"
-
-
-class ScheduleConfig(_Section):
-    """When a served deployment of this recipe runs by itself (`posttrain serve`)."""
-
-    cron: str | None = Field(
-        None,
-        description="Cron expression (5 fields, e.g. `0 3 * * 1` = Mondays 03:00) in `timezone`.",
-        pattern=rf"^\s*{_CRON_FIELD}(\s+{_CRON_FIELD}){{4}}\s*$",
-    )
-    interval_s: float | None = Field(
-        None, ge=60, description="Run every this many seconds (at least 60); instead of cron."
-    )
-    timezone: str = Field(
-        "UTC",
-        description="IANA time zone for cron (e.g. Europe/Paris): 03:00 stays 03:00 "
-        "across daylight-saving changes.",
-    )
-    on_new_base: bool = Field(
-        False,
-        description="Also run when another pipeline's ingest emits `posttrain.base.published`; "
-        "the run uses that base checkpoint (ingest.source = path).",
-    )
-    active: bool = Field(
-        True,
-        description="False: the schedule is created paused (the deployment still runs "
-        "on request and on events).",
-    )
-
-    @model_validator(mode="after")
-    def _one_kind(self) -> ScheduleConfig:
-        if self.cron is not None and self.interval_s is not None:
-            raise ValueError("give cron or interval_s, not both")
-        return self
-
-    @field_validator("timezone")
-    @classmethod
-    def _known_zone(cls, value: str) -> str:
-        try:
-            ZoneInfo(value)
-        except (ZoneInfoNotFoundError, ValueError, OSError):  # OSError: a name too long
-            raise ValueError(f"unknown time zone {value[:100]!r} (use an IANA name)") from None
-        return value
-
-
-class GuardConfig(_Section):
-    """Numerical guards of the training stages (sft, reward, dpo, ppo, grpo)."""
-
-    max_bad_steps: int = Execution(
-        3,
-        ge=0,
-        description="Bad optimizer steps (non-finite loss or gradient norm, or a loss spike) "
-        "tolerated within `window`; one more stops the stage with an error. A bad step's update "
-        "is skipped either way.",
-    )
-    window: int = Execution(
-        50, ge=1, description="How many of the most recent optimizer steps `max_bad_steps` counts."
-    )
-    loss_spike_k: float | None = Result(
-        None,
-        gt=0,
-        description="Also treat as bad (skip) a step whose loss exceeds mean + k x std of the "
-        "last `loss_spike_window` good steps' losses; null = off. When set, it is part of the "
-        "training stages' fingerprints (it decides which updates are applied).",
-    )
-    loss_spike_window: int = Result(
-        20, ge=2, description="Good steps' losses the spike test takes its mean and std over."
-    )
-    loss_spike_min_history: int = Result(
-        10,
-        ge=2,
-        description="Good steps needed before the spike test applies (early losses move fast).",
-    )
-
-    @model_validator(mode="after")
-    def _reachable(self) -> GuardConfig:
-        if self.max_bad_steps >= self.window:
-            raise ValueError(
-                f"max_bad_steps {self.max_bad_steps} must be below window {self.window}: "
-                "the guard could never stop the stage"
-            )
-        if self.loss_spike_min_history > self.loss_spike_window:
-            raise ValueError(
-                f"loss_spike_min_history {self.loss_spike_min_history} exceeds "
-                f"loss_spike_window {self.loss_spike_window}: the spike test would never apply"
-            )
-        return self
-
-
-class MlflowTracking(_Section):
-    """An MLflow tracking server the run reports to (extra: `pip install posttrain[mlflow]`)."""
-
-    uri: str = Field(
-        description="Tracking server URI, e.g. `http://mlflow.internal:5000` (also the model "
-        "registry's). Credentials come from MLflow's own environment variables "
-        "(MLFLOW_TRACKING_TOKEN, MLFLOW_TRACKING_USERNAME/PASSWORD), never from the recipe.",
-        min_length=1,
-    )
-    experiment: str | None = Field(
-        None, description="Experiment the pipeline runs go to; default: `run.name`."
-    )
-    upload_model: bool = Field(
-        False,
-        description="On promotion, copy the exported model folder into MLflow's artifact store "
-        "(the weights: GBs for a large model) as the registered version's files. Off: the "
-        "version's files are a small `posttrain_export.json` naming the export's path, "
-        "fingerprint and checksum in the workspace.",
-    )
-
-
-class WandbTracking(_Section):
-    """A Weights & Biases project the run reports to (extra: `pip install posttrain[wandb]`)."""
-
-    project: str = Field(description="W&B project.", min_length=1)
-    entity: str | None = Field(None, description="W&B entity (user or team); default: yours.")
-    mode: Literal["online", "offline", "disabled"] = Field(
-        "online",
-        description="`offline` writes the runs under WANDB_DIR for a later `wandb sync`; the "
-        "WANDB_MODE environment variable, when set, wins.",
-    )
-
-
-class TrackingConfig(_Section):
-    """Experiment trackers fed from the stages' metrics.jsonl by the flow process. None of it is
-    part of any fingerprint; a tracker that is down never fails or stalls the run."""
-
-    tensorboard: bool = Field(
-        True,
-        description="Write TensorBoard event files to `<workspace>/runs/<run-id>/<stage>/`: "
-        "`tensorboard --logdir <workspace>/runs` shows every stage of every run, x = the "
-        "stage's optimizer step.",
-    )
-    mlflow: MlflowTracking | None = Field(
-        None,
-        description="MLflow: one parent run per pipeline run, a nested run per stage, the "
-        "report and curves as artifacts, the promoted export as a registered model version "
-        "with alias `champion`.",
-    )
-    wandb: WandbTracking | None = Field(
-        None,
-        description="Weights & Biases: one run per stage, grouped by the pipeline run id.",
-    )

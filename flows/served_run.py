@@ -1,4 +1,4 @@
-"""Served runs may only narrow the folders their worker allows (posttrain.config.reach).
+"""Served runs may only narrow the folders their worker allows (posttrain.config.served_access).
 
 A run is served when the server created it from a deployment (`flow_run.deployment_id`): the UI's
 Run form, the API, an event trigger, a schedule or `posttrain submit`. Its recipe parameter is
@@ -12,7 +12,7 @@ from __future__ import annotations
 from prefect.context import FlowRunContext
 
 from posttrain.config.loader import RecipeError
-from posttrain.config.reach import ALLOWED_ENV, REWARDS_ENV, ServedReach
+from posttrain.config.served_access import ALLOWED_ENV, REWARDS_ENV, ServedReach
 
 
 def is_served_run() -> bool:

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from posttrain.distributed.runtime import all_reduce_sum
-from posttrain.stages.rl_rollouts import RolloutBatch
-from posttrain.stages.rl_update import UpdateStats
+from posttrain.rl.rollouts import RolloutBatch
+from posttrain.rl.update import UpdateStats
 from posttrain.telemetry.metrics import train_flops_per_token
 from posttrain.train.rl_algos import sequence_kl
 from posttrain.train.rl_rewards import add_function_sums, function_metrics, function_values
