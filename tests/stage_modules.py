@@ -1,6 +1,6 @@
-"""Tiny stage modules for launcher and flow tests, written into a temp folder on PYTHONPATH.
+"""Tiny stage modules for supervisor and flow tests, written into a temp folder on PYTHONPATH.
 
-They run through the real `posttrain.stages.common.stage_main` harness, so the launcher is
+They run through the real `posttrain.stages.common.stage_main` harness, so the supervisor is
 tested against the same spec/manifest/exit-code contract as the real stages.
 """
 
@@ -61,7 +61,7 @@ if __name__ == "__main__":
     stage_main(run, kind={stage!r})
 """
 
-# Ignores SIGTERM (so the launcher must escalate to SIGKILL) and leaves two grandchildren that
+# Ignores SIGTERM (so the supervisor must escalate to SIGKILL) and leaves two grandchildren that
 # inherit the ignored SIGTERM: one in its process group, one in a session of its own (as
 # torchrun's ranks are). Its parent's PID, its own and theirs go to $PT_PIDS_FILE (suffixed with
 # the local rank under torchrun) once they exist.
@@ -98,7 +98,7 @@ if __name__ == "__main__":
 
 
 def on_child_path(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Put `folder` first on PYTHONPATH for the rest of the test: the launcher passes its
+    """Put `folder` first on PYTHONPATH for the rest of the test: the supervisor passes its
     environment on, so a stage child started from it imports the modules written there."""
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])

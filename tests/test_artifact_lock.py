@@ -219,14 +219,14 @@ def test_torchrun_ranks_wait_for_their_own_rank_0(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_two_launchers_at_once_one_runs_the_other_reuses(
+def test_two_supervisors_at_once_one_runs_the_other_reuses(
     slow_stage: tuple[PlannedStage, StageSpec, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     stage, spec, runs = slow_stage
     caplog.set_level(logging.INFO, logger="posttrain.flows")
 
     def release_once_the_second_waits() -> None:
-        _wait_for("the second launcher to wait", lambda: "waiting for another run" in caplog.text)
+        _wait_for("the second supervisor to wait", lambda: "waiting for another run" in caplog.text)
         (runs.parent / "release").touch()
 
     first, second = _in_threads(
@@ -238,7 +238,7 @@ def test_two_launchers_at_once_one_runs_the_other_reuses(
     assert first.ref == second.ref
     assert len(runs.read_text().split()) == 1, "the stage ran once"
     log = (stage.out_dir / "logs" / "stage.log").read_text()
-    assert log.count("=== ") == 1, "the second launcher started no process"
+    assert log.count("=== ") == 1, "the second supervisor started no process"
     assert "waiting for another run of the same stage to finish" in caplog.text
     assert "stage ingest supervisor" in caplog.text
     _intact(stage.out_dir)
@@ -284,7 +284,7 @@ def test_two_hand_launched_stage_processes_at_once(
 
 @pytest.mark.slow
 def test_two_real_ingest_runs_at_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The real ingest stage (from_config, tiny) launched twice at once through the launcher."""
+    """The real ingest stage (from_config, tiny) launched twice at once through the supervisor."""
     recipe = validate_recipe(
         {
             "run": {"workspace": str(tmp_path / "ws")},

@@ -65,9 +65,10 @@ def _client(server: Any) -> Any:
 
 
 def _flow_run_processes(flow_run_id: str) -> list[psutil.Process]:
-    from flows.stage_procs import FLOW_RUN_ENV_VAR, processes_with_env
+    from flows.stage_procs import tagged_processes
+    from posttrain.stage_spec import tag_flow_run_id
 
-    return processes_with_env(FLOW_RUN_ENV_VAR, flow_run_id)
+    return tagged_processes(lambda tag: tag_flow_run_id(tag) == flow_run_id)
 
 
 @pytest.fixture(scope="module")

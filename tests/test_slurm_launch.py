@@ -239,7 +239,7 @@ def test_a_killed_flows_job_stops_by_itself(
     t0 = time.monotonic()
     wait_for("the orphaned job to leave the queue", lambda: not _queue(slurm_cluster), 90)
     assert time.monotonic() - t0 >= 5  # it ran on after the kill, until the beat went silent
-    assert "its launcher is gone" in _stage_log(sft)
+    assert "its supervisor is gone" in _stage_log(sft)
     assert not tagged_processes(lambda t: tag_launch_id(t) == job["launch_id"])
 
     # Nor, once Slurm has cleaned up, a step daemon of the job on a node.

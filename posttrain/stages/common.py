@@ -40,7 +40,7 @@ from posttrain.kinds import KINDS, StageKind, kind_of
 from posttrain.orphan import OrphanWatch
 from posttrain.recovery import launch_account, recovery_record
 from posttrain.stage_errors import ParentArtifactDamaged, StageVerdict
-from posttrain.stage_spec import LaunchInfo, StageSpec, read_spec
+from posttrain.stage_spec import LaunchInfo, StageSpec, read_spec, spec_path
 from posttrain.telemetry import heartbeat
 
 log = logging.getLogger("posttrain")
@@ -234,7 +234,10 @@ def _spec_from_recipe(
         if ref is None:
             raise SystemExit(f"parent stage '{parent}' is not complete; run it first")
         refs[parent] = ref
-    return spec_for(me, recipe, refs)
+    # Left in the folder like every launch's spec: what this run of the stage was given.
+    spec = spec_for(me, recipe, refs)
+    spec.write(spec_path(me.out_dir))
+    return spec
 
 
 def _parse(kind: str, argv: list[str] | None) -> StageSpec:

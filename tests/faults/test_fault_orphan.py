@@ -104,7 +104,7 @@ def test_orphan_stop_stops_the_stage_and_the_next_run_resumes(tmp_path: Path, ho
         assert a.embedded_server is not None
         wait_gone([a.embedded_server], 10)
         log = (sft_dir / "logs" / "stage.log").read_text()
-        assert "its launcher (pid" in log and "infra.orphan=stop: stopping now" in log
+        assert "its supervisor (pid" in log and "infra.orphan=stop: stopping now" in log
         assert not (sft_dir / "manifest.json").exists()
         kept = complete_checkpoints(sft_dir / "checkpoints")
         assert kept
