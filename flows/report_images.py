@@ -1,6 +1,6 @@
-"""The run report's images, drawn once per content: a re-run whose stages are cached copies them.
+"""The run report's images, drawn once per content: a re-run of reused stages copies them.
 
-A cached stage's `metrics.jsonl` never changes (it is part of its sealed artifact), and a re-run
+A reused stage's `metrics.jsonl` never changes (it is part of its sealed artifact), and a re-run
 of an unchanged recipe has the same stage graph with the same statuses, so its curves and graph
 images are the same bytes as last time. Drawing them costs a matplotlib import and a PNG render
 each (~1-2 s per run on CPU: most of what a cached re-run's flow does). So each image is kept

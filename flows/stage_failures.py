@@ -40,7 +40,7 @@ def failure_headline(
     causes = root_causes(recent)
     if causes:
         first = "; ".join(describe_exit(c, beats) for c in causes)
-        return f"stage '{stage.name}' failed: {first}. The launcher stopped the other ranks"
+        return f"stage '{stage.name}' failed: {first}. torchrun stopped the other ranks"
     text = f"stage '{stage.name}' {how_it_ended(rc)}"
     if stage.nprocs <= 1 and stage.nnodes <= 1 and 0 in beats:
         text += f"; its last heartbeat: {describe_beat(beats[0])}"

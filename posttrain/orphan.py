@@ -1,4 +1,4 @@
-"""A stage process notices when the process that launched it is gone, and acts on it.
+"""A stage process notices when the process that supervises it is gone, and acts on it.
 
 A stage runs in a session of its own (so it can be killed as a group), hence nothing stops it
 when its supervisor dies: `posttrain run` SIGKILLed by the OOM killer, a lost pod, a Prefect

@@ -1,5 +1,6 @@
 """Docs that are generated from code must match the code."""
 
+import re
 from pathlib import Path
 
 from posttrain.config.docs import render
@@ -40,3 +41,35 @@ def test_prefect_yaml_is_current() -> None:
     assert (ROOT / "prefect.yaml").read_text() == render_prefect_yaml(recipes), (
         "regenerate: python -m flows.prefect_yaml recipes/*.yaml > prefect.yaml"
     )
+
+
+def _code_units() -> set[str]:
+    """Every package folder and top-level module of posttrain/ and flows/ (what the
+    architecture's folder table names)."""
+    units = set()
+    for layer in ("posttrain", "flows"):
+        for p in (ROOT / layer).iterdir():
+            if p.is_dir() and (p / "__init__.py").exists():
+                units.add(f"{layer}/{p.name}/")
+            elif p.suffix == ".py" and p.name != "__init__.py":
+                units.add(f"{layer}/{p.name}")
+    return units
+
+
+def test_the_architecture_folder_table_matches_the_tree() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("## Where the code lives", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"^\| `((?:posttrain|flows)/[^`]*)` \|", table, re.MULTILINE))
+    tree = _code_units()
+    assert not tree - named, f"in the tree, not in docs/architecture.md: {sorted(tree - named)}"
+    assert not named - tree, f"in docs/architecture.md, not in the tree: {sorted(named - tree)}"
+
+
+def test_docs_name_only_modules_that_exist() -> None:
+    """Every `posttrain/...py` or `flows/...py` path the docs mention is a file of the tree."""
+    missing = []
+    for doc in [*(ROOT / "docs").glob("*.md"), ROOT / "README.md"]:
+        for path in set(re.findall(r"\b((?:posttrain|flows)/[\w/]+\.py)\b", doc.read_text())):
+            if not (ROOT / path).is_file():
+                missing.append(f"{doc.name}: {path}")
+    assert not missing, missing
