@@ -21,12 +21,12 @@ import torch
 from posttrain.data.sft_data import write_rows
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import POLICY, REFERENCE
-from posttrain.rl.rollouts import RolloutSetup
+from posttrain.rl.rollouts import RolloutSetup, generate, score_rollout
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import MetricsWriter
 from posttrain.train.rl_algos import sequence_kl
 from posttrain.train.rl_rewards import add_function_sums, function_metrics, function_values
-from posttrain.train.rollout import Rollout, decode_responses, sample, score
+from posttrain.train.rollout import Rollout, decode_responses
 
 log = logging.getLogger("posttrain.rl")
 
@@ -76,28 +76,8 @@ def heldout(
         heartbeat.beat(phase="eval")
         chunk = [rows[i] for i in idx] or rows[:1]
         w = 1.0 if idx else 0.0
-        ro = sample(
-            s.model,
-            [r["ids"] for r in chunk],
-            [r["messages"] for r in chunk],
-            s.cfg.rollout,
-            s.tokenizer.pad_token_id,
-            s.stop_ids,
-            s.seed + (idx[0] if idx else 0),
-            s.world,
-            role=role,
-        )
-        score(
-            s.model,
-            ro,
-            s.tokenizer,
-            s.batch_size,
-            s.cfg.data.max_prompt_len,
-            roles,
-            s.chunk_tokens,
-            s.cfg.rollout.temperature,
-        )
-        s.rewarder(ro, chunk)
+        ro = generate(s, chunk, s.seed + (idx[0] if idx else 0), role)
+        score_rollout(s, ro, chunk, roles)
         add_heldout_sums(sums, ro, w, kl=role == POLICY)
         if w:
             examples += heldout_examples(s.tokenizer, chunk, ro)
@@ -146,17 +126,13 @@ def heldout_examples(tokenizer: Any, rows: list[dict[str, Any]], ro: Rollout) ->
             "prompt": r["messages"],
             "response": t,
             "reward": float(v),
-            **{f"reward_{k}": _finite(p[i]) for k, p in per.items()},
+            **{f"reward_{k}": None if torch.isnan(p[i]) else float(p[i]) for k, p in per.items()},
             **r.get("columns", {}),
         }
         for i, (r, t, v) in enumerate(
             zip(rows, decode_responses(tokenizer, ro), ro.scored["scores"].tolist(), strict=True)
         )
     ]
-
-
-def _finite(x: torch.Tensor) -> float | None:
-    return None if torch.isnan(x) else float(x)
 
 
 def quality_gate(cfg: Any, final: dict[str, float], sft: dict[str, float]) -> dict[str, Any]:

@@ -88,9 +88,9 @@ def round_prompts(
     return [prompts[i] for i in idx for _ in range(r.samples_per_prompt)]
 
 
-def generate(s: RolloutSetup, rows: list[dict[str, Any]], step: int, round_: int) -> Rollout:
-    """Step 1: one sampled response per row from the policy, seeded by (seed + round, step,
-    rank); every rank runs the same number of decode steps (`posttrain.train.rollout.sample`)."""
+def generate(s: RolloutSetup, rows: list[dict[str, Any]], seed: int, role: str = POLICY) -> Rollout:
+    """Step 1: one sampled response per row from `role` under `seed`; every rank runs the same
+    number of decode steps (`posttrain.train.rollout.sample`)."""
     return sample(
         s.model,
         [x["ids"] for x in rows],
@@ -98,21 +98,24 @@ def generate(s: RolloutSetup, rows: list[dict[str, Any]], step: int, round_: int
         s.cfg.rollout,
         s.tokenizer.pad_token_id,
         s.stop_ids,
-        rollout_seed(s.seed + round_, step, s.rank),
+        seed,
         s.world,
+        role=role,
     )
 
 
-def score_rollout(s: RolloutSetup, ro: Rollout, rows: list[dict[str, Any]]) -> None:
-    """Step 2: fill `ro.scored` with every role's forward (no grad) and the reward of each
-    response (`rows`: the prompt rows it answers, for the reward functions)."""
+def score_rollout(
+    s: RolloutSetup, ro: Rollout, rows: list[dict[str, Any]], roles: tuple[str, ...]
+) -> None:
+    """Step 2: fill `ro.scored` with the forward (no grad) of each of `roles` and the reward of
+    each response (`rows`: the prompt rows it answers, for the reward functions)."""
     score(
         s.model,
         ro,
         s.tokenizer,
         s.batch_size,
         s.cfg.data.max_prompt_len,
-        s.roles,
+        roles,
         s.chunk_tokens,
         s.cfg.rollout.temperature,
     )
@@ -126,9 +129,9 @@ def sampling_round(
     each part took."""
     t = time.perf_counter()
     rows = round_prompts(s, prompts, step, round_)
-    ro = generate(s, rows, step, round_)
+    ro = generate(s, rows, rollout_seed(s.seed + round_, step, s.rank))
     t_gen = time.perf_counter() - t
-    score_rollout(s, ro, rows)
+    score_rollout(s, ro, rows, s.roles)
     return RolloutBatch(ro, t_gen, time.perf_counter() - t - t_gen)
 
 
