@@ -69,8 +69,7 @@ class RLRun:
     rollouts: RolloutSetup
     ctl: KLController  # the KL coefficient, updated after each rollout
     reduce: Reduce  # sums a small tensor over ranks
-    has_rm: bool  # a reward model scores the responses (with or without functions)
-    template_sha: str | None  # the policy's chat template, as the SFT stage recorded it
+    template_sha: str  # the policy's chat template, as the SFT stage recorded it
 
 
 def setup(ctx: StageContext, algo: Algorithm) -> RLRun:
@@ -78,12 +77,14 @@ def setup(ctx: StageContext, algo: Algorithm) -> RLRun:
     roles built on the base and sharded, the session started (or resumed, with its KL
     coefficient)."""
     cfg, name, d = ctx.section, ctx.name, ctx.dist
-    seed = ctx.recipe.run.seed
     base, tok, weights = training_base(ctx)
-    template_sha, has_rm = check_templates(ctx, tok)
+    template_sha = check_template(ctx, tok, "policy")
+    has_rm = ctx.has_role("reward_model")
+    if has_rm:
+        check_template(ctx, tok, "reward_model")
     # Imported from the files the resolved recipe points at (the flow checked where from).
     rewarder = Rewarder(load_rewards(cfg.rewards), cfg.reward_model_weight if has_rm else None, tok)
-    data = load_prompts(ctx, tok, seed)
+    data = load_prompts(ctx, tok)
     batch = section_batch(ctx.recipe, name)
     local_seqs, updates_per_rollout = check_shapes(name, cfg, batch, d.world_size)
     n_rollouts = cfg.max_steps or max(
@@ -92,7 +93,7 @@ def setup(ctx: StageContext, algo: Algorithm) -> RLRun:
     placement = algo.kl_placement if cfg.kl.placement == "auto" else cfg.kl.placement
     tr = start_session(
         ctx,
-        build_role_model(ctx, base, algo, has_rm),
+        build_role_model(ctx, base, algo),
         cfg.optim,
         batch,
         n_rollouts,
@@ -113,47 +114,20 @@ def setup(ctx: StageContext, algo: Algorithm) -> RLRun:
     rollouts = rollout_setup(ctx, tr.model, tok, rewarder, algo.critic, batch.micro_batch_size)
     reduce = partial(all_reduce_tensor, device=d.device)
     return RLRun(
-        ctx,
-        algo,
-        placement,
-        data,
-        batch,
-        n_rollouts,
-        tr,
-        rollouts,
-        ctl,
-        reduce,
-        has_rm,
-        template_sha,
+        ctx, algo, placement, data, batch, n_rollouts, tr, rollouts, ctl, reduce, template_sha
     )
 
 
-def check_templates(ctx: StageContext, tok: Any) -> tuple[str | None, bool]:
-    """(the policy's chat template sha256, whether a reward model is a parent), after checking
-    that the tokenizer's template is the one the policy (and the reward model) trained with."""
-    cfg, name = ctx.section, ctx.name
-    template_sha = guard_template(
-        tok,
-        ctx.role_manifest("policy")["summary"].get("chat_template_sha256"),
-        name,
-        cfg,
-        ctx.roles["policy"],
-    )
-    has_rm = ctx.has_role("reward_model")
-    if has_rm:
-        guard_template(
-            tok,
-            ctx.role_manifest("reward_model")["summary"].get("chat_template_sha256"),
-            name,
-            cfg,
-            ctx.roles["reward_model"],
-        )
-    return template_sha, has_rm
+def check_template(ctx: StageContext, tok: Any, role: str) -> str:
+    """The sha256 of the tokenizer's chat template, after checking that it is the one the
+    parent in `role` (the policy, or the reward model) trained with."""
+    recorded = ctx.role_manifest(role)["summary"].get("chat_template_sha256")
+    return guard_template(tok, recorded, ctx.name, ctx.section, ctx.roles[role])
 
 
-def load_prompts(ctx: StageContext, tok: Any, seed: int) -> PromptData:
+def load_prompts(ctx: StageContext, tok: Any) -> PromptData:
     """The section's prompts, encoded and split; the main rank writes both splits to data/."""
-    data: PromptData = prepare_prompts(ctx.section.data, tok, seed)
+    data: PromptData = prepare_prompts(ctx.section.data, tok, ctx.recipe.run.seed)
     if ctx.is_main:
         (ctx.out_dir / "data").mkdir(parents=True, exist_ok=True)
         for split, rows in (("train", data.train), ("eval", data.eval)):
@@ -168,9 +142,7 @@ def load_prompts(ctx: StageContext, tok: Any, seed: int) -> PromptData:
     return data
 
 
-def build_role_model(
-    ctx: StageContext, base: PreTrainedModel, algo: Algorithm, has_rm: bool
-) -> RoleModel:
+def build_role_model(ctx: StageContext, base: PreTrainedModel, algo: Algorithm) -> RoleModel:
     """The policy, reference, reward-model (when a parent) and critic (PPO) roles on `base`."""
     prepare_for_training(base, ctx.section.activation_checkpointing)
     policy_dir, reference_dir = ctx.adapter_dir("policy"), ctx.adapter_dir("reference")
@@ -178,7 +150,7 @@ def build_role_model(
     return build_roles(
         base,
         policy_dir,
-        ctx.role_dir("reward_model") / "adapter" if has_rm else None,
+        ctx.role_dir("reward_model") / "adapter" if ctx.has_role("reward_model") else None,
         critic=algo.critic,
         reference_adapter=reference_dir,
     )

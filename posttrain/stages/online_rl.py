@@ -75,31 +75,15 @@ def train_step(run: RLRun, step: int) -> None:
     heartbeat.beat(phase="rollout")
     rb = collect_rollout(s, run.data.train, step)
     adv = compute_advantages(run.algo, rb.rollout, cfg, run.ctl.coef, run.placement, run.reduce)
-    stats = update(
-        run.tr,
-        rb.rollout,
-        adv,
-        cfg,
-        run.batch,
-        rollout_seed(s.seed, step, s.rank) + 1,
-        step + 1,
-        s.chunk_tokens,
-    )
+    update_seed = rollout_seed(s.seed, step, s.rank) + 1
+    stats = update(run.tr, rb.rollout, adv, cfg, run.batch, update_seed, step + 1, s.chunk_tokens)
     t_train = time.perf_counter() - t0 - rb.generation_s - rb.scoring_s
     totals = rollout_totals(rb.rollout, s.device)
     run.ctl.update(totals["kl"] / totals["n"], int(totals["n"]))
     record(run, step + 1, rb, totals, adv, stats, t0, t_train)
-    run.tr.maybe_checkpoint(
-        step + 1,
-        cfg.checkpoint_every,
-        cfg.keep_checkpoints,
-        extra={
-            "kl_coef": run.ctl.coef,
-            "data": data_position(
-                step + 1, len(run.data.train), cfg.rollout.prompts_per_step, s.seed
-            ),
-        },
-    )
+    position = data_position(step + 1, len(run.data.train), cfg.rollout.prompts_per_step, s.seed)
+    extra = {"kl_coef": run.ctl.coef, "data": position}
+    run.tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints, extra=extra)
 
 
 def record(
@@ -162,7 +146,7 @@ def finish(run: RLRun, final: dict[str, float], sft: dict[str, float]) -> dict[s
     if not gate["passed"]:
         log.error("quality gate: %s", gate["message"])
     if ctx.is_main:
-        write_reference(ctx, run.rollouts.rewarder, run.has_rm)
+        write_reference(ctx, run.rollouts.rewarder)
     return tr.summary(
         ctx,
         algorithm=ctx.name,
@@ -182,29 +166,19 @@ def finish(run: RLRun, final: dict[str, float], sft: dict[str, float]) -> dict[s
     )
 
 
-def write_reference(ctx: StageContext, rewarder: Rewarder, has_rm: bool) -> None:
+def write_reference(ctx: StageContext, rewarder: Rewarder) -> None:
     """reference.json: what the policy was measured against (the reference adapter) and
     rewarded by (the reward model, each reward function with its file's sha256)."""
-    reward_model = (
-        {
-            "reward_model": ctx.roles["reward_model"],
-            "reward_fingerprint": ctx.role_ref("reward_model").fingerprint,
-            "reward_model_weight": ctx.section.reward_model_weight,
-        }
-        if has_rm
-        else {}
-    )
-    (ctx.out_dir / "reference.json").write_text(
-        json.dumps(
-            {
-                "reference": f"{ctx.roles['reference']} adapter",
-                "reference_fingerprint": ctx.role_ref("reference").fingerprint,
-                **reward_model,
-                "reward_functions": [
-                    {"label": f.label, "fn": f.fn_ref, "weight": f.weight, "sha256": f.sha256}
-                    for f in rewarder.funcs
-                ],
-            },
-            indent=2,
-        )
-    )
+    reference: dict[str, Any] = {
+        "reference": f"{ctx.roles['reference']} adapter",
+        "reference_fingerprint": ctx.role_ref("reference").fingerprint,
+    }
+    if ctx.has_role("reward_model"):
+        reference["reward_model"] = ctx.roles["reward_model"]
+        reference["reward_fingerprint"] = ctx.role_ref("reward_model").fingerprint
+        reference["reward_model_weight"] = ctx.section.reward_model_weight
+    reference["reward_functions"] = [
+        {"label": f.label, "fn": f.fn_ref, "weight": f.weight, "sha256": f.sha256}
+        for f in rewarder.funcs
+    ]
+    (ctx.out_dir / "reference.json").write_text(json.dumps(reference, indent=2))
