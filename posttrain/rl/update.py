@@ -125,12 +125,9 @@ def update(
             share = minibatch_backward(
                 tr, ro, adv, mb, cfg, batch.micro_batch_size, chunk_tokens, sums
             )
+            objective = all_reduce_sum(share, device)  # the same on every rank, for the guard
             norm, lr = tr.optimizer_step(
-                cfg.optim.max_grad_norm,
-                loss=all_reduce_sum(share, device),
-                step=step,
-                epoch=epoch,
-                update=u,
+                cfg.optim.max_grad_norm, loss=objective, step=step, epoch=epoch, update=u
             )
             norms.append(norm)
     tot = {k: all_reduce_sum(v, device) for k, v in sums.items()}
