@@ -40,20 +40,6 @@ def greedy_answers(
         return generate(model, tok, prompts, greedy, seed, batch_size)
 
 
-def policy_exact_match(
-    model: PeftModel,
-    adapter: str | None,
-    tok: Any,
-    prompts: list[str],
-    refs: list[str],
-    greedy: SamplingConfig,
-    seed: int,
-    batch_size: int,
-) -> float:
-    """`exact_match` of the greedy answers of the policy of `adapter` (None = the base)."""
-    return exact_match(greedy_answers(model, adapter, tok, prompts, greedy, seed, batch_size), refs)
-
-
 def base_vs_tuned(
     model: PeftModel,
     tok: Any,

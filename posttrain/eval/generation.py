@@ -15,10 +15,6 @@ from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.models.decoding import generate_kwargs
 
 
-def _model_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
 def generate(
     model: Any,
     tokenizer: Any,
@@ -67,7 +63,7 @@ def generate_ids(
     pad_id = tokenizer.pad_token_id
     if pad_id is None and stop_ids:
         pad_id = stop_ids[0]
-    device = _model_device(model)
+    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     rows: list[tuple[list[int], bool]] = []

@@ -5,7 +5,7 @@ parent share one base)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -53,27 +53,19 @@ def heldout_loss(
     return {"loss": loss, "perplexity": perplexity, "tokens": tokens}
 
 
-def padded_batches(
-    examples: list[dict], pad_id: int, size: int
-) -> Iterator[dict[str, torch.Tensor]]:
-    """`examples` (tokenized rows: input_ids/labels) in order, `size` at a time, each group
-    right-padded by `pad_batch` ([B, T] tensors; the last batch may be shorter)."""
-    for i in range(0, len(examples), size):
-        yield pad_batch(examples[i : i + size], pad_id)
-
-
 def policy_heldout_loss(
     model: PeftModel,
     adapter: str | None,
     examples: list[dict],
     pad_id: int,
     batch_size: int,
-    device: torch.device | str,
-    chunk_tokens: int = 0,
+    chunk_tokens: int,
 ) -> dict[str, Any]:
-    """`heldout_loss` of one policy of `model`: the one of adapter `adapter`, or the base when
-    `adapter` is None (adapters off), over `examples` in batches of `batch_size`."""
+    """`heldout_loss` of one policy of `model`, on its device: the one of adapter `adapter`, or
+    the base when `adapter` is None (adapters off), over `examples` (tokenized rows) in order,
+    `batch_size` at a time, each group right-padded by `pad_batch` (the last may be shorter)."""
+    batches = (
+        pad_batch(examples[i : i + batch_size], pad_id) for i in range(0, len(examples), batch_size)
+    )
     with as_policy(model, adapter):
-        return heldout_loss(
-            model, padded_batches(examples, pad_id, batch_size), device, chunk_tokens
-        )
+        return heldout_loss(model, batches, next(model.parameters()).device, chunk_tokens)

@@ -178,38 +178,6 @@ def run_tasks(
     }
 
 
-def _policy_scores(
-    model: PeftModel,
-    tok: Any,
-    stage: str,
-    final: str,
-    merged_final: Any,
-    manager: Any,
-    cfg: LmEvalConfig,
-    seed: int,
-) -> dict[str, Any]:
-    """`run_tasks` on policy `stage`, timed (`seconds`): the base with adapters off, the final
-    policy (stage `final`) as `merged_final`, any other merged from its adapter (named after
-    its stage) for as long as it is scored."""
-    kwargs = {
-        "limit": cfg.limit,
-        "num_fewshot": cfg.num_fewshot,
-        "batch_size": cfg.batch_size,
-        "seed": seed,
-        "bootstrap_iters": cfg.bootstrap_iters,
-    }
-    started = time.perf_counter()
-    if stage == BASE:
-        with model.disable_adapter():
-            out = run_tasks(model.get_base_model(), tok, cfg.tasks, manager, **kwargs)
-    elif stage == final:
-        out = run_tasks(merged_final, tok, cfg.tasks, manager, **kwargs)
-    else:
-        out = run_tasks(merged_copy(model, stage), tok, cfg.tasks, manager, **kwargs)
-    out["seconds"] = round(time.perf_counter() - started, 2)
-    return out
-
-
 def harness_report(
     model: PeftModel,
     tok: Any,
@@ -219,14 +187,22 @@ def harness_report(
     cfg: LmEvalConfig,
     seed: int,
 ) -> dict[str, Any]:
-    """`cfg.tasks` on each of `cfg.policies`, in order; a stage two labels name is scored once.
-    `stages`: label -> the stage it names (`base`: BASE; `sft`: None when the final policy's
-    lineage has no SFT stage, which is left out with a warning; `final`: the final policy,
-    scored as `merged_final`, the merged copy the inference figures used). `kinds`: stage ->
-    its kind ("base" for the base)."""
+    """`cfg.tasks` on each of `cfg.policies`, in order, each timed (`seconds`); a stage two
+    labels name is scored once. `stages`: label -> the stage it names (`base`: BASE, scored with
+    adapters off; `sft`: None when the final policy's lineage has no SFT stage, which is left
+    out with a warning; `final`: the final policy, scored as `merged_final`, the merged copy the
+    inference figures used; any other is merged from its adapter, named after its stage, for as
+    long as it is scored). `kinds`: stage -> its kind ("base" for the base)."""
     import lm_eval
 
     manager = task_manager(cfg.tasks, cfg.include_path)
+    settings = {
+        "limit": cfg.limit,
+        "num_fewshot": cfg.num_fewshot,
+        "batch_size": cfg.batch_size,
+        "seed": seed,
+        "bootstrap_iters": cfg.bootstrap_iters,
+    }
     by_stage: dict[str, dict[str, Any]] = {}
     out: dict[str, Any] = {}
     for label in cfg.policies:
@@ -235,9 +211,15 @@ def harness_report(
             log.warning("lm_eval: the final policy's lineage has no SFT stage: no sft scores")
             continue
         if stage not in by_stage:
-            by_stage[stage] = _policy_scores(
-                model, tok, stage, stages["final"], merged_final, manager, cfg, seed
-            )
+            started = time.perf_counter()
+            if stage == BASE:
+                with model.disable_adapter():
+                    scores = run_tasks(model.get_base_model(), tok, cfg.tasks, manager, **settings)
+            elif stage == stages["final"]:
+                scores = run_tasks(merged_final, tok, cfg.tasks, manager, **settings)
+            else:
+                scores = run_tasks(merged_copy(model, stage), tok, cfg.tasks, manager, **settings)
+            by_stage[stage] = {**scores, "seconds": round(time.perf_counter() - started, 2)}
         out[label] = {"stage": stage, "kind": kinds[stage], **by_stage[stage]}
         log.info("lm_eval %s (%s): %s", label, stage, out[label]["scores"])
     return {

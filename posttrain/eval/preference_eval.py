@@ -14,6 +14,7 @@ import torch
 from posttrain.config.schema import SamplingConfig
 from posttrain.data.chat import render
 from posttrain.eval.generation import generate
+from posttrain.kinds.evaluate import EvaluateConfig
 from posttrain.models.adapters import active_adapter
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.models.reward import pair_batch, pair_scores, score_sequences
@@ -148,26 +149,6 @@ def judge(
     }
 
 
-def win_rate(
-    model: torch.nn.Module,
-    tok: Any,
-    rm: torch.nn.Module,
-    prompts: list[list[dict]],
-    candidate: str,
-    baseline: str,
-    sampling: SamplingConfig,
-    seed: int,
-    batch_size: int,
-) -> dict[str, Any]:
-    """Generate an answer to each prompt with adapter `candidate` and with `baseline` of one
-    PeftModel, and judge the pairs with the reward model (`judge`)."""
-    replies = {}
-    for name in (candidate, baseline):
-        with active_adapter(model, name):
-            replies[name] = answers(model, tok, prompts, sampling, seed, batch_size)
-    return judge(rm, tok, prompts, replies, candidate, baseline, batch_size)
-
-
 def policy_win_rate(
     model: torch.nn.Module,
     tok: Any,
@@ -175,18 +156,24 @@ def policy_win_rate(
     prompts: list[list[dict]],
     policy: tuple[str, str],
     parent: str,
-    sampling: SamplingConfig,
+    cfg: EvaluateConfig,
     seed: int,
-    batch_size: int,
 ) -> dict[str, Any] | None:
-    """`win_rate` of a policy against its parent on `prompts`, logged; None when there are no
-    prompts. `policy` = (its stage name, for the log; its adapter on `model`); the parent's
-    adapter is named after its stage. The result's examples are keyed by the two adapter
-    names."""
+    """A policy against its parent on `prompts`, logged; None when there are no prompts. Both
+    are adapters of one PeftModel: each answers every prompt (`cfg.win_rate_sampling`) and the
+    reward model judges the pairs (`judge`). `policy` = (its stage name, for the log; its
+    adapter on `model`); the parent's adapter is named after its stage. The result's examples
+    are keyed by the two adapter names."""
     if not prompts:
         return None
     name, adapter = policy
-    wr = win_rate(model, tok, rm, prompts, adapter, parent, sampling, seed, batch_size)
+    replies = {}
+    for which in (adapter, parent):
+        with active_adapter(model, which):
+            replies[which] = answers(
+                model, tok, prompts, cfg.win_rate_sampling, seed, cfg.batch_size
+            )
+    wr = judge(rm, tok, prompts, replies, adapter, parent, cfg.batch_size)
     log.info(
         "%s vs %s, judged by the reward model: %d wins, %d losses, %d ties (win-rate %.3f)",
         name,

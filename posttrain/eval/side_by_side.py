@@ -16,7 +16,7 @@ import torch
 from peft import PeftModel
 
 from posttrain.config.graph import BASE
-from posttrain.eval.exact_match import policy_exact_match
+from posttrain.eval.exact_match import exact_match, greedy_answers
 from posttrain.eval.heldout import policy_heldout_loss
 from posttrain.eval.preference_eval import policy_win_rate
 from posttrain.kinds.evaluate import EvaluateConfig
@@ -47,51 +47,6 @@ class HeldOut:
     refs: list[str]
 
 
-def _row(
-    model: PeftModel,
-    tok: Any,
-    rm: torch.nn.Module | None,
-    link: Link,
-    held: HeldOut,
-    cfg: EvaluateConfig,
-    seed: int,
-    device: torch.device,
-    chunk_tokens: int,
-) -> dict[str, Any]:
-    """One policy's row: {kind, parent[, loss, exact_match][, win_rate_vs_parent]}."""
-    row: dict[str, Any] = {"kind": link.kind, "parent": link.parent}
-    if held.examples:
-        row["loss"] = policy_heldout_loss(
-            model,
-            link.adapter,
-            held.examples,
-            tok.pad_token_id,
-            cfg.batch_size,
-            device,
-            chunk_tokens,
-        )["loss"]
-        greedy = next((s for s in cfg.sampling if s.strategy == "greedy"), None)
-        if greedy is not None:
-            row["exact_match"] = policy_exact_match(
-                model, link.adapter, tok, held.prompts, held.refs, greedy, seed, cfg.batch_size
-            )
-    if rm is not None and link.win_prompts is not None:
-        wr = policy_win_rate(
-            model,
-            tok,
-            rm,
-            link.win_prompts,
-            (link.name, link.adapter),
-            link.parent,
-            cfg.win_rate_sampling,
-            seed,
-            cfg.batch_size,
-        )
-        if wr is not None:
-            row["win_rate_vs_parent"] = wr["win_rate"]
-    return row
-
-
 def compare_policies(
     model: PeftModel,
     tok: Any,
@@ -101,16 +56,33 @@ def compare_policies(
     base: dict[str, float],
     cfg: EvaluateConfig,
     seed: int,
-    device: torch.device,
-    chunk_tokens: int = 0,
+    chunk_tokens: int,
 ) -> dict[str, Any]:
-    """stage -> its row (`_row`), in the order of `links`. `base`: the base model's loss and
-    exact match, shown first when a listed policy started from the base (and there are any)."""
+    """stage -> its row {kind, parent[, loss, exact_match][, win_rate_vs_parent]}, in the order
+    of `links`. `base`: the base model's loss and exact match, shown first when a listed policy
+    started from the base (and there are any)."""
     out: dict[str, Any] = {}
     if base and any(link.parent == BASE for link in links):
         out[BASE] = {"kind": "base", "parent": "", **base}
+    greedy = next((s for s in cfg.sampling if s.strategy == "greedy"), None)
     for link in links:
-        out[link.name] = row = _row(model, tok, rm, link, held, cfg, seed, device, chunk_tokens)
+        row: dict[str, Any] = {"kind": link.kind, "parent": link.parent}
+        if held.examples:
+            row["loss"] = policy_heldout_loss(
+                model, link.adapter, held.examples, tok.pad_token_id, cfg.batch_size, chunk_tokens
+            )["loss"]
+            if greedy is not None:
+                answers = greedy_answers(
+                    model, link.adapter, tok, held.prompts, greedy, seed, cfg.batch_size
+                )
+                row["exact_match"] = exact_match(answers, held.refs)
+        if rm is not None and link.win_prompts is not None:
+            wr = policy_win_rate(
+                model, tok, rm, link.win_prompts, (link.name, link.adapter), link.parent, cfg, seed
+            )
+            if wr is not None:
+                row["win_rate_vs_parent"] = wr["win_rate"]
+        out[link.name] = row
         log.info(
             "policy %s (from %s): %s",
             link.name,

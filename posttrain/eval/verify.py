@@ -68,18 +68,17 @@ def _passes(
     model: Any,
     tok: Any,
     prompts: VerifyPrompts,
-    repeat: int,
     funcs: Sequence[RewardFunction],
     sampling: SamplingConfig,
+    repeat: int,
     seed: int,
-    batch_size: int,
-    threshold: float,
+    cfg: EvaluateConfig,
 ) -> tuple[list[bool | None], list[str]]:
-    """Each of `repeat` samples per prompt (prompt-major): passed, or None where no verifier
-    applies; and the answers."""
+    """Each of `repeat` samples per prompt (prompt-major): passed (`cfg.pass_threshold`), or
+    None where no verifier applies; and the answers."""
     idx = [i for i in range(len(prompts.messages)) for _ in range(repeat)]
     texts = [render(tok, prompts.messages[i], add_generation_prompt=True) for i in idx]
-    out = generate_ids(model, tok, texts, sampling, seed, batch_size)
+    out = generate_ids(model, tok, texts, sampling, seed, cfg.batch_size)
     answers = [decode_new(tok, ids, stopped) for ids, stopped in out]
     _, per = score_functions(
         funcs,
@@ -93,7 +92,7 @@ def _passes(
     passed: list[bool | None] = []
     for j in range(len(idx)):
         vals = [float(v[j]) for v in per.values() if v[j] == v[j]]  # NaN: not applicable
-        passed.append(None if not vals else all(v >= threshold for v in vals))
+        passed.append(None if not vals else all(v >= cfg.pass_threshold for v in vals))
     return passed, answers
 
 
@@ -102,18 +101,16 @@ def verify_policy(
     tok: Any,
     prompts: VerifyPrompts,
     funcs: Sequence[RewardFunction],
-    sampling: SamplingConfig,
-    n: int,
-    k: int,
+    cfg: EvaluateConfig,
     seed: int,
-    batch_size: int,
-    threshold: float,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """({"pass@1": greedy accuracy, "pass@<k>": sampled, "sampled_pass@1": mean c/n,
-    "prompts": scored prompts}, greedy examples) for the active adapter of `model`."""
-    greedy = sampling.model_copy(update={"strategy": "greedy", "name": "greedy"})
-    g_pass, g_answers = _passes(model, tok, prompts, 1, funcs, greedy, seed, batch_size, threshold)
-    s_pass, _ = _passes(model, tok, prompts, n, funcs, sampling, seed, batch_size, threshold)
+    "prompts": scored prompts}, greedy examples) for the active adapter of `model`, with n =
+    `cfg.pass_samples` samples per prompt of `cfg.pass_sampling` and k = `cfg.pass_k`."""
+    n, k = cfg.pass_samples, cfg.pass_k
+    greedy = cfg.pass_sampling.model_copy(update={"strategy": "greedy", "name": "greedy"})
+    g_pass, g_answers = _passes(model, tok, prompts, funcs, greedy, 1, seed, cfg)
+    s_pass, _ = _passes(model, tok, prompts, funcs, cfg.pass_sampling, n, seed, cfg)
     scored = [i for i, p in enumerate(g_pass) if p is not None]
     at_k, at_1 = [], []
     for i in scored:
@@ -152,26 +149,14 @@ def verifier_report(
     seed: int,
 ) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
     """`verify_policy` of each of `policies` (stage name -> its adapter on `model`, None = the
-    base), in order, with evaluate's pass@k settings (`cfg.pass_*`). Returns (the report: the
-    verifiers with the sha256 of their source, `source` (where the prompts come from), k, the
-    samples per prompt, the threshold and each policy's figures; each policy's greedy
-    examples)."""
+    base), in order. Returns (the report: the verifiers with the sha256 of their source,
+    `source` (where the prompts come from), k, the samples per prompt, the threshold and each
+    policy's figures; each policy's greedy examples)."""
     out: dict[str, Any] = {}
     examples: dict[str, list[dict[str, Any]]] = {}
     for name, adapter in policies.items():
         with as_policy(model, adapter):
-            out[name], examples[name] = verify_policy(
-                model,
-                tok,
-                prompts,
-                funcs,
-                cfg.pass_sampling,
-                cfg.pass_samples,
-                cfg.pass_k,
-                seed,
-                cfg.batch_size,
-                cfg.pass_threshold,
-            )
+            out[name], examples[name] = verify_policy(model, tok, prompts, funcs, cfg, seed)
         log.info("verifiers on %d prompts: %s %s", out[name]["prompts"], name, out[name])
     report = {
         "verifiers": [{"label": f.label, "fn": f.fn_ref, "sha256": f.sha256} for f in funcs],

@@ -101,10 +101,6 @@ class PlannedTensor:
         return math.prod(self.shape) * size // block
 
 
-def read_config(model_dir: str | Path) -> dict[str, Any]:
-    return json.loads((Path(model_dir) / "config.json").read_text())
-
-
 def family_problem(config: dict[str, Any]) -> str | None:
     """One line saying why this config's family cannot go to GGUF, or None when it can."""
     model_type = config.get("model_type")
@@ -190,17 +186,12 @@ def pre_tokenizer_name(tokenizer_json: dict[str, Any]) -> str:
 def check_convertible(model_dir: str | Path, tokenizer_dir: str | Path | None = None) -> HParams:
     """Raise GGUFUnsupported (one line naming export.gguf) unless the model in `model_dir`, with
     the tokenizer in `tokenizer_dir` (default the same folder), converts."""
-    hp = hparams(read_config(model_dir))
+    hp = hparams(json.loads((Path(model_dir) / "config.json").read_text()))
     tok_file = Path(tokenizer_dir or model_dir) / "tokenizer.json"
     if not tok_file.is_file():
         raise GGUFUnsupported(f"export.gguf: no tokenizer.json in {tok_file.parent} ({SUPPORTED})")
     pre_tokenizer_name(json.loads(tok_file.read_text()))
     return hp
-
-
-def _shape(file: Path, name: str) -> tuple[int, ...]:
-    with safe_open(str(file), framework="pt") as st:
-        return tuple(st.get_slice(name).get_shape())
 
 
 def tensor_type(shape: tuple[int, ...], wanted: gguf.GGMLQuantizationType) -> Any:
@@ -230,7 +221,8 @@ def plan_tensors(model_dir: str | Path, hp: HParams, wanted: Any) -> list[Planne
             raise GGUFUnsupported(
                 f"export.gguf: tensor {hf_name!r} has no GGUF name for {hp.family} ({SUPPORTED})"
             )
-        shape = _shape(files[hf_name], hf_name)
+        with safe_open(str(files[hf_name]), framework="pt") as st:
+            shape = tuple(st.get_slice(hf_name).get_shape())
         heads = 0
         if hp.family == "llama" and ".self_attn.q_proj." in hf_name:
             heads = hp.n_head
@@ -311,11 +303,6 @@ def load_hf(t: PlannedTensor, hp: HParams) -> np.ndarray:
     with safe_open(str(t.file), framework="pt") as st:
         w = st.get_tensor(t.hf_name).to(torch.float32).numpy()
     return hf_to_ggml_rope_rows(w, t.permute_heads) if t.permute_heads else w
-
-
-def encode(w: np.ndarray, gtype: gguf.GGMLQuantizationType) -> np.ndarray:
-    """fp32 -> the bytes (or f32/f16 array) written for this tensor."""
-    return gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), gtype)
 
 
 def tokenizer_metadata(model_dir: Path, n_vocab: int) -> dict[str, Any]:
@@ -440,8 +427,9 @@ def write_gguf(plan: GGUFPlan, out_path: str | Path) -> Path:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for t in plan.tensors:
-            writer.write_tensor_data(encode(load_hf(t, plan.hp), t.gtype))
+        for t in plan.tensors:  # fp32 -> the bytes (or f32/f16 array) of its type
+            w = np.ascontiguousarray(load_hf(t, plan.hp), dtype=np.float32)
+            writer.write_tensor_data(gguf.quants.quantize(w, t.gtype))
     except BaseException:
         writer.close()
         partial.unlink(missing_ok=True)

@@ -12,6 +12,19 @@ from typing import Any
 import yaml
 
 TAGS = ["posttrain", "lora", "sft", "merged-lora", "text-generation"]
+USAGE = (
+    "```python\n"
+    "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+    'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")\n'
+    'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")\n'
+    'messages = [{"role": "user", "content": "Hello"}]\n'
+    "inputs = tokenizer.apply_chat_template(\n"
+    '    messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"\n'
+    ")\n"
+    "out = model.generate(**inputs, max_new_tokens=48)\n"
+    'print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))\n'
+    "```\n"
+)
 
 
 def _cell(value: Any) -> str:
@@ -107,26 +120,9 @@ def model_card(
         "Stages, in order: " + " -> ".join(str(s.get("stage")) for s in lineage) + ".\n",
     ]
     for section, settings in recipe_sections.items():
-        body = (
-            settings
-            if isinstance(settings, str)
-            else yaml.safe_dump(json.loads(json.dumps(settings, default=str)), sort_keys=False)
-        )
+        body = yaml.safe_dump(json.loads(json.dumps(settings, default=str)), sort_keys=False)
         parts.append(f"### `{section}`\n\n```yaml\n{body.rstrip()}\n```\n")
-    parts += [
-        "## Usage\n",
-        "```python\n"
-        "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
-        'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")\n'
-        'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")\n'
-        'messages = [{"role": "user", "content": "Hello"}]\n'
-        "inputs = tokenizer.apply_chat_template(\n"
-        '    messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"\n'
-        ")\n"
-        "out = model.generate(**inputs, max_new_tokens=48)\n"
-        'print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))\n'
-        "```\n",
-    ]
+    parts += ["## Usage\n", USAGE]
     if gguf_files:
         parts.append(_gguf_usage(gguf_files))
     return "\n".join(parts)

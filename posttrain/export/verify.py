@@ -38,11 +38,6 @@ class ExportVerificationError(RuntimeError):
     """The export is unusable: identical to the base, or not equal to base + adapter."""
 
 
-def effective_atol(atol: float, rounding_floor: float) -> float:
-    """`atol` widened by the measured half-precision rounding floor (module docstring)."""
-    return atol + ROUNDING_MARGIN * rounding_floor
-
-
 def _round_weights_(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Round every floating parameter to `dtype` in place, keeping fp32 storage."""
     with torch.no_grad():
@@ -133,7 +128,6 @@ def verify_export(
             rounding_floor = (_logits(with_adapter, input_ids) - logits_base).abs().max().item()
     del with_adapter, base
 
-    tol = effective_atol(atol, rounding_floor)
     report |= {
         "export_dtype": str(export_dtype).removeprefix("torch."),
         "max_abs_logit_diff": (logits_export - logits_ref).abs().max().item(),
@@ -142,9 +136,16 @@ def verify_export(
         "adapter_logit_effect": (logits_ref - logits_base).abs().max().item(),
         "rounding_floor": rounding_floor,
         "atol": atol,
-        "atol_effective": tol,
+        "atol_effective": atol + ROUNDING_MARGIN * rounding_floor,  # see the module docstring
     }
+    _refuse_if_wrong(report, export_dir, base_dir)
+    report["passed"] = True
+    return report
 
+
+def _refuse_if_wrong(report: dict[str, Any], export_dir: Path, base_dir: Path) -> None:
+    """Raise ExportVerificationError when `verify_export`'s figures say the export's weights
+    equal the base's, or its logits are beyond the tolerance from base + adapter's."""
     if report["max_abs_weight_diff_vs_base"] == 0.0:
         why = (
             "the adapter itself changes nothing (all-zero LoRA B: was it ever trained?)"
@@ -155,12 +156,11 @@ def verify_export(
             f"export {export_dir} has weights identical to the base {base_dir} "
             f"({report['weights_compared']} tensors compared in {report['export_dtype']}): {why}"
         )
-    if report["max_abs_logit_diff"] > tol:
+    if report["max_abs_logit_diff"] > (tol := report["atol_effective"]):
         raise ExportVerificationError(
             f"export {export_dir} logits differ from base + adapter by "
-            f"{report['max_abs_logit_diff']:.3g} > tolerance {tol:.3g} (atol {atol:g} + "
-            f"{ROUNDING_MARGIN:g} x {report['export_dtype']} rounding floor {rounding_floor:.3g}); "
-            f"the adapter's own effect is {report['adapter_logit_effect']:.3g}"
+            f"{report['max_abs_logit_diff']:.3g} > tolerance {tol:.3g} (atol {report['atol']:g} + "
+            f"{ROUNDING_MARGIN:g} x {report['export_dtype']} rounding floor "
+            f"{report['rounding_floor']:.3g}); the adapter's own effect is "
+            f"{report['adapter_logit_effect']:.3g}"
         )
-    report["passed"] = True
-    return report

@@ -55,7 +55,7 @@ usually smaller).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 GIB = 1024**3
@@ -79,11 +79,6 @@ LOGIT_BUFFERS = {"lm": 3, "pairs": 3, "score": 0, "rl": 5}
 # The same with the head in token chunks: [chunk, vocab] fp32 buffers.
 CHUNK_BUFFERS = {"lm": 2, "pairs": 2, "score": 0, "rl": 3}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def compute_bytes(precision: str) -> int:
-    """Bytes per element of activations and gathered weights: bf16/fp16 compute is 2, fp32 4."""
-    return 2 if precision in ("bf16", "fp16") else 4
 
 
 @dataclass(frozen=True)
@@ -382,17 +377,20 @@ def estimate(
     """Per-device memory of `stage` on `layout` (see the module docstring): the static rows
     (weights, gradients, optimizer, framework), then the rows of each phase."""
     shards = layout.shards
-    # A bf16 base computes in bf16 whatever the precision (`shard_model`).
-    c = 2 if stage.base_dtype == "bf16" else compute_bytes(stage.precision)
+    # Bytes per element of activations and gathered weights: bf16/fp16 compute is 2, fp32 4; a
+    # bf16 base computes in bf16 whatever the precision (`shard_model`).
+    c = 2 if stage.base_dtype == "bf16" or stage.precision in ("bf16", "fp16") else 4
     # The reward model's score head is a row of its own (with peft's trained copy), not base.
     head: Literal["lm", "none"] = "none" if stage.kind == "score" else "lm"
     weights, counts = weight_rows(model, stage, shards, head)
     gathered = gathered_step_bytes(model, head, counts, c)
     full_logits = full_logits_bytes(model, stage)
     update = "update" if stage.kind == "rl" else "step"
+    trained = counts.trainable
     rows = [
         *weights,
-        *training_state_rows(counts.trainable, shards),
+        Row("gradients", trained * 4 // shards, f"{trained:,} trainable params, fp32"),
+        Row("optimizer (AdamW)", 2 * 4 * trained // shards, "exp_avg + exp_avg_sq, fp32"),
         framework_row(layout.device, overhead_bytes),
         step_weights_row(stage, gathered, full_logits, update),
         activations_row(model, stage, c, update),
@@ -448,14 +446,6 @@ def weight_rows(
         trainable += model.hidden
         rows.append(Row("value head", model.hidden * 4 // shards, "trainable"))
     return rows, ParamCounts(adapter_params, heads, trainable)
-
-
-def training_state_rows(trainable: int, shards: int) -> list[Row]:
-    """Gradients and AdamW's two moments of the trainable parameters, all fp32."""
-    return [
-        Row("gradients", trainable * 4 // shards, f"{trainable:,} trainable params, fp32"),
-        Row("optimizer (AdamW)", 2 * 4 * trainable // shards, "exp_avg + exp_avg_sq, fp32"),
-    ]
 
 
 def framework_row(device: str, overhead_bytes: int | None) -> Row:
@@ -560,7 +550,3 @@ def rollout_rows(
     prefill = prefill * c + 4 * stage.rollout_rows * model.vocab * 4
     rows.append(Row("prefill working set", prefill, "one block, no grad", "rollout"))
     return rows
-
-
-def with_changes(stage: StageShape, **changes: Any) -> StageShape:
-    return replace(stage, **changes)

@@ -9,7 +9,7 @@ below the stage's; when no single fix fits, the stage's own changes are tried al
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from posttrain.config.infra_section import InfraConfig
@@ -19,7 +19,6 @@ from posttrain.memory.estimate import (
     StageShape,
     estimate,
     fmt_bytes,
-    with_changes,
 )
 
 # Unchunked logits at least this share of the estimated peak: suggest the chunked head.
@@ -58,7 +57,6 @@ class Estimator:
         return estimate(self.model, shape, layout, self.overhead).total
 
     def logits(self, shape: StageShape, layout: DeviceLayout) -> int:
-        """Bytes of the stage's logits rows."""
         return estimate(self.model, shape, layout, self.overhead).component("logits")
 
 
@@ -85,8 +83,10 @@ def suggest_fixes(
         *layout_changes(est, shape, layout, budget),
     ]
     fixes = fixes_of(est, changes, layout, budget, now)
-    together = all_together(shape, changes)
-    if together is not None and not any(f.fits for f in fixes):
+    # Every change to the stage itself at once (layout changes set no stage field).
+    best = replace(shape, **{k: v for c in changes for k, v in c.combined.items()})
+    if best != shape and not any(f.fits for f in fixes):
+        together = Change("all of the above changes to this stage together", best)
         fixes += fixes_of(est, [together], layout, budget, now)
     return fixes
 
@@ -103,20 +103,12 @@ def fixes_of(
     return fixes
 
 
-def all_together(shape: StageShape, changes: list[Change]) -> Change | None:
-    """Every change to the stage itself at once (None when there is none)."""
-    best = with_changes(shape, **{k: v for c in changes for k, v in c.combined.items()})
-    if best == shape:
-        return None
-    return Change("all of the above changes to this stage together", best)
-
-
 def checkpointing_change(shape: StageShape, stage: str) -> list[Change]:
     """Activation checkpointing, when it is off."""
     if shape.activation_checkpointing:
         return []
     on = {"activation_checkpointing": True}
-    return [Change(f"{stage}.activation_checkpointing: true", with_changes(shape, **on), None, on)]
+    return [Change(f"{stage}.activation_checkpointing: true", replace(shape, **on), None, on)]
 
 
 def micro_batch_change(
@@ -134,7 +126,7 @@ def micro_batch_change(
     if not divisors:
         return []
     pick = next(
-        (m for m in divisors if est.peak(with_changes(shape, micro_batch=m), layout) <= budget),
+        (m for m in divisors if est.peak(replace(shape, micro_batch=m), layout) <= budget),
         divisors[-1],
     )
     new_accum = accum * shape.micro_batch // pick
@@ -142,7 +134,7 @@ def micro_batch_change(
         f"{stage}.batch.micro_batch_size: {pick} with grad_accum_steps: {new_accum} "
         "(same global batch)"
     )
-    return [Change(text, with_changes(shape, micro_batch=pick), None, {"micro_batch": 1})]
+    return [Change(text, replace(shape, micro_batch=pick), None, {"micro_batch": 1})]
 
 
 def chunked_head_change(
@@ -157,7 +149,7 @@ def chunked_head_change(
     if logits_now < LARGE_LOGITS * now:
         return []
     chunk = {"logits_chunk_tokens": DEFAULT_CHUNK_TOKENS}
-    chunked = with_changes(shape, **chunk)
+    chunked = replace(shape, **chunk)
     logits_then = est.logits(chunked, layout)
     text = (
         f"infra.logits_chunk_tokens: {DEFAULT_CHUNK_TOKENS} (logits {fmt_bytes(logits_now)}"
@@ -176,7 +168,7 @@ def rollout_changes(shape: StageShape, stage: str) -> list[Change]:
         changes.append(
             Change(
                 f"{stage}.rollout.generation_batch_size: {rows}",
-                with_changes(shape, rollout_rows=rows),
+                replace(shape, rollout_rows=rows),
                 None,
                 {"rollout_rows": 1},
             )
@@ -184,7 +176,7 @@ def rollout_changes(shape: StageShape, stage: str) -> list[Change]:
     if shape.keep_gathered:
         off = {"keep_gathered": False}
         changes.append(
-            Change(f"{stage}.rollout.keep_gathered: false", with_changes(shape, **off), None, off)
+            Change(f"{stage}.rollout.keep_gathered: false", replace(shape, **off), None, off)
         )
     return changes
 
@@ -230,8 +222,3 @@ def smallest_fitting_world(
         ),
         None,
     )
-
-
-def smallest_device(fixes: list[Fix], fraction: float) -> int | None:
-    """Device memory the best fix would need (its estimate over the safety fraction)."""
-    return int(min(f.total for f in fixes) / fraction) if fixes else None

@@ -14,6 +14,7 @@ cgroup v2 memory limit), since every rank of a node draws on the same RAM.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field, replace
@@ -29,9 +30,8 @@ from posttrain.memory.estimate import (
     StageShape,
     estimate,
     fmt_bytes,
-    with_changes,
 )
-from posttrain.memory.fixes import Fix, smallest_device, suggest_fixes
+from posttrain.memory.fixes import Fix, suggest_fixes
 
 log = logging.getLogger("posttrain.memory")
 
@@ -100,8 +100,10 @@ class PreflightReport:
                 for f in self.fixes
             ]
         if not self.fits and not any(f.fits for f in self.fixes):
-            need = smallest_device(self.fixes, self.fraction) or int(
-                self.estimate.total / self.fraction
+            # The device the best fix (else the stage as it is) needs: its estimate over the
+            # safety fraction.
+            need = int(
+                min((f.total for f in self.fixes), default=self.estimate.total) / self.fraction
             )
             lines.append(
                 f"nothing above fits: this stage needs a device with at least {fmt_bytes(need)}"
@@ -131,8 +133,6 @@ def model_shape(recipe: Any, model_dir: str | Path | None = None) -> ModelShape:
     else the recipe's `ingest.from_config` numbers. Raises ValueError when neither describes a
     model the estimate knows."""
     if model_dir is not None and (Path(model_dir) / "config.json").is_file():
-        import json
-
         return ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
     if recipe.ingest.source == "from_config":
         return ModelShape.from_recipe_model(recipe.ingest.from_config)
@@ -155,6 +155,7 @@ def stage_shape(recipe: Any, stage: str) -> StageShape:
     memory function (posttrain/kinds/) over its section, with the adapters shaped by the stages
     that created them (a DPO after SFT trains SFT's adapter; its reference is its `reference`'s
     adapter; the reward model is its reward stage's)."""
+    from posttrain.config.sections import LoraConfig
     from posttrain.kinds import MemoryInputs
 
     graph = recipe.graph()
@@ -192,16 +193,10 @@ def stage_shape(recipe: Any, stage: str) -> StageShape:
         if rm
         else None
         if getattr(section, "rewards", None)
-        else _adapter("reward", getattr(section, "lora", None) or _default_lora(), False),
+        else _adapter("reward", getattr(section, "lora", None) or LoraConfig(), False),
         world=recipe.infra.world_size() if isinstance(recipe.infra.devices_per_node, int) else 1,
     )
     return replace(node.kind.memory(section, m), label=stage)
-
-
-def _default_lora() -> Any:
-    from posttrain.config.sections import LoraConfig
-
-    return LoraConfig()
 
 
 def device_layout(recipe: Any) -> DeviceLayout:
@@ -230,13 +225,11 @@ def _cgroup_room() -> int | None:
 def detect_capacity(recipe: Any) -> Capacity:
     """This process's memory budget (see the module docstring); `infra.device_memory_gb`
     replaces the device's total (GiB) when set."""
+    import psutil
+
     infra = recipe.infra
     local = infra.devices_per_node if isinstance(infra.devices_per_node, int) else 1
-    runtime = None
-    if infra.device != "cuda":
-        import psutil
-
-        runtime = psutil.Process().memory_info().rss
+    runtime = None if infra.device == "cuda" else psutil.Process().memory_info().rss
     if infra.device_memory_gb is not None:
         return Capacity(
             int(infra.device_memory_gb * GIB), "infra.device_memory_gb override", runtime
@@ -247,8 +240,6 @@ def detect_capacity(recipe: Any) -> Capacity:
         index = int(os.environ.get("LOCAL_RANK", "0"))
         free, total = torch.cuda.mem_get_info(index)
         return Capacity(free, f"cuda:{index} free of {fmt_bytes(total)}")
-    import psutil
-
     available = psutil.virtual_memory().available
     room = _cgroup_room()
     where = "host available"
@@ -282,7 +273,7 @@ def preflight(
     est = estimate(model, shape, layout, cap.runtime_bytes)
     other = estimate(
         model,
-        with_changes(shape, activation_checkpointing=not shape.activation_checkpointing),
+        replace(shape, activation_checkpointing=not shape.activation_checkpointing),
         layout,
         cap.runtime_bytes,
     )

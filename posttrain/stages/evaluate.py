@@ -94,10 +94,14 @@ def _lm_eval_sft(ctx: StageContext) -> str | None:
     )
 
 
-def _load_policies(ctx: StageContext, base: Any) -> PeftModel:
-    """Base + the final policy's adapter (active, as ADAPTER) + every other policy the
+def _evaluation_model(ctx: StageContext, device: torch.device) -> tuple[PeftModel, Any]:
+    """(the base + the final policy's adapter (active, as ADAPTER) + every other policy the
     evaluation compares (its parent, its reference, the `policies` and their parents, the SFT
-    `lm_eval` scores), each named after its stage."""
+    `lm_eval` scores), each named after its stage, on `device` in eval mode; the base's
+    tokenizer)."""
+    base, tok = load_base(
+        ctx.role_dir("base"), ctx.role_manifest("base"), attention=ctx.recipe.infra.attention
+    )
     graph = ctx.recipe.graph()
     final = ctx.roles["policy"]
     others = [ctx.roles.get("parent")]
@@ -111,36 +115,14 @@ def _load_policies(ctx: StageContext, base: Any) -> PeftModel:
     model = PeftModel.from_pretrained(base, str(ctx.role_dir("policy") / "adapter"))
     for n in names:
         model.load_adapter(str(ctx.parent_dir(n) / "adapter"), adapter_name=n)
-    return model
-
-
-def _evaluation_model(ctx: StageContext, device: torch.device) -> tuple[PeftModel, Any]:
-    """(the base with every compared policy's adapter, on `device` in eval mode; the base's
-    tokenizer)."""
-    base, tok = load_base(
-        ctx.role_dir("base"),
-        ctx.role_manifest("base"),
-        attention=ctx.recipe.infra.attention,
-    )
-    return _load_policies(ctx, base).to(device).eval(), tok
-
-
-def _reward_model(ctx: StageContext, tok: Any, device: torch.device) -> PeftModel:
-    """The reward stage's model (base + its adapter and score head), on `device`."""
-    ingest = ctx.role_manifest("base")["summary"]
-    return load_reward_model(
-        ingest["model_dir"],
-        ctx.role_dir("reward_model") / "adapter",
-        tok.pad_token_id,
-        ingest.get("trust_remote_code", False),
-    ).to(device)
+    return model.to(device).eval(), tok
 
 
 # --- the families, each on the models it scores -----------------------------------------------
 
 
 def _heldout_loss(
-    ctx: StageContext, model: PeftModel, tok: Any, stage: str, examples: list[dict], device: Any
+    ctx: StageContext, model: PeftModel, tok: Any, stage: str, examples: list[dict]
 ) -> dict[str, float]:
     """Held-out loss/perplexity of policy `stage` (BASE: the base)."""
     return policy_heldout_loss(
@@ -149,19 +131,16 @@ def _heldout_loss(
         examples,
         tok.pad_token_id,
         ctx.recipe.evaluate.batch_size,
-        device,
         ctx.recipe.infra.logits_chunk_tokens,
     )
 
 
-def _heldout(
-    ctx: StageContext, model: PeftModel, tok: Any, examples: list[dict], device: Any
-) -> dict[str, Any]:
+def _heldout(ctx: StageContext, model: PeftModel, tok: Any, examples: list[dict]) -> dict[str, Any]:
     """The held-out report: the base's and the final policy's ("tuned") scores on `examples`
     (`run` adds the parent's once the merged-model figures are taken)."""
     final = ctx.roles["policy"]
-    base = _heldout_loss(ctx, model, tok, BASE, examples, device)
-    tuned = _heldout_loss(ctx, model, tok, final, examples, device)
+    base = _heldout_loss(ctx, model, tok, BASE, examples)
+    tuned = _heldout_loss(ctx, model, tok, final, examples)
     log.info(
         "held-out loss: base %.4f -> %s %.4f (perplexity %.2f -> %.2f)",
         base["loss"],
@@ -242,7 +221,13 @@ def _preferences(
     out: dict[str, Any] = {}
     rm = None
     if ctx.has_role("reward_model"):
-        rm = _reward_model(ctx, tok, device)
+        ingest = ctx.role_manifest("base")["summary"]
+        rm = load_reward_model(
+            ingest["model_dir"],
+            ctx.role_dir("reward_model") / "adapter",
+            tok.pad_token_id,
+            ingest.get("trust_remote_code", False),
+        ).to(device)
         pairs = stage_pairs(ctx, ctx.roles["reward_model"], tok)
         out["reward_model"] = reward_accuracy(rm, pairs, tok.pad_token_id, cfg.batch_size)
         log.info("reward model held-out accuracy %.3f", out["reward_model"]["accuracy"])
@@ -266,15 +251,7 @@ def _preferences(
         parent = ctx.roles["parent"]
         prompts = stage_prompts(ctx, final, cfg.win_rate_prompts)
         wr = policy_win_rate(
-            model,
-            tok,
-            rm,
-            prompts,
-            (final, ADAPTER),
-            parent,
-            cfg.win_rate_sampling,
-            ctx.recipe.run.seed,
-            cfg.batch_size,
+            model, tok, rm, prompts, (final, ADAPTER), parent, cfg, ctx.recipe.run.seed
         )
         if wr is not None:
             write_rows(ctx.out_dir / "win_rate_samples.jsonl", wr.pop("examples"))
@@ -311,7 +288,6 @@ def _side_by_side(
     rm: PeftModel | None,
     held: HeldOut,
     base: dict[str, float],
-    device: Any,
 ) -> dict[str, Any]:
     """`evaluate.policies`, each against its parent; a policy's win-rate is judged on its own
     stage's held-out prompts, else on the evaluation prompts."""
@@ -334,7 +310,6 @@ def _side_by_side(
         base,
         cfg,
         ctx.recipe.run.seed,
-        device,
         ctx.recipe.infra.logits_chunk_tokens,
     )
 
@@ -394,14 +369,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
     heldout: dict[str, Any] | None = None
     if held_out:
         examples, _ = tokenize_rows(rows, tok, ctx.recipe.stage(ctx.roles["heldout"]).data)
-        heldout = _heldout(ctx, model, tok, examples, device)
+        heldout = _heldout(ctx, model, tok, examples)
     held = HeldOut(examples, *prompts_and_refs(ctx, tok, rows))
     exact, samples = _answers(ctx, model, tok, held, held_out)
     write_rows(ctx.out_dir / "samples.jsonl", samples)
     inference, harness = _merged_final(ctx, model, tok, held.prompts, device)
     if heldout is not None and parent is not None:
         # How far the last stage moved the policy from its parent's fit.
-        heldout["parent"] = _heldout_loss(ctx, model, tok, parent, examples, device)
+        heldout["parent"] = _heldout_loss(ctx, model, tok, parent, examples)
 
     report: dict[str, Any] = {
         "policy": final,
@@ -422,7 +397,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         base = {"loss": heldout["base"]["loss"]} if heldout is not None else {}
         if "base" in exact:
             base["exact_match"] = exact["base"]
-        report["policies"] = _side_by_side(ctx, model, tok, rm, held, base, device)
+        report["policies"] = _side_by_side(ctx, model, tok, rm, held, base)
     (ctx.out_dir / "eval.json").write_text(jsonsafe.dumps(report, indent=2))
     return {**report, "headline": _headline(report)}
 

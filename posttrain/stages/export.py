@@ -54,18 +54,17 @@ def base_dtype(ingest_summary: dict[str, Any]) -> str:
     return "fp32"
 
 
-def _verify_inputs(ctx: StageContext, tok: Any, n_rows: int = 4) -> torch.Tensor:
-    """[n, T] token ids from held-out conversations (training rows when none were held out), or
+def _verify_inputs(ctx: StageContext, tok: Any) -> torch.Tensor:
+    """[n <= 4, T] token ids from held-out conversations (training rows when none were held out), or
     the shipped policy's own rows when no stage of its lineage trained on conversations: any
     text checks that merged and unmerged weights agree. Cut to a common length (no padding)."""
-    if ctx.has_role("heldout"):
-        folder = ctx.role_dir("heldout")
-        rows = (saved_split(folder, "eval") or saved_split(folder, "train"))[:n_rows]
+    conversations = ctx.has_role("heldout")
+    folder = ctx.role_dir("heldout" if conversations else "policy")
+    rows = (saved_split(folder, "eval") or saved_split(folder, "train"))[:4]
+    if conversations:
         seqs = [encode_chat(tok, r["messages"], 512) for r in rows]
         ids = [s["input_ids"] for s in seqs if s]
     else:
-        folder = ctx.role_dir("policy")
-        rows = (saved_split(folder, "eval") or saved_split(folder, "train"))[:n_rows]
         ids = [tok(json.dumps(r), add_special_tokens=False)["input_ids"][:256] for r in rows]
     width = min(len(i) for i in ids)
     return torch.tensor([i[:width] for i in ids])
@@ -116,15 +115,6 @@ def _write_ggufs(ctx: StageContext, model_dir: Path, types: list[str]) -> dict[s
             "verification": check | {"path": path.name},
         }
     return out
-
-
-def _merge_and_save(
-    base_dir: str, adapter_dir: Path, dtype_name: str, trust: bool, tok: Any, out: Path
-) -> None:
-    """Merge the adapter into the base (in fp32, cast to `dtype_name` last) and save the
-    result to `out` (`_save_with_room`); the merged model is freed when this returns."""
-    merged = merge_adapter(base_dir, adapter_dir, DTYPES[dtype_name], trust_remote_code=trust)
-    _save_with_room(merged, tok, out)
 
 
 def _verify(
@@ -249,7 +239,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
         check_convertible(base_dir, ctx.role_dir("base") / "tokenizer")
     tok = load_tokenizer(ctx.role_dir("base") / "tokenizer")
     out = ctx.out_dir / "model"
-    _merge_and_save(base_dir, adapter_dir, dtype_name, trust, tok, out)
+    # Merged in fp32, cast to the export dtype last; the merged model is freed once saved.
+    _save_with_room(merge_adapter(base_dir, adapter_dir, DTYPES[dtype_name], trust), tok, out)
     report = _verify(ctx, out, base_dir, adapter_dir, tok, trust)
     ggufs = _write_ggufs(ctx, out, cfg.gguf) if cfg.gguf else {}
     files = _write_model_card(ctx, out, report, ggufs)
