@@ -413,6 +413,19 @@ def test_every_training_stage_of_the_shipped_recipes_is_estimated(name: str) -> 
             assert set(report.estimate.phase_totals()) >= {"rollout", "update"}
 
 
+def test_fixes_of_a_named_stage_name_its_entry(tmp_path: Path) -> None:
+    """A `stages:` entry that does not fit gets fixes naming its own fields."""
+    data = json.loads(json.dumps(TINY))
+    data["stages"] = [{"kind": "sft", "name": "sft2", **data["sft"]}]
+    recipe = load_recipe(write_recipe(tmp_path, data))
+    shape = ModelShape.from_recipe_model(recipe.ingest.from_config)
+    report = preflight(recipe, "sft2", model=shape, capacity=Capacity(1 << 20, "test", 0))
+    assert not report.fits
+    changes = [f.change for f in report.fixes]
+    assert any(c.startswith("stages.sft2.activation_checkpointing") for c in changes), changes
+    assert not any(c.startswith("sft.") for c in changes)
+
+
 def test_fixes_each_carry_their_own_estimate(tmp_path: Path) -> None:
     recipe = _recipe(tmp_path)
     shape = ModelShape.from_recipe_model(recipe.ingest.from_config)

@@ -334,3 +334,19 @@ def test_token_similarity_gives_ordered_partial_credit() -> None:
         answer=["10 28 52 53", "10 28 52 53", "the capital of France is Lyon", "1 2", None],
     )
     assert got[:4] == pytest.approx([1.0, 0.25, 10 / 12, 0.0]) and got[4] is None
+
+
+def test_pass_figures_by_hand() -> None:
+    """Two prompts, n = 4 samples each, k = 2: prompt 0 greedy right, 3 of its 4 samples right
+    (pass@2 = 1 - C(1,2)/C(4,2) = 1); prompt 1 greedy wrong, 1 of 4 right (pass@2 = 1 - C(3,2)/
+    C(4,2) = 1 - 3/6 = 0.5). A prompt no verifier applied to (None) is not scored."""
+    from posttrain.eval.verify import pass_figures
+
+    greedy = [True, False, None]
+    sampled = [True, True, False, True, False, True, False, False, None, None, None, None]
+    out = pass_figures(greedy, sampled, n=4, k=2)
+    assert out == {"pass@1": 0.5, "pass@2": 0.75, "sampled_pass@1": 0.5, "prompts": 2}
+    # k = 1: the sampled pass@1 is sampled_pass@1; the greedy pass@1 keeps its key.
+    assert pass_figures(greedy, sampled, n=4, k=1) == {
+        "pass@1": 0.5, "sampled_pass@1": 0.5, "prompts": 2,
+    }  # fmt: skip

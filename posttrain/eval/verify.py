@@ -96,6 +96,29 @@ def _passes(
     return passed, answers
 
 
+def pass_figures(
+    greedy: list[bool | None], sampled: list[bool | None], n: int, k: int
+) -> dict[str, float]:
+    """The report's figures from per-prompt verdicts (None: no verifier applied): greedy
+    `pass@1`, the unbiased `pass@<k>` of the `n` samples per prompt (`sampled` holds prompt i's
+    at [i*n, (i+1)*n)), their mean accuracy `sampled_pass@1`, and the prompts scored. With k = 1
+    the sampled pass@1 is `sampled_pass@1`: the greedy `pass@1` is never overwritten."""
+    scored = [i for i, p in enumerate(greedy) if p is not None]
+    at_k, at_1 = [], []
+    for i in scored:
+        got = [p for p in sampled[i * n : (i + 1) * n] if p is not None]
+        if len(got) >= k:
+            c = sum(got)
+            at_k.append(pass_at_k(len(got), c, k))
+            at_1.append(c / len(got))
+    out = {"pass@1": sum(bool(greedy[i]) for i in scored) / max(1, len(scored))}
+    if k > 1:
+        out[f"pass@{k}"] = sum(at_k) / max(1, len(at_k))
+    out["sampled_pass@1"] = sum(at_1) / max(1, len(at_1))
+    out["prompts"] = len(scored)
+    return out
+
+
 def verify_policy(
     model: Any,
     tok: Any,
@@ -111,21 +134,7 @@ def verify_policy(
     greedy = cfg.pass_sampling.model_copy(update={"strategy": "greedy", "name": "greedy"})
     g_pass, g_answers = _passes(model, tok, prompts, funcs, greedy, 1, seed, cfg)
     s_pass, _ = _passes(model, tok, prompts, funcs, cfg.pass_sampling, n, seed, cfg)
-    scored = [i for i, p in enumerate(g_pass) if p is not None]
-    at_k, at_1 = [], []
-    for i in scored:
-        got = [p for p in s_pass[i * n : (i + 1) * n] if p is not None]
-        if len(got) >= k:
-            c = sum(got)
-            at_k.append(pass_at_k(len(got), c, k))
-            at_1.append(c / len(got))
-    m = max(1, len(scored))
-    out = {
-        "pass@1": sum(bool(g_pass[i]) for i in scored) / m,
-        f"pass@{k}": sum(at_k) / max(1, len(at_k)),
-        "sampled_pass@1": sum(at_1) / max(1, len(at_1)),
-        "prompts": len(scored),
-    }
+    out = pass_figures(g_pass, s_pass, n, k)
     examples = [
         {
             **prompts.columns[i],  # the reference `answer` among them

@@ -279,9 +279,11 @@ def preflight(
     )
     report = PreflightReport(stage, est, other, cap, SAFETY_FRACTION[layout.device])
     if not report.fits:
-        accum = getattr(recipe, stage).batch.grad_accum_steps or 1
+        # The fixes name the stage's own fields: `sft.x`, or `stages.<name>.x` for an entry.
+        node = recipe.graph().get(stage)
+        accum = node.section.batch.grad_accum_steps or 1
         report.fixes = suggest_fixes(
-            model, shape, layout, report.budget, cap.runtime_bytes, stage, accum
+            model, shape, layout, report.budget, cap.runtime_bytes, node.where, accum
         )
     return report
 
