@@ -27,7 +27,7 @@ from pydantic_core import to_jsonable_python
 
 from posttrain.artifacts import path_identity
 from posttrain.config.schema import Recipe
-from posttrain.config.section_fields import effect_of, source_of
+from posttrain.config.section_fields import effect_for, source_of
 from posttrain.data.chat import looks_like_template_file
 from posttrain.hub import RepoType, is_hub_id, resolve_sha
 from posttrain.kinds import StageKind
@@ -39,15 +39,17 @@ class UndecidedField(TypeError):
 
 @dataclass
 class FieldWalk:
-    """One pass over a section: its `Result` values, and the outside inputs they name."""
+    """One pass over a section for a stage of a kind that trains or not: its `Result` values,
+    and the outside inputs they name."""
 
+    trains: bool
     files: dict[str, Any] = field(default_factory=dict)
     hub: dict[str, Any] = field(default_factory=dict)
 
     def section(self, obj: BaseModel, where: str = "") -> dict[str, Any]:
         out = {}
         for name, info in type(obj).model_fields.items():
-            if effect_of(info) == "execution":
+            if effect_for(info, self.trains) == "execution":
                 continue
             out[name] = self.value(getattr(obj, name), info, obj, f"{where}{name}")
         return out
@@ -57,7 +59,7 @@ class FieldWalk:
             return self.section(value, f"{where}.")
         if isinstance(value, list) and value and all(isinstance(v, BaseModel) for v in value):
             return [self.section(v, f"{where}.{i}.") for i, v in enumerate(value)]
-        if effect_of(info) is None and not _holds_sections(info):
+        if effect_for(info, self.trains) is None and not _holds_sections(info):
             raise UndecidedField(
                 f"{type(owner).__name__}.{where.rsplit('.', 1)[-1]}: declare it Result(...) or "
                 "Execution(...) (posttrain.config.section_fields)"
@@ -93,7 +95,7 @@ def _has_model(tp: Any) -> bool:
 
 def stage_inputs(recipe: Recipe, kind: StageKind, section: BaseModel) -> dict[str, Any]:
     """The fingerprint inputs of a stage of `kind` whose recipe section is `section`."""
-    walk = FieldWalk()
+    walk = FieldWalk(trains=kind.trains)
     inputs: dict[str, Any] = {"section": walk.section(section)}
     for shared in kind.reads:
         inputs[shared] = walk.section(getattr(recipe, shared))

@@ -45,20 +45,14 @@ N_TRAIN = GLOBAL * STEPS  # one epoch: the long/short layout below holds for eve
 LONG_SLOTS = (0, 1)
 
 # How the global batch of 4 is split. The sft fingerprint depends on the global batch only, so
-# each variant also sets a different (here inert: no checkpoints are written) keep_checkpoints
-# to get its own output folder.
+# each variant runs in a workspace of its own.
 VARIANTS = {
     "micro4": ("sft.batch.micro_batch_size=4", "sft.batch.grad_accum_steps=1"),
-    "micro2_accum2": (
-        "sft.batch.micro_batch_size=2",
-        "sft.batch.grad_accum_steps=2",
-        "sft.keep_checkpoints=3",
-    ),
+    "micro2_accum2": ("sft.batch.micro_batch_size=2", "sft.batch.grad_accum_steps=2"),
     "ranks2_micro2": (
         "infra.devices_per_node=2",
         "sft.batch.micro_batch_size=2",
         "sft.batch.grad_accum_steps=1",
-        "sft.keep_checkpoints=4",
     ),
 }
 
@@ -94,6 +88,7 @@ def env(tmp_path_factory, shared_parents: Path) -> dict:
     train, evals = _dataset()
     data = copy.deepcopy(TINY)
     data["infra"]["threads_per_rank"] = 1
+    data["run"]["allowed_paths"] = [str(folder)]  # the data files, beside the variants' folders
     data["sft"].update(
         data={
             "path": str(_write_jsonl(folder / "train.jsonl", train)),
@@ -105,22 +100,30 @@ def env(tmp_path_factory, shared_parents: Path) -> dict:
         max_steps=STEPS,
         checkpoint_every=0,
     )
-    recipe = write_recipe(folder, data)
-    run_shared("ingest", recipe, shared_parents)  # TINY's, built once per session
-    dirs = {name: planned_dir("sft", recipe, *over) for name, over in VARIANTS.items()}
+    # The variants compute the same result, so they share a fingerprint (the batch split is
+    # not part of it): each gets a workspace of its own, with TINY's ingest (built once per
+    # session) copied in.
+    for name in VARIANTS:
+        (folder / name).mkdir()
+    recipes = {name: write_recipe(folder / name, data) for name in VARIANTS}
+    for recipe in recipes.values():
+        run_shared("ingest", recipe, shared_parents)
+    dirs = {name: planned_dir("sft", recipes[name], *over) for name, over in VARIANTS.items()}
+    assert len({d.name for d in dirs.values()}) == 1, "the batch split moved the fingerprint"
     assert len(set(dirs.values())) == len(dirs), "variants would share an output folder"
-    return {"recipe": recipe, "dirs": dirs, "done": set()}
+    return {"recipe": recipes["micro4"], "recipes": recipes, "dirs": dirs, "done": set()}
 
 
 def _run(env: dict, name: str) -> Path:
     """Run one variant of the sft stage once per module; returns its output folder."""
     if name not in env["done"]:
         over = VARIANTS[name]
+        recipe = env["recipes"][name]
         if name.startswith("ranks2"):
-            proc = run_torchrun("sft", env["recipe"], 2, *over)
+            proc = run_torchrun("sft", recipe, 2, *over)
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         else:
-            run_inprocess("sft", env["recipe"], *over)
+            run_inprocess("sft", recipe, *over)
         env["done"].add(name)
     return env["dirs"][name]
 

@@ -23,7 +23,7 @@ from pydantic.fields import FieldInfo
 
 from posttrain.config.loader import RecipeError, resolve, validate_recipe
 from posttrain.config.schema import Recipe
-from posttrain.config.section_fields import effect_of
+from posttrain.config.section_fields import effect_for, effect_of
 from posttrain.kinds import KINDS, StageKind
 from posttrain.planner import plan
 from tests.stage_helpers import TINY
@@ -289,7 +289,12 @@ def test_result_fields_change_the_print_and_execution_fields_keep_it(
                 problems.append(f"{section}.{path}: {effect}, expected {declared}")
             continue
         edits = _edits(path, value, info, coupled)
-        problems += _check(base, before, section, path, effect, edits)
+        # Per reading stage: a training-only result is execution for the other kinds.
+        effects = {
+            stage: effect if effect == "execution" else effect_for(info, KINDS[stage].trains)
+            for stage in before
+        }
+        problems += _check(base, before, section, path, effects, edits)
     assert not problems, "\n".join(problems)
 
 
@@ -309,11 +314,11 @@ def _check(
     before: dict[str, tuple[str, Any]],
     section: str,
     path: str,
-    effect: str,
+    effects: dict[str, str | None],
     edits: list[dict[str, Any]],
 ) -> list[str]:
     """The first valid edit of a field must move each reading stage's print exactly when the
-    field is a result (or when that stage's own kind inputs or parents moved)."""
+    field is a result for it (or when that stage's own kind inputs or parents moved)."""
     for edit in edits:
         changed = copy.deepcopy(base)
         for k, v in edit.items():
@@ -324,9 +329,10 @@ def _check(
         wrong = []
         for stage, (fp, extra) in after.items():
             moved = fp != before[stage][0]
-            if moved != (effect == "result" or extra != before[stage][1]):
-                wrong.append(f"{'changed' if moved else 'kept'} {stage}'s fingerprint")
-        return [f"{section}.{path} is {effect} but {edit} " + ", ".join(wrong)] if wrong else []
+            if moved != (effects[stage] == "result" or extra != before[stage][1]):
+                verb = "changed" if moved else "kept"
+                wrong.append(f"{verb} {stage}'s fingerprint ({effects[stage]} for it)")
+        return [f"{section}.{path}: {edit} " + ", ".join(wrong)] if wrong else []
     return [f"{section}.{path}: no valid change found (add one to _coupled)"]
 
 

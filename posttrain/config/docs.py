@@ -16,7 +16,7 @@ from pydantic_core import PydanticUndefined
 
 from posttrain.config.graph import __doc__ as _graph_module_doc
 from posttrain.config.schema import Recipe, StageLinks
-from posttrain.config.section_fields import effect_of
+from posttrain.config.section_fields import effect_for, effect_of
 from posttrain.kinds import graph_kinds
 
 # How shorthand sections and `stages:` entries make one graph (the graph module's docstring,
@@ -98,6 +98,8 @@ def _limits(field: FieldInfo) -> str:
 
 def _reruns(field: FieldInfo) -> str:
     """yes / no by the field's fingerprint decision (posttrain.config.section_fields)."""
+    if effect_of(field) == "result" and effect_for(field, trains=False) == "execution":
+        return "yes (training stages)"
     return {"result": "yes", "execution": "no"}.get(effect_of(field) or "", "")
 
 

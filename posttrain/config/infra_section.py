@@ -97,7 +97,9 @@ class InfraConfig(_Section):
         "slower than fp32). fp16 needs `loss_scaling: true`.",
     )
     loss_scaling: bool = Result(
-        False, description="Dynamic loss scaling; required for fp16, whose losses otherwise go NaN."
+        False,
+        training_only=True,
+        description="Dynamic loss scaling; required for fp16, whose losses otherwise go NaN.",
     )
     attention: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Execution(
         "auto",
@@ -107,6 +109,7 @@ class InfraConfig(_Section):
     )
     base_dtype: Literal["auto", "fp32", "bf16"] = Result(
         "auto",
+        training_only=True,
         description="dtype the frozen base weights are held in (trainable parts - LoRA, heads, "
         "critic - always keep fp32 masters). `auto` = bf16 when the run computes in bf16 on a "
         "GPU (precision bf16), else fp32 (CPU bf16 matmul is ~100x slower). A bf16 base "

@@ -27,6 +27,7 @@ Effect = Literal["result", "execution"]
 Source = Literal["data", "model", "template", "files", "code"]
 EFFECT_KEY = "fingerprint"  # in the field's JSON schema: the UI form and docs show it too
 SOURCE_KEY = "input_source"
+READERS_KEY = "fingerprint_readers"
 
 
 class _Section(BaseModel):
@@ -34,31 +35,43 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-def _marked(effect: Effect, source: Source | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+def _marked(effect: Effect, kwargs: dict[str, Any], **marks: Any) -> dict[str, Any]:
     extra = dict(kwargs.pop("json_schema_extra", None) or {})
     extra[EFFECT_KEY] = effect
-    if source is not None:
-        extra[SOURCE_KEY] = source
+    extra.update({k: v for k, v in marks.items() if v is not None})
     return {**kwargs, "json_schema_extra": extra}
 
 
-def Result(*args: Any, source: Source | None = None, **kwargs: Any) -> Any:  # noqa: N802
+def Result(  # noqa: N802
+    *args: Any, source: Source | None = None, training_only: bool = False, **kwargs: Any
+) -> Any:
     """A field whose value changes what the stage makes: part of its fingerprint. Takes what
-    `pydantic.Field` takes."""
-    return Field(*args, **_marked("result", source, kwargs))
+    `pydantic.Field` takes. `training_only`: a shared field only the training kinds' results
+    depend on (the frozen base's dtype, fp16 loss scaling): for the others it is execution."""
+    marks = {SOURCE_KEY: source, READERS_KEY: "training" if training_only else None}
+    return Field(*args, **_marked("result", kwargs, **marks))
 
 
 def Execution(*args: Any, **kwargs: Any) -> Any:  # noqa: N802
     """A field that changes how the stage runs (timeouts, batch layout where the rows of a step
     do not change, progress, tracking, the launcher), never what it makes: left out of the
     fingerprint, so changing it reuses the artifact."""
-    return Field(*args, **_marked("execution", None, kwargs))
+    return Field(*args, **_marked("execution", kwargs))
 
 
 def effect_of(info: FieldInfo) -> Effect | None:
     """What a field declared (None: nothing, which only a nested section may do)."""
     extra = info.json_schema_extra
     return extra.get(EFFECT_KEY) if isinstance(extra, dict) else None  # type: ignore[return-value]
+
+
+def effect_for(info: FieldInfo, trains: bool) -> Effect | None:
+    """What a field is for a stage of a kind that trains (`trains`) or not."""
+    effect = effect_of(info)
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    if effect == "result" and extra.get(READERS_KEY) == "training" and not trains:
+        return "execution"
+    return effect
 
 
 def source_of(info: FieldInfo) -> Source | None:

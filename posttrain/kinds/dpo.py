@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from posttrain.config.section_fields import Execution, Result
+from posttrain.config.section_fields import Result
 from posttrain.config.sections import PreferenceDataConfig, TemplateGuard, TrainingSection
 from posttrain.kinds._kind import MemoryInputs, StageKind
 
@@ -27,7 +27,9 @@ class DPOConfig(TrainingSection, TemplateGuard):
     sft_weight: float = Result(
         0.0, ge=0, description="Weight of an added NLL term on the chosen response."
     )
-    precompute_reference: bool | None = Execution(
+    # A result: the precomputed table's reference log-probs match the online ones to ~1e-5, not
+    # bit for bit.
+    precompute_reference: bool | None = Result(
         None,
         description="Compute reference log-probs once, store them as an artifact keyed by "
         "reference, data, template and max length, and reuse them across runs. Default "
