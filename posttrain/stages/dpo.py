@@ -103,33 +103,25 @@ def ref_cache_key(
     )
 
 
-def cached_reference(
-    ctx: StageContext,
-    model: torch.nn.Module,
-    pairs: list[dict],
-    key: str,
-    pad_id: int,
-    batch_size: int,
-    flat: bool = False,
-) -> tuple[torch.Tensor, str]:
-    """Reference log-probs from the workspace cache, computing and storing them on a miss.
-    Returns ([N, 2] log-probs, "hit" | "miss")."""
+def cached_reference(ctx: StageContext, loop: Training, key: str) -> tuple[torch.Tensor, str]:
+    """Reference log-probs of the training pairs from the workspace cache, computing and storing
+    them on a miss. Returns ([N, 2] log-probs, "hit" | "miss")."""
     from safetensors.torch import load_file, save_file
 
-    d = ctx.dist
+    pairs = loop.draw.rows
     folder = Path(ctx.recipe.run.workspace) / "artifacts" / "ref_logps" / key
     if verify(folder)[0]:
-        return load_file(folder / "ref_logps.safetensors")["logps"].to(d.device), "hit"
+        return load_file(folder / "ref_logps.safetensors")["logps"].to(loop.device), "hit"
     logps = reference_logps(
-        model,
+        loop.model,
         pairs,
-        pad_id,
-        batch_size,
-        d.device,
-        d.rank,
-        d.world_size,
-        ctx.recipe.infra.logits_chunk_tokens,
-        flat,
+        loop.draw.pad_id,
+        loop.eval_batch_size,
+        loop.device,
+        loop.rank,
+        loop.world,
+        loop.chunk_tokens,
+        loop.flat,
     )
     if ctx.is_main:
         folder.mkdir(parents=True, exist_ok=True)
@@ -274,15 +266,7 @@ def training_reference(
         cfg.data.max_seq_len,
         cfg.data.max_prompt_len,
     )
-    table, cache = cached_reference(
-        ctx,
-        loop.model,
-        loop.draw.rows,
-        key,
-        loop.draw.pad_id,
-        loop.eval_batch_size,
-        loop.flat,
-    )
+    table, cache = cached_reference(ctx, loop, key)
     log.info("reference log-probs: cache %s (%s)", cache, key)
     return table, cache
 

@@ -129,34 +129,29 @@ def both_logps(
 
 @torch.no_grad()
 def heldout_kto(
-    model: torch.nn.Module,
-    rows: list[dict[str, Any]],
-    hp: dict[str, float],
-    pad_id: int,
-    max_len: int,
-    batch_size: int,
-    device: torch.device,
-    rank: int,
-    world: int,
-    chunk_tokens: int = 0,
-) -> dict[str, float]:
-    """Held-out KTO loss, rewards, margin, z0 and (for rows from pairs) pair accuracy.
+    loop: Training, rows: list[dict[str, Any]], hp: dict[str, float], max_len: int
+) -> dict[str, float] | None:
+    """Held-out KTO loss, rewards, margin, z0 and (for rows from pairs) pair accuracy; None
+    without held-out rows.
 
     Log-probs of every row and of its mismatched sequence (row i's prompt, row i+1's completion)
     are gathered rank-strided into [N, 4] (policy, reference, policy KL, reference KL), summed
     over ranks, then scored whole."""
+    if not rows:
+        return None
+    model, device, chunk, pad_id = loop.model, loop.device, loop.chunk_tokens, loop.draw.pad_id
     model.eval()
     table = torch.zeros(len(rows), 4, dtype=torch.float64)
     n = len(rows)
-    for idx in rank_batches(n, rank, world, batch_size):
+    for idx in rank_batches(n, loop.rank, loop.world, loop.eval_batch_size):
         heartbeat.beat(phase="eval")
         ix = idx or [0]  # a filler forward keeps FSDP's collectives in step
         batch = completion_batch([rows[i] for i in ix], pad_id)
         kl_batch = completion_batch(
             [mismatched(rows[i], rows[(i + 1) % n], max_len) for i in ix], pad_id
         )
-        cols = [*both_logps(model, to_device(batch, device), chunk_tokens)]
-        cols += both_logps(model, to_device(kl_batch, device), chunk_tokens)
+        cols = [*both_logps(model, to_device(batch, device), chunk)]
+        cols += both_logps(model, to_device(kl_batch, device), chunk)
         if idx:
             table[idx] = torch.stack(cols, dim=1).double().cpu()
     model.train()
@@ -229,20 +224,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     model = policy_with_reference(base, start.adapter, start.reference)
 
     def heldout(loop: Training) -> dict[str, float] | None:
-        if not data.eval:  # no held-out rows: no figures
-            return None
-        return heldout_kto(
-            loop.model,
-            data.eval,
-            hp,
-            tok.pad_token_id,
-            cfg.data.max_seq_len,
-            loop.eval_batch_size,
-            loop.device,
-            loop.rank,
-            loop.world,
-            loop.chunk_tokens,
-        )
+        return heldout_kto(loop, data.eval, hp, cfg.data.max_seq_len)
 
     draw = Draw(data.train, completion_tokens, completion_batch, tok.pad_token_id)
     loop = open_training(ctx, model, weights, batch, total_steps, data, draw, heldout)
