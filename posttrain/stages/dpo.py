@@ -218,8 +218,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         ctx, model, weights, batch, total_steps, data, draw, heldout, loss_type=cfg.loss
     )
     ref_table, ref_cache = training_reference(ctx, loop, template_sha)
-    first = loop.heldout_at_start()
-    if first is not None:
+    if (first := loop.heldout_at_start()) is not None:
         log.info(
             "held-out preference accuracy at step 0 (policy = reference): %.3f", first["accuracy"]
         )
@@ -271,20 +270,6 @@ def training_reference(
     return table, cache
 
 
-# What a step sums over its pairs, in the order the metrics record lists them.
-STEP_SUMS = (
-    "loss",
-    "correct",
-    "margin",
-    "chosen_reward",
-    "rejected_reward",
-    "policy_chosen_logps",
-    "policy_rejected_logps",
-    "ref_chosen_logps",
-    "ref_rejected_logps",
-)
-
-
 def dpo_step(
     loop: Training, sb: StepBatch, loss_fn: Any, ref_table: torch.Tensor | None
 ) -> tuple[float, dict[str, float]]:
@@ -296,7 +281,7 @@ def dpo_step(
     and its mean accuracy, margins, rewards and log-probs, with the reference's time."""
     cfg, model, device = loop.section, loop.model, loop.device
     n_pairs, world = loop.batch.global_batch_size, loop.world
-    sums = dict.fromkeys(STEP_SUMS, 0.0)
+    sums: dict[str, torch.Tensor] = {}  # in the order the metrics record lists them
     t_ref = 0.0
     for k, (ix, mb) in enumerate(zip(sb.rows, sb.micro, strict=True)):
         grad_sync(model, k == len(sb.micro) - 1)
@@ -326,7 +311,7 @@ def dpo_step(
             ("ref_chosen_logps", rc),
             ("ref_rejected_logps", rr),
         ):
-            sums[name] += v.detach().sum()  # read once per step
+            sums[name] = sums.get(name, 0.0) + v.detach().sum()  # read once per step
     g = {k: v / n_pairs for k, v in all_reduce_sums(sums, device).items()}
     # The preference loss judges the step; a non-finite SFT term shows in the gradient norm.
     loss = g.pop("loss")

@@ -1,9 +1,9 @@
 """kto: tuning of the SFT policy from unpaired desirable / undesirable completions (KTO).
 
 Algorithm choices:
-- Policy and reference as in dpo: base + the starting adapter twice on one base (trainable
-  "default", frozen "reference"), sharded together by FSDP2; `starting_adapter` is the one place
-  that says which adapter that is (the SFT policy).
+- Policy and reference as in dpo, by role: base + the `from` policy's adapter (trainable
+  "default") and the `reference` one (frozen, by default the same policy) on one base, sharded
+  together by FSDP2.
 - Per row: summed log-probs of the completion tokens (final assistant turn + its end-of-turn)
   under policy and reference; loss `kto_loss` (Ethayarajh et al., 2024). Rows weigh equally:
   each micro-batch backprops sum(row losses) * world / global_rows.
@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,30 +52,6 @@ from posttrain.train.preference_losses import (
 log = logging.getLogger("posttrain.kto")
 # The paper's recommended range of desirable_weight * n_D / (undesirable_weight * n_U).
 BALANCE_RANGE = (1.0, 4 / 3)
-
-
-@dataclass(frozen=True)
-class StartingPoint:
-    """The adapter the policy starts from (its `from`) and the frozen reference (its
-    `reference`, by default the same policy)."""
-
-    adapter: Path
-    reference: Path
-    fingerprint: str  # the reference's
-    chat_template_sha256: str | None  # the starting policy's
-
-
-def starting_adapter(ctx: StageContext) -> StartingPoint:
-    """The policy it starts from and the reference, by role (the graph checks both are
-    trained policies)."""
-    policy, reference = ctx.adapter_dir("policy"), ctx.adapter_dir("reference")
-    assert policy is not None and reference is not None
-    return StartingPoint(
-        policy,
-        reference,
-        ctx.role_ref("reference").fingerprint,
-        ctx.role_manifest("policy")["summary"].get("chat_template_sha256"),
-    )
 
 
 def completion_batch(
@@ -201,11 +176,11 @@ def warn_balance(stats: dict[str, int], desirable_weight: float, undesirable_wei
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.section
-    start = starting_adapter(ctx)
+    policy_dir, reference_dir = ctx.adapter_dir("policy"), ctx.adapter_dir("reference")
+    assert policy_dir is not None and reference_dir is not None  # the graph checks both
+    recorded = ctx.role_manifest("policy")["summary"].get("chat_template_sha256")
     base, tok, weights = training_base(ctx)
-    template_sha = guard_template(
-        tok, start.chat_template_sha256, ctx.name, cfg, ctx.roles["policy"]
-    )
+    template_sha = guard_template(tok, recorded, ctx.name, cfg, ctx.roles["policy"])
     data = prepare_unpaired(cfg.data, tok, ctx.recipe.run.seed)
     batch, total_steps = plan_steps(ctx, data, len(data.train))
     if batch.global_batch_size < 2:
@@ -221,25 +196,23 @@ def run(ctx: StageContext) -> dict[str, Any]:
     }
 
     prepare_for_training(base, cfg.activation_checkpointing)
-    model = policy_with_reference(base, start.adapter, start.reference)
+    model = policy_with_reference(base, policy_dir, reference_dir)
 
     def heldout(loop: Training) -> dict[str, float] | None:
         return heldout_kto(loop, data.eval, hp, cfg.data.max_seq_len)
 
     draw = Draw(data.train, completion_tokens, completion_batch, tok.pad_token_id)
     loop = open_training(ctx, model, weights, batch, total_steps, data, draw, heldout)
-    first = loop.heldout_at_start()
-    if first is not None:
+    if (first := loop.heldout_at_start()) is not None:
         log.info("held-out at step 0 (policy = reference): %s", first)
     for step in loop.steps():
         sb, kl_micro = kto_step_batch(loop, step, cfg.data.max_seq_len)
         loss, metrics = kto_step(loop, sb, kl_micro, hp)
         loop.finish_step(step, sb, loss=loss, **metrics)
-    final = loop.heldout_at_end()
-    if final is not None:
+    if (final := loop.heldout_at_end()) is not None:
         log.info("held-out at the end: %s", final)
     loop.close(selected_adapters=["default"])
-    write_reference_record(ctx, start)
+    write_reference_record(ctx, reference_dir)
     return loop.tr.summary(
         ctx,
         beta=cfg.beta,
@@ -358,13 +331,12 @@ def kto_headline(final: dict[str, float] | None) -> dict[str, float]:
     return head
 
 
-def write_reference_record(ctx: StageContext, start: StartingPoint) -> None:
+def write_reference_record(ctx: StageContext, reference: Path) -> None:
     """reference.json (rank 0): the frozen reference adapter and its fingerprint."""
     if ctx.is_main:
+        fingerprint = ctx.role_ref("reference").fingerprint
         (ctx.out_dir / "reference.json").write_text(
-            json.dumps(
-                {"reference": str(start.reference), "fingerprint": start.fingerprint}, indent=2
-            )
+            json.dumps({"reference": str(reference), "fingerprint": fingerprint}, indent=2)
         )
 
 

@@ -26,7 +26,6 @@ from posttrain.data.pref_prepare import guard_template, prepare
 from posttrain.data.segments import pair_tokens
 from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums
-from posttrain.kinds.orpo import ORPOConfig
 from posttrain.models.adapters import trainable_adapter
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.models.reward import pair_batch
@@ -42,12 +41,6 @@ def start_adapter(ctx: StageContext) -> Path | None:
     """The adapter ORPO continues: its `from` policy's. None = it starts from the base, with a
     fresh LoRA (`lora`). The one place that decides where the policy comes from."""
     return ctx.adapter_dir("policy")
-
-
-def _section(ctx: StageContext) -> ORPOConfig:
-    cfg = ctx.section
-    assert isinstance(cfg, ORPOConfig), f"stage {ctx.name}: not an ORPO section"
-    return cfg
 
 
 @torch.no_grad()
@@ -70,7 +63,7 @@ def heldout_orpo(loop: Training, pairs: list[dict], beta: float) -> dict[str, fl
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    cfg = _section(ctx)
+    cfg = ctx.section
     base, tok, weights = training_base(ctx)
     adapter = start_adapter(ctx)
     # The policy it starts from recorded the template it learnt (from the base: ingest's).
@@ -88,8 +81,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     draw = Draw(data.train, pair_tokens, pair_batch, tok.pad_token_id)
     loop = open_training(ctx, model, weights, batch, total_steps, data, draw, heldout, start=start)
-    first = loop.heldout_at_start()
-    if first is not None:
+    if (first := loop.heldout_at_start()) is not None:
         log.info("held-out pair accuracy at step 0: %.3f", first["accuracy"])
     for step in loop.steps():
         sb = loop.step_batch(step)

@@ -92,8 +92,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     draw = Draw(data.train, pair_tokens, pair_batch, tok.pad_token_id)
     loop = open_training(ctx, model, weights, batch, total_steps, data, draw, heldout)
-    first = loop.heldout_at_start()
-    if first is not None:
+    if (first := loop.heldout_at_start()) is not None:
         log.info("held-out accuracy at step 0: %.3f", first["accuracy"])
     for step in loop.steps():
         sb = loop.step_batch(step)
