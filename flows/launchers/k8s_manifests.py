@@ -105,15 +105,6 @@ def _escape(text: str) -> str:
     return text.replace("$(", "$$(")
 
 
-def workspace_of(request: LaunchRequest) -> Path:
-    """The run's workspace, from the stage's folder (`<workspace>/artifacts/<kind>/<fp>`,
-    `posttrain.artifacts.stage_dir`); everything the stage reads and writes is under it."""
-    out_dir = request.stage.out_dir
-    if not out_dir.is_absolute() or out_dir.parent.parent.name != "artifacts":
-        raise ValueError(f"{out_dir} is not an absolute <workspace>/artifacts/<stage>/<fp> folder")
-    return out_dir.parents[2]
-
-
 def plan_job(
     request: LaunchRequest, config: KubernetesConfig, device: str, workspace: Path | None = None
 ) -> JobPlan:
@@ -143,13 +134,20 @@ def plan_job(
 def checked_workspace(
     request: LaunchRequest, config: KubernetesConfig, workspace: Path | None
 ) -> Path:
-    """The run's workspace (`workspace`, else found from the stage's folder), after checking
-    that the recipe says what to run and what to mount, and that the pods will see the spec."""
+    """The run's workspace (`workspace`, else found from the stage's folder: everything the
+    stage reads and writes is under it), after checking that the recipe says what to run and
+    what to mount, and that the pods will see the spec."""
     if not config.image:
         raise ValueError("infra.kubernetes.image is required to launch on Kubernetes")
     if not (config.workspace_claim or config.workspace_host_path):
         raise ValueError("infra.kubernetes.workspace_claim or workspace_host_path is required")
-    workspace = workspace_of(request) if workspace is None else workspace
+    if workspace is None:  # the stage's folder is <workspace>/artifacts/<kind>/<fp> (stage_dir)
+        out_dir = request.stage.out_dir
+        if not out_dir.is_absolute() or out_dir.parent.parent.name != "artifacts":
+            raise ValueError(
+                f"{out_dir} is not an absolute <workspace>/artifacts/<stage>/<fp> folder"
+            )
+        workspace = out_dir.parents[2]
     if not workspace.is_absolute():
         raise ValueError(f"the workspace {workspace} must be an absolute path")
     if not Path(request.spec_path).is_relative_to(workspace):
