@@ -75,10 +75,10 @@ class JobPlan:
         }
 
 
-def sanitize_label(text: str, limit: int = 63) -> str:
+def sanitize_label(text: str) -> str:
     """`text` as a label name or value: letters, digits, '-', '_', '.', alphanumeric at both
-    ends, at most `limit` characters ("" when nothing is left)."""
-    cleaned = re.sub(r"[^A-Za-z0-9_.-]+", "-", text)[:limit]
+    ends, at most 63 characters ("" when nothing is left)."""
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]+", "-", text)[:63]
     return cleaned.strip("-_.")
 
 
@@ -105,22 +105,6 @@ def _escape(text: str) -> str:
     return text.replace("$(", "$$(")
 
 
-def gpus_per_node(request: LaunchRequest, config: KubernetesConfig, device: str) -> int:
-    """GPUs each pod requests: the recipe's number, else one per process on CUDA, else 0."""
-    if config.gpus_per_node is not None:
-        return config.gpus_per_node
-    return request.stage.nprocs if device == "cuda" else 0
-
-
-def workspace_of(request: LaunchRequest) -> Path:
-    """The run's workspace, from the stage's folder (`<workspace>/artifacts/<kind>/<fp>`,
-    `posttrain.artifacts.stage_dir`); everything the stage reads and writes is under it."""
-    out_dir = request.stage.out_dir
-    if not out_dir.is_absolute() or out_dir.parent.parent.name != "artifacts":
-        raise ValueError(f"{out_dir} is not an absolute <workspace>/artifacts/<stage>/<fp> folder")
-    return out_dir.parents[2]
-
-
 def plan_job(
     request: LaunchRequest, config: KubernetesConfig, device: str, workspace: Path | None = None
 ) -> JobPlan:
@@ -135,7 +119,7 @@ def plan_job(
     stage = request.stage
     name = job_name(stage.name, stage.fingerprint, request.launch_id)
     nnodes = max(1, stage.nnodes)
-    gpus = checked_gpus(request, config, device)
+    gpus = gpus_per_node(request, config, device)
     labels = job_labels(request, config)
     command = pod_command(request, config, name, nnodes)
     volumes, mounts = workspace_volumes(config, workspace)
@@ -150,13 +134,20 @@ def plan_job(
 def checked_workspace(
     request: LaunchRequest, config: KubernetesConfig, workspace: Path | None
 ) -> Path:
-    """The run's workspace (`workspace`, else found from the stage's folder), after checking
-    that the recipe says what to run and what to mount, and that the pods will see the spec."""
+    """The run's workspace (`workspace`, else found from the stage's folder: everything the
+    stage reads and writes is under it), after checking that the recipe says what to run and
+    what to mount, and that the pods will see the spec."""
     if not config.image:
         raise ValueError("infra.kubernetes.image is required to launch on Kubernetes")
     if not (config.workspace_claim or config.workspace_host_path):
         raise ValueError("infra.kubernetes.workspace_claim or workspace_host_path is required")
-    workspace = workspace_of(request) if workspace is None else workspace
+    if workspace is None:  # the stage's folder is <workspace>/artifacts/<kind>/<fp> (stage_dir)
+        out_dir = request.stage.out_dir
+        if not out_dir.is_absolute() or out_dir.parent.parent.name != "artifacts":
+            raise ValueError(
+                f"{out_dir} is not an absolute <workspace>/artifacts/<stage>/<fp> folder"
+            )
+        workspace = out_dir.parents[2]
     if not workspace.is_absolute():
         raise ValueError(f"the workspace {workspace} must be an absolute path")
     if not Path(request.spec_path).is_relative_to(workspace):
@@ -167,10 +158,13 @@ def checked_workspace(
     return workspace
 
 
-def checked_gpus(request: LaunchRequest, config: KubernetesConfig, device: str) -> int:
-    """`gpus_per_node`, refused when a pod would run more processes than it has GPUs."""
+def gpus_per_node(request: LaunchRequest, config: KubernetesConfig, device: str) -> int:
+    """GPUs each pod requests: the recipe's number, else one per process on CUDA, else 0;
+    refused when a pod would run more processes than it has GPUs."""
     stage = request.stage
-    gpus = gpus_per_node(request, config, device)
+    gpus = config.gpus_per_node
+    if gpus is None:
+        gpus = stage.nprocs if device == "cuda" else 0
     if gpus and stage.nprocs > gpus:
         raise ValueError(
             f"stage {stage.name} runs {stage.nprocs} processes per node but each pod gets "
@@ -187,7 +181,7 @@ def job_labels(request: LaunchRequest, config: KubernetesConfig) -> dict[str, st
     labels[STAGE_LABEL] = sanitize_label(request.stage.name)
     labels[LAUNCH_LABEL] = sanitize_label(request.launch_id)
     for key, value in request.labels.items():
-        labels[LABEL_PREFIX + sanitize_label(key, 63)] = sanitize_label(value)
+        labels[LABEL_PREFIX + sanitize_label(key)] = sanitize_label(value)
     return labels
 
 
@@ -211,19 +205,13 @@ def pod_command(
     return [a if a == rank_arg else _escape(a) for a in command]
 
 
-def stage_env(request: LaunchRequest, config: KubernetesConfig) -> dict[str, str]:
-    """The variables a stage's pods get: the recipe's `infra.kubernetes.env`, overridden by the
-    launch's (`flows.stage_launch.launch_env`), less this machine's node rank (each pod's own
-    comes from its completion index)."""
-    merged = {**config.env, **request.env}
-    merged.pop(NODE_RANK_ENV, None)
-    return merged
-
-
 def container_env(request: LaunchRequest, config: KubernetesConfig) -> list[dict[str, Any]]:
-    """The container's `env`: the node rank from the pod's completion index, then
-    `stage_env`'s variables as literal values."""
-    env: list[dict[str, Any]] = [
+    """The container's `env`: the node rank from the pod's completion index, then as literal
+    values the recipe's `infra.kubernetes.env` overridden by the launch's
+    (`flows.stage_launch.launch_env`), less this machine's node rank."""
+    literal = {**config.env, **request.env}
+    literal.pop(NODE_RANK_ENV, None)
+    return [
         # First: later values may refer to it. The downward API reads the index the Job
         # controller gives each pod.
         {
@@ -231,25 +219,18 @@ def container_env(request: LaunchRequest, config: KubernetesConfig) -> list[dict
             "valueFrom": {
                 "fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}
             },
-        }
+        },
+        *({"name": k, "value": _escape(v)} for k, v in literal.items()),
     ]
-    env += [{"name": k, "value": _escape(v)} for k, v in stage_env(request, config).items()]
-    return env
 
 
 def container_resources(config: KubernetesConfig, gpus: int) -> dict[str, dict[str, str]]:
     """The container's `resources`: the recipe's CPU and memory requests and limits and the
     pod's GPUs, each of `requests` / `limits` only when it has an entry ({} for neither)."""
-    requests: dict[str, str] = {}
-    limits: dict[str, str] = {}
-    if config.cpu_request:
-        requests["cpu"] = config.cpu_request
-    if config.memory_request:
-        requests["memory"] = config.memory_request
-    if config.cpu_limit:
-        limits["cpu"] = config.cpu_limit
-    if config.memory_limit:
-        limits["memory"] = config.memory_limit
+    requests = {
+        k: v for k, v in (("cpu", config.cpu_request), ("memory", config.memory_request)) if v
+    }
+    limits = {k: v for k, v in (("cpu", config.cpu_limit), ("memory", config.memory_limit)) if v}
     if gpus:
         limits[config.gpu_resource] = str(gpus)  # extended resources: requests = limits
     return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
@@ -263,19 +244,10 @@ def workspace_volumes(
     /dev/shm when the recipe sizes one."""
     mounts = [{"name": WORKSPACE_VOLUME, "mountPath": str(workspace)}]
     if config.workspace_claim:
-        volumes: list[dict[str, Any]] = [
-            {
-                "name": WORKSPACE_VOLUME,
-                "persistentVolumeClaim": {"claimName": config.workspace_claim},
-            }
-        ]
+        source: dict[str, Any] = {"persistentVolumeClaim": {"claimName": config.workspace_claim}}
     else:
-        volumes = [
-            {
-                "name": WORKSPACE_VOLUME,
-                "hostPath": {"path": config.workspace_host_path, "type": "Directory"},
-            }
-        ]
+        source = {"hostPath": {"path": config.workspace_host_path, "type": "Directory"}}
+    volumes = [{"name": WORKSPACE_VOLUME, **source}]
     if config.shm_size:
         volumes.append(
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": config.shm_size}}

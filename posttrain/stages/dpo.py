@@ -103,33 +103,25 @@ def ref_cache_key(
     )
 
 
-def cached_reference(
-    ctx: StageContext,
-    model: torch.nn.Module,
-    pairs: list[dict],
-    key: str,
-    pad_id: int,
-    batch_size: int,
-    flat: bool = False,
-) -> tuple[torch.Tensor, str]:
-    """Reference log-probs from the workspace cache, computing and storing them on a miss.
-    Returns ([N, 2] log-probs, "hit" | "miss")."""
+def cached_reference(ctx: StageContext, loop: Training, key: str) -> tuple[torch.Tensor, str]:
+    """Reference log-probs of the training pairs from the workspace cache, computing and storing
+    them on a miss. Returns ([N, 2] log-probs, "hit" | "miss")."""
     from safetensors.torch import load_file, save_file
 
-    d = ctx.dist
+    pairs = loop.draw.rows
     folder = Path(ctx.recipe.run.workspace) / "artifacts" / "ref_logps" / key
     if verify(folder)[0]:
-        return load_file(folder / "ref_logps.safetensors")["logps"].to(d.device), "hit"
+        return load_file(folder / "ref_logps.safetensors")["logps"].to(loop.device), "hit"
     logps = reference_logps(
-        model,
+        loop.model,
         pairs,
-        pad_id,
-        batch_size,
-        d.device,
-        d.rank,
-        d.world_size,
-        ctx.recipe.infra.logits_chunk_tokens,
-        flat,
+        loop.draw.pad_id,
+        loop.eval_batch_size,
+        loop.device,
+        loop.rank,
+        loop.world,
+        loop.chunk_tokens,
+        loop.flat,
     )
     if ctx.is_main:
         folder.mkdir(parents=True, exist_ok=True)
@@ -226,8 +218,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         ctx, model, weights, batch, total_steps, data, draw, heldout, loss_type=cfg.loss
     )
     ref_table, ref_cache = training_reference(ctx, loop, template_sha)
-    first = loop.heldout_at_start()
-    if first is not None:
+    if (first := loop.heldout_at_start()) is not None:
         log.info(
             "held-out preference accuracy at step 0 (policy = reference): %.3f", first["accuracy"]
         )
@@ -274,31 +265,9 @@ def training_reference(
         cfg.data.max_seq_len,
         cfg.data.max_prompt_len,
     )
-    table, cache = cached_reference(
-        ctx,
-        loop.model,
-        loop.draw.rows,
-        key,
-        loop.draw.pad_id,
-        loop.eval_batch_size,
-        loop.flat,
-    )
+    table, cache = cached_reference(ctx, loop, key)
     log.info("reference log-probs: cache %s (%s)", cache, key)
     return table, cache
-
-
-# What a step sums over its pairs, in the order the metrics record lists them.
-STEP_SUMS = (
-    "loss",
-    "correct",
-    "margin",
-    "chosen_reward",
-    "rejected_reward",
-    "policy_chosen_logps",
-    "policy_rejected_logps",
-    "ref_chosen_logps",
-    "ref_rejected_logps",
-)
 
 
 def dpo_step(
@@ -312,7 +281,7 @@ def dpo_step(
     and its mean accuracy, margins, rewards and log-probs, with the reference's time."""
     cfg, model, device = loop.section, loop.model, loop.device
     n_pairs, world = loop.batch.global_batch_size, loop.world
-    sums = dict.fromkeys(STEP_SUMS, 0.0)
+    sums: dict[str, torch.Tensor] = {}  # in the order the metrics record lists them
     t_ref = 0.0
     for k, (ix, mb) in enumerate(zip(sb.rows, sb.micro, strict=True)):
         grad_sync(model, k == len(sb.micro) - 1)
@@ -342,7 +311,7 @@ def dpo_step(
             ("ref_chosen_logps", rc),
             ("ref_rejected_logps", rr),
         ):
-            sums[name] += v.detach().sum()  # read once per step
+            sums[name] = sums.get(name, 0.0) + v.detach().sum()  # read once per step
     g = {k: v / n_pairs for k, v in all_reduce_sums(sums, device).items()}
     # The preference loss judges the step; a non-finite SFT term shows in the gradient norm.
     loss = g.pop("loss")

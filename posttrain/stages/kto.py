@@ -1,9 +1,9 @@
 """kto: tuning of the SFT policy from unpaired desirable / undesirable completions (KTO).
 
 Algorithm choices:
-- Policy and reference as in dpo: base + the starting adapter twice on one base (trainable
-  "default", frozen "reference"), sharded together by FSDP2; `starting_adapter` is the one place
-  that says which adapter that is (the SFT policy).
+- Policy and reference as in dpo, by role: base + the `from` policy's adapter (trainable
+  "default") and the `reference` one (frozen, by default the same policy) on one base, sharded
+  together by FSDP2.
 - Per row: summed log-probs of the completion tokens (final assistant turn + its end-of-turn)
   under policy and reference; loss `kto_loss` (Ethayarajh et al., 2024). Rows weigh equally:
   each micro-batch backprops sum(row losses) * world / global_rows.
@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,30 +52,6 @@ from posttrain.train.preference_losses import (
 log = logging.getLogger("posttrain.kto")
 # The paper's recommended range of desirable_weight * n_D / (undesirable_weight * n_U).
 BALANCE_RANGE = (1.0, 4 / 3)
-
-
-@dataclass(frozen=True)
-class StartingPoint:
-    """The adapter the policy starts from (its `from`) and the frozen reference (its
-    `reference`, by default the same policy)."""
-
-    adapter: Path
-    reference: Path
-    fingerprint: str  # the reference's
-    chat_template_sha256: str | None  # the starting policy's
-
-
-def starting_adapter(ctx: StageContext) -> StartingPoint:
-    """The policy it starts from and the reference, by role (the graph checks both are
-    trained policies)."""
-    policy, reference = ctx.adapter_dir("policy"), ctx.adapter_dir("reference")
-    assert policy is not None and reference is not None
-    return StartingPoint(
-        policy,
-        reference,
-        ctx.role_ref("reference").fingerprint,
-        ctx.role_manifest("policy")["summary"].get("chat_template_sha256"),
-    )
 
 
 def completion_batch(
@@ -129,34 +104,29 @@ def both_logps(
 
 @torch.no_grad()
 def heldout_kto(
-    model: torch.nn.Module,
-    rows: list[dict[str, Any]],
-    hp: dict[str, float],
-    pad_id: int,
-    max_len: int,
-    batch_size: int,
-    device: torch.device,
-    rank: int,
-    world: int,
-    chunk_tokens: int = 0,
-) -> dict[str, float]:
-    """Held-out KTO loss, rewards, margin, z0 and (for rows from pairs) pair accuracy.
+    loop: Training, rows: list[dict[str, Any]], hp: dict[str, float], max_len: int
+) -> dict[str, float] | None:
+    """Held-out KTO loss, rewards, margin, z0 and (for rows from pairs) pair accuracy; None
+    without held-out rows.
 
     Log-probs of every row and of its mismatched sequence (row i's prompt, row i+1's completion)
     are gathered rank-strided into [N, 4] (policy, reference, policy KL, reference KL), summed
     over ranks, then scored whole."""
+    if not rows:
+        return None
+    model, device, chunk, pad_id = loop.model, loop.device, loop.chunk_tokens, loop.draw.pad_id
     model.eval()
     table = torch.zeros(len(rows), 4, dtype=torch.float64)
     n = len(rows)
-    for idx in rank_batches(n, rank, world, batch_size):
+    for idx in rank_batches(n, loop.rank, loop.world, loop.eval_batch_size):
         heartbeat.beat(phase="eval")
         ix = idx or [0]  # a filler forward keeps FSDP's collectives in step
         batch = completion_batch([rows[i] for i in ix], pad_id)
         kl_batch = completion_batch(
             [mismatched(rows[i], rows[(i + 1) % n], max_len) for i in ix], pad_id
         )
-        cols = [*both_logps(model, to_device(batch, device), chunk_tokens)]
-        cols += both_logps(model, to_device(kl_batch, device), chunk_tokens)
+        cols = [*both_logps(model, to_device(batch, device), chunk)]
+        cols += both_logps(model, to_device(kl_batch, device), chunk)
         if idx:
             table[idx] = torch.stack(cols, dim=1).double().cpu()
     model.train()
@@ -206,11 +176,11 @@ def warn_balance(stats: dict[str, int], desirable_weight: float, undesirable_wei
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.section
-    start = starting_adapter(ctx)
+    policy_dir, reference_dir = ctx.adapter_dir("policy"), ctx.adapter_dir("reference")
+    assert policy_dir is not None and reference_dir is not None  # the graph checks both
+    recorded = ctx.role_manifest("policy")["summary"].get("chat_template_sha256")
     base, tok, weights = training_base(ctx)
-    template_sha = guard_template(
-        tok, start.chat_template_sha256, ctx.name, cfg, ctx.roles["policy"]
-    )
+    template_sha = guard_template(tok, recorded, ctx.name, cfg, ctx.roles["policy"])
     data = prepare_unpaired(cfg.data, tok, ctx.recipe.run.seed)
     batch, total_steps = plan_steps(ctx, data, len(data.train))
     if batch.global_batch_size < 2:
@@ -226,38 +196,23 @@ def run(ctx: StageContext) -> dict[str, Any]:
     }
 
     prepare_for_training(base, cfg.activation_checkpointing)
-    model = policy_with_reference(base, start.adapter, start.reference)
+    model = policy_with_reference(base, policy_dir, reference_dir)
 
     def heldout(loop: Training) -> dict[str, float] | None:
-        if not data.eval:  # no held-out rows: no figures
-            return None
-        return heldout_kto(
-            loop.model,
-            data.eval,
-            hp,
-            tok.pad_token_id,
-            cfg.data.max_seq_len,
-            loop.eval_batch_size,
-            loop.device,
-            loop.rank,
-            loop.world,
-            loop.chunk_tokens,
-        )
+        return heldout_kto(loop, data.eval, hp, cfg.data.max_seq_len)
 
     draw = Draw(data.train, completion_tokens, completion_batch, tok.pad_token_id)
     loop = open_training(ctx, model, weights, batch, total_steps, data, draw, heldout)
-    first = loop.heldout_at_start()
-    if first is not None:
+    if (first := loop.heldout_at_start()) is not None:
         log.info("held-out at step 0 (policy = reference): %s", first)
     for step in loop.steps():
         sb, kl_micro = kto_step_batch(loop, step, cfg.data.max_seq_len)
         loss, metrics = kto_step(loop, sb, kl_micro, hp)
         loop.finish_step(step, sb, loss=loss, **metrics)
-    final = loop.heldout_at_end()
-    if final is not None:
+    if (final := loop.heldout_at_end()) is not None:
         log.info("held-out at the end: %s", final)
     loop.close(selected_adapters=["default"])
-    write_reference_record(ctx, start)
+    write_reference_record(ctx, reference_dir)
     return loop.tr.summary(
         ctx,
         beta=cfg.beta,
@@ -376,13 +331,12 @@ def kto_headline(final: dict[str, float] | None) -> dict[str, float]:
     return head
 
 
-def write_reference_record(ctx: StageContext, start: StartingPoint) -> None:
+def write_reference_record(ctx: StageContext, reference: Path) -> None:
     """reference.json (rank 0): the frozen reference adapter and its fingerprint."""
     if ctx.is_main:
+        fingerprint = ctx.role_ref("reference").fingerprint
         (ctx.out_dir / "reference.json").write_text(
-            json.dumps(
-                {"reference": str(start.reference), "fingerprint": start.fingerprint}, indent=2
-            )
+            json.dumps({"reference": str(reference), "fingerprint": fingerprint}, indent=2)
         )
 
 

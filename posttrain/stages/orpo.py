@@ -25,13 +25,11 @@ import torch
 from posttrain.data.pref_prepare import guard_template, prepare
 from posttrain.data.segments import pair_tokens
 from posttrain.distributed.fsdp import grad_sync
-from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, rank_batches
-from posttrain.kinds.orpo import ORPOConfig
+from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums
 from posttrain.models.adapters import trainable_adapter
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.models.reward import pair_batch
 from posttrain.stages.common import StageContext, stage_main, training_base
-from posttrain.telemetry import heartbeat
 from posttrain.train.chunked import pair_logps
 from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
 from posttrain.train.preference_losses import orpo_loss
@@ -45,42 +43,19 @@ def start_adapter(ctx: StageContext) -> Path | None:
     return ctx.adapter_dir("policy")
 
 
-def _section(ctx: StageContext) -> ORPOConfig:
-    cfg = ctx.section
-    assert isinstance(cfg, ORPOConfig), f"stage {ctx.name}: not an ORPO section"
-    return cfg
-
-
 @torch.no_grad()
-def heldout_orpo(
-    model: torch.nn.Module,
-    pairs: list[dict],
-    beta: float,
-    pad_id: int,
-    batch_size: int,
-    device: torch.device,
-    rank: int,
-    world: int,
-    chunk_tokens: int = 0,
-) -> dict[str, float]:
+def heldout_orpo(loop: Training, pairs: list[dict], beta: float) -> dict[str, float]:
     """Accuracy, reward margin, ORPO loss, chosen NLL and log-odds ratio on held-out pairs,
-    rank-strided with the same number of forwards on every rank (a rank without rows runs a
-    dummy batch with weight 0), then summed across ranks."""
-    model.eval()
+    summed across ranks."""
     keys = ("correct", "margin", "loss", "nll", "log_odds_ratio")
     s = dict.fromkeys(("n", *keys), 0.0)
-    for idx in rank_batches(len(pairs), rank, world, batch_size):
-        heartbeat.beat(phase="eval")
-        chunk = [pairs[i] for i in idx] or pairs[:1]
-        w = 1.0 if idx else 0.0
-        batch = {k: v.to(device) for k, v in pair_batch(chunk, pad_id).items()}
-        losses, m = orpo_loss(*pair_logps(model, batch, chunk_tokens), beta=beta)
+    for w, batch in loop.heldout_batches(pairs):
+        losses, m = orpo_loss(*pair_logps(loop.model, batch, loop.chunk_tokens), beta=beta)
         s["n"] += w * len(losses)
         s["loss"] += w * losses.sum().item()
         for k in ("correct", "margin", "nll", "log_odds_ratio"):
             s[k] += w * m[k].sum().item()
-    model.train()
-    t = {k: all_reduce_sum(v, device) for k, v in s.items()}
+    t = {k: all_reduce_sum(v, loop.device) for k, v in s.items()}
     n = max(1.0, t.pop("n"))
     out = {k: v / n for k, v in t.items()}
     out["accuracy"] = out.pop("correct")
@@ -88,7 +63,7 @@ def heldout_orpo(
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    cfg = _section(ctx)
+    cfg = ctx.section
     base, tok, weights = training_base(ctx)
     adapter = start_adapter(ctx)
     # The policy it starts from recorded the template it learnt (from the base: ingest's).
@@ -102,22 +77,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
     start = f"{ctx.roles['policy']} adapter" if adapter else "fresh lora"
 
     def heldout(loop: Training) -> dict[str, float]:
-        return heldout_orpo(
-            loop.model,
-            data.eval,
-            cfg.beta,
-            tok.pad_token_id,
-            loop.eval_batch_size,
-            loop.device,
-            loop.rank,
-            loop.world,
-            loop.chunk_tokens,
-        )
+        return heldout_orpo(loop, data.eval, cfg.beta)
 
     draw = Draw(data.train, pair_tokens, pair_batch, tok.pad_token_id)
     loop = open_training(ctx, model, weights, batch, total_steps, data, draw, heldout, start=start)
-    first = loop.heldout_at_start()
-    if first is not None:
+    if (first := loop.heldout_at_start()) is not None:
         log.info("held-out pair accuracy at step 0: %.3f", first["accuracy"])
     for step in loop.steps():
         sb = loop.step_batch(step)

@@ -23,12 +23,11 @@ import torch
 from posttrain.data.pref_prepare import guard_template, prepare
 from posttrain.data.segments import pair_tokens
 from posttrain.distributed.fsdp import grad_sync
-from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, rank_batches
+from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums
 from posttrain.models.loading import base_dtype, load_tokenizer
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.models.reward import pair_batch, pair_scores, score_model_for_training
 from posttrain.stages.common import StageContext, stage_main
-from posttrain.telemetry import heartbeat
 from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
 from posttrain.train.losses import bradley_terry_loss
 
@@ -36,26 +35,11 @@ log = logging.getLogger("posttrain.reward")
 
 
 @torch.no_grad()
-def heldout_pairs(
-    model: torch.nn.Module,
-    pairs: list[dict],
-    pad_id: int,
-    batch_size: int,
-    device: torch.device,
-    rank: int,
-    world: int,
-    margin: float,
-) -> dict[str, float]:
-    """Pair accuracy, margin, loss and reward statistics over held-out pairs (all ranks run the
-    same number of forwards; a rank short of pairs repeats one with zero weight)."""
-    model.eval()
+def heldout_pairs(loop: Training, pairs: list[dict], margin: float) -> dict[str, float]:
+    """Pair accuracy, margin, loss and reward statistics over held-out pairs."""
     acc = {k: 0.0 for k in ("n", "correct", "margin", "loss", "c", "c2", "r", "r2")}
-    for idx in rank_batches(len(pairs), rank, world, batch_size):
-        heartbeat.beat(phase="eval")
-        chunk = [pairs[i] for i in idx] or pairs[:1]
-        w = 1.0 if idx else 0.0
-        batch = {k: v.to(device) for k, v in pair_batch(chunk, pad_id).items()}
-        rc, rr = pair_scores(model, batch)
+    for w, batch in loop.heldout_batches(pairs):
+        rc, rr = pair_scores(loop.model, batch)
         acc["n"] += w * rc.numel()
         acc["correct"] += w * (rc > rr).sum().item()
         acc["margin"] += w * (rc - rr).sum().item()
@@ -64,8 +48,7 @@ def heldout_pairs(
         acc["c2"] += w * (rc**2).sum().item()
         acc["r"] += w * rr.sum().item()
         acc["r2"] += w * (rr**2).sum().item()
-    model.train()
-    t = {k: all_reduce_sum(v, device) for k, v in acc.items()}
+    t = {k: all_reduce_sum(v, loop.device) for k, v in acc.items()}
     n = max(1.0, t["n"])
 
     def std(s: float, s2: float) -> float:
@@ -105,21 +88,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
     model = apply_lora(model, cfg.lora, task_type="SEQ_CLS")
 
     def heldout(loop: Training) -> dict[str, float]:
-        return heldout_pairs(
-            loop.model,
-            data.eval,
-            tok.pad_token_id,
-            loop.eval_batch_size,
-            loop.device,
-            loop.rank,
-            loop.world,
-            cfg.margin,
-        )
+        return heldout_pairs(loop, data.eval, cfg.margin)
 
     draw = Draw(data.train, pair_tokens, pair_batch, tok.pad_token_id)
     loop = open_training(ctx, model, weights, batch, total_steps, data, draw, heldout)
-    first = loop.heldout_at_start()
-    if first is not None:
+    if (first := loop.heldout_at_start()) is not None:
         log.info("held-out accuracy at step 0: %.3f", first["accuracy"])
     for step in loop.steps():
         sb = loop.step_batch(step)

@@ -25,49 +25,30 @@ from posttrain.data.batching import collate, pack_examples
 from posttrain.data.chat import IGNORE, template_sha256
 from posttrain.data.sft_data import prepare
 from posttrain.distributed.fsdp import grad_sync
-from posttrain.distributed.runtime import all_reduce_sum, rank_batches
+from posttrain.distributed.runtime import all_reduce_sum
 from posttrain.models.adapters import trainable_adapter
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.stages.common import StageContext, stage_main, training_base
-from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import read_metrics
 from posttrain.train.chunked import forward_nll_sum
-from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps, to_device
+from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
 from posttrain.train.session import TrainSession
 
 log = logging.getLogger("posttrain.sft")
 
 
 @torch.no_grad()
-def heldout_loss(
-    model: torch.nn.Module,
-    examples: list[dict],
-    pad_id: int,
-    batch_size: int,
-    device: torch.device,
-    rank: int,
-    world: int,
-    chunk_tokens: int = 0,
-    flat: bool = False,
-) -> float | None:
+def heldout_loss(loop: Training, examples: list[dict]) -> float | None:
     """Token-weighted held-out NLL, or None without held-out rows (eval_fraction 0 and no
-    eval_path: there is no figure, and NaN would not be valid JSON in the manifest). Every rank
-    runs the same number of forwards (FSDP all-gathers are collective); a rank short of rows
-    repeats a batch with zero weight."""
+    eval_path: there is no figure, and NaN would not be valid JSON in the manifest)."""
     if not examples:
         return None
-    model.eval()
     total, count = 0.0, 0.0
-    for idx in rank_batches(len(examples), rank, world, batch_size):
-        heartbeat.beat(phase="eval")
-        chunk = [examples[i] for i in idx] or examples[:1]
-        weight = 1.0 if idx else 0.0
-        batch = to_device(collate(chunk, pad_id, flat), device)
-        nll, n = forward_nll_sum(model, batch, chunk_tokens)
+    for weight, batch in loop.heldout_batches(examples, loop.flat):
+        nll, n = forward_nll_sum(loop.model, batch, loop.chunk_tokens)
         total += weight * nll.item()
         count += weight * n.item()
-    model.train()
-    return all_reduce_sum(total, device) / max(1.0, all_reduce_sum(count, device))
+    return all_reduce_sum(total, loop.device) / max(1.0, all_reduce_sum(count, loop.device))
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -84,18 +65,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     model = apply_lora(model, cfg.lora) if start is None else trainable_adapter(model, start)
 
     def heldout(loop: Training) -> dict[str, float | None]:
-        loss = heldout_loss(
-            loop.model,
-            data.eval,
-            tok.pad_token_id,
-            loop.eval_batch_size,
-            loop.device,
-            loop.rank,
-            loop.world,
-            loop.chunk_tokens,
-            loop.flat,
-        )
-        return {"loss": loss}
+        return {"loss": heldout_loss(loop, data.eval)}
 
     draw = Draw(train, sequence_tokens, collate, tok.pad_token_id)
     loop = open_training(

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,7 +38,9 @@ from posttrain.config.batch import ResolvedBatch
 from posttrain.config.loader import section_batch
 from posttrain.data.segments import batch_rows, layout_stats
 from posttrain.data.sft_data import write_splits
+from posttrain.distributed.runtime import rank_batches
 from posttrain.models.sharded_load import CheckpointFiles
+from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.micro_batches import padding_free, regroup_step
 from posttrain.train.session import TrainSession, save_adapter, start_session
@@ -150,7 +152,6 @@ class Training:
 
     @property
     def section(self) -> Any:
-        """The stage's recipe section."""
         return self.ctx.section
 
     @property
@@ -231,6 +232,19 @@ class Training:
         if self.eval_every and done % self.eval_every == 0 and done < tr.total_steps:
             self.evaluate(done)
         tr.maybe_checkpoint(done, cfg.checkpoint_every, cfg.keep_checkpoints)
+
+    def heldout_batches(self, rows: list[Row], flat: bool = False) -> Iterator[tuple[float, Any]]:
+        """(weight, micro-batch on the device) for this rank's share of held-out `rows`
+        (rank-strided, `Draw.collate`d; `flat`: padding-free), with the model in eval mode
+        meanwhile. Every rank runs the same number of forwards (FSDP's all-gathers are
+        collective): a rank short of rows repeats the first with weight 0."""
+        self.model.eval()
+        for idx in rank_batches(len(rows), self.rank, self.world, self.eval_batch_size):
+            heartbeat.beat(phase="eval")
+            chunk = [rows[i] for i in idx] or rows[:1]
+            batch = self.draw.collate(chunk, self.draw.pad_id, flat)
+            yield (1.0 if idx else 0.0), to_device(batch, self.device)
+        self.model.train()
 
     def evaluate(self, step: int) -> Figures | None:
         """The stage's held-out figures now, written as an `eval` record at `step` (each

@@ -169,29 +169,13 @@ class TrainSession:
         Updates the guard skipped since the last record are counted in `skipped_updates`; a
         non-finite loss is written but does not replace the last good one in the headline.
         """
-        device = self.dist.device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dt = time.perf_counter() - t_start
-        world = self.dist.world_size
-        tokens = all_reduce_sum(local_tokens, device)
-        cfg = self.model.config
-        fpt = train_flops_per_token(
-            self.n_matmul, self.n_trainable, cfg.num_hidden_layers, cfg.hidden_size, int(seq_len)
-        )
-        achieved = (all_reduce_sum(flops, device) if flops is not None else fpt * tokens) / dt
-        mfu = achieved / (self.peak_flops * world) if self.peak_flops else float("nan")
+        dt, tokens, achieved, mfu = self._throughput(local_tokens, seq_len, t_start, flops)
+        world, rate = self.dist.world_size, tokens / dt
         if self.skipped_since_record:
             extra = {**extra, "skipped_updates": self.skipped_since_record}
             self.skipped_since_record = 0
         if math.isfinite(loss):
-            self.last = {
-                "loss": loss,
-                "grad_norm": grad_norm,
-                "tokens_per_s": tokens / dt,
-                "mfu": mfu,
-                **extra,
-            }
+            self.last = dict(loss=loss, grad_norm=grad_norm, tokens_per_s=rate, mfu=mfu, **extra)
         self.metrics.write(
             "train",
             step=step,
@@ -200,8 +184,8 @@ class TrainSession:
             lr=lr,
             grad_norm=grad_norm,
             tokens=tokens,
-            tokens_per_s=tokens / dt,
-            tokens_per_s_per_device=tokens / dt / world,
+            tokens_per_s=rate,
+            tokens_per_s_per_device=rate / world,
             tflops=achieved / 1e12,
             tflops_per_device=achieved / world / 1e12,
             mfu=mfu,
@@ -209,7 +193,7 @@ class TrainSession:
             data_wait_s=t_data,
             compute_s=dt - t_data,
             **extra,
-            **memory_snapshot(device),
+            **memory_snapshot(self.dist.device),
         )
         log.info(
             "step %d/%d loss %.4f lr %.2e gnorm %.3f tok/s %.0f mfu %.1f%%%s",
@@ -218,10 +202,28 @@ class TrainSession:
             loss,
             lr,
             grad_norm,
-            tokens / dt,
+            rate,
             100 * mfu,
             "".join(f" {k} {v:.4g}" for k, v in extra.items()),
         )
+
+    def _throughput(
+        self, local_tokens: int, seq_len: float, t_start: float, flops: float | None
+    ) -> tuple[float, float, float, float]:
+        """(seconds since `t_start`, tokens over all ranks, FLOP/s achieved over all ranks, MFU)
+        of the step ending now; `record_step` says what the arguments are."""
+        device = self.dist.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t_start
+        tokens = all_reduce_sum(local_tokens, device)
+        cfg = self.model.config
+        fpt = train_flops_per_token(
+            self.n_matmul, self.n_trainable, cfg.num_hidden_layers, cfg.hidden_size, int(seq_len)
+        )
+        achieved = (all_reduce_sum(flops, device) if flops is not None else fpt * tokens) / dt
+        mfu = achieved / (self.peak_flops * self.dist.world_size) if self.peak_flops else math.nan
+        return dt, tokens, achieved, mfu
 
     def summary(self, ctx: Any, **fields: Any) -> dict[str, Any]:
         """The manifest summary fields every training stage reports, plus the stage's own."""
