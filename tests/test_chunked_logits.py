@@ -418,24 +418,28 @@ def test_role_model_policy_loss_under_fsdp2(mesh: object) -> None:
 def test_sft_stage_same_trajectory_chunked_and_unchunked(tmp_path: Path) -> None:
     """The real sft stage with the head in chunks of 16 tokens and with full logits: the same
     losses, gradient norms and held-out losses step by step (the setting is not part of the
-    fingerprint, so the variants get their own folders through an inert keep_checkpoints)."""
-    from stage_helpers import TINY, planned_dir, run_inprocess, write_recipe
+    fingerprint, so the variants run in workspaces of their own)."""
+    from stage_helpers import TINY, planned_dir, run_inprocess, run_shared, write_recipe
 
     from posttrain.telemetry.metrics import read_metrics
 
     data = copy.deepcopy(TINY)
     data["ingest"]["from_config"]["pretrain_steps"] = 5
     data["sft"]["max_steps"] = 4
-    recipe = write_recipe(tmp_path, data)
-    run_inprocess("ingest", recipe)
     variants = {
         "full": ("infra.logits_chunk_tokens=0",),
-        "chunked": ("infra.logits_chunk_tokens=16", "sft.keep_checkpoints=4"),
+        "chunked": ("infra.logits_chunk_tokens=16",),
     }
-    assert len({planned_dir("sft", recipe, *v) for v in variants.values()}) == 2
+    recipes = {}
+    for name in variants:
+        (tmp_path / name).mkdir()
+        recipes[name] = write_recipe(tmp_path / name, data)
+        run_shared("ingest", recipes[name], tmp_path / "ingest")
+    dirs = {planned_dir("sft", recipes[n], *v) for n, v in variants.items()}
+    assert len({d.name for d in dirs}) == 1 and len(dirs) == 2  # one print, two workspaces
     runs = {}
     for name, over in variants.items():
-        out = run_inprocess("sft", recipe, *over)
+        out = run_inprocess("sft", recipes[name], *over)
         runs[name] = (
             read_metrics(out / "metrics.jsonl", "train"),
             read_metrics(out / "metrics.jsonl", "eval"),

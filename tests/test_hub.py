@@ -359,8 +359,8 @@ def test_ingest_and_sft_from_hub_ids_offline(hub_model: Path, tmp_path: Path) ->
     ingest = run_inprocess("ingest", recipe)
     out = run_inprocess("sft", recipe)
     m = json.loads((out / "manifest.json").read_text())
-    assert m["section"]["hub"]["path"]["commit_sha"] == data_sha
-    assert m["section"]["hub"]["eval_path"]["commit_sha"] == data_sha
+    assert m["section"]["hub"]["data.path"]["commit_sha"] == data_sha
+    assert m["section"]["hub"]["data.eval_path"]["commit_sha"] == data_sha
     s = m["summary"]
     assert s["train_rows"] == 96 and s["eval_rows"] == 16, s
     assert s["eval_loss_final"] < s["eval_loss_start"], s
