@@ -24,7 +24,7 @@ class QualityGateFailed(RuntimeError):
 def failure_headline(
     stage: PlannedStage, rc: int, recent: list[str], engine_reason: str | None = None
 ) -> str:
-    """What ended a failed launch, in one line. Under torchrun the launcher's own exit code (1)
+    """What ended a failed launch, in one line. Under torchrun the agent's own exit code (1)
     says nothing: name the rank its failure summary blames first, how that rank ended and where
     its last heartbeat was. A single process is rank 0 itself. When the engine ended the stage
     (`engine_reason`: a Slurm time limit, preemption, a failed node, an OOM-killed pod), that

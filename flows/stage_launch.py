@@ -72,15 +72,15 @@ def stage_command(
     stage_args = ["-m", module, "--spec", str(spec_path)]
     if nnodes <= 1 and nprocs <= 1:
         return [python, *stage_args]
-    launcher = [python, "-m", "torch.distributed.run"]
+    torchrun = [python, "-m", "torch.distributed.run"]
     if nnodes <= 1:
-        return [*launcher, "--standalone", "--nproc-per-node", str(nprocs), *stage_args]
+        return [*torchrun, "--standalone", "--nproc-per-node", str(nprocs), *stage_args]
     if not rdzv_endpoint:
         raise ValueError("a multi-node stage needs a rendezvous endpoint (infra.rdzv_endpoint)")
     if isinstance(node_rank, int) and not 0 <= node_rank < nnodes:
         raise ValueError(f"node rank {node_rank} is outside 0..{nnodes - 1}")
     return [
-        *launcher,
+        *torchrun,
         "--nnodes",
         str(nnodes),
         "--node-rank",

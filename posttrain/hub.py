@@ -6,7 +6,7 @@ manifests record: `main` moving to a new commit is a new run, the same commit is
 
 Online or offline follows huggingface_hub's own switch: `HF_HUB_OFFLINE=1` reads the cache only
 (tests, CI and air-gapped machines set it: without a network each hub lookup costs ~47 s of
-retries); unset, a missing snapshot is downloaded. The flow passes the launcher's setting on to
+retries); unset, a missing snapshot is downloaded. The flow passes the supervisor's setting on to
 its stage processes. Offline, ids resolve from the cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
 `~/.cache/huggingface/hub`); online, snapshot_download fetches what is missing. Light on purpose
 (no torch): the plan calls `resolve_sha` to fingerprint.

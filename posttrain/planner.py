@@ -47,7 +47,7 @@ class PlannedStage:
     # (where held-out conversations come from) and "evaluation".
     roles: dict[str, str] = field(default_factory=dict)
     # GPUs this stage may use (CUDA_VISIBLE_DEVICES), set by the flow when stages run side by
-    # side (infra.parallel_stages); None = all the launcher sees.
+    # side (infra.parallel_stages); None = all the machine has.
     visible_devices: str | None = None
     # What runs it (infra.launcher: local, slurm, kubernetes) and the infra section the launcher
     # reads its settings from (JSON-able: the stage travels as a Prefect task parameter).

@@ -2,7 +2,7 @@
 
 A stage folder without a manifest is not done. When it holds traces of a launch (logs/stage.log,
 heartbeats, checkpoints), an earlier attempt started and did not finish: it failed, or it was
-killed (SIGKILL, the OOM killer, a lost launcher, a power cut) without a word. The next launch
+killed (SIGKILL, the OOM killer, a lost supervisor, a power cut) without a word. The next launch
 says so before it starts, so a person reading the run sees what happened and what it costs:
 
     sft: an earlier attempt did not finish: killed without a word at step 14 (phase train,

@@ -185,7 +185,7 @@ class KubernetesConfig(_Section):
         3600,
         ge=0,
         description="The Job's activeDeadlineSeconds is the stage timeout plus this: the backstop "
-        "that ends the pods when the launching process is gone (the launcher itself enforces the "
+        "that ends the pods when the supervising process is gone (the supervisor enforces the "
         "exact timeout from when all pods run; the Job's deadline also counts time queued). "
         "null = no deadline on the Job.",
     )

@@ -140,7 +140,7 @@ def verify_parents(ctx: StageContext) -> None:
         if not ok:
             raise ParentArtifactDamaged(
                 f"parent stage '{name}' artifact {ref.path} is damaged: {why}. Nothing was "
-                f"loaded from it. Re-running the pipeline rebuilds '{name}' (its launcher drops "
+                f"loaded from it. Re-running the pipeline rebuilds '{name}' (its supervisor drops "
                 "a manifest that no longer verifies and runs the stage again), then this stage."
             )
         n_bytes += sum(f["bytes"] for f in manifest.get("files", {}).values())
@@ -265,7 +265,7 @@ def _own_kind(run: Callable[..., Any]) -> StageKind:
 def emit_line(text: str, stream: Any = None) -> None:
     """Write one marker line (POSTTRAIN_ARTIFACT, POSTTRAIN_ERROR) in a single write.
 
-    Under torchrun every rank shares the launcher's stdout/stderr pipes; `print` writes the text
+    Under torchrun every rank shares its supervisor's stdout/stderr pipes; `print` writes the text
     and the newline separately, so two ranks failing together could glue their lines into one
     and a reader counting or parsing lines would miss one. One write of under PIPE_BUF (4 KiB)
     bytes to a pipe is atomic."""
