@@ -1,7 +1,7 @@
-"""What a cached re-run of an unchanged recipe costs: `posttrain run` when every stage's artifact
-is already complete in the workspace (nothing to train; each stage is a Prefect cache hit).
+"""What a re-run of an unchanged recipe costs: `posttrain run` when every stage's artifact is
+already complete in the workspace (nothing to train; each stage is reused from the artifact store).
 
-Builds the cached workspace first when it is not complete (one real run of the recipe: minutes),
+Builds the workspace first when it is not complete (one real run of the recipe: minutes),
 then runs `posttrain run` --runs times as a child process and stamps each line of its output as
 it arrives. The phases, from the child's start:
 
@@ -19,11 +19,11 @@ process was launched (the `=== ... launch` lines of every stage's logs/stage.log
 --importtime, lists the CLI process's costliest top-level imports (torch, transformers and peft
 must not be among them).
 
-    python bench/cached_rerun.py [--workspace DIR] [--runs 3] [--warmup 1] [--recipe recipes/quickstart.yaml]
+    python bench/rerun_cost.py [--workspace DIR] [--runs 3] [--warmup 1] [--recipe recipes/quickstart.yaml]
                                  [--importtime] [--set key.path=value ...]
 
 The embedded Prefect database is whatever PREFECT_HOME says (default ~/.prefect); give the bench
-its own (`PREFECT_HOME=/tmp/x python bench/cached_rerun.py`) to keep other runs' history out.
+its own (`PREFECT_HOME=/tmp/x python bench/rerun_cost.py`) to keep other runs' history out.
 """
 
 from __future__ import annotations
@@ -138,11 +138,11 @@ def main() -> None:
     args = ap.parse_args()
     OVERRIDES.extend(args.set)
     sys.path.insert(0, str(ROOT))
-    workspace = (args.workspace or Path(tempfile.mkdtemp(prefix="cached-rerun-"))).resolve()
+    workspace = (args.workspace or Path(tempfile.mkdtemp(prefix="rerun-cost-"))).resolve()
     recipe = args.recipe.resolve()
 
     if missing := incomplete_stages(recipe, workspace):
-        print(f"building the cached workspace {workspace} (stages {', '.join(missing)}) ...")
+        print(f"building the workspace {workspace} (stages {', '.join(missing)}) ...")
         t = time.monotonic()
         subprocess.run(cli(recipe, workspace), cwd=ROOT, env=env(), check=True)
         print(f"built in {time.monotonic() - t:.0f} s")
@@ -158,16 +158,16 @@ def main() -> None:
         marks, cpu, lines, code = timed_run(cli(recipe, workspace))
         if code != 0:
             raise SystemExit(f"run {i + 1} exited {code}:\n" + "\n".join(lines[-30:]))
-        statuses = [ln.split()[1] for ln in lines if re.match(r"^\w+\s+(cached|ran|reused)\b", ln)]
-        if launches(workspace) != n_launches or any(s != "cached" for s in statuses):
-            raise SystemExit(f"run {i + 1} was not all cache hits: {statuses}")
+        statuses = [ln.split()[1] for ln in lines if re.match(r"^\w+\s+(ran|reused|failed)\b", ln)]
+        if launches(workspace) != n_launches or any(s != "reused" for s in statuses):
+            raise SystemExit(f"run {i + 1} did not reuse every stage: {statuses}")
         rows.append((marks, cpu))
         print(
             f"run {i + 1}: wall {marks['exit']:.2f} s, cpu {cpu:.2f} s, "
-            f"{len(statuses)} stages cached, no stage process launched"
+            f"{len(statuses)} stages reused, no stage process launched"
         )
 
-    print(f"\ncached re-run of {recipe.name} in {workspace}, {args.runs} runs (seconds from start)")
+    print(f"\nre-run of {recipe.name} in {workspace}, {args.runs} runs (seconds from start)")
     print(f"{'phase':14s} {'median':>7s} {'min':>7s} {'max':>7s}   {'step (median)':>13s}")
     previous = 0.0
     for phase in PHASES:
