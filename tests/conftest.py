@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -19,6 +20,13 @@ if "POSTTRAIN_DEVICE_LOCK_DIR" not in os.environ:
     import tempfile
 
     os.environ["POSTTRAIN_DEVICE_LOCK_DIR"] = tempfile.mkdtemp(prefix="posttrain-device-locks-")
+
+# A shell without job control starts background commands (`nohup ... &`, some CI runners) with
+# SIGINT and SIGQUIT ignored, and an ignored signal stays ignored across exec: neither pytest nor
+# the CLIs it starts would turn Ctrl-C into KeyboardInterrupt, and the interrupt tests would wait
+# out their stage timeouts. Python's own handler here makes children start with the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Before anything imports prefect, which reads its settings once at import.
 from flows.prefect_env import apply_prefect_defaults  # noqa: E402
