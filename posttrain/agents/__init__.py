@@ -1,0 +1,1 @@
+"""Agents: tool calls, tools and environments for multi-turn episodes."""

@@ -1,0 +1,160 @@
+"""Environments a recipe names (`rollout.environment: module:Class`), in the shape TRL's
+`environment_factory` takes: one instance per episode.
+
+- `reset(**row_columns) -> str | None`: called with the prompt row's columns; a string is
+  appended to the last user message.
+- its public methods (not `reset`, `step`, `get_reward`, nothing starting with `_`) are the
+  episode's tools, described to the model like `rollout.tools` (type hints and docstring).
+- `get_reward() -> float` (optional): the finished episode's score.
+- or, for environments that are not tool sets (games, simulators), a gym-like
+  `step(assistant_message) -> (observation messages, reward, done)`.
+
+What an environment's code does wrong (raises, returns the wrong type) fails the stage with one
+line naming the class, the method and the row (`EnvironmentFailed`); what a tool does wrong is
+the model's to read (`posttrain.agents.tool_runner`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posttrain.agents.tools import ToolLoadError, describe
+from posttrain.rewards.loader import RewardLoadError, load_function
+
+RESERVED = ("reset", "step", "get_reward")
+
+
+class EnvironmentFailed(RuntimeError):
+    """An environment's own code failed: one line naming class, method and row."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    observations: list[dict[str, Any]]  # messages to append (role user or tool)
+    reward: float
+    done: bool
+
+
+@dataclass
+class EnvironmentClass:
+    ref: str
+    cls: type
+    sha256: str
+    tool_names: list[str] = field(default_factory=list)
+
+    @property
+    def is_gym(self) -> bool:
+        return callable(getattr(self.cls, "step", None))
+
+    @property
+    def has_reward(self) -> bool:
+        return callable(getattr(self.cls, "get_reward", None))
+
+
+def _public_methods(cls: type) -> list[str]:
+    return [
+        n
+        for n, v in inspect.getmembers(cls, callable)
+        if not n.startswith("_") and n not in RESERVED and not isinstance(v, type)
+    ]
+
+
+def load_environment(ref: str, roots: Sequence[Path] | None = None) -> EnvironmentClass:
+    """The class `ref` names, checked for the protocol (a `reset`; tools or a `step`); its
+    tools' schemas are checked here, before any episode runs."""
+    try:
+        cls, sha = load_function(ref, roots)
+    except RewardLoadError as exc:
+        raise ToolLoadError(str(exc).replace("reward code", "environment code")) from None
+    if not isinstance(cls, type):
+        raise ToolLoadError(f"rollout.environment {ref}: not a class ({type(cls).__name__})")
+    if not callable(getattr(cls, "reset", None)):
+        raise ToolLoadError(f"rollout.environment {ref}: {cls.__name__} has no reset() method")
+    env = EnvironmentClass(ref, cls, sha, _public_methods(cls))
+    if not env.is_gym and not env.tool_names:
+        raise ToolLoadError(
+            f"rollout.environment {ref}: {cls.__name__} has neither tools (public methods) "
+            "nor a step(assistant_message) method"
+        )
+    for name in env.tool_names:  # fail at load, not in the first episode
+        describe(getattr(cls, name), f"{ref}.{name}")
+    return env
+
+
+class Episode:
+    """One episode's environment instance; every call names the row it serves on failure."""
+
+    def __init__(self, env: EnvironmentClass, row: int, where: str) -> None:
+        self.env, self.row, self.where = env, row, where
+        self.instance = self._call(env.cls, "__init__")
+
+    def _call(self, fn: Callable[..., Any], method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            raise EnvironmentFailed(
+                self._says(method, f"raised {type(exc).__name__}: {exc}")
+            ) from exc
+
+    def _says(self, method: str, what: str) -> str:
+        return f"rollout.environment {self.env.cls.__name__}.{method} {what} (row {self.row} of {self.where})"
+
+    def reset(self, columns: dict[str, Any]) -> str | None:
+        out = self._call(self.instance.reset, "reset", **columns)
+        if out is not None and not isinstance(out, str):
+            raise EnvironmentFailed(
+                self._says("reset", f"returned {type(out).__name__}, not str or None")
+            )
+        return out
+
+    def tools(self) -> dict[str, Callable[..., Any]]:
+        """The bound tool methods of this episode's instance, by name."""
+        return {n: getattr(self.instance, n) for n in self.env.tool_names}
+
+    def schemas(self) -> list[dict[str, Any]]:
+        return [
+            describe(getattr(self.instance, n), f"{self.env.ref}.{n}") for n in self.env.tool_names
+        ]
+
+    def reward(self) -> float | None:
+        if not self.env.has_reward:
+            return None
+        return self._number(self._call(self.instance.get_reward, "get_reward"), "get_reward")
+
+    def step(self, assistant_message: dict[str, Any]) -> StepResult:
+        out = self._call(self.instance.step, "step", assistant_message)
+        if not (isinstance(out, tuple) and len(out) == 3):
+            raise EnvironmentFailed(
+                self._says("step", "did not return (observations, reward, done)")
+            )
+        obs, reward, done = out
+        obs = [{"role": "user", "content": obs}] if isinstance(obs, str) else obs
+        if not isinstance(obs, list) or not all(_is_message(m) for m in obs):
+            raise EnvironmentFailed(
+                self._says("step", "returned observations that are not a list of messages")
+            )
+        if not isinstance(done, bool):
+            raise EnvironmentFailed(self._says("step", f"returned done={done!r}, not a bool"))
+        return StepResult(obs, self._number(reward, "step"), done)
+
+    def _number(self, value: Any, method: str) -> float:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise EnvironmentFailed(self._says(method, f"returned {value!r}, not a finite number"))
+        return float(value)
+
+
+def _is_message(m: Any) -> bool:
+    return (
+        isinstance(m, dict)
+        and m.get("role") in ("user", "tool")
+        and isinstance(m.get("content"), str)
+    )

@@ -1,0 +1,152 @@
+"""Environments from the recipe's folder: one instance per episode, its public methods the
+episode's tools, a gym-like step for games; its own failures named in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from posttrain.agents.environment import EnvironmentFailed, Episode, load_environment
+from posttrain.agents.tools import ToolLoadError
+
+ENVS = '''
+class Counter:
+    """Count up to the row's target with a tool."""
+
+    def reset(self, target, **columns):
+        self.target, self.value = target, 0
+        return f"Count to {target}."
+
+    def increment(self, by: int) -> int:
+        """Add to the counter.
+
+        Args:
+            by: How much to add.
+        """
+        self.value += by
+        return self.value
+
+    def get_reward(self) -> float:
+        return 1.0 if self.value == self.target else 0.0
+
+    def _helper(self):
+        return None
+
+
+class Guess:
+    """Higher or lower."""
+
+    def reset(self, secret, **columns):
+        self.secret = secret
+
+    def step(self, message):
+        guess = int(message["content"])
+        if guess == self.secret:
+            return [], 1.0, True
+        return ("higher" if guess < self.secret else "lower"), 0.0, False
+
+
+class BadReset:
+    def reset(self, **columns):
+        raise KeyError("secret")
+
+    def step(self, message):
+        return [], 0.0, True
+
+
+class WrongTypes:
+    def reset(self, **columns):
+        return 7
+
+    def step(self, message):
+        return message["content"]
+
+    def get_reward(self):
+        return float("nan")
+
+
+class Nothing:
+    def reset(self, **columns):
+        return None
+
+
+class Undocumented:
+    def reset(self, **columns):
+        return None
+
+    def lookup(self, key):
+        return key
+'''
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    (tmp_path / "envs.py").write_text(ENVS)
+    return tmp_path
+
+
+def test_a_tool_environment_gives_each_episode_its_own_state(folder: Path) -> None:
+    env = load_environment("envs:Counter", [folder])
+    assert env.tool_names == ["increment"] and not env.is_gym and env.has_reward
+    a, b = Episode(env, 1, "train.jsonl"), Episode(env, 2, "train.jsonl")
+    assert a.reset({"target": 3, "answer": "x"}) == "Count to 3."
+    b.reset({"target": 5})
+    assert a.tools()["increment"](by=3) == 3 and b.tools()["increment"](by=1) == 1
+    assert (a.reward(), b.reward()) == (1.0, 0.0)
+    assert a.schemas()[0]["function"]["parameters"]["properties"]["by"]["type"] == "integer"
+
+
+def test_a_gym_environment_answers_each_turn(folder: Path) -> None:
+    env = load_environment("envs:Guess", [folder])
+    assert env.is_gym and env.tool_names == [] and not env.has_reward
+    ep = Episode(env, 1, "train.jsonl")
+    assert ep.reset({"secret": 42}) is None
+    first = ep.step({"role": "assistant", "content": "50"})
+    assert first.observations == [{"role": "user", "content": "lower"}] and not first.done
+    last = ep.step({"role": "assistant", "content": "42"})
+    assert (last.observations, last.reward, last.done) == ([], 1.0, True)
+    assert ep.reward() is None
+
+
+@pytest.mark.parametrize(
+    ("cls", "method", "columns", "words"),
+    [
+        (
+            "BadReset",
+            "reset",
+            {},
+            "BadReset.reset raised KeyError: 'secret' (row 7 of data/train.jsonl)",
+        ),
+        ("WrongTypes", "reset", {}, "WrongTypes.reset returned int, not str or None (row 7"),
+        ("WrongTypes", "step", None, "WrongTypes.step did not return (observations, reward, done)"),
+        (
+            "WrongTypes",
+            "get_reward",
+            None,
+            "WrongTypes.get_reward returned nan, not a finite number",
+        ),
+    ],
+)
+def test_an_environments_failure_is_one_line_naming_class_method_and_row(
+    folder: Path, cls: str, method: str, columns: dict | None, words: str
+) -> None:
+    ep = Episode(load_environment(f"envs:{cls}", [folder]), 7, "data/train.jsonl")
+    with pytest.raises(EnvironmentFailed) as info:
+        if method == "reset":
+            ep.reset(columns or {})
+        elif method == "step":
+            ep.step({"role": "assistant", "content": "1"})
+        else:
+            ep.reward()
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_classes_outside_the_protocol_are_refused_at_load(folder: Path) -> None:
+    with pytest.raises(ToolLoadError, match="Nothing has neither tools"):
+        load_environment("envs:Nothing", [folder])
+    with pytest.raises(ToolLoadError, match=r"envs:Undocumented\.lookup: cannot describe it"):
+        load_environment("envs:Undocumented", [folder])
+    (folder / "notcls.py").write_text("def f():\n    return 1\n")
+    with pytest.raises(ToolLoadError, match="not a class"):
+        load_environment("notcls:f", [folder])
