@@ -1,0 +1,261 @@
+"""Multi-turn episodes with token ids kept exactly: what the policy generated stays as it was
+generated (mask 1), and what comes between its turns (tool results, an environment's
+observations, the next generation prompt) is the chat template's own rendering (mask 0).
+Nothing is decoded and re-tokenised, so the log-probs an update trains are the sampled ones.
+
+A turn of every live episode is generated together (one `generate` call per turn); the calls
+of all of them run together (`tool_runner.run_calls`). An episode ends with a reply that makes
+no call (`answer`), at `max_turns` (`max_turns`), or when its token budget is spent (`budget`,
+marked truncated; so does a turn cut by `max_new_tokens`).
+
+Between turns the template renders the conversation twice: up to the generation prompt the
+reply answered, and with the reply, the new messages and the next generation prompt. The second
+must extend the first (templates that re-render earlier turns differently are refused); the
+tokens appended are those of the text after the end-of-turn marker that closes the reply. That boundary follows a special
+token, where tokenisation restarts, so tokenising the piece alone gives the ids the whole
+conversation would have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from posttrain.agents.environment import Episode
+from posttrain.agents.tool_calls import ParsedReply, parse_reply
+from posttrain.agents.tool_runner import ToolResult, failure_counts, run_calls
+
+# generate(prompts, max_new_tokens) -> each prompt's new ids, its stop token included if any
+Generate = Callable[[list[list[int]], int], list[list[int]]]
+
+
+class TemplateNotIncremental(ValueError):
+    """The chat template renders earlier turns differently once later messages follow."""
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int  # assistant turns
+    max_new_tokens: int  # per turn
+    max_episode_tokens: int  # everything after the prompt: generated and rendered
+    tool_timeout_s: float
+
+
+@dataclass
+class EpisodeRun:
+    """One episode: the conversation, its ids with the policy's mask, how it ended."""
+
+    messages: list[dict[str, Any]]
+    prompt_len: int
+    ids: list[int]
+    mask: list[int]  # 1 where the policy generated the token
+    tools: dict[str, Callable[..., Any]]
+    schemas: list[dict[str, Any]] | None
+    env: Episode | None = None
+    turns: int = 0
+    ended: str | None = None  # "answer" | "max_turns" | "budget"
+    step_reward: float = 0.0
+    results: list[list[ToolResult]] = field(default_factory=list)
+    malformed: int = 0
+
+    @property
+    def spent(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+    @property
+    def truncated(self) -> bool:
+        return self.ended == "budget"
+
+
+class Renderer:
+    """The chat template of `tok` with the episode's tools, as text and as ids."""
+
+    def __init__(self, tok: Any, stop_text: str) -> None:
+        self.tok, self.stop_text = tok, stop_text
+
+    def text(self, messages: list[dict], tools: list[dict] | None, prompt: bool) -> str:
+        return self.tok.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=prompt
+        )
+
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        return self.tok(self.text(messages, tools, True), add_special_tokens=False)["input_ids"]
+
+    def between(self, history: list[dict], new: list[dict], tools: list[dict] | None) -> list[int]:
+        """Ids of what the template puts after the end-of-turn marker of `history`'s last
+        (assistant) turn, through `new` messages and the next generation prompt.
+
+        The assistant turn is found in the new render after the prompt that preceded it, not
+        by comparing with a render that ends at it: some templates render the last message
+        differently (Qwen3 adds an empty think block to a final assistant turn only)."""
+        before = self.text(history[:-1], tools, True)
+        full = self.text([*history, *new], tools, True)
+        if not full.startswith(before):
+            raise TemplateNotIncremental(
+                "the chat template renders earlier turns differently once later turns follow, "
+                "so an episode's tokens cannot be kept as generated"
+            )
+        end = full.find(self.stop_text, len(before))
+        if end < 0:
+            raise TemplateNotIncremental(
+                f"the chat template does not close an assistant turn with {self.stop_text!r}, "
+                "the token that ends generation"
+            )
+        return self.tok(full[end + len(self.stop_text) :], add_special_tokens=False)["input_ids"]
+
+
+def _assistant(parsed: ParsedReply, text: str) -> dict[str, Any]:
+    """The assistant message a reply stands for in the conversation."""
+    if not parsed.calls:
+        return {"role": "assistant", "content": text}
+    calls = [
+        {
+            "type": "function",
+            "id": c.id or f"call{i:05d}",
+            "function": {"name": c.name, "arguments": c.arguments},
+        }
+        for i, c in enumerate(parsed.calls)
+    ]
+    return {"role": "assistant", "content": parsed.content, "tool_calls": calls}
+
+
+def _tool_messages(results: Sequence[ToolResult], malformed: Sequence[str]) -> list[dict]:
+    out = [
+        {
+            "role": "tool",
+            "name": r.call.name,
+            "tool_call_id": r.call.id or f"call{i:05d}",
+            "content": r.content,
+        }
+        for i, r in enumerate(results)
+    ]
+    # A call the model wrote but could not be read is told as an error too: it learns nothing
+    # from silence.
+    out += [
+        {"role": "tool", "name": "error", "tool_call_id": f"error{i:04d}", "content": f"Error: {m}"}
+        for i, m in enumerate(malformed)
+    ]
+    return out
+
+
+def start_episodes(
+    rows: Sequence[dict[str, Any]],
+    renderer: Renderer,
+    tools: dict[str, Callable[..., Any]],
+    schemas: list[dict[str, Any]] | None,
+    envs: Sequence[Episode] | None = None,
+) -> list[EpisodeRun]:
+    """An episode per prompt row (`{"prompt": [messages], **columns}`): with an environment,
+    its `reset(**columns)` text is appended to the last user message and its methods are the
+    episode's tools."""
+    runs = []
+    for i, row in enumerate(rows):
+        messages = [dict(m) for m in row["prompt"]]
+        ep_tools, ep_schemas, env = tools, schemas, None
+        if envs is not None:
+            env = envs[i]
+            said = env.reset({k: v for k, v in row.items() if k != "prompt"})
+            if said:
+                messages[-1]["content"] = f"{messages[-1]['content']}{said}"
+            if env.env.tool_names:
+                ep_tools, ep_schemas = env.tools(), env.schemas()
+        ids = renderer.prompt_ids(messages, ep_schemas)
+        runs.append(EpisodeRun(messages, len(ids), ids, [0] * len(ids), ep_tools, ep_schemas, env))
+    return runs
+
+
+def _take_reply(run: EpisodeRun, new: list[int], budget: int, stops: set[int], tok: Any) -> str:
+    """Append a reply's ids (cut to the budget) to `run`; its text without the stop token. A
+    reply without its stop token (cut by `max_new_tokens` or the episode budget) ends the
+    episode as truncated: the template's next turn would follow a turn that never closed."""
+    new = new[:budget]
+    run.ids += new
+    run.mask += [1] * len(new)
+    run.turns += 1
+    stopped = bool(new) and new[-1] in stops
+    if not stopped:  # cut by the turn's or the episode's token cap: its turn never closed
+        run.ended = "budget"
+    return tok.decode(new[:-1] if stopped else new, skip_special_tokens=False)
+
+
+def _answer_or_calls(
+    run: EpisodeRun, text: str, fmt: str | None, max_turns: int
+) -> ParsedReply | None:
+    """The reply's calls to run, or None when the episode ends with this reply."""
+    parsed = parse_reply(text, fmt) if fmt is not None else ParsedReply(text)
+    run.messages.append(_assistant(parsed, text))
+    if run.ended is not None:
+        return None
+    if run.env is not None and run.env.env.is_gym:
+        return parsed  # the environment answers (see _observe)
+    run.malformed += len(parsed.errors)
+    if parsed.attempted == 0:
+        run.ended = "answer"
+    elif run.turns >= max_turns:
+        run.ended = "max_turns"
+    return parsed if run.ended is None else None
+
+
+def _observe(run: EpisodeRun) -> list[dict[str, Any]] | None:
+    """A gym-like environment's answer to the last reply (None: the episode is done)."""
+    assert run.env is not None
+    got = run.env.step(run.messages[-1])
+    run.step_reward += got.reward
+    if got.done:
+        run.ended = "answer"
+        return None
+    return got.observations
+
+
+def _append_context(
+    run: EpisodeRun, new: list[dict], renderer: Renderer, limits: EpisodeLimits
+) -> None:
+    """Render `new` messages and the next generation prompt into `run` (mask 0), unless that
+    would spend the budget or the turns are done."""
+    if run.turns >= limits.max_turns:
+        run.ended = "max_turns"
+        return
+    ids = renderer.between(run.messages, new, run.schemas)
+    run.messages += new
+    if run.spent + len(ids) >= limits.max_episode_tokens:
+        run.ended = "budget"
+        return
+    run.ids += ids
+    run.mask += [0] * len(ids)
+
+
+def run_episodes(
+    runs: list[EpisodeRun],
+    generate: Generate,
+    renderer: Renderer,
+    fmt: str | None,
+    limits: EpisodeLimits,
+    stop_ids: Sequence[int],
+) -> dict[str, float]:
+    """Play `runs` to their ends, a turn of every live episode at a time. Returns the batch's
+    tool counts (`failure_counts`, plus `tool_malformed`)."""
+    stops = set(stop_ids)
+    while live := [r for r in runs if r.ended is None]:
+        budgets = [limits.max_episode_tokens - r.spent for r in live]
+        replies = generate([r.ids for r in live], min(limits.max_new_tokens, max(budgets)))
+        pending: list[tuple[EpisodeRun, ParsedReply]] = []
+        for run, new, budget in zip(live, replies, budgets, strict=True):
+            text = _take_reply(run, list(new), budget, stops, renderer.tok)
+            parsed = _answer_or_calls(run, text, fmt, limits.max_turns)
+            if parsed is None:
+                continue
+            if run.env is not None and run.env.env.is_gym:
+                if (obs := _observe(run)) is not None:
+                    _append_context(run, obs, renderer, limits)
+            else:
+                pending.append((run, parsed))
+        results = run_calls(
+            [p.calls for _, p in pending], [r.tools for r, _ in pending], limits.tool_timeout_s
+        )
+        for (run, parsed), res in zip(pending, results, strict=True):
+            run.results.append(res)
+            _append_context(run, _tool_messages(res, parsed.errors), renderer, limits)
+    counts: dict[str, float] = dict(failure_counts([row for r in runs for row in r.results]))
+    counts["tool_malformed"] = sum(r.malformed for r in runs)
+    return counts
