@@ -94,7 +94,7 @@ def test_a_tool_environment_gives_each_episode_its_own_state(folder: Path) -> No
     b.reset({"target": 5})
     assert a.tools()["increment"](by=3) == 3 and b.tools()["increment"](by=1) == 1
     assert (a.reward(), b.reward()) == (1.0, 0.0)
-    assert a.schemas()[0]["function"]["parameters"]["properties"]["by"]["type"] == "integer"
+    assert env.schemas[0]["function"]["parameters"]["properties"]["by"]["type"] == "integer"
 
 
 def test_a_gym_environment_answers_each_turn(folder: Path) -> None:

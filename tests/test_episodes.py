@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from agent_fixtures import add, call
 from chat_template_fixtures import base_tokenizer, with_chat_tokens
 from test_tool_calls import HERMES
 
@@ -19,20 +20,6 @@ from posttrain.agents.episodes import EpisodeLimits, Renderer, run_episodes, sta
 from posttrain.agents.tools import describe
 
 STOP = "<|im_end|>"
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first number.
-        b: The second number.
-    """
-    return a + b
-
-
-def call(a: int, b: int) -> str:
-    return f'<tool_call>\n{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")

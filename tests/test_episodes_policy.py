@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from agent_fixtures import add, call
 from fixtures_tiny import LORA_CFG, load_base, one_torch_thread, tiny_assets
 from torch import nn
 
@@ -25,19 +26,6 @@ from posttrain.models.lora import apply_lora
 from posttrain.models.roles import RoleModel
 from posttrain.models.tiny import IM_END
 from posttrain.train.rollout_engine import HFEngine
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first number.
-        b: The second number.
-    """
-    return a + b
-
-
-CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 30}}\n</tool_call>'
 
 
 def test_a_policys_turns_were_generated_from_the_ids_the_episode_keeps(tmp_path_factory) -> None:
@@ -60,7 +48,10 @@ def test_a_policys_turns_were_generated_from_the_ids_the_episode_keeps(tmp_path_
             # Turn 1 is a tool call (an untrained policy would not write one), then the policy.
             if not scripted_first:
                 scripted_first.append(True)
-                return [[*tok(CALL, add_special_tokens=False)["input_ids"], stop] for _ in prompts]
+                return [
+                    [*tok(call(12, 30), add_special_tokens=False)["input_ids"], stop]
+                    for _ in prompts
+                ]
             return policy(prompts, max_new)
 
         renderer = Renderer(tok, IM_END)

@@ -6,18 +6,10 @@ from __future__ import annotations
 import threading
 import time
 
+from agent_fixtures import add
+
 from posttrain.agents.tool_calls import ToolCall
 from posttrain.agents.tool_runner import MAX_RESULT_CHARS, failure_counts, result_text, run_calls
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first number.
-        b: The second number.
-    """
-    return a + b
 
 
 def divide(a: float, b: float) -> float:

@@ -46,6 +46,7 @@ class EnvironmentClass:
     cls: type
     sha256: str
     tool_names: list[str] = field(default_factory=list)
+    schemas: list[dict[str, Any]] = field(default_factory=list)  # the tools', described at load
 
     @property
     def is_gym(self) -> bool:
@@ -68,9 +69,9 @@ def load_environment(ref: str, roots: Sequence[Path] | None = None) -> Environme
     """The class `ref` names, checked for the protocol (a `reset`; tools or a `step`); its
     tools' schemas are checked here, before any episode runs."""
     try:
-        cls, sha = load_function(ref, roots)
+        cls, sha = load_function(ref, roots, "environment")
     except RewardLoadError as exc:
-        raise ToolLoadError(str(exc).replace("reward code", "environment code")) from None
+        raise ToolLoadError(str(exc)) from None
     if not isinstance(cls, type):
         raise ToolLoadError(f"rollout.environment {ref}: not a class ({type(cls).__name__})")
     if not callable(getattr(cls, "reset", None)):
@@ -81,8 +82,9 @@ def load_environment(ref: str, roots: Sequence[Path] | None = None) -> Environme
             f"rollout.environment {ref}: {cls.__name__} has neither tools (public methods) "
             "nor a step(assistant_message) method"
         )
-    for name in env.tool_names:  # fail at load, not in the first episode
-        describe(getattr(cls, name), f"{ref}.{name}")
+    # Described once, at load: a method's schema is the same bound or not (no `self`), and a
+    # tool the model cannot be told about fails here, not in the first episode.
+    env.schemas = [describe(getattr(cls, n), f"{ref}.{n}") for n in env.tool_names]
     return env
 
 
@@ -115,11 +117,6 @@ class Episode:
     def tools(self) -> dict[str, Callable[..., Any]]:
         """The bound tool methods of this episode's instance, by name."""
         return {n: getattr(self.instance, n) for n in self.env.tool_names}
-
-    def schemas(self) -> list[dict[str, Any]]:
-        return [
-            describe(getattr(self.instance, n), f"{self.env.ref}.{n}") for n in self.env.tool_names
-        ]
 
     def reward(self) -> float | None:
         if not self.env.has_reward:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from posttrain.agents.environment import Episode
-from posttrain.agents.tool_calls import ParsedReply, parse_reply
+from posttrain.agents.tool_calls import ParsedReply, ToolCall, parse_reply
 from posttrain.agents.tool_runner import ToolResult, failure_counts, run_calls
 
 if TYPE_CHECKING:
@@ -134,6 +134,12 @@ class Renderer:
         return self.tok(full[end + len(self.stop_text) :], add_special_tokens=False)["input_ids"]
 
 
+def _call_id(call: ToolCall, i: int) -> str:
+    """The id a call goes by in the conversation: its own (Mistral's), else one of the 9
+    characters Mistral's template demands, so the call and its result pair up in any family."""
+    return call.id or f"call{i:05d}"
+
+
 def _assistant(parsed: ParsedReply, text: str) -> dict[str, Any]:
     """The assistant message a reply stands for in the conversation."""
     if not parsed.calls:
@@ -141,7 +147,7 @@ def _assistant(parsed: ParsedReply, text: str) -> dict[str, Any]:
     calls = [
         {
             "type": "function",
-            "id": c.id or f"call{i:05d}",
+            "id": _call_id(c, i),
             "function": {"name": c.name, "arguments": c.arguments},
         }
         for i, c in enumerate(parsed.calls)
@@ -154,7 +160,7 @@ def _tool_messages(results: Sequence[ToolResult], malformed: Sequence[str]) -> l
         {
             "role": "tool",
             "name": r.call.name,
-            "tool_call_id": r.call.id or f"call{i:05d}",
+            "tool_call_id": _call_id(r.call, i),
             "content": r.content,
         }
         for i, r in enumerate(results)
@@ -188,7 +194,7 @@ def start_episodes(
             if said:
                 messages[-1]["content"] = f"{messages[-1]['content']}{said}"
             if env.env.tool_names:
-                ep_tools, ep_schemas = env.tools(), env.schemas()
+                ep_tools, ep_schemas = env.tools(), env.env.schemas
         ids = renderer.prompt_ids(messages, ep_schemas)
         runs.append(EpisodeRun(messages, len(ids), ids, [0] * len(ids), ep_tools, ep_schemas, env))
     return runs

@@ -20,8 +20,13 @@ from typing import Any
 
 from posttrain.agents.tool_calls import ToolCall
 
-# Why a call failed, as counted in the metrics (None: it returned).
-OUTCOMES = ("error", "timeout", "unknown_tool", "bad_arguments")
+# Why a call failed (None: it returned) -> the metric that counts it.
+OUTCOMES = {
+    "error": "tool_errors",
+    "timeout": "tool_timeouts",
+    "unknown_tool": "tool_unknown",
+    "bad_arguments": "tool_bad_arguments",
+}
 MAX_RESULT_CHARS = 4000  # a tool's answer is cut here: it becomes prompt tokens of the next turn
 
 
@@ -29,7 +34,7 @@ MAX_RESULT_CHARS = 4000  # a tool's answer is cut here: it becomes prompt tokens
 class ToolResult:
     call: ToolCall
     content: str  # the `tool` message the model reads
-    failure: str | None  # one of OUTCOMES, or None
+    failure: str | None  # a key of OUTCOMES, or None
     seconds: float
 
 
@@ -125,14 +130,8 @@ def failure_counts(results: Sequence[Sequence[ToolResult]]) -> dict[str, int]:
     """{"tool_calls": n, "tool_errors": ..., "tool_timeouts": ..., "tool_unknown": ...,
     "tool_bad_arguments": ...} over a turn's (or an episode batch's) results."""
     flat = [r for row in results for r in row]
-    names = {
-        "error": "tool_errors",
-        "timeout": "tool_timeouts",
-        "unknown_tool": "tool_unknown",
-        "bad_arguments": "tool_bad_arguments",
-    }
-    out = {"tool_calls": len(flat), **{v: 0 for v in names.values()}}
+    out = {"tool_calls": len(flat), **{v: 0 for v in OUTCOMES.values()}}
     for r in flat:
         if r.failure is not None:
-            out[names[r.failure]] += 1
+            out[OUTCOMES[r.failure]] += 1
     return out

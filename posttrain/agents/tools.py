@@ -55,9 +55,9 @@ def load_tools(refs: Sequence[str], roots: Sequence[Path] | None = None) -> list
     tools: list[Tool] = []
     for ref in refs:
         try:
-            fn, sha = load_function(ref, roots)
+            fn, sha = load_function(ref, roots, "tool")
         except RewardLoadError as exc:
-            raise ToolLoadError(str(exc).replace("reward code", "tool code")) from None
+            raise ToolLoadError(str(exc)) from None
         tools.append(Tool(ref, fn, describe(fn, ref), sha))
     names = [t.name for t in tools]
     if dupes := sorted({n for n in names if names.count(n) > 1}):

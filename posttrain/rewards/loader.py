@@ -28,11 +28,11 @@ class RewardLoadError(ValueError):
     """A reward function that cannot be found, is not allowed or is not callable."""
 
 
-def locate(fn: str, roots: Sequence[Path]) -> Path:
+def locate(fn: str, roots: Sequence[Path], what: str = "reward") -> Path:
     """The source file of `fn`'s module: a built-in's own file, else the first of
     `<root>/<a>/<b>.py`, `<root>/<a>/<b>/__init__.py` (for module `a.b`) or the named file,
     symlinks resolved, inside one of `roots`. Imports nothing (a built-in's parent package
-    aside)."""
+    aside). `what` names the code in errors (reward, tool, environment)."""
     module, _ = split_ref(fn)
     if is_builtin(fn):
         return source_file(fn)
@@ -50,11 +50,11 @@ def locate(fn: str, roots: Sequence[Path]) -> Path:
             if any(real == r or real.is_relative_to(r) for r in real_roots):
                 return real
             raise RewardLoadError(
-                f"{fn}: {real} is outside the folders reward code may come from "
+                f"{fn}: {real} is outside the folders {what} code may come from "
                 f"({_describe(real_roots)})"
             )
     raise RewardLoadError(
-        f"{fn}: no module {module!r} in the folders reward code may come from "
+        f"{fn}: no module {module!r} in the folders {what} code may come from "
         f"({_describe(real_roots)}); built-ins are posttrain.rewards.<module>:<function>"
     )
 
@@ -106,12 +106,14 @@ def _import_file(path: Path) -> Any:
     return module
 
 
-def load_function(fn: str, roots: Sequence[Path] | None = None) -> tuple[Callable[..., Any], str]:
+def load_function(
+    fn: str, roots: Sequence[Path] | None = None, what: str = "reward"
+) -> tuple[Callable[..., Any], str]:
     """(the function, its module's source sha256). `roots`: the folders to find a user module
     in (see `locate`); None for a reference a resolved recipe already checked and pointed at its
     file (what a stage process gets). Raises RewardLoadError naming `fn` when it cannot be
     found, allowed or imported."""
-    path = locate(fn, roots) if roots is not None else source_file(fn)
+    path = locate(fn, roots, what) if roots is not None else source_file(fn)
     if not path.is_file():
         raise RewardLoadError(f"{fn}: {path} does not exist (moved since the run was planned?)")
     module_name, attr = split_ref(fn)
