@@ -71,8 +71,12 @@ class FieldWalk:
 
     def outside(self, source: str, value: Any, owner: BaseModel, where: str) -> Any:
         """Record what an input field names (its identity) and return the field's value."""
-        if source == "code":
-            return code_identity(value)
+        if source == "code":  # a reward function or an environment; tools: a list of them
+            return (
+                [code_identity(v) for v in value]
+                if isinstance(value, list)
+                else code_identity(value)
+            )
         if source in ("data", "model") and is_hub_id(value):
             kind: RepoType = "dataset" if source == "data" else "model"
             self.hub[where] = hub_record(value, getattr(owner, "revision", "main"), kind)
@@ -109,8 +113,8 @@ def stage_inputs(recipe: Recipe, kind: StageKind, section: BaseModel) -> dict[st
 
 
 def code_identity(fn: str) -> dict[str, str]:
-    """A reward function's identity: its name and its module's source (sha256), not where
-    the module's file lies."""
+    """A piece of user code's identity (a reward function, tool or environment class): its name
+    and its module's source (sha256), not where the module's file lies."""
     from posttrain.rewards.loader import source_file, source_sha256
     from posttrain.rewards.spec import split_ref
 

@@ -89,7 +89,7 @@ def folder(tmp_path: Path) -> Path:
 def test_a_tool_environment_gives_each_episode_its_own_state(folder: Path) -> None:
     env = load_environment("envs:Counter", [folder])
     assert env.tool_names == ["increment"] and not env.is_gym and env.has_reward
-    a, b = Episode(env, 1, "train.jsonl"), Episode(env, 2, "train.jsonl")
+    a, b = Episode(env, "train.jsonl:1"), Episode(env, "train.jsonl:2")
     assert a.reset({"target": 3, "answer": "x"}) == "Count to 3."
     b.reset({"target": 5})
     assert a.tools()["increment"](by=3) == 3 and b.tools()["increment"](by=1) == 1
@@ -100,7 +100,7 @@ def test_a_tool_environment_gives_each_episode_its_own_state(folder: Path) -> No
 def test_a_gym_environment_answers_each_turn(folder: Path) -> None:
     env = load_environment("envs:Guess", [folder])
     assert env.is_gym and env.tool_names == [] and not env.has_reward
-    ep = Episode(env, 1, "train.jsonl")
+    ep = Episode(env, "train.jsonl:1")
     assert ep.reset({"secret": 42}) is None
     first = ep.step({"role": "assistant", "content": "50"})
     assert first.observations == [{"role": "user", "content": "lower"}] and not first.done
@@ -116,9 +116,14 @@ def test_a_gym_environment_answers_each_turn(folder: Path) -> None:
             "BadReset",
             "reset",
             {},
-            "BadReset.reset raised KeyError: 'secret' (row 7 of data/train.jsonl)",
+            "BadReset.reset raised KeyError: 'secret' (row data/train.jsonl:7)",
         ),
-        ("WrongTypes", "reset", {}, "WrongTypes.reset returned int, not str or None (row 7"),
+        (
+            "WrongTypes",
+            "reset",
+            {},
+            "WrongTypes.reset returned int, not str or None (row data/train.jsonl:7",
+        ),
         ("WrongTypes", "step", None, "WrongTypes.step did not return (observations, reward, done)"),
         (
             "WrongTypes",
@@ -131,7 +136,7 @@ def test_a_gym_environment_answers_each_turn(folder: Path) -> None:
 def test_an_environments_failure_is_one_line_naming_class_method_and_row(
     folder: Path, cls: str, method: str, columns: dict | None, words: str
 ) -> None:
-    ep = Episode(load_environment(f"envs:{cls}", [folder]), 7, "data/train.jsonl")
+    ep = Episode(load_environment(f"envs:{cls}", [folder]), "data/train.jsonl:7")
     with pytest.raises(EnvironmentFailed) as info:
         if method == "reset":
             ep.reset(columns or {})

@@ -134,7 +134,7 @@ def test_a_gym_environment_answers_each_turn_until_done(tok, tmp_path: Path) -> 
     (tmp_path / "games.py").write_text(GUESS)
     env = load_environment("games:Guess", [tmp_path])
     rows = [{"prompt": [{"role": "user", "content": "Play."}], "secret": 42}]
-    envs = [Episode(env, 1, "train.jsonl")]
+    envs = [Episode(env, "train.jsonl:1")]
     (run,), _, _ = _play(tok, {"Play.": ["50", "25", "42"]}, rows=rows, envs=envs, tools={})
     assert run.messages[0]["content"] == "Play. Guess my number."
     assert [m["content"] for m in run.messages[1:]] == ["50", "lower", "25", "higher", "42"]

@@ -83,6 +83,7 @@ def _files(tmp: Path) -> dict[str, str]:
     (tmp / "chat.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     out["template"] = str(tmp / "chat.jinja")
     (tmp / "rewards_mod.py").write_text("def fn(prompts, completions, **kw):\n    return [1.0]\n")
+    (tmp / "agent_mod.py").write_text(AGENT_MODULE)
     model = tmp / "model"
     model.mkdir(exist_ok=True)
     config = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
@@ -91,8 +92,32 @@ def _files(tmp: Path) -> dict[str, str]:
     out["model"] = str(model)
     out["tasks2"] = str(_tasks(tmp, "tasks2"))
     out["rewards"] = f"{tmp / 'rewards_mod.py'}:fn"
+    out["tool"] = f"{tmp / 'agent_mod.py'}:add"
+    out["environment"] = f"{tmp / 'agent_mod.py'}:Counter"
     out["root"] = str(tmp)
     return out
+
+
+# A tool and an environment for the rollout's code fields.
+AGENT_MODULE = '''
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+class Counter:
+    def reset(self, **columns):
+        self.n = 0
+
+    def step(self, message):
+        self.n += 1
+        return [], 0.0, self.n > 1
+'''
 
 
 # Changes that must move several fields at once to stay valid (batch arithmetic, exclusive
@@ -117,6 +142,8 @@ def _coupled(files: dict[str, str], section: str) -> dict[str, list[dict[str, An
         "source": [{"source": "path", "path": files["model"]}],
         "include_path": [{"include_path": files["tasks2"]}],
         "fn": [{"fn": files["rewards"]}],
+        "rollout.tools": [{"rollout.tools": [files["tool"]]}],
+        "rollout.environment": [{"rollout.environment": files["environment"]}],
         "max_prompt_len": [{"max_prompt_len": 20}],
         "allowed_paths": [{"allowed_paths": [files["root"]]}],
         "embedding_rows": [{"embedding_rows": 1024}],
@@ -386,3 +413,16 @@ def test_a_stage_section_names_its_outside_inputs_by_content(tmp_path: Path) -> 
     renamed = copy.deepcopy(base)
     renamed["run"]["name"] = "other"
     assert _prints(renamed, ["sft"]) == _prints(base, ["sft"])
+
+
+def test_an_episode_stage_names_its_tools_and_environment_by_content(tmp_path: Path) -> None:
+    """A tool's (or an environment's) module with other source is another fingerprint."""
+    files = _files(tmp_path)
+    for field in ("tools", "environment"):
+        base = _base(tmp_path)
+        _set(base, f"grpo.rollout.{field}", [files["tool"]] if field == "tools" else files[field])
+        first = _prints(base, ["grpo"])
+        module = tmp_path / "agent_mod.py"
+        module.write_text(module.read_text() + "\n# edited\n")
+        assert _prints(base, ["grpo"]) != first, field
+        module.write_text(AGENT_MODULE)

@@ -64,6 +64,17 @@ def test_gae_rows_are_independent() -> None:
         close(adv[i : i + 1], alone)
 
 
+def test_gae_steps_over_the_tool_tokens_of_an_episode() -> None:
+    # Policy tokens at 0, 1 and 4 (2, 3: a tool result, mask 0, junk values 7 and 8).
+    # gamma .9, lam .5 over the policy's steps only: t4: delta = 1 - .7 = .3 -> A = .3
+    # t1 (next step t4): delta = 0 + .9*.7 - .6 = .03 -> A = .03 + .45*.3 = .165
+    # t0: delta = .9*.6 - .5 = .04 -> A = .04 + .45*.165 = .11425
+    mask = t([1, 1, 0, 0, 1])
+    adv, ret = gae(t([0, 0, 5, 5, 1]), t([0.5, 0.6, 7, 8, 0.7]), mask, gamma=0.9, lam=0.5)
+    close(adv, [[0.11425, 0.165, 0.0, 0.0, 0.3]])
+    close(ret, [[0.61425, 0.765, 0.0, 0.0, 1.0]])
+
+
 def test_whiten_masked_unbiased() -> None:
     # Entries 1, 2, 3 (the 100 is padding): mean 2, unbiased var (1 + 0 + 1) / 2 = 1.
     close(masked_whiten(t([1, 2, 3, 100]), t([1, 1, 1, 0])), [[-1, 0, 1, 0]])
@@ -85,6 +96,12 @@ def test_token_rewards_kl_everywhere_score_at_last_token() -> None:
     # coef .5: -.5 * [.1, .2] on the two real tokens, score 2 added at the last one.
     r = token_rewards(torch.tensor([2.0]), t([0.1, 0.2, 0.3]), t([1, 1, 0]), kl_coef=0.5)
     close(r, [[-0.05, 1.9, 0.0]])
+
+
+def test_token_rewards_score_at_the_policys_last_token_of_an_episode() -> None:
+    # Policy tokens 0 and 2 (1 is a tool result): the score lands on 2, the KL only on 0 and 2.
+    r = token_rewards(torch.tensor([2.0]), t([0.1, 0.2, 0.3, 0.4]), t([1, 0, 1, 0]), kl_coef=0.5)
+    close(r, [[-0.05, 0.0, 1.85, 0.0]])
 
 
 def test_kl_estimators() -> None:

@@ -67,6 +67,7 @@ def test_train_metrics_by_hand() -> None:
         "scoring_s": 0.5,
         "training_s": 2.0,
         "generation_share": 0.25,
+        "update_share": 0.5,
         "informative_frac": 0.5,
         "policy_loss": -0.25,
         "kl_loss": 0.125,

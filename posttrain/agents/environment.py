@@ -91,8 +91,8 @@ def load_environment(ref: str, roots: Sequence[Path] | None = None) -> Environme
 class Episode:
     """One episode's environment instance; every call names the row it serves on failure."""
 
-    def __init__(self, env: EnvironmentClass, row: int, where: str) -> None:
-        self.env, self.row, self.where = env, row, where
+    def __init__(self, env: EnvironmentClass, where: str) -> None:
+        self.env, self.where = env, where  # where: the prompt row's `file:line`
         self.instance = self._call(env.cls, "__init__")
 
     def _call(self, fn: Callable[..., Any], method: str, *args: Any, **kwargs: Any) -> Any:
@@ -104,7 +104,7 @@ class Episode:
             ) from exc
 
     def _says(self, method: str, what: str) -> str:
-        return f"rollout.environment {self.env.cls.__name__}.{method} {what} (row {self.row} of {self.where})"
+        return f"rollout.environment {self.env.cls.__name__}.{method} {what} (row {self.where})"
 
     def reset(self, columns: dict[str, Any]) -> str | None:
         out = self._call(self.instance.reset, "reset", **columns)

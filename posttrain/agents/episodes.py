@@ -19,6 +19,7 @@ conversation would have.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -75,7 +76,7 @@ class EpisodeLimits:
 class EpisodeRun:
     """One episode: the conversation, its ids with the policy's mask, how it ended."""
 
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]]  # the prompt's n_prompt messages, then the episode's
     prompt_len: int
     ids: list[int]
     mask: list[int]  # 1 where the policy generated the token
@@ -87,6 +88,7 @@ class EpisodeRun:
     step_reward: float = 0.0
     results: list[list[ToolResult]] = field(default_factory=list)
     malformed: int = 0
+    n_prompt: int = 0  # messages of the prompt (an environment's reset text included)
 
     @property
     def spent(self) -> int:
@@ -196,7 +198,9 @@ def start_episodes(
             if env.env.tool_names:
                 ep_tools, ep_schemas = env.tools(), env.env.schemas
         ids = renderer.prompt_ids(messages, ep_schemas)
-        runs.append(EpisodeRun(messages, len(ids), ids, [0] * len(ids), ep_tools, ep_schemas, env))
+        run = EpisodeRun(messages, len(ids), ids, [0] * len(ids), ep_tools, ep_schemas, env)
+        run.n_prompt = len(messages)
+        runs.append(run)
     return runs
 
 
@@ -267,13 +271,25 @@ def run_episodes(
     fmt: str | None,
     limits: EpisodeLimits,
     stop_ids: Sequence[int],
+    sync: Callable[[bool], bool] | None = None,
 ) -> dict[str, float]:
     """Play `runs` to their ends, a turn of every live episode at a time. Returns the batch's
-    tool counts (`failure_counts`, plus `tool_malformed`)."""
+    tool counts (`failure_counts`, plus `tool_malformed`) and `tool_s`, the seconds its turns
+    waited for tools.
+
+    `sync(this rank has live episodes) -> whether any rank has`: with several ranks, generation
+    is a collective, so a rank whose episodes all ended keeps calling `generate` (with no
+    prompts; the caller's `generate` fills in) until every rank's have."""
     stops = set(stop_ids)
-    while live := [r for r in runs if r.ended is None]:
+    tool_s = 0.0
+    while True:
+        live = [r for r in runs if r.ended is None]
+        if not (sync(bool(live)) if sync is not None else live):
+            break
         budgets = [limits.max_episode_tokens - r.spent for r in live]
-        replies = generate([r.ids for r in live], min(limits.max_new_tokens, max(budgets)))
+        replies = generate(
+            [r.ids for r in live], min(limits.max_new_tokens, max(budgets, default=1))
+        )
         pending: list[tuple[EpisodeRun, ParsedReply]] = []
         for run, new, budget in zip(live, replies, budgets, strict=True):
             text = _take_reply(run, list(new), budget, stops, renderer.tok)
@@ -285,12 +301,15 @@ def run_episodes(
                     _append_context(run, obs, renderer, limits)
             else:
                 pending.append((run, parsed))
+        t = time.perf_counter()
         results = run_calls(
             [p.calls for _, p in pending], [r.tools for r, _ in pending], limits.tool_timeout_s
         )
+        tool_s += time.perf_counter() - t
         for (run, parsed), res in zip(pending, results, strict=True):
             run.results.append(res)
             _append_context(run, _tool_messages(res, parsed.errors), renderer, limits)
     counts: dict[str, float] = dict(failure_counts([row for r in runs for row in r.results]))
     counts["tool_malformed"] = sum(r.malformed for r in runs)
+    counts["tool_s"] = tool_s
     return counts

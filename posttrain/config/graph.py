@@ -160,8 +160,9 @@ def build_graph(recipe: Any) -> StageGraph:
                     errors.append(f"{where}.{fld}: a {kind.name} stage takes no {fld}")
                 continue
             target = given if given is not None else _default(role, before, produces, links)
-            if role == "reward_model" and given is None and getattr(section, "rewards", None):
-                # Scored by its reward functions: a reward model joins only when named.
+            if role == "reward_model" and given is None and _own_reward(section):
+                # Scored by its reward functions (or its episodes' environment): a reward model
+                # joins only when named.
                 continue
             if target is None:
                 errors.append(
@@ -186,6 +187,12 @@ def build_graph(recipe: Any) -> StageGraph:
     if errors:
         raise GraphError(errors)
     return graph
+
+
+def _own_reward(section: Any) -> bool:
+    """Whether a stage scores its rollouts itself: reward functions or an environment."""
+    rollout = getattr(section, "rollout", None)
+    return bool(getattr(section, "rewards", None)) or bool(rollout and rollout.episodes)
 
 
 def _default(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -339,40 +340,70 @@ def input_paths(recipe: Recipe) -> dict[str, str]:
     return out
 
 
-def reward_specs(recipe: Recipe) -> dict[str, Any]:
-    """{field path: RewardSpec} of every reward function the recipe names
-    (`grpo.rewards.0`, `stages.rl2.rewards.1`, `evaluate.verifiers.0`)."""
-    out = {
-        f"{s.where}.rewards.{i}": spec
-        for s in recipe.graph()
-        for i, spec in enumerate(getattr(s.section, "rewards", None) or [])
-    }
+@dataclass
+class CodeRef:
+    """A piece of user code a recipe names: a reward function, a tool or an environment."""
+
+    where: str  # its field path: grpo.rewards.0.fn, grpo.rollout.tools.1, evaluate.verifiers.0.fn
+    kind: str  # "reward", "tool" or "environment": how errors name it
+    owner: Any  # the object holding the field
+    attr: str
+    index: int | None = None  # the item of a list field (tools)
+
+    @property
+    def ref(self) -> str:
+        value = getattr(self.owner, self.attr)
+        return value if self.index is None else value[self.index]
+
+    def point_at(self, ref: str) -> None:
+        if self.index is None:
+            setattr(self.owner, self.attr, ref)
+        else:
+            getattr(self.owner, self.attr)[self.index] = ref
+
+
+def code_refs(recipe: Recipe) -> list[CodeRef]:
+    """Every piece of user code the recipe names: each stage's reward functions, its rollout's
+    tools and environment, and evaluate's verifiers."""
+    out = []
+    for s in recipe.graph():
+        for i, spec in enumerate(getattr(s.section, "rewards", None) or []):
+            out.append(CodeRef(f"{s.where}.rewards.{i}.fn", "reward", spec, "fn"))
+        rollout = getattr(s.section, "rollout", None)
+        if rollout is None:
+            continue
+        for i, _ in enumerate(rollout.tools):
+            out.append(CodeRef(f"{s.where}.rollout.tools.{i}", "tool", rollout, "tools", i))
+        if rollout.environment is not None:
+            where = f"{s.where}.rollout.environment"
+            out.append(CodeRef(where, "environment", rollout, "environment"))
     for i, spec in enumerate(recipe.evaluate.verifiers or []):
-        out[f"evaluate.verifiers.{i}"] = spec
+        out.append(CodeRef(f"evaluate.verifiers.{i}.fn", "reward", spec, "fn"))
     return out
 
 
-def _resolve_rewards(
+def _resolve_code(
     r: Recipe, code_roots: list[Path], implicit: Path | None, errors: list[str]
 ) -> Path | None:
-    """Point each user reward function at its module's absolute file (`/dir/mod.py:fn`), found
-    in the recipe's folder or run.allowed_paths only (no current directory, no workspace: code
-    is not data). Returns the recipe's folder when a module was found there, else None."""
+    """Point each piece of user code (reward functions, tools, environments) at its module's
+    absolute file (`/dir/mod.py:name`), found in the recipe's folder or run.allowed_paths only
+    (no current directory, no workspace: code is not data). Returns the recipe's folder when a
+    module was found there, else None."""
     from posttrain.rewards.loader import RewardLoadError, locate
     from posttrain.rewards.spec import is_builtin, split_ref
 
     needed = None
-    for where, spec in reward_specs(r).items():
-        if is_builtin(spec.fn):
+    for code in code_refs(r):
+        if is_builtin(code.ref):
             continue
         try:
-            path = locate(spec.fn, code_roots)
+            path = locate(code.ref, code_roots, code.kind)
         except RewardLoadError as exc:
-            errors.append(f"{where}.fn: {exc}")
+            errors.append(f"{code.where}: {exc}")
             continue
         if implicit is not None and _inside(path, implicit):
             needed = implicit
-        spec.fn = f"{path}:{split_ref(spec.fn)[1]}"
+        code.point_at(f"{path}:{split_ref(code.ref)[1]}")
     return needed
 
 
@@ -483,10 +514,10 @@ def resolve_paths(
     # Reward code: from the recipe's folder or run.allowed_paths (a served run: only the
     # worker's reward folders, `code_roots`).
     if code_roots is not None:
-        _resolve_rewards(r, list(code_roots), None, errors)
+        _resolve_code(r, list(code_roots), None, errors)
     else:
         code_dir = Path(recipe_dir).resolve() if recipe_dir is not None else cwd
-        found = _resolve_rewards(r, [code_dir, *explicit], code_dir, errors)
+        found = _resolve_code(r, [code_dir, *explicit], code_dir, errors)
         if (
             found is not None
             and found not in needed

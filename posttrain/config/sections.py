@@ -285,6 +285,61 @@ class RolloutConfig(_Section):
         "steps every row until the longest ends. Same tokens for the same seed (up to "
         "floating-point ties); faster when response lengths vary.",
     )
+    tools: list[str] = Result(
+        default_factory=list,
+        source="code",
+        description="Tools the policy may call in multi-turn episodes: `module:function` "
+        "(`<module>.py` in the recipe's folder or `run.allowed_paths`; served runs: the "
+        "worker's reward folders) or `file.py:function`. Plain functions with type hints and "
+        "a Google-style docstring, described to the chat template through `tools=`; a call "
+        "that raises or times out is told to the model as an error and counted.",
+    )
+    environment: str | None = Result(
+        None,
+        source="code",
+        description="An environment class `module:Class`, one instance per episode (TRL's "
+        "`environment_factory` shape): `reset(**row_columns) -> str | None` (appended to the "
+        "last user message), its public methods are the episode's tools, optional "
+        "`get_reward() -> float` scores the finished episode; or a gym-like "
+        "`step(assistant_message) -> (observation messages, reward, done)`.",
+    )
+    max_turns: int = Result(
+        4,
+        ge=1,
+        description="Episodes (tools or environment): most assistant turns; an episode also "
+        "ends with a reply that calls no tool, or at max_episode_tokens.",
+    )
+    max_episode_tokens: int = Result(
+        512,
+        ge=2,
+        description="Episodes: most tokens after the prompt, generated and rendered (tool "
+        "results, the template's turns); an episode that reaches it ends truncated.",
+    )
+    tool_timeout_s: float = Result(
+        10.0,
+        gt=0,
+        description="Episodes: seconds a turn's tool calls may take; a call still running then "
+        "is told to the model as timed out (`tool_timeouts`).",
+    )
+    mask_truncated: bool = Result(
+        False,
+        description="Episodes cut by max_episode_tokens or max_new_tokens (truncated) train "
+        "nothing: their tokens leave the loss (their rewards still count in their group).",
+    )
+
+    @model_validator(mode="after")
+    def _tools_or_environment(self) -> RolloutConfig:
+        if self.tools and self.environment:
+            raise ValueError(
+                "give rollout.tools or rollout.environment, not both: an environment's public "
+                "methods are its episodes' tools"
+            )
+        return self
+
+    @property
+    def episodes(self) -> bool:
+        """Whether rollouts are multi-turn episodes (`posttrain.rl.episodes`)."""
+        return bool(self.tools) or self.environment is not None
 
 
 class KLConfig(_Section):
@@ -391,6 +446,22 @@ class OnlineRLConfig(TrainingSection, TemplateGuard):
         description="Quality gate: held-out mean reward minus the SFT policy's below this "
         "stops the pipeline.",
     )
+
+    @model_validator(mode="after")
+    def _episode_reward(self) -> OnlineRLConfig:
+        r = self.rollout
+        if r.tools and not self.rewards:
+            raise ValueError(
+                "rollout.tools: episodes are scored by reward functions or an environment's "
+                "get_reward; list functions in `rewards` (they receive the whole episode's "
+                "messages) or use rollout.environment"
+            )
+        if r.episodes and getattr(self, "reward_model", None) is not None:
+            raise ValueError(
+                "reward_model: multi-turn episodes are scored by `rewards` and the environment, "
+                "not by a reward model"
+            )
+        return self
 
     @model_validator(mode="after")
     def _dynamic_sampling_groups(self) -> OnlineRLConfig:

@@ -66,37 +66,36 @@ def reward_roots(env: Mapping[str, str] | None = None) -> list[Path]:
 def served_reward_roots(recipe: Recipe) -> list[str]:
     """The folders holding a served recipe file's own reward modules (resolved by
     `resolve_paths`): the operator wrote that file, so its code folders are trusted."""
-    from posttrain.config.loader import reward_specs
+    from posttrain.config.loader import code_refs
     from posttrain.rewards.loader import source_file
     from posttrain.rewards.spec import is_builtin
 
-    return [
-        str(source_file(s.fn).parent) for s in reward_specs(recipe).values() if not is_builtin(s.fn)
-    ]
+    return [str(source_file(c.ref).parent) for c in code_refs(recipe) if not is_builtin(c.ref)]
 
 
 def check_served_rewards(recipe: Recipe, roots: list[Path]) -> list[str]:
-    """`field: message` lines for each reward function of a served recipe that is neither a
-    built-in (`posttrain.rewards.*`) nor a module inside the worker's reward folders."""
-    from posttrain.config.loader import reward_specs
+    """`field: message` lines for each piece of user code of a served recipe (reward function,
+    tool, environment) that is neither a built-in (`posttrain.rewards.*`) nor a module inside
+    the worker's reward folders."""
+    from posttrain.config.loader import code_refs
     from posttrain.rewards.loader import RewardLoadError, locate
     from posttrain.rewards.spec import is_builtin
 
     errors = []
-    for where, spec in reward_specs(recipe).items():
-        if is_builtin(spec.fn):
+    for code in code_refs(recipe):
+        if is_builtin(code.ref):
             continue
         if not roots:
             errors.append(
-                f"{where}.fn: {spec.fn} is not a built-in (posttrain.rewards.*) and this worker "
-                f"allows no reward code of its own: start `posttrain serve --allow-rewards DIR` "
-                f"or set {REWARDS_ENV}"
+                f"{code.where}: {code.ref} is not a built-in (posttrain.rewards.*) and this "
+                f"worker allows no {code.kind} code of its own: start `posttrain serve "
+                f"--allow-rewards DIR` or set {REWARDS_ENV}"
             )
             continue
         try:
-            locate(spec.fn, roots)
+            locate(code.ref, roots, code.kind)
         except RewardLoadError as exc:
-            errors.append(f"{where}.fn: {exc} (this worker's reward folders, {REWARDS_ENV})")
+            errors.append(f"{code.where}: {exc} (this worker's reward folders, {REWARDS_ENV})")
     return errors
 
 

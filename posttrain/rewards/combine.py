@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from posttrain.rewards.extract import completion_text
 from posttrain.rewards.loader import bind
 from posttrain.rewards.spec import RewardSpec
 from posttrain.stage_errors import StageVerdict
@@ -64,7 +65,7 @@ def _clip(text: Any, n: int = 160) -> str:
 
 def _row(i: int, prompts: Sequence[Any], completions: Sequence[Any], where: Sequence[str]) -> str:
     prompt = prompts[i][-1]["content"] if isinstance(prompts[i], list) else prompts[i]
-    reply = completions[i][0]["content"] if isinstance(completions[i], list) else completions[i]
+    reply = completion_text(completions[i])
     origin = f" ({where[i]})" if where else ""
     return f"row {i}{origin}: prompt {_clip(prompt)!r}, response {_clip(reply)!r}"
 
@@ -123,7 +124,7 @@ def _raises(fn: Callable[..., Any], args: dict[str, Any], i: int) -> bool:
 def score_functions(
     funcs: Sequence[RewardFunction],
     prompts: Sequence[Any],
-    completions: Sequence[str],
+    completions: Sequence[str | list[dict[str, Any]]],
     columns: Sequence[dict[str, Any]],
     completion_ids: Sequence[list[int]],
     stopped: Sequence[bool],
@@ -132,7 +133,8 @@ def score_functions(
     """(weighted sum [N], {label: values [N], NaN where None}) for N responses.
 
     `prompts`: message lists; `completions`: response texts (passed on as TRL's conversational
-    `[{"role": "assistant", "content": text}]`); `columns`: each row's data columns, passed as
+    `[{"role": "assistant", "content": text}]`) or, for episodes, the messages after the prompt
+    (assistant turns with their tool_calls, tool results) passed as they are; `columns`: each row's data columns, passed as
     one list per column (a column a row lacks is None there); `where`: each row's data location,
     for error messages. A row where every function returned None sums to 0."""
     n = len(completions)
@@ -145,7 +147,9 @@ def score_functions(
         )
     args: dict[str, Any] = {
         "prompts": list(prompts),
-        "completions": [[{"role": "assistant", "content": c}] for c in completions],
+        "completions": [
+            c if isinstance(c, list) else [{"role": "assistant", "content": c}] for c in completions
+        ],
         "completion_ids": [list(x) for x in completion_ids],
         "stopped": [bool(s) for s in stopped],
         **{k: [c.get(k) for c in columns] for k in names},

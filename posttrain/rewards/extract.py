@@ -19,7 +19,9 @@ _MINUS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2012": "-"})
 
 
 def completion_text(completion: str | list | dict | None) -> str:
-    """The text of one completion: a string as is, a message's or messages' `content` joined.
+    """The text of one completion: a string as is, a message's `content`; of a list of
+    messages, the last assistant message's (a multi-turn episode's final answer, not its tool
+    calls and tool results), or all contents joined when no message is the assistant's.
 
     Content given as parts (`[{"type": "text", "text": ...}]`) contributes its text parts. A
     missing completion (None) is the empty string; any other type is a caller's bug and raises.
@@ -31,7 +33,11 @@ def completion_text(completion: str | list | dict | None) -> str:
     if isinstance(completion, dict):
         return _content_text(completion.get("content"))
     if isinstance(completion, list):
-        return "".join(_content_text(m.get("content")) for m in completion if isinstance(m, dict))
+        messages = [m for m in completion if isinstance(m, dict)]
+        answers = [m for m in messages if m.get("role") == "assistant"]
+        if answers:
+            return _content_text(answers[-1].get("content"))
+        return "".join(_content_text(m.get("content")) for m in messages)
     raise TypeError(
         f"a completion is a string or a list of chat messages, got {type(completion).__name__}"
     )

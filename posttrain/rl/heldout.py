@@ -21,6 +21,8 @@ import torch
 from posttrain.data.sft_data import write_rows
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import POLICY, REFERENCE
+from posttrain.rewards.extract import completion_text
+from posttrain.rl.episodes import episode_metrics, episode_sums
 from posttrain.rl.rollouts import RolloutSetup, generate, score_rollout
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import MetricsWriter
@@ -97,6 +99,8 @@ def add_heldout_sums(sums: Counter[str], ro: Rollout, weight: float, kl: bool) -
     sums["stopped"] += weight * float(ro.stopped.sum())
     if kl:
         sums["kl"] += weight * float(sequence_kl(ro, "k1").sum())
+    for k, v in episode_sums(ro).items():
+        sums[k] += weight * v
 
 
 def heldout_means(sums: Counter[str], device: torch.device, kl: bool) -> dict[str, float]:
@@ -114,6 +118,7 @@ def heldout_means(sums: Counter[str], device: torch.device, kl: bool) -> dict[st
     if kl:
         out["kl"] = t["kl"] / n
     out |= function_metrics(t)
+    out |= episode_metrics(t)
     return out
 
 
@@ -124,7 +129,7 @@ def heldout_examples(tokenizer: Any, rows: list[dict[str, Any]], ro: Rollout) ->
     return [
         {
             "prompt": r["messages"],
-            "response": t,
+            **episode_fields(ro, i, t),
             "reward": float(v),
             **{f"reward_{k}": None if torch.isnan(p[i]) else float(p[i]) for k, p in per.items()},
             **r.get("columns", {}),
@@ -133,6 +138,22 @@ def heldout_examples(tokenizer: Any, rows: list[dict[str, Any]], ro: Rollout) ->
             zip(rows, decode_responses(tokenizer, ro), ro.scored["scores"].tolist(), strict=True)
         )
     ]
+
+
+def episode_fields(ro: Rollout, i: int, text: str) -> dict[str, Any]:
+    """An eval sample's response: its text, or a whole episode (the prompt it played from, its
+    messages after it, turns, how it ended, its tool calls)."""
+    if ro.episodes is None:
+        return {"response": text}
+    e = ro.episodes[i]
+    return {
+        "prompt": e.messages[: e.n_prompt],  # as the policy saw it (an environment's reset text)
+        "response": completion_text(e.messages[e.n_prompt :]),
+        "episode": e.messages[e.n_prompt :],
+        "turns": e.turns,
+        "ended": e.ended,
+        "tool_calls": sum(len(t) for t in e.results),
+    }
 
 
 def quality_gate(cfg: Any, final: dict[str, float], sft: dict[str, float]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from posttrain.distributed.runtime import all_reduce_sum
+from posttrain.rl.episodes import episode_metrics, episode_sums
 from posttrain.rl.rollouts import RolloutBatch
 from posttrain.rl.update import UpdateStats
 from posttrain.telemetry.metrics import train_flops_per_token
@@ -22,10 +23,11 @@ def rollout_totals(ro: Rollout, device: torch.device) -> dict[str, float]:
     """Sums over all ranks of a scored rollout: each reward function's (reward_fn_<label>,
     count_fn_<label>: `add_function_sums`), then n (sequences), score and score_sq (the summed
     reward and its square), kl (per-response KL k1 to the reference), length (response tokens)
-    and stopped (responses that ended with a stop token)."""
+    and stopped (responses that ended with a stop token); for episodes, `episode_sums`."""
     scores = ro.scored["scores"]  # [N]
     fn_sums: Counter[str] = Counter()
     add_function_sums(fn_sums, function_values(ro))
+    fn_sums.update(episode_sums(ro))
     return {
         k: all_reduce_sum(v, device)
         for k, v in (
@@ -75,12 +77,15 @@ def train_metrics(
     training_s: float,
     step_s: float,
     stats: UpdateStats,
+    world: int = 1,
 ) -> dict[str, float]:
     """The step's own fields of its `train` record (`TrainSession.record_step` adds loss,
     throughput and memory): means of the rollout `totals` (`rollout_totals`), the KL
     coefficient it was trained with, the generated width per rank (min, max over ranks: ranks
     stop at different lengths), the seconds of each phase and the generation's share of the
-    step's `step_s`, the sampling statistics and the update's means and count."""
+    step's `step_s` (`world`: ranks, the tools' seconds are summed over them), the sampling
+    statistics and the update's means and count; for episodes, `episode_metrics` and the
+    tools' share of the step."""
     n = totals["n"]
     return {
         "score_mean": totals["score"] / n,
@@ -95,7 +100,11 @@ def train_metrics(
         "generation_s": rb.generation_s,
         "scoring_s": rb.scoring_s,
         "training_s": training_s,
-        "generation_share": rb.generation_s / step_s,
+        # Episodes wait for tools inside generation: the tools' share is told apart.
+        "generation_share": (rb.generation_s - totals.get("tool_s", 0.0) / world) / step_s,
+        **episode_metrics(totals),
+        **({"tool_share": totals["tool_s"] / world / step_s} if "tool_s" in totals else {}),
+        "update_share": training_s / step_s,
         **rb.sampling,
         **stats.means,
         "updates": stats.updates,

@@ -22,9 +22,11 @@ from posttrain.data.batching import step_indices
 from posttrain.distributed.runtime import all_reduce_sum
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import VALUE
+from posttrain.rl.episodes import EpisodeSetup, play
 from posttrain.train.rl_losses import informative_groups
 from posttrain.train.rl_rewards import Rewarder
-from posttrain.train.rollout import Rollout, sample, score
+from posttrain.train.rollout import Rollout, sample, sampling_of, score
+from posttrain.train.rollout_engine import build_engine
 
 
 def rollout_seed(seed: int, step: int, rank: int) -> int:
@@ -48,6 +50,7 @@ class RolloutSetup:
     rank: int
     world: int
     device: torch.device
+    episodes: EpisodeSetup | None = None  # multi-turn rollouts (rollout.tools / environment)
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -90,7 +93,12 @@ def round_prompts(
 
 def generate(s: RolloutSetup, rows: list[dict[str, Any]], seed: int, role: str = POLICY) -> Rollout:
     """Step 1: one sampled response per row from `role` under `seed`; every rank runs the same
-    number of decode steps (`posttrain.train.rollout.sample`)."""
+    number of decode steps (`posttrain.train.rollout.sample`). With tools or an environment,
+    one episode per row (`posttrain.rl.episodes.play`)."""
+    if s.episodes is not None:
+        engine = build_engine(s.cfg.rollout, s.model, role, s.world)
+        sampling = sampling_of(s.cfg.rollout)
+        return play(s.episodes, engine, sampling, s.tokenizer, s.stop_ids, s.device, rows, seed)
     return sample(
         s.model,
         [x["ids"] for x in rows],

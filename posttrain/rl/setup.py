@@ -24,6 +24,7 @@ from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.models.lora import prepare_for_training
 from posttrain.models.roles import RoleModel, build_roles
 from posttrain.rewards.combine import load_rewards
+from posttrain.rl.episodes import episode_setup
 from posttrain.rl.rollouts import RolloutSetup
 from posttrain.stages.common import StageContext, training_base
 from posttrain.train.rl_algos import Algorithm
@@ -172,6 +173,9 @@ def rollout_setup(
     # the response mask, the reward's input and `missing_eos_penalty` all follow it.
     stop_ids = model_stop_token_ids(model, tok)
     log.info("rollouts stop at token ids %s", stop_ids)
+    episodes = episode_setup(
+        ctx.section.rollout, tok, stop_ids, f"{ctx.name}'s policy ({ctx.roles['policy']})"
+    )
     return RolloutSetup(
         model,
         tok,
@@ -185,4 +189,5 @@ def rollout_setup(
         d.rank,
         d.world_size,
         d.device,
+        episodes,
     )

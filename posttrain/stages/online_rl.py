@@ -110,7 +110,10 @@ def record(
         cfg.update_epochs,
         run.algo.critic,
     )
-    extra = train_metrics(totals, adv.kl_coef, widths, rb, t_train, time.perf_counter() - t0, stats)
+    step_s = time.perf_counter() - t0
+    extra = train_metrics(
+        totals, adv.kl_coef, widths, rb, t_train, step_s, stats, run.rollouts.world
+    )
     if adv.returns is not None:
         extra["explained_var"] = explained_variance(
             ro.scored["values"], adv.returns, ro.mask, run.reduce

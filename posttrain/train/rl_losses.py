@@ -83,11 +83,17 @@ def token_rewards(
     scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float
 ) -> torch.Tensor:
     """[B, R] rewards: -kl_coef * KL at every response token, plus the sequence's score [B] at its
-    last token (the reward model judges the finished response)."""
+    last token (the reward judges the finished response; in an episode, the policy's last
+    token, wherever tool turns put it)."""
     rewards = -kl_coef * kl * mask
-    last = mask.sum(1).long().clamp(min=1) - 1  # [B]
-    rewards[torch.arange(rewards.size(0)), last] += scores.to(rewards.dtype)
+    rewards[torch.arange(rewards.size(0)), last_token(mask)] += scores.to(rewards.dtype)
     return rewards
+
+
+def last_token(mask: torch.Tensor) -> torch.Tensor:
+    """[B] the column of each row's last masked token (0 for a row with none)."""
+    cols = torch.arange(mask.size(1), device=mask.device).expand_as(mask)
+    return torch.where(mask > 0, cols, 0).amax(1)
 
 
 def gae(
@@ -97,7 +103,14 @@ def gae(
 
     delta_t = r_t + gamma V_{t+1} - V_t and A_t = delta_t + gamma lam A_{t+1}, with V = 0 after
     the last response token (the episode ends there). Returns = A + V are the value targets.
-    """
+    t runs over the masked tokens only: in an episode, the token after a policy turn's last is
+    the next turn's first (tool results and template turns are not the policy's steps)."""
+    if bool((mask[:, 1:] > mask[:, :-1]).any()):  # gaps: run on the masked tokens, packed left
+        order = torch.argsort((mask <= 0).to(torch.int8), dim=1, stable=True)  # [B, R]
+        packed = [x.gather(1, order) for x in (rewards, values, mask)]
+        adv_p, ret_p = gae(*packed, gamma, lam)
+        adv, ret = torch.zeros_like(adv_p), torch.zeros_like(ret_p)
+        return adv.scatter(1, order, adv_p), ret.scatter(1, order, ret_p)
     values = values * mask
     rewards = rewards * mask
     n = rewards.size(1)

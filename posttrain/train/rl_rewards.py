@@ -40,11 +40,15 @@ class Rewarder:
             ro.scored["rm_scores"] = ro.scored["scores"].float()
             total += self.rm_weight * ro.scored["rm_scores"]
         if self.funcs:
-            ids = [r[: int(m.sum())].tolist() for r, m in zip(ro.response, ro.mask, strict=True)]
+            ids = [
+                r[: int(m.sum())].tolist()
+                for r, m in zip(ro.response, ro.response_attn, strict=True)
+            ]
+            prompts, completions = self.conversations(ro, rows)
             fsum, per = score_functions(
                 self.funcs,
-                [r["messages"] for r in rows],
-                decode_responses(self.tokenizer, ro),
+                prompts,
+                completions,
                 [r.get("columns", {}) for r in rows],
                 ids,
                 ro.stopped.tolist(),
@@ -52,7 +56,34 @@ class Rewarder:
             )
             total += fsum
             ro.scored |= {FUNCTION + label: v for label, v in per.items()}
+        if ro.episodes is not None and ro.episodes[0].env is not None:
+            env = torch.tensor([episode_reward(e) for e in ro.episodes], dtype=torch.float32)
+            ro.scored[FUNCTION + ENVIRONMENT] = env
+            total += env
         ro.scored["scores"] = total
+
+    def conversations(self, ro: Rollout, rows: list[dict[str, Any]]) -> tuple[list, list]:
+        """(prompts, completions) for the reward functions: prompt messages and response
+        texts; for episodes, the prompt as the policy saw it (an environment's reset text
+        included) and the episode's messages after it (TRL's multi-turn completions)."""
+        if ro.episodes is None:
+            return [r["messages"] for r in rows], decode_responses(self.tokenizer, ro)
+        return (
+            [e.messages[: e.n_prompt] for e in ro.episodes],
+            [e.messages[e.n_prompt :] for e in ro.episodes],
+        )
+
+
+# The environment's reward, among the functions' in metrics and samples (`reward_fn_environment`).
+ENVIRONMENT = "environment"
+
+
+def episode_reward(e: Any) -> float:
+    """An episode's environment reward: its get_reward() (tool environments) plus the rewards
+    its step() answered with (gym-like ones)."""
+    assert e.env is not None
+    got = e.env.reward()
+    return (0.0 if got is None else got) + e.step_reward
 
 
 # ro.scored key prefix of a reward function's values.

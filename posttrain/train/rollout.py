@@ -7,13 +7,18 @@ response never stopped). Stop tokens: `posttrain.eval.stop_tokens.stop_token_ids
 tokenizer's EOS, the model's generation_config eos ids, the template's end-of-turn token). The
 logits/values for response token t come from sequence position P-1+t, so every role is read at
 positions [P-1, P+R-1).
+
+A multi-turn episode (`posttrain.rl.episodes`) is one sequence: its first prompt, then
+everything after it as the "response" - the policy's turns and, between them, tool results and
+the template's turns. `mask` is then 1 on the policy's tokens only (what the losses, the KL and
+the critic cover), and `attn` 1 on every real token after the prompt (what the model attends).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +30,9 @@ from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import REWARD, VALUE
 from posttrain.train.rl_losses import entropy_from_logits, token_logps
 from posttrain.train.rollout_engine import build_engine, left_pad
+
+if TYPE_CHECKING:
+    from posttrain.agents.episodes import EpisodeRun
 
 
 @dataclass
@@ -38,6 +46,18 @@ class Rollout:
     scored: dict[str, torch.Tensor] = field(
         default_factory=dict
     )  # logps, ref_logps, values, scores
+    # Episodes: [N, R] 1 on every real token after the prompt (None: the mask, single-turn),
+    # and each sequence's episode (conversation, turns, tool results, environment).
+    attn: torch.Tensor | None = None
+    episodes: list[EpisodeRun] | None = None
+    # How the batch was generated, summed over the parts of `cat` (episodes: seconds in tools,
+    # tool-call counts).
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def response_attn(self) -> torch.Tensor:
+        """[N, R] 1 on the real tokens after the prompt (long)."""
+        return (self.mask if self.attn is None else self.attn).long()
 
     @property
     def n(self) -> int:
@@ -51,7 +71,7 @@ class Rollout:
         """Model inputs of rows `idx`: prompt + response with position ids that skip the left
         padding, and the slice bounds that select the response positions."""
         ids = torch.cat([self.prompt_ids[idx], self.response[idx]], dim=1)  # [n, P+R]
-        attn = torch.cat([self.prompt_mask[idx], self.mask[idx].long()], dim=1)
+        attn = torch.cat([self.prompt_mask[idx], self.response_attn[idx]], dim=1)
         pos = (attn.cumsum(1) - 1).clamp(min=0)
         p, r = self.width
         return {
@@ -63,8 +83,9 @@ class Rollout:
         }
 
     def tokens(self) -> int:
-        """Real (non-pad) tokens of the rollout: prompts plus responses."""
-        return int(self.prompt_mask.sum() + self.mask.sum())
+        """Real (non-pad) tokens of the rollout: prompts plus responses (episodes: plus what
+        came between the policy's turns)."""
+        return int(self.prompt_mask.sum() + self.response_attn.sum())
 
     def select(self, rows: list[int] | torch.Tensor) -> Rollout:
         """The rollout of `rows` only (scored tensors alongside), e.g. the informative groups of
@@ -78,6 +99,9 @@ class Rollout:
             self.stopped[idx],
             [self.messages[int(i)] for i in idx],
             {k: v[idx] for k, v in self.scored.items()},
+            None if self.attn is None else self.attn[idx],
+            None if self.episodes is None else [self.episodes[int(i)] for i in idx],
+            dict(self.stats),
         )
 
     @staticmethod
@@ -118,6 +142,11 @@ class Rollout:
             torch.cat([p.stopped for p in parts]),
             [m for p in parts for m in p.messages],
             scored,
+            None
+            if parts[0].attn is None
+            else torch.cat([right(p.response_attn, 0) for p in parts]),
+            None if parts[0].episodes is None else [e for p in parts for e in p.episodes or []],
+            {k: sum(p.stats.get(k, 0.0) for p in parts) for k in parts[0].stats},
         )
 
 

@@ -1,0 +1,203 @@
+"""Step 1 of online RL when the rollout is multi-turn (`rollout.tools` or `rollout.environment`):
+each prompt row plays an episode (`posttrain.agents.episodes`) and becomes one sequence of the
+Rollout - the first prompt, then everything after it as its "response". The policy's turns are
+mask 1; tool results, observations and the template's turns between them are attended
+(`Rollout.attn`) but trained on by nothing (mask 0). An episode cut by its token budget is not
+`stopped` (so `missing_eos_penalty` applies) and, with `mask_truncated`, trains nothing.
+
+Generation is a collective on several ranks: every rank plays turns until the episodes of all
+ranks ended, a rank with fewer live episodes filling its turn with one-token rows
+(`synced_turns`), so ranks whose episodes take different numbers of turns stay in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from posttrain.agents.environment import EnvironmentClass, Episode, load_environment
+from posttrain.agents.episodes import (
+    EpisodeLimits,
+    EpisodeRun,
+    Generate,
+    Renderer,
+    engine_turns,
+    run_episodes,
+    start_episodes,
+)
+from posttrain.agents.tool_calls import require_format
+from posttrain.agents.tool_runner import OUTCOMES, failure_counts
+from posttrain.agents.tools import load_tools
+from posttrain.data.chat import end_of_turn
+from posttrain.distributed.runtime import all_reduce_sum, min_max
+from posttrain.train.rollout import Rollout
+from posttrain.train.rollout_engine import RolloutEngine, left_pad
+
+if TYPE_CHECKING:
+    from posttrain.config.schema import RolloutConfig, SamplingConfig
+
+
+@dataclass(frozen=True)
+class EpisodeSetup:
+    """What every episode of the stage is played with; fixed for the stage."""
+
+    renderer: Renderer
+    fmt: str | None  # the template's tool-call format (None: a gym environment without tools)
+    limits: EpisodeLimits
+    tools: dict[str, Callable[..., Any]]  # rollout.tools by name (an environment brings its own)
+    schemas: list[dict[str, Any]] | None
+    env: EnvironmentClass | None
+    mask_truncated: bool
+
+
+def episode_setup(
+    cfg: RolloutConfig, tok: Any, stop_ids: list[int], model: str
+) -> EpisodeSetup | None:
+    """The episodes' tools, environment, template format and limits (None: single-turn
+    rollouts). References are the resolved recipe's, pointed at their files already. `model`
+    names the policy in the refusal of a template without tools."""
+    if not cfg.episodes:
+        return None
+    tools = load_tools(cfg.tools)
+    env = load_environment(cfg.environment) if cfg.environment is not None else None
+    if env is not None and not env.has_reward and not env.is_gym:
+        raise ValueError(
+            f"rollout.environment {cfg.environment}: {env.cls.__name__} has no get_reward() "
+            "and no step(); its episodes would have no reward"
+        )
+    needs_tools = bool(tools) or bool(env and env.tool_names)
+    fmt = require_format(tok.chat_template, model) if needs_tools else None
+    limits = EpisodeLimits(
+        cfg.max_turns, cfg.max_new_tokens, cfg.max_episode_tokens, cfg.tool_timeout_s
+    )
+    return EpisodeSetup(
+        Renderer(tok, stop_text(tok, stop_ids)),
+        fmt,
+        limits,
+        {t.name: t.fn for t in tools},
+        [t.schema for t in tools] or None,
+        env,
+        cfg.mask_truncated,
+    )
+
+
+def stop_text(tok: Any, stop_ids: list[int]) -> str:
+    """The stop token the template closes an assistant turn with (`<|im_end|>`,
+    `<|eot_id|>`, `</s>`): where a reply ends and the template's next text begins."""
+    eot = end_of_turn(tok).strip()
+    for i in stop_ids:
+        text = tok.convert_ids_to_tokens(i)
+        if text and eot.startswith(text):
+            return text
+    raise ValueError(
+        f"the chat template ends an assistant turn with {eot!r}, which starts with none of the "
+        f"stop tokens {[tok.convert_ids_to_tokens(i) for i in stop_ids]}: episodes need a turn "
+        "to end at the token generation stops at"
+    )
+
+
+def synced_turns(
+    generate: Generate, device: torch.device, filler: list[int]
+) -> tuple[Generate, Callable[[bool], bool]]:
+    """(`generate` kept in step over ranks, `sync` for `run_episodes`): every rank's call
+    generates the most rows (`filler` rows added) and new tokens any rank asks for, then
+    returns its own rows cut to its own cap."""
+
+    def any_live(live: bool) -> bool:
+        return all_reduce_sum(float(live), device) > 0
+
+    def turn(prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        rows, new = min_max(len(prompts), device)[1], min_max(max_new, device)[1]
+        out = generate([*prompts, *[filler] * (int(rows) - len(prompts))], int(new))
+        return [row[:max_new] for row in out[: len(prompts)]]
+
+    return turn, any_live
+
+
+def play(
+    e: EpisodeSetup,
+    engine: RolloutEngine,
+    sampling: SamplingConfig,
+    tok: Any,
+    stop_ids: list[int],
+    device: torch.device,
+    rows: list[dict[str, Any]],
+    seed: int,
+) -> Rollout:
+    """One episode per prompt row (`posttrain.data.prompts` rows), its turns sampled by
+    `engine` under `seed`, as a Rollout (see the module docstring)."""
+    gen = engine_turns(engine, sampling, stop_ids, tok.pad_token_id, seed)
+    gen, sync = synced_turns(gen, device, rows[0]["ids"][:1])
+    envs = None
+    if e.env is not None:
+        envs = [Episode(e.env, r.get("where", "")) for r in rows]
+    prompts = [{"prompt": r["messages"], **r.get("columns", {})} for r in rows]
+    runs = start_episodes(prompts, e.renderer, e.tools, e.schemas, envs)
+    counts = run_episodes(runs, gen, e.renderer, e.fmt, e.limits, stop_ids, sync)
+    ro = episode_rollout(runs, [r["messages"] for r in rows], tok.pad_token_id, e)
+    ro.stats = counts
+    return ro
+
+
+def episode_rollout(
+    runs: list[EpisodeRun], messages: list[Any], pad_id: int, e: EpisodeSetup
+) -> Rollout:
+    """The Rollout of played `runs`: prompts [N, P] left-padded, the rest [N, R] right-padded
+    with mask 1 on the policy's tokens (0 everywhere for a truncated episode under
+    mask_truncated) and attn 1 on every real token."""
+    prompt_ids, prompt_mask = left_pad([r.ids[: r.prompt_len] for r in runs], pad_id)
+    width = max(1, max(r.spent for r in runs))
+    response = torch.full((len(runs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(runs), width)
+    attn = torch.zeros(len(runs), width)
+    for i, r in enumerate(runs):
+        n = r.spent
+        response[i, :n] = torch.tensor(r.ids[r.prompt_len :], dtype=torch.long)
+        attn[i, :n] = 1.0
+        if not (e.mask_truncated and r.truncated):
+            mask[i, :n] = torch.tensor(r.mask[r.prompt_len :], dtype=torch.float32)
+    stopped = torch.tensor([not r.truncated for r in runs])
+    return Rollout(prompt_ids, prompt_mask, response, mask, stopped, messages, {}, attn, runs)
+
+
+# Per-episode counts summed by `episode_sums`: `failure_counts`' own.
+TOOL_COUNTS = ("tool_calls", *OUTCOMES.values())
+
+
+def episode_sums(ro: Rollout) -> dict[str, float]:
+    """This rank's sums over the episodes of `ro` (none for a single-turn rollout): episodes,
+    turns, tool counts (`TOOL_COUNTS`, `tool_malformed`), truncated, and `tool_s`, the seconds
+    the batch waited for tools."""
+    if ro.episodes is None:
+        return {}
+    counts = failure_counts([row for e in ro.episodes for row in e.results])
+    return {
+        "episodes": float(len(ro.episodes)),
+        "turns": float(sum(e.turns for e in ro.episodes)),
+        **{k: float(counts.get(k, 0)) for k in TOOL_COUNTS},
+        "tool_malformed": float(sum(e.malformed for e in ro.episodes)),
+        "truncated": float(sum(e.truncated for e in ro.episodes)),
+        "tool_s": float(ro.stats.get("tool_s", 0.0)),
+    }
+
+
+def episode_metrics(t: dict[str, float]) -> dict[str, float]:
+    """Means of reduced `episode_sums` (empty when there were none): turns and tool calls per
+    episode, the share of attempted calls that failed (errors, timeouts, unknown tools, bad
+    arguments, malformed) and that were valid (well-formed, a known tool, arguments it takes),
+    the truncated share."""
+    if not t.get("episodes"):
+        return {}
+    n, attempted = t["episodes"], t["tool_calls"] + t["tool_malformed"]
+    invalid = t["tool_malformed"] + t["tool_unknown"] + t["tool_bad_arguments"]
+    failed = invalid + t["tool_errors"] + t["tool_timeouts"]
+    return {
+        "turns_mean": t["turns"] / n,
+        "tool_calls_mean": t["tool_calls"] / n,
+        "tool_error_rate": failed / attempted if attempted else 0.0,
+        "tool_call_validity": 1.0 - invalid / attempted if attempted else 1.0,
+        "truncated_rate": t["truncated"] / n,
+    }

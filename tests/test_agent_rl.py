@@ -1,0 +1,183 @@
+"""GRPO and PPO on multi-turn episodes with a stateful environment (a number-guessing game that
+answers higher/lower), on the tiny model the other RL tests share: the stages run, their
+records count turns, the environment's reward is the score, a crash resumes to the same
+trajectory, and two ranks whose episodes take different numbers of turns stay in step."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from posttrain.telemetry.metrics import read_metrics
+from tests.stage_helpers import ROOT, planned_dir, run_inprocess, run_torchrun
+from tests.test_rl_stages import RL, parents  # noqa: F401  (the shared fixture)
+
+pytestmark = pytest.mark.slow
+
+GUESS = '''
+import re
+
+
+class Guess:
+    """Guess the number: the reply's first integer is the guess."""
+
+    def reset(self, target, **columns):
+        self.target, self.guesses = int(target), 0
+        return " Answer with one number."
+
+    def step(self, message):
+        self.guesses += 1
+        found = re.search(r"-?\\d+", message["content"] or "")
+        if found is None:
+            return "Say a number from 1 to 9.", -0.2, False
+        guess = int(found.group())
+        if guess == self.target:
+            return [], 1.0, True
+        return ("Higher." if guess < self.target else "Lower."), -0.1, False
+'''
+
+EPISODES = {
+    "data": {"path": "guesses.jsonl", "eval_fraction": 0.25, "max_prompt_len": 40},
+    "optim": {"lr": 5e-3},
+    "batch": {"micro_batch_size": 4, "grad_accum_steps": 1},
+    "max_steps": 3,
+    "checkpoint_every": 0,
+    "eval_prompts": 4,
+    "rollout": {
+        "prompts_per_step": 4,
+        "max_new_tokens": 8,
+        "environment": "guess:Guess",
+        "max_turns": 3,
+        "max_episode_tokens": 64,
+    },
+}
+
+
+def episode_recipe(parents: dict, kind: str, section: dict, tag: str) -> Path:  # noqa: F811
+    folder = parents["folder"]
+    (folder / "guess.py").write_text(GUESS)
+    rows = [
+        {"prompt": f"I think of a number from 1 to 9 (game {i}).", "target": 1 + i % 9}
+        for i in range(32)
+    ]
+    (folder / "guesses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    section = copy.deepcopy(section)
+    section["data"]["path"] = str(folder / "guesses.jsonl")
+    data = copy.deepcopy(RL) | {kind: section}
+    data["run"]["workspace"] = str(folder / "ws")
+    path = folder / f"{tag}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def check_episode_records(out: Path, turns_max: int) -> list[dict]:
+    start = read_metrics(out / "metrics.jsonl", "start")[0]
+    assert "reward" not in start["roles"], start["roles"]  # the environment scores
+    train = read_metrics(out / "metrics.jsonl", "train")
+    for row in train:
+        assert 1 <= row["turns_mean"] <= turns_max, row
+        assert "reward_fn_environment" in row and math.isfinite(row["loss"])
+        assert 0 <= row["generation_share"] <= 1 and row["tool_share"] >= 0
+        # The environment's reward is the whole score: no reward model, no functions.
+        assert row["score_mean"] == pytest.approx(row["reward_fn_environment"], abs=1e-6)
+    samples = [json.loads(x) for x in (out / "eval_samples.jsonl").read_text().splitlines()]
+    for s in samples:
+        assert s["ended"] in ("answer", "max_turns", "budget") and 1 <= s["turns"] <= turns_max
+        assert s["episode"][0]["role"] == "assistant"
+        if s["turns"] > 1:  # the game answered between the turns
+            assert s["episode"][1]["role"] == "user"
+    return train
+
+
+def test_grpo_on_episodes_of_a_guessing_game(parents) -> None:  # noqa: F811
+    section = copy.deepcopy(EPISODES)
+    section["rollout"]["samples_per_prompt"] = 2
+    section["batch"]["micro_batch_size"] = 8
+    out = run_inprocess("grpo", episode_recipe(parents, "grpo", section, "guess-grpo"))
+    check_episode_records(out, 3)
+    final = json.loads((out / "manifest.json").read_text())["summary"]["eval_final"]
+    assert 1 <= final["turns_mean"] <= 3 and "truncated_rate" in final
+
+
+def test_ppo_on_episodes_resumes_to_the_same_trajectory(parents) -> None:  # noqa: F811
+    section = copy.deepcopy(EPISODES) | {"max_steps": 4, "checkpoint_every": 2}
+    recipe = episode_recipe(parents, "ppo", section, "guess-ppo")
+    out = run_inprocess("ppo", recipe)
+    full = check_episode_records(out, 3)
+    assert all(math.isfinite(r["value_loss"]) for r in full)
+    (out / "manifest.json").unlink()
+    for d in ("adapter", "critic"):
+        shutil.rmtree(out / d)
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join(lines[: 1 + 3]) + "\n")
+    run_inprocess("ppo", recipe)
+    resumed = read_metrics(out / "metrics.jsonl", "train")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(full[2:], resumed[2:], strict=True):
+        for key in ("score_mean", "kl", "loss", "value_loss", "turns_mean", "response_len"):
+            assert b[key] == pytest.approx(a[key], abs=1e-6), key
+
+
+def test_grpo_episodes_on_two_ranks_with_different_turns(parents) -> None:  # noqa: F811
+    section = copy.deepcopy(EPISODES) | {"max_steps": 2}
+    section["rollout"] |= {"samples_per_prompt": 2, "prompts_per_step": 4, "max_turns": 4}
+    recipe = episode_recipe(parents, "grpo", section, "guess-grpo2")
+    over = (
+        "infra.devices_per_node=2",
+        *(f"{s}.batch.micro_batch_size=4" for s in ("sft", "reward")),
+    )
+    proc = run_torchrun("grpo", recipe, 2, *over)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = planned_dir("grpo", recipe, *over)
+    train = check_episode_records(out, 4)
+    assert read_metrics(out / "metrics.jsonl", "start")[0]["world_size"] == 2
+    assert all(r["updates"] == 1 for r in train)
+
+
+TURNS = '''
+class Turns:
+    """Answers every reply until the row's number of turns is played."""
+
+    def reset(self, turns, **columns):
+        self.left = int(turns)
+
+    def step(self, message):
+        self.left -= 1
+        return "Go on.", 0.0, self.left == 0
+'''
+
+
+def test_two_ranks_play_different_numbers_of_turns_exactly(parents, tmp_path) -> None:  # noqa: F811
+    """Rank 0's episodes end after 1 turn, rank 1's after 3: rank 0 keeps generating filler
+    turns (without them the collectives mismatch and the run hangs). Greedy tokens are the
+    argmax of a forward over the kept ids and the scored log-probs are that forward's."""
+    env = tmp_path / "turns.py"
+    env.write_text(TURNS)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "tests.agent_episode_worker",
+        str(parents["ingest"]),
+        str(parents["sft"]),
+        str(env),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = {r["rank"]: r for r in map(json.loads, re.findall(r'\{"rank".*?\}', proc.stdout))}
+    assert rows[0]["turns"] == [1, 1] and rows[1]["turns"] == [3, 3], rows
+    for r in rows.values():
+        assert r["ended"] == ["answer", "answer"] and r["greedy"] and r["checked"] > 0, r
+        assert r["logp_err"] < 1e-2, r
