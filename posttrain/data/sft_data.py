@@ -10,6 +10,7 @@ from typing import Any
 
 from posttrain.agents.tool_calls import format_of_template
 from posttrain.config.schema import DataConfig
+from posttrain.data.calculator import calculator_sft_rows
 from posttrain.data.chat import (
     TemplateError,
     check_system_role,
@@ -35,8 +36,7 @@ def read_split(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
     """(train rows, held-out rows) in conversational form. The split is a seeded shuffle, so it is
     the same in every process and every run with the same seed."""
     if cfg.synthetic is not None:
-        rows = quickstart_sft_rows(cfg.synthetic.n_examples, cfg.synthetic.seed)
-        rows = [{"messages": r["messages"]} for r in rows]
+        rows = synthetic_rows(cfg)
     else:
         assert cfg.path is not None
         rows = load_sft_rows(data_source(cfg, "path"))
@@ -55,6 +55,17 @@ def read_split(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
         [r for i, r in enumerate(rows) if i not in held],
         [r for i, r in enumerate(rows) if i in held],
     )
+
+
+def synthetic_rows(cfg: DataConfig) -> list[dict]:
+    """The rows of `cfg.synthetic`'s task, in the columns a stage keeps: the quickstart's
+    messages; the calculator's messages, tools and answer (for exact match)."""
+    s = cfg.synthetic
+    assert s is not None
+    if s.task == "calculator":
+        keep = ("messages", "tools", "answer")
+        return [{k: r[k] for k in keep} for r in calculator_sft_rows(s.n_examples, s.seed)]
+    return [{"messages": r["messages"]} for r in quickstart_sft_rows(s.n_examples, s.seed)]
 
 
 def tokenize_rows(
@@ -76,8 +87,7 @@ def tokenize_rows(
 def located_rows(cfg: DataConfig) -> list[tuple[str, dict]]:
     """(location, checked row) of every row, read again: only an error message needs them."""
     if cfg.synthetic is not None:
-        rows = quickstart_sft_rows(cfg.synthetic.n_examples, cfg.synthetic.seed)
-        return [(f"sft.data.synthetic row {i}", r) for i, r in enumerate(rows)]
+        return [(f"sft.data.synthetic row {i}", r) for i, r in enumerate(synthetic_rows(cfg))]
     paths = [p for p in (cfg.path, cfg.eval_path) if p]
     return [(w, check_sft_row(r, w)) for p in paths for w, r in read_rows(p)]
 
