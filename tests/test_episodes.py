@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from agent_fixtures import add, call
 from chat_template_fixtures import base_tokenizer, with_chat_tokens
-from test_tool_calls import HERMES
+from tool_templates import HERMES
 
 from posttrain.agents.environment import Episode, load_environment
 from posttrain.agents.episodes import EpisodeLimits, Renderer, run_episodes, start_episodes

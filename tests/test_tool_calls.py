@@ -1,15 +1,15 @@
 """Tool-call formats: a reply rendered by a family-style template parses back to the calls it
 was rendered from; malformed calls are counted, never raised; templates without tools refused.
 
-The templates here are written for these tests, each rendering tool calls the way one family's
-template does (Qwen's `<tool_call>` blocks, Llama 3.1's bare JSON, Mistral v0.3's
-`[TOOL_CALLS]` list); they are not copies of the real ones.
+The templates (tests/tool_templates.py) are written for these tests, each rendering tool calls
+the way one family's template does; they are not copies of the real ones.
 """
 
 from __future__ import annotations
 
 import pytest
 from chat_template_fixtures import FIXTURES, base_tokenizer, with_chat_tokens
+from tool_templates import HERMES, STYLES
 
 from posttrain.agents.tool_calls import (
     ParsedReply,
@@ -19,58 +19,6 @@ from posttrain.agents.tool_calls import (
     require_format,
 )
 from posttrain.models.tiny import CHATML_TEMPLATE
-
-HERMES = (
-    "{% for m in messages %}"
-    "{% if m.role == 'assistant' and m.tool_calls %}{{ '<|im_start|>assistant' }}"
-    "{% if m.content %}{{ '\n' + m.content }}{% endif %}"
-    "{% for c in m.tool_calls %}{% set c = c.function %}"
-    '{{ \'\n<tool_call>\n{"name": "\' + c.name + \'", "arguments": \' }}'
-    "{{ c.arguments | tojson }}{{ '}\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\n' }}"
-    "{% elif m.role == 'tool' %}"
-    "{{ '<|im_start|>user\n<tool_response>\n' + m.content + '\n</tool_response><|im_end|>\n' }}"
-    "{% else %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-LLAMA_JSON = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% set role = 'ipython' if m.role == 'tool' else m.role %}"
-    "{{ '<|start_header_id|>' + role + '<|end_header_id|>\n\n' }}"
-    "{% if m.tool_calls %}{% set c = m.tool_calls[0].function %}"
-    "{{ '{\"name\": \"' + c.name + '\", \"parameters\": ' }}{{ c.arguments | tojson }}{{ '}' }}"
-    "{% else %}{{ m.content | trim }}{% endif %}{{ '<|eot_id|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
-    "{% endif %}"
-)
-MISTRAL = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m.role == 'user' %}{{ '[INST] ' + m.content + '[/INST]' }}"
-    "{% elif m.tool_calls %}{{ '[TOOL_CALLS] [' }}{% for c in m.tool_calls %}"
-    "{% set out = c.function | tojson %}{{ out[:-1] + ', \"id\": \"' + c.id + '\"}' }}"
-    "{% if not loop.last %}{{ ', ' }}{% else %}{{ ']' + eos_token }}{% endif %}{% endfor %}"
-    "{% elif m.role == 'tool' %}"
-    '{{ \'[TOOL_RESULTS] {"content": \' + m.content + \', "call_id": "\' + m.tool_call_id }}'
-    "{{ '\"}[/TOOL_RESULTS]' }}"
-    "{% else %}{{ ' ' + m.content | trim + eos_token }}{% endif %}{% endfor %}"
-)
-# (template, special tokens, bos, eos, the end-of-turn text a reply stops at)
-STYLES = {
-    "hermes": (HERMES, ("<|im_start|>", "<|im_end|>"), None, "<|im_end|>", "<|im_end|>"),
-    "llama3_json": (
-        LLAMA_JSON,
-        ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"),
-        "<|begin_of_text|>",
-        "<|eot_id|>",
-        "<|eot_id|>",
-    ),
-    "mistral": (
-        MISTRAL,
-        ("[INST]", "[/INST]", "[TOOL_CALLS]", "[TOOL_RESULTS]"),
-        "<s>",
-        "</s>",
-        "</s>",
-    ),
-}
 
 
 def _assistant(calls: list[ToolCall], content: str = "") -> dict:

@@ -20,6 +20,17 @@ class SyntheticData(_Section):
     seed: int = Result(1234, ge=0, description="Generator seed (independent of run.seed).")
 
 
+class SFTSyntheticData(SyntheticData):
+    task: Literal["quickstart", "calculator"] = Result(
+        "quickstart",
+        description="`quickstart`: the five one-line skills. `calculator`: tool-use traces (a "
+        "two-digit sum, difference or product; a call to `add`/`subtract`/`multiply` of "
+        "recipes/calculator.py, its result, the number as the answer) with `tools` and "
+        "`answer` columns; needs a template with tools (`ingest.from_config.template: "
+        "chatml_tools`).",
+    )
+
+
 class DataSourceFields(_Section):
     """How `path` / `eval_path` are read when they are hub dataset ids, and column renames."""
 
@@ -59,8 +70,8 @@ class DataConfig(DataSourceFields):
         "`completion` (strings or message lists), ShareGPT `conversations` (from/value) or "
         "Alpaca `instruction`/`input`/`output`.",
     )
-    synthetic: SyntheticData | None = Field(
-        None, description="Generate the quickstart task instead of reading `path`."
+    synthetic: SFTSyntheticData | None = Field(
+        None, description="Generate a task's rows (`task`) instead of reading `path`."
     )
     eval_path: str | None = Result(
         None,

@@ -16,11 +16,19 @@ template is its strategy (`template_strategy`, chosen once per template on SAMPL
 
 Messages may carry `reasoning_content` on assistant turns; it is passed to the template, which
 keeps, moves or drops it (and `<think>` text inside content) as it was written to.
+
+Tool-use traces (OpenAI/TRL shape): assistant turns may carry `tool_calls` (content often
+empty) and `tool` messages answer them; a conversation's `tools` (JSON schemas) go to the
+template as `tools=`. An assistant turn's span covers the call text the template renders for it
+and its end-of-turn; tool results and their framing are never in a span. "prefix" and
+"generation" need nothing more; "search" cannot probe a tool-call turn's content (templates drop
+or move it), so such a turn ends at the last end-of-turn before the next message's content.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,35 +53,73 @@ SAMPLE_CHAT = [
 # Special-looking text a template writes: <|im_start|>, <｜User｜>, <start_of_turn>, </s>, [INST].
 MARKER = re.compile(r"<\|[^<>|\s]*\|>|<｜[^<>｜]*｜>|</?[A-Za-z][\w.-]*>|\[/?[A-Z][A-Z_]*\]")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# A template that pipes call arguments (or the whole function) through `tojson` needs them as an
+# object: a JSON string there would render as a quoted string. One that tests `is string`
+# renders either as given.
+ARGS_TOJSON = re.compile(r"(arguments|function)\s*\|\s*tojson")
+ARGS_IS_STRING = re.compile(r"arguments\s+is\s+string")
 
 
 class TemplateError(ValueError):
     pass
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-    """The template's text for `messages`; a template that refuses them (raise_exception, e.g.
-    "System role not supported") raises TemplateError with its message."""
+def render(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The template's text for `messages` (and `tools`, JSON schemas); a template that refuses
+    them (raise_exception, e.g. "System role not supported") raises TemplateError with its
+    message."""
     from jinja2 import TemplateError as JinjaError
 
     try:
         return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            for_template(tokenizer.chat_template, messages),
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
         )
     except JinjaError as exc:
         raise TemplateError(f"the chat template refuses this conversation: {exc}") from exc
 
 
+def for_template(template: str | None, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with tool-call arguments given as JSON strings decoded to objects when the
+    template pipes them through `tojson` (Qwen2.5, Llama 3.1, Mistral); as given otherwise.
+    Rows are checked on reading (`posttrain.data.loading`), so the strings decode."""
+    if not template or not ARGS_TOJSON.search(template) or ARGS_IS_STRING.search(template):
+        return messages
+    if not any(m.get("tool_calls") for m in messages):
+        return messages
+    return [_decoded_calls(m) if m.get("tool_calls") else m for m in messages]
+
+
+def _decoded_calls(message: dict[str, Any]) -> dict[str, Any]:
+    calls = []
+    for c in message["tool_calls"]:
+        fn = c["function"]
+        if isinstance(fn.get("arguments"), str):
+            fn = {**fn, "arguments": json.loads(fn["arguments"] or "{}")}
+        calls.append({**c, "function": fn})
+    return {**message, "tool_calls": calls}
+
+
 # ---- strategies -------------------------------------------------------------------------------
 
 
-def _generation_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+def _generation_spans(
+    tokenizer: Any, messages: list[dict], tools: list[dict] | None = None
+) -> tuple[str, list[tuple[int, int]]]:
     from jinja2 import TemplateError as JinjaError
     from transformers.utils.chat_template_utils import render_jinja_template
 
     try:
         rendered, indices = render_jinja_template(
-            conversations=[messages],
+            conversations=[for_template(tokenizer.chat_template, messages)],
+            tools=tools or None,
             chat_template=tokenizer.chat_template,
             return_assistant_tokens_mask=True,
             add_generation_prompt=False,
@@ -84,16 +130,19 @@ def _generation_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[t
     return rendered[0], [tuple(x) for x in indices[0]]
 
 
-def _prefix_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[tuple[int, int]]] | None:
+def _prefix_spans(
+    tokenizer: Any, messages: list[dict], tools: list[dict] | None = None
+) -> tuple[str, list[tuple[int, int]]] | None:
     """Exact spans from prefix renders, or None when the prefixes are not prefixes of the full
-    render (the template renders earlier turns differently once more follow)."""
-    full = render(tokenizer, messages, add_generation_prompt=False)
+    render (the template renders earlier turns differently once more follow). A tool-call turn
+    needs nothing special: render(.., turn) - render(.., generation prompt) is its call text."""
+    full = render(tokenizer, messages, False, tools)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
-        upto = render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        before = render(tokenizer, messages[:i], True, tools) if i else ""
+        upto = render(tokenizer, messages[: i + 1], False, tools)
         if not (full.startswith(before) and full.startswith(upto)) or len(upto) <= len(before):
             return None
         spans.append((len(before), len(upto)))
@@ -158,15 +207,25 @@ def _specials(tokenizer: Any) -> tuple[str, ...]:
     return tuple(s for s in added if len(s) > 1)
 
 
-def _content_end(tokenizer: Any, messages: list[dict], j: int, gen: bool, text: str) -> int:
-    """Where message j's content ends in `text` (= render(messages, gen)): render again with a
-    probe appended to that content and see where the two renders differ."""
+def _content_end(
+    tokenizer: Any,
+    messages: list[dict],
+    j: int,
+    gen: bool,
+    text: str,
+    tools: list[dict] | None = None,
+    at_start: bool = False,
+) -> int:
+    """Where message j's content ends (`at_start`: begins) in `text` (= render(messages, gen,
+    tools)): render again with a probe appended (prepended) to that content and see where the
+    two renders differ."""
     probed = [dict(m) for m in messages]
-    probed[j]["content"] = probed[j]["content"] + PROBE
-    other = render(tokenizer, probed, add_generation_prompt=gen)
+    content = probed[j].get("content") or ""
+    probed[j]["content"] = PROBE + content if at_start else content + PROBE
+    other = render(tokenizer, probed, gen, tools)
     e = min(_lcp(text, other), len(text) - _lcs(text, other))
     inserted = other[e : len(other) - (len(text) - e)]
-    # Trailing whitespace the template trims shows up before the probe; anything else means the
+    # Whitespace the template trims shows up beside the probe; anything else means the
     # template does not render this content as one run of text.
     if not (other.startswith(text[:e]) and other.endswith(text[e:])) or inserted.strip() != PROBE:
         raise TemplateError(
@@ -176,32 +235,58 @@ def _content_end(tokenizer: Any, messages: list[dict], j: int, gen: bool, text: 
     return e
 
 
-def _search_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    full = render(tokenizer, messages, add_generation_prompt=False)
-    specials = _specials(tokenizer)
+def _turn_start(
+    tokenizer: Any, messages: list[dict], k: int, full: str, tools: list[dict] | None
+) -> int:
+    """Where assistant turn k starts in `full`: the generation prompt's text after the previous
+    message's content (its end-of-turn and the assistant header) is what the turn follows; the
+    span starts where the full render stops agreeing with it. DeepSeek's trailing `<think>\n`,
+    absent from the full render, is so left to the generation prompt."""
+    if k == 0:
+        return 0
+    prompt = render(tokenizer, messages[:k], True, tools)
+    tail = prompt[_content_end(tokenizer, messages[:k], k - 1, True, prompt, tools) :]
+    prev = _content_end(tokenizer, messages, k - 1, False, full, tools)
+    return prev + common_text(tail, full[prev:], _specials(tokenizer))
+
+
+def _calls_turn_end(
+    tokenizer: Any, messages: list[dict], k: int, full: str, lo: int, tools: list[dict] | None
+) -> int:
+    """End of tool-call turn k in `full`, its turn starting at `lo`: after the last end-of-turn
+    text before the next message's content (or the end of the render). Its content cannot be
+    probed for this: Llama 3.1 drops it, others put the calls after it."""
+    nxt = k + 1 < len(messages)
+    hi = _content_end(tokenizer, messages, k + 1, False, full, tools, True) if nxt else len(full)
     eot = end_of_turn(tokenizer)
+    at = full.rfind(eot, lo, hi) if eot else -1
+    if at < 0:
+        raise TemplateError(
+            f"the chat template writes no end of turn ({eot!r}) after the tool calls of "
+            f"assistant message {k}, so its turn cannot be located"
+        )
+    return at + len(eot)
+
+
+def _search_spans(
+    tokenizer: Any, messages: list[dict], tools: list[dict] | None = None
+) -> tuple[str, list[tuple[int, int]]]:
+    full = render(tokenizer, messages, False, tools)
+    eot, specials = end_of_turn(tokenizer), _specials(tokenizer)
     spans: list[tuple[int, int]] = []
     cursor = 0
     for k, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        e = _content_end(tokenizer, messages, k, False, full)
-        if k == 0:
-            start = 0
+        start = max(_turn_start(tokenizer, messages, k, full, tools), cursor)
+        if m.get("tool_calls"):
+            e = end = _calls_turn_end(tokenizer, messages, k, full, start, tools)
         else:
-            # The generation prompt's text after the previous message's content (its end-of-turn
-            # and the assistant header) is what the turn follows; the span starts where the full
-            # render stops agreeing with it. DeepSeek's trailing `<think>\n`, absent from the
-            # full render, is so left to the generation prompt.
-            prompt = render(tokenizer, messages[:k], add_generation_prompt=True)
-            tail = prompt[_content_end(tokenizer, messages[:k], k - 1, True, prompt) :]
-            prev = _content_end(tokenizer, messages, k - 1, False, full)
-            start = prev + common_text(tail, full[prev:], specials)
-        start = min(max(start, cursor), e)
+            e = _content_end(tokenizer, messages, k, False, full, tools)
+            end = e + common_text(eot, full[e:], specials)
         if e < cursor:
             raise TemplateError(f"assistant message {k} renders before the turn it follows")
-        end = e + common_text(eot, full[e:], specials)
-        spans.append((start, end))
+        spans.append((min(start, e), end))
         cursor = end
     return full, spans
 
@@ -314,27 +399,33 @@ def check_system_role(tokenizer: Any, located: list[tuple[str, list[dict[str, st
 
 
 def assistant_char_spans(
-    tokenizer: Any, messages: list[dict[str, str]]
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
 ) -> tuple[str, list[tuple[int, int]]]:
     """Full rendered text and the [start, end) character span of each assistant turn: from the
-    end of the generation prompt through the turn's end-of-turn text."""
+    end of the generation prompt through the turn's end-of-turn text (a tool-call turn: through
+    its rendered calls and end-of-turn). `tools`: the row's JSON schemas, given to the
+    template."""
     strategy = template_strategy(tokenizer)
     if strategy == "generation":
-        return _generation_spans(tokenizer, messages)
+        return _generation_spans(tokenizer, messages, tools)
     if strategy == "prefix":
-        out = _prefix_spans(tokenizer, messages)
+        out = _prefix_spans(tokenizer, messages, tools)
         if out is not None:
             return out
-    return _search_spans(tokenizer, messages)
+    return _search_spans(tokenizer, messages, tools)
 
 
 def encode_chat(
-    tokenizer: Any, messages: list[dict[str, str]], max_len: int, on_too_long: str = "truncate"
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    max_len: int,
+    on_too_long: str = "truncate",
+    tools: list[dict[str, Any]] | None = None,
 ) -> dict[str, list[int]] | None:
     """Tokenize one conversation -> {"input_ids": [T], "labels": [T]}, labels = IGNORE outside
     assistant turns. Returns None when the row is too long and on_too_long == "drop", or when
     truncation leaves no assistant token."""
-    text, spans = assistant_char_spans(tokenizer, messages)
+    text, spans = assistant_char_spans(tokenizer, messages, tools)
     # The template already contains every special token it wants; adding more would double BOS.
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids: list[int] = enc["input_ids"]
@@ -351,10 +442,13 @@ def encode_chat(
     return {"input_ids": ids, "labels": labels}
 
 
-def prompt_text(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, str]:
-    """(templated prompt up to the last assistant turn, that turn's reference content)."""
+def prompt_text(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> tuple[str, str]:
+    """(templated prompt up to the last assistant turn, that turn's reference content). In a
+    tool trace the prompt holds the calls and results before the final answer."""
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    return render(tokenizer, messages[:last], add_generation_prompt=True), messages[last]["content"]
+    return render(tokenizer, messages[:last], True, tools), messages[last]["content"]
 
 
 def template_sha256(tokenizer: Any) -> str:

@@ -18,8 +18,17 @@ from typing import Any
 from datasets import Dataset, load_dataset, load_from_disk
 
 from posttrain import hub
+from posttrain.data.errors import DataError
+from posttrain.data.tool_rows import (
+    check_tool_answers,
+    check_tool_calls,
+    check_tools_column,
+    clean_tool_fields,
+)
 
 ROLES = ("system", "user", "assistant")
+# SFT conversations may be tool-use traces (posttrain.data.tool_rows); preference rows may not.
+SFT_ROLES = (*ROLES, "tool")
 
 # A JSONL line longer than this is refused before it is held in memory whole: one 300 MB line
 # would otherwise be read, decoded and parsed (several times its size) before any check ran.
@@ -28,21 +37,10 @@ ROLES = ("system", "user", "assistant")
 MAX_LINE_BYTES_ENV = "POSTTRAIN_MAX_LINE_BYTES"
 DEFAULT_MAX_LINE_BYTES = 16 << 20
 _CHUNK = 1 << 16
-# Error messages quote what they found; a huge value must not make a huge message.
-_MAX_MESSAGE = 2000
 # `\ud800`-style escapes are the only way JSON text yields a lone surrogate, which tokenizers
 # reject deep inside encoding ("TextEncodeInput must be ..."): look closer only when present.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class DataError(ValueError):
-    """Bad input data; the message names the file and line or row."""
-
-    def __init__(self, message: str) -> None:
-        if len(message) > _MAX_MESSAGE:
-            message = f"{message[:_MAX_MESSAGE]}... ({len(message)} characters in all)"
-        super().__init__(message)
 
 
 def line_limit() -> int:
@@ -61,35 +59,50 @@ def line_limit() -> int:
 
 def clean_message(m: dict[str, Any]) -> dict[str, Any]:
     """The keys of a checked message that training keeps (source rows carry more): role,
-    content and, when given, reasoning_content (the chat template keeps or drops it)."""
-    out = {"role": m["role"], "content": m["content"]}
+    content and, when given, reasoning_content (the chat template keeps or drops it) and the
+    tool fields (tool_calls; a tool message's name, tool_call_id). A tool-call turn's None
+    content becomes "": templates concatenate content, and None would fail or print."""
+    out = {"role": m["role"], "content": m["content"] or ""}
     if m.get("reasoning_content") is not None:
         out["reasoning_content"] = m["reasoning_content"]
-    return out
+    return out | clean_tool_fields(m)
+
+
+def _check_message(m: Any, where: str, at: str) -> None:
+    """One message of a conversation (`at`: its path in the row, `messages[3]`)."""
+    if not isinstance(m, dict):
+        raise DataError(f"{where}: {at} must be an object, got {type(m).__name__}")
+    role, content = m.get("role"), m.get("content")
+    if role not in SFT_ROLES:
+        raise DataError(f"{where}: {at}.role must be one of {SFT_ROLES}, got {role!r}")
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if role != "assistant":
+            raise DataError(f"{where}: {at} has tool_calls but is a {role!r} message")
+        check_tool_calls(calls, where, at)
+    if not isinstance(content, str) and not (content is None and calls is not None):
+        raise DataError(f"{where}: {at}.content must be a string, got {type(content).__name__}")
+    # Optional reasoning on assistant turns: the chat template keeps or drops it.
+    reasoning = m.get("reasoning_content")
+    if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
+        raise DataError(
+            f"{where}: {at}.reasoning_content must be a string on an assistant "
+            f"message, got {type(reasoning).__name__} on {role!r}"
+        )
 
 
 def _check_messages(msgs: Any, where: str, field: str = "messages") -> list[dict[str, Any]]:
-    """A checked, cleaned copy of a conversation that has something to learn from."""
+    """A checked, cleaned copy of a conversation that has something to learn from (an
+    assistant turn with text or tool calls)."""
     if not isinstance(msgs, list) or not msgs:
         raise DataError(f"{where}: '{field}' must be a non-empty list of {{role, content}}")
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise DataError(f"{where}: {field}[{i}] must be an object, got {type(m).__name__}")
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise DataError(f"{where}: {field}[{i}].role must be one of {ROLES}, got {role!r}")
-        if not isinstance(content, str):
-            raise DataError(
-                f"{where}: {field}[{i}].content must be a string, got {type(content).__name__}"
-            )
-        # Optional reasoning on assistant turns: the chat template keeps or drops it.
-        reasoning = m.get("reasoning_content")
-        if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
-            raise DataError(
-                f"{where}: {field}[{i}].reasoning_content must be a string on an assistant "
-                f"message, got {type(reasoning).__name__} on {role!r}"
-            )
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
+        _check_message(m, where, f"{field}[{i}]")
+    check_tool_answers(msgs, where, field)
+    if not any(
+        m["role"] == "assistant" and ((m["content"] or "").strip() or m.get("tool_calls"))
+        for m in msgs
+    ):
         raise DataError(f"{where}: no non-empty assistant message, nothing to learn from")
     return [clean_message(m) for m in msgs]
 
@@ -177,13 +190,18 @@ def check_sft_row(row: Any, where: str) -> dict[str, Any]:
     Accepted shapes: {"messages": [{role, content}, ...]}; {"prompt", "completion"} as strings
     (a user turn and an assistant turn) or message lists (conversational: prompt + completion);
     ShareGPT {"conversations": [{from: human|gpt|system|user|assistant, value}]}; Alpaca
-    {"instruction", "input" (optional, may be empty), "output"}.
+    {"instruction", "input" (optional, may be empty), "output"}. Conversations may be tool-use
+    traces (assistant `tool_calls`, `tool` messages) and a row may carry `tools`, the schemas
+    its template is given (`posttrain.data.tool_rows`).
     """
     if not isinstance(row, dict):
         raise DataError(f"{where}: row must be a JSON object, got {type(row).__name__}")
     for key, _name, field, convert in SFT_SHAPES:
         if row.get(key) is not None:
-            return {"messages": _check_messages(convert(row, where), where, field)}
+            out = {"messages": _check_messages(convert(row, where), where, field)}
+            if row.get("tools") is not None:  # the schemas the template is given (tools=)
+                out["tools"] = check_tools_column(row["tools"], where)
+            return out
     shapes = "; ".join(dict.fromkeys(name for _, name, _, _ in SFT_SHAPES))
     raise DataError(f"{where}: expected one of {shapes}; got keys {sorted(row)}")
 

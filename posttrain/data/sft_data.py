@@ -8,10 +8,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain.agents.tool_calls import format_of_template
 from posttrain.config.schema import DataConfig
-from posttrain.data.chat import TemplateError, check_system_role, encode_chat, template_info
+from posttrain.data.calculator import calculator_sft_rows
+from posttrain.data.chat import (
+    TemplateError,
+    check_system_role,
+    encode_chat,
+    template_info,
+    template_sha256,
+)
 from posttrain.data.loading import DataError, check_sft_row, data_source, load_sft_rows, read_rows
 from posttrain.data.synthetic import quickstart_sft_rows
+from posttrain.data.tool_rows import has_tools
 
 
 @dataclass
@@ -27,8 +36,7 @@ def read_split(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
     """(train rows, held-out rows) in conversational form. The split is a seeded shuffle, so it is
     the same in every process and every run with the same seed."""
     if cfg.synthetic is not None:
-        rows = quickstart_sft_rows(cfg.synthetic.n_examples, cfg.synthetic.seed)
-        rows = [{"messages": r["messages"]} for r in rows]
+        rows = synthetic_rows(cfg)
     else:
         assert cfg.path is not None
         rows = load_sft_rows(data_source(cfg, "path"))
@@ -49,12 +57,25 @@ def read_split(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
     )
 
 
+def synthetic_rows(cfg: DataConfig) -> list[dict]:
+    """The rows of `cfg.synthetic`'s task, in the columns a stage keeps: the quickstart's
+    messages; the calculator's messages, tools and answer (for exact match)."""
+    s = cfg.synthetic
+    assert s is not None
+    if s.task == "calculator":
+        keep = ("messages", "tools", "answer")
+        return [{k: r[k] for k in keep} for r in calculator_sft_rows(s.n_examples, s.seed)]
+    return [{"messages": r["messages"]} for r in quickstart_sft_rows(s.n_examples, s.seed)]
+
+
 def tokenize_rows(
     rows: list[dict], tokenizer: Any, cfg: DataConfig
 ) -> tuple[list[dict[str, list[int]]], dict[str, int]]:
     out, dropped, truncated = [], 0, 0
     for r in rows:
-        enc = encode_chat(tokenizer, r["messages"], cfg.max_seq_len, cfg.on_too_long)
+        enc = encode_chat(
+            tokenizer, r["messages"], cfg.max_seq_len, cfg.on_too_long, tools=r.get("tools")
+        )
         if enc is None:
             dropped += 1
             continue
@@ -63,21 +84,37 @@ def tokenize_rows(
     return out, {"rows": len(rows), "dropped": dropped, "at_max_len": truncated}
 
 
-def located_rows(cfg: DataConfig) -> list[tuple[str, list[dict]]]:
-    """(location, messages) of every row, read again: only an error message needs them."""
+def located_rows(cfg: DataConfig) -> list[tuple[str, dict]]:
+    """(location, checked row) of every row, read again: only an error message needs them."""
     if cfg.synthetic is not None:
-        rows = quickstart_sft_rows(cfg.synthetic.n_examples, cfg.synthetic.seed)
-        return [(f"sft.data.synthetic row {i}", r["messages"]) for i, r in enumerate(rows)]
+        return [(f"sft.data.synthetic row {i}", r) for i, r in enumerate(synthetic_rows(cfg))]
     paths = [p for p in (cfg.path, cfg.eval_path) if p]
-    return [(w, check_sft_row(r, w)["messages"]) for p in paths for w, r in read_rows(p)]
+    return [(w, check_sft_row(r, w)) for p in paths for w, r in read_rows(p)]
+
+
+def check_tool_template(cfg: DataConfig, tokenizer: Any, rows: list[dict]) -> None:
+    """Refuse tool-use traces under a template that renders no tool calls (Gemma-2, Phi-3.5
+    ignore `tool_calls` silently: the model would learn empty turns), in one line naming the
+    first such row, the field that sets the template and the template."""
+    if not any(has_tools(r) for r in rows) or format_of_template(tokenizer.chat_template):
+        return
+    where = next(w for w, r in located_rows(cfg) if has_tools(r))
+    name = getattr(tokenizer, "name_or_path", "") or "the base model"
+    raise DataError(
+        f"sft.data: {where} is a tool-use trace (tool_calls, tool messages or tools), but the "
+        f"chat template of {name} (sha256 {template_sha256(tokenizer)[:12]}) renders no tool "
+        "calls; set ingest.chat_template to one that does (hermes <tool_call>, Llama 3.1 JSON, "
+        "Mistral [TOOL_CALLS])"
+    )
 
 
 def prepare(cfg: DataConfig, tokenizer: Any, seed: int) -> SFTData:
     train_rows, eval_rows = read_split(cfg, seed)
+    check_tool_template(cfg, tokenizer, train_rows + eval_rows)
     has_system = any(m["role"] == "system" for r in train_rows + eval_rows for m in r["messages"])
     if has_system and not template_info(tokenizer).system_role:
         try:
-            check_system_role(tokenizer, located_rows(cfg))
+            check_system_role(tokenizer, [(w, r["messages"]) for w, r in located_rows(cfg)])
         except TemplateError as exc:
             raise DataError(f"sft.data: {exc}") from None
     data = SFTData(train_rows, eval_rows)

@@ -54,7 +54,8 @@ def prompts_and_refs(ctx: StageContext, tok: Any, rows: list[dict]) -> tuple[lis
     """(templated prompts, reference replies) of `rows`; without rows, the final stage's own
     held-out prompts with empty references."""
     if rows:
-        prompts, refs = zip(*(prompt_text(tok, r["messages"]) for r in rows), strict=True)
+        pairs = (prompt_text(tok, r["messages"], r.get("tools")) for r in rows)
+        prompts, refs = zip(*pairs, strict=True)
         return list(prompts), list(refs)
     own = stage_prompts(ctx, ctx.roles["policy"], ctx.recipe.evaluate.max_eval_rows)
     as_turns = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in own]

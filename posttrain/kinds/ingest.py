@@ -112,6 +112,13 @@ class FromConfigModel(_Section):
     corpus_examples: int = Result(
         4000, ge=100, description="Synthetic examples used to train the tokenizer and warm-up."
     )
+    template: Literal["chatml", "chatml_tools"] = Result(
+        "chatml",
+        description="The built tokenizer's chat template: ChatML, or ChatML with tools "
+        "(hermes `<tool_call>` blocks, `tool` turns, tools listed one line each in the system "
+        "turn) for tool-use SFT and agents; its corpus then holds tool-call text too. "
+        "`ingest.chat_template`, when set, replaces it.",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -62,7 +62,7 @@ def _verify_inputs(ctx: StageContext, tok: Any) -> torch.Tensor:
     folder = ctx.role_dir("heldout" if conversations else "policy")
     rows = (saved_split(folder, "eval") or saved_split(folder, "train"))[:4]
     if conversations:
-        seqs = [encode_chat(tok, r["messages"], 512) for r in rows]
+        seqs = [encode_chat(tok, r["messages"], 512, tools=r.get("tools")) for r in rows]
         ids = [s["input_ids"] for s in seqs if s]
     else:
         ids = [tok(json.dumps(r), add_special_tokens=False)["input_ids"][:256] for r in rows]

@@ -26,8 +26,10 @@ from typing import Any
 import torch
 
 from posttrain import hub
+from posttrain.agents.tool_calls import format_of_template
 from posttrain.artifacts import sha256_file
 from posttrain.config.schema import FromConfigModel, IngestConfig
+from posttrain.data.calculator import calculator_corpus
 from posttrain.data.chat import (
     SAMPLE_CHAT,
     TemplateError,
@@ -259,6 +261,8 @@ def install_template(tokenizer: Any, cfg: IngestConfig) -> dict[str, Any]:
         )
     return {
         "chat_template_strategy": info.strategy,
+        # The tool-call format its calls are rendered and parsed in; None: no tool support.
+        "chat_template_tools": format_of_template(tokenizer.chat_template),
         "chat_template_system_role": info.system_role,
         "chat_template_end_of_turn": info.end_of_turn,
         "chat_template_file": source,
@@ -382,16 +386,19 @@ def warm_up(
 
 
 def ingest_from_config(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
-    from posttrain.models.tiny import build_model, fill_vocabulary, train_tokenizer
+    from posttrain.models.tiny import TEMPLATES, build_model, fill_vocabulary, train_tokenizer
 
     fc = cfg.from_config
     seed = ctx.recipe.run.seed
     docs = pretrain_corpus(fc.corpus_examples, seed)
+    if fc.template == "chatml_tools":  # merges for the call JSON, and a warm-up on it
+        docs += calculator_corpus(fc.corpus_examples // 2, seed + 2)
     chats = [r["messages"] for r in quickstart_sft_rows(fc.corpus_examples // 2, seed + 1)]
     corpus = docs + [m["content"] for c in chats for m in c]
     tok = train_tokenizer(corpus, fc.vocab_size)
     if fc.fill_vocab:
         tok = fill_vocabulary(tok, fc.vocab_size)
+    tok.chat_template = TEMPLATES[fc.template]  # ingest.chat_template, if set, replaces it
     template = install_template(tok, cfg)
     torch.manual_seed(seed)
     model = build_model(fc, tok)
