@@ -102,10 +102,23 @@ def test_grpo_on_episodes_of_a_guessing_game(parents) -> None:  # noqa: F811
     section = copy.deepcopy(EPISODES)
     section["rollout"]["samples_per_prompt"] = 2
     section["batch"]["micro_batch_size"] = 8
-    out = run_inprocess("grpo", episode_recipe(parents, "grpo", section, "guess-grpo"))
+    recipe = episode_recipe(parents, "grpo", section, "guess-grpo")
+    out = run_inprocess("grpo", recipe)
     check_episode_records(out, 3)
     final = json.loads((out / "manifest.json").read_text())["summary"]["eval_final"]
     assert 1 <= final["turns_mean"] <= 3 and "truncated_rate" in final
+    # Evaluate by episode: the game is the verifier (its reward >= pass_threshold 1.0: found
+    # at the first guess), for the base, the SFT policy and the GRPO policy alike.
+    ev = run_inprocess("evaluate", recipe, "evaluate.pass_samples=2", "evaluate.pass_k=2")
+    v = json.loads((ev / "eval.json").read_text())["verifier"]
+    assert v["verifiers"] == [] and v["episodes"]["environment"].endswith("guess.py:Guess")
+    assert set(v["policies"]) == {"ingest", "sft", "grpo"}
+    for m in v["policies"].values():
+        assert m["prompts"] == 8 and 0.0 <= m["pass@1"] <= m["pass@2"] <= 1.0
+        assert 1 <= m["turns_mean"] <= 3 and m["tool_calls_mean"] == 0
+    samples = [json.loads(x) for x in (ev / "verify_samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 8 and all(s["episode"][0]["role"] == "assistant" for s in samples)
+    assert all(s["prompt"][-1]["content"].endswith("Answer with one number.") for s in samples)
 
 
 def test_ppo_on_episodes_resumes_to_the_same_trajectory(parents) -> None:  # noqa: F811

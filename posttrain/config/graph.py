@@ -98,11 +98,11 @@ class StageGraph:
         return next((n for n in self.lineage(name) if self.get(n).kind.data == "messages"), None)
 
     def verifier_source(self, name: str) -> str | None:
-        """The nearest stage of `name`'s lineage scored by reward functions (`rewards`), else
-        the nearest that trained on prompts: its held-out prompts (and functions) are what
+        """The nearest stage of `name`'s lineage scored by reward functions (`rewards`) or an
+        environment, else the nearest that trained on prompts: its held-out prompts (and functions) are what
         evaluate's verifiers judge by default."""
         line = self.lineage(name)
-        scored = (n for n in line if getattr(self.get(n).section, "rewards", None))
+        scored = (n for n in line if _own_reward(self.get(n).section))
         prompted = (n for n in line if self.get(n).kind.data == "prompts")
         return next(scored, None) or next(prompted, None)
 

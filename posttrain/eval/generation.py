@@ -13,6 +13,7 @@ import torch
 from posttrain.config.schema import SamplingConfig
 from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.models.decoding import generate_kwargs
+from posttrain.train.rollout_engine import left_pad
 
 
 def generate(
@@ -56,6 +57,20 @@ def generate_ids(
     numbers earlier batches used. The caller's global RNG state is restored afterwards. Works on
     a plain transformers model and on a peft PeftModel (both take keyword-only `generate`).
     """
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    return generate_from_ids(model, tokenizer, ids, cfg, seed, batch_size)
+
+
+def generate_from_ids(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    cfg: SamplingConfig,
+    seed: int,
+    batch_size: int = 8,
+) -> list[tuple[list[int], bool]]:
+    """`generate_ids` of prompts given as token ids (a multi-turn episode's context, kept as
+    generated); the same batches, seeds and stops."""
     if not prompts:
         return []
     kwargs = generate_kwargs(cfg)
@@ -71,19 +86,11 @@ def generate_ids(
     try:
         with torch.random.fork_rng(devices=fork_devices), torch.no_grad():
             for k, start in enumerate(range(0, len(prompts), batch_size)):
-                chunk = prompts[start : start + batch_size]
-                enc = tokenizer(
-                    chunk,
-                    add_special_tokens=False,
-                    padding=True,
-                    padding_side="left",
-                    return_tensors="pt",
-                )
-                input_ids = enc["input_ids"].to(device)  # [b, P], left-padded
+                input_ids, attn = left_pad(prompts[start : start + batch_size], pad_id)  # [b, P]
                 torch.manual_seed(seed + k)
                 out = model.generate(
-                    input_ids=input_ids,
-                    attention_mask=enc["attention_mask"].to(device),
+                    input_ids=input_ids.to(device),
+                    attention_mask=attn.to(device),
                     eos_token_id=stop_ids or None,
                     pad_token_id=pad_id,
                     **kwargs,

@@ -16,6 +16,7 @@ from posttrain.data.preference import encode_pairs
 from posttrain.data.sft_data import saved_split
 from posttrain.eval.verify import VerifyPrompts
 from posttrain.rewards.spec import RewardSpec
+from posttrain.rl.episodes import EpisodeSetup, episode_setup
 from posttrain.stages.common import StageContext
 
 log = logging.getLogger("posttrain.evaluate")
@@ -74,14 +75,32 @@ def stage_pairs(ctx: StageContext, stage: str, tok: Any) -> list[dict]:
 
 def verifier_specs(ctx: StageContext) -> list[RewardSpec] | None:
     """`evaluate.verifiers`, else the first reward function of the verifier stage (the nearest
-    of the lineage with `rewards`); None for `[]` or when there is none."""
+    of the lineage with `rewards` or an environment); [] when that stage's environment is the
+    only verifier; None for `evaluate.verifiers: []` or when there is none."""
     cfg = ctx.recipe.evaluate
     if cfg.verifiers is not None:
         return cfg.verifiers or None
     source = ctx.roles.get("verifier")
     if source is not None and ctx.recipe.stage(source).rewards:
         return ctx.recipe.stage(source).rewards[:1]
+    if source is not None and _has_environment(ctx.recipe.stage(source)):
+        return []  # its episodes' environment is the verifier
     return None
+
+
+def _has_environment(section: Any) -> bool:
+    rollout = getattr(section, "rollout", None)
+    return rollout is not None and rollout.environment is not None
+
+
+def verifier_episodes(ctx: StageContext, tok: Any, stop_ids: list[int]) -> EpisodeSetup | None:
+    """The verifier stage's episodes (its rollout's tools or environment, its limits) when it
+    rolled out multi-turn: the pass@k report then plays episodes too."""
+    source = ctx.roles.get("verifier")
+    rollout = getattr(ctx.recipe.stage(source), "rollout", None) if source else None
+    if rollout is None or not rollout.episodes:
+        return None
+    return episode_setup(rollout, tok, stop_ids, f"the policies evaluated on {source}'s episodes")
 
 
 def verifier_prompts(ctx: StageContext) -> tuple[VerifyPrompts, str] | None:

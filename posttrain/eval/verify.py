@@ -15,14 +15,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from peft import PeftModel
 
+from posttrain.agents.episodes import EpisodeRun
 from posttrain.config.schema import SamplingConfig
 from posttrain.data.chat import render
+from posttrain.eval.episodes import play_prompts
 from posttrain.eval.generation import decode_new, generate_ids
 from posttrain.kinds.evaluate import EvaluateConfig
 from posttrain.models.adapters import as_policy
 from posttrain.rewards.combine import RewardFunction, score_functions
+from posttrain.rewards.extract import completion_text
+from posttrain.rl.episodes import EpisodeSetup, episode_metrics, episode_record, played_sums
+from posttrain.train.rl_rewards import episode_reward
 
 log = logging.getLogger("posttrain.evaluate")
 
@@ -64,6 +70,15 @@ class VerifyPrompts:
         return VerifyPrompts(msgs, cols, [f"{origin}:{i + 1}" for i in range(len(rows))])
 
 
+@dataclass(frozen=True)
+class Answers:
+    """What a policy answered to `repeat` samples per prompt (prompt-major)."""
+
+    passed: list[bool | None]  # None where no verifier applies
+    texts: list[str]  # the answers (an episode's: its final assistant message)
+    episodes: list[EpisodeRun] | None = None  # played episodes, when the verifier has them
+
+
 def _passes(
     model: Any,
     tok: Any,
@@ -73,10 +88,14 @@ def _passes(
     repeat: int,
     seed: int,
     cfg: EvaluateConfig,
-) -> tuple[list[bool | None], list[str]]:
-    """Each of `repeat` samples per prompt (prompt-major): passed (`cfg.pass_threshold`), or
-    None where no verifier applies; and the answers."""
+    episodes: EpisodeSetup | None = None,
+) -> Answers:
+    """`repeat` samples per prompt, each passed when every verifier that applies gives at least
+    `cfg.pass_threshold`; with `episodes`, each sample is an episode judged whole (functions on
+    its messages, the environment's reward a verifier too)."""
     idx = [i for i in range(len(prompts.messages)) for _ in range(repeat)]
+    if episodes is not None:
+        return _episode_passes(model, tok, prompts, funcs, sampling, idx, seed, cfg, episodes)
     texts = [render(tok, prompts.messages[i], add_generation_prompt=True) for i in idx]
     out = generate_ids(model, tok, texts, sampling, seed, cfg.batch_size)
     answers = [decode_new(tok, ids, stopped) for ids, stopped in out]
@@ -89,11 +108,48 @@ def _passes(
         [stopped for _, stopped in out],
         [prompts.where[i] for i in idx],
     )
-    passed: list[bool | None] = []
-    for j in range(len(idx)):
-        vals = [float(v[j]) for v in per.values() if v[j] == v[j]]  # NaN: not applicable
-        passed.append(None if not vals else all(v >= cfg.pass_threshold for v in vals))
-    return passed, answers
+    return Answers(_verdicts(list(per.values()), len(idx), cfg.pass_threshold), answers)
+
+
+def _episode_passes(
+    model: Any,
+    tok: Any,
+    prompts: VerifyPrompts,
+    funcs: Sequence[RewardFunction],
+    sampling: SamplingConfig,
+    idx: list[int],
+    seed: int,
+    cfg: EvaluateConfig,
+    e: EpisodeSetup,
+) -> Answers:
+    """`_passes` by episode (`posttrain.eval.episodes.play_prompts`)."""
+    asked = [(prompts.messages[i], prompts.columns[i], prompts.where[i]) for i in idx]
+    runs = play_prompts(model, tok, e, asked, sampling, seed, cfg.batch_size)
+    completions = [r.messages[r.n_prompt :] for r in runs]
+    _, per = score_functions(
+        funcs,
+        [r.messages[: r.n_prompt] for r in runs],
+        completions,
+        [prompts.columns[i] for i in idx],
+        [r.ids[r.prompt_len :] for r in runs],
+        [not r.truncated for r in runs],
+        [prompts.where[i] for i in idx],
+    )
+    values = list(per.values())
+    if e.env is not None:
+        values.append(torch.tensor([episode_reward(r) for r in runs]))
+    passed = _verdicts(values, len(idx), cfg.pass_threshold)
+    return Answers(passed, [completion_text(c) for c in completions], runs)
+
+
+def _verdicts(values: list[torch.Tensor], n: int, threshold: float) -> list[bool | None]:
+    """Per sample: every verifier's value that applies (not NaN) at least `threshold`; None
+    where none applies."""
+    out: list[bool | None] = []
+    for j in range(n):
+        vals = [float(v[j]) for v in values if v[j] == v[j]]  # NaN: not applicable
+        out.append(None if not vals else all(v >= threshold for v in vals))
+    return out
 
 
 def pass_figures(
@@ -126,23 +182,29 @@ def verify_policy(
     funcs: Sequence[RewardFunction],
     cfg: EvaluateConfig,
     seed: int,
+    episodes: EpisodeSetup | None = None,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """({"pass@1": greedy accuracy, "pass@<k>": sampled, "sampled_pass@1": mean c/n,
     "prompts": scored prompts}, greedy examples) for the active adapter of `model`, with n =
-    `cfg.pass_samples` samples per prompt of `cfg.pass_sampling` and k = `cfg.pass_k`."""
+    `cfg.pass_samples` samples per prompt of `cfg.pass_sampling` and k = `cfg.pass_k`. With
+    `episodes`, by episode: also the greedy episodes' turns, tool calls, tool error rate and
+    call validity (`episode_metrics`), and whole episodes in the examples."""
     n, k = cfg.pass_samples, cfg.pass_k
     greedy = cfg.pass_sampling.model_copy(update={"strategy": "greedy", "name": "greedy"})
-    g_pass, g_answers = _passes(model, tok, prompts, funcs, greedy, 1, seed, cfg)
-    s_pass, _ = _passes(model, tok, prompts, funcs, cfg.pass_sampling, n, seed, cfg)
-    out = pass_figures(g_pass, s_pass, n, k)
+    g = _passes(model, tok, prompts, funcs, greedy, 1, seed, cfg, episodes)
+    s = _passes(model, tok, prompts, funcs, cfg.pass_sampling, n, seed, cfg, episodes)
+    out = pass_figures(g.passed, s.passed, n, k)
+    if g.episodes is not None:
+        out |= episode_metrics(played_sums(g.episodes))
     examples = [
         {
             **prompts.columns[i],  # the reference `answer` among them
             "prompt": prompts.messages[i],
-            "response": g_answers[i],
-            "passed": g_pass[i],
+            "response": g.texts[i],
+            "passed": g.passed[i],
+            **(episode_record(g.episodes[i]) if g.episodes is not None else {}),
         }
-        for i in range(len(g_pass))
+        for i in range(len(g.passed))
     ]
     return out, examples
 
@@ -156,6 +218,7 @@ def verifier_report(
     policies: dict[str, str | None],
     cfg: EvaluateConfig,
     seed: int,
+    episodes: EpisodeSetup | None = None,
 ) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
     """`verify_policy` of each of `policies` (stage name -> its adapter on `model`, None = the
     base), in order. Returns (the report: the verifiers with the sha256 of their source,
@@ -165,7 +228,9 @@ def verifier_report(
     examples: dict[str, list[dict[str, Any]]] = {}
     for name, adapter in policies.items():
         with as_policy(model, adapter):
-            out[name], examples[name] = verify_policy(model, tok, prompts, funcs, cfg, seed)
+            out[name], examples[name] = verify_policy(
+                model, tok, prompts, funcs, cfg, seed, episodes
+            )
         log.info("verifiers on %d prompts: %s %s", out[name]["prompts"], name, out[name])
     report = {
         "verifiers": [{"label": f.label, "fn": f.fn_ref, "sha256": f.sha256} for f in funcs],
@@ -173,6 +238,7 @@ def verifier_report(
         "k": cfg.pass_k,
         "samples": cfg.pass_samples,
         "threshold": cfg.pass_threshold,
+        **({"episodes": episodes.describe()} if episodes is not None else {}),
         "policies": out,
     }
     return report, examples

@@ -12,7 +12,7 @@ ranks ended, a rank with fewer live episodes filling its turn with one-token row
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,7 @@ from posttrain.agents.tool_runner import OUTCOMES, failure_counts
 from posttrain.agents.tools import load_tools
 from posttrain.data.chat import end_of_turn
 from posttrain.distributed.runtime import all_reduce_sum, min_max
+from posttrain.rewards.extract import completion_text
 from posttrain.train.rollout import Rollout
 from posttrain.train.rollout_engine import RolloutEngine, left_pad
 
@@ -51,6 +52,16 @@ class EpisodeSetup:
     schemas: list[dict[str, Any]] | None
     env: EnvironmentClass | None
     mask_truncated: bool
+
+    def describe(self) -> dict[str, Any]:
+        """What the episodes are played with, for reports."""
+        return {
+            "tools": [s["function"]["name"] for s in self.schemas or []],
+            "environment": self.env.ref if self.env is not None else None,
+            "format": self.fmt,
+            "max_turns": self.limits.max_turns,
+            "max_episode_tokens": self.limits.max_episode_tokens,
+        }
 
 
 def episode_setup(
@@ -168,19 +179,23 @@ TOOL_COUNTS = ("tool_calls", *OUTCOMES.values())
 
 
 def episode_sums(ro: Rollout) -> dict[str, float]:
-    """This rank's sums over the episodes of `ro` (none for a single-turn rollout): episodes,
-    turns, tool counts (`TOOL_COUNTS`, `tool_malformed`), truncated, and `tool_s`, the seconds
-    the batch waited for tools."""
+    """This rank's `played_sums` of the episodes of `ro` (none for a single-turn rollout)."""
     if ro.episodes is None:
         return {}
-    counts = failure_counts([row for e in ro.episodes for row in e.results])
+    return played_sums(ro.episodes, float(ro.stats.get("tool_s", 0.0)))
+
+
+def played_sums(episodes: Sequence[EpisodeRun], tool_s: float = 0.0) -> dict[str, float]:
+    """Sums over played `episodes`: episodes, turns, tool counts (`TOOL_COUNTS`,
+    `tool_malformed`), truncated, and `tool_s`, the seconds they waited for tools."""
+    counts = failure_counts([row for e in episodes for row in e.results])
     return {
-        "episodes": float(len(ro.episodes)),
-        "turns": float(sum(e.turns for e in ro.episodes)),
+        "episodes": float(len(episodes)),
+        "turns": float(sum(e.turns for e in episodes)),
         **{k: float(counts.get(k, 0)) for k in TOOL_COUNTS},
-        "tool_malformed": float(sum(e.malformed for e in ro.episodes)),
-        "truncated": float(sum(e.truncated for e in ro.episodes)),
-        "tool_s": float(ro.stats.get("tool_s", 0.0)),
+        "tool_malformed": float(sum(e.malformed for e in episodes)),
+        "truncated": float(sum(e.truncated for e in episodes)),
+        "tool_s": tool_s,
     }
 
 
@@ -200,4 +215,19 @@ def episode_metrics(t: dict[str, float]) -> dict[str, float]:
         "tool_error_rate": failed / attempted if attempted else 0.0,
         "tool_call_validity": 1.0 - invalid / attempted if attempted else 1.0,
         "truncated_rate": t["truncated"] / n,
+    }
+
+
+def episode_record(run: EpisodeRun) -> dict[str, Any]:
+    """A sample file's fields for a played episode: the prompt as the policy saw it (an
+    environment's reset text included), its final answer, the messages after the prompt,
+    turns, how it ended and its tool calls."""
+    after = run.messages[run.n_prompt :]
+    return {
+        "prompt": run.messages[: run.n_prompt],
+        "response": completion_text(after),
+        "episode": after,
+        "turns": run.turns,
+        "ended": run.ended,
+        "tool_calls": sum(len(t) for t in run.results),
     }

@@ -21,8 +21,7 @@ import torch
 from posttrain.data.sft_data import write_rows
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import POLICY, REFERENCE
-from posttrain.rewards.extract import completion_text
-from posttrain.rl.episodes import episode_metrics, episode_sums
+from posttrain.rl.episodes import episode_metrics, episode_record, episode_sums
 from posttrain.rl.rollouts import RolloutSetup, generate, score_rollout
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import MetricsWriter
@@ -129,7 +128,7 @@ def heldout_examples(tokenizer: Any, rows: list[dict[str, Any]], ro: Rollout) ->
     return [
         {
             "prompt": r["messages"],
-            **episode_fields(ro, i, t),
+            **(episode_record(ro.episodes[i]) if ro.episodes is not None else {"response": t}),
             "reward": float(v),
             **{f"reward_{k}": None if torch.isnan(p[i]) else float(p[i]) for k, p in per.items()},
             **r.get("columns", {}),
@@ -138,22 +137,6 @@ def heldout_examples(tokenizer: Any, rows: list[dict[str, Any]], ro: Rollout) ->
             zip(rows, decode_responses(tokenizer, ro), ro.scored["scores"].tolist(), strict=True)
         )
     ]
-
-
-def episode_fields(ro: Rollout, i: int, text: str) -> dict[str, Any]:
-    """An eval sample's response: its text, or a whole episode (the prompt it played from, its
-    messages after it, turns, how it ended, its tool calls)."""
-    if ro.episodes is None:
-        return {"response": text}
-    e = ro.episodes[i]
-    return {
-        "prompt": e.messages[: e.n_prompt],  # as the policy saw it (an environment's reset text)
-        "response": completion_text(e.messages[e.n_prompt :]),
-        "episode": e.messages[e.n_prompt :],
-        "turns": e.turns,
-        "ended": e.ended,
-        "tool_calls": sum(len(t) for t in e.results),
-    }
 
 
 def quality_gate(cfg: Any, final: dict[str, float], sft: dict[str, float]) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from posttrain.eval.inputs import (
     prompts_and_refs,
     stage_pairs,
     stage_prompts,
+    verifier_episodes,
     verifier_prompts,
     verifier_specs,
 )
@@ -58,6 +59,7 @@ from posttrain.eval.preference_eval import (
 )
 from posttrain.eval.samples import policy_samples, sample_rows
 from posttrain.eval.side_by_side import HeldOut, Link, compare_policies
+from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.eval.verify import verifier_report
 from posttrain.models.adapters import merged_copy
 from posttrain.models.loading import load_base
@@ -269,13 +271,22 @@ def _verifiers(ctx: StageContext, model: PeftModel, tok: Any) -> dict[str, Any] 
         return None
     prompts, origin = found
     funcs = load_rewards(specs)
+    episodes = verifier_episodes(ctx, tok, model_stop_token_ids(model, tok))
     final, graph = ctx.roles["policy"], ctx.recipe.graph()
     names = [BASE, ctx.roles.get("parent"), final, *ctx.recipe.evaluate.policies]
     policies = {
         n: _adapter(ctx, n) for n in dict.fromkeys(x for x in names if x) if n == BASE or n in graph
     }
     report, examples = verifier_report(
-        model, tok, prompts, origin, funcs, policies, ctx.recipe.evaluate, ctx.recipe.run.seed
+        model,
+        tok,
+        prompts,
+        origin,
+        funcs,
+        policies,
+        ctx.recipe.evaluate,
+        ctx.recipe.run.seed,
+        episodes,
     )
     write_rows(ctx.out_dir / "verify_samples.jsonl", examples[final])
     return report
