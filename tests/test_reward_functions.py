@@ -251,3 +251,36 @@ def test_served_recipes_import_reward_code_only_from_the_worker_folders(
     own = load_recipe(_rl_recipe(tmp_path / "sent", [{"fn": "theirs:one"}]))
     assert served_reward_roots(own) == [str(tmp_path / "sent")]
     assert os.environ[REWARDS_ENV] == str(code)
+
+
+TOOL = 'def add(a: int, b: int) -> int:\n    """Add.\n\n    Args:\n        a: A.\n        b: B.\n    """\n    return a + b\n'
+
+
+def test_tools_and_environments_come_from_the_same_folders_as_reward_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tool beside the recipe resolves to its file; one that is not there, or (served) one
+    outside the worker's folders, fails naming its field."""
+    from posttrain.config.schema import Recipe
+
+    home = tmp_path / "r"
+    _module(home, "calc", TOOL)
+    path = _rl_recipe(home, [{"fn": "posttrain.rewards.match:exact_match"}])
+    data = yaml.safe_load(path.read_text())
+    data["grpo"]["rollout"]["tools"] = ["calc:add", "nope:add"]
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(path)
+    assert [e.split(":")[0] for e in exc.value.errors] == ["grpo.rollout.tools.1"]
+    assert "no module 'nope' in the folders tool code may come from" in exc.value.errors[0]
+    data["grpo"]["rollout"]["tools"] = ["calc:add"]
+    path.write_text(yaml.safe_dump(data))
+    assert load_recipe(path).grpo.rollout.tools == [f"{home / 'calc.py'}:add"]
+    served = copy.deepcopy(data)
+    served["grpo"]["rollout"] |= {"tools": [], "environment": f"{home / 'calc.py'}:add"}
+    recipe = Recipe.model_validate(served)
+    monkeypatch.setenv(REWARDS_ENV, str(tmp_path / "elsewhere"))
+    with pytest.raises(RecipeError) as exc:
+        check_served_reach(recipe, [tmp_path], reward_roots())
+    assert exc.value.errors[0].startswith("grpo.rollout.environment: ")
+    assert "outside the folders environment code may come from" in exc.value.errors[0]
