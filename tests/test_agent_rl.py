@@ -194,3 +194,32 @@ def test_two_ranks_play_different_numbers_of_turns_exactly(parents, tmp_path) ->
     for r in rows.values():
         assert r["ended"] == ["answer", "answer"] and r["greedy"] and r["checked"] > 0, r
         assert r["logp_err"] < 1e-2, r
+
+
+BROKEN = '''
+class Broken:
+    def reset(self, target, **columns):
+        self.target = target
+
+    def step(self, message):
+        return {"not": "a tuple"}
+'''
+
+
+def test_a_broken_environment_fails_the_stage_in_one_line(parents, capfd) -> None:  # noqa: F811
+    (parents["folder"] / "broken.py").write_text(BROKEN)
+    section = copy.deepcopy(EPISODES) | {"max_steps": 1}
+    section["rollout"] |= {"environment": "broken:Broken", "samples_per_prompt": 2}
+    recipe = episode_recipe(parents, "grpo", section, "guess-broken")
+    with pytest.raises(SystemExit) as exc:
+        run_inprocess("grpo", recipe)
+    assert exc.value.code == 1
+    err = capfd.readouterr().err
+    assert "Traceback" not in err
+    message = (
+        r"POSTTRAIN_ERROR stage grpo failed: EnvironmentFailed: rollout.environment Broken.step "
+        r"did not return \(observations, reward, done\) \(row .*guesses.jsonl:\d+\)"
+    )
+    assert re.search(message, err), err[-2000:]
+    logged = (planned_dir("grpo", recipe) / "logs" / "error.txt").read_text()
+    assert "Traceback" in logged and "Broken.step" in logged

@@ -25,12 +25,14 @@ from typing import Any
 
 from posttrain.agents.tools import ToolLoadError, describe
 from posttrain.rewards.loader import RewardLoadError, load_function
+from posttrain.stage_errors import StageVerdict
 
 RESERVED = ("reset", "step", "get_reward")
 
 
-class EnvironmentFailed(RuntimeError):
-    """An environment's own code failed: one line naming class, method and row."""
+class EnvironmentFailed(StageVerdict):
+    """An environment's own code failed: one line naming class, method and row (a verdict on
+    the user's code: the stage prints it without a traceback wall, kept in logs/error.txt)."""
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from posttrain.stage_errors import StageVerdict
+
 FORMATS = ("hermes", "llama3_json", "mistral")
 
 
@@ -66,11 +68,15 @@ def format_of_template(template: str | None) -> str | None:
     return None
 
 
+class ToolsUnsupported(StageVerdict, ValueError):
+    """A recipe gives tools to a model whose chat template renders none."""
+
+
 def require_format(template: str | None, model: str) -> str:
     """`format_of_template`, or a one-line error for a model whose template has no tools."""
     fmt = format_of_template(template)
     if fmt is None:
-        raise ValueError(
+        raise ToolsUnsupported(
             f"{model}: its chat template renders no tool calls (Gemma-2, Phi-3.5 and "
             "DeepSeek-R1-Distill have none), so it cannot be given rollout.tools or a tool "
             "environment; use a family whose template has tools (Qwen2.5/3, Llama 3.1, "

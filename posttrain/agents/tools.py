@@ -20,10 +20,12 @@ from transformers.utils.chat_template_utils import (
 )
 
 from posttrain.rewards.loader import RewardLoadError, load_function
+from posttrain.stage_errors import StageVerdict
 
 
-class ToolLoadError(ValueError):
-    """A tool that cannot be found, imported or described to the model."""
+class ToolLoadError(StageVerdict, ValueError):
+    """A tool (or an environment) that cannot be found, imported or described to the model;
+    a verdict the stage prints in one line."""
 
 
 @dataclass(frozen=True)

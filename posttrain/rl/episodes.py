@@ -24,13 +24,14 @@ from posttrain.agents.episodes import (
     EpisodeRun,
     Generate,
     Renderer,
+    TemplateNotIncremental,
     engine_turns,
     run_episodes,
     start_episodes,
 )
 from posttrain.agents.tool_calls import require_format
 from posttrain.agents.tool_runner import OUTCOMES, failure_counts
-from posttrain.agents.tools import load_tools
+from posttrain.agents.tools import ToolLoadError, load_tools
 from posttrain.data.chat import end_of_turn
 from posttrain.distributed.runtime import all_reduce_sum, min_max
 from posttrain.rewards.extract import completion_text
@@ -75,7 +76,7 @@ def episode_setup(
     tools = load_tools(cfg.tools)
     env = load_environment(cfg.environment) if cfg.environment is not None else None
     if env is not None and not env.has_reward and not env.is_gym:
-        raise ValueError(
+        raise ToolLoadError(
             f"rollout.environment {cfg.environment}: {env.cls.__name__} has no get_reward() "
             "and no step(); its episodes would have no reward"
         )
@@ -103,7 +104,7 @@ def stop_text(tok: Any, stop_ids: list[int]) -> str:
         text = tok.convert_ids_to_tokens(i)
         if text and eot.startswith(text):
             return text
-    raise ValueError(
+    raise TemplateNotIncremental(
         f"the chat template ends an assistant turn with {eot!r}, which starts with none of the "
         f"stop tokens {[tok.convert_ids_to_tokens(i) for i in stop_ids]}: episodes need a turn "
         "to end at the token generation stops at"
