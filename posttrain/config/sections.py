@@ -31,6 +31,17 @@ class SFTSyntheticData(SyntheticData):
     )
 
 
+class PromptSyntheticData(SyntheticData):
+    task: Literal["quickstart", "calculator", "guess"] = Result(
+        "quickstart",
+        description="`quickstart`: the five one-line skills with their `answer`. `calculator`: "
+        "the calculator traces' system turn and question (`What is 37 + 45?`) with their "
+        "`answer`; the tools are the stage's `rollout.tools`. `guess`: a number game's "
+        "instructions with a `target` column, for an environment such as "
+        "recipes/guess_number.py.",
+    )
+
+
 class DataSourceFields(_Section):
     """How `path` / `eval_path` are read when they are hub dataset ids, and column renames."""
 
@@ -237,6 +248,9 @@ class PromptDataConfig(_HeldOutSource):
         "`org/name` of prompts: "
         "`prompt` as text or a message list ending with a user turn (preference files work as "
         "they are), or `messages` (the prompt is everything before the last assistant turn).",
+    )
+    synthetic: PromptSyntheticData | None = Field(
+        None, description="Generate a task's prompts (`task`) instead of reading `path`."
     )
 
 

@@ -1,0 +1,31 @@
+"""The guess task: prompts for a number game played against an environment (the demo's
+recipes/guess_number.py), each with the number to find in its `target` column.
+
+The policy says a number, the environment answers "higher" or "lower" until it is found; the
+prompt only states the rules and the range, so what the policy learns is how to use the answers.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+LOW, HIGH = 1, 16
+SYSTEM_PROMPT = "Find the number. Reply with a number only."
+
+
+def guess_prompts(n: int, seed: int) -> list[dict[str, Any]]:
+    """n prompt rows (`posttrain.data.prompts` shape), deterministic in seed: the rules as
+    system and user turns, the number in `target` (an int: the environment's reset gets it)."""
+    rng = random.Random(seed)
+    question = f"I am thinking of a number from {LOW} to {HIGH}. Guess it."
+    return [
+        {
+            "messages": [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": question},
+            ],
+            "columns": {"target": rng.randint(LOW, HIGH), "task": "guess"},
+        }
+        for _ in range(n)
+    ]
