@@ -10,7 +10,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-LOW, HIGH = 1, 16
+# Two-digit numbers, as the calculator policy it may start from writes them.
+LOW, HIGH = 10, 25
 SYSTEM_PROMPT = "Find the number. Reply with a number only."
 
 
