@@ -21,13 +21,14 @@ class SyntheticData(_Section):
 
 
 class SFTSyntheticData(SyntheticData):
-    task: Literal["quickstart", "calculator"] = Result(
+    task: Literal["quickstart", "calculator", "guess"] = Result(
         "quickstart",
         description="`quickstart`: the five one-line skills. `calculator`: tool-use traces (a "
         "two-digit sum, difference or product; a call to `add`/`subtract`/`multiply` of "
         "recipes/calculator.py, its result, the number as the answer) with `tools` and "
         "`answer` columns; needs a template with tools (`ingest.from_config.template: "
-        "chatml_tools`).",
+        "chatml_tools`). `guess`: played number games (recipes/guess_number.py's rules), each "
+        "guess a random one the 'higher'/'lower' answers so far leave.",
     )
 
 

@@ -30,3 +30,32 @@ def guess_prompts(n: int, seed: int) -> list[dict[str, Any]]:
         }
         for _ in range(n)
     ]
+
+
+def guess_sft_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """n played games as SFT rows {"messages", "task"}, deterministic in seed: the prompt of
+    `guess_prompts`, then guesses answered "higher"/"lower" until the last one is the number.
+    Each guess is drawn at random from the numbers the answers so far leave (never one they
+    rule out): a policy that learns this plays by the rules, and RL has the turns a halving
+    search saves left to find."""
+    rng = random.Random(seed)
+    question = f"I am thinking of a number from {LOW} to {HIGH}. Guess it."
+    rows = []
+    for _ in range(n):
+        target, low, high = rng.randint(LOW, HIGH), LOW, HIGH
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": question},
+        ]
+        while True:
+            guess = rng.randint(low, high)
+            messages.append({"role": "assistant", "content": str(guess)})
+            if guess == target:
+                break
+            if guess < target:
+                low = guess + 1
+            else:
+                high = guess - 1
+            messages.append({"role": "user", "content": "higher" if guess < target else "lower"})
+        rows.append({"messages": messages, "task": "guess"})
+    return rows

@@ -11,6 +11,7 @@ from typing import Any
 from posttrain.agents.tool_calls import format_of_template
 from posttrain.config.schema import DataConfig
 from posttrain.data.calculator import calculator_sft_rows
+from posttrain.data.guess import guess_sft_rows
 from posttrain.data.chat import (
     TemplateError,
     check_system_role,
@@ -59,9 +60,12 @@ def read_split(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
 
 def synthetic_rows(cfg: DataConfig) -> list[dict]:
     """The rows of `cfg.synthetic`'s task, in the columns a stage keeps: the quickstart's
-    messages; the calculator's messages, tools and answer (for exact match)."""
+    messages; the calculator's messages, tools and answer (for exact match); the number
+    games' messages."""
     s = cfg.synthetic
     assert s is not None
+    if s.task == "guess":
+        return [{"messages": r["messages"]} for r in guess_sft_rows(s.n_examples, s.seed)]
     if s.task == "calculator":
         keep = ("messages", "tools", "answer")
         return [{k: r[k] for k in keep} for r in calculator_sft_rows(s.n_examples, s.seed)]
