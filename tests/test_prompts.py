@@ -105,12 +105,11 @@ def test_synthetic_prompt_tasks_keep_their_checkable_columns() -> None:
     assert guess.train[0]["messages"][-1]["role"] == "user"
 
 
-def test_prompt_tasks_are_for_prompt_data_only() -> None:
+def test_preference_data_takes_no_task() -> None:
     from pydantic import ValidationError
 
-    from posttrain.config.schema import DataConfig, PreferenceDataConfig
+    from posttrain.config.schema import PreferenceDataConfig
 
+    # Pairs are generated for the quickstart only: a task there would be silently ignored.
     with pytest.raises(ValidationError, match="task"):
         PreferenceDataConfig(synthetic={"task": "calculator"})
-    with pytest.raises(ValidationError, match="task"):
-        DataConfig(synthetic={"task": "guess"})

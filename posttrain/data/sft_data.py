@@ -11,7 +11,6 @@ from typing import Any
 from posttrain.agents.tool_calls import format_of_template
 from posttrain.config.schema import DataConfig
 from posttrain.data.calculator import calculator_sft_rows
-from posttrain.data.guess import guess_sft_rows
 from posttrain.data.chat import (
     TemplateError,
     check_system_role,
@@ -19,6 +18,7 @@ from posttrain.data.chat import (
     template_info,
     template_sha256,
 )
+from posttrain.data.guess import guess_sft_rows
 from posttrain.data.loading import DataError, check_sft_row, data_source, load_sft_rows, read_rows
 from posttrain.data.synthetic import quickstart_sft_rows
 from posttrain.data.tool_rows import has_tools
