@@ -155,3 +155,39 @@ def test_classes_outside_the_protocol_are_refused_at_load(folder: Path) -> None:
     (folder / "notcls.py").write_text("def f():\n    return 1\n")
     with pytest.raises(ToolLoadError, match="not a class"):
         load_environment("notcls:f", [folder])
+
+
+def test_the_shipped_number_game_answers_higher_lower_and_costs_turns() -> None:
+    from posttrain.data.guess import guess_prompts
+
+    env = load_environment("guess_number:GuessNumber", [Path(__file__).parents[1] / "recipes"])
+    assert env.is_gym and not env.tool_names and not env.has_reward
+    row = guess_prompts(1, 0)[0]
+    ep = Episode(env, "synthetic row 0")
+    target = row["columns"]["target"]
+    assert ep.reset(row["columns"]) is None  # the prompt says it all
+    said = [ep.step({"role": "assistant", "content": c}) for c in ("9", "no idea", "99")]
+    assert [s.observations[0]["content"] for s in said] == ["higher", "Say a number.", "lower"]
+    assert [(s.reward, s.done) for s in said] == [(-0.1, False)] * 3
+    found = ep.step({"role": "assistant", "content": f"{target}"})
+    assert (found.reward, found.done) == (pytest.approx(0.9), True)
+
+
+def test_the_guess_sft_games_are_ones_the_environment_plays_back() -> None:
+    from posttrain.data.guess import guess_prompts, guess_sft_rows
+
+    env = load_environment("guess_number:GuessNumber", [Path(__file__).parents[1] / "recipes"])
+    rows = guess_sft_rows(50, 3)
+    assert rows == guess_sft_rows(50, 3)
+    for row in rows:
+        msgs = row["messages"]
+        # The prompt is the RL task's, so the SFT policy is asked what it learned on.
+        assert msgs[:2] == guess_prompts(1, 0)[0]["messages"]
+        ep = Episode(env, "trace")
+        ep.reset({"target": int(msgs[-1]["content"])})
+        replies, answers = msgs[2::2], [m["content"] for m in msgs[3::2]]
+        said = [ep.step(m) for m in replies]
+        assert [s.observations[0]["content"] for s in said[:-1]] == answers
+        assert said[-1].done and not any(s.done for s in said[:-1])
+        guesses = [int(m["content"]) for m in replies]
+        assert len(set(guesses)) == len(guesses) and all(10 <= g <= 25 for g in guesses)

@@ -79,3 +79,37 @@ def test_read_names_the_line_or_skips_and_counts(tmp_path: Path) -> None:
     path.write_text(json.dumps({"nope": 1}) + "\n")
     with pytest.raises(DataError, match="no valid prompt row"):
         read_prompt_rows(path, "skip")
+
+
+def test_synthetic_prompt_tasks_keep_their_checkable_columns() -> None:
+    from chat_template_fixtures import base_tokenizer, with_chat_tokens
+
+    from posttrain.config.schema import PromptDataConfig
+    from posttrain.data.calculator import calculator_sft_rows
+    from posttrain.data.prompts import prepare_prompts
+    from posttrain.models.tiny import CHATML_TOOLS_TEMPLATE, IM_END
+
+    tok = with_chat_tokens(base_tokenizer(), CHATML_TOOLS_TEMPLATE, (), None, IM_END)
+    cfg = PromptDataConfig(synthetic={"task": "calculator", "n_examples": 20, "seed": 7})
+    data = prepare_prompts(cfg, tok, seed=0)
+    rows = {r["messages"][1]["content"]: r for r in data.train + data.eval}
+    assert len(rows) == 20 and len(data.eval) == 2  # eval_fraction 0.1
+    for trace in calculator_sft_rows(20, 7):
+        got = rows[trace["messages"][1]["content"]]
+        # The system turn and the question; the answer kept; no tools (the stage's rollout.tools).
+        assert got["messages"] == trace["messages"][:2]
+        assert got["columns"] == {"answer": trace["answer"], "task": "calculator"}
+    guess = prepare_prompts(PromptDataConfig(synthetic={"task": "guess", "n_examples": 40}), tok, 0)
+    targets = [r["columns"]["target"] for r in guess.train + guess.eval]
+    assert all(isinstance(t, int) and 10 <= t <= 25 for t in targets) and len(set(targets)) > 5
+    assert guess.train[0]["messages"][-1]["role"] == "user"
+
+
+def test_preference_data_takes_no_task() -> None:
+    from pydantic import ValidationError
+
+    from posttrain.config.schema import PreferenceDataConfig
+
+    # Pairs are generated for the quickstart only: a task there would be silently ignored.
+    with pytest.raises(ValidationError, match="task"):
+        PreferenceDataConfig(synthetic={"task": "calculator"})

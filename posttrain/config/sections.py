@@ -21,13 +21,25 @@ class SyntheticData(_Section):
 
 
 class SFTSyntheticData(SyntheticData):
-    task: Literal["quickstart", "calculator"] = Result(
+    task: Literal["quickstart", "calculator", "guess"] = Result(
         "quickstart",
         description="`quickstart`: the five one-line skills. `calculator`: tool-use traces (a "
         "two-digit sum, difference or product; a call to `add`/`subtract`/`multiply` of "
         "recipes/calculator.py, its result, the number as the answer) with `tools` and "
         "`answer` columns; needs a template with tools (`ingest.from_config.template: "
-        "chatml_tools`).",
+        "chatml_tools`). `guess`: played number games (recipes/guess_number.py's rules), each "
+        "guess a random one the 'higher'/'lower' answers so far leave.",
+    )
+
+
+class PromptSyntheticData(SyntheticData):
+    task: Literal["quickstart", "calculator", "guess"] = Result(
+        "quickstart",
+        description="`quickstart`: the five one-line skills with their `answer`. `calculator`: "
+        "the calculator traces' system turn and question (`What is 37 + 45?`) with their "
+        "`answer`; the tools are the stage's `rollout.tools`. `guess`: a number game's "
+        "instructions with a `target` column, for an environment such as "
+        "recipes/guess_number.py.",
     )
 
 
@@ -237,6 +249,9 @@ class PromptDataConfig(_HeldOutSource):
         "`org/name` of prompts: "
         "`prompt` as text or a message list ending with a user turn (preference files work as "
         "they are), or `messages` (the prompt is everything before the last assistant turn).",
+    )
+    synthetic: PromptSyntheticData | None = Field(
+        None, description="Generate a task's prompts (`task`) instead of reading `path`."
     )
 
 

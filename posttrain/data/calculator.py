@@ -88,13 +88,20 @@ def calculator_sft_rows(n: int, seed: int) -> list[dict[str, Any]]:
 
 
 def calculator_corpus(n: int, seed: int) -> list[str]:
-    """Plain text shaped like the traces (questions, call JSON, one-line tool signatures), for
-    the tokenizer and warm-up of a from-config base that will learn the task."""
+    """Plain text shaped like the traces (question, call JSON, the tool's result, the answer
+    repeating it), for the tokenizer and warm-up of a from-config base that will learn the task.
+    The result comes before the answer, as in a trace: a warm-up that saw the answer right
+    after the call would teach the tiny model to guess the sum (the arithmetic the tool is
+    for) rather than to read it back, and SFT could not unteach that in minutes."""
     rng = random.Random(seed)
     docs = []
     for _ in range(n):
         fn, sign = OPERATIONS[rng.randrange(len(OPERATIONS))]
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         call = json.dumps({"name": fn.__name__, "arguments": {"a": a, "b": b}})
-        docs.append(f"What is {a} {sign} {b}? <tool_call>\n{call}\n</tool_call> {fn(a, b)}")
+        result = fn(a, b)
+        docs.append(
+            f"What is {a} {sign} {b}? <tool_call>\n{call}\n</tool_call>\ntool\n{result}\n"
+            f"assistant\n{result}"
+        )
     return docs

@@ -15,12 +15,15 @@ reads). A bad row raises `PreferenceDataError` naming `<file>:<line>` and the pr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from posttrain.config.schema import PromptDataConfig
+from posttrain.data.calculator import calculator_sft_rows
 from posttrain.data.chat import check_system_role, render
+from posttrain.data.guess import guess_prompts
 from posttrain.data.loading import DataSource
 from posttrain.data.pref_prepare import Located, read_and_split
 from posttrain.data.preference import (
@@ -88,6 +91,23 @@ def quickstart_prompts(n: int, seed: int) -> list[dict[str, Any]]:
     return out
 
 
+def calculator_prompts(n: int, seed: int) -> list[dict[str, Any]]:
+    """n calculator prompts: a trace's system turn and question, its `answer` (and `task`)
+    kept. No `tools` column: the stage's `rollout.tools` are what an episode may call."""
+    return [
+        {"messages": r["messages"][:2], "columns": {"answer": r["answer"], "task": r["task"]}}
+        for r in calculator_sft_rows(n, seed)
+    ]
+
+
+# `data.synthetic.task` -> its prompt generator: (n, seed) -> rows.
+PROMPT_TASKS: dict[str, Callable[[int, int], list[dict[str, Any]]]] = {
+    "quickstart": quickstart_prompts,
+    "calculator": calculator_prompts,
+    "guess": guess_prompts,
+}
+
+
 def encode_prompt(tokenizer: Any, msgs: Messages, max_prompt_len: int) -> list[int]:
     """Generation input: the templated prompt with the assistant header, cut to its tail; the
     same ids a preference pair's prompt part has."""
@@ -105,7 +125,8 @@ class PromptData:
 
 
 def prepare_prompts(cfg: PromptDataConfig, tokenizer: Any, seed: int) -> PromptData:
-    train, held, dropped = read_and_split(cfg, seed, read_prompt_rows, quickstart_prompts)
+    task = cfg.synthetic.task if cfg.synthetic is not None else "quickstart"
+    train, held, dropped = read_and_split(cfg, seed, read_prompt_rows, PROMPT_TASKS[task])
     check_system_role(tokenizer, [(w, r["messages"]) for w, r in train + held])
 
     def enc(located: Located) -> list[dict[str, Any]]:

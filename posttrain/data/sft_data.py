@@ -18,6 +18,7 @@ from posttrain.data.chat import (
     template_info,
     template_sha256,
 )
+from posttrain.data.guess import guess_sft_rows
 from posttrain.data.loading import DataError, check_sft_row, data_source, load_sft_rows, read_rows
 from posttrain.data.synthetic import quickstart_sft_rows
 from posttrain.data.tool_rows import has_tools
@@ -59,9 +60,12 @@ def read_split(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
 
 def synthetic_rows(cfg: DataConfig) -> list[dict]:
     """The rows of `cfg.synthetic`'s task, in the columns a stage keeps: the quickstart's
-    messages; the calculator's messages, tools and answer (for exact match)."""
+    messages; the calculator's messages, tools and answer (for exact match); the number
+    games' messages."""
     s = cfg.synthetic
     assert s is not None
+    if s.task == "guess":
+        return [{"messages": r["messages"]} for r in guess_sft_rows(s.n_examples, s.seed)]
     if s.task == "calculator":
         keep = ("messages", "tools", "answer")
         return [{k: r[k] for k in keep} for r in calculator_sft_rows(s.n_examples, s.seed)]
