@@ -196,14 +196,14 @@ def test_two_ranks_play_different_numbers_of_turns_exactly(parents, tmp_path) ->
         assert r["logp_err"] < 1e-2, r
 
 
-BROKEN = '''
+BROKEN = """
 class Broken:
     def reset(self, target, **columns):
         self.target = target
 
     def step(self, message):
         return {"not": "a tuple"}
-'''
+"""
 
 
 def test_a_broken_environment_fails_the_stage_in_one_line(parents, capfd) -> None:  # noqa: F811
