@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerFast
 
 from posttrain.data.synthetic import pretrain_corpus
-from posttrain.models.tiny import CHATML_TEMPLATE, IM_END, train_tokenizer
+from posttrain.models.chatml import CHATML_TEMPLATE
+from posttrain.models.tiny import IM_END, train_tokenizer
 
 CHAT = [
     {"role": "system", "content": "Be brief."},

@@ -20,7 +20,8 @@ from posttrain.agents.tools import load_tools
 from posttrain.config.schema import IngestConfig
 from posttrain.data.calculator import calculator_schemas, calculator_sft_rows
 from posttrain.data.chat import IGNORE, encode_chat, render, template_info
-from posttrain.models.tiny import CHATML_TEMPLATE, CHATML_TOOLS_TEMPLATE, IM_END
+from posttrain.models.chatml import CHATML_TEMPLATE, CHATML_TOOLS_TEMPLATE
+from posttrain.models.tiny import IM_END
 from posttrain.stages.ingest import install_template
 from posttrain.telemetry.metrics import read_metrics
 

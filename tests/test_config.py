@@ -8,6 +8,7 @@ import yaml
 from posttrain.config.batch import resolve_batch
 from posttrain.config.loader import RecipeError, apply_overrides, load_recipe, validate_recipe
 from tests.hub_cache import cache_recipe_hub_ids
+from tests.stage_helpers import TINY
 
 RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").glob("*.yaml"))
 MINIMAL = {"ingest": {"source": "from_config"}, "sft": {"data": {"synthetic": {}}}}
@@ -270,3 +271,24 @@ def test_multinode_needs_a_rendezvous_and_counts_every_rank() -> None:
     assert r.infra.world_size() == 8 and r.sft.batch.global_batch_size == 16
     errs = errors_of(apply_overrides(data, ["infra.rdzv_endpoint=no-port"]))
     assert errs[0].startswith("infra.rdzv_endpoint:")
+
+
+def test_tools_under_a_template_without_tool_calls_are_refused_before_anything_trains() -> None:
+    """The from-config base's plain ChatML renders no tool calls: a stage given tools names the
+    field at load time, and the tools template passes."""
+    import copy
+
+    from posttrain.config.schema import Recipe
+
+    data = copy.deepcopy(TINY)
+    data["grpo"] = {
+        "data": {"synthetic": {"n_examples": 40}},
+        "rollout": {"samples_per_prompt": 2, "tools": ["posttrain.rewards.match:exact_match"]},
+        "rewards": [{"fn": "posttrain.rewards.match:exact_match"}],
+    }
+    with pytest.raises(
+        ValueError, match=r"grpo\.rollout\.tools: the chat template .* renders no tool calls"
+    ):
+        Recipe.model_validate(data).graph()
+    data["ingest"]["from_config"]["template"] = "chatml_tools"
+    assert "grpo" in Recipe.model_validate(copy.deepcopy(data)).graph()

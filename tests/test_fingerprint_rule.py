@@ -46,6 +46,7 @@ def _base(tmp: Path) -> dict[str, Any]:
     data = copy.deepcopy(TINY)
     data["run"]["workspace"] = str(tmp / "ws")
     data["infra"]["precision"] = "fp32"
+    data["ingest"]["from_config"]["template"] = "chatml_tools"  # the RL stages may get tools
     data["sft"]["batch"] = dict(BATCH)
     data["reward"] = {"data": copy.deepcopy(PREFS), "min_accuracy": 0.1, "batch": dict(BATCH)}
     for kind in ("dpo", "orpo", "kto"):

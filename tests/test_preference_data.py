@@ -18,7 +18,8 @@ from posttrain.data.preference import (
     read_preference_rows,
 )
 from posttrain.data.synthetic import pretrain_corpus
-from posttrain.models.tiny import CHATML_TEMPLATE, EOT, IM_END, IM_START, train_tokenizer
+from posttrain.models.chatml import CHATML_TEMPLATE
+from posttrain.models.tiny import EOT, IM_END, IM_START, train_tokenizer
 
 
 @pytest.fixture(scope="module")

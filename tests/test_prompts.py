@@ -87,7 +87,8 @@ def test_synthetic_prompt_tasks_keep_their_checkable_columns() -> None:
     from posttrain.config.schema import PromptDataConfig
     from posttrain.data.calculator import calculator_sft_rows
     from posttrain.data.prompts import prepare_prompts
-    from posttrain.models.tiny import CHATML_TOOLS_TEMPLATE, IM_END
+    from posttrain.models.chatml import CHATML_TOOLS_TEMPLATE
+    from posttrain.models.tiny import IM_END
 
     tok = with_chat_tokens(base_tokenizer(), CHATML_TOOLS_TEMPLATE, (), None, IM_END)
     cfg = PromptDataConfig(synthetic={"task": "calculator", "n_examples": 20, "seed": 7})

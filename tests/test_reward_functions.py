@@ -267,6 +267,7 @@ def test_tools_and_environments_come_from_the_same_folders_as_reward_code(
     _module(home, "calc", TOOL)
     path = _rl_recipe(home, [{"fn": "posttrain.rewards.match:exact_match"}])
     data = yaml.safe_load(path.read_text())
+    data["ingest"]["from_config"]["template"] = "chatml_tools"
     data["grpo"]["rollout"]["tools"] = ["calc:add", "nope:add"]
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(RecipeError) as exc:

@@ -18,7 +18,7 @@ from posttrain.agents.tool_calls import (
     parse_reply,
     require_format,
 )
-from posttrain.models.tiny import CHATML_TEMPLATE
+from posttrain.models.chatml import CHATML_TEMPLATE
 
 
 def _assistant(calls: list[ToolCall], content: str = "") -> dict:

@@ -257,10 +257,31 @@ def _run_order(stages: list[GraphStage]) -> list[GraphStage]:
     return done
 
 
+def _from_config(recipe: Any) -> str | None:
+    """The from-config base's template text (None for a checkpoint: its own is read when the
+    stage runs)."""
+    from posttrain.models.chatml import TEMPLATES
+
+    ingest = recipe.ingest
+    return TEMPLATES[ingest.from_config.template] if ingest.source == "from_config" else None
+
+
+def _no_tool_calls(template: str | None) -> str | None:
+    """Why a stage given tools cannot use `template` (None: it can, or it is not known yet)."""
+    from posttrain.agents.tool_calls import format_of_template
+
+    if template is None or format_of_template(template) is not None:
+        return None
+    return (
+        "the chat template the policy formats with renders no tool calls; use one that does "
+        "(ingest.chat_template, or ingest.from_config.template: chatml_tools)"
+    )
+
+
 def _template_errors(recipe: Any, graph: StageGraph) -> list[str]:
     """A stage formatting its data with another chat template than the policy it starts from
-    (or than its reward model) learnt, without `allow_template_change`: refused now, where it
-    would otherwise silently cost accuracy. Only templates the recipe spells out are compared
+    (or than its reward model) learnt, without `allow_template_change`, or given tools under a
+    template that renders no tool calls: refused now, before anything trains. Only templates the recipe spells out are compared
     here; the stage compares the recorded ones (sha256) when it runs."""
     root = _template_text(getattr(recipe.ingest, "chat_template", None))
     own: dict[str, str | None] = {}
@@ -276,6 +297,9 @@ def _template_errors(recipe: Any, graph: StageGraph) -> list[str]:
 
     errors = []
     for s in graph:
+        tools = getattr(getattr(s.section, "rollout", None), "tools", None)
+        if tools and (problem := _no_tool_calls(effective(s.name) or _from_config(recipe))):
+            errors.append(f"{s.where}.rollout.tools: {problem}")
         if getattr(s.section, "allow_template_change", False):
             continue
         mine = effective(s.name)

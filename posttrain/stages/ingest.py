@@ -386,7 +386,8 @@ def warm_up(
 
 
 def ingest_from_config(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
-    from posttrain.models.tiny import TEMPLATES, build_model, fill_vocabulary, train_tokenizer
+    from posttrain.models.chatml import TEMPLATES
+    from posttrain.models.tiny import build_model, fill_vocabulary, train_tokenizer
 
     fc = cfg.from_config
     seed = ctx.recipe.run.seed
