@@ -103,6 +103,16 @@ def run_shared(stage: str, recipe: Path, store: Path) -> Path:
     return run_inprocess(stage, recipe)
 
 
+def crash_after(out: Path, logged_steps: int, outputs: tuple[str, ...]) -> None:
+    """Leave a finished training stage's folder as a crash after `logged_steps` would: no
+    manifest, no `outputs` folders, metrics up to that step (its checkpoints stay)."""
+    (out / "manifest.json").unlink()
+    for d in outputs:
+        shutil.rmtree(out / d)
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join(lines[: 1 + logged_steps]) + "\n")
+
+
 def planned_dir(stage: str, recipe: Path, *overrides: str) -> Path:
     """The folder of the stage named `stage`, else of the recipe's one stage of that kind."""
     planned = plan(load_recipe(recipe, list(overrides))).stages

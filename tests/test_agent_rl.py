@@ -9,7 +9,6 @@ import copy
 import json
 import math
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 import yaml
 
 from posttrain.telemetry.metrics import read_metrics
-from tests.stage_helpers import ROOT, planned_dir, run_inprocess, run_torchrun
+from tests.stage_helpers import ROOT, crash_after, planned_dir, run_inprocess, run_torchrun
 from tests.test_rl_stages import RL, parents  # noqa: F401  (the shared fixture)
 
 pytestmark = pytest.mark.slow
@@ -127,11 +126,7 @@ def test_ppo_on_episodes_resumes_to_the_same_trajectory(parents) -> None:  # noq
     out = run_inprocess("ppo", recipe)
     full = check_episode_records(out, 3)
     assert all(math.isfinite(r["value_loss"]) for r in full)
-    (out / "manifest.json").unlink()
-    for d in ("adapter", "critic"):
-        shutil.rmtree(out / d)
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    (out / "metrics.jsonl").write_text("\n".join(lines[: 1 + 3]) + "\n")
+    crash_after(out, 3, ("adapter", "critic"))
     run_inprocess("ppo", recipe)
     resumed = read_metrics(out / "metrics.jsonl", "train")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]

@@ -7,7 +7,6 @@ import copy
 import json
 import math
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from posttrain.rl.heldout import quality_gate
 from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import (
     ROOT,
+    crash_after,
     planned_dir,
     run_inprocess,
     run_shared,
@@ -298,11 +298,7 @@ def test_ppo_crash_resumes_to_the_same_trajectory(parents) -> None:
     ckpt = json.loads((out / "checkpoints" / "step_0000002" / "meta.json").read_text())
     assert "kl_coef" in ckpt and ckpt["data"]["samples_seen"] == 2 * 8  # prompts
     # A crash during step 3: no outputs, metrics up to step 3, the step-2 checkpoint on disk.
-    (out / "manifest.json").unlink()
-    for d in ("adapter", "critic"):
-        shutil.rmtree(out / d)
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    (out / "metrics.jsonl").write_text("\n".join(lines[: 1 + 3]) + "\n")
+    crash_after(out, 3, ("adapter", "critic"))
     run_inprocess("ppo", recipe)
     resumed = read_metrics(out / "metrics.jsonl", "train")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]

@@ -20,8 +20,12 @@ class SyntheticData(_Section):
     seed: int = Result(1234, ge=0, description="Generator seed (independent of run.seed).")
 
 
+# The generated tasks (posttrain.data.synthetic, .calculator, .guess).
+SyntheticTask = Literal["quickstart", "calculator", "guess"]
+
+
 class SFTSyntheticData(SyntheticData):
-    task: Literal["quickstart", "calculator", "guess"] = Result(
+    task: SyntheticTask = Result(
         "quickstart",
         description="`quickstart`: the five one-line skills. `calculator`: tool-use traces (a "
         "two-digit sum, difference or product; a call to `add`/`subtract`/`multiply` of "
@@ -33,7 +37,7 @@ class SFTSyntheticData(SyntheticData):
 
 
 class PromptSyntheticData(SyntheticData):
-    task: Literal["quickstart", "calculator", "guess"] = Result(
+    task: SyntheticTask = Result(
         "quickstart",
         description="`quickstart`: the five one-line skills with their `answer`. `calculator`: "
         "the calculator traces' system turn and question (`What is 37 + 45?`) with their "

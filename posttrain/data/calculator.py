@@ -5,9 +5,8 @@ Each row asks one two-digit sum, difference or product; the assistant calls the 
 so an exact-match reward or eval on the `answer` column scores it. The `tools` column holds the
 tools' JSON schemas as transformers describes them (`get_json_schema`).
 
-The tools are the demo's `recipes/calculator.py` functions. The library cannot import a recipe
-folder, so the functions below repeat their names, signatures and docstrings (a test checks the
-schemas are equal to those of the recipe's loaded tools).
+The tools are the functions below; the demo's `recipes/calculator.py` offers them to the RL
+stage as `rollout.tools`.
 """
 
 from __future__ import annotations

@@ -125,17 +125,19 @@ def heldout_examples(tokenizer: Any, rows: list[dict[str, Any]], ro: Rollout) ->
     """One eval_samples.jsonl row per response: the prompt, the response text, its reward and
     each function's value (None where not applicable), and the prompt row's data columns."""
     per = function_values(ro)
+    if ro.episodes is not None:  # an episode's record holds its prompt and answer
+        answers = [episode_record(e) for e in ro.episodes]
+    else:
+        answers = [{"response": t} for t in decode_responses(tokenizer, ro)]
     return [
         {
             "prompt": r["messages"],
-            **(episode_record(ro.episodes[i]) if ro.episodes is not None else {"response": t}),
+            **a,
             "reward": float(v),
             **{f"reward_{k}": None if torch.isnan(p[i]) else float(p[i]) for k, p in per.items()},
             **r.get("columns", {}),
         }
-        for i, (r, t, v) in enumerate(
-            zip(rows, decode_responses(tokenizer, ro), ro.scored["scores"].tolist(), strict=True)
-        )
+        for i, (r, a, v) in enumerate(zip(rows, answers, ro.scored["scores"].tolist(), strict=True))
     ]
 
 
