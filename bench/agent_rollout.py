@@ -2,31 +2,32 @@
 (issue 27; target: k-turn time, tool time excluded, at most 1.3x single-turn).
 
 One process, fp32, a random-init Llama (--hidden/--layers) behind the in-process rollout engine
-(`HFEngine`, transformers' `generate`, dynamic KV cache) as the RL stage builds it (a LoRA
-policy adapter in a `RoleModel`), a byte-level BPE trained as the from-config ingest trains it,
-and a hermes-style tools template written here. --batch episodes of --turns turns each.
+(`HFEngine`) as the RL stage builds it (a LoRA policy adapter in a `RoleModel`), a byte-level
+BPE trained as the from-config ingest trains it, and a hermes-style tools template written here.
+--batch episodes of --turns turns each.
 
-A random-weight policy writes no tool calls, so each turn is forced, through the real episode
+A random-weight policy writes no tool calls, so each turn is forced through the real episode
 loop (`start_episodes` / `run_episodes`: rendering, parsing, tool runs and context growth are
-the project's own): the engine samples exactly --new-tokens tokens per row (its stop id is one
-the model cannot emit), then the reply's tail is replaced by a canned `<tool_call>` block and
-`<|im_end|>` (turns before the last) or a short answer and `<|im_end|>` (the last turn).
-Special tokens the random policy happens to sample are replaced by a plain token first, so the
-conversation renders as a policy's would.
+the project's own): the engine samples --new-tokens tokens per row, the first ones freely (no
+special token), the last ones forced to a canned `<tool_call>` block and `<|im_end|>` (turns
+before the last) or a short answer and `<|im_end|>` (the last turn). Forced means sampled from
+logits that allow only that token (`ForcedRoleModel.decode`), so the ids the episode keeps are
+the ids the engine sampled, as in a real episode, and its KV cache can be kept between turns.
 
 Single-turn: one `generate` call from the same prompts (rendered by the same template) for
---turns x --new-tokens tokens, the same batch and the same total new tokens.
+--turns x --new-tokens tokens, the same batch and the same total new tokens, through the
+engine's single-turn path (transformers' `generate`), and through its decode loop
+(`drop_finished`) for reference.
 
 Printed, medians of --repeats after one warm-up of each:
-- k-turn s:   `start_episodes` + `run_episodes` minus the time in `run_calls` (tools s, shown)
+- k-turn s:   `start_episodes` + `run_episodes` minus the time in `run_calls` (tools s, shown),
+              with the KV cache kept between turns (`rollout.episode_cache`, the default)
+- no cache s: the same without it: every turn re-prefills the whole conversation
 - single s:   prompt rendering + the one `generate` call; ratio = k-turn / single (the median
               of each repeat's ratio)
 - gen / render / other: shares of k-turn time in the engine, in the template (`Renderer`),
   and the rest (decode of replies, parsing, bookkeeping)
-- refill: the engine's fixed cost per call on each turn's context (prompt prefill, per-call
-  setup), measured as 1-token `generate` calls on the contexts the k turns started from, beside
-  the one such call the single-turn run makes. The engine keeps no KV cache between calls, so
-  every turn re-prefills the whole conversation so far.
+- prefilled: prompt tokens each side ran through the model (the cache's reused ones left out)
 
     python bench/agent_rollout.py [--batch 8] [--turns 4] [--new-tokens 64] [--repeats 3]
                                   [--hidden 256] [--layers 4] [--threads 2] [--device cpu]
@@ -94,7 +95,33 @@ def lookup(key: str) -> str:
 SCHEMAS = [describe(lookup, "lookup")]
 
 
-def policy(args: argparse.Namespace) -> tuple[Any, RoleModel]:
+class ForcedRoleModel(RoleModel):
+    """The policy, its decode loop steered: after `free` steps of a call, the logits allow only
+    the next token of `tail`; before, no special token (which would end the turn or confuse
+    the template). Set `plan = (free, tail)` before each `generate` call; None = unsteered."""
+
+    plan: tuple[int, list[int]] | None = None
+    specials: list[int] = []
+    _step = 0
+
+    def steer(self, free: int, tail: list[int]) -> None:
+        self.plan, self._step = (free, tail), 0
+
+    def decode(self, role: str, *args: Any) -> torch.Tensor:
+        logits = super().decode(role, *args)  # [n, V]
+        if self.plan is None:
+            return logits
+        free, tail = self.plan
+        i, self._step = self._step, self._step + 1
+        if i >= free:
+            forced = torch.full_like(logits, float("-inf"))
+            forced[:, tail[min(i - free, len(tail) - 1)]] = 0.0
+            return forced
+        logits[:, self.specials] = float("-inf")
+        return logits
+
+
+def policy(args: argparse.Namespace) -> tuple[Any, ForcedRoleModel]:
     """The tokenizer (with the tools template) and a random-init LoRA policy on `args.device`."""
     torch.manual_seed(0)
     # Tool-call text in the corpus too, so its JSON is a few tokens as in a real tokenizer.
@@ -111,7 +138,9 @@ def policy(args: argparse.Namespace) -> tuple[Any, RoleModel]:
         max_position_embeddings=8192,
     )
     lm = apply_lora(build_model(shape, tok), LoraConfig(r=8, alpha=16)).to(args.device).eval()
-    return tok, RoleModel(lm, None, None)
+    model = ForcedRoleModel(lm, None, None)
+    model.specials = list(tok.all_special_ids)
+    return tok, model
 
 
 class Clock:
@@ -170,28 +199,28 @@ def never_stops(tok: Any) -> list[int]:
 
 
 def forced_turns(
-    engine: HFEngine, tok: Any, args: argparse.Namespace, clock: Clock, contexts: list
+    engine: HFEngine, model: ForcedRoleModel, tok: Any, args: argparse.Namespace, clock: Clock
 ) -> Generate:
-    """The episode loop's `generate`: the engine samples --new-tokens per row, then the tail
-    becomes a canned tool call (turns before the last) or answer, closed by `<|im_end|>`.
-    `contexts` gets each turn's prompts (for the refill measurement)."""
+    """The episode loop's `generate`: the engine samples --new-tokens per row, its last ones
+    forced to a canned tool call (turns before the last) or answer closed by `<|im_end|>`."""
     sampling = SamplingConfig(name="t1", strategy="sample", max_new_tokens=args.new_tokens)
-    sample = engine_turns(engine, sampling, never_stops(tok), tok.pad_token_id, seed=args.seed)
     stop = tok.convert_tokens_to_ids(IM_END)
+    sample = engine_turns(engine, sampling, [stop], tok.pad_token_id, seed=args.seed)
     call, answer = (tok(t, add_special_tokens=False)["input_ids"] + [stop] for t in (CALL, ANSWER))
     if len(call) >= args.new_tokens:
         raise SystemExit(f"--new-tokens must exceed the canned call's {len(call)} tokens")
-    special, plain = set(tok.all_special_ids), tok(" the", add_special_tokens=False)["input_ids"][0]
+    turn = 0
 
     def generate(prompts: list[list[int]], max_new: int) -> list[list[int]]:
-        contexts.append([list(p) for p in prompts])
-        tail = answer if len(contexts) == args.turns else call
-        with clock.part("gen"):
-            rows = sample(prompts, max_new)
-        # Specials sampled by chance would close the turn early or confuse the template.
-        return [
-            [plain if t in special else t for t in r[: max_new - len(tail)]] + tail for r in rows
-        ]
+        nonlocal turn
+        turn += 1
+        tail = answer if turn == args.turns else call
+        model.steer(max_new - len(tail), tail)
+        try:
+            with clock.part("gen"):
+                return sample(prompts, max_new)
+        finally:
+            model.plan = None
 
     return generate
 
@@ -200,11 +229,15 @@ def rows_of(batch: int) -> list[dict[str, Any]]:
     return [{"prompt": [{"role": "user", "content": QUESTIONS[i % 2]}]} for i in range(batch)]
 
 
-def k_turn(tok: Any, model: RoleModel, args: argparse.Namespace) -> tuple[dict[str, float], list]:
-    """One batch of k-turn episodes: seconds per part and the contexts each turn started from."""
-    clock, contexts = Clock(), []
+def k_turn(
+    tok: Any, model: ForcedRoleModel, args: argparse.Namespace, cache: bool
+) -> dict[str, float]:
+    """One batch of k-turn episodes: seconds per part, context and prefilled tokens."""
+    clock = Clock()
     renderer = TimedRenderer(tok, IM_END, clock)
-    generate = forced_turns(HFEngine(model, POLICY, world=1), tok, args, clock, contexts)
+    # The decode loop either way (a turn with the cache runs it): forcing steers its logits.
+    engine = HFEngine(model, POLICY, world=1, drop_finished=True, keep_turns=cache)
+    generate = forced_turns(engine, model, tok, args, clock)
     limits = EpisodeLimits(
         max_turns=args.turns,
         max_new_tokens=args.new_tokens,
@@ -212,9 +245,12 @@ def k_turn(tok: Any, model: RoleModel, args: argparse.Namespace) -> tuple[dict[s
         tool_timeout_s=30.0,
     )
     stop = tok.convert_tokens_to_ids(IM_END)
+    contexts: list[int] = []
     with tools_timed(clock), clock.part("total"):
         runs = start_episodes(rows_of(args.batch), renderer, {"lookup": lookup}, SCHEMAS)
-        run_episodes(runs, generate, renderer, "hermes", limits, [stop])
+        counting = _counting(generate, contexts)
+        run_episodes(runs, counting, renderer, "hermes", limits, [stop])
+    engine.release()
     check(runs, args)
     s = clock.s
     return {
@@ -224,7 +260,19 @@ def k_turn(tok: Any, model: RoleModel, args: argparse.Namespace) -> tuple[dict[s
         "render": s["render"],
         "context": float(statistics.mean(len(r.ids) for r in runs)),
         "generated": float(statistics.mean(sum(r.mask) for r in runs)),
-    }, contexts
+        "first_context": float(statistics.mean(len(r.ids[: r.prompt_len]) for r in runs)),
+        "prefilled": float(sum(contexts) - engine.reused),
+    }
+
+
+def _counting(generate: Generate, contexts: list[int]) -> Generate:
+    """`generate`, adding each call's prompt tokens to `contexts`."""
+
+    def counted(prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        contexts.append(sum(len(p) for p in prompts))
+        return generate(prompts, max_new)
+
+    return counted
 
 
 def check(runs: list[EpisodeRun], args: argparse.Namespace) -> None:
@@ -235,49 +283,39 @@ def check(runs: list[EpisodeRun], args: argparse.Namespace) -> None:
             raise SystemExit(f"an episode did not play as forced: {r.turns} turns, {r.ended}")
 
 
-def single_turn(tok: Any, model: RoleModel, args: argparse.Namespace) -> float:
+def single_turn(tok: Any, model: RoleModel, args: argparse.Namespace, loop: bool) -> float:
     """Seconds for the same prompts, rendered by the same template, generating all k x n new
-    tokens in one `generate` call."""
+    tokens in one call (`loop`: through the decode loop instead of `generate`)."""
     t0 = time.perf_counter()
     renderer = Renderer(tok, IM_END)
     prompts = [renderer.prompt_ids(r["prompt"], SCHEMAS) for r in rows_of(args.batch)]
     n = args.turns * args.new_tokens
     sampling = SamplingConfig(name="t1", strategy="sample", max_new_tokens=n)
-    engine = HFEngine(model, POLICY, world=1)
+    engine = HFEngine(model, POLICY, world=1, drop_finished=loop)
     out = engine.generate(prompts, sampling, never_stops(tok), tok.pad_token_id, args.seed)
     seconds = time.perf_counter() - t0
     assert out.shape == (args.batch, n), out.shape
     return seconds
 
 
-def refill(tok: Any, model: RoleModel, contexts: list, seed: int) -> tuple[float, float]:
-    """(seconds of a 1-token `generate` on every turn's contexts, on the first turn's only):
-    what each call costs before its first new token - prefill of the whole context (nothing is
-    cached between calls) and the call's own setup."""
-    engine = HFEngine(model, POLICY, world=1)
-    sampling = SamplingConfig(name="t1", strategy="sample", max_new_tokens=1)
-    times = []
-    for prompts in contexts:
-        t0 = time.perf_counter()
-        engine.generate(prompts, sampling, never_stops(tok), tok.pad_token_id, seed)
-        times.append(time.perf_counter() - t0)
-    return sum(times), times[0]
-
-
-def measure(tok: Any, model: RoleModel, args: argparse.Namespace) -> dict[str, float]:
-    """Medians over --repeats of k-turn and single-turn, alternated (after one warm-up each)
-    so a slow spell of a shared machine falls on both."""
-    k_turn(tok, model, args)
-    single_turn(tok, model, args)
+def measure(tok: Any, model: ForcedRoleModel, args: argparse.Namespace) -> dict[str, float]:
+    """Medians over --repeats of each side, alternated (after one warm-up each) so a slow
+    spell of a shared machine falls on all of them."""
+    k_turn(tok, model, args, cache=True)
+    k_turn(tok, model, args, cache=False)
+    single_turn(tok, model, args, loop=False)
+    single_turn(tok, model, args, loop=True)
     rows = []
     for _ in range(args.repeats):
-        parts, contexts = k_turn(tok, model, args)
-        parts["single"] = single_turn(tok, model, args)
-        parts["refill_k"], parts["refill_1"] = refill(tok, model, contexts, args.seed)
-        parts["first_context"] = float(statistics.mean(len(p) for p in contexts[0]))
-        # A repeat's two sides ran back to back: their ratio is steadier on a shared machine
-        # than the ratio of two medians.
+        parts = k_turn(tok, model, args, cache=True)
+        nocache = k_turn(tok, model, args, cache=False)
+        parts["no_cache"], parts["prefilled_no_cache"] = nocache["k_turn"], nocache["prefilled"]
+        parts["single"] = single_turn(tok, model, args, loop=False)
+        parts["single_loop"] = single_turn(tok, model, args, loop=True)
+        # A repeat's sides ran back to back: their ratio is steadier on a shared machine than
+        # the ratio of two medians.
         parts["ratio"] = parts["k_turn"] / parts["single"]
+        parts["ratio_no_cache"] = parts["no_cache"] / parts["single"]
         rows.append(parts)
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
@@ -286,19 +324,20 @@ def report(m: dict[str, float], args: argparse.Namespace) -> None:
     ratio = m["ratio"]
     other = m["k_turn"] - m["gen"] - m["render"]
     print(
-        "batch | k | tok/turn | k-turn s | tools s (excl.) | single s | ratio | "
-        "gen | render | other"
+        "batch | k | tok/turn | k-turn s | no cache s | tools s (excl.) | single s | ratio | "
+        "no cache | gen | render | other"
     )
     print(
         f"{args.batch:5d} | {args.turns} | {args.new_tokens:8d} | {m['k_turn']:8.3f} | "
-        f"{m['tools']:15.3f} | {m['single']:8.3f} | {ratio:.2f}x | "
-        f"{100 * m['gen'] / m['k_turn']:2.0f}% | {100 * m['render'] / m['k_turn']:5.1f}% | "
-        f"{100 * other / m['k_turn']:4.1f}%"
+        f"{m['no_cache']:10.3f} | {m['tools']:15.3f} | {m['single']:8.3f} | {ratio:.2f}x | "
+        f"{m['ratio_no_cache']:7.2f}x | {100 * m['gen'] / m['k_turn']:2.0f}% | "
+        f"{100 * m['render'] / m['k_turn']:5.1f}% | {100 * other / m['k_turn']:4.1f}%"
     )
+    first = m["first_context"] * args.batch
     print(
-        f"refill (1-token calls, prefill + call setup): {m['refill_k']:.3f} s over the "
-        f"{args.turns} turns' contexts vs {m['refill_1']:.3f} s for the single call; "
-        f"k-turn gen minus single: {m['gen'] - m['single']:.3f} s"
+        f"prefilled tokens: k-turn {m['prefilled']:.0f} with the cache, "
+        f"{m['prefilled_no_cache']:.0f} without, single {first:.0f}; single-turn through the "
+        f"decode loop {m['single_loop']:.3f} s"
     )
     print(
         f"context per episode: {m['first_context']:.0f} prompt tokens -> {m['context']:.0f} at "

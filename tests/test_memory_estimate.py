@@ -690,3 +690,18 @@ def test_flow_stage_record_carries_the_summary_memory(tmp_path: Path) -> None:
     ref = ArtifactRef(stage="sft", uri=str(tmp_path), fingerprint="f" * 16, sha256="0" * 64)
     planned = PlannedStage("sft", "posttrain.stages.sft", "f" * 16, tmp_path, {}, 1, 60.0)
     assert stage_record(planned, "ran", ref, 1.0).memory == memory
+
+
+def test_an_episode_stage_is_estimated_at_its_episode_length_and_kept_caches() -> None:
+    """An episode's sequence runs to max_episode_tokens; the episode cache keeps every row's
+    KV cache between turns besides the batch assembled from it."""
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "agent-calculator.yaml")
+    r, world = recipe.grpo.rollout, recipe.infra.world_size()
+    rank_rows = r.prompts_per_step // world * r.samples_per_prompt
+    st = stage_shape(recipe, "grpo")
+    assert st.new_tokens == st.logit_positions == r.max_episode_tokens == 128
+    assert st.seq_len == recipe.grpo.data.max_prompt_len + 128
+    assert st.rollout_rows == 2 * rank_rows
+    off = recipe.model_copy(deep=True)
+    off.grpo.rollout.episode_cache = False
+    assert stage_shape(off, "grpo").rollout_rows == rank_rows

@@ -45,13 +45,14 @@ def engine_turns(
     seed: int,
 ) -> Generate:
     """A rollout engine as the episode loop's `generate`: turn n is seeded `seed + n`, each
-    row cut after its first stop token (the engine right-pads rows that stopped)."""
+    row cut after its first stop token (the engine right-pads rows that stopped); the engine
+    may keep its cache from turn to turn (`turns=True`; the caller `release()`s it)."""
     turn = itertools.count()
     stops = set(stop_ids)
 
     def generate(prompts: list[list[int]], max_new: int) -> list[list[int]]:
         cfg = sampling.model_copy(update={"max_new_tokens": max_new})
-        out = engine.generate(prompts, cfg, list(stop_ids), pad_id, seed + next(turn))
+        out = engine.generate(prompts, cfg, list(stop_ids), pad_id, seed + next(turn), turns=True)
         rows = []
         for row in out.tolist():
             end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))

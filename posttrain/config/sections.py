@@ -351,6 +351,15 @@ class RolloutConfig(_Section):
         description="Episodes: seconds a turn's tool calls may take; a call still running then "
         "is told to the model as timed out (`tool_timeouts`).",
     )
+    episode_cache: bool = Result(
+        True,
+        description="Episodes, `hf` engine: keep each row's KV cache from one turn to the "
+        "next, so a turn prefills only what was appended (the tool turn, the next generation "
+        "prompt) instead of the whole conversation again. Costs the memory of every live "
+        "episode's cache between turns (2 x layers x kv_heads x head_dim x bytes per token). "
+        "Same tokens as without (up to floating-point ties); only for models whose layers all "
+        "attend to the whole sequence (others re-prefill).",
+    )
     mask_truncated: bool = Result(
         False,
         description="Episodes cut by max_episode_tokens or max_new_tokens (truncated) train "

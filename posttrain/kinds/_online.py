@@ -22,18 +22,25 @@ def rollout_memory(section: OnlineRLConfig, m: MemoryInputs, critic: bool) -> An
         start = m.reward_model if m.reward_model is not None else m.policy
         adapters += (replace(start, role="value", trainable=True),)
     r = section.rollout
-    rows = r.generation_batch_size or max(1, r.prompts_per_step // m.world) * r.samples_per_prompt
+    rank_rows = max(1, r.prompts_per_step // m.world) * r.samples_per_prompt
+    rows = r.generation_batch_size or rank_rows
+    # An episode's sequence is its prompt and everything after it (replies, tool turns), up
+    # to max_episode_tokens; with the episode cache, every row's cache is kept between turns
+    # besides the one batch being assembled from them.
+    new = r.max_episode_tokens if r.episodes else r.max_new_tokens
+    if r.episodes and r.episode_cache:
+        rows = min(rank_rows, rows) + rank_rows
     prompt = section.data.max_prompt_len
     return StageShape(
         "rl",
-        seq_len=prompt + r.max_new_tokens,
+        seq_len=prompt + new,
         adapters=adapters,
         score_head="frozen" if m.reward_model is not None else "none",
         value_head=critic,
-        logit_positions=r.max_new_tokens,
+        logit_positions=new,
         rollout_rows=rows,
         prompt_len=prompt,
-        new_tokens=r.max_new_tokens,
+        new_tokens=new,
         keep_gathered=r.keep_gathered,
         **m.common,
     )

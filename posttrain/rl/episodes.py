@@ -148,7 +148,10 @@ def play(
         envs = [Episode(e.env, r.get("where", "")) for r in rows]
     prompts = [{"prompt": r["messages"], **r.get("columns", {})} for r in rows]
     runs = start_episodes(prompts, e.renderer, e.tools, e.schemas, envs)
-    counts = run_episodes(runs, gen, e.renderer, e.fmt, e.limits, stop_ids, sync)
+    try:
+        counts = run_episodes(runs, gen, e.renderer, e.fmt, e.limits, stop_ids, sync)
+    finally:
+        engine.release()
     ro = episode_rollout(runs, [r["messages"] for r in rows], tok.pad_token_id, e)
     ro.stats = counts
     return ro

@@ -5,7 +5,10 @@
 small so that a serving engine (vLLM, SGLang: paged KV cache, continuous batching) can be added
 beside the in-process one without touching the RL loop:
 
-- `generate(prompts, sampling, stop_ids, pad_id, seed)` -> response ids [N, R]
+- `generate(prompts, sampling, stop_ids, pad_id, seed, turns)` -> response ids [N, R];
+  `turns`: an episode loop's call, whose next call's prompts extend these prompts and responses,
+  so the engine may keep its KV cache between them (`release()` drops it). The in-process engine
+  keeps it itself (`posttrain.train.prefix_cache`); a serving engine's prefix cache does the same.
 - `sync_weights(model)`: after each policy update; a no-op for the in-process engine, which
   decodes with the training model itself; a serving engine would push the merged (or LoRA-only)
   policy weights here.
@@ -43,6 +46,7 @@ from transformers.generation import (
 from posttrain.config.schema import RolloutConfig, SamplingConfig
 from posttrain.distributed.fsdp import forward_method, gathered
 from posttrain.models.decoding import generate_kwargs
+from posttrain.train.prefix_cache import Continued, Kept, PrefixCache, full_attention
 
 _DECODE_REGISTERED = "_posttrain_decode_registered"
 
@@ -57,10 +61,17 @@ class RolloutEngine(Protocol):
         stop_ids: list[int],
         pad_id: int,
         seed: int,
+        turns: bool = False,
     ) -> torch.Tensor:
         """Response ids [N, R] (R = longest response of this call; rows right-padded with
         `pad_id` after the stop token that ended them), one per prompt, seeded by `seed`; the
-        caller's RNG state is left as it was."""
+        caller's RNG state is left as it was. `turns`: the caller plays multi-turn episodes,
+        whose next prompts extend these prompts and responses: the engine may keep this
+        call's KV cache for the next call to continue from, until `release()`."""
+        ...
+
+    def release(self) -> None:
+        """Drop what `generate(..., turns=True)` kept."""
         ...
 
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -87,6 +98,10 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+# leave(batch row, original row, that row's mask [S], cache, tokens generated and fed)
+Leave = Callable[[int, int, torch.Tensor, DynamicCache, list[int]], None]
+
+
 class HFEngine:
     """In-process engine on the role model (`RoleModel.generate` / `RoleModel.decode` with the
     role's adapter active). `world` > 1: generation is synced, every rank runs the same number
@@ -95,7 +110,10 @@ class HFEngine:
     a one-row dummy. `batch_size`: sequences per generate call (None = all). `keep_gathered`:
     hold the sharded blocks gathered for the whole call (`posttrain.distributed.fsdp.gathered`).
     `cache_implementation`: transformers' cache for `generate` (None = dynamic; "static" is
-    measured in bench/rollout_cost.py) - not used by the decode loop."""
+    measured in bench/rollout_cost.py) - not used by the decode loop. `keep_turns`: calls
+    with `turns=True` run the decode loop and keep their KV cache for the next call
+    (`posttrain.train.prefix_cache`), on models whose layers all attend to the whole
+    sequence and for greedy or sampled decoding."""
 
     def __init__(
         self,
@@ -106,21 +124,36 @@ class HFEngine:
         keep_gathered: bool = True,
         drop_finished: bool = False,
         cache_implementation: str | None = None,
+        keep_turns: bool = True,
     ) -> None:
         self.model, self.role, self.world = model, role, world
         self.batch_size = batch_size
         self.keep_gathered = keep_gathered
         self.drop_finished = drop_finished
         self.cache_implementation = cache_implementation
+        self.keep_turns = keep_turns
+        self.prefix = PrefixCache()
+        self.reused = 0  # prompt tokens continued from kept rows instead of prefilled, so far
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model  # decodes with the training model's own (sharded) weights
+        self.prefix.clear()  # keys and values of the old weights
+
+    def release(self) -> None:
+        self.prefix.clear()
 
     def sleep(self) -> None:
         pass
 
     def wake(self) -> None:
         pass
+
+    def _keeps(self, sampling: SamplingConfig) -> bool:
+        """Whether a `turns` call keeps its cache (see the class docstring)."""
+        config = self.model.causal_lm.config
+        return (
+            self.keep_turns and sampling.strategy in ("greedy", "sample") and full_attention(config)
+        )
 
     @torch.no_grad()
     def generate(
@@ -130,13 +163,16 @@ class HFEngine:
         stop_ids: list[int],
         pad_id: int,
         seed: int,
+        turns: bool = False,
     ) -> torch.Tensor:
         model = self.model
         device = next(model.parameters()).device
+        keep = turns and self._keeps(sampling)
+        found = self.prefix.find(prompts) if keep else []
+        self.prefix.clear()  # what this call keeps replaces the last call's
         ids, attn = left_pad(prompts, pad_id)
         bs = self.batch_size or len(prompts)
-        run = self._decode if self.drop_finished else self._generate
-        if self.drop_finished:
+        if self.drop_finished or keep:
             _register_decode(model)
         chunks: list[torch.Tensor] = []
         was_training = model.training
@@ -146,11 +182,14 @@ class HFEngine:
             with torch.random.fork_rng(devices=fork), gathered(model, self.keep_gathered):
                 torch.manual_seed(seed)
                 for start in range(0, len(prompts), bs):
-                    chunk = (
-                        ids[start : start + bs].to(device),
-                        attn[start : start + bs].to(device),
-                    )
-                    chunks.append(run(*chunk, sampling, stop_ids, pad_id).cpu())
+                    rows = slice(start, start + bs)
+                    if keep:
+                        out = self._turn(prompts[rows], found[rows], sampling, stop_ids, pad_id)
+                    else:
+                        chunk = ids[rows].to(device), attn[rows].to(device)
+                        run = self._fresh_decode if self.drop_finished else self._generate
+                        out = run(*chunk, sampling, stop_ids, pad_id)
+                    chunks.append(out.cpu())
         finally:
             model.train(was_training)
         width = max(c.size(1) for c in chunks)
@@ -183,7 +222,12 @@ class HFEngine:
         )  # [b, P + R]
         return out[:, ids.size(1) :]
 
-    def _decode(
+    def _fresh(self, ids: torch.Tensor, attn: torch.Tensor) -> Continued:
+        """The decode loop's start on a left-padded batch ids/attn [b, P], nothing cached."""
+        pos = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 0)  # [b, P] as generate makes them
+        return Continued(DynamicCache(config=self.model.causal_lm.config), ids, attn, pos, 0)
+
+    def _fresh_decode(
         self,
         ids: torch.Tensor,
         attn: torch.Tensor,
@@ -191,19 +235,53 @@ class HFEngine:
         stop_ids: list[int],
         pad_id: int,
     ) -> torch.Tensor:
-        """The decode loop that drops finished rows: ids/attn [b, P] -> new tokens [b, R]."""
+        return self._decode(self._fresh(ids, attn), sampling, stop_ids, pad_id)
+
+    def _turn(
+        self,
+        prompts: list[list[int]],
+        kept: list[Kept | None],
+        sampling: SamplingConfig,
+        stop_ids: list[int],
+        pad_id: int,
+    ) -> torch.Tensor:
+        """A turn of episodes: the decode loop from the rows kept for these prompts (the whole
+        prompt for the others), keeping every row's cache as it leaves the batch."""
+        config = self.model.causal_lm.config
+        if any(k is not None for k in kept):
+            state = self.prefix.continued(kept, prompts, pad_id, config)
+        else:
+            device = next(self.model.parameters()).device
+            ids, attn = left_pad(prompts, pad_id)
+            state = self._fresh(ids.to(device), attn.to(device))
+        self.reused += state.reused
+
+        def leave(j: int, r: int, mask: torch.Tensor, cache: DynamicCache, fed: list[int]) -> None:
+            self.prefix.keep(prompts[r] + fed, cache, j, mask)
+
+        return self._decode(state, sampling, stop_ids, pad_id, leave)
+
+    def _decode(
+        self,
+        state: Continued,
+        sampling: SamplingConfig,
+        stop_ids: list[int],
+        pad_id: int,
+        leave: Leave | None = None,
+    ) -> torch.Tensor:
+        """The decode loop that drops finished rows: from `state` (b rows) -> new tokens
+        [b, R]. `leave` sees each row as it leaves the batch, its cache holding every token it
+        fed (the last token sampled is not fed)."""
         if sampling.strategy not in ("greedy", "sample"):
             raise ValueError(
                 f"the decode loop samples or decodes greedily, not {sampling.strategy!r}"
             )
-        b, device = ids.size(0), ids.device
+        cache, inp, mask, pos = state.cache, state.inp, state.mask, state.pos
+        b, device = inp.size(0), inp.device
         warp = _warpers(sampling)
         stops = torch.tensor(stop_ids, device=device)
         out = torch.full((b, sampling.max_new_tokens), pad_id, dtype=torch.long, device=device)
-        cache = DynamicCache(config=self.model.causal_lm.config)
         rows = torch.arange(b, device=device)  # original row of each row still in the batch
-        pos = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 0)  # [b, P] as generate makes them
-        inp, mask = ids, attn
         steps, done = 0, False
         while _any_running(not done, self.world > 1, device):
             logits = self.model.decode(self.role, inp, mask, pos, cache)  # [n, V] fp32
@@ -215,6 +293,10 @@ class HFEngine:
                 steps += 1
                 ended = torch.isin(nxt, stops)
                 done = bool(ended.all()) or steps == sampling.max_new_tokens
+                if leave is not None and (done or ended.any()):
+                    for j in range(len(rows)) if done else ended.nonzero().squeeze(1).tolist():
+                        r = int(rows[j])
+                        leave(j, r, mask[j], cache, out[r, : steps - 1].tolist())
                 if ended.any() and not done:
                     keep = (~ended).nonzero().squeeze(1)  # [n'] rows still running
                     cache.batch_select_indices(keep)
@@ -297,4 +379,5 @@ def build_engine(
         batch_size=cfg.generation_batch_size,
         keep_gathered=cfg.keep_gathered,
         drop_finished=cfg.drop_finished,
+        keep_turns=cfg.episode_cache,
     )

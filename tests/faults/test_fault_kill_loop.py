@@ -28,7 +28,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import ROOT, TINY, write_recipe
 
 pytestmark = pytest.mark.slow
@@ -37,6 +36,7 @@ SEED = 1212
 KILLS = 4
 # Optimizer steps of each training stage, checkpointed every 3.
 STEPS = {"sft": 24, "reward": 12, "dpo": 12}
+EVERY = 3
 RUN_TIMEOUT_S = 600
 
 PAIRS = {
@@ -45,7 +45,7 @@ PAIRS = {
     "max_seq_len": 64,
     "max_prompt_len": 40,
 }
-TRAIN = {"batch": {"micro_batch_size": 8, "grad_accum_steps": 1}, "checkpoint_every": 3}
+TRAIN = {"batch": {"micro_batch_size": 8, "grad_accum_steps": 1}, "checkpoint_every": EVERY}
 
 
 def _recipe(folder: Path) -> Path:
@@ -53,7 +53,7 @@ def _recipe(folder: Path) -> Path:
     data["run"]["name"] = "killloop"
     data["infra"]["threads_per_rank"] = 1  # deterministic and fair on a busy 2-core box
     data["ingest"]["from_config"]["pretrain_steps"] = 20
-    data["sft"].update(max_steps=STEPS["sft"], checkpoint_every=3)
+    data["sft"].update(max_steps=STEPS["sft"], checkpoint_every=EVERY)
     data["reward"] = {"data": PAIRS, "max_steps": STEPS["reward"], "min_accuracy": 0.0, **TRAIN}
     data["dpo"] = {"data": PAIRS, "max_steps": STEPS["dpo"], **TRAIN}
     data["evaluate"].update(max_eval_rows=8, num_prompts=1, win_rate_prompts=4)
@@ -123,20 +123,23 @@ def _wait_gone(home: Path, limit_s: float) -> list[psutil.Process]:
     return left
 
 
-def _train_step(ws: Path, stage: str) -> int:
-    """The newest training step `stage` logged in this workspace (0 before its first)."""
-    steps = [
-        int(record["step"])
-        for metrics in (ws / "artifacts" / stage).glob("*/metrics.jsonl")
-        for record in read_metrics(metrics, "train")  # drops a line being written
+def _checkpointed(ws: Path, stage: str) -> int:
+    """The newest complete checkpoint `stage` wrote in this workspace (0 before its first):
+    a kill after it has something to resume from. (Its steps take milliseconds here, so
+    waiting for a logged step and then a random while would mostly land after the stage.)"""
+    done = [
+        int(p.name.removeprefix("step_"))
+        for p in (ws / "artifacts" / stage).glob("*/checkpoints/step_*")
+        if not p.name.endswith(".tmp")
     ]
-    return max(steps, default=0)
+    return max(done, default=0)
 
 
 def _kill_moments(rng: random.Random) -> list[tuple[str, int | float]]:
-    """One kill at a random time (Prefect start-up, ingest, any stage), then kills at random
-    training steps of the training stages, in pipeline order so every re-run gets further."""
-    steps = [(stage, step) for stage, n in STEPS.items() for step in range(1, n + 1)]
+    """One kill at a random time (Prefect start-up, ingest, any stage), then kills right after
+    random checkpoints of the training stages that leave steps to do, in pipeline order so
+    every re-run gets further."""
+    steps = [(stage, step) for stage, n in STEPS.items() for step in range(EVERY, n, EVERY)]
     picked = sorted(rng.sample(range(len(steps)), KILLS - 1))
     return [("time", rng.uniform(3.0, 20.0)), *(steps[i] for i in picked)]
 
@@ -161,17 +164,17 @@ def test_killed_at_random_moments_the_pipeline_ends_bit_identical(tmp_path: Path
     for i, (where, when) in enumerate(_kill_moments(rng)):
         everything = rng.random() < 0.5
         what = f"attempt {i}: SIGKILL {'every process' if everything else 'the CLI'}"
-        what += f" at {when:.1f} s" if where == "time" else f" after {where} step {when}"
+        what += f" at {when:.1f} s" if where == "time" else f" after {where} checkpoint {when}"
         with open(log, "a") as f:
             f.write(f"\n=== {what}\n")
         proc, t0 = _start(recipe, home, log), time.monotonic()
         while proc.poll() is None and time.monotonic() - t0 < RUN_TIMEOUT_S:
             if where == "time" and time.monotonic() - t0 >= when:
                 break
-            if where != "time" and _train_step(ws, where) >= when:
-                time.sleep(rng.uniform(0.0, 0.3))  # mid-step, mid-checkpoint, ...
+            if where != "time" and _checkpointed(ws, where) >= when:
+                time.sleep(rng.uniform(0.0, 0.02))  # mid-step, mid-next-checkpoint, ...
                 break
-            time.sleep(0.05)
+            time.sleep(0.01)
         if proc.poll() is not None:
             events.append(f"{what}: the run had ended (rc {proc.returncode})")
             continue
