@@ -166,7 +166,7 @@ def test_the_shipped_number_game_answers_higher_lower_and_costs_turns() -> None:
     ep = Episode(env, "synthetic row 0")
     target = row["columns"]["target"]
     assert ep.reset(row["columns"]) is None  # the prompt says it all
-    said = [ep.step({"role": "assistant", "content": c}) for c in ("9", "no idea", "99")]
+    said = [ep.step({"role": "assistant", "content": c}) for c in ("9", "no idea", "= 9 26: 99")]
     assert [s.observations[0]["content"] for s in said] == ["higher", "Say a number.", "lower"]
     assert [(s.reward, s.done) for s in said] == [(-0.1, False)] * 3
     found = ep.step({"role": "assistant", "content": f"{target}"})
@@ -184,10 +184,15 @@ def test_the_guess_sft_games_are_ones_the_environment_plays_back() -> None:
         # The prompt is the RL task's, so the SFT policy is asked what it learned on.
         assert msgs[:2] == guess_prompts(1, 0)[0]["messages"]
         ep = Episode(env, "trace")
-        ep.reset({"target": int(msgs[-1]["content"])})
+        ep.reset({"target": int(msgs[-1]["content"].split(": ")[1])})
         replies, answers = msgs[2::2], [m["content"] for m in msgs[3::2]]
         said = [ep.step(m) for m in replies]
         assert [s.observations[0]["content"] for s in said[:-1]] == answers
         assert said[-1].done and not any(s.done for s in said[:-1])
-        guesses = [int(m["content"]) for m in replies]
-        assert len(set(guesses)) == len(guesses) and all(10 <= g <= 25 for g in guesses)
+        # Each reply's bounds are what the answers before it set, and its guess is between them.
+        low, high = 9, 26
+        for reply, answer in zip(replies, [*answers, None], strict=True):
+            bounds, guess = reply["content"].split(": ")
+            assert bounds == f"= {low} {high}" and low < int(guess) < high
+            if answer is not None:
+                low, high = (int(guess), high) if answer == "higher" else (low, int(guess))
