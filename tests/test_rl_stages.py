@@ -258,14 +258,39 @@ def test_grpo_family_algorithms_train_the_policy(parents, algorithm) -> None:
     assert start["kl_placement"] == want
     train = read_metrics(out / "metrics.jsonl", "train")
     assert len(train) == 2
+    # DAPO has no KL (its preset's coefficient is 0): its rollouts are not scored by the
+    # reference, and no KL is logged.
+    keys = ("loss", "policy_loss", "entropy", "clip_frac", "score_mean")
     for row in train:
-        for key in ("loss", "policy_loss", "entropy", "clip_frac", "kl", "score_mean"):
+        assert ("kl" in row) is (algorithm != "dapo"), row
+        for key in keys + (("kl",) if algorithm != "dapo" else ()):
             assert math.isfinite(row[key]), (key, row)
     assert math.isfinite(summary(out)["eval_final"]["reward"])
     before = load_file(parents["sft"] / "adapter" / "adapter_model.safetensors")
     after = load_file(out / "adapter" / "adapter_model.safetensors")
     assert before.keys() == after.keys()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_grpo_without_kl_and_one_update_runs_no_scoring_pass(parents, capfd) -> None:
+    """kl.coef 0 and one update per rollout (8 sequences, micro 8): neither the policy nor the
+    reference scores the rollout; the stage says so, trains, and logs no KL."""
+    section = {
+        **COMMON,
+        "rollout": {"prompts_per_step": 4, "samples_per_prompt": 2, "max_new_tokens": 8},
+        "kl": {"coef": 0.0},
+        "max_steps": 3,
+        "eval_prompts": 4,
+    }
+    out = run_inprocess("grpo", recipe_with(parents, "grpo", section, "no-passes"))
+    log = capfd.readouterr().out  # stage_main logs to stdout
+    assert "no policy scoring pass: one update per rollout" in log
+    assert "no reference scoring pass: kl.coef 0" in log
+    train = read_metrics(out / "metrics.jsonl", "train")
+    assert len(train) == 3 and all(r["updates"] == 1 for r in train)
+    assert all("kl" not in r and "kl_loss" not in r for r in train)
+    assert all(r["clip_frac"] == 0.0 and math.isfinite(r["policy_loss"]) for r in train)
+    assert math.isfinite(summary(out)["eval_final"]["kl"])  # held out, still measured
 
 
 def test_gates_stop_on_kl_and_reward_gain(parents, ppo_run) -> None:

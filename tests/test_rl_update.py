@@ -109,6 +109,41 @@ def test_policy_terms_by_hand() -> None:
     close(no_kl, t([-1.38, 0.8]))
 
 
+def test_policy_terms_with_the_updates_own_logps_and_no_reference() -> None:
+    """The rollout's only update, no KL: the old log-probs are the update's own, detached
+    (ratio 1, nothing clipped, the gradient of -advantage x log-prob), and no KL is reported."""
+    cfg = SimpleNamespace(
+        clip_range=0.2, clip_range_high=None, entropy_coef=0.1, kl=SimpleNamespace(estimator="k1")
+    )
+    logp = t([0.5, 0.25]).log().requires_grad_(True)
+    adv, ent = t([1.0, -2.0]), t([1.0, 2.0])
+    per_token, stats = policy_terms(logp, ent, None, None, adv, cfg, kl_in_loss=0.0)
+    close(per_token, t([-1.0 - 0.1, 2.0 - 0.2]))
+    assert list(stats) == ["policy_loss", "entropy", "clip_frac", "approx_kl", "tokens"]
+    close(stats["clip_frac"], t([0.0, 0.0]))
+    close(stats["approx_kl"], t([0.0, 0.0]))
+    per_token.sum().backward()
+    close(logp.grad, -adv)  # d/dlogp of -adv x exp(logp - stop_grad(logp)) at ratio 1
+
+
+@pytest.mark.parametrize(
+    "coef,adaptive,placement,updates,want",
+    [
+        (0.0, False, "loss", 1, (False, False)),  # GRPO, no KL, one update: no pass at all
+        (0.05, False, "loss", 1, (False, True)),  # KL in the loss: the update's logps serve
+        (0.05, False, "reward", 1, (True, True)),  # KL in the rewards: needed before the update
+        (0.0, False, "reward", 1, (False, False)),  # PPO without KL
+        (0.0, True, "loss", 1, (False, True)),  # adaptive: the KL is measured to steer it
+        (0.0, False, "loss", 2, (True, False)),  # a second update needs the sampling logps
+    ],
+)
+def test_scoring_passes_by_case(coef, adaptive, placement, updates, want) -> None:
+    from posttrain.rl.setup import scoring_passes
+
+    cfg = SimpleNamespace(kl=SimpleNamespace(coef=coef, adaptive=adaptive))
+    assert scoring_passes(cfg, placement, updates) == want
+
+
 # --- the update on a tiny real model ------------------------------------------------------------
 
 
@@ -226,6 +261,34 @@ def test_update_steps_on_the_minibatchs_global_mean_however_it_is_split(
         after = [p.detach() for p in model.parameters() if p.requires_grad]
         assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert policy_loss != 0.0 and value_loss > 0.0
+
+
+def test_the_only_update_without_scoring_passes_steps_as_with_them(tiny, world, tmp_path) -> None:
+    """One update per rollout, no KL: a rollout scored without the policy and reference passes
+    (`RolloutSetup.score_policy/score_reference` off) trains the same step as one scored with
+    them: the update's own log-probs equal the scoring pass's, up to rounding."""
+    cfg = section("grpo", rollout={"prompts_per_step": 2, "samples_per_prompt": 2}, kl={"coef": 0})
+    rows = prompt_rows(tiny.tokenizer, 4)
+    steps = []
+    for passes in ((True, True), (False, False)):
+        model = role_model(tiny, False)
+        s = replace(
+            rollout_setup(model, tiny.tokenizer, cfg, "alternating"), score_policy=passes[0]
+        )
+        s = replace(s, score_reference=passes[1])
+        ro = collect_rollout(s, rows, 0).rollout
+        assert ("logps" in ro.scored, "ref_logps" in ro.scored) == passes
+        adv = compute_advantages(ALGORITHMS["grpo"], ro, cfg, 0.0, "loss", None)
+        tr = _session(tmp_path / str(passes[0]), world, model)
+        stats = update(tr, ro, adv, cfg, ResolvedBatch(4, 1, 4, 1), seed=5, step=1)
+        assert stats.updates == 1
+        steps.append((stats, [p.detach().clone() for p in model.parameters() if p.requires_grad]))
+    (full, after_full), (own, after_own) = steps
+    assert own.grad_norm == pytest.approx(full.grad_norm, rel=1e-5) and own.grad_norm > 0
+    assert own.means["policy_loss"] == pytest.approx(full.means["policy_loss"], abs=1e-6)
+    assert "kl_loss" in full.means and "kl_loss" not in own.means
+    for a, b in zip(after_full, after_own, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_update_makes_one_optimizer_step_per_minibatch_and_epoch(tiny, world, tmp_path) -> None:

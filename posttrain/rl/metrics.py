@@ -22,12 +22,14 @@ from posttrain.train.rollout import Rollout
 def rollout_totals(ro: Rollout, device: torch.device) -> dict[str, float]:
     """Sums over all ranks of a scored rollout: each reward function's (reward_fn_<label>,
     count_fn_<label>: `add_function_sums`), then n (sequences), score and score_sq (the summed
-    reward and its square), kl (per-response KL k1 to the reference), length (response tokens)
-    and stopped (responses that ended with a stop token); for episodes, `episode_sums`."""
+    reward and its square), kl (per-response KL k1 to the reference, when it was scored),
+    length (response tokens) and stopped (responses that ended with a stop token); for
+    episodes, `episode_sums`."""
     scores = ro.scored["scores"]  # [N]
     fn_sums: Counter[str] = Counter()
     add_function_sums(fn_sums, function_values(ro))
     fn_sums.update(episode_sums(ro))
+    kl = [("kl", float(sequence_kl(ro, "k1").sum()))] if "ref_logps" in ro.scored else []
     return {
         k: all_reduce_sum(v, device)
         for k, v in (
@@ -35,7 +37,7 @@ def rollout_totals(ro: Rollout, device: torch.device) -> dict[str, float]:
             ("n", ro.n),
             ("score", float(scores.sum())),
             ("score_sq", float((scores**2).sum())),
-            ("kl", float(sequence_kl(ro, "k1").sum())),
+            *kl,
             ("length", float(ro.mask.sum())),
             ("stopped", float(ro.stopped.sum())),
         )
@@ -91,7 +93,7 @@ def train_metrics(
         "score_mean": totals["score"] / n,
         **function_metrics(totals),
         "score_std": math.sqrt(max(0.0, totals["score_sq"] / n - (totals["score"] / n) ** 2)),
-        "kl": totals["kl"] / n,
+        **({"kl": totals["kl"] / n} if "kl" in totals else {}),
         "kl_coef": kl_coef,
         "response_len": totals["length"] / n,
         "stop_rate": totals["stopped"] / n,

@@ -51,12 +51,17 @@ class RolloutSetup:
     world: int
     device: torch.device
     episodes: EpisodeSetup | None = None  # multi-turn rollouts (rollout.tools / environment)
+    score_policy: bool = True  # False: the update's own log-probs are the old ones
+    score_reference: bool = True  # False: the KL does not count (`setup.scoring_passes`)
 
     @property
     def roles(self) -> tuple[str, ...]:
-        """The roles a rollout is scored by: policy and reference log-probs, the reward model's
-        score (when the stage has one), the critic's values (PPO)."""
-        return (POLICY, REFERENCE) + self.rewarder.roles + ((VALUE,) if self.critic else ())
+        """The roles a rollout is scored by: policy and reference log-probs (each unless
+        skipped), the reward model's score (when the stage has one), the critic's values."""
+        logps = ((POLICY,) if self.score_policy else ()) + (
+            (REFERENCE,) if self.score_reference else ()
+        )
+        return logps + self.rewarder.roles + ((VALUE,) if self.critic else ())
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,19 @@ def check_shapes(name: str, cfg: Any, batch: Any, world: int) -> tuple[int, int]
     return local, cfg.update_epochs * local // per_update
 
 
+def scoring_passes(cfg: Any, placement: str, updates_per_rollout: int) -> tuple[bool, bool]:
+    """(score the policy, score the reference) before the update: the passes a step needs.
+
+    The policy's log-probs under the weights that sampled (the ratio's denominator) are the
+    update's own, detached, when the rollout gets exactly one optimizer step (one epoch, one
+    minibatch): nothing has changed the weights before that step's forward. Unless the KL goes
+    into the rewards, whose advantages are computed before the update. The reference is needed
+    only when the KL counts (a coefficient above 0, or an adaptive one)."""
+    kl = cfg.kl.coef > 0 or cfg.kl.adaptive
+    own = updates_per_rollout == 1 and not (kl and placement == "reward")
+    return not own, kl
+
+
 @dataclass(frozen=True)
 class RLRun:
     """The stage's parts that every step reads, built once by `setup`."""
@@ -112,7 +125,10 @@ def setup(ctx: StageContext, algo: Algorithm) -> RLRun:
     )
     ctl = KLController(cfg.kl.coef, cfg.kl.adaptive, cfg.kl.target, cfg.kl.horizon)
     ctl.coef = tr.resume_meta.get("kl_coef", ctl.coef)
-    rollouts = rollout_setup(ctx, tr.model, tok, rewarder, algo.critic, batch.micro_batch_size)
+    passes = scoring_passes(cfg, placement, updates_per_rollout)
+    rollouts = rollout_setup(
+        ctx, tr.model, tok, rewarder, algo.critic, batch.micro_batch_size, passes
+    )
     reduce = partial(all_reduce_tensor, device=d.device)
     return RLRun(
         ctx, algo, placement, data, batch, n_rollouts, tr, rollouts, ctl, reduce, template_sha
@@ -164,9 +180,11 @@ def rollout_setup(
     rewarder: Rewarder,
     critic: bool,
     batch_size: int,
+    passes: tuple[bool, bool] = (True, True),
 ) -> RolloutSetup:
     """What the rollouts and held-out samples are drawn with, on the session's (sharded)
-    `model`: generate registered as a forward method, the stop ids found."""
+    `model`: generate registered as a forward method, the stop ids found. `passes`: whether
+    a rollout is scored by the policy and by the reference (`scoring_passes`)."""
     d = ctx.dist
     forward_method(model, "generate")
     # Responses end at any stop id (EOS, generation_config eos ids, the template's end of turn):
@@ -176,6 +194,13 @@ def rollout_setup(
     episodes = episode_setup(
         ctx.section.rollout, tok, stop_ids, f"{ctx.name}'s policy ({ctx.roles['policy']})"
     )
+    why = {
+        "policy": "one update per rollout, whose own log-probs are the sampling policy's",
+        "reference": "kl.coef 0, the KL does not count",
+    }
+    for name, keep in zip(why, passes, strict=True):
+        if not keep:
+            log.info("no %s scoring pass: %s", name, why[name])
     return RolloutSetup(
         model,
         tok,
@@ -190,4 +215,5 @@ def rollout_setup(
         d.world_size,
         d.device,
         episodes,
+        *passes,
     )

@@ -195,14 +195,11 @@ def policy_backward(
         temperature=cfg.rollout.temperature,
     )  # [n, R] each, under the sampling temperature
     assert ent is not None
+    old, ref = (
+        ro.scored[k][mi.rows].to(device) if k in ro.scored else None for k in ("logps", "ref_logps")
+    )
     per_token, stats = policy_terms(
-        logp,
-        ent,
-        ro.scored["logps"][mi.rows].to(device),
-        ro.scored["ref_logps"][mi.rows].to(device),
-        adv.advantages[mi.rows].to(device),
-        cfg,
-        adv.kl_in_loss,
+        logp, ent, old, ref, adv.advantages[mi.rows].to(device), cfg, adv.kl_in_loss
     )
     objective = (per_token * mi.weights).sum() * scale
     tr.backward(objective)
@@ -214,34 +211,38 @@ def policy_backward(
 def policy_terms(
     logp: torch.Tensor,
     entropy: torch.Tensor,
-    old_logp: torch.Tensor,
-    ref_logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    ref_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     cfg: Any,
     kl_in_loss: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy's per-token objective [n, R] from its log-probs and entropy [n, R] (with
-    grad), the rollout's log-probs under the policy that sampled it and under the reference, and
-    the advantages [n, R]: clipped surrogate - entropy_coef x entropy (+ kl_in_loss x KL). With
-    the per-token statistics [n, R] the update reports: policy_loss, entropy, clip_frac,
-    approx_kl (half the squared log-ratio to the sampling policy), kl_loss (KL to the
-    reference), tokens (ones, for the count)."""
+    grad), the rollout's log-probs under the policy that sampled it (None: the update's own,
+    detached: the rollout's only update, before which nothing changed the weights) and under
+    the reference (None: the KL does not count), and the advantages [n, R]: clipped surrogate
+    - entropy_coef x entropy (+ kl_in_loss x KL). With the per-token statistics [n, R] the
+    update reports: policy_loss, entropy, clip_frac, approx_kl (half the squared log-ratio to
+    the sampling policy), kl_loss (KL to the reference, when scored), tokens (ones)."""
+    if old_logp is None:
+        old_logp = logp.detach()
     pg, clipped = clipped_policy_loss(
         logp, old_logp, advantages, cfg.clip_range, cfg.clip_range_high
     )  # clip_range_high None = clip_range on both sides
     per_token = pg - cfg.entropy_coef * entropy
-    kl_t = kl_penalty(logp, ref_logp, cfg.kl.estimator)
-    if kl_in_loss:
-        per_token = per_token + kl_in_loss * kl_t
     ratio_log = logp.detach() - old_logp
     stats = {
         "policy_loss": pg,
         "entropy": entropy,
         "clip_frac": clipped.float(),
         "approx_kl": 0.5 * ratio_log**2,
-        "kl_loss": kl_t,
-        "tokens": torch.ones_like(pg),
     }
+    if ref_logp is not None:
+        kl_t = kl_penalty(logp, ref_logp, cfg.kl.estimator)
+        if kl_in_loss:
+            per_token = per_token + kl_in_loss * kl_t
+        stats["kl_loss"] = kl_t
+    stats["tokens"] = torch.ones_like(pg)
     return per_token, stats
 
 

@@ -79,7 +79,8 @@ def train_step(run: RLRun, step: int) -> None:
     stats = update(run.tr, rb.rollout, adv, cfg, run.batch, update_seed, step + 1, s.chunk_tokens)
     t_train = time.perf_counter() - t0 - rb.generation_s - rb.scoring_s
     totals = rollout_totals(rb.rollout, s.device)
-    run.ctl.update(totals["kl"] / totals["n"], int(totals["n"]))
+    if "kl" in totals:  # not scored when it does not count (then the coefficient is fixed)
+        run.ctl.update(totals["kl"] / totals["n"], int(totals["n"]))
     record(run, step + 1, rb, totals, adv, stats, t0, t_train)
     position = data_position(step + 1, len(run.data.train), cfg.rollout.prompts_per_step, s.seed)
     extra = {"kl_coef": run.ctl.coef, "data": position}

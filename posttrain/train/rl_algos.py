@@ -42,10 +42,17 @@ def shaped_scores(ro: Rollout, cfg: Any) -> torch.Tensor:
     return scores
 
 
+def rollout_kl(ro: Rollout, estimator: str) -> torch.Tensor:
+    """[N, R] per-token KL(policy || reference) estimate of the rollout as scored; zeros when
+    a pass was skipped because the KL does not count (`posttrain.rl.setup.scoring_passes`)."""
+    if "ref_logps" not in ro.scored or "logps" not in ro.scored:
+        return torch.zeros_like(ro.mask)
+    return kl_penalty(ro.scored["logps"], ro.scored["ref_logps"], estimator)
+
+
 def sequence_kl(ro: Rollout, estimator: str) -> torch.Tensor:
     """[N] KL(policy || reference) estimate of each response: the sum over its tokens."""
-    kl = kl_penalty(ro.scored["logps"], ro.scored["ref_logps"], estimator)
-    return (kl * ro.mask).sum(1)
+    return (rollout_kl(ro, estimator) * ro.mask).sum(1)
 
 
 def ppo_advantages(
@@ -53,7 +60,7 @@ def ppo_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards (score at the last token, minus kl_coef x KL at every token), GAE over
     the critic's values, advantages whitened over the whole rollout (all ranks)."""
-    kl = kl_penalty(ro.scored["logps"], ro.scored["ref_logps"], cfg.kl.estimator)
+    kl = rollout_kl(ro, cfg.kl.estimator)
     rewards = token_rewards(shaped_scores(ro, cfg), kl, ro.mask, kl_coef)
     adv, returns = gae(rewards, ro.scored["values"], ro.mask, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:
@@ -95,7 +102,7 @@ def reinforce_pp_advantages(
     """REINFORCE++ (Hu 2025): per-token rewards (-kl_coef x KL at every token, the score at the
     last), return-to-go with gamma 1 and no critic (GAE over zero values with gamma = lam = 1),
     whitened over the whole global batch (all ranks): the batch, not the group, is the baseline."""
-    kl = kl_penalty(ro.scored["logps"], ro.scored["ref_logps"], cfg.kl.estimator)
+    kl = rollout_kl(ro, cfg.kl.estimator)
     rewards = token_rewards(shaped_scores(ro, cfg), kl, ro.mask, kl_coef)
     returns, _ = gae(rewards, torch.zeros_like(rewards), ro.mask, 1.0, 1.0)  # [N, R]
     return masked_whiten(returns, ro.mask, reduce=reduce), None
