@@ -16,7 +16,8 @@ but the last (the stop token is sampled, never fed), one (keys, values) pair per
 right-aligned after it in [n, T], masked holes between: position ids come from the mask's
 running count, so every real token keeps the position it had. Memory: the kept rows of one call
 (every row's whole context: 2 x layers x kv_heads x head_dim x bytes per token), plus one
-padded copy of a batch while it is assembled.
+padded copy of a batch while it is assembled; the last call's rows are let go batch by batch
+as the new ones are kept.
 
 Only caches whose every layer attends to the whole sequence are kept (a sliding-window layer
 keeps only its window, which `find` cannot extend); other models re-prefill.

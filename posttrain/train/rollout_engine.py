@@ -185,6 +185,7 @@ class HFEngine:
                     rows = slice(start, start + bs)
                     if keep:
                         out = self._turn(prompts[rows], found[rows], sampling, stop_ids, pad_id)
+                        found[rows] = [None] * len(found[rows])  # the last turn's rows, done
                     else:
                         chunk = ids[rows].to(device), attn[rows].to(device)
                         run = self._fresh_decode if self.drop_finished else self._generate
