@@ -150,3 +150,45 @@ def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> TinyAssets:
         with one_torch_thread():
             _CACHE["assets"] = _build(tmp_path_factory.mktemp("tiny"))
     return _CACHE["assets"]
+
+
+def family_role_model(family: str) -> Any:
+    """A random-init tiny LoRA policy of another cache layout than the tiny Llama, as a
+    `RoleModel`: grouped KV heads (`qwen2`, `qwen3`), or Gemma-2's sliding-window layers
+    (window 8, shorter than the tests' prompts) with its logit soft-cap (`gemma2`). Vocabulary
+    300, pad id 0, LoRA B random (the adapter changes the outputs)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from torch import nn
+    from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    from posttrain.models.roles import RoleModel
+
+    common = dict(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        pad_token_id=0,
+    )
+    cls, cfg = {
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config(**common)),
+        "qwen3": (Qwen3ForCausalLM, Qwen3Config(head_dim=16, **common)),
+        "gemma2": (
+            Gemma2ForCausalLM,
+            Gemma2Config(head_dim=16, sliding_window=8, final_logit_softcapping=30.0, **common),
+        ),
+    }[family]
+    torch.manual_seed(0)
+    lora = PeftLoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    lm = get_peft_model(cls(cfg).float().eval(), lora)
+    return RoleModel(lm, nn.Linear(64, 1), None)

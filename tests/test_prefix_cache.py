@@ -10,7 +10,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from fixtures_tiny import LORA_CFG, TinyAssets, load_base, one_torch_thread, tiny_assets
+from fixtures_tiny import (
+    LORA_CFG,
+    TinyAssets,
+    family_role_model,
+    load_base,
+    one_torch_thread,
+    tiny_assets,
+)
 
 from posttrain.config.schema import SamplingConfig
 from posttrain.models.adapters import POLICY
@@ -34,33 +41,7 @@ def _one_thread() -> Iterator[None]:
 def _family(name: str, tiny: TinyAssets) -> RoleModel:
     if name == "llama":
         return RoleModel(apply_lora(load_base(tiny), LORA_CFG), None, None)
-    from peft import LoraConfig, get_peft_model
-    from transformers import (
-        Gemma2Config,
-        Gemma2ForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
-
-    common = dict(
-        vocab_size=300,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        pad_token_id=0,
-    )
-    cls, cfg = {
-        "qwen2": (Qwen2ForCausalLM, Qwen2Config(**common)),
-        "qwen3": (Qwen3ForCausalLM, Qwen3Config(head_dim=16, **common)),
-        "gemma2": (Gemma2ForCausalLM, Gemma2Config(head_dim=16, sliding_window=8, **common)),
-    }[name]
-    torch.manual_seed(0)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
-    return RoleModel(get_peft_model(cls(cfg).float().eval(), lora), None, None)
+    return family_role_model(name)
 
 
 def _prompts(n: int, seed: int, vocab: int = 300) -> list[list[int]]:

@@ -10,7 +10,15 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from fixtures_tiny import LORA_CFG, TinyAssets, load_base, one_torch_thread, prompts, tiny_assets
+from fixtures_tiny import (
+    LORA_CFG,
+    TinyAssets,
+    family_role_model,
+    load_base,
+    one_torch_thread,
+    prompts,
+    tiny_assets,
+)
 from torch import nn
 
 from posttrain.config.schema import RolloutConfig, SamplingConfig
@@ -124,37 +132,7 @@ def test_build_engine_names_the_field() -> None:
 def test_decode_loop_matches_generate_on_other_families(family: str) -> None:
     """Random-init tiny models of other cache layouts: grouped KV heads (Qwen2/3), and Gemma-2's
     sliding-window layers (window 8 < prompt lengths) with its logit soft-cap."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import (
-        Gemma2Config,
-        Gemma2ForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
-
-    common = dict(
-        vocab_size=300,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        pad_token_id=0,
-    )
-    cls, cfg = {
-        "qwen2": (Qwen2ForCausalLM, Qwen2Config(**common)),
-        "qwen3": (Qwen3ForCausalLM, Qwen3Config(head_dim=16, **common)),
-        "gemma2": (
-            Gemma2ForCausalLM,
-            Gemma2Config(head_dim=16, sliding_window=8, final_logit_softcapping=30.0, **common),
-        ),
-    }[family]
-    torch.manual_seed(0)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
-    lm = get_peft_model(cls(cfg).float().eval(), lora)
-    model = RoleModel(lm, nn.Linear(64, 1), None)
+    model = family_role_model(family)
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 9, 14, 20, 7, 11)]
     s = _sampling("sample", 20, temperature=1.0)

@@ -281,8 +281,9 @@ def _no_tool_calls(template: str | None) -> str | None:
 def _template_errors(recipe: Any, graph: StageGraph) -> list[str]:
     """A stage formatting its data with another chat template than the policy it starts from
     (or than its reward model) learnt, without `allow_template_change`, or given tools under a
-    template that renders no tool calls: refused now, before anything trains. Only templates the recipe spells out are compared
-    here; the stage compares the recorded ones (sha256) when it runs."""
+    template that renders no tool calls: refused now, before anything trains. Only templates
+    the recipe spells out are compared here; the stage compares the recorded ones (sha256)
+    when it runs."""
     root = _template_text(getattr(recipe.ingest, "chat_template", None))
     own: dict[str, str | None] = {}
     for s in graph:

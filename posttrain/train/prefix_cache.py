@@ -79,11 +79,11 @@ class PrefixCache:
         self.rows = {}
 
     def _hashes(self, ids: list[int]) -> np.ndarray:
-        if len(self._powers) < len(ids):
-            n = max(len(ids), 2 * len(self._powers))
+        if len(self._powers) < len(ids):  # powers[j] = _BASE ** j, mod 2^64
+            steps = np.full(max(len(ids), 2 * len(self._powers)), _BASE, dtype=np.uint64)
+            steps[0] = 1
             with np.errstate(over="ignore"):
-                self._powers = np.cumprod(np.full(n, _BASE, dtype=np.uint64), dtype=np.uint64)
-            self._powers = np.concatenate([np.ones(1, dtype=np.uint64), self._powers[:-1]])
+                self._powers = np.cumprod(steps, dtype=np.uint64)
         return _prefix_hashes(ids, self._powers)
 
     def find(self, prompts: list[list[int]]) -> list[Kept | None]:

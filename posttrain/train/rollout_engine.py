@@ -133,6 +133,7 @@ class HFEngine:
         self.cache_implementation = cache_implementation
         self.keep_turns = keep_turns
         self.prefix = PrefixCache()
+        self._full_attention: bool | None = None
         self.reused = 0  # prompt tokens continued from kept rows instead of prefilled, so far
 
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -150,9 +151,10 @@ class HFEngine:
 
     def _keeps(self, sampling: SamplingConfig) -> bool:
         """Whether a `turns` call keeps its cache (see the class docstring)."""
-        config = self.model.causal_lm.config
+        if self._full_attention is None:  # the model's layout: looked up once
+            self._full_attention = full_attention(self.model.causal_lm.config)
         return (
-            self.keep_turns and sampling.strategy in ("greedy", "sample") and full_attention(config)
+            self.keep_turns and sampling.strategy in ("greedy", "sample") and self._full_attention
         )
 
     @torch.no_grad()
