@@ -64,7 +64,7 @@ if __name__ == "__main__":
 # Ignores SIGTERM (so the supervisor must escalate to SIGKILL) and leaves two grandchildren that
 # inherit the ignored SIGTERM: one in its process group, one in a session of its own (as
 # torchrun's ranks are). Its parent's PID, its own and theirs go to $PT_PIDS_FILE (suffixed with
-# the local rank under torchrun) once they exist.
+# the global rank under torchrun) once they exist.
 HANG = """
 import os
 import signal
@@ -85,7 +85,7 @@ def run(ctx):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     kids = [_sleeper(False), _sleeper(True)]
     pids = [os.getppid(), os.getpid(), *(k.pid for k in kids)]
-    path = Path(os.environ["PT_PIDS_FILE"] + os.environ.get("LOCAL_RANK", ""))
+    path = Path(os.environ["PT_PIDS_FILE"] + os.environ.get("RANK", ""))
     path.with_suffix(".tmp").write_text(" ".join(map(str, pids)))
     path.with_suffix(".tmp").rename(path)
     while True:
@@ -117,7 +117,8 @@ def write_stage_modules(folder: Path, stages: tuple[str, ...] = ("ingest",)) -> 
 # A 2-rank stage whose rank 1 stops beating at step STUCK_AT: it passes that step's collective,
 # then blocks in `wait_for_nothing_forever` before its beat, so its last beat is step
 # STUCK_AT - 1, while rank 0 beats STUCK_AT and then waits in the next step's collective. Each
-# rank writes "<parent pid> <pid>" to $PT_PIDS_FILE<local rank> once it runs.
+# rank writes "<parent pid> <pid>" to $PT_PIDS_FILE<rank> once it runs (the global rank: on
+# two nodes both ranks are local rank 0, and their files share the workspace's folder).
 STUCK = """
 import os
 import time
@@ -138,7 +139,7 @@ def wait_for_nothing_forever():
 
 
 def run(ctx):
-    path = Path(os.environ["PT_PIDS_FILE"] + os.environ.get("LOCAL_RANK", ""))
+    path = Path(os.environ["PT_PIDS_FILE"] + os.environ.get("RANK", ""))
     path.with_suffix(".tmp").write_text(f"{{os.getppid()}} {{os.getpid()}}")
     path.with_suffix(".tmp").rename(path)
     heartbeat.beat(step=0, phase="train")
