@@ -25,34 +25,21 @@ and environment are Prefect's (`uvicorn_command`; a test compares them with Pref
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-PR_SET_PDEATHSIG = 1
+from posttrain.orphan import die_with
+
 # Prefect's port range for its temporary server (SubprocessASGIServer._port_range).
 PORT_RANGE = (8000, 9000)
-
-
-def die_with(parent: int, sig: int = signal.SIGTERM) -> Callable[[], None]:
-    """A `preexec_fn`: the child gets `sig` when its parent's forking thread ends."""
-
-    def preexec() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os.kill(os.getpid(), sig)
-
-    return preexec
 
 
 def _wanted() -> bool:

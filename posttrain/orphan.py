@@ -33,13 +33,14 @@ No Prefect here: the stage side knows only processes, files and locks.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import psutil
@@ -47,11 +48,24 @@ import psutil
 from posttrain.locking import FileLock
 from posttrain.stage_spec import LAUNCH_TAG_ENV, LaunchInfo
 
+PR_SET_PDEATHSIG = 1
 BEAT_EVERY_S = 5.0
 POLL_S = 1.0
 EXIT_ORPHANED = 1  # like any stage that did not finish: no manifest, "not done"
 
 log = logging.getLogger("posttrain.orphan")
+
+
+def die_with(parent: int, sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A `preexec_fn`: the child gets `sig` when its parent's forking thread ends."""
+
+    def preexec() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), sig)
+
+    return preexec
 
 
 def process_start(pid: int | None = None) -> float:

@@ -31,9 +31,10 @@ class DistInfo:
         return self.rank == 0
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on at `host` now (whoever needs it binds it moments later)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
