@@ -65,7 +65,7 @@ case "${1:-}" in
     "$venv/bin/posttrain" run recipes/quickstart.yaml "${@:2}"
     ;;
   test | test-fast)
-    install dev,mlflow,wandb,lm-eval,kubernetes
+    install dev,serving,mlflow,wandb,lm-eval,kubernetes
     [ "$1" = test ] && install_browser
     [ "$1" = test ] && install_slurm
     marker=()

@@ -1,0 +1,125 @@
+"""`ServerEngine`: the `RolloutEngine` (`posttrain.train.rollout_engine`) that samples from a
+rollout server (`posttrain.serving.server`).
+
+Each prompt is one request, `max_concurrency` in flight per rank; ranks send theirs on their
+own (no collective: the server batches them), so an episode loop on this engine needs no
+lock-step between ranks. Every answer is checked: it must come from the model the request
+named (the policy version the engine stands for), or the stage fails: a rollout the engine
+cannot vouch for is never trained on as if it were fresh. What each call saw is counted for the
+step's metrics (`take_counts`): responses, those with the sampled ids (`exact`), the
+re-tokenised ones the server's own token count contradicts, prompts the server read as another
+length than sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+
+import torch
+
+from posttrain.config.schema import SamplingConfig
+from posttrain.serving.api import Completion, ServerError
+from posttrain.serving.server import RolloutServer
+
+log = logging.getLogger("posttrain.serving")
+
+
+class ServerEngine:
+    """Samples `role` ("policy": the version the server holds now; "reference": the stage's
+    reference policy) from `server`."""
+
+    collective = False  # generate runs no collective: ranks sample independently
+
+    def __init__(self, server: RolloutServer, role: str) -> None:
+        self.server, self.role = server, role
+        # Per thread: a rollout generated ahead in the background counts apart from the
+        # main thread's calls (`posttrain.rl.offpolicy`).
+        self._local = threading.local()
+        self._warned = False
+
+    @property
+    def counts(self) -> Counter[str]:
+        if not hasattr(self._local, "counts"):
+            self._local.counts = Counter()
+        return self._local.counts
+
+    @property
+    def version(self) -> int:
+        """The policy version this engine samples (-1 for the reference)."""
+        return self.server.version if self.role == "policy" else -1
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        stop_ids: list[int],
+        pad_id: int,
+        seed: int,
+        turns: bool = False,
+    ) -> torch.Tensor:
+        s = self.server
+        model = s.names[self.role]
+        # One seed per row: rows of one call must not share a random stream on servers that
+        # honour seeds (transformers serve without continuous batching, vLLM, SGLang).
+        bodies = [
+            s.api.request(p, model, sampling, stop_ids, (seed * 1_000_003 + i) % 2**31)
+            for i, p in enumerate(prompts)
+        ]
+        answers = s.client.post_many(s.api.path, bodies)
+        try:
+            done = [s.api.parse(a, stop_ids) for a in answers]
+        except ServerError as e:
+            raise s.client.failed(f"gave an answer that is not a completion ({e})") from None
+        for c, p in zip(done, prompts, strict=True):
+            self._check(c, model, len(p))
+        out = torch.full((len(prompts), sampling.max_new_tokens), pad_id, dtype=torch.long)
+        width = 1
+        for i, c in enumerate(done):
+            ids = c.ids[: sampling.max_new_tokens]
+            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            width = max(width, len(ids))
+        return out[:, :width]
+
+    def _check(self, c: Completion, model: str, prompt_len: int) -> None:
+        """Count what an answer says; fail on one from another model than asked."""
+        if self.server.api.named_versions and c.model is not None and c.model != model:
+            raise self.server.client.failed(
+                f"answered with model {c.model!r} when {model!r} was asked: the rollout would "
+                "come from other weights than the policy's version"
+            )
+        self.counts["responses"] += 1
+        self.counts["exact"] += int(c.exact)
+        self.counts["retokenized_mismatch"] += int(c.known_mismatch)
+        if c.prompt_tokens is not None and c.prompt_tokens != prompt_len:
+            self.counts["prompt_mismatch"] += 1
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "the rollout server read a prompt of %d tokens as %d: its tokenizer does not "
+                    "give the stage's ids back (an added BOS?)",
+                    prompt_len,
+                    c.prompt_tokens,
+                )
+
+    def take_counts(self) -> dict[str, float]:
+        """What the calls since the last take saw (see the module docstring), then reset."""
+        out = {k: float(v) for k, v in self.counts.items()}
+        self.counts.clear()
+        return out
+
+    def release(self) -> None:
+        pass  # the server's own prefix cache keeps what it keeps
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """The next policy version (a collective): the model's adapter, written and loaded."""
+        if self.role != "policy":
+            raise ValueError("only the policy's engine syncs weights")
+        self.server.sync(model, self.server.version + 1)
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass

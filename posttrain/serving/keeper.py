@@ -1,0 +1,68 @@
+"""`python -m posttrain.serving.keeper ARGV...`: a rollout server's command, kept on a leash.
+
+`ServerProcess.start` runs the server through this small process, the leader of the server's
+process group, which the kernel sends SIGTERM when the stage process dies (its parent-death
+signal: SIGKILL of the stage, an orphaned stage's `os._exit`). On SIGTERM, SIGHUP or SIGINT it
+ends the whole group - the server and whatever it started (vLLM's and SGLang's engine processes,
+a shell's children) - with SIGTERM, then SIGKILL after a grace period. A parent-death signal
+alone would reach only the direct child. When the server exits by itself, the keeper ends the
+group's leftovers and exits the same way (the same code, or the same signal), so the stage can
+say how its server ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import psutil
+
+GRACE_S = 10.0
+
+
+def _end_leftovers(sig: int) -> None:
+    """Send `sig` to every other process of this group."""
+    me = os.getpid()
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if p.pid != me and os.getpgid(p.pid) == me:
+                p.send_signal(sig)
+
+
+def main(argv: list[str]) -> None:
+    child = subprocess.Popen(argv)
+    stopping = threading.Event()
+
+    def stop(signum: int, frame: object) -> None:
+        # The main thread is in child.wait(), which resumes after this handler: no waiting
+        # here (Popen's wait lock is held), only signals, and a timer for a server that
+        # ignores SIGTERM.
+        if stopping.is_set():
+            return
+        stopping.set()
+        _end_leftovers(signal.SIGTERM)
+        timer = threading.Timer(GRACE_S, os.killpg, (0, signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
+
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, stop)
+    code = child.wait()
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    _end_leftovers(signal.SIGKILL)  # what the server left behind
+    if stopping.is_set():
+        sys.exit(0)
+    if code < 0:  # killed by a signal: end the same way
+        if -code != signal.SIGKILL:
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
