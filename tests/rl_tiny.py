@@ -13,10 +13,12 @@ from posttrain.data.prompts import encode_prompt, quickstart_prompts
 from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.kinds.grpo import GRPOConfig
 from posttrain.kinds.ppo import PPOConfig
+from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import RoleModel, build_roles
 from posttrain.rewards.combine import RewardFunction
 from posttrain.rl.rollouts import RolloutSetup
 from posttrain.train.rl_rewards import Rewarder
+from posttrain.train.rollout_engine import build_engine
 
 MAX_PROMPT_LEN = 40
 
@@ -69,6 +71,8 @@ def reward(name: str) -> RewardFunction:
 def rollout_setup(
     model: RoleModel, tokenizer: Any, cfg: Any, fn: str, batch_size: int = 4
 ) -> RolloutSetup:
+    """The stage's setup with in-process engines for the policy and the reference."""
+    engines = {r: build_engine(cfg.rollout, model, r, 1) for r in (POLICY, REFERENCE)}
     return RolloutSetup(
         model,
         tokenizer,
@@ -82,4 +86,5 @@ def rollout_setup(
         0,
         1,
         torch.device("cpu"),
+        engines=engines,
     )

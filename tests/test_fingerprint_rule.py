@@ -53,6 +53,7 @@ def _base(tmp: Path) -> dict[str, Any]:
         data[kind] = {"data": copy.deepcopy(PREFS), "batch": dict(BATCH)}
     for kind in ("ppo", "grpo"):
         data[kind] = copy.deepcopy(RL) | {"rewards": [REWARD_FN], "batch": dict(BATCH)}
+    data["grpo"]["rollout"] |= {"engine": "server", "server": dict(SERVER)}
     data["evaluate"] |= {
         "verifiers": [REWARD_FN],
         "lm_eval": {"tasks": ["t"], "include_path": str(_tasks(tmp))},
@@ -129,7 +130,7 @@ def _coupled(files: dict[str, str], section: str) -> dict[str, list[dict[str, An
         "kto": "unpaired.jsonl", "ppo": "prompts.jsonl", "grpo": "prompts.jsonl",
     }.get(section, "sft.jsonl")  # fmt: skip
     data_file = files[path_file]
-    return {
+    return _rollout_engine_edits(section) | {
         "batch.micro_batch_size": [{"batch.micro_batch_size": 4, "batch.grad_accum_steps": 2}],
         "batch.grad_accum_steps": [{"batch.micro_batch_size": 2, "batch.grad_accum_steps": 4}],
         "batch.global_batch_size": [
@@ -177,9 +178,25 @@ NO_CHANGE_HERE = {
     "infra.device": ("result", "cuda needs a GPU to resolve"),
     "infra.precision": ("result", "CPU runs refuse half precision"),
     "infra.base_dtype": ("result", "a bf16 base needs a GPU"),
-    "ppo.rollout.engine": ("result", "one rollout engine so far"),
-    "grpo.rollout.engine": ("result", "one rollout engine so far"),
 }
+
+
+# The base recipe's ppo stage samples in process, its grpo stage from a server (so that the
+# server section's fields are reached): the edits that switch each to the other engine.
+SERVER = {"command": "transformers serve --port {port}"}
+
+
+def _rollout_engine_edits(section: str) -> dict[str, list[dict[str, Any]]]:
+    if section == "grpo":
+        to_hf = {"rollout.engine": "hf", "rollout.server": None, "rollout.max_staleness": 0}
+        url = {"rollout.server.url": "http://127.0.0.1:9", "rollout.server.command": None}
+        return {"rollout.engine": [to_hf], "rollout.server.url": [url]}
+    to_server = {"rollout.engine": "server", "rollout.server": SERVER}
+    return {
+        "rollout.engine": [to_server],
+        "rollout.server": [to_server],
+        "rollout.max_staleness": [to_server | {"rollout.max_staleness": 1}],
+    }
 
 
 def _candidates(value: Any, info: FieldInfo) -> list[Any]:

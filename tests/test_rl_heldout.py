@@ -95,14 +95,13 @@ def test_heldout_samples_each_prompt_batch_with_its_seed_and_scores_it(tiny) -> 
     want = []
     for first, batch in ((0, rows[:4]), (4, rows[4:])):
         ro = sample(
-            s.model,
+            s.engines[POLICY],
             [r["ids"] for r in batch],
             [r["messages"] for r in batch],
             s.cfg.rollout,
             tiny.tokenizer.pad_token_id,
             s.stop_ids,
             3 + first,
-            1,
         )
         texts, lengths = decode_responses(tiny.tokenizer, ro), ro.mask.sum(1).tolist()
         want += list(zip(texts, lengths, strict=True))

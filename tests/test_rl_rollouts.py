@@ -94,15 +94,13 @@ def test_collect_rollout_samples_scores_and_rewards_the_steps_prompts(tiny) -> N
     drawn = round_prompts(s, rows, 2, 0)
     assert ro.n == 4 and ro.messages == [r["messages"] for r in drawn]
     want = sample(
-        model,
+        s.engines[POLICY],
         [r["ids"] for r in drawn],
         [r["messages"] for r in drawn],
         cfg.rollout,
         tiny.tokenizer.pad_token_id,
         s.stop_ids,
         rollout_seed(3, 2, 0),
-        1,
-        role=POLICY,
     )
     assert torch.equal(ro.response, want.response) and torch.equal(ro.mask, want.mask)
     assert set(ro.scored) == {"logps", "ref_logps", "values", "scores", "fn:length"}

@@ -111,13 +111,15 @@ def test_sample_builds_the_same_rollout_through_either_path(roles) -> None:
         ids,
         SamplingConfig(name="r", strategy="sample", temperature=1.0, max_new_tokens=10),
     )
-    a = sample(model, ids, [[]] * len(ids), cfg, 0, stops, seed=9, world=1)
+    dropping = cfg.model_copy(update={"drop_finished": True})
+    a = sample(build_engine(cfg, model, POLICY, 1), ids, [[]] * len(ids), cfg, 0, stops, seed=9)
     b = sample(
-        model, ids, [[]] * len(ids), cfg.model_copy(update={"drop_finished": True}), 0, stops, 9, 1
+        build_engine(dropping, model, POLICY, 1), ids, [[]] * len(ids), dropping, 0, stops, 9
     )
-    for name in ("prompt_ids", "prompt_mask", "response", "mask", "stopped"):
+    for name in ("prompt_ids", "prompt_mask", "response", "mask", "stopped", "versions"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert a.stopped.any() and a.mask.sum() < a.mask.numel()
+    assert a.versions.tolist() == [0] * len(ids)  # the in-process engine's starting version
 
 
 def test_build_engine_names_the_field() -> None:

@@ -19,10 +19,12 @@ from transformers import GenerationConfig
 from posttrain.config.schema import RolloutConfig, SamplingConfig
 from posttrain.eval.generation import generate, generate_ids
 from posttrain.eval.stop_tokens import end_of_turn_token, model_stop_token_ids, stop_token_ids
+from posttrain.models.adapters import POLICY
 from posttrain.models.lora import apply_lora
 from posttrain.models.roles import RoleModel
 from posttrain.models.tiny import EOT, IM_END
 from posttrain.train.rollout import decode_responses, sample
+from posttrain.train.rollout_engine import build_engine
 from tests.chat_template_fixtures import with_chat_tokens
 
 GREEDY = SamplingConfig(name="greedy", strategy="greedy", max_new_tokens=12)
@@ -163,7 +165,9 @@ def test_rl_rollout_ends_responses_at_the_end_of_turn(tiny: TinyAssets) -> None:
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts(tok, 3)]
     cfg = RolloutConfig(max_new_tokens=8, temperature=1.0)
     with scripted(lm.get_base_model(), im_end, 3, stops):
-        ro = sample(model, ids, [[]] * 3, cfg, tok.pad_token_id, stops, seed=0, world=1)
+        ro = sample(
+            build_engine(cfg, model, POLICY, 1), ids, [[]] * 3, cfg, tok.pad_token_id, stops, 0
+        )
     assert ro.mask.sum(1).tolist() == [3.0] * 3
     assert ro.stopped.tolist() == [True] * 3
     assert (ro.response[:, 2] == im_end).all()
@@ -172,5 +176,13 @@ def test_rl_rollout_ends_responses_at_the_end_of_turn(tiny: TinyAssets) -> None:
     ]
     # At the EOS alone (the old behaviour) none of them would have ended.
     with scripted(lm.get_base_model(), im_end, 3, stops):
-        ro = sample(model, ids, [[]] * 3, cfg, tok.pad_token_id, tok.eos_token_id, 0, 1)
+        ro = sample(
+            build_engine(cfg, model, POLICY, 1),
+            ids,
+            [[]] * 3,
+            cfg,
+            tok.pad_token_id,
+            tok.eos_token_id,
+            0,
+        )
     assert ro.stopped.tolist() == [False] * 3 and ro.mask.sum(1).tolist() == [8.0] * 3

@@ -274,6 +274,99 @@ class TemplateGuard(_Section):
     )
 
 
+# What `rollout.server.command` may contain, filled in when the stage starts the server.
+SERVER_PLACEHOLDERS = ("host", "port", "model")
+
+
+class RolloutServerConfig(_Section):
+    """An OpenAI-compatible server that samples the rollouts (`posttrain.serving`): one that
+    already runs (`url`), or one the stage starts and stops (`command`)."""
+
+    api: Literal["transformers", "vllm", "sglang"] = Result(
+        "transformers",
+        description="What the server is, which decides how requests are written and how it "
+        "gets weights. `transformers` (`transformers serve`): text prompts, text answers "
+        "(re-tokenised), a new model folder per policy version loaded by `/load_model`. "
+        "`vllm` (`vllm serve --enable-lora`): token-id prompts, the sampled ids returned, "
+        "LoRA adapters loaded by name (`/v1/load_lora_adapter`). `sglang` (native "
+        "`/generate`): token ids both ways, LoRA adapters (`/load_lora_adapter`) or merged "
+        "weights (`/update_weights_from_disk`).",
+    )
+    weights: Literal["adapter", "merged"] = Result(
+        "adapter",
+        description="What is synced after each update: the policy's LoRA `adapter` (small; the "
+        "server applies it to the base it holds), or the base with the adapter `merged` into "
+        "it (full weights each update; `transformers` and `sglang` only).",
+    )
+    url: str | None = Execution(
+        None,
+        pattern=r"^https?://[^\s/]+(/.*)?$",
+        description="A server that already runs (`http://host:port`): the stage syncs weights "
+        "to it and never stops it. It must read the stage's folders (the same filesystem).",
+    )
+    command: str | list[str] | None = Execution(
+        None,
+        description="The command that starts a server for the stage (one string, split like a "
+        "shell would, or a list): e.g. `transformers serve --host {host} --port {port} "
+        "--continuous-batching`. `{host}`, `{port}` (a free port unless `port` is set) and "
+        "`{model}` (a folder holding the stage's base model and tokenizer) are filled in. The "
+        "stage's rank 0 starts it in a session of its own, waits for `health_path`, and stops "
+        "it when the stage ends, however it ends.",
+    )
+    host: str = Execution(
+        "127.0.0.1", min_length=1, description="`command`: the address the server listens on."
+    )
+    port: int = Execution(
+        0, ge=0, le=65535, description="`command`: the server's port; 0 = a free one."
+    )
+    health_path: str = Execution(
+        "/health", pattern=r"^/", description="GET path that answers 200 once the server is up."
+    )
+    startup_timeout_s: float = Execution(
+        900.0, gt=0, description="`command`: seconds the server may take to become healthy."
+    )
+    request_timeout_s: float = Execution(
+        300.0,
+        gt=0,
+        description="Seconds a request (or a weight sync) may go unanswered before the stage "
+        "fails, naming the server and the last thing it said.",
+    )
+    max_concurrency: int = Execution(
+        64, ge=1, description="Requests in flight at once per rank (one prompt per request)."
+    )
+    env: dict[str, str] = Execution(
+        default_factory=dict, description="`command`: extra environment variables."
+    )
+
+    @model_validator(mode="after")
+    def _url_or_command(self) -> RolloutServerConfig:
+        if (self.url is None) == (self.command is None):
+            raise ValueError(
+                "rollout.server: give `url` (a server that runs) or `command` (one the stage "
+                "starts), exactly one"
+            )
+        if self.weights == "merged" and self.api == "vllm":
+            raise ValueError(
+                "rollout.server.weights: vllm takes LoRA adapters by name; `merged` is for "
+                "`transformers` and `sglang`"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _placeholders(self) -> RolloutServerConfig:
+        import string
+
+        parts = [self.command] if isinstance(self.command, str) else list(self.command or [])
+        for part in parts:
+            for _, name, _, _ in string.Formatter().parse(part):
+                if name is not None and name not in SERVER_PLACEHOLDERS:
+                    raise ValueError(
+                        f"rollout.server.command: unknown placeholder {{{name}}}; known: "
+                        + ", ".join(f"{{{p}}}" for p in SERVER_PLACEHOLDERS)
+                    )
+        return self
+
+
 class RolloutConfig(_Section):
     prompts_per_step: int = Result(
         16, ge=1, description="Prompts per rollout, over all ranks (a multiple of the ranks)."
@@ -300,11 +393,31 @@ class RolloutConfig(_Section):
         "per rollout, full-model memory while generating) instead of gathering every block at "
         "every new token.",
     )
-    engine: Literal["hf"] = Result(
+    engine: Literal["hf", "server"] = Result(
         "hf",
         description="Rollout engine (`posttrain.train.rollout_engine`): `hf` decodes in process "
-        "on the sharded role model. The interface leaves room for a serving engine (vLLM, "
-        "SGLang).",
+        "on the sharded role model; `server` samples from an OpenAI-compatible server "
+        "(`rollout.server`: vLLM, SGLang or `transformers serve`) that gets the policy's "
+        "weights after every update (`posttrain.serving`).",
+    )
+    # A result as a whole only in that it exists with `engine: server`; its own fields decide.
+    server: RolloutServerConfig | None = Result(
+        None, description="`engine: server`: the server, and how it gets the weights."
+    )
+    max_staleness: Literal[0, 1] = Result(
+        0,
+        description="`engine: server`: 0 = each rollout is sampled by the weights it trains "
+        "(synchronous); 1 = the next rollout is sampled while the current update trains (one "
+        "update behind), the update then weighting each token by min(p_now / p_sampled, "
+        "importance_weight_cap) (truncated importance sampling against the weights that "
+        "sampled it).",
+    )
+    importance_weight_cap: float = Result(
+        2.0,
+        ge=1.0,
+        description="max_staleness 1: the truncation of the importance weight p_now / p_sampled "
+        "of a token sampled one update behind (its share above the cap is logged as "
+        "`is_clip_frac`).",
     )
     # A result, although the tokens are the same up to ties: the logits of a smaller batch may
     # flip a near-tie, and a reused artifact must be exactly what the recipe asks for.
@@ -365,6 +478,24 @@ class RolloutConfig(_Section):
         description="Episodes cut by max_episode_tokens or max_new_tokens (truncated) train "
         "nothing: their tokens leave the loss (their rewards still count in their group).",
     )
+
+    @model_validator(mode="after")
+    def _server(self) -> RolloutConfig:
+        if self.engine == "server" and self.server is None:
+            raise ValueError(
+                "rollout.server: engine `server` needs a server: `url` of one that runs, or "
+                "`command` to start one"
+            )
+        if self.engine != "server" and self.server is not None:
+            raise ValueError(
+                f"rollout.server is read only by `engine: server` (engine is {self.engine!r})"
+            )
+        if self.max_staleness and self.engine != "server":
+            raise ValueError(
+                "rollout.max_staleness: 1 needs `engine: server`: the in-process engine "
+                "samples with the weights it trains, so it cannot sample while they train"
+            )
+        return self
 
     @model_validator(mode="after")
     def _tools_or_environment(self) -> RolloutConfig:

@@ -155,7 +155,7 @@ class RoleModel(nn.Module):
             critic = {
                 k: v.contiguous()
                 for k, v in state_dict.items()
-                if k.startswith("value_head.") or _adapter_of(k) == VALUE
+                if k.startswith("value_head.") or adapter_of(k) == VALUE
             }
             Path(path).mkdir(parents=True, exist_ok=True)
             save_file(critic, str(Path(path) / "critic.safetensors"))
@@ -164,7 +164,7 @@ class RoleModel(nn.Module):
         self.lm.save_pretrained(path, state_dict=inner, selected_adapters=selected_adapters)
 
 
-def _adapter_of(param_name: str) -> str | None:
+def adapter_of(param_name: str) -> str | None:
     """The adapter a peft parameter belongs to ('...lora_A.<adapter>.weight'), else None."""
     parts = param_name.split(".")
     for i, part in enumerate(parts[:-1]):
@@ -215,7 +215,7 @@ def build_roles(
             lm.load_adapter(str(start), adapter_name=VALUE, is_trainable=True)
     trainable = {POLICY, VALUE} if critic else {POLICY}
     for name, p in lm.named_parameters():
-        p.requires_grad_(_adapter_of(name) in trainable)
+        p.requires_grad_(adapter_of(name) in trainable)
     hidden = base.config.hidden_size
     score = None
     if reward_adapter is not None:

@@ -138,11 +138,16 @@ def play(
     device: torch.device,
     rows: list[dict[str, Any]],
     seed: int,
+    versions: bool = True,
 ) -> Rollout:
     """One episode per prompt row (`posttrain.data.prompts` rows), its turns sampled by
-    `engine` under `seed`, as a Rollout (see the module docstring)."""
+    `engine` under `seed`, as a Rollout (see the module docstring) stamped with the engine's
+    policy version (`versions`; False for the reference's episodes). Ranks keep in step only
+    when the engine's generation is a collective."""
     gen = engine_turns(engine, sampling, stop_ids, tok.pad_token_id, seed)
-    gen, sync = synced_turns(gen, device, rows[0]["ids"][:1])
+    sync = None
+    if engine.collective:
+        gen, sync = synced_turns(gen, device, rows[0]["ids"][:1])
     envs = None
     if e.env is not None:
         envs = [Episode(e.env, r.get("where", "")) for r in rows]
@@ -153,7 +158,9 @@ def play(
     finally:
         engine.release()
     ro = episode_rollout(runs, [r["messages"] for r in rows], tok.pad_token_id, e)
-    ro.stats = counts
+    ro.stats = counts | engine.take_counts()
+    if versions:
+        ro.versions = torch.full((len(rows),), engine.version, dtype=torch.long)
     return ro
 
 

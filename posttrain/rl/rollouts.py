@@ -26,7 +26,7 @@ from posttrain.rl.episodes import EpisodeSetup, play
 from posttrain.train.rl_losses import informative_groups
 from posttrain.train.rl_rewards import Rewarder
 from posttrain.train.rollout import Rollout, sample, sampling_of, score
-from posttrain.train.rollout_engine import build_engine
+from posttrain.train.rollout_engine import RolloutEngine
 
 
 def rollout_seed(seed: int, step: int, rank: int) -> int:
@@ -53,6 +53,9 @@ class RolloutSetup:
     episodes: EpisodeSetup | None = None  # multi-turn rollouts (rollout.tools / environment)
     score_policy: bool = True  # False: the update's own log-probs are the old ones
     score_reference: bool = True  # False: the KL does not count (`setup.scoring_passes`)
+    # The rollout engine of each role that samples (POLICY, REFERENCE for the held-out
+    # baseline): in process, or a server's (`posttrain.serving.engine`).
+    engines: dict[str, RolloutEngine] = field(default_factory=dict)
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -97,23 +100,33 @@ def round_prompts(
 
 
 def generate(s: RolloutSetup, rows: list[dict[str, Any]], seed: int, role: str = POLICY) -> Rollout:
-    """Step 1: one sampled response per row from `role` under `seed`; every rank runs the same
-    number of decode steps (`posttrain.train.rollout.sample`). With tools or an environment,
-    one episode per row (`posttrain.rl.episodes.play`)."""
+    """Step 1: one sampled response per row from `role` under `seed`, by the role's engine
+    (`posttrain.train.rollout.sample`; in process, every rank runs the same number of decode
+    steps). With tools or an environment, one episode per row (`posttrain.rl.episodes.play`).
+    The policy's rows carry the version that sampled them."""
+    engine = s.engines[role]
     if s.episodes is not None:
-        engine = build_engine(s.cfg.rollout, s.model, role, s.world)
         sampling = sampling_of(s.cfg.rollout)
-        return play(s.episodes, engine, sampling, s.tokenizer, s.stop_ids, s.device, rows, seed)
+        return play(
+            s.episodes,
+            engine,
+            sampling,
+            s.tokenizer,
+            s.stop_ids,
+            s.device,
+            rows,
+            seed,
+            versions=role == POLICY,
+        )
     return sample(
-        s.model,
+        engine,
         [x["ids"] for x in rows],
         [x["messages"] for x in rows],
         s.cfg.rollout,
         s.tokenizer.pad_token_id,
         s.stop_ids,
         seed,
-        s.world,
-        role=role,
+        versions=role == POLICY,
     )
 
 
@@ -135,25 +148,54 @@ def score_rollout(
     s.rewarder(ro, rows)
 
 
-def sampling_round(
+@dataclass(frozen=True)
+class Generated:
+    """Step 1 of one round, before scoring: the prompt rows and what they were answered."""
+
+    rows: list[dict[str, Any]]
+    rollout: Rollout
+    seconds: float  # drawing the prompts and generating
+
+
+def generate_round(
     s: RolloutSetup, prompts: list[dict[str, Any]], step: int, round_: int
-) -> RolloutBatch:
-    """One round: this rank's prompts drawn, generated, scored and rewarded, with the seconds
-    each part took."""
+) -> Generated:
+    """This rank's prompts of a round drawn and answered by the policy's engine. Runs no
+    forward of the trainer's model when the engine is a server's (`posttrain.rl.offpolicy`
+    runs it in a thread then)."""
     t = time.perf_counter()
     rows = round_prompts(s, prompts, step, round_)
     ro = generate(s, rows, rollout_seed(s.seed + round_, step, s.rank))
-    t_gen = time.perf_counter() - t
-    score_rollout(s, ro, rows, s.roles)
-    return RolloutBatch(ro, t_gen, time.perf_counter() - t - t_gen)
+    return Generated(rows, ro, time.perf_counter() - t)
 
 
-def collect_rollout(s: RolloutSetup, prompts: list[dict[str, Any]], step: int) -> RolloutBatch:
+def sampling_round(
+    s: RolloutSetup,
+    prompts: list[dict[str, Any]],
+    step: int,
+    round_: int,
+    generated: Generated | None = None,
+) -> RolloutBatch:
+    """One round: this rank's prompts drawn, generated (unless `generated` already holds
+    them), scored and rewarded, with the seconds each part took."""
+    g = generated or generate_round(s, prompts, step, round_)
+    t = time.perf_counter()
+    score_rollout(s, g.rollout, g.rows, s.roles)
+    return RolloutBatch(g.rollout, g.seconds, time.perf_counter() - t)
+
+
+def collect_rollout(
+    s: RolloutSetup,
+    prompts: list[dict[str, Any]],
+    step: int,
+    generated: Generated | None = None,
+) -> RolloutBatch:
     """Steps 1 and 2 of step `step` (0-based): the step's scored rollout on this rank, drawn
-    from `prompts` (the training prompt rows), and its sampling statistics. With groups, the
-    share of groups whose samples score differently (`informative_frac`, over all ranks); with
-    dynamic sampling, rounds until the batch is made of such groups (`dynamic_sampling`)."""
-    first = sampling_round(s, prompts, step, 0)
+    from `prompts` (the training prompt rows), and its sampling statistics; `generated`: its
+    first round, generated ahead (`posttrain.rl.offpolicy`). With groups, the share of groups
+    whose samples score differently (`informative_frac`, over all ranks); with dynamic
+    sampling, rounds until the batch is made of such groups (`dynamic_sampling`)."""
+    first = sampling_round(s, prompts, step, 0, generated)
     group = s.cfg.rollout.samples_per_prompt
     if group < 2:
         return first

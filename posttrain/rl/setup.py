@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,15 +23,18 @@ from posttrain.data.sft_data import write_rows
 from posttrain.distributed.fsdp import forward_method
 from posttrain.distributed.runtime import all_reduce_tensor
 from posttrain.eval.stop_tokens import model_stop_token_ids
+from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.lora import prepare_for_training
 from posttrain.models.roles import RoleModel, build_roles
 from posttrain.rewards.combine import load_rewards
 from posttrain.rl.episodes import episode_setup
 from posttrain.rl.rollouts import RolloutSetup
 from posttrain.stages.common import StageContext, training_base
+from posttrain.telemetry import heartbeat
 from posttrain.train.rl_algos import Algorithm
 from posttrain.train.rl_losses import KLController, Reduce
 from posttrain.train.rl_rewards import Rewarder
+from posttrain.train.rollout_engine import RolloutEngine, build_engine
 from posttrain.train.session import TrainSession, start_session
 
 log = logging.getLogger("posttrain.rl")
@@ -86,10 +91,11 @@ class RLRun:
     template_sha: str  # the policy's chat template, as the SFT stage recorded it
 
 
-def setup(ctx: StageContext, algo: Algorithm) -> RLRun:
+def setup(ctx: StageContext, algo: Algorithm, stack: ExitStack) -> RLRun:
     """Everything before the first step: templates checked, reward and prompts loaded, the
     roles built on the base and sharded, the session started (or resumed, with its KL
-    coefficient)."""
+    coefficient), the rollout engines ready (a rollout server started and given the policy:
+    `stack` stops it when the stage ends)."""
     cfg, name, d = ctx.section, ctx.name, ctx.dist
     base, tok, weights = training_base(ctx)
     template_sha = check_template(ctx, tok, "policy")
@@ -129,6 +135,8 @@ def setup(ctx: StageContext, algo: Algorithm) -> RLRun:
     rollouts = rollout_setup(
         ctx, tr.model, tok, rewarder, algo.critic, batch.micro_batch_size, passes
     )
+    engines = rollout_engines(ctx, rollouts, tr.start_step, stack)
+    rollouts = replace(rollouts, engines=engines)
     reduce = partial(all_reduce_tensor, device=d.device)
     return RLRun(
         ctx, algo, placement, data, batch, n_rollouts, tr, rollouts, ctl, reduce, template_sha
@@ -217,3 +225,39 @@ def rollout_setup(
         episodes,
         *passes,
     )
+
+
+def rollout_engines(
+    ctx: StageContext, s: RolloutSetup, version: int, stack: ExitStack
+) -> dict[str, RolloutEngine]:
+    """The policy's and the reference's rollout engines, the policy's at `version` (the
+    updates before a resume): in process, or a server's - started, given the reference and the
+    policy's current weights, and stopped by `stack`."""
+    cfg = ctx.section.rollout
+    if cfg.engine == "hf":
+        engines = {r: build_engine(cfg, s.model, r, s.world) for r in (POLICY, REFERENCE)}
+        engines[POLICY].version = version
+        return engines
+    from posttrain.eval.stop_tokens import end_of_turn_token
+    from posttrain.serving.engine import ServerEngine
+    from posttrain.serving.server import rollout_server
+
+    eot = end_of_turn_token(s.tokenizer)
+    server = stack.enter_context(
+        rollout_server(
+            cfg.server,
+            ctx.out_dir,
+            Path(ctx.role_manifest("base")["summary"]["model_dir"]),
+            ctx.role_dir("base") / "tokenizer",
+            s.tokenizer,
+            eot if eot in s.stop_ids else s.stop_ids[0],
+            lambda: heartbeat.beat(phase="server"),
+        )
+    )
+    reference = ctx.adapter_dir("reference")
+    assert reference is not None  # the graph checks it
+    server.load_reference(reference)
+    log.info(
+        "rollout server: policy version %d synced in %.2f s", version, server.sync(s.model, version)
+    )
+    return {POLICY: ServerEngine(server, "policy"), REFERENCE: ServerEngine(server, "reference")}

@@ -28,6 +28,7 @@ from posttrain.train.rl_losses import (
     clipped_value_loss,
     kl_penalty,
     loss_weights,
+    truncated_importance_weights,
 )
 from posttrain.train.rollout import Rollout, response_logps
 from posttrain.train.session import TrainSession
@@ -41,6 +42,9 @@ class Advantages:
     returns: torch.Tensor | None  # [N, R] the critic's value targets; None without a critic
     kl_coef: float  # the KL coefficient of this step (the controller's before this rollout)
     kl_in_loss: float  # the KL term's weight in the loss: kl_coef, or 0 when in the reward
+    # [N] bool: rows sampled by older weights than the update's (`posttrain.rl.offpolicy`),
+    # weighted by truncated importance weights against their `behaviour_logps`; None: none
+    stale: torch.Tensor | None = None
 
 
 def compute_advantages(
@@ -50,13 +54,15 @@ def compute_advantages(
     kl_coef: float,
     placement: str,
     reduce: Reduce | None,
+    lag: torch.Tensor | None = None,
 ) -> Advantages:
     """Step 3: the algorithm's advantages (`posttrain.train.rl_algos`) with the KL penalty
     where `placement` ("reward" or "loss") puts it: subtracted from the rewards before the
     advantages, or added to the loss by the update. `reduce` sums statistics over ranks (PPO's
-    and REINFORCE++'s whitening)."""
+    and REINFORCE++'s whitening). `lag` [N]: updates each row's sampler was behind."""
     adv, returns = algo.advantages(ro, cfg, kl_coef if placement == "reward" else 0.0, reduce)
-    return Advantages(adv, returns, kl_coef, kl_coef if placement == "loss" else 0.0)
+    stale = lag > 0 if lag is not None and "behaviour_logps" in ro.scored else None
+    return Advantages(adv, returns, kl_coef, kl_coef if placement == "loss" else 0.0, stale)
 
 
 @dataclass(frozen=True)
@@ -195,11 +201,15 @@ def policy_backward(
         temperature=cfg.rollout.temperature,
     )  # [n, R] each, under the sampling temperature
     assert ent is not None
-    old, ref = (
-        ro.scored[k][mi.rows].to(device) if k in ro.scored else None for k in ("logps", "ref_logps")
+    old, ref, behaviour = (
+        ro.scored[k][mi.rows].to(device) if k in ro.scored else None
+        for k in ("logps", "ref_logps", "behaviour_logps")
     )
+    lagged = None
+    if adv.stale is not None and behaviour is not None:
+        lagged = (behaviour, adv.stale[mi.rows].to(device))
     per_token, stats = policy_terms(
-        logp, ent, old, ref, adv.advantages[mi.rows].to(device), cfg, adv.kl_in_loss
+        logp, ent, old, ref, adv.advantages[mi.rows].to(device), cfg, adv.kl_in_loss, lagged
     )
     objective = (per_token * mi.weights).sum() * scale
     tr.backward(objective)
@@ -216,22 +226,34 @@ def policy_terms(
     advantages: torch.Tensor,
     cfg: Any,
     kl_in_loss: float,
+    lagged: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy's per-token objective [n, R] from its log-probs and entropy [n, R] (with
-    grad), the rollout's log-probs under the policy that sampled it (None: the update's own,
-    detached: the rollout's only update, before which nothing changed the weights) and under
-    the reference (None: the KL does not count), and the advantages [n, R]: clipped surrogate
-    - entropy_coef x entropy (+ kl_in_loss x KL). With the per-token statistics [n, R] the
-    update reports: policy_loss, entropy, clip_frac, approx_kl (half the squared log-ratio to
-    the sampling policy), kl_loss (KL to the reference, when scored), tokens (ones)."""
+    grad), the rollout's log-probs under the weights before this update (None: the update's
+    own, detached: the rollout's only update, before which nothing changed the weights) and
+    under the reference (None: the KL does not count), and the advantages [n, R]: clipped
+    surrogate - entropy_coef x entropy (+ kl_in_loss x KL). `lagged`: (log-probs [n, R] under
+    the weights that sampled, rows [n] sampled one update behind): the surrogate of those rows
+    is weighted by the truncated importance weights (`truncated_importance_weights`, capped at
+    rollout.importance_weight_cap). With the per-token statistics [n, R] the update reports:
+    policy_loss, entropy, clip_frac, approx_kl (half the squared log-ratio to the weights
+    before the update), kl_loss (KL to the reference, when scored), is_weight and
+    is_clip_frac (with `lagged`), tokens (ones)."""
     if old_logp is None:
         old_logp = logp.detach()
     pg, clipped = clipped_policy_loss(
         logp, old_logp, advantages, cfg.clip_range, cfg.clip_range_high
     )  # clip_range_high None = clip_range on both sides
+    stats = {}
+    if lagged is not None:
+        w, truncated = truncated_importance_weights(
+            old_logp, lagged[0], lagged[1], cfg.rollout.importance_weight_cap
+        )
+        pg = w * pg
+        stats |= {"is_weight": w, "is_clip_frac": truncated.float()}
     per_token = pg - cfg.entropy_coef * entropy
     ratio_log = logp.detach() - old_logp
-    stats = {
+    stats |= {
         "policy_loss": pg,
         "entropy": entropy,
         "clip_frac": clipped.float(),

@@ -28,14 +28,20 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import ExitStack
+from dataclasses import replace
+from functools import partial
 from typing import Any
+
+import torch
 
 from posttrain.distributed.runtime import min_max
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import VALUE
 from posttrain.rl.heldout import evaluate, quality_gate
-from posttrain.rl.metrics import rollout_totals, step_flops, train_metrics
-from posttrain.rl.rollouts import RolloutBatch, collect_rollout, rollout_seed
+from posttrain.rl.metrics import rollout_totals, sampler_metrics, step_flops, train_metrics
+from posttrain.rl.offpolicy import PolicySnapshot, Prefetch, score_behaviour, staleness
+from posttrain.rl.rollouts import RolloutBatch, collect_rollout, generate_round, rollout_seed
 from posttrain.rl.setup import RLRun, setup
 from posttrain.rl.update import Advantages, UpdateStats, compute_advantages, update
 from posttrain.stages.common import StageContext
@@ -52,39 +58,85 @@ log = logging.getLogger("posttrain.rl")
 
 def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
     """The stage: setup, `n_rollouts` steps (resumed from the newest checkpoint) with held-out
-    evaluations every `eval_every`, the final evaluation, the outputs; returns the summary."""
-    run = setup(ctx, ALGORITHMS[algorithm])
-    cfg, n = ctx.section, run.n_rollouts
-    eval_rows = run.data.eval[: cfg.eval_prompts]
-    samples = ctx.out_dir / "eval_samples.jsonl" if ctx.is_main else None
-    sft: dict[str, float] | None = None
-    for step in range(run.tr.start_step, n):
-        train_step(run, step)
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < n:
-            _, sft = evaluate(run.rollouts, eval_rows, step + 1, sft, run.tr.metrics, samples)
-    final, sft = evaluate(run.rollouts, eval_rows, n, sft, run.tr.metrics, samples)
-    return finish(run, final, sft)
+    evaluations every `eval_every`, the final evaluation, the outputs; returns the summary. A
+    rollout server (`rollout.engine: server`) lives as long as this call."""
+    with ExitStack() as stack:
+        run = setup(ctx, ALGORITHMS[algorithm], stack)
+        cfg, n = ctx.section, run.n_rollouts
+        eval_rows = run.data.eval[: cfg.eval_prompts]
+        samples = ctx.out_dir / "eval_samples.jsonl" if ctx.is_main else None
+        sft: dict[str, float] | None = None
+        ahead = Ahead(run.tr.model) if cfg.rollout.max_staleness else None
+        for step in range(run.tr.start_step, n):
+            train_step(run, step, ahead)
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < n:
+                _, sft = evaluate(run.rollouts, eval_rows, step + 1, sft, run.tr.metrics, samples)
+        final, sft = evaluate(run.rollouts, eval_rows, n, sft, run.tr.metrics, samples)
+        return finish(run, final, sft)
 
 
-def train_step(run: RLRun, step: int) -> None:
-    """Logged step `step` + 1: the rollout (generated and scored), its advantages, the update,
-    the KL controller's update from the rollout's KL, the step's record and, at a checkpoint
-    boundary, a checkpoint."""
+class Ahead:
+    """max_staleness 1 (`posttrain.rl.offpolicy`): the next step's generation in the
+    background, and the policy adapter of the version that samples it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.prefetch = Prefetch()
+        self.snapshot = PolicySnapshot(model)
+
+
+def train_step(run: RLRun, step: int, ahead: Ahead | None = None) -> None:
+    """Logged step `step` + 1: the rollout (generated - in the background during the last step
+    with `ahead` - and scored), its advantages, the update, the next policy version to the
+    rollout engine, the KL controller's update from the rollout's KL, the step's record and,
+    at a checkpoint boundary, a checkpoint."""
     s, cfg = run.rollouts, run.ctx.section
     t0 = time.perf_counter()
     heartbeat.beat(phase="rollout")
-    rb = collect_rollout(s, run.data.train, step)
-    adv = compute_advantages(run.algo, rb.rollout, cfg, run.ctl.coef, run.placement, run.reduce)
+    generated = ahead.prefetch.take(step) if ahead is not None else None
+    prefetching = ahead is not None and step + 1 < run.n_rollouts
+    if prefetching:
+        ahead.prefetch.start(step + 1, partial(generate_round, s, run.data.train, step + 1, 0))
+    rb = collect_rollout(s, run.data.train, step, generated)
+    lag = staleness(rb.rollout, step, cfg.rollout.max_staleness)
+    if ahead is not None:
+        t = time.perf_counter()
+        score_behaviour(s, rb.rollout, lag, ahead.snapshot, s.device)
+        rb = replace(rb, scoring_s=rb.scoring_s + time.perf_counter() - t)
+        ahead.snapshot.take()  # the weights the background rollout is sampled by
+    adv = compute_advantages(
+        run.algo, rb.rollout, cfg, run.ctl.coef, run.placement, run.reduce, lag
+    )
     update_seed = rollout_seed(s.seed, step, s.rank) + 1
     stats = update(run.tr, rb.rollout, adv, cfg, run.batch, update_seed, step + 1, s.chunk_tokens)
-    t_train = time.perf_counter() - t0 - rb.generation_s - rb.scoring_s
+    # Generation on this step's own path: all of it, or with `ahead` the rounds sampled now.
+    own = rb.generation_s - (generated.seconds if generated is not None else 0.0)
+    t_train = time.perf_counter() - t0 - own - rb.scoring_s
+    waited, timing = next_version(run, ahead, prefetching)
+    if ahead is not None:  # what the step waited for, of generation
+        rb = replace(rb, generation_s=own + waited)
     totals = rollout_totals(rb.rollout, s.device)
     if "kl" in totals:  # not scored when it does not count (then the coefficient is fixed)
         run.ctl.update(totals["kl"] / totals["n"], int(totals["n"]))
-    record(run, step + 1, rb, totals, adv, stats, t0, t_train)
+    timing |= sampler_metrics(rb.rollout, lag, s.device)
+    record(run, step + 1, rb, totals, adv, stats, t0, t_train, timing)
     position = data_position(step + 1, len(run.data.train), cfg.rollout.prompts_per_step, s.seed)
     extra = {"kl_coef": run.ctl.coef, "data": position}
     run.tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints, extra=extra)
+
+
+def next_version(run: RLRun, ahead: Ahead | None, prefetching: bool) -> tuple[float, dict]:
+    """The updated policy to the rollout engine, once the rollout generating ahead is done (no
+    request may be in flight while a server changes weights) -> (seconds waited for it, the
+    step's `sync_s` and, with `ahead`, `generation_overlapped_s`)."""
+    t = time.perf_counter()
+    if ahead is not None:
+        ahead.prefetch.wait()
+    waited = time.perf_counter() - t
+    run.rollouts.engines[POLICY].sync_weights(run.tr.model)
+    timing = {"sync_s": time.perf_counter() - t - waited}
+    if ahead is not None:
+        timing["generation_overlapped_s"] = ahead.prefetch.seconds if prefetching else 0.0
+    return waited, timing
 
 
 def record(
@@ -96,10 +148,12 @@ def record(
     stats: UpdateStats,
     t0: float,
     t_train: float,
+    timing: dict[str, float] | None = None,
 ) -> None:
     """The `train` record of logged step `step` (1-based; every `log_every` and the last), from
     the rollout, its `totals` over ranks (`rollout_totals`), its advantages and the update's
-    stats; `t0`: when the step began. Runs the same collectives on every rank."""
+    stats; `t0`: when the step began; `timing`: the step's other fields (weight sync, the
+    sampler's figures). Runs the same collectives on every rank."""
     cfg, tr, ro, device = run.ctx.section, run.tr, rb.rollout, run.rollouts.device
     widths = min_max(ro.width[1], device)
     flops = step_flops(
@@ -114,7 +168,7 @@ def record(
     step_s = time.perf_counter() - t0
     extra = train_metrics(
         totals, adv.kl_coef, widths, rb, t_train, step_s, stats, run.rollouts.world
-    )
+    ) | (timing or {})
     if adv.returns is not None:
         extra["explained_var"] = explained_variance(
             ro.scored["values"], adv.returns, ro.mask, run.reduce

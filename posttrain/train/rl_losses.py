@@ -182,6 +182,23 @@ def clipped_policy_loss(
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
+def truncated_importance_weights(
+    old_logp: torch.Tensor, behaviour_logp: torch.Tensor, stale: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance sampling for tokens sampled by older weights -> (weights [B, R],
+    truncated [B, R] bool).
+
+    w = min(exp(old_logp - behaviour_logp), cap) on the rows `stale` [B] bool (sampled by the
+    weights behind behaviour_logp, older than those behind old_logp), 1 on the others. The
+    clipped surrogate, computed against old_logp, is multiplied by w: an estimate of the
+    objective under the weights that sampled, whose variance the cap bounds. Detached (a
+    weight, not a path for gradients); a token is truncated when its ratio exceeds the cap."""
+    ratio = torch.exp(old_logp.detach() - behaviour_logp)
+    rows = stale.bool()[:, None].expand_as(ratio)
+    w = torch.where(rows, ratio.clamp(max=cap), torch.ones_like(ratio))
+    return w, rows & (ratio > cap)
+
+
 LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "token_sum_norm")
 
 

@@ -29,7 +29,7 @@ from posttrain.data.preference import Messages, encode_reply
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import REWARD, VALUE
 from posttrain.train.rl_losses import entropy_from_logits, token_logps
-from posttrain.train.rollout_engine import build_engine, left_pad
+from posttrain.train.rollout_engine import RolloutEngine, left_pad
 
 if TYPE_CHECKING:
     from posttrain.agents.episodes import EpisodeRun
@@ -51,8 +51,11 @@ class Rollout:
     attn: torch.Tensor | None = None
     episodes: list[EpisodeRun] | None = None
     # How the batch was generated, summed over the parts of `cat` (episodes: seconds in tools,
-    # tool-call counts).
+    # tool-call counts; a server's exact and re-tokenised answers).
     stats: dict[str, float] = field(default_factory=dict)
+    # [N] long: the policy version that sampled each sequence (`RolloutEngine.version`); None
+    # for the reference's samples, which no update trains on.
+    versions: torch.Tensor | None = None
 
     @property
     def response_attn(self) -> torch.Tensor:
@@ -102,6 +105,7 @@ class Rollout:
             None if self.attn is None else self.attn[idx],
             None if self.episodes is None else [self.episodes[int(i)] for i in idx],
             dict(self.stats),
+            None if self.versions is None else self.versions[idx],
         )
 
     @staticmethod
@@ -147,6 +151,9 @@ class Rollout:
             else torch.cat([right(p.response_attn, 0) for p in parts]),
             None if parts[0].episodes is None else [e for p in parts for e in p.episodes or []],
             {k: sum(p.stats.get(k, 0.0) for p in parts) for k in parts[0].stats},
+            None
+            if parts[0].versions is None
+            else torch.cat([p.versions for p in parts if p.versions is not None]),
         )
 
 
@@ -178,32 +185,34 @@ def sampling_of(cfg: RolloutConfig) -> SamplingConfig:
 
 @torch.no_grad()
 def sample(
-    model: torch.nn.Module,
+    engine: RolloutEngine,
     prompts: list[list[int]],
     messages: list[Messages],
     cfg: RolloutConfig,
     pad_id: int,
     stop_ids: int | Sequence[int],
     seed: int,
-    world: int,
-    role: str = POLICY,
+    versions: bool = True,
 ) -> Rollout:
-    """Sample one response per prompt (repeat a prompt for several samples) with the KV cache,
-    through the rollout engine `cfg.engine` (`posttrain.train.rollout_engine`).
+    """Sample one response per prompt (repeat a prompt for several samples) through the rollout
+    `engine` (`posttrain.train.rollout_engine`), as a Rollout stamped with the engine's policy
+    version (`versions`; False for the reference's samples).
 
-    Every rank runs the same number of forwards; with more than one rank, generation is synced:
-    a rank whose sequences all ended keeps stepping with the others until every rank is done,
-    since each step of a sharded model is a collective and a rank that stopped early would leave
-    the others waiting forever. Sampling is seeded by `seed` (call it with a value derived from
-    seed, step and rank) and the caller's RNG state is restored. A response ends at the first of
-    `stop_ids` (`stop_token_ids`; an id no token has, e.g. -1, never stops).
+    In process, every rank runs the same number of forwards; with more than one rank, generation
+    is synced: a rank whose sequences all ended keeps stepping with the others until every rank
+    is done, since each step of a sharded model is a collective and a rank that stopped early
+    would leave the others waiting forever. Sampling is seeded by `seed` (call it with a value
+    derived from seed, step and rank) and the caller's RNG state is restored. A response ends at
+    the first of `stop_ids` (`stop_token_ids`; an id no token has, e.g. -1, never stops).
     """
     stops = _ids(stop_ids)
-    engine = build_engine(cfg, model, role, world)
     response = engine.generate(prompts, sampling_of(cfg), stops, pad_id, seed)  # [N, R]
     ids, attn = left_pad(prompts, pad_id)
     mask, stopped = response_mask(response, stops)
-    return Rollout(ids, attn, response, mask, stopped, messages)
+    ro = Rollout(ids, attn, response, mask, stopped, messages, stats=engine.take_counts())
+    if versions:
+        ro.versions = torch.full((len(prompts),), engine.version, dtype=torch.long)
+    return ro
 
 
 def decode_responses(tokenizer: Any, ro: Rollout) -> list[str]:

@@ -9,9 +9,15 @@ beside the in-process one without touching the RL loop:
   `turns`: an episode loop's call, whose next call's prompts extend these prompts and responses,
   so the engine may keep its KV cache between them (`release()` drops it). The in-process engine
   keeps it itself (`posttrain.train.prefix_cache`); a serving engine's prefix cache does the same.
-- `sync_weights(model)`: after each policy update; a no-op for the in-process engine, which
-  decodes with the training model itself; a serving engine would push the merged (or LoRA-only)
-  policy weights here.
+- `sync_weights(model)`: after each policy update, which makes the next `version`; in process
+  the engine decodes with the training model itself and only drops its kept cache; the server
+  engine (`posttrain.serving.engine`) writes the policy's adapter and has the server load it.
+- `version`: the policy version the engine samples (updates applied since the stage's start,
+  counting those before a resume); each rollout records it, and the update measures its lag.
+- `collective`: whether `generate` is a collective over ranks (in process, every forward of
+  the sharded model is one), so callers keep the ranks in step; a server engine's is not.
+- `take_counts()`: what the calls since the last take saw (a server's exact/re-tokenised
+  answers), for the step's metrics.
 - `sleep()` / `wake()`: free / re-take the engine's memory (weights, KV cache) around the
   training phase; no-ops in process.
 
@@ -74,8 +80,16 @@ class RolloutEngine(Protocol):
         """Drop what `generate(..., turns=True)` kept."""
         ...
 
+    version: int
+    collective: bool
+
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Make the engine sample from `model`'s current weights (after an update)."""
+        """Make the engine sample from `model`'s current weights (after an update): the next
+        version."""
+        ...
+
+    def take_counts(self) -> dict[str, float]:
+        """What the calls since the last take saw, then reset."""
         ...
 
     def sleep(self) -> None:
@@ -135,10 +149,17 @@ class HFEngine:
         self.prefix = PrefixCache()
         self._full_attention: bool | None = None
         self.reused = 0  # prompt tokens continued from kept rows instead of prefilled, so far
+        self.version = 0  # the caller sets the starting one (a resumed stage's)
+
+    collective = True  # every forward of the sharded model is one
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model  # decodes with the training model's own (sharded) weights
         self.prefix.clear()  # keys and values of the old weights
+        self.version += 1
+
+    def take_counts(self) -> dict[str, float]:
+        return {}
 
     def release(self) -> None:
         self.prefix.clear()
@@ -372,7 +393,13 @@ ENGINES: dict[str, Callable[..., RolloutEngine]] = {"hf": HFEngine}
 def build_engine(
     cfg: RolloutConfig, model: torch.nn.Module, role: str, world: int
 ) -> RolloutEngine:
-    """The engine a recipe's `rollout.engine` names, set up from its rollout section."""
+    """The in-process engine a recipe's `rollout.engine` names, set up from its rollout
+    section (a server's engine comes with its server: `posttrain.rl.setup.rollout_engines`)."""
+    if cfg.engine == "server":
+        raise ValueError(
+            "rollout.engine: server engines are built around the stage's rollout server "
+            "(posttrain.rl.setup.rollout_engines)"
+        )
     if cfg.engine not in ENGINES:
         raise ValueError(f"rollout.engine: unknown engine {cfg.engine!r}; known: {sorted(ENGINES)}")
     return ENGINES[cfg.engine](

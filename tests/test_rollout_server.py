@@ -1,0 +1,229 @@
+"""RL stages sampling from a real `transformers serve` (rollout.engine: server) on the tiny
+model the other RL tests share: GRPO single-turn and PPO on episodes train through it, a
+killed server fails the stage by name and leaves nothing running, a killed stage or flow takes
+its server down, and one update behind (max_staleness 1) trains and logs its correction."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from posttrain.telemetry.metrics import read_metrics
+from tests.stage_helpers import ROOT, planned_dir, run_inprocess
+from tests.test_agent_rl import EPISODES, episode_recipe
+from tests.test_rl_stages import GRPO, PPO, parents, recipe_with  # noqa: F401 (the fixture)
+
+pytestmark = pytest.mark.slow
+
+# A small paged cache: the default sizes it from free memory, which on CPU made each new
+# policy version's first batch take 15-25 s to allocate.
+SERVE = (
+    "transformers serve --host {host} --port {port} --continuous-batching "
+    "--cb-num-blocks 64 --cb-block-size 16 --format quiet"
+)
+SERVER = {"command": SERVE, "env": {"OMP_NUM_THREADS": "1"}, "request_timeout_s": 60.0}
+
+
+def served(section: dict, **rollout: object) -> dict:
+    section = copy.deepcopy(section)
+    section["rollout"] |= {"engine": "server", "server": copy.deepcopy(SERVER), **rollout}
+    return section | {"max_steps": 4, "eval_prompts": 8}
+
+
+def server_group(out: Path) -> int:
+    """The process group of the stage's last server (its log says which)."""
+    log = (out / "logs" / "rollout-server.log").read_text().splitlines()
+    return int([x for x in log if x.startswith("== process group ")][-1].split()[-1])
+
+
+def left_running(pgid: int) -> list[psutil.Process]:
+    alive = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except (OSError, psutil.Error):
+            continue
+    return alive
+
+
+def no_server_left(out: Path, within_s: float = 30.0, stopped: bool = True) -> None:
+    """Nothing of the stage's server runs (within `within_s`); `stopped` (the stage ended on
+    its own feet): its record is gone too. A killed stage leaves the record, which the next
+    attempt reads (`stop_leftover`)."""
+    pgid = server_group(out)
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and left_running(pgid):
+        time.sleep(0.2)
+    assert not left_running(pgid), [p.cmdline() for p in left_running(pgid)]
+    assert (out / "logs" / "rollout-server.json").exists() != stopped
+
+
+def test_grpo_samples_from_a_started_server(parents) -> None:  # noqa: F811
+    recipe = recipe_with(parents, "grpo", served(GRPO), "served-grpo")
+    out = run_inprocess("grpo", recipe)
+    train = read_metrics(out / "metrics.jsonl", "train")
+    assert len(train) == 4
+    for step, row in enumerate(train):
+        assert row["policy_version"] == step and row["staleness"] == 0
+        assert row["sync_s"] > 0 and row["exact_frac"] == 0  # transformers serve: text back
+        assert 0 <= row.get("retokenized_mismatch_frac", 0) <= 1
+        assert row["prompt_mismatch_frac"] == 0  # the prompt text reads back as the ids sent
+        assert row["response_len"] > 0 and math_finite(row["loss"])
+    s = json.loads((out / "manifest.json").read_text())["summary"]
+    assert s["eval_final"]["prompts"] == 8 and s["eval_sft"]["prompts"] == 8
+    sft = load_file(str(parents["sft"] / "adapter" / "adapter_model.safetensors"))
+    grpo = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert any(not torch.equal(sft[k], grpo[k]) for k in sft)  # it trained
+    assert not (out / "serving").exists() and "serving/" not in json.dumps(
+        json.loads((out / "manifest.json").read_text())["files"]
+    )
+    log = (out / "logs" / "rollout-server.log").read_text()
+    assert "serving/policy-v3" in log and "serving/reference" in log  # the versions it served
+    no_server_left(out)
+
+
+def math_finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
+def test_ppo_plays_episodes_through_the_server(parents) -> None:  # noqa: F811
+    section = served(EPISODES)
+    section["max_steps"] = 3
+    recipe = episode_recipe(parents, "ppo", section, "served-ppo-episodes")
+    out = run_inprocess("ppo", recipe)
+    train = read_metrics(out / "metrics.jsonl", "train")
+    assert [r["policy_version"] for r in train] == [0, 1, 2]
+    for row in train:
+        assert 1 <= row["turns_mean"] <= 3 and "reward_fn_environment" in row
+        assert row["exact_frac"] == 0 and "value_loss" in row
+    samples = [json.loads(x) for x in (out / "eval_samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["episode"][0]["role"] == "assistant" for s in samples)
+    no_server_left(out)
+
+
+def test_one_update_behind_trains_and_logs_its_correction(parents) -> None:  # noqa: F811
+    section = served(GRPO, max_staleness=1, importance_weight_cap=1.05)
+    section["optim"] = {"lr": 2e-2}  # steps large enough to move the weights between versions
+    recipe = recipe_with(parents, "grpo", section, "served-grpo-stale")
+    out = run_inprocess("grpo", recipe)
+    train = read_metrics(out / "metrics.jsonl", "train")
+    assert [r["staleness"] for r in train] == [0, 1, 1, 1]
+    assert [r["policy_version"] for r in train] == [0, 0, 1, 2]  # sampled one update behind
+    assert "is_weight" not in train[0]  # the first rollout is the trainer's own
+    lagged = train[1:]
+    assert all("is_weight" in r and "is_clip_frac" in r for r in lagged)
+    assert any(abs(r["is_weight"] - 1) > 1e-6 for r in lagged)  # the weights moved
+    assert any(r["is_clip_frac"] > 0 for r in lagged)  # some ratios above the 1.05 cap
+    assert all(r["generation_overlapped_s"] > 0 for r in train[:-1])
+    assert train[-1]["generation_overlapped_s"] == 0  # nothing left to sample ahead
+    no_server_left(out)
+
+
+def _stage(recipe: Path, kind: str = "grpo") -> subprocess.Popen[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", f"posttrain.stages.{kind}", "--recipe", str(recipe)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _server_up(out: Path, timeout: float = 240.0) -> psutil.Process:
+    """The real server process (the keeper's child) once the stage has trained a step."""
+    deadline = time.monotonic() + timeout
+    record = out / "logs" / "rollout-server.json"
+    while time.monotonic() < deadline:
+        metrics = out / "metrics.jsonl"
+        if record.exists() and metrics.exists() and read_metrics(metrics, "train"):
+            with contextlib.suppress(psutil.Error, ValueError, IndexError):
+                return psutil.Process(json.loads(record.read_text())["pid"]).children()[0]
+        time.sleep(0.5)
+    raise AssertionError("the stage did not reach its first step")
+
+
+def test_a_killed_server_fails_the_stage_by_name(parents) -> None:  # noqa: F811
+    section = served(GRPO)
+    section["max_steps"] = 40
+    recipe = recipe_with(parents, "grpo", section, "served-grpo-killed-server")
+    out = planned_dir("grpo", recipe)
+    proc = _stage(recipe)
+    try:
+        server = _server_up(out)
+        server.send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)  # bounded: no wait longer than the timeouts
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    lines = [x for x in err.splitlines() if x.startswith("POSTTRAIN_ERROR")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert "ServerFailed: rollout server http://127.0.0.1:" in lines[0]
+    assert "it last said:" in lines[0] and "killed by SIGKILL" in lines[0], lines[0]
+    no_server_left(out)
+
+
+def test_a_killed_stage_takes_its_server_down(parents) -> None:  # noqa: F811
+    section = served(GRPO)
+    section["max_steps"] = 40
+    recipe = recipe_with(parents, "grpo", section, "served-grpo-killed-stage")
+    out = planned_dir("grpo", recipe)
+    proc = _stage(recipe)
+    server = _server_up(out)
+    proc.send_signal(signal.SIGKILL)  # no `finally` runs: the parent-death signal must do it
+    proc.wait(timeout=30)
+    server.wait(timeout=30)
+    no_server_left(out, stopped=False)
+
+
+def test_a_killed_flow_takes_the_server_down(parents) -> None:  # noqa: F811
+    """SIGKILL of `posttrain run` while GRPO samples from its server: the stage sees its
+    supervisor gone (`infra.orphan: stop`) and ends, and its server with it."""
+    section = served(GRPO)
+    section["max_steps"] = 39  # an artifact of its own
+    recipe = recipe_with(parents, "grpo", section, "served-flow")
+    out = planned_dir("grpo", recipe)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_HOME": str(parents["folder"] / "prefect-home"),
+    }
+    flow = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "run", str(recipe)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        server = _server_up(out, timeout=420)
+        flow.send_signal(signal.SIGKILL)
+        flow.wait(timeout=30)
+        server.wait(timeout=60)
+        no_server_left(out, within_s=60, stopped=False)
+    finally:
+        for p in psutil.process_iter():  # the flow's own session, should anything be left
+            try:
+                if os.getsid(p.pid) == flow.pid:
+                    p.kill()
+            except (OSError, psutil.Error):
+                continue
