@@ -28,7 +28,6 @@ way, or a real difference such as text that re-tokenises to other ids).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import shutil
 import statistics
@@ -39,12 +38,11 @@ from typing import Any
 
 import torch
 import yaml
-from safetensors.torch import load_file
 
-from posttrain.config.loader import load_recipe
-from posttrain.kinds import KINDS
-from posttrain.planner import plan
 from posttrain.telemetry.metrics import read_metrics
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_models import rl_parents, run_stage  # noqa: E402 (bench/, on the path above)
 
 SERVE = (
     "transformers serve --host {host} --port {port} --continuous-batching "
@@ -70,30 +68,10 @@ def recipe(ws: Path, args: argparse.Namespace) -> dict[str, Any]:
         "eval_prompts": 16,
         "max_kl": None,
     }
-    return {
-        "run": {"name": "rollout-engines", "workspace": str(ws), "seed": 0},
-        "infra": {"device": "cpu", "devices_per_node": 1, "threads_per_rank": args.threads},
-        "ingest": {
-            "source": "from_config",
-            "from_config": {
-                "hidden_size": args.hidden,
-                "num_layers": args.layers,
-                "num_heads": max(1, args.hidden // 64),
-                "intermediate_size": args.hidden * 2,
-                "vocab_size": 1024,
-                "max_position_embeddings": 256,
-                "pretrain_steps": 100,
-                "corpus_examples": 800,
-            },
-        },
-        "sft": {
-            "data": {"synthetic": {"n_examples": 400}, "eval_fraction": 0.1},
-            "batch": {"micro_batch_size": 16, "grad_accum_steps": 1},
-            "max_steps": 30,
-            "checkpoint_every": 0,
-        },
-        "grpo": section,
-    }
+    parents = rl_parents(
+        ws, args.hidden, args.layers, args.threads, args.warmup_steps, args.sft_steps
+    )
+    return parents | {"grpo": section}
 
 
 def engine(section: dict[str, Any], kind: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -107,19 +85,12 @@ def engine(section: dict[str, Any], kind: str, args: argparse.Namespace) -> dict
     return {**section, "rollout": rollout}
 
 
-def run_stage(kind: str, path: Path, threads: int) -> Path:
-    """Run the recipe's stage of `kind` through its real entry point here; its folder."""
-    from posttrain.stages.common import stage_main
-
+def set_threads(path: Path, threads: int) -> Path:
+    """The recipe at `path` with `infra.threads_per_rank` set (an execution field)."""
     data = yaml.safe_load(path.read_text())
     data["infra"]["threads_per_rank"] = threads
     path.write_text(yaml.safe_dump(data))
-    module = importlib.import_module(KINDS[kind].module)
-    stage_main(
-        module.run, kind=kind, distributed=KINDS[kind].distributed, argv=["--recipe", str(path)]
-    )
-    (stage,) = [s for s in plan(load_recipe(path)).stages if s.kind == kind]
-    return stage.out_dir
+    return path
 
 
 def figures(out: Path) -> dict[str, Any]:
@@ -133,7 +104,6 @@ def figures(out: Path) -> dict[str, Any]:
     end = read_metrics(out / "metrics.jsonl", "eval")
     med["reward"] = next(r["eval_reward"] for r in reversed(end) if "eval_reward" in r)
     med["rows"] = rows
-    med["adapter"] = load_file(out / "adapter" / "adapter_model.safetensors")
     return med
 
 
@@ -142,14 +112,14 @@ def run_engines(tmp: Path, args: argparse.Namespace, kinds: list[str]) -> dict[s
     data = recipe(tmp / "ws", args)
     path = tmp / "recipe.yaml"
     path.write_text(yaml.safe_dump(data))
-    run_stage("ingest", path, args.threads)
-    run_stage("sft", path, args.threads)
+    run_stage("ingest", path)
+    run_stage("sft", path)
     out = {}
     for kind in kinds:
         data["grpo"] = engine(recipe(tmp / "ws", args)["grpo"], kind, args)
         path.write_text(yaml.safe_dump(data))
         threads = args.threads if kind == "hf" else max(1, args.threads - args.server_threads)
-        folder = run_stage("grpo", path, threads)
+        folder = run_stage("grpo", set_threads(path, threads))
         out[kind] = figures(folder)
         shutil.rmtree(folder)
     return out
@@ -263,6 +233,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--server-threads", type=int, default=1)
     ap.add_argument("--engines", default="hf,server,overlap")
+    ap.add_argument("--warmup-steps", type=int, default=100, help="the base's warm-up steps")
+    ap.add_argument("--sft-steps", type=int, default=30)
     ap.add_argument("--equality-prompts", type=int, default=32)
     ap.add_argument("--no-equality", action="store_true")
     args = ap.parse_args(argv)

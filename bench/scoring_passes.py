@@ -19,9 +19,9 @@ step, the ratio, and how far the two final adapters are apart.
 from __future__ import annotations
 
 import argparse
-import importlib
 import shutil
 import statistics
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,37 +31,16 @@ from typing import Any
 import torch
 import yaml
 
-from posttrain.config.loader import load_recipe
-from posttrain.kinds import KINDS
-from posttrain.planner import plan
 from posttrain.rl import setup as rl_setup
 from posttrain.telemetry.metrics import read_metrics
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_models import rl_parents, run_stage  # noqa: E402 (bench/, on the path above)
 
 
 def recipe(ws: Path, args: argparse.Namespace) -> dict[str, Any]:
     rows = args.prompts * args.samples  # one update per rollout: micro = the rollout
-    return {
-        "run": {"name": "scoring-passes", "workspace": str(ws), "seed": 0},
-        "infra": {"device": "cpu", "devices_per_node": 1, "threads_per_rank": args.threads},
-        "ingest": {
-            "source": "from_config",
-            "from_config": {
-                "hidden_size": args.hidden,
-                "num_layers": args.layers,
-                "num_heads": max(1, args.hidden // 64),
-                "intermediate_size": args.hidden * 2,
-                "vocab_size": 1024,
-                "max_position_embeddings": 256,
-                "pretrain_steps": 100,
-                "corpus_examples": 800,
-            },
-        },
-        "sft": {
-            "data": {"synthetic": {"n_examples": 400}, "eval_fraction": 0.1},
-            "batch": {"micro_batch_size": 16, "grad_accum_steps": 1},
-            "max_steps": 30,
-            "checkpoint_every": 0,
-        },
+    return rl_parents(ws, args.hidden, args.layers, args.threads) | {
         "grpo": {
             "data": {"synthetic": {"n_examples": 400, "seed": 9}, "eval_fraction": 0.05},
             "rollout": {
@@ -81,18 +60,6 @@ def recipe(ws: Path, args: argparse.Namespace) -> dict[str, Any]:
             "max_kl": None,
         },
     }
-
-
-def run_stage(kind: str, path: Path) -> Path:
-    """Run the recipe's stage of `kind` through its real entry point here; its folder."""
-    from posttrain.stages.common import stage_main
-
-    module = importlib.import_module(KINDS[kind].module)
-    stage_main(
-        module.run, kind=kind, distributed=KINDS[kind].distributed, argv=["--recipe", str(path)]
-    )
-    (stage,) = [s for s in plan(load_recipe(path)).stages if s.kind == kind]
-    return stage.out_dir
 
 
 @contextmanager

@@ -1,10 +1,13 @@
 """The models the speed benches share: the two Llama shapes of `sft_throughput.py` (and the
-benches that compare against it), a LoRA r16 model of one built from config, and the ingest
-section that builds one in a workspace. Imported by the bench scripts (which put this folder on
+benches that compare against it), a LoRA r16 model of one built from config, the ingest
+section that builds one in a workspace, the parents the RL benches' stages start from, and a
+stage run in the bench's own process. Imported by the bench scripts (which put this folder on
 sys.path), never by the project."""
 
 from __future__ import annotations
 
+import importlib
+from pathlib import Path
 from typing import Any
 
 VOCAB = 2048
@@ -47,3 +50,48 @@ def ingest_section(shape: dict[str, int]) -> dict[str, Any]:
             "corpus_examples": 2000,
         },
     }
+
+
+def rl_parents(
+    ws: Path, hidden: int, layers: int, threads: int, warmup_steps: int = 100, sft_steps: int = 30
+) -> dict[str, Any]:
+    """A recipe's run, infra, ingest (a Llama of `hidden` x `layers`, warmed up) and sft (the
+    quickstart task) sections: what the RL benches add a stage to."""
+    return {
+        "run": {"name": "rl-bench", "workspace": str(ws), "seed": 0},
+        "infra": {"device": "cpu", "devices_per_node": 1, "threads_per_rank": threads},
+        "ingest": {
+            "source": "from_config",
+            "from_config": {
+                "hidden_size": hidden,
+                "num_layers": layers,
+                "num_heads": max(1, hidden // 64),
+                "intermediate_size": hidden * 2,
+                "vocab_size": 1024,
+                "max_position_embeddings": 256,
+                "pretrain_steps": warmup_steps,
+                "corpus_examples": 800,
+            },
+        },
+        "sft": {
+            "data": {"synthetic": {"n_examples": 400}, "eval_fraction": 0.1},
+            "batch": {"micro_batch_size": 16, "grad_accum_steps": 1},
+            "max_steps": sft_steps,
+            "checkpoint_every": 0,
+        },
+    }
+
+
+def run_stage(kind: str, path: Path) -> Path:
+    """Run the recipe's stage of `kind` through its real entry point here; its folder."""
+    from posttrain.config.loader import load_recipe
+    from posttrain.kinds import KINDS
+    from posttrain.planner import plan
+    from posttrain.stages.common import stage_main
+
+    module = importlib.import_module(KINDS[kind].module)
+    stage_main(
+        module.run, kind=kind, distributed=KINDS[kind].distributed, argv=["--recipe", str(path)]
+    )
+    (stage,) = [s for s in plan(load_recipe(path)).stages if s.kind == kind]
+    return stage.out_dir

@@ -184,7 +184,8 @@ class VLLMAPI:
         ids = c.get("token_ids")
         if not isinstance(ids, list):
             raise ServerError(
-                "no token_ids in the answer (a vLLM older than 0.10.2 does not return them): "
+                "no token_ids in the answer (a vLLM without `return_token_ids`, an older "
+                "release, does not return them): "
                 f"{json.dumps(body)[:300]}"
             )
         ids, stopped = _cut([int(t) for t in ids], stops)

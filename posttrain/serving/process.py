@@ -112,6 +112,10 @@ class ServerProcess:
         return f"its process exited with code {code}"
 
     def last_said(self) -> str | None:
+        """The last line of its log, and how it ended if it did. Asked when a request failed:
+        a server that was killed may take a moment to be seen dead after its socket closed."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=2)
         line = last_line(self.log_path)
         why = self.exit_reason()
         return f"{line} ({why})" if why and line else (line or why)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -156,9 +158,11 @@ def _start(
         env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
     log.info("starting the rollout server: %s", " ".join(argv))
     proc = ServerProcess.start(argv, env, logs / "rollout-server.log", logs / "rollout-server.json")
-    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
-    url = f"http://{host}:{port}"
-    client = ServerClient(url, cfg.request_timeout_s, 1, proc.last_said)
+    wildcard = cfg.host in ("0.0.0.0", "::")
+    client = ServerClient(
+        f"http://{'127.0.0.1' if wildcard else cfg.host}:{port}", cfg.request_timeout_s, 1,
+        proc.last_said,
+    )  # fmt: skip
     try:
         waited = client.wait_healthy(cfg.health_path, cfg.startup_timeout_s, proc.exit_reason, beat)
     except BaseException:
@@ -166,6 +170,9 @@ def _start(
         raise
     finally:
         client.close()
+    # The other ranks (on other nodes, too) reach a server listening everywhere by this
+    # node's name.
+    url = f"http://{socket.gethostname() if wildcard else cfg.host}:{port}"
     log.info("rollout server %s healthy after %.1f s", url, waited)
     return url, proc
 
@@ -182,6 +189,12 @@ def rollout_server(
 ) -> Iterator[RolloutServer]:
     """The stage's server from start to stop (see the module docstring)."""
     rank, folder, logs = agree.rank(), out_dir / "serving", out_dir / "logs"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", agree.world()))
+    if cfg.command is not None and cfg.host in LOOPBACK and agree.world() > local:
+        raise ServerFailed(
+            f"rollout.server.host {cfg.host} is this node's own address, which the ranks on "
+            "the other nodes cannot reach: set rollout.server.host: 0.0.0.0"
+        )
     url = error = None
     proc: ServerProcess | None = None
     if rank == 0:

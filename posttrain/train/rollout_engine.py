@@ -1,9 +1,10 @@
 """The rollout engine: what turns prompt token ids into sampled responses for online RL.
 
 `sample()` (posttrain.train.rollout) asks an engine for response tokens and builds the Rollout
-(masks, stop flags) around them; scoring and updates never see the engine. The interface is
-small so that a serving engine (vLLM, SGLang: paged KV cache, continuous batching) can be added
-beside the in-process one without touching the RL loop:
+(masks, stop flags) around them; scoring and updates never see the engine. Two engines: the
+in-process `HFEngine` below, and a serving engine's (vLLM, SGLang, `transformers serve`: paged
+KV cache, continuous batching; `posttrain.serving.engine.ServerEngine`). The stage holds one
+engine per sampling role and calls `sync_weights` after each update. The interface:
 
 - `generate(prompts, sampling, stop_ids, pad_id, seed, turns)` -> response ids [N, R];
   `turns`: an episode loop's call, whose next call's prompts extend these prompts and responses,
