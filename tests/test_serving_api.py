@@ -96,8 +96,9 @@ def test_transformers_prompt_leaves_out_the_bos_the_servers_tokenizer_adds(
     assert tok(body["prompt"])["input_ids"] == ids  # what the server will read
 
 
-def test_vllm_sends_token_ids_and_reads_the_sampled_ones() -> None:
-    api = VLLMAPI()
+def test_vllm_sends_token_ids_and_reads_the_sampled_ones(tiny: TinyAssets) -> None:
+    tok = tiny.tokenizer
+    api = VLLMAPI(tok)
     body = api.request([5, 6, 7], "policy-v4", SAMPLE, STOPS, seed=2)
     assert body["prompt"] == [5, 6, 7] and body["model"] == "policy-v4"
     assert body["return_token_ids"] and body["stop_token_ids"] == STOPS
@@ -107,7 +108,7 @@ def test_vllm_sends_token_ids_and_reads_the_sampled_ones() -> None:
         1.0,
         9,
     )
-    assert VLLMAPI().request([1], "m", GREEDY, STOPS, 0)["temperature"] == 0.0
+    assert api.request([1], "m", GREEDY, STOPS, 0)["temperature"] == 0.0
     answer = {
         "model": "policy-v4",
         "choices": [
@@ -122,7 +123,13 @@ def test_vllm_sends_token_ids_and_reads_the_sampled_ones() -> None:
     }
     c = api.parse(answer, STOPS)
     assert c.ids == [11, 12, 7] and c.stopped and c.exact  # cut at the first stop id
-    assert c.logps == [-0.5, -1.0, -0.25] and not c.known_mismatch
+    assert c.logps == [-0.5, -1.0, -0.25]
+    # Its text "ab" re-tokenises to other ids than 11, 12: counted (what re-tokenising a
+    # text-only answer would have got wrong), though the ids trained are the sampled ones.
+    assert c.text_differs and c.known_mismatch
+    same = tok(" the cat", add_special_tokens=False)["input_ids"]
+    answer["choices"][0] |= {"text": " the cat", "token_ids": [*same, 7]}
+    assert not api.parse(answer, STOPS).known_mismatch
     with pytest.raises(ServerError, match="return_token_ids"):
         api.parse({"choices": [{"text": "ab", "finish_reason": "stop"}]}, STOPS)
     assert api.load("policy-v4", "/f") == [
@@ -131,8 +138,8 @@ def test_vllm_sends_token_ids_and_reads_the_sampled_ones() -> None:
     assert api.unload("policy-v3") == [("/v1/unload_lora_adapter", {"lora_name": "policy-v3"})]
 
 
-def test_sglang_generate_with_an_adapter_or_merged_weights() -> None:
-    lora, merged = SGLangAPI(merged=False), SGLangAPI(merged=True)
+def test_sglang_generate_with_an_adapter_or_merged_weights(tiny: TinyAssets) -> None:
+    lora, merged = SGLangAPI(tiny.tokenizer, False), SGLangAPI(tiny.tokenizer, True)
     body = lora.request([5, 6], "policy-v1", SAMPLE, STOPS, seed=3)
     assert body["input_ids"] == [5, 6] and body["lora_path"] == "policy-v1"
     params = body["sampling_params"]
@@ -150,6 +157,7 @@ def test_sglang_generate_with_an_adapter_or_merged_weights() -> None:
     }
     c = lora.parse(pairs, STOPS)
     assert c.ids == [9, 8] and not c.stopped and c.logps == [-0.1, -0.2] and c.model is None
+    assert c.text_differs is None and not c.known_mismatch  # no text in that answer
     assert merged.load("policy-v2", "/f") == [("/update_weights_from_disk", {"model_path": "/f"})]
     assert merged.unload("policy-v1") == []
     assert lora.load("policy-v2", "/f")[0][0] == "/load_lora_adapter"
@@ -163,7 +171,8 @@ def test_server_api_names_the_field(tiny: TinyAssets) -> None:
 def _server(tmp_path: Path) -> RolloutServer:
     cfg = RolloutServerConfig(url="http://127.0.0.1:9")
     client = ServerClient(cfg.url, 5.0, 1, lambda: "INFO: ready")
-    return RolloutServer(cfg, client, VLLMAPI(), tmp_path, tmp_path / "base", 0, version=3)
+    api = VLLMAPI(None)  # parse is not called: answers are handed to the check
+    return RolloutServer(cfg, client, api, tmp_path, tmp_path / "base", 0, version=3)
 
 
 def test_the_engine_refuses_an_answer_from_another_model_and_counts_the_rest(

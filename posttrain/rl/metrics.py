@@ -120,10 +120,11 @@ SAMPLER_COUNTS = ("responses", "exact", "retokenized_mismatch", "prompt_mismatch
 def sampler_metrics(ro: Rollout, lag: torch.Tensor, device: torch.device) -> dict[str, float]:
     """Over all ranks: `policy_version`, the oldest version that sampled a row (updates before
     it), `staleness`, the updates the sampler of a row was behind on average, and with a server
-    engine the share of `exact` answers (the ids it sampled), of re-tokenised
-    answers whose length the server's own count contradicts (`retokenized_mismatch_frac`, a
-    floor on the true mismatch, which text alone cannot reveal) and of prompts the server read
-    as another length than sent (`prompt_mismatch_frac`)."""
+    engine the share of `exact` answers (the ids it sampled), of answers whose text does not
+    re-tokenise to the ids sampled (`retokenized_mismatch_frac`: measured where the server
+    returns ids and text; where it returns text only, the answers whose re-tokenised length
+    contradicts the server's own count, a floor on the true share) and of prompts the server
+    read as another length than sent (`prompt_mismatch_frac`)."""
     t = all_reduce_sums(
         {"rows": float(ro.n), "lag": lag.double().sum()}
         | {k: ro.stats.get(k, 0.0) for k in SAMPLER_COUNTS},
@@ -132,11 +133,12 @@ def sampler_metrics(ro: Rollout, lag: torch.Tensor, device: torch.device) -> dic
     oldest = min_max(float(ro.versions.min()) if ro.versions is not None else -1.0, device)[0]
     out = {"policy_version": oldest, "staleness": t["lag"] / max(1.0, t["rows"])}
     if t["responses"]:
-        retokenized = t["responses"] - t["exact"]
         out |= {
-            "exact_frac": t["exact"] / t["responses"],
-            "prompt_mismatch_frac": t["prompt_mismatch"] / t["responses"],
+            k: t[c] / t["responses"]
+            for k, c in (
+                ("exact_frac", "exact"),
+                ("retokenized_mismatch_frac", "retokenized_mismatch"),
+                ("prompt_mismatch_frac", "prompt_mismatch"),
+            )
         }
-        if retokenized:
-            out["retokenized_mismatch_frac"] = t["retokenized_mismatch"] / retokenized
     return out

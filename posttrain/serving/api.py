@@ -45,15 +45,18 @@ class Completion:
     prompt_tokens: int | None  # the server's count of the prompt it read
     completion_tokens: int | None  # the server's count of what it sampled
     logps: list[float] | None = None  # the server's log-prob of each id (exact APIs)
+    # exact APIs: whether the answer's text re-tokenises to other ids than it sampled (None:
+    # no text to compare)
+    text_differs: bool | None = None
 
     @property
     def known_mismatch(self) -> bool:
-        """Re-tokenised ids that cannot be what was sampled: the server counted otherwise."""
-        return (
-            not self.exact
-            and self.completion_tokens is not None
-            and self.completion_tokens != len(self.ids)
-        )
+        """The answer's text and the ids sampled disagree, where that can be known: an exact
+        answer's text re-tokenises to other ids; re-tokenised ids whose count contradicts the
+        server's (then they cannot be what it sampled)."""
+        if self.exact:
+            return bool(self.text_differs)
+        return self.completion_tokens is not None and self.completion_tokens != len(self.ids)
 
 
 class ServerError(ValueError):
@@ -89,6 +92,18 @@ def _choice(body: dict[str, Any]) -> dict[str, Any]:
 def _usage(body: dict[str, Any]) -> tuple[int | None, int | None]:
     usage = body.get("usage") or {}
     return usage.get("prompt_tokens"), usage.get("completion_tokens")
+
+
+def _text_differs(tok: Any, text: Any, ids: list[int], stopped: bool) -> bool | None:
+    """Whether `text` (an exact answer's, special tokens kept or not) re-tokenises to other ids
+    than `ids` (its stop token left out of both), or None without text."""
+    if not isinstance(text, str):
+        return None
+    body = ids[:-1] if stopped else ids
+    stop_text = tok.decode(ids[-1:]) if stopped else ""
+    if stop_text and text.endswith(stop_text):
+        text = text[: -len(stop_text)]
+    return tok(text, add_special_tokens=False)["input_ids"] != body
 
 
 def _cut(ids: list[int], stops: list[int]) -> tuple[list[int], bool]:
@@ -164,6 +179,9 @@ class VLLMAPI:
 
     name, path, exact, named_versions = "vllm", "/v1/completions", True, True
 
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+
     def request(
         self, ids: list[int], model: str, sampling: SamplingConfig, stops: list[int], seed: int
     ) -> dict[str, Any]:
@@ -199,6 +217,7 @@ class VLLMAPI:
             prompt,
             completion,
             [float(x) for x in logps[: len(ids)]] if isinstance(logps, list) else None,
+            _text_differs(self.tok, c.get("text"), ids, stopped),
         )
 
     def load(self, name: str, folder: str) -> list[Call]:
@@ -214,8 +233,8 @@ class SGLangAPI:
 
     name, path, exact = "sglang", "/generate", True
 
-    def __init__(self, merged: bool) -> None:
-        self.merged = merged
+    def __init__(self, tokenizer: Any, merged: bool) -> None:
+        self.tok, self.merged = tokenizer, merged
         self.named_versions = not merged
 
     def request(
@@ -250,6 +269,7 @@ class SGLangAPI:
             meta.get("prompt_tokens"),
             meta.get("completion_tokens"),
             logps,
+            _text_differs(self.tok, body.get("text"), ids, stopped),
         )
 
     def load(self, name: str, folder: str) -> list[Call]:
@@ -267,7 +287,7 @@ def server_api(name: str, tokenizer: Any, turn_stop: int, merged: bool) -> Serve
     if name == "transformers":
         return TransformersAPI(tokenizer, turn_stop)
     if name == "vllm":
-        return VLLMAPI()
+        return VLLMAPI(tokenizer)
     if name == "sglang":
-        return SGLangAPI(merged)
+        return SGLangAPI(tokenizer, merged)
     raise ValueError(f"rollout.server.api: unknown {name!r}; known: transformers, vllm, sglang")
