@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from posttrain.telemetry.metrics import read_metrics
@@ -59,16 +60,17 @@ def left_running(pgid: int) -> list[psutil.Process]:
     return alive
 
 
-def no_server_left(out: Path, within_s: float = 30.0, stopped: bool = True) -> None:
+def no_server_left(out: Path, within_s: float = 30.0, stopped: bool | None = True) -> None:
     """Nothing of the stage's server runs (within `within_s`); `stopped` (the stage ended on
-    its own feet): its record is gone too. A killed stage leaves the record, which the next
-    attempt reads (`stop_leftover`)."""
+    its own feet): its record is gone too; False: a killed stage left the record, which the
+    next attempt reads (`stop_leftover`); None: either."""
     pgid = server_group(out)
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline and left_running(pgid):
         time.sleep(0.2)
     assert not left_running(pgid), [p.cmdline() for p in left_running(pgid)]
-    assert (out / "logs" / "rollout-server.json").exists() != stopped
+    if stopped is not None:
+        assert (out / "logs" / "rollout-server.json").exists() != stopped
 
 
 def test_grpo_samples_from_a_started_server(parents) -> None:  # noqa: F811
@@ -227,3 +229,26 @@ def test_a_killed_flow_takes_the_server_down(parents) -> None:  # noqa: F811
                     p.kill()
             except (OSError, psutil.Error):
                 continue
+
+
+def test_a_timed_out_stage_takes_its_server_down(parents) -> None:  # noqa: F811
+    """The flow's supervisor (`stage_task`, here without a flow) kills a stage that runs past
+    its timeout, and the server with it: it carries the stage's launch tag."""
+    from flows.stage_failures import StageTimeout
+    from flows.stage_task import stage_task
+    from posttrain.artifacts import ref_from_manifest
+    from posttrain.config.loader import load_recipe
+    from posttrain.planner import plan, spec_for
+
+    section = served(GRPO)
+    section["max_steps"] = 38  # an artifact of its own
+    path = recipe_with(parents, "grpo", section, "served-timeout")
+    data = yaml.safe_load(path.read_text())
+    data["infra"]["timeouts"] = {"grpo": 60}
+    path.write_text(yaml.safe_dump(data))
+    recipe = load_recipe(path)
+    stage = next(s for s in plan(recipe).stages if s.name == "grpo")
+    refs = {name: ref_from_manifest(parents[name]) for name in stage.parents}
+    with pytest.raises(StageTimeout, match="timed out after 60 s"):
+        stage_task.fn(stage, spec_for(stage, recipe, refs), kill_grace_s=5.0)
+    no_server_left(stage.out_dir, stopped=None)
