@@ -192,9 +192,11 @@ def stage_order(n_rows: int, steps: int, micro: int, accum: int, seed: int) -> l
     ]
 
 
-def trl_args(cls: type, section: Any, batch: Any, steps: int, seed: int, out: Path, gc: str):
+def trl_args(
+    cls: type, section: Any, batch: Any, steps: int, seed: int, out: Path, gc: str, **stage_kw
+):
     """TRL config with everything the comparison must hold equal set from the stage's section;
-    the rest stays at TRL's defaults."""
+    the rest stays at TRL's defaults. `stage_kw`: the trainer's own fields (max_length, ...)."""
     o = section.optim
     schedules = {
         "cosine": ("cosine_with_min_lr", {"min_lr_rate": o.min_lr_ratio}),
@@ -205,6 +207,7 @@ def trl_args(cls: type, section: Any, batch: Any, steps: int, seed: int, out: Pa
     sched, sched_kw = schedules[o.schedule]
     # transformers 5 renamed it activation_checkpointing; TRL's default (True) is set on the old name.
     extra = {} if gc == "default" else {"activation_checkpointing": gc == "on"}
+    extra |= stage_kw
     return cls(
         output_dir=str(out),
         max_steps=steps,
@@ -220,7 +223,6 @@ def trl_args(cls: type, section: Any, batch: Any, steps: int, seed: int, out: Pa
         adam_epsilon=o.eps,
         optim="adamw_torch",
         max_grad_norm=o.max_grad_norm or 0.0,
-        max_length=section.data.max_seq_len,
         seed=seed,
         data_seed=seed,
         bf16=False,  # TRL's default is True; fp32 here, as the stage on CPU
@@ -253,15 +255,15 @@ class CountingCollator:
         return out
 
 
-def step_timer(collator: CountingCollator, accum: int) -> Any:
+def step_timer() -> Any:
     """A TrainerCallback recording each optimizer step's wall time (on_step_begin ->
-    on_step_end, plus its micro-batches' collation) and its logged loss."""
+    on_step_end) and what the trainer logged after it (logging_steps 1: every step)."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
             self.times: list[float] = []
-            self.losses: dict[int, float] = {}
+            self.logs: dict[int, dict[str, float]] = {}  # global step -> its logged figures
             self._t = 0.0
 
         def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
@@ -271,20 +273,8 @@ def step_timer(collator: CountingCollator, accum: int) -> Any:
             self.times.append(time.perf_counter() - self._t)
 
         def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001
-            if logs and "loss" in logs:
-                self.losses[state.global_step] = float(logs["loss"])
-
-        def steps(self) -> list[dict[str, float]]:
-            n = len(self.times)
-            return [
-                {
-                    "tokens": sum(collator.tokens[k * accum : (k + 1) * accum]),
-                    "step_time_s": self.times[k]
-                    + sum(collator.seconds[k * accum : (k + 1) * accum]),
-                    "loss": self.losses[k + 1],
-                }
-                for k in range(n)
-            ]
+            if logs and "loss" in logs:  # not the run's closing summary (train_loss)
+                self.logs[state.global_step] = dict(logs)
 
     return StepTimer()
 
@@ -338,7 +328,7 @@ def trl_sft(recipe_path: Path, steps: int, out: Path, gc: str) -> dict[str, Any]
         task_type="CAUSAL_LM",
         bias="none",
     )
-    args = trl_args(SFTConfig, cfg, batch, steps, seed, out, gc)
+    args = trl_args(SFTConfig, cfg, batch, steps, seed, out, gc, max_length=cfg.data.max_seq_len)
     torch.manual_seed(seed)  # the adapter's A init, as the stage seeds before apply_lora
     trainer = SFTTrainer(
         model=_base(dirs), args=args, train_dataset=ds, processing_class=tok, peft_config=lora
@@ -404,7 +394,7 @@ def trl_dpo(recipe_path: Path, steps: int, out: Path, gc: str) -> dict[str, Any]
     # "ref" copy of that adapter as the reference: the dpo stage's policy_with_reference.
     torch.manual_seed(seed)
     model = PeftModel.from_pretrained(_base(dirs), str(dirs["sft"] / "adapter"), is_trainable=True)
-    args = trl_args(DPOConfig, cfg, batch, steps, seed, out, gc)
+    args = trl_args(DPOConfig, cfg, batch, steps, seed, out, gc, max_length=cfg.data.max_seq_len)
     args.beta, args.loss_type, args.label_smoothing = cfg.beta, [cfg.loss], cfg.label_smoothing
     assert cfg.loss == "sigmoid" and not cfg.sft_weight, "bench compares plain sigmoid DPO"
     trainer = PreTokenizedDPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
@@ -414,11 +404,20 @@ def trl_dpo(recipe_path: Path, steps: int, out: Path, gc: str) -> dict[str, Any]
 def _train(trainer: Any, accum: int, args: Any) -> dict[str, Any]:
     collator = CountingCollator(trainer.data_collator)
     trainer.data_collator = collator
-    timer = step_timer(collator, accum)
+    timer = step_timer()
     trainer.add_callback(timer)
     trainer.train()
+    # A step's time includes its micro-batches' collation, as the stage's does.
+    steps = [
+        {
+            "tokens": sum(collator.tokens[k * accum : (k + 1) * accum]),
+            "step_time_s": t + sum(collator.seconds[k * accum : (k + 1) * accum]),
+            "loss": float(timer.logs[k + 1]["loss"]),
+        }
+        for k, t in enumerate(timer.times)
+    ]
     return {
-        "steps": timer.steps(),
+        "steps": steps,
         "gradient_checkpointing": bool(args.activation_checkpointing),
         "padding_free": bool(getattr(args, "padding_free", False)),
     }
