@@ -41,8 +41,13 @@ GRPO row (`--stages grpo`; the issue's shape, at `--sizes 11m`, an 11.4M Llama):
              `posttrain.rewards.match:exact_match`, kl.coef 0, one update epoch with micro 64 x
              accum 1 = the rollout's 64 sequences (one optimizer step, so no scoring pass:
              `posttrain.rl.setup.scoring_passes`), activation_checkpointing off, sampling at the
-             section's defaults (temperature 1, no top-k/top-p). Nothing else is tuned: no
-             rollout.drop_finished, generation_batch_size or logits-chunk setting.
+             section's defaults (temperature 1, no top-k/top-p). Nothing else is tuned unless
+             asked: `--grpo-set key.path=value` sets a field of this stage's recipe entry, e.g.
+             `rollout.drop_finished=true` (the stage's own decode loop that drops finished
+             rows: a recipe setting a user would set, and fair: the same tokens as `generate`
+             for the same seed, up to float ties; TRL's nearest option,
+             use_transformers_continuous_batching, stays at its default, off). The setting is
+             shown in the table; TRL follows any sampling field it changes.
   TRL        `trl.GRPOTrainer` in its own process on the same base + SFT adapter (trainable, no
              reference: beta 0), the same prompts in the stage's per-step order (checked: TRL
              renders them to the stage's prompt ids and stops at the stage's stop ids), the same
@@ -66,6 +71,8 @@ GRPO row (`--stages grpo`; the issue's shape, at `--sizes 11m`, an 11.4M Llama):
         --threads 2 --json vs_trl.json
     HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_trl.py --trl-gradient-checkpointing off
     HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_trl.py --stages grpo --sizes 11m --steps 15
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_trl.py --stages grpo --sizes 11m --steps 15 \\
+        --grpo-set rollout.drop_finished=true
     HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_trl.py --stages sft,dpo,grpo --sizes small
 """
 
@@ -111,10 +118,12 @@ FIRST_LOSS_RTOL = 1e-3
 TRL_MISSING = "trl is not installed: pip install -e .[bench]"
 
 
-def recipe_for(size: dict, steps: int, workspace: Path, threads: int) -> dict:
+def recipe_for(
+    size: dict, steps: int, workspace: Path, threads: int, grpo_set: dict[str, Any] | None = None
+) -> dict:
     """One recipe, ingest -> sft -> dpo, and grpo from sft. Stage defaults everywhere the
     comparison allows; warm-up 0 because the stage's warm-up factor is (s+1)/w and
-    transformers' is s/w."""
+    transformers' is s/w. `grpo_set`: recipe settings of the grpo stage (`with_settings`)."""
     common = {
         "optim": {"lr": 1e-3, "schedule": "cosine", "warmup_steps": 0},
         "batch": {"micro_batch_size": 16, "grad_accum_steps": 1},
@@ -141,7 +150,7 @@ def recipe_for(size: dict, steps: int, workspace: Path, threads: int) -> dict:
             **common,
             "optim": {**common["optim"], "lr": 5e-4},
         },
-        "stages": [grpo_entry(steps)],
+        "stages": [with_settings(grpo_entry(steps), grpo_set or {})],
     }
 
 
@@ -172,6 +181,32 @@ def grpo_entry(steps: int) -> dict:
         # The final held-out evaluation runs after the timed steps; a few prompts keep it short.
         "eval_prompts": 8,
     }
+
+
+def parse_settings(items: list[str]) -> dict[str, Any]:
+    """`key.path=value` strings -> {key.path: value}, each value read as YAML (true, 32, null)."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"expected key.path=value, got {item!r}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def with_settings(section: dict, settings: dict[str, Any]) -> dict:
+    """A copy of `section` with each dotted path of `settings` set (`rollout.drop_finished`
+    -> section["rollout"]["drop_finished"]), sub-sections created as needed."""
+    out = json.loads(json.dumps(section))  # deep copy of plain data
+    for path, value in settings.items():
+        *heads, leaf = path.split(".")
+        node = out
+        for h in heads:
+            node = node.setdefault(h, {})
+        node[leaf] = value
+    return out
 
 
 def child_env(threads: int) -> dict[str, str]:
@@ -816,8 +851,16 @@ def headline(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure(
-    size: str, steps: int, stages: list[str], threads: int, gc: str, tmp: Path
+    size: str,
+    steps: int,
+    stages: list[str],
+    threads: int,
+    gc: str,
+    tmp: Path,
+    grpo_set: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
+    """Every stage's comparison at one size, in one workspace (ingest and sft run once);
+    `grpo_set`: the grpo stage's recipe settings beyond the bench's (`with_settings`)."""
     import yaml
 
     from posttrain.config.loader import load_recipe
@@ -825,7 +868,7 @@ def measure(
     ws = tmp / size
     ws.mkdir(parents=True)
     recipe = ws / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump(recipe_for(SIZES[size], steps, ws / "ws", threads)))
+    recipe.write_text(yaml.safe_dump(recipe_for(SIZES[size], steps, ws / "ws", threads, grpo_set)))
     run_stage("ingest", recipe, threads)
     if {"dpo", "grpo"} & set(stages) and "sft" not in stages:
         run_stage("sft", recipe, threads)  # the dpo and grpo stages' policy and reference
@@ -834,6 +877,8 @@ def measure(
     for stage in sorted(stages, key=STAGES.index):  # sft first: the others start from it
         r = compare(stage, recipe, steps, threads, gc)
         r |= {"size": size, "base_params": params}
+        if stage == "grpo":
+            r["posttrain_settings"] = dict(grpo_set or {})
         r["notes"] = trl_default_notes(stage, load_recipe(recipe), gc)
         rows.append(r)
         # As each comparison ends: a slow machine's long run shows its figures as they come.
@@ -928,7 +973,9 @@ def print_grpo_table(rows: list[dict[str, Any]], steps: int, setting: str) -> No
         f"{GRPO_SAMPLES} samples, <= {GRPO_NEW_TOKENS} new tokens, exact-match reward, no KL, "
         f"one update, LoRA r16 from the SFT adapter, no gradient checkpointing, {setting}; "
         f"step time ratio posttrain/TRL: below 1 posttrain is faster (target <= "
-        f"{TARGET_TIME_RATIO}x); phases: medians\n"
+        f"{TARGET_TIME_RATIO}x); phases: medians; posttrain's grpo settings beyond the "
+        f"bench recipe (--grpo-set, one per invocation): "
+        f"{rows[0].get('posttrain_settings') or 'none'}\n"
     )
     hdr = (
         "size",
@@ -974,6 +1021,14 @@ def main() -> None:
         help="TRL's gradient checkpointing (default: TRL's own default, on, for sft and dpo; "
         "off for grpo, the issue's shape)",
     )
+    ap.add_argument(
+        "--grpo-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe setting of posttrain's grpo stage (repeatable), e.g. "
+        "rollout.drop_finished=true; shown in the table",
+    )
     ap.add_argument("--json", type=Path, help="also save the figures here")
     ap.add_argument("--trl-run", nargs=2, metavar=("STAGE", "RECIPE"), help=argparse.SUPPRESS)
     ap.add_argument("--trl-out", type=Path, help=argparse.SUPPRESS)
@@ -998,12 +1053,12 @@ def main() -> None:
         print(json.dumps(result))
         return
 
+    grpo_set = parse_settings(args.grpo_set)
+    gc = args.trl_gradient_checkpointing
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in sizes:
-            rows += measure(
-                size, args.steps, stages, args.threads, args.trl_gradient_checkpointing, Path(tmp)
-            )
+            rows += measure(size, args.steps, stages, args.threads, gc, Path(tmp), grpo_set)
     print_table(rows, args.steps, args.threads)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

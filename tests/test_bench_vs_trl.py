@@ -113,6 +113,27 @@ def test_grpo_row_recipe_and_trl_fields(tmp_path: Path) -> None:
     assert kw["shuffle_dataset"] is False
 
 
+def test_grpo_settings_are_read_as_yaml_and_set_by_dotted_path() -> None:
+    settings = vs_trl.parse_settings(
+        ["rollout.drop_finished=true", "rollout.generation_batch_size=32", "eval_prompts=4"]
+    )
+    assert settings == {
+        "rollout.drop_finished": True,
+        "rollout.generation_batch_size": 32,
+        "eval_prompts": 4,
+    }
+    entry = {"rollout": {"max_new_tokens": 32}, "eval_prompts": 8}
+    out = vs_trl.with_settings(entry, settings | {"kl.coef": 0.0})
+    assert out == {
+        "rollout": {"max_new_tokens": 32, "drop_finished": True, "generation_batch_size": 32},
+        "eval_prompts": 4,
+        "kl": {"coef": 0.0},
+    }
+    assert entry == {"rollout": {"max_new_tokens": 32}, "eval_prompts": 8}  # not modified
+    with pytest.raises(ValueError, match="key.path=value"):
+        vs_trl.parse_settings(["rollout.drop_finished"])
+
+
 def test_trl_pairs_split_at_the_first_scored_token() -> None:
     pair = {
         "chosen_ids": [1, 2, 3, 7, 8, 9],
