@@ -1,4 +1,5 @@
-"""posttrain vs TRL 1.16: real-token throughput of the SFT and DPO stages, side by side.
+"""posttrain vs TRL 1.16: real-token throughput of the SFT and DPO stages, and the GRPO step
+time, side by side.
 
 For each model size (Llama built by the project's own ingest `from_config`) and stage, in this one
 invocation:
@@ -33,11 +34,51 @@ hits one side and not the other: measured here, the same configuration gave post
 of the median step's rate and of the upper-quartile step's rate ("fast"; load only ever slows a
 step); every step is in the --json output. Quote figures from an idle machine.
 
+GRPO row (`--stages grpo`; the issue's shape, at `--sizes 11m`, an 11.4M Llama):
+  posttrain  the real grpo stage process, a `stages:` entry starting from the SFT stage's
+             adapter (LoRA r16): quickstart synthetic prompts, rollout.prompts_per_step 8 x
+             samples_per_prompt 8, max_new_tokens 32, the built-in reward
+             `posttrain.rewards.match:exact_match`, kl.coef 0, one update epoch with micro 64 x
+             accum 1 = the rollout's 64 sequences (one optimizer step, so no scoring pass:
+             `posttrain.rl.setup.scoring_passes`), activation_checkpointing off, sampling at the
+             section's defaults (temperature 1, no top-k/top-p). Nothing else is tuned unless
+             asked: `--grpo-set key.path=value` sets a field of this stage's recipe entry, e.g.
+             `rollout.drop_finished=true` (the stage's own decode loop that drops finished
+             rows: a recipe setting a user would set, and fair: the same tokens as `generate`
+             for the same seed, up to float ties; TRL's nearest option,
+             use_transformers_continuous_batching, stays at its default, off). The setting is
+             shown in the table; TRL follows any sampling field it changes.
+  TRL        `trl.GRPOTrainer` in its own process on the same base + SFT adapter (trainable, no
+             reference: beta 0), the same prompts in the stage's per-step order (checked: TRL
+             renders them to the stage's prompt ids and stops at the stage's stop ids), the same
+             reward function (the stage's own `exact_match`, fed the `answer` column),
+             num_generations 8, per-device batch 64 and accumulation 1 (one generation of 8
+             prompts x 8 samples and one optimizer step per step), max_completion_length 32, the
+             same temperature/top-k/top-p, clip range, group-std scaling, token-mean loss
+             (TRL's `dapo`), lr, AdamW, schedule and grad clipping; gradient checkpointing off
+             (unless --trl-gradient-checkpointing on), fp32 CPU, no vLLM, `report_to=[]`.
+  Timing: posttrain's train records' `step_time_s` (with their generation_s, scoring_s and
+  training_s split); TRL's on_step_begin -> on_step_end, and a timer around its generate call.
+  Both skip the first 3 steps; the table shows mean, median and lower-quartile ("fast") step
+  times, their ratio posttrain/TRL (below 1: posttrain is faster; the issue's target is
+  <= 0.85x), and each side's mean completion length (flagged when they differ by over 10%: the
+  sides sample with different random streams, so their tokens differ, but the lengths of a
+  policy that rarely stops early are comparable). No loss check: the samples differ.
+  Measured on 2 cores with nothing else running, `--stages grpo --sizes 11m --steps 15`:
+  posttrain 4.32 s vs TRL 4.97 s median step (0.87x; generation 1.96 s, scoring 0.01 s, update
+  2.37 s against TRL's generation 2.03 s), completion lengths 16.2 / 16.1; with
+  `--grpo-set rollout.drop_finished=true` 4.12 s vs 4.56 s (0.90x; generation 1.75 s). Either
+  side's median moved by up to 8% between runs of the same command.
+
     pip install -e .[bench]                     # trl==1.16.0; not a runtime dependency
     HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_trl.py            # 20 steps, small+medium, sft+dpo
     HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_trl.py --steps 40 --sizes medium --stages dpo \\
         --threads 2 --json vs_trl.json
     HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_trl.py --trl-gradient-checkpointing off
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_trl.py --stages grpo --sizes 11m --steps 15
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_trl.py --stages grpo --sizes 11m --steps 15 \\
+        --grpo-set rollout.drop_finished=true
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_trl.py --stages sft,dpo,grpo --sizes small
 """
 
 from __future__ import annotations
@@ -65,18 +106,29 @@ SIZES = {
     # ~4.9M and ~26M parameters with the 2048-token vocabulary below.
     "small": {"hidden_size": 256, "num_layers": 6, "num_heads": 8, "intermediate_size": 688},
     "medium": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "intermediate_size": 1376},
+    # The GRPO issue's "11M Llama": 10.9M parameters as the ingest builds it (base_params).
+    "11m": {"hidden_size": 384, "num_layers": 6, "num_heads": 6, "intermediate_size": 1024},
     # Tests only: seconds per run.
     "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128},
 }
-STAGES = ("sft", "dpo")
+STAGES = ("sft", "dpo", "grpo")  # also the order they run in (dpo and grpo start from sft)
 WARMUP = 3  # steps left out of tokens/s and step time, on both sides
+# The GRPO row's shape (the issue's): 8 prompts x 8 samples, 32 new tokens, one update.
+GRPO_PROMPTS, GRPO_SAMPLES, GRPO_NEW_TOKENS = 8, 8, 32
+# The GRPO row's phases, as the stage's train records name them (`posttrain.rl.metrics`).
+RL_SPLIT = ("generation_s", "scoring_s", "training_s")
+LENGTH_RTOL = 0.1  # mean completion lengths further apart than this are flagged
+TARGET_TIME_RATIO = 0.85  # the issue's target: posttrain's GRPO step <= 0.85x TRL's
 FIRST_LOSS_RTOL = 1e-3
 TRL_MISSING = "trl is not installed: pip install -e .[bench]"
 
 
-def recipe_for(size: dict, steps: int, workspace: Path, threads: int) -> dict:
-    """One recipe, ingest -> sft -> dpo. Stage defaults everywhere the comparison allows; warm-up
-    0 because the stage's warm-up factor is (s+1)/w and transformers' is s/w."""
+def recipe_for(
+    size: dict, steps: int, workspace: Path, threads: int, grpo_set: dict[str, Any] | None = None
+) -> dict:
+    """One recipe, ingest -> sft -> dpo, and grpo from sft. Stage defaults everywhere the
+    comparison allows; warm-up 0 because the stage's warm-up factor is (s+1)/w and
+    transformers' is s/w. `grpo_set`: recipe settings of the grpo stage (`with_settings`)."""
     common = {
         "optim": {"lr": 1e-3, "schedule": "cosine", "warmup_steps": 0},
         "batch": {"micro_batch_size": 16, "grad_accum_steps": 1},
@@ -103,7 +155,63 @@ def recipe_for(size: dict, steps: int, workspace: Path, threads: int) -> dict:
             **common,
             "optim": {**common["optim"], "lr": 5e-4},
         },
+        "stages": [with_settings(grpo_entry(steps), grpo_set or {})],
     }
+
+
+def grpo_entry(steps: int) -> dict:
+    """The GRPO stage, a `stages:` entry so that it can start from the SFT adapter (`from`)
+    while the recipe also has a dpo stage (a shorthand `grpo:` would start from dpo's policy).
+    The issue's shape: exact-match reward, no KL, one update epoch of one minibatch (micro x
+    accum = the rollout's 64 sequences, so one optimizer step), no activation checkpointing."""
+    rows = GRPO_PROMPTS * GRPO_SAMPLES
+    return {
+        "kind": "grpo",
+        "name": "grpo",
+        "from": "sft",
+        "data": {"synthetic": {"n_examples": 400, "seed": 9}, "eval_fraction": 0.05},
+        "rollout": {
+            "prompts_per_step": GRPO_PROMPTS,
+            "samples_per_prompt": GRPO_SAMPLES,
+            "max_new_tokens": GRPO_NEW_TOKENS,
+        },
+        "rewards": [{"fn": "posttrain.rewards.match:exact_match"}],
+        "kl": {"coef": 0.0},
+        "update_epochs": 1,
+        "batch": {"micro_batch_size": rows, "grad_accum_steps": 1},
+        "activation_checkpointing": False,
+        "optim": {"lr": 1e-5, "schedule": "cosine", "warmup_steps": 0},
+        "max_steps": steps,
+        "checkpoint_every": 0,
+        # The final held-out evaluation runs after the timed steps; a few prompts keep it short.
+        "eval_prompts": 8,
+    }
+
+
+def parse_settings(items: list[str]) -> dict[str, Any]:
+    """`key.path=value` strings -> {key.path: value}, each value read as YAML (true, 32, null)."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"expected key.path=value, got {item!r}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def with_settings(section: dict, settings: dict[str, Any]) -> dict:
+    """A copy of `section` with each dotted path of `settings` set (`rollout.drop_finished`
+    -> section["rollout"]["drop_finished"]), sub-sections created as needed."""
+    out = json.loads(json.dumps(section))  # deep copy of plain data
+    for path, value in settings.items():
+        *heads, leaf = path.split(".")
+        node = out
+        for h in heads:
+            node = node.setdefault(h, {})
+        node[leaf] = value
+    return out
 
 
 def child_env(threads: int) -> dict[str, str]:
@@ -175,6 +283,69 @@ def posttrain_figures(stage_dir: Path) -> dict[str, float]:
     return summarize([{k: float(r[k]) for k in ("tokens", "step_time_s", "loss")} for r in rows])
 
 
+def rl_summary(steps: list[dict[str, float]]) -> dict[str, Any]:
+    """steps: per RL step {"step_time_s", "completion_len", "loss"} and any of RL_SPLIT's
+    phase seconds, in order -> figures over the steps after the warm-up (all of them if there
+    are not more than WARMUP): mean, median and lower-quartile ("fast") step time, the mean
+    completion length, and the median of each phase that every timed step carries."""
+    timed = steps[WARMUP:] or steps
+    times = [s["step_time_s"] for s in timed]
+    return {
+        "step_time_s": statistics.fmean(times),
+        "median_step_time_s": statistics.median(times),
+        # Load from other processes only ever slows a step: the fast steps are the nearest to
+        # the uncontended speed (the step-time twin of fast_tokens_per_s).
+        "fast_step_time_s": lower_quartile(times),
+        "completion_len": statistics.fmean(s["completion_len"] for s in timed),
+        "split": {
+            k: statistics.median(s[k] for s in timed)
+            for k in RL_SPLIT
+            if all(k in s for s in timed)
+        },
+        "step_records": steps,
+        "last_loss": steps[-1]["loss"],
+        "steps": len(steps),
+        "timed_steps": len(timed),
+    }
+
+
+def lower_quartile(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=4, method="inclusive")[0] if len(xs) > 1 else xs[0]
+
+
+def time_ratios(pt: dict[str, Any], trl: dict[str, Any]) -> dict[str, float]:
+    """posttrain's step time over TRL's (below 1: posttrain is faster) by mean, median and
+    fast (lower-quartile) step; whether the completion lengths agree to LENGTH_RTOL."""
+    rel = abs(pt["completion_len"] - trl["completion_len"]) / max(trl["completion_len"], 1e-9)
+    return {
+        "time_ratio": pt["step_time_s"] / trl["step_time_s"],
+        "median_time_ratio": pt["median_step_time_s"] / trl["median_step_time_s"],
+        "fast_time_ratio": pt["fast_step_time_s"] / trl["fast_step_time_s"],
+        "completion_len_rel_diff": rel,
+        "lengths_comparable": rel <= LENGTH_RTOL,
+    }
+
+
+def posttrain_rl_figures(stage_dir: Path) -> dict[str, Any]:
+    """`rl_summary` of an RL stage's metrics.jsonl train records (response_len = response
+    tokens up to and including the stop token, TRL's completion length)."""
+    from posttrain.telemetry.metrics import read_metrics
+
+    rows = read_metrics(stage_dir / "metrics.jsonl", "train")
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "bench needs log_every 1"
+    return rl_summary(
+        [
+            {
+                "step_time_s": float(r["step_time_s"]),
+                "completion_len": float(r["response_len"]),
+                "loss": float(r["loss"]),
+                **{k: float(r[k]) for k in RL_SPLIT if k in r},
+            }
+            for r in rows
+        ]
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # TRL side (runs in its own process: `vs_trl.py --trl-run <stage> <recipe>`)
 
@@ -192,9 +363,11 @@ def stage_order(n_rows: int, steps: int, micro: int, accum: int, seed: int) -> l
     ]
 
 
-def trl_args(cls: type, section: Any, batch: Any, steps: int, seed: int, out: Path, gc: str):
+def trl_args(
+    cls: type, section: Any, batch: Any, steps: int, seed: int, out: Path, gc: str, **stage_kw
+):
     """TRL config with everything the comparison must hold equal set from the stage's section;
-    the rest stays at TRL's defaults."""
+    the rest stays at TRL's defaults. `stage_kw`: the trainer's own fields (max_length, ...)."""
     o = section.optim
     schedules = {
         "cosine": ("cosine_with_min_lr", {"min_lr_rate": o.min_lr_ratio}),
@@ -205,6 +378,7 @@ def trl_args(cls: type, section: Any, batch: Any, steps: int, seed: int, out: Pa
     sched, sched_kw = schedules[o.schedule]
     # transformers 5 renamed it activation_checkpointing; TRL's default (True) is set on the old name.
     extra = {} if gc == "default" else {"activation_checkpointing": gc == "on"}
+    extra |= stage_kw
     return cls(
         output_dir=str(out),
         max_steps=steps,
@@ -220,7 +394,6 @@ def trl_args(cls: type, section: Any, batch: Any, steps: int, seed: int, out: Pa
         adam_epsilon=o.eps,
         optim="adamw_torch",
         max_grad_norm=o.max_grad_norm or 0.0,
-        max_length=section.data.max_seq_len,
         seed=seed,
         data_seed=seed,
         bf16=False,  # TRL's default is True; fp32 here, as the stage on CPU
@@ -253,15 +426,15 @@ class CountingCollator:
         return out
 
 
-def step_timer(collator: CountingCollator, accum: int) -> Any:
+def step_timer() -> Any:
     """A TrainerCallback recording each optimizer step's wall time (on_step_begin ->
-    on_step_end, plus its micro-batches' collation) and its logged loss."""
+    on_step_end) and what the trainer logged after it (logging_steps 1: every step)."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
             self.times: list[float] = []
-            self.losses: dict[int, float] = {}
+            self.logs: dict[int, dict[str, float]] = {}  # global step -> its logged figures
             self._t = 0.0
 
         def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
@@ -271,20 +444,8 @@ def step_timer(collator: CountingCollator, accum: int) -> Any:
             self.times.append(time.perf_counter() - self._t)
 
         def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001
-            if logs and "loss" in logs:
-                self.losses[state.global_step] = float(logs["loss"])
-
-        def steps(self) -> list[dict[str, float]]:
-            n = len(self.times)
-            return [
-                {
-                    "tokens": sum(collator.tokens[k * accum : (k + 1) * accum]),
-                    "step_time_s": self.times[k]
-                    + sum(collator.seconds[k * accum : (k + 1) * accum]),
-                    "loss": self.losses[k + 1],
-                }
-                for k in range(n)
-            ]
+            if logs and "loss" in logs:  # not the run's closing summary (train_loss)
+                self.logs[state.global_step] = dict(logs)
 
     return StepTimer()
 
@@ -338,7 +499,7 @@ def trl_sft(recipe_path: Path, steps: int, out: Path, gc: str) -> dict[str, Any]
         task_type="CAUSAL_LM",
         bias="none",
     )
-    args = trl_args(SFTConfig, cfg, batch, steps, seed, out, gc)
+    args = trl_args(SFTConfig, cfg, batch, steps, seed, out, gc, max_length=cfg.data.max_seq_len)
     torch.manual_seed(seed)  # the adapter's A init, as the stage seeds before apply_lora
     trainer = SFTTrainer(
         model=_base(dirs), args=args, train_dataset=ds, processing_class=tok, peft_config=lora
@@ -404,21 +565,139 @@ def trl_dpo(recipe_path: Path, steps: int, out: Path, gc: str) -> dict[str, Any]
     # "ref" copy of that adapter as the reference: the dpo stage's policy_with_reference.
     torch.manual_seed(seed)
     model = PeftModel.from_pretrained(_base(dirs), str(dirs["sft"] / "adapter"), is_trainable=True)
-    args = trl_args(DPOConfig, cfg, batch, steps, seed, out, gc)
+    args = trl_args(DPOConfig, cfg, batch, steps, seed, out, gc, max_length=cfg.data.max_seq_len)
     args.beta, args.loss_type, args.label_smoothing = cfg.beta, [cfg.loss], cfg.label_smoothing
     assert cfg.loss == "sigmoid" and not cfg.sft_weight, "bench compares plain sigmoid DPO"
     trainer = PreTokenizedDPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
     return _train(trainer, batch.grad_accum_steps, args)
 
 
+def grpo_section(recipe: Any) -> Any:
+    """The grpo stage's section (a `stages:` entry, not a shorthand attribute)."""
+    return recipe.graph().get("grpo").section
+
+
+def grpo_kw(cfg: Any) -> dict[str, Any]:
+    """GRPOConfig fields from the grpo section: the rollout's shape and sampling (top-k 0 and
+    top-p 1.0 are TRL's "off", the section's null), the clipped loss. Checks the section
+    stays within what both sides compute alike."""
+    r = cfg.rollout
+    assert cfg.algorithm == "grpo" and cfg.loss_aggregation == "token_mean", cfg.algorithm
+    assert cfg.kl.coef == 0 and not cfg.kl.adaptive, "the GRPO row compares runs without KL"
+    assert cfg.missing_eos_penalty is None and not cfg.dynamic_sampling
+    return {
+        "num_generations": r.samples_per_prompt,
+        "max_completion_length": r.max_new_tokens,
+        "temperature": r.temperature,
+        "top_k": r.top_k or 0,
+        "top_p": r.top_p or 1.0,
+        "beta": 0.0,  # no reference model, no reference pass
+        "num_iterations": cfg.update_epochs,
+        "epsilon": cfg.clip_range,
+        "epsilon_high": cfg.clip_range_high or cfg.clip_range,
+        "scale_rewards": "group" if cfg.scale_rewards else "none",
+        "loss_type": "dapo",  # TRL's default: the token mean over the whole batch (token_mean)
+        "entropy_coef": cfg.entropy_coef,
+        "mask_truncated_completions": r.mask_truncated,
+        # The rows are laid out in the stage's prompt order; TRL's sampler repeats each one
+        # num_generations times in that order.
+        "shuffle_dataset": False,
+    }
+
+
+def trl_grpo(recipe_path: Path, steps: int, out: Path, gc: str) -> dict[str, Any]:
+    from datasets import Dataset
+    from peft import PeftModel
+    from trl import GRPOConfig, GRPOTrainer
+
+    from posttrain.data.prompts import prepare_prompts
+    from posttrain.data.sft_data import saved_split
+    from posttrain.rewards.match import exact_match
+
+    recipe, batch, tok, dirs = _load(recipe_path, "grpo")
+    cfg = grpo_section(recipe)
+    seed, r = recipe.run.seed, cfg.rollout
+    data = prepare_prompts(cfg.data, tok, seed)
+    as_saved = [{"prompt": x["messages"], **x["columns"]} for x in data.train]
+    assert as_saved == saved_split(dirs["grpo"], "train"), "GRPO prompts differ from the stage's"
+    # The stage's prompts of step s: step_indices with micro = prompts_per_step (its
+    # `round_prompts` at world size 1).
+    order = stage_order(len(data.train), steps, r.prompts_per_step, 1, seed)
+    rows = [data.train[i] for i in order]
+    ds = Dataset.from_list([{"prompt": x["messages"], **x["columns"]} for x in rows])
+    # Policy = base + the SFT stage's adapter, trainable; beta 0: no reference copy.
+    model = PeftModel.from_pretrained(_base(dirs), str(dirs["sft"] / "adapter"), is_trainable=True)
+    # Off unless asked: the issue's shape (the stage's activation_checkpointing is off too).
+    gc = "off" if gc == "default" else gc
+    args = trl_args(GRPOConfig, cfg, batch, steps, seed, out, gc, **grpo_kw(cfg))
+    # One step = one generation of prompts_per_step x samples_per_prompt and one optimizer step.
+    assert args.generation_batch_size == r.prompts_per_step * r.samples_per_prompt
+    assert args.steps_per_generation == 1 and args.gradient_accumulation_steps == 1
+    # The very function the stage scores with: TRL passes the `answer` column as a keyword.
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=[exact_match], args=args, train_dataset=ds, processing_class=tok
+    )
+    check_grpo_inputs(trainer, rows, model, tok)
+    return _train_grpo(trainer, args)
+
+
+def check_grpo_inputs(trainer: Any, rows: list[dict], model: Any, tok: Any) -> None:
+    """TRL renders the prompts to the stage's ids (chat template, generation prompt) and stops
+    at the stage's stop ids: both sides generate from the same inputs to the same ends."""
+    from posttrain.eval.stop_tokens import model_stop_token_ids
+
+    ids, _, _ = trainer._tokenize_prompts([x["messages"] for x in rows])
+    assert [list(i) for i in ids] == [x["ids"] for x in rows], "TRL renders other prompt ids"
+    stops = model_stop_token_ids(model, tok)
+    assert set(trainer.eos_token_ids) == set(stops), (trainer.eos_token_ids, stops)
+
+
+def _train_grpo(trainer: Any, args: Any) -> dict[str, Any]:
+    """Trains with a step timer and a timer around TRL's generation call (one per step here)."""
+    generation: list[float] = []
+    generate = trainer._generate_single_turn
+
+    def timed_generate(*a: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return generate(*a, **kw)
+        finally:
+            generation.append(time.perf_counter() - t)
+
+    trainer._generate_single_turn = timed_generate
+    timer = step_timer()
+    trainer.add_callback(timer)
+    trainer.train()
+    assert len(generation) == len(timer.times), "expected one generation per optimizer step"
+    steps = [
+        {
+            "step_time_s": t,
+            "completion_len": float(timer.logs[k + 1]["completions/mean_length"]),
+            "loss": float(timer.logs[k + 1]["loss"]),
+            "generation_s": generation[k],
+        }
+        for k, t in enumerate(timer.times)
+    ]
+    return {"steps": steps, "gradient_checkpointing": bool(args.activation_checkpointing)}
+
+
 def _train(trainer: Any, accum: int, args: Any) -> dict[str, Any]:
     collator = CountingCollator(trainer.data_collator)
     trainer.data_collator = collator
-    timer = step_timer(collator, accum)
+    timer = step_timer()
     trainer.add_callback(timer)
     trainer.train()
+    # A step's time includes its micro-batches' collation, as the stage's does.
+    steps = [
+        {
+            "tokens": sum(collator.tokens[k * accum : (k + 1) * accum]),
+            "step_time_s": t + sum(collator.seconds[k * accum : (k + 1) * accum]),
+            "loss": float(timer.logs[k + 1]["loss"]),
+        }
+        for k, t in enumerate(timer.times)
+    ]
     return {
-        "steps": timer.steps(),
+        "steps": steps,
         "gradient_checkpointing": bool(args.activation_checkpointing),
         "padding_free": bool(getattr(args, "padding_free", False)),
     }
@@ -461,6 +740,8 @@ def trl_default_notes(stage: str, recipe: Any, gc: str = "default") -> list[str]
     speed, and the ones it overrides to compare like with like."""
     from trl import DPOConfig, SFTConfig
 
+    if stage == "grpo":
+        return grpo_notes(recipe, gc)
     cls = {"sft": SFTConfig, "dpo": DPOConfig}[stage]
     # The declared defaults: an instance with them cannot be built on CPU (bf16 defaults to True).
     d = SimpleNamespace(**{f.name: f.default for f in dataclasses.fields(cls)})
@@ -496,8 +777,41 @@ def trl_default_notes(stage: str, recipe: Any, gc: str = "default") -> list[str]
     ]
 
 
+def grpo_notes(recipe: Any, gc: str) -> list[str]:
+    """The GRPO row's twin of `trl_default_notes`."""
+    from trl import GRPOConfig
+
+    d = SimpleNamespace(**{f.name: f.default for f in dataclasses.fields(GRPOConfig)})
+    cfg = grpo_section(recipe)
+    gc_on = gc == "on"
+    kept = [
+        f"loss_type={d.loss_type} (stage loss_aggregation={cfg.loss_aggregation})",
+        f"scale_rewards={d.scale_rewards} (stage scale_rewards={cfg.scale_rewards})",
+        f"cache_implementation={d.cache_implementation} (stage: generate's dynamic cache, "
+        f"rollout.drop_finished={cfg.rollout.drop_finished})",
+        f"use_transformers_continuous_batching={d.use_transformers_continuous_batching}",
+        f"use_liger_kernel={d.use_liger_kernel}",
+    ]
+    overridden = [
+        f"bf16={d.bf16}->False",
+        f"learning_rate={d.learning_rate}->{cfg.optim.lr}",
+        f"gradient_checkpointing={d.gradient_checkpointing}->{gc_on} "
+        f"(stage activation_checkpointing={cfg.activation_checkpointing})",
+        f"max_completion_length={d.max_completion_length}->{cfg.rollout.max_new_tokens}",
+        f"logging_steps={d.logging_steps}->1",
+        f"lr_scheduler_type={d.lr_scheduler_type}->stage schedule",
+        "shuffle_dataset=True->False over prompts in the stage's order",
+    ]
+    return [
+        "TRL grpo defaults kept: " + "; ".join(kept),
+        "TRL grpo defaults overridden: " + "; ".join(overridden),
+    ]
+
+
 def compare(stage: str, recipe: Path, steps: int, threads: int, gc: str) -> dict[str, Any]:
     """Runs the posttrain stage, then TRL on the same inputs -> figures of both and the checks."""
+    if stage == "grpo":
+        return compare_grpo(recipe, steps, threads, gc)
     dirs = stage_dirs(recipe)
     wall = run_stage(stage, recipe, threads)
     pt = posttrain_figures(dirs[stage])
@@ -516,9 +830,42 @@ def compare(stage: str, recipe: Path, steps: int, threads: int, gc: str) -> dict
     }
 
 
+def compare_grpo(recipe: Path, steps: int, threads: int, gc: str) -> dict[str, Any]:
+    """The GRPO row: the stage, then TRL's GRPOTrainer on the same prompts -> step times, their
+    ratios (posttrain / TRL: below 1 posttrain is faster), completion lengths, phase split."""
+    dirs = stage_dirs(recipe)
+    wall = run_stage("grpo", recipe, threads)
+    pt = posttrain_rl_figures(dirs["grpo"])
+    tr = trl_in_subprocess("grpo", recipe, steps, threads, gc)
+    tl = rl_summary(tr["steps"])
+    return {
+        "stage": "grpo",
+        "posttrain": pt | {"wall_s": wall},
+        "trl": tl | {"gradient_checkpointing": tr["gradient_checkpointing"]},
+        **time_ratios(pt, tl),
+    }
+
+
+def headline(r: dict[str, Any]) -> dict[str, Any]:
+    """A row's ratios: posttrain/TRL real tokens/s (sft, dpo: above 1 posttrain is faster) or
+    step time (grpo: below 1 posttrain is faster)."""
+    keys = ("time_ratio", "median_time_ratio", "fast_time_ratio")
+    if r["stage"] != "grpo":
+        keys = ("ratio", "median_ratio", "fast_ratio")
+    return {"size": r["size"], "stage": r["stage"], **{k: r[k] for k in keys}}
+
+
 def measure(
-    size: str, steps: int, stages: list[str], threads: int, gc: str, tmp: Path
+    size: str,
+    steps: int,
+    stages: list[str],
+    threads: int,
+    gc: str,
+    tmp: Path,
+    grpo_set: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
+    """Every stage's comparison at one size, in one workspace (ingest and sft run once);
+    `grpo_set`: the grpo stage's recipe settings beyond the bench's (`with_settings`)."""
     import yaml
 
     from posttrain.config.loader import load_recipe
@@ -526,21 +873,21 @@ def measure(
     ws = tmp / size
     ws.mkdir(parents=True)
     recipe = ws / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump(recipe_for(SIZES[size], steps, ws / "ws", threads)))
+    recipe.write_text(yaml.safe_dump(recipe_for(SIZES[size], steps, ws / "ws", threads, grpo_set)))
     run_stage("ingest", recipe, threads)
-    if "dpo" in stages and "sft" not in stages:
-        run_stage("sft", recipe, threads)  # the dpo stage's policy and reference
+    if {"dpo", "grpo"} & set(stages) and "sft" not in stages:
+        run_stage("sft", recipe, threads)  # the dpo and grpo stages' policy and reference
     params = base_params(stage_dirs(recipe)["ingest"])
     rows = []
-    for stage in stages:
+    for stage in sorted(stages, key=STAGES.index):  # sft first: the others start from it
         r = compare(stage, recipe, steps, threads, gc)
         r |= {"size": size, "base_params": params}
+        if stage == "grpo":
+            r["posttrain_settings"] = dict(grpo_set or {})
         r["notes"] = trl_default_notes(stage, load_recipe(recipe), gc)
         rows.append(r)
         # As each comparison ends: a slow machine's long run shows its figures as they come.
-        print(
-            json.dumps({k: r[k] for k in ("size", "stage", "ratio", "median_ratio", "fast_ratio")})
-        )
+        print(json.dumps(headline(r)))
         sys.stdout.flush()
     return rows
 
@@ -566,10 +913,34 @@ def _prod(shape: list[int]) -> int:
 
 
 def print_table(rows: list[dict[str, Any]], steps: int, threads: int) -> None:
+    """The throughput table (sft, dpo), the GRPO table, then the TRL notes of both."""
+    setting = (
+        f"fp32 CPU, {threads} threads per side ({os.cpu_count()} cores), both sides fresh "
+        f"processes, steps {WARMUP + 1 if steps > WARMUP else 1}..{steps} timed"
+    )
+    if tput := [r for r in rows if r["stage"] != "grpo"]:
+        print_throughput_table(tput, steps, setting)
+    if grpo := [r for r in rows if r["stage"] == "grpo"]:
+        print_grpo_table(grpo, steps, setting)
+    for note in dict.fromkeys(n for r in rows for n in r["notes"]):
+        print(note)
+    if tput:
+        print(
+            "TRL's step time = on_step_begin..on_step_end + its collator; its dataset row fetch "
+            "and logging are outside it (in TRL's favour)."
+        )
+    if grpo:
+        print(
+            "GRPO step time: TRL's on_step_begin..on_step_end (generation, reward, advantages, "
+            "loss, backward, optimizer step); posttrain's train record step_time_s (the same "
+            "phases, plus its step's metrics)."
+        )
+
+
+def print_throughput_table(rows: list[dict[str, Any]], steps: int, setting: str) -> None:
     print(
         f"\nposttrain vs TRL 1.16, {steps} steps, micro-batch 16, seq <= 96, LoRA r16 all-linear, "
-        f"fp32 CPU, {threads} threads per side ({os.cpu_count()} cores), both sides fresh "
-        f"processes; tokens/s = real (non-padding) tokens over steps {WARMUP + 1}..{steps}\n"
+        f"{setting}; tokens/s = real (non-padding) tokens\n"
     )
     hdr = (
         "size",
@@ -599,25 +970,69 @@ def print_table(rows: list[dict[str, Any]], steps: int, threads: int) -> None:
             f"{p['last_loss']:.4f} / {t['last_loss']:.4f}"
         )
     print()
-    for note in dict.fromkeys(n for r in rows for n in r["notes"]):
-        print(note)
+
+
+def print_grpo_table(rows: list[dict[str, Any]], steps: int, setting: str) -> None:
     print(
-        "TRL's step time = on_step_begin..on_step_end + its collator; its dataset row fetch and "
-        "logging are outside it (in TRL's favour)."
+        f"\nGRPO, posttrain vs TRL 1.16, {steps} steps of {GRPO_PROMPTS} prompts x "
+        f"{GRPO_SAMPLES} samples, <= {GRPO_NEW_TOKENS} new tokens, exact-match reward, no KL, "
+        f"one update, LoRA r16 from the SFT adapter, no gradient checkpointing, {setting}; "
+        f"step time ratio posttrain/TRL: below 1 posttrain is faster (target <= "
+        f"{TARGET_TIME_RATIO}x); phases: medians; posttrain's grpo settings beyond the "
+        f"bench recipe (--grpo-set, one per invocation): "
+        f"{rows[0].get('posttrain_settings') or 'none'}\n"
     )
+    hdr = (
+        "size",
+        "params",
+        "step s mean (pt / TRL)",
+        "step s median (pt / TRL)",
+        "posttrain/TRL",
+        "median-step ratio",
+        "fast-step ratio",
+        "completion len (pt / TRL)",
+        "pt generation / scoring / update s",
+        "TRL generation s",
+    )
+    print(" | ".join(hdr))
+    print(" | ".join("---" for _ in hdr))
+    for r in rows:
+        p, t = r["posttrain"], r["trl"]
+        split = " / ".join(f"{p['split'][k]:.3f}" if k in p["split"] else "-" for k in RL_SPLIT)
+        trl_gen = t["split"].get("generation_s")
+        print(
+            f"{r['size']} | {r['base_params'] / 1e6:.1f}M | "
+            f"{p['step_time_s']:.3f} / {t['step_time_s']:.3f} | "
+            f"{p['median_step_time_s']:.3f} / {t['median_step_time_s']:.3f} | "
+            f"{r['time_ratio']:.2f}x | {r['median_time_ratio']:.2f}x | "
+            f"{r['fast_time_ratio']:.2f}x | "
+            f"{p['completion_len']:.1f} / {t['completion_len']:.1f}"
+            f"{'' if r['lengths_comparable'] else ' DIFFER'} | {split} | "
+            f"{'-' if trl_gen is None else f'{trl_gen:.3f}'}"
+        )
+    print()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=20, help="optimizer steps per run (default 20)")
     ap.add_argument("--sizes", default="small,medium", help=f"comma list of {list(SIZES)}")
-    ap.add_argument("--stages", default="sft,dpo", help="comma list of sft,dpo")
+    ap.add_argument("--stages", default="sft,dpo", help=f"comma list of {','.join(STAGES)}")
     ap.add_argument("--threads", type=int, default=2, help="torch threads, both sides alike")
     ap.add_argument(
         "--trl-gradient-checkpointing",
         choices=("default", "on", "off"),
         default="default",
-        help="TRL's gradient checkpointing (default: TRL's own default, on)",
+        help="TRL's gradient checkpointing (default: TRL's own default, on, for sft and dpo; "
+        "off for grpo, the issue's shape)",
+    )
+    ap.add_argument(
+        "--grpo-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe setting of posttrain's grpo stage (repeatable), e.g. "
+        "rollout.drop_finished=true; shown in the table",
     )
     ap.add_argument("--json", type=Path, help="also save the figures here")
     ap.add_argument("--trl-run", nargs=2, metavar=("STAGE", "RECIPE"), help=argparse.SUPPRESS)
@@ -638,28 +1053,21 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
         stage, recipe = args.trl_run
-        fn = {"sft": trl_sft, "dpo": trl_dpo}[stage]
+        fn = {"sft": trl_sft, "dpo": trl_dpo, "grpo": trl_grpo}[stage]
         result = fn(Path(recipe), args.steps, args.trl_out, args.trl_gradient_checkpointing)
         print(json.dumps(result))
         return
 
+    grpo_set = parse_settings(args.grpo_set)
+    gc = args.trl_gradient_checkpointing
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in sizes:
-            rows += measure(
-                size, args.steps, stages, args.threads, args.trl_gradient_checkpointing, Path(tmp)
-            )
+            rows += measure(size, args.steps, stages, args.threads, gc, Path(tmp), grpo_set)
     print_table(rows, args.steps, args.threads)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
-    print(
-        json.dumps(
-            [
-                {k: r[k] for k in ("size", "stage", "ratio", "median_ratio", "fast_ratio")}
-                for r in rows
-            ]
-        )
-    )
+    print(json.dumps([headline(r) for r in rows]))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,104 @@ def test_summarize_skips_warmup_steps() -> None:
     assert (s["first_loss"], s["last_loss"], s["timed_steps"]) == (5.0, 2.0, 2)
 
 
+def test_rl_summary_skips_warmup_steps() -> None:
+    steps = [
+        {"step_time_s": 9.0, "completion_len": 1.0, "loss": 0.5, "generation_s": 9.0},  # warm-up
+        {"step_time_s": 9.0, "completion_len": 1.0, "loss": 0.4, "generation_s": 9.0},
+        {"step_time_s": 9.0, "completion_len": 1.0, "loss": 0.3, "generation_s": 9.0},
+        {"step_time_s": 2.0, "completion_len": 30.0, "loss": 0.2, "generation_s": 1.0},
+        {"step_time_s": 4.0, "completion_len": 32.0, "loss": 0.1, "generation_s": 2.0},
+        {"step_time_s": 9.0, "completion_len": 28.0, "loss": 0.0, "generation_s": 3.0},
+    ]
+    s = vs_trl.rl_summary(steps)
+    assert s["step_time_s"] == pytest.approx(5.0)  # (2 + 4 + 9) / 3
+    assert s["median_step_time_s"] == pytest.approx(4.0)
+    assert s["fast_step_time_s"] == pytest.approx(3.0)  # inclusive lower quartile: 2 + 0.5 x 2
+    assert s["completion_len"] == pytest.approx(30.0)
+    # Only phases every timed step carries: generation_s; scoring_s and training_s absent.
+    assert s["split"] == {"generation_s": 2.0}
+    assert (s["last_loss"], s["steps"], s["timed_steps"]) == (0.0, 6, 3)
+    # No more steps than the warm-up: all of them count.
+    short = vs_trl.rl_summary(steps[:2])
+    assert short["step_time_s"] == 9.0 and short["timed_steps"] == 2
+
+
+def test_time_ratios_are_posttrain_over_trl() -> None:
+    pt = {
+        "step_time_s": 3.0,
+        "median_step_time_s": 2.0,
+        "fast_step_time_s": 1.5,
+        "completion_len": 31.0,
+    }
+    trl = {
+        "step_time_s": 4.0,
+        "median_step_time_s": 4.0,
+        "fast_step_time_s": 3.0,
+        "completion_len": 32.0,
+    }
+    r = vs_trl.time_ratios(pt, trl)
+    assert (r["time_ratio"], r["median_time_ratio"], r["fast_time_ratio"]) == (0.75, 0.5, 0.5)
+    assert r["completion_len_rel_diff"] == pytest.approx(1 / 32)
+    assert r["lengths_comparable"]
+    assert not vs_trl.time_ratios(pt | {"completion_len": 20.0}, trl)["lengths_comparable"]
+    row = {"size": "tiny", "stage": "grpo", "ratio": 9.0, **r}
+    assert vs_trl.headline(row) == {
+        "size": "tiny",
+        "stage": "grpo",
+        "time_ratio": 0.75,
+        "median_time_ratio": 0.5,
+        "fast_time_ratio": 0.5,
+    }
+
+
+def test_grpo_row_recipe_and_trl_fields(tmp_path: Path) -> None:
+    """The bench's grpo stage starts from sft (not dpo), rolls out 8 x 8 into one optimizer
+    step, and TRL gets the same shape, sampling and clipped loss."""
+    import yaml
+
+    from posttrain.config.loader import load_recipe, section_batch
+    from posttrain.planner import plan
+
+    path = tmp_path / "recipe.yaml"
+    recipe = vs_trl.recipe_for(vs_trl.SIZES["tiny"], 3, tmp_path / "ws", 1)
+    path.write_text(yaml.safe_dump(recipe))
+    loaded = load_recipe(path)
+    assert plan(loaded).stage("grpo").roles["policy"] == "sft"
+    assert section_batch(loaded, "grpo").global_batch_size == 64
+    kw = vs_trl.grpo_kw(vs_trl.grpo_section(loaded))
+    assert kw["num_generations"] == 8 and kw["max_completion_length"] == 32
+    assert (kw["temperature"], kw["top_k"], kw["top_p"]) == (1.0, 0, 1.0)
+    assert (kw["beta"], kw["num_iterations"], kw["epsilon"], kw["epsilon_high"]) == (
+        0.0,
+        1,
+        0.2,
+        0.2,
+    )
+    assert kw["scale_rewards"] == "group" and kw["loss_type"] == "dapo"
+    assert kw["shuffle_dataset"] is False
+
+
+def test_grpo_settings_are_read_as_yaml_and_set_by_dotted_path() -> None:
+    settings = vs_trl.parse_settings(
+        ["rollout.drop_finished=true", "rollout.generation_batch_size=32", "eval_prompts=4"]
+    )
+    assert settings == {
+        "rollout.drop_finished": True,
+        "rollout.generation_batch_size": 32,
+        "eval_prompts": 4,
+    }
+    entry = {"rollout": {"max_new_tokens": 32}, "eval_prompts": 8}
+    out = vs_trl.with_settings(entry, settings | {"kl.coef": 0.0})
+    assert out == {
+        "rollout": {"max_new_tokens": 32, "drop_finished": True, "generation_batch_size": 32},
+        "eval_prompts": 4,
+        "kl": {"coef": 0.0},
+    }
+    assert entry == {"rollout": {"max_new_tokens": 32}, "eval_prompts": 8}  # not modified
+    with pytest.raises(ValueError, match="key.path=value"):
+        vs_trl.parse_settings(["rollout.drop_finished"])
+
+
 def test_trl_pairs_split_at_the_first_scored_token() -> None:
     pair = {
         "chosen_ids": [1, 2, 3, 7, 8, 9],
@@ -78,15 +176,16 @@ def test_help_and_missing_trl_without_trl(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_tiny_sft_and_dpo_against_trl(tmp_path: Path) -> None:
-    """The whole comparison at the tiny size, 3 steps (about a minute on an idle machine, five
-    process starts): positive figures, the same tokens counted on both sides, the first-step
-    losses equal (same base, rows and B = 0 adapter) and, with the adapter's init seeded alike,
-    the last ones too."""
+def test_tiny_sft_dpo_and_grpo_against_trl(tmp_path: Path) -> None:
+    """The whole comparison at the tiny size, 3 steps (about two minutes on an idle machine,
+    seven process starts): positive figures, the same tokens counted on both sides, the
+    first-step losses equal (same base, rows and B = 0 adapter) and, with the adapter's init
+    seeded alike, the last ones too; the GRPO row's step times, completion lengths and
+    posttrain's phase split."""
     pytest.importorskip("trl")
-    rows = vs_trl.measure("tiny", 3, ["sft", "dpo"], 2, "default", tmp_path)
-    assert [r["stage"] for r in rows] == ["sft", "dpo"]
-    for r in rows:
+    rows = vs_trl.measure("tiny", 3, ["sft", "dpo", "grpo"], 2, "default", tmp_path)
+    assert [r["stage"] for r in rows] == ["sft", "dpo", "grpo"]
+    for r in rows[:2]:
         p, t = r["posttrain"], r["trl"]
         assert p["tokens_per_s"] > 0 and t["tokens_per_s"] > 0 and r["ratio"] > 0
         assert r["median_ratio"] > 0 and r["fast_ratio"] > 0
@@ -95,3 +194,13 @@ def test_tiny_sft_and_dpo_against_trl(tmp_path: Path) -> None:
         assert r["first_loss_match"], (p["first_loss"], t["first_loss"])
         assert p["last_loss"] == pytest.approx(t["last_loss"], rel=1e-3)
         assert t["gradient_checkpointing"]  # TRL's default, kept
+    g = rows[2]
+    p, t = g["posttrain"], g["trl"]
+    assert p["steps"] == t["steps"] == 3
+    for side in (p, t):
+        assert side["step_time_s"] > 0 and side["median_step_time_s"] > 0
+        assert side["fast_step_time_s"] > 0 and side["completion_len"] > 0
+    assert g["time_ratio"] > 0 and g["median_time_ratio"] > 0 and g["fast_time_ratio"] > 0
+    assert set(p["split"]) == set(vs_trl.RL_SPLIT) and all(v > 0 for v in p["split"].values())
+    assert t["split"]["generation_s"] > 0
+    assert not t["gradient_checkpointing"]  # the issue's shape, as the stage
