@@ -239,6 +239,7 @@ def measure_child(
     from posttrain.train.losses import bradley_terry_loss
     from posttrain.train.optim import build_optimizer
     from posttrain.train.rollout import response_logps, sample
+    from posttrain.train.rollout_engine import build_engine
 
     cfg = CONFIGS[name]
     d = init_distributed("cpu", 600, threads)
@@ -310,7 +311,8 @@ def measure_child(
                 keep_gathered=cfg["keep_gathered"],
             )
             prompts = torch.randint(2, vocab, (cfg["rows"], cfg["prompt"]), generator=g).tolist()
-            ro = sample(model, prompts, [[]] * cfg["rows"], rollout, 0, 1, 0, 1)
+            engine = build_engine(rollout, model, POLICY, 1)
+            ro = sample(engine, prompts, [[]] * cfg["rows"], rollout, 0, 1, 0)
             b = tokens(cfg["micro"], cfg["prompt"] + cfg["new"])
             del b["labels"]
             inp = {**b, "start": cfg["prompt"] - 1, "stop": cfg["prompt"] + cfg["new"] - 1}

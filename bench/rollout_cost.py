@@ -41,7 +41,7 @@ from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import REWARD, RoleModel
 from posttrain.train.rl_losses import clipped_policy_loss, group_advantages, loss_weights
 from posttrain.train.rollout import Rollout, response_logps, sample, score
-from posttrain.train.rollout_engine import HFEngine
+from posttrain.train.rollout_engine import HFEngine, build_engine
 
 PAD = 0
 
@@ -104,7 +104,8 @@ def step(
         response = engine.generate(prompts, _sampling(cfg), stops, PAD, seed)
         ro = _rollout(prompts, response, stops)
     else:
-        ro = sample(model, prompts, [[]] * len(prompts), cfg, PAD, stops, seed, 1)
+        engine = build_engine(cfg, model, POLICY, 1)
+        ro = sample(engine, prompts, [[]] * len(prompts), cfg, PAD, stops, seed)
     t_gen = time.perf_counter() - t0
     score(model, ro, None, args.micro, 0, roles=(POLICY, REFERENCE))
     with torch.no_grad():

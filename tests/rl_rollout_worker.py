@@ -15,9 +15,11 @@ from posttrain.config.schema import RolloutConfig
 from posttrain.data.prompts import encode_prompt, quickstart_prompts
 from posttrain.distributed.fsdp import shard_model
 from posttrain.distributed.runtime import init_distributed, shutdown
+from posttrain.models.adapters import POLICY
 from posttrain.models.loading import load_base
 from posttrain.models.roles import build_roles
 from posttrain.train.rollout import sample, score
+from posttrain.train.rollout_engine import build_engine
 
 
 def main() -> None:
@@ -41,7 +43,8 @@ def main() -> None:
             cfg = RolloutConfig(
                 max_new_tokens=2 if d.rank == 0 else 10, keep_gathered=keep, drop_finished=drop
             )
-            ro = sample(model, ids, msgs, cfg, tok.pad_token_id, -1, d.rank, d.world_size)
+            engine = build_engine(cfg, model, POLICY, d.world_size)
+            ro = sample(engine, ids, msgs, cfg, tok.pad_token_id, -1, d.rank)
             responses[drop, keep] = ro.response
             score(model, ro, tok, 2, 64)
             record = {
@@ -60,7 +63,8 @@ def main() -> None:
     got = {}
     for drop in (False, True):
         cfg = RolloutConfig(max_new_tokens=2 if d.rank == 0 else 10, drop_finished=drop)
-        got[drop] = sample(model, ids, msgs, cfg, tok.pad_token_id, stop, d.rank, d.world_size)
+        engine = build_engine(cfg, model, POLICY, d.world_size)
+        got[drop] = sample(engine, ids, msgs, cfg, tok.pad_token_id, stop, d.rank)
     record = {
         "stop_rank": d.rank,
         "stopped": got[True].stopped.tolist(),

@@ -241,13 +241,14 @@ def test_update_steps_on_the_minibatchs_global_mean_however_it_is_split(
     mask = ro.mask
     policy_loss = float(-(adv.advantages * mask).sum() / mask.sum())
     value_loss = float((0.5 * adv.returns**2 * mask).sum() / mask.sum())
-    for micro, accum in ((4, 1), (2, 2), (1, 4)):
+    for micro, accum, packed in ((4, 1, False), (2, 2, False), (1, 4, False), (4, 1, True)):
         model = role_model(tiny, True)
         before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-        tr = _session(tmp_path / f"{aggregation}-{micro}", world, model)
-        stats = update(tr, ro, adv, cfg, ResolvedBatch(micro, accum, micro * accum, 1), 0, 1)
+        tr = _session(tmp_path / f"{aggregation}-{micro}-{packed}", world, model)
+        batch = ResolvedBatch(micro, accum, micro * accum, 1)
+        stats = update(tr, ro, adv, cfg, batch, 0, 1, packed=packed)
         assert stats.updates == 1 and stats.lr == pytest.approx(1e-3)
-        assert stats.grad_norm == pytest.approx(want, rel=1e-5), (micro, accum)
+        assert stats.grad_norm == pytest.approx(want, rel=1e-5), (micro, accum, packed)
         m = stats.means
         assert list(m) == ["policy_loss", "entropy", "clip_frac", "approx_kl", "kl_loss"] + [
             "value_loss",
@@ -261,6 +262,33 @@ def test_update_steps_on_the_minibatchs_global_mean_however_it_is_split(
         after = [p.detach() for p in model.parameters() if p.requires_grad]
         assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert policy_loss != 0.0 and value_loss > 0.0
+
+
+def test_rows_laid_end_to_end_score_as_padded_ones(tiny) -> None:
+    """`Rollout.packed_inputs`: the policy's log-probs and entropies and the critic's values of
+    every row equal the padded forward's, for replies of different lengths and for episodes
+    whose tool turns sit between the policy's (attended, not scored)."""
+    cfg = section("ppo", rollout={"prompts_per_step": 4, "max_new_tokens": 6})
+    ro = _rollout_of_varied_lengths(tiny, cfg)
+    episode = replace(ro, attn=ro.response_attn.clone().float(), mask=ro.mask.clone())
+    episode.mask[:, 1] = 0.0  # a "tool" token after each reply's first: context only
+    model = role_model(tiny, True).eval()
+    for r in (ro, episode):
+        rows = [3, 0, 2]
+        padded, packed = r.inputs(rows), r.packed_inputs(rows)
+        n_real = int(r.prompt_mask[rows].sum() + r.response_attn[rows].sum())
+        assert packed["input_ids"].shape == (1, n_real)  # not one padding token
+        with torch.no_grad():
+            for inp in (padded, packed):
+                inp["logp"], inp["ent"] = response_logps(
+                    model, POLICY, inp, r.response[rows], r.mask[rows], 8, entropy=True
+                )
+            values = [model(VALUE, **{k: v for k, v in i.items() if k not in ("logp", "ent")})
+                      for i in (padded, packed)]  # fmt: skip
+        m = r.mask[rows]
+        torch.testing.assert_close(packed["logp"] * m, padded["logp"] * m, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed["ent"] * m, padded["ent"] * m, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(values[1] * m, values[0] * m, atol=1e-5, rtol=1e-5)
 
 
 def test_the_only_update_without_scoring_passes_steps_as_with_them(tiny, world, tmp_path) -> None:

@@ -171,6 +171,14 @@ class RolloutBatchConfig(_Section):
         None, ge=1, description="Micro-batches per optimizer step."
     )
     global_batch_size: int | None = Result(None, ge=1, description="Sequences per optimizer step.")
+    padding_free: bool = Execution(
+        True,
+        description="Lay the rows of each scoring and update forward end to end in one sequence "
+        "(position ids restart per row, attention confined to each row) instead of padding "
+        "prompts on the left and responses on the right to the widest: no compute on padding, "
+        "the same results up to rounding. Models whose attention cannot (soft-capped logits, "
+        "eager attention) fall back to padding, said in the log.",
+    )
 
 
 class TrainingSection(_Section):

@@ -32,8 +32,10 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PreTrainedModel
 
+from posttrain.data.segments import Segments
 from posttrain.models.adapters import POLICY, REFERENCE, active_adapter, policy_with_reference
 from posttrain.models.sharded_load import adapters_stay_real
+from posttrain.models.varlen_attention import SEGMENTS_KW, confined_attention
 from posttrain.train.chunked import head_scores, model_transform, output_head
 
 VALUE, REWARD = "value", "reward"
@@ -59,14 +61,16 @@ class RoleModel(nn.Module):
         self,
         role: str,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
         start: int = 0,
         stop: int | None = None,
         targets: torch.Tensor | None = None,
         chunk_tokens: int = 0,
         entropy: bool = False,
         temperature: float = 1.0,
+        segments: Segments | None = None,
+        index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids/attention_mask/position_ids [B, T] ->
         policy/reference: logits [B, stop-start, V] of positions start..stop-1; with `targets`
@@ -76,17 +80,17 @@ class RoleModel(nn.Module):
         value: values [B, stop-start] (fp32);  reward: scores [B] at each row's last real token.
         `temperature`: policy/reference logits divided by it (the sampling temperature, so
         log-probs are those of the distribution the rollout was drawn from).
+        Padding-free (`segments`, `Rollout.packed_inputs`): input_ids/position_ids [1, N], no
+        attention mask, and `index` [B, R] the flat positions to read instead of start..stop:
+        the same outputs for the B rows, with no compute on padding (not for `reward`).
         Only the requested positions go through the LM head (a [B, T, V] tensor is the largest
         activation of a small-vocabulary-to-hidden ratio model)."""
         with active_adapter(self.lm, role):
-            hidden = (
-                self.causal_lm.get_decoder()(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    use_cache=False,
-                )
-            ).last_hidden_state  # [B, T, H], after the final norm
+            hidden = self._hidden(input_ids, attention_mask, position_ids, segments)
+        if segments is not None:
+            assert index is not None and role != REWARD, "padding-free: logits and values only"
+            hidden = hidden[0, index]  # [1, N, H] -> [B, R, H]
+            start, stop = 0, None
         if role == REWARD:
             if self.score_head is None:
                 raise ValueError("this RoleModel was built without a reward model")
@@ -113,6 +117,31 @@ class RoleModel(nn.Module):
         head = output_head(self.causal_lm)
         logp, ent = head_scores(head, hidden, targets, chunk_tokens, entropy, transform)
         return logp if ent is None else torch.stack([logp, ent], dim=-1)
+
+    def _hidden(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        segments: Segments | None,
+    ) -> torch.Tensor:
+        """The decoder's last hidden states [B, T, H] (after the final norm); padding-free
+        [1, N, H], attention confined to each row (`posttrain.models.varlen_attention`)."""
+        decoder = self.causal_lm.get_decoder()
+        if segments is None:
+            return decoder(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+            ).last_hidden_state
+        with confined_attention(self.causal_lm) as native:
+            # Flash-attention reads the rows from the position ids; the others get them as a
+            # keyword handed down to every attention call.
+            extra = {} if native else {SEGMENTS_KW: segments}
+            return decoder(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra
+            ).last_hidden_state
 
     def generate(self, role: str = POLICY, **kwargs: Any) -> torch.Tensor:
         with active_adapter(self.lm, role):

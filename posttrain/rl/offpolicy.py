@@ -102,6 +102,7 @@ def score_behaviour(
             (POLICY,),
             s.chunk_tokens,
             s.cfg.rollout.temperature,
+            s.packed,
         )
     ro.scored["behaviour_logps"] = scratch.scored["logps"]
 

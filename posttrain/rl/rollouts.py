@@ -56,6 +56,7 @@ class RolloutSetup:
     # The rollout engine of each role that samples (POLICY, REFERENCE for the held-out
     # baseline): in process, or a server's (`posttrain.serving.engine`).
     engines: dict[str, RolloutEngine] = field(default_factory=dict)
+    packed: bool = False  # scoring and update forwards padding-free (`batch.padding_free`)
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -144,6 +145,7 @@ def score_rollout(
         roles,
         s.chunk_tokens,
         s.cfg.rollout.temperature,
+        s.packed,
     )
     s.rewarder(ro, rows)
 

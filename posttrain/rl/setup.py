@@ -31,6 +31,7 @@ from posttrain.rl.episodes import episode_setup
 from posttrain.rl.rollouts import RolloutSetup
 from posttrain.stages.common import StageContext, training_base
 from posttrain.telemetry import heartbeat
+from posttrain.train.micro_batches import padding_free
 from posttrain.train.rl_algos import Algorithm
 from posttrain.train.rl_losses import KLController, Reduce
 from posttrain.train.rl_rewards import Rewarder
@@ -136,7 +137,7 @@ def setup(ctx: StageContext, algo: Algorithm, stack: ExitStack) -> RLRun:
         ctx, tr.model, tok, rewarder, algo.critic, batch.micro_batch_size, passes
     )
     engines = rollout_engines(ctx, rollouts, tr.start_step, stack)
-    rollouts = replace(rollouts, engines=engines)
+    rollouts = replace(rollouts, engines=engines, packed=padding_free(cfg.batch, tr.model))
     reduce = partial(all_reduce_tensor, device=d.device)
     return RLRun(
         ctx, algo, placement, data, batch, n_rollouts, tr, rollouts, ctl, reduce, template_sha

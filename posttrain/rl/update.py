@@ -30,7 +30,7 @@ from posttrain.train.rl_losses import (
     loss_weights,
     truncated_importance_weights,
 )
-from posttrain.train.rollout import Rollout, response_logps
+from posttrain.train.rollout import Rollout, model_inputs, response_logps
 from posttrain.train.session import TrainSession
 
 
@@ -91,7 +91,8 @@ class MicroBatch:
     """n rows of a minibatch, on the device."""
 
     rows: torch.Tensor  # [n] rollout row indices
-    inputs: dict[str, Any]  # `Rollout.inputs` of the rows: input_ids [n, P+R], ...
+    # `Rollout.inputs` of the rows (input_ids [n, P+R], ...) or their `packed_inputs`
+    inputs: dict[str, Any]
     mask: torch.Tensor  # [n, R] 1 on response tokens
     weights: torch.Tensor  # [n, R] each token's weight in the minibatch's objective
 
@@ -105,11 +106,13 @@ def update(
     seed: int,
     step: int,
     chunk_tokens: int = 0,
+    packed: bool = False,
 ) -> UpdateStats:
     """Step 4: `update_epochs` passes of clipped updates over one rollout, the policy ratio
     clipped to [1 - clip_range, 1 + clip_range_high]; pass e shuffles the rows with `seed` + e.
     `step`: the rollout's logged step (1-based), for the guard's records. `chunk_tokens`: tokens
-    per pass through the LM head (`infra.logits_chunk_tokens`; 0 = full logits)."""
+    per pass through the LM head (`infra.logits_chunk_tokens`; 0 = full logits). `packed`: each
+    micro-batch's rows laid end to end (`batch.padding_free`), not padded."""
     device, world = tr.dist.device, tr.dist.world_size
     per_update = batch.micro_batch_size * batch.grad_accum_steps
     # None only on ppo (token_mean); a grpo section holds its algorithm's (GRPOConfig presets).
@@ -129,7 +132,7 @@ def update(
             weights, count = loss_weights(ro.mask[rows], aggregation, cfg.rollout.max_new_tokens)
             mb = Minibatch(rows, weights, world / max(1.0, all_reduce_sum(count, device)))
             share = minibatch_backward(
-                tr, ro, adv, mb, cfg, batch.micro_batch_size, chunk_tokens, sums
+                tr, ro, adv, mb, cfg, batch.micro_batch_size, chunk_tokens, sums, packed
             )
             objective = all_reduce_sum(share, device)  # the same on every rank, for the guard
             norm, lr = tr.optimizer_step(
@@ -152,8 +155,10 @@ def minibatch_backward(
     micro: int,
     chunk_tokens: int,
     sums: Counter[str],
+    packed: bool = False,
 ) -> float:
-    """Forward and backward of minibatch `mb`, `micro` rows at a time; gradients accumulate
+    """Forward and backward of minibatch `mb`, `micro` rows at a time (padded, or laid end to
+    end with `packed`); gradients accumulate
     and are synced over ranks by the last micro-batch's backward. Adds each token statistic's
     sum over the response tokens to `sums`. Returns this rank's share of the minibatch's
     objective (summed over ranks: the objective)."""
@@ -165,7 +170,7 @@ def minibatch_backward(
         last = k == len(micros) - 1
         mi = MicroBatch(
             rows,
-            {n: v.to(device) if torch.is_tensor(v) else v for n, v in ro.inputs(rows).items()},
+            model_inputs(ro, rows, packed, device),
             ro.mask[rows].to(device),
             mb.weights[k * micro : k * micro + len(rows)].to(device),
         )

@@ -107,7 +107,9 @@ def train_step(run: RLRun, step: int, ahead: Ahead | None = None) -> None:
         run.algo, rb.rollout, cfg, run.ctl.coef, run.placement, run.reduce, lag
     )
     update_seed = rollout_seed(s.seed, step, s.rank) + 1
-    stats = update(run.tr, rb.rollout, adv, cfg, run.batch, update_seed, step + 1, s.chunk_tokens)
+    stats = update(
+        run.tr, rb.rollout, adv, cfg, run.batch, update_seed, step + 1, s.chunk_tokens, s.packed
+    )
     # Generation on this step's own path: all of it, or with `ahead` the rounds sampled now.
     own = rb.generation_s - (generated.seconds if generated is not None else 0.0)
     t_train = time.perf_counter() - t0 - own - rb.scoring_s

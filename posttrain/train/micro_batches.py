@@ -14,14 +14,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from posttrain.config.sections import BatchConfig
+from posttrain.config.sections import BatchConfig, RolloutBatchConfig
 from posttrain.data.batching import regroup_by_tokens
 from posttrain.models.varlen_attention import padding_free_unsupported
 
 log = logging.getLogger("posttrain.train")
 
 
-def padding_free(cfg: BatchConfig, model: torch.nn.Module) -> bool:
+def padding_free(cfg: BatchConfig | RolloutBatchConfig, model: torch.nn.Module) -> bool:
     """Whether this stage's micro-batches go padding-free: asked for, and the model can."""
     if not cfg.padding_free:
         return False

@@ -26,6 +26,7 @@ from posttrain.config.schema import RolloutConfig, SamplingConfig
 from posttrain.data.batching import pad_batch
 from posttrain.data.chat import IGNORE
 from posttrain.data.preference import Messages, encode_reply
+from posttrain.data.segments import Segments
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import REWARD, VALUE
 from posttrain.train.rl_losses import entropy_from_logits, token_logps
@@ -83,6 +84,31 @@ class Rollout:
             "position_ids": pos,
             "start": p - 1,
             "stop": p + r - 1,
+        }
+
+    def packed_inputs(self, idx: list[int] | torch.Tensor) -> dict[str, Any]:
+        """Model inputs of rows `idx` laid end to end (`posttrain.data.segments`): each row's
+        real tokens - its prompt, then what follows it - in input_ids/position_ids [1, N]
+        (positions restart per row, as `inputs` numbers them), the `segments` that confine
+        attention to each row, and `index` [n, R]: for response column r of row i, the flat
+        position whose output predicts that token (the one before it; 0 past the row's end,
+        where the mask is 0). No forward spends compute on padding."""
+        rows = torch.as_tensor(idx, dtype=torch.long).reshape(-1)
+        attn = self.response_attn[rows]  # [n, R], a prefix of each row
+        index = torch.zeros(attn.shape, dtype=torch.long)
+        seqs, offset = [], 0
+        for k, i in enumerate(rows.tolist()):
+            prompt = self.prompt_ids[i][self.prompt_mask[i].bool()]
+            n_resp = int(attn[k].sum())
+            seqs.append(torch.cat([prompt, self.response[i, :n_resp]]))
+            index[k, :n_resp] = offset + prompt.numel() - 1 + torch.arange(n_resp)
+            offset += seqs[-1].numel()
+        segments = Segments.from_lengths([s.numel() for s in seqs])
+        return {
+            "input_ids": torch.cat(seqs)[None],
+            "position_ids": segments.pos_of[None],
+            "segments": segments,
+            "index": index,
         }
 
     def tokens(self) -> int:
@@ -155,6 +181,17 @@ class Rollout:
             if parts[0].versions is None
             else torch.cat([p.versions for p in parts if p.versions is not None]),
         )
+
+
+def model_inputs(
+    ro: Rollout, idx: list[int] | torch.Tensor, packed: bool, device: torch.device
+) -> dict[str, Any]:
+    """`ro.packed_inputs(idx)` (padding-free) or `ro.inputs(idx)` (padded), on `device`."""
+    inp = ro.packed_inputs(idx) if packed else ro.inputs(idx)
+    return {
+        k: v.to(device) if torch.is_tensor(v) or isinstance(v, Segments) else v
+        for k, v in inp.items()
+    }
 
 
 def response_mask(
@@ -263,12 +300,14 @@ def score(
     roles: tuple[str, ...] = (POLICY, REFERENCE, VALUE, REWARD),
     chunk_tokens: int = 0,
     temperature: float = 1.0,
+    packed: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Fill `ro.scored` for the requested roles: "logps" (policy) / "ref_logps" [N, R], "values"
     [N, R] (critic), "scores" [N] (reward model, on the response re-rendered through the chat
     template exactly as its training pairs were, so it sees the end-of-turn text it learnt on).
     Every rank runs the same number of forwards for the same N. `chunk_tokens`: tokens per pass
-    through the LM head for the log-probs (0 = full logits)."""
+    through the LM head for the log-probs (0 = full logits); `packed`: each forward's rows laid
+    end to end (`Rollout.packed_inputs`) instead of padded."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -276,7 +315,7 @@ def score(
     names = {POLICY: "logps", REFERENCE: "ref_logps", VALUE: "values"}
     for start in range(0, ro.n, batch_size):
         idx = list(range(start, min(start + batch_size, ro.n)))
-        inp = {k: v.to(device) if torch.is_tensor(v) else v for k, v in ro.inputs(idx).items()}
+        inp = model_inputs(ro, idx, packed, device)
         mask = ro.mask[idx].to(device)
         for role in (r for r in roles if r in names):
             if role == VALUE:
