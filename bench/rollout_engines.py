@@ -19,7 +19,8 @@ the same code whichever engine it is, so the rollouts are what can differ. The S
 argmax continuations (`top_k: 1`) of `--equality-prompts` prompts, in process and from the
 server: the rows that are identical, and for those that are not, the policy's logit margin
 where they first part (a near-tie that the server's other float rounding resolves the other
-way, or a real difference such as text that re-tokenises to other ids).
+way, or a real difference), and those whose text is the same but re-tokenised to other ids
+(`transformers serve` returns text).
 
     python bench/rollout_engines.py [--steps 8] [--hidden 256] [--layers 4] [--threads 2]
         [--server-threads 1] [--prompts 8] [--samples 4] [--new-tokens 24]
@@ -162,29 +163,32 @@ def equality(tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
         engine = ServerEngine(server, "policy")
         sv = engine.generate(ids, argmax, stops, tok.pad_token_id, 0).tolist()
         counts = engine.take_counts()
-    margins = [
-        first_difference_margin(model, p, a, b, tok.pad_token_id)
-        for p, a, b in zip(ids, hf, sv, strict=True)
-    ]
-    differ = [m for m in margins if m is not None]
+    pad = tok.pad_token_id
+    same, retokenised, margins = 0, 0, []
+    for p, a, b in zip(ids, hf, sv, strict=True):
+        a, b = [t for t in a if t != pad], [t for t in b if t != pad]
+        if a == b:
+            same += 1
+        elif tok.decode(a, skip_special_tokens=True) == tok.decode(b, skip_special_tokens=True):
+            retokenised += 1  # the same text: the server's text re-tokenised to other ids
+        else:
+            margins.append(first_difference_margin(model, p, a, b))
     return {
         "rows": len(ids),
-        "same": len(ids) - len(differ),
-        "margins": differ,
+        "same": same,
+        "retokenised": retokenised,
+        "margins": margins,
         "mismatch": counts.get("retokenized_mismatch", 0.0),
     }
 
 
 def first_difference_margin(
-    model: torch.nn.Module, prompt: list[int], a: list[int], b: list[int], pad: int
-) -> float | None:
-    """None when rows `a` and `b` (padded responses) agree; else the policy's top-1 minus
-    top-2 logit where they first differ, given the prompt and the common part."""
+    model: torch.nn.Module, prompt: list[int], a: list[int], b: list[int]
+) -> float:
+    """The policy's top-1 minus top-2 logit where responses `a` and `b` first differ, given
+    the prompt and their common part."""
     from posttrain.models.adapters import POLICY
 
-    a, b = [t for t in a if t != pad], [t for t in b if t != pad]
-    if a == b:
-        return None
     k = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     ids = torch.tensor([prompt + a[:k]])
     with torch.no_grad():
@@ -215,10 +219,11 @@ def report(got: dict[str, dict], eq: dict[str, Any] | None, args: argparse.Names
         near = sum(m < 1e-3 for m in eq["margins"])
         print(
             f"argmax continuations (top_k 1) of the SFT policy, hf vs server: {eq['same']} of "
-            f"{eq['rows']} rows identical; of the {len(eq['margins'])} that differ, {near} part "
-            f"at a near-tie (top-2 logit margin < 1e-3; margins "
-            f"{', '.join(f'{m:.1e}' for m in sorted(eq['margins'])) or '-'}); re-tokenised "
-            f"answers whose length the server's count contradicts: {eq['mismatch']:.0f}"
+            f"{eq['rows']} rows identical; {eq['retokenised']} the same text re-tokenised to "
+            f"other ids (the server returns text; {eq['mismatch']:.0f} of its answers' lengths "
+            f"contradict its own count); {len(eq['margins'])} other texts, {near} parting at a "
+            f"near-tie (top-2 logit margin < 1e-3; margins "
+            f"{', '.join(f'{m:.1e}' for m in sorted(eq['margins'])) or '-'})"
         )
 
 

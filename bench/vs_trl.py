@@ -65,10 +65,12 @@ GRPO row (`--stages grpo`; the issue's shape, at `--sizes 11m`, an 11.4M Llama):
   sides sample with different random streams, so their tokens differ, but the lengths of a
   policy that rarely stops early are comparable). No loss check: the samples differ.
   Measured on 2 cores with nothing else running, `--stages grpo --sizes 11m --steps 15`:
-  posttrain 4.32 s vs TRL 4.97 s median step (0.87x; generation 1.96 s, scoring 0.01 s, update
-  2.37 s against TRL's generation 2.03 s), completion lengths 16.2 / 16.1; with
-  `--grpo-set rollout.drop_finished=true` 4.12 s vs 4.56 s (0.90x; generation 1.75 s). Either
-  side's median moved by up to 8% between runs of the same command.
+  posttrain 3.79 s vs TRL 4.72 s median step (0.80x; generation 2.17 s, scoring 0.01 s, update
+  1.64 s against TRL's generation 1.93 s), completion lengths 16.2 / 16.1. Before the update
+  laid its rows end to end (`batch.padding_free`, decision 61), the update took 2.37 s and the
+  step 4.32 s vs 4.97 s (0.87x); with `--grpo-set rollout.drop_finished=true` then 4.12 s vs
+  4.56 s (0.90x; generation 1.75 s). Either side's median moved by up to 8% between runs of
+  the same command.
 
     pip install -e .[bench]                     # trl==1.16.0; not a runtime dependency
     HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_trl.py            # 20 steps, small+medium, sft+dpo
