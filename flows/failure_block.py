@@ -145,6 +145,10 @@ def stage_failure_block(message: str, timed_out: bool = False, hung: bool = Fals
                 steps = "\n".join(f"        {c}" for c in changes)
                 fix = f"one of\n{steps}\n        or set infra.memory_preflight=warn to try anyway"
             return Block(head, what, fix, log)
+        if kind == "DataFileMissing":  # `sft.data.path: /x does not exist`: the field, not a row
+            named = re.match(r"([\w.]+\.(?:path|eval_path)): ", what)
+            field = named.group(1) if named else "the recipe's path to it"
+            return Block(head, what, f"correct {field} (or create the file), {RERUN}", log)
         if kind in FIXES:
             return Block(head, what, FIXES[kind], log)
         return Block(
