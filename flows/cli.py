@@ -117,6 +117,7 @@ def cmd_validate(
         return EXIT_INVALID
     ok = _check_inputs(recipe, plan_rows(recipe), out)
     if resolved:
+        out.write("--- # resolved recipe\n")
         out.write(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
     return EXIT_OK if ok else EXIT_INVALID
 
@@ -213,6 +214,7 @@ def cmd_plan(
     for where, value in inputs:
         print(f"  {where:<{width}}  {value}", file=out)
     if resolved:
+        out.write("--- # resolved recipe\n")
         out.write(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
     return EXIT_OK if ok else EXIT_INVALID
 

@@ -74,7 +74,9 @@ def check_template(
         return
     rows = {w: p.rows for w, p in peeks.items()}
     need_tools = {f"{w}.rollout.tools" for w in tools} | {
-        f"{w}.data" for w, located in rows.items() if any(has_tools(r) for _, r in located)
+        f"{w}.data"
+        for w, located in rows.items()
+        if any(isinstance(r, dict) and "messages" in r and has_tools(r) for _, r in located)
     }
     fmt = format_of_template(text)
     if fmt is None:

@@ -15,11 +15,7 @@ from typing import Any
 
 from posttrain.data.errors import DataError
 from posttrain.data.loading import check_sft_row, data_source, read_rows
-from posttrain.data.preference import (
-    PreferenceDataError,
-    check_preference_row,
-    check_unpaired_row,
-)
+from posttrain.data.preference import check_preference_row, check_unpaired_row
 from posttrain.data.prompts import PROMPT_TASKS, check_prompt_row
 from posttrain.data.row_shape import row_shape
 from posttrain.hub import is_hub_id
@@ -92,24 +88,25 @@ def peek_data(where: str, shape: str, cfg: Any, head: int = HEAD) -> DataPeek:
 def _checked(
     field_path: str, value: str, shape: str, cfg: Any, located: list[Any], out: DataPeek
 ) -> str:
-    """One section line for rows read from `value`; a bad row becomes a problem (or, under
-    `on_invalid: skip`, a count of rows the stage would skip)."""
+    """One section line for rows read from `value`. The first bad row is a problem, as it stops
+    the stage; under `on_invalid: skip` bad rows are counted as the stage would skip them."""
     skip = getattr(cfg, "on_invalid", "error") == "skip"
     skipped: Counter[str] = Counter()
+    ok = 0
     for where, raw in located:
         try:
             out.rows.append((where, CHECKS[shape](raw, where)))
-        except PreferenceDataError as exc:
-            if not skip:
-                out.problems.append(f"{field_path}: {exc}")
-            skipped[exc.reason] += 1
+            ok += 1
         except DataError as exc:
+            reason = getattr(exc, "reason", None)  # a PreferenceDataError's: skip may drop it
+            if skip and reason is not None:
+                skipped[reason] += 1
+                continue
             out.problems.append(f"{field_path}: {exc}")
-            skipped["bad"] += 1
+            break
     shapes = list(dict.fromkeys(row_shape(shape, raw) for _, raw in located))
     renamed = f" (columns renamed: {cfg.columns})" if cfg.columns else ""
-    ok = len(located) - sum(skipped.values())
     text = f"{field_path}: {value}: {' | '.join(shapes)}{renamed}, {ok} rows read ok"
-    if skip and skipped:
+    if skipped:
         text += f", {sum(skipped.values())} would be skipped ({dict(skipped)})"
     return text

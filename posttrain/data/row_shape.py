@@ -23,7 +23,9 @@ SFT_NAMES = {
 
 def _sft(row: dict[str, Any]) -> str:
     field = next((f for key, _, f, _ in SFT_SHAPES if row.get(key) is not None), None)
-    name = SFT_NAMES.get(field or "", "unknown")
+    if field is None:
+        return _keys(row)
+    name = SFT_NAMES[field]
     if field == "conversations":
         turns = row["conversations"]
         first = turns[0] if isinstance(turns, list) and turns else {}
@@ -32,8 +34,14 @@ def _sft(row: dict[str, Any]) -> str:
     return name + (" + tools" if row.get("tools") is not None else "")
 
 
+def _keys(row: dict[str, Any]) -> str:
+    return f"unrecognised (keys {', '.join(sorted(row))})"
+
+
 def _pairs(row: dict[str, Any]) -> str:
     prompt, chosen = row.get("prompt"), row.get("chosen")
+    if chosen is None or row.get("rejected") is None:
+        return _keys(row)
     if prompt is None:
         return "chosen/rejected (full conversations, implicit prompt)"
     if isinstance(chosen, list):
@@ -50,8 +58,10 @@ def _unpaired(row: dict[str, Any]) -> str:
 def _prompts(row: dict[str, Any]) -> str:
     if row.get("prompt") is not None:
         name = "prompt (text)" if isinstance(row["prompt"], str) else "prompt (messages)"
-    else:
+    elif row.get("messages") is not None:
         name = "messages (prompt = up to the last assistant turn)"
+    else:
+        return _keys(row)
     columns = sorted(k for k in row if k not in ("prompt", "messages"))
     return name + (f", columns {', '.join(columns)}" if columns else "")
 

@@ -37,8 +37,8 @@ def call_problem(
         accepted = None
     else:
         accepted = {p.name for p in params if p.kind is not p.VAR_POSITIONAL}
-    given = {*CALLER_ARGS, *bound, *(columns or ())}
-    if accepted is not None and (extra := sorted(given - accepted)):
+    given = list(dict.fromkeys([*CALLER_ARGS, *bound, *sorted(columns or ())]))
+    if accepted is not None and (extra := [n for n in given if n not in accepted]):
         return (
             f"{shown} does not take {', '.join(extra)}, which posttrain passes (prompts, "
             "completions, completion_ids, stopped and every data column, by keyword): add **kwargs"
