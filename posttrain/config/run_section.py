@@ -21,7 +21,8 @@ class RunConfig(_Section):
     workspace: str = Execution(
         "./workspace",
         description="Folder that holds artifacts/, runs/ and Prefect results. Relative paths are "
-        "resolved against the current directory when the recipe is loaded.",
+        "resolved against the recipe file's folder (given on the command line: the current "
+        "directory) when the recipe is loaded.",
     )
     seed: int = Result(0, ge=0, description="Seed for data order, initialisation and sampling.")
     allowed_paths: list[str] = Execution(
