@@ -508,7 +508,8 @@ def resolve_paths(
     explicit = [
         x
         for i, p in enumerate(r.run.allowed_paths)
-        if (x := _real(p, f"run.allowed_paths.{i}", errors, cwd)) is not None
+        if (x := _real(p, f"run.allowed_paths.{i}", errors, base(f"run.allowed_paths.{i}")))
+        is not None
     ]
     if workspace is None or len(explicit) < len(r.run.allowed_paths):
         raise RecipeError(errors)
@@ -531,7 +532,7 @@ def resolve_paths(
                 needed.append(found)
     if errors:
         raise RecipeError(errors)
-    r.run.allowed_paths = [*r.run.allowed_paths, *(str(x) for x in needed)]
+    r.run.allowed_paths = [*(str(x) for x in [*explicit, *needed])]
     return r
 
 
