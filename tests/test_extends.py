@@ -136,8 +136,8 @@ def test_relative_paths_are_the_recipe_folder_s_and_overrides_the_current_direct
     _project(work)
     monkeypatch.chdir(work)
     out, err = io.StringIO(), io.StringIO()
-    assert cmd_validate("proj/my.yaml", [], out, err) == 0, err.getvalue()
-    printed = yaml.safe_load(out.getvalue())
+    assert cmd_validate("proj/my.yaml", [], out, err, resolved=True) == 0, err.getvalue()
+    printed = yaml.safe_load(out.getvalue().split("--- # resolved recipe\n")[1])
     assert printed["sft"]["data"]["path"] == str(work / "proj" / "data" / "x.jsonl")
     assert printed["run"]["workspace"] == str(work / "proj" / "workspace")  # the default's too
     # A path typed on the command line is the typist's: relative to the current directory.
