@@ -39,7 +39,7 @@ from posttrain.config.served_access import (
     served_roots,
     with_roots,
 )
-from posttrain.kinds import KINDS
+from posttrain.kinds import KINDS, graph_kinds
 from posttrain.planner import plan
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
@@ -451,8 +451,13 @@ def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, er
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # The kinds come from the registry, so a new kind is named here without an edit.
+    kinds = ", ".join(graph_kinds())
     ap = argparse.ArgumentParser(
-        prog="posttrain", description="Post-training pipeline: ingest -> SFT -> evaluate -> export."
+        prog="posttrain",
+        description=f"Post-training pipeline from one recipe: ingest -> a graph of training "
+        f"stages ({kinds}), each reading the stages it names -> evaluate -> promotion gate -> "
+        "export. Finished stages are reused.",
     )
     sub = ap.add_subparsers(dest="command", required=True)
     for name, func, help_text in (
