@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Any, TextIO
 
+from prefect.exceptions import FailedRun
 from prefect.logging.handlers import PrefectConsoleHandler
 
 from flows.report import format_duration
@@ -41,6 +42,7 @@ from flows.stage_output import (
     add_step_listener,
     remove_step_listener,
 )
+from posttrain.config.loader import RecipeError
 
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 # Prefect's (and our supervisor's) repeats of a failure the closing block states once.
@@ -210,14 +212,21 @@ def detach_progress(printer: ProgressPrinter) -> None:
             handler.removeFilter(f)
 
 
-KNOWN_FAILURES: tuple[type[BaseException], ...] = (StageFailed, QualityGateFailed)
+# The failures posttrain raises and explains: the one line says it all (flows.failure_block).
+KNOWN_FAILURES: tuple[type[BaseException], ...] = (StageFailed, QualityGateFailed, RecipeError)
 
 
 class DropKnownTracebacks(logging.Filter):
-    """Known failures keep their message, not their traceback."""
+    """Known failures keep their message, not their traceback. Prefect's `FailedRun` record is
+    dropped whole: its engine raises it for a flow that returned a Failed state (a served
+    run's known failure, flows.post_train) and logs it as "Engine execution exited with
+    unexpected exception" with a traceback of Prefect's frames, after the flow logged the
+    reason and Prefect its final state."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, FailedRun):
+            return False
         if isinstance(exc, KNOWN_FAILURES):
             record.exc_info, record.exc_text = None, None
         return True
