@@ -26,7 +26,7 @@ from typing import Any, TextIO
 
 import yaml
 
-from flows.failure_block import Block, gate_block, stage_failure_block, unexpected_block
+from flows.failure_block import Block, known_block, unexpected_block
 from flows.prefect_env import apply_prefect_defaults, prefect_target
 from flows.report import StageRecord, recovery_lines, summary_table, text_table
 from posttrain.artifacts import read_manifest, verify
@@ -39,7 +39,7 @@ from posttrain.config.served_access import (
     served_roots,
     with_roots,
 )
-from posttrain.kinds import KINDS
+from posttrain.kinds import KINDS, graph_kinds
 from posttrain.planner import plan
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
@@ -86,23 +86,7 @@ def load_or_report(
 
 def failure_block(exc: BaseException, recipe: Recipe) -> Block:
     """The closing block of a failed run: a stage's failure, a quality gate, or a bug."""
-    from flows.stage_failures import QualityGateFailed, StageFailed, StageTimeout
-    from flows.stage_hang import StageHung
-
-    if isinstance(exc, StageFailed):
-        block = stage_failure_block(
-            str(exc), timed_out=isinstance(exc, StageTimeout), hung=isinstance(exc, StageHung)
-        )
-    elif isinstance(exc, QualityGateFailed):
-        block = gate_block(str(exc))
-    elif isinstance(exc, RecipeError):  # refused in the flow (e.g. a path outside its reach)
-        block = Block(
-            "posttrain: recipe refused (no stage ran)",
-            "; ".join(exc.errors) or str(exc),
-            "correct the fields named above",
-        )
-    else:
-        block = unexpected_block(exc, Path(recipe.run.workspace) / "logs")
+    block = known_block(exc) or unexpected_block(exc, Path(recipe.run.workspace) / "logs")
     block.notes = tuple(getattr(exc, "__notes__", ()))
     return block
 
@@ -441,7 +425,13 @@ def cmd_submit(path: str, overrides: list[str], out: TextIO, err: TextIO, wait: 
         return EXIT_OK
     state = run.state
     print(f"{run.name}: {state.name if state else 'unknown'}", file=out)
-    return EXIT_OK if state is not None and state.is_completed() else EXIT_FAILED
+    if state is not None and state.is_completed():
+        return EXIT_OK
+    # Why, as the run's final state says it: posttrain's one-line reason for what it refused
+    # or stopped (flows.post_train), Prefect's own message otherwise. The worker's log has more.
+    for line in ((state.message if state else "") or "").strip().splitlines():
+        print(f"  {line}", file=out)
+    return EXIT_FAILED
 
 
 def cmd_publish_base(model_dir: str, pipeline: str, out: TextIO, err: TextIO) -> int:
@@ -508,8 +498,13 @@ def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, er
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # The kinds come from the registry, so a new kind is named here without an edit.
+    kinds = ", ".join(graph_kinds())
     ap = argparse.ArgumentParser(
-        prog="posttrain", description="Post-training pipeline: ingest -> SFT -> evaluate -> export."
+        prog="posttrain",
+        description=f"Post-training pipeline from one recipe: ingest -> a graph of training "
+        f"stages ({kinds}), each reading the stages it names -> evaluate -> promotion gate -> "
+        "export. Finished stages are reused.",
     )
     sub = ap.add_subparsers(dest="command", required=True)
     for name, func, help_text in (

@@ -192,3 +192,32 @@ def unexpected_block(exc: BaseException, log_dir: Path) -> Block:
         log,
         _last_frame(text.splitlines()),
     )
+
+
+def known_block(exc: BaseException) -> Block | None:
+    """The block of a failure posttrain raises and explains (a stage that failed, timed out or
+    hung; a quality gate not met; a recipe refused in the flow); None for anything else."""
+    from flows.stage_failures import QualityGateFailed, StageFailed, StageTimeout
+    from flows.stage_hang import StageHung
+    from posttrain.config.loader import RecipeError
+
+    if isinstance(exc, StageFailed):
+        return stage_failure_block(
+            str(exc), timed_out=isinstance(exc, StageTimeout), hung=isinstance(exc, StageHung)
+        )
+    if isinstance(exc, QualityGateFailed):
+        return gate_block(str(exc))
+    if isinstance(exc, RecipeError):  # refused in the flow (e.g. a path outside its reach)
+        return Block(
+            "posttrain: recipe refused (no stage ran)",
+            "; ".join(exc.errors) or str(exc),
+            "correct the fields named above",
+        )
+    return None
+
+
+def reason_line(block: Block) -> str:
+    """`block` as one line, for where only a line fits (a served run's final state, which
+    `posttrain submit --wait` prints): `recipe refused (no stage ran): run.workspace: ...`."""
+    what = " ".join(block.what.split())
+    return f"{block.head.removeprefix('posttrain: ')}: {what}"

@@ -18,17 +18,20 @@ from prefect import flow
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.context import FlowRunContext
 from prefect.logging import get_run_logger
+from prefect.states import Failed
 
 from flows.devices import device_set_name, ensure_device_limit, hold_devices
 from flows.events import BASE_EVENT, publish_base
+from flows.failure_block import known_block, reason_line
 from flows.gate import promote
 from flows.report import StageRecord
 from flows.run_record import record_run
 from flows.schedule import device_slots, run_stages
-from flows.served_run import served_reach
+from flows.served_run import is_served_run, served_reach
 from flows.stage_failures import QualityGateFailed
 from flows.stage_procs import kill_flow_run_processes
 from flows.stage_task import run_task
+from flows.terminal import KNOWN_FAILURES, quiet_known_failures
 from flows.trackers import StageFeed, Trackers, open_trackers
 from posttrain.artifacts import ArtifactRef, read_manifest
 from posttrain.config.schema import Recipe
@@ -217,9 +220,28 @@ def announce_base(recipe: Recipe, ref: ArtifactRef) -> None:
     on_cancellation=[stop_stage_processes],
     on_crashed=[stop_stage_processes],
 )
-def post_train(recipe: Recipe) -> dict[str, Any]:
+def post_train(recipe: Recipe) -> dict[str, Any] | State:
     """The recipe's stages (ingest, the stage graph, evaluate, export), each skipped when its
-    artifact exists, then the promotion gate; all while holding the device set's slot."""
+    artifact exists, then the promotion gate; all while holding the device set's slot.
+
+    A served run that posttrain refuses or stops (a recipe refused, a stage failed, a gate not
+    met) ends Failed with the one-line reason as its state's message, which is all its
+    submitter sees (`posttrain submit --wait`), and logs that line, not a traceback. A
+    `posttrain run` gets the exception: its CLI prints the whole block."""
+    quiet_known_failures()  # the worker's log: one line per known failure, no traceback
+    try:
+        return run_pipeline(recipe)
+    except KNOWN_FAILURES as exc:
+        if not is_served_run():
+            raise
+        block = known_block(exc)
+        reason = reason_line(block) if block is not None else f"{type(exc).__name__}: {exc}"
+        get_run_logger().error(reason)
+        return Failed(message=reason)
+
+
+def run_pipeline(recipe: Recipe) -> dict[str, Any]:
+    """The flow's body: plan, run the stages, the gate, the run's record."""
     # A served run's recipe came from whoever sent it: the plan checks it only narrows the
     # worker's folders, and imports reward code only from the worker's reward folders.
     run_plan = plan(recipe, served_reach())

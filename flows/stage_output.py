@@ -105,6 +105,11 @@ class OutputPump:
         return "\n".join(self.tail)
 
 
+# An RL step's mean reward over its rollout (posttrain.rl.metrics.train_metrics): the combined
+# score of the reward model and/or functions, the figure that says whether RL is learning.
+REWARD_FIELD = "score_mean"
+
+
 def progress_from_record(record: dict[str, Any]) -> tuple[float, str] | None:
     """(percent, description) from one metrics.jsonl line; None unless it is a training step."""
     if record.get("kind") != "train":
@@ -114,6 +119,7 @@ def progress_from_record(record: dict[str, Any]) -> tuple[float, str] | None:
         return None
     parts = [f"step {step:g}/{total:g}"]
     for key, fmt in (
+        (REWARD_FIELD, "reward {:.4g}"),
         ("loss", "loss {:.4g}"),
         ("tokens_per_s", "{:,.0f} tok/s"),
         ("mfu", "MFU {:.1%}"),

@@ -5,8 +5,9 @@ Only the CLI installs these (`quiet_console`, `ProgressPrinter`): a flow served 
 `posttrain serve` or a deployment has no terminal, so there its stage output goes to the Prefect
 UI and `logs/stage.log` as before, and no progress line is printed.
 
-- Console: the stage's own output (every line of it, tracebacks included) is kept off the
-  terminal; it is in `<artifact>/logs/stage.log` and in the UI. So are Prefect's repeats of a
+- Console: Prefect's notes on the embedded server (its URL, dead when the run ends, and a link
+  to its docs) are kept off it. The stage's own output (every line of it, tracebacks included)
+  is kept off the terminal; it is in `<artifact>/logs/stage.log` and in the UI. So are Prefect's repeats of a
   failure (the task's and the flow's "Finished in state Failed(...)" with the log's tail, or a
   traceback): the CLI's closing block says it once.
 - Known failures: Prefect logs every exception that ends a flow or task run with its full
@@ -14,7 +15,8 @@ UI and `logs/stage.log` as before, and no progress line is printed.
   hung, a quality gate not met), that is a wall of orchestration frames above the one line a
   person needs: those records keep their message and lose the traceback, in the UI too
   (`quiet_known_failures`); any other exception (a bug) keeps it.
-- Progress: one line per training stage, `sft  step 120/400 · loss 1.23 · 5,100 tok/s · ETA 2m 10s`.
+- Progress: one line per training stage, `sft  step 120/400 · loss 1.23 · 5,100 tok/s · ETA 2m 10s`
+  (an RL stage's shows its mean reward first).
   On a TTY it is redrawn in place (`\\r`), several stages at once sharing the line (parallel
   branches, flows.schedule); otherwise (a pipe, a CI log) a plain line per stage at most every
   `POSTTRAIN_PROGRESS_EVERY_S` seconds (default 10), plus its last step: a log file never floods.
@@ -29,11 +31,18 @@ import threading
 import time
 from typing import Any, TextIO
 
+from prefect.exceptions import FailedRun
 from prefect.logging.handlers import PrefectConsoleHandler
 
 from flows.report import format_duration
 from flows.stage_failures import QualityGateFailed, StageFailed
-from flows.stage_output import STAGE_OUTPUT, add_step_listener, remove_step_listener
+from flows.stage_output import (
+    REWARD_FIELD,
+    STAGE_OUTPUT,
+    add_step_listener,
+    remove_step_listener,
+)
+from posttrain.config.loader import RecipeError
 
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 # Prefect's (and our supervisor's) repeats of a failure the closing block states once.
@@ -41,6 +50,8 @@ REPEATS = re.compile(
     r"^(Finished in state (Failed|Crashed)|Task run failed with exception|"
     r"Encountered exception during execution|stage \S+: (timeout after|no heartbeat for))"
 )
+# Prefect's own lines about the embedded server `posttrain run` starts and stops.
+EMBEDDED_SERVER_NOTES = ("Starting temporary server", "Stopping temporary server")
 EVERY_ENV = "POSTTRAIN_PROGRESS_EVERY_S"
 DEFAULT_EVERY_S = 10.0
 
@@ -51,8 +62,10 @@ class QuietConsole(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, STAGE_OUTPUT, None) is not None:
             return False
-        if record.name == "prefect" and record.getMessage().startswith("Stopping temporary"):
-            return False  # Prefect's exit hook, after the closing block: that block ends it
+        if record.name == "prefect" and record.getMessage().startswith(EMBEDDED_SERVER_NOTES):
+            # The embedded server's start (its URL, dead once the run ends, and a pointer to
+            # Prefect's docs on running a server) and its exit hook's stop: neither is the run.
+            return False
         if record.name in RUN_LOGGERS or record.name.startswith(RUN_LOGGERS):
             if record.exc_info and record.levelno >= logging.ERROR:
                 return False
@@ -85,8 +98,12 @@ class _Rate:
 
 
 def progress_text(stage: str, record: dict[str, Any], eta_s: float | None) -> str:
-    """`sft  step 120/400 · loss 1.23 · 5,100 tok/s · ETA 2m 10s`."""
+    """`sft  step 120/400 · loss 1.23 · 5,100 tok/s · ETA 2m 10s`; an RL step leads with its
+    mean reward (`grpo  step 3/40 · reward 0.625 · loss 0 · ...`): a group-relative loss is 0
+    whenever a group's rewards tie, so the loss alone reads as "nothing happens"."""
     parts = [f"step {record['step']:g}/{record['total_steps']:g}"]
+    if isinstance(record.get(REWARD_FIELD), int | float):
+        parts.append(f"reward {record[REWARD_FIELD]:.4g}")
     if isinstance(record.get("loss"), int | float):
         parts.append(f"loss {record['loss']:.4g}")
     if isinstance(record.get("tokens_per_s"), int | float):
@@ -195,14 +212,21 @@ def detach_progress(printer: ProgressPrinter) -> None:
             handler.removeFilter(f)
 
 
-KNOWN_FAILURES: tuple[type[BaseException], ...] = (StageFailed, QualityGateFailed)
+# The failures posttrain raises and explains: the one line says it all (flows.failure_block).
+KNOWN_FAILURES: tuple[type[BaseException], ...] = (StageFailed, QualityGateFailed, RecipeError)
 
 
 class DropKnownTracebacks(logging.Filter):
-    """Known failures keep their message, not their traceback."""
+    """Known failures keep their message, not their traceback. Prefect's `FailedRun` record is
+    dropped whole: its engine raises it for a flow that returned a Failed state (a served
+    run's known failure, flows.post_train) and logs it as "Engine execution exited with
+    unexpected exception" with a traceback of Prefect's frames, after the flow logged the
+    reason and Prefect its final state."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, FailedRun):
+            return False
         if isinstance(exc, KNOWN_FAILURES):
             record.exc_info, record.exc_text = None, None
         return True

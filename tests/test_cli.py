@@ -8,6 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import yaml
 
 from flows.cli import cmd_plan, cmd_validate, main
@@ -129,3 +130,19 @@ def test_prefect_defaults_never_override_the_user() -> None:
     }
     assert prefect_target(env) == "embedded Prefect (local SQLite)"
     assert "http://h:4200/api" in prefect_target({"PREFECT_API_URL": "http://h:4200/api"})
+
+
+def test_help_describes_the_stage_graph_of_the_registered_kinds(capsys) -> None:
+    from posttrain.kinds import graph_kinds
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "ingest -> SFT -> evaluate -> export" not in text
+    kinds = ", ".join(graph_kinds())
+    assert kinds.startswith("sft, reward, dpo") and "grpo" in kinds
+    assert (
+        f"ingest -> a graph of training stages ({kinds}), each reading the stages it names -> "
+        "evaluate -> promotion gate -> export" in text
+    )

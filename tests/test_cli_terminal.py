@@ -229,6 +229,10 @@ def test_progress_through_a_pipe_is_plain_and_rate_limited(
     gaps = [b - a for (a, _), (b, _) in zip(progress[:-2], progress[1:-1], strict=True)]
     assert all(g >= 3.0 for g in gaps), gaps  # at most one line per 4 s (polled every 2)
     assert "\r" not in run.text()
+    # The embedded server's URL is dead once the run ends, and Prefect's advice on running a
+    # server is not the run's: neither reaches the terminal.
+    assert "temporary server" not in run.text()
+    assert "prefect.io/docs" not in run.text()
 
 
 @pytest.mark.slow

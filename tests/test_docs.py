@@ -27,6 +27,17 @@ def test_reference_documents_every_field() -> None:
     assert "| `lr` | float | `0.001` | > 0 |" in text
 
 
+def test_a_constrained_member_of_a_union_reads_as_its_type_and_limit() -> None:
+    # `Annotated[int, Field(ge=1)] | Literal["auto"]`: the int's constraint goes to the limits
+    # column; pydantic's repr of the FieldInfo (`annotation=NoneType required=True ...`) never
+    # reaches the page.
+    text = render()
+    assert '| `parallel_stages` | int \\| `auto` | `"auto"` | >= 1 | no |' in text
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    leaked = [r for r in rows if re.search(r"annotation=|metadata=|FieldInfo|Annotated", r)]
+    assert leaked == []
+
+
 def test_readme_commands_exist() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "bash scripts/dev.sh quickstart" in readme and "bash scripts/dev.sh test" in readme

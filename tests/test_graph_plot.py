@@ -10,22 +10,27 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
+from flows.report import STATUSES
 from posttrain.telemetry.graph_plot import (
-    BOX_H,
+    BOX_PAD,
     BOX_W,
     COL_PITCH,
     DPI,
     LEGEND_H,
+    LINE_H,
     MARGIN,
     MIN_WIDTH,
-    ROW_PITCH,
+    ROW_GAP,
     STATUS_COLOURS,
     GraphNode,
     _short,
+    box_height,
     draw_stage_graph,
+    graph_layout,
     layer_of,
     layers,
     missing_parents,
+    stage_graph_figure,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,11 +50,15 @@ def diamond() -> list[GraphNode]:
     ]
 
 
-def expected_size(n_layers: int, tallest: int) -> tuple[int, int]:
-    """(height, width) in pixels, from the layout constants."""
-    width = max(MIN_WIDTH, 2 * MARGIN + (n_layers - 1) * COL_PITCH + BOX_W)
-    height = 2 * MARGIN + (tallest - 1) * ROW_PITCH + BOX_H + LEGEND_H
-    return round(height * DPI), round(width * DPI)
+def png_size(nodes: list[GraphNode]) -> tuple[int, int]:
+    """(height, width) in pixels the image of `nodes` should have, from its layout."""
+    layout = graph_layout(nodes)
+    return round(layout.height * DPI), round(layout.width * DPI)
+
+
+def full_height(rows_of_boxes: int, box_h: float) -> float:
+    """The height of a graph whose tallest layer is `rows_of_boxes` boxes (no waypoint rows)."""
+    return LEGEND_H + 2 * MARGIN + (rows_of_boxes - 1) * (box_h + ROW_GAP) + box_h
 
 
 def colour_pixels(path: Path, hex_colour: str) -> int:
@@ -135,12 +144,12 @@ def test_png_is_written_sized_by_the_layout_and_coloured_by_status(tmp_path: Pat
     assert path.stat().st_size > 10_000
     # reward -> evaluate skips layer 2, so it takes a row there: the tallest layer has 2 rows.
     img = imread(path)
-    assert img.shape[:2] == expected_size(n_layers=4, tallest=2)
+    assert img.shape[:2] == png_size(graph)
     assert sorted(p.name for p in path.parent.iterdir()) == ["graph.png"]  # no temp file left
 
     # The box of a stage is filled with its status colour: turning dpo from ran to failed
     # moves about one box of pixels (BOX_W x BOX_H inches) from green to red.
-    box = BOX_W * BOX_H * DPI * DPI
+    box = BOX_W * box_height(graph) * DPI * DPI
     ran, failed = (
         colour_pixels(path, STATUS_COLOURS["ran"]),
         colour_pixels(path, STATUS_COLOURS["failed"]),
@@ -161,7 +170,8 @@ def test_missing_parent_is_a_stub_just_before_its_child(tmp_path: Path) -> None:
     assert missing_parents(graph) == ["sft_from_last_week"]
     assert layers(graph) == [["ingest"], ["sft"], ["sft_from_last_week", "dpo"], ["evaluate"]]
     path = draw_stage_graph(graph, tmp_path / "graph.png")
-    assert imread(path).shape[:2] == expected_size(n_layers=4, tallest=2)
+    assert imread(path).shape[:2] == png_size(graph)
+    assert graph_layout(graph).legend == ("ran", "reused", "failed", "pending", "not in run")
 
 
 def test_fifteen_stages_with_repeated_kinds(tmp_path: Path) -> None:
@@ -174,15 +184,60 @@ def test_fifteen_stages_with_repeated_kinds(tmp_path: Path) -> None:
         graph.append(
             node(f"eval_{i}", kind="evaluate", evaluated=f"dpo_{i}", reward_model="reward")
         )
-    graph += [node("gate", status="skipped", a="eval_0", b="eval_1", c="eval_2")]
+    graph += [node("gate", status="pending", a="eval_0", b="eval_1", c="eval_2")]
     graph += [node("export", status="pending", policy="gate")]
     graph += [node("card", status="pending", model="export"), node("push", status="failed")]
     assert len(graph) == 15
     cols = layers(graph)
     assert cols[1] == ["reward", "sft_0", "sft_1", "sft_2"]
     # reward -> eval_i skips the dpo layer: three waypoints there, so that layer has 6 rows.
+    layout = graph_layout(graph)
+    assert len(layout.columns) == len(cols) and max(len(c) for c in layout.columns) == 6
     path = draw_stage_graph(graph, tmp_path / "graph.png")
-    assert imread(path).shape[:2] == expected_size(n_layers=len(cols), tallest=6)
+    assert imread(path).shape[:2] == png_size(graph)
+
+
+def test_the_graph_speaks_the_tables_words_and_its_legend_has_every_status() -> None:
+    # The run's summary table says ran / reused / failed (flows.report.STATUSES); the graph
+    # adds pending for the stages a failed run did not reach. Nothing else (no "cached").
+    assert tuple(STATUS_COLOURS) == (*STATUSES, "pending")
+    graph = [node("ingest", status="reused"), node("sft", status="ran", base="ingest")]
+    fig = stage_graph_figure(graph)
+    (ax,) = fig.axes
+    texts = [t.get_text() for t in ax.texts]
+    assert "reused" in texts[texts.index("ingest") + 1].splitlines()
+    # Every status in the legend, used in this graph or not.
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [*STATUSES, "pending"]
+
+
+def test_the_figure_is_sized_to_what_it_draws(tmp_path: Path) -> None:
+    # Boxes are as tall as their text: one body line (a pending stage) makes a short box.
+    chain = [node("ingest", status="pending"), node("sft", status="pending", base="ingest")]
+    assert box_height(chain) == BOX_PAD + LINE_H
+    layout = graph_layout(chain)
+    assert layout.height == pytest.approx(full_height(1, layout.box_h))
+    assert layout.width == max(MIN_WIDTH, 2 * MARGIN + COL_PITCH + BOX_W)
+    # grpo -> export skips the evaluate layer: that layer's second row is only an edge. The
+    # figure ends MARGIN below that edge, not below a box nobody drew.
+    graph = [
+        node("ingest"),
+        node("sft", policy="ingest"),
+        node("grpo", policy="sft"),
+        node("evaluate", policy="grpo"),
+        node("export", policy="grpo", evaluation="evaluate"),
+    ]
+    layout = graph_layout(graph)
+    assert [len(c) for c in layout.columns] == [1, 1, 1, 2, 1]
+    tall = full_height(2, layout.box_h)
+    assert layout.height == pytest.approx(tall - layout.box_h / 2)
+    boxes = [xy for slot, xy in layout.centre.items() if isinstance(slot, str)]
+    edges = [xy for slot, xy in layout.centre.items() if not isinstance(slot, str)]
+    top = max(y for _, y in boxes) + layout.box_h / 2
+    bottom = min(y for _, y in edges)
+    assert top == pytest.approx(layout.height - MARGIN)
+    assert bottom == pytest.approx(LEGEND_H + MARGIN)
+    path = draw_stage_graph(graph, tmp_path / "graph.png")
+    assert imread(path).shape[:2] == png_size(graph)
 
 
 @pytest.mark.parametrize(

@@ -7,9 +7,12 @@ import logging
 import sys
 
 import pytest
+from prefect.exceptions import FailedRun
 
+from flows.failure_block import known_block, reason_line
 from flows.stage_failures import QualityGateFailed, StageFailed
 from flows.terminal import DropKnownTracebacks, quiet_known_failures
+from posttrain.config.loader import RecipeError
 
 
 def _record(exc: BaseException) -> logging.LogRecord:
@@ -27,6 +30,7 @@ def _record(exc: BaseException) -> logging.LogRecord:
     [
         (QualityGateFailed("grpo: held-out KL 10.9 exceeds max_kl 8.0"), False),
         (StageFailed("stage 'sft' exited with code 1"), False),
+        (RecipeError(["run.workspace: /x is outside the folders this worker allows (/w)"]), False),
         (ValueError("a bug"), True),
     ],
 )
@@ -46,3 +50,25 @@ def test_installed_once_on_prefect_run_loggers(caplog: pytest.LogCaptureFixture)
     record = _record(QualityGateFailed("gate"))
     logger.handle(record)
     assert record.exc_info is None
+
+
+def test_prefects_repeat_of_a_returned_failed_state_is_dropped_whole() -> None:
+    # A served run's flow returns Failed(reason) (flows.post_train); Prefect's engine then
+    # raises FailedRun and logs it as "Engine execution exited with unexpected exception".
+    record = _record(FailedRun("recipe refused (no stage ran): run.workspace: ..."))
+    assert not DropKnownTracebacks().filter(record)
+
+
+def test_a_known_failure_reads_as_one_reason_line() -> None:
+    refused = RecipeError(
+        ["run.workspace: /x is outside the folders this worker allows (/w)", "sft.lr: > 0"]
+    )
+    assert reason_line(known_block(refused)) == (  # type: ignore[arg-type]
+        "recipe refused (no stage ran): run.workspace: /x is outside the folders this worker "
+        "allows (/w); sft.lr: > 0"
+    )
+    gate = known_block(QualityGateFailed("grpo: held-out KL 10.9 > grpo.max_kl 8.0"))
+    assert reason_line(gate) == (  # type: ignore[arg-type]
+        "stage grpo failed its quality gate: held-out KL 10.9 > grpo.max_kl 8.0"
+    )
+    assert known_block(ValueError("a bug")) is None

@@ -17,6 +17,8 @@ from flows.report import curves_markdown
 from posttrain.telemetry.plots import (
     DPI,
     PANEL_INCHES,
+    curve_figure,
+    curve_spec,
     plot_curves,
     read_records,
     series_points,
@@ -143,6 +145,124 @@ def test_online_rl_stage_gets_reward_and_kl_panels(tmp_path: Path) -> None:
     (plot,) = plot_curves([("ppo", ppo)], tmp_path / "run")
     assert plot.panels == ("loss", "reward", "kl")
     assert plot.series == ("loss", "score_mean", "eval_reward", "kl", "eval_kl")
+    _assert_png(plot.path, panels=3)
+
+
+def _grpo_records(roles: str, functions: tuple[str, ...]) -> list[dict[str, Any]]:
+    """A GRPO stage's records as posttrain.rl writes them: the start record names the scoring
+    roles and the reward functions; each step and held-out record carries each function's
+    mean (`reward_fn_<label>`, `eval_reward_fn_<label>`) beside the combined `score_mean`."""
+    rows: list[dict[str, Any]] = [
+        {"kind": "start", "total_steps": 3, "roles": roles, "reward_functions": ",".join(functions)}
+    ]
+    for step in (1, 2, 3):
+        per = {f"reward_fn_{f}": 0.1 * step * (i + 1) for i, f in enumerate(functions)}
+        rows.append(
+            {"kind": "train", "step": step, "loss": 0.0, "score_mean": 0.3 * step, "kl": 0.01} | per
+        )
+    per = {f"eval_reward_fn_{f}": 0.5 for f in functions}
+    rows += [{"kind": "eval", "step": 3, "eval_reward": 0.8, "eval_kl": 0.02} | per]
+    return rows
+
+
+def _legend(ax: Any) -> list[str]:
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_grpo_with_reward_functions_says_so_and_draws_one_curve_per_function(
+    tmp_path: Path,
+) -> None:
+    records = _grpo_records("policy,reference", ("exact_match", "format"))
+    spec = curve_spec("grpo", records)
+    assert [p.name for p in spec] == ["loss", "reward", "reward functions", "kl"]
+    reward, functions = spec[1], spec[2]
+    # No reward model scored these rollouts: the axis says what was plotted.
+    assert reward.ylabel == "reward (reward functions, weighted sum)"
+    assert [line.series.label for line in reward.lines] == ["rollout mean", "held-out mean"]
+    assert [(line.series.field, line.values) for line in functions.lines] == [
+        ("reward_fn_exact_match", (0.1, 0.2, 0.30000000000000004)),
+        ("eval_reward_fn_exact_match", (0.5,)),
+        ("reward_fn_format", (0.2, 0.4, 0.6000000000000001)),
+        ("eval_reward_fn_format", (0.5,)),
+    ]
+    fig = curve_figure(spec)
+    axes = fig.axes
+    assert [ax.get_ylabel() for ax in axes][1:3] == [
+        "reward (reward functions, weighted sum)",
+        "each function's mean reward",
+    ]
+    assert _legend(axes[2]) == [
+        "exact_match (rollout)",
+        "exact_match (held-out)",
+        "format (rollout)",
+        "format (held-out)",
+    ]
+    # Three steps: the ticks are whole steps, never 1.5 or 2.5.
+    fig.canvas.draw()  # type: ignore[attr-defined]
+    for ax in axes:
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), (ax.get_title(), ticks)
+    (plot,) = plot_curves([("grpo", _write_metrics(tmp_path / "grpo", records))], tmp_path / "run")
+    assert plot.panels == ("loss", "reward", "reward functions", "kl")
+    _assert_png(plot.path, panels=4)
+
+
+@pytest.mark.parametrize(
+    ("roles", "functions", "label", "panels"),
+    [
+        ("policy,reference,reward,value", (), "reward-model score", ["loss", "reward", "kl"]),
+        (
+            "policy,reference,reward",
+            ("exact_match",),
+            "reward (reward model + functions, weighted sum)",
+            ["loss", "reward", "reward functions", "kl"],
+        ),
+    ],
+    ids=["reward-model", "both"],
+)
+def test_the_reward_axis_names_what_scored_the_rollouts(
+    roles: str, functions: tuple[str, ...], label: str, panels: list[str]
+) -> None:
+    spec = curve_spec("rl", _grpo_records(roles, functions))
+    assert [p.name for p in spec] == panels
+    assert spec[1].ylabel == label
+
+
+def test_dpo_gets_accuracy_and_margin_curves(tmp_path: Path) -> None:
+    # Field names as the dpo stage writes them (tests/test_preference_stages.py runs it).
+    rows: list[dict[str, Any]] = [{"kind": "start", "total_steps": 4}]
+    rows += [
+        {"kind": "eval", "step": 0, "eval_accuracy": 0.0, "eval_margin": 0.0, "eval_loss": 0.69}
+    ]
+    for step in range(1, 5):
+        rows.append(
+            {"kind": "train", "step": step, "loss": 0.7 - 0.05 * step, "accuracy": 0.25 * step}
+            | {"margin": 0.1 * step, "chosen_reward": 0.05 * step, "rejected_reward": 0.0}
+        )
+    rows += [
+        {"kind": "eval", "step": 4, "eval_accuracy": 0.8, "eval_margin": 0.4, "eval_loss": 0.5}
+    ]
+    spec = curve_spec("dpo", rows)
+    assert [(p.name, p.ylabel) for p in spec] == [
+        ("loss", "loss"),
+        ("accuracy", "pairs ranked right (fraction)"),
+        ("margin", "reward margin (chosen - rejected)"),
+    ]
+    assert [[line.series.field for line in p.lines] for p in spec] == [
+        ["loss", "eval_loss"],
+        ["accuracy", "eval_accuracy"],
+        ["margin", "eval_margin"],
+    ]
+    assert _legend(curve_figure(spec).axes[1]) == ["train batch accuracy", "held-out accuracy"]
+    (plot,) = plot_curves([("dpo", _write_metrics(tmp_path / "dpo", rows))], tmp_path / "run")
+    assert plot.series == (
+        "loss",
+        "eval_loss",
+        "accuracy",
+        "eval_accuracy",
+        "margin",
+        "eval_margin",
+    )
     _assert_png(plot.path, panels=3)
 
 

@@ -245,6 +245,37 @@ def test_ui_parameters_allowing_root_are_refused_before_any_stage(served: dict) 
     assert tasks == []
 
 
+def test_submit_wait_prints_why_a_served_run_was_refused(served: dict, tmp_path: Path) -> None:
+    """`posttrain submit ... run.workspace=<elsewhere> --wait`: the submitter reads the reason
+    (not only `Failed`), and the worker's log has it as one line, with no Prefect traceback."""
+    log = served["log"]
+    before = len(log.read_text())
+    elsewhere = tmp_path / "elsewhere"
+    out = subprocess.run(
+        [*POSTTRAIN, "submit", str(served["recipes"][SERVED]), f"run.workspace={elsewhere}"]
+        + ["--wait"],
+        env=served["env"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[-2].startswith(f"{SERVED}-") and lines[-2].endswith(": Failed"), lines
+    assert lines[-1].startswith(
+        f"  recipe refused (no stage ran): run.workspace: {elsewhere} is outside the folders "
+        "this worker allows ("
+    ), lines
+    assert str(served["shared"]) in lines[-1]
+    # The worker's log: the reason once per line that says it, and no traceback for it.
+    wait_for(
+        "the worker's log of the run", lambda: "Finished in state" in log.read_text()[before:], 60
+    )
+    logged = log.read_text()[before:]
+    assert f"run.workspace: {elsewhere} is outside the folders this worker allows (" in logged
+    assert "Traceback" not in logged, logged
+
+
 HOLD_DEVICES = """
 import sys
 from flows.devices import ensure_device_limit, hold_devices

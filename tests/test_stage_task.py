@@ -126,6 +126,11 @@ def test_progress_from_record() -> None:
     assert "step 25/100" in desc and "loss 1.235" in desc and "MFU 60.0%" in desc
     assert progress_from_record({"kind": "eval", "step": 5, "total_steps": 10}) is None
     assert progress_from_record({"kind": "train", "step": 5, "total_steps": 0}) is None
+    # An RL step (its loss often exactly 0) says its mean reward too, in the UI's progress.
+    _, desc = progress_from_record(
+        {"kind": "train", "step": 3, "total_steps": 40, "loss": 0.0, "score_mean": 0.625}
+    )
+    assert desc == "step 3/40 · reward 0.625 · loss 0"
 
 
 def test_metrics_tail_reports_latest_complete_train_line(tmp_path: Path) -> None:

@@ -173,6 +173,14 @@ def test_console_drops_stage_output_and_failure_repeats_only() -> None:
         _record("prefect.flow_runs", "Encountered exception during execution: X", logging.ERROR)
     )
     assert f.filter(_record("prefect.task_runs", "Finished in state Completed()"))
+    # The embedded server's URL (dead after the run) and Prefect's pointer to its docs, as
+    # prefect.server.api.server.SubprocessASGIServer logs them.
+    started = (
+        "Starting temporary server on http://127.0.0.1:8685\nSee https://www.prefect.io/docs/v3/"
+        "concepts/server#how-to-guides for more information on running a dedicated Prefect server."
+    )
+    assert not f.filter(_record("prefect", started))
+    assert not f.filter(_record("prefect", "Stopping temporary server on http://127.0.0.1:8685"))
     assert f.filter(_record("prefect.task_runs", "stage sft: /usr/bin/python -m ..."))
     assert f.filter(
         _record(
@@ -200,6 +208,19 @@ def test_plain_progress_is_rate_limited_and_has_an_eta(monkeypatch: pytest.Monke
     assert re.fullmatch(r"sft  step 11/100 · loss 2\.5 · 5,100 tok/s · ETA 1m 29s", lines[1])
     assert lines[-1].startswith("sft  step 100/100") and lines[-1].endswith("ETA 0.0 s")
     assert "\r" not in out.getvalue()
+
+
+def test_an_rl_progress_line_shows_the_mean_reward_beside_the_loss() -> None:
+    # A GRPO step whose groups all tie has loss 0: the reward says the stage is alive.
+    out = io.StringIO()
+    printer = ProgressPrinter(out, tty=False, every_s=10)
+    step = {"kind": "train", "step": 3, "total_steps": 40, "loss": 0.0, "tokens_per_s": 812.4}
+    printer.on_step("grpo", step | {"score_mean": 0.6251, "reward_fn_exact_match": 0.5})
+    assert out.getvalue() == "grpo  step 3/40 · reward 0.6251 · loss 0 · 812 tok/s\n"
+    # A stage without rewards (sft) keeps its line as it was.
+    assert terminal.progress_text("sft", _train(7), None) == (
+        "sft  step 7/100 · loss 2.5 · 5,100 tok/s"
+    )
 
 
 def test_tty_progress_redraws_one_line_for_parallel_stages(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, get_args, get_origin
+from typing import Annotated, Any, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -79,6 +79,10 @@ Generated from the stage registry (`posttrain/kinds/`), `posttrain/config/schema
 
 def _type_name(annotation: Any) -> str:
     origin = get_origin(annotation)
+    if origin is Annotated:
+        # `Annotated[int, Field(ge=1)]` inside a union: the type is its first argument; the
+        # constraints go to the limits column (`_limits`), not into the type's name.
+        return _type_name(get_args(annotation)[0])
     if origin is None:
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             return "section"
@@ -112,9 +116,20 @@ def _default(field: FieldInfo) -> str:
     return f"`{json.dumps(field.default)}`"
 
 
+def _constraints(field: FieldInfo) -> list[Any]:
+    """The field's own constraints, and those of an `Annotated` member of its union
+    (`Annotated[int, Field(ge=1)] | Literal["auto"]`: the `ge` holds for the int)."""
+    out = list(field.metadata)
+    for arg in get_args(field.annotation):
+        if get_origin(arg) is Annotated:
+            for extra in get_args(arg)[1:]:
+                out += extra.metadata if isinstance(extra, FieldInfo) else [extra]
+    return out
+
+
 def _limits(field: FieldInfo) -> str:
     out = []
-    for m in field.metadata:
+    for m in _constraints(field):
         for attr, sym in (
             ("gt", ">"),
             ("ge", ">="),

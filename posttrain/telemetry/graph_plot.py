@@ -34,11 +34,12 @@ if TYPE_CHECKING:  # matplotlib is imported where it draws (see the module docst
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
+# The statuses in the words of the run's summary table (flows.report.STATUSES: ran, reused,
+# failed), and pending for the stages a failed run did not reach; the legend shows them all.
 STATUS_COLOURS = {
     "ran": "#b7e1b0",
     "reused": "#b9d3ee",
     "failed": "#f4a6a6",
-    "skipped": "#dcdcdc",
     "pending": "#fff3c4",
 }
 STUB_COLOUR = "#ffffff"
@@ -47,12 +48,15 @@ STUB_COLOUR = "#ffffff"
 OBVIOUS_ROLES = frozenset({"base", "policy"})
 MAX_METRICS = 3
 
-# Layout in inches (the figure is drawn at DPI): a box, and the pitch between layers / rows.
-BOX_W, BOX_H = 2.3, 1.25
-COL_PITCH, ROW_PITCH = 3.3, 1.65
-MARGIN = 0.4
-LEGEND_H = 0.55
-MIN_WIDTH = 6.0  # the legend's one row of six entries
+# Layout in inches (the figure is drawn at DPI). A box is as tall as the most lines any box
+# holds (`box_height`: the title, then kind, status and up to three metrics); rows are that
+# plus a gap apart, layers a box and a gap. The figure ends MARGIN beyond what is drawn.
+BOX_W = 2.3
+BOX_PAD, LINE_H = 0.6, 0.13  # a box's title and padding; one line of its body
+COL_PITCH, ROW_GAP = 3.3, 0.4
+MARGIN = 0.3
+LEGEND_H = 0.3
+MIN_WIDTH = 5.0  # the legend's one row of five entries
 DPI = 100
 
 
@@ -229,54 +233,91 @@ def _edge_path(points: Sequence[tuple[float, float]]) -> tuple[list, list[int]]:
     return verts, codes
 
 
+@dataclass(frozen=True)
+class GraphLayout:
+    """What `draw_stage_graph` draws, in inches from the figure's bottom-left corner: the
+    figure's size, the boxes' height, the centre of every slot (node, stub or waypoint) and
+    the legend's labels, in order."""
+
+    width: float
+    height: float
+    box_h: float
+    centre: dict[str | Waypoint, tuple[float, float]]
+    columns: list[list[str | Waypoint]]
+    stubs: frozenset[str]
+    legend: tuple[str, ...]
+
+
+def box_height(nodes: Sequence[GraphNode]) -> float:
+    """The height of every box: room for the most body lines any box has (a stub has one)."""
+    lines = max(len(_box_text(n)[1].splitlines()) for n in nodes)
+    return BOX_PAD + LINE_H * lines
+
+
+def graph_layout(nodes: Sequence[GraphNode]) -> GraphLayout:
+    """The layout of `nodes`: layer k at x = k layers of COL_PITCH, each layer's rows centred
+    on one line, `box_height` plus ROW_GAP apart. The figure is sized to what is drawn: a
+    box counts its full height, a waypoint row only its edge (an edge that skips a layer
+    takes a row there, but no box), plus MARGIN around and the legend's row below."""
+    columns = _columns(nodes)
+    stubs = frozenset(missing_parents(nodes))
+    box_h = box_height(nodes)
+    pitch = box_h + ROW_GAP
+    graph_w = (len(columns) - 1) * COL_PITCH + BOX_W
+    width = max(MIN_WIDTH, 2 * MARGIN + graph_w)
+    rows: dict[str | Waypoint, tuple[float, float]] = {}
+    for k, col in enumerate(columns):
+        x = (width - graph_w) / 2 + BOX_W / 2 + k * COL_PITCH
+        for i, slot in enumerate(col):
+            rows[slot] = (x, ((len(col) - 1) / 2 - i) * pitch)
+    half = {slot: box_h / 2 if isinstance(slot, str) else 0.0 for slot in rows}
+    top = max(y + half[slot] for slot, (_, y) in rows.items())
+    bottom = min(y - half[slot] for slot, (_, y) in rows.items())
+    lift = LEGEND_H + MARGIN - bottom
+    return GraphLayout(
+        width=width,
+        height=LEGEND_H + 2 * MARGIN + top - bottom,
+        box_h=box_h,
+        centre={slot: (x, y + lift) for slot, (x, y) in rows.items()},
+        columns=columns,
+        stubs=stubs,
+        legend=(*STATUS_COLOURS, *(["not in run"] if stubs else [])),
+    )
+
+
 def draw_stage_graph(nodes: Sequence[GraphNode], path: str | os.PathLike[str]) -> Path:
     """Draw the stage graph of `nodes` to the PNG `path` (parent folders created) and return it.
 
     Raises ValueError for no nodes, a duplicate name, an unknown status or a cycle. A parent
-    missing from `nodes` is drawn as a dashed stub. The image grows with the graph: 3.3 in per
-    layer and 1.65 in per row of the tallest layer (edges that skip layers take a row in each
-    layer they cross), at 100 dpi.
+    missing from `nodes` is drawn as a dashed stub. The image is sized to the graph
+    (`graph_layout`), at 100 dpi.
     """
-    columns = _columns(nodes)
-    stubs = set(missing_parents(nodes))
-    width, height, centre = _slot_centres(columns)
+    return _save_png(stage_graph_figure(nodes), Path(path))
 
+
+def stage_graph_figure(nodes: Sequence[GraphNode]) -> Figure:
+    """The figure `draw_stage_graph` saves (tests read its texts and legend)."""
+    layout = graph_layout(nodes)
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width, height), dpi=DPI)
+    fig = Figure(figsize=(layout.width, layout.height), dpi=DPI)
     ax = fig.add_axes((0, 0, 1, 1))
-    ax.set_xlim(0, width)
-    ax.set_ylim(0, height)
+    ax.set_xlim(0, layout.width)
+    ax.set_ylim(0, layout.height)
     ax.set_axis_off()
     by_name = {n.name: n for n in nodes}
-    for name, xy in centre.items():
+    for name, xy in layout.centre.items():
         if isinstance(name, str):  # a waypoint is drawn as part of its edge
-            _draw_box(ax, xy, name, None if name in stubs else by_name[name])
-    _draw_edges(ax, nodes, columns, centre, stubs)
-    _draw_legend(ax, bool(stubs))
-    return _save_png(fig, Path(path))
+            node = None if name in layout.stubs else by_name[name]
+            _draw_box(ax, xy, name, node, layout.box_h)
+    _draw_edges(ax, nodes, layout.columns, layout.centre, set(layout.stubs))
+    _draw_legend(ax, layout.legend)
+    return fig
 
 
-def _slot_centres(
-    columns: Sequence[Sequence[str | Waypoint]],
-) -> tuple[float, float, dict[str | Waypoint, tuple[float, float]]]:
-    """(figure width, figure height, centre of every slot), in inches from the bottom-left
-    corner: layer k at x, rows spread evenly around the vertical middle of the graph area
-    (above the legend)."""
-    tallest = max(len(c) for c in columns)
-    graph_w = (len(columns) - 1) * COL_PITCH + BOX_W
-    width = max(MIN_WIDTH, 2 * MARGIN + graph_w)
-    height = 2 * MARGIN + (tallest - 1) * ROW_PITCH + BOX_H + LEGEND_H
-    mid_y = LEGEND_H + MARGIN + ((tallest - 1) * ROW_PITCH + BOX_H) / 2
-    centre: dict[str | Waypoint, tuple[float, float]] = {}
-    for k, col in enumerate(columns):
-        x = (width - graph_w) / 2 + BOX_W / 2 + k * COL_PITCH
-        for i, slot in enumerate(col):
-            centre[slot] = (x, mid_y + ((len(col) - 1) / 2 - i) * ROW_PITCH)
-    return width, height, centre
-
-
-def _draw_box(ax: Axes, xy: tuple[float, float], name: str, node: GraphNode | None) -> None:
+def _draw_box(
+    ax: Axes, xy: tuple[float, float], name: str, node: GraphNode | None, box_h: float
+) -> None:
     """The box of stage `name` centred at `xy`: filled with its status colour and its text, or
     (`node` None) the dashed stub of a parent that is not in this run."""
     from matplotlib.patches import FancyBboxPatch
@@ -285,9 +326,9 @@ def _draw_box(ax: Axes, xy: tuple[float, float], name: str, node: GraphNode | No
     stub = node is None
     ax.add_patch(
         FancyBboxPatch(
-            (x - BOX_W / 2, y - BOX_H / 2),
+            (x - BOX_W / 2, y - box_h / 2),
             BOX_W,
-            BOX_H,
+            box_h,
             boxstyle="round,pad=0,rounding_size=0.08",
             facecolor=STUB_COLOUR if node is None else STATUS_COLOURS[node.status],
             edgecolor="#777777" if stub else "#333333",
@@ -296,7 +337,7 @@ def _draw_box(ax: Axes, xy: tuple[float, float], name: str, node: GraphNode | No
         )
     )
     title, body = (_clip(name, 24), "not in this run") if node is None else _box_text(node)
-    top = y + BOX_H / 2 - 0.1
+    top = y + box_h / 2 - 0.1
     ax.text(x, top, title, ha="center", va="top", fontsize=9, fontweight="bold")
     ax.text(x, top - 0.22, body, ha="center", va="top", fontsize=7.5, linespacing=1.25)
 
@@ -376,15 +417,17 @@ def _draw_roles(ax: Axes, at: tuple[float, float], roles: Sequence[str]) -> None
     )
 
 
-def _draw_legend(ax: Axes, with_stub: bool) -> None:
-    """One row below the graph: every status colour, and the stub's when one is drawn."""
+def _draw_legend(ax: Axes, labels: Sequence[str]) -> None:
+    """One row below the graph: a swatch per label (`GraphLayout.legend`: every status, and
+    the stub's when one is drawn)."""
     from matplotlib.patches import Patch
 
-    handles = [Patch(facecolor=c, edgecolor="#333333", label=s) for s, c in STATUS_COLOURS.items()]
-    if with_stub:
-        handles.append(
-            Patch(facecolor=STUB_COLOUR, edgecolor="#777777", linestyle="--", label="not in run")
-        )
+    handles = [
+        Patch(facecolor=STATUS_COLOURS[s], edgecolor="#333333", label=s)
+        if s in STATUS_COLOURS
+        else Patch(facecolor=STUB_COLOUR, edgecolor="#777777", linestyle="--", label=s)
+        for s in labels
+    ]
     ax.legend(
         handles=handles,
         loc="lower center",

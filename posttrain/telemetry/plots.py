@@ -1,10 +1,13 @@
 """Training curves drawn from each stage's metrics.jsonl, as PNG images for the run report.
 
 One image per stage that has training steps, `curves-<stage>.png`, with a panel per quantity:
-loss (train, and held-out where the stage logged `eval_loss`) and, for the online RL stages,
-the reward-model score and the KL to the SFT policy (rollout means, and held-out).
+loss (train, and held-out where the stage logged `eval_loss`); for the pairwise stages (reward,
+dpo) the share of pairs ranked right and the reward margin; for the online RL stages the reward
+(labelled by what it is: a reward model's score, the reward functions' weighted sum, or both),
+one curve per reward function, and the KL to the SFT policy (rollout means, and held-out).
+`curve_spec` decides what is drawn (tests read it), `curve_figure` draws it.
 
-Pure library code, no Prefect. matplotlib is imported inside `plot_curves` and used through its
+Pure library code, no Prefect. matplotlib is imported inside `curve_figure` and used through its
 object API (`Figure` renders with Agg), never pyplot: no window can open, no global figure
 registry grows in a long-lived flow process, and importing this module stays cheap.
 """
@@ -18,7 +21,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # matplotlib is imported where it draws (see the module docstring)
+    from matplotlib.figure import Figure
 
 # Each panel is 4.5 x 3.5 inches at 100 dpi: a one-panel image is 450 x 350 pixels, and an image
 # of n panels is n times as wide (tests check the size against these constants).
@@ -42,29 +48,120 @@ class Panel:
     series: tuple[Series, ...]
 
 
-# Field names as the stages write them: sft/reward/dpo log `loss` per step and `eval_loss` on
-# held-out data; ppo/grpo log `score_mean` and `kl` (mean sequence KL to the reference, which is
-# the SFT policy) per rollout, and `eval_reward`/`eval_kl` on held-out prompts.
-PANELS = (
-    Panel(
-        "loss",
-        "loss",
-        (Series("train", "loss", "train loss"), Series("eval", "eval_loss", "held-out loss")),
-    ),
-    Panel(
-        "reward",
-        "reward-model score",
-        (
-            Series("train", "score_mean", "rollout score (mean)"),
-            Series("eval", "eval_reward", "held-out reward"),
-        ),
-    ),
-    Panel(
-        "kl",
-        "KL to SFT policy (nats/response)",
-        (Series("train", "kl", "rollout KL"), Series("eval", "eval_kl", "held-out KL")),
+# Field names as the stages write them: every training stage logs `loss` per step and most
+# `eval_loss` on held-out data; the pairwise stages (reward, dpo) log `accuracy` and `margin`
+# per step (share of pairs ranked right, chosen minus rejected reward: the reward model's
+# score, or DPO's implicit beta-scaled log-ratio) and `eval_accuracy`/`eval_margin`; ppo/grpo
+# log `score_mean` (the rollout's mean reward), `reward_fn_<label>` per reward function and
+# `kl` (mean sequence KL to the reference, the SFT policy) per rollout, and `eval_reward`,
+# `eval_reward_fn_<label>` and `eval_kl` on held-out prompts. The reward panels are built per
+# stage (`_reward_panels`): their label says what the reward is.
+LOSS = Panel(
+    "loss",
+    "loss",
+    (Series("train", "loss", "train loss"), Series("eval", "eval_loss", "held-out loss")),
+)
+ACCURACY = Panel(
+    "accuracy",
+    "pairs ranked right (fraction)",
+    (
+        Series("train", "accuracy", "train batch accuracy"),
+        Series("eval", "eval_accuracy", "held-out accuracy"),
     ),
 )
+MARGIN = Panel(
+    "margin",
+    "reward margin (chosen - rejected)",
+    (
+        Series("train", "margin", "train batch margin"),
+        Series("eval", "eval_margin", "held-out margin"),
+    ),
+)
+KL = Panel(
+    "kl",
+    "KL to SFT policy (nats/response)",
+    (Series("train", "kl", "rollout KL"), Series("eval", "eval_kl", "held-out KL")),
+)
+FUNCTION_PREFIX = "reward_fn_"
+
+
+def reward_source(records: Sequence[dict[str, Any]]) -> str:
+    """What an RL stage's reward is, from its `start` record (`roles` names `reward` when a
+    reward model scores, `reward_functions` lists the functions), or from the per-function
+    fields when there is no start record: the y-label of its reward panel."""
+    start = next((r for r in records if r.get("kind") == "start"), {})
+    roles = str(start.get("roles", "")).split(",")
+    funcs = bool(start.get("reward_functions")) or any(
+        k.startswith(FUNCTION_PREFIX) for r in records if r.get("kind") == "train" for k in r
+    )
+    model = "reward" in roles
+    if model and funcs:
+        return "reward (reward model + functions, weighted sum)"
+    if model:
+        return "reward-model score"
+    if funcs:
+        return "reward (reward functions, weighted sum)"
+    return "reward"
+
+
+def _reward_panels(records: Sequence[dict[str, Any]]) -> tuple[Panel, ...]:
+    """The RL reward panels: the combined reward the policy was trained on, and one curve per
+    reward function (its own mean, before weighting)."""
+    combined = Panel(
+        "reward",
+        reward_source(records),
+        (
+            Series("train", "score_mean", "rollout mean"),
+            Series("eval", "eval_reward", "held-out mean"),
+        ),
+    )
+    labels = dict.fromkeys(
+        k.removeprefix(FUNCTION_PREFIX)
+        for r in records
+        if r.get("kind") == "train"
+        for k in r
+        if k.startswith(FUNCTION_PREFIX)
+    )
+    per_function = Panel(
+        "reward functions",
+        "each function's mean reward",
+        tuple(
+            s
+            for label in labels
+            for s in (
+                Series("train", FUNCTION_PREFIX + label, f"{label} (rollout)"),
+                Series("eval", f"eval_{FUNCTION_PREFIX}{label}", f"{label} (held-out)"),
+            )
+        ),
+    )
+    return (combined, per_function)
+
+
+@dataclass(frozen=True)
+class Line:
+    """A series with its points, as drawn."""
+
+    series: Series
+    steps: tuple[float, ...]
+    values: tuple[float, ...]
+
+    @property
+    def marker(self) -> str | None:
+        # Held-out points are few (start, every eval_every, end): markers keep a lone point
+        # visible, where a line of one point would draw nothing.
+        return "o" if self.series.kind == "eval" or len(self.steps) == 1 else None
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    """One panel as it will be drawn: its title, axis labels and lines; x is the step, with
+    integer ticks only (a step 1.5 does not exist)."""
+
+    name: str
+    title: str
+    ylabel: str
+    lines: tuple[Line, ...]
+    xlabel: str = "step"
 
 
 @dataclass(frozen=True)
@@ -129,36 +226,60 @@ def _file_name(stage: str) -> str:
     return f"curves-{re.sub(r'[^A-Za-z0-9_.-]', '_', stage)}.png"
 
 
-def plot_stage(stage: str, records: Sequence[dict[str, Any]], out_dir: Path) -> CurvePlot | None:
-    """Draw `curves-<stage>.png` into `out_dir`; None (and no file) when the stage has no
-    training step or no finite value to draw."""
+def curve_spec(stage: str, records: Sequence[dict[str, Any]]) -> tuple[PanelSpec, ...]:
+    """The panels `plot_stage` draws for `stage`: each quantity the stage logged with at least
+    one finite point, in a fixed order (loss, accuracy, margin, reward, reward functions,
+    kl); none for a stage with no training step (ingest, evaluate, export: a curve would
+    mislead)."""
     if not any(r.get("kind") == "train" for r in records):
-        return None  # ingest, evaluate, export: nothing was trained, a curve would mislead
-    drawn: list[tuple[Panel, list[tuple[Series, list[float], list[float]]]]] = []
-    for panel in PANELS:
-        lines = [(s, *series_points(records, s.kind, s.field)) for s in panel.series]
-        lines = [(s, xs, ys) for s, xs, ys in lines if xs]
+        return ()
+    specs = []
+    for panel in (LOSS, ACCURACY, MARGIN, *_reward_panels(records), KL):
+        lines = [
+            Line(s, *map(tuple, series_points(records, s.kind, s.field))) for s in panel.series
+        ]
+        lines = [line for line in lines if line.steps]
         if lines:
-            drawn.append((panel, lines))
-    if not drawn:
-        return None
+            specs.append(
+                PanelSpec(panel.name, f"{stage}: {panel.name}", panel.ylabel, tuple(lines))
+            )
+    return tuple(specs)
 
+
+def curve_figure(panels: Sequence[PanelSpec]) -> Figure:
+    """The figure of `panels`, side by side (not saved; tests read its axes)."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     width, height = PANEL_INCHES
-    fig = Figure(figsize=(width * len(drawn), height), dpi=DPI, layout="constrained")
-    axes = fig.subplots(1, len(drawn), squeeze=False)[0]
-    for ax, (panel, lines) in zip(axes, drawn, strict=True):
-        for s, xs, ys in lines:
-            # Held-out points are few (start, every eval_every, end): markers keep a lone point
-            # visible, where a line of one point would draw nothing.
-            marker = "o" if s.kind == "eval" or len(xs) == 1 else None
-            ax.plot(xs, ys, label=s.label, marker=marker, markersize=3, linewidth=1.2)
-        ax.set_title(f"{stage}: {panel.name}")
-        ax.set_xlabel("step")
+    fig = Figure(figsize=(width * len(panels), height), dpi=DPI, layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, panel in zip(axes, panels, strict=True):
+        for line in panel.lines:
+            ax.plot(
+                line.steps,
+                line.values,
+                label=line.series.label,
+                marker=line.marker,
+                markersize=3,
+                linewidth=1.2,
+            )
+        ax.set_title(panel.title)
+        ax.set_xlabel(panel.xlabel)
         ax.set_ylabel(panel.ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
+    return fig
+
+
+def plot_stage(stage: str, records: Sequence[dict[str, Any]], out_dir: Path) -> CurvePlot | None:
+    """Draw `curves-<stage>.png` into `out_dir` (`curve_spec`'s panels); None (and no file)
+    when the stage has no training step or no finite value to draw."""
+    panels = curve_spec(stage, records)
+    if not panels:
+        return None
+    fig = curve_figure(panels)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / _file_name(stage)
     # Written beside and renamed, so a report never links a half-written image.
@@ -171,8 +292,8 @@ def plot_stage(stage: str, records: Sequence[dict[str, Any]], out_dir: Path) -> 
     return CurvePlot(
         stage=stage,
         path=path,
-        panels=tuple(p.name for p, _ in drawn),
-        series=tuple(s.field for _, lines in drawn for s, _, _ in lines),
+        panels=tuple(p.name for p in panels),
+        series=tuple(line.series.field for p in panels for line in p.lines),
     )
 
 
