@@ -76,11 +76,7 @@ def load_or_report(
         print(f"posttrain: recipe {path} refused (nothing ran)", file=err)
         for line in exc.errors:
             print(f"  {line}", file=err)
-        print(
-            "  fix:  correct the fields named above (docs/recipes.md lists every field); "
-            "`posttrain validate` checks a recipe without running it",
-            file=err,
-        )
+        print(f"  fix:  {exc.fix}", file=err)
         return None
 
 
@@ -99,7 +95,7 @@ def failure_block(exc: BaseException, recipe: Recipe) -> Block:
         block = Block(
             "posttrain: recipe refused (no stage ran)",
             "; ".join(exc.errors) or str(exc),
-            "correct the fields named above",
+            exc.fix,
         )
     else:
         block = unexpected_block(exc, Path(recipe.run.workspace) / "logs")
