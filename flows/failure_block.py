@@ -5,7 +5,7 @@ Prefect UI), and Prefect's own repeats of the failure are kept off the console
 (`flows.terminal.quiet_console`).
 
     posttrain: stage sft failed
-      what: /data/chat.jsonl:3: invalid JSON: Expecting ',' delimiter (column 1)
+      what: /data/chat.jsonl:3: invalid JSON: Expecting ',' delimiter (column 107, the end of the line)
       fix:  correct or remove that row (or point the recipe at another file), then run again...
       run folder: /ws/runs/20261201T233654Z-c5b00207
       full log: /ws/artifacts/sft/18ad184aa1f3a563/logs/stage.log
