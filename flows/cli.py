@@ -87,7 +87,10 @@ def failure_block(exc: BaseException, recipe: Recipe) -> Block:
 
     if isinstance(exc, StageFailed):
         block = stage_failure_block(
-            str(exc), timed_out=isinstance(exc, StageTimeout), hung=isinstance(exc, StageHung)
+            str(exc),
+            timed_out=isinstance(exc, StageTimeout),
+            hung=isinstance(exc, StageHung),
+            sections={s.name: s.where for s in recipe.graph()},
         )
     elif isinstance(exc, QualityGateFailed):
         block = gate_block(str(exc))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,8 +108,31 @@ def engine_fix(headline: str) -> str | None:
     return next(fix for key, fix in ENGINE_FIXES if key in headline)
 
 
-def stage_failure_block(message: str, timed_out: bool = False, hung: bool = False) -> Block:
-    """The block for a `StageFailed` (its message: headline, `Log: <path>`, the log's tail)."""
+def data_fix(kind: str, what: str, section: str) -> str | None:
+    """The fix for bad input data of the stage whose recipe section is `section` (`dpo`,
+    `stages.dpo2`): a missing file is a path to correct, not a row; a bad row of a section
+    that has `on_invalid` may be skipped instead."""
+    if kind not in ("DataError", "PreferenceDataError"):
+        return None
+    if what.endswith(": no such file or folder"):
+        return f"point {section}.data.path (or eval_path) at a file that exists, {RERUN}"
+    if kind == "PreferenceDataError":  # a row a check refused: on_invalid: skip applies
+        return (
+            f"correct or remove that row, or set {section}.data.on_invalid: skip to leave bad "
+            f"rows out (counted by reason in the stage's log), {RERUN}"
+        )
+    return None
+
+
+def stage_failure_block(
+    message: str,
+    timed_out: bool = False,
+    hung: bool = False,
+    sections: Mapping[str, str] | None = None,
+) -> Block:
+    """The block for a `StageFailed` (its message: headline, `Log: <path>`, the log's tail).
+    `sections`: {stage name: its recipe section (`stages.dpo2`)}, for fixes that name a field
+    (default: the stage's name, its shorthand section)."""
     head_line, _, tail = message.partition("\n--- end of the log ---\n")
     stage = _stage_of(head_line)
     found = LOG_RE.search(message)
@@ -144,6 +168,8 @@ def stage_failure_block(message: str, timed_out: bool = False, hung: bool = Fals
             elif changes:
                 steps = "\n".join(f"        {c}" for c in changes)
                 fix = f"one of\n{steps}\n        or set infra.memory_preflight=warn to try anyway"
+            return Block(head, what, fix, log)
+        if fix := data_fix(kind, what, (sections or {}).get(stage, stage)):
             return Block(head, what, fix, log)
         if kind in FIXES:
             return Block(head, what, FIXES[kind], log)
