@@ -171,5 +171,5 @@ def link_hint(key: str, place: Sequence[Any], value: Any) -> str | None:
     return (
         "links between stages are set in a stages: entry, e.g. "
         f"stages: [{{kind: {kind}, name: {kind}, {key}: {target}}}] in place of the {kind}: "
-        "section (docs/recipes.md)"
+        "section (docs/operations.md, Stage graphs)"
     )
