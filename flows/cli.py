@@ -106,12 +106,56 @@ def failure_block(exc: BaseException, recipe: Recipe) -> Block:
     return block
 
 
-def cmd_validate(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
+def cmd_validate(
+    path: str, overrides: list[str], out: TextIO, err: TextIO, resolved: bool = False
+) -> int:
+    """The verdict on the recipe and every input it names (exit 2 on any problem), then what
+    each input is; `resolved`: the resolved recipe as YAML too."""
     recipe = load_or_report(path, overrides, err)
     if recipe is None:
         return EXIT_INVALID
-    out.write(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
-    return EXIT_OK
+    ok = _check_inputs(recipe, plan_rows(recipe), out)
+    if resolved:
+        out.write("--- # resolved recipe\n")
+        out.write(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    return EXIT_OK if ok else EXIT_INVALID
+
+
+def _check_inputs(recipe: Recipe, rows: list[tuple[str, ...]], out: TextIO) -> bool:
+    """Print the verdict line (`recipe ok: 4 stages, 3 to run` or `recipe refused: N
+    problems`, each problem and the fix), then one line per input; True when nothing is wrong."""
+    from posttrain.config.inputs_check import check_inputs
+
+    report = check_inputs(recipe)
+    if report.problems:
+        n = len(report.problems)
+        print(f"recipe refused: {n} problem{'s' * (n != 1)}", file=out)
+        for line in report.problems:
+            print(f"  {line}", file=out)
+        print(
+            "  fix:  correct the fields named above (or create the files they name), then "
+            "`posttrain validate` again; nothing ran",
+            file=out,
+        )
+    else:
+        to_run = sum(row[-1] != "complete" for row in rows)
+        print(f"recipe ok: {len(rows)} stages, {to_run} to run", file=out)
+    for line in report.lines:
+        print(line, file=out)
+    return not report.problems
+
+
+def resolved_inputs(recipe: Recipe) -> list[tuple[str, str]]:
+    """(field path, resolved value) of every input: paths absolute, hub ids with their
+    revision, code as the file it is imported from."""
+    from posttrain.config.loader import code_refs, hub_ids, input_paths
+
+    found = dict(input_paths(recipe))
+    found |= {
+        where: f"{repo}@{rev} (hub {kind})" for where, (repo, rev, kind) in hub_ids(recipe).items()
+    }
+    found |= {code.where: code.ref for code in code_refs(recipe)}
+    return sorted(found.items())
 
 
 # How `posttrain plan` names a stage's inputs (the base is every stage's: left out).
@@ -148,17 +192,30 @@ def plan_rows(recipe: Recipe) -> list[tuple[str, str, str, str, str, str]]:
     return rows
 
 
-def cmd_plan(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
+def cmd_plan(
+    path: str, overrides: list[str], out: TextIO, err: TextIO, resolved: bool = False
+) -> int:
+    """The verdict and inputs (as `validate`), each stage's fingerprint and artifact, and every
+    input's resolved path; `resolved`: the resolved recipe as YAML too."""
     recipe = load_or_report(path, overrides, err)
     if recipe is None:
         return EXIT_INVALID
     rows = plan_rows(recipe)
+    ok = _check_inputs(recipe, rows, out)
     print(
-        text_table(rows, ("stage", "kind", "inputs", "fingerprint", "runs on", "artifact")),
+        "\n" + text_table(rows, ("stage", "kind", "inputs", "fingerprint", "runs on", "artifact")),
         file=out,
     )
     print(f"workspace: {recipe.run.workspace}", file=out)
-    return EXIT_OK
+    inputs = resolved_inputs(recipe)
+    width = max((len(where) for where, _ in inputs), default=0)
+    print("resolved inputs:", file=out)
+    for where, value in inputs:
+        print(f"  {where:<{width}}  {value}", file=out)
+    if resolved:
+        out.write("--- # resolved recipe\n")
+        out.write(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    return EXIT_OK if ok else EXIT_INVALID
 
 
 def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
@@ -455,8 +512,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = ap.add_subparsers(dest="command", required=True)
     for name, func, help_text in (
-        ("validate", cmd_validate, "print the resolved recipe, or every error (exit 2)"),
-        ("plan", cmd_plan, "show each stage's fingerprint and whether its artifact exists"),
+        (
+            "validate",
+            cmd_validate,
+            "check the recipe and every input it names without training: a verdict line, "
+            "then what each input is (exit 2 on any problem)",
+        ),
+        (
+            "plan",
+            cmd_plan,
+            "validate, then show each stage's fingerprint, whether its artifact exists and "
+            "the resolved input paths",
+        ),
         ("run", cmd_run, "run the pipeline (embedded Prefect unless PREFECT_API_URL is set)"),
         ("models", cmd_models, "list each pipeline's champion (promoted run) and its lineage"),
     ):
@@ -464,6 +531,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("recipe", type=Path, help="recipe YAML file")
         p.add_argument("overrides", nargs="*", help="key.path=value (values parsed as YAML)")
         p.set_defaults(func=func)
+        if name in ("validate", "plan"):
+            p.add_argument(
+                "--resolved", action="store_true", help="print the resolved recipe (YAML) too"
+            )
     p = sub.add_parser(
         "serve",
         help="serve a deployment per recipe on the Prefect server (PREFECT_API_URL)",
@@ -537,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_submit(str(args.recipe), args.overrides, out, err, args.wait)
     if args.command == "publish-base":
         return cmd_publish_base(str(args.model_dir), args.pipeline, out, err)
+    if args.command in ("validate", "plan"):
+        return args.func(str(args.recipe), args.overrides, out, err, args.resolved)
     return args.func(str(args.recipe), args.overrides, sys.stdout, sys.stderr)
 
 

@@ -108,20 +108,16 @@ def engine_fix(headline: str) -> str | None:
     return next(fix for key, fix in ENGINE_FIXES if key in headline)
 
 
-def data_fix(kind: str, what: str, section: str) -> str | None:
-    """The fix for bad input data of the stage whose recipe section is `section` (`dpo`,
-    `stages.dpo2`): a missing file is a path to correct, not a row; a bad row of a section
-    that has `on_invalid` may be skipped instead."""
-    if kind not in ("DataError", "PreferenceDataError"):
+def data_fix(kind: str, section: str) -> str | None:
+    """The fix for a bad row of the stage whose recipe section is `section` (`dpo`,
+    `stages.dpo2`): a row a check refused (PreferenceDataError: pairs, unpaired feedback,
+    prompts) may be skipped instead, since those sections have `on_invalid`."""
+    if kind != "PreferenceDataError":
         return None
-    if what.endswith(": no such file or folder"):
-        return f"point {section}.data.path (or eval_path) at a file that exists, {RERUN}"
-    if kind == "PreferenceDataError":  # a row a check refused: on_invalid: skip applies
-        return (
-            f"correct or remove that row, or set {section}.data.on_invalid: skip to leave bad "
-            f"rows out (counted by reason in the stage's log), {RERUN}"
-        )
-    return None
+    return (
+        f"correct or remove that row, or set {section}.data.on_invalid: skip to leave bad "
+        f"rows out (counted by reason in the stage's log), {RERUN}"
+    )
 
 
 def stage_failure_block(
@@ -169,7 +165,11 @@ def stage_failure_block(
                 steps = "\n".join(f"        {c}" for c in changes)
                 fix = f"one of\n{steps}\n        or set infra.memory_preflight=warn to try anyway"
             return Block(head, what, fix, log)
-        if fix := data_fix(kind, what, (sections or {}).get(stage, stage)):
+        if kind == "DataFileMissing":  # `sft.data.path: /x does not exist`: the field, not a row
+            named = re.match(r"([\w.]+\.(?:path|eval_path)): ", what)
+            field = named.group(1) if named else "the recipe's path to it"
+            return Block(head, what, f"correct {field} (or create the file), {RERUN}", log)
+        if fix := data_fix(kind, (sections or {}).get(stage, stage)):
             return Block(head, what, fix, log)
         if kind in FIXES:
             return Block(head, what, FIXES[kind], log)

@@ -15,7 +15,8 @@ from typing import Any
 
 import yaml
 
-from posttrain.config.loader import read_yaml, validate_recipe
+from posttrain.config.extends import read_recipe
+from posttrain.config.loader import rebase_paths, validate_recipe
 from posttrain.config.schema import Recipe
 
 WORK_POOL = "posttrain"
@@ -97,8 +98,11 @@ def deployment_entry(recipe: Recipe) -> dict[str, Any]:
 def render(paths: list[str]) -> str:
     deployments = []
     for path in sorted(paths):
-        data = read_yaml(path)
+        data, origins = read_recipe(path)
         recipe = validate_recipe(data, path)
+        # The deployments run in $POSTTRAIN_HOME (the folder this is rendered in): a path
+        # relative to its recipe's folder becomes one relative to that.
+        recipe = rebase_paths(recipe, origins, Path.cwd().resolve())
         deployments.append(deployment_entry(recipe))
     doc = {
         "name": "posttrain",

@@ -57,13 +57,14 @@ def pin(records: Iterable[dict[str, str]]) -> None:
         _PINS[(r["repo_type"], r["hub_repo"], r["revision"])] = r["commit_sha"]
 
 
-def is_hub_id(value: str | None) -> bool:
-    """`org/name` that is not an existing local path (nor a missing data file's name)."""
+def is_hub_id(value: str | None, base: Path | None = None) -> bool:
+    """`org/name` that is not an existing local path (nor a missing data file's name), relative
+    to `base` (the recipe's folder; default the current directory)."""
     if not value or not _HUB_ID.match(value) or ".." in value:
         return False
     if value.lower().endswith(_FILE_SUFFIXES):
         return False
-    return not Path(value).expanduser().exists()
+    return not (Path(base or ".") / Path(value).expanduser()).exists()
 
 
 def offline() -> bool:

@@ -13,8 +13,7 @@ import hashlib
 import os
 from pathlib import Path
 
-import yaml
-
+from posttrain.config.extends import read_recipe
 from posttrain.hub import is_hub_id
 
 
@@ -58,7 +57,7 @@ def folder_files(folder: Path) -> dict[str, Path]:
 def cache_recipe_hub_ids(path: Path, cache: Path) -> None:
     """A recipe's hub ids resolve at load time: give each a snapshot in a local hub cache (the
     real layout; nothing is downloaded here), as `hf download` would have left it."""
-    data = yaml.safe_load(path.read_text())
+    data, _ = read_recipe(path)  # with what it extends
     ids = {(data.get("ingest", {}).get("path"), "model")}
     for section in data.values():
         source = section.get("data", {}) if isinstance(section, dict) else {}

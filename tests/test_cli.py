@@ -56,21 +56,33 @@ def test_validate_bad_override_through_main(tmp_path: Path, capsys) -> None:
     assert "sft.lora.r:" in capsys.readouterr().err
 
 
-def test_validate_prints_resolved_recipe(tmp_path: Path) -> None:
+def test_validate_prints_resolved_recipe_only_when_asked(tmp_path: Path) -> None:
     out, err = io.StringIO(), io.StringIO()
     path = _write(tmp_path, GOOD.format(ws=tmp_path / "ws"))
     assert cmd_validate(str(path), ["sft.optim.lr=0.0003"], out, err) == 0
-    data = yaml.safe_load(out.getvalue())
+    assert out.getvalue().splitlines()[0] == "recipe ok: 4 stages, 4 to run"
+    assert "--- # resolved recipe" not in out.getvalue()
+    out = io.StringIO()
+    assert cmd_validate(str(path), ["sft.optim.lr=0.0003"], out, err, resolved=True) == 0
+    data = yaml.safe_load(out.getvalue().split("--- # resolved recipe\n")[1])
     assert data["sft"]["optim"]["lr"] == 0.0003
     assert data["sft"]["batch"]["global_batch_size"] == 8  # derived: 8 x 1 x 1
     assert data["run"]["workspace"] == str(tmp_path / "ws")
+
+
+def _table(text: str) -> list[str]:
+    """The stage rows of `plan`'s table (after its verdict and input lines)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("stage "))
+    return lines[start + 2 : start + 6]
 
 
 def test_plan_lists_stages_and_missing_artifacts(tmp_path: Path) -> None:
     out, err = io.StringIO(), io.StringIO()
     path = _write(tmp_path, GOOD.format(ws=tmp_path / "ws"))
     assert cmd_plan(str(path), [], out, err) == 0
-    rows = out.getvalue().splitlines()[2:6]
+    assert out.getvalue().splitlines()[0] == "recipe ok: 4 stages, 4 to run"
+    rows = _table(out.getvalue())
     assert [r.split()[0] for r in rows] == ["ingest", "sft", "evaluate", "export"]
     assert all(r.split()[-1] == "missing" and len(r.split()[-3]) == 16 for r in rows)
     assert " from ingest " in rows[1] and rows[2].split()[2] == "sft"  # evaluate's policy
@@ -78,7 +90,7 @@ def test_plan_lists_stages_and_missing_artifacts(tmp_path: Path) -> None:
     out = io.StringIO()
     overrides = ["infra.launcher=slurm", "infra.nnodes=4", "infra.devices_per_node=8"]
     assert cmd_plan(str(path), overrides, out, err) == 0, err.getvalue()
-    rows = out.getvalue().splitlines()[2:6]
+    rows = _table(out.getvalue())
     assert [r.split()[-2] for r in rows] == ["local", "slurm:4x8", "slurm:1", "slurm:1"]
 
 

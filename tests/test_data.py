@@ -91,7 +91,7 @@ def test_bad_rows_name_file_and_line(tmp_path: Path) -> None:
 def test_empty_and_missing_files(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="no rows"):
         load_sft_rows(_write(tmp_path / "e.jsonl", [""]))
-    with pytest.raises(DataError, match="no such file"):
+    with pytest.raises(DataError, match="nope.jsonl does not exist"):
         load_sft_rows(tmp_path / "nope.jsonl")
     with pytest.raises(DataError, match="unknown data format"):
         load_sft_rows(_write(tmp_path / "x.csv", ["a,b"]))

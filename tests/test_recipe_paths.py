@@ -106,12 +106,17 @@ def test_allowed_paths_admit_a_folder_explicitly(tmp_path: Path) -> None:
     recipe = _recipe(tmp_path, "sft.data.eval_path", "/etc/hostname", allowed=["/etc"])
     r = load_recipe(recipe)
     assert r.sft.data.eval_path == "/etc/hostname"
-    # A relative allowed path would depend on where the recipe is loaded from.
-    with pytest.raises(RecipeError) as exc:
-        load_recipe(_recipe(tmp_path, "sft.data.eval_path", "/etc/hostname", allowed=["etc"]))
-    assert exc.value.errors == [
-        "run.allowed_paths: 'etc' is not an absolute folder (start it with / or ~)"
-    ]
+    # A relative allowed folder is the recipe's folder's (like every relative path in it), and
+    # the resolved recipe carries it absolute.
+    rows = tmp_path / "shared" / "rows.jsonl"
+    rows.parent.mkdir()
+    rows.write_text('{"prompt": "a", "completion": "b"}\n')
+    recipe = _recipe(tmp_path / "proj", "sft.data.eval_path", "../shared/rows.jsonl")
+    with pytest.raises(RecipeError, match=r"sft\.data\.eval_path: .*shared/rows\.jsonl .* outside"):
+        load_recipe(recipe)
+    recipe = _recipe(tmp_path / "proj", "sft.data.eval_path", str(rows), allowed=["../shared"])
+    r = load_recipe(recipe)
+    assert (r.sft.data.eval_path, r.run.allowed_paths[0]) == (str(rows), str(rows.parent))
 
 
 def test_workspace_is_an_allowed_folder(tmp_path: Path) -> None:

@@ -84,15 +84,6 @@ def test_a_bad_pair_s_fix_names_on_invalid_skip_of_its_section() -> None:
     assert "on_invalid" not in stage_failure_block(_stage_failed(DATA_TAIL)).fix
 
 
-def test_a_missing_data_file_s_fix_is_about_the_path_not_rows() -> None:
-    tail = "POSTTRAIN_ERROR stage dpo failed: DataError: /data/nope.jsonl: no such file or folder"
-    block = stage_failure_block(_stage_failed(tail, "stage 'dpo' exited with code 1"))
-    assert block.fix == (
-        "point dpo.data.path (or eval_path) at a file that exists, then run again: finished "
-        "stages are reused"
-    )
-
-
 def test_memory_refusal_block_lists_the_changes_that_fit() -> None:
     fits = MEMORY_TAIL.replace(
         "nothing above fits: this stage needs a device with at least 956.9 MiB\n", ""

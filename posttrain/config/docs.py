@@ -30,11 +30,44 @@ is loaded (`posttrain validate RECIPE`), before any work starts; an unknown key,
 an out-of-range value is an error that names its field, the value found and the field or choice
 probably meant (`sft.optim.learning_rate: unknown field; did you mean sft.optim.lr?`,
 `sft.optim.lr: must be > 0, got 0`; the names TRL, axolotl and LLaMA-Factory use are
-recognised, see migrating.md). Any key can be overridden on the command line as `key.path=value`, for example
+recognised, see migrating.md). Any key can be overridden on the command line as
+`key.path=value`, for example
 `posttrain run recipes/quickstart.yaml sft.optim.lr=5e-4 sft.max_steps=100`; values are parsed
 as YAML (`true`, `[q_proj, v_proj]`, `{micro_batch_size: 4}`).
 
 The same schema is the form of the Prefect UI and the parameters of deployments.
+
+## Relative paths
+
+Every relative path in a recipe (`run.workspace`, `ingest.path`, `<stage>.data.path` and
+`data.eval_path`, chat template files, `evaluate.lm_eval.include_path`, reward and tool modules)
+is resolved against the folder of the recipe file that wrote it, not the current directory:
+`cd work; posttrain validate proj/my.yaml` reads `data/x.jsonl` as `work/proj/data/x.jsonl`, and
+`posttrain validate` prints the resolved recipe. A path given on the command line
+(`sft.data.path=rows.jsonl`, `run.workspace=ws`) is resolved against the current directory, where
+the person typing it is. The shipped recipes say `workspace: ../workspace`: the repository's
+`workspace/`, from wherever they are run.
+
+## Extends
+
+`extends: base.yaml` (or a list, `extends: [a.yaml, b.yaml]`) at the top of a recipe builds it
+on other recipes, named relative to its own folder. They are loaded first (they may extend
+others), merged in order, then the recipe itself is merged on top:
+
+- mappings merge key by key, and the later recipe wins (`sft: {optim: {lr: 1e-4}}` changes only
+  the learning rate);
+- anything else is replaced whole, lists included: a `stages:` list or `evaluate.policies` in
+  the extending recipe replaces the base's, it is not appended to;
+- `key: null` sets the key to null, as if written so in the base: `dpo: null` drops the base's
+  DPO stage, `schedule: null` its schedule; a value that cannot be null is refused by name.
+
+Overrides on the command line apply after the merge. A recipe that extends another is the same
+recipe as the merge written out in full: the same stage fingerprints, so the stages it shares
+with its base (same sections, same workspace) are reused from the artifact cache. `extends`
+itself is read only from a recipe file (the UI form and deployments take the merged recipe). A
+cycle (`extends: cycle a.yaml -> b.yaml -> a.yaml`) or a missing file (`extends: other.yaml: no
+such recipe file (extended by /abs/a.yaml)`) is refused. `recipes/chain.yaml` is the example: the
+quickstart's sections plus a GRPO stage, a name of its own and no schedule.
 
 **re-runs** says what changing a key does to the stage that reads it: `yes`, its fingerprint
 changes, so the stage and everything after it run again; `no`, it only changes how the stage

@@ -9,9 +9,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import ValidationError
@@ -21,6 +22,9 @@ from posttrain.config.schema import Recipe
 from posttrain.data.chat import looks_like_template_file
 from posttrain.hub import HubError, RepoType, is_hub_id, resolve_sha
 from posttrain.secrets import find_secrets
+
+if TYPE_CHECKING:
+    from posttrain.config.extends import Origins
 
 FIX_FIELDS = (
     "correct the fields named above (docs/recipes.md lists every field); "
@@ -270,11 +274,12 @@ def resolve(
     recipe: Recipe,
     recipe_dir: str | os.PathLike[str] | None = None,
     code_roots: list[Path] | None = None,
+    origins: Origins | None = None,
 ) -> Recipe:
     """Make every `auto` concrete and every path absolute; check batch arithmetic and that
     every input path stays inside the allowed folders (`resolve_paths`; `code_roots`: where
     reward functions may come from instead of the recipe's folder and run.allowed_paths, for a
-    served run)."""
+    served run; `origins`: which file wrote each value)."""
     r = recipe.model_copy(deep=True)
     infra = r.infra
     gpus = None
@@ -309,7 +314,7 @@ def resolve(
             "~100x slower than fp32 here; use fp32 (or precision: auto)"
         )
     try:
-        r = resolve_paths(r, recipe_dir, code_roots)
+        r = resolve_paths(r, recipe_dir, code_roots, origins)
     except RecipeError as exc:
         errors.extend(exc.errors)
     errors.extend(hub_id_errors(r))
@@ -354,11 +359,16 @@ def gguf_errors(recipe: Recipe) -> list[str]:
     return []
 
 
-def input_paths(recipe: Recipe) -> dict[str, str]:
+def input_paths(recipe: Recipe, base: Callable[[str], Path] | None = None) -> dict[str, str]:
     """{field path: value} of every path the recipe reads from (not the workspace it writes).
-    Hub ids (`org/name` that is no local path) are not paths: the hub cache serves them."""
+    Hub ids (`org/name` that is no local path under `base(field path)`, default the current
+    directory) are not paths: the hub cache serves them."""
+
+    def local(where: str, value: str | None) -> bool:
+        return bool(value) and not is_hub_id(value, base(where) if base else None)
+
     out = {}
-    if recipe.ingest.path and not is_hub_id(recipe.ingest.path):
+    if local("ingest.path", recipe.ingest.path):
         out["ingest.path"] = recipe.ingest.path
     # A chat template given as a file is read by the stage (and saved into its artifact).
     graph = recipe.graph()
@@ -370,7 +380,7 @@ def input_paths(recipe: Recipe) -> dict[str, str]:
     for s in graph:
         for attr in ("path", "eval_path"):
             value = getattr(s.section.data, attr)
-            if value and not is_hub_id(value):
+            if local(f"{s.where}.data.{attr}", value):
                 out[f"{s.where}.data.{attr}"] = value
     lm_eval = recipe.evaluate.lm_eval
     if lm_eval is not None and lm_eval.include_path:
@@ -421,26 +431,30 @@ def code_refs(recipe: Recipe) -> list[CodeRef]:
 
 
 def _resolve_code(
-    r: Recipe, code_roots: list[Path], implicit: Path | None, errors: list[str]
-) -> Path | None:
+    r: Recipe,
+    code_roots: list[Path],
+    home: Callable[[str], Path] | None,
+    errors: list[str],
+) -> list[Path]:
     """Point each piece of user code (reward functions, tools, environments) at its module's
-    absolute file (`/dir/mod.py:name`), found in the recipe's folder or run.allowed_paths only
-    (no current directory, no workspace: code is not data). Returns the recipe's folder when a
-    module was found there, else None."""
+    absolute file (`/dir/mod.py:name`), found in `home(field path)` (the folder of the recipe
+    file that named it) or `code_roots` only (no current directory, no workspace: code is not
+    data). Returns the home folders a module was found in."""
     from posttrain.rewards.loader import RewardLoadError, locate
     from posttrain.rewards.spec import is_builtin, split_ref
 
-    needed = None
+    needed: list[Path] = []
     for code in code_refs(r):
         if is_builtin(code.ref):
             continue
+        folder = home(code.where) if home is not None else None
         try:
-            path = locate(code.ref, code_roots, code.kind)
+            path = locate(code.ref, [*([folder] if folder else []), *code_roots], code.kind)
         except RewardLoadError as exc:
             errors.append(f"{code.where}: {exc}")
             continue
-        if implicit is not None and _inside(path, implicit):
-            needed = implicit
+        if folder is not None and _inside(path, folder) and folder not in needed:
+            needed.append(folder)
         code.point_at(f"{path}:{split_ref(code.ref)[1]}")
     return needed
 
@@ -486,11 +500,12 @@ def _inside(path: Path, root: Path) -> bool:
     return path == root or path.is_relative_to(root)
 
 
-def _real(value: str, where: str, errors: list[str]) -> Path | None:
-    """`value` made absolute with `~` expanded and symlinks resolved; None (and an error line)
-    when it cannot be: a NUL byte, `~user` of no such user, a name too long for the system."""
+def _real(value: str, where: str, errors: list[str], base: Path | None = None) -> Path | None:
+    """`value` made absolute against `base` (default: the current directory) with `~` expanded
+    and symlinks resolved; None (and an error line) when it cannot be: a NUL byte, `~user` of
+    no such user, a name too long for the system."""
     try:
-        return Path(value).expanduser().resolve()
+        return (Path(base or ".") / Path(value).expanduser()).resolve()
     except (RuntimeError, ValueError, OSError) as exc:
         errors.append(f"{where}: {value[:200]!r} is not a usable path ({exc})")
         return None
@@ -500,38 +515,81 @@ def resolve_paths(
     recipe: Recipe,
     recipe_dir: str | os.PathLike[str] | None = None,
     code_roots: list[Path] | None = None,
+    origins: Origins | None = None,
 ) -> Recipe:
-    """A copy with the workspace and every data/model path absolute (against the current
-    directory), symlinks resolved. What `posttrain serve`/`submit` send: paths are the sender's,
-    while `auto` devices and precision stay for the machine that runs the flow to resolve.
+    """A copy with the workspace and every data/model path absolute, symlinks resolved. What
+    `posttrain serve`/`submit` send: paths are the sender's, while `auto` devices and precision
+    stay for the machine that runs the flow to resolve.
 
-    Every input path must lie inside an allowed folder: the recipe file's folder (`recipe_dir`),
-    the current directory (relative paths are resolved against it), the workspace, or one of
-    `run.allowed_paths`. Symlinks are resolved first, so neither `..` nor a link out of an
-    allowed folder reaches /etc or ~/.ssh. A recipe folder or current directory that a path
-    needed is appended to `run.allowed_paths`, so the resolved recipe (what a run folder records
-    and what a server runs, in another directory) passes the same check again.
+    A relative path is relative to the folder of the recipe file that wrote it (`origins`: an
+    extended recipe's values to its own folder; with no origins, `recipe_dir`), and to the
+    current directory when it came from the command line or there is no recipe file.
+
+    Every input path must lie inside an allowed folder: the recipe files' folders, the current
+    directory, the workspace, or one of `run.allowed_paths`. Symlinks are resolved first, so
+    neither `..` nor a link out of an allowed folder reaches /etc or ~/.ssh. A recipe folder or
+    current directory that a path needed is appended to `run.allowed_paths`, so the resolved
+    recipe (what a run folder records and what a server runs, in another directory) passes the
+    same check again.
     """
     r = recipe.model_copy(deep=True)
     cwd = Path.cwd().resolve()
+    home = Path(recipe_dir).resolve() if recipe_dir is not None else None
+
+    def base(where: str) -> Path:
+        if origins is not None:
+            return origins.folder(where) or cwd
+        return home or cwd
+
     errors: list[str] = []
-    workspace = _real(r.run.workspace, "run.workspace", errors)
+    workspace = _real(r.run.workspace, "run.workspace", errors, base("run.workspace"))
     explicit = [
         x
         for i, p in enumerate(r.run.allowed_paths)
-        if (x := _real(p, f"run.allowed_paths.{i}", errors)) is not None
+        if (x := _real(p, f"run.allowed_paths.{i}", errors, base(f"run.allowed_paths.{i}")))
+        is not None
     ]
     if workspace is None or len(explicit) < len(r.run.allowed_paths):
         raise RecipeError(errors)
     r.run.workspace = str(workspace)
-    implicit = [cwd] if recipe_dir is None else [Path(recipe_dir).resolve(), cwd]
+    files = [*([home] if home else []), *(origins.files() if origins else [])]
+    implicit = [*dict.fromkeys([*files, cwd])]
     roots = [workspace, *explicit]
+    needed = _resolve_inputs(r, base, implicit, roots, errors)
+    # Reward code: from the folder of the recipe file that names it or run.allowed_paths (a
+    # served run: only the worker's reward folders, `code_roots`).
+    if code_roots is not None:
+        _resolve_code(r, list(code_roots), None, errors)
+    else:
+
+        def code_home(where: str) -> Path:
+            return (origins.folder(where) if origins else None) or home or cwd
+
+        for found in _resolve_code(r, explicit, code_home, errors):
+            if found not in needed and not any(_inside(found, x) for x in explicit):
+                needed.append(found)
+    if errors:
+        raise RecipeError(errors)
+    r.run.allowed_paths = [*(str(x) for x in [*explicit, *needed])]
+    return r
+
+
+def _resolve_inputs(
+    r: Recipe,
+    base: Callable[[str], Path],
+    implicit: list[Path],
+    roots: list[Path],
+    errors: list[str],
+) -> list[Path]:
+    """Make each input path of `r` absolute (against `base(field path)`), refusing any outside
+    `implicit` and `roots`; returns the implicit folders a path needed."""
     needed: list[Path] = []
-    for where, value in input_paths(r).items():
-        resolved = _real(value, where, errors)
+    for where, value in input_paths(r, base).items():
+        folder = base(where)
+        resolved = _real(value, where, errors, folder)
         if resolved is None:
             continue
-        given = Path(value).expanduser()
+        given = folder / Path(value).expanduser()
         root = next((x for x in [*roots, *implicit] if _inside(resolved, x)), None)
         if root is None:
             via = "" if value == str(resolved) else f" (given as {value}"
@@ -549,22 +607,27 @@ def resolve_paths(
             needed.append(root)
         section, _, attr = where.rpartition(".")
         setattr(_owner(r, section), attr, str(resolved))
-    # Reward code: from the recipe's folder or run.allowed_paths (a served run: only the
-    # worker's reward folders, `code_roots`).
-    if code_roots is not None:
-        _resolve_code(r, list(code_roots), None, errors)
-    else:
-        code_dir = Path(recipe_dir).resolve() if recipe_dir is not None else cwd
-        found = _resolve_code(r, [code_dir, *explicit], code_dir, errors)
-        if (
-            found is not None
-            and found not in needed
-            and not any(_inside(found, x) for x in explicit)
-        ):
-            needed.append(found)
-    if errors:
-        raise RecipeError(errors)
-    r.run.allowed_paths = [*r.run.allowed_paths, *(str(x) for x in needed)]
+    return needed
+
+
+def rebase_paths(recipe: Recipe, origins: Origins, root: Path) -> Recipe:
+    """A copy whose relative workspace and input paths are relative to `root` instead of the
+    folders of the recipe files that wrote them: the recipe of a deployment that runs in `root`
+    (prefect.yaml), where relative paths mean its working directory."""
+    r = recipe.model_copy(deep=True)
+
+    def base(where: str) -> Path:
+        return origins.folder(where) or root
+
+    def moved(where: str, value: str) -> str:
+        if value.startswith("~") or Path(value).is_absolute():
+            return value
+        return os.path.relpath(os.path.normpath(base(where) / value), root)
+
+    r.run.workspace = moved("run.workspace", r.run.workspace)
+    for where, value in input_paths(r, base).items():
+        section, _, attr = where.rpartition(".")
+        setattr(_owner(r, section), attr, moved(where, value))
     return r
 
 
@@ -581,14 +644,21 @@ def section_batch(recipe: Recipe, name: str) -> ResolvedBatch:
 def load_recipe(
     path: str | os.PathLike[str], overrides: list[str] | None = None, devices: bool = True
 ) -> Recipe:
-    """Read, override, validate and resolve a recipe file. Raises RecipeError listing every problem.
+    """Read (with what it `extends`), override, validate and resolve a recipe file. Raises
+    RecipeError listing every problem. Relative paths: see `resolve_paths`.
 
     `devices=False` resolves paths only (`resolve_paths`), for a recipe that will run elsewhere.
     """
-    data = apply_overrides(read_yaml(path), overrides or [])
+    from posttrain.config.extends import read_recipe
+
+    data, origins = read_recipe(path)
+    data = apply_overrides(data, overrides or [])
+    origins.mark_overrides(overrides or [])
     recipe = validate_recipe(data, str(path))
     folder = Path(path).resolve().parent
     try:
-        return resolve(recipe, folder) if devices else resolve_paths(recipe, folder)
+        if devices:
+            return resolve(recipe, folder, origins=origins)
+        return resolve_paths(recipe, folder, origins=origins)
     except RecipeError as exc:
-        raise RecipeError(exc.errors, str(path)) from None
+        raise RecipeError(exc.errors, str(path), exc.fix) from None

@@ -21,25 +21,19 @@ class RunConfig(_Section):
     workspace: str = Execution(
         "./workspace",
         description="Folder that holds artifacts/, runs/ and Prefect results. Relative paths are "
-        "resolved against the current directory when the recipe is loaded.",
+        "resolved against the recipe file's folder (given on the command line: the current "
+        "directory) when the recipe is loaded.",
     )
     seed: int = Result(0, ge=0, description="Seed for data order, initialisation and sampling.")
     allowed_paths: list[str] = Execution(
         default_factory=list,
-        description="Absolute folders the recipe's input paths (ingest.path, data.path, "
-        "data.eval_path) may point into, besides the recipe file's folder, the current directory "
-        "and the workspace. Anything else, reached by an absolute path, `..` or a symlink, is "
-        "refused. Loading appends the recipe's folder or current directory when a path needed "
-        "it, so a resolved recipe passes the same check on the machine that runs it.",
+        description="Folders the recipe's input paths (ingest.path, data.path, data.eval_path) "
+        "may point into, besides the recipe file's folder, the current directory and the "
+        "workspace; relative ones are the recipe file's folder's. Anything else, reached by an "
+        "absolute path, `..` or a symlink, is refused. Loading makes them absolute and appends "
+        "the recipe's folder or current directory when a path needed it, so a resolved recipe "
+        "passes the same check on the machine that runs it.",
     )
-
-    @field_validator("allowed_paths")
-    @classmethod
-    def _absolute(cls, value: list[str]) -> list[str]:
-        for p in value:
-            if not p.startswith(("/", "~")):
-                raise ValueError(f"{p!r} is not an absolute folder (start it with / or ~)")
-        return value
 
 
 _CRON_FIELD = r"[0-9A-Za-z*/,\-?LW#]+"

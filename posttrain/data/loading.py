@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -281,9 +282,11 @@ def parse_json_line(raw: bytes, where: str) -> Any:
     return value
 
 
-def _read_jsonl(path: Path, limit: int) -> list[tuple[str, Any]]:
+def _read_jsonl(path: Path, limit: int, head: int | None = None) -> list[tuple[str, Any]]:
     out = []
     for lineno, raw in _lines(path, limit):
+        if head is not None and len(out) >= head:
+            break
         where = f"{path}:{lineno}"
         value = parse_json_line(raw, where)
         if value is not None:
@@ -350,23 +353,31 @@ def _read_hub(src: DataSource) -> list[tuple[str, Any]]:
 
 
 def read_rows(
-    path: str | Path | DataSource, max_line_bytes: int | None = None
+    path: str | Path | DataSource, max_line_bytes: int | None = None, head: int | None = None
 ) -> list[tuple[str, Any]]:
     """(location, raw row) pairs from a JSONL/JSON/Parquet file, a saved dataset folder or a
     hub dataset id (a DataSource: its split, revision and subset; `org/name[split] row N`), with
     the source's column renames applied.
 
-    `max_line_bytes` (default `max_line_bytes()`) bounds one JSONL line. Whatever the file
+    `max_line_bytes` (default `max_line_bytes()`) bounds one JSONL line. `head`: the first rows
+    only (`posttrain validate` reads 5; a JSONL file is read no further). Whatever the file
     holds, the only exception is DataError naming the file (and line or row)."""
     src = path if isinstance(path, DataSource) else DataSource(str(path))
-    rows = _read_hub(src) if hub.is_hub_id(src.path) else _read_local(src.path, max_line_bytes)
+    if hub.is_hub_id(src.path):
+        rows = _read_hub(src)[:head]
+    else:
+        rows = _read_local(src.path, max_line_bytes, head)
     return [(where, rename_columns(row, src.columns, where)) for where, row in rows]
 
 
-def _read_local(path: str, max_line_bytes: int | None) -> list[tuple[str, Any]]:
+class DataFileMissing(DataError):
+    """A data path that names nothing: the recipe's field is what to correct, not a row."""
+
+
+def _read_local(path: str, max_line_bytes: int | None, head: int | None) -> list[tuple[str, Any]]:
     p = Path(path)
     if not p.exists():
-        raise DataError(f"{p}: no such file or folder")
+        raise DataFileMissing(f"{p} does not exist")
     if p.is_dir():
         try:
             ds = load_from_disk(str(p))
@@ -376,9 +387,9 @@ def _read_local(path: str, max_line_bytes: int | None) -> list[tuple[str, Any]]:
             ) from None
         if not isinstance(ds, Dataset):
             raise DataError(f"{p}: holds a DatasetDict; point at one split's folder")
-        rows = [(f"{p} row {i}", r) for i, r in enumerate(ds)]
+        rows = [(f"{p} row {i}", r) for i, r in enumerate(islice(ds, head))]
     elif p.suffix == ".jsonl":
-        rows = _read_jsonl(p, max_line_bytes or line_limit())
+        rows = _read_jsonl(p, max_line_bytes or line_limit(), head)
     elif p.suffix == ".json":
         try:
             data = json.loads(p.read_bytes().decode("utf-8").removeprefix("\ufeff"))
@@ -391,7 +402,7 @@ def _read_local(path: str, max_line_bytes: int | None) -> list[tuple[str, Any]]:
             raise DataError(f"{p}: a .json data file must hold a list of rows (or use .jsonl)")
         if any(_has_surrogate(r) for r in data):
             raise DataError(f"{p}: a string holds an unpaired UTF-16 surrogate escape")
-        rows = [(f"{p} row {i}", r) for i, r in enumerate(data)]
+        rows = [(f"{p} row {i}", r) for i, r in enumerate(data[:head])]
     elif p.suffix == ".parquet":
         try:
             ds = load_dataset("parquet", data_files=str(p), split="train")
@@ -399,7 +410,7 @@ def _read_local(path: str, max_line_bytes: int | None) -> list[tuple[str, Any]]:
             raise DataError(
                 f"{p}: not a readable Parquet file ({type(exc).__name__}: {exc})"
             ) from None
-        rows = [(f"{p} row {i}", r) for i, r in enumerate(ds)]
+        rows = [(f"{p} row {i}", r) for i, r in enumerate(islice(ds, head))]
     else:
         raise DataError(f"{p}: unknown data format (use .jsonl, .json, .parquet or a saved folder)")
     if not rows:

@@ -127,8 +127,20 @@ def load_function(
         ) from exc
     func = getattr(module, attr, None)
     if not callable(func):
-        raise RewardLoadError(f"{fn}: {path} has no function {attr!r}")
+        raise RewardLoadError(f"{fn}: {path.name} has no function {attr!r} ({_has(module)})")
     return func, source_sha256(path)
+
+
+def _has(module: Any) -> str:
+    """`it has: a, b` -- the module's own public functions and classes, for a misspelt name."""
+    names = sorted(
+        n
+        for n, v in vars(module).items()
+        if not n.startswith("_")
+        and callable(v)
+        and getattr(v, "__module__", None) == module.__name__
+    )
+    return f"it has: {', '.join(names)}" if names else "it defines no function"
 
 
 def bind(spec: RewardSpec, roots: Sequence[Path] | None = None) -> tuple[Callable[..., Any], str]:

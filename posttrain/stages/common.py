@@ -153,6 +153,16 @@ def verify_parents(ctx: StageContext) -> None:
         )
 
 
+def check_data_paths(ctx: StageContext) -> None:
+    """Refuse, before any model is loaded, a data path of this stage that names nothing, naming
+    the recipe field to correct (`posttrain validate` reports the same line)."""
+    from posttrain.config.inputs_check import stage_data_problems
+    from posttrain.data.loading import DataFileMissing
+
+    if problems := stage_data_problems(ctx.recipe, ctx.name):
+        raise DataFileMissing("; ".join(problems))
+
+
 def memory_preflight(ctx: StageContext) -> None:
     """Estimate a training stage's per-device memory against the device before anything is
     loaded; refuse (MemoryPreflightError) or warn per `infra.memory_preflight`. The report goes
@@ -396,6 +406,7 @@ def _run_and_seal(
     # and N ranks hashing the same files would only multiply the reads.
     if ctx.is_main:
         verify_parents(ctx)
+        check_data_paths(ctx)
     # Before loading anything: a stage that cannot fit fails here, in seconds.
     memory_preflight(ctx)
     # What an earlier attempt left, read before the process group exists: the other ranks

@@ -28,6 +28,7 @@ import torch
 from posttrain import hub
 from posttrain.agents.tool_calls import format_of_template
 from posttrain.artifacts import sha256_file
+from posttrain.config.inputs_check import model_folder_problem
 from posttrain.config.schema import FromConfigModel, IngestConfig
 from posttrain.data.calculator import calculator_corpus
 from posttrain.data.chat import (
@@ -315,7 +316,9 @@ def ingest_path(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
         src, record = hub_model_folder(cfg)
     else:
         src = Path(cfg.path or "")
-    if not (src / "config.json").is_file():
+        if problem := model_folder_problem(str(src)):
+            raise IngestError(f"ingest.path: {problem}")
+    if not (src / "config.json").is_file():  # a hub snapshot without one
         raise IngestError(f"{src}: not a Hugging Face model folder (no config.json)")
     config_json = json.loads((src / "config.json").read_text())
     if config_json.get("auto_map") and not cfg.trust_remote_code:

@@ -1,0 +1,80 @@
+"""The user code a resolved recipe names -- reward functions, verifiers, tools, environments --
+imported by name the way its stage imports it (`load_function`, `load_tools`,
+`load_environment`), and each reward function's signature held against posttrain's call.
+
+The loader already found each module's file when the recipe was resolved (a wrong module is
+refused there); here the name inside it, and what it is, are checked: a misspelt function is
+`grpo.rewards.0.fn: my_rewards.py has no function 'word_overlapp' (it has: word_overlap)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from posttrain.agents.tools import ToolLoadError
+from posttrain.config.schema import Recipe
+from posttrain.rewards.loader import RewardLoadError
+from posttrain.rewards.spec import split_ref
+
+
+def _message(ref: str, exc: Exception) -> str:
+    # Loader errors start with the reference, which after resolution is an absolute path.
+    return str(exc).removeprefix(f"{ref}: ")
+
+
+def _short(ref: str) -> str:
+    module, attr = split_ref(ref)
+    return f"{module.rsplit('/', 1)[-1]}:{attr}"
+
+
+def _reward_line(code: Any, columns: list[str] | None, report: Any) -> None:
+    from posttrain.rewards.loader import load_function
+    from posttrain.rewards.signature import call_problem
+
+    try:
+        fn, _ = load_function(code.ref, None, code.kind)
+    except RewardLoadError as exc:
+        report.problems.append(f"{code.where}: {_message(code.ref, exc)}")
+        return
+    kwargs = getattr(code.owner, "kwargs", {}) or {}
+    if problem := call_problem(fn, kwargs, columns):
+        report.problems.append(f"{code.where}: {problem}")
+        return
+    report.lines.append(f"{code.where}: {_short(code.ref)}: takes posttrain's call")
+
+
+def _tool_line(code: Any, report: Any) -> bool:
+    """Checks a tool or an environment; True when it gives the model tools to call."""
+    from posttrain.agents.environment import load_environment
+    from posttrain.agents.tools import load_tools
+
+    try:
+        if code.kind == "tool":
+            (tool,) = load_tools([code.ref])
+            report.lines.append(f"{code.where}: {_short(code.ref)}: tool '{tool.name}'")
+            return True
+        env = load_environment(code.ref)
+    except (ToolLoadError, RewardLoadError) as exc:
+        report.problems.append(f"{code.where}: {_message(code.ref, exc)}")
+        return False
+    tools = f"tools {', '.join(env.tool_names)}" if env.tool_names else "step() environment"
+    report.lines.append(f"{code.where}: {_short(code.ref)}: {tools}")
+    return bool(env.tool_names)
+
+
+def check_code(recipe: Recipe, refs: list[Any], peeks: dict[str, Any], report: Any) -> set[str]:
+    """Check every piece of code in `refs` (`loader.code_refs`); the field paths of the stages
+    whose episodes give the model tools (their template must render tool calls)."""
+    needs_tools: set[str] = set()
+    for code in refs:
+        stage = code.where.split(".rewards.")[0].split(".rollout.")[0]
+        if code.kind == "reward":
+            peek = peeks.get(stage)
+            # The columns reward functions get are the prompt rows' (`check_prompt_row`).
+            columns = None
+            if peek is not None and peek.rows and all("columns" in r for _, r in peek.rows):
+                columns = sorted({k for _, r in peek.rows for k in r["columns"]})
+            _reward_line(code, columns, report)
+        elif _tool_line(code, report):
+            needs_tools.add(stage)
+    return needs_tools

@@ -1,0 +1,297 @@
+"""`posttrain validate` and `plan` check every input without training (issue 29, point 1):
+real recipe files, data files and reward modules in tmp_path; the texts the issue quotes."""
+
+from __future__ import annotations
+
+import io
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from flows.cli import cmd_plan, cmd_validate, main
+from flows.failure_block import stage_failure_block
+from posttrain.artifacts import write_manifest
+from posttrain.config.inputs_check import stage_data_problems
+from posttrain.config.loader import load_recipe
+from posttrain.planner import plan
+
+HEAD = """
+    run: {{name: checks, workspace: {ws}}}
+    infra: {{device: cpu, precision: fp32}}
+    ingest: {{source: from_config}}
+"""
+SFT = """
+    sft:
+      data: {{synthetic: {{n_examples: 50}}}}
+"""
+
+
+def _recipe(tmp_path: Path, body: str = SFT, **fmt: object) -> Path:
+    path = tmp_path / "r.yaml"
+    text = textwrap.dedent(HEAD) + textwrap.dedent(body)
+    path.write_text(text.format(ws=tmp_path / "ws", d=tmp_path, **fmt))
+    return path
+
+
+def _jsonl(path: Path, rows: list[object]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def _validate(path: Path) -> tuple[int, list[str]]:
+    out, err = io.StringIO(), io.StringIO()
+    code = cmd_validate(str(path), [], out, err)
+    assert err.getvalue() == "", err.getvalue()
+    return code, out.getvalue().splitlines()
+
+
+def _plan(path: Path) -> tuple[int, list[str]]:
+    out, err = io.StringIO(), io.StringIO()
+    code = cmd_plan(str(path), [], out, err)
+    assert err.getvalue() == "", err.getvalue()
+    return code, out.getvalue().splitlines()
+
+
+DPO_MISSING = """
+    sft:
+      data: {{synthetic: {{n_examples: 50}}}}
+    dpo:
+      data: {{path: {d}/data/nope.jsonl}}
+"""
+
+
+@pytest.mark.parametrize("command", [_validate, _plan])
+def test_missing_dpo_data_is_refused_naming_the_field(tmp_path: Path, command) -> None:
+    code, lines = command(_recipe(tmp_path, DPO_MISSING))
+    assert code == 2
+    assert lines[0] == "recipe refused: 1 problem"
+    assert lines[1] == f"  dpo.data.path: {tmp_path}/data/nope.jsonl does not exist"
+    assert lines[2].startswith("  fix:  correct the fields named above (or create the files")
+
+
+def test_stage_refuses_missing_data_naming_the_field(tmp_path: Path) -> None:
+    # What a stage checks before loading anything, and the fix its failure block then gives.
+    recipe = load_recipe(_recipe(tmp_path, DPO_MISSING))
+    problems = stage_data_problems(recipe, "dpo")
+    assert problems == [f"dpo.data.path: {tmp_path}/data/nope.jsonl does not exist"]
+    assert stage_data_problems(recipe, "sft") == []
+    verdict = f"POSTTRAIN_ERROR stage dpo failed: DataFileMissing: {problems[0]}"
+    block = stage_failure_block(f"stage 'dpo' failed\n--- end of the log ---\n{verdict}")
+    assert block.what == problems[0]
+    assert block.fix.startswith("correct dpo.data.path (or create the file), then run again")
+
+
+def test_missing_ingest_folder_and_folder_without_config(tmp_path: Path) -> None:
+    body = "ingest: {{source: path, path: {d}/base}}\nsft:\n  data: {{synthetic: {{}}}}\n"
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        f"run: {{name: checks, workspace: {tmp_path}/ws}}\n"
+        "infra: {device: cpu, precision: fp32}\n" + body.format(d=tmp_path).replace("{{", "{")
+    )
+    code, lines = _validate(path)
+    assert (code, lines[:2]) == (
+        2,
+        ["recipe refused: 1 problem", f"  ingest.path: {tmp_path}/base does not exist"],
+    )
+    (tmp_path / "base").mkdir()
+    code, lines = _validate(path)
+    assert code == 2
+    assert lines[1] == (
+        f"  ingest.path: {tmp_path}/base exists but is not a Hugging Face model folder "
+        "(no config.json)"
+    )
+
+
+GRPO = """
+    sft:
+      data: {{synthetic: {{n_examples: 50}}}}
+    grpo:
+      data: {{path: {d}/prompts.jsonl}}
+      rewards: [{{fn: "my_rewards:{fn}"}}]
+"""
+REWARDS = """
+def word_overlap(prompts, completions, answer, **kwargs):
+    return [0.0 for _ in completions]
+
+
+def length_bonus(prompts, completions):
+    return [1.0 for _ in completions]
+
+
+def needs_topic(prompts, completions, topic, **kwargs):
+    return [1.0 for _ in completions]
+"""
+
+
+@pytest.mark.parametrize(
+    ("fn", "problem"),
+    [
+        (
+            "word_overlapp",
+            "my_rewards.py has no function 'word_overlapp' "
+            "(it has: length_bonus, needs_topic, word_overlap)",
+        ),
+        ("length_bonus", "does not take completion_ids, stopped, answer, which posttrain passes"),
+        ("needs_topic", "needs topic, which the data's rows lack (columns: answer)"),
+    ],
+)
+def test_reward_function_checked_by_name_and_signature(
+    tmp_path: Path, fn: str, problem: str
+) -> None:
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    _jsonl(tmp_path / "prompts.jsonl", [{"prompt": "2+2?", "answer": "4"}])
+    code, lines = _validate(_recipe(tmp_path, GRPO, fn=fn))
+    assert code == 2 and lines[0] == "recipe refused: 1 problem"
+    assert lines[1].startswith("  grpo.rewards.0.fn: ") and problem in lines[1], lines[1]
+
+
+def test_good_reward_function_and_prompt_columns(tmp_path: Path) -> None:
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    _jsonl(tmp_path / "prompts.jsonl", [{"prompt": "2+2?", "answer": "4"}] * 3)
+    code, lines = _validate(_recipe(tmp_path, GRPO, fn="word_overlap"))
+    assert code == 0 and lines[0] == "recipe ok: 5 stages, 5 to run"
+    prompts = tmp_path / "prompts.jsonl"
+    assert f"grpo.data.path: {prompts}: prompt (text), columns answer, 3 rows read ok" in lines
+    assert "grpo.rewards.0.fn: my_rewards.py:word_overlap: takes posttrain's call" in lines
+
+
+def test_malformed_row_names_file_and_line(tmp_path: Path) -> None:
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    data = _jsonl(tmp_path / "chat.jsonl", [good, '{"messages": [}', good])
+    body = "sft:\n  data: {{path: {d}/chat.jsonl}}\n"
+    code, lines = _validate(_recipe(tmp_path, body))
+    assert code == 2
+    assert lines[1].startswith(f"  sft.data.path: {data}:2: invalid JSON: ")
+
+
+MSG = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+SHAPES = {
+    "sharegpt": (
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+        "sharegpt (conversations/from/value)",
+    ),
+    "alpaca": (
+        {"instruction": "Add", "input": "2 2", "output": "4"},
+        "alpaca (instruction/input/output)",
+    ),
+    "messages": ({"messages": MSG}, "messages (role/content)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_sft_shape_is_printed(tmp_path: Path, name: str) -> None:
+    row, shape = SHAPES[name]
+    data = _jsonl(tmp_path / f"{name}.jsonl", [row] * 7)
+    body = f"sft:\n  data: {{{{path: {{d}}/{name}.jsonl}}}}\n"
+    code, lines = _validate(_recipe(tmp_path, body))
+    assert code == 0, lines
+    assert f"sft.data.path: {data}: {shape}, 5 rows read ok" in lines  # the first 5 only
+
+
+def test_ultrafeedback_pairs_shape_and_skip_count(tmp_path: Path) -> None:
+    user = {"role": "user", "content": "2+2?"}
+    row = {
+        "prompt": "2+2?",
+        "chosen": [user, {"role": "assistant", "content": "4"}],
+        "rejected": [user, {"role": "assistant", "content": "5"}],
+    }
+    pairs = _jsonl(tmp_path / "uf.jsonl", [row, row, {**row, "rejected": row["chosen"]}])
+    body = SFT + "    dpo:\n      data: {{path: {d}/uf.jsonl, on_invalid: skip}}\n"
+    code, lines = _validate(_recipe(tmp_path, body))
+    assert code == 0, lines
+    shape = "prompt/chosen/rejected (message lists, UltraFeedback-style)"
+    assert f"dpo.data.path: {pairs}: {shape}, 2 rows read ok, 1 would be skipped " in "\n".join(
+        lines
+    )
+
+
+def test_verdict_counts_stages_to_run(tmp_path: Path) -> None:
+    path = _recipe(tmp_path)
+    code, lines = _validate(path)
+    assert (code, lines[0]) == (0, "recipe ok: 4 stages, 4 to run")
+    assert lines[1:] == [
+        "ingest: from_config (llama, 4 blocks, hidden 128, vocab 2048); tokenizer and chat "
+        "template (chatml) built and checked at ingest",
+        "sft.data: synthetic (task quickstart, 50 rows)",
+    ]
+    ingest = plan(load_recipe(path)).stages[0]
+    ingest.out_dir.mkdir(parents=True)
+    (ingest.out_dir / "base.txt").write_text("a finished ingest")
+    write_manifest(
+        ingest.out_dir,
+        stage="ingest",
+        fp=ingest.fingerprint,
+        parents=[],
+        section={},
+        seed=0,
+        summary={},
+    )
+    assert _validate(path)[1][0] == "recipe ok: 4 stages, 3 to run"
+
+
+def test_plan_prints_resolved_input_paths(tmp_path: Path) -> None:
+    _jsonl(tmp_path / "chat.jsonl", [{"messages": MSG}] * 3)
+    code, lines = _plan(_recipe(tmp_path, "sft:\n  data: {{path: {d}/chat.jsonl}}\n"))
+    assert code == 0
+    at = lines.index("resolved inputs:")
+    assert lines[at + 1] == f"  sft.data.path  {tmp_path}/chat.jsonl"
+
+
+def test_resolved_flag_through_main(tmp_path: Path, capsys) -> None:
+    path = _recipe(tmp_path)
+    assert main(["validate", str(path), "--resolved"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("recipe ok: 4 stages, 4 to run\n")
+    assert "--- # resolved recipe\nrun:\n  name: checks\n" in text
+    assert main(["plan", str(path)]) == 0
+    assert "--- # resolved recipe" not in capsys.readouterr().out
+
+
+TOOL_TRACE = {
+    "messages": [
+        {"role": "system", "content": "Use the tools."},
+        {"role": "user", "content": "2+3?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+            ],
+        },
+        {"role": "tool", "name": "add", "content": "5"},
+        {"role": "assistant", "content": "5"},
+    ]
+}
+
+
+@pytest.mark.parametrize("template", ["chatml", "chatml_tools"])
+def test_chat_template_of_a_local_base_checked_for_tool_rows(tmp_path: Path, template: str) -> None:
+    from posttrain.data.synthetic import pretrain_corpus
+    from posttrain.models.chatml import TEMPLATES
+    from posttrain.models.tiny import train_tokenizer
+
+    base = tmp_path / "base"
+    train_tokenizer(pretrain_corpus(100, seed=0), 300).save_pretrained(str(base))
+    (base / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "t.jinja").write_text(TEMPLATES[template])
+    _jsonl(tmp_path / "tools.jsonl", [TOOL_TRACE] * 2)
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        f"run: {{name: checks, workspace: {tmp_path}/ws}}\n"
+        "infra: {device: cpu, precision: fp32}\n"
+        f"ingest: {{source: path, path: {base}, chat_template: {tmp_path}/t.jinja}}\n"
+        f"sft:\n  data: {{path: {tmp_path}/tools.jsonl}}\n"
+        "export: {gguf: []}\n"
+    )
+    code, lines = _validate(path)
+    if template == "chatml":
+        assert code == 2
+        assert lines[1].startswith("  sft.data: the chat template renders no tool calls")
+    else:
+        assert code == 0, lines
+        assert (
+            f"chat template of {base}: prefix strategy, system turn accepted, tool calls "
+            "hermes, generation prompt ok"
+        ) in lines
