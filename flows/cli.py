@@ -76,17 +76,14 @@ def load_or_report(
         print(f"posttrain: recipe {path} refused (nothing ran)", file=err)
         for line in exc.errors:
             print(f"  {line}", file=err)
-        print(
-            "  fix:  correct the fields named above (docs/recipes.md lists every field); "
-            "`posttrain validate` checks a recipe without running it",
-            file=err,
-        )
+        print(f"  fix:  {exc.fix}", file=err)
         return None
 
 
 def failure_block(exc: BaseException, recipe: Recipe) -> Block:
     """The closing block of a failed run: a stage's failure, a quality gate, or a bug."""
-    block = known_block(exc) or unexpected_block(exc, Path(recipe.run.workspace) / "logs")
+    sections = {s.name: s.where for s in recipe.graph()}
+    block = known_block(exc, sections) or unexpected_block(exc, Path(recipe.run.workspace) / "logs")
     block.notes = tuple(getattr(exc, "__notes__", ()))
     return block
 

@@ -5,7 +5,7 @@ Prefect UI), and Prefect's own repeats of the failure are kept off the console
 (`flows.terminal.quiet_console`).
 
     posttrain: stage sft failed
-      what: /data/chat.jsonl:3: invalid JSON: Expecting ',' delimiter (column 1)
+      what: /data/chat.jsonl:3: invalid JSON: Expecting ',' delimiter (column 107, the end of the line)
       fix:  correct or remove that row (or point the recipe at another file), then run again...
       run folder: /ws/runs/20261201T233654Z-c5b00207
       full log: /ws/artifacts/sft/18ad184aa1f3a563/logs/stage.log
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,8 +108,27 @@ def engine_fix(headline: str) -> str | None:
     return next(fix for key, fix in ENGINE_FIXES if key in headline)
 
 
-def stage_failure_block(message: str, timed_out: bool = False, hung: bool = False) -> Block:
-    """The block for a `StageFailed` (its message: headline, `Log: <path>`, the log's tail)."""
+def data_fix(kind: str, section: str) -> str | None:
+    """The fix for a bad row of the stage whose recipe section is `section` (`dpo`,
+    `stages.dpo2`): a row a check refused (PreferenceDataError: pairs, unpaired feedback,
+    prompts) may be skipped instead, since those sections have `on_invalid`."""
+    if kind != "PreferenceDataError":
+        return None
+    return (
+        f"correct or remove that row, or set {section}.data.on_invalid: skip to leave bad "
+        f"rows out (counted by reason in the stage's log), {RERUN}"
+    )
+
+
+def stage_failure_block(
+    message: str,
+    timed_out: bool = False,
+    hung: bool = False,
+    sections: Mapping[str, str] | None = None,
+) -> Block:
+    """The block for a `StageFailed` (its message: headline, `Log: <path>`, the log's tail).
+    `sections`: {stage name: its recipe section (`stages.dpo2`)}, for fixes that name a field
+    (default: the stage's name, its shorthand section)."""
     head_line, _, tail = message.partition("\n--- end of the log ---\n")
     stage = _stage_of(head_line)
     found = LOG_RE.search(message)
@@ -149,6 +169,8 @@ def stage_failure_block(message: str, timed_out: bool = False, hung: bool = Fals
             named = re.match(r"([\w.]+\.(?:path|eval_path)): ", what)
             field = named.group(1) if named else "the recipe's path to it"
             return Block(head, what, f"correct {field} (or create the file), {RERUN}", log)
+        if fix := data_fix(kind, (sections or {}).get(stage, stage)):
+            return Block(head, what, fix, log)
         if kind in FIXES:
             return Block(head, what, FIXES[kind], log)
         return Block(
@@ -194,16 +216,20 @@ def unexpected_block(exc: BaseException, log_dir: Path) -> Block:
     )
 
 
-def known_block(exc: BaseException) -> Block | None:
+def known_block(exc: BaseException, sections: Mapping[str, str] | None = None) -> Block | None:
     """The block of a failure posttrain raises and explains (a stage that failed, timed out or
-    hung; a quality gate not met; a recipe refused in the flow); None for anything else."""
+    hung; a quality gate not met; a recipe refused in the flow); None for anything else.
+    `sections`: as for `stage_failure_block`."""
     from flows.stage_failures import QualityGateFailed, StageFailed, StageTimeout
     from flows.stage_hang import StageHung
     from posttrain.config.loader import RecipeError
 
     if isinstance(exc, StageFailed):
         return stage_failure_block(
-            str(exc), timed_out=isinstance(exc, StageTimeout), hung=isinstance(exc, StageHung)
+            str(exc),
+            timed_out=isinstance(exc, StageTimeout),
+            hung=isinstance(exc, StageHung),
+            sections=sections,
         )
     if isinstance(exc, QualityGateFailed):
         return gate_block(str(exc))
@@ -211,7 +237,7 @@ def known_block(exc: BaseException) -> Block | None:
         return Block(
             "posttrain: recipe refused (no stage ran)",
             "; ".join(exc.errors) or str(exc),
-            "correct the fields named above",
+            exc.fix,
         )
     return None
 

@@ -99,7 +99,11 @@ def test_a_bad_data_row_is_one_block_with_its_file_and_line(shared: tuple[Path, 
     folder, env = shared
     rows = [_chat(i) for i in range(20)]
     rows[2] = '{"messages": [{"role": "user", "content": "oops"'
-    where = f"{folder / 'broken-json'}.jsonl:3: invalid JSON"
+    # The row stops short: the column is its end, not column 1 of the line after it.
+    where = (
+        f"{folder / 'broken-json'}.jsonl:3: invalid JSON: Expecting ',' delimiter "
+        "(column 49, the end of the line)"
+    )
     data = _tiny(folder / "ws", "broken-json")
     path = _rows(folder / "broken-json.jsonl", rows)
     data["sft"]["data"] = {"path": str(path), "max_seq_len": 64}
@@ -108,6 +112,24 @@ def test_a_bad_data_row_is_one_block_with_its_file_and_line(shared: tuple[Path, 
     block = _block(out, "posttrain: stage sft failed", where, "fix:  correct or remove that row")
     log = Path(block[-1].split("full log: ")[1]).read_text()
     assert TRACEBACK in log  # the stage's traceback is kept, in its log
+
+
+@pytest.mark.slow
+def test_a_bad_pair_s_fix_names_on_invalid_of_its_stages_entry(shared: tuple[Path, dict]) -> None:
+    folder, env = shared
+    pair = {"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"}
+    rows = [json.dumps(pair)] * 6 + [json.dumps({**pair, "rejected": "2"})]
+    path = _rows(folder / "pairs.jsonl", rows)
+    dpo = {"kind": "dpo", "name": "dpo2", "max_steps": 1, "data": {"path": str(path)}}
+    rc, out = _cli(folder, env, _tiny(folder / "ws", "bad-pair", stages=[dpo]))
+    assert rc == 1
+    _block(
+        out,
+        "posttrain: stage dpo2 failed",
+        f"{path}:7: chosen and rejected are identical",
+        "fix:  correct or remove that row, or set stages.dpo2.data.on_invalid: skip to leave "
+        "bad rows out",
+    )
 
 
 @pytest.mark.slow

@@ -38,12 +38,12 @@ def test_shipped_recipes_exist() -> None:
 
 def test_error_names_the_field() -> None:
     errs = errors_of(apply_overrides(MINIMAL, ["sft.optim.lr=0"]))
-    assert errs == ["sft.optim.lr: Input should be greater than 0"]
+    assert errs == ["sft.optim.lr: must be > 0, got 0"]
 
 
 def test_unknown_key_is_named() -> None:
     errs = errors_of(apply_overrides(MINIMAL, ["sft.optim.learning_rate=1e-4"]))
-    assert errs[0].startswith("sft.optim.learning_rate: unknown field")
+    assert errs == ["sft.optim.learning_rate: unknown field; did you mean sft.optim.lr?"]
 
 
 def test_every_error_is_reported_at_once() -> None:
@@ -132,10 +132,17 @@ def test_malformed_override(bad: str) -> None:
 def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
     p = tmp_path / "broken.yaml"
     p.write_text("run: [unclosed\n")
-    with pytest.raises(RecipeError, match="broken.yaml: not valid YAML"):
+    with pytest.raises(RecipeError) as exc:
         load_recipe(p)
-    with pytest.raises(RecipeError, match="no such recipe file"):
+    assert exc.value.errors == [
+        f"{p} line 2, column 1: expected ',' or ']', but got '<stream end>' "
+        "(while parsing a flow sequence that starts at line 1)"
+    ]
+    assert exc.value.fix == "fix the YAML at the line shown"
+    with pytest.raises(RecipeError) as exc:
         load_recipe(tmp_path / "missing.yaml")
+    assert exc.value.errors == [f"{tmp_path / 'missing.yaml'}: no such recipe file"]
+    assert exc.value.fix.startswith("check the path (run from the folder that holds it")
 
 
 # --- batch arithmetic -------------------------------------------------------------------------

@@ -69,6 +69,31 @@ def test_bad_line_names_file_and_line(tmp_path: Path, reader: str, bad: str) -> 
     assert len(str(exc.value)) < 3000, "a huge row must not make a huge message"
 
 
+def test_invalid_json_names_the_column_in_the_row(tmp_path: Path) -> None:
+    """The column of a JSON error is counted in the row, as an editor shows it (the issue's
+    row was reported at column 1 of the next line, its newline counted)."""
+    row = '{"prompt": "What is the capital of France?", "chosen": "Paris.", "rejected": "Lyon."'
+    pad = " " * (106 - len(row))  # the row ends at column 106: the `}` it lacks is column 107
+    unclosed = f"{row[:-1]}{pad}{row[-1]}".encode()
+    path = _file(tmp_path / "pairs.jsonl", "preference", unclosed)
+    with pytest.raises(DataError) as exc:
+        read_preference_rows(path)
+    assert str(exc.value) == (
+        f"{path}:3: invalid JSON: Expecting ',' delimiter (column 107, the end of the line)"
+    )
+    # A missing comma inside the row: its own column, the row's end not mentioned.
+    inner = b'{"prompt": "What is 1 + 1?" "chosen": "2", "rejected": "3"}'
+    path = _file(tmp_path / "comma.jsonl", "preference", inner)
+    with pytest.raises(DataError) as exc:
+        read_preference_rows(path)
+    assert str(exc.value) == f"{path}:3: invalid JSON: Expecting ',' delimiter (column 29)"
+    whole = tmp_path / "rows.json"
+    whole.write_text('[\n  {"prompt": "a", "completion": "b"},\n  {"prompt": "c" "x": 1}\n]\n')
+    with pytest.raises(DataError) as exc:
+        load_sft_rows(whole)
+    assert str(exc.value) == f"{whole}:3: not valid JSON: Expecting ',' delimiter (column 18)"
+
+
 @pytest.mark.parametrize("reader", list(READERS))
 def test_empty_and_blank_files(tmp_path: Path, reader: str) -> None:
     for name, content in (("empty", b""), ("blank", b"\n  \n\t\n")):

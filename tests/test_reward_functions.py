@@ -77,6 +77,26 @@ def test_a_raising_function_names_itself_and_the_row_it_fails_on() -> None:
     assert "row 1 (data.jsonl:2): prompt 'What is 1 + 1?', response '2'" in msg
 
 
+def test_a_key_error_lists_the_columns_the_function_could_have_read(tmp_path: Path) -> None:
+    """The issue's reward module reads a column by a misspelt name: the stage's verdict starts
+    with the field path, and names the row's columns and the one probably meant."""
+    (tmp_path / "my_rewards.py").write_text(
+        "def fn(prompts, completions, **columns):\n"
+        "    return [float(c[0]['content'] == a) for c, a in zip(completions, columns['answr'])]\n"
+    )
+    (func,) = load_rewards(
+        [RewardSpec(fn=f"{tmp_path / 'my_rewards.py'}:fn")], [tmp_path], "grpo.rewards"
+    )
+    columns = [{"answer": str(i + 1), "task": "sum"} for i in range(3)]
+    with pytest.raises(RewardFunctionError) as exc:
+        _score([func], columns=columns)
+    assert str(exc.value) == (
+        "grpo.rewards.0.fn my_rewards.py:fn raised KeyError('answr') on row 0 (data.jsonl:1): "
+        "prompt 'What is 0 + 1?', response '1'; the row's columns are: answer, task (beside "
+        "prompts, completions, completion_ids, stopped); did you mean answer?"
+    )
+
+
 @pytest.mark.parametrize(
     ("values", "expected"),
     [

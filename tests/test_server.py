@@ -154,7 +154,7 @@ def test_server_rejects_an_invalid_recipe_before_a_run_exists(served: dict) -> N
         capture_output=True,
         text=True,
     )
-    assert out.returncode == 2 and "sft.optim.lr: Input should be greater than 0" in out.stderr
+    assert out.returncode == 2 and "sft.optim.lr: must be > 0, got -1" in out.stderr
 
 
 def test_scheduled_deployment_has_upcoming_runs_in_its_time_zone(served: dict) -> None:

@@ -164,7 +164,14 @@ def test_evaluate_and_export_roles_along_a_chain() -> None:
         ),
         (
             [sft("a", **{"from": "b"}), sft("b", **{"from": "a"})],
-            "wait on each other (a cycle)",
+            "stages.a: the stages a -> b -> a wait on each other (a cycle)",
+        ),
+        (
+            # dpo's `from` is not written: it defaults to sft, written before it.
+            [sft(**{"from": "dpo"}), stage("dpo")],
+            "stages.dpo: the stages sft -> dpo (dpo's default from) -> sft wait on each other "
+            "(a cycle); dpo's from is not written, so it defaults to the stage before it in the "
+            "recipe: set stages.dpo.from",
         ),
     ],
 )
@@ -208,7 +215,9 @@ def test_field_errors_inside_stage_entries_name_the_entry() -> None:
     errs = errors(sft(), stage("dpo", "dpo2", beta=-1, lr=1))
     assert sorted(e.split(":")[0] for e in errs) == ["stages.dpo2.beta", "stages.dpo2.lr"]
     errs = errors(sft(), {"kind": "nope", "name": "x"})
-    assert errs[0].startswith("stages.x: ") and "'sft'" in errs[0]
+    assert errs == [
+        "stages.x.kind: expected one of: sft, reward, dpo, orpo, kto, ppo, grpo; got 'nope'"
+    ]
 
 
 def test_timeouts_policies_and_export_policy_name_existing_stages() -> None:

@@ -70,6 +70,20 @@ def test_data_error_block_names_stage_file_line_fix_and_log() -> None:
     assert len(lines) == 4 and "Traceback" not in text
 
 
+def test_a_bad_pair_s_fix_names_on_invalid_skip_of_its_section() -> None:
+    what = "/data/pairs.jsonl:7: chosen and rejected are identical: no preference to learn"
+    tail = f"POSTTRAIN_ERROR stage dpo2 failed: PreferenceDataError: {what}"
+    headline = "stage 'dpo2' exited with code 1"
+    block = stage_failure_block(_stage_failed(tail, headline), sections={"dpo2": "stages.dpo2"})
+    assert block.what == what
+    assert block.fix == (
+        "correct or remove that row, or set stages.dpo2.data.on_invalid: skip to leave bad rows "
+        "out (counted by reason in the stage's log), then run again: finished stages are reused"
+    )
+    # SFT has no on_invalid: its bad row's fix is the row's alone.
+    assert "on_invalid" not in stage_failure_block(_stage_failed(DATA_TAIL)).fix
+
+
 def test_memory_refusal_block_lists_the_changes_that_fit() -> None:
     fits = MEMORY_TAIL.replace(
         "nothing above fits: this stage needs a device with at least 956.9 MiB\n", ""

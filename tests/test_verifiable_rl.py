@@ -138,10 +138,11 @@ def test_grpo_with_reward_functions_only_then_pass_at_k(parents) -> None:
     [
         (
             "boom",
-            r"reward function boom \(.*qs_rewards.py:boom\) raised KeyError: 'only counting "
-            r"here' on row \d+ \(synthetic row \d+\): prompt '(?!How many words)",
+            r"grpo\.rewards\.0\.fn qs_rewards\.py:boom raised KeyError\('only counting "
+            r"here'\) on row \d+ \(synthetic row \d+\): prompt '(?!How many words).*; the "
+            r"row's columns are: answer, task \(beside prompts",
         ),
-        ("short", r"reward function short \(.*\) returned 15 values for 16 rows"),
+        ("short", r"grpo\.rewards\.0\.fn qs_rewards\.py:short returned 15 values for 16 rows"),
     ],
 )
 def test_a_misbehaving_function_fails_the_stage_naming_it(parents, fn, message, capfd) -> None:

@@ -27,8 +27,11 @@ INTRO = """# Recipe reference
 
 A recipe is one YAML file that describes a whole run. Every key below is checked when the recipe
 is loaded (`posttrain validate RECIPE`), before any work starts; an unknown key, a wrong type or
-an out-of-range value is an error that names its field (`sft.optim.lr: Input should be greater
-than 0`). Any key can be overridden on the command line as `key.path=value`, for example
+an out-of-range value is an error that names its field, the value found and the field or choice
+probably meant (`sft.optim.learning_rate: unknown field; did you mean sft.optim.lr?`,
+`sft.optim.lr: must be > 0, got 0`; the names TRL, axolotl and LLaMA-Factory use are
+recognised, see migrating.md). Any key can be overridden on the command line as
+`key.path=value`, for example
 `posttrain run recipes/quickstart.yaml sft.optim.lr=5e-4 sft.max_steps=100`; values are parsed
 as YAML (`true`, `[q_proj, v_proj]`, `{micro_batch_size: 4}`).
 

@@ -112,7 +112,9 @@ def _load(path: Path, chain: list[Path], top: Path) -> tuple[dict[str, Any], Ori
                 raise RecipeError([f"extends: cycle {' -> '.join(names)}"], str(top))
             if not parent.is_file():
                 raise RecipeError(
-                    [f"extends: {name}: no such recipe file (extended by {path})"], str(top)
+                    [f"extends: {name}: no such recipe file (extended by {path})"],
+                    str(top),
+                    f"correct extends: in {path.name} (a path from that file's folder)",
                 )
             parent_data, parent_origins = _load(parent, [*chain, path], top)
             merged = deep_merge(merged, parent_data, origins, parent_origins)

@@ -46,6 +46,8 @@ class GraphStage:
     where: str
     # role -> stage name (BASE for the base model): "policy" (from), "reference", "reward_model".
     links: dict[str, str] = field(default_factory=dict)
+    # The roles of `links` the recipe did not write (filled by default): a cycle names them.
+    defaulted: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -151,7 +153,7 @@ def build_graph(recipe: Any) -> StageGraph:
     produces = {n: k.produces for n, k in kinds.items()}
     stages: list[GraphStage] = []
     for i, (n, where, section) in enumerate(entries):
-        kind, links = kinds[n], {}
+        kind, links, defaulted = kinds[n], {}, set()
         before = names[:i]
         for role, fld in ROLE_FIELDS.items():
             given = getattr(section, "from_" if fld == "from" else fld, None)
@@ -174,7 +176,9 @@ def build_graph(recipe: Any) -> StageGraph:
                 errors.append(f"{where}.{fld}: {problem}")
                 continue
             links[role] = target
-        stages.append(GraphStage(n, kind, section, where, links))
+            if given is None:
+                defaulted.add(role)
+        stages.append(GraphStage(n, kind, section, where, links, frozenset(defaulted)))
     if errors:
         raise GraphError(errors)
     graph = StageGraph(_run_order(stages))
@@ -246,15 +250,42 @@ def _run_order(stages: list[GraphStage]) -> list[GraphStage]:
             (s for s in waiting if all(t == BASE or t in placed for t in s.links.values())), None
         )
         if ready is None:
-            cycle = " -> ".join(s.name for s in waiting)
-            raise GraphError(
-                [f"{waiting[0].where}: the stages {cycle} wait on each other (a cycle)"]
-            )
+            raise GraphError([_cycle_error(waiting)])
         waiting.remove(ready)
         done.append(ready)
         placed.add(ready.name)
     assert len(done) == len(by_name)
     return done
+
+
+def _cycle_error(waiting: list[GraphStage]) -> str:
+    """The message for stages that wait on each other: the cycle in the order policies flow
+    (`a -> b`: b starts from a), each link the recipe did not write named as a default, since
+    a default `from` (the policy stage written before) is the link a reader does not see."""
+    by_name = {s.name: s for s in waiting}
+    path: list[tuple[GraphStage, str]] = []  # (stage, the role by which it waits on the next)
+    stage = waiting[0]
+    while all(stage is not p for p, _ in path):
+        role, target = next((r, t) for r, t in stage.links.items() if t in by_name)
+        path.append((stage, role))
+        stage = by_name[target]
+    cycle = path[next(i for i, (p, _) in enumerate(path) if p is stage) :]
+    # Each stage after the one it waits on, back to where the cycle started.
+    flow = [cycle[0][0].name] + [
+        s.name + (f" ({s.name}'s default {ROLE_FIELDS[role]})" if role in s.defaulted else "")
+        for s, role in reversed(cycle)
+    ]
+    defaulted = [(s, role) for s, role in cycle if role in s.defaulted]
+    where = (defaulted[0][0] if defaulted else cycle[0][0]).where
+    text = f"{where}: the stages {' -> '.join(flow)} wait on each other (a cycle)"
+    if defaulted:
+        s, role = defaulted[0]
+        fld = ROLE_FIELDS[role]
+        text += (
+            f"; {s.name}'s {fld} is not written, so it defaults to the stage before it in "
+            f"the recipe: set {s.where}.{fld}"
+        )
+    return text
 
 
 def _from_config(recipe: Any) -> str | None:

@@ -26,12 +26,23 @@ from posttrain.secrets import find_secrets
 if TYPE_CHECKING:
     from posttrain.config.extends import Origins
 
+FIX_FIELDS = (
+    "correct the fields named above (docs/recipes.md lists every field); "
+    "`posttrain validate` checks a recipe without running it"
+)
+FIX_PATH = "check the path (run from the folder that holds it, or give an absolute path)"
+FIX_YAML = "fix the YAML at the line shown"
+FIX_OVERRIDE = "write each override as key.path=value, e.g. sft.optim.lr=1e-4"
+
 
 class RecipeError(ValueError):
-    """A recipe that cannot run; `errors` holds one `field.path: message` line per problem."""
+    """A recipe that cannot run; `errors` holds one `field.path: message` line per problem and
+    `fix` what to do about them (the CLI's `fix:` line): a missing file needs another path, a
+    YAML syntax error an edit at its line, a field error the field corrected."""
 
-    def __init__(self, errors: list[str], source: str = "recipe"):
+    def __init__(self, errors: list[str], source: str = "recipe", fix: str = FIX_FIELDS):
         self.errors = errors
+        self.fix = fix
         super().__init__(f"{source} is invalid:\n" + "\n".join(f"  - {e}" for e in errors))
 
 
@@ -53,8 +64,13 @@ def _loc(loc: tuple[Any, ...], data: Any) -> str:
 
 def format_validation_error(err: ValidationError, data: Any = None) -> list[str]:
     """One line per error, each starting with its dotted field path (`sft.optim.lr: ...`,
-    `stages.dpo2.beta: ...`)."""
+    `stages.dpo2.beta: ...`), in plain words with the value found and the field or choice
+    probably meant (`posttrain.config.error_text`)."""
+    from posttrain.config.error_text import describe
     from posttrain.config.graph import GraphError
+
+    def path_of(loc: Any) -> str:
+        return _loc(tuple(loc), data)
 
     lines = []
     for e in err.errors():
@@ -62,12 +78,10 @@ def format_validation_error(err: ValidationError, data: Any = None) -> list[str]
         if isinstance(cause, GraphError):  # one line per problem, each with its own field path
             lines += cause.errors
             continue
-        path = _loc(e["loc"], data)
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; see docs/recipes.md)"
-        elif e["type"] == "missing":
-            msg = "required field is missing"
+        path = path_of(e["loc"])
+        if e["type"].startswith("union_tag"):  # the entry's `kind` picks its section
+            path += ".kind"
+        msg = describe(e, path_of)
         lines.append(f"{path}: {msg}" if path else msg)
     return lines
 
@@ -126,12 +140,14 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     """`sft.optim.lr=1e-4` -> (["sft", "optim", "lr"], 0.0001). Values are parsed as YAML."""
     key, sep, raw = item.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
-        raise RecipeError([f"override {item!r}: expected key.path=value"], "overrides")
+        raise RecipeError(
+            [f"override {item!r}: expected key.path=value"], "overrides", FIX_OVERRIDE
+        )
     try:
         value = _safe_yaml(raw) if raw != "" else ""
     except yaml.YAMLError as exc:
         raise RecipeError(
-            [f"{key}: cannot parse value {raw[:200]!r}: {exc}"], "overrides"
+            [f"{key}: cannot parse value {raw[:200]!r}: {exc}"], "overrides", FIX_OVERRIDE
         ) from None
     if errors := check_plain(value, key):
         raise RecipeError(errors, "overrides")
@@ -175,24 +191,46 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def yaml_problem(exc: yaml.YAMLError, source: str) -> str:
+    """One line for a YAML error: `recipe.yaml line 12, column 5: <problem> (<context>)`, not
+    pyyaml's multi-line dump with its source excerpt."""
+    mark = getattr(exc, "problem_mark", None)
+    if not isinstance(exc, yaml.MarkedYAMLError) or mark is None:
+        return f"{source}: not valid YAML: {exc}"
+    text = f"{source} line {mark.line + 1}, column {mark.column + 1}: {exc.problem}"
+    context, where = exc.context, exc.context_mark
+    if context and where is not None and where.line != mark.line:
+        text += f" ({context} that starts at line {where.line + 1})"
+    elif context:
+        text += f" ({context})"
+    return text
+
+
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
-        raise RecipeError([f"{p}: no such recipe file"], str(p))
+        what = "is a folder, not a recipe file" if p.is_dir() else "no such recipe file"
+        raise RecipeError([f"{p}: {what}"], str(p), FIX_PATH)
     try:
         data = _safe_yaml(p.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise RecipeError(
-            [f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})"], str(p)
+            [f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})"],
+            str(p),
+            "save the recipe as UTF-8 text",
         ) from None
     except yaml.YAMLError as exc:
-        raise RecipeError([f"{p}: not valid YAML: {exc}"], str(p)) from None
+        raise RecipeError([yaml_problem(exc, str(p))], str(p), FIX_YAML) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise RecipeError([f"{p}: top level must be a mapping of sections"], str(p))
+        raise RecipeError(
+            [f"{p}: top level must be a mapping of sections"],
+            str(p),
+            "write the recipe as sections (run:, ingest:, sft: ...); docs/recipes.md has them",
+        )
     if errors := check_plain(data, str(p)):
-        raise RecipeError(errors, str(p))
+        raise RecipeError(errors, str(p), FIX_YAML)
     return data
 
 
@@ -623,4 +661,4 @@ def load_recipe(
             return resolve(recipe, folder, origins=origins)
         return resolve_paths(recipe, folder, origins=origins)
     except RecipeError as exc:
-        raise RecipeError(exc.errors, str(path)) from None
+        raise RecipeError(exc.errors, str(path), exc.fix) from None

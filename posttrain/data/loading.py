@@ -246,6 +246,13 @@ def _has_surrogate(value: Any) -> bool:
     return False
 
 
+def _json_problem(exc: json.JSONDecodeError, end: str = "line") -> str:
+    """`Expecting ',' delimiter (column 107, the end of the line)`: the column as an editor
+    counts it (1-based), and whether the text stopped before the value was complete."""
+    at_end = exc.pos >= len(exc.doc.rstrip())
+    return f"{exc.msg} (column {exc.colno}{f', the end of the {end}' if at_end else ''})"
+
+
 def parse_json_line(raw: bytes, where: str) -> Any:
     """One JSONL line's value, or None for a blank line. Raises DataError naming `where` for
     bytes that are not UTF-8, text that is not JSON (or nests too deeply, or holds an integer
@@ -254,13 +261,15 @@ def parse_json_line(raw: bytes, where: str) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise DataError(f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-    text = text.removeprefix("\ufeff")  # a byte-order mark some editors write first
+    # The line's own newline goes: an error at the end of the row (a missing closing bracket)
+    # would otherwise be placed at column 1 of the line after it.
+    text = text.removeprefix("\ufeff").rstrip("\r\n")  # BOM: some editors write one first
     if not text.strip():
         return None
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise DataError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+        raise DataError(f"{where}: invalid JSON: {_json_problem(exc)}") from None
     except RecursionError:
         raise DataError(f"{where}: invalid JSON: nested too deeply") from None
     except ValueError as exc:  # e.g. an integer literal of more than 4300 digits
@@ -384,7 +393,10 @@ def _read_local(path: str, max_line_bytes: int | None, head: int | None) -> list
     elif p.suffix == ".json":
         try:
             data = json.loads(p.read_bytes().decode("utf-8").removeprefix("\ufeff"))
-        except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deeply
+        except json.JSONDecodeError as exc:
+            problem = _json_problem(exc, "file")
+            raise DataError(f"{p}:{exc.lineno}: not valid JSON: {problem}") from None
+        except (ValueError, RecursionError) as exc:  # not UTF-8, nested too deeply
             raise DataError(f"{p}: not valid JSON: {type(exc).__name__}: {exc}") from None
         if not isinstance(data, list):
             raise DataError(f"{p}: a .json data file must hold a list of rows (or use .jsonl)")

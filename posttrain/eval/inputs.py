@@ -88,6 +88,15 @@ def verifier_specs(ctx: StageContext) -> list[RewardSpec] | None:
     return None
 
 
+def verifiers_field(ctx: StageContext) -> str:
+    """The recipe field `verifier_specs` came from (`evaluate.verifiers`, `grpo.rewards`), which
+    a misbehaving function's error starts with."""
+    source = ctx.roles.get("verifier")
+    if ctx.recipe.evaluate.verifiers is not None or source is None:
+        return "evaluate.verifiers"
+    return f"{ctx.recipe.graph().get(source).where}.rewards"
+
+
 def _has_environment(section: Any) -> bool:
     rollout = getattr(section, "rollout", None)
     return rollout is not None and rollout.environment is not None

@@ -10,6 +10,7 @@ sum and of its mean.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,17 +42,28 @@ class RewardFunction:
     weight: float
     fn: Callable[..., Any]
     sha256: str
+    where: str = ""  # its field path (`grpo.rewards.0.fn`), which errors start with
+
+    @property
+    def name(self) -> str:
+        """How errors name it: `grpo.rewards.0.fn my_rewards.py:fn` (the file's own name: the
+        field path says which recipe entry it is), else `reward function <label> (<fn>)`."""
+        if not self.where:
+            return f"reward function {self.label} ({self.fn_ref})"
+        module, _, attr = self.fn_ref.rpartition(":")
+        return f"{self.where} {Path(module).name if module.endswith('.py') else module}:{attr}"
 
 
 def load_rewards(
-    specs: Sequence[RewardSpec], roots: Sequence[Path] | None = None
+    specs: Sequence[RewardSpec], roots: Sequence[Path] | None = None, where: str = ""
 ) -> list[RewardFunction]:
     """Import every function of `specs` (see `posttrain.rewards.loader.load_function`);
-    labels must differ."""
+    labels must differ. `where`: the recipe field that lists them (`grpo.rewards`)."""
     out: list[RewardFunction] = []
-    for s in specs:
+    for i, s in enumerate(specs):
         fn, sha = bind(s, roots)
-        out.append(RewardFunction(s.label, s.fn, s.weight, fn, sha))
+        at = f"{where}.{i}.fn" if where else ""
+        out.append(RewardFunction(s.label, s.fn, s.weight, fn, sha, at))
     labels = [f.label for f in out]
     if len(set(labels)) != len(labels):
         raise ValueError(f"reward functions need distinct labels (set `name`), got {labels}")
@@ -73,7 +85,7 @@ def _row(i: int, prompts: Sequence[Any], completions: Sequence[Any], where: Sequ
 def _call(
     f: RewardFunction, args: dict[str, Any], n: int, where: Sequence[str]
 ) -> list[float | None]:
-    name = f"reward function {f.label} ({f.fn_ref})"
+    name = f.name
     try:
         values = f.fn(**args)
     except Exception as exc:
@@ -84,6 +96,9 @@ def _call(
             if bad is not None
             else f"a batch of {n} rows (each row alone passes)"
         )
+        if isinstance(exc, KeyError):  # most often a column the rows do not have
+            columns = _columns(exc, args)
+            raise RewardFunctionError(f"{name} raised {exc!r} on {at}; {columns}") from exc
         raise RewardFunctionError(f"{name} raised {type(exc).__name__}: {exc} on {at}") from exc
     if isinstance(values, torch.Tensor):
         values = values.tolist()
@@ -110,6 +125,16 @@ def _call(
             )
         out.append(float(v))
     return out
+
+
+def _columns(exc: KeyError, args: dict[str, Any]) -> str:
+    """The columns a function could have read, for a KeyError it raised: `the row's columns
+    are: answer, task (beside prompts, completions, ...); did you mean answer?`."""
+    columns = [k for k in args if k not in RESERVED]
+    text = f"the row's columns are: {', '.join(columns) or 'none'} (beside {', '.join(RESERVED)})"
+    key = exc.args[0] if exc.args else None
+    close = difflib.get_close_matches(key, columns, n=1) if isinstance(key, str) else []
+    return text + (f"; did you mean {close[0]}?" if close else "")
 
 
 def _raises(fn: Callable[..., Any], args: dict[str, Any], i: int) -> bool:

@@ -104,7 +104,8 @@ def setup(ctx: StageContext, algo: Algorithm, stack: ExitStack) -> RLRun:
     if has_rm:
         check_template(ctx, tok, "reward_model")
     # Imported from the files the resolved recipe points at (the flow checked where from).
-    rewarder = Rewarder(load_rewards(cfg.rewards), cfg.reward_model_weight if has_rm else None, tok)
+    funcs = load_rewards(cfg.rewards, where=f"{ctx.recipe.graph().get(name).where}.rewards")
+    rewarder = Rewarder(funcs, cfg.reward_model_weight if has_rm else None, tok)
     data = load_prompts(ctx, tok)
     batch = section_batch(ctx.recipe, name)
     local_seqs, updates_per_rollout = check_shapes(name, cfg, batch, d.world_size)

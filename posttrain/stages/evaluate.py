@@ -49,6 +49,7 @@ from posttrain.eval.inputs import (
     verifier_episodes,
     verifier_prompts,
     verifier_specs,
+    verifiers_field,
 )
 from posttrain.eval.lm_eval_harness import harness_report
 from posttrain.eval.lm_eval_harness import headline as lm_eval_headline
@@ -270,7 +271,7 @@ def _verifiers(ctx: StageContext, model: PeftModel, tok: Any) -> dict[str, Any] 
     if found is None:
         return None
     prompts, origin = found
-    funcs = load_rewards(specs)
+    funcs = load_rewards(specs, where=verifiers_field(ctx))
     episodes = verifier_episodes(ctx, tok, model_stop_token_ids(model, tok))
     final, graph = ctx.roles["policy"], ctx.recipe.graph()
     names = [BASE, ctx.roles.get("parent"), final, *ctx.recipe.evaluate.policies]
