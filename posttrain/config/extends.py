@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from posttrain.config.loader import RecipeError, read_yaml
+from posttrain.config.recipe_file import RecipeError, read_yaml
 
 Key = tuple[str, ...]
 
