@@ -63,6 +63,13 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise HungUp() if signum == signal.SIGHUP else Terminated()
 
 
+def refused_head(path: str, problems: int) -> str:
+    """The first line of a refusal, the same whether the schema or an input check refused."""
+    return (
+        f"posttrain: recipe {path} refused: {problems} problem{'s' * (problems != 1)} (nothing ran)"
+    )
+
+
 def load_or_report(
     path: str, overrides: list[str], err: TextIO, devices: bool = True
 ) -> Recipe | None:
@@ -73,7 +80,7 @@ def load_or_report(
         return load_recipe(path, overrides, devices=devices)
     except RecipeError as exc:
         # One block, like a failed stage's (flows.failure_block): nothing ran, so no log.
-        print(f"posttrain: recipe {path} refused (nothing ran)", file=err)
+        print(refused_head(path, len(exc.errors)), file=err)
         for line in exc.errors:
             print(f"  {line}", file=err)
         print(f"  fix:  {exc.fix}", file=err)
@@ -96,22 +103,21 @@ def cmd_validate(
     recipe = load_or_report(path, overrides, err)
     if recipe is None:
         return EXIT_INVALID
-    ok = _check_inputs(recipe, plan_rows(recipe), out)
+    ok = _check_inputs(path, recipe, plan_rows(recipe), out)
     if resolved:
         out.write("--- # resolved recipe\n")
         out.write(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
     return EXIT_OK if ok else EXIT_INVALID
 
 
-def _check_inputs(recipe: Recipe, rows: list[tuple[str, ...]], out: TextIO) -> bool:
-    """Print the verdict line (`recipe ok: 4 stages, 3 to run` or `recipe refused: N
-    problems`, each problem and the fix), then one line per input; True when nothing is wrong."""
+def _check_inputs(path: str, recipe: Recipe, rows: list[tuple[str, ...]], out: TextIO) -> bool:
+    """Print the verdict line (`recipe ok: 4 stages, 3 to run`, or `refused_head`, each problem
+    and the fix), then one line per input; True when nothing is wrong."""
     from posttrain.config.inputs_check import check_inputs
 
     report = check_inputs(recipe)
     if report.problems:
-        n = len(report.problems)
-        print(f"recipe refused: {n} problem{'s' * (n != 1)}", file=out)
+        print(refused_head(path, len(report.problems)), file=out)
         for line in report.problems:
             print(f"  {line}", file=out)
         print(
@@ -183,7 +189,7 @@ def cmd_plan(
     if recipe is None:
         return EXIT_INVALID
     rows = plan_rows(recipe)
-    ok = _check_inputs(recipe, rows, out)
+    ok = _check_inputs(path, recipe, rows, out)
     print(
         "\n" + text_table(rows, ("stage", "kind", "inputs", "fingerprint", "runs on", "artifact")),
         file=out,

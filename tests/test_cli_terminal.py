@@ -68,7 +68,7 @@ def test_a_refused_recipe_is_one_block_naming_each_field(tmp_path: Path) -> None
     data["sft"]["epochz"] = 2
     rc, out = _cli(tmp_path, run_env(tmp_path / "home", tmp_path / "locks"), data)
     assert rc == 2
-    head = f"posttrain: recipe {tmp_path / 'refused.yaml'} refused (nothing ran)"
+    head = f"posttrain: recipe {tmp_path / 'refused.yaml'} refused: 2 problems (nothing ran)"
     block = _block(out, head, "sft.optim.lr:", "fix:", log=False)
     assert any(x.strip().startswith("sft.epochz: unknown field") for x in block)
     assert out.splitlines()[0] == head  # nothing started before it

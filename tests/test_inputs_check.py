@@ -66,7 +66,7 @@ DPO_MISSING = """
 def test_missing_dpo_data_is_refused_naming_the_field(tmp_path: Path, command) -> None:
     code, lines = command(_recipe(tmp_path, DPO_MISSING))
     assert code == 2
-    assert lines[0] == "recipe refused: 1 problem"
+    assert lines[0] == f"posttrain: recipe {tmp_path}/r.yaml refused: 1 problem (nothing ran)"
     assert lines[1] == f"  dpo.data.path: {tmp_path}/data/nope.jsonl does not exist"
     assert lines[2].startswith("  fix:  correct the fields named above (or create the files")
 
@@ -93,7 +93,10 @@ def test_missing_ingest_folder_and_folder_without_config(tmp_path: Path) -> None
     code, lines = _validate(path)
     assert (code, lines[:2]) == (
         2,
-        ["recipe refused: 1 problem", f"  ingest.path: {tmp_path}/base does not exist"],
+        [
+            f"posttrain: recipe {path} refused: 1 problem (nothing ran)",
+            f"  ingest.path: {tmp_path}/base does not exist",
+        ],
     )
     (tmp_path / "base").mkdir()
     code, lines = _validate(path)
@@ -143,7 +146,7 @@ def test_reward_function_checked_by_name_and_signature(
     (tmp_path / "my_rewards.py").write_text(REWARDS)
     _jsonl(tmp_path / "prompts.jsonl", [{"prompt": "2+2?", "answer": "4"}])
     code, lines = _validate(_recipe(tmp_path, GRPO, fn=fn))
-    assert code == 2 and lines[0] == "recipe refused: 1 problem"
+    assert code == 2 and lines[0].endswith("refused: 1 problem (nothing ran)")
     assert lines[1].startswith("  grpo.rewards.0.fn: ") and problem in lines[1], lines[1]
 
 
