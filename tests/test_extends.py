@@ -213,3 +213,27 @@ def test_shipped_recipes_extend_the_quickstart_and_reuse_its_stages(name: str) -
     # Its own pipeline: not the quickstart's name, nor its nightly schedule.
     assert recipe.run.name != "quickstart" and recipe.schedule is None
     assert recipe.run.workspace == str(ROOT / "workspace")
+
+
+def test_a_data_file_beside_inherited_synthetic_data_says_which_to_null(tmp_path: Path) -> None:
+    """The quickstart's sft.data is synthetic: a recipe extending it with its own file gets the
+    merge of both, and the error says that the other half came from the extended recipe."""
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    mine = _write(
+        tmp_path / "mine.yaml",
+        {
+            "extends": str(ROOT / "recipes" / "quickstart.yaml"),
+            "run": {"name": "mine"},
+            "sft": {"data": {"path": "rows.jsonl"}},
+        },
+    )
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(mine)
+    assert exc.value.errors == [
+        "sft.data: give exactly one of data.path or data.synthetic (one of them may come from "
+        "the recipe this one extends: set the other to null, e.g. synthetic: null)"
+    ]
+    written = yaml.safe_load(mine.read_text())
+    written["sft"]["data"]["synthetic"] = None
+    _write(mine, written)
+    assert load_recipe(mine).sft.data.path == str(tmp_path / "rows.jsonl")

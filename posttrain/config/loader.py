@@ -19,6 +19,7 @@ from posttrain.config.recipe_file import (
     RecipeError,
     apply_overrides,
     check_plain,
+    read_yaml,
 )
 from posttrain.config.schema import Recipe
 from posttrain.data.chat import looks_like_template_file
@@ -476,6 +477,17 @@ def section_batch(recipe: Recipe, name: str) -> ResolvedBatch:
     )
 
 
+def _extends_hint(line: str) -> str:
+    """An error that merging made likelier, with the hint: a recipe that extends one with
+    synthetic data and names its own file keeps the inherited `synthetic:` too."""
+    if line.endswith("give exactly one of data.path or data.synthetic"):
+        return line + (
+            " (one of them may come from the recipe this one extends: set the other to null, "
+            "e.g. synthetic: null)"
+        )
+    return line
+
+
 def load_recipe(
     path: str | os.PathLike[str], overrides: list[str] | None = None, devices: bool = True
 ) -> Recipe:
@@ -489,7 +501,12 @@ def load_recipe(
     data, origins = read_recipe(path)
     data = apply_overrides(data, overrides or [])
     origins.mark_overrides(overrides or [])
-    recipe = validate_recipe(data, str(path))
+    try:
+        recipe = validate_recipe(data, str(path))
+    except RecipeError as exc:
+        if "extends" in read_yaml(path):
+            exc.errors = [_extends_hint(line) for line in exc.errors]
+        raise
     folder = Path(path).resolve().parent
     try:
         if devices:
