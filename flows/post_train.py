@@ -34,6 +34,7 @@ from posttrain.artifacts import ArtifactRef, read_manifest
 from posttrain.config.schema import Recipe
 from posttrain.planner import PlannedStage, RunPlan, plan, spec_for
 from posttrain.secrets import redact_obj
+from posttrain.selection import Selection, choose
 
 
 def _flow_run_name() -> str:
@@ -217,12 +218,18 @@ def announce_base(recipe: Recipe, ref: ArtifactRef) -> None:
     on_cancellation=[stop_stage_processes],
     on_crashed=[stop_stage_processes],
 )
-def post_train(recipe: Recipe) -> dict[str, Any]:
+def post_train(
+    recipe: Recipe, until: list[str] | None = None, only: list[str] | None = None
+) -> dict[str, Any]:
     """The recipe's stages (ingest, the stage graph, evaluate, export), each skipped when its
-    artifact exists, then the promotion gate; all while holding the device set's slot."""
+    artifact exists, then the promotion gate; all while holding the device set's slot.
+    `until`/`only`: stage names (`posttrain run --until/--only`, posttrain.selection); the
+    run goes through those and what they need upstream only."""
     # A served run's recipe came from whoever sent it: the plan checks it only narrows the
     # worker's folders, and imports reward code only from the worker's reward folders.
-    run_plan = plan(recipe, served_reach())
+    reach = served_reach()
+    command = "posttrain submit RECIPE" if reach is not None else "posttrain run RECIPE"
+    run_plan = choose(plan(recipe, reach), Selection.of(until, only), command)
     run_id = _new_run_id()
     run = PipelineRun(run_plan, run_id, start_tracking(run_plan, run_id))
     slot = device_set_name(run_plan.device)
