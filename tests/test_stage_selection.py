@@ -4,7 +4,9 @@ export turned off in the recipe, and what the CLI, the gate and the report make 
 from __future__ import annotations
 
 import copy
+import io
 import json
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -220,3 +222,53 @@ def test_the_report_names_the_stages_left_out() -> None:
     text = markdown_report("q", "run1", [record("ingest"), record("sft")], None, None, ["dpo"])
     assert "Not selected (left out of this run): dpo." in text
     assert "| dpo |" not in text
+
+
+# --- on the real quickstart -------------------------------------------------------------------
+
+# reward.min_accuracy=0: two reward steps cannot pass the quickstart's gate (0.6), which would stop
+# the run; this checks which stages run, not what they learn.
+QUICK = [
+    "ingest.from_config.pretrain_steps=5",
+    "sft.max_steps=3",
+    "reward.max_steps=2",
+    "reward.min_accuracy=0",
+]
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.slow
+def test_quickstart_until_sft_then_only_what_is_complete(
+    prefect_harness: None, tmp_path: Path
+) -> None:
+    args = (str(QUICKSTART), f"run.workspace={tmp_path}", *QUICK)
+    code, out, err = _cli("run", *args, "--until", "sft")
+    assert code == 0, err[-3000:]
+    rows = out.split("\n\n")[0].splitlines()[2:]
+    assert [r.split()[:2] for r in rows[:2]] == [["ingest", "ran"], ["sft", "ran"]]
+    assert "Not selected (left out of this run): reward, dpo, evaluate, export." in out
+    assert "exported model" not in out and "promotion:" not in out
+    assert sorted(p.name for p in (tmp_path / "artifacts").iterdir()) == ["ingest", "sft"]
+    run_dir = Path(out.split("run folder:")[1].split()[0])
+    lineage = json.loads((run_dir / "lineage.json").read_text())
+    assert [a["stage"] for a in lineage["artifacts"]] == ["ingest", "sft"]
+    assert lineage["not_selected"] == ["reward", "dpo", "evaluate", "export"]
+    # evaluate reads the reward model and the DPO policy: neither exists yet.
+    code, out, err = _cli("run", *args, "--only", "evaluate")
+    assert code == 2 and out == ""
+    assert err.startswith("posttrain: --only evaluate: reward, dpo are not complete")
+    assert f"run `posttrain run {QUICKSTART} --until evaluate`" in err
+    # reward alone: ingest and sft are reused, nothing else runs.
+    code, out, err = _cli("run", *args, "--only", "reward")
+    assert code == 0, err[-3000:]
+    rows = out.split("\n\n")[0].splitlines()[2:]
+    assert [r.split()[:2] for r in rows[:3]] == [
+        ["ingest", "reused"], ["sft", "reused"], ["reward", "ran"],
+    ]  # fmt: skip
+    assert "Not selected (left out of this run): dpo, evaluate, export." in out
