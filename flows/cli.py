@@ -28,7 +28,13 @@ import yaml
 
 from flows.failure_block import Block, known_block, unexpected_block
 from flows.prefect_env import apply_prefect_defaults, prefect_target
-from flows.report import StageRecord, recovery_lines, summary_table, text_table
+from flows.report import (
+    StageRecord,
+    not_selected_text,
+    recovery_lines,
+    summary_table,
+    text_table,
+)
 from posttrain.artifacts import read_manifest, verify
 from posttrain.config.loader import RecipeError, load_recipe
 from posttrain.config.schema import Recipe
@@ -41,6 +47,7 @@ from posttrain.config.served_access import (
 )
 from posttrain.kinds import KINDS, graph_kinds
 from posttrain.planner import plan
+from posttrain.selection import ALL_STAGES, Selection, SelectionError, choose
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 EXIT_HUNG_UP = 129
@@ -126,7 +133,7 @@ def _check_inputs(path: str, recipe: Recipe, rows: list[tuple[str, ...]], out: T
             file=out,
         )
     else:
-        to_run = sum(row[-1] != "complete" for row in rows)
+        to_run = sum(row[-1] not in ("complete", "not selected") for row in rows)
         print(f"recipe ok: {len(rows)} stages, {to_run} to run", file=out)
     for line in report.lines:
         print(line, file=out)
@@ -155,14 +162,19 @@ def inputs_text(roles: dict[str, str]) -> str:
     return ", ".join(f"{ROLE_LABELS[r]} {n}" for r, n in roles.items() if r in ROLE_LABELS)
 
 
-def plan_rows(recipe: Recipe) -> list[tuple[str, str, str, str, str, str]]:
-    """(stage, kind, inputs, fingerprint, where it runs, artifact state) per planned stage.
+def plan_rows(
+    recipe: Recipe, selected: set[str] | None = None
+) -> list[tuple[str, str, str, str, str, str]]:
+    """(stage, kind, inputs, fingerprint, where it runs, artifact state) per planned stage;
+    a stage outside `selected` (`--until`/`--only`; None: all) is `not selected`.
 
     Where: the launcher, then nodes x processes per node (`slurm:4x8`), or the processes
     alone on one node (`local:2`); `local` for one process here."""
     rows = []
     for stage in plan(recipe).stages:
-        if not stage.out_dir.exists():
+        if selected is not None and stage.name not in selected:
+            state = "not selected"
+        elif not stage.out_dir.exists():
             state = "missing"
         elif read_manifest(stage.out_dir) is None:
             state = "incomplete (started, no manifest)"
@@ -180,15 +192,39 @@ def plan_rows(recipe: Recipe) -> list[tuple[str, str, str, str, str, str]]:
     return rows
 
 
+def selected_stages(
+    recipe: Recipe, path: str, selection: Selection, err: TextIO
+) -> set[str] | None | int:
+    """The names `selection` keeps (None: no selection, every stage), or EXIT_INVALID after
+    printing why it cannot run (an unknown stage, an `--only` whose inputs are missing)."""
+    if not selection:
+        return None
+    try:
+        run_plan = choose(plan(recipe), selection, f"posttrain run {path}")
+    except SelectionError as exc:
+        print(f"posttrain: {exc}", file=err)
+        return EXIT_INVALID
+    return {s.name for s in run_plan.stages}
+
+
 def cmd_plan(
-    path: str, overrides: list[str], out: TextIO, err: TextIO, resolved: bool = False
+    path: str,
+    overrides: list[str],
+    out: TextIO,
+    err: TextIO,
+    selection: Selection = ALL_STAGES,
+    resolved: bool = False,
 ) -> int:
-    """The verdict and inputs (as `validate`), each stage's fingerprint and artifact, and every
-    input's resolved path; `resolved`: the resolved recipe as YAML too."""
+    """The verdict and inputs (as `validate`), each stage's fingerprint and artifact (`not
+    selected` for stages `selection` leaves out), and every input's resolved path; `resolved`:
+    the resolved recipe as YAML too."""
     recipe = load_or_report(path, overrides, err)
     if recipe is None:
         return EXIT_INVALID
-    rows = plan_rows(recipe)
+    selected = selected_stages(recipe, path, selection, err)
+    if isinstance(selected, int):
+        return selected
+    rows = plan_rows(recipe, selected)
     ok = _check_inputs(path, recipe, rows, out)
     print(
         "\n" + text_table(rows, ("stage", "kind", "inputs", "fingerprint", "runs on", "artifact")),
@@ -206,21 +242,25 @@ def cmd_plan(
     return EXIT_OK if ok else EXIT_INVALID
 
 
-def cmd_run(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
+def cmd_run(
+    path: str, overrides: list[str], out: TextIO, err: TextIO, selection: Selection = ALL_STAGES
+) -> int:
     # Validate (and resolve, once) before anything starts: a bad recipe costs no Prefect start.
     recipe = load_or_report(path, overrides, err)
     if recipe is None:
         return EXIT_INVALID
+    if isinstance(selected_stages(recipe, path, selection, err), int):
+        return EXIT_INVALID  # the same check as the flow's, before Prefect starts
     apply_prefect_defaults()
     print(f"posttrain: running '{recipe.run.name}' on {prefect_target()}", file=err)
-    result = _run_flow(recipe, err)
+    result = _run_flow(recipe, err, selection)
     if isinstance(result, int):
         return result
     print_result(result, out)
     return EXIT_OK
 
 
-def _run_flow(recipe: Recipe, err: TextIO) -> dict[str, Any] | int:
+def _run_flow(recipe: Recipe, err: TextIO, selection: Selection) -> dict[str, Any] | int:
     """Run the flow on the embedded server (or PREFECT_API_URL's); its result, or the exit
     code after one closing block (a failure) or one line (a signal) on `err`."""
     previous = {
@@ -257,7 +297,7 @@ def _run_flow(recipe: Recipe, err: TextIO) -> dict[str, Any] | int:
         server = start_embedded_server(early)  # adopts it: waits until it is healthy
         early = None
         with embedded_run_settings() if server is not None else contextlib.nullcontext():
-            return post_train(recipe)
+            return post_train(recipe, list(selection.until), list(selection.only))
     except (KeyboardInterrupt, Terminated) as exc:
         what, code = "interrupted", EXIT_INTERRUPTED
         if isinstance(exc, HungUp):
@@ -299,6 +339,8 @@ def print_result(result: dict[str, Any], out: TextIO) -> None:
         for s in result["stages"]
     ]
     print(summary_table(records), file=out)
+    if result.get("not_selected"):
+        print(not_selected_text(result["not_selected"]), file=out)
     if recovered := recovery_lines(records):
         print("\nrecovered:", file=out)
         for line in recovered:
@@ -404,8 +446,16 @@ def cmd_serve(
     return EXIT_OK
 
 
-def cmd_submit(path: str, overrides: list[str], out: TextIO, err: TextIO, wait: bool) -> int:
-    """Start a run of the served deployment of this recipe, with overrides; print its URL."""
+def cmd_submit(
+    path: str,
+    overrides: list[str],
+    out: TextIO,
+    err: TextIO,
+    wait: bool,
+    selection: Selection = ALL_STAGES,
+) -> int:
+    """Start a run of the served deployment of this recipe, with overrides and the stage
+    selection (checked by the run, against the worker's workspace); print its URL."""
     recipe = load_or_report(path, overrides, err, devices=False)
     if recipe is None or _server_url(err) is None:
         return EXIT_INVALID
@@ -418,7 +468,7 @@ def cmd_submit(path: str, overrides: list[str], out: TextIO, err: TextIO, wait: 
     name = f"{FLOW_NAME}/{recipe.run.name}"
     try:
         run = run_deployment(
-            name, parameters=recipe_parameters(recipe), timeout=None if wait else 0
+            name, parameters=recipe_parameters(recipe, selection), timeout=None if wait else 0
         )
     except ObjectNotFound:
         print(f"error: no deployment {name}; is `posttrain serve {path}` running?", file=err)
@@ -500,6 +550,24 @@ def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, er
     return subprocess.call(cmd, env=local_env(launch))
 
 
+# The commands that take --until/--only (and overrides after them).
+SELECTING = ("plan", "run", "submit")
+
+
+def add_selection_flags(p: argparse.ArgumentParser) -> None:
+    for flag, what in (
+        ("--until", "run (or reuse) STAGE and what it needs upstream, nothing after it"),
+        ("--only", "run STAGE alone; what it needs upstream must be complete (reused)"),
+    ):
+        p.add_argument(
+            flag,
+            action="append",
+            default=[],
+            metavar="STAGE",
+            help=f"{what} (repeatable, or comma-separated: dpo,evaluate)",
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     # The kinds come from the registry, so a new kind is named here without an edit.
     kinds = ", ".join(graph_kinds())
@@ -534,6 +602,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--resolved", action="store_true", help="print the resolved recipe (YAML) too"
             )
+        if name in SELECTING:
+            add_selection_flags(p)
     p = sub.add_parser(
         "serve",
         help="serve a deployment per recipe on the Prefect server (PREFECT_API_URL)",
@@ -566,6 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", type=Path, help="recipe YAML file")
     p.add_argument("overrides", nargs="*", help="key.path=value (values parsed as YAML)")
     p.add_argument("--wait", action="store_true", help="wait for the run; exit 0 if Completed")
+    add_selection_flags(p)
     p = sub.add_parser(
         "publish-base",
         help="emit posttrain.base.published for a base checkpoint folder",
@@ -595,7 +666,13 @@ def _exit_without_collecting() -> None:
 def main(argv: list[str] | None = None) -> int:
     atexit.unregister(_exit_without_collecting)  # once per process (tests call main often)
     atexit.register(_exit_without_collecting)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    # `run r.yaml --until sft sft.max_steps=5`: argparse leaves overrides after a flag over.
+    if rest and args.command in SELECTING and not any(a.startswith("-") for a in rest):
+        args.overrides += rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     out, err = sys.stdout, sys.stderr
     if args.command == "launch":
         return cmd_launch(args.stage, str(args.recipe), args.overrides, out, err)
@@ -604,12 +681,19 @@ def main(argv: list[str] | None = None) -> int:
             [str(p) for p in args.recipes], out, err, args.allow_path, args.allow_rewards
         )
     if args.command == "submit":
-        return cmd_submit(str(args.recipe), args.overrides, out, err, args.wait)
+        selection = Selection.of(args.until, args.only)
+        return cmd_submit(str(args.recipe), args.overrides, out, err, args.wait, selection)
     if args.command == "publish-base":
         return cmd_publish_base(str(args.model_dir), args.pipeline, out, err)
-    if args.command in ("validate", "plan"):
-        return args.func(str(args.recipe), args.overrides, out, err, args.resolved)
-    return args.func(str(args.recipe), args.overrides, sys.stdout, sys.stderr)
+    if args.command == "validate":
+        return cmd_validate(str(args.recipe), args.overrides, out, err, args.resolved)
+    if args.command == "plan":
+        selection = Selection.of(args.until, args.only)
+        return cmd_plan(str(args.recipe), args.overrides, out, err, selection, args.resolved)
+    if args.command in SELECTING:
+        selection = Selection.of(args.until, args.only)
+        return args.func(str(args.recipe), args.overrides, out, err, selection)
+    return args.func(str(args.recipe), args.overrides, out, err)
 
 
 if __name__ == "__main__":

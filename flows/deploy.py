@@ -25,14 +25,19 @@ from prefect.settings import PREFECT_UI_URL
 from flows.events import BASE_EVENT, BASE_PATH_LABEL, PIPELINE_LABEL
 from flows.post_train import post_train
 from posttrain.config.schema import Recipe
+from posttrain.selection import Selection
 
 FLOW_NAME = "post-train"
 TAG = "posttrain"
 
 
-def recipe_parameters(recipe: Recipe) -> dict[str, Any]:
-    """The flow's parameters for a recipe: JSON, every field present (the UI form shows them)."""
-    return {"recipe": recipe.model_dump(mode="json")}
+def recipe_parameters(recipe: Recipe, selection: Selection | None = None) -> dict[str, Any]:
+    """The flow's parameters for a recipe: JSON, every field present (the UI form shows them);
+    with a stage selection (`submit --until/--only`), its `until` and `only` too."""
+    params: dict[str, Any] = {"recipe": recipe.model_dump(mode="json")}
+    if selection:
+        params |= {"until": list(selection.until), "only": list(selection.only)}
+    return params
 
 
 def schedules_for(recipe: Recipe) -> list[Schedule]:

@@ -223,6 +223,7 @@ def known_block(exc: BaseException, sections: Mapping[str, str] | None = None) -
     from flows.stage_failures import QualityGateFailed, StageFailed, StageTimeout
     from flows.stage_hang import StageHung
     from posttrain.config.loader import RecipeError
+    from posttrain.selection import SelectionError
 
     if isinstance(exc, StageFailed):
         return stage_failure_block(
@@ -233,6 +234,13 @@ def known_block(exc: BaseException, sections: Mapping[str, str] | None = None) -
         )
     if isinstance(exc, QualityGateFailed):
         return gate_block(str(exc))
+    if isinstance(exc, SelectionError):  # a served run's --until/--only, refused in the flow
+        return Block(
+            "posttrain: stage selection refused (no stage ran)",
+            str(exc),
+            "name stages the recipe has (`posttrain plan` lists them); the stages an --only "
+            "stage needs must be complete (--until runs them)",
+        )
     if isinstance(exc, RecipeError):  # refused in the flow (e.g. a path outside its reach)
         return Block(
             "posttrain: recipe refused (no stage ran)",

@@ -54,12 +54,13 @@ class HeadToHead:
 def promote(recipe: Recipe, run_id: str, records: list[StageRecord]) -> Decision | None:
     """The promotion gate after a completed run: the evaluate headline (and the head-to-head
     against the champion) against the champion's (`posttrain.promotion`); the registry records
-    the decision, and the champion when promoted."""
+    the decision, and the champion when promoted. A run that left out its evaluate or its
+    export (`--until`/`--only`) is not a candidate: nothing measured, or nothing shipped."""
     if not recipe.promotion.enabled:
         return None
     by_stage = {r.stage: r for r in records}
     evaluate = by_stage.get("evaluate")
-    if evaluate is None:
+    if evaluate is None or (recipe.export is not None and "export" not in by_stage):
         return None
     log = get_run_logger()
     export_fp = by_stage["export"].fingerprint if "export" in by_stage else None

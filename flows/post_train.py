@@ -37,6 +37,7 @@ from posttrain.artifacts import ArtifactRef, read_manifest
 from posttrain.config.schema import Recipe
 from posttrain.planner import PlannedStage, RunPlan, plan, spec_for
 from posttrain.secrets import redact_obj
+from posttrain.selection import Selection, choose
 
 
 def _flow_run_name() -> str:
@@ -220,9 +221,13 @@ def announce_base(recipe: Recipe, ref: ArtifactRef) -> None:
     on_cancellation=[stop_stage_processes],
     on_crashed=[stop_stage_processes],
 )
-def post_train(recipe: Recipe) -> dict[str, Any] | State:
+def post_train(
+    recipe: Recipe, until: list[str] | None = None, only: list[str] | None = None
+) -> dict[str, Any] | State:
     """The recipe's stages (ingest, the stage graph, evaluate, export), each skipped when its
     artifact exists, then the promotion gate; all while holding the device set's slot.
+    `until`/`only`: stage names (`posttrain run --until/--only`, posttrain.selection); the
+    run goes through those and what they need upstream only.
 
     A served run that posttrain refuses or stops (a recipe refused, a stage failed, a gate not
     met) ends Failed with the one-line reason as its state's message, which is all its
@@ -230,21 +235,25 @@ def post_train(recipe: Recipe) -> dict[str, Any] | State:
     `posttrain run` gets the exception: its CLI prints the whole block."""
     quiet_known_failures()  # the worker's log: one line per known failure, no traceback
     try:
-        return run_pipeline(recipe)
+        return run_pipeline(recipe, until, only)
     except KNOWN_FAILURES as exc:
         if not is_served_run():
             raise
-        block = known_block(exc)
+        block = known_block(exc, {s.name: s.where for s in recipe.graph()})
         reason = reason_line(block) if block is not None else f"{type(exc).__name__}: {exc}"
         get_run_logger().error(reason)
         return Failed(message=reason)
 
 
-def run_pipeline(recipe: Recipe) -> dict[str, Any]:
-    """The flow's body: plan, run the stages, the gate, the run's record."""
+def run_pipeline(
+    recipe: Recipe, until: list[str] | None = None, only: list[str] | None = None
+) -> dict[str, Any]:
+    """The flow's body: choose and plan the stages, run them, the gate, the run's record."""
     # A served run's recipe came from whoever sent it: the plan checks it only narrows the
     # worker's folders, and imports reward code only from the worker's reward folders.
-    run_plan = plan(recipe, served_reach())
+    reach = served_reach()
+    command = "posttrain submit RECIPE" if reach is not None else "posttrain run RECIPE"
+    run_plan = choose(plan(recipe, reach), Selection.of(until, only), command)
     run_id = _new_run_id()
     run = PipelineRun(run_plan, run_id, start_tracking(run_plan, run_id))
     slot = device_set_name(run_plan.device)

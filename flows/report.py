@@ -94,8 +94,10 @@ def markdown_report(
     records: Sequence[StageRecord],
     export_path: str | None = None,
     run_dir: str | None = None,
+    not_selected: Sequence[str] = (),
 ) -> str:
-    """The run report: one row per stage, then the lineage (which artifact fed which)."""
+    """The run report: one row per stage, then the lineage (which artifact fed which).
+    `not_selected`: the recipe's stages the run left out (`--until`/`--only`), named once."""
     # A stage with an error either failed or completed below a quality gate and stopped the run.
     failed = [r for r in records if r.status == "failed" or r.error]
     if not failed:
@@ -127,6 +129,8 @@ def markdown_report(
             )
             + " |"
         )
+    if not_selected:
+        lines += ["", not_selected_text(not_selected)]
     if export_path:
         lines += ["", f"Exported model: `{export_path}`"]
     if run_dir:
@@ -145,6 +149,11 @@ def markdown_report(
         sha = f" sha256 {r.sha256[:12]}" if r.sha256 else ""
         lines.append(f"- `{r.stage}@{r.fingerprint}`{sha} <- {inputs}")
     return "\n".join(lines) + "\n"
+
+
+def not_selected_text(names: Sequence[str]) -> str:
+    """The stages a run left out (`--until`/`--only`): not in its table, named here once."""
+    return f"Not selected (left out of this run): {', '.join(names)}."
 
 
 def recovery_lines(records: Sequence[StageRecord]) -> list[str]:

@@ -83,7 +83,9 @@ def _record_run(
     run_dir = Path(recipe.run.workspace) / "runs" / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     export_path = export_model_path(records)
-    report = markdown_report(recipe.run.name, run_id, records, export_path, str(run_dir))
+    report = markdown_report(
+        recipe.run.name, run_id, records, export_path, str(run_dir), run_plan.not_selected
+    )
     if promotion is not None:
         report += "\n## Promotion\n\n" + "\n".join(comparison_markdown(promotion)) + "\n"
     images = draw_images(run_plan, records, run_dir)
@@ -93,7 +95,7 @@ def _record_run(
     (run_dir / "recipe.resolved.yaml").write_text(
         yaml.safe_dump(redact_obj(recipe.model_dump(mode="json")), sort_keys=False)
     )
-    meta = run_meta(run_id, recipe.run.name, export_path)
+    meta = run_meta(run_id, recipe.run.name, export_path) | {"not_selected": run_plan.not_selected}
     (run_dir / "lineage.json").write_text(json.dumps(redact_obj(lineage(meta, records)), indent=2))
     tracked = tracking_markdown(trackers)  # a tracker URI may carry a credential: redacted
     (run_dir / "report.md").write_text(on_disk + tracked)
@@ -108,7 +110,7 @@ def _record_run(
     create_table_artifact(
         redact_obj(metrics_table(records)), key=f"{key}-metrics", description="Per-stage metrics"
     )
-    return run_result(run_id, run_dir, records, export_path, promotion)
+    return run_result(run_id, run_dir, records, export_path, promotion, run_plan.not_selected)
 
 
 def run_meta(run_id: str, run_name: str, export_path: str | None) -> dict[str, Any]:
@@ -164,6 +166,7 @@ def run_result(
     records: list[StageRecord],
     export_path: str | None,
     promotion: Decision | None,
+    not_selected: list[str] | None = None,
 ) -> dict[str, Any]:
     """What the flow returns (and the CLI prints from)."""
     return {
@@ -181,6 +184,7 @@ def run_result(
             for r in records
         ],
         "export_path": export_path,
+        "not_selected": list(not_selected or []),
         "promotion": None
         if promotion is None
         else {"promoted": promotion.promoted, "reason": promotion.reason},

@@ -43,6 +43,7 @@ from flows.stage_output import (
     remove_step_listener,
 )
 from posttrain.config.loader import RecipeError
+from posttrain.selection import SelectionError
 
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 # Prefect's (and our supervisor's) repeats of a failure the closing block states once.
@@ -213,7 +214,12 @@ def detach_progress(printer: ProgressPrinter) -> None:
 
 
 # The failures posttrain raises and explains: the one line says it all (flows.failure_block).
-KNOWN_FAILURES: tuple[type[BaseException], ...] = (StageFailed, QualityGateFailed, RecipeError)
+KNOWN_FAILURES: tuple[type[BaseException], ...] = (
+    StageFailed,
+    QualityGateFailed,
+    RecipeError,
+    SelectionError,
+)
 
 
 class DropKnownTracebacks(logging.Filter):

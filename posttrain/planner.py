@@ -77,14 +77,15 @@ def stage_roles(recipe: Recipe, graph: StageGraph, kind: StageKind, name: str) -
             roles["verifier"] = verifier
     else:
         evaluation = next(k.name for k in KINDS.values() if k.produces == "evaluation")
-        roles["evaluation"] = evaluation
+        if getattr(recipe, evaluation) is not None:  # `evaluate: null`: export reads no report
+            roles["evaluation"] = evaluation
     return roles
 
 
 def evaluate_reads(recipe: Recipe, graph: StageGraph) -> list[str]:
     """Every stage evaluate's `policies` comparison reads: each listed policy and its parent."""
-    out = []
-    for n in recipe.evaluate.policies:
+    out: list[str] = []
+    for n in recipe.evaluate.policies if recipe.evaluate is not None else []:
         out += [n, graph.parent(n)]
         if (heldout := graph.heldout_source(n)) is not None:
             out.append(heldout)
@@ -101,6 +102,8 @@ class RunPlan:
     device: str  # "cpu" or "cuda"
     parallel: int  # stages that may run at once (infra.parallel_stages, resolved)
     devices_per_stage: int
+    # The recipe's stages this run leaves out (`--until`/`--only`: posttrain.selection.choose).
+    not_selected: list[str] = field(default_factory=list)
 
     def stage(self, name: str) -> PlannedStage:
         return next(s for s in self.stages if s.name == name)
@@ -134,7 +137,8 @@ def _plan_stages(recipe: Recipe) -> list[PlannedStage]:
     graph = recipe.graph()
     order = [k.name for k in KINDS.values() if k.placement == "first"]
     order += graph.names()
-    order += [k.name for k in KINDS.values() if k.placement == "last"]
+    # The last stages (evaluate, export) unless the recipe turns them off (`evaluate: null`).
+    order += [k.name for k in KINDS.values() if k.placement == "last" and getattr(recipe, k.name)]
     out: list[PlannedStage] = []
     fps: dict[str, str] = {}
     for name in order:

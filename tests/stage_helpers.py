@@ -46,9 +46,7 @@ TINY = {
     "evaluate": {
         "max_eval_rows": 24,
         "num_prompts": 2,
-        "inference_prompt_tokens": 16,
-        "inference_new_tokens": 8,
-        "inference_repeats": 1,
+        "speed": {"prompt_tokens": 16, "new_tokens": 8},
         "sampling": [
             {"name": "greedy", "strategy": "greedy", "max_new_tokens": 12},
             {"name": "sample", "strategy": "sample", "top_k": 10, "max_new_tokens": 12},

@@ -15,10 +15,18 @@ import pytest
 from stage_helpers import TINY, write_recipe
 
 from flows.cli import EXIT_INVALID, cmd_publish_base, cmd_serve, cmd_submit
-from flows.deploy import base_trigger, check_unique, deployment_for, describe, schedules_for
+from flows.deploy import (
+    base_trigger,
+    check_unique,
+    deployment_for,
+    describe,
+    recipe_parameters,
+    schedules_for,
+)
 from flows.events import BASE_EVENT, BASE_PATH_LABEL, PIPELINE_LABEL
 from flows.stage_procs import kill_flow_run_processes, tagged_processes
 from posttrain.config.loader import RecipeError, load_recipe, validate_recipe
+from posttrain.selection import Selection
 from posttrain.stage_spec import LAUNCH_TAG_ENV, tag_flow_run_id
 
 
@@ -67,7 +75,11 @@ def test_deployment_takes_the_recipe_as_its_validated_parameter(tmp_path: Path) 
     assert dep.parameters["recipe"]["infra"]["precision"] == "auto"
     assert Path(dep.parameters["recipe"]["run"]["workspace"]).is_absolute()
     props = dep._parameter_openapi_schema.model_dump()["properties"]
-    assert list(props) == ["recipe"]
+    # The stage selection a run may be given (`posttrain submit --until/--only`).
+    assert list(props) == ["recipe", "until", "only"]
+    assert "until" not in recipe_parameters(recipe)
+    chosen = recipe_parameters(recipe, Selection(until=("sft",), only=("dpo",)))
+    assert (chosen["until"], chosen["only"]) == (["sft"], ["dpo"])
     assert [t.expect for t in dep.triggers] == [{BASE_EVENT}]
 
 

@@ -253,3 +253,19 @@ def test_measure_inference_rejects_a_batch_of_prompts(tiny):
     ids = _prompt_ids(tiny.tokenizer).repeat(2, 1)
     with pytest.raises(ValueError, match=r"\[1, P\]"):
         measure_inference(load_base(tiny), ids, new_tokens=2, use_cache=True, repeats=1)
+
+
+def test_decode_speed_times_the_cached_decode_only_unless_asked(tiny):
+    from posttrain.kinds.evaluate import EvaluateConfig, SpeedConfig
+    from posttrain.stages.evaluate import decode_speed
+
+    default = EvaluateConfig().speed
+    assert default == SpeedConfig(prompt_tokens=32, new_tokens=32, repeats=1, no_cache=False)
+    assert EvaluateConfig(speed=None).speed is None  # `evaluate.speed: null` = not measured
+    model, ids = load_base(tiny), _prompt_ids(tiny.tokenizer)
+    cheap = decode_speed(model, ids, SpeedConfig(new_tokens=6))
+    assert set(cheap) == {"cache", "seconds"}
+    assert cheap["cache"]["new_tokens"] == 6 and cheap["cache"]["repeats"] == 1
+    assert cheap["cache"]["tokens_per_s"] > 0 and "token_ids" not in cheap["cache"]
+    both = decode_speed(model, ids, SpeedConfig(new_tokens=6, no_cache=True))
+    assert both["no_cache"]["tokens_per_s"] > 0 and both["tokens_match"]

@@ -154,7 +154,8 @@ def resolve(
     except RecipeError as exc:
         errors.extend(exc.errors)
     errors.extend(hub_id_errors(r))
-    include = r.evaluate.lm_eval.include_path if r.evaluate.lm_eval else None
+    lm_eval = r.evaluate.lm_eval if r.evaluate is not None else None
+    include = lm_eval.include_path if lm_eval else None
     if include and not Path(include).is_dir():
         errors.append(f"evaluate.lm_eval.include_path: {include} is not a folder of task YAMLs")
     errors.extend(gguf_errors(r))
@@ -182,7 +183,13 @@ def gguf_errors(recipe: Recipe) -> list[str]:
     load, before any stage runs. from_config builds only convertible families; a hub base is
     checked by the export stage at its start (its files may not be in the cache yet)."""
     base = recipe.ingest.path
-    if not recipe.export.gguf or recipe.ingest.source != "path" or not base or is_hub_id(base):
+    if (
+        recipe.export is None
+        or not recipe.export.gguf
+        or recipe.ingest.source != "path"
+        or not base
+        or is_hub_id(base)
+    ):
         return []
     if not (Path(base) / "config.json").is_file():
         return []  # resolve_paths reports a missing folder
@@ -218,7 +225,7 @@ def input_paths(recipe: Recipe, base: Callable[[str], Path] | None = None) -> di
             value = getattr(s.section.data, attr)
             if local(f"{s.where}.data.{attr}", value):
                 out[f"{s.where}.data.{attr}"] = value
-    lm_eval = recipe.evaluate.lm_eval
+    lm_eval = recipe.evaluate.lm_eval if recipe.evaluate is not None else None
     if lm_eval is not None and lm_eval.include_path:
         out["evaluate.lm_eval.include_path"] = lm_eval.include_path
     return out
@@ -261,7 +268,7 @@ def code_refs(recipe: Recipe) -> list[CodeRef]:
         if rollout.environment is not None:
             where = f"{s.where}.rollout.environment"
             out.append(CodeRef(where, "environment", rollout, "environment"))
-    for i, spec in enumerate(recipe.evaluate.verifiers or []):
+    for i, spec in enumerate((recipe.evaluate and recipe.evaluate.verifiers) or []):
         out.append(CodeRef(f"evaluate.verifiers.{i}.fn", "reward", spec, "fn"))
     return out
 

@@ -171,8 +171,21 @@ _RecipeFields = create_model(  # type: ignore[call-overload]
             "Shorthand sections run first, in chain order; see docs/operations.md, Stage graphs.",
         ),
     ),
-    evaluate=(EvaluateConfig, Field(default_factory=EvaluateConfig, description="Evaluation.")),
-    export=(ExportConfig, Field(default_factory=ExportConfig, description="Merged export.")),
+    evaluate=(
+        EvaluateConfig | None,
+        Field(
+            default_factory=EvaluateConfig,
+            description="Evaluation (on by default). null = no evaluate stage; the promotion "
+            "gate, which compares evaluate's metrics, is then off too.",
+        ),
+    ),
+    export=(
+        ExportConfig | None,
+        Field(
+            default_factory=ExportConfig,
+            description="Merged export (on by default). null = no export stage.",
+        ),
+    ),
     guard=(
         GuardConfig,
         Field(
@@ -227,18 +240,37 @@ class Recipe(_RecipeFields):  # type: ignore[misc,valid-type]
             )
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_gate_without_evaluate(cls, data: Any) -> Any:
+        # `evaluate: null` leaves the gate nothing to compare: it goes off with it, unless the
+        # recipe asks for it (refused after validation, naming the field).
+        off = isinstance(data, dict) and "evaluate" in data and data["evaluate"] is None
+        if off and "promotion" not in data:
+            data = {**data, "promotion": {"enabled": False}}
+        return data
+
+    @model_validator(mode="after")
+    def _gate_needs_evaluate(self) -> Recipe:
+        if self.evaluate is None and self.promotion.enabled and self.promotion.rules:
+            metrics = ", ".join(r.metric for r in self.promotion.rules)
+            raise ValueError(
+                f"promotion.rules: compare the evaluate stage's metrics ({metrics}), but "
+                "`evaluate` is null: keep evaluate, or set promotion.enabled: false"
+            )
+        return self
+
     @model_validator(mode="after")
     def _stage_graph(self) -> Recipe:
         graph = build_graph(self)  # GraphError is a ValueError: reported like any field's
         names = set(graph.names())
         errors = []
-        for n in self.evaluate.policies:
+        for n in self.evaluate.policies if self.evaluate is not None else []:
             if n not in graph.policies():
                 errors.append(f"evaluate.policies: {n!r} is not a policy stage ({_list(graph)})")
-        if self.export.policy is not None and self.export.policy not in graph.policies():
-            errors.append(
-                f"export.policy: {self.export.policy!r} is not a policy stage ({_list(graph)})"
-            )
+        policy = self.export.policy if self.export is not None else None
+        if policy is not None and policy not in graph.policies():
+            errors.append(f"export.policy: {policy!r} is not a policy stage ({_list(graph)})")
         for key in self.infra.timeouts.model_extra or {}:
             if key not in names:
                 errors.append(f"infra.timeouts.{key}: no stage of that name ({_list(graph)})")

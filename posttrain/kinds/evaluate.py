@@ -87,6 +87,21 @@ class LmEvalConfig(_Section):
         return self
 
 
+class SpeedConfig(_Section):
+    """The decode-speed test: one prompt cut from the held-out prompts, greedy-decoded by a bare
+    forward + argmax loop after one untimed warm-up (posttrain/eval/inference.py)."""
+
+    prompt_tokens: int = Result(32, ge=1, description="Prompt length, in tokens.")
+    new_tokens: int = Result(32, ge=1, description="Tokens decoded per timed run.")
+    repeats: int = Result(1, ge=1, description="Timed runs (the median is reported).")
+    no_cache: bool = Result(
+        False,
+        description="Also time decoding without the KV cache (every step recomputes the whole "
+        "sequence: the baseline the cache avoids, ~10x the cached time) and report the "
+        "cache's speedup.",
+    )
+
+
 class EvaluateConfig(_Section):
     max_eval_rows: int = Result(256, ge=1, description="Held-out rows scored for loss/perplexity.")
     batch_size: int = Result(16, ge=1, description="Rows per forward pass when scoring.")
@@ -94,13 +109,11 @@ class EvaluateConfig(_Section):
     sampling: list[SamplingConfig] = Field(
         default_factory=_default_sampling, description="Decoding settings to sample under."
     )
-    inference_prompt_tokens: int = Result(
-        64, ge=1, description="Prompt length for latency figures."
+    speed: SpeedConfig | None = Field(
+        default_factory=SpeedConfig,
+        description="Decode speed of the merged final policy (tokens/s, time to first token, "
+        "time per output token; headline `decode_tok/s`). null = not measured.",
     )
-    inference_new_tokens: int = Result(
-        32, ge=1, description="Generated tokens for latency figures."
-    )
-    inference_repeats: int = Result(3, ge=1, description="Timed repeats (median is reported).")
     win_rate_prompts: int = Result(
         64,
         ge=1,

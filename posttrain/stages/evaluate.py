@@ -13,8 +13,8 @@ that trained on conversations:
   pass@1 and sampled pass@k of the base, the parent, the final policy and each listed policy on
   held-out prompts with references (`posttrain.eval.verify`).
 - Generations from held-out prompts under every sampling setting of the recipe (samples.jsonl).
-- Inference figures of the merged tuned model (what export ships): time to first token, time
-  per output token and tokens/s, with the KV cache on and off.
+- `evaluate.speed`: decode figures of the merged tuned model (what export ships): time to first
+  token, time per output token and tokens/s with the KV cache (and without, when asked).
 - `evaluate.lm_eval`: lm-evaluation-harness tasks on the base, the SFT and the final policy
   (LoRA merged, in-process, HF backend); the final policy's scores are headline metrics
   `lm_eval/<task>/<metric>` (`posttrain.eval.lm_eval_harness`, decision 48).
@@ -30,6 +30,7 @@ verify, lm_eval_harness); what each is scored on is read from the parents' artif
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from posttrain.config.graph import BASE
 from posttrain.data.sft_data import tokenize_rows, write_rows
 from posttrain.eval.exact_match import base_vs_tuned
 from posttrain.eval.heldout import policy_heldout_loss
-from posttrain.eval.inference import compare_cache_modes, inference_prompt
+from posttrain.eval.inference import compare_cache_modes, inference_prompt, measure_inference
 from posttrain.eval.inputs import (
     conversations,
     prompts_and_refs,
@@ -62,6 +63,7 @@ from posttrain.eval.samples import policy_samples, sample_rows
 from posttrain.eval.side_by_side import HeldOut, Link, compare_policies
 from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.eval.verify import verifier_report
+from posttrain.kinds.evaluate import SpeedConfig
 from posttrain.models.adapters import merged_copy
 from posttrain.models.loading import load_base
 from posttrain.models.reward import load_reward_model
@@ -179,27 +181,46 @@ def _answers(
 
 def _merged_final(
     ctx: StageContext, model: PeftModel, tok: Any, prompts: list[str], device: Any
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(inference figures, lm_eval report or None) of the final policy with its LoRA merged
-    (what export ships): one merged copy serves both."""
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(decode-speed figures, lm_eval report), each None when off, of the final policy with its
+    LoRA merged (what export ships): one merged copy serves both, made only when one is on."""
     cfg = ctx.recipe.evaluate
+    if cfg.speed is None and cfg.lm_eval is None:
+        return None, None
     merged = merged_copy(model, ADAPTER)
-    ids = inference_prompt(tok, prompts, cfg.inference_prompt_tokens).to(device)
-    inference = compare_cache_modes(merged, ids, cfg.inference_new_tokens, cfg.inference_repeats)
-    harness = _lm_eval(ctx, model, tok, merged)
+    inference = None
+    if cfg.speed is not None:
+        ids = inference_prompt(tok, prompts, cfg.speed.prompt_tokens).to(device)
+        inference = decode_speed(merged, ids, cfg.speed)
+    return inference, _lm_eval(ctx, model, tok, merged)
+
+
+def decode_speed(merged: Any, prompt_ids: torch.Tensor, speed: SpeedConfig) -> dict[str, Any]:
+    """`evaluate.speed` on the merged policy: the cached decode, and the uncached baseline
+    when `no_cache` (the quadratic one: it costs ~10x the cached decode's time)."""
+    t0 = time.perf_counter()
+    if speed.no_cache:
+        inference = compare_cache_modes(merged, prompt_ids, speed.new_tokens, speed.repeats)
+    else:
+        cached = measure_inference(merged, prompt_ids, speed.new_tokens, True, speed.repeats)
+        inference = {"cache": cached}
     for mode in ("cache", "no_cache"):
-        inference[mode].pop("token_ids", None)
+        inference.get(mode, {}).pop("token_ids", None)
+    inference["seconds"] = round(time.perf_counter() - t0, 2)
+    cache = inference["cache"]
     log.info(
-        "inference (merged, %d prompt + %d new tokens): cache %.1f tok/s, TTFT %.1f ms, "
-        "TPOT %.1f ms; no cache %.1f tok/s",
-        cfg.inference_prompt_tokens,
-        cfg.inference_new_tokens,
-        inference["cache"]["tokens_per_s"],
-        1e3 * inference["cache"]["ttft_s"],
-        1e3 * (inference["cache"]["tpot_s"] or 0),
-        inference["no_cache"]["tokens_per_s"],
+        "decode speed (merged, %d prompt + %d new tokens, %d timed run(s)): %.1f tok/s, "
+        "TTFT %.1f ms, TPOT %.1f ms%s; measured in %.1f s",
+        speed.prompt_tokens,
+        speed.new_tokens,
+        speed.repeats,
+        cache["tokens_per_s"],
+        1e3 * cache["ttft_s"],
+        1e3 * (cache["tpot_s"] or 0),
+        f"; no cache {inference['no_cache']['tokens_per_s']:.1f} tok/s" if speed.no_cache else "",
+        inference["seconds"],
     )
-    return inference, harness
+    return inference
 
 
 def _lm_eval(ctx: StageContext, model: PeftModel, tok: Any, merged: Any) -> dict[str, Any] | None:
@@ -343,7 +364,8 @@ def _headline(report: dict[str, Any]) -> dict[str, float]:
         headline |= {"exact_match_base": exact["base"], "exact_match_tuned": exact["tuned"]}
     if heldout is not None and "parent" in heldout:
         headline["parent_loss"] = heldout["parent"]["loss"]
-    headline["decode_tok/s"] = report["inference"]["cache"]["tokens_per_s"]
+    if report["inference"] is not None:
+        headline["decode_tok/s"] = report["inference"]["cache"]["tokens_per_s"]
     if "reward_model" in report:
         headline["rm_accuracy"] = report["reward_model"]["accuracy"]
     if "dpo_implicit" in report:

@@ -169,7 +169,8 @@ def _card_metrics(ctx: StageContext, report: dict[str, Any]) -> dict[str, Any]:
             "eval_loss_final": sft["eval_loss_final"],
             "steps": sft["total_steps"],
         }
-    ev = ctx.role_manifest("evaluation")["summary"]
+    # `evaluate: null`: the run measured nothing, and the card says so by leaving it out.
+    ev = ctx.role_manifest("evaluation")["summary"] if ctx.has_role("evaluation") else {}
     return metrics | {
         "evaluate": ev.get("headline", {}),
         "export_verification": {
