@@ -381,6 +381,78 @@ def cmd_models(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int
     return EXIT_OK
 
 
+def _workspace_of(
+    path: str | None, overrides: list[str], workspace: str | None, err: TextIO
+) -> str | None:
+    """The workspace a command looks at: `--workspace DIR`, or the recipe's `run.workspace`;
+    None after saying what is wrong."""
+    if (path is None) == (workspace is None):
+        print("posttrain: give a recipe or --workspace DIR (one of them)", file=err)
+        return None
+    if workspace is not None:
+        if overrides:
+            print("posttrain: overrides need a recipe, not --workspace", file=err)
+            return None
+        if not Path(workspace).is_dir():
+            print(f"posttrain: {workspace}: no such workspace folder", file=err)
+            return None
+        return workspace
+    recipe = load_or_report(str(path), overrides, err)
+    return None if recipe is None else recipe.run.workspace
+
+
+def cmd_runs(
+    path: str | None,
+    overrides: list[str],
+    out: TextIO,
+    err: TextIO,
+    workspace: str | None = None,
+    limit: int | None = None,
+) -> int:
+    """The workspace's runs, newest first: status, when, how long, evaluate headline, gate."""
+    from flows.workspace_report import runs_lines
+    from posttrain.workspace_runs import list_runs
+
+    ws = _workspace_of(path, overrides, workspace, err)
+    if ws is None:
+        return EXIT_INVALID
+    runs = list_runs(ws, limit)
+    for line in runs_lines(runs) if runs else [f"no runs yet in {ws}"]:
+        print(line, file=out)
+    return EXIT_OK
+
+
+def cmd_clean(
+    path: str | None,
+    overrides: list[str],
+    out: TextIO,
+    err: TextIO,
+    workspace: str | None = None,
+    yes: bool = False,
+    keep_last: int | None = None,
+) -> int:
+    """Failed attempts, damaged checkpoints and unreferenced artifacts: listed (dry run), or
+    deleted with `yes` (posttrain.workspace_clean, posttrain.workspace_trash)."""
+    from flows.workspace_report import clean_lines
+    from posttrain.workspace_clean import plan_clean
+
+    if keep_last is not None and keep_last < 0:
+        print(f"posttrain: --keep-last {keep_last}: must be 0 or more", file=err)
+        return EXIT_INVALID
+    ws = _workspace_of(path, overrides, workspace, err)
+    if ws is None:
+        return EXIT_INVALID
+    plan = plan_clean(ws, keep_last)
+    outcome = None
+    if yes:
+        from posttrain.workspace_trash import delete
+
+        outcome = delete(plan)
+    for line in clean_lines(plan, outcome):
+        print(line, file=out)
+    return EXIT_OK
+
+
 def _server_url(err: TextIO) -> str | None:
     url = os.environ.get("PREFECT_API_URL")
     if not url:
@@ -604,6 +676,24 @@ def build_parser() -> argparse.ArgumentParser:
             )
         if name in SELECTING:
             add_selection_flags(p)
+    help_text = "list the workspace's runs, newest first (status, duration, headline, promoted)"
+    p = sub.add_parser("runs", help=help_text, description=help_text)
+    _workspace_args(p)
+    p.add_argument("--limit", type=int, metavar="N", help="the newest N runs only")
+    help_text = (
+        "list what can be deleted from the workspace (failed attempts, damaged checkpoints, "
+        "artifacts no run or champion uses) and the space it frees; --yes deletes it"
+    )
+    p = sub.add_parser("clean", help=help_text, description=help_text)
+    _workspace_args(p)
+    p.add_argument("--yes", action="store_true", help="delete (without it: a dry run)")
+    p.add_argument(
+        "--keep-last",
+        type=int,
+        metavar="N",
+        help="keep the artifacts of the newest N runs only (default: of every recorded run); "
+        "champions' lineages and each pipeline's newest completed run are always kept",
+    )
     p = sub.add_parser(
         "serve",
         help="serve a deployment per recipe on the Prefect server (PREFECT_API_URL)",
@@ -655,6 +745,12 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _workspace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", type=Path, nargs="?", help="recipe YAML file (its run.workspace)")
+    p.add_argument("overrides", nargs="*", help="key.path=value (values parsed as YAML)")
+    p.add_argument("--workspace", type=Path, metavar="DIR", help="a workspace, not a recipe's")
+
+
 def _exit_without_collecting() -> None:
     # At interpreter exit, the cyclic GC walks every object a run created, Prefect's server
     # modules included (~2,000 modules): ~1-3 s on this machine before the process ends, for
@@ -683,6 +779,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "submit":
         selection = Selection.of(args.until, args.only)
         return cmd_submit(str(args.recipe), args.overrides, out, err, args.wait, selection)
+    if args.command in ("runs", "clean"):
+        recipe = None if args.recipe is None else str(args.recipe)
+        ws = None if args.workspace is None else str(args.workspace)
+        if args.command == "runs":
+            return cmd_runs(recipe, args.overrides, out, err, ws, args.limit)
+        return cmd_clean(recipe, args.overrides, out, err, ws, args.yes, args.keep_last)
     if args.command == "publish-base":
         return cmd_publish_base(str(args.model_dir), args.pipeline, out, err)
     if args.command == "validate":

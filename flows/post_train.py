@@ -36,6 +36,7 @@ from flows.trackers import StageFeed, Trackers, open_trackers
 from posttrain.artifacts import ArtifactRef, read_manifest
 from posttrain.config.schema import Recipe
 from posttrain.planner import PlannedStage, RunPlan, plan, spec_for
+from posttrain.run_status import RunJournal
 from posttrain.secrets import redact_obj
 from posttrain.selection import Selection, choose
 
@@ -88,9 +89,28 @@ class PipelineRun:
     """A run in progress: its plan and id, the record of each stage so far, its trackers; the
     schedule calls `run_one` per stage (one at a time or side by side)."""
 
-    def __init__(self, run_plan: RunPlan, run_id: str, trackers: Trackers | None) -> None:
+    def __init__(
+        self,
+        run_plan: RunPlan,
+        run_id: str,
+        trackers: Trackers | None,
+        journal: RunJournal | None = None,
+    ) -> None:
         self.plan, self.run_id, self.trackers = run_plan, run_id, trackers
+        self.journal = journal
         self.records: list[StageRecord] = []
+
+    def _recorded(self, record: StageRecord) -> None:
+        # run.json names each artifact as soon as its stage ends: `posttrain clean` keeps what
+        # a run used even when the run is killed before its final record.
+        self.records.append(record)
+        if self.journal is not None:
+            self.journal.stages(
+                [
+                    {"stage": r.stage, "fingerprint": r.fingerprint, "status": r.status}
+                    for r in self.records
+                ]
+            )
 
     def run_one(self, stage: PlannedStage, refs: dict[str, ArtifactRef]) -> ArtifactRef:
         """Launch one stage with its parents' refs and append its record (a failed one on
@@ -105,10 +125,10 @@ class PipelineRun:
             status, ref = run_task(stage, spec)
         except BaseException as exc:
             failed = failed_record(stage, exc, time.monotonic() - t0)
-            self.records.append(failed)
+            self._recorded(failed)
             _end_tracking(self.trackers, feed, failed)
             raise
-        self.records.append(stage_record(stage, status, ref, time.monotonic() - t0))
+        self._recorded(stage_record(stage, status, ref, time.monotonic() - t0))
         _end_tracking(self.trackers, feed, self.records[-1])
         check_gate(ref, self.records[-1])
         return ref
@@ -255,18 +275,30 @@ def run_pipeline(
     command = "posttrain submit RECIPE" if reach is not None else "posttrain run RECIPE"
     run_plan = choose(plan(recipe, reach), Selection.of(until, only), command)
     run_id = _new_run_id()
-    run = PipelineRun(run_plan, run_id, start_tracking(run_plan, run_id))
-    slot = device_set_name(run_plan.device)
-    ensure_device_limit(slot)
-    slots = device_slots(run_plan.parallel, run_plan.devices_per_stage, run_plan.device == "cuda")
-    with hold_devices(slot):  # the gate's head-to-head runs models too: it is inside
-        try:
-            run_stages(run_plan.stages, run.run_one, run_plan.parallel, slots, run.announce)
-        except BaseException as exc:
-            # The run folder and report still say which stage failed and what ran before it.
-            recorded = record_run(run_plan, run_id, run.records, quiet=True, trackers=run.trackers)
-            if recorded.get("run_dir"):
-                exc.add_note(f"run folder: {recorded['run_dir']}")
-            raise
-        decision = promote(run_plan.recipe, run_id, run.records)
-    return record_run(run_plan, run_id, run.records, decision, trackers=run.trackers)
+    # run.json says `running` from here on, and how the run ended (posttrain.run_status).
+    with RunJournal(recipe.run.workspace, run_id, recipe.run.name) as journal:
+        run = PipelineRun(run_plan, run_id, start_tracking(run_plan, run_id), journal)
+        slot = device_set_name(run_plan.device)
+        ensure_device_limit(slot)
+        slots = device_slots(
+            run_plan.parallel, run_plan.devices_per_stage, run_plan.device == "cuda"
+        )
+        with hold_devices(slot):  # the gate's head-to-head runs models too: it is inside
+            try:
+                run_stages(run_plan.stages, run.run_one, run_plan.parallel, slots, run.announce)
+            except BaseException as exc:
+                # The run folder and report still say which stage failed and what ran before.
+                recorded = record_run(
+                    run_plan, run_id, run.records, quiet=True, trackers=run.trackers
+                )
+                if recorded.get("run_dir"):
+                    exc.add_note(f"run folder: {recorded['run_dir']}")
+                raise
+            decision = promote(run_plan.recipe, run_id, run.records)
+        journal.outcome(evaluate_headline(run.records), decision and decision.promoted)
+        return record_run(run_plan, run_id, run.records, decision, trackers=run.trackers)
+
+
+def evaluate_headline(records: list[StageRecord]) -> dict[str, Any]:
+    """The evaluate stage's headline metrics, what `posttrain runs` shows per run."""
+    return next((r.headline for r in records if r.stage == "evaluate"), {})

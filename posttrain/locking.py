@@ -52,6 +52,23 @@ def describe_holder(holder: dict[str, Any] | None) -> str:
     )
 
 
+def is_held(path: str | os.PathLike[str]) -> bool:
+    """Whether a process holds the lock at `path` now. A shared, non-blocking `flock` on a
+    read-only descriptor conflicts with the holder's exclusive one and writes nothing (taking
+    the lock would overwrite the holder's record); closing the descriptor drops it at once."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def _parse_record(data: bytes) -> dict[str, Any] | None:
     try:
         record = json.loads(data)

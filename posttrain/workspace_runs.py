@@ -1,0 +1,80 @@
+"""The runs of a workspace, newest first, from their `run.json` records (`posttrain.run_status`).
+
+What `posttrain runs` lists and what `posttrain clean` keeps the artifacts of. Reads one small
+JSON file per run (and probes its lock): fast however large the artifacts are.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posttrain.run_status import parse_stamp, read_run
+
+# The evaluate headline shown per run: its first metrics (the evaluate stage orders them by
+# importance), enough to tell runs apart in one terminal line.
+HEADLINE_METRICS = 3
+
+
+@dataclass
+class RunInfo:
+    """One run as `posttrain runs` shows it."""
+
+    run_id: str
+    name: str
+    status: str  # running | completed | failed | interrupted | unknown (no run.json)
+    started: float | None  # UTC seconds
+    duration_s: float | None
+    headline: dict[str, Any]
+    promoted: bool | None
+    error: str | None
+    folder: Path
+    # (stage, fingerprint) of every artifact the run used or made, its failed one included
+    artifacts: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _info(folder: Path) -> RunInfo:
+    record = read_run(folder)
+    if record is None:  # a folder this version did not write, or one being created
+        return RunInfo(folder.name, "-", "unknown", None, None, {}, None, None, folder)
+    arts = [
+        (str(a.get("stage")), str(a.get("fingerprint")))
+        for a in record.get("artifacts") or []
+        if isinstance(a, dict) and a.get("stage") and a.get("fingerprint")
+    ]
+    headline = record.get("headline")
+    return RunInfo(
+        run_id=str(record.get("run_id") or folder.name),
+        name=str(record.get("name") or "-"),
+        status=str(record.get("status")),
+        started=parse_stamp(str(record.get("started_at"))),
+        duration_s=record.get("duration_s"),
+        headline=headline if isinstance(headline, dict) else {},
+        promoted=record.get("promoted"),
+        error=record.get("error"),
+        folder=folder,
+        artifacts=arts,
+    )
+
+
+def list_runs(workspace: str | os.PathLike[str], limit: int | None = None) -> list[RunInfo]:
+    """The workspace's runs, newest first (by start; the run id, which begins with the start
+    time, breaks ties), at most `limit`."""
+    root = Path(workspace) / "runs"
+    folders = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+    runs = [_info(p) for p in folders]
+    runs.sort(key=lambda r: (r.started or 0.0, r.run_id), reverse=True)
+    return runs if limit is None else runs[:limit]
+
+
+def compact_headline(headline: dict[str, Any], limit: int = HEADLINE_METRICS) -> str:
+    """`exact_match=0.27 win_rate=0.485 eval_loss=1.93`: the first numeric metrics, 3
+    significant digits."""
+    parts = [
+        f"{k}={v:.3g}"
+        for k, v in headline.items()
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    ]
+    return " ".join(parts[:limit]) or "-"

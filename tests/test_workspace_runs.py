@@ -1,0 +1,337 @@
+"""`posttrain runs` and `posttrain clean` on workspaces built with the project's own writers:
+`artifacts.write_manifest`, the run record (`run_status.RunJournal`), the promotion registry
+(`promotion.record_decision`), checkpoint integrity records and artifact locks."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.cli import cmd_clean, cmd_runs, main
+from flows.workspace_report import human
+from posttrain.artifact_claim import find_complete
+from posttrain.artifacts import stage_dir, write_manifest
+from posttrain.locking import ArtifactLock
+from posttrain.promotion import Decision, record_decision
+from posttrain.run_status import RunJournal, read_run
+from posttrain.train.integrity import hash_files, listing, write_record
+from posttrain.workspace_clean import DAMAGED, FAILED, TRASH, UNREFERENCED, plan_clean
+from posttrain.workspace_runs import list_runs
+from posttrain.workspace_trash import delete
+
+KIB = 1024
+
+
+def artifact(ws: Path, stage: str, fp: str, complete: bool = True, size: int = 64 * KIB) -> Path:
+    folder = stage_dir(ws, stage, fp)
+    (folder / "model").mkdir(parents=True)
+    (folder / "model" / "weights.bin").write_bytes(os.urandom(size))
+    if complete:
+        write_manifest(
+            folder, stage=stage, fp=fp, parents=[], section={}, seed=0, summary={"headline": {}}
+        )
+    return folder
+
+
+def arts(*pairs: tuple[str, str]) -> list[dict]:
+    return [{"stage": s, "fingerprint": fp, "status": "ran"} for s, fp in pairs]
+
+
+def completed_run(ws: Path, run_id: str, used: list[dict], headline: dict, promoted: bool) -> None:
+    with RunJournal(ws, run_id, "quickstart") as journal:
+        journal.stages(used)
+        journal.outcome(headline, promoted)
+
+
+def failed_run(ws: Path, run_id: str, used: list[dict]) -> None:
+    with pytest.raises(RuntimeError), RunJournal(ws, run_id, "quickstart") as journal:
+        journal.stages(used)
+        raise RuntimeError("stage 'dpo' exited with code 1: boom\nTraceback ...")
+
+
+def killed_run(ws: Path, run_id: str) -> None:
+    """A run whose process is SIGKILLed while it runs: no final record, the kernel drops its
+    lock."""
+    code = textwrap.dedent(f"""
+        import os, signal
+        from posttrain.run_status import RunJournal
+        with RunJournal({str(ws)!r}, {run_id!r}, "chain") as journal:
+            journal.stages([{{"stage": "sft", "fingerprint": "sft1", "status": "reused"}}])
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def age(folder: Path, seconds: float) -> None:
+    """Make everything under `folder` look written `seconds` ago."""
+    then = time.time() - seconds
+    for p in [folder, *folder.rglob("*")]:
+        os.utime(p, (then, then), follow_symlinks=False)
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Path:
+    """Two pipelines' worth of history: a promoted run, a failed one, a killed one, a newer
+    completed one that was not promoted, and the artifacts they left."""
+    ws = tmp_path / "ws"
+    for stage, fp in [("ingest", "ing1"), ("sft", "sft1"), ("dpo", "dpo1"), ("export", "exp1")]:
+        artifact(ws, stage, fp)
+    completed_run(
+        ws, "20260101T000001Z-a", arts(("ingest", "ing1"), ("sft", "sft1"), ("dpo", "dpo1"),
+        ("export", "exp1")), {"exact_match": 0.31, "win_rate": 0.5625, "eval_loss": 1.9342,
+        "ppl": 6.9}, True,
+    )  # fmt: skip
+    record_decision(
+        ws,
+        "quickstart",
+        {
+            "run_id": "20260101T000001Z-a",
+            "metrics": {"exact_match": 0.31},
+            "export_path": str(stage_dir(ws, "export", "exp1") / "model"),
+            "export_fingerprint": "exp1",
+            "lineage": {"ingest": "ing1", "sft": "sft1", "dpo": "dpo1", "export": "exp1"},
+        },
+        Decision(True, "first candidate of this pipeline"),
+    )
+    artifact(ws, "dpo", "dpo2", complete=False)  # the failed run's attempt
+    failed_run(ws, "20260101T000002Z-b", arts(("ingest", "ing1"), ("sft", "sft1"), ("dpo", "dpo2")))
+    # Killed: no final record, and its lock dropped as the kernel drops a dead process's
+    # (test_interrupted_run_is_told_by_its_lock kills a real one).
+    killed = RunJournal(ws, "20260101T000003Z-c", "chain").__enter__()
+    killed.stages(arts(("sft", "sft1")))
+    killed.lock.release()
+    for stage, fp in [("dpo", "dpo3"), ("export", "exp3")]:
+        artifact(ws, stage, fp)
+    completed_run(
+        ws, "20260101T000004Z-d", arts(("ingest", "ing1"), ("sft", "sft1"), ("dpo", "dpo3"),
+        ("export", "exp3")), {"exact_match": 0.27}, False,
+    )  # fmt: skip
+    artifact(ws, "dpo", "dpo0")  # complete, from a run whose record is gone
+    return ws
+
+
+def test_runs_lists_newest_first_with_status_headline_and_promotion(ws: Path) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    assert cmd_runs(None, [], out, err, workspace=str(ws)) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0].split() == [
+        "run", "recipe", "status", "started", "duration", "headline", "promoted",
+    ]  # fmt: skip
+    rows = [line.split() for line in lines[2:6]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ("20260101T000004Z-d", "quickstart", "completed"),
+        ("20260101T000003Z-c", "chain", "interrupted"),
+        ("20260101T000002Z-b", "quickstart", "failed"),
+        ("20260101T000001Z-a", "quickstart", "completed"),
+    ]
+    # The first three numeric headline metrics, 3 significant digits; the gate's verdict.
+    assert "exact_match=0.31 win_rate=0.562 eval_loss=1.93  yes" in lines[5]
+    assert "ppl" not in lines[5]
+    assert rows[0][-2:] == ["exact_match=0.27", "no"]
+    # No evaluate headline and no gate for the failed and the killed run.
+    assert rows[1][-2:] == rows[2][-2:] == ["-", "-"]
+    # Why the failed and the killed run ended: the error's first line, the lock's silence.
+    assert lines[6:] == [
+        "20260101T000003Z-c: the run's process ended without a final record (killed?)",
+        "20260101T000002Z-b: stage 'dpo' exited with code 1: boom",
+    ]
+
+
+def test_runs_limit_and_a_running_run(ws: Path) -> None:
+    with RunJournal(ws, "20260101T000005Z-e", "quickstart"):
+        newest = list_runs(ws, limit=2)
+        assert [(r.run_id, r.status) for r in newest] == [
+            ("20260101T000005Z-e", "running"),
+            ("20260101T000004Z-d", "completed"),
+        ]
+        assert newest[0].duration_s is not None and newest[0].duration_s < 60
+    assert read_run(ws / "runs" / "20260101T000005Z-e")["status"] == "completed"
+
+
+def test_runs_needs_a_recipe_or_a_workspace(tmp_path: Path, capsys) -> None:
+    assert main(["runs"]) == 2
+    assert "give a recipe or --workspace DIR (one of them)" in capsys.readouterr().err
+    assert main(["runs", "--workspace", str(tmp_path / "nope")]) == 2
+    assert "nope: no such workspace folder" in capsys.readouterr().err
+    assert main(["runs", "--workspace", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == f"no runs yet in {tmp_path}\n"
+
+
+def _candidates(ws: Path) -> dict[str, str]:
+    return {str(c.path.relative_to(ws)): c.category for c in plan_clean(ws, quiet_s=0).candidates}
+
+
+def test_clean_candidates_keep_champion_lineage_and_newest_run(ws: Path) -> None:
+    assert _candidates(ws) == {"artifacts/dpo/dpo2": FAILED, "artifacts/dpo/dpo0": UNREFERENCED}
+    # Only the newest run's record counts: the champion's lineage and the newest completed
+    # run's artifacts stay all the same.
+    assert _candidates(ws) == {
+        str(c.path.relative_to(ws)): c.category
+        for c in plan_clean(ws, keep_last=1, quiet_s=0).candidates
+    }
+
+
+def test_clean_dry_run_prints_and_deletes_nothing(ws: Path) -> None:
+    age(ws, 3600)
+    # A stage on another machine (or one that outlived its run) writes without the lock until
+    # it notices: the default quiet period leaves a just-written attempt alone, and says so.
+    age(stage_dir(ws, "dpo", "dpo2"), 20)
+    before = sorted(p for p in ws.rglob("*"))
+    out, err = io.StringIO(), io.StringIO()
+    assert cmd_clean(None, [], out, err, workspace=str(ws)) == 0
+    text = out.getvalue()
+    assert sorted(p for p in ws.rglob("*")) == before
+    size = human(plan_clean(ws).total())  # 64 KiB of weights and the manifest's block
+    lines = text.splitlines()
+    assert lines[0] == f"workspace {ws.resolve()} (dry run: nothing is deleted)"
+    assert lines[4].split(None, 4) == [
+        "unreferenced", "artifact", *size.split(), "artifacts/dpo/dpo0  complete, but no kept "
+        "run record and no champion names it",
+    ]  # fmt: skip
+    assert lines[6:10] == [
+        "failed attempts:          0         0 B",
+        "damaged checkpoints:      0         0 B",
+        f"unreferenced artifacts:   1  {size:>10}",
+        "left in .trash:           0         0 B",
+    ]
+    assert lines[11:13] == [
+        "left alone:",
+        "  artifacts/dpo/dpo2: written 20 s ago, may still be in use",
+    ]
+    assert lines[-1] == f"would free {size}; run with --yes to delete"
+
+
+def test_clean_yes_deletes_exactly_the_candidates(ws: Path) -> None:
+    plan = plan_clean(ws, quiet_s=0)
+    survivors = {
+        p for p in ws.rglob("*") if not any(p.is_relative_to(c.path) for c in plan.candidates)
+    }
+    outcome = delete(plan)
+    assert {str(c.path.relative_to(ws)) for c in outcome.deleted} == {
+        "artifacts/dpo/dpo2", "artifacts/dpo/dpo0",
+    }  # fmt: skip
+    assert outcome.skipped == []
+    assert outcome.freed == plan.total() >= 2 * 64 * KIB
+    # Everything else is there, lock files of the deleted folders added; no trash is left.
+    after = set(ws.rglob("*"))
+    assert survivors <= after
+    assert {p.name for p in after - survivors} == {"dpo2.lock", "dpo0.lock"}
+    for fp in ("ing1", "sft1", "dpo1", "exp1"):
+        stage = {"ing1": "ingest", "sft1": "sft", "dpo1": "dpo", "exp1": "export"}[fp]
+        assert find_complete(stage_dir(ws, stage, fp), fp) is not None
+    assert _candidates(ws) == {}
+
+
+def test_clean_leaves_a_locked_attempt_alone(ws: Path) -> None:
+    running = artifact(ws, "sft", "sft9", complete=False)
+    lock = ArtifactLock(running)
+    assert lock.try_acquire({"what": "stage sft, launch test"})
+    try:
+        plan = plan_clean(ws, quiet_s=0)
+        assert "artifacts/sft/sft9" not in {str(c.path.relative_to(ws)) for c in plan.candidates}
+        assert "artifacts/sft/sft9: a process holds its lock (a stage is running)" in plan.kept
+        delete(plan)
+        assert (running / "model" / "weights.bin").is_file()
+    finally:
+        lock.release()
+    assert _candidates(ws)["artifacts/sft/sft9"] == FAILED
+
+
+def test_clean_a_stage_that_takes_the_lock_after_the_plan_is_skipped(ws: Path) -> None:
+    plan = plan_clean(ws, quiet_s=0)
+    lock = ArtifactLock(stage_dir(ws, "dpo", "dpo2"))
+    assert lock.try_acquire({"what": "stage dpo"})
+    try:
+        outcome = delete(plan)
+    finally:
+        lock.release()
+    assert outcome.skipped == ["artifacts/dpo/dpo2: a stage took it since the plan was made"]
+    assert (stage_dir(ws, "dpo", "dpo2") / "model" / "weights.bin").is_file()
+
+
+def test_clean_keeps_unreferenced_artifacts_while_a_run_runs(ws: Path) -> None:
+    with RunJournal(ws, "20260101T000005Z-e", "quickstart"):
+        plan = plan_clean(ws, quiet_s=0)
+    assert {c.category for c in plan.candidates} == {FAILED}
+    assert plan.kept == [
+        "artifacts/dpo/dpo0: unreferenced, but run 20260101T000005Z-e is running and may use it"
+    ]
+
+
+def _checkpoint(art: Path, step: int) -> Path:
+    folder = art / "checkpoints" / f"step_{step:07d}"
+    folder.mkdir(parents=True)
+    (folder / "meta.json").write_text(f'{{"step": {step}}}')
+    (folder / "__0_0.distcp").write_bytes(os.urandom(8 * KIB))
+    write_record(folder, hash_files(folder, listing(folder)))
+    return folder
+
+
+def test_clean_finds_damaged_checkpoints_in_a_kept_artifact(ws: Path) -> None:
+    art = stage_dir(ws, "dpo", "dpo3")
+    good = _checkpoint(art, 2)
+    altered = _checkpoint(art, 4)
+    with open(altered / "__0_0.distcp", "r+b") as f:  # same size, other bytes
+        f.write(b"\0" * 16)
+    half = art / "checkpoints" / "step_0000006.tmp"
+    half.mkdir()
+    (half / "__0_0.distcp").write_bytes(b"x" * 100)
+    plan = plan_clean(ws, quiet_s=0)
+    damaged = {c.path.name: c.why for c in plan.candidates if c.category == DAMAGED}
+    assert damaged == {
+        "step_0000004": "__0_0.distcp: sha256 differs from the one recorded at save",
+        "step_0000006.tmp": "half-written",
+    }
+    delete(plan)
+    assert sorted(p.name for p in (art / "checkpoints").iterdir()) == [good.name]
+    assert find_complete(art, "dpo3") is not None  # the artifact itself is untouched
+
+
+def test_clean_never_follows_a_symlink_out_of_the_workspace(ws: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    (outside / "attempt").mkdir(parents=True)
+    (outside / "attempt" / "big.bin").write_bytes(os.urandom(256 * KIB))
+    (ws / "artifacts" / "sft" / "sft7").symlink_to(outside / "attempt")  # a linked attempt
+    (stage_dir(ws, "dpo", "dpo2") / "base").symlink_to(outside)  # a link inside an attempt
+    plan = plan_clean(ws, quiet_s=0)
+    assert "artifacts/sft/sft7" not in {str(c.path.relative_to(ws)) for c in plan.candidates}
+    attempt = next(c for c in plan.candidates if c.path.name == "dpo2")
+    assert attempt.bytes < 100 * KIB  # the link counted as a link, not the 256 KiB behind it
+    delete(plan)
+    assert not stage_dir(ws, "dpo", "dpo2").exists()
+    assert (outside / "attempt" / "big.bin").stat().st_size == 256 * KIB
+
+
+def test_clean_empties_what_a_killed_clean_left_in_the_trash(ws: Path) -> None:
+    left = ws / ".trash" / "123-0-dpo9"
+    (left / "model").mkdir(parents=True)
+    (left / "model" / "weights.bin").write_bytes(os.urandom(16 * KIB))
+    plan = plan_clean(ws, quiet_s=0)
+    assert [(c.category, c.why) for c in plan.candidates if c.category == TRASH] == [
+        (TRASH, "left by an interrupted clean")
+    ]
+    delete(plan)
+    assert not (ws / ".trash").exists()
+
+
+def test_clean_refuses_a_negative_keep_last(ws: Path) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    assert cmd_clean(None, [], out, err, workspace=str(ws), keep_last=-1) == 2
+    assert err.getvalue() == "posttrain: --keep-last -1: must be 0 or more\n"
+
+
+def test_interrupted_run_is_told_by_its_lock(tmp_path: Path) -> None:
+    killed_run(tmp_path, "20260101T000003Z-c")
+    record = read_run(tmp_path / "runs" / "20260101T000003Z-c")
+    assert record["status"] == "interrupted"
+    assert 0 <= record["duration_s"] < 30
