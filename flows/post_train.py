@@ -295,7 +295,8 @@ def run_pipeline(
                     exc.add_note(f"run folder: {recorded['run_dir']}")
                 raise
             decision = promote(run_plan.recipe, run_id, run.records)
-        journal.outcome(evaluate_headline(run.records), decision and decision.promoted)
+        gate = [rule.metric for rule in recipe.promotion.rules]
+        journal.outcome(evaluate_headline(run.records), decision and decision.promoted, gate)
         return record_run(run_plan, run_id, run.records, decision, trackers=run.trackers)
 
 

@@ -45,7 +45,7 @@ def runs_lines(runs: Sequence[RunInfo]) -> list[str]:
             r.status,
             _started(r.started),
             "-" if r.duration_s is None else format_duration(r.duration_s),
-            compact_headline(r.headline),
+            compact_headline(r.headline, r.gate_metrics),
             promoted.get(r.promoted, "-"),
         )
         for r in runs
@@ -53,9 +53,7 @@ def runs_lines(runs: Sequence[RunInfo]) -> list[str]:
     header = ("run", "recipe", "status", "started", "duration", "headline", "promoted")
     lines = text_table(rows, header).splitlines()
     return lines + [
-        f"{r.run_id}: {r.error}"
-        for r in runs
-        if r.error and r.status in ("failed", "interrupted")
+        f"{r.run_id}: {r.error}" for r in runs if r.error and r.status in ("failed", "interrupted")
     ]
 
 

@@ -65,6 +65,7 @@ class RunJournal:
             "host": socket.gethostname(),
             "headline": {},
             "promoted": None,
+            "gate_metrics": [],
             "error": None,
             "artifacts": [],
         }
@@ -83,9 +84,12 @@ class RunJournal:
         self.record["artifacts"] = artifacts
         self._write()
 
-    def outcome(self, headline: dict[str, Any], promoted: bool | None) -> None:
-        """What the final record says besides the status: the evaluate headline, the gate."""
-        self.record["headline"], self.record["promoted"] = headline, promoted
+    def outcome(
+        self, headline: dict[str, Any], promoted: bool | None, gate_metrics: list[str]
+    ) -> None:
+        """What the final record says besides the status: the evaluate headline, the gate's
+        verdict (None: no gate) and the metrics it compares (the ones a listing shows)."""
+        self.record.update(headline=headline, promoted=promoted, gate_metrics=gate_metrics)
 
     def __exit__(
         self,

@@ -13,9 +13,9 @@ from typing import Any
 
 from posttrain.run_status import parse_stamp, read_run
 
-# The evaluate headline shown per run: its first metrics (the evaluate stage orders them by
-# importance), enough to tell runs apart in one terminal line.
-HEADLINE_METRICS = 3
+# How many of the evaluate headline's metrics a listing shows: the ones the promotion gate
+# compares, in the recipe's order, else the first ones; enough to tell runs apart in one line.
+HEADLINE_METRICS = 4
 
 
 @dataclass
@@ -28,6 +28,7 @@ class RunInfo:
     started: float | None  # UTC seconds
     duration_s: float | None
     headline: dict[str, Any]
+    gate_metrics: list[str]
     promoted: bool | None
     error: str | None
     folder: Path
@@ -38,7 +39,7 @@ class RunInfo:
 def _info(folder: Path) -> RunInfo:
     record = read_run(folder)
     if record is None:  # a folder this version did not write, or one being created
-        return RunInfo(folder.name, "-", "unknown", None, None, {}, None, None, folder)
+        return RunInfo(folder.name, "-", "unknown", None, None, {}, [], None, None, folder)
     arts = [
         (str(a.get("stage")), str(a.get("fingerprint")))
         for a in record.get("artifacts") or []
@@ -52,6 +53,7 @@ def _info(folder: Path) -> RunInfo:
         started=parse_stamp(str(record.get("started_at"))),
         duration_s=record.get("duration_s"),
         headline=headline if isinstance(headline, dict) else {},
+        gate_metrics=[str(m) for m in record.get("gate_metrics") or []],
         promoted=record.get("promoted"),
         error=record.get("error"),
         folder=folder,
@@ -69,12 +71,13 @@ def list_runs(workspace: str | os.PathLike[str], limit: int | None = None) -> li
     return runs if limit is None else runs[:limit]
 
 
-def compact_headline(headline: dict[str, Any], limit: int = HEADLINE_METRICS) -> str:
-    """`exact_match=0.27 win_rate=0.485 eval_loss=1.93`: the first numeric metrics, 3
-    significant digits."""
-    parts = [
-        f"{k}={v:.3g}"
-        for k, v in headline.items()
-        if isinstance(v, int | float) and not isinstance(v, bool)
-    ]
-    return " ".join(parts[:limit]) or "-"
+def compact_headline(
+    headline: dict[str, Any], first: list[str] | None = None, limit: int = HEADLINE_METRICS
+) -> str:
+    """`exact_match_tuned=0.27 tuned_loss=1.93`: up to `limit` numeric metrics, those named in
+    `first` (the gate's) when the headline has any, else its first ones; 3 significant digits."""
+    numeric = {
+        k: v for k, v in headline.items() if isinstance(v, int | float) and not isinstance(v, bool)
+    }
+    keys = [k for k in dict.fromkeys(first or []) if k in numeric] or list(numeric)
+    return " ".join(f"{k}={numeric[k]:.3g}" for k in keys[:limit]) or "-"

@@ -24,7 +24,7 @@ from posttrain.promotion import Decision, record_decision
 from posttrain.run_status import RunJournal, read_run
 from posttrain.train.integrity import hash_files, listing, write_record
 from posttrain.workspace_clean import DAMAGED, FAILED, TRASH, UNREFERENCED, plan_clean
-from posttrain.workspace_runs import list_runs
+from posttrain.workspace_runs import compact_headline, list_runs
 from posttrain.workspace_trash import delete
 
 KIB = 1024
@@ -48,7 +48,7 @@ def arts(*pairs: tuple[str, str]) -> list[dict]:
 def completed_run(ws: Path, run_id: str, used: list[dict], headline: dict, promoted: bool) -> None:
     with RunJournal(ws, run_id, "quickstart") as journal:
         journal.stages(used)
-        journal.outcome(headline, promoted)
+        journal.outcome(headline, promoted, ["tuned_loss", "exact_match", "win_rate"])
 
 
 def failed_run(ws: Path, run_id: str, used: list[dict]) -> None:
@@ -88,7 +88,7 @@ def ws(tmp_path: Path) -> Path:
         artifact(ws, stage, fp)
     completed_run(
         ws, "20260101T000001Z-a", arts(("ingest", "ing1"), ("sft", "sft1"), ("dpo", "dpo1"),
-        ("export", "exp1")), {"exact_match": 0.31, "win_rate": 0.5625, "eval_loss": 1.9342,
+        ("export", "exp1")), {"base_loss": 6.47, "exact_match": 0.31, "wins": 9, "win_rate": 0.5625,
         "ppl": 6.9}, True,
     )  # fmt: skip
     record_decision(
@@ -134,9 +134,8 @@ def test_runs_lists_newest_first_with_status_headline_and_promotion(ws: Path) ->
         ("20260101T000002Z-b", "quickstart", "failed"),
         ("20260101T000001Z-a", "quickstart", "completed"),
     ]
-    # The first three numeric headline metrics, 3 significant digits; the gate's verdict.
-    assert "exact_match=0.31 win_rate=0.562 eval_loss=1.93  yes" in lines[5]
-    assert "ppl" not in lines[5]
+    # The headline metrics the gate compares (those it has), 3 significant digits; the verdict.
+    assert rows[3][-3:] == ["exact_match=0.31", "win_rate=0.562", "yes"]
     assert rows[0][-2:] == ["exact_match=0.27", "no"]
     # No evaluate headline and no gate for the failed and the killed run.
     assert rows[1][-2:] == rows[2][-2:] == ["-", "-"]
@@ -335,3 +334,11 @@ def test_interrupted_run_is_told_by_its_lock(tmp_path: Path) -> None:
     record = read_run(tmp_path / "runs" / "20260101T000003Z-c")
     assert record["status"] == "interrupted"
     assert 0 <= record["duration_s"] < 30
+
+
+def test_compact_headline_prefers_the_gates_metrics() -> None:
+    headline = {"base_loss": 6.4666, "tuned_loss": 6.2585, "ok": True, "n": 4, "note": "x"}
+    assert compact_headline(headline, ["exact_match_tuned", "tuned_loss"]) == "tuned_loss=6.26"
+    # None of the gate's: the first numeric ones (a bool is no metric).
+    assert compact_headline(headline, ["rm_accuracy"]) == "base_loss=6.47 tuned_loss=6.26 n=4"
+    assert compact_headline({}, []) == "-"
