@@ -174,17 +174,17 @@ def _look_at(
         plan.kept.append(f"{rel}: a process holds its lock (a stage is running)")
         return
     size, newest = disk_usage(art)
-    if time.time() - newest < quiet_s:
-        plan.kept.append(f"{rel}: written {time.time() - newest:.0f} s ago, may still be in use")
-        return
-    if read_manifest(art) is None:
-        why = earlier_attempt(art) or "no manifest: the stage never finished"
-        plan.candidates.append(Candidate(FAILED, art, art, size, why))
-        return
     ok, problem = verify(art, hashes=False)
     if not ok:
-        why = f"its manifest no longer matches its files ({problem}): a run would rebuild it"
-        plan.candidates.append(Candidate(FAILED, art, art, size, why))
+        if time.time() - newest < quiet_s:  # only an unfinished stage may still be writing
+            ago = time.time() - newest
+            plan.kept.append(f"{rel}: written {ago:.0f} s ago, may still be in use")
+        elif read_manifest(art) is None:
+            why = earlier_attempt(art) or "no manifest: the stage never finished"
+            plan.candidates.append(Candidate(FAILED, art, art, size, why))
+        else:
+            why = f"its manifest no longer matches its files ({problem}): a run rebuilds it"
+            plan.candidates.append(Candidate(FAILED, art, art, size, why))
         return
     if not referenced and running:
         plan.kept.append(f"{rel}: unreferenced, but run {running[0]} is running and may use it")

@@ -185,6 +185,7 @@ def test_clean_dry_run_prints_and_deletes_nothing(ws: Path) -> None:
     # A stage on another machine (or one that outlived its run) writes without the lock until
     # it notices: the default quiet period leaves a just-written attempt alone, and says so.
     age(stage_dir(ws, "dpo", "dpo2"), 20)
+    age(stage_dir(ws, "dpo", "dpo3"), 20)  # complete: nothing writes it, no note
     before = sorted(p for p in ws.rglob("*"))
     out, err = io.StringIO(), io.StringIO()
     assert cmd_clean(None, [], out, err, workspace=str(ws)) == 0
@@ -203,9 +204,10 @@ def test_clean_dry_run_prints_and_deletes_nothing(ws: Path) -> None:
         f"unreferenced artifacts:   1  {size:>10}",
         "left in .trash:           0         0 B",
     ]
-    assert lines[11:13] == [
+    assert lines[11:14] == [
         "left alone:",
         "  artifacts/dpo/dpo2: written 20 s ago, may still be in use",
+        "",
     ]
     assert lines[-1] == f"would free {size}; run with --yes to delete"
 
@@ -229,6 +231,18 @@ def test_clean_yes_deletes_exactly_the_candidates(ws: Path) -> None:
         stage = {"ing1": "ingest", "sft1": "sft", "dpo1": "dpo", "exp1": "export"}[fp]
         assert find_complete(stage_dir(ws, stage, fp), fp) is not None
     assert _candidates(ws) == {}
+
+
+def test_clean_an_artifact_whose_files_no_longer_match_its_manifest(ws: Path) -> None:
+    (stage_dir(ws, "dpo", "dpo3") / "model" / "weights.bin").write_bytes(b"short")
+    plan = plan_clean(ws, quiet_s=0)
+    assert [(c.category, c.why) for c in plan.candidates if c.path.name == "dpo3"] == [
+        (
+            FAILED,
+            "its manifest no longer matches its files (model/weights.bin was altered (5 bytes, "
+            "the manifest says 65536)): a run rebuilds it",
+        )
+    ]
 
 
 def test_clean_leaves_a_locked_attempt_alone(ws: Path) -> None:
