@@ -9,6 +9,7 @@ record (flows/run_record.py). Everything a stage does happens in its own process
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -99,18 +100,22 @@ class PipelineRun:
         self.plan, self.run_id, self.trackers = run_plan, run_id, trackers
         self.journal = journal
         self.records: list[StageRecord] = []
+        # Stages side by side end on their own threads: one append-and-write at a time, so
+        # run.json's last write holds every record so far.
+        self._record_lock = threading.Lock()
 
     def _recorded(self, record: StageRecord) -> None:
         # run.json names each artifact as soon as its stage ends: `posttrain clean` keeps what
         # a run used even when the run is killed before its final record.
-        self.records.append(record)
-        if self.journal is not None:
-            self.journal.stages(
-                [
-                    {"stage": r.stage, "fingerprint": r.fingerprint, "status": r.status}
-                    for r in self.records
-                ]
-            )
+        with self._record_lock:
+            self.records.append(record)
+            if self.journal is not None:
+                self.journal.stages(
+                    [
+                        {"stage": r.stage, "fingerprint": r.fingerprint, "status": r.status}
+                        for r in self.records
+                    ]
+                )
 
     def run_one(self, stage: PlannedStage, refs: dict[str, ArtifactRef]) -> ArtifactRef:
         """Launch one stage with its parents' refs and append its record (a failed one on
