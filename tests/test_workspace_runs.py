@@ -166,6 +166,27 @@ def test_runs_needs_a_recipe_or_a_workspace(tmp_path: Path, capsys) -> None:
     assert capsys.readouterr().out == f"no runs yet in {tmp_path}\n"
 
 
+def test_runs_and_clean_take_the_workspace_from_a_recipe(ws: Path, tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "run: {name: quickstart, workspace: elsewhere}\n"
+        "infra: {device: cpu, precision: fp32}\n"
+        "ingest: {source: from_config}\n"
+        "sft: {data: {synthetic: {n_examples: 20}}}\n"
+    )
+    out, err = io.StringIO(), io.StringIO()
+    # An override is a recipe's: it names the workspace here.
+    assert main(["runs", str(recipe), f"run.workspace={ws}", "--limit", "1"]) == 0
+    assert cmd_runs(str(recipe), [f"run.workspace={ws}"], out, err, limit=1) == 0
+    assert len(out.getvalue().splitlines()) == 3  # header, rule, the newest run
+    assert "20260101T000004Z-d" in out.getvalue()
+    out = io.StringIO()
+    assert cmd_clean(str(recipe), [f"run.workspace={ws}"], out, err) == 0
+    assert out.getvalue().startswith(f"workspace {ws.resolve()} (dry run: nothing is deleted)")
+    assert cmd_runs(str(recipe), [], out, err, workspace=str(ws)) == 2
+    assert err.getvalue() == "posttrain: give a recipe or --workspace DIR (one of them)\n"
+
+
 def _candidates(ws: Path) -> dict[str, str]:
     return {str(c.path.relative_to(ws)): c.category for c in plan_clean(ws, quiet_s=0).candidates}
 
