@@ -101,7 +101,9 @@ class RunJournal:
         status = "completed"
         if exc is not None:
             status = "failed" if isinstance(exc, Exception) else "interrupted"
-            self.record["error"] = (str(exc) or type(exc).__name__).splitlines()[0][:300]
+            what = (str(exc) or type(exc).__name__).splitlines()[0][:300]
+            # Ctrl-C, SIGTERM, a hang-up: Prefect's signal exceptions carry no message.
+            self.record["error"] = what if status == "failed" else f"stopped ({what})"
         self.record.update(
             status=status,
             ended_at=utc_stamp(ended),

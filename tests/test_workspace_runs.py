@@ -377,3 +377,10 @@ def test_compact_headline_prefers_the_gates_metrics() -> None:
     # None of the gate's: the first numeric ones (a bool is no metric).
     assert compact_headline(headline, ["rm_accuracy"]) == "base_loss=6.47 tuned_loss=6.26 n=4"
     assert compact_headline({}, []) == "-"
+
+
+def test_a_run_stopped_by_ctrl_c_is_interrupted(tmp_path: Path) -> None:
+    with pytest.raises(KeyboardInterrupt), RunJournal(tmp_path, "20260101T000001Z-a", "q"):
+        raise KeyboardInterrupt
+    record = read_run(tmp_path / "runs" / "20260101T000001Z-a")
+    assert (record["status"], record["error"]) == ("interrupted", "stopped (KeyboardInterrupt)")
