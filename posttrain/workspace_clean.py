@@ -43,6 +43,11 @@ TRASH_DIR = ".trash"
 # A stage run by Slurm or Kubernetes notices its flow is gone after infra.supervisor_silence_s
 # (120 s by default) and only then stops or takes over the lock: until then it writes unlocked.
 QUIET_S = 180.0
+# Artifacts a stage writes for later runs to reuse, which no run record names: DPO's reference
+# log-probs (`artifacts/ref_logps/<key>/`, its manifest's parent the SFT adapter it was computed
+# with). Kept while an artifact they derive from is kept. Written without a lock (the stage's
+# own folder is locked), so an unfinished one is left alone while a run runs.
+CACHES = ("ref_logps",)
 _STEP = re.compile(r"^step_\d+$")
 _HALF = re.compile(r"^step_\d+\.(tmp|damaged.*)$")
 
@@ -150,14 +155,26 @@ def plan_clean(
     runs = list_runs(ws)
     lineages, refs = champion_lineages(ws), referenced(runs, keep_last)
     running = [r.run_id for r in runs if r.status == "running"]
+    kept_fps = {fp for _, fp in refs | lineages}
     root = ws / "artifacts"
     for stage in sorted(root.iterdir()) if root.is_dir() and not root.is_symlink() else []:
         if stage.is_symlink() or not stage.is_dir():
             continue
         for art in sorted(stage.iterdir()):
             key = (stage.name, art.name)
-            if art.is_dir() and not art.is_symlink() and key not in lineages:
+            if not art.is_dir() or art.is_symlink() or key in lineages:
+                continue
+            if stage.name not in CACHES:
                 _look_at(plan, art, key in refs, running, quiet_s)
+            elif (manifest := read_manifest(art)) is not None:
+                derived = any(p in kept_fps for p in manifest.get("parents") or [])
+                _look_at(plan, art, derived, running, quiet_s, cache=True)
+            elif running:
+                plan.kept.append(
+                    f"artifacts/{stage.name}/{art.name}: unfinished, run {running[0]} runs"
+                )
+            else:
+                _look_at(plan, art, False, running, quiet_s, cache=True)
     trash = ws / TRASH_DIR
     for p in sorted(trash.iterdir()) if trash.is_dir() and not trash.is_symlink() else []:
         size, _ = disk_usage(p)
@@ -166,7 +183,12 @@ def plan_clean(
 
 
 def _look_at(
-    plan: CleanPlan, art: Path, referenced: bool, running: list[str], quiet_s: float
+    plan: CleanPlan,
+    art: Path,
+    referenced: bool,
+    running: list[str],
+    quiet_s: float,
+    cache: bool = False,
 ) -> None:
     """Add `art` (or its damaged checkpoints) to the plan, or say in `plan.kept` why not."""
     rel = art.relative_to(plan.workspace)
@@ -190,6 +212,8 @@ def _look_at(
         plan.kept.append(f"{rel}: unreferenced, but run {running[0]} is running and may use it")
     elif not referenced:
         why = "complete, but no kept run record and no champion names it"
+        if cache:
+            why = "a cache computed from an artifact that is no longer kept"
         plan.candidates.append(Candidate(UNREFERENCED, art, art, size, why))
         return
     for step, why in damaged_checkpoints(art):

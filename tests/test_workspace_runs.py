@@ -117,6 +117,13 @@ def ws(tmp_path: Path) -> Path:
         ("export", "exp3")), {"exact_match": 0.27}, False,
     )  # fmt: skip
     artifact(ws, "dpo", "dpo0")  # complete, from a run whose record is gone
+    # DPO's reference log-probs caches: of the kept SFT, and of an SFT no longer kept.
+    for key, sft in [("ref1", "sft1"), ("ref0", "sft0")]:
+        folder = stage_dir(ws, "ref_logps", key)
+        folder.mkdir(parents=True)
+        (folder / "ref_logps.safetensors").write_bytes(os.urandom(4 * KIB))
+        write_manifest(folder, stage="ref_logps", fp=key, parents=[sft], section={}, seed=0,
+                       summary={})  # fmt: skip
     return ws
 
 
@@ -192,7 +199,11 @@ def _candidates(ws: Path) -> dict[str, str]:
 
 
 def test_clean_candidates_keep_champion_lineage_and_newest_run(ws: Path) -> None:
-    assert _candidates(ws) == {"artifacts/dpo/dpo2": FAILED, "artifacts/dpo/dpo0": UNREFERENCED}
+    assert _candidates(ws) == {
+        "artifacts/dpo/dpo2": FAILED,
+        "artifacts/dpo/dpo0": UNREFERENCED,
+        "artifacts/ref_logps/ref0": UNREFERENCED,
+    }
     # Only the newest run's record counts: the champion's lineage and the newest completed
     # run's artifacts stay all the same.
     assert _candidates(ws) == {
@@ -212,25 +223,28 @@ def test_clean_dry_run_prints_and_deletes_nothing(ws: Path) -> None:
     assert cmd_clean(None, [], out, err, workspace=str(ws)) == 0
     text = out.getvalue()
     assert sorted(p for p in ws.rglob("*")) == before
-    size = human(plan_clean(ws).total())  # 64 KiB of weights and the manifest's block
+    plan = plan_clean(ws)
+    size = {c.path.name: human(c.bytes) for c in plan.candidates}
     lines = text.splitlines()
     assert lines[0] == f"workspace {ws.resolve()} (dry run: nothing is deleted)"
-    assert lines[4].split(None, 4) == [
-        "unreferenced", "artifact", *size.split(), "artifacts/dpo/dpo0  complete, but no kept "
-        "run record and no champion names it",
+    assert [line.split(None, 4) for line in lines[4:6]] == [
+        ["unreferenced", "artifact", *size["dpo0"].split(), "artifacts/dpo/dpo0        "
+         "complete, but no kept run record and no champion names it"],
+        ["unreferenced", "artifact", *size["ref0"].split(), "artifacts/ref_logps/ref0  "
+         "a cache computed from an artifact that is no longer kept"],
     ]  # fmt: skip
-    assert lines[6:10] == [
+    assert lines[7:11] == [
         "failed attempts:          0         0 B",
         "damaged checkpoints:      0         0 B",
-        f"unreferenced artifacts:   1  {size:>10}",
+        f"unreferenced artifacts:   2  {human(plan.total()):>10}",
         "left in .trash:           0         0 B",
     ]
-    assert lines[11:14] == [
+    assert lines[12:15] == [
         "left alone:",
         "  artifacts/dpo/dpo2: written 20 s ago, may still be in use",
         "",
     ]
-    assert lines[-1] == f"would free {size}; run with --yes to delete"
+    assert lines[-1] == f"would free {human(plan.total())}; run with --yes to delete"
 
 
 def test_clean_yes_deletes_exactly_the_candidates(ws: Path) -> None:
@@ -240,14 +254,14 @@ def test_clean_yes_deletes_exactly_the_candidates(ws: Path) -> None:
     }
     outcome = delete(plan)
     assert {str(c.path.relative_to(ws)) for c in outcome.deleted} == {
-        "artifacts/dpo/dpo2", "artifacts/dpo/dpo0",
+        "artifacts/dpo/dpo2", "artifacts/dpo/dpo0", "artifacts/ref_logps/ref0",
     }  # fmt: skip
     assert outcome.skipped == []
     assert outcome.freed == plan.total() >= 2 * 64 * KIB
     # Everything else is there, lock files of the deleted folders added; no trash is left.
     after = set(ws.rglob("*"))
     assert survivors <= after
-    assert {p.name for p in after - survivors} == {"dpo2.lock", "dpo0.lock"}
+    assert {p.name for p in after - survivors} == {"dpo2.lock", "dpo0.lock", "ref0.lock"}
     for fp in ("ing1", "sft1", "dpo1", "exp1"):
         stage = {"ing1": "ingest", "sft1": "sft", "dpo1": "dpo", "exp1": "export"}[fp]
         assert find_complete(stage_dir(ws, stage, fp), fp) is not None
@@ -298,7 +312,9 @@ def test_clean_keeps_unreferenced_artifacts_while_a_run_runs(ws: Path) -> None:
         plan = plan_clean(ws, quiet_s=0)
     assert {c.category for c in plan.candidates} == {FAILED}
     assert plan.kept == [
-        "artifacts/dpo/dpo0: unreferenced, but run 20260101T000005Z-e is running and may use it"
+        "artifacts/dpo/dpo0: unreferenced, but run 20260101T000005Z-e is running and may use it",
+        "artifacts/ref_logps/ref0: unreferenced, but run 20260101T000005Z-e is running and may "
+        "use it",
     ]
 
 
