@@ -35,6 +35,12 @@ def _started(t: float | None) -> str:
     return "-" if t is None else time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t))
 
 
+def _duration(run: RunInfo) -> str:
+    if run.duration_s is None:
+        return "-"
+    return (">" if run.duration_at_least else "") + format_duration(run.duration_s)
+
+
 def runs_lines(runs: Sequence[RunInfo]) -> list[str]:
     """The runs table, then one line per failed or interrupted run saying why."""
     promoted = {True: "yes", False: "no", None: "-"}
@@ -44,7 +50,7 @@ def runs_lines(runs: Sequence[RunInfo]) -> list[str]:
             r.name,
             r.status,
             _started(r.started),
-            "-" if r.duration_s is None else format_duration(r.duration_s),
+            _duration(r),
             compact_headline(r.headline, r.gate_metrics),
             promoted.get(r.promoted, "-"),
         )

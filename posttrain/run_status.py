@@ -117,7 +117,7 @@ class RunJournal:
 
 def read_run(folder: Path) -> dict[str, Any] | None:
     """The run's record with its status as of now (a `running` one nobody holds the lock of is
-    `interrupted`, its duration up to its last write); None when the folder has no readable
+    `interrupted`, its duration up to its last write, `duration_at_least`); None when the folder has no readable
     `run.json`."""
     try:
         record = json.loads((folder / RUN_FILE).read_text(encoding="utf-8"))
@@ -134,5 +134,6 @@ def read_run(folder: Path) -> dict[str, Any] | None:
             with contextlib.suppress(OSError):
                 last = (folder / RUN_FILE).stat().st_mtime
                 record["duration_s"] = None if started is None else round(last - started, 1)
+                record["duration_at_least"] = True  # it ran on after its last write
             record["error"] = "the run's process ended without a final record (killed?)"
     return record

@@ -27,6 +27,7 @@ class RunInfo:
     status: str  # running | completed | failed | interrupted | unknown (no run.json)
     started: float | None  # UTC seconds
     duration_s: float | None
+    duration_at_least: bool  # a killed run: it ran on after its last record
     headline: dict[str, Any]
     gate_metrics: list[str]
     promoted: bool | None
@@ -39,7 +40,7 @@ class RunInfo:
 def _info(folder: Path) -> RunInfo:
     record = read_run(folder)
     if record is None:  # a folder this version did not write, or one being created
-        return RunInfo(folder.name, "-", "unknown", None, None, {}, [], None, None, folder)
+        return RunInfo(folder.name, "-", "unknown", None, None, False, {}, [], None, None, folder)
     arts = [
         (str(a.get("stage")), str(a.get("fingerprint")))
         for a in record.get("artifacts") or []
@@ -52,6 +53,7 @@ def _info(folder: Path) -> RunInfo:
         status=str(record.get("status")),
         started=parse_stamp(str(record.get("started_at"))),
         duration_s=record.get("duration_s"),
+        duration_at_least=bool(record.get("duration_at_least")),
         headline=headline if isinstance(headline, dict) else {},
         gate_metrics=[str(m) for m in record.get("gate_metrics") or []],
         promoted=record.get("promoted"),

@@ -383,8 +383,12 @@ def test_clean_refuses_a_negative_keep_last(ws: Path) -> None:
 def test_interrupted_run_is_told_by_its_lock(tmp_path: Path) -> None:
     killed_run(tmp_path, "20260101T000003Z-c")
     record = read_run(tmp_path / "runs" / "20260101T000003Z-c")
-    assert record["status"] == "interrupted"
+    assert (record["status"], record["duration_at_least"]) == ("interrupted", True)
     assert 0 <= record["duration_s"] < 30
+    out = io.StringIO()
+    assert cmd_runs(None, [], out, io.StringIO(), workspace=str(tmp_path)) == 0
+    row = out.getvalue().splitlines()[2].split()  # started is 3 words, duration 2
+    assert (row[2], row[6]) == ("interrupted", f">{record['duration_s']:.1f}")
 
 
 def test_compact_headline_prefers_the_gates_metrics() -> None:
