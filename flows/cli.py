@@ -1,8 +1,10 @@
 """`posttrain` command line: validate, plan and run a recipe.
 
-    posttrain validate recipes/quickstart.yaml sft.optim.lr=3e-4
-    posttrain plan     recipes/quickstart.yaml
+    posttrain validate recipes/quickstart.yaml sft.optim.lr=3e-4   # verdict + every input checked
+    posttrain plan     recipes/quickstart.yaml --until dpo
     posttrain run      recipes/quickstart.yaml run.name=try2
+    posttrain runs     recipes/quickstart.yaml                 # the workspace's runs, newest first
+    posttrain clean    recipes/quickstart.yaml [--yes]         # dry run unless --yes
     posttrain launch   sft recipes/quickstart.yaml   # one stage on this node (multi-node agents)
     posttrain serve    recipes/quickstart.yaml       # deployments on PREFECT_API_URL's server
     posttrain submit   recipes/quickstart.yaml sft.max_steps=50   # prints the run's URL
@@ -765,7 +767,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     # `run r.yaml --until sft sft.max_steps=5`: argparse leaves overrides after a flag over.
-    if rest and args.command in SELECTING and not any(a.startswith("-") for a in rest):
+    takes_overrides = isinstance(getattr(args, "overrides", None), list)
+    if rest and takes_overrides and not any(a.startswith("-") for a in rest):
         args.overrides += rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
