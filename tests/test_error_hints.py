@@ -50,6 +50,8 @@ def errors_of(overrides: list[str], data: dict | None = None) -> list[str]:
             "sft.optim.max_steps: unknown field; did you mean sft.max_steps?",
         ),
         ("sft.lora_alpha=8", "sft.lora_alpha: unknown field; did you mean sft.lora.alpha?"),
+        # The section's name joined to the key is another trainer's name (TRL's lora_rank).
+        ("sft.lora.rank=8", "sft.lora.rank: unknown field; did you mean sft.lora.r?"),
         # DPO has no lora (it continues its parent's adapter): no lookalike (orpo_alpha -> beta).
         (
             "dpo.lora_alpha=8",

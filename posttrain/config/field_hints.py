@@ -142,6 +142,10 @@ def suggestion(key: str, place: Sequence[Any], path_of: Any) -> str | None:
     here = path_of(place)
     if target := _alias(key, place, stage_path):
         return target
+    # Inside a section, another trainer's name may be the section's name joined to the key
+    # (`sft.lora.rank` is TRL's `lora_rank`).
+    if place and (target := _alias(f"{place[-1]}_{key}", place[:-1], stage_path)):
+        return target
     keys = keys_of(model)
     # Another trainer's exact name with no field here (DPO's `lora_alpha`: DPO continues its
     # parent's adapter) is not respelled into a lookalike alias (`orpo_alpha` -> beta).
