@@ -652,6 +652,22 @@ def build_parser() -> argparse.ArgumentParser:
         "export. Finished stages are reused.",
     )
     sub = ap.add_subparsers(dest="command", required=True)
+    _add_recipe_commands(sub)
+    _add_workspace_commands(sub)
+    _add_served_commands(sub)
+    help_text = (
+        "run one stage on this node without Prefect (parents must be complete); for a "
+        "multi-node stage, run it on every node with POSTTRAIN_NODE_RANK set"
+    )
+    p = sub.add_parser("launch", help=help_text, description=help_text)
+    p.add_argument("stage", help="stage name, e.g. sft")
+    p.add_argument("recipe", type=Path, help="recipe YAML file")
+    p.add_argument("overrides", nargs="*", help="key.path=value (values parsed as YAML)")
+    return ap
+
+
+def _add_recipe_commands(sub: argparse._SubParsersAction) -> None:
+    """validate, plan, run and models: a recipe and its overrides."""
     for name, func, help_text in (
         (
             "validate",
@@ -678,6 +694,10 @@ def build_parser() -> argparse.ArgumentParser:
             )
         if name in SELECTING:
             add_selection_flags(p)
+
+
+def _add_workspace_commands(sub: argparse._SubParsersAction) -> None:
+    """runs and clean: a recipe's workspace, or --workspace."""
     help_text = "list the workspace's runs, newest first (status, duration, headline, promoted)"
     p = sub.add_parser("runs", help=help_text, description=help_text)
     _workspace_args(p)
@@ -696,6 +716,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the artifacts of the newest N runs only (default: of every recorded run); "
         "champions' lineages and each pipeline's newest completed run are always kept",
     )
+
+
+def _add_served_commands(sub: argparse._SubParsersAction) -> None:
+    """serve, submit and publish-base: a Prefect server's side."""
     p = sub.add_parser(
         "serve",
         help="serve a deployment per recipe on the Prefect server (PREFECT_API_URL)",
@@ -736,15 +760,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("model_dir", type=Path, help="Hugging Face model folder")
     p.add_argument("--pipeline", default="external", help="who published it (default external)")
-    help_text = (
-        "run one stage on this node without Prefect (parents must be complete); for a "
-        "multi-node stage, run it on every node with POSTTRAIN_NODE_RANK set"
-    )
-    p = sub.add_parser("launch", help=help_text, description=help_text)
-    p.add_argument("stage", help="stage name, e.g. sft")
-    p.add_argument("recipe", type=Path, help="recipe YAML file")
-    p.add_argument("overrides", nargs="*", help="key.path=value (values parsed as YAML)")
-    return ap
 
 
 def _workspace_args(p: argparse.ArgumentParser) -> None:
