@@ -470,7 +470,8 @@ def test_prefect_yaml_deploys_to_a_process_work_pool(prefect_server: Any, served
     assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in dep.schedules] == [
         ("0 3 * * *", "Europe/Paris", False)
     ]
-    assert dep.parameters["recipe"]["run"]["workspace"] == "./workspace"
+    # Relative to $POSTTRAIN_HOME, where the process worker runs the flow.
+    assert dep.parameters["recipe"]["run"]["workspace"] == "workspace"
     # `{{ $POSTTRAIN_HOME }}` is filled in when `prefect deploy` runs.
     assert dep.pull_steps == [
         {"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}
