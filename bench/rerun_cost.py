@@ -68,7 +68,8 @@ def env() -> dict[str, str]:
 
 def incomplete_stages(recipe: Path, workspace: Path) -> list[str]:
     """Stages of the recipe whose artifact is not complete (`posttrain plan`, no Prefect)."""
-    from flows.cli import load_or_report, plan_rows
+    from flows.cli_checks import plan_rows
+    from flows.cli_common import load_or_report
 
     loaded = load_or_report(str(recipe), [f"run.workspace={workspace}", *OVERRIDES], sys.stderr)
     if loaded is None:

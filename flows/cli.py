@@ -20,14 +20,23 @@ import argparse
 import atexit
 import contextlib
 import gc
-import os
 import signal
 import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-import yaml
-
+from flows.cli_checks import cmd_plan, cmd_validate, selected_stages
+from flows.cli_common import (
+    EXIT_FAILED,
+    EXIT_HUNG_UP,
+    EXIT_INTERRUPTED,
+    EXIT_INVALID,
+    EXIT_OK,
+    EXIT_TERMINATED,
+    load_or_report,
+)
+from flows.cli_served import cmd_publish_base, cmd_serve, cmd_submit
+from flows.cli_workspace import _workspace_args, cmd_clean, cmd_models, cmd_runs
 from flows.failure_block import Block, known_block, unexpected_block
 from flows.prefect_env import apply_prefect_defaults, prefect_target
 from flows.report import (
@@ -35,24 +44,15 @@ from flows.report import (
     not_selected_text,
     recovery_lines,
     summary_table,
-    text_table,
 )
-from posttrain.artifacts import read_manifest, verify
-from posttrain.config.loader import RecipeError, load_recipe
 from posttrain.config.schema import Recipe
 from posttrain.config.served_access import (
     ALLOWED_ENV,
     REWARDS_ENV,
-    served_reward_roots,
-    served_roots,
-    with_roots,
 )
-from posttrain.kinds import KINDS, graph_kinds
+from posttrain.kinds import graph_kinds
 from posttrain.planner import plan
-from posttrain.selection import ALL_STAGES, Selection, SelectionError, choose
-
-EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
-EXIT_HUNG_UP = 129
+from posttrain.selection import ALL_STAGES, Selection
 
 
 class Terminated(BaseException):
@@ -72,176 +72,12 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise HungUp() if signum == signal.SIGHUP else Terminated()
 
 
-def refused_head(path: str, problems: int) -> str:
-    """The first line of a refusal, the same whether the schema or an input check refused."""
-    return (
-        f"posttrain: recipe {path} refused: {problems} problem{'s' * (problems != 1)} (nothing ran)"
-    )
-
-
-def load_or_report(
-    path: str, overrides: list[str], err: TextIO, devices: bool = True
-) -> Recipe | None:
-    """The resolved recipe, or None after printing every problem as `field.path: message`.
-
-    `devices=False`: paths only, for a recipe sent to a server to run elsewhere."""
-    try:
-        return load_recipe(path, overrides, devices=devices)
-    except RecipeError as exc:
-        # One block, like a failed stage's (flows.failure_block): nothing ran, so no log.
-        print(refused_head(path, len(exc.errors)), file=err)
-        for line in exc.errors:
-            print(f"  {line}", file=err)
-        print(f"  fix:  {exc.fix}", file=err)
-        return None
-
-
 def failure_block(exc: BaseException, recipe: Recipe) -> Block:
     """The closing block of a failed run: a stage's failure, a quality gate, or a bug."""
     sections = {s.name: s.where for s in recipe.graph()}
     block = known_block(exc, sections) or unexpected_block(exc, Path(recipe.run.workspace) / "logs")
     block.notes = tuple(getattr(exc, "__notes__", ()))
     return block
-
-
-def cmd_validate(
-    path: str, overrides: list[str], out: TextIO, err: TextIO, resolved: bool = False
-) -> int:
-    """The verdict on the recipe and every input it names (exit 2 on any problem), then what
-    each input is; `resolved`: the resolved recipe as YAML too."""
-    recipe = load_or_report(path, overrides, err)
-    if recipe is None:
-        return EXIT_INVALID
-    ok = _check_inputs(path, recipe, plan_rows(recipe), out)
-    if resolved:
-        out.write("--- # resolved recipe\n")
-        out.write(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
-    return EXIT_OK if ok else EXIT_INVALID
-
-
-def _check_inputs(path: str, recipe: Recipe, rows: list[tuple[str, ...]], out: TextIO) -> bool:
-    """Print the verdict line (`recipe ok: 4 stages, 3 to run`, or `refused_head`, each problem
-    and the fix), then one line per input; True when nothing is wrong."""
-    from posttrain.config.inputs_check import check_inputs
-
-    report = check_inputs(recipe)
-    if report.problems:
-        print(refused_head(path, len(report.problems)), file=out)
-        for line in report.problems:
-            print(f"  {line}", file=out)
-        print(
-            "  fix:  correct the fields named above (or create the files they name), then "
-            "`posttrain validate` again; nothing ran",
-            file=out,
-        )
-    else:
-        to_run = sum(row[-1] not in ("complete", "not selected") for row in rows)
-        print(f"recipe ok: {len(rows)} stages, {to_run} to run", file=out)
-    for line in report.lines:
-        print(line, file=out)
-    return not report.problems
-
-
-def resolved_inputs(recipe: Recipe) -> list[tuple[str, str]]:
-    """(field path, resolved value) of every input: paths absolute, hub ids with their
-    revision, code as the file it is imported from."""
-    from posttrain.config.loader import code_refs, hub_ids, input_paths
-
-    found = dict(input_paths(recipe))
-    found |= {
-        where: f"{repo}@{rev} (hub {kind})" for where, (repo, rev, kind) in hub_ids(recipe).items()
-    }
-    found |= {code.where: code.ref for code in code_refs(recipe)}
-    return sorted(found.items())
-
-
-# How `posttrain plan` names a stage's inputs (the base is every stage's: left out).
-ROLE_LABELS = {"policy": "from", "reference": "ref", "reward_model": "rm"}
-
-
-def inputs_text(roles: dict[str, str]) -> str:
-    """`from dpo, ref sft, rm reward` (graph stages' links; "" for the fixed stages)."""
-    return ", ".join(f"{ROLE_LABELS[r]} {n}" for r, n in roles.items() if r in ROLE_LABELS)
-
-
-def plan_rows(
-    recipe: Recipe, selected: set[str] | None = None
-) -> list[tuple[str, str, str, str, str, str]]:
-    """(stage, kind, inputs, fingerprint, where it runs, artifact state) per planned stage;
-    a stage outside `selected` (`--until`/`--only`; None: all) is `not selected`.
-
-    Where: the launcher, then nodes x processes per node (`slurm:4x8`), or the processes
-    alone on one node (`local:2`); `local` for one process here."""
-    rows = []
-    for stage in plan(recipe).stages:
-        if selected is not None and stage.name not in selected:
-            state = "not selected"
-        elif not stage.out_dir.exists():
-            state = "missing"
-        elif read_manifest(stage.out_dir) is None:
-            state = "incomplete (started, no manifest)"
-        else:
-            ok, why = verify(stage.out_dir)
-            state = "complete" if ok else f"invalid ({why})"
-        graph_stage = KINDS[stage.kind].placement == "graph"
-        links = inputs_text(stage.roles) if graph_stage else stage.roles.get("policy", "")
-        where = stage.launcher
-        if stage.nnodes > 1:
-            where += f":{stage.nnodes}x{stage.nprocs}"
-        elif stage.nprocs > 1 or stage.launcher != "local":
-            where += f":{stage.nprocs}"
-        rows.append((stage.name, stage.kind, links, stage.fingerprint, where, state))
-    return rows
-
-
-def selected_stages(
-    recipe: Recipe, path: str, selection: Selection, err: TextIO
-) -> set[str] | None | int:
-    """The names `selection` keeps (None: no selection, every stage), or EXIT_INVALID after
-    printing why it cannot run (an unknown stage, an `--only` whose inputs are missing)."""
-    if not selection:
-        return None
-    try:
-        run_plan = choose(plan(recipe), selection, f"posttrain run {path}")
-    except SelectionError as exc:
-        print(f"posttrain: {exc}", file=err)
-        return EXIT_INVALID
-    return {s.name for s in run_plan.stages}
-
-
-def cmd_plan(
-    path: str,
-    overrides: list[str],
-    out: TextIO,
-    err: TextIO,
-    selection: Selection = ALL_STAGES,
-    resolved: bool = False,
-) -> int:
-    """The verdict and inputs (as `validate`), each stage's fingerprint and artifact (`not
-    selected` for stages `selection` leaves out), and every input's resolved path; `resolved`:
-    the resolved recipe as YAML too."""
-    recipe = load_or_report(path, overrides, err)
-    if recipe is None:
-        return EXIT_INVALID
-    selected = selected_stages(recipe, path, selection, err)
-    if isinstance(selected, int):
-        return selected
-    rows = plan_rows(recipe, selected)
-    ok = _check_inputs(path, recipe, rows, out)
-    print(
-        "\n" + text_table(rows, ("stage", "kind", "inputs", "fingerprint", "runs on", "artifact")),
-        file=out,
-    )
-    print(f"workspace: {recipe.run.workspace}", file=out)
-    inputs = resolved_inputs(recipe)
-    width = max((len(where) for where, _ in inputs), default=0)
-    print("resolved inputs:", file=out)
-    for where, value in inputs:
-        print(f"  {where:<{width}}  {value}", file=out)
-    if resolved:
-        out.write("--- # resolved recipe\n")
-        out.write(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
-    return EXIT_OK if ok else EXIT_INVALID
 
 
 def cmd_run(
@@ -353,231 +189,6 @@ def print_result(result: dict[str, Any], out: TextIO) -> None:
     if p := result.get("promotion"):
         verdict = "promoted" if p["promoted"] else "NOT promoted"
         print(f"promotion:      {verdict}: {p['reason']}", file=out)
-
-
-def cmd_models(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
-    """The champion of every pipeline in the recipe's workspace, with its metrics and lineage."""
-    from posttrain.promotion import champions
-
-    recipe = load_or_report(path, overrides, err)
-    if recipe is None:
-        return EXIT_INVALID
-    found = champions(recipe.run.workspace)
-    if not found:
-        print(f"no champion yet in {recipe.run.workspace}", file=out)
-        return EXIT_OK
-    rows = [
-        (
-            c["name"],
-            c["run_id"],
-            c["decided_at"],
-            ", ".join(f"{k}={v}" for k, v in c["metrics"].items()),
-            c.get("export_path") or "-",
-        )
-        for c in found
-    ]
-    print(text_table(rows, ("pipeline", "run", "promoted at", "metrics", "export")), file=out)
-    for c in found:
-        chain = " -> ".join(f"{stage}@{fp}" for stage, fp in c["lineage"].items())
-        print(f"\n{c['name']} lineage: {chain}", file=out)
-    return EXIT_OK
-
-
-def _workspace_of(
-    path: str | None, overrides: list[str], workspace: str | None, err: TextIO
-) -> str | None:
-    """The workspace a command looks at: `--workspace DIR`, or the recipe's `run.workspace`;
-    None after saying what is wrong."""
-    if (path is None) == (workspace is None):
-        print("posttrain: give a recipe or --workspace DIR (one of them)", file=err)
-        return None
-    if workspace is not None:
-        if overrides:
-            print("posttrain: overrides need a recipe, not --workspace", file=err)
-            return None
-        if not Path(workspace).is_dir():
-            print(f"posttrain: {workspace}: no such workspace folder", file=err)
-            return None
-        return workspace
-    recipe = load_or_report(str(path), overrides, err)
-    return None if recipe is None else recipe.run.workspace
-
-
-def cmd_runs(
-    path: str | None,
-    overrides: list[str],
-    out: TextIO,
-    err: TextIO,
-    workspace: str | None = None,
-    limit: int | None = None,
-) -> int:
-    """The workspace's runs, newest first: status, when, how long, evaluate headline, gate."""
-    from flows.workspace_report import runs_lines
-    from posttrain.workspace_runs import list_runs
-
-    ws = _workspace_of(path, overrides, workspace, err)
-    if ws is None:
-        return EXIT_INVALID
-    runs = list_runs(ws, limit)
-    for line in runs_lines(runs) if runs else [f"no runs yet in {ws}"]:
-        print(line, file=out)
-    return EXIT_OK
-
-
-def cmd_clean(
-    path: str | None,
-    overrides: list[str],
-    out: TextIO,
-    err: TextIO,
-    workspace: str | None = None,
-    yes: bool = False,
-    keep_last: int | None = None,
-) -> int:
-    """Failed attempts, damaged checkpoints and unreferenced artifacts: listed (dry run), or
-    deleted with `yes` (posttrain.workspace_clean, posttrain.workspace_trash)."""
-    from flows.workspace_report import clean_lines
-    from posttrain.workspace_clean import plan_clean
-
-    if keep_last is not None and keep_last < 0:
-        print(f"posttrain: --keep-last {keep_last}: must be 0 or more", file=err)
-        return EXIT_INVALID
-    ws = _workspace_of(path, overrides, workspace, err)
-    if ws is None:
-        return EXIT_INVALID
-    plan = plan_clean(ws, keep_last)
-    outcome = None
-    if yes:
-        from posttrain.workspace_trash import delete
-
-        outcome = delete(plan)
-    for line in clean_lines(plan, outcome):
-        print(line, file=out)
-    return EXIT_OK
-
-
-def _server_url(err: TextIO) -> str | None:
-    url = os.environ.get("PREFECT_API_URL")
-    if not url:
-        print(
-            "error: this command needs a Prefect server: set PREFECT_API_URL (e.g. "
-            "http://127.0.0.1:4200/api after `prefect server start`; see docs/operations.md)",
-            file=err,
-        )
-    return url
-
-
-def cmd_serve(
-    paths: list[str],
-    out: TextIO,
-    err: TextIO,
-    allow_paths: list[str] | None = None,
-    allow_rewards: list[str] | None = None,
-) -> int:
-    """Serve one deployment per recipe until stopped (SIGINT/SIGTERM); runs execute here."""
-    for flag, given in (("--allow-path", allow_paths), ("--allow-rewards", allow_rewards)):
-        bad = [p for p in given or [] if not p.startswith(("/", "~"))]
-        if bad:
-            print(f"error: {flag} needs absolute folders, got {', '.join(bad)}", file=err)
-            return EXIT_INVALID
-    recipes = []
-    for path in paths:
-        recipe = load_or_report(path, [], err, devices=False)
-        if recipe is None:
-            return EXIT_INVALID
-        recipes.append((path, recipe))
-    # What served runs may read: the operator's folders and those of the recipe files served
-    # (the operator wrote them); a recipe sent with a run may only narrow them. Set here, before
-    # serving: the runs are subprocesses of this process and inherit it.
-    trusted = [*(allow_paths or []), *(p for _, r in recipes for p in served_roots(r))]
-    os.environ[ALLOWED_ENV] = with_roots(os.environ.get(ALLOWED_ENV), trusted)
-    print(f"served runs may read from: {os.environ[ALLOWED_ENV]}", file=out, flush=True)
-    # Reward code likewise: the operator's folders and the served recipes' own reward modules.
-    code = [*(allow_rewards or []), *(p for _, r in recipes for p in served_reward_roots(r))]
-    os.environ[REWARDS_ENV] = with_roots(os.environ.get(REWARDS_ENV), code)
-    if os.environ[REWARDS_ENV]:
-        print(f"served runs may import reward code from: {os.environ[REWARDS_ENV]}", file=out)
-    if _server_url(err) is None:
-        return EXIT_INVALID
-    apply_prefect_defaults()
-    from prefect import serve
-
-    from flows.deploy import check_unique, deployment_for, describe
-
-    problems = check_unique(recipes)
-    if problems:
-        print("error: " + "\n  ".join(problems), file=err)
-        return EXIT_INVALID
-    deployments = []
-    for _, recipe in recipes:
-        try:
-            deployments.append(deployment_for(recipe))
-        except ValueError as exc:  # a cron expression Prefect's parser refuses
-            print(f"error: schedule of '{recipe.run.name}': {exc}", file=err)
-            return EXIT_INVALID
-        print(describe(recipe), file=out, flush=True)
-    # pause_on_shutdown=False: a restart of this process must not silently stop retraining.
-    serve(*deployments, pause_on_shutdown=False, print_starting_message=False)
-    return EXIT_OK
-
-
-def cmd_submit(
-    path: str,
-    overrides: list[str],
-    out: TextIO,
-    err: TextIO,
-    wait: bool,
-    selection: Selection = ALL_STAGES,
-) -> int:
-    """Start a run of the served deployment of this recipe, with overrides and the stage
-    selection (checked by the run, against the worker's workspace); print its URL."""
-    recipe = load_or_report(path, overrides, err, devices=False)
-    if recipe is None or _server_url(err) is None:
-        return EXIT_INVALID
-    apply_prefect_defaults()
-    from prefect.deployments import run_deployment
-    from prefect.exceptions import ObjectNotFound
-
-    from flows.deploy import FLOW_NAME, flow_run_url, recipe_parameters
-
-    name = f"{FLOW_NAME}/{recipe.run.name}"
-    try:
-        run = run_deployment(
-            name, parameters=recipe_parameters(recipe, selection), timeout=None if wait else 0
-        )
-    except ObjectNotFound:
-        print(f"error: no deployment {name}; is `posttrain serve {path}` running?", file=err)
-        return EXIT_FAILED
-    print(flow_run_url(run), file=out, flush=True)
-    if not wait:
-        return EXIT_OK
-    state = run.state
-    print(f"{run.name}: {state.name if state else 'unknown'}", file=out)
-    if state is not None and state.is_completed():
-        return EXIT_OK
-    # Why, as the run's final state says it: posttrain's one-line reason for what it refused
-    # or stopped (flows.post_train), Prefect's own message otherwise. The worker's log has more.
-    for line in ((state.message if state else "") or "").strip().splitlines():
-        print(f"  {line}", file=out)
-    return EXIT_FAILED
-
-
-def cmd_publish_base(model_dir: str, pipeline: str, out: TextIO, err: TextIO) -> int:
-    """Emit posttrain.base.published for a checkpoint folder made outside posttrain."""
-    folder = Path(model_dir)
-    if not (folder / "config.json").is_file():
-        print(f"error: {folder} is not a model folder (no config.json)", file=err)
-        return EXIT_INVALID
-    if _server_url(err) is None:
-        return EXIT_INVALID
-    apply_prefect_defaults()
-    from prefect.events.worker import EventsWorker
-
-    from flows.events import BASE_EVENT, publish_base
-
-    publish_base(folder, pipeline)
-    EventsWorker.drain_all()  # the event is sent by a background worker: send it before exit
-    print(f"emitted {BASE_EVENT} for {folder.resolve()}", file=out)
-    return EXIT_OK
 
 
 def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
@@ -760,12 +371,6 @@ def _add_served_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model_dir", type=Path, help="Hugging Face model folder")
     p.add_argument("--pipeline", default="external", help="who published it (default external)")
-
-
-def _workspace_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", type=Path, nargs="?", help="recipe YAML file (its run.workspace)")
-    p.add_argument("overrides", nargs="*", help="key.path=value (values parsed as YAML)")
-    p.add_argument("--workspace", type=Path, metavar="DIR", help="a workspace, not a recipe's")
 
 
 def _exit_without_collecting() -> None:

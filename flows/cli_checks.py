@@ -1,0 +1,156 @@
+"""`posttrain validate` and `posttrain plan`: the verdict on a recipe and its inputs, and the
+stages a run (or a selection of it) would go through."""
+
+from __future__ import annotations
+
+from typing import TextIO
+
+import yaml
+
+from flows.cli_common import EXIT_INVALID, EXIT_OK, load_or_report, refused_head
+from flows.report import text_table
+from posttrain.artifacts import read_manifest, verify
+from posttrain.config.schema import Recipe
+from posttrain.kinds import KINDS
+from posttrain.planner import plan
+from posttrain.selection import ALL_STAGES, Selection, SelectionError, choose
+
+
+def cmd_validate(
+    path: str, overrides: list[str], out: TextIO, err: TextIO, resolved: bool = False
+) -> int:
+    """The verdict on the recipe and every input it names (exit 2 on any problem), then what
+    each input is; `resolved`: the resolved recipe as YAML too."""
+    recipe = load_or_report(path, overrides, err)
+    if recipe is None:
+        return EXIT_INVALID
+    ok = _check_inputs(path, recipe, plan_rows(recipe), out)
+    if resolved:
+        out.write("--- # resolved recipe\n")
+        out.write(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    return EXIT_OK if ok else EXIT_INVALID
+
+
+def _check_inputs(path: str, recipe: Recipe, rows: list[tuple[str, ...]], out: TextIO) -> bool:
+    """Print the verdict line (`recipe ok: 4 stages, 3 to run`, or `refused_head`, each problem
+    and the fix), then one line per input; True when nothing is wrong."""
+    from posttrain.config.inputs_check import check_inputs
+
+    report = check_inputs(recipe)
+    if report.problems:
+        print(refused_head(path, len(report.problems)), file=out)
+        for line in report.problems:
+            print(f"  {line}", file=out)
+        print(
+            "  fix:  correct the fields named above (or create the files they name), then "
+            "`posttrain validate` again; nothing ran",
+            file=out,
+        )
+    else:
+        to_run = sum(row[-1] not in ("complete", "not selected") for row in rows)
+        print(f"recipe ok: {len(rows)} stages, {to_run} to run", file=out)
+    for line in report.lines:
+        print(line, file=out)
+    return not report.problems
+
+
+def resolved_inputs(recipe: Recipe) -> list[tuple[str, str]]:
+    """(field path, resolved value) of every input: paths absolute, hub ids with their
+    revision, code as the file it is imported from."""
+    from posttrain.config.loader import code_refs, hub_ids, input_paths
+
+    found = dict(input_paths(recipe))
+    found |= {
+        where: f"{repo}@{rev} (hub {kind})" for where, (repo, rev, kind) in hub_ids(recipe).items()
+    }
+    found |= {code.where: code.ref for code in code_refs(recipe)}
+    return sorted(found.items())
+
+
+# How `posttrain plan` names a stage's inputs (the base is every stage's: left out).
+ROLE_LABELS = {"policy": "from", "reference": "ref", "reward_model": "rm"}
+
+
+def inputs_text(roles: dict[str, str]) -> str:
+    """`from dpo, ref sft, rm reward` (graph stages' links; "" for the fixed stages)."""
+    return ", ".join(f"{ROLE_LABELS[r]} {n}" for r, n in roles.items() if r in ROLE_LABELS)
+
+
+def plan_rows(
+    recipe: Recipe, selected: set[str] | None = None
+) -> list[tuple[str, str, str, str, str, str]]:
+    """(stage, kind, inputs, fingerprint, where it runs, artifact state) per planned stage;
+    a stage outside `selected` (`--until`/`--only`; None: all) is `not selected`.
+
+    Where: the launcher, then nodes x processes per node (`slurm:4x8`), or the processes
+    alone on one node (`local:2`); `local` for one process here."""
+    rows = []
+    for stage in plan(recipe).stages:
+        if selected is not None and stage.name not in selected:
+            state = "not selected"
+        elif not stage.out_dir.exists():
+            state = "missing"
+        elif read_manifest(stage.out_dir) is None:
+            state = "incomplete (started, no manifest)"
+        else:
+            ok, why = verify(stage.out_dir)
+            state = "complete" if ok else f"invalid ({why})"
+        graph_stage = KINDS[stage.kind].placement == "graph"
+        links = inputs_text(stage.roles) if graph_stage else stage.roles.get("policy", "")
+        where = stage.launcher
+        if stage.nnodes > 1:
+            where += f":{stage.nnodes}x{stage.nprocs}"
+        elif stage.nprocs > 1 or stage.launcher != "local":
+            where += f":{stage.nprocs}"
+        rows.append((stage.name, stage.kind, links, stage.fingerprint, where, state))
+    return rows
+
+
+def selected_stages(
+    recipe: Recipe, path: str, selection: Selection, err: TextIO
+) -> set[str] | None | int:
+    """The names `selection` keeps (None: no selection, every stage), or EXIT_INVALID after
+    printing why it cannot run (an unknown stage, an `--only` whose inputs are missing)."""
+    if not selection:
+        return None
+    try:
+        run_plan = choose(plan(recipe), selection, f"posttrain run {path}")
+    except SelectionError as exc:
+        print(f"posttrain: {exc}", file=err)
+        return EXIT_INVALID
+    return {s.name for s in run_plan.stages}
+
+
+def cmd_plan(
+    path: str,
+    overrides: list[str],
+    out: TextIO,
+    err: TextIO,
+    selection: Selection = ALL_STAGES,
+    resolved: bool = False,
+) -> int:
+    """The verdict and inputs (as `validate`), each stage's fingerprint and artifact (`not
+    selected` for stages `selection` leaves out), and every input's resolved path; `resolved`:
+    the resolved recipe as YAML too."""
+    recipe = load_or_report(path, overrides, err)
+    if recipe is None:
+        return EXIT_INVALID
+    selected = selected_stages(recipe, path, selection, err)
+    if isinstance(selected, int):
+        return selected
+    rows = plan_rows(recipe, selected)
+    ok = _check_inputs(path, recipe, rows, out)
+    print(
+        "\n" + text_table(rows, ("stage", "kind", "inputs", "fingerprint", "runs on", "artifact")),
+        file=out,
+    )
+    print(f"workspace: {recipe.run.workspace}", file=out)
+    inputs = resolved_inputs(recipe)
+    width = max((len(where) for where, _ in inputs), default=0)
+    print("resolved inputs:", file=out)
+    for where, value in inputs:
+        print(f"  {where:<{width}}  {value}", file=out)
+    if resolved:
+        out.write("--- # resolved recipe\n")
+        out.write(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    return EXIT_OK if ok else EXIT_INVALID
