@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import vs_trl
+from bench import vs_trl, vs_trl_trainers
 from posttrain.data.chat import IGNORE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +100,7 @@ def test_grpo_row_recipe_and_trl_fields(tmp_path: Path) -> None:
     loaded = load_recipe(path)
     assert plan(loaded).stage("grpo").roles["policy"] == "sft"
     assert section_batch(loaded, "grpo").global_batch_size == 64
-    kw = vs_trl.grpo_kw(vs_trl.grpo_section(loaded))
+    kw = vs_trl_trainers.grpo_kw(vs_trl.grpo_section(loaded))
     assert kw["num_generations"] == 8 and kw["max_completion_length"] == 32
     assert (kw["temperature"], kw["top_k"], kw["top_p"]) == (1.0, 0, 1.0)
     assert (kw["beta"], kw["num_iterations"], kw["epsilon"], kw["epsilon_high"]) == (
@@ -141,19 +141,19 @@ def test_trl_pairs_split_at_the_first_scored_token() -> None:
         "rejected_ids": [1, 2, 3, 5],
         "rejected_labels": [IGNORE, IGNORE, IGNORE, 5],
     }
-    assert vs_trl.trl_pairs([pair]) == [
+    assert vs_trl_trainers.trl_pairs([pair]) == [
         {"prompt_ids": [1, 2, 3], "chosen_ids": [7, 8, 9], "rejected_ids": [5]}
     ]
     # TRL scores every completion token: an unscored one after the response would differ.
     bad = pair | {"chosen_labels": [IGNORE, IGNORE, IGNORE, 7, 8, IGNORE]}
     with pytest.raises(AssertionError, match="unscored"):
-        vs_trl.trl_pairs([bad])
+        vs_trl_trainers.trl_pairs([bad])
 
 
 def test_stage_order_is_the_stages_batches() -> None:
     from posttrain.data.batching import step_indices
 
-    order = vs_trl.stage_order(10, 3, micro=2, accum=2, seed=5)
+    order = vs_trl_trainers.stage_order(10, 3, micro=2, accum=2, seed=5)
     assert len(order) == 12
     assert order[4:8] == [
         i for ix in step_indices(10, 1, micro=2, accum=2, dp_size=1, rank=0, seed=5) for i in ix
