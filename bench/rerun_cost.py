@@ -70,11 +70,12 @@ def incomplete_stages(recipe: Path, workspace: Path) -> list[str]:
     """Stages of the recipe whose artifact is not complete (`posttrain plan`, no Prefect)."""
     from flows.cli_checks import plan_rows
     from flows.cli_common import load_or_report
+    from posttrain.planner import plan
 
     loaded = load_or_report(str(recipe), [f"run.workspace={workspace}", *OVERRIDES], sys.stderr)
     if loaded is None:
         raise SystemExit(2)
-    return [row[0] for row in plan_rows(loaded) if row[-1] != "complete"]
+    return [row[0] for row in plan_rows(plan(loaded).stages) if row[-1] != "complete"]
 
 
 def launches(workspace: Path) -> int:

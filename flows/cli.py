@@ -87,7 +87,7 @@ def cmd_run(
     recipe = load_or_report(path, overrides, err)
     if recipe is None:
         return EXIT_INVALID
-    if isinstance(selected_stages(recipe, path, selection, err), int):
+    if selection and isinstance(selected_stages(plan(recipe), path, selection, err), int):
         return EXIT_INVALID  # the same check as the flow's, before Prefect starts
     apply_prefect_defaults()
     print(f"posttrain: running '{recipe.run.name}' on {prefect_target()}", file=err)

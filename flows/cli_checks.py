@@ -3,6 +3,7 @@ stages a run (or a selection of it) would go through."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TextIO
 
 import yaml
@@ -12,8 +13,8 @@ from flows.report import text_table
 from posttrain.artifacts import read_manifest, verify
 from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS
-from posttrain.planner import plan
-from posttrain.selection import ALL_STAGES, Selection, SelectionError, choose
+from posttrain.planner import PlannedStage, RunPlan, plan
+from posttrain.selection import ALL_STAGES, Selection, SelectionError, choose, complete_stages
 
 
 def cmd_validate(
@@ -24,16 +25,25 @@ def cmd_validate(
     recipe = load_or_report(path, overrides, err)
     if recipe is None:
         return EXIT_INVALID
-    ok = _check_inputs(path, recipe, plan_rows(recipe), out)
-    if resolved:
-        out.write("--- # resolved recipe\n")
-        out.write(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    stages = plan(recipe).stages
+    # Complete by manifest and file sizes: validate hashes no artifact (plan verifies them).
+    to_run = len(stages) - len(complete_stages(stages))
+    ok = _check_inputs(path, recipe, (len(stages), to_run), out)
+    _print_resolved(recipe, resolved, out)
     return EXIT_OK if ok else EXIT_INVALID
 
 
-def _check_inputs(path: str, recipe: Recipe, rows: list[tuple[str, ...]], out: TextIO) -> bool:
-    """Print the verdict line (`recipe ok: 4 stages, 3 to run`, or `refused_head`, each problem
-    and the fix), then one line per input; True when nothing is wrong."""
+def _print_resolved(recipe: Recipe, resolved: bool, out: TextIO) -> None:
+    """`--resolved`: the resolved recipe as YAML, after a marker line."""
+    if resolved:
+        out.write("--- # resolved recipe\n")
+        out.write(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+
+
+def _check_inputs(path: str, recipe: Recipe, counts: tuple[int, int], out: TextIO) -> bool:
+    """Print the verdict line (`recipe ok: 4 stages, 3 to run` from `counts`, (stages, to run);
+    or `refused_head`, each problem and the fix), then one line per input; True when nothing is
+    wrong."""
     from posttrain.config.inputs_check import check_inputs
 
     report = check_inputs(recipe)
@@ -47,8 +57,7 @@ def _check_inputs(path: str, recipe: Recipe, rows: list[tuple[str, ...]], out: T
             file=out,
         )
     else:
-        to_run = sum(row[-1] not in ("complete", "not selected") for row in rows)
-        print(f"recipe ok: {len(rows)} stages, {to_run} to run", file=out)
+        print(f"recipe ok: {counts[0]} stages, {counts[1]} to run", file=out)
     for line in report.lines:
         print(line, file=out)
     return not report.problems
@@ -77,7 +86,7 @@ def inputs_text(roles: dict[str, str]) -> str:
 
 
 def plan_rows(
-    recipe: Recipe, selected: set[str] | None = None
+    stages: Sequence[PlannedStage], selected: set[str] | None = None
 ) -> list[tuple[str, str, str, str, str, str]]:
     """(stage, kind, inputs, fingerprint, where it runs, artifact state) per planned stage;
     a stage outside `selected` (`--until`/`--only`; None: all) is `not selected`.
@@ -85,7 +94,7 @@ def plan_rows(
     Where: the launcher, then nodes x processes per node (`slurm:4x8`), or the processes
     alone on one node (`local:2`); `local` for one process here."""
     rows = []
-    for stage in plan(recipe).stages:
+    for stage in stages:
         if selected is not None and stage.name not in selected:
             state = "not selected"
         elif not stage.out_dir.exists():
@@ -107,14 +116,14 @@ def plan_rows(
 
 
 def selected_stages(
-    recipe: Recipe, path: str, selection: Selection, err: TextIO
+    run_plan: RunPlan, path: str, selection: Selection, err: TextIO
 ) -> set[str] | None | int:
     """The names `selection` keeps (None: no selection, every stage), or EXIT_INVALID after
     printing why it cannot run (an unknown stage, an `--only` whose inputs are missing)."""
     if not selection:
         return None
     try:
-        run_plan = choose(plan(recipe), selection, f"posttrain run {path}")
+        run_plan = choose(run_plan, selection, f"posttrain run {path}")
     except SelectionError as exc:
         print(f"posttrain: {exc}", file=err)
         return EXIT_INVALID
@@ -135,11 +144,13 @@ def cmd_plan(
     recipe = load_or_report(path, overrides, err)
     if recipe is None:
         return EXIT_INVALID
-    selected = selected_stages(recipe, path, selection, err)
+    run_plan = plan(recipe)  # once: fingerprints read the data files
+    selected = selected_stages(run_plan, path, selection, err)
     if isinstance(selected, int):
         return selected
-    rows = plan_rows(recipe, selected)
-    ok = _check_inputs(path, recipe, rows, out)
+    rows = plan_rows(run_plan.stages, selected)
+    to_run = sum(row[-1] not in ("complete", "not selected") for row in rows)
+    ok = _check_inputs(path, recipe, (len(rows), to_run), out)
     print(
         "\n" + text_table(rows, ("stage", "kind", "inputs", "fingerprint", "runs on", "artifact")),
         file=out,
@@ -150,7 +161,5 @@ def cmd_plan(
     print("resolved inputs:", file=out)
     for where, value in inputs:
         print(f"  {where:<{width}}  {value}", file=out)
-    if resolved:
-        out.write("--- # resolved recipe\n")
-        out.write(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    _print_resolved(recipe, resolved, out)
     return EXIT_OK if ok else EXIT_INVALID
