@@ -33,5 +33,5 @@ def test_the_quickstart_s_dpo_beats_its_sft_parent(prefect_harness: None, tmp_pa
     assert dpo["parent"] == "sft"
     assert dpo["exact_match"] - sft["exact_match"] >= 0.05, (sft, dpo)
     assert dpo["win_rate_vs_parent"] > 0.5, dpo
-    # The headline says the same of the final policy.
-    assert summary["headline"]["exact_match_tuned"] == pytest.approx(dpo["exact_match"])
+    # The headline says the same of the final policy (rounded to 4 digits there).
+    assert summary["headline"]["exact_match_tuned"] == pytest.approx(dpo["exact_match"], abs=1e-4)
