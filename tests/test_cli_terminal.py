@@ -138,6 +138,9 @@ def test_a_memory_refusal_is_one_block_with_what_would_fit(
 ) -> None:
     folder, env = shared
     data = _tiny(folder / "ws", "memory")
+    # An SFT of its own: the gate and bad-pair runs complete the shared one, which this run
+    # would then reuse without a pre-flight, whatever the order the tests ran in.
+    data["sft"]["max_steps"] = 3
     rc, out = _cli(folder, env, data, "infra.device_memory_gb=0.001")
     assert rc == 1
     block = _block(

@@ -133,6 +133,27 @@ def test_the_server_dies_with_the_process_that_started_it(tmp_path: Path) -> Non
     assert _gone(server) and _gone(child)  # the keeper took its whole group down
 
 
+def test_a_keeper_signalled_as_its_server_starts_still_ends_it(tmp_path: Path) -> None:
+    """SIGTERM the moment the keeper's server process exists (the stage dying just after it
+    started its server): the keeper's handlers are in place before the fork, so the server
+    ends with it instead of living on, orphaned."""
+    for attempt in range(5):
+        proc = ServerProcess.start(
+            [sys.executable, "-c", "import time; time.sleep(120)"],
+            {},
+            tmp_path / f"s{attempt}.log",
+            tmp_path / f"r{attempt}.json",
+        )
+        keeper = psutil.Process(proc.proc.pid)
+        deadline = time.monotonic() + 30
+        while not keeper.children() and time.monotonic() < deadline:
+            pass  # spin: the window is the keeper's first milliseconds after the fork
+        server = keeper.children()[0]
+        keeper.send_signal(signal.SIGTERM)
+        server.wait(timeout=20)  # raises if the server outlives its keeper
+        proc.proc.wait(timeout=20)
+
+
 def test_a_next_attempt_stops_what_an_earlier_one_left(tmp_path: Path) -> None:
     record = tmp_path / "rollout-server.json"
     assert stop_leftover(record) is None

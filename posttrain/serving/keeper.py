@@ -34,7 +34,6 @@ def _end_leftovers(sig: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    child = subprocess.Popen(argv)
     stopping = threading.Event()
 
     def stop(signum: int, frame: object) -> None:
@@ -49,8 +48,13 @@ def main(argv: list[str]) -> None:
         timer.daemon = True
         timer.start()
 
+    # Handlers first: a signal between the fork and the handlers would end the keeper alone
+    # and leave the server running, orphaned.
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, stop)
+    child = subprocess.Popen(argv)
+    if stopping.is_set():  # asked to stop while the server was being forked
+        _end_leftovers(signal.SIGTERM)
     code = child.wait()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
