@@ -4,12 +4,11 @@ unit tests (docs/monitoring/alerts_test.yml) pass, and they only name exported s
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
+from monitoring_queries import promtool
 
 from posttrain.telemetry.prom_names import BY_NAME
 
@@ -21,19 +20,9 @@ RULE_TESTS = MONITORING / "alerts_test.yml"
 METRIC = re.compile(r"\bposttrain_[a-z_]*[a-z]\b")
 
 
-def _promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.fail(
-            "promtool is missing: run `bash scripts/dev.sh test` (or test-fast), which installs "
-            "Debian's prometheus package, or install it by hand (apt-get install prometheus)"
-        )
-    return path
-
-
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [_promtool(), *args], capture_output=True, text=True, timeout=120, cwd=MONITORING
+        [promtool(), *args], capture_output=True, text=True, timeout=120, cwd=MONITORING
     )
 
 
