@@ -58,6 +58,24 @@ install_slurm() {
   export POSTTRAIN_REQUIRE_SLURM=1
 }
 
+# The monitoring tests (fast tier) run promtool on the shipped alert rules and dashboard queries;
+# the exporter's tests start a real Prometheus and Pushgateway: Debian's prometheus and
+# prometheus-pushgateway. On a host with systemd, apt starts both as services (ports 9090, 9091).
+install_prometheus() {
+  command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 &&
+    command -v prometheus-pushgateway >/dev/null 2>&1 && return 0
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing Debian's prometheus and prometheus-pushgateway for the monitoring tests" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus prometheus-pushgateway >/dev/null ||
+      { apt-get update -qq &&
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus prometheus-pushgateway >/dev/null; }
+  else
+    echo "warning: prometheus/promtool is missing and cannot be installed here (needs root and" \
+      "apt-get); the monitoring tests will fail: install Debian's prometheus and" \
+      "prometheus-pushgateway packages" >&2
+  fi
+}
+
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 case "${1:-}" in
   quickstart)
@@ -66,6 +84,7 @@ case "${1:-}" in
     ;;
   test | test-fast)
     install dev,serving,mlflow,wandb,lm-eval,kubernetes
+    install_prometheus
     [ "$1" = test ] && install_browser
     [ "$1" = test ] && install_slurm
     marker=()
