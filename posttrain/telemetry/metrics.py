@@ -136,12 +136,15 @@ _FRAGMENTATION_WARNED = False
 
 
 def memory_snapshot(device: torch.device) -> dict[str, float]:
-    """Peak allocated vs reserved (GPU) or current and peak RSS (CPU), in GiB. On GPU, heavy
-    fragmentation (see `fragmentation_warning`) is logged the first time it is seen."""
+    """Current and peak allocated vs reserved (GPU) or current and peak RSS (CPU), in GiB. On
+    GPU, heavy fragmentation (see `fragmentation_warning`) is logged the first time it is
+    seen."""
     global _FRAGMENTATION_WARNED
     gib = 1024**3
     if device.type == "cuda":
         snap = {
+            "mem_allocated_gib": torch.cuda.memory_allocated(device) / gib,
+            "mem_reserved_gib": torch.cuda.memory_reserved(device) / gib,
             "mem_peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
             "mem_peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib,
         }
