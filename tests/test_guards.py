@@ -376,6 +376,7 @@ def _blowup_recipe(folder: Path) -> Path:
 def test_sft_blowup_is_skipped_then_stopped_and_the_checkpoint_kept(
     tmp_path: Path, shared_parents: Path
 ) -> None:
+    from posttrain.telemetry.health import read_health
     from posttrain.telemetry.metrics import read_metrics
     from posttrain.train.checkpoint import complete_checkpoints
 
@@ -400,6 +401,8 @@ def test_sft_blowup_is_skipped_then_stopped_and_the_checkpoint_kept(
     # every one of them skipped for a NaN loss: also counted as non-finite
     assert all(r.get("nonfinite_updates") == 1 for r in train[1:])
     assert "nonfinite_updates" not in train[0]
+    # the stage's ranks sampled their health beside their beats (logs/health/, issue 30)
+    assert read_health(out)[0]["sources"]["io"] == "present"
 
     # The only checkpoint is step 1's, written before the first bad step, and complete.
     ckpts = complete_checkpoints(out / "checkpoints")
