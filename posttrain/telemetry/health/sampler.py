@@ -4,7 +4,7 @@ and the process's storage reads every `interval_s` and replaces
 the flow's Prometheus exporter never reads half a sample. Rank 0 also appends each sample to
 metrics.jsonl as one flat `kind: "health"` record once the stage's MetricsWriter exists
 (`attach_writer`: the writer truncates the file on a fresh start, so earlier records would be
-lost). The schema is the monitoring contract's (docs/operations.md, Monitoring).
+lost). The schema is the monitoring contract's (issue 30).
 
 A source that is absent writes no entries (never zeros); `sources` says why in one line. A
 sampler error never fails the stage: it is logged once and the next interval tries again.
