@@ -120,6 +120,8 @@ def recipe(
 
 def run_stage(stage: str, recipe_path: Path, log: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    # Stages of a few dozen steps: a health sample every second, so the last one is mid-run.
+    env.setdefault("POSTTRAIN_HEALTH_INTERVAL_S", "1")
     cmd = [sys.executable, "-m", f"posttrain.stages.{stage}", "--recipe", str(recipe_path)]
     t0 = time.perf_counter()
     with log.open("w") as f:
@@ -151,6 +153,31 @@ def figures(stage_dir: Path) -> dict[str, Any]:
     }
 
 
+def health_line(stage_dir: Path) -> str:
+    """What NVML read on rank 0's GPU in its last health sample of the stage (logs/health/)."""
+    from posttrain.telemetry.health import read_health
+
+    sample = read_health(stage_dir).get(0)
+    if sample is None:
+        return "no health sample"
+    if not sample["gpus"]:
+        return f"nvml {sample['sources'].get('nvml')}"
+    g = sample["gpus"][0]
+    held = [r for r, on in g.get("throttle", {}).items() if on] or ["none"]
+    parts = [
+        f"GPU {g.get('index')} {g.get('name')}",
+        f"{g.get('power_w', float('nan')):.0f}/{g.get('power_limit_w', float('nan')):.0f} W",
+        f"{g.get('temperature_c')} C",
+        f"SM {g.get('sm_clock_mhz')}/{g.get('sm_clock_max_mhz')} MHz",
+        f"throttle {','.join(held)}",
+        f"ECC {g.get('ecc_corrected')}/{g.get('ecc_uncorrected')}",
+        f"PCIe tx {g.get('pcie_tx_bytes_per_s', float('nan')) / 1e9:.2f} GB/s",
+        f"NVLink tx {g.get('nvlink_tx_bytes_per_s', float('nan')) / 1e9:.2f} GB/s",
+        f"mem {g.get('memory_used_bytes', float('nan')) / 2**30:.1f} GiB",
+    ]
+    return ", ".join(parts)
+
+
 def stage_dir(ws: Path, stage: str) -> Path:
     dirs = sorted((ws / "artifacts" / stage).iterdir(), key=lambda p: p.stat().st_mtime)
     return dirs[-1]
@@ -174,6 +201,7 @@ def main() -> None:
     words = max(16, int(args.seq * 0.6))  # ~1.2 tokens per word: rows fill most of --seq
     sft_data, pref_data = write_data(work / "data", rows=64 * args.micro, words=words)
     results: dict[str, dict[str, Any]] = {}
+    health: dict[str, str] = {}
     for shape in args.shapes:
         print(f"{shape}:", flush=True)
         folder = work / shape
@@ -184,6 +212,7 @@ def main() -> None:
             run_stage(stage, path, folder / f"{stage}.log")
         for stage in ("sft", "dpo"):
             results[f"{shape} {stage}"] = figures(stage_dir(folder / "ws", stage))
+            health[f"{shape} {stage}"] = health_line(stage_dir(folder / "ws", stage))
 
     head = (
         f"{'run':22s} {'params':>8s} {'tok/step':>8s} {'tok/s/GPU':>10s} {'TFLOP/s':>8s} "
@@ -200,6 +229,9 @@ def main() -> None:
             f"{resv if resv is not None else float('nan'):8.2f} "
             f"{r['estimate_gib'] or float('nan'):8.2f} {ratio:9.2f}"
         )
+    print("\nlast health sample (NVML, rank 0) of each stage:")
+    for name, line in health.items():
+        print(f"  {name:22s} {line}")
     if args.cpu_smoke:
         print("(CPU smoke: 'alloc' is the peak RSS, MFU against this CPU's measured fp32 peak)")
     if args.json:

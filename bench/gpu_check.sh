@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check: SFT and DPO for a few dozen steps on random-init Qwen2.5-0.5B and -1.5B shapes in
 # bf16; prints tokens/s per GPU, MFU, peak allocated and reserved memory and the pre-flight
-# estimate beside it. Run from the repository root on a machine with an NVIDIA GPU:
+# estimate beside it, and what NVML read (power, temperature, clocks, throttling) idle and in
+# each stage's last health sample. Run from the repository root on a machine with an NVIDIA GPU:
 #
 #   bash bench/gpu_check.sh                 # both shapes, seq 1024, micro 8 (about 5 minutes)
 #   bash bench/gpu_check.sh --seq 2048      # any bench/gpu_check.py option passes through
@@ -20,4 +21,8 @@ print(f"GPU: {p.name}, {p.total_memory / 2**30:.0f} GiB; torch {torch.__version_
       f"CUDA {torch.version.cuda}")
 PYEOF
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+# What the stages' health samplers will read (NVML through the CUDA device's PCI bus id,
+# InfiniBand, storage reads): two samples 1 s apart, idle. The stages' own last samples, under
+# load, follow the results table.
+"$PY" -m posttrain.telemetry.health || echo "health readers failed (exit $?): see above"
 exec "$PY" bench/gpu_check.py "$@"

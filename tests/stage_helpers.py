@@ -107,8 +107,16 @@ def crash_after(out: Path, logged_steps: int, outputs: tuple[str, ...]) -> None:
     (out / "manifest.json").unlink()
     for d in outputs:
         shutil.rmtree(out / d)
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    (out / "metrics.jsonl").write_text("\n".join(lines[: 1 + logged_steps]) + "\n")
+    kept, counted = [], 0
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        # The start record and `logged_steps` records after it; the health sampler's records,
+        # written on a clock rather than per step, come along without counting.
+        if '"kind": "health"' not in line:
+            if counted == 1 + logged_steps:
+                break
+            counted += 1
+        kept.append(line)
+    (out / "metrics.jsonl").write_text("\n".join(kept) + "\n")
 
 
 def planned_dir(stage: str, recipe: Path, *overrides: str) -> Path:

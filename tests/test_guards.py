@@ -315,7 +315,22 @@ def test_session_skips_non_finite_and_spiking_steps_bit_exactly(tmp_path: Path) 
         assert _same(before, _snapshot(tr)), "a skipped step changed the model or optimizer"
         step(4, 1e3)  # finite, but far above mean + 3 std of the last two good losses
         assert _same(before, _snapshot(tr))
+
+        def record(n: int) -> None:
+            tr.record_step(
+                n,
+                loss=1.0,
+                grad_norm=1.0,
+                lr=1e-2,
+                local_tokens=64,
+                seq_len=16.0,
+                t_start=time.perf_counter(),
+                t_data=0.0,
+            )
+
+        record(4)  # both skips since the last record; the NaN one also counted apart
         step(5, 1.0)
+        record(5)
         assert not _same(before, _snapshot(tr)), "a good step must still update"
         with pytest.raises(TooManyBadSteps, match="stopped at step 6: 3 bad steps") as info:
             step(6, float("inf"))
@@ -324,6 +339,11 @@ def test_session_skips_non_finite_and_spiking_steps_bit_exactly(tmp_path: Path) 
         assert tr.summary(ctx)["skipped_steps"] == 3
         assert tr.headline()["skipped_steps"] == 3
         tr.metrics.close()
+        train = read_metrics(tmp_path / "out" / "metrics.jsonl", "train")
+        assert [(r.get("skipped_updates"), r.get("nonfinite_updates")) for r in train] == [
+            (2, 1),
+            (None, None),
+        ]
         records = read_metrics(tmp_path / "out" / "metrics.jsonl", "guard")
         assert [r["step"] for r in records] == [3, 4, 6]
         assert records[0]["reason"] == "non-finite loss (nan)" and records[0]["loss"] != 0
@@ -356,6 +376,7 @@ def _blowup_recipe(folder: Path) -> Path:
 def test_sft_blowup_is_skipped_then_stopped_and_the_checkpoint_kept(
     tmp_path: Path, shared_parents: Path
 ) -> None:
+    from posttrain.telemetry.health import read_health
     from posttrain.telemetry.metrics import read_metrics
     from posttrain.train.checkpoint import complete_checkpoints
 
@@ -377,6 +398,11 @@ def test_sft_blowup_is_skipped_then_stopped_and_the_checkpoint_kept(
     # The schedule did not advance over skipped steps: every skipped step reports step 2's lr.
     assert len({r["lr"] for r in train[1:]}) == 1 and train[1]["lr"] < train[0]["lr"]
     assert all(r.get("skipped_updates") == 1 for r in train[1:])
+    # every one of them skipped for a NaN loss: also counted as non-finite
+    assert all(r.get("nonfinite_updates") == 1 for r in train[1:])
+    assert "nonfinite_updates" not in train[0]
+    # the stage's ranks sampled their health beside their beats (logs/health/, issue 30)
+    assert read_health(out)[0]["sources"]["io"] == "present"
 
     # The only checkpoint is step 1's, written before the first bad step, and complete.
     ckpts = complete_checkpoints(out / "checkpoints")

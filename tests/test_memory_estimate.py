@@ -598,10 +598,17 @@ def test_memory_snapshot_warns_once_on_gpu(monkeypatch: pytest.MonkeyPatch, capl
     monkeypatch.setattr(metrics, "_FRAGMENTATION_WARNED", False)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda _d: 2 * GIB)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda _d: 6 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda _d: 1 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda _d: 5 * GIB)
     with caplog.at_level(logging.WARNING, logger="posttrain.telemetry"):
         for _ in range(3):
             snap = metrics.memory_snapshot(torch.device("cuda", 0))
-    assert snap == {"mem_peak_allocated_gib": 2.0, "mem_peak_reserved_gib": 6.0}
+    assert snap == {
+        "mem_allocated_gib": 1.0,
+        "mem_reserved_gib": 5.0,
+        "mem_peak_allocated_gib": 2.0,
+        "mem_peak_reserved_gib": 6.0,
+    }
     assert sum("fragmentation" in r.message for r in caplog.records) == 1
 
 

@@ -11,7 +11,9 @@ three ways:
 Exit code 0 means the manifest was written; anything else means the stage is not done.
 
 Every rank beats `<out_dir>/logs/heartbeat/rank<k>.json` and dumps its Python stacks into
-`<out_dir>/logs/stacks-rank<k>.txt` on SIGUSR1 (`posttrain.telemetry.heartbeat`), and watches
+`<out_dir>/logs/stacks-rank<k>.txt` on SIGUSR1 (`posttrain.telemetry.heartbeat`), samples its
+GPU, InfiniBand ports and storage reads into `<out_dir>/logs/health/rank<k>.json`
+(`posttrain.telemetry.health`, every POSTTRAIN_HEALTH_INTERVAL_S seconds), and watches
 the process that supervises it (`posttrain.orphan`): when it dies, the stage stops or finishes
 alone, per `infra.orphan`.
 """
@@ -41,7 +43,7 @@ from posttrain.orphan import OrphanWatch
 from posttrain.recovery import launch_account, recovery_record
 from posttrain.stage_errors import ParentArtifactDamaged, StageVerdict
 from posttrain.stage_spec import LaunchInfo, StageSpec, read_spec, spec_path
-from posttrain.telemetry import heartbeat
+from posttrain.telemetry import health, heartbeat
 
 log = logging.getLogger("posttrain")
 
@@ -342,6 +344,7 @@ def stage_main(
     finally:
         if watch is not None:
             watch.stop()
+        health.stop()
         heartbeat.stop()
         if distributed:
             from posttrain.distributed.runtime import shutdown
@@ -419,6 +422,9 @@ def _run_and_seal(
     # After the process group is up (its rendezvous may legitimately wait for other nodes):
     # the supervisor's hang watch arms on this first beat.
     heartbeat.start(ctx.out_dir, ctx.rank)
+    # Beside it, the rank's device and host health (logs/health/); rank 0's MetricsWriter
+    # registers itself with the sampler when the stage opens it.
+    health.start(ctx.out_dir, ctx.rank, ctx.dist.device if ctx.dist is not None else None)
     seed_everything(ctx.recipe.run.seed)
     if ctx.is_main:
         (ctx.out_dir / "config.json").write_text(

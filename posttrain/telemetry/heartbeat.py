@@ -2,7 +2,7 @@
 
 Every rank of a stage process writes `<out_dir>/logs/heartbeat/rank<k>.json` (logs/ is outside
 the manifest) at stage start, at the start of its training loop, after every optimizer step, at
-every evaluation batch and before every checkpoint: `{rank, pid, seq, step, phase, time}`,
+every evaluation batch and before every checkpoint: `{rank, node, pid, seq, step, phase, time}`,
 replaced atomically (write a temporary file, `os.replace`), so a reader never sees half a beat.
 A beat that changes the phase is written at once. Beats within one phase (a step of a small model
 takes tens of milliseconds; a file write on a shared filesystem can take milliseconds) only
@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -67,6 +68,8 @@ class Heartbeat:
         self.phase = "start"
         self._warned = False
         self._pid = os.getpid()
+        # The host, for a reader (the Prometheus exporter) that labels ranks by node.
+        self._node = socket.gethostname()
         self._interval = write_interval_s
         # Guards `_pending` and the file: the writer thread and a phase change never interleave,
         # and an older beat never replaces a newer one on disk.
@@ -86,6 +89,7 @@ class Heartbeat:
             self.phase = phase
         record = {
             "rank": self.rank,
+            "node": self._node,
             "pid": self._pid,
             "seq": self.seq,
             "step": self.step,

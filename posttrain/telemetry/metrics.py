@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import resource
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from posttrain import jsonsafe
+from posttrain.telemetry import health
 
 log = logging.getLogger("posttrain.telemetry")
 
@@ -136,12 +138,15 @@ _FRAGMENTATION_WARNED = False
 
 
 def memory_snapshot(device: torch.device) -> dict[str, float]:
-    """Peak allocated vs reserved (GPU) or current and peak RSS (CPU), in GiB. On GPU, heavy
-    fragmentation (see `fragmentation_warning`) is logged the first time it is seen."""
+    """Current and peak allocated vs reserved (GPU) or current and peak RSS (CPU), in GiB. On
+    GPU, heavy fragmentation (see `fragmentation_warning`) is logged the first time it is
+    seen."""
     global _FRAGMENTATION_WARNED
     gib = 1024**3
     if device.type == "cuda":
         snap = {
+            "mem_allocated_gib": torch.cuda.memory_allocated(device) / gib,
+            "mem_reserved_gib": torch.cuda.memory_reserved(device) / gib,
             "mem_peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
             "mem_peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib,
         }
@@ -160,7 +165,10 @@ def memory_snapshot(device: torch.device) -> dict[str, float]:
 
 
 class MetricsWriter:
-    """Append JSON lines to metrics.jsonl (rank 0 only; other ranks write nothing)."""
+    """Append JSON lines to metrics.jsonl (rank 0 only; other ranks write nothing).
+
+    Two threads write: the training loop and the rank's health sampler (`health` records), which
+    an enabled writer registers itself with; a lock keeps their lines whole."""
 
     def __init__(self, path: Path, enabled: bool = True, resume_step: int = 0):
         """A fresh run truncates the file; a run resumed at `resume_step` keeps the records up
@@ -168,6 +176,7 @@ class MetricsWriter:
         self.path = path
         self.enabled = enabled
         self._f = None
+        self._lock = threading.Lock()
         if not enabled:
             return
         kept = (
@@ -182,28 +191,38 @@ class MetricsWriter:
         self._f = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed in close())
         for rec in kept:
             self._f.write(jsonsafe.dumps(rec) + "\n")
+        # Only now: health records written before the truncation above would be lost.
+        health.attach_writer(self)
 
     def write(self, kind: str, **fields: Any) -> None:
-        if self._f is None:
+        if self._f is None:  # disabled (ranks > 0) or closed: skip the serialising
             return
         rec = {"kind": kind, "time": round(time.time(), 3), **fields}
-        self._f.write(jsonsafe.dumps(rec, default=float) + "\n")
-        # Flushed to the OS, which keeps it if the process is killed; made durable (fsync) at
-        # checkpoints and at close, not per record: a resume keeps only records up to the
-        # checkpoint it resumes from, and an fsync per record costs ~0.3 ms (a small model's step
-        # is ~40 ms).
-        self._f.flush()
+        line = jsonsafe.dumps(rec, default=float) + "\n"
+        with self._lock:
+            if self._f is None:  # closed meanwhile by the other thread
+                return
+            self._f.write(line)
+            # Flushed to the OS, which keeps it if the process is killed; made durable (fsync)
+            # at checkpoints and at close, not per record: a resume keeps only records up to the
+            # checkpoint it resumes from, and an fsync per record costs ~0.3 ms (a small model's
+            # step is ~40 ms).
+            self._f.flush()
 
     def sync(self) -> None:
         """Make the records written so far durable (before a checkpoint is written)."""
-        if self._f is not None:
-            os.fsync(self._f.fileno())
+        with self._lock:
+            if self._f is not None:
+                os.fsync(self._f.fileno())
 
     def close(self) -> None:
-        if self._f is not None:
-            self.sync()
-            self._f.close()
-            self._f = None
+        # Detached first, outside our lock: the sampler takes its own lock to detach.
+        health.detach_writer(self)
+        with self._lock:
+            if self._f is not None:
+                os.fsync(self._f.fileno())
+                self._f.close()
+                self._f = None
 
 
 def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:

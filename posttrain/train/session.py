@@ -69,6 +69,8 @@ class TrainSession:
     guard: StepGuard | None = None
     # updates skipped since the last `record_step` / the last `maybe_checkpoint` call
     skipped_since_record: int = 0
+    # of those since the last `record_step`, the ones skipped for a non-finite loss or norm
+    nonfinite_since_record: int = 0
     skipped_since_boundary: int = 0
     # checkpoints the resume rejected as damaged: "step_N: problem (moved to step_N.damaged)"
     rejected_checkpoints: list[str] = field(default_factory=list)
@@ -138,6 +140,9 @@ class TrainSession:
                 self.scaler.update()
             self.skipped_since_record += 1
             self.skipped_since_boundary += 1
+            # Apart from loss spikes: NaN/inf means broken numerics, not noisy data.
+            if reason.startswith("non-finite"):
+                self.nonfinite_since_record += 1
             self.metrics.write(
                 "guard", step=step, reason=reason, loss=loss, grad_norm=norm, lr=lr, **record
             )
@@ -166,14 +171,18 @@ class TrainSession:
         `local_tokens` are this rank's processed (non-pad) tokens; `seq_len` their mean length.
         `flops`: this rank's FLOPs for the step when it is not one training pass over
         `local_tokens` (RL steps also generate and score); default: the training estimate.
-        Updates the guard skipped since the last record are counted in `skipped_updates`; a
-        non-finite loss is written but does not replace the last good one in the headline.
+        Updates the guard skipped since the last record are counted in `skipped_updates`, those
+        for a non-finite loss or gradient norm also in `nonfinite_updates`; a non-finite loss is
+        written but does not replace the last good one in the headline.
         """
         dt, tokens, achieved, mfu = self._throughput(local_tokens, seq_len, t_start, flops)
         world, rate = self.dist.world_size, tokens / dt
         if self.skipped_since_record:
             extra = {**extra, "skipped_updates": self.skipped_since_record}
             self.skipped_since_record = 0
+        if self.nonfinite_since_record:
+            extra = {**extra, "nonfinite_updates": self.nonfinite_since_record}
+            self.nonfinite_since_record = 0
         if math.isfinite(loss):
             self.last = dict(loss=loss, grad_norm=grad_norm, tokens_per_s=rate, mfu=mfu, **extra)
         self.metrics.write(
