@@ -41,6 +41,7 @@ from flows.failure_block import Block, known_block, unexpected_block
 from flows.prefect_env import apply_prefect_defaults, prefect_target
 from flows.report import (
     StageRecord,
+    health_lines,
     not_selected_text,
     recovery_lines,
     summary_table,
@@ -173,10 +174,15 @@ def print_result(result: dict[str, Any], out: TextIO) -> None:
             uri=s["uri"],
             headline=s["headline"],
             recovery=s.get("recovery") or {},
+            health=s.get("health") or {},
         )
         for s in result["stages"]
     ]
     print(summary_table(records), file=out)
+    if health := health_lines(records):
+        print("\nhealth:", file=out)
+        for line in health:
+            print(f"  {line}", file=out)
     if result.get("not_selected"):
         print(not_selected_text(result["not_selected"]), file=out)
     if recovered := recovery_lines(records):

@@ -40,6 +40,7 @@ from posttrain.planner import PlannedStage, RunPlan, plan, spec_for
 from posttrain.run_status import RunJournal
 from posttrain.secrets import redact_obj
 from posttrain.selection import Selection, choose
+from posttrain.telemetry.health_summary import stage_health
 
 
 def _flow_run_name() -> str:
@@ -83,6 +84,7 @@ def stage_record(
         kind=stage.kind,
         roles=dict(stage.roles),
         policies=policies if isinstance(policies, dict) else {},
+        health=stage_health(stage.out_dir) if status == "ran" else {},
     )
 
 
@@ -156,6 +158,7 @@ def failed_record(stage: PlannedStage, exc: BaseException, duration_s: float) ->
         error=str(exc) or type(exc).__name__,
         kind=stage.kind,
         roles=dict(stage.roles),
+        health=stage_health(stage.out_dir),
     )
 
 
@@ -222,7 +225,8 @@ def stop_stage_processes(flow: Any, flow_run: FlowRun, state: State) -> None:
 def start_tracking(run_plan: RunPlan, run_id: str) -> Trackers:
     """The recipe's experiment trackers, told that this pipeline run begins."""
     recipe = run_plan.recipe
-    trackers = open_trackers(recipe.tracking, Path(recipe.run.workspace) / "runs" / run_id)
+    run_dir = Path(recipe.run.workspace) / "runs" / run_id
+    trackers = open_trackers(recipe.tracking, run_dir, run_plan.stages)
     ctx = FlowRunContext.get()
     flow_run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else None
     trackers.start_pipeline(run_id, flow_run_id, redact_obj(recipe.model_dump(mode="json")))

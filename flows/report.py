@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain.telemetry.health_summary import health_line
 from posttrain.telemetry.plots import CurvePlot
 
 # ran: the stage process was launched and completed. reused: a complete artifact with this
@@ -47,6 +48,9 @@ class StageRecord:
     roles: dict[str, str] = field(default_factory=dict)
     # evaluate: `evaluate.policies` side by side (summary.policies), for the chain table.
     policies: dict[str, Any] = field(default_factory=dict)
+    # What this launch's ranks went through (posttrain.telemetry.health_summary): data wait,
+    # memory headroom, MFU, throttling, network errors, each with its worst moment.
+    health: dict[str, Any] = field(default_factory=dict)
 
     @property
     def reused(self) -> bool:
@@ -141,6 +145,7 @@ def markdown_report(
     if recovered := recovery_lines(records):
         lines += ["", "## Recovered", "", *(f"- {_md_cell(line)}" for line in recovered)]
     lines += memory_markdown(records)
+    lines += sre_markdown(records)
     lines += chain_markdown(records)
     by_fp = {r.fingerprint: r.stage for r in records}
     lines += ["", "## Lineage", ""]
@@ -171,6 +176,69 @@ def recovery_lines(records: Sequence[StageRecord]) -> list[str]:
         parts.append(f"resumed from step {step}" if step else "started from step 0")
         out.append(f"{r.stage}: " + "; ".join(parts))
     return out
+
+
+def health_lines(records: Sequence[StageRecord]) -> list[str]:
+    """One line per stage that trained in this run: `sft: data-wait 3% (worst ...), ...`."""
+    return [f"{r.stage}: {line}" for r in records if (line := health_line(r.health))]
+
+
+def _moment(figure: dict[str, Any] | None, fmt: str, at: str = "step") -> str:
+    if not figure:
+        return "-"
+    worst = f"{figure['worst']:{fmt}}"
+    return f"{figure['median']:{fmt}} (worst {worst} at {at} {figure['worst_step']:.0f})"
+
+
+def sre_markdown(records: Sequence[StageRecord]) -> list[str]:
+    """The "## SRE" section: per stage that ran, the health figures and the worst moment of
+    each (posttrain.telemetry.health_summary); empty when no stage trained."""
+    rows = [r for r in records if r.health.get("step_time")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## SRE",
+        "",
+        "Median over the stage's steps, with its worst moment.",
+        "",
+        "| stage | step time (s) | data-wait share | MFU | reserved/allocated | peak RSS (GiB) "
+        "| GPU | non-finite updates |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        h = r.health
+        cells = (
+            r.stage,
+            _moment(h.get("step_time"), ".3g"),
+            _moment(h.get("data_wait"), ".1%"),
+            _moment(h.get("mfu"), ".1%"),
+            _moment(h.get("reserved_over_allocated"), ".2f"),
+            _moment(h.get("peak_rss_gib"), ".2f"),
+            _gpu_cell(h),
+            format_value(h.get("nonfinite_updates", 0)),
+        )
+        lines.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
+    lines += [f"- {_md_cell(line)}" for line in health_lines(rows)]
+    return lines
+
+
+def _gpu_cell(h: dict[str, Any]) -> str:
+    gpu = h.get("gpu")
+    if gpu is None:
+        return str((h.get("sources") or {}).get("nvml", "not read"))
+    parts = [f"power {gpu['power_min_w']:.0f}-{gpu['power_mean_w']:.0f} W (min-mean)"]
+    if gpu.get("power_limit_w"):
+        parts[-1] += f" of {gpu['power_limit_w']:.0f} W"
+    if gpu.get("temperature_max_c") is not None:
+        parts.append(f"max {gpu['temperature_max_c']:.0f} C")
+    throttled = gpu.get("throttle_first_s") or {}
+    parts.append(
+        "throttled: " + ", ".join(f"{k} from {v:.0f} s" for k, v in throttled.items())
+        if throttled
+        else "no throttling seen"
+    )
+    return "; ".join(parts)
 
 
 def memory_markdown(records: Sequence[StageRecord]) -> list[str]:

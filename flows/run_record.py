@@ -180,6 +180,7 @@ def run_result(
                 "uri": r.uri,
                 "headline": r.headline,
                 "recovery": r.recovery,
+                "health": r.health,
             }
             for r in records
         ],

@@ -23,7 +23,7 @@ from typing import Any
 import pynvml
 import pytest
 
-from posttrain.telemetry import health
+from posttrain.telemetry import health, heartbeat
 from posttrain.telemetry.health import nvml as nvml_mod
 from posttrain.telemetry.health.infiniband import InfinibandSource
 from posttrain.telemetry.health.io import IoSource
@@ -516,6 +516,8 @@ def test_stage_writer_attaches_itself_after_truncating(
         sampler.sources = {"io": Fixed({"read_bytes_total": 1, "read_bytes_per_s": 2.0})}
         time.sleep(0.15)
         assert metrics.read_text() == '{"kind": "train", "step": 1}\n'
+        beat = heartbeat.start(tmp_path, 0)
+        beat.beat(step=7, phase="train")  # the trackers plot records by step: the rank's own
         writer = MetricsWriter(metrics)
         writer.write("start", step=0)
         deadline = time.monotonic() + 5
@@ -527,8 +529,10 @@ def test_stage_writer_attaches_itself_after_truncating(
         assert len(read_metrics(metrics, "health")) == n >= 1
         assert read_metrics(metrics)[0]["kind"] == "start"
         assert read_metrics(metrics, "health")[0]["io_read_bytes_per_s"] == 2.0
+        assert read_metrics(metrics, "health")[-1]["step"] == 7
     finally:
         health.stop()
+        heartbeat.stop()
     assert health.sampler._current is None
 
 

@@ -19,12 +19,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from flows.jsonl_tail import JsonlTail
 from flows.stage_output import _start_thread, run_logger
+from posttrain.telemetry.jsonl_tail import JsonlTail
 
 log = logging.getLogger("posttrain.flows.trackers")
 
@@ -167,7 +167,9 @@ class Trackers:
             seen = self._seen.setdefault(stage, set())
             fresh = []
             for r in records:
-                key = (str(r.get("kind")), r.get("step"))
+                # Health samples come every few seconds, several within one long step.
+                when = r.get("time") if r.get("kind") == "health" else None
+                key = (str(r.get("kind")), r.get("step"), when)
                 if key[1] is not None and key in seen:
                     continue
                 seen.add(key)
@@ -234,9 +236,10 @@ class StageFeed:
         self._safe_poll()
 
 
-def open_trackers(tracking: Any, run_dir: Path) -> Trackers:
+def open_trackers(tracking: Any, run_dir: Path, stages: Sequence[Any] = ()) -> Trackers:
     """The sinks `tracking` (the recipe's TrackingConfig) enables. A tracker whose package is
-    missing is reported as failed, not raised: the run goes on without it."""
+    missing is reported as failed, not raised: the run goes on without it. `stages`: the run's
+    planned stages (Prometheus shows the pending ones and reads their folders)."""
     sinks: list[Sink] = []
     wanted: list[tuple[str, Callable[[], Sink]]] = []
     if tracking.tensorboard:
@@ -245,6 +248,8 @@ def open_trackers(tracking: Any, run_dir: Path) -> Trackers:
         wanted.append(("mlflow", lambda: _sink("mlflow")(tracking.mlflow)))
     if tracking.wandb is not None:
         wanted.append(("wandb", lambda: _sink("wandb")(tracking.wandb, run_dir)))
+    if getattr(tracking, "prometheus", None) is not None:
+        wanted.append(("prometheus", lambda: _sink("prometheus")(tracking.prometheus, stages)))
     for name, make in wanted:
         try:
             sinks.append(make())

@@ -115,6 +115,44 @@ class WandbTracking(_Section):
     )
 
 
+class PrometheusTracking(_Section):
+    """A Prometheus endpoint served by the flow process for the run's stages and ranks
+    (docs/operations.md, Monitoring): scraped at `http://<flow host>:<port>/metrics`, pushed to
+    a Pushgateway, or both."""
+
+    port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Port of the `/metrics` endpoint; 0 picks a free one (the run prints it). "
+        "None with `pushgateway` set: push only.",
+    )
+    host: str = Field(
+        "0.0.0.0", description="Address the endpoint listens on (`127.0.0.1`: this host only)."
+    )
+    pushgateway: str | None = Field(
+        None,
+        description="A Pushgateway URL (`http://pushgateway:9091`) the run pushes its series to "
+        "every `push_every_s` and once at the end, for flows Prometheus cannot scrape; grouped "
+        "by job `posttrain` and the run id.",
+    )
+    push_every_s: float = Field(15.0, gt=0, description="Seconds between pushes.")
+    linger_s: float = Field(
+        0.0,
+        ge=0,
+        le=25,
+        description="Seconds the endpoint keeps serving after the run ends, so a scrape sees "
+        "how it ended (a failed stage's alert); at most 25, within the trackers' 30 s for "
+        "finishing.",
+    )
+
+    @model_validator(mode="after")
+    def _somewhere(self) -> PrometheusTracking:
+        if self.port is None and self.pushgateway is None:
+            raise ValueError("set `port` (serve /metrics), `pushgateway` (push), or both")
+        return self
+
+
 class TrackingConfig(_Section):
     """Experiment trackers fed from the stages' metrics.jsonl by the flow process. None of it is
     part of any fingerprint; a tracker that is down never fails or stalls the run."""
@@ -134,4 +172,9 @@ class TrackingConfig(_Section):
     wandb: WandbTracking | None = Field(
         None,
         description="Weights & Biases: one run per stage, grouped by the pipeline run id.",
+    )
+    prometheus: PrometheusTracking | None = Field(
+        None,
+        description="Prometheus: the run's stages and ranks as scrapeable series (throughput, "
+        "MFU, memory, heartbeats, GPU and network health); off by default.",
     )

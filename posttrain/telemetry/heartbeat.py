@@ -170,6 +170,11 @@ def beat(step: int | None = None, phase: str | None = None) -> None:
         _current.beat(step, phase)
 
 
+def current_step() -> int | None:
+    """The step of this process's newest beat (None before the first step, or outside a stage)."""
+    return _current.step if _current is not None else None
+
+
 def flush() -> None:
     """Put this process's newest beat on disk now (a beat within a phase trails by up to
     `WRITE_INTERVAL_S`)."""

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from posttrain.telemetry import heartbeat
 from posttrain.telemetry.health.infiniband import InfinibandSource
 from posttrain.telemetry.health.io import IoSource
 from posttrain.telemetry.health.nvml import NvmlSource, cuda_pci_bus_id
@@ -243,7 +244,11 @@ class HealthSampler:
         with self._lock:
             writer = self._writer
         if writer is not None and self.rank == 0:
-            writer.write("health", time=record["time"], rank=self.rank, **flatten_health(record))
+            # At the rank's current step: the trackers plot records by step.
+            step = heartbeat.current_step()
+            at = {"step": step} if step is not None else {}
+            flat = flatten_health(record)
+            writer.write("health", time=record["time"], rank=self.rank, **at, **flat)
 
     def _tick(self) -> None:
         try:

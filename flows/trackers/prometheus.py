@@ -1,0 +1,121 @@
+"""The Prometheus tracker (`tracking.prometheus`): the flow process serves `/metrics` for the
+run's stages and ranks (`posttrain.telemetry.exposition.RunSeries`), pushes to a Pushgateway,
+or both.
+
+Like every tracker it runs in the flow process and follows the stages' status; unlike the
+others it reads the stages' files itself, at each scrape (metrics.jsonl, heartbeats, health
+samples), rather than the trackers' feed, which polls every 2 s: a scrape is as fresh as the
+files. The files are in the (shared) workspace, so ranks on other nodes are served too. A port in use or an unreachable Pushgateway gives the tracker up with one
+warning: the run goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, push_to_gateway, start_http_server
+
+from flows.stage_output import run_logger
+from flows.trackers import Sink
+from posttrain.planner import PlannedStage
+from posttrain.telemetry.exposition import RunSeries
+
+log = logging.getLogger("posttrain.flows.trackers")
+
+JOB = "posttrain"
+
+
+class PrometheusSink(Sink):
+    name = "prometheus"
+
+    def __init__(self, cfg: Any, stages: Sequence[PlannedStage] = ()) -> None:
+        self.cfg, self.planned = cfg, list(stages)
+        self.series: RunSeries | None = None
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._server: Any = None
+        self._pusher: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._push_error: str | None = None
+
+    def start_pipeline(self, run_id: str, flow_run_id: str | None, recipe: dict[str, Any]) -> None:
+        name = str((recipe.get("run") or {}).get("name", ""))
+        self.series = RunSeries(run_id, name, flow_run_id)
+        for s in self.planned:
+            self.series.add_stage(s.name, s.kind, s.out_dir, s.hang_timeout_s)
+        self.registry.register(self.series)
+        where = []
+        if self.cfg.pushgateway:
+            # Before the endpoint starts: an unreachable gateway gives the tracker up (one
+            # warning) with no server left listening.
+            self._push()
+            self._pusher = threading.Thread(target=self._push_loop, daemon=True, name="prom-push")
+            self._pusher.start()
+            where.append(f"pushed to {self.cfg.pushgateway}")
+        if self.cfg.port is not None:
+            try:
+                self._server, _ = start_http_server(self.cfg.port, self.cfg.host, self.registry)
+            except OSError as exc:  # the port is taken: given up, so no pushing either
+                self._stop.set()
+                raise OSError(f"cannot listen on {self.cfg.host}:{self.cfg.port}: {exc}") from exc
+            port = self._server.server_port
+            where.insert(0, f"http://{_shown_host(self.cfg.host)}:{port}/metrics")
+            run_logger().info("Prometheus endpoint: %s", where[0])
+        self.link = ", ".join(where)
+
+    def start_stage(self, stage: str, fingerprint: str) -> None:
+        if self.series is not None:
+            self.series.set_status(stage, "running")
+
+    def end_stage(self, stage: str, status: str, info: dict[str, Any]) -> None:
+        if self.series is not None:
+            self.series.set_status(stage, status)
+
+    def finish(self, result: dict[str, Any]) -> None:
+        self._stop.set()
+        if self._pusher is not None:
+            self._pusher.join(timeout=10)
+        try:
+            if self.cfg.pushgateway:
+                self._push()  # how the run ended, kept by the gateway after this process
+            if self._server is not None and self.cfg.linger_s:
+                time.sleep(self.cfg.linger_s)
+        finally:
+            if self._server is not None:
+                self._server.shutdown()
+                self._server.server_close()
+                self._server = None
+
+    def _push(self) -> None:
+        assert self.series is not None
+        push_to_gateway(
+            self.cfg.pushgateway,
+            job=JOB,
+            grouping_key={"run": self.series.run},
+            registry=self.registry,
+            timeout=10,
+        )
+
+    def _push_loop(self) -> None:
+        while not self._stop.wait(self.cfg.push_every_s):
+            try:
+                self._push()
+                self._push_error = None
+            except Exception as exc:  # a gateway that blips is retried at the next push
+                if self._push_error is None:
+                    log.warning("Pushgateway %s: %s", self.cfg.pushgateway, exc)
+                self._push_error = str(exc)
+
+
+def _shown_host(host: str) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        import socket
+
+        return socket.gethostname()
+    return host
+
+
+SINK = PrometheusSink
