@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.telemetry.health_summary import health_line
+from posttrain.telemetry.health_summary import absent_reason, health_line
 from posttrain.telemetry.plots import CurvePlot
 
 # ran: the stage process was launched and completed. reused: a complete artifact with this
@@ -214,7 +214,7 @@ def sre_markdown(records: Sequence[StageRecord]) -> list[str]:
             _moment(h.get("data_wait"), ".1%"),
             _moment(h.get("mfu"), ".1%"),
             _moment(h.get("reserved_over_allocated"), ".2f"),
-            _moment(h.get("peak_rss_gib"), ".2f"),
+            _peak(h.get("peak_rss_gib")),
             _gpu_cell(h),
             format_value(h.get("nonfinite_updates", 0)),
         )
@@ -223,10 +223,15 @@ def sre_markdown(records: Sequence[StageRecord]) -> list[str]:
     return lines
 
 
+def _peak(figure: dict[str, Any] | None) -> str:
+    """A peak only grows: its value, and the step it was reached."""
+    return f"{figure['worst']:.2f} (at step {figure['worst_step']:.0f})" if figure else "-"
+
+
 def _gpu_cell(h: dict[str, Any]) -> str:
     gpu = h.get("gpu")
     if gpu is None:
-        return str((h.get("sources") or {}).get("nvml", "not read"))
+        return f"not read: {absent_reason(h)}" if h.get("sources") else "-"
     parts = [f"power {gpu['power_min_w']:.0f}-{gpu['power_mean_w']:.0f} W (min-mean)"]
     if gpu.get("power_limit_w"):
         parts[-1] += f" of {gpu['power_limit_w']:.0f} W"

@@ -84,3 +84,15 @@ def test_docs_name_only_modules_that_exist() -> None:
             if not (ROOT / path).is_file():
                 missing.append(f"{doc.name}: {path}")
     assert not missing, missing
+
+
+def test_the_monitoring_section_lists_every_exported_series_and_alert() -> None:
+    from posttrain.telemetry.prom_names import BY_NAME
+
+    text = (ROOT / "docs" / "operations.md").read_text().split("## Monitoring", 1)[1]
+    listed = set(re.findall(r"^\| `(posttrain_\w+)` \|", text, re.MULTILINE))
+    assert listed == set(BY_NAME), set(BY_NAME) ^ listed
+    rules = (ROOT / "docs" / "monitoring" / "alerts.yml").read_text()
+    alerts = set(re.findall(r"- alert: (\w+)", rules))
+    documented = set(re.findall(r"^\| `(Posttrain\w+)` \|", text, re.MULTILINE))
+    assert alerts and alerts == documented, alerts ^ documented

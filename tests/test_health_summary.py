@@ -102,6 +102,6 @@ def test_the_report_s_sre_section() -> None:
     row = next(x for x in lines if x.startswith("| sft |"))
     assert "2 (worst 3 at step 2)" in row  # step time median 2 s, worst 3 s at step 2
     assert "25.0% (worst 50.0% at step 2)" in row  # data-wait median of 0 and 50%
-    assert "absent: no NVIDIA driver" in row
+    assert "not read: no NVIDIA driver |" in row
     assert health_lines([reused, ran]) == [f"sft: {health_line(ran.health)}"]
     assert sre_markdown([reused]) == []

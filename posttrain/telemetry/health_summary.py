@@ -150,11 +150,17 @@ def health_line(s: dict[str, Any]) -> str:
     return ", ".join(p for p in parts if p) if len(parts) > 1 or s.get("data_wait") else ""
 
 
+def absent_reason(s: dict[str, Any], source: str = "nvml") -> str:
+    """Why `source` was not read, short: `no NVIDIA driver` (the library's own words stay in
+    the rank's health file)."""
+    why = str((s.get("sources") or {}).get(source, "absent")).removeprefix("absent: ")
+    return why.split(" (", 1)[0]
+
+
 def _throttle_text(s: dict[str, Any]) -> str:
     gpu = s.get("gpu")
     if gpu is None:
-        why = str((s.get("sources") or {}).get("nvml", "absent")).removeprefix("absent: ")
-        return f"GPU health not read ({why})" if s.get("sources") else ""
+        return f"GPU health not read ({absent_reason(s)})" if s.get("sources") else ""
     seen = {k: v for k, v in gpu["throttle_first_s"].items() if k in ALERTING_THROTTLE}
     if not seen:
         return "no throttling seen"
