@@ -195,10 +195,10 @@ def stop() -> None:
     _current = None
 
 
-def read_heartbeats(out_dir: Path) -> dict[int, dict[str, Any]]:
-    """The latest beat of every rank that has written one, by rank."""
-    out = {}
-    folder = heartbeat_dir(out_dir)
+def read_rank_files(folder: Path) -> dict[int, dict[str, Any]]:
+    """Every `rank<k>.json` record in `folder`, by its `rank`; a file that vanished, is torn or
+    foreign is skipped (the next poll sees the next one). Heartbeats and health samples."""
+    out: dict[int, dict[str, Any]] = {}
     if not folder.is_dir():
         return out
     for path in folder.glob("rank*.json"):
@@ -206,8 +206,13 @@ def read_heartbeats(out_dir: Path) -> dict[int, dict[str, Any]]:
             record = json.loads(path.read_text())
             out[int(record["rank"])] = record
         except (OSError, ValueError, KeyError, TypeError):
-            continue  # vanished or foreign: the next poll sees the next beat
+            continue
     return out
+
+
+def read_heartbeats(out_dir: Path) -> dict[int, dict[str, Any]]:
+    """The latest beat of every rank that has written one, by rank."""
+    return read_rank_files(heartbeat_dir(out_dir))
 
 
 @dataclass

@@ -122,17 +122,7 @@ def flatten_health(sample: dict[str, Any]) -> dict[str, float]:
 def read_health(out_dir: Path) -> dict[int, dict[str, Any]]:
     """The latest sample of every rank that has written one, by rank; a file that is
     unreadable, partial or foreign is skipped (the next poll sees the next sample)."""
-    out: dict[int, dict[str, Any]] = {}
-    folder = health_dir(out_dir)
-    if not folder.is_dir():
-        return out
-    for path in folder.glob("rank*.json"):
-        try:
-            record = json.loads(path.read_text())
-            out[int(record["rank"])] = record
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return out
+    return heartbeat.read_rank_files(health_dir(out_dir))
 
 
 def sources_line(sources: dict[str, str]) -> str:
