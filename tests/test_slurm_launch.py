@@ -35,6 +35,7 @@ from posttrain.artifacts import verify
 from posttrain.config.loader import load_recipe
 from posttrain.planner import plan
 from posttrain.stage_spec import tag_flow_run_id, tag_launch_id
+from posttrain.telemetry.health.sampler import read_health
 from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import (
     ROOT,
@@ -147,6 +148,11 @@ def test_two_node_sft_on_slurm_recovers_and_trains_the_local_launchers_losses(
     info = slurm_cluster.client("scontrol", "-o", "show", "job", job)
     assert "JobState=COMPLETED" in info and "NodeList=n[1-2]" in info
     assert _queue(slurm_cluster) == []
+    # Both nodes' ranks left their health samples in the shared workspace, where the flow's
+    # Prometheus endpoint reads them (posttrain.telemetry.exposition): no port on the nodes.
+    health = read_health(sft.out_dir)
+    assert set(health) == {0, 1}, health
+    assert all(h["sources"]["io"] == "present" and h["node"] for h in health.values())
 
     # The same stage under the local launcher, uninterrupted: torchrun, 2 processes here.
     local = tmp_path / "local"
