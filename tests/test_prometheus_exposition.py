@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flows.trackers.prometheus import PrometheusSink
+from posttrain.config.run_section import PrometheusTracking
 from posttrain.telemetry.exposition import RunSeries
 from posttrain.telemetry.heartbeat import Heartbeat
 from posttrain.telemetry.prom_names import BY_NAME
@@ -240,6 +241,15 @@ def test_health_files_become_gpu_series_and_absent_sources_none(tmp_path: Path) 
     assert not any(("rank", "3") in ls or ("rank", "2") in ls for _, ls in s)
 
 
+def test_the_config_needs_somewhere_to_send_and_a_port_to_name() -> None:
+    with pytest.raises(ValueError, match="set `port`"):
+        PrometheusTracking()
+    with pytest.raises(ValueError, match="`file_sd_dir` names the endpoint"):
+        PrometheusTracking(pushgateway="http://gw:9091", file_sd_dir="/tmp/x")
+    with pytest.raises(ValueError, match="linger_s"):
+        PrometheusTracking(port=1, linger_s=60)
+
+
 def test_every_exported_name_is_in_the_table(tmp_path: Path) -> None:
     series = _series(tmp_path)
     series.set_status("sft", "running")
@@ -254,24 +264,29 @@ def _get(url: str) -> str:
 
 
 def test_the_tracker_serves_metrics_on_a_free_port_and_stops_at_finish(tmp_path: Path) -> None:
-    cfg = SimpleNamespace(port=0, host="127.0.0.1", pushgateway=None, push_every_s=15, linger_s=0)
+    targets = tmp_path / "file_sd"
+    cfg = PrometheusTracking(port=0, host="127.0.0.1", file_sd_dir=str(targets))
     stage = SimpleNamespace(name="sft", kind="sft", out_dir=tmp_path, hang_timeout_s=30.0)
     sink = PrometheusSink(cfg, [stage])
     sink.start_pipeline("run-9", None, {"run": {"name": "demo"}})
     port = sink._server.server_port
     assert sink.link == f"http://127.0.0.1:{port}/metrics"
+    # Prometheus finds it through file_sd while it serves
+    target = json.loads((targets / "run-9.json").read_text())
+    assert target == [{"targets": [f"127.0.0.1:{port}"]}]
     sink.start_stage("sft", "abc")
     write(tmp_path, [{**TRAIN, "loss": 1.5}])
     text = _get(f"http://127.0.0.1:{port}/metrics")
     assert 'posttrain_loss{kind="sft",recipe="demo",run="run-9",stage="sft"} 1.5' in text
     # a second run cannot take the same port: the tracker is given up, naming it
-    taken = PrometheusSink(SimpleNamespace(**{**cfg.__dict__, "port": port}), [stage])
+    taken = PrometheusSink(cfg.model_copy(update={"port": port, "file_sd_dir": None}), [stage])
     with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
         taken.start_pipeline("run-10", None, {"run": {"name": "demo"}})
     sink.end_stage("sft", "failed", {})
     sink.finish({})
     with pytest.raises(httpx.ConnectError):
         _get(f"http://127.0.0.1:{port}/metrics")
+    assert list(targets.iterdir()) == []  # gone with the endpoint
 
 
 def _free_port() -> int:
@@ -298,7 +313,7 @@ def test_the_tracker_pushes_how_the_run_ended_to_a_real_pushgateway(tmp_path: Pa
                 break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        cfg = SimpleNamespace(port=None, host="", pushgateway=url, push_every_s=60, linger_s=0)
+        cfg = PrometheusTracking(pushgateway=url, push_every_s=60)
         stage = SimpleNamespace(name="dpo", kind="dpo", out_dir=tmp_path, hang_timeout_s=None)
         sink = PrometheusSink(cfg, [stage])
         sink.start_pipeline("run-p", None, {"run": {"name": "pushed"}})

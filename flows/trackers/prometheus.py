@@ -11,10 +11,13 @@ warning: the run goes on.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, push_to_gateway, start_http_server
@@ -40,6 +43,7 @@ class PrometheusSink(Sink):
         self._pusher: threading.Thread | None = None
         self._stop = threading.Event()
         self._push_error: str | None = None
+        self._target: Path | None = None  # this run's file_sd target file
 
     def start_pipeline(self, run_id: str, flow_run_id: str | None, recipe: dict[str, Any]) -> None:
         name = str((recipe.get("run") or {}).get("name", ""))
@@ -61,9 +65,11 @@ class PrometheusSink(Sink):
             except OSError as exc:  # the port is taken: given up, so no pushing either
                 self._stop.set()
                 raise OSError(f"cannot listen on {self.cfg.host}:{self.cfg.port}: {exc}") from exc
-            port = self._server.server_port
-            where.insert(0, f"http://{_shown_host(self.cfg.host)}:{port}/metrics")
+            host, port = _shown_host(self.cfg.host), self._server.server_port
+            where.insert(0, f"http://{host}:{port}/metrics")
             run_logger().info("Prometheus endpoint: %s", where[0])
+            if self.cfg.file_sd_dir:
+                self._target = write_target(Path(self.cfg.file_sd_dir), run_id, f"{host}:{port}")
         self.link = ", ".join(where)
 
     def start_stage(self, stage: str, fingerprint: str) -> None:
@@ -84,6 +90,9 @@ class PrometheusSink(Sink):
             if self._server is not None and self.cfg.linger_s:
                 time.sleep(self.cfg.linger_s)
         finally:
+            if self._target is not None:
+                self._target.unlink(missing_ok=True)
+                self._target = None
             if self._server is not None:
                 self._server.shutdown()
                 self._server.server_close()
@@ -108,6 +117,18 @@ class PrometheusSink(Sink):
                 if self._push_error is None:
                     log.warning("Pushgateway %s: %s", self.cfg.pushgateway, exc)
                 self._push_error = str(exc)
+
+
+def write_target(folder: Path, run_id: str, address: str) -> Path:
+    """`<folder>/<run_id>.json`: Prometheus's file_sd format, this run's one target (written
+    whole, then renamed: Prometheus re-reads the folder when it changes). No target labels:
+    the series carry `run` themselves."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{run_id}.json"
+    tmp = folder / f".{run_id}.json.tmp"
+    tmp.write_text(json.dumps([{"targets": [address]}]))
+    os.replace(tmp, path)
+    return path
 
 
 def _shown_host(host: str) -> str:

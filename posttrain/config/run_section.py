@@ -137,6 +137,13 @@ class PrometheusTracking(_Section):
         "by job `posttrain` and the run id.",
     )
     push_every_s: float = Field(15.0, gt=0, description="Seconds between pushes.")
+    file_sd_dir: str | None = Field(
+        None,
+        description="A folder Prometheus watches with `file_sd_configs` "
+        "(`files: [<folder>/*.json]`): the run writes `<run-id>.json` naming its endpoint "
+        "while it serves and removes it when it stops, so runs on any port (`port: 0`, several "
+        "runs of one `posttrain serve` worker) are found without editing Prometheus's config.",
+    )
     linger_s: float = Field(
         0.0,
         ge=0,
@@ -150,6 +157,8 @@ class PrometheusTracking(_Section):
     def _somewhere(self) -> PrometheusTracking:
         if self.port is None and self.pushgateway is None:
             raise ValueError("set `port` (serve /metrics), `pushgateway` (push), or both")
+        if self.file_sd_dir is not None and self.port is None:
+            raise ValueError("`file_sd_dir` names the endpoint: set `port` (0 for any)")
         return self
 
 
