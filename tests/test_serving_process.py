@@ -134,25 +134,48 @@ def test_the_server_dies_with_the_process_that_started_it(tmp_path: Path) -> Non
     assert _gone(server) and _gone(child)  # the keeper took its whole group down
 
 
+def _kept_sleeper(
+    tmp_path: Path, attempt: int, spin: bool
+) -> tuple[ServerProcess, psutil.Process, psutil.Process]:
+    """A sleeping "server" under its keeper: (the ServerProcess, the keeper, the server), as
+    soon as the keeper has forked it. `spin`: poll without sleeping (to catch the keeper's
+    first milliseconds after the fork)."""
+    proc = ServerProcess.start(
+        [sys.executable, "-c", "import time; time.sleep(120)"],
+        {},
+        tmp_path / f"s{attempt}.log",
+        tmp_path / f"r{attempt}.json",
+    )
+    keeper = psutil.Process(proc.proc.pid)
+    deadline = time.monotonic() + 30
+    while not keeper.children() and time.monotonic() < deadline:
+        if not spin:
+            time.sleep(0.01)
+    return proc, keeper, keeper.children()[0]
+
+
 def test_a_keeper_signalled_as_its_server_starts_still_ends_it(tmp_path: Path) -> None:
     """SIGTERM the moment the keeper's server process exists (the stage dying just after it
     started its server): the keeper's handlers are in place before the fork, so the server
     ends with it instead of living on, orphaned."""
     for attempt in range(5):
-        proc = ServerProcess.start(
-            [sys.executable, "-c", "import time; time.sleep(120)"],
-            {},
-            tmp_path / f"s{attempt}.log",
-            tmp_path / f"r{attempt}.json",
-        )
-        keeper = psutil.Process(proc.proc.pid)
-        deadline = time.monotonic() + 30
-        while not keeper.children() and time.monotonic() < deadline:
-            pass  # spin: the window is the keeper's first milliseconds after the fork
-        server = keeper.children()[0]
+        proc, keeper, server = _kept_sleeper(tmp_path, attempt, spin=True)
         keeper.send_signal(signal.SIGTERM)
         server.wait(timeout=20)  # raises if the server outlives its keeper
         proc.proc.wait(timeout=20)
+
+
+# Signals SIGTERM, SIGHUP and SIGINT to the PID in argv[1] for 0.3 s, as fast as it can.
+STORM = (
+    "import os, signal, sys, time\n"
+    "end = time.monotonic() + 0.3\n"
+    "while time.monotonic() < end:\n"
+    "    try:\n"
+    "        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):\n"
+    "            os.kill(int(sys.argv[1]), s)\n"
+    "    except ProcessLookupError:\n"
+    "        break\n"
+)
 
 
 def test_a_burst_of_signals_still_ends_the_keeper_and_its_server(tmp_path: Path) -> None:
@@ -161,29 +184,9 @@ def test_a_burst_of_signals_still_ends_the_keeper_and_its_server(tmp_path: Path)
     deadlocked on the lock the interrupted one held, and the server ran on; found hung in a
     stage test with two nested `stopping.set()` frames."""
     for attempt in range(10):
-        proc = ServerProcess.start(
-            [sys.executable, "-c", "import time; time.sleep(120)"],
-            {},
-            tmp_path / f"s{attempt}.log",
-            tmp_path / f"r{attempt}.json",
-        )
-        keeper = psutil.Process(proc.proc.pid)
-        deadline = time.monotonic() + 30
-        while not keeper.children() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        server = keeper.children()[0]
+        proc, keeper, server = _kept_sleeper(tmp_path, attempt, spin=False)
         time.sleep(0.2)  # the keeper is in child.wait()
-        storm = (
-            "import os, signal, sys, time\n"
-            "end = time.monotonic() + 0.3\n"
-            "while time.monotonic() < end:\n"
-            "    try:\n"
-            "        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):\n"
-            "            os.kill(int(sys.argv[1]), s)\n"
-            "    except ProcessLookupError:\n"
-            "        break\n"
-        )
-        subprocess.run([sys.executable, "-c", storm, str(keeper.pid)], check=True, timeout=30)
+        subprocess.run([sys.executable, "-c", STORM, str(keeper.pid)], check=True, timeout=30)
         server.wait(timeout=20)  # raises if the keeper hung with its server running
         proc.proc.wait(timeout=20)
 

@@ -248,7 +248,7 @@ def open_trackers(tracking: Any, run_dir: Path, stages: Sequence[Any] = ()) -> T
         wanted.append(("mlflow", lambda: _sink("mlflow")(tracking.mlflow)))
     if tracking.wandb is not None:
         wanted.append(("wandb", lambda: _sink("wandb")(tracking.wandb, run_dir)))
-    if getattr(tracking, "prometheus", None) is not None:
+    if tracking.prometheus is not None:
         wanted.append(("prometheus", lambda: _sink("prometheus")(tracking.prometheus, stages)))
     for name, make in wanted:
         try:

@@ -5,8 +5,8 @@ or both.
 Like every tracker it runs in the flow process and follows the stages' status; unlike the
 others it reads the stages' files itself, at each scrape (metrics.jsonl, heartbeats, health
 samples), rather than the trackers' feed, which polls every 2 s: a scrape is as fresh as the
-files. The files are in the (shared) workspace, so ranks on other nodes are served too. A port in use or an unreachable Pushgateway gives the tracker up with one
-warning: the run goes on.
+files. The files are in the (shared) workspace, so ranks on other nodes are served too. A port
+in use or an unreachable Pushgateway gives the tracker up with one warning: the run goes on.
 """
 
 from __future__ import annotations

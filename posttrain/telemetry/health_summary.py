@@ -60,8 +60,7 @@ def _train_series(train: list[dict[str, Any]]) -> dict[str, Any]:
     out["mfu"] = _worst(mfus, high=False)
     out["step_time"] = _worst(steps)
     out["reserved_over_allocated"] = _worst(ratios)
-    if rss:
-        out["peak_rss_gib"] = _worst(rss)
+    out["peak_rss_gib"] = _worst(rss)
     out["skipped_updates"] = sum(_num(r.get("skipped_updates")) or 0 for r in train)
     out["nonfinite_updates"] = sum(_num(r.get("nonfinite_updates")) or 0 for r in train)
     return {k: v for k, v in out.items() if v is not None}
@@ -70,7 +69,10 @@ def _train_series(train: list[dict[str, Any]]) -> dict[str, Any]:
 def _health_series(health: list[dict[str, Any]], t0: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     seen: dict[str, float] = {}  # throttle reason -> seconds into the stage it was first seen
-    power, limits, temps, reads = [], [], [], []
+    power: list[float] = []
+    limits: list[float] = []
+    temps: list[float] = []
+    reads: list[float] = []
     ib_err: dict[str, list[float]] = {}
     for r in health:
         at = (_num(r.get("time")) or t0) - t0
@@ -78,30 +80,27 @@ def _health_series(health: list[dict[str, Any]], t0: float) -> dict[str, Any]:
             if (m := THROTTLE_KEY.match(key)) and value and m.group(2) not in seen:
                 seen[m.group(2)] = at
             elif key.endswith("_power_w") and key.startswith("gpu"):
-                power.append((float(value), at))
+                power.append(float(value))
             elif key.endswith("_power_limit_w"):
                 limits.append(float(value))
             elif key.endswith("_temperature_c"):
-                temps.append((float(value), at))
+                temps.append(float(value))
             elif key.startswith("ib_") and key.endswith(("_errors", "_retransmits")):
                 ib_err.setdefault(key, []).append(float(value))
         if (v := _num(r.get("io_read_bytes_per_s"))) is not None:
-            reads.append((v, at))
+            reads.append(v)
     if power:
         out["gpu"] = {
             "throttle_first_s": seen,
-            "power_min_w": min(p for p, _ in power),
-            "power_mean_w": statistics.fmean(p for p, _ in power),
-            "power_limit_w": max(limits) if limits else None,
-            "temperature_max_c": max((t for t, _ in temps), default=None),
+            "power_min_w": min(power),
+            "power_mean_w": statistics.fmean(power),
+            "power_limit_w": max(limits, default=None),
+            "temperature_max_c": max(temps, default=None),
         }
     if ib_err:
         out["ib_increase"] = {k: v[-1] - v[0] for k, v in ib_err.items()}
     if reads:
-        out["read_bytes_per_s"] = {
-            "mean": statistics.fmean(v for v, _ in reads),
-            "max": max(v for v, _ in reads),
-        }
+        out["read_bytes_per_s"] = {"mean": statistics.fmean(reads), "max": max(reads)}
     return out
 
 
