@@ -243,16 +243,17 @@ def test_an_sft_trains_on_each_of_two_bases(tmp_path: Path) -> None:
     data["evaluate"] = None
     data["export"] = None
     path = write_recipe(tmp_path, data)
-    run_inprocess("ingest", path)
+    run_inprocess("ingest", path, name="ingest")
     run_inprocess("ingest", path, name="teacher")
     widths = {}
     for name in ("sft", "teacher_sft"):
         out = run_inprocess("sft", path, name=name)
         manifest = json.loads((out / "manifest.json").read_text())
         with safe_open(str(out / "adapter" / "adapter_model.safetensors"), "pt") as f:
-            a = next(k for k in f.keys() if "lora_A" in k)  # noqa: SIM118
-            widths[name] = f.get_slice(a).get_shape()[1]
+            # lora_A is (r, in_features): the base's width (attention) or MLP width (down_proj).
+            keys = [k for k in f.keys() if "lora_A" in k]  # noqa: SIM118
+            widths[name] = {f.get_slice(k).get_shape()[1] for k in keys}
         spec = json.loads((out / "logs" / "spec.json").read_text())
         assert spec["roles"]["base"] == ("ingest" if name == "sft" else "teacher")
         assert manifest["parents"] == [spec["parents"][spec["roles"]["base"]]["fingerprint"]]
-    assert widths == {"sft": 64, "teacher_sft": 96}
+    assert widths == {"sft": {64, 128}, "teacher_sft": {96, 192}}
