@@ -152,10 +152,10 @@ def _is_base(section: Any) -> bool:
 
 
 def _name_errors(entries: list[tuple[str, str, Any]]) -> list[str]:
-    names = [BASE, *(n for n, _, _ in entries)]
+    names = [n for n, _, _ in entries]
     errors = []
     for n, where, section in entries:
-        if names.count(n) > 1 and n != BASE:
+        if names.count(n) > 1:
             errors.append(f"{where}: two stages are named {n!r}; give each a unique `name`")
         if n == BASE and _is_base(section):
             errors.append(
