@@ -119,7 +119,7 @@ def head_to_head_vs_champion(
             "candidate": ref_from_manifest(Path(by_stage["export"].uri)),
             "champion": ref_from_manifest(Path(champion["export_path"]).parent),
             "reward_model": ref_from_manifest(Path(by_stage[_judge(by_stage)].uri)),
-            "base": ref_from_manifest(Path(by_stage["ingest"].uri)),
+            "base": ref_from_manifest(Path(by_stage[_base(by_stage)].uri)),
         }
         stage = head_to_head_stage(recipe, parents)
         status, ref = run_spec(stage, spec_for(stage, recipe, parents))
@@ -160,12 +160,18 @@ def _judge(by_stage: dict[str, StageRecord]) -> str:
     return rewards[-1] if rewards else ""
 
 
+def _base(by_stage: dict[str, StageRecord]) -> str:
+    """The base the run's export stands on (its `base` role; `ingest` by default)."""
+    export = by_stage.get("export")
+    return (export.roles.get("base") if export is not None else None) or "ingest"
+
+
 def _cannot_run(by_stage: dict[str, StageRecord], champion: dict[str, Any]) -> str:
     """Why the head-to-head does not apply to this run, or "" when it does."""
     judge = _judge(by_stage)
     if judge not in by_stage:
         return "the recipe has no reward stage to judge with"
-    if "export" not in by_stage or "ingest" not in by_stage:
+    if "export" not in by_stage or _base(by_stage) not in by_stage:
         return "the run has no export to compare"
     reward_prompts = Path(by_stage[judge].uri) / "data" / "eval.jsonl"
     if not reward_prompts.is_file() or not reward_prompts.read_text().strip():

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.artifacts import ArtifactRef, fingerprint, stage_dir
-from posttrain.config.graph import BASE, StageGraph
+from posttrain.config.graph import StageGraph
 from posttrain.config.loader import is_resolved, resolve
 from posttrain.config.schema import Recipe
 from posttrain.config.served_access import ServedReach
@@ -60,12 +60,13 @@ def stage_roles(recipe: Recipe, graph: StageGraph, kind: StageKind, name: str) -
     if kind.placement == "first":
         return {}
     if kind.placement == "graph":
-        return {"base": BASE, **graph.get(name).links}
+        return {"base": graph.base_of(name), **graph.get(name).links}
     chosen = getattr(getattr(recipe, name), "policy", None)
     final = chosen or graph.final_policy()
     assert final is not None  # the schema requires a policy stage
-    roles = {"base": BASE, "policy": final}
-    if (parent := graph.parent(final)) != BASE:
+    # The base of the policy it evaluates or exports.
+    roles = {"base": graph.base_of(final), "policy": final}
+    if (parent := graph.parent(final)) not in graph.bases:
         roles["parent"] = parent
     if (heldout := graph.heldout_source(final)) is not None:
         roles["heldout"] = heldout
@@ -135,7 +136,8 @@ def plan(recipe: Recipe, served: ServedReach | None = None) -> RunPlan:
 def _plan_stages(recipe: Recipe) -> list[PlannedStage]:
     """Fingerprint every stage in run order. `recipe` must be resolved (no `auto` left)."""
     graph = recipe.graph()
-    order = [k.name for k in KINDS.values() if k.placement == "first"]
+    # The bases first (`ingest`, then the recipe's ingest entries), then the graph.
+    order = list(graph.bases)
     order += graph.names()
     # The last stages (evaluate, export) unless the recipe turns them off (`evaluate: null`).
     order += [k.name for k in KINDS.values() if k.placement == "last" and getattr(recipe, k.name)]
@@ -143,14 +145,15 @@ def _plan_stages(recipe: Recipe) -> list[PlannedStage]:
     fps: dict[str, str] = {}
     for name in order:
         fixed = name in KINDS and KINDS[name].placement != "graph"
+        node = graph.bases.get(name) or (None if fixed else graph.get(name))
         # Looked up here (not taken from the graph) so a test can stand another module in.
-        kind = KINDS[name if fixed else graph.get(name).kind.name]
+        kind = KINDS[node.kind.name if node is not None else name]
         roles = stage_roles(recipe, graph, kind, name)
         reads = set(roles.values())
         if kind.produces == "evaluation":
             reads |= set(evaluate_reads(recipe, graph))
         parents = {p: fps[p] for p in order if p in reads and p in fps}
-        section = getattr(recipe, name) if fixed else graph.get(name).section
+        section = node.section if node is not None else getattr(recipe, name)
         inputs = stage_inputs(recipe, kind, section)
         fp = fingerprint(kind.name, kind.version, inputs, parent_prints(parents, roles))
         fps[name] = fp
@@ -185,7 +188,7 @@ def _planned(
         out_dir=stage_dir(recipe.run.workspace, kind.name, fp),
         parents=parents,
         nprocs=int(infra.devices_per_node) if kind.distributed else 1,
-        timeout_s=infra.timeouts.for_stage(name),
+        timeout_s=infra.timeouts.for_stage(name, kind.name),
         inputs=inputs,
         nnodes=nnodes,
         rdzv_endpoint=infra.rdzv_endpoint if nnodes > 1 else None,

@@ -15,9 +15,9 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from posttrain.config.graph import __doc__ as _graph_module_doc
-from posttrain.config.schema import Recipe, StageLinks
+from posttrain.config.schema import ENTRY_KINDS, Recipe, StageLinks
 from posttrain.config.section_fields import effect_for, effect_of
-from posttrain.kinds import graph_kinds
+from posttrain.kinds import KINDS
 
 # How shorthand sections and `stages:` entries make one graph (the graph module's docstring,
 # from its second paragraph).
@@ -198,7 +198,7 @@ def _stages(out: list[str]) -> None:
     out.append("\n## `stages`\n")
     out.append(" ".join((StageLinks.__doc__ or "").split()) + " " + GRAPH_DOC + "\n")
     out.append("| key | type | default | limits | re-runs | meaning |\n|---|---|---|---|---|---|")
-    kinds = " \\| ".join(f"`{n}`" for n in graph_kinds())
+    kinds = " \\| ".join(f"`{n}`" for n in ENTRY_KINDS)
     out.append(f"| `kind` | {kinds} | **required** |  | yes | The stage kind (see below). |")
     for name, field in StageLinks.model_fields.items():
         key = field.alias or name
@@ -209,8 +209,12 @@ def _stages(out: list[str]) -> None:
         cells = (f"`{key}`", _type_name(field.annotation), default, _limits(field), reruns, desc)
         out.append("| " + " | ".join(cells) + " |")
     out.append("\n| kind | its fields | what it is |\n|---|---|---|")
-    for name, kind in graph_kinds().items():
-        out.append(f"| `{name}` | [`{name}`](#{name}) | {kind.help} |")
+    for name in ENTRY_KINDS:
+        kind = KINDS[name]
+        what = kind.help
+        if kind.placement == "first":  # one more base: a name, no links
+            what += " One more base model, named by its `name` (no links; `ingest` is taken)."
+        out.append(f"| `{name}` | [`{name}`](#{name}) | {what} |")
 
 
 def render() -> str:

@@ -45,14 +45,15 @@ class StageTimeouts(_Section):
                 raise ValueError(f"{key}: a stage timeout is a positive number of seconds")
         return self
 
-    def for_stage(self, name: str) -> float:
-        """The limit of stage `name`: its own key, a fixed stage's field, or `train`."""
+    def for_stage(self, name: str, kind: str | None = None) -> float:
+        """The limit of stage `name` (of `kind`): its own key, a fixed stage's field (an
+        extra base: ingest's), or `train`."""
         extra = self.model_extra or {}
         if name in extra:
             return float(extra[name])
-        return float(
-            getattr(self, name, self.train) if name in type(self).model_fields else self.train
-        )
+        fields = type(self).model_fields
+        key = name if name in fields else kind if kind in fields else None
+        return float(getattr(self, key) if key is not None else self.train)
 
 
 class InfraConfig(_Section):

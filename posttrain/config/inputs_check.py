@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from posttrain.config.loader import code_refs
 from posttrain.config.schema import Recipe
@@ -42,13 +43,13 @@ def model_folder_problem(path: str) -> str | None:
     return None
 
 
-def _check_model(recipe: Recipe, report: InputReport) -> Path | None:
-    """The base's line (or problem); its folder when its tokenizer can be checked now."""
-    ingest = recipe.ingest
+def _check_model(ingest: Any, where: str, report: InputReport) -> Path | None:
+    """A base's line (or problem); its folder when its tokenizer can be checked now.
+    `ingest`: its section, `where`: its field path (`ingest`, `stages.<name>`)."""
     if ingest.source == "from_config":
         c = ingest.from_config
         report.lines.append(
-            f"ingest: from_config ({c.architecture}, {c.num_layers} blocks, hidden "
+            f"{where}: from_config ({c.architecture}, {c.num_layers} blocks, hidden "
             f"{c.hidden_size}, vocab {c.vocab_size}); tokenizer and chat template "
             f"({'recipe text' if ingest.chat_template else c.template}) built and checked at "
             "ingest"
@@ -57,17 +58,17 @@ def _check_model(recipe: Recipe, report: InputReport) -> Path | None:
     path = str(ingest.path)
     if is_hub_id(path):
         report.lines.append(
-            f"ingest.path: {path}@{ingest.revision}: hub model (resolves); tokenizer and chat "
+            f"{where}.path: {path}@{ingest.revision}: hub model (resolves); tokenizer and chat "
             "template checked at ingest"
         )
         return None
     if problem := model_folder_problem(path):
-        report.problems.append(f"ingest.path: {problem}")
+        report.problems.append(f"{where}.path: {problem}")
         return None
     config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     weights = sorted(p.name for p in Path(path).glob("*.safetensors"))
     report.lines.append(
-        f"ingest.path: {path}: {config.get('model_type', '?')} model folder (config.json, "
+        f"{where}.path: {path}: {config.get('model_type', '?')} model folder (config.json, "
         f"{len(weights)} safetensors file{'s' * (len(weights) != 1)}; weights not loaded)"
     )
     return Path(path)
@@ -81,7 +82,9 @@ def check_inputs(recipe: Recipe, head: int | None = None) -> InputReport:
     from posttrain.data.peek import HEAD, peek_data
 
     report = InputReport()
-    folder = _check_model(recipe, report)
+    bases = recipe.graph().bases.values()
+    # The default base's folder: its tokenizer's template is checked against the data.
+    folder, *_ = [_check_model(b.section, b.where, report) for b in bases]
     peeks = {}
     for s in recipe.graph():
         if s.kind.data == "none":

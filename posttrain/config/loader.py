@@ -211,11 +211,12 @@ def input_paths(recipe: Recipe, base: Callable[[str], Path] | None = None) -> di
         return bool(value) and not is_hub_id(value, base(where) if base else None)
 
     out = {}
-    if local("ingest.path", recipe.ingest.path):
-        out["ingest.path"] = recipe.ingest.path
-    # A chat template given as a file is read by the stage (and saved into its artifact).
     graph = recipe.graph()
-    guards = [("ingest", recipe.ingest), *((s.where, s.section) for s in graph)]
+    for b in graph.bases.values():  # `ingest.path`, `stages.<base>.path`
+        if local(f"{b.where}.path", b.section.path):
+            out[f"{b.where}.path"] = b.section.path
+    # A chat template given as a file is read by the stage (and saved into its artifact).
+    guards = [(s.where, s.section) for s in [*graph.bases.values(), *graph]]
     for where, section in guards:
         value = getattr(section, "chat_template", None)
         if value and looks_like_template_file(value):
@@ -316,9 +317,11 @@ def _owner(recipe: Recipe, path: str) -> Any:
 def hub_ids(recipe: Recipe) -> dict[str, tuple[str, str, RepoType]]:
     """{field path: (hub id, revision, repo type)} of every input given as a hub id."""
     out: dict[str, tuple[str, str, RepoType]] = {}
-    if recipe.ingest.source == "path" and is_hub_id(recipe.ingest.path):
-        out["ingest.path"] = (str(recipe.ingest.path), recipe.ingest.revision, "model")
-    for s in recipe.graph():
+    graph = recipe.graph()
+    for b in graph.bases.values():
+        if b.section.source == "path" and is_hub_id(b.section.path):
+            out[f"{b.where}.path"] = (str(b.section.path), b.section.revision, "model")
+    for s in graph:
         for attr in ("path", "eval_path"):
             value = getattr(s.section.data, attr)
             if is_hub_id(value):

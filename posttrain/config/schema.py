@@ -80,21 +80,34 @@ class PromotionConfig(_Section):
     )
 
 
-class StageLinks(_Section):
-    """Where a `stages:` entry sits in the graph."""
-
-    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+class StageName(_Section):
+    """The name of a `stages:` entry."""
 
     name: str = Execution(
         description="Unique stage name (default: its kind); names its folder in reports and "
         "what other stages' links refer to.",
         pattern=STAGE_NAME,
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "name" not in data and isinstance(data.get("kind"), str):
+            data = {**data, "name": data["kind"]}
+        return data
+
+
+class StageLinks(StageName):
+    """Where a `stages:` entry sits in the graph."""
+
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
     from_: str | None = Execution(
         None,
         alias="from",
-        description="The stage whose policy this one starts from (`ingest` = the base model). "
-        "Default: the previous policy stage, else the base.",
+        description="The stage whose policy this one starts from (`ingest` = the base model; "
+        "the name of an `ingest` entry = that base). Default: the previous policy stage, else "
+        "the base (the one `base` names, when it is written).",
     )
     reference: str | None = Execution(
         None,
@@ -106,29 +119,34 @@ class StageLinks(_Section):
         description="The reward stage whose model scores its rollouts (PPO, GRPO). Default: "
         "the last reward stage before it.",
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _default_name(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "name" not in data and isinstance(data.get("kind"), str):
-            data = {**data, "name": data["kind"]}
-        return data
+    base: str | None = Execution(
+        None,
+        description="The base model this stage stands on: `ingest` (the top-level section) or "
+        "the name of an `ingest` entry of `stages:`. Only for a stage that starts from a base "
+        "(it then starts from this one unless `from` says otherwise); a stage that starts from "
+        "a policy stands on that policy's base. Default: `ingest`.",
+    )
 
 
 def _stage_entry(name: str) -> type:
     kind = KINDS[name]
+    # An ingest entry is one more base: named, no links.
+    head = StageLinks if kind.placement == "graph" else StageName
     return create_model(  # type: ignore[call-overload]
         f"{kind.section.__name__.removesuffix('Config')}Stage",
-        __base__=(StageLinks, kind.section),
+        __base__=(head, kind.section),
         __doc__=kind.help,
         # Which kind it is: its fingerprint hashes the kind itself.
         kind=(Literal[name], Execution(description=f"`{name}`: {kind.help}")),
     )
 
 
-# One `stages:` entry per graph kind, told apart by its `kind`.
+# The kinds a `stages:` entry may be: the graph kinds, and ingest (one more base model).
+ENTRY_KINDS = [n for n, k in KINDS.items() if k.placement != "last"]
+
+# One `stages:` entry per entry kind, told apart by its `kind`.
 StageEntry = Annotated[
-    Union[tuple(_stage_entry(n) for n in graph_kinds())],  # noqa: UP007
+    Union[tuple(_stage_entry(n) for n in ENTRY_KINDS)],  # noqa: UP007
     Field(discriminator="kind"),
 ]
 
@@ -167,8 +185,10 @@ _RecipeFields = create_model(  # type: ignore[call-overload]
         Field(
             default_factory=list,
             description="The stage graph beyond the shorthand sections: entries with `kind`, "
-            "`name`, their kind's fields and links (`from`, `reference`, `reward_model`). "
-            "Shorthand sections run first, in chain order; see docs/operations.md, Stage graphs.",
+            "`name`, their kind's fields and links (`from`, `reference`, `reward_model`, "
+            "`base`); an entry of kind `ingest` (every field of `ingest:`, and a name) is one "
+            "more base model. Shorthand sections run first, in chain order; see "
+            "docs/operations.md, Stage graphs.",
         ),
     ),
     evaluate=(
@@ -263,11 +283,17 @@ class Recipe(_RecipeFields):  # type: ignore[misc,valid-type]
     @model_validator(mode="after")
     def _stage_graph(self) -> Recipe:
         graph = build_graph(self)  # GraphError is a ValueError: reported like any field's
-        names = set(graph.names())
+        names = set(graph.names()) | set(graph.bases)
         errors = []
         for n in self.evaluate.policies if self.evaluate is not None else []:
             if n not in graph.policies():
                 errors.append(f"evaluate.policies: {n!r} is not a policy stage ({_list(graph)})")
+            elif (base := graph.base_of(n)) != (final := graph.base_of(graph.final_policy())):
+                # Evaluate puts every policy it compares on one base model.
+                errors.append(
+                    f"evaluate.policies: {n!r} stands on the base {base!r}, the evaluated "
+                    f"policy on {final!r}; compare policies of one base"
+                )
         policy = self.export.policy if self.export is not None else None
         if policy is not None and policy not in graph.policies():
             errors.append(f"export.policy: {policy!r} is not a policy stage ({_list(graph)})")
@@ -300,11 +326,12 @@ class Recipe(_RecipeFields):  # type: ignore[misc,valid-type]
         return build_graph(self)
 
     def stage(self, name: str) -> Any:
-        """The section of graph stage `name` (shorthand section or `stages:` entry), or of a
-        fixed stage (ingest, evaluate, export)."""
+        """The section of graph stage `name` (shorthand section or `stages:` entry), of a base
+        (`ingest`, or an ingest entry of `stages:`), or of a fixed stage (evaluate, export)."""
         if name in KINDS and KINDS[name].placement != "graph":
             return getattr(self, name)
-        return self.graph().get(name).section
+        graph = self.graph()
+        return (graph.bases[name] if name in graph.bases else graph.get(name)).section
 
     def training_sections(self) -> dict[str, TrainingSection]:
         """The graph's stages, by name, in run order."""

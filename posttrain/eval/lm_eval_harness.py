@@ -27,7 +27,6 @@ import numpy as np
 import torch
 from peft import PeftModel
 
-from posttrain.config.graph import BASE
 from posttrain.kinds.evaluate import LmEvalConfig
 from posttrain.models.adapters import merged_copy
 
@@ -188,7 +187,7 @@ def harness_report(
     seed: int,
 ) -> dict[str, Any]:
     """`cfg.tasks` on each of `cfg.policies`, in order, each timed (`seconds`); a stage two
-    labels name is scored once. `stages`: label -> the stage it names (`base`: BASE, scored with
+    labels name is scored once. `stages`: label -> the stage it names (`base`: the base, scored with
     adapters off; `sft`: None when the final policy's lineage has no SFT stage, which is left
     out with a warning; `final`: the final policy, scored as `merged_final`, the merged copy the
     inference figures used; any other is merged from its adapter, named after its stage, for as
@@ -212,7 +211,7 @@ def harness_report(
             continue
         if stage not in by_stage:
             started = time.perf_counter()
-            if stage == BASE:
+            if kinds[stage] == "base":
                 with model.disable_adapter():
                     scores = run_tasks(model.get_base_model(), tok, cfg.tasks, manager, **settings)
             elif stage == stages["final"]:

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from peft import PeftModel
 
-from posttrain.config.graph import BASE
 from posttrain.eval.exact_match import exact_match, greedy_answers
 from posttrain.eval.heldout import policy_heldout_loss
 from posttrain.eval.preference_eval import policy_win_rate
@@ -30,7 +29,7 @@ class Link:
 
     name: str  # its stage
     kind: str  # its stage's kind
-    parent: str  # the stage it started from (BASE for the base)
+    parent: str  # the stage it started from (its base's name for a base)
     adapter: str  # its adapter on the evaluation model
     # The prompts its answers and its parent's are judged on by the reward model; None when
     # there is no win-rate to take (no reward model, or a parent that is no policy: the base).
@@ -54,16 +53,18 @@ def compare_policies(
     links: list[Link],
     held: HeldOut,
     base: dict[str, float],
+    base_name: str,
     cfg: EvaluateConfig,
     seed: int,
     chunk_tokens: int,
 ) -> dict[str, Any]:
     """stage -> its row {kind, parent[, loss, exact_match][, win_rate_vs_parent]}, in the order
-    of `links`. `base`: the base model's loss and exact match, shown first when a listed policy
-    started from the base (and there are any)."""
+    of `links`. `base`: the base model's loss and exact match, shown first (as `base_name`,
+    the evaluated policy's base) when a listed policy started from the base (and there are
+    any)."""
     out: dict[str, Any] = {}
-    if base and any(link.parent == BASE for link in links):
-        out[BASE] = {"kind": "base", "parent": "", **base}
+    if base and any(link.parent == base_name for link in links):
+        out[base_name] = {"kind": "base", "parent": "", **base}
     greedy = next((s for s in cfg.sampling if s.strategy == "greedy"), None)
     for link in links:
         row: dict[str, Any] = {"kind": link.kind, "parent": link.parent}

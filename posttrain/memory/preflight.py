@@ -128,15 +128,19 @@ class PreflightReport:
         }
 
 
-def model_shape(recipe: Any, model_dir: str | Path | None = None) -> ModelShape:
-    """The base's shape: its config.json when the ingest artifact exists (exact vocabulary),
-    else the recipe's `ingest.from_config` numbers. Raises ValueError when neither describes a
-    model the estimate knows."""
+def model_shape(
+    recipe: Any, model_dir: str | Path | None = None, base: str = "ingest"
+) -> ModelShape:
+    """The shape of base `base` (a base's name: `ingest` or an ingest entry of `stages:`): its
+    config.json when its artifact exists (exact vocabulary), else the recipe's
+    `from_config` numbers for it. Raises ValueError when neither describes a model the estimate
+    knows."""
     if model_dir is not None and (Path(model_dir) / "config.json").is_file():
         return ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
-    if recipe.ingest.source == "from_config":
-        return ModelShape.from_recipe_model(recipe.ingest.from_config)
-    raise ValueError("no config.json for the base model (ingest.path) to estimate from")
+    section = recipe.stage(base)
+    if section.source == "from_config":
+        return ModelShape.from_recipe_model(section.from_config)
+    raise ValueError(f"no config.json for the base model ({base}: path) to estimate from")
 
 
 def _adapter(role: str, lora: Any, trainable: bool) -> Adapter:
@@ -266,7 +270,7 @@ def preflight(
     """Estimate `stage` of a resolved recipe against the device (detected unless `capacity`
     is given). `model`/`model_dir`: the base's shape or its folder (see `model_shape`)."""
     if model is None:
-        model = model_shape(recipe, model_dir)
+        model = model_shape(recipe, model_dir, recipe.graph().base_of(stage))
     shape = stage_shape(recipe, stage)
     layout = device_layout(recipe)
     cap = capacity or detect_capacity(recipe)

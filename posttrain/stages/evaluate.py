@@ -37,7 +37,6 @@ import torch
 from peft import PeftModel
 
 from posttrain import jsonsafe
-from posttrain.config.graph import BASE
 from posttrain.data.sft_data import tokenize_rows, write_rows
 from posttrain.eval.exact_match import base_vs_tuned
 from posttrain.eval.heldout import policy_heldout_loss
@@ -79,7 +78,7 @@ ADAPTER = "default"
 
 def _adapter(ctx: StageContext, stage: str) -> str | None:
     """The adapter of policy `stage` on the evaluation model; None for the base (adapters off)."""
-    if stage == BASE:
+    if stage == ctx.roles["base"]:
         return None
     return ADAPTER if stage == ctx.roles["policy"] else stage
 
@@ -129,7 +128,7 @@ def _evaluation_model(ctx: StageContext, device: torch.device) -> tuple[PeftMode
 def _heldout_loss(
     ctx: StageContext, model: PeftModel, tok: Any, stage: str, examples: list[dict]
 ) -> dict[str, float]:
-    """Held-out loss/perplexity of policy `stage` (BASE: the base)."""
+    """Held-out loss/perplexity of policy `stage` (the `base` role's name: the base)."""
     return policy_heldout_loss(
         model,
         _adapter(ctx, stage),
@@ -144,7 +143,7 @@ def _heldout(ctx: StageContext, model: PeftModel, tok: Any, examples: list[dict]
     """The held-out report: the base's and the final policy's ("tuned") scores on `examples`
     (`run` adds the parent's once the merged-model figures are taken)."""
     final = ctx.roles["policy"]
-    base = _heldout_loss(ctx, model, tok, BASE, examples)
+    base = _heldout_loss(ctx, model, tok, ctx.roles["base"], examples)
     tuned = _heldout_loss(ctx, model, tok, final, examples)
     log.info(
         "held-out loss: base %.4f -> %s %.4f (perplexity %.2f -> %.2f)",
@@ -229,8 +228,9 @@ def _lm_eval(ctx: StageContext, model: PeftModel, tok: Any, merged: Any) -> dict
     if cfg is None:
         return None
     graph = ctx.recipe.graph()
-    stages = {"base": BASE, "sft": _lm_eval_sft(ctx), "final": ctx.roles["policy"]}
-    kinds = {s: "base" if s == BASE else graph.get(s).kind.name for s in stages.values() if s}
+    base = ctx.roles["base"]
+    stages = {"base": base, "sft": _lm_eval_sft(ctx), "final": ctx.roles["policy"]}
+    kinds = {s: "base" if s == base else graph.get(s).kind.name for s in stages.values() if s}
     return harness_report(model, tok, stages, kinds, merged, cfg, ctx.recipe.run.seed)
 
 
@@ -295,9 +295,10 @@ def _verifiers(ctx: StageContext, model: PeftModel, tok: Any) -> dict[str, Any] 
     funcs = load_rewards(specs, where=verifiers_field(ctx))
     episodes = verifier_episodes(ctx, tok, model_stop_token_ids(model, tok))
     final, graph = ctx.roles["policy"], ctx.recipe.graph()
-    names = [BASE, ctx.roles.get("parent"), final, *ctx.recipe.evaluate.policies]
+    base = ctx.roles["base"]
+    names = [base, ctx.roles.get("parent"), final, *ctx.recipe.evaluate.policies]
     policies = {
-        n: _adapter(ctx, n) for n in dict.fromkeys(x for x in names if x) if n == BASE or n in graph
+        n: _adapter(ctx, n) for n in dict.fromkeys(x for x in names if x) if n == base or n in graph
     }
     report, examples = verifier_report(
         model,
@@ -341,6 +342,7 @@ def _side_by_side(
         links,
         held,
         base,
+        ctx.roles["base"],
         cfg,
         ctx.recipe.run.seed,
         ctx.recipe.infra.logits_chunk_tokens,
@@ -350,8 +352,9 @@ def _side_by_side(
 # --- the summary ------------------------------------------------------------------------------
 
 
-def _headline(report: dict[str, Any]) -> dict[str, float]:
-    """The figures promotion rules and the run report compare, from the evaluation report."""
+def _headline(report: dict[str, Any], base: str) -> dict[str, float]:
+    """The figures promotion rules and the run report compare, from the evaluation report
+    (`base`: the name of the evaluated policy's base)."""
     heldout, exact = report["heldout"], report["exact_match"]
     headline: dict[str, float] = {}
     if heldout is not None:
@@ -378,7 +381,7 @@ def _headline(report: dict[str, Any]) -> dict[str, float]:
             headline[f"pass@{k}"] = by[final][f"pass@{k}"]
         if report["parent"] in by:
             headline["pass@1_parent"] = by[report["parent"]]["pass@1"]
-        headline["pass@1_base"] = by[BASE]["pass@1"]
+        headline["pass@1_base"] = by[base]["pass@1"]
     if "win_rate_vs_parent" in report:
         wr = report["win_rate_vs_parent"]
         headline |= {
@@ -435,7 +438,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
             base["exact_match"] = exact["base"]
         report["policies"] = _side_by_side(ctx, model, tok, rm, held, base)
     (ctx.out_dir / "eval.json").write_text(jsonsafe.dumps(report, indent=2))
-    return {**report, "headline": _headline(report)}
+    return {**report, "headline": _headline(report, ctx.roles["base"])}
 
 
 if __name__ == "__main__":

@@ -197,11 +197,12 @@ def _base_info(ctx: StageContext) -> dict[str, Any]:
 
 
 def _recipe_sections(ctx: StageContext) -> dict[str, Any]:
-    """The recipe sections of ingest, every stage the shipped policy descends from (base
+    """The recipe sections of the shipped policy's base, every stage it descends from (base
     first) and export."""
     graph = ctx.recipe.graph()
     lineage_names = list(reversed(graph.lineage(ctx.roles["policy"])))
-    sections = {"ingest": ctx.recipe.ingest.model_dump(mode="json")}
+    base = ctx.roles["base"]
+    sections = {base: graph.bases[base].section.model_dump(mode="json")}
     sections |= {n: graph.get(n).section.model_dump(mode="json") for n in lineage_names}
     sections["export"] = ctx.recipe.export.model_dump(mode="json")
     return sections

@@ -429,7 +429,7 @@ def ingest_from_config(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    cfg = ctx.recipe.ingest
+    cfg = ctx.section  # `ingest:`, or the `stages:` entry of an extra base
     info = ingest_path(ctx, cfg) if cfg.source == "path" else ingest_from_config(ctx, cfg)
     from posttrain.models.loading import load_tokenizer
 
