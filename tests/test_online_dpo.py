@@ -4,6 +4,7 @@ two ranks, its policy taken by evaluate."""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from fixtures_tiny import TinyAssets, one_torch_thread, tiny_assets
 from posttrain.rl.pair_select import judge_agreement, select_pairs
 from pydantic import ValidationError
@@ -27,7 +29,7 @@ from posttrain.telemetry.metrics import read_metrics
 from posttrain.train.preference_losses import sigmoid_loss
 from posttrain.train.rollout import Rollout, response_logps
 from tests.stage_helpers import planned_dir, run_inprocess, run_torchrun
-from tests.test_rl_stages import parents, recipe_with, summary  # noqa: F401  (the shared fixture)
+from tests.test_rl_stages import RL, parents, recipe_with, summary  # noqa: F401  (the shared fixture)
 from tests.test_rl_update import _session
 
 DATA = {"synthetic": {"n_examples": 16}, "max_prompt_len": MAX_PROMPT_LEN}
@@ -230,19 +232,25 @@ def _check_run(out: Path, steps: int, prompts: int) -> list[dict]:
 
 @pytest.mark.slow
 def test_online_dpo_trains_on_one_rank_and_evaluate_takes_it(parents) -> None:  # noqa: F811
-    """Judged by the reward model and an exact-answer check together: the pairs train the
+    """Judged by the reward model and a token-overlap check together: the pairs train the
     policy (its adapter moves), both judges' agreement is logged, evaluate and export take the
     online-DPO policy."""
     from safetensors.torch import load_file
 
-    section_ = {
+    entry = {
+        "kind": "online_dpo",
+        "name": "odpo",
+        "reward_model": "reward",  # named: it joins the reward functions in the judgement
         **ODPO,
-        "rewards": [{"fn": "posttrain.rewards.match:exact_match"}],
-        "reward_model": "reward",
+        # Graded (exact match would score the tiny policy's answers all 0: no order to agree on)
+        "rewards": [{"fn": "posttrain.rewards.match:token_similarity"}],
         "max_steps": 3,
     }
-    recipe = recipe_with(parents, "online_dpo", section_, "odpo1")
-    out = run_inprocess("online_dpo", recipe)
+    data = copy.deepcopy(RL) | {"stages": [entry]}
+    data["run"]["workspace"] = str(parents["folder"] / "ws")
+    recipe = parents["folder"] / "odpo1.yaml"
+    recipe.write_text(yaml.safe_dump(data))
+    out = run_inprocess("online_dpo", recipe, name="odpo")
     train = _check_run(out, 3, 4)
     assert sum(r["pairs"] for r in train) > 0
     assert all(0.0 <= r["judge_agreement"] <= 1.0 for r in train)
@@ -253,7 +261,7 @@ def test_online_dpo_trains_on_one_rank_and_evaluate_takes_it(parents) -> None:  
     assert before.keys() == after.keys()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     ev = run_inprocess("evaluate", recipe)
-    assert summary(ev)["policy"] == "online_dpo"
+    assert summary(ev)["policy"] == "odpo"
     assert out.name in (ev / "manifest.json").read_text()
 
 
