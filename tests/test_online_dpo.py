@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 import yaml
 from fixtures_tiny import TinyAssets, one_torch_thread, tiny_assets
-from posttrain.rl.pair_select import judge_agreement, select_pairs
 from pydantic import ValidationError
 from rl_tiny import MAX_PROMPT_LEN, prompt_rows, role_model, rollout_setup
 
@@ -23,6 +22,7 @@ from posttrain.distributed.runtime import DistInfo, init_distributed, shutdown
 from posttrain.kinds.online_dpo import OnlineDPOConfig
 from posttrain.models.adapters import POLICY
 from posttrain.rl.dpo_update import dpo_update, group_scores, judge, sequence_logps
+from posttrain.rl.pair_select import judge_agreement, select_pairs
 from posttrain.rl.rollouts import collect_rollout
 from posttrain.stages.online_dpo import bound_loss, check_shapes
 from posttrain.telemetry.metrics import read_metrics
@@ -119,7 +119,7 @@ def test_judge_reads_the_missing_eos_penalty_and_both_judges() -> None:
     judged = judge(_judged_rollout(scores, rm), cfg, 1.0)
     assert judged.rows == [(0, 1), (2, 3)]
     rest = [s - r for s, r in zip(scores, rm, strict=True)]
-    assert judged.agreement == judge_agreement([rm[:2], rm[2:]], [rest[:2], rest[2:]])
+    assert judged.agreement == judge_agreement([rm[:2], rm[2:]], [rest[:2], rest[2:]], 0.0)
 
 
 # --- the DPO step on a tiny model ----------------------------------------------------------------

@@ -68,7 +68,7 @@ def judge(ro: Rollout, cfg: Any, rm_weight: float | None) -> Judged:
     if rm_weight is not None and any(key.startswith(FUNCTION) for key in ro.scored):
         rm = ro.scored["rm_scores"]
         rest = ro.scored["scores"] - rm_weight * rm
-        agreement = judge_agreement(group_scores(rm, k), group_scores(rest, k))
+        agreement = judge_agreement(group_scores(rm, k), group_scores(rest, k), cfg.tie_eps)
     return Judged(rows, sel, agreement)
 
 
