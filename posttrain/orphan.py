@@ -69,15 +69,27 @@ def die_with(parent: int, sig: int = signal.SIGTERM) -> Callable[[], None]:
 
 
 def process_start(pid: int | None = None) -> float:
-    """A process's start time as psutil reports it (with its PID, the process's identity)."""
-    return psutil.Process(os.getpid() if pid is None else pid).create_time()
+    """When a process started, in seconds after boot (with its PID, the process's identity on
+    this machine). From the kernel's start ticks (`/proc/<pid>/stat`), not psutil's
+    create_time: that adds the boot time as the wall clock now sees it, so a clock step (NTP)
+    between recording and checking made a live supervisor look like another process and its
+    stage stop itself as an orphan. Raises psutil.NoSuchProcess when there is no such process."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, field 3 on
+    except FileNotFoundError:
+        raise psutil.NoSuchProcess(pid) from None
+    except OSError:  # no /proc (not Linux): psutil's, wall-clock based
+        return psutil.Process(pid).create_time()
+    return int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime
 
 
 def supervisor_alive(pid: int, start: float) -> bool:
     """Whether the process `pid` that started at `start` still runs (a zombie does not)."""
     try:
         p = psutil.Process(pid)
-        return abs(p.create_time() - start) < 0.05 and p.status() != psutil.STATUS_ZOMBIE
+        return abs(process_start(pid) - start) < 0.05 and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
     except psutil.Error:  # not ours to inspect: it exists, so assume it is the supervisor

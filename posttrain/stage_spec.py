@@ -50,7 +50,9 @@ class LaunchInfo(_Contract):
         None, description="PID of the supervising process on this machine (local launches)."
     )
     supervisor_start: float | None = Field(
-        None, description="Its start time (a PID can be reused)."
+        None,
+        description="When it started, in seconds after boot (kernel start ticks, unmoved by "
+        "clock corrections; a PID can be reused).",
     )
     beat_file: str | None = Field(
         None,

@@ -233,3 +233,29 @@ def test_the_stage_timeout_counts_from_when_the_job_runs(tmp_path: Path, caplog)
     sft.infra["queue_timeout_s"] = 0.3
     waited = _wait(_Queued(10.0), sft, None, log)  # type: ignore[arg-type]
     assert waited.timeout == "queue" and waited.waiting == "PENDING (Resources)"
+
+
+def test_a_local_supervisor_is_known_by_its_start_ticks_not_the_wall_clock(monkeypatch) -> None:
+    """A clock step (NTP) moves psutil's boot time and so every create_time it reports; the
+    identity the stage checks its supervisor by is the kernel's start ticks, which do not move:
+    a live supervisor stays alive, an exited one is gone, another start time is another
+    process."""
+    import os
+    import subprocess
+    import sys
+
+    import psutil
+
+    from posttrain.orphan import process_start, supervisor_alive
+
+    me, start = os.getpid(), process_start()
+    assert supervisor_alive(me, start)
+    before, real = psutil.Process(me).create_time(), psutil.boot_time()
+    monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: real + 1.0)  # a 1 s clock step
+    assert psutil.Process(me).create_time() - before == pytest.approx(1.0)  # psutil's moves...
+    assert supervisor_alive(me, start)  # ...the identity does not
+    assert not supervisor_alive(me, start + 1.0)  # another process that had this PID
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child_start = process_start(child.pid)
+    child.wait()
+    assert not supervisor_alive(child.pid, child_start)

@@ -25,7 +25,7 @@ from posttrain.models.roles import VALUE, RoleModel
 from posttrain.rl.rollouts import collect_rollout
 from posttrain.rl.update import Advantages, compute_advantages, policy_terms, update
 from posttrain.stages.common import StageContext
-from posttrain.train.rl_algos import ALGORITHMS
+from posttrain.train.rl_algos import ALGORITHMS, sequence_kl
 from posttrain.train.rl_losses import clipped_policy_loss, clipped_value_loss, kl_penalty
 from posttrain.train.rollout import Rollout, response_logps
 from posttrain.train.session import TrainSession, start_session
@@ -317,6 +317,32 @@ def test_the_only_update_without_scoring_passes_steps_as_with_them(tiny, world, 
     assert "kl_loss" in full.means and "kl_loss" not in own.means
     for a, b in zip(after_full, after_own, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_without_a_policy_pass_the_rollout_s_kl_is_the_update_s_own(tiny, world, tmp_path) -> None:
+    """KL in the loss, one update per rollout: the policy pass is skipped, the reference's is
+    not. The rollout's KL to the reference (the step's `kl`, the adaptive controller's input)
+    is then measured from the update's own log-probs, equal to a scoring pass's, never 0."""
+    kl = {"coef": 0.04, "placement": "loss"}
+    cfg = section("grpo", rollout={"prompts_per_step": 2, "samples_per_prompt": 2}, kl=kl)
+    rows = prompt_rows(tiny.tokenizer, 4)
+    kls = []
+    for score_policy in (True, False):
+        model = role_model(tiny, False)
+        s = replace(
+            rollout_setup(model, tiny.tokenizer, cfg, "alternating"), score_policy=score_policy
+        )
+        ro = collect_rollout(s, rows, 0).rollout
+        assert ("logps" in ro.scored) == score_policy and "ref_logps" in ro.scored
+        # A reference the policy has moved away from (at the start they are equal: KL 0).
+        ro.scored["ref_logps"] = ro.scored["ref_logps"] - 0.1 * ro.mask
+        adv = compute_advantages(ALGORITHMS["grpo"], ro, cfg, 0.04, "loss", None)
+        tr = _session(tmp_path / str(score_policy), world, model)
+        update(tr, ro, adv, cfg, ResolvedBatch(4, 1, 4, 1), seed=5, step=1)
+        kls.append(sequence_kl(ro, "k1"))
+    scored, own = kls
+    assert float(scored.abs().sum()) > 0
+    torch.testing.assert_close(own, scored, rtol=1e-4, atol=1e-6)
 
 
 def test_update_makes_one_optimizer_step_per_minibatch_and_epoch(tiny, world, tmp_path) -> None:

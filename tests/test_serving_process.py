@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -151,6 +152,39 @@ def test_a_keeper_signalled_as_its_server_starts_still_ends_it(tmp_path: Path) -
         server = keeper.children()[0]
         keeper.send_signal(signal.SIGTERM)
         server.wait(timeout=20)  # raises if the server outlives its keeper
+        proc.proc.wait(timeout=20)
+
+
+def test_a_burst_of_signals_still_ends_the_keeper_and_its_server(tmp_path: Path) -> None:
+    """Several signals at once (the parent-death SIGTERM with a SIGHUP or SIGINT): each
+    handler runs inside the one before it. A handler that took a lock (threading.Event.set)
+    deadlocked on the lock the interrupted one held, and the server ran on; found hung in a
+    stage test with two nested `stopping.set()` frames."""
+    for attempt in range(10):
+        proc = ServerProcess.start(
+            [sys.executable, "-c", "import time; time.sleep(120)"],
+            {},
+            tmp_path / f"s{attempt}.log",
+            tmp_path / f"r{attempt}.json",
+        )
+        keeper = psutil.Process(proc.proc.pid)
+        deadline = time.monotonic() + 30
+        while not keeper.children() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        server = keeper.children()[0]
+        time.sleep(0.2)  # the keeper is in child.wait()
+        storm = (
+            "import os, signal, sys, time\n"
+            "end = time.monotonic() + 0.3\n"
+            "while time.monotonic() < end:\n"
+            "    try:\n"
+            "        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):\n"
+            "            os.kill(int(sys.argv[1]), s)\n"
+            "    except ProcessLookupError:\n"
+            "        break\n"
+        )
+        subprocess.run([sys.executable, "-c", storm, str(keeper.pid)], check=True, timeout=30)
+        server.wait(timeout=20)  # raises if the keeper hung with its server running
         proc.proc.wait(timeout=20)
 
 

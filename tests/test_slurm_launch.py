@@ -87,6 +87,20 @@ def _checkpoints(out_dir: Path) -> list[str]:
     return sorted(p.name for p in folder.glob("step_*") if not p.name.endswith(".tmp"))
 
 
+def _local_run(recipe: Path, local: Path) -> Any:
+    """The recipe's SFT under the local launcher, uninterrupted (torchrun, 2 processes): its
+    planned stage."""
+    local.mkdir()
+    data = load_recipe(recipe).model_dump(mode="json")
+    data["run"]["workspace"] = str(local / "ws")
+    data["infra"] |= {"launcher": "local", "nnodes": 1, "devices_per_node": 2}
+    local_recipe = write_recipe(local, data)
+    run_inprocess("ingest", local_recipe)
+    done = run_torchrun("sft", local_recipe, 2)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return _stage(local_recipe)
+
+
 def test_two_node_sft_on_slurm_recovers_and_trains_the_local_launchers_losses(
     slurm_cluster: Any, prefect_server: Any, tmp_path: Path
 ) -> None:
@@ -155,16 +169,7 @@ def test_two_node_sft_on_slurm_recovers_and_trains_the_local_launchers_losses(
     assert all(h["sources"]["io"] == "present" and h["node"] for h in health.values())
 
     # The same stage under the local launcher, uninterrupted: torchrun, 2 processes here.
-    local = tmp_path / "local"
-    local.mkdir()
-    data = load_recipe(recipe).model_dump(mode="json")
-    data["run"]["workspace"] = str(local / "ws")
-    data["infra"] |= {"launcher": "local", "nnodes": 1, "devices_per_node": 2}
-    local_recipe = write_recipe(local, data)
-    run_inprocess("ingest", local_recipe)
-    done = run_torchrun("sft", local_recipe, 2)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    local_sft = _stage(local_recipe)
+    local_sft = _local_run(recipe, tmp_path / "local")
     assert local_sft.fingerprint == sft.fingerprint  # where it ran is not what it computed
     slurm_losses, local_losses = _losses(sft.out_dir), _losses(local_sft.out_dir)
     assert len(slurm_losses) == STEPS

@@ -139,6 +139,12 @@ def update(
                 cfg.optim.max_grad_norm, loss=objective, step=step, epoch=epoch, update=u
             )
             norms.append(norm)
+    if "logps" not in ro.scored and "update_logps" in ro.scored:
+        # No policy scoring pass (the rollout's only update): the update's own log-probs,
+        # taken before its one optimizer step, are the sampling weights'. Kept as the rollout's
+        # so its KL to the reference (the step's `kl`, the adaptive controller's input) is
+        # measured, not read as 0.
+        ro.scored["logps"] = ro.scored.pop("update_logps")
     tot = {k: all_reduce_sum(v, device) for k, v in sums.items()}
     n_tok = max(1.0, tot.pop("tokens"))
     return UpdateStats(
@@ -206,6 +212,9 @@ def policy_backward(
         temperature=cfg.rollout.temperature,
     )  # [n, R] each, under the sampling temperature
     assert ent is not None
+    if "logps" not in ro.scored:  # the update's own, for the rollout's KL (see `update`)
+        own = ro.scored.setdefault("update_logps", torch.zeros(ro.mask.shape))
+        own[mi.rows] = logp.detach().float().cpu()
     old, ref, behaviour = (
         ro.scored[k][mi.rows].to(device) if k in ro.scored else None
         for k in ("logps", "ref_logps", "behaviour_logps")

@@ -17,11 +17,10 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 
 import psutil
 
-GRACE_S = 10.0
+GRACE_S = 10  # seconds (signal.alarm's whole seconds)
 
 
 def _end_leftovers(sig: int) -> None:
@@ -34,32 +33,35 @@ def _end_leftovers(sig: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    stopping = threading.Event()
+    # A plain flag, not a threading.Event: handlers run between bytecodes of the main thread
+    # and nest when signals come in a burst (the parent-death SIGTERM, then a SIGHUP ...); a
+    # second handler blocking on the lock the first holds inside Event.set() hung the keeper
+    # with its server running.
+    stopping = [False]
 
     def stop(signum: int, frame: object) -> None:
-        # The main thread is in child.wait(), which resumes after this handler: no waiting
-        # here (Popen's wait lock is held), only signals, and a timer for a server that
-        # ignores SIGTERM.
-        if stopping.is_set():
+        # The main thread is in child.wait(), which resumes after this handler: no waiting and
+        # no locks here, only signals, and an alarm for a server that ignores SIGTERM.
+        if stopping[0]:
             return
-        stopping.set()
+        stopping[0] = True
+        signal.signal(signal.SIGALRM, lambda *_: os.killpg(0, signal.SIGKILL))
+        signal.alarm(GRACE_S)
         _end_leftovers(signal.SIGTERM)
-        timer = threading.Timer(GRACE_S, os.killpg, (0, signal.SIGKILL))
-        timer.daemon = True
-        timer.start()
 
     # Handlers first: a signal between the fork and the handlers would end the keeper alone
     # and leave the server running, orphaned.
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, stop)
     child = subprocess.Popen(argv)
-    if stopping.is_set():  # asked to stop while the server was being forked
+    if stopping[0]:  # asked to stop while the server was being forked
         _end_leftovers(signal.SIGTERM)
     code = child.wait()
+    signal.alarm(0)  # the server ended within its grace: no SIGKILL for what is left
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     _end_leftovers(signal.SIGKILL)  # what the server left behind
-    if stopping.is_set():
+    if stopping[0]:
         sys.exit(0)
     if code < 0:  # killed by a signal: end the same way
         if -code != signal.SIGKILL:

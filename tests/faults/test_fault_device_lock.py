@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from posttrain.device_lock import DIR_ENV, DeviceLock
@@ -73,7 +72,7 @@ def test_supervisor_alive_follows_the_process_not_the_pid() -> None:
         child.kill()
         child.wait()
         assert not supervisor_alive(pid, start)
-        assert supervisor_alive(os.getpid(), psutil.Process().create_time())
+        assert supervisor_alive(os.getpid(), process_start())
     finally:
         child.kill()
         child.wait()
