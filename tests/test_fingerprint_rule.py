@@ -51,7 +51,7 @@ def _base(tmp: Path) -> dict[str, Any]:
     data["reward"] = {"data": copy.deepcopy(PREFS), "min_accuracy": 0.1, "batch": dict(BATCH)}
     for kind in ("dpo", "orpo", "kto"):
         data[kind] = {"data": copy.deepcopy(PREFS), "batch": dict(BATCH)}
-    for kind in ("ppo", "grpo"):
+    for kind in ("ppo", "grpo", "online_dpo"):
         data[kind] = copy.deepcopy(RL) | {"rewards": [REWARD_FN], "batch": dict(BATCH)}
     data["grpo"]["rollout"] |= {"engine": "server", "server": dict(SERVER)}
     data["evaluate"] |= {
@@ -128,6 +128,7 @@ def _coupled(files: dict[str, str], section: str) -> dict[str, list[dict[str, An
     path_file = {
         "sft": "sft.jsonl", "reward": "pairs.jsonl", "dpo": "pairs.jsonl", "orpo": "pairs.jsonl",
         "kto": "unpaired.jsonl", "ppo": "prompts.jsonl", "grpo": "prompts.jsonl",
+        "online_dpo": "prompts.jsonl",
     }.get(section, "sft.jsonl")  # fmt: skip
     data_file = files[path_file]
     return _rollout_engine_edits(section) | {
@@ -178,6 +179,22 @@ NO_CHANGE_HERE = {
     "infra.device": ("result", "cuda needs a GPU to resolve"),
     "infra.precision": ("result", "CPU runs refuse half precision"),
     "infra.base_dtype": ("result", "a bf16 base needs a GPU"),
+    # Inherited from the online-RL section, refused unless left as they are: DPO's `beta` is
+    # its KL constraint, its step is not the clipped update, and it samples with the policy it
+    # updates (OnlineDPOConfig).
+    **{
+        f"online_dpo.{f}": ("result", "online DPO accepts only the default")
+        for f in (
+            "kl.coef",
+            "kl.adaptive",
+            "update_epochs",
+            "clip_range",
+            "clip_range_high",
+            "loss_aggregation",
+            "entropy_coef",
+            "rollout.max_staleness",
+        )
+    },
 }
 
 

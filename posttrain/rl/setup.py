@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from functools import partial
@@ -92,11 +93,26 @@ class RLRun:
     template_sha: str  # the policy's chat template, as the SFT stage recorded it
 
 
-def setup(ctx: StageContext, algo: Algorithm, stack: ExitStack) -> RLRun:
+# (stage name, section, batch, ranks) -> (sequences per rank per rollout, optimizer updates per
+# rollout), or a ValueError: `check_shapes`.
+Shapes = Callable[[str, Any, ResolvedBatch, int], tuple[int, int]]
+# (section, KL placement, updates per rollout) -> (score the policy, score the reference):
+# `scoring_passes`.
+Passes = Callable[[Any, str, int], tuple[bool, bool]]
+
+
+def setup(
+    ctx: StageContext,
+    algo: Algorithm,
+    stack: ExitStack,
+    shapes: Shapes = check_shapes,
+    passes: Passes = scoring_passes,
+) -> RLRun:
     """Everything before the first step: templates checked, reward and prompts loaded, the
     roles built on the base and sharded, the session started (or resumed, with its KL
     coefficient), the rollout engines ready (a rollout server started and given the policy:
-    `stack` stops it when the stage ends)."""
+    `stack` stops it when the stage ends). `shapes` and `passes`: how the update consumes a
+    rollout (the clipped update's by default; online DPO's step brings its own)."""
     cfg, name, d = ctx.section, ctx.name, ctx.dist
     base, tok, weights = training_base(ctx)
     template_sha = check_template(ctx, tok, "policy")
@@ -108,7 +124,7 @@ def setup(ctx: StageContext, algo: Algorithm, stack: ExitStack) -> RLRun:
     rewarder = Rewarder(funcs, cfg.reward_model_weight if has_rm else None, tok)
     data = load_prompts(ctx, tok)
     batch = section_batch(ctx.recipe, name)
-    local_seqs, updates_per_rollout = check_shapes(name, cfg, batch, d.world_size)
+    local_seqs, updates_per_rollout = shapes(name, cfg, batch, d.world_size)
     n_rollouts = cfg.max_steps or max(
         1, math.ceil(cfg.epochs * len(data.train) / cfg.rollout.prompts_per_step)
     )
@@ -133,9 +149,14 @@ def setup(ctx: StageContext, algo: Algorithm, stack: ExitStack) -> RLRun:
     )
     ctl = KLController(cfg.kl.coef, cfg.kl.adaptive, cfg.kl.target, cfg.kl.horizon)
     ctl.coef = tr.resume_meta.get("kl_coef", ctl.coef)
-    passes = scoring_passes(cfg, placement, updates_per_rollout)
     rollouts = rollout_setup(
-        ctx, tr.model, tok, rewarder, algo.critic, batch.micro_batch_size, passes
+        ctx,
+        tr.model,
+        tok,
+        rewarder,
+        algo.critic,
+        batch.micro_batch_size,
+        passes(cfg, placement, updates_per_rollout),
     )
     engines = rollout_engines(ctx, rollouts, tr.start_step, stack)
     rollouts = replace(rollouts, engines=engines, packed=padding_free(cfg.batch, tr.model))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import replace
 from functools import partial
@@ -48,7 +49,7 @@ from posttrain.stages.common import StageContext
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.checkpoint import data_position
-from posttrain.train.rl_algos import ALGORITHMS
+from posttrain.train.rl_algos import ALGORITHMS, Algorithm
 from posttrain.train.rl_losses import explained_variance
 from posttrain.train.rl_rewards import Rewarder
 from posttrain.train.session import save_adapter
@@ -57,22 +58,38 @@ log = logging.getLogger("posttrain.rl")
 
 
 def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
-    """The stage: setup, `n_rollouts` steps (resumed from the newest checkpoint) with held-out
-    evaluations every `eval_every`, the final evaluation, the outputs; returns the summary. A
-    rollout server (`rollout.engine: server`) lives as long as this call."""
+    """The PPO/GRPO stage: `run_loop` with the clipped update's step (`train_step`)."""
+    return run_loop(ctx, ALGORITHMS[algorithm], train_step)
+
+
+# (the stage's run, 0-based step, the generation ahead or None) -> None: one logged step.
+StepFn = Callable[[RLRun, int, "Ahead | None"], None]
+
+
+def run_loop(
+    ctx: StageContext,
+    algo: Algorithm,
+    step_fn: StepFn,
+    summary: dict[str, Any] | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """The stage: setup (`options`: `setup`'s shapes and passes), `n_rollouts` steps of
+    `step_fn` (resumed from the newest checkpoint) with held-out evaluations every
+    `eval_every`, the final evaluation, the outputs; returns the summary (with `summary`'s
+    fields). A rollout server (`rollout.engine: server`) lives as long as this call."""
     with ExitStack() as stack:
-        run = setup(ctx, ALGORITHMS[algorithm], stack)
+        run = setup(ctx, algo, stack, **options)
         cfg, n = ctx.section, run.n_rollouts
         eval_rows = run.data.eval[: cfg.eval_prompts]
         samples = ctx.out_dir / "eval_samples.jsonl" if ctx.is_main else None
         sft: dict[str, float] | None = None
         ahead = Ahead(run.tr.model) if cfg.rollout.max_staleness else None
         for step in range(run.tr.start_step, n):
-            train_step(run, step, ahead)
+            step_fn(run, step, ahead)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < n:
                 _, sft = evaluate(run.rollouts, eval_rows, step + 1, sft, run.tr.metrics, samples)
         final, sft = evaluate(run.rollouts, eval_rows, n, sft, run.tr.metrics, samples)
-        return finish(run, final, sft)
+        return finish(run, final, sft, **(summary or {}))
 
 
 class Ahead:
@@ -193,9 +210,12 @@ def record(
         )
 
 
-def finish(run: RLRun, final: dict[str, float], sft: dict[str, float]) -> dict[str, Any]:
+def finish(
+    run: RLRun, final: dict[str, float], sft: dict[str, float], **fields: Any
+) -> dict[str, Any]:
     """The stage's outputs after the final evaluation: the policy adapter (and the critic),
-    the `end` record, the quality gate, reference.json; returns the manifest summary."""
+    the `end` record, the quality gate, reference.json; returns the manifest summary (with
+    `fields`)."""
     ctx, cfg, tr = run.ctx, run.ctx.section, run.tr
     save_adapter(tr.model, ctx, selected_adapters=[POLICY])
     if run.algo.critic:
@@ -217,6 +237,7 @@ def finish(run: RLRun, final: dict[str, float], sft: dict[str, float]) -> dict[s
         gate=gate,
         chat_template_sha256=run.template_sha,
         **run.data.stats,
+        **fields,
         headline=tr.headline(
             eval_reward=final["reward"],
             sft_reward=sft["reward"],

@@ -1,0 +1,108 @@
+"""online_dpo: DPO on the policy's own samples, judged on the fly (online DPO, Guo et al. 2024;
+TRL's `OnlineDPOTrainer`).
+
+Each step the policy samples `rollout.samples_per_prompt` answers per prompt (the online-RL
+rollout engine), the judge scores them - the reward model (`reward_model`), the reward
+functions (`rewards`), or both summed, as GRPO's rollouts are scored - and each prompt's best
+and worst answers are a (chosen, rejected) pair for one DPO step against the frozen reference.
+The stage process is `posttrain.stages.online_dpo`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from posttrain.config.section_fields import Result
+from posttrain.config.sections import KLConfig, OnlineRLConfig, RolloutConfig
+from posttrain.kinds._kind import MemoryInputs, StageKind
+from posttrain.kinds._online import rollout_inputs, rollout_memory
+
+# Fields of the clipped policy-gradient update that a DPO step has no use for: a recipe that
+# changes one is told so rather than silently ignored. (By value, not `model_fields_set`: a
+# recipe comes back fully dumped in a stage's spec.)
+CLIPPED_UPDATE_FIELDS = (
+    "update_epochs",
+    "clip_range",
+    "clip_range_high",
+    "loss_aggregation",
+    "entropy_coef",
+)
+
+
+class OnlineDPOConfig(OnlineRLConfig):
+    rollout: RolloutConfig = Field(
+        default_factory=lambda: RolloutConfig(prompts_per_step=8, samples_per_prompt=4),
+        description="Generation; samples_per_prompt answers per prompt are judged and the best "
+        "and worst form its pair (>= 2).",
+    )
+    kl: KLConfig = Field(
+        default_factory=lambda: KLConfig(coef=0.0),
+        description="Only `estimator` is read, for the held-out KL; DPO's `beta` is its KL "
+        "constraint (coef must stay 0).",
+    )
+    loss: Literal["sigmoid", "ipo", "robust", "hinge", "simpo"] = Result(
+        "sigmoid",
+        description="Preference loss of each pair, as dpo.loss: sigmoid (DPO), ipo, robust, "
+        "hinge (SLiC), simpo (reference-free, length-normalised).",
+    )
+    beta: float = Result(0.1, gt=0, description="DPO's strength of the implicit KL constraint.")
+    label_smoothing: float = Result(
+        0.0, ge=0, lt=0.5, description="Assumed judge-label noise (sigmoid, robust, simpo)."
+    )
+    simpo_gamma: float = Result(0.5, ge=0, description="SimPO target reward margin.")
+    tie_eps: float = Result(
+        0.0,
+        ge=0,
+        description="A prompt whose best and worst answers score within tie_eps of each other "
+        "gives no pair (skipped, counted as `all_equal`).",
+    )
+
+    @model_validator(mode="after")
+    def _online_dpo(self) -> OnlineDPOConfig:
+        if self.rollout.samples_per_prompt < 2:
+            raise ValueError(
+                "rollout.samples_per_prompt must be >= 2: a prompt's pair is its best and worst "
+                "answer"
+            )
+        if self.kl.coef > 0 or self.kl.adaptive:
+            raise ValueError(
+                "kl.coef/kl.adaptive: online DPO adds no KL penalty; `beta` is its constraint "
+                "to the reference (leave kl.coef at 0)"
+            )
+        if self.rollout.max_staleness:
+            raise ValueError(
+                "rollout.max_staleness: online DPO samples each step's answers with the policy "
+                "it updates (leave it at 0)"
+            )
+        fields = type(self).model_fields
+        if given := [f for f in CLIPPED_UPDATE_FIELDS if getattr(self, f) != fields[f].default]:
+            raise ValueError(
+                f"{', '.join(given)}: fields of the clipped policy-gradient update (ppo, grpo); "
+                "online DPO takes one DPO step per rollout (`loss`, `beta`)"
+            )
+        return self
+
+
+def _memory(section: OnlineDPOConfig, m: MemoryInputs) -> Any:
+    # Policy, frozen reference and reward model with generation rows: GRPO's shape, no critic.
+    return rollout_memory(section, m, critic=False)
+
+
+KIND = StageKind(
+    name="online_dpo",
+    section=OnlineDPOConfig,
+    module="posttrain.stages.online_dpo",
+    help="Online DPO: the policy's own answers judged by the reward model and/or reward "
+    "functions, each prompt's best vs worst trained as a DPO pair against the reference.",
+    order=55,
+    produces="policy",
+    consumes=("policy", "reference", "reward_model"),
+    data="prompts",
+    trains=True,
+    reads=("run", "infra", "guard"),
+    distributed=True,
+    inputs=rollout_inputs,
+    memory=_memory,
+)

@@ -1,0 +1,191 @@
+"""online_dpo: DPO on the policy's own answers, judged as they are sampled (online DPO, Guo et
+al. 2024, "Direct Language Model Alignment from Online AI Feedback"; TRL's OnlineDPOTrainer).
+
+Offline DPO learns from pairs someone else's model wrote; here every step's pairs are the
+current policy's, so what it learns is about its own mistakes and the pairs move with it. The
+stage runs the online-RL loop (`posttrain.stages.online_rl.run_loop`: setup, held-out
+evaluations, checkpoints, outputs) with its own step:
+1. generate and score (`posttrain.rl.rollouts`): each rank samples samples_per_prompt answers
+   for its share of prompts_per_step prompts; the reference scores them (always: its log-probs
+   are DPO's), the judge rewards them - the reward model, the reward functions, or both summed
+   with their weights, exactly as GRPO's rollouts are rewarded;
+2. judge (`posttrain.rl.dpo_update.judge`): per prompt, the best answer is chosen and the worst
+   rejected; a prompt whose answers tie within `tie_eps` gives no pair (`all_equal`);
+3. update (`posttrain.rl.dpo_update.dpo_update`): one optimizer step on the preference loss
+   (`loss`, `beta`) averaged over every rank's pairs, against the frozen reference (by default
+   the policy the stage starts from).
+Its `train` record holds DPO's figures over the step's pairs (accuracy, margin, chosen_reward,
+rejected_reward), the judge's (informative_frac, all_equal, pairs, judge_agreement with both
+judges) and the rollout's reward (score_mean). The policy's sampling temperature applies to the
+log-probs of both models, as in the RL update (at the default 1.0, the models' own).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from posttrain.config.batch import ResolvedBatch
+from posttrain.config.rl_algorithms import AlgorithmSpec
+from posttrain.distributed.runtime import min_max
+from posttrain.rl.dpo_update import DPOStats, dpo_update, judge, judge_metrics
+from posttrain.rl.metrics import rollout_totals, sampler_metrics, step_flops, train_metrics
+from posttrain.rl.offpolicy import staleness
+from posttrain.rl.rollouts import RolloutBatch, collect_rollout
+from posttrain.rl.setup import RLRun
+from posttrain.rl.update import UpdateStats
+from posttrain.stages.common import StageContext, stage_main
+from posttrain.stages.online_rl import Ahead, next_version, run_loop
+from posttrain.telemetry import heartbeat
+from posttrain.telemetry.metrics import train_flops_per_token
+from posttrain.train.checkpoint import data_position
+from posttrain.train.preference_losses import (
+    PreferenceLoss,
+    loss_hyperparameters,
+    preference_loss,
+)
+from posttrain.train.rl_algos import Algorithm
+from posttrain.train.rollout import Rollout
+
+
+def _no_advantages(*_: Any) -> Any:
+    raise AssertionError("online DPO's step computes no advantages")
+
+
+# What the shared setup reads of an algorithm: no critic; the KL (coef 0) is not applied.
+ONLINE_DPO = Algorithm(
+    AlgorithmSpec("online_dpo", critic=False, kl_placement="loss"), _no_advantages
+)
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    cfg = ctx.section
+    loss_fn = bound_loss(cfg)
+
+    def one_step(rl: RLRun, step: int, ahead: Ahead | None) -> None:
+        assert ahead is None  # rollout.max_staleness is 0 (OnlineDPOConfig)
+        dpo_step(rl, step, loss_fn)
+
+    return run_loop(
+        ctx,
+        ONLINE_DPO,
+        one_step,
+        summary={"loss_type": cfg.loss, "beta": cfg.beta, "tie_eps": cfg.tie_eps},
+        shapes=check_shapes,
+        # The policy's log-probs are the update's own; the reference's are DPO's, whatever kl.
+        passes=lambda *_: (False, True),
+    )
+
+
+def bound_loss(cfg: Any) -> PreferenceLoss:
+    """The section's preference loss with its hyperparameters bound (fails on a bad value)."""
+    hp = {"beta": cfg.beta, "label_smoothing": cfg.label_smoothing, "gamma": cfg.simpo_gamma}
+    return preference_loss(cfg.loss, **{k: hp[k] for k in loss_hyperparameters(cfg.loss)})
+
+
+def check_shapes(name: str, cfg: Any, batch: ResolvedBatch, world: int) -> tuple[int, int]:
+    """(sequences per rank per rollout, 1 optimizer update per rollout), or a ValueError: the
+    prompts split evenly over the ranks, and one step takes all of a rollout's pairs, so there
+    is nothing to accumulate over."""
+    r = cfg.rollout
+    if r.prompts_per_step % world:
+        raise ValueError(
+            f"{name}.rollout.prompts_per_step {r.prompts_per_step} must be a multiple of the "
+            f"{world} ranks (each rank rolls out the same number of prompts)"
+        )
+    if batch.grad_accum_steps != 1:
+        raise ValueError(
+            f"{name}.batch.grad_accum_steps {batch.grad_accum_steps}: online DPO takes one "
+            "optimizer step per rollout over all its pairs, micro_batch_size sequences (half as "
+            "many pairs) per forward; leave grad_accum_steps at 1"
+        )
+    return r.prompts_per_step // world * r.samples_per_prompt, 1
+
+
+def dpo_step(run: RLRun, step: int, loss_fn: PreferenceLoss) -> None:
+    """Logged step `step` + 1: the rollout (generated, scored by the reference, rewarded), its
+    pairs, the DPO step over them, the next policy version to the rollout engine, the step's
+    record and, at a checkpoint boundary, a checkpoint."""
+    s, cfg = run.rollouts, run.ctx.section
+    t0 = time.perf_counter()
+    heartbeat.beat(phase="rollout")
+    rb = collect_rollout(s, run.data.train, step)
+    judged = judge(rb.rollout, cfg, s.rewarder.rm_weight)
+    stats = dpo_update(
+        run.tr,
+        rb.rollout,
+        judged.rows,
+        loss_fn,
+        cfg,
+        max(1, run.batch.micro_batch_size // 2),
+        step + 1,
+        s.chunk_tokens,
+        s.packed,
+    )
+    t_train = time.perf_counter() - t0 - rb.generation_s - rb.scoring_s
+    _, timing = next_version(run, None, False)
+    lag = staleness(rb.rollout, step, 0)
+    timing |= sampler_metrics(rb.rollout, lag, s.device) | judge_metrics(judged, s.device)
+    record(run, step + 1, rb, stats, t0, t_train, timing)
+    position = data_position(step + 1, len(run.data.train), cfg.rollout.prompts_per_step, s.seed)
+    extra = {"kl_coef": run.ctl.coef, "data": position}
+    run.tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints, extra=extra)
+
+
+def record(
+    run: RLRun,
+    step: int,
+    rb: RolloutBatch,
+    stats: DPOStats,
+    t0: float,
+    t_train: float,
+    timing: dict[str, float],
+) -> None:
+    """The `train` record of logged step `step` (1-based; every `log_every` and the last): the
+    rollout's figures (`train_metrics`) with the DPO step's means in place of the clipped
+    update's; loss, grad_norm and lr are null on a step without pairs. Runs the same
+    collectives on every rank."""
+    cfg, tr, ro, device = run.ctx.section, run.tr, rb.rollout, run.rollouts.device
+    totals = rollout_totals(ro, device)
+    # No policy scoring pass: the rollout's KL would read as 0 (the held-out KL is measured).
+    totals.pop("kl", None)
+    widths = min_max(ro.width[1], device)
+    # Generation and the scoring passes over the rollout, forward+backward over the pairs' rows.
+    roles = len(run.rollouts.roles)
+    flops = step_flops(ro, tr.n_matmul, tr.n_trainable, tr.model.config, roles, 0, False)
+    flops += pair_flops(run, ro, stats)
+    means = {k: v for k, v in stats.means.items() if k != "loss"}  # `loss` is the record's own
+    update = UpdateStats(means, stats.grad_norm, stats.lr, stats.updates)
+    step_s = time.perf_counter() - t0
+    extra = train_metrics(totals, 0.0, widths, rb, t_train, step_s, update, run.rollouts.world)
+    extra.pop("kl_coef")
+    if step % cfg.log_every == 0 or step == run.n_rollouts:
+        tr.record_step(
+            step,
+            loss=stats.means.get("loss", math.nan),
+            grad_norm=stats.grad_norm,
+            lr=stats.lr,
+            local_tokens=ro.tokens(),
+            seq_len=ro.tokens() / ro.n,
+            t_start=t0,
+            t_data=0.0,
+            flops=flops,
+            **extra | timing,
+        )
+
+
+def pair_flops(run: RLRun, ro: Rollout, stats: DPOStats) -> float:
+    """This rank's training FLOPs of the DPO step: forward and backward over its pairs' rows
+    (estimated at the rollout's mean row length)."""
+    if not stats.updates:
+        return 0.0
+    cfg, seq_len = run.tr.model.config, ro.tokens() / ro.n
+    per_tok = train_flops_per_token(
+        run.tr.n_matmul, run.tr.n_trainable, cfg.num_hidden_layers, cfg.hidden_size, int(seq_len)
+    )
+    return per_tok * seq_len * 2 * stats.local_pairs
+
+
+if __name__ == "__main__":
+    stage_main(run)
