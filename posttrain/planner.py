@@ -60,7 +60,11 @@ def stage_roles(recipe: Recipe, graph: StageGraph, kind: StageKind, name: str) -
     if kind.placement == "first":
         return {}
     if kind.placement == "graph":
-        return {"base": graph.base_of(name), **graph.get(name).links}
+        links = graph.get(name).links
+        roles = {"base": graph.base_of(name), **links}
+        if "teacher" in links:  # the teacher stands on a base of its own
+            roles["teacher_base"] = graph.base_of(links["teacher"])
+        return roles
     chosen = getattr(getattr(recipe, name), "policy", None)
     final = chosen or graph.final_policy()
     assert final is not None  # the schema requires a policy stage

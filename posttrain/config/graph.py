@@ -51,7 +51,7 @@ class GraphStage:
     # Field path for messages: `dpo` (shorthand) or `stages.dpo2`.
     where: str
     # role -> stage name (a base's name for a base model): "policy" (from), "reference",
-    # "reward_model".
+    # "reward_model", "teacher".
     links: dict[str, str] = field(default_factory=dict)
     # The roles of `links` the recipe did not write (filled by default): a cycle names them.
     defaulted: frozenset[str] = frozenset()
@@ -210,11 +210,10 @@ def build_graph(recipe: Any) -> StageGraph:
                 # Scored by its reward functions (or its episodes' environment): a reward model
                 # joins only when named.
                 continue
+            if target is None and role in kind.optional:
+                continue
             if target is None:
-                errors.append(
-                    f"{where}.{fld}: a {kind.name} stage needs a reward: add a reward stage "
-                    "before it, name one, or list reward functions in `rewards`"
-                )
+                errors.append(f"{where}.{fld}: {_missing(role, kind.name)}")
                 continue
             if problem := _link_problem(role, target, n, produces, kind, bases):
                 errors.append(f"{where}.{fld}: {problem}")
@@ -294,6 +293,18 @@ def _own_reward(section: Any) -> bool:
     return bool(getattr(section, "rewards", None)) or bool(rollout and rollout.episodes)
 
 
+def _missing(role: str, kind: str) -> str:
+    if role == "teacher":
+        return (
+            f"a {kind} stage needs a teacher: name the policy stage or base it learns from "
+            "(`teacher: <name>`)"
+        )
+    return (
+        f"a {kind} stage needs a reward: add a reward stage before it, name one, or list "
+        "reward functions in `rewards`"
+    )
+
+
 def _default(
     role: str,
     before: list[str],
@@ -309,6 +320,8 @@ def _default(
         return next((n for n in reversed(before) if produces[n] == "policy"), BASE)
     if role == "reference":
         return links.get("policy", base or BASE)
+    if role == "teacher":  # never guessed: which model teaches is the recipe's choice
+        return None
     return next((n for n in reversed(before) if produces[n] == "reward_model"), None)
 
 
@@ -331,7 +344,8 @@ def _link_problem(
             return f"{target!r} is a {what} stage, not a reward model"
         return None
     if what not in ("policy", "base"):
-        return f"{target!r} produces a {what}, not a policy to start from"
+        wanted = "to learn from" if role == "teacher" else "to start from"
+        return f"{target!r} produces a {what}, not a policy {wanted}"
     if role == "reference" and what == "base":
         return (
             "the raw base is not a reference: name a policy stage (by default the reference "

@@ -126,6 +126,12 @@ class StageLinks(StageName):
         "(it then starts from this one unless `from` says otherwise); a stage that starts from "
         "a policy stands on that policy's base. Default: `ingest`.",
     )
+    teacher: str | None = Execution(
+        None,
+        description="The frozen model it learns from (distill; sft: answers the prompts of its "
+        "data): a policy stage or a base, on any base whose tokenizer is the student's. No "
+        "default.",
+    )
 
 
 def _stage_entry(name: str) -> type:
@@ -186,7 +192,7 @@ _RecipeFields = create_model(  # type: ignore[call-overload]
             default_factory=list,
             description="The stage graph beyond the shorthand sections: entries with `kind`, "
             "`name`, their kind's fields and links (`from`, `reference`, `reward_model`, "
-            "`base`); an entry of kind `ingest` (every field of `ingest:`, and a name) is one "
+            "`base`, `teacher`); an entry of kind `ingest` (every field of `ingest:`, and a name) is one "
             "more base model. Shorthand sections run first, in chain order; see "
             "docs/operations.md, Stage graphs.",
         ),

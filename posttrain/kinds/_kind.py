@@ -10,11 +10,13 @@ from typing import Any, Literal
 #   policy        the adapter it starts from (recipe field `from`)
 #   reference     the frozen adapter its KL / implicit reward is measured against (`reference`)
 #   reward_model  the reward stage whose model scores its rollouts (`reward_model`)
-Role = Literal["policy", "reference", "reward_model"]
+#   teacher       the frozen policy (or base) it distils from (`teacher`), on a base of its own
+Role = Literal["policy", "reference", "reward_model", "teacher"]
 ROLE_FIELDS: dict[str, str] = {
     "policy": "from",
     "reference": "reference",
     "reward_model": "reward_model",
+    "teacher": "teacher",
 }
 
 # What a stage's artifact is, for the stages that consume it.
@@ -52,6 +54,8 @@ class StageKind:
     order: int
     produces: Product
     consumes: tuple[Role, ...] = ()
+    # Roles of `consumes` the stage may go without (no default is filled in): SFT's teacher.
+    optional: tuple[Role, ...] = ()
     data: DataShape = "none"
     # Bump when a change to the stage's code should invalidate its cached artifacts.
     version: str = "1"

@@ -41,7 +41,9 @@ KIND = StageKind(
     produces="policy",
     # 2: fingerprints by rule (fields and kinds decide, parents by role).
     version="2",
-    consumes=("policy",),
+    consumes=("policy", "teacher"),
+    # With a teacher, the teacher answers the training prompts (sequence-level distillation).
+    optional=("teacher",),
     data="messages",
     trains=True,
     reads=("run", "infra", "guard"),
