@@ -85,7 +85,7 @@ def test_stages_entries_are_named_and_their_fields_suggested() -> None:
     ]
     typo = {"kind": "dpoo", "name": "dpo2", "data": PREFS}
     assert errors_of([], {**MINIMAL, "stages": [typo]}) == [
-        "stages.dpo2.kind: expected one of: ingest, sft, reward, dpo, orpo, kto, ppo, grpo, online_dpo; got 'dpoo'; "
+        "stages.dpo2.kind: expected one of: ingest, sft, reward, dpo, orpo, kto, ppo, grpo, online_dpo, distill; got 'dpoo'; "
         "did you mean dpo?"
     ]
 

@@ -54,6 +54,12 @@ def _base(tmp: Path) -> dict[str, Any]:
     for kind in ("ppo", "grpo", "online_dpo"):
         data[kind] = copy.deepcopy(RL) | {"rewards": [REWARD_FN], "batch": dict(BATCH)}
     data["grpo"]["rollout"] |= {"engine": "server", "server": dict(SERVER)}
+    # A teacher is never defaulted, and a shorthand section takes no links: distill is an entry.
+    data["stages"] = [
+        {"kind": "distill", "name": "distill", "teacher": "sft", "batch": dict(BATCH)}
+        | copy.deepcopy(RL)
+        | {"rewards": [REWARD_FN], "rollout": {**RL["rollout"], "samples_per_prompt": 1}}
+    ]
     data["evaluate"] |= {
         "verifiers": [REWARD_FN],
         "lm_eval": {"tasks": ["t"], "include_path": str(_tasks(tmp))},
@@ -128,7 +134,7 @@ def _coupled(files: dict[str, str], section: str) -> dict[str, list[dict[str, An
     path_file = {
         "sft": "sft.jsonl", "reward": "pairs.jsonl", "dpo": "pairs.jsonl", "orpo": "pairs.jsonl",
         "kto": "unpaired.jsonl", "ppo": "prompts.jsonl", "grpo": "prompts.jsonl",
-        "online_dpo": "prompts.jsonl",
+        "online_dpo": "prompts.jsonl", "distill": "prompts.jsonl",
     }.get(section, "sft.jsonl")  # fmt: skip
     data_file = files[path_file]
     return _rollout_engine_edits(section) | {
@@ -193,6 +199,20 @@ NO_CHANGE_HERE = {
             "loss_aggregation",
             "entropy_coef",
             "rollout.max_staleness",
+        )
+    },
+    **{
+        f"distill.{f}": ("result", "distillation accepts only the default")
+        for f in (
+            "kl.coef",
+            "kl.adaptive",
+            "update_epochs",
+            "clip_range",
+            "clip_range_high",
+            "loss_aggregation",
+            "entropy_coef",
+            "rollout.max_staleness",
+            "dynamic_sampling",
         )
     },
 }
@@ -326,6 +346,13 @@ def _readers(section: str) -> list[str]:
 
 
 SECTIONS = [*KINDS, "run", "infra", "guard"]
+# Sections the base recipe writes as `stages:` entries (their kinds need a link), by position.
+ENTRIES = {"distill": "stages.0"}
+LINKS = ("kind", "name", "from_", "reference", "reward_model", "base", "teacher")
+
+
+def _section(recipe: Recipe, section: str) -> BaseModel:
+    return recipe.stage(section) if section in ENTRIES else getattr(recipe, section)
 
 
 @pytest.mark.parametrize("section", SECTIONS)
@@ -341,10 +368,12 @@ def test_result_fields_change_the_print_and_execution_fields_keep_it(
     recipe = Recipe.model_validate(copy.deepcopy(base))
     coupled = _coupled(files, section)
     problems = []
-    for path, info, value, owner, effect in _leaves(getattr(recipe, section)):
+    for path, info, value, owner, effect in _leaves(_section(recipe, section)):
         if effect is None:
             problems.append(f"{section}.{path} ({owner.__name__}): neither Result nor Execution")
             continue
+        if section in ENTRIES and path in LINKS:
+            continue  # where the entry sits in the graph: its parents' prints, by role
         if f"{section}.{path}" in NO_CHANGE_HERE:
             declared, _why = NO_CHANGE_HERE[f"{section}.{path}"]
             if effect != declared:
@@ -384,7 +413,7 @@ def _check(
     for edit in edits:
         changed = copy.deepcopy(base)
         for k, v in edit.items():
-            _set(changed, f"{section}.{k}", v)
+            _set(changed, f"{ENTRIES.get(section, section)}.{k}", v)
         after = _prints(changed, list(before))
         if after is None:
             continue  # not a valid recipe: try the next value
@@ -423,11 +452,11 @@ def test_every_field_a_stage_reads_is_reached_by_the_cases(tmp_path: Path) -> No
     recipe = validate_recipe(_base(tmp_path))
     reached = set()
     for section in SECTIONS:
-        leaves = _leaves(getattr(recipe, section))
+        leaves = _leaves(_section(recipe, section))
         reached |= {(owner.__name__, p.rsplit(".", 1)[-1]) for p, _, _, owner, _ in leaves}
     wanted: set[tuple[str, str]] = set()
     for kind in KINDS.values():
-        section_type = type(getattr(recipe, kind.name))
+        section_type = type(_section(recipe, kind.name))
         wanted |= _all_fields(section_type, set())
         for shared in kind.reads:
             wanted |= _all_fields(type(getattr(Recipe.model_validate(TINY), shared)), set())

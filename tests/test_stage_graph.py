@@ -216,7 +216,7 @@ def test_field_errors_inside_stage_entries_name_the_entry() -> None:
     assert sorted(e.split(":")[0] for e in errs) == ["stages.dpo2.beta", "stages.dpo2.lr"]
     errs = errors(sft(), {"kind": "nope", "name": "x"})
     assert errs == [
-        "stages.x.kind: expected one of: ingest, sft, reward, dpo, orpo, kto, ppo, grpo, online_dpo; got 'nope'"
+        "stages.x.kind: expected one of: ingest, sft, reward, dpo, orpo, kto, ppo, grpo, online_dpo, distill; got 'nope'"
     ]
 
 

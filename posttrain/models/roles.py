@@ -44,18 +44,23 @@ LOGIT_ROLES = (POLICY, REFERENCE)
 
 class RoleModel(nn.Module):
     def __init__(
-        self, lm: PeftModel, score_head: nn.Linear | None, value_head: nn.Linear | None
+        self,
+        lm: PeftModel | PreTrainedModel,
+        score_head: nn.Linear | None,
+        value_head: nn.Linear | None,
     ) -> None:
+        """`lm`: the base with its adapters; a plain causal LM serves as a policy of its own
+        weights (a teacher that is a base: `posttrain.models.teacher`)."""
         super().__init__()
         self.lm = lm
         self.score_head = score_head
         self.value_head = value_head
         # Telemetry reads the architecture (layers, width) from `model.config`.
-        self.config = lm.get_base_model().config
+        self.config = self.causal_lm.config
 
     @property
     def causal_lm(self) -> PreTrainedModel:
-        return self.lm.get_base_model()
+        return self.lm.get_base_model() if isinstance(self.lm, PeftModel) else self.lm
 
     def forward(
         self,

@@ -1,0 +1,104 @@
+"""distill: on-policy distillation from a teacher (GKD, Agarwal et al. 2024; TRL's GKDTrainer
+with lmbda 1). The student samples answers to the prompts, the frozen teacher scores every token
+of them, and the student minimises a divergence to the teacher's next-token distributions on
+its own samples. The stage process is `posttrain.stages.distill`.
+
+The teacher (`teacher:`) is a policy stage or a base of any base model whose tokenizer is the
+student's; off-policy (sequence-level) distillation is an `sft` stage with a `teacher:` link.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from posttrain.config.section_fields import Result
+from posttrain.config.sections import KLConfig, OnlineRLConfig, RolloutConfig
+from posttrain.kinds._kind import MemoryInputs, StageKind
+from posttrain.kinds._online import rollout_inputs, rollout_memory
+from posttrain.kinds.online_dpo import CLIPPED_UPDATE_FIELDS
+
+
+class DistillConfig(OnlineRLConfig):
+    rollout: RolloutConfig = Field(
+        default_factory=lambda: RolloutConfig(prompts_per_step=8, samples_per_prompt=1),
+        description="The student's sampling of the answers the teacher scores.",
+    )
+    kl: KLConfig = Field(
+        default_factory=lambda: KLConfig(coef=0.0),
+        description="Only `estimator` is read, for the held-out KL to the starting policy; the "
+        "loss is the divergence to the teacher (coef must stay 0).",
+    )
+    loss: Literal["reverse_kl", "forward_kl", "jsd"] = Result(
+        "reverse_kl",
+        description="Per-token divergence of the student from the teacher: reverse_kl "
+        "KL(student || teacher), mode-seeking (GKD's on-policy default); forward_kl "
+        "KL(teacher || student); jsd generalised Jensen-Shannon with `beta`.",
+    )
+    beta: float = Result(
+        0.5,
+        ge=0,
+        le=1,
+        description="jsd's interpolation (TRL's convention: 0 = forward KL, 1 = reverse KL).",
+    )
+    temperature: float = Result(
+        1.0,
+        gt=0,
+        description="Both models' logits are divided by it inside the divergence (not the "
+        "sampling temperature, which is rollout.temperature).",
+    )
+    reduction: Literal["token_mean", "sequence_mean"] = Result(
+        "token_mean",
+        description="token_mean: every answer token of the step weighs the same; "
+        "sequence_mean: each answer's mean, averaged over answers.",
+    )
+
+    @model_validator(mode="after")
+    def _distill(self) -> DistillConfig:
+        if self.kl.coef > 0 or self.kl.adaptive:
+            raise ValueError(
+                "kl.coef/kl.adaptive: distillation adds no KL penalty to the reference; its "
+                "loss is the divergence to the teacher (leave kl.coef at 0)"
+            )
+        if self.rollout.max_staleness:
+            raise ValueError(
+                "rollout.max_staleness: on-policy distillation scores each step's answers as "
+                "the policy it updates sampled them (leave it at 0)"
+            )
+        if self.dynamic_sampling:
+            raise ValueError(
+                "dynamic_sampling: it keeps groups whose rewards differ; distillation trains "
+                "on every answer (leave it off)"
+            )
+        fields = type(self).model_fields
+        if given := [f for f in CLIPPED_UPDATE_FIELDS if getattr(self, f) != fields[f].default]:
+            raise ValueError(
+                f"{', '.join(given)}: fields of the clipped policy-gradient update (ppo, grpo); "
+                "distillation takes one step per rollout on the divergence (`loss`)"
+            )
+        return self
+
+
+def _memory(section: DistillConfig, m: MemoryInputs) -> Any:
+    # The student's policy and reference with generation rows (GRPO's shape, no critic); the
+    # teacher's own weights and logits are added by the pre-flight from its base's shape.
+    return rollout_memory(section, m, critic=False)
+
+
+KIND = StageKind(
+    name="distill",
+    section=DistillConfig,
+    module="posttrain.stages.distill",
+    help="On-policy distillation: the student samples, a frozen teacher (`teacher`) scores "
+    "every token, the student minimises reverse KL / forward KL / JSD to it.",
+    order=57,
+    produces="policy",
+    consumes=("policy", "reference", "teacher"),
+    data="prompts",
+    trains=True,
+    reads=("run", "infra", "guard"),
+    distributed=True,
+    inputs=rollout_inputs,
+    memory=_memory,
+)
