@@ -66,17 +66,25 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
 StepFn = Callable[[RLRun, int, "Ahead | None"], None]
 
 
+# `posttrain.rl.heldout.evaluate`'s signature: (rollout setup, held-out rows, logged step, the
+# starting policy's figures or None, metrics, samples path) -> (policy's figures, starting's).
+Evaluate = Callable[..., tuple[dict[str, float], dict[str, float]]]
+
+
 def run_loop(
     ctx: StageContext,
     algo: Algorithm,
     step_fn: StepFn,
     summary: dict[str, Any] | None = None,
+    heldout: Evaluate = evaluate,
+    headline: Callable[[dict[str, float]], dict[str, float]] | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """The stage: setup (`options`: `setup`'s shapes and passes), `n_rollouts` steps of
-    `step_fn` (resumed from the newest checkpoint) with held-out evaluations every
+    `step_fn` (resumed from the newest checkpoint) with held-out evaluations (`heldout`) every
     `eval_every`, the final evaluation, the outputs; returns the summary (with `summary`'s
-    fields). A rollout server (`rollout.engine: server`) lives as long as this call."""
+    fields, and `headline(final figures)`'s in its headline). A rollout server
+    (`rollout.engine: server`) lives as long as this call."""
     with ExitStack() as stack:
         run = setup(ctx, algo, stack, **options)
         cfg, n = ctx.section, run.n_rollouts
@@ -87,9 +95,10 @@ def run_loop(
         for step in range(run.tr.start_step, n):
             step_fn(run, step, ahead)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < n:
-                _, sft = evaluate(run.rollouts, eval_rows, step + 1, sft, run.tr.metrics, samples)
-        final, sft = evaluate(run.rollouts, eval_rows, n, sft, run.tr.metrics, samples)
-        return finish(run, final, sft, **(summary or {}))
+                _, sft = heldout(run.rollouts, eval_rows, step + 1, sft, run.tr.metrics, samples)
+        final, sft = heldout(run.rollouts, eval_rows, n, sft, run.tr.metrics, samples)
+        extra = headline(final) if headline is not None else {}
+        return finish(run, final, sft, headline_extra=extra, **(summary or {}))
 
 
 class Ahead:
@@ -211,11 +220,15 @@ def record(
 
 
 def finish(
-    run: RLRun, final: dict[str, float], sft: dict[str, float], **fields: Any
+    run: RLRun,
+    final: dict[str, float],
+    sft: dict[str, float],
+    headline_extra: dict[str, float] | None = None,
+    **fields: Any,
 ) -> dict[str, Any]:
     """The stage's outputs after the final evaluation: the policy adapter (and the critic),
     the `end` record, the quality gate, reference.json; returns the manifest summary (with
-    `fields`)."""
+    `fields`, and `headline_extra` in its headline)."""
     ctx, cfg, tr = run.ctx, run.ctx.section, run.tr
     save_adapter(tr.model, ctx, selected_adapters=[POLICY])
     if run.algo.critic:
@@ -243,6 +256,7 @@ def finish(
             sft_reward=sft["reward"],
             reward_gain=final["reward_gain"],
             eval_kl=final["kl"],
+            **(headline_extra or {}),
         ),
     )
 
@@ -254,6 +268,10 @@ def write_reference(ctx: StageContext, rewarder: Rewarder) -> None:
         "reference": f"{ctx.roles['reference']} adapter",
         "reference_fingerprint": ctx.role_ref("reference").fingerprint,
     }
+    if ctx.has_role("teacher"):
+        reference["teacher"] = ctx.roles["teacher"]
+        reference["teacher_fingerprint"] = ctx.role_ref("teacher").fingerprint
+        reference["teacher_base"] = ctx.roles["teacher_base"]
     if ctx.has_role("reward_model"):
         reference["reward_model"] = ctx.roles["reward_model"]
         reference["reward_fingerprint"] = ctx.role_ref("reward_model").fingerprint

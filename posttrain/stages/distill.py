@@ -1,0 +1,287 @@
+"""distill: on-policy distillation (GKD, Agarwal et al. 2024, "On-Policy Distillation of Language
+Models: Learning from Self-Generated Mistakes"; TRL's GKDTrainer at lmbda 1).
+
+The student learns where it actually goes: each step it samples answers to its share of the
+prompts (the online-RL rollout engine: in process or a rollout server, single- or multi-turn),
+the frozen teacher scores every token of them, and one optimizer step lowers the per-token
+divergence (`loss`: reverse KL by default, forward KL, or JSD with `beta`) between the two
+next-token distributions at `temperature`. The stage runs the online-RL loop
+(`posttrain.stages.online_rl.run_loop`: setup, checkpoints, resume, held-out evaluations,
+outputs) with its own step (`posttrain.rl.distill_update`).
+
+The teacher (`posttrain.models.teacher`) is a second model on its own base (the `teacher_base`
+role; a wider model of the student's family, say), sharded like the student, frozen; built
+first, so a teacher of another vocabulary is refused before the student loads.
+
+Records: `train` adds `teacher_kl` (the step's mean per-token divergence, = the loss with
+token_mean) and `teacher_agreement` (teacher-forced argmax agreement on the student's answers);
+held-out (`eval`): the student's reward and KL to its starting policy (as GRPO's), and on the
+student's held-out answers `teacher_kl`, `teacher_agreement`; the teacher's own held-out reward
+once (`teacher_reward`), so the headline says how much of the reward gap between the starting
+policy and the teacher the student closed (`reward_gap_closed`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.config.batch import ResolvedBatch
+from posttrain.config.rl_algorithms import AlgorithmSpec
+from posttrain.distributed.runtime import all_reduce_sum, min_max, rank_batches
+from posttrain.models.adapters import POLICY
+from posttrain.models.loading import load_tokenizer
+from posttrain.models.teacher import build_teacher
+from posttrain.models.vocab import shared_vocab_size
+from posttrain.rl.distill_update import DistillStats, distill_update, micro_divergence
+from posttrain.rl.heldout import evaluate
+from posttrain.rl.metrics import rollout_totals, sampler_metrics, step_flops, train_metrics
+from posttrain.rl.offpolicy import staleness
+from posttrain.rl.rollouts import RolloutBatch, RolloutSetup, collect_rollout, generate
+from posttrain.rl.setup import RLRun
+from posttrain.rl.update import UpdateStats
+from posttrain.stages.common import StageContext, stage_main
+from posttrain.stages.online_rl import Ahead, next_version, run_loop
+from posttrain.telemetry import heartbeat
+from posttrain.telemetry.metrics import MetricsWriter
+from posttrain.train.checkpoint import data_position
+from posttrain.train.distill_losses import teacher_gap_closed
+from posttrain.train.rl_algos import Algorithm
+from posttrain.train.rollout_engine import build_engine
+
+log = logging.getLogger("posttrain.distill")
+
+
+def _no_advantages(*_: Any) -> Any:
+    raise AssertionError("distillation's step computes no advantages")
+
+
+# What the shared setup reads of an algorithm: no critic; no KL penalty is applied.
+DISTILL = Algorithm(AlgorithmSpec("distill", critic=False, kl_placement="loss"), _no_advantages)
+
+
+class Teacher:
+    """The teacher as the stage uses it: the model, the shared vocabulary, its parameter count
+    (FLOPs), and its held-out figures once measured."""
+
+    def __init__(self, ctx: StageContext) -> None:
+        student_tok = load_tokenizer(ctx.role_dir("base") / "tokenizer")
+        self.model, _ = build_teacher(ctx, student_tok)
+        self.vocab = shared_vocab_size(student_tok)
+        self.params = self.model.causal_lm.num_parameters()
+        self.heldout: dict[str, float] | None = None
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    cfg = ctx.section
+    teacher = Teacher(ctx)
+
+    def one_step(rl: RLRun, step: int, ahead: Ahead | None) -> None:
+        assert ahead is None  # rollout.max_staleness is 0 (DistillConfig)
+        distill_step(rl, step, teacher)
+
+    def heldout(s: RolloutSetup, rows: list[dict], step: int, sft: Any, metrics: Any, path: Any):
+        return evaluate_with_teacher(s, rows, step, sft, metrics, path, teacher)
+
+    return run_loop(
+        ctx,
+        DISTILL,
+        one_step,
+        summary={
+            "loss_type": cfg.loss,
+            "beta": cfg.beta,
+            "temperature": cfg.temperature,
+            "teacher": ctx.roles["teacher"],
+            "teacher_base": ctx.roles["teacher_base"],
+            "teacher_params": teacher.params,
+        },
+        heldout=heldout,
+        headline=headline,
+        shapes=check_shapes,
+        # Neither the policy's nor the reference's log-probs: the loss reads logits.
+        passes=lambda *_: (False, False),
+    )
+
+
+def check_shapes(name: str, cfg: Any, batch: ResolvedBatch, world: int) -> tuple[int, int]:
+    """(sequences per rank per rollout, 1 optimizer step per rollout), or a ValueError."""
+    r = cfg.rollout
+    if r.prompts_per_step % world:
+        raise ValueError(
+            f"{name}.rollout.prompts_per_step {r.prompts_per_step} must be a multiple of the "
+            f"{world} ranks (each rank rolls out the same number of prompts)"
+        )
+    if batch.grad_accum_steps != 1:
+        raise ValueError(
+            f"{name}.batch.grad_accum_steps {batch.grad_accum_steps}: distillation takes one "
+            "optimizer step per rollout over all its answers, micro_batch_size answers per "
+            "forward; leave grad_accum_steps at 1"
+        )
+    return r.prompts_per_step // world * r.samples_per_prompt, 1
+
+
+def distill_step(run: RLRun, step: int, teacher: Teacher) -> None:
+    """Logged step `step` + 1: the student's rollout (generated, rewarded when the stage has
+    reward functions), the teacher's scores and the update, the new policy to the rollout
+    engine, the record and, at a boundary, a checkpoint."""
+    s, cfg = run.rollouts, run.ctx.section
+    t0 = time.perf_counter()
+    heartbeat.beat(phase="rollout")
+    rb = collect_rollout(s, run.data.train, step)
+    heartbeat.beat(phase="update")
+    stats = distill_update(
+        run.tr,
+        teacher.model,
+        rb.rollout,
+        cfg,
+        run.batch.micro_batch_size,
+        teacher.vocab,
+        step + 1,
+        s.packed,
+    )
+    t_train = time.perf_counter() - t0 - rb.generation_s - rb.scoring_s
+    _, timing = next_version(run, None, False)
+    timing |= sampler_metrics(rb.rollout, staleness(rb.rollout, step, 0), s.device)
+    record(run, step + 1, rb, stats, t0, t_train, timing, teacher.params)
+    position = data_position(step + 1, len(run.data.train), cfg.rollout.prompts_per_step, s.seed)
+    extra = {"kl_coef": run.ctl.coef, "data": position}
+    run.tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints, extra=extra)
+
+
+def record(
+    run: RLRun,
+    step: int,
+    rb: RolloutBatch,
+    stats: DistillStats,
+    t0: float,
+    t_train: float,
+    timing: dict[str, float],
+    teacher_params: int,
+) -> None:
+    """The `train` record of logged step `step` (every `log_every` and the last): the rollout's
+    figures with the distillation step's means. FLOPs: generation, the student's forward and
+    backward, the teacher's forward over the rollout. Same collectives on every rank."""
+    cfg, tr, ro, device = run.ctx.section, run.tr, rb.rollout, run.rollouts.device
+    totals = rollout_totals(ro, device)
+    widths = min_max(ro.width[1], device)
+    flops = step_flops(ro, tr.n_matmul, tr.n_trainable, tr.model.config, 0, 1, False)
+    flops += 2 * teacher_params * ro.tokens()
+    means = {k: v for k, v in stats.means.items() if k != "loss"}
+    update = UpdateStats(means, stats.grad_norm, stats.lr, stats.updates)
+    step_s = time.perf_counter() - t0
+    extra = train_metrics(totals, 0.0, widths, rb, t_train, step_s, update, run.rollouts.world)
+    extra.pop("kl_coef")
+    if step % cfg.log_every == 0 or step == run.n_rollouts:
+        tr.record_step(
+            step,
+            loss=stats.means.get("loss", math.nan),
+            grad_norm=stats.grad_norm,
+            lr=stats.lr,
+            local_tokens=ro.tokens(),
+            seq_len=ro.tokens() / ro.n,
+            t_start=t0,
+            t_data=0.0,
+            flops=flops,
+            **extra | timing,
+        )
+
+
+def evaluate_with_teacher(
+    s: RolloutSetup,
+    rows: list[dict[str, Any]],
+    step: int,
+    sft: dict[str, float] | None,
+    metrics: MetricsWriter,
+    samples_path: Path | None,
+    teacher: Teacher,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """GRPO's held-out evaluation (`posttrain.rl.heldout.evaluate`) plus the teacher's view:
+    the divergence and agreement on the student's held-out answers, and (once) the teacher's
+    own held-out reward; written as `eval` records and added to the student's figures."""
+    pol, sft = evaluate(s, rows, step, sft, metrics, samples_path)
+    if teacher.heldout is None:
+        teacher.heldout = teacher_heldout(s, rows, teacher)
+        metrics.write("eval", step=step, **teacher.heldout)
+    scored = heldout_divergence(s, rows, teacher)
+    metrics.write("eval", step=step, **{f"eval_{k}": v for k, v in scored.items()})
+    log.info(
+        "held-out: %s %.4f to the teacher, agreement %.3f; teacher reward %.4f",
+        s.cfg.loss,
+        scored["teacher_kl"],
+        scored["teacher_agreement"],
+        teacher.heldout["teacher_reward"],
+    )
+    return pol | scored | teacher.heldout, sft
+
+
+@torch.no_grad()
+def heldout_divergence(
+    s: RolloutSetup, rows: list[dict[str, Any]], teacher: Teacher
+) -> dict[str, float]:
+    """The student's held-out answers (one per prompt, under the seeds `evaluate` samples
+    with, so the same answers) scored by the teacher: mean per-token divergence, agreement."""
+    sums: Counter[str] = Counter()
+    for idx in rank_batches(len(rows), s.rank, s.world, s.batch_size):
+        heartbeat.beat(phase="eval")
+        chunk = [rows[i] for i in idx] or rows[:1]
+        w = 1.0 if idx else 0.0
+        ro = generate(s, chunk, s.seed + (idx[0] if idx else 0), POLICY)
+        per_token, mask, s_logits, t_logits = micro_divergence(
+            s.model, teacher.model, ro, list(range(ro.n)), s.cfg, teacher.vocab, s.packed, s.device
+        )
+        same = (s_logits.argmax(-1) == t_logits.argmax(-1)).float()
+        sums["div"] += w * float((per_token * mask).sum())
+        sums["agree"] += w * float((same * mask).sum())
+        sums["tokens"] += w * float(mask.sum())
+    t = {k: all_reduce_sum(v, s.device) for k, v in sums.items()}
+    n = max(1.0, t["tokens"])
+    return {"teacher_kl": t["div"] / n, "teacher_agreement": t["agree"] / n}
+
+
+@torch.no_grad()
+def teacher_heldout(s: RolloutSetup, rows: list[dict[str, Any]], teacher: Teacher) -> dict:
+    """The teacher's own answers to the held-out prompts (in process, whatever engine the
+    student samples with), rewarded like the student's: {"teacher_reward", "teacher_stop_rate"}."""
+    engine_cfg = s.cfg.rollout.model_copy(update={"engine": "hf"})
+    engine = build_engine(engine_cfg, teacher.model, POLICY, s.world)
+    ts = replace(s, model=teacher.model, engines={POLICY: engine}, episodes=s.episodes)
+    sums: Counter[str] = Counter()
+    for idx in rank_batches(len(rows), s.rank, s.world, s.batch_size):
+        heartbeat.beat(phase="eval")
+        chunk = [rows[i] for i in idx] or rows[:1]
+        w = 1.0 if idx else 0.0
+        ro = generate(ts, chunk, s.seed + (idx[0] if idx else 0), POLICY)
+        s.rewarder(ro, chunk)
+        sums["reward"] += w * float(ro.scored["scores"].sum())
+        sums["stopped"] += w * float(ro.stopped.sum())
+        sums["n"] += w * ro.n
+    t = {k: all_reduce_sum(v, s.device) for k, v in sums.items()}
+    n = max(1.0, t["n"])
+    return {"teacher_reward": t["reward"] / n, "teacher_stop_rate": t["stopped"] / n}
+
+
+def headline(final: dict[str, float]) -> dict[str, float]:
+    """The distillation figures a report leads with, beside the RL ones: the held-out
+    divergence to the teacher, agreement, the teacher's reward and the share of the reward
+    gap closed (absent when the teacher is not ahead of the starting policy)."""
+    out = {
+        "eval_teacher_kl": final["teacher_kl"],
+        "eval_teacher_agreement": final["teacher_agreement"],
+        "teacher_reward": final["teacher_reward"],
+    }
+    start = final["reward"] - final["reward_gain"]
+    closed = teacher_gap_closed(start, final["reward"], final["teacher_reward"])
+    if closed is not None:
+        out["reward_gap_closed"] = closed
+    return out
+
+
+if __name__ == "__main__":
+    stage_main(run)

@@ -1,0 +1,317 @@
+"""distill (on-policy distillation): the section's checks, the graph's teacher link, the update's
+loss against the divergence written out over full logits on a tiny model (however the rows are
+split into forwards), and (slow) the stage end to end on one and two ranks with a teacher on a
+wider base of its own, its policy taken by evaluate."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from fixtures_tiny import TinyAssets, load_base, one_torch_thread, tiny_assets
+from pydantic import ValidationError
+from rl_tiny import MAX_PROMPT_LEN, prompt_rows, role_model, rollout_setup
+
+from posttrain.config.batch import ResolvedBatch
+from posttrain.config.loader import RecipeError, validate_recipe
+from posttrain.distributed.runtime import DistInfo, init_distributed, shutdown
+from posttrain.kinds.distill import DistillConfig
+from posttrain.models.adapters import POLICY
+from posttrain.models.roles import RoleModel
+from posttrain.planner import plan
+from posttrain.rl.distill_update import distill_update
+from posttrain.rl.rollouts import collect_rollout
+from posttrain.stages.distill import check_shapes
+from posttrain.telemetry.metrics import read_metrics
+from tests.stage_helpers import TINY, planned_dir, run_inprocess, run_torchrun
+from tests.test_rl_update import _session
+
+DATA = {"synthetic": {"n_examples": 16}, "max_prompt_len": MAX_PROMPT_LEN}
+
+
+def section(**fields: Any) -> DistillConfig:
+    return DistillConfig.model_validate({"data": DATA, **fields})
+
+
+# --- the section and the graph -----------------------------------------------------------------
+
+
+def test_section_defaults_and_what_it_refuses() -> None:
+    cfg = section()
+    assert (cfg.loss, cfg.beta, cfg.temperature, cfg.reduction) == (
+        "reverse_kl", 0.5, 1.0, "token_mean"
+    )  # fmt: skip
+    assert cfg.rollout.samples_per_prompt == 1 and cfg.kl.coef == 0.0
+    DistillConfig.model_validate(cfg.model_dump(mode="json"))
+    for fields, message in (
+        ({"kl": {"coef": 0.05}}, "divergence to the teacher"),
+        ({"update_epochs": 2}, "clipped policy-gradient update"),
+        ({"rollout": {"max_staleness": 1}}, "max_staleness"),
+        ({"loss": "kto"}, "loss"),
+        ({"beta": 1.5}, "beta"),
+        ({"temperature": 0}, "temperature"),
+    ):
+        with pytest.raises(ValidationError, match=message):
+            section(**fields)
+
+
+def test_batch_shapes_one_step_per_rollout() -> None:
+    cfg = section(rollout={"prompts_per_step": 8, "samples_per_prompt": 2})
+    assert check_shapes("d", cfg, ResolvedBatch(4, 1, 8, 2), 2) == (8, 1)
+    with pytest.raises(ValueError, match="multiple of the 3 ranks"):
+        check_shapes("d", cfg, ResolvedBatch(4, 1, 12, 3), 3)
+    with pytest.raises(ValueError, match="grad_accum_steps 2"):
+        check_shapes("d", cfg, ResolvedBatch(4, 2, 16, 2), 2)
+
+
+HEAD: dict[str, Any] = {
+    "run": {"name": "d", "workspace": "/tmp/posttrain-distill-graph"},
+    "infra": {"device": "cpu", "precision": "fp32"},
+    "ingest": {"source": "from_config"},
+    "sft": {"data": {"synthetic": {}}},
+}
+TEACHER_BASE = {"kind": "ingest", "name": "tbase", "source": "from_config",
+                "from_config": {"hidden_size": 256}}  # fmt: skip
+TEACHER_SFT = {"kind": "sft", "name": "tsft", "base": "tbase", "data": {"synthetic": {}}}
+ENTRY = {"kind": "distill", "name": "distill", "data": {"synthetic": {}}}
+
+
+def recipe(*stages: dict[str, Any]) -> Any:
+    return validate_recipe({**copy.deepcopy(HEAD), "stages": list(stages)})
+
+
+def test_a_distill_stage_needs_a_teacher_and_takes_a_policy_or_base() -> None:
+    with pytest.raises(RecipeError) as exc:
+        recipe(ENTRY)
+    assert exc.value.errors == [
+        "stages.distill.teacher: a distill stage needs a teacher: name the policy stage or base "
+        "it learns from (`teacher: <name>`)"
+    ]
+    with pytest.raises(RecipeError, match="not a policy to learn from"):
+        recipe({"kind": "reward", "name": "rm", "data": {"synthetic": {}}},
+               {**ENTRY, "teacher": "rm"})  # fmt: skip
+    prefs = {"synthetic": {}}
+    with pytest.raises(RecipeError, match="stages.dpo.teacher: a dpo stage takes no teacher"):
+        recipe({"kind": "dpo", "name": "dpo", "data": prefs, "teacher": "sft"})
+    # The raw base of another family member teaches too.
+    r = recipe(TEACHER_BASE, {**ENTRY, "teacher": "tbase"})
+    assert {s.name: s for s in plan(r).stages}["distill"].roles["teacher_base"] == "tbase"
+
+
+def test_the_teacher_and_its_base_are_the_stages_parents_by_role() -> None:
+    r = recipe(TEACHER_BASE, TEACHER_SFT, {**ENTRY, "from": "sft", "teacher": "tsft"})
+    stages = {s.name: s for s in plan(r).stages}
+    d = stages["distill"]
+    assert d.roles == {
+        "base": "ingest", "policy": "sft", "reference": "sft", "teacher": "tsft",
+        "teacher_base": "tbase",
+    }  # fmt: skip
+    # The teacher runs before the student's distillation; its changes reach the print.
+    order = [s.name for s in plan(r).stages]
+    assert order.index("tsft") < order.index("distill")
+    wider = recipe({**TEACHER_BASE, "from_config": {"hidden_size": 320}}, TEACHER_SFT,
+                   {**ENTRY, "from": "sft", "teacher": "tsft"})  # fmt: skip
+    assert {s.name: s for s in plan(wider).stages}["distill"].fingerprint != d.fingerprint
+    # The student stands on its own base: the teacher's does not become its base.
+    assert stages["distill"].roles["base"] == "ingest"
+
+
+# --- the update on a tiny model ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyAssets:
+    return tiny_assets(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[DistInfo]:
+    d = init_distributed("cpu", 60, 1)
+    yield d
+    shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    with one_torch_thread():
+        yield
+
+
+def written_out(
+    student: RoleModel, teacher: RoleModel, ro: Any, cfg: DistillConfig, vocab: int
+) -> tuple[torch.Tensor, float]:
+    """The step's loss over all rows in one forward, each divergence written out from the
+    definitions (not through the chunked function), and the teacher-forced agreement."""
+    rows = list(range(ro.n))
+    inp = ro.inputs(rows)
+    s = student(POLICY, **inp)[..., :vocab] / cfg.temperature  # [N, R, V]
+    with torch.no_grad():
+        t = teacher(POLICY, **inp)[..., :vocab] / cfg.temperature
+    log_s, log_t = F.log_softmax(s, -1), F.log_softmax(t, -1)
+    p_s, p_t = log_s.exp(), log_t.exp()
+    if cfg.loss == "reverse_kl":
+        per = (p_s * (log_s - log_t)).sum(-1)
+    elif cfg.loss == "forward_kl":
+        per = (p_t * (log_t - log_s)).sum(-1)
+    else:
+        b = cfg.beta
+        log_m = torch.log(b * p_t + (1 - b) * p_s)
+        per = b * (p_t * (log_t - log_m)).sum(-1) + (1 - b) * (p_s * (log_s - log_m)).sum(-1)
+    m = ro.mask
+    if cfg.reduction == "token_mean":
+        loss = (per * m).sum() / m.sum()
+    else:
+        loss = ((per * m).sum(1) / m.sum(1).clamp_min(1)).mean()
+    agree = float(((s.argmax(-1) == t.argmax(-1)).float() * m).sum() / m.sum())
+    return loss, agree
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"loss": "reverse_kl"},
+        {"loss": "forward_kl", "temperature": 2.0},
+        {"loss": "jsd", "beta": 0.5, "reduction": "sequence_mean"},
+    ],
+)
+def test_distill_step_is_the_written_out_divergence_however_rows_are_split(
+    tiny, world, tmp_path, fields
+) -> None:
+    """Student: the trained tiny adapter; teacher: the tiny base without it (another
+    distribution on the same vocabulary). The step's loss, divergence and agreement equal the
+    formulas over full logits, and the gradient is the same whether the rows go in one forward
+    or one by one."""
+    cfg = section(
+        rollout={"prompts_per_step": 4, "max_new_tokens": 6}, optim={"max_grad_norm": None},
+        **fields,
+    )  # fmt: skip
+    teacher = RoleModel(load_base(tiny), None, None).eval()
+    vocab = len(tiny.tokenizer)
+    s = rollout_setup(role_model(tiny, False), tiny.tokenizer, cfg, "alternating")
+    ro = collect_rollout(s, prompt_rows(tiny.tokenizer, 4), 0).rollout
+    assert ro.mask.sum() > 0
+    norms = []
+    for micro in (4, 1):
+        student = role_model(tiny, False)
+        want, agree = written_out(student, teacher, ro, cfg, vocab)
+        (g_want,) = torch.autograd.grad(
+            want, [p for p in student.parameters() if p.requires_grad][0]
+        )
+        tr = _session(tmp_path / f"m{micro}-{cfg.loss}", world, student)
+        stats = distill_update(tr, teacher, ro, cfg, micro, vocab, step=1)
+        assert stats.updates == 1 and stats.tokens == int(ro.mask.sum())
+        assert stats.means["loss"] == pytest.approx(want.item(), rel=1e-5)
+        assert stats.means["teacher_agreement"] == pytest.approx(agree)
+        if cfg.reduction == "token_mean":
+            assert stats.means["teacher_kl"] == pytest.approx(want.item(), rel=1e-5)
+        assert g_want.abs().sum() > 0
+        norms.append(stats.grad_norm)
+    assert norms[0] == pytest.approx(norms[1], rel=1e-4) and norms[0] > 0
+
+
+def test_a_student_equal_to_its_teacher_has_nothing_to_learn(tiny, world, tmp_path) -> None:
+    cfg = section(rollout={"prompts_per_step": 2, "max_new_tokens": 4})
+    s = rollout_setup(role_model(tiny, False), tiny.tokenizer, cfg, "alternating")
+    ro = collect_rollout(s, prompt_rows(tiny.tokenizer, 2), 0).rollout
+    teacher = role_model(tiny, False).eval()  # the same adapter: the same distribution
+    tr = _session(tmp_path / "same", world, role_model(tiny, False))
+    stats = distill_update(tr, teacher, ro, cfg, 2, len(tiny.tokenizer), step=1)
+    assert stats.means["loss"] == pytest.approx(0.0, abs=1e-6)
+    assert stats.means["teacher_agreement"] == 1.0
+
+
+# --- the stage end to end (slow) ---------------------------------------------------------------
+
+FROM_CONFIG = TINY["ingest"]["from_config"]
+DISTILL = {
+    "data": {"synthetic": {"n_examples": 120, "seed": 7}, "eval_fraction": 0.1,
+             "max_prompt_len": 40},
+    "optim": {"lr": 5e-3},
+    "batch": {"micro_batch_size": 4, "grad_accum_steps": 1},
+    "rollout": {"prompts_per_step": 4, "max_new_tokens": 12},
+    "checkpoint_every": 0,
+    "eval_prompts": 8,
+    "rewards": [{"fn": "posttrain.rewards.match:token_similarity"}],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def teacher_recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """TINY with a teacher: a wider base of the same tokenizer, its own SFT, and a distill
+    stage from the student's SFT; ingest, both bases and both SFTs built once."""
+    folder = tmp_path_factory.mktemp("distill")
+    data = copy.deepcopy(TINY)
+    data["run"]["workspace"] = str(folder / "ws")
+    data["stages"] = [
+        {"kind": "ingest", "name": "teacher_base", "source": "from_config",
+         "from_config": {**FROM_CONFIG, "hidden_size": 96}},
+        {"kind": "sft", "name": "teacher_sft", "base": "teacher_base",
+         **copy.deepcopy(TINY["sft"])},
+        {"kind": "distill", "name": "distill", "from": "sft", "teacher": "teacher_sft",
+         **DISTILL, "max_steps": 3},
+    ]  # fmt: skip
+    path = folder / "distill.yaml"
+    path.write_text(yaml.safe_dump(data))
+    for kind, name in (("ingest", "ingest"), ("ingest", "teacher_base"), ("sft", "sft"),
+                       ("sft", "teacher_sft")):  # fmt: skip
+        run_inprocess(kind, path, name=name)
+    return path
+
+
+def _check_run(out: Path, steps: int) -> dict[str, Any]:
+    train = read_metrics(out / "metrics.jsonl", "train")
+    assert len(train) == steps
+    for row in train:
+        assert row["updates"] == 1 and math.isfinite(row["loss"]) and row["loss"] > 0
+        assert row["teacher_kl"] == pytest.approx(row["loss"])
+        assert 0.0 <= row["teacher_agreement"] <= 1.0
+    import json
+
+    summary = json.loads((out / "manifest.json").read_text())["summary"]
+    head = summary["headline"]
+    for key in ("eval_teacher_kl", "eval_teacher_agreement", "teacher_reward", "eval_reward"):
+        assert math.isfinite(head[key]), key
+    final, sft = summary["eval_final"], summary["eval_sft"]
+    if final["teacher_reward"] > sft["reward"]:
+        gap = (final["reward"] - sft["reward"]) / (final["teacher_reward"] - sft["reward"])
+        assert head["reward_gap_closed"] == pytest.approx(gap, abs=1e-3)
+    assert summary["teacher"] == "teacher_sft" and summary["teacher_base"] == "teacher_base"
+    ref = json.loads((out / "reference.json").read_text())
+    assert ref["teacher"] == "teacher_sft" and ref["teacher_base"] == "teacher_base"
+    return summary
+
+
+@pytest.mark.slow
+def test_distill_on_one_rank_from_a_wider_teacher_and_evaluate_takes_it(teacher_recipe) -> None:
+    from safetensors.torch import load_file
+
+    out = run_inprocess("distill", teacher_recipe, name="distill")
+    summary = _check_run(out, 3)
+    assert summary["teacher_params"] > summary["params_total"]  # the wider model teaches
+    sft = planned_dir("sft", teacher_recipe)
+    before = load_file(sft / "adapter" / "adapter_model.safetensors")
+    after = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert before.keys() == after.keys()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    ev = run_inprocess("evaluate", teacher_recipe)
+    assert out.name in (ev / "manifest.json").read_text()
+
+
+@pytest.mark.slow
+def test_distill_on_two_ranks(teacher_recipe) -> None:
+    over = ("infra.devices_per_node=2", "sft.batch.micro_batch_size=4",
+            "stages.teacher_sft.batch.micro_batch_size=4",
+            "stages.distill.batch.micro_batch_size=2")  # fmt: skip
+    proc = run_torchrun("distill", teacher_recipe, 2, *over, "--stage", "distill")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = planned_dir("distill", teacher_recipe, *over)
+    start = read_metrics(out / "metrics.jsonl", "start")[0]
+    assert start["world_size"] == 2
+    _check_run(out, 3)
