@@ -242,6 +242,13 @@ DISTILL = {
 }  # fmt: skip
 
 
+OFFPOLICY = {
+    **copy.deepcopy(TINY["sft"]),
+    "max_steps": 4,
+    "teacher_sampling": {"max_new_tokens": 16, "batch_size": 8},
+}
+
+
 @pytest.fixture(scope="module")
 def teacher_recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """TINY with a teacher: a wider base of the same tokenizer, its own SFT, and a distill
@@ -256,6 +263,8 @@ def teacher_recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
          **copy.deepcopy(TINY["sft"])},
         {"kind": "distill", "name": "distill", "from": "sft", "teacher": "teacher_sft",
          **DISTILL, "max_steps": 3},
+        {"kind": "sft", "name": "offpolicy", "from": "sft", "teacher": "teacher_sft",
+         **OFFPOLICY},
     ]  # fmt: skip
     path = folder / "distill.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -315,3 +324,49 @@ def test_distill_on_two_ranks(teacher_recipe) -> None:
     start = read_metrics(out / "metrics.jsonl", "start")[0]
     assert start["world_size"] == 2
     _check_run(out, 3)
+    # Off-policy on two ranks: each rank answers its share, every rank trains on all answers.
+    over = (*over, "stages.offpolicy.batch.micro_batch_size=4")
+    proc = run_torchrun("sft", teacher_recipe, 2, *over, "--stage", "offpolicy")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    off = planned_dir("offpolicy", teacher_recipe, *over)
+    one = _rows(planned_dir("offpolicy", teacher_recipe) / "data" / "train.jsonl")
+    two = _rows(off / "data" / "train.jsonl")
+    assert len(two) == len(one) and [r["messages"][:-1] for r in two] == [
+        r["messages"][:-1] for r in one
+    ]
+
+
+def _rows(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(x) for x in path.read_text().splitlines() if x]
+
+
+@pytest.mark.slow
+def test_offpolicy_sft_trains_on_the_teachers_answers_cached_once(teacher_recipe) -> None:
+    """An sft entry with a teacher: its training rows are the prompts of the data with the
+    teacher's greedy answers, its held-out rows the data's own; the answers are cached in the
+    workspace, and a re-run with another learning rate reuses them without the teacher."""
+    import json
+
+    out = run_inprocess("sft", teacher_recipe, name="offpolicy")
+    summary = json.loads((out / "manifest.json").read_text())["summary"]
+    assert summary["teacher"] == "teacher_sft" and not summary["teacher_answers_reused"]
+    train, held = _rows(out / "data" / "train.jsonl"), _rows(out / "data" / "eval.jsonl")
+    data_train = _rows(planned_dir("sft", teacher_recipe) / "data" / "train.jsonl")
+    assert summary["teacher_answers"] == len(train) == len(data_train)
+    # Same prompts in the same order; the answers are the teacher's (most differ from the data).
+    assert [r["messages"][:-1] for r in train] == [r["messages"][:-1] for r in data_train]
+    differ = sum(
+        a["messages"][-1] != b["messages"][-1] for a, b in zip(train, data_train, strict=True)
+    )
+    assert differ > len(train) // 4
+    assert held == _rows(planned_dir("sft", teacher_recipe) / "data" / "eval.jsonl")
+    cache = Path(summary["teacher_answers_file"])
+    answers = [json.loads(x)["answer"] for x in cache.read_text().splitlines()]
+    assert answers == [r["messages"][-1]["content"] for r in train]
+    again = run_inprocess("sft", teacher_recipe, "stages.offpolicy.optim.lr=5e-3", name="offpolicy")
+    assert again != out
+    second = json.loads((again / "manifest.json").read_text())["summary"]
+    assert second["teacher_answers_reused"] and second["teacher_answers_file"] == str(cache)
+    assert _rows(again / "data" / "train.jsonl") == train

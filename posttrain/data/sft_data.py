@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,8 +113,17 @@ def check_tool_template(cfg: DataConfig, tokenizer: Any, rows: list[dict]) -> No
     )
 
 
-def prepare(cfg: DataConfig, tokenizer: Any, seed: int) -> SFTData:
+def prepare(
+    cfg: DataConfig,
+    tokenizer: Any,
+    seed: int,
+    rewrite: Callable[[list[dict]], list[dict]] | None = None,
+) -> SFTData:
+    """The section's rows split, checked and tokenized. `rewrite`: replaces the training rows
+    after the split (a teacher's answers in place of the data's: the held-out rows stay)."""
     train_rows, eval_rows = read_split(cfg, seed)
+    if rewrite is not None:
+        train_rows = rewrite(train_rows)
     check_tool_template(cfg, tokenizer, train_rows + eval_rows)
     has_system = any(m["role"] == "system" for r in train_rows + eval_rows for m in r["messages"])
     if has_system and not template_info(tokenizer).system_role:

@@ -12,6 +12,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -122,6 +123,21 @@ def all_reduce_sums(
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return dict(zip(sums, t.tolist(), strict=True))
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj` (picklable), in rank order; [obj] without a process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing without a process group)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def all_reduce_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""sft: LoRA supervised fine-tuning on conversations."""
+"""sft: LoRA supervised fine-tuning on conversations; with a `teacher:` link, on the teacher's
+answers to their prompts (off-policy, sequence-level distillation)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,26 @@ from typing import Any
 
 from pydantic import Field
 
-from posttrain.config.section_fields import Result
+from posttrain.config.section_fields import Result, _Section
 from posttrain.config.sections import DataConfig, LoraConfig, TrainingSection
 from posttrain.kinds._kind import MemoryInputs, StageKind
+
+
+class TeacherSampling(_Section):
+    """How a teacher (`teacher:` on an sft entry) answers the training prompts."""
+
+    max_new_tokens: int = Result(128, ge=1, description="Longest answer.")
+    temperature: float = Result(
+        0.0, ge=0, description="0 = greedy (sequence-level KD's usual choice); > 0 samples."
+    )
+    top_p: float | None = Result(None, gt=0, le=1, description="Nucleus filter (sampling).")
+    samples_per_prompt: int = Result(
+        1, ge=1, description="Answers per prompt, each a training row (sampling)."
+    )
+    max_prompt_len: int = Result(
+        512, ge=8, description="Prompt tokens kept (the tail) when the teacher answers."
+    )
+    batch_size: int = Result(16, ge=1, description="Prompts per generation batch, per rank.")
 
 
 class SFTConfig(TrainingSection):
@@ -24,6 +42,11 @@ class SFTConfig(TrainingSection):
     eval_every: int = Result(
         0, ge=0, description="Held-out loss every N steps (0 = only at the end)."
     )
+    teacher_sampling: TeacherSampling = Field(
+        default_factory=TeacherSampling,
+        description="With a `teacher:` link (off-policy distillation): how the teacher answers "
+        "the training prompts; the held-out rows keep their own answers.",
+    )
 
 
 def _memory(section: SFTConfig, m: MemoryInputs) -> Any:
@@ -36,7 +59,8 @@ KIND = StageKind(
     name="sft",
     section=SFTConfig,
     module="posttrain.stages.sft",
-    help="LoRA supervised fine-tuning; from the base (a new adapter) or a policy (continues it).",
+    help="LoRA supervised fine-tuning; from the base (a new adapter) or a policy (continues it); "
+    "with `teacher:`, on the teacher's answers to the training prompts.",
     order=10,
     produces="policy",
     # 2: fingerprints by rule (fields and kinds decide, parents by role).

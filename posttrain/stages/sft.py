@@ -33,6 +33,7 @@ from posttrain.telemetry.metrics import read_metrics
 from posttrain.train.chunked import forward_nll_sum
 from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
 from posttrain.train.session import TrainSession
+from posttrain.train.teacher_answers import teacher_rows
 
 log = logging.getLogger("posttrain.sft")
 
@@ -54,7 +55,16 @@ def heldout_loss(loop: Training, examples: list[dict]) -> float | None:
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.section
     model, tok, weights = training_base(ctx)
-    data = prepare(cfg.data, tok, ctx.recipe.run.seed)
+    taught: dict[str, Any] = {}
+
+    def teacher_answers(rows: list[dict]) -> list[dict]:
+        answered, info = teacher_rows(ctx, rows)
+        taught.update(teacher=ctx.roles["teacher"], **info)
+        return answered
+
+    # With a teacher: its answers to the training prompts (off-policy distillation).
+    rewrite = teacher_answers if ctx.has_role("teacher") else None
+    data = prepare(cfg.data, tok, ctx.recipe.run.seed, rewrite)
     train = pack_examples(data.train, cfg.data.max_seq_len) if cfg.packing else data.train
     batch, total_steps = plan_steps(ctx, data, len(train))
 
@@ -91,6 +101,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         eval_loss_final=final_eval,
         chat_template_sha256=template_sha256(tok),
         **data.stats,
+        **taught,
     )
     summary["headline"] = sft_headline(loop.tr, final_eval)
     return summary

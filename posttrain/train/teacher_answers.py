@@ -1,0 +1,179 @@
+"""Off-policy (sequence-level) distillation, Kim & Rush 2016: an `sft` stage with a `teacher:` link
+trains on the teacher's answers to its training prompts instead of the data's own answers.
+
+Each training row's prompt is its conversation up to its last assistant turn; the teacher
+(`posttrain.models.teacher`, on its own base, sharded like the student, frozen) answers it
+`teacher_sampling.samples_per_prompt` times, greedily at temperature 0, and each answer becomes a
+row: the prompt and the teacher's answer as the last assistant turn. Held-out rows keep their
+own answers, so held-out loss and evaluate's exact match still measure the task, not the
+resemblance to the teacher. The teacher writes text, decoded by its own tokenizer and encoded
+again by the student's: its vocabulary may differ from the student's.
+
+The answers are an artifact of their own, cached in the workspace
+(`<workspace>/cache/teacher_answers/<key>.jsonl`, written whole by rename): the key hashes the
+teacher's fingerprint, the prompts, the sampling fields, the seed and the number of ranks, so a
+re-run of the stage with other training fields (learning rate, steps) does not sample again,
+and a changed teacher or prompt does.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.config.sections import SamplingConfig
+from posttrain.data.prompts import encode_prompt
+from posttrain.distributed.runtime import all_gather_objects, barrier, rank_batches
+from posttrain.eval.stop_tokens import model_stop_token_ids
+from posttrain.models.adapters import POLICY
+from posttrain.models.teacher import build_teacher
+from posttrain.telemetry import heartbeat
+from posttrain.train.rollout import response_mask
+from posttrain.train.rollout_engine import build_engine
+
+log = logging.getLogger("posttrain.distill")
+
+Row = dict[str, Any]
+
+
+def prompt_of(row: Row) -> list[dict[str, Any]]:
+    """The conversation up to (not including) its last assistant turn."""
+    msgs = row["messages"]
+    last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+    return msgs[:last]
+
+
+def cache_path(ctx: Any, rows: list[Row]) -> Path:
+    """Where the teacher's answers to `rows` under the stage's sampling are cached."""
+    cfg = ctx.section.teacher_sampling
+    payload = {
+        "teacher": ctx.role_ref("teacher").fingerprint,
+        "prompts": [prompt_of(r) for r in rows],
+        "sampling": cfg.model_dump(mode="json"),
+        "seed": ctx.recipe.run.seed,
+        "world": ctx.dist.world_size,
+    }
+    key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+    return Path(ctx.recipe.run.workspace) / "cache" / "teacher_answers" / f"{key}.jsonl"
+
+
+def teacher_rows(ctx: Any, rows: list[Row]) -> tuple[list[Row], dict[str, Any]]:
+    """(`rows` answered by the teacher, `samples_per_prompt` rows per prompt in order; what it
+    cost: answers, seconds, whether they came from the cache, the cache file)."""
+    path = cache_path(ctx, rows)
+    k = ctx.section.teacher_sampling.samples_per_prompt
+    t = time.perf_counter()
+    answers = read_cache(path, len(rows) * k)
+    reused = answers is not None
+    if answers is None:
+        answers = sample_answers(ctx, rows)
+        if ctx.is_main:
+            write_cache(path, answers)
+        barrier()
+    out = [
+        {**row, "messages": [*prompt_of(row), {"role": "assistant", "content": a}]}
+        for i, row in enumerate(rows)
+        for a in answers[i * k : (i + 1) * k]
+    ]
+    info = {
+        "teacher_answers": len(out),
+        "teacher_answers_s": round(time.perf_counter() - t, 2),
+        "teacher_answers_reused": reused,
+        "teacher_answers_file": str(path),
+    }
+    log.info(
+        "teacher %s: %d answers %s in %.1f s (%s)",
+        ctx.roles["teacher"],
+        len(out),
+        "reused" if reused else "sampled",
+        info["teacher_answers_s"],
+        path,
+    )
+    return out, info
+
+
+def read_cache(path: Path, n: int) -> list[str] | None:
+    """The cached answers, or None when there are none (or not `n`: a file from another
+    layout is not trusted, and sampled again)."""
+    if not path.is_file():
+        return None
+    answers = [json.loads(line)["answer"] for line in path.read_text().splitlines() if line]
+    if len(answers) != n:
+        log.warning(
+            "teacher answers %s hold %d answers, not %d: sampling again", path, len(answers), n
+        )
+        return None
+    return answers
+
+
+def write_cache(path: Path, answers: list[str]) -> None:
+    """Whole or not at all: written beside, then renamed over."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text("".join(json.dumps({"answer": a}, ensure_ascii=False) + "\n" for a in answers))
+    os.replace(tmp, path)
+
+
+def sampling_config(cfg: Any) -> SamplingConfig:
+    greedy = cfg.temperature == 0
+    return SamplingConfig(
+        name="teacher",
+        strategy="greedy" if greedy else "sample",
+        temperature=1.0 if greedy else cfg.temperature,
+        top_p=cfg.top_p,
+        max_new_tokens=cfg.max_new_tokens,
+    )
+
+
+@torch.no_grad()
+def sample_answers(ctx: Any, rows: list[Row]) -> list[str]:
+    """The teacher's answers, `samples_per_prompt` per row in row order: each rank answers its
+    share (rank-strided batches; every rank runs as many batches, a filler where it has none
+    left), then every rank gets all of them. The teacher is freed before returning."""
+    cfg, d = ctx.section.teacher_sampling, ctx.dist
+    model, tok = build_teacher(ctx)
+    engine = build_engine(_engine_config(ctx), model, POLICY, d.world_size)
+    stops = model_stop_token_ids(model, tok)
+    sampling = sampling_config(cfg)
+    jobs = [(i, j) for i in range(len(rows)) for j in range(cfg.samples_per_prompt)]
+    mine: dict[int, str] = {}
+    for idx in rank_batches(len(jobs), d.rank, d.world_size, cfg.batch_size):
+        heartbeat.beat(phase="teacher")
+        chunk = [jobs[n] for n in idx] or jobs[:1]
+        prompts = [encode_prompt(tok, prompt_of(rows[i]), cfg.max_prompt_len) for i, _ in chunk]
+        seed = ctx.recipe.run.seed + (idx[0] if idx else 0)
+        response = engine.generate(prompts, sampling, stops, tok.pad_token_id, seed)
+        texts = _texts(tok, response, stops)
+        mine |= dict(zip(idx, texts, strict=False))  # a filler batch has no idx: kept none
+    del engine, model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    merged: dict[int, str] = {}
+    for part in all_gather_objects(mine):
+        merged |= part
+    return [merged[n] for n in range(len(jobs))]
+
+
+def _texts(tok: Any, response: torch.Tensor, stops: list[int]) -> list[str]:
+    """Each response [N, R]'s text up to, not including, the stop token that ended it."""
+    mask, stopped = response_mask(response, stops)
+    return [
+        tok.decode(r[: int(m.sum()) - int(s)].tolist(), skip_special_tokens=True)
+        for r, m, s in zip(response, mask, stopped, strict=True)
+    ]
+
+
+def _engine_config(ctx: Any) -> Any:
+    """The in-process engine's settings: the RL sections' rollout defaults, batch as given."""
+    from posttrain.config.sections import RolloutConfig
+
+    return RolloutConfig(generation_batch_size=ctx.section.teacher_sampling.batch_size)
