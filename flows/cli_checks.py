@@ -77,7 +77,7 @@ def resolved_inputs(recipe: Recipe) -> list[tuple[str, str]]:
 
 
 # How `posttrain plan` names a stage's inputs (the base is every stage's: left out).
-ROLE_LABELS = {"policy": "from", "reference": "ref", "reward_model": "rm"}
+ROLE_LABELS = {"policy": "from", "reference": "ref", "reward_model": "rm", "teacher": "teacher"}
 
 
 def inputs_text(roles: dict[str, str]) -> str:
