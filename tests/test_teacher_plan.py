@@ -153,3 +153,112 @@ def test_an_unreadable_tokenizer_is_left_to_the_stage(tmp_path: Path) -> None:
     (broken / "tokenizer.json").write_text("not json")
     sections = [IngestConfig(source="path", path=str(p)) for p in (a, broken)]
     assert vocab_check._mismatch(*sections, 0, ("'s'", "'t'")) is None
+
+
+# --- the memory pre-flight counts the teacher ---------------------------------------------------
+
+
+def _qwen(teacher_shape: str, world: int = 1, **distill: Any) -> Any:
+    """A 0.5B-shaped student distilled from a `teacher_shape` teacher's SFT, bf16 on GPUs."""
+    data = {
+        **copy.deepcopy(HEAD),
+        "ingest": {"source": "from_config", "from_config": {"shape": "qwen2.5-0.5b"}},
+        "infra": {
+            "device": "cuda",
+            "precision": "bf16",
+            "base_dtype": "bf16",
+            "devices_per_node": world,
+            "parallel_stages": 1,
+        },
+        "sft": DATA,
+        "stages": [teacher(shape=teacher_shape), TEACHER_SFT, {**DISTILL, **distill}],
+    }
+    del data["stages"][0]["from_config"]["hidden_size"]
+    from posttrain.config.loader import validate_recipe
+
+    return validate_recipe(data)
+
+
+def test_distill_chunk_rows_are_the_loss_modules() -> None:
+    from posttrain.memory.estimate import DISTILL_CHUNK_TOKENS
+    from posttrain.train.distill_losses import DEFAULT_CHUNK_TOKENS
+
+    assert DISTILL_CHUNK_TOKENS == DEFAULT_CHUNK_TOKENS
+
+
+def test_a_7b_teacher_on_a_half_b_student_is_counted_in_its_own_rows() -> None:
+    from posttrain.memory.estimate import GIB
+    from posttrain.memory.preflight import Capacity, preflight
+
+    cap = Capacity(80 * GIB, "test")
+    one = preflight(_qwen("qwen2.5-7b"), "distill", capacity=cap)
+    two = preflight(_qwen("qwen2.5-7b", world=2), "distill", capacity=cap)
+    # Qwen2.5-7B: 7.6B parameters in bf16, its own row, halved over two ranks.
+    weights = one.estimate.component("teacher weights")
+    assert 15.0e9 < weights < 15.4e9
+    assert two.estimate.component("teacher weights") == weights // 2
+    text = one.text()
+    assert "teacher weights" in text and "7,615,616,512 params, frozen, bf16, not sharded" in text
+    assert "teacher adapter" in text  # teacher_sft's LoRA, frozen
+    assert "1/2 per device" in two.estimate.table().split("teacher weights")[1].splitlines()[0]
+    rows = {r.name: r for r in one.estimate.rows}
+    # The loss's logits: the student's with their gradient, the teacher's, and the chunks.
+    micro, new = 8, 32  # the distill defaults: 8 prompts x 1 sample a step, 32 new tokens
+    assert rows["distillation logits"].bytes == 2 * micro * new * 151_936 * 2
+    assert rows["teacher logits (kept)"].bytes == micro * new * 152_064 * 2
+    assert rows["distillation chunks"].bytes == 8 * micro * new * 152_064 * 4  # 256 rows < 1024
+    assert "teacher gathered weights" not in rows  # one device: not wrapped
+    assert "teacher gathered weights" in {r.name for r in two.estimate.rows}
+    jsd = preflight(_qwen("qwen2.5-7b", loss="jsd"), "distill", capacity=cap).estimate
+    assert jsd.component("distillation chunks") == 12 * micro * new * 152_064 * 4
+
+
+def test_an_estimate_with_a_teacher_exceeds_one_without_by_about_its_bytes() -> None:
+    from dataclasses import replace
+
+    from posttrain.memory.estimate import estimate
+    from posttrain.memory.preflight import device_layout, model_shape, stage_shape
+
+    r = _qwen("qwen2.5-1.5b")
+    shape = stage_shape(r, "distill")
+    assert shape.teacher is not None and shape.teacher.model.hidden == 1536
+    student, layout = model_shape(r), device_layout(r)
+    est = estimate(student, shape, layout)
+    without = estimate(student, replace(shape, teacher=None), layout)
+    teacher_bytes = shape.teacher.model.base_params("lm") * 2
+    # Its weights and adapter, plus what it adds to the update (the peak phase either way): its
+    # kept logits, the student's logits with their gradient, the loss's chunks.
+    assert est.peak_phase == without.peak_phase == "update"
+    added = [r for r in est.rows if r.phase in ("", "update") and r not in without.rows]
+    assert {r.name for r in added} == {
+        "teacher weights", "teacher adapter", "teacher logits (kept)", "distillation logits",
+        "distillation chunks",
+    }  # fmt: skip
+    assert est.total - without.total == sum(r.bytes for r in added)
+    assert teacher_bytes < est.total - without.total < 1.6 * teacher_bytes
+    # An sft teacher writes text: its weights count, no distillation logits.
+    off = {"kind": "sft", "name": "s2", "from": "sft", "teacher": "teacher_sft", **DATA}
+    r = _qwen("qwen2.5-1.5b")
+    data = r.model_dump(mode="json", exclude_unset=True)
+    data["stages"][2] = off
+    from posttrain.config.loader import validate_recipe
+
+    sft = stage_shape(validate_recipe(data), "s2")
+    assert sft.teacher is not None and sft.teacher.positions is None
+    est = estimate(student, sft, layout)
+    assert est.total - estimate(student, replace(sft, teacher=None), layout).total == (
+        teacher_bytes + est.component("teacher adapter")
+    )
+    assert est.component("teacher weights") == teacher_bytes
+    assert est.component("distillation") == 0
+
+
+def test_the_teacher_shape_is_read_from_its_base_folder(tmp_path: Path) -> None:
+    from posttrain.memory.preflight import stage_shape
+
+    config = {"hidden_size": 256, "num_attention_heads": 4, "num_hidden_layers": 3}
+    config |= {"intermediate_size": 512, "vocab_size": 2048, "model_type": "llama"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = stage_shape(_qwen("qwen2.5-1.5b"), "distill", teacher_dir=tmp_path)
+    assert shape.teacher is not None
+    assert (shape.teacher.model.hidden, shape.teacher.model.layers) == (256, 3)
