@@ -262,3 +262,55 @@ def test_the_teacher_shape_is_read_from_its_base_folder(tmp_path: Path) -> None:
     shape = stage_shape(_qwen("qwen2.5-1.5b"), "distill", teacher_dir=tmp_path)
     assert shape.teacher is not None
     assert (shape.teacher.model.hidden, shape.teacher.model.layers) == (256, 3)
+
+
+# --- evaluate scores the teacher ----------------------------------------------------------------
+
+
+def test_evaluate_of_a_distilled_policy_reads_its_teacher_and_the_teachers_base() -> None:
+    wide = teacher(hidden_size=128, intermediate_size=512)
+    p = {s.name: s for s in plan(recipe(wide, TEACHER_SFT, DISTILL)).stages}
+    roles = p["evaluate"].roles
+    assert roles["policy"] == "distill" and roles["parent"] == "sft" and roles["base"] == "ingest"
+    assert (roles["teacher"], roles["teacher_base"]) == ("teacher_sft", "teacher")
+    assert {"teacher_sft", "teacher", "sft"} <= set(p["evaluate"].parents)
+    assert "teacher" not in p["export"].roles  # export ships the student alone
+    # Its fingerprint follows the teacher (by role): another teacher, another evaluation; the
+    # export's does not move.
+    other_sft = {**TEACHER_SFT, "max_steps": 7}
+    q = {s.name: s for s in plan(recipe(wide, other_sft, DISTILL)).stages}
+    assert q["teacher_sft"].fingerprint != p["teacher_sft"].fingerprint
+    assert q["distill"].fingerprint != p["distill"].fingerprint  # it reads the teacher too
+    assert q["evaluate"].fingerprint != p["evaluate"].fingerprint
+    # A policy trained without a teacher is evaluated as before.
+    plain = {s.name: s for s in plan(recipe(wide, TEACHER_SFT)).stages}
+    assert "teacher" not in plain["evaluate"].roles
+
+
+def test_evaluate_fingerprint_changes_with_the_teachers_base_alone() -> None:
+    base_only = {**DISTILL, "teacher": "teacher"}  # the teacher is a base: only its weights
+    a = {s.name: s for s in plan(recipe(teacher(hidden_size=128), base_only)).stages}
+    b = {s.name: s for s in plan(recipe(teacher(hidden_size=96), base_only)).stages}
+    assert a["evaluate"].roles["teacher"] == a["evaluate"].roles["teacher_base"] == "teacher"
+    assert a["evaluate"].fingerprint != b["evaluate"].fingerprint
+    assert a["sft"].fingerprint == b["sft"].fingerprint
+
+
+def test_report_md_shows_the_teacher_line() -> None:
+    from flows.report import StageRecord, markdown_report
+
+    roles = {"base": "ingest", "policy": "distill", "parent": "sft", "teacher": "teacher_sft"}
+    roles["teacher_base"] = "teacher"
+    headline = {"exact_match_base": 0.0, "exact_match_tuned": 0.5, "exact_match_parent": 0.25}
+    headline |= {"exact_match_teacher": 0.75, "teacher_gap_closed": 0.5}
+    ev = StageRecord("evaluate", "f", "ran", 1.0, headline=headline, roles=roles, kind="evaluate")
+    text = markdown_report("r", "id", [ev])
+    assert (
+        "## Teacher\n\nDistilled from `teacher_sft` (base `teacher`): greedy exact match parent "
+        "0.25 -> `distill` 0.5, teacher 0.75: closed 0.5 of the gap." in text
+    )
+    del headline["teacher_gap_closed"]
+    assert "no gap to close" in markdown_report("r", "id", [ev])
+    assert "## Teacher" not in markdown_report(
+        "r", "id", [StageRecord("evaluate", "f", "ran", 1.0)]
+    )
