@@ -314,3 +314,58 @@ def test_report_md_shows_the_teacher_line() -> None:
     assert "## Teacher" not in markdown_report(
         "r", "id", [StageRecord("evaluate", "f", "ran", 1.0)]
     )
+
+
+@pytest.mark.slow
+def test_a_tiny_run_with_a_teacher_reports_the_gap_closed(tmp_path: Path) -> None:
+    """Real stages in process: a student base and a wider teacher base (one tokenizer), an SFT
+    on each, a stage with a teacher link (an sft from the student's sft), then evaluate: its
+    headline holds the parent's and the teacher's exact match and the gap closed, which is the
+    formula on the report's numbers; the teacher's pass@1 stands beside the others'."""
+    from posttrain.train.distill_losses import teacher_gap_closed
+    from tests.stage_helpers import TINY, run_inprocess, write_recipe
+
+    data = copy.deepcopy(TINY)
+    wide = copy.deepcopy(data["ingest"])
+    wide["from_config"] |= {"hidden_size": 96, "intermediate_size": 192}
+    sft = {k: v for k, v in data["sft"].items() if k != "max_steps"} | {"max_steps": 8}
+    data["sft"] = sft
+    data["stages"] = [
+        {"kind": "ingest", "name": "teacher", **wide},
+        {"kind": "sft", "name": "teacher_sft", "base": "teacher", **sft, "max_steps": 24},
+        {"kind": "sft", "name": "taught", "from": "sft", "teacher": "teacher_sft", **sft},
+    ]
+    data["evaluate"] |= {
+        "speed": None,
+        "verifiers": [{"fn": "posttrain.rewards.match:exact_match"}],
+    }
+    data["evaluate"] |= {"pass_samples": 2, "pass_k": 2, "pass_prompts": 8}
+    data["export"] = None
+    path = write_recipe(tmp_path, data)
+    for name in ("ingest", "teacher"):
+        run_inprocess("ingest", path, name=name)
+    for name in ("sft", "teacher_sft", "taught"):
+        run_inprocess("sft", path, name=name)
+    ev = run_inprocess("evaluate", path)
+    spec = json.loads((ev / "logs" / "spec.json").read_text())
+    assert spec["roles"]["teacher"] == "teacher_sft" and spec["roles"]["teacher_base"] == "teacher"
+    report = json.loads((ev / "eval.json").read_text())
+    assert report["teacher"] == {"stage": "teacher_sft", "base": "teacher"}
+    exact = report["exact_match"]
+    assert set(exact) == {"base", "tuned", "parent", "teacher"}
+    headline = json.loads((ev / "manifest.json").read_text())["summary"]["headline"]
+    for k in ("parent", "teacher", "tuned"):
+        assert headline[f"exact_match_{k}"] == round(exact[k], 4)
+    gap = teacher_gap_closed(exact["parent"], exact["tuned"], exact["teacher"])
+    if gap is None:
+        assert "teacher_gap_closed" not in headline and "teacher_gap_closed" not in report
+    else:
+        assert (
+            headline["teacher_gap_closed"]
+            == round(gap, 4)
+            == round(report["teacher_gap_closed"], 4)
+        )
+    by = report["verifier"]["policies"]
+    assert set(by) == {"ingest", "sft", "taught", "teacher_sft"}
+    assert headline["pass@1_teacher"] == round(by["teacher_sft"]["pass@1"], 4)
+    print("exact match", exact, "gap", gap, "pass@1", {k: v["pass@1"] for k, v in by.items()})
