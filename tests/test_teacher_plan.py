@@ -236,7 +236,8 @@ def test_an_estimate_with_a_teacher_exceeds_one_without_by_about_its_bytes() -> 
     }  # fmt: skip
     assert est.total - without.total == sum(r.bytes for r in added)
     assert teacher_bytes < est.total - without.total < 1.6 * teacher_bytes
-    # An sft teacher writes text: its weights count, no distillation logits.
+    # An sft teacher writes text before training, then is freed: its weights are a phase of
+    # their own (answering), beside the step's rather than added to it; no distillation logits.
     off = {"kind": "sft", "name": "s2", "from": "sft", "teacher": "teacher_sft", **DATA}
     r = _qwen("qwen2.5-1.5b")
     data = r.model_dump(mode="json", exclude_unset=True)
@@ -246,9 +247,11 @@ def test_an_estimate_with_a_teacher_exceeds_one_without_by_about_its_bytes() -> 
     sft = stage_shape(validate_recipe(data), "s2")
     assert sft.teacher is not None and sft.teacher.positions is None
     est = estimate(student, sft, layout)
-    assert est.total - estimate(student, replace(sft, teacher=None), layout).total == (
-        teacher_bytes + est.component("teacher adapter")
-    )
+    alone = estimate(student, replace(sft, teacher=None), layout)
+    phases = est.phase_totals()
+    assert phases["answering"] == teacher_bytes + est.component("teacher adapter")
+    assert phases["step"] == alone.phase_totals()["step"]
+    assert est.total == alone.static + max(phases["answering"], phases["step"])
     assert est.component("teacher weights") == teacher_bytes
     assert est.component("distillation") == 0
 

@@ -32,7 +32,9 @@ a teacher (distillation: a stage with a `teacher` link), on a base of its own sh
                      the student's [micro, new, V] logits with their gradient, in the compute
                      dtype, and the loss's fp32 working set: DISTILL_CHUNK_TOKENS rows x V x
                      DISTILL_CHUNK_COPIES (posttrain.train.distill_losses measured them).
-                     A teacher that writes text (sft's) counts its weights only.
+                     A teacher that writes text (sft's) answers the prompts before training and
+                     is freed (its answers are cached): its weights are a phase of their own,
+                     `answering`, not held beside the training step.
 
 shards = data-parallel ranks that split the parameters: world size (fsdp), devices per node
 (hsdp), 1 (ddp).
@@ -600,11 +602,15 @@ def teacher_rows(
     n = tm.base_params("lm")
     b = 2 if stage.base_dtype == "bf16" else 4
     where = f"1/{shards} per device" if shards > 1 else "not sharded"
+    # A token-level teacher is held for the whole stage; a teacher that writes text only while
+    # it answers, before training.
+    held = "" if t.positions is not None else "answering"
     rows = [
         Row(
             f"{t.label} weights",
             n * b // shards,
             f"{n:,} params, frozen, {stage.base_dtype}, {where}",
+            held,
         )
     ]
     adapter = 0
@@ -615,6 +621,7 @@ def teacher_rows(
                 f"{t.label} adapter",
                 adapter * 4 // shards,
                 f"{adapter:,} params, r={t.adapter.r}, frozen",
+                held,
             )
         )
     if t.positions is None:
