@@ -147,6 +147,7 @@ def markdown_report(
     lines += memory_markdown(records)
     lines += sre_markdown(records)
     lines += chain_markdown(records)
+    lines += teacher_markdown(records)
     by_fp = {r.fingerprint: r.stage for r in records}
     lines += ["", "## Lineage", ""]
     for r in records:
@@ -374,6 +375,29 @@ def chain_markdown(records: Sequence[StageRecord]) -> list[str]:
         )
         lines.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
     return lines
+
+
+def teacher_markdown(records: Sequence[StageRecord]) -> list[str]:
+    """A distilled final policy's teacher line: the student's start, its end and the teacher
+    on the held-out exact match, and the share of the gap closed; nothing without a teacher."""
+    ev = next(
+        (r for r in records if "teacher" in r.roles and "exact_match_teacher" in r.headline), None
+    )
+    if ev is None:
+        return []
+    h = ev.headline
+    start = "parent" if "exact_match_parent" in h else "base"
+    gap = h.get("teacher_gap_closed")
+    closed = f"closed {format_value(gap)} of the gap" if gap is not None else "no gap to close"
+    line = (
+        f"Distilled from `{ev.roles['teacher']}` (base `{ev.roles.get('teacher_base', '?')}`): "
+        f"greedy exact match {start} {format_value(h[f'exact_match_{start}'])} -> "
+        f"`{ev.roles.get('policy', '?')}` {format_value(h['exact_match_tuned'])}, teacher "
+        f"{format_value(h['exact_match_teacher'])}: {closed}"
+    )
+    if "pass@1_teacher" in h:
+        line += f"; pass@1 {format_value(h['pass@1'])}, teacher {format_value(h['pass@1_teacher'])}"
+    return ["", "## Teacher", "", line + "."]
 
 
 def export_model_path(records: list[StageRecord]) -> str | None:

@@ -108,6 +108,13 @@ def _cached_sha(repo_id: str, revision: str, repo_type: RepoType) -> str | None:
     return None
 
 
+def cached_snapshot(repo_id: str, revision: str, repo_type: RepoType = "model") -> Path | None:
+    """The cache's snapshot folder of `repo_id` at `revision`, never the network; None when the
+    cache does not hold it."""
+    sha = _cached_sha(repo_id, revision, repo_type)
+    return None if sha is None else _repo_folder(repo_id, repo_type) / "snapshots" / sha
+
+
 def _missing(repo_id: str, revision: str, repo_type: RepoType, why: str) -> HubError:
     folder = _repo_folder(repo_id, repo_type)
     if not folder.is_dir():

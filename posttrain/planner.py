@@ -43,8 +43,10 @@ class PlannedStage:
     # What its artifact is for the stages that consume it (the kind's `produces`).
     produces: str = ""
     # role -> parent stage name: "base", "policy" (what it starts from), "reference",
-    # "reward_model"; evaluate and export also "parent" (the policy's own parent), "heldout"
-    # (where held-out conversations come from) and "evaluation".
+    # "reward_model", "teacher" and "teacher_base" (a distillation's teacher and the base it
+    # stands on); evaluate and export also "parent" (the policy's own parent), "heldout" (where
+    # held-out conversations come from) and "evaluation"; evaluate of a distilled policy also
+    # its "teacher" and "teacher_base".
     roles: dict[str, str] = field(default_factory=dict)
     # GPUs this stage may use (CUDA_VISIBLE_DEVICES), set by the flow when stages run side by
     # side (infra.parallel_stages); None = all the machine has.
@@ -80,6 +82,10 @@ def stage_roles(recipe: Recipe, graph: StageGraph, kind: StageKind, name: str) -
             roles["reward_model"] = rm
         if (verifier := graph.verifier_source(final)) is not None:
             roles["verifier"] = verifier
+        if (teacher := graph.get(final).links.get("teacher")) is not None:
+            # Distilled: the teacher is scored beside the student, on its own base.
+            roles["teacher"] = teacher
+            roles["teacher_base"] = graph.base_of(teacher)
     else:
         evaluation = next(k.name for k in KINDS.values() if k.produces == "evaluation")
         if getattr(recipe, evaluation) is not None:  # `evaluate: null`: export reads no report

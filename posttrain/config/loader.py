@@ -22,6 +22,7 @@ from posttrain.config.recipe_file import (
     read_yaml,
 )
 from posttrain.config.schema import Recipe
+from posttrain.config.vocab_check import vocab_errors
 from posttrain.data.chat import looks_like_template_file
 from posttrain.hub import HubError, RepoType, is_hub_id, resolve_sha
 from posttrain.secrets import find_secrets
@@ -159,6 +160,7 @@ def resolve(
     if include and not Path(include).is_dir():
         errors.append(f"evaluate.lm_eval.include_path: {include} is not a folder of task YAMLs")
     errors.extend(gguf_errors(r))
+    errors.extend(vocab_errors(r))
     for name, section in r.training_sections().items():
         try:
             b = section_batch(r, name)

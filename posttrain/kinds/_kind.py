@@ -56,6 +56,11 @@ class StageKind:
     consumes: tuple[Role, ...] = ()
     # Roles of `consumes` the stage may go without (no default is filled in): SFT's teacher.
     optional: tuple[Role, ...] = ()
+    # It compares its teacher's next-token distributions with the student's id by id (token-
+    # level distillation): both bases must tokenize with one vocabulary, checked when the recipe
+    # is resolved (posttrain.config.vocab_check). A teacher that only writes text (SFT's) may
+    # tokenize any way.
+    token_teacher: bool = False
     data: DataShape = "none"
     # Bump when a change to the stage's code should invalidate its cached artifacts.
     version: str = "1"

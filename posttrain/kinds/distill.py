@@ -95,6 +95,7 @@ KIND = StageKind(
     order=57,
     produces="policy",
     consumes=("policy", "reference", "teacher"),
+    token_teacher=True,
     data="prompts",
     trains=True,
     reads=("run", "infra", "guard"),

@@ -66,6 +66,12 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+# The from_config fields the trained tokenizer depends on (with `run.seed`, which seeds its
+# corpus and is one per recipe): two from_config bases of one recipe that agree on these
+# tokenize alike whatever their widths (posttrain.stages.ingest.from_config_tokenizer).
+TOKENIZER_FIELDS = ("vocab_size", "fill_vocab", "corpus_examples", "template")
+
+
 class FromConfigModel(_Section):
     shape: Literal["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama3.1-8b"] | None = Result(
         None,

@@ -22,6 +22,20 @@ per phase; the largest phase is what the peak adds to the static part
   rollout (RL)       the generation KV cache of one `generate` call and the gathered model
                      (`rollout.keep_gathered` holds every block gathered while decoding).
 
+a teacher (distillation: a stage with a `teacher` link), on a base of its own shape
+  teacher weights    its base's parameters x `infra.base_dtype` bytes / shards, and its frozen
+                     LoRA adapter (4 bytes a parameter) when the teacher is a policy; static.
+  teacher scoring    (token-level only) the phase its no-grad forward runs in: its root and two
+                     blocks gathered (when sharded; on one device it is not wrapped), one
+                     block's working set, its logits [micro, new, V].
+  distillation       (token-level only, in the update) the teacher's logits kept from scoring,
+                     the student's [micro, new, V] logits with their gradient, in the compute
+                     dtype, and the loss's fp32 working set: DISTILL_CHUNK_TOKENS rows x V x
+                     DISTILL_CHUNK_COPIES (posttrain.train.distill_losses measured them).
+                     A teacher that writes text (sft's) answers the prompts before training and
+                     is freed (its answers are cached): its weights are a phase of their own,
+                     `answering`, not held beside the training step.
+
 shards = data-parallel ranks that split the parameters: world size (fsdp), devices per node
 (hsdp), 1 (ddp).
 
@@ -78,6 +92,12 @@ FRAMEWORK_OVERHEAD = {"cuda": 1 * GIB, "cpu": 600 * MIB}
 LOGIT_BUFFERS = {"lm": 3, "pairs": 3, "score": 0, "rl": 5}
 # The same with the head in token chunks: [chunk, vocab] fp32 buffers.
 CHUNK_BUFFERS = {"lm": 2, "pairs": 2, "score": 0, "rl": 3}
+# posttrain.train.distill_losses.DEFAULT_CHUNK_TOKENS (that module imports torch; a test holds
+# the two equal): rows of the flattened [B*T, V] logits the divergence works on at once.
+DISTILL_CHUNK_TOKENS = 1024
+# [chunk, V] fp32 buffers alive at the peak of one chunk (its backward: recompute plus
+# autograd), measured in posttrain.train.distill_losses: ~7.5 for either KL, ~12 for jsd.
+DISTILL_CHUNK_COPIES = {"reverse_kl": 8, "forward_kl": 8, "jsd": 12}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -209,6 +229,21 @@ class Adapter:
 
 
 @dataclass(frozen=True)
+class TeacherShape:
+    """A distillation stage's frozen teacher, on its own base (`model`): its adapter when it is
+    a policy (frozen), and for token-level distillation the response positions per row its
+    logits are compared on and the divergence (`loss`); `positions` None: the teacher writes
+    text (sft's teacher), so only its weights are held."""
+
+    model: ModelShape
+    adapter: Adapter | None = None
+    positions: int | None = None
+    loss: str = "reverse_kl"
+    chunk_tokens: int = DISTILL_CHUNK_TOKENS
+    label: str = "teacher"
+
+
+@dataclass(frozen=True)
 class StageShape:
     """What a stage runs, as far as memory goes. `micro_batch` counts rows of the stage's batch
     (pairs for reward and dpo, which run chosen and rejected together: 2 x micro sequences);
@@ -236,6 +271,8 @@ class StageShape:
     logits_chunk_tokens: int = 0
     # The stage's name, for reports (default the family).
     label: str = ""
+    # A distillation stage's teacher (posttrain.memory.preflight adds it from its base).
+    teacher: TeacherShape | None = None
 
     @property
     def sequences(self) -> int:
@@ -396,6 +433,7 @@ def estimate(
         activations_row(model, stage, c, update),
         *logits_rows(model, stage, c, full_logits, update),
         *rollout_rows(model, stage, counts, gathered, c),
+        *teacher_rows(model, stage, shards, c, update),
     ]
     return MemoryEstimate(
         rows,
@@ -549,4 +587,72 @@ def rollout_rows(
     prefill = stage.rollout_rows * stage.prompt_len * (3 * model.hidden + 3 * model.intermediate)
     prefill = prefill * c + 4 * stage.rollout_rows * model.vocab * 4
     rows.append(Row("prefill working set", prefill, "one block, no grad", "rollout"))
+    return rows
+
+
+def teacher_rows(
+    model: ModelShape, stage: StageShape, shards: int, c: int, update: str
+) -> list[Row]:
+    """A teacher's rows (see the module docstring); none without a teacher. `model`: the
+    student's base (its vocabulary shapes the student's logits), `c`: compute bytes."""
+    t = stage.teacher
+    if t is None:
+        return []
+    tm = t.model
+    n = tm.base_params("lm")
+    b = 2 if stage.base_dtype == "bf16" else 4
+    where = f"1/{shards} per device" if shards > 1 else "not sharded"
+    # A token-level teacher is held for the whole stage; a teacher that writes text only while
+    # it answers, before training.
+    held = "" if t.positions is not None else "answering"
+    rows = [
+        Row(
+            f"{t.label} weights",
+            n * b // shards,
+            f"{n:,} params, frozen, {stage.base_dtype}, {where}",
+            held,
+        )
+    ]
+    adapter = 0
+    if t.adapter is not None:
+        adapter = tm.lora_params(t.adapter.r, t.adapter.targets)
+        rows.append(
+            Row(
+                f"{t.label} adapter",
+                adapter * 4 // shards,
+                f"{adapter:,} params, r={t.adapter.r}, frozen",
+                held,
+            )
+        )
+    if t.positions is None:
+        return rows
+    micro, pos = stage.micro_batch, t.positions
+    teacher_logits = micro * pos * tm.vocab * c
+    logits_note = f"{micro} x {pos} x vocab {tm.vocab} x {c} B"
+    block = tm.block_params() + adapter // max(1, tm.layers)
+    gathered = (tm.root_params("lm") + 2 * block) * c
+    tokens = micro * stage.seq_len
+    forward = tokens * (3 * tm.hidden + 3 * tm.intermediate) * c
+    if shards > 1:  # on one device the teacher is not wrapped: nothing is gathered
+        rows.append(Row(f"{t.label} gathered weights", gathered, "root + 2 blocks", "scoring"))
+    rows += [
+        Row(f"{t.label} forward", forward, f"{tokens} tokens, one block, no grad", "scoring"),
+        Row(f"{t.label} logits", teacher_logits, logits_note, "scoring"),
+        Row(f"{t.label} logits (kept)", teacher_logits, logits_note, update),
+    ]
+    student = 2 * micro * pos * model.vocab * c
+    rows.append(
+        Row(
+            "distillation logits",
+            student,
+            f"student's + gradient: 2 x {micro} x {pos} x vocab {model.vocab} x {c} B",
+            update,
+        )
+    )
+    chunk = min(t.chunk_tokens, micro * pos)
+    copies = DISTILL_CHUNK_COPIES.get(t.loss, max(DISTILL_CHUNK_COPIES.values()))
+    work = copies * chunk * max(model.vocab, tm.vocab) * 4
+    rows.append(
+        Row("distillation chunks", work, f"{t.loss}: {copies} x {chunk} rows x vocab x 4 B", update)
+    )
     return rows

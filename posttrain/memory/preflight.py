@@ -28,6 +28,7 @@ from posttrain.memory.estimate import (
     MemoryEstimate,
     ModelShape,
     StageShape,
+    TeacherShape,
     estimate,
     fmt_bytes,
 )
@@ -154,11 +155,12 @@ def _base_dtype(infra: Any) -> str:
     return "bf16" if infra.device == "cuda" and infra.precision == "bf16" else "fp32"
 
 
-def stage_shape(recipe: Any, stage: str) -> StageShape:
+def stage_shape(recipe: Any, stage: str, teacher_dir: str | Path | None = None) -> StageShape:
     """What graph stage `stage` runs, as the estimate needs it (see StageShape): its kind's
     memory function (posttrain/kinds/) over its section, with the adapters shaped by the stages
     that created them (a DPO after SFT trains SFT's adapter; its reference is its `reference`'s
-    adapter; the reward model is its reward stage's)."""
+    adapter; the reward model is its reward stage's), and its teacher when it has one (its
+    base's shape: `teacher_dir`'s config.json, else the recipe's numbers)."""
     from posttrain.config.sections import LoraConfig
     from posttrain.kinds import MemoryInputs
 
@@ -200,7 +202,28 @@ def stage_shape(recipe: Any, stage: str) -> StageShape:
         else _adapter("reward", getattr(section, "lora", None) or LoraConfig(), False),
         world=recipe.infra.world_size() if isinstance(recipe.infra.devices_per_node, int) else 1,
     )
-    return replace(node.kind.memory(section, m), label=stage)
+    shape = replace(node.kind.memory(section, m), label=stage)
+    if (teacher := node.links.get("teacher")) is not None:
+        shape = replace(shape, teacher=teacher_shape(recipe, stage, teacher, teacher_dir))
+    return shape
+
+
+def teacher_shape(
+    recipe: Any, stage: str, teacher: str, model_dir: str | Path | None = None
+) -> TeacherShape:
+    """The teacher `teacher` of stage `stage` as the estimate counts it: its base's shape, the
+    adapter of the stage that created its policy (none for a base), and for a token-level kind
+    (distill) the response positions and divergence of its loss."""
+    graph = recipe.graph()
+    node = graph.get(stage)
+    model = model_shape(recipe, model_dir, graph.base_of(teacher))
+    origin = graph.adapter_origin(teacher) if teacher in graph else None
+    adapter = _adapter("teacher", origin.section.lora, False) if origin is not None else None
+    if not node.kind.token_teacher:
+        return TeacherShape(model, adapter)
+    r = node.section.rollout
+    new = r.max_episode_tokens if r.episodes else r.max_new_tokens
+    return TeacherShape(model, adapter, positions=new, loss=node.section.loss)
 
 
 def device_layout(recipe: Any) -> DeviceLayout:
@@ -266,12 +289,14 @@ def preflight(
     model: ModelShape | None = None,
     model_dir: str | Path | None = None,
     capacity: Capacity | None = None,
+    teacher_dir: str | Path | None = None,
 ) -> PreflightReport:
     """Estimate `stage` of a resolved recipe against the device (detected unless `capacity`
-    is given). `model`/`model_dir`: the base's shape or its folder (see `model_shape`)."""
+    is given). `model`/`model_dir`: the base's shape or its folder (see `model_shape`);
+    `teacher_dir`: the teacher's base's folder, for a stage with a teacher."""
     if model is None:
         model = model_shape(recipe, model_dir, recipe.graph().base_of(stage))
-    shape = stage_shape(recipe, stage)
+    shape = stage_shape(recipe, stage, teacher_dir)
     layout = device_layout(recipe)
     cap = capacity or detect_capacity(recipe)
     est = estimate(model, shape, layout, cap.runtime_bytes)

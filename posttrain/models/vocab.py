@@ -19,16 +19,31 @@ def vocab_mismatch(student: Any, teacher: Any, names: tuple[str, str]) -> str | 
     """Why `teacher`'s tokenizer cannot teach `student`'s token by token, or None when both map
     every token to the same id. `names`: (the student's, the teacher's) as the recipe names
     them, for the message."""
+    detail = vocab_difference(student, teacher)
+    return None if detail is None else mismatch_text(repr(names[0]), repr(names[1]), detail)
+
+
+def vocab_difference(student: Any, teacher: Any) -> str | None:
+    """How two tokenizers' token tables differ (sizes, a few tokens), or None when they are one."""
     if vocab_digest(student) == vocab_digest(teacher):
         return None
     s, t = student.get_vocab(), teacher.get_vocab()
     differ = sorted(k for k in set(s) | set(t) if s.get(k) != t.get(k))
     return (
-        f"the teacher {names[1]!r} tokenizes with another vocabulary than the student "
-        f"{names[0]!r} ({len(t)} tokens vs {len(s)}; {len(differ)} differ, e.g. "
-        f"{', '.join(repr(k) for k in differ[:3])}): token-level distillation needs one "
-        "vocabulary; pick a teacher of the student's family, or distil off-policy (an sft "
-        "stage with `teacher:`, which learns from the teacher's text)"
+        f"{len(t)} tokens vs {len(s)}; {len(differ)} differ, e.g. "
+        f"{', '.join(repr(k) for k in differ[:3])}"
+    )
+
+
+def mismatch_text(student: str, teacher: str, detail: str) -> str:
+    """The refusal of a teacher of another vocabulary: `student`, `teacher` as the message
+    names them (quoted, with their bases when the plan tells them apart), `detail` how they
+    differ."""
+    return (
+        f"the teacher {teacher} tokenizes with another vocabulary than the student {student} "
+        f"({detail}): token-level distillation needs one vocabulary; pick a teacher of the "
+        "student's family, or distil off-policy (an sft stage with `teacher:`, which learns "
+        "from the teacher's text)"
     )
 
 

@@ -174,11 +174,17 @@ def memory_preflight(ctx: StageContext) -> None:
     mode = ctx.recipe.infra.memory_preflight
     if mode == "off" or ctx.kind is None or not ctx.kind.trains:
         return
-    model_dir = None
-    if ctx.has_role("base"):
-        model_dir = ctx.role_manifest("base").get("summary", {}).get("model_dir")
+    dirs: dict[str, Any] = {}
+    for role in ("base", "teacher_base"):  # the teacher's base: its own shape
+        if ctx.has_role(role):
+            dirs[role] = ctx.role_manifest(role).get("summary", {}).get("model_dir")
     try:
-        report = preflight(ctx.recipe, ctx.name, model_dir=model_dir)
+        report = preflight(
+            ctx.recipe,
+            ctx.name,
+            model_dir=dirs.get("base"),
+            teacher_dir=dirs.get("teacher_base"),
+        )
     except ValueError as exc:  # a base the estimate does not describe: never block on that
         log.warning("memory pre-flight skipped: %s", exc)
         return

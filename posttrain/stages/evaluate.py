@@ -9,6 +9,10 @@ that trained on conversations:
 - With a reward model: its held-out accuracy, and the final policy's win-rate against its
   parent; for a policy trained on pairs against a reference, its implicit-reward accuracy.
 - `evaluate.policies`: each listed policy against its own parent, side by side.
+- A distilled final policy (its stage has a `teacher`): the greedy exact match of its parent
+  and of the teacher (on the teacher's own base, `posttrain.eval.teacher`), and the share of
+  the gap between them the stage closed (`teacher_gap_closed`); with verifiers, the teacher's
+  pass@1 beside the others'.
 - With verifiers (the reward functions RL trained against, or `evaluate.verifiers`): greedy
   pass@1 and sampled pass@k of the base, the parent, the final policy and each listed policy on
   held-out prompts with references (`posttrain.eval.verify`).
@@ -38,7 +42,7 @@ from peft import PeftModel
 
 from posttrain import jsonsafe
 from posttrain.data.sft_data import tokenize_rows, write_rows
-from posttrain.eval.exact_match import base_vs_tuned
+from posttrain.eval.exact_match import base_vs_tuned, exact_match, greedy_answers
 from posttrain.eval.heldout import policy_heldout_loss
 from posttrain.eval.inference import compare_cache_modes, inference_prompt, measure_inference
 from posttrain.eval.inputs import (
@@ -61,6 +65,7 @@ from posttrain.eval.preference_eval import (
 from posttrain.eval.samples import policy_samples, sample_rows
 from posttrain.eval.side_by_side import HeldOut, Link, compare_policies
 from posttrain.eval.stop_tokens import model_stop_token_ids
+from posttrain.eval.teacher import teacher_scores
 from posttrain.eval.verify import verifier_report
 from posttrain.kinds.evaluate import SpeedConfig
 from posttrain.models.adapters import merged_copy
@@ -68,6 +73,7 @@ from posttrain.models.loading import load_base
 from posttrain.models.reward import load_reward_model
 from posttrain.rewards.combine import load_rewards
 from posttrain.stages.common import StageContext, stage_main
+from posttrain.train.distill_losses import teacher_gap_closed
 
 log = logging.getLogger("posttrain.evaluate")
 
@@ -349,6 +355,51 @@ def _side_by_side(
     )
 
 
+def _teacher(
+    ctx: StageContext,
+    model: PeftModel,
+    tok: Any,
+    held: HeldOut,
+    exact: dict[str, float],
+    rows: list[dict],
+    verified: dict[str, Any] | None,
+    device: torch.device,
+) -> dict[str, Any]:
+    """A distilled policy's teacher beside it: the parent's and the teacher's greedy exact
+    match (added to the exact-match report), the share of the gap between them the final policy
+    closed (from the base when it started from one), the teacher's verifier figures (added to
+    `verified`'s policies). `exact`: the base's and the tuned policy's exact match (empty when
+    not measured), `rows`: the held-out conversations. Returns the report's `teacher` and
+    `teacher_gap_closed`."""
+    cfg, seed = ctx.recipe.evaluate, ctx.recipe.run.seed
+    greedy = next((s for s in cfg.sampling if s.strategy == "greedy"), None)
+    parent = ctx.roles.get("parent")
+    if exact and greedy is not None and parent is not None:
+        answers = greedy_answers(
+            model, _adapter(ctx, parent), tok, held.prompts, greedy, seed, cfg.batch_size
+        )
+        exact["parent"] = exact_match(answers, held.refs)
+    scores = teacher_scores(ctx, rows if exact else [], greedy, verified is not None, device)
+    out: dict[str, Any] = {"teacher": {"stage": scores["stage"], "base": scores["base"]}}
+    if "exact_match" in scores:
+        exact["teacher"] = scores["exact_match"]
+        start = exact.get("parent", exact["base"])
+        gap = teacher_gap_closed(start, exact["tuned"], exact["teacher"])
+        if gap is not None:  # None: the teacher does not beat the start, no gap to close
+            out["teacher_gap_closed"] = gap
+        log.info(
+            "teacher %s: exact match %.3f; %s closed %s of the gap from %s",
+            scores["stage"],
+            exact["teacher"],
+            ctx.roles["policy"],
+            "no gap" if gap is None else f"{gap:.3f}",
+            parent or ctx.roles["base"],
+        )
+    if verified is not None and "verifier" in scores:
+        verified["policies"][scores["stage"]] = scores["verifier"]
+    return out
+
+
 # --- the summary ------------------------------------------------------------------------------
 
 
@@ -365,6 +416,9 @@ def _headline(report: dict[str, Any], base: str) -> dict[str, float]:
         }
     if exact:
         headline |= {"exact_match_base": exact["base"], "exact_match_tuned": exact["tuned"]}
+        headline |= {f"exact_match_{k}": exact[k] for k in ("parent", "teacher") if k in exact}
+    if report.get("teacher_gap_closed") is not None:
+        headline["teacher_gap_closed"] = report["teacher_gap_closed"]
     if heldout is not None and "parent" in heldout:
         headline["parent_loss"] = heldout["parent"]["loss"]
     if report["inference"] is not None:
@@ -382,6 +436,9 @@ def _headline(report: dict[str, Any], base: str) -> dict[str, float]:
         if report["parent"] in by:
             headline["pass@1_parent"] = by[report["parent"]]["pass@1"]
         headline["pass@1_base"] = by[base]["pass@1"]
+        teacher = (report.get("teacher") or {}).get("stage")
+        if teacher in by:
+            headline["pass@1_teacher"] = by[teacher]["pass@1"]
     if "win_rate_vs_parent" in report:
         wr = report["win_rate_vs_parent"]
         headline |= {
@@ -430,6 +487,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     verified = _verifiers(ctx, model, tok)
     if verified is not None:
         report["verifier"] = verified
+    if ctx.has_role("teacher"):
+        held_rows = rows if held_out else []
+        report |= _teacher(ctx, model, tok, held, exact, held_rows, verified, device)
     if harness is not None:
         report["lm_eval"] = harness
     if cfg.policies:

@@ -388,12 +388,12 @@ def warm_up(
     }
 
 
-def ingest_from_config(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
-    from posttrain.models.chatml import TEMPLATES
-    from posttrain.models.tiny import build_model, fill_vocabulary, train_tokenizer
+def from_config_tokenizer(fc: Any, seed: int) -> tuple[Any, list[str]]:
+    """(the BPE a from_config base trains, the pre-training documents of its corpus). It
+    depends on `TOKENIZER_FIELDS` of `fc` and `seed` only (not on the model's shape): the
+    plan's vocabulary check for distillation relies on that."""
+    from posttrain.models.tiny import fill_vocabulary, train_tokenizer
 
-    fc = cfg.from_config
-    seed = ctx.recipe.run.seed
     docs = pretrain_corpus(fc.corpus_examples, seed)
     if fc.template == "chatml_tools":  # merges for the call JSON, and a warm-up on it
         docs += calculator_corpus(fc.corpus_examples // 2, seed + 2)
@@ -402,6 +402,16 @@ def ingest_from_config(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
     tok = train_tokenizer(corpus, fc.vocab_size)
     if fc.fill_vocab:
         tok = fill_vocabulary(tok, fc.vocab_size)
+    return tok, docs
+
+
+def ingest_from_config(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
+    from posttrain.models.chatml import TEMPLATES
+    from posttrain.models.tiny import build_model
+
+    fc = cfg.from_config
+    seed = ctx.recipe.run.seed
+    tok, docs = from_config_tokenizer(fc, seed)
     tok.chat_template = TEMPLATES[fc.template]  # ingest.chat_template, if set, replaces it
     template = install_template(tok, cfg)
     torch.manual_seed(seed)
