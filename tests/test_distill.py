@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from fixtures_tiny import TinyAssets, load_base, one_torch_thread, tiny_assets
+from fixtures_tiny import load_base
 from pydantic import ValidationError
 from rl_tiny import MAX_PROMPT_LEN, prompt_rows, role_model, rollout_setup
 
 from posttrain.config.batch import ResolvedBatch
 from posttrain.config.loader import RecipeError, validate_recipe
-from posttrain.distributed.runtime import DistInfo, init_distributed, shutdown
 from posttrain.kinds.distill import DistillConfig
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import RoleModel
@@ -31,7 +29,9 @@ from posttrain.rl.rollouts import collect_rollout
 from posttrain.stages.distill import check_shapes
 from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import TINY, planned_dir, run_inprocess, run_torchrun
-from tests.test_rl_update import _session
+
+# The tiny model, a gloo world of one and one torch thread: the RL update tests' fixtures.
+from tests.test_rl_update import _one_thread, _session, tiny, world  # noqa: F401
 
 DATA = {"synthetic": {"n_examples": 16}, "max_prompt_len": MAX_PROMPT_LEN}
 
@@ -126,24 +126,6 @@ def test_the_teacher_and_its_base_are_the_stages_parents_by_role() -> None:
 # --- the update on a tiny model ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyAssets:
-    return tiny_assets(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def world() -> Iterator[DistInfo]:
-    d = init_distributed("cpu", 60, 1)
-    yield d
-    shutdown()
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    with one_torch_thread():
-        yield
-
-
 def written_out(
     student: RoleModel, teacher: RoleModel, ro: Any, cfg: DistillConfig, vocab: int
 ) -> tuple[torch.Tensor, float]:
@@ -182,7 +164,10 @@ def written_out(
     ],
 )
 def test_distill_step_is_the_written_out_divergence_however_rows_are_split(
-    tiny, world, tmp_path, fields
+    tiny,  # noqa: F811
+    world,  # noqa: F811
+    tmp_path,
+    fields,
 ) -> None:
     """Student: the trained tiny adapter; teacher: the tiny base without it (another
     distribution on the same vocabulary). The step's loss, divergence and agreement equal the
@@ -216,7 +201,7 @@ def test_distill_step_is_the_written_out_divergence_however_rows_are_split(
     assert norms[0] == pytest.approx(norms[1], rel=1e-4) and norms[0] > 0
 
 
-def test_a_student_equal_to_its_teacher_has_nothing_to_learn(tiny, world, tmp_path) -> None:
+def test_a_student_equal_to_its_teacher_has_nothing_to_learn(tiny, world, tmp_path) -> None:  # noqa: F811
     cfg = section(rollout={"prompts_per_step": 2, "max_new_tokens": 4})
     s = rollout_setup(role_model(tiny, False), tiny.tokenizer, cfg, "alternating")
     ro = collect_rollout(s, prompt_rows(tiny.tokenizer, 2), 0).rollout

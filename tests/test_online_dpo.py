@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from fixtures_tiny import TinyAssets, one_torch_thread, tiny_assets
 from pydantic import ValidationError
 from rl_tiny import MAX_PROMPT_LEN, prompt_rows, role_model, rollout_setup
 
 from posttrain.config.batch import ResolvedBatch
-from posttrain.distributed.runtime import DistInfo, init_distributed, shutdown
 from posttrain.kinds.online_dpo import OnlineDPOConfig
 from posttrain.models.adapters import POLICY
 from posttrain.rl.dpo_update import dpo_update, group_scores, judge, sequence_logps
@@ -30,7 +27,9 @@ from posttrain.train.preference_losses import sigmoid_loss
 from posttrain.train.rollout import Rollout, response_logps
 from tests.stage_helpers import planned_dir, run_inprocess, run_torchrun
 from tests.test_rl_stages import RL, parents, recipe_with, summary  # noqa: F401  (the shared fixture)
-from tests.test_rl_update import _session
+
+# The tiny model, a gloo world of one and one torch thread: the RL update tests' fixtures.
+from tests.test_rl_update import _one_thread, _session, tiny, world  # noqa: F401
 
 DATA = {"synthetic": {"n_examples": 16}, "max_prompt_len": MAX_PROMPT_LEN}
 
@@ -125,25 +124,7 @@ def test_judge_reads_the_missing_eos_penalty_and_both_judges() -> None:
 # --- the DPO step on a tiny model ----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyAssets:
-    return tiny_assets(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def world() -> Iterator[DistInfo]:
-    d = init_distributed("cpu", 60, 1)
-    yield d
-    shutdown()
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    with one_torch_thread():
-        yield
-
-
-def test_dpo_step_loss_is_sigmoid_loss_of_hand_set_log_ratios(tiny, world, tmp_path) -> None:
+def test_dpo_step_loss_is_sigmoid_loss_of_hand_set_log_ratios(tiny, world, tmp_path) -> None:  # noqa: F811
     """The reference's log-probs are set to the policy's minus a known offset per response, so
     each pair's log-ratio margin h is known by hand: the step's loss is -log sigmoid(beta h)
     averaged over the pairs, its accuracy and margin follow, however the pairs are split into

@@ -50,3 +50,37 @@ def rollout_inputs(recipe: Any) -> dict[str, Any]:
     """Each rank samples its own share of the prompts with its own seed: the number of ranks
     changes the rollouts, so it is part of the fingerprint."""
     return {"dp_size": recipe.infra.world_size()}
+
+
+# Fields of the clipped policy-gradient update (ppo, grpo) that a one-step-per-rollout kind
+# (online DPO, distill) has no use for: a recipe that changes one is told so rather than
+# silently ignored. (By value, not `model_fields_set`: a recipe comes back fully dumped in a
+# stage's spec.)
+CLIPPED_UPDATE_FIELDS = (
+    "update_epochs",
+    "clip_range",
+    "clip_range_high",
+    "loss_aggregation",
+    "entropy_coef",
+)
+
+
+def refuse_rl_fields(section: OnlineRLConfig, kind: str, constraint: str, step: str) -> None:
+    """A ValueError naming the online-RL fields a one-step-per-rollout kind refuses: a KL
+    penalty (`constraint`: what constrains it instead), sampling ahead of the policy, and the
+    clipped update's fields (`step`: what its step is)."""
+    if section.kl.coef > 0 or section.kl.adaptive:
+        raise ValueError(
+            f"kl.coef/kl.adaptive: {kind} adds no KL penalty; {constraint} (leave kl.coef at 0)"
+        )
+    if section.rollout.max_staleness:
+        raise ValueError(
+            f"rollout.max_staleness: {kind} samples each step's answers with the policy it "
+            "updates (leave it at 0)"
+        )
+    fields = type(section).model_fields
+    if given := [f for f in CLIPPED_UPDATE_FIELDS if getattr(section, f) != fields[f].default]:
+        raise ValueError(
+            f"{', '.join(given)}: fields of the clipped policy-gradient update (ppo, grpo); "
+            f"{kind} takes {step}"
+        )

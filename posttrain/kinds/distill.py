@@ -16,8 +16,7 @@ from pydantic import Field, model_validator
 from posttrain.config.section_fields import Result
 from posttrain.config.sections import KLConfig, OnlineRLConfig, RolloutConfig
 from posttrain.kinds._kind import MemoryInputs, StageKind
-from posttrain.kinds._online import rollout_inputs, rollout_memory
-from posttrain.kinds.online_dpo import CLIPPED_UPDATE_FIELDS
+from posttrain.kinds._online import refuse_rl_fields, rollout_inputs, rollout_memory
 
 
 class DistillConfig(OnlineRLConfig):
@@ -56,26 +55,16 @@ class DistillConfig(OnlineRLConfig):
 
     @model_validator(mode="after")
     def _distill(self) -> DistillConfig:
-        if self.kl.coef > 0 or self.kl.adaptive:
-            raise ValueError(
-                "kl.coef/kl.adaptive: distillation adds no KL penalty to the reference; its "
-                "loss is the divergence to the teacher (leave kl.coef at 0)"
-            )
-        if self.rollout.max_staleness:
-            raise ValueError(
-                "rollout.max_staleness: on-policy distillation scores each step's answers as "
-                "the policy it updates sampled them (leave it at 0)"
-            )
+        refuse_rl_fields(
+            self,
+            "distillation",
+            "its loss is the divergence to the teacher",
+            "one step per rollout on the divergence (`loss`)",
+        )
         if self.dynamic_sampling:
             raise ValueError(
                 "dynamic_sampling: it keeps groups whose rewards differ; distillation trains "
                 "on every answer (leave it off)"
-            )
-        fields = type(self).model_fields
-        if given := [f for f in CLIPPED_UPDATE_FIELDS if getattr(self, f) != fields[f].default]:
-            raise ValueError(
-                f"{', '.join(given)}: fields of the clipped policy-gradient update (ppo, grpo); "
-                "distillation takes one step per rollout on the divergence (`loss`)"
             )
         return self
 

@@ -17,18 +17,7 @@ from pydantic import Field, model_validator
 from posttrain.config.section_fields import Result
 from posttrain.config.sections import KLConfig, OnlineRLConfig, RolloutConfig
 from posttrain.kinds._kind import MemoryInputs, StageKind
-from posttrain.kinds._online import rollout_inputs, rollout_memory
-
-# Fields of the clipped policy-gradient update that a DPO step has no use for: a recipe that
-# changes one is told so rather than silently ignored. (By value, not `model_fields_set`: a
-# recipe comes back fully dumped in a stage's spec.)
-CLIPPED_UPDATE_FIELDS = (
-    "update_epochs",
-    "clip_range",
-    "clip_range_high",
-    "loss_aggregation",
-    "entropy_coef",
-)
+from posttrain.kinds._online import refuse_rl_fields, rollout_inputs, rollout_memory
 
 
 class OnlineDPOConfig(OnlineRLConfig):
@@ -66,22 +55,12 @@ class OnlineDPOConfig(OnlineRLConfig):
                 "rollout.samples_per_prompt must be >= 2: a prompt's pair is its best and worst "
                 "answer"
             )
-        if self.kl.coef > 0 or self.kl.adaptive:
-            raise ValueError(
-                "kl.coef/kl.adaptive: online DPO adds no KL penalty; `beta` is its constraint "
-                "to the reference (leave kl.coef at 0)"
-            )
-        if self.rollout.max_staleness:
-            raise ValueError(
-                "rollout.max_staleness: online DPO samples each step's answers with the policy "
-                "it updates (leave it at 0)"
-            )
-        fields = type(self).model_fields
-        if given := [f for f in CLIPPED_UPDATE_FIELDS if getattr(self, f) != fields[f].default]:
-            raise ValueError(
-                f"{', '.join(given)}: fields of the clipped policy-gradient update (ppo, grpo); "
-                "online DPO takes one DPO step per rollout (`loss`, `beta`)"
-            )
+        refuse_rl_fields(
+            self,
+            "online DPO",
+            "`beta` is its constraint to the reference",
+            "one DPO step per rollout (`loss`, `beta`)",
+        )
         return self
 
 

@@ -63,6 +63,29 @@ def check_shapes(name: str, cfg: Any, batch: Any, world: int) -> tuple[int, int]
     return local, cfg.update_epochs * local // per_update
 
 
+def one_step_shapes(kind: str, unit: str) -> Shapes:
+    """The shapes of a kind that takes one optimizer step per rollout over all of it, in
+    micro-batches of `micro_batch_size` sequences (online DPO, distill): the prompts split
+    evenly over the ranks, nothing to accumulate. `unit`: what a step takes, for the message."""
+
+    def shapes(name: str, cfg: Any, batch: ResolvedBatch, world: int) -> tuple[int, int]:
+        r = cfg.rollout
+        if r.prompts_per_step % world:
+            raise ValueError(
+                f"{name}.rollout.prompts_per_step {r.prompts_per_step} must be a multiple of "
+                f"the {world} ranks (each rank rolls out the same number of prompts)"
+            )
+        if batch.grad_accum_steps != 1:
+            raise ValueError(
+                f"{name}.batch.grad_accum_steps {batch.grad_accum_steps}: {kind} takes one "
+                f"optimizer step per rollout over all its {unit}, micro_batch_size sequences "
+                "per forward; leave grad_accum_steps at 1"
+            )
+        return r.prompts_per_step // world * r.samples_per_prompt, 1
+
+    return shapes
+
+
 def scoring_passes(cfg: Any, placement: str, updates_per_rollout: int) -> tuple[bool, bool]:
     """(score the policy, score the reference) before the update: the passes a step needs.
 

@@ -33,22 +33,21 @@ from typing import Any
 
 import torch
 
-from posttrain.config.batch import ResolvedBatch
 from posttrain.config.rl_algorithms import AlgorithmSpec
-from posttrain.distributed.runtime import all_reduce_sum, min_max, rank_batches
+from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import POLICY
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.teacher import build_teacher
 from posttrain.models.vocab import shared_vocab_size
 from posttrain.rl.distill_update import DistillStats, distill_update, micro_divergence
 from posttrain.rl.heldout import evaluate
-from posttrain.rl.metrics import rollout_totals, sampler_metrics, step_flops, train_metrics
+from posttrain.rl.metrics import rollout_totals, sampler_metrics, step_flops
 from posttrain.rl.offpolicy import staleness
 from posttrain.rl.rollouts import RolloutBatch, RolloutSetup, collect_rollout, generate
-from posttrain.rl.setup import RLRun
+from posttrain.rl.setup import RLRun, one_step_shapes
 from posttrain.rl.update import UpdateStats
 from posttrain.stages.common import StageContext, stage_main
-from posttrain.stages.online_rl import Ahead, next_version, run_loop
+from posttrain.stages.online_rl import Ahead, next_version, record_one_step, run_loop
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import MetricsWriter
 from posttrain.train.checkpoint import data_position
@@ -110,21 +109,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     )
 
 
-def check_shapes(name: str, cfg: Any, batch: ResolvedBatch, world: int) -> tuple[int, int]:
-    """(sequences per rank per rollout, 1 optimizer step per rollout), or a ValueError."""
-    r = cfg.rollout
-    if r.prompts_per_step % world:
-        raise ValueError(
-            f"{name}.rollout.prompts_per_step {r.prompts_per_step} must be a multiple of the "
-            f"{world} ranks (each rank rolls out the same number of prompts)"
-        )
-    if batch.grad_accum_steps != 1:
-        raise ValueError(
-            f"{name}.batch.grad_accum_steps {batch.grad_accum_steps}: distillation takes one "
-            "optimizer step per rollout over all its answers, micro_batch_size answers per "
-            "forward; leave grad_accum_steps at 1"
-        )
-    return r.prompts_per_step // world * r.samples_per_prompt, 1
+# One optimizer step per rollout over all its answers.
+check_shapes = one_step_shapes("distillation", "answers")
 
 
 def distill_step(run: RLRun, step: int, teacher: Teacher) -> None:
@@ -165,32 +151,17 @@ def record(
     timing: dict[str, float],
     teacher_params: int,
 ) -> None:
-    """The `train` record of logged step `step` (every `log_every` and the last): the rollout's
-    figures with the distillation step's means. FLOPs: generation, the student's forward and
-    backward, the teacher's forward over the rollout. Same collectives on every rank."""
-    cfg, tr, ro, device = run.ctx.section, run.tr, rb.rollout, run.rollouts.device
-    totals = rollout_totals(ro, device)
-    widths = min_max(ro.width[1], device)
+    """The `train` record of logged step `step` (`record_one_step`) with the distillation
+    step's means. FLOPs: generation, the student's forward and backward, the teacher's forward
+    over the rollout."""
+    tr, ro = run.tr, rb.rollout
+    totals = rollout_totals(ro, run.rollouts.device)
     flops = step_flops(ro, tr.n_matmul, tr.n_trainable, tr.model.config, 0, 1, False)
     flops += 2 * teacher_params * ro.tokens()
     means = {k: v for k, v in stats.means.items() if k != "loss"}
     update = UpdateStats(means, stats.grad_norm, stats.lr, stats.updates)
-    step_s = time.perf_counter() - t0
-    extra = train_metrics(totals, 0.0, widths, rb, t_train, step_s, update, run.rollouts.world)
-    extra.pop("kl_coef")
-    if step % cfg.log_every == 0 or step == run.n_rollouts:
-        tr.record_step(
-            step,
-            loss=stats.means.get("loss", math.nan),
-            grad_norm=stats.grad_norm,
-            lr=stats.lr,
-            local_tokens=ro.tokens(),
-            seq_len=ro.tokens() / ro.n,
-            t_start=t0,
-            t_data=0.0,
-            flops=flops,
-            **extra | timing,
-        )
+    loss = stats.means.get("loss", math.nan)
+    record_one_step(run, step, rb, totals, update, loss, t0, t_train, timing, flops)
 
 
 def evaluate_with_teacher(

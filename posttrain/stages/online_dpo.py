@@ -26,17 +26,15 @@ import math
 import time
 from typing import Any
 
-from posttrain.config.batch import ResolvedBatch
 from posttrain.config.rl_algorithms import AlgorithmSpec
-from posttrain.distributed.runtime import min_max
 from posttrain.rl.dpo_update import DPOStats, dpo_update, judge, judge_metrics
-from posttrain.rl.metrics import rollout_totals, sampler_metrics, step_flops, train_metrics
+from posttrain.rl.metrics import rollout_totals, sampler_metrics, step_flops
 from posttrain.rl.offpolicy import staleness
 from posttrain.rl.rollouts import RolloutBatch, collect_rollout
-from posttrain.rl.setup import RLRun
+from posttrain.rl.setup import RLRun, one_step_shapes
 from posttrain.rl.update import UpdateStats
 from posttrain.stages.common import StageContext, stage_main
-from posttrain.stages.online_rl import Ahead, next_version, run_loop
+from posttrain.stages.online_rl import Ahead, next_version, record_one_step, run_loop
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import train_flops_per_token
 from posttrain.train.checkpoint import data_position
@@ -84,23 +82,8 @@ def bound_loss(cfg: Any) -> PreferenceLoss:
     return preference_loss(cfg.loss, **{k: hp[k] for k in loss_hyperparameters(cfg.loss)})
 
 
-def check_shapes(name: str, cfg: Any, batch: ResolvedBatch, world: int) -> tuple[int, int]:
-    """(sequences per rank per rollout, 1 optimizer update per rollout), or a ValueError: the
-    prompts split evenly over the ranks, and one step takes all of a rollout's pairs, so there
-    is nothing to accumulate over."""
-    r = cfg.rollout
-    if r.prompts_per_step % world:
-        raise ValueError(
-            f"{name}.rollout.prompts_per_step {r.prompts_per_step} must be a multiple of the "
-            f"{world} ranks (each rank rolls out the same number of prompts)"
-        )
-    if batch.grad_accum_steps != 1:
-        raise ValueError(
-            f"{name}.batch.grad_accum_steps {batch.grad_accum_steps}: online DPO takes one "
-            "optimizer step per rollout over all its pairs, micro_batch_size sequences (half as "
-            "many pairs) per forward; leave grad_accum_steps at 1"
-        )
-    return r.prompts_per_step // world * r.samples_per_prompt, 1
+# One optimizer step per rollout over all its pairs (chosen and rejected rows together).
+check_shapes = one_step_shapes("online DPO", "pairs (half as many as its sequences)")
 
 
 def dpo_step(run: RLRun, step: int, loss_fn: PreferenceLoss) -> None:
@@ -142,37 +125,21 @@ def record(
     t_train: float,
     timing: dict[str, float],
 ) -> None:
-    """The `train` record of logged step `step` (1-based; every `log_every` and the last): the
-    rollout's figures (`train_metrics`) with the DPO step's means in place of the clipped
-    update's; loss, grad_norm and lr are null on a step without pairs. Runs the same
-    collectives on every rank."""
-    cfg, tr, ro, device = run.ctx.section, run.tr, rb.rollout, run.rollouts.device
-    totals = rollout_totals(ro, device)
+    """The `train` record of logged step `step` (`record_one_step`): DPO's means over the
+    step's pairs in place of the clipped update's; loss, grad_norm and lr are null on a step
+    without pairs."""
+    ro = rb.rollout
+    totals = rollout_totals(ro, run.rollouts.device)
     # No policy scoring pass: the rollout's KL would read as 0 (the held-out KL is measured).
     totals.pop("kl", None)
-    widths = min_max(ro.width[1], device)
     # Generation and the scoring passes over the rollout, forward+backward over the pairs' rows.
-    roles = len(run.rollouts.roles)
+    tr, roles = run.tr, len(run.rollouts.roles)
     flops = step_flops(ro, tr.n_matmul, tr.n_trainable, tr.model.config, roles, 0, False)
     flops += pair_flops(run, ro, stats)
     means = {k: v for k, v in stats.means.items() if k != "loss"}  # `loss` is the record's own
     update = UpdateStats(means, stats.grad_norm, stats.lr, stats.updates)
-    step_s = time.perf_counter() - t0
-    extra = train_metrics(totals, 0.0, widths, rb, t_train, step_s, update, run.rollouts.world)
-    extra.pop("kl_coef")
-    if step % cfg.log_every == 0 or step == run.n_rollouts:
-        tr.record_step(
-            step,
-            loss=stats.means.get("loss", math.nan),
-            grad_norm=stats.grad_norm,
-            lr=stats.lr,
-            local_tokens=ro.tokens(),
-            seq_len=ro.tokens() / ro.n,
-            t_start=t0,
-            t_data=0.0,
-            flops=flops,
-            **extra | timing,
-        )
+    loss = stats.means.get("loss", math.nan)
+    record_one_step(run, step, rb, totals, update, loss, t0, t_train, timing, flops)
 
 
 def pair_flops(run: RLRun, ro: Rollout, stats: DPOStats) -> float:

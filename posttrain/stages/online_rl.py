@@ -219,6 +219,42 @@ def record(
         )
 
 
+def record_one_step(
+    run: RLRun,
+    step: int,
+    rb: RolloutBatch,
+    totals: dict[str, float],
+    update: UpdateStats,
+    loss: float,
+    t0: float,
+    t_train: float,
+    timing: dict[str, float],
+    flops: float,
+) -> None:
+    """The `train` record of logged step `step` of a kind that takes one optimizer step per
+    rollout (online DPO, distill): the rollout's figures (`train_metrics` over its `totals`)
+    with the step's `update` means, `loss`, and the step's `flops` on this rank. Runs the same
+    collectives on every rank."""
+    cfg, tr, ro = run.ctx.section, run.tr, rb.rollout
+    widths = min_max(ro.width[1], run.rollouts.device)
+    step_s = time.perf_counter() - t0
+    extra = train_metrics(totals, 0.0, widths, rb, t_train, step_s, update, run.rollouts.world)
+    extra.pop("kl_coef")  # no KL penalty
+    if step % cfg.log_every == 0 or step == run.n_rollouts:
+        tr.record_step(
+            step,
+            loss=loss,
+            grad_norm=update.grad_norm,
+            lr=update.lr,
+            local_tokens=ro.tokens(),
+            seq_len=ro.tokens() / ro.n,
+            t_start=t0,
+            t_data=0.0,
+            flops=flops,
+            **extra | timing,
+        )
+
+
 def finish(
     run: RLRun,
     final: dict[str, float],
