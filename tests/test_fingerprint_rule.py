@@ -25,6 +25,7 @@ from posttrain.config.loader import RecipeError, resolve, validate_recipe
 from posttrain.config.schema import Recipe
 from posttrain.config.section_fields import effect_for, effect_of
 from posttrain.kinds import KINDS, StageKind
+from posttrain.kinds._online import CLIPPED_UPDATE_FIELDS
 from posttrain.planner import plan
 from tests.stage_helpers import TINY
 
@@ -179,6 +180,9 @@ def _coupled(files: dict[str, str], section: str) -> dict[str, list[dict[str, An
     }
 
 
+REFUSED = (*CLIPPED_UPDATE_FIELDS, "kl.coef", "kl.adaptive", "rollout.max_staleness")
+
+
 # Fields no valid change exists for on this machine, with why; their declaration is still
 # checked (they must be what is said here).
 NO_CHANGE_HERE = {
@@ -186,34 +190,12 @@ NO_CHANGE_HERE = {
     "infra.precision": ("result", "CPU runs refuse half precision"),
     "infra.base_dtype": ("result", "a bf16 base needs a GPU"),
     # Inherited from the online-RL section, refused unless left as they are: DPO's `beta` is
-    # its KL constraint, its step is not the clipped update, and it samples with the policy it
-    # updates (OnlineDPOConfig).
-    **{
-        f"online_dpo.{f}": ("result", "online DPO accepts only the default")
-        for f in (
-            "kl.coef",
-            "kl.adaptive",
-            "update_epochs",
-            "clip_range",
-            "clip_range_high",
-            "loss_aggregation",
-            "entropy_coef",
-            "rollout.max_staleness",
-        )
-    },
+    # its KL constraint, distillation's loss is its divergence to the teacher, neither step is
+    # the clipped update, and both sample with the policy they update (refuse_rl_fields).
+    **{f"online_dpo.{f}": ("result", "online DPO accepts only the default") for f in REFUSED},
     **{
         f"distill.{f}": ("result", "distillation accepts only the default")
-        for f in (
-            "kl.coef",
-            "kl.adaptive",
-            "update_epochs",
-            "clip_range",
-            "clip_range_high",
-            "loss_aggregation",
-            "entropy_coef",
-            "rollout.max_staleness",
-            "dynamic_sampling",
-        )
+        for f in (*REFUSED, "dynamic_sampling")
     },
 }
 
