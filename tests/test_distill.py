@@ -123,6 +123,18 @@ def test_the_teacher_and_its_base_are_the_stages_parents_by_role() -> None:
     assert stages["distill"].roles["base"] == "ingest"
 
 
+def test_teacher_batches_are_the_same_at_any_number_of_ranks() -> None:
+    from posttrain.rl.teacher_answers import world_batches
+
+    one = world_batches(10, 4, 0, 1)
+    assert one == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    two = [world_batches(10, 4, r, 2) for r in range(2)]
+    assert two == [[[0, 1, 2, 3], [8, 9]], [[4, 5, 6, 7], []]]  # as many batches per rank
+    three = [world_batches(10, 4, r, 3) for r in range(3)]
+    assert sorted(b for bs in three for b in bs if b) == one
+    assert world_batches(0, 4, 0, 2) == []
+
+
 # --- the update on a tiny model ------------------------------------------------------------------
 
 
@@ -246,10 +258,11 @@ def teacher_recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
          "from_config": {**FROM_CONFIG, "hidden_size": 96}},
         {"kind": "sft", "name": "teacher_sft", "base": "teacher_base",
          **copy.deepcopy(TINY["sft"])},
-        {"kind": "distill", "name": "distill", "from": "sft", "teacher": "teacher_sft",
-         **DISTILL, "max_steps": 3},
         {"kind": "sft", "name": "offpolicy", "from": "sft", "teacher": "teacher_sft",
          **OFFPOLICY},
+        # Last: the final policy, the one evaluate scores.
+        {"kind": "distill", "name": "distill", "from": "sft", "teacher": "teacher_sft",
+         **DISTILL, "max_steps": 3},
     ]  # fmt: skip
     path = folder / "distill.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -309,16 +322,25 @@ def test_distill_on_two_ranks(teacher_recipe) -> None:
     start = read_metrics(out / "metrics.jsonl", "start")[0]
     assert start["world_size"] == 2
     _check_run(out, 3)
-    # Off-policy on two ranks: each rank answers its share, every rank trains on all answers.
-    over = (*over, "stages.offpolicy.batch.micro_batch_size=4")
-    proc = run_torchrun("sft", teacher_recipe, 2, *over, "--stage", "offpolicy")
+    # Off-policy on two ranks: each rank answers its batches, every rank trains on all of them,
+    # and the answers are one rank's (sampled here with settings no other test uses).
+    other = ("stages.offpolicy.teacher_sampling.max_new_tokens=12",)
+    two_ranks = (*over, *other, "stages.offpolicy.batch.micro_batch_size=4")
+    proc = run_torchrun("sft", teacher_recipe, 2, *two_ranks, "--stage", "offpolicy")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    off = planned_dir("offpolicy", teacher_recipe, *over)
-    one = _rows(planned_dir("offpolicy", teacher_recipe) / "data" / "train.jsonl")
-    two = _rows(off / "data" / "train.jsonl")
-    assert len(two) == len(one) and [r["messages"][:-1] for r in two] == [
-        r["messages"][:-1] for r in one
-    ]
+    import json
+
+    off = planned_dir("offpolicy", teacher_recipe, *two_ranks)
+    two = json.loads((off / "manifest.json").read_text())["summary"]
+    assert not two["teacher_answers_reused"]
+    cache = Path(two["teacher_answers_file"])
+    sampled_by_two = cache.read_text()
+    cache.unlink()  # so that one rank samples them again, into the same file
+    one = run_inprocess("sft", teacher_recipe, *other, "stages.offpolicy.optim.lr=7e-3",
+                        name="offpolicy")  # fmt: skip
+    assert not json.loads((one / "manifest.json").read_text())["summary"]["teacher_answers_reused"]
+    assert cache.read_text() == sampled_by_two
+    assert _rows(one / "data" / "train.jsonl") == _rows(off / "data" / "train.jsonl")
 
 
 def _rows(path: Path) -> list[dict]:

@@ -33,7 +33,7 @@ from posttrain.telemetry.metrics import read_metrics
 from posttrain.train.chunked import forward_nll_sum
 from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
 from posttrain.train.session import TrainSession
-from posttrain.train.teacher_answers import teacher_rows
+from posttrain.rl.teacher_answers import teacher_rows
 
 log = logging.getLogger("posttrain.sft")
 

@@ -11,7 +11,8 @@ again by the student's: its vocabulary may differ from the student's.
 
 The answers are an artifact of their own, cached in the workspace
 (`<workspace>/cache/teacher_answers/<key>.jsonl`, written whole by rename): the key hashes the
-teacher's fingerprint, the prompts, the sampling fields, the seed and the number of ranks, so a
+teacher's fingerprint, the prompts, the sampling fields and the seed (not the number of ranks:
+the batches and their seeds are the same at any number, `world_batches`), so a
 re-run of the stage with other training fields (learning rate, steps) does not sample again,
 and a changed teacher or prompt does.
 """
@@ -22,6 +23,7 @@ import gc
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -31,7 +33,7 @@ import torch
 
 from posttrain.config.sections import SamplingConfig
 from posttrain.data.prompts import encode_prompt
-from posttrain.distributed.runtime import all_gather_objects, barrier, rank_batches
+from posttrain.distributed.runtime import all_gather_objects, barrier
 from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.models.adapters import POLICY
 from posttrain.models.teacher import build_teacher
@@ -59,7 +61,6 @@ def cache_path(ctx: Any, rows: list[Row]) -> Path:
         "prompts": [prompt_of(r) for r in rows],
         "sampling": cfg.model_dump(mode="json"),
         "seed": ctx.recipe.run.seed,
-        "world": ctx.dist.world_size,
     }
     key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
     return Path(ctx.recipe.run.workspace) / "cache" / "teacher_answers" / f"{key}.jsonl"
@@ -134,10 +135,21 @@ def sampling_config(cfg: Any) -> SamplingConfig:
 
 
 @torch.no_grad()
+def world_batches(n: int, size: int, rank: int, world: int) -> list[list[int]]:
+    """This rank's batches of `n` jobs: the jobs cut into batches of `size` in order (the same
+    batches at any number of ranks, so the same answers), dealt round-robin over the ranks;
+    every rank gets as many batches, an empty one (a filler) where it has none left."""
+    batches = [list(range(b, min(b + size, n))) for b in range(0, n, size)]
+    rounds = math.ceil(len(batches) / world)
+    return [batches[k] if k < len(batches) else [] for k in range(rank, rounds * world, world)]
+
+
+@torch.no_grad()
 def sample_answers(ctx: Any, rows: list[Row]) -> list[str]:
     """The teacher's answers, `samples_per_prompt` per row in row order: each rank answers its
-    share (rank-strided batches; every rank runs as many batches, a filler where it has none
-    left), then every rank gets all of them. The teacher is freed before returning."""
+    batches (`world_batches`; batch b seeded by seed + b's first job, so the answers do not
+    depend on the number of ranks), then every rank gets all of them. The teacher is freed
+    before returning."""
     cfg, d = ctx.section.teacher_sampling, ctx.dist
     model, tok = build_teacher(ctx)
     engine = build_engine(_engine_config(ctx), model, POLICY, d.world_size)
@@ -145,7 +157,7 @@ def sample_answers(ctx: Any, rows: list[Row]) -> list[str]:
     sampling = sampling_config(cfg)
     jobs = [(i, j) for i in range(len(rows)) for j in range(cfg.samples_per_prompt)]
     mine: dict[int, str] = {}
-    for idx in rank_batches(len(jobs), d.rank, d.world_size, cfg.batch_size):
+    for idx in world_batches(len(jobs), cfg.batch_size, d.rank, d.world_size):
         heartbeat.beat(phase="teacher")
         chunk = [jobs[n] for n in idx] or jobs[:1]
         prompts = [encode_prompt(tok, prompt_of(rows[i]), cfg.max_prompt_len) for i, _ in chunk]
