@@ -89,8 +89,10 @@ def distill_update(
     """One optimizer step of the student (`tr.model`) towards `teacher` on this rank's rollout
     `ro`, `micro` rows per forward (module docstring). `step`: the logged step (1-based)."""
     device, world = tr.dist.device, tr.dist.world_size
-    tokens = int(all_reduce_sum(float(ro.mask.sum()), device))
-    answers = int(all_reduce_sum(float((ro.mask.sum(1) > 0).sum()), device))
+    counts = all_reduce_sums(
+        {"tokens": ro.mask.sum(), "answers": (ro.mask.sum(1) > 0).sum()}, device
+    )  # one collective for both
+    tokens, answers = int(counts["tokens"]), int(counts["answers"])
     if not tokens:
         return DistillStats({}, 0, math.nan, math.nan, 0)
     count = tokens if cfg.reduction == "token_mean" else answers

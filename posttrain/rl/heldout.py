@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,11 @@ from posttrain.train.rollout import Rollout, decode_responses
 log = logging.getLogger("posttrain.rl")
 
 
+# Called with each held-out batch of the policy's answers (scored and rewarded) and its weight
+# (0 for a filler batch), e.g. to score them by another model without sampling them again.
+EachBatch = Callable[[Rollout, float], None]
+
+
 def evaluate(
     s: RolloutSetup,
     rows: list[dict[str, Any]],
@@ -39,16 +45,17 @@ def evaluate(
     sft: dict[str, float] | None,
     metrics: MetricsWriter,
     samples_path: Path | None,
+    each: EachBatch | None = None,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """The held-out evaluation at logged step `step` -> (the policy's figures with its
     reward_gain over the starting policy, the starting policy's). The starting policy (the
     reference) is evaluated once: on the first call (`sft` None); later calls pass its figures
     back. Writes `eval` records (sft_*, eval_*) to `metrics` and, with `samples_path` (the main
-    rank), the policy's samples there."""
+    rank), the policy's samples there. `each`: given every batch of the policy's answers."""
     if sft is None:
         sft, _ = heldout(s, rows, REFERENCE)
         metrics.write("eval", step=step, **{f"sft_{k}": v for k, v in sft.items()})
-    pol, examples = heldout(s, rows, POLICY)
+    pol, examples = heldout(s, rows, POLICY, each)
     pol["reward_gain"] = pol["reward"] - sft["reward"]
     metrics.write("eval", step=step, **{f"eval_{k}": v for k, v in pol.items()})
     log.info(
@@ -63,22 +70,33 @@ def evaluate(
     return pol, sft
 
 
+def heldout_batches(
+    s: RolloutSetup, rows: list[dict[str, Any]]
+) -> Iterator[tuple[list[dict[str, Any]], float, int]]:
+    """This rank's held-out batches of `rows`: (prompt rows, weight, sampling seed). Every rank
+    gets as many: a rank out of prompts gets a filler batch of weight 0 (each forward of a
+    sharded model is a collective). Batch b is sampled with seed + b's first row, so every
+    model answers the same prompts under the same seeds."""
+    for idx in rank_batches(len(rows), s.rank, s.world, s.batch_size):
+        heartbeat.beat(phase="eval")
+        yield [rows[i] for i in idx] or rows[:1], 1.0 if idx else 0.0, s.seed + (idx or [0])[0]
+
+
 @torch.no_grad()
 def heldout(
-    s: RolloutSetup, rows: list[dict[str, Any]], role: str
+    s: RolloutSetup, rows: list[dict[str, Any]], role: str, each: EachBatch | None = None
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """One sample per held-out prompt of `rows` from `role` (POLICY or REFERENCE), scored and
-    rewarded -> (means over all ranks, this rank's examples). Every rank runs the same number of
-    batches: a rank out of prompts samples a filler batch that counts with weight 0."""
+    rewarded -> (means over all ranks, this rank's examples); `each` is given every scored
+    batch and its weight."""
     roles = ((POLICY, REFERENCE) if role == POLICY else ()) + s.rewarder.roles
     sums: Counter[str] = Counter()
     examples = []
-    for idx in rank_batches(len(rows), s.rank, s.world, s.batch_size):
-        heartbeat.beat(phase="eval")
-        chunk = [rows[i] for i in idx] or rows[:1]
-        w = 1.0 if idx else 0.0
-        ro = generate(s, chunk, s.seed + (idx[0] if idx else 0), role)
+    for chunk, w, seed in heldout_batches(s, rows):
+        ro = generate(s, chunk, seed, role)
         score_rollout(s, ro, chunk, roles)
+        if each is not None:
+            each(ro, w)
         add_heldout_sums(sums, ro, w, kl=role == POLICY)
         if w:
             examples += heldout_examples(s.tokenizer, chunk, ro)

@@ -24,7 +24,6 @@ policy and the teacher the student closed (`reward_gap_closed`).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter
 from dataclasses import replace
@@ -34,25 +33,24 @@ from typing import Any
 import torch
 
 from posttrain.config.rl_algorithms import AlgorithmSpec
-from posttrain.distributed.runtime import all_reduce_sum, rank_batches
+from posttrain.distributed.runtime import all_reduce_sum
 from posttrain.models.adapters import POLICY
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.teacher import build_teacher
 from posttrain.models.vocab import shared_vocab_size
 from posttrain.rl.distill_update import DistillStats, distill_update, micro_divergence
-from posttrain.rl.heldout import evaluate
+from posttrain.rl.heldout import evaluate, heldout_batches
 from posttrain.rl.metrics import rollout_totals, sampler_metrics, step_flops
 from posttrain.rl.offpolicy import staleness
 from posttrain.rl.rollouts import RolloutBatch, RolloutSetup, collect_rollout, generate
 from posttrain.rl.setup import RLRun, one_step_shapes
-from posttrain.rl.update import UpdateStats
 from posttrain.stages.common import StageContext, stage_main
-from posttrain.stages.online_rl import Ahead, next_version, record_one_step, run_loop
+from posttrain.stages.online_rl import Ahead, close_step, next_version, record_one_step, run_loop
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import MetricsWriter
-from posttrain.train.checkpoint import data_position
 from posttrain.train.distill_losses import teacher_gap_closed
 from posttrain.train.rl_algos import Algorithm
+from posttrain.train.rollout import Rollout
 from posttrain.train.rollout_engine import build_engine
 
 log = logging.getLogger("posttrain.distill")
@@ -136,9 +134,7 @@ def distill_step(run: RLRun, step: int, teacher: Teacher) -> None:
     _, timing = next_version(run, None, False)
     timing |= sampler_metrics(rb.rollout, staleness(rb.rollout, step, 0), s.device)
     record(run, step + 1, rb, stats, t0, t_train, timing, teacher.params)
-    position = data_position(step + 1, len(run.data.train), cfg.rollout.prompts_per_step, s.seed)
-    extra = {"kl_coef": run.ctl.coef, "data": position}
-    run.tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints, extra=extra)
+    close_step(run, step + 1)
 
 
 def record(
@@ -158,10 +154,7 @@ def record(
     totals = rollout_totals(ro, run.rollouts.device)
     flops = step_flops(ro, tr.n_matmul, tr.n_trainable, tr.model.config, 0, 1, False)
     flops += 2 * teacher_params * ro.tokens()
-    means = {k: v for k, v in stats.means.items() if k != "loss"}
-    update = UpdateStats(means, stats.grad_norm, stats.lr, stats.updates)
-    loss = stats.means.get("loss", math.nan)
-    record_one_step(run, step, rb, totals, update, loss, t0, t_train, timing, flops)
+    record_one_step(run, step, rb, totals, stats, t0, t_train, timing, flops)
 
 
 def evaluate_with_teacher(
@@ -174,13 +167,27 @@ def evaluate_with_teacher(
     teacher: Teacher,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """GRPO's held-out evaluation (`posttrain.rl.heldout.evaluate`) plus the teacher's view:
-    the divergence and agreement on the student's held-out answers, and (once) the teacher's
-    own held-out reward; written as `eval` records and added to the student's figures."""
-    pol, sft = evaluate(s, rows, step, sft, metrics, samples_path)
+    the divergence and agreement on the student's held-out answers (scored as `evaluate`
+    samples them), and (once) the teacher's own held-out reward; written as `eval` records and
+    added to the student's figures."""
+    sums: Counter[str] = Counter()
+
+    def score_by_teacher(ro: Rollout, w: float) -> None:
+        per_token, mask, s_logits, t_logits = micro_divergence(
+            s.model, teacher.model, ro, list(range(ro.n)), s.cfg, teacher.vocab, s.packed, s.device
+        )
+        same = (s_logits.argmax(-1) == t_logits.argmax(-1)).float()
+        sums["div"] += w * float((per_token * mask).sum())
+        sums["agree"] += w * float((same * mask).sum())
+        sums["tokens"] += w * float(mask.sum())
+
+    pol, sft = evaluate(s, rows, step, sft, metrics, samples_path, each=score_by_teacher)
     if teacher.heldout is None:
         teacher.heldout = teacher_heldout(s, rows, teacher)
         metrics.write("eval", step=step, **teacher.heldout)
-    scored = heldout_divergence(s, rows, teacher)
+    t = {k: all_reduce_sum(v, s.device) for k, v in sums.items()}
+    n = max(1.0, t["tokens"])
+    scored = {"teacher_kl": t["div"] / n, "teacher_agreement": t["agree"] / n}
     metrics.write("eval", step=step, **{f"eval_{k}": v for k, v in scored.items()})
     log.info(
         "held-out: %s %.4f to the teacher, agreement %.3f; teacher reward %.4f",
@@ -193,42 +200,15 @@ def evaluate_with_teacher(
 
 
 @torch.no_grad()
-def heldout_divergence(
-    s: RolloutSetup, rows: list[dict[str, Any]], teacher: Teacher
-) -> dict[str, float]:
-    """The student's held-out answers (one per prompt, under the seeds `evaluate` samples
-    with, so the same answers) scored by the teacher: mean per-token divergence, agreement."""
-    sums: Counter[str] = Counter()
-    for idx in rank_batches(len(rows), s.rank, s.world, s.batch_size):
-        heartbeat.beat(phase="eval")
-        chunk = [rows[i] for i in idx] or rows[:1]
-        w = 1.0 if idx else 0.0
-        ro = generate(s, chunk, s.seed + (idx[0] if idx else 0), POLICY)
-        per_token, mask, s_logits, t_logits = micro_divergence(
-            s.model, teacher.model, ro, list(range(ro.n)), s.cfg, teacher.vocab, s.packed, s.device
-        )
-        same = (s_logits.argmax(-1) == t_logits.argmax(-1)).float()
-        sums["div"] += w * float((per_token * mask).sum())
-        sums["agree"] += w * float((same * mask).sum())
-        sums["tokens"] += w * float(mask.sum())
-    t = {k: all_reduce_sum(v, s.device) for k, v in sums.items()}
-    n = max(1.0, t["tokens"])
-    return {"teacher_kl": t["div"] / n, "teacher_agreement": t["agree"] / n}
-
-
-@torch.no_grad()
 def teacher_heldout(s: RolloutSetup, rows: list[dict[str, Any]], teacher: Teacher) -> dict:
     """The teacher's own answers to the held-out prompts (in process, whatever engine the
     student samples with), rewarded like the student's: {"teacher_reward", "teacher_stop_rate"}."""
     engine_cfg = s.cfg.rollout.model_copy(update={"engine": "hf"})
     engine = build_engine(engine_cfg, teacher.model, POLICY, s.world)
-    ts = replace(s, model=teacher.model, engines={POLICY: engine}, episodes=s.episodes)
+    ts = replace(s, model=teacher.model, engines={POLICY: engine})
     sums: Counter[str] = Counter()
-    for idx in rank_batches(len(rows), s.rank, s.world, s.batch_size):
-        heartbeat.beat(phase="eval")
-        chunk = [rows[i] for i in idx] or rows[:1]
-        w = 1.0 if idx else 0.0
-        ro = generate(ts, chunk, s.seed + (idx[0] if idx else 0), POLICY)
+    for chunk, w, seed in heldout_batches(s, rows):
+        ro = generate(ts, chunk, seed, POLICY)
         s.rewarder(ro, chunk)
         sums["reward"] += w * float(ro.scored["scores"].sum())
         sums["stopped"] += w * float(ro.stopped.sum())

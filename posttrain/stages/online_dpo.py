@@ -22,7 +22,6 @@ log-probs of both models, as in the RL update (at the default 1.0, the models' o
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -32,12 +31,10 @@ from posttrain.rl.metrics import rollout_totals, sampler_metrics, step_flops
 from posttrain.rl.offpolicy import staleness
 from posttrain.rl.rollouts import RolloutBatch, collect_rollout
 from posttrain.rl.setup import RLRun, one_step_shapes
-from posttrain.rl.update import UpdateStats
 from posttrain.stages.common import StageContext, stage_main
-from posttrain.stages.online_rl import Ahead, next_version, record_one_step, run_loop
+from posttrain.stages.online_rl import Ahead, close_step, next_version, record_one_step, run_loop
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import train_flops_per_token
-from posttrain.train.checkpoint import data_position
 from posttrain.train.preference_losses import (
     PreferenceLoss,
     loss_hyperparameters,
@@ -111,9 +108,7 @@ def dpo_step(run: RLRun, step: int, loss_fn: PreferenceLoss) -> None:
     lag = staleness(rb.rollout, step, 0)
     timing |= sampler_metrics(rb.rollout, lag, s.device) | judge_metrics(judged, s.device)
     record(run, step + 1, rb, stats, t0, t_train, timing)
-    position = data_position(step + 1, len(run.data.train), cfg.rollout.prompts_per_step, s.seed)
-    extra = {"kl_coef": run.ctl.coef, "data": position}
-    run.tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints, extra=extra)
+    close_step(run, step + 1)
 
 
 def record(
@@ -136,10 +131,7 @@ def record(
     tr, roles = run.tr, len(run.rollouts.roles)
     flops = step_flops(ro, tr.n_matmul, tr.n_trainable, tr.model.config, roles, 0, False)
     flops += pair_flops(run, ro, stats)
-    means = {k: v for k, v in stats.means.items() if k != "loss"}  # `loss` is the record's own
-    update = UpdateStats(means, stats.grad_norm, stats.lr, stats.updates)
-    loss = stats.means.get("loss", math.nan)
-    record_one_step(run, step, rb, totals, update, loss, t0, t_train, timing, flops)
+    record_one_step(run, step, rb, totals, stats, t0, t_train, timing, flops)
 
 
 def pair_flops(run: RLRun, ro: Rollout, stats: DPOStats) -> float:

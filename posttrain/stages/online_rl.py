@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -147,9 +148,7 @@ def train_step(run: RLRun, step: int, ahead: Ahead | None = None) -> None:
         run.ctl.update(totals["kl"] / totals["n"], int(totals["n"]))
     timing |= sampler_metrics(rb.rollout, lag, s.device)
     record(run, step + 1, rb, totals, adv, stats, t0, t_train, timing)
-    position = data_position(step + 1, len(run.data.train), cfg.rollout.prompts_per_step, s.seed)
-    extra = {"kl_coef": run.ctl.coef, "data": position}
-    run.tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints, extra=extra)
+    close_step(run, step + 1)
 
 
 def next_version(run: RLRun, ahead: Ahead | None, prefetching: bool) -> tuple[float, dict]:
@@ -224,8 +223,7 @@ def record_one_step(
     step: int,
     rb: RolloutBatch,
     totals: dict[str, float],
-    update: UpdateStats,
-    loss: float,
+    stats: Any,
     t0: float,
     t_train: float,
     timing: dict[str, float],
@@ -233,19 +231,21 @@ def record_one_step(
 ) -> None:
     """The `train` record of logged step `step` of a kind that takes one optimizer step per
     rollout (online DPO, distill): the rollout's figures (`train_metrics` over its `totals`)
-    with the step's `update` means, `loss`, and the step's `flops` on this rank. Runs the same
-    collectives on every rank."""
+    with the step's `stats` (`means` with its `loss`, null without a step; `grad_norm`, `lr`,
+    `updates`), and the step's `flops` on this rank. Same collectives on every rank."""
     cfg, tr, ro = run.ctx.section, run.tr, rb.rollout
     widths = min_max(ro.width[1], run.rollouts.device)
+    means = {k: v for k, v in stats.means.items() if k != "loss"}  # `loss` is the record's own
+    update = UpdateStats(means, stats.grad_norm, stats.lr, stats.updates)
     step_s = time.perf_counter() - t0
     extra = train_metrics(totals, 0.0, widths, rb, t_train, step_s, update, run.rollouts.world)
     extra.pop("kl_coef")  # no KL penalty
     if step % cfg.log_every == 0 or step == run.n_rollouts:
         tr.record_step(
             step,
-            loss=loss,
-            grad_norm=update.grad_norm,
-            lr=update.lr,
+            loss=stats.means.get("loss", math.nan),
+            grad_norm=stats.grad_norm,
+            lr=stats.lr,
             local_tokens=ro.tokens(),
             seq_len=ro.tokens() / ro.n,
             t_start=t0,
@@ -253,6 +253,15 @@ def record_one_step(
             flops=flops,
             **extra | timing,
         )
+
+
+def close_step(run: RLRun, step: int) -> None:
+    """After logged step `step` (1-based): a checkpoint at a boundary, with the KL coefficient
+    and the data position a resume starts from."""
+    cfg, s = run.ctx.section, run.rollouts
+    position = data_position(step, len(run.data.train), cfg.rollout.prompts_per_step, s.seed)
+    extra = {"kl_coef": run.ctl.coef, "data": position}
+    run.tr.maybe_checkpoint(step, cfg.checkpoint_every, cfg.keep_checkpoints, extra=extra)
 
 
 def finish(

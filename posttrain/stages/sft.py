@@ -28,12 +28,12 @@ from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import all_reduce_sum
 from posttrain.models.adapters import trainable_adapter
 from posttrain.models.lora import apply_lora, prepare_for_training
+from posttrain.rl.teacher_answers import teacher_rows
 from posttrain.stages.common import StageContext, stage_main, training_base
 from posttrain.telemetry.metrics import read_metrics
 from posttrain.train.chunked import forward_nll_sum
 from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
 from posttrain.train.session import TrainSession
-from posttrain.rl.teacher_answers import teacher_rows
 
 log = logging.getLogger("posttrain.sft")
 
