@@ -63,12 +63,19 @@ def recipe(ws: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 @contextmanager
-def every_pass() -> Iterator[None]:
-    """The stage as it ran before: both scoring passes, whatever the recipe."""
+def passes_used(force_every: bool) -> Iterator[list[tuple[bool, bool]]]:
+    """The (policy, reference) scoring passes the stage decided on, one entry per setup; with
+    `force_every`, both passes whatever the recipe: the stage as it ran before."""
     real = rl_setup.scoring_passes
-    rl_setup.scoring_passes = lambda *a: (True, True)
+    seen: list[tuple[bool, bool]] = []
+
+    def record(*a: Any) -> tuple[bool, bool]:
+        seen.append((True, True) if force_every else real(*a))
+        return seen[-1]
+
+    rl_setup.scoring_passes = record
     try:
-        yield
+        yield seen
     finally:
         rl_setup.scoring_passes = real
 
@@ -87,7 +94,7 @@ def figures(out: Path) -> dict[str, Any]:
     return med
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=8)
@@ -103,11 +110,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         path.write_text(yaml.safe_dump(recipe(Path(tmp) / "ws", args)))
         run_stage("ingest", path)
         run_stage("sft", path)
-        with every_pass():
+        with passes_used(force_every=True) as full_passes:
             out = run_stage("grpo", path)
         full = figures(out)
         shutil.rmtree(out)
-        own = figures(run_stage("grpo", path))
+        with passes_used(force_every=False) as own_passes:
+            own = figures(run_stage("grpo", path))
     diff = max(float((full["adapter"][k] - own["adapter"][k]).abs().max()) for k in own["adapter"])
     print(
         f"GRPO, {args.prompts} prompts x {args.samples} samples, {args.new_tokens} new tokens, "
@@ -132,6 +140,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "scoring_full": full["scoring_s"],
         "scoring_own": own["scoring_s"],
         "loss": own["loss"],
+        "passes_full": full_passes,
+        "passes_own": own_passes,
     }
 
 

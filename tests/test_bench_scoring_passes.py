@@ -1,5 +1,6 @@
 """bench/scoring_passes.py at its tiniest: the real GRPO stage with every scoring pass and with
-the needed ones only trains the same adapter, bit for bit, and scores in less time."""
+the needed ones only trains the same adapter, bit for bit; the stage really ran both passes in the
+first run and neither in the second (the times are the benchmark's to print, not to assert)."""
 
 from __future__ import annotations
 
@@ -20,4 +21,4 @@ def test_the_needed_passes_train_the_same_adapter(capsys: pytest.CaptureFixture)
     # One update per rollout, scored in the same batches: the update's own log-probs are the
     # scoring pass's to the bit, so nothing but the time differs.
     assert m["diff"] == 0.0 and m["loss"] != 0.0  # a step that trained, not a no-op
-    assert m["scoring_own"] < m["scoring_full"]
+    assert m["passes_full"] == [(True, True)] and m["passes_own"] == [(False, False)]

@@ -129,13 +129,14 @@ def setup(
     algo: Algorithm,
     stack: ExitStack,
     shapes: Shapes = check_shapes,
-    passes: Passes = scoring_passes,
+    passes: Passes | None = None,
 ) -> RLRun:
     """Everything before the first step: templates checked, reward and prompts loaded, the
     roles built on the base and sharded, the session started (or resumed, with its KL
     coefficient), the rollout engines ready (a rollout server started and given the policy:
     `stack` stops it when the stage ends). `shapes` and `passes`: how the update consumes a
-    rollout (the clipped update's by default; online DPO's step brings its own)."""
+    rollout (the clipped update's by default, `scoring_passes` looked up when called so that a
+    benchmark can force every pass; online DPO's step brings its own)."""
     cfg, name, d = ctx.section, ctx.name, ctx.dist
     base, tok, weights = training_base(ctx)
     template_sha = check_template(ctx, tok, "policy")
@@ -179,7 +180,7 @@ def setup(
         rewarder,
         algo.critic,
         batch.micro_batch_size,
-        passes(cfg, placement, updates_per_rollout),
+        (passes or scoring_passes)(cfg, placement, updates_per_rollout),
     )
     engines = rollout_engines(ctx, rollouts, tr.start_step, stack)
     rollouts = replace(rollouts, engines=engines, packed=padding_free(cfg.batch, tr.model))
