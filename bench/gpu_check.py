@@ -8,6 +8,12 @@ real stages (`python -m posttrain.stages.<stage> --recipe ...`: the same entry p
 starts) for a few dozen steps. Then it prints, per stage: tokens/s per GPU, MFU, peak allocated and
 reserved memory, and the memory pre-flight's estimate beside the measured peak.
 
+Then the RL part (`--rl-steps`, 0 skips it), in the same workspace: GRPO on the first shape
+(sampling with the policy's own weights, verifier rewards) and on-policy distillation of the first
+shape from the last (the teacher frozen beside the student, its base in bf16), from the random
+bases: what their steps cost on the GPU (sampled tokens/s, the share of each phase, memory), not
+what they learn.
+
     bash bench/gpu_check.sh                     # on a machine with a GPU
     python bench/gpu_check.py --shapes qwen2.5-0.5b --sft-steps 40 --seq 2048
     python bench/gpu_check.py --cpu-smoke       # the same path, shrunk, on CPU (minutes)
@@ -118,18 +124,51 @@ def recipe(
     }
 
 
-def run_stage(stage: str, recipe_path: Path, log: Path) -> None:
+def rl_recipe(base: dict[str, Any], shapes: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """`base` (the first shape's recipe: its ingest and SFT are reused from the workspace) with
+    the RL stages from its SFT: GRPO, and distillation from a base of the last shape."""
+    teacher = base["ingest"]["from_config"] | {"shape": shapes[-1]}
+    if args.cpu_smoke:  # twice the student's width, as a teacher is larger
+        teacher |= {"hidden_size": 128, "num_heads": 4, "intermediate_size": 256}
+    common = {
+        "data": {"synthetic": {"n_examples": 400, "seed": 0}, "eval_fraction": 0.05},
+        "rollout": {
+            "prompts_per_step": args.rl_prompts,
+            "samples_per_prompt": args.rl_samples,
+            "max_new_tokens": args.rl_new_tokens,
+            "temperature": 1.0,
+        },
+        "rewards": [{"fn": "posttrain.rewards.match:exact_match"}],
+        "optim": {"lr": 1e-5, "warmup_steps": 1},
+        "batch": {"micro_batch_size": args.micro, "grad_accum_steps": 1},
+        "max_steps": args.rl_steps,
+        "log_every": 1,
+        "checkpoint_every": 0,
+        "eval_prompts": 4,  # the held-out KL and reward, on a few prompts
+    }
+    stages = [
+        {"kind": "ingest", "name": "teacher_base", "source": "from_config", "from_config": teacher},
+        {"kind": "grpo", "name": "grpo", "from": "sft", **common},
+        {"kind": "distill", "name": "distill", "from": "sft", "teacher": "teacher_base", **common},
+    ]
+    rest = {k: v for k, v in base.items() if k != "dpo"}
+    return rest | {"run": base["run"] | {"name": "gpu-check-rl"}, "stages": stages}
+
+
+def run_stage(stage: str, recipe_path: Path, log: Path, name: str | None = None) -> None:
+    """`python -m posttrain.stages.<stage>` on the recipe (`name`: which stage of that kind)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     # Stages of a few dozen steps: a health sample every second, so the last one is mid-run.
     env.setdefault("POSTTRAIN_HEALTH_INTERVAL_S", "1")
     cmd = [sys.executable, "-m", f"posttrain.stages.{stage}", "--recipe", str(recipe_path)]
+    cmd += ["--stage", name] if name else []
     t0 = time.perf_counter()
     with log.open("w") as f:
         rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
     tail = log.read_text().splitlines()[-15:]
     if rc:
-        raise SystemExit(f"{stage} failed (exit {rc}); log {log}:\n" + "\n".join(tail))
-    print(f"  {stage:7s} done in {time.perf_counter() - t0:6.1f} s", flush=True)
+        raise SystemExit(f"{name or stage} failed (exit {rc}); log {log}:\n" + "\n".join(tail))
+    print(f"  {name or stage:12s} done in {time.perf_counter() - t0:6.1f} s", flush=True)
 
 
 def figures(stage_dir: Path) -> dict[str, Any]:
@@ -151,6 +190,73 @@ def figures(stage_dir: Path) -> dict[str, Any]:
         "estimate_gib": pre.get("estimate_gib"),
         "tokens_per_step": statistics.median(r["tokens"] for r in steady),
     }
+
+
+def print_table(results: dict[str, dict[str, Any]]) -> None:
+    """The SFT and DPO figures, one row a stage, the estimate over the allocated peak last."""
+    head = (
+        f"{'run':22s} {'params':>8s} {'tok/step':>8s} {'tok/s/GPU':>10s} {'TFLOP/s':>8s} "
+        f"{'MFU':>6s} {'alloc GiB':>9s} {'resv GiB':>8s} {'est GiB':>8s} {'est/alloc':>9s}"
+    )
+    print("\n" + head + "\n" + "-" * len(head))
+    for name, r in results.items():
+        ratio = (r["estimate_gib"] or 0) / r["peak_allocated_gib"] if r["peak_allocated_gib"] else 0
+        resv = r["peak_reserved_gib"]
+        print(
+            f"{name:22s} {r['params'] / 1e6:7.0f}M {r['tokens_per_step']:8.0f} "
+            f"{r['tokens_per_s_per_device']:10.0f} {r['tflops_per_device']:8.1f} "
+            f"{r['mfu']:6.1%} {r['peak_allocated_gib']:9.2f} "
+            f"{resv if resv is not None else float('nan'):8.2f} "
+            f"{r['estimate_gib'] or float('nan'):8.2f} {ratio:9.2f}"
+        )
+
+
+def rl_figures(stage_dir: Path, answers: int) -> dict[str, Any]:
+    """An RL step's phases (medians after the first step, which compiles and warms caches):
+    seconds generating, scoring and updating, sampled tokens/s (`answers` a step), and the
+    memory peaks."""
+    recs = [json.loads(x) for x in (stage_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r["kind"] == "train"]
+    steady = train[1:] or train
+    end = next(r for r in recs if r["kind"] == "end")
+    pre = next((r for r in recs if r["kind"] == "preflight"), {})
+
+    def med(key: str) -> float:
+        return statistics.median(float(r.get(key, float("nan"))) for r in steady)
+
+    return {
+        "params": next(r for r in recs if r["kind"] == "start")["params_total"],
+        "generation_s": med("generation_s"),
+        "scoring_s": med("scoring_s"),
+        "training_s": med("training_s"),
+        "response_len": med("response_len"),
+        "sampled_tokens_per_s": statistics.median(
+            r["response_len"] * answers / r["generation_s"] for r in steady
+        ),
+        "tflops_per_device": med("tflops_per_device"),
+        "mfu": med("mfu"),
+        "peak_allocated_gib": end.get("mem_peak_allocated_gib", end.get("mem_peak_rss_gib")),
+        "peak_reserved_gib": end.get("mem_peak_reserved_gib"),
+        "estimate_gib": pre.get("estimate_gib"),
+    }
+
+
+def print_rl(rl: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    head = (
+        f"{'RL step':22s} {'answers':>7s} {'len':>5s} {'gen s':>6s} {'score s':>7s} "
+        f"{'train s':>7s} {'sampled tok/s':>13s} {'MFU':>6s} {'alloc GiB':>9s} "
+        f"{'resv GiB':>8s} {'est GiB':>8s}"
+    )
+    print("\n" + head + "\n" + "-" * len(head))
+    for name, r in rl.items():
+        resv = r["peak_reserved_gib"]
+        print(
+            f"{args.shapes[0] + ' ' + name:22s} {args.rl_prompts * args.rl_samples:7d} "
+            f"{r['response_len']:5.0f} {r['generation_s']:6.2f} {r['scoring_s']:7.2f} "
+            f"{r['training_s']:7.2f} {r['sampled_tokens_per_s']:13.0f} {r['mfu']:6.1%} "
+            f"{r['peak_allocated_gib']:9.2f} {resv if resv is not None else float('nan'):8.2f} "
+            f"{r['estimate_gib'] or float('nan'):8.2f}"
+        )
 
 
 def health_line(stage_dir: Path) -> str:
@@ -191,51 +297,60 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8, help="micro-batch rows")
     ap.add_argument("--seq", type=int, default=1024, help="max sequence length")
     ap.add_argument("--attention", default="sdpa", help="infra.attention (sdpa or flash)")
+    ap.add_argument("--rl-steps", type=int, default=6, help="GRPO and distill steps (0: none)")
+    ap.add_argument("--rl-prompts", type=int, default=16, help="prompts per RL step")
+    ap.add_argument("--rl-samples", type=int, default=8, help="answers per prompt")
+    ap.add_argument("--rl-new-tokens", type=int, default=256, help="longest answer sampled")
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     ap.add_argument("--cpu-smoke", action="store_true", help="shrunk shapes, CPU, fp32")
     args = ap.parse_args()
     if args.cpu_smoke:
         args.sft_steps, args.dpo_steps, args.micro, args.seq = 3, 2, 2, 128
+        args.rl_steps, args.rl_prompts, args.rl_samples, args.rl_new_tokens = 2, 2, 2, 16
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu-check-"))
     words = max(16, int(args.seq * 0.6))  # ~1.2 tokens per word: rows fill most of --seq
     sft_data, pref_data = write_data(work / "data", rows=64 * args.micro, words=words)
     results: dict[str, dict[str, Any]] = {}
     health: dict[str, str] = {}
+    ws = work / "ws"  # one workspace: the RL part reuses the first shape's ingest
     for shape in args.shapes:
         print(f"{shape}:", flush=True)
         folder = work / shape
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "recipe.yaml"
-        path.write_text(yaml.safe_dump(recipe(folder, shape, args, sft_data, pref_data)))
+        path.write_text(yaml.safe_dump(recipe(work, shape, args, sft_data, pref_data)))
         for stage in ("ingest", "sft", "dpo"):
             run_stage(stage, path, folder / f"{stage}.log")
-        for stage in ("sft", "dpo"):
-            results[f"{shape} {stage}"] = figures(stage_dir(folder / "ws", stage))
-            health[f"{shape} {stage}"] = health_line(stage_dir(folder / "ws", stage))
+            if stage != "ingest":
+                results[f"{shape} {stage}"] = figures(stage_dir(ws, stage))
+                health[f"{shape} {stage}"] = health_line(stage_dir(ws, stage))
+    # Printed and saved before the RL part, so that a run cut short keeps them.
+    print_table(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    rl: dict[str, dict[str, Any]] = {}
+    if args.rl_steps:
+        first = recipe(work, args.shapes[0], args, sft_data, pref_data)
+        path = work / "rl.yaml"
+        path.write_text(yaml.safe_dump(rl_recipe(first, args.shapes, args)))
+        print(f"RL: GRPO on {args.shapes[0]}, distilled from {args.shapes[-1]}:", flush=True)
+        for stage, name in (("ingest", "ingest"), ("ingest", "teacher_base"), ("grpo", "grpo")):
+            run_stage(stage, path, work / f"rl-{name}.log", name)
+        run_stage("distill", path, work / "rl-distill.log", "distill")
+        for name in ("grpo", "distill"):
+            rl[name] = rl_figures(stage_dir(ws, name), args.rl_prompts * args.rl_samples)
+            health[f"{args.shapes[0]} {name}"] = health_line(stage_dir(ws, name))
 
-    head = (
-        f"{'run':22s} {'params':>8s} {'tok/step':>8s} {'tok/s/GPU':>10s} {'TFLOP/s':>8s} "
-        f"{'MFU':>6s} {'alloc GiB':>9s} {'resv GiB':>8s} {'est GiB':>8s} {'est/alloc':>9s}"
-    )
-    print("\n" + head + "\n" + "-" * len(head))
-    for name, r in results.items():
-        ratio = (r["estimate_gib"] or 0) / r["peak_allocated_gib"] if r["peak_allocated_gib"] else 0
-        resv = r["peak_reserved_gib"]
-        print(
-            f"{name:22s} {r['params'] / 1e6:7.0f}M {r['tokens_per_step']:8.0f} "
-            f"{r['tokens_per_s_per_device']:10.0f} {r['tflops_per_device']:8.1f} "
-            f"{r['mfu']:6.1%} {r['peak_allocated_gib']:9.2f} "
-            f"{resv if resv is not None else float('nan'):8.2f} "
-            f"{r['estimate_gib'] or float('nan'):8.2f} {ratio:9.2f}"
-        )
+    if rl:
+        print_rl(rl, args)
     print("\nlast health sample (NVML, rank 0) of each stage:")
     for name, line in health.items():
         print(f"  {name:22s} {line}")
     if args.cpu_smoke:
         print("(CPU smoke: 'alloc' is the peak RSS, MFU against this CPU's measured fp32 peak)")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        args.json.write_text(json.dumps(results | {f"rl {k}": v for k, v in rl.items()}, indent=2))
 
 
 if __name__ == "__main__":

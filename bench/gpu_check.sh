@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # GPU check: SFT and DPO for a few dozen steps on random-init Qwen2.5-0.5B and -1.5B shapes in
-# bf16; prints tokens/s per GPU, MFU, peak allocated and reserved memory and the pre-flight
-# estimate beside it, and what NVML read (power, temperature, clocks, throttling) idle and in
-# each stage's last health sample. Run from the repository root on a machine with an NVIDIA GPU:
+# bf16, then GRPO and on-policy distillation (the 0.5B shape, its teacher the 1.5B one); prints
+# tokens/s per GPU, MFU, peak allocated and reserved memory and the pre-flight estimate beside
+# it, the RL steps' phases (sampled tokens/s), and what NVML read (power, temperature, clocks,
+# throttling) idle and in each stage's last health sample. Run from the repository root on a
+# machine with an NVIDIA GPU:
 #
-#   bash bench/gpu_check.sh                 # both shapes, seq 1024, micro 8 (about 5 minutes)
+#   bash bench/gpu_check.sh                 # seq 1024, micro 8 (about 12 minutes on one H200,
+#                                           # most of it the stage processes starting)
+#   bash bench/gpu_check.sh --rl-steps 0    # SFT and DPO only (about 5 minutes)
 #   bash bench/gpu_check.sh --seq 2048      # any bench/gpu_check.py option passes through
 #
 # Uses .venv if present (the project installed with a CUDA build of torch), else python3.
