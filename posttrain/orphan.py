@@ -52,6 +52,11 @@ PR_SET_PDEATHSIG = 1
 BEAT_EVERY_S = 5.0
 POLL_S = 1.0
 EXIT_ORPHANED = 1  # like any stage that did not finish: no manifest, "not done"
+# A killed supervisor's main thread reads as a zombie (gone) while its other threads are still
+# exiting, and those share its open files: its locks are released a moment later, longer on a
+# loaded machine. While a lock's record still names the dead supervisor, `finish` waits this long
+# for that release before it concludes that someone else holds the lock.
+RELEASE_GRACE_S = 5.0
 
 log = logging.getLogger("posttrain.orphan")
 
@@ -278,7 +283,7 @@ class OrphanWatch:
         names = []
         if artifact := self.launch.lock:
             lock = FileLock(artifact)
-            if not lock.try_acquire(owner):
+            if not self._take_from_supervisor(lock, owner):
                 return None
             self.taken.append(lock)
             names.append(artifact)
@@ -295,6 +300,17 @@ class OrphanWatch:
                     self.taken.append(lock)
                     names.append(devices)
         return names
+
+    def _take_from_supervisor(self, lock: FileLock, owner: Mapping[str, str]) -> bool:
+        """Take `lock`, waiting up to RELEASE_GRACE_S while its holder is still recorded as
+        the dead supervisor (its exit is releasing it); False when another process holds it."""
+        deadline = time.monotonic() + RELEASE_GRACE_S
+        while not lock.try_acquire(owner):
+            holder = lock.holder() or {}
+            if not self.pid or holder.get("pid") != self.pid or time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _stop_agent(self) -> None:
         # Under torchrun our parent is its agent, of the same launch: SIGTERM makes it stop
