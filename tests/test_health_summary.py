@@ -3,8 +3,11 @@ hand-computed values; the report's SRE section built from them."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from flows.report import StageRecord, health_lines, sre_markdown
-from posttrain.telemetry.health_summary import health_line, summarize
+from posttrain.telemetry.health_summary import health_line, summarize, underfed_text
 
 CPU_SOURCES = {"nvml": "absent: no NVIDIA driver", "infiniband": "absent: none", "io": "present"}
 
@@ -105,3 +108,31 @@ def test_the_report_s_sre_section() -> None:
     assert "not read: no NVIDIA driver |" in row
     assert health_lines([reused, ran]) == [f"sft: {health_line(ran.health)}"]
     assert sre_markdown([reused]) == []
+
+
+def test_a_gpu_waiting_on_the_host_is_called_underfed() -> None:
+    """Real records: 0.5B-shaped SFT at 8 rows a step on one H200 (README, "Measured on one
+    H200"). Its 17 health samples average 196.3 W of 700 W (28%), its memory peaked at 11.7%
+    in use, its median MFU is 3.1%."""
+    path = Path(__file__).parent / "data" / "health" / "h200_sft_0.5b_metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    s = summarize(records, {"nvml": "present"})
+    assert round(s["gpu"]["memory_used_max_frac"], 3) == 0.117
+    assert underfed_text(s) == (
+        "GPU underfed: 28% of its power limit, at most 12% of its memory, MFU 3%; "
+        "more tokens a step (batch.micro_batch_size) would use it"
+    )
+    assert underfed_text(s) in health_line(s)
+
+
+def test_a_busy_gpu_or_one_without_readings_is_not_underfed() -> None:
+    def stage(power: float, mfu: float, used: float) -> dict:
+        health = {**_health(100.0, power, 0, 0.0), "gpu0_memory_total_bytes": 100.0}
+        return summarize([_train(1, 1.0, 0.0, mfu), health | {"gpu0_memory_used_bytes": used}])
+
+    assert underfed_text(stage(300.0, 0.05, 10.0)).startswith("GPU underfed: 43% ")
+    assert underfed_text(stage(500.0, 0.05, 10.0)) == ""  # 71% of its power: computing
+    assert underfed_text(stage(300.0, 0.35, 10.0)) == ""  # MFU 35%
+    assert underfed_text(stage(300.0, 0.05, 80.0)) == ""  # memory full: no room for more
+    no_memory = summarize([_train(1, 1.0, 0.0, 0.05), _health(100.0, 300.0, 0, 0.0)])
+    assert underfed_text(no_memory) == ""
