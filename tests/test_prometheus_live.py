@@ -27,10 +27,10 @@ import httpx
 import psutil
 import pytest
 import yaml
-from tests.monitoring_queries import panel_queries
 
 from posttrain.telemetry.metrics import read_metrics
 from tests.faults.fault_runs import Run, kill_all, run_env
+from tests.monitoring_queries import panel_queries
 from tests.stage_helpers import ROOT, TINY
 
 pytestmark = pytest.mark.slow
@@ -121,7 +121,7 @@ def _recipe(folder: Path, port: int) -> Path:
         "rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 8},
         "rewards": [{"fn": "posttrain.rewards.match:exact_match"}],
         "batch": {"micro_batch_size": 16, "grad_accum_steps": 1},
-        "max_steps": 8,
+        "max_steps": 40,  # ~50 ms a step: still training a second after it starts (below)
         "checkpoint_every": 0,
         "eval_prompts": 8,
     }
@@ -211,6 +211,10 @@ def test_prometheus_scrapes_a_run_and_fires_the_hang_alert(
     try:
         check_sft_matches_its_file(url, run, tmp_path / "ws")
         _wait("a GRPO step", lambda: one(url, 'posttrain_stage_step{stage="grpo"} >= 1'), 600, run)
+        # A rank's first health sample, taken as it starts, has no storage-read rate (a rate
+        # needs two); stopped before its second, a second later, that panel would be empty.
+        read_rate = 'posttrain_data_read_bytes_per_second{stage="grpo"}'
+        _wait("a GRPO storage-read rate", lambda: one(url, read_rate), 60, run)
         rank = _grpo_rank(run)
         procs = run.descendants()
         rank.send_signal(signal.SIGSTOP)  # stalled: no beat, no step, no health sample
