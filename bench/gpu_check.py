@@ -38,6 +38,7 @@ from typing import Any
 import yaml
 
 from posttrain.data.synthetic import WORDS as NOUNS
+from posttrain.telemetry.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 # Function words, so the text is not a list of nouns, and the quickstart's own vocabulary.
@@ -171,23 +172,29 @@ def run_stage(stage: str, recipe_path: Path, log: Path, name: str | None = None)
     print(f"  {name or stage:12s} done in {time.perf_counter() - t0:6.1f} s", flush=True)
 
 
-def figures(stage_dir: Path) -> dict[str, Any]:
-    """Median throughput over the steps after warm-up, the memory peaks and the estimate."""
-    recs = [json.loads(x) for x in (stage_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in recs if r["kind"] == "train"]
-    steady = train[len(train) // 4 :] or train
+def _stage_records(stage_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A stage's train records, and what every table reports beside them: its parameters, the
+    memory peaks at its end (peak RSS on CPU) and the pre-flight's estimate."""
+    recs = read_metrics(stage_dir / "metrics.jsonl")
     end = next(r for r in recs if r["kind"] == "end")
     pre = next((r for r in recs if r["kind"] == "preflight"), {})
-    start = next(r for r in recs if r["kind"] == "start")
-    peak = end.get("mem_peak_allocated_gib", end.get("mem_peak_rss_gib"))
+    return [r for r in recs if r["kind"] == "train"], {
+        "params": next(r for r in recs if r["kind"] == "start")["params_total"],
+        "peak_allocated_gib": end.get("mem_peak_allocated_gib", end.get("mem_peak_rss_gib")),
+        "peak_reserved_gib": end.get("mem_peak_reserved_gib"),
+        "estimate_gib": pre.get("estimate_gib"),
+    }
+
+
+def figures(stage_dir: Path) -> dict[str, Any]:
+    """Median throughput over the steps after warm-up, the memory peaks and the estimate."""
+    train, common = _stage_records(stage_dir)
+    steady = train[len(train) // 4 :] or train
     return {
-        "params": start["params_total"],
+        **common,
         "tokens_per_s_per_device": statistics.median(r["tokens_per_s_per_device"] for r in steady),
         "tflops_per_device": statistics.median(r["tflops_per_device"] for r in steady),
         "mfu": statistics.median(r["mfu"] for r in steady),
-        "peak_allocated_gib": peak,
-        "peak_reserved_gib": end.get("mem_peak_reserved_gib"),
-        "estimate_gib": pre.get("estimate_gib"),
         "tokens_per_step": statistics.median(r["tokens"] for r in steady),
     }
 
@@ -215,17 +222,14 @@ def rl_figures(stage_dir: Path, answers: int) -> dict[str, Any]:
     """An RL step's phases (medians after the first step, which compiles and warms caches):
     seconds generating, scoring and updating, sampled tokens/s (`answers` a step), and the
     memory peaks."""
-    recs = [json.loads(x) for x in (stage_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in recs if r["kind"] == "train"]
+    train, common = _stage_records(stage_dir)
     steady = train[1:] or train
-    end = next(r for r in recs if r["kind"] == "end")
-    pre = next((r for r in recs if r["kind"] == "preflight"), {})
 
     def med(key: str) -> float:
         return statistics.median(float(r.get(key, float("nan"))) for r in steady)
 
     return {
-        "params": next(r for r in recs if r["kind"] == "start")["params_total"],
+        **common,
         "generation_s": med("generation_s"),
         "scoring_s": med("scoring_s"),
         "training_s": med("training_s"),
@@ -235,9 +239,6 @@ def rl_figures(stage_dir: Path, answers: int) -> dict[str, Any]:
         ),
         "tflops_per_device": med("tflops_per_device"),
         "mfu": med("mfu"),
-        "peak_allocated_gib": end.get("mem_peak_allocated_gib", end.get("mem_peak_rss_gib")),
-        "peak_reserved_gib": end.get("mem_peak_reserved_gib"),
-        "estimate_gib": pre.get("estimate_gib"),
     }
 
 

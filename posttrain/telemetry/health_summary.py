@@ -20,8 +20,8 @@ THROTTLE_KEY = re.compile(r"^gpu(\d+)_throttle_(\w+)$")
 MEMORY_USED_KEY = re.compile(r"^gpu(\d+)_memory_used_bytes$")
 ALERTING_THROTTLE = ("thermal", "power", "hw_slowdown")
 # A GPU under these shares of its power limit, MFU and memory is waiting on the host (launching
-# kernels, Python), not computing: on the one H200 lent, 0.5B SFT at 8 rows a step drew a third
-# of its limit at 3% MFU with a tenth of its memory, and its step took as long as 1.5B's.
+# kernels, Python), not computing: on the one H200 lent, 0.5B SFT at 8 rows a step drew 28% of
+# its limit on average at 3% MFU with 12% of its memory, and its step took as long as 1.5B's.
 UNDERFED = {"power": 0.6, "mfu": 0.2, "memory": 0.5}
 
 
