@@ -28,6 +28,9 @@ if "POSTTRAIN_DEVICE_LOCK_DIR" not in os.environ:
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# Before anything multiplies: importing posttrain pins MKL's reproducible mode (posttrain.numerics).
+import posttrain  # noqa: E402, F401
+
 # Before anything imports prefect, which reads its settings once at import.
 from flows.prefect_env import apply_prefect_defaults  # noqa: E402
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain import hub
+from posttrain import hub, numerics
 from posttrain.artifact_claim import claim_by_hand, find_complete
 from posttrain.artifacts import ArtifactRef, read_manifest, verify, write_manifest
 from posttrain.config.graph import BASE
@@ -103,6 +103,16 @@ class StageContext:
 
     def parent_manifest(self, name: str) -> dict[str, Any]:
         return json.loads((self.parent_dir(name) / "manifest.json").read_text())
+
+    @property
+    def device_type(self) -> str:
+        """ "cpu" or "cuda": the process group's device, else the recipe's resolved one."""
+        return self.dist.device.type if self.dist is not None else self.recipe.infra.device
+
+    def numerics(self) -> dict[str, Any]:
+        """What this process's arithmetic depends on besides the stage's inputs
+        (`posttrain.numerics.signature`): the key part of a table cached across runs."""
+        return numerics.signature(self.recipe.infra, self.device_type)
 
 
 def training_base(ctx: StageContext) -> tuple[Any, Any, Any]:
@@ -474,10 +484,24 @@ def _seal(
         section=ctx.inputs,
         seed=ctx.recipe.run.seed,
         summary=summary,
-        extra=ctx.extra_manifest,
+        extra={**ctx.extra_manifest, **numerics_record(ctx)},
     )
     log.info("stage %s done: %s", ctx.name, json.dumps(summary, default=str)[:2000])
     emit_line(f"POSTTRAIN_ARTIFACT {ref.model_dump_json()}")
+
+
+def numerics_record(ctx: StageContext) -> dict[str, Any]:
+    """The manifest's `numerics`: the signature the bits depend on, and whether a re-run with
+    the same inputs and signature is bit-exact (`posttrain.numerics.reproducibility`); none
+    for a process that never imported torch (a stand-in does no arithmetic)."""
+    if "torch" not in sys.modules:
+        return {}
+    return {
+        "numerics": {
+            "signature": ctx.numerics(),
+            "reproducibility": numerics.reproducibility(ctx.device_type),
+        }
+    }
 
 
 def _report_failure(ctx: StageContext, exc: BaseException) -> None:

@@ -1,0 +1,81 @@
+"""The same inputs give the same bits (issue 39): what a pass's arithmetic depends on besides its
+inputs, each case measured on real tensors and a real tiny model.
+
+- MKL (torch's CPU matmul) rounds by its operands' memory addresses and its thread count unless
+  its reproducible mode is on; importing posttrain turns it on (`posttrain.numerics.pin`). The
+  control is a process whose MKL started before posttrain was imported, as a user's script
+  that multiplies first would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain import numerics
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Products of the same values at four addresses (offsets of 0-3 floats) and at 1, 2 and 3
+# threads; rows of 7 (a decoding batch) to 96, the shapes where MKL's paths differ here.
+PROBE = """
+import json, sys, torch
+if sys.argv[1] == "late":  # MKL starts before posttrain is imported
+    torch.ones(8, 8) @ torch.ones(8, 8)
+import posttrain
+from posttrain.numerics import mkl_mode
+torch.manual_seed(0)
+outcomes = 0
+for m, k, n in [(7, 64, 128), (7, 128, 2048), (33, 64, 256), (96, 128, 2048), (7, 16, 256)]:
+    a, b = torch.randn(m, k), torch.randn(n, k)
+    seen = set()
+    for off in range(4):
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            moved = torch.empty(a.numel() + off)[off:].view(m, k).copy_(a)
+            seen.add((moved @ b.t()).numpy().tobytes())
+    outcomes = max(outcomes, len(seen))
+print(json.dumps({"mode": mkl_mode(), "outcomes": outcomes}))
+"""
+
+
+def _probe(when: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, when],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(numerics.mkl_mode() is None, reason="torch here has no MKL")
+def test_importing_posttrain_makes_matmul_independent_of_address_and_threads() -> None:
+    pinned = _probe("first")
+    assert pinned == {"mode": numerics.STRICT_MKL, "outcomes": 1}
+    # The control: MKL started before the pin could act, so its default mode decides, and the
+    # same values at other addresses or thread counts round differently.
+    late = _probe("late")
+    assert late["mode"] != numerics.STRICT_MKL
+    assert late["outcomes"] > 1, late
+    assert numerics.mkl_mode() == numerics.STRICT_MKL  # this test process (conftest imports it)
+
+
+@pytest.mark.skipif(numerics.mkl_mode() is None, reason="torch here has no MKL")
+def test_reproducibility_record_says_what_the_process_ran_under() -> None:
+    assert numerics.reproducibility("cpu")["bit_exact"] is True
+    cuda = numerics.reproducibility("cuda")
+    assert cuda["bit_exact"] is False and "atomic" in cuda["why"]
+    sig = numerics.device_signature("cpu")
+    assert sig["mkl_cbwr"] == numerics.STRICT_MKL and sig["threads"] == torch.get_num_threads()
+    assert sig["isa"] == torch.backends.cpu.get_cpu_capability() and sig["cpu"]
