@@ -5,6 +5,8 @@ inputs, each case measured on real tensors and a real tiny model.
   its reproducible mode is on; importing posttrain turns it on (`posttrain.numerics.pin`). The
   control is a process whose MKL started before posttrain was imported, as a user's script
   that multiplies first would.
+- The frozen reference's log-probs do not depend on dropout or the RNG stream: it runs in eval
+  mode (`reference_pass`), whatever dropout the adapter it copies was trained with.
 """
 
 from __future__ import annotations
@@ -17,8 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures_tiny import MAX_LEN, TinyAssets, load_base, one_torch_thread, tiny_assets
 
 from posttrain import numerics
+from posttrain.data.preference import encode_pairs, quickstart_preference_rows
+from posttrain.models.adapters import policy_with_reference
+from posttrain.stages.dpo import reference_logps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,3 +85,33 @@ def test_reproducibility_record_says_what_the_process_ran_under() -> None:
     sig = numerics.device_signature("cpu")
     assert sig["mkl_cbwr"] == numerics.STRICT_MKL and sig["threads"] == torch.get_num_threads()
     assert sig["isa"] == torch.backends.cpu.get_cpu_capability() and sig["cpu"]
+
+
+def test_reference_log_probs_ignore_dropout_and_the_rng(tmp_path_factory) -> None:
+    """The stage's reference pass over an adapter trained with LoRA dropout 0.5, on a model in
+    training mode as in the stage: the same table under two RNG streams, and the table of the
+    same weights without dropout."""
+    assets: TinyAssets = tiny_assets(tmp_path_factory)
+    with_dropout = tmp_path_factory.mktemp("dropout") / "adapter"
+    with_dropout.mkdir()
+    for f in assets.adapter_trained.iterdir():
+        data = f.read_bytes()
+        if f.name == "adapter_config.json":
+            cfg = json.loads(data)
+            cfg["lora_dropout"] = 0.5
+            data = json.dumps(cfg).encode()
+        (with_dropout / f.name).write_bytes(data)
+    pairs = encode_pairs(assets.tokenizer, quickstart_preference_rows(12, seed=5), MAX_LEN, 48)[0]
+    pad = assets.tokenizer.pad_token_id
+
+    def table(adapter: Path, seed: int) -> torch.Tensor:
+        model = policy_with_reference(load_base(assets), adapter).train()
+        torch.manual_seed(seed)
+        with one_torch_thread():
+            out = reference_logps(model, pairs, pad, 4, torch.device("cpu"), 0, 1, flat=True)
+        assert model.training  # the stage's mode is given back
+        return out
+
+    first = table(with_dropout, seed=1)
+    assert torch.equal(first, table(with_dropout, seed=2))
+    assert torch.equal(first, table(assets.adapter_trained, seed=3))

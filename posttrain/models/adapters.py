@@ -63,6 +63,20 @@ def active_adapter(model: torch.nn.Module, name: str) -> Iterator[None]:
             m._active_adapter = prev
 
 
+@contextmanager
+def reference_pass(model: torch.nn.Module) -> Iterator[None]:
+    """The frozen reference's forward: the "reference" adapter, in eval mode for the duration
+    (no dropout: the reference is a function of its weights, not of the RNG stream, whatever
+    dropout the SFT adapter it copies was trained with), then the previous mode again."""
+    was_training = model.training
+    model.eval()
+    try:
+        with active_adapter(model, REFERENCE):
+            yield
+    finally:
+        model.train(was_training)
+
+
 def as_policy(model: PeftModel, adapter: str | None) -> AbstractContextManager[None]:
     """A context in which `model` is the policy of adapter `adapter` (`active_adapter`), or the
     base when `adapter` is None (every adapter off: the base's own weights)."""

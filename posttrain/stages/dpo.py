@@ -12,6 +12,8 @@ Algorithm choices:
   stored under `<workspace>/artifacts/ref_logps/<key>/`, key = hash(SFT adapter fingerprint,
   encoded pairs, template, lengths); later runs with the same key (another beta, loss, lr...)
   reuse them instead of running the reference forward every step.
+- The reference runs in eval mode (`reference_pass`): no dropout, whatever the SFT adapter was
+  trained with, so its log-probs are a function of its weights alone.
 - Held-out pairs at step 0 and at the end: implicit-reward accuracy and margin.
 """
 
@@ -31,7 +33,7 @@ from posttrain.data.pref_prepare import guard_template, prepare
 from posttrain.data.segments import pair_tokens
 from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, rank_batches
-from posttrain.models.adapters import REFERENCE, active_adapter, policy_with_reference
+from posttrain.models.adapters import policy_with_reference, reference_pass
 from posttrain.models.lora import prepare_for_training
 from posttrain.models.reward import pair_batch
 from posttrain.stages.common import StageContext, stage_main, training_base
@@ -70,7 +72,7 @@ def reference_logps(
         heartbeat.beat(phase="reference")
         chunk = [pairs[i] for i in idx] or pairs[:1]
         batch = {k: v.to(device) for k, v in pair_batch(chunk, pad_id, flat).items()}
-        with active_adapter(model, REFERENCE):
+        with reference_pass(model):
             c, r, _, _ = pair_logps(model, batch, chunk_tokens)
         if idx:
             out[idx, 0], out[idx, 1] = c.double(), r.double()
@@ -168,7 +170,7 @@ def heldout_preferences(
         pc, pr, lc, lr_ = pair_logps(model, batch, chunk_tokens)
         rc = rr = None
         if needs_ref:
-            with active_adapter(model, REFERENCE):
+            with reference_pass(model):
                 rc, rr, _, _ = pair_logps(model, batch, chunk_tokens)
         losses = loss_fn(pc, pr, rc, rr, lc, lr_)[0]
         cr = implicit_rewards(pc, rc, lc, beta=beta, loss=loss)
@@ -291,7 +293,7 @@ def dpo_step(
             rc, rr = ref_table[ix, 0].float(), ref_table[ix, 1].float()
         else:
             t_r = time.perf_counter()
-            with torch.no_grad(), active_adapter(model, REFERENCE):
+            with torch.no_grad(), reference_pass(model):
                 rc, rr, _, _ = pair_logps(model, mb, loop.chunk_tokens)
             t_ref += time.perf_counter() - t_r
         pc, pr, lc, lr_ = pair_logps(model, mb, loop.chunk_tokens)

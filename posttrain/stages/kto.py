@@ -35,7 +35,7 @@ from posttrain.distributed.runtime import (
     all_reduce_tensor,
     rank_batches,
 )
-from posttrain.models.adapters import REFERENCE, active_adapter, policy_with_reference
+from posttrain.models.adapters import policy_with_reference, reference_pass
 from posttrain.models.lora import prepare_for_training
 from posttrain.stages.common import StageContext, stage_main, training_base
 from posttrain.telemetry import heartbeat
@@ -97,7 +97,7 @@ def both_logps(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(policy [B], reference [B]) summed completion log-probs, no gradient."""
     policy = _logps(model, batch, chunk)
-    with active_adapter(model, REFERENCE):
+    with reference_pass(model):
         ref = _logps(model, batch, chunk)
     return policy, ref
 
@@ -300,7 +300,7 @@ def kto_step(
     for k, (ix, mb) in enumerate(zip(sb.rows, sb.micro, strict=True)):
         grad_sync(model, k == len(sb.micro) - 1)
         t_r = time.perf_counter()
-        with torch.no_grad(), active_adapter(model, REFERENCE):
+        with torch.no_grad(), reference_pass(model):
             ref = _logps(model, mb, chunk)
         t_ref += time.perf_counter() - t_r
         policy = _logps(model, mb, chunk)
