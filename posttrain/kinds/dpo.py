@@ -32,7 +32,9 @@ class DPOConfig(TrainingSection, TemplateGuard):
     precompute_reference: bool | None = Result(
         None,
         description="Compute reference log-probs once, store them as an artifact keyed by "
-        "reference, data, template and max length, and reuse them across runs. Default "
+        "reference, data, template, max length and the numerics they were computed under "
+        "(device, threads, precision, attention, chunking, batch layout), and reuse them "
+        "across runs that would compute the same bits. Default "
         "(null): on when the stage visits its pairs more than once (more than one epoch), "
         "where a reference forward per step would repeat work; true/false force it.",
     )

@@ -11,10 +11,11 @@ again by the student's: its vocabulary may differ from the student's.
 
 The answers are an artifact of their own, cached in the workspace
 (`<workspace>/cache/teacher_answers/<key>.jsonl`, written whole by rename): the key hashes the
-teacher's fingerprint, the prompts, the sampling fields and the seed (not the number of ranks:
-the batches and their seeds are the same at any number, `world_batches`), so a
+teacher's fingerprint, the prompts, the sampling fields, the seed and the numerics of the
+process that samples (`StageContext.numerics`: device, threads, precision...; not the number of
+ranks as such: the batches and their seeds are the same at any number, `world_batches`), so a
 re-run of the stage with other training fields (learning rate, steps) does not sample again,
-and a changed teacher or prompt does.
+a changed teacher or prompt does, and reused answers are the ones sampling again would give.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def cache_path(ctx: Any, rows: list[Row]) -> Path:
         "prompts": [prompt_of(r) for r in rows],
         "sampling": cfg.model_dump(mode="json"),
         "seed": ctx.recipe.run.seed,
+        "numerics": ctx.numerics(),
     }
     key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
     return Path(ctx.recipe.run.workspace) / "cache" / "teacher_answers" / f"{key}.jsonl"

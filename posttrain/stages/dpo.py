@@ -10,8 +10,10 @@ Algorithm choices:
   each micro-batch backprops sum(pair losses) * world / global_pairs.
 - `precompute_reference`: reference log-probs of every training pair are computed once and
   stored under `<workspace>/artifacts/ref_logps/<key>/`, key = hash(SFT adapter fingerprint,
-  encoded pairs, template, lengths); later runs with the same key (another beta, loss, lr...)
-  reuse them instead of running the reference forward every step.
+  encoded pairs, template, lengths, and the numerics the pass ran under: device, threads,
+  precision, attention, chunking, batch layout); later runs with the same key (another beta,
+  loss, lr...) reuse them instead of running the reference forward every step, and get the
+  bits they would have computed.
 - The reference runs in eval mode (`reference_pass`): no dropout, whatever the SFT adapter was
   trained with, so its log-probs are a function of its weights alone.
 - Held-out pairs at step 0 and at the end: implicit-reward accuracy and margin.
@@ -49,7 +51,7 @@ from posttrain.train.preference_losses import (
 )
 
 log = logging.getLogger("posttrain.dpo")
-REF_CACHE_VERSION = "1"
+REF_CACHE_VERSION = "2"
 
 
 @torch.no_grad()
@@ -82,8 +84,16 @@ def reference_logps(
 
 
 def ref_cache_key(
-    sft_fp: str, pairs: list[dict], template_sha: str, max_len: int, max_prompt_len: int
+    sft_fp: str,
+    pairs: list[dict],
+    template_sha: str,
+    max_len: int,
+    max_prompt_len: int,
+    numerics: dict[str, Any],
 ) -> str:
+    """The table's key: the reference, the encoded pairs, and the `numerics` of the pass that
+    computes it (`StageContext.numerics` plus its batch layout): a table is reused only where
+    computing it again would give the same bits (posttrain.numerics, issue 39)."""
     content = hashlib.sha256(
         canonical_json(
             [
@@ -100,12 +110,15 @@ def ref_cache_key(
             "max_len": max_len,
             "max_prompt_len": max_prompt_len,
             "pairs": content,
+            "numerics": numerics,
         },
         [sft_fp],
     )
 
 
-def cached_reference(ctx: StageContext, loop: Training, key: str) -> tuple[torch.Tensor, str]:
+def cached_reference(
+    ctx: StageContext, loop: Training, key: str, numerics: dict[str, Any]
+) -> tuple[torch.Tensor, str]:
     """Reference log-probs of the training pairs from the workspace cache, computing and storing
     them on a miss. Returns ([N, 2] log-probs, "hit" | "miss")."""
     from safetensors.torch import load_file, save_file
@@ -133,7 +146,7 @@ def cached_reference(ctx: StageContext, loop: Training, key: str) -> tuple[torch
             stage="ref_logps",
             fp=key,
             parents=[ctx.role_ref("reference").fingerprint],
-            section={"pairs": len(pairs)},
+            section={"pairs": len(pairs), "numerics": numerics},
             seed=ctx.recipe.run.seed,
             summary={"pairs": len(pairs)},
         )
@@ -260,14 +273,16 @@ def training_reference(
         precompute = loop.tr.total_steps * loop.batch.global_batch_size > len(loop.draw.rows)
     if cfg.loss in REFERENCE_FREE or not precompute:
         return None, "off"
+    numerics = ctx.numerics() | {"batch_size": loop.eval_batch_size, "padding_free": loop.flat}
     key = ref_cache_key(
         ctx.role_ref("reference").fingerprint,
         loop.draw.rows,
         template_sha,
         cfg.data.max_seq_len,
         cfg.data.max_prompt_len,
+        numerics,
     )
-    table, cache = cached_reference(ctx, loop, key)
+    table, cache = cached_reference(ctx, loop, key, numerics)
     log.info("reference log-probs: cache %s (%s)", cache, key)
     return table, cache
 
