@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from transformers import PreTrainedModel
@@ -35,3 +38,20 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig, task_type: str = "CAUSAL
     )
     with adapters_stay_real():  # a base on the meta device keeps its adapter's values
         return get_peft_model(model, peft_cfg)
+
+
+# peft keeps these as sets and writes them in the set's order, which follows Python's string
+# hashing: two runs of one recipe wrote the same weights with differently ordered configs (a
+# different file hash, so a different artifact). Their order means nothing to peft.
+_SET_FIELDS = ("target_modules", "modules_to_save", "exclude_modules")
+
+
+def canonical_adapter_configs(folder: Path) -> None:
+    """Rewrite every `adapter_config.json` under `folder` with its set-valued fields sorted, so
+    an adapter's files are a function of the run, not of PYTHONHASHSEED."""
+    for path in folder.rglob("adapter_config.json"):
+        config = json.loads(path.read_text())
+        for name in _SET_FIELDS:
+            if isinstance(config.get(name), list):
+                config[name] = sorted(config[name])
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -28,6 +28,7 @@ from posttrain.data.batching import step_indices
 from posttrain.distributed.fsdp import is_sharded, place_model
 from posttrain.distributed.runtime import DistInfo, all_reduce_sum
 from posttrain.models.loading import base_dtype, count_params
+from posttrain.models.lora import canonical_adapter_configs
 from posttrain.models.sharded_load import CheckpointFiles, fill_from_checkpoint
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import (
@@ -502,5 +503,6 @@ def save_adapter(
     if ctx.is_main:
         kw = {"selected_adapters": selected_adapters} if selected_adapters else {}
         model.save_pretrained(str(ctx.out_dir / name), state_dict=full, **kw)
+        canonical_adapter_configs(ctx.out_dir / name)
     if dist.is_initialized():
         dist.barrier()
