@@ -47,9 +47,8 @@ def pin() -> None:
 @functools.cache
 def _mkl() -> Any:
     """torch's bundled MKL service functions, or None (no MKL: another BLAS, another OS)."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
+    import torch
+
     lib = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
     try:
         mkl = ctypes.CDLL(str(lib))

@@ -84,8 +84,12 @@ def test_grpo_samples_from_a_started_server(parents) -> None:  # noqa: F811
         assert 0 <= row.get("retokenized_mismatch_frac", 0) <= 1
         assert row["prompt_mismatch_frac"] == 0  # the prompt text reads back as the ids sent
         assert row["response_len"] > 0 and math_finite(row["loss"])
-    s = json.loads((out / "manifest.json").read_text())["summary"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    s = manifest["summary"]
     assert s["eval_final"]["prompts"] == 8 and s["eval_sft"]["prompts"] == 8
+    # The server's batching follows request timing: the run does not claim the same bits.
+    verdict = manifest["numerics"]["reproducibility"]
+    assert verdict["bit_exact"] is False and "serving engine" in verdict["why"]
     sft = load_file(str(parents["sft"] / "adapter" / "adapter_model.safetensors"))
     grpo = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     assert any(not torch.equal(sft[k], grpo[k]) for k in sft)  # it trained

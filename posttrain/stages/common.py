@@ -435,6 +435,7 @@ def _run_and_seal(
     if account:
         log.warning("%s", account)
     _start_ranks(ctx, distributed)
+    say_reproducibility(ctx)
     # After the process group is up (its rendezvous may legitimately wait for other nodes):
     # the supervisor's hang watch arms on this first beat.
     heartbeat.start(ctx.out_dir, ctx.rank)
@@ -496,12 +497,26 @@ def numerics_record(ctx: StageContext) -> dict[str, Any]:
     for a process that never imported torch (a stand-in does no arithmetic)."""
     if "torch" not in sys.modules:
         return {}
-    return {
-        "numerics": {
-            "signature": ctx.numerics(),
-            "reproducibility": numerics.reproducibility(ctx.device_type),
+    return {"numerics": {"signature": ctx.numerics(), "reproducibility": reproducibility(ctx)}}
+
+
+def say_reproducibility(ctx: StageContext) -> None:
+    """One log line (rank 0) when a re-run of this stage will not give the same bits."""
+    if ctx.is_main and "torch" in sys.modules and not (v := reproducibility(ctx))["bit_exact"]:
+        log.info("numerics: a re-run will not give the same bits: %s", v["why"])
+
+
+def reproducibility(ctx: StageContext) -> dict[str, Any]:
+    """`posttrain.numerics.reproducibility` of this process, or not bit-exact for a stage whose
+    rollouts come from a serving engine."""
+    rollout = getattr(ctx.section, "rollout", None) if ctx.kind is not None else None
+    if getattr(rollout, "engine", None) == "server":
+        return {
+            "bit_exact": False,
+            "why": "rollouts from a serving engine: its batching follows request timing and "
+            "does not honour seeds",
         }
-    }
+    return numerics.reproducibility(ctx.device_type)
 
 
 def _report_failure(ctx: StageContext, exc: BaseException) -> None:
