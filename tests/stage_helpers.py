@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib
+import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +104,76 @@ def run_shared(stage: str, recipe: Path, store: Path) -> Path:
     if not out.exists():
         shutil.copytree(built, out)
     return run_inprocess(stage, recipe)
+
+
+# Fields of metrics records and eval.json that measure time, speed or memory: no property of
+# what was computed.
+MEASURED = re.compile(
+    r"time|_s$|seconds|share|per_s|flops|mfu|mem|rss|available|tok/s|latency|ttft|tpot|speed"
+)
+
+
+def _unmeasured(obj: object) -> object:
+    if isinstance(obj, dict):
+        return {k: _unmeasured(v) for k, v in obj.items() if not MEASURED.search(k)}
+    if isinstance(obj, list):
+        return [_unmeasured(v) for v in obj]
+    return obj
+
+
+def artifact_digests(ws: Path) -> dict[str, str]:
+    """What every sealed artifact of a workspace computed: sha256 of each file its manifest
+    lists, with metrics records and evaluate's figures stripped of their timings, and the
+    workspace's own path written out of the files that name it. Left out: logs, the manifest
+    (its creation time and host facts) and the model card (it quotes measured speeds)."""
+    out = {}
+    for manifest in sorted((ws / "artifacts").glob("*/*/manifest.json")):
+        folder = manifest.parent
+        for rel in json.loads(manifest.read_text())["files"]:
+            path = folder / rel
+            if rel.startswith("logs/") or path.name == "README.md":
+                continue
+            data = path.read_bytes().replace(str(ws).encode(), b"<workspace>")
+            if path.suffix == ".jsonl":
+                records = [json.loads(line) for line in data.splitlines() if line.strip()]
+                # Health samples come on a clock, the pre-flight measures the host.
+                records = [r for r in records if r.get("kind") not in ("health", "preflight")]
+                data = json.dumps(_unmeasured(records), sort_keys=True).encode()
+            elif path.suffix == ".json":
+                data = json.dumps(_unmeasured(json.loads(data)), sort_keys=True).encode()
+            key = f"{folder.parent.name}/{folder.name}/{rel}"
+            out[key] = hashlib.sha256(data).hexdigest()
+    return out
+
+
+def competing_training(folder: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """A training job of its own on the same cores: TINY's ingest stage, whose causal-LM
+    warm-up trains the base, as a real process in its own workspace under `folder`, for far
+    more steps than any test waits (stop it with `stop_competing`)."""
+    import copy
+
+    data = copy.deepcopy(TINY)
+    data["ingest"]["from_config"]["pretrain_steps"] = 1_000_000
+    data["infra"]["threads_per_rank"] = 1  # a core's worth of load, so the suite stays quick
+    recipe = write_recipe(folder, data)
+    return subprocess.Popen(
+        [sys.executable, "-m", "posttrain.stages.ingest", "--recipe", str(recipe)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def stop_competing(proc: subprocess.Popen[bytes]) -> bool:
+    """SIGKILL the competing job's process group; whether it was still running (it must have
+    been, for the load to have been there all along)."""
+    running = proc.poll() is None
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    return running
 
 
 def crash_after(out: Path, logged_steps: int, outputs: tuple[str, ...]) -> None:

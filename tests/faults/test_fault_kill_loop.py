@@ -1,15 +1,23 @@
-"""Kill at a random moment, re-run, repeat: the pipeline still ends bit-identical.
+"""The same recipe on the same machine gives the same bits: from scratch, under load, after kills.
 
 The tiny quickstart (ingest -> sft -> reward -> dpo -> evaluate -> export, every training stage
-checkpointing every 3 steps) runs once uninterrupted. Then, in a second workspace, a seeded
-loop starts `posttrain run` on the embedded Prefect (the default), waits a random time and
-SIGKILLs it — either the CLI alone (an OOM kill: its stage and embedded server must go by
-themselves) or every process of the run at once (a power cut) — and starts it again. The last
-run goes to the end. Its export must equal the uninterrupted run's byte for byte, and no
-process of any run may be left.
+checkpointing every 3 steps, DPO's reference log-probs precomputed) runs once uninterrupted, on
+the embedded Prefect, as `posttrain run` does for a user. Against it:
 
-Every process a run starts inherits its PREFECT_HOME, which is private to this test: that is
-how the test finds them all, whatever session or parent they ended up with.
+- a second run from scratch in another workspace, with another PYTHONHASHSEED, while a
+  competing training job (a real SFT stage process) runs on the same cores: every artifact's
+  files equal the first run's, the reference table among them (issue 39);
+- a run SIGKILLed inside DPO's reference pass, then a DPO of another beta under other numerics
+  (3 threads, unchunked logits) that seals its reference table in the cache, then the run SIGKILLed inside DPO's training loop,
+  then run to the end: the export is the uninterrupted run's (before issue 39 the cached table
+  of other numerics became the recipe's, whichever run computed it first);
+- a seeded loop that SIGKILLs `posttrain run` at random moments — the CLI alone (an OOM kill:
+  its stage and embedded server must go by themselves) or every process of the run at once (a
+  power cut) — and starts it again: the last run's export equals the uninterrupted run's byte
+  for byte, and no process of any run is left.
+
+Every process a run starts inherits its PREFECT_HOME, which is private to this module: that is
+how the tests find them all, whatever session or parent they ended up with.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import json
 import os
 import random
 import signal
@@ -28,7 +37,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.stage_helpers import ROOT, TINY, write_recipe
+from tests.stage_helpers import (
+    ROOT,
+    TINY,
+    artifact_digests,
+    competing_training,
+    planned_dir,
+    stop_competing,
+    write_recipe,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -46,21 +63,27 @@ PAIRS = {
     "max_prompt_len": 40,
 }
 TRAIN = {"batch": {"micro_batch_size": 8, "grad_accum_steps": 1}, "checkpoint_every": EVERY}
+# DPO's reference pass over 240 pairs: 30 forwards, long enough for a kill to land inside it.
+DPO_PAIRS = {**PAIRS, "synthetic": {"n_examples": 320}}
 
 
 def _recipe(folder: Path) -> Path:
     data = copy.deepcopy(TINY)
     data["run"]["name"] = "killloop"
-    data["infra"]["threads_per_rank"] = 1  # deterministic and fair on a busy 2-core box
     data["ingest"]["from_config"]["pretrain_steps"] = 20
     data["sft"].update(max_steps=STEPS["sft"], checkpoint_every=EVERY)
     data["reward"] = {"data": PAIRS, "max_steps": STEPS["reward"], "min_accuracy": 0.0, **TRAIN}
-    data["dpo"] = {"data": PAIRS, "max_steps": STEPS["dpo"], **TRAIN}
+    data["dpo"] = {
+        "data": DPO_PAIRS,
+        "max_steps": STEPS["dpo"],
+        "precompute_reference": True,
+        **TRAIN,
+    }
     data["evaluate"].update(max_eval_rows=8, num_prompts=1, win_rate_prompts=4)
     return write_recipe(folder, data)
 
 
-def _env(home: Path) -> dict[str, str]:
+def _env(home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "PYTEST"))}
     env.update(
         PREFECT_HOME=str(home),
@@ -68,12 +91,13 @@ def _env(home: Path) -> dict[str, str]:
         PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
         HF_HUB_OFFLINE="1",
         PYTHONPATH=str(ROOT),
+        **extra,
     )
     return env
 
 
 def _ours(home: Path) -> list[psutil.Process]:
-    """Every live process carrying this test's PREFECT_HOME (CLI, server, stages, ranks)."""
+    """Every live process carrying this module's PREFECT_HOME (CLI, server, stages, ranks)."""
     found = []
     for p in psutil.process_iter():
         if p.pid == os.getpid():
@@ -86,17 +110,23 @@ def _ours(home: Path) -> list[psutil.Process]:
     return found
 
 
-def _start(recipe: Path, home: Path, log: Path) -> subprocess.Popen[bytes]:
+def _start(recipe: Path, home: Path, log: Path, *args: str, **env: str) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "run", str(recipe)],
+            [sys.executable, "-m", "flows.cli", "run", str(recipe), *args],
             cwd=ROOT,
-            env=_env(home),
+            env=_env(home, **env),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+
+
+def _run(recipe: Path, home: Path, log: Path, *args: str, **env: str) -> None:
+    """One `posttrain run` to its end, which must succeed."""
+    rc = _start(recipe, home, log, *args, **env).wait(RUN_TIMEOUT_S)
+    assert rc == 0, log.read_text()[-6000:]
 
 
 def _export_files(ws: Path) -> dict[str, str]:
@@ -123,16 +153,126 @@ def _wait_gone(home: Path, limit_s: float) -> list[psutil.Process]:
     return left
 
 
-def _checkpointed(ws: Path, stage: str) -> int:
-    """The newest complete checkpoint `stage` wrote in this workspace (0 before its first):
-    a kill after it has something to resume from. (Its steps take milliseconds here, so
-    waiting for a logged step and then a random while would mostly land after the stage.)"""
+def _checkpointed(ws: Path, stage: str | Path) -> int:
+    """The newest complete checkpoint `stage` (a kind, or one artifact folder) wrote in this
+    workspace (0 before its first): a kill after it has something to resume from. (Its steps
+    take milliseconds here, so waiting for a logged step and then a random while would mostly
+    land after the stage.)"""
+    folders = [stage] if isinstance(stage, Path) else (ws / "artifacts" / stage).glob("*")
     done = [
         int(p.name.removeprefix("step_"))
-        for p in (ws / "artifacts" / stage).glob("*/checkpoints/step_*")
+        for folder in folders
+        for p in folder.glob("checkpoints/step_*")
         if not p.name.endswith(".tmp")
     ]
     return max(done, default=0)
+
+
+def _phase(folder: Path) -> str | None:
+    """The phase of the newest heartbeat of the stage in `folder` (its rank 0)."""
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads((folder / "logs" / "heartbeat" / "rank0.json").read_text())["phase"]
+    return None
+
+
+def _kill_everything(home: Path, proc: subprocess.Popen[bytes]) -> None:
+    """A power cut: SIGKILL the CLI and every process of its run at once."""
+    for pid in [proc.pid, *(p.pid for p in _ours(home) if p.pid != proc.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(30)
+    left = _wait_gone(home, 60)
+    assert not left, f"still running 60 s after the kill: {left}"
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("prefect-home")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, home: Path) -> Path:
+    """The workspace of one uninterrupted run of the recipe, alone on the machine."""
+    folder = tmp_path_factory.mktemp("reference")
+    _run(_recipe(folder), home, folder / "run.log")
+    ws = folder / "ws"
+    assert "model.safetensors" in _export_files(ws)
+    return ws
+
+
+def test_from_scratch_under_load_with_another_hash_seed_every_artifact_is_the_same(
+    uninterrupted: Path, home: Path, tmp_path: Path
+) -> None:
+    load_dir = tmp_path / "load"
+    load_dir.mkdir()
+    competitor = competing_training(load_dir, _env(home))
+    try:
+        folder = tmp_path / "again"
+        folder.mkdir()
+        _run(_recipe(folder), home, folder / "run.log", PYTHONHASHSEED="4321")
+    finally:
+        assert stop_competing(competitor), "the competing job ended before the run did"
+    got, expected = artifact_digests(folder / "ws"), artifact_digests(uninterrupted)
+    assert got.keys() == expected.keys()
+    assert any(k.startswith("ref_logps/") for k in got)  # the precomputed reference table
+    differ = sorted(k for k in got if got[k] != expected[k])
+    assert not differ, differ
+    assert _export_files(folder / "ws") == _export_files(uninterrupted)
+    # And every manifest says so, with what the bits depend on.
+    for manifest in (folder / "ws" / "artifacts").glob("*/*/manifest.json"):
+        numerics = json.loads(manifest.read_text()).get("numerics")
+        if manifest.parent.parent.name == "ref_logps":
+            continue  # a cache: its key holds the signature (the other test reads it)
+        assert numerics["reproducibility"]["bit_exact"] is True, manifest
+        assert numerics["signature"]["mkl_cbwr"] == "AUTO,STRICT", manifest
+
+
+def test_killed_in_dpo_after_a_reference_table_of_other_numerics_ends_the_same(
+    uninterrupted: Path, home: Path, tmp_path: Path
+) -> None:
+    recipe, ws, log = _recipe(tmp_path), tmp_path / "ws", tmp_path / "run.log"
+    dpo, tables = planned_dir("dpo", recipe), ws / "artifacts" / "ref_logps"
+    _run(recipe, home, log, "--until", "reward")
+
+    # Inside the reference pass of the recipe's DPO: every process at once.
+    proc, t0 = _start(recipe, home, log), time.monotonic()
+    while _phase(dpo) != "reference":
+        assert proc.poll() is None, "the run ended before DPO's reference pass: " + log.read_text()
+        assert time.monotonic() - t0 < RUN_TIMEOUT_S
+        time.sleep(0.005)
+    _kill_everything(home, proc)
+    assert not list(tables.glob("*/manifest.json")), "the kill missed the reference pass"
+
+    # Meanwhile a DPO of another beta seals its table under other numerics (3 threads, full
+    # logits instead of the chunked head): the table the recipe's DPO would take if the cache
+    # ignored what a table was computed under (it did before issue 39).
+    other = ("dpo.beta=0.2", "infra.threads_per_rank=3", "infra.logits_chunk_tokens=0")
+    _run(recipe, home, log, "--only", "dpo", *other)
+
+    # Inside the training loop: the DPO stage process alone, after its first checkpoint.
+    proc, t0 = _start(recipe, home, log), time.monotonic()
+    while _checkpointed(ws, dpo) < EVERY:
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() - t0 < RUN_TIMEOUT_S
+        time.sleep(0.005)
+    stage = [p for p in _ours(home) if "posttrain.stages.dpo" in " ".join(p.cmdline())]
+    assert stage, "no DPO stage process to kill"
+    for p in stage:
+        p.kill()
+    proc.wait(RUN_TIMEOUT_S)
+    assert not _wait_gone(home, 60)
+
+    _run(recipe, home, log)
+    assert "resumed from step_" in (dpo / "logs" / "stage.log").read_text(errors="replace")
+    assert _export_files(ws) == _export_files(uninterrupted)
+    # The recipe's own table beside the other one.
+    signatures = [
+        json.loads(m.read_text())["section"]["numerics"] for m in tables.glob("*/manifest.json")
+    ]
+    assert sorted((s["threads"] == 3, s["logits_chunk_tokens"]) for s in signatures) == [
+        (False, 2048),
+        (True, 0),
+    ]
 
 
 def _kill_moments(rng: random.Random) -> list[tuple[str, int | float]]:
@@ -144,21 +284,11 @@ def _kill_moments(rng: random.Random) -> list[tuple[str, int | float]]:
     return [("time", rng.uniform(3.0, 20.0)), *(steps[i] for i in picked)]
 
 
-def test_killed_at_random_moments_the_pipeline_ends_bit_identical(tmp_path: Path) -> None:
+def test_killed_at_random_moments_the_pipeline_ends_bit_identical(
+    uninterrupted: Path, home: Path, tmp_path: Path
+) -> None:
     rng = random.Random(SEED)
-    home = tmp_path / "prefect-home"
-    home.mkdir()
-
-    ref_dir = tmp_path / "reference"
-    ref_dir.mkdir()
-    ref = _start(_recipe(ref_dir), home, tmp_path / "reference.log")
-    assert ref.wait(RUN_TIMEOUT_S) == 0, (tmp_path / "reference.log").read_text()[-4000:]
-    expected = _export_files(ref_dir / "ws")
-    assert "model.safetensors" in expected
-
-    run_dir = tmp_path / "killed"
-    run_dir.mkdir()
-    recipe, ws = _recipe(run_dir), run_dir / "ws"
+    recipe, ws = _recipe(tmp_path), tmp_path / "ws"
     log = tmp_path / "killed.log"
     events = []
     for i, (where, when) in enumerate(_kill_moments(rng)):
@@ -200,7 +330,6 @@ def test_killed_at_random_moments_the_pipeline_ends_bit_identical(tmp_path: Path
         p.read_text(errors="replace") for p in ws.glob("artifacts/*/*/logs/stage.log")
     )
     assert "resumed from step_" in stage_logs, "no kill landed mid-training: " + "\n".join(events)
-    got = _export_files(ws)
-    assert got == expected, "\n".join(events)
+    assert _export_files(ws) == _export_files(uninterrupted), "\n".join(events)
     assert not _wait_gone(home, 30)
     print("\n".join(events))
