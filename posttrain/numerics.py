@@ -132,3 +132,32 @@ def reproducibility(device_type: str) -> dict[str, Any]:
             "MKL_CBWR chosen so): matmuls round by their operands' memory addresses",
         }
     return {"bit_exact": True, "scope": "same inputs and the same numerics signature (CPU)"}
+
+
+# Shapes where MKL's default mode was seen to round by address here: decoding-sized row counts.
+PROBE_SHAPES = ((7, 64, 128), (7, 128, 2048), (33, 64, 256), (96, 128, 2048), (7, 16, 256))
+
+
+def distinct_products(shapes: tuple[tuple[int, int, int], ...] = PROBE_SHAPES) -> int:
+    """The most different products one [m, k] x [k, n] matmul of fixed values gives in this
+    process when its left operand sits at four addresses (offsets of 0-3 floats) and runs on
+    1-3 threads: 1 where matmul is a function of the values alone. The thread count is
+    restored afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    most = 0
+    try:
+        for m, k, n in shapes:
+            a, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+            seen = set()
+            for offset in range(4):
+                moved = torch.empty(a.numel() + offset)[offset:].view(m, k).copy_(a)
+                for threads in (1, 2, 3):
+                    torch.set_num_threads(threads)
+                    seen.add((moved @ b.t()).numpy().tobytes())
+            most = max(most, len(seen))
+    finally:
+        torch.set_num_threads(before)
+    return most

@@ -28,26 +28,14 @@ from posttrain.stages.dpo import reference_logps
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Products of the same values at four addresses (offsets of 0-3 floats) and at 1, 2 and 3
-# threads; rows of 7 (a decoding batch) to 96, the shapes where MKL's paths differ here.
+# Products of the same values at four addresses and at 1, 2 and 3 threads
+# (`posttrain.numerics.distinct_products`), in a process of their own: MKL's mode is per process.
 PROBE = """
 import json, sys, torch
 if sys.argv[1] == "late":  # MKL starts before posttrain is imported
     torch.ones(8, 8) @ torch.ones(8, 8)
-import posttrain
-from posttrain.numerics import mkl_mode
-torch.manual_seed(0)
-outcomes = 0
-for m, k, n in [(7, 64, 128), (7, 128, 2048), (33, 64, 256), (96, 128, 2048), (7, 16, 256)]:
-    a, b = torch.randn(m, k), torch.randn(n, k)
-    seen = set()
-    for off in range(4):
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            moved = torch.empty(a.numel() + off)[off:].view(m, k).copy_(a)
-            seen.add((moved @ b.t()).numpy().tobytes())
-    outcomes = max(outcomes, len(seen))
-print(json.dumps({"mode": mkl_mode(), "outcomes": outcomes}))
+from posttrain.numerics import distinct_products, mkl_mode
+print(json.dumps({"mode": mkl_mode(), "outcomes": distinct_products()}))
 """
 
 
@@ -74,7 +62,8 @@ def test_importing_posttrain_makes_matmul_independent_of_address_and_threads() -
     late = _probe("late")
     assert late["mode"] != numerics.STRICT_MKL
     assert late["outcomes"] > 1, late
-    assert numerics.mkl_mode() == numerics.STRICT_MKL  # this test process (conftest imports it)
+    # This test process: conftest imports posttrain first.
+    assert numerics.mkl_mode() == numerics.STRICT_MKL and numerics.distinct_products() == 1
 
 
 @pytest.mark.skipif(numerics.mkl_mode() is None, reason="torch here has no MKL")
