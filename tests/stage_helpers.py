@@ -146,15 +146,18 @@ def artifact_digests(ws: Path) -> dict[str, str]:
     return out
 
 
-def competing_training(folder: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+def competing_training(folder: Path, env: dict[str, str], threads: int) -> subprocess.Popen[bytes]:
     """A training job of its own on the same cores: TINY's ingest stage, whose causal-LM
     warm-up trains the base, as a real process in its own workspace under `folder`, for far
-    more steps than any test waits (stop it with `stop_competing`)."""
+    more steps than any test waits (stop it with `stop_competing`). `threads`: as many as the
+    job it competes with. The quickstart's ingest at 2 threads beside a 1-thread job ran its
+    warm-up ~8x slower here (its OpenMP threads spin while one waits for a core); beside a
+    2-thread job the tiny pipeline took ~2x its time alone."""
     import copy
 
     data = copy.deepcopy(TINY)
     data["ingest"]["from_config"]["pretrain_steps"] = 1_000_000
-    data["infra"]["threads_per_rank"] = 1  # a core's worth of load, so the suite stays quick
+    data["infra"]["threads_per_rank"] = threads
     recipe = write_recipe(folder, data)
     return subprocess.Popen(
         [sys.executable, "-m", "posttrain.stages.ingest", "--recipe", str(recipe)],

@@ -69,7 +69,7 @@ def _recipe(folder: Path) -> Path:
     data = copy.deepcopy(TINY)
     data["run"]["workspace"] = str(folder / "ws")
     # One thread beside the competing job's one on two cores: decoding's small operations slow
-    # down 50x when OpenMP threads outnumber the cores (they spin while they wait).
+    # down many times over when OpenMP threads outnumber the cores (they spin while they wait).
     data["infra"]["threads_per_rank"] = 1
     data["stages"] = copy.deepcopy(STAGES)
     path = folder / "passes.yaml"
@@ -122,7 +122,7 @@ def test_scoring_teacher_and_evaluate_passes_are_the_same_in_another_process(
     _finish(_passes(_copy(built, alone_dir), "1"))
 
     loaded_recipe = _copy(built, loaded_dir)
-    competitor = competing_training(load_dir, _env())
+    competitor = competing_training(load_dir, _env(), threads=1)
     try:
         _finish(_passes(loaded_recipe, "2"))
     finally:

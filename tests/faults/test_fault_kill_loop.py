@@ -205,7 +205,7 @@ def test_from_scratch_under_load_with_another_hash_seed_every_artifact_is_the_sa
 ) -> None:
     load_dir = tmp_path / "load"
     load_dir.mkdir()
-    competitor = competing_training(load_dir, _env(home))
+    competitor = competing_training(load_dir, _env(home), threads=os.cpu_count() or 1)
     try:
         folder = tmp_path / "again"
         folder.mkdir()
