@@ -18,8 +18,10 @@ from typing import Any
 
 from prefect.logging import get_run_logger
 
+from flows.devices import REUSE_ONLY, DevicesNeeded
 from flows.report import StageRecord, export_model_path
 from flows.stage_task import run_task
+from posttrain.artifact_claim import looks_complete
 from posttrain.artifacts import ArtifactRef, read_manifest, ref_from_manifest
 from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS
@@ -122,9 +124,13 @@ def head_to_head_vs_champion(
             "base": ref_from_manifest(Path(by_stage[_base(by_stage)].uri)),
         }
         stage = head_to_head_stage(recipe, parents)
+        if REUSE_ONLY.get() and not looks_complete(stage.out_dir, stage.fingerprint):
+            raise DevicesNeeded("the promotion gate's head-to-head runs both models")
         status, ref = run_spec(stage, spec_for(stage, recipe, parents))
         summary = (read_manifest(ref.path) or {}).get("summary") or {}
         value = float(summary["headline"][WIN_RATE_VS_CHAMPION])
+    except DevicesNeeded:
+        raise
     except Exception as exc:
         text = str(exc) or type(exc).__name__
         reason = f"head-to-head against the champion failed: {_first_line(text)}"

@@ -21,7 +21,14 @@ from prefect.context import FlowRunContext
 from prefect.logging import get_run_logger
 from prefect.states import Failed
 
-from flows.devices import device_set_name, ensure_device_limit, hold_devices
+from flows.devices import (
+    DevicesNeeded,
+    device_set_name,
+    ensure_device_limit,
+    hold_devices,
+    reusable_without_devices,
+    reuse_only,
+)
 from flows.events import BASE_EVENT, publish_base
 from flows.failure_block import known_block, reason_line
 from flows.gate import promote
@@ -37,6 +44,7 @@ from flows.trackers import StageFeed, Trackers, open_trackers
 from posttrain.artifacts import ArtifactRef, read_manifest
 from posttrain.config.schema import Recipe
 from posttrain.planner import PlannedStage, RunPlan, plan, spec_for
+from posttrain.promotion import Decision
 from posttrain.run_status import RunJournal
 from posttrain.secrets import redact_obj
 from posttrain.selection import Selection, choose
@@ -130,6 +138,8 @@ class PipelineRun:
         try:
             spec = spec_for(stage, self.plan.recipe, {p: refs[p] for p in stage.parents})
             status, ref = run_task(stage, spec)
+        except DevicesNeeded:
+            raise  # not a failure: the run starts again, holding the devices
         except BaseException as exc:
             failed = failed_record(stage, exc, time.monotonic() - t0)
             self._recorded(failed)
@@ -139,6 +149,22 @@ class PipelineRun:
         _end_tracking(self.trackers, feed, self.records[-1])
         check_gate(ref, self.records[-1])
         return ref
+
+    def stages_and_gate(self, slots: list[str | None]) -> Decision | None:
+        """Run the plan's stages, then the promotion gate. A stage failure still writes the run
+        folder and report, saying which stage failed and what ran before it."""
+        try:
+            run_stages(self.plan.stages, self.run_one, self.plan.parallel, slots, self.announce)
+        except DevicesNeeded:
+            raise
+        except BaseException as exc:
+            recorded = record_run(
+                self.plan, self.run_id, self.records, quiet=True, trackers=self.trackers
+            )
+            if recorded.get("run_dir"):
+                exc.add_note(f"run folder: {recorded['run_dir']}")
+            raise
+        return promote(self.plan.recipe, self.run_id, self.records)
 
     def announce(self, stage: PlannedStage, ref: ArtifactRef) -> None:
         """A base this run ingested (not reused) is news for pipelines that retrain on it."""
@@ -287,26 +313,30 @@ def run_pipeline(
     # run.json says `running` from here on, and how the run ended (posttrain.run_status).
     with RunJournal(recipe.run.workspace, run_id, recipe.run.name) as journal:
         run = PipelineRun(run_plan, run_id, start_tracking(run_plan, run_id), journal)
-        slot = device_set_name(run_plan.device)
-        ensure_device_limit(slot)
-        slots = device_slots(
-            run_plan.parallel, run_plan.devices_per_stage, run_plan.device == "cuda"
-        )
-        with hold_devices(slot):  # the gate's head-to-head runs models too: it is inside
-            try:
-                run_stages(run_plan.stages, run.run_one, run_plan.parallel, slots, run.announce)
-            except BaseException as exc:
-                # The run folder and report still say which stage failed and what ran before.
-                recorded = record_run(
-                    run_plan, run_id, run.records, quiet=True, trackers=run.trackers
-                )
-                if recorded.get("run_dir"):
-                    exc.add_note(f"run folder: {recorded['run_dir']}")
-                raise
-            decision = promote(run_plan.recipe, run_id, run.records)
+        decision = on_devices(run)
         gate = [rule.metric for rule in recipe.promotion.rules]
         journal.outcome(evaluate_headline(run.records), decision and decision.promoted, gate)
         return record_run(run_plan, run_id, run.records, decision, trackers=run.trackers)
+
+
+def on_devices(run: PipelineRun) -> Decision | None:
+    """The run's stages and gate, holding the device set (flows.devices); without it when every
+    stage's artifact is already complete, so a run that trains nothing never waits behind
+    another. Should something need the devices after all, the run starts again holding them."""
+    run_plan, log = run.plan, get_run_logger()
+    slot = device_set_name(run_plan.device)
+    slots = device_slots(run_plan.parallel, run_plan.devices_per_stage, run_plan.device == "cuda")
+    if reusable_without_devices(run_plan.stages):
+        log.info("every stage's artifact is complete: reusing them without waiting for %s", slot)
+        try:
+            with reuse_only():
+                return run.stages_and_gate(slots)
+        except DevicesNeeded as exc:
+            log.info("%s: waiting for the devices after all", exc)
+            run.records.clear()
+    ensure_device_limit(slot)
+    with hold_devices(slot):  # the gate's head-to-head runs models too: it is inside
+        return run.stages_and_gate(slots)
 
 
 def evaluate_headline(records: list[StageRecord]) -> dict[str, Any]:

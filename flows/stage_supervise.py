@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from flows.devices import REUSE_ONLY, DevicesNeeded
 from flows.launchers import launcher_for
 from flows.launchers.base import Launch, Launcher, LaunchError, LaunchRequest
 from flows.launchers.records import record_launch, stop_earlier_launch
@@ -116,6 +117,8 @@ def _under_lock(stage: PlannedStage, spec: StageSpec, lock: str, kill_grace_s: f
     if (ref := find_complete(stage.out_dir, stage.fingerprint, log)) is not None:
         log.info("stage %s: complete artifact found in %s, reusing it", stage.name, stage.out_dir)
         return Outcome("reused", ref)
+    if REUSE_ONLY.get():
+        raise DevicesNeeded(f"stage {stage.name} has no complete artifact in {stage.out_dir}")
     return _launch(stage, spec, engine, lock, kill_grace_s)
 
 

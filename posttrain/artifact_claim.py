@@ -22,11 +22,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posttrain.artifacts import MANIFEST, ArtifactRef, ref_from_manifest, verify
+from posttrain.artifacts import MANIFEST, ArtifactRef, read_manifest, ref_from_manifest, verify
 from posttrain.locking import ArtifactLock, describe_holder
 
 Log = logging.Logger | logging.LoggerAdapter
 log = logging.getLogger("posttrain.lock")
+
+
+def looks_complete(out_dir: Path, fingerprint: str) -> bool:
+    """Whether `out_dir` holds a sealed artifact of `fingerprint` whose files are all there at
+    their recorded sizes: a stat per file, no hashing and no change to the folder. What a run
+    looks at before it decides to wait for the devices; `find_complete` has the last word."""
+    ok, _ = verify(out_dir, hashes=False)
+    return ok and (read_manifest(out_dir) or {}).get("fingerprint") == fingerprint
 
 
 def find_complete(

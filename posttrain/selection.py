@@ -17,7 +17,7 @@ import difflib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from posttrain.artifacts import verify
+from posttrain.artifact_claim import looks_complete
 from posttrain.kinds import KINDS
 from posttrain.planner import PlannedStage, RunPlan
 
@@ -115,9 +115,9 @@ def _unknown(flag: str, name: str, names: list[str]) -> str:
 
 
 def complete_stages(stages: Iterable[PlannedStage]) -> set[str]:
-    """The stages whose artifact is complete: its manifest there and the files it lists (not
-    their hashes: the run verifies those when it reuses the artifact)."""
-    return {s.name for s in stages if verify(s.out_dir, hashes=False)[0]}
+    """The stages whose artifact is complete: its manifest there, of the planned fingerprint,
+    and the files it lists (not their hashes: the run verifies those when it reuses it)."""
+    return {s.name for s in stages if looks_complete(s.out_dir, s.fingerprint)}
 
 
 def choose(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 from pathlib import Path
 from uuid import UUID
 
@@ -19,9 +20,11 @@ import pytest
 from stage_modules import write_stage_modules
 
 import posttrain.planner
+from flows.devices import device_set_name
 from flows.post_train import post_train
 from flows.stage_failures import StageFailed
 from posttrain.config.schema import Recipe
+from posttrain.device_lock import DIR_ENV, DeviceLock
 from posttrain.kinds import KINDS
 
 pytestmark = pytest.mark.slow
@@ -94,14 +97,43 @@ def _prefect_view(run_dir: str) -> tuple[str, dict[str, list], dict[str, str]]:
     return name, by_type, states
 
 
+def _flow_log(run_dir: str) -> str:
+    """The log lines the flow run that wrote `run_dir` sent to the Prefect server."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    flow_run_id = UUID(json.loads((Path(run_dir) / "lineage.json").read_text())["flow_run_id"])
+    only_this_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+    with get_client(sync_client=True) as client:
+        return "\n".join(x.message for x in client.read_logs(log_filter=only_this_run))
+
+
+def _run_while_held(busy: DeviceLock, recipe: Recipe, hold_s: float = 30) -> tuple[dict, bool]:
+    """The flow's result on `recipe` while `busy` holds the devices for up to `hold_s` (the
+    stand-in stages end in seconds), and whether the run was still waiting when it let go."""
+    assert busy.try_acquire({"what": "posttrain run", "flow_run_name": "busy-run"})
+    outcome: dict = {}
+    run = threading.Thread(target=lambda: outcome.update(post_train(recipe)))
+    try:
+        run.start()
+        run.join(timeout=hold_s)
+        waited = run.is_alive()
+    finally:
+        busy.release()
+        run.join(timeout=300)
+    return outcome, waited
+
+
 def _launches(workspace: Path) -> int:
     logs = workspace.glob("artifacts/*/*/logs/stage.log")
     return sum(p.read_text().count("=== ") for p in logs)
 
 
 def test_flow_caches_reruns_downstream_and_records_runs(
-    prefect_harness: None, fake_stages, tmp_path: Path
+    prefect_harness: None, fake_stages, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv(DIR_ENV, str(tmp_path / "device-locks"))  # not the machine's own
+    busy = DeviceLock(device_set_name("cpu"))  # another run's hold on the devices
     ws = tmp_path / "ws"
     recipe = _recipe(ws)
 
@@ -133,10 +165,15 @@ def test_flow_caches_reruns_downstream_and_records_runs(
     assert [k for k, _ in artifacts["markdown"]] == ["flow-test-report"]
     assert [k for k, _ in artifacts["table"]] == ["flow-test-metrics"]
 
-    # Same recipe: every artifact is found complete, nothing is launched; the Prefect UI shows
-    # each stage's task in a state named with the report's word.
-    second = post_train(recipe)
+    # Same recipe while another run holds the devices: every artifact is found complete, so the
+    # run reuses them without waiting, and nothing is launched; the Prefect UI shows each
+    # stage's task in a state named with the report's word.
+    second, waited = _run_while_held(busy, recipe)
+    assert not waited, "a run that trains nothing waited for the devices"
     assert _statuses(second) == dict.fromkeys(PLANNED, "reused")
+    log = _flow_log(second["run_dir"])
+    assert "every stage's artifact is complete: reusing them without waiting for" in log
+    assert "held by another run" not in log and "holding posttrain-devices" not in log
     assert _launches(ws) == 4
     assert second["run_dir"] != first["run_dir"]
     assert "| export | reused |" in (Path(second["run_dir"]) / "report.md").read_text()
@@ -162,6 +199,19 @@ def test_flow_caches_reruns_downstream_and_records_runs(
     assert _statuses(fourth)["export"] == "ran"
     assert _launches(ws) == 7
     assert _statuses(post_train(changed))["export"] == "reused"
+
+    # The same size with other bytes: the look before the run (sizes) passes, the supervisor's
+    # (hashes) does not. The run stops before launching anything, waits for the devices, and
+    # rebuilds the export once they are free.
+    weights = export_dir / "model" / "weights.txt"
+    weights.write_text(weights.read_text().upper())
+    outcome, waited = _run_while_held(busy, changed)
+    assert waited, "the export was rebuilt without waiting for the devices"
+    assert _statuses(outcome)["export"] == "ran" and _launches(ws) == 8
+    log = _flow_log(outcome["run_dir"])
+    assert "stage export has no complete artifact in" in log
+    assert "waiting for the devices after all" in log and "busy-run" in log
+    assert log.index("after all") < log.index("holding posttrain-devices")
 
 
 def test_flow_failure_names_the_stage_and_still_writes_the_report(

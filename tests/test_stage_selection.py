@@ -139,9 +139,14 @@ def test_flags_repeat_and_take_commas() -> None:
 def test_choose_reads_completeness_from_the_workspace(tmp_path: Path) -> None:
     run_plan = plan(load_recipe(QUICKSTART, [f"run.workspace={tmp_path}"]))
     assert complete_stages(run_plan.stages) == set()
-    for stage in run_plan.stages[:2]:  # ingest and sft: a manifest (listing no files) = done
+    for stage in run_plan.stages[:3]:  # a manifest of the planned fingerprint = done
         stage.out_dir.mkdir(parents=True)
-        (stage.out_dir / "manifest.json").write_text(json.dumps({"files": {}}))
+        sealed = {"fingerprint": stage.fingerprint, "files": {}}
+        (stage.out_dir / "manifest.json").write_text(json.dumps(sealed))
+    # reward's manifest names another fingerprint: not what this plan asks for.
+    (run_plan.stages[2].out_dir / "manifest.json").write_text(
+        json.dumps({"fingerprint": "0" * 64, "files": {}})
+    )
     assert complete_stages(run_plan.stages) == {"ingest", "sft"}
     narrowed = choose(run_plan, Selection(only=("dpo",)))
     assert [s.name for s in narrowed.stages] == ["ingest", "sft", "dpo"]
