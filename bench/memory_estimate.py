@@ -31,7 +31,7 @@ ratio for what the model and the step add above the runtime.
     .venv/bin/python bench/memory_estimate.py --json out.json --components
     .venv/bin/python bench/memory_estimate.py qwen-sft qwen-dpo --measures allocated --work DIR
 
-Measured 2026-12-01 (2 shared cores; allocated peak, GiB; docs/operations.md has the rest):
+Measured 2026-12-01 (2 shared cores; allocated peak, GiB; docs/benchmarks.md has the rest):
   small configurations, chunk 2048: estimate / allocated 1.02-1.12 (peak RSS 0.58-0.99,
   fixed mmap threshold 1.00-1.07); unchunked 1.02-1.11.
   Qwen2.5-0.5B shape, micro 4 x 128, LoRA r=16 all-linear:

@@ -117,7 +117,7 @@ def _run_flow(recipe: Recipe, err: TextIO, selection: Selection) -> dict[str, An
         set_aside_if_damaged(err)  # before the embedded server tries, and fails, to start on it
         # Before Prefect would start it, from this (main) thread: it then dies with this
         # process even when nothing here gets to stop it (SIGKILL). Launched before the flow's
-        # imports, so that its boot and those imports overlap (docs/operations.md).
+        # imports, so that its boot and those imports overlap (docs/workspace.md).
         early = launch_embedded_server()
         from flows.post_train import post_train  # imports prefect: only now, after its defaults
         from flows.terminal import (

@@ -23,7 +23,7 @@ def _server_url(err: TextIO) -> str | None:
     if not url:
         print(
             "error: this command needs a Prefect server: set PREFECT_API_URL (e.g. "
-            "http://127.0.0.1:4200/api after `prefect server start`; see docs/operations.md)",
+            "http://127.0.0.1:4200/api after `prefect server start`; see docs/deployments.md)",
             file=err,
         )
     return url

@@ -13,8 +13,8 @@ py="${PYTHON:-python3.11}"
 command -v "$py" >/dev/null 2>&1 || py=python3
 
 install() {
-  # $1: the extras to install (the tests also need the optional trackers, lm-eval and the
-  # Kubernetes client).
+  # $1: the extras to install (the tests also need the optional trackers, lm-eval, the
+  # Kubernetes client and mkdocs, which builds the docs site).
   if [ ! -x "$venv/bin/python" ]; then
     "$py" -m venv "$venv"
   fi
@@ -83,7 +83,7 @@ case "${1:-}" in
     "$venv/bin/posttrain" run recipes/quickstart.yaml "${@:2}"
     ;;
   test | test-fast)
-    install dev,serving,mlflow,wandb,lm-eval,kubernetes
+    install dev,serving,mlflow,wandb,lm-eval,kubernetes,docs
     install_prometheus
     [ "$1" = test ] && install_browser
     [ "$1" = test ] && install_slurm

@@ -1,4 +1,4 @@
-"""The README's Slurm example, on the local test cluster (tests/slurm_cluster.py: slurmctld,
+"""The Slurm example of docs/multi-node.md, on the local test cluster (tests/slurm_cluster.py: slurmctld,
 munged and two slurmd in network namespaces; needs root and Debian's slurm-wlm and munge).
 
     sudo .venv/bin/python scripts/slurm_demo.py [folder]

@@ -94,7 +94,7 @@ def test_a_link_in_a_shorthand_section_points_at_stages() -> None:
     assert errors_of(["dpo.from=sft"]) == [
         "dpo.from: unknown field; links between stages are set in a stages: entry, e.g. "
         "stages: [{kind: dpo, name: dpo, from: sft}] in place of the dpo: section "
-        "(docs/operations.md, Stage graphs)"
+        "(docs/stage-graphs.md)"
     ]
 
 

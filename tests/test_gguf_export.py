@@ -306,7 +306,7 @@ def _greedy_hf(folder: Path, ids: list[int], n: int) -> list[int]:
 
 @pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None,
-    reason="llama-cpp-python is not installed (optional; see docs/operations.md)",
+    reason="llama-cpp-python is not installed (optional; see docs/export.md)",
 )
 def test_llama_cpp_greedy_tokens_match_transformers(tiny, tmp_path) -> None:
     """The merged tiny Llama (base + trained adapter) as f16 GGUF in llama.cpp: the same prompt
@@ -346,7 +346,7 @@ def test_llama_cpp_greedy_tokens_match_transformers(tiny, tmp_path) -> None:
 
 @pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None,
-    reason="llama-cpp-python is not installed (optional; see docs/operations.md)",
+    reason="llama-cpp-python is not installed (optional; see docs/export.md)",
 )
 @pytest.mark.parametrize(
     ("arch", "tie", "gguf_type", "rtol"),

@@ -111,7 +111,7 @@ def test_the_report_s_sre_section() -> None:
 
 
 def test_a_gpu_waiting_on_the_host_is_called_underfed() -> None:
-    """Real records: 0.5B-shaped SFT at 8 rows a step on one H200 (README, "Measured on one
+    """Real records: 0.5B-shaped SFT at 8 rows a step on one H200 (docs/benchmarks.md, "One
     H200"). Its 17 health samples average 196.3 W of 700 W (28%), its memory peaked at 11.7%
     in use, its median MFU is 3.1%."""
     path = Path(__file__).parent / "data" / "health" / "h200_sft_0.5b_metrics.jsonl"

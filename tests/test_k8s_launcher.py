@@ -3,7 +3,7 @@
 The real `kubernetes` client talks HTTP to `tests/k8s_replay.py`, which answers from
 tests/data/k8s/ (objects shaped like a 1.37 API server's, each validated against the schema
 here) and records every request, so each test checks both what the launcher sent and what it
-made of the answers. No cluster runs here: docs/operations.md ("Kubernetes") gives the check by
+made of the answers. No cluster runs here: docs/multi-node.md ("Kubernetes") gives the check by
 hand on a real one.
 """
 

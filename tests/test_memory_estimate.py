@@ -628,7 +628,7 @@ def test_estimate_bounds_the_measured_allocated_peak(tmp_path: Path) -> None:
     1.02-1.12x that peak for the whole process and 1.02-1.32x for what the model and the step
     add above the runtime (the largest with activation checkpointing, whose recompute is
     counted as a whole block); the band below is that, with room for library changes: an upper
-    bound, never more than 25% over. docs/operations.md (Memory pre-flight) has the figures."""
+    bound, never more than 25% over. docs/benchmarks.md (Memory pre-flight) has the figures."""
     from bench.memory_estimate import run_config
 
     runs = (("sft-ac", 2048), ("sft-vocab", 2048), ("sft-qwen-vocab", 0), ("ppo", 2048))

@@ -142,7 +142,8 @@ def _limits(field: FieldInfo) -> str:
         ):
             v = getattr(m, attr, None)
             if v is not None:
-                out.append(f"{sym} {v}")
+                # A pattern is code: unquoted, markdown reads `[a-z]([-a-z]*)` as a link.
+                out.append(f"{sym} `{v}`" if attr == "pattern" else f"{sym} {v}")
     return ", ".join(out)
 
 

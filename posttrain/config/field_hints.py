@@ -175,5 +175,5 @@ def link_hint(key: str, place: Sequence[Any], value: Any) -> str | None:
     return (
         "links between stages are set in a stages: entry, e.g. "
         f"stages: [{{kind: {kind}, name: {kind}, {key}: {target}}}] in place of the {kind}: "
-        "section (docs/operations.md, Stage graphs)"
+        "section (docs/stage-graphs.md)"
     )

@@ -117,7 +117,7 @@ class WandbTracking(_Section):
 
 class PrometheusTracking(_Section):
     """A Prometheus endpoint served by the flow process for the run's stages and ranks
-    (docs/operations.md, Monitoring): scraped at `http://<flow host>:<port>/metrics`, pushed to
+    (docs/monitoring.md): scraped at `http://<flow host>:<port>/metrics`, pushed to
     a Pushgateway, or both."""
 
     port: int | None = Field(

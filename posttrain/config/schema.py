@@ -194,7 +194,7 @@ _RecipeFields = create_model(  # type: ignore[call-overload]
             "`name`, their kind's fields and links (`from`, `reference`, `reward_model`, "
             "`base`, `teacher`); an entry of kind `ingest` (every field of `ingest:`, and a name) is one "
             "more base model. Shorthand sections run first, in chain order; see "
-            "docs/operations.md, Stage graphs.",
+            "docs/stage-graphs.md.",
         ),
     ),
     evaluate=(

@@ -37,7 +37,7 @@ from posttrain.memory.fixes import Fix, suggest_fixes
 log = logging.getLogger("posttrain.memory")
 
 # Refuse when the estimate exceeds this share of the capacity. The estimate counts the bytes of
-# live tensors (measured on CPU: 1.02-1.12x the allocated peak, docs/operations.md); what the
+# live tensors (measured on CPU: 1.02-1.12x the allocated peak, docs/benchmarks.md); what the
 # allocator holds is more. GPU: the caching allocator reserves above what it allocates (not
 # measured here; heavy fragmentation is warned about at run time). CPU: glibc keeps freed
 # tensor memory in its heap, and the peak RSS reached 1.0-1.75x the estimate

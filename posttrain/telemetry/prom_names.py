@@ -1,5 +1,5 @@
 """The Prometheus series posttrain exports: one table, read by the exporter (flows/trackers/
-prometheus.py), the dashboard test and docs/operations.md's Monitoring section.
+prometheus.py), the dashboard test and docs/monitoring.md.
 
 Names follow Prometheus conventions: base units (seconds, bytes, hertz, watts, ratios 0..1),
 `_total` for counters (prometheus_client appends it to a counter family's name; the table holds
