@@ -52,8 +52,8 @@ from posttrain.config.served_access import (
     REWARDS_ENV,
 )
 from posttrain.kinds import graph_kinds
-from posttrain.planner import plan
-from posttrain.selection import ALL_STAGES, Selection
+from posttrain.plan.planner import plan
+from posttrain.plan.selection import ALL_STAGES, Selection
 
 
 class Terminated(BaseException):
@@ -208,10 +208,10 @@ def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, er
 
     from flows.launchers.local import LocalLauncher
     from flows.stage_launch import launch_info, local_env, node_rank
-    from posttrain.artifact_claim import find_complete
-    from posttrain.planner import spec_for
-    from posttrain.recovery import earlier_attempt
-    from posttrain.stage_spec import spec_path
+    from posttrain.plan.planner import spec_for
+    from posttrain.runtime.recovery import earlier_attempt
+    from posttrain.runtime.spec import spec_path
+    from posttrain.store.claim import find_complete
 
     recipe = load_or_report(path, overrides, err)
     if recipe is None:

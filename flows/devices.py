@@ -4,7 +4,7 @@ Two layers, taken in this order and held from a run's first stage to its last (r
 whole: holding per stage would let a long stage of a later run, a retraining triggered by this
 run's new base say, starve this run's evaluate and export):
 
-1. A host-wide `flock` (`posttrain.device_lock`): the kernel frees it when the holder dies, by
+1. A host-wide `flock` (`posttrain.runtime.device_lock`): the kernel frees it when the holder dies, by
    SIGKILL, a hang-up or a crash, so a dead run never keeps the devices. A waiting run logs who
    holds it (pid, flow run, since when).
 2. A one-slot Prefect global concurrency limit named after the machine and the devices (`cpu`,
@@ -45,9 +45,9 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from flows.stage_launch import HELD_DEVICE_LOCK, node_rank
 from flows.stage_output import artifact_key, run_logger
-from posttrain.artifact_claim import looks_complete
-from posttrain.device_lock import DeviceLock
-from posttrain.planner import PlannedStage
+from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.device_lock import DeviceLock
+from posttrain.store.claim import looks_complete
 
 PREFIX = "posttrain-devices"
 SLOT_POLL_S = 2.0

@@ -223,7 +223,7 @@ def known_block(exc: BaseException, sections: Mapping[str, str] | None = None) -
     from flows.stage_failures import QualityGateFailed, StageFailed, StageTimeout
     from flows.stage_hang import StageHung
     from posttrain.config.loader import RecipeError
-    from posttrain.selection import SelectionError
+    from posttrain.plan.selection import SelectionError
 
     if isinstance(exc, StageFailed):
         return stage_failure_block(

@@ -30,11 +30,11 @@ from flows.report import (
 )
 from flows.stage_output import artifact_key
 from flows.trackers import Trackers
-from posttrain.planner import RunPlan
-from posttrain.promotion import Decision, comparison_markdown
+from posttrain.plan.planner import RunPlan
 from posttrain.secrets import redact, redact_obj
 from posttrain.telemetry.graph_plot import GraphNode
 from posttrain.telemetry.plots import CurvePlot
+from posttrain.workspace.promotion import Decision, comparison_markdown
 
 
 @dataclass

@@ -16,7 +16,7 @@ import psutil
 
 from flows.stage_failures import StageFailed
 from flows.stage_procs import stage_processes
-from posttrain.planner import PlannedStage
+from posttrain.plan.planner import PlannedStage
 from posttrain.telemetry.heartbeat import Hang, HangWatch, stack_file
 
 # How long the ranks get to write their stacks after SIGUSR1 (faulthandler writes from the

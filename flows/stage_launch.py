@@ -3,7 +3,7 @@
 One process runs `python -m <stage module> --spec <spec.json>`; several ranks run under torchrun,
 on one node or meeting at a rendezvous across nodes. What the stage needs to know about its
 launch (the lock its supervisor holds, who to watch) goes into its spec (`launch_info`,
-`posttrain.stage_spec`); the environment carries only the fixed settings and the launch's tag,
+`posttrain.runtime.spec`); the environment carries only the fixed settings and the launch's tag,
 by which `flows.stage_procs` finds and stops the launch's processes.
 """
 
@@ -19,11 +19,11 @@ from prefect.context import FlowRunContext
 
 import posttrain
 from posttrain import hub
-from posttrain.orphan import process_start
-from posttrain.planner import PlannedStage
-from posttrain.stage_spec import LAUNCH_TAG_ENV, LaunchInfo
+from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.orphan import process_start
+from posttrain.runtime.spec import LAUNCH_TAG_ENV, LaunchInfo
 
-# The device lock file (posttrain.device_lock) the flow holds, named in its stages' specs so an
+# The device lock file (posttrain.runtime.device_lock) the flow holds, named in its stages' specs so an
 # orphaned stage that goes on (infra.orphan=finish) can take the devices over. A context
 # variable: several stages may be supervised at once from threads of one flow.
 HELD_DEVICE_LOCK: contextvars.ContextVar[str | None] = contextvars.ContextVar(

@@ -1,5 +1,5 @@
 """Finding and killing a stage's processes: its process group, its descendants, and every
-process carrying its launch's tag (`POSTTRAIN_LAUNCH`, posttrain.stage_spec: torchrun starts
+process carrying its launch's tag (`POSTTRAIN_LAUNCH`, posttrain.runtime.spec: torchrun starts
 each rank in a session of its own, so a process group is not enough)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import psutil
 
-from posttrain.stage_spec import LAUNCH_TAG_ENV, tag_flow_run_id, tag_launch_id
+from posttrain.runtime.spec import LAUNCH_TAG_ENV, tag_flow_run_id, tag_launch_id
 
 KILL_GRACE_S = 10.0
 

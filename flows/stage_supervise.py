@@ -4,10 +4,10 @@ machine, Slurm or Kubernetes), watch it (timeout, hang) and check what it left.
 
 Supervision means:
   - reuse: a complete, unaltered artifact with the stage's fingerprint is returned, not rebuilt
-    (`posttrain.artifact_claim.find_complete`: the one look, once per launch, under the lock);
+    (`posttrain.store.claim.find_complete`: the one look, once per launch, under the lock);
   - the contract: the stage process gets everything it needs in its spec (`spec.json`, with
     this launch's `launch` record: the lock held for it, who to watch), nothing in variables
-    but the launch's tag (`posttrain.stage_spec`);
+    but the launch's tag (`posttrain.runtime.spec`);
   - logs: the stage's output (every node's) goes line by line to the Prefect run logger and to
     `<out_dir>/logs/stage.log` (appended; logs/ is outside the manifest) (`flows.stage_output`);
   - progress: `<out_dir>/metrics.jsonl` is tailed into a Prefect progress artifact (same);
@@ -37,13 +37,13 @@ from flows.stage_hang import StageHung, hang_message, hang_watch
 from flows.stage_launch import launch_env, launch_info, launch_labels, local_env, node_rank
 from flows.stage_output import MetricsTail, OutputPump, ProgressArtifact, run_logger
 from flows.stage_procs import KILL_GRACE_S
-from posttrain.artifact_claim import find_complete
-from posttrain.artifacts import ArtifactRef, ref_from_manifest, verify
-from posttrain.locking import ArtifactLock, LockTimeout, describe_holder
-from posttrain.orphan import SupervisorBeat
-from posttrain.planner import PlannedStage
-from posttrain.recovery import ERROR_FILE, earlier_attempt
-from posttrain.stage_spec import StageSpec, spec_path
+from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.orphan import SupervisorBeat
+from posttrain.runtime.recovery import ERROR_FILE, earlier_attempt
+from posttrain.runtime.spec import StageSpec, spec_path
+from posttrain.store.artifacts import ArtifactRef, ref_from_manifest, verify
+from posttrain.store.claim import find_complete
+from posttrain.store.locking import ArtifactLock, LockTimeout, describe_holder
 from posttrain.telemetry.heartbeat import Hang, HangWatch
 
 # How often the supervisor looks at the launch, its heartbeats and its timeout. A local child's
@@ -62,7 +62,7 @@ def supervise_stage(
 ) -> Outcome:
     """Run one planned stage to completion, or reuse its artifact, and return its ref.
 
-    The artifact folder's lock (`posttrain.locking`) is held from the one look at the folder
+    The artifact folder's lock (`posttrain.store.locking`) is held from the one look at the folder
     to the completion check, so a second run of the same stage (same fingerprint) waits for
     the first, logging that it does, then reuses what it made; the wait counts against the
     stage's timeout.
@@ -227,7 +227,7 @@ def _follow(
     if rc != 0:
         engine = launch.engine_reason()
         if engine:
-            # For the next run's account of this attempt (posttrain.recovery reads the last line).
+            # For the next run's account of this attempt (posttrain.runtime.recovery reads the last line).
             with contextlib.suppress(OSError), open(stage.out_dir / ERROR_FILE, "a") as f:
                 f.write(f"ended by {engine}\n")
         headline = failure_headline(stage, rc, list(pump.recent), engine)

@@ -7,7 +7,7 @@ to `flows.stage_supervise.supervise_stage`, which does the work.
 
 Prefect shows every stage as a task run with its state, logs and artifacts, but its result cache
 is not used: whether a stage must run is decided by its artifact alone, once per launch, under
-the artifact's lock (`posttrain.artifact_claim`). A stage that did not need to run ends in a
+the artifact's lock (`posttrain.store.claim`). A stage that did not need to run ends in a
 Completed state named `Reused`, the word the terminal, the report, the graph and the trackers
 use too.
 """
@@ -22,9 +22,9 @@ from prefect.states import Completed, State
 
 from flows.stage_procs import KILL_GRACE_S
 from flows.stage_supervise import supervise_stage
-from posttrain.artifacts import ArtifactRef
-from posttrain.planner import PlannedStage
-from posttrain.stage_spec import StageSpec
+from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.spec import StageSpec
+from posttrain.store.artifacts import ArtifactRef
 
 REUSED = "reused"
 

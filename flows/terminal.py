@@ -43,7 +43,7 @@ from flows.stage_output import (
     remove_step_listener,
 )
 from posttrain.config.loader import RecipeError
-from posttrain.selection import SelectionError
+from posttrain.plan.selection import SelectionError
 
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 # Prefect's (and our supervisor's) repeats of a failure the closing block states once.

@@ -127,7 +127,7 @@ def test_guard_config_is_checked() -> None:
 
 
 def test_fingerprints_carry_the_spike_test_only() -> None:
-    from posttrain.planner import plan
+    from posttrain.plan.planner import plan
 
     def fps(**guard: object) -> dict[str, str]:
         recipe = Recipe.model_validate({**copy.deepcopy(TINY), "guard": guard})
@@ -144,7 +144,7 @@ def test_fingerprints_carry_the_spike_test_only() -> None:
 
 
 def test_hang_settings_reach_training_stages_only() -> None:
-    from posttrain.planner import plan
+    from posttrain.plan.planner import plan
 
     with pytest.raises(ValueError, match="hang_timeout_s"):
         Recipe.model_validate({**TINY, "infra": {"hang_timeout_s": 0}})

@@ -22,7 +22,7 @@ from flows.launchers.k8s_manifests import plan_job
 from flows.launchers.kubernetes import KubernetesLauncher, cancel_flow_run_jobs
 from posttrain.config.infra_section import InfraConfig
 from posttrain.config.schema import Recipe
-from posttrain.planner import PlannedStage, spec_for
+from posttrain.plan.planner import PlannedStage, spec_for
 from tests.k8s_replay import (
     DATA,
     FINGERPRINT,
@@ -401,7 +401,7 @@ def test_the_supervisor_runs_a_stage_through_the_kubeconfig_and_names_the_oom_ki
 
     import flows.stage_supervise as supervise
     from flows.stage_failures import StageFailed
-    from posttrain.artifacts import stage_dir
+    from posttrain.store.artifacts import stage_dir
 
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(

@@ -28,7 +28,7 @@ from flows.stage_launch import stage_command
 from posttrain.config.infra_section import InfraConfig
 from posttrain.config.kubernetes_section import KubernetesConfig, Toleration
 from posttrain.config.loader import RecipeError, validate_recipe
-from posttrain.planner import PlannedStage
+from posttrain.plan.planner import PlannedStage
 from tests.k8s_schema import K8S_VERSION, validate_object
 
 WORKSPACE = Path("/mnt/posttrain/workspace")

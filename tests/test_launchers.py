@@ -18,8 +18,8 @@ from flows.launchers.base import LaunchRequest
 from flows.launchers.slurm import SlurmLaunch, SlurmLauncher, exit_status
 from flows.stage_output import NODE_PREFIX
 from posttrain.config.loader import load_recipe
-from posttrain.orphan import BeatReader, SupervisorBeat
-from posttrain.planner import plan
+from posttrain.plan.planner import plan
+from posttrain.runtime.orphan import BeatReader, SupervisorBeat
 from tests.stage_helpers import TINY, write_recipe
 
 
@@ -246,7 +246,7 @@ def test_a_local_supervisor_is_known_by_its_start_ticks_not_the_wall_clock(monke
 
     import psutil
 
-    from posttrain.orphan import process_start, supervisor_alive
+    from posttrain.runtime.orphan import process_start, supervisor_alive
 
     me, start = os.getpid(), process_start()
     assert supervisor_alive(me, start)

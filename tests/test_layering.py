@@ -38,7 +38,7 @@ MODULES = _modules()
 
 def _resolve(name: str) -> str:
     """`name` as the module it loads: `posttrain.hub` (a module) or, for
-    `from posttrain.artifacts import verify`, the longest prefix that is one of ours."""
+    `from posttrain.store.artifacts import verify`, the longest prefix that is one of ours."""
     while name and name not in MODULES:
         name = name.rpartition(".")[0]
     return name

@@ -12,7 +12,7 @@ import torch
 from flows.post_train import check_gate
 from flows.report import StageRecord
 from flows.stage_failures import QualityGateFailed
-from posttrain.artifacts import ref_from_manifest
+from posttrain.store.artifacts import ref_from_manifest
 from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import (
     TINY,

@@ -19,7 +19,7 @@ from posttrain.config.served_access import (
     reward_roots,
     served_reward_roots,
 )
-from posttrain.planner import plan
+from posttrain.plan.planner import plan
 from posttrain.rewards.combine import (
     RewardFunction,
     RewardFunctionError,

@@ -31,10 +31,10 @@ from prefect_server import cancel_from_ui, serving, start_serve, stop_group, wai
 from stage_modules import on_child_path, write_heartbeat_modules
 
 from flows.stage_procs import tagged_processes
-from posttrain.artifacts import verify
 from posttrain.config.loader import load_recipe
-from posttrain.planner import plan
-from posttrain.stage_spec import tag_flow_run_id, tag_launch_id
+from posttrain.plan.planner import plan
+from posttrain.runtime.spec import tag_flow_run_id, tag_launch_id
+from posttrain.store.artifacts import verify
 from posttrain.telemetry.health.sampler import read_health
 from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import (

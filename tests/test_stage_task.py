@@ -21,10 +21,10 @@ from flows.stage_failures import StageFailed, StageTimeout
 from flows.stage_launch import launch_env, local_env, stage_command
 from flows.stage_output import MetricsTail, progress_from_record
 from flows.stage_task import stage_task
-from posttrain.artifacts import stage_dir, verify, write_manifest
 from posttrain.config.schema import Recipe
-from posttrain.planner import PlannedStage, spec_for
-from posttrain.stage_spec import LAUNCH_TAG_ENV, LaunchInfo, StageSpec, read_spec, spec_path
+from posttrain.plan.planner import PlannedStage, spec_for
+from posttrain.runtime.spec import LAUNCH_TAG_ENV, LaunchInfo, StageSpec, read_spec, spec_path
+from posttrain.store.artifacts import stage_dir, verify, write_manifest
 
 FP = "0123456789abcdef"
 

@@ -16,7 +16,7 @@ from posttrain.config import vocab_check
 from posttrain.config.loader import RecipeError, load_recipe
 from posttrain.kinds.ingest import TOKENIZER_FIELDS, IngestConfig
 from posttrain.models.vocab import vocab_digest
-from posttrain.planner import plan
+from posttrain.plan.planner import plan
 from tests.test_bases import DATA, HEAD, REWARDS, TEACHER_SFT, recipe, teacher
 
 DISTILL = {"kind": "distill", "name": "distill", "from": "sft", "teacher": "teacher_sft"}

@@ -8,7 +8,7 @@ client is an optional dependency.
 from __future__ import annotations
 
 from flows.launchers.base import Launcher
-from posttrain.planner import PlannedStage
+from posttrain.plan.planner import PlannedStage
 
 
 def launcher_for(stage: PlannedStage) -> Launcher:

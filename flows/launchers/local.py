@@ -12,7 +12,7 @@ from flows.launchers.base import LaunchRequest, Log
 from flows.stage_hang import dump_stacks
 from flows.stage_launch import node_rank, stage_command
 from flows.stage_procs import kill_stage
-from posttrain.planner import PlannedStage
+from posttrain.plan.planner import PlannedStage
 from posttrain.telemetry.heartbeat import Hang
 
 
@@ -71,7 +71,7 @@ class LocalLauncher:
         )
 
     def find(self, record: dict[str, str], log: Log) -> None:
-        # A local stage whose launcher died watches for that itself (posttrain.orphan) and
+        # A local stage whose launcher died watches for that itself (posttrain.runtime.orphan) and
         # releases or takes over the artifact lock, which this launcher now holds.
         return None
 

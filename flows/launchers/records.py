@@ -7,8 +7,8 @@ import json
 import time
 
 from flows.launchers.base import Launch, Launcher, LaunchRequest, Log
-from posttrain.artifacts import atomic_write_text
-from posttrain.planner import PlannedStage
+from posttrain.plan.planner import PlannedStage
+from posttrain.store.artifacts import atomic_write_text
 
 RECORD = "launch.json"
 

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, push_to_gateway, start_http_ser
 
 from flows.stage_output import run_logger
 from flows.trackers import Sink
-from posttrain.planner import PlannedStage
+from posttrain.plan.planner import PlannedStage
 from posttrain.telemetry.exposition import RunSeries
 
 log = logging.getLogger("posttrain.flows.trackers")

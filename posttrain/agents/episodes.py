@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from posttrain.agents.environment import Episode
 from posttrain.agents.tool_calls import ParsedReply, ToolCall, parse_reply
 from posttrain.agents.tool_runner import ToolResult, failure_counts, run_calls
-from posttrain.stage_errors import StageVerdict
+from posttrain.runtime.errors import StageVerdict
 
 if TYPE_CHECKING:
     from posttrain.config.schema import SamplingConfig

@@ -1,7 +1,7 @@
 """The base of every recipe section, and the one decision every field of a stage's sections
 makes: does it change what the stage makes (`Result`), or only how it runs (`Execution`)?
 
-A stage's fingerprint hashes its `Result` fields and nothing else (`posttrain.fingerprints`),
+A stage's fingerprint hashes its `Result` fields and nothing else (`posttrain.plan.fingerprints`),
 so a new field is either part of the result or not, said where it is declared; a test walks the
 schema and fails on a field that says neither (tests/test_fingerprint_rule.py). A field holding
 a nested section (or a list of them) needs no word of its own, its fields decide; marked

@@ -23,7 +23,7 @@ import torch
 from posttrain.rewards.extract import completion_text
 from posttrain.rewards.loader import bind
 from posttrain.rewards.spec import RewardSpec
-from posttrain.stage_errors import StageVerdict
+from posttrain.runtime.errors import StageVerdict
 
 # Keyword arguments the caller fills; a data column of the same name would be shadowed.
 RESERVED = ("prompts", "completions", "completion_ids", "stopped")

@@ -14,7 +14,7 @@ Every rank beats `<out_dir>/logs/heartbeat/rank<k>.json` and dumps its Python st
 `<out_dir>/logs/stacks-rank<k>.txt` on SIGUSR1 (`posttrain.telemetry.heartbeat`), samples its
 GPU, InfiniBand ports and storage reads into `<out_dir>/logs/health/rank<k>.json`
 (`posttrain.telemetry.health`, every POSTTRAIN_HEALTH_INTERVAL_S seconds), and watches
-the process that supervises it (`posttrain.orphan`): when it dies, the stage stops or finishes
+the process that supervises it (`posttrain.runtime.orphan`): when it dies, the stage stops or finishes
 alone, per `infra.orphan`.
 """
 
@@ -34,15 +34,15 @@ from pathlib import Path
 from typing import Any
 
 from posttrain import hub, numerics
-from posttrain.artifact_claim import claim_by_hand, find_complete
-from posttrain.artifacts import ArtifactRef, read_manifest, verify, write_manifest
 from posttrain.config.graph import BASE
 from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS, StageKind, kind_of
-from posttrain.orphan import OrphanWatch
-from posttrain.recovery import launch_account, recovery_record
-from posttrain.stage_errors import ParentArtifactDamaged, StageVerdict
-from posttrain.stage_spec import LaunchInfo, StageSpec, read_spec, spec_path
+from posttrain.runtime.errors import ParentArtifactDamaged, StageVerdict
+from posttrain.runtime.orphan import OrphanWatch
+from posttrain.runtime.recovery import launch_account, recovery_record
+from posttrain.runtime.spec import LaunchInfo, StageSpec, read_spec, spec_path
+from posttrain.store.artifacts import ArtifactRef, read_manifest, verify, write_manifest
+from posttrain.store.claim import claim_by_hand, find_complete
 from posttrain.telemetry import health, heartbeat
 
 log = logging.getLogger("posttrain")
@@ -62,7 +62,7 @@ class StageContext:
     extra_manifest: dict[str, Any] = field(default_factory=dict)
     # The memory pre-flight's record (training stages): metrics.jsonl and the summary get it.
     preflight: dict[str, Any] | None = None
-    # role -> parent stage name (posttrain.planner.PlannedStage.roles): "base", "policy", ...
+    # role -> parent stage name (posttrain.plan.planner.PlannedStage.roles): "base", "policy", ...
     roles: dict[str, str] = field(default_factory=dict)
     kind: StageKind | None = None
     # The kind the manifest records (a stand-in's own name when `kind` is None).
@@ -243,7 +243,7 @@ def _spec_from_recipe(
     kind: str, name: str | None, recipe_path: str, overrides: list[str]
 ) -> StageSpec:
     from posttrain.config.loader import load_recipe
-    from posttrain.planner import plan, spec_for
+    from posttrain.plan.planner import plan, spec_for
 
     recipe = load_recipe(recipe_path, overrides)
     planned = {p.name: p for p in plan(recipe).stages}
@@ -271,7 +271,7 @@ def _spec_from_recipe(
 def _parse(kind: str, argv: list[str] | None) -> StageSpec:
     ap = argparse.ArgumentParser(prog=f"python -m posttrain.stages.{kind}")
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--spec", help="spec JSON written by the supervisor (posttrain.stage_spec)")
+    src.add_argument("--spec", help="spec JSON written by the supervisor (posttrain.runtime.spec)")
     src.add_argument("--recipe", help="recipe YAML; parents must already exist in the workspace")
     ap.add_argument("--stage", help=f"which {kind} stage of the recipe (with --recipe)")
     ap.add_argument("overrides", nargs="*", help="key.path=value (with --recipe)")
@@ -338,10 +338,10 @@ def stage_main(
     hub.pin(ctx.inputs.get("hub", {}).values())
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     # First thing: a stage whose supervisor died (while this process imported torch, say) must
-    # not start, or must go on alone, per infra.orphan (posttrain.orphan).
+    # not start, or must go on alone, per infra.orphan (posttrain.runtime.orphan).
     watch = OrphanWatch.start(ctx.out_dir, ctx.name, ctx.recipe.infra.orphan, spec.launch)
     # A supervisor that holds the artifact's lock for this launch has looked at the folder
-    # already; without one, this process takes the lock and looks (posttrain.artifact_claim).
+    # already; without one, this process takes the lock and looks (posttrain.store.claim).
     claim = None
     if spec.launch is None or spec.launch.lock is None:
         claim = claim_by_hand(ctx.out_dir, ctx.fingerprint, ctx.name)
@@ -522,8 +522,8 @@ def reproducibility(ctx: StageContext) -> dict[str, Any]:
 def _report_failure(ctx: StageContext, exc: BaseException) -> None:
     """logs/error.txt (rank 0) and one POSTTRAIN_ERROR line; a traceback on stderr only for an
     unexpected error."""
-    from posttrain.diskspace import as_disk_full
     from posttrain.memory.preflight import MemoryPreflightError
+    from posttrain.runtime.diskspace import as_disk_full
 
     tb = traceback.format_exc()
     # A full disk, wherever it struck (a json write, save_pretrained), is a verdict too.

@@ -1,4 +1,4 @@
-"""The runs of a workspace, newest first, from their `run.json` records (`posttrain.run_status`).
+"""The runs of a workspace, newest first, from their `run.json` records (`posttrain.workspace.run_status`).
 
 What `posttrain runs` lists and what `posttrain clean` keeps the artifacts of. Reads one small
 JSON file per run (and probes its lock): fast however large the artifacts are.
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.run_status import parse_stamp, read_run
+from posttrain.workspace.run_status import parse_stamp, read_run
 
 # How many of the evaluate headline's metrics a listing shows: the ones the promotion gate
 # compares, in the recipe's order, else the first ones; enough to tell runs apart in one line.

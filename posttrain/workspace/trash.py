@@ -1,13 +1,13 @@
-"""Deleting what `posttrain.workspace_clean` planned, so that a killed `clean` harms nothing.
+"""Deleting what `posttrain.workspace.clean` planned, so that a killed `clean` harms nothing.
 
 Each candidate is first renamed, whole, into `<workspace>/.trash/` (one `rename`: atomic on one
 file system), then deleted there. A run looks only at `artifacts/<stage>/<fingerprint>/` and
-trusts a folder whose manifest verifies (`posttrain.artifact_claim.find_complete`); the rename
+trusts a folder whose manifest verifies (`posttrain.store.claim.find_complete`); the rename
 takes the folder away in one step, so a `clean` killed at any moment leaves either the whole
 artifact where it was or nothing there, never a folder with a manifest and half its files. The
 next `clean` empties what a killed one left in the trash.
 
-The rename happens under the artifact's lock (`posttrain.locking.ArtifactLock`, taken without
+The rename happens under the artifact's lock (`posttrain.store.locking.ArtifactLock`, taken without
 waiting): a stage that started since the plan was made holds it, and its folder is skipped;
 a stage that starts after the rename finds no folder and builds it anew. Under the lock the
 candidate is looked at again (a failed attempt may have been completed since).
@@ -21,10 +21,10 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from posttrain.artifacts import verify
-from posttrain.locking import ArtifactLock
-from posttrain.workspace_clean import FAILED, TRASH, TRASH_DIR, UNREFERENCED, Candidate, CleanPlan
-from posttrain.workspace_runs import list_runs
+from posttrain.store.artifacts import verify
+from posttrain.store.locking import ArtifactLock
+from posttrain.workspace.clean import FAILED, TRASH, TRASH_DIR, UNREFERENCED, Candidate, CleanPlan
+from posttrain.workspace.runs import list_runs
 
 
 @dataclass

@@ -5,11 +5,11 @@
     training kinds); `Execution` fields are left out (`posttrain.config.section_fields`);
   - the outside-world inputs those fields name, by content (`source=`): data files and
     folders, a local checkpoint, a template file, a task folder by their files' identity
-    (`posttrain.artifacts.path_identity`), hub ids by the commit their revision resolves to,
+    (`posttrain.store.artifacts.path_identity`), hub ids by the commit their revision resolves to,
     reward functions by their name and their module's source;
   - what the kind adds of its own (`StageKind.inputs`: the data-parallel size for the kinds
     whose rollouts each rank samples with its own seed);
-  - its parents' fingerprints, by role (the planner: `posttrain.artifacts.fingerprint`).
+  - its parents' fingerprints, by role (the planner: `posttrain.store.artifacts.fingerprint`).
 
 The result is the stage's `inputs`: hashed into its fingerprint, recorded in its spec, its
 `config.json` and its manifest. `inputs["hub"]` holds the commits the stage process pins.
@@ -25,12 +25,12 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
-from posttrain.artifacts import path_identity
 from posttrain.config.schema import Recipe
 from posttrain.config.section_fields import effect_for, source_of
 from posttrain.data.chat import looks_like_template_file
 from posttrain.hub import RepoType, is_hub_id, resolve_sha
 from posttrain.kinds import StageKind
+from posttrain.store.artifacts import path_identity
 
 
 class UndecidedField(TypeError):

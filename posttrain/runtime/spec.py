@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from posttrain.artifacts import ArtifactRef, atomic_write_text
+from posttrain.store.artifacts import ArtifactRef, atomic_write_text
 
 # The process tag every process of a launch inherits: `<launch id>` or `<launch id>@<flow run>`.
 LAUNCH_TAG_ENV = "POSTTRAIN_LAUNCH"

@@ -2,7 +2,7 @@
 
 Candidates, by category:
   - failed attempts: an artifact folder without a manifest (a stage that failed or was killed;
-    `posttrain.recovery` tells which), or whose manifest no longer matches its files (sizes);
+    `posttrain.runtime.recovery` tells which), or whose manifest no longer matches its files (sizes);
   - damaged checkpoints: in a complete artifact, `checkpoints/step_N.tmp` (a save cut short),
     `step_N.damaged*` (set aside by a resume) and complete checkpoints that fail their
     integrity record (`posttrain.train.integrity`);
@@ -15,7 +15,7 @@ every artifact of the newest completed run of each pipeline, a folder whose lock
 that outlived its run, before it notices), and anything reached through a symbolic link (the
 walk never follows one, so nothing outside the workspace is ever counted or deleted). While a
 run is running, no complete artifact is a candidate: it may be reusing one it has not recorded
-yet. Deleting is `posttrain.workspace_trash`.
+yet. Deleting is `posttrain.workspace.trash`.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from posttrain.artifacts import read_manifest, verify
-from posttrain.locking import is_held, lock_path
-from posttrain.recovery import earlier_attempt
+from posttrain.store.artifacts import read_manifest, verify
+from posttrain.store.locking import is_held, lock_path
+from posttrain.runtime.recovery import earlier_attempt
 from posttrain.train.integrity import check_hashes, check_meta, check_sizes, read_record
-from posttrain.workspace_runs import RunInfo, list_runs
+from posttrain.workspace.runs import RunInfo, list_runs
 
 FAILED, DAMAGED, UNREFERENCED, TRASH = (
     "failed attempt",

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from posttrain.artifacts import MANIFEST
-from posttrain.stage_spec import LaunchInfo
+from posttrain.runtime.spec import LaunchInfo
+from posttrain.store.artifacts import MANIFEST
 from posttrain.telemetry.heartbeat import read_heartbeats
 
 LAUNCH_LOG = Path("logs") / "stage.log"

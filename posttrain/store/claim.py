@@ -2,7 +2,7 @@
 
 A stage is done when its sealed manifest exists, verifies (every file's size and sha256) and
 carries the planned fingerprint. `find_complete` decides it, once per launch, called by whoever
-holds the artifact's lock (`posttrain.locking.ArtifactLock`) for that launch:
+holds the artifact's lock (`posttrain.store.locking.ArtifactLock`) for that launch:
   - the supervisor (`flows.stage_supervise`) for every stage the flow launches; the stage
     process it starts inherits the lock (`spec.launch.lock`) and does not look again;
   - the stage process itself when nothing holds the lock for it (`python -m posttrain.stages.x
@@ -22,8 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posttrain.artifacts import MANIFEST, ArtifactRef, read_manifest, ref_from_manifest, verify
-from posttrain.locking import ArtifactLock, describe_holder
+from posttrain.store.artifacts import (
+    MANIFEST,
+    ArtifactRef,
+    read_manifest,
+    ref_from_manifest,
+    verify,
+)
+from posttrain.store.locking import ArtifactLock, describe_holder
 
 Log = logging.Logger | logging.LoggerAdapter
 log = logging.getLogger("posttrain.lock")

@@ -25,8 +25,8 @@ from types import TracebackType
 from typing import Any
 
 from posttrain import jsonsafe
-from posttrain.artifacts import atomic_write_text
-from posttrain.locking import FileLock, is_held
+from posttrain.store.artifacts import atomic_write_text
+from posttrain.store.locking import FileLock, is_held
 
 RUN_FILE = "run.json"
 RUN_LOCK = "run.lock"

@@ -17,9 +17,9 @@ import difflib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from posttrain.artifact_claim import looks_complete
 from posttrain.kinds import KINDS
-from posttrain.planner import PlannedStage, RunPlan
+from posttrain.plan.planner import PlannedStage, RunPlan
+from posttrain.store.claim import looks_complete
 
 
 class SelectionError(ValueError):

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.artifacts import ArtifactRef, fingerprint, stage_dir
 from posttrain.config.graph import StageGraph
 from posttrain.config.loader import is_resolved, resolve
 from posttrain.config.schema import Recipe
 from posttrain.config.served_access import ServedReach
-from posttrain.fingerprints import stage_inputs
 from posttrain.kinds import KINDS, StageKind
-from posttrain.stage_spec import StageSpec
+from posttrain.plan.fingerprints import stage_inputs
+from posttrain.runtime.spec import StageSpec
+from posttrain.store.artifacts import ArtifactRef, fingerprint, stage_dir
 
 
 @dataclass
@@ -113,7 +113,7 @@ class RunPlan:
     device: str  # "cpu" or "cuda"
     parallel: int  # stages that may run at once (infra.parallel_stages, resolved)
     devices_per_stage: int
-    # The recipe's stages this run leaves out (`--until`/`--only`: posttrain.selection.choose).
+    # The recipe's stages this run leaves out (`--until`/`--only`: posttrain.plan.selection.choose).
     not_selected: list[str] = field(default_factory=list)
 
     def stage(self, name: str) -> PlannedStage:
@@ -216,7 +216,7 @@ def _planned(
 
 
 def spec_for(stage: PlannedStage, recipe: Recipe, parent_refs: dict[str, ArtifactRef]) -> StageSpec:
-    """What a stage process builds (`posttrain.stage_spec`): the resolved recipe, the stage's
+    """What a stage process builds (`posttrain.runtime.spec`): the resolved recipe, the stage's
     fingerprint, folder, inputs and roles, and its parents' refs. Its supervisor adds the
     launch record and writes it to `logs/spec.json`."""
     return StageSpec(

@@ -19,7 +19,7 @@ import os
 import stat
 from pathlib import Path
 
-from posttrain.locking import FileLock
+from posttrain.store.locking import FileLock
 
 DIR_ENV = "POSTTRAIN_DEVICE_LOCK_DIR"
 DEFAULT_DIR = "/tmp/posttrain-device-locks"

@@ -53,7 +53,7 @@ def canonical_json(obj: Any) -> str:
 
 def fingerprint(kind: str, code_version: str, inputs: Any, parents: dict[str, str]) -> str:
     """Hash of everything that determines a stage's output: its kind and the kind's code
-    version, its inputs (`posttrain.fingerprints.stage_inputs`: the result fields of what it
+    version, its inputs (`posttrain.plan.fingerprints.stage_inputs`: the result fields of what it
     reads and the identity of the outside inputs they name) and its parents' fingerprints by
     role."""
     payload = canonical_json(

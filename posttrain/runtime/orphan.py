@@ -45,8 +45,8 @@ from pathlib import Path
 
 import psutil
 
-from posttrain.locking import FileLock
-from posttrain.stage_spec import LAUNCH_TAG_ENV, LaunchInfo
+from posttrain.runtime.spec import LAUNCH_TAG_ENV, LaunchInfo
+from posttrain.store.locking import FileLock
 
 PR_SET_PDEATHSIG = 1
 BEAT_EVERY_S = 5.0
@@ -58,7 +58,7 @@ EXIT_ORPHANED = 1  # like any stage that did not finish: no manifest, "not done"
 # for that release before it concludes that someone else holds the lock.
 RELEASE_GRACE_S = 5.0
 
-log = logging.getLogger("posttrain.orphan")
+log = logging.getLogger("posttrain.runtime.orphan")
 
 
 def die_with(parent: int, sig: int = signal.SIGTERM) -> Callable[[], None]:
