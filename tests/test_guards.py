@@ -236,7 +236,7 @@ def _tiny_session(tmp_path: Path, guard: dict):
     from posttrain.config.schema import LoraConfig, OptimConfig
     from posttrain.distributed.runtime import init_distributed
     from posttrain.models.lora import apply_lora
-    from posttrain.stages.common import StageContext
+    from posttrain.runtime.context import StageContext
     from posttrain.telemetry import heartbeat
     from posttrain.train.session import start_session
 

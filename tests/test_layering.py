@@ -161,10 +161,8 @@ KNOWN_PAIRS: dict[str, set[tuple[str, str]]] = {
         ("posttrain.config", "posttrain.rewards"),
         ("posttrain.distributed", "posttrain.models"),
         ("posttrain.eval", "posttrain.rl"),
-        ("posttrain.eval", "posttrain.stages"),
         ("posttrain.kinds", "posttrain.memory"),
         ("posttrain.models", "posttrain.train"),
-        ("posttrain.rl", "posttrain.stages"),
     },
     "flows": set(),
 }

@@ -549,7 +549,8 @@ def test_unknown_architecture_skips_the_stage_check(
 ) -> None:
     """A base the estimate cannot describe never blocks a stage: a warning, no report."""
     from posttrain.kinds import KINDS
-    from posttrain.stages.common import StageContext, memory_preflight
+    from posttrain.runtime.context import StageContext
+    from posttrain.stages.common import memory_preflight
     from posttrain.store.artifacts import ArtifactRef
 
     ingest = tmp_path / "ingest"

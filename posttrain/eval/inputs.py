@@ -17,7 +17,7 @@ from posttrain.data.sft_data import saved_split
 from posttrain.eval.verify import VerifyPrompts
 from posttrain.rewards.spec import RewardSpec
 from posttrain.rl.episodes import EpisodeSetup, episode_setup
-from posttrain.stages.common import StageContext
+from posttrain.runtime.context import StageContext
 
 log = logging.getLogger("posttrain.evaluate")
 

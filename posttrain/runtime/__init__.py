@@ -1,3 +1,4 @@
-"""What surrounds a stage process: its spec (`spec`), its verdicts (`errors`, `diskspace`), the
-watch on its supervisor (`orphan`), what an earlier attempt left (`recovery`), and the host-wide
-device lock a run takes before launching any (`device_lock`)."""
+"""What surrounds a stage process: what its `run` is given (`context`), its spec (`spec`), its
+verdicts (`errors`, `diskspace`), the watch on its supervisor (`orphan`), what an earlier attempt
+left (`recovery`), and the host-wide device lock a run takes before launching any
+(`device_lock`)."""

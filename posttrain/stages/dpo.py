@@ -37,7 +37,8 @@ from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, rank_
 from posttrain.models.adapters import policy_with_reference, reference_pass
 from posttrain.models.lora import prepare_for_training
 from posttrain.models.reward import pair_batch
-from posttrain.stages.common import StageContext, stage_main, training_base
+from posttrain.runtime.context import StageContext, training_base
+from posttrain.stages.common import stage_main
 from posttrain.store.artifacts import canonical_json, fingerprint, verify, write_manifest
 from posttrain.telemetry import heartbeat
 from posttrain.train.chunked import pair_logps

@@ -30,6 +30,7 @@ from posttrain.export.merge import merge_adapter, save_export
 from posttrain.export.model_card import model_card
 from posttrain.export.verify import verify_export
 from posttrain.models.loading import DTYPES, load_tokenizer
+from posttrain.runtime.context import StageContext
 from posttrain.runtime.diskspace import (
     DiskFull,
     ensure_free,
@@ -38,7 +39,7 @@ from posttrain.runtime.diskspace import (
     model_bytes,
     required_bytes,
 )
-from posttrain.stages.common import StageContext, stage_main
+from posttrain.stages.common import stage_main
 from posttrain.store.artifacts import sha256_file
 
 log = logging.getLogger("posttrain.export")

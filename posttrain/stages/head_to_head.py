@@ -29,7 +29,8 @@ from posttrain.data.sft_data import write_rows
 from posttrain.eval.preference_eval import head_to_head
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.reward import load_reward_model
-from posttrain.stages.common import StageContext, stage_main
+from posttrain.runtime.context import StageContext
+from posttrain.stages.common import stage_main
 from posttrain.workspace.promotion import HEAD_TO_HEAD, WIN_RATE_VS_CHAMPION
 
 log = logging.getLogger("posttrain.head_to_head")

@@ -42,7 +42,8 @@ from posttrain.data.chat import (
 )
 from posttrain.data.synthetic import pretrain_corpus, quickstart_sft_rows
 from posttrain.eval.stop_tokens import end_of_turn_token
-from posttrain.stages.common import StageContext, stage_main
+from posttrain.runtime.context import StageContext
+from posttrain.stages.common import stage_main
 from posttrain.store.artifacts import sha256_file
 
 log = logging.getLogger("posttrain.ingest")

@@ -37,7 +37,8 @@ from posttrain.distributed.runtime import (
 )
 from posttrain.models.adapters import policy_with_reference, reference_pass
 from posttrain.models.lora import prepare_for_training
-from posttrain.stages.common import StageContext, stage_main, training_base
+from posttrain.runtime.context import StageContext, training_base
+from posttrain.stages.common import stage_main
 from posttrain.telemetry import heartbeat
 from posttrain.train.chunked import forward_sequence_logps
 from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps, to_device
