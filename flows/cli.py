@@ -206,8 +206,8 @@ def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, er
     import subprocess
     import uuid
 
-    from flows.launchers.local import LocalLauncher
-    from flows.stage_launch import launch_info, local_env, node_rank
+    from flows.stage.launch import launch_info, local_env, node_rank
+    from flows.stage.launchers.local import LocalLauncher
     from posttrain.plan.planner import spec_for
     from posttrain.runtime.recovery import earlier_attempt
     from posttrain.runtime.spec import spec_path

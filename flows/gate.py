@@ -18,9 +18,9 @@ from typing import Any
 
 from prefect.logging import get_run_logger
 
-from flows.devices import REUSE_ONLY, DevicesNeeded
 from flows.report import StageRecord, export_model_path
-from flows.stage_task import run_task
+from flows.stage.launch import REUSE_ONLY, DevicesNeeded
+from flows.stage.task import run_task
 from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS
 from posttrain.plan.planner import PlannedStage, spec_for
@@ -38,7 +38,7 @@ from posttrain.workspace.promotion import (
     uses_metric,
 )
 
-# (planned stage, its spec) -> (status, ref); raises the stage's error (flows.stage_task.run_task).
+# (planned stage, its spec) -> (status, ref); raises the stage's error (flows.stage.task.run_task).
 RunSpec = Callable[[PlannedStage, StageSpec], tuple[str, ArtifactRef]]
 Log = logging.Logger | logging.LoggerAdapter
 
@@ -108,7 +108,7 @@ def head_to_head_vs_champion(
     Skipped, with the reason, when it cannot apply: no reward stage to judge with, no held-out
     reward prompts, or the champion's export folder is gone. Any error while running it is
     caught: the result then blocks promotion, naming the error. `run_spec` defaults to the
-    `stage` Prefect task (flows.stage_task.run_task), so it needs a flow run.
+    `stage` Prefect task (flows.stage.task.run_task), so it needs a flow run.
     """
     why = _cannot_run(by_stage, champion)
     if why:

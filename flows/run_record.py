@@ -28,7 +28,7 @@ from flows.report import (
     markdown_report,
     metrics_table,
 )
-from flows.stage_output import artifact_key
+from flows.stage.output import artifact_key
 from flows.trackers import Trackers
 from posttrain.plan.planner import RunPlan
 from posttrain.secrets import redact, redact_obj

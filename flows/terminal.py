@@ -35,8 +35,8 @@ from prefect.exceptions import FailedRun
 from prefect.logging.handlers import PrefectConsoleHandler
 
 from flows.report import format_duration
-from flows.stage_failures import QualityGateFailed, StageFailed
-from flows.stage_output import (
+from flows.stage.failures import QualityGateFailed, StageFailed
+from flows.stage.output import (
     REWARD_FIELD,
     STAGE_OUTPUT,
     add_step_listener,
@@ -115,7 +115,7 @@ def progress_text(stage: str, record: dict[str, Any], eta_s: float | None) -> st
 
 
 class ProgressPrinter:
-    """Receives each stage's newest training record (`flows.stage_output.add_step_listener`)
+    """Receives each stage's newest training record (`flows.stage.output.add_step_listener`)
     from the stages' tail threads and prints progress; one lock keeps lines whole."""
 
     def __init__(self, stream: TextIO, tty: bool | None = None, every_s: float | None = None):

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from flows.stage_supervise import supervise_stage
+from flows.stage.supervise import supervise_stage
 from posttrain.config.loader import validate_recipe
 from posttrain.plan.planner import PlannedStage, plan, spec_for
 from posttrain.runtime.spec import StageSpec

@@ -24,7 +24,7 @@ from flows.deploy import (
     schedules_for,
 )
 from flows.events import BASE_EVENT, BASE_PATH_LABEL, PIPELINE_LABEL
-from flows.stage_procs import kill_flow_run_processes, tagged_processes
+from flows.stage.procs import kill_flow_run_processes, tagged_processes
 from posttrain.config.loader import RecipeError, load_recipe, validate_recipe
 from posttrain.plan.selection import Selection
 from posttrain.runtime.spec import LAUNCH_TAG_ENV, tag_flow_run_id

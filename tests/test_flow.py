@@ -22,7 +22,7 @@ from stage_modules import write_stage_modules
 import posttrain.plan.planner
 from flows.devices import device_set_name
 from flows.post_train import post_train
-from flows.stage_failures import StageFailed
+from flows.stage.failures import StageFailed
 from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS
 from posttrain.runtime.device_lock import DIR_ENV, DeviceLock

@@ -460,9 +460,9 @@ def _dead(pid: int) -> bool:
 def test_hung_rank_is_dumped_killed_and_named(
     tmp_path: Path, beat_modules: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flows.stage_failures import StageFailed
-    from flows.stage_hang import StageHung
-    from flows.stage_task import stage_task
+    from flows.stage.failures import StageFailed
+    from flows.stage.hang import StageHung
+    from flows.stage.task import stage_task
 
     monkeypatch.setenv("PT_PIDS_FILE", str(tmp_path / "pids"))
     hang_s = 4.0
@@ -500,7 +500,7 @@ def test_hung_rank_is_dumped_killed_and_named(
 def test_slow_but_beating_stage_is_not_killed(
     tmp_path: Path, beat_modules: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flows.stage_task import stage_task
+    from flows.stage.task import stage_task
 
     # A silent startup longer than the hang timeout (covered by the startup allowance), then
     # five beats 1 s apart, against a 2 s hang timeout.

@@ -21,8 +21,8 @@ import torch
 
 from flows.gate import head_to_head_vs_champion
 from flows.report import StageRecord
-from flows.stage_failures import StageFailed
-from flows.stage_supervise import supervise_stage
+from flows.stage.failures import StageFailed
+from flows.stage.supervise import supervise_stage
 from posttrain.config.loader import load_recipe
 from posttrain.data.preference import quickstart_preference_rows
 from posttrain.eval.preference_eval import answers

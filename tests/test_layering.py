@@ -115,7 +115,7 @@ def _offenders(prefix: str, forbidden: tuple[str, ...]) -> list[str]:
 
 def test_the_modules_were_found() -> None:
     # Guards the other tests against passing on an empty graph (a moved folder, a bad ROOT).
-    assert "posttrain.train.rollout" in MODULES and "flows.stage_task" in MODULES
+    assert "posttrain.train.rollout" in MODULES and "flows.stage.task" in MODULES
     assert "posttrain.models.decoding" in IMPORTS["posttrain.train.rollout_engine"]
 
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-from flows.stage_launch import stage_command
+from flows.stage.launch import stage_command
 from posttrain.distributed.runtime import free_port
 from posttrain.store.artifacts import verify
 from posttrain.telemetry.metrics import read_metrics

@@ -11,7 +11,7 @@ import torch
 
 from flows.post_train import check_gate
 from flows.report import StageRecord
-from flows.stage_failures import QualityGateFailed
+from flows.stage.failures import QualityGateFailed
 from posttrain.store.artifacts import ref_from_manifest
 from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import (

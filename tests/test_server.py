@@ -65,7 +65,7 @@ def _client(server: Any) -> Any:
 
 
 def _flow_run_processes(flow_run_id: str) -> list[psutil.Process]:
-    from flows.stage_procs import tagged_processes
+    from flows.stage.procs import tagged_processes
     from posttrain.runtime.spec import tag_flow_run_id
 
     return tagged_processes(lambda tag: tag_flow_run_id(tag) == flow_run_id)

@@ -17,10 +17,10 @@ import psutil
 import pytest
 from stage_modules import on_child_path, write_stage_modules
 
-from flows.stage_failures import StageFailed, StageTimeout
-from flows.stage_launch import launch_env, local_env, stage_command
-from flows.stage_output import MetricsTail, progress_from_record
-from flows.stage_task import stage_task
+from flows.stage.failures import StageFailed, StageTimeout
+from flows.stage.launch import launch_env, local_env, stage_command
+from flows.stage.output import MetricsTail, progress_from_record
+from flows.stage.task import stage_task
 from posttrain.config.schema import Recipe
 from posttrain.plan.planner import PlannedStage, spec_for
 from posttrain.runtime.spec import LAUNCH_TAG_ENV, LaunchInfo, StageSpec, read_spec, spec_path

@@ -22,7 +22,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, push_to_gateway, start_http_server
 
-from flows.stage_output import run_logger
+from flows.stage.output import run_logger
 from flows.trackers import Sink
 from posttrain.plan.planner import PlannedStage
 from posttrain.telemetry.exposition import RunSeries

@@ -35,7 +35,7 @@ class PlannedStage:
     inputs: dict[str, Any] = field(repr=False, default_factory=dict)
     nnodes: int = 1
     rdzv_endpoint: str | None = None
-    # Hang watch (training stages only; see flows.stage_supervise.supervise_stage): seconds without
+    # Hang watch (training stages only; see flows.stage.supervise.supervise_stage): seconds without
     # any rank's heartbeat advancing, plus the allowance before the training loop's first beat.
     hang_timeout_s: float | None = None
     hang_startup_s: float = 0.0

@@ -3,7 +3,7 @@
 A stage is done when its sealed manifest exists, verifies (every file's size and sha256) and
 carries the planned fingerprint. `find_complete` decides it, once per launch, called by whoever
 holds the artifact's lock (`posttrain.store.locking.ArtifactLock`) for that launch:
-  - the supervisor (`flows.stage_supervise`) for every stage the flow launches; the stage
+  - the supervisor (`flows.stage.supervise`) for every stage the flow launches; the stage
     process it starts inherits the lock (`spec.launch.lock`) and does not look again;
   - the stage process itself when nothing holds the lock for it (`python -m posttrain.stages.x
     --spec ...`, `posttrain launch`): `claim_by_hand`. Rank 0 of node 0 takes the lock and

@@ -5,7 +5,7 @@ both would train into one folder at once (interleaved checkpoints, metrics and w
 sealing the other's files in its manifest). With it, the second waits, then finds the first's
 artifact complete and reuses it.
 
-Who holds the lock, once per launch: the stage's supervisor (`flows.stage_supervise`), from
+Who holds the lock, once per launch: the stage's supervisor (`flows.stage.supervise`), from
 its one look at the folder to the completion check, telling the stage process it holds it in
 `spec.json` (`launch.lock`); or, when nothing holds it for the process, the stage process
 itself (`posttrain.store.claim.claim_by_hand`).

@@ -18,9 +18,9 @@ from typing import Any
 import psutil
 import pytest
 
-from flows.stage_failures import StageFailed
-from flows.stage_procs import tagged_processes
-from flows.stage_task import stage_task
+from flows.stage.failures import StageFailed
+from flows.stage.procs import tagged_processes
+from flows.stage.task import stage_task
 from posttrain.config.loader import load_recipe
 from posttrain.plan.planner import plan, spec_for
 from posttrain.runtime.spec import LAUNCH_TAG_ENV

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import psutil
 
-from flows.stage_failures import StageFailed
-from flows.stage_procs import stage_processes
+from flows.stage.failures import StageFailed
+from flows.stage.procs import stage_processes
 from posttrain.plan.planner import PlannedStage
 from posttrain.telemetry.heartbeat import Hang, HangWatch, stack_file
 

@@ -4,15 +4,17 @@ One process runs `python -m <stage module> --spec <spec.json>`; several ranks ru
 on one node or meeting at a rendezvous across nodes. What the stage needs to know about its
 launch (the lock its supervisor holds, who to watch) goes into its spec (`launch_info`,
 `posttrain.runtime.spec`); the environment carries only the fixed settings and the launch's tag,
-by which `flows.stage_procs` finds and stops the launch's processes.
+by which `flows.stage.procs` finds and stops the launch's processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import os
 import site
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from prefect.context import FlowRunContext
@@ -29,6 +31,28 @@ from posttrain.runtime.spec import LAUNCH_TAG_ENV, LaunchInfo
 HELD_DEVICE_LOCK: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "posttrain_device_lock", default=None
 )
+# True while a run reuses its stages without holding the devices: a stage that must run after
+# all raises DevicesNeeded instead of launching. A context variable: stages side by side are
+# supervised from threads that copy the flow's context.
+REUSE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "posttrain_reuse_only", default=False
+)
+
+
+class DevicesNeeded(Exception):
+    """A stage must run while its run holds no devices (`REUSE_ONLY`)."""
+
+
+@contextlib.contextmanager
+def reuse_only() -> Iterator[None]:
+    """Within: a stage that would launch raises DevicesNeeded (flows.stage.supervise)."""
+    token = REUSE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        REUSE_ONLY.reset(token)
+
+
 CHILD_ENV = {
     # Line-buffered output, so the log and Prefect see lines as they happen.
     "PYTHONUNBUFFERED": "1",

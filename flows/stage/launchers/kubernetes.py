@@ -1,7 +1,7 @@
 """The Kubernetes launcher: a stage as an Indexed Job with a headless Service, through the
 Kubernetes API (the official `kubernetes` client; extra `pip install posttrain[kubernetes]`).
 
-`start` submits the Job (one pod per node, `flows.launchers.k8s_manifests`) and then its
+`start` submits the Job (one pod per node, `flows.stage.launchers.k8s_manifests`) and then its
 Service (owned by the Job, so deleting the Job removes it). The returned `KubernetesLaunch`
 looks at the Job and its pods every `infra.kubernetes.poll_s` seconds (two reads, shared by
 every caller), follows each pod's log once its container started, and ends the stage by
@@ -23,8 +23,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from flows.launchers.base import LaunchError, LaunchRequest, Log
-from flows.launchers.k8s_manifests import (
+from flows.stage.launchers.base import LaunchError, LaunchRequest, Log
+from flows.stage.launchers.k8s_manifests import (
     COMPLETION_INDEX_ANNOTATION,
     CONTAINER,
     FLOW_RUN_LABEL,

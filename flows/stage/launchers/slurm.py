@@ -5,7 +5,7 @@ the first:
   - `slurm-<launch>.sbatch`: the batch script. It runs `infra.slurm.setup`, takes the first
     node of the allocation as the rendezvous host, and `srun`s one task per node;
   - `slurm-<launch>.node.sh`: what each task runs, the same command line on every node
-    (`flows.stage_launch.stage_command`): torchrun with `--node-rank $SLURM_PROCID`, meeting at
+    (`flows.stage.launch.stage_command`): torchrun with `--node-rank $SLURM_PROCID`, meeting at
     the first node's c10d rendezvous. One process per node (no torchrun) when the stage has one.
 Every task's output goes to `slurm-<job id>.out` with srun's task label, which `output()`
 follows and turns into `[node k] ` prefixes. The job is queried with `scontrol -o show job`
@@ -31,9 +31,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from flows.launchers.base import LaunchError, LaunchRequest, Log
-from flows.stage_hang import stack_file, wait_for_stacks
-from flows.stage_launch import project_pythonpath, stage_command
+from flows.stage.hang import stack_file, wait_for_stacks
+from flows.stage.launch import project_pythonpath, stage_command
+from flows.stage.launchers.base import LaunchError, LaunchRequest, Log
 from posttrain.config.slurm_section import SlurmConfig
 from posttrain.telemetry.heartbeat import Hang
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 
-from flows.launchers.base import Launch, Launcher, LaunchRequest, Log
+from flows.stage.launchers.base import Launch, Launcher, LaunchRequest, Log
 from posttrain.plan.planner import PlannedStage
 from posttrain.store.artifacts import atomic_write_text
 

@@ -5,7 +5,7 @@ against the Kubernetes OpenAPI schema without a cluster.
 One stage = one Indexed Job (`completions = parallelism = nnodes`, one pod per node, the pod's
 completion index is its node rank) and one headless Service whose name is the pods' subdomain,
 so pod k is reachable at `<job>-k.<service>`; pod 0 hosts the c10d rendezvous. Every pod runs
-the same command (`flows.stage_launch.stage_command`), its rank expanded by Kubernetes from
+the same command (`flows.stage.launch.stage_command`), its rank expanded by Kubernetes from
 `$(POSTTRAIN_NODE_RANK)`.
 """
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flows.launchers.base import LaunchRequest
-from flows.stage_launch import NODE_RANK_ENV, stage_command
+from flows.stage.launch import NODE_RANK_ENV, stage_command
+from flows.stage.launchers.base import LaunchRequest
 from posttrain.config.kubernetes_section import KubernetesConfig
 
 LABEL_PREFIX = "posttrain.io/"
@@ -208,7 +208,7 @@ def pod_command(
 def container_env(request: LaunchRequest, config: KubernetesConfig) -> list[dict[str, Any]]:
     """The container's `env`: the node rank from the pod's completion index, then as literal
     values the recipe's `infra.kubernetes.env` overridden by the launch's
-    (`flows.stage_launch.launch_env`), less this machine's node rank."""
+    (`flows.stage.launch.launch_env`), less this machine's node rank."""
     literal = {**config.env, **request.env}
     literal.pop(NODE_RANK_ENV, None)
     return [

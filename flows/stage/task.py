@@ -3,7 +3,7 @@ flow calls it.
 
 Why a child process: a stage imports torch, may run under torchrun with several ranks, and may
 need to be killed; the flow process stays light and outlives it. The task only wires Prefect
-to `flows.stage_supervise.supervise_stage`, which does the work.
+to `flows.stage.supervise.supervise_stage`, which does the work.
 
 Prefect shows every stage as a task run with its state, logs and artifacts, but its result cache
 is not used: whether a stage must run is decided by its artifact alone, once per launch, under
@@ -20,8 +20,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
 
-from flows.stage_procs import KILL_GRACE_S
-from flows.stage_supervise import supervise_stage
+from flows.stage.procs import KILL_GRACE_S
+from flows.stage.supervise import supervise_stage
 from posttrain.plan.planner import PlannedStage
 from posttrain.runtime.spec import StageSpec
 from posttrain.store.artifacts import ArtifactRef

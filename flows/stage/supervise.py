@@ -1,5 +1,5 @@
 """Supervising one stage launch: under the artifact's lock, reuse a complete artifact, else
-write the launch's spec and start the stage through its launcher (`flows.launchers`: this
+write the launch's spec and start the stage through its launcher (`flows.stage.launchers`: this
 machine, Slurm or Kubernetes), watch it (timeout, hang) and check what it left.
 
 Supervision means:
@@ -9,13 +9,13 @@ Supervision means:
     this launch's `launch` record: the lock held for it, who to watch), nothing in variables
     but the launch's tag (`posttrain.runtime.spec`);
   - logs: the stage's output (every node's) goes line by line to the Prefect run logger and to
-    `<out_dir>/logs/stage.log` (appended; logs/ is outside the manifest) (`flows.stage_output`);
+    `<out_dir>/logs/stage.log` (appended; logs/ is outside the manifest) (`flows.stage.output`);
   - progress: `<out_dir>/metrics.jsonl` is tailed into a Prefect progress artifact (same);
   - limits: the stage timeout is enforced (from when the stage runs, not while it is queued),
     and on timeout, failure, cancel or any exception in this process the launch is stopped on
     every node (`Launch.stop`: the process tree here, `scancel`, the Job's deletion);
   - hangs: ranks whose heartbeats all stop get their stacks dumped, then the stage is killed
-    (`flows.stage_hang`).
+    (`flows.stage.hang`).
 """
 
 from __future__ import annotations
@@ -28,15 +28,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from flows.devices import REUSE_ONLY, DevicesNeeded
-from flows.launchers import launcher_for
-from flows.launchers.base import Launch, Launcher, LaunchError, LaunchRequest
-from flows.launchers.records import record_launch, stop_earlier_launch
-from flows.stage_failures import StageFailed, StageTimeout, failure_headline
-from flows.stage_hang import StageHung, hang_message, hang_watch
-from flows.stage_launch import launch_env, launch_info, launch_labels, local_env, node_rank
-from flows.stage_output import MetricsTail, OutputPump, ProgressArtifact, run_logger
-from flows.stage_procs import KILL_GRACE_S
+from flows.stage.failures import StageFailed, StageTimeout, failure_headline
+from flows.stage.hang import StageHung, hang_message, hang_watch
+from flows.stage.launch import (
+    REUSE_ONLY,
+    DevicesNeeded,
+    launch_env,
+    launch_info,
+    launch_labels,
+    local_env,
+    node_rank,
+)
+from flows.stage.launchers import launcher_for
+from flows.stage.launchers.base import Launch, Launcher, LaunchError, LaunchRequest
+from flows.stage.launchers.records import record_launch, stop_earlier_launch
+from flows.stage.output import MetricsTail, OutputPump, ProgressArtifact, run_logger
+from flows.stage.procs import KILL_GRACE_S
 from posttrain.plan.planner import PlannedStage
 from posttrain.runtime.orphan import SupervisorBeat
 from posttrain.runtime.recovery import ERROR_FILE, earlier_attempt

@@ -8,10 +8,10 @@ import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
-from flows.launchers.base import LaunchRequest, Log
-from flows.stage_hang import dump_stacks
-from flows.stage_launch import node_rank, stage_command
-from flows.stage_procs import kill_stage
+from flows.stage.hang import dump_stacks
+from flows.stage.launch import node_rank, stage_command
+from flows.stage.launchers.base import LaunchRequest, Log
+from flows.stage.procs import kill_stage
 from posttrain.plan.planner import PlannedStage
 from posttrain.telemetry.heartbeat import Hang
 

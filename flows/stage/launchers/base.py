@@ -1,6 +1,6 @@
 """The interface between the stage supervisor and whatever runs a stage's processes.
 
-`flows.stage_supervise` holds the artifact lock, watches heartbeats and the timeout, and checks
+`flows.stage.supervise` holds the artifact lock, watches heartbeats and the timeout, and checks
 the artifact; a `Launcher` only starts the stage's processes on every node and reports on them.
 Three engines implement it: `local` (a child process of this one, torchrun for several ranks),
 `slurm` (one sbatch job per stage, `srun` starts one torchrun agent per node) and `kubernetes`

@@ -1,0 +1,4 @@
+"""One stage, flow side: the Prefect task (`task`), one supervised launch (`supervise`), its
+command line, environment and the run's device state (`launch`), the engines that start it
+(`launchers/`), its log and progress (`output`), its processes (`procs`), the hang watch
+(`hang`), and why it failed, in one line (`failures`)."""
