@@ -39,7 +39,7 @@ from flows.cli_served import cmd_publish_base, cmd_serve, cmd_submit
 from flows.cli_workspace import _workspace_args, cmd_clean, cmd_models, cmd_runs
 from flows.failure_block import Block, known_block, unexpected_block
 from flows.prefect_env import apply_prefect_defaults, prefect_target
-from flows.report import (
+from flows.report.tables import (
     StageRecord,
     health_lines,
     not_selected_text,

@@ -9,7 +9,7 @@ from typing import TextIO
 import yaml
 
 from flows.cli_common import EXIT_INVALID, EXIT_OK, load_or_report, refused_head
-from flows.report import text_table
+from flows.report.tables import text_table
 from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS
 from posttrain.plan.planner import PlannedStage, RunPlan, plan

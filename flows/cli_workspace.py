@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TextIO
 
 from flows.cli_common import EXIT_INVALID, EXIT_OK, load_or_report
-from flows.report import text_table
+from flows.report.tables import text_table
 
 
 def cmd_models(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 from prefect.logging import get_run_logger
 
-from flows.report import StageRecord, export_model_path
+from flows.report.tables import StageRecord, export_model_path
 from flows.stage.launch import REUSE_ONLY, DevicesNeeded
 from flows.stage.task import run_task
 from posttrain.config.schema import Recipe

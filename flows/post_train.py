@@ -30,7 +30,8 @@ from flows.devices import (
 from flows.events import BASE_EVENT, publish_base
 from flows.failure_block import known_block, reason_line
 from flows.gate import promote
-from flows.report import StageRecord
+from flows.report.health_summary import stage_health
+from flows.report.tables import StageRecord
 from flows.run_record import record_run
 from flows.schedule import device_slots, run_stages
 from flows.served_run import is_served_run, served_reach
@@ -45,7 +46,6 @@ from posttrain.plan.planner import PlannedStage, RunPlan, plan, spec_for
 from posttrain.plan.selection import Selection, choose
 from posttrain.secrets import redact_obj
 from posttrain.store.artifacts import ArtifactRef, read_manifest
-from posttrain.telemetry.health_summary import stage_health
 from posttrain.workspace.promotion import Decision
 from posttrain.workspace.run_status import RunJournal
 

@@ -34,7 +34,7 @@ from typing import Any, TextIO
 from prefect.exceptions import FailedRun
 from prefect.logging.handlers import PrefectConsoleHandler
 
-from flows.report import format_duration
+from flows.report.tables import format_duration
 from flows.stage.failures import QualityGateFailed, StageFailed
 from flows.stage.output import (
     REWARD_FIELD,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from flows.report import format_duration, text_table
+from flows.report.tables import format_duration, text_table
 from posttrain.workspace.clean import DAMAGED, FAILED, TRASH, UNREFERENCED, CleanPlan
 from posttrain.workspace.runs import RunInfo, compact_headline
 from posttrain.workspace.trash import Outcome

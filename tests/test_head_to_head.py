@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from flows.gate import head_to_head_vs_champion
-from flows.report import StageRecord
+from flows.report.tables import StageRecord
 from flows.stage.failures import StageFailed
 from flows.stage.supervise import supervise_stage
 from posttrain.config.loader import load_recipe

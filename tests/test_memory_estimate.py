@@ -665,7 +665,7 @@ def test_real_stage_records_estimate_and_measured_peak(tmp_path: Path) -> None:
 
 
 def test_run_report_shows_estimate_beside_measured_peak() -> None:
-    from flows.report import StageRecord, markdown_report
+    from flows.report.tables import StageRecord, markdown_report
 
     memory = {
         "estimate_gib": 1.32,

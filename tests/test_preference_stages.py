@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flows.post_train import check_gate
-from flows.report import StageRecord
+from flows.report.tables import StageRecord
 from flows.stage.failures import QualityGateFailed
 from posttrain.store.artifacts import ref_from_manifest
 from posttrain.telemetry.metrics import read_metrics

@@ -81,7 +81,7 @@ def test_no_checkpoint_means_every_step_is_redone(tmp_path: Path) -> None:
 
 
 def test_recovery_record_and_the_lines_the_cli_and_report_print() -> None:
-    from flows.report import StageRecord, markdown_report, recovery_lines
+    from flows.report.tables import StageRecord, markdown_report, recovery_lines
     from posttrain.runtime.recovery import recovery_record
 
     assert recovery_record(None, {"resumed_from_step": 0}) == {}

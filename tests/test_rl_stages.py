@@ -295,7 +295,7 @@ def test_grpo_without_kl_and_one_update_runs_no_scoring_pass(parents, capfd) -> 
 
 def test_gates_stop_on_kl_and_reward_gain(parents, ppo_run) -> None:
     from flows.post_train import check_gate
-    from flows.report import StageRecord
+    from flows.report.tables import StageRecord
     from flows.stage.failures import QualityGateFailed
     from posttrain.config.schema import PPOConfig
     from posttrain.store.artifacts import ref_from_manifest

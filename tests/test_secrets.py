@@ -222,7 +222,7 @@ def test_recipe_from_a_ui_form_is_refused_too_and_the_error_hides_the_value() ->
 
 def test_run_record_is_scrubbed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import flows.run_record as fp
-    from flows.report import StageRecord
+    from flows.report.tables import StageRecord
     from posttrain.plan.planner import plan
 
     shown: dict[str, object] = {}

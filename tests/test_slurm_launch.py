@@ -163,7 +163,7 @@ def test_two_node_sft_on_slurm_recovers_and_trains_the_local_launchers_losses(
     assert "JobState=COMPLETED" in info and "NodeList=n[1-2]" in info
     assert _queue(slurm_cluster) == []
     # Both nodes' ranks left their health samples in the shared workspace, where the flow's
-    # Prometheus endpoint reads them (posttrain.telemetry.exposition): no port on the nodes.
+    # Prometheus endpoint reads them (flows.trackers.exposition): no port on the nodes.
     health = read_health(sft.out_dir)
     assert set(health) == {0, 1}, health
     assert all(h["sources"]["io"] == "present" and h["node"] for h in health.values())

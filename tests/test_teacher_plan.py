@@ -300,7 +300,7 @@ def test_evaluate_fingerprint_changes_with_the_teachers_base_alone() -> None:
 
 
 def test_report_md_shows_the_teacher_line() -> None:
-    from flows.report import StageRecord, markdown_report
+    from flows.report.tables import StageRecord, markdown_report
 
     roles = {"base": "ingest", "policy": "distill", "parent": "sft", "teacher": "teacher_sft"}
     roles["teacher_base"] = "teacher"

@@ -19,7 +19,7 @@ from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
-from posttrain.telemetry.jsonl_tail import JsonlTail
+from flows.stage.jsonl_tail import JsonlTail
 
 ARTIFACT_MARKER = "POSTTRAIN_ARTIFACT "
 # A remote engine's launch prefixes each line with the node it came from (`[node 1] ...`);

@@ -1,5 +1,5 @@
 """The Prometheus tracker (`tracking.prometheus`): the flow process serves `/metrics` for the
-run's stages and ranks (`posttrain.telemetry.exposition.RunSeries`), pushes to a Pushgateway,
+run's stages and ranks (`flows.trackers.exposition.RunSeries`), pushes to a Pushgateway,
 or both.
 
 Like every tracker it runs in the flow process and follows the stages' status; unlike the
@@ -24,8 +24,8 @@ from prometheus_client import CollectorRegistry, push_to_gateway, start_http_ser
 
 from flows.stage.output import run_logger
 from flows.trackers import Sink
+from flows.trackers.exposition import RunSeries
 from posttrain.plan.planner import PlannedStage
-from posttrain.telemetry.exposition import RunSeries
 
 log = logging.getLogger("posttrain.flows.trackers")
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.telemetry.health_summary import absent_reason, health_line
-from posttrain.telemetry.plots import CurvePlot
+from flows.report.health_summary import absent_reason, health_line
+from flows.report.plots import CurvePlot
 
 # ran: the stage process was launched and completed. reused: a complete artifact with this
 # fingerprint was in the workspace (made by an earlier run, or by hand), so nothing ran.
@@ -48,7 +48,7 @@ class StageRecord:
     roles: dict[str, str] = field(default_factory=dict)
     # evaluate: `evaluate.policies` side by side (summary.policies), for the chain table.
     policies: dict[str, Any] = field(default_factory=dict)
-    # What this launch's ranks went through (posttrain.telemetry.health_summary): data wait,
+    # What this launch's ranks went through (flows.report.health_summary): data wait,
     # memory headroom, MFU, throttling, network errors, each with its worst moment.
     health: dict[str, Any] = field(default_factory=dict)
 
@@ -193,7 +193,7 @@ def _moment(figure: dict[str, Any] | None, fmt: str, at: str = "step") -> str:
 
 def sre_markdown(records: Sequence[StageRecord]) -> list[str]:
     """The "## SRE" section: per stage that ran, the health figures and the worst moment of
-    each (posttrain.telemetry.health_summary); empty when no stage trained."""
+    each (flows.report.health_summary); empty when no stage trained."""
     rows = [r for r in records if r.health.get("step_time")]
     if not rows:
         return []

@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # matplotlib is imported where it draws (see the module docst
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-# The statuses in the words of the run's summary table (flows.report.STATUSES: ran, reused,
+# The statuses in the words of the run's summary table (flows.report.tables.STATUSES: ran, reused,
 # failed), and pending for the stages a failed run did not reach; the legend shows them all.
 STATUS_COLOURS = {
     "ran": "#b7e1b0",

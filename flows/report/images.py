@@ -21,9 +21,9 @@ from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 
-from posttrain.telemetry import graph_plot, plots
-from posttrain.telemetry.graph_plot import GraphNode, draw_stage_graph
-from posttrain.telemetry.plots import CurvePlot, plot_stage, read_records
+from flows.report import graph_plot, plots
+from flows.report.graph_plot import GraphNode, draw_stage_graph
+from flows.report.plots import CurvePlot, plot_stage, read_records
 
 
 def cache_dir(workspace: str | os.PathLike[str]) -> Path:

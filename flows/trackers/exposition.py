@@ -1,4 +1,4 @@
-"""A run's stages as Prometheus series (names in `posttrain.telemetry.prom_names`).
+"""A run's stages as Prometheus series (names in `flows.trackers.prom_names`).
 
 `RunSeries` is fed what the stages already write. Its status comes from the flow
 (`set_status`); everything else is read at scrape time (`collect`), so a scrape is as fresh as
@@ -26,10 +26,10 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from posttrain.telemetry import health_series
+from flows.stage.jsonl_tail import JsonlTail
+from flows.trackers import health_series
+from flows.trackers.prom_names import BY_NAME
 from posttrain.telemetry.heartbeat import read_heartbeats
-from posttrain.telemetry.jsonl_tail import JsonlTail
-from posttrain.telemetry.prom_names import BY_NAME
 
 GIB = 1024**3
 STATUSES = ("pending", "running", "ran", "reused", "failed")
