@@ -159,7 +159,6 @@ KNOWN_PAIRS: dict[str, set[tuple[str, str]]] = {
         ("posttrain.config", "posttrain.kinds"),
         ("posttrain.config", "posttrain.models"),
         ("posttrain.config", "posttrain.rewards"),
-        ("posttrain.distributed", "posttrain.models"),
         ("posttrain.eval", "posttrain.rl"),
         ("posttrain.kinds", "posttrain.memory"),
         ("posttrain.models", "posttrain.train"),
