@@ -83,7 +83,7 @@ def plain_loop(recipe_path: Path, steps: int) -> dict:
         measure_cpu_matmul_peak,
         train_flops_per_token,
     )
-    from posttrain.train.chunked import forward_nll_sum
+    from posttrain.train.forward_logps import forward_nll_sum
     from posttrain.train.optim import build_optimizer, build_scheduler
 
     recipe = load_recipe(recipe_path)

@@ -161,7 +161,6 @@ KNOWN_PAIRS: dict[str, set[tuple[str, str]]] = {
         ("posttrain.config", "posttrain.rewards"),
         ("posttrain.eval", "posttrain.rl"),
         ("posttrain.kinds", "posttrain.memory"),
-        ("posttrain.models", "posttrain.train"),
     },
     "flows": set(),
 }

@@ -23,7 +23,7 @@ from posttrain.data.chat import IGNORE
 from posttrain.data.segments import Segments, batch_rows, flat_batch
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.models.reward import pair_batch, pair_scores
-from posttrain.train.chunked import forward_nll_sum, forward_sequence_logps
+from posttrain.train.forward_logps import forward_nll_sum, forward_sequence_logps
 
 VOCAB = 97
 

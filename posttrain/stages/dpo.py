@@ -41,7 +41,7 @@ from posttrain.runtime.context import StageContext, training_base
 from posttrain.stages.common import stage_main
 from posttrain.store.artifacts import canonical_json, fingerprint, verify, write_manifest
 from posttrain.telemetry import heartbeat
-from posttrain.train.chunked import pair_logps
+from posttrain.train.forward_logps import pair_logps
 from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
 from posttrain.train.preference_losses import (
     REFERENCE_FREE,

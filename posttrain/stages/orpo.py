@@ -31,7 +31,7 @@ from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.models.reward import pair_batch
 from posttrain.runtime.context import StageContext, training_base
 from posttrain.stages.common import stage_main
-from posttrain.train.chunked import pair_logps
+from posttrain.train.forward_logps import pair_logps
 from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
 from posttrain.train.preference_losses import orpo_loss
 
