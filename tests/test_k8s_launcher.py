@@ -20,9 +20,9 @@ import pytest
 from flows.stage.launchers.base import LaunchError, LaunchRequest
 from flows.stage.launchers.k8s_manifests import plan_job
 from flows.stage.launchers.kubernetes import KubernetesLauncher, cancel_flow_run_jobs
-from posttrain.config.infra_section import InfraConfig
 from posttrain.config.schema import Recipe
 from posttrain.plan.planner import PlannedStage, spec_for
+from posttrain.sections.infra import InfraConfig
 from tests.k8s_replay import (
     DATA,
     FINGERPRINT,

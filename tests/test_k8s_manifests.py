@@ -25,10 +25,10 @@ from flows.stage.launchers.k8s_manifests import (
     plan_job,
     rdzv_endpoint,
 )
-from posttrain.config.infra_section import InfraConfig
-from posttrain.config.kubernetes_section import KubernetesConfig, Toleration
 from posttrain.config.loader import RecipeError, validate_recipe
 from posttrain.plan.planner import PlannedStage
+from posttrain.sections.infra import InfraConfig
+from posttrain.sections.kubernetes import KubernetesConfig, Toleration
 from tests.k8s_schema import K8S_VERSION, validate_object
 
 WORKSPACE = Path("/mnt/posttrain/workspace")

@@ -39,14 +39,14 @@ from posttrain.memory.estimate import (
     fmt_bytes,
 )
 from posttrain.memory.fixes import suggest_fixes
-from posttrain.memory.preflight import (
+from posttrain.models.lora import apply_lora
+from posttrain.runtime.preflight import (
     Capacity,
     MemoryPreflightError,
     enforce,
     preflight,
     stage_shape,
 )
-from posttrain.models.lora import apply_lora
 from posttrain.telemetry.metrics import fragmentation_warning
 from tests.stage_helpers import TINY, write_recipe
 

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from flows.trackers.exposition import RunSeries
 from flows.trackers.prom_names import BY_NAME
 from flows.trackers.prometheus import PrometheusSink
-from posttrain.config.run_section import PrometheusTracking
+from posttrain.sections.run import PrometheusTracking
 from posttrain.telemetry.heartbeat import Heartbeat
 
 GIB = 1024**3

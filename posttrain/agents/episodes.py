@@ -30,7 +30,7 @@ from posttrain.agents.tool_runner import ToolResult, failure_counts, run_calls
 from posttrain.runtime.errors import StageVerdict
 
 if TYPE_CHECKING:
-    from posttrain.config.schema import SamplingConfig
+    from posttrain.sections.shared import SamplingConfig
     from posttrain.train.rollout_engine import RolloutEngine
 
 # generate(prompts, max_new_tokens) -> each prompt's new ids, its stop token included if any

@@ -16,8 +16,8 @@ from pydantic_core import PydanticUndefined
 
 from posttrain.config.graph import __doc__ as _graph_module_doc
 from posttrain.config.schema import ENTRY_KINDS, Recipe, StageLinks
-from posttrain.config.section_fields import effect_for, effect_of
 from posttrain.kinds import KINDS
+from posttrain.sections.fields import effect_for, effect_of
 
 # How shorthand sections and `stages:` entries make one graph (the graph module's docstring,
 # from its second paragraph).
@@ -148,7 +148,7 @@ def _limits(field: FieldInfo) -> str:
 
 
 def _reruns(field: FieldInfo) -> str:
-    """yes / no by the field's fingerprint decision (posttrain.config.section_fields)."""
+    """yes / no by the field's fingerprint decision (posttrain.sections.fields)."""
     if effect_of(field) == "result" and effect_for(field, trains=False) == "execution":
         return "yes (training stages)"
     return {"result": "yes", "execution": "no"}.get(effect_of(field) or "", "")

@@ -271,7 +271,7 @@ class StageShape:
     logits_chunk_tokens: int = 0
     # The stage's name, for reports (default the family).
     label: str = ""
-    # A distillation stage's teacher (posttrain.memory.preflight adds it from its base).
+    # A distillation stage's teacher (posttrain.runtime.preflight adds it from its base).
     teacher: TeacherShape | None = None
 
     @property

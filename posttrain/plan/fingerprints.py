@@ -2,7 +2,7 @@
 
   - the `Result` fields of the sections the stage reads: its own section, and the shared
     sections its kind declares (`StageKind.reads`: `run` and `infra`, plus `guard` for the
-    training kinds); `Execution` fields are left out (`posttrain.config.section_fields`);
+    training kinds); `Execution` fields are left out (`posttrain.sections.fields`);
   - the outside-world inputs those fields name, by content (`source=`): data files and
     folders, a local checkpoint, a template file, a task folder by their files' identity
     (`posttrain.store.artifacts.path_identity`), hub ids by the commit their revision resolves to,
@@ -26,10 +26,10 @@ from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
 from posttrain.config.schema import Recipe
-from posttrain.config.section_fields import effect_for, source_of
 from posttrain.data.chat import looks_like_template_file
 from posttrain.hub import RepoType, is_hub_id, resolve_sha
 from posttrain.kinds import StageKind
+from posttrain.sections.fields import effect_for, source_of
 from posttrain.store.artifacts import path_identity
 
 
@@ -62,7 +62,7 @@ class FieldWalk:
         if effect_for(info, self.trains) is None and not _holds_sections(info):
             raise UndecidedField(
                 f"{type(owner).__name__}.{where.rsplit('.', 1)[-1]}: declare it Result(...) or "
-                "Execution(...) (posttrain.config.section_fields)"
+                "Execution(...) (posttrain.sections.fields)"
             )
         source = source_of(info)
         if source is None or value is None:
@@ -116,7 +116,7 @@ def code_identity(fn: str) -> dict[str, str]:
     """A piece of user code's identity (a reward function, tool or environment class): its name
     and its module's source (sha256), not where the module's file lies."""
     from posttrain.rewards.loader import source_file, source_sha256
-    from posttrain.rewards.spec import split_ref
+    from posttrain.sections.rewards import split_ref
 
     return {"function": split_ref(fn)[1], "source_sha256": source_sha256(source_file(fn))}
 

@@ -98,7 +98,7 @@ def memory_preflight(ctx: StageContext) -> None:
     """Estimate a training stage's per-device memory against the device before anything is
     loaded; refuse (MemoryPreflightError) or warn per `infra.memory_preflight`. The report goes
     to logs/preflight.json (rank 0) and `ctx.preflight`."""
-    from posttrain.memory.preflight import enforce, preflight
+    from posttrain.runtime.preflight import enforce, preflight
 
     mode = ctx.recipe.infra.memory_preflight
     if mode == "off" or ctx.kind is None or not ctx.kind.trains:
@@ -441,8 +441,8 @@ def reproducibility(ctx: StageContext) -> dict[str, Any]:
 def _report_failure(ctx: StageContext, exc: BaseException) -> None:
     """logs/error.txt (rank 0) and one POSTTRAIN_ERROR line; a traceback on stderr only for an
     unexpected error."""
-    from posttrain.memory.preflight import MemoryPreflightError
     from posttrain.runtime.diskspace import as_disk_full
+    from posttrain.runtime.preflight import MemoryPreflightError
 
     tb = traceback.format_exc()
     # A full disk, wherever it struck (a json write, save_pretrained), is a verdict too.

@@ -19,7 +19,7 @@ from typing import Any
 
 from flows.stage.launch import NODE_RANK_ENV, stage_command
 from flows.stage.launchers.base import LaunchRequest
-from posttrain.config.kubernetes_section import KubernetesConfig
+from posttrain.sections.kubernetes import KubernetesConfig
 
 LABEL_PREFIX = "posttrain.io/"
 STAGE_LABEL = LABEL_PREFIX + "stage"

@@ -33,7 +33,7 @@ from flows.stage.launchers.k8s_manifests import (
     plan_job,
     sanitize_label,
 )
-from posttrain.config.kubernetes_section import KubernetesConfig
+from posttrain.sections.kubernetes import KubernetesConfig
 
 try:
     from kubernetes import client as k8s

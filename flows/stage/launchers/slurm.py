@@ -34,7 +34,7 @@ from typing import Any
 from flows.stage.hang import stack_file, wait_for_stacks
 from flows.stage.launch import project_pythonpath, stage_command
 from flows.stage.launchers.base import LaunchError, LaunchRequest, Log
-from posttrain.config.slurm_section import SlurmConfig
+from posttrain.sections.slurm import SlurmConfig
 from posttrain.telemetry.heartbeat import Hang
 
 # Job states in which the job may still run (Slurm's squeue/scontrol names).

@@ -7,9 +7,9 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from posttrain.config.kubernetes_section import KubernetesConfig
-from posttrain.config.section_fields import Execution, Result, _Section
-from posttrain.config.slurm_section import SlurmConfig
+from posttrain.sections.fields import Execution, Result, _Section
+from posttrain.sections.kubernetes import KubernetesConfig
+from posttrain.sections.slurm import SlurmConfig
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 

@@ -161,8 +161,8 @@ def stage_shape(recipe: Any, stage: str, teacher_dir: str | Path | None = None) 
     that created them (a DPO after SFT trains SFT's adapter; its reference is its `reference`'s
     adapter; the reward model is its reward stage's), and its teacher when it has one (its
     base's shape: `teacher_dir`'s config.json, else the recipe's numbers)."""
-    from posttrain.config.sections import LoraConfig
     from posttrain.kinds import MemoryInputs
+    from posttrain.sections.shared import LoraConfig
 
     graph = recipe.graph()
     node = graph.get(stage)

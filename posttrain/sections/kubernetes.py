@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from posttrain.config.section_fields import _Section
+from posttrain.sections.fields import _Section
 
 # apimachinery's syntax rules (k8s.io/apimachinery/pkg/util/validation).
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"

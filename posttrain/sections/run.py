@@ -9,7 +9,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import Field, field_validator, model_validator
 
-from posttrain.config.section_fields import Execution, Result, _Section
+from posttrain.sections.fields import Execution, Result, _Section
 
 
 class RunConfig(_Section):

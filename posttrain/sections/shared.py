@@ -11,8 +11,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from posttrain.config.section_fields import Execution, Result, _Section
-from posttrain.rewards.spec import RewardSpec
+from posttrain.sections.fields import Execution, Result, _Section
+from posttrain.sections.rewards import RewardSpec
 
 
 class SyntheticData(_Section):

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import field_validator
 
-from posttrain.config.section_fields import Result, _Section
+from posttrain.sections.fields import Result, _Section
 
 BUILTIN = "posttrain.rewards"
 

@@ -7,7 +7,7 @@ import re
 
 from pydantic import Field, field_validator
 
-from posttrain.config.section_fields import _Section
+from posttrain.sections.fields import _Section
 
 # Slurm's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 _SLURM_TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+(:\d{1,2}){0,2})$")
