@@ -4,8 +4,8 @@ Two layers, taken in this order and held from a run's first stage to its last (r
 whole: holding per stage would let a long stage of a later run, a retraining triggered by this
 run's new base say, starve this run's evaluate and export):
 
-1. A host-wide `flock` (`posttrain.runtime.device_lock`): the kernel frees it when the holder dies, by
-   SIGKILL, a hang-up or a crash, so a dead run never keeps the devices. A waiting run logs who
+1. A host-wide `flock` (`posttrain.runtime.device_lock`): the kernel frees it when the holder dies,
+   by SIGKILL, a hang-up or a crash, so a dead run never keeps the devices. A waiting run logs who
    holds it (pid, flow run, since when).
 2. A one-slot Prefect global concurrency limit named after the machine and the devices (`cpu`,
    or the CUDA devices visible to this process): what the UI shows, and what an operator can
@@ -14,10 +14,10 @@ run's new base say, starve this run's evaluate and export):
    (whose leases live in the memory of the server process that died with the run). Once a run
    holds the flock, no live run on this machine holds the slot, so an occupied slot is a dead
    run's: it is repossessed at once, with one log line naming that run.
-
-A run that would train nothing takes neither: when every stage's artifact is already complete,
-it reuses them at once however busy the devices are (`flows.stage.launch.REUSE_ONLY`). Should a stage need to run
-after all (its files changed after the run looked) or the promotion gate need a head-to-head,
+ A run that would train nothing takes neither: when every stage's artifact is already complete, it
+reuses them at once however busy the devices are (`flows.stage.launch.REUSE_ONLY`). Should a stage
+need to run after all (its files changed after the run looked) or the promotion gate need a
+head-to-head,
 the launch raises `DevicesNeeded` instead, and the run starts again holding the devices.
 """
 

@@ -84,8 +84,8 @@ def _last_frame(lines: list[str]) -> str | None:
 
 
 RESUMES = "run again: it resumes from the newest complete checkpoint"
-# What the engine said ended the job (flows.stage.launchers: "was ended by Slurm: job 57 TIMEOUT, ..."),
-# in the order tried, and what to do about it.
+# What the engine said ended the job (flows.stage.launchers: "was ended by Slurm: job 57 TIMEOUT,
+# ..."), in the order tried, and what to do about it.
 ENGINE_FIXES = (
     (
         "infra.queue_timeout_s",

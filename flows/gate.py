@@ -1,11 +1,11 @@
 """The promotion gate, flow side: after a completed run, does its export replace the champion?
 
-The comparison is `posttrain.workspace.promotion` (pure, rule by rule). This module gathers the candidate's
-metrics: the evaluate headline, plus `win_rate_vs_champion` when a rule asks for it, measured by
-the head-to-head stage (`posttrain.stages.head_to_head`, launched like every stage: a child
-process under the `stage` task, its artifact fingerprinted and reused). The gate is
-decoration on a completed run: nothing here fails the run. A head-to-head that does not apply
-is skipped (the rule shows n/a with the reason); one that fails refuses promotion.
+The comparison is `posttrain.workspace.promotion` (pure, rule by rule). This module gathers the
+candidate's metrics: the evaluate headline, plus `win_rate_vs_champion` when a rule asks for it,
+measured by the head-to-head stage (`posttrain.stages.head_to_head`, launched like every stage: a
+child process under the `stage` task, its artifact fingerprinted and reused). The gate is decoration
+on a completed run: nothing here fails the run. A head-to-head that does not apply is skipped (the
+rule shows n/a with the reason); one that fails refuses promotion.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class HeadToHead:
 
 def promote(recipe: Recipe, run_id: str, records: list[StageRecord]) -> Decision | None:
     """The promotion gate after a completed run: the evaluate headline (and the head-to-head
-    against the champion) against the champion's (`posttrain.workspace.promotion`); the registry records
-    the decision, and the champion when promoted. A run that left out its evaluate or its
+    against the champion) against the champion's (`posttrain.workspace.promotion`); the registry
+    records the decision, and the champion when promoted. A run that left out its evaluate or its
     export (`--until`/`--only`) is not a candidate: nothing measured, or nothing shipped."""
     if not recipe.promotion.enabled:
         return None

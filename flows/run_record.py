@@ -126,8 +126,8 @@ def run_meta(run_id: str, run_name: str, export_path: str | None) -> dict[str, A
 
 
 def draw_images(run_plan: RunPlan, records: list[StageRecord], run_dir: Path) -> Images:
-    """Curves and the stage graph, copied from the workspace's image cache when drawn before
-    from the same inputs (flows.report.images: a re-run of reused stages draws nothing). Decoration: a
+    """Curves and the stage graph, copied from the workspace's image cache when drawn before from
+    the same inputs (flows.report.images: a re-run of reused stages draws nothing). Decoration: a
     plotting failure (matplotlib missing, a corrupt metrics file) is logged and the run record
     is written without the image."""
     cache = cache_dir(run_plan.recipe.run.workspace)

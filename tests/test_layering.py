@@ -149,7 +149,8 @@ def mutual_pairs(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
 
 # Pairs that stay until the online-RL code moves into posttrain/rl/ (issue 40, the RL move);
 # every edge that keeps each one mutual is in a module of that move:
-#   agents <-> train:  agents/episodes.py -> train/rollout_engine.py, train/rollout.py -> agents/episodes.py
+#   agents <-> train:  agents/episodes.py -> train/rollout_engine.py,
+#                      train/rollout.py -> agents/episodes.py
 #   config <-> kinds:  kinds/grpo.py -> config/rl_algorithms.py (config -> kinds is the schema)
 #   eval <-> rl:       rl/ -> eval/stop_tokens.py, eval/episodes.py -> rl/episodes.py
 # When that move lands they disappear and this set must be emptied: the test fails on a pair that

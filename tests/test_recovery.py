@@ -1,4 +1,5 @@
-"""The one-line account of an earlier, unfinished attempt of a stage (posttrain.runtime.recovery)."""
+"""The one-line account of an earlier, unfinished attempt of a stage
+(posttrain.runtime.recovery)."""
 
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ from posttrain.plan.planner import PlannedStage
 from posttrain.runtime.orphan import process_start
 from posttrain.runtime.spec import LAUNCH_TAG_ENV, LaunchInfo
 
-# The device lock file (posttrain.runtime.device_lock) the flow holds, named in its stages' specs so an
-# orphaned stage that goes on (infra.orphan=finish) can take the devices over. A context
+# The device lock file (posttrain.runtime.device_lock) the flow holds, named in its stages' specs so
+# an orphaned stage that goes on (infra.orphan=finish) can take the devices over. A context
 # variable: several stages may be supervised at once from threads of one flow.
 HELD_DEVICE_LOCK: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "posttrain_device_lock", default=None

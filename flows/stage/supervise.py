@@ -234,7 +234,8 @@ def _follow(
     if rc != 0:
         engine = launch.engine_reason()
         if engine:
-            # For the next run's account of this attempt (posttrain.runtime.recovery reads the last line).
+            # For the next run's account of this attempt (posttrain.runtime.recovery reads the
+            # last line).
             with contextlib.suppress(OSError), open(stage.out_dir / ERROR_FILE, "a") as f:
                 f.write(f"ended by {engine}\n")
         headline = failure_headline(stage, rc, list(pump.recent), engine)

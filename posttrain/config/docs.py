@@ -76,7 +76,7 @@ Blank for a section (its keys decide) and for the run-level sections no stage re
 (`promotion`, `schedule`, `tracking`). Data files, checkpoints, templates and reward code count
 by content, hub ids by the commit they resolve to.
 
-Generated from the stage registry (`posttrain/kinds/`), `posttrain/config/schema.py`, `sections.py`, `infra_section.py` and `run_section.py` by `python -m posttrain.config.docs`; do not edit.
+Generated from the stage registry (`posttrain/kinds/`), `posttrain/config/schema.py`, `posttrain/sections/` (`shared.py`, `infra.py`, `run.py`) by `python -m posttrain.config.docs`; do not edit.
 """
 
 

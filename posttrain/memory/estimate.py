@@ -117,7 +117,8 @@ class ModelShape:
     o_bias: bool = False
     mlp_bias: bool = False
     # The head's output is transformed into logits (Gemma soft-capping, Cohere/Granite scaling):
-    # the chunked head's backward keeps one more [chunk, vocab] buffer (posttrain/train/chunked).
+    # the chunked head's backward keeps one more [chunk, vocab] buffer
+    # (posttrain/models/chunked.py).
     logit_transform: bool = False
 
     @classmethod

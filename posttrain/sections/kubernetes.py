@@ -1,7 +1,8 @@
 """`infra.kubernetes`: where and how a stage's pods run when `infra.launcher` is `kubernetes`.
 
-`flows.stage.launchers.kubernetes` turns a stage into an Indexed Job (one pod per node) and a headless
-Service (the rendezvous at pod 0); this section holds what the cluster needs to know: the image,
+`flows.stage.launchers.kubernetes` turns a stage into an Indexed Job (one pod per node) and a
+headless Service (the rendezvous at pod 0); this section holds what the cluster needs to know: the
+image,
 the GPUs and the shared workspace volume of every pod, where they may be scheduled, and how long
 the Job may live. Everything is checked when the recipe is loaded, with Kubernetes' own syntax
 rules (names, label keys, resource quantities), so a typo fails before a Job is submitted.

@@ -14,8 +14,8 @@ Every rank beats `<out_dir>/logs/heartbeat/rank<k>.json` and dumps its Python st
 `<out_dir>/logs/stacks-rank<k>.txt` on SIGUSR1 (`posttrain.telemetry.heartbeat`), samples its
 GPU, InfiniBand ports and storage reads into `<out_dir>/logs/health/rank<k>.json`
 (`posttrain.telemetry.health`, every POSTTRAIN_HEALTH_INTERVAL_S seconds), and watches
-the process that supervises it (`posttrain.runtime.orphan`): when it dies, the stage stops or finishes
-alone, per `infra.orphan`.
+the process that supervises it (`posttrain.runtime.orphan`): when it dies, the stage stops or
+finishes alone, per `infra.orphan`.
 """
 
 from __future__ import annotations

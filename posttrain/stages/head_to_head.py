@@ -1,8 +1,9 @@
 """head_to_head: a candidate export against the champion's, judged by the reward model.
 
 Not a stage of the recipe's graph: the promotion gate (flows/gate.py) plans it
-(`posttrain.workspace.promotion.head_to_head_stage`) after a completed run whose pipeline has a champion,
-and launches it like any stage: `python -m posttrain.stages.head_to_head --spec <spec.json>`.
+(`posttrain.workspace.promotion.head_to_head_stage`) after a completed run whose pipeline has a
+champion, and launches it like any stage: `python -m posttrain.stages.head_to_head --spec
+<spec.json>`.
 Its parents, by role:
   - candidate: this run's export artifact (merged model in model/);
   - champion:  the champion's export artifact;

@@ -2,7 +2,8 @@
 
 Candidates, by category:
   - failed attempts: an artifact folder without a manifest (a stage that failed or was killed;
-    `posttrain.runtime.recovery` tells which), or whose manifest no longer matches its files (sizes);
+    `posttrain.runtime.recovery` tells which), or whose manifest no longer matches its files
+    (sizes);
   - damaged checkpoints: in a complete artifact, `checkpoints/step_N.tmp` (a save cut short),
     `step_N.damaged*` (set aside by a resume) and complete checkpoints that fail their
     integrity record (`posttrain.train.integrity`);

@@ -1,4 +1,5 @@
-"""The runs of a workspace, newest first, from their `run.json` records (`posttrain.workspace.run_status`).
+"""The runs of a workspace, newest first, from their `run.json` records
+(`posttrain.workspace.run_status`).
 
 What `posttrain runs` lists and what `posttrain clean` keeps the artifacts of. Reads one small
 JSON file per run (and probes its lock): fast however large the artifacts are.

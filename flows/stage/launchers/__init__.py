@@ -1,4 +1,5 @@
-"""The engines that run stages (`infra.launcher`), behind one interface (`flows.stage.launchers.base`).
+"""The engines that run stages (`infra.launcher`), behind one interface
+(`flows.stage.launchers.base`).
 
 `launcher_for` picks a stage's engine from its plan: `local` for ingest and for the local
 launcher, else the recipe's. The engines' modules are imported only when used: the Kubernetes
