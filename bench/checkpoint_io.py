@@ -251,7 +251,7 @@ def run_stage(stage: str, recipe: Path, *overrides: str) -> float:
 def out_dir(stage: str, recipe: Path, *overrides: str) -> Path:
     sys.path.insert(0, str(ROOT))
     from posttrain.config.loader import load_recipe
-    from posttrain.planner import plan
+    from posttrain.plan.planner import plan
 
     return next(
         s.out_dir for s in plan(load_recipe(recipe, list(overrides))).stages if s.name == stage

@@ -91,7 +91,7 @@ def batch(rows: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def sft_step(model: Any, b: dict[str, torch.Tensor], chunk: int) -> float:
-    from posttrain.train.chunked import forward_nll_sum
+    from posttrain.train.forward_logps import forward_nll_sum
 
     nll, n = forward_nll_sum(model, b, chunk)
     loss = nll / n
@@ -101,7 +101,7 @@ def sft_step(model: Any, b: dict[str, torch.Tensor], chunk: int) -> float:
 
 def dpo_step(model: Any, b: dict[str, torch.Tensor], chunk: int, beta: float = 0.1) -> float:
     from posttrain.models.adapters import REFERENCE, active_adapter
-    from posttrain.train.chunked import forward_sequence_logps
+    from posttrain.train.forward_logps import forward_sequence_logps
 
     with torch.no_grad(), active_adapter(model, REFERENCE):
         ref, _ = forward_sequence_logps(model, b, chunk)  # [2B]

@@ -155,7 +155,7 @@ def dpo_step(model, opt, loss_fn, ix, batch, ref_table=None, ref_model=None) -> 
     import torch
 
     from posttrain.models.adapters import REFERENCE, active_adapter
-    from posttrain.train.chunked import pair_logps
+    from posttrain.train.forward_logps import pair_logps
 
     t_ref = time.perf_counter()
     if ref_table is not None:

@@ -19,7 +19,7 @@ import torch
 from posttrain.config.schema import OptimConfig
 from posttrain.distributed.fsdp import grad_sync, place_model
 from posttrain.distributed.runtime import init_distributed, shutdown
-from posttrain.train.chunked import forward_nll_sum
+from posttrain.train.forward_logps import forward_nll_sum
 from posttrain.train.optim import build_optimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

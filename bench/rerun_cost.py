@@ -70,7 +70,7 @@ def incomplete_stages(recipe: Path, workspace: Path) -> list[str]:
     """Stages of the recipe whose artifact is not complete (`posttrain plan`, no Prefect)."""
     from flows.cli_checks import plan_rows
     from flows.cli_common import load_or_report
-    from posttrain.planner import plan
+    from posttrain.plan.planner import plan
 
     loaded = load_or_report(str(recipe), [f"run.workspace={workspace}", *OVERRIDES], sys.stderr)
     if loaded is None:

@@ -132,12 +132,12 @@ def equality(tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
     the policy's logit margin (top 1 minus top 2) where it first does: a near-tie that other
     float rounding (the server's batch) resolves the other way, or not."""
     from posttrain.config.schema import SamplingConfig
-    from posttrain.config.sections import RolloutServerConfig
     from posttrain.data.prompts import encode_prompt, quickstart_prompts
     from posttrain.eval.stop_tokens import model_stop_token_ids
     from posttrain.models.adapters import POLICY
     from posttrain.models.loading import load_base
     from posttrain.models.roles import build_roles
+    from posttrain.sections.shared import RolloutServerConfig
     from posttrain.serving.engine import ServerEngine
     from posttrain.serving.server import rollout_server
     from posttrain.train.rollout_engine import HFEngine

@@ -77,13 +77,13 @@ def plain_loop(recipe_path: Path, steps: int) -> dict:
     from posttrain.data.sft_data import prepare
     from posttrain.models.loading import load_causal_lm, load_tokenizer
     from posttrain.models.lora import apply_lora
-    from posttrain.planner import plan
+    from posttrain.plan.planner import plan
     from posttrain.telemetry.metrics import (
         matmul_params,
         measure_cpu_matmul_peak,
         train_flops_per_token,
     )
-    from posttrain.train.chunked import forward_nll_sum
+    from posttrain.train.forward_logps import forward_nll_sum
     from posttrain.train.optim import build_optimizer, build_scheduler
 
     recipe = load_recipe(recipe_path)
@@ -145,7 +145,7 @@ def plain_loop(recipe_path: Path, steps: int) -> dict:
 
 def stage_figures(recipe_path: Path) -> dict:
     from posttrain.config.loader import load_recipe
-    from posttrain.planner import plan
+    from posttrain.plan.planner import plan
     from posttrain.telemetry.metrics import read_metrics
 
     sft_dir = plan(load_recipe(recipe_path)).stages[1].out_dir
@@ -191,7 +191,7 @@ def measure(name: str, steps: int, rounds: int, tmp: Path, threads: int | None) 
     # on a shared machine then hits both sides alike instead of whichever ran second.
     for _ in range(rounds):
         from posttrain.config.loader import load_recipe
-        from posttrain.planner import plan
+        from posttrain.plan.planner import plan
 
         shutil.rmtree(plan(load_recipe(recipe)).stages[1].out_dir, ignore_errors=True)
         w = run_stage("sft", recipe)

@@ -86,7 +86,7 @@ def run_stage(kind: str, path: Path) -> Path:
     """Run the recipe's stage of `kind` through its real entry point here; its folder."""
     from posttrain.config.loader import load_recipe
     from posttrain.kinds import KINDS
-    from posttrain.planner import plan
+    from posttrain.plan.planner import plan
     from posttrain.stages.common import stage_main
 
     module = importlib.import_module(KINDS[kind].module)

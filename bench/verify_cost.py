@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from posttrain.artifacts import verify, write_manifest
+from posttrain.store.artifacts import verify, write_manifest
 
 
 def _best(fn, rounds: int) -> float:

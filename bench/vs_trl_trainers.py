@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def stage_dirs(recipe_path: Path) -> dict[str, Path]:
     from posttrain.config.loader import load_recipe
-    from posttrain.planner import plan
+    from posttrain.plan.planner import plan
 
     return {p.name: p.out_dir for p in plan(load_recipe(recipe_path)).stages}
 

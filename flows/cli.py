@@ -39,7 +39,7 @@ from flows.cli_served import cmd_publish_base, cmd_serve, cmd_submit
 from flows.cli_workspace import _workspace_args, cmd_clean, cmd_models, cmd_runs
 from flows.failure_block import Block, known_block, unexpected_block
 from flows.prefect_env import apply_prefect_defaults, prefect_target
-from flows.report import (
+from flows.report.tables import (
     StageRecord,
     health_lines,
     not_selected_text,
@@ -52,8 +52,8 @@ from posttrain.config.served_access import (
     REWARDS_ENV,
 )
 from posttrain.kinds import graph_kinds
-from posttrain.planner import plan
-from posttrain.selection import ALL_STAGES, Selection
+from posttrain.plan.planner import plan
+from posttrain.plan.selection import ALL_STAGES, Selection
 
 
 class Terminated(BaseException):
@@ -206,12 +206,12 @@ def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, er
     import subprocess
     import uuid
 
-    from flows.launchers.local import LocalLauncher
-    from flows.stage_launch import launch_info, local_env, node_rank
-    from posttrain.artifact_claim import find_complete
-    from posttrain.planner import spec_for
-    from posttrain.recovery import earlier_attempt
-    from posttrain.stage_spec import spec_path
+    from flows.stage.launch import launch_info, local_env, node_rank
+    from flows.stage.launchers.local import LocalLauncher
+    from posttrain.plan.planner import spec_for
+    from posttrain.runtime.recovery import earlier_attempt
+    from posttrain.runtime.spec import spec_path
+    from posttrain.store.claim import find_complete
 
     recipe = load_or_report(path, overrides, err)
     if recipe is None:

@@ -9,12 +9,12 @@ from typing import TextIO
 import yaml
 
 from flows.cli_common import EXIT_INVALID, EXIT_OK, load_or_report, refused_head
-from flows.report import text_table
-from posttrain.artifacts import read_manifest, verify
+from flows.report.tables import text_table
 from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS
-from posttrain.planner import PlannedStage, RunPlan, plan
-from posttrain.selection import ALL_STAGES, Selection, SelectionError, choose, complete_stages
+from posttrain.plan.planner import PlannedStage, RunPlan, plan
+from posttrain.plan.selection import ALL_STAGES, Selection, SelectionError, choose, complete_stages
+from posttrain.store.artifacts import read_manifest, verify
 
 
 def cmd_validate(

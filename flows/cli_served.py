@@ -15,7 +15,7 @@ from posttrain.config.served_access import (
     served_roots,
     with_roots,
 )
-from posttrain.selection import ALL_STAGES, Selection
+from posttrain.plan.selection import ALL_STAGES, Selection
 
 
 def _server_url(err: TextIO) -> str | None:

@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import TextIO
 
 from flows.cli_common import EXIT_INVALID, EXIT_OK, load_or_report
-from flows.report import text_table
+from flows.report.tables import text_table
 
 
 def cmd_models(path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
     """The champion of every pipeline in the recipe's workspace, with its metrics and lineage."""
-    from posttrain.promotion import champions
+    from posttrain.workspace.promotion import champions
 
     recipe = load_or_report(path, overrides, err)
     if recipe is None:
@@ -68,7 +68,7 @@ def cmd_runs(
 ) -> int:
     """The workspace's runs, newest first: status, when, how long, evaluate headline, gate."""
     from flows.workspace_report import runs_lines
-    from posttrain.workspace_runs import list_runs
+    from posttrain.workspace.runs import list_runs
 
     ws = _workspace_of(path, overrides, workspace, err)
     if ws is None:
@@ -89,9 +89,9 @@ def cmd_clean(
     keep_last: int | None = None,
 ) -> int:
     """Failed attempts, damaged checkpoints and unreferenced artifacts: listed (dry run), or
-    deleted with `yes` (posttrain.workspace_clean, posttrain.workspace_trash)."""
+    deleted with `yes` (posttrain.workspace.clean, posttrain.workspace.trash)."""
     from flows.workspace_report import clean_lines
-    from posttrain.workspace_clean import plan_clean
+    from posttrain.workspace.clean import plan_clean
 
     if keep_last is not None and keep_last < 0:
         print(f"posttrain: --keep-last {keep_last}: must be 0 or more", file=err)
@@ -102,7 +102,7 @@ def cmd_clean(
     plan = plan_clean(ws, keep_last)
     outcome = None
     if yes:
-        from posttrain.workspace_trash import delete
+        from posttrain.workspace.trash import delete
 
         outcome = delete(plan)
     for line in clean_lines(plan, outcome):

@@ -25,7 +25,7 @@ from prefect.settings import PREFECT_UI_URL
 from flows.events import BASE_EVENT, BASE_PATH_LABEL, PIPELINE_LABEL
 from flows.post_train import post_train
 from posttrain.config.schema import Recipe
-from posttrain.selection import Selection
+from posttrain.plan.selection import Selection
 
 FLOW_NAME = "post-train"
 TAG = "posttrain"

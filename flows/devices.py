@@ -4,8 +4,8 @@ Two layers, taken in this order and held from a run's first stage to its last (r
 whole: holding per stage would let a long stage of a later run, a retraining triggered by this
 run's new base say, starve this run's evaluate and export):
 
-1. A host-wide `flock` (`posttrain.device_lock`): the kernel frees it when the holder dies, by
-   SIGKILL, a hang-up or a crash, so a dead run never keeps the devices. A waiting run logs who
+1. A host-wide `flock` (`posttrain.runtime.device_lock`): the kernel frees it when the holder dies,
+   by SIGKILL, a hang-up or a crash, so a dead run never keeps the devices. A waiting run logs who
    holds it (pid, flow run, since when).
 2. A one-slot Prefect global concurrency limit named after the machine and the devices (`cpu`,
    or the CUDA devices visible to this process): what the UI shows, and what an operator can
@@ -14,17 +14,16 @@ run's new base say, starve this run's evaluate and export):
    (whose leases live in the memory of the server process that died with the run). Once a run
    holds the flock, no live run on this machine holds the slot, so an occupied slot is a dead
    run's: it is repossessed at once, with one log line naming that run.
-
-A run that would train nothing takes neither: when every stage's artifact is already complete,
-it reuses them at once however busy the devices are (`REUSE_ONLY`). Should a stage need to run
-after all (its files changed after the run looked) or the promotion gate need a head-to-head,
+ A run that would train nothing takes neither: when every stage's artifact is already complete, it
+reuses them at once however busy the devices are (`flows.stage.launch.REUSE_ONLY`). Should a stage
+need to run after all (its files changed after the run looked) or the promotion gate need a
+head-to-head,
 the launch raises `DevicesNeeded` instead, and the run starts again holding the devices.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
 import socket
 import time
@@ -43,24 +42,14 @@ from prefect.concurrency.sync import concurrency
 from prefect.context import FlowRunContext
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
-from flows.stage_launch import HELD_DEVICE_LOCK, node_rank
-from flows.stage_output import artifact_key, run_logger
-from posttrain.artifact_claim import looks_complete
-from posttrain.device_lock import DeviceLock
-from posttrain.planner import PlannedStage
+from flows.stage.launch import HELD_DEVICE_LOCK, node_rank
+from flows.stage.output import artifact_key, run_logger
+from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.device_lock import DeviceLock
+from posttrain.store.claim import looks_complete
 
 PREFIX = "posttrain-devices"
 SLOT_POLL_S = 2.0
-# True while a run reuses its stages without holding the devices: a stage that must run after
-# all raises DevicesNeeded instead of launching. A context variable: stages side by side are
-# supervised from threads that copy the flow's context.
-REUSE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "posttrain_reuse_only", default=False
-)
-
-
-class DevicesNeeded(Exception):
-    """A stage must run while its run holds no devices (`REUSE_ONLY`)."""
 
 
 def reusable_without_devices(stages: list[PlannedStage]) -> bool:
@@ -68,16 +57,6 @@ def reusable_without_devices(stages: list[PlannedStage]) -> bool:
     hashing, so it answers in a stat per file), so the run may skip the device wait. Node 0
     only: another node's agent joins node 0's launches without looking."""
     return node_rank() == 0 and all(looks_complete(s.out_dir, s.fingerprint) for s in stages)
-
-
-@contextlib.contextmanager
-def reuse_only() -> Iterator[None]:
-    """Within: a stage that would launch raises DevicesNeeded (flows.stage_supervise)."""
-    token = REUSE_ONLY.set(True)
-    try:
-        yield
-    finally:
-        REUSE_ONLY.reset(token)
 
 
 def device_set_name(device: str) -> str:

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.orphan import die_with
+from posttrain.runtime.orphan import die_with
 
 # Prefect's port range for its temporary server (SubprocessASGIServer._port_range).
 PORT_RANGE = (8000, 9000)

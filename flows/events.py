@@ -13,7 +13,7 @@ from prefect.events import emit_event
 
 BASE_EVENT = "posttrain.base.published"
 BASE_PATH_LABEL = "posttrain.base.path"
-PIPELINE_LABEL = "posttrain.planner"
+PIPELINE_LABEL = "posttrain.plan.planner"
 
 
 def publish_base(model_dir: str | Path, pipeline: str, fingerprint: str = "") -> None:

@@ -84,8 +84,8 @@ def _last_frame(lines: list[str]) -> str | None:
 
 
 RESUMES = "run again: it resumes from the newest complete checkpoint"
-# What the engine said ended the job (flows.launchers: "was ended by Slurm: job 57 TIMEOUT, ..."),
-# in the order tried, and what to do about it.
+# What the engine said ended the job (flows.stage.launchers: "was ended by Slurm: job 57 TIMEOUT,
+# ..."), in the order tried, and what to do about it.
 ENGINE_FIXES = (
     (
         "infra.queue_timeout_s",
@@ -220,10 +220,10 @@ def known_block(exc: BaseException, sections: Mapping[str, str] | None = None) -
     """The block of a failure posttrain raises and explains (a stage that failed, timed out or
     hung; a quality gate not met; a recipe refused in the flow); None for anything else.
     `sections`: as for `stage_failure_block`."""
-    from flows.stage_failures import QualityGateFailed, StageFailed, StageTimeout
-    from flows.stage_hang import StageHung
+    from flows.stage.failures import QualityGateFailed, StageFailed, StageTimeout
+    from flows.stage.hang import StageHung
     from posttrain.config.loader import RecipeError
-    from posttrain.selection import SelectionError
+    from posttrain.plan.selection import SelectionError
 
     if isinstance(exc, StageFailed):
         return stage_failure_block(

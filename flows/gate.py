@@ -1,11 +1,11 @@
 """The promotion gate, flow side: after a completed run, does its export replace the champion?
 
-The comparison is `posttrain.promotion` (pure, rule by rule). This module gathers the candidate's
-metrics: the evaluate headline, plus `win_rate_vs_champion` when a rule asks for it, measured by
-the head-to-head stage (`posttrain.stages.head_to_head`, launched like every stage: a child
-process under the `stage` task, its artifact fingerprinted and reused). The gate is
-decoration on a completed run: nothing here fails the run. A head-to-head that does not apply
-is skipped (the rule shows n/a with the reason); one that fails refuses promotion.
+The comparison is `posttrain.workspace.promotion` (pure, rule by rule). This module gathers the
+candidate's metrics: the evaluate headline, plus `win_rate_vs_champion` when a rule asks for it,
+measured by the head-to-head stage (`posttrain.stages.head_to_head`, launched like every stage: a
+child process under the `stage` task, its artifact fingerprinted and reused). The gate is decoration
+on a completed run: nothing here fails the run. A head-to-head that does not apply is skipped (the
+rule shows n/a with the reason); one that fails refuses promotion.
 """
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ from typing import Any
 
 from prefect.logging import get_run_logger
 
-from flows.devices import REUSE_ONLY, DevicesNeeded
-from flows.report import StageRecord, export_model_path
-from flows.stage_task import run_task
-from posttrain.artifact_claim import looks_complete
-from posttrain.artifacts import ArtifactRef, read_manifest, ref_from_manifest
+from flows.report.tables import StageRecord, export_model_path
+from flows.stage.launch import REUSE_ONLY, DevicesNeeded
+from flows.stage.task import run_task
 from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS
-from posttrain.planner import PlannedStage, spec_for
-from posttrain.promotion import (
+from posttrain.plan.planner import PlannedStage, spec_for
+from posttrain.runtime.spec import StageSpec
+from posttrain.store.artifacts import ArtifactRef, read_manifest, ref_from_manifest
+from posttrain.store.claim import looks_complete
+from posttrain.workspace.promotion import (
     WIN_RATE_VS_CHAMPION,
     Decision,
     Unmeasured,
@@ -36,9 +37,8 @@ from posttrain.promotion import (
     record_decision,
     uses_metric,
 )
-from posttrain.stage_spec import StageSpec
 
-# (planned stage, its spec) -> (status, ref); raises the stage's error (flows.stage_task.run_task).
+# (planned stage, its spec) -> (status, ref); raises the stage's error (flows.stage.task.run_task).
 RunSpec = Callable[[PlannedStage, StageSpec], tuple[str, ArtifactRef]]
 Log = logging.Logger | logging.LoggerAdapter
 
@@ -55,8 +55,8 @@ class HeadToHead:
 
 def promote(recipe: Recipe, run_id: str, records: list[StageRecord]) -> Decision | None:
     """The promotion gate after a completed run: the evaluate headline (and the head-to-head
-    against the champion) against the champion's (`posttrain.promotion`); the registry records
-    the decision, and the champion when promoted. A run that left out its evaluate or its
+    against the champion) against the champion's (`posttrain.workspace.promotion`); the registry
+    records the decision, and the champion when promoted. A run that left out its evaluate or its
     export (`--until`/`--only`) is not a candidate: nothing measured, or nothing shipped."""
     if not recipe.promotion.enabled:
         return None
@@ -108,7 +108,7 @@ def head_to_head_vs_champion(
     Skipped, with the reason, when it cannot apply: no reward stage to judge with, no held-out
     reward prompts, or the champion's export folder is gone. Any error while running it is
     caught: the result then blocks promotion, naming the error. `run_spec` defaults to the
-    `stage` Prefect task (flows.stage_task.run_task), so it needs a flow run.
+    `stage` Prefect task (flows.stage.task.run_task), so it needs a flow run.
     """
     why = _cannot_run(by_stage, champion)
     if why:

@@ -1,7 +1,7 @@
 """The Prefect flow `post-train`: plans the run once, runs its stages and records the run.
 
-The flow body only wires: `posttrain.planner.plan` answers every question the flow has of the
-recipe (resolved once), then each stage goes through the one generic task (flows/stage_task.py)
+The flow body only wires: `posttrain.plan.planner.plan` answers every question the flow has of the
+recipe (resolved once), then each stage goes through the one generic task (flows/stage/task.py)
 in dependency order (flows/schedule.py), then the promotion gate (flows/gate.py) and the run's
 record (flows/run_record.py). Everything a stage does happens in its own process.
 """
@@ -22,33 +22,32 @@ from prefect.logging import get_run_logger
 from prefect.states import Failed
 
 from flows.devices import (
-    DevicesNeeded,
     device_set_name,
     ensure_device_limit,
     hold_devices,
     reusable_without_devices,
-    reuse_only,
 )
 from flows.events import BASE_EVENT, publish_base
 from flows.failure_block import known_block, reason_line
 from flows.gate import promote
-from flows.report import StageRecord
+from flows.report.health_summary import stage_health
+from flows.report.tables import StageRecord
 from flows.run_record import record_run
 from flows.schedule import device_slots, run_stages
 from flows.served_run import is_served_run, served_reach
-from flows.stage_failures import QualityGateFailed
-from flows.stage_procs import kill_flow_run_processes
-from flows.stage_task import run_task
+from flows.stage.failures import QualityGateFailed
+from flows.stage.launch import DevicesNeeded, reuse_only
+from flows.stage.procs import kill_flow_run_processes
+from flows.stage.task import run_task
 from flows.terminal import KNOWN_FAILURES, quiet_known_failures
 from flows.trackers import StageFeed, Trackers, open_trackers
-from posttrain.artifacts import ArtifactRef, read_manifest
 from posttrain.config.schema import Recipe
-from posttrain.planner import PlannedStage, RunPlan, plan, spec_for
-from posttrain.promotion import Decision
-from posttrain.run_status import RunJournal
+from posttrain.plan.planner import PlannedStage, RunPlan, plan, spec_for
+from posttrain.plan.selection import Selection, choose
 from posttrain.secrets import redact_obj
-from posttrain.selection import Selection, choose
-from posttrain.telemetry.health_summary import stage_health
+from posttrain.store.artifacts import ArtifactRef, read_manifest
+from posttrain.workspace.promotion import Decision
+from posttrain.workspace.run_status import RunJournal
 
 
 def _flow_run_name() -> str:
@@ -224,11 +223,11 @@ def cancel_engine_jobs(flow_run: FlowRun) -> int:
     infra = (recipe or {}).get("infra") or {}
     try:
         if infra.get("launcher") == "slurm":
-            from flows.launchers.slurm import cancel_flow_run_jobs
+            from flows.stage.launchers.slurm import cancel_flow_run_jobs
 
             return cancel_flow_run_jobs(str(flow_run.id))
         if infra.get("launcher") == "kubernetes":
-            from flows.launchers.kubernetes import cancel_flow_run_jobs as cancel_k8s
+            from flows.stage.launchers.kubernetes import cancel_flow_run_jobs as cancel_k8s
 
             return cancel_k8s(str(flow_run.id), infra)
     except Exception as exc:  # a hook must not fail the cancel itself
@@ -281,7 +280,7 @@ def post_train(
 ) -> dict[str, Any] | State:
     """The recipe's stages (ingest, the stage graph, evaluate, export), each skipped when its
     artifact exists, then the promotion gate; all while holding the device set's slot.
-    `until`/`only`: stage names (`posttrain run --until/--only`, posttrain.selection); the
+    `until`/`only`: stage names (`posttrain run --until/--only`, posttrain.plan.selection); the
     run goes through those and what they need upstream only.
 
     A served run that posttrain refuses or stops (a recipe refused, a stage failed, a gate not
@@ -310,7 +309,7 @@ def run_pipeline(
     command = "posttrain submit RECIPE" if reach is not None else "posttrain run RECIPE"
     run_plan = choose(plan(recipe, reach), Selection.of(until, only), command)
     run_id = _new_run_id()
-    # run.json says `running` from here on, and how the run ended (posttrain.run_status).
+    # run.json says `running` from here on, and how the run ended (posttrain.workspace.run_status).
     with RunJournal(recipe.run.workspace, run_id, recipe.run.name) as journal:
         run = PipelineRun(run_plan, run_id, start_tracking(run_plan, run_id), journal)
         decision = on_devices(run)

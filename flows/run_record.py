@@ -2,8 +2,8 @@
 `report.md` and its images) and the flow-level Prefect artifacts (report, metrics table).
 
 Made at flow level, from the stages' records, because it must say what every stage did, the
-reused ones included. The report's text is `flows.report` (pure functions); the images are
-drawn once per content (`flows.report_images`).
+reused ones included. The report's text is `flows.report.tables` (pure functions); the images are
+drawn once per content (`flows.report.images`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import FlowRunContext
 from prefect.logging import get_run_logger
 
-from flows import report_images
-from flows.report import (
+from flows.report.graph_plot import GraphNode
+from flows.report.images import cache_dir, curves, stage_graph
+from flows.report.plots import CurvePlot
+from flows.report.tables import (
     StageRecord,
     curves_markdown,
     export_model_path,
@@ -28,13 +30,11 @@ from flows.report import (
     markdown_report,
     metrics_table,
 )
-from flows.stage_output import artifact_key
+from flows.stage.output import artifact_key
 from flows.trackers import Trackers
-from posttrain.planner import RunPlan
-from posttrain.promotion import Decision, comparison_markdown
+from posttrain.plan.planner import RunPlan
 from posttrain.secrets import redact, redact_obj
-from posttrain.telemetry.graph_plot import GraphNode
-from posttrain.telemetry.plots import CurvePlot
+from posttrain.workspace.promotion import Decision, comparison_markdown
 
 
 @dataclass
@@ -126,22 +126,20 @@ def run_meta(run_id: str, run_name: str, export_path: str | None) -> dict[str, A
 
 
 def draw_images(run_plan: RunPlan, records: list[StageRecord], run_dir: Path) -> Images:
-    """Curves and the stage graph, copied from the workspace's image cache when drawn before
-    from the same inputs (flows.report_images: a re-run of reused stages draws nothing). Decoration: a
+    """Curves and the stage graph, copied from the workspace's image cache when drawn before from
+    the same inputs (flows.report.images: a re-run of reused stages draws nothing). Decoration: a
     plotting failure (matplotlib missing, a corrupt metrics file) is logged and the run record
     is written without the image."""
-    cache = report_images.cache_dir(run_plan.recipe.run.workspace)
+    cache = cache_dir(run_plan.recipe.run.workspace)
     plots: list[CurvePlot] = []
     try:
         stages = [(r.stage, Path(r.uri)) for r in records if r.uri]
-        plots, _ = report_images.curves(stages, run_dir, cache)
+        plots, _ = curves(stages, run_dir, cache)
     except Exception as exc:
         get_run_logger().warning("training curves not drawn: %s: %s", type(exc).__name__, exc)
     graph = None
     try:
-        graph, _ = report_images.stage_graph(
-            graph_nodes(run_plan, records), run_dir / "graph.png", cache
-        )
+        graph, _ = stage_graph(graph_nodes(run_plan, records), run_dir / "graph.png", cache)
     except Exception as exc:
         get_run_logger().warning("stage graph not drawn: %s: %s", type(exc).__name__, exc)
     return Images(plots, graph)

@@ -14,8 +14,8 @@ import os
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from posttrain.artifacts import ArtifactRef
-from posttrain.planner import PlannedStage
+from posttrain.plan.planner import PlannedStage
+from posttrain.store.artifacts import ArtifactRef
 
 # Runs one stage with its parents' refs and returns its ref (flows.post_train.PipelineRun).
 RunOne = Callable[[PlannedStage, dict[str, ArtifactRef]], ArtifactRef]

@@ -34,16 +34,16 @@ from typing import Any, TextIO
 from prefect.exceptions import FailedRun
 from prefect.logging.handlers import PrefectConsoleHandler
 
-from flows.report import format_duration
-from flows.stage_failures import QualityGateFailed, StageFailed
-from flows.stage_output import (
+from flows.report.tables import format_duration
+from flows.stage.failures import QualityGateFailed, StageFailed
+from flows.stage.output import (
     REWARD_FIELD,
     STAGE_OUTPUT,
     add_step_listener,
     remove_step_listener,
 )
 from posttrain.config.loader import RecipeError
-from posttrain.selection import SelectionError
+from posttrain.plan.selection import SelectionError
 
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 # Prefect's (and our supervisor's) repeats of a failure the closing block states once.
@@ -115,7 +115,7 @@ def progress_text(stage: str, record: dict[str, Any], eta_s: float | None) -> st
 
 
 class ProgressPrinter:
-    """Receives each stage's newest training record (`flows.stage_output.add_step_listener`)
+    """Receives each stage's newest training record (`flows.stage.output.add_step_listener`)
     from the stages' tail threads and prints progress; one lock keeps lines whole."""
 
     def __init__(self, stream: TextIO, tty: bool | None = None, every_s: float | None = None):

@@ -1,6 +1,6 @@
 """What `posttrain runs` and `posttrain clean` print: plain-text tables for the terminal.
 
-The listing and the plan are `posttrain.workspace_runs` and `posttrain.workspace_clean`; this
+The listing and the plan are `posttrain.workspace.runs` and `posttrain.workspace.clean`; this
 module only words them.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from flows.report import format_duration, text_table
-from posttrain.workspace_clean import DAMAGED, FAILED, TRASH, UNREFERENCED, CleanPlan
-from posttrain.workspace_runs import RunInfo, compact_headline
-from posttrain.workspace_trash import Outcome
+from flows.report.tables import format_duration, text_table
+from posttrain.workspace.clean import DAMAGED, FAILED, TRASH, UNREFERENCED, CleanPlan
+from posttrain.workspace.runs import RunInfo, compact_headline
+from posttrain.workspace.trash import Outcome
 
 TOTALS = (
     (FAILED, "failed attempts"),

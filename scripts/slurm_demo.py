@@ -24,7 +24,7 @@ from slurm_cluster import LocalSlurm  # noqa: E402
 from stage_helpers import slurm_sft_recipe  # noqa: E402
 
 from posttrain.config.loader import load_recipe  # noqa: E402
-from posttrain.planner import plan  # noqa: E402
+from posttrain.plan.planner import plan  # noqa: E402
 
 
 def main(folder: Path) -> int:

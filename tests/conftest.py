@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Before anything imports huggingface_hub: a stray hub id otherwise costs ~47 s of retries.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-# Device locks (posttrain.device_lock) are host-wide by default: a test session gets its own
+# Device locks (posttrain.runtime.device_lock) are host-wide by default: a test session gets its own
 # directory, so parallel sessions (or a real run on this machine) never wait for each other.
 if "POSTTRAIN_DEVICE_LOCK_DIR" not in os.environ:
     import tempfile

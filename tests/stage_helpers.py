@@ -18,7 +18,7 @@ import yaml
 
 from posttrain.config.loader import load_recipe
 from posttrain.kinds import KINDS
-from posttrain.planner import plan
+from posttrain.plan.planner import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -233,9 +233,9 @@ def hand_planned(
     `fields` are PlannedStage fields (nprocs, nnodes, hang_timeout_s, launcher...)."""
     import copy
 
-    from posttrain.artifacts import stage_dir
     from posttrain.config.schema import Recipe
-    from posttrain.planner import PlannedStage, spec_for
+    from posttrain.plan.planner import PlannedStage, spec_for
+    from posttrain.store.artifacts import stage_dir
 
     data = copy.deepcopy(TINY)
     data["run"]["workspace"] = str(tmp_path / "ws")

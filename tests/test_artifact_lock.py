@@ -1,5 +1,5 @@
 """Two runs of the same stage at once: one runs, the other waits for it and reuses its artifact;
-the folder is never written by both (posttrain.locking, posttrain.artifact_claim)."""
+the folder is never written by both (posttrain.store.locking, posttrain.store.claim)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 
-from flows.stage_supervise import supervise_stage
-from posttrain.artifact_claim import claim_by_hand
-from posttrain.artifacts import read_manifest, stage_dir, verify, write_manifest
+from flows.stage.supervise import supervise_stage
 from posttrain.config.loader import validate_recipe
-from posttrain.locking import ArtifactLock, LockTimeout, lock_path
-from posttrain.planner import PlannedStage, plan, spec_for
-from posttrain.stage_spec import StageSpec
+from posttrain.plan.planner import PlannedStage, plan, spec_for
+from posttrain.runtime.spec import StageSpec
+from posttrain.store.artifacts import read_manifest, stage_dir, verify, write_manifest
+from posttrain.store.claim import claim_by_hand
+from posttrain.store.locking import ArtifactLock, LockTimeout, lock_path
 
 ROOT = Path(__file__).resolve().parents[1]
 FP = "0123456789abcdef"
@@ -145,7 +145,7 @@ def test_lock_excludes_a_second_holder_and_records_the_owner(tmp_path: Path) -> 
 def test_a_killed_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
     out = tmp_path / "artifacts" / "sft" / FP
     code = (
-        "import sys, time; from posttrain.locking import ArtifactLock; "
+        "import sys, time; from posttrain.store.locking import ArtifactLock; "
         f"assert ArtifactLock({str(out)!r}).try_acquire({{}}); print('held', flush=True); "
         "time.sleep(60)"
     )

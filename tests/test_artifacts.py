@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from posttrain.artifacts import fingerprint, verify, write_manifest
 from posttrain.config.loader import load_recipe
-from posttrain.planner import plan
+from posttrain.plan.planner import plan
+from posttrain.store.artifacts import fingerprint, verify, write_manifest
 
 
 def test_fingerprint_depends_on_every_input() -> None:

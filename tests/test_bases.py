@@ -16,9 +16,9 @@ import yaml
 
 from flows.cli import cmd_plan
 from posttrain.config.loader import RecipeError, load_recipe, validate_recipe
-from posttrain.memory.preflight import model_shape
-from posttrain.planner import plan
-from posttrain.selection import Selection, choose
+from posttrain.plan.planner import plan
+from posttrain.plan.selection import Selection, choose
+from posttrain.runtime.preflight import model_shape
 from tests.stage_helpers import TINY, run_inprocess, write_recipe
 
 HEAD: dict[str, Any] = {

@@ -92,7 +92,7 @@ def test_grpo_row_recipe_and_trl_fields(tmp_path: Path) -> None:
     import yaml
 
     from posttrain.config.loader import load_recipe, section_batch
-    from posttrain.planner import plan
+    from posttrain.plan.planner import plan
 
     path = tmp_path / "recipe.yaml"
     recipe = vs_trl.recipe_for(vs_trl.SIZES["tiny"], 3, tmp_path / "ws", 1)

@@ -236,7 +236,7 @@ def test_template_file_is_resolved_and_fingerprinted_by_content(tmp_path: Path) 
     import yaml
 
     from posttrain.config.loader import load_recipe
-    from posttrain.planner import plan
+    from posttrain.plan.planner import plan
 
     f = tmp_path / "tpl.jinja"
     f.write_text(NO_SYSTEM)

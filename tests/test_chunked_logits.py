@@ -18,20 +18,19 @@ from posttrain.config.schema import FromConfigModel, LoraConfig
 from posttrain.data.chat import IGNORE
 from posttrain.distributed.fsdp import shard_model
 from posttrain.distributed.runtime import init_distributed, shutdown
-from posttrain.models.lora import apply_lora
-from posttrain.models.roles import RoleModel
-from posttrain.models.tiny import build_model
-from posttrain.train.chunked import (
+from posttrain.models.chunked import (
     IDENTITY,
     LogitTransform,
     chunked_target_logps,
-    forward_nll_sum,
-    forward_sequence_logps,
     logit_transform,
     output_head,
     scoring_head,
     shifted_targets,
 )
+from posttrain.models.lora import apply_lora
+from posttrain.models.roles import RoleModel
+from posttrain.models.tiny import build_model
+from posttrain.train.forward_logps import forward_nll_sum, forward_sequence_logps
 from posttrain.train.losses import token_logps as label_token_logps
 from posttrain.train.losses import token_nll_sum
 from posttrain.train.rl_losses import entropy_from_logits, token_logps

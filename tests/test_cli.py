@@ -112,7 +112,7 @@ def test_run_with_bad_recipe_exits_2_without_importing_prefect(tmp_path: Path) -
 def test_flow_modules_do_not_import_torch() -> None:
     # The flow process stays light: torch is for the stage processes it launches.
     code = (
-        "import sys, flows.cli, flows.post_train, flows.stage_task; "
+        "import sys, flows.cli, flows.post_train, flows.stage.task; "
         "heavy = [m for m in ('torch', 'transformers', 'peft') if m in sys.modules]; "
         "assert not heavy, heavy"
     )

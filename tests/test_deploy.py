@@ -24,10 +24,10 @@ from flows.deploy import (
     schedules_for,
 )
 from flows.events import BASE_EVENT, BASE_PATH_LABEL, PIPELINE_LABEL
-from flows.stage_procs import kill_flow_run_processes, tagged_processes
+from flows.stage.procs import kill_flow_run_processes, tagged_processes
 from posttrain.config.loader import RecipeError, load_recipe, validate_recipe
-from posttrain.selection import Selection
-from posttrain.stage_spec import LAUNCH_TAG_ENV, tag_flow_run_id
+from posttrain.plan.selection import Selection
+from posttrain.runtime.spec import LAUNCH_TAG_ENV, tag_flow_run_id
 
 
 def _recipe(tmp_path: Path, **schedule: object) -> Path:

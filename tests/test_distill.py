@@ -23,7 +23,7 @@ from posttrain.config.loader import RecipeError, validate_recipe
 from posttrain.kinds.distill import DistillConfig
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import RoleModel
-from posttrain.planner import plan
+from posttrain.plan.planner import plan
 from posttrain.rl.distill_update import distill_update
 from posttrain.rl.rollouts import collect_rollout
 from posttrain.stages.distill import check_shapes

@@ -87,7 +87,7 @@ def test_docs_name_only_modules_that_exist() -> None:
 
 
 def test_the_monitoring_section_lists_every_exported_series_and_alert() -> None:
-    from posttrain.telemetry.prom_names import BY_NAME
+    from flows.trackers.prom_names import BY_NAME
 
     text = (ROOT / "docs" / "monitoring.md").read_text()
     listed = set(re.findall(r"^\| `(posttrain_\w+)` \|", text, re.MULTILINE))

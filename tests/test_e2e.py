@@ -62,7 +62,7 @@ def test_run_then_reused_then_downstream_only(runs: dict) -> None:
 
 
 def test_promotion_gate_promotes_then_refuses_a_worse_candidate(runs: dict) -> None:
-    from posttrain.promotion import read_registry
+    from posttrain.workspace.promotion import read_registry
 
     assert "promotion:      promoted: first candidate of this pipeline" in runs["first"][1]
     assert "already the champion" in runs["again"][1]  # the same export is the champion

@@ -14,10 +14,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from posttrain.artifacts import sha256_file
 from posttrain.export.merge import merge_adapter, save_export
 from posttrain.export.model_card import model_card
 from posttrain.export.verify import ExportVerificationError, verify_export
+from posttrain.store.artifacts import sha256_file
 
 ATOL = 1e-4
 

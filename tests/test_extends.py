@@ -13,7 +13,7 @@ import yaml
 from flows.cli import cmd_validate
 from posttrain.config.extends import read_recipe
 from posttrain.config.loader import RecipeError, load_recipe
-from posttrain.planner import plan
+from posttrain.plan.planner import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_INGEST = {

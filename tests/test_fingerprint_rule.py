@@ -1,4 +1,4 @@
-"""The fingerprint rule, field by field, generated from the schema (posttrain.fingerprints).
+"""The fingerprint rule, field by field, generated from the schema (posttrain.plan.fingerprints).
 
 For every stage kind, every field a stage of that kind reads (its own section's, and those of
 the shared sections its kind declares) is changed to another valid value, and the stage's
@@ -23,10 +23,10 @@ from pydantic.fields import FieldInfo
 
 from posttrain.config.loader import RecipeError, resolve, validate_recipe
 from posttrain.config.schema import Recipe
-from posttrain.config.section_fields import effect_for, effect_of
 from posttrain.kinds import KINDS, StageKind
 from posttrain.kinds._online import CLIPPED_UPDATE_FIELDS
-from posttrain.planner import plan
+from posttrain.plan.planner import plan
+from posttrain.sections.fields import effect_for, effect_of
 from tests.stage_helpers import TINY
 
 PREFS = {"synthetic": {"n_examples": 40}, "max_seq_len": 64, "max_prompt_len": 24}

@@ -19,13 +19,13 @@ from uuid import UUID
 import pytest
 from stage_modules import write_stage_modules
 
-import posttrain.planner
+import posttrain.plan.planner
 from flows.devices import device_set_name
 from flows.post_train import post_train
-from flows.stage_failures import StageFailed
+from flows.stage.failures import StageFailed
 from posttrain.config.schema import Recipe
-from posttrain.device_lock import DIR_ENV, DeviceLock
 from posttrain.kinds import KINDS
+from posttrain.runtime.device_lock import DIR_ENV, DeviceLock
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def fake_stages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, st
             s.name: dataclasses.replace(s, module=f"pt_{kinds[s.name]}_{s.name}", distributed=False)
             for s in KINDS.values()
         }
-        monkeypatch.setattr(posttrain.planner, "KINDS", registry)
+        monkeypatch.setattr(posttrain.plan.planner, "KINDS", registry)
 
     use()
     return use  # type: ignore[return-value]

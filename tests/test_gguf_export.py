@@ -266,7 +266,7 @@ def test_recipe_field() -> None:
 
 def test_gguf_types_are_in_the_export_fingerprint_only() -> None:
     from posttrain.config.loader import load_recipe
-    from posttrain.planner import plan
+    from posttrain.plan.planner import plan
 
     def prints(*overrides: str) -> dict[str, str]:
         recipe = load_recipe("recipes/quickstart.yaml", list(overrides))

@@ -1,5 +1,5 @@
 """The shipped Grafana dashboard (docs/monitoring/grafana-posttrain.json) imports as is and
-covers every exported series (posttrain.telemetry.prom_names)."""
+covers every exported series (flows.trackers.prom_names)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 
 from monitoring_queries import DASHBOARD, dashboard_panels, panel_queries, promtool
 
-from posttrain.telemetry.prom_names import BY_NAME, SERIES
+from flows.trackers.prom_names import BY_NAME, SERIES
 
 METRIC = re.compile(r"\bposttrain_[a-z_]*[a-z]\b")
 VARIABLE = re.compile(r"\$\{?(\w+)")
@@ -86,7 +86,7 @@ def test_every_metric_and_variable_used_exists() -> None:
     texts += [v["query"]["query"] for v in dash["templating"]["list"]]
     for text in texts:
         unknown = set(METRIC.findall(text)) - BY_NAME.keys()
-        assert not unknown, f"not in posttrain.telemetry.prom_names: {sorted(unknown)} ({text})"
+        assert not unknown, f"not in flows.trackers.prom_names: {sorted(unknown)} ({text})"
         undefined = set(VARIABLE.findall(text)) - defined
         assert not undefined, f"undefined variables {sorted(undefined)} in {text}"
 

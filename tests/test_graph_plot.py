@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from flows.report import STATUSES
-from posttrain.telemetry.graph_plot import (
+from flows.report.graph_plot import (
     BOX_PAD,
     BOX_W,
     COL_PITCH,
@@ -32,6 +31,7 @@ from posttrain.telemetry.graph_plot import (
     missing_parents,
     stage_graph_figure,
 )
+from flows.report.tables import STATUSES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -198,7 +198,7 @@ def test_fifteen_stages_with_repeated_kinds(tmp_path: Path) -> None:
 
 
 def test_the_graph_speaks_the_tables_words_and_its_legend_has_every_status() -> None:
-    # The run's summary table says ran / reused / failed (flows.report.STATUSES); the graph
+    # The run's summary table says ran / reused / failed (flows.report.tables.STATUSES); the graph
     # adds pending for the stages a failed run did not reach. Nothing else (no "cached").
     assert tuple(STATUS_COLOURS) == (*STATUSES, "pending")
     graph = [node("ingest", status="reused"), node("sft", status="ran", base="ingest")]
@@ -253,7 +253,7 @@ def test_importing_graph_plot_does_not_load_matplotlib() -> None:
     # The flow process imports report code eagerly; it should pay for matplotlib only when
     # it draws.
     code = (
-        "import sys, posttrain.telemetry.graph_plot; "
+        "import sys, flows.report.graph_plot; "
         "heavy = [m for m in ('torch', 'matplotlib') if m in sys.modules]; "
         "assert not heavy, heavy"
     )

@@ -127,7 +127,7 @@ def test_guard_config_is_checked() -> None:
 
 
 def test_fingerprints_carry_the_spike_test_only() -> None:
-    from posttrain.planner import plan
+    from posttrain.plan.planner import plan
 
     def fps(**guard: object) -> dict[str, str]:
         recipe = Recipe.model_validate({**copy.deepcopy(TINY), "guard": guard})
@@ -144,7 +144,7 @@ def test_fingerprints_carry_the_spike_test_only() -> None:
 
 
 def test_hang_settings_reach_training_stages_only() -> None:
-    from posttrain.planner import plan
+    from posttrain.plan.planner import plan
 
     with pytest.raises(ValueError, match="hang_timeout_s"):
         Recipe.model_validate({**TINY, "infra": {"hang_timeout_s": 0}})
@@ -236,7 +236,7 @@ def _tiny_session(tmp_path: Path, guard: dict):
     from posttrain.config.schema import LoraConfig, OptimConfig
     from posttrain.distributed.runtime import init_distributed
     from posttrain.models.lora import apply_lora
-    from posttrain.stages.common import StageContext
+    from posttrain.runtime.context import StageContext
     from posttrain.telemetry import heartbeat
     from posttrain.train.session import start_session
 
@@ -460,9 +460,9 @@ def _dead(pid: int) -> bool:
 def test_hung_rank_is_dumped_killed_and_named(
     tmp_path: Path, beat_modules: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flows.stage_failures import StageFailed
-    from flows.stage_hang import StageHung
-    from flows.stage_task import stage_task
+    from flows.stage.failures import StageFailed
+    from flows.stage.hang import StageHung
+    from flows.stage.task import stage_task
 
     monkeypatch.setenv("PT_PIDS_FILE", str(tmp_path / "pids"))
     hang_s = 4.0
@@ -500,7 +500,7 @@ def test_hung_rank_is_dumped_killed_and_named(
 def test_slow_but_beating_stage_is_not_killed(
     tmp_path: Path, beat_modules: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flows.stage_task import stage_task
+    from flows.stage.task import stage_task
 
     # A silent startup longer than the hang timeout (covered by the startup allowance), then
     # five beats 1 s apart, against a 2 s hang timeout.

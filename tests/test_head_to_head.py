@@ -20,19 +20,19 @@ import pytest
 import torch
 
 from flows.gate import head_to_head_vs_champion
-from flows.report import StageRecord
-from flows.stage_failures import StageFailed
-from flows.stage_supervise import supervise_stage
-from posttrain.artifacts import read_manifest, ref_from_manifest
+from flows.report.tables import StageRecord
+from flows.stage.failures import StageFailed
+from flows.stage.supervise import supervise_stage
 from posttrain.config.loader import load_recipe
 from posttrain.data.preference import quickstart_preference_rows
 from posttrain.eval.preference_eval import answers
 from posttrain.models.loading import load_causal_lm, load_tokenizer
-from posttrain.planner import spec_for
-from posttrain.promotion import HEAD_TO_HEAD, WIN_RATE_VS_CHAMPION, head_to_head_stage
-from posttrain.stage_spec import spec_path
+from posttrain.plan.planner import spec_for
+from posttrain.runtime.spec import spec_path
 from posttrain.stages import head_to_head as stage_module
 from posttrain.stages.common import stage_main
+from posttrain.store.artifacts import read_manifest, ref_from_manifest
+from posttrain.workspace.promotion import HEAD_TO_HEAD, WIN_RATE_VS_CHAMPION, head_to_head_stage
 from tests.stage_helpers import TINY, run_inprocess, run_shared, write_recipe
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The stage's health line and SRE figures (posttrain.telemetry.health_summary), held to
+"""The stage's health line and SRE figures (flows.report.health_summary), held to
 hand-computed values; the report's SRE section built from them."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flows.report import StageRecord, health_lines, sre_markdown
-from posttrain.telemetry.health_summary import health_line, summarize, underfed_text
+from flows.report.health_summary import health_line, summarize, underfed_text
+from flows.report.tables import StageRecord, health_lines, sre_markdown
 
 CPU_SOURCES = {"nvml": "absent: no NVIDIA driver", "infiniband": "absent: none", "io": "present"}
 

@@ -18,7 +18,7 @@ from posttrain.config.loader import RecipeError, load_recipe
 from posttrain.data.loading import DataError, DataSource, load_sft_rows
 from posttrain.data.preference import read_preference_rows
 from posttrain.data.prompts import read_prompt_rows
-from posttrain.planner import plan
+from posttrain.plan.planner import plan
 from tests.fixtures_tiny import tiny_assets
 from tests.hub_cache import add_snapshot, commit_sha, folder_files
 from tests.stage_helpers import TINY, planned_dir, run_inprocess

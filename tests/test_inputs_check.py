@@ -12,10 +12,10 @@ import pytest
 
 from flows.cli import cmd_plan, cmd_validate, main
 from flows.failure_block import stage_failure_block
-from posttrain.artifacts import write_manifest
 from posttrain.config.inputs_check import stage_data_problems
 from posttrain.config.loader import load_recipe
-from posttrain.planner import plan
+from posttrain.plan.planner import plan
+from posttrain.store.artifacts import write_manifest
 
 HEAD = """
     run: {{name: checks, workspace: {ws}}}

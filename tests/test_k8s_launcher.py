@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from flows.launchers.base import LaunchError, LaunchRequest
-from flows.launchers.k8s_manifests import plan_job
-from flows.launchers.kubernetes import KubernetesLauncher, cancel_flow_run_jobs
-from posttrain.config.infra_section import InfraConfig
+from flows.stage.launchers.base import LaunchError, LaunchRequest
+from flows.stage.launchers.k8s_manifests import plan_job
+from flows.stage.launchers.kubernetes import KubernetesLauncher, cancel_flow_run_jobs
 from posttrain.config.schema import Recipe
-from posttrain.planner import PlannedStage, spec_for
+from posttrain.plan.planner import PlannedStage, spec_for
+from posttrain.sections.infra import InfraConfig
 from tests.k8s_replay import (
     DATA,
     FINGERPRINT,
@@ -399,9 +399,9 @@ def test_the_supervisor_runs_a_stage_through_the_kubeconfig_and_names_the_oom_ki
 
     from kubernetes.config import kube_config
 
-    import flows.stage_supervise as supervise
-    from flows.stage_failures import StageFailed
-    from posttrain.artifacts import stage_dir
+    import flows.stage.supervise as supervise
+    from flows.stage.failures import StageFailed
+    from posttrain.store.artifacts import stage_dir
 
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(

@@ -14,8 +14,9 @@ import pytest
 from kubernetes_validate import ValidationError
 from kubernetes_validate import utils as kv_utils
 
-from flows.launchers.base import LaunchRequest
-from flows.launchers.k8s_manifests import (
+from flows.stage.launch import stage_command
+from flows.stage.launchers.base import LaunchRequest
+from flows.stage.launchers.k8s_manifests import (
     COMPLETION_INDEX_ANNOTATION,
     FLOW_RUN_LABEL,
     LAUNCH_LABEL,
@@ -24,11 +25,10 @@ from flows.launchers.k8s_manifests import (
     plan_job,
     rdzv_endpoint,
 )
-from flows.stage_launch import stage_command
-from posttrain.config.infra_section import InfraConfig
-from posttrain.config.kubernetes_section import KubernetesConfig, Toleration
 from posttrain.config.loader import RecipeError, validate_recipe
-from posttrain.planner import PlannedStage
+from posttrain.plan.planner import PlannedStage
+from posttrain.sections.infra import InfraConfig
+from posttrain.sections.kubernetes import KubernetesConfig, Toleration
 from tests.k8s_schema import K8S_VERSION, validate_object
 
 WORKSPACE = Path("/mnt/posttrain/workspace")

@@ -10,7 +10,7 @@ import pytest
 from prefect.exceptions import FailedRun
 
 from flows.failure_block import known_block, reason_line
-from flows.stage_failures import QualityGateFailed, StageFailed
+from flows.stage.failures import QualityGateFailed, StageFailed
 from flows.terminal import DropKnownTracebacks, quiet_known_failures
 from posttrain.config.loader import RecipeError
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from flows.launchers import launcher_for
-from flows.launchers.base import LaunchRequest
-from flows.launchers.slurm import SlurmLaunch, SlurmLauncher, exit_status
-from flows.stage_output import NODE_PREFIX
+from flows.stage.launchers import launcher_for
+from flows.stage.launchers.base import LaunchRequest
+from flows.stage.launchers.slurm import SlurmLaunch, SlurmLauncher, exit_status
+from flows.stage.output import NODE_PREFIX
 from posttrain.config.loader import load_recipe
-from posttrain.orphan import BeatReader, SupervisorBeat
-from posttrain.planner import plan
+from posttrain.plan.planner import plan
+from posttrain.runtime.orphan import BeatReader, SupervisorBeat
 from tests.stage_helpers import TINY, write_recipe
 
 
@@ -220,7 +220,7 @@ class _Queued:
 def test_the_stage_timeout_counts_from_when_the_job_runs(tmp_path: Path, caplog) -> None:
     import logging
 
-    from flows.stage_supervise import _wait
+    from flows.stage.supervise import _wait
 
     sft = _stages(tmp_path, launcher="slurm")["sft"]
     sft.timeout_s = 0.3
@@ -246,7 +246,7 @@ def test_a_local_supervisor_is_known_by_its_start_ticks_not_the_wall_clock(monke
 
     import psutil
 
-    from posttrain.orphan import process_start, supervisor_alive
+    from posttrain.runtime.orphan import process_start, supervisor_alive
 
     me, start = os.getpid(), process_start()
     assert supervisor_alive(me, start)

@@ -23,8 +23,8 @@ from posttrain.eval.lm_eval_harness import (
     metric_key,
     preserved_global_state,
 )
-from posttrain.planner import plan
-from posttrain.promotion import compare, read_registry, record_decision
+from posttrain.plan.planner import plan
+from posttrain.workspace.promotion import compare, read_registry, record_decision
 from tests.stage_helpers import TINY, run_inprocess, run_shared, write_recipe
 
 TASK = "tiny_capitals"

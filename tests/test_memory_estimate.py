@@ -39,14 +39,14 @@ from posttrain.memory.estimate import (
     fmt_bytes,
 )
 from posttrain.memory.fixes import suggest_fixes
-from posttrain.memory.preflight import (
+from posttrain.models.lora import apply_lora
+from posttrain.runtime.preflight import (
     Capacity,
     MemoryPreflightError,
     enforce,
     preflight,
     stage_shape,
 )
-from posttrain.models.lora import apply_lora
 from posttrain.telemetry.metrics import fragmentation_warning
 from tests.stage_helpers import TINY, write_recipe
 
@@ -483,7 +483,7 @@ def test_stage_refused_before_loading_anything(tmp_path: Path) -> None:
     before its run function (which loads the model) is called, and before a process group."""
     import torch.distributed as dist
 
-    from posttrain.planner import plan, spec_for
+    from posttrain.plan.planner import plan, spec_for
     from posttrain.stages.common import stage_main
 
     recipe = _recipe(tmp_path, device_memory_gb=0.001)
@@ -509,7 +509,7 @@ def test_stage_refused_before_loading_anything(tmp_path: Path) -> None:
 
 
 def test_warn_and_off_modes_let_the_stage_run(tmp_path: Path) -> None:
-    from posttrain.planner import plan, spec_for
+    from posttrain.plan.planner import plan, spec_for
     from posttrain.stages.common import stage_main
 
     for mode in ("warn", "off"):
@@ -548,9 +548,10 @@ def test_unknown_architecture_skips_the_stage_check(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A base the estimate cannot describe never blocks a stage: a warning, no report."""
-    from posttrain.artifacts import ArtifactRef
     from posttrain.kinds import KINDS
-    from posttrain.stages.common import StageContext, memory_preflight
+    from posttrain.runtime.context import StageContext
+    from posttrain.stages.common import memory_preflight
+    from posttrain.store.artifacts import ArtifactRef
 
     ingest = tmp_path / "ingest"
     (ingest / "model").mkdir(parents=True)
@@ -664,7 +665,7 @@ def test_real_stage_records_estimate_and_measured_peak(tmp_path: Path) -> None:
 
 
 def test_run_report_shows_estimate_beside_measured_peak() -> None:
-    from flows.report import StageRecord, markdown_report
+    from flows.report.tables import StageRecord, markdown_report
 
     memory = {
         "estimate_gib": 1.32,
@@ -687,8 +688,8 @@ def test_run_report_shows_estimate_beside_measured_peak() -> None:
 
 def test_flow_stage_record_carries_the_summary_memory(tmp_path: Path) -> None:
     from flows.post_train import stage_record
-    from posttrain.artifacts import ArtifactRef
-    from posttrain.planner import PlannedStage
+    from posttrain.plan.planner import PlannedStage
+    from posttrain.store.artifacts import ArtifactRef
 
     memory = {"estimate_gib": 1.0, "measured_peak_gib": 1.2, "measured": "peak RSS"}
     (tmp_path / "manifest.json").write_text(

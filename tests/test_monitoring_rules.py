@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 from monitoring_queries import promtool
 
-from posttrain.telemetry.prom_names import BY_NAME
+from flows.trackers.prom_names import BY_NAME
 
 MONITORING = Path(__file__).resolve().parents[1] / "docs" / "monitoring"
 RULES = MONITORING / "alerts.yml"
@@ -46,7 +46,7 @@ def test_every_alert_names_exported_series_only() -> None:
     used = {name for rule in _rules() for name in METRIC.findall(rule["expr"])}
     assert used, "no posttrain_ series found in alerts.yml"
     unknown = sorted(used - BY_NAME.keys())
-    assert not unknown, f"not in posttrain.telemetry.prom_names: {unknown}"
+    assert not unknown, f"not in flows.trackers.prom_names: {unknown}"
 
 
 def test_every_alert_has_severity_summary_and_runbook_and_a_unit_test() -> None:

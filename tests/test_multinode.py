@@ -13,9 +13,9 @@ import sys
 import pytest
 import yaml
 
-from flows.stage_launch import stage_command
-from posttrain.artifacts import verify
+from flows.stage.launch import stage_command
 from posttrain.distributed.runtime import free_port
+from posttrain.store.artifacts import verify
 from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import ROOT, TINY, planned_dir, run_inprocess
 

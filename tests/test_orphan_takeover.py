@@ -14,15 +14,15 @@ import sys
 import time
 from pathlib import Path
 
-from posttrain.locking import FileLock
-from posttrain.orphan import RELEASE_GRACE_S, OrphanWatch
-from posttrain.stage_spec import LaunchInfo
+from posttrain.runtime.orphan import RELEASE_GRACE_S, OrphanWatch
+from posttrain.runtime.spec import LaunchInfo
+from posttrain.store.locking import FileLock
 
 # Takes the lock as a supervisor does (its own pid in the record), says so, holds it for
 # argv[2] seconds and exits without releasing it: the exit does.
 HOLDER = """
 import sys, time
-from posttrain.locking import FileLock
+from posttrain.store.locking import FileLock
 lock = FileLock(sys.argv[1])
 assert lock.try_acquire({"what": "stage sft supervisor"})
 print("held", flush=True)

@@ -131,7 +131,7 @@ def orpo_ws(tmp_path_factory, shared_parents) -> dict:
 def test_orpo_stage_trains_without_a_reference(orpo_ws) -> None:
     from safetensors.torch import load_file
 
-    from posttrain.artifacts import verify
+    from posttrain.store.artifacts import verify
     from posttrain.telemetry.metrics import read_metrics
 
     out = orpo_ws["orpo"]

@@ -17,13 +17,13 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from posttrain.config.sections import LoraConfig
 from posttrain.data.batching import pack_examples, pad_batch, regroup_by_tokens
 from posttrain.data.chat import IGNORE
 from posttrain.data.segments import Segments, batch_rows, flat_batch
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.models.reward import pair_batch, pair_scores
-from posttrain.train.chunked import forward_nll_sum, forward_sequence_logps
+from posttrain.sections.shared import LoraConfig
+from posttrain.train.forward_logps import forward_nll_sum, forward_sequence_logps
 
 VOCAB = 97
 

@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from flows.report import curves_markdown
-from posttrain.telemetry.plots import (
+from flows.report.plots import (
     DPI,
     PANEL_INCHES,
     curve_figure,
@@ -23,6 +22,7 @@ from posttrain.telemetry.plots import (
     read_records,
     series_points,
 )
+from flows.report.tables import curves_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -296,7 +296,7 @@ def test_curves_section_links_exactly_the_drawn_images(tmp_path: Path) -> None:
 def test_importing_plots_loads_neither_torch_nor_matplotlib() -> None:
     # flows/post_train.py imports this module: the flow process must stay light until it draws.
     code = (
-        "import sys, posttrain.telemetry.plots; "
+        "import sys, flows.report.plots; "
         "heavy = [m for m in ('torch', 'matplotlib') if m in sys.modules]; "
         "assert not heavy, heavy"
     )

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from flows.post_train import check_gate
-from flows.report import StageRecord
-from flows.stage_failures import QualityGateFailed
-from posttrain.artifacts import ref_from_manifest
+from flows.report.tables import StageRecord
+from flows.stage.failures import QualityGateFailed
+from posttrain.store.artifacts import ref_from_manifest
 from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import (
     TINY,
@@ -108,7 +108,7 @@ def test_dpo_reference_is_the_sft_policy(pref) -> None:
     from posttrain.models.loading import load_causal_lm, load_tokenizer
     from posttrain.models.reward import pair_batch
     from posttrain.stages.dpo import reference_logps
-    from posttrain.train.chunked import pair_logps
+    from posttrain.train.forward_logps import pair_logps
 
     recipe = load_recipe(pref["recipe"])
     tok = load_tokenizer(pref["ingest"] / "tokenizer")

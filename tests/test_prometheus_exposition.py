@@ -1,4 +1,4 @@
-"""The run's series as Prometheus reads them (posttrain.telemetry.exposition): records in, the
+"""The run's series as Prometheus reads them (flows.trackers.exposition): records in, the
 text exposition out through prometheus_client's own writer and parser; heartbeat ages from the
 real heartbeat writer; health files in the shape the samplers write. The tracker serves them on
 a real port, and pushes them to a real Pushgateway where Debian's package is installed."""
@@ -18,11 +18,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from flows.trackers.exposition import RunSeries
+from flows.trackers.prom_names import BY_NAME
 from flows.trackers.prometheus import PrometheusSink
-from posttrain.config.run_section import PrometheusTracking
-from posttrain.telemetry.exposition import RunSeries
+from posttrain.sections.run import PrometheusTracking
 from posttrain.telemetry.heartbeat import Heartbeat
-from posttrain.telemetry.prom_names import BY_NAME
 
 GIB = 1024**3
 

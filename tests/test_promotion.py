@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from flows.cli import cmd_models
-from posttrain.artifacts import ArtifactRef
 from posttrain.config.schema import PromotionConfig, PromotionRule, Recipe
-from posttrain.promotion import (
+from posttrain.store.artifacts import ArtifactRef
+from posttrain.workspace.promotion import (
     WIN_RATE_VS_CHAMPION,
     Decision,
     RuleResult,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from posttrain.telemetry.rank_exit import RankExit, describe_beat, describe_exit, root_causes
+from flows.stage.rank_exit import RankExit, describe_beat, describe_exit, root_causes
 
 # torchrun 2.13's summary after `kill -9` of local rank 1 (copied from a real stage log).
 SUMMARY = """\

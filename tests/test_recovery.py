@@ -1,4 +1,5 @@
-"""The one-line account of an earlier, unfinished attempt of a stage (posttrain.recovery)."""
+"""The one-line account of an earlier, unfinished attempt of a stage
+(posttrain.runtime.recovery)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from posttrain.recovery import checkpoint_steps, earlier_attempt
+from posttrain.runtime.recovery import checkpoint_steps, earlier_attempt
 
 
 def _launch(out: Path, when: float) -> None:
@@ -81,8 +82,8 @@ def test_no_checkpoint_means_every_step_is_redone(tmp_path: Path) -> None:
 
 
 def test_recovery_record_and_the_lines_the_cli_and_report_print() -> None:
-    from flows.report import StageRecord, markdown_report, recovery_lines
-    from posttrain.recovery import recovery_record
+    from flows.report.tables import StageRecord, markdown_report, recovery_lines
+    from posttrain.runtime.recovery import recovery_record
 
     assert recovery_record(None, {"resumed_from_step": 0}) == {}
     rec = recovery_record(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from flows.report import (
+from flows.report.tables import (
     StageRecord,
     format_duration,
     format_value,

@@ -1,6 +1,6 @@
 """What keeps a re-run of reused stages cheap: the embedded server is launched early with Prefect's own
 command (so its boot overlaps the CLI's imports), and the report's images are drawn once per
-content (flows.report_images)."""
+content (flows.report.images)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from flows import report_images
 from flows.embedded_server import uvicorn_command
-from posttrain.telemetry.graph_plot import GraphNode
+from flows.report.graph_plot import GraphNode
+from flows.report.images import curves, stage_graph
 
 
 def test_early_server_command_is_prefects_own(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -51,27 +51,23 @@ def test_report_images_are_drawn_once_per_content(tmp_path: Path) -> None:
     sft = _metrics(tmp_path / "sft", [2.0, 1.5, 1.2])
     ingest = _metrics(tmp_path / "ingest", [])  # nothing trained: no image, drawn or cached
 
-    first, copied = report_images.curves(
-        [("ingest", ingest), ("sft", sft)], tmp_path / "run1", cache
-    )
+    first, copied = curves([("ingest", ingest), ("sft", sft)], tmp_path / "run1", cache)
     assert copied == 0 and [p.stage for p in first] == ["sft"]
-    second, copied = report_images.curves(
-        [("ingest", ingest), ("sft", sft)], tmp_path / "run2", cache
-    )
+    second, copied = curves([("ingest", ingest), ("sft", sft)], tmp_path / "run2", cache)
     assert copied == 1 and second[0].path == tmp_path / "run2" / "curves-sft.png"
     assert (second[0].panels, second[0].series) == (first[0].panels, first[0].series)
     assert second[0].path.read_bytes() == first[0].path.read_bytes()
 
     _metrics(sft, [2.0, 1.5, 0.9])  # another run's metrics: another image
-    third, copied = report_images.curves([("sft", sft)], tmp_path / "run3", cache)
+    third, copied = curves([("sft", sft)], tmp_path / "run3", cache)
     assert copied == 0 and third[0].path.read_bytes() != first[0].path.read_bytes()
 
     nodes = [
         GraphNode("ingest", "ingest", "reused", {}, {}),
         GraphNode("sft", "sft", "reused", {"base": "ingest"}, {"loss": 1.2}),
     ]
-    path, hit = report_images.stage_graph(nodes, tmp_path / "run1" / "graph.png", cache)
-    again, hit_again = report_images.stage_graph(nodes, tmp_path / "run2" / "graph.png", cache)
+    path, hit = stage_graph(nodes, tmp_path / "run1" / "graph.png", cache)
+    again, hit_again = stage_graph(nodes, tmp_path / "run2" / "graph.png", cache)
     assert (hit, hit_again) == (False, True) and again.read_bytes() == path.read_bytes()
     nodes[1] = GraphNode("sft", "sft", "ran", {"base": "ingest"}, {"loss": 1.2})
-    assert report_images.stage_graph(nodes, tmp_path / "run3" / "graph.png", cache)[1] is False
+    assert stage_graph(nodes, tmp_path / "run3" / "graph.png", cache)[1] is False

@@ -18,8 +18,8 @@ import psutil
 import pytest
 import torch
 
-from posttrain.artifacts import verify
 from posttrain.kinds import KINDS
+from posttrain.store.artifacts import verify
 from posttrain.telemetry.metrics import read_metrics
 from posttrain.train.checkpoint import complete_checkpoints, data_position
 from tests.stage_helpers import ROOT, TINY, planned_dir, run_inprocess, run_shared, write_recipe

@@ -19,7 +19,7 @@ from posttrain.config.served_access import (
     reward_roots,
     served_reward_roots,
 )
-from posttrain.planner import plan
+from posttrain.plan.planner import plan
 from posttrain.rewards.combine import (
     RewardFunction,
     RewardFunctionError,
@@ -28,7 +28,7 @@ from posttrain.rewards.combine import (
     score_functions,
 )
 from posttrain.rewards.loader import RewardLoadError, load_function, locate
-from posttrain.rewards.spec import RewardSpec
+from posttrain.sections.rewards import RewardSpec
 from tests.stage_helpers import TINY
 
 PROMPTS = [[{"role": "user", "content": f"What is {i} + 1?"}] for i in range(3)]

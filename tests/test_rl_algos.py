@@ -286,7 +286,7 @@ def test_rollout_select_and_cat_keep_rows_aligned() -> None:
 
 def test_another_algorithm_is_another_fingerprint() -> None:
     from posttrain.config.loader import load_recipe
-    from posttrain.planner import plan
+    from posttrain.plan.planner import plan
 
     prints = {
         algo: next(

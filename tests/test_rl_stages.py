@@ -295,10 +295,10 @@ def test_grpo_without_kl_and_one_update_runs_no_scoring_pass(parents, capfd) -> 
 
 def test_gates_stop_on_kl_and_reward_gain(parents, ppo_run) -> None:
     from flows.post_train import check_gate
-    from flows.report import StageRecord
-    from flows.stage_failures import QualityGateFailed
-    from posttrain.artifacts import ref_from_manifest
+    from flows.report.tables import StageRecord
+    from flows.stage.failures import QualityGateFailed
     from posttrain.config.schema import PPOConfig
+    from posttrain.store.artifacts import ref_from_manifest
 
     check_gate(ref_from_manifest(ppo_run), StageRecord("ppo", "f", "ran", 1.0))  # passed
     s = summary(ppo_run)

@@ -24,7 +24,7 @@ from posttrain.models.adapters import POLICY
 from posttrain.models.roles import VALUE, RoleModel
 from posttrain.rl.rollouts import collect_rollout
 from posttrain.rl.update import Advantages, compute_advantages, policy_terms, update
-from posttrain.stages.common import StageContext
+from posttrain.runtime.context import StageContext
 from posttrain.train.rl_algos import ALGORITHMS, sequence_kl
 from posttrain.train.rl_losses import clipped_policy_loss, clipped_value_loss, kl_penalty
 from posttrain.train.rollout import Rollout, response_logps

@@ -240,11 +240,11 @@ def test_a_killed_flow_takes_the_server_down(parents) -> None:  # noqa: F811
 def test_a_timed_out_stage_takes_its_server_down(parents) -> None:  # noqa: F811
     """The flow's supervisor (`stage_task`, here without a flow) kills a stage that runs past
     its timeout, and the server with it: it carries the stage's launch tag."""
-    from flows.stage_failures import StageTimeout
-    from flows.stage_task import stage_task
-    from posttrain.artifacts import ref_from_manifest
+    from flows.stage.failures import StageTimeout
+    from flows.stage.task import stage_task
     from posttrain.config.loader import load_recipe
-    from posttrain.planner import plan, spec_for
+    from posttrain.plan.planner import plan, spec_for
+    from posttrain.store.artifacts import ref_from_manifest
 
     section = served(GRPO)
     section["max_steps"] = 38  # an artifact of its own

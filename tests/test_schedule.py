@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from flows.schedule import device_slots, run_stages
-from posttrain.artifacts import ArtifactRef
-from posttrain.planner import PlannedStage
+from posttrain.plan.planner import PlannedStage
+from posttrain.store.artifacts import ArtifactRef
 
 
 def _stage(name: str, *parents: str) -> PlannedStage:

@@ -12,7 +12,6 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from posttrain.artifacts import fingerprint, read_manifest, verify, write_manifest
 from posttrain.config.loader import RecipeError, apply_overrides, validate_recipe
 from posttrain.config.schema import Recipe
 from posttrain.secrets import (
@@ -22,6 +21,7 @@ from posttrain.secrets import (
     redact_obj,
     secret_key_name,
 )
+from posttrain.store.artifacts import fingerprint, read_manifest, verify, write_manifest
 
 # Fake tokens are assembled at run time so that no token-shaped literal sits in the repository
 # (secret scanners on a push would rightly flag it).
@@ -222,8 +222,8 @@ def test_recipe_from_a_ui_form_is_refused_too_and_the_error_hides_the_value() ->
 
 def test_run_record_is_scrubbed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import flows.run_record as fp
-    from flows.report import StageRecord
-    from posttrain.planner import plan
+    from flows.report.tables import StageRecord
+    from posttrain.plan.planner import plan
 
     shown: dict[str, object] = {}
     monkeypatch.setattr(fp, "create_markdown_artifact", lambda text, **kw: shown.update(md=text))

@@ -33,7 +33,7 @@ import pytest
 from prefect_server import cancel_from_ui, serving, start_serve, stop_group, wait_for
 from stage_helpers import TINY, write_recipe
 
-from posttrain.artifacts import verify
+from posttrain.store.artifacts import verify
 
 pytestmark = pytest.mark.slow
 
@@ -65,8 +65,8 @@ def _client(server: Any) -> Any:
 
 
 def _flow_run_processes(flow_run_id: str) -> list[psutil.Process]:
-    from flows.stage_procs import tagged_processes
-    from posttrain.stage_spec import tag_flow_run_id
+    from flows.stage.procs import tagged_processes
+    from posttrain.runtime.spec import tag_flow_run_id
 
     return tagged_processes(lambda tag: tag_flow_run_id(tag) == flow_run_id)
 
@@ -358,7 +358,7 @@ def test_submitted_run_waits_for_the_devices_then_completes(
         "/events/filter",
         json={"filter": {"event": {"name": ["posttrain.base.published"]}}, "limit": 10},
     ).json()["events"]
-    published = [e for e in events if e["resource"]["posttrain.planner"] == SERVED]
+    published = [e for e in events if e["resource"]["posttrain.plan.planner"] == SERVED]
     assert len(published) == 1
     base = Path(published[0]["resource"]["posttrain.base.path"])
     assert (base / "config.json").is_file() and (base / "tokenizer.json").is_file()
@@ -400,7 +400,7 @@ def test_new_base_triggers_retraining_and_cancel_leaves_no_process(served: dict)
     assert served["proc"].poll() is None, "the serve process must survive a cancel"
     # The ingest it finished is intact, and a re-run would reuse it.
     from posttrain.config.loader import load_recipe
-    from posttrain.planner import plan
+    from posttrain.plan.planner import plan
 
     recipe = load_recipe(
         served["recipes"][NIGHTLY], ["ingest.source=path", f"ingest.path={STATE['base']}"]

@@ -12,7 +12,7 @@ from fixtures_tiny import TinyAssets, tiny_assets
 from tokenizers import processors
 
 from posttrain.config.schema import SamplingConfig
-from posttrain.config.sections import RolloutServerConfig
+from posttrain.sections.shared import RolloutServerConfig
 from posttrain.serving.api import (
     VLLMAPI,
     Completion,

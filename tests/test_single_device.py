@@ -20,7 +20,7 @@ from posttrain.models.lora import apply_lora
 from posttrain.models.sharded_load import build_on_meta, fill_from_checkpoint
 from posttrain.models.tiny import build_model
 from posttrain.train.checkpoint import save_checkpoint, trainable_state_dict
-from posttrain.train.chunked import forward_nll_sum
+from posttrain.train.forward_logps import forward_nll_sum
 from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.resume import resume_newest_intact
 

@@ -30,11 +30,11 @@ import pytest
 from prefect_server import cancel_from_ui, serving, start_serve, stop_group, wait_for
 from stage_modules import on_child_path, write_heartbeat_modules
 
-from flows.stage_procs import tagged_processes
-from posttrain.artifacts import verify
+from flows.stage.procs import tagged_processes
 from posttrain.config.loader import load_recipe
-from posttrain.planner import plan
-from posttrain.stage_spec import tag_flow_run_id, tag_launch_id
+from posttrain.plan.planner import plan
+from posttrain.runtime.spec import tag_flow_run_id, tag_launch_id
+from posttrain.store.artifacts import verify
 from posttrain.telemetry.health.sampler import read_health
 from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import (
@@ -163,7 +163,7 @@ def test_two_node_sft_on_slurm_recovers_and_trains_the_local_launchers_losses(
     assert "JobState=COMPLETED" in info and "NodeList=n[1-2]" in info
     assert _queue(slurm_cluster) == []
     # Both nodes' ranks left their health samples in the shared workspace, where the flow's
-    # Prometheus endpoint reads them (posttrain.telemetry.exposition): no port on the nodes.
+    # Prometheus endpoint reads them (flows.trackers.exposition): no port on the nodes.
     health = read_health(sft.out_dir)
     assert set(health) == {0, 1}, health
     assert all(h["sources"]["io"] == "present" and h["node"] for h in health.values())
@@ -271,8 +271,8 @@ def test_a_hung_rank_on_slurm_is_dumped_and_the_job_cancelled(
 ) -> None:
     """The hang watch reads the heartbeats on the shared workspace, as for a local stage; the
     stacks come from SIGUSR1 through `scancel --signal`."""
-    from flows.stage_hang import StageHung
-    from flows.stage_task import stage_task
+    from flows.stage.hang import StageHung
+    from flows.stage.task import stage_task
 
     on_child_path(tmp_path / "mods", monkeypatch)
     write_heartbeat_modules(tmp_path / "mods")  # rank 1 of pt_stuck_sft stops at step 3
@@ -294,7 +294,7 @@ def test_a_hung_rank_on_slurm_is_dumped_and_the_job_cancelled(
 
 
 def test_the_flows_hooks_cancel_its_jobs_by_label(slurm_cluster: Any, monkeypatch) -> None:
-    from flows.launchers.slurm import cancel_flow_run_jobs
+    from flows.stage.launchers.slurm import cancel_flow_run_jobs
 
     for key, value in slurm_cluster.env.items():
         monkeypatch.setenv(key, value)
@@ -326,8 +326,8 @@ def _direct_stage(tmp_path: Path, module: str, **changes: Any) -> tuple[Any, Pat
 def test_a_refused_submission_fails_with_slurms_words(
     slurm_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flows.stage_failures import StageFailed
-    from flows.stage_task import stage_task
+    from flows.stage.failures import StageFailed
+    from flows.stage.task import stage_task
 
     for key, value in slurm_cluster.env.items():
         monkeypatch.setenv(key, value)
@@ -342,8 +342,8 @@ def test_a_refused_submission_fails_with_slurms_words(
 def test_a_job_that_cannot_start_fails_at_the_queue_timeout(
     slurm_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flows.stage_failures import StageTimeout
-    from flows.stage_task import stage_task
+    from flows.stage.failures import StageTimeout
+    from flows.stage.task import stage_task
 
     for key, value in slurm_cluster.env.items():
         monkeypatch.setenv(key, value)

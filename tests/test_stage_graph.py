@@ -13,7 +13,7 @@ import pytest
 
 from posttrain.config.loader import RecipeError, load_recipe, validate_recipe
 from posttrain.kinds import KINDS, graph_kinds
-from posttrain.planner import plan
+from posttrain.plan.planner import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE: dict[str, Any] = {

@@ -14,10 +14,10 @@ import pytest
 
 from flows.cli import main
 from flows.gate import promote
-from flows.report import StageRecord, markdown_report
+from flows.report.tables import StageRecord, markdown_report
 from posttrain.config.loader import RecipeError, load_recipe, validate_recipe
-from posttrain.planner import plan
-from posttrain.selection import (
+from posttrain.plan.planner import plan
+from posttrain.plan.selection import (
     Selection,
     SelectionError,
     choose,

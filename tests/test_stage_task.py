@@ -17,14 +17,14 @@ import psutil
 import pytest
 from stage_modules import on_child_path, write_stage_modules
 
-from flows.stage_failures import StageFailed, StageTimeout
-from flows.stage_launch import launch_env, local_env, stage_command
-from flows.stage_output import MetricsTail, progress_from_record
-from flows.stage_task import stage_task
-from posttrain.artifacts import stage_dir, verify, write_manifest
+from flows.stage.failures import StageFailed, StageTimeout
+from flows.stage.launch import launch_env, local_env, stage_command
+from flows.stage.output import MetricsTail, progress_from_record
+from flows.stage.task import stage_task
 from posttrain.config.schema import Recipe
-from posttrain.planner import PlannedStage, spec_for
-from posttrain.stage_spec import LAUNCH_TAG_ENV, LaunchInfo, StageSpec, read_spec, spec_path
+from posttrain.plan.planner import PlannedStage, spec_for
+from posttrain.runtime.spec import LAUNCH_TAG_ENV, LaunchInfo, StageSpec, read_spec, spec_path
+from posttrain.store.artifacts import stage_dir, verify, write_manifest
 
 FP = "0123456789abcdef"
 

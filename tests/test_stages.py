@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.artifacts import verify
+from posttrain.store.artifacts import verify
 from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import planned_dir, run_inprocess, run_shared, run_torchrun, write_recipe
 

@@ -16,7 +16,7 @@ from posttrain.config import vocab_check
 from posttrain.config.loader import RecipeError, load_recipe
 from posttrain.kinds.ingest import TOKENIZER_FIELDS, IngestConfig
 from posttrain.models.vocab import vocab_digest
-from posttrain.planner import plan
+from posttrain.plan.planner import plan
 from tests.test_bases import DATA, HEAD, REWARDS, TEACHER_SFT, recipe, teacher
 
 DISTILL = {"kind": "distill", "name": "distill", "from": "sft", "teacher": "teacher_sft"}
@@ -188,7 +188,7 @@ def test_distill_chunk_rows_are_the_loss_modules() -> None:
 
 def test_a_7b_teacher_on_a_half_b_student_is_counted_in_its_own_rows() -> None:
     from posttrain.memory.estimate import GIB
-    from posttrain.memory.preflight import Capacity, preflight
+    from posttrain.runtime.preflight import Capacity, preflight
 
     cap = Capacity(80 * GIB, "test")
     one = preflight(_qwen("qwen2.5-7b"), "distill", capacity=cap)
@@ -217,7 +217,7 @@ def test_an_estimate_with_a_teacher_exceeds_one_without_by_about_its_bytes() -> 
     from dataclasses import replace
 
     from posttrain.memory.estimate import estimate
-    from posttrain.memory.preflight import device_layout, model_shape, stage_shape
+    from posttrain.runtime.preflight import device_layout, model_shape, stage_shape
 
     r = _qwen("qwen2.5-1.5b")
     shape = stage_shape(r, "distill")
@@ -257,7 +257,7 @@ def test_an_estimate_with_a_teacher_exceeds_one_without_by_about_its_bytes() -> 
 
 
 def test_the_teacher_shape_is_read_from_its_base_folder(tmp_path: Path) -> None:
-    from posttrain.memory.preflight import stage_shape
+    from posttrain.runtime.preflight import stage_shape
 
     config = {"hidden_size": 256, "num_attention_heads": 4, "num_hidden_layers": 3}
     config |= {"intermediate_size": 512, "vocab_size": 2048, "model_type": "llama"}
@@ -300,7 +300,7 @@ def test_evaluate_fingerprint_changes_with_the_teachers_base_alone() -> None:
 
 
 def test_report_md_shows_the_teacher_line() -> None:
-    from flows.report import StageRecord, markdown_report
+    from flows.report.tables import StageRecord, markdown_report
 
     roles = {"base": "ingest", "policy": "distill", "parent": "sft", "teacher": "teacher_sft"}
     roles["teacher_base"] = "teacher"

@@ -15,7 +15,7 @@ import pytest
 
 from flows import terminal
 from flows.failure_block import FIXES, gate_block, stage_failure_block, unexpected_block
-from flows.stage_output import MetricsTail, add_step_listener, remove_step_listener
+from flows.stage.output import MetricsTail, add_step_listener, remove_step_listener
 from flows.terminal import ProgressPrinter, QuietConsole
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,7 +23,7 @@ LOG = "/ws/artifacts/sft/18ad184aa1f3a563/logs/stage.log"
 
 
 def _stage_failed(tail: str, headline: str = "stage 'sft' exited with code 1") -> str:
-    # The message flows.stage_supervise raises a StageFailed with.
+    # The message flows.stage.supervise raises a StageFailed with.
     return f"{headline}. Log: {LOG}\n--- end of the log ---\n{tail}"
 
 
@@ -127,8 +127,8 @@ def test_killed_stage_and_timeout_blocks() -> None:
 
 
 def test_blocks_of_stages_a_cluster_ended_or_never_started(tmp_path: Path) -> None:
-    from flows.stage_failures import failure_headline
-    from posttrain.planner import PlannedStage
+    from flows.stage.failures import failure_headline
+    from posttrain.plan.planner import PlannedStage
 
     stage = PlannedStage("sft", "m", "fp", tmp_path, {}, 1, 60.0, nnodes=2)
 
@@ -285,7 +285,7 @@ def test_metrics_tail_tells_the_listeners_the_stage_and_its_newest_step(tmp_path
 
 def test_cli_picks_the_block_by_failure(tmp_path: Path) -> None:
     from flows.cli import failure_block
-    from flows.stage_failures import QualityGateFailed, StageFailed, StageTimeout
+    from flows.stage.failures import QualityGateFailed, StageFailed, StageTimeout
     from posttrain.config.loader import RecipeError, validate_recipe
 
     recipe = validate_recipe(

@@ -178,7 +178,7 @@ RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.ya
 def test_tracking_is_in_no_fingerprint(path: Path) -> None:
     """Every shipped recipe plans the same stages with the same fingerprints, trackers or not."""
     from posttrain.config.loader import RecipeError, load_recipe
-    from posttrain.planner import plan
+    from posttrain.plan.planner import plan
 
     try:
         plain = {s.name: s.fingerprint for s in plan(load_recipe(path)).stages}

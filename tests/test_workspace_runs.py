@@ -17,15 +17,15 @@ import pytest
 
 from flows.cli import cmd_clean, cmd_runs, main
 from flows.workspace_report import human
-from posttrain.artifact_claim import find_complete
-from posttrain.artifacts import stage_dir, write_manifest
-from posttrain.locking import ArtifactLock
-from posttrain.promotion import Decision, record_decision
-from posttrain.run_status import RunJournal, read_run
+from posttrain.store.artifacts import stage_dir, write_manifest
+from posttrain.store.claim import find_complete
+from posttrain.store.locking import ArtifactLock
 from posttrain.train.integrity import hash_files, listing, write_record
-from posttrain.workspace_clean import DAMAGED, FAILED, TRASH, UNREFERENCED, plan_clean
-from posttrain.workspace_runs import compact_headline, list_runs
-from posttrain.workspace_trash import delete
+from posttrain.workspace.clean import DAMAGED, FAILED, TRASH, UNREFERENCED, plan_clean
+from posttrain.workspace.promotion import Decision, record_decision
+from posttrain.workspace.run_status import RunJournal, read_run
+from posttrain.workspace.runs import compact_headline, list_runs
+from posttrain.workspace.trash import delete
 
 KIB = 1024
 
@@ -62,7 +62,7 @@ def killed_run(ws: Path, run_id: str) -> None:
     lock."""
     code = textwrap.dedent(f"""
         import os, signal
-        from posttrain.run_status import RunJournal
+        from posttrain.workspace.run_status import RunJournal
         with RunJournal({str(ws)!r}, {run_id!r}, "chain") as journal:
             journal.stages([{{"stage": "sft", "fingerprint": "sft1", "status": "reused"}}])
             os.kill(os.getpid(), signal.SIGKILL)

@@ -13,7 +13,7 @@ from test_flow import _recipe, _statuses, fake_stages  # noqa: F401 (a fixture)
 
 from flows.cli import cmd_clean, cmd_runs
 from flows.post_train import post_train
-from flows.stage_failures import StageFailed
+from flows.stage.failures import StageFailed
 
 pytestmark = pytest.mark.slow
 

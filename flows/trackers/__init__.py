@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from flows.stage_output import _start_thread, run_logger
-from posttrain.telemetry.jsonl_tail import JsonlTail
+from flows.stage.jsonl_tail import JsonlTail
+from flows.stage.output import _start_thread, run_logger
 
 log = logging.getLogger("posttrain.flows.trackers")
 

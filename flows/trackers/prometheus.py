@@ -1,5 +1,5 @@
 """The Prometheus tracker (`tracking.prometheus`): the flow process serves `/metrics` for the
-run's stages and ranks (`posttrain.telemetry.exposition.RunSeries`), pushes to a Pushgateway,
+run's stages and ranks (`flows.trackers.exposition.RunSeries`), pushes to a Pushgateway,
 or both.
 
 Like every tracker it runs in the flow process and follows the stages' status; unlike the
@@ -22,10 +22,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, push_to_gateway, start_http_server
 
-from flows.stage_output import run_logger
+from flows.stage.output import run_logger
 from flows.trackers import Sink
-from posttrain.planner import PlannedStage
-from posttrain.telemetry.exposition import RunSeries
+from flows.trackers.exposition import RunSeries
+from posttrain.plan.planner import PlannedStage
 
 log = logging.getLogger("posttrain.flows.trackers")
 

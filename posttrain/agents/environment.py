@@ -25,7 +25,7 @@ from typing import Any
 
 from posttrain.agents.tools import ToolLoadError, describe
 from posttrain.rewards.loader import RewardLoadError, load_function
-from posttrain.stage_errors import StageVerdict
+from posttrain.runtime.errors import StageVerdict
 
 RESERVED = ("reset", "step", "get_reward")
 

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 from posttrain.agents.environment import Episode
 from posttrain.agents.tool_calls import ParsedReply, ToolCall, parse_reply
 from posttrain.agents.tool_runner import ToolResult, failure_counts, run_calls
-from posttrain.stage_errors import StageVerdict
+from posttrain.runtime.errors import StageVerdict
 
 if TYPE_CHECKING:
-    from posttrain.config.schema import SamplingConfig
+    from posttrain.sections.shared import SamplingConfig
     from posttrain.train.rollout_engine import RolloutEngine
 
 # generate(prompts, max_new_tokens) -> each prompt's new ids, its stop token included if any

@@ -20,7 +20,7 @@ from transformers.utils.chat_template_utils import (
 )
 
 from posttrain.rewards.loader import RewardLoadError, load_function
-from posttrain.stage_errors import StageVerdict
+from posttrain.runtime.errors import StageVerdict
 
 
 class ToolLoadError(StageVerdict, ValueError):

@@ -14,7 +14,7 @@ from typing import Any
 from posttrain.agents.tools import ToolLoadError
 from posttrain.config.schema import Recipe
 from posttrain.rewards.loader import RewardLoadError
-from posttrain.rewards.spec import split_ref
+from posttrain.sections.rewards import split_ref
 
 
 def _message(ref: str, exc: Exception) -> str:

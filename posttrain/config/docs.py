@@ -16,8 +16,8 @@ from pydantic_core import PydanticUndefined
 
 from posttrain.config.graph import __doc__ as _graph_module_doc
 from posttrain.config.schema import ENTRY_KINDS, Recipe, StageLinks
-from posttrain.config.section_fields import effect_for, effect_of
 from posttrain.kinds import KINDS
+from posttrain.sections.fields import effect_for, effect_of
 
 # How shorthand sections and `stages:` entries make one graph (the graph module's docstring,
 # from its second paragraph).
@@ -76,7 +76,7 @@ Blank for a section (its keys decide) and for the run-level sections no stage re
 (`promotion`, `schedule`, `tracking`). Data files, checkpoints, templates and reward code count
 by content, hub ids by the commit they resolve to.
 
-Generated from the stage registry (`posttrain/kinds/`), `posttrain/config/schema.py`, `sections.py`, `infra_section.py` and `run_section.py` by `python -m posttrain.config.docs`; do not edit.
+Generated from the stage registry (`posttrain/kinds/`), `posttrain/config/schema.py`, `posttrain/sections/` (`shared.py`, `infra.py`, `run.py`) by `python -m posttrain.config.docs`; do not edit.
 """
 
 
@@ -148,7 +148,7 @@ def _limits(field: FieldInfo) -> str:
 
 
 def _reruns(field: FieldInfo) -> str:
-    """yes / no by the field's fingerprint decision (posttrain.config.section_fields)."""
+    """yes / no by the field's fingerprint decision (posttrain.sections.fields)."""
     if effect_of(field) == "result" and effect_for(field, trains=False) == "execution":
         return "yes (training stages)"
     return {"result": "yes", "execution": "no"}.get(effect_of(field) or "", "")

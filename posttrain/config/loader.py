@@ -287,7 +287,7 @@ def _resolve_code(
     file that named it) or `code_roots` only (no current directory, no workspace: code is not
     data). Returns the home folders a module was found in."""
     from posttrain.rewards.loader import RewardLoadError, locate
-    from posttrain.rewards.spec import is_builtin, split_ref
+    from posttrain.sections.rewards import is_builtin, split_ref
 
     needed: list[Path] = []
     for code in code_refs(r):

@@ -17,10 +17,20 @@ from pydantic import ConfigDict, Field, PrivateAttr, create_model, model_validat
 
 from posttrain.config.batch import resolve_batch
 from posttrain.config.graph import GraphError, StageGraph, build_graph
-from posttrain.config.infra_section import InfraConfig
-from posttrain.config.run_section import RunConfig, ScheduleConfig, TrackingConfig
-from posttrain.config.section_fields import Execution, _Section
-from posttrain.config.sections import (  # noqa: F401  (re-exported: importers use schema)
+from posttrain.kinds import KINDS, graph_kinds
+from posttrain.kinds.dpo import DPOConfig  # noqa: F401
+from posttrain.kinds.evaluate import EvaluateConfig
+from posttrain.kinds.export import ExportConfig
+from posttrain.kinds.grpo import GRPOConfig  # noqa: F401
+from posttrain.kinds.ingest import MODEL_SHAPES, FromConfigModel, IngestConfig  # noqa: F401
+from posttrain.kinds.ppo import PPOConfig  # noqa: F401
+from posttrain.kinds.reward import RewardConfig  # noqa: F401
+from posttrain.kinds.sft import SFTConfig  # noqa: F401
+from posttrain.secrets import find_secrets
+from posttrain.sections.fields import Execution, _Section
+from posttrain.sections.infra import InfraConfig
+from posttrain.sections.run import RunConfig, ScheduleConfig, TrackingConfig
+from posttrain.sections.shared import (  # noqa: F401  (re-exported: importers use schema)
     BatchConfig,
     DataConfig,
     GuardConfig,
@@ -34,16 +44,6 @@ from posttrain.config.sections import (  # noqa: F401  (re-exported: importers u
     TemplateGuard,
     TrainingSection,
 )
-from posttrain.kinds import KINDS, graph_kinds
-from posttrain.kinds.dpo import DPOConfig  # noqa: F401
-from posttrain.kinds.evaluate import EvaluateConfig
-from posttrain.kinds.export import ExportConfig
-from posttrain.kinds.grpo import GRPOConfig  # noqa: F401
-from posttrain.kinds.ingest import MODEL_SHAPES, FromConfigModel, IngestConfig  # noqa: F401
-from posttrain.kinds.ppo import PPOConfig  # noqa: F401
-from posttrain.kinds.reward import RewardConfig  # noqa: F401
-from posttrain.kinds.sft import SFTConfig  # noqa: F401
-from posttrain.secrets import find_secrets
 
 STAGE_NAME = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
 

@@ -68,7 +68,7 @@ def served_reward_roots(recipe: Recipe) -> list[str]:
     `resolve_paths`): the operator wrote that file, so its code folders are trusted."""
     from posttrain.config.loader import code_refs
     from posttrain.rewards.loader import source_file
-    from posttrain.rewards.spec import is_builtin
+    from posttrain.sections.rewards import is_builtin
 
     return [str(source_file(c.ref).parent) for c in code_refs(recipe) if not is_builtin(c.ref)]
 
@@ -79,7 +79,7 @@ def check_served_rewards(recipe: Recipe, roots: list[Path]) -> list[str]:
     the worker's reward folders."""
     from posttrain.config.loader import code_refs
     from posttrain.rewards.loader import RewardLoadError, locate
-    from posttrain.rewards.spec import is_builtin
+    from posttrain.sections.rewards import is_builtin
 
     errors = []
     for code in code_refs(recipe):

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.config.schema import PreferenceDataConfig, TemplateGuard
 from posttrain.data.chat import (
     TemplateError,
     check_system_role,
@@ -23,6 +22,7 @@ from posttrain.data.preference import (
     read_preference_rows,
     read_unpaired_rows,
 )
+from posttrain.sections.shared import PreferenceDataConfig, TemplateGuard
 
 
 @dataclass

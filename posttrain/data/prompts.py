@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.config.schema import PromptDataConfig
 from posttrain.data.calculator import calculator_sft_rows
 from posttrain.data.chat import check_system_role, render
 from posttrain.data.guess import guess_prompts
@@ -35,6 +34,7 @@ from posttrain.data.preference import (
     read_checked_rows,
 )
 from posttrain.data.synthetic import SYSTEM_PROMPT, quickstart_triples
+from posttrain.sections.shared import PromptDataConfig
 
 
 def check_prompt_row(row: Any, where: str) -> dict[str, Any]:

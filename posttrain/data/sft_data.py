@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.agents.tool_calls import format_of_template
-from posttrain.config.schema import DataConfig
 from posttrain.data.calculator import calculator_sft_rows
 from posttrain.data.chat import (
     TemplateError,
@@ -23,6 +22,7 @@ from posttrain.data.guess import guess_sft_rows
 from posttrain.data.loading import DataError, check_sft_row, data_source, load_sft_rows, read_rows
 from posttrain.data.synthetic import quickstart_sft_rows
 from posttrain.data.tool_rows import has_tools
+from posttrain.sections.shared import DataConfig
 
 
 @dataclass

@@ -31,8 +31,6 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from posttrain.models.loading import DTYPES
-
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks, found by the class names transformers marks as not splittable."""
@@ -73,11 +71,16 @@ def shard_model(
     return model
 
 
+# `infra.precision`'s half-precision names (fp32 computes as held). Here, not read from
+# posttrain.models.loading: models place their teacher with this module, not the reverse.
+_HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def compute_dtype(precision: str, base_dtype: torch.dtype) -> torch.dtype | None:
     """The dtype parameters are used in for compute, None = as held. bf16/fp16 precision casts
     them; a bf16 base computes in bf16 whatever the precision (activations out of a bf16 base are
     bf16: heads and adapters compute in bf16 too)."""
-    dtype = DTYPES[precision] if precision in ("bf16", "fp16") else None
+    dtype = _HALF.get(precision)
     if dtype is None and base_dtype == torch.bfloat16:
         dtype = torch.bfloat16
     return dtype

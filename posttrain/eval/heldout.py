@@ -13,7 +13,7 @@ from peft import PeftModel
 
 from posttrain.data.batching import pad_batch
 from posttrain.models.adapters import as_policy
-from posttrain.train.chunked import forward_nll_sum
+from posttrain.train.forward_logps import forward_nll_sum
 
 
 def heldout_loss(
@@ -30,7 +30,7 @@ def heldout_loss(
     Returns {"loss", "perplexity" = exp(loss), "tokens"}. The model is put in eval mode for the
     pass (no dropout) and returned to training mode afterwards if it was training, so a training
     loop can call this between steps. `chunk_tokens`: tokens per pass through the LM head
-    (`posttrain.train.chunked`; 0 = full [B, T, V] logits).
+    (`posttrain.models.chunked`; 0 = full [B, T, V] logits).
     """
     was_training = model.training
     model.eval()

@@ -15,9 +15,9 @@ from posttrain.data.chat import prompt_text
 from posttrain.data.preference import encode_pairs
 from posttrain.data.sft_data import saved_split
 from posttrain.eval.verify import VerifyPrompts
-from posttrain.rewards.spec import RewardSpec
 from posttrain.rl.episodes import EpisodeSetup, episode_setup
-from posttrain.stages.common import StageContext
+from posttrain.runtime.context import StageContext
+from posttrain.sections.rewards import RewardSpec
 
 log = logging.getLogger("posttrain.evaluate")
 

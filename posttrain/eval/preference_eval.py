@@ -18,7 +18,7 @@ from posttrain.kinds.evaluate import EvaluateConfig
 from posttrain.models.adapters import active_adapter
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.models.reward import pair_batch, pair_scores, score_sequences
-from posttrain.train.chunked import forward_sequence_logps
+from posttrain.train.forward_logps import forward_sequence_logps
 from posttrain.train.preference_losses import REFERENCE_FREE, implicit_rewards
 
 log = logging.getLogger("posttrain.evaluate")

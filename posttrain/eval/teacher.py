@@ -32,7 +32,7 @@ from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.eval.verify import verify_policy
 from posttrain.models.loading import load_base
 from posttrain.rewards.combine import load_rewards
-from posttrain.stages.common import StageContext
+from posttrain.runtime.context import StageContext
 
 log = logging.getLogger("posttrain.evaluate")
 

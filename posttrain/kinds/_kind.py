@@ -70,9 +70,9 @@ class StageKind:
     # Distributed stages are launched with torchrun, one process per device.
     distributed: bool = False
     # The shared recipe sections whose `Result` fields are part of its fingerprint, besides its
-    # own section (posttrain.fingerprints): `guard` only changes what training stages make.
+    # own section (posttrain.plan.fingerprints): `guard` only changes what training stages make.
     reads: tuple[str, ...] = ("run", "infra")
-    # What else its result depends on, from the recipe (posttrain.fingerprints): online RL
+    # What else its result depends on, from the recipe (posttrain.plan.fingerprints): online RL
     # samples rollouts per rank (its own share of prompts, its own seed), so its result depends
     # on the number of ranks.
     inputs: Callable[[Any], dict[str, Any]] | None = None

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from posttrain.config.sections import OnlineRLConfig
 from posttrain.kinds._kind import MemoryInputs
+from posttrain.sections.shared import OnlineRLConfig
 
 
 def rollout_memory(section: OnlineRLConfig, m: MemoryInputs, critic: bool) -> Any:

@@ -13,10 +13,10 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from posttrain.config.section_fields import Result
-from posttrain.config.sections import KLConfig, OnlineRLConfig, RolloutConfig
 from posttrain.kinds._kind import MemoryInputs, StageKind
 from posttrain.kinds._online import refuse_rl_fields, rollout_inputs, rollout_memory
+from posttrain.sections.fields import Result
+from posttrain.sections.shared import KLConfig, OnlineRLConfig, RolloutConfig
 
 
 class DistillConfig(OnlineRLConfig):

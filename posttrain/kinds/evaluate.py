@@ -9,10 +9,10 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from posttrain.config.section_fields import Result, _Section
-from posttrain.config.sections import SamplingConfig
 from posttrain.kinds._kind import StageKind
-from posttrain.rewards.spec import RewardSpec
+from posttrain.sections.fields import Result, _Section
+from posttrain.sections.rewards import RewardSpec
+from posttrain.sections.shared import SamplingConfig
 
 
 def _default_sampling() -> list[SamplingConfig]:

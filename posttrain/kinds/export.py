@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import field_validator
 
-from posttrain.config.section_fields import Result, _Section
 from posttrain.kinds._kind import StageKind
+from posttrain.sections.fields import Result, _Section
 
 
 class ExportConfig(_Section):

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from posttrain.config.section_fields import Execution, Result, _Section
 from posttrain.kinds._kind import StageKind
+from posttrain.sections.fields import Execution, Result, _Section
 
 # Real models' shapes for `ingest.from_config.shape`: random-init stand-ins with the exact width,
 # depth, heads and vocabulary of a public checkpoint (its config.json), for memory and throughput

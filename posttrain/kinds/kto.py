@@ -11,9 +11,9 @@ from typing import Any
 
 from pydantic import Field
 
-from posttrain.config.section_fields import Result
-from posttrain.config.sections import PreferenceDataConfig, TemplateGuard, TrainingSection
 from posttrain.kinds._kind import MemoryInputs, StageKind
+from posttrain.sections.fields import Result
+from posttrain.sections.shared import PreferenceDataConfig, TemplateGuard, TrainingSection
 
 
 class KTODataConfig(PreferenceDataConfig):

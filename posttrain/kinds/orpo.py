@@ -10,14 +10,14 @@ from typing import Any
 
 from pydantic import Field
 
-from posttrain.config.section_fields import Result
-from posttrain.config.sections import (
+from posttrain.kinds._kind import MemoryInputs, StageKind
+from posttrain.sections.fields import Result
+from posttrain.sections.shared import (
     LoraConfig,
     PreferenceDataConfig,
     TemplateGuard,
     TrainingSection,
 )
-from posttrain.kinds._kind import MemoryInputs, StageKind
 
 
 class ORPOConfig(TrainingSection, TemplateGuard):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.config.section_fields import Result
-from posttrain.config.sections import OnlineRLConfig
 from posttrain.kinds._kind import MemoryInputs, StageKind
 from posttrain.kinds._online import rollout_inputs, rollout_memory
+from posttrain.sections.fields import Result
+from posttrain.sections.shared import OnlineRLConfig
 
 
 class PPOConfig(OnlineRLConfig):

@@ -7,9 +7,9 @@ from typing import Any
 
 from pydantic import Field
 
-from posttrain.config.section_fields import Result, _Section
-from posttrain.config.sections import DataConfig, LoraConfig, TrainingSection
 from posttrain.kinds._kind import MemoryInputs, StageKind
+from posttrain.sections.fields import Result, _Section
+from posttrain.sections.shared import DataConfig, LoraConfig, TrainingSection
 
 
 class TeacherSampling(_Section):

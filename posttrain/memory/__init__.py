@@ -1,7 +1,8 @@
-"""Memory pre-flight: estimate a training stage's per-device memory before it loads anything.
+"""A training stage's per-device memory, estimated before it loads anything.
 
-`estimate.py` is pure arithmetic on model and recipe numbers (no torch); `preflight.py` reads
-the recipe, the base's config.json and the device's free memory, and refuses a stage that
-cannot fit, naming the numbers and the changes that would make it fit (`fixes.py`: each change
-with its own estimate).
+`estimate.py` is pure arithmetic on model and recipe numbers (no torch); the kinds declare their
+shape with it. `fixes.py` names the changes that would make a stage fit, each with its own
+estimate. The pre-flight that reads the recipe, the base's config.json and the device's free
+memory and refuses a stage that cannot fit is `posttrain.runtime.preflight`: it reads the kinds,
+which read this package.
 """

@@ -54,7 +54,7 @@ keeps only its input (H x c per token) and one block's activations are recompute
 Logits: the [micro, seq, vocab] output plus its fp32 log-softmax and gradient, 3 buffers of 4
 bytes (RL: log-softmax, softmax for the entropy, their product and gradients, 5 buffers). On
 small models the logits are often the largest single item. With `infra.logits_chunk_tokens`
-(posttrain/train/chunked.py) only [chunk, vocab] fp32 buffers exist at a time: the chunk's logits
+(posttrain/models/chunked.py) only [chunk, vocab] fp32 buffers exist at a time: the chunk's logits
 and its exp/softmax (RL: and the entropy's product), 2 buffers (RL 3), plus the scored positions'
 hidden states and their gradient (2 x tokens x H x c).
 
@@ -117,7 +117,8 @@ class ModelShape:
     o_bias: bool = False
     mlp_bias: bool = False
     # The head's output is transformed into logits (Gemma soft-capping, Cohere/Granite scaling):
-    # the chunked head's backward keeps one more [chunk, vocab] buffer (posttrain/train/chunked).
+    # the chunked head's backward keeps one more [chunk, vocab] buffer
+    # (posttrain/models/chunked.py).
     logit_transform: bool = False
 
     @classmethod
@@ -271,7 +272,7 @@ class StageShape:
     logits_chunk_tokens: int = 0
     # The stage's name, for reports (default the family).
     label: str = ""
-    # A distillation stage's teacher (posttrain.memory.preflight adds it from its base).
+    # A distillation stage's teacher (posttrain.runtime.preflight adds it from its base).
     teacher: TeacherShape | None = None
 
     @property

@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from posttrain.config.infra_section import InfraConfig
 from posttrain.memory.estimate import (
     DeviceLayout,
     ModelShape,
@@ -20,6 +19,7 @@ from posttrain.memory.estimate import (
     estimate,
     fmt_bytes,
 )
+from posttrain.sections.infra import InfraConfig
 
 # Unchunked logits at least this share of the estimated peak: suggest the chunked head.
 LARGE_LOGITS = 0.1

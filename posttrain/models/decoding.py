@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.config.schema import SamplingConfig
+from posttrain.sections.shared import SamplingConfig
 
 
 def generate_kwargs(cfg: SamplingConfig) -> dict[str, Any]:

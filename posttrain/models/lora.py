@@ -9,8 +9,8 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from transformers import PreTrainedModel
 
-from posttrain.config.schema import LoraConfig
 from posttrain.models.sharded_load import adapters_stay_real
+from posttrain.sections.shared import LoraConfig
 
 
 def prepare_for_training(model: PreTrainedModel, activation_checkpointing: bool) -> None:

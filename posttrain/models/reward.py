@@ -10,8 +10,8 @@ from peft import PeftModel
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
 from posttrain.data.batching import collate, pad_batch
+from posttrain.models.chunked import model_call
 from posttrain.models.sharded_load import CheckpointFiles, build_on_meta
-from posttrain.train.chunked import model_call
 
 
 def load_score_model(

@@ -34,9 +34,9 @@ from transformers import PreTrainedModel
 
 from posttrain.data.segments import Segments
 from posttrain.models.adapters import POLICY, REFERENCE, active_adapter, policy_with_reference
+from posttrain.models.chunked import head_scores, model_transform, output_head
 from posttrain.models.sharded_load import adapters_stay_real
 from posttrain.models.varlen_attention import SEGMENTS_KW, confined_attention
-from posttrain.train.chunked import head_scores, model_transform, output_head
 
 VALUE, REWARD = "value", "reward"
 LOGIT_ROLES = (POLICY, REFERENCE)
@@ -81,7 +81,7 @@ class RoleModel(nn.Module):
         policy/reference: logits [B, stop-start, V] of positions start..stop-1; with `targets`
         [B, stop-start] (IGNORE = not scored) instead their log-probs [B, stop-start] ([.., 2]:
         log-prob, entropy, with `entropy`) through the head `chunk_tokens` at a time
-        (`posttrain.train.chunked`), inside this root forward so FSDP2's hooks see the head;
+        (`posttrain.models.chunked`), inside this root forward so FSDP2's hooks see the head;
         value: values [B, stop-start] (fp32);  reward: scores [B] at each row's last real token.
         `temperature`: policy/reference logits divided by it (the sampling temperature, so
         log-probs are those of the distribution the rollout was drawn from).

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from posttrain.config.schema import FromConfigModel
+from posttrain.kinds.ingest import FromConfigModel
 from posttrain.models.chatml import CHATML_TEMPLATE
 
 IM_START, IM_END, PAD, EOT = "<|im_start|>", "<|im_end|>", "<|pad|>", "<|endoftext|>"

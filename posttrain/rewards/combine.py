@@ -22,8 +22,8 @@ import torch
 
 from posttrain.rewards.extract import completion_text
 from posttrain.rewards.loader import bind
-from posttrain.rewards.spec import RewardSpec
-from posttrain.stage_errors import StageVerdict
+from posttrain.runtime.errors import StageVerdict
+from posttrain.sections.rewards import RewardSpec
 
 # Keyword arguments the caller fills; a data column of the same name would be shadowed.
 RESERVED = ("prompts", "completions", "completion_ids", "stopped")

@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from posttrain.rewards.spec import RewardSpec, is_builtin, is_file_ref, split_ref
+from posttrain.sections.rewards import RewardSpec, is_builtin, is_file_ref, split_ref
 
 
 class RewardLoadError(ValueError):

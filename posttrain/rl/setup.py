@@ -30,7 +30,7 @@ from posttrain.models.roles import RoleModel, build_roles
 from posttrain.rewards.combine import load_rewards
 from posttrain.rl.episodes import episode_setup
 from posttrain.rl.rollouts import RolloutSetup
-from posttrain.stages.common import StageContext, training_base
+from posttrain.runtime.context import StageContext, training_base
 from posttrain.telemetry import heartbeat
 from posttrain.train.micro_batches import padding_free
 from posttrain.train.rl_algos import Algorithm

@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 
-from posttrain.config.sections import SamplingConfig
 from posttrain.data.prompts import encode_prompt
 from posttrain.distributed.runtime import all_gather_objects, barrier
 from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.models.adapters import POLICY
 from posttrain.models.teacher import build_teacher
+from posttrain.sections.shared import SamplingConfig
 from posttrain.telemetry import heartbeat
 from posttrain.train.rollout import response_mask
 from posttrain.train.rollout_engine import build_engine
@@ -188,6 +188,6 @@ def _texts(tok: Any, response: torch.Tensor, stops: list[int]) -> list[str]:
 
 def _engine_config(ctx: Any) -> Any:
     """The in-process engine's settings: the RL sections' rollout defaults, batch as given."""
-    from posttrain.config.sections import RolloutConfig
+    from posttrain.sections.shared import RolloutConfig
 
     return RolloutConfig(generation_batch_size=ctx.section.teacher_sampling.batch_size)

@@ -4,7 +4,7 @@ The server must not outlive its stage, however the stage ends. It is started by 
 rank 0, from its main thread, under a keeper process (`posttrain.serving.keeper`):
 - in a session of its own, so its whole process tree (vLLM's and SGLang's engine processes)
   is one process group to signal, and a terminal's SIGINT/SIGHUP reaches the stage, not it;
-- with a parent-death signal (`posttrain.orphan.die_with`) on the keeper: SIGTERM when the
+- with a parent-death signal (`posttrain.runtime.orphan.die_with`) on the keeper: SIGTERM when the
   stage process ends, even by SIGKILL or `os._exit` (an orphaned stage's exit), where no
   `finally` runs; the keeper then ends the whole group;
 - with the stage's environment, launch tag included, so the flow's `kill_stage` (cancel,
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from posttrain.orphan import die_with, process_start
+from posttrain.runtime.orphan import die_with, process_start
 
 STOP_GRACE_S = 15.0
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from posttrain.config.sections import RolloutServerConfig
 from posttrain.distributed import agree
 from posttrain.models.adapters import POLICY
+from posttrain.sections.shared import RolloutServerConfig
 from posttrain.serving.api import ServerAPI, server_api
 from posttrain.serving.client import ServerClient, ServerFailed
 from posttrain.serving.process import ServerProcess, fill_command, stop_leftover

@@ -14,8 +14,8 @@ Every rank beats `<out_dir>/logs/heartbeat/rank<k>.json` and dumps its Python st
 `<out_dir>/logs/stacks-rank<k>.txt` on SIGUSR1 (`posttrain.telemetry.heartbeat`), samples its
 GPU, InfiniBand ports and storage reads into `<out_dir>/logs/health/rank<k>.json`
 (`posttrain.telemetry.health`, every POSTTRAIN_HEALTH_INTERVAL_S seconds), and watches
-the process that supervises it (`posttrain.orphan`): when it dies, the stage stops or finishes
-alone, per `infra.orphan`.
+the process that supervises it (`posttrain.runtime.orphan`): when it dies, the stage stops or
+finishes alone, per `infra.orphan`.
 """
 
 from __future__ import annotations
@@ -29,104 +29,23 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from posttrain import hub, numerics
-from posttrain.artifact_claim import claim_by_hand, find_complete
-from posttrain.artifacts import ArtifactRef, read_manifest, verify, write_manifest
 from posttrain.config.graph import BASE
 from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS, StageKind, kind_of
-from posttrain.orphan import OrphanWatch
-from posttrain.recovery import launch_account, recovery_record
-from posttrain.stage_errors import ParentArtifactDamaged, StageVerdict
-from posttrain.stage_spec import LaunchInfo, StageSpec, read_spec, spec_path
+from posttrain.runtime.context import StageContext
+from posttrain.runtime.errors import ParentArtifactDamaged, StageVerdict
+from posttrain.runtime.orphan import OrphanWatch
+from posttrain.runtime.recovery import launch_account, recovery_record
+from posttrain.runtime.spec import LaunchInfo, StageSpec, read_spec, spec_path
+from posttrain.store.artifacts import read_manifest, verify, write_manifest
+from posttrain.store.claim import claim_by_hand, find_complete
 from posttrain.telemetry import health, heartbeat
 
 log = logging.getLogger("posttrain")
-
-
-@dataclass
-class StageContext:
-    name: str
-    fingerprint: str
-    out_dir: Path
-    recipe: Recipe
-    parents: dict[str, ArtifactRef]
-    inputs: dict[str, Any]
-    rank: int = 0
-    world_size: int = 1
-    dist: Any = None  # posttrain.distributed.runtime.DistInfo for distributed stages
-    extra_manifest: dict[str, Any] = field(default_factory=dict)
-    # The memory pre-flight's record (training stages): metrics.jsonl and the summary get it.
-    preflight: dict[str, Any] | None = None
-    # role -> parent stage name (posttrain.planner.PlannedStage.roles): "base", "policy", ...
-    roles: dict[str, str] = field(default_factory=dict)
-    kind: StageKind | None = None
-    # The kind the manifest records (a stand-in's own name when `kind` is None).
-    kind_name: str = ""
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def section(self) -> Any:
-        """This stage's recipe section (a shorthand section or its `stages:` entry)."""
-        return self.recipe.stage(self.name)
-
-    def has_role(self, role: str) -> bool:
-        """A stage playing `role` is among this stage's parents."""
-        return self.roles.get(role) in self.parents
-
-    def role_ref(self, role: str) -> ArtifactRef:
-        """The artifact playing `role` for this stage (see `roles`)."""
-        return self.parents[self.roles[role]]
-
-    def role_dir(self, role: str) -> Path:
-        return self.role_ref(role).path
-
-    def role_manifest(self, role: str) -> dict[str, Any]:
-        return self.parent_manifest(self.roles[role])
-
-    def adapter_dir(self, role: str) -> Path | None:
-        """The adapter folder of the policy playing `role`; None when it is the base model
-        (a stage starting from the base creates its adapter)."""
-        if KINDS.get(self.role_ref(role).stage, KINDS[BASE]).produces == "base":
-            return None
-        return self.role_dir(role) / "adapter"
-
-    def parent_dir(self, name: str) -> Path:
-        return self.parents[name].path
-
-    def parent_manifest(self, name: str) -> dict[str, Any]:
-        return json.loads((self.parent_dir(name) / "manifest.json").read_text())
-
-    @property
-    def device_type(self) -> str:
-        """ "cpu" or "cuda": the process group's device, else the recipe's resolved one."""
-        return self.dist.device.type if self.dist is not None else self.recipe.infra.device
-
-    def numerics(self) -> dict[str, Any]:
-        """What this process's arithmetic depends on besides the stage's inputs
-        (`posttrain.numerics.signature`): the key part of a table cached across runs."""
-        return numerics.signature(self.recipe.infra, self.device_type)
-
-
-def training_base(ctx: StageContext) -> tuple[Any, Any, Any]:
-    """(model, tokenizer, weights) of the base a training stage builds on: its `base` role's
-    checkpoint, sharded-loadable, in `infra.base_dtype`, with `infra.attention`
-    (posttrain.models.loading.base_for_training)."""
-    from posttrain.models.loading import base_dtype, base_for_training
-
-    return base_for_training(
-        ctx.role_dir("base"),
-        ctx.role_manifest("base"),
-        base_dtype(ctx.recipe.infra),
-        ctx.recipe.infra.attention,
-    )
 
 
 def seed_everything(seed: int) -> None:
@@ -179,7 +98,7 @@ def memory_preflight(ctx: StageContext) -> None:
     """Estimate a training stage's per-device memory against the device before anything is
     loaded; refuse (MemoryPreflightError) or warn per `infra.memory_preflight`. The report goes
     to logs/preflight.json (rank 0) and `ctx.preflight`."""
-    from posttrain.memory.preflight import enforce, preflight
+    from posttrain.runtime.preflight import enforce, preflight
 
     mode = ctx.recipe.infra.memory_preflight
     if mode == "off" or ctx.kind is None or not ctx.kind.trains:
@@ -243,7 +162,7 @@ def _spec_from_recipe(
     kind: str, name: str | None, recipe_path: str, overrides: list[str]
 ) -> StageSpec:
     from posttrain.config.loader import load_recipe
-    from posttrain.planner import plan, spec_for
+    from posttrain.plan.planner import plan, spec_for
 
     recipe = load_recipe(recipe_path, overrides)
     planned = {p.name: p for p in plan(recipe).stages}
@@ -271,7 +190,7 @@ def _spec_from_recipe(
 def _parse(kind: str, argv: list[str] | None) -> StageSpec:
     ap = argparse.ArgumentParser(prog=f"python -m posttrain.stages.{kind}")
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--spec", help="spec JSON written by the supervisor (posttrain.stage_spec)")
+    src.add_argument("--spec", help="spec JSON written by the supervisor (posttrain.runtime.spec)")
     src.add_argument("--recipe", help="recipe YAML; parents must already exist in the workspace")
     ap.add_argument("--stage", help=f"which {kind} stage of the recipe (with --recipe)")
     ap.add_argument("overrides", nargs="*", help="key.path=value (with --recipe)")
@@ -338,10 +257,10 @@ def stage_main(
     hub.pin(ctx.inputs.get("hub", {}).values())
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     # First thing: a stage whose supervisor died (while this process imported torch, say) must
-    # not start, or must go on alone, per infra.orphan (posttrain.orphan).
+    # not start, or must go on alone, per infra.orphan (posttrain.runtime.orphan).
     watch = OrphanWatch.start(ctx.out_dir, ctx.name, ctx.recipe.infra.orphan, spec.launch)
     # A supervisor that holds the artifact's lock for this launch has looked at the folder
-    # already; without one, this process takes the lock and looks (posttrain.artifact_claim).
+    # already; without one, this process takes the lock and looks (posttrain.store.claim).
     claim = None
     if spec.launch is None or spec.launch.lock is None:
         claim = claim_by_hand(ctx.out_dir, ctx.fingerprint, ctx.name)
@@ -522,8 +441,8 @@ def reproducibility(ctx: StageContext) -> dict[str, Any]:
 def _report_failure(ctx: StageContext, exc: BaseException) -> None:
     """logs/error.txt (rank 0) and one POSTTRAIN_ERROR line; a traceback on stderr only for an
     unexpected error."""
-    from posttrain.diskspace import as_disk_full
-    from posttrain.memory.preflight import MemoryPreflightError
+    from posttrain.runtime.diskspace import as_disk_full
+    from posttrain.runtime.preflight import MemoryPreflightError
 
     tb = traceback.format_exc()
     # A full disk, wherever it struck (a json write, save_pretrained), is a verdict too.

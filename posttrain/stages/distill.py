@@ -44,7 +44,8 @@ from posttrain.rl.metrics import rollout_totals, sampler_metrics, step_flops
 from posttrain.rl.offpolicy import staleness
 from posttrain.rl.rollouts import RolloutBatch, RolloutSetup, collect_rollout, generate
 from posttrain.rl.setup import RLRun, one_step_shapes
-from posttrain.stages.common import StageContext, stage_main
+from posttrain.runtime.context import StageContext
+from posttrain.stages.common import stage_main
 from posttrain.stages.online_rl import Ahead, close_step, next_version, record_one_step, run_loop
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import MetricsWriter

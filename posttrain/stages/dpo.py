@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from posttrain.artifacts import canonical_json, fingerprint, verify, write_manifest
 from posttrain.data.pref_prepare import guard_template, prepare
 from posttrain.data.segments import pair_tokens
 from posttrain.distributed.fsdp import grad_sync
@@ -38,9 +37,11 @@ from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, rank_
 from posttrain.models.adapters import policy_with_reference, reference_pass
 from posttrain.models.lora import prepare_for_training
 from posttrain.models.reward import pair_batch
-from posttrain.stages.common import StageContext, stage_main, training_base
+from posttrain.runtime.context import StageContext, training_base
+from posttrain.stages.common import stage_main
+from posttrain.store.artifacts import canonical_json, fingerprint, verify, write_manifest
 from posttrain.telemetry import heartbeat
-from posttrain.train.chunked import pair_logps
+from posttrain.train.forward_logps import pair_logps
 from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
 from posttrain.train.preference_losses import (
     REFERENCE_FREE,

@@ -72,7 +72,8 @@ from posttrain.models.adapters import merged_copy
 from posttrain.models.loading import load_base
 from posttrain.models.reward import load_reward_model
 from posttrain.rewards.combine import load_rewards
-from posttrain.stages.common import StageContext, stage_main
+from posttrain.runtime.context import StageContext
+from posttrain.stages.common import stage_main
 from posttrain.train.distill_losses import teacher_gap_closed
 
 log = logging.getLogger("posttrain.evaluate")

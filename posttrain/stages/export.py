@@ -22,10 +22,16 @@ from typing import Any
 import torch
 
 from posttrain import jsonsafe
-from posttrain.artifacts import sha256_file
 from posttrain.data.chat import encode_chat
 from posttrain.data.sft_data import saved_split
-from posttrain.diskspace import (
+from posttrain.export.gguf import check_convertible, plan_gguf, write_gguf
+from posttrain.export.gguf_verify import verify_gguf
+from posttrain.export.merge import merge_adapter, save_export
+from posttrain.export.model_card import model_card
+from posttrain.export.verify import verify_export
+from posttrain.models.loading import DTYPES, load_tokenizer
+from posttrain.runtime.context import StageContext
+from posttrain.runtime.diskspace import (
     DiskFull,
     ensure_free,
     free_bytes,
@@ -33,13 +39,8 @@ from posttrain.diskspace import (
     model_bytes,
     required_bytes,
 )
-from posttrain.export.gguf import check_convertible, plan_gguf, write_gguf
-from posttrain.export.gguf_verify import verify_gguf
-from posttrain.export.merge import merge_adapter, save_export
-from posttrain.export.model_card import model_card
-from posttrain.export.verify import verify_export
-from posttrain.models.loading import DTYPES, load_tokenizer
-from posttrain.stages.common import StageContext, stage_main
+from posttrain.stages.common import stage_main
+from posttrain.store.artifacts import sha256_file
 
 log = logging.getLogger("posttrain.export")
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.stages.common import StageContext, stage_main
+from posttrain.runtime.context import StageContext
+from posttrain.stages.common import stage_main
 from posttrain.stages.online_rl import run_online_rl
 
 

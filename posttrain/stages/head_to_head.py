@@ -1,8 +1,9 @@
 """head_to_head: a candidate export against the champion's, judged by the reward model.
 
 Not a stage of the recipe's graph: the promotion gate (flows/gate.py) plans it
-(`posttrain.promotion.head_to_head_stage`) after a completed run whose pipeline has a champion,
-and launches it like any stage: `python -m posttrain.stages.head_to_head --spec <spec.json>`.
+(`posttrain.workspace.promotion.head_to_head_stage`) after a completed run whose pipeline has a
+champion, and launches it like any stage: `python -m posttrain.stages.head_to_head --spec
+<spec.json>`.
 Its parents, by role:
   - candidate: this run's export artifact (merged model in model/);
   - champion:  the champion's export artifact;
@@ -29,8 +30,9 @@ from posttrain.data.sft_data import write_rows
 from posttrain.eval.preference_eval import head_to_head
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.reward import load_reward_model
-from posttrain.promotion import HEAD_TO_HEAD, WIN_RATE_VS_CHAMPION
-from posttrain.stages.common import StageContext, stage_main
+from posttrain.runtime.context import StageContext
+from posttrain.stages.common import stage_main
+from posttrain.workspace.promotion import HEAD_TO_HEAD, WIN_RATE_VS_CHAMPION
 
 log = logging.getLogger("posttrain.head_to_head")
 

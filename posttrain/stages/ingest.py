@@ -27,7 +27,6 @@ import torch
 
 from posttrain import hub
 from posttrain.agents.tool_calls import format_of_template
-from posttrain.artifacts import sha256_file
 from posttrain.config.inputs_check import model_folder_problem
 from posttrain.config.schema import FromConfigModel, IngestConfig
 from posttrain.data.calculator import calculator_corpus
@@ -43,7 +42,9 @@ from posttrain.data.chat import (
 )
 from posttrain.data.synthetic import pretrain_corpus, quickstart_sft_rows
 from posttrain.eval.stop_tokens import end_of_turn_token
-from posttrain.stages.common import StageContext, stage_main
+from posttrain.runtime.context import StageContext
+from posttrain.stages.common import stage_main
+from posttrain.store.artifacts import sha256_file
 
 log = logging.getLogger("posttrain.ingest")
 

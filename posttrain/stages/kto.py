@@ -37,9 +37,10 @@ from posttrain.distributed.runtime import (
 )
 from posttrain.models.adapters import policy_with_reference, reference_pass
 from posttrain.models.lora import prepare_for_training
-from posttrain.stages.common import StageContext, stage_main, training_base
+from posttrain.runtime.context import StageContext, training_base
+from posttrain.stages.common import stage_main
 from posttrain.telemetry import heartbeat
-from posttrain.train.chunked import forward_sequence_logps
+from posttrain.train.forward_logps import forward_sequence_logps
 from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps, to_device
 from posttrain.train.micro_batches import regroup_step
 from posttrain.train.preference_losses import (

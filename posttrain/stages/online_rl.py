@@ -46,7 +46,7 @@ from posttrain.rl.offpolicy import PolicySnapshot, Prefetch, score_behaviour, st
 from posttrain.rl.rollouts import RolloutBatch, collect_rollout, generate_round, rollout_seed
 from posttrain.rl.setup import RLRun, setup
 from posttrain.rl.update import Advantages, UpdateStats, compute_advantages, update
-from posttrain.stages.common import StageContext
+from posttrain.runtime.context import StageContext
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.checkpoint import data_position

@@ -29,8 +29,9 @@ from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums
 from posttrain.models.adapters import trainable_adapter
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.models.reward import pair_batch
-from posttrain.stages.common import StageContext, stage_main, training_base
-from posttrain.train.chunked import pair_logps
+from posttrain.runtime.context import StageContext, training_base
+from posttrain.stages.common import stage_main
+from posttrain.train.forward_logps import pair_logps
 from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
 from posttrain.train.preference_losses import orpo_loss
 

@@ -27,7 +27,8 @@ from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums
 from posttrain.models.loading import base_dtype, load_tokenizer
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.models.reward import pair_batch, pair_scores, score_model_for_training
-from posttrain.stages.common import StageContext, stage_main
+from posttrain.runtime.context import StageContext
+from posttrain.stages.common import stage_main
 from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
 from posttrain.train.losses import bradley_terry_loss
 

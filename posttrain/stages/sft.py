@@ -29,9 +29,10 @@ from posttrain.distributed.runtime import all_reduce_sum
 from posttrain.models.adapters import trainable_adapter
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.rl.teacher_answers import teacher_rows
-from posttrain.stages.common import StageContext, stage_main, training_base
+from posttrain.runtime.context import StageContext, training_base
+from posttrain.stages.common import stage_main
 from posttrain.telemetry.metrics import read_metrics
-from posttrain.train.chunked import forward_nll_sum
+from posttrain.train.forward_logps import forward_nll_sum
 from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
 from posttrain.train.session import TrainSession
 

@@ -45,7 +45,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from posttrain.diskspace import (
+from posttrain.distributed.agree import barrier, from_rank0, gather_all, world
+from posttrain.runtime.diskspace import (
     DiskFull,
     ensure_free,
     folder_bytes,
@@ -55,7 +56,6 @@ from posttrain.diskspace import (
     required_bytes,
     tensor_bytes,
 )
-from posttrain.distributed.agree import barrier, from_rank0, gather_all, world
 from posttrain.train.integrity import META, hash_files, listing, my_share, write_record
 
 log = logging.getLogger("posttrain.train")

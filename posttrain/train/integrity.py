@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from posttrain.artifacts import sha256_file
+from posttrain.store.artifacts import sha256_file
 
 INTEGRITY = "integrity.json"
 ALGORITHM = "sha256"

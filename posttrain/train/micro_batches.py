@@ -14,9 +14,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from posttrain.config.sections import BatchConfig, RolloutBatchConfig
 from posttrain.data.batching import regroup_by_tokens
 from posttrain.models.varlen_attention import padding_free_unsupported
+from posttrain.sections.shared import BatchConfig, RolloutBatchConfig
 
 log = logging.getLogger("posttrain.train")
 

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # the real CLI in a real process. Without PT_STAGE_MODULES it is exactly `python -m flows.cli`.
 CLI_WRAPPER = """
 import dataclasses, os, sys
-import posttrain.planner as pipeline
+import posttrain.plan.planner as pipeline
 mods = dict(kv.split("=") for kv in os.environ.get("PT_STAGE_MODULES", "").split(",") if kv)
 ranks = os.environ.get("PT_STAGE_DISTRIBUTED") == "1"  # several processes under torchrun
 pipeline.KINDS = {

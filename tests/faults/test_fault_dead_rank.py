@@ -18,13 +18,13 @@ from typing import Any
 import psutil
 import pytest
 
-from flows.stage_failures import StageFailed
-from flows.stage_procs import tagged_processes
-from flows.stage_task import stage_task
-from posttrain.artifacts import ref_from_manifest, verify
+from flows.stage.failures import StageFailed
+from flows.stage.procs import tagged_processes
+from flows.stage.task import stage_task
 from posttrain.config.loader import load_recipe
-from posttrain.planner import plan, spec_for
-from posttrain.stage_spec import LAUNCH_TAG_ENV
+from posttrain.plan.planner import plan, spec_for
+from posttrain.runtime.spec import LAUNCH_TAG_ENV
+from posttrain.store.artifacts import ref_from_manifest, verify
 from posttrain.telemetry.heartbeat import read_heartbeats
 from posttrain.train.checkpoint import complete_checkpoints
 from tests.stage_helpers import TINY, run_inprocess, write_recipe

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.device_lock import DIR_ENV, DeviceLock
-from posttrain.orphan import process_start, supervisor_alive
+from posttrain.runtime.device_lock import DIR_ENV, DeviceLock
+from posttrain.runtime.orphan import process_start, supervisor_alive
 from tests.faults.fault_runs import ROOT
 
 HOLD = """
 import sys, time
-from posttrain.device_lock import DeviceLock
+from posttrain.runtime.device_lock import DeviceLock
 lock = DeviceLock("posttrain-devices-test-cpu")
 assert lock.try_acquire({"what": "posttrain run", "flow_run_name": "dead-run"})
 print("held", flush=True)

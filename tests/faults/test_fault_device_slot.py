@@ -101,7 +101,7 @@ def test_killed_holder_frees_the_devices_and_leaves_nothing_behind(
         deliver(a, sig)
         if sig == signal.SIGKILL:
             # Nothing of the CLI is left to stop them: the server's parent-death signal
-            # (flows.embedded_server) and the stage's orphan watch (posttrain.orphan) must.
+            # (flows.embedded_server) and the stage's orphan watch (posttrain.runtime.orphan) must.
             # B's recovery is read from its output's timestamps, so waiting here costs nothing.
             server_gone = wait_gone([server], 10)
             stage_gone = wait_gone([stage], 20)

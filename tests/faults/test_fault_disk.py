@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.diskspace import DiskFull, as_disk_full, model_bytes
 from posttrain.distributed.runtime import init_distributed, shutdown
+from posttrain.runtime.diskspace import DiskFull, as_disk_full, model_bytes
 from posttrain.stages.export import _save_with_room
 from posttrain.train.checkpoint import complete_checkpoints, save_checkpoint
 from posttrain.train.resume import inspect_checkpoint

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import yaml
 
-from posttrain.artifacts import verify
+from posttrain.store.artifacts import verify
 from posttrain.train.checkpoint import complete_checkpoints
 from tests.faults.fault_runs import (
     Run,

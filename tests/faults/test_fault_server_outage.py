@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 from prefect_server import serving, start_serve, start_server, stop_group, wait_for
 
-from posttrain.artifacts import verify
 from posttrain.config.loader import load_recipe
-from posttrain.planner import plan
+from posttrain.plan.planner import plan
+from posttrain.store.artifacts import verify
 from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import TINY, write_recipe
 

@@ -20,12 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from posttrain.artifacts import ref_from_manifest, verify
 from posttrain.config.loader import load_recipe
-from posttrain.diskspace import folder_bytes, required_bytes
-from posttrain.locking import lock_path
-from posttrain.planner import plan, spec_for
-from posttrain.stage_spec import spec_path
+from posttrain.plan.planner import plan, spec_for
+from posttrain.runtime.diskspace import folder_bytes, required_bytes
+from posttrain.runtime.spec import spec_path
+from posttrain.store.artifacts import ref_from_manifest, verify
+from posttrain.store.locking import lock_path
 from posttrain.telemetry.metrics import read_metrics
 from posttrain.train.checkpoint import complete_checkpoints
 from posttrain.train.resume import inspect_checkpoint

@@ -1,0 +1,99 @@
+"""The run report's images, drawn once per content: a re-run of reused stages copies them.
+
+A reused stage's `metrics.jsonl` never changes (it is part of its sealed artifact), and a re-run
+of an unchanged recipe has the same stage graph with the same statuses, so its curves and graph
+images are the same bytes as last time. Drawing them costs a matplotlib import and a PNG render
+each (~1-2 s per run on CPU: most of what a cached re-run's flow does). So each image is kept
+under `<workspace>/.cache/plots/<key>.png`, keyed by a hash of everything it is drawn from: the
+input (the metrics file's bytes, or the graph's nodes), the drawing module's source and the
+matplotlib version. Any change draws anew; a missing or deleted cache only costs the drawing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from types import ModuleType
+
+from flows.report import graph_plot, plots
+from flows.report.graph_plot import GraphNode, draw_stage_graph
+from flows.report.plots import CurvePlot, plot_stage, read_records
+
+
+def cache_dir(workspace: str | os.PathLike[str]) -> Path:
+    """Where a workspace keeps its drawn images (safe to delete)."""
+    return Path(workspace) / ".cache" / "plots"
+
+
+def _key(drawer: ModuleType, *inputs: bytes | str) -> str:
+    """Hash of what an image is drawn from: the drawing module's source, matplotlib's version
+    and the inputs (length-prefixed, so no two input lists hash alike)."""
+    code = Path(str(drawer.__file__)).read_bytes()
+    h = hashlib.sha256()
+    for part in (code, metadata.version("matplotlib"), *inputs):
+        data = part.encode() if isinstance(part, str) else part
+        h.update(len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()[:32]
+
+
+def _put(dest: Path, src: Path | None = None, text: str = "") -> None:
+    """Copy `src` (or write `text`) to `dest`, written beside and renamed, as the drawing code
+    does: a report never links half an image, and a concurrent run never reads half a file."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        if src is not None:
+            shutil.copyfile(src, tmp)
+        else:
+            tmp.write_text(text)
+        tmp.replace(dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def curves(
+    stages: Sequence[tuple[str, Path]], out_dir: Path, cache: Path
+) -> tuple[list[CurvePlot], int]:
+    """`plots.plot_curves`, reusing images drawn before from the same metrics; returns the
+    plots and how many were copied rather than drawn."""
+    drawn, copied = [], 0
+    for stage, folder in stages:
+        metrics = Path(folder) / "metrics.jsonl"
+        data = metrics.read_bytes() if metrics.is_file() else b""
+        key = _key(plots, stage, data)
+        image, meta = cache / f"{key}.png", cache / f"{key}.json"
+        if image.is_file() and meta.is_file():
+            saved = json.loads(meta.read_text())
+            path = out_dir / saved["file"]
+            _put(path, image)
+            drawn.append(CurvePlot(stage, path, tuple(saved["panels"]), tuple(saved["series"])))
+            copied += 1
+            continue
+        plot = plot_stage(stage, read_records(metrics), out_dir)
+        if plot is None:
+            continue
+        drawn.append(plot)
+        saved = {"file": plot.path.name, "panels": plot.panels, "series": plot.series}
+        with contextlib.suppress(OSError):  # a cache that cannot be written costs only time
+            _put(image, plot.path)
+            _put(meta, text=json.dumps(saved))  # last: a hit needs both files
+    return drawn, copied
+
+
+def stage_graph(nodes: Sequence[GraphNode], path: Path, cache: Path) -> tuple[Path, bool]:
+    """`graph_plot.draw_stage_graph`, reusing the image drawn before from the same nodes;
+    returns the path and whether it was copied rather than drawn."""
+    image = cache / f"{_key(graph_plot, repr(list(nodes)))}.png"
+    if image.is_file():
+        _put(path, image)
+        return path, True
+    drawn = draw_stage_graph(nodes, path)
+    with contextlib.suppress(OSError):
+        _put(image, drawn)
+    return drawn, False

@@ -1,0 +1,298 @@
+"""Supervising one stage launch: under the artifact's lock, reuse a complete artifact, else
+write the launch's spec and start the stage through its launcher (`flows.stage.launchers`: this
+machine, Slurm or Kubernetes), watch it (timeout, hang) and check what it left.
+
+Supervision means:
+  - reuse: a complete, unaltered artifact with the stage's fingerprint is returned, not rebuilt
+    (`posttrain.store.claim.find_complete`: the one look, once per launch, under the lock);
+  - the contract: the stage process gets everything it needs in its spec (`spec.json`, with
+    this launch's `launch` record: the lock held for it, who to watch), nothing in variables
+    but the launch's tag (`posttrain.runtime.spec`);
+  - logs: the stage's output (every node's) goes line by line to the Prefect run logger and to
+    `<out_dir>/logs/stage.log` (appended; logs/ is outside the manifest) (`flows.stage.output`);
+  - progress: `<out_dir>/metrics.jsonl` is tailed into a Prefect progress artifact (same);
+  - limits: the stage timeout is enforced (from when the stage runs, not while it is queued),
+    and on timeout, failure, cancel or any exception in this process the launch is stopped on
+    every node (`Launch.stop`: the process tree here, `scancel`, the Job's deletion);
+  - hangs: ranks whose heartbeats all stop get their stacks dumped, then the stage is killed
+    (`flows.stage.hang`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from flows.stage.failures import StageFailed, StageTimeout, failure_headline
+from flows.stage.hang import StageHung, hang_message, hang_watch
+from flows.stage.launch import (
+    REUSE_ONLY,
+    DevicesNeeded,
+    launch_env,
+    launch_info,
+    launch_labels,
+    local_env,
+    node_rank,
+)
+from flows.stage.launchers import launcher_for
+from flows.stage.launchers.base import Launch, Launcher, LaunchError, LaunchRequest
+from flows.stage.launchers.records import record_launch, stop_earlier_launch
+from flows.stage.output import MetricsTail, OutputPump, ProgressArtifact, run_logger
+from flows.stage.procs import KILL_GRACE_S
+from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.orphan import SupervisorBeat
+from posttrain.runtime.recovery import ERROR_FILE, earlier_attempt
+from posttrain.runtime.spec import StageSpec, spec_path
+from posttrain.store.artifacts import ArtifactRef, ref_from_manifest, verify
+from posttrain.store.claim import find_complete
+from posttrain.store.locking import ArtifactLock, LockTimeout, describe_holder
+from posttrain.telemetry.heartbeat import Hang, HangWatch
+
+# How often the supervisor looks at the launch, its heartbeats and its timeout. A local child's
+# exit is seen at once (`Launch.wait`).
+POLL_S = 0.5
+
+
+@dataclass
+class Outcome:
+    status: str  # "ran" or "reused"
+    ref: ArtifactRef
+
+
+def supervise_stage(
+    stage: PlannedStage, spec: StageSpec, kill_grace_s: float = KILL_GRACE_S
+) -> Outcome:
+    """Run one planned stage to completion, or reuse its artifact, and return its ref.
+
+    The artifact folder's lock (`posttrain.store.locking`) is held from the one look at the folder
+    to the completion check, so a second run of the same stage (same fingerprint) waits for
+    the first, logging that it does, then reuses what it made; the wait counts against the
+    stage's timeout.
+    """
+    log = run_logger()
+    if node_rank() != 0:
+        # Another node's agent joins node 0's launch; the lock, and the look, are node 0's.
+        return _launch(stage, spec, _engine(stage), None, kill_grace_s)
+    lock = ArtifactLock(stage.out_dir)
+
+    def waiting(holder: dict[str, Any] | None) -> None:
+        log.info(
+            "stage %s: waiting for another run of the same stage to finish (%s holds %s)",
+            stage.name,
+            describe_holder(holder),
+            lock.path,
+        )
+
+    try:
+        waited = lock.acquire(
+            {"what": f"stage {stage.name} supervisor"}, on_wait=waiting, timeout_s=stage.timeout_s
+        )
+    except LockTimeout as exc:
+        raise StageTimeout(f"stage '{stage.name}' was not started: {exc}") from None
+    try:
+        outcome = _under_lock(stage, spec, str(lock.path), kill_grace_s)
+    finally:
+        lock.release()
+    if waited:
+        log.info("stage %s: the other run is done; this one %s", stage.name, outcome.status)
+    return outcome
+
+
+def _engine(stage: PlannedStage) -> Launcher | LaunchError:
+    """The launcher that runs `stage`, or the error that says why it cannot be made (its
+    engine's client is not installed)."""
+    try:
+        return launcher_for(stage)
+    except LaunchError as exc:
+        return exc
+
+
+def _under_lock(stage: PlannedStage, spec: StageSpec, lock: str, kill_grace_s: float) -> Outcome:
+    """Holding the lock: stop a job a dead flow left behind, look once, launch if not done."""
+    log = run_logger()
+    engine = _engine(stage)
+    # A flow that died may have left its remote job running. It holds no lock now (we do), so
+    # it is stopped before the look (it may have sealed the artifact meanwhile) and before a
+    # new launch writes the same folder; the new one resumes.
+    if not isinstance(engine, LaunchError):
+        stop_earlier_launch(engine, stage, kill_grace_s, log)
+    if (ref := find_complete(stage.out_dir, stage.fingerprint, log)) is not None:
+        log.info("stage %s: complete artifact found in %s, reusing it", stage.name, stage.out_dir)
+        return Outcome("reused", ref)
+    if REUSE_ONLY.get():
+        raise DevicesNeeded(f"stage {stage.name} has no complete artifact in {stage.out_dir}")
+    return _launch(stage, spec, engine, lock, kill_grace_s)
+
+
+def _launch(
+    stage: PlannedStage,
+    spec: StageSpec,
+    engine: Launcher | LaunchError,
+    lock: str | None,
+    kill_grace_s: float,
+) -> Outcome:
+    """Write this launch's spec, start the stage through `engine` and follow it to its end."""
+    if isinstance(engine, LaunchError):
+        raise StageFailed(f"stage '{stage.name}' could not be started: {engine}") from None
+    log = run_logger()
+    # Before this launch writes its own traces (launch line, heartbeats) over the old ones.
+    earlier = earlier_attempt(stage.out_dir)
+    if earlier:
+        log.warning("stage %s: %s", stage.name, earlier)
+    launch = launch_info(stage, uuid.uuid4().hex, lock, earlier)
+    spec = spec.model_copy(update={"launch": launch})
+    if stage.launcher == "local":
+        env = local_env(launch, visible_devices=stage.visible_devices)
+    else:  # an engine's nodes get only what the launch needs, not this machine's environment
+        env = launch_env(launch)
+    log_path = stage.out_dir / "logs" / "stage.log"
+    request = LaunchRequest(
+        stage=stage,
+        spec_path=spec.write(spec_path(stage.out_dir, node_rank())),
+        launch_id=launch.id,
+        env=env,
+        log_dir=log_path.parent,
+        labels=launch_labels(),
+    )
+    watch = hang_watch(stage, every_rank=engine.name != "local")
+    with open(log_path, "a", encoding="utf-8") as log_file, SupervisorBeat.of(launch):
+        try:
+            started = engine.start(request, log)
+        except LaunchError as exc:
+            raise StageFailed(f"stage '{stage.name}' could not be started: {exc}") from None
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        log_file.write(f"=== {now} launch {launch.id}: {started.description}\n")
+        log_file.flush()
+        log.info("stage %s: %s", stage.name, started.description)
+        record_launch(engine, started, request)
+        return _follow(stage, started, watch, log_file, log_path, kill_grace_s)
+
+
+def _completed_ref(stage: PlannedStage, artifact_json: str | None) -> ArtifactRef:
+    """What a launch that exited 0 sealed: verified, with the planned fingerprint, and the
+    artifact the stage said it sealed (its POSTTRAIN_ARTIFACT line)."""
+    ok, why = verify(stage.out_dir)
+    if not ok:
+        raise StageFailed(f"stage '{stage.name}' exited 0 but its artifact is incomplete: {why}")
+    ref = ref_from_manifest(stage.out_dir)
+    said = ArtifactRef.model_validate_json(artifact_json) if artifact_json else ref
+    if ref.fingerprint != stage.fingerprint or said.fingerprint != ref.fingerprint:
+        raise StageFailed(
+            f"stage '{stage.name}' wrote fingerprint {said.fingerprint}, expected {stage.fingerprint}"
+        )
+    return ref
+
+
+def _follow(
+    stage: PlannedStage,
+    launch: Launch,
+    watch: HangWatch | None,
+    log_file: TextIO,
+    log_path: Path,
+    kill_grace_s: float,
+) -> Outcome:
+    """Stream a started launch's output, wait for its end, timeout or hang, stop whatever is
+    left of it, and check what it made."""
+    log = run_logger()
+    progress = ProgressArtifact(stage.name)
+    pump = OutputPump(launch.output(), log_file, log, stage.name)
+    metrics = MetricsTail(stage.out_dir / "metrics.jsonl", progress.update, stage=stage.name)
+    try:
+        waited = _wait(launch, stage, watch, log)
+    finally:
+        # Runs on success too: ranks or helpers the stage left behind must not outlive it.
+        # On an exception here (KeyboardInterrupt, Prefect's TerminationSignal on cancel)
+        # this is what stops the stage, on every node.
+        launch.stop(kill_grace_s, log)
+        pump.join(timeout=10)
+        metrics.stop()
+
+    tail = pump.tail_text()
+    if (hang := waited.hang) is not None:
+        raise StageHung(
+            hang_message(stage, hang, waited.stacks, log_path, tail), hang, waited.stacks
+        )
+    if waited.timeout == "queue":
+        raise StageTimeout(
+            f"stage '{stage.name}' waited {stage.infra['queue_timeout_s']:g} s without starting "
+            f"({launch.description}: {waited.waiting or 'queued'}) and was cancelled "
+            "(infra.queue_timeout_s)"
+        )
+    if waited.timeout == "run":
+        raise StageTimeout(
+            f"stage '{stage.name}' timed out after {stage.timeout_s:g} s "
+            f"(infra.timeouts.{stage.name}) and was stopped ({launch.description}). "
+            f"Log: {log_path}\n--- end of the log ---\n{tail}"
+        )
+    rc = launch.poll()
+    assert rc is not None  # stop() returned: it has ended
+    if rc != 0:
+        engine = launch.engine_reason()
+        if engine:
+            # For the next run's account of this attempt (posttrain.runtime.recovery reads the
+            # last line).
+            with contextlib.suppress(OSError), open(stage.out_dir / ERROR_FILE, "a") as f:
+                f.write(f"ended by {engine}\n")
+        headline = failure_headline(stage, rc, list(pump.recent), engine)
+        raise StageFailed(f"{headline}. Log: {log_path}\n--- end of the log ---\n{tail}")
+    ref = _completed_ref(stage, pump.artifact_json)
+    progress.update(100.0, "done")
+    return Outcome("ran", ref)
+
+
+@dataclass
+class Waited:
+    """How `_wait` ended: a timeout ("run" or "queue"), a hang (with the stack files), or the
+    launch's own end (neither)."""
+
+    timeout: str | None = None
+    hang: Hang | None = None
+    stacks: list[Path] = field(default_factory=list)
+    waiting: str | None = None  # the engine's last reason for queueing it
+
+
+def _wait(
+    launch: Launch,
+    stage: PlannedStage,
+    watch: HangWatch | None,
+    log: logging.LoggerAdapter | logging.Logger,
+) -> Waited:
+    """Wait for the launch to end, a timeout to pass, or its ranks to hang (their stacks are
+    dumped then); kills nothing.
+
+    The stage timeout counts from when the stage's processes run: time a Slurm job or a pod
+    waits in its queue is not the stage's (a changed waiting reason is logged instead); that
+    wait has its own limit, `infra.queue_timeout_s`, off by default."""
+    start = time.monotonic()
+    queue_limit = stage.infra.get("queue_timeout_s")
+    deadline: float | None = None
+    waiting: str | None = None
+    while launch.wait(POLL_S) is None:
+        if deadline is None:
+            if launch.started():
+                deadline = time.monotonic() + stage.timeout_s
+                if waiting is not None:
+                    log.info("stage %s: %s is running", stage.name, launch.description)
+            elif (reason := launch.waiting_reason()) != waiting and reason:
+                log.info("stage %s: %s waits: %s", stage.name, launch.description, reason)
+                waiting = reason
+            elif queue_limit is not None and time.monotonic() - start > queue_limit:
+                log.error("stage %s: still queued after %.0f s", stage.name, queue_limit)
+                return Waited("queue", waiting=waiting)
+        elif time.monotonic() > deadline:
+            log.error("stage %s: timeout after %.0f s", stage.name, stage.timeout_s)
+            return Waited("run")
+        if watch is not None and (hang := watch.poll()) is not None:
+            log.error(
+                "stage %s: no heartbeat for %.0f s (%s); dumping stacks",
+                stage.name,
+                hang.limit_s,
+                hang.describe(),
+            )
+            return Waited(hang=hang, stacks=launch.dump_stacks(hang, stage.out_dir))
+    return Waited()

@@ -1,0 +1,48 @@
+"""The one generic Prefect task, `stage`, that every stage runs through, and `run_task`, how the
+flow calls it.
+
+Why a child process: a stage imports torch, may run under torchrun with several ranks, and may
+need to be killed; the flow process stays light and outlives it. The task only wires Prefect
+to `flows.stage.supervise.supervise_stage`, which does the work.
+
+Prefect shows every stage as a task run with its state, logs and artifacts, but its result cache
+is not used: whether a stage must run is decided by its artifact alone, once per launch, under
+the artifact's lock (`posttrain.store.claim`). A stage that did not need to run ends in a
+Completed state named `Reused`, the word the terminal, the report, the graph and the trackers
+use too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed, State
+
+from flows.stage.procs import KILL_GRACE_S
+from flows.stage.supervise import supervise_stage
+from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.spec import StageSpec
+from posttrain.store.artifacts import ArtifactRef
+
+REUSED = "reused"
+
+
+@task(name="stage", task_run_name="{stage.name}", cache_policy=NO_CACHE, persist_result=False)
+def stage_task(
+    stage: PlannedStage, spec: StageSpec, kill_grace_s: float = KILL_GRACE_S
+) -> dict[str, Any] | State:
+    """Launch and supervise one stage. Returns `{"status": "ran"|"reused", "ref": {...}}`, in
+    a Completed state named Reused when the artifact was already there."""
+    outcome = supervise_stage(stage, spec, kill_grace_s)
+    result = {"status": outcome.status, "ref": outcome.ref.model_dump(mode="json")}
+    if outcome.status == REUSED:
+        return Completed(name="Reused", message=f"artifact {outcome.ref.uri}", data=result)
+    return result
+
+
+def run_task(stage: PlannedStage, spec: StageSpec) -> tuple[str, ArtifactRef]:
+    """Run one stage through the task; returns (status, ref). Raises the stage's error."""
+    outcome = stage_task(stage, spec, return_state=True).result()
+    return outcome["status"], ArtifactRef.model_validate(outcome["ref"])

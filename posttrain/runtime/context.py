@@ -1,0 +1,100 @@
+"""What a stage's `run(ctx)` is given: `StageContext`, its recipe, its parents by role, its rank.
+
+Below the stages: the harness that builds it (`posttrain.stages.common.stage_main`) and the
+library code a stage hands it to (`posttrain.eval`, `posttrain.rl`) both import it from here, so
+neither reaches up into `posttrain.stages`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posttrain import numerics
+from posttrain.config.graph import BASE
+from posttrain.config.schema import Recipe
+from posttrain.kinds import KINDS, StageKind
+from posttrain.store.artifacts import ArtifactRef
+
+
+@dataclass
+class StageContext:
+    name: str
+    fingerprint: str
+    out_dir: Path
+    recipe: Recipe
+    parents: dict[str, ArtifactRef]
+    inputs: dict[str, Any]
+    rank: int = 0
+    world_size: int = 1
+    dist: Any = None  # posttrain.distributed.runtime.DistInfo for distributed stages
+    extra_manifest: dict[str, Any] = field(default_factory=dict)
+    # The memory pre-flight's record (training stages): metrics.jsonl and the summary get it.
+    preflight: dict[str, Any] | None = None
+    # role -> parent stage name (posttrain.plan.planner.PlannedStage.roles): "base", "policy", ...
+    roles: dict[str, str] = field(default_factory=dict)
+    kind: StageKind | None = None
+    # The kind the manifest records (a stand-in's own name when `kind` is None).
+    kind_name: str = ""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def section(self) -> Any:
+        """This stage's recipe section (a shorthand section or its `stages:` entry)."""
+        return self.recipe.stage(self.name)
+
+    def has_role(self, role: str) -> bool:
+        """A stage playing `role` is among this stage's parents."""
+        return self.roles.get(role) in self.parents
+
+    def role_ref(self, role: str) -> ArtifactRef:
+        """The artifact playing `role` for this stage (see `roles`)."""
+        return self.parents[self.roles[role]]
+
+    def role_dir(self, role: str) -> Path:
+        return self.role_ref(role).path
+
+    def role_manifest(self, role: str) -> dict[str, Any]:
+        return self.parent_manifest(self.roles[role])
+
+    def adapter_dir(self, role: str) -> Path | None:
+        """The adapter folder of the policy playing `role`; None when it is the base model
+        (a stage starting from the base creates its adapter)."""
+        if KINDS.get(self.role_ref(role).stage, KINDS[BASE]).produces == "base":
+            return None
+        return self.role_dir(role) / "adapter"
+
+    def parent_dir(self, name: str) -> Path:
+        return self.parents[name].path
+
+    def parent_manifest(self, name: str) -> dict[str, Any]:
+        return json.loads((self.parent_dir(name) / "manifest.json").read_text())
+
+    @property
+    def device_type(self) -> str:
+        """ "cpu" or "cuda": the process group's device, else the recipe's resolved one."""
+        return self.dist.device.type if self.dist is not None else self.recipe.infra.device
+
+    def numerics(self) -> dict[str, Any]:
+        """What this process's arithmetic depends on besides the stage's inputs
+        (`posttrain.numerics.signature`): the key part of a table cached across runs."""
+        return numerics.signature(self.recipe.infra, self.device_type)
+
+
+def training_base(ctx: StageContext) -> tuple[Any, Any, Any]:
+    """(model, tokenizer, weights) of the base a training stage builds on: its `base` role's
+    checkpoint, sharded-loadable, in `infra.base_dtype`, with `infra.attention`
+    (posttrain.models.loading.base_for_training)."""
+    from posttrain.models.loading import base_dtype, base_for_training
+
+    return base_for_training(
+        ctx.role_dir("base"),
+        ctx.role_manifest("base"),
+        base_dtype(ctx.recipe.infra),
+        ctx.recipe.infra.attention,
+    )

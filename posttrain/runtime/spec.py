@@ -1,0 +1,126 @@
+"""The one contract between whoever starts a stage process and the process: `spec.json`.
+
+A stage process reads everything it needs from the file named by `--spec`: what to build (the
+stage, its kind, fingerprint and folder, its inputs, its parents by role, the resolved recipe)
+and, when a supervisor started it, how this launch is held (`launch`: the launch id, the lock
+the supervisor holds for it, the device lock, what to watch to notice the supervisor is gone,
+the earlier attempt's account). `docs/architecture.md` lists the fields.
+
+The environment carries only what the OS, torchrun, CUDA and the libraries read
+(`PYTHONPATH`, `CUDA_VISIBLE_DEVICES`, `HF_HUB_OFFLINE`, ...), plus one process tag,
+`POSTTRAIN_LAUNCH`: a file cannot mark a process, and every descendant of a launch (torchrun's
+ranks in sessions of their own, their workers, a stray grandchild) inherits the environment,
+so the tag is how the processes of a launch, or of a flow run, are found and stopped.
+
+No torch, no Prefect: the flow writes this file, the stage reads it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from posttrain.store.artifacts import ArtifactRef, atomic_write_text
+
+# The process tag every process of a launch inherits: `<launch id>` or `<launch id>@<flow run>`.
+LAUNCH_TAG_ENV = "POSTTRAIN_LAUNCH"
+
+
+class _Contract(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LaunchInfo(_Contract):
+    """How one launch of a stage is held; written by its supervisor, read by every rank."""
+
+    id: str = Field(description="This launch's id (also in the process tag and stage.log).")
+    flow_run_id: str | None = Field(None, description="The Prefect flow run that launched it.")
+    lock: str | None = Field(
+        None,
+        description="The artifact lock file the supervisor holds for this launch; None: the "
+        "stage process takes the lock itself (started without a supervisor that holds it).",
+    )
+    device_lock: str | None = Field(
+        None, description="The device-set lock file the flow holds (infra.orphan=finish)."
+    )
+    supervisor_pid: int | None = Field(
+        None, description="PID of the supervising process on this machine (local launches)."
+    )
+    supervisor_start: float | None = Field(
+        None,
+        description="When it started, in seconds after boot (kernel start ticks, unmoved by "
+        "clock corrections; a PID can be reused).",
+    )
+    beat_file: str | None = Field(
+        None,
+        description="Remote launches: the file the supervisor rewrites while it follows the "
+        "stage (the stage cannot see its PID on another machine).",
+    )
+    silence_s: float | None = Field(
+        None, description="How long the beat file may stay unchanged before the stage acts."
+    )
+    earlier_attempt: str | None = Field(
+        None,
+        description="The supervisor's account of an unfinished earlier attempt (read before "
+        "this launch cleared its heartbeats), for the stage's summary.",
+    )
+
+    def tag(self) -> str:
+        """The value of `POSTTRAIN_LAUNCH` for this launch's processes."""
+        return launch_tag(self.id, self.flow_run_id)
+
+
+class StageSpec(_Contract):
+    """What one stage process builds, and how its launch is held."""
+
+    stage: str = Field(description="The stage's name in the recipe.")
+    kind: str = Field(description="Its registered kind (posttrain/kinds/).")
+    fingerprint: str = Field(description="The planned fingerprint; the manifest must match.")
+    out_dir: str = Field(description="Its artifact folder.")
+    roles: dict[str, str] = Field(
+        default_factory=dict, description="role -> parent stage name (base, policy, ...)."
+    )
+    inputs: dict[str, Any] = Field(
+        default_factory=dict, description="What its fingerprint hashed (recorded in the manifest)."
+    )
+    parents: dict[str, ArtifactRef] = Field(
+        default_factory=dict, description="Parent stage name -> its artifact."
+    )
+    recipe: dict[str, Any] = Field(description="The resolved recipe.")
+    launch: LaunchInfo | None = Field(
+        None, description="Set by a supervisor; None for a stage started by hand."
+    )
+
+    def write(self, path: Path) -> Path:
+        """Atomically: a rank may read the file while a re-run of the same stage (under the
+        artifact lock, so never concurrently with its own launch) replaces it."""
+        atomic_write_text(path, self.model_dump_json(indent=2))
+        return path
+
+
+def read_spec(path: str | Path) -> StageSpec:
+    return StageSpec.model_validate(json.loads(Path(path).read_text()))
+
+
+def spec_path(out_dir: str | Path, node_rank: int = 0) -> Path:
+    """Where a launch's spec lives: under logs/ (outside the manifest). Each node started by
+    hand has its own supervisor, so nodes other than 0 write their own file."""
+    name = "spec.json" if node_rank == 0 else f"spec-node{node_rank}.json"
+    return Path(out_dir) / "logs" / name
+
+
+def launch_tag(launch_id: str, flow_run_id: str | None = None) -> str:
+    return f"{launch_id}@{flow_run_id}" if flow_run_id else launch_id
+
+
+def tag_launch_id(tag: str | None) -> str | None:
+    """The launch id of a `POSTTRAIN_LAUNCH` value."""
+    return tag.split("@", 1)[0] if tag else None
+
+
+def tag_flow_run_id(tag: str | None) -> str | None:
+    """The flow run id of a `POSTTRAIN_LAUNCH` value, when it has one."""
+    return tag.split("@", 1)[1] if tag and "@" in tag else None

@@ -1,0 +1,2 @@
+"""The artifact store: stage folders, manifests written last, one writer per folder (`locking`),
+and the look under the lock that says whether a stage must run (`claim`)."""
