@@ -61,7 +61,7 @@ from posttrain.models.adapters import POLICY
 from posttrain.models.lora import apply_lora
 from posttrain.models.roles import RoleModel
 from posttrain.models.tiny import IM_END, build_model, train_tokenizer
-from posttrain.train.rollout_engine import HFEngine
+from posttrain.rl.rollout.engine import HFEngine
 
 # Qwen-style tools template, compact: the tool schemas in a system turn, calls as <tool_call>
 # JSON blocks, tool results as a user turn of <tool_response> blocks.

@@ -134,13 +134,13 @@ def equality(tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
     from posttrain.config.schema import SamplingConfig
     from posttrain.config.sections import RolloutServerConfig
     from posttrain.data.prompts import encode_prompt, quickstart_prompts
-    from posttrain.eval.stop_tokens import model_stop_token_ids
     from posttrain.models.adapters import POLICY
     from posttrain.models.loading import load_base
     from posttrain.models.roles import build_roles
-    from posttrain.serving.engine import ServerEngine
-    from posttrain.serving.server import rollout_server
-    from posttrain.train.rollout_engine import HFEngine
+    from posttrain.models.stop_tokens import model_stop_token_ids
+    from posttrain.rl.rollout.engine import HFEngine
+    from posttrain.rl.rollout.server_engine import ServerEngine
+    from posttrain.rl.serving.server import rollout_server
 
     torch.set_num_threads(max(1, args.threads - args.server_threads))
     arts = tmp / "ws" / "artifacts"

@@ -21,6 +21,8 @@ from posttrain.distributed.runtime import init_distributed, shutdown
 from posttrain.models.lora import apply_lora
 from posttrain.models.roles import RoleModel
 from posttrain.models.tiny import build_model
+from posttrain.rl.losses import entropy_from_logits, token_logps
+from posttrain.rl.rollout.sample import response_logps
 from posttrain.train.chunked import (
     IDENTITY,
     LogitTransform,
@@ -34,8 +36,6 @@ from posttrain.train.chunked import (
 )
 from posttrain.train.losses import token_logps as label_token_logps
 from posttrain.train.losses import token_nll_sum
-from posttrain.train.rl_losses import entropy_from_logits, token_logps
-from posttrain.train.rollout import response_logps
 
 ATOL = 1e-6
 

@@ -25,7 +25,7 @@ from posttrain.models.adapters import POLICY
 from posttrain.models.lora import apply_lora
 from posttrain.models.roles import RoleModel
 from posttrain.models.tiny import IM_END
-from posttrain.train.rollout_engine import HFEngine
+from posttrain.rl.rollout.engine import HFEngine
 
 
 def test_a_policys_turns_were_generated_from_the_ids_the_episode_keeps(tmp_path_factory) -> None:

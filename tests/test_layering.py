@@ -114,8 +114,8 @@ def _offenders(prefix: str, forbidden: tuple[str, ...]) -> list[str]:
 
 def test_the_modules_were_found() -> None:
     # Guards the other tests against passing on an empty graph (a moved folder, a bad ROOT).
-    assert "posttrain.train.rollout" in MODULES and "flows.stage_task" in MODULES
-    assert "posttrain.models.decoding" in IMPORTS["posttrain.train.rollout_engine"]
+    assert "posttrain.rl.rollout.sample" in MODULES and "flows.stage_task" in MODULES
+    assert "posttrain.models.decoding" in IMPORTS["posttrain.rl.rollout.engine"]
 
 
 def test_the_library_never_imports_orchestration() -> None:

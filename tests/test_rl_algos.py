@@ -16,14 +16,14 @@ import torch
 from posttrain.config.rl_algorithms import SPECS
 from posttrain.kinds.grpo import GRPOConfig
 from posttrain.kinds.ppo import PPOConfig
-from posttrain.train.rl_algos import ALGORITHMS, reinforce_pp_advantages, rloo_advantages
-from posttrain.train.rl_losses import (
+from posttrain.rl.losses import (
     clipped_policy_loss,
     informative_groups,
     leave_one_out_advantages,
     loss_weights,
 )
-from posttrain.train.rollout import Rollout
+from posttrain.rl.rollout.sample import Rollout
+from posttrain.train.rl_algos import ALGORITHMS, reinforce_pp_advantages, rloo_advantages
 from tests.test_rl_losses import _rollout, close, t
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,7 +228,7 @@ def test_preset_mistakes_name_the_field() -> None:
 
 def _ro(prompts: list[list[int]], responses: list[list[int]], score0: float) -> Rollout:
     """A scored rollout: prompts left-padded (pad 0), responses right-padded, EOS 9."""
-    from posttrain.train.rollout import left_pad, response_mask
+    from posttrain.rl.rollout.sample import left_pad, response_mask
 
     ids, pmask = left_pad(prompts, 0)
     width = max(len(r) for r in responses)

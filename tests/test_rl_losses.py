@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from posttrain.train.rl_losses import (
+from posttrain.rl.losses import (
     KLController,
     clipped_policy_loss,
     clipped_value_loss,
@@ -170,7 +170,7 @@ def test_logps_entropy_and_mean() -> None:
 
 def _rollout(scores: list[float], stopped: list[bool]):
     """A scored two-sequence rollout: responses of 3 and 2 tokens (EOS id 9)."""
-    from posttrain.train.rollout import Rollout, response_mask
+    from posttrain.rl.rollout.sample import Rollout, response_mask
 
     response = torch.tensor([[5, 6, 9], [7, 9, 0]])
     mask, stop = response_mask(response, stop_ids=9)
@@ -193,7 +193,7 @@ def _rollout(scores: list[float], stopped: list[bool]):
 
 
 def test_response_mask_ends_at_the_first_eos() -> None:
-    from posttrain.train.rollout import response_mask
+    from posttrain.rl.rollout.sample import response_mask
 
     mask, stopped = response_mask(torch.tensor([[5, 9, 9, 0], [5, 6, 7, 8]]), stop_ids=9)
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]] and stopped.tolist() == [True, False]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from posttrain.rl.metrics import rollout_totals, step_flops, train_metrics
-from posttrain.rl.rollouts import RolloutBatch
+from posttrain.rl.rollout.collect import RolloutBatch
 from posttrain.rl.update import UpdateStats
 from tests.test_rl_losses import _rollout
 

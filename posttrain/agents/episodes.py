@@ -31,7 +31,7 @@ from posttrain.stage_errors import StageVerdict
 
 if TYPE_CHECKING:
     from posttrain.config.schema import SamplingConfig
-    from posttrain.train.rollout_engine import RolloutEngine
+    from posttrain.rl.rollout.engine import RolloutEngine
 
 # generate(prompts, max_new_tokens) -> each prompt's new ids, its stop token included if any
 Generate = Callable[[list[list[int]], int], list[list[int]]]

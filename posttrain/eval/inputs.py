@@ -16,7 +16,7 @@ from posttrain.data.preference import encode_pairs
 from posttrain.data.sft_data import saved_split
 from posttrain.eval.verify import VerifyPrompts
 from posttrain.rewards.spec import RewardSpec
-from posttrain.rl.episodes import EpisodeSetup, episode_setup
+from posttrain.rl.rollout.multiturn import EpisodeSetup, episode_setup
 from posttrain.stages.common import StageContext
 
 log = logging.getLogger("posttrain.evaluate")

@@ -31,10 +31,10 @@ from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, min_max
 from posttrain.models.adapters import POLICY
 from posttrain.rl.pair_select import PairSelection, judge_agreement, select_pairs
+from posttrain.rl.rewarder import FUNCTION
+from posttrain.rl.rollout.sample import Rollout, model_inputs, response_logps
 from posttrain.train.preference_losses import PreferenceLoss
 from posttrain.train.rl_algos import shaped_scores
-from posttrain.train.rl_rewards import FUNCTION
-from posttrain.train.rollout import Rollout, model_inputs, response_logps
 from posttrain.train.session import TrainSession
 
 

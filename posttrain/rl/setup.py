@@ -23,20 +23,20 @@ from posttrain.data.prompts import PromptData, prepare_prompts
 from posttrain.data.sft_data import write_rows
 from posttrain.distributed.fsdp import forward_method
 from posttrain.distributed.runtime import all_reduce_tensor
-from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.lora import prepare_for_training
 from posttrain.models.roles import RoleModel, build_roles
+from posttrain.models.stop_tokens import model_stop_token_ids
 from posttrain.rewards.combine import load_rewards
-from posttrain.rl.episodes import episode_setup
-from posttrain.rl.rollouts import RolloutSetup
+from posttrain.rl.losses import KLController, Reduce
+from posttrain.rl.rewarder import Rewarder
+from posttrain.rl.rollout.collect import RolloutSetup
+from posttrain.rl.rollout.engine import RolloutEngine, build_engine
+from posttrain.rl.rollout.multiturn import episode_setup
 from posttrain.stages.common import StageContext, training_base
 from posttrain.telemetry import heartbeat
 from posttrain.train.micro_batches import padding_free
 from posttrain.train.rl_algos import Algorithm
-from posttrain.train.rl_losses import KLController, Reduce
-from posttrain.train.rl_rewards import Rewarder
-from posttrain.train.rollout_engine import RolloutEngine, build_engine
 from posttrain.train.session import TrainSession, start_session
 
 log = logging.getLogger("posttrain.rl")
@@ -285,9 +285,9 @@ def rollout_engines(
         engines = {r: build_engine(cfg, s.model, r, s.world) for r in (POLICY, REFERENCE)}
         engines[POLICY].version = version
         return engines
-    from posttrain.eval.stop_tokens import end_of_turn_token
-    from posttrain.serving.engine import ServerEngine
-    from posttrain.serving.server import rollout_server
+    from posttrain.models.stop_tokens import end_of_turn_token
+    from posttrain.rl.rollout.server_engine import ServerEngine
+    from posttrain.rl.serving.server import rollout_server
 
     eot = end_of_turn_token(s.tokenizer)
     server = stack.enter_context(

@@ -21,8 +21,7 @@ from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import all_reduce_sum
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import VALUE
-from posttrain.train.rl_algos import Algorithm
-from posttrain.train.rl_losses import (
+from posttrain.rl.losses import (
     Reduce,
     clipped_policy_loss,
     clipped_value_loss,
@@ -30,7 +29,8 @@ from posttrain.train.rl_losses import (
     loss_weights,
     truncated_importance_weights,
 )
-from posttrain.train.rollout import Rollout, model_inputs, response_logps
+from posttrain.rl.rollout.sample import Rollout, model_inputs, response_logps
+from posttrain.train.rl_algos import Algorithm
 from posttrain.train.session import TrainSession
 
 
@@ -42,7 +42,7 @@ class Advantages:
     returns: torch.Tensor | None  # [N, R] the critic's value targets; None without a critic
     kl_coef: float  # the KL coefficient of this step (the controller's before this rollout)
     kl_in_loss: float  # the KL term's weight in the loss: kl_coef, or 0 when in the reward
-    # [N] bool: rows sampled by older weights than the update's (`posttrain.rl.offpolicy`),
+    # [N] bool: rows sampled by older weights than the update's (`posttrain.rl.rollout.offpolicy`),
     # weighted by truncated importance weights against their `behaviour_logps`; None: none
     stale: torch.Tensor | None = None
 

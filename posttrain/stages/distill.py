@@ -38,20 +38,20 @@ from posttrain.models.adapters import POLICY
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.teacher import build_teacher
 from posttrain.models.vocab import shared_vocab_size
+from posttrain.rl.distill_losses import teacher_gap_closed
 from posttrain.rl.distill_update import DistillStats, distill_update, micro_divergence
 from posttrain.rl.heldout import evaluate, heldout_batches
 from posttrain.rl.metrics import rollout_totals, sampler_metrics, step_flops
-from posttrain.rl.offpolicy import staleness
-from posttrain.rl.rollouts import RolloutBatch, RolloutSetup, collect_rollout, generate
+from posttrain.rl.rollout.collect import RolloutBatch, RolloutSetup, collect_rollout, generate
+from posttrain.rl.rollout.engine import build_engine
+from posttrain.rl.rollout.offpolicy import staleness
+from posttrain.rl.rollout.sample import Rollout
 from posttrain.rl.setup import RLRun, one_step_shapes
 from posttrain.stages.common import StageContext, stage_main
 from posttrain.stages.online_rl import Ahead, close_step, next_version, record_one_step, run_loop
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import MetricsWriter
-from posttrain.train.distill_losses import teacher_gap_closed
 from posttrain.train.rl_algos import Algorithm
-from posttrain.train.rollout import Rollout
-from posttrain.train.rollout_engine import build_engine
 
 log = logging.getLogger("posttrain.distill")
 

@@ -5,7 +5,7 @@ Offline DPO learns from pairs someone else's model wrote; here every step's pair
 current policy's, so what it learns is about its own mistakes and the pairs move with it. The
 stage runs the online-RL loop (`posttrain.stages.online_rl.run_loop`: setup, held-out
 evaluations, checkpoints, outputs) with its own step:
-1. generate and score (`posttrain.rl.rollouts`): each rank samples samples_per_prompt answers
+1. generate and score (`posttrain.rl.rollout.collect`): each rank samples samples_per_prompt answers
    for its share of prompts_per_step prompts; the reference scores them (always: its log-probs
    are DPO's), the judge rewards them - the reward model, the reward functions, or both summed
    with their weights, exactly as GRPO's rollouts are rewarded;
@@ -28,8 +28,9 @@ from typing import Any
 from posttrain.config.rl_algorithms import AlgorithmSpec
 from posttrain.rl.dpo_update import DPOStats, dpo_update, judge, judge_metrics
 from posttrain.rl.metrics import rollout_totals, sampler_metrics, step_flops
-from posttrain.rl.offpolicy import staleness
-from posttrain.rl.rollouts import RolloutBatch, collect_rollout
+from posttrain.rl.rollout.collect import RolloutBatch, collect_rollout
+from posttrain.rl.rollout.offpolicy import staleness
+from posttrain.rl.rollout.sample import Rollout
 from posttrain.rl.setup import RLRun, one_step_shapes
 from posttrain.stages.common import StageContext, stage_main
 from posttrain.stages.online_rl import Ahead, close_step, next_version, record_one_step, run_loop
@@ -41,7 +42,6 @@ from posttrain.train.preference_losses import (
     preference_loss,
 )
 from posttrain.train.rl_algos import Algorithm
-from posttrain.train.rollout import Rollout
 
 
 def _no_advantages(*_: Any) -> Any:

@@ -1,7 +1,7 @@
 """The online-RL stage PPO and GRPO share (`posttrain.stages.ppo`, `posttrain.stages.grpo`): its
 loop and its outputs, after its setup (`posttrain.rl.setup`). One logged step = one
 rollout, in five steps, each a module's:
-1. generate and 2. score (`posttrain.rl.rollouts`): each rank samples responses for its
+1. generate and 2. score (`posttrain.rl.rollout.collect`): each rank samples responses for its
    share of `rollout.prompts_per_step` prompts (x samples_per_prompt) from the sharded policy,
    KV cache on, stopping at a stop token; then policy and reference log-probs, critic values
    (PPO) and the reward (functions and/or reward model), no grad; in rounds with DAPO's dynamic
@@ -41,9 +41,11 @@ from posttrain.distributed.runtime import min_max
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import VALUE
 from posttrain.rl.heldout import evaluate, quality_gate
+from posttrain.rl.losses import explained_variance
 from posttrain.rl.metrics import rollout_totals, sampler_metrics, step_flops, train_metrics
-from posttrain.rl.offpolicy import PolicySnapshot, Prefetch, score_behaviour, staleness
-from posttrain.rl.rollouts import RolloutBatch, collect_rollout, generate_round, rollout_seed
+from posttrain.rl.rewarder import Rewarder
+from posttrain.rl.rollout.collect import RolloutBatch, collect_rollout, generate_round, rollout_seed
+from posttrain.rl.rollout.offpolicy import PolicySnapshot, Prefetch, score_behaviour, staleness
 from posttrain.rl.setup import RLRun, setup
 from posttrain.rl.update import Advantages, UpdateStats, compute_advantages, update
 from posttrain.stages.common import StageContext
@@ -51,8 +53,6 @@ from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.checkpoint import data_position
 from posttrain.train.rl_algos import ALGORITHMS, Algorithm
-from posttrain.train.rl_losses import explained_variance
-from posttrain.train.rl_rewards import Rewarder
 from posttrain.train.session import save_adapter
 
 log = logging.getLogger("posttrain.rl")
@@ -103,7 +103,7 @@ def run_loop(
 
 
 class Ahead:
-    """max_staleness 1 (`posttrain.rl.offpolicy`): the next step's generation in the
+    """max_staleness 1 (`posttrain.rl.rollout.offpolicy`): the next step's generation in the
     background, and the policy adapter of the version that samples it."""
 
     def __init__(self, model: torch.nn.Module) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from posttrain.config.rl_algorithms import SPECS, AlgorithmSpec
-from posttrain.train.rl_losses import (
+from posttrain.rl.losses import (
     Reduce,
     gae,
     group_advantages,
@@ -25,7 +25,7 @@ from posttrain.train.rl_losses import (
     masked_whiten,
     token_rewards,
 )
-from posttrain.train.rollout import Rollout
+from posttrain.rl.rollout.sample import Rollout
 
 # (rollout, recipe section, KL coefficient applied to rewards (0 = KL not in the reward), reduce)
 # -> (advantages [N, R], value targets [N, R] or None)

@@ -16,7 +16,7 @@ import torch
 
 from posttrain.models.roles import REWARD
 from posttrain.rewards.combine import RewardFunction, function_means, score_functions
-from posttrain.train.rollout import Rollout, decode_responses
+from posttrain.rl.rollout.sample import Rollout, decode_responses
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class Rewarder:
 
     @property
     def roles(self) -> tuple[str, ...]:
-        """The role forwards the reward needs from `posttrain.train.rollout.score`."""
+        """The role forwards the reward needs from `posttrain.rl.rollout.sample.score`."""
         return (REWARD,) if self.rm_weight is not None else ()
 
     def __call__(self, ro: Rollout, rows: list[dict[str, Any]]) -> None:

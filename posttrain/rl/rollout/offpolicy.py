@@ -34,8 +34,8 @@ import torch
 from posttrain.distributed.runtime import all_reduce_sum
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import adapter_of
+from posttrain.rl.rollout.sample import Rollout, score
 from posttrain.stage_errors import StageVerdict
-from posttrain.train.rollout import Rollout, score
 
 
 class StaleRollout(StageVerdict):

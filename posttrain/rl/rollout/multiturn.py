@@ -35,8 +35,8 @@ from posttrain.agents.tools import ToolLoadError, load_tools
 from posttrain.data.chat import end_of_turn
 from posttrain.distributed.runtime import all_reduce_sum, min_max
 from posttrain.rewards.extract import completion_text
-from posttrain.train.rollout import Rollout
-from posttrain.train.rollout_engine import RolloutEngine, left_pad
+from posttrain.rl.rollout.engine import RolloutEngine, left_pad
+from posttrain.rl.rollout.sample import Rollout
 
 if TYPE_CHECKING:
     from posttrain.config.schema import RolloutConfig, SamplingConfig
