@@ -13,9 +13,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from posttrain.config.rl_algorithms import SPECS
 from posttrain.kinds.grpo import GRPOConfig
 from posttrain.kinds.ppo import PPOConfig
+from posttrain.rl.algorithms import ALGORITHMS
+from posttrain.rl.algorithms.advantages import (
+    ADVANTAGES,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
 from posttrain.rl.losses import (
     clipped_policy_loss,
     informative_groups,
@@ -23,7 +29,6 @@ from posttrain.rl.losses import (
     loss_weights,
 )
 from posttrain.rl.rollout.sample import Rollout
-from posttrain.train.rl_algos import ALGORITHMS, reinforce_pp_advantages, rloo_advantages
 from tests.test_rl_losses import _rollout, close, t
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,10 +156,13 @@ def test_every_grpo_algorithm_is_registered_without_a_critic() -> None:
     assert ALGORITHMS["rloo"].kl_placement == ALGORITHMS["reinforce_pp"].kl_placement == "reward"
     # Every preset names a field of the grpo section (a sub-field for dotted paths).
     for name in names:
-        for path in SPECS[name].presets:
+        for path in ALGORITHMS[name].presets:
             head, _, leaf = path.partition(".")
             field = GRPOConfig.model_fields[head]
             assert not leaf or leaf in field.default_factory().model_fields, path
+    # Every entry names its advantage function, and applies it.
+    assert {a.advantage for a in ALGORITHMS.values()} == set(ADVANTAGES)
+    assert ADVANTAGES[ALGORITHMS["dr_grpo"].advantage] is grpo_advantages
 
 
 def test_validating_a_grpo_section_does_not_import_torch() -> None:

@@ -206,7 +206,7 @@ def test_response_mask_ends_at_the_first_eos() -> None:
 def test_missing_eos_penalty_only_hits_responses_that_never_stopped() -> None:
     from types import SimpleNamespace
 
-    from posttrain.train.rl_algos import shaped_scores
+    from posttrain.rl.algorithms.advantages import shaped_scores
 
     ro = _rollout([1.0, 2.0], [True, False])
     assert shaped_scores(ro, SimpleNamespace(missing_eos_penalty=-3.0)).tolist() == [1.0, -1.0]
@@ -216,7 +216,7 @@ def test_missing_eos_penalty_only_hits_responses_that_never_stopped() -> None:
 def test_ppo_advantages_are_gae_over_kl_shaped_rewards_whitened() -> None:
     from types import SimpleNamespace
 
-    from posttrain.train.rl_algos import ppo_advantages
+    from posttrain.rl.algorithms.advantages import ppo_advantages
 
     ro = _rollout([1.0, 2.0], [True, True])
     cfg = SimpleNamespace(
@@ -240,7 +240,7 @@ def test_ppo_advantages_are_gae_over_kl_shaped_rewards_whitened() -> None:
 def test_grpo_advantages_compare_samples_of_one_prompt() -> None:
     from types import SimpleNamespace
 
-    from posttrain.train.rl_algos import grpo_advantages
+    from posttrain.rl.algorithms.advantages import grpo_advantages
 
     ro = _rollout([1.0, 3.0], [True, True])
     cfg = SimpleNamespace(

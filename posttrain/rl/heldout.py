@@ -22,13 +22,13 @@ import torch
 from posttrain.data.sft_data import write_rows
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import POLICY, REFERENCE
+from posttrain.rl.algorithms.advantages import sequence_kl
 from posttrain.rl.rewarder import add_function_sums, function_metrics, function_values
 from posttrain.rl.rollout.collect import RolloutSetup, generate, score_rollout
 from posttrain.rl.rollout.multiturn import episode_metrics, episode_record, episode_sums
 from posttrain.rl.rollout.sample import Rollout, decode_responses
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import MetricsWriter
-from posttrain.train.rl_algos import sequence_kl
 
 log = logging.getLogger("posttrain.rl")
 

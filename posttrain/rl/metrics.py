@@ -10,13 +10,13 @@ from typing import Any
 import torch
 
 from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, min_max
+from posttrain.rl.algorithms.advantages import sequence_kl
 from posttrain.rl.rewarder import add_function_sums, function_metrics, function_values
 from posttrain.rl.rollout.collect import RolloutBatch
 from posttrain.rl.rollout.multiturn import episode_metrics, episode_sums
 from posttrain.rl.rollout.sample import Rollout
 from posttrain.rl.update import UpdateStats
 from posttrain.telemetry.metrics import train_flops_per_token
-from posttrain.train.rl_algos import sequence_kl
 
 
 def rollout_totals(ro: Rollout, device: torch.device) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """The reward of an online-RL rollout: the recipe's reward functions (verifiers) and/or the
 learned reward model, summed with their weights into `ro.scored["scores"]` [N], which every
-algorithm's advantage reads (`posttrain.train.rl_algos.shaped_scores`).
+algorithm's advantage reads (`posttrain.rl.algorithms.shaped_scores`).
 
 Rows carry what the functions need: prompt messages, data columns (`answer`, ...) and the data
 location a misbehaving function's error names (`posttrain.data.prompts.PromptData`).

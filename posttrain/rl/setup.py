@@ -28,6 +28,7 @@ from posttrain.models.lora import prepare_for_training
 from posttrain.models.roles import RoleModel, build_roles
 from posttrain.models.stop_tokens import model_stop_token_ids
 from posttrain.rewards.combine import load_rewards
+from posttrain.rl.algorithms import Algorithm
 from posttrain.rl.losses import KLController, Reduce
 from posttrain.rl.rewarder import Rewarder
 from posttrain.rl.rollout.collect import RolloutSetup
@@ -36,7 +37,6 @@ from posttrain.rl.rollout.multiturn import episode_setup
 from posttrain.stages.common import StageContext, training_base
 from posttrain.telemetry import heartbeat
 from posttrain.train.micro_batches import padding_free
-from posttrain.train.rl_algos import Algorithm
 from posttrain.train.session import TrainSession, start_session
 
 log = logging.getLogger("posttrain.rl")

@@ -21,6 +21,8 @@ from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import all_reduce_sum
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import VALUE
+from posttrain.rl.algorithms import Algorithm
+from posttrain.rl.algorithms.advantages import ADVANTAGES
 from posttrain.rl.losses import (
     Reduce,
     clipped_policy_loss,
@@ -30,7 +32,6 @@ from posttrain.rl.losses import (
     truncated_importance_weights,
 )
 from posttrain.rl.rollout.sample import Rollout, model_inputs, response_logps
-from posttrain.train.rl_algos import Algorithm
 from posttrain.train.session import TrainSession
 
 
@@ -56,11 +57,12 @@ def compute_advantages(
     reduce: Reduce | None,
     lag: torch.Tensor | None = None,
 ) -> Advantages:
-    """Step 3: the algorithm's advantages (`posttrain.train.rl_algos`) with the KL penalty
+    """Step 3: the algorithm's advantages (`posttrain.rl.algorithms`) with the KL penalty
     where `placement` ("reward" or "loss") puts it: subtracted from the rewards before the
     advantages, or added to the loss by the update. `reduce` sums statistics over ranks (PPO's
     and REINFORCE++'s whitening). `lag` [N]: updates each row's sampler was behind."""
-    adv, returns = algo.advantages(ro, cfg, kl_coef if placement == "reward" else 0.0, reduce)
+    advantages = ADVANTAGES[algo.advantage]
+    adv, returns = advantages(ro, cfg, kl_coef if placement == "reward" else 0.0, reduce)
     stale = lag > 0 if lag is not None and "behaviour_logps" in ro.scored else None
     return Advantages(adv, returns, kl_coef, kl_coef if placement == "loss" else 0.0, stale)
 

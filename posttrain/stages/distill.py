@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 
-from posttrain.config.rl_algorithms import AlgorithmSpec
 from posttrain.distributed.runtime import all_reduce_sum
 from posttrain.models.adapters import POLICY
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.teacher import build_teacher
 from posttrain.models.vocab import shared_vocab_size
+from posttrain.rl.algorithms import Algorithm
 from posttrain.rl.distill_losses import teacher_gap_closed
 from posttrain.rl.distill_update import DistillStats, distill_update, micro_divergence
 from posttrain.rl.heldout import evaluate, heldout_batches
@@ -51,17 +51,12 @@ from posttrain.stages.common import StageContext, stage_main
 from posttrain.stages.online_rl import Ahead, close_step, next_version, record_one_step, run_loop
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import MetricsWriter
-from posttrain.train.rl_algos import Algorithm
 
 log = logging.getLogger("posttrain.distill")
 
 
-def _no_advantages(*_: Any) -> Any:
-    raise AssertionError("distillation's step computes no advantages")
-
-
 # What the shared setup reads of an algorithm: no critic; no KL penalty is applied.
-DISTILL = Algorithm(AlgorithmSpec("distill", critic=False, kl_placement="loss"), _no_advantages)
+DISTILL = Algorithm("distill", critic=False, kl_placement="loss", advantage="")
 
 
 class Teacher:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from posttrain.config.rl_algorithms import AlgorithmSpec
+from posttrain.rl.algorithms import Algorithm
 from posttrain.rl.dpo_update import DPOStats, dpo_update, judge, judge_metrics
 from posttrain.rl.metrics import rollout_totals, sampler_metrics, step_flops
 from posttrain.rl.rollout.collect import RolloutBatch, collect_rollout
@@ -41,17 +41,9 @@ from posttrain.train.preference_losses import (
     loss_hyperparameters,
     preference_loss,
 )
-from posttrain.train.rl_algos import Algorithm
 
-
-def _no_advantages(*_: Any) -> Any:
-    raise AssertionError("online DPO's step computes no advantages")
-
-
-# What the shared setup reads of an algorithm: no critic; the KL (coef 0) is not applied.
-ONLINE_DPO = Algorithm(
-    AlgorithmSpec("online_dpo", critic=False, kl_placement="loss"), _no_advantages
-)
+# What the shared setup reads of an algorithm: no critic; no KL penalty is applied.
+ONLINE_DPO = Algorithm("online_dpo", critic=False, kl_placement="loss", advantage="")
 
 
 def run(ctx: StageContext) -> dict[str, Any]:

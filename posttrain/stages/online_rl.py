@@ -7,7 +7,7 @@ rollout, in five steps, each a module's:
    (PPO) and the reward (functions and/or reward model), no grad; in rounds with DAPO's dynamic
    sampling;
 3. advantages and 4. update (`posttrain.rl.update`): from the algorithm registry
-   (`posttrain.train.rl_algos`): GAE over the critic for PPO, group-normalised scores for GRPO;
+   (`posttrain.rl.algorithms`): GAE over the critic for PPO, group-normalised scores for GRPO;
    KL against the reference in the reward or the loss; then `update_epochs` passes over the
    rollout in shuffled minibatches of `batch` (micro x accum x ranks sequences), clipped policy
    loss - entropy bonus (+ KL) and, with a critic, the clipped value loss; means over the whole
@@ -40,6 +40,7 @@ import torch
 from posttrain.distributed.runtime import min_max
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import VALUE
+from posttrain.rl.algorithms import ALGORITHMS, Algorithm
 from posttrain.rl.heldout import evaluate, quality_gate
 from posttrain.rl.losses import explained_variance
 from posttrain.rl.metrics import rollout_totals, sampler_metrics, step_flops, train_metrics
@@ -52,7 +53,6 @@ from posttrain.stages.common import StageContext
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.checkpoint import data_position
-from posttrain.train.rl_algos import ALGORITHMS, Algorithm
 from posttrain.train.session import save_adapter
 
 log = logging.getLogger("posttrain.rl")
