@@ -19,10 +19,10 @@ from posttrain.config.batch import ResolvedBatch
 from posttrain.kinds.online_dpo import OnlineDPOConfig
 from posttrain.models.adapters import POLICY
 from posttrain.rl.dpo_update import dpo_update, group_scores, judge, sequence_logps
+from posttrain.rl.online_dpo import bound_loss, check_shapes
 from posttrain.rl.pair_select import judge_agreement, select_pairs
 from posttrain.rl.rollout.collect import collect_rollout
 from posttrain.rl.rollout.sample import Rollout, response_logps
-from posttrain.stages.online_dpo import bound_loss, check_shapes
 from posttrain.telemetry.metrics import read_metrics
 from posttrain.train.preference_losses import sigmoid_loss
 from tests.stage_helpers import planned_dir, run_inprocess, run_torchrun

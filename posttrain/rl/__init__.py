@@ -1,3 +1,4 @@
-"""The steps of the online RL stage (`posttrain.stages.online_rl`, run by PPO and the GRPO
-family): setup, rollouts (generate and score), advantages and the update, held-out evaluation,
-and the step's metrics record."""
+"""Online RL: the loop every online kind runs (`loop`) and each kind's step (`online_rl`: PPO
+and the GRPO family; `online_dpo`; `distill`), the algorithm registry (`algorithms`), setup,
+rollouts and their engines (`rollout`, `serving`), the reward, the losses, the updates,
+held-out evaluation and the step's metrics record."""

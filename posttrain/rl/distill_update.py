@@ -1,4 +1,4 @@
-"""On-policy distillation's update (`posttrain.stages.distill`): the student's own samples scored
+"""On-policy distillation's update (`posttrain.rl.distill`): the student's own samples scored
 token by token by the frozen teacher, one optimizer step on the divergence between them.
 
 Per micro-batch of `micro` rollout rows: the teacher's logits at the response positions

@@ -1,4 +1,4 @@
-"""Online DPO's step after the rollout (`posttrain.stages.online_dpo`): the judge's pairs and
+"""Online DPO's step after the rollout (`posttrain.rl.online_dpo`): the judge's pairs and
 the DPO update over them.
 
 1. `judge`: each prompt's samples are consecutive rows of the rank's rollout (its group of

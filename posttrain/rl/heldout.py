@@ -1,4 +1,4 @@
-"""Step 5 of online RL (`posttrain.stages.online_rl`), at the end and every `eval_every`
+"""Step 5 of online RL (`posttrain.rl.loop`), at the end and every `eval_every`
 rollouts: the held-out prompts answered by the policy and by the starting (SFT) policy, and the
 quality gate on the final figures.
 

@@ -1,4 +1,4 @@
-"""The `train` record of an online-RL step (`posttrain.stages.online_rl`): the rollout's
+"""The `train` record of an online-RL step (`posttrain.rl.loop`): the rollout's
 statistics over all ranks, the update's, the step's phases in seconds and its FLOPs."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Steps 3 and 4 of an online-RL step (`posttrain.stages.online_rl`): a scored rollout's
+"""Steps 3 and 4 of an online-RL step (`posttrain.rl.loop`): a scored rollout's
 advantages, and the clipped update over it.
 
 The update makes `update_epochs` passes over the rollout in shuffled minibatches of

@@ -1,4 +1,4 @@
-"""Steps 1 and 2 of an online-RL step (`posttrain.stages.online_rl`): this rank's rollout, its
+"""Steps 1 and 2 of an online-RL step (`posttrain.rl.loop`): this rank's rollout, its
 responses generated and then scored and rewarded, in rounds when DAPO's dynamic sampling asks
 for more prompts.
 
