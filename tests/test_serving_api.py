@@ -1,6 +1,7 @@
 """How rollouts are asked of each kind of server and read back (posttrain.rl.serving.api), and what
-the server engine checks of every answer (posttrain.rl.rollout.server_engine). The answers are written by
-hand in each server's documented shape; the slow tests run a real `transformers serve`."""
+the server engine checks of every answer (posttrain.rl.rollout.server_engine). The answers are
+written by hand in each server's documented shape; the slow tests run a real
+`transformers serve`."""
 
 from __future__ import annotations
 

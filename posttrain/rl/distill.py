@@ -40,7 +40,7 @@ from posttrain.models.vocab import shared_vocab_size
 from posttrain.rl.distill_losses import teacher_gap_closed
 from posttrain.rl.distill_update import DistillStats, distill_update, micro_divergence
 from posttrain.rl.heldout import evaluate, heldout_batches
-from posttrain.rl.loop import Record, record_one_step, run_loop
+from posttrain.rl.loop import Record, run_loop, write_record
 from posttrain.rl.metrics import rollout_totals, step_flops
 from posttrain.rl.rollout.collect import RolloutBatch, RolloutSetup, generate
 from posttrain.rl.rollout.engine import build_engine
@@ -127,14 +127,14 @@ def record(
     t_train: float,
     timing: dict[str, float],
 ) -> None:
-    """The `train` record of logged step `step` (`record_one_step`) with the distillation
+    """The `train` record of logged step `step` (`write_record`) with the distillation
     step's means. FLOPs: generation, the student's forward and backward, the teacher's forward
     over the rollout."""
     tr, ro = run.tr, rb.rollout
     totals = rollout_totals(ro, run.rollouts.device)
     flops = step_flops(ro, tr.n_matmul, tr.n_trainable, tr.model.config, 0, 1, False)
     flops += 2 * teacher_params * ro.tokens()
-    record_one_step(run, step, rb, totals, stats, t0, t_train, timing, flops)
+    write_record(run, step, rb, totals, stats, t0, t_train, timing, flops)
 
 
 def evaluate_with_teacher(

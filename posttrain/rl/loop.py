@@ -1,4 +1,4 @@
-"""The online-RL loop every online kind runs (PPO and the GRPO family, `posttrain.rl.online_rl`;
+"""The online-RL loop every online kind runs (PPO and the GRPO family, `posttrain.rl.update`;
 online DPO, `posttrain.rl.online_dpo`; distillation, `posttrain.rl.distill`): its setup
 (`posttrain.rl.setup`), its steps, held-out evaluations and outputs. A kind brings its update
 (`Update`) and the roles it trains; the step around it is written once (`run_step`). One
@@ -43,12 +43,11 @@ from posttrain.distributed.runtime import min_max
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import VALUE
 from posttrain.rl.heldout import evaluate, quality_gate
-from posttrain.rl.metrics import sampler_metrics, train_metrics
+from posttrain.rl.metrics import UpdateStats, sampler_metrics, train_metrics
 from posttrain.rl.rewarder import Rewarder
 from posttrain.rl.rollout.collect import RolloutBatch, collect_rollout, generate_round
 from posttrain.rl.rollout.offpolicy import PolicySnapshot, Prefetch, score_behaviour, staleness
 from posttrain.rl.setup import RLRun, setup
-from posttrain.rl.update import UpdateStats
 from posttrain.stages.common import StageContext
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
@@ -132,29 +131,26 @@ def run_step(run: RLRun, step: int, ahead: Ahead | None, update: Update) -> None
     # Generation on this step's own path: all of it, or with `ahead` the rounds sampled now.
     own = rb.generation_s - (generated.seconds if generated is not None else 0.0)
     t_train = time.perf_counter() - t0 - own - rb.scoring_s
-    waited, timing = next_version(run, ahead, prefetching)
-    if ahead is not None:  # what the step waited for, of generation
-        rb = replace(rb, generation_s=own + waited)
-    record(rb, t0, t_train, timing | sampler_metrics(rb.rollout, lag, s.device))
-    close_step(run, step + 1)
-
-
-def next_version(run: RLRun, ahead: Ahead | None, prefetching: bool) -> tuple[float, dict]:
-    """The updated policy to the rollout engine, once the rollout generating ahead is done (no
-    request may be in flight while a server changes weights) -> (seconds waited for it, the
-    step's `sync_s` and, with `ahead`, `generation_overlapped_s`)."""
-    t = time.perf_counter()
+    # The updated policy to the rollout engine, once the rollout generating ahead is done (no
+    # request may be in flight while a server changes weights).
     if ahead is not None:
-        ahead.prefetch.wait()
-    waited = time.perf_counter() - t
-    run.rollouts.engines[POLICY].sync_weights(run.tr.model)
-    timing = {"sync_s": time.perf_counter() - t - waited}
+        t = time.perf_counter()
+        ahead.prefetch.wait()  # what the step waited for, of generation
+        rb = replace(rb, generation_s=own + time.perf_counter() - t)
+    t = time.perf_counter()
+    s.engines[POLICY].sync_weights(run.tr.model)
+    timing = {"sync_s": time.perf_counter() - t}
     if ahead is not None:
         timing["generation_overlapped_s"] = ahead.prefetch.seconds if prefetching else 0.0
-    return waited, timing
+    record(rb, t0, t_train, timing | sampler_metrics(rb.rollout, lag, s.device))
+    # A checkpoint at a boundary, with the KL coefficient and the data position a resume
+    # starts from.
+    position = data_position(step + 1, len(run.data.train), cfg.rollout.prompts_per_step, s.seed)
+    extra = {"kl_coef": run.ctl.coef, "data": position}
+    run.tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints, extra=extra)
 
 
-def record_one_step(
+def write_record(
     run: RLRun,
     step: int,
     rb: RolloutBatch,
@@ -164,22 +160,31 @@ def record_one_step(
     t_train: float,
     timing: dict[str, float],
     flops: float,
+    loss: float | None = None,
+    kl_coef: float | None = None,
 ) -> None:
-    """The `train` record of logged step `step` of a kind that takes one optimizer step per
-    rollout (online DPO, distill): the rollout's figures (`train_metrics` over its `totals`)
-    with the step's `stats` (`means` with its `loss`, null without a step; `grad_norm`, `lr`,
-    `updates`), and the step's `flops` on this rank. Same collectives on every rank."""
+    """The `train` record of logged step `step` (1-based; every `log_every` and the last): the
+    rollout's figures (`train_metrics` over its `totals` over ranks), the update's `stats`
+    (`means`, `grad_norm`, `lr`, `updates`), `timing` (weight sync, the sampler's figures, the
+    kind's own fields), the step's `flops` on this rank and `loss` (None: the one of
+    `stats.means`, absent and null on a step that took none: online DPO, distill), the KL
+    coefficient it trained with (None: no KL penalty, no `kl_coef` field); `t0`: when the step
+    began. Same collectives on every rank."""
     cfg, tr, ro = run.ctx.section, run.tr, rb.rollout
+    if loss is None:  # `loss` is the record's own field, not one of the means
+        loss = stats.means.get("loss", math.nan)
+        means = {k: v for k, v in stats.means.items() if k != "loss"}
+        stats = UpdateStats(means, stats.grad_norm, stats.lr, stats.updates)
     widths = min_max(ro.width[1], run.rollouts.device)
-    means = {k: v for k, v in stats.means.items() if k != "loss"}  # `loss` is the record's own
-    update = UpdateStats(means, stats.grad_norm, stats.lr, stats.updates)
     step_s = time.perf_counter() - t0
-    extra = train_metrics(totals, 0.0, widths, rb, t_train, step_s, update, run.rollouts.world)
-    extra.pop("kl_coef")  # no KL penalty
+    world = run.rollouts.world
+    extra = train_metrics(totals, kl_coef or 0.0, widths, rb, t_train, step_s, stats, world)
+    if kl_coef is None:
+        extra.pop("kl_coef")
     if step % cfg.log_every == 0 or step == run.n_rollouts:
         tr.record_step(
             step,
-            loss=stats.means.get("loss", math.nan),
+            loss=loss,
             grad_norm=stats.grad_norm,
             lr=stats.lr,
             local_tokens=ro.tokens(),
@@ -189,15 +194,6 @@ def record_one_step(
             flops=flops,
             **extra | timing,
         )
-
-
-def close_step(run: RLRun, step: int) -> None:
-    """After logged step `step` (1-based): a checkpoint at a boundary, with the KL coefficient
-    and the data position a resume starts from."""
-    cfg, s = run.ctx.section, run.rollouts
-    position = data_position(step, len(run.data.train), cfg.rollout.prompts_per_step, s.seed)
-    extra = {"kl_coef": run.ctl.coef, "data": position}
-    run.tr.maybe_checkpoint(step, cfg.checkpoint_every, cfg.keep_checkpoints, extra=extra)
 
 
 def finish(

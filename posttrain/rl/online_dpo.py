@@ -3,8 +3,8 @@ al. 2024, "Direct Language Model Alignment from Online AI Feedback"; TRL's Onlin
 
 Offline DPO learns from pairs someone else's model wrote; here every step's pairs are the
 current policy's, so what it learns is about its own mistakes and the pairs move with it. The
-stage (`posttrain.stages.online_dpo`) runs the online-RL loop (`posttrain.rl.loop.run_loop`: setup, held-out
-evaluations, checkpoints, outputs) with its own step:
+stage (`posttrain.stages.online_dpo`) runs the online-RL loop (`posttrain.rl.loop.run_loop`:
+setup, held-out evaluations, checkpoints, outputs) with its own step:
 1. generate and score (`posttrain.rl.rollout.collect`): each rank samples samples_per_prompt answers
    for its share of prompts_per_step prompts; the reference scores them (always: its log-probs
    are DPO's), the judge rewards them - the reward model, the reward functions, or both summed
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from posttrain.rl.dpo_update import DPOStats, Judged, dpo_update, judge, judge_metrics
-from posttrain.rl.loop import Record, record_one_step, run_loop
+from posttrain.rl.loop import Record, run_loop, write_record
 from posttrain.rl.metrics import rollout_totals, step_flops
 from posttrain.rl.rollout.collect import RolloutBatch
 from posttrain.rl.rollout.sample import Rollout
@@ -98,7 +98,7 @@ def record(
     t_train: float,
     timing: dict[str, float],
 ) -> None:
-    """The `train` record of logged step `step` (`record_one_step`): DPO's means over the
+    """The `train` record of logged step `step` (`write_record`): DPO's means over the
     step's pairs in place of the clipped update's, the judge's figures; loss, grad_norm and lr
     are null on a step without pairs."""
     ro = rb.rollout
@@ -110,7 +110,7 @@ def record(
     tr, roles = run.tr, len(run.rollouts.roles)
     flops = step_flops(ro, tr.n_matmul, tr.n_trainable, tr.model.config, roles, 0, False)
     flops += pair_flops(run, ro, stats)
-    record_one_step(run, step, rb, totals, stats, t0, t_train, timing, flops)
+    write_record(run, step, rb, totals, stats, t0, t_train, timing, flops)
 
 
 def pair_flops(run: RLRun, ro: Rollout, stats: DPOStats) -> float:

@@ -135,9 +135,9 @@ def setup(
     roles built on the base and sharded, the session started (or resumed, with its KL
     coefficient), the rollout engines ready (a rollout server started and given the policy:
     `stack` stops it when the stage ends). `critic`: the kind trains one (the value role);
-    `kl_placement`: where `kl.placement: auto` puts the KL. `shapes` and `passes`: how the update consumes a
-    rollout (the clipped update's by default, `scoring_passes` looked up when called so that a
-    benchmark can force every pass; online DPO's step brings its own)."""
+    `kl_placement`: where `kl.placement: auto` puts the KL. `shapes` and `passes`: how the
+    update consumes a rollout (the clipped update's by default, `scoring_passes` looked up when
+    called so that a benchmark can force every pass; online DPO's step brings its own)."""
     cfg, name, d = ctx.section, ctx.name, ctx.dist
     base, tok, weights = training_base(ctx)
     template_sha = check_template(ctx, tok, "policy")

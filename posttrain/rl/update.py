@@ -1,5 +1,7 @@
-"""Steps 3 and 4 of an online-RL step (`posttrain.rl.loop`): a scored rollout's
-advantages, and the clipped update over it.
+"""PPO and the GRPO family (`posttrain.stages.ppo`, `posttrain.stages.grpo`): the online-RL loop
+(`posttrain.rl.loop`) with the clipped update's step (`clipped_step`): steps 3 and 4, a scored
+rollout's advantages (the registered algorithm's, `posttrain.rl.algorithms`) and the clipped
+update over it; then the step's record, after the KL controller's update from the rollout's KL.
 
 The update makes `update_epochs` passes over the rollout in shuffled minibatches of
 micro x accum sequences per rank (x ranks). Each minibatch's objective is the clipped policy
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -21,17 +24,23 @@ from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import all_reduce_sum
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import VALUE
-from posttrain.rl.algorithms import Algorithm
+from posttrain.rl.algorithms import ALGORITHMS, Algorithm
 from posttrain.rl.algorithms.advantages import ADVANTAGES
+from posttrain.rl.loop import Record, run_loop, write_record
 from posttrain.rl.losses import (
     Reduce,
     clipped_policy_loss,
     clipped_value_loss,
+    explained_variance,
     kl_penalty,
     loss_weights,
     truncated_importance_weights,
 )
+from posttrain.rl.metrics import UpdateStats, rollout_totals, step_flops
+from posttrain.rl.rollout.collect import RolloutBatch, rollout_seed
 from posttrain.rl.rollout.sample import Rollout, model_inputs, response_logps
+from posttrain.rl.setup import RLRun
+from posttrain.stages.common import StageContext
 from posttrain.train.session import TrainSession
 
 
@@ -65,18 +74,6 @@ def compute_advantages(
     adv, returns = advantages(ro, cfg, kl_coef if placement == "reward" else 0.0, reduce)
     stale = lag > 0 if lag is not None and "behaviour_logps" in ro.scored else None
     return Advantages(adv, returns, kl_coef, kl_coef if placement == "loss" else 0.0, stale)
-
-
-@dataclass(frozen=True)
-class UpdateStats:
-    """What the update of one rollout measured, over all ranks."""
-
-    # token-weighted means over every pass: policy_loss, entropy, clip_frac, approx_kl, kl_loss,
-    # and with a critic value_loss, value_clip_frac
-    means: dict[str, float]
-    grad_norm: float  # mean over the optimizer steps, before clipping
-    lr: float  # of the last optimizer step
-    updates: int  # optimizer steps taken (a step the guard skipped counts)
 
 
 @dataclass(frozen=True)
@@ -310,3 +307,55 @@ def value_backward(
     sums["value_loss"] += float((vf.detach() * mi.mask).sum())
     sums["value_clip_frac"] += float((vclipped.float() * mi.mask).sum())
     return float(value_objective.detach()) / tr.dist.world_size
+
+
+def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
+    """The PPO/GRPO stage: `run_loop` with the clipped update's step (`clipped_step`)."""
+    algo = ALGORITHMS[algorithm]
+    step = partial(clipped_step, algo=algo)
+    return run_loop(ctx, step, critic=algo.critic, kl_placement=algo.kl_placement)
+
+
+def clipped_step(
+    run: RLRun, rb: RolloutBatch, step: int, lag: torch.Tensor, algo: Algorithm
+) -> Record:
+    """The update of logged step `step` + 1 (`posttrain.rl.loop.Update`) of `algo`: the
+    rollout's advantages and the clipped update over them; then the step's record (`record`)."""
+    s, cfg = run.rollouts, run.ctx.section
+    adv = compute_advantages(algo, rb.rollout, cfg, run.ctl.coef, run.placement, run.reduce, lag)
+    update_seed = rollout_seed(s.seed, step, s.rank) + 1
+    stats = update(
+        run.tr, rb.rollout, adv, cfg, run.batch, update_seed, step + 1, s.chunk_tokens, s.packed
+    )
+    return partial(record, run, step + 1, adv, stats)
+
+
+def record(
+    run: RLRun,
+    step: int,
+    adv: Advantages,
+    stats: UpdateStats,
+    rb: RolloutBatch,
+    t0: float,
+    t_train: float,
+    timing: dict[str, float],
+) -> None:
+    """The `train` record of logged step `step` (`write_record`) from the rollout, its totals
+    over ranks (`rollout_totals`: also the KL controller's update from the rollout's KL), its
+    advantages (with a critic, the values' explained variance) and the update's stats. Runs the
+    same collectives on every rank."""
+    cfg, tr, ro = run.ctx.section, run.tr, rb.rollout
+    totals = rollout_totals(ro, run.rollouts.device)
+    if "kl" in totals:  # not scored when it does not count (then the coefficient is fixed)
+        run.ctl.update(totals["kl"] / totals["n"], int(totals["n"]))
+    n_roles = len(run.rollouts.roles)
+    flops = step_flops(
+        ro, tr.n_matmul, tr.n_trainable, tr.model.config, n_roles, cfg.update_epochs, run.critic
+    )
+    if adv.returns is not None:
+        ev = explained_variance(ro.scored["values"], adv.returns, ro.mask, run.reduce)
+        timing = timing | {"explained_var": ev}
+    loss = stats.means["policy_loss"] + (
+        cfg.vf_coef * stats.means["value_loss"] if run.critic else 0.0
+    )
+    write_record(run, step, rb, totals, stats, t0, t_train, timing, flops, loss, adv.kl_coef)

@@ -1,12 +1,12 @@
 """grpo: group-relative policy optimisation against the reward model: several samples per prompt,
 advantages normalised within each prompt's group, no critic. The loop is shared with PPO: see
-`posttrain.rl.online_rl`."""
+`posttrain.rl.update`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from posttrain.rl.online_rl import run_online_rl
+from posttrain.rl.update import run_online_rl
 from posttrain.stages.common import StageContext, stage_main
 
 

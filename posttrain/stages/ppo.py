@@ -1,11 +1,11 @@
 """ppo: PPO against the reward model, with policy, reference, critic and reward model co-located
-on one base under FSDP2. The loop is shared with GRPO: see `posttrain.rl.online_rl`."""
+on one base under FSDP2. The loop is shared with GRPO: see `posttrain.rl.update`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from posttrain.rl.online_rl import run_online_rl
+from posttrain.rl.update import run_online_rl
 from posttrain.stages.common import StageContext, stage_main
 
 

@@ -103,8 +103,9 @@ def round_prompts(
 def generate(s: RolloutSetup, rows: list[dict[str, Any]], seed: int, role: str = POLICY) -> Rollout:
     """Step 1: one sampled response per row from `role` under `seed`, by the role's engine
     (`posttrain.rl.rollout.sample.sample`; in process, every rank runs the same number of decode
-    steps). With tools or an environment, one episode per row (`posttrain.rl.rollout.multiturn.play`).
-    The policy's rows carry the version that sampled them."""
+    steps). With tools or an environment, one episode per row
+    (`posttrain.rl.rollout.multiturn.play`). The policy's rows carry the version that sampled
+    them."""
     engine = s.engines[role]
     if s.episodes is not None:
         sampling = sampling_of(s.cfg.rollout)
@@ -194,8 +195,8 @@ def collect_rollout(
 ) -> RolloutBatch:
     """Steps 1 and 2 of step `step` (0-based): the step's scored rollout on this rank, drawn
     from `prompts` (the training prompt rows), and its sampling statistics; `generated`: its
-    first round, generated ahead (`posttrain.rl.rollout.offpolicy`). With groups, the share of groups
-    whose samples score differently (`informative_frac`, over all ranks); with dynamic
+    first round, generated ahead (`posttrain.rl.rollout.offpolicy`). With groups, the share of
+    groups whose samples score differently (`informative_frac`, over all ranks); with dynamic
     sampling, rounds until the batch is made of such groups (`dynamic_sampling`)."""
     first = sampling_round(s, prompts, step, 0, generated)
     group = s.cfg.rollout.samples_per_prompt
