@@ -1,6 +1,6 @@
-"""One update behind (posttrain.rl.rollout.offpolicy, rl_losses.truncated_importance_weights): the
-weights by hand, the staleness check, the policy snapshot on a tiny real role model, and the
-background generation's hand-over."""
+"""One update behind (posttrain.rl.rollout.offpolicy,
+posttrain.rl.losses.truncated_importance_weights): the weights by hand, the staleness check,
+the policy snapshot on a tiny real role model, and the background generation's hand-over."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ update over it; then the step's record, after the KL controller's update from th
 The update makes `update_epochs` passes over the rollout in shuffled minibatches of
 micro x accum sequences per rank (x ranks). Each minibatch's objective is the clipped policy
 loss - entropy bonus (+ KL when it goes in the loss) and, with a critic, vf_coef x the clipped
-value loss, aggregated as `loss_aggregation` says (`rl_losses.loss_weights`): a mean over the
+value loss, aggregated as `loss_aggregation` says (`losses.loss_weights`): a mean over the
 whole minibatch on all ranks, per token or per response.
 """
 
