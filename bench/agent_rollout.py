@@ -50,7 +50,6 @@ from posttrain.agents.episodes import (
     EpisodeRun,
     Generate,
     Renderer,
-    engine_turns,
     run_episodes,
     start_episodes,
 )
@@ -61,7 +60,8 @@ from posttrain.models.adapters import POLICY
 from posttrain.models.lora import apply_lora
 from posttrain.models.roles import RoleModel
 from posttrain.models.tiny import IM_END, build_model, train_tokenizer
-from posttrain.train.rollout_engine import HFEngine
+from posttrain.rl.rollout.engine import HFEngine
+from posttrain.rl.rollout.multiturn import engine_turns
 
 # Qwen-style tools template, compact: the tool schemas in a system turn, calls as <tool_call>
 # JSON blocks, tool results as a user turn of <tool_response> blocks.

@@ -235,11 +235,11 @@ def measure_child(
     from posttrain.models.reward import pair_scores, score_model_for_training
     from posttrain.models.roles import VALUE, build_roles
     from posttrain.models.sharded_load import build_on_meta, fill_from_checkpoint
+    from posttrain.rl.rollout.engine import build_engine
+    from posttrain.rl.rollout.sample import response_logps, sample
     from posttrain.train.forward_logps import forward_nll_sum, forward_sequence_logps
     from posttrain.train.losses import bradley_terry_loss
     from posttrain.train.optim import build_optimizer
-    from posttrain.train.rollout import response_logps, sample
-    from posttrain.train.rollout_engine import build_engine
 
     cfg = CONFIGS[name]
     d = init_distributed("cpu", 600, threads)

@@ -4,7 +4,7 @@ One process, world size 1, fp32 on CPU. A random-init Llama (--hidden/--layers/-
 as the RL role model (`RoleModel`: one base, LoRA adapters for policy / reference / reward and a
 score head), --prompts prompts x --samples samples per rollout (GRPO groups), prompts of 16-48
 random tokens. Each step is timed per phase, as the online-RL loop logs them:
-- generation: `posttrain.train.rollout.sample` (the rollout engine),
+- generation: `posttrain.rl.rollout.sample.sample` (the rollout engine),
 - scoring: policy and reference log-probs (`score`) and the reward forward on the rollout,
 - update: one epoch of clipped GRPO updates (micro-batches of --micro, AdamW on the policy
   adapter) with group advantages.
@@ -39,9 +39,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from posttrain.config.schema import RolloutConfig
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import REWARD, RoleModel
-from posttrain.train.rl_losses import clipped_policy_loss, group_advantages, loss_weights
-from posttrain.train.rollout import Rollout, response_logps, sample, score
-from posttrain.train.rollout_engine import HFEngine, build_engine
+from posttrain.rl.losses import clipped_policy_loss, group_advantages, loss_weights
+from posttrain.rl.rollout.engine import HFEngine, build_engine
+from posttrain.rl.rollout.sample import Rollout, response_logps, sample, score
 
 PAD = 0
 
@@ -137,13 +137,13 @@ def step(
 
 
 def _sampling(cfg: RolloutConfig) -> Any:
-    from posttrain.train.rollout import sampling_of
+    from posttrain.rl.rollout.sample import sampling_of
 
     return sampling_of(cfg)
 
 
 def _rollout(prompts: list[list[int]], response: torch.Tensor, stops: list[int]) -> Rollout:
-    from posttrain.train.rollout import left_pad, response_mask
+    from posttrain.rl.rollout.sample import left_pad, response_mask
 
     ids, attn = left_pad(prompts, PAD)
     mask, stopped = response_mask(response, stops)

@@ -133,14 +133,14 @@ def equality(tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
     float rounding (the server's batch) resolves the other way, or not."""
     from posttrain.config.schema import SamplingConfig
     from posttrain.data.prompts import encode_prompt, quickstart_prompts
-    from posttrain.eval.stop_tokens import model_stop_token_ids
     from posttrain.models.adapters import POLICY
     from posttrain.models.loading import load_base
     from posttrain.models.roles import build_roles
+    from posttrain.models.stop_tokens import model_stop_token_ids
+    from posttrain.rl.rollout.engine import HFEngine
+    from posttrain.rl.rollout.server_engine import ServerEngine
+    from posttrain.rl.serving.server import rollout_server
     from posttrain.sections.shared import RolloutServerConfig
-    from posttrain.serving.engine import ServerEngine
-    from posttrain.serving.server import rollout_server
-    from posttrain.train.rollout_engine import HFEngine
 
     torch.set_num_threads(max(1, args.threads - args.server_threads))
     arts = tmp / "ws" / "artifacts"

@@ -314,7 +314,7 @@ def trl_grpo(recipe_path: Path, steps: int, out: Path, gc: str) -> dict[str, Any
 def check_grpo_inputs(trainer: Any, rows: list[dict], model: Any, tok: Any) -> None:
     """TRL renders the prompts to the stage's ids (chat template, generation prompt) and stops
     at the stage's stop ids: both sides generate from the same inputs to the same ends."""
-    from posttrain.eval.stop_tokens import model_stop_token_ids
+    from posttrain.models.stop_tokens import model_stop_token_ids
 
     ids, _, _ = trainer._tokenize_prompts([x["messages"] for x in rows])
     assert [list(i) for i in ids] == [x["ids"] for x in rows], "TRL renders other prompt ids"

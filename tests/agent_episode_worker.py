@@ -15,17 +15,22 @@ from pathlib import Path
 import torch
 
 from posttrain.agents.environment import Episode
-from posttrain.agents.episodes import engine_turns, run_episodes, start_episodes
+from posttrain.agents.episodes import run_episodes, start_episodes
 from posttrain.distributed.fsdp import forward_method, shard_model
 from posttrain.distributed.runtime import init_distributed, shutdown
-from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.kinds.grpo import GRPOConfig
 from posttrain.models.adapters import POLICY
 from posttrain.models.loading import load_base
 from posttrain.models.roles import build_roles
-from posttrain.rl.episodes import episode_rollout, episode_setup, synced_turns
-from posttrain.train.rollout import Rollout, sampling_of, score
-from posttrain.train.rollout_engine import build_engine
+from posttrain.models.stop_tokens import model_stop_token_ids
+from posttrain.rl.rollout.engine import build_engine
+from posttrain.rl.rollout.multiturn import (
+    engine_turns,
+    episode_rollout,
+    episode_setup,
+    synced_turns,
+)
+from posttrain.rl.rollout.sample import Rollout, sampling_of, score
 
 REPLY_TOKENS = 4  # each turn: the policy's first tokens, then the stop token (forced)
 

@@ -18,8 +18,8 @@ from posttrain.distributed.runtime import init_distributed, shutdown
 from posttrain.models.adapters import POLICY
 from posttrain.models.loading import load_base
 from posttrain.models.roles import build_roles
-from posttrain.train.rollout import sample, score
-from posttrain.train.rollout_engine import build_engine
+from posttrain.rl.rollout.engine import build_engine
+from posttrain.rl.rollout.sample import sample, score
 
 
 def main() -> None:

@@ -10,15 +10,15 @@ import torch
 from fixtures_tiny import TinyAssets, load_base
 
 from posttrain.data.prompts import encode_prompt, quickstart_prompts
-from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.kinds.grpo import GRPOConfig
 from posttrain.kinds.ppo import PPOConfig
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import RoleModel, build_roles
+from posttrain.models.stop_tokens import model_stop_token_ids
 from posttrain.rewards.combine import RewardFunction
-from posttrain.rl.rollouts import RolloutSetup
-from posttrain.train.rl_rewards import Rewarder
-from posttrain.train.rollout_engine import build_engine
+from posttrain.rl.rewarder import Rewarder
+from posttrain.rl.rollout.collect import RolloutSetup
+from posttrain.rl.rollout.engine import build_engine
 
 MAX_PROMPT_LEN = 40
 

@@ -30,11 +30,11 @@ from posttrain.models.chunked import (
 from posttrain.models.lora import apply_lora
 from posttrain.models.roles import RoleModel
 from posttrain.models.tiny import build_model
+from posttrain.rl.losses import entropy_from_logits, token_logps
+from posttrain.rl.rollout.sample import response_logps
 from posttrain.train.forward_logps import forward_nll_sum, forward_sequence_logps
 from posttrain.train.losses import token_logps as label_token_logps
 from posttrain.train.losses import token_nll_sum
-from posttrain.train.rl_losses import entropy_from_logits, token_logps
-from posttrain.train.rollout import response_logps
 
 ATOL = 1e-6
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from posttrain.train.distill_losses import (
+from posttrain.rl.distill_losses import (
     DIVERGENCES,
     distill_loss,
     teacher_agreement,

@@ -15,7 +15,6 @@ from torch import nn
 from posttrain.agents.episodes import (
     EpisodeLimits,
     Renderer,
-    engine_turns,
     run_episodes,
     start_episodes,
 )
@@ -25,7 +24,8 @@ from posttrain.models.adapters import POLICY
 from posttrain.models.lora import apply_lora
 from posttrain.models.roles import RoleModel
 from posttrain.models.tiny import IM_END
-from posttrain.train.rollout_engine import HFEngine
+from posttrain.rl.rollout.engine import HFEngine
+from posttrain.rl.rollout.multiturn import engine_turns
 
 
 def test_a_policys_turns_were_generated_from_the_ids_the_episode_keeps(tmp_path_factory) -> None:

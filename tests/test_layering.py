@@ -115,8 +115,8 @@ def _offenders(prefix: str, forbidden: tuple[str, ...]) -> list[str]:
 
 def test_the_modules_were_found() -> None:
     # Guards the other tests against passing on an empty graph (a moved folder, a bad ROOT).
-    assert "posttrain.train.rollout" in MODULES and "flows.stage.task" in MODULES
-    assert "posttrain.models.decoding" in IMPORTS["posttrain.train.rollout_engine"]
+    assert "posttrain.rl.rollout.sample" in MODULES and "flows.stage.task" in MODULES
+    assert "posttrain.models.decoding" in IMPORTS["posttrain.rl.rollout.engine"]
 
 
 def test_the_library_never_imports_orchestration() -> None:
@@ -147,22 +147,11 @@ def mutual_pairs(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
     return {(a, b) for a, b in edges if a < b and (b, a) in edges}
 
 
-# Pairs that stay until the online-RL code moves into posttrain/rl/ (issue 40, the RL move);
-# every edge that keeps each one mutual is in a module of that move:
-#   agents <-> train:  agents/episodes.py -> train/rollout_engine.py,
-#                      train/rollout.py -> agents/episodes.py
-#   config <-> kinds:  kinds/grpo.py -> config/rl_algorithms.py (config -> kinds is the schema)
-#   eval <-> rl:       rl/ -> eval/stop_tokens.py, eval/episodes.py -> rl/episodes.py
-# When that move lands they disappear and this set must be emptied: the test fails on a pair that
-# is gone as well as on a new one, so the list never outlives its reason.
-KNOWN_PAIRS: dict[str, set[tuple[str, str]]] = {
-    "posttrain": {
-        ("posttrain.agents", "posttrain.train"),
-        ("posttrain.config", "posttrain.kinds"),
-        ("posttrain.eval", "posttrain.rl"),
-    },
-    "flows": set(),
-}
+# Pairs allowed to stay mutual, each with the edges that keep it so. None are left: the last
+# three (agents <-> train, config <-> kinds, eval <-> rl) went with the online-RL move into
+# posttrain/rl/ (issue 40). The test fails on a pair that is gone as well as on a new one, so an
+# entry never outlives its reason.
+KNOWN_PAIRS: dict[str, set[tuple[str, str]]] = {"posttrain": set(), "flows": set()}
 
 
 def _edges_between(graph: dict[str, set[str]], a: str, b: str) -> list[str]:

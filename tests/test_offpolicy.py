@@ -1,6 +1,6 @@
-"""One update behind (posttrain.rl.offpolicy, rl_losses.truncated_importance_weights): the
-weights by hand, the staleness check, the policy snapshot on a tiny real role model, and the
-background generation's hand-over."""
+"""One update behind (posttrain.rl.rollout.offpolicy,
+posttrain.rl.losses.truncated_importance_weights): the weights by hand, the staleness check,
+the policy snapshot on a tiny real role model, and the background generation's hand-over."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from fixtures_tiny import TinyAssets, tiny_assets
 from rl_tiny import role_model
 
 from posttrain.models.adapters import POLICY
-from posttrain.rl.offpolicy import PolicySnapshot, Prefetch, StaleRollout, staleness
+from posttrain.rl.losses import truncated_importance_weights
+from posttrain.rl.rollout.offpolicy import PolicySnapshot, Prefetch, StaleRollout, staleness
+from posttrain.rl.rollout.sample import Rollout
 from posttrain.rl.update import policy_terms
-from posttrain.train.rl_losses import truncated_importance_weights
-from posttrain.train.rollout import Rollout
 
 
 def t(x: list) -> torch.Tensor:

@@ -19,12 +19,12 @@ from posttrain.config.batch import ResolvedBatch
 from posttrain.kinds.online_dpo import OnlineDPOConfig
 from posttrain.models.adapters import POLICY
 from posttrain.rl.dpo_update import dpo_update, group_scores, judge, sequence_logps
+from posttrain.rl.online_dpo import bound_loss, check_shapes
 from posttrain.rl.pair_select import judge_agreement, select_pairs
-from posttrain.rl.rollouts import collect_rollout
-from posttrain.stages.online_dpo import bound_loss, check_shapes
+from posttrain.rl.rollout.collect import collect_rollout
+from posttrain.rl.rollout.sample import Rollout, response_logps
 from posttrain.telemetry.metrics import read_metrics
 from posttrain.train.preference_losses import sigmoid_loss
-from posttrain.train.rollout import Rollout, response_logps
 from tests.stage_helpers import planned_dir, run_inprocess, run_torchrun
 from tests.test_rl_stages import RL, parents, recipe_with, summary  # noqa: F401  (the shared fixture)
 

@@ -1,4 +1,4 @@
-"""The KV cache kept between episode turns (posttrain.train.prefix_cache, `HFEngine` with
+"""The KV cache kept between episode turns (posttrain.rl.rollout.prefix_cache, `HFEngine` with
 `turns=True`): a turn that continues the rows kept from the last one samples the tokens a fresh
 prefill of the whole conversation samples (greedy and sampled, GQA families, in chunks, with
 rows that continue nothing), prefills only what was appended, and keeps nothing across a
@@ -23,8 +23,8 @@ from posttrain.config.schema import SamplingConfig
 from posttrain.models.adapters import POLICY
 from posttrain.models.lora import apply_lora
 from posttrain.models.roles import RoleModel
-from posttrain.train.prefix_cache import PrefixCache, full_attention
-from posttrain.train.rollout_engine import HFEngine
+from posttrain.rl.rollout.engine import HFEngine
+from posttrain.rl.rollout.prefix_cache import PrefixCache, full_attention
 
 
 @pytest.fixture(scope="module")

@@ -13,17 +13,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from posttrain.config.rl_algorithms import SPECS
 from posttrain.kinds.grpo import GRPOConfig
 from posttrain.kinds.ppo import PPOConfig
-from posttrain.train.rl_algos import ALGORITHMS, reinforce_pp_advantages, rloo_advantages
-from posttrain.train.rl_losses import (
+from posttrain.rl.algorithms import ALGORITHMS
+from posttrain.rl.algorithms.advantages import (
+    ADVANTAGES,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
+from posttrain.rl.losses import (
     clipped_policy_loss,
     informative_groups,
     leave_one_out_advantages,
     loss_weights,
 )
-from posttrain.train.rollout import Rollout
+from posttrain.rl.rollout.sample import Rollout
 from tests.test_rl_losses import _rollout, close, t
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,10 +156,13 @@ def test_every_grpo_algorithm_is_registered_without_a_critic() -> None:
     assert ALGORITHMS["rloo"].kl_placement == ALGORITHMS["reinforce_pp"].kl_placement == "reward"
     # Every preset names a field of the grpo section (a sub-field for dotted paths).
     for name in names:
-        for path in SPECS[name].presets:
+        for path in ALGORITHMS[name].presets:
             head, _, leaf = path.partition(".")
             field = GRPOConfig.model_fields[head]
             assert not leaf or leaf in field.default_factory().model_fields, path
+    # Every entry names its advantage function, and applies it.
+    assert {a.advantage for a in ALGORITHMS.values()} == set(ADVANTAGES)
+    assert ADVANTAGES[ALGORITHMS["dr_grpo"].advantage] is grpo_advantages
 
 
 def test_validating_a_grpo_section_does_not_import_torch() -> None:
@@ -228,7 +236,7 @@ def test_preset_mistakes_name_the_field() -> None:
 
 def _ro(prompts: list[list[int]], responses: list[list[int]], score0: float) -> Rollout:
     """A scored rollout: prompts left-padded (pad 0), responses right-padded, EOS 9."""
-    from posttrain.train.rollout import left_pad, response_mask
+    from posttrain.rl.rollout.sample import left_pad, response_mask
 
     ids, pmask = left_pad(prompts, 0)
     width = max(len(r) for r in responses)

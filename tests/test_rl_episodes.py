@@ -1,4 +1,4 @@
-"""Episodes as the RL stages see them (`posttrain.rl.episodes`): the Rollout of played
+"""Episodes as the RL stages see them (`posttrain.rl.rollout.multiturn`): the Rollout of played
 episodes token by token (what is trained, what is only attended), truncated episodes under
 mask_truncated, the reward over whole episodes (functions given the messages, the environment's
 own), and the per-episode metrics by hand."""
@@ -12,14 +12,14 @@ from posttrain.agents.episodes import EpisodeRun
 from posttrain.agents.tool_calls import ToolCall
 from posttrain.agents.tool_runner import ToolResult
 from posttrain.rewards.combine import RewardFunction
-from posttrain.rl.episodes import (
+from posttrain.rl.rewarder import Rewarder
+from posttrain.rl.rollout.multiturn import (
     EpisodeSetup,
     episode_metrics,
     episode_rollout,
     episode_sums,
     synced_turns,
 )
-from posttrain.train.rl_rewards import Rewarder
 
 PAD = 0
 

@@ -24,8 +24,8 @@ from posttrain.rl.heldout import (
     heldout_means,
     quality_gate,
 )
+from posttrain.rl.rollout.sample import decode_responses, sample
 from posttrain.telemetry.metrics import MetricsWriter, read_metrics
-from posttrain.train.rollout import decode_responses, sample
 from tests.test_rl_losses import _rollout
 
 L2 = math.log(2)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from posttrain.train.rl_losses import (
+from posttrain.rl.losses import (
     KLController,
     clipped_policy_loss,
     clipped_value_loss,
@@ -170,7 +170,7 @@ def test_logps_entropy_and_mean() -> None:
 
 def _rollout(scores: list[float], stopped: list[bool]):
     """A scored two-sequence rollout: responses of 3 and 2 tokens (EOS id 9)."""
-    from posttrain.train.rollout import Rollout, response_mask
+    from posttrain.rl.rollout.sample import Rollout, response_mask
 
     response = torch.tensor([[5, 6, 9], [7, 9, 0]])
     mask, stop = response_mask(response, stop_ids=9)
@@ -193,7 +193,7 @@ def _rollout(scores: list[float], stopped: list[bool]):
 
 
 def test_response_mask_ends_at_the_first_eos() -> None:
-    from posttrain.train.rollout import response_mask
+    from posttrain.rl.rollout.sample import response_mask
 
     mask, stopped = response_mask(torch.tensor([[5, 9, 9, 0], [5, 6, 7, 8]]), stop_ids=9)
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]] and stopped.tolist() == [True, False]
@@ -206,7 +206,7 @@ def test_response_mask_ends_at_the_first_eos() -> None:
 def test_missing_eos_penalty_only_hits_responses_that_never_stopped() -> None:
     from types import SimpleNamespace
 
-    from posttrain.train.rl_algos import shaped_scores
+    from posttrain.rl.algorithms.advantages import shaped_scores
 
     ro = _rollout([1.0, 2.0], [True, False])
     assert shaped_scores(ro, SimpleNamespace(missing_eos_penalty=-3.0)).tolist() == [1.0, -1.0]
@@ -216,7 +216,7 @@ def test_missing_eos_penalty_only_hits_responses_that_never_stopped() -> None:
 def test_ppo_advantages_are_gae_over_kl_shaped_rewards_whitened() -> None:
     from types import SimpleNamespace
 
-    from posttrain.train.rl_algos import ppo_advantages
+    from posttrain.rl.algorithms.advantages import ppo_advantages
 
     ro = _rollout([1.0, 2.0], [True, True])
     cfg = SimpleNamespace(
@@ -240,7 +240,7 @@ def test_ppo_advantages_are_gae_over_kl_shaped_rewards_whitened() -> None:
 def test_grpo_advantages_compare_samples_of_one_prompt() -> None:
     from types import SimpleNamespace
 
-    from posttrain.train.rl_algos import grpo_advantages
+    from posttrain.rl.algorithms.advantages import grpo_advantages
 
     ro = _rollout([1.0, 3.0], [True, True])
     cfg = SimpleNamespace(

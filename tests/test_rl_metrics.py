@@ -9,9 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from posttrain.rl.metrics import rollout_totals, step_flops, train_metrics
-from posttrain.rl.rollouts import RolloutBatch
-from posttrain.rl.update import UpdateStats
+from posttrain.rl.metrics import UpdateStats, rollout_totals, step_flops, train_metrics
+from posttrain.rl.rollout.collect import RolloutBatch
 from tests.test_rl_losses import _rollout
 
 L2 = math.log(2)

@@ -1,4 +1,4 @@
-"""Steps 1-2 of an online-RL step (posttrain.rl.rollouts): the prompts a round draws,
+"""Steps 1-2 of an online-RL step (posttrain.rl.rollout.collect): the prompts a round draws,
 the scored rollout `collect_rollout` hands on, and DAPO's dynamic sampling (which groups it
 keeps, how many rounds, what tops a short batch up), on a tiny real model; the group selection
 and top-up on hand-made rollouts."""
@@ -15,15 +15,15 @@ from rl_tiny import prompt_rows, role_model, rollout_setup, section
 
 from posttrain.data.batching import step_indices
 from posttrain.models.adapters import POLICY
-from posttrain.rl.rollouts import (
+from posttrain.rl.losses import informative_groups
+from posttrain.rl.rollout.collect import (
     collect_rollout,
     rollout_seed,
     round_prompts,
     select_groups,
     top_up,
 )
-from posttrain.train.rl_losses import informative_groups
-from posttrain.train.rollout import Rollout, sample
+from posttrain.rl.rollout.sample import Rollout, sample
 
 
 @pytest.fixture(scope="module")

@@ -22,12 +22,13 @@ from posttrain.config.schema import OptimConfig, Recipe
 from posttrain.distributed.runtime import DistInfo, init_distributed, shutdown
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import VALUE, RoleModel
-from posttrain.rl.rollouts import collect_rollout
+from posttrain.rl.algorithms import ALGORITHMS
+from posttrain.rl.algorithms.advantages import sequence_kl
+from posttrain.rl.losses import clipped_policy_loss, clipped_value_loss, kl_penalty
+from posttrain.rl.rollout.collect import collect_rollout
+from posttrain.rl.rollout.sample import Rollout, response_logps
 from posttrain.rl.update import Advantages, compute_advantages, policy_terms, update
 from posttrain.runtime.context import StageContext
-from posttrain.train.rl_algos import ALGORITHMS, sequence_kl
-from posttrain.train.rl_losses import clipped_policy_loss, clipped_value_loss, kl_penalty
-from posttrain.train.rollout import Rollout, response_logps
 from posttrain.train.session import TrainSession, start_session
 from tests.stage_helpers import TINY
 from tests.test_rl_losses import _rollout, close, t

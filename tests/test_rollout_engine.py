@@ -1,4 +1,4 @@
-"""The rollout engine (posttrain.train.rollout_engine): the decode loop that drops finished rows
+"""The rollout engine (posttrain.rl.rollout.engine): the decode loop that drops finished rows
 samples the same tokens as transformers' generate for the same seed (greedy and sampled, with
 and without top-k/top-p, in one call or in chunks), `sample()` builds the same Rollout through
 either path, and the new recipe fields stay out of the fingerprint at their defaults. The 2-rank
@@ -25,8 +25,8 @@ from posttrain.config.schema import RolloutConfig, SamplingConfig
 from posttrain.models.adapters import POLICY
 from posttrain.models.lora import apply_lora
 from posttrain.models.roles import RoleModel
-from posttrain.train.rollout import sample
-from posttrain.train.rollout_engine import HFEngine, build_engine
+from posttrain.rl.rollout.engine import HFEngine, build_engine
+from posttrain.rl.rollout.sample import sample
 
 
 @pytest.fixture(scope="module")

@@ -18,13 +18,13 @@ from transformers import GenerationConfig
 
 from posttrain.config.schema import RolloutConfig, SamplingConfig
 from posttrain.eval.generation import generate, generate_ids
-from posttrain.eval.stop_tokens import end_of_turn_token, model_stop_token_ids, stop_token_ids
 from posttrain.models.adapters import POLICY
 from posttrain.models.lora import apply_lora
 from posttrain.models.roles import RoleModel
+from posttrain.models.stop_tokens import end_of_turn_token, model_stop_token_ids, stop_token_ids
 from posttrain.models.tiny import EOT, IM_END
-from posttrain.train.rollout import decode_responses, sample
-from posttrain.train.rollout_engine import build_engine
+from posttrain.rl.rollout.engine import build_engine
+from posttrain.rl.rollout.sample import decode_responses, sample
 from tests.chat_template_fixtures import with_chat_tokens
 
 GREEDY = SamplingConfig(name="greedy", strategy="greedy", max_new_tokens=12)

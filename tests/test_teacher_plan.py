@@ -181,7 +181,7 @@ def _qwen(teacher_shape: str, world: int = 1, **distill: Any) -> Any:
 
 def test_distill_chunk_rows_are_the_loss_modules() -> None:
     from posttrain.memory.estimate import DISTILL_CHUNK_TOKENS
-    from posttrain.train.distill_losses import DEFAULT_CHUNK_TOKENS
+    from posttrain.rl.distill_losses import DEFAULT_CHUNK_TOKENS
 
     assert DISTILL_CHUNK_TOKENS == DEFAULT_CHUNK_TOKENS
 
@@ -325,7 +325,7 @@ def test_a_tiny_run_with_a_teacher_reports_the_gap_closed(tmp_path: Path) -> Non
     on each, a stage with a teacher link (an sft from the student's sft), then evaluate: its
     headline holds the parent's and the teacher's exact match and the gap closed, which is the
     formula on the report's numbers; the teacher's pass@1 stands beside the others'."""
-    from posttrain.train.distill_losses import teacher_gap_closed
+    from posttrain.rl.distill_losses import teacher_gap_closed
     from tests.stage_helpers import TINY, run_inprocess, write_recipe
 
     data = copy.deepcopy(TINY)

@@ -18,48 +18,18 @@ conversation would have.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from posttrain.agents.environment import Episode
 from posttrain.agents.tool_calls import ParsedReply, ToolCall, parse_reply
 from posttrain.agents.tool_runner import ToolResult, failure_counts, run_calls
 from posttrain.runtime.errors import StageVerdict
 
-if TYPE_CHECKING:
-    from posttrain.sections.shared import SamplingConfig
-    from posttrain.train.rollout_engine import RolloutEngine
-
 # generate(prompts, max_new_tokens) -> each prompt's new ids, its stop token included if any
 Generate = Callable[[list[list[int]], int], list[list[int]]]
-
-
-def engine_turns(
-    engine: RolloutEngine,
-    sampling: SamplingConfig,
-    stop_ids: Sequence[int],
-    pad_id: int,
-    seed: int,
-) -> Generate:
-    """A rollout engine as the episode loop's `generate`: turn n is seeded `seed + n`, each
-    row cut after its first stop token (the engine right-pads rows that stopped); the engine
-    may keep its cache from turn to turn (`turns=True`; the caller `release()`s it)."""
-    turn = itertools.count()
-    stops = set(stop_ids)
-
-    def generate(prompts: list[list[int]], max_new: int) -> list[list[int]]:
-        cfg = sampling.model_copy(update={"max_new_tokens": max_new})
-        out = engine.generate(prompts, cfg, list(stop_ids), pad_id, seed + next(turn), turns=True)
-        rows = []
-        for row in out.tolist():
-            end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
-            rows.append(row[:end])
-        return rows
-
-    return generate
 
 
 class TemplateNotIncremental(StageVerdict, ValueError):

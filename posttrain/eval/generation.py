@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from posttrain.config.schema import SamplingConfig
-from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.models.decoding import generate_kwargs
-from posttrain.train.rollout_engine import left_pad
+from posttrain.models.stop_tokens import model_stop_token_ids
+from posttrain.rl.rollout.engine import left_pad
 
 
 def generate(

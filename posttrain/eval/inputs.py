@@ -15,7 +15,7 @@ from posttrain.data.chat import prompt_text
 from posttrain.data.preference import encode_pairs
 from posttrain.data.sft_data import saved_split
 from posttrain.eval.verify import VerifyPrompts
-from posttrain.rl.episodes import EpisodeSetup, episode_setup
+from posttrain.rl.rollout.multiturn import EpisodeSetup, episode_setup
 from posttrain.runtime.context import StageContext
 from posttrain.sections.rewards import RewardSpec
 

@@ -1,7 +1,7 @@
 """The teacher of a distilled policy, scored beside it: greedy exact match on the same held-out
 rows with the same decoding as the base and the tuned policy (`posttrain.eval.exact_match`),
 and with verifiers its pass@1 figures (`posttrain.eval.verify`), so a report says how much of the
-student-to-teacher gap distillation closed (`posttrain.train.distill_losses.teacher_gap_closed`).
+student-to-teacher gap distillation closed (`posttrain.rl.distill_losses.teacher_gap_closed`).
 
 The teacher stands on a base of its own (the `teacher_base` role), possibly wider and with its
 own tokenizer and chat template (an SFT teacher writes text): it is loaded whole on that base,
@@ -28,9 +28,9 @@ from posttrain.eval.inputs import (
     verifier_specs,
     verifiers_field,
 )
-from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.eval.verify import verify_policy
 from posttrain.models.loading import load_base
+from posttrain.models.stop_tokens import model_stop_token_ids
 from posttrain.rewards.combine import load_rewards
 from posttrain.runtime.context import StageContext
 

@@ -21,14 +21,19 @@ from peft import PeftModel
 from posttrain.agents.episodes import EpisodeRun
 from posttrain.config.schema import SamplingConfig
 from posttrain.data.chat import render
-from posttrain.eval.episodes import play_prompts
 from posttrain.eval.generation import decode_new, generate_ids
+from posttrain.eval.play import play_prompts
 from posttrain.kinds.evaluate import EvaluateConfig
 from posttrain.models.adapters import as_policy
 from posttrain.rewards.combine import RewardFunction, score_functions
 from posttrain.rewards.extract import completion_text
-from posttrain.rl.episodes import EpisodeSetup, episode_metrics, episode_record, played_sums
-from posttrain.train.rl_rewards import episode_reward
+from posttrain.rl.rewarder import episode_reward
+from posttrain.rl.rollout.multiturn import (
+    EpisodeSetup,
+    episode_metrics,
+    episode_record,
+    played_sums,
+)
 
 log = logging.getLogger("posttrain.evaluate")
 
@@ -122,7 +127,7 @@ def _episode_passes(
     cfg: EvaluateConfig,
     e: EpisodeSetup,
 ) -> Answers:
-    """`_passes` by episode (`posttrain.eval.episodes.play_prompts`)."""
+    """`_passes` by episode (`posttrain.eval.play.play_prompts`)."""
     asked = [(prompts.messages[i], prompts.columns[i], prompts.where[i]) for i in idx]
     runs = play_prompts(model, tok, e, asked, sampling, seed, cfg.batch_size)
     completions = [r.messages[r.n_prompt :] for r in runs]

@@ -1,5 +1,5 @@
 """grpo: the GRPO family (group- or batch-relative advantages, no critic) against a reward
-model: grpo, dr_grpo, dapo, rloo, reinforce_pp (`posttrain.train.rl_algos`)."""
+model: grpo, dr_grpo, dapo, rloo, reinforce_pp (`posttrain.rl.algorithms`)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from posttrain.config.rl_algorithms import SPECS
 from posttrain.kinds._kind import MemoryInputs, StageKind
 from posttrain.kinds._online import rollout_inputs, rollout_memory
+from posttrain.rl.algorithms import ALGORITHMS
 from posttrain.sections.fields import Result
 from posttrain.sections.shared import KLConfig, OnlineRLConfig, RolloutConfig
 
@@ -50,7 +50,7 @@ class GRPOConfig(OnlineRLConfig):
     def _presets(self) -> GRPOConfig:
         """The algorithm's presets on the fields the recipe left out, and its loss aggregation
         when none is set: the validated section holds the values the run uses."""
-        algo = SPECS[self.algorithm]
+        algo = ALGORITHMS[self.algorithm]
         for path, value in algo.presets.items():
             head, _, leaf = path.partition(".")
             if not leaf:

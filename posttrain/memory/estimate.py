@@ -31,7 +31,7 @@ a teacher (distillation: a stage with a `teacher` link), on a base of its own sh
   distillation       (token-level only, in the update) the teacher's logits kept from scoring,
                      the student's [micro, new, V] logits with their gradient, in the compute
                      dtype, and the loss's fp32 working set: DISTILL_CHUNK_TOKENS rows x V x
-                     DISTILL_CHUNK_COPIES (posttrain.train.distill_losses measured them).
+                     DISTILL_CHUNK_COPIES (posttrain.rl.distill_losses measured them).
                      A teacher that writes text (sft's) answers the prompts before training and
                      is freed (its answers are cached): its weights are a phase of their own,
                      `answering`, not held beside the training step.
@@ -92,11 +92,11 @@ FRAMEWORK_OVERHEAD = {"cuda": 1 * GIB, "cpu": 600 * MIB}
 LOGIT_BUFFERS = {"lm": 3, "pairs": 3, "score": 0, "rl": 5}
 # The same with the head in token chunks: [chunk, vocab] fp32 buffers.
 CHUNK_BUFFERS = {"lm": 2, "pairs": 2, "score": 0, "rl": 3}
-# posttrain.train.distill_losses.DEFAULT_CHUNK_TOKENS (that module imports torch; a test holds
+# posttrain.rl.distill_losses.DEFAULT_CHUNK_TOKENS (that module imports torch; a test holds
 # the two equal): rows of the flattened [B*T, V] logits the divergence works on at once.
 DISTILL_CHUNK_TOKENS = 1024
 # [chunk, V] fp32 buffers alive at the peak of one chunk (its backward: recompute plus
-# autograd), measured in posttrain.train.distill_losses: ~7.5 for either KL, ~12 for jsd.
+# autograd), measured in posttrain.rl.distill_losses: ~7.5 for either KL, ~12 for jsd.
 DISTILL_CHUNK_COPIES = {"reverse_kl": 8, "forward_kl": 8, "jsd": 12}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -6,7 +6,7 @@ for one), so a checkpoint that ships e.g. `do_sample: true, temperature: 0.6` wo
 silently change what "greedy" or "t1.0-top_k20" means from one base model to the next.
 
 Below both samplers: evaluation (`posttrain.eval.generation`) and RL rollouts
-(`posttrain.train.rollout`) decode with the same arguments, and training does not import eval.
+(`posttrain.rl.rollout.sample`) decode with the same arguments, and training does not import eval.
 """
 
 from __future__ import annotations

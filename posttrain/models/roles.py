@@ -160,7 +160,7 @@ class RoleModel(nn.Module):
         position_ids: torch.Tensor,
         cache: Any,
     ) -> torch.Tensor:
-        """One step of a hand-written decode loop (`posttrain.train.rollout_engine`): input_ids /
+        """One step of a hand-written decode loop (`posttrain.rl.rollout.engine`): input_ids /
         position_ids [B, T] (the prompt at prefill, the last sampled token after), attention_mask
         [B, cached + T], the KV `cache` (a transformers Cache, filled in place) -> fp32 logits
         [B, V] of the last position, through the causal LM's own head and logit transform. The

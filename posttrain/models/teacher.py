@@ -70,5 +70,5 @@ def build_teacher(ctx: Any, student_tokenizer: Any | None = None) -> tuple[RoleM
 @torch.no_grad()
 def teacher_logits(model: RoleModel, inputs: dict[str, Any], vocab: int) -> torch.Tensor:
     """The teacher's next-token logits [n, R, vocab] at the response positions of `inputs`
-    (`posttrain.train.rollout.model_inputs`), sliced to the shared vocabulary."""
+    (`posttrain.rl.rollout.sample.model_inputs`), sliced to the shared vocabulary."""
     return model(POLICY, **inputs)[..., :vocab]

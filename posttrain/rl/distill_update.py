@@ -1,10 +1,10 @@
-"""On-policy distillation's update (`posttrain.stages.distill`): the student's own samples scored
+"""On-policy distillation's update (`posttrain.rl.distill`): the student's own samples scored
 token by token by the frozen teacher, one optimizer step on the divergence between them.
 
 Per micro-batch of `micro` rollout rows: the teacher's logits at the response positions
 (no grad), the student's (with grad), both sliced to the shared vocabulary (heads padded to
 different sizes within a family), the per-token divergence of `cfg.loss` at `cfg.temperature`
-(`posttrain.train.distill_losses.token_divergence`, chunked: no full fp32 log-softmax of either
+(`posttrain.rl.distill_losses.token_divergence`, chunked: no full fp32 log-softmax of either
 model is ever held), then backward. The step's loss is a mean over every rank's response tokens
 (`token_mean`) or answers (`sequence_mean`): each rank backpropagates its sum x world / global
 count, and FSDP's gradient averaging divides the world back, so the result does not depend on
@@ -27,8 +27,8 @@ from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, min_max
 from posttrain.models.adapters import POLICY
 from posttrain.models.teacher import teacher_logits
-from posttrain.train.distill_losses import token_divergence
-from posttrain.train.rollout import Rollout, model_inputs
+from posttrain.rl.distill_losses import token_divergence
+from posttrain.rl.rollout.sample import Rollout, model_inputs
 from posttrain.train.session import TrainSession
 
 

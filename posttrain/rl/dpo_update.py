@@ -1,4 +1,4 @@
-"""Online DPO's step after the rollout (`posttrain.stages.online_dpo`): the judge's pairs and
+"""Online DPO's step after the rollout (`posttrain.rl.online_dpo`): the judge's pairs and
 the DPO update over them.
 
 1. `judge`: each prompt's samples are consecutive rows of the rank's rollout (its group of
@@ -30,11 +30,11 @@ import torch
 from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, min_max
 from posttrain.models.adapters import POLICY
+from posttrain.rl.algorithms.advantages import shaped_scores
 from posttrain.rl.pair_select import PairSelection, judge_agreement, select_pairs
+from posttrain.rl.rewarder import FUNCTION
+from posttrain.rl.rollout.sample import Rollout, model_inputs, response_logps
 from posttrain.train.preference_losses import PreferenceLoss
-from posttrain.train.rl_algos import shaped_scores
-from posttrain.train.rl_rewards import FUNCTION
-from posttrain.train.rollout import Rollout, model_inputs, response_logps
 from posttrain.train.session import TrainSession
 
 

@@ -1,4 +1,4 @@
-"""Step 5 of online RL (`posttrain.stages.online_rl`), at the end and every `eval_every`
+"""Step 5 of online RL (`posttrain.rl.loop`), at the end and every `eval_every`
 rollouts: the held-out prompts answered by the policy and by the starting (SFT) policy, and the
 quality gate on the final figures.
 
@@ -22,13 +22,13 @@ import torch
 from posttrain.data.sft_data import write_rows
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import POLICY, REFERENCE
-from posttrain.rl.episodes import episode_metrics, episode_record, episode_sums
-from posttrain.rl.rollouts import RolloutSetup, generate, score_rollout
+from posttrain.rl.algorithms.advantages import sequence_kl
+from posttrain.rl.rewarder import add_function_sums, function_metrics, function_values
+from posttrain.rl.rollout.collect import RolloutSetup, generate, score_rollout
+from posttrain.rl.rollout.multiturn import episode_metrics, episode_record, episode_sums
+from posttrain.rl.rollout.sample import Rollout, decode_responses
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import MetricsWriter
-from posttrain.train.rl_algos import sequence_kl
-from posttrain.train.rl_rewards import add_function_sums, function_metrics, function_values
-from posttrain.train.rollout import Rollout, decode_responses
 
 log = logging.getLogger("posttrain.rl")
 

@@ -1,22 +1,34 @@
-"""The `train` record of an online-RL step (`posttrain.stages.online_rl`): the rollout's
+"""The `train` record of an online-RL step (`posttrain.rl.loop`): the rollout's
 statistics over all ranks, the update's, the step's phases in seconds and its FLOPs."""
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, min_max
-from posttrain.rl.episodes import episode_metrics, episode_sums
-from posttrain.rl.rollouts import RolloutBatch
-from posttrain.rl.update import UpdateStats
+from posttrain.rl.algorithms.advantages import sequence_kl
+from posttrain.rl.rewarder import add_function_sums, function_metrics, function_values
+from posttrain.rl.rollout.collect import RolloutBatch
+from posttrain.rl.rollout.multiturn import episode_metrics, episode_sums
+from posttrain.rl.rollout.sample import Rollout
 from posttrain.telemetry.metrics import train_flops_per_token
-from posttrain.train.rl_algos import sequence_kl
-from posttrain.train.rl_rewards import add_function_sums, function_metrics, function_values
-from posttrain.train.rollout import Rollout
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """What the update of one rollout measured, over all ranks."""
+
+    # token-weighted means over every pass: policy_loss, entropy, clip_frac, approx_kl, kl_loss,
+    # and with a critic value_loss, value_clip_frac
+    means: dict[str, float]
+    grad_norm: float  # mean over the optimizer steps, before clipping
+    lr: float  # of the last optimizer step
+    updates: int  # optimizer steps taken (a step the guard skipped counts)
 
 
 def rollout_totals(ro: Rollout, device: torch.device) -> dict[str, float]:
@@ -113,7 +125,8 @@ def train_metrics(
     }
 
 
-# What a server engine counts per rollout (`posttrain.serving.engine.ServerEngine.take_counts`).
+# What a server engine counts per rollout
+# (`posttrain.rl.rollout.server_engine.ServerEngine.take_counts`).
 SAMPLER_COUNTS = ("responses", "exact", "retokenized_mismatch", "prompt_mismatch")
 
 

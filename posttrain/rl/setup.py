@@ -1,4 +1,4 @@
-"""Online RL before its first step (`posttrain.stages.online_rl`): the recipe's shapes and the
+"""Online RL before its first step (`posttrain.rl.loop`): the recipe's shapes and the
 chat templates checked, the reward and the prompts loaded, the four roles built on one base and
 the training session started (or resumed, with its KL coefficient)."""
 
@@ -23,20 +23,19 @@ from posttrain.data.prompts import PromptData, prepare_prompts
 from posttrain.data.sft_data import write_rows
 from posttrain.distributed.fsdp import forward_method
 from posttrain.distributed.runtime import all_reduce_tensor
-from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.lora import prepare_for_training
 from posttrain.models.roles import RoleModel, build_roles
+from posttrain.models.stop_tokens import model_stop_token_ids
 from posttrain.rewards.combine import load_rewards
-from posttrain.rl.episodes import episode_setup
-from posttrain.rl.rollouts import RolloutSetup
+from posttrain.rl.losses import KLController, Reduce
+from posttrain.rl.rewarder import Rewarder
+from posttrain.rl.rollout.collect import RolloutSetup
+from posttrain.rl.rollout.engine import RolloutEngine, build_engine
+from posttrain.rl.rollout.multiturn import episode_setup
 from posttrain.runtime.context import StageContext, training_base
 from posttrain.telemetry import heartbeat
 from posttrain.train.micro_batches import padding_free
-from posttrain.train.rl_algos import Algorithm
-from posttrain.train.rl_losses import KLController, Reduce
-from posttrain.train.rl_rewards import Rewarder
-from posttrain.train.rollout_engine import RolloutEngine, build_engine
 from posttrain.train.session import TrainSession, start_session
 
 log = logging.getLogger("posttrain.rl")
@@ -104,7 +103,7 @@ class RLRun:
     """The stage's parts that every step reads, built once by `setup`."""
 
     ctx: StageContext
-    algo: Algorithm
+    critic: bool  # the kind trains a critic (the value role: PPO)
     placement: str  # where the KL penalty goes: "reward" or "loss"
     data: PromptData  # training and held-out prompt rows
     batch: ResolvedBatch  # one update: micro x accum x ranks sequences
@@ -126,17 +125,19 @@ Passes = Callable[[Any, str, int], tuple[bool, bool]]
 
 def setup(
     ctx: StageContext,
-    algo: Algorithm,
     stack: ExitStack,
+    critic: bool = False,
+    kl_placement: str = "loss",
     shapes: Shapes = check_shapes,
     passes: Passes | None = None,
 ) -> RLRun:
     """Everything before the first step: templates checked, reward and prompts loaded, the
     roles built on the base and sharded, the session started (or resumed, with its KL
     coefficient), the rollout engines ready (a rollout server started and given the policy:
-    `stack` stops it when the stage ends). `shapes` and `passes`: how the update consumes a
-    rollout (the clipped update's by default, `scoring_passes` looked up when called so that a
-    benchmark can force every pass; online DPO's step brings its own)."""
+    `stack` stops it when the stage ends). `critic`: the kind trains one (the value role);
+    `kl_placement`: where `kl.placement: auto` puts the KL. `shapes` and `passes`: how the
+    update consumes a rollout (the clipped update's by default, `scoring_passes` looked up when
+    called so that a benchmark can force every pass; online DPO's step brings its own)."""
     cfg, name, d = ctx.section, ctx.name, ctx.dist
     base, tok, weights = training_base(ctx)
     template_sha = check_template(ctx, tok, "policy")
@@ -152,19 +153,17 @@ def setup(
     n_rollouts = cfg.max_steps or max(
         1, math.ceil(cfg.epochs * len(data.train) / cfg.rollout.prompts_per_step)
     )
-    placement = algo.kl_placement if cfg.kl.placement == "auto" else cfg.kl.placement
+    placement = kl_placement if cfg.kl.placement == "auto" else cfg.kl.placement
     tr = start_session(
         ctx,
-        build_role_model(ctx, base, algo),
+        build_role_model(ctx, base, critic),
         cfg.optim,
         batch,
         n_rollouts,
         schedule_steps=n_rollouts * updates_per_rollout,
         weights=weights,
         algorithm=name,
-        roles="policy,reference"
-        + (",reward" if has_rm else "")
-        + (",value" if algo.critic else ""),
+        roles="policy,reference" + (",reward" if has_rm else "") + (",value" if critic else ""),
         reward_functions=",".join(f.label for f in rewarder.funcs),
         kl_placement=placement,
         updates_per_rollout=updates_per_rollout,
@@ -178,7 +177,7 @@ def setup(
         tr.model,
         tok,
         rewarder,
-        algo.critic,
+        critic,
         batch.micro_batch_size,
         (passes or scoring_passes)(cfg, placement, updates_per_rollout),
     )
@@ -186,7 +185,7 @@ def setup(
     rollouts = replace(rollouts, engines=engines, packed=padding_free(cfg.batch, tr.model))
     reduce = partial(all_reduce_tensor, device=d.device)
     return RLRun(
-        ctx, algo, placement, data, batch, n_rollouts, tr, rollouts, ctl, reduce, template_sha
+        ctx, critic, placement, data, batch, n_rollouts, tr, rollouts, ctl, reduce, template_sha
     )
 
 
@@ -214,7 +213,7 @@ def load_prompts(ctx: StageContext, tok: Any) -> PromptData:
     return data
 
 
-def build_role_model(ctx: StageContext, base: PreTrainedModel, algo: Algorithm) -> RoleModel:
+def build_role_model(ctx: StageContext, base: PreTrainedModel, critic: bool) -> RoleModel:
     """The policy, reference, reward-model (when a parent) and critic (PPO) roles on `base`."""
     prepare_for_training(base, ctx.section.activation_checkpointing)
     policy_dir, reference_dir = ctx.adapter_dir("policy"), ctx.adapter_dir("reference")
@@ -223,7 +222,7 @@ def build_role_model(ctx: StageContext, base: PreTrainedModel, algo: Algorithm) 
         base,
         policy_dir,
         ctx.role_dir("reward_model") / "adapter" if ctx.has_role("reward_model") else None,
-        critic=algo.critic,
+        critic=critic,
         reference_adapter=reference_dir,
     )
 
@@ -285,9 +284,9 @@ def rollout_engines(
         engines = {r: build_engine(cfg, s.model, r, s.world) for r in (POLICY, REFERENCE)}
         engines[POLICY].version = version
         return engines
-    from posttrain.eval.stop_tokens import end_of_turn_token
-    from posttrain.serving.engine import ServerEngine
-    from posttrain.serving.server import rollout_server
+    from posttrain.models.stop_tokens import end_of_turn_token
+    from posttrain.rl.rollout.server_engine import ServerEngine
+    from posttrain.rl.serving.server import rollout_server
 
     eot = end_of_turn_token(s.tokenizer)
     server = stack.enter_context(

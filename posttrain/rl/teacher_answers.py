@@ -34,13 +34,13 @@ import torch
 
 from posttrain.data.prompts import encode_prompt
 from posttrain.distributed.runtime import all_gather_objects, barrier
-from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.models.adapters import POLICY
+from posttrain.models.stop_tokens import model_stop_token_ids
 from posttrain.models.teacher import build_teacher
+from posttrain.rl.rollout.engine import build_engine
+from posttrain.rl.rollout.sample import response_mask
 from posttrain.sections.shared import SamplingConfig
 from posttrain.telemetry import heartbeat
-from posttrain.train.rollout import response_mask
-from posttrain.train.rollout_engine import build_engine
 
 log = logging.getLogger("posttrain.distill")
 

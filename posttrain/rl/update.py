@@ -1,10 +1,12 @@
-"""Steps 3 and 4 of an online-RL step (`posttrain.stages.online_rl`): a scored rollout's
-advantages, and the clipped update over it.
+"""PPO and the GRPO family (`posttrain.stages.ppo`, `posttrain.stages.grpo`): the online-RL loop
+(`posttrain.rl.loop`) with the clipped update's step (`clipped_step`): steps 3 and 4, a scored
+rollout's advantages (the registered algorithm's, `posttrain.rl.algorithms`) and the clipped
+update over it; then the step's record, after the KL controller's update from the rollout's KL.
 
 The update makes `update_epochs` passes over the rollout in shuffled minibatches of
 micro x accum sequences per rank (x ranks). Each minibatch's objective is the clipped policy
 loss - entropy bonus (+ KL when it goes in the loss) and, with a critic, vf_coef x the clipped
-value loss, aggregated as `loss_aggregation` says (`rl_losses.loss_weights`): a mean over the
+value loss, aggregated as `loss_aggregation` says (`losses.loss_weights`): a mean over the
 whole minibatch on all ranks, per token or per response.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -21,16 +24,23 @@ from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import all_reduce_sum
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import VALUE
-from posttrain.train.rl_algos import Algorithm
-from posttrain.train.rl_losses import (
+from posttrain.rl.algorithms import ALGORITHMS, Algorithm
+from posttrain.rl.algorithms.advantages import ADVANTAGES
+from posttrain.rl.loop import Record, run_loop, write_record
+from posttrain.rl.losses import (
     Reduce,
     clipped_policy_loss,
     clipped_value_loss,
+    explained_variance,
     kl_penalty,
     loss_weights,
     truncated_importance_weights,
 )
-from posttrain.train.rollout import Rollout, model_inputs, response_logps
+from posttrain.rl.metrics import UpdateStats, rollout_totals, step_flops
+from posttrain.rl.rollout.collect import RolloutBatch, rollout_seed
+from posttrain.rl.rollout.sample import Rollout, model_inputs, response_logps
+from posttrain.rl.setup import RLRun
+from posttrain.runtime.context import StageContext
 from posttrain.train.session import TrainSession
 
 
@@ -42,7 +52,7 @@ class Advantages:
     returns: torch.Tensor | None  # [N, R] the critic's value targets; None without a critic
     kl_coef: float  # the KL coefficient of this step (the controller's before this rollout)
     kl_in_loss: float  # the KL term's weight in the loss: kl_coef, or 0 when in the reward
-    # [N] bool: rows sampled by older weights than the update's (`posttrain.rl.offpolicy`),
+    # [N] bool: rows sampled by older weights than the update's (`posttrain.rl.rollout.offpolicy`),
     # weighted by truncated importance weights against their `behaviour_logps`; None: none
     stale: torch.Tensor | None = None
 
@@ -56,25 +66,14 @@ def compute_advantages(
     reduce: Reduce | None,
     lag: torch.Tensor | None = None,
 ) -> Advantages:
-    """Step 3: the algorithm's advantages (`posttrain.train.rl_algos`) with the KL penalty
+    """Step 3: the algorithm's advantages (`posttrain.rl.algorithms`) with the KL penalty
     where `placement` ("reward" or "loss") puts it: subtracted from the rewards before the
     advantages, or added to the loss by the update. `reduce` sums statistics over ranks (PPO's
     and REINFORCE++'s whitening). `lag` [N]: updates each row's sampler was behind."""
-    adv, returns = algo.advantages(ro, cfg, kl_coef if placement == "reward" else 0.0, reduce)
+    advantages = ADVANTAGES[algo.advantage]
+    adv, returns = advantages(ro, cfg, kl_coef if placement == "reward" else 0.0, reduce)
     stale = lag > 0 if lag is not None and "behaviour_logps" in ro.scored else None
     return Advantages(adv, returns, kl_coef, kl_coef if placement == "loss" else 0.0, stale)
-
-
-@dataclass(frozen=True)
-class UpdateStats:
-    """What the update of one rollout measured, over all ranks."""
-
-    # token-weighted means over every pass: policy_loss, entropy, clip_frac, approx_kl, kl_loss,
-    # and with a critic value_loss, value_clip_frac
-    means: dict[str, float]
-    grad_norm: float  # mean over the optimizer steps, before clipping
-    lr: float  # of the last optimizer step
-    updates: int  # optimizer steps taken (a step the guard skipped counts)
 
 
 @dataclass(frozen=True)
@@ -308,3 +307,55 @@ def value_backward(
     sums["value_loss"] += float((vf.detach() * mi.mask).sum())
     sums["value_clip_frac"] += float((vclipped.float() * mi.mask).sum())
     return float(value_objective.detach()) / tr.dist.world_size
+
+
+def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
+    """The PPO/GRPO stage: `run_loop` with the clipped update's step (`clipped_step`)."""
+    algo = ALGORITHMS[algorithm]
+    step = partial(clipped_step, algo=algo)
+    return run_loop(ctx, step, critic=algo.critic, kl_placement=algo.kl_placement)
+
+
+def clipped_step(
+    run: RLRun, rb: RolloutBatch, step: int, lag: torch.Tensor, algo: Algorithm
+) -> Record:
+    """The update of logged step `step` + 1 (`posttrain.rl.loop.Update`) of `algo`: the
+    rollout's advantages and the clipped update over them; then the step's record (`record`)."""
+    s, cfg = run.rollouts, run.ctx.section
+    adv = compute_advantages(algo, rb.rollout, cfg, run.ctl.coef, run.placement, run.reduce, lag)
+    update_seed = rollout_seed(s.seed, step, s.rank) + 1
+    stats = update(
+        run.tr, rb.rollout, adv, cfg, run.batch, update_seed, step + 1, s.chunk_tokens, s.packed
+    )
+    return partial(record, run, step + 1, adv, stats)
+
+
+def record(
+    run: RLRun,
+    step: int,
+    adv: Advantages,
+    stats: UpdateStats,
+    rb: RolloutBatch,
+    t0: float,
+    t_train: float,
+    timing: dict[str, float],
+) -> None:
+    """The `train` record of logged step `step` (`write_record`) from the rollout, its totals
+    over ranks (`rollout_totals`: also the KL controller's update from the rollout's KL), its
+    advantages (with a critic, the values' explained variance) and the update's stats. Runs the
+    same collectives on every rank."""
+    cfg, tr, ro = run.ctx.section, run.tr, rb.rollout
+    totals = rollout_totals(ro, run.rollouts.device)
+    if "kl" in totals:  # not scored when it does not count (then the coefficient is fixed)
+        run.ctl.update(totals["kl"] / totals["n"], int(totals["n"]))
+    n_roles = len(run.rollouts.roles)
+    flops = step_flops(
+        ro, tr.n_matmul, tr.n_trainable, tr.model.config, n_roles, cfg.update_epochs, run.critic
+    )
+    if adv.returns is not None:
+        ev = explained_variance(ro.scored["values"], adv.returns, ro.mask, run.reduce)
+        timing = timing | {"explained_var": ev}
+    loss = stats.means["policy_loss"] + (
+        cfg.vf_coef * stats.means["value_loss"] if run.critic else 0.0
+    )
+    write_record(run, step, rb, totals, stats, t0, t_train, timing, flops, loss, adv.kl_coef)

@@ -287,7 +287,7 @@ SERVER_PLACEHOLDERS = ("host", "port", "model")
 
 
 class RolloutServerConfig(_Section):
-    """An OpenAI-compatible server that samples the rollouts (`posttrain.serving`): one that
+    """An OpenAI-compatible server that samples the rollouts (`posttrain.rl.serving`): one that
     already runs (`url`), or one the stage starts and stops (`command`)."""
 
     api: Literal["transformers", "vllm", "sglang"] = Result(
@@ -403,10 +403,10 @@ class RolloutConfig(_Section):
     )
     engine: Literal["hf", "server"] = Result(
         "hf",
-        description="Rollout engine (`posttrain.train.rollout_engine`): `hf` decodes in process "
+        description="Rollout engine (`posttrain.rl.rollout.engine`): `hf` decodes in process "
         "on the sharded role model; `server` samples from an OpenAI-compatible server "
         "(`rollout.server`: vLLM, SGLang or `transformers serve`) that gets the policy's "
-        "weights after every update (`posttrain.serving`).",
+        "weights after every update (`posttrain.rl.serving`).",
     )
     # A result as a whole only in that it exists with `engine: server`; its own fields decide.
     server: RolloutServerConfig | None = Result(
@@ -516,7 +516,7 @@ class RolloutConfig(_Section):
 
     @property
     def episodes(self) -> bool:
-        """Whether rollouts are multi-turn episodes (`posttrain.rl.episodes`)."""
+        """Whether rollouts are multi-turn episodes (`posttrain.rl.rollout.multiturn`)."""
         return bool(self.tools) or self.environment is not None
 
 

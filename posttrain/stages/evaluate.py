@@ -64,17 +64,17 @@ from posttrain.eval.preference_eval import (
 )
 from posttrain.eval.samples import policy_samples, sample_rows
 from posttrain.eval.side_by_side import HeldOut, Link, compare_policies
-from posttrain.eval.stop_tokens import model_stop_token_ids
 from posttrain.eval.teacher import teacher_scores
 from posttrain.eval.verify import verifier_report
 from posttrain.kinds.evaluate import SpeedConfig
 from posttrain.models.adapters import merged_copy
 from posttrain.models.loading import load_base
 from posttrain.models.reward import load_reward_model
+from posttrain.models.stop_tokens import model_stop_token_ids
 from posttrain.rewards.combine import load_rewards
+from posttrain.rl.distill_losses import teacher_gap_closed
 from posttrain.runtime.context import StageContext
 from posttrain.stages.common import stage_main
-from posttrain.train.distill_losses import teacher_gap_closed
 
 log = logging.getLogger("posttrain.evaluate")
 

@@ -41,7 +41,7 @@ from posttrain.data.chat import (
     template_sha256,
 )
 from posttrain.data.synthetic import pretrain_corpus, quickstart_sft_rows
-from posttrain.eval.stop_tokens import end_of_turn_token
+from posttrain.models.stop_tokens import end_of_turn_token
 from posttrain.runtime.context import StageContext
 from posttrain.stages.common import stage_main
 from posttrain.store.artifacts import sha256_file
@@ -241,7 +241,7 @@ def install_template(tokenizer: Any, cfg: IngestConfig) -> dict[str, Any]:
         and not info.end_of_turn.startswith(tokenizer.eos_token)
         and end_of_turn_token(tokenizer) is None
     ):
-        # A single-token marker is a stop token of every sampler (posttrain.eval.stop_tokens);
+        # A single-token marker is a stop token of every sampler (posttrain.models.stop_tokens);
         # one of several tokens is not, so only the EOS and generation_config ids end a turn.
         log.warning(
             "the chat template ends assistant turns with %r, not with the tokenizer's EOS %r, "

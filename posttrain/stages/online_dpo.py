@@ -1,150 +1,17 @@
-"""online_dpo: DPO on the policy's own answers, judged as they are sampled (online DPO, Guo et
-al. 2024, "Direct Language Model Alignment from Online AI Feedback"; TRL's OnlineDPOTrainer).
-
-Offline DPO learns from pairs someone else's model wrote; here every step's pairs are the
-current policy's, so what it learns is about its own mistakes and the pairs move with it. The
-stage runs the online-RL loop (`posttrain.stages.online_rl.run_loop`: setup, held-out
-evaluations, checkpoints, outputs) with its own step:
-1. generate and score (`posttrain.rl.rollouts`): each rank samples samples_per_prompt answers
-   for its share of prompts_per_step prompts; the reference scores them (always: its log-probs
-   are DPO's), the judge rewards them - the reward model, the reward functions, or both summed
-   with their weights, exactly as GRPO's rollouts are rewarded;
-2. judge (`posttrain.rl.dpo_update.judge`): per prompt, the best answer is chosen and the worst
-   rejected; a prompt whose answers tie within `tie_eps` gives no pair (`all_equal`);
-3. update (`posttrain.rl.dpo_update.dpo_update`): one optimizer step on the preference loss
-   (`loss`, `beta`) averaged over every rank's pairs, against the frozen reference (by default
-   the policy the stage starts from).
-Its `train` record holds DPO's figures over the step's pairs (accuracy, margin, chosen_reward,
-rejected_reward), the judge's (informative_frac, all_equal, pairs, judge_agreement with both
-judges) and the rollout's reward (score_mean). The policy's sampling temperature applies to the
-log-probs of both models, as in the RL update (at the default 1.0, the models' own).
-"""
+"""online_dpo: DPO on the policy's own answers, judged as they are sampled. The stage runs the
+online-RL loop with the DPO step: see `posttrain.rl.online_dpo`."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from posttrain.config.rl_algorithms import AlgorithmSpec
-from posttrain.rl.dpo_update import DPOStats, dpo_update, judge, judge_metrics
-from posttrain.rl.metrics import rollout_totals, sampler_metrics, step_flops
-from posttrain.rl.offpolicy import staleness
-from posttrain.rl.rollouts import RolloutBatch, collect_rollout
-from posttrain.rl.setup import RLRun, one_step_shapes
+from posttrain.rl.online_dpo import run_online_dpo
 from posttrain.runtime.context import StageContext
 from posttrain.stages.common import stage_main
-from posttrain.stages.online_rl import Ahead, close_step, next_version, record_one_step, run_loop
-from posttrain.telemetry import heartbeat
-from posttrain.telemetry.metrics import train_flops_per_token
-from posttrain.train.preference_losses import (
-    PreferenceLoss,
-    loss_hyperparameters,
-    preference_loss,
-)
-from posttrain.train.rl_algos import Algorithm
-from posttrain.train.rollout import Rollout
-
-
-def _no_advantages(*_: Any) -> Any:
-    raise AssertionError("online DPO's step computes no advantages")
-
-
-# What the shared setup reads of an algorithm: no critic; the KL (coef 0) is not applied.
-ONLINE_DPO = Algorithm(
-    AlgorithmSpec("online_dpo", critic=False, kl_placement="loss"), _no_advantages
-)
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    cfg = ctx.section
-    loss_fn = bound_loss(cfg)
-
-    def one_step(rl: RLRun, step: int, ahead: Ahead | None) -> None:
-        assert ahead is None  # rollout.max_staleness is 0 (OnlineDPOConfig)
-        dpo_step(rl, step, loss_fn)
-
-    return run_loop(
-        ctx,
-        ONLINE_DPO,
-        one_step,
-        summary={"loss_type": cfg.loss, "beta": cfg.beta, "tie_eps": cfg.tie_eps},
-        shapes=check_shapes,
-        # The policy's log-probs are the update's own; the reference's are DPO's, whatever kl.
-        passes=lambda *_: (False, True),
-    )
-
-
-def bound_loss(cfg: Any) -> PreferenceLoss:
-    """The section's preference loss with its hyperparameters bound (fails on a bad value)."""
-    hp = {"beta": cfg.beta, "label_smoothing": cfg.label_smoothing, "gamma": cfg.simpo_gamma}
-    return preference_loss(cfg.loss, **{k: hp[k] for k in loss_hyperparameters(cfg.loss)})
-
-
-# One optimizer step per rollout over all its pairs (chosen and rejected rows together).
-check_shapes = one_step_shapes("online DPO", "pairs (half as many as its sequences)")
-
-
-def dpo_step(run: RLRun, step: int, loss_fn: PreferenceLoss) -> None:
-    """Logged step `step` + 1: the rollout (generated, scored by the reference, rewarded), its
-    pairs, the DPO step over them, the next policy version to the rollout engine, the step's
-    record and, at a checkpoint boundary, a checkpoint."""
-    s, cfg = run.rollouts, run.ctx.section
-    t0 = time.perf_counter()
-    heartbeat.beat(phase="rollout")
-    rb = collect_rollout(s, run.data.train, step)
-    judged = judge(rb.rollout, cfg, s.rewarder.rm_weight)
-    stats = dpo_update(
-        run.tr,
-        rb.rollout,
-        judged.rows,
-        loss_fn,
-        cfg,
-        max(1, run.batch.micro_batch_size // 2),
-        step + 1,
-        s.chunk_tokens,
-        s.packed,
-    )
-    t_train = time.perf_counter() - t0 - rb.generation_s - rb.scoring_s
-    _, timing = next_version(run, None, False)
-    lag = staleness(rb.rollout, step, 0)
-    timing |= sampler_metrics(rb.rollout, lag, s.device) | judge_metrics(judged, s.device)
-    record(run, step + 1, rb, stats, t0, t_train, timing)
-    close_step(run, step + 1)
-
-
-def record(
-    run: RLRun,
-    step: int,
-    rb: RolloutBatch,
-    stats: DPOStats,
-    t0: float,
-    t_train: float,
-    timing: dict[str, float],
-) -> None:
-    """The `train` record of logged step `step` (`record_one_step`): DPO's means over the
-    step's pairs in place of the clipped update's; loss, grad_norm and lr are null on a step
-    without pairs."""
-    ro = rb.rollout
-    totals = rollout_totals(ro, run.rollouts.device)
-    # No policy scoring pass: the rollout's KL would read as 0 (the held-out KL is measured).
-    totals.pop("kl", None)
-    # Generation and the scoring passes over the rollout, forward+backward over the pairs' rows.
-    tr, roles = run.tr, len(run.rollouts.roles)
-    flops = step_flops(ro, tr.n_matmul, tr.n_trainable, tr.model.config, roles, 0, False)
-    flops += pair_flops(run, ro, stats)
-    record_one_step(run, step, rb, totals, stats, t0, t_train, timing, flops)
-
-
-def pair_flops(run: RLRun, ro: Rollout, stats: DPOStats) -> float:
-    """This rank's training FLOPs of the DPO step: forward and backward over its pairs' rows
-    (estimated at the rollout's mean row length)."""
-    if not stats.updates:
-        return 0.0
-    cfg, seq_len = run.tr.model.config, ro.tokens() / ro.n
-    per_tok = train_flops_per_token(
-        run.tr.n_matmul, run.tr.n_trainable, cfg.num_hidden_layers, cfg.hidden_size, int(seq_len)
-    )
-    return per_tok * seq_len * 2 * stats.local_pairs
+    return run_online_dpo(ctx)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """ppo: PPO against the reward model, with policy, reference, critic and reward model co-located
-on one base under FSDP2. The loop is shared with GRPO: see `posttrain.stages.online_rl`."""
+on one base under FSDP2. The loop is shared with GRPO: see `posttrain.rl.update`."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from posttrain.rl.update import run_online_rl
 from posttrain.runtime.context import StageContext
 from posttrain.stages.common import stage_main
-from posttrain.stages.online_rl import run_online_rl
 
 
 def run(ctx: StageContext) -> dict[str, Any]:

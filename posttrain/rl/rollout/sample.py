@@ -3,12 +3,12 @@ role (policy and reference log-probs, critic values, reward-model scores) withou
 
 Layout of one rank's rollout of N sequences: prompts LEFT-padded to P columns, responses after
 them in R columns, right-padded after the stop token that ended each (or full width when a
-response never stopped). Stop tokens: `posttrain.eval.stop_tokens.stop_token_ids` (the
+response never stopped). Stop tokens: `posttrain.models.stop_tokens.stop_token_ids` (the
 tokenizer's EOS, the model's generation_config eos ids, the template's end-of-turn token). The
 logits/values for response token t come from sequence position P-1+t, so every role is read at
 positions [P-1, P+R-1).
 
-A multi-turn episode (`posttrain.rl.episodes`) is one sequence: its first prompt, then
+A multi-turn episode (`posttrain.rl.rollout.multiturn`) is one sequence: its first prompt, then
 everything after it as the "response" - the policy's turns and, between them, tool results and
 the template's turns. `mask` is then 1 on the policy's tokens only (what the losses, the KL and
 the critic cover), and `attn` 1 on every real token after the prompt (what the model attends).
@@ -29,8 +29,8 @@ from posttrain.data.preference import Messages, encode_reply
 from posttrain.data.segments import Segments
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import REWARD, VALUE
-from posttrain.train.rl_losses import entropy_from_logits, token_logps
-from posttrain.train.rollout_engine import RolloutEngine, left_pad
+from posttrain.rl.losses import entropy_from_logits, token_logps
+from posttrain.rl.rollout.engine import RolloutEngine, left_pad
 
 if TYPE_CHECKING:
     from posttrain.agents.episodes import EpisodeRun
@@ -232,7 +232,7 @@ def sample(
     versions: bool = True,
 ) -> Rollout:
     """Sample one response per prompt (repeat a prompt for several samples) through the rollout
-    `engine` (`posttrain.train.rollout_engine`), as a Rollout stamped with the engine's policy
+    `engine` (`posttrain.rl.rollout.engine`), as a Rollout stamped with the engine's policy
     version (`versions`; False for the reference's samples).
 
     In process, every rank runs the same number of forwards; with more than one rank, generation

@@ -1,22 +1,16 @@
-"""What differs between PPO and the GRPO family, as a small registry; everything else
-(rollouts, scoring, KL estimation, the clipped update, metrics, checkpoints) is one shared loop in
-`posttrain.stages.online_rl`.
-
-An algorithm is its declared spec (`posttrain.config.rl_algorithms`: critic or not, default KL
-placement and loss aggregation, presets applied when the recipe is validated, torch-free) and
-how a scored rollout becomes per-token advantages (and value targets, with a critic).
+"""How a scored rollout becomes per-token advantages (and value targets, with a critic): the
+advantage functions the registry (`posttrain.rl.algorithms`) names, pure and hand-tested, and
+the rollout's KL and shaped scores they (and online DPO's judge, the metrics) read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from posttrain.config.rl_algorithms import SPECS, AlgorithmSpec
-from posttrain.train.rl_losses import (
+from posttrain.rl.losses import (
     Reduce,
     gae,
     group_advantages,
@@ -25,13 +19,7 @@ from posttrain.train.rl_losses import (
     masked_whiten,
     token_rewards,
 )
-from posttrain.train.rollout import Rollout
-
-# (rollout, recipe section, KL coefficient applied to rewards (0 = KL not in the reward), reduce)
-# -> (advantages [N, R], value targets [N, R] or None)
-AdvantageFn = Callable[
-    [Rollout, Any, float, Reduce | None], tuple[torch.Tensor, torch.Tensor | None]
-]
+from posttrain.rl.rollout.sample import Rollout
 
 
 def shaped_scores(ro: Rollout, cfg: Any) -> torch.Tensor:
@@ -108,33 +96,14 @@ def reinforce_pp_advantages(
     return masked_whiten(returns, ro.mask, reduce=reduce), None
 
 
-@dataclass(frozen=True)
-class Algorithm:
-    spec: AlgorithmSpec  # name, critic, default KL placement and loss aggregation, presets
-    advantages: AdvantageFn
+# (rollout, recipe section, KL coefficient applied to rewards (0 = KL not in the reward), reduce)
+# -> (advantages [N, R], value targets [N, R] or None)
+AdvantageFn = Callable[
+    [Rollout, Any, float, Reduce | None], tuple[torch.Tensor, torch.Tensor | None]
+]
 
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def critic(self) -> bool:
-        return self.spec.critic
-
-    @property
-    def kl_placement(self) -> str:  # where `kl.placement: auto` puts the penalty
-        return self.spec.kl_placement
-
-
-ALGORITHMS: dict[str, Algorithm] = {
-    a.name: a
-    for a in (
-        Algorithm(SPECS["ppo"], ppo_advantages),
-        Algorithm(SPECS["grpo"], grpo_advantages),
-        Algorithm(SPECS["dr_grpo"], grpo_advantages),  # with scale_rewards false (its preset)
-        Algorithm(SPECS["dapo"], grpo_advantages),
-        Algorithm(SPECS["rloo"], rloo_advantages),
-        Algorithm(SPECS["reinforce_pp"], reinforce_pp_advantages),
-    )
+# The advantage functions by the name an algorithm gives (`posttrain.rl.algorithms.ALGORITHMS`).
+ADVANTAGES: dict[str, AdvantageFn] = {
+    f.__name__: f
+    for f in (ppo_advantages, grpo_advantages, rloo_advantages, reinforce_pp_advantages)
 }
-assert ALGORITHMS.keys() == SPECS.keys(), (sorted(ALGORITHMS), sorted(SPECS))

@@ -9,7 +9,7 @@ The timeline of step t (version v = the updates applied so far; the server holds
 3. the rollout is scored; rows sampled by v - 1 also get their log-probs under v - 1
    (`score_behaviour`: the policy adapter of v - 1 was kept, `PolicySnapshot`, and is swapped
    in for one no-grad pass), for the truncated importance weights of the update
-   (`rl_losses.truncated_importance_weights`);
+   (`posttrain.rl.losses.truncated_importance_weights`);
 4. the adapter of v is kept, the update trains, the background generation is waited for, and
    the server gets v + 1.
 Only generation runs in the background thread: it makes HTTP requests and no collective, while
@@ -34,8 +34,8 @@ import torch
 from posttrain.distributed.runtime import all_reduce_sum
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import adapter_of
+from posttrain.rl.rollout.sample import Rollout, score
 from posttrain.runtime.errors import StageVerdict
-from posttrain.train.rollout import Rollout, score
 
 
 class StaleRollout(StageVerdict):

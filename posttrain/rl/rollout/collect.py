@@ -1,12 +1,12 @@
-"""Steps 1 and 2 of an online-RL step (`posttrain.stages.online_rl`): this rank's rollout, its
+"""Steps 1 and 2 of an online-RL step (`posttrain.rl.loop`): this rank's rollout, its
 responses generated and then scored and rewarded, in rounds when DAPO's dynamic sampling asks
 for more prompts.
 
 A round draws this rank's share of `rollout.prompts_per_step` prompts (a pure function of seed,
 step, round and rank, so a resumed run draws what an uninterrupted one would), samples
 `samples_per_prompt` responses of each (a prompt's samples are consecutive rows: its group), then
-scores them with every role (`posttrain.train.rollout.score`) and the reward
-(`posttrain.train.rl_rewards.Rewarder`). Dynamic sampling needs the scores of a round to decide
+scores them with every role (`posttrain.rl.rollout.sample.score`) and the reward
+(`posttrain.rl.rewarder.Rewarder`). Dynamic sampling needs the scores of a round to decide
 whether to draw another, which is why scoring runs per round rather than once per step.
 """
 
@@ -22,11 +22,11 @@ from posttrain.data.batching import step_indices
 from posttrain.distributed.runtime import all_reduce_sum
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import VALUE
-from posttrain.rl.episodes import EpisodeSetup, play
-from posttrain.train.rl_losses import informative_groups
-from posttrain.train.rl_rewards import Rewarder
-from posttrain.train.rollout import Rollout, sample, sampling_of, score
-from posttrain.train.rollout_engine import RolloutEngine
+from posttrain.rl.losses import informative_groups
+from posttrain.rl.rewarder import Rewarder
+from posttrain.rl.rollout.engine import RolloutEngine
+from posttrain.rl.rollout.multiturn import EpisodeSetup, play
+from posttrain.rl.rollout.sample import Rollout, sample, sampling_of, score
 
 
 def rollout_seed(seed: int, step: int, rank: int) -> int:
@@ -54,7 +54,7 @@ class RolloutSetup:
     score_policy: bool = True  # False: the update's own log-probs are the old ones
     score_reference: bool = True  # False: the KL does not count (`setup.scoring_passes`)
     # The rollout engine of each role that samples (POLICY, REFERENCE for the held-out
-    # baseline): in process, or a server's (`posttrain.serving.engine`).
+    # baseline): in process, or a server's (`posttrain.rl.rollout.server_engine`).
     engines: dict[str, RolloutEngine] = field(default_factory=dict)
     packed: bool = False  # scoring and update forwards padding-free (`batch.padding_free`)
 
@@ -102,9 +102,10 @@ def round_prompts(
 
 def generate(s: RolloutSetup, rows: list[dict[str, Any]], seed: int, role: str = POLICY) -> Rollout:
     """Step 1: one sampled response per row from `role` under `seed`, by the role's engine
-    (`posttrain.train.rollout.sample`; in process, every rank runs the same number of decode
-    steps). With tools or an environment, one episode per row (`posttrain.rl.episodes.play`).
-    The policy's rows carry the version that sampled them."""
+    (`posttrain.rl.rollout.sample.sample`; in process, every rank runs the same number of decode
+    steps). With tools or an environment, one episode per row
+    (`posttrain.rl.rollout.multiturn.play`). The policy's rows carry the version that sampled
+    them."""
     engine = s.engines[role]
     if s.episodes is not None:
         sampling = sampling_of(s.cfg.rollout)
@@ -163,7 +164,7 @@ def generate_round(
     s: RolloutSetup, prompts: list[dict[str, Any]], step: int, round_: int
 ) -> Generated:
     """This rank's prompts of a round drawn and answered by the policy's engine. Runs no
-    forward of the trainer's model when the engine is a server's (`posttrain.rl.offpolicy`
+    forward of the trainer's model when the engine is a server's (`posttrain.rl.rollout.offpolicy`
     runs it in a thread then)."""
     t = time.perf_counter()
     rows = round_prompts(s, prompts, step, round_)
@@ -194,8 +195,8 @@ def collect_rollout(
 ) -> RolloutBatch:
     """Steps 1 and 2 of step `step` (0-based): the step's scored rollout on this rank, drawn
     from `prompts` (the training prompt rows), and its sampling statistics; `generated`: its
-    first round, generated ahead (`posttrain.rl.offpolicy`). With groups, the share of groups
-    whose samples score differently (`informative_frac`, over all ranks); with dynamic
+    first round, generated ahead (`posttrain.rl.rollout.offpolicy`). With groups, the share of
+    groups whose samples score differently (`informative_frac`, over all ranks); with dynamic
     sampling, rounds until the batch is made of such groups (`dynamic_sampling`)."""
     first = sampling_round(s, prompts, step, 0, generated)
     group = s.cfg.rollout.samples_per_prompt

@@ -1,13 +1,15 @@
-"""The online-RL stage PPO and GRPO share (`posttrain.stages.ppo`, `posttrain.stages.grpo`): its
-loop and its outputs, after its setup (`posttrain.rl.setup`). One logged step = one
-rollout, in five steps, each a module's:
-1. generate and 2. score (`posttrain.rl.rollouts`): each rank samples responses for its
+"""The online-RL loop every online kind runs (PPO and the GRPO family, `posttrain.rl.update`;
+online DPO, `posttrain.rl.online_dpo`; distillation, `posttrain.rl.distill`): its setup
+(`posttrain.rl.setup`), its steps, held-out evaluations and outputs. A kind brings its update
+(`Update`) and the roles it trains; the step around it is written once (`run_step`). One
+logged step of PPO/GRPO = one rollout, in five steps, each a module's:
+1. generate and 2. score (`posttrain.rl.rollout.collect`): each rank samples responses for its
    share of `rollout.prompts_per_step` prompts (x samples_per_prompt) from the sharded policy,
    KV cache on, stopping at a stop token; then policy and reference log-probs, critic values
    (PPO) and the reward (functions and/or reward model), no grad; in rounds with DAPO's dynamic
    sampling;
 3. advantages and 4. update (`posttrain.rl.update`): from the algorithm registry
-   (`posttrain.train.rl_algos`): GAE over the critic for PPO, group-normalised scores for GRPO;
+   (`posttrain.rl.algorithms`): GAE over the critic for PPO, group-normalised scores for GRPO;
    KL against the reference in the reward or the loss; then `update_epochs` passes over the
    rollout in shuffled minibatches of `batch` (micro x accum x ranks sequences), clipped policy
    loss - entropy bonus (+ KL) and, with a critic, the clipped value loss; means over the whole
@@ -41,30 +43,26 @@ from posttrain.distributed.runtime import min_max
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import VALUE
 from posttrain.rl.heldout import evaluate, quality_gate
-from posttrain.rl.metrics import rollout_totals, sampler_metrics, step_flops, train_metrics
-from posttrain.rl.offpolicy import PolicySnapshot, Prefetch, score_behaviour, staleness
-from posttrain.rl.rollouts import RolloutBatch, collect_rollout, generate_round, rollout_seed
+from posttrain.rl.metrics import UpdateStats, sampler_metrics, train_metrics
+from posttrain.rl.rewarder import Rewarder
+from posttrain.rl.rollout.collect import RolloutBatch, collect_rollout, generate_round
+from posttrain.rl.rollout.offpolicy import PolicySnapshot, Prefetch, score_behaviour, staleness
 from posttrain.rl.setup import RLRun, setup
-from posttrain.rl.update import Advantages, UpdateStats, compute_advantages, update
 from posttrain.runtime.context import StageContext
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.checkpoint import data_position
-from posttrain.train.rl_algos import ALGORITHMS, Algorithm
-from posttrain.train.rl_losses import explained_variance
-from posttrain.train.rl_rewards import Rewarder
 from posttrain.train.session import save_adapter
 
 log = logging.getLogger("posttrain.rl")
 
 
-def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
-    """The PPO/GRPO stage: `run_loop` with the clipped update's step (`train_step`)."""
-    return run_loop(ctx, ALGORITHMS[algorithm], train_step)
-
-
-# (the stage's run, 0-based step, the generation ahead or None) -> None: one logged step.
-StepFn = Callable[[RLRun, int, "Ahead | None"], None]
+# (the rollout with its final timings, when the step began, its training seconds, the step's
+# timing fields) -> None: the step's `train` record (and PPO's KL controller update).
+Record = Callable[[RolloutBatch, float, float, dict[str, float]], None]
+# A kind's update of logged step `step` + 1, after its rollout: (run, the rollout, `step`, each
+# row's staleness [N]) -> its `Record`, called once the new policy is with the rollout engine.
+Update = Callable[[RLRun, RolloutBatch, int, torch.Tensor], Record]
 
 
 # `posttrain.rl.heldout.evaluate`'s signature: (rollout setup, held-out rows, logged step, the
@@ -74,27 +72,26 @@ Evaluate = Callable[..., tuple[dict[str, float], dict[str, float]]]
 
 def run_loop(
     ctx: StageContext,
-    algo: Algorithm,
-    step_fn: StepFn,
+    update: Update,
     summary: dict[str, Any] | None = None,
     heldout: Evaluate = evaluate,
     headline: Callable[[dict[str, float]], dict[str, float]] | None = None,
     **options: Any,
 ) -> dict[str, Any]:
-    """The stage: setup (`options`: `setup`'s shapes and passes), `n_rollouts` steps of
-    `step_fn` (resumed from the newest checkpoint) with held-out evaluations (`heldout`) every
-    `eval_every`, the final evaluation, the outputs; returns the summary (with `summary`'s
-    fields, and `headline(final figures)`'s in its headline). A rollout server
-    (`rollout.engine: server`) lives as long as this call."""
+    """The stage: setup (`options`: `setup`'s roles, shapes and passes), `n_rollouts` steps
+    (`run_step` with the kind's `update`; resumed from the newest checkpoint) with held-out
+    evaluations (`heldout`) every `eval_every`, the final evaluation, the outputs; returns the
+    summary (with `summary`'s fields, and `headline(final figures)`'s in its headline). A rollout
+    server (`rollout.engine: server`) lives as long as this call."""
     with ExitStack() as stack:
-        run = setup(ctx, algo, stack, **options)
+        run = setup(ctx, stack, **options)
         cfg, n = ctx.section, run.n_rollouts
         eval_rows = run.data.eval[: cfg.eval_prompts]
         samples = ctx.out_dir / "eval_samples.jsonl" if ctx.is_main else None
         sft: dict[str, float] | None = None
         ahead = Ahead(run.tr.model) if cfg.rollout.max_staleness else None
         for step in range(run.tr.start_step, n):
-            step_fn(run, step, ahead)
+            run_step(run, step, ahead, update)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < n:
                 _, sft = heldout(run.rollouts, eval_rows, step + 1, sft, run.tr.metrics, samples)
         final, sft = heldout(run.rollouts, eval_rows, n, sft, run.tr.metrics, samples)
@@ -103,7 +100,7 @@ def run_loop(
 
 
 class Ahead:
-    """max_staleness 1 (`posttrain.rl.offpolicy`): the next step's generation in the
+    """max_staleness 1 (`posttrain.rl.rollout.offpolicy`): the next step's generation in the
     background, and the policy adapter of the version that samples it."""
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -111,11 +108,11 @@ class Ahead:
         self.snapshot = PolicySnapshot(model)
 
 
-def train_step(run: RLRun, step: int, ahead: Ahead | None = None) -> None:
-    """Logged step `step` + 1: the rollout (generated - in the background during the last step
-    with `ahead` - and scored), its advantages, the update, the next policy version to the
-    rollout engine, the KL controller's update from the rollout's KL, the step's record and,
-    at a checkpoint boundary, a checkpoint."""
+def run_step(run: RLRun, step: int, ahead: Ahead | None, update: Update) -> None:
+    """Logged step `step` + 1, as every kind takes it: the rollout (generated - in the background
+    during the last step with `ahead` - and scored), the kind's `update`, the next policy
+    version to the rollout engine, the step's record and, at a checkpoint boundary, a
+    checkpoint."""
     s, cfg = run.rollouts, run.ctx.section
     t0 = time.perf_counter()
     heartbeat.beat(phase="rollout")
@@ -130,79 +127,60 @@ def train_step(run: RLRun, step: int, ahead: Ahead | None = None) -> None:
         score_behaviour(s, rb.rollout, lag, ahead.snapshot, s.device)
         rb = replace(rb, scoring_s=rb.scoring_s + time.perf_counter() - t)
         ahead.snapshot.take()  # the weights the background rollout is sampled by
-    adv = compute_advantages(
-        run.algo, rb.rollout, cfg, run.ctl.coef, run.placement, run.reduce, lag
-    )
-    update_seed = rollout_seed(s.seed, step, s.rank) + 1
-    stats = update(
-        run.tr, rb.rollout, adv, cfg, run.batch, update_seed, step + 1, s.chunk_tokens, s.packed
-    )
+    record = update(run, rb, step, lag)
     # Generation on this step's own path: all of it, or with `ahead` the rounds sampled now.
     own = rb.generation_s - (generated.seconds if generated is not None else 0.0)
     t_train = time.perf_counter() - t0 - own - rb.scoring_s
-    waited, timing = next_version(run, ahead, prefetching)
-    if ahead is not None:  # what the step waited for, of generation
-        rb = replace(rb, generation_s=own + waited)
-    totals = rollout_totals(rb.rollout, s.device)
-    if "kl" in totals:  # not scored when it does not count (then the coefficient is fixed)
-        run.ctl.update(totals["kl"] / totals["n"], int(totals["n"]))
-    timing |= sampler_metrics(rb.rollout, lag, s.device)
-    record(run, step + 1, rb, totals, adv, stats, t0, t_train, timing)
-    close_step(run, step + 1)
-
-
-def next_version(run: RLRun, ahead: Ahead | None, prefetching: bool) -> tuple[float, dict]:
-    """The updated policy to the rollout engine, once the rollout generating ahead is done (no
-    request may be in flight while a server changes weights) -> (seconds waited for it, the
-    step's `sync_s` and, with `ahead`, `generation_overlapped_s`)."""
-    t = time.perf_counter()
+    # The updated policy to the rollout engine, once the rollout generating ahead is done (no
+    # request may be in flight while a server changes weights).
     if ahead is not None:
-        ahead.prefetch.wait()
-    waited = time.perf_counter() - t
-    run.rollouts.engines[POLICY].sync_weights(run.tr.model)
-    timing = {"sync_s": time.perf_counter() - t - waited}
+        t = time.perf_counter()
+        ahead.prefetch.wait()  # what the step waited for, of generation
+        rb = replace(rb, generation_s=own + time.perf_counter() - t)
+    t = time.perf_counter()
+    s.engines[POLICY].sync_weights(run.tr.model)
+    timing = {"sync_s": time.perf_counter() - t}
     if ahead is not None:
         timing["generation_overlapped_s"] = ahead.prefetch.seconds if prefetching else 0.0
-    return waited, timing
+    record(rb, t0, t_train, timing | sampler_metrics(rb.rollout, lag, s.device))
+    # A checkpoint at a boundary, with the KL coefficient and the data position a resume
+    # starts from.
+    position = data_position(step + 1, len(run.data.train), cfg.rollout.prompts_per_step, s.seed)
+    extra = {"kl_coef": run.ctl.coef, "data": position}
+    run.tr.maybe_checkpoint(step + 1, cfg.checkpoint_every, cfg.keep_checkpoints, extra=extra)
 
 
-def record(
+def write_record(
     run: RLRun,
     step: int,
     rb: RolloutBatch,
     totals: dict[str, float],
-    adv: Advantages,
-    stats: UpdateStats,
+    stats: Any,
     t0: float,
     t_train: float,
-    timing: dict[str, float] | None = None,
+    timing: dict[str, float],
+    flops: float,
+    loss: float | None = None,
+    kl_coef: float | None = None,
 ) -> None:
-    """The `train` record of logged step `step` (1-based; every `log_every` and the last), from
-    the rollout, its `totals` over ranks (`rollout_totals`), its advantages and the update's
-    stats; `t0`: when the step began; `timing`: the step's other fields (weight sync, the
-    sampler's figures). Runs the same collectives on every rank."""
-    cfg, tr, ro, device = run.ctx.section, run.tr, rb.rollout, run.rollouts.device
-    widths = min_max(ro.width[1], device)
-    flops = step_flops(
-        ro,
-        tr.n_matmul,
-        tr.n_trainable,
-        tr.model.config,
-        len(run.rollouts.roles),
-        cfg.update_epochs,
-        run.algo.critic,
-    )
+    """The `train` record of logged step `step` (1-based; every `log_every` and the last): the
+    rollout's figures (`train_metrics` over its `totals` over ranks), the update's `stats`
+    (`means`, `grad_norm`, `lr`, `updates`), `timing` (weight sync, the sampler's figures, the
+    kind's own fields), the step's `flops` on this rank and `loss` (None: the one of
+    `stats.means`, absent and null on a step that took none: online DPO, distill), the KL
+    coefficient it trained with (None: no KL penalty, no `kl_coef` field); `t0`: when the step
+    began. Same collectives on every rank."""
+    cfg, tr, ro = run.ctx.section, run.tr, rb.rollout
+    if loss is None:  # `loss` is the record's own field, not one of the means
+        loss = stats.means.get("loss", math.nan)
+        means = {k: v for k, v in stats.means.items() if k != "loss"}
+        stats = UpdateStats(means, stats.grad_norm, stats.lr, stats.updates)
+    widths = min_max(ro.width[1], run.rollouts.device)
     step_s = time.perf_counter() - t0
-    extra = train_metrics(
-        totals, adv.kl_coef, widths, rb, t_train, step_s, stats, run.rollouts.world
-    ) | (timing or {})
-    if adv.returns is not None:
-        extra["explained_var"] = explained_variance(
-            ro.scored["values"], adv.returns, ro.mask, run.reduce
-        )
-    loss = stats.means["policy_loss"] + (
-        cfg.vf_coef * stats.means["value_loss"] if run.algo.critic else 0.0
-    )
+    world = run.rollouts.world
+    extra = train_metrics(totals, kl_coef or 0.0, widths, rb, t_train, step_s, stats, world)
+    if kl_coef is None:
+        extra.pop("kl_coef")
     if step % cfg.log_every == 0 or step == run.n_rollouts:
         tr.record_step(
             step,
@@ -214,54 +192,8 @@ def record(
             t_start=t0,
             t_data=0.0,
             flops=flops,
-            **extra,
-        )
-
-
-def record_one_step(
-    run: RLRun,
-    step: int,
-    rb: RolloutBatch,
-    totals: dict[str, float],
-    stats: Any,
-    t0: float,
-    t_train: float,
-    timing: dict[str, float],
-    flops: float,
-) -> None:
-    """The `train` record of logged step `step` of a kind that takes one optimizer step per
-    rollout (online DPO, distill): the rollout's figures (`train_metrics` over its `totals`)
-    with the step's `stats` (`means` with its `loss`, null without a step; `grad_norm`, `lr`,
-    `updates`), and the step's `flops` on this rank. Same collectives on every rank."""
-    cfg, tr, ro = run.ctx.section, run.tr, rb.rollout
-    widths = min_max(ro.width[1], run.rollouts.device)
-    means = {k: v for k, v in stats.means.items() if k != "loss"}  # `loss` is the record's own
-    update = UpdateStats(means, stats.grad_norm, stats.lr, stats.updates)
-    step_s = time.perf_counter() - t0
-    extra = train_metrics(totals, 0.0, widths, rb, t_train, step_s, update, run.rollouts.world)
-    extra.pop("kl_coef")  # no KL penalty
-    if step % cfg.log_every == 0 or step == run.n_rollouts:
-        tr.record_step(
-            step,
-            loss=stats.means.get("loss", math.nan),
-            grad_norm=stats.grad_norm,
-            lr=stats.lr,
-            local_tokens=ro.tokens(),
-            seq_len=ro.tokens() / ro.n,
-            t_start=t0,
-            t_data=0.0,
-            flops=flops,
             **extra | timing,
         )
-
-
-def close_step(run: RLRun, step: int) -> None:
-    """After logged step `step` (1-based): a checkpoint at a boundary, with the KL coefficient
-    and the data position a resume starts from."""
-    cfg, s = run.ctx.section, run.rollouts
-    position = data_position(step, len(run.data.train), cfg.rollout.prompts_per_step, s.seed)
-    extra = {"kl_coef": run.ctl.coef, "data": position}
-    run.tr.maybe_checkpoint(step, cfg.checkpoint_every, cfg.keep_checkpoints, extra=extra)
 
 
 def finish(
@@ -276,7 +208,7 @@ def finish(
     `fields`, and `headline_extra` in its headline)."""
     ctx, cfg, tr = run.ctx, run.ctx.section, run.tr
     save_adapter(tr.model, ctx, selected_adapters=[POLICY])
-    if run.algo.critic:
+    if run.critic:
         save_adapter(tr.model, ctx, name="critic", selected_adapters=[VALUE])
     tr.metrics.write("end", step=run.n_rollouts, **memory_snapshot(run.rollouts.device))
     tr.metrics.close()

@@ -12,6 +12,7 @@ ranks ended, a rank with fewer live episodes filling its turn with one-token row
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,6 @@ from posttrain.agents.episodes import (
     Generate,
     Renderer,
     TemplateNotIncremental,
-    engine_turns,
     run_episodes,
     start_episodes,
 )
@@ -35,8 +35,8 @@ from posttrain.agents.tools import ToolLoadError, load_tools
 from posttrain.data.chat import end_of_turn
 from posttrain.distributed.runtime import all_reduce_sum, min_max
 from posttrain.rewards.extract import completion_text
-from posttrain.train.rollout import Rollout
-from posttrain.train.rollout_engine import RolloutEngine, left_pad
+from posttrain.rl.rollout.engine import RolloutEngine, left_pad
+from posttrain.rl.rollout.sample import Rollout
 
 if TYPE_CHECKING:
     from posttrain.config.schema import RolloutConfig, SamplingConfig
@@ -109,6 +109,31 @@ def stop_text(tok: Any, stop_ids: list[int]) -> str:
         f"stop tokens {[tok.convert_ids_to_tokens(i) for i in stop_ids]}: episodes need a turn "
         "to end at the token generation stops at"
     )
+
+
+def engine_turns(
+    engine: RolloutEngine,
+    sampling: SamplingConfig,
+    stop_ids: Sequence[int],
+    pad_id: int,
+    seed: int,
+) -> Generate:
+    """A rollout engine as the episode loop's `generate`: turn n is seeded `seed + n`, each
+    row cut after its first stop token (the engine right-pads rows that stopped); the engine
+    may keep its cache from turn to turn (`turns=True`; the caller `release()`s it)."""
+    turn = itertools.count()
+    stops = set(stop_ids)
+
+    def generate(prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        cfg = sampling.model_copy(update={"max_new_tokens": max_new})
+        out = engine.generate(prompts, cfg, list(stop_ids), pad_id, seed + next(turn), turns=True)
+        rows = []
+        for row in out.tolist():
+            end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+            rows.append(row[:end])
+        return rows
+
+    return generate
 
 
 def synced_turns(

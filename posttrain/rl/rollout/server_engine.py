@@ -1,5 +1,5 @@
-"""`ServerEngine`: the `RolloutEngine` (`posttrain.train.rollout_engine`) that samples from a
-rollout server (`posttrain.serving.server`).
+"""`ServerEngine`: the `RolloutEngine` (`posttrain.rl.rollout.engine`) that samples from a
+rollout server (`posttrain.rl.serving.server`).
 
 Each prompt is one request, `max_concurrency` in flight per rank; ranks send theirs on their
 own (no collective: the server batches them), so an episode loop on this engine needs no
@@ -20,8 +20,8 @@ from collections import Counter
 import torch
 
 from posttrain.config.schema import SamplingConfig
-from posttrain.serving.api import Completion, ServerError
-from posttrain.serving.server import RolloutServer
+from posttrain.rl.serving.api import Completion, ServerError
+from posttrain.rl.serving.server import RolloutServer
 
 log = logging.getLogger("posttrain.serving")
 
@@ -35,7 +35,7 @@ class ServerEngine:
     def __init__(self, server: RolloutServer, role: str) -> None:
         self.server, self.role = server, role
         # Per thread: a rollout generated ahead in the background counts apart from the
-        # main thread's calls (`posttrain.rl.offpolicy`).
+        # main thread's calls (`posttrain.rl.rollout.offpolicy`).
         self._local = threading.local()
         self._warned = False
 

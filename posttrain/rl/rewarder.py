@@ -1,6 +1,6 @@
 """The reward of an online-RL rollout: the recipe's reward functions (verifiers) and/or the
 learned reward model, summed with their weights into `ro.scored["scores"]` [N], which every
-algorithm's advantage reads (`posttrain.train.rl_algos.shaped_scores`).
+algorithm's advantage reads (`posttrain.rl.algorithms.shaped_scores`).
 
 Rows carry what the functions need: prompt messages, data columns (`answer`, ...) and the data
 location a misbehaving function's error names (`posttrain.data.prompts.PromptData`).
@@ -16,7 +16,7 @@ import torch
 
 from posttrain.models.roles import REWARD
 from posttrain.rewards.combine import RewardFunction, function_means, score_functions
-from posttrain.train.rollout import Rollout, decode_responses
+from posttrain.rl.rollout.sample import Rollout, decode_responses
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class Rewarder:
 
     @property
     def roles(self) -> tuple[str, ...]:
-        """The role forwards the reward needs from `posttrain.train.rollout.score`."""
+        """The role forwards the reward needs from `posttrain.rl.rollout.sample.score`."""
         return (REWARD,) if self.rm_weight is not None else ()
 
     def __call__(self, ro: Rollout, rows: list[dict[str, Any]]) -> None:

@@ -2,7 +2,7 @@
 
 One prompt per request (the server batches concurrent requests itself: continuous batching), so
 a row's answer never depends on which other rows were sent with it. Pure functions of the
-request's inputs and the server's JSON; `posttrain.serving.engine` sends them.
+request's inputs and the server's JSON; `posttrain.rl.rollout.server_engine` sends them.
 
 - `transformers` (`transformers serve`, `/v1/completions`): the prompt goes as text (the server
   refuses token ids) and comes back as text, decoded without special tokens, so the response ids
@@ -18,7 +18,7 @@ request's inputs and the server's JSON; `posttrain.serving.engine` sends them.
   `output_token_logprobs`) out, with log-probs; LoRA adapters by name in `lora_path`.
 
 Weights: each API's requests that make a folder servable under a name (`load`) and that drop a
-name (`unload`); `posttrain.serving.weights` writes the folders.
+name (`unload`); `posttrain.rl.serving.weights` writes the folders.
 """
 
 from __future__ import annotations

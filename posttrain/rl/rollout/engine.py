@@ -1,18 +1,20 @@
 """The rollout engine: what turns prompt token ids into sampled responses for online RL.
 
-`sample()` (posttrain.train.rollout) asks an engine for response tokens and builds the Rollout
+`sample()` (posttrain.rl.rollout.sample) asks an engine for response tokens and builds the Rollout
 (masks, stop flags) around them; scoring and updates never see the engine. Two engines: the
 in-process `HFEngine` below, and a serving engine's (vLLM, SGLang, `transformers serve`: paged
-KV cache, continuous batching; `posttrain.serving.engine.ServerEngine`). The stage holds one
-engine per sampling role and calls `sync_weights` after each update. The interface:
+KV cache, continuous batching; `posttrain.rl.rollout.server_engine.ServerEngine`). The stage
+holds one engine per sampling role and calls `sync_weights` after each update. The interface:
 
 - `generate(prompts, sampling, stop_ids, pad_id, seed, turns)` -> response ids [N, R];
   `turns`: an episode loop's call, whose next call's prompts extend these prompts and responses,
   so the engine may keep its KV cache between them (`release()` drops it). The in-process engine
-  keeps it itself (`posttrain.train.prefix_cache`); a serving engine's prefix cache does the same.
+  keeps it itself (`posttrain.rl.rollout.prefix_cache`); a serving engine's prefix cache does
+  the same.
 - `sync_weights(model)`: after each policy update, which makes the next `version`; in process
   the engine decodes with the training model itself and only drops its kept cache; the server
-  engine (`posttrain.serving.engine`) writes the policy's adapter and has the server load it.
+  engine (`posttrain.rl.rollout.server_engine`) writes the policy's adapter and has the server
+  load it.
 - `version`: the policy version the engine samples (updates applied since the stage's start,
   counting those before a resume); each rollout records it, and the update measures its lag.
 - `collective`: whether `generate` is a collective over ranks (in process, every forward of
@@ -53,7 +55,7 @@ from transformers.generation import (
 from posttrain.config.schema import RolloutConfig, SamplingConfig
 from posttrain.distributed.fsdp import forward_method, gathered
 from posttrain.models.decoding import generate_kwargs
-from posttrain.train.prefix_cache import Continued, Kept, PrefixCache, full_attention
+from posttrain.rl.rollout.prefix_cache import Continued, Kept, PrefixCache, full_attention
 
 _DECODE_REGISTERED = "_posttrain_decode_registered"
 
@@ -127,7 +129,7 @@ class HFEngine:
     `cache_implementation`: transformers' cache for `generate` (None = dynamic; "static" is
     measured in bench/rollout_cost.py) - not used by the decode loop. `keep_turns`: calls
     with `turns=True` run the decode loop and keep their KV cache for the next call
-    (`posttrain.train.prefix_cache`), on models whose layers all attend to the whole
+    (`posttrain.rl.rollout.prefix_cache`), on models whose layers all attend to the whole
     sequence and for greedy or sampled decoding."""
 
     def __init__(
