@@ -1,0 +1,2 @@
+"""The workspace's own records: runs and their status, the champion registry, what `clean` may delete
+and its trash."""
