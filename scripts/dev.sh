@@ -90,7 +90,8 @@ case "${1:-}" in
     marker=()
     [ "$1" = test-fast ] && marker=(-m "not slow")
     set +e
-    "$venv/bin/python" -m pytest "${marker[@]}" "${@:2}"
+    # --durations=25: every log lists the slowest tests, so a test that grows is seen at once.
+    "$venv/bin/python" -m pytest --durations=25 "${marker[@]}" "${@:2}"
     rc=$?
     set -e
     # pytest exits 5 when it collected no test: that is a failure here, never a silent pass.
