@@ -28,9 +28,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from posttrain.runtime.recovery import earlier_attempt
 from posttrain.store.artifacts import read_manifest, verify
 from posttrain.store.locking import is_held, lock_path
-from posttrain.runtime.recovery import earlier_attempt
 from posttrain.train.integrity import check_hashes, check_meta, check_sizes, read_record
 from posttrain.workspace.runs import RunInfo, list_runs
 

@@ -23,9 +23,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from posttrain.store.artifacts import ArtifactRef, atomic_write_text, fingerprint, stage_dir
 from posttrain.config.schema import PromotionRule, Recipe
 from posttrain.plan.planner import PlannedStage
+from posttrain.store.artifacts import ArtifactRef, atomic_write_text, fingerprint, stage_dir
 
 WIN_RATE_VS_CHAMPION = "win_rate_vs_champion"
 # The champion side of metrics measured against the champion itself: what the champion scores
