@@ -10,6 +10,7 @@ Each mode runs in a process of its own (MKL reads the mode once, at its first ca
   and 1-3 threads: 1 is reproducible.
 
     python bench/numerics_pin.py [--hidden 256] [--layers 4] [--tokens 1024] [--threads 2]
+                                 [--rounds 2]
 """
 
 from __future__ import annotations
@@ -86,10 +87,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="processes per mode (best of them)")
     args = ap.parse_args(argv)
-    # Alternated, twice each: these machines are shared and noisy.
+    # Alternated, twice each by default: these machines are shared and noisy.
     runs = {"default": [], "pinned": []}
-    for _ in range(2):
+    for _ in range(args.rounds):
         for mode in runs:
             runs[mode].append(measure(mode, args))
     best = {

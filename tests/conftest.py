@@ -79,5 +79,5 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]
         server.stop()
 
 
-# `slurm_cluster`: a real 2-node Slurm cluster per test module (tests/slurm_cluster.py).
+# `slurm_cluster`: a real 2-node Slurm cluster for the session (tests/slurm_cluster.py).
 from slurm_cluster import slurm_cluster  # noqa: E402, F401

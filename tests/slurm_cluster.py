@@ -445,10 +445,11 @@ class LocalSlurm:
         raise RuntimeError(f"nodes not idle after {timeout:.0f} s ({states}):\n{self.logs()}")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
-    """A 2-node LocalSlurm for one test module (skips, or fails under
-    POSTTRAIN_REQUIRE_SLURM=1, where Slurm cannot run)."""
+    """A 2-node LocalSlurm for the whole session, started at its first use (skips, or fails
+    under POSTTRAIN_REQUIRE_SLURM=1, where Slurm cannot run). Every test that downs, drains or
+    queues on it resumes its nodes and cancels its jobs before it ends."""
     require_slurm()
     with LocalSlurm(tmp_path_factory.mktemp("slurm")) as cluster:
         yield cluster

@@ -17,7 +17,7 @@ pytestmark = [
 
 
 def test_the_pinned_process_gives_one_product(capsys: pytest.CaptureFixture) -> None:
-    best = numerics_pin.main(["--hidden", "64", "--layers", "1", "--tokens", "64"])
+    best = numerics_pin.main(["--hidden", "64", "--layers", "1", "--tokens", "64", "--rounds", "1"])
     out = capsys.readouterr().out
     assert best["pinned"]["mode"] == STRICT_MKL and best["default"]["mode"] != STRICT_MKL
     assert best["pinned"]["outcomes"] == 1 and best["default"]["outcomes"] > 1

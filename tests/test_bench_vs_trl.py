@@ -1,7 +1,6 @@
-"""bench/vs_trl.py: its figures, its pair conversion, and one tiny end-to-end comparison.
-
-The end-to-end test needs the `bench` extra (trl==1.16.0) and is skipped without it (CI does not
-install it); the others run everywhere.
+"""bench/vs_trl.py: its figures, its pair conversion and its command line without trl; and
+bench/vs_trl_check.py's verdicts on a comparison's rows. The comparison itself needs the `bench`
+extra (trl==1.16.0), which the test command does not install: `bench/vs_trl_check.py` runs it.
 """
 
 from __future__ import annotations
@@ -13,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from bench import vs_trl, vs_trl_trainers
+from bench import vs_trl, vs_trl_check, vs_trl_trainers
 from posttrain.data.chat import IGNORE
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "vs_trl.py"
+CHECK = ROOT / "bench" / "vs_trl_check.py"
 
 
 def test_summarize_skips_warmup_steps() -> None:
@@ -174,33 +174,44 @@ def test_help_and_missing_trl_without_trl(tmp_path: Path) -> None:
     assert proc.stderr.strip() == vs_trl.TRL_MISSING
     assert "pip install -e .[bench]" in vs_trl.TRL_MISSING
 
+    check = subprocess.run([sys.executable, str(CHECK)], capture_output=True, text=True, env=env)
+    assert check.returncode == 1 and check.stderr.strip() == vs_trl.TRL_MISSING
 
-@pytest.mark.slow
-def test_tiny_sft_dpo_and_grpo_against_trl(tmp_path: Path) -> None:
-    """The whole comparison at the tiny size, 3 steps (about two minutes on an idle machine,
-    seven process starts): positive figures, the same tokens counted on both sides, the
-    first-step losses equal (same base, rows and B = 0 adapter) and, with the adapter's init
-    seeded alike, the last ones too; the GRPO row's step times, completion lengths and
-    posttrain's phase split."""
-    pytest.importorskip("trl")
-    rows = vs_trl.measure("tiny", 3, ["sft", "dpo", "grpo"], 2, "default", tmp_path)
-    assert [r["stage"] for r in rows] == ["sft", "dpo", "grpo"]
-    for r in rows[:2]:
-        p, t = r["posttrain"], r["trl"]
-        assert p["tokens_per_s"] > 0 and t["tokens_per_s"] > 0 and r["ratio"] > 0
-        assert r["median_ratio"] > 0 and r["fast_ratio"] > 0
-        assert p["steps"] == t["steps"] == 3
-        assert p["tokens_per_step"] == t["tokens_per_step"]  # same batches, same real tokens
-        assert r["first_loss_match"], (p["first_loss"], t["first_loss"])
-        assert p["last_loss"] == pytest.approx(t["last_loss"], rel=1e-3)
-        assert t["gradient_checkpointing"]  # TRL's default, kept
-    g = rows[2]
-    p, t = g["posttrain"], g["trl"]
-    assert p["steps"] == t["steps"] == 3
-    for side in (p, t):
-        assert side["step_time_s"] > 0 and side["median_step_time_s"] > 0
-        assert side["fast_step_time_s"] > 0 and side["completion_len"] > 0
-    assert g["time_ratio"] > 0 and g["median_time_ratio"] > 0 and g["fast_time_ratio"] > 0
-    assert set(p["split"]) == set(vs_trl.RL_SPLIT) and all(v > 0 for v in p["split"].values())
-    assert t["split"]["generation_s"] > 0
-    assert not t["gradient_checkpointing"]  # the issue's shape, as the stage
+
+def _rows() -> list[dict]:
+    """A 3-step comparison's rows that pass every check."""
+    side = {"tokens_per_s": 100.0, "steps": 3, "tokens_per_step": 512}
+    row = {"ratio": 1.1, "median_ratio": 1.0, "fast_ratio": 1.2, "first_loss_match": True}
+    sft = {
+        **row,
+        "stage": "sft",
+        "posttrain": {**side, "first_loss": 6.2, "last_loss": 5.0},
+        "trl": {**side, "first_loss": 6.2, "last_loss": 5.0001, "gradient_checkpointing": True},
+    }
+    times = {"step_time_s": 2.0, "median_step_time_s": 2.0, "fast_step_time_s": 1.5}
+    rl = {**times, "steps": 3, "completion_len": 12.0}
+    grpo = {
+        "stage": "grpo",
+        "time_ratio": 0.8,
+        "median_time_ratio": 0.8,
+        "fast_time_ratio": 0.9,
+        "posttrain": {**rl, "split": dict.fromkeys(vs_trl.RL_SPLIT, 0.5)},
+        "trl": {**rl, "split": {"generation_s": 1.0}, "gradient_checkpointing": False},
+    }
+    return [sft, {**sft, "stage": "dpo"}, grpo]
+
+
+def test_check_passes_a_good_comparison_and_names_each_failure() -> None:
+    sft, dpo, grpo = _rows()
+    assert vs_trl_check.throughput_problems(sft) == vs_trl_check.grpo_problems(grpo) == []
+    dpo["first_loss_match"] = False
+    dpo["trl"] = {**dpo["trl"], "tokens_per_step": 511, "last_loss": 5.1}
+    assert [p.split(":")[1].split()[0] for p in vs_trl_check.throughput_problems(dpo)] == [
+        "tokens",
+        "first",
+        "last",
+    ]
+    grpo["posttrain"] = {**grpo["posttrain"], "split": {"generation_s": 1.0}}
+    grpo["trl"] = {**grpo["trl"], "gradient_checkpointing": True, "steps": 2}
+    problems = vs_trl_check.grpo_problems(grpo)
+    assert len(problems) == 3 and all(p.startswith("grpo: ") for p in problems), problems

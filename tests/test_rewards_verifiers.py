@@ -166,7 +166,8 @@ def test_answer_match(reference: str, completion: str, score: float) -> None:
 
 def test_answer_match_symbolic_needs_math_verify() -> None:
     # What only math-verify knows: LaTeX and algebra. The plain comparison says no.
-    pytest.importorskip("math_verify")
+    import math_verify  # noqa: F401 (a dependency: fail, never skip, without it)
+
     for ref, pred in [("\\boxed{x+1}", "\\boxed{1+x}"), ("#### 2", "\\boxed{\\sqrt{4}}")]:
         assert answer_match(["q"], [pred], answer=[ref]) == [1.0]
         assert not plain_equal(rmath.reference_answer(ref), rmath.completion_answer(pred))
@@ -231,7 +232,8 @@ def test_answer_match_without_math_verify(monkeypatch: pytest.MonkeyPatch) -> No
 def test_answer_match_off_the_main_thread() -> None:
     # math-verify's default signal.alarm timeout raises ValueError outside the main thread; ours
     # turns it off there, and keeps answers that could compute for minutes away from it.
-    pytest.importorskip("math_verify")
+    import math_verify  # noqa: F401 (a dependency: fail, never skip, without it)
+
     out: dict[str, object] = {}
 
     def score() -> None:
@@ -256,7 +258,8 @@ def test_answer_match_off_the_main_thread() -> None:
 
 def test_answer_match_timeout_in_the_main_thread() -> None:
     # 9^(9^9) has ~370 million digits: sympy would compute for minutes; the timeout scores 0.
-    pytest.importorskip("math_verify")
+    import math_verify  # noqa: F401 (a dependency: fail, never skip, without it)
+
     t0 = time.perf_counter()
     assert answer_match(["q"], ["\\boxed{9^{9^{9}}}"], answer=["#### 1"], timeout_s=1) == [0.0]
     assert time.perf_counter() - t0 < 4

@@ -19,6 +19,7 @@ import psutil
 import pytest
 import torch
 import yaml
+from prefect_server import seed_home
 from safetensors.torch import load_file
 
 from posttrain.telemetry.metrics import read_metrics
@@ -212,7 +213,7 @@ def test_a_killed_flow_takes_the_server_down(parents) -> None:  # noqa: F811
         "HF_HUB_OFFLINE": "1",
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_HOME": str(parents["folder"] / "prefect-home"),
+        "PREFECT_HOME": str(seed_home(parents["folder"] / "prefect-home")),
     }
     flow = subprocess.Popen(
         [sys.executable, "-m", "flows.cli", "run", str(recipe)],

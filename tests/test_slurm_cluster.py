@@ -202,7 +202,7 @@ time.sleep(300)
 
 def test_crashed_owner_is_cleaned_at_next_start(slurm_cluster: LocalSlurm, tmp_path: Path) -> None:
     """A run killed without stop() leaves daemons and namespaces; the next start removes them,
-    and leaves a live owner's cluster (this module's) alone."""
+    and leaves a live owner's cluster (the session's) alone."""
     code = _CRASHING_OWNER.format(tests=str(Path(__file__).parent), workdir=str(tmp_path))
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

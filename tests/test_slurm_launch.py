@@ -66,6 +66,13 @@ def _queue(cluster: Any) -> list[str]:
     return cluster.client("squeue", "--noheader", "--format=%i %T").split("\n")[:-1]
 
 
+@pytest.fixture(autouse=True)
+def _empty_queue(slurm_cluster: Any) -> None:
+    """The cluster is the session's (tests/slurm_cluster.py): each test here starts once the
+    jobs of an earlier test, here or in another module, have left the queue."""
+    wait_for("an empty queue before the test", lambda: not _queue(slurm_cluster), 60)
+
+
 def _start_run(recipe: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         return subprocess.Popen(

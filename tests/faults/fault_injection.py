@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 
 def truncate(path: Path, keep: float = 0.5) -> None:
     """Cut a file to `keep` of its size (a copy or a write that stopped half-way)."""
@@ -74,6 +76,15 @@ def can_mount_tmpfs(probe: Path) -> bool:
         return False
     subprocess.run(["umount", str(probe)], check=True)
     return True
+
+
+def skip_without_tmpfs(reason: str) -> None:
+    """Skip a test that needs a real tmpfs where none can be mounted, or fail it where the run
+    demands one (POSTTRAIN_REQUIRE_TMPFS=1, set by `scripts/dev.sh` as root), so CI never skips
+    it silently."""
+    if os.environ.get("POSTTRAIN_REQUIRE_TMPFS") == "1":
+        pytest.fail(f"{reason} [POSTTRAIN_REQUIRE_TMPFS=1]", pytrace=False)
+    pytest.skip(reason)
 
 
 @contextlib.contextmanager

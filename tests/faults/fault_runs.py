@@ -1,8 +1,9 @@
 """Real `posttrain run` processes for the fault tests: start one, watch its output, find its
 processes (the embedded Prefect server, the stage processes), signal it, time what follows.
 
-Every run gets the same private PREFECT_HOME within a test module (the first one pays the
-database migrations), a private device-lock directory, and a workspace of its own.
+Every run gets the same private PREFECT_HOME within a test module (seeded with a database
+migrated once per session: prefect_server.seed_home), a private device-lock directory, and a
+workspace of its own.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import psutil
+from prefect_server import seed_home
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,7 +76,7 @@ def run_env(home: Path, lock_dir: Path, extra_path: Path | None = None, **extra:
         env.pop(k, None)
     paths = [str(ROOT), *([str(extra_path)] if extra_path else []), env.get("PYTHONPATH", "")]
     env.update(
-        PREFECT_HOME=str(home),
+        PREFECT_HOME=str(seed_home(home)),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
         POSTTRAIN_DEVICE_LOCK_DIR=str(lock_dir),

@@ -22,6 +22,7 @@ from tests.faults.fault_injection import (
     SmallDisk,
     disk_filled_when_dcp_writes,
     disk_for_test,
+    skip_without_tmpfs,
 )
 from tests.faults.fault_trainer import Trainer
 from tests.fixtures_tiny import load_base, tiny_assets
@@ -127,7 +128,7 @@ def test_export_refused_before_writing_and_cleaned_up_when_the_disk_fills(
         return real_save(*args, **kwargs)
 
     if isinstance(disk, InjectedDisk):
-        pytest.skip("no tmpfs here: the fallback cannot fill safetensors' own writes")
+        skip_without_tmpfs("no tmpfs here: the fallback cannot fill safetensors' own writes")
     model.save_pretrained = save_while_the_disk_fills
     with pytest.raises(DiskFull) as err:
         _save_with_room(model, assets.tokenizer, out)

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from prefect_server import seed_home
 
 from tests.stage_helpers import (
     ROOT,
@@ -187,7 +188,7 @@ def _kill_everything(home: Path, proc: subprocess.Popen[bytes]) -> None:
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("prefect-home")
+    return seed_home(tmp_path_factory.mktemp("prefect-home"))
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,12 @@ from posttrain.telemetry.metrics import read_metrics
 from posttrain.train.checkpoint import complete_checkpoints
 from posttrain.train.integrity import listing, my_share
 from posttrain.train.resume import inspect_checkpoint
-from tests.faults.fault_injection import can_mount_tmpfs, flip_bytes, small_disk
+from tests.faults.fault_injection import (
+    can_mount_tmpfs,
+    flip_bytes,
+    skip_without_tmpfs,
+    small_disk,
+)
 from tests.stage_helpers import ROOT, TINY, planned_dir, run_inprocess, write_recipe
 
 pytestmark = pytest.mark.slow
@@ -68,7 +73,7 @@ def recipe(tmp_path: Path) -> Path:
 
 def test_one_rank_meets_the_fault_both_decide(recipe: Path, tmp_path: Path, monkeypatch) -> None:
     if not can_mount_tmpfs(tmp_path / "probe"):
-        pytest.skip("needs a real small filesystem (root and mount -t tmpfs)")
+        skip_without_tmpfs("needs a real small filesystem (root and mount -t tmpfs)")
     (tmp_path / "mods").mkdir()
     (tmp_path / "mods" / "pt_sft_disk_fills.py").write_text(WRAPPER)
     out = planned_dir("sft", recipe, *TWO)
