@@ -92,7 +92,7 @@ def check_gkd() -> list[str]:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from posttrain.train.distill_losses import distill_loss, token_divergence
+    from posttrain.rl.distill_losses import distill_loss, token_divergence
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TRLExperimentalWarning
