@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import threading
+import time
 from pathlib import Path
 from uuid import UUID
 
@@ -97,15 +98,23 @@ def _prefect_view(run_dir: str) -> tuple[str, dict[str, list], dict[str, str]]:
     return name, by_type, states
 
 
-def _flow_log(run_dir: str) -> str:
-    """The log lines the flow run that wrote `run_dir` sent to the Prefect server."""
+def _flow_log(run_dir: str, timeout_s: float = 60) -> str:
+    """The log lines the flow run that wrote `run_dir` sent to the Prefect server: waits for
+    its last line (Prefect ships logs in batches, after the flow has returned)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
     flow_run_id = UUID(json.loads((Path(run_dir) / "lineage.json").read_text())["flow_run_id"])
     only_this_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+    deadline = time.monotonic() + timeout_s
     with get_client(sync_client=True) as client:
-        return "\n".join(x.message for x in client.read_logs(log_filter=only_this_run))
+        while True:
+            logs = client.read_logs(log_filter=only_this_run)
+            # The flow's own last line (its tasks log one of their own, with a task run id).
+            done = any(x.task_run_id is None and "Finished in state" in x.message for x in logs)
+            if done or time.monotonic() > deadline:
+                return "\n".join(x.message for x in logs)
+            time.sleep(0.5)
 
 
 def _run_while_held(busy: DeviceLock, recipe: Recipe, hold_s: float) -> tuple[dict, bool]:
