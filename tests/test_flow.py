@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import threading
+import time
 from pathlib import Path
 from uuid import UUID
 
@@ -97,31 +98,39 @@ def _prefect_view(run_dir: str) -> tuple[str, dict[str, list], dict[str, str]]:
     return name, by_type, states
 
 
-def _flow_log(run_dir: str) -> str:
-    """The log lines the flow run that wrote `run_dir` sent to the Prefect server."""
+def _flow_log(run_dir: str, timeout_s: float = 60) -> str:
+    """The log lines the flow run that wrote `run_dir` sent to the Prefect server: waits for
+    its last line (Prefect ships logs in batches, after the flow has returned)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
     flow_run_id = UUID(json.loads((Path(run_dir) / "lineage.json").read_text())["flow_run_id"])
     only_this_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+    deadline = time.monotonic() + timeout_s
     with get_client(sync_client=True) as client:
-        return "\n".join(x.message for x in client.read_logs(log_filter=only_this_run))
+        while True:
+            logs = client.read_logs(log_filter=only_this_run)
+            # The flow's own last line (its tasks log one of their own, with a task run id).
+            done = any(x.task_run_id is None and "Finished in state" in x.message for x in logs)
+            if done or time.monotonic() > deadline:
+                return "\n".join(x.message for x in logs)
+            time.sleep(0.5)
 
 
-def _run_while_held(busy: DeviceLock, recipe: Recipe, hold_s: float = 30) -> tuple[dict, bool]:
-    """The flow's result on `recipe` while `busy` holds the devices for up to `hold_s` (the
-    stand-in stages end in seconds), and whether the run was still waiting when it let go."""
+def _run_while_held(busy: DeviceLock, recipe: Recipe, hold_s: float) -> tuple[dict, bool]:
+    """The flow's result on `recipe` while `busy` holds the devices for up to `hold_s`, and
+    whether the run finished while they were held (a run that waits for them cannot)."""
     assert busy.try_acquire({"what": "posttrain run", "flow_run_name": "busy-run"})
     outcome: dict = {}
     run = threading.Thread(target=lambda: outcome.update(post_train(recipe)))
     try:
         run.start()
         run.join(timeout=hold_s)
-        waited = run.is_alive()
+        finished = not run.is_alive()
     finally:
         busy.release()
         run.join(timeout=300)
-    return outcome, waited
+    return outcome, finished
 
 
 def _launches(workspace: Path) -> int:
@@ -168,8 +177,9 @@ def test_flow_caches_reruns_downstream_and_records_runs(
     # Same recipe while another run holds the devices: every artifact is found complete, so the
     # run reuses them without waiting, and nothing is launched; the Prefect UI shows each
     # stage's task in a state named with the report's word.
-    second, waited = _run_while_held(busy, recipe)
-    assert not waited, "a run that trains nothing waited for the devices"
+    # Generous: a run that waits for the devices never finishes while they are held.
+    second, finished = _run_while_held(busy, recipe, hold_s=300)
+    assert finished, "a run that trains nothing waited for the devices"
     assert _statuses(second) == dict.fromkeys(PLANNED, "reused")
     log = _flow_log(second["run_dir"])
     assert "every stage's artifact is complete: reusing them without waiting for" in log
@@ -205,8 +215,8 @@ def test_flow_caches_reruns_downstream_and_records_runs(
     # rebuilds the export once they are free.
     weights = export_dir / "model" / "weights.txt"
     weights.write_text(weights.read_text().upper())
-    outcome, waited = _run_while_held(busy, changed)
-    assert waited, "the export was rebuilt without waiting for the devices"
+    outcome, finished = _run_while_held(busy, changed, hold_s=20)
+    assert not finished, "the export was rebuilt without waiting for the devices"
     assert _statuses(outcome)["export"] == "ran" and _launches(ws) == 8
     log = _flow_log(outcome["run_dir"])
     assert "stage export has no complete artifact in" in log
