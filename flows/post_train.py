@@ -279,7 +279,8 @@ def post_train(
     recipe: Recipe, until: list[str] | None = None, only: list[str] | None = None
 ) -> dict[str, Any] | State:
     """The recipe's stages (ingest, the stage graph, evaluate, export), each skipped when its
-    artifact exists, then the promotion gate; all while holding the device set's slot.
+    artifact exists, then the promotion gate; all while holding the device set's slot
+    unless every stage's artifact is already complete (`on_devices`).
     `until`/`only`: stage names (`posttrain run --until/--only`, posttrain.plan.selection); the
     run goes through those and what they need upstream only.
 
