@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TextIO
+from collections.abc import Callable
+from typing import TextIO, TypeVar
 
 from posttrain.config.loader import RecipeError, load_recipe
-from posttrain.config.schema import Recipe
+from posttrain.config.schema import Recipe, ResolvedRecipe
+
+R = TypeVar("R", bound=Recipe)
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 EXIT_HUNG_UP = 129
@@ -18,14 +21,17 @@ def refused_head(path: str, problems: int) -> str:
     )
 
 
-def load_or_report(
-    path: str, overrides: list[str], err: TextIO, devices: bool = True
-) -> Recipe | None:
-    """The resolved recipe, or None after printing every problem as `field.path: message`.
+def load_or_report(path: str, overrides: list[str], err: TextIO) -> ResolvedRecipe | None:
+    """The resolved recipe, or None after printing every problem as `field.path: message`."""
+    return reported(load_recipe, path, overrides, err)
 
-    `devices=False`: paths only, for a recipe sent to a server to run elsewhere."""
+
+def reported(
+    load: Callable[[str, list[str]], R], path: str, overrides: list[str], err: TextIO
+) -> R | None:
+    """`load(path, overrides)`, or None after printing every problem (`load_or_report`)."""
     try:
-        return load_recipe(path, overrides, devices=devices)
+        return load(path, overrides)
     except RecipeError as exc:
         # One block, like a failed stage's (flows.failure_block): nothing ran, so no log.
         print(refused_head(path, len(exc.errors)), file=err)

@@ -6,8 +6,9 @@ import os
 from pathlib import Path
 from typing import TextIO
 
-from flows.cli_common import EXIT_FAILED, EXIT_INVALID, EXIT_OK, load_or_report
+from flows.cli_common import EXIT_FAILED, EXIT_INVALID, EXIT_OK, reported
 from flows.prefect_env import apply_prefect_defaults
+from posttrain.config.loader import load_for_deployment
 from posttrain.config.served_access import (
     ALLOWED_ENV,
     REWARDS_ENV,
@@ -44,7 +45,7 @@ def cmd_serve(
             return EXIT_INVALID
     recipes = []
     for path in paths:
-        recipe = load_or_report(path, [], err, devices=False)
+        recipe = reported(load_for_deployment, path, [], err)
         if recipe is None:
             return EXIT_INVALID
         recipes.append((path, recipe))
@@ -93,7 +94,7 @@ def cmd_submit(
 ) -> int:
     """Start a run of the served deployment of this recipe, with overrides and the stage
     selection (checked by the run, against the worker's workspace); print its URL."""
-    recipe = load_or_report(path, overrides, err, devices=False)
+    recipe = reported(load_for_deployment, path, overrides, err)
     if recipe is None or _server_url(err) is None:
         return EXIT_INVALID
     apply_prefect_defaults()

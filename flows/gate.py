@@ -21,7 +21,7 @@ from prefect.logging import get_run_logger
 from flows.report.tables import StageRecord, export_model_path
 from flows.stage.launch import REUSE_ONLY, DevicesNeeded
 from flows.stage.task import run_task
-from posttrain.config.schema import Recipe
+from posttrain.config.schema import ResolvedRecipe
 from posttrain.kinds import KINDS
 from posttrain.plan.planner import PlannedStage, spec_for
 from posttrain.runtime.spec import StageSpec
@@ -53,7 +53,7 @@ class HeadToHead:
     record: dict[str, Any] = field(default_factory=dict)  # kept in the registry entry
 
 
-def promote(recipe: Recipe, run_id: str, records: list[StageRecord]) -> Decision | None:
+def promote(recipe: ResolvedRecipe, run_id: str, records: list[StageRecord]) -> Decision | None:
     """The promotion gate after a completed run: the evaluate headline (and the head-to-head
     against the champion) against the champion's (`posttrain.workspace.promotion`); the registry
     records the decision, and the champion when promoted. A run that left out its evaluate or its
@@ -97,7 +97,7 @@ def promote(recipe: Recipe, run_id: str, records: list[StageRecord]) -> Decision
 
 
 def head_to_head_vs_champion(
-    recipe: Recipe,
+    recipe: ResolvedRecipe,
     by_stage: dict[str, StageRecord],
     champion: dict[str, Any],
     log: Log,

@@ -41,7 +41,9 @@ from flows.stage.procs import kill_flow_run_processes
 from flows.stage.task import run_task
 from flows.terminal import KNOWN_FAILURES, quiet_known_failures
 from flows.trackers import StageFeed, Trackers, open_trackers
-from posttrain.config.schema import Recipe
+from posttrain.config.loader import resolve
+from posttrain.config.schema import Recipe, ResolvedRecipe
+from posttrain.config.served_access import ServedReach
 from posttrain.plan.planner import PlannedStage, RunPlan, plan, spec_for
 from posttrain.plan.selection import Selection, choose
 from posttrain.secrets import redact_obj
@@ -300,16 +302,25 @@ def post_train(
         return Failed(message=reason)
 
 
+def plan_once(recipe: Recipe, reach: ServedReach | None) -> RunPlan:
+    """The run's plan, its recipe resolved unless it already is. A served run's recipe came from
+    whoever sent it: it must only narrow the worker's folders (`reach`), and is resolved with
+    reward code from the worker's reward folders only."""
+    if reach is not None:
+        reach.check(recipe)
+    if reach is not None or not isinstance(recipe, ResolvedRecipe):
+        recipe = resolve(recipe, code_roots=reach.reward_roots if reach is not None else None)
+    return plan(recipe)
+
+
 def run_pipeline(
     recipe: Recipe, until: list[str] | None = None, only: list[str] | None = None
 ) -> dict[str, Any]:
     """The flow's body: choose and plan the stages, run them, the gate, the run's record."""
-    # A served run's recipe came from whoever sent it: the plan checks it only narrows the
-    # worker's folders, and imports reward code only from the worker's reward folders.
     reach = served_reach()
     command = "posttrain submit RECIPE" if reach is not None else "posttrain run RECIPE"
-    run_plan = choose(plan(recipe, reach), Selection.of(until, only), command)
-    run_id = _new_run_id()
+    run_plan = choose(plan_once(recipe, reach), Selection.of(until, only), command)
+    recipe, run_id = run_plan.recipe, _new_run_id()
     # run.json says `running` from here on, and how the run ended (posttrain.workspace.run_status).
     with RunJournal(recipe.run.workspace, run_id, recipe.run.name) as journal:
         run = PipelineRun(run_plan, run_id, start_tracking(run_plan, run_id), journal)

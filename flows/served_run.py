@@ -21,7 +21,7 @@ def is_served_run() -> bool:
 
 
 def served_reach() -> ServedReach | None:
-    """For a served run, the worker's reach its recipe may only narrow (the plan checks it);
+    """For a served run, the worker's reach its recipe may only narrow (the flow checks it);
     None for a `posttrain run`. Refuses a run whose job variables try to set that reach."""
     if not is_served_run():
         return None

@@ -233,6 +233,7 @@ def hand_planned(
     `fields` are PlannedStage fields (nprocs, nnodes, hang_timeout_s, launcher...)."""
     import copy
 
+    from posttrain.config.loader import resolve
     from posttrain.config.schema import Recipe
     from posttrain.plan.planner import PlannedStage, spec_for
     from posttrain.store.artifacts import stage_dir
@@ -240,7 +241,7 @@ def hand_planned(
     data = copy.deepcopy(TINY)
     data["run"]["workspace"] = str(tmp_path / "ws")
     data["infra"] |= {"threads_per_rank": 1, **(infra or {})}
-    recipe = Recipe.model_validate(data)
+    recipe = resolve(Recipe.model_validate(data))
     fp = "0123456789abcdef"
     stage = PlannedStage(
         **{

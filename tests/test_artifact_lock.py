@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from flows.stage.supervise import supervise_stage
-from posttrain.config.loader import validate_recipe
+from posttrain.config.loader import resolve, validate_recipe
 from posttrain.plan.planner import PlannedStage, plan, spec_for
 from posttrain.runtime.spec import StageSpec
 from posttrain.store.artifacts import read_manifest, stage_dir, verify, write_manifest
@@ -87,7 +87,7 @@ def slow_stage(
             "sft": {"data": {"synthetic": {}}},
         }
     )
-    return stage, spec_for(stage, recipe, {}), runs
+    return stage, spec_for(stage, resolve(recipe), {}), runs
 
 
 def _intact(out_dir: Path) -> None:
@@ -304,6 +304,7 @@ def test_two_real_ingest_runs_at_once(tmp_path: Path, caplog: pytest.LogCaptureF
             "sft": {"data": {"synthetic": {}}},
         }
     )
+    recipe = resolve(recipe)
     ingest = plan(recipe).stages[0]
     spec = spec_for(ingest, recipe, {})
     caplog.set_level(logging.INFO, logger="posttrain.flows")

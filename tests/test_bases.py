@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from flows.cli import cmd_plan
-from posttrain.config.loader import RecipeError, load_recipe, validate_recipe
+from posttrain.config.loader import RecipeError, load_for_deployment, resolve, validate_recipe
 from posttrain.plan.planner import plan
 from posttrain.plan.selection import Selection, choose
 from posttrain.runtime.preflight import model_shape
@@ -48,12 +48,12 @@ def teacher(**from_config: Any) -> dict[str, Any]:
 
 
 def planned(r: Any) -> dict[str, Any]:
-    return {s.name: s for s in plan(r).stages}
+    return {s.name: s for s in plan(resolve(r)).stages}
 
 
 def test_an_extra_base_is_planned_first_with_its_own_fingerprint_and_folder() -> None:
     r = recipe(teacher(), TEACHER_SFT)
-    stages = plan(r).stages
+    stages = plan(resolve(r)).stages
     assert [s.name for s in stages] == [
         "ingest", "teacher", "sft", "teacher_sft", "evaluate", "export"
     ]  # fmt: skip
@@ -179,7 +179,7 @@ def test_each_lineage_roots_at_its_own_base_template() -> None:
 
 def test_selection_and_timeouts_know_the_bases() -> None:
     r = recipe(teacher(), TEACHER_SFT, infra={**HEAD["infra"], "timeouts": {"teacher": 60}})
-    p = plan(r)
+    p = plan(resolve(r))
     assert p.stage("teacher").timeout_s == 60 and p.stage("ingest").timeout_s == 1800
     kept = choose(p, Selection(until=("teacher_sft",)))
     assert [s.name for s in kept.stages] == ["teacher", "teacher_sft"]
@@ -197,14 +197,14 @@ def test_an_extra_base_path_is_resolved_like_ingest(tmp_path: Path) -> None:
     data["run"]["workspace"] = "ws"
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(data))
-    r = load_recipe(path, devices=False)
+    r = load_for_deployment(path)
     assert r.stage("teacher").path == str(model.resolve())
     fps = planned(r)
     assert "files" in fps["teacher"].inputs  # the folder by its files' identity
     outside = {**data, "stages": [{"kind": "ingest", "name": "teacher", "path": "/etc"}]}
     path.write_text(yaml.safe_dump(outside))
     with pytest.raises(RecipeError) as exc:
-        load_recipe(path, devices=False)
+        load_for_deployment(path)
     assert exc.value.errors[0].startswith("stages.teacher.path: /etc is outside the folders")
 
 

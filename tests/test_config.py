@@ -299,3 +299,25 @@ def test_tools_under_a_template_without_tool_calls_are_refused_before_anything_t
         Recipe.model_validate(data).graph()
     data["ingest"]["from_config"]["template"] = "chatml_tools"
     assert "grpo" in Recipe.model_validate(copy.deepcopy(data)).graph()
+
+
+def test_only_resolve_makes_a_resolved_recipe_and_plan_takes_nothing_else() -> None:
+    from pydantic import ValidationError
+
+    from posttrain.config.loader import resolve
+    from posttrain.config.schema import Recipe, ResolvedRecipe
+    from posttrain.plan.planner import plan
+
+    written = validate_recipe({**MINIMAL, "infra": {"device": "cpu", "devices_per_node": 1}})
+    with pytest.raises(TypeError, match="plan takes a ResolvedRecipe"):
+        plan(written)  # concrete devices, but its paths and batch triple were never resolved
+    resolved = resolve(written)
+    assert type(written) is Recipe and type(resolved) is ResolvedRecipe
+    assert written.infra.parallel_stages == "auto" and resolved.infra.parallel_stages == 1
+    assert resolve(resolved) == resolved  # a served run's recipe is resolved again on its worker
+    # A stage's spec carries it as JSON: it validates again as resolved, not with an `auto`.
+    data = resolved.model_dump(mode="json")
+    assert ResolvedRecipe.model_validate(data) == resolved
+    data["infra"] |= {"precision": "auto", "devices_per_node": "auto"}
+    with pytest.raises(ValidationError, match=r"infra.devices_per_node, infra.precision: `auto`"):
+        ResolvedRecipe.model_validate(data)

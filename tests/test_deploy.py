@@ -25,7 +25,7 @@ from flows.deploy import (
 )
 from flows.events import BASE_EVENT, BASE_PATH_LABEL, PIPELINE_LABEL
 from flows.stage.procs import kill_flow_run_processes, tagged_processes
-from posttrain.config.loader import RecipeError, load_recipe, validate_recipe
+from posttrain.config.loader import RecipeError, load_for_deployment, load_recipe, validate_recipe
 from posttrain.plan.selection import Selection
 from posttrain.runtime.spec import LAUNCH_TAG_ENV, tag_flow_run_id
 
@@ -66,7 +66,7 @@ def test_cron_and_interval_become_prefect_schedules(tmp_path: Path) -> None:
 
 
 def test_deployment_takes_the_recipe_as_its_validated_parameter(tmp_path: Path) -> None:
-    recipe = load_recipe(_recipe(tmp_path, cron="0 3 * * *", on_new_base=True), devices=False)
+    recipe = load_for_deployment(_recipe(tmp_path, cron="0 3 * * *", on_new_base=True))
     dep = deployment_for(recipe)
     assert dep.name == "tiny" and dep.entrypoint == "flows.post_train.post_train"
     assert dep.enforce_parameter_schema
@@ -86,7 +86,7 @@ def test_deployment_takes_the_recipe_as_its_validated_parameter(tmp_path: Path) 
 def test_new_base_trigger_excludes_its_own_pipeline_and_templates_the_path(
     tmp_path: Path,
 ) -> None:
-    recipe = load_recipe(_recipe(tmp_path, on_new_base=True), devices=False)
+    recipe = load_for_deployment(_recipe(tmp_path, on_new_base=True))
     trigger = base_trigger(recipe)
     assert trigger.match.model_dump() == {PIPELINE_LABEL: "!tiny"}
     ingest = trigger.parameters["recipe"]["ingest"]

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from rl_tiny import MAX_PROMPT_LEN, prompt_rows, role_model, rollout_setup
 
 from posttrain.config.batch import ResolvedBatch
-from posttrain.config.loader import RecipeError, validate_recipe
+from posttrain.config.loader import RecipeError, resolve, validate_recipe
 from posttrain.kinds.distill import DistillConfig
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import RoleModel
@@ -102,23 +102,23 @@ def test_a_distill_stage_needs_a_teacher_and_takes_a_policy_or_base() -> None:
         recipe({"kind": "dpo", "name": "dpo", "data": prefs, "teacher": "sft"})
     # The raw base of another family member teaches too.
     r = recipe(TEACHER_BASE, {**ENTRY, "teacher": "tbase"})
-    assert {s.name: s for s in plan(r).stages}["distill"].roles["teacher_base"] == "tbase"
+    assert {s.name: s for s in plan(resolve(r)).stages}["distill"].roles["teacher_base"] == "tbase"
 
 
 def test_the_teacher_and_its_base_are_the_stages_parents_by_role() -> None:
     r = recipe(TEACHER_BASE, TEACHER_SFT, {**ENTRY, "from": "sft", "teacher": "tsft"})
-    stages = {s.name: s for s in plan(r).stages}
+    stages = {s.name: s for s in plan(resolve(r)).stages}
     d = stages["distill"]
     assert d.roles == {
         "base": "ingest", "policy": "sft", "reference": "sft", "teacher": "tsft",
         "teacher_base": "tbase",
     }  # fmt: skip
     # The teacher runs before the student's distillation; its changes reach the print.
-    order = [s.name for s in plan(r).stages]
+    order = [s.name for s in plan(resolve(r)).stages]
     assert order.index("tsft") < order.index("distill")
     wider = recipe({**TEACHER_BASE, "from_config": {"hidden_size": 320}}, TEACHER_SFT,
                    {**ENTRY, "from": "sft", "teacher": "tsft"})  # fmt: skip
-    assert {s.name: s for s in plan(wider).stages}["distill"].fingerprint != d.fingerprint
+    assert {s.name: s for s in plan(resolve(wider)).stages}["distill"].fingerprint != d.fingerprint
     # The student stands on its own base: the teacher's does not become its base.
     assert stages["distill"].roles["base"] == "ingest"
 

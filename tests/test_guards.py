@@ -22,6 +22,7 @@ import psutil
 import pytest
 from stage_modules import on_child_path, write_heartbeat_modules
 
+from posttrain.config.loader import resolve
 from posttrain.config.schema import GuardConfig, Recipe
 from posttrain.telemetry.heartbeat import HangWatch, Heartbeat, read_heartbeats
 from posttrain.train.guard import StepGuard, TooManyBadSteps
@@ -131,7 +132,7 @@ def test_fingerprints_carry_the_spike_test_only() -> None:
 
     def fps(**guard: object) -> dict[str, str]:
         recipe = Recipe.model_validate({**copy.deepcopy(TINY), "guard": guard})
-        return {s.name: s.fingerprint for s in plan(recipe).stages}
+        return {s.name: s.fingerprint for s in plan(resolve(recipe)).stages}
 
     base = fps()
     assert fps(max_bad_steps=10, window=100) == base  # decides failure, not the result
@@ -148,12 +149,12 @@ def test_hang_settings_reach_training_stages_only() -> None:
 
     with pytest.raises(ValueError, match="hang_timeout_s"):
         Recipe.model_validate({**TINY, "infra": {"hang_timeout_s": 0}})
-    planned = {s.name: s for s in plan(Recipe.model_validate(copy.deepcopy(TINY))).stages}
+    planned = {s.name: s for s in plan(resolve(Recipe.model_validate(copy.deepcopy(TINY)))).stages}
     assert planned["sft"].hang_timeout_s == 1800 and planned["sft"].hang_startup_s == 1800
     assert planned["ingest"].hang_timeout_s is None  # no beats during the warm-up
     assert planned["evaluate"].hang_timeout_s is None
     off = Recipe.model_validate({**copy.deepcopy(TINY), "infra": {"hang_timeout_s": None}})
-    assert all(s.hang_timeout_s is None for s in plan(off).stages)
+    assert all(s.hang_timeout_s is None for s in plan(resolve(off)).stages)
 
 
 def test_hang_watch_arms_at_first_beat_and_names_the_rank_behind(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import pytest
 from flows.stage.launchers.base import LaunchError, LaunchRequest
 from flows.stage.launchers.k8s_manifests import plan_job
 from flows.stage.launchers.kubernetes import KubernetesLauncher, cancel_flow_run_jobs
+from posttrain.config.loader import resolve
 from posttrain.config.schema import Recipe
 from posttrain.plan.planner import PlannedStage, spec_for
 from posttrain.sections.infra import InfraConfig
@@ -451,10 +452,10 @@ def test_the_supervisor_runs_a_stage_through_the_kubeconfig_and_names_the_oom_ki
     server.add("GET", f"{PODS}/{POD0}/log", log_stream("sft-node0.log"))
     server.add("GET", f"{PODS}/{POD1}/log", log_stream("sft-node1.log"))
 
-    recipe = Recipe.model_validate(
+    recipe = resolve(Recipe.model_validate(
         {"run": {"workspace": str(tmp_path / "ws")}, "infra": infra.model_dump(mode="json"),
          "ingest": {"source": "from_config"}, "sft": {"data": {"synthetic": {}}}}
-    )  # fmt: skip
+    ))  # fmt: skip
     with pytest.raises(StageFailed) as exc:
         supervise.supervise_stage(stage, spec_for(stage, recipe, {}), kill_grace_s=1)
     assert f"was ended by Kubernetes: pod {POD0} OOMKilled (exit 137)" in str(exc.value)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from posttrain.config.loader import RecipeError, load_recipe, resolve
+from posttrain.config.loader import RecipeError, load_for_deployment, load_recipe, resolve
 from tests.hub_cache import cache_recipe_hub_ids
 
 FIELDS = (
@@ -98,7 +98,7 @@ def test_every_escaping_field_is_reported_at_once(tmp_path: Path) -> None:
     data["sft"]["data"]["eval_path"] = "/etc/hostname"
     recipe.write_text(yaml.safe_dump(data))
     with pytest.raises(RecipeError) as exc:
-        load_recipe(recipe, devices=False)  # what `posttrain serve`/`submit` load
+        load_for_deployment(recipe)  # what `posttrain serve`/`submit` load
     assert [e.split(":")[0] for e in exc.value.errors] == ["ingest.path", "sft.data.eval_path"]
 
 
@@ -133,7 +133,7 @@ def test_resolved_recipe_passes_again_from_another_directory(
     """The flow (on a server, in another directory) re-resolves what `serve`/`submit` sent: the
     recipe's folder travels in run.allowed_paths, and nothing else is admitted."""
     rows = tmp_path / "proj" / "data" / "rows.jsonl"
-    sent = load_recipe(_recipe(tmp_path / "proj", "sft.data.path", str(rows)), devices=False)
+    sent = load_for_deployment(_recipe(tmp_path / "proj", "sft.data.path", str(rows)))
     assert sent.run.allowed_paths == [str((tmp_path / "proj").resolve())]
     elsewhere = tmp_path / "worker"
     elsewhere.mkdir()

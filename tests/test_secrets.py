@@ -12,7 +12,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from posttrain.config.loader import RecipeError, apply_overrides, validate_recipe
+from posttrain.config.loader import RecipeError, apply_overrides, resolve, validate_recipe
 from posttrain.config.schema import Recipe
 from posttrain.secrets import (
     find_in_text,
@@ -237,7 +237,7 @@ def test_run_record_is_scrubbed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         error=f"HTTP 401: token {HF} rejected; retry with {OPENAI}",
         headline={"note": f"key {AWS}"},
     )
-    out = fp._record_run(plan(recipe), "run-1", [failed], None, None, failed=True)
+    out = fp._record_run(plan(resolve(recipe)), "run-1", [failed], None, None, failed=True)
     run_dir = Path(out["run_dir"])
     for name in ("report.md", "lineage.json", "recipe.resolved.yaml"):
         text = (run_dir / name).read_text()

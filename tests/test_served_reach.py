@@ -105,3 +105,20 @@ def test_a_worker_without_folders_refuses_everything(tmp_path: Path) -> None:
         f"run.workspace: {tmp_path / 'ws'} is outside the folders this worker allows (none: start "
         "`posttrain serve --allow-path DIR` or set POSTTRAIN_ALLOWED_PATHS)"
     ]
+
+
+def test_a_served_recipe_is_checked_then_resolved_and_planned_in_the_flow(tmp_path: Path) -> None:
+    from flows.post_train import plan_once
+    from posttrain.config.loader import resolve
+    from posttrain.config.schema import ResolvedRecipe
+    from posttrain.config.served_access import ServedReach
+    from posttrain.plan.planner import plan
+
+    reach = ServedReach([(tmp_path / "ws").resolve()], [])
+    with pytest.raises(RecipeError, match="outside the folders this worker allows"):
+        plan_once(_recipe(tmp_path), ServedReach([(tmp_path / "elsewhere").resolve()], []))
+    # The Prefect form's recipe arrives unresolved: resolved there, as `posttrain run` would.
+    served = plan_once(_recipe(tmp_path), reach)
+    assert type(served.recipe) is ResolvedRecipe and served.recipe.infra.parallel_stages == 1
+    local = plan(resolve(_recipe(tmp_path)))
+    assert [s.fingerprint for s in served.stages] == [s.fingerprint for s in local.stages]

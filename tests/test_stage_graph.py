@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from posttrain.config.loader import RecipeError, load_recipe, validate_recipe
+from posttrain.config.loader import RecipeError, load_recipe, resolve, validate_recipe
 from posttrain.kinds import KINDS, graph_kinds
 from posttrain.plan.planner import plan
 
@@ -43,7 +43,7 @@ def stage(kind: str, name: str | None = None, **kw: Any) -> dict[str, Any]:
 
 
 def fps(r: Any) -> dict[str, str]:
-    return {p.name: p.fingerprint for p in plan(r).stages}
+    return {p.name: p.fingerprint for p in plan(resolve(r)).stages}
 
 
 def test_default_links_follow_the_chain() -> None:
@@ -101,8 +101,12 @@ def test_roles_enter_the_fingerprint_where_parents_alone_do_not_say() -> None:
     a = recipe(sft(), stage("dpo", "d1"), stage("dpo", "d2", reference="sft"))
     b = recipe(sft(), stage("dpo", "d1"), stage("dpo", "d2", reference="d1"))
     assert fps(a)["d2"] != fps(b)["d2"]  # the same two parents, in other roles
-    assert plan(a).stages[3].roles == {"base": "ingest", "policy": "d1", "reference": "sft"}
-    assert plan(b).stages[3].roles["reference"] == "d1"  # the default: where it starts
+    assert plan(resolve(a)).stages[3].roles == {
+        "base": "ingest",
+        "policy": "d1",
+        "reference": "sft",
+    }
+    assert plan(resolve(b)).stages[3].roles["reference"] == "d1"  # the default: where it starts
 
 
 def test_evaluate_and_export_roles_along_a_chain() -> None:
@@ -114,7 +118,7 @@ def test_evaluate_and_export_roles_along_a_chain() -> None:
         evaluate={"policies": ["sft", "dpo", "grpo"]},
         export={"policy": "dpo"},
     )
-    by = {p.name: p for p in plan(r).stages}
+    by = {p.name: p for p in plan(resolve(r)).stages}
     assert by["evaluate"].roles == {
         "base": "ingest",
         "policy": "grpo",
@@ -222,7 +226,7 @@ def test_field_errors_inside_stage_entries_name_the_entry() -> None:
 
 def test_timeouts_policies_and_export_policy_name_existing_stages() -> None:
     r = recipe(sft(), stage("dpo", "d2"), infra={"timeouts": {"d2": 60, "train": 100}})
-    by = {p.name: p for p in plan(r).stages}
+    by = {p.name: p for p in plan(resolve(r)).stages}
     assert (by["d2"].timeout_s, by["sft"].timeout_s, by["evaluate"].timeout_s) == (60, 100, 3600)
     errs = errors(
         sft(),
@@ -242,7 +246,7 @@ def test_shipped_chain_recipe_reuses_the_quickstart_stages() -> None:
         p.name: p.fingerprint for p in plan(load_recipe(ROOT / "recipes/quickstart.yaml")).stages
     }
     chain = load_recipe(ROOT / "recipes/chain.yaml")
-    planned = {p.name: p.fingerprint for p in plan(chain).stages}
+    planned = {p.name: p.fingerprint for p in plan(resolve(chain)).stages}
     for name in ("ingest", "sft", "reward", "dpo"):
         assert planned[name] == quick[name], name
     g = chain.graph()

@@ -15,7 +15,7 @@ import pytest
 from flows.cli import main
 from flows.gate import promote
 from flows.report.tables import StageRecord, markdown_report
-from posttrain.config.loader import RecipeError, load_recipe, validate_recipe
+from posttrain.config.loader import RecipeError, load_recipe, resolve, validate_recipe
 from posttrain.plan.planner import plan
 from posttrain.plan.selection import (
     Selection,
@@ -97,7 +97,7 @@ def test_only_reuses_complete_inputs_and_names_the_missing_ones(quickstart) -> N
 
 
 def test_selection_on_a_chain_of_stages_entries() -> None:
-    run_plan = plan(validate_recipe(copy.deepcopy(CHAIN)))
+    run_plan = plan(resolve(validate_recipe(copy.deepcopy(CHAIN))))
     assert chosen(run_plan, until=["grpo"]) == ["ingest", "sft", "reward", "dpo", "grpo"]
     assert chosen(run_plan, until=["reward"]) == ["ingest", "sft", "reward"]
     assert chosen(
@@ -125,7 +125,7 @@ def test_unknown_and_switched_off_stages_are_refused_with_the_list(quickstart) -
         "--only zzz: no stage of that name; "
         "stages: ingest, sft, reward, dpo, evaluate, export"
     )
-    off = plan(validate_recipe({**copy.deepcopy(CHAIN), "export": None}))
+    off = plan(resolve(validate_recipe({**copy.deepcopy(CHAIN), "export": None})))
     with pytest.raises(SelectionError, match=r"--until export: export is off in this recipe"):
         select_stages(off.stages, Selection(until=("export",)), set())
 
@@ -158,7 +158,9 @@ def test_choose_reads_completeness_from_the_workspace(tmp_path: Path) -> None:
 
 
 def fingerprints(data: dict[str, Any]) -> dict[str, str]:
-    return {s.name: s.fingerprint for s in plan(validate_recipe(copy.deepcopy(data))).stages}
+    return {
+        s.name: s.fingerprint for s in plan(resolve(validate_recipe(copy.deepcopy(data)))).stages
+    }
 
 
 def test_evaluate_and_export_may_be_null_without_moving_other_fingerprints() -> None:
@@ -169,7 +171,7 @@ def test_evaluate_and_export_may_be_null_without_moving_other_fingerprints() -> 
     neither = fingerprints({**CHAIN, "evaluate": None, "export": None})
     assert neither == {n: fp for n, fp in full.items() if n not in ("evaluate", "export")}
     # Export without evaluate reads no evaluation: another artifact than the full recipe's.
-    no_eval = plan(validate_recipe({**copy.deepcopy(CHAIN), "evaluate": None}))
+    no_eval = plan(resolve(validate_recipe({**copy.deepcopy(CHAIN), "evaluate": None})))
     assert "evaluation" not in no_eval.stage("export").roles
     assert no_eval.stage("export").fingerprint != full["export"]
 

@@ -21,7 +21,8 @@ from flows.stage.failures import StageFailed, StageTimeout
 from flows.stage.launch import launch_env, local_env, stage_command
 from flows.stage.output import MetricsTail, progress_from_record
 from flows.stage.task import stage_task
-from posttrain.config.schema import Recipe
+from posttrain.config.loader import resolve
+from posttrain.config.schema import Recipe, ResolvedRecipe
 from posttrain.plan.planner import PlannedStage, spec_for
 from posttrain.runtime.spec import LAUNCH_TAG_ENV, LaunchInfo, StageSpec, read_spec, spec_path
 from posttrain.store.artifacts import stage_dir, verify, write_manifest
@@ -36,14 +37,16 @@ def modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return on_child_path(folder, monkeypatch)
 
 
-def _recipe(workspace: Path) -> Recipe:
-    return Recipe.model_validate(
-        {
-            "run": {"workspace": str(workspace)},
-            "infra": {"device": "cpu", "precision": "fp32"},
-            "ingest": {"source": "from_config"},
-            "sft": {"data": {"synthetic": {}}},
-        }
+def _recipe(workspace: Path) -> ResolvedRecipe:
+    return resolve(
+        Recipe.model_validate(
+            {
+                "run": {"workspace": str(workspace)},
+                "infra": {"device": "cpu", "precision": "fp32"},
+                "ingest": {"source": "from_config"},
+                "sft": {"data": {"synthetic": {}}},
+            }
+        )
     )
 
 

@@ -13,11 +13,11 @@ import pytest
 import yaml
 
 from posttrain.config import vocab_check
-from posttrain.config.loader import RecipeError, load_recipe
+from posttrain.config.loader import RecipeError, load_for_deployment, load_recipe, resolve
 from posttrain.kinds.ingest import TOKENIZER_FIELDS, IngestConfig
 from posttrain.models.vocab import vocab_digest
 from posttrain.plan.planner import plan
-from tests.test_bases import DATA, HEAD, REWARDS, TEACHER_SFT, recipe, teacher
+from tests.test_bases import DATA, HEAD, REWARDS, TEACHER_SFT, planned, recipe, teacher
 
 DISTILL = {"kind": "distill", "name": "distill", "from": "sft", "teacher": "teacher_sft"}
 DISTILL |= {**DATA, **REWARDS}
@@ -25,7 +25,7 @@ DISTILL |= {**DATA, **REWARDS}
 
 def refused(*stages: dict[str, Any]) -> list[str]:
     with pytest.raises(RecipeError) as exc:
-        plan(recipe(*stages))
+        resolve(recipe(*stages))
     return exc.value.errors
 
 
@@ -59,7 +59,7 @@ def test_from_config_tokenizer_depends_on_its_fields_and_seed_not_the_width() ->
 
 def test_a_distill_teacher_of_another_from_config_vocabulary_is_refused_at_plan() -> None:
     wide = teacher(hidden_size=128, intermediate_size=512)
-    assert "distill" in [s.name for s in plan(recipe(wide, TEACHER_SFT, DISTILL)).stages]
+    assert "distill" in planned(recipe(wide, TEACHER_SFT, DISTILL))
     (err,) = refused(teacher(hidden_size=128, vocab_size=4096), TEACHER_SFT, DISTILL)
     assert err.startswith(
         "stages.distill.teacher: the teacher 'teacher_sft' (base 'teacher') tokenizes with "
@@ -73,7 +73,7 @@ def test_a_distill_teacher_of_another_from_config_vocabulary_is_refused_at_plan(
     assert "template 'chatml' vs 'chatml_tools'" in err
     # An SFT teacher writes text: any tokenizer may teach it.
     off_policy = {"kind": "sft", "name": "s2", "from": "sft", "teacher": "teacher_sft", **DATA}
-    plan(recipe(teacher(vocab_size=4096), TEACHER_SFT, off_policy))
+    plan(resolve(recipe(teacher(vocab_size=4096), TEACHER_SFT, off_policy)))
 
 
 def _tokenizer_folder(folder: Path, vocab_size: int) -> Path:
@@ -108,7 +108,7 @@ def test_local_bases_are_compared_by_their_token_tables(tmp_path: Path) -> None:
     a = _tokenizer_folder(tmp_path / "a", 400)
     same = _tokenizer_folder(tmp_path / "same", 400)
     other = _tokenizer_folder(tmp_path / "other", 420)
-    load_recipe(_path_recipe(tmp_path, str(a), str(same)), devices=False)
+    load_for_deployment(_path_recipe(tmp_path, str(a), str(same)))
     with pytest.raises(RecipeError) as exc:
         load_recipe(_path_recipe(tmp_path, str(a), str(other)))
     (err,) = exc.value.errors
@@ -272,7 +272,7 @@ def test_the_teacher_shape_is_read_from_its_base_folder(tmp_path: Path) -> None:
 
 def test_evaluate_of_a_distilled_policy_reads_its_teacher_and_the_teachers_base() -> None:
     wide = teacher(hidden_size=128, intermediate_size=512)
-    p = {s.name: s for s in plan(recipe(wide, TEACHER_SFT, DISTILL)).stages}
+    p = planned(recipe(wide, TEACHER_SFT, DISTILL))
     roles = p["evaluate"].roles
     assert roles["policy"] == "distill" and roles["parent"] == "sft" and roles["base"] == "ingest"
     assert (roles["teacher"], roles["teacher_base"]) == ("teacher_sft", "teacher")
@@ -281,19 +281,19 @@ def test_evaluate_of_a_distilled_policy_reads_its_teacher_and_the_teachers_base(
     # Its fingerprint follows the teacher (by role): another teacher, another evaluation; the
     # export's does not move.
     other_sft = {**TEACHER_SFT, "max_steps": 7}
-    q = {s.name: s for s in plan(recipe(wide, other_sft, DISTILL)).stages}
+    q = planned(recipe(wide, other_sft, DISTILL))
     assert q["teacher_sft"].fingerprint != p["teacher_sft"].fingerprint
     assert q["distill"].fingerprint != p["distill"].fingerprint  # it reads the teacher too
     assert q["evaluate"].fingerprint != p["evaluate"].fingerprint
     # A policy trained without a teacher is evaluated as before.
-    plain = {s.name: s for s in plan(recipe(wide, TEACHER_SFT)).stages}
+    plain = planned(recipe(wide, TEACHER_SFT))
     assert "teacher" not in plain["evaluate"].roles
 
 
 def test_evaluate_fingerprint_changes_with_the_teachers_base_alone() -> None:
     base_only = {**DISTILL, "teacher": "teacher"}  # the teacher is a base: only its weights
-    a = {s.name: s for s in plan(recipe(teacher(hidden_size=128), base_only)).stages}
-    b = {s.name: s for s in plan(recipe(teacher(hidden_size=96), base_only)).stages}
+    a = planned(recipe(teacher(hidden_size=128), base_only))
+    b = planned(recipe(teacher(hidden_size=96), base_only))
     assert a["evaluate"].roles["teacher"] == a["evaluate"].roles["teacher_base"] == "teacher"
     assert a["evaluate"].fingerprint != b["evaluate"].fingerprint
     assert a["sft"].fingerprint == b["sft"].fingerprint

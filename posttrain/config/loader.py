@@ -1,4 +1,4 @@
-"""Load a recipe: YAML file + dotted overrides -> validated, resolved `Recipe`.
+"""Load a recipe: YAML file + dotted overrides -> validated `Recipe` -> `ResolvedRecipe`.
 
 Resolution turns every `auto` into a concrete value (device, devices_per_node, precision) and
 fills the derived batch field, so the recipe written into a run folder says exactly what ran.
@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -21,7 +21,7 @@ from posttrain.config.recipe_file import (
     check_plain,
     read_yaml,
 )
-from posttrain.config.schema import Recipe
+from posttrain.config.schema import Recipe, ResolvedRecipe
 from posttrain.config.vocab_check import vocab_errors
 from posttrain.data.chat import looks_like_template_file
 from posttrain.hub import HubError, RepoType, is_hub_id, resolve_sha
@@ -29,6 +29,8 @@ from posttrain.secrets import find_secrets
 
 if TYPE_CHECKING:
     from posttrain.config.extends import Origins
+
+R = TypeVar("R", bound=Recipe)
 
 
 def _loc(loc: tuple[Any, ...], data: Any) -> str:
@@ -112,7 +114,7 @@ def resolve(
     recipe_dir: str | os.PathLike[str] | None = None,
     code_roots: list[Path] | None = None,
     origins: Origins | None = None,
-) -> Recipe:
+) -> ResolvedRecipe:
     """Make every `auto` concrete and every path absolute; check batch arithmetic and that
     every input path stays inside the allowed folders (`resolve_paths`; `code_roots`: where
     reward functions may come from instead of the recipe's folder and run.allowed_paths, for a
@@ -171,13 +173,7 @@ def resolve(
             errors.append(str(exc))
     if errors:
         raise RecipeError(errors)
-    r._resolved = True
-    return r
-
-
-def is_resolved(recipe: Recipe) -> bool:
-    """Whether `recipe` is what `resolve` returned (and needs no second resolution)."""
-    return recipe._resolved
+    return ResolvedRecipe.model_validate(r, from_attributes=True)  # its sections, validated again
 
 
 def gguf_errors(recipe: Recipe) -> list[str]:
@@ -500,14 +496,19 @@ def _extends_hint(line: str) -> str:
     return line
 
 
-def load_recipe(
-    path: str | os.PathLike[str], overrides: list[str] | None = None, devices: bool = True
-) -> Recipe:
+def load_recipe(path: str | os.PathLike[str], overrides: list[str] | None = None) -> ResolvedRecipe:
     """Read (with what it `extends`), override, validate and resolve a recipe file. Raises
-    RecipeError listing every problem. Relative paths: see `resolve_paths`.
+    RecipeError listing every problem. Relative paths: see `resolve_paths`."""
+    return _load(path, overrides, resolve)
 
-    `devices=False` resolves paths only (`resolve_paths`), for a recipe that will run elsewhere.
-    """
+
+def load_for_deployment(path: str | os.PathLike[str], overrides: list[str] | None = None) -> Recipe:
+    """`load_recipe` with its paths resolved only (`resolve_paths`): a served deployment's
+    recipe, whose devices the machine that runs it resolves (`posttrain serve`, `submit`)."""
+    return _load(path, overrides, resolve_paths)
+
+
+def _load(path: str | os.PathLike[str], overrides: list[str] | None, finish: Callable[..., R]) -> R:
     from posttrain.config.extends import read_recipe
 
     data, origins = read_recipe(path)
@@ -519,10 +520,7 @@ def load_recipe(
         if "extends" in read_yaml(path):
             exc.errors = [_extends_hint(line) for line in exc.errors]
         raise
-    folder = Path(path).resolve().parent
     try:
-        if devices:
-            return resolve(recipe, folder, origins=origins)
-        return resolve_paths(recipe, folder, origins=origins)
+        return finish(recipe, Path(path).resolve().parent, origins=origins)
     except RecipeError as exc:
         raise RecipeError(exc.errors, str(path), exc.fix) from None

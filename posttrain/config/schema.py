@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import ConfigDict, Field, PrivateAttr, create_model, model_validator
+from pydantic import ConfigDict, Field, create_model, model_validator
 
 from posttrain.config.batch import resolve_batch
 from posttrain.config.graph import GraphError, StageGraph, build_graph
@@ -249,9 +249,7 @@ _RecipeFields = create_model(  # type: ignore[call-overload]
 class Recipe(_RecipeFields):  # type: ignore[misc,valid-type]
     """A whole post-training run."""
 
-    # Set by `posttrain.config.loader.resolve` on the copy it returns, so a run resolves its
-    # recipe once; not a field (the form, the YAML and a copy sent elsewhere never carry it).
-    _resolved: bool = PrivateAttr(default=False)
+    # As written (the YAML, the Prefect form, which shows this docstring): see ResolvedRecipe.
 
     @model_validator(mode="before")
     @classmethod
@@ -342,6 +340,19 @@ class Recipe(_RecipeFields):  # type: ignore[misc,valid-type]
     def training_sections(self) -> dict[str, TrainingSection]:
         """The graph's stages, by name, in run order."""
         return {s.name: s.section for s in self.graph()}
+
+
+class ResolvedRecipe(Recipe):
+    """A `Recipe` made concrete by `posttrain.config.loader.resolve`: no `auto` device, precision
+    or parallelism left, paths absolute, batch triples filled. What the planner and a stage
+    process take (a stage's spec carries it as JSON: validating that refuses an `auto`)."""
+
+    @model_validator(mode="after")
+    def _concrete(self) -> ResolvedRecipe:
+        fields = ("device", "devices_per_node", "precision", "base_dtype", "parallel_stages")
+        if auto := [f"infra.{f}" for f in fields if getattr(self.infra, f) == "auto"]:
+            raise ValueError(f"{', '.join(auto)}: `auto` in a resolved recipe")
+        return self
 
 
 def _list(graph: StageGraph) -> str:

@@ -48,7 +48,7 @@ def rollout_memory(section: OnlineRLConfig, m: MemoryInputs, critic: bool) -> An
 
 def rollout_inputs(recipe: Any) -> dict[str, Any]:
     """Each rank samples its own share of the prompts with its own seed: the number of ranks
-    changes the rollouts, so it is part of the fingerprint."""
+    changes the rollouts, so it is part of the fingerprint. (`recipe`: a ResolvedRecipe.)"""
     return {"dp_size": recipe.infra.world_size()}
 
 

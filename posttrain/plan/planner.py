@@ -14,9 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config.graph import StageGraph
-from posttrain.config.loader import is_resolved, resolve
-from posttrain.config.schema import Recipe
-from posttrain.config.served_access import ServedReach
+from posttrain.config.schema import Recipe, ResolvedRecipe
 from posttrain.kinds import KINDS, StageKind
 from posttrain.plan.fingerprints import stage_inputs
 from posttrain.runtime.spec import StageSpec
@@ -108,7 +106,7 @@ class RunPlan:
     """Everything a run needs from its recipe, asked once: the resolved recipe, its stages in
     run order (fingerprints, folders, inputs by role, how each runs) and the devices."""
 
-    recipe: Recipe
+    recipe: ResolvedRecipe
     stages: list[PlannedStage]
     device: str  # "cpu" or "cuda"
     parallel: int  # stages that may run at once (infra.parallel_stages, resolved)
@@ -124,15 +122,11 @@ class RunPlan:
         return [s for s in self.stages if s.name not in done]
 
 
-def plan(recipe: Recipe, served: ServedReach | None = None) -> RunPlan:
-    """The run's plan. `recipe` is resolved here unless it already was (`posttrain run`
-    resolves it to validate before anything starts); `served`: the worker's reach, for a run a
-    server created from a deployment (its recipe may only narrow it), checked first.
-    Raises RecipeError naming each field at fault."""
-    if served is not None:
-        served.check(recipe)
-    if not is_resolved(recipe):
-        recipe = resolve(recipe, code_roots=served.reward_roots if served is not None else None)
+def plan(recipe: ResolvedRecipe) -> RunPlan:
+    """The run's plan, of a recipe `posttrain.config.loader.resolve` made concrete (what each
+    entry point does once: `load_recipe`, or the flow for a served run's recipe)."""
+    if not isinstance(recipe, ResolvedRecipe):  # its `auto`s and relative paths would be planned
+        raise TypeError(f"plan takes a ResolvedRecipe (resolve it), not a {type(recipe).__name__}")
     infra = recipe.infra
     return RunPlan(
         recipe=recipe,
@@ -143,8 +137,8 @@ def plan(recipe: Recipe, served: ServedReach | None = None) -> RunPlan:
     )
 
 
-def _plan_stages(recipe: Recipe) -> list[PlannedStage]:
-    """Fingerprint every stage in run order. `recipe` must be resolved (no `auto` left)."""
+def _plan_stages(recipe: ResolvedRecipe) -> list[PlannedStage]:
+    """Fingerprint every stage in run order."""
     graph = recipe.graph()
     # The bases first (`ingest`, then the recipe's ingest entries), then the graph.
     order = list(graph.bases)
@@ -181,7 +175,7 @@ def parent_prints(parents: dict[str, str], roles: dict[str, str]) -> dict[str, s
 
 
 def _planned(
-    recipe: Recipe,
+    recipe: ResolvedRecipe,
     kind: StageKind,
     name: str,
     fp: str,
@@ -215,7 +209,9 @@ def _planned(
     )
 
 
-def spec_for(stage: PlannedStage, recipe: Recipe, parent_refs: dict[str, ArtifactRef]) -> StageSpec:
+def spec_for(
+    stage: PlannedStage, recipe: ResolvedRecipe, parent_refs: dict[str, ArtifactRef]
+) -> StageSpec:
     """What a stage process builds (`posttrain.runtime.spec`): the resolved recipe, the stage's
     fingerprint, folder, inputs and roles, and its parents' refs. Its supervisor adds the
     launch record and writes it to `logs/spec.json`."""

@@ -14,7 +14,7 @@ from typing import Any
 
 from posttrain import numerics
 from posttrain.config.graph import BASE
-from posttrain.config.schema import Recipe
+from posttrain.config.schema import ResolvedRecipe
 from posttrain.kinds import KINDS, StageKind
 from posttrain.store.artifacts import ArtifactRef
 
@@ -24,7 +24,7 @@ class StageContext:
     name: str
     fingerprint: str
     out_dir: Path
-    recipe: Recipe
+    recipe: ResolvedRecipe
     parents: dict[str, ArtifactRef]
     inputs: dict[str, Any]
     rank: int = 0

@@ -34,7 +34,7 @@ from typing import Any
 
 from posttrain import hub, numerics
 from posttrain.config.graph import BASE
-from posttrain.config.schema import Recipe
+from posttrain.config.schema import ResolvedRecipe
 from posttrain.kinds import KINDS, StageKind, kind_of
 from posttrain.runtime.context import StageContext
 from posttrain.runtime.errors import ParentArtifactDamaged, StageVerdict
@@ -297,7 +297,7 @@ def _context(spec: StageSpec, kind: StageKind | None, kind_name: str) -> StageCo
         roles=spec.roles or ({"base": BASE} if BASE in spec.parents else {}),
         fingerprint=spec.fingerprint,
         out_dir=Path(spec.out_dir),
-        recipe=Recipe.model_validate(spec.recipe),
+        recipe=ResolvedRecipe.model_validate(spec.recipe),
         parents=dict(spec.parents),
         inputs=spec.inputs,
         kind_name=kind_name,

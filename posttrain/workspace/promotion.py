@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from posttrain.config.schema import PromotionRule, Recipe
+from posttrain.config.schema import PromotionRule, ResolvedRecipe
 from posttrain.plan.planner import PlannedStage
 from posttrain.store.artifacts import ArtifactRef, atomic_write_text, fingerprint, stage_dir
 
@@ -136,7 +136,7 @@ def uses_metric(rules: list[PromotionRule], metric: str) -> bool:
     return any(r.metric == metric for r in rules)
 
 
-def head_to_head_stage(recipe: Recipe, parents: dict[str, ArtifactRef]) -> PlannedStage:
+def head_to_head_stage(recipe: ResolvedRecipe, parents: dict[str, ArtifactRef]) -> PlannedStage:
     """The head-to-head of a candidate export against the champion's, planned like a stage:
     fingerprint, folder `<workspace>/artifacts/head_to_head/<fingerprint>/`, one process.
 
