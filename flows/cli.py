@@ -52,7 +52,7 @@ from posttrain.config.served_access import (
     REWARDS_ENV,
 )
 from posttrain.kinds import graph_kinds
-from posttrain.plan.planner import plan
+from posttrain.plan.planner import RunPlan, plan
 from posttrain.plan.selection import ALL_STAGES, Selection
 
 
@@ -84,24 +84,25 @@ def failure_block(exc: BaseException, recipe: Recipe) -> Block:
 def cmd_run(
     path: str, overrides: list[str], out: TextIO, err: TextIO, selection: Selection = ALL_STAGES
 ) -> int:
-    # Validate (and resolve, once) before anything starts: a bad recipe costs no Prefect start.
+    # Validate, resolve and plan (once: the flow is handed the plan) before Prefect starts.
     recipe = load_or_report(path, overrides, err)
     if recipe is None:
         return EXIT_INVALID
-    if selection and isinstance(selected_stages(plan(recipe), path, selection, err), int):
-        return EXIT_INVALID  # the same check as the flow's, before Prefect starts
+    run_plan = plan(recipe)
+    if isinstance(selected_stages(run_plan, path, selection, err), int):
+        return EXIT_INVALID  # the same check as the flow's
     apply_prefect_defaults()
     print(f"posttrain: running '{recipe.run.name}' on {prefect_target()}", file=err)
-    result = _run_flow(recipe, err, selection)
+    result = _run_flow(run_plan, err, selection)
     if isinstance(result, int):
         return result
     print_result(result, out)
     return EXIT_OK
 
 
-def _run_flow(recipe: Recipe, err: TextIO, selection: Selection) -> dict[str, Any] | int:
-    """Run the flow on the embedded server (or PREFECT_API_URL's); its result, or the exit
-    code after one closing block (a failure) or one line (a signal) on `err`."""
+def _run_flow(run_plan: RunPlan, err: TextIO, selection: Selection) -> dict[str, Any] | int:
+    """Run the flow on the embedded server (or PREFECT_API_URL's), handed `run_plan`; its
+    result, or the exit code after one closing block (a failure) or one line (a signal)."""
     previous = {
         sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)
     }
@@ -119,7 +120,7 @@ def _run_flow(recipe: Recipe, err: TextIO, selection: Selection) -> dict[str, An
         # process even when nothing here gets to stop it (SIGKILL). Launched before the flow's
         # imports, so that its boot and those imports overlap (docs/workspace.md).
         early = launch_embedded_server()
-        from flows.post_train import post_train  # imports prefect: only now, after its defaults
+        from flows.post_train import handing, post_train  # imports prefect: only now
         from flows.terminal import (
             ProgressPrinter,
             attach_progress,
@@ -135,8 +136,9 @@ def _run_flow(recipe: Recipe, err: TextIO, selection: Selection) -> dict[str, An
         attach_progress(printer)
         server = start_embedded_server(early)  # adopts it: waits until it is healthy
         early = None
-        with embedded_run_settings() if server is not None else contextlib.nullcontext():
-            return post_train(recipe, list(selection.until), list(selection.only))
+        settings = embedded_run_settings() if server is not None else contextlib.nullcontext()
+        with settings, handing(run_plan):
+            return post_train(run_plan.recipe, list(selection.until), list(selection.only))
     except (KeyboardInterrupt, Terminated) as exc:
         what, code = "interrupted", EXIT_INTERRUPTED
         if isinstance(exc, HungUp):
@@ -150,7 +152,7 @@ def _run_flow(recipe: Recipe, err: TextIO, selection: Selection) -> dict[str, An
         # The terminal ends with one block: stage, what, fix, log path (flows.failure_block).
         if printer is not None:
             printer.clear()
-        print("\n" + failure_block(exc, recipe).text(), file=err)
+        print("\n" + failure_block(exc, run_plan.recipe).text(), file=err)
         return EXIT_FAILED
     finally:
         if printer is not None:

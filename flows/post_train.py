@@ -1,9 +1,10 @@
 """The Prefect flow `post-train`: plans the run once, runs its stages and records the run.
 
 The flow body only wires: `posttrain.plan.planner.plan` answers every question the flow has of the
-recipe (resolved once), then each stage goes through the one generic task (flows/stage/task.py)
-in dependency order (flows/schedule.py), then the promotion gate (flows/gate.py) and the run's
-record (flows/run_record.py). Everything a stage does happens in its own process.
+recipe (resolved and planned once: `posttrain run` hands the flow its plan), then each stage goes
+through the one generic task (flows/stage/task.py) in dependency order (flows/schedule.py), then
+the promotion gate (flows/gate.py) and the run's record (flows/run_record.py). Everything a stage
+does happens in its own process.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -302,10 +306,28 @@ def post_train(
         return Failed(message=reason)
 
 
+# The plan `posttrain run` made before Prefect started (to refuse a bad --until/--only at
+# once), handed to its flow so that the run is planned once, on the fingerprints it checked.
+_HANDED: ContextVar[RunPlan | None] = ContextVar("posttrain_handed_plan", default=None)
+
+
+@contextmanager
+def handing(run_plan: RunPlan) -> Iterator[None]:
+    """Within: a flow run of `run_plan.recipe` in this thread runs `run_plan`."""
+    token = _HANDED.set(run_plan)
+    try:
+        yield
+    finally:
+        _HANDED.reset(token)
+
+
 def plan_once(recipe: Recipe, reach: ServedReach | None) -> RunPlan:
-    """The run's plan, its recipe resolved unless it already is. A served run's recipe came from
+    """The plan handed over for this very recipe, or made here. A served run's recipe came from
     whoever sent it: it must only narrow the worker's folders (`reach`), and is resolved with
     reward code from the worker's reward folders only."""
+    handed = _HANDED.get()
+    if reach is None and handed is not None and handed.recipe is recipe:
+        return handed
     if reach is not None:
         reach.check(recipe)
     if reach is not None or not isinstance(recipe, ResolvedRecipe):

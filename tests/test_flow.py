@@ -244,6 +244,25 @@ def test_flow_failure_names_the_stage_and_still_writes_the_report(
     ]  # fmt: skip
 
 
+def test_a_run_handed_its_plan_does_not_plan_again(
+    prefect_harness: None, fake_stages, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`posttrain run` plans before Prefect starts and hands the flow that plan: Prefect passes
+    the very recipe object through, so the flow runs the handed plan and plans nothing."""
+    import flows.post_train
+    from posttrain.config.loader import resolve
+
+    run_plan = posttrain.plan.planner.plan(resolve(_recipe(tmp_path / "ws")))
+
+    def planned_again(recipe: object) -> None:
+        raise AssertionError("the flow planned the run again")
+
+    monkeypatch.setattr(flows.post_train, "plan", planned_again)
+    with flows.post_train.handing(run_plan):
+        result = post_train(run_plan.recipe, until=["sft"])
+    assert _statuses(result) == {"ingest": "ran", "sft": "ran"}
+
+
 def test_independent_branches_run_side_by_side_when_allowed(
     prefect_harness: None, fake_stages, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -107,18 +107,27 @@ def test_a_worker_without_folders_refuses_everything(tmp_path: Path) -> None:
     ]
 
 
-def test_a_served_recipe_is_checked_then_resolved_and_planned_in_the_flow(tmp_path: Path) -> None:
-    from flows.post_train import plan_once
+def test_a_flow_run_plans_once_and_a_served_recipe_is_checked_then_resolved(
+    tmp_path: Path,
+) -> None:
+    from flows.post_train import handing, plan_once
     from posttrain.config.loader import resolve
     from posttrain.config.schema import ResolvedRecipe
     from posttrain.config.served_access import ServedReach
     from posttrain.plan.planner import plan
 
+    recipe = resolve(_recipe(tmp_path))
+    handed = plan(recipe)  # what `posttrain run` planned before Prefect started
     reach = ServedReach([(tmp_path / "ws").resolve()], [])
-    with pytest.raises(RecipeError, match="outside the folders this worker allows"):
-        plan_once(_recipe(tmp_path), ServedReach([(tmp_path / "elsewhere").resolve()], []))
-    # The Prefect form's recipe arrives unresolved: resolved there, as `posttrain run` would.
+    with handing(handed):
+        assert plan_once(recipe, None) is handed
+        # Another recipe (a served run's parameter arrives as a new object) is planned anew,
+        # and a served run never takes a handed plan: its recipe is checked first.
+        assert plan_once(recipe.model_copy(deep=True), None) is not handed
+        assert plan_once(recipe, reach) is not handed
+        with pytest.raises(RecipeError, match="outside the folders this worker allows"):
+            plan_once(recipe, ServedReach([(tmp_path / "elsewhere").resolve()], []))
+    # Unresolved (the Prefect form's recipe, a flow called from code): resolved there.
     served = plan_once(_recipe(tmp_path), reach)
     assert type(served.recipe) is ResolvedRecipe and served.recipe.infra.parallel_stages == 1
-    local = plan(resolve(_recipe(tmp_path)))
-    assert [s.fingerprint for s in served.stages] == [s.fingerprint for s in local.stages]
+    assert [s.fingerprint for s in served.stages] == [s.fingerprint for s in handed.stages]
