@@ -211,7 +211,7 @@ def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, er
     from posttrain.plan.planner import spec_for
     from posttrain.runtime.recovery import earlier_attempt
     from posttrain.runtime.spec import spec_path
-    from posttrain.store.claim import find_complete
+    from posttrain.store.status import status
 
     recipe = load_or_report(path, overrides, err)
     if recipe is None:
@@ -223,7 +223,7 @@ def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, er
     stage = stages[stage_name]
     refs = {}
     for parent, fp in stage.parents.items():
-        ref = find_complete(stages[parent].out_dir, fp, drop_stale=False)
+        ref = status(stages[parent].out_dir, fp, hashes=True).ref
         if ref is None:
             print(f"error: parent stage {parent!r} is not complete; run it first", file=err)
             return EXIT_FAILED

@@ -4,7 +4,7 @@ machine, Slurm or Kubernetes), watch it (timeout, hang) and check what it left.
 
 Supervision means:
   - reuse: a complete, unaltered artifact with the stage's fingerprint is returned, not rebuilt
-    (`posttrain.store.claim.find_complete`: the one look, once per launch, under the lock);
+    (`posttrain.store.status.find_reusable`: the one look, once per launch, under the lock);
   - the contract: the stage process gets everything it needs in its spec (`spec.json`, with
     this launch's `launch` record: the lock held for it, who to watch), nothing in variables
     but the launch's tag (`posttrain.runtime.spec`);
@@ -48,9 +48,9 @@ from posttrain.plan.planner import PlannedStage
 from posttrain.runtime.orphan import SupervisorBeat
 from posttrain.runtime.recovery import ERROR_FILE, earlier_attempt
 from posttrain.runtime.spec import StageSpec, spec_path
-from posttrain.store.artifacts import ArtifactRef, ref_from_manifest, verify
-from posttrain.store.claim import find_complete
+from posttrain.store.artifacts import ArtifactRef
 from posttrain.store.locking import ArtifactLock, LockTimeout, describe_holder
+from posttrain.store.status import find_reusable, status
 from posttrain.telemetry.heartbeat import Hang, HangWatch
 
 # How often the supervisor looks at the launch, its heartbeats and its timeout. A local child's
@@ -121,7 +121,7 @@ def _under_lock(stage: PlannedStage, spec: StageSpec, lock: str, kill_grace_s: f
     # new launch writes the same folder; the new one resumes.
     if not isinstance(engine, LaunchError):
         stop_earlier_launch(engine, stage, kill_grace_s, log)
-    if (ref := find_complete(stage.out_dir, stage.fingerprint, log)) is not None:
+    if (ref := find_reusable(stage.out_dir, stage.fingerprint, log)) is not None:
         log.info("stage %s: complete artifact found in %s, reusing it", stage.name, stage.out_dir)
         return Outcome("reused", ref)
     if REUSE_ONLY.get():
@@ -174,18 +174,19 @@ def _launch(
 
 
 def _completed_ref(stage: PlannedStage, artifact_json: str | None) -> ArtifactRef:
-    """What a launch that exited 0 sealed: verified, with the planned fingerprint, and the
-    artifact the stage said it sealed (its POSTTRAIN_ARTIFACT line)."""
-    ok, why = verify(stage.out_dir)
-    if not ok:
-        raise StageFailed(f"stage '{stage.name}' exited 0 but its artifact is incomplete: {why}")
-    ref = ref_from_manifest(stage.out_dir)
-    said = ArtifactRef.model_validate_json(artifact_json) if artifact_json else ref
-    if ref.fingerprint != stage.fingerprint or said.fingerprint != ref.fingerprint:
+    """What a launch that exited 0 sealed: reusable (every byte checked), with the planned
+    fingerprint, and the artifact the stage said it sealed (its POSTTRAIN_ARTIFACT line)."""
+    look = status(stage.out_dir, stage.fingerprint, hashes=True)
+    if look.ref is None:
+        raise StageFailed(
+            f"stage '{stage.name}' exited 0 but its artifact is incomplete: {look.why}"
+        )
+    said = ArtifactRef.model_validate_json(artifact_json) if artifact_json else look.ref
+    if said.fingerprint != look.ref.fingerprint:
         raise StageFailed(
             f"stage '{stage.name}' wrote fingerprint {said.fingerprint}, expected {stage.fingerprint}"
         )
-    return ref
+    return look.ref
 
 
 def _follow(

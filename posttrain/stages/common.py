@@ -41,8 +41,9 @@ from posttrain.runtime.errors import ParentArtifactDamaged, StageVerdict
 from posttrain.runtime.orphan import OrphanWatch
 from posttrain.runtime.recovery import launch_account, recovery_record
 from posttrain.runtime.spec import LaunchInfo, StageSpec, read_spec, spec_path
-from posttrain.store.artifacts import read_manifest, verify, write_manifest
-from posttrain.store.claim import claim_by_hand, find_complete
+from posttrain.store.artifacts import read_manifest, write_manifest
+from posttrain.store.claim import claim_by_hand
+from posttrain.store.status import status
 from posttrain.telemetry import health, heartbeat
 
 log = logging.getLogger("posttrain")
@@ -64,17 +65,18 @@ def verify_parents(ctx: StageContext) -> None:
     in safetensors, or, worse, a file altered in place would load and train on silently."""
     t0, n_bytes = time.perf_counter(), 0
     for name, ref in ctx.parents.items():
-        ok, why = verify(ref.path)
-        manifest = read_manifest(ref.path) or {}
-        if ok and manifest.get("content_sha256") != ref.sha256:
-            ok, why = False, "its manifest is not the one this run was planned with"
-        if not ok:
+        look = status(ref.path, ref.fingerprint, hashes=True)
+        why = look.why
+        if look.ref is not None and look.ref.sha256 != ref.sha256:
+            why = "its manifest is not the one this run was planned with"
+        if why:
             raise ParentArtifactDamaged(
                 f"parent stage '{name}' artifact {ref.path} is damaged: {why}. Nothing was "
                 f"loaded from it. Re-running the pipeline rebuilds '{name}' (its supervisor drops "
                 "a manifest that no longer verifies and runs the stage again), then this stage."
             )
-        n_bytes += sum(f["bytes"] for f in manifest.get("files", {}).values())
+        files = (read_manifest(ref.path) or {}).get("files", {})
+        n_bytes += sum(f["bytes"] for f in files.values())
     if ctx.parents:
         log.info(
             "parents %s verified (%.1f MiB, sha256) in %.2f s",
@@ -177,7 +179,7 @@ def _spec_from_recipe(
     me = planned[name or mine[0]]
     refs = {}
     for parent, fp in me.parents.items():
-        ref = find_complete(planned[parent].out_dir, fp, drop_stale=False)
+        ref = status(planned[parent].out_dir, fp, hashes=True).ref
         if ref is None:
             raise SystemExit(f"parent stage '{parent}' is not complete; run it first")
         refs[parent] = ref

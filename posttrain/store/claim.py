@@ -1,8 +1,8 @@
 """Whether a stage must run: one look at its artifact folder, under its lock.
 
 A stage is done when its sealed manifest exists, verifies (every file's size and sha256) and
-carries the planned fingerprint. `find_complete` decides it, once per launch, called by whoever
-holds the artifact's lock (`posttrain.store.locking.ArtifactLock`) for that launch:
+carries the planned fingerprint (`posttrain.store.status`). The look that decides it is made
+once per launch by whoever holds the artifact's lock (`posttrain.store.locking.ArtifactLock`):
   - the supervisor (`flows.stage.supervise`) for every stage the flow launches; the stage
     process it starts inherits the lock (`spec.launch.lock`) and does not look again;
   - the stage process itself when nothing holds the lock for it (`python -m posttrain.stages.x
@@ -22,47 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posttrain.store.artifacts import (
-    MANIFEST,
-    ArtifactRef,
-    read_manifest,
-    ref_from_manifest,
-    verify,
-)
+from posttrain.store.artifacts import ArtifactRef
 from posttrain.store.locking import ArtifactLock, describe_holder
+from posttrain.store.status import find_reusable, status
 
-Log = logging.Logger | logging.LoggerAdapter
 log = logging.getLogger("posttrain.lock")
-
-
-def looks_complete(out_dir: Path, fingerprint: str) -> bool:
-    """Whether `out_dir` holds a sealed artifact of `fingerprint` whose files are all there at
-    their recorded sizes: a stat per file, no hashing and no change to the folder. What a run
-    looks at before it decides to wait for the devices; `find_complete` has the last word."""
-    ok, _ = verify(out_dir, hashes=False)
-    return ok and (read_manifest(out_dir) or {}).get("fingerprint") == fingerprint
-
-
-def find_complete(
-    out_dir: Path, fingerprint: str, log: Log = log, drop_stale: bool = True
-) -> ArtifactRef | None:
-    """The artifact in `out_dir` when it is complete, unaltered and has `fingerprint`; else
-    None, after removing a manifest that no longer verifies (`drop_stale`): an altered artifact
-    must not look complete while, or if, the re-run is in progress. The stage's other files,
-    checkpoints included, stay for the re-run to resume from."""
-    ok, why = verify(out_dir)
-    if ok:
-        ref = ref_from_manifest(out_dir)
-        if ref.fingerprint == fingerprint:
-            return ref
-        why = f"its manifest names fingerprint {ref.fingerprint}, the plan {fingerprint}"
-    manifest = Path(out_dir) / MANIFEST
-    if drop_stale and manifest.exists():
-        log.warning(
-            "artifact in %s is not valid (%s): removing its manifest and re-running", out_dir, why
-        )
-        manifest.unlink(missing_ok=True)
-    return None
 
 
 @dataclass
@@ -102,7 +66,7 @@ def claim_by_hand(
         # Another node of a launch started by hand: node 0's lock may be on a file system this
         # node does not share. The folder it writes to is shared (or the stage could not run),
         # so it says whether the stage is done; read-only, node 0 owns the folder.
-        return HandClaim(find_complete(out_dir, fingerprint, drop_stale=False) is not None)
+        return HandClaim(status(out_dir, fingerprint, hashes=True).reusable)
     lock, key = ArtifactLock(out_dir), _launch_key(env)
     if env.get("RANK", "0") == "0":
         lock.acquire(
@@ -110,7 +74,7 @@ def claim_by_hand(
             on_wait=lambda holder: _waiting(stage, holder, lock),
             poll_s=poll_s,
         )
-        ref = find_complete(out_dir, fingerprint)
+        ref = find_reusable(out_dir, fingerprint, log)
         lock.update(decision="reuse" if ref is not None else "build")
         return HandClaim(ref is not None, ref, lock)
     return HandClaim(_follow_rank_0(lock, key, stage, poll_s) == "reuse")
