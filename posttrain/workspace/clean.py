@@ -44,11 +44,11 @@ TRASH_DIR = ".trash"
 # A stage run by Slurm or Kubernetes notices its flow is gone after infra.supervisor_silence_s
 # (120 s by default) and only then stops or takes over the lock: until then it writes unlocked.
 QUIET_S = 180.0
-# Artifacts a stage writes for later runs to reuse, which no run record names: DPO's reference
-# log-probs (`artifacts/ref_logps/<key>/`, its manifest's parent the SFT adapter it was computed
-# with). Kept while an artifact they derive from is kept. Written without a lock (the stage's
-# own folder is locked), so an unfinished one is left alone while a run runs.
-CACHES = ("ref_logps",)
+# What stages compute for later runs to reuse, named by no run record (`posttrain.store.cache`):
+# DPO's reference log-probs and a teacher's answers, each kept while an artifact it was computed
+# from (its manifest's parents) is kept. Written without a lock, so an unfinished one is left
+# alone while a run runs.
+CACHES = ("ref_logps", "teacher_answers")
 _STEP = re.compile(r"^step_\d+$")
 _HALF = re.compile(r"^step_\d+\.(tmp|damaged.*)$")
 
