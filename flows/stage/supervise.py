@@ -16,6 +16,9 @@ Supervision means:
     every node (`Launch.stop`: the process tree here, `scancel`, the Job's deletion);
   - hangs: ranks whose heartbeats all stop get their stacks dumped, then the stage is killed
     (`flows.stage.hang`).
+It is the only way a stage process starts: the flow's `stage` task calls it for every stage,
+`posttrain launch` for one stage by hand (on every node of a multi-node stage: node 0's
+supervisor holds the lock and looks, the other nodes' agents join its launch).
 """
 
 from __future__ import annotations
@@ -49,8 +52,8 @@ from posttrain.runtime.orphan import SupervisorBeat
 from posttrain.runtime.recovery import ERROR_FILE, earlier_attempt
 from posttrain.runtime.spec import StageSpec, spec_path
 from posttrain.store.artifacts import ArtifactRef
-from posttrain.store.locking import ArtifactLock, LockTimeout, describe_holder
-from posttrain.store.status import find_reusable, status
+from posttrain.store.locking import ArtifactLock, LockTimeout, describe_holder, lock_path
+from posttrain.store.status import Status, find_reusable, status
 from posttrain.telemetry.heartbeat import Hang, HangWatch
 
 # How often the supervisor looks at the launch, its heartbeats and its timeout. A local child's
@@ -76,8 +79,7 @@ def supervise_stage(
     """
     log = run_logger()
     if node_rank() != 0:
-        # Another node's agent joins node 0's launch; the lock, and the look, are node 0's.
-        return _launch(stage, spec, _engine(stage), None, kill_grace_s)
+        return _join(stage, spec, kill_grace_s)
     lock = ArtifactLock(stage.out_dir)
 
     def waiting(holder: dict[str, Any] | None) -> None:
@@ -101,6 +103,16 @@ def supervise_stage(
     if waited:
         log.info("stage %s: the other run is done; this one %s", stage.name, outcome.status)
     return outcome
+
+
+def _join(stage: PlannedStage, spec: StageSpec, kill_grace_s: float) -> Outcome:
+    """Another node's agent joins node 0's launch, whose supervisor holds the lock (perhaps on
+    a file system this node does not share) and looks. The folder is shared: a read-only look
+    says whether node 0 found the stage complete (an agent would wait for it in vain)."""
+    if (ref := status(stage.out_dir, stage.fingerprint, hashes=True).ref) is not None:
+        run_logger().info("stage %s: complete artifact found in %s", stage.name, stage.out_dir)
+        return Outcome("reused", ref)
+    return _launch(stage, spec, _engine(stage), str(lock_path(stage.out_dir)), kill_grace_s)
 
 
 def _engine(stage: PlannedStage) -> Launcher | LaunchError:
@@ -133,15 +145,17 @@ def _launch(
     stage: PlannedStage,
     spec: StageSpec,
     engine: Launcher | LaunchError,
-    lock: str | None,
+    lock: str,
     kill_grace_s: float,
 ) -> Outcome:
-    """Write this launch's spec, start the stage through `engine` and follow it to its end."""
+    """Write this launch's spec, naming the artifact `lock` its supervisor (node 0's) holds,
+    start the stage through `engine` and follow it to its end."""
     if isinstance(engine, LaunchError):
         raise StageFailed(f"stage '{stage.name}' could not be started: {engine}") from None
     log = run_logger()
-    # Before this launch writes its own traces (launch line, heartbeats) over the old ones.
-    earlier = earlier_attempt(stage.out_dir)
+    # Before this launch writes its own traces (launch line, heartbeats) over the old ones;
+    # node 0's account (another node starts when node 0's may have begun).
+    earlier = earlier_attempt(stage.out_dir) if node_rank() == 0 else None
     if earlier:
         log.warning("stage %s: %s", stage.name, earlier)
     launch = launch_info(stage, uuid.uuid4().hex, lock, earlier)
@@ -150,10 +164,11 @@ def _launch(
         env = local_env(launch, visible_devices=stage.visible_devices)
     else:  # an engine's nodes get only what the launch needs, not this machine's environment
         env = launch_env(launch)
-    log_path = stage.out_dir / "logs" / "stage.log"
+    rank = node_rank()  # each node started by hand has its own supervisor, and log
+    log_path = stage.out_dir / "logs" / ("stage.log" if rank == 0 else f"stage-node{rank}.log")
     request = LaunchRequest(
         stage=stage,
-        spec_path=spec.write(spec_path(stage.out_dir, node_rank())),
+        spec_path=spec.write(spec_path(stage.out_dir, rank)),
         launch_id=launch.id,
         env=env,
         log_dir=log_path.parent,
@@ -176,7 +191,7 @@ def _launch(
 def _completed_ref(stage: PlannedStage, artifact_json: str | None) -> ArtifactRef:
     """What a launch that exited 0 sealed: reusable (every byte checked), with the planned
     fingerprint, and the artifact the stage said it sealed (its POSTTRAIN_ARTIFACT line)."""
-    look = status(stage.out_dir, stage.fingerprint, hashes=True)
+    look = _sealed(stage)
     if look.ref is None:
         raise StageFailed(
             f"stage '{stage.name}' exited 0 but its artifact is incomplete: {look.why}"
@@ -187,6 +202,18 @@ def _completed_ref(stage: PlannedStage, artifact_json: str | None) -> ArtifactRe
             f"stage '{stage.name}' wrote fingerprint {said.fingerprint}, expected {stage.fingerprint}"
         )
     return look.ref
+
+
+def _sealed(stage: PlannedStage) -> Status:
+    """The artifact's status after its launch exited 0. Another node's agent ends when its
+    ranks pass the last barrier, maybe before node 0's rank 0 has sealed (hashing every file):
+    it waits for the manifest as long as the hang watch lets a silent stage be."""
+    deadline = time.monotonic() + (stage.hang_timeout_s or stage.timeout_s)
+    look = status(stage.out_dir, stage.fingerprint, hashes=True)
+    while node_rank() != 0 and look.state == "unsealed" and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        look = status(stage.out_dir, stage.fingerprint, hashes=True)
+    return look
 
 
 def _follow(

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from posttrain.runtime.spec import LaunchInfo
 from posttrain.store.artifacts import MANIFEST
 from posttrain.telemetry.heartbeat import read_heartbeats
 
@@ -124,11 +123,3 @@ def recovery_record(account: str | None, summary: dict[str, Any]) -> dict[str, A
         "rejected_checkpoints": summary.get("rejected_checkpoints") or None,
     }
     return {k: v for k, v in record.items() if v}
-
-
-def launch_account(out_dir: Path, launch: LaunchInfo | None) -> str | None:
-    """The stage process's view: its supervisor's account when a supervisor started it (one
-    that said nothing found nothing), else its own look at the folder (started by hand)."""
-    if launch is not None:
-        return launch.earlier_attempt
-    return earlier_attempt(out_dir)
