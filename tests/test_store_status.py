@@ -61,9 +61,9 @@ def test_altered_files_and_another_fingerprint_are_invalid(tmp_path: Path) -> No
     look = status(other, FP, hashes=False)
     assert look.state == "invalid" and look.ref is None
     assert look.why == f"its manifest names fingerprint fedcba9876543210, the plan {FP}"
-    assert (other / MANIFEST).exists() and (out / MANIFEST).exists(), (
-        "status never changes a folder"
-    )
+    assert (other / MANIFEST).exists() and (out / MANIFEST).exists(), "it changes no folder"
+    (other / MANIFEST).write_text("{}")  # another version's manifest: invalid, not a crash
+    assert status(other, FP, hashes=True).why == "its manifest has no 'stage'"
 
 
 def test_the_supervisors_look_drops_an_invalid_manifest_only(

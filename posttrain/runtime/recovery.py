@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from posttrain.store.artifacts import MANIFEST
+from posttrain.store.status import status
 from posttrain.telemetry.heartbeat import read_heartbeats
 
 LAUNCH_LOG = Path("logs") / "stage.log"
@@ -79,7 +79,7 @@ def _last_launch(out_dir: Path) -> float | None:
 def earlier_attempt(out_dir: Path) -> str | None:
     """One line on the unfinished attempt `out_dir` holds, or None (nothing started, or done)."""
     out_dir = Path(out_dir)
-    if (out_dir / MANIFEST).exists() or not out_dir.is_dir():
+    if status(out_dir, out_dir.name, hashes=False).state != "unsealed":
         return None
     launched = _last_launch(out_dir)
     beats = read_heartbeats(out_dir)

@@ -47,7 +47,10 @@ def status(out_dir: Path, fingerprint: str, *, hashes: bool) -> Status:
     ok, why = verify(out_dir, hashes=hashes)
     if not ok:
         return Status("invalid", why)
-    ref = ref_from_manifest(out_dir)
+    try:
+        ref = ref_from_manifest(out_dir)
+    except KeyError as exc:  # another version's manifest, or one edited by hand
+        return Status("invalid", f"its manifest has no {exc}")
     if ref.fingerprint != fingerprint:
         why = f"its manifest names fingerprint {ref.fingerprint}, the plan {fingerprint}"
         return Status("invalid", why)
