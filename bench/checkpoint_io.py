@@ -59,6 +59,8 @@ import yaml
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_models import stage_process  # noqa: E402 (bench/, on the path above)
 
 SIZES: dict[str, dict[str, int]] = {
     "1M": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "intermediate_size": 344},
@@ -234,15 +236,10 @@ def resume_recipe(workspace: Path, steps: int, every: int, threads: int) -> dict
     }
 
 
-def stage_cmd(stage: str, recipe: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", f"posttrain.stages.{stage}", "--recipe", str(recipe), *overrides]
-
-
 def run_stage(stage: str, recipe: Path, *overrides: str) -> float:
-    t = time.perf_counter()
-    proc = subprocess.run(
-        stage_cmd(stage, recipe, *overrides), cwd=ROOT, capture_output=True, text=True
-    )
+    with stage_process(stage, recipe, *overrides) as cmd:
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"{stage} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return time.perf_counter() - t
@@ -275,9 +272,9 @@ def kill_after_checkpoint(
     target = folder / "checkpoints" / f"step_{step:07d}"
     t0 = time.perf_counter()
     wall0 = time.time()
-    with open(log, "w") as f:
+    with open(log, "w") as f, stage_process("sft", recipe, *overrides) as cmd:
         proc = subprocess.Popen(
-            stage_cmd("sft", recipe, *overrides),
+            cmd,
             cwd=ROOT,
             stdout=f,
             stderr=subprocess.STDOUT,

@@ -4,9 +4,9 @@ SRE asks for first.
 For each shape it builds the model offline (`ingest.from_config.shape`: real width, depth, heads
 and 151,936-row vocabulary, random weights), writes long synthetic conversations and preference
 pairs (so steps run at a realistic sequence length, not the quickstart's ~60 tokens), and runs the
-real stages (`python -m posttrain.stages.<stage> --recipe ...`: the same entry points the flow
-starts) for a few dozen steps. Then it prints, per stage: tokens/s per GPU, MFU, peak allocated and
-reserved memory, and the memory pre-flight's estimate beside the measured peak.
+real stages (`posttrain launch <stage> recipe.yaml`: the supervisor and stage processes the
+flow starts) for a few dozen steps. Then it prints, per stage: tokens/s per GPU, MFU, peak
+allocated and reserved memory, and the memory pre-flight's estimate beside the measured peak.
 
 Then the RL part (`--rl-steps`, 0 skips it), in the same workspace: GRPO on the first shape
 (sampling with the policy's own weights, verifier rewards) and on-policy distillation of the first
@@ -157,12 +157,11 @@ def rl_recipe(base: dict[str, Any], shapes: list[str], args: argparse.Namespace)
 
 
 def run_stage(stage: str, recipe_path: Path, log: Path, name: str | None = None) -> None:
-    """`python -m posttrain.stages.<stage>` on the recipe (`name`: which stage of that kind)."""
+    """`posttrain launch` of the recipe's stage `name` (default: the one named `stage`)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     # Stages of a few dozen steps: a health sample every second, so the last one is mid-run.
     env.setdefault("POSTTRAIN_HEALTH_INTERVAL_S", "1")
-    cmd = [sys.executable, "-m", f"posttrain.stages.{stage}", "--recipe", str(recipe_path)]
-    cmd += ["--stage", name] if name else []
+    cmd = [sys.executable, "-m", "flows.cli", "launch", name or stage, str(recipe_path)]
     t0 = time.perf_counter()
     with log.open("w") as f:
         rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode

@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_models import SIZES, ingest_section  # noqa: E402 (bench/, on the path above)
+from tiny_models import SIZES, ingest_section, stage_process  # noqa: E402 (bench/ on the path)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,14 +55,10 @@ def recipe_for(size: dict, steps: int, workspace: Path, threads: int | None = No
 
 
 def run_stage(stage: str, recipe: Path) -> float:
-    t = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", f"posttrain.stages.{stage}", "--recipe", str(recipe)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    with stage_process(stage, recipe) as cmd:
+        t = time.perf_counter()
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if proc.returncode:
         sys.exit(f"{stage} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     return time.perf_counter() - t

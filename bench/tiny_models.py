@@ -6,9 +6,13 @@ sys.path), never by the project."""
 
 from __future__ import annotations
 
-import importlib
+import contextlib
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
 
 VOCAB = 2048
 SIZES = {
@@ -82,16 +86,31 @@ def rl_parents(
     }
 
 
-def run_stage(kind: str, path: Path) -> Path:
-    """Run the recipe's stage of `kind` through its real entry point here; its folder."""
-    from posttrain.config.loader import load_recipe
-    from posttrain.kinds import KINDS
-    from posttrain.plan.planner import plan
-    from posttrain.stages.common import stage_main
+def stage_helpers() -> Any:
+    # tests/ is a namespace package next to posttrain/: importable once the repository root is
+    # on sys.path (a script's own folder, bench/, is what Python puts there).
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import tests.stage_helpers as helpers
 
-    module = importlib.import_module(KINDS[kind].module)
-    stage_main(
-        module.run, kind=kind, distributed=KINDS[kind].distributed, argv=["--recipe", str(path)]
-    )
-    (stage,) = [s for s in plan(load_recipe(path)).stages if s.kind == kind]
-    return stage.out_dir
+    return helpers
+
+
+def run_stage(kind: str, path: Path) -> Path:
+    """Run the recipe's stage of `kind` through its real entry point here, this process its
+    supervisor (`tests/stage_helpers.run_inprocess`); its folder."""
+    return stage_helpers().run_inprocess(kind, path)
+
+
+@contextlib.contextmanager
+def stage_process(
+    stage: str, recipe: Path, *overrides: str, name: str | None = None
+) -> Iterator[list[str]]:
+    """The command line of the recipe's stage `name` (else its stage of kind `stage`) as a
+    process of its own, this process its supervisor for the block: it holds the artifact's
+    lock and names it in the spec (`tests/stage_helpers.planned_launch`). What a bench times
+    is then the stage alone, not a supervisor's start-up."""
+    with stage_helpers().planned_launch(stage, recipe, *overrides, name=name) as spec:
+        if spec is None:
+            raise SystemExit(f"{name or stage} is complete already in {recipe}'s workspace")
+        yield [sys.executable, "-m", f"posttrain.stages.{stage}", "--spec", str(spec)]

@@ -3,7 +3,7 @@ time, side by side.
 
 For each model size (Llama built by the project's own ingest `from_config`) and stage, in this one
 invocation:
-  posttrain  the real stage process (`python -m posttrain.stages.sft|dpo --recipe r`), with its
+  posttrain  the real stage process (`python -m posttrain.stages.sft|dpo --spec s`), with its
              defaults; figures from its metrics.jsonl train records (`tokens` = attention-mask
              sum = real tokens, `step_time_s`, `loss`).
   TRL        `trl.SFTTrainer` / `trl.DPOTrainer` in a fresh process of its own (so both sides pay
@@ -99,7 +99,7 @@ from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_models import ingest_section  # noqa: E402 (bench/, on the path above)
+from tiny_models import ingest_section, stage_process  # noqa: E402 (bench/, on the path above)
 from vs_trl_trainers import (  # noqa: E402
     grpo_section,
     stage_dirs,
@@ -236,14 +236,9 @@ def child_env(threads: int) -> dict[str, str]:
 
 def run_stage(stage: str, recipe: Path, threads: int) -> float:
     """One posttrain stage process; returns its wall seconds."""
-    t = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", f"posttrain.stages.{stage}", "--recipe", str(recipe)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=child_env(threads),
-    )
+    with stage_process(stage, recipe) as cmd:
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=child_env(threads))
     if proc.returncode:
         raise RuntimeError(f"{stage} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     return time.perf_counter() - t

@@ -5,13 +5,13 @@
     posttrain run      recipes/quickstart.yaml run.name=try2
     posttrain runs     recipes/quickstart.yaml                 # the workspace's runs, newest first
     posttrain clean    recipes/quickstart.yaml [--yes]         # dry run unless --yes
-    posttrain launch   sft recipes/quickstart.yaml   # one stage on this node (multi-node agents)
+    posttrain launch   sft recipes/quickstart.yaml   # one stage, no flow (multi-node: on each node)
     posttrain serve    recipes/quickstart.yaml       # deployments on PREFECT_API_URL's server
     posttrain submit   recipes/quickstart.yaml sft.max_steps=50   # prints the run's URL
 
 Parsing lives in `main`; each command is a plain function returning an exit code, so tests call
-them directly. Prefect is imported only by `run`, after its environment defaults are set:
-`validate` and `plan` never start a server.
+them directly. Prefect is imported only by `run` and `launch`, after its environment defaults are
+set: `validate` and `plan` never import it, and only `run` starts a server.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import argparse
 import atexit
 import contextlib
 import gc
+import logging
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -52,8 +54,9 @@ from posttrain.config.served_access import (
     REWARDS_ENV,
 )
 from posttrain.kinds import graph_kinds
-from posttrain.plan.planner import RunPlan, plan
+from posttrain.plan.planner import RunPlan, plan, spec_for
 from posttrain.plan.selection import ALL_STAGES, Selection
+from posttrain.store.status import status
 
 
 class Terminated(BaseException):
@@ -93,7 +96,8 @@ def cmd_run(
         return EXIT_INVALID  # the same check as the flow's
     apply_prefect_defaults()
     print(f"posttrain: running '{recipe.run.name}' on {prefect_target()}", file=err)
-    result = _run_flow(run_plan, err, selection)
+    with _signals_raised():
+        result = _run_flow(run_plan, err, selection)
     if isinstance(result, int):
         return result
     print_result(result, out)
@@ -103,9 +107,6 @@ def cmd_run(
 def _run_flow(run_plan: RunPlan, err: TextIO, selection: Selection) -> dict[str, Any] | int:
     """Run the flow on the embedded server (or PREFECT_API_URL's), handed `run_plan`; its
     result, or the exit code after one closing block (a failure) or one line (a signal)."""
-    previous = {
-        sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)
-    }
     early, printer = None, None
     try:
         from flows.embedded_db import set_aside_if_damaged
@@ -140,14 +141,7 @@ def _run_flow(run_plan: RunPlan, err: TextIO, selection: Selection) -> dict[str,
         with settings, handing(run_plan):
             return post_train(run_plan.recipe, list(selection.until), list(selection.only))
     except (KeyboardInterrupt, Terminated) as exc:
-        what, code = "interrupted", EXIT_INTERRUPTED
-        if isinstance(exc, HungUp):
-            what, code = "hung up", EXIT_HUNG_UP
-        elif isinstance(exc, Terminated):
-            what, code = "terminated", EXIT_TERMINATED
-        with contextlib.suppress(OSError):  # a hang-up may have closed our terminal
-            print(f"\nposttrain: {what}; the running stage was stopped", file=err)
-        return code
+        return _say_stopped(exc, err)
     except Exception as exc:
         # The terminal ends with one block: stage, what, fix, log path (flows.failure_block).
         if printer is not None:
@@ -161,8 +155,31 @@ def _run_flow(run_plan: RunPlan, err: TextIO, selection: Selection) -> dict[str,
             detach_progress(printer)
         if early is not None:  # the run ended before the server was adopted
             early.discard()
+
+
+@contextlib.contextmanager
+def _signals_raised() -> Iterator[None]:
+    """Within: SIGTERM and SIGHUP raise `Terminated` and `HungUp` (`_raise_terminated`)."""
+    previous = {
+        sig: signal.signal(sig, _raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)
+    }
+    try:
+        yield
+    finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _say_stopped(exc: BaseException, err: TextIO) -> int:
+    """One line on what stopped the CLI (Ctrl-C, SIGTERM, SIGHUP); its exit code."""
+    what, code = "interrupted", EXIT_INTERRUPTED
+    if isinstance(exc, HungUp):
+        what, code = "hung up", EXIT_HUNG_UP
+    elif isinstance(exc, Terminated):
+        what, code = "terminated", EXIT_TERMINATED
+    with contextlib.suppress(OSError):  # a hang-up may have closed our terminal
+        print(f"\nposttrain: {what}; the running stage was stopped", file=err)
+    return code
 
 
 def print_result(result: dict[str, Any], out: TextIO) -> None:
@@ -200,21 +217,11 @@ def print_result(result: dict[str, Any], out: TextIO) -> None:
 
 
 def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
-    """Run one stage on this machine, in the foreground, without Prefect: its parents must be
-    complete in the (shared) workspace. For a multi-node stage every node runs this with its
-    own POSTTRAIN_NODE_RANK; the torchrun agents meet at infra.rdzv_endpoint. This process is
-    the stage's supervisor (the stage stops if it dies); the stage takes the artifact's lock
-    and looks at the folder itself."""
-    import subprocess
-    import uuid
-
-    from flows.stage.launch import launch_info, local_env, node_rank
-    from flows.stage.launchers.local import LocalLauncher
-    from posttrain.plan.planner import spec_for
-    from posttrain.runtime.recovery import earlier_attempt
-    from posttrain.runtime.spec import spec_path
-    from posttrain.store.claim import find_complete
-
+    """Run one stage on this machine, in the foreground, without Prefect, through the supervisor
+    `posttrain run` uses (`flows.stage.supervise`: the artifact lock, the one look, the launcher,
+    the timeout and hang watch, the check of what it sealed). Its parents must be complete in
+    the (shared) workspace. For a multi-node stage every node runs this with its own
+    POSTTRAIN_NODE_RANK; the torchrun agents meet at infra.rdzv_endpoint."""
     recipe = load_or_report(path, overrides, err)
     if recipe is None:
         return EXIT_INVALID
@@ -222,25 +229,44 @@ def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, er
     if stage_name not in stages:
         print(f"error: no stage {stage_name!r} in this recipe; it has {list(stages)}", file=err)
         return EXIT_INVALID
-    stage = stages[stage_name]
-    refs = {}
+    stage, refs = stages[stage_name], {}
     for parent, fp in stage.parents.items():
-        ref = find_complete(stages[parent].out_dir, fp, drop_stale=False)
-        if ref is None:
-            print(f"error: parent stage {parent!r} is not complete; run it first", file=err)
+        # Sizes only: the stage verifies every byte of its parents before it reads them.
+        look = status(stages[parent].out_dir, fp, hashes=False)
+        if look.ref is None:
+            why = f"parent stage {parent!r} is not complete ({look.why})"
+            print(f"error: {why}; run it first: posttrain run {path} --until {parent}", file=err)
             return EXIT_FAILED
-        refs[parent] = ref
-    # Node 0 says what an unfinished earlier attempt left, before its heartbeats are replaced.
-    earlier = earlier_attempt(stage.out_dir) if node_rank() == 0 else None
-    launch = launch_info(stage, uuid.uuid4().hex, None, earlier)
-    spec = spec_for(stage, recipe, refs).model_copy(update={"launch": launch})
+        refs[parent] = look.ref
+    apply_prefect_defaults()  # the supervisor's modules import Prefect; no server is started
+    from flows.stage.supervise import supervise_stage
+
+    with _foreground(out):
+        try:
+            outcome = supervise_stage(stage, spec_for(stage, recipe, refs))
+        except (KeyboardInterrupt, Terminated) as exc:
+            return _say_stopped(exc, err)
+        except Exception as exc:
+            print("\n" + failure_block(exc, recipe).text(), file=err)
+            return EXIT_FAILED
+    print(f"stage {stage_name}: {outcome.status}: {outcome.ref.uri}", file=out)
+    return EXIT_OK
+
+
+@contextlib.contextmanager
+def _foreground(out: TextIO) -> Iterator[None]:
+    """The supervisor's log, the stage's output in it, on `out` (and not again through the
+    root logger's handlers); SIGTERM and SIGHUP raised, so the supervisor stops the stage."""
+    logger, handler = logging.getLogger("posttrain.flows"), logging.StreamHandler(out)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
     try:
-        cmd = LocalLauncher.command(stage, spec.write(spec_path(stage.out_dir, node_rank())))
-    except ValueError as exc:
-        print(f"error: {exc}", file=err)
-        return EXIT_INVALID
-    print(f"node {node_rank()}: {' '.join(cmd)}", file=out, flush=True)
-    return subprocess.call(cmd, env=local_env(launch))
+        with _signals_raised():
+            yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = True
 
 
 # The commands that take --until/--only (and overrides after them).
@@ -275,8 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_workspace_commands(sub)
     _add_served_commands(sub)
     help_text = (
-        "run one stage on this node without Prefect (parents must be complete); for a "
-        "multi-node stage, run it on every node with POSTTRAIN_NODE_RANK set"
+        "run one stage in the foreground without Prefect, supervised as `run` supervises it "
+        "(its parents must be complete); for a multi-node stage, run it on every node with "
+        "POSTTRAIN_NODE_RANK set"
     )
     p = sub.add_parser("launch", help=help_text, description=help_text)
     p.add_argument("stage", help="stage name, e.g. sft")

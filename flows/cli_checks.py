@@ -14,7 +14,7 @@ from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS
 from posttrain.plan.planner import PlannedStage, RunPlan, plan
 from posttrain.plan.selection import ALL_STAGES, Selection, SelectionError, choose, complete_stages
-from posttrain.store.artifacts import read_manifest, verify
+from posttrain.store.status import status
 
 
 def cmd_validate(
@@ -97,13 +97,12 @@ def plan_rows(
     for stage in stages:
         if selected is not None and stage.name not in selected:
             state = "not selected"
-        elif not stage.out_dir.exists():
-            state = "missing"
-        elif read_manifest(stage.out_dir) is None:
-            state = "incomplete (started, no manifest)"
         else:
-            ok, why = verify(stage.out_dir)
-            state = "complete" if ok else f"invalid ({why})"
+            # Sizes only: `plan` answers in a stat per file however large the workspace; the
+            # run hashes an artifact before it reuses it, and rebuilds one whose bytes changed.
+            look = status(stage.out_dir, stage.fingerprint, hashes=False)
+            state = {"unsealed": "incomplete (started, no manifest)"}.get(look.state, look.state)
+            state += f" ({look.why})" if look.state == "invalid" else ""
         graph_stage = KINDS[stage.kind].placement == "graph"
         links = inputs_text(stage.roles) if graph_stage else stage.roles.get("policy", "")
         where = stage.launcher

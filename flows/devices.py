@@ -46,7 +46,7 @@ from flows.stage.launch import HELD_DEVICE_LOCK, node_rank
 from flows.stage.output import artifact_key, run_logger
 from posttrain.plan.planner import PlannedStage
 from posttrain.runtime.device_lock import DeviceLock
-from posttrain.store.claim import looks_complete
+from posttrain.store.status import status
 
 PREFIX = "posttrain-devices"
 SLOT_POLL_S = 2.0
@@ -56,7 +56,9 @@ def reusable_without_devices(stages: list[PlannedStage]) -> bool:
     """Whether every stage's artifact looks complete (manifest, fingerprint, file sizes: no
     hashing, so it answers in a stat per file), so the run may skip the device wait. Node 0
     only: another node's agent joins node 0's launches without looking."""
-    return node_rank() == 0 and all(looks_complete(s.out_dir, s.fingerprint) for s in stages)
+    return node_rank() == 0 and all(
+        status(s.out_dir, s.fingerprint, hashes=False).complete for s in stages
+    )
 
 
 def device_set_name(device: str) -> str:

@@ -26,7 +26,7 @@ from posttrain.kinds import KINDS
 from posttrain.plan.planner import PlannedStage, spec_for
 from posttrain.runtime.spec import StageSpec
 from posttrain.store.artifacts import ArtifactRef, read_manifest, ref_from_manifest
-from posttrain.store.claim import looks_complete
+from posttrain.store.status import status
 from posttrain.workspace.promotion import (
     WIN_RATE_VS_CHAMPION,
     Decision,
@@ -124,9 +124,10 @@ def head_to_head_vs_champion(
             "base": ref_from_manifest(Path(by_stage[_base(by_stage)].uri)),
         }
         stage = head_to_head_stage(recipe, parents)
-        if REUSE_ONLY.get() and not looks_complete(stage.out_dir, stage.fingerprint):
+        # Sizes only: whether to ask for the devices; the supervisor hashes before it reuses.
+        if REUSE_ONLY.get() and not status(stage.out_dir, stage.fingerprint, hashes=False).complete:
             raise DevicesNeeded("the promotion gate's head-to-head runs both models")
-        status, ref = run_spec(stage, spec_for(stage, recipe, parents))
+        how, ref = run_spec(stage, spec_for(stage, recipe, parents))
         summary = (read_manifest(ref.path) or {}).get("summary") or {}
         value = float(summary["headline"][WIN_RATE_VS_CHAMPION])
     except DevicesNeeded:
@@ -137,7 +138,7 @@ def head_to_head_vs_champion(
         log.error("%s\n%s", reason, text)
         return HeadToHead(unmeasured=Unmeasured(reason, blocks=True), note=reason)
     note = (
-        f"head-to-head against champion {champion.get('run_id')} ({status}): "
+        f"head-to-head against champion {champion.get('run_id')} ({how}): "
         f"{summary['wins']} wins, {summary['losses']} losses, {summary['ties']} ties on "
         f"{summary['n']} held-out prompts, judged by this run's reward model "
         f"(win-rate {value:.4g}); answers in {ref.path / 'samples.jsonl'}"
@@ -184,14 +185,11 @@ def _cannot_run(by_stage: dict[str, StageRecord], champion: dict[str, Any]) -> s
         return f"the reward stage held out no pairs to take prompts from ({reward_prompts})"
     if not champion.get("export_path") or not champion.get("export_fingerprint"):
         return "the champion's registry entry names no export"
-    # Present and the recorded artifact: hashing every file of a large export here would cost
-    # minutes, and the stage reads the weights anyway.
+    # Present and the recorded artifact, file sizes only: hashing every file of a large export
+    # here would cost minutes, and the stage verifies its parents before reading them.
     model_dir = Path(champion["export_path"])
-    manifest = read_manifest(model_dir.parent) or {}
-    if (
-        not (model_dir / "config.json").is_file()
-        or manifest.get("fingerprint") != champion["export_fingerprint"]
-    ):
+    look = status(model_dir.parent, champion["export_fingerprint"], hashes=False)
+    if not (model_dir / "config.json").is_file() or not look.complete:
         return f"the champion's export {model_dir} no longer exists"
     return ""
 

@@ -1,4 +1,6 @@
-"""Run real stages on a tiny recipe, in-process (world size 1) or under torchrun."""
+"""Run real stages on a tiny recipe, in-process (world size 1) or under torchrun, the test
+acting as their supervisor (`supervised`: it holds the artifact's lock and names it in the
+spec, as `flows.stage.supervise` does)."""
 
 from __future__ import annotations
 
@@ -12,13 +14,20 @@ import shutil
 import signal
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from posttrain.config.loader import load_recipe
 from posttrain.kinds import KINDS
-from posttrain.plan.planner import plan
+from posttrain.plan.planner import PlannedStage, plan, spec_for
+from posttrain.runtime.spec import StageSpec, spec_path
+from posttrain.store.artifacts import ref_from_manifest
+from posttrain.store.locking import ArtifactLock
+from posttrain.store.status import find_reusable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,19 +77,58 @@ def write_recipe(folder: Path, data: dict | None = None) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def supervised(stage: PlannedStage, spec: StageSpec, reuse: bool = False) -> Iterator[Path | None]:
+    """Act as the supervisor of one launch of `stage` (flows.stage.supervise does it for the
+    flow and `posttrain launch`): hold its artifact's lock for the block and yield the path of
+    its spec with a launch record naming the lock, which a stage process requires. `reuse`:
+    look first, as a supervisor does, and yield None when the artifact is complete."""
+    from flows.stage.launch import launch_info
+    from posttrain.runtime.recovery import earlier_attempt
+
+    lock = ArtifactLock(stage.out_dir)
+    lock.acquire({"what": f"test supervisor of stage {stage.name}"})
+    try:
+        if reuse and find_reusable(stage.out_dir, stage.fingerprint) is not None:
+            yield None
+            return
+        launch = launch_info(
+            stage, uuid.uuid4().hex, str(lock.path), earlier_attempt(stage.out_dir)
+        )
+        yield spec.model_copy(update={"launch": launch}).write(spec_path(stage.out_dir))
+    finally:
+        lock.release()
+
+
+@contextlib.contextmanager
+def planned_launch(
+    stage: str, recipe: Path, *overrides: str, name: str | None = None
+) -> Iterator[Path | None]:
+    """`supervised(reuse=True)` for the recipe's stage `name` (else its one stage of kind
+    `stage`), planned with its parents' artifacts, which must be complete."""
+    loaded = load_recipe(recipe, list(overrides))
+    planned = {s.name: s for s in plan(loaded).stages}
+    me = _named(list(planned.values()), name or stage, stage)
+    refs = {p: ref_from_manifest(planned[p].out_dir) for p in me.parents}
+    with supervised(me, spec_for(me, loaded, refs), reuse=True) as path:
+        yield path
+
+
 def run_inprocess(stage: str, recipe: Path, *overrides: str, name: str | None = None) -> Path:
     """Run one stage of kind `stage` (the one named `name` when the recipe has several) through
-    its real entry point in this process; returns its output folder."""
+    its real entry point in this process, this process its supervisor; returns its output
+    folder."""
     from posttrain.stages.common import stage_main
 
     module = importlib.import_module(KINDS[stage].module)
-    which = ["--stage", name] if name else []
-    stage_main(
-        module.run,
-        kind=stage,
-        distributed=KINDS[stage].distributed,
-        argv=["--recipe", str(recipe), *which, *overrides],
-    )
+    with planned_launch(stage, recipe, *overrides, name=name) as path:
+        if path is not None:  # else complete: reused
+            stage_main(
+                module.run,
+                kind=stage,
+                distributed=KINDS[stage].distributed,
+                argv=["--spec", str(path)],
+            )
     return planned_dir(name or stage, recipe, *overrides)
 
 
@@ -88,7 +136,7 @@ def run_shared(stage: str, recipe: Path, store: Path) -> Path:
     """`run_inprocess(stage, recipe)` for a parent that several test modules build from the same
     sections (TINY's ingest and sft, PREF's reward): it is built once per session, in the
     workspace of `store` (the `shared_parents` fixture), and copied into the recipe's workspace.
-    A copy with the same fingerprint and verified files is what the stage itself reuses, so the
+    A copy with the same fingerprint and verified files is what its supervisor reuses, so the
     call below then does nothing. Copies keep a module's changes to its artifacts its own; the
     ingest manifest's model_dir names the store's model folder, which no test changes."""
     out = planned_dir(stage, recipe)
@@ -146,7 +194,15 @@ def artifact_digests(ws: Path) -> dict[str, str]:
     return out
 
 
-def competing_training(folder: Path, env: dict[str, str], threads: int) -> subprocess.Popen[bytes]:
+@dataclass
+class Competitor:
+    """A competing training job and the artifact lock this process holds for it."""
+
+    proc: subprocess.Popen[bytes]
+    hold: contextlib.ExitStack
+
+
+def competing_training(folder: Path, env: dict[str, str], threads: int) -> Competitor:
     """A training job of its own on the same cores: TINY's ingest stage, whose causal-LM
     warm-up trains the base, as a real process in its own workspace under `folder`, for far
     more steps than any test waits (stop it with `stop_competing`). `threads`: as many as the
@@ -159,23 +215,28 @@ def competing_training(folder: Path, env: dict[str, str], threads: int) -> subpr
     data["ingest"]["from_config"]["pretrain_steps"] = 1_000_000
     data["infra"]["threads_per_rank"] = threads
     recipe = write_recipe(folder, data)
-    return subprocess.Popen(
-        [sys.executable, "-m", "posttrain.stages.ingest", "--recipe", str(recipe)],
+    hold = contextlib.ExitStack()
+    spec = hold.enter_context(planned_launch("ingest", recipe))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "posttrain.stages.ingest", "--spec", str(spec)],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
+    return Competitor(proc, hold)
 
 
-def stop_competing(proc: subprocess.Popen[bytes]) -> bool:
+def stop_competing(competitor: Competitor) -> bool:
     """SIGKILL the competing job's process group; whether it was still running (it must have
     been, for the load to have been there all along)."""
+    proc = competitor.proc
     running = proc.poll() is None
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
+    competitor.hold.close()
     return running
 
 
@@ -199,30 +260,42 @@ def crash_after(out: Path, logged_steps: int, outputs: tuple[str, ...]) -> None:
 
 def planned_dir(stage: str, recipe: Path, *overrides: str) -> Path:
     """The folder of the stage named `stage`, else of the recipe's one stage of that kind."""
-    planned = plan(load_recipe(recipe, list(overrides))).stages
-    named = [s for s in planned if s.name == stage] or [s for s in planned if s.kind == stage]
-    return named[0].out_dir
+    return _named(plan(load_recipe(recipe, list(overrides))).stages, stage, stage).out_dir
+
+
+def _named(planned: list[PlannedStage], name: str, kind: str) -> PlannedStage:
+    return ([s for s in planned if s.name == name] or [s for s in planned if s.kind == kind])[0]
 
 
 def run_torchrun(
-    stage: str, recipe: Path, nproc: int, *overrides: str, timeout: float = 300
+    stage: str,
+    recipe: Path,
+    nproc: int,
+    *overrides: str,
+    name: str | None = None,
+    timeout: float = 300,
 ) -> subprocess.CompletedProcess:
+    """The recipe's stage (as `run_inprocess` finds it) under `torchrun --standalone` with
+    `nproc` ranks, this process its supervisor."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        KINDS[stage].module,
-        "--recipe",
-        str(recipe),
-        *overrides,
-    ]
-    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    with planned_launch(stage, recipe, *overrides, name=name) as spec:
+        assert spec is not None, "the stage is complete already: nothing would run"
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            KINDS[stage].module,
+            "--spec",
+            str(spec),
+        ]
+        return subprocess.run(
+            cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        )
 
 
 def hand_planned(

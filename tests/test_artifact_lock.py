@@ -1,9 +1,8 @@
 """Two runs of the same stage at once: one runs, the other waits for it and reuses its artifact;
-the folder is never written by both (posttrain.store.locking, posttrain.store.claim)."""
+the folder is never written by both (posttrain.store.locking, flows.stage.supervise)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -15,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from flows.stage.supervise import supervise_stage
 from posttrain.config.loader import resolve, validate_recipe
 from posttrain.plan.planner import PlannedStage, plan, spec_for
-from posttrain.runtime.spec import StageSpec
+from posttrain.runtime.spec import LaunchInfo, StageSpec
 from posttrain.store.artifacts import read_manifest, stage_dir, verify, write_manifest
-from posttrain.store.claim import claim_by_hand
 from posttrain.store.locking import ArtifactLock, LockTimeout, lock_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,15 +78,16 @@ def slow_stage(
         timeout_s=120,
         inputs={"section": {"source": "from_config"}},
     )
-    recipe = validate_recipe(
-        {
-            "run": {"workspace": str(workspace)},
-            "infra": {"device": "cpu", "precision": "fp32"},
-            "ingest": {"source": "from_config"},
-            "sft": {"data": {"synthetic": {}}},
-        }
-    )
-    return stage, spec_for(stage, resolve(recipe), {}), runs
+    return stage, spec_for(stage, resolve(validate_recipe(_recipe(workspace))), {}), runs
+
+
+def _recipe(workspace: Path) -> dict[str, Any]:
+    return {
+        "run": {"workspace": str(workspace)},
+        "infra": {"device": "cpu", "precision": "fp32"},
+        "ingest": {"source": "from_config"},
+        "sft": {"data": {"synthetic": {}}},
+    }
 
 
 def _intact(out_dir: Path) -> None:
@@ -166,56 +166,46 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
             proc.wait()
 
 
-def test_torchrun_ranks_wait_for_their_own_rank_0(tmp_path: Path) -> None:
-    """Started by hand (no supervisor holds the lock): rank 1 of launch B must not touch the
-    folder while launch A holds it, nor proceed before its own rank 0 has looked; it follows
-    rank 0's decision. Other nodes look read-only and take no lock."""
-    out = tmp_path / "artifacts" / "sft" / FP
-    other_run = ArtifactLock(out)
-    assert other_run.try_acquire({"launch": "A"})
-    order: list[str] = []
-    got: dict[str, Any] = {}
+def test_a_stage_process_refuses_a_spec_no_supervisor_holds(
+    slow_stage: tuple[PlannedStage, StageSpec, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only a supervisor that holds the artifact's lock has looked at the folder and may let a
+    process write it: a spec without its launch record, or whose record names no lock, is
+    refused in one line before anything is written."""
+    from posttrain.stages.common import stage_main
 
-    def rank(r: int) -> None:
-        env = {"RANK": str(r), "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "B"}
-        got[r] = claim_by_hand(out, FP, "sft", env=env, poll_s=0.02)
-        order.append(f"rank{r}")
+    stage, spec, runs = slow_stage
+    for bare in (spec, spec.model_copy(update={"launch": LaunchInfo(id="by-hand")})):
+        path = bare.write(runs.parent / "spec.json")
+        with pytest.raises(SystemExit) as refused:
+            stage_main(lambda ctx: {}, kind="ingest", argv=["--spec", str(path)])
+        assert str(refused.value) == (
+            "stage ingest: its spec names no supervisor holding the artifact's lock; run one "
+            "stage with `posttrain launch ingest RECIPE`"
+        )
+    assert not stage.out_dir.exists() and not runs.exists()
 
-    def both_ranks() -> None:
-        order.clear()
-        threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 0)]
-        threads[0].start()
-        time.sleep(0.2)
-        threads[1].start()
-        time.sleep(0.3)
-        assert order == [], "both ranks of launch B wait while launch A holds the folder"
-        other_run.release()
-        for t in threads:
-            t.join(5)
-        assert sorted(order) == ["rank0", "rank1"]
 
-    both_ranks()
-    assert got[0].lock is not None and got[0].lock.held and got[1].lock is None
-    assert (got[0].done, got[1].done) == (False, False), "nothing built yet: both build"
-    assert got[0].lock.holder()["launch"] == f"B/{os.getppid()}"
-    assert got[0].lock.holder()["decision"] == "build"
-    got[0].release()
-    # A complete artifact: rank 0 finds it (and its ref), rank 1 follows without looking.
+def test_another_nodes_supervisor_looks_without_the_lock(
+    slow_stage: tuple[PlannedStage, StageSpec, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A multi-node stage started by hand: node 0's supervisor holds the lock (on a file system
+    the other nodes may not share); another node's looks without it, and reuses a complete
+    artifact instead of starting an agent that would wait for a rendezvous that never comes."""
+    stage, spec, runs = slow_stage
+    out = stage.out_dir
     out.mkdir(parents=True)
     (out / "result.json").write_text("{}")
-    write_manifest(out, stage="sft", fp=FP, parents=[], section={}, seed=0, summary={})
-    assert other_run.try_acquire({"launch": "A"})
-    both_ranks()
-    assert (got[0].done, got[1].done) == (True, True)
-    assert got[0].ref is not None and got[0].ref.fingerprint == FP and got[1].ref is None
-    got[0].release()
-    # Another node: no lock, a read-only look (the manifest of a damaged artifact stays for
-    # node 0's rank 0 to deal with).
-    other = claim_by_hand(out, FP, "sft", env={"GROUP_RANK": "1"})
-    assert other.done and other.lock is None
-    (out / "result.json").write_text("altered")
-    assert not claim_by_hand(out, FP, "sft", env={"GROUP_RANK": "1"}).done
-    assert (out / "manifest.json").exists()
+    write_manifest(out, stage="ingest", fp=FP, parents=[], section={}, seed=0, summary={})
+    node_0 = ArtifactLock(out)
+    assert node_0.try_acquire({"what": "node 0's supervisor"})
+    try:
+        monkeypatch.setenv("POSTTRAIN_NODE_RANK", "1")
+        outcome = supervise_stage(stage, spec)
+    finally:
+        node_0.release()
+    assert outcome.status == "reused" and outcome.ref.fingerprint == FP
+    assert not runs.exists() and not (out / "logs").exists(), "nothing launched"
 
 
 @pytest.mark.slow
@@ -245,41 +235,36 @@ def test_two_supervisors_at_once_one_runs_the_other_reuses(
 
 
 @pytest.mark.slow
-def test_two_hand_launched_stage_processes_at_once(
-    slow_stage: tuple[PlannedStage, StageSpec, Path],
+def test_two_posttrain_launches_at_once(
+    slow_stage: tuple[PlannedStage, StageSpec, Path], tmp_path: Path
 ) -> None:
-    """`python -m <stage> --spec ...` twice, no supervisor: the stage processes lock
-    themselves (the spec names no lock held for them)."""
-    stage, spec, runs = slow_stage
-    path = spec.write(runs.parent / "spec.json")
-    cmd = [sys.executable, "-m", stage.module, "--spec", str(path)]
-    env = dict(os.environ)
-    logs = [runs.parent / "first.log", runs.parent / "second.log"]
-    with open(logs[0], "wb") as log1, open(logs[1], "wb") as log2:
-        first = subprocess.Popen(cmd, env=env, stdout=log1, stderr=subprocess.STDOUT)
-        _wait_for("the first run to hold the lock", runs.exists)  # it runs: it holds the lock
-        second = subprocess.Popen(cmd, env=env, stdout=log2, stderr=subprocess.STDOUT)
+    """`posttrain launch ingest recipe.yaml` twice at once, no Prefect: each is the stage's
+    supervisor, so the second waits for the first's lock, then reuses what it made."""
+    from tests.faults.fault_runs import Run
+
+    _, _, runs = slow_stage
+    data = _recipe(tmp_path / "ws")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(data))
+    env = {**os.environ, "PT_STAGE_MODULES": "ingest=pt_slow_stage"}
+    first = Run(recipe, env, command=("launch", "ingest"))
+    try:
+        _wait_for("the first launch's stage to run", runs.exists)  # it holds the lock
+        second = Run(recipe, env, command=("launch", "ingest"))
         try:
-            _wait_for("the second run to wait", lambda: b"waiting for" in logs[1].read_bytes())
+            second.wait_for("waiting for another run of the same stage to finish")
             (runs.parent / "release").touch()
-            first.wait(timeout=120)
-            second.wait(timeout=120)
+            (rc1, out1), (rc2, out2) = first.finish(120), second.finish(120)
         finally:
-            for p in (first, second):
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    out1, out2 = (p.read_bytes() for p in logs)
-    assert (first.returncode, second.returncode) == (0, 0), (out1, out2)
+            second.stop()
+    finally:
+        first.stop()
+    assert (rc1, rc2) == (0, 0), (out1, out2)
     assert len(runs.read_text().split()) == 1, "the stage ran once"
-    assert b"waiting for another run of the same stage" in out2
-    refs = [
-        json.loads(line.split(b"POSTTRAIN_ARTIFACT ", 1)[1])
-        for line in (out1 + out2).splitlines()
-        if b"POSTTRAIN_ARTIFACT " in line
-    ]
-    assert len(refs) == 2 and refs[0] == refs[1]
-    _intact(stage.out_dir)
+    out = plan(validate_recipe(data)).stages[0].out_dir
+    assert f"stage ingest: ran: {out}" in out1 and f"stage ingest: reused: {out}" in out2
+    assert "the other run is done; this one reused" in out2
+    _intact(out)
 
 
 @pytest.mark.slow

@@ -316,7 +316,7 @@ def test_distill_on_two_ranks(teacher_recipe) -> None:
     over = ("infra.devices_per_node=2", "sft.batch.micro_batch_size=4",
             "stages.teacher_sft.batch.micro_batch_size=4",
             "stages.distill.batch.micro_batch_size=2")  # fmt: skip
-    proc = run_torchrun("distill", teacher_recipe, 2, *over, "--stage", "distill")
+    proc = run_torchrun("distill", teacher_recipe, 2, *over, name="distill")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = planned_dir("distill", teacher_recipe, *over)
     start = read_metrics(out / "metrics.jsonl", "start")[0]
@@ -326,7 +326,7 @@ def test_distill_on_two_ranks(teacher_recipe) -> None:
     # and the answers are one rank's (sampled here with settings no other test uses).
     other = ("stages.offpolicy.teacher_sampling.max_new_tokens=12",)
     two_ranks = (*over, *other, "stages.offpolicy.batch.micro_batch_size=4")
-    proc = run_torchrun("sft", teacher_recipe, 2, *two_ranks, "--stage", "offpolicy")
+    proc = run_torchrun("sft", teacher_recipe, 2, *two_ranks, name="offpolicy")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     import json
 

@@ -28,12 +28,11 @@ from posttrain.data.preference import quickstart_preference_rows
 from posttrain.eval.preference_eval import answers
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.plan.planner import spec_for
-from posttrain.runtime.spec import spec_path
 from posttrain.stages import head_to_head as stage_module
 from posttrain.stages.common import stage_main
 from posttrain.store.artifacts import read_manifest, ref_from_manifest
 from posttrain.workspace.promotion import HEAD_TO_HEAD, WIN_RATE_VS_CHAMPION, head_to_head_stage
-from tests.stage_helpers import TINY, run_inprocess, run_shared, write_recipe
+from tests.stage_helpers import TINY, run_inprocess, run_shared, supervised, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -112,8 +111,8 @@ def _head_to_head(arts: dict, candidate: str, champion: str) -> tuple[Path, dict
         "base": ref_from_manifest(arts["ingest"]),
     }
     stage = head_to_head_stage(recipe, parents)
-    spec = spec_for(stage, recipe, parents).write(spec_path(stage.out_dir))
-    stage_main(stage_module.run, kind=HEAD_TO_HEAD, argv=["--spec", str(spec)])
+    with supervised(stage, spec_for(stage, recipe, parents)) as spec:
+        stage_main(stage_module.run, kind=HEAD_TO_HEAD, argv=["--spec", str(spec)])
     return stage.out_dir, (read_manifest(stage.out_dir) or {})["summary"]
 
 

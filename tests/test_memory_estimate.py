@@ -48,7 +48,7 @@ from posttrain.runtime.preflight import (
     stage_shape,
 )
 from posttrain.telemetry.metrics import fragmentation_warning
-from tests.stage_helpers import TINY, write_recipe
+from tests.stage_helpers import TINY, supervised, write_recipe
 
 SMALL = dict(
     vocab_size=300,
@@ -489,12 +489,12 @@ def test_stage_refused_before_loading_anything(tmp_path: Path) -> None:
     recipe = _recipe(tmp_path, device_memory_gb=0.001)
     sft = next(s for s in plan(recipe).stages if s.name == "sft")
     # No ingest yet: the recipe's from_config numbers.
-    spec = spec_for(sft, recipe, {}).write(tmp_path / "spec.json")
     called: list[Any] = []
-    t = time.perf_counter()
-    with pytest.raises(SystemExit) as exit_info:
-        stage_main(called.append, kind="sft", distributed=True, argv=["--spec", str(spec)])
-    took = time.perf_counter() - t
+    with supervised(sft, spec_for(sft, recipe, {})) as spec:
+        t = time.perf_counter()
+        with pytest.raises(SystemExit) as exit_info:
+            stage_main(called.append, kind="sft", distributed=True, argv=["--spec", str(spec)])
+        took = time.perf_counter() - t
     assert exit_info.value.code == 1
     assert not called and not dist.is_initialized()
     assert took < 10, f"refusal took {took:.1f} s"
@@ -517,14 +517,14 @@ def test_warn_and_off_modes_let_the_stage_run(tmp_path: Path) -> None:
         folder.mkdir()
         recipe = _recipe(folder, device_memory_gb=0.001, memory_preflight=mode)
         sft = next(s for s in plan(recipe).stages if s.name == "sft")
-        spec = spec_for(sft, recipe, {}).write(folder / "spec.json")
         seen: list[Any] = []
 
         def run(ctx: Any, seen: list[Any] = seen) -> dict[str, Any]:
             seen.append(ctx.preflight)
             return {"headline": {}}
 
-        stage_main(run, kind="sft", argv=["--spec", str(spec)])
+        with supervised(sft, spec_for(sft, recipe, {})) as spec:
+            stage_main(run, kind="sft", argv=["--spec", str(spec)])
         manifest = json.loads((sft.out_dir / "manifest.json").read_text())
         if mode == "warn":
             assert seen[0]["fits"] is False

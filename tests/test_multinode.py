@@ -88,6 +88,8 @@ def test_two_node_agents_run_hsdp_sft(tmp_path) -> None:
                 os.killpg(a.pid, 9)
     for a, text in zip(agents, outputs, strict=True):
         assert a.returncode == 0, text[-4000:]
+        # Each node's supervisor checked what node 0's rank 0 sealed.
+        assert "stage sft: ran: " in text, text[-4000:]
     assert "--nnodes 2 --node-rank 1" in outputs[1]
     logs = "\n".join(outputs)
     assert "world 2, layout hsdp, mesh (2, 1) ('dp_replicate', 'dp_shard')" in logs

@@ -133,7 +133,7 @@ def test_scoring_teacher_and_evaluate_passes_are_the_same_in_another_process(
     assert {"grpo", "distill", "evaluate"} <= kinds and alone.keys() == loaded.keys()
     differ = sorted(k for k in alone if alone[k] != loaded[k])
     assert not differ, differ
-    answers = sorted((loaded_dir / "ws" / "cache" / "teacher_answers").glob("*.jsonl"))
+    answers = sorted((loaded_dir / "ws" / "artifacts" / "teacher_answers").glob("*/answers.jsonl"))
     assert len(answers) == 1
 
     # The same answers asked for under other numerics are sampled again, into a file of their

@@ -22,7 +22,15 @@ from posttrain.kinds import KINDS
 from posttrain.store.artifacts import verify
 from posttrain.telemetry.metrics import read_metrics
 from posttrain.train.checkpoint import complete_checkpoints, data_position
-from tests.stage_helpers import ROOT, TINY, planned_dir, run_inprocess, run_shared, write_recipe
+from tests.stage_helpers import (
+    ROOT,
+    TINY,
+    planned_dir,
+    planned_launch,
+    run_inprocess,
+    run_shared,
+    write_recipe,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -77,6 +85,17 @@ def _kill_group(proc: subprocess.Popen) -> None:
     psutil.wait_procs(children, timeout=30)
 
 
+def _stage(spec: Path | None, nproc: int = 1) -> list[str]:
+    """The command line of the sft stage on `spec` (a launch this test supervises), under
+    torchrun for several ranks."""
+    assert spec is not None, "the stage is complete already"
+    stage = ["-m", KINDS["sft"].module, "--spec", str(spec)]
+    if nproc == 1:
+        return [sys.executable, *stage]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [*torchrun, f"--nproc-per-node={nproc}", *stage]
+
+
 def _run_and_kill(cmd: list[str], out: Path, log: Path, after: int) -> int:
     """Start `cmd` in its own process group, SIGKILL it once a checkpoint at step >= `after` is
     complete and a later step has been logged; returns the newest complete checkpoint's step."""
@@ -123,14 +142,17 @@ def _check_data_position(out: Path, step: int) -> dict:
 def test_sigkill_then_rerun_is_bit_exact(recipe: Path, tmp_path: Path) -> None:
     over = ("sft.lora.dropout=0.1",)  # dropout draws on the torch RNG: its restore is checked too
     out, ref = _uninterrupted(recipe, tmp_path, *over)
-    cmd = [sys.executable, "-m", KINDS["sft"].module, "--recipe", str(recipe), *over]
-    at = _run_and_kill(cmd, out, tmp_path / "killed.log", EVERY)
+    with planned_launch("sft", recipe, *over) as spec:
+        at = _run_and_kill(_stage(spec), out, tmp_path / "killed.log", EVERY)
     assert EVERY <= at < STEPS
     _check_data_position(out, at)
 
     # Re-run as a fresh process, as after a real crash (an in-process re-run would share state
     # with the reference run, e.g. the CPU peak measured once per process with torch.randn).
-    rerun = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    with planned_launch("sft", recipe, *over) as spec:
+        rerun = subprocess.run(
+            _stage(spec), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert f"resumed from step_{at:07d} at step {at}" in rerun.stdout
     assert verify(out)[0]
@@ -162,19 +184,8 @@ def test_two_rank_run_killed_resumes_on_one_rank(recipe: Path, tmp_path: Path, c
     # Same global batch: the same folder, so the 1-rank re-run picks up the 2-rank checkpoints.
     assert planned_dir("sft", recipe, *two) == planned_dir("sft", recipe, *one)
     out, ref = _uninterrupted(recipe, tmp_path, *one)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        KINDS["sft"].module,
-        "--recipe",
-        str(recipe),
-        *two,
-    ]
-    at = _run_and_kill(cmd, out, tmp_path / "killed.log", EVERY)
+    with planned_launch("sft", recipe, *two) as spec:
+        at = _run_and_kill(_stage(spec, 2), out, tmp_path / "killed.log", EVERY)
     assert EVERY <= at < STEPS
     assert _check_data_position(out, at)["world_size"] == 2
     assert {p.name for p in (out / "checkpoints" / f"step_{at:07d}").glob("rng_rank*.pt")} == {
@@ -203,20 +214,15 @@ def test_one_rank_run_killed_resumes_on_two_ranks(recipe: Path, tmp_path: Path) 
     two = ("infra.devices_per_node=2", "sft.batch.micro_batch_size=4")
     one = ("infra.devices_per_node=1", "sft.batch.micro_batch_size=8")
     out, ref = _uninterrupted(recipe, tmp_path, *one)
-    cmd = [sys.executable, "-m", KINDS["sft"].module, "--recipe", str(recipe), *one]
-    at = _run_and_kill(cmd, out, tmp_path / "killed.log", EVERY)
+    with planned_launch("sft", recipe, *one) as spec:
+        at = _run_and_kill(_stage(spec), out, tmp_path / "killed.log", EVERY)
     assert EVERY <= at < STEPS
     assert _check_data_position(out, at)["world_size"] == 1
 
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    rerun = subprocess.run(
-        [*torchrun, "--nproc-per-node=2", "-m", KINDS["sft"].module, "--recipe", str(recipe), *two],
-        env=_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    with planned_launch("sft", recipe, *two) as spec:
+        rerun = subprocess.run(
+            _stage(spec, 2), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert f"resumed from step_{at:07d} at step {at}" in rerun.stdout + rerun.stderr
     assert verify(out)[0]

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -23,7 +24,7 @@ from prefect_server import seed_home
 from safetensors.torch import load_file
 
 from posttrain.telemetry.metrics import read_metrics
-from tests.stage_helpers import ROOT, planned_dir, run_inprocess
+from tests.stage_helpers import ROOT, planned_dir, planned_launch, run_inprocess
 from tests.test_agent_rl import EPISODES, episode_recipe
 from tests.test_rl_stages import GRPO, PPO, parents, recipe_with  # noqa: F401 (the fixture)
 
@@ -139,17 +140,21 @@ def test_one_update_behind_trains_and_logs_its_correction(parents) -> None:  # n
     no_server_left(out)
 
 
-def _stage(recipe: Path, kind: str = "grpo") -> subprocess.Popen[str]:
+@contextlib.contextmanager
+def _stage(recipe: Path, kind: str = "grpo") -> Iterator[subprocess.Popen[str]]:
+    """The recipe's stage of `kind` as a process of its own, this test its supervisor."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", f"posttrain.stages.{kind}", "--recipe", str(recipe)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    with planned_launch(kind, recipe) as spec:
+        assert spec is not None
+        yield subprocess.Popen(
+            [sys.executable, "-m", f"posttrain.stages.{kind}", "--spec", str(spec)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
 
 
 def _server_up(out: Path, timeout: float = 240.0) -> psutil.Process:
@@ -170,14 +175,14 @@ def test_a_killed_server_fails_the_stage_by_name(parents) -> None:  # noqa: F811
     section["max_steps"] = 40
     recipe = recipe_with(parents, "grpo", section, "served-grpo-killed-server")
     out = planned_dir("grpo", recipe)
-    proc = _stage(recipe)
-    try:
-        server = _server_up(out)
-        server.send_signal(signal.SIGKILL)
-        _, err = proc.communicate(timeout=120)  # bounded: no wait longer than the timeouts
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    with _stage(recipe) as proc:
+        try:
+            server = _server_up(out)
+            server.send_signal(signal.SIGKILL)
+            _, err = proc.communicate(timeout=120)  # bounded: no wait longer than the timeouts
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
     lines = [x for x in err.splitlines() if x.startswith("POSTTRAIN_ERROR")]
     assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
@@ -193,10 +198,10 @@ def test_a_killed_stage_takes_its_server_down(parents) -> None:  # noqa: F811
     section["max_steps"] = 37
     recipe = recipe_with(parents, "grpo", section, "served-grpo-killed-stage")
     out = planned_dir("grpo", recipe)
-    proc = _stage(recipe)
-    server = _server_up(out)
-    proc.send_signal(signal.SIGKILL)  # no `finally` runs: the parent-death signal must do it
-    proc.wait(timeout=30)
+    with _stage(recipe) as proc:
+        server = _server_up(out)
+        proc.send_signal(signal.SIGKILL)  # no `finally` runs: the parent-death signal must do it
+        proc.wait(timeout=30)
     server.wait(timeout=30)
     no_server_left(out, stopped=False)
 

@@ -24,6 +24,7 @@ from posttrain.plan.selection import (
     complete_stages,
     select_stages,
 )
+from posttrain.store.artifacts import write_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
@@ -141,12 +142,9 @@ def test_choose_reads_completeness_from_the_workspace(tmp_path: Path) -> None:
     assert complete_stages(run_plan.stages) == set()
     for stage in run_plan.stages[:3]:  # a manifest of the planned fingerprint = done
         stage.out_dir.mkdir(parents=True)
-        sealed = {"fingerprint": stage.fingerprint, "files": {}}
-        (stage.out_dir / "manifest.json").write_text(json.dumps(sealed))
-    # reward's manifest names another fingerprint: not what this plan asks for.
-    (run_plan.stages[2].out_dir / "manifest.json").write_text(
-        json.dumps({"fingerprint": "0" * 64, "files": {}})
-    )
+        # reward's manifest names another fingerprint: not what this plan asks for.
+        fp = "0" * 16 if stage.name == "reward" else stage.fingerprint
+        write_manifest(stage.out_dir, stage="x", fp=fp, parents=[], section={}, seed=0, summary={})
     assert complete_stages(run_plan.stages) == {"ingest", "sft"}
     narrowed = choose(run_plan, Selection(only=("dpo",)))
     assert [s.name for s in narrowed.stages] == ["ingest", "sft", "dpo"]

@@ -18,8 +18,8 @@ import pytest
 from flows.cli import cmd_clean, cmd_runs, main
 from flows.workspace_report import human
 from posttrain.store.artifacts import stage_dir, write_manifest
-from posttrain.store.claim import find_complete
 from posttrain.store.locking import ArtifactLock
+from posttrain.store.status import status
 from posttrain.train.integrity import hash_files, listing, write_record
 from posttrain.workspace.clean import DAMAGED, FAILED, TRASH, UNREFERENCED, plan_clean
 from posttrain.workspace.promotion import Decision, record_decision
@@ -264,7 +264,7 @@ def test_clean_yes_deletes_exactly_the_candidates(ws: Path) -> None:
     assert {p.name for p in after - survivors} == {"dpo2.lock", "dpo0.lock", "ref0.lock"}
     for fp in ("ing1", "sft1", "dpo1", "exp1"):
         stage = {"ing1": "ingest", "sft1": "sft", "dpo1": "dpo", "exp1": "export"}[fp]
-        assert find_complete(stage_dir(ws, stage, fp), fp) is not None
+        assert status(stage_dir(ws, stage, fp), fp, hashes=True).reusable
     assert _candidates(ws) == {}
 
 
@@ -344,7 +344,7 @@ def test_clean_finds_damaged_checkpoints_in_a_kept_artifact(ws: Path) -> None:
     }
     delete(plan)
     assert sorted(p.name for p in (art / "checkpoints").iterdir()) == [good.name]
-    assert find_complete(art, "dpo3") is not None  # the artifact itself is untouched
+    assert status(art, "dpo3", hashes=True).reusable  # the artifact itself is untouched
 
 
 def test_clean_never_follows_a_symlink_out_of_the_workspace(ws: Path, tmp_path: Path) -> None:

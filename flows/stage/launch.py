@@ -122,12 +122,13 @@ def stage_command(
 
 
 def launch_info(
-    stage: PlannedStage, launch_id: str, lock: str | None, earlier_attempt: str | None
+    stage: PlannedStage, launch_id: str, lock: str, earlier_attempt: str | None
 ) -> LaunchInfo:
-    """How this launch of `stage` is held, for its spec: the launch id, the artifact lock this
-    supervisor holds (None: the stage takes it itself), the device lock the flow holds, the
-    earlier attempt's account, and what the stage watches to notice that this supervisor is
-    gone: its PID and start time here, a beat file it rewrites for an engine's remote nodes."""
+    """How this launch of `stage` is held, for its spec: the launch id, the artifact lock its
+    supervisor holds (node 0's, for another node's agent started by hand), the device lock the
+    flow holds, the earlier attempt's account, and what the stage watches to notice that this
+    supervisor is gone: its PID and start time here, a beat file it rewrites for an engine's
+    remote nodes."""
     info = LaunchInfo(
         id=launch_id,
         flow_run_id=current_flow_run_id(),

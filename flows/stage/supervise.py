@@ -4,7 +4,7 @@ machine, Slurm or Kubernetes), watch it (timeout, hang) and check what it left.
 
 Supervision means:
   - reuse: a complete, unaltered artifact with the stage's fingerprint is returned, not rebuilt
-    (`posttrain.store.claim.find_complete`: the one look, once per launch, under the lock);
+    (`posttrain.store.status.find_reusable`: the one look, once per launch, under the lock);
   - the contract: the stage process gets everything it needs in its spec (`spec.json`, with
     this launch's `launch` record: the lock held for it, who to watch), nothing in variables
     but the launch's tag (`posttrain.runtime.spec`);
@@ -16,6 +16,9 @@ Supervision means:
     every node (`Launch.stop`: the process tree here, `scancel`, the Job's deletion);
   - hangs: ranks whose heartbeats all stop get their stacks dumped, then the stage is killed
     (`flows.stage.hang`).
+It is the only way a stage process starts: the flow's `stage` task calls it for every stage,
+`posttrain launch` for one stage by hand (on every node of a multi-node stage: node 0's
+supervisor holds the lock and looks, the other nodes' agents join its launch).
 """
 
 from __future__ import annotations
@@ -48,9 +51,9 @@ from posttrain.plan.planner import PlannedStage
 from posttrain.runtime.orphan import SupervisorBeat
 from posttrain.runtime.recovery import ERROR_FILE, earlier_attempt
 from posttrain.runtime.spec import StageSpec, spec_path
-from posttrain.store.artifacts import ArtifactRef, ref_from_manifest, verify
-from posttrain.store.claim import find_complete
-from posttrain.store.locking import ArtifactLock, LockTimeout, describe_holder
+from posttrain.store.artifacts import ArtifactRef
+from posttrain.store.locking import ArtifactLock, LockTimeout, describe_holder, lock_path
+from posttrain.store.status import Status, find_reusable, status
 from posttrain.telemetry.heartbeat import Hang, HangWatch
 
 # How often the supervisor looks at the launch, its heartbeats and its timeout. A local child's
@@ -76,8 +79,7 @@ def supervise_stage(
     """
     log = run_logger()
     if node_rank() != 0:
-        # Another node's agent joins node 0's launch; the lock, and the look, are node 0's.
-        return _launch(stage, spec, _engine(stage), None, kill_grace_s)
+        return _join(stage, spec, kill_grace_s)
     lock = ArtifactLock(stage.out_dir)
 
     def waiting(holder: dict[str, Any] | None) -> None:
@@ -103,6 +105,16 @@ def supervise_stage(
     return outcome
 
 
+def _join(stage: PlannedStage, spec: StageSpec, kill_grace_s: float) -> Outcome:
+    """Another node's agent joins node 0's launch, whose supervisor holds the lock (perhaps on
+    a file system this node does not share) and looks. The folder is shared: a read-only look
+    says whether node 0 found the stage complete (an agent would wait for it in vain)."""
+    if (ref := status(stage.out_dir, stage.fingerprint, hashes=True).ref) is not None:
+        run_logger().info("stage %s: complete artifact found in %s", stage.name, stage.out_dir)
+        return Outcome("reused", ref)
+    return _launch(stage, spec, _engine(stage), str(lock_path(stage.out_dir)), kill_grace_s)
+
+
 def _engine(stage: PlannedStage) -> Launcher | LaunchError:
     """The launcher that runs `stage`, or the error that says why it cannot be made (its
     engine's client is not installed)."""
@@ -121,7 +133,7 @@ def _under_lock(stage: PlannedStage, spec: StageSpec, lock: str, kill_grace_s: f
     # new launch writes the same folder; the new one resumes.
     if not isinstance(engine, LaunchError):
         stop_earlier_launch(engine, stage, kill_grace_s, log)
-    if (ref := find_complete(stage.out_dir, stage.fingerprint, log)) is not None:
+    if (ref := find_reusable(stage.out_dir, stage.fingerprint, log)) is not None:
         log.info("stage %s: complete artifact found in %s, reusing it", stage.name, stage.out_dir)
         return Outcome("reused", ref)
     if REUSE_ONLY.get():
@@ -133,15 +145,17 @@ def _launch(
     stage: PlannedStage,
     spec: StageSpec,
     engine: Launcher | LaunchError,
-    lock: str | None,
+    lock: str,
     kill_grace_s: float,
 ) -> Outcome:
-    """Write this launch's spec, start the stage through `engine` and follow it to its end."""
+    """Write this launch's spec, naming the artifact `lock` its supervisor (node 0's) holds,
+    start the stage through `engine` and follow it to its end."""
     if isinstance(engine, LaunchError):
         raise StageFailed(f"stage '{stage.name}' could not be started: {engine}") from None
     log = run_logger()
-    # Before this launch writes its own traces (launch line, heartbeats) over the old ones.
-    earlier = earlier_attempt(stage.out_dir)
+    # Before this launch writes its own traces (launch line, heartbeats) over the old ones;
+    # node 0's account (another node starts when node 0's may have begun).
+    earlier = earlier_attempt(stage.out_dir) if node_rank() == 0 else None
     if earlier:
         log.warning("stage %s: %s", stage.name, earlier)
     launch = launch_info(stage, uuid.uuid4().hex, lock, earlier)
@@ -150,10 +164,11 @@ def _launch(
         env = local_env(launch, visible_devices=stage.visible_devices)
     else:  # an engine's nodes get only what the launch needs, not this machine's environment
         env = launch_env(launch)
-    log_path = stage.out_dir / "logs" / "stage.log"
+    rank = node_rank()  # each node started by hand has its own supervisor, and log
+    log_path = stage.out_dir / "logs" / ("stage.log" if rank == 0 else f"stage-node{rank}.log")
     request = LaunchRequest(
         stage=stage,
-        spec_path=spec.write(spec_path(stage.out_dir, node_rank())),
+        spec_path=spec.write(spec_path(stage.out_dir, rank)),
         launch_id=launch.id,
         env=env,
         log_dir=log_path.parent,
@@ -174,18 +189,31 @@ def _launch(
 
 
 def _completed_ref(stage: PlannedStage, artifact_json: str | None) -> ArtifactRef:
-    """What a launch that exited 0 sealed: verified, with the planned fingerprint, and the
-    artifact the stage said it sealed (its POSTTRAIN_ARTIFACT line)."""
-    ok, why = verify(stage.out_dir)
-    if not ok:
-        raise StageFailed(f"stage '{stage.name}' exited 0 but its artifact is incomplete: {why}")
-    ref = ref_from_manifest(stage.out_dir)
-    said = ArtifactRef.model_validate_json(artifact_json) if artifact_json else ref
-    if ref.fingerprint != stage.fingerprint or said.fingerprint != ref.fingerprint:
+    """What a launch that exited 0 sealed: reusable (every byte checked), with the planned
+    fingerprint, and the artifact the stage said it sealed (its POSTTRAIN_ARTIFACT line)."""
+    look = _sealed(stage)
+    if look.ref is None:
+        raise StageFailed(
+            f"stage '{stage.name}' exited 0 but its artifact is incomplete: {look.why}"
+        )
+    said = ArtifactRef.model_validate_json(artifact_json) if artifact_json else look.ref
+    if said.fingerprint != look.ref.fingerprint:
         raise StageFailed(
             f"stage '{stage.name}' wrote fingerprint {said.fingerprint}, expected {stage.fingerprint}"
         )
-    return ref
+    return look.ref
+
+
+def _sealed(stage: PlannedStage) -> Status:
+    """The artifact's status after its launch exited 0. Another node's agent ends when its
+    ranks pass the last barrier, maybe before node 0's rank 0 has sealed (hashing every file):
+    it waits for the manifest as long as the hang watch lets a silent stage be."""
+    deadline = time.monotonic() + (stage.hang_timeout_s or stage.timeout_s)
+    look = status(stage.out_dir, stage.fingerprint, hashes=True)
+    while node_rank() != 0 and look.state == "unsealed" and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        look = status(stage.out_dir, stage.fingerprint, hashes=True)
+    return look
 
 
 def _follow(

@@ -7,7 +7,7 @@ to `flows.stage.supervise.supervise_stage`, which does the work.
 
 Prefect shows every stage as a task run with its state, logs and artifacts, but its result cache
 is not used: whether a stage must run is decided by its artifact alone, once per launch, under
-the artifact's lock (`posttrain.store.claim`). A stage that did not need to run ends in a
+the artifact's lock (`posttrain.store.status`). A stage that did not need to run ends in a
 Completed state named `Reused`, the word the terminal, the report, the graph and the trackers
 use too.
 """

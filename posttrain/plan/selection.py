@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from posttrain.kinds import KINDS
 from posttrain.plan.planner import PlannedStage, RunPlan
-from posttrain.store.claim import looks_complete
+from posttrain.store.status import status
 
 
 class SelectionError(ValueError):
@@ -116,8 +116,8 @@ def _unknown(flag: str, name: str, names: list[str]) -> str:
 
 def complete_stages(stages: Iterable[PlannedStage]) -> set[str]:
     """The stages whose artifact is complete: its manifest there, of the planned fingerprint,
-    and the files it lists (not their hashes: the run verifies those when it reuses it)."""
-    return {s.name for s in stages if looks_complete(s.out_dir, s.fingerprint)}
+    and the files it lists (sizes, not hashes: the supervisor hashes them when it reuses it)."""
+    return {s.name for s in stages if status(s.out_dir, s.fingerprint, hashes=False).complete}
 
 
 def choose(

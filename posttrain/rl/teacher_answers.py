@@ -9,8 +9,8 @@ own answers, so held-out loss and evaluate's exact match still measure the task,
 resemblance to the teacher. The teacher writes text, decoded by its own tokenizer and encoded
 again by the student's: its vocabulary may differ from the student's.
 
-The answers are an artifact of their own, cached in the workspace
-(`<workspace>/cache/teacher_answers/<key>.jsonl`, written whole by rename): the key hashes the
+The answers are an artifact of their own, cached in the workspace (`posttrain.store.cache`:
+`<workspace>/artifacts/teacher_answers/<key>/answers.jsonl`): the key hashes the
 teacher's fingerprint, the prompts, the sampling fields, the seed and the numerics of the
 process that samples (`StageContext.numerics`: device, threads, precision...; not the number of
 ranks as such: the batches and their seeds are the same at any number, `world_batches`), so a
@@ -25,7 +25,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -40,11 +39,14 @@ from posttrain.models.teacher import build_teacher
 from posttrain.rl.rollout.engine import build_engine
 from posttrain.rl.rollout.sample import response_mask
 from posttrain.sections.shared import SamplingConfig
+from posttrain.store.artifacts import stage_dir
+from posttrain.store.cache import cached
 from posttrain.telemetry import heartbeat
 
 log = logging.getLogger("posttrain.distill")
 
 Row = dict[str, Any]
+ANSWERS = "answers.jsonl"
 
 
 def prompt_of(row: Row) -> list[dict[str, Any]]:
@@ -54,8 +56,9 @@ def prompt_of(row: Row) -> list[dict[str, Any]]:
     return msgs[:last]
 
 
-def cache_path(ctx: Any, rows: list[Row]) -> Path:
-    """Where the teacher's answers to `rows` under the stage's sampling are cached."""
+def cache_dir(ctx: Any, rows: list[Row]) -> Path:
+    """The cache entry (`posttrain.store.cache`) of the teacher's answers to `rows` under the
+    stage's sampling."""
     cfg = ctx.section.teacher_sampling
     payload = {
         "teacher": ctx.role_ref("teacher").fingerprint,
@@ -65,22 +68,25 @@ def cache_path(ctx: Any, rows: list[Row]) -> Path:
         "numerics": ctx.numerics(),
     }
     key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
-    return Path(ctx.recipe.run.workspace) / "cache" / "teacher_answers" / f"{key}.jsonl"
+    return stage_dir(ctx.recipe.run.workspace, "teacher_answers", key)
 
 
 def teacher_rows(ctx: Any, rows: list[Row]) -> tuple[list[Row], dict[str, Any]]:
     """(`rows` answered by the teacher, `samples_per_prompt` rows per prompt in order; what it
     cost: answers, seconds, whether they came from the cache, the cache file)."""
-    path = cache_path(ctx, rows)
+    folder = cache_dir(ctx, rows)
     k = ctx.section.teacher_sampling.samples_per_prompt
     t = time.perf_counter()
-    answers = read_cache(path, len(rows) * k)
-    reused = answers is not None
-    if answers is None:
-        answers = sample_answers(ctx, rows)
-        if ctx.is_main:
-            write_cache(path, answers)
-        barrier()
+    answers, reused = cached(
+        folder,
+        lambda: sample_answers(ctx, rows),
+        save=save_answers,
+        load=load_answers,
+        parents=[ctx.role_ref("teacher").fingerprint],
+        inputs={"answers": len(rows) * k, "numerics": ctx.numerics()},
+        writer=ctx.is_main,
+        barrier=barrier,
+    )
     out = [
         {**row, "messages": [*prompt_of(row), {"role": "assistant", "content": a}]}
         for i, row in enumerate(rows)
@@ -90,7 +96,7 @@ def teacher_rows(ctx: Any, rows: list[Row]) -> tuple[list[Row], dict[str, Any]]:
         "teacher_answers": len(out),
         "teacher_answers_s": round(time.perf_counter() - t, 2),
         "teacher_answers_reused": reused,
-        "teacher_answers_file": str(path),
+        "teacher_answers_file": str(folder / ANSWERS),
     }
     log.info(
         "teacher %s: %d answers %s in %.1f s (%s)",
@@ -98,31 +104,18 @@ def teacher_rows(ctx: Any, rows: list[Row]) -> tuple[list[Row], dict[str, Any]]:
         len(out),
         "reused" if reused else "sampled",
         info["teacher_answers_s"],
-        path,
+        folder,
     )
     return out, info
 
 
-def read_cache(path: Path, n: int) -> list[str] | None:
-    """The cached answers, or None when there are none (or not `n`: a file from another
-    layout is not trusted, and sampled again)."""
-    if not path.is_file():
-        return None
-    answers = [json.loads(line)["answer"] for line in path.read_text().splitlines() if line]
-    if len(answers) != n:
-        log.warning(
-            "teacher answers %s hold %d answers, not %d: sampling again", path, len(answers), n
-        )
-        return None
-    return answers
+def save_answers(answers: list[str], folder: Path) -> None:
+    text = "".join(json.dumps({"answer": a}, ensure_ascii=False) + "\n" for a in answers)
+    (folder / ANSWERS).write_text(text)
 
 
-def write_cache(path: Path, answers: list[str]) -> None:
-    """Whole or not at all: written beside, then renamed over."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text("".join(json.dumps({"answer": a}, ensure_ascii=False) + "\n" for a in answers))
-    os.replace(tmp, path)
+def load_answers(folder: Path) -> list[str]:
+    return [json.loads(line)["answer"] for line in (folder / ANSWERS).read_text().splitlines()]
 
 
 def sampling_config(cfg: Any) -> SamplingConfig:

@@ -156,8 +156,8 @@ class BeatReader:
 
 
 class OrphanWatch:
-    """The watching thread of one stage process; `start()` returns None when the process has
-    no supervisor to watch (started by hand)."""
+    """The watching thread of one stage process; `start()` returns None when its launch names
+    nothing to watch."""
 
     def __init__(
         self,
@@ -189,10 +189,10 @@ class OrphanWatch:
         out_dir: Path,
         stage: str,
         policy: str,
-        launch: LaunchInfo | None,
+        launch: LaunchInfo,
         poll_s: float = POLL_S,
     ) -> OrphanWatch | None:
-        if launch is None or not (launch.beat_file or launch.supervisor_pid):
+        if not (launch.beat_file or launch.supervisor_pid):
             return None
         watch = cls(out_dir, stage, policy, launch, poll_s=poll_s)
         watch.thread = threading.Thread(target=watch._run, name="orphan-watch", daemon=True)

@@ -21,8 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from posttrain.runtime.spec import LaunchInfo
-from posttrain.store.artifacts import MANIFEST
+from posttrain.store.status import status
 from posttrain.telemetry.heartbeat import read_heartbeats
 
 LAUNCH_LOG = Path("logs") / "stage.log"
@@ -80,7 +79,7 @@ def _last_launch(out_dir: Path) -> float | None:
 def earlier_attempt(out_dir: Path) -> str | None:
     """One line on the unfinished attempt `out_dir` holds, or None (nothing started, or done)."""
     out_dir = Path(out_dir)
-    if (out_dir / MANIFEST).exists() or not out_dir.is_dir():
+    if status(out_dir, out_dir.name, hashes=False).state != "unsealed":
         return None
     launched = _last_launch(out_dir)
     beats = read_heartbeats(out_dir)
@@ -124,11 +123,3 @@ def recovery_record(account: str | None, summary: dict[str, Any]) -> dict[str, A
         "rejected_checkpoints": summary.get("rejected_checkpoints") or None,
     }
     return {k: v for k, v in record.items() if v}
-
-
-def launch_account(out_dir: Path, launch: LaunchInfo | None) -> str | None:
-    """The stage process's view: its supervisor's account when a supervisor started it (one
-    that said nothing found nothing), else its own look at the folder (started by hand)."""
-    if launch is not None:
-        return launch.earlier_attempt
-    return earlier_attempt(out_dir)

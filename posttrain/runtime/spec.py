@@ -2,9 +2,9 @@
 
 A stage process reads everything it needs from the file named by `--spec`: what to build (the
 stage, its kind, fingerprint and folder, its inputs, its parents by role, the resolved recipe)
-and, when a supervisor started it, how this launch is held (`launch`: the launch id, the lock
-the supervisor holds for it, the device lock, what to watch to notice the supervisor is gone,
-the earlier attempt's account). `docs/architecture.md` lists the fields.
+and how this launch is held by the supervisor that started it (`launch`: the launch id, the
+lock the supervisor holds for it, the device lock, what to watch to notice the supervisor is
+gone, the earlier attempt's account). `docs/architecture.md` lists the fields.
 
 The environment carries only what the OS, torchrun, CUDA and the libraries read
 (`PYTHONPATH`, `CUDA_VISIBLE_DEVICES`, `HF_HUB_OFFLINE`, ...), plus one process tag,
@@ -40,8 +40,8 @@ class LaunchInfo(_Contract):
     flow_run_id: str | None = Field(None, description="The Prefect flow run that launched it.")
     lock: str | None = Field(
         None,
-        description="The artifact lock file the supervisor holds for this launch; None: the "
-        "stage process takes the lock itself (started without a supervisor that holds it).",
+        description="The artifact lock file the supervisor holds for this launch (node 0's, "
+        "for another node's agent started by hand). A stage process refuses a spec without one.",
     )
     device_lock: str | None = Field(
         None, description="The device-set lock file the flow holds (infra.orphan=finish)."
@@ -91,7 +91,7 @@ class StageSpec(_Contract):
     )
     recipe: dict[str, Any] = Field(description="The resolved recipe.")
     launch: LaunchInfo | None = Field(
-        None, description="Set by a supervisor; None for a stage started by hand."
+        None, description="Set by the supervisor that starts it; a stage refuses a spec without."
     )
 
     def write(self, path: Path) -> Path:

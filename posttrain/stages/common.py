@@ -1,14 +1,13 @@
 """What every stage process shares: read the spec, set up ranks and seeds, run, write the manifest.
 
 A stage module defines `run(ctx) -> summary` and ends with `stage_main(run)`; what kind it is
-(and whether it is distributed) comes from the registry, by its module name. It can be started
-three ways:
-  - by the flow:       python -m posttrain.stages.sft --spec <out_dir>/logs/spec.json
-  - by hand, same:     (torchrun --nproc-per-node 2) python -m posttrain.stages.sft --spec ...
-  - from a recipe:     python -m posttrain.stages.sft --recipe recipes/quickstart.yaml [k=v ...]
-                       (--stage NAME when the recipe has several stages of this kind; its
-                       parent stages must already be complete in the workspace)
-Exit code 0 means the manifest was written; anything else means the stage is not done.
+(and whether it is distributed) comes from the registry, by its module name. It is started
+one way, by a supervisor (`flows.stage.supervise`: `posttrain run`, or
+`posttrain launch STAGE recipe.yaml` for one stage by hand):
+    (torchrun --nproc-per-node 2) python -m posttrain.stages.sft --spec <out_dir>/logs/spec.json
+The supervisor holds the artifact's lock for the launch and has looked at the folder; the spec
+names that lock (`launch.lock`), and a spec that names none is refused. Exit code 0 means the
+manifest was written; anything else means the stage is not done.
 
 Every rank beats `<out_dir>/logs/heartbeat/rank<k>.json` and dumps its Python stacks into
 `<out_dir>/logs/stacks-rank<k>.txt` on SIGUSR1 (`posttrain.telemetry.heartbeat`), samples its
@@ -33,16 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from posttrain import hub, numerics
-from posttrain.config.graph import BASE
 from posttrain.config.schema import ResolvedRecipe
 from posttrain.kinds import KINDS, StageKind, kind_of
 from posttrain.runtime.context import StageContext
 from posttrain.runtime.errors import ParentArtifactDamaged, StageVerdict
 from posttrain.runtime.orphan import OrphanWatch
-from posttrain.runtime.recovery import launch_account, recovery_record
-from posttrain.runtime.spec import LaunchInfo, StageSpec, read_spec, spec_path
-from posttrain.store.artifacts import read_manifest, verify, write_manifest
-from posttrain.store.claim import claim_by_hand, find_complete
+from posttrain.runtime.recovery import recovery_record
+from posttrain.runtime.spec import LaunchInfo, StageSpec, read_spec
+from posttrain.store.artifacts import read_manifest, write_manifest
+from posttrain.store.status import status
 from posttrain.telemetry import health, heartbeat
 
 log = logging.getLogger("posttrain")
@@ -64,17 +62,18 @@ def verify_parents(ctx: StageContext) -> None:
     in safetensors, or, worse, a file altered in place would load and train on silently."""
     t0, n_bytes = time.perf_counter(), 0
     for name, ref in ctx.parents.items():
-        ok, why = verify(ref.path)
-        manifest = read_manifest(ref.path) or {}
-        if ok and manifest.get("content_sha256") != ref.sha256:
-            ok, why = False, "its manifest is not the one this run was planned with"
-        if not ok:
+        look = status(ref.path, ref.fingerprint, hashes=True)
+        why = look.why
+        if look.ref is not None and look.ref.sha256 != ref.sha256:
+            why = "its manifest is not the one this run was planned with"
+        if why:
             raise ParentArtifactDamaged(
                 f"parent stage '{name}' artifact {ref.path} is damaged: {why}. Nothing was "
                 f"loaded from it. Re-running the pipeline rebuilds '{name}' (its supervisor drops "
                 "a manifest that no longer verifies and runs the stage again), then this stage."
             )
-        n_bytes += sum(f["bytes"] for f in manifest.get("files", {}).values())
+        files = (read_manifest(ref.path) or {}).get("files", {})
+        n_bytes += sum(f["bytes"] for f in files.values())
     if ctx.parents:
         log.info(
             "parents %s verified (%.1f MiB, sha256) in %.2f s",
@@ -158,46 +157,20 @@ def measured_memory(ctx: StageContext) -> dict[str, Any]:
     return out
 
 
-def _spec_from_recipe(
-    kind: str, name: str | None, recipe_path: str, overrides: list[str]
-) -> StageSpec:
-    from posttrain.config.loader import load_recipe
-    from posttrain.plan.planner import plan, spec_for
-
-    recipe = load_recipe(recipe_path, overrides)
-    planned = {p.name: p for p in plan(recipe).stages}
-    mine = [p.name for p in planned.values() if p.kind == kind]
-    if name is None and len(mine) != 1:
-        raise SystemExit(
-            f"the recipe has {len(mine)} {kind} stages ({', '.join(mine) or 'none'}): "
-            "say which with --stage NAME"
-        )
-    if name is not None and name not in mine:
-        raise SystemExit(f"the recipe has no {kind} stage named {name!r} ({', '.join(mine)})")
-    me = planned[name or mine[0]]
-    refs = {}
-    for parent, fp in me.parents.items():
-        ref = find_complete(planned[parent].out_dir, fp, drop_stale=False)
-        if ref is None:
-            raise SystemExit(f"parent stage '{parent}' is not complete; run it first")
-        refs[parent] = ref
-    # Left in the folder like every launch's spec: what this run of the stage was given.
-    spec = spec_for(me, recipe, refs)
-    spec.write(spec_path(me.out_dir))
-    return spec
-
-
-def _parse(kind: str, argv: list[str] | None) -> StageSpec:
+def _parse(kind: str, argv: list[str] | None) -> tuple[StageSpec, LaunchInfo]:
     ap = argparse.ArgumentParser(prog=f"python -m posttrain.stages.{kind}")
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--spec", help="spec JSON written by the supervisor (posttrain.runtime.spec)")
-    src.add_argument("--recipe", help="recipe YAML; parents must already exist in the workspace")
-    ap.add_argument("--stage", help=f"which {kind} stage of the recipe (with --recipe)")
-    ap.add_argument("overrides", nargs="*", help="key.path=value (with --recipe)")
-    args = ap.parse_args(argv)
-    if args.recipe:
-        return _spec_from_recipe(kind, args.stage, args.recipe, args.overrides)
-    return read_spec(args.spec)
+    ap.add_argument(
+        "--spec", required=True, help="spec JSON written by its supervisor (posttrain.runtime.spec)"
+    )
+    spec = read_spec(ap.parse_args(argv).spec)
+    if (launch := spec.launch) is None or launch.lock is None:
+        # Only a supervisor that holds the artifact's lock has looked at the folder and may
+        # let a process write it (flows.stage.supervise).
+        raise SystemExit(
+            f"stage {spec.stage}: its spec names no supervisor holding the artifact's lock; "
+            f"run one stage with `posttrain launch {spec.stage} RECIPE`"
+        )
+    return spec, launch
 
 
 def _own_kind(run: Callable[..., Any]) -> StageKind:
@@ -251,26 +224,16 @@ def stage_main(
     kind_name = registered.name if registered is not None else str(kind)
     if distributed is None:  # a kind named by the caller (a stand-in) runs locally unless told
         distributed = kind is None and registered is not None and registered.distributed
-    spec = _parse(kind_name, argv)
+    spec, launch = _parse(kind_name, argv)
     ctx = _context(spec, registered, kind_name)
     # Hub ids read the commits the plan fingerprinted, even if a branch moved since.
     hub.pin(ctx.inputs.get("hub", {}).values())
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     # First thing: a stage whose supervisor died (while this process imported torch, say) must
     # not start, or must go on alone, per infra.orphan (posttrain.runtime.orphan).
-    watch = OrphanWatch.start(ctx.out_dir, ctx.name, ctx.recipe.infra.orphan, spec.launch)
-    # A supervisor that holds the artifact's lock for this launch has looked at the folder
-    # already; without one, this process takes the lock and looks (posttrain.store.claim).
-    claim = None
-    if spec.launch is None or spec.launch.lock is None:
-        claim = claim_by_hand(ctx.out_dir, ctx.fingerprint, ctx.name)
-        if claim.done:  # complete and unaltered: re-running would only append to its files
-            if claim.ref is not None:
-                emit_line(f"POSTTRAIN_ARTIFACT {claim.ref.model_dump_json()}")
-            claim.release()
-            return
+    watch = OrphanWatch.start(ctx.out_dir, ctx.name, ctx.recipe.infra.orphan, launch)
     try:
-        _run_and_seal(ctx, run, distributed, watch, spec.launch)
+        _run_and_seal(ctx, run, distributed, watch, launch)
     except BaseException as exc:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
@@ -285,16 +248,13 @@ def stage_main(
             from posttrain.distributed.runtime import shutdown
 
             shutdown()
-        if claim is not None:
-            claim.release()
 
 
 def _context(spec: StageSpec, kind: StageKind | None, kind_name: str) -> StageContext:
     return StageContext(
         name=spec.stage,
         kind=kind,
-        # A spec written by hand names the base by its stage name.
-        roles=spec.roles or ({"base": BASE} if BASE in spec.parents else {}),
+        roles=spec.roles,
         fingerprint=spec.fingerprint,
         out_dir=Path(spec.out_dir),
         recipe=ResolvedRecipe.model_validate(spec.recipe),
@@ -335,7 +295,7 @@ def _run_and_seal(
     run: Callable[[StageContext], dict[str, Any]],
     distributed: bool,
     watch: OrphanWatch | None,
-    launch: LaunchInfo | None,
+    launch: LaunchInfo,
 ) -> None:
     """Check the parents and memory, start the ranks, run the stage, seal its artifact."""
     # Before the process group exists: torchrun's RANK says which process writes the report.
@@ -347,10 +307,9 @@ def _run_and_seal(
         check_data_paths(ctx)
     # Before loading anything: a stage that cannot fit fails here, in seconds.
     memory_preflight(ctx)
-    # What an earlier attempt left, read before the process group exists: the other ranks
-    # wait for rank 0 in its rendezvous, so none has beaten yet (their first beat would
-    # otherwise read as an earlier attempt's).
-    account = launch_account(ctx.out_dir, launch) if ctx.is_main else None
+    # What an earlier attempt left: the supervisor's account, read before this launch cleared
+    # its heartbeats (posttrain.runtime.recovery).
+    account = launch.earlier_attempt if ctx.is_main else None
     if account:
         log.warning("%s", account)
     _start_ranks(ctx, distributed)

@@ -25,7 +25,6 @@ import hashlib
 import json
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,7 +38,8 @@ from posttrain.models.lora import prepare_for_training
 from posttrain.models.reward import pair_batch
 from posttrain.runtime.context import StageContext, training_base
 from posttrain.stages.common import stage_main
-from posttrain.store.artifacts import canonical_json, fingerprint, verify, write_manifest
+from posttrain.store.artifacts import canonical_json, fingerprint, stage_dir
+from posttrain.store.cache import cached
 from posttrain.telemetry import heartbeat
 from posttrain.train.forward_logps import pair_logps
 from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
@@ -53,6 +53,7 @@ from posttrain.train.preference_losses import (
 
 log = logging.getLogger("posttrain.dpo")
 REF_CACHE_VERSION = "2"
+REF_FILE = "ref_logps.safetensors"
 
 
 @torch.no_grad()
@@ -120,39 +121,32 @@ def ref_cache_key(
 def cached_reference(
     ctx: StageContext, loop: Training, key: str, numerics: dict[str, Any]
 ) -> tuple[torch.Tensor, str]:
-    """Reference log-probs of the training pairs from the workspace cache, computing and storing
-    them on a miss. Returns ([N, 2] log-probs, "hit" | "miss")."""
+    """Reference log-probs of the training pairs from the workspace cache (`posttrain.store.
+    cache`), computing and storing them on a miss. Returns ([N, 2] log-probs, "hit" | "miss")."""
     from safetensors.torch import load_file, save_file
 
     pairs = loop.draw.rows
-    folder = Path(ctx.recipe.run.workspace) / "artifacts" / "ref_logps" / key
-    if verify(folder)[0]:
-        return load_file(folder / "ref_logps.safetensors")["logps"].to(loop.device), "hit"
-    logps = reference_logps(
-        loop.model,
-        pairs,
-        loop.draw.pad_id,
-        loop.eval_batch_size,
-        loop.device,
-        loop.rank,
-        loop.world,
-        loop.chunk_tokens,
-        loop.flat,
+    table, hit = cached(
+        stage_dir(ctx.recipe.run.workspace, "ref_logps", key),
+        lambda: reference_logps(
+            loop.model,
+            pairs,
+            loop.draw.pad_id,
+            loop.eval_batch_size,
+            loop.device,
+            loop.rank,
+            loop.world,
+            loop.chunk_tokens,
+            loop.flat,
+        ),
+        save=lambda logps, d: save_file({"logps": logps.cpu()}, d / REF_FILE),
+        load=lambda d: load_file(d / REF_FILE)["logps"].to(loop.device),
+        parents=[ctx.role_ref("reference").fingerprint],
+        inputs={"pairs": len(pairs), "numerics": numerics},
+        writer=ctx.is_main,
+        barrier=torch.distributed.barrier,
     )
-    if ctx.is_main:
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file({"logps": logps.cpu()}, folder / "ref_logps.safetensors")
-        write_manifest(
-            folder,
-            stage="ref_logps",
-            fp=key,
-            parents=[ctx.role_ref("reference").fingerprint],
-            section={"pairs": len(pairs), "numerics": numerics},
-            seed=ctx.recipe.run.seed,
-            summary={"pairs": len(pairs)},
-        )
-    torch.distributed.barrier()
-    return logps, "miss"
+    return table, "hit" if hit else "miss"
 
 
 @torch.no_grad()

@@ -1,2 +1,3 @@
 """The artifact store: stage folders, manifests written last, one writer per folder (`locking`),
-and the look under the lock that says whether a stage must run (`claim`)."""
+whether an artifact is complete and may be reused (`status`), and values computed once and
+reused across runs (`cache`)."""

@@ -7,8 +7,7 @@ artifact complete and reuses it.
 
 Who holds the lock, once per launch: the stage's supervisor (`flows.stage.supervise`), from
 its one look at the folder to the completion check, telling the stage process it holds it in
-`spec.json` (`launch.lock`); or, when nothing holds it for the process, the stage process
-itself (`posttrain.store.claim.claim_by_hand`).
+`spec.json` (`launch.lock`); a stage process whose spec names no lock refuses to start.
 
 The lock file sits beside the folder, not in it: everything in the folder is sealed by the
 manifest. It is never deleted (removing a flock'ed file lets a third process lock a new inode

@@ -3,7 +3,7 @@
 Candidates, by category:
   - failed attempts: an artifact folder without a manifest (a stage that failed or was killed;
     `posttrain.runtime.recovery` tells which), or whose manifest no longer matches its files
-    (sizes);
+    (sizes) or its folder's fingerprint (`posttrain.store.status`, without hashing);
   - damaged checkpoints: in a complete artifact, `checkpoints/step_N.tmp` (a save cut short),
     `step_N.damaged*` (set aside by a resume) and complete checkpoints that fail their
     integrity record (`posttrain.train.integrity`);
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from posttrain.runtime.recovery import earlier_attempt
-from posttrain.store.artifacts import read_manifest, verify
 from posttrain.store.locking import is_held, lock_path
+from posttrain.store.status import status
 from posttrain.train.integrity import check_hashes, check_meta, check_sizes, read_record
 from posttrain.workspace.runs import RunInfo, list_runs
 
@@ -44,11 +44,11 @@ TRASH_DIR = ".trash"
 # A stage run by Slurm or Kubernetes notices its flow is gone after infra.supervisor_silence_s
 # (120 s by default) and only then stops or takes over the lock: until then it writes unlocked.
 QUIET_S = 180.0
-# Artifacts a stage writes for later runs to reuse, which no run record names: DPO's reference
-# log-probs (`artifacts/ref_logps/<key>/`, its manifest's parent the SFT adapter it was computed
-# with). Kept while an artifact they derive from is kept. Written without a lock (the stage's
-# own folder is locked), so an unfinished one is left alone while a run runs.
-CACHES = ("ref_logps",)
+# What stages compute for later runs to reuse, named by no run record (`posttrain.store.cache`):
+# DPO's reference log-probs and a teacher's answers, each kept while an artifact it was computed
+# from (its manifest's parents) is kept. Written without a lock, so an unfinished one is left
+# alone while a run runs.
+CACHES = ("ref_logps", "teacher_answers")
 _STEP = re.compile(r"^step_\d+$")
 _HALF = re.compile(r"^step_\d+\.(tmp|damaged.*)$")
 
@@ -167,8 +167,8 @@ def plan_clean(
                 continue
             if stage.name not in CACHES:
                 _look_at(plan, art, key in refs, running, quiet_s)
-            elif (manifest := read_manifest(art)) is not None:
-                derived = any(p in kept_fps for p in manifest.get("parents") or [])
+            elif (ref := status(art, art.name, hashes=False).ref) is not None:
+                derived = any(p in kept_fps for p in ref.parents)
                 _look_at(plan, art, derived, running, quiet_s, cache=True)
             elif running:
                 plan.kept.append(
@@ -197,16 +197,19 @@ def _look_at(
         plan.kept.append(f"{rel}: a process holds its lock (a stage is running)")
         return
     size, newest = disk_usage(art)
-    ok, problem = verify(art, hashes=False)
-    if not ok:
+    # Sizes only: a stat per file of the whole workspace; the supervisor that would reuse one
+    # hashes it, and deletion looks again under the lock (`posttrain.workspace.trash`). The
+    # folder's name is its fingerprint (a cache entry's, its key).
+    look = status(art, art.name, hashes=False)
+    if not look.complete:
         if time.time() - newest < quiet_s:  # only an unfinished stage may still be writing
             ago = time.time() - newest
             plan.kept.append(f"{rel}: written {ago:.0f} s ago, may still be in use")
-        elif read_manifest(art) is None:
+        elif look.state == "unsealed":
             why = earlier_attempt(art) or "no manifest: the stage never finished"
             plan.candidates.append(Candidate(FAILED, art, art, size, why))
         else:
-            why = f"its manifest no longer matches its files ({problem}): a run rebuilds it"
+            why = f"its manifest no longer matches its files ({look.why}): a run rebuilds it"
             plan.candidates.append(Candidate(FAILED, art, art, size, why))
         return
     if not referenced and running:

@@ -2,7 +2,7 @@
 
 Each candidate is first renamed, whole, into `<workspace>/.trash/` (one `rename`: atomic on one
 file system), then deleted there. A run looks only at `artifacts/<stage>/<fingerprint>/` and
-trusts a folder whose manifest verifies (`posttrain.store.claim.find_complete`); the rename
+trusts a folder whose manifest verifies (`posttrain.store.status`); the rename
 takes the folder away in one step, so a `clean` killed at any moment leaves either the whole
 artifact where it was or nothing there, never a folder with a manifest and half its files. The
 next `clean` empties what a killed one left in the trash.
@@ -21,8 +21,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from posttrain.store.artifacts import verify
 from posttrain.store.locking import ArtifactLock
+from posttrain.store.status import status
 from posttrain.workspace.clean import FAILED, TRASH, TRASH_DIR, UNREFERENCED, Candidate, CleanPlan
 from posttrain.workspace.runs import list_runs
 
@@ -38,7 +38,8 @@ def _still_candidate(c: Candidate, workspace: Path) -> str | None:
     """Why `c` must now be left alone, looked at again under its lock; None when it may go."""
     if not c.path.exists() or c.path.is_symlink():
         return "gone since the plan was made"
-    complete = verify(c.artifact, hashes=False)[0]
+    # Sizes only, as the plan looked: hashing here would read every byte being deleted.
+    complete = status(c.artifact, c.artifact.name, hashes=False).complete
     if c.category == FAILED and complete:
         return "its stage completed since the plan was made"
     if c.category == UNREFERENCED:

@@ -23,7 +23,6 @@ from safetensors.torch import load_file
 from posttrain.config.loader import load_recipe
 from posttrain.plan.planner import plan, spec_for
 from posttrain.runtime.diskspace import folder_bytes, required_bytes
-from posttrain.runtime.spec import spec_path
 from posttrain.store.artifacts import ref_from_manifest, verify
 from posttrain.store.locking import lock_path
 from posttrain.telemetry.metrics import read_metrics
@@ -39,7 +38,14 @@ from tests.faults.fault_injection import (
     skip_without_tmpfs,
     truncate,
 )
-from tests.stage_helpers import TINY, planned_dir, run_inprocess, run_shared, write_recipe
+from tests.stage_helpers import (
+    TINY,
+    planned_dir,
+    run_inprocess,
+    run_shared,
+    supervised,
+    write_recipe,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -232,13 +238,12 @@ def test_damaged_parent_fails_the_downstream_stage_before_loading_it(
         sft = stages["sft"]
         shutil.rmtree(sft.out_dir, ignore_errors=True)
         spec = spec_for(sft, load_recipe(recipe, []), {"ingest": _ref(ingest)})
-        spec = spec.write(spec_path(sft.out_dir))
         capsys.readouterr()
         from posttrain.stages.common import stage_main
         from posttrain.stages.sft import run
 
-        with pytest.raises(SystemExit):
-            stage_main(run, kind="sft", distributed=True, argv=["--spec", str(spec)])
+        with supervised(sft, spec) as path, pytest.raises(SystemExit):
+            stage_main(run, kind="sft", distributed=True, argv=["--spec", str(path)])
         err = capsys.readouterr().err
         last = err.strip().splitlines()[-1]
         assert "Traceback" not in err

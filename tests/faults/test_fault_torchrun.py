@@ -26,7 +26,7 @@ from tests.faults.fault_injection import (
     skip_without_tmpfs,
     small_disk,
 )
-from tests.stage_helpers import ROOT, TINY, planned_dir, run_inprocess, write_recipe
+from tests.stage_helpers import ROOT, TINY, planned_dir, planned_launch, run_inprocess, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -55,8 +55,9 @@ def _torchrun(module: str, recipe: Path) -> subprocess.CompletedProcess:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += ["-m", module, "--recipe", str(recipe), *TWO]
-    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    with planned_launch("sft", recipe, *TWO) as spec:
+        cmd += ["-m", module, "--spec", str(spec)]
+        return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
 
 
 @pytest.fixture

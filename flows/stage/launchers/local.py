@@ -12,7 +12,6 @@ from flows.stage.hang import dump_stacks
 from flows.stage.launch import node_rank, stage_command
 from flows.stage.launchers.base import LaunchRequest, Log
 from flows.stage.procs import kill_stage
-from posttrain.plan.planner import PlannedStage
 from posttrain.telemetry.heartbeat import Hang
 
 
@@ -57,26 +56,22 @@ class LocalLauncher:
 
     name = "local"
 
-    @staticmethod
-    def command(stage: PlannedStage, spec_path: Path | str) -> list[str]:
-        """This node's command line for `stage` (also what `posttrain launch` runs)."""
-        return stage_command(
-            stage.module,
-            spec_path,
-            stage.nprocs,
-            nnodes=stage.nnodes,
-            node_rank=node_rank(),
-            rdzv_endpoint=stage.rdzv_endpoint,
-            rdzv_id=stage.fingerprint,
-        )
-
     def find(self, record: dict[str, str], log: Log) -> None:
         # A local stage whose launcher died watches for that itself (posttrain.runtime.orphan) and
         # releases or takes over the artifact lock, which this launcher now holds.
         return None
 
     def start(self, request: LaunchRequest, log: Log) -> LocalLaunch:
-        cmd = self.command(request.stage, request.spec_path)
+        stage = request.stage  # this node's agent of it
+        cmd = stage_command(
+            stage.module,
+            request.spec_path,
+            stage.nprocs,
+            nnodes=stage.nnodes,
+            node_rank=node_rank(),
+            rdzv_endpoint=stage.rdzv_endpoint,
+            rdzv_id=stage.fingerprint,
+        )
         proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
