@@ -23,6 +23,7 @@ from flows.report.graph_plot import GraphNode
 from flows.report.images import cache_dir, curves, stage_graph
 from flows.report.plots import CurvePlot
 from flows.report.tables import (
+    RunResult,
     StageRecord,
     curves_markdown,
     export_model_path,
@@ -54,31 +55,12 @@ def record_run(
     run_id: str,
     records: list[StageRecord],
     promotion: Decision | None = None,
-    quiet: bool = False,
     trackers: Trackers | None = None,
-) -> dict[str, Any]:
+    failed: bool = False,
+) -> RunResult:
     """Write `<workspace>/runs/<run-id>/` and the flow-level Prefect artifacts, and hand the
-    run's files to the experiment trackers (`trackers`), whose links end the report.
-
-    `quiet`: used while a failure propagates, so a problem here cannot hide the stage's error.
-    """
-    try:
-        return _record_run(run_plan, run_id, records, promotion, trackers, failed=quiet)
-    except Exception as exc:
-        if not quiet:
-            raise
-        get_run_logger().error("could not write the run record: %s", exc)
-        return {}
-
-
-def _record_run(
-    run_plan: RunPlan,
-    run_id: str,
-    records: list[StageRecord],
-    promotion: Decision | None,
-    trackers: Trackers | None,
-    failed: bool,
-) -> dict[str, Any]:
+    run's files to the experiment trackers (`trackers`), whose links end the report; returns
+    the run's result. `failed`: the run stops at a failure (the trackers are told so)."""
     recipe = run_plan.recipe
     run_dir = Path(recipe.run.workspace) / "runs" / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -110,7 +92,21 @@ def _record_run(
     create_table_artifact(
         redact_obj(metrics_table(records)), key=f"{key}-metrics", description="Per-stage metrics"
     )
-    return run_result(run_id, run_dir, records, export_path, promotion, run_plan.not_selected)
+    return RunResult(
+        run_id, run_dir, list(records), export_path, list(run_plan.not_selected), promotion
+    )
+
+
+def record_failed_run(
+    run_plan: RunPlan, run_id: str, records: list[StageRecord], trackers: Trackers | None
+) -> RunResult | None:
+    """`record_run` while a failure propagates: a problem here is logged, not raised, so it
+    cannot hide the stage's error (None then)."""
+    try:
+        return record_run(run_plan, run_id, records, trackers=trackers, failed=True)
+    except Exception as exc:
+        get_run_logger().error("could not write the run record: %s", exc)
+        return None
 
 
 def run_meta(run_id: str, run_name: str, export_path: str | None) -> dict[str, Any]:
@@ -156,38 +152,6 @@ def with_images(report: str, images: Images) -> tuple[str, str]:
         on_disk += "\n" + "\n".join(curves_markdown(images.plots)) + "\n"
         in_ui += "\n" + "\n".join(curves_markdown(images.plots, inline=False)) + "\n"
     return on_disk, in_ui
-
-
-def run_result(
-    run_id: str,
-    run_dir: Path,
-    records: list[StageRecord],
-    export_path: str | None,
-    promotion: Decision | None,
-    not_selected: list[str] | None = None,
-) -> dict[str, Any]:
-    """What the flow returns (and the CLI prints from)."""
-    return {
-        "run_id": run_id,
-        "run_dir": str(run_dir),
-        "stages": [
-            {
-                "stage": r.stage,
-                "status": r.status,
-                "duration_s": round(r.duration_s, 2),
-                "uri": r.uri,
-                "headline": r.headline,
-                "recovery": r.recovery,
-                "health": r.health,
-            }
-            for r in records
-        ],
-        "export_path": export_path,
-        "not_selected": list(not_selected or []),
-        "promotion": None
-        if promotion is None
-        else {"promoted": promotion.promoted, "reason": promotion.reason},
-    }
 
 
 # Inputs the graph image leaves out: every stage reads the base, and evaluate/export also read

@@ -509,7 +509,7 @@ def test_slow_but_beating_stage_is_not_killed(
     monkeypatch.setenv("PT_STEPS", "5")
     stage, spec = _planned(tmp_path, "pt_slowbeats_sft", nprocs=1, hang_s=2.0, startup_s=30)
     out = stage_task.fn(stage, spec, kill_grace_s=1.0)
-    assert out["status"] == "ran"
+    assert out.status == "ran"
     beats = read_heartbeats(stage.out_dir)
     assert beats[0]["step"] == 5 and beats[0]["phase"] == "finish"
     assert (stage.out_dir / "logs" / "stacks-rank0.txt").read_text() == ""

@@ -666,15 +666,16 @@ def test_real_stage_records_estimate_and_measured_peak(tmp_path: Path) -> None:
 
 def test_run_report_shows_estimate_beside_measured_peak() -> None:
     from flows.report.tables import StageRecord, markdown_report
+    from posttrain.store.summary import Memory
 
-    memory = {
-        "estimate_gib": 1.32,
-        "capacity_gib": 20.5,
-        "fits": True,
-        "measured": "peak RSS",
-        "measured_peak_gib": 2.106,
-        "estimate_over_measured": 0.627,
-    }
+    memory = Memory(
+        estimate_gib=1.32,
+        capacity_gib=20.5,
+        fits=True,
+        measured="peak RSS",
+        measured_peak_gib=2.106,
+        estimate_over_measured=0.627,
+    )
     records = [
         StageRecord("ingest", "a" * 16, "ran", 1.0),
         StageRecord("sft", "b" * 16, "ran", 2.0, memory=memory),
@@ -688,16 +689,20 @@ def test_run_report_shows_estimate_beside_measured_peak() -> None:
 
 def test_flow_stage_record_carries_the_summary_memory(tmp_path: Path) -> None:
     from flows.post_train import stage_record
+    from flows.stage.supervise import Outcome
     from posttrain.plan.planner import PlannedStage
     from posttrain.store.artifacts import ArtifactRef
+    from posttrain.store.summary import read_summary
 
     memory = {"estimate_gib": 1.0, "measured_peak_gib": 1.2, "measured": "peak RSS"}
     (tmp_path / "manifest.json").write_text(
         json.dumps({"summary": {"headline": {"loss": 1.0}, "memory": memory}})
     )
     ref = ArtifactRef(stage="sft", uri=str(tmp_path), fingerprint="f" * 16, sha256="0" * 64)
+    outcome = Outcome(status="ran", ref=ref, summary=read_summary(tmp_path))
     planned = PlannedStage("sft", "posttrain.stages.sft", "f" * 16, tmp_path, {}, 1, 60.0)
-    assert stage_record(planned, "ran", ref, 1.0).memory == memory
+    record = stage_record(planned, outcome, 1.0)
+    assert record.memory is not None and record.memory.model_dump(exclude_unset=True) == memory
 
 
 def test_an_episode_stage_is_estimated_at_its_episode_length_and_kept_caches() -> None:

@@ -20,11 +20,13 @@ from stage_modules import on_child_path, write_stage_modules
 from flows.stage.failures import StageFailed, StageTimeout
 from flows.stage.launch import launch_env, local_env, stage_command
 from flows.stage.output import MetricsTail, progress_from_record
+from flows.stage.supervise import Outcome
 from flows.stage.task import stage_task
 from posttrain.config.schema import Recipe
 from posttrain.plan.planner import PlannedStage, spec_for
 from posttrain.runtime.spec import LAUNCH_TAG_ENV, LaunchInfo, StageSpec, read_spec, spec_path
 from posttrain.store.artifacts import stage_dir, verify, write_manifest
+from posttrain.store.summary import read_summary
 
 FP = "0123456789abcdef"
 
@@ -106,7 +108,7 @@ def test_the_spec_carries_the_launch(tmp_path: Path, modules: Path) -> None:
     """Everything the stage process needs about its launch is in its spec, not its
     environment: the lock held for it, who supervises it, the earlier attempt's account."""
     stage, spec = _planned(tmp_path, "pt_ok_ingest")
-    assert stage_task.fn(stage, spec)["status"] == "ran"
+    assert stage_task.fn(stage, spec).status == "ran"
     written = read_spec(spec_path(stage.out_dir))
     assert (
         written.launch is not None
@@ -154,12 +156,12 @@ def test_metrics_tail_reports_latest_complete_train_line(tmp_path: Path) -> None
 def test_success_returns_verified_ref_and_streams_logs(tmp_path: Path, modules: Path) -> None:
     stage, spec = _planned(tmp_path, "pt_ok_ingest")
     out = stage_task.fn(stage, spec)
-    assert out["status"] == "ran"
-    ref = out["ref"]
-    assert ref["fingerprint"] == FP and ref["stage"] == "ingest"
-    assert Path(ref["uri"]) == stage.out_dir
+    assert out.status == "ran"
+    assert out.ref.fingerprint == FP and out.ref.stage == "ingest"
+    assert out.ref.path == stage.out_dir
+    assert out.summary == read_summary(stage.out_dir)  # read once, handed along
     assert verify(stage.out_dir) == (True, "")
-    json.dumps(out)  # what Prefect persists must be plain JSON
+    assert Outcome.model_validate_json(out.model_dump_json()) == out  # plain JSON either way
     log = (stage.out_dir / "logs" / "stage.log").read_text()
     assert "hello from ingest" in log and "POSTTRAIN_ARTIFACT" in log
 
@@ -182,8 +184,8 @@ def test_complete_artifact_is_reused_without_launching(tmp_path: Path, modules: 
     # Prefect shows it as a Completed task named Reused: the word every other view uses.
     assert state.is_completed() and state.name == "Reused"
     out = state.data
-    assert out["status"] == "reused"
-    assert out["ref"]["fingerprint"] == FP and Path(out["ref"]["uri"]) == stage.out_dir
+    assert out.status == "reused"
+    assert out.ref.fingerprint == FP and out.ref.path == stage.out_dir
     assert _launches(stage) == 0
 
 
@@ -193,7 +195,7 @@ def test_altered_artifact_is_rebuilt(tmp_path: Path, modules: Path) -> None:
     (stage.out_dir / "result.json").write_text("tampered")
     assert verify(stage.out_dir)[0] is False
     out = stage_task.fn(stage, spec)
-    assert out["status"] == "ran"
+    assert out.status == "ran"
     assert _launches(stage) == 1
     assert verify(stage.out_dir) == (True, "")
 

@@ -15,6 +15,8 @@ from typing import Any
 
 from flows.report.health_summary import absent_reason, health_line
 from flows.report.plots import CurvePlot
+from posttrain.store.summary import Memory, Recovery
+from posttrain.workspace.promotion import Decision
 
 # ran: the stage process was launched and completed. reused: a complete artifact with this
 # fingerprint was in the workspace (made by an earlier run, or by hand), so nothing ran.
@@ -38,10 +40,10 @@ class StageRecord:
     headline: dict[str, Any] = field(default_factory=dict)
     error: str = ""
     # Training stages: the memory pre-flight's estimate beside the measured peak (summary.memory).
-    memory: dict[str, Any] = field(default_factory=dict)
+    memory: Memory | None = None
     # What this launch recovered from (summary.recovery): an earlier attempt that did not
     # finish, the checkpoint it resumed from, checkpoints it rejected as damaged.
-    recovery: dict[str, Any] = field(default_factory=dict)
+    recovery: Recovery | None = None
     # The stage's kind (its name, unless the recipe named it) and which stage played which of
     # its input roles (posttrain.plan.planner.PlannedStage.roles).
     kind: str = ""
@@ -56,6 +58,23 @@ class StageRecord:
     def reused(self) -> bool:
         """True when no stage process ran for this record (its artifact was in the workspace)."""
         return self.status == "reused"
+
+
+@dataclass
+class RunResult:
+    """What the flow returns and `posttrain run` prints: each stage's record, where the run's
+    folder and exported model are, the stages left out, and the promotion gate's decision."""
+
+    run_id: str
+    run_dir: Path
+    stages: list[StageRecord]
+    export_path: str | None = None
+    not_selected: list[str] = field(default_factory=list)
+    promotion: Decision | None = None
+
+    def statuses(self) -> dict[str, str]:
+        """Stage name -> ran, reused or failed."""
+        return {r.stage: r.status for r in self.stages}
 
 
 def format_duration(seconds: float) -> str:
@@ -168,12 +187,12 @@ def recovery_lines(records: Sequence[StageRecord]) -> list[str]:
     out = []
     for r in records:
         rec = r.recovery
-        if not rec:
+        if rec is None:
             continue
-        parts = [str(rec["earlier_attempt"])] if rec.get("earlier_attempt") else []
-        for bad in rec.get("rejected_checkpoints") or []:
+        parts = [rec.earlier_attempt] if rec.earlier_attempt else []
+        for bad in rec.rejected_checkpoints:
             parts.append(f"rejected damaged checkpoint {bad}")
-        step = rec.get("resumed_from_step")
+        step = rec.resumed_from_step
         parts.append(f"resumed from step {step}" if step else "started from step 0")
         out.append(f"{r.stage}: " + "; ".join(parts))
     return out
@@ -250,7 +269,7 @@ def _gpu_cell(h: dict[str, Any]) -> str:
 def memory_markdown(records: Sequence[StageRecord]) -> list[str]:
     """The "## Memory" section: per training stage, the pre-flight estimate beside the measured
     peak (peak RSS on CPU, peak reserved on GPU); empty when no stage has one."""
-    rows = [r for r in records if r.memory.get("estimate_gib") is not None]
+    rows = [(r.stage, r.memory) for r in records if r.memory is not None]
     if not rows:
         return []
     lines = [
@@ -261,15 +280,14 @@ def memory_markdown(records: Sequence[StageRecord]) -> list[str]:
         "| capacity (GiB) |",
         "|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        m = r.memory
+    for stage, m in rows:
         cells = (
-            r.stage,
-            format_value(m.get("estimate_gib")),
-            format_value(m.get("measured_peak_gib")),
-            str(m.get("measured", "-")),
-            format_value(m.get("estimate_over_measured")),
-            format_value(m.get("capacity_gib")),
+            stage,
+            format_value(m.estimate_gib),
+            format_value(m.measured_peak_gib),
+            m.measured,
+            format_value(m.estimate_over_measured),
+            format_value(m.capacity_gib),
         )
         lines.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
     return lines

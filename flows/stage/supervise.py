@@ -26,7 +26,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
+
+from pydantic import BaseModel
 
 from flows.stage.failures import StageFailed, StageTimeout, failure_headline
 from flows.stage.hang import StageHung, hang_message, hang_watch
@@ -51,6 +53,7 @@ from posttrain.runtime.spec import StageSpec, spec_path
 from posttrain.store.artifacts import ArtifactRef, ref_from_manifest, verify
 from posttrain.store.claim import find_complete
 from posttrain.store.locking import ArtifactLock, LockTimeout, describe_holder
+from posttrain.store.summary import ArtifactDamaged, Summary, read_summary
 from posttrain.telemetry.heartbeat import Hang, HangWatch
 
 # How often the supervisor looks at the launch, its heartbeats and its timeout. A local child's
@@ -58,10 +61,22 @@ from posttrain.telemetry.heartbeat import Hang, HangWatch
 POLL_S = 0.5
 
 
-@dataclass
-class Outcome:
-    status: str  # "ran" or "reused"
+class Outcome(BaseModel):
+    """How a stage ended: launched and sealed (`ran`) or found complete (`reused`), its
+    artifact, and its summary, read from the manifest once, here."""
+
+    status: Literal["ran", "reused"]
     ref: ArtifactRef
+    summary: Summary
+
+    @classmethod
+    def of(cls, stage: PlannedStage, status: Literal["ran", "reused"], ref: ArtifactRef) -> Outcome:
+        """`ref`'s outcome with its summary; a summary that does not read fails the stage."""
+        try:
+            summary = read_summary(ref.path)
+        except ArtifactDamaged as exc:
+            raise StageFailed(f"stage '{stage.name}': {exc}") from None
+        return cls(status=status, ref=ref, summary=summary)
 
 
 def supervise_stage(
@@ -123,7 +138,7 @@ def _under_lock(stage: PlannedStage, spec: StageSpec, lock: str, kill_grace_s: f
         stop_earlier_launch(engine, stage, kill_grace_s, log)
     if (ref := find_complete(stage.out_dir, stage.fingerprint, log)) is not None:
         log.info("stage %s: complete artifact found in %s, reusing it", stage.name, stage.out_dir)
-        return Outcome("reused", ref)
+        return Outcome.of(stage, "reused", ref)
     if REUSE_ONLY.get():
         raise DevicesNeeded(f"stage {stage.name} has no complete artifact in {stage.out_dir}")
     return _launch(stage, spec, engine, lock, kill_grace_s)
@@ -242,7 +257,7 @@ def _follow(
         raise StageFailed(f"{headline}. Log: {log_path}\n--- end of the log ---\n{tail}")
     ref = _completed_ref(stage, pump.artifact_json)
     progress.update(100.0, "done")
-    return Outcome("ran", ref)
+    return Outcome.of(stage, "ran", ref)
 
 
 @dataclass

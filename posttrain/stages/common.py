@@ -43,6 +43,7 @@ from posttrain.runtime.recovery import launch_account, recovery_record
 from posttrain.runtime.spec import LaunchInfo, StageSpec, read_spec, spec_path
 from posttrain.store.artifacts import read_manifest, verify, write_manifest
 from posttrain.store.claim import claim_by_hand, find_complete
+from posttrain.store.summary import Memory, Summary
 from posttrain.telemetry import health, heartbeat
 
 log = logging.getLogger("posttrain")
@@ -125,7 +126,7 @@ def memory_preflight(ctx: StageContext) -> None:
     enforce(report, mode)
 
 
-def measured_memory(ctx: StageContext) -> dict[str, Any]:
+def measured_memory(ctx: StageContext) -> Memory:
     """The pre-flight estimate beside this process's measured peak, for the stage summary:
     peak RSS on CPU (the whole process, as the estimate's framework row counts the runtime),
     peak reserved on GPU (what the caching allocator took from the device), with peak allocated
@@ -149,13 +150,14 @@ def measured_memory(ctx: StageContext) -> dict[str, Any]:
         out |= {"measured": "peak RSS", "measured_peak_gib": round(snap["mem_peak_rss_gib"], 4)}
     if out["measured_peak_gib"]:
         out["estimate_over_measured"] = round(out["estimate_gib"] / out["measured_peak_gib"], 3)
+    memory = Memory.model_validate(out)
     log.info(
         "memory: estimated %.3f GiB, measured %s %.3f GiB",
-        out["estimate_gib"],
-        out["measured"],
-        out["measured_peak_gib"],
+        memory.estimate_gib,
+        memory.measured,
+        memory.measured_peak_gib,
     )
-    return out
+    return memory
 
 
 def _spec_from_recipe(
@@ -385,17 +387,21 @@ def _run_and_seal(
 
 
 def _seal(
-    ctx: StageContext, summary: dict[str, Any], watch: OrphanWatch | None, account: str | None
+    ctx: StageContext, returned: dict[str, Any], watch: OrphanWatch | None, account: str | None
 ) -> None:
-    """Write the manifest, last, and say so on stdout (rank 0)."""
+    """Write the manifest, last, and say so on stdout (rank 0). What `run` returned is
+    validated into the typed `Summary` first: a stage whose summary the flow could not read
+    fails here, before anything is sealed."""
     if watch is not None:
         # A last look before sealing: with infra.orphan=stop an orphan ends here without a
         # manifest (its supervisor's lock is gone); with finish it has taken the lock over.
         watch.check()
+    summary = Summary.model_validate(returned)
     if ctx.preflight is not None:
-        summary = {**summary, "memory": measured_memory(ctx)}
+        summary = summary.model_copy(update={"memory": measured_memory(ctx)})
     if recovery := recovery_record(account, summary):
-        summary = {**summary, "recovery": recovery}
+        summary = summary.model_copy(update={"recovery": recovery})
+    sealed = summary.sealed()
     ref = write_manifest(
         ctx.out_dir,
         stage=ctx.kind_name,
@@ -403,10 +409,10 @@ def _seal(
         parents=[p.fingerprint for p in ctx.parents.values()],
         section=ctx.inputs,
         seed=ctx.recipe.run.seed,
-        summary=summary,
+        summary=sealed,
         extra={**ctx.extra_manifest, **numerics_record(ctx)},
     )
-    log.info("stage %s done: %s", ctx.name, json.dumps(summary, default=str)[:2000])
+    log.info("stage %s done: %s", ctx.name, json.dumps(sealed, default=str)[:2000])
     emit_line(f"POSTTRAIN_ARTIFACT {ref.model_dump_json()}")
 
 
