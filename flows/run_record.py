@@ -19,7 +19,6 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import FlowRunContext
 from prefect.logging import get_run_logger
 
-from flows.report.graph_plot import GraphNode
 from flows.report.images import cache_dir, curves, stage_graph
 from flows.report.plots import CurvePlot
 from flows.report.tables import (
@@ -135,7 +134,7 @@ def draw_images(run_plan: RunPlan, records: list[StageRecord], run_dir: Path) ->
         get_run_logger().warning("training curves not drawn: %s: %s", type(exc).__name__, exc)
     graph = None
     try:
-        graph, _ = stage_graph(graph_nodes(run_plan, records), run_dir / "graph.png", cache)
+        graph, _ = stage_graph(graph_records(run_plan, records), run_dir / "graph.png", cache)
     except Exception as exc:
         get_run_logger().warning("stage graph not drawn: %s: %s", type(exc).__name__, exc)
     return Images(plots, graph)
@@ -154,34 +153,14 @@ def with_images(report: str, images: Images) -> tuple[str, str]:
     return on_disk, in_ui
 
 
-# Inputs the graph image leaves out: every stage reads the base, and evaluate/export also read
-# their policy's parent and held-out source; drawn, they hide the chain. A stage whose only
-# input is the base keeps that edge.
-IMPLIED_ROLES = ("base", "parent", "heldout")
-
-
-def drawn_links(roles: dict[str, str]) -> dict[str, str]:
-    """The inputs of a stage the graph image draws as edges."""
-    kept = {r: n for r, n in roles.items() if r not in IMPLIED_ROLES}
-    return kept or {r: n for r, n in roles.items() if r == "base"}
-
-
-def graph_nodes(run_plan: RunPlan, records: list[StageRecord]) -> list[GraphNode]:
-    """The run's stages for the graph image: each record with its status, inputs and headline,
-    and the stages the run did not reach (after a failure) as pending."""
-    nodes = [
-        GraphNode(
-            r.stage,
-            r.kind or r.stage,
-            "failed" if r.error else r.status,
-            drawn_links(r.roles),
-            {k: v for k, v in r.headline.items() if isinstance(v, int | float)},
-        )
-        for r in records
+def graph_records(run_plan: RunPlan, records: list[StageRecord]) -> list[StageRecord]:
+    """The run's stages for the graph image: each record, and the stages the run did not
+    reach (after a failure) as pending."""
+    pending = [
+        StageRecord(s.name, s.fingerprint, "pending", 0.0, kind=s.kind, roles=dict(s.roles))
+        for s in run_plan.pending({r.stage for r in records})
     ]
-    for stage in run_plan.pending({r.stage for r in records}):
-        nodes.append(GraphNode(stage.name, stage.kind, "pending", drawn_links(stage.roles), {}))
-    return nodes
+    return [*records, *pending]
 
 
 def tracking_markdown(trackers: Trackers | None) -> str:
