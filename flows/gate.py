@@ -24,8 +24,8 @@ from flows.stage.supervise import Outcome
 from flows.stage.task import run_task
 from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS
-from posttrain.plan.planner import PlannedStage, spec_for
-from posttrain.runtime.spec import StageSpec
+from posttrain.plan.planner import spec_for
+from posttrain.runtime.spec import PlannedStage, StageSpec
 from posttrain.store.artifacts import read_manifest, ref_from_manifest
 from posttrain.store.claim import looks_complete
 from posttrain.workspace.promotion import (

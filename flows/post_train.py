@@ -43,8 +43,9 @@ from flows.stage.task import run_task
 from flows.terminal import KNOWN_FAILURES, quiet_known_failures
 from flows.trackers import StageFeed, Trackers, open_trackers
 from posttrain.config.schema import Recipe
-from posttrain.plan.planner import PlannedStage, RunPlan, plan, spec_for
+from posttrain.plan.planner import RunPlan, plan, spec_for
 from posttrain.plan.selection import Selection, choose
+from posttrain.runtime.spec import PlannedStage
 from posttrain.secrets import redact_obj
 from posttrain.store.artifacts import ArtifactRef
 from posttrain.store.summary import Summary

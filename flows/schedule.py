@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.spec import PlannedStage
 from posttrain.store.artifacts import ArtifactRef
 
 # Runs one stage with its parents' refs and returns its ref (flows.post_train.PipelineRun).

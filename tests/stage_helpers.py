@@ -234,7 +234,8 @@ def hand_planned(
     import copy
 
     from posttrain.config.schema import Recipe
-    from posttrain.plan.planner import PlannedStage, spec_for
+    from posttrain.plan.planner import spec_for
+    from posttrain.runtime.spec import PlannedStage
     from posttrain.store.artifacts import stage_dir
 
     data = copy.deepcopy(TINY)

@@ -237,6 +237,7 @@ def _tiny_session(tmp_path: Path, guard: dict):
     from posttrain.distributed.runtime import init_distributed
     from posttrain.models.lora import apply_lora
     from posttrain.runtime.context import StageContext
+    from posttrain.runtime.spec import PlannedStage
     from posttrain.telemetry import heartbeat
     from posttrain.train.session import start_session
 
@@ -245,10 +246,11 @@ def _tiny_session(tmp_path: Path, guard: dict):
     data["infra"].update(precision="fp32", threads_per_rank=1)
     data["guard"] = guard
     recipe = Recipe.model_validate(data)
-    ctx = StageContext("sft", "f" * 16, tmp_path / "out", recipe, {}, {})
-    ctx.out_dir.mkdir()
+    sft = PlannedStage("sft", "posttrain.stages.sft", "f" * 16, tmp_path / "out", {}, 1, 60.0)
+    ctx = StageContext(sft, recipe, {})
+    ctx.stage.out_dir.mkdir()
     ctx.dist = init_distributed("cpu", 60, 1)
-    heartbeat.start(ctx.out_dir, 0)
+    heartbeat.start(ctx.stage.out_dir, 0)
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=64,

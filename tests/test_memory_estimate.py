@@ -550,6 +550,7 @@ def test_unknown_architecture_skips_the_stage_check(
     """A base the estimate cannot describe never blocks a stage: a warning, no report."""
     from posttrain.kinds import KINDS
     from posttrain.runtime.context import StageContext
+    from posttrain.runtime.spec import PlannedStage
     from posttrain.stages.common import memory_preflight
     from posttrain.store.artifacts import ArtifactRef
 
@@ -563,10 +564,17 @@ def test_unknown_architecture_skips_the_stage_check(
     )
     ref = ArtifactRef(stage="ingest", uri=str(ingest), fingerprint="f" * 16, sha256="0" * 64)
     recipe = _recipe(tmp_path, device_memory_gb=0.001)
-    ctx = StageContext(
-        "sft", "0" * 16, tmp_path / "sft", recipe, {"ingest": ref}, {}, kind=KINDS["sft"]
+    sft = PlannedStage(
+        "sft",
+        "posttrain.stages.sft",
+        "0" * 16,
+        tmp_path / "sft",
+        {},
+        1,
+        60.0,
+        roles={"base": "ingest"},
     )
-    ctx.roles = {"base": "ingest"}
+    ctx = StageContext(sft, recipe, {"ingest": ref}, kind=KINDS["sft"])
     with caplog.at_level(logging.WARNING, logger="posttrain"):
         memory_preflight(ctx)
     assert ctx.preflight is None
@@ -690,7 +698,7 @@ def test_run_report_shows_estimate_beside_measured_peak() -> None:
 def test_flow_stage_record_carries_the_summary_memory(tmp_path: Path) -> None:
     from flows.post_train import stage_record
     from flows.stage.supervise import Outcome
-    from posttrain.plan.planner import PlannedStage
+    from posttrain.runtime.spec import PlannedStage
     from posttrain.store.artifacts import ArtifactRef
     from posttrain.store.summary import read_summary
 

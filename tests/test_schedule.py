@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from flows.schedule import device_slots, run_stages
-from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.spec import PlannedStage
 from posttrain.store.artifacts import ArtifactRef
 
 

@@ -23,8 +23,15 @@ from flows.stage.output import MetricsTail, progress_from_record
 from flows.stage.supervise import Outcome
 from flows.stage.task import stage_task
 from posttrain.config.schema import Recipe
-from posttrain.plan.planner import PlannedStage, spec_for
-from posttrain.runtime.spec import LAUNCH_TAG_ENV, LaunchInfo, StageSpec, read_spec, spec_path
+from posttrain.plan.planner import spec_for
+from posttrain.runtime.spec import (
+    LAUNCH_TAG_ENV,
+    LaunchInfo,
+    PlannedStage,
+    StageSpec,
+    read_spec,
+    spec_path,
+)
 from posttrain.store.artifacts import stage_dir, verify, write_manifest
 from posttrain.store.summary import read_summary
 
@@ -117,7 +124,7 @@ def test_the_spec_carries_the_launch(tmp_path: Path, modules: Path) -> None:
     assert written.launch.lock == str(stage.out_dir.with_name(stage.out_dir.name + ".lock"))
     assert written.launch.supervisor_pid == os.getpid()
     assert written.launch.beat_file is None
-    assert written.fingerprint == FP and written.recipe["run"]["workspace"]
+    assert written.stage == stage and written.recipe["run"]["workspace"]
 
 
 def test_progress_from_record() -> None:

@@ -45,7 +45,7 @@ class StageRecord:
     # finish, the checkpoint it resumed from, checkpoints it rejected as damaged.
     recovery: Recovery | None = None
     # The stage's kind (its name, unless the recipe named it) and which stage played which of
-    # its input roles (posttrain.plan.planner.PlannedStage.roles).
+    # its input roles (posttrain.runtime.spec.PlannedStage.roles).
     kind: str = ""
     roles: dict[str, str] = field(default_factory=dict)
     # evaluate: `evaluate.policies` side by side (summary.policies), for the chain table.

@@ -46,10 +46,9 @@ from flows.stage.launchers.base import Launch, Launcher, LaunchError, LaunchRequ
 from flows.stage.launchers.records import record_launch, stop_earlier_launch
 from flows.stage.output import MetricsTail, OutputPump, ProgressArtifact, run_logger
 from flows.stage.procs import KILL_GRACE_S
-from posttrain.plan.planner import PlannedStage
 from posttrain.runtime.orphan import SupervisorBeat
 from posttrain.runtime.recovery import ERROR_FILE, earlier_attempt
-from posttrain.runtime.spec import StageSpec, spec_path
+from posttrain.runtime.spec import PlannedStage, StageSpec, spec_path
 from posttrain.store.artifacts import ArtifactRef, ref_from_manifest, verify
 from posttrain.store.claim import find_complete
 from posttrain.store.locking import ArtifactLock, LockTimeout, describe_holder

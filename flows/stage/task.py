@@ -20,8 +20,7 @@ from prefect.states import Completed, State
 
 from flows.stage.procs import KILL_GRACE_S
 from flows.stage.supervise import Outcome, supervise_stage
-from posttrain.plan.planner import PlannedStage
-from posttrain.runtime.spec import StageSpec
+from posttrain.runtime.spec import PlannedStage, StageSpec
 
 REUSED = "reused"
 

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, push_to_gateway, start_http_ser
 from flows.stage.output import run_logger
 from flows.trackers import Sink
 from flows.trackers.exposition import RunSeries
-from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.spec import PlannedStage
 
 log = logging.getLogger("posttrain.flows.trackers")
 

@@ -29,7 +29,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 from posttrain import hub, numerics
@@ -91,7 +91,7 @@ def check_data_paths(ctx: StageContext) -> None:
     from posttrain.config.inputs_check import stage_data_problems
     from posttrain.data.loading import DataFileMissing
 
-    if problems := stage_data_problems(ctx.recipe, ctx.name):
+    if problems := stage_data_problems(ctx.recipe, ctx.stage.name):
         raise DataFileMissing("; ".join(problems))
 
 
@@ -111,7 +111,7 @@ def memory_preflight(ctx: StageContext) -> None:
     try:
         report = preflight(
             ctx.recipe,
-            ctx.name,
+            ctx.stage.name,
             model_dir=dirs.get("base"),
             teacher_dir=dirs.get("teacher_base"),
         )
@@ -120,7 +120,7 @@ def memory_preflight(ctx: StageContext) -> None:
         return
     ctx.preflight = report.record()
     if ctx.is_main:
-        out = ctx.out_dir / "logs" / "preflight.json"
+        out = ctx.stage.out_dir / "logs" / "preflight.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({**ctx.preflight, "report": report.text()}, indent=2))
     enforce(report, mode)
@@ -256,16 +256,18 @@ def stage_main(
     spec = _parse(kind_name, argv)
     ctx = _context(spec, registered, kind_name)
     # Hub ids read the commits the plan fingerprinted, even if a branch moved since.
-    hub.pin(ctx.inputs.get("hub", {}).values())
-    ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    hub.pin(ctx.stage.inputs.get("hub", {}).values())
+    ctx.stage.out_dir.mkdir(parents=True, exist_ok=True)
     # First thing: a stage whose supervisor died (while this process imported torch, say) must
     # not start, or must go on alone, per infra.orphan (posttrain.runtime.orphan).
-    watch = OrphanWatch.start(ctx.out_dir, ctx.name, ctx.recipe.infra.orphan, spec.launch)
+    watch = OrphanWatch.start(
+        ctx.stage.out_dir, ctx.stage.name, ctx.recipe.infra.orphan, spec.launch
+    )
     # A supervisor that holds the artifact's lock for this launch has looked at the folder
     # already; without one, this process takes the lock and looks (posttrain.store.claim).
     claim = None
     if spec.launch is None or spec.launch.lock is None:
-        claim = claim_by_hand(ctx.out_dir, ctx.fingerprint, ctx.name)
+        claim = claim_by_hand(ctx.stage.out_dir, ctx.stage.fingerprint, ctx.stage.name)
         if claim.done:  # complete and unaltered: re-running would only append to its files
             if claim.ref is not None:
                 emit_line(f"POSTTRAIN_ARTIFACT {claim.ref.model_dump_json()}")
@@ -292,16 +294,14 @@ def stage_main(
 
 
 def _context(spec: StageSpec, kind: StageKind | None, kind_name: str) -> StageContext:
+    stage = spec.stage
+    if not stage.roles and BASE in spec.parents:  # a stage planned by hand: the base by name
+        stage = replace(stage, roles={"base": BASE})
     return StageContext(
-        name=spec.stage,
+        stage=stage,
         kind=kind,
-        # A spec written by hand names the base by its stage name.
-        roles=spec.roles or ({"base": BASE} if BASE in spec.parents else {}),
-        fingerprint=spec.fingerprint,
-        out_dir=Path(spec.out_dir),
         recipe=Recipe.model_validate(spec.recipe),
         parents=dict(spec.parents),
-        inputs=spec.inputs,
         kind_name=kind_name,
     )
 
@@ -352,27 +352,29 @@ def _run_and_seal(
     # What an earlier attempt left, read before the process group exists: the other ranks
     # wait for rank 0 in its rendezvous, so none has beaten yet (their first beat would
     # otherwise read as an earlier attempt's).
-    account = launch_account(ctx.out_dir, launch) if ctx.is_main else None
+    account = launch_account(ctx.stage.out_dir, launch) if ctx.is_main else None
     if account:
         log.warning("%s", account)
     _start_ranks(ctx, distributed)
     say_reproducibility(ctx)
     # After the process group is up (its rendezvous may legitimately wait for other nodes):
     # the supervisor's hang watch arms on this first beat.
-    heartbeat.start(ctx.out_dir, ctx.rank)
+    heartbeat.start(ctx.stage.out_dir, ctx.rank)
     # Beside it, the rank's device and host health (logs/health/); rank 0's MetricsWriter
     # registers itself with the sampler when the stage opens it.
-    health.start(ctx.out_dir, ctx.rank, ctx.dist.device if ctx.dist is not None else None)
+    health.start(ctx.stage.out_dir, ctx.rank, ctx.dist.device if ctx.dist is not None else None)
     seed_everything(ctx.recipe.run.seed)
     if ctx.is_main:
-        (ctx.out_dir / "config.json").write_text(
-            json.dumps({"stage": ctx.name, "inputs": ctx.inputs}, indent=2, sort_keys=True)
+        (ctx.stage.out_dir / "config.json").write_text(
+            json.dumps(
+                {"stage": ctx.stage.name, "inputs": ctx.stage.inputs}, indent=2, sort_keys=True
+            )
         )
     log.info(
         "stage %s fingerprint %s -> %s (rank %d/%d)",
-        ctx.name,
-        ctx.fingerprint,
-        ctx.out_dir,
+        ctx.stage.name,
+        ctx.stage.fingerprint,
+        ctx.stage.out_dir,
         ctx.rank,
         ctx.world_size,
     )
@@ -403,16 +405,16 @@ def _seal(
         summary = summary.model_copy(update={"recovery": recovery})
     sealed = summary.sealed()
     ref = write_manifest(
-        ctx.out_dir,
+        ctx.stage.out_dir,
         stage=ctx.kind_name,
-        fp=ctx.fingerprint,
+        fp=ctx.stage.fingerprint,
         parents=[p.fingerprint for p in ctx.parents.values()],
-        section=ctx.inputs,
+        section=ctx.stage.inputs,
         seed=ctx.recipe.run.seed,
         summary=sealed,
         extra={**ctx.extra_manifest, **numerics_record(ctx)},
     )
-    log.info("stage %s done: %s", ctx.name, json.dumps(sealed, default=str)[:2000])
+    log.info("stage %s done: %s", ctx.stage.name, json.dumps(sealed, default=str)[:2000])
     emit_line(f"POSTTRAIN_ARTIFACT {ref.model_dump_json()}")
 
 
@@ -452,7 +454,7 @@ def _report_failure(ctx: StageContext, exc: BaseException) -> None:
 
     tb = traceback.format_exc()
     # A full disk, wherever it struck (a json write, save_pretrained), is a verdict too.
-    exc = as_disk_full(exc, f"stage {ctx.name}'s output") or exc
+    exc = as_disk_full(exc, f"stage {ctx.stage.name}'s output") or exc
     # A refusal or another known condition is a verdict, not a bug: its message, without a
     # traceback on stderr (logs/error.txt keeps it, after the message).
     known = isinstance(exc, MemoryPreflightError | StageVerdict)
@@ -460,7 +462,7 @@ def _report_failure(ctx: StageContext, exc: BaseException) -> None:
         text = str(exc) if isinstance(exc, MemoryPreflightError) else tb
         if isinstance(exc, StageVerdict):
             text = f"{exc}\n\n{tb}"
-        err = ctx.out_dir / "logs" / "error.txt"
+        err = ctx.stage.out_dir / "logs" / "error.txt"
         try:
             err.parent.mkdir(parents=True, exist_ok=True)
             err.write_text(text)
@@ -468,4 +470,6 @@ def _report_failure(ctx: StageContext, exc: BaseException) -> None:
             pass
     if not known:  # a verdict's text is in the line below
         print(tb, file=sys.stderr, flush=True)
-    emit_line(f"POSTTRAIN_ERROR stage {ctx.name} failed: {type(exc).__name__}: {exc}", sys.stderr)
+    emit_line(
+        f"POSTTRAIN_ERROR stage {ctx.stage.name} failed: {type(exc).__name__}: {exc}", sys.stderr
+    )

@@ -12,7 +12,7 @@ from flows.stage.hang import dump_stacks
 from flows.stage.launch import node_rank, stage_command
 from flows.stage.launchers.base import LaunchRequest, Log
 from flows.stage.procs import kill_stage
-from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.spec import PlannedStage
 from posttrain.telemetry.heartbeat import Hang
 
 
