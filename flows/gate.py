@@ -72,7 +72,7 @@ def promote(recipe: Recipe, run_id: str, records: list[StageRecord]) -> Decision
     champion = read_registry(recipe.run.workspace, recipe.run.name)["champion"]
     if champion and export_fp and champion.get("export_fingerprint") == export_fp:
         return Decision(True, "already the champion (same export artifact)", [])
-    metrics = dict(evaluate.headline)
+    metrics = dict(evaluate.summary.headline)
     unmeasured: dict[str, Unmeasured] = {}
     h2h = None
     if champion and uses_metric(recipe.promotion.rules, WIN_RATE_VS_CHAMPION):

@@ -73,7 +73,7 @@ def _new_run_id() -> str:
 
 def stage_record(stage: PlannedStage, outcome: Outcome, duration_s: float) -> StageRecord:
     """The record of a stage that completed (ran, or was reused), from its outcome."""
-    ref, summary, ran = outcome.ref, outcome.summary, outcome.status == "ran"
+    ref, ran = outcome.ref, outcome.status == "ran"
     return StageRecord(
         stage=stage.name,
         fingerprint=ref.fingerprint,
@@ -82,13 +82,10 @@ def stage_record(stage: PlannedStage, outcome: Outcome, duration_s: float) -> St
         uri=ref.uri,
         sha256=ref.sha256,
         parents=list(ref.parents),
-        headline=summary.headline,
-        memory=summary.memory,
         # Only what this run's launch recovered from: a reused artifact's is history.
-        recovery=summary.recovery if ran else None,
+        summary=outcome.summary if ran else outcome.summary.model_copy(update={"recovery": None}),
         kind=stage.kind,
         roles=dict(stage.roles),
-        policies=summary.policies,
         health=stage_health(stage.out_dir) if ran else {},
     )
 
@@ -196,13 +193,7 @@ def _end_tracking(trackers: Trackers | None, feed: StageFeed | None, record: Sta
         return
     try:
         feed.stop()
-        info = {
-            "uri": record.uri,
-            "sha256": record.sha256,
-            "headline": record.headline,
-            "error": record.error,
-        }
-        trackers.end_stage(record.stage, record.status, info)
+        trackers.end_stage(record)
     except Exception as exc:  # tracking is decoration: never fail a stage over it
         get_run_logger().warning("tracking of stage %s: %s", record.stage, exc)
 
@@ -333,4 +324,4 @@ def on_devices(run: PipelineRun) -> Decision | None:
 
 def evaluate_headline(records: list[StageRecord]) -> dict[str, Any]:
     """The evaluate stage's headline metrics, what `posttrain runs` shows per run."""
-    return next((r.headline for r in records if r.stage == "evaluate"), {})
+    return next((r.summary.headline for r in records if r.stage == "evaluate"), {})

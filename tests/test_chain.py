@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from flows.post_train import post_train
+from flows.report.tables import RunResult
 from posttrain.config.loader import load_recipe
 from tests.stage_helpers import write_recipe
 from tests.test_preference_stages import PREF
@@ -36,6 +37,10 @@ CHAIN["stages"] = [
 CHAIN["evaluate"] = {**CHAIN["evaluate"], "policies": ["sft", "dpo", "grpo"]}
 
 
+def _statuses(result: RunResult) -> dict[str, str]:
+    return {r.stage: r.status for r in result.stages}
+
+
 def _summary(uri: str) -> dict:
     return json.loads((Path(uri) / "manifest.json").read_text())["summary"]
 
@@ -45,7 +50,7 @@ def test_chain_runs_evaluates_each_link_and_reruns_from_an_edit(
 ) -> None:
     path = write_recipe(tmp_path, CHAIN)
     first = post_train(load_recipe(path))
-    assert first.statuses() == dict.fromkeys(
+    assert _statuses(first) == dict.fromkeys(
         ["ingest", "sft", "reward", "dpo", "grpo", "evaluate", "export"], "ran"
     )
     by = {s.stage: s for s in first.stages}
@@ -76,7 +81,7 @@ def test_chain_runs_evaluates_each_link_and_reruns_from_an_edit(
     # same run ships DPO's policy instead of the last link's (that this edit alone re-runs export
     # only is the planner's fingerprints: test_stage_graph.py).
     second = post_train(load_recipe(path, ["dpo.beta=0.2", "export.policy=dpo"]))
-    assert second.statuses() == {
+    assert _statuses(second) == {
         "ingest": "reused",
         "sft": "reused",
         "reward": "reused",

@@ -114,6 +114,10 @@ def _flow_log(run_dir: str, timeout_s: float = 60) -> str:
             time.sleep(0.5)
 
 
+def _statuses(result: RunResult) -> dict[str, str]:
+    return {r.stage: r.status for r in result.stages}
+
+
 def _run_while_held(busy: DeviceLock, recipe: Recipe, hold_s: float) -> tuple[RunResult, bool]:
     """The flow's result on `recipe` while `busy` holds the devices for up to `hold_s`, and
     whether the run finished while they were held (a run that waits for them cannot)."""
@@ -145,7 +149,7 @@ def test_flow_caches_reruns_downstream_and_records_runs(
 
     first = post_train(recipe)
     # reward and dpo are optional and this recipe has no sections for them: they do not run.
-    assert first.statuses() == dict.fromkeys(PLANNED, "ran")
+    assert _statuses(first) == dict.fromkeys(PLANNED, "ran")
     assert _launches(ws) == 4
     export = next(s for s in first.stages if s.stage == "export")
     assert first.export_path == str(Path(export["uri"]) / "model")
@@ -177,7 +181,7 @@ def test_flow_caches_reruns_downstream_and_records_runs(
     # Generous: a run that waits for the devices never finishes while they are held.
     second, finished = _run_while_held(busy, recipe, hold_s=300)
     assert finished, "a run that trains nothing waited for the devices"
-    assert second.statuses() == dict.fromkeys(PLANNED, "reused")
+    assert _statuses(second) == dict.fromkeys(PLANNED, "reused")
     log = _flow_log(second.run_dir)
     assert "every stage's artifact is complete: reusing them without waiting for" in log
     assert "held by another run" not in log and "holding posttrain-devices" not in log
@@ -194,7 +198,7 @@ def test_flow_caches_reruns_downstream_and_records_runs(
     # A change to evaluate's section re-runs evaluate and what depends on it, nothing upstream.
     changed = _recipe(ws, evaluate={"max_eval_rows": 7})
     third = post_train(changed)
-    assert third.statuses() == {
+    assert _statuses(third) == {
         "ingest": "reused", "sft": "reused", "evaluate": "ran", "export": "ran",
     }  # fmt: skip
     assert _launches(ws) == 6
@@ -203,9 +207,9 @@ def test_flow_caches_reruns_downstream_and_records_runs(
     export_dir = Path(third.export_path).parent
     (export_dir / "model" / "weights.txt").unlink()
     fourth = post_train(changed)
-    assert fourth.statuses()["export"] == "ran"
+    assert _statuses(fourth)["export"] == "ran"
     assert _launches(ws) == 7
-    assert post_train(changed).statuses()["export"] == "reused"
+    assert _statuses(post_train(changed))["export"] == "reused"
 
     # The same size with other bytes: the look before the run (sizes) passes, the supervisor's
     # (hashes) does not. The run stops before launching anything, waits for the devices, and
@@ -214,7 +218,7 @@ def test_flow_caches_reruns_downstream_and_records_runs(
     weights.write_text(weights.read_text().upper())
     outcome, finished = _run_while_held(busy, changed, hold_s=20)
     assert not finished, "the export was rebuilt without waiting for the devices"
-    assert outcome.statuses()["export"] == "ran" and _launches(ws) == 8
+    assert _statuses(outcome)["export"] == "ran" and _launches(ws) == 8
     log = _flow_log(outcome.run_dir)
     assert "stage export has no complete artifact in" in log
     assert "waiting for the devices after all" in log and "busy-run" in log
@@ -251,7 +255,7 @@ def test_independent_branches_run_side_by_side_when_allowed(
     recipe = _recipe(tmp_path / "ws", stages=[rm])
     recipe.infra.parallel_stages = 2
     result = post_train(recipe)
-    assert result.statuses() == dict.fromkeys(["ingest", *PLANNED[1:2], "rm", *PLANNED[2:]], "ran")
+    assert _statuses(result) == dict.fromkeys(["ingest", *PLANNED[1:2], "rm", *PLANNED[2:]], "ran")
     uris = {s.stage: Path(s.uri) for s in result.stages}
     span = {n: json.loads((uris[n] / "logs" / "span.json").read_text()) for n in uris}
     assert span["sft"][0] < span["rm"][1] and span["rm"][0] < span["sft"][1], span

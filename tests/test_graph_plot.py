@@ -31,6 +31,7 @@ from flows.report.graph_plot import (
     stage_graph_figure,
 )
 from flows.report.tables import STATUSES, StageRecord
+from posttrain.store.summary import Summary
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,12 +138,14 @@ def test_png_is_written_sized_by_the_layout_and_coloured_by_status(tmp_path: Pat
             0.0,
             kind="evaluate",
             roles={"evaluated": "dpo", "reward_model": "reward"},
-            headline={
-                "win_rate": 0.625,
-                "dpo_accuracy": 0.8125,
-                "tokens_per_s": 5123.4,
-                "extra": 1.0,
-            },
+            summary=Summary(
+                headline={
+                    "win_rate": 0.625,
+                    "dpo_accuracy": 0.8125,
+                    "tokens_per_s": 5123.4,
+                    "extra": 1.0,
+                }
+            ),
         ),
     ]
     path = draw_stage_graph(graph, tmp_path / "report" / "graph.png")

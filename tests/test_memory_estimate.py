@@ -674,7 +674,7 @@ def test_real_stage_records_estimate_and_measured_peak(tmp_path: Path) -> None:
 
 def test_run_report_shows_estimate_beside_measured_peak() -> None:
     from flows.report.tables import StageRecord, markdown_report
-    from posttrain.store.summary import Memory
+    from posttrain.store.summary import Memory, Summary
 
     memory = Memory(
         estimate_gib=1.32,
@@ -686,7 +686,7 @@ def test_run_report_shows_estimate_beside_measured_peak() -> None:
     )
     records = [
         StageRecord("ingest", "a" * 16, "ran", 1.0),
-        StageRecord("sft", "b" * 16, "ran", 2.0, memory=memory),
+        StageRecord("sft", "b" * 16, "ran", 2.0, summary=Summary(memory=memory)),
     ]
     text = markdown_report("run", "id", records)
     section = text[text.index("## Memory") : text.index("## Lineage")]
@@ -710,7 +710,8 @@ def test_flow_stage_record_carries_the_summary_memory(tmp_path: Path) -> None:
     outcome = Outcome(status="ran", ref=ref, summary=read_summary(tmp_path))
     planned = PlannedStage("sft", "posttrain.stages.sft", "f" * 16, tmp_path, {}, 1, 60.0)
     record = stage_record(planned, outcome, 1.0)
-    assert record.memory is not None and record.memory.model_dump(exclude_unset=True) == memory
+    got = record.summary.memory
+    assert got is not None and got.model_dump(exclude_unset=True) == memory
 
 
 def test_an_episode_stage_is_estimated_at_its_episode_length_and_kept_caches() -> None:

@@ -18,6 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from flows.report.tables import StageRecord
 from flows.trackers.exposition import RunSeries
 from flows.trackers.prom_names import BY_NAME
 from flows.trackers.prometheus import PrometheusSink
@@ -282,7 +283,7 @@ def test_the_tracker_serves_metrics_on_a_free_port_and_stops_at_finish(tmp_path:
     taken = PrometheusSink(cfg.model_copy(update={"port": port, "file_sd_dir": None}), [stage])
     with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
         taken.start_pipeline("run-10", None, {"run": {"name": "demo"}})
-    sink.end_stage("sft", "failed", {})
+    sink.end_stage(StageRecord("sft", "f" * 16, "failed", 1.0))
     sink.finish({})
     with pytest.raises(httpx.ConnectError):
         _get(f"http://127.0.0.1:{port}/metrics")
@@ -318,7 +319,7 @@ def test_the_tracker_pushes_how_the_run_ended_to_a_real_pushgateway(tmp_path: Pa
         sink = PrometheusSink(cfg, [stage])
         sink.start_pipeline("run-p", None, {"run": {"name": "pushed"}})
         sink.start_stage("dpo", "f")
-        sink.end_stage("dpo", "failed", {})
+        sink.end_stage(StageRecord("dpo", "f" * 16, "failed", 1.0))
         sink.finish({})
         pushed = {
             (s.name, tuple(sorted(s.labels.items()))): s.value

@@ -93,7 +93,7 @@ def test_recovery_record_and_the_lines_the_cli_and_report_print() -> None:
     )
     records = [
         StageRecord("ingest", "a" * 16, "reused", 0.1),
-        StageRecord("sft", "b" * 16, "ran", 9.0, recovery=rec),
+        StageRecord("sft", "b" * 16, "ran", 9.0, summary=Summary(recovery=rec)),
     ]
     (line,) = recovery_lines(records)
     assert line == (

@@ -13,9 +13,11 @@ from typing import Any
 import pytest
 
 import flows.trackers as trackers_mod
+from flows.report.tables import StageRecord
 from flows.trackers import Sink, Trackers, headline_metrics, numeric_fields
 from flows.trackers.mlflow import PARAM_VALUE_MAX, flatten
 from flows.trackers.tensorboard import TensorBoardSink
+from posttrain.store.summary import Summary
 
 
 class Recorder(Sink):
@@ -30,8 +32,8 @@ class Recorder(Sink):
     def log(self, stage: str, records: list[dict[str, Any]]) -> None:
         self.calls.append(("log", (stage, [r["step"] for r in records])))
 
-    def end_stage(self, stage: str, status: str, info: dict[str, Any]) -> None:
-        self.calls.append(("end_stage", (stage, status)))
+    def end_stage(self, record: StageRecord) -> None:
+        self.calls.append(("end_stage", (record.stage, record.status)))
 
 
 class Broken(Sink):
@@ -70,7 +72,7 @@ def test_a_failing_tracker_warns_once_and_the_others_get_everything(
         t.start_stage("sft", "fp1", Path("/nonexistent/metrics.jsonl")).stop()
         for step in (1, 2, 3):
             t.log("sft", [_train(step, 1.0)])
-        t.end_stage("sft", "ran", {})
+        t.end_stage(StageRecord("sft", "f" * 16, "ran", 1.0))
         t.finish({}, timeout_s=5)
     assert good.calls == [
         ("start_stage", ("sft", "fp1")),
@@ -151,7 +153,9 @@ def test_tensorboard_event_files_hold_each_stage_curve(tmp_path: Path) -> None:
     t.start_stage("sft", "fp", tmp_path / "none")
     t.log("sft", [{**_train(s, 2.0 / s), "lr": 0.1 * s} for s in (1, 2, 3)])
     t.log("sft", [{"kind": "eval", "step": 3, "nll": 0.25}])
-    t.end_stage("evaluate", "ran", {"headline": {"nll": 1.5}})
+    t.end_stage(
+        StageRecord("evaluate", "e" * 16, "ran", 1.0, summary=Summary(headline={"nll": 1.5}))
+    )
     t.finish({}, timeout_s=10)
     assert sink.link == f"tensorboard --logdir {tmp_path / 'runs'}"
     acc = EventAccumulator(str(run_dir / "sft")).Reload()

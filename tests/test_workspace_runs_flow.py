@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_flow import _recipe, fake_stages  # noqa: F401 (a fixture)
+from test_flow import _recipe, _statuses, fake_stages  # noqa: F401 (a fixture)
 
 from flows.cli import cmd_clean, cmd_runs
 from flows.post_train import post_train
@@ -56,4 +56,4 @@ def test_runs_shows_the_flows_runs_and_clean_frees_the_failed_attempt(
     assert text.splitlines()[-1].startswith("freed ") and "(1 deleted)" in text
     assert not attempt.exists()
     # What the completed run used is all there: the same recipe reuses every stage.
-    assert set(post_train(_recipe(ws)).statuses().values()) == {"reused"}
+    assert set(_statuses(post_train(_recipe(ws))).values()) == {"reused"}

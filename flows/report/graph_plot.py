@@ -83,7 +83,7 @@ def shown_status(record: StageRecord) -> str:
 
 
 def _numbers(record: StageRecord) -> dict[str, float]:
-    return {k: v for k, v in record.headline.items() if isinstance(v, int | float)}
+    return {k: v for k, v in record.summary.headline.items() if isinstance(v, int | float)}
 
 
 def drawn(records: Sequence[StageRecord]) -> list[tuple]:

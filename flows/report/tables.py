@@ -15,7 +15,7 @@ from typing import Any
 
 from flows.report.health_summary import absent_reason, health_line
 from flows.report.plots import CurvePlot
-from posttrain.store.summary import Memory, Recovery
+from posttrain.store.summary import Summary
 from posttrain.workspace.promotion import Decision
 
 # ran: the stage process was launched and completed. reused: a complete artifact with this
@@ -36,28 +36,17 @@ class StageRecord:
     uri: str = ""
     sha256: str = ""
     parents: list[str] = field(default_factory=list)
-    # The stage summary's "headline": a few key metrics the stage chose to show.
-    headline: dict[str, Any] = field(default_factory=dict)
+    # Its summary (headline, memory, evaluate's policies ...); `recovery` only when this run
+    # launched it: a reused artifact's is history.
+    summary: Summary = field(default_factory=Summary)
     error: str = ""
-    # Training stages: the memory pre-flight's estimate beside the measured peak (summary.memory).
-    memory: Memory | None = None
-    # What this launch recovered from (summary.recovery): an earlier attempt that did not
-    # finish, the checkpoint it resumed from, checkpoints it rejected as damaged.
-    recovery: Recovery | None = None
     # The stage's kind (its name, unless the recipe named it) and which stage played which of
     # its input roles (posttrain.runtime.spec.PlannedStage.roles).
     kind: str = ""
     roles: dict[str, str] = field(default_factory=dict)
-    # evaluate: `evaluate.policies` side by side (summary.policies), for the chain table.
-    policies: dict[str, Any] = field(default_factory=dict)
     # What this launch's ranks went through (flows.report.health_summary): data wait,
     # memory headroom, MFU, throttling, network errors, each with its worst moment.
     health: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def reused(self) -> bool:
-        """True when no stage process ran for this record (its artifact was in the workspace)."""
-        return self.status == "reused"
 
 
 @dataclass
@@ -71,10 +60,6 @@ class RunResult:
     export_path: str | None = None
     not_selected: list[str] = field(default_factory=list)
     promotion: Decision | None = None
-
-    def statuses(self) -> dict[str, str]:
-        """Stage name -> ran, reused or failed."""
-        return {r.stage: r.status for r in self.stages}
 
 
 def format_duration(seconds: float) -> str:
@@ -146,7 +131,7 @@ def markdown_report(
                     r.stage,
                     r.status,
                     format_duration(r.duration_s),
-                    headline_text(r.headline) or "-",
+                    headline_text(r.summary.headline) or "-",
                     f"`{r.uri}`" if r.uri else "-",
                 )
             )
@@ -186,7 +171,7 @@ def recovery_lines(records: Sequence[StageRecord]) -> list[str]:
     resumed, which checkpoints it rejected. Empty when every stage started clean."""
     out = []
     for r in records:
-        rec = r.recovery
+        rec = r.summary.recovery
         if rec is None:
             continue
         parts = [rec.earlier_attempt] if rec.earlier_attempt else []
@@ -269,7 +254,7 @@ def _gpu_cell(h: dict[str, Any]) -> str:
 def memory_markdown(records: Sequence[StageRecord]) -> list[str]:
     """The "## Memory" section: per training stage, the pre-flight estimate beside the measured
     peak (peak RSS on CPU, peak reserved on GPU); empty when no stage has one."""
-    rows = [(r.stage, r.memory) for r in records if r.memory is not None]
+    rows = [(r.stage, r.summary.memory) for r in records if r.summary.memory is not None]
     if not rows:
         return []
     lines = [
@@ -314,7 +299,7 @@ def metrics_table(records: Sequence[StageRecord]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for r in records:
         rows.append({"stage": r.stage, "metric": "duration_s", "value": round(r.duration_s, 2)})
-        for k, v in r.headline.items():
+        for k, v in r.summary.headline.items():
             rows.append({"stage": r.stage, "metric": k, "value": v})
     return rows
 
@@ -349,7 +334,7 @@ def text_table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
 def summary_table(records: Sequence[StageRecord]) -> str:
     """CLI summary: stage | status | duration | headline metrics."""
     rows = [
-        (r.stage, r.status, format_duration(r.duration_s), headline_text(r.headline) or "-")
+        (r.stage, r.status, format_duration(r.duration_s), headline_text(r.summary.headline) or "-")
         for r in records
     ]
     return text_table(rows, ("stage", "status", "duration", "headline metrics"))
@@ -358,7 +343,7 @@ def summary_table(records: Sequence[StageRecord]) -> str:
 def chain_markdown(records: Sequence[StageRecord]) -> list[str]:
     """`evaluate.policies` side by side: each policy against its parent (what each link of the
     chain gained); nothing when the recipe lists none."""
-    ev = next((r for r in records if r.policies), None)
+    ev = next((r for r in records if r.summary.policies), None)
     if ev is None:
         return []
     lines = [
@@ -372,7 +357,7 @@ def chain_markdown(records: Sequence[StageRecord]) -> list[str]:
         "| win-rate vs parent |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    rows = ev.policies
+    rows = ev.summary.policies
     for name, row in rows.items():
         parent = rows.get(row.get("parent"), {})
 
@@ -399,11 +384,16 @@ def teacher_markdown(records: Sequence[StageRecord]) -> list[str]:
     """A distilled final policy's teacher line: the student's start, its end and the teacher
     on the held-out exact match, and the share of the gap closed; nothing without a teacher."""
     ev = next(
-        (r for r in records if "teacher" in r.roles and "exact_match_teacher" in r.headline), None
+        (
+            r
+            for r in records
+            if "teacher" in r.roles and "exact_match_teacher" in r.summary.headline
+        ),
+        None,
     )
     if ev is None:
         return []
-    h = ev.headline
+    h = ev.summary.headline
     start = "parent" if "exact_match_parent" in h else "base"
     gap = h.get("teacher_gap_closed")
     closed = f"closed {format_value(gap)} of the gap" if gap is not None else "no gap to close"

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from flows.report.tables import StageRecord
 from flows.stage.jsonl_tail import JsonlTail
 from flows.stage.output import _start_thread, run_logger
 
@@ -51,8 +52,9 @@ class Sink:
     def log(self, stage: str, records: list[dict[str, Any]]) -> None:
         """New metrics.jsonl records of `stage` (each with `kind` and usually `step`)."""
 
-    def end_stage(self, stage: str, status: str, info: dict[str, Any]) -> None:
-        """`status`: ran, reused or failed; `info`: uri, sha256, headline, error."""
+    def end_stage(self, record: StageRecord) -> None:
+        """How the stage ended: its record (status ran, reused or failed; its artifact's uri
+        and sha256; its headline; the error of a failed one)."""
 
     def finish(self, result: dict[str, Any]) -> None:
         """The run is recorded. `result`: run_dir, report (path), images (paths), promoted
@@ -177,8 +179,8 @@ class Trackers:
         if fresh:
             self._all("log", stage, fresh)
 
-    def end_stage(self, stage: str, status: str, info: dict[str, Any]) -> None:
-        self._all("end_stage", stage, status, info)
+    def end_stage(self, record: StageRecord) -> None:
+        self._all("end_stage", record)
 
     def finish(self, result: dict[str, Any], timeout_s: float = FINISH_TIMEOUT_S) -> None:
         """Last call: hand over the run's files and wait (bounded) for every sink to drain."""

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flows.report.tables import StageRecord
 from flows.trackers import Sink, headline_metrics, numeric_fields
 
 PARAM_VALUE_MAX = 6000  # MLflow's limit on a param value
@@ -114,25 +115,25 @@ class MlflowSink(Sink):
             ]
         self._metrics(self.stage_runs[stage], metrics)
 
-    def end_stage(self, stage: str, status: str, info: dict[str, Any]) -> None:
+    def end_stage(self, record: StageRecord) -> None:
         from mlflow.entities import Metric, RunTag
 
-        run_id = self.stage_runs[stage]
-        ms, step = int(time.time() * 1000), self._last_step.get(stage, 0)
+        run_id = self.stage_runs[record.stage]
+        ms, step = int(time.time() * 1000), self._last_step.get(record.stage, 0)
         metrics = [
             Metric(metric_key(k), v, ms, step)
-            for k, v in headline_metrics(info.get("headline") or {}).items()
+            for k, v in headline_metrics(record.summary.headline).items()
         ]
         tags = {
-            "posttrain.status": status,
-            "posttrain.reused": str(status == "reused").lower(),
-            "posttrain.artifact_uri": str(info.get("uri") or ""),
-            "posttrain.sha256": str(info.get("sha256") or ""),
+            "posttrain.status": record.status,
+            "posttrain.reused": str(record.status == "reused").lower(),
+            "posttrain.artifact_uri": record.uri,
+            "posttrain.sha256": record.sha256,
         }
-        if info.get("error"):
-            tags["posttrain.error"] = str(info["error"])[:5000]
+        if record.error:
+            tags["posttrain.error"] = record.error[:5000]
         self.client.log_batch(run_id, metrics=metrics, tags=[RunTag(k, v) for k, v in tags.items()])
-        self.client.set_terminated(run_id, "FAILED" if status == "failed" else "FINISHED")
+        self.client.set_terminated(run_id, "FAILED" if record.status == "failed" else "FINISHED")
 
     def finish(self, result: dict[str, Any]) -> None:
         assert self.parent_id is not None

@@ -22,6 +22,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, push_to_gateway, start_http_server
 
+from flows.report.tables import StageRecord
 from flows.stage.output import run_logger
 from flows.trackers import Sink
 from flows.trackers.exposition import RunSeries
@@ -76,9 +77,9 @@ class PrometheusSink(Sink):
         if self.series is not None:
             self.series.set_status(stage, "running")
 
-    def end_stage(self, stage: str, status: str, info: dict[str, Any]) -> None:
+    def end_stage(self, record: StageRecord) -> None:
         if self.series is not None:
-            self.series.set_status(stage, status)
+            self.series.set_status(record.stage, record.status)
 
     def finish(self, result: dict[str, Any]) -> None:
         self._stop.set()
