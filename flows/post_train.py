@@ -32,7 +32,7 @@ from flows.failure_block import known_block, reason_line
 from flows.gate import promote
 from flows.report.health_summary import stage_health
 from flows.report.tables import RunResult, StageRecord
-from flows.run_record import record_failed_run, record_run
+from flows.run_record import record_run
 from flows.schedule import device_slots, run_stages
 from flows.served_run import is_served_run, served_reach
 from flows.stage.failures import QualityGateFailed
@@ -156,9 +156,13 @@ class PipelineRun:
         except DevicesNeeded:
             raise
         except BaseException as exc:
-            recorded = record_failed_run(self.plan, self.run_id, self.records, self.trackers)
-            if recorded is not None:
-                exc.add_note(f"run folder: {recorded.run_dir}")
+            try:
+                run = record_run(
+                    self.plan, self.run_id, self.records, trackers=self.trackers, failed=True
+                )
+                exc.add_note(f"run folder: {run.run_dir}")
+            except Exception as problem:  # logged: it must not hide the stage's error
+                get_run_logger().error("could not write the run record: %s", problem)
             raise
         return promote(self.plan.recipe, self.run_id, self.records)
 

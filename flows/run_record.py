@@ -80,8 +80,10 @@ def record_run(
     (run_dir / "lineage.json").write_text(json.dumps(redact_obj(lineage(meta, records)), indent=2))
     tracked = tracking_markdown(trackers)  # a tracker URI may carry a credential: redacted
     (run_dir / "report.md").write_text(on_disk + tracked)
+    result = RunResult(run_id, run_dir, list(records), export_path, run_plan.not_selected)
+    result.promotion, result.images, result.failed = promotion, images.paths(), failed
     if trackers is not None:
-        finish_tracking(trackers, run_dir, records, promotion, export_path, images, failed)
+        trackers.finish(result)
         after = tracking_markdown(trackers)
         if after != tracked:  # a tracker failed taking the files: the report says so
             tracked = after
@@ -91,21 +93,7 @@ def record_run(
     create_table_artifact(
         redact_obj(metrics_table(records)), key=f"{key}-metrics", description="Per-stage metrics"
     )
-    return RunResult(
-        run_id, run_dir, list(records), export_path, list(run_plan.not_selected), promotion
-    )
-
-
-def record_failed_run(
-    run_plan: RunPlan, run_id: str, records: list[StageRecord], trackers: Trackers | None
-) -> RunResult | None:
-    """`record_run` while a failure propagates: a problem here is logged, not raised, so it
-    cannot hide the stage's error (None then)."""
-    try:
-        return record_run(run_plan, run_id, records, trackers=trackers, failed=True)
-    except Exception as exc:
-        get_run_logger().error("could not write the run record: %s", exc)
-        return None
+    return result
 
 
 def run_meta(run_id: str, run_name: str, export_path: str | None) -> dict[str, Any]:
@@ -168,29 +156,3 @@ def tracking_markdown(trackers: Trackers | None) -> str:
     if trackers is None or not trackers.workers:
         return ""
     return redact("\n## Tracking\n\n" + "\n".join(trackers.report_lines()) + "\n")
-
-
-def finish_tracking(
-    trackers: Trackers,
-    run_dir: Path,
-    records: list[StageRecord],
-    promotion: Decision | None,
-    export_path: str | None,
-    images: Images,
-    failed: bool,
-) -> None:
-    """Hand the recorded run to the trackers and wait (bounded) for them to drain."""
-    export = next((r for r in records if r.stage == "export" and r.status != "failed"), None)
-    trackers.finish(
-        {
-            "run_dir": str(run_dir),
-            "report": str(run_dir / "report.md"),
-            "images": [str(p) for p in images.paths()],
-            "promoted": bool(promotion is not None and promotion.promoted),
-            "export_path": export_path,
-            "export_fingerprint": export.fingerprint if export else None,
-            "export_sha256": export.sha256 if export else None,
-            "fingerprints": {r.stage: r.fingerprint for r in records},
-            "failed": failed,
-        }
-    )

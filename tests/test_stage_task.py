@@ -173,13 +173,13 @@ def test_success_returns_verified_ref_and_streams_logs(tmp_path: Path, modules: 
     assert "hello from ingest" in log and "POSTTRAIN_ARTIFACT" in log
 
 
-def _complete_artifact(stage: PlannedStage) -> None:
+def _complete_artifact(stage: PlannedStage, summary: dict | None = None) -> None:
     """Make a complete artifact in-process, as an earlier run would have left it."""
     stage.out_dir.mkdir(parents=True, exist_ok=True)
     (stage.out_dir / "result.json").write_text("{}")
     write_manifest(
         stage.out_dir, stage=stage.name, fp=stage.fingerprint, parents=[], section={}, seed=0,
-        summary={},
+        summary=summary or {},
     )  # fmt: skip
 
 
@@ -193,6 +193,20 @@ def test_complete_artifact_is_reused_without_launching(tmp_path: Path, modules: 
     out = state.data
     assert out.status == "reused"
     assert out.ref.fingerprint == FP and out.ref.path == stage.out_dir
+    assert _launches(stage) == 0
+
+
+def test_a_complete_artifact_whose_summary_is_no_summary_fails_the_stage(
+    tmp_path: Path, modules: Path
+) -> None:
+    """Its files verify, but its manifest's summary does not validate: a damaged artifact, one
+    clear error naming the stage and the field, nothing launched and nothing read around it."""
+    stage, spec = _planned(tmp_path, "pt_no_such_module")
+    _complete_artifact(stage, {"headline": ["loss", 1.0]})
+    with pytest.raises(
+        StageFailed, match=r"stage 'ingest': the artifact in .* is damaged: .*headline"
+    ):
+        stage_task.fn(stage, spec)
     assert _launches(stage) == 0
 
 

@@ -1,9 +1,8 @@
 """The run's stage graph as one PNG for the run report: which stage fed which, and how each ended.
 
 A recipe is becoming a graph of stages (several of one kind, branches such as reward ‖ sft,
-chains such as sft -> dpo -> grpo). `draw_stage_graph(nodes, path)` draws the run's stage
-records (`flows.report.tables.StageRecord`, one node each; a stage a failed run did not reach is
-a record with status `pending`) left to right:
+chains such as sft -> dpo -> grpo). `draw_stage_graph(records, path)` draws the run's
+`StageRecord`s (a stage a failed run did not reach: status `pending`) left to right:
 
 - Layers by LONGEST path from the roots, so every edge points right and a stage sits just after
   its latest input (dpo after both sft and reward, not beside sft). Within a layer, nodes are
@@ -80,19 +79,6 @@ def drawn_links(roles: Mapping[str, str]) -> dict[str, str]:
 def shown_status(record: StageRecord) -> str:
     """A stage stopped by its quality gate completed, but the run failed there: drawn failed."""
     return "failed" if record.error else record.status
-
-
-def _numbers(record: StageRecord) -> dict[str, float]:
-    return {k: v for k, v in record.summary.headline.items() if isinstance(v, int | float)}
-
-
-def drawn(records: Sequence[StageRecord]) -> list[tuple]:
-    """What the image shows of each record, all of it (the image cache keys on this): name,
-    kind, status, the drawn inputs and the numeric headline."""
-    return [
-        (r.stage, r.kind or r.stage, shown_status(r), drawn_links(r.roles), _numbers(r))
-        for r in records
-    ]
 
 
 def missing_parents(nodes: Sequence[StageRecord]) -> list[str]:
@@ -236,7 +222,8 @@ def _box_text(node: StageRecord) -> tuple[str, str]:
     if node.kind and node.kind != node.stage:
         lines.append(_clip(node.kind, 28))
     lines.append(shown_status(node))
-    for key, value in list(_numbers(node).items())[:MAX_METRICS]:
+    numbers = [(k, v) for k, v in node.summary.headline.items() if isinstance(v, int | float)]
+    for key, value in numbers[:MAX_METRICS]:
         lines.append(f"{_clip(key, 18)} {_short(value)}")
     return title, "\n".join(lines)
 

@@ -88,9 +88,12 @@ def curves(
 
 
 def stage_graph(nodes: Sequence[StageRecord], path: Path, cache: Path) -> tuple[Path, bool]:
-    """`graph_plot.draw_stage_graph`, reusing the image drawn before from what it shows of the
-    same records; returns the path and whether it was copied rather than drawn."""
-    image = cache / f"{_key(graph_plot, repr(graph_plot.drawn(nodes)))}.png"
+    """`graph_plot.draw_stage_graph`, reusing the image drawn before from what the drawing reads
+    of the same records; returns the path and whether it was copied rather than drawn."""
+    shown = [
+        (r.stage, r.kind, r.roles, graph_plot.shown_status(r), r.summary.headline) for r in nodes
+    ]
+    image = cache / f"{_key(graph_plot, repr(shown))}.png"
     if image.is_file():
         _put(path, image)
         return path, True

@@ -36,8 +36,7 @@ class StageRecord:
     uri: str = ""
     sha256: str = ""
     parents: list[str] = field(default_factory=list)
-    # Its summary (headline, memory, evaluate's policies ...); `recovery` only when this run
-    # launched it: a reused artifact's is history.
+    # Its summary; `recovery` only when this run launched it (a reused artifact's is history).
     summary: Summary = field(default_factory=Summary)
     error: str = ""
     # The stage's kind (its name, unless the recipe named it) and which stage played which of
@@ -51,8 +50,8 @@ class StageRecord:
 
 @dataclass
 class RunResult:
-    """What the flow returns and `posttrain run` prints: each stage's record, where the run's
-    folder and exported model are, the stages left out, and the promotion gate's decision."""
+    """What the flow returns and `posttrain run` prints: the stages' records, the run folder,
+    images and export, the stages left out, the promotion; `failed`: recorded at a failure."""
 
     run_id: str
     run_dir: Path
@@ -60,6 +59,8 @@ class RunResult:
     export_path: str | None = None
     not_selected: list[str] = field(default_factory=list)
     promotion: Decision | None = None
+    images: list[Path] = field(default_factory=list)
+    failed: bool = False
 
 
 def format_duration(seconds: float) -> str:
@@ -383,14 +384,8 @@ def chain_markdown(records: Sequence[StageRecord]) -> list[str]:
 def teacher_markdown(records: Sequence[StageRecord]) -> list[str]:
     """A distilled final policy's teacher line: the student's start, its end and the teacher
     on the held-out exact match, and the share of the gap closed; nothing without a teacher."""
-    ev = next(
-        (
-            r
-            for r in records
-            if "teacher" in r.roles and "exact_match_teacher" in r.summary.headline
-        ),
-        None,
-    )
+    taught = (r for r in records if "teacher" in r.roles)
+    ev = next((r for r in taught if "exact_match_teacher" in r.summary.headline), None)
     if ev is None:
         return []
     h = ev.summary.headline

@@ -61,8 +61,7 @@ POLL_S = 0.5
 
 
 class Outcome(BaseModel):
-    """How a stage ended: launched and sealed (`ran`) or found complete (`reused`), its
-    artifact, and its summary, read from the manifest once, here."""
+    """A stage that ran or was reused: its artifact and its summary, read here, once."""
 
     status: Literal["ran", "reused"]
     ref: ArtifactRef
@@ -70,12 +69,11 @@ class Outcome(BaseModel):
 
     @classmethod
     def of(cls, stage: PlannedStage, status: Literal["ran", "reused"], ref: ArtifactRef) -> Outcome:
-        """`ref`'s outcome with its summary; a summary that does not read fails the stage."""
+        """`ref` with its summary; a summary that does not read fails the stage."""
         try:
-            summary = read_summary(ref.path)
+            return cls(status=status, ref=ref, summary=read_summary(ref.path))
         except ArtifactDamaged as exc:
             raise StageFailed(f"stage '{stage.name}': {exc}") from None
-        return cls(status=status, ref=ref, summary=summary)
 
 
 def supervise_stage(

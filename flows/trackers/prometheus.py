@@ -22,7 +22,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, push_to_gateway, start_http_server
 
-from flows.report.tables import StageRecord
+from flows.report.tables import RunResult, StageRecord
 from flows.stage.output import run_logger
 from flows.trackers import Sink
 from flows.trackers.exposition import RunSeries
@@ -81,7 +81,7 @@ class PrometheusSink(Sink):
         if self.series is not None:
             self.series.set_status(record.stage, record.status)
 
-    def finish(self, result: dict[str, Any]) -> None:
+    def finish(self, result: RunResult) -> None:
         self._stop.set()
         if self._pusher is not None:
             self._pusher.join(timeout=10)

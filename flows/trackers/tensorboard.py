@@ -14,7 +14,7 @@ from typing import Any
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-from flows.report.tables import StageRecord
+from flows.report.tables import RunResult, StageRecord
 from flows.trackers import Sink, headline_metrics, numeric_fields
 
 
@@ -59,7 +59,7 @@ class TensorBoardSink(Sink):
         if stage in self._writers:
             self._writers[stage].flush()
 
-    def finish(self, result: dict[str, Any]) -> None:
+    def finish(self, result: RunResult) -> None:
         for writer in self._writers.values():
             writer.close()
         self._writers.clear()

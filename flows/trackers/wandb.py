@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from flows.report.tables import StageRecord
+from flows.report.tables import RunResult, StageRecord
 from flows.trackers import Sink, headline_metrics, numeric_fields
 
 
@@ -89,7 +89,7 @@ class WandbSink(Sink):
         )
         run.finish(exit_code=1 if record.status == "failed" else 0)
 
-    def finish(self, result: dict[str, Any]) -> None:
+    def finish(self, result: RunResult) -> None:
         for stage in list(self.runs):
             self.runs.pop(stage).finish(exit_code=1)
         self.wandb.teardown()  # stops the wandb-core service process

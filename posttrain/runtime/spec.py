@@ -33,10 +33,8 @@ LAUNCH_TAG_ENV = "POSTTRAIN_LAUNCH"
 
 @dataclass
 class PlannedStage:
-    """One stage as the run plans it (`posttrain.plan.planner.plan`): its name and kind, its
-    fingerprint and folder, its parents by role, what its fingerprint hashed, and how it runs.
-    The one description of a stage instance: the flow launches it, its spec carries it to the
-    stage process, whose `StageContext` holds it (`ctx.stage`)."""
+    """One stage as the run plans it (`posttrain.plan.planner`), the one description of a stage
+    instance: the flow launches it, its spec carries it, the process's `StageContext` holds it."""
 
     name: str
     module: str

@@ -29,11 +29,9 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from posttrain import hub, numerics
-from posttrain.config.graph import BASE
 from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS, StageKind, kind_of
 from posttrain.runtime.context import StageContext
@@ -43,7 +41,7 @@ from posttrain.runtime.recovery import launch_account, recovery_record
 from posttrain.runtime.spec import LaunchInfo, StageSpec, read_spec, spec_path
 from posttrain.store.artifacts import read_manifest, verify, write_manifest
 from posttrain.store.claim import claim_by_hand, find_complete
-from posttrain.store.summary import Memory, Summary
+from posttrain.store.summary import Memory, Summary, read_summary
 from posttrain.telemetry import health, heartbeat
 
 log = logging.getLogger("posttrain")
@@ -104,10 +102,8 @@ def memory_preflight(ctx: StageContext) -> None:
     mode = ctx.recipe.infra.memory_preflight
     if mode == "off" or ctx.kind is None or not ctx.kind.trains:
         return
-    dirs: dict[str, Any] = {}
-    for role in ("base", "teacher_base"):  # the teacher's base: its own shape
-        if ctx.has_role(role):
-            dirs[role] = ctx.role_manifest(role).get("summary", {}).get("model_dir")
+    roles = [r for r in ("base", "teacher_base") if ctx.has_role(r)]  # a teacher: its own base
+    dirs = {r: read_summary(ctx.role_dir(r)).model_dir for r in roles}
     try:
         report = preflight(
             ctx.recipe,
@@ -294,11 +290,8 @@ def stage_main(
 
 
 def _context(spec: StageSpec, kind: StageKind | None, kind_name: str) -> StageContext:
-    stage = spec.stage
-    if not stage.roles and BASE in spec.parents:  # a stage planned by hand: the base by name
-        stage = replace(stage, roles={"base": BASE})
     return StageContext(
-        stage=stage,
+        stage=spec.stage,
         kind=kind,
         recipe=Recipe.model_validate(spec.recipe),
         parents=dict(spec.parents),
@@ -403,7 +396,7 @@ def _seal(
         summary = summary.model_copy(update={"memory": measured_memory(ctx)})
     if recovery := recovery_record(account, summary):
         summary = summary.model_copy(update={"recovery": recovery})
-    sealed = summary.sealed()
+    sealed = summary.model_dump(exclude_unset=True)  # what was set: no default is added
     ref = write_manifest(
         ctx.stage.out_dir,
         stage=ctx.kind_name,

@@ -1,11 +1,10 @@
 """A stage's summary, typed: what its `run(ctx)` returns, sealed into its manifest (`summary`).
 
-The stage harness (`posttrain.stages.common`) validates what `run` returns into `Summary`, adds
-the memory it measured and what the launch recovered from, and writes it; the flow reads it back
-once per stage (`read_summary`) and hands the parsed summary along. The fields are what the flow,
-the gate and the report read; what else a stage records (ingest's `chat_template_sha256`, a
-head-to-head's `wins`) is kept as written, as extra fields. A sealed summary that does not
-validate is a damaged artifact (`ArtifactDamaged`), never something to read around.
+The stage harness (`posttrain.stages.common`) validates what `run` returns, adds the memory it
+measured and what the launch recovered from; the flow reads it back once per stage
+(`read_summary`). The fields are what the flow, the gate and the report read; a stage's own
+(ingest's `chat_template_sha256`, a head-to-head's `wins`) are kept as extra fields. A sealed
+summary that does not validate is a damaged artifact (`ArtifactDamaged`), not read around.
 """
 
 from __future__ import annotations
@@ -65,10 +64,6 @@ class Summary(BaseModel):
     # as damaged; stage_main turns them into `recovery`.
     resumed_from_step: int | None = None
     rejected_checkpoints: list[str] = Field(default_factory=list)
-
-    def sealed(self) -> dict[str, Any]:
-        """The manifest's `summary`: the fields set, nothing defaulted added."""
-        return self.model_dump(exclude_unset=True)
 
 
 def read_summary(folder: Path) -> Summary:
