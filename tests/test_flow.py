@@ -152,8 +152,8 @@ def test_flow_caches_reruns_downstream_and_records_runs(
     assert _statuses(first) == dict.fromkeys(PLANNED, "ran")
     assert _launches(ws) == 4
     export = next(s for s in first.stages if s.stage == "export")
-    assert first.export_path == str(Path(export["uri"]) / "model")
-    assert export["headline"] == {"loss": 0.667, "steps": 3}
+    assert first.export_path == str(Path(export.uri) / "model")
+    assert export.summary.headline == {"loss": 0.667, "steps": 3}
     run_dir = Path(first.run_dir)
     assert run_dir.parent == ws / "runs"
     lineage = json.loads((run_dir / "lineage.json").read_text())
