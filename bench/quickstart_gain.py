@@ -74,9 +74,9 @@ def run_quickstart(workspace: Path, overrides: list[str]) -> tuple[dict[str, str
 
     sets = [f"run.workspace={workspace}", "evaluate.policies=[sft,dpo]", *overrides]
     result = post_train(load_recipe(ROOT / "recipes" / "quickstart.yaml", sets))
-    by = {s["stage"]: s for s in result["stages"]}
-    manifest = Path(by["evaluate"]["uri"]) / "manifest.json"
-    return {s: r["status"] for s, r in by.items()}, json.loads(manifest.read_text())["summary"]
+    by = {r.stage: r for r in result.stages}
+    summary = by["evaluate"].summary.model_dump(mode="json", exclude_unset=True)
+    return {s: r.status for s, r in by.items()}, summary
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from flows.cli_checks import cmd_plan, cmd_validate, selected_stages
 from flows.cli_common import (
@@ -42,7 +42,7 @@ from flows.cli_workspace import _workspace_args, cmd_clean, cmd_models, cmd_runs
 from flows.failure_block import Block, known_block, unexpected_block
 from flows.prefect_env import apply_prefect_defaults, prefect_target
 from flows.report.tables import (
-    StageRecord,
+    RunResult,
     health_lines,
     not_selected_text,
     recovery_lines,
@@ -104,7 +104,7 @@ def cmd_run(
     return EXIT_OK
 
 
-def _run_flow(run_plan: RunPlan, err: TextIO, selection: Selection) -> dict[str, Any] | int:
+def _run_flow(run_plan: RunPlan, err: TextIO, selection: Selection) -> RunResult | int:
     """Run the flow on the embedded server (or PREFECT_API_URL's), handed `run_plan`; its
     result, or the exit code after one closing block (a failure) or one line (a signal)."""
     early, printer = None, None
@@ -182,38 +182,26 @@ def _say_stopped(exc: BaseException, err: TextIO) -> int:
     return code
 
 
-def print_result(result: dict[str, Any], out: TextIO) -> None:
+def print_result(result: RunResult, out: TextIO) -> None:
     """The finished run's summary: the stage table, what was recovered, where things are."""
-    records = [
-        StageRecord(
-            stage=s["stage"],
-            fingerprint="",
-            status=s["status"],
-            duration_s=s["duration_s"],
-            uri=s["uri"],
-            headline=s["headline"],
-            recovery=s.get("recovery") or {},
-            health=s.get("health") or {},
-        )
-        for s in result["stages"]
-    ]
+    records = result.stages
     print(summary_table(records), file=out)
     if health := health_lines(records):
         print("\nhealth:", file=out)
         for line in health:
             print(f"  {line}", file=out)
-    if result.get("not_selected"):
-        print(not_selected_text(result["not_selected"]), file=out)
+    if result.not_selected:
+        print(not_selected_text(result.not_selected), file=out)
     if recovered := recovery_lines(records):
         print("\nrecovered:", file=out)
         for line in recovered:
             print(f"  {line}", file=out)
-    if result.get("export_path"):
-        print(f"\nexported model: {result['export_path']}", file=out)
-    print(f"run folder:     {result['run_dir']}", file=out)
-    if p := result.get("promotion"):
-        verdict = "promoted" if p["promoted"] else "NOT promoted"
-        print(f"promotion:      {verdict}: {p['reason']}", file=out)
+    if result.export_path:
+        print(f"\nexported model: {result.export_path}", file=out)
+    print(f"run folder:     {result.run_dir}", file=out)
+    if (p := result.promotion) is not None:
+        verdict = "promoted" if p.promoted else "NOT promoted"
+        print(f"promotion:      {verdict}: {p.reason}", file=out)
 
 
 def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:

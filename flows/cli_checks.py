@@ -12,8 +12,9 @@ from flows.cli_common import EXIT_INVALID, EXIT_OK, load_or_report, refused_head
 from flows.report.tables import text_table
 from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS
-from posttrain.plan.planner import PlannedStage, RunPlan, plan
+from posttrain.plan.planner import RunPlan, plan
 from posttrain.plan.selection import ALL_STAGES, Selection, SelectionError, choose, complete_stages
+from posttrain.runtime.spec import PlannedStage
 from posttrain.store.status import status
 
 

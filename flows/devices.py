@@ -44,8 +44,8 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from flows.stage.launch import HELD_DEVICE_LOCK, node_rank
 from flows.stage.output import artifact_key, run_logger
-from posttrain.plan.planner import PlannedStage
 from posttrain.runtime.device_lock import DeviceLock
+from posttrain.runtime.spec import PlannedStage
 from posttrain.store.status import status
 
 PREFIX = "posttrain-devices"

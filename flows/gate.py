@@ -20,12 +20,13 @@ from prefect.logging import get_run_logger
 
 from flows.report.tables import StageRecord, export_model_path
 from flows.stage.launch import REUSE_ONLY, DevicesNeeded
+from flows.stage.supervise import Outcome
 from flows.stage.task import run_task
 from posttrain.config.schema import ResolvedRecipe
 from posttrain.kinds import KINDS
-from posttrain.plan.planner import PlannedStage, spec_for
-from posttrain.runtime.spec import StageSpec
-from posttrain.store.artifacts import ArtifactRef, read_manifest, ref_from_manifest
+from posttrain.plan.planner import spec_for
+from posttrain.runtime.spec import PlannedStage, StageSpec
+from posttrain.store.artifacts import ref_from_manifest
 from posttrain.store.status import status
 from posttrain.workspace.promotion import (
     WIN_RATE_VS_CHAMPION,
@@ -38,8 +39,10 @@ from posttrain.workspace.promotion import (
     uses_metric,
 )
 
-# (planned stage, its spec) -> (status, ref); raises the stage's error (flows.stage.task.run_task).
-RunSpec = Callable[[PlannedStage, StageSpec], tuple[str, ArtifactRef]]
+# (planned stage, its spec) -> its outcome; raises the stage's error (flows.stage.task.run_task).
+RunSpec = Callable[[PlannedStage, StageSpec], Outcome]
+# What the head-to-head's summary counts, kept in the registry entry.
+HEAD_TO_HEAD_COUNTS = ("wins", "losses", "ties", "n", "win_rate")
 Log = logging.Logger | logging.LoggerAdapter
 
 
@@ -69,7 +72,7 @@ def promote(recipe: ResolvedRecipe, run_id: str, records: list[StageRecord]) -> 
     champion = read_registry(recipe.run.workspace, recipe.run.name)["champion"]
     if champion and export_fp and champion.get("export_fingerprint") == export_fp:
         return Decision(True, "already the champion (same export artifact)", [])
-    metrics = dict(evaluate.headline)
+    metrics = dict(evaluate.summary.headline)
     unmeasured: dict[str, Unmeasured] = {}
     h2h = None
     if champion and uses_metric(recipe.promotion.rules, WIN_RATE_VS_CHAMPION):
@@ -127,9 +130,10 @@ def head_to_head_vs_champion(
         # Sizes only: whether to ask for the devices; the supervisor hashes before it reuses.
         if REUSE_ONLY.get() and not status(stage.out_dir, stage.fingerprint, hashes=False).complete:
             raise DevicesNeeded("the promotion gate's head-to-head runs both models")
-        how, ref = run_spec(stage, spec_for(stage, recipe, parents))
-        summary = (read_manifest(ref.path) or {}).get("summary") or {}
-        value = float(summary["headline"][WIN_RATE_VS_CHAMPION])
+        outcome = run_spec(stage, spec_for(stage, recipe, parents))
+        value = float(outcome.summary.headline[WIN_RATE_VS_CHAMPION])
+        # The head-to-head stage's own fields (posttrain.stages.head_to_head).
+        counts = {k: (outcome.summary.model_extra or {})[k] for k in HEAD_TO_HEAD_COUNTS}
     except DevicesNeeded:
         raise
     except Exception as exc:
@@ -137,10 +141,11 @@ def head_to_head_vs_champion(
         reason = f"head-to-head against the champion failed: {_first_line(text)}"
         log.error("%s\n%s", reason, text)
         return HeadToHead(unmeasured=Unmeasured(reason, blocks=True), note=reason)
+    ref = outcome.ref
     note = (
-        f"head-to-head against champion {champion.get('run_id')} ({how}): "
-        f"{summary['wins']} wins, {summary['losses']} losses, {summary['ties']} ties on "
-        f"{summary['n']} held-out prompts, judged by this run's reward model "
+        f"head-to-head against champion {champion.get('run_id')} ({outcome.status}): "
+        f"{counts['wins']} wins, {counts['losses']} losses, {counts['ties']} ties on "
+        f"{counts['n']} held-out prompts, judged by this run's reward model "
         f"(win-rate {value:.4g}); answers in {ref.path / 'samples.jsonl'}"
     )
     log.info(note)
@@ -148,7 +153,7 @@ def head_to_head_vs_champion(
         "champion_run_id": champion.get("run_id"),
         "artifact": ref.uri,
         "fingerprint": ref.fingerprint,
-        **{k: summary[k] for k in ("wins", "losses", "ties", "n", "win_rate")},
+        **counts,
     }
     return HeadToHead(value=value, note=note, record=record)
 

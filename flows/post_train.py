@@ -35,23 +35,26 @@ from flows.events import BASE_EVENT, publish_base
 from flows.failure_block import known_block, reason_line
 from flows.gate import promote
 from flows.report.health_summary import stage_health
-from flows.report.tables import StageRecord
+from flows.report.tables import RunResult, StageRecord
 from flows.run_record import record_run
 from flows.schedule import device_slots, run_stages
 from flows.served_run import is_served_run, served_reach
 from flows.stage.failures import QualityGateFailed
 from flows.stage.launch import DevicesNeeded, reuse_only
 from flows.stage.procs import kill_flow_run_processes
+from flows.stage.supervise import Outcome
 from flows.stage.task import run_task
 from flows.terminal import KNOWN_FAILURES, quiet_known_failures
 from flows.trackers import StageFeed, Trackers, open_trackers
 from posttrain.config.loader import resolve
 from posttrain.config.schema import Recipe, ResolvedRecipe
 from posttrain.config.served_access import ServedReach
-from posttrain.plan.planner import PlannedStage, RunPlan, plan, spec_for
+from posttrain.plan.planner import RunPlan, plan, spec_for
 from posttrain.plan.selection import Selection, choose
+from posttrain.runtime.spec import PlannedStage
 from posttrain.secrets import redact_obj
-from posttrain.store.artifacts import ArtifactRef, read_manifest
+from posttrain.store.artifacts import ArtifactRef
+from posttrain.store.summary import Summary
 from posttrain.workspace.promotion import Decision
 from posttrain.workspace.run_status import RunJournal
 
@@ -74,30 +77,22 @@ def _new_run_id() -> str:
     return f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{suffix}"
 
 
-def stage_record(
-    stage: PlannedStage, status: str, ref: ArtifactRef, duration_s: float
-) -> StageRecord:
-    summary = (read_manifest(ref.path) or {}).get("summary") or {}
-    headline = summary.get("headline") if isinstance(summary, dict) else None
-    memory = summary.get("memory") if isinstance(summary, dict) else None
-    recovery = summary.get("recovery") if isinstance(summary, dict) else None
-    policies = summary.get("policies") if isinstance(summary, dict) else None
+def stage_record(stage: PlannedStage, outcome: Outcome, duration_s: float) -> StageRecord:
+    """The record of a stage that completed (ran, or was reused), from its outcome."""
+    ref, ran = outcome.ref, outcome.status == "ran"
     return StageRecord(
         stage=stage.name,
         fingerprint=ref.fingerprint,
-        status=status,
+        status=outcome.status,
         duration_s=duration_s,
         uri=ref.uri,
         sha256=ref.sha256,
         parents=list(ref.parents),
-        headline=headline if isinstance(headline, dict) else {},
-        memory=memory if isinstance(memory, dict) else {},
         # Only what this run's launch recovered from: a reused artifact's is history.
-        recovery=recovery if isinstance(recovery, dict) and status == "ran" else {},
+        summary=outcome.summary if ran else outcome.summary.model_copy(update={"recovery": None}),
         kind=stage.kind,
         roles=dict(stage.roles),
-        policies=policies if isinstance(policies, dict) else {},
-        health=stage_health(stage.out_dir) if status == "ran" else {},
+        health=stage_health(stage.out_dir) if ran else {},
     )
 
 
@@ -134,7 +129,8 @@ class PipelineRun:
 
     def run_one(self, stage: PlannedStage, refs: dict[str, ArtifactRef]) -> ArtifactRef:
         """Launch one stage with its parents' refs and append its record (a failed one on
-        error). The trackers get the stage's metrics.jsonl records while it runs."""
+        error). The trackers get the stage's metrics.jsonl records while it runs. A base this
+        run ingested (not reused) is announced: news for pipelines that retrain on it."""
         t0 = time.monotonic()
         feed = None
         if self.trackers is not None:
@@ -142,7 +138,7 @@ class PipelineRun:
             feed = self.trackers.start_stage(stage.name, stage.fingerprint, metrics)
         try:
             spec = spec_for(stage, self.plan.recipe, {p: refs[p] for p in stage.parents})
-            status, ref = run_task(stage, spec)
+            outcome = run_task(stage, spec)
         except DevicesNeeded:
             raise  # not a failure: the run starts again, holding the devices
         except BaseException as exc:
@@ -150,32 +146,31 @@ class PipelineRun:
             self._recorded(failed)
             _end_tracking(self.trackers, feed, failed)
             raise
-        self._recorded(stage_record(stage, status, ref, time.monotonic() - t0))
-        _end_tracking(self.trackers, feed, self.records[-1])
-        check_gate(ref, self.records[-1])
-        return ref
+        record = stage_record(stage, outcome, time.monotonic() - t0)
+        self._recorded(record)
+        _end_tracking(self.trackers, feed, record)
+        check_gate(outcome.summary, record)
+        if stage.produces == "base" and outcome.status == "ran":
+            announce_base(self.plan.recipe, outcome)
+        return outcome.ref
 
     def stages_and_gate(self, slots: list[str | None]) -> Decision | None:
         """Run the plan's stages, then the promotion gate. A stage failure still writes the run
         folder and report, saying which stage failed and what ran before it."""
         try:
-            run_stages(self.plan.stages, self.run_one, self.plan.parallel, slots, self.announce)
+            run_stages(self.plan.stages, self.run_one, self.plan.parallel, slots)
         except DevicesNeeded:
             raise
         except BaseException as exc:
-            recorded = record_run(
-                self.plan, self.run_id, self.records, quiet=True, trackers=self.trackers
-            )
-            if recorded.get("run_dir"):
-                exc.add_note(f"run folder: {recorded['run_dir']}")
+            try:
+                run = record_run(
+                    self.plan, self.run_id, self.records, trackers=self.trackers, failed=True
+                )
+                exc.add_note(f"run folder: {run.run_dir}")
+            except Exception as problem:  # logged: it must not hide the stage's error
+                get_run_logger().error("could not write the run record: %s", problem)
             raise
         return promote(self.plan.recipe, self.run_id, self.records)
-
-    def announce(self, stage: PlannedStage, ref: ArtifactRef) -> None:
-        """A base this run ingested (not reused) is news for pipelines that retrain on it."""
-        ran = next((r.status == "ran" for r in self.records if r.stage == stage.name), False)
-        if stage.produces == "base" and ran:
-            announce_base(self.plan.recipe, ref)
 
 
 def failed_record(stage: PlannedStage, exc: BaseException, duration_s: float) -> StageRecord:
@@ -193,14 +188,13 @@ def failed_record(stage: PlannedStage, exc: BaseException, duration_s: float) ->
     )
 
 
-def check_gate(ref: ArtifactRef, record: StageRecord) -> None:
+def check_gate(summary: Summary, record: StageRecord) -> None:
     """Stop the pipeline when a stage's summary reports a failed gate (e.g. reward accuracy
     below reward.min_accuracy): its artifact stays valid, nothing downstream runs on it."""
-    summary = (read_manifest(ref.path) or {}).get("summary") or {}
-    gate = summary.get("gate") if isinstance(summary, dict) else None
-    if isinstance(gate, dict) and gate.get("passed") is False:
-        record.error = f"quality gate: {gate.get('message', 'failed')}"
-        raise QualityGateFailed(f"{ref.stage}: {gate.get('message', 'quality gate failed')}")
+    gate = summary.gate
+    if gate is not None and not gate.passed:
+        record.error = f"quality gate: {gate.message or 'failed'}"
+        raise QualityGateFailed(f"{record.stage}: {gate.message or 'quality gate failed'}")
 
 
 def _end_tracking(trackers: Trackers | None, feed: StageFeed | None, record: StageRecord) -> None:
@@ -209,13 +203,7 @@ def _end_tracking(trackers: Trackers | None, feed: StageFeed | None, record: Sta
         return
     try:
         feed.stop()
-        info = {
-            "uri": record.uri,
-            "sha256": record.sha256,
-            "headline": record.headline,
-            "error": record.error,
-        }
-        trackers.end_stage(record.stage, record.status, info)
+        trackers.end_stage(record)
     except Exception as exc:  # tracking is decoration: never fail a stage over it
         get_run_logger().warning("tracking of stage %s: %s", record.stage, exc)
 
@@ -264,13 +252,12 @@ def start_tracking(run_plan: RunPlan, run_id: str) -> Trackers:
     return trackers
 
 
-def announce_base(recipe: Recipe, ref: ArtifactRef) -> None:
+def announce_base(recipe: Recipe, outcome: Outcome) -> None:
     """A newly ingested base checkpoint is news for pipelines that retrain on new bases."""
-    model_dir = ((read_manifest(ref.path) or {}).get("summary") or {}).get("model_dir")
-    if not model_dir:
+    if not outcome.summary.model_dir:
         return
     try:
-        publish_base(model_dir, recipe.run.name, ref.fingerprint)
+        publish_base(outcome.summary.model_dir, recipe.run.name, outcome.ref.fingerprint)
     except Exception as exc:  # an event is a notification: never fail the run over it
         get_run_logger().warning("could not emit %s: %s", BASE_EVENT, exc)
 
@@ -283,7 +270,7 @@ def announce_base(recipe: Recipe, ref: ArtifactRef) -> None:
 )
 def post_train(
     recipe: Recipe, until: list[str] | None = None, only: list[str] | None = None
-) -> dict[str, Any] | State:
+) -> RunResult | State:
     """The recipe's stages (ingest, the stage graph, evaluate, export), each skipped when its
     artifact exists, then the promotion gate; all while holding the device set's slot
     unless every stage's artifact is already complete (`on_devices`).
@@ -337,7 +324,7 @@ def plan_once(recipe: Recipe, reach: ServedReach | None) -> RunPlan:
 
 def run_pipeline(
     recipe: Recipe, until: list[str] | None = None, only: list[str] | None = None
-) -> dict[str, Any]:
+) -> RunResult:
     """The flow's body: choose and plan the stages, run them, the gate, the run's record."""
     reach = served_reach()
     command = "posttrain submit RECIPE" if reach is not None else "posttrain run RECIPE"
@@ -374,4 +361,4 @@ def on_devices(run: PipelineRun) -> Decision | None:
 
 def evaluate_headline(records: list[StageRecord]) -> dict[str, Any]:
     """The evaluate stage's headline metrics, what `posttrain runs` shows per run."""
-    return next((r.headline for r in records if r.stage == "evaluate"), {})
+    return next((r.summary.headline for r in records if r.stage == "evaluate"), {})

@@ -19,10 +19,10 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import FlowRunContext
 from prefect.logging import get_run_logger
 
-from flows.report.graph_plot import GraphNode
 from flows.report.images import cache_dir, curves, stage_graph
 from flows.report.plots import CurvePlot
 from flows.report.tables import (
+    RunResult,
     StageRecord,
     curves_markdown,
     export_model_path,
@@ -54,31 +54,12 @@ def record_run(
     run_id: str,
     records: list[StageRecord],
     promotion: Decision | None = None,
-    quiet: bool = False,
     trackers: Trackers | None = None,
-) -> dict[str, Any]:
+    failed: bool = False,
+) -> RunResult:
     """Write `<workspace>/runs/<run-id>/` and the flow-level Prefect artifacts, and hand the
-    run's files to the experiment trackers (`trackers`), whose links end the report.
-
-    `quiet`: used while a failure propagates, so a problem here cannot hide the stage's error.
-    """
-    try:
-        return _record_run(run_plan, run_id, records, promotion, trackers, failed=quiet)
-    except Exception as exc:
-        if not quiet:
-            raise
-        get_run_logger().error("could not write the run record: %s", exc)
-        return {}
-
-
-def _record_run(
-    run_plan: RunPlan,
-    run_id: str,
-    records: list[StageRecord],
-    promotion: Decision | None,
-    trackers: Trackers | None,
-    failed: bool,
-) -> dict[str, Any]:
+    run's files to the experiment trackers (`trackers`), whose links end the report; returns
+    the run's result. `failed`: the run stops at a failure (the trackers are told so)."""
     recipe = run_plan.recipe
     run_dir = Path(recipe.run.workspace) / "runs" / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -99,8 +80,10 @@ def _record_run(
     (run_dir / "lineage.json").write_text(json.dumps(redact_obj(lineage(meta, records)), indent=2))
     tracked = tracking_markdown(trackers)  # a tracker URI may carry a credential: redacted
     (run_dir / "report.md").write_text(on_disk + tracked)
+    result = RunResult(run_id, run_dir, list(records), export_path, run_plan.not_selected)
+    result.promotion, result.images, result.failed = promotion, images.paths(), failed
     if trackers is not None:
-        finish_tracking(trackers, run_dir, records, promotion, export_path, images, failed)
+        trackers.finish(result)
         after = tracking_markdown(trackers)
         if after != tracked:  # a tracker failed taking the files: the report says so
             tracked = after
@@ -110,7 +93,7 @@ def _record_run(
     create_table_artifact(
         redact_obj(metrics_table(records)), key=f"{key}-metrics", description="Per-stage metrics"
     )
-    return run_result(run_id, run_dir, records, export_path, promotion, run_plan.not_selected)
+    return result
 
 
 def run_meta(run_id: str, run_name: str, export_path: str | None) -> dict[str, Any]:
@@ -139,7 +122,7 @@ def draw_images(run_plan: RunPlan, records: list[StageRecord], run_dir: Path) ->
         get_run_logger().warning("training curves not drawn: %s: %s", type(exc).__name__, exc)
     graph = None
     try:
-        graph, _ = stage_graph(graph_nodes(run_plan, records), run_dir / "graph.png", cache)
+        graph, _ = stage_graph(graph_records(run_plan, records), run_dir / "graph.png", cache)
     except Exception as exc:
         get_run_logger().warning("stage graph not drawn: %s: %s", type(exc).__name__, exc)
     return Images(plots, graph)
@@ -158,66 +141,14 @@ def with_images(report: str, images: Images) -> tuple[str, str]:
     return on_disk, in_ui
 
 
-def run_result(
-    run_id: str,
-    run_dir: Path,
-    records: list[StageRecord],
-    export_path: str | None,
-    promotion: Decision | None,
-    not_selected: list[str] | None = None,
-) -> dict[str, Any]:
-    """What the flow returns (and the CLI prints from)."""
-    return {
-        "run_id": run_id,
-        "run_dir": str(run_dir),
-        "stages": [
-            {
-                "stage": r.stage,
-                "status": r.status,
-                "duration_s": round(r.duration_s, 2),
-                "uri": r.uri,
-                "headline": r.headline,
-                "recovery": r.recovery,
-                "health": r.health,
-            }
-            for r in records
-        ],
-        "export_path": export_path,
-        "not_selected": list(not_selected or []),
-        "promotion": None
-        if promotion is None
-        else {"promoted": promotion.promoted, "reason": promotion.reason},
-    }
-
-
-# Inputs the graph image leaves out: every stage reads the base, and evaluate/export also read
-# their policy's parent and held-out source; drawn, they hide the chain. A stage whose only
-# input is the base keeps that edge.
-IMPLIED_ROLES = ("base", "parent", "heldout")
-
-
-def drawn_links(roles: dict[str, str]) -> dict[str, str]:
-    """The inputs of a stage the graph image draws as edges."""
-    kept = {r: n for r, n in roles.items() if r not in IMPLIED_ROLES}
-    return kept or {r: n for r, n in roles.items() if r == "base"}
-
-
-def graph_nodes(run_plan: RunPlan, records: list[StageRecord]) -> list[GraphNode]:
-    """The run's stages for the graph image: each record with its status, inputs and headline,
-    and the stages the run did not reach (after a failure) as pending."""
-    nodes = [
-        GraphNode(
-            r.stage,
-            r.kind or r.stage,
-            "failed" if r.error else r.status,
-            drawn_links(r.roles),
-            {k: v for k, v in r.headline.items() if isinstance(v, int | float)},
-        )
-        for r in records
+def graph_records(run_plan: RunPlan, records: list[StageRecord]) -> list[StageRecord]:
+    """The run's stages for the graph image: each record, and the stages the run did not
+    reach (after a failure) as pending."""
+    pending = [
+        StageRecord(s.name, s.fingerprint, "pending", 0.0, kind=s.kind, roles=dict(s.roles))
+        for s in run_plan.pending({r.stage for r in records})
     ]
-    for stage in run_plan.pending({r.stage for r in records}):
-        nodes.append(GraphNode(stage.name, stage.kind, "pending", drawn_links(stage.roles), {}))
-    return nodes
+    return [*records, *pending]
 
 
 def tracking_markdown(trackers: Trackers | None) -> str:
@@ -225,29 +156,3 @@ def tracking_markdown(trackers: Trackers | None) -> str:
     if trackers is None or not trackers.workers:
         return ""
     return redact("\n## Tracking\n\n" + "\n".join(trackers.report_lines()) + "\n")
-
-
-def finish_tracking(
-    trackers: Trackers,
-    run_dir: Path,
-    records: list[StageRecord],
-    promotion: Decision | None,
-    export_path: str | None,
-    images: Images,
-    failed: bool,
-) -> None:
-    """Hand the recorded run to the trackers and wait (bounded) for them to drain."""
-    export = next((r for r in records if r.stage == "export" and r.status != "failed"), None)
-    trackers.finish(
-        {
-            "run_dir": str(run_dir),
-            "report": str(run_dir / "report.md"),
-            "images": [str(p) for p in images.paths()],
-            "promoted": bool(promotion is not None and promotion.promoted),
-            "export_path": export_path,
-            "export_fingerprint": export.fingerprint if export else None,
-            "export_sha256": export.sha256 if export else None,
-            "fingerprints": {r.stage: r.fingerprint for r in records},
-            "failed": failed,
-        }
-    )

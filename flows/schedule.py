@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.spec import PlannedStage
 from posttrain.store.artifacts import ArtifactRef
 
 # Runs one stage with its parents' refs and returns its ref (flows.post_train.PipelineRun).
@@ -35,15 +35,12 @@ def run_stages(
     run_one: RunOne,
     parallel: int = 1,
     slots: list[str | None] | None = None,
-    on_done: Callable[[PlannedStage, ArtifactRef], None] | None = None,
 ) -> dict[str, ArtifactRef]:
     """Every stage's ref, by name. Raises the first stage error (after the others stop)."""
     refs: dict[str, ArtifactRef] = {}
     if parallel <= 1:
         for stage in stages:
             refs[stage.name] = run_one(stage, refs)
-            if on_done is not None:
-                on_done(stage, refs[stage.name])
         return refs
     free = list(slots or [None] * parallel)
     pending = list(stages)
@@ -72,9 +69,6 @@ def run_stages(
                     refs[stage.name] = future.result()
                 except BaseException as exc:
                     failure = failure or exc
-                    continue
-                if on_done is not None:
-                    on_done(stage, refs[stage.name])
     if failure is not None:
         raise failure
     return refs

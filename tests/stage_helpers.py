@@ -23,8 +23,8 @@ import yaml
 
 from posttrain.config.loader import load_recipe
 from posttrain.kinds import KINDS
-from posttrain.plan.planner import PlannedStage, plan, spec_for
-from posttrain.runtime.spec import StageSpec, spec_path
+from posttrain.plan.planner import plan, spec_for
+from posttrain.runtime.spec import PlannedStage, StageSpec, spec_path
 from posttrain.store.artifacts import ref_from_manifest
 from posttrain.store.locking import ArtifactLock
 from posttrain.store.status import find_reusable
@@ -308,7 +308,8 @@ def hand_planned(
 
     from posttrain.config.loader import resolve
     from posttrain.config.schema import Recipe
-    from posttrain.plan.planner import PlannedStage, spec_for
+    from posttrain.plan.planner import spec_for
+    from posttrain.runtime.spec import PlannedStage
     from posttrain.store.artifacts import stage_dir
 
     data = copy.deepcopy(TINY)

@@ -25,20 +25,20 @@ STAGE = {stage!r}
 def run(ctx):
     started = time.time()
     time.sleep(float(os.environ.get("PT_OK_SLEEP_S", "0")))
-    with open(ctx.out_dir / "metrics.jsonl", "a") as f:
+    with open(ctx.stage.out_dir / "metrics.jsonl", "a") as f:
         for step in range(1, 4):
             rec = {{"kind": "train", "step": step, "total_steps": 3, "loss": 2.0 / step,
                    "tokens_per_s": 1000.0, "mfu": 0.5}}
             f.write(json.dumps(rec) + "\\n")
     # Content depends on the inputs and parents, as a real stage's output would.
-    (ctx.out_dir / "result.json").write_text(json.dumps(
-        {{"inputs": ctx.inputs, "parents": sorted(p.fingerprint for p in ctx.parents.values())}}
+    (ctx.stage.out_dir / "result.json").write_text(json.dumps(
+        {{"inputs": ctx.stage.inputs, "parents": sorted(p.fingerprint for p in ctx.parents.values())}}
     ))
     # When it ran (outside the manifest's hashed files: logs/), for tests of stages side by side.
-    (ctx.out_dir / "logs" / "span.json").write_text(json.dumps([started, time.time()]))
+    (ctx.stage.out_dir / "logs" / "span.json").write_text(json.dumps([started, time.time()]))
     if STAGE == "export":
-        (ctx.out_dir / "model").mkdir(exist_ok=True)
-        (ctx.out_dir / "model" / "weights.txt").write_text("merged")
+        (ctx.stage.out_dir / "model").mkdir(exist_ok=True)
+        (ctx.stage.out_dir / "model" / "weights.txt").write_text("merged")
     print(f"hello from {{STAGE}}", flush=True)
     return {{"headline": {{"loss": 0.667, "steps": 3}}, "parents": len(ctx.parents)}}
 

@@ -18,8 +18,8 @@ import yaml
 
 from flows.stage.supervise import supervise_stage
 from posttrain.config.loader import resolve, validate_recipe
-from posttrain.plan.planner import PlannedStage, plan, spec_for
-from posttrain.runtime.spec import LaunchInfo, StageSpec
+from posttrain.plan.planner import plan, spec_for
+from posttrain.runtime.spec import LaunchInfo, PlannedStage, StageSpec
 from posttrain.store.artifacts import read_manifest, stage_dir, verify, write_manifest
 from posttrain.store.locking import ArtifactLock, LockTimeout, lock_path
 
@@ -43,7 +43,7 @@ def run(ctx):
     release, deadline = Path(os.environ["PT_RELEASE"]), time.monotonic() + 120
     while not release.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    with open(ctx.out_dir / "result.bin", "ab") as f:
+    with open(ctx.stage.out_dir / "result.bin", "ab") as f:
         for i in range(20):
             f.write(bytes([i]) * 1000)
             f.flush()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from flows.post_train import post_train
+from flows.report.tables import RunResult
 from posttrain.config.loader import load_recipe
 from tests.stage_helpers import write_recipe
 from tests.test_preference_stages import PREF
@@ -36,8 +37,8 @@ CHAIN["stages"] = [
 CHAIN["evaluate"] = {**CHAIN["evaluate"], "policies": ["sft", "dpo", "grpo"]}
 
 
-def _statuses(result: dict) -> dict[str, str]:
-    return {s["stage"]: s["status"] for s in result["stages"]}
+def _statuses(result: RunResult) -> dict[str, str]:
+    return {r.stage: r.status for r in result.stages}
 
 
 def _summary(uri: str) -> dict:
@@ -52,14 +53,14 @@ def test_chain_runs_evaluates_each_link_and_reruns_from_an_edit(
     assert _statuses(first) == dict.fromkeys(
         ["ingest", "sft", "reward", "dpo", "grpo", "evaluate", "export"], "ran"
     )
-    by = {s["stage"]: s for s in first["stages"]}
+    by = {s.stage: s for s in first.stages}
     # GRPO went on from DPO's policy, held to it, judged by the reward stage.
-    grpo = json.loads((Path(by["grpo"]["uri"]) / "reference.json").read_text())
+    grpo = json.loads((Path(by["grpo"].uri) / "reference.json").read_text())
     assert grpo["reference"] == "dpo adapter" and grpo["reward_model"] == "reward"
-    grpo_parents = json.loads((Path(by["grpo"]["uri"]) / "manifest.json").read_text())["parents"]
-    assert Path(by["dpo"]["uri"]).name in grpo_parents
+    grpo_parents = json.loads((Path(by["grpo"].uri) / "manifest.json").read_text())["parents"]
+    assert Path(by["dpo"].uri).name in grpo_parents
     # Evaluate: the final policy against its parent and the base, and each link side by side.
-    ev = _summary(by["evaluate"]["uri"])
+    ev = _summary(by["evaluate"].uri)
     assert (ev["policy"], ev["parent"]) == ("grpo", "dpo")
     assert {"base_loss", "tuned_loss", "parent_loss", "win_rate_vs_parent"} <= set(ev["headline"])
     # The base first: sft started from it.
@@ -69,12 +70,12 @@ def test_chain_runs_evaluates_each_link_and_reruns_from_an_edit(
     assert ev["policies"]["ingest"]["loss"] == pytest.approx(ev["headline"]["base_loss"], abs=1e-4)
     # A win-rate needs two adapters: not for the base, nor for SFT against it.
     assert [n for n, r in ev["policies"].items() if "win_rate_vs_parent" in r] == ["dpo", "grpo"]
-    report = (Path(first["run_dir"]) / "report.md").read_text()
+    report = (Path(first.run_dir) / "report.md").read_text()
     assert "## Along the chain" in report and "| grpo | grpo | dpo |" in report
-    assert (Path(first["run_dir"]) / "graph.png").stat().st_size > 10_000
-    export = _summary(by["export"]["uri"])
+    assert (Path(first.run_dir) / "graph.png").stat().st_size > 10_000
+    export = _summary(by["export"].uri)
     assert export["policy"] == "grpo"
-    assert export["adapter_dir"] == str(Path(by["grpo"]["uri"]) / "adapter")
+    assert export["adapter_dir"] == str(Path(by["grpo"].uri) / "adapter")
 
     # Editing DPO re-runs DPO and everything after it; ingest, sft and reward are reused. The
     # same run ships DPO's policy instead of the last link's (that this edit alone re-runs export
@@ -89,6 +90,6 @@ def test_chain_runs_evaluates_each_link_and_reruns_from_an_edit(
         "evaluate": "ran",
         "export": "ran",
     }
-    by2 = {s["stage"]: s for s in second["stages"]}
-    assert _summary(by2["export"]["uri"])["policy"] == "dpo"
-    assert _summary(by2["export"]["uri"])["adapter_dir"] == str(Path(by2["dpo"]["uri"]) / "adapter")
+    by2 = {s.stage: s for s in second.stages}
+    assert _summary(by2["export"].uri)["policy"] == "dpo"
+    assert _summary(by2["export"].uri)["adapter_dir"] == str(Path(by2["dpo"].uri) / "adapter")

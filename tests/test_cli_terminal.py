@@ -188,8 +188,8 @@ from posttrain.stages.common import stage_main
 
 
 def run(ctx):
-    steps = int(os.environ.get("PT_FAKE_STEPS", "0")) if ctx.name == "sft" else 0
-    with open(ctx.out_dir / "metrics.jsonl", "a") as f:
+    steps = int(os.environ.get("PT_FAKE_STEPS", "0")) if ctx.stage.name == "sft" else 0
+    with open(ctx.stage.out_dir / "metrics.jsonl", "a") as f:
         for step in range(1, steps + 1):
             time.sleep(float(os.environ.get("PT_FAKE_STEP_S", "0.5")))
             record = {"kind": "train", "step": step, "total_steps": steps, "loss": 3.0 - step / 100,

@@ -23,6 +23,7 @@ from stage_modules import write_stage_modules
 import posttrain.plan.planner
 from flows.devices import device_set_name
 from flows.post_train import post_train
+from flows.report.tables import RunResult
 from flows.stage.failures import StageFailed
 from posttrain.config.schema import Recipe
 from posttrain.kinds import KINDS
@@ -66,10 +67,6 @@ def _recipe(workspace: Path, **sections: dict) -> Recipe:
         **sections,
     }
     return Recipe.model_validate(data)
-
-
-def _statuses(result: dict) -> dict[str, str]:
-    return {s["stage"]: s["status"] for s in result["stages"]}
 
 
 def _prefect_view(run_dir: str) -> tuple[str, dict[str, list], dict[str, str]]:
@@ -117,12 +114,16 @@ def _flow_log(run_dir: str, timeout_s: float = 60) -> str:
             time.sleep(0.5)
 
 
-def _run_while_held(busy: DeviceLock, recipe: Recipe, hold_s: float) -> tuple[dict, bool]:
+def _statuses(result: RunResult) -> dict[str, str]:
+    return {r.stage: r.status for r in result.stages}
+
+
+def _run_while_held(busy: DeviceLock, recipe: Recipe, hold_s: float) -> tuple[RunResult, bool]:
     """The flow's result on `recipe` while `busy` holds the devices for up to `hold_s`, and
     whether the run finished while they were held (a run that waits for them cannot)."""
     assert busy.try_acquire({"what": "posttrain run", "flow_run_name": "busy-run"})
-    outcome: dict = {}
-    run = threading.Thread(target=lambda: outcome.update(post_train(recipe)))
+    results: list[RunResult] = []
+    run = threading.Thread(target=lambda: results.append(post_train(recipe)))
     try:
         run.start()
         run.join(timeout=hold_s)
@@ -130,7 +131,7 @@ def _run_while_held(busy: DeviceLock, recipe: Recipe, hold_s: float) -> tuple[di
     finally:
         busy.release()
         run.join(timeout=300)
-    return outcome, finished
+    return results[0], finished
 
 
 def _launches(workspace: Path) -> int:
@@ -150,10 +151,10 @@ def test_flow_caches_reruns_downstream_and_records_runs(
     # reward and dpo are optional and this recipe has no sections for them: they do not run.
     assert _statuses(first) == dict.fromkeys(PLANNED, "ran")
     assert _launches(ws) == 4
-    export = next(s for s in first["stages"] if s["stage"] == "export")
-    assert first["export_path"] == str(Path(export["uri"]) / "model")
-    assert export["headline"] == {"loss": 0.667, "steps": 3}
-    run_dir = Path(first["run_dir"])
+    export = next(s for s in first.stages if s.stage == "export")
+    assert first.export_path == str(Path(export.uri) / "model")
+    assert export.summary.headline == {"loss": 0.667, "steps": 3}
+    run_dir = Path(first.run_dir)
     assert run_dir.parent == ws / "runs"
     lineage = json.loads((run_dir / "lineage.json").read_text())
     arts = {a["stage"]: a for a in lineage["artifacts"]}
@@ -165,7 +166,7 @@ def test_flow_caches_reruns_downstream_and_records_runs(
     assert "| sft | ran |" in (run_dir / "report.md").read_text()
     assert "name: flow-test" in (run_dir / "recipe.resolved.yaml").read_text()
     assert not (ws / ".prefect").exists(), "no Prefect result cache: the artifacts are the cache"
-    name, artifacts, states = _prefect_view(first["run_dir"])
+    name, artifacts, states = _prefect_view(first.run_dir)
     assert states == dict.fromkeys(PLANNED, "Completed")
     assert name.startswith("flow-test-")
     progress = sorted(artifacts["progress"])
@@ -181,14 +182,14 @@ def test_flow_caches_reruns_downstream_and_records_runs(
     second, finished = _run_while_held(busy, recipe, hold_s=300)
     assert finished, "a run that trains nothing waited for the devices"
     assert _statuses(second) == dict.fromkeys(PLANNED, "reused")
-    log = _flow_log(second["run_dir"])
+    log = _flow_log(second.run_dir)
     assert "every stage's artifact is complete: reusing them without waiting for" in log
     assert "held by another run" not in log and "holding posttrain-devices" not in log
     assert _launches(ws) == 4
-    assert second["run_dir"] != first["run_dir"]
-    assert "| export | reused |" in (Path(second["run_dir"]) / "report.md").read_text()
+    assert second.run_dir != first.run_dir
+    assert "| export | reused |" in (Path(second.run_dir) / "report.md").read_text()
     # The report is made at flow level, so it exists although no stage ran.
-    _, artifacts, states = _prefect_view(second["run_dir"])
+    _, artifacts, states = _prefect_view(second.run_dir)
     assert states == dict.fromkeys(PLANNED, "Reused")
     assert "progress" not in artifacts
     report = artifacts["markdown"][0][1]
@@ -203,7 +204,7 @@ def test_flow_caches_reruns_downstream_and_records_runs(
     assert _launches(ws) == 6
 
     # An artifact whose files were deleted is rebuilt, and found complete the next time.
-    export_dir = Path(third["export_path"]).parent
+    export_dir = Path(third.export_path).parent
     (export_dir / "model" / "weights.txt").unlink()
     fourth = post_train(changed)
     assert _statuses(fourth)["export"] == "ran"
@@ -218,7 +219,7 @@ def test_flow_caches_reruns_downstream_and_records_runs(
     outcome, finished = _run_while_held(busy, changed, hold_s=20)
     assert not finished, "the export was rebuilt without waiting for the devices"
     assert _statuses(outcome)["export"] == "ran" and _launches(ws) == 8
-    log = _flow_log(outcome["run_dir"])
+    log = _flow_log(outcome.run_dir)
     assert "stage export has no complete artifact in" in log
     assert "waiting for the devices after all" in log and "busy-run" in log
     assert log.index("after all") < log.index("holding posttrain-devices")
@@ -274,10 +275,10 @@ def test_independent_branches_run_side_by_side_when_allowed(
     recipe.infra.parallel_stages = 2
     result = post_train(recipe)
     assert _statuses(result) == dict.fromkeys(["ingest", *PLANNED[1:2], "rm", *PLANNED[2:]], "ran")
-    uris = {s["stage"]: Path(s["uri"]) for s in result["stages"]}
+    uris = {s.stage: Path(s.uri) for s in result.stages}
     span = {n: json.loads((uris[n] / "logs" / "span.json").read_text()) for n in uris}
     assert span["sft"][0] < span["rm"][1] and span["rm"][0] < span["sft"][1], span
     assert span["evaluate"][0] >= max(span["sft"][1], span["rm"][1])
-    run_dir = Path(result["run_dir"])
+    run_dir = Path(result.run_dir)
     assert (run_dir / "graph.png").stat().st_size > 5_000
     assert "![stage graph](graph.png)" in (run_dir / "report.md").read_text()

@@ -21,7 +21,6 @@ from flows.report.graph_plot import (
     MIN_WIDTH,
     ROW_GAP,
     STATUS_COLOURS,
-    GraphNode,
     _short,
     box_height,
     draw_stage_graph,
@@ -31,16 +30,17 @@ from flows.report.graph_plot import (
     missing_parents,
     stage_graph_figure,
 )
-from flows.report.tables import STATUSES
+from flows.report.tables import STATUSES, StageRecord
+from posttrain.store.summary import Summary
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def node(name: str, status: str = "ran", kind: str = "", **inputs: str) -> GraphNode:
-    return GraphNode(name=name, kind=kind or name, status=status, inputs=inputs)
+def node(name: str, status: str = "ran", kind: str = "", **roles: str) -> StageRecord:
+    return StageRecord(name, "f" * 16, status, 1.0, kind=kind or name, roles=roles)
 
 
-def diamond() -> list[GraphNode]:
+def diamond() -> list[StageRecord]:
     # reward ‖ sft from one base, joined by dpo; listed out of order on purpose.
     return [
         node("dpo", policy="sft", reference="sft", reward_model="reward"),
@@ -50,7 +50,7 @@ def diamond() -> list[GraphNode]:
     ]
 
 
-def png_size(nodes: list[GraphNode]) -> tuple[int, int]:
+def png_size(nodes: list[StageRecord]) -> tuple[int, int]:
     """(height, width) in pixels the image of `nodes` should have, from its layout."""
     layout = graph_layout(nodes)
     return round(layout.height * DPI), round(layout.width * DPI)
@@ -111,7 +111,7 @@ def test_a_layer_is_ordered_by_its_parents_rows() -> None:
     ],
     ids=["two", "three-behind-a-root", "self"],
 )
-def test_a_cycle_raises(graph: list[GraphNode], tmp_path: Path) -> None:
+def test_a_cycle_raises(graph: list[StageRecord], tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cycle through a"):
         layers(graph)
     with pytest.raises(ValueError, match="cycle"):
@@ -131,12 +131,21 @@ def test_bad_input_raises_naming_the_node() -> None:
 def test_png_is_written_sized_by_the_layout_and_coloured_by_status(tmp_path: Path) -> None:
     graph = [
         *diamond(),
-        GraphNode(
+        StageRecord(
             "evaluate",
-            "evaluate",
+            "e" * 16,
             "pending",
-            {"evaluated": "dpo", "reward_model": "reward"},
-            {"win_rate": 0.625, "dpo_accuracy": 0.8125, "tokens_per_s": 5123.4, "extra": 1.0},
+            0.0,
+            kind="evaluate",
+            roles={"evaluated": "dpo", "reward_model": "reward"},
+            summary=Summary(
+                headline={
+                    "win_rate": 0.625,
+                    "dpo_accuracy": 0.8125,
+                    "tokens_per_s": 5123.4,
+                    "extra": 1.0,
+                }
+            ),
         ),
     ]
     path = draw_stage_graph(graph, tmp_path / "report" / "graph.png")

@@ -238,6 +238,7 @@ def _tiny_session(tmp_path: Path, guard: dict):
     from posttrain.distributed.runtime import init_distributed
     from posttrain.models.lora import apply_lora
     from posttrain.runtime.context import StageContext
+    from posttrain.runtime.spec import PlannedStage
     from posttrain.telemetry import heartbeat
     from posttrain.train.session import start_session
 
@@ -246,10 +247,11 @@ def _tiny_session(tmp_path: Path, guard: dict):
     data["infra"].update(precision="fp32", threads_per_rank=1)
     data["guard"] = guard
     recipe = Recipe.model_validate(data)
-    ctx = StageContext("sft", "f" * 16, tmp_path / "out", recipe, {}, {})
-    ctx.out_dir.mkdir()
+    sft = PlannedStage("sft", "posttrain.stages.sft", "f" * 16, tmp_path / "out", {}, 1, 60.0)
+    ctx = StageContext(sft, recipe, {})
+    ctx.stage.out_dir.mkdir()
     ctx.dist = init_distributed("cpu", 60, 1)
-    heartbeat.start(ctx.out_dir, 0)
+    heartbeat.start(ctx.stage.out_dir, 0)
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=64,
@@ -510,7 +512,7 @@ def test_slow_but_beating_stage_is_not_killed(
     monkeypatch.setenv("PT_STEPS", "5")
     stage, spec = _planned(tmp_path, "pt_slowbeats_sft", nprocs=1, hang_s=2.0, startup_s=30)
     out = stage_task.fn(stage, spec, kill_grace_s=1.0)
-    assert out["status"] == "ran"
+    assert out.status == "ran"
     beats = read_heartbeats(stage.out_dir)
     assert beats[0]["step"] == 5 and beats[0]["phase"] == "finish"
     assert (stage.out_dir / "logs" / "stacks-rank0.txt").read_text() == ""

@@ -164,12 +164,8 @@ def test_gate_finds_the_same_artifact_and_reads_its_win_rate(arts) -> None:
     recipe = load_recipe(arts["recipe"])
     _, direct = _head_to_head(arts, "good", "worse")
 
-    def launch(stage, spec):
-        outcome = supervise_stage(stage, spec)
-        return outcome.status, outcome.ref
-
     by_stage = _records(arts, "ingest", "reward", "export")
-    h2h = head_to_head_vs_champion(recipe, by_stage, _champion(arts), LOG, launch)
+    h2h = head_to_head_vs_champion(recipe, by_stage, _champion(arts), LOG, supervise_stage)
     assert h2h.value == direct["headline"][WIN_RATE_VS_CHAMPION] and h2h.unmeasured is None
     assert "head-to-head against champion r-champ (reused)" in h2h.note
     assert h2h.record["wins"] == direct["wins"] and h2h.record["champion_run_id"] == "r-champ"

@@ -22,7 +22,8 @@ from flows.stage.launchers.k8s_manifests import plan_job
 from flows.stage.launchers.kubernetes import KubernetesLauncher, cancel_flow_run_jobs
 from posttrain.config.loader import resolve
 from posttrain.config.schema import Recipe
-from posttrain.plan.planner import PlannedStage, spec_for
+from posttrain.plan.planner import spec_for
+from posttrain.runtime.spec import PlannedStage
 from posttrain.sections.infra import InfraConfig
 from tests.k8s_replay import (
     DATA,

@@ -26,7 +26,7 @@ from flows.stage.launchers.k8s_manifests import (
     rdzv_endpoint,
 )
 from posttrain.config.loader import RecipeError, validate_recipe
-from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.spec import PlannedStage
 from posttrain.sections.infra import InfraConfig
 from posttrain.sections.kubernetes import KubernetesConfig, Toleration
 from tests.k8s_schema import K8S_VERSION, validate_object

@@ -550,6 +550,7 @@ def test_unknown_architecture_skips_the_stage_check(
     """A base the estimate cannot describe never blocks a stage: a warning, no report."""
     from posttrain.kinds import KINDS
     from posttrain.runtime.context import StageContext
+    from posttrain.runtime.spec import PlannedStage
     from posttrain.stages.common import memory_preflight
     from posttrain.store.artifacts import ArtifactRef
 
@@ -563,10 +564,17 @@ def test_unknown_architecture_skips_the_stage_check(
     )
     ref = ArtifactRef(stage="ingest", uri=str(ingest), fingerprint="f" * 16, sha256="0" * 64)
     recipe = _recipe(tmp_path, device_memory_gb=0.001)
-    ctx = StageContext(
-        "sft", "0" * 16, tmp_path / "sft", recipe, {"ingest": ref}, {}, kind=KINDS["sft"]
+    sft = PlannedStage(
+        "sft",
+        "posttrain.stages.sft",
+        "0" * 16,
+        tmp_path / "sft",
+        {},
+        1,
+        60.0,
+        roles={"base": "ingest"},
     )
-    ctx.roles = {"base": "ingest"}
+    ctx = StageContext(sft, recipe, {"ingest": ref}, kind=KINDS["sft"])
     with caplog.at_level(logging.WARNING, logger="posttrain"):
         memory_preflight(ctx)
     assert ctx.preflight is None
@@ -666,18 +674,19 @@ def test_real_stage_records_estimate_and_measured_peak(tmp_path: Path) -> None:
 
 def test_run_report_shows_estimate_beside_measured_peak() -> None:
     from flows.report.tables import StageRecord, markdown_report
+    from posttrain.store.summary import Memory, Summary
 
-    memory = {
-        "estimate_gib": 1.32,
-        "capacity_gib": 20.5,
-        "fits": True,
-        "measured": "peak RSS",
-        "measured_peak_gib": 2.106,
-        "estimate_over_measured": 0.627,
-    }
+    memory = Memory(
+        estimate_gib=1.32,
+        capacity_gib=20.5,
+        fits=True,
+        measured="peak RSS",
+        measured_peak_gib=2.106,
+        estimate_over_measured=0.627,
+    )
     records = [
         StageRecord("ingest", "a" * 16, "ran", 1.0),
-        StageRecord("sft", "b" * 16, "ran", 2.0, memory=memory),
+        StageRecord("sft", "b" * 16, "ran", 2.0, summary=Summary(memory=memory)),
     ]
     text = markdown_report("run", "id", records)
     section = text[text.index("## Memory") : text.index("## Lineage")]
@@ -688,16 +697,21 @@ def test_run_report_shows_estimate_beside_measured_peak() -> None:
 
 def test_flow_stage_record_carries_the_summary_memory(tmp_path: Path) -> None:
     from flows.post_train import stage_record
-    from posttrain.plan.planner import PlannedStage
+    from flows.stage.supervise import Outcome
+    from posttrain.runtime.spec import PlannedStage
     from posttrain.store.artifacts import ArtifactRef
+    from posttrain.store.summary import read_summary
 
     memory = {"estimate_gib": 1.0, "measured_peak_gib": 1.2, "measured": "peak RSS"}
     (tmp_path / "manifest.json").write_text(
         json.dumps({"summary": {"headline": {"loss": 1.0}, "memory": memory}})
     )
     ref = ArtifactRef(stage="sft", uri=str(tmp_path), fingerprint="f" * 16, sha256="0" * 64)
+    outcome = Outcome(status="ran", ref=ref, summary=read_summary(tmp_path))
     planned = PlannedStage("sft", "posttrain.stages.sft", "f" * 16, tmp_path, {}, 1, 60.0)
-    assert stage_record(planned, "ran", ref, 1.0).memory == memory
+    record = stage_record(planned, outcome, 1.0)
+    got = record.summary.memory
+    assert got is not None and got.model_dump(exclude_unset=True) == memory
 
 
 def test_an_episode_stage_is_estimated_at_its_episode_length_and_kept_caches() -> None:

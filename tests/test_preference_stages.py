@@ -13,6 +13,7 @@ from flows.post_train import check_gate
 from flows.report.tables import StageRecord
 from flows.stage.failures import QualityGateFailed
 from posttrain.store.artifacts import ref_from_manifest
+from posttrain.store.summary import read_summary
 from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import (
     TINY,
@@ -93,7 +94,7 @@ def test_reward_gate_stops_the_pipeline(pref) -> None:
     assert gate["passed"] is False and "< reward.min_accuracy 1.0" in gate["message"]
     record = StageRecord("reward", "f", "ran", 1.0)
     with pytest.raises(QualityGateFailed, match="stopping before any RL stage"):
-        check_gate(ref_from_manifest(out), record)
+        check_gate(read_summary(out), record)
     assert record.error.startswith("quality gate:")
 
 

@@ -18,6 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from flows.report.tables import RunResult, StageRecord
 from flows.trackers.exposition import RunSeries
 from flows.trackers.prom_names import BY_NAME
 from flows.trackers.prometheus import PrometheusSink
@@ -282,8 +283,8 @@ def test_the_tracker_serves_metrics_on_a_free_port_and_stops_at_finish(tmp_path:
     taken = PrometheusSink(cfg.model_copy(update={"port": port, "file_sd_dir": None}), [stage])
     with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
         taken.start_pipeline("run-10", None, {"run": {"name": "demo"}})
-    sink.end_stage("sft", "failed", {})
-    sink.finish({})
+    sink.end_stage(StageRecord("sft", "f" * 16, "failed", 1.0))
+    sink.finish(RunResult("run-9", tmp_path, []))
     with pytest.raises(httpx.ConnectError):
         _get(f"http://127.0.0.1:{port}/metrics")
     assert list(targets.iterdir()) == []  # gone with the endpoint
@@ -318,8 +319,8 @@ def test_the_tracker_pushes_how_the_run_ended_to_a_real_pushgateway(tmp_path: Pa
         sink = PrometheusSink(cfg, [stage])
         sink.start_pipeline("run-p", None, {"run": {"name": "pushed"}})
         sink.start_stage("dpo", "f")
-        sink.end_stage("dpo", "failed", {})
-        sink.finish({})
+        sink.end_stage(StageRecord("dpo", "f" * 16, "failed", 1.0))
+        sink.finish(RunResult("run-9", tmp_path, []))
         pushed = {
             (s.name, tuple(sorted(s.labels.items()))): s.value
             for f in text_string_to_metric_families(_get(f"{url}/metrics"))

@@ -84,15 +84,16 @@ def test_no_checkpoint_means_every_step_is_redone(tmp_path: Path) -> None:
 def test_recovery_record_and_the_lines_the_cli_and_report_print() -> None:
     from flows.report.tables import StageRecord, markdown_report, recovery_lines
     from posttrain.runtime.recovery import recovery_record
+    from posttrain.store.summary import Summary
 
-    assert recovery_record(None, {"resumed_from_step": 0}) == {}
+    assert recovery_record(None, Summary(resumed_from_step=0)) is None
     rec = recovery_record(
         "an earlier attempt did not finish: killed without a word at step 14",
-        {"resumed_from_step": 12, "rejected_checkpoints": ["step_0000015: x.distcp truncated"]},
+        Summary(resumed_from_step=12, rejected_checkpoints=["step_0000015: x.distcp truncated"]),
     )
     records = [
         StageRecord("ingest", "a" * 16, "reused", 0.1),
-        StageRecord("sft", "b" * 16, "ran", 9.0, recovery=rec),
+        StageRecord("sft", "b" * 16, "ran", 9.0, summary=Summary(recovery=rec)),
     ]
     (line,) = recovery_lines(records)
     assert line == (

@@ -13,17 +13,18 @@ from flows.report.tables import (
     metrics_table,
     summary_table,
 )
+from posttrain.store.summary import Summary
 
 
 def _records() -> list[StageRecord]:
     return [
         StageRecord("ingest", "aaaa111122223333", "reused", 0.2, "/ws/artifacts/ingest/aaaa",
-                    "c0ffee" * 10, [], {"params": 1_300_000}),
+                    "c0ffee" * 10, [], Summary(headline={"params": 1_300_000})),
         StageRecord("sft", "bbbb111122223333", "ran", 125.0, "/ws/artifacts/sft/bbbb",
                     "beef" * 16, ["aaaa111122223333"],
-                    {"eval_loss": 1.23456, "tokens_per_s": 5012.3, "mfu": 0.61}),
+                    Summary(headline={"eval_loss": 1.23456, "tokens_per_s": 5012.3, "mfu": 0.61})),
         StageRecord("evaluate", "cccc111122223333", "reused", 0.0, "/ws/artifacts/evaluate/cccc",
-                    "", ["aaaa111122223333", "bbbb111122223333"], {}),
+                    "", ["aaaa111122223333", "bbbb111122223333"]),
     ]  # fmt: skip
 
 

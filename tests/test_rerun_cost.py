@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from flows.embedded_server import uvicorn_command
-from flows.report.graph_plot import GraphNode
 from flows.report.images import curves, stage_graph
+from flows.report.tables import StageRecord
+from posttrain.store.summary import Summary
 
 
 def test_early_server_command_is_prefects_own(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,12 +63,15 @@ def test_report_images_are_drawn_once_per_content(tmp_path: Path) -> None:
     third, copied = curves([("sft", sft)], tmp_path / "run3", cache)
     assert copied == 0 and third[0].path.read_bytes() != first[0].path.read_bytes()
 
+    loss = Summary(headline={"loss": 1.2})
     nodes = [
-        GraphNode("ingest", "ingest", "reused", {}, {}),
-        GraphNode("sft", "sft", "reused", {"base": "ingest"}, {"loss": 1.2}),
+        StageRecord("ingest", "a" * 16, "reused", 0.1),
+        StageRecord("sft", "b" * 16, "reused", 0.2, roles={"base": "ingest"}, summary=loss),
     ]
     path, hit = stage_graph(nodes, tmp_path / "run1" / "graph.png", cache)
+    # Another run reusing both: its durations differ, nothing drawn does.
+    nodes[1] = StageRecord("sft", "b" * 16, "reused", 0.3, roles={"base": "ingest"}, summary=loss)
     again, hit_again = stage_graph(nodes, tmp_path / "run2" / "graph.png", cache)
     assert (hit, hit_again) == (False, True) and again.read_bytes() == path.read_bytes()
-    nodes[1] = GraphNode("sft", "sft", "ran", {"base": "ingest"}, {"loss": 1.2})
+    nodes[1] = StageRecord("sft", "b" * 16, "ran", 9.0, roles={"base": "ingest"}, summary=loss)
     assert stage_graph(nodes, tmp_path / "run3" / "graph.png", cache)[1] is False

@@ -298,9 +298,9 @@ def test_gates_stop_on_kl_and_reward_gain(parents, ppo_run) -> None:
     from flows.report.tables import StageRecord
     from flows.stage.failures import QualityGateFailed
     from posttrain.config.schema import PPOConfig
-    from posttrain.store.artifacts import ref_from_manifest
+    from posttrain.store.summary import read_summary
 
-    check_gate(ref_from_manifest(ppo_run), StageRecord("ppo", "f", "ran", 1.0))  # passed
+    check_gate(read_summary(ppo_run), StageRecord("ppo", "f", "ran", 1.0))  # passed
     s = summary(ppo_run)
     cfg = PPOConfig.model_validate({"data": PROMPTS, "min_reward_gain": 1e6})
     assert "below min_reward_gain" in quality_gate(cfg, s["eval_final"], s["eval_sft"])["message"]
@@ -311,7 +311,7 @@ def test_gates_stop_on_kl_and_reward_gain(parents, ppo_run) -> None:
     assert gate["passed"] is False and "exceeds max_kl 0.001" in gate["message"]
     record = StageRecord("ppo", "f", "ran", 1.0)
     with pytest.raises(QualityGateFailed, match="max_kl"):
-        check_gate(ref_from_manifest(out), record)
+        check_gate(read_summary(out), record)
     assert record.error.startswith("quality gate:")
 
 

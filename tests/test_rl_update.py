@@ -29,6 +29,7 @@ from posttrain.rl.rollout.collect import collect_rollout
 from posttrain.rl.rollout.sample import Rollout, response_logps
 from posttrain.rl.update import Advantages, compute_advantages, policy_terms, update
 from posttrain.runtime.context import StageContext
+from posttrain.runtime.spec import PlannedStage
 from posttrain.train.session import TrainSession, start_session
 from tests.stage_helpers import TINY
 from tests.test_rl_losses import _rollout, close, t
@@ -172,8 +173,9 @@ def _session(tmp_path: Path, d: DistInfo, model: RoleModel) -> TrainSession:
     data["run"]["workspace"] = str(tmp_path / "ws")
     data["infra"].update(precision="fp32", threads_per_rank=1)
     recipe = Recipe.model_validate(data)
-    ctx = StageContext("sft", "f" * 16, tmp_path / "out", recipe, {}, {})
-    ctx.out_dir.mkdir(parents=True)
+    sft = PlannedStage("sft", "posttrain.stages.sft", "f" * 16, tmp_path / "out", {}, 1, 60.0)
+    ctx = StageContext(sft, recipe, {})
+    ctx.stage.out_dir.mkdir(parents=True)
     ctx.dist = d
     batch = ResolvedBatch(8, 1, 8, 1)  # the start record's; `update` takes its own
     return start_session(ctx, model, OptimConfig(lr=1e-3), batch, total_steps=1)

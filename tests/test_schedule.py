@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from flows.schedule import device_slots, run_stages
-from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.spec import PlannedStage
 from posttrain.store.artifacts import ArtifactRef
 
 
@@ -66,8 +66,8 @@ def _overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
 
 def test_one_at_a_time_keeps_plan_order() -> None:
     rec = Recorder(sleep=0.01)
-    order: list[str] = []
-    refs = run_stages(list(GRAPH), rec, 1, on_done=lambda s, r: order.append(s.name))
+    refs = run_stages(list(GRAPH), rec, 1)
+    order = sorted(rec.spans, key=lambda name: rec.spans[name][0])
     assert order == [s.name for s in GRAPH] and set(refs) == set(order)
     assert not any(_overlap(rec.spans["sft"], rec.spans["reward"]) for _ in [0])
 

@@ -224,6 +224,7 @@ def test_run_record_is_scrubbed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     import flows.run_record as fp
     from flows.report.tables import StageRecord
     from posttrain.plan.planner import plan
+    from posttrain.store.summary import Summary
 
     shown: dict[str, object] = {}
     monkeypatch.setattr(fp, "create_markdown_artifact", lambda text, **kw: shown.update(md=text))
@@ -235,10 +236,9 @@ def test_run_record_is_scrubbed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         "failed",
         1.0,
         error=f"HTTP 401: token {HF} rejected; retry with {OPENAI}",
-        headline={"note": f"key {AWS}"},
+        summary=Summary(headline={"note": f"key {AWS}"}),
     )
-    out = fp._record_run(plan(resolve(recipe)), "run-1", [failed], None, None, failed=True)
-    run_dir = Path(out["run_dir"])
+    run_dir = fp.record_run(plan(resolve(recipe)), "run-1", [failed], failed=True).run_dir
     for name in ("report.md", "lineage.json", "recipe.resolved.yaml"):
         text = (run_dir / name).read_text()
         assert HF not in text and OPENAI not in text and AWS not in text, name

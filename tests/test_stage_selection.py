@@ -25,6 +25,7 @@ from posttrain.plan.selection import (
     select_stages,
 )
 from posttrain.store.artifacts import write_manifest
+from posttrain.store.summary import Summary
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
@@ -215,7 +216,7 @@ def test_plan_shows_what_a_selection_runs(tmp_path: Path, capsys) -> None:
 
 
 def record(stage: str, fp: str = "f") -> StageRecord:
-    return StageRecord(stage, fp, "ran", 1.0, headline={"tuned_loss": 1.0})
+    return StageRecord(stage, fp, "ran", 1.0, summary=Summary(headline={"tuned_loss": 1.0}))
 
 
 def test_a_run_that_left_out_evaluate_or_export_is_not_promoted(tmp_path: Path) -> None:

@@ -20,12 +20,21 @@ from stage_modules import on_child_path, write_stage_modules
 from flows.stage.failures import StageFailed, StageTimeout
 from flows.stage.launch import launch_env, local_env, stage_command
 from flows.stage.output import MetricsTail, progress_from_record
+from flows.stage.supervise import Outcome
 from flows.stage.task import stage_task
 from posttrain.config.loader import resolve
 from posttrain.config.schema import Recipe, ResolvedRecipe
-from posttrain.plan.planner import PlannedStage, spec_for
-from posttrain.runtime.spec import LAUNCH_TAG_ENV, LaunchInfo, StageSpec, read_spec, spec_path
+from posttrain.plan.planner import spec_for
+from posttrain.runtime.spec import (
+    LAUNCH_TAG_ENV,
+    LaunchInfo,
+    PlannedStage,
+    StageSpec,
+    read_spec,
+    spec_path,
+)
 from posttrain.store.artifacts import stage_dir, verify, write_manifest
+from posttrain.store.summary import read_summary
 
 FP = "0123456789abcdef"
 
@@ -109,7 +118,7 @@ def test_the_spec_carries_the_launch(tmp_path: Path, modules: Path) -> None:
     """Everything the stage process needs about its launch is in its spec, not its
     environment: the lock held for it, who supervises it, the earlier attempt's account."""
     stage, spec = _planned(tmp_path, "pt_ok_ingest")
-    assert stage_task.fn(stage, spec)["status"] == "ran"
+    assert stage_task.fn(stage, spec).status == "ran"
     written = read_spec(spec_path(stage.out_dir))
     assert (
         written.launch is not None
@@ -118,7 +127,7 @@ def test_the_spec_carries_the_launch(tmp_path: Path, modules: Path) -> None:
     assert written.launch.lock == str(stage.out_dir.with_name(stage.out_dir.name + ".lock"))
     assert written.launch.supervisor_pid == os.getpid()
     assert written.launch.beat_file is None
-    assert written.fingerprint == FP and written.recipe["run"]["workspace"]
+    assert written.stage == stage and written.recipe["run"]["workspace"]
 
 
 def test_progress_from_record() -> None:
@@ -157,23 +166,23 @@ def test_metrics_tail_reports_latest_complete_train_line(tmp_path: Path) -> None
 def test_success_returns_verified_ref_and_streams_logs(tmp_path: Path, modules: Path) -> None:
     stage, spec = _planned(tmp_path, "pt_ok_ingest")
     out = stage_task.fn(stage, spec)
-    assert out["status"] == "ran"
-    ref = out["ref"]
-    assert ref["fingerprint"] == FP and ref["stage"] == "ingest"
-    assert Path(ref["uri"]) == stage.out_dir
+    assert out.status == "ran"
+    assert out.ref.fingerprint == FP and out.ref.stage == "ingest"
+    assert out.ref.path == stage.out_dir
+    assert out.summary == read_summary(stage.out_dir)  # read once, handed along
     assert verify(stage.out_dir) == (True, "")
-    json.dumps(out)  # what Prefect persists must be plain JSON
+    assert Outcome.model_validate_json(out.model_dump_json()) == out  # plain JSON either way
     log = (stage.out_dir / "logs" / "stage.log").read_text()
     assert "hello from ingest" in log and "POSTTRAIN_ARTIFACT" in log
 
 
-def _complete_artifact(stage: PlannedStage) -> None:
+def _complete_artifact(stage: PlannedStage, summary: dict | None = None) -> None:
     """Make a complete artifact in-process, as an earlier run would have left it."""
     stage.out_dir.mkdir(parents=True, exist_ok=True)
     (stage.out_dir / "result.json").write_text("{}")
     write_manifest(
         stage.out_dir, stage=stage.name, fp=stage.fingerprint, parents=[], section={}, seed=0,
-        summary={},
+        summary=summary or {},
     )  # fmt: skip
 
 
@@ -185,8 +194,22 @@ def test_complete_artifact_is_reused_without_launching(tmp_path: Path, modules: 
     # Prefect shows it as a Completed task named Reused: the word every other view uses.
     assert state.is_completed() and state.name == "Reused"
     out = state.data
-    assert out["status"] == "reused"
-    assert out["ref"]["fingerprint"] == FP and Path(out["ref"]["uri"]) == stage.out_dir
+    assert out.status == "reused"
+    assert out.ref.fingerprint == FP and out.ref.path == stage.out_dir
+    assert _launches(stage) == 0
+
+
+def test_a_complete_artifact_whose_summary_is_no_summary_fails_the_stage(
+    tmp_path: Path, modules: Path
+) -> None:
+    """Its files verify, but its manifest's summary does not validate: a damaged artifact, one
+    clear error naming the stage and the field, nothing launched and nothing read around it."""
+    stage, spec = _planned(tmp_path, "pt_no_such_module")
+    _complete_artifact(stage, {"headline": ["loss", 1.0]})
+    with pytest.raises(
+        StageFailed, match=r"stage 'ingest': the artifact in .* is damaged: .*headline"
+    ):
+        stage_task.fn(stage, spec)
     assert _launches(stage) == 0
 
 
@@ -196,7 +219,7 @@ def test_altered_artifact_is_rebuilt(tmp_path: Path, modules: Path) -> None:
     (stage.out_dir / "result.json").write_text("tampered")
     assert verify(stage.out_dir)[0] is False
     out = stage_task.fn(stage, spec)
-    assert out["status"] == "ran"
+    assert out.status == "ran"
     assert _launches(stage) == 1
     assert verify(stage.out_dir) == (True, "")
 

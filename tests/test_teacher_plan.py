@@ -301,18 +301,20 @@ def test_evaluate_fingerprint_changes_with_the_teachers_base_alone() -> None:
 
 def test_report_md_shows_the_teacher_line() -> None:
     from flows.report.tables import StageRecord, markdown_report
+    from posttrain.store.summary import Summary
 
     roles = {"base": "ingest", "policy": "distill", "parent": "sft", "teacher": "teacher_sft"}
     roles["teacher_base"] = "teacher"
     headline = {"exact_match_base": 0.0, "exact_match_tuned": 0.5, "exact_match_parent": 0.25}
     headline |= {"exact_match_teacher": 0.75, "teacher_gap_closed": 0.5}
-    ev = StageRecord("evaluate", "f", "ran", 1.0, headline=headline, roles=roles, kind="evaluate")
+    summary = Summary(headline=headline)
+    ev = StageRecord("evaluate", "f", "ran", 1.0, summary=summary, roles=roles, kind="evaluate")
     text = markdown_report("r", "id", [ev])
     assert (
         "## Teacher\n\nDistilled from `teacher_sft` (base `teacher`): greedy exact match parent "
         "0.25 -> `distill` 0.5, teacher 0.75: closed 0.5 of the gap." in text
     )
-    del headline["teacher_gap_closed"]
+    del summary.headline["teacher_gap_closed"]
     assert "no gap to close" in markdown_report("r", "id", [ev])
     assert "## Teacher" not in markdown_report(
         "r", "id", [StageRecord("evaluate", "f", "ran", 1.0)]

@@ -128,7 +128,7 @@ def test_killed_stage_and_timeout_blocks() -> None:
 
 def test_blocks_of_stages_a_cluster_ended_or_never_started(tmp_path: Path) -> None:
     from flows.stage.failures import failure_headline
-    from posttrain.plan.planner import PlannedStage
+    from posttrain.runtime.spec import PlannedStage
 
     stage = PlannedStage("sft", "m", "fp", tmp_path, {}, 1, 60.0, nnodes=2)
 

@@ -13,9 +13,14 @@ from typing import Any
 import pytest
 
 import flows.trackers as trackers_mod
+from flows.report.tables import RunResult, StageRecord
 from flows.trackers import Sink, Trackers, headline_metrics, numeric_fields
 from flows.trackers.mlflow import PARAM_VALUE_MAX, flatten
 from flows.trackers.tensorboard import TensorBoardSink
+from posttrain.store.summary import Summary
+
+# A recorded run, for `finish`: the sinks here read nothing of it.
+DONE = RunResult("r1", Path("runs/r1"), [])
 
 
 class Recorder(Sink):
@@ -30,8 +35,8 @@ class Recorder(Sink):
     def log(self, stage: str, records: list[dict[str, Any]]) -> None:
         self.calls.append(("log", (stage, [r["step"] for r in records])))
 
-    def end_stage(self, stage: str, status: str, info: dict[str, Any]) -> None:
-        self.calls.append(("end_stage", (stage, status)))
+    def end_stage(self, record: StageRecord) -> None:
+        self.calls.append(("end_stage", (record.stage, record.status)))
 
 
 class Broken(Sink):
@@ -70,8 +75,8 @@ def test_a_failing_tracker_warns_once_and_the_others_get_everything(
         t.start_stage("sft", "fp1", Path("/nonexistent/metrics.jsonl")).stop()
         for step in (1, 2, 3):
             t.log("sft", [_train(step, 1.0)])
-        t.end_stage("sft", "ran", {})
-        t.finish({}, timeout_s=5)
+        t.end_stage(StageRecord("sft", "f" * 16, "ran", 1.0))
+        t.finish(DONE, timeout_s=5)
     assert good.calls == [
         ("start_stage", ("sft", "fp1")),
         ("log", ("sft", [1])),
@@ -99,7 +104,7 @@ def test_a_stalled_tracker_is_given_up_and_finish_waits_a_bounded_time(
         time.sleep(0.4)  # the stalled sink is still in its first call
         t.log("sft", [_train(2, 1.0)])
         t0 = time.monotonic()
-        t.finish({}, timeout_s=1.0)
+        t.finish(DONE, timeout_s=1.0)
         assert time.monotonic() - t0 < 3
         assert ("log", ("sft", [2])) in good.calls
         assert "has not returned for 0.2 s" in t.report_lines()[0]
@@ -114,7 +119,7 @@ def test_records_already_sent_are_not_sent_again() -> None:
     t.log("sft", [_train(1, 2.0), _train(2, 1.0)])
     t.log("sft", [_train(1, 2.0), _train(2, 1.0), _train(3, 0.5)])
     t.log("dpo", [_train(1, 2.0)])  # another stage's step 1
-    t.finish({}, timeout_s=5)
+    t.finish(DONE, timeout_s=5)
     assert [c for c in rec.calls if c[0] == "log"] == [
         ("log", ("sft", [1, 2])),
         ("log", ("sft", [3])),
@@ -138,7 +143,7 @@ def test_the_feed_follows_a_growing_file_and_reads_the_rest_at_stop(
             time.sleep(0.05)
         f.write(json.dumps(_train(2, 1.0)) + "\n" + '{"kind": "train", "st')  # torn last line
     feed.stop()
-    t.finish({}, timeout_s=5)
+    t.finish(DONE, timeout_s=5)
     assert [c for c in rec.calls if c[0] == "log"] == [("log", ("sft", [1])), ("log", ("sft", [2]))]
 
 
@@ -151,8 +156,10 @@ def test_tensorboard_event_files_hold_each_stage_curve(tmp_path: Path) -> None:
     t.start_stage("sft", "fp", tmp_path / "none")
     t.log("sft", [{**_train(s, 2.0 / s), "lr": 0.1 * s} for s in (1, 2, 3)])
     t.log("sft", [{"kind": "eval", "step": 3, "nll": 0.25}])
-    t.end_stage("evaluate", "ran", {"headline": {"nll": 1.5}})
-    t.finish({}, timeout_s=10)
+    t.end_stage(
+        StageRecord("evaluate", "e" * 16, "ran", 1.0, summary=Summary(headline={"nll": 1.5}))
+    )
+    t.finish(DONE, timeout_s=10)
     assert sink.link == f"tensorboard --logdir {tmp_path / 'runs'}"
     acc = EventAccumulator(str(run_dir / "sft")).Reload()
     loss = acc.Scalars("train/loss")

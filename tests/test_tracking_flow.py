@@ -149,8 +149,8 @@ def test_one_run_feeds_tensorboard_mlflow_and_wandb(
     tracking = {"mlflow": {"uri": mlflow_server}, "wandb": {"project": "pt-test"}}
     recipe = _recipe(ws, tracking=tracking)
     first = post_train(recipe)
-    run_id, run_dir = first["run_id"], Path(first["run_dir"])
-    uris = {s["stage"]: Path(s["uri"]) for s in first["stages"]}
+    run_id, run_dir = first.run_id, Path(first.run_dir)
+    uris = {s.stage: Path(s.uri) for s in first.stages}
     sft_loss = [
         (r["step"], r["loss"]) for r in read_metrics(uris["sft"] / "metrics.jsonl", "train")
     ]
@@ -194,7 +194,7 @@ def test_one_run_feeds_tensorboard_mlflow_and_wandb(
     ]  # fmt: skip
     champion = client.get_model_version_by_alias("flow-test", "champion")
     assert champion.run_id == parent.info.run_id
-    assert champion.tags["posttrain.export_path"] == first["export_path"]
+    assert champion.tags["posttrain.export_path"] == first.export_path
     link = f"{mlflow_server}/#/experiments/{exp.experiment_id}/runs/{parent.info.run_id}"
     assert f"- mlflow: {link}" in report
 
@@ -212,7 +212,7 @@ def test_one_run_feeds_tensorboard_mlflow_and_wandb(
     # the same export is not registered again.
     second = post_train(recipe)
     runs = client.search_runs([exp.experiment_id], max_results=100)
-    parent2 = next(r for r in runs if r.info.run_name == second["run_id"])
+    parent2 = next(r for r in runs if r.info.run_name == second.run_id)
     sft2 = next(
         r
         for r in runs
@@ -223,7 +223,7 @@ def test_one_run_feeds_tensorboard_mlflow_and_wandb(
     history = client.get_metric_history(sft2.info.run_id, "train/loss")
     assert _same_curve(sorted((m.step, m.value) for m in history), sft_loss)
     assert client.get_model_version_by_alias("flow-test", "champion").version == champion.version
-    acc = EventAccumulator(str(Path(second["run_dir"]) / "sft")).Reload()
+    acc = EventAccumulator(str(Path(second.run_dir) / "sft")).Reload()
     assert _same_curve([(e.step, e.value) for e in acc.Scalars("train/loss")], sft_loss)
 
 
@@ -242,13 +242,13 @@ def test_a_tracker_that_is_down_neither_fails_nor_stalls_the_run(
     with caplog.at_level(logging.WARNING):
         result = post_train(recipe)
     assert time.monotonic() - t0 < 90
-    assert {s["status"] for s in result["stages"]} == {"ran"}
+    assert {s.status for s in result.stages} == {"ran"}
     warned = [r.getMessage() for r in caplog.records if "tracker mlflow failed" in r.getMessage()]
     assert len(warned) == 1, warned
     assert "dropped from here on" in warned[0]
-    report = (Path(result["run_dir"]) / "report.md").read_text()
+    report = (Path(result.run_dir) / "report.md").read_text()
     line = next(x for x in report.splitlines() if x.startswith("- mlflow:"))
     assert closed in line and "**failed** (start_pipeline:" in line
     assert "metrics records dropped" in line
     # TensorBoard, on by default, still got everything.
-    assert (Path(result["run_dir"]) / "sft").is_dir()
+    assert (Path(result.run_dir) / "sft").is_dir()

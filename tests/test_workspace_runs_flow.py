@@ -36,7 +36,7 @@ def test_runs_shows_the_flows_runs_and_clean_frees_the_failed_attempt(
     assert cmd_runs(None, [], out, err, workspace=str(ws)) == 0
     rows = [line.split() for line in out.getvalue().splitlines()[2:4]]
     assert [(r[1], r[2]) for r in rows] == [("flow-test", "failed"), ("flow-test", "completed")]
-    assert rows[1][0] == Path(first["run_dir"]).name
+    assert rows[1][0] == Path(first.run_dir).name
     assert rows[1][-1] == "yes"  # the first candidate of the pipeline is promoted
     assert "stage 'sft' exited with code 1" in out.getvalue().splitlines()[4]
 

@@ -1,7 +1,8 @@
 """The run's stage graph as one PNG for the run report: which stage fed which, and how each ended.
 
 A recipe is becoming a graph of stages (several of one kind, branches such as reward ‖ sft,
-chains such as sft -> dpo -> grpo). `draw_stage_graph(nodes, path)` draws it left to right:
+chains such as sft -> dpo -> grpo). `draw_stage_graph(records, path)` draws the run's
+`StageRecord`s (a stage a failed run did not reach: status `pending`) left to right:
 
 - Layers by LONGEST path from the roots, so every edge points right and a stage sits just after
   its latest input (dpo after both sft and reward, not beside sft). Within a layer, nodes are
@@ -9,7 +10,8 @@ chains such as sft -> dpo -> grpo). `draw_stage_graph(nodes, path)` draws it lef
   crossings in graphs of this size without a layout library.
 - A box per stage, coloured by status (legend below the graph): name, kind when it differs from
   the name, status, and up to three headline metrics.
-- An arrow per (parent, child) pair; the roles it carries are written on it when one of them is
+- An arrow per (parent, child) pair of the record's roles, less those every stage has
+  (`drawn_links`); the roles it carries are written on it when one of them is
   not the obvious `base`/`policy` (a DPO stage reading sft as policy AND reference says so). An
   arrow that skips layers takes a waypoint row in each layer it crosses, so it runs between the
   boxes there, not through them.
@@ -26,9 +28,11 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from flows.report.tables import StageRecord
 
 if TYPE_CHECKING:  # matplotlib is imported where it draws (see the module docstring)
     from matplotlib.axes import Axes
@@ -60,54 +64,58 @@ MIN_WIDTH = 5.0  # the legend's one row of five entries
 DPI = 100
 
 
-@dataclass(frozen=True)
-class GraphNode:
-    """One stage of a run. `inputs` maps a role (base, policy, reference, reward_model,
-    evaluated...) to the name of the parent node that fills it; `headline` holds the few
-    numbers that say how the stage went (shown in order, first three)."""
-
-    name: str
-    kind: str
-    status: str
-    inputs: Mapping[str, str] = field(default_factory=dict)
-    headline: Mapping[str, float] = field(default_factory=dict)
+# Inputs the image leaves out: every stage reads the base, and evaluate/export also read their
+# policy's parent and held-out source; drawn, they hide the chain. A stage whose only input is
+# the base keeps that edge.
+IMPLIED_ROLES = ("base", "parent", "heldout")
 
 
-def missing_parents(nodes: Sequence[GraphNode]) -> list[str]:
+def drawn_links(roles: Mapping[str, str]) -> dict[str, str]:
+    """The inputs of a stage the image draws as edges: role -> parent stage name."""
+    kept = {r: n for r, n in roles.items() if r not in IMPLIED_ROLES}
+    return kept or {r: n for r, n in roles.items() if r == "base"}
+
+
+def shown_status(record: StageRecord) -> str:
+    """A stage stopped by its quality gate completed, but the run failed there: drawn failed."""
+    return "failed" if record.error else record.status
+
+
+def missing_parents(nodes: Sequence[StageRecord]) -> list[str]:
     """Parents named by some node's inputs but absent from `nodes`, in first-seen order."""
-    names = {n.name for n in nodes}
+    names = {n.stage for n in nodes}
     out: list[str] = []
     for n in nodes:
-        for parent in n.inputs.values():
+        for parent in drawn_links(n.roles).values():
             if parent not in names and parent not in out:
                 out.append(parent)
     return out
 
 
-def _check(nodes: Sequence[GraphNode]) -> None:
+def _check(nodes: Sequence[StageRecord]) -> None:
     if not nodes:
         raise ValueError("stage graph: no nodes to draw")
     seen: set[str] = set()
     for n in nodes:
-        if n.name in seen:
-            raise ValueError(f"stage graph: node {n.name!r} appears twice")
-        seen.add(n.name)
-        if n.status not in STATUS_COLOURS:
+        if n.stage in seen:
+            raise ValueError(f"stage graph: node {n.stage!r} appears twice")
+        seen.add(n.stage)
+        if shown_status(n) not in STATUS_COLOURS:
             raise ValueError(
-                f"stage graph: node {n.name!r} has status {n.status!r}; "
+                f"stage graph: node {n.stage!r} has status {n.status!r}; "
                 f"known: {', '.join(STATUS_COLOURS)}"
             )
 
 
-def _parents(nodes: Sequence[GraphNode]) -> dict[str, list[str]]:
+def _parents(nodes: Sequence[StageRecord]) -> dict[str, list[str]]:
     """node name -> its distinct parents (stubs included, as roots), in input order."""
     out: dict[str, list[str]] = {stub: [] for stub in missing_parents(nodes)}
     for n in nodes:
-        out[n.name] = list(dict.fromkeys(n.inputs.values()))
+        out[n.stage] = list(dict.fromkeys(drawn_links(n.roles).values()))
     return out
 
 
-def layer_of(nodes: Sequence[GraphNode]) -> dict[str, int]:
+def layer_of(nodes: Sequence[StageRecord]) -> dict[str, int]:
     """Layer of every node and every missing-parent stub: 0 for roots, else 1 + the largest
     layer among its parents (the longest path from a root). Raises ValueError on a cycle,
     naming the nodes on or behind it."""
@@ -145,7 +153,7 @@ def layer_of(nodes: Sequence[GraphNode]) -> dict[str, int]:
 Waypoint = tuple[str, str, int]
 
 
-def _columns(nodes: Sequence[GraphNode]) -> list[list[str | Waypoint]]:
+def _columns(nodes: Sequence[StageRecord]) -> list[list[str | Waypoint]]:
     """Nodes, stubs and waypoints per layer, each layer in drawing order (top to bottom)."""
     layer = layer_of(nodes)
     parents = _parents(nodes)  # stubs first, then input order
@@ -182,7 +190,7 @@ def _columns(nodes: Sequence[GraphNode]) -> list[list[str | Waypoint]]:
     return columns
 
 
-def layers(nodes: Sequence[GraphNode]) -> list[list[str]]:
+def layers(nodes: Sequence[StageRecord]) -> list[list[str]]:
     """Node names (stubs included) per layer, left to right, each layer top to bottom. Within
     a layer, nodes sort by the mean row of their parents (ties keep the input order; stubs
     first), so a child sits level with what feeds it."""
@@ -207,14 +215,15 @@ def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def _box_text(node: GraphNode) -> tuple[str, str]:
+def _box_text(node: StageRecord) -> tuple[str, str]:
     """(title line, body lines) of a box."""
-    title = _clip(node.name, 24)
+    title = _clip(node.stage, 24)
     lines = []
-    if node.kind != node.name:
+    if node.kind and node.kind != node.stage:
         lines.append(_clip(node.kind, 28))
-    lines.append(node.status)
-    for key, value in list(node.headline.items())[:MAX_METRICS]:
+    lines.append(shown_status(node))
+    numbers = [(k, v) for k, v in node.summary.headline.items() if isinstance(v, int | float)]
+    for key, value in numbers[:MAX_METRICS]:
         lines.append(f"{_clip(key, 18)} {_short(value)}")
     return title, "\n".join(lines)
 
@@ -248,13 +257,13 @@ class GraphLayout:
     legend: tuple[str, ...]
 
 
-def box_height(nodes: Sequence[GraphNode]) -> float:
+def box_height(nodes: Sequence[StageRecord]) -> float:
     """The height of every box: room for the most body lines any box has (a stub has one)."""
     lines = max(len(_box_text(n)[1].splitlines()) for n in nodes)
     return BOX_PAD + LINE_H * lines
 
 
-def graph_layout(nodes: Sequence[GraphNode]) -> GraphLayout:
+def graph_layout(nodes: Sequence[StageRecord]) -> GraphLayout:
     """The layout of `nodes`: layer k at x = k layers of COL_PITCH, each layer's rows centred
     on one line, `box_height` plus ROW_GAP apart. The figure is sized to what is drawn: a
     box counts its full height, a waypoint row only its edge (an edge that skips a layer
@@ -285,7 +294,7 @@ def graph_layout(nodes: Sequence[GraphNode]) -> GraphLayout:
     )
 
 
-def draw_stage_graph(nodes: Sequence[GraphNode], path: str | os.PathLike[str]) -> Path:
+def draw_stage_graph(nodes: Sequence[StageRecord], path: str | os.PathLike[str]) -> Path:
     """Draw the stage graph of `nodes` to the PNG `path` (parent folders created) and return it.
 
     Raises ValueError for no nodes, a duplicate name, an unknown status or a cycle. A parent
@@ -295,7 +304,7 @@ def draw_stage_graph(nodes: Sequence[GraphNode], path: str | os.PathLike[str]) -
     return _save_png(stage_graph_figure(nodes), Path(path))
 
 
-def stage_graph_figure(nodes: Sequence[GraphNode]) -> Figure:
+def stage_graph_figure(nodes: Sequence[StageRecord]) -> Figure:
     """The figure `draw_stage_graph` saves (tests read its texts and legend)."""
     layout = graph_layout(nodes)
     from matplotlib.figure import Figure
@@ -305,7 +314,7 @@ def stage_graph_figure(nodes: Sequence[GraphNode]) -> Figure:
     ax.set_xlim(0, layout.width)
     ax.set_ylim(0, layout.height)
     ax.set_axis_off()
-    by_name = {n.name: n for n in nodes}
+    by_name = {n.stage: n for n in nodes}
     for name, xy in layout.centre.items():
         if isinstance(name, str):  # a waypoint is drawn as part of its edge
             node = None if name in layout.stubs else by_name[name]
@@ -316,7 +325,7 @@ def stage_graph_figure(nodes: Sequence[GraphNode]) -> Figure:
 
 
 def _draw_box(
-    ax: Axes, xy: tuple[float, float], name: str, node: GraphNode | None, box_h: float
+    ax: Axes, xy: tuple[float, float], name: str, node: StageRecord | None, box_h: float
 ) -> None:
     """The box of stage `name` centred at `xy`: filled with its status colour and its text, or
     (`node` None) the dashed stub of a parent that is not in this run."""
@@ -330,7 +339,7 @@ def _draw_box(
             BOX_W,
             box_h,
             boxstyle="round,pad=0,rounding_size=0.08",
-            facecolor=STUB_COLOUR if node is None else STATUS_COLOURS[node.status],
+            facecolor=STUB_COLOUR if node is None else STATUS_COLOURS[shown_status(node)],
             edgecolor="#777777" if stub else "#333333",
             linestyle="--" if stub else "-",
             linewidth=1.0,
@@ -344,7 +353,7 @@ def _draw_box(
 
 def _draw_edges(
     ax: Axes,
-    nodes: Sequence[GraphNode],
+    nodes: Sequence[StageRecord],
     columns: Sequence[Sequence[str | Waypoint]],
     centre: Mapping[str | Waypoint, tuple[float, float]],
     stubs: set[str],
@@ -354,11 +363,11 @@ def _draw_edges(
     waypoint, or halfway) unless all are obvious."""
     for child in nodes:
         roles: dict[str, list[str]] = {}
-        for role, parent in child.inputs.items():
+        for role, parent in drawn_links(child.roles).items():
             roles.setdefault(parent, []).append(role)
         for parent, rs in roles.items():
-            waypoints = [s for col in columns for s in col if s[:2] == (parent, child.name)]
-            points = _edge_points(centre, parent, child.name, waypoints)
+            waypoints = [s for col in columns for s in col if s[:2] == (parent, child.stage)]
+            points = _edge_points(centre, parent, child.stage, waypoints)
             _draw_arrow(ax, points, dashed=parent in stubs)
             if not set(rs) <= OBVIOUS_ROLES:
                 if waypoints:

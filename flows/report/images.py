@@ -22,8 +22,9 @@ from pathlib import Path
 from types import ModuleType
 
 from flows.report import graph_plot, plots
-from flows.report.graph_plot import GraphNode, draw_stage_graph
+from flows.report.graph_plot import draw_stage_graph
 from flows.report.plots import CurvePlot, plot_stage, read_records
+from flows.report.tables import StageRecord
 
 
 def cache_dir(workspace: str | os.PathLike[str]) -> Path:
@@ -86,10 +87,13 @@ def curves(
     return drawn, copied
 
 
-def stage_graph(nodes: Sequence[GraphNode], path: Path, cache: Path) -> tuple[Path, bool]:
-    """`graph_plot.draw_stage_graph`, reusing the image drawn before from the same nodes;
-    returns the path and whether it was copied rather than drawn."""
-    image = cache / f"{_key(graph_plot, repr(list(nodes)))}.png"
+def stage_graph(nodes: Sequence[StageRecord], path: Path, cache: Path) -> tuple[Path, bool]:
+    """`graph_plot.draw_stage_graph`, reusing the image drawn before from what the drawing reads
+    of the same records; returns the path and whether it was copied rather than drawn."""
+    shown = [
+        (r.stage, r.kind, r.roles, graph_plot.shown_status(r), r.summary.headline) for r in nodes
+    ]
+    image = cache / f"{_key(graph_plot, repr(shown))}.png"
     if image.is_file():
         _put(path, image)
         return path, True

@@ -15,6 +15,8 @@ from typing import Any
 
 from flows.report.health_summary import absent_reason, health_line
 from flows.report.plots import CurvePlot
+from posttrain.store.summary import Summary
+from posttrain.workspace.promotion import Decision
 
 # ran: the stage process was launched and completed. reused: a complete artifact with this
 # fingerprint was in the workspace (made by an earlier run, or by hand), so nothing ran.
@@ -34,28 +36,31 @@ class StageRecord:
     uri: str = ""
     sha256: str = ""
     parents: list[str] = field(default_factory=list)
-    # The stage summary's "headline": a few key metrics the stage chose to show.
-    headline: dict[str, Any] = field(default_factory=dict)
+    # Its summary; `recovery` only when this run launched it (a reused artifact's is history).
+    summary: Summary = field(default_factory=Summary)
     error: str = ""
-    # Training stages: the memory pre-flight's estimate beside the measured peak (summary.memory).
-    memory: dict[str, Any] = field(default_factory=dict)
-    # What this launch recovered from (summary.recovery): an earlier attempt that did not
-    # finish, the checkpoint it resumed from, checkpoints it rejected as damaged.
-    recovery: dict[str, Any] = field(default_factory=dict)
     # The stage's kind (its name, unless the recipe named it) and which stage played which of
-    # its input roles (posttrain.plan.planner.PlannedStage.roles).
+    # its input roles (posttrain.runtime.spec.PlannedStage.roles).
     kind: str = ""
     roles: dict[str, str] = field(default_factory=dict)
-    # evaluate: `evaluate.policies` side by side (summary.policies), for the chain table.
-    policies: dict[str, Any] = field(default_factory=dict)
     # What this launch's ranks went through (flows.report.health_summary): data wait,
     # memory headroom, MFU, throttling, network errors, each with its worst moment.
     health: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def reused(self) -> bool:
-        """True when no stage process ran for this record (its artifact was in the workspace)."""
-        return self.status == "reused"
+
+@dataclass
+class RunResult:
+    """What the flow returns and `posttrain run` prints: the stages' records, the run folder,
+    images and export, the stages left out, the promotion; `failed`: recorded at a failure."""
+
+    run_id: str
+    run_dir: Path
+    stages: list[StageRecord]
+    export_path: str | None = None
+    not_selected: list[str] = field(default_factory=list)
+    promotion: Decision | None = None
+    images: list[Path] = field(default_factory=list)
+    failed: bool = False
 
 
 def format_duration(seconds: float) -> str:
@@ -127,7 +132,7 @@ def markdown_report(
                     r.stage,
                     r.status,
                     format_duration(r.duration_s),
-                    headline_text(r.headline) or "-",
+                    headline_text(r.summary.headline) or "-",
                     f"`{r.uri}`" if r.uri else "-",
                 )
             )
@@ -167,13 +172,13 @@ def recovery_lines(records: Sequence[StageRecord]) -> list[str]:
     resumed, which checkpoints it rejected. Empty when every stage started clean."""
     out = []
     for r in records:
-        rec = r.recovery
-        if not rec:
+        rec = r.summary.recovery
+        if rec is None:
             continue
-        parts = [str(rec["earlier_attempt"])] if rec.get("earlier_attempt") else []
-        for bad in rec.get("rejected_checkpoints") or []:
+        parts = [rec.earlier_attempt] if rec.earlier_attempt else []
+        for bad in rec.rejected_checkpoints:
             parts.append(f"rejected damaged checkpoint {bad}")
-        step = rec.get("resumed_from_step")
+        step = rec.resumed_from_step
         parts.append(f"resumed from step {step}" if step else "started from step 0")
         out.append(f"{r.stage}: " + "; ".join(parts))
     return out
@@ -250,7 +255,7 @@ def _gpu_cell(h: dict[str, Any]) -> str:
 def memory_markdown(records: Sequence[StageRecord]) -> list[str]:
     """The "## Memory" section: per training stage, the pre-flight estimate beside the measured
     peak (peak RSS on CPU, peak reserved on GPU); empty when no stage has one."""
-    rows = [r for r in records if r.memory.get("estimate_gib") is not None]
+    rows = [(r.stage, r.summary.memory) for r in records if r.summary.memory is not None]
     if not rows:
         return []
     lines = [
@@ -261,15 +266,14 @@ def memory_markdown(records: Sequence[StageRecord]) -> list[str]:
         "| capacity (GiB) |",
         "|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        m = r.memory
+    for stage, m in rows:
         cells = (
-            r.stage,
-            format_value(m.get("estimate_gib")),
-            format_value(m.get("measured_peak_gib")),
-            str(m.get("measured", "-")),
-            format_value(m.get("estimate_over_measured")),
-            format_value(m.get("capacity_gib")),
+            stage,
+            format_value(m.estimate_gib),
+            format_value(m.measured_peak_gib),
+            m.measured,
+            format_value(m.estimate_over_measured),
+            format_value(m.capacity_gib),
         )
         lines.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
     return lines
@@ -296,7 +300,7 @@ def metrics_table(records: Sequence[StageRecord]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for r in records:
         rows.append({"stage": r.stage, "metric": "duration_s", "value": round(r.duration_s, 2)})
-        for k, v in r.headline.items():
+        for k, v in r.summary.headline.items():
             rows.append({"stage": r.stage, "metric": k, "value": v})
     return rows
 
@@ -331,7 +335,7 @@ def text_table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
 def summary_table(records: Sequence[StageRecord]) -> str:
     """CLI summary: stage | status | duration | headline metrics."""
     rows = [
-        (r.stage, r.status, format_duration(r.duration_s), headline_text(r.headline) or "-")
+        (r.stage, r.status, format_duration(r.duration_s), headline_text(r.summary.headline) or "-")
         for r in records
     ]
     return text_table(rows, ("stage", "status", "duration", "headline metrics"))
@@ -340,7 +344,7 @@ def summary_table(records: Sequence[StageRecord]) -> str:
 def chain_markdown(records: Sequence[StageRecord]) -> list[str]:
     """`evaluate.policies` side by side: each policy against its parent (what each link of the
     chain gained); nothing when the recipe lists none."""
-    ev = next((r for r in records if r.policies), None)
+    ev = next((r for r in records if r.summary.policies), None)
     if ev is None:
         return []
     lines = [
@@ -354,7 +358,7 @@ def chain_markdown(records: Sequence[StageRecord]) -> list[str]:
         "| win-rate vs parent |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    rows = ev.policies
+    rows = ev.summary.policies
     for name, row in rows.items():
         parent = rows.get(row.get("parent"), {})
 
@@ -380,12 +384,11 @@ def chain_markdown(records: Sequence[StageRecord]) -> list[str]:
 def teacher_markdown(records: Sequence[StageRecord]) -> list[str]:
     """A distilled final policy's teacher line: the student's start, its end and the teacher
     on the held-out exact match, and the share of the gap closed; nothing without a teacher."""
-    ev = next(
-        (r for r in records if "teacher" in r.roles and "exact_match_teacher" in r.headline), None
-    )
+    taught = (r for r in records if "teacher" in r.roles)
+    ev = next((r for r in taught if "exact_match_teacher" in r.summary.headline), None)
     if ev is None:
         return []
-    h = ev.headline
+    h = ev.summary.headline
     start = "parent" if "exact_match_parent" in h else "base"
     gap = h.get("teacher_gap_closed")
     closed = f"closed {format_value(gap)} of the gap" if gap is not None else "no gap to close"

@@ -5,7 +5,7 @@ where its last heartbeat was)."""
 from __future__ import annotations
 
 from flows.stage.rank_exit import describe_beat, describe_exit, how_it_ended, root_causes
-from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.spec import PlannedStage
 from posttrain.telemetry.heartbeat import read_heartbeats
 
 

@@ -16,7 +16,7 @@ import psutil
 
 from flows.stage.failures import StageFailed
 from flows.stage.procs import stage_processes
-from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.spec import PlannedStage
 from posttrain.telemetry.heartbeat import Hang, HangWatch, stack_file
 
 # How long the ranks get to write their stacks after SIGUSR1 (faulthandler writes from the

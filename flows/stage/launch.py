@@ -21,9 +21,8 @@ from prefect.context import FlowRunContext
 
 import posttrain
 from posttrain import hub
-from posttrain.plan.planner import PlannedStage
 from posttrain.runtime.orphan import process_start
-from posttrain.runtime.spec import LAUNCH_TAG_ENV, LaunchInfo
+from posttrain.runtime.spec import LAUNCH_TAG_ENV, LaunchInfo, PlannedStage
 
 # The device lock file (posttrain.runtime.device_lock) the flow holds, named in its stages' specs so
 # an orphaned stage that goes on (infra.orphan=finish) can take the devices over. A context

@@ -29,7 +29,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
+
+from pydantic import BaseModel
 
 from flows.stage.failures import StageFailed, StageTimeout, failure_headline
 from flows.stage.hang import StageHung, hang_message, hang_watch
@@ -47,13 +49,13 @@ from flows.stage.launchers.base import Launch, Launcher, LaunchError, LaunchRequ
 from flows.stage.launchers.records import record_launch, stop_earlier_launch
 from flows.stage.output import MetricsTail, OutputPump, ProgressArtifact, run_logger
 from flows.stage.procs import KILL_GRACE_S
-from posttrain.plan.planner import PlannedStage
 from posttrain.runtime.orphan import SupervisorBeat
 from posttrain.runtime.recovery import ERROR_FILE, earlier_attempt
-from posttrain.runtime.spec import StageSpec, spec_path
+from posttrain.runtime.spec import PlannedStage, StageSpec, spec_path
 from posttrain.store.artifacts import ArtifactRef
 from posttrain.store.locking import ArtifactLock, LockTimeout, describe_holder, lock_path
 from posttrain.store.status import Status, find_reusable, status
+from posttrain.store.summary import ArtifactDamaged, Summary, read_summary
 from posttrain.telemetry.heartbeat import Hang, HangWatch
 
 # How often the supervisor looks at the launch, its heartbeats and its timeout. A local child's
@@ -61,10 +63,20 @@ from posttrain.telemetry.heartbeat import Hang, HangWatch
 POLL_S = 0.5
 
 
-@dataclass
-class Outcome:
-    status: str  # "ran" or "reused"
+class Outcome(BaseModel):
+    """A stage that ran or was reused: its artifact and its summary, read here, once."""
+
+    status: Literal["ran", "reused"]
     ref: ArtifactRef
+    summary: Summary
+
+    @classmethod
+    def of(cls, stage: PlannedStage, status: Literal["ran", "reused"], ref: ArtifactRef) -> Outcome:
+        """`ref` with its summary; a summary that does not read fails the stage."""
+        try:
+            return cls(status=status, ref=ref, summary=read_summary(ref.path))
+        except ArtifactDamaged as exc:
+            raise StageFailed(f"stage '{stage.name}': {exc}") from None
 
 
 def supervise_stage(
@@ -111,7 +123,7 @@ def _join(stage: PlannedStage, spec: StageSpec, kill_grace_s: float) -> Outcome:
     says whether node 0 found the stage complete (an agent would wait for it in vain)."""
     if (ref := status(stage.out_dir, stage.fingerprint, hashes=True).ref) is not None:
         run_logger().info("stage %s: complete artifact found in %s", stage.name, stage.out_dir)
-        return Outcome("reused", ref)
+        return Outcome.of(stage, "reused", ref)
     return _launch(stage, spec, _engine(stage), str(lock_path(stage.out_dir)), kill_grace_s)
 
 
@@ -135,7 +147,7 @@ def _under_lock(stage: PlannedStage, spec: StageSpec, lock: str, kill_grace_s: f
         stop_earlier_launch(engine, stage, kill_grace_s, log)
     if (ref := find_reusable(stage.out_dir, stage.fingerprint, log)) is not None:
         log.info("stage %s: complete artifact found in %s, reusing it", stage.name, stage.out_dir)
-        return Outcome("reused", ref)
+        return Outcome.of(stage, "reused", ref)
     if REUSE_ONLY.get():
         raise DevicesNeeded(f"stage {stage.name} has no complete artifact in {stage.out_dir}")
     return _launch(stage, spec, engine, lock, kill_grace_s)
@@ -270,7 +282,7 @@ def _follow(
         raise StageFailed(f"{headline}. Log: {log_path}\n--- end of the log ---\n{tail}")
     ref = _completed_ref(stage, pump.artifact_json)
     progress.update(100.0, "done")
-    return Outcome("ran", ref)
+    return Outcome.of(stage, "ran", ref)
 
 
 @dataclass

@@ -14,17 +14,13 @@ use too.
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
 
 from flows.stage.procs import KILL_GRACE_S
-from flows.stage.supervise import supervise_stage
-from posttrain.plan.planner import PlannedStage
-from posttrain.runtime.spec import StageSpec
-from posttrain.store.artifacts import ArtifactRef
+from flows.stage.supervise import Outcome, supervise_stage
+from posttrain.runtime.spec import PlannedStage, StageSpec
 
 REUSED = "reused"
 
@@ -32,17 +28,16 @@ REUSED = "reused"
 @task(name="stage", task_run_name="{stage.name}", cache_policy=NO_CACHE, persist_result=False)
 def stage_task(
     stage: PlannedStage, spec: StageSpec, kill_grace_s: float = KILL_GRACE_S
-) -> dict[str, Any] | State:
-    """Launch and supervise one stage. Returns `{"status": "ran"|"reused", "ref": {...}}`, in
-    a Completed state named Reused when the artifact was already there."""
+) -> Outcome | State:
+    """Launch and supervise one stage. Returns its `Outcome` (status, ref, summary), in a
+    Completed state named Reused when the artifact was already there. The result stays in
+    this process (`persist_result=False`): Prefect stores nothing of it."""
     outcome = supervise_stage(stage, spec, kill_grace_s)
-    result = {"status": outcome.status, "ref": outcome.ref.model_dump(mode="json")}
     if outcome.status == REUSED:
-        return Completed(name="Reused", message=f"artifact {outcome.ref.uri}", data=result)
-    return result
+        return Completed(name="Reused", message=f"artifact {outcome.ref.uri}", data=outcome)
+    return outcome
 
 
-def run_task(stage: PlannedStage, spec: StageSpec) -> tuple[str, ArtifactRef]:
-    """Run one stage through the task; returns (status, ref). Raises the stage's error."""
-    outcome = stage_task(stage, spec, return_state=True).result()
-    return outcome["status"], ArtifactRef.model_validate(outcome["ref"])
+def run_task(stage: PlannedStage, spec: StageSpec) -> Outcome:
+    """Run one stage through the task; returns its outcome. Raises the stage's error."""
+    return stage_task(stage, spec, return_state=True).result()

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from flows.report.tables import RunResult, StageRecord
 from flows.stage.jsonl_tail import JsonlTail
 from flows.stage.output import _start_thread, run_logger
 
@@ -51,12 +52,12 @@ class Sink:
     def log(self, stage: str, records: list[dict[str, Any]]) -> None:
         """New metrics.jsonl records of `stage` (each with `kind` and usually `step`)."""
 
-    def end_stage(self, stage: str, status: str, info: dict[str, Any]) -> None:
-        """`status`: ran, reused or failed; `info`: uri, sha256, headline, error."""
+    def end_stage(self, record: StageRecord) -> None:
+        """How the stage ended: its record (ran, reused or failed; artifact, summary, error)."""
 
-    def finish(self, result: dict[str, Any]) -> None:
-        """The run is recorded. `result`: run_dir, report (path), images (paths), promoted
-        (bool), export_path, fingerprints ({stage: fingerprint})."""
+    def finish(self, result: RunResult) -> None:
+        """The run is recorded: its records, its folder with report.md and images, the export,
+        the promotion decision, whether it stopped at a failure."""
 
 
 def numeric_fields(record: dict[str, Any]) -> dict[str, float]:
@@ -177,10 +178,10 @@ class Trackers:
         if fresh:
             self._all("log", stage, fresh)
 
-    def end_stage(self, stage: str, status: str, info: dict[str, Any]) -> None:
-        self._all("end_stage", stage, status, info)
+    def end_stage(self, record: StageRecord) -> None:
+        self._all("end_stage", record)
 
-    def finish(self, result: dict[str, Any], timeout_s: float = FINISH_TIMEOUT_S) -> None:
+    def finish(self, result: RunResult, timeout_s: float = FINISH_TIMEOUT_S) -> None:
         """Last call: hand over the run's files and wait (bounded) for every sink to drain."""
         if self._closed:
             return

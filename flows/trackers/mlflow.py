@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flows.report.tables import RunResult, StageRecord
 from flows.trackers import Sink, headline_metrics, numeric_fields
 
 PARAM_VALUE_MAX = 6000  # MLflow's limit on a param value
@@ -114,45 +115,46 @@ class MlflowSink(Sink):
             ]
         self._metrics(self.stage_runs[stage], metrics)
 
-    def end_stage(self, stage: str, status: str, info: dict[str, Any]) -> None:
+    def end_stage(self, record: StageRecord) -> None:
         from mlflow.entities import Metric, RunTag
 
-        run_id = self.stage_runs[stage]
-        ms, step = int(time.time() * 1000), self._last_step.get(stage, 0)
+        run_id = self.stage_runs[record.stage]
+        ms, step = int(time.time() * 1000), self._last_step.get(record.stage, 0)
         metrics = [
             Metric(metric_key(k), v, ms, step)
-            for k, v in headline_metrics(info.get("headline") or {}).items()
+            for k, v in headline_metrics(record.summary.headline).items()
         ]
         tags = {
-            "posttrain.status": status,
-            "posttrain.reused": str(status == "reused").lower(),
-            "posttrain.artifact_uri": str(info.get("uri") or ""),
-            "posttrain.sha256": str(info.get("sha256") or ""),
+            "posttrain.status": record.status,
+            "posttrain.reused": str(record.status == "reused").lower(),
+            "posttrain.artifact_uri": record.uri,
+            "posttrain.sha256": record.sha256,
         }
-        if info.get("error"):
-            tags["posttrain.error"] = str(info["error"])[:5000]
+        if record.error:
+            tags["posttrain.error"] = record.error[:5000]
         self.client.log_batch(run_id, metrics=metrics, tags=[RunTag(k, v) for k, v in tags.items()])
-        self.client.set_terminated(run_id, "FAILED" if status == "failed" else "FINISHED")
+        self.client.set_terminated(run_id, "FAILED" if record.status == "failed" else "FINISHED")
 
-    def finish(self, result: dict[str, Any]) -> None:
+    def finish(self, result: RunResult) -> None:
         assert self.parent_id is not None
         parent = self.parent_id
-        for stage, fingerprint in (result.get("fingerprints") or {}).items():
-            self.client.set_tag(parent, f"posttrain.fingerprint.{stage}", fingerprint)
-        if result.get("report"):
-            self.client.log_artifact(parent, str(result["report"]))
-        for image in result.get("images") or []:
+        for r in result.stages:
+            self.client.set_tag(parent, f"posttrain.fingerprint.{r.stage}", r.fingerprint)
+        self.client.log_artifact(parent, str(result.run_dir / "report.md"))
+        for image in result.images:
             self.client.log_artifact(parent, str(image), "curves")
-        export = result.get("export_path")
-        if result.get("promoted") and export:
-            self._register(parent, Path(export), result)
-        self.client.set_terminated(parent, "FAILED" if result.get("failed") else "FINISHED")
+        export = next(
+            (r for r in result.stages if r.stage == "export" and r.status != "failed"), None
+        )
+        if result.promotion and result.promotion.promoted and export and result.export_path:
+            self._register(parent, Path(result.export_path), export)
+        self.client.set_terminated(parent, "FAILED" if result.failed else "FINISHED")
 
-    def _register(self, parent: str, export: Path, result: dict[str, Any]) -> None:
+    def _register(self, parent: str, export_path: Path, export: StageRecord) -> None:
         """The promoted export as a new version of the registered model, alias `champion`."""
         from mlflow.exceptions import MlflowException
 
-        fingerprint = str(result.get("export_fingerprint") or "")
+        fingerprint = export.fingerprint
         try:
             current = self.client.get_model_version_by_alias(self.model_name, ALIAS)
         except MlflowException:
@@ -160,16 +162,16 @@ class MlflowSink(Sink):
         if current is not None and current.tags.get(FINGERPRINT_TAG) == fingerprint:
             return  # a re-run that promoted the same export: already the champion version
         if self.config.upload_model:
-            self.client.log_artifacts(parent, str(export), "model")
+            self.client.log_artifacts(parent, str(export_path), "model")
         else:
             with tempfile.TemporaryDirectory() as tmp:
                 pointer = Path(tmp) / "posttrain_export.json"
                 pointer.write_text(
                     json.dumps(
                         {
-                            "path": str(export),
-                            "fingerprint": result.get("export_fingerprint"),
-                            "sha256": result.get("export_sha256"),
+                            "path": str(export_path),
+                            "fingerprint": fingerprint,
+                            "sha256": export.sha256,
                         },
                         indent=2,
                     )
@@ -185,7 +187,7 @@ class MlflowSink(Sink):
             self.model_name,
             source=f"{run.info.artifact_uri}/model",
             run_id=parent,
-            tags={"posttrain.export_path": str(export), FINGERPRINT_TAG: fingerprint},
+            tags={"posttrain.export_path": str(export_path), FINGERPRINT_TAG: fingerprint},
         )
         self.client.set_registered_model_alias(self.model_name, ALIAS, version.version)
         self.client.set_tag(parent, "posttrain.registered_version", str(version.version))

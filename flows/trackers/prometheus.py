@@ -22,10 +22,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, push_to_gateway, start_http_server
 
+from flows.report.tables import RunResult, StageRecord
 from flows.stage.output import run_logger
 from flows.trackers import Sink
 from flows.trackers.exposition import RunSeries
-from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.spec import PlannedStage
 
 log = logging.getLogger("posttrain.flows.trackers")
 
@@ -76,11 +77,11 @@ class PrometheusSink(Sink):
         if self.series is not None:
             self.series.set_status(stage, "running")
 
-    def end_stage(self, stage: str, status: str, info: dict[str, Any]) -> None:
+    def end_stage(self, record: StageRecord) -> None:
         if self.series is not None:
-            self.series.set_status(stage, status)
+            self.series.set_status(record.stage, record.status)
 
-    def finish(self, result: dict[str, Any]) -> None:
+    def finish(self, result: RunResult) -> None:
         self._stop.set()
         if self._pusher is not None:
             self._pusher.join(timeout=10)

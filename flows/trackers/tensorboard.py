@@ -14,6 +14,7 @@ from typing import Any
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+from flows.report.tables import RunResult, StageRecord
 from flows.trackers import Sink, headline_metrics, numeric_fields
 
 
@@ -51,14 +52,14 @@ class TensorBoardSink(Sink):
             self._last_step[stage] = int(step)
             self._scalars(stage, values, int(step), float(r.get("time") or time.time()))
 
-    def end_stage(self, stage: str, status: str, info: dict[str, Any]) -> None:
-        values = headline_metrics(info.get("headline") or {})
+    def end_stage(self, record: StageRecord) -> None:
+        stage, values = record.stage, headline_metrics(record.summary.headline)
         if values:  # at the stage's last step, so it lines up with its curves
             self._scalars(stage, values, self._last_step.get(stage, 0), time.time())
         if stage in self._writers:
             self._writers[stage].flush()
 
-    def finish(self, result: dict[str, Any]) -> None:
+    def finish(self, result: RunResult) -> None:
         for writer in self._writers.values():
             writer.close()
         self._writers.clear()

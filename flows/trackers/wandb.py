@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from flows.report.tables import RunResult, StageRecord
 from flows.trackers import Sink, headline_metrics, numeric_fields
 
 
@@ -73,22 +74,22 @@ class WandbSink(Sink):
             if values and isinstance(step, int | float):
                 run.log(values, step=int(step))
 
-    def end_stage(self, stage: str, status: str, info: dict[str, Any]) -> None:
-        run = self.runs.pop(stage, None)
+    def end_stage(self, record: StageRecord) -> None:
+        run = self.runs.pop(record.stage, None)
         if run is None:
             return
         run.summary.update(
             {
-                **headline_metrics(info.get("headline") or {}),
-                "posttrain/status": status,
-                "posttrain/reused": status == "reused",
-                "posttrain/sha256": info.get("sha256") or "",
-                "posttrain/artifact_uri": info.get("uri") or "",
+                **headline_metrics(record.summary.headline),
+                "posttrain/status": record.status,
+                "posttrain/reused": record.status == "reused",
+                "posttrain/sha256": record.sha256,
+                "posttrain/artifact_uri": record.uri,
             }
         )
-        run.finish(exit_code=1 if status == "failed" else 0)
+        run.finish(exit_code=1 if record.status == "failed" else 0)
 
-    def finish(self, result: dict[str, Any]) -> None:
+    def finish(self, result: RunResult) -> None:
         for stage in list(self.runs):
             self.runs.pop(stage).finish(exit_code=1)
         self.wandb.teardown()  # stops the wandb-core service process

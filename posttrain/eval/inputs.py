@@ -41,7 +41,7 @@ def conversations(ctx: StageContext) -> tuple[list[dict], bool]:
         "no held-out rows (%s.data.eval_fraction is 0 and no eval_path): held-out loss "
         "and exact match are skipped; samples and the inference benchmark use training "
         "prompts",
-        ctx.roles["heldout"],
+        ctx.stage.roles["heldout"],
     )
     return saved_split(source, "train")[: cfg.max_eval_rows], False
 
@@ -58,7 +58,7 @@ def prompts_and_refs(ctx: StageContext, tok: Any, rows: list[dict]) -> tuple[lis
         pairs = (prompt_text(tok, r["messages"], r.get("tools")) for r in rows)
         prompts, refs = zip(*pairs, strict=True)
         return list(prompts), list(refs)
-    own = stage_prompts(ctx, ctx.roles["policy"], ctx.recipe.evaluate.max_eval_rows)
+    own = stage_prompts(ctx, ctx.stage.roles["policy"], ctx.recipe.evaluate.max_eval_rows)
     as_turns = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in own]
     prompts = [prompt_text(tok, [*p, {"role": "assistant", "content": ""}])[0] for p in as_turns]
     return prompts, [""] * len(prompts)
@@ -80,7 +80,7 @@ def verifier_specs(ctx: StageContext) -> list[RewardSpec] | None:
     cfg = ctx.recipe.evaluate
     if cfg.verifiers is not None:
         return cfg.verifiers or None
-    source = ctx.roles.get("verifier")
+    source = ctx.stage.roles.get("verifier")
     if source is not None and ctx.recipe.stage(source).rewards:
         return ctx.recipe.stage(source).rewards[:1]
     if source is not None and _has_environment(ctx.recipe.stage(source)):
@@ -91,7 +91,7 @@ def verifier_specs(ctx: StageContext) -> list[RewardSpec] | None:
 def verifiers_field(ctx: StageContext) -> str:
     """The recipe field `verifier_specs` came from (`evaluate.verifiers`, `grpo.rewards`), which
     a misbehaving function's error starts with."""
-    source = ctx.roles.get("verifier")
+    source = ctx.stage.roles.get("verifier")
     if ctx.recipe.evaluate.verifiers is not None or source is None:
         return "evaluate.verifiers"
     return f"{ctx.recipe.graph().get(source).where}.rewards"
@@ -105,7 +105,7 @@ def _has_environment(section: Any) -> bool:
 def verifier_episodes(ctx: StageContext, tok: Any, stop_ids: list[int]) -> EpisodeSetup | None:
     """The verifier stage's episodes (its rollout's tools or environment, its limits) when it
     rolled out multi-turn: the pass@k report then plays episodes too."""
-    source = ctx.roles.get("verifier")
+    source = ctx.stage.roles.get("verifier")
     rollout = getattr(ctx.recipe.stage(source), "rollout", None) if source else None
     if rollout is None or not rollout.episodes:
         return None
@@ -120,10 +120,10 @@ def verifier_prompts(ctx: StageContext) -> tuple[VerifyPrompts, str] | None:
         # Prompts saved without their columns (an artifact from before they were kept) have no
         # references to check against: the held-out conversations have them.
         rows = [r for r in saved_split(ctx.role_dir("verifier"), "eval") if len(r) > 1]
-        origin = f"{ctx.roles['verifier']} held-out prompts"
+        origin = f"{ctx.stage.roles['verifier']} held-out prompts"
     if not rows and ctx.has_role("heldout"):
         rows = saved_split(ctx.role_dir("heldout"), "eval")
-        origin = f"{ctx.roles['heldout']} held-out conversations"
+        origin = f"{ctx.stage.roles['heldout']} held-out conversations"
     if not rows:
         log.warning("verifiers but no held-out prompts with references: no pass@k report")
         return None

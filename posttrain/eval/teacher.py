@@ -62,7 +62,10 @@ def teacher_scores(
     are rows and a greedy setting), "verifier" (pass@1 figures, when `verify`)} of the teacher;
     the model is freed before it returns."""
     cfg, seed = ctx.recipe.evaluate, ctx.recipe.run.seed
-    out: dict[str, Any] = {"stage": ctx.roles["teacher"], "base": ctx.roles["teacher_base"]}
+    out: dict[str, Any] = {
+        "stage": ctx.stage.roles["teacher"],
+        "base": ctx.stage.roles["teacher_base"],
+    }
     model, tok = teacher_model(ctx, device)
     try:
         if greedy is not None and rows:

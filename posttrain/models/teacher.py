@@ -41,9 +41,9 @@ def build_teacher(ctx: Any, student_tokenizer: Any | None = None) -> tuple[RoleM
         ctx.role_dir("teacher_base"), ctx.role_manifest("teacher_base"), dtype, infra.attention
     )
     if student_tokenizer is not None:
-        names = (ctx.roles["base"], ctx.roles["teacher"])
+        names = (ctx.stage.roles["base"], ctx.stage.roles["teacher"])
         if problem := vocab_mismatch(student_tokenizer, tok, names):
-            raise ValueError(f"{ctx.recipe.graph().get(ctx.name).where}.teacher: {problem}")
+            raise ValueError(f"{ctx.recipe.graph().get(ctx.stage.name).where}.teacher: {problem}")
     adapter = ctx.adapter_dir("teacher")
     lm: Any = base
     if adapter is not None:
@@ -60,8 +60,8 @@ def build_teacher(ctx: Any, student_tokenizer: Any | None = None) -> tuple[RoleM
     total = sum(p.numel() for p in model.parameters())
     log.info(
         "teacher %s on base %s: %s parameters (this rank's shards), frozen",
-        ctx.roles["teacher"],
-        ctx.roles["teacher_base"],
+        ctx.stage.roles["teacher"],
+        ctx.stage.roles["teacher_base"],
         f"{total:,}",
     )
     return model, tok

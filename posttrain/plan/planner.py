@@ -10,49 +10,14 @@ stage kind is (its module, what it consumes, whether it trains) comes from the r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from posttrain.config.graph import StageGraph
 from posttrain.config.schema import Recipe, ResolvedRecipe
 from posttrain.kinds import KINDS, StageKind
 from posttrain.plan.fingerprints import stage_inputs
-from posttrain.runtime.spec import StageSpec
+from posttrain.runtime.spec import PlannedStage, StageSpec
 from posttrain.store.artifacts import ArtifactRef, fingerprint, stage_dir
-
-
-@dataclass
-class PlannedStage:
-    name: str
-    module: str
-    fingerprint: str
-    out_dir: Path
-    parents: dict[str, str]  # parent stage name -> fingerprint
-    nprocs: int  # processes per node
-    timeout_s: float
-    inputs: dict[str, Any] = field(repr=False, default_factory=dict)
-    nnodes: int = 1
-    rdzv_endpoint: str | None = None
-    # Hang watch (training stages only; see flows.stage.supervise.supervise_stage): seconds without
-    # any rank's heartbeat advancing, plus the allowance before the training loop's first beat.
-    hang_timeout_s: float | None = None
-    hang_startup_s: float = 0.0
-    kind: str = ""
-    # What its artifact is for the stages that consume it (the kind's `produces`).
-    produces: str = ""
-    # role -> parent stage name: "base", "policy" (what it starts from), "reference",
-    # "reward_model", "teacher" and "teacher_base" (a distillation's teacher and the base it
-    # stands on); evaluate and export also "parent" (the policy's own parent), "heldout" (where
-    # held-out conversations come from) and "evaluation"; evaluate of a distilled policy also
-    # its "teacher" and "teacher_base".
-    roles: dict[str, str] = field(default_factory=dict)
-    # GPUs this stage may use (CUDA_VISIBLE_DEVICES), set by the flow when stages run side by
-    # side (infra.parallel_stages); None = all the machine has.
-    visible_devices: str | None = None
-    # What runs it (infra.launcher: local, slurm, kubernetes) and the infra section the launcher
-    # reads its settings from (JSON-able: the stage travels as a Prefect task parameter).
-    launcher: str = "local"
-    infra: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
 def stage_roles(recipe: Recipe, graph: StageGraph, kind: StageKind, name: str) -> dict[str, str]:
@@ -212,16 +177,7 @@ def _planned(
 def spec_for(
     stage: PlannedStage, recipe: ResolvedRecipe, parent_refs: dict[str, ArtifactRef]
 ) -> StageSpec:
-    """What a stage process builds (`posttrain.runtime.spec`): the resolved recipe, the stage's
-    fingerprint, folder, inputs and roles, and its parents' refs. Its supervisor adds the
-    launch record and writes it to `logs/spec.json`."""
-    return StageSpec(
-        stage=stage.name,
-        kind=stage.kind,
-        roles=stage.roles,
-        fingerprint=stage.fingerprint,
-        out_dir=str(stage.out_dir),
-        inputs=stage.inputs,
-        parents=parent_refs,
-        recipe=recipe.model_dump(mode="json"),
-    )
+    """What a stage process builds (`posttrain.runtime.spec`): the planned stage, its parents'
+    refs and the resolved recipe. Its supervisor adds the launch record and writes it to
+    `logs/spec.json`."""
+    return StageSpec(stage=stage, parents=parent_refs, recipe=recipe.model_dump(mode="json"))

@@ -18,7 +18,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from posttrain.kinds import KINDS
-from posttrain.plan.planner import PlannedStage, RunPlan
+from posttrain.plan.planner import RunPlan
+from posttrain.runtime.spec import PlannedStage
 from posttrain.store.status import status
 
 

@@ -87,7 +87,7 @@ def run_loop(
         run = setup(ctx, stack, **options)
         cfg, n = ctx.section, run.n_rollouts
         eval_rows = run.data.eval[: cfg.eval_prompts]
-        samples = ctx.out_dir / "eval_samples.jsonl" if ctx.is_main else None
+        samples = ctx.stage.out_dir / "eval_samples.jsonl" if ctx.is_main else None
         sft: dict[str, float] | None = None
         ahead = Ahead(run.tr.model) if cfg.rollout.max_staleness else None
         for step in range(run.tr.start_step, n):
@@ -219,7 +219,7 @@ def finish(
         write_reference(ctx, run.rollouts.rewarder)
     return tr.summary(
         ctx,
-        algorithm=ctx.name,
+        algorithm=ctx.stage.name,
         kl_placement=run.placement,
         kl_coef_final=run.ctl.coef,
         eval_final=final,
@@ -242,19 +242,19 @@ def write_reference(ctx: StageContext, rewarder: Rewarder) -> None:
     """reference.json: what the policy was measured against (the reference adapter) and
     rewarded by (the reward model, each reward function with its file's sha256)."""
     reference: dict[str, Any] = {
-        "reference": f"{ctx.roles['reference']} adapter",
+        "reference": f"{ctx.stage.roles['reference']} adapter",
         "reference_fingerprint": ctx.role_ref("reference").fingerprint,
     }
     if ctx.has_role("teacher"):
-        reference["teacher"] = ctx.roles["teacher"]
+        reference["teacher"] = ctx.stage.roles["teacher"]
         reference["teacher_fingerprint"] = ctx.role_ref("teacher").fingerprint
-        reference["teacher_base"] = ctx.roles["teacher_base"]
+        reference["teacher_base"] = ctx.stage.roles["teacher_base"]
     if ctx.has_role("reward_model"):
-        reference["reward_model"] = ctx.roles["reward_model"]
+        reference["reward_model"] = ctx.stage.roles["reward_model"]
         reference["reward_fingerprint"] = ctx.role_ref("reward_model").fingerprint
         reference["reward_model_weight"] = ctx.section.reward_model_weight
     reference["reward_functions"] = [
         {"label": f.label, "fn": f.fn_ref, "weight": f.weight, "sha256": f.sha256}
         for f in rewarder.funcs
     ]
-    (ctx.out_dir / "reference.json").write_text(json.dumps(reference, indent=2))
+    (ctx.stage.out_dir / "reference.json").write_text(json.dumps(reference, indent=2))

@@ -138,7 +138,7 @@ def setup(
     `kl_placement`: where `kl.placement: auto` puts the KL. `shapes` and `passes`: how the
     update consumes a rollout (the clipped update's by default, `scoring_passes` looked up when
     called so that a benchmark can force every pass; online DPO's step brings its own)."""
-    cfg, name, d = ctx.section, ctx.name, ctx.dist
+    cfg, name, d = ctx.section, ctx.stage.name, ctx.dist
     base, tok, weights = training_base(ctx)
     template_sha = check_template(ctx, tok, "policy")
     has_rm = ctx.has_role("reward_model")
@@ -193,22 +193,22 @@ def check_template(ctx: StageContext, tok: Any, role: str) -> str:
     """The sha256 of the tokenizer's chat template, after checking that it is the one the
     parent in `role` (the policy, or the reward model) trained with."""
     recorded = ctx.role_manifest(role)["summary"].get("chat_template_sha256")
-    return guard_template(tok, recorded, ctx.name, ctx.section, ctx.roles[role])
+    return guard_template(tok, recorded, ctx.stage.name, ctx.section, ctx.stage.roles[role])
 
 
 def load_prompts(ctx: StageContext, tok: Any) -> PromptData:
     """The section's prompts, encoded and split; the main rank writes both splits to data/."""
     data: PromptData = prepare_prompts(ctx.section.data, tok, ctx.recipe.run.seed)
     if ctx.is_main:
-        (ctx.out_dir / "data").mkdir(parents=True, exist_ok=True)
+        (ctx.stage.out_dir / "data").mkdir(parents=True, exist_ok=True)
         for split, rows in (("train", data.train), ("eval", data.eval)):
             write_rows(
-                ctx.out_dir / "data" / f"{split}.jsonl",
+                ctx.stage.out_dir / "data" / f"{split}.jsonl",
                 [{"prompt": r["messages"], **r["columns"]} for r in rows],
             )
     if not data.eval:
         raise ValueError(
-            f"{ctx.name}.data: no held-out prompts; set eval_fraction > 0 or eval_path"
+            f"{ctx.stage.name}.data: no held-out prompts; set eval_fraction > 0 or eval_path"
         )
     return data
 
@@ -246,7 +246,10 @@ def rollout_setup(
     stop_ids = model_stop_token_ids(model, tok)
     log.info("rollouts stop at token ids %s", stop_ids)
     episodes = episode_setup(
-        ctx.section.rollout, tok, stop_ids, f"{ctx.name}'s policy ({ctx.roles['policy']})"
+        ctx.section.rollout,
+        tok,
+        stop_ids,
+        f"{ctx.stage.name}'s policy ({ctx.stage.roles['policy']})",
     )
     why = {
         "policy": "one update per rollout, whose own log-probs are the sampling policy's",
@@ -292,7 +295,7 @@ def rollout_engines(
     server = stack.enter_context(
         rollout_server(
             cfg.server,
-            ctx.out_dir,
+            ctx.stage.out_dir,
             Path(ctx.role_manifest("base")["summary"]["model_dir"]),
             ctx.role_dir("base") / "tokenizer",
             s.tokenizer,

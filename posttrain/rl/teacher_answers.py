@@ -100,7 +100,7 @@ def teacher_rows(ctx: Any, rows: list[Row]) -> tuple[list[Row], dict[str, Any]]:
     }
     log.info(
         "teacher %s: %d answers %s in %.1f s (%s)",
-        ctx.roles["teacher"],
+        ctx.stage.roles["teacher"],
         len(out),
         "reused" if reused else "sampled",
         info["teacher_answers_s"],

@@ -1,4 +1,4 @@
-"""What a stage's `run(ctx)` is given: `StageContext`, its recipe, its parents by role, its rank.
+"""What a stage's `run(ctx)` is given: `StageContext`, its planned stage, recipe, parents, rank.
 
 Below the stages: the harness that builds it (`posttrain.stages.common.stage_main`) and the
 library code a stage hands it to (`posttrain.eval`, `posttrain.rl`) both import it from here, so
@@ -16,25 +16,25 @@ from posttrain import numerics
 from posttrain.config.graph import BASE
 from posttrain.config.schema import ResolvedRecipe
 from posttrain.kinds import KINDS, StageKind
+from posttrain.runtime.spec import PlannedStage
 from posttrain.store.artifacts import ArtifactRef
 
 
 @dataclass
 class StageContext:
-    name: str
-    fingerprint: str
-    out_dir: Path
+    """A stage process's hold on its stage: the planned stage it builds (`stage`: its name,
+    fingerprint, folder, roles, inputs, from its spec), the resolved recipe, its parents'
+    artifacts, and what this process is (rank, process group, the kind's registry entry)."""
+
+    stage: PlannedStage
     recipe: ResolvedRecipe
     parents: dict[str, ArtifactRef]
-    inputs: dict[str, Any]
     rank: int = 0
     world_size: int = 1
     dist: Any = None  # posttrain.distributed.runtime.DistInfo for distributed stages
     extra_manifest: dict[str, Any] = field(default_factory=dict)
     # The memory pre-flight's record (training stages): metrics.jsonl and the summary get it.
     preflight: dict[str, Any] | None = None
-    # role -> parent stage name (posttrain.plan.planner.PlannedStage.roles): "base", "policy", ...
-    roles: dict[str, str] = field(default_factory=dict)
     kind: StageKind | None = None
     # The kind the manifest records (a stand-in's own name when `kind` is None).
     kind_name: str = ""
@@ -46,21 +46,21 @@ class StageContext:
     @property
     def section(self) -> Any:
         """This stage's recipe section (a shorthand section or its `stages:` entry)."""
-        return self.recipe.stage(self.name)
+        return self.recipe.stage(self.stage.name)
 
     def has_role(self, role: str) -> bool:
         """A stage playing `role` is among this stage's parents."""
-        return self.roles.get(role) in self.parents
+        return self.stage.roles.get(role) in self.parents
 
     def role_ref(self, role: str) -> ArtifactRef:
-        """The artifact playing `role` for this stage (see `roles`)."""
-        return self.parents[self.roles[role]]
+        """The artifact playing `role` for this stage (see `PlannedStage.roles`)."""
+        return self.parents[self.stage.roles[role]]
 
     def role_dir(self, role: str) -> Path:
         return self.role_ref(role).path
 
     def role_manifest(self, role: str) -> dict[str, Any]:
-        return self.parent_manifest(self.roles[role])
+        return self.parent_manifest(self.stage.roles[role])
 
     def adapter_dir(self, role: str) -> Path | None:
         """The adapter folder of the policy playing `role`; None when it is the base model

@@ -19,9 +19,9 @@ import calendar
 import re
 import time
 from pathlib import Path
-from typing import Any
 
 from posttrain.store.status import status
+from posttrain.store.summary import Recovery, Summary
 from posttrain.telemetry.heartbeat import read_heartbeats
 
 LAUNCH_LOG = Path("logs") / "stage.log"
@@ -114,12 +114,14 @@ def earlier_attempt(out_dir: Path) -> str | None:
     return "an earlier attempt did not finish: " + "; ".join(parts)
 
 
-def recovery_record(account: str | None, summary: dict[str, Any]) -> dict[str, Any]:
-    """summary["recovery"] of a stage: the earlier attempt's account, the step this launch
-    resumed from and the checkpoints it rejected as damaged; empty for a clean start."""
+def recovery_record(account: str | None, summary: Summary) -> Recovery | None:
+    """summary.recovery of a stage: the earlier attempt's account, the step this launch
+    resumed from and the checkpoints it rejected as damaged; None for a clean start."""
     record = {
         "earlier_attempt": account,
-        "resumed_from_step": summary.get("resumed_from_step") or None,
-        "rejected_checkpoints": summary.get("rejected_checkpoints") or None,
+        "resumed_from_step": summary.resumed_from_step,
+        "rejected_checkpoints": summary.rejected_checkpoints,
     }
-    return {k: v for k, v in record.items() if v}
+    # Only what happened is set: the manifest keeps the fields set (Summary.sealed).
+    happened = {k: v for k, v in record.items() if v}
+    return Recovery(**happened) if happened else None

@@ -1,10 +1,11 @@
 """The one contract between whoever starts a stage process and the process: `spec.json`.
 
 A stage process reads everything it needs from the file named by `--spec`: what to build (the
-stage, its kind, fingerprint and folder, its inputs, its parents by role, the resolved recipe)
-and how this launch is held by the supervisor that started it (`launch`: the launch id, the
-lock the supervisor holds for it, the device lock, what to watch to notice the supervisor is
-gone, the earlier attempt's account). `docs/architecture.md` lists the fields.
+planned stage: its kind, fingerprint and folder, its inputs, its parents by role; the parents'
+artifacts; the resolved recipe) and how this launch is held by the supervisor that started it
+(`launch`: the launch id, the lock the supervisor holds for it, the device lock, what to watch
+to notice the supervisor is gone, the earlier attempt's account). `docs/architecture.md` lists
+the fields.
 
 The environment carries only what the OS, torchrun, CUDA and the libraries read
 (`PYTHONPATH`, `CUDA_VISIBLE_DEVICES`, `HF_HUB_OFFLINE`, ...), plus one process tag,
@@ -18,6 +19,7 @@ No torch, no Prefect: the flow writes this file, the stage reads it.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,43 @@ from posttrain.store.artifacts import ArtifactRef, atomic_write_text
 
 # The process tag every process of a launch inherits: `<launch id>` or `<launch id>@<flow run>`.
 LAUNCH_TAG_ENV = "POSTTRAIN_LAUNCH"
+
+
+@dataclass
+class PlannedStage:
+    """One stage as the run plans it (`posttrain.plan.planner`), the one description of a stage
+    instance: the flow launches it, its spec carries it, the process's `StageContext` holds it."""
+
+    name: str
+    module: str
+    fingerprint: str
+    out_dir: Path
+    parents: dict[str, str]  # parent stage name -> fingerprint
+    nprocs: int  # processes per node
+    timeout_s: float
+    inputs: dict[str, Any] = field(repr=False, default_factory=dict)
+    nnodes: int = 1
+    rdzv_endpoint: str | None = None
+    # Hang watch (training stages only; see flows.stage.supervise.supervise_stage): seconds without
+    # any rank's heartbeat advancing, plus the allowance before the training loop's first beat.
+    hang_timeout_s: float | None = None
+    hang_startup_s: float = 0.0
+    kind: str = ""
+    # What its artifact is for the stages that consume it (the kind's `produces`).
+    produces: str = ""
+    # role -> parent stage name: "base", "policy" (what it starts from), "reference",
+    # "reward_model", "teacher" and "teacher_base" (a distillation's teacher and the base it
+    # stands on); evaluate and export also "parent" (the policy's own parent), "heldout" (where
+    # held-out conversations come from) and "evaluation"; evaluate of a distilled policy also
+    # its "teacher" and "teacher_base".
+    roles: dict[str, str] = field(default_factory=dict)
+    # GPUs this stage may use (CUDA_VISIBLE_DEVICES), set by the flow when stages run side by
+    # side (infra.parallel_stages); None = all the machine has.
+    visible_devices: str | None = None
+    # What runs it (infra.launcher: local, slurm, kubernetes) and the infra section the launcher
+    # reads its settings from (JSON-able: the stage travels as a Prefect task parameter).
+    launcher: str = "local"
+    infra: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
 class _Contract(BaseModel):
@@ -76,15 +115,9 @@ class LaunchInfo(_Contract):
 class StageSpec(_Contract):
     """What one stage process builds, and how its launch is held."""
 
-    stage: str = Field(description="The stage's name in the recipe.")
-    kind: str = Field(description="Its registered kind (posttrain/kinds/).")
-    fingerprint: str = Field(description="The planned fingerprint; the manifest must match.")
-    out_dir: str = Field(description="Its artifact folder.")
-    roles: dict[str, str] = Field(
-        default_factory=dict, description="role -> parent stage name (base, policy, ...)."
-    )
-    inputs: dict[str, Any] = Field(
-        default_factory=dict, description="What its fingerprint hashed (recorded in the manifest)."
+    stage: PlannedStage = Field(
+        description="The planned stage: name, kind, fingerprint (the manifest must match), "
+        "folder, roles, inputs (what its fingerprint hashed), how it runs."
     )
     parents: dict[str, ArtifactRef] = Field(
         default_factory=dict, description="Parent stage name -> its artifact."

@@ -28,7 +28,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from posttrain import hub, numerics
@@ -41,6 +40,7 @@ from posttrain.runtime.recovery import recovery_record
 from posttrain.runtime.spec import LaunchInfo, StageSpec, read_spec
 from posttrain.store.artifacts import read_manifest, write_manifest
 from posttrain.store.status import status
+from posttrain.store.summary import Memory, Summary, read_summary
 from posttrain.telemetry import health, heartbeat
 
 log = logging.getLogger("posttrain")
@@ -89,7 +89,7 @@ def check_data_paths(ctx: StageContext) -> None:
     from posttrain.config.inputs_check import stage_data_problems
     from posttrain.data.loading import DataFileMissing
 
-    if problems := stage_data_problems(ctx.recipe, ctx.name):
+    if problems := stage_data_problems(ctx.recipe, ctx.stage.name):
         raise DataFileMissing("; ".join(problems))
 
 
@@ -102,14 +102,12 @@ def memory_preflight(ctx: StageContext) -> None:
     mode = ctx.recipe.infra.memory_preflight
     if mode == "off" or ctx.kind is None or not ctx.kind.trains:
         return
-    dirs: dict[str, Any] = {}
-    for role in ("base", "teacher_base"):  # the teacher's base: its own shape
-        if ctx.has_role(role):
-            dirs[role] = ctx.role_manifest(role).get("summary", {}).get("model_dir")
+    roles = [r for r in ("base", "teacher_base") if ctx.has_role(r)]  # a teacher: its own base
+    dirs = {r: read_summary(ctx.role_dir(r)).model_dir for r in roles}
     try:
         report = preflight(
             ctx.recipe,
-            ctx.name,
+            ctx.stage.name,
             model_dir=dirs.get("base"),
             teacher_dir=dirs.get("teacher_base"),
         )
@@ -118,13 +116,13 @@ def memory_preflight(ctx: StageContext) -> None:
         return
     ctx.preflight = report.record()
     if ctx.is_main:
-        out = ctx.out_dir / "logs" / "preflight.json"
+        out = ctx.stage.out_dir / "logs" / "preflight.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({**ctx.preflight, "report": report.text()}, indent=2))
     enforce(report, mode)
 
 
-def measured_memory(ctx: StageContext) -> dict[str, Any]:
+def measured_memory(ctx: StageContext) -> Memory:
     """The pre-flight estimate beside this process's measured peak, for the stage summary:
     peak RSS on CPU (the whole process, as the estimate's framework row counts the runtime),
     peak reserved on GPU (what the caching allocator took from the device), with peak allocated
@@ -148,13 +146,14 @@ def measured_memory(ctx: StageContext) -> dict[str, Any]:
         out |= {"measured": "peak RSS", "measured_peak_gib": round(snap["mem_peak_rss_gib"], 4)}
     if out["measured_peak_gib"]:
         out["estimate_over_measured"] = round(out["estimate_gib"] / out["measured_peak_gib"], 3)
+    memory = Memory.model_validate(out)
     log.info(
         "memory: estimated %.3f GiB, measured %s %.3f GiB",
-        out["estimate_gib"],
-        out["measured"],
-        out["measured_peak_gib"],
+        memory.estimate_gib,
+        memory.measured,
+        memory.measured_peak_gib,
     )
-    return out
+    return memory
 
 
 def _parse(kind: str, argv: list[str] | None) -> tuple[StageSpec, LaunchInfo]:
@@ -167,8 +166,8 @@ def _parse(kind: str, argv: list[str] | None) -> tuple[StageSpec, LaunchInfo]:
         # Only a supervisor that holds the artifact's lock has looked at the folder and may
         # let a process write it (flows.stage.supervise).
         raise SystemExit(
-            f"stage {spec.stage}: its spec names no supervisor holding the artifact's lock; "
-            f"run one stage with `posttrain launch {spec.stage} RECIPE`"
+            f"stage {spec.stage.name}: its spec names no supervisor holding the artifact's lock; "
+            f"run one stage with `posttrain launch {spec.stage.name} RECIPE`"
         )
     return spec, launch
 
@@ -227,11 +226,11 @@ def stage_main(
     spec, launch = _parse(kind_name, argv)
     ctx = _context(spec, registered, kind_name)
     # Hub ids read the commits the plan fingerprinted, even if a branch moved since.
-    hub.pin(ctx.inputs.get("hub", {}).values())
-    ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    hub.pin(ctx.stage.inputs.get("hub", {}).values())
+    ctx.stage.out_dir.mkdir(parents=True, exist_ok=True)
     # First thing: a stage whose supervisor died (while this process imported torch, say) must
     # not start, or must go on alone, per infra.orphan (posttrain.runtime.orphan).
-    watch = OrphanWatch.start(ctx.out_dir, ctx.name, ctx.recipe.infra.orphan, launch)
+    watch = OrphanWatch.start(ctx.stage.out_dir, ctx.stage.name, ctx.recipe.infra.orphan, launch)
     try:
         _run_and_seal(ctx, run, distributed, watch, launch)
     except BaseException as exc:
@@ -252,14 +251,10 @@ def stage_main(
 
 def _context(spec: StageSpec, kind: StageKind | None, kind_name: str) -> StageContext:
     return StageContext(
-        name=spec.stage,
+        stage=spec.stage,
         kind=kind,
-        roles=spec.roles,
-        fingerprint=spec.fingerprint,
-        out_dir=Path(spec.out_dir),
         recipe=ResolvedRecipe.model_validate(spec.recipe),
         parents=dict(spec.parents),
-        inputs=spec.inputs,
         kind_name=kind_name,
     )
 
@@ -316,20 +311,22 @@ def _run_and_seal(
     say_reproducibility(ctx)
     # After the process group is up (its rendezvous may legitimately wait for other nodes):
     # the supervisor's hang watch arms on this first beat.
-    heartbeat.start(ctx.out_dir, ctx.rank)
+    heartbeat.start(ctx.stage.out_dir, ctx.rank)
     # Beside it, the rank's device and host health (logs/health/); rank 0's MetricsWriter
     # registers itself with the sampler when the stage opens it.
-    health.start(ctx.out_dir, ctx.rank, ctx.dist.device if ctx.dist is not None else None)
+    health.start(ctx.stage.out_dir, ctx.rank, ctx.dist.device if ctx.dist is not None else None)
     seed_everything(ctx.recipe.run.seed)
     if ctx.is_main:
-        (ctx.out_dir / "config.json").write_text(
-            json.dumps({"stage": ctx.name, "inputs": ctx.inputs}, indent=2, sort_keys=True)
+        (ctx.stage.out_dir / "config.json").write_text(
+            json.dumps(
+                {"stage": ctx.stage.name, "inputs": ctx.stage.inputs}, indent=2, sort_keys=True
+            )
         )
     log.info(
         "stage %s fingerprint %s -> %s (rank %d/%d)",
-        ctx.name,
-        ctx.fingerprint,
-        ctx.out_dir,
+        ctx.stage.name,
+        ctx.stage.fingerprint,
+        ctx.stage.out_dir,
         ctx.rank,
         ctx.world_size,
     )
@@ -344,28 +341,32 @@ def _run_and_seal(
 
 
 def _seal(
-    ctx: StageContext, summary: dict[str, Any], watch: OrphanWatch | None, account: str | None
+    ctx: StageContext, returned: dict[str, Any], watch: OrphanWatch | None, account: str | None
 ) -> None:
-    """Write the manifest, last, and say so on stdout (rank 0)."""
+    """Write the manifest, last, and say so on stdout (rank 0). What `run` returned is
+    validated into the typed `Summary` first: a stage whose summary the flow could not read
+    fails here, before anything is sealed."""
     if watch is not None:
         # A last look before sealing: with infra.orphan=stop an orphan ends here without a
         # manifest (its supervisor's lock is gone); with finish it has taken the lock over.
         watch.check()
+    summary = Summary.model_validate(returned)
     if ctx.preflight is not None:
-        summary = {**summary, "memory": measured_memory(ctx)}
+        summary = summary.model_copy(update={"memory": measured_memory(ctx)})
     if recovery := recovery_record(account, summary):
-        summary = {**summary, "recovery": recovery}
+        summary = summary.model_copy(update={"recovery": recovery})
+    sealed = summary.model_dump(exclude_unset=True)  # what was set: no default is added
     ref = write_manifest(
-        ctx.out_dir,
+        ctx.stage.out_dir,
         stage=ctx.kind_name,
-        fp=ctx.fingerprint,
+        fp=ctx.stage.fingerprint,
         parents=[p.fingerprint for p in ctx.parents.values()],
-        section=ctx.inputs,
+        section=ctx.stage.inputs,
         seed=ctx.recipe.run.seed,
-        summary=summary,
+        summary=sealed,
         extra={**ctx.extra_manifest, **numerics_record(ctx)},
     )
-    log.info("stage %s done: %s", ctx.name, json.dumps(summary, default=str)[:2000])
+    log.info("stage %s done: %s", ctx.stage.name, json.dumps(sealed, default=str)[:2000])
     emit_line(f"POSTTRAIN_ARTIFACT {ref.model_dump_json()}")
 
 
@@ -405,7 +406,7 @@ def _report_failure(ctx: StageContext, exc: BaseException) -> None:
 
     tb = traceback.format_exc()
     # A full disk, wherever it struck (a json write, save_pretrained), is a verdict too.
-    exc = as_disk_full(exc, f"stage {ctx.name}'s output") or exc
+    exc = as_disk_full(exc, f"stage {ctx.stage.name}'s output") or exc
     # A refusal or another known condition is a verdict, not a bug: its message, without a
     # traceback on stderr (logs/error.txt keeps it, after the message).
     known = isinstance(exc, MemoryPreflightError | StageVerdict)
@@ -413,7 +414,7 @@ def _report_failure(ctx: StageContext, exc: BaseException) -> None:
         text = str(exc) if isinstance(exc, MemoryPreflightError) else tb
         if isinstance(exc, StageVerdict):
             text = f"{exc}\n\n{tb}"
-        err = ctx.out_dir / "logs" / "error.txt"
+        err = ctx.stage.out_dir / "logs" / "error.txt"
         try:
             err.parent.mkdir(parents=True, exist_ok=True)
             err.write_text(text)
@@ -421,4 +422,6 @@ def _report_failure(ctx: StageContext, exc: BaseException) -> None:
             pass
     if not known:  # a verdict's text is in the line below
         print(tb, file=sys.stderr, flush=True)
-    emit_line(f"POSTTRAIN_ERROR stage {ctx.name} failed: {type(exc).__name__}: {exc}", sys.stderr)
+    emit_line(
+        f"POSTTRAIN_ERROR stage {ctx.stage.name} failed: {type(exc).__name__}: {exc}", sys.stderr
+    )

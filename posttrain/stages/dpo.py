@@ -197,7 +197,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.section
     base, tok, weights = training_base(ctx)
     parent_sha = ctx.role_manifest("policy")["summary"].get("chat_template_sha256")
-    template_sha = guard_template(tok, parent_sha, ctx.name, cfg, ctx.roles["policy"])
+    template_sha = guard_template(tok, parent_sha, ctx.stage.name, cfg, ctx.stage.roles["policy"])
     data = prepare(cfg.data, tok, ctx.recipe.run.seed)
     batch, total_steps = plan_steps(ctx, data, len(data.train))
     hp = {"beta": cfg.beta, "label_smoothing": cfg.label_smoothing, "gamma": cfg.simpo_gamma}
@@ -335,10 +335,10 @@ def write_reference_record(ctx: StageContext, ref_cache: str) -> None:
     its log-probs were precomputed ("hit" | "miss" of the cache, or "off")."""
     if not ctx.is_main:
         return
-    (ctx.out_dir / "reference.json").write_text(
+    (ctx.stage.out_dir / "reference.json").write_text(
         json.dumps(
             {
-                "reference": f"{ctx.roles['reference']} adapter",
+                "reference": f"{ctx.stage.roles['reference']} adapter",
                 "reference_fingerprint": ctx.role_ref("reference").fingerprint,
                 "precomputed": ref_cache,
             },

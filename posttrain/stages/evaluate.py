@@ -85,9 +85,9 @@ ADAPTER = "default"
 
 def _adapter(ctx: StageContext, stage: str) -> str | None:
     """The adapter of policy `stage` on the evaluation model; None for the base (adapters off)."""
-    if stage == ctx.roles["base"]:
+    if stage == ctx.stage.roles["base"]:
         return None
-    return ADAPTER if stage == ctx.roles["policy"] else stage
+    return ADAPTER if stage == ctx.stage.roles["policy"] else stage
 
 
 # --- the evaluation model ---------------------------------------------------------------------
@@ -101,7 +101,8 @@ def _lm_eval_sft(ctx: StageContext) -> str | None:
         return None
     graph = ctx.recipe.graph()
     return next(
-        (n for n in graph.lineage(ctx.roles["policy"]) if graph.get(n).kind.name == "sft"), None
+        (n for n in graph.lineage(ctx.stage.roles["policy"]) if graph.get(n).kind.name == "sft"),
+        None,
     )
 
 
@@ -114,8 +115,8 @@ def _evaluation_model(ctx: StageContext, device: torch.device) -> tuple[PeftMode
         ctx.role_dir("base"), ctx.role_manifest("base"), attention=ctx.recipe.infra.attention
     )
     graph = ctx.recipe.graph()
-    final = ctx.roles["policy"]
-    others = [ctx.roles.get("parent")]
+    final = ctx.stage.roles["policy"]
+    others = [ctx.stage.roles.get("parent")]
     others.append(graph.get(final).links.get("reference"))
     for n in ctx.recipe.evaluate.policies:
         others += [n, graph.parent(n)]
@@ -149,8 +150,8 @@ def _heldout_loss(
 def _heldout(ctx: StageContext, model: PeftModel, tok: Any, examples: list[dict]) -> dict[str, Any]:
     """The held-out report: the base's and the final policy's ("tuned") scores on `examples`
     (`run` adds the parent's once the merged-model figures are taken)."""
-    final = ctx.roles["policy"]
-    base = _heldout_loss(ctx, model, tok, ctx.roles["base"], examples)
+    final = ctx.stage.roles["policy"]
+    base = _heldout_loss(ctx, model, tok, ctx.stage.roles["base"], examples)
     tuned = _heldout_loss(ctx, model, tok, final, examples)
     log.info(
         "held-out loss: base %.4f -> %s %.4f (perplexity %.2f -> %.2f)",
@@ -176,7 +177,7 @@ def _answers(
     rows: list[dict[str, Any]] = []
     greedy = next((s for s in cfg.sampling if s.strategy == "greedy"), None)
     if greedy is not None and held_out:
-        final = (ctx.roles["policy"], ADAPTER)
+        final = (ctx.stage.roles["policy"], ADAPTER)
         exact, base_out = base_vs_tuned(
             model, tok, held.prompts, held.refs, greedy, seed, cfg.batch_size, final
         )
@@ -235,8 +236,8 @@ def _lm_eval(ctx: StageContext, model: PeftModel, tok: Any, merged: Any) -> dict
     if cfg is None:
         return None
     graph = ctx.recipe.graph()
-    base = ctx.roles["base"]
-    stages = {"base": base, "sft": _lm_eval_sft(ctx), "final": ctx.roles["policy"]}
+    base = ctx.stage.roles["base"]
+    stages = {"base": base, "sft": _lm_eval_sft(ctx), "final": ctx.stage.roles["policy"]}
     kinds = {s: "base" if s == base else graph.get(s).kind.name for s in stages.values() if s}
     return harness_report(model, tok, stages, kinds, merged, cfg, ctx.recipe.run.seed)
 
@@ -248,7 +249,7 @@ def _preferences(
     pairs against a reference) and its win-rate against its parent judged by the reward model
     — each when the run has what it needs. Returns (report, reward model or None)."""
     cfg = ctx.recipe.evaluate
-    final = ctx.roles["policy"]
+    final = ctx.stage.roles["policy"]
     out: dict[str, Any] = {}
     rm = None
     if ctx.has_role("reward_model"):
@@ -259,7 +260,7 @@ def _preferences(
             tok.pad_token_id,
             ingest.get("trust_remote_code", False),
         ).to(device)
-        pairs = stage_pairs(ctx, ctx.roles["reward_model"], tok)
+        pairs = stage_pairs(ctx, ctx.stage.roles["reward_model"], tok)
         out["reward_model"] = reward_accuracy(rm, pairs, tok.pad_token_id, cfg.batch_size)
         log.info("reward model held-out accuracy %.3f", out["reward_model"]["accuracy"])
     node = ctx.recipe.graph().get(final)
@@ -279,13 +280,13 @@ def _preferences(
             "%s implicit-reward held-out accuracy %.3f", final, out["dpo_implicit"]["accuracy"]
         )
     if rm is not None and ctx.has_role("parent"):
-        parent = ctx.roles["parent"]
+        parent = ctx.stage.roles["parent"]
         prompts = stage_prompts(ctx, final, cfg.win_rate_prompts)
         wr = policy_win_rate(
             model, tok, rm, prompts, (final, ADAPTER), parent, cfg, ctx.recipe.run.seed
         )
         if wr is not None:
-            write_rows(ctx.out_dir / "win_rate_samples.jsonl", wr.pop("examples"))
+            write_rows(ctx.stage.out_dir / "win_rate_samples.jsonl", wr.pop("examples"))
             out["win_rate_vs_parent"] = {"parent": parent, **wr}
     return out, rm
 
@@ -301,9 +302,9 @@ def _verifiers(ctx: StageContext, model: PeftModel, tok: Any) -> dict[str, Any] 
     prompts, origin = found
     funcs = load_rewards(specs, where=verifiers_field(ctx))
     episodes = verifier_episodes(ctx, tok, model_stop_token_ids(model, tok))
-    final, graph = ctx.roles["policy"], ctx.recipe.graph()
-    base = ctx.roles["base"]
-    names = [base, ctx.roles.get("parent"), final, *ctx.recipe.evaluate.policies]
+    final, graph = ctx.stage.roles["policy"], ctx.recipe.graph()
+    base = ctx.stage.roles["base"]
+    names = [base, ctx.stage.roles.get("parent"), final, *ctx.recipe.evaluate.policies]
     policies = {
         n: _adapter(ctx, n) for n in dict.fromkeys(x for x in names if x) if n == base or n in graph
     }
@@ -318,7 +319,7 @@ def _verifiers(ctx: StageContext, model: PeftModel, tok: Any) -> dict[str, Any] 
         ctx.recipe.run.seed,
         episodes,
     )
-    write_rows(ctx.out_dir / "verify_samples.jsonl", examples[final])
+    write_rows(ctx.stage.out_dir / "verify_samples.jsonl", examples[final])
     return report
 
 
@@ -349,7 +350,7 @@ def _side_by_side(
         links,
         held,
         base,
-        ctx.roles["base"],
+        ctx.stage.roles["base"],
         cfg,
         ctx.recipe.run.seed,
         ctx.recipe.infra.logits_chunk_tokens,
@@ -374,7 +375,7 @@ def _teacher(
     `teacher_gap_closed`."""
     cfg, seed = ctx.recipe.evaluate, ctx.recipe.run.seed
     greedy = next((s for s in cfg.sampling if s.strategy == "greedy"), None)
-    parent = ctx.roles.get("parent")
+    parent = ctx.stage.roles.get("parent")
     if exact and greedy is not None and parent is not None:
         answers = greedy_answers(
             model, _adapter(ctx, parent), tok, held.prompts, greedy, seed, cfg.batch_size
@@ -392,9 +393,9 @@ def _teacher(
             "teacher %s: exact match %.3f; %s closed %s of the gap from %s",
             scores["stage"],
             exact["teacher"],
-            ctx.roles["policy"],
+            ctx.stage.roles["policy"],
             "no gap" if gap is None else f"{gap:.3f}",
-            parent or ctx.roles["base"],
+            parent or ctx.stage.roles["base"],
         )
     if verified is not None and "verifier" in scores:
         verified["policies"][scores["stage"]] = scores["verifier"]
@@ -458,18 +459,18 @@ def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.recipe.evaluate
     device = torch.device("cuda" if ctx.recipe.infra.device == "cuda" else "cpu")
     model, tok = _evaluation_model(ctx, device)
-    final = ctx.roles["policy"]
-    parent = ctx.roles.get("parent")  # None: the final policy started from the base
+    final = ctx.stage.roles["policy"]
+    parent = ctx.stage.roles.get("parent")  # None: the final policy started from the base
 
     rows, held_out = conversations(ctx)
     examples: list[dict] = []
     heldout: dict[str, Any] | None = None
     if held_out:
-        examples, _ = tokenize_rows(rows, tok, ctx.recipe.stage(ctx.roles["heldout"]).data)
+        examples, _ = tokenize_rows(rows, tok, ctx.recipe.stage(ctx.stage.roles["heldout"]).data)
         heldout = _heldout(ctx, model, tok, examples)
     held = HeldOut(examples, *prompts_and_refs(ctx, tok, rows))
     exact, samples = _answers(ctx, model, tok, held, held_out)
-    write_rows(ctx.out_dir / "samples.jsonl", samples)
+    write_rows(ctx.stage.out_dir / "samples.jsonl", samples)
     inference, harness = _merged_final(ctx, model, tok, held.prompts, device)
     if heldout is not None and parent is not None:
         # How far the last stage moved the policy from its parent's fit.
@@ -498,8 +499,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
         if "base" in exact:
             base["exact_match"] = exact["base"]
         report["policies"] = _side_by_side(ctx, model, tok, rm, held, base)
-    (ctx.out_dir / "eval.json").write_text(jsonsafe.dumps(report, indent=2))
-    return {**report, "headline": _headline(report, ctx.roles["base"])}
+    (ctx.stage.out_dir / "eval.json").write_text(jsonsafe.dumps(report, indent=2))
+    return {**report, "headline": _headline(report, ctx.stage.roles["base"])}
 
 
 if __name__ == "__main__":

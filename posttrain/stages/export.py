@@ -98,8 +98,8 @@ def _write_ggufs(ctx: StageContext, model_dir: Path, types: list[str]) -> dict[s
     out: dict[str, Any] = {}
     for gguf_type in types:
         plan = plan_gguf(model_dir, gguf_type, ctx.recipe.run.name)
-        path = ctx.out_dir / "gguf" / f"{ctx.recipe.run.name}-{gguf_type}.gguf"
-        ensure_free(ctx.out_dir, plan.nbytes, f"the {gguf_type} GGUF ({path.name})")
+        path = ctx.stage.out_dir / "gguf" / f"{ctx.recipe.run.name}-{gguf_type}.gguf"
+        ensure_free(ctx.stage.out_dir, plan.nbytes, f"the {gguf_type} GGUF ({path.name})")
         write_gguf(plan, path)
         check = verify_gguf(path, plan)
         log.info(
@@ -110,7 +110,7 @@ def _write_ggufs(ctx: StageContext, model_dir: Path, types: list[str]) -> dict[s
             {k: f"{v:.2e}" for k, v in check["max_abs_weight_error"].items()},
         )
         out[gguf_type] = {
-            "file": str(path.relative_to(ctx.out_dir)),
+            "file": str(path.relative_to(ctx.stage.out_dir)),
             "sha256": sha256_file(path),
             "bytes": path.stat().st_size,
             "verification": check | {"path": path.name},
@@ -132,7 +132,9 @@ def _verify(
         ctx.recipe.export.logits_atol,
         trust_remote_code=trust,
     )
-    (ctx.out_dir / "verification.json").write_text(jsonsafe.dumps(report, indent=2, default=str))
+    (ctx.stage.out_dir / "verification.json").write_text(
+        jsonsafe.dumps(report, indent=2, default=str)
+    )
     log.info(
         "export verified: max |logit diff| vs base+adapter %.2e (allowed %.2e); "
         "max |weight diff| vs base %.3e",
@@ -152,7 +154,7 @@ def _lineage(ctx: StageContext) -> list[dict[str, Any]]:
     lineage.append(
         {
             "stage": "export",
-            "fingerprint": ctx.fingerprint,
+            "fingerprint": ctx.stage.fingerprint,
             "parents": [r.fingerprint for r in ctx.parents.values()],
         }
     )
@@ -165,7 +167,7 @@ def _card_metrics(ctx: StageContext, report: dict[str, Any]) -> dict[str, Any]:
     metrics: dict[str, Any] = {}
     if ctx.has_role("heldout"):
         sft = ctx.role_manifest("heldout")["summary"]
-        metrics[ctx.roles["heldout"]] = {
+        metrics[ctx.stage.roles["heldout"]] = {
             "eval_loss_start": sft["eval_loss_start"],
             "eval_loss_final": sft["eval_loss_final"],
             "steps": sft["total_steps"],
@@ -201,8 +203,8 @@ def _recipe_sections(ctx: StageContext) -> dict[str, Any]:
     """The recipe sections of the shipped policy's base, every stage it descends from (base
     first) and export."""
     graph = ctx.recipe.graph()
-    lineage_names = list(reversed(graph.lineage(ctx.roles["policy"])))
-    base = ctx.roles["base"]
+    lineage_names = list(reversed(graph.lineage(ctx.stage.roles["policy"])))
+    base = ctx.stage.roles["base"]
     sections = {base: graph.bases[base].section.model_dump(mode="json")}
     sections |= {n: graph.get(n).section.model_dump(mode="json") for n in lineage_names}
     sections["export"] = ctx.recipe.export.model_dump(mode="json")
@@ -233,7 +235,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ingest = ctx.role_manifest("base")["summary"]
     base_dir = ingest["model_dir"]
     # The policy to ship: export.policy, else the graph's final policy (the planner's role).
-    policy = ctx.roles["policy"]
+    policy = ctx.stage.roles["policy"]
     adapter_dir = ctx.role_dir("policy") / "adapter"
     dtype_name = base_dtype(ingest) if cfg.dtype == "auto" else cfg.dtype
     trust = bool(ingest.get("trust_remote_code", False))
@@ -241,7 +243,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if cfg.gguf:  # refuse an unconvertible family now, before the merge writes anything
         check_convertible(base_dir, ctx.role_dir("base") / "tokenizer")
     tok = load_tokenizer(ctx.role_dir("base") / "tokenizer")
-    out = ctx.out_dir / "model"
+    out = ctx.stage.out_dir / "model"
     # Merged in fp32, cast to the export dtype last; the merged model is freed once saved.
     _save_with_room(merge_adapter(base_dir, adapter_dir, DTYPES[dtype_name], trust), tok, out)
     report = _verify(ctx, out, base_dir, adapter_dir, tok, trust)

@@ -70,7 +70,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         device,
         trust,
     )
-    write_rows(ctx.out_dir / "samples.jsonl", result.pop("examples"))
+    write_rows(ctx.stage.out_dir / "samples.jsonl", result.pop("examples"))
     log.info(
         "candidate vs champion on %d held-out prompts, judged by the reward model: %d wins, "
         "%d losses, %d ties (win-rate %.3f; mean reward %.3f vs %.3f)",

@@ -332,7 +332,7 @@ def ingest_path(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
     tok = load_tokenizer(src)
     check_vocab(tok, config)
     template = install_template(tok, cfg)
-    tok.save_pretrained(str(ctx.out_dir / "tokenizer"))
+    tok.save_pretrained(str(ctx.stage.out_dir / "tokenizer"))
     files = {str(p.relative_to(src)): sha256_file(p) for p in sorted(src.rglob("*")) if p.is_file()}
     return {
         "model_dir": str(src),
@@ -420,12 +420,12 @@ def ingest_from_config(ctx: StageContext, cfg: IngestConfig) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     if fc.pretrain_steps:
         summary.update(warm_up(model, tok, fc, docs, seed))
-    model_dir = ctx.out_dir / "model"
+    model_dir = ctx.stage.out_dir / "model"
     model.save_pretrained(str(model_dir), safe_serialization=True)
     # model/ gets the tokenizer too: it is a complete checkpoint that another pipeline can
     # ingest by path (what `posttrain.base.published` announces).
     tok.save_pretrained(str(model_dir))
-    tok.save_pretrained(str(ctx.out_dir / "tokenizer"))
+    tok.save_pretrained(str(ctx.stage.out_dir / "tokenizer"))
     return {
         "model_dir": str(model_dir),
         "architecture": type(model).__name__,
@@ -446,7 +446,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     # The saved tokenizer is the template of record for every later stage: reload it to check it
     # round-trips, and record the template it carries.
-    saved = load_tokenizer(ctx.out_dir / "tokenizer")
+    saved = load_tokenizer(ctx.stage.out_dir / "tokenizer")
     info["chat_template_sha256"] = template_sha256(saved)
     ctx.extra_manifest["chat_template"] = saved.chat_template
     ctx.extra_manifest["chat_template_file"] = info["chat_template_file"]

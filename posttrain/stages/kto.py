@@ -181,12 +181,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
     assert policy_dir is not None and reference_dir is not None  # the graph checks both
     recorded = ctx.role_manifest("policy")["summary"].get("chat_template_sha256")
     base, tok, weights = training_base(ctx)
-    template_sha = guard_template(tok, recorded, ctx.name, cfg, ctx.roles["policy"])
+    template_sha = guard_template(tok, recorded, ctx.stage.name, cfg, ctx.stage.roles["policy"])
     data = prepare_unpaired(cfg.data, tok, ctx.recipe.run.seed)
     batch, total_steps = plan_steps(ctx, data, len(data.train))
     if batch.global_batch_size < 2:
         raise ValueError(
-            f"{ctx.name}.batch: the KL reference point needs mismatched rows within a step; "
+            f"{ctx.stage.name}.batch: the KL reference point needs mismatched rows within a step; "
             "set a global batch of at least 2"
         )
     warn_balance(data.stats, cfg.desirable_weight, cfg.undesirable_weight)
@@ -336,7 +336,7 @@ def write_reference_record(ctx: StageContext, reference: Path) -> None:
     """reference.json (rank 0): the frozen reference adapter and its fingerprint."""
     if ctx.is_main:
         fingerprint = ctx.role_ref("reference").fingerprint
-        (ctx.out_dir / "reference.json").write_text(
+        (ctx.stage.out_dir / "reference.json").write_text(
             json.dumps({"reference": str(reference), "fingerprint": fingerprint}, indent=2)
         )
 

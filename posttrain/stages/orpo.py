@@ -69,13 +69,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     adapter = start_adapter(ctx)
     # The policy it starts from recorded the template it learnt (from the base: ingest's).
     recorded = ctx.role_manifest("policy")["summary"].get("chat_template_sha256")
-    template_sha = guard_template(tok, recorded, ctx.name, cfg, ctx.roles["policy"])
+    template_sha = guard_template(tok, recorded, ctx.stage.name, cfg, ctx.stage.roles["policy"])
     data = prepare(cfg.data, tok, ctx.recipe.run.seed)
     batch, total_steps = plan_steps(ctx, data, len(data.train))
 
     prepare_for_training(base, cfg.activation_checkpointing)
     model = trainable_adapter(base, adapter) if adapter else apply_lora(base, cfg.lora)
-    start = f"{ctx.roles['policy']} adapter" if adapter else "fresh lora"
+    start = f"{ctx.stage.roles['policy']} adapter" if adapter else "fresh lora"
 
     def heldout(loop: Training) -> dict[str, float]:
         return heldout_orpo(loop, data.eval, cfg.beta)

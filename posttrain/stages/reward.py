@@ -74,7 +74,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     # The policy it will judge formats its text with the template it recorded (ingest's when
     # the reward model is trained beside the base).
     policy_sha = ctx.role_manifest("policy")["summary"].get("chat_template_sha256")
-    template_sha = guard_template(tok, policy_sha, ctx.name, cfg, ctx.roles["policy"])
+    template_sha = guard_template(tok, policy_sha, ctx.stage.name, cfg, ctx.stage.roles["policy"])
     data = prepare(cfg.data, tok, ctx.recipe.run.seed)
     batch, total_steps = plan_steps(ctx, data, len(data.train))
 

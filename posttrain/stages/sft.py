@@ -60,7 +60,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     def teacher_answers(rows: list[dict]) -> list[dict]:
         answered, info = teacher_rows(ctx, rows)
-        taught.update(teacher=ctx.roles["teacher"], **info)
+        taught.update(teacher=ctx.stage.roles["teacher"], **info)
         return answered
 
     # With a teacher: its answers to the training prompts (off-policy distillation).

@@ -97,9 +97,9 @@ def plan_steps(ctx: Any, data: PreparedData, n_rows: int) -> tuple[ResolvedBatch
     its steps: (the section's resolved batch, its optimizer steps over `n_rows` training rows:
     `max_steps`, or `epochs` passes over them)."""
     if ctx.is_main:
-        write_splits(ctx.out_dir, data.train_rows, data.eval_rows)
+        write_splits(ctx.stage.out_dir, data.train_rows, data.eval_rows)
     cfg = ctx.section
-    batch = section_batch(ctx.recipe, ctx.name)
+    batch = section_batch(ctx.recipe, ctx.stage.name)
     return batch, cfg.max_steps or max(1, math.ceil(cfg.epochs * n_rows / batch.global_batch_size))
 
 

@@ -241,7 +241,7 @@ class TrainSession:
             "total_steps": self.total_steps,
             "params_trainable": self.n_trainable,
             "params_total": self.n_total,
-            "adapter_dir": str(ctx.out_dir / "adapter"),
+            "adapter_dir": str(ctx.stage.out_dir / "adapter"),
             "final_train_loss": self.last.get("loss"),
             "tokens_per_s": self.last.get("tokens_per_s"),
             "mfu": self.last.get("mfu"),
@@ -319,8 +319,8 @@ def start_session(
     opt = build_optimizer(trainable, optim)
     sched = build_scheduler(opt, schedule_steps or total_steps, optim)
     scaler = _loss_scaler(ctx.recipe.infra.precision, model, d.device)
-    guard = StepGuard(ctx.recipe.guard, where=f"stage {ctx.name}")
-    ckpt_root = ctx.out_dir / "checkpoints"
+    guard = StepGuard(ctx.recipe.guard, where=f"stage {ctx.stage.name}")
+    ckpt_root = ctx.stage.out_dir / "checkpoints"
     point = _resume(ctx, ckpt_root, model, opt, sched, guard)
     start_step, meta = (point.meta["step"], point.meta) if point.path is not None else (0, {})
     peak = _peak_flops(d.device, ctx.recipe.infra.precision)
@@ -395,7 +395,7 @@ def _resume(
         opt,
         sched,
         on_none=ctx.recipe.infra.no_intact_checkpoint,
-        where=f"stage {ctx.name}",
+        where=f"stage {ctx.stage.name}",
     )
     if point.path is not None:
         log.info("resumed from %s at step %d", point.path.name, point.meta["step"])
@@ -452,7 +452,7 @@ def _open_metrics(
     skipped, a restart, an unverified resume) and the memory pre-flight's estimate (for
     estimate vs peak)."""
     metrics = MetricsWriter(
-        ctx.out_dir / "metrics.jsonl", enabled=ctx.is_main, resume_step=start_step
+        ctx.stage.out_dir / "metrics.jsonl", enabled=ctx.is_main, resume_step=start_step
     )
     metrics.write("start", **start)
     if record := point.record():
@@ -502,7 +502,7 @@ def save_adapter(
     )
     if ctx.is_main:
         kw = {"selected_adapters": selected_adapters} if selected_adapters else {}
-        model.save_pretrained(str(ctx.out_dir / name), state_dict=full, **kw)
-        canonical_adapter_configs(ctx.out_dir / name)
+        model.save_pretrained(str(ctx.stage.out_dir / name), state_dict=full, **kw)
+        canonical_adapter_configs(ctx.stage.out_dir / name)
     if dist.is_initialized():
         dist.barrier()

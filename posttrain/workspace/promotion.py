@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config.schema import PromotionRule, ResolvedRecipe
-from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.spec import PlannedStage
 from posttrain.store.artifacts import ArtifactRef, atomic_write_text, fingerprint, stage_dir
 
 WIN_RATE_VS_CHAMPION = "win_rate_vs_champion"

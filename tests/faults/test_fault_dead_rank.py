@@ -131,7 +131,7 @@ def test_killed_rank_is_named_nothing_is_left_and_the_rerun_resumes(sft_stage) -
     # The re-run resumes from the newest checkpoint and completes.
     newest = complete_checkpoints(stage.out_dir / "checkpoints")[-1].name
     outcome = stage_task.fn(stage, spec, kill_grace_s=5.0)
-    assert outcome["status"] == "ran"
+    assert outcome.status == "ran"
     assert verify(stage.out_dir)[0]
     log = (stage.out_dir / "logs" / "stage.log").read_text()
     assert f"resumed from {newest}" in log

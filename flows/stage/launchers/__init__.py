@@ -9,7 +9,7 @@ client is an optional dependency.
 from __future__ import annotations
 
 from flows.stage.launchers.base import Launcher
-from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.spec import PlannedStage
 
 
 def launcher_for(stage: PlannedStage) -> Launcher:

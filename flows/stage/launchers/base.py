@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.spec import PlannedStage
 from posttrain.telemetry.heartbeat import Hang
 
 Log = logging.LoggerAdapter | logging.Logger

@@ -7,7 +7,7 @@ import json
 import time
 
 from flows.stage.launchers.base import Launch, Launcher, LaunchRequest, Log
-from posttrain.plan.planner import PlannedStage
+from posttrain.runtime.spec import PlannedStage
 from posttrain.store.artifacts import atomic_write_text
 
 RECORD = "launch.json"
