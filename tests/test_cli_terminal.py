@@ -5,10 +5,10 @@ shows rate-limited progress lines through a pipe; a CLI interrupted mid-stage le
 server and no stage process behind.
 
 The failing runs talk to the session's Prefect server (tests/prefect_server.py: none of them is
-about a server's start) and share one workspace whose ingest is TINY's, built once per session
-(tests/stage_helpers.run_shared), so each starts at the stage that fails. The runs of stand-in
-stages keep the embedded server, whose start and stop they check; they share one Prefect home,
-so its migrations are paid once (tests/faults/fault_runs.py starts the CLI as the fault tests do).
+about a server's start) and share one workspace whose ingest is built in this process first, so
+each starts no stage but the ones it needs. The runs of stand-in stages keep the embedded server,
+whose start and stop they check; they share one Prefect home, so its migrations are paid once
+(tests/faults/fault_runs.py starts the CLI as the fault tests do).
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ import pytest
 import yaml
 
 from tests.faults.fault_runs import Run, kill_all, run_env, wait_gone
-from tests.stage_helpers import TINY, run_shared, write_recipe
+from tests.stage_helpers import TINY, run_inprocess
 
 TRACEBACK = "Traceback (most recent call last)"
 
 
 def _tiny(ws: Path, name: str, **sections: dict) -> dict:
-    """TINY (its ingest, which `served` builds into the workspace) with a 4-step SFT."""
     data = yaml.safe_load(yaml.safe_dump(TINY))
     data["run"] = {**data["run"], "name": name, "workspace": str(ws)}
+    data["ingest"]["from_config"]["pretrain_steps"] = 5
     data["sft"]["max_steps"] = 4
     data.update(sections)
     return data
@@ -88,13 +88,13 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dic
 
 
 @pytest.fixture(scope="module")
-def served(
-    shared: tuple[Path, dict], shared_parents: Path, prefect_server: Any
-) -> tuple[Path, dict]:
-    """`shared`, its workspace `ws` holding TINY's ingest, its CLI runs flows on the session's
-    Prefect server."""
+def served(shared: tuple[Path, dict], prefect_server: Any) -> tuple[Path, dict]:
+    """`shared`, its workspace `ws` holding the runs' ingest (built here: a few seconds, against
+    a stage launch), its CLI runs flows on the session's Prefect server."""
     folder, env = shared
-    run_shared("ingest", write_recipe(folder), shared_parents)  # into folder / "ws"
+    recipe = folder / "ingest.yaml"
+    recipe.write_text(yaml.safe_dump(_tiny(folder / "ws", "ingest")))
+    run_inprocess("ingest", recipe)
     prefect = {k: v for k, v in prefect_server.env.items() if k.startswith("PREFECT_")}
     return folder, {**env, **prefect}
 

@@ -1,7 +1,7 @@
 """A real Prometheus (Debian's package) scraping a real run: `posttrain run` of a tiny recipe
-(ingest -> LoRA SFT -> GRPO with a verifier) with `tracking.prometheus` on. The run's ingest is
-TINY's, built once per session and reused (SFT and GRPO are what is watched), and its flow runs
-on the session's Prefect server (the embedded server's start is not what this file tests).
+(ingest -> LoRA SFT -> GRPO with a verifier) with `tracking.prometheus` on. Its ingest is built
+in this process first and reused by the run (SFT and GRPO are what is watched), and its flow
+runs on the session's Prefect server (the embedded server's start is not what this file tests).
 
 - While SFT trains, Prometheus's own query API returns its series, equal to the metrics.jsonl
   record of the step it shows and no more than one scrape interval behind the file.
@@ -34,7 +34,7 @@ import yaml
 from posttrain.telemetry.metrics import read_metrics
 from tests.faults.fault_runs import Run, kill_all, run_env
 from tests.monitoring_queries import panel_queries
-from tests.stage_helpers import ROOT, TINY, run_shared, write_recipe
+from tests.stage_helpers import ROOT, TINY, run_inprocess
 
 pytestmark = pytest.mark.slow
 
@@ -113,6 +113,7 @@ def _recipe(folder: Path, port: int) -> Path:
     data = yaml.safe_load(yaml.safe_dump(TINY))
     data["run"] = {"name": "prom-live", "seed": 0, "workspace": str(folder / "ws")}
     data["infra"]["hang_timeout_s"] = HANG_S
+    data["ingest"]["from_config"]["pretrain_steps"] = 5
     data["sft"]["max_steps"] = 60
     data["tracking"] = {
         "tensorboard": False,
@@ -204,13 +205,14 @@ def check_every_panel(url: str, run_id: str) -> list[str]:
 
 
 def test_prometheus_scrapes_a_run_and_fires_the_hang_alert(
-    prometheus: tuple[str, int], prefect_server: Any, shared_parents: Path, tmp_path: Path
+    prometheus: tuple[str, int], prefect_server: Any, tmp_path: Path
 ) -> None:
     url, port = prometheus
     env = run_env(tmp_path / "home", tmp_path / "locks", POSTTRAIN_HEALTH_INTERVAL_S="1")
     env |= {k: v for k, v in prefect_server.env.items() if k.startswith("PREFECT_")}
-    run_shared("ingest", write_recipe(tmp_path), shared_parents)  # TINY's, into tmp_path / "ws"
-    run = Run(_recipe(tmp_path, port), env)
+    recipe = _recipe(tmp_path, port)
+    run_inprocess("ingest", recipe)  # a few seconds here, against a stage launch in the run
+    run = Run(recipe, env)
     procs: list[psutil.Process] = []
     try:
         check_sft_matches_its_file(url, run, tmp_path / "ws")
