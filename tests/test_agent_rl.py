@@ -9,15 +9,14 @@ import copy
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from posttrain.telemetry.metrics import read_metrics
-from tests.stage_helpers import ROOT, crash_after, planned_dir, run_inprocess, run_torchrun
+from tests.rl_two_rank_worker import two_rank_records
+from tests.stage_helpers import crash_after, planned_dir, run_inprocess, run_torchrun
 from tests.test_rl_stages import RL, parents  # noqa: F401  (the shared fixture)
 
 pytestmark = pytest.mark.slow
@@ -151,40 +150,13 @@ def test_grpo_episodes_on_two_ranks_with_different_turns(parents) -> None:  # no
     assert all(r["updates"] == 1 for r in train)
 
 
-TURNS = '''
-class Turns:
-    """Answers every reply until the row's number of turns is played."""
-
-    def reset(self, turns, **columns):
-        self.left = int(turns)
-
-    def step(self, message):
-        self.left -= 1
-        return "Go on.", 0.0, self.left == 0
-'''
-
-
-def test_two_ranks_play_different_numbers_of_turns_exactly(parents, tmp_path) -> None:  # noqa: F811
+def test_two_ranks_play_different_numbers_of_turns_exactly(parents) -> None:  # noqa: F811
     """Rank 0's episodes end after 1 turn, rank 1's after 3: rank 0 keeps generating filler
     turns (without them the collectives mismatch and the run hangs). Greedy tokens are the
-    argmax of a forward over the kept ids and the scored log-probs are that forward's."""
-    env = tmp_path / "turns.py"
-    env.write_text(TURNS)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "tests.agent_episode_worker",
-        str(parents["ingest"]),
-        str(parents["sft"]),
-        str(env),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    rows = {r["rank"]: r for r in map(json.loads, re.findall(r'\{"rank".*?\}', proc.stdout))}
+    argmax of a forward over the kept ids and the scored log-probs are that forward's. Read off
+    the one 2-rank worker launch test_rl_stages's rollouts share (tests/rl_two_rank_worker.py)."""
+    parts = (parents[s] for s in ("ingest", "sft", "reward"))
+    rows = two_rank_records(*parts, parents["folder"])["episodes"]
     assert rows[0]["turns"] == [1, 1] and rows[1]["turns"] == [3, 3], rows
     for r in rows.values():
         assert r["ended"] == ["answer", "answer"] and r["greedy"] and r["checked"] > 0, r

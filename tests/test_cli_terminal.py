@@ -4,27 +4,31 @@ file:line or field, the fix and the stage's log, with no traceback and no repeat
 shows rate-limited progress lines through a pipe; a CLI interrupted mid-stage leaves no Prefect
 server and no stage process behind.
 
-The runs that start a flow share one Prefect home, so the database migrations are paid once, and
-the failing runs share one workspace, so the ingest stage is too (tests/faults/fault_runs.py
-starts the CLI as the fault tests do).
+The failing runs talk to the session's Prefect server (tests/prefect_server.py: none of them is
+about a server's start) and share one workspace whose ingest is built in this process first, so
+each starts no stage but the ones it needs. The runs of stand-in stages keep the embedded server,
+whose start and stop they check; they share one Prefect home, so its migrations are paid once
+(tests/faults/fault_runs.py starts the CLI as the fault tests do).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 import yaml
 
 from tests.faults.fault_runs import Run, kill_all, run_env, wait_gone
-from tests.stage_helpers import TINY
+from tests.stage_helpers import TINY, run_inprocess
 
 TRACEBACK = "Traceback (most recent call last)"
 
@@ -66,7 +70,10 @@ def test_a_refused_recipe_is_one_block_naming_each_field(tmp_path: Path) -> None
     data = _tiny(tmp_path / "ws", "refused")
     data["sft"]["optim"]["lr"] = -1
     data["sft"]["epochz"] = 2
-    rc, out = _cli(tmp_path, run_env(tmp_path / "home", tmp_path / "locks"), data)
+    # An empty Prefect home, not a migrated copy (seed_home: a migration the first time in a
+    # session): a refused recipe starts nothing, so nothing may need one.
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    rc, out = _cli(tmp_path, env | {"PREFECT_HOME": str(tmp_path / "home")}, data)
     assert rc == 2
     head = f"posttrain: recipe {tmp_path / 'refused.yaml'} refused: 2 problems (nothing ran)"
     block = _block(out, head, "sft.optim.lr:", "fix:", log=False)
@@ -78,6 +85,18 @@ def test_a_refused_recipe_is_one_block_naming_each_field(tmp_path: Path) -> None
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict]]:
     folder = tmp_path_factory.mktemp("cli-terminal")
     yield folder, run_env(folder / "home", folder / "locks")
+
+
+@pytest.fixture(scope="module")
+def served(shared: tuple[Path, dict], prefect_server: Any) -> tuple[Path, dict]:
+    """`shared`, its workspace `ws` holding the runs' ingest (built here: a few seconds, against
+    a stage launch), its CLI runs flows on the session's Prefect server."""
+    folder, env = shared
+    recipe = folder / "ingest.yaml"
+    recipe.write_text(yaml.safe_dump(_tiny(folder / "ws", "ingest")))
+    run_inprocess("ingest", recipe)
+    prefect = {k: v for k, v in prefect_server.env.items() if k.startswith("PREFECT_")}
+    return folder, {**env, **prefect}
 
 
 def _rows(path: Path, rows: list[str]) -> Path:
@@ -92,11 +111,11 @@ def _chat(i: int) -> str:
 
 
 @pytest.mark.slow
-def test_a_bad_data_row_is_one_block_with_its_file_and_line(shared: tuple[Path, dict]) -> None:
+def test_a_bad_data_row_is_one_block_with_its_file_and_line(served: tuple[Path, dict]) -> None:
     # One bad row is enough: the block's fix line is chosen by the exception class (DataError,
     # flows/verdict_block.py), and every shape of bad row naming its file:line is checked on
     # load_sft_rows itself (tests/test_data.py::test_bad_rows_name_file_and_line).
-    folder, env = shared
+    folder, env = served
     rows = [_chat(i) for i in range(20)]
     rows[2] = '{"messages": [{"role": "user", "content": "oops"'
     # The row stops short: the column is its end, not column 1 of the line after it.
@@ -115,8 +134,8 @@ def test_a_bad_data_row_is_one_block_with_its_file_and_line(shared: tuple[Path, 
 
 
 @pytest.mark.slow
-def test_a_bad_pair_s_fix_names_on_invalid_of_its_stages_entry(shared: tuple[Path, dict]) -> None:
-    folder, env = shared
+def test_a_bad_pair_s_fix_names_on_invalid_of_its_stages_entry(served: tuple[Path, dict]) -> None:
+    folder, env = served
     pair = {"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"}
     rows = [json.dumps(pair)] * 6 + [json.dumps({**pair, "rejected": "2"})]
     path = _rows(folder / "pairs.jsonl", rows)
@@ -134,9 +153,9 @@ def test_a_bad_pair_s_fix_names_on_invalid_of_its_stages_entry(shared: tuple[Pat
 
 @pytest.mark.slow
 def test_a_memory_refusal_is_one_block_with_what_would_fit(
-    shared: tuple[Path, dict],
+    served: tuple[Path, dict],
 ) -> None:
-    folder, env = shared
+    folder, env = served
     data = _tiny(folder / "ws", "memory")
     # An SFT of its own: the gate and bad-pair runs complete the shared one, which this run
     # would then reuse without a pre-flight, whatever the order the tests ran in.
@@ -154,8 +173,8 @@ def test_a_memory_refusal_is_one_block_with_what_would_fit(
 
 
 @pytest.mark.slow
-def test_a_failed_quality_gate_is_one_block_naming_the_bar(shared: tuple[Path, dict]) -> None:
-    folder, env = shared
+def test_a_failed_quality_gate_is_one_block_naming_the_bar(served: tuple[Path, dict]) -> None:
+    folder, env = served
     reward = {
         "data": {
             "synthetic": {"n_examples": 60},
@@ -181,7 +200,7 @@ def test_a_failed_quality_gate_is_one_block_naming_the_bar(shared: tuple[Path, d
 
 
 # Stand-in stages (no torch): sft writes PT_FAKE_STEPS training records PT_FAKE_STEP_S apart
-# into its metrics.jsonl, as a training stage does; every other stage just completes.
+# into its metrics.jsonl, as a training stage does; ingest just completes.
 FAKE_STAGE = """
 import json, os, time
 from posttrain.stages.common import stage_main
@@ -209,12 +228,14 @@ def _fake_env(folder: Path, shared: tuple[Path, dict], **extra: str) -> dict:
     mods = folder / "mods"
     mods.mkdir(exist_ok=True)
     (mods / "pt_fake_stage.py").write_text(FAKE_STAGE)
-    stages = ",".join(f"{s}=pt_fake_stage" for s in ("ingest", "sft", "evaluate", "export"))
+    stages = ",".join(f"{s}=pt_fake_stage" for s in ("ingest", "sft"))
     home = shared[0]
     return run_env(home / "home", home / "locks", mods, PT_STAGE_MODULES=stages, **extra)
 
 
 def _fake_recipe(folder: Path, name: str) -> Path:
+    """ingest -> sft only: each stage launch costs seconds even for a stand-in, and sft is the
+    one these tests watch."""
     recipe = folder / f"{name}.yaml"
     recipe.write_text(
         yaml.safe_dump(
@@ -223,6 +244,8 @@ def _fake_recipe(folder: Path, name: str) -> Path:
                 "infra": {"device": "cpu", "precision": "fp32"},
                 "ingest": {"source": "from_config"},
                 "sft": {"data": {"synthetic": {"n_examples": 20}}},
+                "evaluate": None,
+                "export": None,
             }
         )
     )

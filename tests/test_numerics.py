@@ -53,6 +53,8 @@ def _probe(when: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# Slow: two fresh interpreters import torch and multiply at many addresses (~5-13 s).
+@pytest.mark.slow
 @pytest.mark.skipif(numerics.mkl_mode() is None, reason="torch here has no MKL")
 def test_importing_posttrain_makes_matmul_independent_of_address_and_threads() -> None:
     pinned = _probe("first")

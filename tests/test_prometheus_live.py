@@ -1,5 +1,7 @@
 """A real Prometheus (Debian's package) scraping a real run: `posttrain run` of a tiny recipe
-(ingest -> LoRA SFT -> GRPO with a verifier) with `tracking.prometheus` on.
+(ingest -> LoRA SFT -> GRPO with a verifier) with `tracking.prometheus` on. Its ingest is built
+in this process first and reused by the run (SFT and GRPO are what is watched), and its flow
+runs on the session's Prefect server (the embedded server's start is not what this file tests).
 
 - While SFT trains, Prometheus's own query API returns its series, equal to the metrics.jsonl
   record of the step it shows and no more than one scrape interval behind the file.
@@ -22,6 +24,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -31,7 +34,7 @@ import yaml
 from posttrain.telemetry.metrics import read_metrics
 from tests.faults.fault_runs import Run, kill_all, run_env
 from tests.monitoring_queries import panel_queries
-from tests.stage_helpers import ROOT, TINY
+from tests.stage_helpers import ROOT, TINY, run_inprocess
 
 pytestmark = pytest.mark.slow
 
@@ -202,11 +205,14 @@ def check_every_panel(url: str, run_id: str) -> list[str]:
 
 
 def test_prometheus_scrapes_a_run_and_fires_the_hang_alert(
-    prometheus: tuple[str, int], tmp_path: Path
+    prometheus: tuple[str, int], prefect_server: Any, tmp_path: Path
 ) -> None:
     url, port = prometheus
     env = run_env(tmp_path / "home", tmp_path / "locks", POSTTRAIN_HEALTH_INTERVAL_S="1")
-    run = Run(_recipe(tmp_path, port), env)
+    env |= {k: v for k, v in prefect_server.env.items() if k.startswith("PREFECT_")}
+    recipe = _recipe(tmp_path, port)
+    run_inprocess("ingest", recipe)  # a few seconds here, against a stage launch in the run
+    run = Run(recipe, env)
     procs: list[psutil.Process] = []
     try:
         check_sft_matches_its_file(url, run, tmp_path / "ws")

@@ -6,9 +6,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +14,8 @@ import yaml
 
 from posttrain.rl.heldout import quality_gate
 from posttrain.telemetry.metrics import read_metrics
+from tests.rl_two_rank_worker import two_rank_records
 from tests.stage_helpers import (
-    ROOT,
     crash_after,
     planned_dir,
     run_inprocess,
@@ -124,28 +121,19 @@ def test_shared_trunk_roles_match_standalone_models(parents) -> None:
 
 def test_sharded_rollout_with_ranks_stopping_at_different_lengths(parents) -> None:
     """Without synced generation this crashes (gloo sees mismatched collectives) or hangs; the
-    same for the rollout engine's decode loop (`rollout.drop_finished`)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "tests.rl_rollout_worker",
-        *(str(parents[s]) for s in ("ingest", "sft", "reward")),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    # Both ranks print to one pipe, so lines may run together: find the records themselves.
-    rows = [json.loads(x) for x in re.findall(r'\{"rank".*?\}', proc.stdout)]
+    same for the rollout engine's decode loop (`rollout.drop_finished`). Read off the one
+    2-rank worker launch test_agent_rl's episodes share (tests/rl_two_rank_worker.py)."""
+    records = two_rank_records(
+        *(parents[s] for s in ("ingest", "sft", "reward")), parents["folder"]
+    )
+    rows = records["rollouts"]
     assert len(rows) == 8
     for r in rows:
         assert r["width"] == (2 if r["rank"] == 0 else 10), r
         assert r["scored"] == ["logps", "ref_logps", "scores", "values"] and r["finite"]
         assert r["same_tokens"], r  # the decode loop samples what generate samples
     # Rows ending at different steps within each rank, through the decode loop that drops them.
-    stops = [json.loads(x) for x in re.findall(r'\{"stop_rank".*?\}', proc.stdout)]
+    stops = records["stops"]
     assert sorted(r["stop_rank"] for r in stops) == [0, 1]
     for r in stops:
         assert r["same_tokens"] and r["stopped"][0], r

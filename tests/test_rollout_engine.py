@@ -2,7 +2,7 @@
 samples the same tokens as transformers' generate for the same seed (greedy and sampled, with
 and without top-k/top-p, in one call or in chunks), `sample()` builds the same Rollout through
 either path, and the new recipe fields stay out of the fingerprint at their defaults. The 2-rank
-synced path is tested in test_rl_stages (tests/rl_rollout_worker.py)."""
+synced path is tested in test_rl_stages (tests/rl_two_rank_worker.py)."""
 
 from __future__ import annotations
 

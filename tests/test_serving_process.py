@@ -178,6 +178,8 @@ STORM = (
 )
 
 
+# Slow: ten keepers with their servers started and stormed with signals (~5-10 s).
+@pytest.mark.slow
 def test_a_burst_of_signals_still_ends_the_keeper_and_its_server(tmp_path: Path) -> None:
     """Several signals at once (the parent-death SIGTERM with a SIGHUP or SIGINT): each
     handler runs inside the one before it. A handler that took a lock (threading.Event.set)

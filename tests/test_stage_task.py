@@ -2,6 +2,8 @@
 
 These call the task's function directly (`stage_task.fn`), so no Prefect server starts; the
 supervisor falls back to a plain logger and skips the progress artifact outside a task run.
+The tests that launch a stage process are slow (the harness imports torch and probes the host
+in it: 4-10 s a launch); three of them read one launch.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -114,22 +117,6 @@ def test_stage_env_sets_fixed_values_and_the_launch_tag(monkeypatch: pytest.Monk
     assert "PYTHONPATH" not in remote
 
 
-def test_the_spec_carries_the_launch(tmp_path: Path, modules: Path) -> None:
-    """Everything the stage process needs about its launch is in its spec, not its
-    environment: the lock held for it, who supervises it, the earlier attempt's account."""
-    stage, spec = _planned(tmp_path, "pt_ok_ingest")
-    assert stage_task.fn(stage, spec).status == "ran"
-    written = read_spec(spec_path(stage.out_dir))
-    assert (
-        written.launch is not None
-        and written.launch.id in stage.out_dir.joinpath("logs", "stage.log").read_text()
-    )
-    assert written.launch.lock == str(stage.out_dir.with_name(stage.out_dir.name + ".lock"))
-    assert written.launch.supervisor_pid == os.getpid()
-    assert written.launch.beat_file is None
-    assert written.stage == stage and written.recipe["run"]["workspace"]
-
-
 def test_progress_from_record() -> None:
     pct, desc = progress_from_record(
         {"kind": "train", "step": 25, "total_steps": 100, "loss": 1.23456, "mfu": 0.6}
@@ -161,19 +148,6 @@ def test_metrics_tail_reports_latest_complete_train_line(tmp_path: Path) -> None
         f.write('al_steps": 4}\n')
     tail.stop()  # the final poll picks up the completed line
     assert [p for p, _ in seen] == [50.0, 75.0]
-
-
-def test_success_returns_verified_ref_and_streams_logs(tmp_path: Path, modules: Path) -> None:
-    stage, spec = _planned(tmp_path, "pt_ok_ingest")
-    out = stage_task.fn(stage, spec)
-    assert out.status == "ran"
-    assert out.ref.fingerprint == FP and out.ref.stage == "ingest"
-    assert out.ref.path == stage.out_dir
-    assert out.summary == read_summary(stage.out_dir)  # read once, handed along
-    assert verify(stage.out_dir) == (True, "")
-    assert Outcome.model_validate_json(out.model_dump_json()) == out  # plain JSON either way
-    log = (stage.out_dir / "logs" / "stage.log").read_text()
-    assert "hello from ingest" in log and "POSTTRAIN_ARTIFACT" in log
 
 
 def _complete_artifact(stage: PlannedStage, summary: dict | None = None) -> None:
@@ -213,17 +187,63 @@ def test_a_complete_artifact_whose_summary_is_no_summary_fails_the_stage(
     assert _launches(stage) == 0
 
 
-def test_altered_artifact_is_rebuilt(tmp_path: Path, modules: Path) -> None:
-    stage, spec = _planned(tmp_path, "pt_ok_ingest")
-    _complete_artifact(stage)
-    (stage.out_dir / "result.json").write_text("tampered")
-    assert verify(stage.out_dir)[0] is False
-    out = stage_task.fn(stage, spec)
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """One launch of `pt_ok_ingest` that three tests read: over a complete artifact whose file
+    was altered afterwards, so the supervisor must see it and build it again (a launch costs
+    seconds: the stage harness imports and probes in a fresh process)."""
+    tmp = tmp_path_factory.mktemp("launched")
+    with pytest.MonkeyPatch.context() as mp:
+        folder = tmp / "mods"
+        write_stage_modules(folder)
+        on_child_path(folder, mp)
+        stage, spec = _planned(tmp, "pt_ok_ingest")
+        _complete_artifact(stage)
+        (stage.out_dir / "result.json").write_text("tampered")
+        altered_verified = verify(stage.out_dir)[0]
+        out = stage_task.fn(stage, spec)
+        yield {"stage": stage, "out": out, "altered_verified": altered_verified}
+
+
+@pytest.mark.slow
+def test_success_returns_verified_ref_and_streams_logs(launched: dict) -> None:
+    stage, out = launched["stage"], launched["out"]
     assert out.status == "ran"
+    assert out.ref.fingerprint == FP and out.ref.stage == "ingest"
+    assert out.ref.path == stage.out_dir
+    assert out.summary == read_summary(stage.out_dir)  # read once, handed along
+    assert verify(stage.out_dir) == (True, "")
+    assert Outcome.model_validate_json(out.model_dump_json()) == out  # plain JSON either way
+    log = (stage.out_dir / "logs" / "stage.log").read_text()
+    assert "hello from ingest" in log and "POSTTRAIN_ARTIFACT" in log
+
+
+@pytest.mark.slow
+def test_the_spec_carries_the_launch(launched: dict) -> None:
+    """Everything the stage process needs about its launch is in its spec, not its
+    environment: the lock held for it, who supervises it, the earlier attempt's account."""
+    stage = launched["stage"]
+    written = read_spec(spec_path(stage.out_dir))
+    assert (
+        written.launch is not None
+        and written.launch.id in stage.out_dir.joinpath("logs", "stage.log").read_text()
+    )
+    assert written.launch.lock == str(stage.out_dir.with_name(stage.out_dir.name + ".lock"))
+    assert written.launch.supervisor_pid == os.getpid()
+    assert written.launch.beat_file is None
+    assert written.stage == stage and written.recipe["run"]["workspace"]
+
+
+@pytest.mark.slow
+def test_altered_artifact_is_rebuilt(launched: dict) -> None:
+    stage = launched["stage"]
+    assert launched["altered_verified"] is False
+    assert launched["out"].status == "ran"
     assert _launches(stage) == 1
     assert verify(stage.out_dir) == (True, "")
 
 
+@pytest.mark.slow
 def test_failure_raises_with_stage_exit_code_and_last_lines(tmp_path: Path, modules: Path) -> None:
     stage, spec = _planned(tmp_path, "pt_fail_ingest")
     with pytest.raises(StageFailed) as info:
