@@ -261,7 +261,7 @@ def test_two_posttrain_launches_at_once(
         first.stop()
     assert (rc1, rc2) == (0, 0), (out1, out2)
     assert len(runs.read_text().split()) == 1, "the stage ran once"
-    out = plan(validate_recipe(data)).stages[0].out_dir
+    out = plan(resolve(validate_recipe(data))).stages[0].out_dir
     assert f"stage ingest: ran: {out}" in out1 and f"stage ingest: reused: {out}" in out2
     assert "the other run is done; this one reused" in out2
     _intact(out)

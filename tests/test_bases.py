@@ -254,6 +254,8 @@ def test_an_sft_trains_on_each_of_two_bases(tmp_path: Path) -> None:
             keys = [k for k in f.keys() if "lora_A" in k]  # noqa: SIM118
             widths[name] = {f.get_slice(k).get_shape()[1] for k in keys}
         spec = json.loads((out / "logs" / "spec.json").read_text())
-        assert spec["roles"]["base"] == ("ingest" if name == "sft" else "teacher")
-        assert manifest["parents"] == [spec["parents"][spec["roles"]["base"]]["fingerprint"]]
+        assert spec["stage"]["roles"]["base"] == ("ingest" if name == "sft" else "teacher")
+        assert manifest["parents"] == [
+            spec["parents"][spec["stage"]["roles"]["base"]]["fingerprint"]
+        ]
     assert widths == {"sft": {64, 128}, "teacher_sft": {96, 192}}

@@ -353,7 +353,10 @@ def test_a_tiny_run_with_a_teacher_reports_the_gap_closed(tmp_path: Path) -> Non
         run_inprocess("sft", path, name=name)
     ev = run_inprocess("evaluate", path)
     spec = json.loads((ev / "logs" / "spec.json").read_text())
-    assert spec["roles"]["teacher"] == "teacher_sft" and spec["roles"]["teacher_base"] == "teacher"
+    assert (
+        spec["stage"]["roles"]["teacher"] == "teacher_sft"
+        and spec["stage"]["roles"]["teacher_base"] == "teacher"
+    )
     report = json.loads((ev / "eval.json").read_text())
     assert report["teacher"] == {"stage": "teacher_sft", "base": "teacher"}
     exact = report["exact_match"]
