@@ -49,6 +49,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from tiny_models import stage_helpers  # noqa: E402 (bench/, the script's folder, is on the path)
+
 # A base whose fp32 weights (~100 MB) stand well above the activations of the small batch below.
 BASE = {
     "hidden_size": 512,
@@ -140,18 +142,9 @@ def _mib(kib: float) -> float:
 # Children
 
 
-def _stage_helpers() -> Any:
-    # tests/ is a namespace package next to posttrain/: importable once the repository root is
-    # on sys.path (a script's own folder, bench/, is what Python puts there).
-    sys.path.insert(0, str(ROOT))
-    import tests.stage_helpers as helpers
-
-    return helpers
-
-
 def prepare_child(work: Path, threads: int) -> dict[str, Any]:
     """ingest, sft and reward in this process, in a fresh workspace under `work`."""
-    helpers = _stage_helpers()
+    helpers = stage_helpers()
     work.mkdir(parents=True, exist_ok=True)
     # threads_per_rank is no fingerprint input: the ppo runs reuse these parents whatever it is.
     data = {**RECIPE, "infra": {**RECIPE["infra"], "threads_per_rank": threads}}
@@ -336,7 +329,7 @@ def memory_child(
 
 def ppo_child(recipe: Path, keep_gathered: str, rollouts: int) -> dict[str, Any]:
     """The real ppo stage in this process; per-step means from its metrics.jsonl."""
-    helpers = _stage_helpers()
+    helpers = stage_helpers()
     from posttrain.telemetry.metrics import read_metrics
 
     over = (f"ppo.rollout.keep_gathered={keep_gathered}", f"ppo.max_steps={rollouts}")
