@@ -95,17 +95,21 @@ def test_plan_lists_stages_and_missing_artifacts(tmp_path: Path) -> None:
     assert [r.split()[-2] for r in rows] == ["local", "slurm:4x8", "slurm:1", "slurm:1"]
 
 
+def _cli_in_fresh_python(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """`posttrain ARGS` in a fresh interpreter that fails if the command imported Prefect."""
+    code = (
+        "import sys; from flows.cli import main; rc = main(sys.argv[1:]); "
+        "assert 'prefect' not in sys.modules, 'prefect was imported'; sys.exit(rc)"
+    )
+    argv = [sys.executable, "-c", code, *map(str, args)]
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
+
+
 def test_launch_refuses_a_parent_that_is_not_complete_in_one_line(tmp_path: Path) -> None:
     """`posttrain launch sft` before ingest ran: one line naming the parent and the command
     that builds it; nothing is started, nothing written, Prefect not imported."""
     path = _write(tmp_path, GOOD.format(ws=tmp_path / "ws"))
-    code = (
-        "import sys; from flows.cli import main; rc = main(['launch', 'sft', sys.argv[1]]); "
-        "assert 'prefect' not in sys.modules, 'prefect was imported'; sys.exit(rc)"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(path)], cwd=REPO, capture_output=True, text=True
-    )
+    proc = _cli_in_fresh_python("launch", "sft", path)
     assert proc.returncode == 1, proc.stderr
     (line,) = proc.stderr.splitlines()
     assert line.startswith(f"error: parent stage 'ingest' is not complete ({tmp_path / 'ws'}/")
@@ -115,13 +119,7 @@ def test_launch_refuses_a_parent_that_is_not_complete_in_one_line(tmp_path: Path
 
 def test_run_with_bad_recipe_exits_2_without_importing_prefect(tmp_path: Path) -> None:
     path = _write(tmp_path, BAD)
-    code = (
-        "import sys; from flows.cli import main; rc = main(['run', sys.argv[1]]); "
-        "assert 'prefect' not in sys.modules, 'prefect was imported'; sys.exit(rc)"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(path)], cwd=REPO, capture_output=True, text=True
-    )
+    proc = _cli_in_fresh_python("run", path)
     assert proc.returncode == 2, proc.stderr
     assert "sft.optim.lr:" in proc.stderr
     assert proc.stdout == ""
