@@ -91,9 +91,12 @@ case "${1:-}" in
     [ "$(id -u)" -eq 0 ] && export POSTTRAIN_REQUIRE_TMPFS=1
     marker=()
     [ "$1" = test-fast ] && marker=(-m "not slow")
+    # Two workers (pytest-xdist), one per core of the CI machine (POSTTRAIN_TEST_WORKERS
+    # overrides; 0 runs in this process): a file's tests stay in one worker (tests/conftest.py).
+    workers=(-n "${POSTTRAIN_TEST_WORKERS:-2}" --dist loadgroup)
     set +e
     # --durations=25: every log lists the slowest tests, so a test that grows is seen at once.
-    "$venv/bin/python" -m pytest --durations=25 "${marker[@]}" "${@:2}"
+    "$venv/bin/python" -m pytest "${workers[@]}" --durations=25 "${marker[@]}" "${@:2}"
     rc=$?
     set -e
     # pytest exits 5 when it collected no test: that is a failure here, never a silent pass.

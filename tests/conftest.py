@@ -81,3 +81,13 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]
 
 # `slurm_cluster`: a real 2-node Slurm cluster for the session (tests/slurm_cluster.py).
 from slurm_cluster import slurm_cluster  # noqa: E402, F401
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Groups for pytest-xdist's `--dist loadgroup` (scripts/dev.sh): a file's tests run in one
+    worker, so its module fixtures (a pipeline run several tests read) are built once; the
+    Slurm files share one, so one worker starts the session's 2-node cluster."""
+    for item in items:
+        stem = item.path.stem
+        group = "slurm" if stem.startswith("test_slurm") else str(item.path)
+        item.add_marker(pytest.mark.xdist_group(group))
