@@ -97,6 +97,16 @@ def _md_cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _md_row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(map(_md_cell, cells)) + " |"
+
+
+def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]], *intro: str) -> list[str]:
+    """A markdown table after `intro` (a section's heading and notes), each its own paragraph."""
+    head = [line for text in intro for line in ("", text)]
+    return [*head, "", _md_row(header), "|" + "---|" * len(header), *map(_md_row, rows)]
+
+
 def markdown_report(
     run_name: str,
     run_id: str,
@@ -115,29 +125,20 @@ def markdown_report(
         outcome = f"**failed** at stage `{failed[0].stage}`"
     else:
         outcome = f"**stopped** by the quality gate of stage `{failed[0].stage}`"
-    lines = [
-        f"# posttrain run `{run_name}`",
-        "",
-        f"Run id `{run_id}`: {outcome}.",
-        "",
-        "| stage | status | duration | key metrics | artifact |",
-        "|---|---|---|---|---|",
-    ]
-    for r in records:
-        lines.append(
-            "| "
-            + " | ".join(
-                _md_cell(c)
-                for c in (
-                    r.stage,
-                    r.status,
-                    format_duration(r.duration_s),
-                    headline_text(r.summary.headline) or "-",
-                    f"`{r.uri}`" if r.uri else "-",
-                )
-            )
-            + " |"
+    rows = [
+        (
+            r.stage,
+            r.status,
+            format_duration(r.duration_s),
+            headline_text(r.summary.headline) or "-",
+            f"`{r.uri}`" if r.uri else "-",
         )
+        for r in records
+    ]
+    header = ("stage", "status", "duration", "key metrics", "artifact")
+    lines = _md_table(
+        header, rows, f"# posttrain run `{run_name}`", f"Run id `{run_id}`: {outcome}."
+    )[1:]
     if not_selected:
         lines += ["", not_selected_text(not_selected)]
     if export_path:
@@ -202,31 +203,25 @@ def sre_markdown(records: Sequence[StageRecord]) -> list[str]:
     rows = [r for r in records if r.health.get("step_time")]
     if not rows:
         return []
-    lines = [
-        "",
-        "## SRE",
-        "",
-        "Median over the stage's steps, with its worst moment.",
-        "",
-        "| stage | step time (s) | data-wait share | MFU | reserved/allocated | peak RSS (GiB) "
-        "| GPU | non-finite updates |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        h = r.health
-        cells = (
+    header = ("stage", "step time (s)", "data-wait share", "MFU", "reserved/allocated")
+    header += ("peak RSS (GiB)", "GPU", "non-finite updates")
+    cells = [
+        (
             r.stage,
-            _moment(h.get("step_time"), ".3g"),
-            _moment(h.get("data_wait"), ".1%"),
-            _moment(h.get("mfu"), ".1%"),
-            _moment(h.get("reserved_over_allocated"), ".2f"),
-            _peak(h.get("peak_rss_gib")),
-            _gpu_cell(h),
-            format_value(h.get("nonfinite_updates", 0)),
+            _moment(r.health.get("step_time"), ".3g"),
+            _moment(r.health.get("data_wait"), ".1%"),
+            _moment(r.health.get("mfu"), ".1%"),
+            _moment(r.health.get("reserved_over_allocated"), ".2f"),
+            _peak(r.health.get("peak_rss_gib")),
+            _gpu_cell(r.health),
+            format_value(r.health.get("nonfinite_updates", 0)),
         )
-        lines.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
-    lines += [f"- {_md_cell(line)}" for line in health_lines(rows)]
-    return lines
+        for r in rows
+    ]
+    lines = _md_table(
+        header, cells, "## SRE", "Median over the stage's steps, with its worst moment."
+    )
+    return lines + [f"- {_md_cell(line)}" for line in health_lines(rows)]
 
 
 def _peak(figure: dict[str, Any] | None) -> str:
@@ -258,25 +253,14 @@ def memory_markdown(records: Sequence[StageRecord]) -> list[str]:
     rows = [(r.stage, r.summary.memory) for r in records if r.summary.memory is not None]
     if not rows:
         return []
-    lines = [
-        "",
-        "## Memory",
-        "",
-        "| stage | estimate (GiB) | measured peak (GiB) | measured as | estimate / measured "
-        "| capacity (GiB) |",
-        "|---|---|---|---|---|---|",
+    header = ("stage", "estimate (GiB)", "measured peak (GiB)", "measured as")
+    header += ("estimate / measured", "capacity (GiB)")
+    cells = [
+        (stage, *map(format_value, (m.estimate_gib, m.measured_peak_gib)), m.measured)
+        + tuple(map(format_value, (m.estimate_over_measured, m.capacity_gib)))
+        for stage, m in rows
     ]
-    for stage, m in rows:
-        cells = (
-            stage,
-            format_value(m.estimate_gib),
-            format_value(m.measured_peak_gib),
-            m.measured,
-            format_value(m.estimate_over_measured),
-            format_value(m.capacity_gib),
-        )
-        lines.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
-    return lines
+    return _md_table(header, cells, "## Memory")
 
 
 def curves_markdown(plots: Sequence[CurvePlot], inline: bool = True) -> list[str]:
@@ -347,38 +331,24 @@ def chain_markdown(records: Sequence[StageRecord]) -> list[str]:
     ev = next((r for r in records if r.summary.policies), None)
     if ev is None:
         return []
-    lines = [
-        "",
-        "## Along the chain",
-        "",
-        "Each policy against the one it started from (held-out loss: lower is better; the "
-        "gain columns are this policy minus its parent; win-rate judged by the reward model).",
-        "",
-        "| policy | kind | from | held-out loss | loss gain | exact match | exact-match gain "
-        "| win-rate vs parent |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
     rows = ev.summary.policies
+    cells = []
     for name, row in rows.items():
         parent = rows.get(row.get("parent"), {})
-
-        def gain(key: str, row: dict[str, Any] = row, parent: dict[str, Any] = parent) -> str:
-            if key in row and key in parent:
-                return f"{row[key] - parent[key]:+.4g}"
-            return "-"
-
-        cells = (
-            name,
-            str(row.get("kind", "")),
-            str(row.get("parent", "")),
-            format_value(row["loss"]) if "loss" in row else "-",
-            gain("loss"),
-            format_value(row["exact_match"]) if "exact_match" in row else "-",
-            gain("exact_match"),
-            format_value(row["win_rate_vs_parent"]) if "win_rate_vs_parent" in row else "-",
-        )
-        lines.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
-    return lines
+        figures = []  # each figure, then this policy's gain over its parent
+        for key in ("loss", "exact_match"):
+            figures.append(format_value(row[key]) if key in row else "-")
+            has_both = key in row and key in parent
+            figures.append(f"{row[key] - parent[key]:+.4g}" if has_both else "-")
+        win = format_value(row["win_rate_vs_parent"]) if "win_rate_vs_parent" in row else "-"
+        cells.append((name, str(row.get("kind", "")), str(row.get("parent", "")), *figures, win))
+    header = ("policy", "kind", "from", "held-out loss", "loss gain", "exact match")
+    header += ("exact-match gain", "win-rate vs parent")
+    note = (
+        "Each policy against the one it started from (held-out loss: lower is better; the "
+        "gain columns are this policy minus its parent; win-rate judged by the reward model)."
+    )
+    return _md_table(header, cells, "## Along the chain", note)
 
 
 def teacher_markdown(records: Sequence[StageRecord]) -> list[str]:
