@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flows.report.plots import save_png
 from flows.report.tables import StageRecord
 
 if TYPE_CHECKING:  # matplotlib is imported where it draws (see the module docstring)
@@ -301,7 +302,7 @@ def draw_stage_graph(nodes: Sequence[StageRecord], path: str | os.PathLike[str])
     missing from `nodes` is drawn as a dashed stub. The image is sized to the graph
     (`graph_layout`), at 100 dpi.
     """
-    return _save_png(stage_graph_figure(nodes), Path(path))
+    return save_png(stage_graph_figure(nodes), Path(path))
 
 
 def stage_graph_figure(nodes: Sequence[StageRecord]) -> Figure:
@@ -447,16 +448,3 @@ def _draw_legend(ax: Axes, labels: Sequence[str]) -> None:
         handlelength=1.2,
         columnspacing=1.0,
     )
-
-
-def _save_png(fig: Figure, out: Path) -> Path:
-    """`fig` as the PNG `out` (parent folders created)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Written beside and renamed, so a report never links a half-written image.
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        fig.savefig(tmp, format="png", dpi=DPI)
-        tmp.replace(out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out

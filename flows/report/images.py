@@ -23,7 +23,7 @@ from types import ModuleType
 
 from flows.report import graph_plot, plots
 from flows.report.graph_plot import draw_stage_graph
-from flows.report.plots import CurvePlot, plot_stage, read_records
+from flows.report.plots import CurvePlot, plot_stage, read_records, write_beside
 from flows.report.tables import StageRecord
 
 
@@ -44,18 +44,8 @@ def _key(drawer: ModuleType, *inputs: bytes | str) -> str:
 
 
 def _put(dest: Path, src: Path | None = None, text: str = "") -> None:
-    """Copy `src` (or write `text`) to `dest`, written beside and renamed, as the drawing code
-    does: a report never links half an image, and a concurrent run never reads half a file."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-    try:
-        if src is not None:
-            shutil.copyfile(src, tmp)
-        else:
-            tmp.write_text(text)
-        tmp.replace(dest)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Copy `src` (or write `text`) to `dest`, as the drawing code writes (`write_beside`)."""
+    write_beside(dest, lambda tmp: shutil.copyfile(src, tmp) if src else tmp.write_text(text))
 
 
 def curves(

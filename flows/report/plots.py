@@ -18,7 +18,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -279,22 +279,30 @@ def plot_stage(stage: str, records: Sequence[dict[str, Any]], out_dir: Path) -> 
     panels = curve_spec(stage, records)
     if not panels:
         return None
-    fig = curve_figure(panels)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / _file_name(stage)
-    # Written beside and renamed, so a report never links a half-written image.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fig.savefig(tmp, format="png", dpi=DPI)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    path = save_png(curve_figure(panels), out_dir / _file_name(stage))
     return CurvePlot(
         stage=stage,
         path=path,
         panels=tuple(p.name for p in panels),
         series=tuple(line.series.field for p in panels for line in p.lines),
     )
+
+
+def write_beside(dest: Path, write: Callable[[Path], object]) -> Path:
+    """`write(tmp)` beside `dest`, renamed to it (parent folders created): a report never links
+    half an image, a concurrent run never reads half a file."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        tmp.replace(dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
+def save_png(fig: Figure, dest: Path) -> Path:
+    return write_beside(dest, lambda tmp: fig.savefig(tmp, format="png", dpi=DPI))
 
 
 def plot_curves(stages: Sequence[tuple[str, Path]], out_dir: Path) -> list[CurvePlot]:
