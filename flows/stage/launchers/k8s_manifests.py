@@ -105,6 +105,11 @@ def _escape(text: str) -> str:
     return text.replace("$(", "$$(")
 
 
+def _some(**fields: Any) -> dict[str, Any]:
+    # A manifest leaves out what the recipe does not set (None, empty), in the order given.
+    return {k: v for k, v in fields.items() if v}
+
+
 def plan_job(
     request: LaunchRequest, config: KubernetesConfig, device: str, workspace: Path | None = None
 ) -> JobPlan:
@@ -123,11 +128,20 @@ def plan_job(
     labels = job_labels(request, config)
     command = pod_command(request, config, name, nnodes)
     volumes, mounts = workspace_volumes(config, workspace)
-    container = container_spec(
-        config, command, container_env(request, config), mounts, gpus, nnodes
-    )
-    pod = pod_spec(config, name, container, volumes)
-    job = job_manifest(request, config, name, labels, pod, nnodes)
+    container = {
+        "name": CONTAINER,
+        "image": config.image,
+        "command": command,
+        "env": container_env(request, config),
+        "volumeMounts": mounts,
+        **_some(
+            imagePullPolicy=config.image_pull_policy,
+            resources=container_resources(config, gpus),
+            # Exposed when several nodes dial pod 0's rendezvous.
+            ports=[{"name": "rdzv", "containerPort": config.rdzv_port}] if nnodes > 1 else None,
+        ),
+    }
+    job = job_manifest(request, config, name, labels, pod_spec(config, name, container, volumes))
     return JobPlan(name, config.namespace, labels, command, job, gpus, nnodes)
 
 
@@ -256,41 +270,12 @@ def workspace_volumes(
     return volumes, mounts
 
 
-def container_spec(
-    config: KubernetesConfig,
-    command: list[str],
-    env: list[dict[str, Any]],
-    mounts: list[dict[str, Any]],
-    gpus: int,
-    nnodes: int,
-) -> dict[str, Any]:
-    """The stage's one container; it exposes the rendezvous port when several nodes dial it."""
-    container: dict[str, Any] = {
-        "name": CONTAINER,
-        "image": config.image,
-        "command": command,
-        "env": env,
-        "volumeMounts": mounts,
-    }
-    if config.image_pull_policy:
-        container["imagePullPolicy"] = config.image_pull_policy
-    resources = container_resources(config, gpus)
-    if resources:
-        container["resources"] = resources
-    if nnodes > 1:
-        container["ports"] = [{"name": "rdzv", "containerPort": config.rdzv_port}]
-    return container
-
-
 def pod_spec(
-    config: KubernetesConfig,
-    name: str,
-    container: dict[str, Any],
-    volumes: list[dict[str, Any]],
+    config: KubernetesConfig, name: str, container: dict[str, Any], volumes: list[dict[str, Any]]
 ) -> dict[str, Any]:
     """The pod template's spec: never restarted, in the Service's subdomain, with the recipe's
     scheduling and registry settings."""
-    pod: dict[str, Any] = {
+    return {
         "restartPolicy": "Never",
         # With the Service of the same name: pod k is `<job>-k.<job>` (Indexed Jobs set each
         # pod's hostname to `<job>-<index>`).
@@ -298,16 +283,13 @@ def pod_spec(
         "terminationGracePeriodSeconds": config.termination_grace_s,
         "containers": [container],
         "volumes": volumes,
+        **_some(
+            serviceAccountName=config.service_account,
+            imagePullSecrets=[{"name": s} for s in config.image_pull_secrets],
+            nodeSelector=dict(config.node_selector),
+            tolerations=[t.model_dump(exclude_none=True) for t in config.tolerations],
+        ),
     }
-    if config.service_account:
-        pod["serviceAccountName"] = config.service_account
-    if config.image_pull_secrets:
-        pod["imagePullSecrets"] = [{"name": s} for s in config.image_pull_secrets]
-    if config.node_selector:
-        pod["nodeSelector"] = dict(config.node_selector)
-    if config.tolerations:
-        pod["tolerations"] = [t.model_dump(exclude_none=True) for t in config.tolerations]
-    return pod
 
 
 def job_manifest(
@@ -316,9 +298,10 @@ def job_manifest(
     name: str,
     labels: dict[str, str],
     pod: dict[str, Any],
-    nnodes: int,
 ) -> dict[str, Any]:
     """The Indexed Job: one pod per node, no retries, the recipe's deadline and clean-up."""
+    nnodes = max(1, request.stage.nnodes)
+    extra = config.deadline_extra_s
     spec: dict[str, Any] = {
         "completionMode": "Indexed",
         "completions": nnodes,
@@ -328,18 +311,10 @@ def job_manifest(
         "backoffLimit": 0,
         "template": {"metadata": {"labels": dict(labels)}, "spec": pod},
     }
-    if config.deadline_extra_s is not None:
-        spec["activeDeadlineSeconds"] = math.ceil(request.stage.timeout_s + config.deadline_extra_s)
+    if extra is not None:
+        spec["activeDeadlineSeconds"] = math.ceil(request.stage.timeout_s + extra)
     if config.ttl_seconds_after_finished is not None:
         spec["ttlSecondsAfterFinished"] = config.ttl_seconds_after_finished
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {
-            "name": name,
-            "namespace": config.namespace,
-            "labels": dict(labels),
-            "annotations": {LABEL_PREFIX + "spec": str(request.spec_path)},
-        },
-        "spec": spec,
-    }
+    metadata = {"name": name, "namespace": config.namespace, "labels": dict(labels)}
+    metadata["annotations"] = {LABEL_PREFIX + "spec": str(request.spec_path)}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": spec}
