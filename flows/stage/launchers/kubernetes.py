@@ -1,13 +1,10 @@
 """The Kubernetes launcher: a stage as an Indexed Job with a headless Service, through the
 Kubernetes API (the official `kubernetes` client; extra `pip install posttrain[kubernetes]`).
 
-`start` submits the Job (one pod per node, `flows.stage.launchers.k8s_manifests`) and then its
-Service (owned by the Job, so deleting the Job removes it). The returned `KubernetesLaunch`
-looks at the Job and its pods every `infra.kubernetes.poll_s` seconds (two reads, shared by
-every caller), follows each pod's log once its container started, and ends the stage by
-deleting the Job in the foreground, which the API turns into SIGTERM, then SIGKILL after the
-grace period, in every pod. The stage's metrics, heartbeats and checkpoints reach the
-supervisor through the shared workspace volume, as with any launcher.
+`start` submits the Job (`k8s_manifests`), then its Service (owned by the Job). The returned
+`KubernetesLaunch` reads the Job and its pods every `infra.kubernetes.poll_s` seconds (shared by
+every caller), follows each pod's log once its container started, and ends the stage by deleting
+the Job in the foreground: SIGTERM, then SIGKILL after the grace period, in every pod.
 """
 
 from __future__ import annotations
@@ -48,9 +45,8 @@ _OWN_ENDINGS = {"Completed", "Error"}
 
 
 def api_client(config: KubernetesConfig, connections: int = 16) -> Any:
-    """An ApiClient for `config.context`: in-cluster credentials when this process runs in a pod
-    and no context is named, else the kubeconfig's (current) context. `connections`: pool size
-    (one long-lived log stream per pod plus the status reads)."""
+    """An ApiClient for `config.context`: in-cluster credentials in a pod with no context named,
+    else the kubeconfig's. `connections`: pool size (a log stream per pod, the status reads)."""
     _need_client()
     import os
 
@@ -90,12 +86,8 @@ def api_message(exc: Exception) -> str:
 
 
 class KubernetesLauncher:
-    """Runs each stage as an Indexed Job + headless Service in `config.namespace`.
-
-    `device`: infra.device (GPUs per pod default to one per process on `cuda`). `workspace`:
-    the run's absolute workspace folder, mounted at the same path in every pod (default: found
-    from each stage's folder). `client`: an `ApiClient` to use instead of the kubeconfig's.
-    """
+    """Runs each stage as an Indexed Job + headless Service in `config.namespace`; `device`,
+    `workspace` as for `plan_job`; `client`: an `ApiClient` instead of the kubeconfig's."""
 
     name = "kubernetes"
 
@@ -114,11 +106,8 @@ class KubernetesLauncher:
 
     @classmethod
     def from_infra(cls, infra: dict[str, Any]) -> KubernetesLauncher:
-        """From a stage's planned infra section (`PlannedStage.infra`, JSON)."""
-        return cls(
-            KubernetesConfig.model_validate(infra.get("kubernetes") or {}),
-            str(infra.get("device", "cpu")),
-        )
+        config = KubernetesConfig.model_validate(infra.get("kubernetes") or {})
+        return cls(config, str(infra.get("device", "cpu")))
 
     def _api(self, connections: int = 16) -> Any:
         if self._client is None:
@@ -156,21 +145,14 @@ class KubernetesLauncher:
                 f"Kubernetes refused Service {ns}/{plan.name} (the Job was deleted): "
                 f"{api_message(exc)}"
             ) from None
-        log.info(
-            "stage %s: submitted Kubernetes Job %s/%s (%d pod(s), %d GPU(s) each)",
-            request.stage.name,
-            ns,
-            plan.name,
-            plan.nnodes,
-            plan.gpus,
-        )
+        what = f"Kubernetes Job {ns}/{plan.name} ({plan.nnodes} pod(s), {plan.gpus} GPU(s) each)"
+        log.info("stage %s: submitted %s", request.stage.name, what)
         return KubernetesLaunch(
             client, self.config, plan.name, ns, plan.labels[LAUNCH_LABEL], plan.nnodes
         )
 
     def find(self, record: dict[str, str], log: Log) -> KubernetesLaunch | None:
-        """The Job `record` names if it still runs or waits (a flow that died left it), else
-        None."""
+        """The Job `record` names if it still runs or waits (a flow that died left it)."""
         name, ns, launch = record.get("job", ""), record.get("namespace", ""), record.get("launch")
         if not (name and ns and launch):
             return None
@@ -200,9 +182,8 @@ def _write_manifests(log_dir: Path, plan: JobPlan, config: KubernetesConfig) -> 
 
 
 class KubernetesLaunch:
-    """One submitted Job. Thread-safe: the supervisor polls while another thread reads
-    `output()`; the Job and its pods are read at most once per `poll_s` for all of them, and
-    no more once the Job has ended (its last state is kept: the end is final)."""
+    """One submitted Job. Thread-safe (the supervisor polls while another thread reads
+    `output()`); the Job and its pods are read at most once per `poll_s`, never after the end."""
 
     def __init__(
         self,
@@ -230,8 +211,6 @@ class KubernetesLaunch:
         self._stopped = False
         self._final: int | None = None  # the exit status, once ended
         self._api_error: str | None = None
-
-    # -- state ----------------------------------------------------------------------------
 
     def _refresh(self, force: bool = False) -> None:
         with self._lock:
@@ -266,11 +245,8 @@ class KubernetesLaunch:
         return [p for p in self._pods if (p.status.phase or "Pending") in ("Pending", "Running")]
 
     def _ended(self) -> bool:
-        """The Job reached its end (or is gone) and none of its pods still runs."""
         final = self._condition("Complete", "Failed") or self._job_gone
         return bool(final) and not self._active_pods()
-
-    # -- Launch ---------------------------------------------------------------------------
 
     def started(self) -> bool:
         if not self._started:
@@ -331,11 +307,9 @@ class KubernetesLaunch:
         return "Kubernetes: " + "; ".join(reasons) if reasons else None
 
     def stop(self, grace_s: float, log: Log) -> None:
-        """Delete the Job (foreground: its pods go first, each SIGTERMed, SIGKILLed after its
-        grace period) and the Service, then wait until no pod of the launch is left; pods still
-        there after the grace (an unreachable node) are deleted with no grace. After the end
-        there is nothing to stop: the Job stays for `ttl_seconds_after_finished` (its pods'
-        logs with it) and its Service goes with it."""
+        """Delete the Job (foreground: pods first, SIGTERM then SIGKILL) and the Service, then
+        wait until no pod is left; pods still there after the grace (an unreachable node) are
+        deleted with no grace. An ended Job stays for `ttl_seconds_after_finished`."""
         if self.poll() is not None:
             return
         self._stopped = True
@@ -384,13 +358,12 @@ class KubernetesLaunch:
             time.sleep(min(self._poll_s, 1.0))
 
     def dump_stacks(self, hang: Any, out_dir: Path) -> list[Path]:
-        """Always []: no path signals a process in a pod without `exec` rights, which this
-        launcher does not ask for. The hang is reported from the heartbeats alone."""
+        # Signalling a process in a pod needs `exec` rights, which this launcher does not ask
+        # for: the hang is reported from the heartbeats alone.
         return []
 
     def output(self) -> Iterator[str]:
-        """Every pod's log, each line prefixed `[node k] `, followed from when its container
-        started until every pod ended and every log was read."""
+        """Every pod's log, lines prefixed `[node k] `, until every pod ended and was read."""
         lines: queue.Queue[str] = queue.Queue()
         followers: dict[str, threading.Thread] = {}
         while True:
@@ -414,9 +387,8 @@ class KubernetesLaunch:
                 return
 
     def _follow(self, pod: str, index: int, lines: queue.Queue[str]) -> None:
-        """Follow one pod's log into `lines`. A stream that ends while the container still runs
-        (a dropped connection) is reopened from the last line's timestamp, skipping what was
-        already read."""
+        """Follow one pod's log into `lines`; a stream that drops while the container runs is
+        reopened from the last line's timestamp, skipping what was read."""
         prefix = f"[node {index}] "
         last: tuple[datetime, int] | None = None  # newest timestamp read, lines read at it
         while True:
@@ -469,10 +441,8 @@ class KubernetesLaunch:
 def cancel_flow_run_jobs(
     flow_run_id: str, config: KubernetesConfig | dict[str, Any], client: Any = None
 ) -> int:
-    """Delete every Job (and Service) of a flow run, found by its `posttrain.io/flow-run`
-    label, in the foreground; returns how many Jobs were deleted. For the flow's
-    cancellation and crash hooks, which run when the supervising process may be gone.
-    `config`: `infra.kubernetes`, or the whole infra section as JSON."""
+    """Delete every Job (and Service) labelled with the flow run, for the flow's cancellation
+    and crash hooks; returns how many Jobs. `config`: `infra.kubernetes`, or infra as JSON."""
     _need_client()
     if isinstance(config, dict):
         config = KubernetesConfig.model_validate(config.get("kubernetes") or {})
@@ -502,9 +472,6 @@ def cancel_flow_run_jobs(
     return deleted
 
 
-# -- reading pods --------------------------------------------------------------------------
-
-
 def _index(pod: Any) -> int:
     annotations = pod.metadata.annotations or {}
     labels = pod.metadata.labels or {}
@@ -528,7 +495,6 @@ def _container_started(pod: Any) -> bool:
 
 
 def _pending_reason(pod: Any) -> str | None:
-    """Why a pod's container does not run yet: unschedulable, pulling, a bad image ..."""
     for condition in (pod.status and pod.status.conditions) or []:
         if condition.type == "PodScheduled" and condition.status == "False":
             return f"{condition.reason}: {condition.message}"
@@ -550,7 +516,7 @@ def _exit_code(pod: Any) -> int | None:
 
 
 def _first_failure(pods: list[Any]) -> Any | None:
-    """The pod that failed first (the cause; the others were ended because of it)."""
+    # The pod that failed first is the cause; the others were ended because of it.
     failed = [p for p in pods if p.status.phase == "Failed"]
 
     def finished(pod: Any) -> datetime:
@@ -562,7 +528,6 @@ def _first_failure(pods: list[Any]) -> Any | None:
 
 
 def _engine_ending(pod: Any) -> str | None:
-    """How Kubernetes ended this pod, when it did: evicted, preempted, OOM-killed ..."""
     if pod.status.reason == "Evicted":
         return f"Evicted: {pod.status.message}"
     for condition in pod.status.conditions or []:
@@ -577,8 +542,7 @@ def _engine_ending(pod: Any) -> str | None:
 
 
 def _read_lines(response: Any) -> Iterator[str]:
-    """The lines of a streamed HTTP response as they arrive (read1: no waiting for a full
-    buffer), the last one even without its newline."""
+    """The lines of a streamed response as they arrive (read1: no waiting for a full buffer)."""
     buffer = b""
     try:
         while chunk := response.read1(65536):
