@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flows.stage.launch import NODE_RANK_ENV, stage_command
+from flows.stage.launch import NODE_RANK_ENV, planned_stage_command
 from flows.stage.launchers.base import LaunchRequest
 from posttrain.sections.kubernetes import KubernetesConfig
 
@@ -206,15 +206,9 @@ def pod_command(
     Kubernetes to expand from the pod's environment, every other argument is literal text."""
     stage = request.stage
     rank_arg = f"$({NODE_RANK_ENV})"
-    command = stage_command(
-        stage.module,
-        str(request.spec_path),
-        stage.nprocs,
-        python=config.python,
-        nnodes=nnodes,
-        node_rank=rank_arg,
-        rdzv_endpoint=rdzv_endpoint(name, config),
-        rdzv_id=stage.fingerprint,
+    endpoint = rdzv_endpoint(name, config)
+    command = planned_stage_command(
+        stage, str(request.spec_path), rank_arg, endpoint, python=config.python, nnodes=nnodes
     )
     return [a if a == rank_arg else _escape(a) for a in command]
 

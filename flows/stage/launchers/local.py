@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from flows.stage.hang import dump_stacks
-from flows.stage.launch import node_rank, stage_command
+from flows.stage.launch import node_rank, planned_stage_command
 from flows.stage.launchers.base import LaunchRequest, Log
 from flows.stage.procs import kill_stage
 from posttrain.telemetry.heartbeat import Hang
@@ -63,15 +63,7 @@ class LocalLauncher:
 
     def start(self, request: LaunchRequest, log: Log) -> LocalLaunch:
         stage = request.stage  # this node's agent of it
-        cmd = stage_command(
-            stage.module,
-            request.spec_path,
-            stage.nprocs,
-            nnodes=stage.nnodes,
-            node_rank=node_rank(),
-            rdzv_endpoint=stage.rdzv_endpoint,
-            rdzv_id=stage.fingerprint,
-        )
+        cmd = planned_stage_command(stage, request.spec_path, node_rank(), stage.rdzv_endpoint)
         proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from flows.stage.hang import stack_file, wait_for_stacks
-from flows.stage.launch import project_pythonpath, stage_command
+from flows.stage.launch import planned_stage_command, project_pythonpath
 from flows.stage.launchers.base import LaunchError, LaunchRequest, Log
 from posttrain.sections.slurm import SlurmConfig
 from posttrain.telemetry.heartbeat import Hang
@@ -271,15 +271,9 @@ class SlurmLauncher:
         """What every node runs: the same command, its rank and the rendezvous host filled in
         by the shell from what srun and the batch script set."""
         stage = request.stage
-        cmd = stage_command(
-            stage.module,
-            request.spec_path,
-            stage.nprocs,
-            python=self.python,
-            nnodes=stage.nnodes,
-            node_rank="$SLURM_PROCID",
-            rdzv_endpoint="$POSTTRAIN_RDZV_ENDPOINT",
-            rdzv_id=stage.fingerprint,
+        endpoint = "$POSTTRAIN_RDZV_ENDPOINT"
+        cmd = planned_stage_command(
+            stage, request.spec_path, "$SLURM_PROCID", endpoint, python=self.python
         )
         words = [f'"{w}"' if w.startswith("$") else shlex.quote(w) for w in cmd]
         return (
