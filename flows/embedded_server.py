@@ -61,23 +61,9 @@ def uvicorn_command(port: int) -> tuple[list[str], dict[str, str]]:
     import prefect
     from prefect.settings import get_current_settings
 
-    args = [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        "--app-dir",
-        str(prefect.__module_path__.parent),
-        "--factory",
-        "prefect.server.api.server:create_app",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "error",
-        "--lifespan",
-        "on",
-    ]
+    args = [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent)]
+    args += ["--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1"]
+    args += ["--port", str(port), "--log-level", "error", "--lifespan", "on"]
     env = {
         **os.environ,
         # Prefect's: no UI, the ephemeral set of services, one app per process.
@@ -132,8 +118,8 @@ def _free_port() -> int:
 
 
 def launch_embedded_server() -> EarlyServer | None:
-    """Launch the embedded server's process now and return at once (adopt it with
-    `start_embedded_server`); None when this process should not start it (`_wanted`)."""
+    """Launch the embedded server's process now, to adopt with `start_embedded_server`; None
+    when this process should not start it (`_wanted`)."""
     if not _wanted():
         return None
     port = _free_port()
@@ -142,9 +128,8 @@ def launch_embedded_server() -> EarlyServer | None:
 
 
 def start_embedded_server(early: EarlyServer | None = None) -> Any | None:
-    """Start Prefect's embedded server now, tied to this process, adopting the process of
-    `launch_embedded_server` when given; returns it once healthy. None when runs go to a
-    server (PREFECT_API_URL), when not on Linux, or when not called from the main thread."""
+    """Start Prefect's embedded server tied to this process (adopting `early`'s process);
+    returns it once healthy, None where `_wanted` says no."""
     if not _wanted():
         if early is not None:
             early.discard()

@@ -77,22 +77,23 @@ def _new_run_id() -> str:
     return f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{suffix}"
 
 
-def stage_record(stage: PlannedStage, outcome: Outcome, duration_s: float) -> StageRecord:
-    """The record of a stage that completed (ran, or was reused), from its outcome."""
+def stage_record(
+    stage: PlannedStage, outcome: Outcome | BaseException, duration_s: float
+) -> StageRecord:
+    """The record of a stage that ran or was reused, or that failed with `outcome`."""
+    common = {"kind": stage.kind, "roles": dict(stage.roles)}
+    if isinstance(outcome, BaseException):
+        error, parents = str(outcome) or type(outcome).__name__, list(stage.parents.values())
+        health = stage_health(stage.out_dir)
+        where = {"uri": str(stage.out_dir), "parents": parents, "error": error, "health": health}
+        return StageRecord(stage.name, stage.fingerprint, "failed", duration_s, **where, **common)
     ref, ran = outcome.ref, outcome.status == "ran"
+    # Only what this run's launch recovered from: a reused artifact's is history.
+    summary = outcome.summary if ran else outcome.summary.model_copy(update={"recovery": None})
+    health = stage_health(stage.out_dir) if ran else {}
+    made = (ref.uri, ref.sha256, list(ref.parents), summary)
     return StageRecord(
-        stage=stage.name,
-        fingerprint=ref.fingerprint,
-        status=outcome.status,
-        duration_s=duration_s,
-        uri=ref.uri,
-        sha256=ref.sha256,
-        parents=list(ref.parents),
-        # Only what this run's launch recovered from: a reused artifact's is history.
-        summary=outcome.summary if ran else outcome.summary.model_copy(update={"recovery": None}),
-        kind=stage.kind,
-        roles=dict(stage.roles),
-        health=stage_health(stage.out_dir) if ran else {},
+        stage.name, ref.fingerprint, outcome.status, duration_s, *made, health=health, **common
     )
 
 
@@ -120,12 +121,11 @@ class PipelineRun:
         with self._record_lock:
             self.records.append(record)
             if self.journal is not None:
-                self.journal.stages(
-                    [
-                        {"stage": r.stage, "fingerprint": r.fingerprint, "status": r.status}
-                        for r in self.records
-                    ]
-                )
+                rows = [
+                    {"stage": r.stage, "fingerprint": r.fingerprint, "status": r.status}
+                    for r in self.records
+                ]
+                self.journal.stages(rows)
 
     def run_one(self, stage: PlannedStage, refs: dict[str, ArtifactRef]) -> ArtifactRef:
         """Launch one stage with its parents' refs and append its record (a failed one on
@@ -142,7 +142,7 @@ class PipelineRun:
         except DevicesNeeded:
             raise  # not a failure: the run starts again, holding the devices
         except BaseException as exc:
-            failed = failed_record(stage, exc, time.monotonic() - t0)
+            failed = stage_record(stage, exc, time.monotonic() - t0)
             self._recorded(failed)
             _end_tracking(self.trackers, feed, failed)
             raise
@@ -171,21 +171,6 @@ class PipelineRun:
                 get_run_logger().error("could not write the run record: %s", problem)
             raise
         return promote(self.plan.recipe, self.run_id, self.records)
-
-
-def failed_record(stage: PlannedStage, exc: BaseException, duration_s: float) -> StageRecord:
-    return StageRecord(
-        stage.name,
-        stage.fingerprint,
-        "failed",
-        duration_s,
-        uri=str(stage.out_dir),
-        parents=list(stage.parents.values()),
-        error=str(exc) or type(exc).__name__,
-        kind=stage.kind,
-        roles=dict(stage.roles),
-        health=stage_health(stage.out_dir),
-    )
 
 
 def check_gate(summary: Summary, record: StageRecord) -> None:
@@ -271,16 +256,10 @@ def announce_base(recipe: Recipe, outcome: Outcome) -> None:
 def post_train(
     recipe: Recipe, until: list[str] | None = None, only: list[str] | None = None
 ) -> RunResult | State:
-    """The recipe's stages (ingest, the stage graph, evaluate, export), each skipped when its
-    artifact exists, then the promotion gate; all while holding the device set's slot
-    unless every stage's artifact is already complete (`on_devices`).
-    `until`/`only`: stage names (`posttrain run --until/--only`, posttrain.plan.selection); the
-    run goes through those and what they need upstream only.
-
-    A served run that posttrain refuses or stops (a recipe refused, a stage failed, a gate not
-    met) ends Failed with the one-line reason as its state's message, which is all its
-    submitter sees (`posttrain submit --wait`), and logs that line, not a traceback. A
-    `posttrain run` gets the exception: its CLI prints the whole block."""
+    """The recipe's stages, each skipped when its artifact exists, then the promotion gate
+    (`run_pipeline`); `until`/`only`: `--until/--only`. A served run that posttrain refuses or
+    stops ends Failed with the one-line reason as its state's message, which is all its
+    submitter sees (`posttrain submit --wait`); `posttrain run` gets the exception."""
     quiet_known_failures()  # the worker's log: one line per known failure, no traceback
     try:
         return run_pipeline(recipe, until, only)
