@@ -1,15 +1,11 @@
 """Experiment trackers (TensorBoard, MLflow, W&B) fed from the one metrics stream.
 
-`metrics.jsonl` in each stage's folder stays the source of truth; the flow process reads it
-(live while the stage runs, the rest when it ends, all of it at once for a reused stage) and
-hands the records to every enabled tracker. Trackers live here, in the flow process, never in
-the training ranks: a stalled tracker cannot stall a rank, and one place sees the whole run.
-
-Each tracker (a `Sink`) is served by one daemon thread reading a bounded queue: the pipeline
-only enqueues. A sink that raises, or whose call has not returned after `CALL_TIMEOUT_S`, or
-whose queue is full, is given up: warned about once (naming the tracker and the error), its
-later records are dropped and counted, and the run report says so (`report_lines`). `finish`
-waits at most `FINISH_TIMEOUT_S` for all of them together.
+Each stage's `metrics.jsonl` stays the source of truth; the flow process reads it (live, the
+rest at the end, all at once for a reused stage) and hands the records to every enabled tracker.
+Trackers live in the flow process, never in the ranks: a stalled tracker cannot stall a rank.
+Each `Sink` is served by a daemon thread reading a bounded queue. A sink that raises, stalls past
+`CALL_TIMEOUT_S` or fills its queue is given up: warned about once, its later records dropped
+and counted, and the run report says so (`report_lines`).
 """
 
 from __future__ import annotations
@@ -56,8 +52,7 @@ class Sink:
         """How the stage ended: its record (ran, reused or failed; artifact, summary, error)."""
 
     def finish(self, result: RunResult) -> None:
-        """The run is recorded: its records, its folder with report.md and images, the export,
-        the promotion decision, whether it stopped at a failure."""
+        """The run is recorded (its records, folder, images, export, promotion, failure)."""
 
 
 def numeric_fields(record: dict[str, Any]) -> dict[str, float]:
@@ -96,12 +91,8 @@ class _Worker:
             if self.failure is not None:
                 return
             self.failure = why
-        run_logger().warning(
-            "experiment tracker %s failed (%s): its records are dropped from here on; "
-            "the run goes on and its report says so",
-            self.sink.name,
-            why,
-        )
+        dropped = "its records are dropped from here on; the run goes on and its report says so"
+        run_logger().warning("experiment tracker %s failed (%s): %s", self.sink.name, why, dropped)
 
     def submit(self, method: str, *args: Any) -> None:
         busy = self._busy_since
@@ -239,21 +230,18 @@ class StageFeed:
 
 def open_trackers(tracking: Any, run_dir: Path, stages: Sequence[Any] = ()) -> Trackers:
     """The sinks `tracking` (the recipe's TrackingConfig) enables. A tracker whose package is
-    missing is reported as failed, not raised: the run goes on without it. `stages`: the run's
-    planned stages (Prometheus shows the pending ones and reads their folders)."""
+    missing is reported as failed, not raised. `stages`: the run's planned stages (Prometheus
+    shows the pending ones and reads their folders)."""
     sinks: list[Sink] = []
-    wanted: list[tuple[str, Callable[[], Sink]]] = []
-    if tracking.tensorboard:
-        wanted.append(("tensorboard", lambda: _sink("tensorboard")(run_dir)))
-    if tracking.mlflow is not None:
-        wanted.append(("mlflow", lambda: _sink("mlflow")(tracking.mlflow)))
-    if tracking.wandb is not None:
-        wanted.append(("wandb", lambda: _sink("wandb")(tracking.wandb, run_dir)))
-    if tracking.prometheus is not None:
-        wanted.append(("prometheus", lambda: _sink("prometheus")(tracking.prometheus, stages)))
-    for name, make in wanted:
+    args: dict[str, tuple[Any, ...]] = {
+        "tensorboard": (run_dir,) if tracking.tensorboard else (),
+        "mlflow": (tracking.mlflow,) if tracking.mlflow is not None else (),
+        "wandb": (tracking.wandb, run_dir) if tracking.wandb is not None else (),
+        "prometheus": (tracking.prometheus, stages) if tracking.prometheus is not None else (),
+    }
+    for name, given in ((n, a) for n, a in args.items() if a):
         try:
-            sinks.append(make())
+            sinks.append(_sink(name)(*given))
         except Exception as exc:
             sinks.append(_Unavailable(name, f"{type(exc).__name__}: {exc}"))
     trackers = Trackers(sinks)
