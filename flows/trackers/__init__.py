@@ -21,7 +21,7 @@ from typing import Any
 
 from flows.report.tables import RunResult, StageRecord
 from flows.stage.jsonl_tail import JsonlTail
-from flows.stage.output import _start_thread, run_logger
+from flows.stage.output import Poller, _start_thread, run_logger
 
 log = logging.getLogger("posttrain.flows.trackers")
 
@@ -194,17 +194,16 @@ class Trackers:
         return lines
 
 
-class StageFeed:
+class StageFeed(Poller):
     """Follows one stage's metrics.jsonl and sends new records to the trackers every POLL_S;
     `stop` reads what is left (for a reused stage: the whole kept file, at once)."""
 
     def __init__(self, trackers: Trackers, stage: str, path: Path):
         self.trackers, self.stage, self.path = trackers, stage, path
         self._tail = JsonlTail(path)
-        self._stop = threading.Event()
         self._poll_lock = threading.Lock()
         self.interval_s = POLL_S
-        self.thread = _start_thread(self._run, f"{stage}-tracking")
+        self._start(f"{stage}-tracking")
 
     def poll(self) -> None:
         with self._poll_lock:
@@ -212,20 +211,8 @@ class StageFeed:
         if records:
             self.trackers.log(self.stage, records)
 
-    def _safe_poll(self) -> None:
-        try:
-            self.poll()
-        except Exception as exc:  # tracking is decoration: never let it fail the stage
-            log.debug("metrics feed of %s failed: %s", self.stage, exc)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._safe_poll()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.thread.join(timeout=10)
-        self._safe_poll()
+    def _failed(self, exc: Exception) -> None:
+        log.debug("metrics feed of %s failed: %s", self.stage, exc)
 
 
 def open_trackers(tracking: Any, run_dir: Path, stages: Sequence[Any] = ()) -> Trackers:
