@@ -49,10 +49,7 @@ from flows.report.tables import (
     summary_table,
 )
 from posttrain.config.schema import Recipe
-from posttrain.config.served_access import (
-    ALLOWED_ENV,
-    REWARDS_ENV,
-)
+from posttrain.config.served_access import ALLOWED_ENV, REWARDS_ENV
 from posttrain.kinds import graph_kinds
 from posttrain.plan.planner import RunPlan, plan, spec_for
 from posttrain.plan.selection import ALL_STAGES, Selection
@@ -187,15 +184,11 @@ def print_result(result: RunResult, out: TextIO) -> None:
     records = result.stages
     print(summary_table(records), file=out)
     if health := health_lines(records):
-        print("\nhealth:", file=out)
-        for line in health:
-            print(f"  {line}", file=out)
+        print("\nhealth:", *(f"  {line}" for line in health), sep="\n", file=out)
     if result.not_selected:
         print(not_selected_text(result.not_selected), file=out)
     if recovered := recovery_lines(records):
-        print("\nrecovered:", file=out)
-        for line in recovered:
-            print(f"  {line}", file=out)
+        print("\nrecovered:", *(f"  {line}" for line in recovered), sep="\n", file=out)
     if result.export_path:
         print(f"\nexported model: {result.export_path}", file=out)
     print(f"run folder:     {result.run_dir}", file=out)
