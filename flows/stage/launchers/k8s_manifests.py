@@ -38,8 +38,7 @@ _NAME_MAX = 48
 
 @dataclass(frozen=True)
 class JobPlan:
-    """What one launch submits: the Job, the Service (its owner reference to the Job is added
-    once the Job's uid is known), the command every pod runs, and the labels of both."""
+    """What one launch submits: the Job and (`service`, once the Job's uid is known) its Service."""
 
     name: str  # of the Job and of the Service
     namespace: str
@@ -148,9 +147,8 @@ def plan_job(
 def checked_workspace(
     request: LaunchRequest, config: KubernetesConfig, workspace: Path | None
 ) -> Path:
-    """The run's workspace (`workspace`, else found from the stage's folder: everything the
-    stage reads and writes is under it), after checking that the recipe says what to run and
-    what to mount, and that the pods will see the spec."""
+    """The run's workspace (`workspace`, else found from the stage's folder), after checking
+    that the recipe says what to run and mount, and that the pods will see the spec."""
     if not config.image:
         raise ValueError("infra.kubernetes.image is required to launch on Kubernetes")
     if not (config.workspace_claim or config.workspace_host_path):
@@ -188,8 +186,7 @@ def gpus_per_node(request: LaunchRequest, config: KubernetesConfig, device: str)
 
 
 def job_labels(request: LaunchRequest, config: KubernetesConfig) -> dict[str, str]:
-    """The labels of the Job, its pods and the Service: the recipe's, then posttrain's own
-    (stage, launch id), then the request's under `posttrain.io/`."""
+    """The recipe's labels, then posttrain's (stage, launch), then the request's."""
     labels = dict(config.labels)
     labels["app.kubernetes.io/managed-by"] = "posttrain"
     labels[STAGE_LABEL] = sanitize_label(request.stage.name)
@@ -202,8 +199,8 @@ def job_labels(request: LaunchRequest, config: KubernetesConfig) -> dict[str, st
 def pod_command(
     request: LaunchRequest, config: KubernetesConfig, name: str, nnodes: int
 ) -> list[str]:
-    """The stage's torchrun command line, the same in every pod: its node rank is left for
-    Kubernetes to expand from the pod's environment, every other argument is literal text."""
+    """The stage's command line, the same in every pod: Kubernetes expands the node rank from
+    the pod's environment, every other argument is literal text."""
     stage = request.stage
     rank_arg = f"$({NODE_RANK_ENV})"
     endpoint = rdzv_endpoint(name, config)
@@ -214,9 +211,8 @@ def pod_command(
 
 
 def container_env(request: LaunchRequest, config: KubernetesConfig) -> list[dict[str, Any]]:
-    """The container's `env`: the node rank from the pod's completion index, then as literal
-    values the recipe's `infra.kubernetes.env` overridden by the launch's
-    (`flows.stage.launch.launch_env`), less this machine's node rank."""
+    """The node rank from the pod's completion index, then the recipe's `env` overridden by the
+    launch's (`launch_env`), less this machine's node rank."""
     literal = {**config.env, **request.env}
     literal.pop(NODE_RANK_ENV, None)
     return [
@@ -233,23 +229,19 @@ def container_env(request: LaunchRequest, config: KubernetesConfig) -> list[dict
 
 
 def container_resources(config: KubernetesConfig, gpus: int) -> dict[str, dict[str, str]]:
-    """The container's `resources`: the recipe's CPU and memory requests and limits and the
-    pod's GPUs, each of `requests` / `limits` only when it has an entry ({} for neither)."""
-    requests = {
-        k: v for k, v in (("cpu", config.cpu_request), ("memory", config.memory_request)) if v
-    }
-    limits = {k: v for k, v in (("cpu", config.cpu_limit), ("memory", config.memory_limit)) if v}
+    """The container's `resources`: CPU, memory and GPUs, only the entries set ({} for none)."""
+    requests = _some(cpu=config.cpu_request, memory=config.memory_request)
+    limits = _some(cpu=config.cpu_limit, memory=config.memory_limit)
     if gpus:
         limits[config.gpu_resource] = str(gpus)  # extended resources: requests = limits
-    return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+    return _some(requests=requests, limits=limits)
 
 
 def workspace_volumes(
     config: KubernetesConfig, workspace: Path
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(the pod's volumes, the container's mounts): the shared workspace (a claim, else a host
-    folder) mounted at the same path as on the launching machine, and a memory-backed
-    /dev/shm when the recipe sizes one."""
+    """(volumes, mounts): the shared workspace (a claim, else a host folder) at the same path as
+    here, and a memory-backed /dev/shm when the recipe sizes one."""
     mounts = [{"name": WORKSPACE_VOLUME, "mountPath": str(workspace)}]
     if config.workspace_claim:
         source: dict[str, Any] = {"persistentVolumeClaim": {"claimName": config.workspace_claim}}
