@@ -10,6 +10,7 @@ the Job in the foreground: SIGTERM, then SIGKILL after the grace period, in ever
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import queue
@@ -315,22 +316,16 @@ class KubernetesLaunch:
         self._stopped = True
         ns, name = self.namespace, self.name
         grace = max(0, int(grace_s))
-        for what, delete in (
-            (
-                "Job",
-                lambda: self._batch.delete_namespaced_job(
-                    name, ns, propagation_policy="Foreground", grace_period_seconds=grace
-                ),
-            ),
-            ("Service", lambda: self._core.delete_namespaced_service(name, ns)),
-        ):
+        foreground = {"propagation_policy": "Foreground", "grace_period_seconds": grace}
+        job = functools.partial(self._batch.delete_namespaced_job, name, ns, **foreground)
+        service = functools.partial(self._core.delete_namespaced_service, name, ns)
+        for what, delete in (("Job", job), ("Service", service)):
             try:
                 delete()
             except ApiException as exc:
                 if exc.status != 404:
-                    log.error(
-                        "%s: deleting the %s failed: %s", self.description, what, api_message(exc)
-                    )
+                    failed = f"deleting the {what} failed: {api_message(exc)}"
+                    log.error("%s: %s", self.description, failed)
         forced = False
         patience = grace + self._grace_s + 5.0
         stop_at = time.monotonic() + patience + 60.0
@@ -340,13 +335,12 @@ class KubernetesLaunch:
             if not self._pods and self._api_error is None:
                 return
             if time.monotonic() > stop_at:
-                log.error(
-                    "%s: %d pod(s) still there %.0f s after deletion: %s",
-                    self.description,
-                    len(self._pods),
-                    time.monotonic() - begun,
+                names, took = (
                     ", ".join(p.metadata.name for p in self._pods),
+                    time.monotonic() - begun,
                 )
+                left = f"{len(self._pods)} pod(s) still there {took:.0f} s after deletion: {names}"
+                log.error("%s: %s", self.description, left)
                 return
             if not forced and time.monotonic() - begun > patience:
                 forced = True
@@ -452,15 +446,13 @@ def cancel_flow_run_jobs(
     ns = config.namespace
     deleted = 0
     try:
-        jobs = batch.list_namespaced_job(ns, label_selector=selector).items
-        for job in jobs:
+        foreground = {
+            "propagation_policy": "Foreground",
+            "grace_period_seconds": config.termination_grace_s,
+        }
+        for job in batch.list_namespaced_job(ns, label_selector=selector).items:
             with contextlib.suppress(ApiException):
-                batch.delete_namespaced_job(
-                    job.metadata.name,
-                    ns,
-                    propagation_policy="Foreground",
-                    grace_period_seconds=config.termination_grace_s,
-                )
+                batch.delete_namespaced_job(job.metadata.name, ns, **foreground)
                 deleted += 1
         for service in core.list_namespaced_service(ns, label_selector=selector).items:
             with contextlib.suppress(ApiException):
