@@ -288,33 +288,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p = sub.add_parser("launch", help=help_text, description=help_text)
     p.add_argument("stage", help="stage name, e.g. sft")
+    _recipe_args(p)
+    return ap
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", type=Path, help="recipe YAML file")
     p.add_argument("overrides", nargs="*", help="key.path=value (values parsed as YAML)")
-    return ap
 
 
 def _add_recipe_commands(sub: argparse._SubParsersAction) -> None:
     """validate, plan, run and models: a recipe and its overrides."""
-    for name, func, help_text in (
+    for name, help_text in (
         (
             "validate",
-            cmd_validate,
             "check the recipe and every input it names without training: a verdict line, "
             "then what each input is (exit 2 on any problem)",
         ),
         (
             "plan",
-            cmd_plan,
             "validate, then show each stage's fingerprint, whether its artifact exists and "
             "the resolved input paths",
         ),
-        ("run", cmd_run, "run the pipeline (embedded Prefect unless PREFECT_API_URL is set)"),
-        ("models", cmd_models, "list each pipeline's champion (promoted run) and its lineage"),
+        ("run", "run the pipeline (embedded Prefect unless PREFECT_API_URL is set)"),
+        ("models", "list each pipeline's champion (promoted run) and its lineage"),
     ):
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("recipe", type=Path, help="recipe YAML file")
-        p.add_argument("overrides", nargs="*", help="key.path=value (values parsed as YAML)")
-        p.set_defaults(func=func)
+        _recipe_args(p)
         if name in ("validate", "plan"):
             p.add_argument(
                 "--resolved", action="store_true", help="print the resolved recipe (YAML) too"
@@ -376,8 +376,7 @@ def _add_served_commands(sub: argparse._SubParsersAction) -> None:
         description="Start a run of post-train/<run.name> with the recipe (and overrides) as "
         "its parameters; print the run's URL.",
     )
-    p.add_argument("recipe", type=Path, help="recipe YAML file")
-    p.add_argument("overrides", nargs="*", help="key.path=value (values parsed as YAML)")
+    _recipe_args(p)
     p.add_argument("--wait", action="store_true", help="wait for the run; exit 0 if Completed")
     add_selection_flags(p)
     p = sub.add_parser(
@@ -409,32 +408,25 @@ def main(argv: list[str] | None = None) -> int:
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     out, err = sys.stdout, sys.stderr
-    if args.command == "launch":
-        return cmd_launch(args.stage, str(args.recipe), args.overrides, out, err)
-    if args.command == "serve":
-        return cmd_serve(
-            [str(p) for p in args.recipes], out, err, args.allow_path, args.allow_rewards
-        )
-    if args.command == "submit":
-        selection = Selection.of(args.until, args.only)
-        return cmd_submit(str(args.recipe), args.overrides, out, err, args.wait, selection)
-    if args.command in ("runs", "clean"):
-        recipe = None if args.recipe is None else str(args.recipe)
-        ws = None if args.workspace is None else str(args.workspace)
-        if args.command == "runs":
-            return cmd_runs(recipe, args.overrides, out, err, ws, args.limit)
-        return cmd_clean(recipe, args.overrides, out, err, ws, args.yes, args.keep_last)
-    if args.command == "publish-base":
-        return cmd_publish_base(str(args.model_dir), args.pipeline, out, err)
-    if args.command == "validate":
-        return cmd_validate(str(args.recipe), args.overrides, out, err, args.resolved)
-    if args.command == "plan":
-        selection = Selection.of(args.until, args.only)
-        return cmd_plan(str(args.recipe), args.overrides, out, err, selection, args.resolved)
-    if args.command in SELECTING:
-        selection = Selection.of(args.until, args.only)
-        return args.func(str(args.recipe), args.overrides, out, err, selection)
-    return args.func(str(args.recipe), args.overrides, out, err)
+    recipe = None if getattr(args, "recipe", None) is None else str(args.recipe)
+    ws = None if getattr(args, "workspace", None) is None else str(args.workspace)
+    given = (recipe, getattr(args, "overrides", []), out, err)
+    selection = Selection.of(args.until, args.only) if args.command in SELECTING else ALL_STAGES
+    commands = {
+        "launch": lambda: cmd_launch(args.stage, *given),
+        "serve": lambda: cmd_serve(
+            list(map(str, args.recipes)), out, err, args.allow_path, args.allow_rewards
+        ),
+        "submit": lambda: cmd_submit(*given, args.wait, selection),
+        "runs": lambda: cmd_runs(*given, ws, args.limit),
+        "clean": lambda: cmd_clean(*given, ws, args.yes, args.keep_last),
+        "publish-base": lambda: cmd_publish_base(str(args.model_dir), args.pipeline, out, err),
+        "validate": lambda: cmd_validate(*given, args.resolved),
+        "plan": lambda: cmd_plan(*given, selection, args.resolved),
+        "run": lambda: cmd_run(*given, selection),
+        "models": lambda: cmd_models(*given),
+    }
+    return commands[args.command]()
 
 
 if __name__ == "__main__":
