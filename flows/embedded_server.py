@@ -1,25 +1,14 @@
 """The embedded Prefect server of `posttrain run`, tied to the life of the CLI process.
 
-Without PREFECT_API_URL, Prefect starts a temporary server (a uvicorn subprocess,
-`SubprocessASGIServer`) the first time a client needs one, from whatever thread asks, and stops
-it from an `atexit` hook. A CLI that dies without running its exit hooks (SIGKILL, the OOM
-killer, SIGHUP before posttrain handled it) left the server running, orphaned, holding its
-SQLite database.
-
-Here the CLI starts that same server itself, from its main thread, before Prefect would: it is
-the singleton Prefect's clients then use (same settings, same PREFECT_HOME database). Its
-process is given a parent-death signal (Linux `prctl(PR_SET_PDEATHSIG, SIGTERM)`), which the
-kernel delivers when the thread that forked it ends: the main thread, so when the CLI process
-ends, however it ends. It runs in a session of its own, so the signals a terminal sends to its
-whole foreground group (SIGHUP when it closes, SIGINT on Ctrl-C) reach only the CLI, which then
-ends the run, reports it to the server and stops the server. The `prctl` call costs microseconds.
-
-The server's process is launched early (`launch_embedded_server`), as soon as the recipe is
-valid, and adopted later (`start_embedded_server(early)`): its boot (a fresh interpreter
-importing Prefect's server, ~3-4 s of CPU) then overlaps the CLI's own imports of the flow and
-of `prefect.server` (~2-3 s), instead of following them. Prefect's own `start()` adopts it (its
-health wait, start-up timeout, port-clash retry and exit hook are unchanged); the command line
-and environment are Prefect's (`uvicorn_command`; a test compares them with Prefect's own).
+Prefect starts its temporary server (a uvicorn subprocess) from whatever thread first needs it
+and stops it from an `atexit` hook, so a CLI killed without its exit hooks left it running,
+orphaned, holding its SQLite database. Here the CLI starts that same server (the singleton
+Prefect's clients use) from its main thread with a parent-death signal (Linux `prctl`), so it
+ends when the CLI ends, however it ends; in a session of its own, so a terminal's SIGHUP or
+SIGINT reaches only the CLI, which then ends the run, reports it and stops the server. It is
+launched early (`launch_embedded_server`) and adopted later (`start_embedded_server(early)`):
+its ~3-4 s boot overlaps the CLI's own imports. The command line and environment are Prefect's
+(`uvicorn_command`; a test compares them with Prefect's own).
 """
 
 from __future__ import annotations

@@ -108,6 +108,10 @@ class OutputPump:
 # An RL step's mean reward over its rollout (posttrain.rl.metrics.train_metrics): the combined
 # score of the reward model and/or functions, the figure that says whether RL is learning.
 REWARD_FIELD = "score_mean"
+# A training step's figures as the progress artifact and the terminal show them (reward first:
+# a group-relative loss is 0 whenever a group's rewards tie).
+STEP_FIELDS = {REWARD_FIELD: "reward {:.4g}", "loss": "loss {:.4g}"}
+STEP_FIELDS["tokens_per_s"] = "{:,.0f} tok/s"
 
 
 def progress_from_record(record: dict[str, Any]) -> tuple[float, str] | None:
@@ -118,8 +122,7 @@ def progress_from_record(record: dict[str, Any]) -> tuple[float, str] | None:
     if not isinstance(step, int | float) or not isinstance(total, int | float) or total <= 0:
         return None
     parts = [f"step {step:g}/{total:g}"]
-    shown = {REWARD_FIELD: "reward {:.4g}", "loss": "loss {:.4g}", "tokens_per_s": "{:,.0f} tok/s"}
-    for key, fmt in {**shown, "mfu": "MFU {:.1%}"}.items():
+    for key, fmt in {**STEP_FIELDS, "mfu": "MFU {:.1%}"}.items():
         if isinstance(value := record.get(key), int | float):
             parts.append(fmt.format(value))
     return min(100.0, max(0.0, 100.0 * step / total)), " · ".join(parts)
