@@ -115,8 +115,8 @@ def markdown_report(
     run_dir: str | None = None,
     not_selected: Sequence[str] = (),
 ) -> str:
-    """The run report: one row per stage, then the lineage (which artifact fed which).
-    `not_selected`: the recipe's stages the run left out (`--until`/`--only`), named once."""
+    """The run report: one row per stage, the sections, then the lineage. `not_selected`: the
+    stages the run left out (`--until`/`--only`), named once."""
     # A stage with an error either failed or completed below a quality gate and stopped the run.
     failed = [r for r in records if r.status == "failed" or r.error]
     if not failed:
@@ -169,8 +169,8 @@ def not_selected_text(names: Sequence[str]) -> str:
 
 
 def recovery_lines(records: Sequence[StageRecord]) -> list[str]:
-    """One line per stage that recovered from an earlier attempt: what happened, where it
-    resumed, which checkpoints it rejected. Empty when every stage started clean."""
+    """One line per stage that recovered from an earlier attempt (what happened, where it
+    resumed, which checkpoints it rejected)."""
     out = []
     for r in records:
         rec = r.summary.recovery
@@ -198,8 +198,7 @@ def _moment(figure: dict[str, Any] | None, fmt: str, at: str = "step") -> str:
 
 
 def sre_markdown(records: Sequence[StageRecord]) -> list[str]:
-    """The "## SRE" section: per stage that ran, the health figures and the worst moment of
-    each (flows.report.health_summary); empty when no stage trained."""
+    """The "## SRE" section: each trained stage's health figures and their worst moments."""
     rows = [r for r in records if r.health.get("step_time")]
     if not rows:
         return []
@@ -248,8 +247,7 @@ def _gpu_cell(h: dict[str, Any]) -> str:
 
 
 def memory_markdown(records: Sequence[StageRecord]) -> list[str]:
-    """The "## Memory" section: per training stage, the pre-flight estimate beside the measured
-    peak (peak RSS on CPU, peak reserved on GPU); empty when no stage has one."""
+    """The "## Memory" section: each training stage's pre-flight estimate beside its peak."""
     rows = [(r.stage, r.summary.memory) for r in records if r.summary.memory is not None]
     if not rows:
         return []
@@ -264,9 +262,8 @@ def memory_markdown(records: Sequence[StageRecord]) -> list[str]:
 
 
 def curves_markdown(plots: Sequence[CurvePlot], inline: bool = True) -> list[str]:
-    """The "## Curves" section: one image per plotted stage. `inline` links each image by file
-    name, relative to report.md, which sits beside the images in the run folder; otherwise each
-    image is named by its full path (the Prefect UI cannot fetch files from the run folder)."""
+    """The "## Curves" section: one image per plotted stage, linked beside report.md (`inline`),
+    else named by its full path (the Prefect UI cannot fetch files from the run folder)."""
     if not plots:
         return []
     lines = ["## Curves", ""]
@@ -281,30 +278,17 @@ def curves_markdown(plots: Sequence[CurvePlot], inline: bool = True) -> list[str
 def metrics_table(records: Sequence[StageRecord]) -> list[dict[str, Any]]:
     """Long format (stage, metric, value): stages report different metrics, so a wide table
     would be mostly empty columns."""
-    rows: list[dict[str, Any]] = []
-    for r in records:
-        rows.append({"stage": r.stage, "metric": "duration_s", "value": round(r.duration_s, 2)})
-        for k, v in r.summary.headline.items():
-            rows.append({"stage": r.stage, "metric": k, "value": v})
-    return rows
+    return [
+        {"stage": r.stage, "metric": k, "value": v}
+        for r in records
+        for k, v in [("duration_s", round(r.duration_s, 2)), *r.summary.headline.items()]
+    ]
 
 
 def lineage(run_meta: dict[str, Any], records: Sequence[StageRecord]) -> dict[str, Any]:
     """`lineage.json`: every artifact the run used or made, and which fed which."""
-    return {
-        **run_meta,
-        "artifacts": [
-            {
-                "stage": r.stage,
-                "fingerprint": r.fingerprint,
-                "parents": r.parents,
-                "uri": r.uri,
-                "sha256": r.sha256,
-                "status": r.status,
-            }
-            for r in records
-        ],
-    }
+    fields = ("stage", "fingerprint", "parents", "uri", "sha256", "status")
+    return {**run_meta, "artifacts": [{k: getattr(r, k) for k in fields} for r in records]}
 
 
 def text_table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
@@ -326,8 +310,7 @@ def summary_table(records: Sequence[StageRecord]) -> str:
 
 
 def chain_markdown(records: Sequence[StageRecord]) -> list[str]:
-    """`evaluate.policies` side by side: each policy against its parent (what each link of the
-    chain gained); nothing when the recipe lists none."""
+    """`evaluate.policies` side by side: what each link of the chain gained over its parent."""
     ev = next((r for r in records if r.summary.policies), None)
     if ev is None:
         return []
@@ -352,8 +335,8 @@ def chain_markdown(records: Sequence[StageRecord]) -> list[str]:
 
 
 def teacher_markdown(records: Sequence[StageRecord]) -> list[str]:
-    """A distilled final policy's teacher line: the student's start, its end and the teacher
-    on the held-out exact match, and the share of the gap closed; nothing without a teacher."""
+    """A distilled policy's line: its start, end and teacher on held-out exact match, and the
+    share of the gap closed; nothing without a teacher."""
     taught = (r for r in records if "teacher" in r.roles)
     ev = next((r for r in taught if "exact_match_teacher" in r.summary.headline), None)
     if ev is None:
