@@ -30,12 +30,7 @@ if TYPE_CHECKING:  # matplotlib is imported where it draws (see the module docst
 
 # The statuses in the words of the run's summary table (flows.report.tables.STATUSES: ran, reused,
 # failed), and pending for the stages a failed run did not reach; the legend shows them all.
-STATUS_COLOURS = {
-    "ran": "#b7e1b0",
-    "reused": "#b9d3ee",
-    "failed": "#f4a6a6",
-    "pending": "#fff3c4",
-}
+STATUS_COLOURS = {"ran": "#b7e1b0", "reused": "#b9d3ee", "failed": "#f4a6a6", "pending": "#fff3c4"}
 STUB_COLOUR = "#ffffff"
 # Roles every reader expects on an edge; anything else (reference, reward_model, evaluated...)
 # is written on the arrow.
@@ -45,13 +40,9 @@ MAX_METRICS = 3
 # Layout in inches (the figure is drawn at DPI). A box is as tall as the most lines any box
 # holds (`box_height`: the title, then kind, status and up to three metrics); rows are that
 # plus a gap apart, layers a box and a gap. The figure ends MARGIN beyond what is drawn.
-BOX_W = 2.3
-BOX_PAD, LINE_H = 0.6, 0.13  # a box's title and padding; one line of its body
-COL_PITCH, ROW_GAP = 3.3, 0.4
-MARGIN = 0.3
-LEGEND_H = 0.3
-MIN_WIDTH = 5.0  # the legend's one row of five entries
-DPI = 100
+BOX_W, BOX_PAD, LINE_H = 2.3, 0.6, 0.13  # BOX_PAD: a box's title and padding; LINE_H: a line
+COL_PITCH, ROW_GAP, MARGIN, LEGEND_H = 3.3, 0.4, 0.3, 0.3
+MIN_WIDTH, DPI = 5.0, 100  # MIN_WIDTH: the legend's one row of five entries
 
 
 # Inputs the image leaves out: every stage reads the base, and evaluate/export also read their
@@ -91,9 +82,9 @@ def _check(nodes: Sequence[StageRecord]) -> None:
             raise ValueError(f"stage graph: node {n.stage!r} appears twice")
         seen.add(n.stage)
         if shown_status(n) not in STATUS_COLOURS:
+            known = ", ".join(STATUS_COLOURS)
             raise ValueError(
-                f"stage graph: node {n.stage!r} has status {n.status!r}; "
-                f"known: {', '.join(STATUS_COLOURS)}"
+                f"stage graph: node {n.stage!r} has status {n.status!r}; known: {known}"
             )
 
 

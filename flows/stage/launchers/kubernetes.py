@@ -97,7 +97,7 @@ class KubernetesLauncher:
         config: KubernetesConfig,
         device: str,
         workspace: Path | str | None = None,
-        client: Any | None = None,
+        client: Any = None,
     ) -> None:
         _need_client()
         self.config = config
@@ -259,9 +259,8 @@ class KubernetesLaunch:
     def waiting_reason(self) -> str | None:
         if self.started():
             return None
-        reasons = [
-            f"{sum(_container_started(p) for p in self._pods)} of {self.nnodes} pods running"
-        ]
+        running = sum(_container_started(p) for p in self._pods)
+        reasons = [f"{running} of {self.nnodes} pods running"]
         if len(self._pods) < self.nnodes:
             reasons.append(f"{len(self._pods)} of {self.nnodes} pods created")
         if self._job is not None and self._job.spec and self._job.spec.suspend:
@@ -363,15 +362,11 @@ class KubernetesLaunch:
         while True:
             self._refresh()
             for pod in list(self._pods):
-                if pod.metadata.name not in followers and _container_started(pod):
-                    thread = threading.Thread(
-                        target=self._follow,
-                        args=(pod.metadata.name, _index(pod), lines),
-                        name=f"k8s-log-{pod.metadata.name}",
-                        daemon=True,
-                    )
-                    followers[pod.metadata.name] = thread
-                    thread.start()
+                if (name := pod.metadata.name) not in followers and _container_started(pod):
+                    args = (name, _index(pod), lines)
+                    followers[name] = threading.Thread(target=self._follow, args=args, daemon=True)
+                    followers[name].name = f"k8s-log-{name}"
+                    followers[name].start()
             with contextlib.suppress(queue.Empty):
                 yield lines.get(timeout=self._poll_s)
                 while True:
@@ -391,14 +386,10 @@ class KubernetesLaunch:
                 # A few seconds more than needed: the node's clock may differ from ours.
                 since = int((datetime.now(UTC) - last[0]).total_seconds()) + 5
             try:
+                since_s = max(1, since) if since is not None else None
+                stream = {"follow": True, "timestamps": True, "_preload_content": False}
                 response = self._core.read_namespaced_pod_log(
-                    pod,
-                    self.namespace,
-                    container=CONTAINER,
-                    follow=True,
-                    timestamps=True,
-                    since_seconds=max(1, since) if since is not None else None,
-                    _preload_content=False,
+                    pod, self.namespace, container=CONTAINER, since_seconds=since_s, **stream
                 )
                 seen_at_last = 0
                 for raw in _read_lines(response):
