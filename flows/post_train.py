@@ -98,8 +98,7 @@ def stage_record(
 
 
 class PipelineRun:
-    """A run in progress: its plan and id, the record of each stage so far, its trackers; the
-    schedule calls `run_one` per stage (one at a time or side by side)."""
+    """A run in progress; the schedule calls `run_one` per stage (one at a time or side by side)."""
 
     def __init__(
         self,
@@ -128,9 +127,8 @@ class PipelineRun:
                 self.journal.stages(rows)
 
     def run_one(self, stage: PlannedStage, refs: dict[str, ArtifactRef]) -> ArtifactRef:
-        """Launch one stage with its parents' refs and append its record (a failed one on
-        error). The trackers get the stage's metrics.jsonl records while it runs. A base this
-        run ingested (not reused) is announced: news for pipelines that retrain on it."""
+        """Launch one stage with its parents' refs, fed to the trackers while it runs, and append
+        its record (a failed one on error). A base this run ingested is announced."""
         t0 = time.monotonic()
         feed = None
         if self.trackers is not None:
@@ -155,8 +153,8 @@ class PipelineRun:
         return outcome.ref
 
     def stages_and_gate(self, slots: list[str | None]) -> Decision | None:
-        """Run the plan's stages, then the promotion gate. A stage failure still writes the run
-        folder and report, saying which stage failed and what ran before it."""
+        """Run the plan's stages, then the promotion gate; a stage failure still writes the run
+        folder and report."""
         try:
             run_stages(self.plan.stages, self.run_one, self.plan.parallel, slots)
         except DevicesNeeded:
@@ -174,8 +172,8 @@ class PipelineRun:
 
 
 def check_gate(summary: Summary, record: StageRecord) -> None:
-    """Stop the pipeline when a stage's summary reports a failed gate (e.g. reward accuracy
-    below reward.min_accuracy): its artifact stays valid, nothing downstream runs on it."""
+    """Stop the pipeline when a stage's summary reports a failed gate: its artifact stays valid,
+    nothing downstream runs on it."""
     gate = summary.gate
     if gate is not None and not gate.passed:
         record.error = f"quality gate: {gate.message or 'failed'}"
@@ -194,8 +192,7 @@ def _end_tracking(trackers: Trackers | None, feed: StageFeed | None, record: Sta
 
 
 def cancel_engine_jobs(flow_run: FlowRun) -> int:
-    """Cancel the jobs a remote engine (infra.launcher slurm or kubernetes) still runs or
-    queues for this flow run, found by the flow-run label they were submitted with."""
+    """Cancel the jobs a remote engine still runs or queues for this flow run (by its label)."""
     recipe = (flow_run.parameters or {}).get("recipe")
     if isinstance(recipe, Recipe):
         recipe = recipe.model_dump(mode="json")
@@ -215,9 +212,8 @@ def cancel_engine_jobs(flow_run: FlowRun) -> int:
 
 
 def stop_stage_processes(flow: Any, flow_run: FlowRun, state: State) -> None:
-    """on_cancellation / on_crashed hook: kill every stage process still carrying this flow
-    run's id. The task's own cleanup normally did it already; this covers a flow process that
-    was killed outright (the run's SIGKILL after its grace period, an OOM kill)."""
+    """on_cancellation / on_crashed hook: kill every stage process and job of this flow run
+    that the task's cleanup did not (a flow process killed outright)."""
     n = kill_flow_run_processes(str(flow_run.id))
     n += cancel_engine_jobs(flow_run)
     if n:
@@ -288,9 +284,8 @@ def handing(run_plan: RunPlan) -> Iterator[None]:
 
 
 def plan_once(recipe: Recipe, reach: ServedReach | None) -> RunPlan:
-    """The plan handed over for this very recipe, or made here. A served run's recipe came from
-    whoever sent it: it must only narrow the worker's folders (`reach`), and is resolved with
-    reward code from the worker's reward folders only."""
+    """The plan handed over for this very recipe, or made here. A served run's recipe must only
+    narrow the worker's folders (`reach`) and is resolved with the worker's reward code only."""
     handed = _HANDED.get()
     if reach is None and handed is not None and handed.recipe is recipe:
         return handed
@@ -319,9 +314,8 @@ def run_pipeline(
 
 
 def on_devices(run: PipelineRun) -> Decision | None:
-    """The run's stages and gate, holding the device set (flows.devices); without it when every
-    stage's artifact is already complete, so a run that trains nothing never waits behind
-    another. Should something need the devices after all, the run starts again holding them."""
+    """The run's stages and gate, holding the device set; without it when every stage's artifact
+    is complete (should one need the devices after all, the run starts again holding them)."""
     run_plan, log = run.plan, get_run_logger()
     slot = device_set_name(run_plan.device)
     slots = device_slots(run_plan.parallel, run_plan.devices_per_stage, run_plan.device == "cuda")

@@ -1,6 +1,5 @@
-"""A stage's output and progress: its merged stdout/stderr copied to its log file and the
-Prefect run logger, and its metrics.jsonl tailed into a Prefect progress artifact. Decoration
-never fails a stage: a logging or server problem is swallowed here."""
+"""A stage's output copied to its log file and the Prefect run logger, and its metrics.jsonl
+tailed into a progress artifact. Decoration never fails a stage: problems are swallowed here."""
 
 from __future__ import annotations
 
@@ -63,8 +62,8 @@ def _start_thread(target: Callable[[], None], name: str) -> threading.Thread:
 
 
 class OutputPump:
-    """Copies the child's merged stdout/stderr to the log file and the run logger, keeps the
-    last lines for error messages and catches the POSTTRAIN_ARTIFACT line."""
+    """Copies the output to the log file and the run logger, keeps the last lines for error
+    messages and catches the POSTTRAIN_ARTIFACT line."""
 
     def __init__(
         self,

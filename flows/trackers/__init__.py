@@ -46,10 +46,10 @@ class Sink:
         """A stage is launched (it may turn out to be reused: `end_stage` says)."""
 
     def log(self, stage: str, records: list[dict[str, Any]]) -> None:
-        """New metrics.jsonl records of `stage` (each with `kind` and usually `step`)."""
+        """New metrics.jsonl records of `stage`."""
 
     def end_stage(self, record: StageRecord) -> None:
-        """How the stage ended: its record (ran, reused or failed; artifact, summary, error)."""
+        """How the stage ended."""
 
     def finish(self, result: RunResult) -> None:
         """The run is recorded (its records, folder, images, export, promotion, failure)."""
@@ -147,8 +147,7 @@ class Trackers:
         self._all("start_pipeline", run_id, flow_run_id, recipe)
 
     def start_stage(self, stage: str, fingerprint: str, metrics: Path) -> StageFeed:
-        """Announce the stage and follow its metrics.jsonl (`metrics`); `StageFeed.stop` reads
-        the rest."""
+        """Announce the stage and follow its metrics.jsonl; `StageFeed.stop` reads the rest."""
         self._all("start_stage", stage, fingerprint)
         return StageFeed(self, stage, metrics)
 
