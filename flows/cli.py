@@ -259,13 +259,8 @@ def add_selection_flags(p: argparse.ArgumentParser) -> None:
         ("--until", "run (or reuse) STAGE and what it needs upstream, nothing after it"),
         ("--only", "run STAGE alone; what it needs upstream must be complete (reused)"),
     ):
-        p.add_argument(
-            flag,
-            action="append",
-            default=[],
-            metavar="STAGE",
-            help=f"{what} (repeatable, or comma-separated: dpo,evaluate)",
-        )
+        what += " (repeatable, or comma-separated: dpo,evaluate)"
+        p.add_argument(flag, action="append", default=[], metavar="STAGE", help=what)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -354,22 +349,13 @@ def _add_served_commands(sub: argparse._SubParsersAction) -> None:
         "the UI, `posttrain submit`, the recipe's schedule or a new-base event execute here.",
     )
     p.add_argument("recipes", type=Path, nargs="+", help="recipe YAML files")
-    p.add_argument(
-        "--allow-path",
-        action="append",
-        default=[],
-        metavar="DIR",
-        help="a folder served runs may read from besides the served recipes' workspaces and "
-        f"allowed paths (repeatable; added to ${ALLOWED_ENV})",
-    )
-    p.add_argument(
-        "--allow-rewards",
-        action="append",
-        default=[],
-        metavar="DIR",
-        help="a folder served runs may import reward functions from, besides posttrain.rewards "
-        f"and the served recipes' own reward modules (repeatable; added to ${REWARDS_ENV})",
-    )
+    folders = {"action": "append", "default": [], "metavar": "DIR"}
+    what = "a folder served runs may read from besides the served recipes' workspaces and "
+    what += f"allowed paths (repeatable; added to ${ALLOWED_ENV})"
+    p.add_argument("--allow-path", help=what, **folders)
+    what = "a folder served runs may import reward functions from, besides posttrain.rewards "
+    what += f"and the served recipes' own reward modules (repeatable; added to ${REWARDS_ENV})"
+    p.add_argument("--allow-rewards", help=what, **folders)
     p = sub.add_parser(
         "submit",
         help="start a run of a served deployment and print its URL",

@@ -300,17 +300,12 @@ def _draw_box(
 
     x, y = xy
     stub = node is None
+    fill = STUB_COLOUR if node is None else STATUS_COLOURS[shown_status(node)]
+    line = {"edgecolor": "#777777" if stub else "#333333", "linestyle": "--" if stub else "-"}
+    corner = (x - BOX_W / 2, y - box_h / 2)
+    style = "round,pad=0,rounding_size=0.08"
     ax.add_patch(
-        FancyBboxPatch(
-            (x - BOX_W / 2, y - box_h / 2),
-            BOX_W,
-            box_h,
-            boxstyle="round,pad=0,rounding_size=0.08",
-            facecolor=STUB_COLOUR if node is None else STATUS_COLOURS[shown_status(node)],
-            edgecolor="#777777" if stub else "#333333",
-            linestyle="--" if stub else "-",
-            linewidth=1.0,
-        )
+        FancyBboxPatch(corner, BOX_W, box_h, boxstyle=style, facecolor=fill, linewidth=1.0, **line)
     )
     title, body = (_clip(name, 24), "not in this run") if node is None else _box_text(node)
     top = y + box_h / 2 - 0.1
