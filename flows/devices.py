@@ -94,12 +94,9 @@ def repossess_stale_slot(name: str, previous: dict[str, Any] | None) -> bool:
         if limit.active_slots <= 0:
             return False
         client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
-    run_logger().warning(
-        "repossessed the devices: %s was still occupied by a run that is gone (it died "
-        "without releasing it); last holder: %s",
-        name,
-        describe_device_holder(previous),
-    )
+    gone = "was still occupied by a run that is gone (it died without releasing it)"
+    holder = describe_device_holder(previous)
+    run_logger().warning("repossessed the devices: %s %s; last holder: %s", name, gone, holder)
     return True
 
 
@@ -119,11 +116,8 @@ def take_slot(stack: contextlib.ExitStack, name: str, run_id: str | None) -> Non
             if not (isinstance(cause, httpx.HTTPStatusError) and cause.response.status_code == 423):
                 raise
         if not told:
-            run_logger().info(
-                "waiting for the devices: %s has no free slot on the Prefect server (its limit "
-                "is full or set to 0)",
-                name,
-            )
+            full = "has no free slot on the Prefect server (its limit is full or set to 0)"
+            run_logger().info("waiting for the devices: %s %s", name, full)
             told = True
         time.sleep(SLOT_POLL_S)
 

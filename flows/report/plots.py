@@ -106,25 +106,14 @@ def _reward_panels(records: Sequence[dict[str, Any]]) -> tuple[Panel, ...]:
     combined = _panel(
         "reward", source, "score_mean", "rollout mean", "eval_reward", "held-out mean"
     )
-    labels = dict.fromkeys(
-        k.removeprefix(FUNCTION_PREFIX)
-        for r in records
-        if r.get("kind") == "train"
-        for k in r
-        if k.startswith(FUNCTION_PREFIX)
-    )
-    per_function = Panel(
-        "reward functions",
-        "each function's mean reward",
-        tuple(
-            s
-            for label in labels
-            for s in (
-                Series("train", FUNCTION_PREFIX + label, f"{label} (rollout)"),
-                Series("eval", f"eval_{FUNCTION_PREFIX}{label}", f"{label} (held-out)"),
-            )
-        ),
-    )
+    trained = [k for r in records if r.get("kind") == "train" for k in r]
+    series = []
+    for x in dict.fromkeys(
+        k.removeprefix(FUNCTION_PREFIX) for k in trained if k.startswith(FUNCTION_PREFIX)
+    ):
+        series.append(Series("train", FUNCTION_PREFIX + x, f"{x} (rollout)"))
+        series.append(Series("eval", f"eval_{FUNCTION_PREFIX}{x}", f"{x} (held-out)"))
+    per_function = Panel("reward functions", "each function's mean reward", tuple(series))
     return (combined, per_function)
 
 
