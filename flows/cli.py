@@ -102,16 +102,13 @@ def cmd_run(
 
 
 def _run_flow(run_plan: RunPlan, err: TextIO, selection: Selection) -> RunResult | int:
-    """Run the flow on the embedded server (or PREFECT_API_URL's), handed `run_plan`; its
-    result, or the exit code after one closing block (a failure) or one line (a signal)."""
+    """Run the flow handed `run_plan`: its result, or the exit code after one closing block (a
+    failure) or one line (a signal)."""
     early, printer = None, None
     try:
         from flows.embedded_db import set_aside_if_damaged
-        from flows.embedded_server import (
-            embedded_run_settings,
-            launch_embedded_server,
-            start_embedded_server,
-        )
+        from flows.embedded_server import embedded_run_settings as run_settings
+        from flows.embedded_server import launch_embedded_server, start_embedded_server
 
         set_aside_if_damaged(err)  # before the embedded server tries, and fails, to start on it
         # Before Prefect would start it, from this (main) thread: it then dies with this
@@ -134,7 +131,7 @@ def _run_flow(run_plan: RunPlan, err: TextIO, selection: Selection) -> RunResult
         attach_progress(printer)
         server = start_embedded_server(early)  # adopts it: waits until it is healthy
         early = None
-        settings = embedded_run_settings() if server is not None else contextlib.nullcontext()
+        settings = run_settings() if server is not None else contextlib.nullcontext()
         with settings, handing(run_plan):
             return post_train(run_plan.recipe, list(selection.until), list(selection.only))
     except (KeyboardInterrupt, Terminated) as exc:
@@ -199,10 +196,8 @@ def print_result(result: RunResult, out: TextIO) -> None:
 
 def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
     """Run one stage on this machine, in the foreground, without Prefect, through the supervisor
-    `posttrain run` uses (`flows.stage.supervise`: the artifact lock, the one look, the launcher,
-    the timeout and hang watch, the check of what it sealed). Its parents must be complete in
-    the (shared) workspace. For a multi-node stage every node runs this with its own
-    POSTTRAIN_NODE_RANK; the torchrun agents meet at infra.rdzv_endpoint."""
+    `posttrain run` uses; its parents must be complete. For a multi-node stage every node runs
+    this with its own POSTTRAIN_NODE_RANK."""
     recipe = load_or_report(path, overrides, err)
     if recipe is None:
         return EXIT_INVALID
@@ -236,8 +231,8 @@ def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, er
 
 @contextlib.contextmanager
 def _foreground(out: TextIO) -> Iterator[None]:
-    """The supervisor's log, the stage's output in it, on `out` (and not again through the
-    root logger's handlers); SIGTERM and SIGHUP raised, so the supervisor stops the stage."""
+    """The supervisor's log (the stage's output in it) on `out` only; SIGTERM and SIGHUP raised,
+    so the supervisor stops the stage."""
     logger, handler = logging.getLogger("posttrain.flows"), logging.StreamHandler(out)
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
