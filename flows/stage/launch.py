@@ -97,36 +97,17 @@ def stage_command(
         raise ValueError("a multi-node stage needs a rendezvous endpoint (infra.rdzv_endpoint)")
     if isinstance(node_rank, int) and not 0 <= node_rank < nnodes:
         raise ValueError(f"node rank {node_rank} is outside 0..{nnodes - 1}")
-    nodes = [
-        "--nnodes",
-        str(nnodes),
-        "--node-rank",
-        str(node_rank),
-        "--nproc-per-node",
-        str(nprocs),
-    ]
+    nodes = ["--nnodes", str(nnodes), "--node-rank", str(node_rank)]
     rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
-    return [*torchrun, *nodes, *rdzv, *stage_args]
+    return [*torchrun, *nodes, "--nproc-per-node", str(nprocs), *rdzv, *stage_args]
 
 
 def planned_stage_command(
-    stage: PlannedStage,
-    spec_path: Path | str,
-    node_rank: int | str,
-    rdzv_endpoint: str | None,
-    **kw: Any,
+    stage: PlannedStage, spec_path: Path | str, node_rank: int | str, rdzv: str | None, **kw: Any
 ) -> list[str]:
     """`stage_command` for a planned stage (its module, processes, nodes and fingerprint)."""
-    kw.setdefault("nnodes", stage.nnodes)
-    return stage_command(
-        stage.module,
-        spec_path,
-        stage.nprocs,
-        node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_id=stage.fingerprint,
-        **kw,
-    )
+    kw = {"nnodes": stage.nnodes, "node_rank": node_rank, "rdzv_endpoint": rdzv, **kw}
+    return stage_command(stage.module, spec_path, stage.nprocs, rdzv_id=stage.fingerprint, **kw)
 
 
 def launch_info(

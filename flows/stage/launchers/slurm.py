@@ -250,15 +250,8 @@ class SlurmLauncher:
             gpus = self.devices_per_node if self.device == "cuda" else 0
         if gpus:
             opts.append(f"--gpus-per-node={gpus}")
-        for flag in (
-            "partition",
-            "account",
-            "qos",
-            "cpus-per-task",
-            "mem",
-            "constraint",
-            "reservation",
-        ):
+        flags = ("partition", "account", "qos", "cpus-per-task", "mem", "constraint")
+        for flag in (*flags, "reservation"):
             if (value := getattr(cfg, flag.replace("-", "_"))) is not None:
                 opts.append(f"--{flag}={value}")
         if cfg.exclusive:
