@@ -64,15 +64,8 @@ class LocalLauncher:
     def start(self, request: LaunchRequest, log: Log) -> LocalLaunch:
         stage = request.stage  # this node's agent of it
         cmd = planned_stage_command(stage, request.spec_path, node_rank(), stage.rdzv_endpoint)
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=request.env,
-            start_new_session=True,  # its own process group, so killpg reaches every rank
-            text=True,
-            errors="replace",
-            bufsize=1,
-        )
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        lines = {"text": True, "errors": "replace", "bufsize": 1}
+        # start_new_session: its own process group, so killpg reaches every rank.
+        proc = subprocess.Popen(cmd, env=request.env, start_new_session=True, **pipes, **lines)
         return LocalLaunch(proc, request.launch_id)
