@@ -42,20 +42,13 @@ class WandbSink(Sink):
     def start_stage(self, stage: str, fingerprint: str) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         ids = {"run_id": self.run_id, "stage": stage, "fingerprint": fingerprint}
-        config = {
-            "recipe": self.recipe,
-            "posttrain": {**ids, "prefect_flow_run_id": self.flow_run_id},
-        }
+        ids["prefect_flow_run_id"] = self.flow_run_id
         where = {"project": self.config.project, "entity": self.config.entity, "mode": self.mode}
+        what = {"group": self.run_id, "job_type": stage, "name": f"{self.run_id}/{stage}"}
+        config = {"recipe": self.recipe, "posttrain": ids}
+        # reinit: stages side by side, one live run each.
         run = self.wandb.init(
-            **where,
-            group=self.run_id,
-            job_type=stage,
-            name=f"{self.run_id}/{stage}",
-            dir=str(self.dir),
-            config=config,
-            tags=[stage],
-            reinit="create_new",  # stages side by side: one live run each
+            **where, **what, dir=str(self.dir), config=config, tags=[stage], reinit="create_new"
         )
         self.runs[stage] = run
         url = getattr(run, "url", None)
