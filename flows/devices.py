@@ -146,8 +146,7 @@ def hold_devices(name: str) -> Iterator[None]:
 
     # Polls, so SIGINT/SIGTERM/SIGHUP end the wait at once.
     lock.acquire(
-        {"what": "posttrain run", "flow_run_id": run_id, "flow_run_name": run_name},
-        on_wait=waiting,
+        {"what": "posttrain run", "flow_run_id": run_id, "flow_run_name": run_name}, on_wait=waiting
     )
     token = HELD_DEVICE_LOCK.set(str(lock.path))
     try:

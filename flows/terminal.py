@@ -24,12 +24,7 @@ from prefect.logging.handlers import PrefectConsoleHandler
 
 from flows.report.tables import format_duration
 from flows.stage.failures import QualityGateFailed, StageFailed
-from flows.stage.output import (
-    STAGE_OUTPUT,
-    STEP_FIELDS,
-    add_step_listener,
-    remove_step_listener,
-)
+from flows.stage.output import STAGE_OUTPUT, STEP_FIELDS, add_step_listener, remove_step_listener
 from posttrain.config.loader import RecipeError
 from posttrain.plan.selection import SelectionError
 

@@ -135,9 +135,7 @@ class KubernetesLauncher:
         # /etc/hosts whatever DNS says; the others retry the rendezvous until the name resolves.
         try:
             core.create_namespaced_service(
-                ns,
-                plan.service(job.metadata.uid, self.config.rdzv_port),
-                field_validation="Strict",
+                ns, plan.service(job.metadata.uid, self.config.rdzv_port), field_validation="Strict"
             )
         except ApiException as exc:
             with contextlib.suppress(ApiException):
