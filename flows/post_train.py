@@ -40,7 +40,7 @@ from flows.run_record import record_run
 from flows.schedule import device_slots, run_stages
 from flows.served_run import is_served_run, served_reach
 from flows.stage.failures import QualityGateFailed
-from flows.stage.launch import DevicesNeeded, reuse_only
+from flows.stage.launch import DevicesNeeded, current_flow_run_id, reuse_only
 from flows.stage.procs import kill_flow_run_processes
 from flows.stage.supervise import Outcome
 from flows.stage.task import run_task
@@ -217,9 +217,8 @@ def stop_stage_processes(flow: Any, flow_run: FlowRun, state: State) -> None:
     n = kill_flow_run_processes(str(flow_run.id))
     n += cancel_engine_jobs(flow_run)
     if n:
-        logging.getLogger("posttrain.flows").warning(
-            "flow run %s ended %s: stopped %d stage process(es)", flow_run.id, state.name, n
-        )
+        stopped = f"flow run {flow_run.id} ended {state.name}: stopped {n} stage process(es)"
+        logging.getLogger("posttrain.flows").warning(stopped)
 
 
 def start_tracking(run_plan: RunPlan, run_id: str) -> Trackers:
@@ -227,9 +226,9 @@ def start_tracking(run_plan: RunPlan, run_id: str) -> Trackers:
     recipe = run_plan.recipe
     run_dir = Path(recipe.run.workspace) / "runs" / run_id
     trackers = open_trackers(recipe.tracking, run_dir, run_plan.stages)
-    ctx = FlowRunContext.get()
-    flow_run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else None
-    trackers.start_pipeline(run_id, flow_run_id, redact_obj(recipe.model_dump(mode="json")))
+    trackers.start_pipeline(
+        run_id, current_flow_run_id(), redact_obj(recipe.model_dump(mode="json"))
+    )
     return trackers
 
 

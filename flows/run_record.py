@@ -13,7 +13,6 @@ from typing import Any
 
 import yaml
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.context import FlowRunContext
 from prefect.logging import get_run_logger
 
 from flows.report.images import cache_dir, curves, stage_graph
@@ -27,6 +26,7 @@ from flows.report.tables import (
     markdown_report,
     metrics_table,
 )
+from flows.stage.launch import current_flow_run_id
 from flows.stage.output import artifact_key
 from flows.trackers import Trackers
 from posttrain.plan.planner import RunPlan
@@ -91,14 +91,9 @@ def record_run(
 
 def run_meta(run_id: str, run_name: str, export_path: str | None) -> dict[str, Any]:
     """The head of `lineage.json`."""
-    ctx = FlowRunContext.get()
-    return {
-        "run_id": run_id,
-        "run_name": run_name,
-        "flow_run_id": str(ctx.flow_run.id) if ctx and ctx.flow_run else None,
-        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "export_path": export_path,
-    }
+    created = datetime.now(UTC).isoformat(timespec="seconds")
+    meta = {"run_id": run_id, "run_name": run_name, "flow_run_id": current_flow_run_id()}
+    return meta | {"created_at": created, "export_path": export_path}
 
 
 def draw_images(run_plan: RunPlan, records: list[StageRecord], run_dir: Path) -> Images:
