@@ -9,6 +9,7 @@ reads progress and hangs the same way whatever ran it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +92,15 @@ class Launcher(Protocol):
     def find(self, record: dict[str, str], log: Log) -> Launch | None:
         """The launch `record` names if the engine still runs or queues it (a dead flow's)."""
         ...
+
+
+def poll_after(launch: Launch, next_read: float, timeout_s: float) -> int | None:
+    """`launch.poll()`, then (still running) again once its next state read is due at
+    `next_read` (monotonic), waiting at most `timeout_s`: a remote engine's `wait`."""
+    if (rc := launch.poll()) is None:
+        time.sleep(min(timeout_s, max(0.0, next_read - time.monotonic())))
+        rc = launch.poll()
+    return rc
 
 
 class LaunchError(RuntimeError):

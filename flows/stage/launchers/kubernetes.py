@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from flows.stage.launchers.base import LaunchError, LaunchRequest, Log
+from flows.stage.launchers.base import LaunchError, LaunchRequest, Log, poll_after
 from flows.stage.launchers.k8s_manifests import (
     COMPLETION_INDEX_ANNOTATION,
     CONTAINER,
@@ -285,11 +285,7 @@ class KubernetesLaunch:
         return self._final
 
     def wait(self, timeout_s: float) -> int | None:
-        rc = self.poll()
-        if rc is None:
-            time.sleep(min(timeout_s, max(0.0, self._read_at + self._poll_s - time.monotonic())))
-            rc = self.poll()
-        return rc
+        return poll_after(self, self._read_at + self._poll_s, timeout_s)
 
     def engine_reason(self) -> str | None:
         self._refresh()

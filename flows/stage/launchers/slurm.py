@@ -24,7 +24,7 @@ from typing import Any
 
 from flows.stage.hang import stack_file, wait_for_stacks
 from flows.stage.launch import planned_stage_command, project_pythonpath
-from flows.stage.launchers.base import LaunchError, LaunchRequest, Log
+from flows.stage.launchers.base import LaunchError, LaunchRequest, Log, poll_after
 from posttrain.sections.slurm import SlurmConfig
 from posttrain.telemetry.heartbeat import Hang
 
@@ -123,11 +123,7 @@ class SlurmLaunch:
         return exit_status(info)
 
     def wait(self, timeout_s: float) -> int | None:
-        rc = self.poll()
-        if rc is None:
-            time.sleep(min(timeout_s, max(0.0, self.read_at + self.poll_s - time.monotonic())))
-            rc = self.poll()
-        return rc
+        return poll_after(self, self.read_at + self.poll_s, timeout_s)
 
     def engine_reason(self) -> str | None:
         info = self._state()
