@@ -157,13 +157,8 @@ def _columns(nodes: Sequence[StageRecord]) -> list[list[str | Waypoint]]:
     row: dict[str | Waypoint, float] = {}
     for k, col in enumerate(columns):
         if k:
-            key = {
-                slot: sum(row[p] for p in above[slot]) / len(above[slot])
-                if above[slot]
-                else -math.inf
-                for slot in col
-            }
-            col.sort(key=lambda slot: key[slot])  # stable: ties keep the input order
+            mean = {s: sum(row[p] for p in above[s]) / len(above[s]) for s in col if above[s]}
+            col.sort(key=lambda s: mean.get(s, -math.inf))  # stable: ties keep the input order
         for i, slot in enumerate(col):
             row[slot] = i - (len(col) - 1) / 2
     return columns

@@ -215,17 +215,10 @@ def container_env(request: LaunchRequest, config: KubernetesConfig) -> list[dict
     launch's (`launch_env`), less this machine's node rank."""
     literal = {**config.env, **request.env}
     literal.pop(NODE_RANK_ENV, None)
-    return [
-        # First: later values may refer to it. The downward API reads the index the Job
-        # controller gives each pod.
-        {
-            "name": NODE_RANK_ENV,
-            "valueFrom": {
-                "fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}
-            },
-        },
-        *({"name": k, "value": _escape(v)} for k, v in literal.items()),
-    ]
+    # First: later values may refer to it. The downward API reads the Job controller's index.
+    index = {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}}
+    rank = {"name": NODE_RANK_ENV, "valueFrom": index}
+    return [rank, *({"name": k, "value": _escape(v)} for k, v in literal.items())]
 
 
 def container_resources(config: KubernetesConfig, gpus: int) -> dict[str, dict[str, str]]:
