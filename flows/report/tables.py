@@ -75,17 +75,11 @@ def format_duration(seconds: float) -> str:
 
 def format_value(value: Any) -> str:
     """Compact numbers for tables: 4 significant digits, integers as integers."""
-    if isinstance(value, bool) or value is None:
-        return str(value)
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value) or math.isinf(value):
-            return str(value)
-        if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
-            return f"{value:.3e}"
-        return f"{value:.4g}"
-    return str(value)
+    if not isinstance(value, float) or math.isnan(value) or math.isinf(value):
+        return str(value)  # bool, None and int included
+    if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+        return f"{value:.3e}"
+    return f"{value:.4g}"
 
 
 def headline_text(headline: dict[str, Any]) -> str:
@@ -237,12 +231,10 @@ def _gpu_cell(h: dict[str, Any]) -> str:
         parts[-1] += f" of {gpu['power_limit_w']:.0f} W"
     if gpu.get("temperature_max_c") is not None:
         parts.append(f"max {gpu['temperature_max_c']:.0f} C")
-    throttled = gpu.get("throttle_first_s") or {}
-    parts.append(
-        "throttled: " + ", ".join(f"{k} from {v:.0f} s" for k, v in throttled.items())
-        if throttled
-        else "no throttling seen"
+    throttled = ", ".join(
+        f"{k} from {v:.0f} s" for k, v in (gpu.get("throttle_first_s") or {}).items()
     )
+    parts.append(f"throttled: {throttled}" if throttled else "no throttling seen")
     return "; ".join(parts)
 
 
