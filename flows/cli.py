@@ -49,10 +49,7 @@ from flows.report.tables import (
     summary_table,
 )
 from posttrain.config.schema import Recipe
-from posttrain.config.served_access import (
-    ALLOWED_ENV,
-    REWARDS_ENV,
-)
+from posttrain.config.served_access import ALLOWED_ENV, REWARDS_ENV
 from posttrain.kinds import graph_kinds
 from posttrain.plan.planner import RunPlan, plan, spec_for
 from posttrain.plan.selection import ALL_STAGES, Selection
@@ -105,16 +102,13 @@ def cmd_run(
 
 
 def _run_flow(run_plan: RunPlan, err: TextIO, selection: Selection) -> RunResult | int:
-    """Run the flow on the embedded server (or PREFECT_API_URL's), handed `run_plan`; its
-    result, or the exit code after one closing block (a failure) or one line (a signal)."""
+    """Run the flow handed `run_plan`: its result, or the exit code after one closing block (a
+    failure) or one line (a signal)."""
     early, printer = None, None
     try:
         from flows.embedded_db import set_aside_if_damaged
-        from flows.embedded_server import (
-            embedded_run_settings,
-            launch_embedded_server,
-            start_embedded_server,
-        )
+        from flows.embedded_server import embedded_run_settings as run_settings
+        from flows.embedded_server import launch_embedded_server, start_embedded_server
 
         set_aside_if_damaged(err)  # before the embedded server tries, and fails, to start on it
         # Before Prefect would start it, from this (main) thread: it then dies with this
@@ -137,7 +131,7 @@ def _run_flow(run_plan: RunPlan, err: TextIO, selection: Selection) -> RunResult
         attach_progress(printer)
         server = start_embedded_server(early)  # adopts it: waits until it is healthy
         early = None
-        settings = embedded_run_settings() if server is not None else contextlib.nullcontext()
+        settings = run_settings() if server is not None else contextlib.nullcontext()
         with settings, handing(run_plan):
             return post_train(run_plan.recipe, list(selection.until), list(selection.only))
     except (KeyboardInterrupt, Terminated) as exc:
@@ -187,15 +181,11 @@ def print_result(result: RunResult, out: TextIO) -> None:
     records = result.stages
     print(summary_table(records), file=out)
     if health := health_lines(records):
-        print("\nhealth:", file=out)
-        for line in health:
-            print(f"  {line}", file=out)
+        print("\nhealth:", *(f"  {line}" for line in health), sep="\n", file=out)
     if result.not_selected:
         print(not_selected_text(result.not_selected), file=out)
     if recovered := recovery_lines(records):
-        print("\nrecovered:", file=out)
-        for line in recovered:
-            print(f"  {line}", file=out)
+        print("\nrecovered:", *(f"  {line}" for line in recovered), sep="\n", file=out)
     if result.export_path:
         print(f"\nexported model: {result.export_path}", file=out)
     print(f"run folder:     {result.run_dir}", file=out)
@@ -206,10 +196,8 @@ def print_result(result: RunResult, out: TextIO) -> None:
 
 def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, err: TextIO) -> int:
     """Run one stage on this machine, in the foreground, without Prefect, through the supervisor
-    `posttrain run` uses (`flows.stage.supervise`: the artifact lock, the one look, the launcher,
-    the timeout and hang watch, the check of what it sealed). Its parents must be complete in
-    the (shared) workspace. For a multi-node stage every node runs this with its own
-    POSTTRAIN_NODE_RANK; the torchrun agents meet at infra.rdzv_endpoint."""
+    `posttrain run` uses; its parents must be complete. For a multi-node stage every node runs
+    this with its own POSTTRAIN_NODE_RANK."""
     recipe = load_or_report(path, overrides, err)
     if recipe is None:
         return EXIT_INVALID
@@ -243,8 +231,8 @@ def cmd_launch(stage_name: str, path: str, overrides: list[str], out: TextIO, er
 
 @contextlib.contextmanager
 def _foreground(out: TextIO) -> Iterator[None]:
-    """The supervisor's log, the stage's output in it, on `out` (and not again through the
-    root logger's handlers); SIGTERM and SIGHUP raised, so the supervisor stops the stage."""
+    """The supervisor's log (the stage's output in it) on `out` only; SIGTERM and SIGHUP raised,
+    so the supervisor stops the stage."""
     logger, handler = logging.getLogger("posttrain.flows"), logging.StreamHandler(out)
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -266,13 +254,8 @@ def add_selection_flags(p: argparse.ArgumentParser) -> None:
         ("--until", "run (or reuse) STAGE and what it needs upstream, nothing after it"),
         ("--only", "run STAGE alone; what it needs upstream must be complete (reused)"),
     ):
-        p.add_argument(
-            flag,
-            action="append",
-            default=[],
-            metavar="STAGE",
-            help=f"{what} (repeatable, or comma-separated: dpo,evaluate)",
-        )
+        what += " (repeatable, or comma-separated: dpo,evaluate)"
+        p.add_argument(flag, action="append", default=[], metavar="STAGE", help=what)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -295,33 +278,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p = sub.add_parser("launch", help=help_text, description=help_text)
     p.add_argument("stage", help="stage name, e.g. sft")
+    _recipe_args(p)
+    return ap
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", type=Path, help="recipe YAML file")
     p.add_argument("overrides", nargs="*", help="key.path=value (values parsed as YAML)")
-    return ap
 
 
 def _add_recipe_commands(sub: argparse._SubParsersAction) -> None:
     """validate, plan, run and models: a recipe and its overrides."""
-    for name, func, help_text in (
+    for name, help_text in (
         (
             "validate",
-            cmd_validate,
             "check the recipe and every input it names without training: a verdict line, "
             "then what each input is (exit 2 on any problem)",
         ),
         (
             "plan",
-            cmd_plan,
             "validate, then show each stage's fingerprint, whether its artifact exists and "
             "the resolved input paths",
         ),
-        ("run", cmd_run, "run the pipeline (embedded Prefect unless PREFECT_API_URL is set)"),
-        ("models", cmd_models, "list each pipeline's champion (promoted run) and its lineage"),
+        ("run", "run the pipeline (embedded Prefect unless PREFECT_API_URL is set)"),
+        ("models", "list each pipeline's champion (promoted run) and its lineage"),
     ):
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("recipe", type=Path, help="recipe YAML file")
-        p.add_argument("overrides", nargs="*", help="key.path=value (values parsed as YAML)")
-        p.set_defaults(func=func)
+        _recipe_args(p)
         if name in ("validate", "plan"):
             p.add_argument(
                 "--resolved", action="store_true", help="print the resolved recipe (YAML) too"
@@ -361,30 +344,20 @@ def _add_served_commands(sub: argparse._SubParsersAction) -> None:
         "the UI, `posttrain submit`, the recipe's schedule or a new-base event execute here.",
     )
     p.add_argument("recipes", type=Path, nargs="+", help="recipe YAML files")
-    p.add_argument(
-        "--allow-path",
-        action="append",
-        default=[],
-        metavar="DIR",
-        help="a folder served runs may read from besides the served recipes' workspaces and "
-        f"allowed paths (repeatable; added to ${ALLOWED_ENV})",
-    )
-    p.add_argument(
-        "--allow-rewards",
-        action="append",
-        default=[],
-        metavar="DIR",
-        help="a folder served runs may import reward functions from, besides posttrain.rewards "
-        f"and the served recipes' own reward modules (repeatable; added to ${REWARDS_ENV})",
-    )
+    folders = {"action": "append", "default": [], "metavar": "DIR"}
+    what = "a folder served runs may read from besides the served recipes' workspaces and "
+    what += f"allowed paths (repeatable; added to ${ALLOWED_ENV})"
+    p.add_argument("--allow-path", help=what, **folders)
+    what = "a folder served runs may import reward functions from, besides posttrain.rewards "
+    what += f"and the served recipes' own reward modules (repeatable; added to ${REWARDS_ENV})"
+    p.add_argument("--allow-rewards", help=what, **folders)
     p = sub.add_parser(
         "submit",
         help="start a run of a served deployment and print its URL",
         description="Start a run of post-train/<run.name> with the recipe (and overrides) as "
         "its parameters; print the run's URL.",
     )
-    p.add_argument("recipe", type=Path, help="recipe YAML file")
-    p.add_argument("overrides", nargs="*", help="key.path=value (values parsed as YAML)")
+    _recipe_args(p)
     p.add_argument("--wait", action="store_true", help="wait for the run; exit 0 if Completed")
     add_selection_flags(p)
     p = sub.add_parser(
@@ -416,32 +389,25 @@ def main(argv: list[str] | None = None) -> int:
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     out, err = sys.stdout, sys.stderr
-    if args.command == "launch":
-        return cmd_launch(args.stage, str(args.recipe), args.overrides, out, err)
-    if args.command == "serve":
-        return cmd_serve(
-            [str(p) for p in args.recipes], out, err, args.allow_path, args.allow_rewards
-        )
-    if args.command == "submit":
-        selection = Selection.of(args.until, args.only)
-        return cmd_submit(str(args.recipe), args.overrides, out, err, args.wait, selection)
-    if args.command in ("runs", "clean"):
-        recipe = None if args.recipe is None else str(args.recipe)
-        ws = None if args.workspace is None else str(args.workspace)
-        if args.command == "runs":
-            return cmd_runs(recipe, args.overrides, out, err, ws, args.limit)
-        return cmd_clean(recipe, args.overrides, out, err, ws, args.yes, args.keep_last)
-    if args.command == "publish-base":
-        return cmd_publish_base(str(args.model_dir), args.pipeline, out, err)
-    if args.command == "validate":
-        return cmd_validate(str(args.recipe), args.overrides, out, err, args.resolved)
-    if args.command == "plan":
-        selection = Selection.of(args.until, args.only)
-        return cmd_plan(str(args.recipe), args.overrides, out, err, selection, args.resolved)
-    if args.command in SELECTING:
-        selection = Selection.of(args.until, args.only)
-        return args.func(str(args.recipe), args.overrides, out, err, selection)
-    return args.func(str(args.recipe), args.overrides, out, err)
+    recipe = None if getattr(args, "recipe", None) is None else str(args.recipe)
+    ws = None if getattr(args, "workspace", None) is None else str(args.workspace)
+    given = (recipe, getattr(args, "overrides", []), out, err)
+    selection = Selection.of(args.until, args.only) if args.command in SELECTING else ALL_STAGES
+    commands = {
+        "launch": lambda: cmd_launch(args.stage, *given),
+        "serve": lambda: cmd_serve(
+            list(map(str, args.recipes)), out, err, args.allow_path, args.allow_rewards
+        ),
+        "submit": lambda: cmd_submit(*given, args.wait, selection),
+        "runs": lambda: cmd_runs(*given, ws, args.limit),
+        "clean": lambda: cmd_clean(*given, ws, args.yes, args.keep_last),
+        "publish-base": lambda: cmd_publish_base(str(args.model_dir), args.pipeline, out, err),
+        "validate": lambda: cmd_validate(*given, args.resolved),
+        "plan": lambda: cmd_plan(*given, selection, args.resolved),
+        "run": lambda: cmd_run(*given, selection),
+        "models": lambda: cmd_models(*given),
+    }
+    return commands[args.command]()
 
 
 if __name__ == "__main__":

@@ -42,21 +42,16 @@ def _print_resolved(recipe: Recipe, resolved: bool, out: TextIO) -> None:
 
 
 def _check_inputs(path: str, recipe: Recipe, counts: tuple[int, int], out: TextIO) -> bool:
-    """Print the verdict line (`recipe ok: 4 stages, 3 to run` from `counts`, (stages, to run);
-    or `refused_head`, each problem and the fix), then one line per input; True when nothing is
-    wrong."""
+    """Print the verdict (`recipe ok: 4 stages, 3 to run` from `counts`, or each problem and
+    the fix), then one line per input; True when nothing is wrong."""
     from posttrain.config.inputs_check import check_inputs
 
     report = check_inputs(recipe)
     if report.problems:
         print(refused_head(path, len(report.problems)), file=out)
-        for line in report.problems:
-            print(f"  {line}", file=out)
-        print(
-            "  fix:  correct the fields named above (or create the files they name), then "
-            "`posttrain validate` again; nothing ran",
-            file=out,
-        )
+        fix = "correct the fields named above (or create the files they name), then "
+        fix += "`posttrain validate` again; nothing ran"
+        print(*(f"  {line}" for line in report.problems), f"  fix:  {fix}", sep="\n", file=out)
     else:
         print(f"recipe ok: {counts[0]} stages, {counts[1]} to run", file=out)
     for line in report.lines:
@@ -70,9 +65,7 @@ def resolved_inputs(recipe: Recipe) -> list[tuple[str, str]]:
     from posttrain.config.loader import code_refs, hub_ids, input_paths
 
     found = dict(input_paths(recipe))
-    found |= {
-        where: f"{repo}@{rev} (hub {kind})" for where, (repo, rev, kind) in hub_ids(recipe).items()
-    }
+    found |= {at: f"{repo}@{rev} (hub {kind})" for at, (repo, rev, kind) in hub_ids(recipe).items()}
     found |= {code.where: code.ref for code in code_refs(recipe)}
     return sorted(found.items())
 
@@ -89,11 +82,9 @@ def inputs_text(roles: dict[str, str]) -> str:
 def plan_rows(
     stages: Sequence[PlannedStage], selected: set[str] | None = None
 ) -> list[tuple[str, str, str, str, str, str]]:
-    """(stage, kind, inputs, fingerprint, where it runs, artifact state) per planned stage;
-    a stage outside `selected` (`--until`/`--only`; None: all) is `not selected`.
-
-    Where: the launcher, then nodes x processes per node (`slurm:4x8`), or the processes
-    alone on one node (`local:2`); `local` for one process here."""
+    """(stage, kind, inputs, fingerprint, where it runs, artifact state) per planned stage; a
+    stage outside `selected` is `not selected`. Where: `slurm:4x8` (nodes x processes),
+    `local:2`, or `local` for one process here."""
     rows = []
     for stage in stages:
         if selected is not None and stage.name not in selected:
@@ -138,9 +129,8 @@ def cmd_plan(
     selection: Selection = ALL_STAGES,
     resolved: bool = False,
 ) -> int:
-    """The verdict and inputs (as `validate`), each stage's fingerprint and artifact (`not
-    selected` for stages `selection` leaves out), and every input's resolved path; `resolved`:
-    the resolved recipe as YAML too."""
+    """The verdict and inputs (as `validate`), each stage's fingerprint and artifact, and every
+    input's resolved path; `resolved`: the resolved recipe as YAML too."""
     recipe = load_or_report(path, overrides, err)
     if recipe is None:
         return EXIT_INVALID
@@ -151,11 +141,8 @@ def cmd_plan(
     rows = plan_rows(run_plan.stages, selected)
     to_run = sum(row[-1] not in ("complete", "not selected") for row in rows)
     ok = _check_inputs(path, recipe, (len(rows), to_run), out)
-    print(
-        "\n" + text_table(rows, ("stage", "kind", "inputs", "fingerprint", "runs on", "artifact")),
-        file=out,
-    )
-    print(f"workspace: {recipe.run.workspace}", file=out)
+    header = ("stage", "kind", "inputs", "fingerprint", "runs on", "artifact")
+    print("\n" + text_table(rows, header), f"workspace: {recipe.run.workspace}", sep="\n", file=out)
     inputs = resolved_inputs(recipe)
     width = max((len(where) for where, _ in inputs), default=0)
     print("resolved inputs:", file=out)

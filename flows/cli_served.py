@@ -105,9 +105,8 @@ def cmd_submit(
 
     name = f"{FLOW_NAME}/{recipe.run.name}"
     try:
-        run = run_deployment(
-            name, parameters=recipe_parameters(recipe, selection), timeout=None if wait else 0
-        )
+        params = recipe_parameters(recipe, selection)
+        run = run_deployment(name, parameters=params, timeout=None if wait else 0)
     except ObjectNotFound:
         print(f"error: no deployment {name}; is `posttrain serve {path}` running?", file=err)
         return EXIT_FAILED

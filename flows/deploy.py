@@ -1,15 +1,9 @@
 """Deployments of the `post-train` flow: what `posttrain serve` serves and `posttrain submit` runs.
 
-One recipe = one deployment, named after `run.name` (`post-train/<run.name>`):
-  - its default parameter is the recipe, so the Prefect UI's run form is the recipe schema and the
-    server rejects an invalid parameter set before a run is created (`enforce_parameter_schema`);
-  - the recipe's `schedule` section adds a cron or interval schedule (in its time zone) and, with
-    `on_new_base`, an event trigger: a `posttrain.base.published` event from another pipeline runs
-    this one on that base checkpoint;
-  - served with `pause_on_shutdown=False`: stopping or restarting the server process must not
-    silently pause scheduled retraining.
-The entrypoint is the module path `flows.post_train:post_train`, so a worker or runner imports the
-flow from the installed package whatever its working directory.
+One recipe = one deployment, `post-train/<run.name>`: the recipe is its default parameter (the
+UI's run form is the recipe schema, enforced by the server), its `schedule` adds a cron or
+interval schedule and, with `on_new_base`, a trigger on another pipeline's new base. The
+entrypoint is a module path, so a worker imports the flow whatever its working directory.
 """
 
 from __future__ import annotations
@@ -52,12 +46,9 @@ def schedules_for(recipe: Recipe) -> list[Schedule]:
 
 
 def base_trigger(recipe: Recipe) -> DeploymentEventTrigger:
-    """Run this deployment on the base checkpoint named by a `posttrain.base.published` event.
-
-    The event's own pipeline is excluded (`!name`), or a pipeline's ingest would re-trigger the
-    pipeline that emitted it. The recipe parameter is the deployment's, with ingest switched to
-    that path: Prefect renders the `{{ event... }}` template when it creates the run.
-    """
+    """Run this deployment on the base a `posttrain.base.published` event names (not one this
+    pipeline emitted, or its ingest would re-trigger it): ingest switched to the event's path,
+    a template Prefect renders when it creates the run."""
     params = recipe_parameters(recipe)
     ingest = params["recipe"]["ingest"]
     ingest["source"] = "path"

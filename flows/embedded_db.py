@@ -1,15 +1,10 @@
 """The embedded Prefect's SQLite database: checked before the server starts, set aside if damaged.
 
-`posttrain run` without PREFECT_API_URL starts a Prefect server in-process on
-`$PREFECT_HOME/prefect.db`. A damaged file (a full disk or a dying disk mid-write, a copy taken
-while it was written, a stray edit) makes that server fail to start with several thousand lines
-of tracebacks, on every later run, forever. Nothing in that database is needed to train: the
-workspace's manifests are the lineage of record, and a complete artifact is reused without a
-Prefect cache record. So a damaged database is moved aside (kept, for whoever wants to look)
-with one line saying so, and the server starts on a fresh one.
-
-Only a database that SQLite itself calls damaged is moved; one that is merely locked or
-unreadable (permissions) is left alone and the server's own error stands.
+A damaged `$PREFECT_HOME/prefect.db` (a full or dying disk mid-write, a copy taken while it was
+written) makes the embedded server fail to start, with thousands of lines of tracebacks, on every
+later run. Nothing in it is needed to train (the workspace's manifests are the lineage of
+record), so a database SQLite itself calls damaged is moved aside with one line saying so; one
+merely locked or unreadable is left alone and the server's own error stands.
 """
 
 from __future__ import annotations
@@ -83,11 +78,8 @@ def set_aside_if_damaged(err: TextIO, db: Path | None = None) -> Path | None:
         side = db.with_name(db.name + suffix)
         if side.exists():
             side.rename(aside.with_name(aside.name + suffix))
-    print(
-        f"posttrain: the embedded Prefect database {db} is damaged ({why}); moved it to "
-        f"{aside.name} and starting with a fresh one. Only Prefect's run history is lost: "
-        "artifacts, checkpoints and run folders are in the workspace and are reused.",
-        file=err,
-        flush=True,
-    )
+    kept = "artifacts, checkpoints and run folders are in the workspace and are reused."
+    moved = f"moved it to {aside.name} and starting with a fresh one"
+    head = f"posttrain: the embedded Prefect database {db} is damaged ({why})"
+    print(f"{head}; {moved}. Only Prefect's run history is lost: {kept}", file=err, flush=True)
     return aside

@@ -1,25 +1,14 @@
 """The embedded Prefect server of `posttrain run`, tied to the life of the CLI process.
 
-Without PREFECT_API_URL, Prefect starts a temporary server (a uvicorn subprocess,
-`SubprocessASGIServer`) the first time a client needs one, from whatever thread asks, and stops
-it from an `atexit` hook. A CLI that dies without running its exit hooks (SIGKILL, the OOM
-killer, SIGHUP before posttrain handled it) left the server running, orphaned, holding its
-SQLite database.
-
-Here the CLI starts that same server itself, from its main thread, before Prefect would: it is
-the singleton Prefect's clients then use (same settings, same PREFECT_HOME database). Its
-process is given a parent-death signal (Linux `prctl(PR_SET_PDEATHSIG, SIGTERM)`), which the
-kernel delivers when the thread that forked it ends: the main thread, so when the CLI process
-ends, however it ends. It runs in a session of its own, so the signals a terminal sends to its
-whole foreground group (SIGHUP when it closes, SIGINT on Ctrl-C) reach only the CLI, which then
-ends the run, reports it to the server and stops the server. The `prctl` call costs microseconds.
-
-The server's process is launched early (`launch_embedded_server`), as soon as the recipe is
-valid, and adopted later (`start_embedded_server(early)`): its boot (a fresh interpreter
-importing Prefect's server, ~3-4 s of CPU) then overlaps the CLI's own imports of the flow and
-of `prefect.server` (~2-3 s), instead of following them. Prefect's own `start()` adopts it (its
-health wait, start-up timeout, port-clash retry and exit hook are unchanged); the command line
-and environment are Prefect's (`uvicorn_command`; a test compares them with Prefect's own).
+Prefect starts its temporary server (a uvicorn subprocess) from whatever thread first needs it
+and stops it from an `atexit` hook, so a CLI killed without its exit hooks left it running,
+orphaned, holding its SQLite database. Here the CLI starts that same server (the singleton
+Prefect's clients use) from its main thread with a parent-death signal (Linux `prctl`), so it
+ends when the CLI ends, however it ends; in a session of its own, so a terminal's SIGHUP or
+SIGINT reaches only the CLI, which then ends the run, reports it and stops the server. It is
+launched early (`launch_embedded_server`) and adopted later (`start_embedded_server(early)`):
+its ~3-4 s boot overlaps the CLI's own imports. The command line and environment are Prefect's
+(`uvicorn_command`; a test compares them with Prefect's own).
 """
 
 from __future__ import annotations
@@ -61,23 +50,9 @@ def uvicorn_command(port: int) -> tuple[list[str], dict[str, str]]:
     import prefect
     from prefect.settings import get_current_settings
 
-    args = [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        "--app-dir",
-        str(prefect.__module_path__.parent),
-        "--factory",
-        "prefect.server.api.server:create_app",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "error",
-        "--lifespan",
-        "on",
-    ]
+    args = [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent)]
+    args += ["--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1"]
+    args += ["--port", str(port), "--log-level", "error", "--lifespan", "on"]
     env = {
         **os.environ,
         # Prefect's: no UI, the ephemeral set of services, one app per process.
@@ -132,8 +107,8 @@ def _free_port() -> int:
 
 
 def launch_embedded_server() -> EarlyServer | None:
-    """Launch the embedded server's process now and return at once (adopt it with
-    `start_embedded_server`); None when this process should not start it (`_wanted`)."""
+    """Launch the embedded server's process now, to adopt with `start_embedded_server`; None
+    when this process should not start it (`_wanted`)."""
     if not _wanted():
         return None
     port = _free_port()
@@ -142,9 +117,8 @@ def launch_embedded_server() -> EarlyServer | None:
 
 
 def start_embedded_server(early: EarlyServer | None = None) -> Any | None:
-    """Start Prefect's embedded server now, tied to this process, adopting the process of
-    `launch_embedded_server` when given; returns it once healthy. None when runs go to a
-    server (PREFECT_API_URL), when not on Linux, or when not called from the main thread."""
+    """Start Prefect's embedded server tied to this process (adopting `early`'s process);
+    returns it once healthy, None where `_wanted` says no."""
     if not _wanted():
         if early is not None:
             early.discard()

@@ -16,6 +16,7 @@ traceback, and points at the log that holds all of it.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import traceback
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 RERUN = "then run again: finished stages are reused"
+BUG = "this looks like a bug in posttrain: the full traceback is in the log"
 
 # The errors a stage reports as verdicts (their `POSTTRAIN_ERROR` line names the type), with the
 # fix a person applies. Every name is a class of posttrain (tests/test_cli_terminal.py checks).
@@ -173,13 +175,7 @@ def stage_failure_block(
             return Block(head, what, fix, log)
         if kind in FIXES:
             return Block(head, what, FIXES[kind], log)
-        return Block(
-            head,
-            f"unexpected error: {kind}: {what}",
-            "this looks like a bug in posttrain: the full traceback is in the log",
-            log,
-            _last_frame(lines),
-        )
+        return Block(head, f"unexpected error: {kind}: {what}", BUG, log, _last_frame(lines))
     # No verdict line: the process was killed (a signal, the OOM killer) or left no artifact.
     return Block(head, headline, "see the end of the log for what it did last", log)
 
@@ -187,11 +183,9 @@ def stage_failure_block(
 def gate_block(message: str) -> Block:
     """The block for a `QualityGateFailed`: `<stage>: <what the gate measured>`."""
     stage, _, what = message.partition(": ")
+    fix = "its artifact is kept; train it better (steps, data, lr) or change the bar named above"
     return Block(
-        f"posttrain: stage {stage} failed its quality gate",
-        what or message,
-        "its artifact is kept; train it better (steps, data, lr) or change the bar named "
-        f"above, {RERUN}",
+        f"posttrain: stage {stage} failed its quality gate", what or message, f"{fix}, {RERUN}"
     )
 
 
@@ -200,38 +194,25 @@ def unexpected_block(exc: BaseException, log_dir: Path) -> Block:
     `log_dir`, the block names that file and the last frame."""
     text = "".join(traceback.format_exception(exc))
     log = None
-    try:
+    with contextlib.suppress(OSError):
         log_dir.mkdir(parents=True, exist_ok=True)
-        path = log_dir / "posttrain-run-error.log"
-        path.write_text(text)
+        (path := log_dir / "posttrain-run-error.log").write_text(text)
         log = str(path)
-    except OSError:
-        pass
-    return Block(
-        "posttrain: the run failed",
-        f"unexpected error: {type(exc).__name__}: {exc}".split("\n", 1)[0],
-        "this looks like a bug in posttrain: the full traceback is in the log",
-        log,
-        _last_frame(text.splitlines()),
-    )
+    what = f"unexpected error: {type(exc).__name__}: {exc}".split("\n", 1)[0]
+    return Block("posttrain: the run failed", what, BUG, log, _last_frame(text.splitlines()))
 
 
 def known_block(exc: BaseException, sections: Mapping[str, str] | None = None) -> Block | None:
-    """The block of a failure posttrain raises and explains (a stage that failed, timed out or
-    hung; a quality gate not met; a recipe refused in the flow); None for anything else.
-    `sections`: as for `stage_failure_block`."""
+    """The block of a failure posttrain raises and explains (a stage failed, timed out or hung, a
+    gate not met, a recipe or selection refused in the flow); None for anything else."""
     from flows.stage.failures import QualityGateFailed, StageFailed, StageTimeout
     from flows.stage.hang import StageHung
     from posttrain.config.loader import RecipeError
     from posttrain.plan.selection import SelectionError
 
     if isinstance(exc, StageFailed):
-        return stage_failure_block(
-            str(exc),
-            timed_out=isinstance(exc, StageTimeout),
-            hung=isinstance(exc, StageHung),
-            sections=sections,
-        )
+        timed_out, hung = isinstance(exc, StageTimeout), isinstance(exc, StageHung)
+        return stage_failure_block(str(exc), timed_out=timed_out, hung=hung, sections=sections)
     if isinstance(exc, QualityGateFailed):
         return gate_block(str(exc))
     if isinstance(exc, SelectionError):  # a served run's --until/--only, refused in the flow
@@ -243,9 +224,7 @@ def known_block(exc: BaseException, sections: Mapping[str, str] | None = None) -
         )
     if isinstance(exc, RecipeError):  # refused in the flow (e.g. a path outside its reach)
         return Block(
-            "posttrain: recipe refused (no stage ran)",
-            "; ".join(exc.errors) or str(exc),
-            exc.fix,
+            "posttrain: recipe refused (no stage ran)", "; ".join(exc.errors) or str(exc), exc.fix
         )
     return None
 

@@ -1,11 +1,10 @@
 """The promotion gate, flow side: after a completed run, does its export replace the champion?
 
-The comparison is `posttrain.workspace.promotion` (pure, rule by rule). This module gathers the
-candidate's metrics: the evaluate headline, plus `win_rate_vs_champion` when a rule asks for it,
-measured by the head-to-head stage (`posttrain.stages.head_to_head`, launched like every stage: a
-child process under the `stage` task, its artifact fingerprinted and reused). The gate is decoration
-on a completed run: nothing here fails the run. A head-to-head that does not apply is skipped (the
-rule shows n/a with the reason); one that fails refuses promotion.
+The comparison is `posttrain.workspace.promotion`; this module gathers the candidate's metrics:
+the evaluate headline, plus `win_rate_vs_champion` when a rule asks for it, measured by the
+head-to-head stage (launched like every stage, its artifact fingerprinted and reused). Nothing
+here fails the run: a head-to-head that does not apply is skipped (the rule shows n/a and why);
+one that fails refuses promotion.
 """
 
 from __future__ import annotations
@@ -57,10 +56,8 @@ class HeadToHead:
 
 
 def promote(recipe: ResolvedRecipe, run_id: str, records: list[StageRecord]) -> Decision | None:
-    """The promotion gate after a completed run: the evaluate headline (and the head-to-head
-    against the champion) against the champion's (`posttrain.workspace.promotion`); the registry
-    records the decision, and the champion when promoted. A run that left out its evaluate or its
-    export (`--until`/`--only`) is not a candidate: nothing measured, or nothing shipped."""
+    """The promotion gate after a completed run, recorded in the registry. A run that left out
+    its evaluate or its export (`--until`/`--only`) is not a candidate."""
     if not recipe.promotion.enabled:
         return None
     by_stage = {r.stage: r for r in records}
@@ -106,19 +103,14 @@ def head_to_head_vs_champion(
     log: Log,
     run_spec: RunSpec = run_task,
 ) -> HeadToHead:
-    """Run (or reuse) the head-to-head of this run's export against the champion's.
-
-    Skipped, with the reason, when it cannot apply: no reward stage to judge with, no held-out
-    reward prompts, or the champion's export folder is gone. Any error while running it is
-    caught: the result then blocks promotion, naming the error. `run_spec` defaults to the
-    `stage` Prefect task (flows.stage.task.run_task), so it needs a flow run.
-    """
+    """Run (or reuse) the head-to-head of this run's export against the champion's; skipped,
+    with the reason, when it cannot apply (`_cannot_run`). An error is caught: the result then
+    blocks promotion, naming it. `run_spec` defaults to the `stage` task (needs a flow run)."""
     why = _cannot_run(by_stage, champion)
     if why:
-        log.warning("head-to-head against the champion skipped: %s", why)
-        return HeadToHead(
-            unmeasured=Unmeasured(why), note=f"head-to-head against the champion skipped: {why}"
-        )
+        note = f"head-to-head against the champion skipped: {why}"
+        log.warning(note)
+        return HeadToHead(unmeasured=Unmeasured(why), note=note)
     try:
         parents = {
             "candidate": ref_from_manifest(Path(by_stage["export"].uri)),
@@ -149,18 +141,13 @@ def head_to_head_vs_champion(
         f"(win-rate {value:.4g}); answers in {ref.path / 'samples.jsonl'}"
     )
     log.info(note)
-    record = {
-        "champion_run_id": champion.get("run_id"),
-        "artifact": ref.uri,
-        "fingerprint": ref.fingerprint,
-        **counts,
-    }
+    record = {"champion_run_id": champion.get("run_id"), "artifact": ref.uri}
+    record |= {"fingerprint": ref.fingerprint, **counts}
     return HeadToHead(value=value, note=note, record=record)
 
 
 def _judge(by_stage: dict[str, StageRecord]) -> str:
-    """The reward stage the run's evaluation judged with, else the run's last reward stage
-    ("" when it had none)."""
+    """The reward stage the evaluation judged with, else the run's last ("" for none)."""
     evaluate = by_stage.get("evaluate")
     if evaluate is not None and evaluate.roles.get("reward_model"):
         return evaluate.roles["reward_model"]

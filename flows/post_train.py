@@ -40,7 +40,7 @@ from flows.run_record import record_run
 from flows.schedule import device_slots, run_stages
 from flows.served_run import is_served_run, served_reach
 from flows.stage.failures import QualityGateFailed
-from flows.stage.launch import DevicesNeeded, reuse_only
+from flows.stage.launch import DevicesNeeded, current_flow_run_id, reuse_only
 from flows.stage.procs import kill_flow_run_processes
 from flows.stage.supervise import Outcome
 from flows.stage.task import run_task
@@ -77,28 +77,28 @@ def _new_run_id() -> str:
     return f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{suffix}"
 
 
-def stage_record(stage: PlannedStage, outcome: Outcome, duration_s: float) -> StageRecord:
-    """The record of a stage that completed (ran, or was reused), from its outcome."""
+def stage_record(
+    stage: PlannedStage, outcome: Outcome | BaseException, duration_s: float
+) -> StageRecord:
+    """The record of a stage that ran or was reused, or that failed with `outcome`."""
+    common = {"kind": stage.kind, "roles": dict(stage.roles)}
+    if isinstance(outcome, BaseException):
+        error, parents = str(outcome) or type(outcome).__name__, list(stage.parents.values())
+        health = stage_health(stage.out_dir)
+        where = {"uri": str(stage.out_dir), "parents": parents, "error": error, "health": health}
+        return StageRecord(stage.name, stage.fingerprint, "failed", duration_s, **where, **common)
     ref, ran = outcome.ref, outcome.status == "ran"
+    # Only what this run's launch recovered from: a reused artifact's is history.
+    summary = outcome.summary if ran else outcome.summary.model_copy(update={"recovery": None})
+    health = stage_health(stage.out_dir) if ran else {}
+    made = (ref.uri, ref.sha256, list(ref.parents), summary)
     return StageRecord(
-        stage=stage.name,
-        fingerprint=ref.fingerprint,
-        status=outcome.status,
-        duration_s=duration_s,
-        uri=ref.uri,
-        sha256=ref.sha256,
-        parents=list(ref.parents),
-        # Only what this run's launch recovered from: a reused artifact's is history.
-        summary=outcome.summary if ran else outcome.summary.model_copy(update={"recovery": None}),
-        kind=stage.kind,
-        roles=dict(stage.roles),
-        health=stage_health(stage.out_dir) if ran else {},
+        stage.name, ref.fingerprint, outcome.status, duration_s, *made, health=health, **common
     )
 
 
 class PipelineRun:
-    """A run in progress: its plan and id, the record of each stage so far, its trackers; the
-    schedule calls `run_one` per stage (one at a time or side by side)."""
+    """A run in progress; the schedule calls `run_one` per stage (one at a time or side by side)."""
 
     def __init__(
         self,
@@ -120,17 +120,15 @@ class PipelineRun:
         with self._record_lock:
             self.records.append(record)
             if self.journal is not None:
-                self.journal.stages(
-                    [
-                        {"stage": r.stage, "fingerprint": r.fingerprint, "status": r.status}
-                        for r in self.records
-                    ]
-                )
+                rows = [
+                    {"stage": r.stage, "fingerprint": r.fingerprint, "status": r.status}
+                    for r in self.records
+                ]
+                self.journal.stages(rows)
 
     def run_one(self, stage: PlannedStage, refs: dict[str, ArtifactRef]) -> ArtifactRef:
-        """Launch one stage with its parents' refs and append its record (a failed one on
-        error). The trackers get the stage's metrics.jsonl records while it runs. A base this
-        run ingested (not reused) is announced: news for pipelines that retrain on it."""
+        """Launch one stage with its parents' refs, fed to the trackers while it runs, and append
+        its record (a failed one on error). A base this run ingested is announced."""
         t0 = time.monotonic()
         feed = None
         if self.trackers is not None:
@@ -142,7 +140,7 @@ class PipelineRun:
         except DevicesNeeded:
             raise  # not a failure: the run starts again, holding the devices
         except BaseException as exc:
-            failed = failed_record(stage, exc, time.monotonic() - t0)
+            failed = stage_record(stage, exc, time.monotonic() - t0)
             self._recorded(failed)
             _end_tracking(self.trackers, feed, failed)
             raise
@@ -155,8 +153,8 @@ class PipelineRun:
         return outcome.ref
 
     def stages_and_gate(self, slots: list[str | None]) -> Decision | None:
-        """Run the plan's stages, then the promotion gate. A stage failure still writes the run
-        folder and report, saying which stage failed and what ran before it."""
+        """Run the plan's stages, then the promotion gate; a stage failure still writes the run
+        folder and report."""
         try:
             run_stages(self.plan.stages, self.run_one, self.plan.parallel, slots)
         except DevicesNeeded:
@@ -173,24 +171,9 @@ class PipelineRun:
         return promote(self.plan.recipe, self.run_id, self.records)
 
 
-def failed_record(stage: PlannedStage, exc: BaseException, duration_s: float) -> StageRecord:
-    return StageRecord(
-        stage.name,
-        stage.fingerprint,
-        "failed",
-        duration_s,
-        uri=str(stage.out_dir),
-        parents=list(stage.parents.values()),
-        error=str(exc) or type(exc).__name__,
-        kind=stage.kind,
-        roles=dict(stage.roles),
-        health=stage_health(stage.out_dir),
-    )
-
-
 def check_gate(summary: Summary, record: StageRecord) -> None:
-    """Stop the pipeline when a stage's summary reports a failed gate (e.g. reward accuracy
-    below reward.min_accuracy): its artifact stays valid, nothing downstream runs on it."""
+    """Stop the pipeline when a stage's summary reports a failed gate: its artifact stays valid,
+    nothing downstream runs on it."""
     gate = summary.gate
     if gate is not None and not gate.passed:
         record.error = f"quality gate: {gate.message or 'failed'}"
@@ -209,8 +192,7 @@ def _end_tracking(trackers: Trackers | None, feed: StageFeed | None, record: Sta
 
 
 def cancel_engine_jobs(flow_run: FlowRun) -> int:
-    """Cancel the jobs a remote engine (infra.launcher slurm or kubernetes) still runs or
-    queues for this flow run, found by the flow-run label they were submitted with."""
+    """Cancel the jobs a remote engine still runs or queues for this flow run (by its label)."""
     recipe = (flow_run.parameters or {}).get("recipe")
     if isinstance(recipe, Recipe):
         recipe = recipe.model_dump(mode="json")
@@ -230,15 +212,13 @@ def cancel_engine_jobs(flow_run: FlowRun) -> int:
 
 
 def stop_stage_processes(flow: Any, flow_run: FlowRun, state: State) -> None:
-    """on_cancellation / on_crashed hook: kill every stage process still carrying this flow
-    run's id. The task's own cleanup normally did it already; this covers a flow process that
-    was killed outright (the run's SIGKILL after its grace period, an OOM kill)."""
+    """on_cancellation / on_crashed hook: kill every stage process and job of this flow run
+    that the task's cleanup did not (a flow process killed outright)."""
     n = kill_flow_run_processes(str(flow_run.id))
     n += cancel_engine_jobs(flow_run)
     if n:
-        logging.getLogger("posttrain.flows").warning(
-            "flow run %s ended %s: stopped %d stage process(es)", flow_run.id, state.name, n
-        )
+        stopped = f"flow run {flow_run.id} ended {state.name}: stopped {n} stage process(es)"
+        logging.getLogger("posttrain.flows").warning(stopped)
 
 
 def start_tracking(run_plan: RunPlan, run_id: str) -> Trackers:
@@ -246,9 +226,9 @@ def start_tracking(run_plan: RunPlan, run_id: str) -> Trackers:
     recipe = run_plan.recipe
     run_dir = Path(recipe.run.workspace) / "runs" / run_id
     trackers = open_trackers(recipe.tracking, run_dir, run_plan.stages)
-    ctx = FlowRunContext.get()
-    flow_run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else None
-    trackers.start_pipeline(run_id, flow_run_id, redact_obj(recipe.model_dump(mode="json")))
+    trackers.start_pipeline(
+        run_id, current_flow_run_id(), redact_obj(recipe.model_dump(mode="json"))
+    )
     return trackers
 
 
@@ -271,16 +251,10 @@ def announce_base(recipe: Recipe, outcome: Outcome) -> None:
 def post_train(
     recipe: Recipe, until: list[str] | None = None, only: list[str] | None = None
 ) -> RunResult | State:
-    """The recipe's stages (ingest, the stage graph, evaluate, export), each skipped when its
-    artifact exists, then the promotion gate; all while holding the device set's slot
-    unless every stage's artifact is already complete (`on_devices`).
-    `until`/`only`: stage names (`posttrain run --until/--only`, posttrain.plan.selection); the
-    run goes through those and what they need upstream only.
-
-    A served run that posttrain refuses or stops (a recipe refused, a stage failed, a gate not
-    met) ends Failed with the one-line reason as its state's message, which is all its
-    submitter sees (`posttrain submit --wait`), and logs that line, not a traceback. A
-    `posttrain run` gets the exception: its CLI prints the whole block."""
+    """The recipe's stages, each skipped when its artifact exists, then the promotion gate
+    (`run_pipeline`); `until`/`only`: `--until/--only`. A served run that posttrain refuses or
+    stops ends Failed with the one-line reason as its state's message, which is all its
+    submitter sees (`posttrain submit --wait`); `posttrain run` gets the exception."""
     quiet_known_failures()  # the worker's log: one line per known failure, no traceback
     try:
         return run_pipeline(recipe, until, only)
@@ -309,9 +283,8 @@ def handing(run_plan: RunPlan) -> Iterator[None]:
 
 
 def plan_once(recipe: Recipe, reach: ServedReach | None) -> RunPlan:
-    """The plan handed over for this very recipe, or made here. A served run's recipe came from
-    whoever sent it: it must only narrow the worker's folders (`reach`), and is resolved with
-    reward code from the worker's reward folders only."""
+    """The plan handed over for this very recipe, or made here. A served run's recipe must only
+    narrow the worker's folders (`reach`) and is resolved with the worker's reward code only."""
     handed = _HANDED.get()
     if reach is None and handed is not None and handed.recipe is recipe:
         return handed
@@ -340,9 +313,8 @@ def run_pipeline(
 
 
 def on_devices(run: PipelineRun) -> Decision | None:
-    """The run's stages and gate, holding the device set (flows.devices); without it when every
-    stage's artifact is already complete, so a run that trains nothing never waits behind
-    another. Should something need the devices after all, the run starts again holding them."""
+    """The run's stages and gate, holding the device set; without it when every stage's artifact
+    is complete (should one need the devices after all, the run starts again holding them)."""
     run_plan, log = run.plan, get_run_logger()
     slot = device_set_name(run_plan.device)
     slots = device_slots(run_plan.parallel, run_plan.devices_per_stage, run_plan.device == "cuda")

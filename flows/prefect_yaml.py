@@ -74,24 +74,15 @@ def deployment_entry(recipe: Recipe) -> dict[str, Any]:
     }
     s = recipe.schedule
     if s is not None and (s.cron is not None or s.interval_s is not None):
-        when: dict[str, Any] = (
-            {"cron": s.cron} if s.cron is not None else {"interval": s.interval_s}
-        )
+        when = {"cron": s.cron} if s.cron is not None else {"interval": s.interval_s}
         entry["schedules"] = [{**when, "timezone": s.timezone, "active": s.active}]
     if s is not None and s.on_new_base:
         trigger = base_trigger(recipe)
         params = recipe_parameters_as_written(recipe)
         params["recipe"]["ingest"] = trigger.parameters["recipe"]["ingest"]
-        entry["triggers"] = [
-            {
-                "type": "event",
-                "name": trigger.name,
-                "enabled": True,
-                "expect": sorted(trigger.expect),
-                "match": trigger.match.model_dump(),
-                "parameters": params,
-            }
-        ]
+        event = {"type": "event", "name": trigger.name, "enabled": True}
+        event |= {"expect": sorted(trigger.expect), "match": trigger.match.model_dump()}
+        entry["triggers"] = [{**event, "parameters": params}]
     return entry
 
 
@@ -104,18 +95,11 @@ def render(paths: list[str]) -> str:
         # relative to its recipe's folder becomes one relative to that.
         recipe = rebase_paths(recipe, origins, Path.cwd().resolve())
         deployments.append(deployment_entry(recipe))
-    doc = {
-        "name": "posttrain",
-        "prefect-version": "3.9.1",
-        "pull": [
-            {
-                "prefect.deployments.steps.set_working_directory": {
-                    "directory": "{{ $POSTTRAIN_HOME }}"
-                }
-            }
-        ],
-        "deployments": deployments,
+    pull = {
+        "prefect.deployments.steps.set_working_directory": {"directory": "{{ $POSTTRAIN_HOME }}"}
     }
+    doc = {"name": "posttrain", "prefect-version": "3.9.1", "pull": [pull]}
+    doc["deployments"] = deployments
     return HEADER + "\n" + yaml.safe_dump(doc, sort_keys=False, width=100)
 
 

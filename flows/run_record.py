@@ -1,9 +1,6 @@
 """The run's record: `<workspace>/runs/<run-id>/` (the resolved recipe, `lineage.json`,
-`report.md` and its images) and the flow-level Prefect artifacts (report, metrics table).
-
-Made at flow level, from the stages' records, because it must say what every stage did, the
-reused ones included. The report's text is `flows.report.tables` (pure functions); the images are
-drawn once per content (`flows.report.images`).
+`report.md` and its images) and the flow-level Prefect artifacts (report, metrics table), made
+from the stages' records so it says what every stage did, the reused ones included.
 """
 
 from __future__ import annotations
@@ -16,7 +13,6 @@ from typing import Any
 
 import yaml
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.context import FlowRunContext
 from prefect.logging import get_run_logger
 
 from flows.report.images import cache_dir, curves, stage_graph
@@ -30,6 +26,7 @@ from flows.report.tables import (
     markdown_report,
     metrics_table,
 )
+from flows.stage.launch import current_flow_run_id
 from flows.stage.output import artifact_key
 from flows.trackers import Trackers
 from posttrain.plan.planner import RunPlan
@@ -39,8 +36,7 @@ from posttrain.workspace.promotion import Decision, comparison_markdown
 
 @dataclass
 class Images:
-    """The report's images: training curves per stage and the stage graph (None when it could
-    not be drawn)."""
+    """The report's images: curves per stage and the stage graph (None: not drawn)."""
 
     plots: list[CurvePlot]
     graph: Path | None
@@ -57,16 +53,14 @@ def record_run(
     trackers: Trackers | None = None,
     failed: bool = False,
 ) -> RunResult:
-    """Write `<workspace>/runs/<run-id>/` and the flow-level Prefect artifacts, and hand the
-    run's files to the experiment trackers (`trackers`), whose links end the report; returns
-    the run's result. `failed`: the run stops at a failure (the trackers are told so)."""
+    """Write the run folder and Prefect artifacts, hand the files to the `trackers` (whose links
+    end the report); the run's result. `failed`: the run stops at a failure."""
     recipe = run_plan.recipe
     run_dir = Path(recipe.run.workspace) / "runs" / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     export_path = export_model_path(records)
-    report = markdown_report(
-        recipe.run.name, run_id, records, export_path, str(run_dir), run_plan.not_selected
-    )
+    args = (export_path, str(run_dir), run_plan.not_selected)
+    report = markdown_report(recipe.run.name, run_id, records, *args)
     if promotion is not None:
         report += "\n## Promotion\n\n" + "\n".join(comparison_markdown(promotion)) + "\n"
     images = draw_images(run_plan, records, run_dir)
@@ -90,29 +84,21 @@ def record_run(
             (run_dir / "report.md").write_text(on_disk + tracked)
     key = artifact_key(recipe.run.name)
     create_markdown_artifact(in_ui + tracked, key=f"{key}-report", description=f"run {run_id}")
-    create_table_artifact(
-        redact_obj(metrics_table(records)), key=f"{key}-metrics", description="Per-stage metrics"
-    )
+    table = redact_obj(metrics_table(records))
+    create_table_artifact(table, key=f"{key}-metrics", description="Per-stage metrics")
     return result
 
 
 def run_meta(run_id: str, run_name: str, export_path: str | None) -> dict[str, Any]:
     """The head of `lineage.json`."""
-    ctx = FlowRunContext.get()
-    return {
-        "run_id": run_id,
-        "run_name": run_name,
-        "flow_run_id": str(ctx.flow_run.id) if ctx and ctx.flow_run else None,
-        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "export_path": export_path,
-    }
+    created = datetime.now(UTC).isoformat(timespec="seconds")
+    meta = {"run_id": run_id, "run_name": run_name, "flow_run_id": current_flow_run_id()}
+    return meta | {"created_at": created, "export_path": export_path}
 
 
 def draw_images(run_plan: RunPlan, records: list[StageRecord], run_dir: Path) -> Images:
-    """Curves and the stage graph, copied from the workspace's image cache when drawn before from
-    the same inputs (flows.report.images: a re-run of reused stages draws nothing). Decoration: a
-    plotting failure (matplotlib missing, a corrupt metrics file) is logged and the run record
-    is written without the image."""
+    """Curves and the stage graph, from the image cache when drawn before from the same inputs.
+    A plotting failure is logged and the run record written without the image."""
     cache = cache_dir(run_plan.recipe.run.workspace)
     plots: list[CurvePlot] = []
     try:
@@ -129,8 +115,7 @@ def draw_images(run_plan: RunPlan, records: list[StageRecord], run_dir: Path) ->
 
 
 def with_images(report: str, images: Images) -> tuple[str, str]:
-    """(report.md's text, the Prefect artifact's): the file links its images beside it, the
-    Prefect UI, which cannot fetch files, gets their paths."""
+    """(report.md's text, the Prefect artifact's: the UI cannot fetch files, it gets paths)."""
     on_disk, in_ui = report, report
     if images.graph is not None:
         on_disk += f"\n## Stage graph\n\n![stage graph]({images.graph.name})\n"
@@ -142,8 +127,7 @@ def with_images(report: str, images: Images) -> tuple[str, str]:
 
 
 def graph_records(run_plan: RunPlan, records: list[StageRecord]) -> list[StageRecord]:
-    """The run's stages for the graph image: each record, and the stages the run did not
-    reach (after a failure) as pending."""
+    """Each record, and the stages a failed run did not reach as pending."""
     pending = [
         StageRecord(s.name, s.fingerprint, "pending", 0.0, kind=s.kind, roles=dict(s.roles))
         for s in run_plan.pending({r.stage for r in records})

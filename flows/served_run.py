@@ -29,11 +29,6 @@ def served_reach() -> ServedReach | None:
     job_env = ((ctx.flow_run.job_variables or {}) if ctx and ctx.flow_run else {}).get("env")
     if isinstance(job_env, dict) and (env := {ALLOWED_ENV, REWARDS_ENV} & set(job_env)):
         # A work-pool worker would put a run's job variables into this process's environment.
-        raise RecipeError(
-            [
-                f"job_variables.env.{k}: set by the run; only the worker may set it"
-                for k in sorted(env)
-            ],
-            "served run",
-        )
+        why = "set by the run; only the worker may set it"
+        raise RecipeError([f"job_variables.env.{k}: {why}" for k in sorted(env)], "served run")
     return ServedReach.of_worker()

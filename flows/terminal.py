@@ -1,25 +1,13 @@
 """What `posttrain run` shows on its terminal, besides Prefect's run/task lines: live training
 progress, and nothing of a failure but the closing block (`flows.failure_block`).
 
-Only the CLI installs these (`quiet_console`, `ProgressPrinter`): a flow served by
-`posttrain serve` or a deployment has no terminal, so there its stage output goes to the Prefect
-UI and `logs/stage.log` as before, and no progress line is printed.
-
-- Console: Prefect's notes on the embedded server (its URL, dead when the run ends, and a link
-  to its docs) are kept off it. The stage's own output (every line of it, tracebacks included)
-  is kept off the terminal; it is in `<artifact>/logs/stage.log` and in the UI. So are Prefect's repeats of a
-  failure (the task's and the flow's "Finished in state Failed(...)" with the log's tail, or a
-  traceback): the CLI's closing block says it once.
-- Known failures: Prefect logs every exception that ends a flow or task run with its full
-  traceback. For the failures posttrain raises and explains (a stage that failed, timed out or
-  hung, a quality gate not met), that is a wall of orchestration frames above the one line a
-  person needs: those records keep their message and lose the traceback, in the UI too
-  (`quiet_known_failures`); any other exception (a bug) keeps it.
-- Progress: one line per training stage, `sft  step 120/400 · loss 1.23 · 5,100 tok/s · ETA 2m 10s`
-  (an RL stage's shows its mean reward first).
-  On a TTY it is redrawn in place (`\\r`), several stages at once sharing the line (parallel
-  branches, flows.schedule); otherwise (a pipe, a CI log) a plain line per stage at most every
-  `POSTTRAIN_PROGRESS_EVERY_S` seconds (default 10), plus its last step: a log file never floods.
+Only the CLI installs these: a served flow has no terminal (its output goes to the UI and
+`logs/stage.log`). On the console, the stage's output, Prefect's notes on the embedded server
+and Prefect's repeats of a failure are dropped (the closing block says it once). Known failures
+keep their message and lose their traceback of orchestration frames, in the UI too
+(`quiet_known_failures`); a bug keeps it. Progress is one line per training stage
+(`sft  step 120/400 · loss 1.23 · 5,100 tok/s · ETA 2m 10s`), redrawn in place on a TTY, else a
+plain line at most every `POSTTRAIN_PROGRESS_EVERY_S` seconds (default 10): a log never floods.
 """
 
 from __future__ import annotations
@@ -36,12 +24,7 @@ from prefect.logging.handlers import PrefectConsoleHandler
 
 from flows.report.tables import format_duration
 from flows.stage.failures import QualityGateFailed, StageFailed
-from flows.stage.output import (
-    REWARD_FIELD,
-    STAGE_OUTPUT,
-    add_step_listener,
-    remove_step_listener,
-)
+from flows.stage.output import STAGE_OUTPUT, STEP_FIELDS, add_step_listener, remove_step_listener
 from posttrain.config.loader import RecipeError
 from posttrain.plan.selection import SelectionError
 
@@ -76,8 +59,7 @@ class QuietConsole(logging.Filter):
 
 
 def quiet_console() -> None:
-    """Install `QuietConsole` on Prefect's console handlers (those of the root logger, which
-    the run loggers propagate to). Their API handler is untouched: the UI keeps everything."""
+    """Install `QuietConsole` on Prefect's console handlers (the UI still gets everything)."""
     for handler in logging.getLogger().handlers:
         if isinstance(handler, PrefectConsoleHandler) and not any(
             isinstance(f, QuietConsole) for f in handler.filters
@@ -99,24 +81,19 @@ class _Rate:
 
 
 def progress_text(stage: str, record: dict[str, Any], eta_s: float | None) -> str:
-    """`sft  step 120/400 · loss 1.23 · 5,100 tok/s · ETA 2m 10s`; an RL step leads with its
-    mean reward (`grpo  step 3/40 · reward 0.625 · loss 0 · ...`): a group-relative loss is 0
-    whenever a group's rewards tie, so the loss alone reads as "nothing happens"."""
+    """`sft  step 120/400 · loss 1.23 · 5,100 tok/s · ETA 2m 10s` (an RL step's reward first)."""
     parts = [f"step {record['step']:g}/{record['total_steps']:g}"]
-    if isinstance(record.get(REWARD_FIELD), int | float):
-        parts.append(f"reward {record[REWARD_FIELD]:.4g}")
-    if isinstance(record.get("loss"), int | float):
-        parts.append(f"loss {record['loss']:.4g}")
-    if isinstance(record.get("tokens_per_s"), int | float):
-        parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+    for key, fmt in STEP_FIELDS.items():
+        if isinstance(value := record.get(key), int | float):
+            parts.append(fmt.format(value))
     if eta_s is not None:
         parts.append(f"ETA {format_duration(round(eta_s))}")
     return f"{stage}  " + " · ".join(parts)
 
 
 class ProgressPrinter:
-    """Receives each stage's newest training record (`flows.stage.output.add_step_listener`)
-    from the stages' tail threads and prints progress; one lock keeps lines whole."""
+    """Prints each stage's newest training record (from the stages' tail threads); one lock
+    keeps lines whole."""
 
     def __init__(self, stream: TextIO, tty: bool | None = None, every_s: float | None = None):
         self.stream = stream
@@ -184,8 +161,7 @@ class ProgressPrinter:
 
 
 class ClearBeforeLog(logging.Filter):
-    """On the console handler: clear the TTY progress line before a log line is printed
-    (the next progress update draws it again), so the two never share a line."""
+    """On the console handler: clear the TTY progress line before a log line is printed."""
 
     def __init__(self, printer: ProgressPrinter):
         super().__init__()
@@ -214,20 +190,13 @@ def detach_progress(printer: ProgressPrinter) -> None:
 
 
 # The failures posttrain raises and explains: the one line says it all (flows.failure_block).
-KNOWN_FAILURES: tuple[type[BaseException], ...] = (
-    StageFailed,
-    QualityGateFailed,
-    RecipeError,
-    SelectionError,
-)
+KNOWN_FAILURES = (StageFailed, QualityGateFailed, RecipeError, SelectionError)
 
 
 class DropKnownTracebacks(logging.Filter):
     """Known failures keep their message, not their traceback. Prefect's `FailedRun` record is
-    dropped whole: its engine raises it for a flow that returned a Failed state (a served
-    run's known failure, flows.post_train) and logs it as "Engine execution exited with
-    unexpected exception" with a traceback of Prefect's frames, after the flow logged the
-    reason and Prefect its final state."""
+    dropped whole: Prefect raises it for a flow that returned a Failed state (a served run's
+    known failure) and logs it with a traceback of its frames, after the reason was logged."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None

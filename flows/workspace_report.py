@@ -45,15 +45,8 @@ def runs_lines(runs: Sequence[RunInfo]) -> list[str]:
     """The runs table, then one line per failed or interrupted run saying why."""
     promoted = {True: "yes", False: "no", None: "-"}
     rows = [
-        (
-            r.run_id,
-            r.name,
-            r.status,
-            _started(r.started),
-            _duration(r),
-            compact_headline(r.headline, r.gate_metrics),
-            promoted.get(r.promoted, "-"),
-        )
+        (r.run_id, r.name, r.status, _started(r.started), _duration(r))
+        + (compact_headline(r.headline, r.gate_metrics), promoted.get(r.promoted, "-"))
         for r in runs
     ]
     header = ("run", "recipe", "status", "started", "duration", "headline", "promoted")
@@ -78,9 +71,8 @@ def clean_lines(plan: CleanPlan, outcome: Outcome | None) -> list[str]:
             (
                 c.category if done is None or id(c) in done else f"{c.category} (kept)",
                 human(c.bytes),
-                str(c.path.relative_to(ws)),
-                _cut(c.why),
             )
+            + (str(c.path.relative_to(ws)), _cut(c.why))
             for c in plan.candidates
         ]
         lines += ["", *text_table(rows, ("what", "size", "path", "why")).splitlines(), ""]
@@ -92,11 +84,8 @@ def clean_lines(plan: CleanPlan, outcome: Outcome | None) -> list[str]:
         lines += ["", "left alone:", *(f"  {n}" for n in notes)]
     lines.append("")
     if outcome is None:
-        lines.append(
-            f"would free {human(plan.total())}; run with --yes to delete"
-            if plan.candidates
-            else "nothing to delete"
-        )
+        would = f"would free {human(plan.total())}; run with --yes to delete"
+        lines.append(would if plan.candidates else "nothing to delete")
     else:
         lines.append(f"freed {human(outcome.freed)} ({len(outcome.deleted)} deleted)")
     return lines

@@ -1,26 +1,15 @@
 """The run's stage graph as one PNG for the run report: which stage fed which, and how each ended.
 
-A recipe is becoming a graph of stages (several of one kind, branches such as reward ‖ sft,
-chains such as sft -> dpo -> grpo). `draw_stage_graph(records, path)` draws the run's
-`StageRecord`s (a stage a failed run did not reach: status `pending`) left to right:
+`draw_stage_graph(records, path)` draws the run's `StageRecord`s (a stage a failed run did not
+reach: `pending`) left to right, layered by the LONGEST path from the roots so every edge points
+right and a stage sits just after its latest input; within a layer, one barycentre pass orders
+nodes by their parents' mean row, which removes most crossings at this size. A box per stage
+(coloured by status; name, kind, status, three headline metrics), an arrow per parent with its
+roles written on it unless obvious, waypoint rows where an arrow skips layers (so it runs
+between boxes), and a dashed stub for a parent absent from the run (a reused artifact).
 
-- Layers by LONGEST path from the roots, so every edge points right and a stage sits just after
-  its latest input (dpo after both sft and reward, not beside sft). Within a layer, nodes are
-  ordered by the mean position of their parents (one barycentre pass), which removes most edge
-  crossings in graphs of this size without a layout library.
-- A box per stage, coloured by status (legend below the graph): name, kind when it differs from
-  the name, status, and up to three headline metrics.
-- An arrow per (parent, child) pair of the record's roles, less those every stage has
-  (`drawn_links`); the roles it carries are written on it when one of them is
-  not the obvious `base`/`policy` (a DPO stage reading sft as policy AND reference says so). An
-  arrow that skips layers takes a waypoint row in each layer it crosses, so it runs between the
-  boxes there, not through them.
-- A parent named by an input but absent from the list (a reused artifact from another run, a
-  stage the plan dropped) is drawn as a dashed stub instead of failing the report.
-
-Pure library code, no Prefect, no graph library (layering 15 nodes is a few lines; graphviz
-would need its system binary on every worker). matplotlib is imported inside the drawing
-function and used through its object API (`Figure` renders with Agg), as in `plots.py`.
+No graph library (graphviz would need its system binary on every worker); matplotlib is
+imported where it draws and used through its object API, as in `plots.py`.
 """
 
 from __future__ import annotations
@@ -32,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flows.report.plots import save_png
 from flows.report.tables import StageRecord
 
 if TYPE_CHECKING:  # matplotlib is imported where it draws (see the module docstring)
@@ -40,12 +30,7 @@ if TYPE_CHECKING:  # matplotlib is imported where it draws (see the module docst
 
 # The statuses in the words of the run's summary table (flows.report.tables.STATUSES: ran, reused,
 # failed), and pending for the stages a failed run did not reach; the legend shows them all.
-STATUS_COLOURS = {
-    "ran": "#b7e1b0",
-    "reused": "#b9d3ee",
-    "failed": "#f4a6a6",
-    "pending": "#fff3c4",
-}
+STATUS_COLOURS = {"ran": "#b7e1b0", "reused": "#b9d3ee", "failed": "#f4a6a6", "pending": "#fff3c4"}
 STUB_COLOUR = "#ffffff"
 # Roles every reader expects on an edge; anything else (reference, reward_model, evaluated...)
 # is written on the arrow.
@@ -55,13 +40,9 @@ MAX_METRICS = 3
 # Layout in inches (the figure is drawn at DPI). A box is as tall as the most lines any box
 # holds (`box_height`: the title, then kind, status and up to three metrics); rows are that
 # plus a gap apart, layers a box and a gap. The figure ends MARGIN beyond what is drawn.
-BOX_W = 2.3
-BOX_PAD, LINE_H = 0.6, 0.13  # a box's title and padding; one line of its body
-COL_PITCH, ROW_GAP = 3.3, 0.4
-MARGIN = 0.3
-LEGEND_H = 0.3
-MIN_WIDTH = 5.0  # the legend's one row of five entries
-DPI = 100
+BOX_W, BOX_PAD, LINE_H = 2.3, 0.6, 0.13  # BOX_PAD: a box's title and padding; LINE_H: a line
+COL_PITCH, ROW_GAP, MARGIN, LEGEND_H = 3.3, 0.4, 0.3, 0.3
+MIN_WIDTH, DPI = 5.0, 100  # MIN_WIDTH: the legend's one row of five entries
 
 
 # Inputs the image leaves out: every stage reads the base, and evaluate/export also read their
@@ -101,9 +82,9 @@ def _check(nodes: Sequence[StageRecord]) -> None:
             raise ValueError(f"stage graph: node {n.stage!r} appears twice")
         seen.add(n.stage)
         if shown_status(n) not in STATUS_COLOURS:
+            known = ", ".join(STATUS_COLOURS)
             raise ValueError(
-                f"stage graph: node {n.stage!r} has status {n.status!r}; "
-                f"known: {', '.join(STATUS_COLOURS)}"
+                f"stage graph: node {n.stage!r} has status {n.status!r}; known: {known}"
             )
 
 
@@ -116,9 +97,7 @@ def _parents(nodes: Sequence[StageRecord]) -> dict[str, list[str]]:
 
 
 def layer_of(nodes: Sequence[StageRecord]) -> dict[str, int]:
-    """Layer of every node and every missing-parent stub: 0 for roots, else 1 + the largest
-    layer among its parents (the longest path from a root). Raises ValueError on a cycle,
-    naming the nodes on or behind it."""
+    """Layer of every node and stub: the longest path from a root. ValueError on a cycle."""
     _check(nodes)
     parents = _parents(nodes)
     children: dict[str, list[str]] = {name: [] for name in parents}
@@ -178,22 +157,15 @@ def _columns(nodes: Sequence[StageRecord]) -> list[list[str | Waypoint]]:
     row: dict[str | Waypoint, float] = {}
     for k, col in enumerate(columns):
         if k:
-            key = {
-                slot: sum(row[p] for p in above[slot]) / len(above[slot])
-                if above[slot]
-                else -math.inf
-                for slot in col
-            }
-            col.sort(key=lambda slot: key[slot])  # stable: ties keep the input order
+            mean = {s: sum(row[p] for p in above[s]) / len(above[s]) for s in col if above[s]}
+            col.sort(key=lambda s: mean.get(s, -math.inf))  # stable: ties keep the input order
         for i, slot in enumerate(col):
             row[slot] = i - (len(col) - 1) / 2
     return columns
 
 
 def layers(nodes: Sequence[StageRecord]) -> list[list[str]]:
-    """Node names (stubs included) per layer, left to right, each layer top to bottom. Within
-    a layer, nodes sort by the mean row of their parents (ties keep the input order; stubs
-    first), so a child sits level with what feeds it."""
+    """Node names (stubs included) per layer, left to right, each layer top to bottom."""
     return [[s for s in col if isinstance(s, str)] for col in _columns(nodes)]
 
 
@@ -229,9 +201,8 @@ def _box_text(node: StageRecord) -> tuple[str, str]:
 
 
 def _edge_path(points: Sequence[tuple[float, float]]) -> tuple[list, list[int]]:
-    """(vertices, codes) of a smooth edge through `points`: cubic pieces that leave and enter
-    each point horizontally, so the edge ends square on the box and runs straight through a
-    waypoint's slot."""
+    """(vertices, codes) of a smooth edge through `points`, horizontal at each point (square on
+    the box, straight through a waypoint's slot)."""
     from matplotlib.path import Path as MplPath
 
     verts, codes = [points[0]], [MplPath.MOVETO]
@@ -244,9 +215,7 @@ def _edge_path(points: Sequence[tuple[float, float]]) -> tuple[list, list[int]]:
 
 @dataclass(frozen=True)
 class GraphLayout:
-    """What `draw_stage_graph` draws, in inches from the figure's bottom-left corner: the
-    figure's size, the boxes' height, the centre of every slot (node, stub or waypoint) and
-    the legend's labels, in order."""
+    """What `draw_stage_graph` draws, in inches from the figure's bottom-left corner."""
 
     width: float
     height: float
@@ -264,10 +233,8 @@ def box_height(nodes: Sequence[StageRecord]) -> float:
 
 
 def graph_layout(nodes: Sequence[StageRecord]) -> GraphLayout:
-    """The layout of `nodes`: layer k at x = k layers of COL_PITCH, each layer's rows centred
-    on one line, `box_height` plus ROW_GAP apart. The figure is sized to what is drawn: a
-    box counts its full height, a waypoint row only its edge (an edge that skips a layer
-    takes a row there, but no box), plus MARGIN around and the legend's row below."""
+    """Layer k at x = k COL_PITCH, rows centred, `box_height` + ROW_GAP apart. The figure is
+    sized to what is drawn (a waypoint row counts only its edge), MARGIN around, legend below."""
     columns = _columns(nodes)
     stubs = frozenset(missing_parents(nodes))
     box_h = box_height(nodes)
@@ -295,13 +262,9 @@ def graph_layout(nodes: Sequence[StageRecord]) -> GraphLayout:
 
 
 def draw_stage_graph(nodes: Sequence[StageRecord], path: str | os.PathLike[str]) -> Path:
-    """Draw the stage graph of `nodes` to the PNG `path` (parent folders created) and return it.
-
-    Raises ValueError for no nodes, a duplicate name, an unknown status or a cycle. A parent
-    missing from `nodes` is drawn as a dashed stub. The image is sized to the graph
-    (`graph_layout`), at 100 dpi.
-    """
-    return _save_png(stage_graph_figure(nodes), Path(path))
+    """The stage graph of `nodes` as the PNG `path`. ValueError for no nodes, a duplicate
+    name, an unknown status or a cycle."""
+    return save_png(stage_graph_figure(nodes), Path(path))
 
 
 def stage_graph_figure(nodes: Sequence[StageRecord]) -> Figure:
@@ -327,23 +290,17 @@ def stage_graph_figure(nodes: Sequence[StageRecord]) -> Figure:
 def _draw_box(
     ax: Axes, xy: tuple[float, float], name: str, node: StageRecord | None, box_h: float
 ) -> None:
-    """The box of stage `name` centred at `xy`: filled with its status colour and its text, or
-    (`node` None) the dashed stub of a parent that is not in this run."""
+    """The box of stage `name` centred at `xy`; `node` None: the dashed stub of a parent."""
     from matplotlib.patches import FancyBboxPatch
 
     x, y = xy
     stub = node is None
+    fill = STUB_COLOUR if node is None else STATUS_COLOURS[shown_status(node)]
+    line = {"edgecolor": "#777777" if stub else "#333333", "linestyle": "--" if stub else "-"}
+    corner = (x - BOX_W / 2, y - box_h / 2)
+    style = "round,pad=0,rounding_size=0.08"
     ax.add_patch(
-        FancyBboxPatch(
-            (x - BOX_W / 2, y - box_h / 2),
-            BOX_W,
-            box_h,
-            boxstyle="round,pad=0,rounding_size=0.08",
-            facecolor=STUB_COLOUR if node is None else STATUS_COLOURS[shown_status(node)],
-            edgecolor="#777777" if stub else "#333333",
-            linestyle="--" if stub else "-",
-            linewidth=1.0,
-        )
+        FancyBboxPatch(corner, BOX_W, box_h, boxstyle=style, facecolor=fill, linewidth=1.0, **line)
     )
     title, body = (_clip(name, 24), "not in this run") if node is None else _box_text(node)
     top = y + box_h / 2 - 0.1
@@ -358,9 +315,8 @@ def _draw_edges(
     centre: Mapping[str | Waypoint, tuple[float, float]],
     stubs: set[str],
 ) -> None:
-    """One edge per (parent, child), from the parent's right side through the waypoints of the
-    layers it crosses to the child's left side. Its roles are written on it (on the last
-    waypoint, or halfway) unless all are obvious."""
+    """One edge per (parent, child) through its waypoints; its roles written on it (on the
+    last waypoint, or halfway) unless all are obvious."""
     for child in nodes:
         roles: dict[str, list[str]] = {}
         for role, parent in drawn_links(child.roles).items():
@@ -383,8 +339,6 @@ def _edge_points(
     child: str,
     waypoints: Sequence[Waypoint],
 ) -> list[tuple[float, float]]:
-    """Where the edge parent -> child passes: the parent's right side, each waypoint's slot
-    (entered on its left, left on its right), the child's left side."""
     (x0, y0), (x1, y1) = centre[parent], centre[child]
     points = [(x0 + BOX_W / 2, y0)]
     for wp in waypoints:
@@ -395,40 +349,25 @@ def _edge_points(
 
 
 def _draw_arrow(ax: Axes, points: Sequence[tuple[float, float]], dashed: bool) -> None:
-    """The edge through `points`, arrowhead on the child; dashed when it leaves a stub."""
     from matplotlib.patches import FancyArrowPatch
     from matplotlib.path import Path as MplPath
 
     verts, codes = _edge_path(points)
+    style = {"linestyle": "--" if dashed else "-", "color": "#555555", "linewidth": 1.0}
     ax.add_patch(
-        FancyArrowPatch(
-            path=MplPath(verts, codes),
-            arrowstyle="-|>",
-            mutation_scale=12,
-            linestyle="--" if dashed else "-",
-            color="#555555",
-            linewidth=1.0,
-        )
+        FancyArrowPatch(path=MplPath(verts, codes), arrowstyle="-|>", mutation_scale=12, **style)
     )
 
 
 def _draw_roles(ax: Axes, at: tuple[float, float], roles: Sequence[str]) -> None:
-    """The roles an edge carries, on a white label centred at `at`."""
+    label = {"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1}
     ax.text(
-        at[0],
-        at[1],
-        ", ".join(roles),
-        ha="center",
-        va="center",
-        fontsize=7,
-        color="#333333",
-        bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1},
+        *at, ", ".join(roles), ha="center", va="center", fontsize=7, color="#333333", bbox=label
     )
 
 
 def _draw_legend(ax: Axes, labels: Sequence[str]) -> None:
-    """One row below the graph: a swatch per label (`GraphLayout.legend`: every status, and
-    the stub's when one is drawn)."""
+    """One row below the graph: a swatch per status, and the stub's when one is drawn."""
     from matplotlib.patches import Patch
 
     handles = [
@@ -437,26 +376,5 @@ def _draw_legend(ax: Axes, labels: Sequence[str]) -> None:
         else Patch(facecolor=STUB_COLOUR, edgecolor="#777777", linestyle="--", label=s)
         for s in labels
     ]
-    ax.legend(
-        handles=handles,
-        loc="lower center",
-        ncol=len(handles),
-        fontsize=7.5,
-        frameon=False,
-        bbox_to_anchor=(0.5, 0.0),
-        handlelength=1.2,
-        columnspacing=1.0,
-    )
-
-
-def _save_png(fig: Figure, out: Path) -> Path:
-    """`fig` as the PNG `out` (parent folders created)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Written beside and renamed, so a report never links a half-written image.
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        fig.savefig(tmp, format="png", dpi=DPI)
-        tmp.replace(out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+    where = {"loc": "lower center", "bbox_to_anchor": (0.5, 0.0), "fontsize": 7.5, "frameon": False}
+    ax.legend(handles=handles, ncol=len(handles), handlelength=1.2, columnspacing=1.0, **where)

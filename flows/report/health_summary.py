@@ -34,11 +34,7 @@ def _worst(rows: Sequence[tuple[float, float]], high: bool = True) -> dict[str, 
     if not rows:
         return None
     value, step = (max if high else min)(rows, key=lambda r: r[0])
-    return {
-        "median": statistics.median(v for v, _ in rows),
-        "worst": value,
-        "worst_step": step,
-    }
+    return {"median": statistics.median(v for v, _ in rows), "worst": value, "worst_step": step}
 
 
 def _train_series(train: list[dict[str, Any]]) -> dict[str, Any]:
@@ -74,11 +70,8 @@ def _train_series(train: list[dict[str, Any]]) -> dict[str, Any]:
 def _health_series(health: list[dict[str, Any]], t0: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     seen: dict[str, float] = {}  # throttle reason -> seconds into the stage it was first seen
-    power: list[float] = []
-    limits: list[float] = []
-    temps: list[float] = []
-    reads: list[float] = []
-    used: list[float] = []  # each GPU's share of its memory in use, every sample
+    # Every sample's power, power limit, temperature, read rate and each GPU's share of its memory.
+    power, limits, temps, reads, used = (list[float]() for _ in range(5))
     ib_err: dict[str, list[float]] = {}
     for r in health:
         at = (_num(r.get("time")) or t0) - t0
@@ -141,17 +134,13 @@ def health_line(s: dict[str, Any]) -> str:
             f"data-wait {_pct(w['mean'])} (worst {_pct(w['worst'])} at step {w['worst_step']:.0f})"
         )
     if (m := s.get("reserved_over_allocated")) is not None:
-        parts.append(
-            f"reserved/allocated {m['median']:.2f} (worst {m['worst']:.2f} at step "
-            f"{m['worst_step']:.0f})"
-        )
+        at = f"at step {m['worst_step']:.0f}"
+        parts.append(f"reserved/allocated {m['median']:.2f} (worst {m['worst']:.2f} {at})")
     elif (rss := s.get("peak_rss_gib")) is not None:
         parts.append(f"peak RSS {rss['worst']:.2f} GiB")
     if (mfu := s.get("mfu")) is not None:
-        parts.append(
-            f"MFU {_pct(mfu['median'])} median (lowest {_pct(mfu['worst'])} at step "
-            f"{mfu['worst_step']:.0f})"
-        )
+        at = f"at step {mfu['worst_step']:.0f}"
+        parts.append(f"MFU {_pct(mfu['median'])} median (lowest {_pct(mfu['worst'])} {at})")
     if underfed := underfed_text(s):
         parts.append(underfed)
     if s.get("nonfinite_updates"):
@@ -164,8 +153,7 @@ def health_line(s: dict[str, Any]) -> str:
 
 def underfed_text(s: dict[str, Any]) -> str:
     """`GPU underfed: ...` when the GPU drew under UNDERFED's share of its power limit at a low
-    median MFU with most of its memory free; else empty (also without power or memory
-    readings)."""
+    median MFU with most of its memory free; else (also without readings) empty."""
     gpu, mfu = s.get("gpu") or {}, s.get("mfu")
     limit, mem = gpu.get("power_limit_w"), gpu.get("memory_used_max_frac")
     if mfu is None or not limit or mem is None:

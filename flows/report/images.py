@@ -1,12 +1,9 @@
 """The run report's images, drawn once per content: a re-run of reused stages copies them.
 
-A reused stage's `metrics.jsonl` never changes (it is part of its sealed artifact), and a re-run
-of an unchanged recipe has the same stage graph with the same statuses, so its curves and graph
-images are the same bytes as last time. Drawing them costs a matplotlib import and a PNG render
-each (~1-2 s per run on CPU: most of what a cached re-run's flow does). So each image is kept
-under `<workspace>/.cache/plots/<key>.png`, keyed by a hash of everything it is drawn from: the
-input (the metrics file's bytes, or the graph's nodes), the drawing module's source and the
-matplotlib version. Any change draws anew; a missing or deleted cache only costs the drawing.
+A reused stage's metrics and a re-run's stage graph do not change, and drawing them costs ~1-2 s
+per run (most of what a cached re-run's flow does). So each image is kept under
+`<workspace>/.cache/plots/<key>.png`, keyed by a hash of its input, the drawing module's source
+and matplotlib's version: any change draws anew; a deleted cache only costs the drawing.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ from types import ModuleType
 
 from flows.report import graph_plot, plots
 from flows.report.graph_plot import draw_stage_graph
-from flows.report.plots import CurvePlot, plot_stage, read_records
+from flows.report.plots import CurvePlot, plot_stage, read_records, write_beside
 from flows.report.tables import StageRecord
 
 
@@ -33,8 +30,7 @@ def cache_dir(workspace: str | os.PathLike[str]) -> Path:
 
 
 def _key(drawer: ModuleType, *inputs: bytes | str) -> str:
-    """Hash of what an image is drawn from: the drawing module's source, matplotlib's version
-    and the inputs (length-prefixed, so no two input lists hash alike)."""
+    """Hash of what an image is drawn from (inputs length-prefixed: no two lists hash alike)."""
     code = Path(str(drawer.__file__)).read_bytes()
     h = hashlib.sha256()
     for part in (code, metadata.version("matplotlib"), *inputs):
@@ -44,25 +40,14 @@ def _key(drawer: ModuleType, *inputs: bytes | str) -> str:
 
 
 def _put(dest: Path, src: Path | None = None, text: str = "") -> None:
-    """Copy `src` (or write `text`) to `dest`, written beside and renamed, as the drawing code
-    does: a report never links half an image, and a concurrent run never reads half a file."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-    try:
-        if src is not None:
-            shutil.copyfile(src, tmp)
-        else:
-            tmp.write_text(text)
-        tmp.replace(dest)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Copy `src` (or write `text`) to `dest`, as the drawing code writes (`write_beside`)."""
+    write_beside(dest, lambda tmp: shutil.copyfile(src, tmp) if src else tmp.write_text(text))
 
 
 def curves(
     stages: Sequence[tuple[str, Path]], out_dir: Path, cache: Path
 ) -> tuple[list[CurvePlot], int]:
-    """`plots.plot_curves`, reusing images drawn before from the same metrics; returns the
-    plots and how many were copied rather than drawn."""
+    """`plots.plot_curves` through the cache: the plots, and how many were copied."""
     drawn, copied = [], 0
     for stage, folder in stages:
         metrics = Path(folder) / "metrics.jsonl"
@@ -88,8 +73,7 @@ def curves(
 
 
 def stage_graph(nodes: Sequence[StageRecord], path: Path, cache: Path) -> tuple[Path, bool]:
-    """`graph_plot.draw_stage_graph`, reusing the image drawn before from what the drawing reads
-    of the same records; returns the path and whether it was copied rather than drawn."""
+    """`graph_plot.draw_stage_graph` through the cache: the path, and whether it was copied."""
     shown = [
         (r.stage, r.kind, r.roles, graph_plot.shown_status(r), r.summary.headline) for r in nodes
     ]

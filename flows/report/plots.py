@@ -1,15 +1,10 @@
 """Training curves drawn from each stage's metrics.jsonl, as PNG images for the run report.
 
-One image per stage that has training steps, `curves-<stage>.png`, with a panel per quantity:
-loss (train, and held-out where the stage logged `eval_loss`); for the pairwise stages (reward,
-dpo) the share of pairs ranked right and the reward margin; for the online RL stages the reward
-(labelled by what it is: a reward model's score, the reward functions' weighted sum, or both),
-one curve per reward function, and the KL to the SFT policy (rollout means, and held-out).
-`curve_spec` decides what is drawn (tests read it), `curve_figure` draws it.
-
-Pure library code, no Prefect. matplotlib is imported inside `curve_figure` and used through its
-object API (`Figure` renders with Agg), never pyplot: no window can open, no global figure
-registry grows in a long-lived flow process, and importing this module stays cheap.
+One image per stage that has training steps, `curves-<stage>.png`, a panel per quantity the
+stage logged. `curve_spec` decides what is drawn (tests read it), `curve_figure` draws it.
+matplotlib is imported where it draws and used through its object API (`Figure` renders with
+Agg), never pyplot: no window can open, no global figure registry grows in a long-lived flow
+process, and importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -18,7 +13,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,39 +51,40 @@ class Panel:
 # `kl` (mean sequence KL to the reference, the SFT policy) per rollout, and `eval_reward`,
 # `eval_reward_fn_<label>` and `eval_kl` on held-out prompts. The reward panels are built per
 # stage (`_reward_panels`): their label says what the reward is.
-LOSS = Panel(
-    "loss",
-    "loss",
-    (Series("train", "loss", "train loss"), Series("eval", "eval_loss", "held-out loss")),
-)
-ACCURACY = Panel(
+def _panel(
+    name: str, ylabel: str, train: str, train_label: str, held_out: str, held_out_label: str
+) -> Panel:
+    return Panel(
+        name,
+        ylabel,
+        (Series("train", train, train_label), Series("eval", held_out, held_out_label)),
+    )
+
+
+LOSS = _panel("loss", "loss", "loss", "train loss", "eval_loss", "held-out loss")
+ACCURACY = _panel(
     "accuracy",
     "pairs ranked right (fraction)",
-    (
-        Series("train", "accuracy", "train batch accuracy"),
-        Series("eval", "eval_accuracy", "held-out accuracy"),
-    ),
+    "accuracy",
+    "train batch accuracy",
+    "eval_accuracy",
+    "held-out accuracy",
 )
-MARGIN = Panel(
+MARGIN = _panel(
     "margin",
     "reward margin (chosen - rejected)",
-    (
-        Series("train", "margin", "train batch margin"),
-        Series("eval", "eval_margin", "held-out margin"),
-    ),
+    "margin",
+    "train batch margin",
+    "eval_margin",
+    "held-out margin",
 )
-KL = Panel(
-    "kl",
-    "KL to SFT policy (nats/response)",
-    (Series("train", "kl", "rollout KL"), Series("eval", "eval_kl", "held-out KL")),
-)
+KL = _panel("kl", "KL to SFT policy (nats/response)", "kl", "rollout KL", "eval_kl", "held-out KL")
 FUNCTION_PREFIX = "reward_fn_"
 
 
 def reward_source(records: Sequence[dict[str, Any]]) -> str:
-    """What an RL stage's reward is, from its `start` record (`roles` names `reward` when a
-    reward model scores, `reward_functions` lists the functions), or from the per-function
-    fields when there is no start record: the y-label of its reward panel."""
+    """What an RL stage's reward is (the y-label of its reward panel), from its `start` record
+    or else its per-function fields."""
     start = next((r for r in records if r.get("kind") == "start"), {})
     roles = str(start.get("roles", "")).split(",")
     funcs = bool(start.get("reward_functions")) or any(
@@ -105,35 +101,19 @@ def reward_source(records: Sequence[dict[str, Any]]) -> str:
 
 
 def _reward_panels(records: Sequence[dict[str, Any]]) -> tuple[Panel, ...]:
-    """The RL reward panels: the combined reward the policy was trained on, and one curve per
-    reward function (its own mean, before weighting)."""
-    combined = Panel(
-        "reward",
-        reward_source(records),
-        (
-            Series("train", "score_mean", "rollout mean"),
-            Series("eval", "eval_reward", "held-out mean"),
-        ),
+    """The combined reward the policy was trained on, and one curve per reward function."""
+    source = reward_source(records)
+    combined = _panel(
+        "reward", source, "score_mean", "rollout mean", "eval_reward", "held-out mean"
     )
-    labels = dict.fromkeys(
-        k.removeprefix(FUNCTION_PREFIX)
-        for r in records
-        if r.get("kind") == "train"
-        for k in r
-        if k.startswith(FUNCTION_PREFIX)
-    )
-    per_function = Panel(
-        "reward functions",
-        "each function's mean reward",
-        tuple(
-            s
-            for label in labels
-            for s in (
-                Series("train", FUNCTION_PREFIX + label, f"{label} (rollout)"),
-                Series("eval", f"eval_{FUNCTION_PREFIX}{label}", f"{label} (held-out)"),
-            )
-        ),
-    )
+    trained = [k for r in records if r.get("kind") == "train" for k in r]
+    series = []
+    for x in dict.fromkeys(
+        k.removeprefix(FUNCTION_PREFIX) for k in trained if k.startswith(FUNCTION_PREFIX)
+    ):
+        series.append(Series("train", FUNCTION_PREFIX + x, f"{x} (rollout)"))
+        series.append(Series("eval", f"eval_{FUNCTION_PREFIX}{x}", f"{x} (held-out)"))
+    per_function = Panel("reward functions", "each function's mean reward", tuple(series))
     return (combined, per_function)
 
 
@@ -154,8 +134,7 @@ class Line:
 
 @dataclass(frozen=True)
 class PanelSpec:
-    """One panel as it will be drawn: its title, axis labels and lines; x is the step, with
-    integer ticks only (a step 1.5 does not exist)."""
+    """One panel as it will be drawn; x is the step, with integer ticks only."""
 
     name: str
     title: str
@@ -166,7 +145,7 @@ class PanelSpec:
 
 @dataclass(frozen=True)
 class CurvePlot:
-    """What `plot_curves` drew for one stage: the image, its panels and the fields plotted."""
+    """What `plot_curves` drew for one stage."""
 
     stage: str
     path: Path
@@ -207,9 +186,8 @@ def _finite(value: Any) -> float | None:
 def series_points(
     records: Sequence[dict[str, Any]], kind: str, field: str
 ) -> tuple[list[float], list[float]]:
-    """(steps, values) of one field, sorted by step, finite values only. A step logged twice
-    keeps its last value: the later record supersedes the earlier one, and a line drawn through
-    both would double back."""
+    """(steps, values) of one field, sorted by step, finite values only; a step logged twice
+    keeps its last value (a line through both would double back)."""
     by_step: dict[float, float] = {}
     for r in records:
         if r.get("kind") != kind:
@@ -227,10 +205,8 @@ def _file_name(stage: str) -> str:
 
 
 def curve_spec(stage: str, records: Sequence[dict[str, Any]]) -> tuple[PanelSpec, ...]:
-    """The panels `plot_stage` draws for `stage`: each quantity the stage logged with at least
-    one finite point, in a fixed order (loss, accuracy, margin, reward, reward functions,
-    kl); none for a stage with no training step (ingest, evaluate, export: a curve would
-    mislead)."""
+    """The panels `plot_stage` draws: each quantity logged with a finite point, in a fixed
+    order; none for a stage with no training step (a curve would mislead)."""
     if not any(r.get("kind") == "train" for r in records):
         return ()
     specs = []
@@ -256,14 +232,8 @@ def curve_figure(panels: Sequence[PanelSpec]) -> Figure:
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for ax, panel in zip(axes, panels, strict=True):
         for line in panel.lines:
-            ax.plot(
-                line.steps,
-                line.values,
-                label=line.series.label,
-                marker=line.marker,
-                markersize=3,
-                linewidth=1.2,
-            )
+            style = {"marker": line.marker, "markersize": 3, "linewidth": 1.2}
+            ax.plot(line.steps, line.values, label=line.series.label, **style)
         ax.set_title(panel.title)
         ax.set_xlabel(panel.xlabel)
         ax.set_ylabel(panel.ylabel)
@@ -274,21 +244,11 @@ def curve_figure(panels: Sequence[PanelSpec]) -> Figure:
 
 
 def plot_stage(stage: str, records: Sequence[dict[str, Any]], out_dir: Path) -> CurvePlot | None:
-    """Draw `curves-<stage>.png` into `out_dir` (`curve_spec`'s panels); None (and no file)
-    when the stage has no training step or no finite value to draw."""
+    """Draw `curves-<stage>.png` into `out_dir`; None (and no file) when there is nothing."""
     panels = curve_spec(stage, records)
     if not panels:
         return None
-    fig = curve_figure(panels)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / _file_name(stage)
-    # Written beside and renamed, so a report never links a half-written image.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fig.savefig(tmp, format="png", dpi=DPI)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    path = save_png(curve_figure(panels), out_dir / _file_name(stage))
     return CurvePlot(
         stage=stage,
         path=path,
@@ -297,10 +257,26 @@ def plot_stage(stage: str, records: Sequence[dict[str, Any]], out_dir: Path) -> 
     )
 
 
+def write_beside(dest: Path, write: Callable[[Path], object]) -> Path:
+    """`write(tmp)` beside `dest`, renamed to it (parent folders created): a report never links
+    half an image, a concurrent run never reads half a file."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        tmp.replace(dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
+def save_png(fig: Figure, dest: Path) -> Path:
+    return write_beside(dest, lambda tmp: fig.savefig(tmp, format="png", dpi=DPI))
+
+
 def plot_curves(stages: Sequence[tuple[str, Path]], out_dir: Path) -> list[CurvePlot]:
     """Draw the curves of each (stage name, artifact folder) from its `metrics.jsonl` into
-    `out_dir`, in the given order; stages without training steps get no image. Works the same for
-    cached or reused stages, whose metrics.jsonl is still in their (immutable) artifact folder."""
+    `out_dir`, in order; stages without training steps get no image."""
     plots = []
     for stage, folder in stages:
         plot = plot_stage(stage, read_records(Path(folder) / "metrics.jsonl"), Path(out_dir))

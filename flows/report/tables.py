@@ -75,17 +75,11 @@ def format_duration(seconds: float) -> str:
 
 def format_value(value: Any) -> str:
     """Compact numbers for tables: 4 significant digits, integers as integers."""
-    if isinstance(value, bool) or value is None:
-        return str(value)
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value) or math.isinf(value):
-            return str(value)
-        if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
-            return f"{value:.3e}"
-        return f"{value:.4g}"
-    return str(value)
+    if not isinstance(value, float) or math.isnan(value) or math.isinf(value):
+        return str(value)  # bool, None and int included
+    if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+        return f"{value:.3e}"
+    return f"{value:.4g}"
 
 
 def headline_text(headline: dict[str, Any]) -> str:
@@ -97,6 +91,16 @@ def _md_cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _md_row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(map(_md_cell, cells)) + " |"
+
+
+def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]], *intro: str) -> list[str]:
+    """A markdown table after `intro` (a section's heading and notes), each its own paragraph."""
+    head = [line for text in intro for line in ("", text)]
+    return [*head, "", _md_row(header), "|" + "---|" * len(header), *map(_md_row, rows)]
+
+
 def markdown_report(
     run_name: str,
     run_id: str,
@@ -105,8 +109,8 @@ def markdown_report(
     run_dir: str | None = None,
     not_selected: Sequence[str] = (),
 ) -> str:
-    """The run report: one row per stage, then the lineage (which artifact fed which).
-    `not_selected`: the recipe's stages the run left out (`--until`/`--only`), named once."""
+    """The run report: one row per stage, the sections, then the lineage. `not_selected`: the
+    stages the run left out (`--until`/`--only`), named once."""
     # A stage with an error either failed or completed below a quality gate and stopped the run.
     failed = [r for r in records if r.status == "failed" or r.error]
     if not failed:
@@ -115,29 +119,20 @@ def markdown_report(
         outcome = f"**failed** at stage `{failed[0].stage}`"
     else:
         outcome = f"**stopped** by the quality gate of stage `{failed[0].stage}`"
-    lines = [
-        f"# posttrain run `{run_name}`",
-        "",
-        f"Run id `{run_id}`: {outcome}.",
-        "",
-        "| stage | status | duration | key metrics | artifact |",
-        "|---|---|---|---|---|",
-    ]
-    for r in records:
-        lines.append(
-            "| "
-            + " | ".join(
-                _md_cell(c)
-                for c in (
-                    r.stage,
-                    r.status,
-                    format_duration(r.duration_s),
-                    headline_text(r.summary.headline) or "-",
-                    f"`{r.uri}`" if r.uri else "-",
-                )
-            )
-            + " |"
+    rows = [
+        (
+            r.stage,
+            r.status,
+            format_duration(r.duration_s),
+            headline_text(r.summary.headline) or "-",
+            f"`{r.uri}`" if r.uri else "-",
         )
+        for r in records
+    ]
+    header = ("stage", "status", "duration", "key metrics", "artifact")
+    lines = _md_table(
+        header, rows, f"# posttrain run `{run_name}`", f"Run id `{run_id}`: {outcome}."
+    )[1:]
     if not_selected:
         lines += ["", not_selected_text(not_selected)]
     if export_path:
@@ -168,8 +163,8 @@ def not_selected_text(names: Sequence[str]) -> str:
 
 
 def recovery_lines(records: Sequence[StageRecord]) -> list[str]:
-    """One line per stage that recovered from an earlier attempt: what happened, where it
-    resumed, which checkpoints it rejected. Empty when every stage started clean."""
+    """One line per stage that recovered from an earlier attempt (what happened, where it
+    resumed, which checkpoints it rejected)."""
     out = []
     for r in records:
         rec = r.summary.recovery
@@ -197,36 +192,29 @@ def _moment(figure: dict[str, Any] | None, fmt: str, at: str = "step") -> str:
 
 
 def sre_markdown(records: Sequence[StageRecord]) -> list[str]:
-    """The "## SRE" section: per stage that ran, the health figures and the worst moment of
-    each (flows.report.health_summary); empty when no stage trained."""
+    """The "## SRE" section: each trained stage's health figures and their worst moments."""
     rows = [r for r in records if r.health.get("step_time")]
     if not rows:
         return []
-    lines = [
-        "",
-        "## SRE",
-        "",
-        "Median over the stage's steps, with its worst moment.",
-        "",
-        "| stage | step time (s) | data-wait share | MFU | reserved/allocated | peak RSS (GiB) "
-        "| GPU | non-finite updates |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        h = r.health
-        cells = (
+    header = ("stage", "step time (s)", "data-wait share", "MFU", "reserved/allocated")
+    header += ("peak RSS (GiB)", "GPU", "non-finite updates")
+    cells = [
+        (
             r.stage,
-            _moment(h.get("step_time"), ".3g"),
-            _moment(h.get("data_wait"), ".1%"),
-            _moment(h.get("mfu"), ".1%"),
-            _moment(h.get("reserved_over_allocated"), ".2f"),
-            _peak(h.get("peak_rss_gib")),
-            _gpu_cell(h),
-            format_value(h.get("nonfinite_updates", 0)),
+            _moment(r.health.get("step_time"), ".3g"),
+            _moment(r.health.get("data_wait"), ".1%"),
+            _moment(r.health.get("mfu"), ".1%"),
+            _moment(r.health.get("reserved_over_allocated"), ".2f"),
+            _peak(r.health.get("peak_rss_gib")),
+            _gpu_cell(r.health),
+            format_value(r.health.get("nonfinite_updates", 0)),
         )
-        lines.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
-    lines += [f"- {_md_cell(line)}" for line in health_lines(rows)]
-    return lines
+        for r in rows
+    ]
+    lines = _md_table(
+        header, cells, "## SRE", "Median over the stage's steps, with its worst moment."
+    )
+    return lines + [f"- {_md_cell(line)}" for line in health_lines(rows)]
 
 
 def _peak(figure: dict[str, Any] | None) -> str:
@@ -243,46 +231,31 @@ def _gpu_cell(h: dict[str, Any]) -> str:
         parts[-1] += f" of {gpu['power_limit_w']:.0f} W"
     if gpu.get("temperature_max_c") is not None:
         parts.append(f"max {gpu['temperature_max_c']:.0f} C")
-    throttled = gpu.get("throttle_first_s") or {}
-    parts.append(
-        "throttled: " + ", ".join(f"{k} from {v:.0f} s" for k, v in throttled.items())
-        if throttled
-        else "no throttling seen"
+    throttled = ", ".join(
+        f"{k} from {v:.0f} s" for k, v in (gpu.get("throttle_first_s") or {}).items()
     )
+    parts.append(f"throttled: {throttled}" if throttled else "no throttling seen")
     return "; ".join(parts)
 
 
 def memory_markdown(records: Sequence[StageRecord]) -> list[str]:
-    """The "## Memory" section: per training stage, the pre-flight estimate beside the measured
-    peak (peak RSS on CPU, peak reserved on GPU); empty when no stage has one."""
+    """The "## Memory" section: each training stage's pre-flight estimate beside its peak."""
     rows = [(r.stage, r.summary.memory) for r in records if r.summary.memory is not None]
     if not rows:
         return []
-    lines = [
-        "",
-        "## Memory",
-        "",
-        "| stage | estimate (GiB) | measured peak (GiB) | measured as | estimate / measured "
-        "| capacity (GiB) |",
-        "|---|---|---|---|---|---|",
+    header = ("stage", "estimate (GiB)", "measured peak (GiB)", "measured as")
+    header += ("estimate / measured", "capacity (GiB)")
+    cells = [
+        (stage, *map(format_value, (m.estimate_gib, m.measured_peak_gib)), m.measured)
+        + tuple(map(format_value, (m.estimate_over_measured, m.capacity_gib)))
+        for stage, m in rows
     ]
-    for stage, m in rows:
-        cells = (
-            stage,
-            format_value(m.estimate_gib),
-            format_value(m.measured_peak_gib),
-            m.measured,
-            format_value(m.estimate_over_measured),
-            format_value(m.capacity_gib),
-        )
-        lines.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
-    return lines
+    return _md_table(header, cells, "## Memory")
 
 
 def curves_markdown(plots: Sequence[CurvePlot], inline: bool = True) -> list[str]:
-    """The "## Curves" section: one image per plotted stage. `inline` links each image by file
-    name, relative to report.md, which sits beside the images in the run folder; otherwise each
-    image is named by its full path (the Prefect UI cannot fetch files from the run folder)."""
+    """The "## Curves" section: one image per plotted stage, linked beside report.md (`inline`),
+    else named by its full path (the Prefect UI cannot fetch files from the run folder)."""
     if not plots:
         return []
     lines = ["## Curves", ""]
@@ -297,30 +270,17 @@ def curves_markdown(plots: Sequence[CurvePlot], inline: bool = True) -> list[str
 def metrics_table(records: Sequence[StageRecord]) -> list[dict[str, Any]]:
     """Long format (stage, metric, value): stages report different metrics, so a wide table
     would be mostly empty columns."""
-    rows: list[dict[str, Any]] = []
-    for r in records:
-        rows.append({"stage": r.stage, "metric": "duration_s", "value": round(r.duration_s, 2)})
-        for k, v in r.summary.headline.items():
-            rows.append({"stage": r.stage, "metric": k, "value": v})
-    return rows
+    return [
+        {"stage": r.stage, "metric": k, "value": v}
+        for r in records
+        for k, v in [("duration_s", round(r.duration_s, 2)), *r.summary.headline.items()]
+    ]
 
 
 def lineage(run_meta: dict[str, Any], records: Sequence[StageRecord]) -> dict[str, Any]:
     """`lineage.json`: every artifact the run used or made, and which fed which."""
-    return {
-        **run_meta,
-        "artifacts": [
-            {
-                "stage": r.stage,
-                "fingerprint": r.fingerprint,
-                "parents": r.parents,
-                "uri": r.uri,
-                "sha256": r.sha256,
-                "status": r.status,
-            }
-            for r in records
-        ],
-    }
+    fields = ("stage", "fingerprint", "parents", "uri", "sha256", "status")
+    return {**run_meta, "artifacts": [{k: getattr(r, k) for k in fields} for r in records]}
 
 
 def text_table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
@@ -342,48 +302,33 @@ def summary_table(records: Sequence[StageRecord]) -> str:
 
 
 def chain_markdown(records: Sequence[StageRecord]) -> list[str]:
-    """`evaluate.policies` side by side: each policy against its parent (what each link of the
-    chain gained); nothing when the recipe lists none."""
+    """`evaluate.policies` side by side: what each link of the chain gained over its parent."""
     ev = next((r for r in records if r.summary.policies), None)
     if ev is None:
         return []
-    lines = [
-        "",
-        "## Along the chain",
-        "",
-        "Each policy against the one it started from (held-out loss: lower is better; the "
-        "gain columns are this policy minus its parent; win-rate judged by the reward model).",
-        "",
-        "| policy | kind | from | held-out loss | loss gain | exact match | exact-match gain "
-        "| win-rate vs parent |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
     rows = ev.summary.policies
+    cells = []
     for name, row in rows.items():
         parent = rows.get(row.get("parent"), {})
-
-        def gain(key: str, row: dict[str, Any] = row, parent: dict[str, Any] = parent) -> str:
-            if key in row and key in parent:
-                return f"{row[key] - parent[key]:+.4g}"
-            return "-"
-
-        cells = (
-            name,
-            str(row.get("kind", "")),
-            str(row.get("parent", "")),
-            format_value(row["loss"]) if "loss" in row else "-",
-            gain("loss"),
-            format_value(row["exact_match"]) if "exact_match" in row else "-",
-            gain("exact_match"),
-            format_value(row["win_rate_vs_parent"]) if "win_rate_vs_parent" in row else "-",
-        )
-        lines.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
-    return lines
+        figures = []  # each figure, then this policy's gain over its parent
+        for key in ("loss", "exact_match"):
+            figures.append(format_value(row[key]) if key in row else "-")
+            has_both = key in row and key in parent
+            figures.append(f"{row[key] - parent[key]:+.4g}" if has_both else "-")
+        win = format_value(row["win_rate_vs_parent"]) if "win_rate_vs_parent" in row else "-"
+        cells.append((name, str(row.get("kind", "")), str(row.get("parent", "")), *figures, win))
+    header = ("policy", "kind", "from", "held-out loss", "loss gain", "exact match")
+    header += ("exact-match gain", "win-rate vs parent")
+    note = (
+        "Each policy against the one it started from (held-out loss: lower is better; the "
+        "gain columns are this policy minus its parent; win-rate judged by the reward model)."
+    )
+    return _md_table(header, cells, "## Along the chain", note)
 
 
 def teacher_markdown(records: Sequence[StageRecord]) -> list[str]:
-    """A distilled final policy's teacher line: the student's start, its end and the teacher
-    on the held-out exact match, and the share of the gap closed; nothing without a teacher."""
+    """A distilled policy's line: its start, end and teacher on held-out exact match, and the
+    share of the gap closed; nothing without a teacher."""
     taught = (r for r in records if "teacher" in r.roles)
     ev = next((r for r in taught if "exact_match_teacher" in r.summary.headline), None)
     if ev is None:

@@ -24,19 +24,14 @@ class QualityGateFailed(RuntimeError):
 def failure_headline(
     stage: PlannedStage, rc: int, recent: list[str], engine_reason: str | None = None
 ) -> str:
-    """What ended a failed launch, in one line. Under torchrun the agent's own exit code (1)
-    says nothing: name the rank its failure summary blames first, how that rank ended and where
-    its last heartbeat was. A single process is rank 0 itself. When the engine ended the stage
-    (`engine_reason`: a Slurm time limit, preemption, a failed node, an OOM-killed pod), that
-    comes first: the ranks' own account is then only the consequence."""
+    """What ended a failed launch, in one line: the engine's reason when it ended the stage (the
+    ranks' account is then only the consequence), else the rank torchrun's summary blames first
+    (the agent's own exit code says nothing), how it ended and where its last heartbeat was."""
     beats = read_heartbeats(stage.out_dir)
+    every = ", ".join(f"rank {k}: {describe_beat(b)}" for k, b in sorted(beats.items()))
     if engine_reason:
         text = f"stage '{stage.name}' was ended by {engine_reason}"
-        if beats:
-            text += "; last heartbeats: " + ", ".join(
-                f"rank {k}: {describe_beat(b)}" for k, b in sorted(beats.items())
-            )
-        return text
+        return text + f"; last heartbeats: {every}" if beats else text
     causes = root_causes(recent)
     if causes:
         first = "; ".join(describe_exit(c, beats) for c in causes)
@@ -45,7 +40,5 @@ def failure_headline(
     if stage.nprocs <= 1 and stage.nnodes <= 1 and 0 in beats:
         text += f"; its last heartbeat: {describe_beat(beats[0])}"
     elif beats:
-        text += "; last heartbeats: " + ", ".join(
-            f"rank {k}: {describe_beat(b)}" for k, b in sorted(beats.items())
-        )
+        text += f"; last heartbeats: {every}"
     return text

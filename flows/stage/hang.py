@@ -89,14 +89,10 @@ def hang_message(
     stage: PlannedStage, hang: Hang, files: list[Path], log_path: Path, tail: str
 ) -> str:
     behind = hang.behind
-    where = (
-        "stopped before beating"
-        if behind.silent_s is None
-        else (
-            f"is behind: last beat at step {behind.step} (phase {behind.phase}), "
-            f"{behind.silent_s:.0f} s ago"
-        )
-    )
+    where = "stopped before beating"
+    if behind.silent_s is not None:
+        where = f"is behind: last beat at step {behind.step} (phase {behind.phase}), "
+        where += f"{behind.silent_s:.0f} s ago"
     text = (
         f"stage '{stage.name}' hung: no rank's heartbeat advanced for {hang.limit_s:g} s "
         f"(infra.hang_timeout_s {stage.hang_timeout_s:g}); rank {behind.rank} {where}. "

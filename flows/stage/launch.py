@@ -16,6 +16,7 @@ import site
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from prefect.context import FlowRunContext
 
@@ -81,17 +82,11 @@ def stage_command(
     rdzv_endpoint: str | None = None,
     rdzv_id: str = "posttrain",
 ) -> list[str]:
-    """The command line that runs one stage on this node.
-
-    One process: `python -m <module>`. Several on one node: `torchrun --standalone`. Several
-    nodes: every node runs `torchrun --nnodes N --node-rank K` and they meet at the c10d
-    rendezvous on `rdzv_endpoint` (hosted by the agent whose endpoint host is local, normally
-    node rank 0) under `rdzv_id` (the stage fingerprint: every node derives the same one).
-
-    A remote launcher, which learns a node's rank and the first node's address only when the
-    job runs, passes them as text the engine expands on each node (`$SLURM_PROCID`,
-    `$(POSTTRAIN_NODE_RANK)`): same command, every node.
-    """
+    """The command line that runs one stage on this node: `python -m <module>`, `torchrun
+    --standalone` for several processes, and for several nodes torchrun meeting at the c10d
+    rendezvous `rdzv_endpoint` under `rdzv_id` (the fingerprint: every node derives it). A
+    remote launcher passes the rank and endpoint as text the engine expands on each node
+    (`$SLURM_PROCID`, `$(POSTTRAIN_NODE_RANK)`): the same command on every node."""
     stage_args = ["-m", module, "--spec", str(spec_path)]
     if nnodes <= 1 and nprocs <= 1:
         return [python, *stage_args]
@@ -102,32 +97,25 @@ def stage_command(
         raise ValueError("a multi-node stage needs a rendezvous endpoint (infra.rdzv_endpoint)")
     if isinstance(node_rank, int) and not 0 <= node_rank < nnodes:
         raise ValueError(f"node rank {node_rank} is outside 0..{nnodes - 1}")
-    return [
-        *torchrun,
-        "--nnodes",
-        str(nnodes),
-        "--node-rank",
-        str(node_rank),
-        "--nproc-per-node",
-        str(nprocs),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        rdzv_endpoint,
-        "--rdzv-id",
-        rdzv_id,
-        *stage_args,
-    ]
+    nodes = ["--nnodes", str(nnodes), "--node-rank", str(node_rank)]
+    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
+    return [*torchrun, *nodes, "--nproc-per-node", str(nprocs), *rdzv, *stage_args]
+
+
+def planned_stage_command(
+    stage: PlannedStage, spec_path: Path | str, node_rank: int | str, rdzv: str | None, **kw: Any
+) -> list[str]:
+    """`stage_command` for a planned stage (its module, processes, nodes and fingerprint)."""
+    kw = {"nnodes": stage.nnodes, "node_rank": node_rank, "rdzv_endpoint": rdzv, **kw}
+    return stage_command(stage.module, spec_path, stage.nprocs, rdzv_id=stage.fingerprint, **kw)
 
 
 def launch_info(
     stage: PlannedStage, launch_id: str, lock: str, earlier_attempt: str | None
 ) -> LaunchInfo:
-    """How this launch of `stage` is held, for its spec: the launch id, the artifact lock its
-    supervisor holds (node 0's, for another node's agent started by hand), the device lock the
-    flow holds, the earlier attempt's account, and what the stage watches to notice that this
-    supervisor is gone: its PID and start time here, a beat file it rewrites for an engine's
-    remote nodes."""
+    """How this launch of `stage` is held, for its spec: its id, the artifact lock (node 0's),
+    the flow's device lock, the earlier attempt's account, and what the stage watches to notice
+    that its supervisor is gone (its PID here, a beat file for an engine's remote nodes)."""
     info = LaunchInfo(
         id=launch_id,
         flow_run_id=current_flow_run_id(),
@@ -146,9 +134,8 @@ def launch_info(
 def local_env(
     launch: LaunchInfo, base: dict[str, str] | None = None, visible_devices: str | None = None
 ) -> dict[str, str]:
-    """The environment of a stage's processes on this machine: ours, with this launch's
-    variables (`launch_env`) over it, its GPUs when stages share the machine, and the project on
-    PYTHONPATH (`project_pythonpath`)."""
+    """Ours, with `launch_env` over it, the stage's GPUs when stages share the machine, and the
+    project on PYTHONPATH."""
     env = dict(os.environ if base is None else base)
     env.update(launch_env(launch))
     if visible_devices is not None:  # one of several stages running side by side
@@ -157,9 +144,7 @@ def local_env(
 
 
 def launch_env(launch: LaunchInfo) -> dict[str, str]:
-    """What every process of a launch must see wherever it runs, an engine's node included:
-    the fixed settings, the offline switch and the launch's tag. Everything else the stage
-    needs is in its spec."""
+    """What every process of a launch sees wherever it runs; the rest is in its spec."""
     env = dict(CHILD_ENV)
     # Offline exactly when the supervisor is (posttrain.hub.offline): a hub id the plan
     # resolved online is downloaded by the stage that reads it.
@@ -169,9 +154,8 @@ def launch_env(launch: LaunchInfo) -> dict[str, str]:
 
 
 def project_pythonpath(env: dict[str, str]) -> dict[str, str]:
-    """`env` with the folder holding the `posttrain` package first on PYTHONPATH, when the
-    project is used from a checkout (not installed), so `python -m posttrain...` works from any
-    working directory, on this machine or a node sharing its file system."""
+    """`env` with a checkout's (not installed) project first on PYTHONPATH, so `python -m
+    posttrain...` works from any folder, here or on a node sharing the file system."""
     root = str(Path(posttrain.__file__).resolve().parent.parent)
     if root not in site.getsitepackages():
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -181,8 +165,8 @@ def project_pythonpath(env: dict[str, str]) -> dict[str, str]:
 
 
 def launch_labels() -> dict[str, str]:
-    """What an engine tags a launch with so it can be found without this process: the flow
-    run's id (the flow's cancel and crash hooks cancel every job carrying it)."""
+    """The flow run's id, which an engine tags a launch with: the flow's cancel and crash hooks
+    cancel every job carrying it."""
     flow_run_id = current_flow_run_id()
     return {"flow-run": flow_run_id} if flow_run_id else {}
 

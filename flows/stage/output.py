@@ -1,6 +1,5 @@
-"""A stage's output and progress: its merged stdout/stderr copied to its log file and the
-Prefect run logger, and its metrics.jsonl tailed into a Prefect progress artifact. Decoration
-never fails a stage: a logging or server problem is swallowed here."""
+"""A stage's output copied to its log file and the Prefect run logger, and its metrics.jsonl
+tailed into a progress artifact. Decoration never fails a stage: problems are swallowed here."""
 
 from __future__ import annotations
 
@@ -63,8 +62,8 @@ def _start_thread(target: Callable[[], None], name: str) -> threading.Thread:
 
 
 class OutputPump:
-    """Copies the child's merged stdout/stderr to the log file and the run logger, keeps the
-    last lines for error messages and catches the POSTTRAIN_ARTIFACT line."""
+    """Copies the output to the log file and the run logger, keeps the last lines for error
+    messages and catches the POSTTRAIN_ARTIFACT line."""
 
     def __init__(
         self,
@@ -108,6 +107,10 @@ class OutputPump:
 # An RL step's mean reward over its rollout (posttrain.rl.metrics.train_metrics): the combined
 # score of the reward model and/or functions, the figure that says whether RL is learning.
 REWARD_FIELD = "score_mean"
+# A training step's figures as the progress artifact and the terminal show them (reward first:
+# a group-relative loss is 0 whenever a group's rewards tie).
+STEP_FIELDS = {REWARD_FIELD: "reward {:.4g}", "loss": "loss {:.4g}"}
+STEP_FIELDS["tokens_per_s"] = "{:,.0f} tok/s"
 
 
 def progress_from_record(record: dict[str, Any]) -> tuple[float, str] | None:
@@ -118,19 +121,45 @@ def progress_from_record(record: dict[str, Any]) -> tuple[float, str] | None:
     if not isinstance(step, int | float) or not isinstance(total, int | float) or total <= 0:
         return None
     parts = [f"step {step:g}/{total:g}"]
-    for key, fmt in (
-        (REWARD_FIELD, "reward {:.4g}"),
-        ("loss", "loss {:.4g}"),
-        ("tokens_per_s", "{:,.0f} tok/s"),
-        ("mfu", "MFU {:.1%}"),
-    ):
-        value = record.get(key)
-        if isinstance(value, int | float):
+    for key, fmt in {**STEP_FIELDS, "mfu": "MFU {:.1%}"}.items():
+        if isinstance(value := record.get(key), int | float):
             parts.append(fmt.format(value))
     return min(100.0, max(0.0, 100.0 * step / total)), " · ".join(parts)
 
 
-class MetricsTail:
+class Poller:
+    """Calls `poll` every `interval_s` seconds on its own thread, and once more at `stop`. What
+    it feeds is decoration: a failed poll is logged (debug) and never fails the stage."""
+
+    interval_s: float
+
+    def _start(self, name: str) -> None:
+        self._stop = threading.Event()
+        self.thread = _start_thread(self._run, name)
+
+    def poll(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._safe_poll()
+
+    def _safe_poll(self) -> None:
+        try:
+            self.poll()
+        except Exception as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        logging.getLogger("posttrain.flows").debug("progress update failed: %s", exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=10)
+        self._safe_poll()  # what was written last
+
+
+class MetricsTail(Poller):
     """Follows metrics.jsonl and reports training progress every `interval_s` seconds."""
 
     def __init__(
@@ -144,8 +173,7 @@ class MetricsTail:
         self.stage = stage  # named to the step listeners; None: they are not told
         self._tail = JsonlTail(path)
         self._last: tuple[float, str] | None = None
-        self._stop = threading.Event()
-        self.thread = _start_thread(self._run, f"{path.parent.name}-metrics")
+        self._start(f"{path.parent.name}-metrics")
 
     def poll(self) -> None:
         """Read the lines appended since the last poll; report the newest training step."""
@@ -159,21 +187,6 @@ class MetricsTail:
             if self.stage is not None and newest is not None:
                 for listener in list(_step_listeners):
                     listener(self.stage, newest)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._safe_poll()
-
-    def _safe_poll(self) -> None:
-        try:
-            self.poll()
-        except Exception as exc:  # progress is decoration: never let it fail the stage
-            logging.getLogger("posttrain.flows").debug("progress update failed: %s", exc)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.thread.join(timeout=10)
-        self._safe_poll()  # the last steps written before exit
 
 
 class ProgressArtifact:

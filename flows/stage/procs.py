@@ -106,10 +106,7 @@ def kill_stage(
 ) -> None:
     """SIGTERM the stage's process group and every process of the launch; SIGKILL what is
     still alive after `grace_s` (torchrun forwards SIGTERM to its ranks and needs a moment).
-
-    Every process of the launch inherits the tag, so finding none (and our child reaped)
-    means there is nothing left to kill.
-    """
+    Every process of the launch inherits the tag: none found (our child reaped), none left."""
     procs = stage_processes(proc, launch_id)
     if not procs and proc.poll() is not None:
         return

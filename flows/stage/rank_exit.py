@@ -1,7 +1,7 @@
 """Which rank of a failed torchrun stage died first, and how, in one line a person can act on.
 
-When a worker dies, torchrun's agent stops the other ranks and prints a failure summary whose
-"Root Cause (first observed failure)" block names the rank that failed first:
+torchrun's failure summary names the rank that failed first (the others' exits are its
+consequences):
 
     Root Cause (first observed failure):
     [0]:
@@ -12,11 +12,8 @@ When a worker dies, torchrun's agent stops the other ranks and prints a failure 
       error_file: <N/A>
       traceback : Signal 9 (SIGKILL) received by PID 4114
 
-The other ranks' exits (SIGTERM from the agent, or a "Connection reset by peer" from gloo) are
-consequences. `root_causes` reads that block from the stage's output; `describe_exit` turns one
-entry plus the rank's last heartbeat (`posttrain.telemetry.heartbeat`) into
-`rank 1 (pid 4114) was killed by SIGKILL; its last heartbeat: step 7, phase train, 2 s before`.
-No torch, no Prefect: the supervisor uses it after the launch has ended.
+`root_causes` reads that block; `describe_exit` adds the rank's last heartbeat: `rank 1 (pid
+4114) was killed by SIGKILL; its last heartbeat: step 7, phase train, 2 s before`.
 """
 
 from __future__ import annotations
@@ -58,10 +55,8 @@ def how_it_ended(exitcode: int) -> str:
 
 
 def root_causes(lines: Iterable[str]) -> list[RankExit]:
-    """The ranks torchrun's summary names as the root cause (normally one), in its order.
-
-    Empty when the output has no summary (a single-process stage, or the agent itself killed).
-    Only the last summary counts: a log can hold several launches."""
+    """The ranks the last torchrun summary names as the root cause (a log can hold several
+    launches); empty without one (one process, or the agent itself killed)."""
     found: list[RankExit] = []
     inside = False
     rank: int | None = None

@@ -2,23 +2,12 @@
 write the launch's spec and start the stage through its launcher (`flows.stage.launchers`: this
 machine, Slurm or Kubernetes), watch it (timeout, hang) and check what it left.
 
-Supervision means:
-  - reuse: a complete, unaltered artifact with the stage's fingerprint is returned, not rebuilt
-    (`posttrain.store.status.find_reusable`: the one look, once per launch, under the lock);
-  - the contract: the stage process gets everything it needs in its spec (`spec.json`, with
-    this launch's `launch` record: the lock held for it, who to watch), nothing in variables
-    but the launch's tag (`posttrain.runtime.spec`);
-  - logs: the stage's output (every node's) goes line by line to the Prefect run logger and to
-    `<out_dir>/logs/stage.log` (appended; logs/ is outside the manifest) (`flows.stage.output`);
-  - progress: `<out_dir>/metrics.jsonl` is tailed into a Prefect progress artifact (same);
-  - limits: the stage timeout is enforced (from when the stage runs, not while it is queued),
-    and on timeout, failure, cancel or any exception in this process the launch is stopped on
-    every node (`Launch.stop`: the process tree here, `scancel`, the Job's deletion);
-  - hangs: ranks whose heartbeats all stop get their stacks dumped, then the stage is killed
-    (`flows.stage.hang`).
-It is the only way a stage process starts: the flow's `stage` task calls it for every stage,
-`posttrain launch` for one stage by hand (on every node of a multi-node stage: node 0's
-supervisor holds the lock and looks, the other nodes' agents join its launch).
+The stage gets everything it needs in its spec (`spec.json`, with this launch's record), its
+output goes to the Prefect logger and `logs/stage.log`, its metrics to a progress artifact; the
+timeout counts from when it runs, not while it is queued; on timeout, failure, hang (stacks
+dumped first), cancel or any exception here the launch is stopped on every node. It is the only
+way a stage process starts: the flow's `stage` task and `posttrain launch` (on every node of a
+multi-node stage: node 0's supervisor holds the lock and looks, other nodes join its launch).
 """
 
 from __future__ import annotations
@@ -82,24 +71,18 @@ class Outcome(BaseModel):
 def supervise_stage(
     stage: PlannedStage, spec: StageSpec, kill_grace_s: float = KILL_GRACE_S
 ) -> Outcome:
-    """Run one planned stage to completion, or reuse its artifact, and return its ref.
-
-    The artifact folder's lock (`posttrain.store.locking`) is held from the one look at the folder
-    to the completion check, so a second run of the same stage (same fingerprint) waits for
-    the first, logging that it does, then reuses what it made; the wait counts against the
-    stage's timeout.
-    """
+    """Run one planned stage to completion, or reuse its artifact. The folder's lock is held
+    from the one look to the completion check: a second run of the same stage waits for the
+    first (within the stage's timeout), then reuses what it made."""
     log = run_logger()
     if node_rank() != 0:
         return _join(stage, spec, kill_grace_s)
     lock = ArtifactLock(stage.out_dir)
 
     def waiting(holder: dict[str, Any] | None) -> None:
+        who = f"{describe_holder(holder)} holds {lock.path}"
         log.info(
-            "stage %s: waiting for another run of the same stage to finish (%s holds %s)",
-            stage.name,
-            describe_holder(holder),
-            lock.path,
+            "stage %s: waiting for another run of the same stage to finish (%s)", stage.name, who
         )
 
     try:
@@ -128,8 +111,7 @@ def _join(stage: PlannedStage, spec: StageSpec, kill_grace_s: float) -> Outcome:
 
 
 def _engine(stage: PlannedStage) -> Launcher | LaunchError:
-    """The launcher that runs `stage`, or the error that says why it cannot be made (its
-    engine's client is not installed)."""
+    """The launcher that runs `stage`, or why it cannot be made (a client not installed)."""
     try:
         return launcher_for(stage)
     except LaunchError as exc:
@@ -160,8 +142,8 @@ def _launch(
     lock: str,
     kill_grace_s: float,
 ) -> Outcome:
-    """Write this launch's spec, naming the artifact `lock` its supervisor (node 0's) holds,
-    start the stage through `engine` and follow it to its end."""
+    """Write this launch's spec (naming the `lock` node 0's supervisor holds), start the stage
+    through `engine` and follow it to its end."""
     if isinstance(engine, LaunchError):
         raise StageFailed(f"stage '{stage.name}' could not be started: {engine}") from None
     log = run_logger()
@@ -201,8 +183,8 @@ def _launch(
 
 
 def _completed_ref(stage: PlannedStage, artifact_json: str | None) -> ArtifactRef:
-    """What a launch that exited 0 sealed: reusable (every byte checked), with the planned
-    fingerprint, and the artifact the stage said it sealed (its POSTTRAIN_ARTIFACT line)."""
+    """What a launch that exited 0 sealed: reusable (every byte checked), the planned
+    fingerprint, the artifact its POSTTRAIN_ARTIFACT line names."""
     look = _sealed(stage)
     if look.ref is None:
         raise StageFailed(
@@ -236,8 +218,8 @@ def _follow(
     log_path: Path,
     kill_grace_s: float,
 ) -> Outcome:
-    """Stream a started launch's output, wait for its end, timeout or hang, stop whatever is
-    left of it, and check what it made."""
+    """Stream a launch's output, wait for its end, timeout or hang, stop what is left of it,
+    and check what it made."""
     log = run_logger()
     progress = ProgressArtifact(stage.name)
     pump = OutputPump(launch.output(), log_file, log, stage.name)
@@ -287,8 +269,7 @@ def _follow(
 
 @dataclass
 class Waited:
-    """How `_wait` ended: a timeout ("run" or "queue"), a hang (with the stack files), or the
-    launch's own end (neither)."""
+    """How `_wait` ended: a timeout ("run" or "queue"), a hang, or the launch's end (neither)."""
 
     timeout: str | None = None
     hang: Hang | None = None
@@ -302,12 +283,8 @@ def _wait(
     watch: HangWatch | None,
     log: logging.LoggerAdapter | logging.Logger,
 ) -> Waited:
-    """Wait for the launch to end, a timeout to pass, or its ranks to hang (their stacks are
-    dumped then); kills nothing.
-
-    The stage timeout counts from when the stage's processes run: time a Slurm job or a pod
-    waits in its queue is not the stage's (a changed waiting reason is logged instead); that
-    wait has its own limit, `infra.queue_timeout_s`, off by default."""
+    """Wait for the launch to end, a timeout to pass, or its ranks to hang (stacks dumped);
+    kills nothing. Time queued is not the stage's: it has its own limit, queue_timeout_s."""
     start = time.monotonic()
     queue_limit = stage.infra.get("queue_timeout_s")
     deadline: float | None = None
@@ -328,11 +305,7 @@ def _wait(
             log.error("stage %s: timeout after %.0f s", stage.name, stage.timeout_s)
             return Waited("run")
         if watch is not None and (hang := watch.poll()) is not None:
-            log.error(
-                "stage %s: no heartbeat for %.0f s (%s); dumping stacks",
-                stage.name,
-                hang.limit_s,
-                hang.describe(),
-            )
+            silent = f"no heartbeat for {hang.limit_s:.0f} s ({hang.describe()})"
+            log.error("stage %s: %s; dumping stacks", stage.name, silent)
             return Waited(hang=hang, stacks=launch.dump_stacks(hang, stage.out_dir))
     return Waited()

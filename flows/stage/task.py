@@ -1,15 +1,10 @@
 """The one generic Prefect task, `stage`, that every stage runs through, and `run_task`, how the
 flow calls it.
 
-Why a child process: a stage imports torch, may run under torchrun with several ranks, and may
-need to be killed; the flow process stays light and outlives it. The task only wires Prefect
-to `flows.stage.supervise.supervise_stage`, which does the work.
-
-Prefect shows every stage as a task run with its state, logs and artifacts, but its result cache
-is not used: whether a stage must run is decided by its artifact alone, once per launch, under
-the artifact's lock (`posttrain.store.status`). A stage that did not need to run ends in a
-Completed state named `Reused`, the word the terminal, the report, the graph and the trackers
-use too.
+A stage runs in a child process (it imports torch, may run under torchrun, may need killing);
+the task only wires Prefect to `flows.stage.supervise.supervise_stage`. Prefect's result cache
+is not used: whether a stage runs is decided by its artifact alone, under the artifact's lock. A
+stage that did not need to run ends Completed, named `Reused` (the word used everywhere).
 """
 
 from __future__ import annotations
@@ -29,9 +24,8 @@ REUSED = "reused"
 def stage_task(
     stage: PlannedStage, spec: StageSpec, kill_grace_s: float = KILL_GRACE_S
 ) -> Outcome | State:
-    """Launch and supervise one stage. Returns its `Outcome` (status, ref, summary), in a
-    Completed state named Reused when the artifact was already there. The result stays in
-    this process (`persist_result=False`): Prefect stores nothing of it."""
+    """Launch and supervise one stage: its `Outcome`, in a Completed state named Reused when the
+    artifact was there. Prefect stores nothing of it (`persist_result=False`)."""
     outcome = supervise_stage(stage, spec, kill_grace_s)
     if outcome.status == REUSED:
         return Completed(name="Reused", message=f"artifact {outcome.ref.uri}", data=outcome)

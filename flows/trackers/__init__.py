@@ -1,15 +1,11 @@
 """Experiment trackers (TensorBoard, MLflow, W&B) fed from the one metrics stream.
 
-`metrics.jsonl` in each stage's folder stays the source of truth; the flow process reads it
-(live while the stage runs, the rest when it ends, all of it at once for a reused stage) and
-hands the records to every enabled tracker. Trackers live here, in the flow process, never in
-the training ranks: a stalled tracker cannot stall a rank, and one place sees the whole run.
-
-Each tracker (a `Sink`) is served by one daemon thread reading a bounded queue: the pipeline
-only enqueues. A sink that raises, or whose call has not returned after `CALL_TIMEOUT_S`, or
-whose queue is full, is given up: warned about once (naming the tracker and the error), its
-later records are dropped and counted, and the run report says so (`report_lines`). `finish`
-waits at most `FINISH_TIMEOUT_S` for all of them together.
+Each stage's `metrics.jsonl` stays the source of truth; the flow process reads it (live, the
+rest at the end, all at once for a reused stage) and hands the records to every enabled tracker.
+Trackers live in the flow process, never in the ranks: a stalled tracker cannot stall a rank.
+Each `Sink` is served by a daemon thread reading a bounded queue. A sink that raises, stalls past
+`CALL_TIMEOUT_S` or fills its queue is given up: warned about once, its later records dropped
+and counted, and the run report says so (`report_lines`).
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ from typing import Any
 
 from flows.report.tables import RunResult, StageRecord
 from flows.stage.jsonl_tail import JsonlTail
-from flows.stage.output import _start_thread, run_logger
+from flows.stage.output import Poller, _start_thread, run_logger
 
 log = logging.getLogger("posttrain.flows.trackers")
 
@@ -50,14 +46,13 @@ class Sink:
         """A stage is launched (it may turn out to be reused: `end_stage` says)."""
 
     def log(self, stage: str, records: list[dict[str, Any]]) -> None:
-        """New metrics.jsonl records of `stage` (each with `kind` and usually `step`)."""
+        """New metrics.jsonl records of `stage`."""
 
     def end_stage(self, record: StageRecord) -> None:
-        """How the stage ended: its record (ran, reused or failed; artifact, summary, error)."""
+        """How the stage ended."""
 
     def finish(self, result: RunResult) -> None:
-        """The run is recorded: its records, its folder with report.md and images, the export,
-        the promotion decision, whether it stopped at a failure."""
+        """The run is recorded (its records, folder, images, export, promotion, failure)."""
 
 
 def numeric_fields(record: dict[str, Any]) -> dict[str, float]:
@@ -96,12 +91,8 @@ class _Worker:
             if self.failure is not None:
                 return
             self.failure = why
-        run_logger().warning(
-            "experiment tracker %s failed (%s): its records are dropped from here on; "
-            "the run goes on and its report says so",
-            self.sink.name,
-            why,
-        )
+        dropped = "its records are dropped from here on; the run goes on and its report says so"
+        run_logger().warning("experiment tracker %s failed (%s): %s", self.sink.name, why, dropped)
 
     def submit(self, method: str, *args: Any) -> None:
         busy = self._busy_since
@@ -156,8 +147,7 @@ class Trackers:
         self._all("start_pipeline", run_id, flow_run_id, recipe)
 
     def start_stage(self, stage: str, fingerprint: str, metrics: Path) -> StageFeed:
-        """Announce the stage and follow its metrics.jsonl (`metrics`); `StageFeed.stop` reads
-        the rest."""
+        """Announce the stage and follow its metrics.jsonl; `StageFeed.stop` reads the rest."""
         self._all("start_stage", stage, fingerprint)
         return StageFeed(self, stage, metrics)
 
@@ -203,17 +193,16 @@ class Trackers:
         return lines
 
 
-class StageFeed:
+class StageFeed(Poller):
     """Follows one stage's metrics.jsonl and sends new records to the trackers every POLL_S;
     `stop` reads what is left (for a reused stage: the whole kept file, at once)."""
 
     def __init__(self, trackers: Trackers, stage: str, path: Path):
         self.trackers, self.stage, self.path = trackers, stage, path
         self._tail = JsonlTail(path)
-        self._stop = threading.Event()
         self._poll_lock = threading.Lock()
         self.interval_s = POLL_S
-        self.thread = _start_thread(self._run, f"{stage}-tracking")
+        self._start(f"{stage}-tracking")
 
     def poll(self) -> None:
         with self._poll_lock:
@@ -221,39 +210,24 @@ class StageFeed:
         if records:
             self.trackers.log(self.stage, records)
 
-    def _safe_poll(self) -> None:
-        try:
-            self.poll()
-        except Exception as exc:  # tracking is decoration: never let it fail the stage
-            log.debug("metrics feed of %s failed: %s", self.stage, exc)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._safe_poll()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.thread.join(timeout=10)
-        self._safe_poll()
+    def _failed(self, exc: Exception) -> None:
+        log.debug("metrics feed of %s failed: %s", self.stage, exc)
 
 
 def open_trackers(tracking: Any, run_dir: Path, stages: Sequence[Any] = ()) -> Trackers:
     """The sinks `tracking` (the recipe's TrackingConfig) enables. A tracker whose package is
-    missing is reported as failed, not raised: the run goes on without it. `stages`: the run's
-    planned stages (Prometheus shows the pending ones and reads their folders)."""
+    missing is reported as failed, not raised. `stages`: the run's planned stages (Prometheus
+    shows the pending ones and reads their folders)."""
     sinks: list[Sink] = []
-    wanted: list[tuple[str, Callable[[], Sink]]] = []
-    if tracking.tensorboard:
-        wanted.append(("tensorboard", lambda: _sink("tensorboard")(run_dir)))
-    if tracking.mlflow is not None:
-        wanted.append(("mlflow", lambda: _sink("mlflow")(tracking.mlflow)))
-    if tracking.wandb is not None:
-        wanted.append(("wandb", lambda: _sink("wandb")(tracking.wandb, run_dir)))
-    if tracking.prometheus is not None:
-        wanted.append(("prometheus", lambda: _sink("prometheus")(tracking.prometheus, stages)))
-    for name, make in wanted:
+    args: dict[str, tuple[Any, ...]] = {
+        "tensorboard": (run_dir,) if tracking.tensorboard else (),
+        "mlflow": (tracking.mlflow,) if tracking.mlflow is not None else (),
+        "wandb": (tracking.wandb, run_dir) if tracking.wandb is not None else (),
+        "prometheus": (tracking.prometheus, stages) if tracking.prometheus is not None else (),
+    }
+    for name, given in ((n, a) for n, a in args.items() if a):
         try:
-            sinks.append(make())
+            sinks.append(_sink(name)(*given))
         except Exception as exc:
             sinks.append(_Unavailable(name, f"{type(exc).__name__}: {exc}"))
     trackers = Trackers(sinks)

@@ -1,16 +1,11 @@
 """A run's stages as Prometheus series (names in `flows.trackers.prom_names`).
 
-`RunSeries` is fed what the stages already write. Its status comes from the flow
-(`set_status`); everything else is read at scrape time (`collect`), so a scrape is as fresh as
-the files: the new records of each running stage's metrics.jsonl, and its per-rank files:
-heartbeats (the age of each
-rank's last beat, measured on this process's monotonic clock from when it saw the beat change, as
-the hang watch does, so ranks on machines with other clocks are judged alike) and health samples
-(GPU, InfiniBand, I/O: `posttrain.telemetry.health`). Ranks on Slurm or Kubernetes write those
-files into the shared workspace, so the flow process serves every node's ranks.
-
-A stage that is not running exports no per-rank series: an ended stage's last beat would age
-into a false hang alert. Nothing is exported for a source that is absent.
+`RunSeries` gets each stage's status from the flow (`set_status`) and reads everything else at
+scrape time (`collect`), so a scrape is as fresh as the files: metrics.jsonl, heartbeats (a
+beat's age measured on this process's monotonic clock from when it saw the beat change, as the
+hang watch does, so ranks on machines with other clocks are judged alike) and health samples,
+from every node through the shared workspace. A stage that is not running exports no per-rank
+series: an ended stage's last beat would age into a false hang alert.
 """
 
 from __future__ import annotations
@@ -114,9 +109,8 @@ class StageSeries:
                 self.gauges[name] = v * GIB
         alloc, reserved = _number(r.get("mem_allocated_gib")), _number(r.get("mem_reserved_gib"))
         if alloc is not None and reserved is not None:
-            self.gauges["posttrain_memory_reserved_minus_allocated_bytes"] = (
-                reserved - alloc
-            ) * GIB
+            gap = (reserved - alloc) * GIB
+            self.gauges["posttrain_memory_reserved_minus_allocated_bytes"] = gap
         step = _number(r.get("step")) or 0.0
         fresh = step > self.counted_step
         self.counted_step = max(self.counted_step, step)
@@ -137,15 +131,13 @@ class StageSeries:
                 share = None if seconds is None else seconds / step_s
             if share is not None:
                 self.phases[phase] = share
-        reward = next(
-            (v for k in ("score_mean", "reward_mean") if (v := _number(r.get(k))) is not None),
-            None,
-        )
-        if reward is not None:
-            self.gauges["posttrain_rl_reward"] = reward
-        kl = next((v for k in ("kl", "approx_kl") if (v := _number(r.get(k))) is not None), None)
-        if kl is not None:
-            self.gauges["posttrain_rl_kl"] = kl
+        for name, keys in (
+            ("posttrain_rl_reward", ("score_mean", "reward_mean")),
+            ("posttrain_rl_kl", ("kl", "approx_kl")),
+        ):
+            value = next((v for k in keys if (v := _number(r.get(k))) is not None), None)
+            if value is not None:
+                self.gauges[name] = value
 
     def _progress(self, r: dict[str, Any]) -> None:
         step, total = _number(r.get("step")), _number(r.get("total_steps"))
@@ -259,12 +251,12 @@ class _Families:
         family = self._families.get(name)
         if family is None:
             spec = BY_NAME[name]
-            if spec.type == "counter":
+            if spec.type == "counter":  # prometheus_client appends `_total` to a counter's name
                 family = CounterMetricFamily(
-                    name.removesuffix("_total"), spec.help, labels=list(spec.labels)
+                    name.removesuffix("_total"), spec.help, labels=spec.labels
                 )
             else:
-                family = GaugeMetricFamily(name, spec.help, labels=list(spec.labels))
+                family = GaugeMetricFamily(name, spec.help, labels=spec.labels)
             self._families[name] = family
         if not math.isnan(value) or family.type == "gauge":
             family.add_metric(labels, value)

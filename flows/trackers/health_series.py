@@ -76,10 +76,8 @@ def _ib(labels: list[str], port: dict[str, Any]) -> Iterator[Sample]:
     for direction in ("tx", "rx"):
         if (v := _num(port.get(f"{direction}_bytes_per_s"))) is not None:
             yield "posttrain_ib_bytes_per_second", [*labels, direction], v
-    for group, name in (
-        ("errors", "posttrain_ib_errors_total"),
-        ("retransmits", "posttrain_ib_retransmits_total"),
-    ):
+    for group in ("errors", "retransmits"):
+        name = f"posttrain_ib_{group}_total"
         for counter, value in (port.get(group) or {}).items():
             if (v := _num(value)) is not None:
                 yield name, [*labels, str(counter)], v

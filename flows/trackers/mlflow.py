@@ -70,9 +70,7 @@ class MlflowSink(Sink):
         self.model_name = str((recipe.get("run") or {}).get("name") or self.model_name)
         name = self.config.experiment or self.model_name
         found = self.client.get_experiment_by_name(name)
-        self.experiment_id = (
-            found.experiment_id if found is not None else self.client.create_experiment(name)
-        )
+        self.experiment_id = found.experiment_id if found else self.client.create_experiment(name)
         tags = {"posttrain.run_id": run_id, "posttrain.pipeline": self.model_name}
         if flow_run_id:
             tags["prefect.flow_run_id"] = flow_run_id
@@ -85,15 +83,9 @@ class MlflowSink(Sink):
 
     def start_stage(self, stage: str, fingerprint: str) -> None:
         assert self.experiment_id is not None and self.parent_id is not None
-        run = self.client.create_run(
-            self.experiment_id,
-            run_name=stage,
-            tags={
-                "mlflow.parentRunId": self.parent_id,
-                "posttrain.stage": stage,
-                "posttrain.fingerprint": fingerprint,
-            },
-        )
+        tags = {"mlflow.parentRunId": self.parent_id, "posttrain.stage": stage}
+        tags["posttrain.fingerprint"] = fingerprint
+        run = self.client.create_run(self.experiment_id, run_name=stage, tags=tags)
         self.stage_runs[stage] = run.info.run_id
 
     def _metrics(self, run_id: str, metrics: list[Any]) -> None:
@@ -120,10 +112,8 @@ class MlflowSink(Sink):
 
         run_id = self.stage_runs[record.stage]
         ms, step = int(time.time() * 1000), self._last_step.get(record.stage, 0)
-        metrics = [
-            Metric(metric_key(k), v, ms, step)
-            for k, v in headline_metrics(record.summary.headline).items()
-        ]
+        headline = headline_metrics(record.summary.headline)
+        metrics = [Metric(metric_key(k), v, ms, step) for k, v in headline.items()]
         tags = {
             "posttrain.status": record.status,
             "posttrain.reused": str(record.status == "reused").lower(),
@@ -143,9 +133,8 @@ class MlflowSink(Sink):
         self.client.log_artifact(parent, str(result.run_dir / "report.md"))
         for image in result.images:
             self.client.log_artifact(parent, str(image), "curves")
-        export = next(
-            (r for r in result.stages if r.stage == "export" and r.status != "failed"), None
-        )
+        exports = [r for r in result.stages if r.stage == "export" and r.status != "failed"]
+        export = exports[0] if exports else None
         if result.promotion and result.promotion.promoted and export and result.export_path:
             self._register(parent, Path(result.export_path), export)
         self.client.set_terminated(parent, "FAILED" if result.failed else "FINISHED")
@@ -164,18 +153,10 @@ class MlflowSink(Sink):
         if self.config.upload_model:
             self.client.log_artifacts(parent, str(export_path), "model")
         else:
+            where = {"path": str(export_path), "fingerprint": fingerprint, "sha256": export.sha256}
             with tempfile.TemporaryDirectory() as tmp:
                 pointer = Path(tmp) / "posttrain_export.json"
-                pointer.write_text(
-                    json.dumps(
-                        {
-                            "path": str(export_path),
-                            "fingerprint": fingerprint,
-                            "sha256": export.sha256,
-                        },
-                        indent=2,
-                    )
-                )
+                pointer.write_text(json.dumps(where, indent=2))
                 self.client.log_artifact(parent, str(pointer), "model")
         try:
             self.client.create_registered_model(self.model_name)

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-RUN_LABELS = ("run", "recipe")
-STAGE_LABELS = ("run", "recipe", "stage", "kind")
-RANK_LABELS = (*STAGE_LABELS, "rank", "node")
-GPU_LABELS = (*RANK_LABELS, "gpu")
-IB_LABELS = (*RANK_LABELS, "device", "port")
+LABEL_SETS = {"run": ("run", "recipe"), "stage": ("run", "recipe", "stage", "kind")}
+LABEL_SETS["rank"] = (*LABEL_SETS["stage"], "rank", "node")
+LABEL_SETS["gpu"] = (*LABEL_SETS["rank"], "gpu")
+LABEL_SETS["ib"] = (*LABEL_SETS["rank"], "device", "port")
 
 
 @dataclass(frozen=True)
@@ -27,162 +26,62 @@ class Series:
     labels: tuple[str, ...]
 
 
-def _s(name: str, type_: str, help_: str, labels: tuple[str, ...]) -> Series:
-    return Series(name, type_, help_, labels)
+# name | type | label set (+ extra labels) | help
+_TABLE = """
+posttrain_run_info | gauge | run+flow_run | 1 per pipeline run
+posttrain_stage_status | gauge | stage+status | 1 for the stage's status (pending, running, ran, reused, failed), 0 for the others
+posttrain_stage_step | gauge | stage | Last optimizer step recorded
+posttrain_stage_total_steps | gauge | stage | Optimizer steps the stage runs
+posttrain_stage_progress_ratio | gauge | stage | step / total_steps
+posttrain_stage_eta_seconds | gauge | stage | Time left at the recent step rate
+posttrain_hang_timeout_seconds | gauge | stage | The stage's hang timeout (infra.hang_timeout_s)
+posttrain_step_seconds | gauge | stage | Wall time of the last optimizer step
+posttrain_tokens_per_second | gauge | stage | Tokens per second, all devices
+posttrain_tokens_per_second_per_device | gauge | stage | Tokens per second per device
+posttrain_tflops_per_device | gauge | stage | Model TFLOP/s per device
+posttrain_mfu_ratio | gauge | stage | Model FLOP utilisation (0..1)
+posttrain_loss | gauge | stage | Training loss of the last step
+posttrain_eval_loss | gauge | stage | Loss of the last evaluation
+posttrain_grad_norm | gauge | stage | Gradient norm of the last step
+posttrain_skipped_updates_total | counter | stage | Updates the guard skipped (non-finite loss or gradient, loss spike)
+posttrain_nonfinite_updates_total | counter | stage | Updates skipped for a non-finite loss or gradient
+posttrain_memory_allocated_bytes | gauge | stage | GPU memory allocated
+posttrain_memory_reserved_bytes | gauge | stage | GPU memory reserved
+posttrain_memory_peak_allocated_bytes | gauge | stage | Peak GPU memory allocated
+posttrain_memory_peak_reserved_bytes | gauge | stage | Peak GPU memory reserved
+posttrain_memory_reserved_minus_allocated_bytes | gauge | stage | Reserved but unallocated GPU memory (fragmentation)
+posttrain_memory_rss_bytes | gauge | stage | Resident memory of rank 0 (CPU)
+posttrain_memory_peak_rss_bytes | gauge | stage | Peak resident memory of rank 0 (CPU)
+posttrain_data_wait_ratio | gauge | stage | Share of the last step spent waiting for data
+posttrain_rl_phase_ratio | gauge | stage+phase | Share of an RL step per phase (generation, scoring, update)
+posttrain_rl_reward | gauge | stage | Mean reward of the last RL step
+posttrain_rl_kl | gauge | stage | KL to the reference of the last RL step
+posttrain_heartbeat_age_seconds | gauge | rank | Seconds since the rank's heartbeat last advanced
+posttrain_heartbeat_step | gauge | rank | Step of the rank's last heartbeat
+posttrain_health_source_present | gauge | rank+source | 1 when the rank reads this health source (nvml, infiniband, io), 0 when absent
+posttrain_data_read_bytes_per_second | gauge | rank | Bytes the rank read from storage per second
+posttrain_gpu_power_watts | gauge | gpu | GPU power draw
+posttrain_gpu_power_limit_watts | gauge | gpu | GPU enforced power limit
+posttrain_gpu_temperature_celsius | gauge | gpu | GPU temperature
+posttrain_gpu_sm_clock_hertz | gauge | gpu | GPU SM clock
+posttrain_gpu_sm_clock_max_hertz | gauge | gpu | GPU maximum SM clock
+posttrain_gpu_throttle | gauge | gpu+reason | 1 while the GPU's clocks are held down for this reason
+posttrain_gpu_ecc_errors_total | counter | gpu+type | GPU ECC errors since the driver loaded (volatile)
+posttrain_gpu_pcie_bytes_per_second | gauge | gpu+direction | GPU PCIe throughput
+posttrain_gpu_nvlink_bytes_per_second | gauge | gpu+direction | GPU NVLink throughput
+posttrain_gpu_memory_used_bytes | gauge | gpu | GPU memory used (NVML)
+posttrain_gpu_memory_total_bytes | gauge | gpu | GPU memory total (NVML)
+posttrain_ib_bytes_per_second | gauge | ib+direction | InfiniBand/RoCE port data rate
+posttrain_ib_errors_total | counter | ib+counter | InfiniBand/RoCE port error counters
+posttrain_ib_retransmits_total | counter | ib+counter | InfiniBand/RoCE retransmission and timeout counters
+"""
 
 
-SERIES: tuple[Series, ...] = (
-    _s("posttrain_run_info", "gauge", "1 per pipeline run", (*RUN_LABELS, "flow_run")),
-    _s(
-        "posttrain_stage_status",
-        "gauge",
-        "1 for the stage's status (pending, running, ran, reused, failed), 0 for the others",
-        (*STAGE_LABELS, "status"),
-    ),
-    _s("posttrain_stage_step", "gauge", "Last optimizer step recorded", STAGE_LABELS),
-    _s("posttrain_stage_total_steps", "gauge", "Optimizer steps the stage runs", STAGE_LABELS),
-    _s("posttrain_stage_progress_ratio", "gauge", "step / total_steps", STAGE_LABELS),
-    _s("posttrain_stage_eta_seconds", "gauge", "Time left at the recent step rate", STAGE_LABELS),
-    _s(
-        "posttrain_hang_timeout_seconds",
-        "gauge",
-        "The stage's hang timeout (infra.hang_timeout_s)",
-        STAGE_LABELS,
-    ),
-    _s("posttrain_step_seconds", "gauge", "Wall time of the last optimizer step", STAGE_LABELS),
-    _s("posttrain_tokens_per_second", "gauge", "Tokens per second, all devices", STAGE_LABELS),
-    _s(
-        "posttrain_tokens_per_second_per_device",
-        "gauge",
-        "Tokens per second per device",
-        STAGE_LABELS,
-    ),
-    _s("posttrain_tflops_per_device", "gauge", "Model TFLOP/s per device", STAGE_LABELS),
-    _s("posttrain_mfu_ratio", "gauge", "Model FLOP utilisation (0..1)", STAGE_LABELS),
-    _s("posttrain_loss", "gauge", "Training loss of the last step", STAGE_LABELS),
-    _s("posttrain_eval_loss", "gauge", "Loss of the last evaluation", STAGE_LABELS),
-    _s("posttrain_grad_norm", "gauge", "Gradient norm of the last step", STAGE_LABELS),
-    _s(
-        "posttrain_skipped_updates_total",
-        "counter",
-        "Updates the guard skipped (non-finite loss or gradient, loss spike)",
-        STAGE_LABELS,
-    ),
-    _s(
-        "posttrain_nonfinite_updates_total",
-        "counter",
-        "Updates skipped for a non-finite loss or gradient",
-        STAGE_LABELS,
-    ),
-    _s("posttrain_memory_allocated_bytes", "gauge", "GPU memory allocated", STAGE_LABELS),
-    _s("posttrain_memory_reserved_bytes", "gauge", "GPU memory reserved", STAGE_LABELS),
-    _s(
-        "posttrain_memory_peak_allocated_bytes",
-        "gauge",
-        "Peak GPU memory allocated",
-        STAGE_LABELS,
-    ),
-    _s(
-        "posttrain_memory_peak_reserved_bytes",
-        "gauge",
-        "Peak GPU memory reserved",
-        STAGE_LABELS,
-    ),
-    _s(
-        "posttrain_memory_reserved_minus_allocated_bytes",
-        "gauge",
-        "Reserved but unallocated GPU memory (fragmentation)",
-        STAGE_LABELS,
-    ),
-    _s("posttrain_memory_rss_bytes", "gauge", "Resident memory of rank 0 (CPU)", STAGE_LABELS),
-    _s(
-        "posttrain_memory_peak_rss_bytes",
-        "gauge",
-        "Peak resident memory of rank 0 (CPU)",
-        STAGE_LABELS,
-    ),
-    _s(
-        "posttrain_data_wait_ratio",
-        "gauge",
-        "Share of the last step spent waiting for data",
-        STAGE_LABELS,
-    ),
-    _s(
-        "posttrain_rl_phase_ratio",
-        "gauge",
-        "Share of an RL step per phase (generation, scoring, update)",
-        (*STAGE_LABELS, "phase"),
-    ),
-    _s("posttrain_rl_reward", "gauge", "Mean reward of the last RL step", STAGE_LABELS),
-    _s("posttrain_rl_kl", "gauge", "KL to the reference of the last RL step", STAGE_LABELS),
-    _s(
-        "posttrain_heartbeat_age_seconds",
-        "gauge",
-        "Seconds since the rank's heartbeat last advanced",
-        RANK_LABELS,
-    ),
-    _s("posttrain_heartbeat_step", "gauge", "Step of the rank's last heartbeat", RANK_LABELS),
-    _s(
-        "posttrain_health_source_present",
-        "gauge",
-        "1 when the rank reads this health source (nvml, infiniband, io), 0 when absent",
-        (*RANK_LABELS, "source"),
-    ),
-    _s(
-        "posttrain_data_read_bytes_per_second",
-        "gauge",
-        "Bytes the rank read from storage per second",
-        RANK_LABELS,
-    ),
-    _s("posttrain_gpu_power_watts", "gauge", "GPU power draw", GPU_LABELS),
-    _s("posttrain_gpu_power_limit_watts", "gauge", "GPU enforced power limit", GPU_LABELS),
-    _s("posttrain_gpu_temperature_celsius", "gauge", "GPU temperature", GPU_LABELS),
-    _s("posttrain_gpu_sm_clock_hertz", "gauge", "GPU SM clock", GPU_LABELS),
-    _s("posttrain_gpu_sm_clock_max_hertz", "gauge", "GPU maximum SM clock", GPU_LABELS),
-    _s(
-        "posttrain_gpu_throttle",
-        "gauge",
-        "1 while the GPU's clocks are held down for this reason",
-        (*GPU_LABELS, "reason"),
-    ),
-    _s(
-        "posttrain_gpu_ecc_errors_total",
-        "counter",
-        "GPU ECC errors since the driver loaded (volatile)",
-        (*GPU_LABELS, "type"),
-    ),
-    _s(
-        "posttrain_gpu_pcie_bytes_per_second",
-        "gauge",
-        "GPU PCIe throughput",
-        (*GPU_LABELS, "direction"),
-    ),
-    _s(
-        "posttrain_gpu_nvlink_bytes_per_second",
-        "gauge",
-        "GPU NVLink throughput",
-        (*GPU_LABELS, "direction"),
-    ),
-    _s("posttrain_gpu_memory_used_bytes", "gauge", "GPU memory used (NVML)", GPU_LABELS),
-    _s("posttrain_gpu_memory_total_bytes", "gauge", "GPU memory total (NVML)", GPU_LABELS),
-    _s(
-        "posttrain_ib_bytes_per_second",
-        "gauge",
-        "InfiniBand/RoCE port data rate",
-        (*IB_LABELS, "direction"),
-    ),
-    _s(
-        "posttrain_ib_errors_total",
-        "counter",
-        "InfiniBand/RoCE port error counters",
-        (*IB_LABELS, "counter"),
-    ),
-    _s(
-        "posttrain_ib_retransmits_total",
-        "counter",
-        "InfiniBand/RoCE retransmission and timeout counters",
-        (*IB_LABELS, "counter"),
-    ),
-)
+def _series(row: str) -> Series:
+    name, type_, labels, help_ = (cell.strip() for cell in row.split("|", 3))
+    base, *extra = labels.split("+")
+    return Series(name, type_, help_, (*LABEL_SETS[base], *extra))
 
+
+SERIES: tuple[Series, ...] = tuple(_series(row) for row in _TABLE.strip().splitlines())
 BY_NAME = {s.name: s for s in SERIES}

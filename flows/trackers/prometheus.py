@@ -2,11 +2,9 @@
 run's stages and ranks (`flows.trackers.exposition.RunSeries`), pushes to a Pushgateway,
 or both.
 
-Like every tracker it runs in the flow process and follows the stages' status; unlike the
-others it reads the stages' files itself, at each scrape (metrics.jsonl, heartbeats, health
-samples), rather than the trackers' feed, which polls every 2 s: a scrape is as fresh as the
-files. The files are in the (shared) workspace, so ranks on other nodes are served too. A port
-in use or an unreachable Pushgateway gives the tracker up with one warning: the run goes on.
+Unlike the other trackers it reads the stages' files itself at each scrape, so a scrape is as
+fresh as the files (on the shared workspace: every node's ranks). A port in use or an
+unreachable Pushgateway gives the tracker up with one warning: the run goes on.
 """
 
 from __future__ import annotations
@@ -101,12 +99,9 @@ class PrometheusSink(Sink):
 
     def _push(self) -> None:
         assert self.series is not None
+        group = {"run": self.series.run}
         push_to_gateway(
-            self.cfg.pushgateway,
-            job=JOB,
-            grouping_key={"run": self.series.run},
-            registry=self.registry,
-            timeout=10,
+            self.cfg.pushgateway, job=JOB, grouping_key=group, registry=self.registry, timeout=10
         )
 
     def _push_loop(self) -> None:
@@ -121,9 +116,8 @@ class PrometheusSink(Sink):
 
 
 def write_target(folder: Path, run_id: str, address: str) -> Path:
-    """`<folder>/<run_id>.json`: Prometheus's file_sd format, this run's one target (written
-    whole, then renamed: Prometheus re-reads the folder when it changes). No target labels:
-    the series carry `run` themselves."""
+    """`<folder>/<run_id>.json`: this run's one file_sd target (written whole, then renamed:
+    Prometheus re-reads the folder when it changes); the series carry `run` themselves."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{run_id}.json"
     tmp = folder / f".{run_id}.json.tmp"

@@ -41,25 +41,14 @@ class WandbSink(Sink):
 
     def start_stage(self, stage: str, fingerprint: str) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        ids = {"run_id": self.run_id, "stage": stage, "fingerprint": fingerprint}
+        ids["prefect_flow_run_id"] = self.flow_run_id
+        where = {"project": self.config.project, "entity": self.config.entity, "mode": self.mode}
+        what = {"group": self.run_id, "job_type": stage, "name": f"{self.run_id}/{stage}"}
+        config = {"recipe": self.recipe, "posttrain": ids}
+        # reinit: stages side by side, one live run each.
         run = self.wandb.init(
-            project=self.config.project,
-            entity=self.config.entity,
-            mode=self.mode,
-            group=self.run_id,
-            job_type=stage,
-            name=f"{self.run_id}/{stage}",
-            dir=str(self.dir),
-            config={
-                "recipe": self.recipe,
-                "posttrain": {
-                    "run_id": self.run_id,
-                    "stage": stage,
-                    "fingerprint": fingerprint,
-                    "prefect_flow_run_id": self.flow_run_id,
-                },
-            },
-            tags=[stage],
-            reinit="create_new",  # stages side by side: one live run each
+            **where, **what, dir=str(self.dir), config=config, tags=[stage], reinit="create_new"
         )
         self.runs[stage] = run
         url = getattr(run, "url", None)
@@ -78,14 +67,15 @@ class WandbSink(Sink):
         run = self.runs.pop(record.stage, None)
         if run is None:
             return
+        about = {
+            "status": record.status,
+            "reused": record.status == "reused",
+            "sha256": record.sha256,
+        }
+        about["artifact_uri"] = record.uri
         run.summary.update(
-            {
-                **headline_metrics(record.summary.headline),
-                "posttrain/status": record.status,
-                "posttrain/reused": record.status == "reused",
-                "posttrain/sha256": record.sha256,
-                "posttrain/artifact_uri": record.uri,
-            }
+            headline_metrics(record.summary.headline)
+            | {f"posttrain/{k}": v for k, v in about.items()}
         )
         run.finish(exit_code=1 if record.status == "failed" else 0)
 

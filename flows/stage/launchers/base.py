@@ -1,17 +1,15 @@
 """The interface between the stage supervisor and whatever runs a stage's processes.
 
-`flows.stage.supervise` holds the artifact lock, watches heartbeats and the timeout, and checks
-the artifact; a `Launcher` only starts the stage's processes on every node and reports on them.
-Three engines implement it: `local` (a child process of this one, torchrun for several ranks),
-`slurm` (one sbatch job per stage, `srun` starts one torchrun agent per node) and `kubernetes`
-(an Indexed Job with a headless Service, one pod per node). Everything the stage writes goes to
-the shared workspace (metrics.jsonl, heartbeats, checkpoints, the manifest), so the supervisor
+`flows.stage.supervise` holds the lock, watches heartbeats and the timeout and checks the
+artifact; a `Launcher` (`local`, `slurm`, `kubernetes`) only starts the stage's processes on every
+node and reports on them. The stage writes everything to the shared workspace, so the supervisor
 reads progress and hangs the same way whatever ran it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,12 +23,8 @@ Log = logging.LoggerAdapter | logging.Logger
 
 @dataclass
 class LaunchRequest:
-    """What a launcher needs to start one stage.
-
-    `env`: the variables every process of the stage must see (launch marker, held locks, the
-    remote-launcher beat file, offline switches), on top of whatever the engine sets. A remote
-    engine passes exactly these (plus its own), not this machine's whole environment.
-    """
+    """What a launcher needs to start one stage. `env`: what every process of the stage must
+    see; a remote engine passes exactly these (plus its own), not this machine's environment."""
 
     stage: PlannedStage
     spec_path: Path
@@ -54,13 +48,11 @@ class Launch(Protocol):
     record: dict[str, str]
 
     def output(self) -> Iterable[str]:
-        """The stage's merged output, line by line, from every node (a remote engine prefixes
-        each line with its node), until the stage has ended and everything was read."""
+        """Every node's output, line by line (`[node k] ` prefixed), until all was read."""
         ...
 
     def started(self) -> bool:
-        """Whether the stage's processes run (a queued Slurm job or pending pod do not yet):
-        the stage timeout counts from then."""
+        """Whether the processes run (not queued): the stage timeout counts from then."""
         ...
 
     def waiting_reason(self) -> str | None:
@@ -76,18 +68,15 @@ class Launch(Protocol):
         ...
 
     def engine_reason(self) -> str | None:
-        """After the end: why the engine ended it, when the engine did (a time limit,
-        preemption, node failure, an evicted or OOM-killed pod), else None."""
+        """After the end: why the engine ended it (time limit, preemption, OOM kill), if it did."""
         ...
 
     def stop(self, grace_s: float, log: Log) -> None:
-        """End every process of the stage on every node (SIGTERM, then SIGKILL after
-        `grace_s`) and return once none is left. Safe to call after the end and twice."""
+        """SIGTERM, then SIGKILL after `grace_s`, every process on every node; safe twice."""
         ...
 
     def dump_stacks(self, hang: Hang, out_dir: Path) -> list[Path]:
-        """Ask the hung ranks for their Python stacks (SIGUSR1 to ranks that registered
-        faulthandler); returns the stack files written, [] where the engine cannot signal."""
+        """SIGUSR1 to the hung ranks (faulthandler): the stack files, [] where it cannot."""
         ...
 
 
@@ -97,14 +86,21 @@ class Launcher(Protocol):
     name: str  # "local", "slurm", "kubernetes"
 
     def start(self, request: LaunchRequest, log: Log) -> Launch:
-        """Start the stage on all its nodes (submit it); raises `LaunchError` when the engine
-        refuses it (no such partition, the API says no), with the engine's words."""
+        """Start (submit) the stage on all its nodes; `LaunchError`, in the engine's words."""
         ...
 
     def find(self, record: dict[str, str], log: Log) -> Launch | None:
-        """The launch `record` names (`Launch.record`) if the engine still runs or queues it,
-        else None: a run whose flow died may have left it behind."""
+        """The launch `record` names if the engine still runs or queues it (a dead flow's)."""
         ...
+
+
+def poll_after(launch: Launch, next_read: float, timeout_s: float) -> int | None:
+    """`launch.poll()`, then (still running) again once its next state read is due at
+    `next_read` (monotonic), waiting at most `timeout_s`: a remote engine's `wait`."""
+    if (rc := launch.poll()) is None:
+        time.sleep(min(timeout_s, max(0.0, next_read - time.monotonic())))
+        rc = launch.poll()
+    return rc
 
 
 class LaunchError(RuntimeError):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flows.stage.launch import NODE_RANK_ENV, stage_command
+from flows.stage.launch import NODE_RANK_ENV, planned_stage_command
 from flows.stage.launchers.base import LaunchRequest
 from posttrain.sections.kubernetes import KubernetesConfig
 
@@ -38,8 +38,7 @@ _NAME_MAX = 48
 
 @dataclass(frozen=True)
 class JobPlan:
-    """What one launch submits: the Job, the Service (its owner reference to the Job is added
-    once the Job's uid is known), the command every pod runs, and the labels of both."""
+    """What one launch submits: the Job and (`service`, once the Job's uid is known) its Service."""
 
     name: str  # of the Job and of the Service
     namespace: str
@@ -105,6 +104,11 @@ def _escape(text: str) -> str:
     return text.replace("$(", "$$(")
 
 
+def _some(**fields: Any) -> dict[str, Any]:
+    # A manifest leaves out what the recipe does not set (None, empty), in the order given.
+    return {k: v for k, v in fields.items() if v}
+
+
 def plan_job(
     request: LaunchRequest, config: KubernetesConfig, device: str, workspace: Path | None = None
 ) -> JobPlan:
@@ -123,20 +127,28 @@ def plan_job(
     labels = job_labels(request, config)
     command = pod_command(request, config, name, nnodes)
     volumes, mounts = workspace_volumes(config, workspace)
-    container = container_spec(
-        config, command, container_env(request, config), mounts, gpus, nnodes
-    )
-    pod = pod_spec(config, name, container, volumes)
-    job = job_manifest(request, config, name, labels, pod, nnodes)
+    container = {
+        "name": CONTAINER,
+        "image": config.image,
+        "command": command,
+        "env": container_env(request, config),
+        "volumeMounts": mounts,
+        **_some(
+            imagePullPolicy=config.image_pull_policy,
+            resources=container_resources(config, gpus),
+            # Exposed when several nodes dial pod 0's rendezvous.
+            ports=[{"name": "rdzv", "containerPort": config.rdzv_port}] if nnodes > 1 else None,
+        ),
+    }
+    job = job_manifest(request, config, name, labels, pod_spec(config, name, container, volumes))
     return JobPlan(name, config.namespace, labels, command, job, gpus, nnodes)
 
 
 def checked_workspace(
     request: LaunchRequest, config: KubernetesConfig, workspace: Path | None
 ) -> Path:
-    """The run's workspace (`workspace`, else found from the stage's folder: everything the
-    stage reads and writes is under it), after checking that the recipe says what to run and
-    what to mount, and that the pods will see the spec."""
+    """The run's workspace (`workspace`, else found from the stage's folder), after checking
+    that the recipe says what to run and mount, and that the pods will see the spec."""
     if not config.image:
         raise ValueError("infra.kubernetes.image is required to launch on Kubernetes")
     if not (config.workspace_claim or config.workspace_host_path):
@@ -174,8 +186,7 @@ def gpus_per_node(request: LaunchRequest, config: KubernetesConfig, device: str)
 
 
 def job_labels(request: LaunchRequest, config: KubernetesConfig) -> dict[str, str]:
-    """The labels of the Job, its pods and the Service: the recipe's, then posttrain's own
-    (stage, launch id), then the request's under `posttrain.io/`."""
+    """The recipe's labels, then posttrain's (stage, launch), then the request's."""
     labels = dict(config.labels)
     labels["app.kubernetes.io/managed-by"] = "posttrain"
     labels[STAGE_LABEL] = sanitize_label(request.stage.name)
@@ -188,60 +199,42 @@ def job_labels(request: LaunchRequest, config: KubernetesConfig) -> dict[str, st
 def pod_command(
     request: LaunchRequest, config: KubernetesConfig, name: str, nnodes: int
 ) -> list[str]:
-    """The stage's torchrun command line, the same in every pod: its node rank is left for
-    Kubernetes to expand from the pod's environment, every other argument is literal text."""
+    """The stage's command line, the same in every pod: Kubernetes expands the node rank from
+    the pod's environment, every other argument is literal text."""
     stage = request.stage
     rank_arg = f"$({NODE_RANK_ENV})"
-    command = stage_command(
-        stage.module,
-        str(request.spec_path),
-        stage.nprocs,
-        python=config.python,
-        nnodes=nnodes,
-        node_rank=rank_arg,
-        rdzv_endpoint=rdzv_endpoint(name, config),
-        rdzv_id=stage.fingerprint,
+    endpoint = rdzv_endpoint(name, config)
+    command = planned_stage_command(
+        stage, str(request.spec_path), rank_arg, endpoint, python=config.python, nnodes=nnodes
     )
     return [a if a == rank_arg else _escape(a) for a in command]
 
 
 def container_env(request: LaunchRequest, config: KubernetesConfig) -> list[dict[str, Any]]:
-    """The container's `env`: the node rank from the pod's completion index, then as literal
-    values the recipe's `infra.kubernetes.env` overridden by the launch's
-    (`flows.stage.launch.launch_env`), less this machine's node rank."""
+    """The node rank from the pod's completion index, then the recipe's `env` overridden by the
+    launch's (`launch_env`), less this machine's node rank."""
     literal = {**config.env, **request.env}
     literal.pop(NODE_RANK_ENV, None)
-    return [
-        # First: later values may refer to it. The downward API reads the index the Job
-        # controller gives each pod.
-        {
-            "name": NODE_RANK_ENV,
-            "valueFrom": {
-                "fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}
-            },
-        },
-        *({"name": k, "value": _escape(v)} for k, v in literal.items()),
-    ]
+    # First: later values may refer to it. The downward API reads the Job controller's index.
+    index = {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}}
+    rank = {"name": NODE_RANK_ENV, "valueFrom": index}
+    return [rank, *({"name": k, "value": _escape(v)} for k, v in literal.items())]
 
 
 def container_resources(config: KubernetesConfig, gpus: int) -> dict[str, dict[str, str]]:
-    """The container's `resources`: the recipe's CPU and memory requests and limits and the
-    pod's GPUs, each of `requests` / `limits` only when it has an entry ({} for neither)."""
-    requests = {
-        k: v for k, v in (("cpu", config.cpu_request), ("memory", config.memory_request)) if v
-    }
-    limits = {k: v for k, v in (("cpu", config.cpu_limit), ("memory", config.memory_limit)) if v}
+    """The container's `resources`: CPU, memory and GPUs, only the entries set ({} for none)."""
+    requests = _some(cpu=config.cpu_request, memory=config.memory_request)
+    limits = _some(cpu=config.cpu_limit, memory=config.memory_limit)
     if gpus:
         limits[config.gpu_resource] = str(gpus)  # extended resources: requests = limits
-    return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+    return _some(requests=requests, limits=limits)
 
 
 def workspace_volumes(
     config: KubernetesConfig, workspace: Path
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(the pod's volumes, the container's mounts): the shared workspace (a claim, else a host
-    folder) mounted at the same path as on the launching machine, and a memory-backed
-    /dev/shm when the recipe sizes one."""
+    """(volumes, mounts): the shared workspace (a claim, else a host folder) at the same path as
+    here, and a memory-backed /dev/shm when the recipe sizes one."""
     mounts = [{"name": WORKSPACE_VOLUME, "mountPath": str(workspace)}]
     if config.workspace_claim:
         source: dict[str, Any] = {"persistentVolumeClaim": {"claimName": config.workspace_claim}}
@@ -256,41 +249,12 @@ def workspace_volumes(
     return volumes, mounts
 
 
-def container_spec(
-    config: KubernetesConfig,
-    command: list[str],
-    env: list[dict[str, Any]],
-    mounts: list[dict[str, Any]],
-    gpus: int,
-    nnodes: int,
-) -> dict[str, Any]:
-    """The stage's one container; it exposes the rendezvous port when several nodes dial it."""
-    container: dict[str, Any] = {
-        "name": CONTAINER,
-        "image": config.image,
-        "command": command,
-        "env": env,
-        "volumeMounts": mounts,
-    }
-    if config.image_pull_policy:
-        container["imagePullPolicy"] = config.image_pull_policy
-    resources = container_resources(config, gpus)
-    if resources:
-        container["resources"] = resources
-    if nnodes > 1:
-        container["ports"] = [{"name": "rdzv", "containerPort": config.rdzv_port}]
-    return container
-
-
 def pod_spec(
-    config: KubernetesConfig,
-    name: str,
-    container: dict[str, Any],
-    volumes: list[dict[str, Any]],
+    config: KubernetesConfig, name: str, container: dict[str, Any], volumes: list[dict[str, Any]]
 ) -> dict[str, Any]:
     """The pod template's spec: never restarted, in the Service's subdomain, with the recipe's
     scheduling and registry settings."""
-    pod: dict[str, Any] = {
+    return {
         "restartPolicy": "Never",
         # With the Service of the same name: pod k is `<job>-k.<job>` (Indexed Jobs set each
         # pod's hostname to `<job>-<index>`).
@@ -298,16 +262,13 @@ def pod_spec(
         "terminationGracePeriodSeconds": config.termination_grace_s,
         "containers": [container],
         "volumes": volumes,
+        **_some(
+            serviceAccountName=config.service_account,
+            imagePullSecrets=[{"name": s} for s in config.image_pull_secrets],
+            nodeSelector=dict(config.node_selector),
+            tolerations=[t.model_dump(exclude_none=True) for t in config.tolerations],
+        ),
     }
-    if config.service_account:
-        pod["serviceAccountName"] = config.service_account
-    if config.image_pull_secrets:
-        pod["imagePullSecrets"] = [{"name": s} for s in config.image_pull_secrets]
-    if config.node_selector:
-        pod["nodeSelector"] = dict(config.node_selector)
-    if config.tolerations:
-        pod["tolerations"] = [t.model_dump(exclude_none=True) for t in config.tolerations]
-    return pod
 
 
 def job_manifest(
@@ -316,9 +277,10 @@ def job_manifest(
     name: str,
     labels: dict[str, str],
     pod: dict[str, Any],
-    nnodes: int,
 ) -> dict[str, Any]:
     """The Indexed Job: one pod per node, no retries, the recipe's deadline and clean-up."""
+    nnodes = max(1, request.stage.nnodes)
+    extra = config.deadline_extra_s
     spec: dict[str, Any] = {
         "completionMode": "Indexed",
         "completions": nnodes,
@@ -328,18 +290,10 @@ def job_manifest(
         "backoffLimit": 0,
         "template": {"metadata": {"labels": dict(labels)}, "spec": pod},
     }
-    if config.deadline_extra_s is not None:
-        spec["activeDeadlineSeconds"] = math.ceil(request.stage.timeout_s + config.deadline_extra_s)
+    if extra is not None:
+        spec["activeDeadlineSeconds"] = math.ceil(request.stage.timeout_s + extra)
     if config.ttl_seconds_after_finished is not None:
         spec["ttlSecondsAfterFinished"] = config.ttl_seconds_after_finished
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {
-            "name": name,
-            "namespace": config.namespace,
-            "labels": dict(labels),
-            "annotations": {LABEL_PREFIX + "spec": str(request.spec_path)},
-        },
-        "spec": spec,
-    }
+    metadata = {"name": name, "namespace": config.namespace, "labels": dict(labels)}
+    metadata["annotations"] = {LABEL_PREFIX + "spec": str(request.spec_path)}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": spec}

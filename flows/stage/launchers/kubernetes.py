@@ -1,18 +1,16 @@
 """The Kubernetes launcher: a stage as an Indexed Job with a headless Service, through the
 Kubernetes API (the official `kubernetes` client; extra `pip install posttrain[kubernetes]`).
 
-`start` submits the Job (one pod per node, `flows.stage.launchers.k8s_manifests`) and then its
-Service (owned by the Job, so deleting the Job removes it). The returned `KubernetesLaunch`
-looks at the Job and its pods every `infra.kubernetes.poll_s` seconds (two reads, shared by
-every caller), follows each pod's log once its container started, and ends the stage by
-deleting the Job in the foreground, which the API turns into SIGTERM, then SIGKILL after the
-grace period, in every pod. The stage's metrics, heartbeats and checkpoints reach the
-supervisor through the shared workspace volume, as with any launcher.
+`start` submits the Job (`k8s_manifests`), then its Service (owned by the Job). The returned
+`KubernetesLaunch` reads the Job and its pods every `infra.kubernetes.poll_s` seconds (shared by
+every caller), follows each pod's log once its container started, and ends the stage by deleting
+the Job in the foreground: SIGTERM, then SIGKILL after the grace period, in every pod.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import queue
@@ -23,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from flows.stage.launchers.base import LaunchError, LaunchRequest, Log
+from flows.stage.launchers.base import LaunchError, LaunchRequest, Log, poll_after
 from flows.stage.launchers.k8s_manifests import (
     COMPLETION_INDEX_ANNOTATION,
     CONTAINER,
@@ -48,9 +46,8 @@ _OWN_ENDINGS = {"Completed", "Error"}
 
 
 def api_client(config: KubernetesConfig, connections: int = 16) -> Any:
-    """An ApiClient for `config.context`: in-cluster credentials when this process runs in a pod
-    and no context is named, else the kubeconfig's (current) context. `connections`: pool size
-    (one long-lived log stream per pod plus the status reads)."""
+    """An ApiClient for `config.context`: in-cluster credentials in a pod with no context named,
+    else the kubeconfig's. `connections`: pool size (a log stream per pod, the status reads)."""
     _need_client()
     import os
 
@@ -90,12 +87,8 @@ def api_message(exc: Exception) -> str:
 
 
 class KubernetesLauncher:
-    """Runs each stage as an Indexed Job + headless Service in `config.namespace`.
-
-    `device`: infra.device (GPUs per pod default to one per process on `cuda`). `workspace`:
-    the run's absolute workspace folder, mounted at the same path in every pod (default: found
-    from each stage's folder). `client`: an `ApiClient` to use instead of the kubeconfig's.
-    """
+    """Runs each stage as an Indexed Job + headless Service in `config.namespace`; `device`,
+    `workspace` as for `plan_job`; `client`: an `ApiClient` instead of the kubeconfig's."""
 
     name = "kubernetes"
 
@@ -104,7 +97,7 @@ class KubernetesLauncher:
         config: KubernetesConfig,
         device: str,
         workspace: Path | str | None = None,
-        client: Any | None = None,
+        client: Any = None,
     ) -> None:
         _need_client()
         self.config = config
@@ -114,11 +107,8 @@ class KubernetesLauncher:
 
     @classmethod
     def from_infra(cls, infra: dict[str, Any]) -> KubernetesLauncher:
-        """From a stage's planned infra section (`PlannedStage.infra`, JSON)."""
-        return cls(
-            KubernetesConfig.model_validate(infra.get("kubernetes") or {}),
-            str(infra.get("device", "cpu")),
-        )
+        config = KubernetesConfig.model_validate(infra.get("kubernetes") or {})
+        return cls(config, str(infra.get("device", "cpu")))
 
     def _api(self, connections: int = 16) -> Any:
         if self._client is None:
@@ -145,9 +135,7 @@ class KubernetesLauncher:
         # /etc/hosts whatever DNS says; the others retry the rendezvous until the name resolves.
         try:
             core.create_namespaced_service(
-                ns,
-                plan.service(job.metadata.uid, self.config.rdzv_port),
-                field_validation="Strict",
+                ns, plan.service(job.metadata.uid, self.config.rdzv_port), field_validation="Strict"
             )
         except ApiException as exc:
             with contextlib.suppress(ApiException):
@@ -156,21 +144,14 @@ class KubernetesLauncher:
                 f"Kubernetes refused Service {ns}/{plan.name} (the Job was deleted): "
                 f"{api_message(exc)}"
             ) from None
-        log.info(
-            "stage %s: submitted Kubernetes Job %s/%s (%d pod(s), %d GPU(s) each)",
-            request.stage.name,
-            ns,
-            plan.name,
-            plan.nnodes,
-            plan.gpus,
-        )
+        what = f"Kubernetes Job {ns}/{plan.name} ({plan.nnodes} pod(s), {plan.gpus} GPU(s) each)"
+        log.info("stage %s: submitted %s", request.stage.name, what)
         return KubernetesLaunch(
             client, self.config, plan.name, ns, plan.labels[LAUNCH_LABEL], plan.nnodes
         )
 
     def find(self, record: dict[str, str], log: Log) -> KubernetesLaunch | None:
-        """The Job `record` names if it still runs or waits (a flow that died left it), else
-        None."""
+        """The Job `record` names if it still runs or waits (a flow that died left it)."""
         name, ns, launch = record.get("job", ""), record.get("namespace", ""), record.get("launch")
         if not (name and ns and launch):
             return None
@@ -200,9 +181,8 @@ def _write_manifests(log_dir: Path, plan: JobPlan, config: KubernetesConfig) -> 
 
 
 class KubernetesLaunch:
-    """One submitted Job. Thread-safe: the supervisor polls while another thread reads
-    `output()`; the Job and its pods are read at most once per `poll_s` for all of them, and
-    no more once the Job has ended (its last state is kept: the end is final)."""
+    """One submitted Job. Thread-safe (the supervisor polls while another thread reads
+    `output()`); the Job and its pods are read at most once per `poll_s`, never after the end."""
 
     def __init__(
         self,
@@ -230,8 +210,6 @@ class KubernetesLaunch:
         self._stopped = False
         self._final: int | None = None  # the exit status, once ended
         self._api_error: str | None = None
-
-    # -- state ----------------------------------------------------------------------------
 
     def _refresh(self, force: bool = False) -> None:
         with self._lock:
@@ -266,11 +244,8 @@ class KubernetesLaunch:
         return [p for p in self._pods if (p.status.phase or "Pending") in ("Pending", "Running")]
 
     def _ended(self) -> bool:
-        """The Job reached its end (or is gone) and none of its pods still runs."""
         final = self._condition("Complete", "Failed") or self._job_gone
         return bool(final) and not self._active_pods()
-
-    # -- Launch ---------------------------------------------------------------------------
 
     def started(self) -> bool:
         if not self._started:
@@ -282,9 +257,8 @@ class KubernetesLaunch:
     def waiting_reason(self) -> str | None:
         if self.started():
             return None
-        reasons = [
-            f"{sum(_container_started(p) for p in self._pods)} of {self.nnodes} pods running"
-        ]
+        running = sum(_container_started(p) for p in self._pods)
+        reasons = [f"{running} of {self.nnodes} pods running"]
         if len(self._pods) < self.nnodes:
             reasons.append(f"{len(self._pods)} of {self.nnodes} pods created")
         if self._job is not None and self._job.spec and self._job.spec.suspend:
@@ -311,11 +285,7 @@ class KubernetesLaunch:
         return self._final
 
     def wait(self, timeout_s: float) -> int | None:
-        rc = self.poll()
-        if rc is None:
-            time.sleep(min(timeout_s, max(0.0, self._read_at + self._poll_s - time.monotonic())))
-            rc = self.poll()
-        return rc
+        return poll_after(self, self._read_at + self._poll_s, timeout_s)
 
     def engine_reason(self) -> str | None:
         self._refresh()
@@ -331,32 +301,24 @@ class KubernetesLaunch:
         return "Kubernetes: " + "; ".join(reasons) if reasons else None
 
     def stop(self, grace_s: float, log: Log) -> None:
-        """Delete the Job (foreground: its pods go first, each SIGTERMed, SIGKILLed after its
-        grace period) and the Service, then wait until no pod of the launch is left; pods still
-        there after the grace (an unreachable node) are deleted with no grace. After the end
-        there is nothing to stop: the Job stays for `ttl_seconds_after_finished` (its pods'
-        logs with it) and its Service goes with it."""
+        """Delete the Job (foreground: pods first, SIGTERM then SIGKILL) and the Service, then
+        wait until no pod is left; pods still there after the grace (an unreachable node) are
+        deleted with no grace. An ended Job stays for `ttl_seconds_after_finished`."""
         if self.poll() is not None:
             return
         self._stopped = True
         ns, name = self.namespace, self.name
         grace = max(0, int(grace_s))
-        for what, delete in (
-            (
-                "Job",
-                lambda: self._batch.delete_namespaced_job(
-                    name, ns, propagation_policy="Foreground", grace_period_seconds=grace
-                ),
-            ),
-            ("Service", lambda: self._core.delete_namespaced_service(name, ns)),
-        ):
+        foreground = {"propagation_policy": "Foreground", "grace_period_seconds": grace}
+        job = functools.partial(self._batch.delete_namespaced_job, name, ns, **foreground)
+        service = functools.partial(self._core.delete_namespaced_service, name, ns)
+        for what, delete in (("Job", job), ("Service", service)):
             try:
                 delete()
             except ApiException as exc:
                 if exc.status != 404:
-                    log.error(
-                        "%s: deleting the %s failed: %s", self.description, what, api_message(exc)
-                    )
+                    failed = f"deleting the {what} failed: {api_message(exc)}"
+                    log.error("%s: %s", self.description, failed)
         forced = False
         patience = grace + self._grace_s + 5.0
         stop_at = time.monotonic() + patience + 60.0
@@ -366,13 +328,12 @@ class KubernetesLaunch:
             if not self._pods and self._api_error is None:
                 return
             if time.monotonic() > stop_at:
-                log.error(
-                    "%s: %d pod(s) still there %.0f s after deletion: %s",
-                    self.description,
-                    len(self._pods),
-                    time.monotonic() - begun,
+                names, took = (
                     ", ".join(p.metadata.name for p in self._pods),
+                    time.monotonic() - begun,
                 )
+                left = f"{len(self._pods)} pod(s) still there {took:.0f} s after deletion: {names}"
+                log.error("%s: %s", self.description, left)
                 return
             if not forced and time.monotonic() - begun > patience:
                 forced = True
@@ -384,27 +345,22 @@ class KubernetesLaunch:
             time.sleep(min(self._poll_s, 1.0))
 
     def dump_stacks(self, hang: Any, out_dir: Path) -> list[Path]:
-        """Always []: no path signals a process in a pod without `exec` rights, which this
-        launcher does not ask for. The hang is reported from the heartbeats alone."""
+        # Signalling a process in a pod needs `exec` rights, which this launcher does not ask
+        # for: the hang is reported from the heartbeats alone.
         return []
 
     def output(self) -> Iterator[str]:
-        """Every pod's log, each line prefixed `[node k] `, followed from when its container
-        started until every pod ended and every log was read."""
+        """Every pod's log, lines prefixed `[node k] `, until every pod ended and was read."""
         lines: queue.Queue[str] = queue.Queue()
         followers: dict[str, threading.Thread] = {}
         while True:
             self._refresh()
             for pod in list(self._pods):
-                if pod.metadata.name not in followers and _container_started(pod):
-                    thread = threading.Thread(
-                        target=self._follow,
-                        args=(pod.metadata.name, _index(pod), lines),
-                        name=f"k8s-log-{pod.metadata.name}",
-                        daemon=True,
-                    )
-                    followers[pod.metadata.name] = thread
-                    thread.start()
+                if (name := pod.metadata.name) not in followers and _container_started(pod):
+                    args = (name, _index(pod), lines)
+                    followers[name] = threading.Thread(target=self._follow, args=args, daemon=True)
+                    followers[name].name = f"k8s-log-{name}"
+                    followers[name].start()
             with contextlib.suppress(queue.Empty):
                 yield lines.get(timeout=self._poll_s)
                 while True:
@@ -414,9 +370,8 @@ class KubernetesLaunch:
                 return
 
     def _follow(self, pod: str, index: int, lines: queue.Queue[str]) -> None:
-        """Follow one pod's log into `lines`. A stream that ends while the container still runs
-        (a dropped connection) is reopened from the last line's timestamp, skipping what was
-        already read."""
+        """Follow one pod's log into `lines`; a stream that drops while the container runs is
+        reopened from the last line's timestamp, skipping what was read."""
         prefix = f"[node {index}] "
         last: tuple[datetime, int] | None = None  # newest timestamp read, lines read at it
         while True:
@@ -425,14 +380,10 @@ class KubernetesLaunch:
                 # A few seconds more than needed: the node's clock may differ from ours.
                 since = int((datetime.now(UTC) - last[0]).total_seconds()) + 5
             try:
+                since_s = max(1, since) if since is not None else None
+                stream = {"follow": True, "timestamps": True, "_preload_content": False}
                 response = self._core.read_namespaced_pod_log(
-                    pod,
-                    self.namespace,
-                    container=CONTAINER,
-                    follow=True,
-                    timestamps=True,
-                    since_seconds=max(1, since) if since is not None else None,
-                    _preload_content=False,
+                    pod, self.namespace, container=CONTAINER, since_seconds=since_s, **stream
                 )
                 seen_at_last = 0
                 for raw in _read_lines(response):
@@ -469,10 +420,8 @@ class KubernetesLaunch:
 def cancel_flow_run_jobs(
     flow_run_id: str, config: KubernetesConfig | dict[str, Any], client: Any = None
 ) -> int:
-    """Delete every Job (and Service) of a flow run, found by its `posttrain.io/flow-run`
-    label, in the foreground; returns how many Jobs were deleted. For the flow's
-    cancellation and crash hooks, which run when the supervising process may be gone.
-    `config`: `infra.kubernetes`, or the whole infra section as JSON."""
+    """Delete every Job (and Service) labelled with the flow run, for the flow's cancellation
+    and crash hooks; returns how many Jobs. `config`: `infra.kubernetes`, or infra as JSON."""
     _need_client()
     if isinstance(config, dict):
         config = KubernetesConfig.model_validate(config.get("kubernetes") or {})
@@ -482,15 +431,13 @@ def cancel_flow_run_jobs(
     ns = config.namespace
     deleted = 0
     try:
-        jobs = batch.list_namespaced_job(ns, label_selector=selector).items
-        for job in jobs:
+        foreground = {
+            "propagation_policy": "Foreground",
+            "grace_period_seconds": config.termination_grace_s,
+        }
+        for job in batch.list_namespaced_job(ns, label_selector=selector).items:
             with contextlib.suppress(ApiException):
-                batch.delete_namespaced_job(
-                    job.metadata.name,
-                    ns,
-                    propagation_policy="Foreground",
-                    grace_period_seconds=config.termination_grace_s,
-                )
+                batch.delete_namespaced_job(job.metadata.name, ns, **foreground)
                 deleted += 1
         for service in core.list_namespaced_service(ns, label_selector=selector).items:
             with contextlib.suppress(ApiException):
@@ -500,9 +447,6 @@ def cancel_flow_run_jobs(
             f"Kubernetes: could not delete the Jobs of flow run {flow_run_id}: {api_message(exc)}"
         ) from None
     return deleted
-
-
-# -- reading pods --------------------------------------------------------------------------
 
 
 def _index(pod: Any) -> int:
@@ -528,7 +472,6 @@ def _container_started(pod: Any) -> bool:
 
 
 def _pending_reason(pod: Any) -> str | None:
-    """Why a pod's container does not run yet: unschedulable, pulling, a bad image ..."""
     for condition in (pod.status and pod.status.conditions) or []:
         if condition.type == "PodScheduled" and condition.status == "False":
             return f"{condition.reason}: {condition.message}"
@@ -550,7 +493,7 @@ def _exit_code(pod: Any) -> int | None:
 
 
 def _first_failure(pods: list[Any]) -> Any | None:
-    """The pod that failed first (the cause; the others were ended because of it)."""
+    # The pod that failed first is the cause; the others were ended because of it.
     failed = [p for p in pods if p.status.phase == "Failed"]
 
     def finished(pod: Any) -> datetime:
@@ -562,7 +505,6 @@ def _first_failure(pods: list[Any]) -> Any | None:
 
 
 def _engine_ending(pod: Any) -> str | None:
-    """How Kubernetes ended this pod, when it did: evicted, preempted, OOM-killed ..."""
     if pod.status.reason == "Evicted":
         return f"Evicted: {pod.status.message}"
     for condition in pod.status.conditions or []:
@@ -577,8 +519,7 @@ def _engine_ending(pod: Any) -> str | None:
 
 
 def _read_lines(response: Any) -> Iterator[str]:
-    """The lines of a streamed HTTP response as they arrive (read1: no waiting for a full
-    buffer), the last one even without its newline."""
+    """The lines of a streamed response as they arrive (read1: no waiting for a full buffer)."""
     buffer = b""
     try:
         while chunk := response.read1(65536):

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from flows.stage.hang import dump_stacks
-from flows.stage.launch import node_rank, stage_command
+from flows.stage.launch import node_rank, planned_stage_command
 from flows.stage.launchers.base import LaunchRequest, Log
 from flows.stage.procs import kill_stage
 from posttrain.telemetry.heartbeat import Hang
@@ -63,24 +63,9 @@ class LocalLauncher:
 
     def start(self, request: LaunchRequest, log: Log) -> LocalLaunch:
         stage = request.stage  # this node's agent of it
-        cmd = stage_command(
-            stage.module,
-            request.spec_path,
-            stage.nprocs,
-            nnodes=stage.nnodes,
-            node_rank=node_rank(),
-            rdzv_endpoint=stage.rdzv_endpoint,
-            rdzv_id=stage.fingerprint,
-        )
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=request.env,
-            start_new_session=True,  # its own process group, so killpg reaches every rank
-            text=True,
-            errors="replace",
-            bufsize=1,
-        )
+        cmd = planned_stage_command(stage, request.spec_path, node_rank(), stage.rdzv_endpoint)
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        lines = {"text": True, "errors": "replace", "bufsize": 1}
+        # start_new_session: its own process group, so killpg reaches every rank.
+        proc = subprocess.Popen(cmd, env=request.env, start_new_session=True, **pipes, **lines)
         return LocalLaunch(proc, request.launch_id)

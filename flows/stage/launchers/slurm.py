@@ -1,20 +1,11 @@
 """The Slurm engine: one `sbatch` job per stage.
 
-The flow writes two files into the stage's `logs/` folder (on the shared workspace) and submits
-the first:
-  - `slurm-<launch>.sbatch`: the batch script. It runs `infra.slurm.setup`, takes the first
-    node of the allocation as the rendezvous host, and `srun`s one task per node;
-  - `slurm-<launch>.node.sh`: what each task runs, the same command line on every node
-    (`flows.stage.launch.stage_command`): torchrun with `--node-rank $SLURM_PROCID`, meeting at
-    the first node's c10d rendezvous. One process per node (no torchrun) when the stage has one.
-Every task's output goes to `slurm-<job id>.out` with srun's task label, which `output()`
-follows and turns into `[node k] ` prefixes. The job is queried with `scontrol -o show job`
-(finished jobs stay visible for the cluster's MinJobAge, 300 s by default): its state says
-whether it waits, runs, or ended, and when Slurm ended it (time limit, preemption, a failed
-node, memory), why.
-
-Cancel is `scancel`: Slurm SIGTERMs every step's processes on every node (torchrun forwards it
-to its ranks), SIGKILLs them after the cluster's KillWait, and the job leaves the queue.
+The flow writes `slurm-<launch>.sbatch` (setup, the first node as rendezvous host, one `srun`
+task per node) and `slurm-<launch>.node.sh` (each node's torchrun, `--node-rank $SLURM_PROCID`)
+into the stage's `logs/` and submits the first. `output()` follows `slurm-<job id>.out`, srun's
+task labels turned into `[node k] `. `scontrol -o show job` (finished jobs stay visible for
+MinJobAge, 300 s by default) says whether the job waits, runs or ended, and why Slurm ended it.
+`scancel` SIGTERMs every process on every node, SIGKILLs them after KillWait.
 """
 
 from __future__ import annotations
@@ -32,27 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from flows.stage.hang import stack_file, wait_for_stacks
-from flows.stage.launch import project_pythonpath, stage_command
-from flows.stage.launchers.base import LaunchError, LaunchRequest, Log
+from flows.stage.launch import planned_stage_command, project_pythonpath
+from flows.stage.launchers.base import LaunchError, LaunchRequest, Log, poll_after
 from posttrain.sections.slurm import SlurmConfig
 from posttrain.telemetry.heartbeat import Hang
 
 # Job states in which the job may still run (Slurm's squeue/scontrol names).
-ACTIVE = {
-    "PENDING",
-    "CONFIGURING",
-    "RUNNING",
-    "COMPLETING",
-    "SUSPENDED",
-    "REQUEUED",
-    "REQUEUE_HOLD",
-    "REQUEUE_FED",
-    "RESIZING",
-    "SIGNALING",
-    "STAGE_OUT",
-    "STOPPED",
-    "RESV_DEL_HOLD",
-}
+QUEUED = {"PENDING", "CONFIGURING", "REQUEUED"}
+ACTIVE = QUEUED | {"RUNNING", "COMPLETING", "SUSPENDED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING"}
+ACTIVE |= {"SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"}
 # End states in which Slurm, not the stage's own processes, ended the job.
 ENGINE_ENDS = {
     "TIMEOUT": "reached its time limit",
@@ -129,11 +108,11 @@ class SlurmLaunch:
         return self.info
 
     def started(self) -> bool:
-        return self._state()["JobState"] not in {"PENDING", "CONFIGURING", "REQUEUED"}
+        return self._state()["JobState"] not in QUEUED
 
     def waiting_reason(self) -> str | None:
         info = self._state()
-        if info["JobState"] in {"PENDING", "CONFIGURING", "REQUEUED"}:
+        if info["JobState"] in QUEUED:
             return f"Slurm: {info['JobState']} ({info.get('Reason', 'None')})"
         return None
 
@@ -144,11 +123,7 @@ class SlurmLaunch:
         return exit_status(info)
 
     def wait(self, timeout_s: float) -> int | None:
-        rc = self.poll()
-        if rc is None:
-            time.sleep(min(timeout_s, max(0.0, self.read_at + self.poll_s - time.monotonic())))
-            rc = self.poll()
-        return rc
+        return poll_after(self, self.read_at + self.poll_s, timeout_s)
 
     def engine_reason(self) -> str | None:
         info = self._state()
@@ -271,16 +246,9 @@ class SlurmLauncher:
             gpus = self.devices_per_node if self.device == "cuda" else 0
         if gpus:
             opts.append(f"--gpus-per-node={gpus}")
-        for flag, value in (
-            ("partition", cfg.partition),
-            ("account", cfg.account),
-            ("qos", cfg.qos),
-            ("cpus-per-task", cfg.cpus_per_task),
-            ("mem", cfg.mem),
-            ("constraint", cfg.constraint),
-            ("reservation", cfg.reservation),
-        ):
-            if value is not None:
+        flags = ("partition", "account", "qos", "cpus-per-task", "mem", "constraint")
+        for flag in (*flags, "reservation"):
+            if (value := getattr(cfg, flag.replace("-", "_"))) is not None:
                 opts.append(f"--{flag}={value}")
         if cfg.exclusive:
             opts.append("--exclusive")
@@ -292,15 +260,9 @@ class SlurmLauncher:
         """What every node runs: the same command, its rank and the rendezvous host filled in
         by the shell from what srun and the batch script set."""
         stage = request.stage
-        cmd = stage_command(
-            stage.module,
-            request.spec_path,
-            stage.nprocs,
-            python=self.python,
-            nnodes=stage.nnodes,
-            node_rank="$SLURM_PROCID",
-            rdzv_endpoint="$POSTTRAIN_RDZV_ENDPOINT",
-            rdzv_id=stage.fingerprint,
+        endpoint = "$POSTTRAIN_RDZV_ENDPOINT"
+        cmd = planned_stage_command(
+            stage, request.spec_path, "$SLURM_PROCID", endpoint, python=self.python
         )
         words = [f'"{w}"' if w.startswith("$") else shlex.quote(w) for w in cmd]
         return (
@@ -317,11 +279,7 @@ class SlurmLauncher:
     def batch_script(self, request: LaunchRequest, node_script: Path) -> str:
         """The job: its sbatch options as #SBATCH lines (so `sbatch <script>` by hand submits
         the same job again), setup, the rendezvous address, and one srun task per node."""
-        port = (
-            str(self.config.rdzv_port)
-            if self.config.rdzv_port
-            else "$((20000 + SLURM_JOB_ID % 20000))"
-        )
+        port = self.config.rdzv_port or "$((20000 + SLURM_JOB_ID % 20000))"
         setup = "".join(f"{line}\n" for line in self.config.setup)
         return (
             "#!/bin/bash\n"
@@ -370,12 +328,8 @@ class SlurmLauncher:
             return None
         if info is None or info["JobState"] not in ACTIVE:
             return None
-        launch = SlurmLaunch(
-            job_id,
-            Path(record.get("output", "")),
-            int(record.get("nnodes", "1")),
-            self.config.poll_s,
-        )
+        output, nnodes = Path(record.get("output", "")), int(record.get("nnodes", "1"))
+        launch = SlurmLaunch(job_id, output, nnodes, self.config.poll_s)
         launch.info, launch.read_at = info, time.monotonic()
         return launch
 
