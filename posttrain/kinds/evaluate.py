@@ -192,7 +192,6 @@ KIND = StageKind(
     order=900,
     produces="evaluation",
     # 2: scores against the policy's parent (parent_loss, win_rate_vs_parent), not SFT.
-    # 3: fingerprints by rule (fields and kinds decide, parents by role).
     version="3",
     consumes=("policy",),
     placement="last",
