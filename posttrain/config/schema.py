@@ -18,32 +18,14 @@ from pydantic import ConfigDict, Field, create_model, model_validator
 from posttrain.config.batch import resolve_batch
 from posttrain.config.graph import GraphError, StageGraph, build_graph
 from posttrain.kinds import KINDS, graph_kinds
-from posttrain.kinds.dpo import DPOConfig  # noqa: F401
 from posttrain.kinds.evaluate import EvaluateConfig
 from posttrain.kinds.export import ExportConfig
-from posttrain.kinds.grpo import GRPOConfig  # noqa: F401
-from posttrain.kinds.ingest import MODEL_SHAPES, FromConfigModel, IngestConfig  # noqa: F401
-from posttrain.kinds.ppo import PPOConfig  # noqa: F401
-from posttrain.kinds.reward import RewardConfig  # noqa: F401
-from posttrain.kinds.sft import SFTConfig  # noqa: F401
+from posttrain.kinds.ingest import IngestConfig
 from posttrain.secrets import find_secrets
 from posttrain.sections.fields import Execution, _Section
 from posttrain.sections.infra import InfraConfig
 from posttrain.sections.run import RunConfig, ScheduleConfig, TrackingConfig
-from posttrain.sections.shared import (  # noqa: F401  (re-exported: importers use schema)
-    BatchConfig,
-    DataConfig,
-    GuardConfig,
-    KLConfig,
-    LoraConfig,
-    OptimConfig,
-    PreferenceDataConfig,
-    PromptDataConfig,
-    RolloutConfig,
-    SamplingConfig,
-    TemplateGuard,
-    TrainingSection,
-)
+from posttrain.sections.shared import GuardConfig, TrainingSection
 
 STAGE_NAME = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
 
