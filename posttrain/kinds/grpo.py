@@ -37,18 +37,14 @@ class GRPOConfig(OnlineRLConfig):
     )
 
     @model_validator(mode="after")
-    def _groups(self) -> GRPOConfig:
+    def _presets(self) -> GRPOConfig:
+        """The algorithm's presets on the fields the recipe left out, and its loss aggregation
+        when none is set: the validated section holds the values the run uses."""
         if self.rollout.samples_per_prompt < 2:
             raise ValueError(
                 "rollout.samples_per_prompt must be >= 2: GRPO's advantage compares the samples "
                 "of one prompt with each other"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _presets(self) -> GRPOConfig:
-        """The algorithm's presets on the fields the recipe left out, and its loss aggregation
-        when none is set: the validated section holds the values the run uses."""
         algo = ALGORITHMS[self.algorithm]
         for path, value in algo.presets.items():
             head, _, leaf = path.partition(".")
