@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
-from posttrain.config.batch import ResolvedBatch, resolve_batch
+from posttrain.config.batch import ResolvedBatch, stage_batch
 from posttrain.config.recipe_file import (
     RecipeError,
     apply_overrides,
@@ -475,12 +475,7 @@ def rebase_paths(recipe: Recipe, origins: Origins, root: Path) -> Recipe:
 
 def section_batch(recipe: Recipe, name: str) -> ResolvedBatch:
     """The resolved batch triple of graph stage `name`."""
-    node = recipe.graph().get(name)
-    b = node.section.batch
-    dp = recipe.infra.world_size()
-    return resolve_batch(
-        b.micro_batch_size, b.grad_accum_steps, b.global_batch_size, dp, where=f"{node.where}.batch"
-    )
+    return stage_batch(recipe.graph().get(name), recipe.infra.world_size())
 
 
 def _extends_hint(line: str) -> str:

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import ConfigDict, Field, create_model, model_validator
 
-from posttrain.config.batch import resolve_batch
+from posttrain.config.batch import stage_batch
 from posttrain.config.graph import GraphError, StageGraph, build_graph
 from posttrain.kinds import KINDS, graph_kinds
 from posttrain.kinds.evaluate import EvaluateConfig
@@ -276,14 +276,7 @@ class Recipe(_RecipeStages):  # type: ignore[misc,valid-type]
         # probed; `posttrain.config.loader.resolve` checks it then.
         if isinstance(self.infra.devices_per_node, int):
             for s in self.graph():
-                b = s.section.batch
-                resolve_batch(
-                    b.micro_batch_size,
-                    b.grad_accum_steps,
-                    b.global_batch_size,
-                    self.infra.world_size(),
-                    where=f"{s.where}.batch",
-                )
+                stage_batch(s, self.infra.world_size())
         return self
 
     def graph(self) -> StageGraph:
