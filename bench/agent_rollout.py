@@ -54,14 +54,15 @@ from posttrain.agents.episodes import (
     start_episodes,
 )
 from posttrain.agents.tools import describe
-from posttrain.config.schema import FromConfigModel, LoraConfig, SamplingConfig
 from posttrain.data.synthetic import pretrain_corpus
+from posttrain.kinds.ingest import FromConfigModel
 from posttrain.models.adapters import POLICY
 from posttrain.models.lora import apply_lora
 from posttrain.models.roles import RoleModel
 from posttrain.models.tiny import IM_END, build_model, train_tokenizer
 from posttrain.rl.rollout.engine import HFEngine
 from posttrain.rl.rollout.multiturn import engine_turns
+from posttrain.sections.shared import LoraConfig, SamplingConfig
 
 # Qwen-style tools template, compact: the tool schemas in a system turn, calls as <tool_call>
 # JSON blocks, tool results as a user turn of <tool_response> blocks.

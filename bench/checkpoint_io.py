@@ -126,11 +126,12 @@ def io_case(d: Any, size: str, mode: str, rounds: int, work: Path) -> dict[str, 
 
     import torch
 
-    from posttrain.config.schema import FromConfigModel, LoraConfig, OptimConfig
     from posttrain.distributed.fsdp import shard_model
+    from posttrain.kinds.ingest import FromConfigModel
     from posttrain.models.loading import count_params
     from posttrain.models.lora import apply_lora
     from posttrain.models.tiny import build_model
+    from posttrain.sections.shared import LoraConfig, OptimConfig
     from posttrain.train.checkpoint import apply_checkpoint, read_checkpoint, save_checkpoint
     from posttrain.train.optim import build_optimizer, build_scheduler
 

@@ -50,9 +50,9 @@ def allocated_peak(step: Callable[[], Any]) -> tuple[int, Any, float]:
 def build(hidden: int, layers: int, mesh: Any) -> Any:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from posttrain.config.schema import LoraConfig
     from posttrain.distributed.fsdp import shard_model
     from posttrain.models.lora import apply_lora
+    from posttrain.sections.shared import LoraConfig
 
     torch.manual_seed(0)
     cfg = Qwen2Config(

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from posttrain.config.schema import OptimConfig
 from posttrain.distributed.fsdp import decoder_blocks
+from posttrain.sections.shared import OptimConfig
 from posttrain.train.losses import token_nll_sum
 from posttrain.train.optim import build_optimizer
 

@@ -92,10 +92,11 @@ def prepare_size(name: str, folder: Path) -> dict:
     adapter (LoRA with lora_B perturbed so it differs from the base), saved with save_pretrained."""
     import torch
 
-    from posttrain.config.schema import FromConfigModel, LoraConfig
     from posttrain.data.synthetic import pretrain_corpus, quickstart_sft_rows
+    from posttrain.kinds.ingest import FromConfigModel
     from posttrain.models.lora import apply_lora
     from posttrain.models.tiny import build_model, train_tokenizer
+    from posttrain.sections.shared import LoraConfig
 
     folder.mkdir(parents=True, exist_ok=True)
     docs = pretrain_corpus(2000, SEED)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from posttrain.config.schema import OptimConfig
 from posttrain.distributed.fsdp import grad_sync, place_model
 from posttrain.distributed.runtime import init_distributed, shutdown
+from posttrain.sections.shared import OptimConfig
 from posttrain.train.forward_logps import forward_nll_sum
 from posttrain.train.optim import build_optimizer
 

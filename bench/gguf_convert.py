@@ -20,8 +20,8 @@ from pathlib import Path
 def build(root: Path, layers: int) -> None:
     import torch
 
-    from posttrain.config.schema import FromConfigModel
     from posttrain.data.synthetic import pretrain_corpus
+    from posttrain.kinds.ingest import FromConfigModel
     from posttrain.models.tiny import build_model, fill_vocabulary, train_tokenizer
 
     cfg = FromConfigModel(shape="qwen2.5-0.5b", num_layers=layers)

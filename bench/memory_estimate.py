@@ -198,9 +198,9 @@ def prepare_child(key: str, folder: Path, with_reward: bool) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    from posttrain.config.schema import LoraConfig
     from posttrain.models.lora import apply_lora
     from posttrain.models.reward import score_model_for_training
+    from posttrain.sections.shared import LoraConfig
 
     torch.manual_seed(0)
     arch, numbers = MODELS[key]
@@ -227,7 +227,6 @@ def measure_child(
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM
 
-    from posttrain.config.schema import LoraConfig, OptimConfig, RolloutConfig
     from posttrain.distributed.fsdp import shard_model
     from posttrain.distributed.runtime import init_distributed, shutdown
     from posttrain.models.adapters import POLICY, REFERENCE, active_adapter, policy_with_reference
@@ -237,6 +236,7 @@ def measure_child(
     from posttrain.models.sharded_load import build_on_meta, fill_from_checkpoint
     from posttrain.rl.rollout.engine import build_engine
     from posttrain.rl.rollout.sample import response_logps, sample
+    from posttrain.sections.shared import LoraConfig, OptimConfig, RolloutConfig
     from posttrain.train.forward_logps import forward_nll_sum, forward_sequence_logps
     from posttrain.train.losses import bradley_terry_loss
     from posttrain.train.optim import build_optimizer

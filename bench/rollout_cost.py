@@ -36,12 +36,12 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from posttrain.config.schema import RolloutConfig
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import REWARD, RoleModel
 from posttrain.rl.losses import clipped_policy_loss, group_advantages, loss_weights
 from posttrain.rl.rollout.engine import HFEngine, build_engine
 from posttrain.rl.rollout.sample import Rollout, response_logps, sample, score
+from posttrain.sections.shared import RolloutConfig
 
 PAD = 0
 

@@ -131,7 +131,6 @@ def equality(tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
     the in-process engine and from the server: identical rows, and for each row that differs
     the policy's logit margin (top 1 minus top 2) where it first does: a near-tie that other
     float rounding (the server's batch) resolves the other way, or not."""
-    from posttrain.config.schema import SamplingConfig
     from posttrain.data.prompts import encode_prompt, quickstart_prompts
     from posttrain.models.adapters import POLICY
     from posttrain.models.loading import load_base
@@ -140,7 +139,7 @@ def equality(tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
     from posttrain.rl.rollout.engine import HFEngine
     from posttrain.rl.rollout.server_engine import ServerEngine
     from posttrain.rl.serving.server import rollout_server
-    from posttrain.sections.shared import RolloutServerConfig
+    from posttrain.sections.shared import RolloutServerConfig, SamplingConfig
 
     torch.set_num_threads(max(1, args.threads - args.server_threads))
     arts = tmp / "ws" / "artifacts"

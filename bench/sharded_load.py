@@ -71,11 +71,11 @@ def worker(model_dir: str, path: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
-    from posttrain.config.schema import LoraConfig
     from posttrain.distributed.fsdp import shard_model
     from posttrain.models.loading import load_causal_lm
     from posttrain.models.lora import apply_lora
     from posttrain.models.sharded_load import build_on_meta, fill_from_checkpoint
+    from posttrain.sections.shared import LoraConfig
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -32,9 +32,10 @@ class _Tok:
 
 def lora_model(shape: dict[str, int]) -> Any:
     """A random-init Llama of `shape` with LoRA r16/alpha 32 (the project's default targets)."""
-    from posttrain.config.schema import FromConfigModel, LoraConfig
+    from posttrain.kinds.ingest import FromConfigModel
     from posttrain.models.lora import apply_lora
     from posttrain.models.tiny import build_model
+    from posttrain.sections.shared import LoraConfig
 
     return apply_lora(
         build_model(FromConfigModel(**shape, vocab_size=VOCAB), _Tok()),

@@ -25,12 +25,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
-from posttrain.config.schema import FromConfigModel, LoraConfig  # noqa: E402
 from posttrain.data.batching import pad_batch  # noqa: E402
 from posttrain.data.chat import IGNORE, encode_chat, prompt_text  # noqa: E402
 from posttrain.data.synthetic import pretrain_corpus, quickstart_sft_rows  # noqa: E402
+from posttrain.kinds.ingest import FromConfigModel
 from posttrain.models.lora import apply_lora  # noqa: E402
 from posttrain.models.tiny import build_model, train_tokenizer  # noqa: E402
+from posttrain.sections.shared import LoraConfig
 from posttrain.train.losses import token_nll_sum  # noqa: E402
 
 MODEL_CFG = FromConfigModel(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128)

@@ -29,7 +29,6 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 
 from posttrain.agents.environment import Episode
 from posttrain.agents.episodes import run_episodes, start_episodes
-from posttrain.config.schema import RolloutConfig
 from posttrain.data.prompts import encode_prompt, quickstart_prompts
 from posttrain.distributed.fsdp import forward_method, shard_model
 from posttrain.distributed.runtime import init_distributed, shutdown
@@ -46,6 +45,7 @@ from posttrain.rl.rollout.multiturn import (
     synced_turns,
 )
 from posttrain.rl.rollout.sample import Rollout, sample, sampling_of, score
+from posttrain.sections.shared import RolloutConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 REPLY_TOKENS = 4  # each turn: the policy's first tokens, then the stop token (forced)

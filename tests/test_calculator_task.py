@@ -17,9 +17,9 @@ from tool_templates import STYLES
 
 from posttrain.agents.tool_calls import ToolCall, format_of_template, parse_reply
 from posttrain.agents.tools import load_tools
-from posttrain.config.schema import IngestConfig
 from posttrain.data.calculator import calculator_schemas, calculator_sft_rows
 from posttrain.data.chat import IGNORE, encode_chat, render, template_info
+from posttrain.kinds.ingest import IngestConfig
 from posttrain.models.chatml import CHATML_TEMPLATE, CHATML_TOOLS_TEMPLATE
 from posttrain.models.tiny import IM_END
 from posttrain.stages.ingest import install_template

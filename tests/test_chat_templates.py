@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig
 
-from posttrain.config.schema import DataConfig, IngestConfig
 from posttrain.data.chat import (
     IGNORE,
     TemplateError,
@@ -26,6 +25,8 @@ from posttrain.data.chat import (
 from posttrain.data.loading import DataError, check_sft_row
 from posttrain.data.preference import encode_pair
 from posttrain.data.sft_data import prepare
+from posttrain.kinds.ingest import IngestConfig
+from posttrain.sections.shared import DataConfig
 from posttrain.stages.ingest import IngestError, check_vocab, install_template
 from tests.chat_template_fixtures import (
     CHAT,
@@ -262,8 +263,8 @@ def test_template_file_is_resolved_and_fingerprinted_by_content(tmp_path: Path) 
 
 
 def test_stage_guard_reads_a_template_file(tmp_path: Path) -> None:
-    from posttrain.config.schema import TemplateGuard
     from posttrain.data.pref_prepare import guard_template
+    from posttrain.sections.shared import TemplateGuard
 
     f = tmp_path / "other.jinja"
     f.write_text(NO_SYSTEM)

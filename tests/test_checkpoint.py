@@ -9,11 +9,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from posttrain.config.schema import FromConfigModel, LoraConfig, OptimConfig
 from posttrain.distributed.fsdp import shard_model
 from posttrain.distributed.runtime import init_distributed, shutdown
+from posttrain.kinds.ingest import FromConfigModel
 from posttrain.models.lora import apply_lora
 from posttrain.models.tiny import build_model
+from posttrain.sections.shared import LoraConfig, OptimConfig
 from posttrain.train.checkpoint import save_checkpoint, trainable_state_dict
 from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.resume import resume_newest_intact

@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from posttrain.config.schema import FromConfigModel, LoraConfig
 from posttrain.data.chat import IGNORE
 from posttrain.distributed.fsdp import shard_model
 from posttrain.distributed.runtime import init_distributed, shutdown
+from posttrain.kinds.ingest import FromConfigModel
 from posttrain.models.chunked import (
     IDENTITY,
     LogitTransform,
@@ -32,6 +32,7 @@ from posttrain.models.roles import RoleModel
 from posttrain.models.tiny import build_model
 from posttrain.rl.losses import entropy_from_logits, token_logps
 from posttrain.rl.rollout.sample import response_logps
+from posttrain.sections.shared import LoraConfig
 from posttrain.train.forward_logps import forward_nll_sum, forward_sequence_logps
 from posttrain.train.losses import token_logps as label_token_logps
 from posttrain.train.losses import token_nll_sum

@@ -19,13 +19,13 @@ from posttrain.agents.episodes import (
     start_episodes,
 )
 from posttrain.agents.tools import describe
-from posttrain.config.schema import SamplingConfig
 from posttrain.models.adapters import POLICY
 from posttrain.models.lora import apply_lora
 from posttrain.models.roles import RoleModel
 from posttrain.models.tiny import IM_END
 from posttrain.rl.rollout.engine import HFEngine
 from posttrain.rl.rollout.multiturn import engine_turns
+from posttrain.sections.shared import SamplingConfig
 
 
 def test_a_policys_turns_were_generated_from_the_ids_the_episode_keeps(tmp_path_factory) -> None:

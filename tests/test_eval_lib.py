@@ -22,7 +22,6 @@ from fixtures_tiny import (
 from peft import PeftModel
 from transformers import GenerationConfig
 
-from posttrain.config.schema import SamplingConfig
 from posttrain.data.batching import pad_batch
 from posttrain.data.chat import IGNORE
 from posttrain.eval.generation import generate
@@ -30,6 +29,7 @@ from posttrain.eval.heldout import heldout_loss
 from posttrain.eval.inference import compare_cache_modes, greedy_decode, measure_inference
 from posttrain.models.decoding import generate_kwargs
 from posttrain.models.lora import apply_lora
+from posttrain.sections.shared import SamplingConfig
 
 GREEDY = SamplingConfig(name="greedy", strategy="greedy", max_new_tokens=12)
 SAMPLE = SamplingConfig(name="t1.0", strategy="sample", temperature=1.0, max_new_tokens=12)

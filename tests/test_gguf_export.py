@@ -18,7 +18,6 @@ from fixtures_tiny import TinyAssets, one_torch_thread, prompts, tiny_assets
 from pydantic import ValidationError
 from transformers import LlamaForCausalLM
 
-from posttrain.config.schema import FromConfigModel
 from posttrain.data.synthetic import pretrain_corpus
 from posttrain.export.gguf import (
     LLAMA3_SPLIT,
@@ -38,6 +37,7 @@ from posttrain.export.gguf_verify import GGUFVerificationError, verify_gguf
 from posttrain.export.merge import merge_adapter, save_export
 from posttrain.export.model_card import model_card
 from posttrain.kinds.export import ExportConfig
+from posttrain.kinds.ingest import FromConfigModel
 from posttrain.models.tiny import build_model, train_tokenizer
 
 

@@ -23,7 +23,8 @@ import pytest
 from stage_modules import on_child_path, write_heartbeat_modules
 
 from posttrain.config.loader import resolve
-from posttrain.config.schema import GuardConfig, Recipe
+from posttrain.config.schema import Recipe
+from posttrain.sections.shared import GuardConfig
 from posttrain.telemetry.heartbeat import HangWatch, Heartbeat, read_heartbeats
 from posttrain.train.guard import StepGuard, TooManyBadSteps
 from tests.stage_helpers import (
@@ -234,11 +235,11 @@ def _tiny_session(tmp_path: Path, guard: dict):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from posttrain.config.loader import section_batch
-    from posttrain.config.schema import LoraConfig, OptimConfig
     from posttrain.distributed.runtime import init_distributed
     from posttrain.models.lora import apply_lora
     from posttrain.runtime.context import StageContext
     from posttrain.runtime.spec import PlannedStage
+    from posttrain.sections.shared import LoraConfig, OptimConfig
     from posttrain.telemetry import heartbeat
     from posttrain.train.session import start_session
 

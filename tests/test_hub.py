@@ -166,9 +166,9 @@ def test_hub_preference_and_prompt_data_with_message_lists(cache: Path) -> None:
 
 def test_preference_config_reads_hub_splits_with_renamed_columns(cache: Path) -> None:
     """A preference section with split / eval_split / columns, through the stage's reader."""
-    from posttrain.config.schema import PreferenceDataConfig
     from posttrain.data.pref_prepare import read_and_split
     from posttrain.data.preference import quickstart_preference_rows
+    from posttrain.sections.shared import PreferenceDataConfig
 
     def pairs(n: int, tag: str) -> list[dict]:
         return [{"q": f"{tag}{i}", "better": "yes", "worse": "no"} for i in range(n)]
@@ -385,7 +385,7 @@ def test_a_hub_id_enters_the_inputs_by_its_commit(cache: Path, tmp_path: Path) -
 
 
 def test_ingest_error_for_a_missing_hub_model(cache: Path) -> None:
-    from posttrain.config.schema import IngestConfig
+    from posttrain.kinds.ingest import IngestConfig
     from posttrain.stages.ingest import IngestError, hub_model_folder
 
     with pytest.raises(IngestError) as exc:

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.config.schema import PreferenceDataConfig  # noqa: F401  (schema before kinds)
 from posttrain.data.loading import DataError
 from posttrain.data.pref_prepare import prepare_unpaired
 from posttrain.data.preference import (

@@ -28,7 +28,6 @@ from transformers import (
 )
 
 from posttrain.config.loader import load_recipe
-from posttrain.config.schema import LoraConfig
 from posttrain.memory.estimate import (
     GIB,
     Adapter,
@@ -47,6 +46,7 @@ from posttrain.runtime.preflight import (
     preflight,
     stage_shape,
 )
+from posttrain.sections.shared import LoraConfig
 from posttrain.telemetry.metrics import fragmentation_warning
 from tests.stage_helpers import TINY, supervised, write_recipe
 

@@ -160,10 +160,10 @@ def test_every_loss_trains(pref, loss: str) -> None:
 
 
 def test_template_change_is_refused_unless_allowed(pref) -> None:
-    from posttrain.config.schema import TemplateGuard
     from posttrain.data.chat import TemplateError
     from posttrain.data.pref_prepare import guard_template
     from posttrain.models.loading import load_tokenizer
+    from posttrain.sections.shared import TemplateGuard
 
     other = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     sha = summary(pref["sft"])["chat_template_sha256"]

@@ -19,12 +19,12 @@ from fixtures_tiny import (
     tiny_assets,
 )
 
-from posttrain.config.schema import SamplingConfig
 from posttrain.models.adapters import POLICY
 from posttrain.models.lora import apply_lora
 from posttrain.models.roles import RoleModel
 from posttrain.rl.rollout.engine import HFEngine
 from posttrain.rl.rollout.prefix_cache import PrefixCache, full_attention
+from posttrain.sections.shared import SamplingConfig
 
 
 @pytest.fixture(scope="module")

@@ -84,11 +84,11 @@ def test_read_names_the_line_or_skips_and_counts(tmp_path: Path) -> None:
 def test_synthetic_prompt_tasks_keep_their_checkable_columns() -> None:
     from chat_template_fixtures import base_tokenizer, with_chat_tokens
 
-    from posttrain.config.schema import PromptDataConfig
     from posttrain.data.calculator import calculator_sft_rows
     from posttrain.data.prompts import prepare_prompts
     from posttrain.models.chatml import CHATML_TOOLS_TEMPLATE
     from posttrain.models.tiny import IM_END
+    from posttrain.sections.shared import PromptDataConfig
 
     tok = with_chat_tokens(base_tokenizer(), CHATML_TOOLS_TEMPLATE, (), None, IM_END)
     cfg = PromptDataConfig(synthetic={"task": "calculator", "n_examples": 20, "seed": 7})
@@ -109,7 +109,7 @@ def test_synthetic_prompt_tasks_keep_their_checkable_columns() -> None:
 def test_preference_data_takes_no_task() -> None:
     from pydantic import ValidationError
 
-    from posttrain.config.schema import PreferenceDataConfig
+    from posttrain.sections.shared import PreferenceDataConfig
 
     # Pairs are generated for the quickstart only: a task there would be silently ignored.
     with pytest.raises(ValidationError, match="task"):

@@ -285,7 +285,7 @@ def test_gates_stop_on_kl_and_reward_gain(parents, ppo_run) -> None:
     from flows.post_train import check_gate
     from flows.report.tables import StageRecord
     from flows.stage.failures import QualityGateFailed
-    from posttrain.config.schema import PPOConfig
+    from posttrain.kinds.ppo import PPOConfig
     from posttrain.store.summary import read_summary
 
     check_gate(read_summary(ppo_run), StageRecord("ppo", "f", "ran", 1.0))  # passed

@@ -18,7 +18,7 @@ from fixtures_tiny import TinyAssets, one_torch_thread, tiny_assets
 from rl_tiny import prompt_rows, role_model, rollout_setup, section
 
 from posttrain.config.batch import ResolvedBatch
-from posttrain.config.schema import OptimConfig, Recipe
+from posttrain.config.schema import Recipe
 from posttrain.distributed.runtime import DistInfo, init_distributed, shutdown
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import VALUE, RoleModel
@@ -30,6 +30,7 @@ from posttrain.rl.rollout.sample import Rollout, response_logps
 from posttrain.rl.update import Advantages, compute_advantages, policy_terms, update
 from posttrain.runtime.context import StageContext
 from posttrain.runtime.spec import PlannedStage
+from posttrain.sections.shared import OptimConfig
 from posttrain.train.session import TrainSession, start_session
 from tests.stage_helpers import TINY
 from tests.test_rl_losses import _rollout, close, t

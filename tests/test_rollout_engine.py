@@ -21,12 +21,12 @@ from fixtures_tiny import (
 )
 from torch import nn
 
-from posttrain.config.schema import RolloutConfig, SamplingConfig
 from posttrain.models.adapters import POLICY
 from posttrain.models.lora import apply_lora
 from posttrain.models.roles import RoleModel
 from posttrain.rl.rollout.engine import HFEngine, build_engine
 from posttrain.rl.rollout.sample import sample
+from posttrain.sections.shared import RolloutConfig, SamplingConfig
 
 
 @pytest.fixture(scope="module")

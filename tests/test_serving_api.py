@@ -12,7 +12,6 @@ import pytest
 from fixtures_tiny import TinyAssets, tiny_assets
 from tokenizers import processors
 
-from posttrain.config.schema import SamplingConfig
 from posttrain.rl.rollout.server_engine import ServerEngine
 from posttrain.rl.serving.api import (
     VLLMAPI,
@@ -24,7 +23,7 @@ from posttrain.rl.serving.api import (
 )
 from posttrain.rl.serving.client import ServerClient, ServerFailed
 from posttrain.rl.serving.server import RolloutServer
-from posttrain.sections.shared import RolloutServerConfig
+from posttrain.sections.shared import RolloutServerConfig, SamplingConfig
 
 SAMPLE = SamplingConfig(name="r", strategy="sample", temperature=0.7, top_k=20, max_new_tokens=9)
 GREEDY = SamplingConfig(name="g", strategy="greedy", max_new_tokens=5)

@@ -15,7 +15,6 @@ import pytest
 from chat_template_fixtures import FIXTURES, base_tokenizer, fixture_tokenizer, with_chat_tokens
 from tool_templates import HERMES, HERMES_GENERATION, HERMES_LAST_THINKS, STYLES
 
-from posttrain.config.schema import DataConfig
 from posttrain.data.chat import (
     IGNORE,
     _prefix_spans,
@@ -26,6 +25,7 @@ from posttrain.data.chat import (
 )
 from posttrain.data.loading import DataError, load_sft_rows
 from posttrain.data.sft_data import prepare
+from posttrain.sections.shared import DataConfig
 
 TOOLS = [
     {

@@ -19,7 +19,6 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from posttrain.config.schema import LoraConfig
 from posttrain.distributed.fsdp import shard_model
 from posttrain.distributed.runtime import init_distributed, shutdown
 from posttrain.models.lora import apply_lora
@@ -29,6 +28,7 @@ from posttrain.models.sharded_load import (
     build_on_meta,
     fill_from_checkpoint,
 )
+from posttrain.sections.shared import LoraConfig
 
 LORA = LoraConfig(r=4, alpha=8, dropout=0.1)
 

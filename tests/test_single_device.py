@@ -13,12 +13,13 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from posttrain.config.schema import FromConfigModel, LoraConfig, OptimConfig
 from posttrain.distributed.fsdp import forward_method, grad_sync, place_model
 from posttrain.distributed.runtime import all_reduce_sums, init_distributed, shutdown
+from posttrain.kinds.ingest import FromConfigModel
 from posttrain.models.lora import apply_lora
 from posttrain.models.sharded_load import build_on_meta, fill_from_checkpoint
 from posttrain.models.tiny import build_model
+from posttrain.sections.shared import LoraConfig, OptimConfig
 from posttrain.train.checkpoint import save_checkpoint, trainable_state_dict
 from posttrain.train.forward_logps import forward_nll_sum
 from posttrain.train.optim import build_optimizer, build_scheduler

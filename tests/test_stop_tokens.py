@@ -16,7 +16,6 @@ from fixtures_tiny import LORA_CFG, TinyAssets, load_base, one_torch_thread, pro
 from torch import nn
 from transformers import GenerationConfig
 
-from posttrain.config.schema import RolloutConfig, SamplingConfig
 from posttrain.eval.generation import generate, generate_ids
 from posttrain.models.adapters import POLICY
 from posttrain.models.lora import apply_lora
@@ -25,6 +24,7 @@ from posttrain.models.stop_tokens import end_of_turn_token, model_stop_token_ids
 from posttrain.models.tiny import EOT, IM_END
 from posttrain.rl.rollout.engine import build_engine
 from posttrain.rl.rollout.sample import decode_responses, sample
+from posttrain.sections.shared import RolloutConfig, SamplingConfig
 from tests.chat_template_fixtures import with_chat_tokens
 
 GREEDY = SamplingConfig(name="greedy", strategy="greedy", max_new_tokens=12)

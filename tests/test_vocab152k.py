@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from posttrain import jsonsafe
-from posttrain.config.schema import MODEL_SHAPES, FromConfigModel
 from posttrain.data.synthetic import pretrain_corpus
+from posttrain.kinds.ingest import MODEL_SHAPES, FromConfigModel
 from posttrain.models.tiny import fill_vocabulary, train_tokenizer
 from posttrain.store.artifacts import write_manifest
 from tests.stage_helpers import ROOT, run_inprocess, write_recipe

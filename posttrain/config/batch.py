@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -52,3 +53,12 @@ def resolve_batch(
             f"{dp_size} = {micro * accum * dp_size}, but global_batch_size is {global_}"
         )
     return ResolvedBatch(micro, accum, global_, dp_size)
+
+
+def stage_batch(stage: Any, dp_size: int) -> ResolvedBatch:
+    """The batch triple of graph stage `stage` (a GraphStage) at data-parallel size `dp_size`."""
+    b = stage.section.batch
+    where = f"{stage.where}.batch"
+    return resolve_batch(
+        b.micro_batch_size, b.grad_accum_steps, b.global_batch_size, dp_size, where
+    )

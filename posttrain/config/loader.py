@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
-from posttrain.config.batch import ResolvedBatch, resolve_batch
+from posttrain.config.batch import ResolvedBatch, stage_batch
 from posttrain.config.recipe_file import (
     RecipeError,
     apply_overrides,
@@ -301,15 +301,15 @@ def _resolve_code(
     return needed
 
 
-def _owner(recipe: Recipe, path: str) -> Any:
-    """The section object at dotted `path` (`sft.data`, `stages.dpo2.data`)."""
+def _set(recipe: Recipe, where: str, value: str) -> None:
+    """Set the field at dotted `where` (`sft.data.path`, `stages.dpo2.data.path`)."""
+    *parts, attr = where.split(".")
     target: Any = recipe
-    parts = path.split(".")
     if parts[0] == "stages":
         target, parts = recipe.stage(parts[1]), parts[2:]
     for part in parts:
         target = getattr(target, part)
-    return target
+    setattr(target, attr, value)
 
 
 def hub_ids(recipe: Recipe) -> dict[str, tuple[str, str, RepoType]]:
@@ -449,8 +449,7 @@ def _resolve_inputs(
             continue
         if root in implicit and root not in needed and not any(_inside(root, x) for x in roots):
             needed.append(root)
-        section, _, attr = where.rpartition(".")
-        setattr(_owner(r, section), attr, str(resolved))
+        _set(r, where, str(resolved))
     return needed
 
 
@@ -470,19 +469,13 @@ def rebase_paths(recipe: Recipe, origins: Origins, root: Path) -> Recipe:
 
     r.run.workspace = moved("run.workspace", r.run.workspace)
     for where, value in input_paths(r, base).items():
-        section, _, attr = where.rpartition(".")
-        setattr(_owner(r, section), attr, moved(where, value))
+        _set(r, where, moved(where, value))
     return r
 
 
 def section_batch(recipe: Recipe, name: str) -> ResolvedBatch:
     """The resolved batch triple of graph stage `name`."""
-    node = recipe.graph().get(name)
-    b = node.section.batch
-    dp = recipe.infra.world_size()
-    return resolve_batch(
-        b.micro_batch_size, b.grad_accum_steps, b.global_batch_size, dp, where=f"{node.where}.batch"
-    )
+    return stage_batch(recipe.graph().get(name), recipe.infra.world_size())
 
 
 def _extends_hint(line: str) -> str:

@@ -15,35 +15,17 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import ConfigDict, Field, create_model, model_validator
 
-from posttrain.config.batch import resolve_batch
+from posttrain.config.batch import stage_batch
 from posttrain.config.graph import GraphError, StageGraph, build_graph
 from posttrain.kinds import KINDS, graph_kinds
-from posttrain.kinds.dpo import DPOConfig  # noqa: F401
 from posttrain.kinds.evaluate import EvaluateConfig
 from posttrain.kinds.export import ExportConfig
-from posttrain.kinds.grpo import GRPOConfig  # noqa: F401
-from posttrain.kinds.ingest import MODEL_SHAPES, FromConfigModel, IngestConfig  # noqa: F401
-from posttrain.kinds.ppo import PPOConfig  # noqa: F401
-from posttrain.kinds.reward import RewardConfig  # noqa: F401
-from posttrain.kinds.sft import SFTConfig  # noqa: F401
+from posttrain.kinds.ingest import IngestConfig
 from posttrain.secrets import find_secrets
 from posttrain.sections.fields import Execution, _Section
 from posttrain.sections.infra import InfraConfig
 from posttrain.sections.run import RunConfig, ScheduleConfig, TrackingConfig
-from posttrain.sections.shared import (  # noqa: F401  (re-exported: importers use schema)
-    BatchConfig,
-    DataConfig,
-    GuardConfig,
-    KLConfig,
-    LoraConfig,
-    OptimConfig,
-    PreferenceDataConfig,
-    PromptDataConfig,
-    RolloutConfig,
-    SamplingConfig,
-    TemplateGuard,
-    TrainingSection,
-)
+from posttrain.sections.shared import GuardConfig, TrainingSection
 
 STAGE_NAME = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
 
@@ -182,74 +164,54 @@ def _shorthand_fields() -> dict[str, Any]:
     }
 
 
-_RecipeFields = create_model(  # type: ignore[call-overload]
-    "_RecipeFields",
-    __base__=_RecipeHead,
-    **_shorthand_fields(),
-    stages=(
-        list[StageEntry],
-        Field(
-            default_factory=list,
-            description="The stage graph beyond the shorthand sections: entries with `kind`, "
-            "`name`, their kind's fields and links (`from`, `reference`, `reward_model`, "
-            "`base`, `teacher`); an entry of kind `ingest` (every field of `ingest:`, and a name) is one "
-            "more base model. Shorthand sections run first, in chain order; see "
-            "docs/stage-graphs.md.",
-        ),
-    ),
-    evaluate=(
-        EvaluateConfig | None,
-        Field(
-            default_factory=EvaluateConfig,
-            description="Evaluation (on by default). null = no evaluate stage; the promotion "
-            "gate, which compares evaluate's metrics, is then off too.",
-        ),
-    ),
-    export=(
-        ExportConfig | None,
-        Field(
-            default_factory=ExportConfig,
-            description="Merged export (on by default). null = no export stage.",
-        ),
-    ),
-    guard=(
-        GuardConfig,
-        Field(
-            default_factory=GuardConfig,
-            description="Numerical guards of the training stages: skip non-finite or spiking "
-            "steps, stop after too many.",
-        ),
-    ),
-    promotion=(
-        PromotionConfig,
-        Field(
-            default_factory=PromotionConfig,
-            description="The gate that decides whether a run replaces the pipeline's champion.",
-        ),
-    ),
-    schedule=(
-        ScheduleConfig | None,
-        Field(
-            None,
-            description="Cron/interval schedule and event trigger for the served deployment "
-            "(`posttrain serve`); omit for on-request runs only.",
-        ),
-    ),
-    tracking=(
-        TrackingConfig,
-        Field(
-            default_factory=TrackingConfig,
-            description="Experiment trackers (TensorBoard on by default, MLflow, W&B) fed from "
-            "the stages' metrics.jsonl; not part of any fingerprint.",
-        ),
-    ),
+# The shorthand sections come right after `ingest`, in chain order (a recipe dumps its fields
+# in declaration order: the UI form and `plan --resolved` show them so).
+_RecipeStages = create_model(  # type: ignore[call-overload]
+    "_RecipeStages", __base__=_RecipeHead, **_shorthand_fields()
 )
 
 
-class Recipe(_RecipeFields):  # type: ignore[misc,valid-type]
+class Recipe(_RecipeStages):  # type: ignore[misc,valid-type]
     """A whole post-training run."""
 
     # As written (the YAML, the Prefect form, which shows this docstring): see ResolvedRecipe.
+
+    stages: list[StageEntry] = Field(
+        default_factory=list,
+        description="The stage graph beyond the shorthand sections: entries with `kind`, "
+        "`name`, their kind's fields and links (`from`, `reference`, `reward_model`, "
+        "`base`, `teacher`); an entry of kind `ingest` (every field of `ingest:`, and a name) is one "
+        "more base model. Shorthand sections run first, in chain order; see "
+        "docs/stage-graphs.md.",
+    )
+    evaluate: EvaluateConfig | None = Field(
+        default_factory=EvaluateConfig,
+        description="Evaluation (on by default). null = no evaluate stage; the promotion "
+        "gate, which compares evaluate's metrics, is then off too.",
+    )
+    export: ExportConfig | None = Field(
+        default_factory=ExportConfig,
+        description="Merged export (on by default). null = no export stage.",
+    )
+    guard: GuardConfig = Field(
+        default_factory=GuardConfig,
+        description="Numerical guards of the training stages: skip non-finite or spiking "
+        "steps, stop after too many.",
+    )
+    promotion: PromotionConfig = Field(
+        default_factory=PromotionConfig,
+        description="The gate that decides whether a run replaces the pipeline's champion.",
+    )
+    schedule: ScheduleConfig | None = Field(
+        None,
+        description="Cron/interval schedule and event trigger for the served deployment "
+        "(`posttrain serve`); omit for on-request runs only.",
+    )
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig,
+        description="Experiment trackers (TensorBoard on by default, MLflow, W&B) fed from "
+        "the stages' metrics.jsonl; not part of any fingerprint.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -314,14 +276,7 @@ class Recipe(_RecipeFields):  # type: ignore[misc,valid-type]
         # probed; `posttrain.config.loader.resolve` checks it then.
         if isinstance(self.infra.devices_per_node, int):
             for s in self.graph():
-                b = s.section.batch
-                resolve_batch(
-                    b.micro_batch_size,
-                    b.grad_accum_steps,
-                    b.global_batch_size,
-                    self.infra.world_size(),
-                    where=f"{s.where}.batch",
-                )
+                stage_batch(s, self.infra.world_size())
         return self
 
     def graph(self) -> StageGraph:

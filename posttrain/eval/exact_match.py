@@ -13,9 +13,9 @@ from typing import Any
 
 from peft import PeftModel
 
-from posttrain.config.schema import SamplingConfig
 from posttrain.eval.generation import generate
 from posttrain.models.adapters import as_policy
+from posttrain.sections.shared import SamplingConfig
 
 log = logging.getLogger("posttrain.evaluate")
 

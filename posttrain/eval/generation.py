@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from posttrain.config.schema import SamplingConfig
 from posttrain.models.decoding import generate_kwargs
 from posttrain.models.stop_tokens import model_stop_token_ids
 from posttrain.rl.rollout.engine import left_pad
+from posttrain.sections.shared import SamplingConfig
 
 
 def generate(

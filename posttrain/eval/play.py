@@ -12,10 +12,10 @@ from typing import Any
 
 from posttrain.agents.environment import Episode
 from posttrain.agents.episodes import EpisodeRun, Generate, run_episodes, start_episodes
-from posttrain.config.schema import SamplingConfig
 from posttrain.eval.generation import generate_from_ids
 from posttrain.models.stop_tokens import model_stop_token_ids
 from posttrain.rl.rollout.multiturn import EpisodeSetup
+from posttrain.sections.shared import SamplingConfig
 
 
 def policy_turns(

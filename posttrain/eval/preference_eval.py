@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
-from posttrain.config.schema import SamplingConfig
 from posttrain.data.chat import render
 from posttrain.eval.generation import generate
 from posttrain.kinds.evaluate import EvaluateConfig
 from posttrain.models.adapters import active_adapter
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.models.reward import pair_batch, pair_scores, score_sequences
+from posttrain.sections.shared import SamplingConfig
 from posttrain.train.forward_logps import forward_sequence_logps
 from posttrain.train.preference_losses import REFERENCE_FREE, implicit_rewards
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from posttrain.config.schema import SamplingConfig
 from posttrain.eval.generation import generate
+from posttrain.sections.shared import SamplingConfig
 
 
 def sample_rows(

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from peft import PeftModel
 
-from posttrain.config.schema import SamplingConfig
 from posttrain.eval.exact_match import exact_match
 from posttrain.eval.generation import generate
 from posttrain.eval.inputs import (
@@ -33,6 +32,7 @@ from posttrain.models.loading import load_base
 from posttrain.models.stop_tokens import model_stop_token_ids
 from posttrain.rewards.combine import load_rewards
 from posttrain.runtime.context import StageContext
+from posttrain.sections.shared import SamplingConfig
 
 log = logging.getLogger("posttrain.evaluate")
 

@@ -19,7 +19,6 @@ import torch
 from peft import PeftModel
 
 from posttrain.agents.episodes import EpisodeRun
-from posttrain.config.schema import SamplingConfig
 from posttrain.data.chat import render
 from posttrain.eval.generation import decode_new, generate_ids
 from posttrain.eval.play import play_prompts
@@ -34,6 +33,7 @@ from posttrain.rl.rollout.multiturn import (
     episode_record,
     played_sums,
 )
+from posttrain.sections.shared import SamplingConfig
 
 log = logging.getLogger("posttrain.evaluate")
 

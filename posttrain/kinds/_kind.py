@@ -62,7 +62,9 @@ class StageKind:
     # tokenize any way.
     token_teacher: bool = False
     data: DataShape = "none"
-    # Bump when a change to the stage's code should invalidate its cached artifacts.
+    # Bump when a change to the stage's code should invalidate its cached artifacts ("2"/"3" on
+    # the kinds that were bumped when fingerprints became by rule: fields and kinds decide,
+    # parents by role).
     version: str = "1"
     # Training stages beat a heartbeat per step (hang watch), get a memory pre-flight, a batch
     # and the numerics of the fingerprint.
@@ -85,3 +87,23 @@ class StageKind:
     timeout_s: float = 6 * 3600
     # (section, MemoryInputs) -> posttrain.memory.estimate.StageShape, for training stages.
     memory: Callable[[Any, MemoryInputs], Any] | None = None
+
+
+def trainer(**kw: Any) -> StageKind:
+    """A training kind: it makes a policy (unless `produces` says otherwise), runs under
+    torchrun, and the numerical guards (`guard`) are part of what it makes."""
+    defaults = {"produces": "policy", "trains": True, "distributed": True}
+    return StageKind(**{**defaults, "reads": ("run", "infra", "guard"), **kw})
+
+
+def seq_memory(shape: str, *roles: str) -> Callable[[Any, MemoryInputs], Any]:
+    """The memory function of a kind whose rows are `section.data.max_seq_len` tokens through
+    the adapters of `roles` (fields of MemoryInputs)."""
+
+    def memory(section: Any, m: MemoryInputs) -> Any:
+        from posttrain.memory.estimate import StageShape
+
+        adapters = tuple(getattr(m, r) for r in roles)
+        return StageShape(shape, seq_len=section.data.max_seq_len, adapters=adapters, **m.common)
+
+    return memory

@@ -4,9 +4,10 @@ depends on besides their section."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
-from posttrain.kinds._kind import MemoryInputs
+from posttrain.kinds._kind import MemoryInputs, StageKind, trainer
 from posttrain.sections.shared import OnlineRLConfig
 
 
@@ -50,6 +51,14 @@ def rollout_inputs(recipe: Any) -> dict[str, Any]:
     """Each rank samples its own share of the prompts with its own seed: the number of ranks
     changes the rollouts, so it is part of the fingerprint. (`recipe`: a ResolvedRecipe.)"""
     return {"dp_size": recipe.infra.world_size()}
+
+
+def online_kind(critic: bool, **kw: Any) -> StageKind:
+    """A training kind that samples answers to its prompts each step (a value head: `critic`).
+    Online DPO and distill take GRPO's shape (no critic); distill's teacher is added by the
+    pre-flight from its base's shape."""
+    memory = partial(rollout_memory, critic=critic)
+    return trainer(data="prompts", inputs=rollout_inputs, memory=memory, **kw)
 
 
 # Fields of the clipped policy-gradient update (ppo, grpo) that a one-step-per-rollout kind

@@ -9,12 +9,11 @@ student's; off-policy (sequence-level) distillation is an `sft` stage with a `te
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
-from posttrain.kinds._kind import MemoryInputs, StageKind
-from posttrain.kinds._online import refuse_rl_fields, rollout_inputs, rollout_memory
+from posttrain.kinds._online import online_kind, refuse_rl_fields
 from posttrain.sections.fields import Result
 from posttrain.sections.shared import KLConfig, OnlineRLConfig, RolloutConfig
 
@@ -69,26 +68,14 @@ class DistillConfig(OnlineRLConfig):
         return self
 
 
-def _memory(section: DistillConfig, m: MemoryInputs) -> Any:
-    # The student's policy and reference with generation rows (GRPO's shape, no critic); the
-    # teacher's own weights and logits are added by the pre-flight from its base's shape.
-    return rollout_memory(section, m, critic=False)
-
-
-KIND = StageKind(
+KIND = online_kind(
+    critic=False,
     name="distill",
     section=DistillConfig,
     module="posttrain.stages.distill",
     help="On-policy distillation: the student samples, a frozen teacher (`teacher`) scores "
     "every token, the student minimises reverse KL / forward KL / JSD to it.",
     order=57,
-    produces="policy",
     consumes=("policy", "reference", "teacher"),
     token_teacher=True,
-    data="prompts",
-    trains=True,
-    reads=("run", "infra", "guard"),
-    distributed=True,
-    inputs=rollout_inputs,
-    memory=_memory,
 )

@@ -3,11 +3,11 @@ reference adapter."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
-from posttrain.kinds._kind import MemoryInputs, StageKind
+from posttrain.kinds._kind import seq_memory, trainer
 from posttrain.sections.fields import Result
 from posttrain.sections.shared import PreferenceDataConfig, TemplateGuard, TrainingSection
 
@@ -40,27 +40,14 @@ class DPOConfig(TrainingSection, TemplateGuard):
     )
 
 
-def _memory(section: DPOConfig, m: MemoryInputs) -> Any:
-    from posttrain.memory.estimate import StageShape
-
-    return StageShape(
-        "pairs", seq_len=section.data.max_seq_len, adapters=(m.policy, m.reference), **m.common
-    )
-
-
-KIND = StageKind(
+KIND = trainer(
     name="dpo",
     section=DPOConfig,
     module="posttrain.stages.dpo",
     help="DPO-family preference tuning against a reference policy.",
     order=30,
-    produces="policy",
-    # 2: fingerprints by rule (fields and kinds decide, parents by role).
     version="2",
     consumes=("policy", "reference"),
     data="pairs",
-    trains=True,
-    reads=("run", "infra", "guard"),
-    distributed=True,
-    memory=_memory,
+    memory=seq_memory("pairs", "policy", "reference"),
 )

@@ -169,15 +169,11 @@ class EvaluateConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _pass_k(self) -> EvaluateConfig:
+    def _consistent(self) -> EvaluateConfig:
         if self.pass_k > self.pass_samples:
             raise ValueError(
                 f"pass_k {self.pass_k} needs at least as many pass_samples ({self.pass_samples})"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _unique_names(self) -> EvaluateConfig:
         names = [s.name for s in self.sampling]
         if len(names) != len(set(names)):
             raise ValueError(f"sampling names must be unique, got {names}")
@@ -192,7 +188,6 @@ KIND = StageKind(
     order=900,
     produces="evaluation",
     # 2: scores against the policy's parent (parent_loss, win_rate_vs_parent), not SFT.
-    # 3: fingerprints by rule (fields and kinds decide, parents by role).
     version="3",
     consumes=("policy",),
     placement="last",

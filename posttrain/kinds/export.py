@@ -49,7 +49,6 @@ KIND = StageKind(
     help="Merged export of the shipped policy.",
     order=910,
     produces="export",
-    # 2: fingerprints by rule (fields and kinds decide, parents by role).
     version="2",
     consumes=("policy",),
     placement="last",

@@ -3,12 +3,11 @@ model: grpo, dr_grpo, dapo, rloo, reinforce_pp (`posttrain.rl.algorithms`)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
-from posttrain.kinds._kind import MemoryInputs, StageKind
-from posttrain.kinds._online import rollout_inputs, rollout_memory
+from posttrain.kinds._online import online_kind
 from posttrain.rl.algorithms import ALGORITHMS
 from posttrain.sections.fields import Result
 from posttrain.sections.shared import KLConfig, OnlineRLConfig, RolloutConfig
@@ -38,18 +37,14 @@ class GRPOConfig(OnlineRLConfig):
     )
 
     @model_validator(mode="after")
-    def _groups(self) -> GRPOConfig:
+    def _presets(self) -> GRPOConfig:
+        """The algorithm's presets on the fields the recipe left out, and its loss aggregation
+        when none is set: the validated section holds the values the run uses."""
         if self.rollout.samples_per_prompt < 2:
             raise ValueError(
                 "rollout.samples_per_prompt must be >= 2: GRPO's advantage compares the samples "
                 "of one prompt with each other"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _presets(self) -> GRPOConfig:
-        """The algorithm's presets on the fields the recipe left out, and its loss aggregation
-        when none is set: the validated section holds the values the run uses."""
         algo = ALGORITHMS[self.algorithm]
         for path, value in algo.presets.items():
             head, _, leaf = path.partition(".")
@@ -73,24 +68,13 @@ class GRPOConfig(OnlineRLConfig):
         return self
 
 
-def _memory(section: GRPOConfig, m: MemoryInputs) -> Any:
-    return rollout_memory(section, m, critic=False)
-
-
-KIND = StageKind(
+KIND = online_kind(
+    critic=False,
     name="grpo",
     section=GRPOConfig,
     module="posttrain.stages.grpo",
     help="GRPO against a reward model (needs one: `reward_model`).",
     order=50,
-    produces="policy",
-    # 2: fingerprints by rule (fields and kinds decide, parents by role).
     version="2",
     consumes=("policy", "reference", "reward_model"),
-    data="prompts",
-    trains=True,
-    reads=("run", "infra", "guard"),
-    distributed=True,
-    inputs=rollout_inputs,
-    memory=_memory,
 )

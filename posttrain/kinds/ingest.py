@@ -14,55 +14,26 @@ from posttrain.sections.fields import Execution, Result, _Section
 # depth, heads and vocabulary of a public checkpoint (its config.json), for memory and throughput
 # checks where the hub is out of reach. `vocab_size` is the tokenizer's size, `embedding_rows`
 # the model's (Qwen pads its embedding past the tokenizer).
+_SHAPE_FIELDS = (  # a row of MODEL_SHAPES
+    "architecture",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+    "vocab_size",
+    "embedding_rows",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
-    "qwen2.5-0.5b": {
-        "architecture": "qwen2",
-        "hidden_size": 896,
-        "num_layers": 24,
-        "num_heads": 14,
-        "num_kv_heads": 2,
-        "intermediate_size": 4864,
-        "vocab_size": 151_665,
-        "embedding_rows": 151_936,
-        "max_position_embeddings": 32_768,
-        "tie_word_embeddings": True,
-    },
-    "qwen2.5-1.5b": {
-        "architecture": "qwen2",
-        "hidden_size": 1536,
-        "num_layers": 28,
-        "num_heads": 12,
-        "num_kv_heads": 2,
-        "intermediate_size": 8960,
-        "vocab_size": 151_665,
-        "embedding_rows": 151_936,
-        "max_position_embeddings": 32_768,
-        "tie_word_embeddings": True,
-    },
-    "qwen2.5-7b": {
-        "architecture": "qwen2",
-        "hidden_size": 3584,
-        "num_layers": 28,
-        "num_heads": 28,
-        "num_kv_heads": 4,
-        "intermediate_size": 18_944,
-        "vocab_size": 151_665,
-        "embedding_rows": 152_064,
-        "max_position_embeddings": 32_768,
-        "tie_word_embeddings": False,
-    },
-    "llama3.1-8b": {
-        "architecture": "llama",
-        "hidden_size": 4096,
-        "num_layers": 32,
-        "num_heads": 32,
-        "num_kv_heads": 8,
-        "intermediate_size": 14_336,
-        "vocab_size": 128_256,
-        "embedding_rows": 128_256,
-        "max_position_embeddings": 131_072,
-        "tie_word_embeddings": False,
-    },
+    name: dict(zip(_SHAPE_FIELDS, row, strict=True))
+    for name, row in {
+        "qwen2.5-0.5b": ("qwen2", 896, 24, 14, 2, 4864, 151_665, 151_936, 32_768, True),
+        "qwen2.5-1.5b": ("qwen2", 1536, 28, 12, 2, 8960, 151_665, 151_936, 32_768, True),
+        "qwen2.5-7b": ("qwen2", 3584, 28, 28, 4, 18_944, 151_665, 152_064, 32_768, False),
+        "llama3.1-8b": ("llama", 4096, 32, 32, 8, 14_336, 128_256, 128_256, 131_072, False),
+    }.items()
 }
 
 
@@ -203,7 +174,6 @@ KIND = StageKind(
     help="Base checkpoint.",
     order=0,
     produces="base",
-    # 3: fingerprints by rule (fields and kinds decide, parents by role).
     version="3",
     placement="first",
     timeout_s=1800,

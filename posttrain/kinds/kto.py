@@ -7,11 +7,9 @@ giving one desirable and one undesirable row. The stage process is `posttrain.st
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import Field
 
-from posttrain.kinds._kind import MemoryInputs, StageKind
+from posttrain.kinds._kind import seq_memory, trainer
 from posttrain.sections.fields import Result
 from posttrain.sections.shared import PreferenceDataConfig, TemplateGuard, TrainingSection
 
@@ -51,30 +49,17 @@ class KTOConfig(TrainingSection, TemplateGuard):
     )
 
 
-def _memory(section: KTOConfig, m: MemoryInputs) -> Any:
-    from posttrain.memory.estimate import StageShape
-
-    # One completion per row, plus its mismatched twin for the KL reference point: two
-    # sequences per row through policy and reference, as a pair is.
-    return StageShape(
-        "pairs", seq_len=section.data.max_seq_len, adapters=(m.policy, m.reference), **m.common
-    )
-
-
-KIND = StageKind(
+KIND = trainer(
     name="kto",
     section=KTOConfig,
     module="posttrain.stages.kto",
     help="KTO: unpaired desirable/undesirable completions (or pairs, expanded) against a "
     "reference policy.",
     order=35,
-    produces="policy",
-    # 2: fingerprints by rule (fields and kinds decide, parents by role).
     version="2",
     consumes=("policy", "reference"),
     data="unpaired",
-    trains=True,
-    reads=("run", "infra", "guard"),
-    distributed=True,
-    memory=_memory,
+    # One completion per row, plus its mismatched twin for the KL reference point: two
+    # sequences per row through policy and reference, as a pair is.
+    memory=seq_memory("pairs", "policy", "reference"),
 )

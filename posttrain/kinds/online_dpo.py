@@ -10,12 +10,11 @@ The stage process is `posttrain.stages.online_dpo`.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
-from posttrain.kinds._kind import MemoryInputs, StageKind
-from posttrain.kinds._online import refuse_rl_fields, rollout_inputs, rollout_memory
+from posttrain.kinds._online import online_kind, refuse_rl_fields
 from posttrain.sections.fields import Result
 from posttrain.sections.shared import KLConfig, OnlineRLConfig, RolloutConfig
 
@@ -64,24 +63,13 @@ class OnlineDPOConfig(OnlineRLConfig):
         return self
 
 
-def _memory(section: OnlineDPOConfig, m: MemoryInputs) -> Any:
-    # Policy, frozen reference and reward model with generation rows: GRPO's shape, no critic.
-    return rollout_memory(section, m, critic=False)
-
-
-KIND = StageKind(
+KIND = online_kind(
+    critic=False,
     name="online_dpo",
     section=OnlineDPOConfig,
     module="posttrain.stages.online_dpo",
     help="Online DPO: the policy's own answers judged by the reward model and/or reward "
     "functions, each prompt's best vs worst trained as a DPO pair against the reference.",
     order=55,
-    produces="policy",
     consumes=("policy", "reference", "reward_model"),
-    data="prompts",
-    trains=True,
-    reads=("run", "infra", "guard"),
-    distributed=True,
-    inputs=rollout_inputs,
-    memory=_memory,
 )

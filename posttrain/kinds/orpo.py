@@ -6,11 +6,9 @@ The stage itself is `posttrain/stages/orpo.py`; its loss is `orpo_loss` in
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import Field
 
-from posttrain.kinds._kind import MemoryInputs, StageKind
+from posttrain.kinds._kind import seq_memory, trainer
 from posttrain.sections.fields import Result
 from posttrain.sections.shared import (
     LoraConfig,
@@ -38,27 +36,16 @@ class ORPOConfig(TrainingSection, TemplateGuard):
     )
 
 
-def _memory(section: ORPOConfig, m: MemoryInputs) -> Any:
-    from posttrain.memory.estimate import StageShape
-
-    # Chosen and rejected through the policy only: no reference adapter at all.
-    return StageShape("pairs", seq_len=section.data.max_seq_len, adapters=(m.policy,), **m.common)
-
-
-KIND = StageKind(
+KIND = trainer(
     name="orpo",
     section=ORPOConfig,
     module="posttrain.stages.orpo",
     help="ORPO: reference-free preference tuning (NLL + odds ratio), from a policy or the base.",
     order=33,
-    produces="policy",
-    # 2: fingerprints by rule (fields and kinds decide, parents by role).
     version="2",
     consumes=("policy",),
     data="pairs",
-    trains=True,
-    reads=("run", "infra", "guard"),
-    distributed=True,
     new_adapter_from_base=True,
-    memory=_memory,
+    # Chosen and rejected through the policy only: no reference adapter at all.
+    memory=seq_memory("pairs", "policy"),
 )

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from posttrain.kinds._kind import MemoryInputs, StageKind
-from posttrain.kinds._online import rollout_inputs, rollout_memory
+from posttrain.kinds._online import online_kind
 from posttrain.sections.fields import Result
 from posttrain.sections.shared import OnlineRLConfig
 
@@ -18,24 +15,13 @@ class PPOConfig(OnlineRLConfig):
     whiten_advantages: bool = Result(True, description="Normalise advantages over the rollout.")
 
 
-def _memory(section: PPOConfig, m: MemoryInputs) -> Any:
-    return rollout_memory(section, m, critic=True)
-
-
-KIND = StageKind(
+KIND = online_kind(
+    critic=True,
     name="ppo",
     section=PPOConfig,
     module="posttrain.stages.ppo",
     help="PPO against a reward model (needs one: `reward_model`).",
     order=40,
-    produces="policy",
-    # 2: fingerprints by rule (fields and kinds decide, parents by role).
     version="2",
     consumes=("policy", "reference", "reward_model"),
-    data="prompts",
-    trains=True,
-    reads=("run", "infra", "guard"),
-    distributed=True,
-    inputs=rollout_inputs,
-    memory=_memory,
 )

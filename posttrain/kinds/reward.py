@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field
 
-from posttrain.kinds._kind import MemoryInputs, StageKind
+from posttrain.kinds._kind import MemoryInputs, trainer
 from posttrain.sections.fields import Result
 from posttrain.sections.shared import (
     LoraConfig,
@@ -48,7 +48,7 @@ def _memory(section: RewardConfig, m: MemoryInputs) -> Any:
     )
 
 
-KIND = StageKind(
+KIND = trainer(
     name="reward",
     section=RewardConfig,
     module="posttrain.stages.reward",
@@ -56,12 +56,8 @@ KIND = StageKind(
     "template it must share).",
     order=20,
     produces="reward_model",
-    # 2: fingerprints by rule (fields and kinds decide, parents by role).
     version="2",
     consumes=("policy",),
     data="pairs",
-    trains=True,
-    reads=("run", "infra", "guard"),
-    distributed=True,
     memory=_memory,
 )

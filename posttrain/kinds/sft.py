@@ -3,11 +3,9 @@ answers to their prompts (off-policy, sequence-level distillation)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import Field
 
-from posttrain.kinds._kind import MemoryInputs, StageKind
+from posttrain.kinds._kind import seq_memory, trainer
 from posttrain.sections.fields import Result, _Section
 from posttrain.sections.shared import DataConfig, LoraConfig, TrainingSection
 
@@ -49,29 +47,18 @@ class SFTConfig(TrainingSection):
     )
 
 
-def _memory(section: SFTConfig, m: MemoryInputs) -> Any:
-    from posttrain.memory.estimate import StageShape
-
-    return StageShape("lm", seq_len=section.data.max_seq_len, adapters=(m.policy,), **m.common)
-
-
-KIND = StageKind(
+KIND = trainer(
     name="sft",
     section=SFTConfig,
     module="posttrain.stages.sft",
     help="LoRA supervised fine-tuning; from the base (a new adapter) or a policy (continues it); "
     "with `teacher:`, on the teacher's answers to the training prompts.",
     order=10,
-    produces="policy",
-    # 2: fingerprints by rule (fields and kinds decide, parents by role).
     version="2",
     consumes=("policy", "teacher"),
     # With a teacher, the teacher answers the training prompts (sequence-level distillation).
     optional=("teacher",),
     data="messages",
-    trains=True,
-    reads=("run", "infra", "guard"),
-    distributed=True,
     new_adapter_from_base=True,
-    memory=_memory,
+    memory=seq_memory("lm", "policy"),
 )

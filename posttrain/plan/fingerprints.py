@@ -59,7 +59,9 @@ class FieldWalk:
             return self.section(value, f"{where}.")
         if isinstance(value, list) and value and all(isinstance(v, BaseModel) for v in value):
             return [self.section(v, f"{where}.{i}.") for i, v in enumerate(value)]
-        if effect_for(info, self.trains) is None and not _holds_sections(info):
+        # A field typed as a nested section (or a list or an optional of them) needs no
+        # decision of its own, its sections' fields decide (here: it is None or []).
+        if effect_for(info, self.trains) is None and not _has_model(info.annotation):
             raise UndecidedField(
                 f"{type(owner).__name__}.{where.rsplit('.', 1)[-1]}: declare it Result(...) or "
                 "Execution(...) (posttrain.sections.fields)"
@@ -83,12 +85,6 @@ class FieldWalk:
         elif source != "template" or (looks_like_template_file(value) and Path(value).is_file()):
             self.files[where] = path_identity(value)
         return value
-
-
-def _holds_sections(info: FieldInfo) -> bool:
-    """Whether a field is typed as a nested section (or a list or an optional of them): such a
-    field needs no decision of its own, its sections' fields decide (here: it is None or [])."""
-    return _has_model(info.annotation)
 
 
 def _has_model(tp: Any) -> bool:

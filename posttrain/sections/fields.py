@@ -59,21 +59,23 @@ def Execution(*args: Any, **kwargs: Any) -> Any:  # noqa: N802
     return Field(*args, **_marked("execution", kwargs))
 
 
+def _mark(info: FieldInfo, key: str) -> Any:
+    extra = info.json_schema_extra
+    return extra.get(key) if isinstance(extra, dict) else None
+
+
 def effect_of(info: FieldInfo) -> Effect | None:
     """What a field declared (None: nothing, which only a nested section may do)."""
-    extra = info.json_schema_extra
-    return extra.get(EFFECT_KEY) if isinstance(extra, dict) else None  # type: ignore[return-value]
+    return _mark(info, EFFECT_KEY)
 
 
 def effect_for(info: FieldInfo, trains: bool) -> Effect | None:
     """What a field is for a stage of a kind that trains (`trains`) or not."""
     effect = effect_of(info)
-    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-    if effect == "result" and extra.get(READERS_KEY) == "training" and not trains:
+    if effect == "result" and _mark(info, READERS_KEY) == "training" and not trains:
         return "execution"
     return effect
 
 
 def source_of(info: FieldInfo) -> Source | None:
-    extra = info.json_schema_extra
-    return extra.get(SOURCE_KEY) if isinstance(extra, dict) else None  # type: ignore[return-value]
+    return _mark(info, SOURCE_KEY)

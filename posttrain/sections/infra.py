@@ -224,56 +224,38 @@ class InfraConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _base_dtype(self) -> InfraConfig:
+    def _consistent(self) -> InfraConfig:
         if self.base_dtype == "bf16" and self.precision == "fp16":
             raise ValueError(
                 "base_dtype bf16 with precision fp16 is refused (fp16 compute would cast the bf16 "
                 "base down to fp16's narrower range); use precision bf16 or base_dtype fp32"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _rendezvous(self) -> InfraConfig:
         if self.nnodes > 1 and not self.rdzv_endpoint and self.launcher == "local":
             raise ValueError(
                 f"nnodes {self.nnodes} needs rdzv_endpoint (host:port of the node-rank-0 machine, "
                 "reachable from every node)"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _remote_devices(self) -> InfraConfig:
-        if self.launcher == "local":
-            return self
-        if self.device == "auto":
+        if self.launcher != "local" and self.device == "auto":
             raise ValueError(
                 f"launcher {self.launcher} needs infra.device set to cuda or cpu: `auto` would "
                 "look at the GPUs of the machine the flow runs on, not the nodes'"
             )
-        if self.devices_per_node == "auto":
+        if self.launcher != "local" and self.devices_per_node == "auto":
             raise ValueError(
                 f"launcher {self.launcher} needs infra.devices_per_node set to a number (the "
                 "processes per node, one per GPU)"
             )
+        if self.precision == "fp16" and not self.loss_scaling:
+            raise ValueError(
+                "precision fp16 without loss scaling is refused: fp16 gradients underflow and "
+                "preference losses go NaN. Set infra.loss_scaling: true, or use bf16/fp32."
+            )
+        # Last: the launcher's general checks (device, devices_per_node) speak first.
+        if self.launcher == "kubernetes":
+            self.kubernetes.check_usable()
         return self
 
     def world_size(self) -> int:
         """Data-parallel size of a distributed stage: nnodes x devices_per_node (resolved)."""
         assert isinstance(self.devices_per_node, int), "resolve() first"
         return self.nnodes * self.devices_per_node
-
-    @model_validator(mode="after")
-    def _fp16_needs_scaling(self) -> InfraConfig:
-        if self.precision == "fp16" and not self.loss_scaling:
-            raise ValueError(
-                "precision fp16 without loss scaling is refused: fp16 gradients underflow and "
-                "preference losses go NaN. Set infra.loss_scaling: true, or use bf16/fp32."
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _kubernetes_launcher(self) -> InfraConfig:
-        # Last: the launcher's general checks (device, devices_per_node) speak first.
-        if self.launcher == "kubernetes":
-            self.kubernetes.check_usable()
-        return self

@@ -7,6 +7,7 @@ Each stage kind's own section lives beside its registration in `posttrain/kinds/
 
 from __future__ import annotations
 
+import string
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -76,6 +77,13 @@ class DataSourceFields(_Section):
             raise ValueError(f"columns: two source columns renamed to one name ({self.columns})")
         return self
 
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSourceFields:
+        # Every data section reads `path` or generates `synthetic` rows.
+        if (getattr(self, "path", None) is None) == (getattr(self, "synthetic", None) is None):
+            raise ValueError("give exactly one of data.path or data.synthetic")
+        return self
+
 
 class DataConfig(DataSourceFields):
     path: str | None = Result(
@@ -101,12 +109,6 @@ class DataConfig(DataSourceFields):
     on_too_long: Literal["truncate", "drop"] = Result(
         "truncate", description="Rows longer than max_seq_len: cut at the right, or drop (counted)."
     )
-
-    @model_validator(mode="after")
-    def _one_source(self) -> DataConfig:
-        if (self.path is None) == (self.synthetic is None):
-            raise ValueError("give exactly one of data.path or data.synthetic")
-        return self
 
 
 class LoraConfig(_Section):
@@ -225,12 +227,6 @@ class _HeldOutSource(DataSourceFields):
         "naming file and row, or skip it and count it by reason.",
     )
 
-    @model_validator(mode="after")
-    def _one_source(self) -> _HeldOutSource:
-        if (getattr(self, "path", None) is None) == (self.synthetic is None):
-            raise ValueError("give exactly one of data.path or data.synthetic")
-        return self
-
 
 class PreferenceDataConfig(_HeldOutSource):
     path: str | None = Result(
@@ -347,7 +343,7 @@ class RolloutServerConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _url_or_command(self) -> RolloutServerConfig:
+    def _consistent(self) -> RolloutServerConfig:
         if (self.url is None) == (self.command is None):
             raise ValueError(
                 "rollout.server: give `url` (a server that runs) or `command` (one the stage "
@@ -358,12 +354,6 @@ class RolloutServerConfig(_Section):
                 "rollout.server.weights: vllm takes LoRA adapters by name; `merged` is for "
                 "`transformers` and `sglang`"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _placeholders(self) -> RolloutServerConfig:
-        import string
-
         parts = [self.command] if isinstance(self.command, str) else list(self.command or [])
         for part in parts:
             for _, name, _, _ in string.Formatter().parse(part):
@@ -488,7 +478,7 @@ class RolloutConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _server(self) -> RolloutConfig:
+    def _consistent(self) -> RolloutConfig:
         if self.engine == "server" and self.server is None:
             raise ValueError(
                 "rollout.server: engine `server` needs a server: `url` of one that runs, or "
@@ -503,10 +493,6 @@ class RolloutConfig(_Section):
                 "rollout.max_staleness: 1 needs `engine: server`: the in-process engine "
                 "samples with the weights it trains, so it cannot sample while they train"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _tools_or_environment(self) -> RolloutConfig:
         if self.tools and self.environment:
             raise ValueError(
                 "give rollout.tools or rollout.environment, not both: an environment's public "
@@ -602,13 +588,6 @@ class OnlineRLConfig(TrainingSection, TemplateGuard):
         1.0, description="Weight of the reward model's score in the summed reward."
     )
 
-    @model_validator(mode="after")
-    def _reward_labels(self) -> OnlineRLConfig:
-        labels = [r.label for r in self.rewards]
-        if len(set(labels)) != len(labels):
-            raise ValueError(f"rewards: two functions share a label ({labels}); set `name`")
-        return self
-
     eval_prompts: int = Result(
         32, ge=1, description="Held-out prompts scored for the final reward and KL."
     )
@@ -626,7 +605,10 @@ class OnlineRLConfig(TrainingSection, TemplateGuard):
     )
 
     @model_validator(mode="after")
-    def _episode_reward(self) -> OnlineRLConfig:
+    def _consistent(self) -> OnlineRLConfig:
+        labels = [r.label for r in self.rewards]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"rewards: two functions share a label ({labels}); set `name`")
         r = self.rollout
         if r.tools and not self.rewards:
             raise ValueError(
@@ -639,10 +621,6 @@ class OnlineRLConfig(TrainingSection, TemplateGuard):
                 "reward_model: multi-turn episodes are scored by `rewards` and the environment, "
                 "not by a reward model"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _dynamic_sampling_groups(self) -> OnlineRLConfig:
         if self.dynamic_sampling and self.rollout.samples_per_prompt < 2:
             raise ValueError(
                 "dynamic_sampling needs rollout.samples_per_prompt >= 2: it keeps the prompts "

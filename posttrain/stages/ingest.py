@@ -28,7 +28,6 @@ import torch
 from posttrain import hub
 from posttrain.agents.tool_calls import format_of_template
 from posttrain.config.inputs_check import model_folder_problem
-from posttrain.config.schema import FromConfigModel, IngestConfig
 from posttrain.data.calculator import calculator_corpus
 from posttrain.data.chat import (
     SAMPLE_CHAT,
@@ -41,6 +40,7 @@ from posttrain.data.chat import (
     template_sha256,
 )
 from posttrain.data.synthetic import pretrain_corpus, quickstart_sft_rows
+from posttrain.kinds.ingest import FromConfigModel, IngestConfig
 from posttrain.models.stop_tokens import end_of_turn_token
 from posttrain.runtime.context import StageContext
 from posttrain.stages.common import stage_main

@@ -18,7 +18,7 @@ import math
 from collections import deque
 from typing import Any
 
-from posttrain.config.schema import GuardConfig
+from posttrain.sections.shared import GuardConfig
 
 
 class TooManyBadSteps(RuntimeError):

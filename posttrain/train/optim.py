@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from posttrain.config.schema import OptimConfig
+from posttrain.sections.shared import OptimConfig
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:

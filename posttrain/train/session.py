@@ -23,13 +23,13 @@ from typing import Any
 import torch
 
 from posttrain.config.batch import ResolvedBatch
-from posttrain.config.schema import OptimConfig
 from posttrain.data.batching import step_indices
 from posttrain.distributed.fsdp import is_sharded, place_model
 from posttrain.distributed.runtime import DistInfo, all_reduce_sum
 from posttrain.models.loading import base_dtype, count_params
 from posttrain.models.lora import canonical_adapter_configs
 from posttrain.models.sharded_load import CheckpointFiles, fill_from_checkpoint
+from posttrain.sections.shared import OptimConfig
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import (
     MetricsWriter,

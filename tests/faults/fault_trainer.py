@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.config.schema import FromConfigModel, LoraConfig, OptimConfig
 from posttrain.distributed.fsdp import shard_model
+from posttrain.kinds.ingest import FromConfigModel
 from posttrain.models.lora import apply_lora
 from posttrain.models.tiny import build_model
+from posttrain.sections.shared import LoraConfig, OptimConfig
 from posttrain.train.checkpoint import trainable_state_dict
 from posttrain.train.optim import build_optimizer, build_scheduler
 

@@ -52,10 +52,10 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
-from posttrain.config.schema import RolloutConfig, SamplingConfig
 from posttrain.distributed.fsdp import forward_method, gathered
 from posttrain.models.decoding import generate_kwargs
 from posttrain.rl.rollout.prefix_cache import Continued, Kept, PrefixCache, full_attention
+from posttrain.sections.shared import RolloutConfig, SamplingConfig
 
 _DECODE_REGISTERED = "_posttrain_decode_registered"
 

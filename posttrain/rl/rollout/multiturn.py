@@ -39,7 +39,7 @@ from posttrain.rl.rollout.engine import RolloutEngine, left_pad
 from posttrain.rl.rollout.sample import Rollout
 
 if TYPE_CHECKING:
-    from posttrain.config.schema import RolloutConfig, SamplingConfig
+    from posttrain.sections.shared import RolloutConfig, SamplingConfig
 
 
 @dataclass(frozen=True)

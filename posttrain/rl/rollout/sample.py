@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posttrain.config.schema import RolloutConfig, SamplingConfig
 from posttrain.data.batching import pad_batch
 from posttrain.data.chat import IGNORE
 from posttrain.data.preference import Messages, encode_reply
@@ -31,6 +30,7 @@ from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import REWARD, VALUE
 from posttrain.rl.losses import entropy_from_logits, token_logps
 from posttrain.rl.rollout.engine import RolloutEngine, left_pad
+from posttrain.sections.shared import RolloutConfig, SamplingConfig
 
 if TYPE_CHECKING:
     from posttrain.agents.episodes import EpisodeRun

@@ -19,9 +19,9 @@ from collections import Counter
 
 import torch
 
-from posttrain.config.schema import SamplingConfig
 from posttrain.rl.serving.api import Completion, ServerError
 from posttrain.rl.serving.server import RolloutServer
+from posttrain.sections.shared import SamplingConfig
 
 log = logging.getLogger("posttrain.serving")
 

@@ -27,8 +27,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from posttrain.config.schema import SamplingConfig
 from posttrain.models.decoding import generate_kwargs
+from posttrain.sections.shared import SamplingConfig
 
 # (path, JSON body) of one POST
 Call = tuple[str, dict[str, Any]]
