@@ -41,7 +41,15 @@ from posttrain.runtime.context import StageContext, training_base
 from posttrain.stages.common import stage_main
 from posttrain.telemetry import heartbeat
 from posttrain.train.forward_logps import forward_sequence_logps
-from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps, to_device
+from posttrain.train.loop import (
+    Draw,
+    StepBatch,
+    Training,
+    add_sums,
+    open_training,
+    plan_steps,
+    to_device,
+)
 from posttrain.train.micro_batches import regroup_step
 from posttrain.train.preference_losses import (
     kto_kl_estimate,
@@ -294,9 +302,8 @@ def kto_step(
     )
     t_kl = time.perf_counter() - t_kl
 
-    sums = dict.fromkeys(
-        ("loss", "reward_desirable", "reward_undesirable", "n_desirable", "n_undesirable"), 0.0
-    )
+    keys = ("reward_desirable", "reward_undesirable", "n_desirable", "n_undesirable")
+    sums = dict.fromkeys(("loss", *keys), 0.0)
     t_ref = 0.0
     for k, (ix, mb) in enumerate(zip(sb.rows, sb.micro, strict=True)):
         grad_sync(model, k == len(sb.micro) - 1)
@@ -308,10 +315,7 @@ def kto_step(
         desirable = torch.tensor([loop.draw.rows[i]["desirable"] for i in ix], device=device)
         losses, m = kto_loss(policy, ref, desirable, z0, **hp)  # [micro]
         loop.tr.backward(losses.sum() * loop.world / n_rows)
-        # Summed on the device and read once per step (`all_reduce_sums`).
-        sums["loss"] += losses.detach().sum()
-        for key in ("reward_desirable", "reward_undesirable", "n_desirable", "n_undesirable"):
-            sums[key] += m[key].detach()
+        add_sums(sums, {"loss": losses} | {k: m[k] for k in keys})
     g = all_reduce_sums(sums, device)
     g["loss"] /= n_rows
     return g["loss"], {

@@ -38,7 +38,7 @@ from posttrain.config.batch import ResolvedBatch
 from posttrain.config.loader import section_batch
 from posttrain.data.segments import batch_rows, layout_stats
 from posttrain.data.sft_data import write_splits
-from posttrain.distributed.runtime import rank_batches
+from posttrain.distributed.runtime import all_reduce_sums, rank_batches
 from posttrain.models.sharded_load import CheckpointFiles
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
@@ -90,6 +90,38 @@ def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """A collated batch's tensors (and its `Segments`, padding-free) on `device`; non-blocking:
     the device stream orders each copy before the forward that reads it."""
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def strided_batches(
+    rows: list[Row],
+    collate: Callable[..., dict[str, Any]],
+    pad_id: int,
+    batch_size: int,
+    device: torch.device,
+    rank: int,
+    world: int,
+    flat: bool = False,
+    phase: str = "eval",
+) -> Iterator[tuple[list[int], dict[str, Any]]]:
+    """(row indices, their batch on `device`) for this rank's share of `rows`, rank-strided.
+    Every rank runs the same number of forwards (FSDP's all-gathers are collective): a rank
+    short of rows gets no indices and a filler batch of the first row, to weigh 0."""
+    for idx in rank_batches(len(rows), rank, world, batch_size):
+        heartbeat.beat(phase=phase)
+        chunk = [rows[i] for i in idx] or rows[:1]
+        yield idx, to_device(collate(chunk, pad_id, flat), device)
+
+
+def add_sums(sums: dict[str, Any], values: dict[str, torch.Tensor]) -> None:
+    """Add each value's detached sum into `sums`, on the device: read once per step."""
+    for name, v in values.items():
+        sums[name] = sums.get(name, 0.0) + v.detach().sum()
+
+
+def add_weighted(sums: dict[str, float], weight: float, values: dict[str, torch.Tensor]) -> None:
+    """Add `weight` x each value's sum into `sums` (held-out figures; weight 0 for a filler)."""
+    for name, v in values.items():
+        sums[name] = sums.get(name, 0.0) + weight * v.sum().item()
 
 
 def plan_steps(ctx: Any, data: PreparedData, n_rows: int) -> tuple[ResolvedBatch, int]:
@@ -235,16 +267,26 @@ class Training:
 
     def heldout_batches(self, rows: list[Row], flat: bool = False) -> Iterator[tuple[float, Any]]:
         """(weight, micro-batch on the device) for this rank's share of held-out `rows`
-        (rank-strided, `Draw.collate`d; `flat`: padding-free), with the model in eval mode
-        meanwhile. Every rank runs the same number of forwards (FSDP's all-gathers are
-        collective): a rank short of rows repeats the first with weight 0."""
+        (`strided_batches`, `Draw.collate`d; `flat`: padding-free), the model in eval mode."""
         self.model.eval()
-        for idx in rank_batches(len(rows), self.rank, self.world, self.eval_batch_size):
-            heartbeat.beat(phase="eval")
-            chunk = [rows[i] for i in idx] or rows[:1]
-            batch = self.draw.collate(chunk, self.draw.pad_id, flat)
-            yield (1.0 if idx else 0.0), to_device(batch, self.device)
+        draw = self.draw
+        for idx, batch in strided_batches(
+            rows,
+            draw.collate,
+            draw.pad_id,
+            self.eval_batch_size,
+            self.device,
+            self.rank,
+            self.world,
+            flat,
+        ):
+            yield (1.0 if idx else 0.0), batch
         self.model.train()
+
+    def step_means(self, sums: dict[str, Any]) -> dict[str, float]:
+        """`add_sums` totals over all ranks, per row of the global batch."""
+        n = self.batch.global_batch_size
+        return {k: v / n for k, v in all_reduce_sums(sums, self.device).items()}
 
     def evaluate(self, step: int) -> Figures | None:
         """The stage's held-out figures now, written as an `eval` record at `step` (each
