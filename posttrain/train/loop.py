@@ -125,9 +125,8 @@ def add_weighted(sums: dict[str, float], weight: float, values: dict[str, torch.
 
 
 def plan_steps(ctx: Any, data: PreparedData, n_rows: int) -> tuple[ResolvedBatch, int]:
-    """Record what the stage trains on and holds out (rank 0: data/{train,eval}.jsonl) and plan
-    its steps: (the section's resolved batch, its optimizer steps over `n_rows` training rows:
-    `max_steps`, or `epochs` passes over them)."""
+    """Write data/{train,eval}.jsonl (rank 0) and plan the steps: (the resolved batch,
+    `max_steps` or the steps of `epochs` passes over `n_rows` rows)."""
     if ctx.is_main:
         write_splits(ctx.stage.out_dir, data.train_rows, data.eval_rows)
     cfg = ctx.section
@@ -148,11 +147,9 @@ def open_training(
     eval_every: int = 0,
     **start_fields: Any,
 ) -> Training:
-    """Start the session of an offline stage (`start_session`: place `model`, optimizer,
-    resume, the `start` record with the row counts, `start_fields` and the data's stats) and
-    decide whether its micro-batches go padding-free. `heldout(loop)`: the stage's held-out
-    figures of the model as it stands (None: no figures, no record); `eval_every`: also take
-    them every that many steps (0: at the start and the end only)."""
+    """`start_session` of an offline stage, and whether its micro-batches go padding-free.
+    `heldout(loop)`: the stage's held-out figures of the model as it stands (None: no figures,
+    no record); `eval_every`: also take them every that many steps (0: start and end only)."""
     cfg = ctx.section
     tr = start_session(
         ctx,
@@ -188,7 +185,6 @@ class Training:
 
     @property
     def model(self) -> torch.nn.Module:
-        """The placed model (sharded, or unwrapped on one device)."""
         return self.tr.model
 
     @property
@@ -213,13 +209,11 @@ class Training:
         return self.batch.micro_batch_size
 
     def steps(self) -> range:
-        """The optimizer steps this launch runs, 0-based (a resumed run starts with the step
-        after its checkpoint's)."""
+        """The optimizer steps this launch runs, 0-based (a resumed run's start after its own)."""
         return range(self.tr.start_step, self.tr.total_steps)
 
     def step_batch(self, step: int) -> StepBatch:
-        """This rank's rows of optimizer step `step` (`TrainSession.step_rows`), regrouped by
-        tokens when `batch.by_tokens` asks, collated and moved to the device."""
+        """This rank's rows of step `step`, regrouped by tokens when `batch.by_tokens` asks."""
         t_start = time.perf_counter()
         rows = self.draw.rows
         idx = self.tr.step_rows(len(rows), step, self.batch, self.ctx.recipe.run.seed)
@@ -229,8 +223,7 @@ class Training:
         return self.lay_out(t_start, groups)
 
     def lay_out(self, t_start: float, groups: list[list[int]]) -> StepBatch:
-        """The micro-batches of `groups` (row indices, one list per micro-batch) on the host and
-        on the device, with the step's token count; `t_start`: when the step began."""
+        """The micro-batches of `groups` (row indices per micro-batch), on host and device."""
         rows = self.draw.rows
         host = [
             self.draw.collate([rows[i] for i in g], self.draw.pad_id, self.flat) for g in groups
@@ -241,9 +234,7 @@ class Training:
 
     def finish_step(self, step: int, sb: StepBatch, *, loss: float, **metrics: float) -> None:
         """The end of optimizer step `step` (0-based), once its gradients are in: the optimizer
-        step under the guard; every `log_every` steps and at the last, the metrics record
-        (throughput, the layout, the stage's `metrics`); held-out figures every `eval_every`
-        steps (before the last); a checkpoint every `checkpoint_every` steps. `loss`: the
+        step, the metrics record, held-out figures and a checkpoint when due. `loss`: the
         step's loss over all ranks (every rank passes the same value)."""
         cfg, tr, done = self.section, self.tr, step + 1
         grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=loss, step=done)
@@ -289,25 +280,22 @@ class Training:
         return {k: v / n for k, v in all_reduce_sums(sums, self.device).items()}
 
     def evaluate(self, step: int) -> Figures | None:
-        """The stage's held-out figures now, written as an `eval` record at `step` (each
-        figure as `eval_<name>`); None, and no record, when the stage has none."""
+        """The stage's held-out figures now, as an `eval` record at `step` (`eval_<name>`)."""
         figures = self.heldout(self)
         if figures is not None:
             self.tr.metrics.write("eval", step=step, **{f"eval_{k}": v for k, v in figures.items()})
         return figures
 
     def heldout_at_start(self) -> Figures | None:
-        """The held-out figures before any update (step 0) on a fresh run; None on a resumed
-        one (its step-0 record is among the metrics it kept)."""
+        """The step-0 figures on a fresh run; None on a resumed one (its metrics keep them)."""
         return self.evaluate(0) if self.tr.start_step == 0 else None
 
     def heldout_at_end(self) -> Figures | None:
-        """The held-out figures of the trained model (at the last step)."""
         return self.evaluate(self.tr.total_steps)
 
     def close(self, selected_adapters: list[str] | None = None) -> None:
-        """Save the trained adapter (`selected_adapters`: which of the model's, default all),
-        write the `end` record (peak memory) and close metrics.jsonl."""
+        """Save the trained adapter (`selected_adapters`: default all), write the `end` record
+        and close metrics.jsonl."""
         save_adapter(self.model, self.ctx, selected_adapters=selected_adapters)
         self.tr.metrics.write("end", step=self.tr.total_steps, **memory_snapshot(self.device))
         self.tr.metrics.close()
