@@ -127,8 +127,8 @@ def ref_cache_key(
 def cached_reference(
     ctx: StageContext, loop: Training, key: str, numerics: dict[str, Any]
 ) -> tuple[torch.Tensor, str]:
-    """Reference log-probs of the training pairs from the workspace cache (`posttrain.store.
-    cache`), computing and storing them on a miss. Returns ([N, 2] log-probs, "hit" | "miss")."""
+    """([N, 2] reference log-probs of the training pairs, "hit" | "miss") from the workspace
+    cache, computed and stored on a miss."""
     from safetensors.torch import load_file, save_file
 
     pairs = loop.draw.rows
@@ -170,9 +170,8 @@ def heldout_preferences(
     loss: str,
     beta: float,
 ) -> dict[str, float]:
-    """Implicit-reward accuracy and margin (`implicit_rewards` of loss `loss`, as evaluate
-    computes them) and the mean loss on held-out pairs. The reference runs online, and not at
-    all for a reference-free loss."""
+    """Implicit-reward accuracy and margin (`implicit_rewards`, as evaluate computes them) and
+    the mean loss on held-out pairs; the reference runs online (not at all when reference-free)."""
     model.eval()
     needs_ref = loss not in REFERENCE_FREE
     s = {"n": 0.0, "correct": 0.0, "margin": 0.0, "loss": 0.0}
@@ -260,9 +259,8 @@ def training_reference(
     ctx: StageContext, loop: Training, template_sha: str
 ) -> tuple[torch.Tensor | None, str]:
     """([N, 2] reference log-probs of every training pair, "hit" | "miss") when
-    `precompute_reference` says they are computed once (auto: when a pair's reference would
-    otherwise run again in a later step), from the workspace cache; (None, "off") when the
-    reference runs online each step, or not at all (a reference-free loss)."""
+    `precompute_reference` says they are computed once; (None, "off") when the reference runs
+    online each step, or not at all (a reference-free loss)."""
     cfg = ctx.section
     precompute = cfg.precompute_reference
     if precompute is None:  # auto: when each pair's reference would be computed again

@@ -54,8 +54,7 @@ def start_adapter(ctx: StageContext) -> Path | None:
 
 @torch.no_grad()
 def heldout_orpo(loop: Training, pairs: list[dict], beta: float) -> dict[str, float]:
-    """Accuracy, reward margin, ORPO loss, chosen NLL and log-odds ratio on held-out pairs,
-    summed across ranks."""
+    """Accuracy, reward margin, ORPO loss, chosen NLL and log-odds ratio on held-out pairs."""
     keys = ("correct", "margin", "loss", "nll", "log_odds_ratio")
     s = dict.fromkeys(("n", *keys), 0.0)
     for w, batch in loop.heldout_batches(pairs):
@@ -114,10 +113,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 
 def orpo_step(loop: Training, sb: StepBatch, beta: float) -> tuple[float, dict[str, float]]:
-    """One step's forwards and backwards: one policy forward per micro-batch of pairs (chosen
-    and rejected rows together), `orpo_loss` per pair, sum(pair losses) * world / global_pairs
-    backpropagated. Returns the step's mean loss over all ranks and its mean accuracy, margin,
-    NLL, log-odds ratio and policy log-probs (in name order)."""
+    """One step: one policy forward per micro-batch of pairs, sum(pair losses) * world /
+    global_pairs backpropagated. Returns the step's mean loss and metrics (in name order)."""
     sums: dict[str, torch.Tensor] = {}
     for k, mb in enumerate(sb.micro):
         grad_sync(loop.model, k == len(sb.micro) - 1)

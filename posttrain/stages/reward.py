@@ -144,8 +144,7 @@ def bradley_terry_step(
 
 
 def accuracy_gate(accuracy: float, min_accuracy: float | None) -> dict[str, Any]:
-    """The gate the flow enforces before any RL stage: passed unless `reward.min_accuracy` is
-    set and the held-out accuracy falls short of it."""
+    """The gate the flow enforces before any RL stage."""
     if min_accuracy is None:
         return {"passed": True}
     passed = accuracy >= min_accuracy
