@@ -105,9 +105,8 @@ def judge(
     baseline: str,
     batch_size: int,
 ) -> dict[str, Any]:
-    """Score `replies[candidate][i]` and `replies[baseline][i]` to prompt i with the reward
-    model (prompt + reply rendered with `tok`, the reward model's tokenizer) and count
-    wins/losses/ties of the candidate. win_rate = (wins + ties / 2) / n, so 0.5 is a draw."""
+    """Score both replies to each prompt with the reward model (rendered with its tokenizer
+    `tok`) and count the candidate's wins/losses/ties; win_rate = (wins + ties / 2) / n."""
     scores = {}
     for name in (candidate, baseline):
         seqs = [
@@ -151,11 +150,8 @@ def policy_win_rate(
     cfg: EvaluateConfig,
     seed: int,
 ) -> dict[str, Any] | None:
-    """A policy against its parent on `prompts`, logged; None when there are no prompts. Both
-    are adapters of one PeftModel: each answers every prompt (`cfg.win_rate_sampling`) and the
-    reward model judges the pairs (`judge`). `policy` = (its stage name, for the log; its
-    adapter on `model`); the parent's adapter is named after its stage. The result's examples
-    are keyed by the two adapter names."""
+    """`judge` of a policy against its parent (adapters of one PeftModel; `policy` = (its stage
+    name, its adapter)) on `prompts`; None without prompts."""
     if not prompts:
         return None
     name, adapter = policy
@@ -190,14 +186,10 @@ def head_to_head(
     device: torch.device | str = "cpu",
     trust_remote_code: bool = False,
 ) -> dict[str, Any]:
-    """Candidate vs champion: two merged model folders (weights + tokenizer, as export writes
-    them) answer the same prompts with the same sampling settings and seed, and the reward model
-    judges each pair (`judge`; names "candidate" and "champion").
-
-    Each model renders prompts with its own tokenizer's chat template (the one it was tuned
-    with); the reward model scores both answers re-rendered with `rm_tok`. Models are loaded in
-    fp32, one at a time, so the peak is one policy plus the reward model. A folder against
-    itself ties on every prompt: same weights, same batches, same per-batch seeds.
+    """Candidate vs champion: two merged model folders answer the same prompts with the same
+    sampling and seed, each rendering with its own chat template, and the reward model judges
+    each pair (`judge`). Loaded in fp32 one at a time, so the peak is one policy plus the
+    reward model. A folder against itself ties on every prompt.
     """
     replies: dict[str, list[str]] = {}
     seconds: dict[str, float] = {}
