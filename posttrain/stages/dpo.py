@@ -335,16 +335,10 @@ def write_reference_record(ctx: StageContext, ref_cache: str) -> None:
     its log-probs were precomputed ("hit" | "miss" of the cache, or "off")."""
     if not ctx.is_main:
         return
-    (ctx.stage.out_dir / "reference.json").write_text(
-        json.dumps(
-            {
-                "reference": f"{ctx.stage.roles['reference']} adapter",
-                "reference_fingerprint": ctx.role_ref("reference").fingerprint,
-                "precomputed": ref_cache,
-            },
-            indent=2,
-        )
-    )
+    reference = f"{ctx.stage.roles['reference']} adapter"
+    fp = ctx.role_ref("reference").fingerprint
+    record = {"reference": reference, "reference_fingerprint": fp, "precomputed": ref_cache}
+    (ctx.stage.out_dir / "reference.json").write_text(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":

@@ -145,18 +145,12 @@ def _verify(
 
 def _lineage(ctx: StageContext) -> list[dict[str, Any]]:
     """Every stage the export descends from, with its fingerprint and parents, then export."""
+    refs = ctx.parents
     lineage = [
-        {"stage": name, "fingerprint": ref.fingerprint, "parents": ref.parents}
-        for name, ref in ctx.parents.items()
+        {"stage": n, "fingerprint": r.fingerprint, "parents": r.parents} for n, r in refs.items()
     ]
-    lineage.append(
-        {
-            "stage": "export",
-            "fingerprint": ctx.stage.fingerprint,
-            "parents": [r.fingerprint for r in ctx.parents.values()],
-        }
-    )
-    return lineage
+    parents = [r.fingerprint for r in refs.values()]
+    return [*lineage, {"stage": "export", "fingerprint": ctx.stage.fingerprint, "parents": parents}]
 
 
 def _card_metrics(ctx: StageContext, report: dict[str, Any]) -> dict[str, Any]:
