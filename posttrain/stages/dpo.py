@@ -46,7 +46,6 @@ from posttrain.train.loop import (
     StepBatch,
     Training,
     add_sums,
-    add_weighted,
     open_training,
     plan_steps,
     strided_batches,
@@ -186,7 +185,7 @@ def heldout_preferences(
         cr = implicit_rewards(pc, rc, lc, beta=beta, loss=loss)
         rj = implicit_rewards(pr, rr, lr_, beta=beta, loss=loss)
         s["n"] += w * len(losses)
-        add_weighted(s, w, {"correct": cr > rj, "margin": cr - rj, "loss": losses})
+        add_sums(s, {"correct": cr > rj, "margin": cr - rj, "loss": losses}, w)
     model.train()
     t = {k: all_reduce_sum(v, device) for k, v in s.items()}
     n = max(1.0, t["n"])

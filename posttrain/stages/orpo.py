@@ -32,15 +32,7 @@ from posttrain.models.reward import pair_batch
 from posttrain.runtime.context import StageContext, training_base
 from posttrain.stages.common import stage_main
 from posttrain.train.forward_logps import pair_logps
-from posttrain.train.loop import (
-    Draw,
-    StepBatch,
-    Training,
-    add_sums,
-    add_weighted,
-    open_training,
-    plan_steps,
-)
+from posttrain.train.loop import Draw, StepBatch, Training, add_sums, open_training, plan_steps
 from posttrain.train.preference_losses import orpo_loss
 
 log = logging.getLogger("posttrain.orpo")
@@ -60,7 +52,7 @@ def heldout_orpo(loop: Training, pairs: list[dict], beta: float) -> dict[str, fl
     for w, batch in loop.heldout_batches(pairs):
         losses, m = orpo_loss(*pair_logps(loop.model, batch, loop.chunk_tokens), beta=beta)
         s["n"] += w * len(losses)
-        add_weighted(s, w, {"loss": losses} | {k: m[k] for k in keys if k != "loss"})
+        add_sums(s, {"loss": losses} | {k: m[k] for k in keys if k != "loss"}, w)
     t = {k: all_reduce_sum(v, loop.device) for k, v in s.items()}
     n = max(1.0, t.pop("n"))
     out = {k: v / n for k, v in t.items()}

@@ -29,15 +29,7 @@ from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.models.reward import pair_batch, pair_scores, score_model_for_training
 from posttrain.runtime.context import StageContext
 from posttrain.stages.common import stage_main
-from posttrain.train.loop import (
-    Draw,
-    StepBatch,
-    Training,
-    add_sums,
-    add_weighted,
-    open_training,
-    plan_steps,
-)
+from posttrain.train.loop import Draw, StepBatch, Training, add_sums, open_training, plan_steps
 from posttrain.train.losses import bradley_terry_loss
 
 log = logging.getLogger("posttrain.reward")
@@ -52,7 +44,7 @@ def heldout_pairs(loop: Training, pairs: list[dict], margin: float) -> dict[str,
         acc["n"] += w * rc.numel()
         loss = bradley_terry_loss(rc, rr, margin)
         figures = {"correct": rc > rr, "margin": rc - rr, "loss": loss, "c": rc, "c2": rc**2}
-        add_weighted(acc, w, figures | {"r": rr, "r2": rr**2})
+        add_sums(acc, figures | {"r": rr, "r2": rr**2}, w)
     t = {k: all_reduce_sum(v, loop.device) for k, v in acc.items()}
     n = max(1.0, t["n"])
 

@@ -112,16 +112,14 @@ def strided_batches(
         yield idx, to_device(collate(chunk, pad_id, flat), device)
 
 
-def add_sums(sums: dict[str, Any], values: dict[str, torch.Tensor]) -> None:
-    """Add each value's detached sum into `sums`, on the device: read once per step."""
+def add_sums(
+    sums: dict[str, Any], values: dict[str, torch.Tensor], weight: float | None = None
+) -> None:
+    """Add each value's sum into `sums`: detached, on the device (a step's figures, read once
+    per step); or with `weight`, as weight x a Python float (held-out figures: 0 for a filler)."""
     for name, v in values.items():
-        sums[name] = sums.get(name, 0.0) + v.detach().sum()
-
-
-def add_weighted(sums: dict[str, float], weight: float, values: dict[str, torch.Tensor]) -> None:
-    """Add `weight` x each value's sum into `sums` (held-out figures; weight 0 for a filler)."""
-    for name, v in values.items():
-        sums[name] = sums.get(name, 0.0) + weight * v.sum().item()
+        add = v.detach().sum() if weight is None else weight * v.sum().item()
+        sums[name] = sums.get(name, 0.0) + add
 
 
 def plan_steps(ctx: Any, data: PreparedData, n_rows: int) -> tuple[ResolvedBatch, int]:
