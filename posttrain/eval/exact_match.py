@@ -34,8 +34,7 @@ def greedy_answers(
     seed: int,
     batch_size: int,
 ) -> list[str]:
-    """The answers of the policy of `adapter` (None = the base) to `prompts` (chat-templated
-    text), decoded with `greedy`."""
+    """The answers of the policy of `adapter` (None = the base) to `prompts`, under `greedy`."""
     with as_policy(model, adapter):
         return generate(model, tok, prompts, greedy, seed, batch_size)
 
@@ -50,9 +49,8 @@ def base_vs_tuned(
     batch_size: int,
     tuned: tuple[str, str],
 ) -> tuple[dict[str, float], list[str]]:
-    """({"base", "tuned"} exact match, the base's answers): the base (adapters off) against the
-    tuned policy, `tuned` = (its stage name, for the log; its adapter on `model`). The base's
-    answers are returned for the samples that show them."""
+    """({"base", "tuned"} exact match, the base's answers, for the samples); `tuned` = (its
+    stage name, its adapter on `model`)."""
     name, adapter = tuned
     base_out = greedy_answers(model, None, tok, prompts, greedy, seed, batch_size)
     tuned_out = greedy_answers(model, adapter, tok, prompts, greedy, seed, batch_size)

@@ -24,9 +24,7 @@ def generate(
     seed: int,
     batch_size: int = 8,
 ) -> list[str]:
-    """Completions for `prompts` (already chat-templated text), one string per prompt, in order:
-    the new tokens of `generate_ids` up to the stop token that ended each (left out), decoded
-    with special tokens removed."""
+    """`generate_ids` decoded: one string per prompt, without the stop token or special tokens."""
     rows = generate_ids(model, tokenizer, prompts, cfg, seed, batch_size)
     return [decode_new(tokenizer, ids, stopped) for ids, stopped in rows]
 
@@ -44,18 +42,12 @@ def generate_ids(
     seed: int,
     batch_size: int = 8,
 ) -> list[tuple[list[int], bool]]:
-    """(new token ids, stopped) per prompt (already chat-templated text), in order. A row ends at
-    the first of the stop ids (`stop_token_ids`: the tokenizer's EOS, the model's
-    generation_config eos ids, the template's end-of-turn token), which is its last id and makes
-    `stopped` True; a row that never stopped has max_new_tokens ids.
-
-    Prompts are tokenized without special tokens (the template already holds them) and padded on
-    the LEFT, so every row's last prompt token sits at the same position and new tokens are the
-    columns after the input width.
-
-    Batch k is seeded with seed + k, so a batch's samples do not depend on how many random
-    numbers earlier batches used. The caller's global RNG state is restored afterwards. Works on
-    a plain transformers model and on a peft PeftModel (both take keyword-only `generate`).
+    """(new token ids, stopped) per prompt (already chat-templated text), in order. A row ends
+    at the first stop id (`model_stop_token_ids`), its last id; a row that never stopped has
+    max_new_tokens ids. Prompts are tokenized without special tokens (the template holds them)
+    and padded on the LEFT, so new tokens are the columns after the input width. Batch k is
+    seeded with seed + k, so a batch's samples do not depend on how many random numbers earlier
+    batches used; the caller's global RNG state is restored afterwards.
     """
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     return generate_from_ids(model, tokenizer, ids, cfg, seed, batch_size)
@@ -103,8 +95,7 @@ def generate_from_ids(
 
 
 def cut_at_stop(ids: list[int], stop_ids: list[int]) -> tuple[list[int], bool]:
-    """`ids` up to and including the first stop id (the padding after it dropped) -> (ids,
-    stopped)."""
+    """`ids` up to and including the first stop id -> (ids, stopped)."""
     stops = set(stop_ids)
     for i, t in enumerate(ids):
         if t in stops:

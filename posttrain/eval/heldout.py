@@ -22,15 +22,10 @@ def heldout_loss(
     device: torch.device | str,
     chunk_tokens: int = 0,
 ) -> dict[str, Any]:
-    """Token-weighted mean next-token NLL over every label token of every batch.
-
-    batches: dicts from `pad_batch` (input_ids/labels/attention_mask/position_ids, each [B, T]).
-    The sum over all batches is divided once by the total token count, so a short last batch
-    weighs per token, not per batch, and the number does not depend on how rows were batched.
-    Returns {"loss", "perplexity" = exp(loss), "tokens"}. The model is put in eval mode for the
-    pass (no dropout) and returned to training mode afterwards if it was training, so a training
-    loop can call this between steps. `chunk_tokens`: tokens per pass through the LM head
-    (`posttrain.models.chunked`; 0 = full [B, T, V] logits).
+    """Token-weighted mean next-token NLL over every label token of every batch (`pad_batch`
+    dicts, each tensor [B, T]) -> {"loss", "perplexity", "tokens"}. The sum is divided once by
+    the total token count, so the number does not depend on how rows were batched. Eval mode
+    for the pass, restored after; `chunk_tokens` per pass through the LM head (0: full logits).
     """
     was_training = model.training
     model.eval()
@@ -61,9 +56,8 @@ def policy_heldout_loss(
     batch_size: int,
     chunk_tokens: int,
 ) -> dict[str, Any]:
-    """`heldout_loss` of one policy of `model`, on its device: the one of adapter `adapter`, or
-    the base when `adapter` is None (adapters off), over `examples` (tokenized rows) in order,
-    `batch_size` at a time, each group right-padded by `pad_batch` (the last may be shorter)."""
+    """`heldout_loss` of the policy of adapter `adapter` (None: the base) over `examples`,
+    `batch_size` at a time."""
     batches = (
         pad_batch(examples[i : i + batch_size], pad_id) for i in range(0, len(examples), batch_size)
     )

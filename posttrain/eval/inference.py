@@ -28,12 +28,9 @@ def _sync(device: torch.device) -> None:
 def greedy_decode(
     model: Any, prompt_ids: torch.Tensor, new_tokens: int, use_cache: bool
 ) -> tuple[list[int], list[float]]:
-    """Greedy-decode `new_tokens` tokens after prompt_ids [1, P] -> (token ids, seconds per step).
-
-    use_cache=True: the prefill fills a DynamicCache and each later step feeds only the last
-    token ([1, 1]) with the cache. use_cache=False: every step recomputes the whole sequence
-    ([1, P + t]), the quadratic baseline the cache exists to avoid.
-    """
+    """Greedy-decode `new_tokens` tokens after prompt_ids [1, P] -> (token ids, seconds per
+    step). With the cache each step after the prefill feeds the last token [1, 1]; without, every
+    step recomputes [1, P + t], the quadratic baseline the cache exists to avoid."""
     device = prompt_ids.device
     seq = prompt_ids  # [1, P + t]
     cache = DynamicCache(config=model.config) if use_cache else None
@@ -62,13 +59,9 @@ def greedy_decode(
 def measure_inference(
     model: Any, prompt_ids: torch.Tensor, new_tokens: int, use_cache: bool, repeats: int
 ) -> dict[str, Any]:
-    """Median latency figures over `repeats` timed runs after one untimed warm-up run.
-
-    prompt_ids: [1, P] (one sequence: latency, not throughput under batching). Returns ttft_s,
-    tpot_s (None when new_tokens == 1), tokens_per_s, and token_ids (the greedy tokens, which
-    callers compare between cache modes). Raises if repeated runs decode different tokens, which
-    would mean the loop is not deterministic and the timings are not of the same work.
-    """
+    """Median latency figures over `repeats` timed runs after one untimed warm-up run, of
+    prompt_ids [1, P] (latency, not throughput under batching). Raises if repeated runs decode
+    different tokens: the timings would not be of the same work."""
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
         raise ValueError(f"prompt_ids must be [1, P], got {list(prompt_ids.shape)}")
     if new_tokens < 1 or repeats < 1:
@@ -107,12 +100,8 @@ def measure_inference(
 def compare_cache_modes(
     model: Any, prompt_ids: torch.Tensor, new_tokens: int, repeats: int
 ) -> dict[str, Any]:
-    """Both modes on the same prompt -> {"cache", "no_cache", "tokens_match", "speedup"}.
-
-    `tokens_match` is reported, not asserted: in fp32 the two modes agree, but in bf16/fp16 the
-    different matmul shapes round differently and a near-tie argmax may legitimately flip.
-    speedup = cached tokens/s over uncached tokens/s.
-    """
+    """Both modes on the same prompt. `tokens_match` is reported, not asserted: in bf16/fp16
+    the different matmul shapes round differently and a near-tie argmax may legitimately flip."""
     cached = measure_inference(model, prompt_ids, new_tokens, True, repeats)
     uncached = measure_inference(model, prompt_ids, new_tokens, False, repeats)
     return {
@@ -124,9 +113,8 @@ def compare_cache_modes(
 
 
 def inference_prompt(tok: Any, prompts: list[str], n_tokens: int) -> torch.Tensor:
-    """[1, n_tokens] prompt ids cut from real prompts (text, tokenized without special tokens;
-    repeated if together they are shorter): latency on what the model will be asked, not on
-    arbitrary ids."""
+    """[1, n_tokens] prompt ids cut from real prompts (repeated when short): latency on what the
+    model will be asked, not on arbitrary ids."""
     ids: list[int] = []
     while len(ids) < n_tokens:
         for p in prompts:

@@ -135,9 +135,7 @@ def run_tasks(
     seed: int,
     bootstrap_iters: int = 0,
 ) -> dict[str, Any]:
-    """Score one model (a `transformers` model object, e.g. a merged policy, in eval mode on
-    its device) on `tasks`. Returns {"scores": {task: {metric: value}}, "stderr": {...},
-    "n_samples": {task: documents scored}, "n_shot": {task: n}, "versions": {task: v}}."""
+    """Score one `transformers` model (in eval mode on its device) on `tasks`."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
@@ -186,12 +184,9 @@ def harness_report(
     cfg: LmEvalConfig,
     seed: int,
 ) -> dict[str, Any]:
-    """`cfg.tasks` on each of `cfg.policies`, in order, each timed (`seconds`); a stage two
-    labels name is scored once. `stages`: label -> the stage it names (`base`: the base, scored with
-    adapters off; `sft`: None when the final policy's lineage has no SFT stage, which is left
-    out with a warning; `final`: the final policy, scored as `merged_final`, the merged copy the
-    inference figures used; any other is merged from its adapter, named after its stage, for as
-    long as it is scored). `kinds`: stage -> its kind ("base" for the base)."""
+    """`cfg.tasks` on each of `cfg.policies`, in order, each timed; a stage two labels name is
+    scored once. `stages`: label -> its stage (`sft`: None without one; `final` is scored as
+    `merged_final`, the copy the inference figures used). `kinds`: stage -> kind ("base")."""
     import lm_eval
 
     manager = task_manager(cfg.tasks, cfg.include_path)

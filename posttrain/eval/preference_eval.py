@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,22 @@ from posttrain.train.preference_losses import REFERENCE_FREE, implicit_rewards
 log = logging.getLogger("posttrain.evaluate")
 
 
-def _batches(pairs: list[dict], size: int):
-    for i in range(0, len(pairs), size):
-        yield pairs[i : i + size]
+def _pair_accuracy(
+    pairs: list[dict],
+    pad_id: int,
+    batch_size: int,
+    device: torch.device,
+    rewards: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
+) -> dict[str, float]:
+    """Share of `pairs` whose chosen reward is strictly above the rejected one, and the mean
+    margin; `rewards(batch)` -> (chosen [B], rejected [B]) of a `pair_batch` of them."""
+    correct = margin = 0.0
+    for i in range(0, len(pairs), batch_size):
+        b = {k: v.to(device) for k, v in pair_batch(pairs[i : i + batch_size], pad_id).items()}
+        rc, rr = rewards(b)
+        correct += (rc > rr).sum().item()
+        margin += (rc - rr).sum().item()
+    return {"accuracy": correct / len(pairs), "margin": margin / len(pairs), "pairs": len(pairs)}
 
 
 @torch.no_grad()
@@ -35,13 +49,7 @@ def reward_accuracy(
 ) -> dict[str, float]:
     """Share of held-out pairs the reward model ranks chosen above rejected, and mean margin."""
     device = next(rm.parameters()).device
-    correct = margin = 0.0
-    for chunk in _batches(pairs, batch_size):
-        b = {k: v.to(device) for k, v in pair_batch(chunk, pad_id).items()}
-        rc, rr = pair_scores(rm, b)
-        correct += (rc > rr).sum().item()
-        margin += (rc - rr).sum().item()
-    return {"accuracy": correct / len(pairs), "margin": margin / len(pairs), "pairs": len(pairs)}
+    return _pair_accuracy(pairs, pad_id, batch_size, device, lambda b: pair_scores(rm, b))
 
 
 @torch.no_grad()
@@ -57,27 +65,22 @@ def implicit_reward_accuracy(
     *,
     loss: str,
 ) -> dict[str, float]:
-    """The implicit reward of preference loss `loss` (`implicit_rewards`: beta * (log pi -
-    log ref) for the DPO family, beta * log pi / length for SimPO) on held-out pairs: accuracy
-    (chosen strictly above rejected) and mean margin, as the DPO stage's held-out metrics
-    compute them. `policy`/`reference` are adapter names on one PeftModel (the reference is
-    not run for a reference-free loss); `chunk_tokens` per pass through the LM head (0 = full
-    logits)."""
-    device = next(model.parameters()).device
+    """The implicit reward of preference loss `loss` (`implicit_rewards`) on held-out pairs:
+    accuracy and mean margin, as the DPO stage's held-out metrics compute them.
+    `policy`/`reference` are adapter names on one PeftModel (the reference is not run for a
+    reference-free loss)."""
     adapters = (policy,) if loss in REFERENCE_FREE else (policy, reference)
-    correct = margin = 0.0
-    for chunk in _batches(pairs, batch_size):
-        b = {k: v.to(device) for k, v in pair_batch(chunk, pad_id).items()}
+
+    def rewards(b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         logps: dict[str, torch.Tensor] = {}
         for name in adapters:
             with active_adapter(model, name):
                 logps[name], lengths = forward_sequence_logps(model, b, chunk_tokens)
         # [2B]: chosen rows, then rejected
         r = implicit_rewards(logps[policy], logps.get(reference), lengths, beta=beta, loss=loss)
-        half = r.size(0) // 2
-        correct += (r[:half] > r[half:]).sum().item()
-        margin += (r[:half] - r[half:]).sum().item()
-    return {"accuracy": correct / len(pairs), "margin": margin / len(pairs), "pairs": len(pairs)}
+        return r[: r.size(0) // 2], r[r.size(0) // 2 :]
+
+    return _pair_accuracy(pairs, pad_id, batch_size, next(model.parameters()).device, rewards)
 
 
 def answers(
@@ -102,9 +105,8 @@ def judge(
     baseline: str,
     batch_size: int,
 ) -> dict[str, Any]:
-    """Score `replies[candidate][i]` and `replies[baseline][i]` to prompt i with the reward
-    model (prompt + reply rendered with `tok`, the reward model's tokenizer) and count
-    wins/losses/ties of the candidate. win_rate = (wins + ties / 2) / n, so 0.5 is a draw."""
+    """Score both replies to each prompt with the reward model (rendered with its tokenizer
+    `tok`) and count the candidate's wins/losses/ties; win_rate = (wins + ties / 2) / n."""
     scores = {}
     for name in (candidate, baseline):
         seqs = [
@@ -118,22 +120,11 @@ def judge(
     wins = sum(c > b for c, b in zip(scores[candidate], scores[baseline], strict=True))
     losses = sum(c < b for c, b in zip(scores[candidate], scores[baseline], strict=True))
     ties = len(prompts) - wins - losses
+    keys = ("prompt", candidate, baseline, f"{candidate}_score", f"{baseline}_score")
+    columns = (replies[candidate], replies[baseline], scores[candidate], scores[baseline])
     examples = [
-        {
-            "prompt": p[-1]["content"],
-            candidate: a,
-            baseline: b,
-            f"{candidate}_score": sa,
-            f"{baseline}_score": sb,
-        }
-        for p, a, b, sa, sb in zip(
-            prompts,
-            replies[candidate],
-            replies[baseline],
-            scores[candidate],
-            scores[baseline],
-            strict=True,
-        )
+        dict(zip(keys, (p[-1]["content"], *row), strict=True))
+        for p, *row in zip(prompts, *columns, strict=True)
     ]
     return {
         "wins": wins,
@@ -159,11 +150,8 @@ def policy_win_rate(
     cfg: EvaluateConfig,
     seed: int,
 ) -> dict[str, Any] | None:
-    """A policy against its parent on `prompts`, logged; None when there are no prompts. Both
-    are adapters of one PeftModel: each answers every prompt (`cfg.win_rate_sampling`) and the
-    reward model judges the pairs (`judge`). `policy` = (its stage name, for the log; its
-    adapter on `model`); the parent's adapter is named after its stage. The result's examples
-    are keyed by the two adapter names."""
+    """`judge` of a policy against its parent (adapters of one PeftModel; `policy` = (its stage
+    name, its adapter)) on `prompts`; None without prompts."""
     if not prompts:
         return None
     name, adapter = policy
@@ -198,14 +186,10 @@ def head_to_head(
     device: torch.device | str = "cpu",
     trust_remote_code: bool = False,
 ) -> dict[str, Any]:
-    """Candidate vs champion: two merged model folders (weights + tokenizer, as export writes
-    them) answer the same prompts with the same sampling settings and seed, and the reward model
-    judges each pair (`judge`; names "candidate" and "champion").
-
-    Each model renders prompts with its own tokenizer's chat template (the one it was tuned
-    with); the reward model scores both answers re-rendered with `rm_tok`. Models are loaded in
-    fp32, one at a time, so the peak is one policy plus the reward model. A folder against
-    itself ties on every prompt: same weights, same batches, same per-batch seeds.
+    """Candidate vs champion: two merged model folders answer the same prompts with the same
+    sampling and seed, each rendering with its own chat template, and the reward model judges
+    each pair (`judge`). Loaded in fp32 one at a time, so the peak is one policy plus the
+    reward model. A folder against itself ties on every prompt.
     """
     replies: dict[str, list[str]] = {}
     seconds: dict[str, float] = {}

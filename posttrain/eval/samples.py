@@ -17,8 +17,7 @@ from posttrain.sections.shared import SamplingConfig
 def sample_rows(
     sampling: str, prompts: Sequence[str], refs: Sequence[str], outputs: Sequence[str]
 ) -> list[dict[str, Any]]:
-    """One samples.jsonl row per prompt: its reference and the `outputs` entry for it, under
-    the setting named `sampling` (`base/greedy` for the base's greedy answers)."""
+    """One samples.jsonl row per prompt under the setting named `sampling`."""
     return [
         {"sampling": sampling, "prompt": p, "reference": r, "output": o}
         for p, r, o in zip(prompts, refs, outputs, strict=True)
@@ -34,8 +33,7 @@ def policy_samples(
     seed: int,
     batch_size: int,
 ) -> list[dict[str, Any]]:
-    """`model`'s answers (its active adapter's: evaluate's final policy) to `prompts`
-    (chat-templated text) under each of `settings`, in order: `sample_rows` per setting."""
+    """`sample_rows` of the active adapter's answers under each of `settings`, in order."""
     rows: list[dict[str, Any]] = []
     for s in settings:
         outs = generate(model, tok, list(prompts), s, seed, batch_size)

@@ -58,10 +58,8 @@ def compare_policies(
     seed: int,
     chunk_tokens: int,
 ) -> dict[str, Any]:
-    """stage -> its row {kind, parent[, loss, exact_match][, win_rate_vs_parent]}, in the order
-    of `links`. `base`: the base model's loss and exact match, shown first (as `base_name`,
-    the evaluated policy's base) when a listed policy started from the base (and there are
-    any)."""
+    """stage -> its row {kind, parent[, loss, exact_match][, win_rate_vs_parent]}, in order;
+    `base`'s figures first (as `base_name`) when a listed policy started from the base."""
     out: dict[str, Any] = {}
     if base and any(link.parent == base_name for link in links):
         out[base_name] = {"kind": "base", "parent": "", **base}

@@ -58,9 +58,7 @@ def teacher_scores(
     verify: bool,
     device: torch.device,
 ) -> dict[str, Any]:
-    """{"stage", "base", "exact_match" (greedy, on held-out conversations `rows`, when there
-    are rows and a greedy setting), "verifier" (pass@1 figures, when `verify`)} of the teacher;
-    the model is freed before it returns."""
+    """The teacher's exact match on `rows` and verifier figures (when asked); freed after."""
     cfg, seed = ctx.recipe.evaluate, ctx.recipe.run.seed
     out: dict[str, Any] = {
         "stage": ctx.stage.roles["teacher"],

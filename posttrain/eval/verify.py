@@ -189,11 +189,8 @@ def verify_policy(
     seed: int,
     episodes: EpisodeSetup | None = None,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """({"pass@1": greedy accuracy, "pass@<k>": sampled, "sampled_pass@1": mean c/n,
-    "prompts": scored prompts}, greedy examples) for the active adapter of `model`, with n =
-    `cfg.pass_samples` samples per prompt of `cfg.pass_sampling` and k = `cfg.pass_k`. With
-    `episodes`, by episode: also the greedy episodes' turns, tool calls, tool error rate and
-    call validity (`episode_metrics`), and whole episodes in the examples."""
+    """(`pass_figures`, greedy examples) of the active adapter of `model`; with `episodes`, by
+    episode, with the greedy episodes' `episode_metrics` and whole episodes in the examples."""
     n, k = cfg.pass_samples, cfg.pass_k
     greedy = cfg.pass_sampling.model_copy(update={"strategy": "greedy", "name": "greedy"})
     g = _passes(model, tok, prompts, funcs, greedy, 1, seed, cfg, episodes)
@@ -225,10 +222,8 @@ def verifier_report(
     seed: int,
     episodes: EpisodeSetup | None = None,
 ) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
-    """`verify_policy` of each of `policies` (stage name -> its adapter on `model`, None = the
-    base), in order. Returns (the report: the verifiers with the sha256 of their source,
-    `source` (where the prompts come from), k, the samples per prompt, the threshold and each
-    policy's figures; each policy's greedy examples)."""
+    """`verify_policy` of each of `policies` (stage name -> its adapter, None = the base), in
+    order -> (the report, each policy's greedy examples)."""
     out: dict[str, Any] = {}
     examples: dict[str, list[dict[str, Any]]] = {}
     for name, adapter in policies.items():

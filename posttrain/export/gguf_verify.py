@@ -120,12 +120,10 @@ def verify_gguf(path: str | Path, planned: GGUFPlan) -> dict[str, Any]:
 
 
 def _pairs(t: PlannedTensor, r: Any, hp: HParams) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(merged fp32, de-quantised fp32) pieces of one tensor, in HF's row order.
-
-    Row chunks of about CHUNK_ELEMENTS, so that checking a 70B model's embedding holds a few
-    hundred MB, not several fp32 copies of 4 GB. Permuted q/k (at most n_head * head_dim rows)
-    are compared whole, against the stored HF tensor itself after undoing the permutation on the
-    file side, so the check does not only test the permutation against its own inverse.
+    """(merged fp32, de-quantised fp32) pieces of one tensor, in HF's row order, in row chunks
+    of about CHUNK_ELEMENTS (a 70B embedding holds a few hundred MB, not 4 GB copies). Permuted
+    q/k are compared whole against the stored HF tensor, undoing the permutation on the file
+    side, so the check does not only test the permutation against its own inverse.
     """
     if t.permute_heads:
         with safe_open(str(t.file), framework="pt") as st:

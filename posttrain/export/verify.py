@@ -47,9 +47,8 @@ def _round_weights_(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def weight_diff_vs_base(export_dir: Path, base_dir: Path) -> dict[str, Any]:
-    """Largest |export - base| over all shared floating tensors, one tensor pair in memory at a
-    time. The base tensor is first rounded to the export tensor's dtype, so an fp32 base exported
-    to bf16 with a no-op merge compares equal (the rounding alone is not a change)."""
+    """Largest |export - base| over shared floating tensors, one pair in memory at a time; the
+    base tensor rounded to the export's dtype first (the rounding alone is not a change)."""
     exp_index = CheckpointFiles.of(export_dir).where
     base_index = CheckpointFiles.of(base_dir).where
     shared = sorted(set(exp_index) & set(base_index))
@@ -97,13 +96,10 @@ def verify_export(
     atol: float,
     trust_remote_code: bool = False,
 ) -> dict[str, Any]:
-    """Compare the export against the base and against base + adapter on input_ids [B, T].
-
-    (a) the export, reloaded with plain `AutoModelForCausalLM.from_pretrained` (no peft), upcast
-        to fp32; (b) the fp32 base with the adapter applied by peft, unmerged; (c) the same with
-        the adapter disabled (the base). The models are loaded one after the other so peak
-        memory is one model. Raises ExportVerificationError when the export's weights equal the
-        base's, or when max |logits(a) - logits(b)| exceeds the (dtype-scaled) tolerance.
+    """Compare on input_ids [B, T] (a) the export reloaded without peft, upcast to fp32, (b)
+    the fp32 base with the adapter unmerged, (c) the base; loaded one after the other, so the
+    peak is one model. Raises ExportVerificationError when the export's weights equal the
+    base's, or max |logits(a) - logits(b)| exceeds the (dtype-scaled) tolerance.
     """
     export_dir, base_dir = Path(export_dir), Path(base_dir)
     report: dict[str, Any] = weight_diff_vs_base(export_dir, base_dir)
@@ -144,8 +140,7 @@ def verify_export(
 
 
 def _refuse_if_wrong(report: dict[str, Any], export_dir: Path, base_dir: Path) -> None:
-    """Raise ExportVerificationError when `verify_export`'s figures say the export's weights
-    equal the base's, or its logits are beyond the tolerance from base + adapter's."""
+    """Raise ExportVerificationError when `verify_export`'s figures say the export is wrong."""
     if report["max_abs_weight_diff_vs_base"] == 0.0:
         why = (
             "the adapter itself changes nothing (all-zero LoRA B: was it ever trained?)"

@@ -56,10 +56,9 @@ def seed_everything(seed: int) -> None:
 
 
 def verify_parents(ctx: StageContext) -> None:
-    """Every parent artifact still matches its manifest (each file's size and sha256) and is the
-    one this run planned with; raises ParentArtifactDamaged naming the parent, the file and what
-    is wrong. Runs before anything reads a parent: a truncated adapter would otherwise fail deep
-    in safetensors, or, worse, a file altered in place would load and train on silently."""
+    """Every parent artifact still matches its manifest and is the one this run planned with,
+    or ParentArtifactDamaged. Runs before anything reads a parent: a truncated adapter would
+    otherwise fail deep in safetensors, or, worse, a file altered in place would load silently."""
     t0, n_bytes = time.perf_counter(), 0
     for name, ref in ctx.parents.items():
         look = status(ref.path, ref.fingerprint, hashes=True)
@@ -84,8 +83,7 @@ def verify_parents(ctx: StageContext) -> None:
 
 
 def check_data_paths(ctx: StageContext) -> None:
-    """Refuse, before any model is loaded, a data path of this stage that names nothing, naming
-    the recipe field to correct (`posttrain validate` reports the same line)."""
+    """Refuse a data path that names nothing before any model is loaded (as `validate` does)."""
     from posttrain.config.inputs_check import stage_data_problems
     from posttrain.data.loading import DataFileMissing
 
@@ -94,9 +92,8 @@ def check_data_paths(ctx: StageContext) -> None:
 
 
 def memory_preflight(ctx: StageContext) -> None:
-    """Estimate a training stage's per-device memory against the device before anything is
-    loaded; refuse (MemoryPreflightError) or warn per `infra.memory_preflight`. The report goes
-    to logs/preflight.json (rank 0) and `ctx.preflight`."""
+    """Estimate a training stage's per-device memory before anything is loaded; refuse or warn
+    per `infra.memory_preflight` (report in logs/preflight.json and `ctx.preflight`)."""
     from posttrain.runtime.preflight import enforce, preflight
 
     mode = ctx.recipe.infra.memory_preflight
@@ -123,10 +120,9 @@ def memory_preflight(ctx: StageContext) -> None:
 
 
 def measured_memory(ctx: StageContext) -> Memory:
-    """The pre-flight estimate beside this process's measured peak, for the stage summary:
-    peak RSS on CPU (the whole process, as the estimate's framework row counts the runtime),
-    peak reserved on GPU (what the caching allocator took from the device), with peak allocated
-    and a fragmentation warning when reserved is far above allocated."""
+    """The pre-flight estimate beside this process's measured peak: RSS on CPU (the whole
+    process, as the estimate's framework row counts the runtime), reserved on GPU (what the
+    caching allocator took from the device)."""
     import torch
 
     from posttrain.telemetry.metrics import fragmentation_warning, memory_snapshot
@@ -182,12 +178,10 @@ def _own_kind(run: Callable[..., Any]) -> StageKind:
 
 
 def emit_line(text: str, stream: Any = None) -> None:
-    """Write one marker line (POSTTRAIN_ARTIFACT, POSTTRAIN_ERROR) in a single write.
-
-    Under torchrun every rank shares its supervisor's stdout/stderr pipes; `print` writes the text
-    and the newline separately, so two ranks failing together could glue their lines into one
-    and a reader counting or parsing lines would miss one. One write of under PIPE_BUF (4 KiB)
-    bytes to a pipe is atomic."""
+    """Write one marker line (POSTTRAIN_ARTIFACT, POSTTRAIN_ERROR) in a single write: under
+    torchrun every rank shares its supervisor's pipes, and `print` writes the text and the
+    newline separately, so two ranks could glue their lines. One write of under PIPE_BUF
+    (4 KiB) bytes to a pipe is atomic."""
     stream = stream or sys.stdout
     line = text + "\n"
     stream.flush()
@@ -343,9 +337,8 @@ def _run_and_seal(
 def _seal(
     ctx: StageContext, returned: dict[str, Any], watch: OrphanWatch | None, account: str | None
 ) -> None:
-    """Write the manifest, last, and say so on stdout (rank 0). What `run` returned is
-    validated into the typed `Summary` first: a stage whose summary the flow could not read
-    fails here, before anything is sealed."""
+    """Write the manifest, last, and say so on stdout (rank 0). `run`'s summary is validated
+    first: one the flow could not read fails here, before anything is sealed."""
     if watch is not None:
         # A last look before sealing: with infra.orphan=stop an orphan ends here without a
         # manifest (its supervisor's lock is gone); with finish it has taken the lock over.
@@ -371,9 +364,8 @@ def _seal(
 
 
 def numerics_record(ctx: StageContext) -> dict[str, Any]:
-    """The manifest's `numerics`: the signature the bits depend on, and whether a re-run with
-    the same inputs and signature is bit-exact (`posttrain.numerics.reproducibility`); none
-    for a process that never imported torch (a stand-in does no arithmetic)."""
+    """The manifest's `numerics` (signature, reproducibility); none for a process that never
+    imported torch (a stand-in does no arithmetic)."""
     if "torch" not in sys.modules:
         return {}
     return {"numerics": {"signature": ctx.numerics(), "reproducibility": reproducibility(ctx)}}
@@ -386,8 +378,7 @@ def say_reproducibility(ctx: StageContext) -> None:
 
 
 def reproducibility(ctx: StageContext) -> dict[str, Any]:
-    """`posttrain.numerics.reproducibility` of this process, or not bit-exact for a stage whose
-    rollouts come from a serving engine."""
+    """`numerics.reproducibility`, or not bit-exact for rollouts from a serving engine."""
     rollout = getattr(ctx.section, "rollout", None) if ctx.kind is not None else None
     if getattr(rollout, "engine", None) == "server":
         return {
@@ -399,8 +390,7 @@ def reproducibility(ctx: StageContext) -> dict[str, Any]:
 
 
 def _report_failure(ctx: StageContext, exc: BaseException) -> None:
-    """logs/error.txt (rank 0) and one POSTTRAIN_ERROR line; a traceback on stderr only for an
-    unexpected error."""
+    """logs/error.txt (rank 0), one POSTTRAIN_ERROR line, a traceback only when unexpected."""
     from posttrain.runtime.diskspace import as_disk_full
     from posttrain.runtime.preflight import MemoryPreflightError
 

@@ -32,7 +32,7 @@ import torch
 from posttrain.data.pref_prepare import guard_template, prepare
 from posttrain.data.segments import pair_tokens
 from posttrain.distributed.fsdp import grad_sync
-from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, rank_batches
+from posttrain.distributed.runtime import all_reduce_sum
 from posttrain.models.adapters import policy_with_reference, reference_pass
 from posttrain.models.lora import prepare_for_training
 from posttrain.models.reward import pair_batch
@@ -40,9 +40,16 @@ from posttrain.runtime.context import StageContext, training_base
 from posttrain.stages.common import stage_main
 from posttrain.store.artifacts import canonical_json, fingerprint, stage_dir
 from posttrain.store.cache import cached
-from posttrain.telemetry import heartbeat
 from posttrain.train.forward_logps import pair_logps
-from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
+from posttrain.train.loop import (
+    Draw,
+    StepBatch,
+    Training,
+    add_sums,
+    open_training,
+    plan_steps,
+    strided_batches,
+)
 from posttrain.train.preference_losses import (
     REFERENCE_FREE,
     implicit_rewards,
@@ -68,14 +75,12 @@ def reference_logps(
     chunk_tokens: int = 0,
     flat: bool = False,
 ) -> torch.Tensor:
-    """[N, 2] (chosen, rejected) reference log-probs of every pair, computed rank-strided with
-    the same number of forwards on every rank, then summed across ranks; `flat`: padding-free
-    batches."""
+    """[N, 2] (chosen, rejected) reference log-probs of every pair, computed rank-strided
+    (`strided_batches`), then summed across ranks; `flat`: padding-free batches."""
     out = torch.zeros(len(pairs), 2, dtype=torch.float64, device=device)
-    for idx in rank_batches(len(pairs), rank, world, batch_size):
-        heartbeat.beat(phase="reference")
-        chunk = [pairs[i] for i in idx] or pairs[:1]
-        batch = {k: v.to(device) for k, v in pair_batch(chunk, pad_id, flat).items()}
+    for idx, batch in strided_batches(
+        pairs, pair_batch, pad_id, batch_size, device, rank, world, flat, phase="reference"
+    ):
         with reference_pass(model):
             c, r, _, _ = pair_logps(model, batch, chunk_tokens)
         if idx:
@@ -121,8 +126,8 @@ def ref_cache_key(
 def cached_reference(
     ctx: StageContext, loop: Training, key: str, numerics: dict[str, Any]
 ) -> tuple[torch.Tensor, str]:
-    """Reference log-probs of the training pairs from the workspace cache (`posttrain.store.
-    cache`), computing and storing them on a miss. Returns ([N, 2] log-probs, "hit" | "miss")."""
+    """([N, 2] reference log-probs of the training pairs, "hit" | "miss") from the workspace
+    cache, computed and stored on a miss."""
     from safetensors.torch import load_file, save_file
 
     pairs = loop.draw.rows
@@ -164,17 +169,13 @@ def heldout_preferences(
     loss: str,
     beta: float,
 ) -> dict[str, float]:
-    """Implicit-reward accuracy and margin (`implicit_rewards` of loss `loss`, as evaluate
-    computes them) and the mean loss on held-out pairs. The reference runs online, and not at
-    all for a reference-free loss."""
+    """Implicit-reward accuracy and margin (`implicit_rewards`, as evaluate computes them) and
+    the mean loss on held-out pairs; the reference runs online (not at all when reference-free)."""
     model.eval()
     needs_ref = loss not in REFERENCE_FREE
     s = {"n": 0.0, "correct": 0.0, "margin": 0.0, "loss": 0.0}
-    for idx in rank_batches(len(pairs), rank, world, batch_size):
-        heartbeat.beat(phase="eval")
-        chunk = [pairs[i] for i in idx] or pairs[:1]
+    for idx, batch in strided_batches(pairs, pair_batch, pad_id, batch_size, device, rank, world):
         w = 1.0 if idx else 0.0
-        batch = {k: v.to(device) for k, v in pair_batch(chunk, pad_id).items()}
         pc, pr, lc, lr_ = pair_logps(model, batch, chunk_tokens)
         rc = rr = None
         if needs_ref:
@@ -184,9 +185,7 @@ def heldout_preferences(
         cr = implicit_rewards(pc, rc, lc, beta=beta, loss=loss)
         rj = implicit_rewards(pr, rr, lr_, beta=beta, loss=loss)
         s["n"] += w * len(losses)
-        s["correct"] += w * (cr > rj).sum().item()
-        s["margin"] += w * (cr - rj).sum().item()
-        s["loss"] += w * losses.sum().item()
+        add_sums(s, {"correct": cr > rj, "margin": cr - rj, "loss": losses}, w)
     model.train()
     t = {k: all_reduce_sum(v, device) for k, v in s.items()}
     n = max(1.0, t["n"])
@@ -259,9 +258,8 @@ def training_reference(
     ctx: StageContext, loop: Training, template_sha: str
 ) -> tuple[torch.Tensor | None, str]:
     """([N, 2] reference log-probs of every training pair, "hit" | "miss") when
-    `precompute_reference` says they are computed once (auto: when a pair's reference would
-    otherwise run again in a later step), from the workspace cache; (None, "off") when the
-    reference runs online each step, or not at all (a reference-free loss)."""
+    `precompute_reference` says they are computed once; (None, "off") when the reference runs
+    online each step, or not at all (a reference-free loss)."""
     cfg = ctx.section
     precompute = cfg.precompute_reference
     if precompute is None:  # auto: when each pair's reference would be computed again
@@ -287,10 +285,9 @@ def dpo_step(
 ) -> tuple[float, dict[str, float]]:
     """One step's forwards and backwards. Per micro-batch of pairs: the reference log-probs
     (zeros for a reference-free loss, from `ref_table` when precomputed, else a no-grad forward
-    under the reference adapter), the policy forward (chosen and rejected rows together), the
-    pair losses, and sum(pair losses) * world / global_pairs (+ `sft_weight` x the chosen NLL,
-    weighted the same) backpropagated. Returns the step's mean preference loss over all ranks
-    and its mean accuracy, margins, rewards and log-probs, with the reference's time."""
+    under the reference adapter), the policy forward, and sum(pair losses) * world /
+    global_pairs (+ `sft_weight` x the chosen NLL, weighted the same) backpropagated. Returns
+    the step's mean preference loss over all ranks and its mean metrics."""
     cfg, model, device = loop.section, loop.model, loop.device
     n_pairs, world = loop.batch.global_batch_size, loop.world
     sums: dict[str, torch.Tensor] = {}  # in the order the metrics record lists them
@@ -312,19 +309,21 @@ def dpo_step(
         if cfg.sft_weight:
             loss = loss + cfg.sft_weight * nll_term(pc, lc) * len(ix) * world / n_pairs
         loop.tr.backward(loss)
-        for name, v in (
-            ("loss", losses),
-            ("correct", (cr > rj).float()),
-            ("margin", cr - rj),
-            ("chosen_reward", cr),
-            ("rejected_reward", rj),
-            ("policy_chosen_logps", pc),
-            ("policy_rejected_logps", pr),
-            ("ref_chosen_logps", rc),
-            ("ref_rejected_logps", rr),
-        ):
-            sums[name] = sums.get(name, 0.0) + v.detach().sum()  # read once per step
-    g = {k: v / n_pairs for k, v in all_reduce_sums(sums, device).items()}
+        add_sums(
+            sums,
+            {
+                "loss": losses,
+                "correct": (cr > rj).float(),
+                "margin": cr - rj,
+                "chosen_reward": cr,
+                "rejected_reward": rj,
+                "policy_chosen_logps": pc,
+                "policy_rejected_logps": pr,
+                "ref_chosen_logps": rc,
+                "ref_rejected_logps": rr,
+            },
+        )
+    g = loop.step_means(sums)
     # The preference loss judges the step; a non-finite SFT term shows in the gradient norm.
     loss = g.pop("loss")
     return loss, {"accuracy": g.pop("correct"), "reference_s": t_ref, **g}
@@ -335,16 +334,10 @@ def write_reference_record(ctx: StageContext, ref_cache: str) -> None:
     its log-probs were precomputed ("hit" | "miss" of the cache, or "off")."""
     if not ctx.is_main:
         return
-    (ctx.stage.out_dir / "reference.json").write_text(
-        json.dumps(
-            {
-                "reference": f"{ctx.stage.roles['reference']} adapter",
-                "reference_fingerprint": ctx.role_ref("reference").fingerprint,
-                "precomputed": ref_cache,
-            },
-            indent=2,
-        )
-    )
+    reference = f"{ctx.stage.roles['reference']} adapter"
+    fp = ctx.role_ref("reference").fingerprint
+    record = {"reference": reference, "reference_fingerprint": fp, "precomputed": ref_cache}
+    (ctx.stage.out_dir / "reference.json").write_text(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":

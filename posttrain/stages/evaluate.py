@@ -107,10 +107,8 @@ def _lm_eval_sft(ctx: StageContext) -> str | None:
 
 
 def _evaluation_model(ctx: StageContext, device: torch.device) -> tuple[PeftModel, Any]:
-    """(the base + the final policy's adapter (active, as ADAPTER) + every other policy the
-    evaluation compares (its parent, its reference, the `policies` and their parents, the SFT
-    `lm_eval` scores), each named after its stage, on `device` in eval mode; the base's
-    tokenizer)."""
+    """(the base + the final policy's adapter, active as ADAPTER, + every other policy the
+    evaluation compares, each named after its stage, in eval mode; the base's tokenizer)."""
     base, tok = load_base(
         ctx.role_dir("base"), ctx.role_manifest("base"), attention=ctx.recipe.infra.attention
     )
@@ -203,8 +201,8 @@ def _merged_final(
 
 
 def decode_speed(merged: Any, prompt_ids: torch.Tensor, speed: SpeedConfig) -> dict[str, Any]:
-    """`evaluate.speed` on the merged policy: the cached decode, and the uncached baseline
-    when `no_cache` (the quadratic one: it costs ~10x the cached decode's time)."""
+    """`evaluate.speed` on the merged policy: the cached decode, and the uncached (quadratic,
+    ~10x the time) baseline when `no_cache`."""
     t0 = time.perf_counter()
     if speed.no_cache:
         inference = compare_cache_modes(merged, prompt_ids, speed.new_tokens, speed.repeats)
@@ -245,9 +243,8 @@ def _lm_eval(ctx: StageContext, model: PeftModel, tok: Any, merged: Any) -> dict
 def _preferences(
     ctx: StageContext, model: PeftModel, tok: Any, device: torch.device
 ) -> tuple[dict[str, Any], PeftModel | None]:
-    """Reward-model accuracy, the final policy's implicit-reward accuracy (kinds trained on
-    pairs against a reference) and its win-rate against its parent judged by the reward model
-    — each when the run has what it needs. Returns (report, reward model or None)."""
+    """(reward-model accuracy, implicit-reward accuracy, win-rate against the parent, each
+    when the run has what it needs; the reward model or None)."""
     cfg = ctx.recipe.evaluate
     final = ctx.stage.roles["policy"]
     out: dict[str, Any] = {}
@@ -292,9 +289,8 @@ def _preferences(
 
 
 def _verifiers(ctx: StageContext, model: PeftModel, tok: Any) -> dict[str, Any] | None:
-    """Greedy pass@1 and sampled pass@k under the verifiers, for the base, the parent, the
-    final policy and `evaluate.policies`; None when the run has no verifier or no prompts with
-    references. The final policy's greedy answers go to verify_samples.jsonl."""
+    """Pass@1 and pass@k under the verifiers of the base, parent, final policy and
+    `evaluate.policies`; None without verifiers or prompts with references."""
     specs = verifier_specs(ctx)
     found = verifier_prompts(ctx) if specs is not None else None
     if found is None:
@@ -367,11 +363,9 @@ def _teacher(
     verified: dict[str, Any] | None,
     device: torch.device,
 ) -> dict[str, Any]:
-    """A distilled policy's teacher beside it: the parent's and the teacher's greedy exact
-    match (added to the exact-match report), the share of the gap between them the final policy
-    closed (from the base when it started from one), the teacher's verifier figures (added to
-    `verified`'s policies). `exact`: the base's and the tuned policy's exact match (empty when
-    not measured), `rows`: the held-out conversations. Returns the report's `teacher` and
+    """A distilled policy's teacher beside it: the parent's and the teacher's exact match
+    (added to `exact`), the share of the gap between them the final policy closed, the
+    teacher's verifier figures (added to `verified`). Returns the report's `teacher` and
     `teacher_gap_closed`."""
     cfg, seed = ctx.recipe.evaluate, ctx.recipe.run.seed
     greedy = next((s for s in cfg.sampling if s.strategy == "greedy"), None)
@@ -406,8 +400,7 @@ def _teacher(
 
 
 def _headline(report: dict[str, Any], base: str) -> dict[str, float]:
-    """The figures promotion rules and the run report compare, from the evaluation report
-    (`base`: the name of the evaluated policy's base)."""
+    """The figures promotion rules and the run report compare."""
     heldout, exact = report["heldout"], report["exact_match"]
     headline: dict[str, float] = {}
     if heldout is not None:

@@ -72,8 +72,8 @@ def _verify_inputs(ctx: StageContext, tok: Any) -> torch.Tensor:
 
 
 def _save_with_room(merged: Any, tok: Any, out: Any) -> None:
-    """save_export, after checking the disk has room for the merged weights (parameters x dtype
-    size); a save that fills the disk anyway removes its partial folder. Both raise DiskFull."""
+    """save_export after checking the disk has room; a save that fills it anyway removes its
+    partial folder. Both raise DiskFull."""
     what = f"the exported model ({out.name}/)"
     expected = model_bytes(merged)
     ensure_free(out.parent, expected, what)
@@ -121,9 +121,7 @@ def _write_ggufs(ctx: StageContext, model_dir: Path, types: list[str]) -> dict[s
 def _verify(
     ctx: StageContext, out: Path, base_dir: str, adapter_dir: Path, tok: Any, trust: bool
 ) -> dict[str, Any]:
-    """`verify_export` of the saved model against base + adapter, written to
-    verification.json; raises (and so fails the stage) when the export is not what it should
-    be."""
+    """`verify_export` of the saved model, written to verification.json; raises when wrong."""
     report = verify_export(
         out,
         base_dir,
@@ -147,23 +145,16 @@ def _verify(
 
 def _lineage(ctx: StageContext) -> list[dict[str, Any]]:
     """Every stage the export descends from, with its fingerprint and parents, then export."""
+    refs = ctx.parents
     lineage = [
-        {"stage": name, "fingerprint": ref.fingerprint, "parents": ref.parents}
-        for name, ref in ctx.parents.items()
+        {"stage": n, "fingerprint": r.fingerprint, "parents": r.parents} for n, r in refs.items()
     ]
-    lineage.append(
-        {
-            "stage": "export",
-            "fingerprint": ctx.stage.fingerprint,
-            "parents": [r.fingerprint for r in ctx.parents.values()],
-        }
-    )
-    return lineage
+    parents = [r.fingerprint for r in refs.values()]
+    return [*lineage, {"stage": "export", "fingerprint": ctx.stage.fingerprint, "parents": parents}]
 
 
 def _card_metrics(ctx: StageContext, report: dict[str, Any]) -> dict[str, Any]:
-    """The card's metrics: the held-out stage's eval loss, evaluate's headline and the export's
-    own verification figures."""
+    """The card's metrics: held-out loss, evaluate's headline, the export's verification."""
     metrics: dict[str, Any] = {}
     if ctx.has_role("heldout"):
         sft = ctx.role_manifest("heldout")["summary"]
@@ -184,8 +175,7 @@ def _card_metrics(ctx: StageContext, report: dict[str, Any]) -> dict[str, Any]:
 
 
 def _base_info(ctx: StageContext) -> dict[str, Any]:
-    """The card's base model: architecture, source, size, fingerprint (and hub id at its
-    commit for a hub base, the card's `base_model`)."""
+    """The card's base model (with hub id and commit for a hub base: the card's `base_model`)."""
     ingest = ctx.role_manifest("base")["summary"]
     info = {
         "name": ingest["architecture"],

@@ -57,27 +57,12 @@ class IngestError(ValueError):
 
 # Bits per element of every dtype the safetensors format defines (sub-byte float formats too).
 SAFETENSORS_DTYPE_BITS = {
-    "BOOL": 8,
-    "U8": 8,
-    "I8": 8,
-    "F8_E5M2": 8,
-    "F8_E4M3": 8,
-    "F8_E8M0": 8,
-    "E8M0": 8,
-    "I16": 16,
-    "U16": 16,
-    "F16": 16,
-    "BF16": 16,
-    "I32": 32,
-    "U32": 32,
-    "F32": 32,
-    "C64": 64,
-    "I64": 64,
-    "U64": 64,
-    "F64": 64,
+    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "E8M0"), 8),
+    **dict.fromkeys(("I16", "U16", "F16", "BF16"), 16),
+    **dict.fromkeys(("I32", "U32", "F32"), 32),
+    **dict.fromkeys(("C64", "I64", "U64", "F64"), 64),
+    **dict.fromkeys(("F6_E2M3", "F6_E3M2"), 6),
     "F4": 4,
-    "F6_E2M3": 6,
-    "F6_E3M2": 6,
 }
 # The format's own limit; a larger length is a corrupted header, not a big model.
 SAFETENSORS_MAX_HEADER = 100_000_000

@@ -30,18 +30,22 @@ import torch
 from posttrain.data.batching import collate, step_indices
 from posttrain.data.pref_prepare import guard_template, prepare_unpaired
 from posttrain.distributed.fsdp import grad_sync
-from posttrain.distributed.runtime import (
-    all_reduce_sums,
-    all_reduce_tensor,
-    rank_batches,
-)
+from posttrain.distributed.runtime import all_reduce_sums, all_reduce_tensor
 from posttrain.models.adapters import policy_with_reference, reference_pass
 from posttrain.models.lora import prepare_for_training
 from posttrain.runtime.context import StageContext, training_base
 from posttrain.stages.common import stage_main
-from posttrain.telemetry import heartbeat
 from posttrain.train.forward_logps import forward_sequence_logps
-from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps, to_device
+from posttrain.train.loop import (
+    Draw,
+    StepBatch,
+    Training,
+    add_sums,
+    open_training,
+    plan_steps,
+    strided_batches,
+    to_device,
+)
 from posttrain.train.micro_batches import regroup_step
 from posttrain.train.preference_losses import (
     kto_kl_estimate,
@@ -58,16 +62,15 @@ BALANCE_RANGE = (1.0, 4 / 3)
 def completion_batch(
     rows: list[dict[str, Any]], pad_id: int, padding_free: bool = False
 ) -> dict[str, Any]:
-    """Encoded completions (`encode_completions`) -> one batch: padded [B, T], or padding-free
-    [1, N] (`posttrain.data.segments`)."""
+    """Encoded completions -> one batch: padded [B, T], or padding-free [1, N]."""
     seqs = [{"input_ids": r["ids"], "labels": r["labels"]} for r in rows]
     return collate(seqs, pad_id, padding_free)
 
 
 def mismatched(row: dict[str, Any], other: dict[str, Any], max_len: int) -> dict[str, Any]:
-    """`row`'s prompt tokens followed by `other`'s completion tokens, cut to max_len: a sequence
-    for z0. Spliced at the token level (both were encoded the same way, the generation prompt
-    ending at a token boundary, which `encode_pair`'s check holds templates to)."""
+    """`row`'s prompt tokens then `other`'s completion tokens, cut to max_len: a sequence for
+    z0. Spliced at the token level: the generation prompt ends at a token boundary
+    (`encode_pair`'s check holds templates to it)."""
     p, q = row["prompt_len"], other["prompt_len"]
     ids = (row["ids"][:p] + other["ids"][q:])[:max_len]
     labels = (row["labels"][:p] + other["labels"][q:])[:max_len]
@@ -96,7 +99,7 @@ def _logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk: int) -
 def both_logps(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(policy [B], reference [B]) summed completion log-probs, no gradient."""
+    """(policy [B], reference [B]) summed completion log-probs."""
     policy = _logps(model, batch, chunk)
     with reference_pass(model):
         ref = _logps(model, batch, chunk)
@@ -107,27 +110,23 @@ def both_logps(
 def heldout_kto(
     loop: Training, rows: list[dict[str, Any]], hp: dict[str, float], max_len: int
 ) -> dict[str, float] | None:
-    """Held-out KTO loss, rewards, margin, z0 and (for rows from pairs) pair accuracy; None
-    without held-out rows.
-
-    Log-probs of every row and of its mismatched sequence (row i's prompt, row i+1's completion)
-    are gathered rank-strided into [N, 4] (policy, reference, policy KL, reference KL), summed
-    over ranks, then scored whole."""
+    """Held-out KTO figures (see the module docstring); None without held-out rows. Log-probs
+    of every row and of its mismatched sequence (row i's prompt, row i+1's completion) are
+    gathered rank-strided into [N, 4] (policy, reference, policy KL, reference KL), summed over
+    ranks, then scored whole."""
     if not rows:
         return None
     model, device, chunk, pad_id = loop.model, loop.device, loop.chunk_tokens, loop.draw.pad_id
     model.eval()
     table = torch.zeros(len(rows), 4, dtype=torch.float64)
     n = len(rows)
-    for idx in rank_batches(n, loop.rank, loop.world, loop.eval_batch_size):
-        heartbeat.beat(phase="eval")
-        ix = idx or [0]  # a filler forward keeps FSDP's collectives in step
-        batch = completion_batch([rows[i] for i in ix], pad_id)
-        kl_batch = completion_batch(
-            [mismatched(rows[i], rows[(i + 1) % n], max_len) for i in ix], pad_id
-        )
-        cols = [*both_logps(model, to_device(batch, device), chunk)]
-        cols += both_logps(model, to_device(kl_batch, device), chunk)
+    batches = strided_batches(
+        rows, completion_batch, pad_id, loop.eval_batch_size, device, loop.rank, loop.world
+    )
+    for idx, batch in batches:
+        kl_rows = [mismatched(rows[i], rows[(i + 1) % n], max_len) for i in idx or [0]]
+        cols = [*both_logps(model, batch, chunk)]
+        cols += both_logps(model, to_device(completion_batch(kl_rows, pad_id), device), chunk)
         if idx:
             table[idx] = torch.stack(cols, dim=1).double().cpu()
     model.train()
@@ -228,17 +227,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 
 def completion_tokens(row: dict[str, Any]) -> int:
-    """Tokens one encoded completion (prompt included) costs in a forward."""
     return len(row["ids"])
 
 
 def kto_step_batch(
     loop: Training, step: int, max_len: int
 ) -> tuple[StepBatch, list[dict[str, Any]]]:
-    """This rank's rows of step `step` in micro-batches, and beside each micro-batch the
-    mismatched sequences of its rows (each row's prompt with its partner's completion,
-    `partner_rows`) for z0, on the device. With batch.by_tokens the rows regroup and keep their
-    partners: the regrouping runs over positions in this rank's (row, partner) list."""
+    """This rank's rows of step `step` in micro-batches, and beside each the mismatched
+    sequences of its rows (`partner_rows`) for z0. With batch.by_tokens the rows regroup and
+    keep their partners: the regrouping runs over positions in this rank's (row, partner) list."""
     t_start = time.perf_counter()
     rows, batch, seed = loop.draw.rows, loop.batch, loop.ctx.recipe.run.seed
     own = loop.tr.step_rows(len(rows), step, batch, seed)
@@ -278,11 +275,10 @@ def kto_step_batch(
 def kto_step(
     loop: Training, sb: StepBatch, kl_micro: list[dict[str, Any]], hp: dict[str, float]
 ) -> tuple[float, dict[str, float]]:
-    """One step's forwards and backwards. First z0 over the whole global batch (no-grad policy
-    and reference forwards of every mismatched micro-batch, summed over ranks), so every rank
-    uses the same z0; then per micro-batch the reference (no grad) and policy log-probs, the
-    row losses `kto_loss`, and sum(row losses) * world / global_rows backpropagated. Returns the
-    step's mean loss over all ranks and its rewards, margin, counts and z0, with timings."""
+    """One step's forwards and backwards: first z0 over the whole global batch (no-grad
+    forwards of every mismatched micro-batch, summed over ranks), so every rank uses the same
+    z0; then per micro-batch the reference and policy log-probs and sum(row losses) * world /
+    global_rows backpropagated. Returns the step's mean loss over all ranks and its figures."""
     model, device, chunk = loop.model, loop.device, loop.chunk_tokens
     n_rows = loop.batch.global_batch_size
     t_kl = time.perf_counter()
@@ -294,9 +290,8 @@ def kto_step(
     )
     t_kl = time.perf_counter() - t_kl
 
-    sums = dict.fromkeys(
-        ("loss", "reward_desirable", "reward_undesirable", "n_desirable", "n_undesirable"), 0.0
-    )
+    keys = ("reward_desirable", "reward_undesirable", "n_desirable", "n_undesirable")
+    sums = dict.fromkeys(("loss", *keys), 0.0)
     t_ref = 0.0
     for k, (ix, mb) in enumerate(zip(sb.rows, sb.micro, strict=True)):
         grad_sync(model, k == len(sb.micro) - 1)
@@ -308,10 +303,7 @@ def kto_step(
         desirable = torch.tensor([loop.draw.rows[i]["desirable"] for i in ix], device=device)
         losses, m = kto_loss(policy, ref, desirable, z0, **hp)  # [micro]
         loop.tr.backward(losses.sum() * loop.world / n_rows)
-        # Summed on the device and read once per step (`all_reduce_sums`).
-        sums["loss"] += losses.detach().sum()
-        for key in ("reward_desirable", "reward_undesirable", "n_desirable", "n_undesirable"):
-            sums[key] += m[key].detach()
+        add_sums(sums, {"loss": losses} | {k: m[k] for k in keys})
     g = all_reduce_sums(sums, device)
     g["loss"] /= n_rows
     return g["loss"], {
@@ -322,8 +314,7 @@ def kto_step(
 
 
 def kto_headline(final: dict[str, float] | None) -> dict[str, float]:
-    """The stage's own headline figures: held-out margin, z0 and (rows from pairs) pair
-    accuracy; none without held-out rows."""
+    """Held-out margin, z0 and (rows from pairs) pair accuracy; none without held-out rows."""
     if final is None:
         return {}
     head = {"eval_margin": final["margin"], "eval_kl": final["kl"]}

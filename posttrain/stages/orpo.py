@@ -25,14 +25,14 @@ import torch
 from posttrain.data.pref_prepare import guard_template, prepare
 from posttrain.data.segments import pair_tokens
 from posttrain.distributed.fsdp import grad_sync
-from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums
+from posttrain.distributed.runtime import all_reduce_sum
 from posttrain.models.adapters import trainable_adapter
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.models.reward import pair_batch
 from posttrain.runtime.context import StageContext, training_base
 from posttrain.stages.common import stage_main
 from posttrain.train.forward_logps import pair_logps
-from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
+from posttrain.train.loop import Draw, StepBatch, Training, add_sums, open_training, plan_steps
 from posttrain.train.preference_losses import orpo_loss
 
 log = logging.getLogger("posttrain.orpo")
@@ -46,16 +46,13 @@ def start_adapter(ctx: StageContext) -> Path | None:
 
 @torch.no_grad()
 def heldout_orpo(loop: Training, pairs: list[dict], beta: float) -> dict[str, float]:
-    """Accuracy, reward margin, ORPO loss, chosen NLL and log-odds ratio on held-out pairs,
-    summed across ranks."""
+    """Accuracy, reward margin, ORPO loss, chosen NLL and log-odds ratio on held-out pairs."""
     keys = ("correct", "margin", "loss", "nll", "log_odds_ratio")
     s = dict.fromkeys(("n", *keys), 0.0)
     for w, batch in loop.heldout_batches(pairs):
         losses, m = orpo_loss(*pair_logps(loop.model, batch, loop.chunk_tokens), beta=beta)
         s["n"] += w * len(losses)
-        s["loss"] += w * losses.sum().item()
-        for k in ("correct", "margin", "nll", "log_odds_ratio"):
-            s[k] += w * m[k].sum().item()
+        add_sums(s, {"loss": losses} | {k: m[k] for k in keys if k != "loss"}, w)
     t = {k: all_reduce_sum(v, loop.device) for k, v in s.items()}
     n = max(1.0, t.pop("n"))
     out = {k: v / n for k, v in t.items()}
@@ -108,21 +105,16 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 
 def orpo_step(loop: Training, sb: StepBatch, beta: float) -> tuple[float, dict[str, float]]:
-    """One step's forwards and backwards: one policy forward per micro-batch of pairs (chosen
-    and rejected rows together), `orpo_loss` per pair, sum(pair losses) * world / global_pairs
-    backpropagated. Returns the step's mean loss over all ranks and its mean accuracy, margin,
-    NLL, log-odds ratio and policy log-probs (in name order)."""
-    n_pairs = loop.batch.global_batch_size
-    sums: dict[str, torch.Tensor] = {}  # summed on the device, read once per step
+    """One step: one policy forward per micro-batch of pairs, sum(pair losses) * world /
+    global_pairs backpropagated. Returns the step's mean loss and metrics (in name order)."""
+    sums: dict[str, torch.Tensor] = {}
     for k, mb in enumerate(sb.micro):
         grad_sync(loop.model, k == len(sb.micro) - 1)
         pc, pr, lc, lr_ = pair_logps(loop.model, mb, loop.chunk_tokens)  # [micro] each
         losses, m = orpo_loss(pc, pr, lc, lr_, beta=beta)
-        loop.tr.backward(losses.sum() * loop.world / n_pairs)
-        m |= {"loss": losses, "policy_chosen_logps": pc, "policy_rejected_logps": pr}
-        for name, v in m.items():
-            sums[name] = sums.get(name, 0.0) + v.detach().sum()
-    g = {k: v / n_pairs for k, v in sorted(all_reduce_sums(sums, loop.device).items())}
+        loop.tr.backward(losses.sum() * loop.world / loop.batch.global_batch_size)
+        add_sums(sums, m | {"loss": losses, "policy_chosen_logps": pc, "policy_rejected_logps": pr})
+    g = dict(sorted(loop.step_means(sums).items()))
     loss = g.pop("loss")
     return loss, {"accuracy": g.pop("correct"), **g}
 

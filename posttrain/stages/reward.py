@@ -23,13 +23,13 @@ import torch
 from posttrain.data.pref_prepare import guard_template, prepare
 from posttrain.data.segments import pair_tokens
 from posttrain.distributed.fsdp import grad_sync
-from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums
+from posttrain.distributed.runtime import all_reduce_sum
 from posttrain.models.loading import base_dtype, load_tokenizer
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.models.reward import pair_batch, pair_scores, score_model_for_training
 from posttrain.runtime.context import StageContext
 from posttrain.stages.common import stage_main
-from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
+from posttrain.train.loop import Draw, StepBatch, Training, add_sums, open_training, plan_steps
 from posttrain.train.losses import bradley_terry_loss
 
 log = logging.getLogger("posttrain.reward")
@@ -42,13 +42,9 @@ def heldout_pairs(loop: Training, pairs: list[dict], margin: float) -> dict[str,
     for w, batch in loop.heldout_batches(pairs):
         rc, rr = pair_scores(loop.model, batch)
         acc["n"] += w * rc.numel()
-        acc["correct"] += w * (rc > rr).sum().item()
-        acc["margin"] += w * (rc - rr).sum().item()
-        acc["loss"] += w * bradley_terry_loss(rc, rr, margin).sum().item()
-        acc["c"] += w * rc.sum().item()
-        acc["c2"] += w * (rc**2).sum().item()
-        acc["r"] += w * rr.sum().item()
-        acc["r2"] += w * (rr**2).sum().item()
+        loss = bradley_terry_loss(rc, rr, margin)
+        figures = {"correct": rc > rr, "margin": rc - rr, "loss": loss, "c": rc, "c2": rc**2}
+        add_sums(acc, figures | {"r": rr, "r2": rr**2}, w)
     t = {k: all_reduce_sum(v, loop.device) for k, v in acc.items()}
     n = max(1.0, t["n"])
 
@@ -120,21 +116,17 @@ def bradley_terry_step(
     rejected rows in one forward) and backprops sum(pair losses) * world / global_pairs, so
     every pair of the global batch weighs the same. Returns the step's mean loss over all ranks
     and its mean accuracy, margin and rewards."""
-    n_pairs = loop.batch.global_batch_size
-    sums = {"loss": 0.0, "correct": 0.0, "margin": 0.0, "chosen": 0.0, "rejected": 0.0}
+    sums: dict[str, torch.Tensor] = {}
     for k, mb in enumerate(sb.micro):
         grad_sync(loop.model, k == len(sb.micro) - 1)
         rc, rr = pair_scores(loop.model, mb)  # [micro] each
         losses = bradley_terry_loss(rc, rr, margin)  # [micro]
-        loop.tr.backward(losses.sum() * loop.world / n_pairs)
-        # Summed on the device and read once per step (`all_reduce_sums`).
-        rc, rr = rc.detach(), rr.detach()
-        sums["loss"] += losses.detach().sum()
-        sums["correct"] += (rc > rr).sum()
-        sums["margin"] += (rc - rr).sum()
-        sums["chosen"] += rc.sum()
-        sums["rejected"] += rr.sum()
-    g = {k: v / n_pairs for k, v in all_reduce_sums(sums, loop.device).items()}
+        loop.tr.backward(losses.sum() * loop.world / loop.batch.global_batch_size)
+        add_sums(
+            sums,
+            {"loss": losses, "correct": rc > rr, "margin": rc - rr, "chosen": rc, "rejected": rr},
+        )
+    g = loop.step_means(sums)
     return g["loss"], {
         "accuracy": g["correct"],
         "margin": g["margin"],
@@ -144,8 +136,7 @@ def bradley_terry_step(
 
 
 def accuracy_gate(accuracy: float, min_accuracy: float | None) -> dict[str, Any]:
-    """The gate the flow enforces before any RL stage: passed unless `reward.min_accuracy` is
-    set and the held-out accuracy falls short of it."""
+    """The gate the flow enforces before any RL stage."""
     if min_accuracy is None:
         return {"passed": True}
     passed = accuracy >= min_accuracy

@@ -109,15 +109,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 
 def sequence_tokens(row: dict[str, Any]) -> int:
-    """Tokens one (possibly packed) training row costs in a forward."""
     return len(row["input_ids"])
 
 
 def sft_step(loop: Training, sb: StepBatch) -> tuple[float, float]:
-    """One step's forwards and backwards: each micro-batch backprops its summed NLL of the
-    target tokens * world / N_global, N_global the target tokens of the whole global batch (all
-    micro-batches, all ranks), so every token weighs the same however the batch is split.
-    Returns (the step's loss per target token over all ranks, N_global)."""
+    """One step's forwards and backwards: each micro-batch backprops its summed NLL * world /
+    N_global (the target tokens of the whole global batch), so every token weighs the same
+    however the batch is split. Returns (the step's loss per target token, N_global)."""
     device = loop.device
     # Counted on the host: int() of a device tensor would wait for the last step's update.
     local_targets = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in sb.host)
@@ -132,15 +130,13 @@ def sft_step(loop: Training, sb: StepBatch) -> tuple[float, float]:
 
 
 def kept_start_loss(loop: Training) -> float | None:
-    """A resumed run's step-0 held-out loss: the `eval` record its first launch wrote, kept in
-    metrics.jsonl (None when there are no held-out rows)."""
+    """A resumed run's step-0 held-out loss, from the `eval` record its first launch kept."""
     kept = read_metrics(loop.tr.metrics.path, "eval")
     return next((r["eval_loss"] for r in kept if r.get("step") == 0), None)
 
 
 def sft_headline(tr: TrainSession, final_eval: float | None) -> dict[str, float]:
-    """The figures a report leads with: train and held-out loss, throughput, MFU, and the
-    guard's skipped steps when there were any (rounded; absent figures left out)."""
+    """The figures a report leads with, rounded; absent ones left out."""
     last = tr.last
     return {
         k: round(v, 4)

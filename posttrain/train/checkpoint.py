@@ -74,8 +74,8 @@ def _rank() -> int:
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints (renamed from `.tmp`, with a meta.json), oldest first. Complete is not
-    intact: see `posttrain.train.resume.resume_newest_intact`."""
+    """Complete checkpoints (renamed from `.tmp`, with a meta.json), oldest first; complete is
+    not intact (`resume_newest_intact`)."""
     if not root.exists():
         return []
     done = [
@@ -92,10 +92,9 @@ def damaged_checkpoints(root: Path) -> list[Path]:
 
 
 def data_position(step: int, n_rows: int, global_batch_size: int, seed: int) -> dict[str, int]:
-    """Where the data stream stands after `step` optimizer steps of `global_batch_size` rows over
-    per-epoch shuffles of `n_rows` rows: `epoch` and the next sample `offset` within that epoch's
-    permutation, `samples_seen` in all, and the shuffle `seed` the permutations are drawn from
-    (`epoch_permutation(n_rows, epoch, seed)`)."""
+    """Where the data stream stands after `step` optimizer steps: the epoch, the next sample's
+    offset in that epoch's permutation (`epoch_permutation(n_rows, epoch, seed)`), and what
+    the stream is walked with."""
     seen = step * global_batch_size
     epoch, offset = divmod(seen, n_rows)
     return {
@@ -327,8 +326,8 @@ def apply_checkpoint(
 
 
 def _empty_like(x: Any) -> Any:
-    """The same nesting with a new uninitialised tensor for every tensor (DTensors stay DTensors
-    with the same placement); other values are kept (DCP replaces them when it loads)."""
+    """The same nesting with a new uninitialised tensor for every tensor (DTensors keep their
+    placement); other values are kept (DCP replaces them when it loads)."""
     if isinstance(x, torch.Tensor):
         return torch.empty_like(x)
     if isinstance(x, dict):

@@ -38,7 +38,7 @@ from posttrain.config.batch import ResolvedBatch
 from posttrain.config.loader import section_batch
 from posttrain.data.segments import batch_rows, layout_stats
 from posttrain.data.sft_data import write_splits
-from posttrain.distributed.runtime import rank_batches
+from posttrain.distributed.runtime import all_reduce_sums, rank_batches
 from posttrain.models.sharded_load import CheckpointFiles
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
@@ -92,10 +92,39 @@ def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def strided_batches(
+    rows: list[Row],
+    collate: Callable[..., dict[str, Any]],
+    pad_id: int,
+    batch_size: int,
+    device: torch.device,
+    rank: int,
+    world: int,
+    flat: bool = False,
+    phase: str = "eval",
+) -> Iterator[tuple[list[int], dict[str, Any]]]:
+    """(row indices, their batch on `device`) for this rank's share of `rows`, rank-strided.
+    Every rank runs the same number of forwards (FSDP's all-gathers are collective): a rank
+    short of rows gets no indices and a filler batch of the first row, to weigh 0."""
+    for idx in rank_batches(len(rows), rank, world, batch_size):
+        heartbeat.beat(phase=phase)
+        chunk = [rows[i] for i in idx] or rows[:1]
+        yield idx, to_device(collate(chunk, pad_id, flat), device)
+
+
+def add_sums(
+    sums: dict[str, Any], values: dict[str, torch.Tensor], weight: float | None = None
+) -> None:
+    """Add each value's sum into `sums`: detached, on the device (a step's figures, read once
+    per step); or with `weight`, as weight x a Python float (held-out figures: 0 for a filler)."""
+    for name, v in values.items():
+        add = v.detach().sum() if weight is None else weight * v.sum().item()
+        sums[name] = sums.get(name, 0.0) + add
+
+
 def plan_steps(ctx: Any, data: PreparedData, n_rows: int) -> tuple[ResolvedBatch, int]:
-    """Record what the stage trains on and holds out (rank 0: data/{train,eval}.jsonl) and plan
-    its steps: (the section's resolved batch, its optimizer steps over `n_rows` training rows:
-    `max_steps`, or `epochs` passes over them)."""
+    """Write data/{train,eval}.jsonl (rank 0) and plan the steps: (the resolved batch,
+    `max_steps` or the steps of `epochs` passes over `n_rows` rows)."""
     if ctx.is_main:
         write_splits(ctx.stage.out_dir, data.train_rows, data.eval_rows)
     cfg = ctx.section
@@ -116,11 +145,9 @@ def open_training(
     eval_every: int = 0,
     **start_fields: Any,
 ) -> Training:
-    """Start the session of an offline stage (`start_session`: place `model`, optimizer,
-    resume, the `start` record with the row counts, `start_fields` and the data's stats) and
-    decide whether its micro-batches go padding-free. `heldout(loop)`: the stage's held-out
-    figures of the model as it stands (None: no figures, no record); `eval_every`: also take
-    them every that many steps (0: at the start and the end only)."""
+    """`start_session` of an offline stage, and whether its micro-batches go padding-free.
+    `heldout(loop)`: the stage's held-out figures of the model as it stands (None: no figures,
+    no record); `eval_every`: also take them every that many steps (0: start and end only)."""
     cfg = ctx.section
     tr = start_session(
         ctx,
@@ -156,7 +183,6 @@ class Training:
 
     @property
     def model(self) -> torch.nn.Module:
-        """The placed model (sharded, or unwrapped on one device)."""
         return self.tr.model
 
     @property
@@ -181,13 +207,11 @@ class Training:
         return self.batch.micro_batch_size
 
     def steps(self) -> range:
-        """The optimizer steps this launch runs, 0-based (a resumed run starts with the step
-        after its checkpoint's)."""
+        """The optimizer steps this launch runs, 0-based (a resumed run's start after its own)."""
         return range(self.tr.start_step, self.tr.total_steps)
 
     def step_batch(self, step: int) -> StepBatch:
-        """This rank's rows of optimizer step `step` (`TrainSession.step_rows`), regrouped by
-        tokens when `batch.by_tokens` asks, collated and moved to the device."""
+        """This rank's rows of step `step`, regrouped by tokens when `batch.by_tokens` asks."""
         t_start = time.perf_counter()
         rows = self.draw.rows
         idx = self.tr.step_rows(len(rows), step, self.batch, self.ctx.recipe.run.seed)
@@ -197,8 +221,7 @@ class Training:
         return self.lay_out(t_start, groups)
 
     def lay_out(self, t_start: float, groups: list[list[int]]) -> StepBatch:
-        """The micro-batches of `groups` (row indices, one list per micro-batch) on the host and
-        on the device, with the step's token count; `t_start`: when the step began."""
+        """The micro-batches of `groups` (row indices per micro-batch), on host and device."""
         rows = self.draw.rows
         host = [
             self.draw.collate([rows[i] for i in g], self.draw.pad_id, self.flat) for g in groups
@@ -209,9 +232,7 @@ class Training:
 
     def finish_step(self, step: int, sb: StepBatch, *, loss: float, **metrics: float) -> None:
         """The end of optimizer step `step` (0-based), once its gradients are in: the optimizer
-        step under the guard; every `log_every` steps and at the last, the metrics record
-        (throughput, the layout, the stage's `metrics`); held-out figures every `eval_every`
-        steps (before the last); a checkpoint every `checkpoint_every` steps. `loss`: the
+        step, the metrics record, held-out figures and a checkpoint when due. `loss`: the
         step's loss over all ranks (every rank passes the same value)."""
         cfg, tr, done = self.section, self.tr, step + 1
         grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=loss, step=done)
@@ -235,37 +256,44 @@ class Training:
 
     def heldout_batches(self, rows: list[Row], flat: bool = False) -> Iterator[tuple[float, Any]]:
         """(weight, micro-batch on the device) for this rank's share of held-out `rows`
-        (rank-strided, `Draw.collate`d; `flat`: padding-free), with the model in eval mode
-        meanwhile. Every rank runs the same number of forwards (FSDP's all-gathers are
-        collective): a rank short of rows repeats the first with weight 0."""
+        (`strided_batches`, `Draw.collate`d; `flat`: padding-free), the model in eval mode."""
         self.model.eval()
-        for idx in rank_batches(len(rows), self.rank, self.world, self.eval_batch_size):
-            heartbeat.beat(phase="eval")
-            chunk = [rows[i] for i in idx] or rows[:1]
-            batch = self.draw.collate(chunk, self.draw.pad_id, flat)
-            yield (1.0 if idx else 0.0), to_device(batch, self.device)
+        draw = self.draw
+        for idx, batch in strided_batches(
+            rows,
+            draw.collate,
+            draw.pad_id,
+            self.eval_batch_size,
+            self.device,
+            self.rank,
+            self.world,
+            flat,
+        ):
+            yield (1.0 if idx else 0.0), batch
         self.model.train()
 
+    def step_means(self, sums: dict[str, Any]) -> dict[str, float]:
+        """`add_sums` totals over all ranks, per row of the global batch."""
+        n = self.batch.global_batch_size
+        return {k: v / n for k, v in all_reduce_sums(sums, self.device).items()}
+
     def evaluate(self, step: int) -> Figures | None:
-        """The stage's held-out figures now, written as an `eval` record at `step` (each
-        figure as `eval_<name>`); None, and no record, when the stage has none."""
+        """The stage's held-out figures now, as an `eval` record at `step` (`eval_<name>`)."""
         figures = self.heldout(self)
         if figures is not None:
             self.tr.metrics.write("eval", step=step, **{f"eval_{k}": v for k, v in figures.items()})
         return figures
 
     def heldout_at_start(self) -> Figures | None:
-        """The held-out figures before any update (step 0) on a fresh run; None on a resumed
-        one (its step-0 record is among the metrics it kept)."""
+        """The step-0 figures on a fresh run; None on a resumed one (its metrics keep them)."""
         return self.evaluate(0) if self.tr.start_step == 0 else None
 
     def heldout_at_end(self) -> Figures | None:
-        """The held-out figures of the trained model (at the last step)."""
         return self.evaluate(self.tr.total_steps)
 
     def close(self, selected_adapters: list[str] | None = None) -> None:
-        """Save the trained adapter (`selected_adapters`: which of the model's, default all),
-        write the `end` record (peak memory) and close metrics.jsonl."""
+        """Save the trained adapter (`selected_adapters`: default all), write the `end` record
+        and close metrics.jsonl."""
         save_adapter(self.model, self.ctx, selected_adapters=selected_adapters)
         self.tr.metrics.write("end", step=self.tr.total_steps, **memory_snapshot(self.device))
         self.tr.metrics.close()

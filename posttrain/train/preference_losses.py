@@ -8,12 +8,10 @@ whole response summed over its tokens:
                                                      (None for reference-free losses)
     chosen_lengths, rejected_lengths:           [B]  number of response tokens (SimPO only)
 
-and returns `(losses [B], chosen_rewards [B], rejected_rewards [B])`. The caller takes the mean of
-`losses` over the global batch; the rewards are the loss's implicit rewards, detached, for metrics
-(reward accuracy = mean(chosen_rewards > rejected_rewards), margin = their difference).
-
-All losses share one call signature (unused inputs are accepted and ignored), so the training loop
-calls whichever one the config names without branching; `preference_loss(name, **hparams)` binds a
+passed positionally in that order (unused ones are accepted and ignored, so the loop calls
+whichever loss the config names without branching), and returns `(losses [B], chosen_rewards [B],
+rejected_rewards [B])`. The caller takes the mean of `losses` over the global batch; the rewards
+are the loss's implicit rewards, detached, for metrics. `preference_loss(name, **hparams)` binds a
 loss's hyperparameters once, at setup, and fails there on a bad name or value.
 """
 
@@ -38,21 +36,20 @@ def _check(beta: float, label_smoothing: float = 0.0) -> None:
         raise ValueError(f"label_smoothing must be in [0, 0.5], got {label_smoothing}")
 
 
-def _logratio_margin(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
-    ref_chosen_logps: torch.Tensor,
-    ref_rejected_logps: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h, chosen log-ratio, rejected log-ratio), all [B] and float32.
-
-    h = (log pi(y_c) - log ref(y_c)) - (log pi(y_r) - log ref(y_r)). Upcast first: the four
-    sums can be hundreds of nats apart in magnitude, and their difference in fp16/bf16 loses the
-    small margin the loss actually depends on (the NaN/inf preference losses of TRL#878).
-    """
-    chosen = policy_chosen_logps.float() - ref_chosen_logps.float()
-    rejected = policy_rejected_logps.float() - ref_rejected_logps.float()
-    return chosen - rejected, chosen, rejected
+def _by_log_ratios(
+    logps: tuple[torch.Tensor | None, ...],
+    beta: float,
+    loss_of_margin: Callable[[torch.Tensor], torch.Tensor],
+) -> LossOutput:
+    """A reference-based loss: `loss_of_margin(h)`, h = (pi_c - ref_c) - (pi_r - ref_r) [B]
+    from the first four `logps`, and the rewards beta * (pi - ref). Upcast first: the four sums
+    can be hundreds of nats apart in magnitude, and their difference in fp16/bf16 loses the
+    small margin the loss actually depends on (the NaN/inf preference losses of TRL#878)."""
+    policy_chosen, policy_rejected, ref_chosen, ref_rejected = logps[:4]
+    assert ref_chosen is not None and ref_rejected is not None, "a log-ratio needs ref_*_logps"
+    chosen = policy_chosen.float() - ref_chosen.float()
+    rejected = policy_rejected.float() - ref_rejected.float()
+    return loss_of_margin(chosen - rejected), (beta * chosen).detach(), (beta * rejected).detach()
 
 
 def implicit_rewards(
@@ -74,8 +71,7 @@ def implicit_rewards(
             r = beta * log pi(y|x) / |y|                 per-token average, no reference
 
     policy_logps [N]; ref_logps [N], or None for a reference-free loss; lengths [N] response
-    tokens (>= 1), read by reference-free losses only. Returns [N] float32, detached; accuracy
-    is mean(r_chosen > r_rejected), margin mean(r_chosen - r_rejected).
+    tokens (>= 1), read by reference-free losses only. Returns [N] float32, detached.
     """
     if loss not in PREFERENCE_LOSSES:
         raise _unknown(loss)
@@ -84,8 +80,7 @@ def implicit_rewards(
         rewards = beta * policy_logps.float() / lengths.float()
     else:
         assert ref_logps is not None, f"the {loss} reward is a log-ratio: pass ref_logps"
-        # Upcast before the difference, as in _logratio_margin.
-        rewards = beta * (policy_logps.float() - ref_logps.float())
+        rewards = beta * (policy_logps.float() - ref_logps.float())  # upcast first
     return rewards.detach()
 
 
@@ -95,42 +90,21 @@ def _smoothed_sigmoid(logits: torch.Tensor, label_smoothing: float) -> torch.Ten
 
 
 def sigmoid_loss(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
-    ref_chosen_logps: torch.Tensor,
-    ref_rejected_logps: torch.Tensor,
-    chosen_lengths: torch.Tensor | None = None,
-    rejected_lengths: torch.Tensor | None = None,
-    *,
-    beta: float,
-    label_smoothing: float = 0.0,
+    *logps: torch.Tensor | None, beta: float, label_smoothing: float = 0.0
 ) -> LossOutput:
     """DPO (Rafailov et al., 2023), with the conservative label smoothing of cDPO.
 
         logits = beta * ((pi_c - ref_c) - (pi_r - ref_r))
         loss   = -log sigmoid(logits) * (1 - eps) - log sigmoid(-logits) * eps
 
-    eps = label_smoothing in [0, 0.5]; eps = 0 is plain DPO. Rewards: beta * (pi - ref).
-    Inputs [B] (lengths unused); outputs (losses, chosen_rewards, rejected_rewards), each [B].
+    eps = label_smoothing in [0, 0.5]; eps = 0 is plain DPO.
     """
     _check(beta, label_smoothing)
-    h, chosen, rejected = _logratio_margin(
-        policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps
-    )
-    losses = _smoothed_sigmoid(beta * h, label_smoothing)
-    return losses, (beta * chosen).detach(), (beta * rejected).detach()
+    return _by_log_ratios(logps, beta, lambda h: _smoothed_sigmoid(beta * h, label_smoothing))
 
 
 def robust_loss(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
-    ref_chosen_logps: torch.Tensor,
-    ref_rejected_logps: torch.Tensor,
-    chosen_lengths: torch.Tensor | None = None,
-    rejected_lengths: torch.Tensor | None = None,
-    *,
-    beta: float,
-    label_smoothing: float = 0.0,
+    *logps: torch.Tensor | None, beta: float, label_smoothing: float = 0.0
 ) -> LossOutput:
     """Robust DPO (Chowdhury et al., 2024): an unbiased estimate of the clean-label DPO loss when
     each label is flipped with probability eps.
@@ -140,30 +114,20 @@ def robust_loss(
 
     Unlike cDPO (`sigmoid` with eps > 0), the flipped-label term enters with a minus sign, which
     de-biases the gradient instead of capping the margin. Needs eps < 0.5 (the division).
-    Inputs [B] (lengths unused); outputs (losses, chosen_rewards, rejected_rewards), each [B].
     """
     _check(beta, label_smoothing)
     if label_smoothing >= 0.5:
         raise ValueError(f"robust loss needs label_smoothing < 0.5, got {label_smoothing}")
-    h, chosen, rejected = _logratio_margin(
-        policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps
-    )
-    logits = beta * h
     eps = label_smoothing
-    losses = (-F.logsigmoid(logits) * (1 - eps) + F.logsigmoid(-logits) * eps) / (1 - 2 * eps)
-    return losses, (beta * chosen).detach(), (beta * rejected).detach()
+
+    def loss(h: torch.Tensor) -> torch.Tensor:
+        logits = beta * h
+        return (-F.logsigmoid(logits) * (1 - eps) + F.logsigmoid(-logits) * eps) / (1 - 2 * eps)
+
+    return _by_log_ratios(logps, beta, loss)
 
 
-def ipo_loss(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
-    ref_chosen_logps: torch.Tensor,
-    ref_rejected_logps: torch.Tensor,
-    chosen_lengths: torch.Tensor | None = None,
-    rejected_lengths: torch.Tensor | None = None,
-    *,
-    beta: float,
-) -> LossOutput:
+def ipo_loss(*logps: torch.Tensor | None, beta: float) -> LossOutput:
     """IPO (Azar et al., 2023, eq. 17), beta being the paper's tau.
 
         h    = (pi_c - ref_c) - (pi_r - ref_r)
@@ -178,53 +142,21 @@ def ipo_loss(
     reference-based losses here share one input and `beta` means what the paper says; the cost
     is that a beta tuned for TRL's IPO is not transferable (summed margins are ~length times
     larger, so the matching target, and hence beta, differs).
-    Inputs [B] (lengths unused); outputs (losses, chosen_rewards, rejected_rewards), each [B].
     """
     _check(beta)
-    h, chosen, rejected = _logratio_margin(
-        policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps
-    )
-    losses = (h - 1 / (2 * beta)) ** 2
-    return losses, (beta * chosen).detach(), (beta * rejected).detach()
+    return _by_log_ratios(logps, beta, lambda h: (h - 1 / (2 * beta)) ** 2)
 
 
-def hinge_loss(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
-    ref_chosen_logps: torch.Tensor,
-    ref_rejected_logps: torch.Tensor,
-    chosen_lengths: torch.Tensor | None = None,
-    rejected_lengths: torch.Tensor | None = None,
-    *,
-    beta: float,
-) -> LossOutput:
-    """SLiC-HF's calibration loss (Zhao et al., 2023) on the DPO log-ratio margin.
-
-        logits = beta * ((pi_c - ref_c) - (pi_r - ref_r))
-        loss   = relu(1 - logits)
-
-    Zero (and zero gradient) once the margin exceeds 1/beta, so well-separated pairs stop
-    pulling on the model. Inputs [B] (lengths unused); outputs each [B].
-    """
+def hinge_loss(*logps: torch.Tensor | None, beta: float) -> LossOutput:
+    """SLiC-HF's calibration loss (Zhao et al., 2023) on the DPO log-ratio margin:
+    loss = relu(1 - beta * h). Zero (and zero gradient) once the margin exceeds 1/beta, so
+    well-separated pairs stop pulling on the model."""
     _check(beta)
-    h, chosen, rejected = _logratio_margin(
-        policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps
-    )
-    losses = torch.relu(1 - beta * h)
-    return losses, (beta * chosen).detach(), (beta * rejected).detach()
+    return _by_log_ratios(logps, beta, lambda h: torch.relu(1 - beta * h))
 
 
 def simpo_loss(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
-    ref_chosen_logps: torch.Tensor | None = None,
-    ref_rejected_logps: torch.Tensor | None = None,
-    chosen_lengths: torch.Tensor | None = None,
-    rejected_lengths: torch.Tensor | None = None,
-    *,
-    beta: float,
-    gamma: float,
-    label_smoothing: float = 0.0,
+    *logps: torch.Tensor | None, beta: float, gamma: float, label_smoothing: float = 0.0
 ) -> LossOutput:
     """SimPO (Meng et al., 2024): reference-free, length-normalised, with a target margin.
 
@@ -236,12 +168,12 @@ def simpo_loss(
     already beta-scaled rewards. Dividing by the length removes DPO's incentive to prefer longer
     responses, and matches how generation scores a response (average log-prob per token).
     ref_* are ignored (pass None); chosen_lengths, rejected_lengths [B] are required (>= 1).
-    Outputs (losses, chosen_rewards, rejected_rewards), each [B].
     """
     _check(beta, label_smoothing)
-    assert chosen_lengths is not None and rejected_lengths is not None, "SimPO needs lengths"
-    chosen = beta * policy_chosen_logps.float() / chosen_lengths.float()
-    rejected = beta * policy_rejected_logps.float() / rejected_lengths.float()
+    assert len(logps) == 6 and None not in logps[4:], "SimPO needs lengths"
+    policy_chosen, policy_rejected, _, _, chosen_lengths, rejected_lengths = logps
+    chosen = beta * policy_chosen.float() / chosen_lengths.float()
+    rejected = beta * policy_rejected.float() / rejected_lengths.float()
     losses = _smoothed_sigmoid(chosen - rejected - gamma, label_smoothing)
     return losses, chosen.detach(), rejected.detach()
 
@@ -273,13 +205,10 @@ def loss_hyperparameters(name: str) -> list[str]:
 
 
 def preference_loss(name: str, **hparams: float) -> PreferenceLoss:
-    """The loss `name` with its hyperparameters bound: call it with the tensors only.
-
-    Raises ValueError for an unknown name (listing the known ones), a hyperparameter the loss
-    does not take (see `loss_hyperparameters`), or an invalid value. The bound loss is run once
-    on a one-pair batch here, so a bad value fails at setup rather than at the first training
-    step, after the models are loaded.
-    """
+    """The loss `name` with its hyperparameters bound: call it with the tensors only. Raises
+    ValueError for an unknown name, a hyperparameter the loss does not take, or an invalid value:
+    the bound loss runs once on a one-pair batch here, so a bad value fails at setup rather than
+    at the first training step, after the models are loaded."""
     takes = loss_hyperparameters(name)
     unknown = sorted(set(hparams) - set(takes))
     if unknown:
@@ -298,13 +227,8 @@ def preference_loss(name: str, **hparams: float) -> PreferenceLoss:
 
 def nll_term(policy_chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor) -> torch.Tensor:
     """Optional SFT term on the chosen responses (as in RPO / CPO), added by the caller:
-
-        nll = mean_b( -policy_chosen_logps[b] / chosen_lengths[b] )
-
-    Inputs [B]; returns a scalar. Each pair weighs the same whatever its length (per-sequence
-    mean of the per-token NLL), matching how the preference losses weigh pairs; the caller
-    scales it (e.g. loss = pref_loss.mean() + alpha * nll).
-    """
+    nll = mean_b(-policy_chosen_logps[b] / chosen_lengths[b]), inputs [B], a scalar. Each pair
+    weighs the same whatever its length, matching how the preference losses weigh pairs."""
     return (-policy_chosen_logps.float() / chosen_lengths.float()).mean()
 
 
@@ -323,8 +247,8 @@ def kto_kl_estimate(
         z0 = max(0, sum_i (pi_kl[i] - ref_kl[i]) / n)     n = mismatched pairs in the batch
 
     Inputs [B] summed log-probs of the mismatched sequences. `reduce` sums a [2] tensor
-    (sum, count) over ranks (an all-reduce) so every rank gets the global batch's estimate;
-    None = this batch alone. Returns a scalar float32 tensor with no gradient.
+    (sum, count) over ranks so every rank gets the global batch's estimate (None: this batch
+    alone). Returns a scalar float32 tensor with no gradient.
     """
     with torch.no_grad():
         diff = policy_kl_logps.detach().float() - ref_kl_logps.detach().float()
@@ -350,11 +274,9 @@ def kto_loss(
         loss = lambda_D * (1 - sigmoid(beta * (r - z0)))  for a desirable row
                lambda_U * (1 - sigmoid(beta * (z0 - r)))  for an undesirable row
 
-    desirable: [B] bool; kl: the scalar z0 from `kto_kl_estimate` (no gradient). The caller
-    takes the mean of `losses` over the global batch. Returns (losses [B], metrics): metrics
-    hold sums over this batch, so they add across micro-batches and ranks: "reward_desirable",
-    "reward_undesirable" (sums of the implicit reward beta * r), "n_desirable",
-    "n_undesirable", and "kl" (z0 as given); `kto_summary` turns them into means and a margin.
+    desirable: [B] bool; kl: the scalar z0 from `kto_kl_estimate`. Returns (losses [B],
+    metrics): sums over this batch, so they add across micro-batches and ranks (implicit reward
+    beta * r of desirable and undesirable rows, their counts) and "kl" (z0 as given).
     """
     _check(beta)
     if desirable_weight < 0 or undesirable_weight < 0:
@@ -362,7 +284,7 @@ def kto_loss(
             f"KTO weights must be >= 0, got desirable {desirable_weight}, "
             f"undesirable {undesirable_weight}"
         )
-    r = policy_logps.float() - ref_logps.float()  # upcast first, as in _logratio_margin
+    r = policy_logps.float() - ref_logps.float()  # upcast first, as in _by_log_ratios
     z0 = kl.detach().float()
     good = desirable.bool()
     losses = torch.where(
@@ -382,8 +304,7 @@ def kto_loss(
 
 
 def kto_summary(sums: dict[str, float]) -> dict[str, float]:
-    """Means from `kto_loss` metrics summed over a batch: mean implicit reward of desirable and
-    of undesirable rows (0 with none) and margin = their difference; counts and kl pass through."""
+    """`kto_loss` metrics summed over a batch -> mean rewards (0 with no rows) and margin."""
     d = sums["reward_desirable"] / max(1.0, sums["n_desirable"])
     u = sums["reward_undesirable"] / max(1.0, sums["n_undesirable"])
     return {
@@ -437,17 +358,13 @@ def orpo_loss(
         ratio      = log_odds_c - log_odds_r
         loss       = -m_c + beta * (-log sigmoid(ratio))   (NLL of chosen + beta * L_OR)
 
-    beta is the paper's lambda (TRL's `beta`). The NLL is per pair (the chosen response's mean
-    per-token NLL), so pairs weigh equally whatever their length, as in `nll_term`.
-
-    Inputs: summed response log-probs and response token counts (>= 1), each [B]. Returns
-    (losses [B], metrics): metrics are detached [B] tensors: chosen_reward / rejected_reward
-    (beta * m_y, TRL's rewards), margin (their difference), correct (1.0 where the chosen
-    reward is higher), log_odds_chosen / log_odds_rejected, log_odds_ratio (= ratio; TRL's
-    `log_odds_chosen` metric is this difference), or_loss and nll.
+    beta is the paper's lambda (TRL's `beta`). The NLL is per pair, so pairs weigh equally
+    whatever their length, as in `nll_term`. Inputs: summed response log-probs and response
+    token counts (>= 1), each [B]. Returns (losses [B], metrics: detached [B] tensors; rewards
+    are beta * m_y as in TRL, and log_odds_ratio is what TRL calls `log_odds_chosen`).
     """
     _check(beta)
-    # Upcast as in _logratio_margin: the odds of means near 0 need fp32 at least.
+    # Upcast as in _by_log_ratios: the odds of means near 0 need fp32 at least.
     chosen = (policy_chosen_logps.float() / chosen_lengths.float()).clamp(max=_ORPO_MAX_MEAN_LOGP)
     rejected = (policy_rejected_logps.float() / rejected_lengths.float()).clamp(
         max=_ORPO_MAX_MEAN_LOGP

@@ -94,9 +94,8 @@ def inspect_checkpoint(path: Path) -> tuple[bool, list[str]]:
 
 
 def _try_load(path: Path, model: torch.nn.Module, optim: Any, sched: Any) -> tuple[dict, list]:
-    """(meta, problems). Every rank reads the checkpoint; only when all read it whole is it
-    applied, so the ranks never end up in different states. problems: one per rank that failed
-    (the same list on every rank)."""
+    """(meta, problems: one per rank that failed). Applied only when every rank read it whole,
+    so the ranks never end up in different states."""
     staged, err = None, None
     try:
         staged = read_checkpoint(path, model, optim)
@@ -134,8 +133,7 @@ def _move_aside(path: Path) -> Path:
 
 
 def _sweep_partial_saves(root: Path) -> None:
-    """Remove `step_<N>.tmp` folders a killed save left (they only hold disk space; the stage
-    lock guarantees no save is running)."""
+    """Remove `step_<N>.tmp` folders a killed save left (the stage lock says none is running)."""
     for tmp in sorted(root.glob("step_*.tmp")) if root.exists() else []:
         log.warning("removing %s: a partial checkpoint left by an interrupted save", tmp)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,9 +1,8 @@
 """The parts every training stage shares around its own loop.
 
 A stage keeps its loop explicit (what a step computes is the stage's business); this module
-does the rest the same way everywhere: place the model (sharded, or unwrapped on one device),
-build optimizer and schedule, resume from the newest intact checkpoint, write the start record,
-take an optimizer step with clipping (and loss scaling for fp16), compute throughput/MFU/memory for each step, save checkpoints.
+does the rest the same way everywhere: place the model, build optimizer and schedule, resume,
+step (clipping; loss scaling for fp16), record throughput/MFU/memory, save checkpoints.
 
 Numerical guards (`posttrain.train.guard`, recipe section `guard`) live in `optimizer_step`: a
 step whose loss or gradient norm is not finite, or whose loss spikes, is not applied, and too
@@ -108,16 +107,11 @@ class TrainSession:
     ) -> tuple[float, float]:
         """Clip, check, step, schedule, zero. Returns (grad norm before clipping, lr).
 
-        `loss`: the step's loss over all ranks (callers all-reduce it: every rank must pass the
-        same value, and the clipped norm is global, so every rank takes the same decision without
-        another collective). `step`: the step number the stage logs (1-based); `record`: extra
-        fields for a guard record (online RL: which update of the rollout).
-
-        A bad step (see `posttrain.train.guard`) is skipped: gradients zeroed, neither the
-        optimizer nor the schedule stepped, so parameters and optimizer state stay bit-identical;
-        a `guard` record goes to metrics.jsonl. Raises `TooManyBadSteps` when the guard's window
-        holds too many.
-        """
+        `loss`: the step's loss over all ranks (every rank passes the same value, and the clipped
+        norm is global, so every rank takes the same decision without another collective).
+        `step`: 1-based; `record`: extra fields for a guard record. A bad step
+        (`posttrain.train.guard`) is skipped: gradients zeroed, neither optimizer nor schedule
+        stepped, so parameters and optimizer state stay bit-identical."""
         assert self.guard is not None, "start_session sets the guard"
         if self.scaler:
             self.scaler.unscale_(self.opt)
@@ -169,12 +163,9 @@ class TrainSession:
     ) -> None:
         """Throughput, FLOP/s, MFU and memory of one optimizer step -> metrics.jsonl.
 
-        `local_tokens` are this rank's processed (non-pad) tokens; `seq_len` their mean length.
-        `flops`: this rank's FLOPs for the step when it is not one training pass over
-        `local_tokens` (RL steps also generate and score); default: the training estimate.
-        Updates the guard skipped since the last record are counted in `skipped_updates`, those
-        for a non-finite loss or gradient norm also in `nonfinite_updates`; a non-finite loss is
-        written but does not replace the last good one in the headline.
+        `local_tokens`: this rank's non-pad tokens, `seq_len` their mean length; `flops`: this
+        rank's FLOPs when the step is not one training pass over them (RL also generates and
+        scores). A non-finite loss is written but does not replace the headline's last good one.
         """
         dt, tokens, achieved, mfu = self._throughput(local_tokens, seq_len, t_start, flops)
         world, rate = self.dist.world_size, tokens / dt
@@ -220,8 +211,8 @@ class TrainSession:
     def _throughput(
         self, local_tokens: int, seq_len: float, t_start: float, flops: float | None
     ) -> tuple[float, float, float, float]:
-        """(seconds since `t_start`, tokens over all ranks, FLOP/s achieved over all ranks, MFU)
-        of the step ending now; `record_step` says what the arguments are."""
+        """(seconds since `t_start`, tokens and FLOP/s over all ranks, MFU) of the step ending
+        now."""
         device = self.dist.device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -268,14 +259,11 @@ class TrainSession:
     def maybe_checkpoint(
         self, step: int, every: int, keep: int, extra: dict[str, Any] | None = None
     ) -> None:
-        """Checkpoint every `every` steps (not after the last: the stage's output follows).
-        `extra`: JSON-able stage state saved in meta.json, back as `resume_meta` on resume. The
-        data position (`meta["data"]`, see `checkpoint.data_position`) is added for a stage that
-        draws its rows with `step_rows`, and the guard's window (`meta["guard"]`) always.
-
-        Called once per logged step. No checkpoint follows a step with a skipped update: the
-        newest checkpoint is always a state reached by good updates, and a resume replays the
-        skipped step (same rows, same parameters: the same verdict)."""
+        """Checkpoint every `every` steps (not after the last: the stage's output follows), with
+        `extra` (JSON-able stage state, back as `resume_meta`), the data position and the
+        guard's window in meta.json. No checkpoint follows a skipped update: the newest is always
+        a state reached by good updates, and a resume replays the skipped step (same rows, same
+        parameters: the same verdict)."""
         skipped, self.skipped_since_boundary = self.skipped_since_boundary, 0
         if every and step % every == 0 and step < self.total_steps:
             if skipped:
@@ -301,13 +289,11 @@ def start_session(
     weights: CheckpointFiles | None = None,
     **start_fields: Any,
 ) -> TrainSession:
-    """Place `model` (trainable parts already marked; `posttrain.distributed.fsdp.place_model`:
-    sharded, or unwrapped on one device), build optimizer + schedule, resume from
-    the newest intact checkpoint (`posttrain.train.resume`), and write the `start` metrics
-    record. `schedule_steps`: optimizer steps the LR schedule spans when a logged step holds
-    several (default total_steps). `weights`: the checkpoint of a base built on the meta device
-    (`posttrain.models.loading.base_for_training`); each rank reads only its shards of it after
-    sharding. Without it, `model` is real and whole on this process."""
+    """Place `model` (trainable parts already marked), build optimizer + schedule, resume from
+    the newest intact checkpoint and write the `start` record. `schedule_steps`: steps the LR
+    schedule spans when a logged step holds several (default total_steps). `weights`: the
+    checkpoint of a base built on the meta device, each rank reading only its shards of it
+    after sharding; without it, `model` is real and whole on this process."""
     d: DistInfo = ctx.dist
     assert batch.dp_size == d.world_size, f"recipe dp {batch.dp_size} != world {d.world_size}"
     heartbeat.beat(phase="setup")  # model loaded and data prepared; sharding and resume next
@@ -386,9 +372,7 @@ def _resume(
     sched: Any,
     guard: StepGuard,
 ) -> ResumePoint:
-    """Load the newest intact checkpoint into model, optimizer, schedule and RNG, and its guard
-    window into `guard`. Damaged ones are named, moved aside and skipped; with none intact,
-    infra.no_intact_checkpoint says restart (from step 0) or fail."""
+    """Load the newest intact checkpoint (`resume_newest_intact`), and its guard window."""
     point = resume_newest_intact(
         ckpt_root,
         model,
@@ -423,8 +407,7 @@ def _start_record(
     peak: tuple[float, str],
     stage_fields: dict[str, Any],
 ) -> dict[str, Any]:
-    """The fields of the `start` metrics record: the plan, the parameter counts, the batch, the
-    precision, the device peak, then the stage's own fields."""
+    """The fields of the `start` metrics record, then the stage's own."""
     n_total, n_trainable = counts
     return {
         "total_steps": total_steps,
@@ -447,10 +430,8 @@ def _start_record(
 def _open_metrics(
     ctx: Any, start_step: int, start: dict[str, Any], point: ResumePoint
 ) -> MetricsWriter:
-    """metrics.jsonl for this launch (a resumed run keeps the records up to its step) with its
-    `start` record, a `resume` record when the resume has something to say (damaged checkpoints
-    skipped, a restart, an unverified resume) and the memory pre-flight's estimate (for
-    estimate vs peak)."""
+    """metrics.jsonl for this launch (a resumed run keeps the records up to its step): the
+    `start` record, a `resume` record when the resume has something to say, the pre-flight's."""
     metrics = MetricsWriter(
         ctx.stage.out_dir / "metrics.jsonl", enabled=ctx.is_main, resume_step=start_step
     )
