@@ -31,6 +31,7 @@ from posttrain.data.preference import (
     _messages,
     check_prompt_end,
     keep_prompt_tail,
+    prompt_messages,
     read_checked_rows,
 )
 from posttrain.data.synthetic import SYSTEM_PROMPT, quickstart_triples
@@ -44,17 +45,7 @@ def check_prompt_row(row: Any, where: str) -> dict[str, Any]:
         _fail(where, "wrong_type", f"row must be a JSON object, got {type(row).__name__}")
     columns = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
     if row.get("prompt") is not None:
-        prompt = row["prompt"]
-        if isinstance(prompt, str):
-            msgs = [{"role": "user", "content": prompt}]
-        elif isinstance(prompt, list):
-            msgs = _messages(prompt, "prompt", where)
-        else:
-            _fail(
-                where,
-                "wrong_type",
-                f"'prompt' must be a string or a list of messages, got {type(prompt).__name__}",
-            )
+        msgs = prompt_messages(row["prompt"], where)
     elif row.get("messages") is not None:
         msgs = _messages(row["messages"], "messages", where)
         last_reply = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
