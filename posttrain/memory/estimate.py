@@ -311,8 +311,6 @@ class MemoryEstimate:
     """Bytes per component on one device. Peak = static rows + the largest phase."""
 
     rows: list[Row] = field(default_factory=list)
-    stage: str = ""
-    shards: int = 1
     activation_checkpointing: bool = False
 
     @property
@@ -339,17 +337,9 @@ class MemoryEstimate:
         """Bytes of the rows whose name starts with `name` (e.g. "adapter", "activations")."""
         return sum(r.bytes for r in self.rows if r.name.startswith(name))
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "total_bytes": self.total,
-            "total_gib": round(self.total / GIB, 4),
-            "peak_phase": self.peak_phase,
-            "shards": self.shards,
-            "activation_checkpointing": self.activation_checkpointing,
-            "components": {
-                (f"{r.phase}: {r.name}" if r.phase else r.name): r.bytes for r in self.rows
-            },
-        }
+    def components(self) -> dict[str, int]:
+        """Bytes by row, a phase's rows named `<phase>: <name>`."""
+        return {(f"{r.phase}: {r.name}" if r.phase else r.name): r.bytes for r in self.rows}
 
     def table(self) -> str:
         """The breakdown as aligned text, one row per component, then the peak."""
@@ -436,12 +426,7 @@ def estimate(
         *rollout_rows(model, stage, counts, gathered, c),
         *teacher_rows(model, stage, shards, c, update),
     ]
-    return MemoryEstimate(
-        rows,
-        stage=stage.label or stage.kind,
-        shards=shards,
-        activation_checkpointing=stage.activation_checkpointing,
-    )
+    return MemoryEstimate(rows, stage.activation_checkpointing)
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,7 @@ class PreflightReport:
             "safety_fraction": self.fraction,
             "fits": self.fits,
             "peak_phase": self.estimate.peak_phase,
-            "components": self.estimate.as_dict()["components"],
+            "components": self.estimate.components(),
             "fixes": [{"change": f.change, "gib": round(f.total / GIB, 4)} for f in self.fixes],
         }
 
