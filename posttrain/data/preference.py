@@ -356,7 +356,8 @@ def _encode_pair(
 def _encode_completion(
     tokenizer: Any, row: dict[str, Any], max_len: int, max_prompt_len: int
 ) -> tuple[dict[str, Any] | None, bool, bool]:
-    """As `_encode_pair`, for one labelled row encoded as one side of a pair is."""
+    """As `_encode_pair`, for one labelled row encoded as one side of a pair is: the prompt's
+    tail kept, the response cut to fit max_len, labels IGNORE on the prompt."""
     ids, n_prompt, is_response = _tokenize_side(tokenizer, row["prompt"], row["completion"])
     prompt_ids = keep_prompt_tail(tokenizer, ids[:n_prompt], max_prompt_len)
     rest = ids[n_prompt:][: max(0, max_len - len(prompt_ids))]

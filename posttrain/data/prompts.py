@@ -73,12 +73,8 @@ def quickstart_prompts(n: int, seed: int) -> list[dict[str, Any]]:
     out = []
     for i, (task, prompt, right, _wrong) in enumerate(quickstart_triples(n, seed)):
         sys_turn = [{"role": "system", "content": SYSTEM_PROMPT}] if i % 3 == 0 else []
-        out.append(
-            {
-                "messages": sys_turn + [{"role": "user", "content": prompt}],
-                "columns": {"answer": right, "task": task},
-            }
-        )
+        msgs = sys_turn + [{"role": "user", "content": prompt}]
+        out.append({"messages": msgs, "columns": {"answer": right, "task": task}})
     return out
 
 
@@ -121,15 +117,11 @@ def prepare_prompts(cfg: PromptDataConfig, tokenizer: Any, seed: int) -> PromptD
     check_system_role(tokenizer, [(w, r["messages"]) for w, r in train + held])
 
     def enc(located: Located) -> list[dict[str, Any]]:
-        return [
-            {
-                "messages": r["messages"],
-                "ids": encode_prompt(tokenizer, r["messages"], cfg.max_prompt_len),
-                "columns": r["columns"],
-                "where": w,
-            }
-            for w, r in located
-        ]
+        out = []
+        for w, r in located:
+            ids = encode_prompt(tokenizer, r["messages"], cfg.max_prompt_len)
+            out.append({"messages": r["messages"], "ids": ids, "columns": r["columns"], "where": w})
+        return out
 
     data = PromptData(enc(train), enc(held))
     data.stats = {f"dropped_{k}": v for k, v in dropped.items()} | {
