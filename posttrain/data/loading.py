@@ -330,9 +330,8 @@ def seeded_split(
             f"(eval_fraction {eval_fraction})"
         )
     held = set(order[:n_eval])
-    return [r for i, r in enumerate(rows) if i not in held], [
-        r for i, r in enumerate(rows) if i in held
-    ]
+    train = [r for i, r in enumerate(rows) if i not in held]
+    return train, [r for i, r in enumerate(rows) if i in held]
 
 
 def rename_columns(row: Any, columns: dict[str, str], where: str) -> Any:
