@@ -67,12 +67,7 @@ def _random_enough(kind: str, text: str) -> bool:
     if need is None:
         return True
     body = text[3:] if kind == "API key (sk-...)" else text.split("_", 1)[-1]
-    classes = (
-        any(c.islower() for c in body),
-        any(c.isupper() for c in body),
-        any(c.isdigit() for c in body),
-    )
-    return sum(classes) >= need
+    return sum(any(map(test, body)) for test in (str.islower, str.isupper, str.isdigit)) >= need
 
 
 def _matches(text: str) -> Iterator[tuple[str, int, int]]:
@@ -81,10 +76,8 @@ def _matches(text: str) -> Iterator[tuple[str, int, int]]:
         for m in pattern.finditer(text):
             if not _random_enough(kind, m.group(0)):
                 continue
-            if "secret" in pattern.groupindex:
-                yield kind, m.start("secret"), m.end("secret")
-            else:
-                yield kind, m.start(), m.end()
+            group = "secret" if "secret" in pattern.groupindex else 0
+            yield kind, m.start(group), m.end(group)
 
 
 def secret_key_name(name: str) -> bool:

@@ -59,6 +59,12 @@ def calculator_schemas() -> list[dict[str, Any]]:
     return [get_json_schema(fn) for fn in (add, subtract, multiply)]
 
 
+def _question(rng: random.Random) -> tuple[Any, str, int, int]:
+    """(tool, sign, a, b) of one drawn question."""
+    fn, sign = OPERATIONS[rng.randrange(len(OPERATIONS))]
+    return fn, sign, rng.randint(10, 99), rng.randint(10, 99)
+
+
 def calculator_sft_rows(n: int, seed: int) -> list[dict[str, Any]]:
     """n rows {"messages", "tools", "answer", "task"}, deterministic in seed: system, the
     question, a tool-call turn, the tool's result, the answer."""
@@ -66,8 +72,7 @@ def calculator_sft_rows(n: int, seed: int) -> list[dict[str, Any]]:
     tools = calculator_schemas()
     rows = []
     for i in range(n):
-        fn, sign = OPERATIONS[rng.randrange(len(OPERATIONS))]
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        fn, sign, a, b = _question(rng)
         answer = str(fn(a, b))
         call_id = f"call{i:05d}"
         call = {"name": fn.__name__, "arguments": {"a": a, "b": b}}
@@ -95,12 +100,8 @@ def calculator_corpus(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     docs = []
     for _ in range(n):
-        fn, sign = OPERATIONS[rng.randrange(len(OPERATIONS))]
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        call = json.dumps({"name": fn.__name__, "arguments": {"a": a, "b": b}})
-        result = fn(a, b)
-        docs.append(
-            f"What is {a} {sign} {b}? <tool_call>\n{call}\n</tool_call>\ntool\n{result}\n"
-            f"assistant\n{result}"
-        )
+        fn, sign, a, b = _question(rng)
+        call, result = json.dumps({"name": fn.__name__, "arguments": {"a": a, "b": b}}), fn(a, b)
+        q = f"What is {a} {sign} {b}?"
+        docs.append(f"{q} <tool_call>\n{call}\n</tool_call>\ntool\n{result}\nassistant\n{result}")
     return docs

@@ -161,18 +161,6 @@ def _lcp(a: str, b: str) -> int:
     return lo
 
 
-def _lcs(a: str, b: str) -> int:
-    """Length of the common suffix."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[len(a) - mid :] == b[len(b) - mid :]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 def _marker_start(text: str, i: int, specials: tuple[str, ...]) -> int | None:
     """Start of the marker (or special token) that position i falls strictly inside, if any."""
     lo = max(0, i - 64)
@@ -223,7 +211,7 @@ def _content_end(
     content = probed[j].get("content") or ""
     probed[j]["content"] = PROBE + content if at_start else content + PROBE
     other = render(tokenizer, probed, gen, tools)
-    e = min(_lcp(text, other), len(text) - _lcs(text, other))
+    e = min(_lcp(text, other), len(text) - _lcp(text[::-1], other[::-1]))
     inserted = other[e : len(other) - (len(text) - e)]
     # Whitespace the template trims shows up beside the probe; anything else means the
     # template does not render this content as one run of text.

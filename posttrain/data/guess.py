@@ -22,19 +22,17 @@ LOW, HIGH = 10, 25
 SYSTEM_PROMPT = "Find the number. Reply = the two numbers it is between: your guess."
 
 
+def _rules() -> list[dict[str, str]]:
+    question = f"I am thinking of a number from {LOW} to {HIGH}. Guess it."
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+
+
 def guess_prompts(n: int, seed: int) -> list[dict[str, Any]]:
     """n prompt rows (`posttrain.data.prompts` shape), deterministic in seed: the rules as
     system and user turns, the number in `target` (an int: the environment's reset gets it)."""
     rng = random.Random(seed)
-    question = f"I am thinking of a number from {LOW} to {HIGH}. Guess it."
     return [
-        {
-            "messages": [
-                {"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": question},
-            ],
-            "columns": {"target": rng.randint(LOW, HIGH), "task": "guess"},
-        }
+        {"messages": _rules(), "columns": {"target": rng.randint(LOW, HIGH), "task": "guess"}}
         for _ in range(n)
     ]
 
@@ -46,14 +44,10 @@ def guess_sft_rows(n: int, seed: int) -> list[dict[str, Any]]:
     random between them: a policy that learns this plays by the rules, and RL has the turns a
     halving search saves left to find."""
     rng = random.Random(seed)
-    question = f"I am thinking of a number from {LOW} to {HIGH}. Guess it."
     rows = []
     for _ in range(n):
         target, low, high = rng.randint(LOW, HIGH), LOW - 1, HIGH + 1  # exclusive bounds
-        messages = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": question},
-        ]
+        messages = _rules()
         while True:
             guess = rng.randint(low + 1, high - 1)
             messages.append({"role": "assistant", "content": f"= {low} {high}: {guess}"})

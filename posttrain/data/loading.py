@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -313,6 +314,24 @@ def data_source(cfg: Any, attr: str = "path") -> DataSource | None:
         return None
     split = cfg.split if attr == "path" else cfg.eval_split
     return DataSource(str(value), split, cfg.revision, cfg.subset, dict(cfg.columns))
+
+
+def seeded_split(
+    rows: list[Any], seed: int, eval_fraction: float, what: str = ""
+) -> tuple[list, list]:
+    """(train, held-out) by a seeded shuffle: the same in every process and every run with the
+    same seed. ValueError (prefixed `what`) when nothing is left to train on."""
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    n_eval = max(1, round(len(rows) * eval_fraction)) if eval_fraction > 0 else 0
+    if len(rows) - n_eval < 1:
+        raise ValueError(
+            f"{what}{len(rows)} rows leave nothing to train on after the held-out split "
+            f"(eval_fraction {eval_fraction})"
+        )
+    held = set(order[:n_eval])
+    train = [r for i, r in enumerate(rows) if i not in held]
+    return train, [r for i, r in enumerate(rows) if i in held]
 
 
 def rename_columns(row: Any, columns: dict[str, str], where: str) -> Any:

@@ -53,20 +53,15 @@ def missing_paths(where: str, cfg: Any) -> list[str]:
     return out
 
 
-def _synthetic_line(where: str, cfg: Any) -> str:
-    task = getattr(cfg.synthetic, "task", "quickstart")
-    return f"{where}.data: synthetic (task {task}, {cfg.synthetic.n_examples} rows)"
-
-
 def peek_data(where: str, shape: str, cfg: Any, head: int = HEAD) -> DataPeek:
     """The first `head` rows of `cfg`'s path and eval_path (a stage's data section at field
     path `<where>.data`, its kind reading `shape` rows), checked as the stage checks them."""
     out = DataPeek()
-    if cfg.synthetic is not None:
-        out.lines.append(_synthetic_line(where, cfg))
+    if (s := cfg.synthetic) is not None:
+        task = getattr(s, "task", "quickstart")
+        out.lines.append(f"{where}.data: synthetic (task {task}, {s.n_examples} rows)")
         if shape == "prompts":  # generated as the stage generates them: their columns
-            task = PROMPT_TASKS[cfg.synthetic.task]
-            rows = task(cfg.synthetic.n_examples, cfg.synthetic.seed)[:head]
+            rows = PROMPT_TASKS[s.task](s.n_examples, s.seed)[:head]
             out.rows += [(f"synthetic row {i}", r) for i, r in enumerate(rows)]
     for attr in ("path", "eval_path"):
         value = getattr(cfg, attr)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +12,7 @@ from posttrain.data.chat import (
     read_template,
     template_sha256,
 )
-from posttrain.data.loading import DataSource, data_source
+from posttrain.data.loading import DataSource, data_source, seeded_split
 from posttrain.data.preference import (
     encode_completions,
     encode_pairs,
@@ -80,18 +79,7 @@ def read_and_split(
         held, more = read(data_source(cfg, "eval_path"), cfg.on_invalid)
         dropped = {k: dropped.get(k, 0) + more.get(k, 0) for k in {*dropped, *more}}
         return located, held, dropped
-    order = list(range(len(located)))
-    random.Random(seed).shuffle(order)
-    n_eval = max(1, round(len(located) * cfg.eval_fraction)) if cfg.eval_fraction else 0
-    if len(located) - n_eval < 1:
-        raise ValueError(
-            f"{len(located)} rows leave nothing to train on after the held-out "
-            f"split (eval_fraction {cfg.eval_fraction})"
-        )
-    held_idx = set(order[:n_eval])
-    train = [x for i, x in enumerate(located) if i not in held_idx]
-    held = [x for i, x in enumerate(located) if i in held_idx]
-    return train, held, dropped
+    return (*seeded_split(located, seed, cfg.eval_fraction), dropped)
 
 
 def prepare(cfg: PreferenceDataConfig, tokenizer: Any, seed: int) -> PreferenceData:
@@ -99,17 +87,26 @@ def prepare(cfg: PreferenceDataConfig, tokenizer: Any, seed: int) -> PreferenceD
         cfg, seed, read_preference_rows, quickstart_preference_rows
     )
     check_system_role(tokenizer, [(w, r["prompt"]) for w, r in train + held])
-    train_rows, train_where = [r for _, r in train], [w for w, _ in train]
-    eval_rows, eval_where = [r for _, r in held], [w for w, _ in held]
-    data = PreferenceData(train_rows, eval_rows)
-    data.train, tstats = encode_pairs(
-        tokenizer, train_rows, cfg.max_seq_len, cfg.max_prompt_len, cfg.on_invalid, train_where
-    )
-    data.eval, estats = encode_pairs(
-        tokenizer, eval_rows, cfg.max_seq_len, cfg.max_prompt_len, cfg.on_invalid, eval_where
-    )
+    data = PreferenceData([r for _, r in train], [r for _, r in held])
+    return _encode(data, encode_pairs, "pair", cfg, tokenizer, train, held, dropped)
+
+
+def _encode(
+    data: PreferenceData,
+    encode: Callable[..., tuple[list[dict[str, Any]], dict[str, int]]],
+    what: str,
+    cfg: PreferenceDataConfig,
+    tokenizer: Any,
+    train: Located,
+    held: Located,
+    dropped: dict[str, int],
+) -> PreferenceData:
+    """`data` with both splits encoded and its stats: dropped, train and eval counts."""
+    limits = (cfg.max_seq_len, cfg.max_prompt_len, cfg.on_invalid)
+    data.train, tstats = encode(tokenizer, data.train_rows, *limits, [w for w, _ in train])
+    data.eval, estats = encode(tokenizer, data.eval_rows, *limits, [w for w, _ in held])
     if not data.train:
-        raise ValueError("no training pair left after validation and encoding")
+        raise ValueError(f"no training {what} left after validation and encoding")
     data.stats = (
         {f"dropped_{k}": v for k, v in dropped.items()}
         | {f"train_{k}": v for k, v in tstats.items()}
@@ -127,29 +124,7 @@ def prepare_unpaired(cfg: PreferenceDataConfig, tokenizer: Any, seed: int) -> Pr
     held = [(w, r) for w, rows in held for r in rows]
     check_system_role(tokenizer, [(w, r["prompt"]) for w, r in train + held])
     data = PreferenceData([r for _, r in train], [r for _, r in held])
-    data.train, tstats = encode_completions(
-        tokenizer,
-        data.train_rows,
-        cfg.max_seq_len,
-        cfg.max_prompt_len,
-        cfg.on_invalid,
-        [w for w, _ in train],
-    )
-    data.eval, estats = encode_completions(
-        tokenizer,
-        data.eval_rows,
-        cfg.max_seq_len,
-        cfg.max_prompt_len,
-        cfg.on_invalid,
-        [w for w, _ in held],
-    )
-    if not data.train:
-        raise ValueError("no training row left after validation and encoding")
+    data = _encode(data, encode_completions, "row", cfg, tokenizer, train, held, dropped)
     desirable = sum(r["desirable"] for r in data.train)
-    data.stats = (
-        {f"dropped_{k}": v for k, v in dropped.items()}
-        | {f"train_{k}": v for k, v in tstats.items()}
-        | {f"eval_{k}": v for k, v in estats.items()}
-        | {"train_desirable": desirable, "train_undesirable": len(data.train) - desirable}
-    )
+    data.stats |= {"train_desirable": desirable, "train_undesirable": len(data.train) - desirable}
     return data

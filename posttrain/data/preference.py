@@ -95,6 +95,14 @@ def _as_conversation(value: Any, field: str, where: str) -> Messages:
     return _messages(value, field, where)
 
 
+def prompt_messages(prompt: Any, where: str) -> Messages:
+    """A prompt given as text (one user turn) or as messages, checked."""
+    _string_or_list(prompt, "prompt", where)
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return _messages(prompt, "prompt", where)
+
+
 def _string_or_list(value: Any, field: str, where: str) -> None:
     if not isinstance(value, str | list):
         _fail(
@@ -168,11 +176,7 @@ def check_preference_row(row: Any, where: str) -> dict[str, Any]:
             _messages(chosen, "chosen", where), _messages(rejected, "rejected", where), where
         )
     else:
-        _string_or_list(prompt, "prompt", where)
-        if isinstance(prompt, str):
-            msgs = [{"role": "user", "content": prompt}]
-        else:
-            msgs = _messages(prompt, "prompt", where)
+        msgs = prompt_messages(prompt, where)
         if isinstance(chosen, str) and isinstance(rejected, str):
             chosen_text, rejected_text = chosen, rejected
         else:
@@ -216,11 +220,7 @@ def check_unpaired_row(row: Any, where: str) -> list[dict[str, Any]]:
         if value is None:
             _fail(where, "missing_field", f"missing '{key}' (got keys {sorted(row)})")
         _string_or_list(value, key, where)
-    msgs = (
-        [{"role": "user", "content": prompt}]
-        if isinstance(prompt, str)
-        else _messages(prompt, "prompt", where)
-    )
+    msgs = prompt_messages(prompt, where)
     reply = _as_conversation(completion, "completion", where)
     if reply[-1]["role"] != "assistant":
         _fail(where, "not_final_reply", "'completion' must end with an assistant message")
@@ -353,6 +353,62 @@ def _encode_pair(
     return out, prompt_truncated, response_truncated
 
 
+def _encode_completion(
+    tokenizer: Any, row: dict[str, Any], max_len: int, max_prompt_len: int
+) -> tuple[dict[str, Any] | None, bool, bool]:
+    """As `_encode_pair`, for one labelled row encoded as one side of a pair is: the prompt's
+    tail kept, the response cut to fit max_len, labels IGNORE on the prompt."""
+    ids, n_prompt, is_response = _tokenize_side(tokenizer, row["prompt"], row["completion"])
+    prompt_ids = keep_prompt_tail(tokenizer, ids[:n_prompt], max_prompt_len)
+    rest = ids[n_prompt:][: max(0, max_len - len(prompt_ids))]
+    labels = [t if r else IGNORE for t, r in zip(rest, is_response[n_prompt:], strict=False)]
+    if all(x == IGNORE for x in labels):
+        return None, False, False
+    enc = {
+        "ids": prompt_ids + rest,
+        "labels": [IGNORE] * len(prompt_ids) + labels,
+        "prompt_len": len(prompt_ids),
+        "desirable": row["desirable"],
+        "pair": row["pair"],
+    }
+    return enc, n_prompt > max_prompt_len, len(ids) - n_prompt > len(rest)
+
+
+def _encode_rows(
+    encode_one: Callable[..., tuple[dict[str, Any] | None, bool, bool]],
+    count: str,
+    tokenizer: Any,
+    rows: Sequence[dict[str, Any]],
+    max_len: int,
+    max_prompt_len: int,
+    on_invalid: OnInvalid,
+    wheres: Sequence[str] | None,
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """(encoded rows, stats {count: rows in, "no_room", "prompt_truncated",
+    "response_truncated"}). A no-room row raises PreferenceDataError naming its location
+    (`wheres[i]`, "row i" without) when on_invalid == "error", and is dropped otherwise."""
+    _check_on_invalid(on_invalid)
+    assert wheres is None or len(wheres) == len(rows)
+    out, stats = [], Counter({count: len(rows), "no_room": 0, "prompt_truncated": 0})
+    stats["response_truncated"] = 0
+    for i, row in enumerate(rows):
+        enc, prompt_cut, response_cut = encode_one(tokenizer, row, max_len, max_prompt_len)
+        if enc is None:
+            if on_invalid == "error":
+                _fail(
+                    wheres[i] if wheres is not None else f"row {i}",
+                    "no_room",
+                    f"the prompt (kept to max_prompt_len={max_prompt_len} tokens) leaves no room "
+                    f"for a response within max_len={max_len}; set max_prompt_len < max_len",
+                )
+            stats["no_room"] += 1
+            continue
+        stats["prompt_truncated"] += prompt_cut
+        stats["response_truncated"] += response_cut
+        out.append(enc)
+    return out, dict(stats)
+
+
 def encode_completions(
     tokenizer: Any,
     rows: Sequence[dict[str, Any]],
@@ -361,37 +417,11 @@ def encode_completions(
     on_invalid: OnInvalid = "error",
     wheres: Sequence[str] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """Encode labelled rows (`check_unpaired_row`) -> (encoded, stats) as one side of a pair is:
-    {"ids", "labels": [T] lists, "prompt_len": int, "desirable": bool, "pair": str | None}.
-
-    Prompt tail kept as in `encode_pair`, the response cut to fit max_len; labels are IGNORE on
-    the prompt. stats: {"rows", "no_room", "prompt_truncated", "response_truncated"}; a no-room
-    row raises (naming `wheres[i]`) under on_invalid "error" and is dropped under "skip".
-    """
-    _check_on_invalid(on_invalid)
-    assert wheres is None or len(wheres) == len(rows)
-    out, stats = [], Counter(rows=len(rows), no_room=0, prompt_truncated=0, response_truncated=0)
-    for i, row in enumerate(rows):
-        ids, n_prompt, is_response = _tokenize_side(tokenizer, row["prompt"], row["completion"])
-        prompt_ids = keep_prompt_tail(tokenizer, ids[:n_prompt], max_prompt_len)
-        rest = ids[n_prompt:][: max(0, max_len - len(prompt_ids))]
-        labels = [t if r else IGNORE for t, r in zip(rest, is_response[n_prompt:], strict=False)]
-        if all(x == IGNORE for x in labels):
-            _no_room(wheres, i, on_invalid, max_prompt_len, max_len)
-            stats["no_room"] += 1
-            continue
-        stats["prompt_truncated"] += n_prompt > max_prompt_len
-        stats["response_truncated"] += len(ids) - n_prompt > len(rest)
-        out.append(
-            {
-                "ids": prompt_ids + rest,
-                "labels": [IGNORE] * len(prompt_ids) + labels,
-                "prompt_len": len(prompt_ids),
-                "desirable": row["desirable"],
-                "pair": row["pair"],
-            }
-        )
-    return out, dict(stats)
+    """Encode labelled rows (`check_unpaired_row`) as one side of a pair is -> (encoded, stats):
+    {"ids", "labels": [T] lists, "prompt_len": int, "desirable": bool, "pair": str | None};
+    stats and no-room rows as in `_encode_rows`."""
+    args = (max_len, max_prompt_len, on_invalid, wheres)
+    return _encode_rows(_encode_completion, "rows", tokenizer, rows, *args)
 
 
 def encode_pair(
@@ -411,20 +441,6 @@ def encode_pair(
     return _encode_pair(tokenizer, row, max_len, max_prompt_len)[0]
 
 
-def _no_room(
-    wheres: list[str] | None, i: int, on_invalid: str, max_prompt_len: int, max_len: int
-) -> None:
-    """A row whose prompt leaves no room for a response: an error naming it (on_invalid=error);
-    otherwise the caller counts and drops it."""
-    if on_invalid == "error":
-        _fail(
-            wheres[i] if wheres is not None else f"row {i}",
-            "no_room",
-            f"the prompt (kept to max_prompt_len={max_prompt_len} tokens) leaves no room for a "
-            f"response within max_len={max_len}; set max_prompt_len < max_len",
-        )
-
-
 def encode_pairs(
     tokenizer: Any,
     rows: Sequence[dict[str, Any]],
@@ -433,25 +449,10 @@ def encode_pairs(
     on_invalid: OnInvalid = "error",
     wheres: Sequence[str] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """Encode normalised rows with `encode_pair` -> (encoded pairs, stats).
-
-    stats: {"pairs": rows in, "no_room": dropped, "prompt_truncated", "response_truncated":
-    kept but cut}. A no-room row raises PreferenceDataError naming its location (`wheres[i]`, from
-    `read_preference_rows`; "row i" without) when on_invalid == "error", and is dropped otherwise.
-    """
-    _check_on_invalid(on_invalid)
-    assert wheres is None or len(wheres) == len(rows)
-    out, stats = [], Counter(pairs=len(rows), no_room=0, prompt_truncated=0, response_truncated=0)
-    for i, row in enumerate(rows):
-        enc, prompt_cut, response_cut = _encode_pair(tokenizer, row, max_len, max_prompt_len)
-        if enc is None:
-            _no_room(wheres, i, on_invalid, max_prompt_len, max_len)
-            stats["no_room"] += 1
-            continue
-        stats["prompt_truncated"] += prompt_cut
-        stats["response_truncated"] += response_cut
-        out.append(enc)
-    return out, dict(stats)
+    """Encode normalised rows with `encode_pair` -> (encoded pairs, stats); see `_encode_rows`
+    (`wheres` from `read_preference_rows`)."""
+    args = (max_len, max_prompt_len, on_invalid, wheres)
+    return _encode_rows(_encode_pair, "pairs", tokenizer, rows, *args)
 
 
 def quickstart_preference_rows(n: int, seed: int) -> list[dict[str, Any]]:

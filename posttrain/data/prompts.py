@@ -31,6 +31,7 @@ from posttrain.data.preference import (
     _messages,
     check_prompt_end,
     keep_prompt_tail,
+    prompt_messages,
     read_checked_rows,
 )
 from posttrain.data.synthetic import SYSTEM_PROMPT, quickstart_triples
@@ -44,17 +45,7 @@ def check_prompt_row(row: Any, where: str) -> dict[str, Any]:
         _fail(where, "wrong_type", f"row must be a JSON object, got {type(row).__name__}")
     columns = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
     if row.get("prompt") is not None:
-        prompt = row["prompt"]
-        if isinstance(prompt, str):
-            msgs = [{"role": "user", "content": prompt}]
-        elif isinstance(prompt, list):
-            msgs = _messages(prompt, "prompt", where)
-        else:
-            _fail(
-                where,
-                "wrong_type",
-                f"'prompt' must be a string or a list of messages, got {type(prompt).__name__}",
-            )
+        msgs = prompt_messages(row["prompt"], where)
     elif row.get("messages") is not None:
         msgs = _messages(row["messages"], "messages", where)
         last_reply = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
@@ -82,12 +73,8 @@ def quickstart_prompts(n: int, seed: int) -> list[dict[str, Any]]:
     out = []
     for i, (task, prompt, right, _wrong) in enumerate(quickstart_triples(n, seed)):
         sys_turn = [{"role": "system", "content": SYSTEM_PROMPT}] if i % 3 == 0 else []
-        out.append(
-            {
-                "messages": sys_turn + [{"role": "user", "content": prompt}],
-                "columns": {"answer": right, "task": task},
-            }
-        )
+        msgs = sys_turn + [{"role": "user", "content": prompt}]
+        out.append({"messages": msgs, "columns": {"answer": right, "task": task}})
     return out
 
 
@@ -130,15 +117,11 @@ def prepare_prompts(cfg: PromptDataConfig, tokenizer: Any, seed: int) -> PromptD
     check_system_role(tokenizer, [(w, r["messages"]) for w, r in train + held])
 
     def enc(located: Located) -> list[dict[str, Any]]:
-        return [
-            {
-                "messages": r["messages"],
-                "ids": encode_prompt(tokenizer, r["messages"], cfg.max_prompt_len),
-                "columns": r["columns"],
-                "where": w,
-            }
-            for w, r in located
-        ]
+        out = []
+        for w, r in located:
+            ids = encode_prompt(tokenizer, r["messages"], cfg.max_prompt_len)
+            out.append({"messages": r["messages"], "ids": ids, "columns": r["columns"], "where": w})
+        return out
 
     data = PromptData(enc(train), enc(held))
     data.stats = {f"dropped_{k}": v for k, v in dropped.items()} | {

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,14 @@ from posttrain.data.chat import (
     template_sha256,
 )
 from posttrain.data.guess import guess_sft_rows
-from posttrain.data.loading import DataError, check_sft_row, data_source, load_sft_rows, read_rows
+from posttrain.data.loading import (
+    DataError,
+    check_sft_row,
+    data_source,
+    load_sft_rows,
+    read_rows,
+    seeded_split,
+)
 from posttrain.data.synthetic import quickstart_sft_rows
 from posttrain.data.tool_rows import has_tools
 from posttrain.sections.shared import DataConfig
@@ -44,19 +50,7 @@ def read_split(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
         rows = load_sft_rows(data_source(cfg, "path"))
     if cfg.eval_path:
         return rows, load_sft_rows(data_source(cfg, "eval_path"))
-    order = list(range(len(rows)))
-    random.Random(seed).shuffle(order)
-    n_eval = max(1, round(len(rows) * cfg.eval_fraction)) if cfg.eval_fraction > 0 else 0
-    if len(rows) - n_eval < 1:
-        raise ValueError(
-            f"sft.data: {len(rows)} rows leave nothing to train on after the "
-            f"held-out split (eval_fraction {cfg.eval_fraction})"
-        )
-    held = set(order[:n_eval])
-    return (
-        [r for i, r in enumerate(rows) if i not in held],
-        [r for i, r in enumerate(rows) if i in held],
-    )
+    return seeded_split(rows, seed, cfg.eval_fraction, "sft.data: ")
 
 
 def synthetic_rows(cfg: DataConfig) -> list[dict]:

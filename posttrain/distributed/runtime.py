@@ -12,7 +12,6 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 class DistInfo:
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
     mesh: DeviceMesh
 
@@ -96,7 +94,7 @@ def init_distributed(
             device_id=device if device_kind == "cuda" else None,
         )
     mesh = data_parallel_mesh(device.type, world, local_world, layout)
-    return DistInfo(rank, world, local_rank, device, mesh)
+    return DistInfo(rank, world, device, mesh)
 
 
 def shutdown() -> None:
@@ -123,21 +121,6 @@ def all_reduce_sums(
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return dict(zip(sums, t.tolist(), strict=True))
-
-
-def all_gather_objects(obj: Any) -> list[Any]:
-    """Every rank's `obj` (picklable), in rank order; [obj] without a process group."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def barrier() -> None:
-    """Wait for every rank (nothing without a process group)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def all_reduce_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:

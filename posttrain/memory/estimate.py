@@ -311,8 +311,6 @@ class MemoryEstimate:
     """Bytes per component on one device. Peak = static rows + the largest phase."""
 
     rows: list[Row] = field(default_factory=list)
-    stage: str = ""
-    shards: int = 1
     activation_checkpointing: bool = False
 
     @property
@@ -339,17 +337,9 @@ class MemoryEstimate:
         """Bytes of the rows whose name starts with `name` (e.g. "adapter", "activations")."""
         return sum(r.bytes for r in self.rows if r.name.startswith(name))
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "total_bytes": self.total,
-            "total_gib": round(self.total / GIB, 4),
-            "peak_phase": self.peak_phase,
-            "shards": self.shards,
-            "activation_checkpointing": self.activation_checkpointing,
-            "components": {
-                (f"{r.phase}: {r.name}" if r.phase else r.name): r.bytes for r in self.rows
-            },
-        }
+    def components(self) -> dict[str, int]:
+        """Bytes by row, a phase's rows named `<phase>: <name>`."""
+        return {(f"{r.phase}: {r.name}" if r.phase else r.name): r.bytes for r in self.rows}
 
     def table(self) -> str:
         """The breakdown as aligned text, one row per component, then the peak."""
@@ -436,12 +426,7 @@ def estimate(
         *rollout_rows(model, stage, counts, gathered, c),
         *teacher_rows(model, stage, shards, c, update),
     ]
-    return MemoryEstimate(
-        rows,
-        stage=stage.label or stage.kind,
-        shards=shards,
-        activation_checkpointing=stage.activation_checkpointing,
-    )
+    return MemoryEstimate(rows, stage.activation_checkpointing)
 
 
 @dataclass(frozen=True)
@@ -459,11 +444,7 @@ def weight_rows(
 ) -> tuple[list[Row], ParamCounts]:
     """The static weight rows (the frozen base, each role's adapter, the score and value heads)
     and the parameter counts they add up to."""
-    base = model.base_params(head)
-    b = 2 if stage.base_dtype == "bf16" else 4
-    where = f"1/{shards} per device" if shards > 1 else "not sharded"
-    shard_note = f"{stage.base_dtype}, {where}"
-    rows = [Row("base weights", base * b // shards, f"{base:,} params, frozen, {shard_note}")]
+    rows = [_frozen_base_row("base weights", model.base_params(head), stage, shards)]
 
     trainable = 0
     adapter_params = 0
@@ -485,6 +466,16 @@ def weight_rows(
         trainable += model.hidden
         rows.append(Row("value head", model.hidden * 4 // shards, "trainable"))
     return rows, ParamCounts(adapter_params, heads, trainable)
+
+
+def _frozen_base_row(
+    name: str, params: int, stage: StageShape, shards: int, phase: str = ""
+) -> Row:
+    """A frozen base's weights: `params` in `stage.base_dtype`, split over `shards`."""
+    b = 2 if stage.base_dtype == "bf16" else 4
+    where = f"1/{shards} per device" if shards > 1 else "not sharded"
+    note = f"{params:,} params, frozen, {stage.base_dtype}, {where}"
+    return Row(name, params * b // shards, note, phase)
 
 
 def framework_row(device: str, overhead_bytes: int | None) -> Row:
@@ -600,31 +591,15 @@ def teacher_rows(
     if t is None:
         return []
     tm = t.model
-    n = tm.base_params("lm")
-    b = 2 if stage.base_dtype == "bf16" else 4
-    where = f"1/{shards} per device" if shards > 1 else "not sharded"
     # A token-level teacher is held for the whole stage; a teacher that writes text only while
     # it answers, before training.
     held = "" if t.positions is not None else "answering"
-    rows = [
-        Row(
-            f"{t.label} weights",
-            n * b // shards,
-            f"{n:,} params, frozen, {stage.base_dtype}, {where}",
-            held,
-        )
-    ]
+    rows = [_frozen_base_row(f"{t.label} weights", tm.base_params("lm"), stage, shards, held)]
     adapter = 0
     if t.adapter is not None:
         adapter = tm.lora_params(t.adapter.r, t.adapter.targets)
-        rows.append(
-            Row(
-                f"{t.label} adapter",
-                adapter * 4 // shards,
-                f"{adapter:,} params, r={t.adapter.r}, frozen",
-                held,
-            )
-        )
+        note = f"{adapter:,} params, r={t.adapter.r}, frozen"
+        rows.append(Row(f"{t.label} adapter", adapter * 4 // shards, note, held))
     if t.positions is None:
         return rows
     micro, pos = stage.micro_batch, t.positions
@@ -642,18 +617,10 @@ def teacher_rows(
         Row(f"{t.label} logits (kept)", teacher_logits, logits_note, update),
     ]
     student = 2 * micro * pos * model.vocab * c
-    rows.append(
-        Row(
-            "distillation logits",
-            student,
-            f"student's + gradient: 2 x {micro} x {pos} x vocab {model.vocab} x {c} B",
-            update,
-        )
-    )
+    note = f"student's + gradient: 2 x {micro} x {pos} x vocab {model.vocab} x {c} B"
+    rows.append(Row("distillation logits", student, note, update))
     chunk = min(t.chunk_tokens, micro * pos)
     copies = DISTILL_CHUNK_COPIES.get(t.loss, max(DISTILL_CHUNK_COPIES.values()))
     work = copies * chunk * max(model.vocab, tm.vocab) * 4
-    rows.append(
-        Row("distillation chunks", work, f"{t.loss}: {copies} x {chunk} rows x vocab x 4 B", update)
-    )
-    return rows
+    note = f"{t.loss}: {copies} x {chunk} rows x vocab x 4 B"
+    return [*rows, Row("distillation chunks", work, note, update)]

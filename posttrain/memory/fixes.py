@@ -103,12 +103,22 @@ def fixes_of(
     return fixes
 
 
+def _edit(text: str, shape: StageShape, fields: dict[str, Any], combined: Any = None) -> Change:
+    """A change of stage `fields`; "all of the above" sets `combined` (default: `fields`)."""
+    return Change(text, replace(shape, **fields), None, fields if combined is None else combined)
+
+
+def _fsdp(layout: DeviceLayout, world: int) -> DeviceLayout:
+    return DeviceLayout(world, "fsdp", layout.devices_per_node, layout.device)
+
+
 def checkpointing_change(shape: StageShape, stage: str) -> list[Change]:
     """Activation checkpointing, when it is off."""
     if shape.activation_checkpointing:
         return []
-    on = {"activation_checkpointing": True}
-    return [Change(f"{stage}.activation_checkpointing: true", replace(shape, **on), None, on)]
+    return [
+        _edit(f"{stage}.activation_checkpointing: true", shape, {"activation_checkpointing": True})
+    ]
 
 
 def micro_batch_change(
@@ -134,7 +144,7 @@ def micro_batch_change(
         f"{stage}.batch.micro_batch_size: {pick} with grad_accum_steps: {new_accum} "
         "(same global batch)"
     )
-    return [Change(text, replace(shape, micro_batch=pick), None, {"micro_batch": 1})]
+    return [_edit(text, shape, {"micro_batch": pick}, {"micro_batch": 1})]
 
 
 def chunked_head_change(
@@ -148,14 +158,13 @@ def chunked_head_change(
     logits_now = est.logits(shape, layout)
     if logits_now < LARGE_LOGITS * now:
         return []
-    chunk = {"logits_chunk_tokens": DEFAULT_CHUNK_TOKENS}
-    chunked = replace(shape, **chunk)
-    logits_then = est.logits(chunked, layout)
+    chunked = _edit("", shape, {"logits_chunk_tokens": DEFAULT_CHUNK_TOKENS})
+    logits_then = est.logits(chunked.shape, layout)
     text = (
         f"infra.logits_chunk_tokens: {DEFAULT_CHUNK_TOKENS} (logits {fmt_bytes(logits_now)}"
         f" -> {fmt_bytes(logits_then)})"
     )
-    return [Change(text, chunked, None, chunk)]
+    return [replace(chunked, text=text)]
 
 
 def rollout_changes(shape: StageShape, stage: str) -> list[Change]:
@@ -165,19 +174,11 @@ def rollout_changes(shape: StageShape, stage: str) -> list[Change]:
     changes = []
     if shape.rollout_rows > 1:
         rows = max(1, shape.rollout_rows // 4)
-        changes.append(
-            Change(
-                f"{stage}.rollout.generation_batch_size: {rows}",
-                replace(shape, rollout_rows=rows),
-                None,
-                {"rollout_rows": 1},
-            )
-        )
+        text = f"{stage}.rollout.generation_batch_size: {rows}"
+        changes.append(_edit(text, shape, {"rollout_rows": rows}, {"rollout_rows": 1}))
     if shape.keep_gathered:
         off = {"keep_gathered": False}
-        changes.append(
-            Change(f"{stage}.rollout.keep_gathered: false", replace(shape, **off), None, off)
-        )
+        changes.append(_edit(f"{stage}.rollout.keep_gathered: false", shape, off))
     return changes
 
 
@@ -187,23 +188,12 @@ def layout_changes(
     """Sharding over all ranks (from hsdp or ddp), and the smallest world size that fits."""
     changes = []
     if layout.layout != "fsdp" and layout.world > 1:
-        changes.append(
-            Change(
-                f"infra.layout: fsdp (shard over all {layout.world} ranks)",
-                shape,
-                DeviceLayout(layout.world, "fsdp", layout.devices_per_node, layout.device),
-            )
-        )
+        text = f"infra.layout: fsdp (shard over all {layout.world} ranks)"
+        changes.append(Change(text, shape, _fsdp(layout, layout.world)))
     need = smallest_fitting_world(est, shape, layout, budget)
     if need is not None:
-        changes.append(
-            Change(
-                f"shard over {need} devices (infra.layout: fsdp, nnodes x devices_per_node = "
-                f"{need})",
-                shape,
-                DeviceLayout(need, "fsdp", layout.devices_per_node, layout.device),
-            )
-        )
+        text = f"shard over {need} devices (infra.layout: fsdp, nnodes x devices_per_node = {need})"
+        changes.append(Change(text, shape, _fsdp(layout, need)))
     return changes
 
 
@@ -212,13 +202,6 @@ def smallest_fitting_world(
 ) -> int | None:
     """The smallest power-of-two world above today's shards whose fsdp estimate fits, up to
     1024 devices. Shards only shrink the static parameter/gradient/optimizer rows."""
-    return next(
-        (
-            w
-            for w in (2**k for k in range(11))
-            if w > layout.shards
-            and est.peak(shape, DeviceLayout(w, "fsdp", layout.devices_per_node, layout.device))
-            <= budget
-        ),
-        None,
-    )
+    worlds = (2**k for k in range(11))
+    fits = (w for w in worlds if w > layout.shards and est.peak(shape, _fsdp(layout, w)) <= budget)
+    return next(fits, None)

@@ -29,14 +29,13 @@ def load_causal_lm(
 ) -> PreTrainedModel:
     """Weights stay in `dtype` (fp32 master weights for training; FSDP2's mixed-precision policy
     casts to bf16 for compute on GPU)."""
-    model = AutoModelForCausalLM.from_pretrained(
+    return AutoModelForCausalLM.from_pretrained(
         str(path),
         dtype=dtype,
         trust_remote_code=trust_remote_code,
         use_safetensors=True,
         **attn_kwargs(attention),
     )
-    return model
 
 
 def load_base(
@@ -51,8 +50,7 @@ def load_base(
     model_dir = Path(info["model_dir"])
     tok = load_tokenizer(ingest_dir / "tokenizer")
     trust = info.get("trust_remote_code", False)
-    model = load_causal_lm(model_dir, dtype, trust_remote_code=trust, attention=attention)
-    return model, tok
+    return load_causal_lm(model_dir, dtype, trust_remote_code=trust, attention=attention), tok
 
 
 def base_dtype(infra: Any) -> torch.dtype:

@@ -127,10 +127,7 @@ def score_sequences(
     device = next(model.parameters()).device
     out: list[float] = []
     for i in range(0, len(seqs), batch_size):
-        chunk = [{"input_ids": s, "labels": s} for s in seqs[i : i + batch_size]]
-        b = pad_batch(chunk, pad_id)
-        logits = model(
-            input_ids=b["input_ids"].to(device), attention_mask=b["attention_mask"].to(device)
-        ).logits
-        out += logits.squeeze(-1).float().tolist()
+        b = pad_batch([{"input_ids": s, "labels": s} for s in seqs[i : i + batch_size]], pad_id)
+        keys = ("input_ids", "attention_mask")
+        out += sequence_scores(model, {k: b[k].to(device) for k in keys}).tolist()
     return out

@@ -95,10 +95,7 @@ def build_on_meta(
     body = f"{model.base_model_prefix}."
     if lost := [n for n in missing if n.startswith(body)]:
         # A head may be new (a score head on a causal-LM checkpoint); the body never is.
-        raise ValueError(
-            f"{model_dir}: no tensor in the checkpoint for {lost[:5]}"
-            + (f" (+{len(lost) - 5} more)" if len(lost) > 5 else "")
-        )
+        raise _no_tensor(model_dir, lost)
     for name in missing:
         module = model.get_submodule(name.rpartition(".")[0])
         if any(p.is_meta for p in module.parameters(recurse=False)):
@@ -107,6 +104,11 @@ def build_on_meta(
             with torch.no_grad():
                 model._init_weights(module)
     return model, files
+
+
+def _no_tensor(folder: str | Path, names: list[str]) -> ValueError:
+    more = f" (+{len(names) - 5} more)" if len(names) > 5 else ""
+    return ValueError(f"{folder}: no tensor in the checkpoint for {names[:5]}{more}")
 
 
 @contextmanager
@@ -199,10 +201,7 @@ def fill_from_checkpoint(model: nn.Module, files: CheckpointFiles, device: torch
         n for n, p in model.named_parameters() if n not in kept and checkpoint_key(n, files) is None
     ]
     if missing:
-        raise ValueError(
-            f"{files.folder}: no tensor in the checkpoint for {missing[:5]}"
-            + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
-        )
+        raise _no_tensor(files.folder, missing)
     meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
     tied = _shared_parameters(model)
     model.to_empty(device=device)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from posttrain.data.prompts import encode_prompt
-from posttrain.distributed.runtime import all_gather_objects, barrier
+from posttrain.distributed.agree import barrier, gather_all
 from posttrain.models.adapters import POLICY
 from posttrain.models.stop_tokens import model_stop_token_ids
 from posttrain.models.teacher import build_teacher
@@ -165,7 +165,7 @@ def sample_answers(ctx: Any, rows: list[Row]) -> list[str]:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     merged: dict[int, str] = {}
-    for part in all_gather_objects(mine):
+    for part in gather_all(mine):
         merged |= part
     return [merged[n] for n in range(len(jobs))]
 

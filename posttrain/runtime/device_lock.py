@@ -29,17 +29,11 @@ def lock_dir() -> Path:
     return Path(os.environ.get(DIR_ENV) or DEFAULT_DIR)
 
 
-def device_lock_path(name: str) -> Path:
-    return lock_dir() / f"{name}.lock"
-
-
 class DeviceLock(FileLock):
     """The host-wide lock of one device set (`name`: e.g. posttrain-devices-<host>-cpu)."""
 
-    MODE = 0o666
-
     def __init__(self, name: str) -> None:
-        super().__init__(device_lock_path(name))
+        super().__init__(lock_dir() / f"{name}.lock")
 
     def _open(self) -> int:
         folder = self.path.parent

@@ -124,7 +124,7 @@ class PreflightReport:
             "safety_fraction": self.fraction,
             "fits": self.fits,
             "peak_phase": self.estimate.peak_phase,
-            "components": self.estimate.as_dict()["components"],
+            "components": self.estimate.components(),
             "fixes": [{"change": f.change, "gib": round(f.total / GIB, 4)} for f in self.fixes],
         }
 
@@ -226,15 +226,15 @@ def teacher_shape(
     return TeacherShape(model, adapter, positions=new, loss=node.section.loss)
 
 
+def _per_node(infra: Any) -> int:
+    """Devices per node; 1 while unresolved ("auto")."""
+    return infra.devices_per_node if isinstance(infra.devices_per_node, int) else 1
+
+
 def device_layout(recipe: Any) -> DeviceLayout:
-    infra = recipe.infra
-    per_node = infra.devices_per_node if isinstance(infra.devices_per_node, int) else 1
-    return DeviceLayout(
-        world=infra.nnodes * per_node,
-        layout=infra.layout,
-        devices_per_node=per_node,
-        device="cuda" if infra.device == "cuda" else "cpu",
-    )
+    infra, per_node = recipe.infra, _per_node(recipe.infra)
+    device = "cuda" if infra.device == "cuda" else "cpu"
+    return DeviceLayout(infra.nnodes * per_node, infra.layout, per_node, device)
 
 
 def _cgroup_room() -> int | None:
@@ -254,13 +254,11 @@ def detect_capacity(recipe: Any) -> Capacity:
     replaces the device's total (GiB) when set."""
     import psutil
 
-    infra = recipe.infra
-    local = infra.devices_per_node if isinstance(infra.devices_per_node, int) else 1
+    infra, local = recipe.infra, _per_node(recipe.infra)
     runtime = None if infra.device == "cuda" else psutil.Process().memory_info().rss
     if infra.device_memory_gb is not None:
-        return Capacity(
-            int(infra.device_memory_gb * GIB), "infra.device_memory_gb override", runtime
-        )
+        override = int(infra.device_memory_gb * GIB)
+        return Capacity(override, "infra.device_memory_gb override", runtime)
     if infra.device == "cuda":
         import torch
 
@@ -273,13 +271,9 @@ def detect_capacity(recipe: Any) -> Capacity:
     if room is not None and room < available:
         available, where = room, "cgroup memory.max room"
     assert runtime is not None
-    share = available // max(1, local)
     split = f" / {local} ranks" if local > 1 else ""
-    return Capacity(
-        runtime + share,
-        f"{where} {fmt_bytes(available)}{split} + this process's RSS {fmt_bytes(runtime)}",
-        runtime,
-    )
+    source = f"{where} {fmt_bytes(available)}{split} + this process's RSS {fmt_bytes(runtime)}"
+    return Capacity(runtime + available // max(1, local), source, runtime)
 
 
 def preflight(
@@ -300,12 +294,8 @@ def preflight(
     layout = device_layout(recipe)
     cap = capacity or detect_capacity(recipe)
     est = estimate(model, shape, layout, cap.runtime_bytes)
-    other = estimate(
-        model,
-        replace(shape, activation_checkpointing=not shape.activation_checkpointing),
-        layout,
-        cap.runtime_bytes,
-    )
+    flipped = replace(shape, activation_checkpointing=not shape.activation_checkpointing)
+    other = estimate(model, flipped, layout, cap.runtime_bytes)
     report = PreflightReport(stage, est, other, cap, SAFETY_FRACTION[layout.device])
     if not report.fits:
         # The fixes name the stage's own fields: `sft.x`, or `stages.<name>.x` for an entry.

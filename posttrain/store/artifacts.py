@@ -95,11 +95,9 @@ def _hashed_files(folder: Path) -> list[Path]:
     out = []
     for p in sorted(folder.rglob("*")):
         rel = p.relative_to(folder)
-        if not p.is_file() or rel.parts[0] in UNHASHED_DIRS or str(rel) == MANIFEST:
-            continue
-        if rel.name.startswith(".tmp"):
-            continue
-        out.append(p)
+        skip = rel.parts[0] in UNHASHED_DIRS or str(rel) == MANIFEST or rel.name.startswith(".tmp")
+        if p.is_file() and not skip:
+            out.append(p)
     return out
 
 

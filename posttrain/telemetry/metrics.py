@@ -179,15 +179,8 @@ class MetricsWriter:
         self._lock = threading.Lock()
         if not enabled:
             return
-        kept = (
-            [
-                r
-                for r in read_metrics(path)
-                if r.get("kind") != "end" and r.get("step", 0) <= resume_step
-            ]
-            if resume_step
-            else []
-        )
+        old = read_metrics(path) if resume_step else []
+        kept = [r for r in old if r.get("kind") != "end" and r.get("step", 0) <= resume_step]
         self._f = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed in close())
         for rec in kept:
             self._f.write(jsonsafe.dumps(rec) + "\n")

@@ -34,12 +34,8 @@ from posttrain.store.status import status
 from posttrain.train.integrity import check_hashes, check_meta, check_sizes, read_record
 from posttrain.workspace.runs import RunInfo, list_runs
 
-FAILED, DAMAGED, UNREFERENCED, TRASH = (
-    "failed attempt",
-    "damaged checkpoint",
-    "unreferenced artifact",
-    "trash",
-)
+FAILED, DAMAGED = "failed attempt", "damaged checkpoint"
+UNREFERENCED, TRASH = "unreferenced artifact", "trash"
 TRASH_DIR = ".trash"
 # A stage run by Slurm or Kubernetes notices its flow is gone after infra.supervisor_silence_s
 # (120 s by default) and only then stops or takes over the lock: until then it writes unlocked.
@@ -119,13 +115,17 @@ def referenced(runs: list[RunInfo], keep_last: int | None) -> set[tuple[str, str
     return refs
 
 
+def _folders(folder: Path) -> list[Path]:
+    """The sub-folders of `folder`, sorted; none through a symbolic link, at either level."""
+    if not folder.is_dir() or folder.is_symlink():
+        return []
+    return [p for p in sorted(folder.iterdir()) if p.is_dir() and not p.is_symlink()]
+
+
 def damaged_checkpoints(artifact: Path) -> list[tuple[Path, str]]:
     """(checkpoint folder, what is wrong) for each damaged one in `artifact/checkpoints`."""
-    root = artifact / "checkpoints"
     found: list[tuple[Path, str]] = []
-    for p in sorted(root.iterdir()) if root.is_dir() and not root.is_symlink() else []:
-        if p.is_symlink() or not p.is_dir():
-            continue
+    for p in _folders(artifact / "checkpoints"):
         if _HALF.match(p.name):
             found.append((p, "half-written" if p.name.endswith(".tmp") else "set aside"))
         elif _STEP.match(p.name) and (problems := checkpoint_problems(p)):
@@ -157,13 +157,10 @@ def plan_clean(
     lineages, refs = champion_lineages(ws), referenced(runs, keep_last)
     running = [r.run_id for r in runs if r.status == "running"]
     kept_fps = {fp for _, fp in refs | lineages}
-    root = ws / "artifacts"
-    for stage in sorted(root.iterdir()) if root.is_dir() and not root.is_symlink() else []:
-        if stage.is_symlink() or not stage.is_dir():
-            continue
-        for art in sorted(stage.iterdir()):
+    for stage in _folders(ws / "artifacts"):
+        for art in _folders(stage):
             key = (stage.name, art.name)
-            if not art.is_dir() or art.is_symlink() or key in lineages:
+            if key in lineages:
                 continue
             if stage.name not in CACHES:
                 _look_at(plan, art, key in refs, running, quiet_s)

@@ -98,12 +98,8 @@ def compare(
             row.note = unmeasured[r.metric].reason
         if row.compared:
             assert row.candidate is not None and row.champion is not None
-            worse_by = (
-                row.candidate - row.champion
-                if r.direction == "min"
-                else row.champion - row.candidate
-            )
-            row.regressed = worse_by > r.tolerance
+            diff = row.candidate - row.champion  # > 0: worse where lower is better
+            row.regressed = (diff if r.direction == "min" else -diff) > r.tolerance
         rows.append(row)
     if champion is None:
         return Decision(True, "first candidate of this pipeline", rows)
@@ -200,9 +196,7 @@ def record_decision(
     reg["history"].append(entry)
     if decision.promoted:
         reg["champion"] = {k: v for k, v in entry.items() if k != "comparison"}
-    path = registry_path(workspace, name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(reg, indent=2))
+    atomic_write_text(registry_path(workspace, name), json.dumps(reg, indent=2))
     return reg
 
 

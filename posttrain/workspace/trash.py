@@ -66,15 +66,12 @@ def delete(plan: CleanPlan) -> Outcome:
         if not _inside(c.path, plan.workspace):  # the plan never walks a link; checked again
             out.skipped.append(f"{rel}: outside the workspace")
             continue
-        if c.category == TRASH:
-            shutil.rmtree(c.path, ignore_errors=True)
-            out.freed += c.bytes
-            out.deleted.append(c)
-            continue
-        dest = trash / f"{os.getpid()}-{i}-{c.path.name}"
-        moved = _move_to_trash(c, dest, plan.workspace, out)
-        if moved is not None:
-            shutil.rmtree(moved, ignore_errors=True)
+        gone = c.path
+        if c.category != TRASH:
+            dest = trash / f"{os.getpid()}-{i}-{c.path.name}"
+            gone = _move_to_trash(c, dest, plan.workspace, out)
+        if gone is not None:
+            shutil.rmtree(gone, ignore_errors=True)
             out.freed += c.bytes
             out.deleted.append(c)
     if not any(trash.iterdir()):
