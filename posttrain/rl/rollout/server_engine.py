@@ -104,7 +104,6 @@ class ServerEngine:
                 )
 
     def take_counts(self) -> dict[str, float]:
-        """What the calls since the last take saw (see the module docstring), then reset."""
         out = {k: float(v) for k, v in self.counts.items()}
         self.counts.clear()
         return out
@@ -117,9 +116,3 @@ class ServerEngine:
         if self.role != "policy":
             raise ValueError("only the policy's engine syncs weights")
         self.server.sync(model, self.server.version + 1)
-
-    def sleep(self) -> None:
-        pass
-
-    def wake(self) -> None:
-        pass
