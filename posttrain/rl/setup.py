@@ -41,16 +41,21 @@ from posttrain.train.session import TrainSession, start_session
 log = logging.getLogger("posttrain.rl")
 
 
-def check_shapes(name: str, cfg: Any, batch: Any, world: int) -> tuple[int, int]:
-    """(sequences per rank per rollout, optimizer updates per rollout), or a ValueError naming
-    the fields that do not fit together."""
+def _local_sequences(name: str, cfg: Any, world: int) -> int:
+    """Sequences per rank per rollout, or a ValueError when the prompts do not split evenly."""
     r = cfg.rollout
     if r.prompts_per_step % world:
         raise ValueError(
             f"{name}.rollout.prompts_per_step {r.prompts_per_step} must be a multiple of the "
             f"{world} ranks (each rank rolls out the same number of prompts)"
         )
-    local = r.prompts_per_step // world * r.samples_per_prompt
+    return r.prompts_per_step // world * r.samples_per_prompt
+
+
+def check_shapes(name: str, cfg: Any, batch: Any, world: int) -> tuple[int, int]:
+    """(sequences per rank per rollout, optimizer updates per rollout), or a ValueError naming
+    the fields that do not fit together."""
+    local = _local_sequences(name, cfg, world)
     per_update = batch.micro_batch_size * batch.grad_accum_steps
     if local % per_update:
         raise ValueError(
@@ -68,19 +73,14 @@ def one_step_shapes(kind: str, unit: str) -> Shapes:
     evenly over the ranks, nothing to accumulate. `unit`: what a step takes, for the message."""
 
     def shapes(name: str, cfg: Any, batch: ResolvedBatch, world: int) -> tuple[int, int]:
-        r = cfg.rollout
-        if r.prompts_per_step % world:
-            raise ValueError(
-                f"{name}.rollout.prompts_per_step {r.prompts_per_step} must be a multiple of "
-                f"the {world} ranks (each rank rolls out the same number of prompts)"
-            )
+        local = _local_sequences(name, cfg, world)
         if batch.grad_accum_steps != 1:
             raise ValueError(
                 f"{name}.batch.grad_accum_steps {batch.grad_accum_steps}: {kind} takes one "
                 f"optimizer step per rollout over all its {unit}, micro_batch_size sequences "
                 "per forward; leave grad_accum_steps at 1"
             )
-        return r.prompts_per_step // world * r.samples_per_prompt, 1
+        return local, 1
 
     return shapes
 
