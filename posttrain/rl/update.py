@@ -1,13 +1,10 @@
 """PPO and the GRPO family (`posttrain.stages.ppo`, `posttrain.stages.grpo`): the online-RL loop
-(`posttrain.rl.loop`) with the clipped update's step (`clipped_step`): steps 3 and 4, a scored
-rollout's advantages (the registered algorithm's, `posttrain.rl.algorithms`) and the clipped
-update over it; then the step's record, after the KL controller's update from the rollout's KL.
-
-The update makes `update_epochs` passes over the rollout in shuffled minibatches of
-micro x accum sequences per rank (x ranks). Each minibatch's objective is the clipped policy
+(`posttrain.rl.loop`) with the clipped update's step (`clipped_step`): a scored rollout's
+advantages (the registered algorithm's, `posttrain.rl.algorithms`), then `update_epochs` passes
+over it in shuffled minibatches of micro x accum sequences per rank (x ranks): clipped policy
 loss - entropy bonus (+ KL when it goes in the loss) and, with a critic, vf_coef x the clipped
-value loss, aggregated as `loss_aggregation` says (`losses.loss_weights`): a mean over the
-whole minibatch on all ranks, per token or per response.
+value loss, aggregated as `loss_aggregation` says (`losses.loss_weights`); then the step's record,
+after the KL controller's update from the rollout's KL.
 """
 
 from __future__ import annotations
@@ -86,9 +83,7 @@ class Minibatch:
 
 
 @dataclass(frozen=True)
-class MicroBatch:
-    """n rows of a minibatch, on the device."""
-
+class MicroBatch:  # n rows of a minibatch, on the device
     rows: torch.Tensor  # [n] rollout row indices
     # `Rollout.inputs` of the rows (input_ids [n, P+R], ...) or their `packed_inputs`
     inputs: dict[str, Any]
@@ -162,11 +157,9 @@ def minibatch_backward(
     sums: Counter[str],
     packed: bool = False,
 ) -> float:
-    """Forward and backward of minibatch `mb`, `micro` rows at a time (padded, or laid end to
-    end with `packed`); gradients accumulate
-    and are synced over ranks by the last micro-batch's backward. Adds each token statistic's
-    sum over the response tokens to `sums`. Returns this rank's share of the minibatch's
-    objective (summed over ranks: the objective)."""
+    """Forward and backward of minibatch `mb`, `micro` rows at a time; gradients are synced
+    over ranks by the last micro-batch's backward. Adds each token statistic's sum to `sums`.
+    Returns this rank's share of the minibatch's objective (summed over ranks: the objective)."""
     device = tr.dist.device
     critic = adv.returns is not None
     micros = mb.rows.split(micro)
@@ -197,8 +190,7 @@ def policy_backward(
     chunk_tokens: int,
     sums: Counter[str],
 ) -> float:
-    """The policy's objective on one micro-batch, backward; its token statistics summed into
-    `sums`. Returns this rank's share of the objective (its value / world)."""
+    """The policy's objective on one micro-batch, backward; as `value_backward`."""
     device = tr.dist.device
     logp, ent = response_logps(
         tr.model,
@@ -310,7 +302,6 @@ def value_backward(
 
 
 def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
-    """The PPO/GRPO stage: `run_loop` with the clipped update's step (`clipped_step`)."""
     algo = ALGORITHMS[algorithm]
     step = partial(clipped_step, algo=algo)
     return run_loop(ctx, step, critic=algo.critic, kl_placement=algo.kl_placement)
@@ -319,8 +310,7 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
 def clipped_step(
     run: RLRun, rb: RolloutBatch, step: int, lag: torch.Tensor, algo: Algorithm
 ) -> Record:
-    """The update of logged step `step` + 1 (`posttrain.rl.loop.Update`) of `algo`: the
-    rollout's advantages and the clipped update over them; then the step's record (`record`)."""
+    """`posttrain.rl.loop.Update` of `algo`: advantages, the clipped update, then `record`."""
     s, cfg = run.rollouts, run.ctx.section
     adv = compute_advantages(algo, rb.rollout, cfg, run.ctl.coef, run.placement, run.reduce, lag)
     update_seed = rollout_seed(s.seed, step, s.rank) + 1
@@ -340,10 +330,8 @@ def record(
     t_train: float,
     timing: dict[str, float],
 ) -> None:
-    """The `train` record of logged step `step` (`write_record`) from the rollout, its totals
-    over ranks (`rollout_totals`: also the KL controller's update from the rollout's KL), its
-    advantages (with a critic, the values' explained variance) and the update's stats. Runs the
-    same collectives on every rank."""
+    """The `train` record of logged step `step` (`write_record`), after the KL controller's
+    update from the rollout's KL; with a critic, the values' explained variance."""
     cfg, tr, ro = run.ctx.section, run.tr, rb.rollout
     totals = rollout_totals(ro, run.rollouts.device)
     if "kl" in totals:  # not scored when it does not count (then the coefficient is fixed)

@@ -44,9 +44,7 @@ class Rollout:
     mask: torch.Tensor  # [N, R] float: 1 on response tokens up to and including the stop token
     stopped: torch.Tensor  # [N] bool: the response ended with a stop token
     messages: list[Messages]  # prompt messages of each sequence
-    scored: dict[str, torch.Tensor] = field(
-        default_factory=dict
-    )  # logps, ref_logps, values, scores
+    scored: dict[str, torch.Tensor] = field(default_factory=dict)  # logps, values, scores...
     # Episodes: [N, R] 1 on every real token after the prompt (None: the mask, single-turn),
     # and each sequence's episode (conversation, turns, tool results, environment).
     attn: torch.Tensor | None = None
@@ -59,8 +57,7 @@ class Rollout:
     versions: torch.Tensor | None = None
 
     @property
-    def response_attn(self) -> torch.Tensor:
-        """[N, R] 1 on the real tokens after the prompt (long)."""
+    def response_attn(self) -> torch.Tensor:  # [N, R] long: 1 on real tokens after the prompt
         return (self.mask if self.attn is None else self.attn).long()
 
     @property
@@ -111,9 +108,7 @@ class Rollout:
             "index": index,
         }
 
-    def tokens(self) -> int:
-        """Real (non-pad) tokens of the rollout: prompts plus responses (episodes: plus what
-        came between the policy's turns)."""
+    def tokens(self) -> int:  # real (non-pad) tokens: prompts and what follows them
         return int(self.prompt_mask.sum() + self.response_attn.sum())
 
     def select(self, rows: list[int] | torch.Tensor) -> Rollout:
@@ -186,7 +181,6 @@ class Rollout:
 def model_inputs(
     ro: Rollout, idx: list[int] | torch.Tensor, packed: bool, device: torch.device
 ) -> dict[str, Any]:
-    """`ro.packed_inputs(idx)` (padding-free) or `ro.inputs(idx)` (padded), on `device`."""
     inp = ro.packed_inputs(idx) if packed else ro.inputs(idx)
     return {
         k: v.to(device) if torch.is_tensor(v) or isinstance(v, Segments) else v
@@ -231,17 +225,9 @@ def sample(
     seed: int,
     versions: bool = True,
 ) -> Rollout:
-    """Sample one response per prompt (repeat a prompt for several samples) through the rollout
-    `engine` (`posttrain.rl.rollout.engine`), as a Rollout stamped with the engine's policy
-    version (`versions`; False for the reference's samples).
-
-    In process, every rank runs the same number of forwards; with more than one rank, generation
-    is synced: a rank whose sequences all ended keeps stepping with the others until every rank
-    is done, since each step of a sharded model is a collective and a rank that stopped early
-    would leave the others waiting forever. Sampling is seeded by `seed` (call it with a value
-    derived from seed, step and rank) and the caller's RNG state is restored. A response ends at
-    the first of `stop_ids` (`stop_token_ids`; an id no token has, e.g. -1, never stops).
-    """
+    """One response per prompt (repeat a prompt for several samples) from `engine`, seeded by
+    `seed`, as a Rollout stamped with the engine's policy version (`versions`; False for the
+    reference's samples). A response ends at the first of `stop_ids` (-1 never stops)."""
     stops = _ids(stop_ids)
     response = engine.generate(prompts, sampling_of(cfg), stops, pad_id, seed)  # [N, R]
     ids, attn = left_pad(prompts, pad_id)
