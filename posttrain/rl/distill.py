@@ -46,7 +46,7 @@ from posttrain.models.vocab import shared_vocab_size
 from posttrain.rl.distill_losses import teacher_gap_closed, token_divergence
 from posttrain.rl.heldout import evaluate, heldout_batches
 from posttrain.rl.loop import Record, run_loop, write_record
-from posttrain.rl.metrics import rollout_totals, step_flops
+from posttrain.rl.metrics import UpdateStats, rollout_totals, step_flops
 from posttrain.rl.rollout.collect import RolloutBatch, RolloutSetup, generate
 from posttrain.rl.rollout.engine import build_engine
 from posttrain.rl.rollout.sample import Rollout, model_inputs
@@ -73,10 +73,6 @@ class Teacher:
 def run_distill(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.section
     teacher = Teacher(ctx)
-
-    def heldout(s: RolloutSetup, rows: list[dict], step: int, sft: Any, metrics: Any, path: Any):
-        return evaluate_with_teacher(s, rows, step, sft, metrics, path, teacher)
-
     return run_loop(
         ctx,
         partial(distill_step, teacher=teacher),
@@ -88,7 +84,7 @@ def run_distill(ctx: StageContext) -> dict[str, Any]:
             "teacher_base": ctx.stage.roles["teacher_base"],
             "teacher_params": teacher.params,
         },
-        heldout=heldout,
+        heldout=partial(evaluate_with_teacher, teacher=teacher),
         headline=headline,
         shapes=check_shapes,
         # Neither the policy's nor the reference's log-probs: the loss reads logits.
@@ -103,37 +99,21 @@ check_shapes = one_step_shapes("distillation", "answers")
 def distill_step(
     run: RLRun, rb: RolloutBatch, step: int, lag: torch.Tensor, teacher: Teacher
 ) -> Record:
-    """`posttrain.rl.loop.Update`: the distillation update, then `record`."""
+    """`posttrain.rl.loop.Update`: the distillation update; its record's FLOPs add the
+    teacher's forward."""
     heartbeat.beat(phase="update")
+    cfg, micro, packed = run.ctx.section, run.batch.micro_batch_size, run.rollouts.packed
     stats = distill_update(
-        run.tr,
-        teacher.model,
-        rb.rollout,
-        run.ctx.section,
-        run.batch.micro_batch_size,
-        teacher.vocab,
-        step + 1,
-        run.rollouts.packed,
+        run.tr, teacher.model, rb.rollout, cfg, micro, teacher.vocab, step + 1, packed
     )
-    return partial(record, run, step + 1, stats, teacher.params)
 
+    def record(rb: RolloutBatch, t0: float, t_train: float, timing: dict[str, float]) -> None:
+        ro = rb.rollout
+        totals = rollout_totals(ro, run.rollouts.device)
+        flops = step_flops(ro, run.tr, 0, 1, False) + 2 * teacher.params * ro.tokens()
+        write_record(run, step + 1, rb, totals, stats, t0, t_train, timing, flops)
 
-def record(
-    run: RLRun,
-    step: int,
-    stats: DistillStats,
-    teacher_params: int,
-    rb: RolloutBatch,
-    t0: float,
-    t_train: float,
-    timing: dict[str, float],
-) -> None:
-    """The `train` record of logged step `step`; FLOPs add the teacher's forward."""
-    tr, ro = run.tr, rb.rollout
-    totals = rollout_totals(ro, run.rollouts.device)
-    flops = step_flops(ro, tr.n_matmul, tr.n_trainable, tr.model.config, 0, 1, False)
-    flops += 2 * teacher_params * ro.tokens()
-    write_record(run, step, rb, totals, stats, t0, t_train, timing, flops)
+    return record
 
 
 def evaluate_with_teacher(
@@ -212,17 +192,11 @@ def headline(final: dict[str, float]) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
-class DistillStats:
-    """What one distillation step measured, over all ranks."""
+class DistillStats(UpdateStats):
+    """One distillation step over all ranks: means of loss, teacher_kl and teacher_agreement;
+    updates 0 when the rollout had no response token."""
 
-    # teacher_kl: the mean per-token divergence (cfg.loss) of the student's answers from the
-    # teacher; teacher_agreement: the share of answer tokens where both models' most likely next
-    # token is the same (teacher-forced on the student's sample); loss: the step's objective
-    means: dict[str, float]
     tokens: int  # response tokens over all ranks
-    grad_norm: float  # before clipping
-    lr: float
-    updates: int  # optimizer steps: 1, or 0 when the rollout had no response token
 
 
 def micro_divergence(
@@ -273,7 +247,7 @@ def distill_update(
     )  # one collective for both
     tokens, answers = int(counts["tokens"]), int(counts["answers"])
     if not tokens:
-        return DistillStats({}, 0, math.nan, math.nan, 0)
+        return DistillStats({}, math.nan, math.nan, 0, 0)
     count = tokens if cfg.reduction == "token_mean" else answers
     rows = list(range(ro.n))
     n_micro = int(min_max(math.ceil(len(rows) / micro), device)[1])
@@ -303,4 +277,4 @@ def distill_update(
         "teacher_kl": t["divergence"] / tokens,
         "teacher_agreement": t["agree"] / tokens,
     }
-    return DistillStats(means, tokens, norm, lr, 1)
+    return DistillStats(means, norm, lr, 1, tokens)

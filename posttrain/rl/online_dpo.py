@@ -35,14 +35,13 @@ from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, min_m
 from posttrain.models.adapters import POLICY
 from posttrain.rl.algorithms.advantages import shaped_scores
 from posttrain.rl.loop import Record, run_loop, write_record
-from posttrain.rl.metrics import rollout_totals, step_flops
+from posttrain.rl.metrics import UpdateStats, rollout_totals, step_flops, token_train_flops
 from posttrain.rl.pair_select import PairSelection, judge_agreement, select_pairs
 from posttrain.rl.rewarder import FUNCTION
 from posttrain.rl.rollout.collect import RolloutBatch
 from posttrain.rl.rollout.sample import Rollout, model_inputs, response_logps
 from posttrain.rl.setup import RLRun, one_step_shapes
 from posttrain.runtime.context import StageContext
-from posttrain.telemetry.metrics import train_flops_per_token
 from posttrain.train.preference_losses import (
     PreferenceLoss,
     loss_hyperparameters,
@@ -75,57 +74,29 @@ check_shapes = one_step_shapes("online DPO", "pairs (half as many as its sequenc
 def dpo_step(
     run: RLRun, rb: RolloutBatch, step: int, lag: torch.Tensor, loss_fn: PreferenceLoss
 ) -> Record:
-    """`posttrain.rl.loop.Update`: the judge's pairs, the DPO step over them, then `record`."""
+    """`posttrain.rl.loop.Update`: the judge's pairs and the DPO step over them; its record
+    has the judge's figures (loss, grad_norm and lr null on a step without pairs)."""
     s, cfg = run.rollouts, run.ctx.section
     judged = judge(rb.rollout, cfg, s.rewarder.rm_weight)
+    micro = max(1, run.batch.micro_batch_size // 2)
     stats = dpo_update(
-        run.tr,
-        rb.rollout,
-        judged.rows,
-        loss_fn,
-        cfg,
-        max(1, run.batch.micro_batch_size // 2),
-        step + 1,
-        s.chunk_tokens,
-        s.packed,
+        run.tr, rb.rollout, judged.rows, loss_fn, cfg, micro, step + 1, s.chunk_tokens, s.packed
     )
-    return partial(record, run, step + 1, stats, judged)
 
+    def record(rb: RolloutBatch, t0: float, t_train: float, timing: dict[str, float]) -> None:
+        ro = rb.rollout
+        timing = timing | judge_metrics(judged, s.device)
+        totals = rollout_totals(ro, s.device)
+        # No policy scoring pass: the rollout's KL would read as 0 (the held-out KL is measured).
+        totals.pop("kl", None)
+        # Generation and the scoring passes, then forward+backward over the pairs' rows (at the
+        # rollout's mean row length).
+        flops = step_flops(ro, run.tr, len(s.roles), 0, False)
+        if stats.updates:
+            flops += token_train_flops(run.tr, ro) * (ro.tokens() / ro.n) * 2 * stats.local_pairs
+        write_record(run, step + 1, rb, totals, stats, t0, t_train, timing, flops)
 
-def record(
-    run: RLRun,
-    step: int,
-    stats: DPOStats,
-    judged: Judged,
-    rb: RolloutBatch,
-    t0: float,
-    t_train: float,
-    timing: dict[str, float],
-) -> None:
-    """The `train` record of logged step `step`, with the judge's figures; loss, grad_norm and
-    lr are null on a step without pairs."""
-    ro = rb.rollout
-    timing = timing | judge_metrics(judged, run.rollouts.device)
-    totals = rollout_totals(ro, run.rollouts.device)
-    # No policy scoring pass: the rollout's KL would read as 0 (the held-out KL is measured).
-    totals.pop("kl", None)
-    # Generation and the scoring passes over the rollout, forward+backward over the pairs' rows.
-    tr, roles = run.tr, len(run.rollouts.roles)
-    flops = step_flops(ro, tr.n_matmul, tr.n_trainable, tr.model.config, roles, 0, False)
-    flops += pair_flops(run, ro, stats)
-    write_record(run, step, rb, totals, stats, t0, t_train, timing, flops)
-
-
-def pair_flops(run: RLRun, ro: Rollout, stats: DPOStats) -> float:
-    """This rank's training FLOPs of the DPO step: forward and backward over its pairs' rows
-    (estimated at the rollout's mean row length)."""
-    if not stats.updates:
-        return 0.0
-    cfg, seq_len = run.tr.model.config, ro.tokens() / ro.n
-    per_tok = train_flops_per_token(
-        run.tr.n_matmul, run.tr.n_trainable, cfg.num_hidden_layers, cfg.hidden_size, int(seq_len)
-    )
-    return per_tok * seq_len * 2 * stats.local_pairs
+    return record
 
 
 @dataclass(frozen=True)
@@ -187,17 +158,12 @@ def judge_metrics(judged: Judged, device: torch.device) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
-class DPOStats:
-    """What the DPO step over one rollout's pairs measured, over all ranks."""
+class DPOStats(UpdateStats):
+    """The DPO step over all ranks' pairs: means of loss, accuracy, margin, chosen_reward and
+    rejected_reward; empty, NaN and 0 updates when no rank had a pair."""
 
-    # means over the pairs: loss, accuracy, margin, chosen_reward, rejected_reward (empty when
-    # no rank had a pair)
-    means: dict[str, float]
     pairs: int  # over all ranks
     local_pairs: int  # this rank's
-    grad_norm: float  # before clipping; NaN without a step
-    lr: float  # of the optimizer step; NaN without one
-    updates: int  # optimizer steps taken: 1, or 0 when no rank had a pair
 
 
 def sequence_logps(
@@ -242,7 +208,7 @@ def dpo_update(
     device, world = tr.dist.device, tr.dist.world_size
     total = int(all_reduce_sum(len(pairs), device))
     if not total:
-        return DPOStats({}, 0, 0, math.nan, math.nan, 0)
+        return DPOStats({}, math.nan, math.nan, 0, 0, 0)
     n_micro = int(min_max(math.ceil(len(pairs) / micro_pairs), device)[1])
     scale = world / total
     sums: Counter[str] = Counter()
@@ -275,4 +241,4 @@ def dpo_update(
     loss = all_reduce_sum(share, device)  # the mean loss over all pairs, the same on every rank
     norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=loss, step=step)
     means = {k: v / total for k, v in all_reduce_sums(dict(sums), device).items()}
-    return DPOStats(means, total, len(pairs), norm, lr, 1)
+    return DPOStats(means, norm, lr, 1, total, len(pairs))
