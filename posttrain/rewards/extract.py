@@ -1,8 +1,7 @@
 """Text helpers shared by the built-in reward functions: the completion's text, and its final answer.
 
-Reward functions follow TRL's contract, `fn(prompts, completions, **kwargs) -> list[float | None]`,
-where a completion is either a plain string (TRL's standard form) or a list of chat messages
-(`[{"role": "assistant", "content": text}]`, the conversational form). `completion_text` reads
+A completion is either a plain string (TRL's standard form) or a list of chat messages
+(`[{"role": "assistant", "content": text}]`, the conversational form); `completion_text` reads
 both. The extractors pull a final answer out of free text in the forms models and datasets use:
 GSM8K's `#### 72`, LaTeX's `\\boxed{...}`, an `<answer>...</answer>` tag, or the last number.
 Each returns `None` when the form is absent; none of them raises on odd text.
