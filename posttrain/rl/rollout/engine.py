@@ -84,22 +84,26 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+def right_pad(seqs: list[list[int]], pad_id: int) -> torch.Tensor:
+    """[N, R] (R: the longest, at least 1): each sequence left-aligned, pad_id on its right."""
+    out = torch.full((len(seqs), max([1, *map(len, seqs)])), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
 # leave(batch row, original row, that row's mask [S], cache, tokens generated and fed)
 Leave = Callable[[int, int, torch.Tensor, DynamicCache, list[int]], None]
 
 
 class HFEngine:
-    """In-process engine on the role model (`RoleModel.generate` / `RoleModel.decode` with the
-    role's adapter active). `world` > 1: generation is synced, every rank runs the same number
-    of forwards (each forward of a sharded model is a collective; a rank that stopped early
-    would leave the others waiting forever), so a rank whose rows all ended keeps stepping with
-    a one-row dummy. `batch_size`: sequences per generate call (None = all). `keep_gathered`:
-    hold the sharded blocks gathered for the whole call (`posttrain.distributed.fsdp.gathered`).
-    `cache_implementation`: transformers' cache for `generate` (None = dynamic; "static" is
-    measured in bench/rollout_cost.py) - not used by the decode loop. `keep_turns`: calls
-    with `turns=True` run the decode loop and keep their KV cache for the next call
-    (`posttrain.rl.rollout.prefix_cache`), on models whose layers all attend to the whole
-    sequence and for greedy or sampled decoding."""
+    """In-process engine on the role model (`RoleModel.generate` / `RoleModel.decode`).
+    `world` > 1: every rank runs the same number of forwards (each is a collective), so a rank
+    whose rows all ended keeps stepping with a one-row dummy. `keep_gathered`: hold the sharded
+    blocks gathered for the whole call. `cache_implementation`: transformers' cache for
+    `generate` ("static" is measured in bench/rollout_cost.py). `keep_turns`: `turns=True`
+    calls run the decode loop and keep their KV cache, on models whose layers all attend to the
+    whole sequence and for greedy or sampled decoding."""
 
     def __init__(
         self,
@@ -137,7 +141,6 @@ class HFEngine:
         self.prefix.clear()
 
     def _keeps(self, sampling: SamplingConfig) -> bool:
-        """Whether a `turns` call keeps its cache (see the class docstring)."""
         if self._full_attention is None:  # the model's layout: looked up once
             self._full_attention = full_attention(self.model.causal_lm.config)
         return (
@@ -184,13 +187,7 @@ class HFEngine:
                     chunks.append(out.cpu())
         finally:
             model.train(was_training)
-        width = max(c.size(1) for c in chunks)
-        response = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-        row = 0
-        for c in chunks:
-            response[row : row + c.size(0), : c.size(1)] = c
-            row += c.size(0)
-        return response
+        return right_pad([row for c in chunks for row in c.tolist()], pad_id)
 
     def _generate(
         self,
@@ -294,8 +291,7 @@ class HFEngine:
 
 
 def _any_running(running: bool, synced: bool, device: torch.device) -> bool:
-    """Whether any rank still has rows to decode (one all-reduce per step when synced, as in
-    transformers' generate)."""
+    """Whether any rank still has rows to decode (one all-reduce per step, as `generate`)."""
     if not synced:
         return running
     flag = torch.tensor(1.0 if running else 0.0, device=device)
@@ -337,9 +333,8 @@ def _pick(scores: torch.Tensor, b: int, rows: torch.Tensor, do_sample: bool) -> 
 
 
 def _register_decode(model: torch.nn.Module) -> None:
-    """Make `model.decode` run as the forward does (FSDP2's pre/post-forward hooks when sharded,
-    the autocast of an unwrapped bf16 model: `posttrain.distributed.fsdp.forward_method`), once:
-    a second registration would wrap it twice."""
+    """Make `model.decode` run as the forward does (`posttrain.distributed.fsdp.forward_method`),
+    once: a second registration would wrap it twice."""
     if not getattr(model, _DECODE_REGISTERED, False):
         forward_method(model, "decode")
         setattr(model, _DECODE_REGISTERED, True)

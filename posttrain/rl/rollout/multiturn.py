@@ -35,7 +35,7 @@ from posttrain.agents.tools import ToolLoadError, load_tools
 from posttrain.data.chat import end_of_turn
 from posttrain.distributed.runtime import all_reduce_sum, min_max
 from posttrain.rewards.extract import completion_text
-from posttrain.rl.rollout.engine import RolloutEngine, left_pad
+from posttrain.rl.rollout.engine import RolloutEngine, left_pad, right_pad
 from posttrain.rl.rollout.sample import Rollout
 
 if TYPE_CHECKING:
@@ -192,13 +192,11 @@ def episode_rollout(
     """The Rollout of played `runs` (module docstring; a truncated episode under
     mask_truncated has mask 0 everywhere)."""
     prompt_ids, prompt_mask = left_pad([r.ids[: r.prompt_len] for r in runs], pad_id)
-    width = max(1, max(r.spent for r in runs))
-    response = torch.full((len(runs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(runs), width)
-    attn = torch.zeros(len(runs), width)
+    response = right_pad([r.ids[r.prompt_len :] for r in runs], pad_id)
+    mask = torch.zeros(response.shape)
+    attn = torch.zeros(response.shape)
     for i, r in enumerate(runs):
         n = r.spent
-        response[i, :n] = torch.tensor(r.ids[r.prompt_len :], dtype=torch.long)
         attn[i, :n] = 1.0
         if not (e.mask_truncated and r.truncated):
             mask[i, :n] = torch.tensor(r.mask[r.prompt_len :], dtype=torch.float32)

@@ -20,6 +20,7 @@ from collections import Counter
 import torch
 
 from posttrain.config.schema import SamplingConfig
+from posttrain.rl.rollout.engine import right_pad
 from posttrain.rl.serving.api import Completion, ServerError
 from posttrain.rl.serving.server import RolloutServer
 
@@ -74,13 +75,7 @@ class ServerEngine:
             raise s.client.failed(f"gave an answer that is not a completion ({e})") from None
         for c, p in zip(done, prompts, strict=True):
             self._check(c, model, len(p))
-        out = torch.full((len(prompts), sampling.max_new_tokens), pad_id, dtype=torch.long)
-        width = 1
-        for i, c in enumerate(done):
-            ids = c.ids[: sampling.max_new_tokens]
-            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            width = max(width, len(ids))
-        return out[:, :width]
+        return right_pad([c.ids[: sampling.max_new_tokens] for c in done], pad_id)
 
     def _check(self, c: Completion, model: str, prompt_len: int) -> None:
         """Count what an answer says; fail on one from another model than asked."""
