@@ -44,9 +44,9 @@ from posttrain.models.loading import load_tokenizer
 from posttrain.models.teacher import build_teacher, teacher_logits
 from posttrain.models.vocab import shared_vocab_size
 from posttrain.rl.distill_losses import teacher_gap_closed, token_divergence
-from posttrain.rl.heldout import evaluate, heldout_batches
+from posttrain.rl.heldout import evaluate, heldout_batches, heldout_means
 from posttrain.rl.loop import Record, run_loop, write_record
-from posttrain.rl.metrics import UpdateStats, rollout_totals, step_flops
+from posttrain.rl.metrics import UpdateStats, add_rollout_sums, rollout_totals, step_flops
 from posttrain.rl.rollout.collect import RolloutBatch, RolloutSetup, generate
 from posttrain.rl.rollout.engine import build_engine
 from posttrain.rl.rollout.sample import Rollout, model_inputs
@@ -168,12 +168,9 @@ def teacher_heldout(s: RolloutSetup, rows: list[dict[str, Any]], teacher: Teache
     for chunk, w, seed in heldout_batches(s, rows):
         ro = generate(ts, chunk, seed, POLICY)
         s.rewarder(ro, chunk)
-        sums["reward"] += w * float(ro.scored["scores"].sum())
-        sums["stopped"] += w * float(ro.stopped.sum())
-        sums["n"] += w * ro.n
-    t = {k: all_reduce_sum(v, s.device) for k, v in sums.items()}
-    n = max(1.0, t["n"])
-    return {"teacher_reward": t["reward"] / n, "teacher_stop_rate": t["stopped"] / n}
+        add_rollout_sums(sums, ro, kl=False, weight=w)
+    means = heldout_means(sums, s.device, kl=False)
+    return {"teacher_reward": means["reward"], "teacher_stop_rate": means["stop_rate"]}
 
 
 def headline(final: dict[str, float]) -> dict[str, float]:

@@ -22,10 +22,10 @@ import torch
 from posttrain.data.sft_data import write_rows
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import POLICY, REFERENCE
-from posttrain.rl.algorithms.advantages import sequence_kl
-from posttrain.rl.rewarder import add_function_sums, function_metrics, function_values
+from posttrain.rl.metrics import add_rollout_sums
+from posttrain.rl.rewarder import function_metrics, function_values
 from posttrain.rl.rollout.collect import RolloutSetup, generate, score_rollout
-from posttrain.rl.rollout.multiturn import episode_metrics, episode_record, episode_sums
+from posttrain.rl.rollout.multiturn import episode_metrics, episode_record
 from posttrain.rl.rollout.sample import Rollout, decode_responses
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import MetricsWriter
@@ -93,34 +93,19 @@ def heldout(
         score_rollout(s, ro, chunk, roles)
         if each is not None:
             each(ro, w)
-        add_heldout_sums(sums, ro, w, kl=role == POLICY)
+        add_rollout_sums(sums, ro, kl=role == POLICY, weight=w)
         if w:
             examples += heldout_examples(s.tokenizer, chunk, ro)
     return heldout_means(sums, s.device, kl=role == POLICY), examples
 
 
-def add_heldout_sums(sums: Counter[str], ro: Rollout, weight: float, kl: bool) -> None:
-    """Add one scored batch's sums (x `weight`: 0 for a filler batch) to `sums`."""
-    add_function_sums(sums, function_values(ro), weight)
-    s = ro.scored["scores"]  # [N]
-    sums["n"] += weight * ro.n
-    sums["reward"] += weight * float(s.sum())
-    sums["reward_sq"] += weight * float((s**2).sum())
-    sums["length"] += weight * float(ro.mask.sum())
-    sums["stopped"] += weight * float(ro.stopped.sum())
-    if kl:
-        sums["kl"] += weight * float(sequence_kl(ro, "k1").sum())
-    for k, v in episode_sums(ro).items():
-        sums[k] += weight * v
-
-
 def heldout_means(sums: Counter[str], device: torch.device, kl: bool) -> dict[str, float]:
-    """Means over all ranks of `add_heldout_sums`' sums."""
+    """Means over all ranks of `add_rollout_sums`' sums."""
     t = {k: all_reduce_sum(v, device) for k, v in sums.items()}
     n = max(1.0, t.pop("n"))
     out = {
-        "reward": t["reward"] / n,
-        "reward_std": math.sqrt(max(0.0, t["reward_sq"] / n - (t["reward"] / n) ** 2)),
+        "reward": t["score"] / n,
+        "reward_std": math.sqrt(max(0.0, t["score_sq"] / n - (t["score"] / n) ** 2)),
         "response_len": t["length"] / n,
         "stop_rate": t["stopped"] / n,
         "prompts": n,

@@ -31,25 +31,29 @@ class UpdateStats:
     updates: int  # optimizer steps taken (a step the guard skipped counts)
 
 
-def rollout_totals(ro: Rollout, device: torch.device) -> dict[str, float]:
-    """Sums over all ranks of a scored rollout (kl: per-response k1, when it was scored)."""
+def add_rollout_sums(sums: Counter[str], ro: Rollout, kl: bool, weight: float = 1.0) -> None:
+    """Add a scored rollout's sums (x `weight`: 0 for a filler batch) to `sums`: each reward
+    function's (`add_function_sums`), the episodes' (`episode_sums`), n (sequences), score and
+    score_sq (the summed reward and its square), with `kl` the per-response KL (k1) to the
+    reference, length (response tokens) and stopped (responses that ended with a stop token)."""
+    add_function_sums(sums, function_values(ro), weight)
+    for k, v in episode_sums(ro).items():
+        sums[k] += weight * v
     scores = ro.scored["scores"]  # [N]
-    fn_sums: Counter[str] = Counter()
-    add_function_sums(fn_sums, function_values(ro))
-    fn_sums.update(episode_sums(ro))
-    kl = [("kl", float(sequence_kl(ro, "k1").sum()))] if "ref_logps" in ro.scored else []
-    return {
-        k: all_reduce_sum(v, device)
-        for k, v in (
-            *fn_sums.items(),
-            ("n", ro.n),
-            ("score", float(scores.sum())),
-            ("score_sq", float((scores**2).sum())),
-            *kl,
-            ("length", float(ro.mask.sum())),
-            ("stopped", float(ro.stopped.sum())),
-        )
-    }
+    sums["n"] += weight * ro.n
+    sums["score"] += weight * float(scores.sum())
+    sums["score_sq"] += weight * float((scores**2).sum())
+    if kl:
+        sums["kl"] += weight * float(sequence_kl(ro, "k1").sum())
+    sums["length"] += weight * float(ro.mask.sum())
+    sums["stopped"] += weight * float(ro.stopped.sum())
+
+
+def rollout_totals(ro: Rollout, device: torch.device) -> dict[str, float]:
+    """`add_rollout_sums` of a scored rollout over all ranks (kl when it was scored)."""
+    sums: Counter[str] = Counter()
+    add_rollout_sums(sums, ro, kl="ref_logps" in ro.scored)
+    return {k: all_reduce_sum(v, device) for k, v in sums.items()}
 
 
 def step_flops(ro: Rollout, tr: Any, n_roles: int, update_epochs: int, critic: bool) -> float:
