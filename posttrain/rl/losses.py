@@ -222,15 +222,8 @@ def explained_variance(
     """1 - Var(returns - values) / Var(returns) over the masked tokens: 1 = the critic predicts
     the returns exactly, 0 = no better than their mean, < 0 = worse."""
     err = returns - values
-    stats = torch.stack(
-        [
-            (returns * mask).sum(),
-            (returns**2 * mask).sum(),
-            (err * mask).sum(),
-            (err**2 * mask).sum(),
-            mask.sum(),
-        ]
-    ).double()
+    sums = [(returns * mask).sum(), (returns**2 * mask).sum(), (err * mask).sum()]
+    stats = torch.stack([*sums, (err**2 * mask).sum(), mask.sum()]).double()
     if reduce is not None:
         stats = reduce(stats)
     r, r2, e, e2, n = stats.tolist()
