@@ -1,5 +1,6 @@
 """Format rewards: does the completion have the required shape, and did it end on its own?
 
+Contract, as for every built-in reward: `fn(prompts, completions, **kwargs) -> list[float | None]`.
 `tag_format` checks the text against a regex (the think/answer layout of R1-style training by
 default); `missing_eos` penalises replies cut off at max_new_tokens, read from the `stopped` column
 the online RL stage passes (True when the reply ended with a stop token).

@@ -1,6 +1,7 @@
 """DAPO's soft overlong punishment (Yu et al., 2025, eq. 13): a reward that falls as a reply nears
 the token limit, so a policy learns to finish before it is cut off.
 
+Contract, as for every built-in reward: `fn(prompts, completions, **kwargs) -> list[float | None]`.
 The length is `len(completion_ids[i])`, the reply's tokens including its stop token, as the online
 RL stage passes them. With L the length, M `max_tokens` and B `buffer`:
 

@@ -1,7 +1,8 @@
 """Exact match of a completion against the row's reference answer, after light normalisation.
 
 The verifier for answers that are short sentences or word lists, such as posttrain's quickstart
-tasks ("14 + 39 = 53.", "apple river stone", "The capital of France is Paris."); the reference
+tasks ("14 + 39 = 53.", "apple river stone", "The capital of France is Paris."). Contract, as for
+every built-in reward: `fn(prompts, completions, **kwargs) -> list[float | None]`; the reference
 comes in the data column `answer`. For numbers written many ways use `posttrain.rewards.math`.
 """
 
@@ -26,7 +27,10 @@ _QUOTES = "\"'`\u201c\u201d\u2018\u2019"
 
 
 def normalize(text: str) -> str:
-    """`' "The  capital is Paris." '` -> `the capital is paris`."""
+    """Strip, casefold, collapse whitespace, drop surrounding quotes and one trailing period.
+
+    `' "The  capital is Paris." '` -> `the capital is paris`.
+    """
     text = re.sub(r"\s+", " ", text.casefold()).strip()
     for _ in range(2):  # '"Paris."' and '"Paris".' both reduce to paris
         if len(text) >= 2 and text[0] in _QUOTES and text[-1] in _QUOTES:

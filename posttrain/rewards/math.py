@@ -1,7 +1,8 @@
 """Math answer verification: the completion's final answer equals the reference's, as a number or
 as a mathematical expression.
 
-The reference is the data column `answer`; rows without one score None.
+Contract, as for every built-in reward: `fn(prompts, completions, **kwargs) -> list[float | None]`,
+the reference in the data column `answer`, None for rows without one.
 
 - The reference's final answer: after `####` (GSM8K), else the last `\\boxed{}` (MATH), else the
   whole string. The completion's: the last `\\boxed{}`, else an `<answer>` tag, else `####`, else
