@@ -128,12 +128,7 @@ def _assistant(parsed: ParsedReply, text: str) -> dict[str, Any]:
 
 def _tool_messages(results: Sequence[ToolResult], malformed: Sequence[str]) -> list[dict]:
     out = [
-        {
-            "role": "tool",
-            "name": r.call.name,
-            "tool_call_id": _call_id(r.call, i),
-            "content": r.content,
-        }
+        dict(role="tool", name=r.call.name, tool_call_id=_call_id(r.call, i), content=r.content)
         for i, r in enumerate(results)
     ]
     # A call the model wrote but could not be read is told as an error too: it learns nothing
