@@ -24,8 +24,7 @@ from posttrain.kinds.distill import DistillConfig
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import RoleModel
 from posttrain.plan.planner import plan
-from posttrain.rl.distill import check_shapes
-from posttrain.rl.distill_update import distill_update
+from posttrain.rl.distill import check_shapes, distill_update
 from posttrain.rl.rollout.collect import collect_rollout
 from posttrain.telemetry.metrics import read_metrics
 from tests.stage_helpers import TINY, planned_dir, run_inprocess, run_torchrun

@@ -18,8 +18,14 @@ from rl_tiny import MAX_PROMPT_LEN, prompt_rows, role_model, rollout_setup
 from posttrain.config.batch import ResolvedBatch
 from posttrain.kinds.online_dpo import OnlineDPOConfig
 from posttrain.models.adapters import POLICY
-from posttrain.rl.dpo_update import dpo_update, group_scores, judge, sequence_logps
-from posttrain.rl.online_dpo import bound_loss, check_shapes
+from posttrain.rl.online_dpo import (
+    bound_loss,
+    check_shapes,
+    dpo_update,
+    group_scores,
+    judge,
+    sequence_logps,
+)
 from posttrain.rl.pair_select import judge_agreement, select_pairs
 from posttrain.rl.rollout.collect import collect_rollout
 from posttrain.rl.rollout.sample import Rollout, response_logps

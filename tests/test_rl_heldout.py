@@ -18,12 +18,12 @@ from rl_tiny import prompt_rows, role_model, rollout_setup, section
 
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.rl.heldout import (
-    add_heldout_sums,
     evaluate,
     heldout,
     heldout_means,
     quality_gate,
 )
+from posttrain.rl.metrics import add_rollout_sums
 from posttrain.rl.rollout.sample import decode_responses, sample
 from posttrain.telemetry.metrics import MetricsWriter, read_metrics
 from tests.test_rl_losses import _rollout
@@ -39,8 +39,8 @@ def test_heldout_sums_and_means_by_hand() -> None:
     filler = _rollout([50.0, 70.0], [False, False])  # a rank out of prompts: weight 0
     filler.scored["fn:exact"] = torch.tensor([9.0, 9.0])
     sums: Counter[str] = Counter()
-    add_heldout_sums(sums, ro, 1.0, kl=True)
-    add_heldout_sums(sums, filler, 0.0, kl=True)
+    add_rollout_sums(sums, ro, kl=True, weight=1.0)
+    add_rollout_sums(sums, filler, kl=True, weight=0.0)
     means = heldout_means(sums, torch.device("cpu"), kl=True)
     assert means == {
         "reward": 2.0,
@@ -52,7 +52,7 @@ def test_heldout_sums_and_means_by_hand() -> None:
         "reward_fn_exact": 1.0,
     }
     sums = Counter()
-    add_heldout_sums(sums, ro, 1.0, kl=False)  # the starting policy: no KL to itself
+    add_rollout_sums(sums, ro, kl=False, weight=1.0)  # the starting policy: no KL to itself
     assert "kl" not in sums and "kl" not in heldout_means(sums, torch.device("cpu"), kl=False)
 
 

@@ -39,11 +39,12 @@ def test_rollout_totals_by_hand() -> None:
 def test_step_flops_by_hand() -> None:
     ro = _scored()  # prompts 2 x 2 real tokens, responses 3 wide (3 + 2 real): 9 tokens
     config = SimpleNamespace(num_hidden_layers=1, hidden_size=4)
+    tr = SimpleNamespace(n_matmul=10, n_trainable=2, model=SimpleNamespace(config=config))
     # generation 2 x 10 x (4 prompt tokens + 2 rows x 3 steps) = 200; scoring by 3 roles
     # 2 x 10 x 9 x 3 = 540; training per token 4 x 10 + 2 x 2 + 12 x 1 layer x int(9 / 2) x 4
     # = 236, over 9 tokens, 2 epochs, twice with a critic: 8496.
-    assert step_flops(ro, 10, 2, config, 3, 2, critic=True) == 200 + 540 + 8496
-    assert step_flops(ro, 10, 2, config, 3, 2, critic=False) == 200 + 540 + 8496 / 2
+    assert step_flops(ro, tr, 3, 2, critic=True) == 200 + 540 + 8496
+    assert step_flops(ro, tr, 3, 2, critic=False) == 200 + 540 + 8496 / 2
 
 
 def test_train_metrics_by_hand() -> None:

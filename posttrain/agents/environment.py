@@ -116,8 +116,7 @@ class Episode:
             )
         return out
 
-    def tools(self) -> dict[str, Callable[..., Any]]:
-        """The bound tool methods of this episode's instance, by name."""
+    def tools(self) -> dict[str, Callable[..., Any]]:  # this instance's tool methods by name
         return {n: getattr(self.instance, n) for n in self.env.tool_names}
 
     def reward(self) -> float | None:

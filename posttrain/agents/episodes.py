@@ -11,9 +11,9 @@ marked truncated; so does a turn cut by `max_new_tokens`).
 Between turns the template renders the conversation twice: up to the generation prompt the
 reply answered, and with the reply, the new messages and the next generation prompt. The second
 must extend the first (templates that re-render earlier turns differently are refused); the
-tokens appended are those of the text after the end-of-turn marker that closes the reply. That boundary follows a special
-token, where tokenisation restarts, so tokenising the piece alone gives the ids the whole
-conversation would have.
+tokens appended are those of the text after the end-of-turn marker that closes the reply, a
+special token where tokenisation restarts, so tokenising the piece alone gives the ids the
+whole conversation would have.
 """
 
 from __future__ import annotations
@@ -87,11 +87,9 @@ class Renderer:
 
     def between(self, history: list[dict], new: list[dict], tools: list[dict] | None) -> list[int]:
         """Ids of what the template puts after the end-of-turn marker of `history`'s last
-        (assistant) turn, through `new` messages and the next generation prompt.
-
-        The assistant turn is found in the new render after the prompt that preceded it, not
-        by comparing with a render that ends at it: some templates render the last message
-        differently (Qwen3 adds an empty think block to a final assistant turn only)."""
+        (assistant) turn, through `new` messages and the next generation prompt. The assistant
+        turn is found after the prompt that preceded it, not by comparing with a render that
+        ends at it: Qwen3 adds an empty think block to a final assistant turn only."""
         before = self.text(history[:-1], tools, True)
         full = self.text([*history, *new], tools, True)
         if not full.startswith(before):
@@ -115,7 +113,6 @@ def _call_id(call: ToolCall, i: int) -> str:
 
 
 def _assistant(parsed: ParsedReply, text: str) -> dict[str, Any]:
-    """The assistant message a reply stands for in the conversation."""
     if not parsed.calls:
         return {"role": "assistant", "content": text}
     calls = [
@@ -131,12 +128,7 @@ def _assistant(parsed: ParsedReply, text: str) -> dict[str, Any]:
 
 def _tool_messages(results: Sequence[ToolResult], malformed: Sequence[str]) -> list[dict]:
     out = [
-        {
-            "role": "tool",
-            "name": r.call.name,
-            "tool_call_id": _call_id(r.call, i),
-            "content": r.content,
-        }
+        dict(role="tool", name=r.call.name, tool_call_id=_call_id(r.call, i), content=r.content)
         for i, r in enumerate(results)
     ]
     # A call the model wrote but could not be read is told as an error too: it learns nothing
@@ -177,9 +169,7 @@ def start_episodes(
 
 
 def _take_reply(run: EpisodeRun, new: list[int], budget: int, stops: set[int], tok: Any) -> str:
-    """Append a reply's ids (cut to the budget) to `run`; its text without the stop token. A
-    reply without its stop token (cut by `max_new_tokens` or the episode budget) ends the
-    episode as truncated: the template's next turn would follow a turn that never closed."""
+    """Append a reply's ids (cut to the budget) to `run`; its text without the stop token."""
     new = new[:budget]
     run.ids += new
     run.mask += [1] * len(new)
@@ -245,13 +235,10 @@ def run_episodes(
     stop_ids: Sequence[int],
     sync: Callable[[bool], bool] | None = None,
 ) -> dict[str, float]:
-    """Play `runs` to their ends, a turn of every live episode at a time. Returns the batch's
-    tool counts (`failure_counts`, plus `tool_malformed`) and `tool_s`, the seconds its turns
-    waited for tools.
-
-    `sync(this rank has live episodes) -> whether any rank has`: with several ranks, generation
-    is a collective, so a rank whose episodes all ended keeps calling `generate` (with no
-    prompts; the caller's `generate` fills in) until every rank's have."""
+    """Play `runs` to their ends, a turn of every live episode at a time -> the batch's tool
+    counts and `tool_s`, the seconds its turns waited for tools. `sync(this rank has live
+    episodes) -> whether any rank has`: generation being a collective, a rank whose episodes all
+    ended keeps calling `generate` (with no prompts) until every rank's have."""
     stops = set(stop_ids)
     tool_s = 0.0
     while True:

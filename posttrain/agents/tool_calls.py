@@ -40,16 +40,12 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ParsedReply:
-    """A generated reply read as `format`: its text outside the calls, the calls it makes and
-    the call texts that could not be read (each a one-line reason)."""
-
-    content: str
+    content: str  # the reply's text outside the calls
     calls: list[ToolCall] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # calls that could not be read: why, each
 
     @property
-    def attempted(self) -> int:
-        """Calls the model tried to make, well-formed or not."""
+    def attempted(self) -> int:  # calls the model tried to make, well-formed or not
         return len(self.calls) + len(self.errors)
 
 

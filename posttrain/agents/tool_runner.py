@@ -94,9 +94,8 @@ def run_calls(
     tools: Sequence[dict[str, Callable[..., Any]]],
     timeout_s: float,
 ) -> list[list[ToolResult]]:
-    """Run `calls[e]` (episode e's calls this turn, in order) with `tools[e]` (its tools by
-    name), all episodes' calls at once; each call gets `timeout_s` from when all started.
-    Returns each episode's results in the order of its calls."""
+    """Run `calls[e]` (episode e's calls this turn) with `tools[e]`, all episodes' calls at
+    once, each with `timeout_s` from when all started -> each episode's results, in order."""
     if len(calls) != len(tools):
         raise ValueError(f"{len(calls)} episodes' calls but {len(tools)} tool sets")
     results: list[list[ToolResult | _Call]] = []
@@ -127,8 +126,7 @@ def _finished(item: ToolResult | _Call, timeout_s: float) -> ToolResult:
 
 
 def failure_counts(results: Sequence[Sequence[ToolResult]]) -> dict[str, int]:
-    """{"tool_calls": n, "tool_errors": ..., "tool_timeouts": ..., "tool_unknown": ...,
-    "tool_bad_arguments": ...} over a turn's (or an episode batch's) results."""
+    """{"tool_calls": n, and each of OUTCOMES' counts} over a batch's results."""
     flat = [r for row in results for r in row]
     out = {"tool_calls": len(flat), **{v: 0 for v in OUTCOMES.values()}}
     for r in flat:

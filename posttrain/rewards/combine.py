@@ -155,13 +155,11 @@ def score_functions(
     stopped: Sequence[bool],
     where: Sequence[str] = (),
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(weighted sum [N], {label: values [N], NaN where None}) for N responses.
-
-    `prompts`: message lists; `completions`: response texts (passed on as TRL's conversational
-    `[{"role": "assistant", "content": text}]`) or, for episodes, the messages after the prompt
-    (assistant turns with their tool_calls, tool results) passed as they are; `columns`: each row's data columns, passed as
-    one list per column (a column a row lacks is None there); `where`: each row's data location,
-    for error messages. A row where every function returned None sums to 0."""
+    """(weighted sum [N], {label: values [N], NaN where None}) for N responses; a row where
+    every function returned None sums to 0. `completions`: response texts (passed on as TRL's
+    conversational `[{"role": "assistant", "content": text}]`) or, for episodes, the messages
+    after the prompt, passed as they are; `columns`: each row's data columns, passed as one list
+    per column (None where a row lacks it); `where`: each row's data location, for errors."""
     n = len(completions)
     names = sorted({k for c in columns for k in c})
     clash = [k for k in names if k in RESERVED]

@@ -1,8 +1,7 @@
 """Text helpers shared by the built-in reward functions: the completion's text, and its final answer.
 
-Reward functions follow TRL's contract, `fn(prompts, completions, **kwargs) -> list[float | None]`,
-where a completion is either a plain string (TRL's standard form) or a list of chat messages
-(`[{"role": "assistant", "content": text}]`, the conversational form). `completion_text` reads
+A completion is either a plain string (TRL's standard form) or a list of chat messages
+(`[{"role": "assistant", "content": text}]`, the conversational form); `completion_text` reads
 both. The extractors pull a final answer out of free text in the forms models and datasets use:
 GSM8K's `#### 72`, LaTeX's `\\boxed{...}`, an `<answer>...</answer>` tag, or the last number.
 Each returns `None` when the form is absent; none of them raises on odd text.
@@ -19,13 +18,9 @@ _MINUS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2012": "-"})
 
 
 def completion_text(completion: str | list | dict | None) -> str:
-    """The text of one completion: a string as is, a message's `content`; of a list of
-    messages, the last assistant message's (a multi-turn episode's final answer, not its tool
-    calls and tool results), or all contents joined when no message is the assistant's.
-
-    Content given as parts (`[{"type": "text", "text": ...}]`) contributes its text parts. A
-    missing completion (None) is the empty string; any other type is a caller's bug and raises.
-    """
+    """The text of one completion; of a list of messages, the last assistant message's (a
+    multi-turn episode's final answer, not its tool calls and results), or all contents joined
+    when no message is the assistant's."""
     if completion is None:
         return ""
     if isinstance(completion, str):
@@ -59,10 +54,8 @@ def _drop_number_commas(text: str) -> str:
 
 
 def hash_answer(text: str) -> str | None:
-    """GSM8K's final answer: the first line of text after the last `####`, commas in numbers removed.
-
-    `"... #### 1,234\\n"` -> `"1234"`. Text on later lines (a model's sign-off) is ignored.
-    """
+    """GSM8K's final answer: the first line after the last `####` (not a model's sign-off on
+    later lines), commas in numbers removed: `"... #### 1,234\\n"` -> `"1234"`."""
     _, sep, after = text.rpartition("####")
     if not sep:
         return None
@@ -75,10 +68,8 @@ _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
 def boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` or `\\fbox{...}`, nested braces kept whole.
-
-    A last box left open (a truncated reply) gives None: the reply never stated its answer.
-    """
+    """The content of the last `\\boxed{...}` or `\\fbox{...}`, nested braces kept whole; None
+    for a last box left open (a truncated reply never stated its answer)."""
     starts = [m.end() for m in _BOX_RE.finditer(text)]
     if not starts:
         return None
@@ -109,9 +100,7 @@ _NUMBER_RE = re.compile(
 
 
 def last_number(text: str) -> str | None:
-    """The last integer, decimal or fraction in the text, normalised: `-1,234.5` -> `-1234.5`.
-
-    A unicode minus counts as a sign; a sentence's full stop is not a decimal point ("is 72.").
-    """
+    """The last integer, decimal or fraction in the text, normalised: `-1,234.5` -> `-1234.5`
+    (a unicode minus is a sign; a sentence's full stop is not a decimal point: "is 72.")."""
     found = _NUMBER_RE.findall(text.translate(_MINUS))
     return found[-1].replace(",", "") if found else None

@@ -109,10 +109,9 @@ def _import_file(path: Path) -> Any:
 def load_function(
     fn: str, roots: Sequence[Path] | None = None, what: str = "reward"
 ) -> tuple[Callable[..., Any], str]:
-    """(the function, its module's source sha256). `roots`: the folders to find a user module
-    in (see `locate`); None for a reference a resolved recipe already checked and pointed at its
-    file (what a stage process gets). Raises RewardLoadError naming `fn` when it cannot be
-    found, allowed or imported."""
+    """(the function, its module's source sha256), or a RewardLoadError naming `fn`. `roots`:
+    the folders to find a user module in (`locate`); None for a reference a resolved recipe
+    already pointed at its file (what a stage process gets)."""
     path = locate(fn, roots, what) if roots is not None else source_file(fn)
     if not path.is_file():
         raise RewardLoadError(f"{fn}: {path} does not exist (moved since the run was planned?)")

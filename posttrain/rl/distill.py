@@ -2,60 +2,65 @@
 Models: Learning from Self-Generated Mistakes"; TRL's GKDTrainer at lmbda 1).
 
 The student learns where it actually goes: each step it samples answers to its share of the
-prompts (the online-RL rollout engine: in process or a rollout server, single- or multi-turn),
-the frozen teacher scores every token of them, and one optimizer step lowers the per-token
-divergence (`loss`: reverse KL by default, forward KL, or JSD with `beta`) between the two
-next-token distributions at `temperature`. The stage (`posttrain.stages.distill`) runs the
-online-RL loop (`posttrain.rl.loop.run_loop`: setup, checkpoints, resume, held-out evaluations,
-outputs) with its own update (`posttrain.rl.distill_update`).
+prompts, the frozen teacher scores every token of them, and one optimizer step lowers the
+per-token divergence (`loss`) between the two next-token distributions at `temperature`: the
+online-RL loop (`posttrain.rl.loop.run_loop`) with its own update (`distill_update`). The
+teacher (`posttrain.models.teacher`, on its own base) is built first, so a teacher of another
+vocabulary is refused before the student loads.
 
-The teacher (`posttrain.models.teacher`) is a second model on its own base (the `teacher_base`
-role; a wider model of the student's family, say), sharded like the student, frozen; built
-first, so a teacher of another vocabulary is refused before the student loads.
+The update, per micro-batch of rollout rows: the teacher's logits at the response positions (no
+grad), the student's (with grad), both sliced to the shared vocabulary (heads padded to
+different sizes within a family), the per-token divergence
+(`posttrain.rl.distill_losses.token_divergence`, chunked: no full fp32 log-softmax of either
+model is ever held), then backward. The step's loss is a mean over every rank's response tokens
+(`token_mean`) or answers (`sequence_mean`): each rank backpropagates its sum x world / global
+count, and FSDP's gradient averaging divides the world back, so the result does not depend on
+how rows are split over ranks or micro-batches. Each forward of a sharded model is a
+collective: every rank runs as many micro-batches as the rank with the most rows; a rank out of
+rows runs a filler row of weight 0.
 
-Records: `train` adds `teacher_kl` (the step's mean per-token divergence, = the loss with
-token_mean) and `teacher_agreement` (teacher-forced argmax agreement on the student's answers);
-held-out (`eval`): the student's reward and KL to its starting policy (as GRPO's), and on the
-student's held-out answers `teacher_kl`, `teacher_agreement`; the teacher's own held-out reward
-once (`teacher_reward`), so the headline says how much of the reward gap between the starting
-policy and the teacher the student closed (`reward_gap_closed`).
+Records: `train` adds `teacher_kl` and `teacher_agreement` (teacher-forced argmax agreement on
+the student's answers); `eval` adds both on the student's held-out answers and the teacher's own
+held-out reward once (`teacher_reward`), so the headline says how much of the reward gap between
+the starting policy and the teacher the student closed (`reward_gap_closed`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from posttrain.distributed.runtime import all_reduce_sum
+from posttrain.distributed.fsdp import grad_sync
+from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, min_max
 from posttrain.models.adapters import POLICY
 from posttrain.models.loading import load_tokenizer
-from posttrain.models.teacher import build_teacher
+from posttrain.models.teacher import build_teacher, teacher_logits
 from posttrain.models.vocab import shared_vocab_size
-from posttrain.rl.distill_losses import teacher_gap_closed
-from posttrain.rl.distill_update import DistillStats, distill_update, micro_divergence
-from posttrain.rl.heldout import evaluate, heldout_batches
+from posttrain.rl.distill_losses import teacher_gap_closed, token_divergence
+from posttrain.rl.heldout import evaluate, heldout_batches, heldout_means
 from posttrain.rl.loop import Record, run_loop, write_record
-from posttrain.rl.metrics import rollout_totals, step_flops
+from posttrain.rl.metrics import UpdateStats, add_rollout_sums, rollout_totals, step_flops
 from posttrain.rl.rollout.collect import RolloutBatch, RolloutSetup, generate
 from posttrain.rl.rollout.engine import build_engine
-from posttrain.rl.rollout.sample import Rollout
+from posttrain.rl.rollout.sample import Rollout, model_inputs
 from posttrain.rl.setup import RLRun, one_step_shapes
 from posttrain.runtime.context import StageContext
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import MetricsWriter
+from posttrain.train.session import TrainSession
 
 log = logging.getLogger("posttrain.distill")
 
 
 class Teacher:
-    """The teacher as the stage uses it: the model, the shared vocabulary, its parameter count
-    (FLOPs), and its held-out figures once measured."""
+    """The teacher as the stage uses it, with its held-out figures once measured."""
 
     def __init__(self, ctx: StageContext) -> None:
         student_tok = load_tokenizer(ctx.role_dir("base") / "tokenizer")
@@ -66,14 +71,8 @@ class Teacher:
 
 
 def run_distill(ctx: StageContext) -> dict[str, Any]:
-    """The distillation stage: `run_loop` with the distillation step (`distill_step`) and the
-    held-out evaluation with the teacher's view; no critic, no KL penalty."""
     cfg = ctx.section
     teacher = Teacher(ctx)
-
-    def heldout(s: RolloutSetup, rows: list[dict], step: int, sft: Any, metrics: Any, path: Any):
-        return evaluate_with_teacher(s, rows, step, sft, metrics, path, teacher)
-
     return run_loop(
         ctx,
         partial(distill_step, teacher=teacher),
@@ -85,7 +84,7 @@ def run_distill(ctx: StageContext) -> dict[str, Any]:
             "teacher_base": ctx.stage.roles["teacher_base"],
             "teacher_params": teacher.params,
         },
-        heldout=heldout,
+        heldout=partial(evaluate_with_teacher, teacher=teacher),
         headline=headline,
         shapes=check_shapes,
         # Neither the policy's nor the reference's log-probs: the loss reads logits.
@@ -100,41 +99,21 @@ check_shapes = one_step_shapes("distillation", "answers")
 def distill_step(
     run: RLRun, rb: RolloutBatch, step: int, lag: torch.Tensor, teacher: Teacher
 ) -> Record:
-    """The update of logged step `step` + 1 (`posttrain.rl.loop.Update`): the teacher's scores
-    of the student's rollout (rewarded when the stage has reward functions) and the update;
-    then the step's record."""
+    """`posttrain.rl.loop.Update`: the distillation update; its record's FLOPs add the
+    teacher's forward."""
     heartbeat.beat(phase="update")
+    cfg, micro, packed = run.ctx.section, run.batch.micro_batch_size, run.rollouts.packed
     stats = distill_update(
-        run.tr,
-        teacher.model,
-        rb.rollout,
-        run.ctx.section,
-        run.batch.micro_batch_size,
-        teacher.vocab,
-        step + 1,
-        run.rollouts.packed,
+        run.tr, teacher.model, rb.rollout, cfg, micro, teacher.vocab, step + 1, packed
     )
-    return partial(record, run, step + 1, stats, teacher.params)
 
+    def record(rb: RolloutBatch, t0: float, t_train: float, timing: dict[str, float]) -> None:
+        ro = rb.rollout
+        totals = rollout_totals(ro, run.rollouts.device)
+        flops = step_flops(ro, run.tr, 0, 1, False) + 2 * teacher.params * ro.tokens()
+        write_record(run, step + 1, rb, totals, stats, t0, t_train, timing, flops)
 
-def record(
-    run: RLRun,
-    step: int,
-    stats: DistillStats,
-    teacher_params: int,
-    rb: RolloutBatch,
-    t0: float,
-    t_train: float,
-    timing: dict[str, float],
-) -> None:
-    """The `train` record of logged step `step` (`write_record`) with the distillation
-    step's means. FLOPs: generation, the student's forward and backward, the teacher's forward
-    over the rollout."""
-    tr, ro = run.tr, rb.rollout
-    totals = rollout_totals(ro, run.rollouts.device)
-    flops = step_flops(ro, tr.n_matmul, tr.n_trainable, tr.model.config, 0, 1, False)
-    flops += 2 * teacher_params * ro.tokens()
-    write_record(run, step, rb, totals, stats, t0, t_train, timing, flops)
+    return record
 
 
 def evaluate_with_teacher(
@@ -147,9 +126,8 @@ def evaluate_with_teacher(
     teacher: Teacher,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """GRPO's held-out evaluation (`posttrain.rl.heldout.evaluate`) plus the teacher's view:
-    the divergence and agreement on the student's held-out answers (scored as `evaluate`
-    samples them), and (once) the teacher's own held-out reward; written as `eval` records and
-    added to the student's figures."""
+    divergence and agreement on the student's held-out answers, and (once) the teacher's own
+    held-out reward."""
     sums: Counter[str] = Counter()
 
     def score_by_teacher(ro: Rollout, w: float) -> None:
@@ -190,18 +168,14 @@ def teacher_heldout(s: RolloutSetup, rows: list[dict[str, Any]], teacher: Teache
     for chunk, w, seed in heldout_batches(s, rows):
         ro = generate(ts, chunk, seed, POLICY)
         s.rewarder(ro, chunk)
-        sums["reward"] += w * float(ro.scored["scores"].sum())
-        sums["stopped"] += w * float(ro.stopped.sum())
-        sums["n"] += w * ro.n
-    t = {k: all_reduce_sum(v, s.device) for k, v in sums.items()}
-    n = max(1.0, t["n"])
-    return {"teacher_reward": t["reward"] / n, "teacher_stop_rate": t["stopped"] / n}
+        add_rollout_sums(sums, ro, kl=False, weight=w)
+    means = heldout_means(sums, s.device, kl=False)
+    return {"teacher_reward": means["reward"], "teacher_stop_rate": means["stop_rate"]}
 
 
 def headline(final: dict[str, float]) -> dict[str, float]:
-    """The distillation figures a report leads with, beside the RL ones: the held-out
-    divergence to the teacher, agreement, the teacher's reward and the share of the reward
-    gap closed (absent when the teacher is not ahead of the starting policy)."""
+    """The distillation figures a report leads with (`reward_gap_closed` absent when the
+    teacher is not ahead of the starting policy)."""
     out = {
         "eval_teacher_kl": final["teacher_kl"],
         "eval_teacher_agreement": final["teacher_agreement"],
@@ -212,3 +186,92 @@ def headline(final: dict[str, float]) -> dict[str, float]:
     if closed is not None:
         out["reward_gap_closed"] = closed
     return out
+
+
+@dataclass(frozen=True)
+class DistillStats(UpdateStats):
+    """One distillation step over all ranks: means of loss, teacher_kl and teacher_agreement;
+    updates 0 when the rollout had no response token."""
+
+    tokens: int  # response tokens over all ranks
+
+
+def micro_divergence(
+    student: torch.nn.Module,
+    teacher: torch.nn.Module,
+    ro: Rollout,
+    rows: list[int],
+    cfg: Any,
+    vocab: int,
+    packed: bool,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-token divergence [n, R] with grad to the student, mask [n, R], student logits
+    [n, R, vocab], teacher logits [n, R, vocab]) of rollout rows `rows`."""
+    inp = model_inputs(ro, rows, packed, device)
+    t_logits = teacher_logits(teacher, inp, vocab)  # [n, R, vocab], no grad
+    s_logits = student(POLICY, **inp)[..., :vocab]  # [n, R, vocab]
+    mask = ro.mask[rows].to(device)  # [n, R]
+    per_token = token_divergence(
+        s_logits, t_logits, mask, cfg.loss, beta=cfg.beta, temperature=cfg.temperature
+    )
+    return per_token, mask, s_logits, t_logits
+
+
+def objective_sum(per_token: torch.Tensor, mask: torch.Tensor, reduction: str) -> torch.Tensor:
+    """This micro-batch's share of the step's loss before scaling: the summed divergence of its
+    tokens (token_mean), or the sum of each answer's mean divergence (sequence_mean)."""
+    if reduction == "token_mean":
+        return (per_token * mask).sum()
+    return ((per_token * mask).sum(1) / mask.sum(1).clamp_min(1.0)).sum()
+
+
+def distill_update(
+    tr: TrainSession,
+    teacher: torch.nn.Module,
+    ro: Rollout,
+    cfg: Any,
+    micro: int,
+    vocab: int,
+    step: int,
+    packed: bool = False,
+) -> DistillStats:
+    """One optimizer step of the student (`tr.model`) towards `teacher` on this rank's rollout
+    `ro`, `micro` rows per forward (module docstring). `step`: the logged step (1-based)."""
+    device, world = tr.dist.device, tr.dist.world_size
+    counts = all_reduce_sums(
+        {"tokens": ro.mask.sum(), "answers": (ro.mask.sum(1) > 0).sum()}, device
+    )  # one collective for both
+    tokens, answers = int(counts["tokens"]), int(counts["answers"])
+    if not tokens:
+        return DistillStats({}, math.nan, math.nan, 0, 0)
+    count = tokens if cfg.reduction == "token_mean" else answers
+    rows = list(range(ro.n))
+    n_micro = int(min_max(math.ceil(len(rows) / micro), device)[1])
+    sums: Counter[str] = Counter()
+    share = 0.0
+    for k in range(n_micro):
+        chunk, weight = rows[k * micro : (k + 1) * micro], 1.0
+        if not chunk:  # this rank is out of rows: a filler forward that counts for nothing
+            chunk, weight = [0], 0.0
+        grad_sync(tr.model, k == n_micro - 1)
+        per_token, mask, s_logits, t_logits = micro_divergence(
+            tr.model, teacher, ro, chunk, cfg, vocab, packed, device
+        )
+        objective = objective_sum(per_token, mask, cfg.reduction) * (weight * world / count)
+        tr.backward(objective)
+        share += float(objective.detach()) / world
+        with torch.no_grad():
+            keep = mask * weight
+            same = (s_logits.argmax(-1) == t_logits.argmax(-1)).float()
+            sums["divergence"] += float((per_token.detach() * keep).sum())
+            sums["agree"] += float((same * keep).sum())
+    loss = all_reduce_sum(share, device)
+    norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=loss, step=step)
+    t = all_reduce_sums(dict(sums), device)
+    means = {
+        "loss": loss,
+        "teacher_kl": t["divergence"] / tokens,
+        "teacher_agreement": t["agree"] / tokens,
+    }
+    return DistillStats(means, norm, lr, 1, tokens)

@@ -70,13 +70,11 @@ def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
 
 
 def reverse_kl(log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float) -> torch.Tensor:
-    """KL(p_s || p_t): log_ps, log_pt [c, V] log-probs -> [c]. beta unused."""
-    return _kl(log_ps, log_pt)
+    return _kl(log_ps, log_pt)  # KL(p_s || p_t): [c, V] x 2 -> [c]
 
 
 def forward_kl(log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float) -> torch.Tensor:
-    """KL(p_t || p_s): log_ps, log_pt [c, V] log-probs -> [c]. beta unused."""
-    return _kl(log_pt, log_ps)
+    return _kl(log_pt, log_ps)  # KL(p_t || p_s)
 
 
 def jsd(log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float) -> torch.Tensor:
@@ -167,19 +165,14 @@ def token_divergence(
     temperature: float = 1.0,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> torch.Tensor:
-    """Per-token divergence of the student from the teacher (module docstring): [B, T] fp32.
+    """Per-token divergence of the student from the teacher (module docstring): [B, T] fp32,
+    differentiable with respect to student_logits only.
 
-    student_logits, teacher_logits: [B, T, V] next-token logits at the same positions (already
-        shifted: position t predicts token t + 1), same vocabulary V. A teacher whose head is
-        padded to another size (Qwen2.5-0.5B has 151,936 rows, -7B 152,064) is sliced to the
-        shared tokenizer's length by the caller; a mismatch here is refused.
+    student_logits, teacher_logits: [B, T, V] next-token logits at the same positions, same
+        vocabulary V (a teacher whose head is padded to another size, Qwen2.5-0.5B 151,936 rows
+        and -7B 152,064, is sliced to the shared tokenizer's length by the caller).
     mask: [B, T], nonzero at the response tokens that count; the result is 0 elsewhere, and those
         rows are never computed (their logits may be anything, even NaN).
-    kind: "reverse_kl", "forward_kl" or "jsd" (DIVERGENCES); beta: jsd's weight in [0, 1] (TRL's
-        convention: 0 forward KL, 1 reverse KL); temperature > 0 divides both models' logits.
-    chunk_tokens: rows per chunk (DEFAULT_CHUNK_TOKENS for the memory this costs).
-
-    Differentiable with respect to student_logits only; teacher_logits are detached.
     """
     if kind not in DIVERGENCES:
         raise ValueError(f"unknown divergence {kind!r}; known: {sorted(DIVERGENCES)}")
@@ -214,13 +207,8 @@ def token_divergence(
 def distill_loss(
     per_token: torch.Tensor, mask: torch.Tensor, reduction: Reduction = "token_mean"
 ) -> torch.Tensor:
-    """per_token [B, T] (token_divergence's), mask [B, T] -> scalar.
-
-    token_mean: sum of the masked divergences / number of masked tokens (every token weighs the
-        same, as TRL's "batchmean"); sequence_mean: each sequence's mean over its masked tokens,
-        averaged over the sequences that have any (a long response weighs as much as a short one).
-    With no masked token at all the loss is 0, still connected to the graph.
-    """
+    """per_token [B, T], mask [B, T] -> scalar: the token mean (TRL's "batchmean") or the mean
+    of each sequence's mean over the sequences that have a token; 0 (with a graph) when none."""
     m = (mask != 0).to(per_token.dtype)
     masked = per_token * m
     if reduction == "token_mean":
@@ -236,9 +224,8 @@ def distill_loss(
 def teacher_agreement(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor
 ) -> float | None:
-    """Teacher-forced agreement: the share of masked tokens [B, T] where the student's argmax
-    next token equals the teacher's (logits [B, T, V]; temperature does not move an argmax).
-    None when the mask keeps no token. Ties go to the lower token id in both models."""
+    """The share of masked tokens [B, T] where the student's argmax next token equals the
+    teacher's (logits [B, T, V]); None when the mask keeps no token."""
     keep = mask != 0
     total = int(keep.sum())
     if total == 0:
@@ -249,9 +236,8 @@ def teacher_agreement(
 
 
 def teacher_gap_closed(student_start: float, student_end: float, teacher: float) -> float | None:
-    """The share of the student-to-teacher gap that distillation closed on a held-out score
-    (exact match, say): (end - start) / (teacher - start). None when teacher <= start (no gap to
-    close). Not clipped: above 1 the student passed the teacher, below 0 it got worse."""
+    """(end - start) / (teacher - start), not clipped (above 1 the student passed the teacher);
+    None when teacher <= start (no gap to close)."""
     gap = teacher - student_start
     if gap <= 0:
         return None

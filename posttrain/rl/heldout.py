@@ -22,10 +22,10 @@ import torch
 from posttrain.data.sft_data import write_rows
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import POLICY, REFERENCE
-from posttrain.rl.algorithms.advantages import sequence_kl
-from posttrain.rl.rewarder import add_function_sums, function_metrics, function_values
+from posttrain.rl.metrics import add_rollout_sums
+from posttrain.rl.rewarder import function_metrics, function_values
 from posttrain.rl.rollout.collect import RolloutSetup, generate, score_rollout
-from posttrain.rl.rollout.multiturn import episode_metrics, episode_record, episode_sums
+from posttrain.rl.rollout.multiturn import episode_metrics, episode_record
 from posttrain.rl.rollout.sample import Rollout, decode_responses
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import MetricsWriter
@@ -47,11 +47,9 @@ def evaluate(
     samples_path: Path | None,
     each: EachBatch | None = None,
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """The held-out evaluation at logged step `step` -> (the policy's figures with its
-    reward_gain over the starting policy, the starting policy's). The starting policy (the
-    reference) is evaluated once: on the first call (`sft` None); later calls pass its figures
-    back. Writes `eval` records (sft_*, eval_*) to `metrics` and, with `samples_path` (the main
-    rank), the policy's samples there. `each`: given every batch of the policy's answers."""
+    """-> (the policy's figures with its reward_gain, the starting policy's). The starting
+    policy (the reference) is evaluated on the first call only (`sft` None); later calls pass
+    its figures back. `each`: given every batch of the policy's answers."""
     if sft is None:
         sft, _ = heldout(s, rows, REFERENCE)
         metrics.write("eval", step=step, **{f"sft_{k}": v for k, v in sft.items()})
@@ -75,8 +73,7 @@ def heldout_batches(
 ) -> Iterator[tuple[list[dict[str, Any]], float, int]]:
     """This rank's held-out batches of `rows`: (prompt rows, weight, sampling seed). Every rank
     gets as many: a rank out of prompts gets a filler batch of weight 0 (each forward of a
-    sharded model is a collective). Batch b is sampled with seed + b's first row, so every
-    model answers the same prompts under the same seeds."""
+    sharded model is a collective)."""
     for idx in rank_batches(len(rows), s.rank, s.world, s.batch_size):
         heartbeat.beat(phase="eval")
         yield [rows[i] for i in idx] or rows[:1], 1.0 if idx else 0.0, s.seed + (idx or [0])[0]
@@ -86,9 +83,8 @@ def heldout_batches(
 def heldout(
     s: RolloutSetup, rows: list[dict[str, Any]], role: str, each: EachBatch | None = None
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """One sample per held-out prompt of `rows` from `role` (POLICY or REFERENCE), scored and
-    rewarded -> (means over all ranks, this rank's examples); `each` is given every scored
-    batch and its weight."""
+    """One sample per held-out prompt from `role` -> (means over all ranks, this rank's
+    examples)."""
     roles = ((POLICY, REFERENCE) if role == POLICY else ()) + s.rewarder.roles
     sums: Counter[str] = Counter()
     examples = []
@@ -97,37 +93,19 @@ def heldout(
         score_rollout(s, ro, chunk, roles)
         if each is not None:
             each(ro, w)
-        add_heldout_sums(sums, ro, w, kl=role == POLICY)
+        add_rollout_sums(sums, ro, kl=role == POLICY, weight=w)
         if w:
             examples += heldout_examples(s.tokenizer, chunk, ro)
     return heldout_means(sums, s.device, kl=role == POLICY), examples
 
 
-def add_heldout_sums(sums: Counter[str], ro: Rollout, weight: float, kl: bool) -> None:
-    """Add one scored batch's sums (x `weight`: 0 for a filler batch) to `sums`: each reward
-    function's, then sequences, reward and its square, response tokens, stopped responses and,
-    with `kl`, the summed per-response KL (k1) to the reference."""
-    add_function_sums(sums, function_values(ro), weight)
-    s = ro.scored["scores"]  # [N]
-    sums["n"] += weight * ro.n
-    sums["reward"] += weight * float(s.sum())
-    sums["reward_sq"] += weight * float((s**2).sum())
-    sums["length"] += weight * float(ro.mask.sum())
-    sums["stopped"] += weight * float(ro.stopped.sum())
-    if kl:
-        sums["kl"] += weight * float(sequence_kl(ro, "k1").sum())
-    for k, v in episode_sums(ro).items():
-        sums[k] += weight * v
-
-
 def heldout_means(sums: Counter[str], device: torch.device, kl: bool) -> dict[str, float]:
-    """Means over all ranks of `add_heldout_sums`' sums: reward, reward_std, response_len,
-    stop_rate, prompts (the count), kl (with `kl`) and each function's reward_fn_<label>."""
+    """Means over all ranks of `add_rollout_sums`' sums."""
     t = {k: all_reduce_sum(v, device) for k, v in sums.items()}
     n = max(1.0, t.pop("n"))
     out = {
-        "reward": t["reward"] / n,
-        "reward_std": math.sqrt(max(0.0, t["reward_sq"] / n - (t["reward"] / n) ** 2)),
+        "reward": t["score"] / n,
+        "reward_std": math.sqrt(max(0.0, t["score_sq"] / n - (t["score"] / n) ** 2)),
         "response_len": t["length"] / n,
         "stop_rate": t["stopped"] / n,
         "prompts": n,
@@ -140,8 +118,7 @@ def heldout_means(sums: Counter[str], device: torch.device, kl: bool) -> dict[st
 
 
 def heldout_examples(tokenizer: Any, rows: list[dict[str, Any]], ro: Rollout) -> list[dict]:
-    """One eval_samples.jsonl row per response: the prompt, the response text, its reward and
-    each function's value (None where not applicable), and the prompt row's data columns."""
+    """One eval_samples.jsonl row per response (a function's value None: not applicable)."""
     per = function_values(ro)
     if ro.episodes is not None:  # an episode's record holds its prompt and answer
         answers = [episode_record(e) for e in ro.episodes]
@@ -160,8 +137,7 @@ def heldout_examples(tokenizer: Any, rows: list[dict[str, Any]], ro: Rollout) ->
 
 
 def quality_gate(cfg: Any, final: dict[str, float], sft: dict[str, float]) -> dict[str, Any]:
-    """{"passed": bool, "message" when not}: the held-out KL against `max_kl` and the reward
-    gain over the starting policy against `min_reward_gain` (each off when null)."""
+    """{"passed": bool, "message" when not}: `max_kl` and `min_reward_gain` (off when null)."""
     problems = []
     gain = final["reward"] - sft["reward"]
     if cfg.max_kl is not None and final["kl"] > cfg.max_kl:

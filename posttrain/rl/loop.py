@@ -1,23 +1,10 @@
 """The online-RL loop every online kind runs (PPO and the GRPO family, `posttrain.rl.update`;
 online DPO, `posttrain.rl.online_dpo`; distillation, `posttrain.rl.distill`): its setup
 (`posttrain.rl.setup`), its steps, held-out evaluations and outputs. A kind brings its update
-(`Update`) and the roles it trains; the step around it is written once (`run_step`). One
-logged step of PPO/GRPO = one rollout, in five steps, each a module's:
-1. generate and 2. score (`posttrain.rl.rollout.collect`): each rank samples responses for its
-   share of `rollout.prompts_per_step` prompts (x samples_per_prompt) from the sharded policy,
-   KV cache on, stopping at a stop token; then policy and reference log-probs, critic values
-   (PPO) and the reward (functions and/or reward model), no grad; in rounds with DAPO's dynamic
-   sampling;
-3. advantages and 4. update (`posttrain.rl.update`): from the algorithm registry
-   (`posttrain.rl.algorithms`): GAE over the critic for PPO, group-normalised scores for GRPO;
-   KL against the reference in the reward or the loss; then `update_epochs` passes over the
-   rollout in shuffled minibatches of `batch` (micro x accum x ranks sequences), clipped policy
-   loss - entropy bonus (+ KL) and, with a critic, the clipped value loss; means over the whole
-   minibatch on all ranks, per token or per response (`loss_aggregation`);
-5. held-out (`posttrain.rl.heldout`), at the end and every `eval_every`: mean reward of
-   the policy's samples vs the SFT policy's, and KL(policy || SFT) per response; `max_kl` and
-   `min_reward_gain` are quality gates.
-`posttrain.rl.metrics` builds each step's `train` record.
+(`Update`) and the roles it trains; the step around it is written once (`run_step`): generate
+and score (`posttrain.rl.rollout.collect`), the kind's update, the new policy to the rollout
+engine, the step's record (`posttrain.rl.metrics`) and checkpoint; held-out evaluations
+(`posttrain.rl.heldout`) every `eval_every` and at the end.
 
 All four roles live on one base (`posttrain.models.roles`), sharded together by FSDP2.
 Checkpoints at rollout boundaries hold the trainable adapters and heads, optimizer, schedule and
@@ -78,11 +65,9 @@ def run_loop(
     headline: Callable[[dict[str, float]], dict[str, float]] | None = None,
     **options: Any,
 ) -> dict[str, Any]:
-    """The stage: setup (`options`: `setup`'s roles, shapes and passes), `n_rollouts` steps
-    (`run_step` with the kind's `update`; resumed from the newest checkpoint) with held-out
-    evaluations (`heldout`) every `eval_every`, the final evaluation, the outputs; returns the
-    summary (with `summary`'s fields, and `headline(final figures)`'s in its headline). A rollout
-    server (`rollout.engine: server`) lives as long as this call."""
+    """The stage: setup (`options`: `setup`'s), the steps from the newest checkpoint with
+    held-out evaluations, the outputs; returns the summary (with `summary`'s fields, and
+    `headline(final figures)`'s in its headline). A rollout server lives as long as this call."""
     with ExitStack() as stack:
         run = setup(ctx, stack, **options)
         cfg, n = ctx.section, run.n_rollouts
@@ -109,10 +94,8 @@ class Ahead:
 
 
 def run_step(run: RLRun, step: int, ahead: Ahead | None, update: Update) -> None:
-    """Logged step `step` + 1, as every kind takes it: the rollout (generated - in the background
-    during the last step with `ahead` - and scored), the kind's `update`, the next policy
-    version to the rollout engine, the step's record and, at a checkpoint boundary, a
-    checkpoint."""
+    """Logged step `step` + 1, as every kind takes it (with `ahead`, the rollout was generated
+    in the background during the last step)."""
     s, cfg = run.rollouts, run.ctx.section
     t0 = time.perf_counter()
     heartbeat.beat(phase="rollout")
@@ -163,13 +146,9 @@ def write_record(
     loss: float | None = None,
     kl_coef: float | None = None,
 ) -> None:
-    """The `train` record of logged step `step` (1-based; every `log_every` and the last): the
-    rollout's figures (`train_metrics` over its `totals` over ranks), the update's `stats`
-    (`means`, `grad_norm`, `lr`, `updates`), `timing` (weight sync, the sampler's figures, the
-    kind's own fields), the step's `flops` on this rank and `loss` (None: the one of
-    `stats.means`, absent and null on a step that took none: online DPO, distill), the KL
-    coefficient it trained with (None: no KL penalty, no `kl_coef` field); `t0`: when the step
-    began. Same collectives on every rank."""
+    """The `train` record of logged step `step` (1-based; every `log_every` and the last).
+    `loss` None: the one of `stats.means` (null on a step that took none); `kl_coef` None: no
+    KL penalty, no `kl_coef` field. Same collectives on every rank."""
     cfg, tr, ro = run.ctx.section, run.tr, rb.rollout
     if loss is None:  # `loss` is the record's own field, not one of the means
         loss = stats.means.get("loss", math.nan)
@@ -203,9 +182,7 @@ def finish(
     headline_extra: dict[str, float] | None = None,
     **fields: Any,
 ) -> dict[str, Any]:
-    """The stage's outputs after the final evaluation: the policy adapter (and the critic),
-    the `end` record, the quality gate, reference.json; returns the manifest summary (with
-    `fields`, and `headline_extra` in its headline)."""
+    """The stage's outputs after the final evaluation; returns the manifest summary."""
     ctx, cfg, tr = run.ctx, run.ctx.section, run.tr
     save_adapter(tr.model, ctx, selected_adapters=[POLICY])
     if run.critic:
@@ -239,8 +216,7 @@ def finish(
 
 
 def write_reference(ctx: StageContext, rewarder: Rewarder) -> None:
-    """reference.json: what the policy was measured against (the reference adapter) and
-    rewarded by (the reward model, each reward function with its file's sha256)."""
+    """reference.json: what the policy was measured against and rewarded by."""
     reference: dict[str, Any] = {
         "reference": f"{ctx.stage.roles['reference']} adapter",
         "reference_fingerprint": ctx.role_ref("reference").fingerprint,

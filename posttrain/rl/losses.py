@@ -17,25 +17,12 @@ import torch
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    return logp - ref_logp
-
-
-def _k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    return 0.5 * (logp - ref_logp) ** 2
-
-
-def _k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    # r = ref/policy: E_policy[r - 1 - log r] = KL(policy || ref), and every term is >= 0.
-    log_r = ref_logp - logp
-    return torch.exp(log_r) - 1 - log_r
-
-
-# Per-token estimators of KL(policy || reference) on tokens sampled from the policy.
+# Per-token estimators of KL(policy || reference) on tokens sampled from the policy. k3: with
+# r = ref/policy, E_policy[r - 1 - log r] = KL(policy || ref), and every term is >= 0.
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "k1": _k1,
-    "k2": _k2,
-    "k3": _k3,
+    "k1": lambda logp, ref_logp: logp - ref_logp,
+    "k2": lambda logp, ref_logp: 0.5 * (logp - ref_logp) ** 2,
+    "k3": lambda logp, ref_logp: torch.exp(ref_logp - logp) - 1 - (ref_logp - logp),
 }
 
 
@@ -59,14 +46,10 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def masked_whiten(
-    x: torch.Tensor,
-    mask: torch.Tensor,
-    shift_mean: bool = True,
-    reduce: Reduce | None = None,
-    eps: float = 1e-8,
+    x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None, eps: float = 1e-8
 ) -> torch.Tensor:
     """(x - mean) / std over the masked entries (over all ranks with `reduce`); the unbiased
-    variance, as for a sample. `shift_mean=False` keeps the mean. Padding stays 0."""
+    variance, as for a sample. Padding stays 0."""
     stats = torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]).double()
     if reduce is not None:
         stats = reduce(stats)
@@ -74,8 +57,6 @@ def masked_whiten(
     mean = s / n
     var = (s2 / n - mean**2) * n / (n - 1).clamp(min=1)
     out = (x - mean.to(x.dtype)) * torch.rsqrt(var.clamp(min=0).to(x.dtype) + eps)
-    if not shift_mean:
-        out = out + mean.to(x.dtype)
     return out * mask
 
 
@@ -241,15 +222,8 @@ def explained_variance(
     """1 - Var(returns - values) / Var(returns) over the masked tokens: 1 = the critic predicts
     the returns exactly, 0 = no better than their mean, < 0 = worse."""
     err = returns - values
-    stats = torch.stack(
-        [
-            (returns * mask).sum(),
-            (returns**2 * mask).sum(),
-            (err * mask).sum(),
-            (err**2 * mask).sum(),
-            mask.sum(),
-        ]
-    ).double()
+    sums = [(returns * mask).sum(), (returns**2 * mask).sum(), (err * mask).sum()]
+    stats = torch.stack([*sums, (err**2 * mask).sum(), mask.sum()]).double()
     if reduce is not None:
         stats = reduce(stats)
     r, r2, e, e2, n = stats.tolist()
@@ -259,8 +233,8 @@ def explained_variance(
 
 
 class KLController:
-    """The KL coefficient: fixed, or adaptive (Ziegler et al. 2019): after a rollout of n sequences
-    with mean KL k, coef *= 1 + clip(k / target - 1, -0.2, 0.2) * n / horizon."""
+    """Fixed, or adaptive (Ziegler et al. 2019): after a rollout of n sequences with mean KL k,
+    coef *= 1 + clip(k / target - 1, -0.2, 0.2) * n / horizon."""
 
     def __init__(
         self, coef: float, adaptive: bool = False, target: float = 6.0, horizon: int = 10000

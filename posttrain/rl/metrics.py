@@ -31,56 +31,47 @@ class UpdateStats:
     updates: int  # optimizer steps taken (a step the guard skipped counts)
 
 
-def rollout_totals(ro: Rollout, device: torch.device) -> dict[str, float]:
-    """Sums over all ranks of a scored rollout: each reward function's (reward_fn_<label>,
-    count_fn_<label>: `add_function_sums`), then n (sequences), score and score_sq (the summed
-    reward and its square), kl (per-response KL k1 to the reference, when it was scored),
-    length (response tokens) and stopped (responses that ended with a stop token); for
-    episodes, `episode_sums`."""
+def add_rollout_sums(sums: Counter[str], ro: Rollout, kl: bool, weight: float = 1.0) -> None:
+    """Add a scored rollout's sums (x `weight`: 0 for a filler batch) to `sums`: each reward
+    function's (`add_function_sums`), the episodes' (`episode_sums`), n (sequences), score and
+    score_sq (the summed reward and its square), with `kl` the per-response KL (k1) to the
+    reference, length (response tokens) and stopped (responses that ended with a stop token)."""
+    add_function_sums(sums, function_values(ro), weight)
+    for k, v in episode_sums(ro).items():
+        sums[k] += weight * v
     scores = ro.scored["scores"]  # [N]
-    fn_sums: Counter[str] = Counter()
-    add_function_sums(fn_sums, function_values(ro))
-    fn_sums.update(episode_sums(ro))
-    kl = [("kl", float(sequence_kl(ro, "k1").sum()))] if "ref_logps" in ro.scored else []
-    return {
-        k: all_reduce_sum(v, device)
-        for k, v in (
-            *fn_sums.items(),
-            ("n", ro.n),
-            ("score", float(scores.sum())),
-            ("score_sq", float((scores**2).sum())),
-            *kl,
-            ("length", float(ro.mask.sum())),
-            ("stopped", float(ro.stopped.sum())),
-        )
-    }
+    sums["n"] += weight * ro.n
+    sums["score"] += weight * float(scores.sum())
+    sums["score_sq"] += weight * float((scores**2).sum())
+    if kl:
+        sums["kl"] += weight * float(sequence_kl(ro, "k1").sum())
+    sums["length"] += weight * float(ro.mask.sum())
+    sums["stopped"] += weight * float(ro.stopped.sum())
 
 
-def step_flops(
-    ro: Rollout,
-    n_matmul: int,
-    n_trainable: int,
-    model_config: Any,
-    n_roles: int,
-    update_epochs: int,
-    critic: bool,
-) -> float:
-    """This rank's FLOPs for one step: prefill + one decode step per row and new token (rows
-    that ended still step), a forward of each of `n_roles` scoring roles over the rollout, and
-    forward+backward per update epoch (twice with a critic: the policy's pass and the
-    critic's)."""
-    seq_len = ro.tokens() / ro.n
-    gen_flops = 2 * n_matmul * (float(ro.prompt_mask.sum()) + ro.n * ro.width[1])
-    score_flops = 2 * n_matmul * ro.tokens() * n_roles
-    per_tok = train_flops_per_token(
-        n_matmul,
-        n_trainable,
-        model_config.num_hidden_layers,
-        model_config.hidden_size,
-        int(seq_len),
-    )
-    train_flops = per_tok * ro.tokens() * update_epochs * (2 if critic else 1)
+def rollout_totals(ro: Rollout, device: torch.device) -> dict[str, float]:
+    """`add_rollout_sums` of a scored rollout over all ranks (kl when it was scored)."""
+    sums: Counter[str] = Counter()
+    add_rollout_sums(sums, ro, kl="ref_logps" in ro.scored)
+    return {k: all_reduce_sum(v, device) for k, v in sums.items()}
+
+
+def step_flops(ro: Rollout, tr: Any, n_roles: int, update_epochs: int, critic: bool) -> float:
+    """This rank's FLOPs for one step of session `tr`: prefill + one decode step per row and new
+    token (rows that ended still step), `n_roles` scoring forwards, forward+backward per update
+    epoch (twice with a critic)."""
+    gen_flops = 2 * tr.n_matmul * (float(ro.prompt_mask.sum()) + ro.n * ro.width[1])
+    score_flops = 2 * tr.n_matmul * ro.tokens() * n_roles
+    train_flops = token_train_flops(tr, ro) * ro.tokens() * update_epochs * (2 if critic else 1)
     return gen_flops + score_flops + train_flops
+
+
+def token_train_flops(tr: Any, ro: Rollout) -> float:
+    """Forward+backward FLOPs per token of `tr`'s model at the rollout's mean row length."""
+    cfg = tr.model.config
+    return train_flops_per_token(
+        tr.n_matmul, tr.n_trainable, cfg.num_hidden_layers, cfg.hidden_size, int(ro.tokens() / ro.n)
+    )
 
 
 def train_metrics(
@@ -94,12 +85,8 @@ def train_metrics(
     world: int = 1,
 ) -> dict[str, float]:
     """The step's own fields of its `train` record (`TrainSession.record_step` adds loss,
-    throughput and memory): means of the rollout `totals` (`rollout_totals`), the KL
-    coefficient it was trained with, the generated width per rank (min, max over ranks: ranks
-    stop at different lengths), the seconds of each phase and the generation's share of the
-    step's `step_s` (`world`: ranks, the tools' seconds are summed over them), the sampling
-    statistics and the update's means and count; for episodes, `episode_metrics` and the
-    tools' share of the step."""
+    throughput and memory). `widths`: the generated width (min, max over ranks); `world`: ranks,
+    over which the tools' seconds are summed."""
     n = totals["n"]
     return {
         "score_mean": totals["score"] / n,
@@ -131,13 +118,10 @@ SAMPLER_COUNTS = ("responses", "exact", "retokenized_mismatch", "prompt_mismatch
 
 
 def sampler_metrics(ro: Rollout, lag: torch.Tensor, device: torch.device) -> dict[str, float]:
-    """Over all ranks: `policy_version`, the oldest version that sampled a row (updates before
-    it), `staleness`, the updates the sampler of a row was behind on average, and with a server
-    engine the share of `exact` answers (the ids it sampled), of answers whose text does not
-    re-tokenise to the ids sampled (`retokenized_mismatch_frac`: measured where the server
-    returns ids and text; where it returns text only, the answers whose re-tokenised length
-    contradicts the server's own count, a floor on the true share) and of prompts the server
-    read as another length than sent (`prompt_mismatch_frac`)."""
+    """Over all ranks: `policy_version` (the oldest that sampled a row), `staleness` (updates a
+    row's sampler was behind, on average) and with a server engine the shares of its counts
+    (`retokenized_mismatch_frac`: where the server returns text only, the answers whose
+    re-tokenised length contradicts its own count, a floor on the true share)."""
     t = all_reduce_sums(
         {"rows": float(ro.n), "lag": lag.double().sum()}
         | {k: ro.stats.get(k, 0.0) for k in SAMPLER_COUNTS},

@@ -3,48 +3,54 @@ al. 2024, "Direct Language Model Alignment from Online AI Feedback"; TRL's Onlin
 
 Offline DPO learns from pairs someone else's model wrote; here every step's pairs are the
 current policy's, so what it learns is about its own mistakes and the pairs move with it. The
-stage (`posttrain.stages.online_dpo`) runs the online-RL loop (`posttrain.rl.loop.run_loop`:
-setup, held-out evaluations, checkpoints, outputs) with its own step:
-1. generate and score (`posttrain.rl.rollout.collect`): each rank samples samples_per_prompt answers
-   for its share of prompts_per_step prompts; the reference scores them (always: its log-probs
-   are DPO's), the judge rewards them - the reward model, the reward functions, or both summed
-   with their weights, exactly as GRPO's rollouts are rewarded;
-2. judge (`posttrain.rl.dpo_update.judge`): per prompt, the best answer is chosen and the worst
-   rejected; a prompt whose answers tie within `tie_eps` gives no pair (`all_equal`);
-3. update (`posttrain.rl.dpo_update.dpo_update`): one optimizer step on the preference loss
-   (`loss`, `beta`) averaged over every rank's pairs, against the frozen reference (by default
-   the policy the stage starts from).
-Its `train` record holds DPO's figures over the step's pairs (accuracy, margin, chosen_reward,
-rejected_reward), the judge's (informative_frac, all_equal, pairs, judge_agreement with both
-judges) and the rollout's reward (score_mean). The policy's sampling temperature applies to the
-log-probs of both models, as in the RL update (at the default 1.0, the models' own).
+stage runs the online-RL loop (`posttrain.rl.loop.run_loop`) with its own step (`dpo_step`):
+1. the rollout is scored by the reference (always: its log-probs are DPO's) and rewarded as
+   GRPO's is (`ro.scored["scores"]`, with `missing_eos_penalty`);
+2. `judge`: a prompt's samples (its group: consecutive rows) are ranked by their reward;
+   `posttrain.rl.pair_select.select_pairs` takes each group's best and worst as a (chosen,
+   rejected) pair, skipping groups that tie within `tie_eps`. With both judges, their agreement
+   (`judge_agreement`) is measured too;
+3. `dpo_update`: one optimizer step over the pairs of all ranks, on the summed log-probs of each
+   response (the policy's with grad, the reference's from the rollout's scoring pass, both under
+   the sampling temperature, as in the RL update) and the preference-loss registry's loss
+   (`posttrain.train.preference_losses`).
+
+Each forward of the sharded model is a collective: every rank runs as many micro-batches as the
+rank with the most pairs, a rank out of pairs a filler pair with weight 0. A step where no rank
+has a pair takes no optimizer step.
 """
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 
-from posttrain.rl.dpo_update import DPOStats, Judged, dpo_update, judge, judge_metrics
+from posttrain.distributed.fsdp import grad_sync
+from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, min_max
+from posttrain.models.adapters import POLICY
+from posttrain.rl.algorithms.advantages import shaped_scores
 from posttrain.rl.loop import Record, run_loop, write_record
-from posttrain.rl.metrics import rollout_totals, step_flops
+from posttrain.rl.metrics import UpdateStats, rollout_totals, step_flops, token_train_flops
+from posttrain.rl.pair_select import PairSelection, judge_agreement, select_pairs
+from posttrain.rl.rewarder import FUNCTION
 from posttrain.rl.rollout.collect import RolloutBatch
-from posttrain.rl.rollout.sample import Rollout
+from posttrain.rl.rollout.sample import Rollout, model_inputs, response_logps
 from posttrain.rl.setup import RLRun, one_step_shapes
 from posttrain.runtime.context import StageContext
-from posttrain.telemetry.metrics import train_flops_per_token
 from posttrain.train.preference_losses import (
     PreferenceLoss,
     loss_hyperparameters,
     preference_loss,
 )
+from posttrain.train.session import TrainSession
 
 
 def run_online_dpo(ctx: StageContext) -> dict[str, Any]:
-    """The online DPO stage: `run_loop` with the DPO step (`dpo_step`); no critic, and the KL
-    (coef 0) is not applied."""
     cfg = ctx.section
     return run_loop(
         ctx,
@@ -57,7 +63,6 @@ def run_online_dpo(ctx: StageContext) -> dict[str, Any]:
 
 
 def bound_loss(cfg: Any) -> PreferenceLoss:
-    """The section's preference loss with its hyperparameters bound (fails on a bad value)."""
     hp = {"beta": cfg.beta, "label_smoothing": cfg.label_smoothing, "gamma": cfg.simpo_gamma}
     return preference_loss(cfg.loss, **{k: hp[k] for k in loss_hyperparameters(cfg.loss)})
 
@@ -69,57 +74,171 @@ check_shapes = one_step_shapes("online DPO", "pairs (half as many as its sequenc
 def dpo_step(
     run: RLRun, rb: RolloutBatch, step: int, lag: torch.Tensor, loss_fn: PreferenceLoss
 ) -> Record:
-    """The update of logged step `step` + 1 (`posttrain.rl.loop.Update`): the rollout's pairs
-    (the judge's) and the DPO step over them; then the step's record, with the judge's
-    figures."""
+    """`posttrain.rl.loop.Update`: the judge's pairs and the DPO step over them; its record
+    has the judge's figures (loss, grad_norm and lr null on a step without pairs)."""
     s, cfg = run.rollouts, run.ctx.section
     judged = judge(rb.rollout, cfg, s.rewarder.rm_weight)
+    micro = max(1, run.batch.micro_batch_size // 2)
     stats = dpo_update(
-        run.tr,
-        rb.rollout,
-        judged.rows,
-        loss_fn,
-        cfg,
-        max(1, run.batch.micro_batch_size // 2),
-        step + 1,
-        s.chunk_tokens,
-        s.packed,
+        run.tr, rb.rollout, judged.rows, loss_fn, cfg, micro, step + 1, s.chunk_tokens, s.packed
     )
-    return partial(record, run, step + 1, stats, judged)
+
+    def record(rb: RolloutBatch, t0: float, t_train: float, timing: dict[str, float]) -> None:
+        ro = rb.rollout
+        timing = timing | judge_metrics(judged, s.device)
+        totals = rollout_totals(ro, s.device)
+        # No policy scoring pass: the rollout's KL would read as 0 (the held-out KL is measured).
+        totals.pop("kl", None)
+        # Generation and the scoring passes, then forward+backward over the pairs' rows (at the
+        # rollout's mean row length).
+        flops = step_flops(ro, run.tr, len(s.roles), 0, False)
+        if stats.updates:
+            flops += token_train_flops(run.tr, ro) * (ro.tokens() / ro.n) * 2 * stats.local_pairs
+        write_record(run, step + 1, rb, totals, stats, t0, t_train, timing, flops)
+
+    return record
 
 
-def record(
-    run: RLRun,
+@dataclass(frozen=True)
+class Judged:
+    """One rank's rollout as the judge saw it."""
+
+    rows: list[tuple[int, int]]  # (chosen row, rejected row) of each pair, in group order
+    selection: PairSelection  # per group: the pairs, informative and all-equal counts
+    # the reward model's agreement with the reward functions on this rank's groups; None
+    # without both judges
+    agreement: float | None
+
+
+def group_scores(scores: torch.Tensor, group: int) -> list[list[float]]:  # [N] -> per group
+    if scores.numel() % group:
+        raise ValueError(f"{scores.numel()} scores do not split into groups of {group}")
+    return scores.view(-1, group).tolist()
+
+
+def judge(ro: Rollout, cfg: Any, rm_weight: float | None) -> Judged:
+    """The pairs of this rank's scored rollout, as rollout rows. `rm_weight`: the reward
+    model's weight in the sum (None: none); with reward functions beside it, each judge's own
+    scores - the reward model's, and the sum minus its share - go to `judge_agreement`."""
+    k = cfg.rollout.samples_per_prompt
+    sel = select_pairs(group_scores(shaped_scores(ro, cfg), k), tie_eps=cfg.tie_eps)
+    rows = [(g * k + c, g * k + r) for g, c, r in sel.pairs]
+    agreement = None
+    if rm_weight is not None and any(key.startswith(FUNCTION) for key in ro.scored):
+        rm = ro.scored["rm_scores"]
+        rest = ro.scored["scores"] - rm_weight * rm
+        agreement = judge_agreement(group_scores(rm, k), group_scores(rest, k), cfg.tie_eps)
+    return Judged(rows, sel, agreement)
+
+
+def judge_metrics(judged: Judged, device: torch.device) -> dict[str, float]:
+    """The judge's figures over all ranks (`judge_agreement`: mean of the ranks that
+    measured one)."""
+    sel = judged.selection
+    ok = judged.agreement is not None and math.isfinite(judged.agreement)
+    t = all_reduce_sums(
+        {
+            "informative": float(sel.informative),
+            "groups": float(sel.informative + sel.all_equal),
+            "all_equal": float(sel.all_equal),
+            "pairs": float(len(judged.rows)),
+            "agreement": judged.agreement if ok else 0.0,
+            "measured": float(ok),
+        },
+        device,
+    )
+    out = {
+        "informative_frac": t["informative"] / max(1.0, t["groups"]),
+        "all_equal": t["all_equal"],
+        "pairs": t["pairs"],
+    }
+    if t["measured"]:
+        out["judge_agreement"] = t["agreement"] / t["measured"]
+    return out
+
+
+@dataclass(frozen=True)
+class DPOStats(UpdateStats):
+    """The DPO step over all ranks' pairs: means of loss, accuracy, margin, chosen_reward and
+    rejected_reward; empty, NaN and 0 updates when no rank had a pair."""
+
+    pairs: int  # over all ranks
+    local_pairs: int  # this rank's
+
+
+def sequence_logps(
+    model: torch.nn.Module,
+    ro: Rollout,
+    rows: list[int],
+    chunk_tokens: int,
+    temperature: float,
+    packed: bool,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(policy log-probs [n] with grad, reference log-probs [n], lengths [n]) of the
+    responses of `rows`: sums over each response's masked tokens."""
+    mask = ro.mask[rows].to(device)  # [n, R]
+    logp, _ = response_logps(
+        model,
+        POLICY,
+        model_inputs(ro, rows, packed, device),
+        ro.response[rows].to(device),
+        mask,
+        chunk_tokens,
+        temperature=temperature,
+    )  # [n, R]
+    ref = ro.scored["ref_logps"][rows].to(device)  # [n, R], 0 off the mask
+    return (logp * mask).sum(1), (ref * mask).sum(1), mask.sum(1)
+
+
+def dpo_update(
+    tr: TrainSession,
+    ro: Rollout,
+    pairs: list[tuple[int, int]],
+    loss_fn: PreferenceLoss,
+    cfg: Any,
+    micro_pairs: int,
     step: int,
-    stats: DPOStats,
-    judged: Judged,
-    rb: RolloutBatch,
-    t0: float,
-    t_train: float,
-    timing: dict[str, float],
-) -> None:
-    """The `train` record of logged step `step` (`write_record`): DPO's means over the
-    step's pairs in place of the clipped update's, the judge's figures; loss, grad_norm and lr
-    are null on a step without pairs."""
-    ro = rb.rollout
-    timing = timing | judge_metrics(judged, run.rollouts.device)
-    totals = rollout_totals(ro, run.rollouts.device)
-    # No policy scoring pass: the rollout's KL would read as 0 (the held-out KL is measured).
-    totals.pop("kl", None)
-    # Generation and the scoring passes over the rollout, forward+backward over the pairs' rows.
-    tr, roles = run.tr, len(run.rollouts.roles)
-    flops = step_flops(ro, tr.n_matmul, tr.n_trainable, tr.model.config, roles, 0, False)
-    flops += pair_flops(run, ro, stats)
-    write_record(run, step, rb, totals, stats, t0, t_train, timing, flops)
-
-
-def pair_flops(run: RLRun, ro: Rollout, stats: DPOStats) -> float:
-    """This rank's training FLOPs of the DPO step: forward and backward over its pairs' rows
-    (estimated at the rollout's mean row length)."""
-    if not stats.updates:
-        return 0.0
-    cfg, seq_len = run.tr.model.config, ro.tokens() / ro.n
-    per_tok = train_flops_per_token(
-        run.tr.n_matmul, run.tr.n_trainable, cfg.num_hidden_layers, cfg.hidden_size, int(seq_len)
-    )
-    return per_tok * seq_len * 2 * stats.local_pairs
+    chunk_tokens: int = 0,
+    packed: bool = False,
+) -> DPOStats:
+    """One optimizer step on the mean of `loss_fn` over every rank's pairs, `micro_pairs` pairs
+    per forward. Each rank backpropagates sum(its pair losses) x world / global pairs, and
+    FSDP's gradient averaging divides the world back: the global mean at any number of ranks."""
+    device, world = tr.dist.device, tr.dist.world_size
+    total = int(all_reduce_sum(len(pairs), device))
+    if not total:
+        return DPOStats({}, math.nan, math.nan, 0, 0, 0)
+    n_micro = int(min_max(math.ceil(len(pairs) / micro_pairs), device)[1])
+    scale = world / total
+    sums: Counter[str] = Counter()
+    share = 0.0
+    for k in range(n_micro):
+        chunk = pairs[k * micro_pairs : (k + 1) * micro_pairs]
+        weight = torch.ones(len(chunk), device=device)
+        if not chunk:  # this rank is out of pairs: a filler forward that counts for nothing
+            chunk, weight = [(0, 0)], torch.zeros(1, device=device)
+        grad_sync(tr.model, k == n_micro - 1)
+        rows = [c for c, _ in chunk] + [r for _, r in chunk]
+        pol, ref, lengths = sequence_logps(
+            tr.model, ro, rows, chunk_tokens, cfg.rollout.temperature, packed, device
+        )
+        n = len(chunk)
+        losses, chosen, rejected = loss_fn(
+            pol[:n], pol[n:], ref[:n], ref[n:], lengths[:n], lengths[n:]
+        )  # [n] each
+        objective = (losses * weight).sum() * scale
+        tr.backward(objective)
+        share += float(objective.detach()) / world
+        for name, v in (
+            ("loss", losses.detach()),
+            ("accuracy", (chosen > rejected).float()),
+            ("margin", chosen - rejected),
+            ("chosen_reward", chosen),
+            ("rejected_reward", rejected),
+        ):
+            sums[name] += float((v * weight).sum())
+    loss = all_reduce_sum(share, device)  # the mean loss over all pairs, the same on every rank
+    norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=loss, step=step)
+    means = {k: v / total for k, v in all_reduce_sums(dict(sums), device).items()}
+    return DPOStats(means, norm, lr, 1, total, len(pairs))

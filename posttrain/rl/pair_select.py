@@ -15,26 +15,19 @@ Pair = tuple[int, int, int]  # (prompt index, chosen sample index, rejected samp
 
 @dataclass(frozen=True)
 class PairSelection:
-    """The pairs of one batch of prompts and what became of the others.
+    """The pairs of one batch of prompts and what became of the others."""
 
-    pairs: (prompt, chosen, rejected) for each informative prompt, in prompt order.
-    informative: prompts that gave a pair (= len(pairs)); all_equal: prompts skipped because
-    their samples' scores are all within tie_eps of each other.
-    """
-
-    pairs: list[Pair]
-    informative: int
-    all_equal: int
+    pairs: list[Pair]  # one per informative prompt, in prompt order
+    informative: int  # prompts that gave a pair (= len(pairs))
+    all_equal: int  # prompts whose samples' scores are all within tie_eps of each other
 
     @property
-    def informative_frac(self) -> float:
-        """Share of the prompts that gave a pair; 0.0 for an empty batch."""
+    def informative_frac(self) -> float:  # 0.0 for an empty batch
         total = self.informative + self.all_equal
         return self.informative / total if total else 0.0
 
 
 def _best_worst(group: list[float], prompt: int) -> tuple[int, int]:
-    """(index of the max, index of the min) of one prompt's scores, the first index on ties."""
     if len(group) < 2:
         raise ValueError(f"prompt {prompt} has {len(group)} scored samples: a pair needs k >= 2")
     if any(math.isnan(x) for x in group):
@@ -45,13 +38,10 @@ def _best_worst(group: list[float], prompt: int) -> tuple[int, int]:
 
 
 def select_pairs(scores: list[list[float]], tie_eps: float = 0.0) -> PairSelection:
-    """For each prompt i, scores[i] are the judge's scores of its k samples (k >= 2): the best
-    and worst sample (the first index among equal maxima / minima) form a (chosen, rejected) pair
-    when best - worst > tie_eps; otherwise every sample is within tie_eps of every other and
-    the prompt is skipped as all_equal (nothing to learn from it).
-
-    tie_eps >= 0: the score difference a judge's noise could make (0 with exact verifiers).
-    """
+    """scores[i]: the judge's scores of prompt i's k >= 2 samples. The best and worst (the
+    first index on ties) form a (chosen, rejected) pair when best - worst > tie_eps (the score
+    difference a judge's noise could make: 0 with exact verifiers); otherwise the prompt is
+    skipped as all_equal."""
     if tie_eps < 0:
         raise ValueError(f"tie_eps must be >= 0, got {tie_eps}")
     pairs: list[Pair] = []

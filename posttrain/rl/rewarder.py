@@ -26,8 +26,7 @@ class Rewarder:
     tokenizer: Any
 
     @property
-    def roles(self) -> tuple[str, ...]:
-        """The role forwards the reward needs from `posttrain.rl.rollout.sample.score`."""
+    def roles(self) -> tuple[str, ...]:  # the role forwards the reward needs from `score`
         return (REWARD,) if self.rm_weight is not None else ()
 
     def __call__(self, ro: Rollout, rows: list[dict[str, Any]]) -> None:
@@ -98,8 +97,7 @@ def function_values(ro: Rollout) -> dict[str, torch.Tensor]:
 def add_function_sums(
     sums: Counter[str], per: dict[str, torch.Tensor], weight: float = 1.0
 ) -> None:
-    """Accumulate each function's (sum, applicable rows) into `sums` under `reward_fn_<label>` and
-    `count_fn_<label>`, for means over ranks (`function_metrics`)."""
+    """Accumulate each function's (sum, applicable rows), for means over ranks."""
     for label, (total, n) in function_means(per).items():
         sums[f"reward_fn_{label}"] += weight * total
         sums[f"count_fn_{label}"] += weight * n

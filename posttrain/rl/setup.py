@@ -41,16 +41,21 @@ from posttrain.train.session import TrainSession, start_session
 log = logging.getLogger("posttrain.rl")
 
 
-def check_shapes(name: str, cfg: Any, batch: Any, world: int) -> tuple[int, int]:
-    """(sequences per rank per rollout, optimizer updates per rollout), or a ValueError naming
-    the fields that do not fit together."""
+def _local_sequences(name: str, cfg: Any, world: int) -> int:
+    """Sequences per rank per rollout, or a ValueError when the prompts do not split evenly."""
     r = cfg.rollout
     if r.prompts_per_step % world:
         raise ValueError(
             f"{name}.rollout.prompts_per_step {r.prompts_per_step} must be a multiple of the "
             f"{world} ranks (each rank rolls out the same number of prompts)"
         )
-    local = r.prompts_per_step // world * r.samples_per_prompt
+    return r.prompts_per_step // world * r.samples_per_prompt
+
+
+def check_shapes(name: str, cfg: Any, batch: Any, world: int) -> tuple[int, int]:
+    """(sequences per rank per rollout, optimizer updates per rollout), or a ValueError naming
+    the fields that do not fit together."""
+    local = _local_sequences(name, cfg, world)
     per_update = batch.micro_batch_size * batch.grad_accum_steps
     if local % per_update:
         raise ValueError(
@@ -63,24 +68,18 @@ def check_shapes(name: str, cfg: Any, batch: Any, world: int) -> tuple[int, int]
 
 
 def one_step_shapes(kind: str, unit: str) -> Shapes:
-    """The shapes of a kind that takes one optimizer step per rollout over all of it, in
-    micro-batches of `micro_batch_size` sequences (online DPO, distill): the prompts split
-    evenly over the ranks, nothing to accumulate. `unit`: what a step takes, for the message."""
+    """The shapes of a kind that takes one optimizer step per rollout over all of it (online
+    DPO, distill): nothing to accumulate. `unit`: what a step takes, for the message."""
 
     def shapes(name: str, cfg: Any, batch: ResolvedBatch, world: int) -> tuple[int, int]:
-        r = cfg.rollout
-        if r.prompts_per_step % world:
-            raise ValueError(
-                f"{name}.rollout.prompts_per_step {r.prompts_per_step} must be a multiple of "
-                f"the {world} ranks (each rank rolls out the same number of prompts)"
-            )
+        local = _local_sequences(name, cfg, world)
         if batch.grad_accum_steps != 1:
             raise ValueError(
                 f"{name}.batch.grad_accum_steps {batch.grad_accum_steps}: {kind} takes one "
                 f"optimizer step per rollout over all its {unit}, micro_batch_size sequences "
                 "per forward; leave grad_accum_steps at 1"
             )
-        return r.prompts_per_step // world * r.samples_per_prompt, 1
+        return local, 1
 
     return shapes
 
@@ -131,13 +130,10 @@ def setup(
     shapes: Shapes = check_shapes,
     passes: Passes | None = None,
 ) -> RLRun:
-    """Everything before the first step: templates checked, reward and prompts loaded, the
-    roles built on the base and sharded, the session started (or resumed, with its KL
-    coefficient), the rollout engines ready (a rollout server started and given the policy:
-    `stack` stops it when the stage ends). `critic`: the kind trains one (the value role);
-    `kl_placement`: where `kl.placement: auto` puts the KL. `shapes` and `passes`: how the
-    update consumes a rollout (the clipped update's by default, `scoring_passes` looked up when
-    called so that a benchmark can force every pass; online DPO's step brings its own)."""
+    """Everything before the first step (a rollout server's: `stack` stops it when the stage
+    ends). `kl_placement`: where `kl.placement: auto` puts the KL. `shapes` and `passes`: how
+    the update consumes a rollout (`scoring_passes` looked up when called so that a benchmark
+    can force every pass)."""
     cfg, name, d = ctx.section, ctx.stage.name, ctx.dist
     base, tok, weights = training_base(ctx)
     template_sha = check_template(ctx, tok, "policy")
@@ -190,8 +186,7 @@ def setup(
 
 
 def check_template(ctx: StageContext, tok: Any, role: str) -> str:
-    """The sha256 of the tokenizer's chat template, after checking that it is the one the
-    parent in `role` (the policy, or the reward model) trained with."""
+    """The sha256 of the tokenizer's chat template, checked against the one `role` trained with."""
     recorded = ctx.role_manifest(role)["summary"].get("chat_template_sha256")
     return guard_template(tok, recorded, ctx.stage.name, ctx.section, ctx.stage.roles[role])
 
@@ -214,7 +209,6 @@ def load_prompts(ctx: StageContext, tok: Any) -> PromptData:
 
 
 def build_role_model(ctx: StageContext, base: PreTrainedModel, critic: bool) -> RoleModel:
-    """The policy, reference, reward-model (when a parent) and critic (PPO) roles on `base`."""
     prepare_for_training(base, ctx.section.activation_checkpointing)
     policy_dir, reference_dir = ctx.adapter_dir("policy"), ctx.adapter_dir("reference")
     assert policy_dir is not None and reference_dir is not None  # the graph checks both
@@ -236,9 +230,8 @@ def rollout_setup(
     batch_size: int,
     passes: tuple[bool, bool] = (True, True),
 ) -> RolloutSetup:
-    """What the rollouts and held-out samples are drawn with, on the session's (sharded)
-    `model`: generate registered as a forward method, the stop ids found. `passes`: whether
-    a rollout is scored by the policy and by the reference (`scoring_passes`)."""
+    """What the rollouts and held-out samples are drawn with, on the session's `model`.
+    `passes`: whether a rollout is scored by the policy and by the reference."""
     d = ctx.dist
     forward_method(model, "generate")
     # Responses end at any stop id (EOS, generation_config eos ids, the template's end of turn):
@@ -280,8 +273,7 @@ def rollout_engines(
     ctx: StageContext, s: RolloutSetup, version: int, stack: ExitStack
 ) -> dict[str, RolloutEngine]:
     """The policy's and the reference's rollout engines, the policy's at `version` (the
-    updates before a resume): in process, or a server's - started, given the reference and the
-    policy's current weights, and stopped by `stack`."""
+    updates before a resume): in process, or a server's, stopped by `stack`."""
     cfg = ctx.section.rollout
     if cfg.engine == "hf":
         engines = {r: build_engine(cfg, s.model, r, s.world) for r in (POLICY, REFERENCE)}

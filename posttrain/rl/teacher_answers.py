@@ -1,21 +1,17 @@
 """Off-policy (sequence-level) distillation, Kim & Rush 2016: an `sft` stage with a `teacher:` link
 trains on the teacher's answers to its training prompts instead of the data's own answers.
 
-Each training row's prompt is its conversation up to its last assistant turn; the teacher
-(`posttrain.models.teacher`, on its own base, sharded like the student, frozen) answers it
-`teacher_sampling.samples_per_prompt` times, greedily at temperature 0, and each answer becomes a
-row: the prompt and the teacher's answer as the last assistant turn. Held-out rows keep their
-own answers, so held-out loss and evaluate's exact match still measure the task, not the
-resemblance to the teacher. The teacher writes text, decoded by its own tokenizer and encoded
-again by the student's: its vocabulary may differ from the student's.
+Each training row's prompt (its conversation up to its last assistant turn) is answered by the
+teacher (`posttrain.models.teacher`) `teacher_sampling.samples_per_prompt` times, greedily at
+temperature 0, each answer a row. Held-out rows keep their own answers, so held-out loss and
+evaluate's exact match still measure the task, not the resemblance to the teacher. The teacher
+writes text, encoded again by the student's tokenizer: its vocabulary may differ.
 
-The answers are an artifact of their own, cached in the workspace (`posttrain.store.cache`:
-`<workspace>/artifacts/teacher_answers/<key>/answers.jsonl`): the key hashes the
-teacher's fingerprint, the prompts, the sampling fields, the seed and the numerics of the
-process that samples (`StageContext.numerics`: device, threads, precision...; not the number of
-ranks as such: the batches and their seeds are the same at any number, `world_batches`), so a
-re-run of the stage with other training fields (learning rate, steps) does not sample again,
-a changed teacher or prompt does, and reused answers are the ones sampling again would give.
+The answers are cached in the workspace (`posttrain.store.cache`): the key hashes the teacher's
+fingerprint, the prompts, the sampling fields, the seed and the numerics of the process that
+samples (not the number of ranks: the batches and their seeds are the same at any number,
+`world_batches`), so a re-run with other training fields does not sample again, a changed
+teacher or prompt does, and reused answers are the ones sampling again would give.
 """
 
 from __future__ import annotations
@@ -57,8 +53,7 @@ def prompt_of(row: Row) -> list[dict[str, Any]]:
 
 
 def cache_dir(ctx: Any, rows: list[Row]) -> Path:
-    """The cache entry (`posttrain.store.cache`) of the teacher's answers to `rows` under the
-    stage's sampling."""
+    """The cache entry of the teacher's answers to `rows` under the stage's sampling."""
     cfg = ctx.section.teacher_sampling
     payload = {
         "teacher": ctx.role_ref("teacher").fingerprint,
@@ -73,7 +68,7 @@ def cache_dir(ctx: Any, rows: list[Row]) -> Path:
 
 def teacher_rows(ctx: Any, rows: list[Row]) -> tuple[list[Row], dict[str, Any]]:
     """(`rows` answered by the teacher, `samples_per_prompt` rows per prompt in order; what it
-    cost: answers, seconds, whether they came from the cache, the cache file)."""
+    cost, for the summary)."""
     folder = cache_dir(ctx, rows)
     k = ctx.section.teacher_sampling.samples_per_prompt
     t = time.perf_counter()
@@ -131,9 +126,8 @@ def sampling_config(cfg: Any) -> SamplingConfig:
 
 @torch.no_grad()
 def world_batches(n: int, size: int, rank: int, world: int) -> list[list[int]]:
-    """This rank's batches of `n` jobs: the jobs cut into batches of `size` in order (the same
-    batches at any number of ranks, so the same answers), dealt round-robin over the ranks;
-    every rank gets as many batches, an empty one (a filler) where it has none left."""
+    """This rank's batches of `n` jobs: batches of `size` in order (the same at any number of
+    ranks), dealt round-robin; every rank gets as many, an empty filler where it has none left."""
     batches = [list(range(b, min(b + size, n))) for b in range(0, n, size)]
     rounds = math.ceil(len(batches) / world)
     return [batches[k] if k < len(batches) else [] for k in range(rank, rounds * world, world)]
@@ -141,10 +135,8 @@ def world_batches(n: int, size: int, rank: int, world: int) -> list[list[int]]:
 
 @torch.no_grad()
 def sample_answers(ctx: Any, rows: list[Row]) -> list[str]:
-    """The teacher's answers, `samples_per_prompt` per row in row order: each rank answers its
-    batches (`world_batches`; batch b seeded by seed + b's first job, so the answers do not
-    depend on the number of ranks), then every rank gets all of them. The teacher is freed
-    before returning."""
+    """The teacher's answers, `samples_per_prompt` per row in row order (batch b seeded by seed +
+    b's first job), gathered on every rank; the teacher is freed before returning."""
     cfg, d = ctx.section.teacher_sampling, ctx.dist
     model, tok = build_teacher(ctx)
     engine = build_engine(_engine_config(ctx), model, POLICY, d.world_size)

@@ -1,13 +1,10 @@
 """PPO and the GRPO family (`posttrain.stages.ppo`, `posttrain.stages.grpo`): the online-RL loop
-(`posttrain.rl.loop`) with the clipped update's step (`clipped_step`): steps 3 and 4, a scored
-rollout's advantages (the registered algorithm's, `posttrain.rl.algorithms`) and the clipped
-update over it; then the step's record, after the KL controller's update from the rollout's KL.
-
-The update makes `update_epochs` passes over the rollout in shuffled minibatches of
-micro x accum sequences per rank (x ranks). Each minibatch's objective is the clipped policy
+(`posttrain.rl.loop`) with the clipped update's step (`clipped_step`): a scored rollout's
+advantages (the registered algorithm's, `posttrain.rl.algorithms`), then `update_epochs` passes
+over it in shuffled minibatches of micro x accum sequences per rank (x ranks): clipped policy
 loss - entropy bonus (+ KL when it goes in the loss) and, with a critic, vf_coef x the clipped
-value loss, aggregated as `loss_aggregation` says (`losses.loss_weights`): a mean over the
-whole minibatch on all ranks, per token or per response.
+value loss, aggregated as `loss_aggregation` says (`losses.loss_weights`); then the step's record,
+after the KL controller's update from the rollout's KL.
 """
 
 from __future__ import annotations
@@ -86,14 +83,13 @@ class Minibatch:
 
 
 @dataclass(frozen=True)
-class MicroBatch:
-    """n rows of a minibatch, on the device."""
-
+class MicroBatch:  # n rows of a minibatch, on the device
     rows: torch.Tensor  # [n] rollout row indices
     # `Rollout.inputs` of the rows (input_ids [n, P+R], ...) or their `packed_inputs`
     inputs: dict[str, Any]
     mask: torch.Tensor  # [n, R] 1 on response tokens
     weights: torch.Tensor  # [n, R] each token's weight in the minibatch's objective
+    scale: float  # the minibatch's
 
 
 def update(
@@ -107,11 +103,9 @@ def update(
     chunk_tokens: int = 0,
     packed: bool = False,
 ) -> UpdateStats:
-    """Step 4: `update_epochs` passes of clipped updates over one rollout, the policy ratio
-    clipped to [1 - clip_range, 1 + clip_range_high]; pass e shuffles the rows with `seed` + e.
-    `step`: the rollout's logged step (1-based), for the guard's records. `chunk_tokens`: tokens
-    per pass through the LM head (`infra.logits_chunk_tokens`; 0 = full logits). `packed`: each
-    micro-batch's rows laid end to end (`batch.padding_free`), not padded."""
+    """Step 4: `update_epochs` passes of clipped updates over one rollout; pass e shuffles the
+    rows with `seed` + e. `step`: the rollout's logged step (1-based), for the guard's records.
+    `chunk_tokens`: tokens per pass through the LM head (0 = full logits)."""
     device, world = tr.dist.device, tr.dist.world_size
     per_update = batch.micro_batch_size * batch.grad_accum_steps
     # None only on ppo (token_mean); a grpo section holds its algorithm's (GRPOConfig presets).
@@ -162,11 +156,9 @@ def minibatch_backward(
     sums: Counter[str],
     packed: bool = False,
 ) -> float:
-    """Forward and backward of minibatch `mb`, `micro` rows at a time (padded, or laid end to
-    end with `packed`); gradients accumulate
-    and are synced over ranks by the last micro-batch's backward. Adds each token statistic's
-    sum over the response tokens to `sums`. Returns this rank's share of the minibatch's
-    objective (summed over ranks: the objective)."""
+    """Forward and backward of minibatch `mb`, `micro` rows at a time; gradients are synced
+    over ranks by the last micro-batch's backward. Adds each token statistic's sum to `sums`.
+    Returns this rank's share of the minibatch's objective (summed over ranks: the objective)."""
     device = tr.dist.device
     critic = adv.returns is not None
     micros = mb.rows.split(micro)
@@ -178,12 +170,13 @@ def minibatch_backward(
             model_inputs(ro, rows, packed, device),
             ro.mask[rows].to(device),
             mb.weights[k * micro : k * micro + len(rows)].to(device),
+            mb.scale,
         )
         grad_sync(tr.model, last and not critic)
-        share += policy_backward(tr, ro, adv, mi, mb.scale, cfg, chunk_tokens, sums)
+        share += policy_backward(tr, ro, adv, mi, cfg, chunk_tokens, sums)
         if critic:
             grad_sync(tr.model, last)
-            share += value_backward(tr, ro, adv, mi, mb.scale, cfg, sums)
+            share += value_backward(tr, ro, adv, mi, cfg, sums)
     return share
 
 
@@ -192,13 +185,11 @@ def policy_backward(
     ro: Rollout,
     adv: Advantages,
     mi: MicroBatch,
-    scale: float,
     cfg: Any,
     chunk_tokens: int,
     sums: Counter[str],
 ) -> float:
-    """The policy's objective on one micro-batch, backward; its token statistics summed into
-    `sums`. Returns this rank's share of the objective (its value / world)."""
+    """The policy's objective on one micro-batch, backward; as `value_backward`."""
     device = tr.dist.device
     logp, ent = response_logps(
         tr.model,
@@ -224,7 +215,7 @@ def policy_backward(
     per_token, stats = policy_terms(
         logp, ent, old, ref, adv.advantages[mi.rows].to(device), cfg, adv.kl_in_loss, lagged
     )
-    objective = (per_token * mi.weights).sum() * scale
+    objective = (per_token * mi.weights).sum() * mi.scale
     tr.backward(objective)
     for name, v in stats.items():
         sums[name] += float((v.detach() * mi.mask).sum())
@@ -241,17 +232,14 @@ def policy_terms(
     kl_in_loss: float,
     lagged: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The policy's per-token objective [n, R] from its log-probs and entropy [n, R] (with
-    grad), the rollout's log-probs under the weights before this update (None: the update's
-    own, detached: the rollout's only update, before which nothing changed the weights) and
-    under the reference (None: the KL does not count), and the advantages [n, R]: clipped
-    surrogate - entropy_coef x entropy (+ kl_in_loss x KL). `lagged`: (log-probs [n, R] under
-    the weights that sampled, rows [n] sampled one update behind): the surrogate of those rows
-    is weighted by the truncated importance weights (`truncated_importance_weights`, capped at
-    rollout.importance_weight_cap). With the per-token statistics [n, R] the update reports:
-    policy_loss, entropy, clip_frac, approx_kl (half the squared log-ratio to the weights
-    before the update), kl_loss (KL to the reference, when scored), is_weight and
-    is_clip_frac (with `lagged`), tokens (ones)."""
+    """The policy's per-token objective [n, R] (clipped surrogate - entropy_coef x entropy (+
+    kl_in_loss x KL)) and the per-token statistics [n, R] the update reports, from its
+    log-probs and entropy [n, R] (with grad), the rollout's log-probs under the weights before
+    this update (None: the update's own, detached: the rollout's only update, before which
+    nothing changed the weights) and under the reference (None: the KL does not count), and
+    the advantages [n, R]. `lagged`: (log-probs [n, R] under the weights that sampled, rows [n]
+    sampled one update behind): the surrogate of those rows is weighted by the truncated
+    importance weights."""
     if old_logp is None:
         old_logp = logp.detach()
     pg, clipped = clipped_policy_loss(
@@ -286,13 +274,12 @@ def value_backward(
     ro: Rollout,
     adv: Advantages,
     mi: MicroBatch,
-    scale: float,
     cfg: Any,
     sums: Counter[str],
 ) -> float:
     """The critic's objective on one micro-batch (vf_coef x the clipped value loss against the
-    returns), backward; value_loss and value_clip_frac summed into `sums`. Returns this rank's
-    share of the objective (its value / world)."""
+    returns), backward; its statistics summed into `sums`. Returns this rank's share of the
+    objective (its value / world)."""
     assert adv.returns is not None
     device = tr.dist.device
     values = tr.model(VALUE, **mi.inputs)  # [n, R]
@@ -302,7 +289,7 @@ def value_backward(
         adv.returns[mi.rows].to(device),
         cfg.value_clip,
     )
-    value_objective = cfg.vf_coef * (vf * mi.weights).sum() * scale
+    value_objective = cfg.vf_coef * (vf * mi.weights).sum() * mi.scale
     tr.backward(value_objective)
     sums["value_loss"] += float((vf.detach() * mi.mask).sum())
     sums["value_clip_frac"] += float((vclipped.float() * mi.mask).sum())
@@ -310,7 +297,6 @@ def value_backward(
 
 
 def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
-    """The PPO/GRPO stage: `run_loop` with the clipped update's step (`clipped_step`)."""
     algo = ALGORITHMS[algorithm]
     step = partial(clipped_step, algo=algo)
     return run_loop(ctx, step, critic=algo.critic, kl_placement=algo.kl_placement)
@@ -319,43 +305,28 @@ def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:
 def clipped_step(
     run: RLRun, rb: RolloutBatch, step: int, lag: torch.Tensor, algo: Algorithm
 ) -> Record:
-    """The update of logged step `step` + 1 (`posttrain.rl.loop.Update`) of `algo`: the
-    rollout's advantages and the clipped update over them; then the step's record (`record`)."""
+    """`posttrain.rl.loop.Update` of `algo`: advantages, the clipped update; its `record`
+    updates the KL controller from the rollout's KL first."""
     s, cfg = run.rollouts, run.ctx.section
     adv = compute_advantages(algo, rb.rollout, cfg, run.ctl.coef, run.placement, run.reduce, lag)
     update_seed = rollout_seed(s.seed, step, s.rank) + 1
     stats = update(
         run.tr, rb.rollout, adv, cfg, run.batch, update_seed, step + 1, s.chunk_tokens, s.packed
     )
-    return partial(record, run, step + 1, adv, stats)
 
+    def record(rb: RolloutBatch, t0: float, t_train: float, timing: dict[str, float]) -> None:
+        ro = rb.rollout
+        totals = rollout_totals(ro, s.device)
+        if "kl" in totals:  # not scored when it does not count (then the coefficient is fixed)
+            run.ctl.update(totals["kl"] / totals["n"], int(totals["n"]))
+        flops = step_flops(ro, run.tr, len(s.roles), cfg.update_epochs, run.critic)
+        if adv.returns is not None:
+            ev = explained_variance(ro.scored["values"], adv.returns, ro.mask, run.reduce)
+            timing = timing | {"explained_var": ev}
+        loss = stats.means["policy_loss"]
+        loss += cfg.vf_coef * stats.means["value_loss"] if run.critic else 0.0
+        write_record(
+            run, step + 1, rb, totals, stats, t0, t_train, timing, flops, loss, adv.kl_coef
+        )
 
-def record(
-    run: RLRun,
-    step: int,
-    adv: Advantages,
-    stats: UpdateStats,
-    rb: RolloutBatch,
-    t0: float,
-    t_train: float,
-    timing: dict[str, float],
-) -> None:
-    """The `train` record of logged step `step` (`write_record`) from the rollout, its totals
-    over ranks (`rollout_totals`: also the KL controller's update from the rollout's KL), its
-    advantages (with a critic, the values' explained variance) and the update's stats. Runs the
-    same collectives on every rank."""
-    cfg, tr, ro = run.ctx.section, run.tr, rb.rollout
-    totals = rollout_totals(ro, run.rollouts.device)
-    if "kl" in totals:  # not scored when it does not count (then the coefficient is fixed)
-        run.ctl.update(totals["kl"] / totals["n"], int(totals["n"]))
-    n_roles = len(run.rollouts.roles)
-    flops = step_flops(
-        ro, tr.n_matmul, tr.n_trainable, tr.model.config, n_roles, cfg.update_epochs, run.critic
-    )
-    if adv.returns is not None:
-        ev = explained_variance(ro.scored["values"], adv.returns, ro.mask, run.reduce)
-        timing = timing | {"explained_var": ev}
-    loss = stats.means["policy_loss"] + (
-        cfg.vf_coef * stats.means["value_loss"] if run.critic else 0.0
-    )
-    write_record(run, step, rb, totals, stats, t0, t_train, timing, flops, loss, adv.kl_coef)
+    return record

@@ -27,6 +27,10 @@ class Algorithm:
     presets: dict[str, Any] = field(default_factory=dict)
 
 
+# Presets: RLOO, REINFORCE++ and Dr. GRPO do not scale the scores by their standard deviation.
+NO_STD = {"scale_rewards": False}
+DAPO = {"clip_range_high": 0.28, "kl.coef": 0.0, "dynamic_sampling": True}
+
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in (
@@ -35,37 +39,12 @@ ALGORITHMS: dict[str, Algorithm] = {
         # the token mean over the minibatch has been this project's default since GRPO was added.
         Algorithm("grpo", critic=False, kl_placement="loss", advantage="grpo_advantages"),
         # Dr. GRPO (Liu et al. 2025): no std scaling and no per-response length normalisation.
-        Algorithm(
-            "dr_grpo",
-            critic=False,
-            kl_placement="loss",
-            advantage="grpo_advantages",
-            loss_aggregation="token_sum_norm",
-            presets={"scale_rewards": False},
-        ),
+        Algorithm("dr_grpo", False, "loss", "grpo_advantages", "token_sum_norm", NO_STD),
         # DAPO (Yu et al. 2025): clip-higher, token-level loss, no KL, dynamic sampling.
-        Algorithm(
-            "dapo",
-            critic=False,
-            kl_placement="loss",
-            advantage="grpo_advantages",
-            presets={"clip_range_high": 0.28, "kl.coef": 0.0, "dynamic_sampling": True},
-        ),
-        # RLOO (Ahmadian et al. 2024): leave-one-out baseline, KL in the reward, no std scaling.
-        Algorithm(
-            "rloo",
-            critic=False,
-            kl_placement="reward",
-            advantage="rloo_advantages",
-            presets={"scale_rewards": False},
-        ),
+        Algorithm("dapo", False, "loss", "grpo_advantages", presets=DAPO),
+        # RLOO (Ahmadian et al. 2024): leave-one-out baseline, KL in the reward.
+        Algorithm("rloo", False, "reward", "rloo_advantages", presets=NO_STD),
         # REINFORCE++ (Hu 2025): KL-shaped token rewards, return-to-go, batch-whitened advantages.
-        Algorithm(
-            "reinforce_pp",
-            critic=False,
-            kl_placement="reward",
-            advantage="reinforce_pp_advantages",
-            presets={"scale_rewards": False},
-        ),
+        Algorithm("reinforce_pp", False, "reward", "reinforce_pp_advantages", presets=NO_STD),
     )
 }

@@ -23,7 +23,7 @@ from posttrain.rl.rollout.sample import Rollout
 
 
 def shaped_scores(ro: Rollout, cfg: Any) -> torch.Tensor:
-    """Reward-model scores [N], with the recipe's penalty for responses that never stopped."""
+    """Scores [N], with the recipe's penalty for responses that never stopped."""
     scores = ro.scored["scores"].clone()
     if cfg.missing_eos_penalty is not None:
         scores[~ro.stopped] += cfg.missing_eos_penalty
@@ -43,13 +43,22 @@ def sequence_kl(ro: Rollout, estimator: str) -> torch.Tensor:
     return (rollout_kl(ro, estimator) * ro.mask).sum(1)
 
 
+def _sequence_scores(ro: Rollout, cfg: Any, kl_coef: float) -> torch.Tensor:
+    """[N] shaped scores, minus kl_coef x each response's KL when the KL goes in the reward."""
+    scores = shaped_scores(ro, cfg)
+    return scores - kl_coef * sequence_kl(ro, cfg.kl.estimator) if kl_coef else scores
+
+
+def _token_rewards(ro: Rollout, cfg: Any, kl_coef: float) -> torch.Tensor:
+    """[N, R]: the shaped score at the last token, minus kl_coef x KL at every token."""
+    return token_rewards(shaped_scores(ro, cfg), rollout_kl(ro, cfg.kl.estimator), ro.mask, kl_coef)
+
+
 def ppo_advantages(
     ro: Rollout, cfg: Any, kl_coef: float, reduce: Reduce | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards (score at the last token, minus kl_coef x KL at every token), GAE over
-    the critic's values, advantages whitened over the whole rollout (all ranks)."""
-    kl = rollout_kl(ro, cfg.kl.estimator)
-    rewards = token_rewards(shaped_scores(ro, cfg), kl, ro.mask, kl_coef)
+    """GAE over the critic's values, whitened over the whole rollout (all ranks)."""
+    rewards = _token_rewards(ro, cfg, kl_coef)
     adv, returns = gae(rewards, ro.scored["values"], ro.mask, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:
         adv = masked_whiten(adv, ro.mask, reduce=reduce)
@@ -59,11 +68,9 @@ def ppo_advantages(
 def grpo_advantages(
     ro: Rollout, cfg: Any, kl_coef: float, reduce: Reduce | None
 ) -> tuple[torch.Tensor, None]:
-    """Each response's score (minus kl_coef x its KL when the KL goes in the reward) compared
-    with the other samples of its prompt, the same advantage at every token; no critic."""
-    scores = shaped_scores(ro, cfg)
-    if kl_coef:
-        scores = scores - kl_coef * sequence_kl(ro, cfg.kl.estimator)
+    """Each response's score compared with the other samples of its prompt, the same
+    advantage at every token."""
+    scores = _sequence_scores(ro, cfg, kl_coef)
     adv = group_advantages(scores, cfg.rollout.samples_per_prompt, cfg.scale_rewards)
     return adv[:, None] * ro.mask, None
 
@@ -71,12 +78,9 @@ def grpo_advantages(
 def rloo_advantages(
     ro: Rollout, cfg: Any, kl_coef: float, reduce: Reduce | None
 ) -> tuple[torch.Tensor, None]:
-    """RLOO: each response's score (minus kl_coef x its KL: the KL goes in the reward) minus the
-    mean of the other samples of its prompt, the same advantage at every token; divided by the
-    group's standard deviation only when `scale_rewards` is set (off by the preset); no critic."""
-    scores = shaped_scores(ro, cfg)
-    if kl_coef:
-        scores = scores - kl_coef * sequence_kl(ro, cfg.kl.estimator)
+    """Each response's score minus the mean of the other samples of its prompt, at every token;
+    divided by the group's standard deviation only when `scale_rewards` is set."""
+    scores = _sequence_scores(ro, cfg, kl_coef)
     k = cfg.rollout.samples_per_prompt
     adv = leave_one_out_advantages(scores, k)
     if cfg.scale_rewards:
@@ -87,11 +91,9 @@ def rloo_advantages(
 def reinforce_pp_advantages(
     ro: Rollout, cfg: Any, kl_coef: float, reduce: Reduce | None
 ) -> tuple[torch.Tensor, None]:
-    """REINFORCE++ (Hu 2025): per-token rewards (-kl_coef x KL at every token, the score at the
-    last), return-to-go with gamma 1 and no critic (GAE over zero values with gamma = lam = 1),
-    whitened over the whole global batch (all ranks): the batch, not the group, is the baseline."""
-    kl = rollout_kl(ro, cfg.kl.estimator)
-    rewards = token_rewards(shaped_scores(ro, cfg), kl, ro.mask, kl_coef)
+    """Return-to-go (GAE over zero values, gamma = lam = 1) whitened over the whole global
+    batch (all ranks): the batch, not the group, is the baseline."""
+    rewards = _token_rewards(ro, cfg, kl_coef)
     returns, _ = gae(rewards, torch.zeros_like(rewards), ro.mask, 1.0, 1.0)  # [N, R]
     return masked_whiten(returns, ro.mask, reduce=reduce), None
 

@@ -59,9 +59,7 @@ class RolloutSetup:
     packed: bool = False  # scoring and update forwards padding-free (`batch.padding_free`)
 
     @property
-    def roles(self) -> tuple[str, ...]:
-        """The roles a rollout is scored by: policy and reference log-probs (each unless
-        skipped), the reward model's score (when the stage has one), the critic's values."""
+    def roles(self) -> tuple[str, ...]:  # what a rollout is scored by
         logps = ((POLICY,) if self.score_policy else ()) + (
             (REFERENCE,) if self.score_reference else ()
         )
@@ -101,11 +99,8 @@ def round_prompts(
 
 
 def generate(s: RolloutSetup, rows: list[dict[str, Any]], seed: int, role: str = POLICY) -> Rollout:
-    """Step 1: one sampled response per row from `role` under `seed`, by the role's engine
-    (`posttrain.rl.rollout.sample.sample`; in process, every rank runs the same number of decode
-    steps). With tools or an environment, one episode per row
-    (`posttrain.rl.rollout.multiturn.play`). The policy's rows carry the version that sampled
-    them."""
+    """Step 1: one sampled response per row from `role` under `seed` (with tools or an
+    environment, one episode per row: `posttrain.rl.rollout.multiturn.play`)."""
     engine = s.engines[role]
     if s.episodes is not None:
         sampling = sampling_of(s.cfg.rollout)
@@ -133,10 +128,10 @@ def generate(s: RolloutSetup, rows: list[dict[str, Any]], seed: int, role: str =
 
 
 def score_rollout(
-    s: RolloutSetup, ro: Rollout, rows: list[dict[str, Any]], roles: tuple[str, ...]
+    s: RolloutSetup, ro: Rollout, rows: list[dict[str, Any]] | None, roles: tuple[str, ...]
 ) -> None:
-    """Step 2: fill `ro.scored` with the forward (no grad) of each of `roles` and the reward of
-    each response (`rows`: the prompt rows it answers, for the reward functions)."""
+    """Step 2: fill `ro.scored` with each of `roles` (no grad) and, given the prompt `rows` it
+    answers, the reward of each response."""
     score(
         s.model,
         ro,
@@ -148,13 +143,12 @@ def score_rollout(
         s.cfg.rollout.temperature,
         s.packed,
     )
-    s.rewarder(ro, rows)
+    if rows is not None:
+        s.rewarder(ro, rows)
 
 
 @dataclass(frozen=True)
-class Generated:
-    """Step 1 of one round, before scoring: the prompt rows and what they were answered."""
-
+class Generated:  # step 1 of one round, before scoring
     rows: list[dict[str, Any]]
     rollout: Rollout
     seconds: float  # drawing the prompts and generating
@@ -163,9 +157,8 @@ class Generated:
 def generate_round(
     s: RolloutSetup, prompts: list[dict[str, Any]], step: int, round_: int
 ) -> Generated:
-    """This rank's prompts of a round drawn and answered by the policy's engine. Runs no
-    forward of the trainer's model when the engine is a server's (`posttrain.rl.rollout.offpolicy`
-    runs it in a thread then)."""
+    """This rank's prompts of a round drawn and answered by the policy's engine (no forward
+    of the trainer's model with a server's engine: `offpolicy` runs it in a thread then)."""
     t = time.perf_counter()
     rows = round_prompts(s, prompts, step, round_)
     ro = generate(s, rows, rollout_seed(s.seed + round_, step, s.rank))
@@ -179,8 +172,7 @@ def sampling_round(
     round_: int,
     generated: Generated | None = None,
 ) -> RolloutBatch:
-    """One round: this rank's prompts drawn, generated (unless `generated` already holds
-    them), scored and rewarded, with the seconds each part took."""
+    """One round: generated (unless `generated` already holds it), scored and rewarded."""
     g = generated or generate_round(s, prompts, step, round_)
     t = time.perf_counter()
     score_rollout(s, g.rollout, g.rows, s.roles)
@@ -193,11 +185,10 @@ def collect_rollout(
     step: int,
     generated: Generated | None = None,
 ) -> RolloutBatch:
-    """Steps 1 and 2 of step `step` (0-based): the step's scored rollout on this rank, drawn
-    from `prompts` (the training prompt rows), and its sampling statistics; `generated`: its
-    first round, generated ahead (`posttrain.rl.rollout.offpolicy`). With groups, the share of
-    groups whose samples score differently (`informative_frac`, over all ranks); with dynamic
-    sampling, rounds until the batch is made of such groups (`dynamic_sampling`)."""
+    """Steps 1 and 2 of step `step` (0-based) on this rank; `generated`: its first round,
+    generated ahead. With groups, the share of groups whose samples score differently
+    (`informative_frac`, over all ranks); with dynamic sampling, rounds until the batch is
+    made of such groups."""
     first = sampling_round(s, prompts, step, 0, generated)
     group = s.cfg.rollout.samples_per_prompt
     if group < 2:
@@ -258,8 +249,8 @@ def select_groups(ro: Rollout, which: list[int], group: int) -> Rollout:
 
 
 def top_up(spare: list[Rollout], missing: int, group: int) -> list[Rollout]:
-    """Up to `missing` groups taken from `spare` (the rounds' dropped groups) in order, the
-    first groups of each round first: what fills a batch the rounds left short."""
+    """Up to `missing` groups of `spare` (the rounds' dropped groups), each round's first
+    groups first: what fills a batch the rounds left short."""
     out = []
     for extra in spare:
         n = min(extra.n // group, missing)

@@ -2,33 +2,19 @@
 
 `sample()` (posttrain.rl.rollout.sample) asks an engine for response tokens and builds the Rollout
 (masks, stop flags) around them; scoring and updates never see the engine. Two engines: the
-in-process `HFEngine` below, and a serving engine's (vLLM, SGLang, `transformers serve`: paged
-KV cache, continuous batching; `posttrain.rl.rollout.server_engine.ServerEngine`). The stage
-holds one engine per sampling role and calls `sync_weights` after each update. The interface:
+in-process `HFEngine` below, and a serving engine's (vLLM, SGLang, `transformers serve`;
+`posttrain.rl.rollout.server_engine.ServerEngine`). The stage holds one engine per sampling role
+and calls `sync_weights` after each update, which makes the next `version` (in process: only the
+kept cache is dropped; a server loads the policy's adapter). Each rollout records the version
+that sampled it, and the update measures its lag. `collective`: `generate` is a collective over
+ranks (every forward of the sharded model is one), so callers keep the ranks in step.
+`turns=True`: an episode loop's call, whose next prompts extend these prompts and responses, so
+the engine may keep its KV cache until `release()` (`posttrain.rl.rollout.prefix_cache`).
 
-- `generate(prompts, sampling, stop_ids, pad_id, seed, turns)` -> response ids [N, R];
-  `turns`: an episode loop's call, whose next call's prompts extend these prompts and responses,
-  so the engine may keep its KV cache between them (`release()` drops it). The in-process engine
-  keeps it itself (`posttrain.rl.rollout.prefix_cache`); a serving engine's prefix cache does
-  the same.
-- `sync_weights(model)`: after each policy update, which makes the next `version`; in process
-  the engine decodes with the training model itself and only drops its kept cache; the server
-  engine (`posttrain.rl.rollout.server_engine`) writes the policy's adapter and has the server
-  load it.
-- `version`: the policy version the engine samples (updates applied since the stage's start,
-  counting those before a resume); each rollout records it, and the update measures its lag.
-- `collective`: whether `generate` is a collective over ranks (in process, every forward of
-  the sharded model is one), so callers keep the ranks in step; a server engine's is not.
-- `take_counts()`: what the calls since the last take saw (a server's exact/re-tokenised
-  answers), for the step's metrics.
-- `sleep()` / `wake()`: free / re-take the engine's memory (weights, KV cache) around the
-  training phase; no-ops in process.
-
-`HFEngine` decodes in process on the (FSDP2-sharded) role model, either with transformers'
-`generate` (`drop_finished=False`, the default) or with a decode loop of its own that drops rows
-from the batch (and their KV cache) as soon as they emit a stop token. transformers' `generate`
-keeps stepping every row until the last one ends, so a batch of long-tailed responses pays for
-its longest one in every row.
+`HFEngine` decodes with transformers' `generate` (`drop_finished=False`, the default) or with a
+decode loop of its own that drops rows from the batch (and their KV cache) as soon as they emit
+a stop token: `generate` keeps stepping every row until the last one ends, so a batch of
+long-tailed responses pays for its longest one in every row.
 
 The decode loop samples exactly as `generate` does, token for token for the same seed (on CPU
 and CUDA; tested against `generate`): same logit warpers in the same order (temperature, top-k,
@@ -63,6 +49,9 @@ _DECODE_REGISTERED = "_posttrain_decode_registered"
 class RolloutEngine(Protocol):
     """Samples responses for online RL; see the module docstring."""
 
+    version: int  # updates applied since the stage's start, counting those before a resume
+    collective: bool
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -73,35 +62,15 @@ class RolloutEngine(Protocol):
         turns: bool = False,
     ) -> torch.Tensor:
         """Response ids [N, R] (R = longest response of this call; rows right-padded with
-        `pad_id` after the stop token that ended them), one per prompt, seeded by `seed`; the
-        caller's RNG state is left as it was. `turns`: the caller plays multi-turn episodes,
-        whose next prompts extend these prompts and responses: the engine may keep this
-        call's KV cache for the next call to continue from, until `release()`."""
+        `pad_id` after the stop token that ended them), seeded by `seed`; the caller's RNG
+        state is left as it was."""
         ...
 
-    def release(self) -> None:
-        """Drop what `generate(..., turns=True)` kept."""
-        ...
+    def release(self) -> None: ...  # drop what `generate(..., turns=True)` kept
 
-    version: int
-    collective: bool
+    def sync_weights(self, model: torch.nn.Module) -> None: ...
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Make the engine sample from `model`'s current weights (after an update): the next
-        version."""
-        ...
-
-    def take_counts(self) -> dict[str, float]:
-        """What the calls since the last take saw, then reset."""
-        ...
-
-    def sleep(self) -> None:
-        """Release the engine's memory while the trainer runs."""
-        ...
-
-    def wake(self) -> None:
-        """Take the memory back before the next `generate`."""
-        ...
+    def take_counts(self) -> dict[str, float]: ...  # what calls since the last take saw; reset
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,22 +84,26 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+def right_pad(seqs: list[list[int]], pad_id: int) -> torch.Tensor:
+    """[N, R] (R: the longest, at least 1): each sequence left-aligned, pad_id on its right."""
+    out = torch.full((len(seqs), max([1, *map(len, seqs)])), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
 # leave(batch row, original row, that row's mask [S], cache, tokens generated and fed)
 Leave = Callable[[int, int, torch.Tensor, DynamicCache, list[int]], None]
 
 
 class HFEngine:
-    """In-process engine on the role model (`RoleModel.generate` / `RoleModel.decode` with the
-    role's adapter active). `world` > 1: generation is synced, every rank runs the same number
-    of forwards (each forward of a sharded model is a collective; a rank that stopped early
-    would leave the others waiting forever), so a rank whose rows all ended keeps stepping with
-    a one-row dummy. `batch_size`: sequences per generate call (None = all). `keep_gathered`:
-    hold the sharded blocks gathered for the whole call (`posttrain.distributed.fsdp.gathered`).
-    `cache_implementation`: transformers' cache for `generate` (None = dynamic; "static" is
-    measured in bench/rollout_cost.py) - not used by the decode loop. `keep_turns`: calls
-    with `turns=True` run the decode loop and keep their KV cache for the next call
-    (`posttrain.rl.rollout.prefix_cache`), on models whose layers all attend to the whole
-    sequence and for greedy or sampled decoding."""
+    """In-process engine on the role model (`RoleModel.generate` / `RoleModel.decode`).
+    `world` > 1: every rank runs the same number of forwards (each is a collective), so a rank
+    whose rows all ended keeps stepping with a one-row dummy. `keep_gathered`: hold the sharded
+    blocks gathered for the whole call. `cache_implementation`: transformers' cache for
+    `generate` ("static" is measured in bench/rollout_cost.py). `keep_turns`: `turns=True`
+    calls run the decode loop and keep their KV cache, on models whose layers all attend to the
+    whole sequence and for greedy or sampled decoding."""
 
     def __init__(
         self,
@@ -167,14 +140,7 @@ class HFEngine:
     def release(self) -> None:
         self.prefix.clear()
 
-    def sleep(self) -> None:
-        pass
-
-    def wake(self) -> None:
-        pass
-
     def _keeps(self, sampling: SamplingConfig) -> bool:
-        """Whether a `turns` call keeps its cache (see the class docstring)."""
         if self._full_attention is None:  # the model's layout: looked up once
             self._full_attention = full_attention(self.model.causal_lm.config)
         return (
@@ -214,18 +180,14 @@ class HFEngine:
                         found[rows] = [None] * len(found[rows])  # the last turn's rows, done
                     else:
                         chunk = ids[rows].to(device), attn[rows].to(device)
-                        run = self._fresh_decode if self.drop_finished else self._generate
-                        out = run(*chunk, sampling, stop_ids, pad_id)
+                        if self.drop_finished:
+                            out = self._decode(self._fresh(*chunk), sampling, stop_ids, pad_id)
+                        else:
+                            out = self._generate(*chunk, sampling, stop_ids, pad_id)
                     chunks.append(out.cpu())
         finally:
             model.train(was_training)
-        width = max(c.size(1) for c in chunks)
-        response = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-        row = 0
-        for c in chunks:
-            response[row : row + c.size(0), : c.size(1)] = c
-            row += c.size(0)
-        return response
+        return right_pad([row for c in chunks for row in c.tolist()], pad_id)
 
     def _generate(
         self,
@@ -253,16 +215,6 @@ class HFEngine:
         """The decode loop's start on a left-padded batch ids/attn [b, P], nothing cached."""
         pos = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 0)  # [b, P] as generate makes them
         return Continued(DynamicCache(config=self.model.causal_lm.config), ids, attn, pos, 0)
-
-    def _fresh_decode(
-        self,
-        ids: torch.Tensor,
-        attn: torch.Tensor,
-        sampling: SamplingConfig,
-        stop_ids: list[int],
-        pad_id: int,
-    ) -> torch.Tensor:
-        return self._decode(self._fresh(ids, attn), sampling, stop_ids, pad_id)
 
     def _turn(
         self,
@@ -339,8 +291,7 @@ class HFEngine:
 
 
 def _any_running(running: bool, synced: bool, device: torch.device) -> bool:
-    """Whether any rank still has rows to decode (one all-reduce per step when synced, as in
-    transformers' generate)."""
+    """Whether any rank still has rows to decode (one all-reduce per step, as `generate`)."""
     if not synced:
         return running
     flag = torch.tensor(1.0 if running else 0.0, device=device)
@@ -382,15 +333,11 @@ def _pick(scores: torch.Tensor, b: int, rows: torch.Tensor, do_sample: bool) -> 
 
 
 def _register_decode(model: torch.nn.Module) -> None:
-    """Make `model.decode` run as the forward does (FSDP2's pre/post-forward hooks when sharded,
-    the autocast of an unwrapped bf16 model: `posttrain.distributed.fsdp.forward_method`), once:
-    a second registration would wrap it twice."""
+    """Make `model.decode` run as the forward does (`posttrain.distributed.fsdp.forward_method`),
+    once: a second registration would wrap it twice."""
     if not getattr(model, _DECODE_REGISTERED, False):
         forward_method(model, "decode")
         setattr(model, _DECODE_REGISTERED, True)
-
-
-ENGINES: dict[str, Callable[..., RolloutEngine]] = {"hf": HFEngine}
 
 
 def build_engine(
@@ -403,9 +350,9 @@ def build_engine(
             "rollout.engine: server engines are built around the stage's rollout server "
             "(posttrain.rl.setup.rollout_engines)"
         )
-    if cfg.engine not in ENGINES:
-        raise ValueError(f"rollout.engine: unknown engine {cfg.engine!r}; known: {sorted(ENGINES)}")
-    return ENGINES[cfg.engine](
+    if cfg.engine != "hf":
+        raise ValueError(f"rollout.engine: unknown engine {cfg.engine!r}; known: ['hf']")
+    return HFEngine(
         model,
         role,
         world,

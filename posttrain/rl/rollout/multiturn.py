@@ -35,7 +35,7 @@ from posttrain.agents.tools import ToolLoadError, load_tools
 from posttrain.data.chat import end_of_turn
 from posttrain.distributed.runtime import all_reduce_sum, min_max
 from posttrain.rewards.extract import completion_text
-from posttrain.rl.rollout.engine import RolloutEngine, left_pad
+from posttrain.rl.rollout.engine import RolloutEngine, left_pad, right_pad
 from posttrain.rl.rollout.sample import Rollout
 
 if TYPE_CHECKING:
@@ -54,8 +54,7 @@ class EpisodeSetup:
     env: EnvironmentClass | None
     mask_truncated: bool
 
-    def describe(self) -> dict[str, Any]:
-        """What the episodes are played with, for reports."""
+    def describe(self) -> dict[str, Any]:  # for reports
         return {
             "tools": [s["function"]["name"] for s in self.schemas or []],
             "environment": self.env.ref if self.env is not None else None,
@@ -68,9 +67,8 @@ class EpisodeSetup:
 def episode_setup(
     cfg: RolloutConfig, tok: Any, stop_ids: list[int], model: str
 ) -> EpisodeSetup | None:
-    """The episodes' tools, environment, template format and limits (None: single-turn
-    rollouts). References are the resolved recipe's, pointed at their files already. `model`
-    names the policy in the refusal of a template without tools."""
+    """The episodes' setup (None: single-turn rollouts). `model` names the policy in the
+    refusal of a template without tools."""
     if not cfg.episodes:
         return None
     tools = load_tools(cfg.tools)
@@ -165,10 +163,9 @@ def play(
     seed: int,
     versions: bool = True,
 ) -> Rollout:
-    """One episode per prompt row (`posttrain.data.prompts` rows), its turns sampled by
-    `engine` under `seed`, as a Rollout (see the module docstring) stamped with the engine's
-    policy version (`versions`; False for the reference's episodes). Ranks keep in step only
-    when the engine's generation is a collective."""
+    """One episode per prompt row, its turns sampled by `engine` under `seed`, as a Rollout
+    stamped with the engine's policy version (`versions`). Ranks keep in step only when the
+    engine's generation is a collective."""
     gen = engine_turns(engine, sampling, stop_ids, tok.pad_token_id, seed)
     sync = None
     if engine.collective:
@@ -192,17 +189,14 @@ def play(
 def episode_rollout(
     runs: list[EpisodeRun], messages: list[Any], pad_id: int, e: EpisodeSetup
 ) -> Rollout:
-    """The Rollout of played `runs`: prompts [N, P] left-padded, the rest [N, R] right-padded
-    with mask 1 on the policy's tokens (0 everywhere for a truncated episode under
-    mask_truncated) and attn 1 on every real token."""
+    """The Rollout of played `runs` (module docstring; a truncated episode under
+    mask_truncated has mask 0 everywhere)."""
     prompt_ids, prompt_mask = left_pad([r.ids[: r.prompt_len] for r in runs], pad_id)
-    width = max(1, max(r.spent for r in runs))
-    response = torch.full((len(runs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(runs), width)
-    attn = torch.zeros(len(runs), width)
+    response = right_pad([r.ids[r.prompt_len :] for r in runs], pad_id)
+    mask = torch.zeros(response.shape)
+    attn = torch.zeros(response.shape)
     for i, r in enumerate(runs):
         n = r.spent
-        response[i, :n] = torch.tensor(r.ids[r.prompt_len :], dtype=torch.long)
         attn[i, :n] = 1.0
         if not (e.mask_truncated and r.truncated):
             mask[i, :n] = torch.tensor(r.mask[r.prompt_len :], dtype=torch.float32)
@@ -214,16 +208,14 @@ def episode_rollout(
 TOOL_COUNTS = ("tool_calls", *OUTCOMES.values())
 
 
-def episode_sums(ro: Rollout) -> dict[str, float]:
-    """This rank's `played_sums` of the episodes of `ro` (none for a single-turn rollout)."""
+def episode_sums(ro: Rollout) -> dict[str, float]:  # none for a single-turn rollout
     if ro.episodes is None:
         return {}
     return played_sums(ro.episodes, float(ro.stats.get("tool_s", 0.0)))
 
 
 def played_sums(episodes: Sequence[EpisodeRun], tool_s: float = 0.0) -> dict[str, float]:
-    """Sums over played `episodes`: episodes, turns, tool counts (`TOOL_COUNTS`,
-    `tool_malformed`), truncated, and `tool_s`, the seconds they waited for tools."""
+    """Sums over played `episodes` (`tool_s`: the seconds they waited for tools)."""
     counts = failure_counts([row for e in episodes for row in e.results])
     return {
         "episodes": float(len(episodes)),
@@ -236,10 +228,8 @@ def played_sums(episodes: Sequence[EpisodeRun], tool_s: float = 0.0) -> dict[str
 
 
 def episode_metrics(t: dict[str, float]) -> dict[str, float]:
-    """Means of reduced `episode_sums` (empty when there were none): turns and tool calls per
-    episode, the share of attempted calls that failed (errors, timeouts, unknown tools, bad
-    arguments, malformed) and that were valid (well-formed, a known tool, arguments it takes),
-    the truncated share."""
+    """Means of reduced `episode_sums` (empty when there were none); a valid call is
+    well-formed, of a known tool, with arguments it takes."""
     if not t.get("episodes"):
         return {}
     n, attempted = t["episodes"], t["tool_calls"] + t["tool_malformed"]
@@ -255,9 +245,7 @@ def episode_metrics(t: dict[str, float]) -> dict[str, float]:
 
 
 def episode_record(run: EpisodeRun) -> dict[str, Any]:
-    """A sample file's fields for a played episode: the prompt as the policy saw it (an
-    environment's reset text included), its final answer, the messages after the prompt,
-    turns, how it ended and its tool calls."""
+    """A sample file's fields for a played episode (the prompt as the policy saw it)."""
     after = run.messages[run.n_prompt :]
     return {
         "prompt": run.messages[: run.n_prompt],

@@ -34,7 +34,8 @@ import torch
 from posttrain.distributed.runtime import all_reduce_sum
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import adapter_of
-from posttrain.rl.rollout.sample import Rollout, score
+from posttrain.rl.rollout.collect import RolloutSetup, score_rollout
+from posttrain.rl.rollout.sample import Rollout
 from posttrain.runtime.errors import StageVerdict
 
 
@@ -84,26 +85,15 @@ class PolicySnapshot:
 
 @torch.no_grad()
 def score_behaviour(
-    s: Any, ro: Rollout, lag: torch.Tensor, snapshot: PolicySnapshot, device: torch.device
+    s: RolloutSetup, ro: Rollout, lag: torch.Tensor, snapshot: PolicySnapshot, device: torch.device
 ) -> None:
     """`ro.scored["behaviour_logps"]` [N, R]: every row's log-probs under the snapshot's
-    weights (the version one update behind), when any rank has a row that lagged. All rows are
-    scored, so every rank runs the same forwards (each is a collective when sharded)."""
+    weights, when any rank has a row that lagged (all rows: the forwards are collectives)."""
     if not all_reduce_sum(float(bool((lag > 0).any())), device):
         return
     scratch = replace(ro, scored={})
     with snapshot.active():
-        score(
-            s.model,
-            scratch,
-            s.tokenizer,
-            s.batch_size,
-            s.cfg.data.max_prompt_len,
-            (POLICY,),
-            s.chunk_tokens,
-            s.cfg.rollout.temperature,
-            s.packed,
-        )
+        score_rollout(s, scratch, None, (POLICY,))
     ro.scored["behaviour_logps"] = scratch.scored["logps"]
 
 

@@ -44,9 +44,7 @@ class Rollout:
     mask: torch.Tensor  # [N, R] float: 1 on response tokens up to and including the stop token
     stopped: torch.Tensor  # [N] bool: the response ended with a stop token
     messages: list[Messages]  # prompt messages of each sequence
-    scored: dict[str, torch.Tensor] = field(
-        default_factory=dict
-    )  # logps, ref_logps, values, scores
+    scored: dict[str, torch.Tensor] = field(default_factory=dict)  # logps, values, scores...
     # Episodes: [N, R] 1 on every real token after the prompt (None: the mask, single-turn),
     # and each sequence's episode (conversation, turns, tool results, environment).
     attn: torch.Tensor | None = None
@@ -59,8 +57,7 @@ class Rollout:
     versions: torch.Tensor | None = None
 
     @property
-    def response_attn(self) -> torch.Tensor:
-        """[N, R] 1 on the real tokens after the prompt (long)."""
+    def response_attn(self) -> torch.Tensor:  # [N, R] long: 1 on real tokens after the prompt
         return (self.mask if self.attn is None else self.attn).long()
 
     @property
@@ -72,8 +69,8 @@ class Rollout:
         return self.prompt_ids.size(1), self.response.size(1)
 
     def inputs(self, idx: list[int] | torch.Tensor) -> dict[str, torch.Tensor]:
-        """Model inputs of rows `idx`: prompt + response with position ids that skip the left
-        padding, and the slice bounds that select the response positions."""
+        """Model inputs of rows `idx`, position ids skipping the left padding, and the slice
+        bounds of the response positions."""
         ids = torch.cat([self.prompt_ids[idx], self.response[idx]], dim=1)  # [n, P+R]
         attn = torch.cat([self.prompt_mask[idx], self.response_attn[idx]], dim=1)
         pos = (attn.cumsum(1) - 1).clamp(min=0)
@@ -87,12 +84,11 @@ class Rollout:
         }
 
     def packed_inputs(self, idx: list[int] | torch.Tensor) -> dict[str, Any]:
-        """Model inputs of rows `idx` laid end to end (`posttrain.data.segments`): each row's
-        real tokens - its prompt, then what follows it - in input_ids/position_ids [1, N]
-        (positions restart per row, as `inputs` numbers them), the `segments` that confine
-        attention to each row, and `index` [n, R]: for response column r of row i, the flat
-        position whose output predicts that token (the one before it; 0 past the row's end,
-        where the mask is 0). No forward spends compute on padding."""
+        """Model inputs of rows `idx` laid end to end (`posttrain.data.segments`), no padding:
+        each row's real tokens in input_ids/position_ids [1, N] (positions restart per row),
+        the `segments` that confine attention to each row, and `index` [n, R]: for response
+        column r of row i, the flat position whose output predicts that token (0 past the row's
+        end, where the mask is 0)."""
         rows = torch.as_tensor(idx, dtype=torch.long).reshape(-1)
         attn = self.response_attn[rows]  # [n, R], a prefix of each row
         index = torch.zeros(attn.shape, dtype=torch.long)
@@ -111,14 +107,11 @@ class Rollout:
             "index": index,
         }
 
-    def tokens(self) -> int:
-        """Real (non-pad) tokens of the rollout: prompts plus responses (episodes: plus what
-        came between the policy's turns)."""
+    def tokens(self) -> int:  # real (non-pad) tokens: prompts and what follows them
         return int(self.prompt_mask.sum() + self.response_attn.sum())
 
     def select(self, rows: list[int] | torch.Tensor) -> Rollout:
-        """The rollout of `rows` only (scored tensors alongside), e.g. the informative groups of
-        dynamic sampling; widths stay as they are (padding columns are harmless)."""
+        """The rollout of `rows` only; widths stay as they are (padding columns are harmless)."""
         idx = torch.as_tensor(rows, dtype=torch.long)
         return Rollout(
             self.prompt_ids[idx],
@@ -137,11 +130,9 @@ class Rollout:
     @staticmethod
     def cat(parts: Sequence[Rollout], pad_id: int = 0) -> Rollout:
         """One rollout of several (rounds of dynamic sampling), in order: prompts re-padded on
-        the LEFT and responses on the RIGHT to the widest, so the model inputs of a row and the
-        response column of each token keep their meaning; per-token scored tensors [N, R]
-        (logps, values) get zeros on the new columns (the mask is 0 there), per-sequence ones
-        [N] (scores) are concatenated. `pad_id` fills the new token columns (never attended:
-        their masks are 0). Every part must hold the same scored keys."""
+        the LEFT and responses on the RIGHT to the widest, so a row's model inputs and each
+        token's response column keep their meaning; per-token scored tensors [N, R] get zeros on
+        the new columns (the mask is 0 there). Every part must hold the same scored keys."""
         if not parts:
             raise ValueError("Rollout.cat needs at least one rollout")
         keys = set(parts[0].scored)
@@ -186,7 +177,6 @@ class Rollout:
 def model_inputs(
     ro: Rollout, idx: list[int] | torch.Tensor, packed: bool, device: torch.device
 ) -> dict[str, Any]:
-    """`ro.packed_inputs(idx)` (padding-free) or `ro.inputs(idx)` (padded), on `device`."""
     inp = ro.packed_inputs(idx) if packed else ro.inputs(idx)
     return {
         k: v.to(device) if torch.is_tensor(v) or isinstance(v, Segments) else v
@@ -197,8 +187,7 @@ def model_inputs(
 def response_mask(
     response: torch.Tensor, stop_ids: int | Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask [N, R] float, stopped [N] bool): tokens up to and including the first of the stop
-    ids (an EOS, an end-of-turn marker)."""
+    """(mask [N, R] float, stopped [N] bool): tokens up to and including the first stop id."""
     stops = torch.tensor(_ids(stop_ids), dtype=response.dtype, device=response.device)
     is_stop = torch.isin(response, stops)  # [N, R]
     stops_before = is_stop.long().cumsum(1) - is_stop.long()  # stop tokens strictly before t
@@ -231,17 +220,9 @@ def sample(
     seed: int,
     versions: bool = True,
 ) -> Rollout:
-    """Sample one response per prompt (repeat a prompt for several samples) through the rollout
-    `engine` (`posttrain.rl.rollout.engine`), as a Rollout stamped with the engine's policy
-    version (`versions`; False for the reference's samples).
-
-    In process, every rank runs the same number of forwards; with more than one rank, generation
-    is synced: a rank whose sequences all ended keeps stepping with the others until every rank
-    is done, since each step of a sharded model is a collective and a rank that stopped early
-    would leave the others waiting forever. Sampling is seeded by `seed` (call it with a value
-    derived from seed, step and rank) and the caller's RNG state is restored. A response ends at
-    the first of `stop_ids` (`stop_token_ids`; an id no token has, e.g. -1, never stops).
-    """
+    """One response per prompt (repeat a prompt for several samples) from `engine`, seeded by
+    `seed`, as a Rollout stamped with the engine's policy version (`versions`; False for the
+    reference's samples). A response ends at the first of `stop_ids` (-1 never stops)."""
     stops = _ids(stop_ids)
     response = engine.generate(prompts, sampling_of(cfg), stops, pad_id, seed)  # [N, R]
     ids, attn = left_pad(prompts, pad_id)
@@ -272,9 +253,8 @@ def response_logps(
     entropy: bool = False,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log p(response) [n, R], entropy [n, R] | None) under `role` for `inp` (from
-    `Rollout.inputs`): through the chunked head on the response tokens only (mask [n, R] > 0;
-    0.0 on padding) when `chunk_tokens`, else from the full [n, R, V] logits."""
+    """(log p(response) [n, R], entropy [n, R] | None) under `role`: through the chunked head
+    on the response tokens only (0.0 on padding) when `chunk_tokens`, else from full logits."""
     if not chunk_tokens:
         logits = model(role, **inp, temperature=temperature)  # [n, R, V]
         return token_logps(logits, response), entropy_from_logits(logits) if entropy else None
@@ -305,9 +285,7 @@ def score(
     """Fill `ro.scored` for the requested roles: "logps" (policy) / "ref_logps" [N, R], "values"
     [N, R] (critic), "scores" [N] (reward model, on the response re-rendered through the chat
     template exactly as its training pairs were, so it sees the end-of-turn text it learnt on).
-    Every rank runs the same number of forwards for the same N. `chunk_tokens`: tokens per pass
-    through the LM head for the log-probs (0 = full logits); `packed`: each forward's rows laid
-    end to end (`Rollout.packed_inputs`) instead of padded."""
+    `packed`: each forward's rows laid end to end instead of padded."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

@@ -19,6 +19,7 @@ from collections import Counter
 
 import torch
 
+from posttrain.rl.rollout.engine import right_pad
 from posttrain.rl.serving.api import Completion, ServerError
 from posttrain.rl.serving.server import RolloutServer
 from posttrain.sections.shared import SamplingConfig
@@ -74,13 +75,7 @@ class ServerEngine:
             raise s.client.failed(f"gave an answer that is not a completion ({e})") from None
         for c, p in zip(done, prompts, strict=True):
             self._check(c, model, len(p))
-        out = torch.full((len(prompts), sampling.max_new_tokens), pad_id, dtype=torch.long)
-        width = 1
-        for i, c in enumerate(done):
-            ids = c.ids[: sampling.max_new_tokens]
-            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            width = max(width, len(ids))
-        return out[:, :width]
+        return right_pad([c.ids[: sampling.max_new_tokens] for c in done], pad_id)
 
     def _check(self, c: Completion, model: str, prompt_len: int) -> None:
         """Count what an answer says; fail on one from another model than asked."""
@@ -104,7 +99,6 @@ class ServerEngine:
                 )
 
     def take_counts(self) -> dict[str, float]:
-        """What the calls since the last take saw (see the module docstring), then reset."""
         out = {k: float(v) for k, v in self.counts.items()}
         self.counts.clear()
         return out
@@ -117,9 +111,3 @@ class ServerEngine:
         if self.role != "policy":
             raise ValueError("only the policy's engine syncs weights")
         self.server.sync(model, self.server.version + 1)
-
-    def sleep(self) -> None:
-        pass
-
-    def wake(self) -> None:
-        pass

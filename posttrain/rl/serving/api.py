@@ -89,7 +89,7 @@ def _choice(body: dict[str, Any]) -> dict[str, Any]:
     return choices[0]
 
 
-def _usage(body: dict[str, Any]) -> tuple[int | None, int | None]:
+def _usage(body: dict[str, Any]) -> tuple[int | None, int | None]:  # (prompt, completion)
     usage = body.get("usage") or {}
     return usage.get("prompt_tokens"), usage.get("completion_tokens")
 
@@ -152,8 +152,7 @@ class TransformersAPI:
         stopped = c.get("finish_reason") == "stop"
         if stopped:
             ids = [*ids, self.turn_stop]
-        prompt, completion = _usage(body)
-        return Completion(ids, False, stopped, body.get("model"), prompt, completion)
+        return Completion(ids, False, stopped, body.get("model"), *_usage(body))
 
     def load(self, name: str, folder: str) -> list[Call]:
         # /reset first: the server keeps every model it loaded (until an idle timeout), and a
@@ -208,17 +207,9 @@ class VLLMAPI:
             )
         ids, stopped = _cut([int(t) for t in ids], stops)
         logps = (c.get("logprobs") or {}).get("token_logprobs")
-        prompt, completion = _usage(body)
-        return Completion(
-            ids,
-            True,
-            stopped,
-            body.get("model"),
-            prompt,
-            completion,
-            [float(x) for x in logps[: len(ids)]] if isinstance(logps, list) else None,
-            _text_differs(self.tok, c.get("text"), ids, stopped),
-        )
+        logps = [float(x) for x in logps[: len(ids)]] if isinstance(logps, list) else None
+        differs = _text_differs(self.tok, c.get("text"), ids, stopped)
+        return Completion(ids, True, stopped, body.get("model"), *_usage(body), logps, differs)
 
     def load(self, name: str, folder: str) -> list[Call]:
         return [("/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder})]
@@ -261,16 +252,10 @@ class SGLangAPI:
             raise ServerError(f"no output ids in the answer: {json.dumps(body)[:300]}")
         ids, stopped = _cut([int(t) for t in ids], stops)
         logps = [float(p[0]) for p in pairs][: len(ids)] if isinstance(pairs, list) else None
-        return Completion(
-            ids,
-            True,
-            stopped,
-            None,  # /generate does not name the adapter that answered
-            meta.get("prompt_tokens"),
-            meta.get("completion_tokens"),
-            logps,
-            _text_differs(self.tok, body.get("text"), ids, stopped),
-        )
+        differs = _text_differs(self.tok, body.get("text"), ids, stopped)
+        usage = meta.get("prompt_tokens"), meta.get("completion_tokens")
+        # model None: /generate does not name the adapter that answered
+        return Completion(ids, True, stopped, None, *usage, logps, differs)
 
     def load(self, name: str, folder: str) -> list[Call]:
         if self.merged:

@@ -156,8 +156,7 @@ def _stop_group(pgid: int, grace_s: float, reap: object = None) -> None:
 
 def stop_leftover(record: Path) -> str | None:
     """Stop the server an earlier attempt of the stage recorded, if it still runs (the same PID
-    and start time: a PID can be reused) -> what was done, for the log; None when nothing was
-    left."""
+    and start time: a PID can be reused) -> what was done, for the log, or None."""
     try:
         info = json.loads(record.read_text())
     except (OSError, ValueError):

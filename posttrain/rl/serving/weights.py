@@ -52,8 +52,8 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def servable_base(folder: Path, model_dir: Path, tokenizer_dir: Path) -> Path:
-    """`folder` made a model folder a server can load: links to the base's config, weights
-    (and shard index) and to the stage's tokenizer files. Returns it."""
+    """`folder` made a model folder a server can load: links to the base's files and to the
+    stage's tokenizer files."""
     folder.mkdir(parents=True, exist_ok=True)
     for name in MODEL_FILES + ("model.safetensors.index.json",):
         if (model_dir / name).is_file():
