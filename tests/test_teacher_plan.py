@@ -328,23 +328,29 @@ def test_a_tiny_run_with_a_teacher_reports_the_gap_closed(tmp_path: Path) -> Non
     headline holds the parent's and the teacher's exact match and the gap closed, which is the
     formula on the report's numbers; the teacher's pass@1 stands beside the others'."""
     from posttrain.rl.distill_losses import teacher_gap_closed
-    from tests.stage_helpers import TINY, run_inprocess, write_recipe
+    from tests.stage_helpers import SMALL_EVALUATE, TINY, run_inprocess, write_recipe
 
     data = copy.deepcopy(TINY)
+    # The report's numbers and their formula are checked, not their values: short warm-ups and
+    # SFTs, short teacher answers and pass@k samples.
+    data["ingest"]["from_config"]["pretrain_steps"] = 20
     wide = copy.deepcopy(data["ingest"])
     wide["from_config"] |= {"hidden_size": 96, "intermediate_size": 192}
-    sft = {k: v for k, v in data["sft"].items() if k != "max_steps"} | {"max_steps": 8}
+    sft = {k: v for k, v in data["sft"].items() if k != "max_steps"} | {"max_steps": 4}
     data["sft"] = sft
+    answers = {"teacher_sampling": {"max_new_tokens": 16}}
     data["stages"] = [
         {"kind": "ingest", "name": "teacher", **wide},
-        {"kind": "sft", "name": "teacher_sft", "base": "teacher", **sft, "max_steps": 24},
-        {"kind": "sft", "name": "taught", "from": "sft", "teacher": "teacher_sft", **sft},
-    ]
+        {"kind": "sft", "name": "teacher_sft", "base": "teacher", **sft, "max_steps": 8},
+        {"kind": "sft", "name": "taught", "from": "sft", "teacher": "teacher_sft", **sft,
+         **answers},
+    ]  # fmt: skip
     data["evaluate"] |= {
         "speed": None,
         "verifiers": [{"fn": "posttrain.rewards.match:exact_match"}],
     }
     data["evaluate"] |= {"pass_samples": 2, "pass_k": 2, "pass_prompts": 8}
+    data["evaluate"]["pass_sampling"] = SMALL_EVALUATE["pass_sampling"]
     data["export"] = None
     path = write_recipe(tmp_path, data)
     for name in ("ingest", "teacher"):
