@@ -236,15 +236,12 @@ def test_the_report_names_the_stages_left_out() -> None:
 # --- on the real quickstart -------------------------------------------------------------------
 
 # reward.min_accuracy=0: two reward steps cannot pass the quickstart's gate (0.6), which would stop
-# the run; this checks which stages run, not what they learn. Fewer rows too: each stage prepares
-# all of its data and scores its held-out part before and after training.
+# the run; this checks which stages run, not what they learn.
 QUICK = [
     "ingest.from_config.pretrain_steps=5",
     "sft.max_steps=3",
-    "sft.data.synthetic.n_examples=200",
     "reward.max_steps=2",
     "reward.min_accuracy=0",
-    "reward.data.synthetic.n_examples=200",
 ]
 
 
