@@ -28,6 +28,14 @@ if "POSTTRAIN_DEVICE_LOCK_DIR" not in os.environ:
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# Before anything loads OpenMP (torch does, and every stage process inherits this environment):
+# waiting threads sleep instead of spinning. The suite runs on 2 cores with other processes
+# beside each one (two pytest sessions, stage children, a Prefect server), and a 2-thread torch
+# op whose partner thread is descheduled spins away the core that thread needs: under a load of
+# ~25 here, 2,000 forwards of a tiny MLP took 310 s spinning, 1.3-3.6 s passive, 5-10 s on one
+# thread. How threads wait changes no result (the thread count, which can, stays the recipe's).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Before anything multiplies: importing posttrain pins MKL's reproducible mode (posttrain.numerics).
 import posttrain  # noqa: E402, F401
 

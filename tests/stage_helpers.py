@@ -68,6 +68,22 @@ TINY = {
     },
 }
 
+# An evaluate section for tests of wiring (which policy evaluate takes, what its report holds),
+# not of quality: few rows and prompts, short generations, no speed test, a small pass@k (when
+# the lineage has a verifier) and win-rate (when it has a reward model).
+SMALL_EVALUATE = {
+    "max_eval_rows": 8,
+    "num_prompts": 1,
+    "sampling": [{"name": "greedy", "strategy": "greedy", "max_new_tokens": 4}],
+    "speed": None,
+    "win_rate_prompts": 4,
+    "win_rate_sampling": {"name": "win-rate", "strategy": "greedy", "max_new_tokens": 8},
+    "pass_prompts": 4,
+    "pass_samples": 2,
+    "pass_k": 2,
+    "pass_sampling": {"name": "pass@k", "strategy": "sample", "max_new_tokens": 8},
+}
+
 
 def write_recipe(folder: Path, data: dict | None = None) -> Path:
     data = yaml.safe_load(yaml.safe_dump(data or TINY))

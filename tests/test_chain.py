@@ -13,25 +13,36 @@ import pytest
 from flows.post_train import post_train
 from flows.report.tables import RunResult
 from posttrain.config.loader import load_recipe
-from tests.stage_helpers import write_recipe
+from tests.stage_helpers import SMALL_EVALUATE, write_recipe
 from tests.test_preference_stages import PREF
 
 pytestmark = pytest.mark.slow
 
 CHAIN = copy.deepcopy(PREF)
 CHAIN["run"]["name"] = "chain"
+# This checks the wiring of the chain and what an edit re-runs, not what any link learns: a few
+# steps of each stage, few held-out rows (scored before and after training) and a small
+# evaluate; each stage is a process of its own, and most run twice.
+CHAIN["ingest"]["from_config"]["pretrain_steps"] = 5
+for _section in ("sft", "reward", "dpo"):
+    CHAIN[_section]["max_steps"] = 2
+CHAIN["sft"]["data"]["synthetic"]["n_examples"] = 80
+CHAIN["dpo"]["data"]["synthetic"]["n_examples"] = 40
+CHAIN["evaluate"] = copy.deepcopy(SMALL_EVALUATE)
+# The promotion gate (a head-to-head stage against the champion on the re-run) is test_e2e's.
+CHAIN["promotion"] = {"enabled": False}
 CHAIN["stages"] = [
     {
         "kind": "grpo",
         "name": "grpo",
         "from": "dpo",
-        "data": {"synthetic": {"n_examples": 120, "seed": 7}, "eval_fraction": 0.1},
+        "data": {"synthetic": {"n_examples": 60, "seed": 7}, "eval_fraction": 0.1},
         "rollout": {"prompts_per_step": 4, "samples_per_prompt": 2, "max_new_tokens": 8},
         "optim": {"lr": 5e-3},
         "batch": {"micro_batch_size": 8, "grad_accum_steps": 1},
-        "max_steps": 3,
+        "max_steps": 2,
         "checkpoint_every": 0,
-        "eval_prompts": 8,
+        "eval_prompts": 4,
     }
 ]
 CHAIN["evaluate"] = {**CHAIN["evaluate"], "policies": ["sft", "dpo", "grpo"]}

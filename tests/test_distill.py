@@ -27,7 +27,7 @@ from posttrain.plan.planner import plan
 from posttrain.rl.distill import check_shapes, distill_update
 from posttrain.rl.rollout.collect import collect_rollout
 from posttrain.telemetry.metrics import read_metrics
-from tests.stage_helpers import TINY, planned_dir, run_inprocess, run_torchrun
+from tests.stage_helpers import SMALL_EVALUATE, TINY, planned_dir, run_inprocess, run_torchrun
 
 # The tiny model, a gloo world of one and one torch thread: the RL update tests' fixtures.
 from tests.test_rl_update import _one_thread, _session, tiny, world  # noqa: F401
@@ -252,6 +252,10 @@ def teacher_recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("distill")
     data = copy.deepcopy(TINY)
     data["run"]["workspace"] = str(folder / "ws")
+    # The bases and SFTs train as long as they must for the teacher to score a higher reward
+    # than the student's SFT (so that the gap closed is checked); evaluate only has to take the
+    # distilled policy.
+    data["evaluate"] = copy.deepcopy(SMALL_EVALUATE)
     data["stages"] = [
         {"kind": "ingest", "name": "teacher_base", "source": "from_config",
          "from_config": {**FROM_CONFIG, "hidden_size": 96}},

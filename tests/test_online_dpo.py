@@ -31,7 +31,7 @@ from posttrain.rl.rollout.collect import collect_rollout
 from posttrain.rl.rollout.sample import Rollout, response_logps
 from posttrain.telemetry.metrics import read_metrics
 from posttrain.train.preference_losses import sigmoid_loss
-from tests.stage_helpers import planned_dir, run_inprocess, run_torchrun
+from tests.stage_helpers import SMALL_EVALUATE, planned_dir, run_inprocess, run_torchrun
 from tests.test_rl_stages import RL, parents, recipe_with, summary  # noqa: F401  (the shared fixture)
 
 # The tiny model, a gloo world of one and one torch thread: the RL update tests' fixtures.
@@ -235,6 +235,7 @@ def test_online_dpo_trains_on_one_rank_and_evaluate_takes_it(parents) -> None:  
     }
     data = copy.deepcopy(RL) | {"stages": [entry]}
     data["run"]["workspace"] = str(parents["folder"] / "ws")
+    data["evaluate"] = copy.deepcopy(SMALL_EVALUATE)  # it takes the policy: no quality asked
     recipe = parents["folder"] / "odpo1.yaml"
     recipe.write_text(yaml.safe_dump(data))
     out = run_inprocess("online_dpo", recipe, name="odpo")

@@ -328,23 +328,29 @@ def test_a_tiny_run_with_a_teacher_reports_the_gap_closed(tmp_path: Path) -> Non
     headline holds the parent's and the teacher's exact match and the gap closed, which is the
     formula on the report's numbers; the teacher's pass@1 stands beside the others'."""
     from posttrain.rl.distill_losses import teacher_gap_closed
-    from tests.stage_helpers import TINY, run_inprocess, write_recipe
+    from tests.stage_helpers import SMALL_EVALUATE, TINY, run_inprocess, write_recipe
 
     data = copy.deepcopy(TINY)
     wide = copy.deepcopy(data["ingest"])
     wide["from_config"] |= {"hidden_size": 96, "intermediate_size": 192}
     sft = {k: v for k, v in data["sft"].items() if k != "max_steps"} | {"max_steps": 8}
     data["sft"] = sft
+    # The teacher trains as long as it must to answer one held-out prompt exactly (1 of 24), so
+    # that the gap closed is defined and its formula checked; its answers to the taught entry's
+    # 216 training prompts need not be long (the default is 128 tokens), nor pass@k's samples.
+    answers = {"teacher_sampling": {"max_new_tokens": 16}}
     data["stages"] = [
         {"kind": "ingest", "name": "teacher", **wide},
         {"kind": "sft", "name": "teacher_sft", "base": "teacher", **sft, "max_steps": 24},
-        {"kind": "sft", "name": "taught", "from": "sft", "teacher": "teacher_sft", **sft},
-    ]
+        {"kind": "sft", "name": "taught", "from": "sft", "teacher": "teacher_sft", **sft,
+         **answers},
+    ]  # fmt: skip
     data["evaluate"] |= {
         "speed": None,
         "verifiers": [{"fn": "posttrain.rewards.match:exact_match"}],
     }
     data["evaluate"] |= {"pass_samples": 2, "pass_k": 2, "pass_prompts": 8}
+    data["evaluate"]["pass_sampling"] = SMALL_EVALUATE["pass_sampling"]
     data["export"] = None
     path = write_recipe(tmp_path, data)
     for name in ("ingest", "teacher"):
