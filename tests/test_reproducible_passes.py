@@ -34,10 +34,12 @@ from tests.stage_helpers import (
 
 pytestmark = pytest.mark.slow
 
+# Bases warmed up for 10 steps: the passes' bits, not the models' quality, are compared.
+BASE = {**TINY["ingest"]["from_config"], "pretrain_steps": 10}
 PROMPTS = {"synthetic": {"n_examples": 120, "seed": 7}, "eval_fraction": 0.1, "max_prompt_len": 40}
 STAGES = [
     {"kind": "ingest", "name": "teacher_base", "source": "from_config",
-     "from_config": {**TINY["ingest"]["from_config"], "hidden_size": 96}},
+     "from_config": {**BASE, "hidden_size": 96}},
     {"kind": "sft", "name": "teacher_sft", "base": "teacher_base", **copy.deepcopy(TINY["sft"])},
     {"kind": "sft", "name": "offpolicy", "from": "sft", "teacher": "teacher_sft",
      **copy.deepcopy(TINY["sft"]), "max_steps": 4,
@@ -71,6 +73,7 @@ def _recipe(folder: Path) -> Path:
     # One thread beside the competing job's one on two cores: decoding's small operations slow
     # down many times over when OpenMP threads outnumber the cores (they spin while they wait).
     data["infra"]["threads_per_rank"] = 1
+    data["ingest"]["from_config"] = copy.deepcopy(BASE)
     data["stages"] = copy.deepcopy(STAGES)
     path = folder / "passes.yaml"
     path.write_text(yaml.safe_dump(data))

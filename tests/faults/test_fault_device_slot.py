@@ -2,10 +2,11 @@
 run gets them within seconds, and nothing the killed run started outlives it.
 
 Real CLI processes on the embedded Prefect (one PREFECT_HOME per module: the migrations are paid
-once), real signals. Run A holds the devices (its stage is running), run B waits for them; A
-gets the signal; B must get the devices within RECOVERY_BOUND_S, and A's embedded server and
-stage process must be gone. Then run C, waiting behind B, gets the same signal (SIGINT for the
-SIGKILL case, whose path needs no code) and must exit within EXIT_BOUND_S.
+once), real signals. Run A holds the devices (its stage is running), runs B and C wait for them.
+C gets the signal (SIGINT for the SIGKILL case, whose path needs no code) and must exit within
+EXIT_BOUND_S; then A gets it: B must get the devices within RECOVERY_BOUND_S, and A's embedded
+server and stage process must be gone. B, holding the devices with its stage running, is the
+next case's A (a run start fewer per case).
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     recipe = root / "recipe.yaml"
     recipe.write_text(textwrap.dedent(RECIPE).replace("WS", str(root / "ws")))
     env = run_env(root / "prefect-home", root / "locks", mods, PT_STAGE_MODULES=f"ingest={module}")
-    yield {"root": root, "recipe": recipe, "env": env, "n": 0}
+    state = {"root": root, "recipe": recipe, "env": env, "n": 0, "holder": None}
+    yield state
+    release(state)
 
 
 def deliver(run: Run, sig: signal.Signals) -> None:
@@ -75,6 +78,26 @@ def start(setup: dict, name: str, **env_extra: str) -> tuple[Run, Path]:
     return Run(setup["recipe"], env, f"run.workspace={ws}", log=log), pids
 
 
+def holder(setup: dict) -> tuple[Run, Path]:
+    """A run holding the devices with its stage running: the one the previous case left holding
+    them, else a new one. The caller owns it (stops it unless it hands it on)."""
+    held, setup["holder"] = setup["holder"], None
+    if held is None or held[0].proc.poll() is not None:
+        if held is not None:
+            stop_runs([held[0]])
+        held = start(setup, "a")
+        held[0].wait_for("holding posttrain-devices-")
+    wait_file(held[1], run=held[0])
+    return held
+
+
+def release(setup: dict) -> None:
+    """Stop the run a case left holding the devices."""
+    held, setup["holder"] = setup["holder"], None
+    if held is not None:
+        stop_runs([held[0]])
+
+
 @pytest.mark.parametrize(
     "sig", [signal.SIGKILL, signal.SIGHUP, signal.SIGTERM], ids=lambda s: s.name
 )
@@ -83,19 +106,30 @@ def test_killed_holder_frees_the_devices_and_leaves_nothing_behind(
 ) -> None:
     runs: list[Run] = []
     try:
-        a, a_pids = start(setup, "a")
+        a, a_pids = holder(setup)
         runs.append(a)
-        a.wait_for("holding posttrain-devices-")
-        wait_file(a_pids, run=a)
         stage = psutil.Process(int(a_pids.read_text()))
         server = a.server()
         assert server is not None, "no embedded server found under the run"
         doomed = [stage, server, *a.descendants()]
 
-        b, _ = start(setup, "b")
-        runs.append(b)
+        b, b_pids = start(setup, "b")
+        c, _ = start(setup, "c")
+        runs += [b, c]
         b.wait_for("waiting for the devices")
         assert f"pid {a.pid} " in b.text(), b.text()[-3000:]
+
+        # A run waiting for the devices ends promptly on the same signal.
+        c.wait_for("waiting for the devices")
+        c_doomed = c.descendants()
+        c_sig = signal.SIGINT if sig == signal.SIGKILL else sig
+        t0 = time.monotonic()
+        deliver(c, c_sig)
+        c.proc.wait(timeout=EXIT_BOUND_S)
+        c_exit = time.monotonic() - t0
+        wait_gone(c_doomed, GONE_BOUND_S)
+        print(f"\n{c_sig.name} while waiting for the devices: exited after {c_exit:.1f} s")
+        assert c_exit < EXIT_BOUND_S
 
         t_signal = time.monotonic()
         deliver(a, sig)
@@ -126,20 +160,8 @@ def test_killed_holder_frees_the_devices_and_leaves_nothing_behind(
         else:
             assert a.proc.returncode == {signal.SIGHUP: 129, signal.SIGTERM: 143}[sig]
             assert "the running stage was stopped" in a.text()
-
-        # A run waiting for the devices ends promptly on the same signal.
-        c, _ = start(setup, "c")
-        runs.append(c)
-        c.wait_for("waiting for the devices")
-        c_doomed = c.descendants()
-        c_sig = signal.SIGINT if sig == signal.SIGKILL else sig
-        t0 = time.monotonic()
-        deliver(c, c_sig)
-        c.proc.wait(timeout=EXIT_BOUND_S)
-        c_exit = time.monotonic() - t0
-        wait_gone(c_doomed, GONE_BOUND_S)
-        print(f"{c_sig.name} while waiting for the devices: exited after {c_exit:.1f} s")
-        assert c_exit < EXIT_BOUND_S
+        runs.remove(b)
+        setup["holder"] = (b, b_pids)  # the next case's holder
     finally:
         stop_runs(runs)
 
@@ -149,6 +171,7 @@ def test_killed_holder_on_a_prefect_server_frees_the_devices(
 ) -> None:
     """The same on a `prefect server start`: the dead run's lease would hold the slot for 5
     minutes; the next run repossesses it at once."""
+    release(setup)  # it holds the device lock these runs share
     server = {"PREFECT_API_URL": prefect_server.api_url}  # type: ignore[attr-defined]
     runs: list[Run] = []
     try:

@@ -8,9 +8,10 @@ the embedded Prefect, as `posttrain run` does for a user. Against it:
   competing training job (a real SFT stage process) runs on the same cores: every artifact's
   files equal the first run's, the reference table among them (issue 39);
 - a run SIGKILLed inside DPO's reference pass, then a DPO of another beta under other numerics
-  (3 threads, unchunked logits) that seals its reference table in the cache, then the run SIGKILLed inside DPO's training loop,
-  then run to the end: the export is the uninterrupted run's (before issue 39 the cached table
-  of other numerics became the recipe's, whichever run computed it first);
+  (3 threads, unchunked logits) that seals its reference table in the cache, then the run
+  SIGKILLed inside DPO's training loop, then run to the end: the export is the uninterrupted
+  run's (before issue 39 the cached table of other numerics became the recipe's, whichever run
+  computed it first). DPO's parents are copies of the uninterrupted run's, which it reuses;
 - a seeded loop that SIGKILLs `posttrain run` at random moments — the CLI alone (an OOM kill:
   its stage and embedded server must go by themselves) or every process of the run at once (a
   power cut) — and starts it again: the last run's export equals the uninterrupted run's byte
@@ -28,6 +29,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,27 +53,32 @@ from tests.stage_helpers import (
 pytestmark = pytest.mark.slow
 
 SEED = 1212
-KILLS = 4
-# Optimizer steps of each training stage, checkpointed every 3.
-STEPS = {"sft": 24, "reward": 12, "dpo": 12}
+# Optimizer steps of each training stage, checkpointed every 3: every stage has a checkpoint
+# to resume from and steps after it. (The steps take milliseconds: a stage's time is its
+# process start, which fewer steps or rows do not shorten, and its evaluation passes.)
+STEPS = {"sft": 12, "reward": 6, "dpo": 6}
 EVERY = 3
 RUN_TIMEOUT_S = 600
+# The stages whose complete artifacts the DPO test takes from the uninterrupted run.
+DPO_PARENTS = ("ingest", "sft", "reward")
 
 PAIRS = {
-    "synthetic": {"n_examples": 96},
+    "synthetic": {"n_examples": 64},
     "eval_fraction": 0.25,
     "max_seq_len": 64,
     "max_prompt_len": 40,
 }
 TRAIN = {"batch": {"micro_batch_size": 8, "grad_accum_steps": 1}, "checkpoint_every": EVERY}
-# DPO's reference pass over 240 pairs: 30 forwards, long enough for a kill to land inside it.
-DPO_PAIRS = {**PAIRS, "synthetic": {"n_examples": 320}}
+# DPO's reference pass over 96 pairs: 12 forwards (>= 1 s here), long enough for a kill,
+# polled every 5 ms, to land inside it.
+DPO_PAIRS = {**PAIRS, "synthetic": {"n_examples": 128}}
 
 
 def _recipe(folder: Path) -> Path:
     data = copy.deepcopy(TINY)
     data["run"]["name"] = "killloop"
-    data["ingest"]["from_config"]["pretrain_steps"] = 20
+    data["ingest"]["from_config"]["pretrain_steps"] = 10
+    data["sft"]["data"]["synthetic"]["n_examples"] = 120
     data["sft"].update(max_steps=STEPS["sft"], checkpoint_every=EVERY)
     data["reward"] = {"data": PAIRS, "max_steps": STEPS["reward"], "min_accuracy": 0.0, **TRAIN}
     data["dpo"] = {
@@ -80,7 +87,7 @@ def _recipe(folder: Path) -> Path:
         "precompute_reference": True,
         **TRAIN,
     }
-    data["evaluate"].update(max_eval_rows=8, num_prompts=1, win_rate_prompts=4)
+    data["evaluate"].update(max_eval_rows=8, num_prompts=1, win_rate_prompts=2)
     return write_recipe(folder, data)
 
 
@@ -130,10 +137,10 @@ def _run(recipe: Path, home: Path, log: Path, *args: str, **env: str) -> None:
     assert rc == 0, log.read_text()[-6000:]
 
 
-def _export_files(ws: Path) -> dict[str, str]:
+def _export_files(ws: Path, base_ws: Path | None = None) -> dict[str, str]:
     """sha256 of every file of the exported model. The model card names the base's folder,
-    which is in this workspace, and quotes the measured decode speed: it is compared without
-    either."""
+    which is in this workspace (in `base_ws` where the ingest artifact was copied from there),
+    and quotes the measured decode speed: it is compared without either."""
     (model,) = (ws / "artifacts" / "export").glob("*/model")
     out = {}
     for p in sorted(model.rglob("*")):
@@ -141,7 +148,9 @@ def _export_files(ws: Path) -> dict[str, str]:
             data = p.read_bytes()
             if p.name == "README.md":
                 # measured speeds are no property of the model; every other line must match
-                lines = data.replace(str(ws).encode(), b"<workspace>").splitlines()
+                for folder in (ws, base_ws or ws):
+                    data = data.replace(str(folder).encode(), b"<workspace>")
+                lines = data.splitlines()
                 data = b"\n".join(line for line in lines if b"tok/s" not in line)
             out[str(p.relative_to(model))] = hashlib.sha256(data).hexdigest()
     return out
@@ -233,7 +242,10 @@ def test_killed_in_dpo_after_a_reference_table_of_other_numerics_ends_the_same(
 ) -> None:
     recipe, ws, log = _recipe(tmp_path), tmp_path / "ws", tmp_path / "run.log"
     dpo, tables = planned_dir("dpo", recipe), ws / "artifacts" / "ref_logps"
-    _run(recipe, home, log, "--until", "reward")
+    # DPO's parents: the uninterrupted run's (the same fingerprints), which the runs reuse.
+    for kind in DPO_PARENTS:
+        (done,) = (uninterrupted / "artifacts" / kind).glob("*/manifest.json")
+        shutil.copytree(done.parent, ws / "artifacts" / kind / done.parent.name)
 
     # Inside the reference pass of the recipe's DPO: every process at once.
     proc, t0 = _start(recipe, home, log), time.monotonic()
@@ -265,7 +277,8 @@ def test_killed_in_dpo_after_a_reference_table_of_other_numerics_ends_the_same(
 
     _run(recipe, home, log)
     assert "resumed from step_" in (dpo / "logs" / "stage.log").read_text(errors="replace")
-    assert _export_files(ws) == _export_files(uninterrupted)
+    assert log.read_text().count("complete artifact found") >= 3 * len(DPO_PARENTS)
+    assert _export_files(ws, uninterrupted) == _export_files(uninterrupted)
     # The recipe's own table beside the other one.
     signatures = [
         json.loads(m.read_text())["section"]["numerics"] for m in tables.glob("*/manifest.json")
@@ -278,11 +291,11 @@ def test_killed_in_dpo_after_a_reference_table_of_other_numerics_ends_the_same(
 
 def _kill_moments(rng: random.Random) -> list[tuple[str, int | float]]:
     """One kill at a random time (Prefect start-up, ingest, any stage), then kills right after
-    random checkpoints of the training stages that leave steps to do, in pipeline order so
-    every re-run gets further."""
-    steps = [(stage, step) for stage, n in STEPS.items() for step in range(EVERY, n, EVERY)]
-    picked = sorted(rng.sample(range(len(steps)), KILLS - 1))
-    return [("time", rng.uniform(3.0, 20.0)), *(steps[i] for i in picked)]
+    a random checkpoint that leaves steps to do in each of two random training stages, in
+    pipeline order so every re-run gets further: each kill in a phase of its own."""
+    stages = sorted(rng.sample(list(STEPS), 2), key=list(STEPS).index)
+    picked = [(stage, rng.choice(range(EVERY, STEPS[stage], EVERY))) for stage in stages]
+    return [("time", rng.uniform(3.0, 20.0)), *picked]
 
 
 def test_killed_at_random_moments_the_pipeline_ends_bit_identical(

@@ -4,7 +4,8 @@ stage trains. Per `infra.orphan`:
     and no manifest; the next run resumes from the newest checkpoint;
   - finish: the stage trains to the end and seals its artifact (taking the artifact lock over
     from its dead launcher); the next run reuses it.
-Real stages on the tiny recipe, real CLI processes on the embedded Prefect.
+Real stages on the tiny recipe, real CLI processes on the embedded Prefect; the ingest, which
+no test here interrupts, is built once (tests/stage_helpers.run_shared) and reused by the runs.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tests.faults.fault_runs import (
     wait_gone,
     write_slow_stage,
 )
-from tests.stage_helpers import TINY, planned_dir, write_recipe
+from tests.stage_helpers import TINY, planned_dir, run_shared, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -38,14 +39,17 @@ ORPHAN_BOUND_S = 15.0  # measured: see docs/reliability.md, "Faults"
 FINISH_BOUND_S = 240.0
 
 
-def _recipe(folder: Path, max_steps: int) -> Path:
+def _recipe(folder: Path, max_steps: int, shared_parents: Path) -> Path:
+    """The tiny recipe, its ingest already complete in the workspace."""
     data = {**TINY, "run": {**TINY["run"], "name": "fault-orphan"}}
     data["ingest"] = {
         **TINY["ingest"],
         "from_config": {**TINY["ingest"]["from_config"], "pretrain_steps": 5},
     }
     data["sft"] = {**TINY["sft"], "max_steps": max_steps, "checkpoint_every": 10}
-    return write_recipe(folder, data)
+    recipe = write_recipe(folder, data)
+    run_shared("ingest", recipe, shared_parents)
+    return recipe
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +93,10 @@ def _kill_mid_stage(run: Run, sft_dir: Path) -> tuple[list[psutil.Process], floa
     return procs, t_kill
 
 
-def test_orphan_stop_stops_the_stage_and_the_next_run_resumes(tmp_path: Path, home: Path) -> None:
-    recipe = _recipe(tmp_path, max_steps=3000)
+def test_orphan_stop_stops_the_stage_and_the_next_run_resumes(
+    tmp_path: Path, home: Path, shared_parents: Path
+) -> None:
+    recipe = _recipe(tmp_path, 3000, shared_parents)
     sft_dir = planned_dir("sft", recipe)
     env = run_env(home, tmp_path / "locks")
     runs: list[Run] = []
@@ -119,9 +125,9 @@ def test_orphan_stop_stops_the_stage_and_the_next_run_resumes(tmp_path: Path, ho
 
 
 def test_orphan_finish_seals_the_artifact_and_the_next_run_reuses_it(
-    tmp_path: Path, home: Path
+    tmp_path: Path, home: Path, shared_parents: Path
 ) -> None:
-    recipe = _recipe(tmp_path, max_steps=150)
+    recipe = _recipe(tmp_path, 150, shared_parents)
     sft_dir = planned_dir("sft", recipe)
     env = run_env(home, tmp_path / "locks")
     runs: list[Run] = []

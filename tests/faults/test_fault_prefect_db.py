@@ -76,7 +76,9 @@ def test_run_on_a_damaged_embedded_database_starts_and_completes(tmp_path: Path)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "PYTEST"))}
     env.update(PREFECT_HOME=str(home), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", str(recipe), "ingest.from_config.pretrain_steps=2", "sft.max_steps=1"],
+        # One stage is a whole run to the server: its flow and task runs, their states, its end.
+        [sys.executable, "-m", "flows.cli", "run", str(recipe), "--until", "ingest",
+         "ingest.from_config.pretrain_steps=2"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
