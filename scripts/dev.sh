@@ -93,7 +93,7 @@ case "${1:-}" in
     [ "$1" = test-fast ] && marker=(-m "not slow")
     # Two workers (pytest-xdist), one per core of the CI machine (POSTTRAIN_TEST_WORKERS
     # overrides; 0 runs in this process): a file's tests stay in one worker (tests/conftest.py).
-    workers=(-n "${POSTTRAIN_TEST_WORKERS:-2}" --dist loadgroup)
+    workers=(-n "${POSTTRAIN_TEST_WORKERS:-2}")
     set +e
     # --durations=25: every log lists the slowest tests, so a test that grows is seen at once.
     "$venv/bin/python" -m pytest "${workers[@]}" --durations=25 "${marker[@]}" "${@:2}"

@@ -45,6 +45,7 @@ from flows.prefect_env import apply_prefect_defaults  # noqa: E402
 apply_prefect_defaults()
 
 from collections.abc import Iterator  # noqa: E402
+from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -91,11 +92,18 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]
 from slurm_cluster import slurm_cluster  # noqa: E402, F401
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist's `--dist loadgroup` (scripts/dev.sh): a file's tests run in one
-    worker, so its module fixtures (a pipeline run several tests read) are built once; the
-    Slurm files share one, so one worker starts the session's 2-node cluster."""
-    for item in items:
-        stem = item.path.stem
-        group = "slurm" if stem.startswith("test_slurm") else str(item.path)
-        item.add_marker(pytest.mark.xdist_group(group))
+# optionalhook: an environment without pytest-xdist does not know this hook.
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's work units (scripts/dev.sh runs two workers): a file's tests run in one
+    worker, in order, so its module fixtures (a pipeline run several tests read) are built once;
+    the Slurm files are one unit, so one worker starts the session's 2-node cluster. (Its own
+    `--dist loadgroup` marks do not reach the scheduler under pytest 9.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "slurm" if Path(path).name.startswith("test_slurm") else path
+
+    return ByFile(config, log)
