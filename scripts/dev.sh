@@ -2,7 +2,7 @@
 # One entry point for a fresh machine with Python 3.11:
 #   bash scripts/dev.sh quickstart   install everything, run recipes/quickstart.yaml end to end
 #   bash scripts/dev.sh test         install everything, run the whole test suite
-#   bash scripts/dev.sh test-fast    install everything, run the fast tier (about 3 minutes)
+#   bash scripts/dev.sh test-fast    install everything, run the fast tier (about 1.5 minutes)
 # The virtual environment lives in .venv (override with POSTTRAIN_VENV). Every package version is
 # pinned by constraints.txt; torch==2.13.0 resolves to the CPU build where one is offered, so no
 # multi-GB CUDA stack is pulled on a CPU machine.
