@@ -92,7 +92,7 @@ def check_gkd() -> list[str]:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from posttrain.rl.distill_losses import distill_loss, token_divergence
+    from posttrain.rl.distill_losses import objective_sum, token_divergence
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TRLExperimentalWarning
@@ -110,7 +110,8 @@ def check_gkd() -> list[str]:
         s_ours = student.clone().requires_grad_(True)
         s_trl = student.clone().requires_grad_(True)
         per_token = token_divergence(s_ours, teacher, mask, "jsd", beta=beta, temperature=0.7)
-        ours = distill_loss(per_token, mask)
+        # The training objective over one micro-batch holding the step's every token.
+        ours = objective_sum(per_token, mask, "token_mean") / mask.sum()
         theirs = GKDTrainer.generalized_jsd_loss(
             s_trl, teacher, labels=labels, beta=beta, temperature=0.7
         )

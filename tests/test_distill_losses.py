@@ -8,8 +8,7 @@ import torch
 
 from posttrain.rl.distill_losses import (
     DIVERGENCES,
-    distill_loss,
-    teacher_agreement,
+    objective_sum,
     teacher_gap_closed,
     token_divergence,
 )
@@ -113,7 +112,7 @@ def test_mask_zeros_and_skips_dropped_tokens() -> None:
     assert out.shape == (2, 3)
     want = torch.tensor([[REVERSE, 0.0, REVERSE], [0.0, REVERSE, 0.0]])
     assert torch.allclose(out, want, atol=1e-6)
-    distill_loss(out, mask).backward()
+    objective_sum(out, mask, "token_mean").backward()
     assert s.grad is not None and torch.isfinite(s.grad).all()
     assert (s.grad[mask == 0] == 0).all() and (s.grad[mask == 1] != 0).all()
 
@@ -190,33 +189,22 @@ def test_refusals() -> None:
     with pytest.raises(ValueError, match="one vocabulary"):
         token_divergence(s, torch.zeros(1, 1, 3), m, "reverse_kl")
     with pytest.raises(ValueError, match="reduction"):
-        distill_loss(torch.zeros(1, 1), m, "mean")  # type: ignore[arg-type]
+        objective_sum(torch.zeros(1, 1), m, "mean")  # type: ignore[arg-type]
 
 
-def test_distill_loss_reductions_by_hand() -> None:
+def test_objective_reductions_by_hand() -> None:
     # Sequence 0 keeps 3 tokens (1, 2, 3), sequence 1 keeps 1 (10), sequence 2 none.
     per_token = torch.tensor([[1.0, 2.0, 3.0, 0.0], [10.0, 0.0, 0.0, 0.0], [0.0] * 4])
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
-    # token_mean: (1 + 2 + 3 + 10) / 4 = 4; sequence_mean: (mean(1, 2, 3) + 10) / 2 = 6.
-    assert distill_loss(per_token, mask).item() == pytest.approx(4.0)
-    assert distill_loss(per_token, mask, "sequence_mean").item() == pytest.approx(6.0)
+    # token_mean: 1 + 2 + 3 + 10 = 16 over 4 tokens = 4; sequence_mean: mean(1, 2, 3) + 10 = 12
+    # over 2 answers = 6. A row that keeps nothing adds 0 either way.
+    assert objective_sum(per_token, mask, "token_mean").item() == pytest.approx(16.0)
+    assert objective_sum(per_token, mask, "sequence_mean").item() == pytest.approx(12.0)
     # Nothing kept: 0, still a differentiable tensor.
     empty = per_token.clone().requires_grad_(True)
     for reduction in ("token_mean", "sequence_mean"):
-        loss = distill_loss(empty, torch.zeros(3, 4), reduction)  # type: ignore[arg-type]
+        loss = objective_sum(empty, torch.zeros(3, 4), reduction)  # type: ignore[arg-type]
         assert loss.item() == 0.0 and loss.requires_grad
-
-
-def test_teacher_agreement() -> None:
-    # Argmaxes: student [[0, 1, 2], [2, 2, 0]], teacher [[0, 2, 2], [2, 1, 1]].
-    # Kept: (0,0) same, (0,1) differs, (0,2) same, (1,0) same; (1,1), (1,2) dropped -> 3/4.
-    eye = torch.eye(3)
-    student = torch.stack([eye[[0, 1, 2]], eye[[2, 2, 0]]])
-    teacher = torch.stack([eye[[0, 2, 2]], eye[[2, 1, 1]]])
-    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    assert teacher_agreement(student, teacher, mask) == pytest.approx(0.75)
-    assert teacher_agreement(student, teacher, torch.ones(2, 3)) == pytest.approx(3 / 6)
-    assert teacher_agreement(student, teacher, torch.zeros(2, 3)) is None
 
 
 def test_teacher_gap_closed() -> None:

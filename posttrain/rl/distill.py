@@ -43,7 +43,7 @@ from posttrain.models.adapters import POLICY
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.teacher import build_teacher, teacher_logits
 from posttrain.models.vocab import shared_vocab_size
-from posttrain.rl.distill_losses import teacher_gap_closed, token_divergence
+from posttrain.rl.distill_losses import objective_sum, teacher_gap_closed, token_divergence
 from posttrain.rl.heldout import evaluate, heldout_batches, heldout_means
 from posttrain.rl.loop import Record, run_loop, write_record
 from posttrain.rl.metrics import UpdateStats, add_rollout_sums, rollout_totals, step_flops
@@ -216,14 +216,6 @@ def micro_divergence(
         s_logits, t_logits, mask, cfg.loss, beta=cfg.beta, temperature=cfg.temperature
     )
     return per_token, mask, s_logits, t_logits
-
-
-def objective_sum(per_token: torch.Tensor, mask: torch.Tensor, reduction: str) -> torch.Tensor:
-    """This micro-batch's share of the step's loss before scaling: the summed divergence of its
-    tokens (token_mean), or the sum of each answer's mean divergence (sequence_mean)."""
-    if reduction == "token_mean":
-        return (per_token * mask).sum()
-    return ((per_token * mask).sum(1) / mask.sum(1).clamp_min(1.0)).sum()
 
 
 def distill_update(

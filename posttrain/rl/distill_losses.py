@@ -204,35 +204,19 @@ def token_divergence(
     return per_token.view(b, t)
 
 
-def distill_loss(
-    per_token: torch.Tensor, mask: torch.Tensor, reduction: Reduction = "token_mean"
+def objective_sum(
+    per_token: torch.Tensor, mask: torch.Tensor, reduction: Reduction
 ) -> torch.Tensor:
-    """per_token [B, T], mask [B, T] -> scalar: the token mean (TRL's "batchmean") or the mean
-    of each sequence's mean over the sequences that have a token; 0 (with a graph) when none."""
+    """per_token [B, T], mask [B, T] -> a micro-batch's share of the step's loss before scaling:
+    the summed divergence of its kept tokens (token_mean, TRL's "batchmean" once divided by the
+    step's token count), or the sum of each answer's mean divergence (sequence_mean, divided by
+    the step's answer count). Summed, not averaged, so micro-batches and ranks add up exactly."""
     m = (mask != 0).to(per_token.dtype)
-    masked = per_token * m
     if reduction == "token_mean":
-        return masked.sum() / m.sum().clamp_min(1.0)
+        return (per_token * m).sum()
     if reduction == "sequence_mean":
-        counts = m.sum(-1)  # [B]
-        has = counts > 0
-        seq_means = masked.sum(-1)[has] / counts[has]
-        return seq_means.sum() / has.sum().clamp_min(1)
+        return ((per_token * m).sum(-1) / m.sum(-1).clamp_min(1.0)).sum()
     raise ValueError(f"unknown reduction {reduction!r}; known: ['sequence_mean', 'token_mean']")
-
-
-def teacher_agreement(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor
-) -> float | None:
-    """The share of masked tokens [B, T] where the student's argmax next token equals the
-    teacher's (logits [B, T, V]); None when the mask keeps no token."""
-    keep = mask != 0
-    total = int(keep.sum())
-    if total == 0:
-        return None
-    with torch.no_grad():
-        same = student_logits.argmax(-1) == teacher_logits.argmax(-1)  # [B, T]
-        return int((same & keep).sum()) / total
 
 
 def teacher_gap_closed(student_start: float, student_end: float, teacher: float) -> float | None:
