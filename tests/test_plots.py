@@ -13,16 +13,23 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from flows.report.images import curves
 from flows.report.plots import (
     DPI,
     PANEL_INCHES,
+    CurvePlot,
     curve_figure,
     curve_spec,
-    plot_curves,
     read_records,
     series_points,
 )
 from flows.report.tables import curves_markdown
+
+
+def plot_curves(stages: list[tuple[str, Path]], out: Path) -> list[CurvePlot]:
+    """The report's curves (`flows.report.images.curves`), through a cache beside `out`."""
+    return curves(stages, out, out.parent / f"{out.name}-cache")[0]
+
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

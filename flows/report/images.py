@@ -47,7 +47,9 @@ def _put(dest: Path, src: Path | None = None, text: str = "") -> None:
 def curves(
     stages: Sequence[tuple[str, Path]], out_dir: Path, cache: Path
 ) -> tuple[list[CurvePlot], int]:
-    """`plots.plot_curves` through the cache: the plots, and how many were copied."""
+    """The curves of each (stage name, artifact folder) from its `metrics.jsonl`, drawn into
+    `out_dir` in order through the cache (stages without training steps get no image): the
+    plots, and how many were copied."""
     drawn, copied = [], 0
     for stage, folder in stages:
         metrics = Path(folder) / "metrics.jsonl"

@@ -272,14 +272,3 @@ def write_beside(dest: Path, write: Callable[[Path], object]) -> Path:
 
 def save_png(fig: Figure, dest: Path) -> Path:
     return write_beside(dest, lambda tmp: fig.savefig(tmp, format="png", dpi=DPI))
-
-
-def plot_curves(stages: Sequence[tuple[str, Path]], out_dir: Path) -> list[CurvePlot]:
-    """Draw the curves of each (stage name, artifact folder) from its `metrics.jsonl` into
-    `out_dir`, in order; stages without training steps get no image."""
-    plots = []
-    for stage, folder in stages:
-        plot = plot_stage(stage, read_records(Path(folder) / "metrics.jsonl"), Path(out_dir))
-        if plot is not None:
-            plots.append(plot)
-    return plots
