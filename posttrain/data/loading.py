@@ -17,8 +17,6 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from datasets import Dataset, load_dataset, load_from_disk
-
 from posttrain import hub
 from posttrain.data.errors import DataError
 from posttrain.data.tool_rows import (
@@ -350,6 +348,14 @@ def rename_columns(row: Any, columns: dict[str, str], where: str) -> Any:
     return out
 
 
+def _datasets() -> Any:
+    """The `datasets` library, imported on first use: its import (pandas, pyarrow) is ~1.3 s of
+    CPU in every stage process, and JSONL and JSON files, the common case, never need it."""
+    import datasets
+
+    return datasets
+
+
 def _read_hub(src: DataSource) -> list[tuple[str, Any]]:
     """Rows of one split of a hub dataset, from its snapshot in the huggingface_hub cache
     (downloaded first only when online; `posttrain.hub`), read by `datasets.load_dataset`."""
@@ -359,7 +365,7 @@ def _read_hub(src: DataSource) -> list[tuple[str, Any]]:
         raise DataError(str(exc)) from None
     label = f"{src.path}[{src.split}]"
     try:
-        ds = load_dataset(str(snap.folder), name=src.subset, split=src.split)
+        ds = _datasets().load_dataset(str(snap.folder), name=src.subset, split=src.split)
     except Exception as exc:  # unknown split or subset, unreadable files
         raise DataError(
             f"{label} (subset {src.subset!r}, commit {snap.commit_sha}, {snap.folder}): "
@@ -399,12 +405,12 @@ def _read_local(path: str, max_line_bytes: int | None, head: int | None) -> list
         raise DataFileMissing(f"{p} does not exist")
     if p.is_dir():
         try:
-            ds = load_from_disk(str(p))
+            ds = _datasets().load_from_disk(str(p))
         except Exception as exc:  # the library's many ways of saying "not a saved dataset"
             raise DataError(
                 f"{p}: not a saved dataset folder ({type(exc).__name__}: {exc})"
             ) from None
-        if not isinstance(ds, Dataset):
+        if not isinstance(ds, _datasets().Dataset):
             raise DataError(f"{p}: holds a DatasetDict; point at one split's folder")
         rows = [(f"{p} row {i}", r) for i, r in enumerate(islice(ds, head))]
     elif p.suffix == ".jsonl":
@@ -424,7 +430,7 @@ def _read_local(path: str, max_line_bytes: int | None, head: int | None) -> list
         rows = [(f"{p} row {i}", r) for i, r in enumerate(data[:head])]
     elif p.suffix == ".parquet":
         try:
-            ds = load_dataset("parquet", data_files=str(p), split="train")
+            ds = _datasets().load_dataset("parquet", data_files=str(p), split="train")
         except Exception as exc:  # pyarrow's errors for a truncated or non-Parquet file
             raise DataError(
                 f"{p}: not a readable Parquet file ({type(exc).__name__}: {exc})"
