@@ -24,7 +24,11 @@ STAGE = {stage!r}
 
 def run(ctx):
     started = time.time()
-    time.sleep(float(os.environ.get("PT_OK_SLEEP_S", "0")))
+    # PT_OK_SLEEP_STAGES: which stages sleep (all when unset), so a test of two stages side by
+    # side makes only those two last.
+    sleepers = os.environ.get("PT_OK_SLEEP_STAGES")
+    if sleepers is None or STAGE in sleepers.split(","):
+        time.sleep(float(os.environ.get("PT_OK_SLEEP_S", "0")))
     with open(ctx.stage.out_dir / "metrics.jsonl", "a") as f:
         for step in range(1, 4):
             rec = {{"kind": "train", "step": step, "total_steps": 3, "loss": 2.0 / step,

@@ -36,23 +36,25 @@ NAMES = tuple(KINDS)
 PLANNED = ("ingest", "sft", "evaluate", "export")
 
 
+def _stand_ins(folder: Path, mp: pytest.MonkeyPatch, kinds: dict[str, str]) -> None:
+    """Point the stage registry at stand-in modules written into `folder`: same graph
+    (parents, optional stages), one process each; `kinds` picks ok/fail/hang per stage."""
+    write_stage_modules(folder, NAMES)
+    mp.setenv("PYTHONPATH", os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]))
+    registry = {
+        s.name: dataclasses.replace(s, module=f"pt_{kinds[s.name]}_{s.name}", distributed=False)
+        for s in KINDS.values()
+    }
+    mp.setattr(posttrain.plan.planner, "KINDS", registry)
+
+
 @pytest.fixture
 def fake_stages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    folder = tmp_path / "mods"
-    write_stage_modules(folder, NAMES)
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])
-    )
     kinds = {name: "ok" for name in NAMES}
 
     def use(**overrides: str) -> None:
         kinds.update(overrides)
-        registry = {
-            # Same graph (parents, optional stages) with stand-in modules, one process each.
-            s.name: dataclasses.replace(s, module=f"pt_{kinds[s.name]}_{s.name}", distributed=False)
-            for s in KINDS.values()
-        }
-        monkeypatch.setattr(posttrain.plan.planner, "KINDS", registry)
+        _stand_ins(tmp_path / "mods", monkeypatch, kinds)
 
     use()
     return use  # type: ignore[return-value]
@@ -247,36 +249,53 @@ def test_flow_failure_names_the_stage_and_still_writes_the_report(
     ]  # fmt: skip
 
 
-def test_a_run_handed_its_plan_does_not_plan_again(
-    prefect_harness: None, fake_stages, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`posttrain run` plans before Prefect starts and hands the flow that plan: Prefect passes
-    the very recipe object through, so the flow runs the handed plan and plans nothing."""
+@pytest.fixture(scope="module")
+def handed_side_by_side(
+    prefect_harness: None, tmp_path_factory: pytest.TempPathFactory
+) -> RunResult:
+    """One run that two tests read: `posttrain run`'s way (the plan made before the flow and
+    handed to it, `--until evaluate`) of a recipe with a reward model trained beside the SFT
+    (`from: ingest`) and infra.parallel_stages 2. Planning inside the flow raises."""
     import flows.post_train
     from posttrain.config.loader import resolve
 
-    run_plan = posttrain.plan.planner.plan(resolve(_recipe(tmp_path / "ws")))
+    tmp = tmp_path_factory.mktemp("side-by-side")
+    rm = {"kind": "reward", "name": "rm", "from": "ingest", "data": {"synthetic": {}}}
+    recipe = _recipe(tmp / "ws", stages=[rm])
+    recipe.infra.parallel_stages = 2
 
     def planned_again(recipe: object) -> None:
         raise AssertionError("the flow planned the run again")
 
-    monkeypatch.setattr(flows.post_train, "plan", planned_again)
-    with flows.post_train.handing(run_plan):
-        result = post_train(run_plan.recipe, until=["sft"])
-    assert _statuses(result) == {"ingest": "ran", "sft": "ran"}
+    with pytest.MonkeyPatch.context() as mp:
+        _stand_ins(tmp / "mods", mp, {name: "ok" for name in NAMES})
+        # Only the two branches last long enough to show they overlap, whatever the load.
+        mp.setenv("PT_OK_SLEEP_S", "3")
+        mp.setenv("PT_OK_SLEEP_STAGES", "sft,reward")
+        run_plan = posttrain.plan.planner.plan(resolve(recipe))
+        mp.setattr(flows.post_train, "plan", planned_again)
+        with flows.post_train.handing(run_plan):
+            return post_train(run_plan.recipe, until=["evaluate"])
+
+
+def test_a_run_handed_its_plan_does_not_plan_again(handed_side_by_side: RunResult) -> None:
+    """`posttrain run` plans before Prefect starts and hands the flow that plan: Prefect passes
+    the very recipe object through, so the flow runs the handed plan (its --until too) and plans
+    nothing."""
+    assert _statuses(handed_side_by_side) == dict.fromkeys(
+        ["ingest", "sft", "rm", "evaluate"], "ran"
+    )
+    lineage = json.loads((Path(handed_side_by_side.run_dir) / "lineage.json").read_text())
+    assert lineage["not_selected"] == ["export"]
 
 
 def test_independent_branches_run_side_by_side_when_allowed(
-    prefect_harness: None, fake_stages, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    handed_side_by_side: RunResult,
 ) -> None:
     """A reward model trained beside the SFT (`from: ingest`) runs at the same time as it with
     infra.parallel_stages 2; evaluate waits for both; the report draws the graph."""
-    monkeypatch.setenv("PT_OK_SLEEP_S", "3")
-    rm = {"kind": "reward", "name": "rm", "from": "ingest", "data": {"synthetic": {}}}
-    recipe = _recipe(tmp_path / "ws", stages=[rm])
-    recipe.infra.parallel_stages = 2
-    result = post_train(recipe)
-    assert _statuses(result) == dict.fromkeys(["ingest", *PLANNED[1:2], "rm", *PLANNED[2:]], "ran")
+    result = handed_side_by_side
+    assert _statuses(result) == dict.fromkeys(["ingest", "sft", "rm", "evaluate"], "ran")
     uris = {s.stage: Path(s.uri) for s in result.stages}
     span = {n: json.loads((uris[n] / "logs" / "span.json").read_text()) for n in uris}
     assert span["sft"][0] < span["rm"][1] and span["rm"][0] < span["sft"][1], span

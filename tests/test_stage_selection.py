@@ -236,12 +236,16 @@ def test_the_report_names_the_stages_left_out() -> None:
 # --- on the real quickstart -------------------------------------------------------------------
 
 # reward.min_accuracy=0: two reward steps cannot pass the quickstart's gate (0.6), which would stop
-# the run; this checks which stages run, not what they learn.
+# the run; this checks which stages run, not what they learn: a tenth of the quickstart's SFT and
+# reward data (fewer rows to build, tokenize and score on held-out data before and after the few
+# steps).
 QUICK = [
     "ingest.from_config.pretrain_steps=5",
     "sft.max_steps=3",
+    "sft.data.synthetic.n_examples=300",
     "reward.max_steps=2",
     "reward.min_accuracy=0",
+    "reward.data.synthetic.n_examples=200",
 ]
 
 
