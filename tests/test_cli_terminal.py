@@ -5,8 +5,8 @@ shows rate-limited progress lines through a pipe; a CLI interrupted mid-stage le
 server and no stage process behind.
 
 The failing runs talk to the session's Prefect server (tests/prefect_server.py: none of them is
-about a server's start) and share one workspace whose ingest is built in this process first, so
-each starts no stage but the ones it needs. The runs of stand-in stages keep the embedded server,
+about a server's start) and share one workspace whose ingest and SFT are built in this process
+first, so each starts no stage but the ones it needs. The runs of stand-in stages keep the embedded server,
 whose start and stop they check; they share one Prefect home, so its migrations are paid once
 (tests/faults/fault_runs.py starts the CLI as the fault tests do).
 """
