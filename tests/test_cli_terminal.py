@@ -5,8 +5,8 @@ shows rate-limited progress lines through a pipe; a CLI interrupted mid-stage le
 server and no stage process behind.
 
 The failing runs talk to the session's Prefect server (tests/prefect_server.py: none of them is
-about a server's start) and share one workspace whose ingest is built in this process first, so
-each starts no stage but the ones it needs. The runs of stand-in stages keep the embedded server,
+about a server's start) and share one workspace whose ingest and SFT are built in this process
+first, so each starts no stage but the ones it needs. The runs of stand-in stages keep the embedded server,
 whose start and stop they check; they share one Prefect home, so its migrations are paid once
 (tests/faults/fault_runs.py starts the CLI as the fault tests do).
 """
@@ -89,12 +89,15 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dic
 
 @pytest.fixture(scope="module")
 def served(shared: tuple[Path, dict], prefect_server: Any) -> tuple[Path, dict]:
-    """`shared`, its workspace `ws` holding the runs' ingest (built here: a few seconds, against
-    a stage launch), its CLI runs flows on the session's Prefect server."""
+    """`shared`, its workspace `ws` holding the runs' ingest and SFT (built here: a few seconds
+    each, against a stage launch of ~15-20 s under load), its CLI runs flows on the session's
+    Prefect server. The gate and bad-pair runs fail in a stage after the SFT, which they reuse;
+    the other runs fail in an SFT of their own."""
     folder, env = shared
     recipe = folder / "ingest.yaml"
     recipe.write_text(yaml.safe_dump(_tiny(folder / "ws", "ingest")))
     run_inprocess("ingest", recipe)
+    run_inprocess("sft", recipe)
     prefect = {k: v for k, v in prefect_server.env.items() if k.startswith("PREFECT_")}
     return folder, {**env, **prefect}
 
@@ -157,8 +160,8 @@ def test_a_memory_refusal_is_one_block_with_what_would_fit(
 ) -> None:
     folder, env = served
     data = _tiny(folder / "ws", "memory")
-    # An SFT of its own: the gate and bad-pair runs complete the shared one, which this run
-    # would then reuse without a pre-flight, whatever the order the tests ran in.
+    # An SFT of its own: the shared one is complete (`served`), and this run would reuse it
+    # without a pre-flight.
     data["sft"]["max_steps"] = 3
     rc, out = _cli(folder, env, data, "infra.device_memory_gb=0.001")
     assert rc == 1
@@ -256,9 +259,9 @@ def _fake_recipe(folder: Path, name: str) -> Path:
 def test_progress_through_a_pipe_is_plain_and_rate_limited(
     tmp_path: Path, shared: tuple[Path, dict]
 ) -> None:
-    # 40 steps over ~20 s, a line at most every 4 s: about 6 lines, not 40.
+    # 40 steps over ~12 s, a line at most every 4 s: about 4 lines, not 40.
     env = _fake_env(
-        tmp_path, shared, PT_FAKE_STEPS="40", PT_FAKE_STEP_S="0.5", POSTTRAIN_PROGRESS_EVERY_S="4"
+        tmp_path, shared, PT_FAKE_STEPS="40", PT_FAKE_STEP_S="0.3", POSTTRAIN_PROGRESS_EVERY_S="4"
     )
     run = Run(_fake_recipe(tmp_path, "progress"), env)
     try:
