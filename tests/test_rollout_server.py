@@ -256,11 +256,15 @@ def test_a_timed_out_stage_takes_its_server_down(parents) -> None:  # noqa: F811
     section["max_steps"] = 38  # an artifact of its own
     path = recipe_with(parents, "grpo", section, "served-timeout")
     data = yaml.safe_load(path.read_text())
-    data["infra"]["timeouts"] = {"grpo": 60}
+    # The stage starts its server within seconds and it is up ~10 s later (more under load):
+    # 30 s times it out serving, which the log's startup line below confirms.
+    data["infra"]["timeouts"] = {"grpo": 30}
     path.write_text(yaml.safe_dump(data))
     recipe = load_recipe(path)
     stage = next(s for s in plan(recipe).stages if s.name == "grpo")
     refs = {name: ref_from_manifest(parents[name]) for name in stage.parents}
-    with pytest.raises(StageTimeout, match="timed out after 60 s"):
+    with pytest.raises(StageTimeout, match="timed out after 30 s"):
         stage_task.fn(stage, spec_for(stage, recipe, refs), kill_grace_s=5.0)
+    log = (stage.out_dir / "logs" / "rollout-server.log").read_text()
+    assert "Application startup complete" in log, log[-2000:]  # it was serving when stopped
     no_server_left(stage.out_dir, stopped=None)

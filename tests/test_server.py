@@ -286,6 +286,27 @@ with hold_devices(sys.argv[1]):
 """
 
 
+def _waits_for_the_devices(served: dict, run_id: str, slot: str, since: int) -> None:
+    """The run says it waits for the devices (its log in serve's, from offset `since`), and no
+    stage of it ran meanwhile or runs shortly after: no process, no ingest launched."""
+    from posttrain.config.loader import load_recipe
+    from posttrain.plan.planner import plan
+
+    recipe = load_recipe(served["recipes"][SERVED])
+    ingest = next(s.out_dir for s in plan(recipe).stages if s.name == "ingest")
+    said = f"waiting for the devices: {slot} is held by another run"
+
+    def waiting() -> bool:
+        # Checked at every poll: an ingest launched before the wait is caught while it runs.
+        assert _flow_run_processes(run_id) == [], "a stage started without the devices"
+        return said in served["log"].read_text()[since:]
+
+    wait_for("the run to wait for the devices", waiting, 120)
+    time.sleep(2)  # a launch right after the wait began would be a process by now
+    assert _flow_run_processes(run_id) == [], "a stage started without the devices"
+    assert not (ingest / "logs" / "spec.json").exists(), "the ingest was launched"
+
+
 def test_submitted_run_waits_for_the_devices_then_completes(
     served: dict, prefect_server: Any
 ) -> None:
@@ -307,6 +328,7 @@ def test_submitted_run_waits_for_the_devices_then_completes(
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        since = len(served["log"].read_text())
         out = subprocess.run(
             [*POSTTRAIN, "submit", str(recipe_path)],
             env=prefect_server.env,
@@ -321,9 +343,8 @@ def test_submitted_run_waits_for_the_devices_then_completes(
         wait_for(
             "the run to start", lambda: client.read_flow_run(run_id).state.name == "Running", 120
         )
-        time.sleep(8)  # long enough for an unguarded ingest to have started
+        _waits_for_the_devices(served, run_id, slot, since)
         assert client.read_flow_run(run_id).state.name == "Running"
-        assert _flow_run_processes(run_id) == [], "a stage started without the devices"
         limit = client.read_global_concurrency_limit_by_name(slot)
         assert (limit.limit, limit.active_slots) == (1, 1)
     finally:

@@ -188,7 +188,7 @@ def stage_health(out_dir: Path) -> dict[str, Any]:
     """`summarize` of a stage folder: its metrics.jsonl and rank 0's health sources. Empty when
     unreadable: the summary is a report, never a reason to fail."""
     from posttrain.telemetry.health.sampler import read_health
-    from posttrain.telemetry.metrics import read_metrics
+    from posttrain.telemetry.records import read_metrics
 
     try:
         records = read_metrics(Path(out_dir) / "metrics.jsonl")

@@ -7,7 +7,6 @@ and on CPU a matmul peak measured on this machine at stage start.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import resource
@@ -20,6 +19,7 @@ import torch
 
 from posttrain import jsonsafe
 from posttrain.telemetry import health
+from posttrain.telemetry.records import read_metrics  # noqa: F401 (its home before)
 
 log = logging.getLogger("posttrain.telemetry")
 
@@ -216,21 +216,3 @@ class MetricsWriter:
                 os.fsync(self._f.fileno())
                 self._f.close()
                 self._f = None
-
-
-def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl (of one `kind`, if given). A torn last line — the process
-    was killed while writing it — is dropped, so a resume after SIGKILL can read the file; an
-    unreadable line before the last is corruption and raises, naming the line."""
-    if not path.exists():
-        return []
-    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
-    rows = []
-    for i, (n, line) in enumerate(lines):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            if i == len(lines) - 1:
-                break
-            raise ValueError(f"{path}:{n}: not a JSON record ({exc.msg})") from None
-    return [r for r in rows if kind is None or r.get("kind") == kind]
