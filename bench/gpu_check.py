@@ -38,7 +38,7 @@ from typing import Any
 import yaml
 
 from posttrain.data.synthetic import WORDS as NOUNS
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 # Function words, so the text is not a list of nouns, and the quickstart's own vocabulary.

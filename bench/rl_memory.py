@@ -330,7 +330,7 @@ def memory_child(
 def ppo_child(recipe: Path, keep_gathered: str, rollouts: int) -> dict[str, Any]:
     """The real ppo stage in this process; per-step means from its metrics.jsonl."""
     helpers = stage_helpers()
-    from posttrain.telemetry.metrics import read_metrics
+    from posttrain.telemetry.records import read_metrics
 
     over = (f"ppo.rollout.keep_gathered={keep_gathered}", f"ppo.max_steps={rollouts}")
     t = time.perf_counter()

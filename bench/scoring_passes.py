@@ -32,7 +32,7 @@ import torch
 import yaml
 
 from posttrain.rl import setup as rl_setup
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_models import rl_parents, run_stage  # noqa: E402 (bench/, on the path above)

@@ -142,7 +142,7 @@ def plain_loop(recipe_path: Path, steps: int) -> dict:
 def stage_figures(recipe_path: Path) -> dict:
     from posttrain.config.loader import load_recipe
     from posttrain.plan.planner import plan
-    from posttrain.telemetry.metrics import read_metrics
+    from posttrain.telemetry.records import read_metrics
 
     sft_dir = plan(load_recipe(recipe_path)).stages[1].out_dir
     rows = read_metrics(sft_dir / "metrics.jsonl", "train")[3:]

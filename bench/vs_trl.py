@@ -272,7 +272,7 @@ def upper_quartile(xs: list[float]) -> float:
 
 
 def posttrain_figures(stage_dir: Path) -> dict[str, float]:
-    from posttrain.telemetry.metrics import read_metrics
+    from posttrain.telemetry.records import read_metrics
 
     rows = read_metrics(stage_dir / "metrics.jsonl", "train")
     # One record per step (log_every 1, the default), or the warm-up skip would be off.
@@ -326,7 +326,7 @@ def time_ratios(pt: dict[str, Any], trl: dict[str, Any]) -> dict[str, float]:
 def posttrain_rl_figures(stage_dir: Path) -> dict[str, Any]:
     """`rl_summary` of an RL stage's metrics.jsonl train records (response_len = response
     tokens up to and including the stop token, TRL's completion length)."""
-    from posttrain.telemetry.metrics import read_metrics
+    from posttrain.telemetry.records import read_metrics
 
     rows = read_metrics(stage_dir / "metrics.jsonl", "train")
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "bench needs log_every 1"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 from tests.rl_two_rank_worker import two_rank_records
 from tests.stage_helpers import crash_after, planned_dir, run_inprocess, run_torchrun
 from tests.test_rl_stages import RL, parents  # noqa: F401  (the shared fixture)

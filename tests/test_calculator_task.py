@@ -23,7 +23,7 @@ from posttrain.kinds.ingest import IngestConfig
 from posttrain.models.chatml import CHATML_TEMPLATE, CHATML_TOOLS_TEMPLATE
 from posttrain.models.tiny import IM_END
 from posttrain.stages.ingest import install_template
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 REFS = ["calculator:add", "calculator:subtract", "calculator:multiply"]

@@ -421,7 +421,7 @@ def test_sft_stage_same_trajectory_chunked_and_unchunked(tmp_path: Path) -> None
     fingerprint, so the variants run in workspaces of their own)."""
     from stage_helpers import TINY, planned_dir, run_inprocess, run_shared, write_recipe
 
-    from posttrain.telemetry.metrics import read_metrics
+    from posttrain.telemetry.records import read_metrics
 
     data = copy.deepcopy(TINY)
     data["ingest"]["from_config"]["pretrain_steps"] = 5

@@ -26,7 +26,7 @@ from posttrain.models.roles import RoleModel
 from posttrain.plan.planner import plan
 from posttrain.rl.distill import check_shapes, distill_update
 from posttrain.rl.rollout.collect import collect_rollout
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 from tests.stage_helpers import SMALL_EVALUATE, TINY, planned_dir, run_inprocess, run_torchrun
 
 # The tiny model, a gloo world of one and one torch thread: the RL update tests' fixtures.

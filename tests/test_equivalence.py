@@ -32,7 +32,7 @@ from posttrain.data.chat import IGNORE
 from posttrain.data.sft_data import prepare
 from posttrain.data.synthetic import quickstart_sft_rows
 from posttrain.models.loading import load_base, load_tokenizer
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 
 pytestmark = pytest.mark.slow
 

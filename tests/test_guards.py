@@ -297,7 +297,7 @@ def _same(a: dict, b: dict) -> bool:
 def test_session_skips_non_finite_and_spiking_steps_bit_exactly(tmp_path: Path) -> None:
     from posttrain.distributed.runtime import shutdown
     from posttrain.telemetry import heartbeat
-    from posttrain.telemetry.metrics import read_metrics
+    from posttrain.telemetry.records import read_metrics
 
     guard = {"max_bad_steps": 2, "window": 10, "loss_spike_k": 3.0}
     guard |= {"loss_spike_window": 2, "loss_spike_min_history": 2}
@@ -381,7 +381,7 @@ def test_sft_blowup_is_skipped_then_stopped_and_the_checkpoint_kept(
     tmp_path: Path, shared_parents: Path
 ) -> None:
     from posttrain.telemetry.health import read_health
-    from posttrain.telemetry.metrics import read_metrics
+    from posttrain.telemetry.records import read_metrics
     from posttrain.train.checkpoint import complete_checkpoints
 
     recipe = _blowup_recipe(tmp_path)

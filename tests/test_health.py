@@ -36,7 +36,8 @@ from posttrain.telemetry.health.sampler import (
     read_health,
     sources_line,
 )
-from posttrain.telemetry.metrics import MetricsWriter, read_metrics
+from posttrain.telemetry.metrics import MetricsWriter
+from posttrain.telemetry.records import read_metrics
 
 RECORDING = Path(__file__).parent / "data" / "health" / "nvml_h200.json"
 KIB = 1024

@@ -292,7 +292,7 @@ KTO_SECTION = {
 
 @pytest.mark.slow
 def test_kto_stage_end_to_end(tmp_path, shared_parents) -> None:
-    from posttrain.telemetry.metrics import read_metrics
+    from posttrain.telemetry.records import read_metrics
     from tests.stage_helpers import TINY, run_inprocess, run_shared, write_recipe
 
     recipe_data = copy.deepcopy(TINY)

@@ -653,7 +653,7 @@ def test_estimate_bounds_the_measured_allocated_peak(tmp_path: Path) -> None:
 def test_real_stage_records_estimate_and_measured_peak(tmp_path: Path) -> None:
     """A real ingest + sft in this process: the sft stage's metrics.jsonl has the pre-flight
     record after `start`, and its summary the estimate beside the measured peak RSS."""
-    from posttrain.telemetry.metrics import read_metrics
+    from posttrain.telemetry.records import read_metrics
     from tests.stage_helpers import run_inprocess
 
     data = json.loads(json.dumps(TINY))

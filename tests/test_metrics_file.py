@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.telemetry.metrics import MetricsWriter, read_metrics
+from posttrain.telemetry.metrics import MetricsWriter
+from posttrain.telemetry.records import read_metrics
 
 
 def _records(path: Path, steps: int) -> None:
@@ -39,3 +40,11 @@ def test_corruption_before_the_last_line_is_an_error_naming_the_line(tmp_path: P
     path.write_text("\n".join(text) + "\n")
     with pytest.raises(ValueError, match=r"metrics.jsonl:3: not a JSON record"):
         read_metrics(path)
+
+
+def test_a_line_that_is_not_an_object_is_no_record(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 1}\n[1, 2]\n"text"\n{"kind": "eval", "step": 1}\n')
+    assert [r["kind"] for r in read_metrics(path)] == ["train", "eval"]
+    assert read_metrics(path, "eval") == [{"kind": "eval", "step": 1}]
+    assert read_metrics(tmp_path) == []  # a folder, not a file

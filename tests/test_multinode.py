@@ -16,7 +16,7 @@ import yaml
 from flows.stage.launch import stage_command
 from posttrain.distributed.runtime import free_port
 from posttrain.store.artifacts import verify
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 from tests.stage_helpers import ROOT, TINY, planned_dir, run_inprocess
 
 

@@ -29,7 +29,7 @@ from posttrain.rl.online_dpo import (
 from posttrain.rl.pair_select import judge_agreement, select_pairs
 from posttrain.rl.rollout.collect import collect_rollout
 from posttrain.rl.rollout.sample import Rollout, response_logps
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 from posttrain.train.preference_losses import sigmoid_loss
 from tests.stage_helpers import SMALL_EVALUATE, planned_dir, run_inprocess, run_torchrun
 from tests.test_rl_stages import RL, parents, recipe_with, summary  # noqa: F401  (the shared fixture)

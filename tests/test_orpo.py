@@ -132,7 +132,7 @@ def test_orpo_stage_trains_without_a_reference(orpo_ws) -> None:
     from safetensors.torch import load_file
 
     from posttrain.store.artifacts import verify
-    from posttrain.telemetry.metrics import read_metrics
+    from posttrain.telemetry.records import read_metrics
 
     out = orpo_ws["orpo"]
     assert verify(out)[0], "a complete, verified artifact"

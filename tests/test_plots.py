@@ -20,10 +20,10 @@ from flows.report.plots import (
     CurvePlot,
     curve_figure,
     curve_spec,
-    read_records,
     series_points,
 )
 from flows.report.tables import curves_markdown
+from posttrain.telemetry.records import read_metrics
 
 
 def plot_curves(stages: list[tuple[str, Path]], out: Path) -> list[CurvePlot]:
@@ -115,7 +115,7 @@ def test_sft_curves_skip_nan_and_torn_line_and_stages_without_training(tmp_path:
 
 def test_points_are_finite_sorted_and_the_torn_line_is_dropped(tmp_path: Path) -> None:
     folder = _write_metrics(tmp_path, _sft_records(), torn='{"kind": "train", "step": 6, "lo')
-    records = read_records(folder / "metrics.jsonl")
+    records = read_metrics(folder / "metrics.jsonl")
     assert len(records) == len(_sft_records())
     assert series_points(records, "train", "loss") == ([1.0, 3.0, 5.0], [3.5, 2.5, 1.5])
     assert series_points(records, "eval", "eval_loss") == ([0.0, 5.0], [4.0, 2.0])
@@ -129,22 +129,6 @@ def test_points_are_finite_sorted_and_the_torn_line_is_dropped(tmp_path: Path) -
         {"kind": "train", "step": 4, "loss": True},
     ]
     assert series_points(rows, "train", "loss") == ([1.0, 2.0], [1.0, 2.0])
-
-
-def test_read_records_follows_read_metrics(tmp_path: Path) -> None:
-    # plots.py repeats read_metrics' rules to keep torch out of the flow process; this keeps
-    # the two readers in step.
-    from posttrain.telemetry.metrics import read_metrics
-
-    path = _write_metrics(tmp_path, _sft_records(), torn='{"kind": "tr').joinpath("metrics.jsonl")
-    ours, theirs = read_records(path), read_metrics(path)
-    assert json.dumps(ours) == json.dumps(theirs)  # NaN != NaN, so compare as text
-    assert read_records(tmp_path / "missing.jsonl") == read_metrics(tmp_path / "missing.jsonl")
-    path.write_text('{"kind": "train"}\nnot json\n{"kind": "end"}\n')
-    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
-        read_records(path)
-    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
-        read_metrics(path)
 
 
 def test_online_rl_stage_gets_reward_and_kl_panels(tmp_path: Path) -> None:

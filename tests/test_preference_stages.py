@@ -14,7 +14,7 @@ from flows.report.tables import StageRecord
 from flows.stage.failures import QualityGateFailed
 from posttrain.store.artifacts import ref_from_manifest
 from posttrain.store.summary import read_summary
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 from tests.stage_helpers import (
     TINY,
     planned_dir,

@@ -31,7 +31,7 @@ import psutil
 import pytest
 import yaml
 
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 from tests.faults.fault_runs import Run, kill_all, run_env
 from tests.monitoring_queries import panel_queries
 from tests.stage_helpers import ROOT, TINY, run_inprocess

@@ -20,7 +20,7 @@ import torch
 
 from posttrain.kinds import KINDS
 from posttrain.store.artifacts import verify
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 from posttrain.train.checkpoint import complete_checkpoints, data_position
 from tests.stage_helpers import (
     ROOT,

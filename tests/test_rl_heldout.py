@@ -25,7 +25,8 @@ from posttrain.rl.heldout import (
 )
 from posttrain.rl.metrics import add_rollout_sums
 from posttrain.rl.rollout.sample import decode_responses, sample
-from posttrain.telemetry.metrics import MetricsWriter, read_metrics
+from posttrain.telemetry.metrics import MetricsWriter
+from posttrain.telemetry.records import read_metrics
 from tests.test_rl_losses import _rollout
 
 L2 = math.log(2)

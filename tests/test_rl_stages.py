@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from posttrain.rl.heldout import quality_gate
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 from tests.rl_two_rank_worker import two_rank_records
 from tests.stage_helpers import (
     crash_after,

@@ -23,7 +23,7 @@ import yaml
 from prefect_server import seed_home
 from safetensors.torch import load_file
 
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 from tests.stage_helpers import ROOT, planned_dir, planned_launch, run_inprocess
 from tests.test_agent_rl import EPISODES, episode_recipe
 from tests.test_rl_stages import GRPO, PPO, parents, recipe_with  # noqa: F401 (the fixture)

@@ -36,7 +36,7 @@ from posttrain.plan.planner import plan
 from posttrain.runtime.spec import tag_flow_run_id, tag_launch_id
 from posttrain.store.artifacts import verify
 from posttrain.telemetry.health.sampler import read_health
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 from tests.stage_helpers import (
     ROOT,
     hand_planned,

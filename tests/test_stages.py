@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from posttrain.store.artifacts import verify
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 from tests.stage_helpers import planned_dir, run_inprocess, run_shared, write_recipe
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,7 @@ from prefect_server import free_port
 from test_flow import _recipe, fake_stages  # noqa: F401  (fixture)
 
 from flows.post_train import post_train
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 from tests.stage_helpers import TINY, planned_dir, run_inprocess, run_shared, write_recipe
 
 pytestmark = pytest.mark.slow

@@ -20,8 +20,9 @@ from types import ModuleType
 
 from flows.report import graph_plot, plots
 from flows.report.graph_plot import draw_stage_graph
-from flows.report.plots import CurvePlot, plot_stage, read_records, write_beside
+from flows.report.plots import CurvePlot, plot_stage, write_beside
 from flows.report.tables import StageRecord
+from posttrain.telemetry.records import read_metrics
 
 
 def cache_dir(workspace: str | os.PathLike[str]) -> Path:
@@ -63,7 +64,7 @@ def curves(
             drawn.append(CurvePlot(stage, path, tuple(saved["panels"]), tuple(saved["series"])))
             copied += 1
             continue
-        plot = plot_stage(stage, read_records(metrics), out_dir)
+        plot = plot_stage(stage, read_metrics(metrics), out_dir)
         if plot is None:
             continue
         drawn.append(plot)

@@ -9,7 +9,6 @@ process, and importing this module stays cheap.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -151,27 +150,6 @@ class CurvePlot:
     path: Path
     panels: tuple[str, ...]
     series: tuple[str, ...]
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl, by the rules of `posttrain.telemetry.metrics.read_metrics`:
-    a torn last line (the writer was killed mid-line) is dropped, an unreadable line before it
-    raises. Repeated here because that module imports torch at import time, and the flow
-    process that draws the curves never loads torch (tests/test_cli.py)."""
-    if not path.is_file():
-        return []
-    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
-    rows: list[dict[str, Any]] = []
-    for i, (n, line) in enumerate(lines):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if i == len(lines) - 1:
-                break
-            raise ValueError(f"{path}:{n}: not a JSON record ({exc.msg})") from None
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
 
 
 def _finite(value: Any) -> float | None:

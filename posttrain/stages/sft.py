@@ -31,7 +31,7 @@ from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.rl.teacher_answers import teacher_rows
 from posttrain.runtime.context import StageContext, training_base
 from posttrain.stages.common import stage_main
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 from posttrain.train.forward_logps import forward_nll_sum
 from posttrain.train.loop import Draw, StepBatch, Training, open_training, plan_steps
 from posttrain.train.session import TrainSession

@@ -19,7 +19,7 @@ import torch
 
 from posttrain import jsonsafe
 from posttrain.telemetry import health
-from posttrain.telemetry.records import read_metrics  # noqa: F401 (its home before)
+from posttrain.telemetry.records import read_metrics
 
 log = logging.getLogger("posttrain.telemetry")
 

@@ -12,8 +12,9 @@ from typing import Any
 def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl (of one `kind`, if given). A torn last line — the process
     was killed while writing it — is dropped, so a resume after SIGKILL can read the file; an
-    unreadable line before the last is corruption and raises, naming the line."""
-    if not path.exists():
+    unreadable line before the last is corruption and raises, naming the line; a line that is
+    JSON but not an object is no record and is skipped."""
+    if not path.is_file():
         return []
     lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
     rows = []
@@ -24,4 +25,4 @@ def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
             if i == len(lines) - 1:
                 break
             raise ValueError(f"{path}:{n}: not a JSON record ({exc.msg})") from None
-    return [r for r in rows if kind is None or r.get("kind") == kind]
+    return [r for r in rows if isinstance(r, dict) and (kind is None or r.get("kind") == kind)]

@@ -24,7 +24,7 @@ from prefect_server import serving, start_serve, start_server, stop_group, wait_
 from posttrain.config.loader import load_recipe
 from posttrain.plan.planner import plan
 from posttrain.store.artifacts import verify
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 from tests.stage_helpers import TINY, write_recipe
 
 pytestmark = pytest.mark.slow

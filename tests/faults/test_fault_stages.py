@@ -25,7 +25,7 @@ from posttrain.plan.planner import plan, spec_for
 from posttrain.runtime.diskspace import folder_bytes, required_bytes
 from posttrain.store.artifacts import ref_from_manifest, verify
 from posttrain.store.locking import lock_path
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 from posttrain.train.checkpoint import complete_checkpoints
 from posttrain.train.resume import inspect_checkpoint
 from tests.faults.fault_injection import (

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.store.artifacts import verify
-from posttrain.telemetry.metrics import read_metrics
+from posttrain.telemetry.records import read_metrics
 from posttrain.train.checkpoint import complete_checkpoints
 from posttrain.train.integrity import listing, my_share
 from posttrain.train.resume import inspect_checkpoint
