@@ -17,9 +17,7 @@ set: `validate` and `plan` never import it, and only `run` starts a server.
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
-import gc
 import logging
 import signal
 import sys
@@ -53,6 +51,7 @@ from posttrain.config.served_access import ALLOWED_ENV, REWARDS_ENV
 from posttrain.kinds import graph_kinds
 from posttrain.plan.planner import RunPlan, plan, spec_for
 from posttrain.plan.selection import ALL_STAGES, Selection
+from posttrain.runtime.exit import exit_without_collecting
 from posttrain.store.status import status
 
 
@@ -369,17 +368,9 @@ def _add_served_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pipeline", default="external", help="who published it (default external)")
 
 
-def _exit_without_collecting() -> None:
-    # At interpreter exit, the cyclic GC walks every object a run created, Prefect's server
-    # modules included (~2,000 modules): ~1-3 s on this machine before the process ends, for
-    # memory the OS frees anyway. Frozen objects are skipped. Registered before Prefect is
-    # imported, this runs after Prefect's exit hooks (server stop, log and event flushes).
-    gc.freeze()
-
-
 def main(argv: list[str] | None = None) -> int:
-    atexit.unregister(_exit_without_collecting)  # once per process (tests call main often)
-    atexit.register(_exit_without_collecting)
+    # Registered before Prefect is imported, so Prefect's exit hooks run first.
+    exit_without_collecting()
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     # `run r.yaml --until sft sft.max_steps=5`: argparse leaves overrides after a flag over.

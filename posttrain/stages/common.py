@@ -20,8 +20,6 @@ finishes alone, per `infra.orphan`.
 from __future__ import annotations
 
 import argparse
-import atexit
-import gc
 import json
 import logging
 import os
@@ -37,6 +35,7 @@ from posttrain.config.schema import ResolvedRecipe
 from posttrain.kinds import KINDS, StageKind, kind_of
 from posttrain.runtime.context import StageContext
 from posttrain.runtime.errors import ParentArtifactDamaged, StageVerdict
+from posttrain.runtime.exit import exit_without_collecting
 from posttrain.runtime.orphan import OrphanWatch
 from posttrain.runtime.recovery import recovery_record
 from posttrain.runtime.spec import LaunchInfo, StageSpec, read_spec
@@ -209,14 +208,7 @@ def stage_main(
 
     `kind`: default the registered kind whose module defines `run`; a name outside the registry
     (the promotion gate's head-to-head, test stand-ins) runs as a plain, local stage."""
-    # At interpreter exit the cyclic GC walks every object of torch, transformers, datasets and
-    # the run, for memory the OS frees anyway, while the supervisor waits for the process to
-    # end: 2-5 s per stage on a loaded 2-core machine, ~1 s with the heap frozen (gc.freeze,
-    # as flows.cli does for the CLI). Only collection is skipped: exit hooks (logging's flush)
-    # still run, the standard streams are flushed, and the artifact's files were written and
-    # hashed before its manifest. Once per process (tests call stage_main in theirs).
-    atexit.unregister(gc.freeze)
-    atexit.register(gc.freeze)
+    exit_without_collecting()
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stdout,
