@@ -178,58 +178,50 @@ def test_sigkill_then_rerun_is_bit_exact(recipe: Path, tmp_path: Path) -> None:
     assert last["epoch"] == 1 and last["offset"] == (STEPS - EVERY) * 8 - last["n_rows"]
 
 
-def test_two_rank_run_killed_resumes_on_one_rank(recipe: Path, tmp_path: Path, capsys) -> None:
+def _assert_same_rows_and_losses(out: Path, ref: Path) -> None:
+    """Every step of the run in `out` took the rows the uninterrupted run's took, with its loss
+    up to the order of float sums across ranks."""
+    got_m, want_m = (read_metrics(p / "metrics.jsonl", "train") for p in (out, ref))
+    assert [r["step"] for r in got_m] == list(range(1, STEPS + 1))
+    for a, b in zip(want_m, got_m, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-4), (a["step"], a["loss"], b["loss"])
+        assert b["target_tokens"] == a["target_tokens"], a["step"]
+
+
+def test_killed_runs_resume_on_another_number_of_ranks(
+    recipe: Path, tmp_path: Path, capsys
+) -> None:
+    """Both ways, on one chain of real kills (each resume is a launch the next kill interrupts):
+    a checkpoint written by one unwrapped rank (full tensors, no FSDP2) loads into two sharded
+    ranks, and theirs (an RNG state per rank) back into one; the same global batch, so the same
+    rows every step and the uninterrupted run's losses."""
     two = ("infra.devices_per_node=2", "sft.batch.micro_batch_size=4")
     one = ("infra.devices_per_node=1", "sft.batch.micro_batch_size=8")
-    # Same global batch: the same folder, so the 1-rank re-run picks up the 2-rank checkpoints.
+    # Same global batch: the same folder, so each launch picks up the other's checkpoints.
     assert planned_dir("sft", recipe, *two) == planned_dir("sft", recipe, *one)
     out, ref = _uninterrupted(recipe, tmp_path, *one)
+    with planned_launch("sft", recipe, *one) as spec:
+        at1 = _run_and_kill(_stage(spec), out, tmp_path / "one.log", EVERY)
+    assert EVERY <= at1 < STEPS
+    assert _check_data_position(out, at1)["world_size"] == 1
+
+    # One rank -> two: killed after a checkpoint of its own.
     with planned_launch("sft", recipe, *two) as spec:
-        at = _run_and_kill(_stage(spec, 2), out, tmp_path / "killed.log", EVERY)
-    assert EVERY <= at < STEPS
-    assert _check_data_position(out, at)["world_size"] == 2
-    assert {p.name for p in (out / "checkpoints" / f"step_{at:07d}").glob("rng_rank*.pt")} == {
+        at2 = _run_and_kill(_stage(spec, 2), out, tmp_path / "two.log", at1 + EVERY)
+    assert f"resumed from step_{at1:07d} at step {at1}" in (tmp_path / "two.log").read_text()
+    assert at1 < at2 < STEPS
+    assert _check_data_position(out, at2)["world_size"] == 2
+    assert {p.name for p in (out / "checkpoints" / f"step_{at2:07d}").glob("rng_rank*.pt")} == {
         "rng_rank0.pt",
         "rng_rank1.pt",
     }
 
+    # Two ranks -> one, to the end.
     capsys.readouterr()
     run_inprocess("sft", recipe, *one)
-    assert f"resumed from step_{at:07d} at step {at}" in capsys.readouterr().out
+    assert f"resumed from step_{at2:07d} at step {at2}" in capsys.readouterr().out
     assert verify(out)[0]
-    start = read_metrics(out / "metrics.jsonl", "start")[-1]
-    assert (start["start_step"], start["world_size"], start["micro_batch_size"]) == (at, 1, 8)
-    got_m, want_m = (read_metrics(p / "metrics.jsonl", "train") for p in (out, ref))
-    assert [r["step"] for r in got_m] == list(range(1, STEPS + 1))
-    # Same rows every step (on 2 ranks before the checkpoint, on 1 after it): same losses, up to
-    # the order of float sums across ranks.
-    for a, b in zip(want_m, got_m, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], abs=1e-4), (a["step"], a["loss"], b["loss"])
-        assert b["target_tokens"] == a["target_tokens"], a["step"]
-
-
-def test_one_rank_run_killed_resumes_on_two_ranks(recipe: Path, tmp_path: Path) -> None:
-    """The other way: a checkpoint written by one unwrapped rank (full tensors, no FSDP2) loads
-    into two sharded ranks, which train on to the uninterrupted run's losses."""
-    two = ("infra.devices_per_node=2", "sft.batch.micro_batch_size=4")
-    one = ("infra.devices_per_node=1", "sft.batch.micro_batch_size=8")
-    out, ref = _uninterrupted(recipe, tmp_path, *one)
-    with planned_launch("sft", recipe, *one) as spec:
-        at = _run_and_kill(_stage(spec), out, tmp_path / "killed.log", EVERY)
-    assert EVERY <= at < STEPS
-    assert _check_data_position(out, at)["world_size"] == 1
-
-    with planned_launch("sft", recipe, *two) as spec:
-        rerun = subprocess.run(
-            _stage(spec, 2), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300
-        )
-    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-    assert f"resumed from step_{at:07d} at step {at}" in rerun.stdout + rerun.stderr
-    assert verify(out)[0]
-    start = read_metrics(out / "metrics.jsonl", "start")[-1]
-    assert (start["start_step"], start["world_size"], start["micro_batch_size"]) == (at, 2, 4)
-    got_m, want_m = (read_metrics(p / "metrics.jsonl", "train") for p in (out, ref))
-    assert [r["step"] for r in got_m] == list(range(1, STEPS + 1))
-    for a, b in zip(want_m, got_m, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], abs=1e-4), (a["step"], a["loss"], b["loss"])
-        assert b["target_tokens"] == a["target_tokens"], a["step"]
+    starts = read_metrics(out / "metrics.jsonl", "start")
+    launches = [(r["start_step"], r["world_size"], r["micro_batch_size"]) for r in starts]
+    assert launches == [(0, 1, 8), (at1, 2, 4), (at2, 1, 8)]
+    _assert_same_rows_and_losses(out, ref)
