@@ -185,11 +185,20 @@ def _unmeasured(obj: object) -> object:
     return obj
 
 
-def artifact_digests(ws: Path) -> dict[str, str]:
+def _relaunched(record: dict) -> bool:
+    """A metrics record only a resumed launch writes."""
+    kind = record.get("kind")
+    return kind == "resume" or (kind == "start" and record.get("start_step", 0) > 0)
+
+
+def artifact_digests(ws: Path, one_launch: bool = False) -> dict[str, str]:
     """What every sealed artifact of a workspace computed: sha256 of each file its manifest
     lists, with metrics records and evaluate's figures stripped of their timings, and the
     workspace's own path written out of the files that name it. Left out: logs, the manifest
-    (its creation time and host facts) and the model card (it quotes measured speeds)."""
+    (its creation time and host facts) and the model card (it quotes measured speeds).
+    `one_launch`: also leave out what tells a resumed launch from a first one (its `start`
+    record, at a step > 0, and a `resume` record in metrics; whether the reference log-probs
+    were a cache hit), so a stage killed and resumed reads as one launch."""
     out = {}
     for manifest in sorted((ws / "artifacts").glob("*/*/manifest.json")):
         folder = manifest.parent
@@ -202,9 +211,14 @@ def artifact_digests(ws: Path) -> dict[str, str]:
                 records = [json.loads(line) for line in data.splitlines() if line.strip()]
                 # Health samples come on a clock, the pre-flight measures the host.
                 records = [r for r in records if r.get("kind") not in ("health", "preflight")]
+                if one_launch:
+                    records = [r for r in records if not _relaunched(r)]
                 data = json.dumps(_unmeasured(records), sort_keys=True).encode()
             elif path.suffix == ".json":
-                data = json.dumps(_unmeasured(json.loads(data)), sort_keys=True).encode()
+                obj = json.loads(data)
+                if one_launch and path.name == "reference.json":
+                    obj.pop("precomputed", None)  # a hit of the table its killed launch sealed
+                data = json.dumps(_unmeasured(obj), sort_keys=True).encode()
             key = f"{folder.parent.name}/{folder.name}/{rel}"
             out[key] = hashlib.sha256(data).hexdigest()
     return out

@@ -4,18 +4,19 @@ The tiny quickstart (ingest -> sft -> reward -> dpo -> evaluate -> export, every
 checkpointing every 3 steps, DPO's reference log-probs precomputed) runs once uninterrupted, on
 the embedded Prefect, as `posttrain run` does for a user. Against it:
 
-- a second run from scratch in another workspace, with another PYTHONHASHSEED, while a
-  competing training job (a real SFT stage process) runs on the same cores: every artifact's
-  files equal the first run's, the reference table among them (issue 39);
 - a run SIGKILLed inside DPO's reference pass, then a DPO of another beta under other numerics
   (3 threads, unchunked logits) that seals its reference table in the cache, then the run
   SIGKILLed inside DPO's training loop, then run to the end: the export is the uninterrupted
   run's (before issue 39 the cached table of other numerics became the recipe's, whichever run
   computed it first). DPO's parents are copies of the uninterrupted run's, which it reuses;
-- a seeded loop that SIGKILLs `posttrain run` at random moments — the CLI alone (an OOM kill:
-  its stage and embedded server must go by themselves) or every process of the run at once (a
-  power cut) — and starts it again: the last run's export equals the uninterrupted run's byte
-  for byte, and no process of any run is left.
+- in another workspace, with another PYTHONHASHSEED, while a competing training job (a real
+  stage process training a base) runs on the same cores all along, a seeded loop that SIGKILLs
+  `posttrain run` at random moments — the CLI alone (an OOM kill: its stage and embedded server
+  must go by themselves) or every process of the run at once (a power cut) — and starts it
+  again: the last run ends, some stage resumed from a checkpoint, no process of any run is
+  left, and every artifact's files equal the uninterrupted run's, the reference table among
+  them (issue 39). One pipeline carries all three: from scratch (what no kill interrupted),
+  under load, after kills, the same bits.
 
 Every process a run starts inherits its PREFECT_HOME, which is private to this module: that is
 how the tests find them all, whatever session or parent they ended up with.
@@ -210,33 +211,6 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, home: Path) -> Path:
     return ws
 
 
-def test_from_scratch_under_load_with_another_hash_seed_every_artifact_is_the_same(
-    uninterrupted: Path, home: Path, tmp_path: Path
-) -> None:
-    load_dir = tmp_path / "load"
-    load_dir.mkdir()
-    competitor = competing_training(load_dir, _env(home), threads=os.cpu_count() or 1)
-    try:
-        folder = tmp_path / "again"
-        folder.mkdir()
-        _run(_recipe(folder), home, folder / "run.log", PYTHONHASHSEED="4321")
-    finally:
-        assert stop_competing(competitor), "the competing job ended before the run did"
-    got, expected = artifact_digests(folder / "ws"), artifact_digests(uninterrupted)
-    assert got.keys() == expected.keys()
-    assert any(k.startswith("ref_logps/") for k in got)  # the precomputed reference table
-    differ = sorted(k for k in got if got[k] != expected[k])
-    assert not differ, differ
-    assert _export_files(folder / "ws") == _export_files(uninterrupted)
-    # And every manifest says so, with what the bits depend on.
-    for manifest in (folder / "ws" / "artifacts").glob("*/*/manifest.json"):
-        numerics = json.loads(manifest.read_text()).get("numerics")
-        if manifest.parent.parent.name == "ref_logps":
-            continue  # a cache: its key holds the signature (the other test reads it)
-        assert numerics["reproducibility"]["bit_exact"] is True, manifest
-        assert numerics["signature"]["mkl_cbwr"] == "AUTO,STRICT", manifest
-
-
 def test_killed_in_dpo_after_a_reference_table_of_other_numerics_ends_the_same(
     uninterrupted: Path, home: Path, tmp_path: Path
 ) -> None:
@@ -298,20 +272,19 @@ def _kill_moments(rng: random.Random) -> list[tuple[str, int | float]]:
     return [("time", rng.uniform(3.0, 20.0)), *picked]
 
 
-def test_killed_at_random_moments_the_pipeline_ends_bit_identical(
-    uninterrupted: Path, home: Path, tmp_path: Path
-) -> None:
-    rng = random.Random(SEED)
-    recipe, ws = _recipe(tmp_path), tmp_path / "ws"
-    log = tmp_path / "killed.log"
-    events = []
+def _kill_attempts(
+    recipe: Path, home: Path, log: Path, rng: random.Random, **env: str
+) -> list[str]:
+    """Start `posttrain run` at each of `_kill_moments` and SIGKILL it there, the CLI alone or
+    every process of the run; what each attempt did, for the failure messages."""
+    ws, events = recipe.parent / "ws", []
     for i, (where, when) in enumerate(_kill_moments(rng)):
         everything = rng.random() < 0.5
         what = f"attempt {i}: SIGKILL {'every process' if everything else 'the CLI'}"
         what += f" at {when:.1f} s" if where == "time" else f" after {where} checkpoint {when}"
         with open(log, "a") as f:
             f.write(f"\n=== {what}\n")
-        proc, t0 = _start(recipe, home, log), time.monotonic()
+        proc, t0 = _start(recipe, home, log, **env), time.monotonic()
         while proc.poll() is None and time.monotonic() - t0 < RUN_TIMEOUT_S:
             if where == "time" and time.monotonic() - t0 >= when:
                 break
@@ -333,11 +306,25 @@ def test_killed_at_random_moments_the_pipeline_ends_bit_identical(
         left = _wait_gone(home, 60)
         assert not left, f"{what}: still running 60 s after the kill: {left}"
         events.append(what)
+    return events
 
-    final = _start(recipe, home, log)
-    rc = final.wait(RUN_TIMEOUT_S)
-    text = log.read_text()
-    assert rc == 0, "\n".join(events) + "\n" + text[-6000:]
+
+def test_killed_at_random_moments_under_load_with_another_hash_seed_every_artifact_is_the_same(
+    uninterrupted: Path, home: Path, tmp_path: Path
+) -> None:
+    # The competing job carries a PREFECT_HOME of its own: no kill of the run's processes
+    # reaches it, and the checks that none of them is left do not wait for it.
+    load_dir = tmp_path / "load"
+    load_dir.mkdir()
+    competitor = competing_training(load_dir, _env(load_dir), threads=os.cpu_count() or 1)
+    recipe, ws, log = _recipe(tmp_path), tmp_path / "ws", tmp_path / "killed.log"
+    try:
+        events = _kill_attempts(recipe, home, log, random.Random(SEED), PYTHONHASHSEED="4321")
+        rc = _start(recipe, home, log, PYTHONHASHSEED="4321").wait(RUN_TIMEOUT_S)
+    finally:
+        assert stop_competing(competitor), "the competing job ended before the run did"
+    assert rc == 0, "\n".join(events) + "\n" + log.read_text()[-6000:]
+    assert not _wait_gone(home, 30)
     # The stages' own lines (the resume included) are in their logs, which every attempt appends
     # to, not on the CLI's terminal (flows.terminal).
     stage_logs = "".join(
@@ -345,5 +332,18 @@ def test_killed_at_random_moments_the_pipeline_ends_bit_identical(
     )
     assert "resumed from step_" in stage_logs, "no kill landed mid-training: " + "\n".join(events)
     assert _export_files(ws) == _export_files(uninterrupted), "\n".join(events)
-    assert not _wait_gone(home, 30)
+    # Every artifact, not only the export, each stage read as one launch (a resumed launch adds
+    # its start record to metrics, and finds the reference table its killed launch sealed).
+    got, expected = (artifact_digests(w, one_launch=True) for w in (ws, uninterrupted))
+    assert got.keys() == expected.keys()
+    assert any(k.startswith("ref_logps/") for k in got)  # the precomputed reference table
+    differ = sorted(k for k in got if got[k] != expected[k])
+    assert not differ, differ
+    # And every manifest says so, with what the bits depend on.
+    for manifest in (ws / "artifacts").glob("*/*/manifest.json"):
+        numerics = json.loads(manifest.read_text()).get("numerics")
+        if manifest.parent.parent.name == "ref_logps":
+            continue  # a cache: its key holds the signature (the DPO test reads it)
+        assert numerics["reproducibility"]["bit_exact"] is True, manifest
+        assert numerics["signature"]["mkl_cbwr"] == "AUTO,STRICT", manifest
     print("\n".join(events))
