@@ -41,12 +41,14 @@ import psutil
 import pytest
 from prefect_server import seed_home
 
+from posttrain.kinds import KINDS
 from tests.stage_helpers import (
     ROOT,
     TINY,
     artifact_digests,
     competing_training,
     planned_dir,
+    planned_launch,
     stop_competing,
     write_recipe,
 )
@@ -233,8 +235,14 @@ def test_killed_in_dpo_after_a_reference_table_of_other_numerics_ends_the_same(
     # Meanwhile a DPO of another beta seals its table under other numerics (3 threads, full
     # logits instead of the chunked head): the table the recipe's DPO would take if the cache
     # ignored what a table was computed under (it did before issue 39).
+    # Its stage process alone, as its supervisor launches it: how another run started it (a
+    # CLI, a server) is no part of what its table is keyed on.
     other = ("dpo.beta=0.2", "infra.threads_per_rank=3", "infra.logits_chunk_tokens=0")
-    _run(recipe, home, log, "--only", "dpo", *other)
+    with planned_launch("dpo", recipe, *other) as spec, open(log, "ab") as out:
+        cmd = [sys.executable, "-m", KINDS["dpo"].module, "--spec", str(spec)]
+        env, to = _env(home), RUN_TIMEOUT_S
+        ran = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=out, timeout=to)
+    assert ran.returncode == 0, log.read_text()[-6000:]
 
     # Inside the training loop: the DPO stage process alone, after its first checkpoint.
     proc, t0 = _start(recipe, home, log), time.monotonic()
