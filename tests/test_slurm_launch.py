@@ -3,7 +3,8 @@ nodes, each in its own network namespace, started on this machine).
 
 In file order, on one cluster:
   1. a 2-node SFT through the flow (`posttrain run`, infra.launcher slurm): the flow killed
-     outright leaves its job running, the next run stops it and resumes; a node that fails
+     outright leaves its job running, the next run (waiting on the device lock meanwhile)
+     stops it and resumes; a node that fails
      mid-stage fails the stage with Slurm's reason; the re-run resumes from the newest
      checkpoint and finishes, with the same losses as the local launcher's 2-process
      torchrun; nothing is left in the queue;
