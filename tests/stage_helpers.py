@@ -368,10 +368,12 @@ def slurm_sft_recipe(
     folder: Path, name: str, steps: int, checkpoint_every: int = 0, **infra: object
 ) -> Path:
     """TINY on the test Slurm cluster (tests/slurm_cluster.py): the SFT on 2 nodes x 1 process
-    (global batch 8), every stage but ingest submitted as a job; `infra` merged in."""
+    (global batch 8), every stage but ingest submitted as a job; `infra` merged in. No evaluate:
+    the export after SFT is the 1-node job of a one-process stage, the other kind of job."""
     import copy
 
     data = copy.deepcopy(TINY)
+    data["evaluate"] = None
     data["run"] |= {"name": name, "workspace": str(folder / "ws")}
     data["ingest"]["from_config"]["pretrain_steps"] = 10
     data["infra"] |= {

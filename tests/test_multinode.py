@@ -17,7 +17,7 @@ from flows.stage.launch import stage_command
 from posttrain.distributed.runtime import free_port
 from posttrain.store.artifacts import verify
 from posttrain.telemetry.records import read_metrics
-from tests.stage_helpers import ROOT, TINY, planned_dir, run_inprocess
+from tests.stage_helpers import ROOT, TINY, planned_dir, run_inprocess, run_shared
 
 
 def test_multinode_command_line() -> None:
@@ -43,7 +43,7 @@ def test_multinode_command_line() -> None:
 
 
 @pytest.mark.slow
-def test_two_node_agents_run_hsdp_sft(tmp_path) -> None:
+def test_two_node_agents_run_hsdp_sft(tmp_path, shared_parents) -> None:
     data = copy.deepcopy(TINY)
     data["run"]["workspace"] = str(tmp_path / "ws")
     data["infra"] |= {
@@ -57,7 +57,7 @@ def test_two_node_agents_run_hsdp_sft(tmp_path) -> None:
     data["sft"]["batch"] = {"micro_batch_size": 4, "grad_accum_steps": 1}  # x 2 nodes = 8
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(data))
-    run_inprocess("ingest", recipe)
+    run_shared("ingest", recipe, shared_parents)  # TINY's: built once per session
     # A one-process reference run of the same global batch, in a copy of the workspace.
     shutil.copytree(tmp_path / "ws", tmp_path / "ws1")
     single = copy.deepcopy(data)

@@ -3,7 +3,8 @@ nodes, each in its own network namespace, started on this machine).
 
 In file order, on one cluster:
   1. a 2-node SFT through the flow (`posttrain run`, infra.launcher slurm): the flow killed
-     outright leaves its job running, the next run stops it and resumes; a node that fails
+     outright leaves its job running, the next run (waiting on the device lock meanwhile)
+     stops it and resumes; a node that fails
      mid-stage fails the stage with Slurm's reason; the re-run resumes from the newest
      checkpoint and finishes, with the same losses as the local launcher's 2-process
      torchrun; nothing is left in the queue;
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,7 +42,7 @@ from posttrain.telemetry.records import read_metrics
 from tests.stage_helpers import (
     ROOT,
     hand_planned,
-    run_inprocess,
+    run_shared,
     run_torchrun,
     slurm_sft_recipe,
     write_recipe,
@@ -50,8 +52,9 @@ pytestmark = pytest.mark.slow
 
 POSTTRAIN = [sys.executable, "-m", "flows.cli"]
 RUN_TIMEOUT_S = 420
-# Long enough that a killed flow's job is still training when the next run looks for it.
-STEPS = 160
+# Long enough that a killed flow's job is still training when the next run, waiting on the
+# device lock, takes over (seconds), and that run's own job when its node is downed.
+STEPS = 64
 
 
 def _stage(recipe: Path, name: str = "sft") -> Any:
@@ -94,7 +97,7 @@ def _checkpoints(out_dir: Path) -> list[str]:
     return sorted(p.name for p in folder.glob("step_*") if not p.name.endswith(".tmp"))
 
 
-def _local_run(recipe: Path, local: Path) -> Any:
+def _local_run(recipe: Path, local: Path, store: Path) -> Any:
     """The recipe's SFT under the local launcher, uninterrupted (torchrun, 2 processes): its
     planned stage."""
     local.mkdir()
@@ -102,32 +105,52 @@ def _local_run(recipe: Path, local: Path) -> Any:
     data["run"]["workspace"] = str(local / "ws")
     data["infra"] |= {"launcher": "local", "nnodes": 1, "devices_per_node": 2}
     local_recipe = write_recipe(local, data)
-    run_inprocess("ingest", local_recipe)
+    run_shared("ingest", local_recipe, store)  # the Slurm runs' ingest, copied
     done = run_torchrun("sft", local_recipe, 2)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return _stage(local_recipe)
 
 
+def _kill_the_holder_under_a_waiting_run(
+    recipe: Path, env: dict[str, str], sft: Any, tmp_path: Path
+) -> tuple[subprocess.Popen[bytes], Path, dict[str, Any]]:
+    """Two runs of `recipe` start at once: the one that takes the devices (run 1) is SIGKILLed
+    once its job has written a checkpoint, while the other (run 2) waits on the device lock, so
+    run 2 takes over the moment run 1 dies and finds its job still training, however fast the
+    steps go. Run 2, its log, and run 1's launch record."""
+    logs = [tmp_path / "run1.log", tmp_path / "run2.log"]
+    runs = [_start_run(recipe, env, path) for path in logs]
+
+    def holder() -> tuple[int] | None:
+        held = [i for i, path in enumerate(logs) if "holding posttrain-devices" in path.read_text()]
+        return (held[0],) if held else None
+
+    (first,) = wait_for("a run to hold the devices", holder, 240, every=0.2)
+    second = 1 - first
+    waiting = "held by another run"
+    wait_for("run 2 to wait for the devices", lambda: waiting in logs[second].read_text(), 240)
+    wait_for("a first checkpoint", lambda: _checkpoints(sft.out_dir), 240, every=0.2)
+    earlier = json.loads((sft.out_dir / "logs" / "launch.json").read_text())
+    os.killpg(runs[first].pid, signal.SIGKILL)
+    runs[first].wait()
+    return runs[second], logs[second], earlier
+
+
 def test_two_node_sft_on_slurm_recovers_and_trains_the_local_launchers_losses(
-    slurm_cluster: Any, prefect_server: Any, tmp_path: Path
+    slurm_cluster: Any, prefect_server: Any, shared_parents: Path, tmp_path: Path
 ) -> None:
     """Run 1 is SIGKILLed (its job goes on), run 2 stops that job and resumes, then loses a
     node, run 3 resumes and finishes: the losses equal one uninterrupted local torchrun's."""
-    recipe = slurm_sft_recipe(tmp_path / "slurm", "onslurm", steps=STEPS, checkpoint_every=8)
+    recipe = slurm_sft_recipe(tmp_path / "slurm", "onslurm", steps=STEPS, checkpoint_every=4)
+    run_shared("ingest", recipe, shared_parents)  # reused by every run: SFT is what is watched
     env = _env(slurm_cluster, prefect_server)
     sft = _stage(recipe)
-    log = tmp_path / "run.log"
 
     # Run 1 is killed outright (SIGKILL: no cleanup) once a checkpoint exists; its job goes on.
-    first = _start_run(recipe, env, log)
-    wait_for("a first checkpoint", lambda: _checkpoints(sft.out_dir), 240)
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait()
-    earlier = json.loads((sft.out_dir / "logs" / "launch.json").read_text())
+    second, log, earlier = _kill_the_holder_under_a_waiting_run(recipe, env, sft, tmp_path)
     assert _queue(slurm_cluster), "the killed flow's job still runs"
 
     # Run 2 finds that job and stops it before launching its own; then node n2 fails.
-    second = _start_run(recipe, env, log)
     wait_for(
         "run 2's own job",
         lambda: (
@@ -139,13 +162,13 @@ def test_two_node_sft_on_slurm_recovers_and_trains_the_local_launchers_losses(
     # Stopped by run 2, not by itself: its beat file's silence limit (120 s) is far off.
     info = slurm_cluster.client("scontrol", "-o", "show", "job", earlier["job"]["job_id"])
     assert "JobState=CANCELLED" in info
-    wait_for("run 2 to train", lambda: "resumed from step_" in _last_launch(sft), 240)
+    wait_for("run 2 to train", lambda: "resumed from step_" in _last_launch(sft), 240, every=0.2)
     slurm_cluster.client(
         "scontrol", "update", "nodename=n2", "state=down", "reason=test: node lost"
     )
     try:
         assert second.wait(RUN_TIMEOUT_S) != 0
-        text = log.read_text().rsplit("posttrain: running", 1)[-1]
+        text = log.read_text()
         assert "was ended by Slurm: job" in text and "NODE_FAIL, it lost a node" in text, text
         assert "Traceback" not in text
     finally:
@@ -156,13 +179,16 @@ def test_two_node_sft_on_slurm_recovers_and_trains_the_local_launchers_losses(
     assert kept, "the checkpoints of the failed runs are kept"
 
     # Run 3 resumes from the newest of them and finishes on both nodes.
+    log = tmp_path / "run3.log"
     third = _start_run(recipe, env, log)
     assert third.wait(RUN_TIMEOUT_S) == 0, log.read_text()[-4000:]
     assert verify(sft.out_dir)[0]
     last = _last_launch(sft)
     assert f"resumed from {kept[-1]}" in last
     # The account of the failed attempt says who ended it.
-    assert "it failed (ended by Slurm: job" in log.read_text().rsplit("posttrain: running", 1)[-1]
+    assert "it failed (ended by Slurm: job" in log.read_text()
+    # The one-process stage after it ran as a 1-node job.
+    assert re.search(r"stage export: Slurm job \d+ \(1 node\) is running", log.read_text())
     job = json.loads((sft.out_dir / "logs" / "launch.json").read_text())["job"]["job_id"]
     assert f"Slurm job {job} (2 nodes)" in last and "rendezvous at n1:" in last
     assert "[node 0] " in last and "[node 1] " in last  # both agents' lines, labelled
@@ -176,7 +202,7 @@ def test_two_node_sft_on_slurm_recovers_and_trains_the_local_launchers_losses(
     assert all(h["sources"]["io"] == "present" and h["node"] for h in health.values())
 
     # The same stage under the local launcher, uninterrupted: torchrun, 2 processes here.
-    local_sft = _local_run(recipe, tmp_path / "local")
+    local_sft = _local_run(recipe, tmp_path / "local", shared_parents)
     assert local_sft.fingerprint == sft.fingerprint  # where it ran is not what it computed
     slurm_losses, local_losses = _losses(sft.out_dir), _losses(local_sft.out_dir)
     assert len(slurm_losses) == STEPS
@@ -184,11 +210,12 @@ def test_two_node_sft_on_slurm_recovers_and_trains_the_local_launchers_losses(
 
 
 def test_ui_cancel_of_a_slurm_stage_leaves_nothing_in_the_queue(
-    slurm_cluster: Any, prefect_server: Any, tmp_path: Path
+    slurm_cluster: Any, prefect_server: Any, shared_parents: Path, tmp_path: Path
 ) -> None:
     from prefect.client.orchestration import SyncPrefectClient
 
     recipe = slurm_sft_recipe(tmp_path / "served", "slurmserved", steps=5000)
+    run_shared("ingest", recipe, shared_parents)  # reused: the SFT on Slurm is what is cancelled
     env = {**prefect_server.env, **slurm_cluster.env}
     log_path = tmp_path / "serve.log"
     serve = start_serve([str(recipe)], env, log_path)
@@ -243,11 +270,12 @@ def _last_launch(stage: Any) -> str:
 
 
 def test_a_killed_flows_job_stops_by_itself(
-    slurm_cluster: Any, prefect_server: Any, tmp_path: Path
+    slurm_cluster: Any, prefect_server: Any, shared_parents: Path, tmp_path: Path
 ) -> None:
     recipe = slurm_sft_recipe(
         tmp_path / "orphan", "orphaned", steps=5000, checkpoint_every=4, supervisor_silence_s=10
     )
+    run_shared("ingest", recipe, shared_parents)  # reused: the SFT on Slurm is what is orphaned
     sft = _stage(recipe)
     run = _start_run(recipe, _env(slurm_cluster, prefect_server), tmp_path / "run.log")
     wait_for("the Slurm SFT to train", lambda: len(_losses(sft.out_dir)) >= 2, 240)
