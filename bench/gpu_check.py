@@ -4,9 +4,10 @@ SRE asks for first.
 For each shape it builds the model offline (`ingest.from_config.shape`: real width, depth, heads
 and 151,936-row vocabulary, random weights), writes long synthetic conversations and preference
 pairs (so steps run at a realistic sequence length, not the quickstart's ~60 tokens), and runs the
-real stages (`posttrain launch <stage> recipe.yaml`: the supervisor and stage processes the
-flow starts) for a few dozen steps. Then it prints, per stage: tokens/s per GPU, MFU, peak
-allocated and reserved memory, and the memory pre-flight's estimate beside the measured peak.
+real stages (`posttrain launch <stage> recipe.yaml`, called in this process: the supervisor and
+stage processes the flow starts) for a few dozen steps. Then it prints, per stage: tokens/s per
+GPU, MFU, peak allocated and reserved memory, and the memory pre-flight's estimate beside the
+measured peak.
 
 Then the RL part (`--rl-steps`, 0 skips it), in the same workspace: GRPO on the first shape
 (sampling with the policy's own weights, verifier rewards) and on-policy distillation of the first
@@ -28,8 +29,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -103,6 +102,9 @@ def recipe(
             "precision": "fp32" if args.cpu_smoke else "bf16",
             "base_dtype": "auto",
             "attention": args.attention,
+            # The smoke's stages are tiny: a second thread per stage only adds handoffs (and
+            # waits for a core on a shared machine). On a GPU the default (cores per rank).
+            "threads_per_rank": 1 if args.cpu_smoke else None,
         },
         "ingest": {"source": "from_config", "from_config": model},
         "sft": {
@@ -159,14 +161,14 @@ def rl_recipe(base: dict[str, Any], shapes: list[str], args: argparse.Namespace)
 
 
 def run_stage(stage: str, recipe_path: Path, log: Path, name: str | None = None) -> None:
-    """`posttrain launch` of the recipe's stage `name` (default: the one named `stage`)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    # Stages of a few dozen steps: a health sample every second, so the last one is mid-run.
-    env.setdefault("POSTTRAIN_HEALTH_INTERVAL_S", "1")
-    cmd = [sys.executable, "-m", "flows.cli", "launch", name or stage, str(recipe_path)]
+    """`posttrain launch` of the recipe's stage `name` (default: the one named `stage`), run in
+    this process (`cmd_launch`, what the command runs: the supervisor here, the stage a process
+    of its own): the supervisor's imports are paid once for all the stages, not per stage."""
+    from flows.cli import cmd_launch
+
     t0 = time.perf_counter()
     with log.open("w") as f:
-        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        rc = cmd_launch(name or stage, str(recipe_path), [], f, f)
     tail = log.read_text().splitlines()[-15:]
     if rc:
         raise SystemExit(f"{name or stage} failed (exit {rc}); log {log}:\n" + "\n".join(tail))
@@ -307,6 +309,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     ap.add_argument("--cpu-smoke", action="store_true", help="shrunk shapes, CPU, fp32")
     args = ap.parse_args()
+    # What the stage processes inherit (the supervisor passes its environment on).
+    os.environ |= {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    # Stages of a few dozen steps: a health sample every second, so the last one is mid-run.
+    os.environ.setdefault("POSTTRAIN_HEALTH_INTERVAL_S", "1")
     if args.cpu_smoke:
         args.sft_steps, args.dpo_steps, args.micro, args.seq = 3, 2, 2, 128
         args.rl_steps, args.rl_prompts, args.rl_samples, args.rl_new_tokens = 2, 2, 2, 16

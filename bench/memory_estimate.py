@@ -14,7 +14,8 @@ critic's pass). `--chunk` is `infra.logits_chunk_tokens` (default the recipe's 2
 logits), for the step and the estimate alike.
 
 Each measure is its own child (the parent never imports torch: Linux carries ru_maxrss across
-fork+exec, so a big parent would hide the children's peaks):
+fork+exec, so a big parent would hide the children's peaks); `--measures allocated` alone runs
+every configuration in one child, since that measure is of each step's own tensors:
   allocated       RSS after the imports (the runtime) + the peak bytes of live tensors from
                   loading to the end of the step, from torch's CPU allocator events (the
                   profiler's memory records): what max_memory_allocated is on a GPU, and what
@@ -216,19 +217,79 @@ def prepare_child(key: str, folder: Path, with_reward: bool) -> None:
         apply_lora(score, lora, task_type="SEQ_CLS").save_pretrained(folder / "reward")
 
 
+def _import_stage_modules() -> None:
+    """Every import a stage has made before its pre-flight (and `_step` needs): the runtime
+    RSS is read after them."""
+    import peft  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import posttrain.distributed.fsdp  # noqa: F401
+    import posttrain.models.adapters  # noqa: F401
+    import posttrain.models.lora  # noqa: F401
+    import posttrain.models.reward  # noqa: F401
+    import posttrain.models.roles  # noqa: F401
+    import posttrain.models.sharded_load  # noqa: F401
+    import posttrain.rl.rollout.engine  # noqa: F401
+    import posttrain.rl.rollout.sample  # noqa: F401
+    import posttrain.sections.shared  # noqa: F401
+    import posttrain.train.forward_logps  # noqa: F401
+    import posttrain.train.losses  # noqa: F401
+    import posttrain.train.optim  # noqa: F401
+
+
 def measure_child(
     name: str, folder: Path, threads: int, profile: bool, chunk: int
 ) -> dict[str, Any]:
     """One configuration's real step in this process: the RSS after the imports, and the peak
     RSS or (`profile`) the peak of bytes held by live tensors from loading to the step's end.
     `chunk`: tokens per pass through the LM head (infra.logits_chunk_tokens; 0 = full logits)."""
-    import peft  # noqa: F401  (every import a stage has made before its pre-flight)
+    from posttrain.distributed.runtime import init_distributed, shutdown
+
+    _import_stage_modules()
+    d = init_distributed("cpu", 600, threads)
+    baseline = _rss_kib()
+    if not profile:
+        _step(name, folder, d, chunk)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        shutdown()
+        return {"baseline_kib": baseline, "peak_kib": peak}
+    out = {"baseline_kib": baseline, **_profiled_step(name, folder, d, chunk)}
+    shutdown()
+    return out
+
+
+def measure_many_child(items: list[tuple[str, int]], work: Path, threads: int) -> list[dict]:
+    """The allocated measure of each (configuration, chunk) in turn in this one process,
+    preparing each model's base (`prepare_child`) when `work` lacks it: one process start
+    instead of one per configuration and base. Same figures as `measure_child`'s: the runtime
+    RSS is read once, after the imports and before anything is built, and each step's peak is
+    of the bytes its own tensors hold (what earlier steps left is collected first)."""
+    import gc
+
+    from posttrain.distributed.runtime import init_distributed, shutdown
+
+    _import_stage_modules()
+    d = init_distributed("cpu", 600, threads)
+    baseline = _rss_kib()
+    out = []
+    for name, chunk in items:
+        folder = _folder(name, work)
+        if _needs_prepare(name, folder):
+            prepare_child(CONFIGS[name]["model"], folder, _needs_reward(name))
+        gc.collect()
+        out.append({"baseline_kib": baseline, **_profiled_step(name, folder, d, chunk)})
+    shutdown()
+    return out
+
+
+def _step(name: str, folder: Path, d: Any, chunk: int) -> None:
+    """Build the stage's model as the stage does (meta build, adapters, shard, fill each rank's
+    rows from the safetensors), then one training step through the stage's loss."""
     import torch
-    import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM
 
     from posttrain.distributed.fsdp import shard_model
-    from posttrain.distributed.runtime import init_distributed, shutdown
     from posttrain.models.adapters import POLICY, REFERENCE, active_adapter, policy_with_reference
     from posttrain.models.lora import apply_lora, prepare_for_training
     from posttrain.models.reward import pair_scores, score_model_for_training
@@ -242,96 +303,88 @@ def measure_child(
     from posttrain.train.optim import build_optimizer
 
     cfg = CONFIGS[name]
-    d = init_distributed("cpu", 600, threads)
-    baseline = _rss_kib()
+    kind, ac = cfg["kind"], cfg.get("ac", False)
+    vocab = MODELS[cfg["model"]][1]["vocab_size"]
+    base_dir = folder / "base"
+    g = torch.Generator().manual_seed(0)
+    lora = LoraConfig(r=LORA["r"], alpha=2 * LORA["r"], target_modules=LORA["targets"])
+    if kind == "reward":  # reward.py: score_model_for_training
+        model, weights = score_model_for_training(base_dir, 0, torch.float32)
+        prepare_for_training(model, ac)
+        model = apply_lora(model, lora, task_type="SEQ_CLS")
+    else:  # sft.py, dpo.py, rl/setup.py: base_for_training (build_on_meta)
+        model, weights = build_on_meta(base_dir, AutoModelForCausalLM, torch.float32)
+        prepare_for_training(model, ac)
+        if kind == "sft":
+            model = apply_lora(model, lora)
+        elif kind == "dpo":
+            model = policy_with_reference(model, folder / "sft")
+        else:
+            model = build_roles(model, folder / "sft", folder / "reward", critic=True)
+    # start_session(weights=...): shard the meta model, then fill this rank's rows.
+    model = shard_model(model, d.mesh, "fp32")
+    fill_from_checkpoint(model, weights, d.device)
+    if kind == "ppo":  # as the stage does: decoding runs on the sharded policy
+        from torch.distributed.fsdp import register_fsdp_forward_method
 
-    def step() -> None:
-        """Build the stage's model as the stage does (meta build, adapters, shard, fill each
-        rank's rows from the safetensors), then one training step through the stage's loss."""
-        kind, ac = cfg["kind"], cfg.get("ac", False)
-        vocab = MODELS[cfg["model"]][1]["vocab_size"]
-        base_dir = folder / "base"
-        g = torch.Generator().manual_seed(0)
-        lora = LoraConfig(r=LORA["r"], alpha=2 * LORA["r"], target_modules=LORA["targets"])
-        if kind == "reward":  # reward.py: score_model_for_training
-            model, weights = score_model_for_training(base_dir, 0, torch.float32)
-            prepare_for_training(model, ac)
-            model = apply_lora(model, lora, task_type="SEQ_CLS")
-        else:  # sft.py, dpo.py, rl/setup.py: base_for_training (build_on_meta)
-            model, weights = build_on_meta(base_dir, AutoModelForCausalLM, torch.float32)
-            prepare_for_training(model, ac)
-            if kind == "sft":
-                model = apply_lora(model, lora)
-            elif kind == "dpo":
-                model = policy_with_reference(model, folder / "sft")
-            else:
-                model = build_roles(model, folder / "sft", folder / "reward", critic=True)
-        # start_session(weights=...): shard the meta model, then fill this rank's rows.
-        model = shard_model(model, d.mesh, "fp32")
-        fill_from_checkpoint(model, weights, d.device)
-        if kind == "ppo":  # as the stage does: decoding runs on the sharded policy
-            from torch.distributed.fsdp import register_fsdp_forward_method
+        register_fsdp_forward_method(model, "generate")
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = build_optimizer(trainable, OptimConfig(lr=1e-4))
 
-            register_fsdp_forward_method(model, "generate")
-        model.train()
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        opt = build_optimizer(trainable, OptimConfig(lr=1e-4))
+    def tokens(rows: int, length: int) -> dict[str, torch.Tensor]:
+        # Ordinary ids (no pad 0, no eos 1), every position real and labelled: the full
+        # micro x seq load.
+        ids = torch.randint(2, vocab, (rows, length), generator=g)
+        return {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "position_ids": torch.arange(length).expand(rows, length).contiguous(),
+            "labels": ids,
+        }
 
-        def tokens(rows: int, length: int) -> dict[str, torch.Tensor]:
-            # Ordinary ids (no pad 0, no eos 1), every position real and labelled: the full
-            # micro x seq load.
-            ids = torch.randint(2, vocab, (rows, length), generator=g)
-            return {
-                "input_ids": ids,
-                "attention_mask": torch.ones_like(ids),
-                "position_ids": torch.arange(length).expand(rows, length).contiguous(),
-                "labels": ids,
-            }
+    if kind == "sft":  # sft.py: forward_nll_sum
+        b = tokens(cfg["micro"], cfg["seq"])
+        nll, n = forward_nll_sum(model, b, chunk)
+        (nll / n).backward()
+    elif kind == "reward":
+        b = tokens(2 * cfg["micro"], cfg["seq"])
+        rc, rr = pair_scores(model, b)
+        bradley_terry_loss(rc, rr).mean().backward()
+    elif kind == "dpo":  # dpo.py: pair_logps = forward_sequence_logps, reference first
+        b = tokens(2 * cfg["micro"], cfg["seq"])
+        with torch.no_grad(), active_adapter(model, REFERENCE):
+            ref = forward_sequence_logps(model, b, chunk)[0]
+        pol, _ = forward_sequence_logps(model, b, chunk)
+        half = pol.size(0) // 2
+        margin = (pol[:half] - ref[:half]) - (pol[half:] - ref[half:])
+        (-torch.nn.functional.logsigmoid(0.1 * margin)).mean().backward()
+    else:  # rl/update.py: response_logps (RoleModel targets when chunked), then the critic
+        rollout = RolloutConfig(
+            prompts_per_step=cfg["rows"],
+            max_new_tokens=cfg["new"],
+            keep_gathered=cfg["keep_gathered"],
+        )
+        prompts = torch.randint(2, vocab, (cfg["rows"], cfg["prompt"]), generator=g).tolist()
+        engine = build_engine(rollout, model, POLICY, 1)
+        ro = sample(engine, prompts, [[]] * cfg["rows"], rollout, 0, 1, 0)
+        b = tokens(cfg["micro"], cfg["prompt"] + cfg["new"])
+        del b["labels"]
+        inp = {**b, "start": cfg["prompt"] - 1, "stop": cfg["prompt"] + cfg["new"] - 1}
+        response = b["input_ids"][:, cfg["prompt"] :]
+        mask = torch.ones_like(response)
+        logp, ent = response_logps(model, POLICY, inp, response, mask, chunk, entropy=True)
+        assert ent is not None
+        (-(logp.exp() * 1.0).mean() - 0.01 * ent.mean()).backward()
+        model(VALUE, **inp).pow(2).mean().backward()
+        del ro
+    torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
-        if kind == "sft":  # sft.py: forward_nll_sum
-            b = tokens(cfg["micro"], cfg["seq"])
-            nll, n = forward_nll_sum(model, b, chunk)
-            (nll / n).backward()
-        elif kind == "reward":
-            b = tokens(2 * cfg["micro"], cfg["seq"])
-            rc, rr = pair_scores(model, b)
-            bradley_terry_loss(rc, rr).mean().backward()
-        elif kind == "dpo":  # dpo.py: pair_logps = forward_sequence_logps, reference first
-            b = tokens(2 * cfg["micro"], cfg["seq"])
-            with torch.no_grad(), active_adapter(model, REFERENCE):
-                ref = forward_sequence_logps(model, b, chunk)[0]
-            pol, _ = forward_sequence_logps(model, b, chunk)
-            half = pol.size(0) // 2
-            margin = (pol[:half] - ref[:half]) - (pol[half:] - ref[half:])
-            (-torch.nn.functional.logsigmoid(0.1 * margin)).mean().backward()
-        else:  # rl/update.py: response_logps (RoleModel targets when chunked), then the critic
-            rollout = RolloutConfig(
-                prompts_per_step=cfg["rows"],
-                max_new_tokens=cfg["new"],
-                keep_gathered=cfg["keep_gathered"],
-            )
-            prompts = torch.randint(2, vocab, (cfg["rows"], cfg["prompt"]), generator=g).tolist()
-            engine = build_engine(rollout, model, POLICY, 1)
-            ro = sample(engine, prompts, [[]] * cfg["rows"], rollout, 0, 1, 0)
-            b = tokens(cfg["micro"], cfg["prompt"] + cfg["new"])
-            del b["labels"]
-            inp = {**b, "start": cfg["prompt"] - 1, "stop": cfg["prompt"] + cfg["new"] - 1}
-            response = b["input_ids"][:, cfg["prompt"] :]
-            mask = torch.ones_like(response)
-            logp, ent = response_logps(model, POLICY, inp, response, mask, chunk, entropy=True)
-            assert ent is not None
-            (-(logp.exp() * 1.0).mean() - 0.01 * ent.mean()).backward()
-            model(VALUE, **inp).pow(2).mean().backward()
-            del ro
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
 
-    if not profile:
-        step()
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-        shutdown()
-        return {"baseline_kib": baseline, "peak_kib": peak}
+def _profiled_step(name: str, folder: Path, d: Any, chunk: int) -> dict[str, Any]:
+    """`_step` under the profiler: the peak of bytes held by live tensors, and where."""
     # torch's CPU allocator reports every allocation and free to the profiler: the running sum
     # of those events is the bytes held by live tensors, its maximum the allocated peak (what
     # torch.cuda.max_memory_allocated measures on a GPU).
@@ -339,7 +392,7 @@ def measure_child(
     from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
+        _step(name, folder, d, chunk)
     all_events = prof.profiler.kineto_results.events()
     events = [e for e in all_events if e.name() == "[memory]"]
     live = allocated = at = 0
@@ -353,9 +406,7 @@ def measure_child(
         (e for e in all_events if e.name() != "[memory]" and e.start_ns() <= at <= e.end_ns()),
         key=lambda e: e.start_ns(),
     )
-    shutdown()
     return {
-        "baseline_kib": baseline,
         "allocated_peak_bytes": allocated,
         "peak_during": " > ".join(e.name() for e in running),
     }
@@ -378,6 +429,43 @@ def _child(args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _folder(name: str, work: Path) -> Path:
+    return work / CONFIGS[name]["model"]
+
+
+def _needs_reward(name: str) -> bool:
+    return CONFIGS[name]["kind"] in ("reward", "ppo")
+
+
+def _needs_prepare(name: str, folder: Path) -> bool:
+    """Whether the configuration's base (and the adapters it starts from) are not saved yet."""
+    missing_reward = _needs_reward(name) and not (folder / "reward").exists()
+    return not (folder / "sft").exists() or missing_reward
+
+
+def _beside(out: dict[str, Any], name: str, folder: Path, measure: str, m: dict) -> None:
+    """The estimate beside one child's measure `m`, into the row `out`."""
+    model = ModelShape.from_hf_config(json.loads((folder / "base" / "config.json").read_text()))
+    baseline = m["baseline_kib"] * 1024
+    if measure == "allocated":
+        peak = baseline + m["allocated_peak_bytes"]
+        out["allocated_peak_during"] = m["peak_during"]
+    else:
+        peak = m["peak_kib"] * 1024
+    # The framework row is this child's runtime, as the pre-flight reads it on CPU.
+    shape = stage_shape(CONFIGS[name], out["chunk"])
+    est = estimate(model, shape, DeviceLayout(), overhead_bytes=baseline)
+    out["estimate_gib"] = est.total / GIB
+    out["runtime_gib"] = baseline / GIB
+    out[f"{measure}_gib"] = peak / GIB
+    out[f"ratio_{measure}"] = est.total / peak
+    # Above the runtime: what the model, its state and the step add.
+    out[f"ratio_{measure}_above_runtime"] = (est.total - baseline) / max(1, peak - baseline)
+    out["components_mib"] = {
+        r.name + (f" [{r.phase}]" if r.phase else ""): round(r.bytes / 2**20, 1) for r in est.rows
+    }
+
+
 def run_config(
     name: str,
     work: Path,
@@ -390,36 +478,33 @@ def run_config(
     of live tensor bytes), `rss` (peak RSS, glibc defaults), `rss-fixed-mmap` (peak RSS with
     MALLOC_MMAP_THRESHOLD_=65536: freed tensors go back to the OS at once). `chunk`: tokens per
     pass through the LM head (infra.logits_chunk_tokens; 0 = full logits)."""
-    cfg = CONFIGS[name]
-    folder = work / cfg["model"]
-    needs_reward = cfg["kind"] in ("reward", "ppo")
-    if not (folder / "sft").exists() or (needs_reward and not (folder / "reward").exists()):
-        _child(["--prepare", cfg["model"], str(folder), "reward" if needs_reward else "-"])
-    model = ModelShape.from_hf_config(json.loads((folder / "base" / "config.json").read_text()))
+    folder = _folder(name, work)
+    if _needs_prepare(name, folder):
+        reward = "reward" if _needs_reward(name) else "-"
+        _child(["--prepare", CONFIGS[name]["model"], str(folder), reward])
     out: dict[str, Any] = {"config": name, "chunk": chunk}
     for measure in measures:
         args = ["--measure", name, str(folder), str(threads), str(chunk)]
         env = {"MALLOC_MMAP_THRESHOLD_": "65536"} if measure == "rss-fixed-mmap" else {}
         m = _child(args + (["profile"] if measure == "allocated" else []), env)
-        baseline = m["baseline_kib"] * 1024
-        if measure == "allocated":
-            peak = baseline + m["allocated_peak_bytes"]
-            out["allocated_peak_during"] = m["peak_during"]
-        else:
-            peak = m["peak_kib"] * 1024
-        # The framework row is this child's runtime, as the pre-flight reads it on CPU.
-        est = estimate(model, stage_shape(cfg, chunk), DeviceLayout(), overhead_bytes=baseline)
-        out["estimate_gib"] = est.total / GIB
-        out["runtime_gib"] = baseline / GIB
-        out[f"{measure}_gib"] = peak / GIB
-        out[f"ratio_{measure}"] = est.total / peak
-        # Above the runtime: what the model, its state and the step add.
-        out[f"ratio_{measure}_above_runtime"] = (est.total - baseline) / max(1, peak - baseline)
-        out["components_mib"] = {
-            r.name + (f" [{r.phase}]" if r.phase else ""): round(r.bytes / 2**20, 1)
-            for r in est.rows
-        }
+        _beside(out, name, folder, measure, m)
     return out
+
+
+def run_configs_allocated(
+    items: list[tuple[str, int]], work: Path, threads: int = 1
+) -> list[dict[str, Any]]:
+    """`run_config(name, work, threads, ("allocated",), chunk)` for each (name, chunk), all
+    prepared and measured in one child (`measure_many_child`): the allocated peak is the step's
+    own tensors, so it needs no fresh process per configuration as peak RSS does."""
+    arg = json.dumps([list(item) for item in items])
+    got = _child(["--measure-many", arg, str(work), str(threads)])["rows"]
+    rows = []
+    for (name, chunk), m in zip(items, got, strict=True):
+        out: dict[str, Any] = {"config": name, "chunk": chunk}
+        _beside(out, name, _folder(name, work), "allocated", m)
+        rows.append(out)
+    return rows
 
 
 def print_row(r: dict[str, Any], components: bool = False) -> None:
@@ -442,6 +527,11 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--prepare":
         prepare_child(sys.argv[2], Path(sys.argv[3]), sys.argv[4] == "reward")
         print(json.dumps({"ok": True}))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--measure-many":
+        items = [(n, int(c)) for n, c in json.loads(sys.argv[2])]
+        rows = measure_many_child(items, Path(sys.argv[3]), int(sys.argv[4]))
+        print(json.dumps({"rows": rows}))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--measure":
         name, folder, threads, chunk = sys.argv[2], Path(sys.argv[3]), sys.argv[4], sys.argv[5]
@@ -481,10 +571,16 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="memory-estimate-") as tmp:
         work = Path(args.work) if args.work else Path(tmp)
-        for name in args.configs or list(DEFAULT_CONFIGS):
-            measures = tuple(args.measures.split(","))
-            rows.append(run_config(name, work, args.threads, measures, args.chunk))
-            print_row(rows[-1], args.components)
+        names, measures = args.configs or list(DEFAULT_CONFIGS), tuple(args.measures.split(","))
+        if measures == ("allocated",):  # one child for them all (printed at the end)
+            items = [(name, args.chunk) for name in names]
+            rows = run_configs_allocated(items, work, args.threads)
+            for row in rows:
+                print_row(row, args.components)
+        else:
+            for name in names:
+                rows.append(run_config(name, work, args.threads, measures, args.chunk))
+                print_row(rows[-1], args.components)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -622,12 +622,13 @@ def test_memory_snapshot_warns_once_on_gpu(monkeypatch: pytest.MonkeyPatch, capl
 
 
 # ---------------------------------------------------------------------------------------------
-# Estimate vs measured peak (slow: one child process per configuration)
+# Estimate vs measured peak (slow: one child process measures every configuration)
 
 
 @pytest.mark.slow
 def test_estimate_bounds_the_measured_allocated_peak(tmp_path: Path) -> None:
-    """One real step per configuration in a child process (bench/memory_estimate.py), built as
+    """One real step per configuration, all in one child process (bench/memory_estimate.py;
+    the allocated peak is each step's own tensors, so they need no process each), built as
     the stages build it (meta device, adapters, shard, fill from the safetensors) and scored
     through their loss functions (chunked head at the recipe's 2048 tokens; sft-qwen-vocab, the
     real 151,936-row tied vocabulary on 2 blocks, also unchunked: 1.32x before the estimate
@@ -638,13 +639,13 @@ def test_estimate_bounds_the_measured_allocated_peak(tmp_path: Path) -> None:
     add above the runtime (the largest with activation checkpointing, whose recompute is
     counted as a whole block); the band below is that, with room for library changes: an upper
     bound, never more than 25% over. docs/benchmarks.md (Memory pre-flight) has the figures."""
-    from bench.memory_estimate import run_config
+    from bench.memory_estimate import run_configs_allocated
 
-    # ppo first: its base is prepared with the reward adapter too, which sft-ac's then reuses
-    # (the other way round the base is prepared twice, a child process each).
-    runs = (("ppo", 2048), ("sft-ac", 2048), ("sft-vocab", 2048), ("sft-qwen-vocab", 0))
-    for name, chunk in runs:
-        r = run_config(name, tmp_path, measures=("allocated",), chunk=chunk)
+    # ppo first: its base is prepared with the reward adapter too, which sft-ac's then reuses.
+    runs = [("ppo", 2048), ("sft-ac", 2048), ("sft-vocab", 2048), ("sft-qwen-vocab", 0)]
+    rows = run_configs_allocated(runs, tmp_path)
+    assert [(r["config"], r["chunk"]) for r in rows] == runs
+    for r in rows:
         assert 1.0 <= r["ratio_allocated"] <= 1.25, r
         assert 1.0 <= r["ratio_allocated_above_runtime"] <= 1.6, r
 
