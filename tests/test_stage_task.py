@@ -272,26 +272,6 @@ def _wait_dead(pids: list[int], timeout: float = 5.0) -> list[int]:
 
 
 @pytest.mark.slow
-def test_timeout_kills_the_whole_process_tree(
-    tmp_path: Path, modules: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    pids_file = tmp_path / "pids.txt"
-    monkeypatch.setenv("PT_PIDS_FILE", str(pids_file))
-    # Long enough for the stage to start (python + torch import) on a loaded 2-core machine.
-    stage, spec = _planned(tmp_path, "pt_hang_ingest", timeout_s=20)
-    t0 = time.monotonic()
-    with pytest.raises(StageTimeout) as info:
-        stage_task.fn(stage, spec, kill_grace_s=1.0)
-    assert "timed out after 20 s" in str(info.value)
-    assert time.monotonic() - t0 < 45
-    assert pids_file.exists(), "the stage did not start within its 20 s timeout (machine busy?)"
-    # The stage, a grandchild in its group, one in its own session (the parent is pytest).
-    pids = _pids(pids_file)[1:]
-    assert len(pids) == 3
-    assert _wait_dead(pids) == []
-
-
-@pytest.mark.slow
 def test_interrupt_in_the_parent_kills_the_process_tree(
     tmp_path: Path, modules: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -318,13 +298,19 @@ def test_timeout_kills_torchrun_and_ranks_in_their_own_sessions(
     tmp_path: Path, modules: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # torchrun starts each rank with start_new_session=True: killing our child's process group
-    # alone would leave the ranks running.
+    # alone would leave the ranks running. The timeout's stop is the one an interrupt gets
+    # (flows.stage.supervise._follow), whose single-process tree the test above kills: a
+    # single-process timeout would launch a stage more to prove nothing else.
     pids_file = tmp_path / "pids"
     monkeypatch.setenv("PT_PIDS_FILE", str(pids_file))
+    # Long enough for torchrun and both ranks to start (torch imports) on a loaded 2-core machine.
     stage, spec = _planned(tmp_path, "pt_hang_ingest", timeout_s=30)
     stage.nprocs = 2
-    with pytest.raises(StageTimeout):
+    t0 = time.monotonic()
+    with pytest.raises(StageTimeout) as info:
         stage_task.fn(stage, spec, kill_grace_s=1.0)
+    assert "timed out after 30 s" in str(info.value)
+    assert time.monotonic() - t0 < 55
     files = sorted(tmp_path.glob("pids?"))
     assert [f.name for f in files] == ["pids0", "pids1"], "ranks did not start within 30 s"
     pids = {pid for f in files for pid in _pids(f)}

@@ -37,8 +37,10 @@ KILL_AT_STEP = 5
 def sft_stage(tmp_path_factory: pytest.TempPathFactory):
     data = copy.deepcopy(TINY)
     data["infra"].update(devices_per_node=2, threads_per_rank=1, pg_timeout_s=PG_TIMEOUT_S)
-    data["ingest"]["from_config"]["pretrain_steps"] = 30
-    data["sft"].update(max_steps=24, checkpoint_every=3)
+    # Trained only to be trained on: a few steps do. sft's steps after KILL_AT_STEP are margin
+    # for the kill (the loop below sees the beat within a step or two) and the re-run's work.
+    data["ingest"]["from_config"]["pretrain_steps"] = 5
+    data["sft"].update(max_steps=15, checkpoint_every=3)
     data["sft"]["batch"]["micro_batch_size"] = 4
     path = write_recipe(tmp_path_factory.mktemp("deadrank"), data)
     run_inprocess("ingest", path)

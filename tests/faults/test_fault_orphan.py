@@ -37,6 +37,9 @@ pytestmark = pytest.mark.slow
 
 ORPHAN_BOUND_S = 15.0  # measured: see docs/reliability.md, "Faults"
 FINISH_BOUND_S = 240.0
+# The stop case's orphan ends within about 1 s (10-20 steps) of its kill: enough steps are
+# left for the finish case's run to resume, be killed and leave its orphan training.
+FINISH_MAX_STEPS = 150
 
 
 def _recipe(folder: Path, max_steps: int, shared_parents: Path) -> Path:
@@ -93,10 +96,28 @@ def _kill_mid_stage(run: Run, sft_dir: Path) -> tuple[list[psutil.Process], floa
     return procs, t_kill
 
 
-def test_orphan_stop_stops_the_stage_and_the_next_run_resumes(
+def _kill_resumed(run: Run, sft_dir: Path, kept: str) -> tuple[list[psutil.Process], float]:
+    """Wait for run's sft stage to resume from checkpoint `kept`, then SIGKILL the CLI; returns
+    the stage processes found before the kill and the time of the kill."""
+    # The stage's own lines are in its log, not on the CLI's terminal (flows.terminal).
+    run.wait_for("Task run 'sft'", timeout=300)
+    _wait_text(sft_dir / "logs" / "stage.log", f"resumed from {kept}", run, 300)
+    procs = _stage_procs(run, "sft")
+    assert procs, run.text()[-3000:]
+    t_kill = time.monotonic()
+    run.proc.send_signal(signal.SIGKILL)
+    run.proc.wait(timeout=10)
+    return procs, t_kill
+
+
+def test_orphan_stop_then_finish_on_one_stage(
     tmp_path: Path, home: Path, shared_parents: Path
 ) -> None:
-    recipe = _recipe(tmp_path, 3000, shared_parents)
+    """One sft stage meets both policies (`infra.orphan` is outside the fingerprint): run A's
+    orphan stops (the default), run B resumes the stage and is killed too, B's orphan (finish)
+    seals the artifact, and run C reuses it. B is both the stop case's next run and the finish
+    case's killed one: a CLI start, its server and stage, and ten steps fewer than a run each."""
+    recipe = _recipe(tmp_path, FINISH_MAX_STEPS, shared_parents)
     sft_dir = planned_dir("sft", recipe)
     env = run_env(home, tmp_path / "locks")
     runs: list[Run] = []
@@ -115,36 +136,20 @@ def test_orphan_stop_stops_the_stage_and_the_next_run_resumes(
         kept = complete_checkpoints(sft_dir / "checkpoints")
         assert kept
 
-        b = Run(recipe, env, log=tmp_path / "b.out")
-        runs.append(b)
-        # The stage's own lines are in its log, not on the CLI's terminal (flows.terminal).
-        b.wait_for("Task run 'sft'", timeout=300)
-        _wait_text(sft_dir / "logs" / "stage.log", f"resumed from {kept[-1].name}", b, 300)
-    finally:
-        stop_runs(runs)
-
-
-def test_orphan_finish_seals_the_artifact_and_the_next_run_reuses_it(
-    tmp_path: Path, home: Path, shared_parents: Path
-) -> None:
-    recipe = _recipe(tmp_path, 150, shared_parents)
-    sft_dir = planned_dir("sft", recipe)
-    env = run_env(home, tmp_path / "locks")
-    runs: list[Run] = []
-    try:
-        a = Run(recipe, env, "infra.orphan=finish", log=tmp_path / "a.out")
-        runs.append(a)
-        procs, t_kill = _kill_mid_stage(a, sft_dir)
-        # The next run starts at once: it must wait for the orphan (it holds the lock now).
+        # The next run resumes; killed in turn, its orphan (finish) trains to the end.
         b = Run(recipe, env, "infra.orphan=finish", log=tmp_path / "b.out")
         runs.append(b)
+        procs, t_kill = _kill_resumed(b, sft_dir, kept[-1].name)
+        # The next run starts at once: it must wait for the orphan (it holds the lock now).
+        c = Run(recipe, env, "infra.orphan=finish", log=tmp_path / "c.out")
+        runs.append(c)
         wait_gone(procs, FINISH_BOUND_S)
         print(f"\norphan (finish): stage done {time.monotonic() - t_kill:.1f} s after the kill")
         ok, why = verify(sft_dir)
         assert ok, why
         log = (sft_dir / "logs" / "stage.log").read_text()
         assert "infra.orphan=finish: finishing the stage" in log
-        b.wait_for("stage sft: complete artifact found", timeout=300)
+        c.wait_for("stage sft: complete artifact found", timeout=300)
         assert not any(alive(p) for p in procs)
     finally:
         stop_runs(runs)
