@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import threading
 import time
@@ -119,19 +120,48 @@ def _statuses(result: RunResult) -> dict[str, str]:
     return {r.stage: r.status for r in result.stages}
 
 
-def _run_while_held(busy: DeviceLock, recipe: Recipe, hold_s: float) -> tuple[RunResult, bool]:
+class _FlowLines(logging.Handler):
+    """The lines the flow run logger logs in this process, each with when it was logged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[tuple[float, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((time.monotonic(), record.getMessage()))
+
+    def when(self, needle: str) -> float | None:
+        return next((t for t, line in list(self.lines) if needle in line), None)
+
+
+def _run_while_held(
+    busy: DeviceLock, recipe: Recipe, hold_s: float, until: str | None = None
+) -> tuple[RunResult, bool]:
     """The flow's result on `recipe` while `busy` holds the devices for up to `hold_s`, and
-    whether the run finished while they were held (a run that waits for them cannot)."""
+    whether the run finished while they were held (a run that waits for them cannot). With
+    `until`, they are released as soon as the run logs a line holding it, and the run must
+    then take them only after that release: a fixed window would wait out its whole length."""
     assert busy.try_acquire({"what": "posttrain run", "flow_run_name": "busy-run"})
+    lines, logger = _FlowLines(), logging.getLogger("prefect.flow_runs")
+    logger.addHandler(lines)
     results: list[RunResult] = []
     run = threading.Thread(target=lambda: results.append(post_train(recipe)))
     try:
         run.start()
-        run.join(timeout=hold_s)
+        deadline = time.monotonic() + hold_s
+        while run.is_alive() and time.monotonic() < deadline:
+            if until is not None and lines.when(until) is not None:
+                break
+            run.join(timeout=0.1)
         finished = not run.is_alive()
     finally:
         busy.release()
+        released = time.monotonic()
         run.join(timeout=300)
+        logger.removeHandler(lines)
+    if until is not None and not finished:
+        took = lines.when("holding posttrain-devices")
+        assert took is not None and took > released, "the run took the devices while held"
     return results[0], finished
 
 
@@ -217,9 +247,9 @@ def test_flow_caches_reruns_downstream_and_records_runs(
     # rebuilds the export once they are free.
     weights = export_dir / "model" / "weights.txt"
     weights.write_text(weights.read_text().upper())
-    # The window needs only outlast a run that does not wait (one stand-in launch, ~3 s); the
-    # log's order below shows the wait whatever the machine's load.
-    outcome, finished = _run_while_held(busy, changed, hold_s=10)
+    # Held until the run says it waits for them (a run that does not wait finishes instead);
+    # the log's order below shows the wait whatever the machine's load.
+    outcome, finished = _run_while_held(busy, changed, hold_s=120, until="held by another run")
     assert not finished, "the export was rebuilt without waiting for the devices"
     assert _statuses(outcome)["export"] == "ran" and _launches(ws) == 8
     log = _flow_log(outcome.run_dir)
