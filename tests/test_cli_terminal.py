@@ -6,9 +6,10 @@ server and no stage process behind.
 
 The failing runs talk to the session's Prefect server (tests/prefect_server.py: none of them is
 about a server's start) and share one workspace whose ingest and SFT are built in this process
-first, so each starts no stage but the ones it needs. The runs of stand-in stages keep the embedded server,
-whose start and stop they check; they share one Prefect home, so its migrations are paid once
-(tests/faults/fault_runs.py starts the CLI as the fault tests do).
+first, so each starts no stage but the ones it needs. So does the progress run of stand-in
+stages (its server has nothing to do with its progress lines); the interrupted one keeps the
+embedded server, whose start and stop it checks, with the Prefect home of the module, so its
+migrations are paid once (tests/faults/fault_runs.py starts the CLI as the fault tests do).
 """
 
 from __future__ import annotations
@@ -98,8 +99,12 @@ def served(shared: tuple[Path, dict], prefect_server: Any) -> tuple[Path, dict]:
     recipe.write_text(yaml.safe_dump(_tiny(folder / "ws", "ingest")))
     run_inprocess("ingest", recipe)
     run_inprocess("sft", recipe)
-    prefect = {k: v for k, v in prefect_server.env.items() if k.startswith("PREFECT_")}
-    return folder, {**env, **prefect}
+    return folder, _on_server(env, prefect_server)
+
+
+def _on_server(env: dict, prefect_server: Any) -> dict:
+    """`env` with the session's Prefect server in place of an embedded one."""
+    return {**env, **{k: v for k, v in prefect_server.env.items() if k.startswith("PREFECT_")}}
 
 
 def _rows(path: Path, rows: list[str]) -> Path:
@@ -257,12 +262,14 @@ def _fake_recipe(folder: Path, name: str) -> Path:
 
 @pytest.mark.slow
 def test_progress_through_a_pipe_is_plain_and_rate_limited(
-    tmp_path: Path, shared: tuple[Path, dict]
+    tmp_path: Path, shared: tuple[Path, dict], prefect_server: Any
 ) -> None:
-    # 40 steps over ~12 s, a line at most every 4 s: about 4 lines, not 40.
+    # 40 steps over ~12 s, a line at most every 4 s: about 4 lines, not 40. On the session's
+    # server: an embedded one's start is ~10 s of CPU, and the interrupted run below has one.
     env = _fake_env(
         tmp_path, shared, PT_FAKE_STEPS="40", PT_FAKE_STEP_S="0.3", POSTTRAIN_PROGRESS_EVERY_S="4"
     )
+    env = _on_server(env, prefect_server)
     run = Run(_fake_recipe(tmp_path, "progress"), env)
     try:
         assert run.proc.wait(timeout=300) == 0, run.text()[-4000:]
@@ -280,10 +287,6 @@ def test_progress_through_a_pipe_is_plain_and_rate_limited(
     gaps = [b - a for (a, _), (b, _) in zip(progress[:-2], progress[1:-1], strict=True)]
     assert all(g >= 3.0 for g in gaps), gaps  # at most one line per 4 s (polled every 2)
     assert "\r" not in run.text()
-    # The embedded server's URL is dead once the run ends, and Prefect's advice on running a
-    # server is not the run's: neither reaches the terminal.
-    assert "temporary server" not in run.text()
-    assert "prefect.io/docs" not in run.text()
 
 
 @pytest.mark.slow
@@ -322,6 +325,11 @@ def test_a_cli_killed_mid_stage_leaves_no_prefect_server_and_no_stage(
         run._reader.join(timeout=5)
         assert run.text().rstrip().endswith("interrupted; the running stage was stopped")
         assert gone < 10
+        # The embedded server's URL (its start note) is dead once the run ends, and Prefect's
+        # advice on running a server, and its exit hook's stop note, are not the run's: none of
+        # them reaches the terminal.
+        assert "temporary server" not in run.text()
+        assert "prefect.io/docs" not in run.text()
     finally:
         run.stop()
         kill_all(procs)
