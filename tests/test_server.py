@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 import pytest
 from prefect_server import cancel_from_ui, serving, start_serve, stop_group, wait_for
-from stage_helpers import TINY, write_recipe
+from stage_helpers import SMALL_EVALUATE, TINY, write_recipe
 
 from posttrain.store.artifacts import verify
 
@@ -50,6 +50,10 @@ def _recipe(folder: Path, name: str, **changes: Any) -> Path:
     data["run"]["name"] = name
     data["infra"]["threads_per_rank"] = 1
     data["sft"]["max_steps"] = 6
+    # The tests read that each stage ran and what the report holds, not the model's quality: a
+    # short warm-up and a small evaluate keep the completed run's stages short.
+    data["ingest"]["from_config"]["pretrain_steps"] = 20
+    data["evaluate"] = copy.deepcopy(SMALL_EVALUATE)
     data["promotion"] = {"enabled": True}
     for key, value in changes.items():
         data[key] = value if not isinstance(value, dict) else {**data.get(key, {}), **value}
