@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 import pytest
 from prefect_server import cancel_from_ui, serving, start_serve, stop_group, wait_for
-from stage_helpers import TINY, write_recipe
+from stage_helpers import SMALL_EVALUATE, TINY, write_recipe
 
 from posttrain.store.artifacts import verify
 
@@ -50,6 +50,10 @@ def _recipe(folder: Path, name: str, **changes: Any) -> Path:
     data["run"]["name"] = name
     data["infra"]["threads_per_rank"] = 1
     data["sft"]["max_steps"] = 6
+    # The tests read that each stage ran and what the report holds, not the model's quality: a
+    # short warm-up and a small evaluate keep the completed run's stages short.
+    data["ingest"]["from_config"]["pretrain_steps"] = 20
+    data["evaluate"] = copy.deepcopy(SMALL_EVALUATE)
     data["promotion"] = {"enabled": True}
     for key, value in changes.items():
         data[key] = value if not isinstance(value, dict) else {**data.get(key, {}), **value}
@@ -174,12 +178,25 @@ def test_scheduled_deployment_has_upcoming_runs_in_its_time_zone(served: dict) -
         assert (local.hour, local.minute) == (3, 0), local
 
 
-def test_a_ui_run_naming_reward_code_outside_the_worker_is_refused(
+def test_served_log_lists_the_worker_folders(served: dict) -> None:
+    text = served["log"].read_text()
+    assert f"served runs may read from: {served['shared']}" in text
+    # The served recipe's own workspace.
+    assert str(served["recipes"][SERVED].parent / "ws") in text
+
+
+def test_ui_run_reaching_outside_the_worker_is_refused_before_any_stage(
     served: dict, tmp_path: Path
 ) -> None:
-    """A recipe sent through the deployment (what the UI's Run form sends) may import reward
-    functions only from posttrain.rewards and the worker's reward folders: a module of its own
-    choosing fails the run before any stage, and is never imported."""
+    """Parameters as the UI's Run form would send them: the served recipe with reward functions
+    from a module of its own choosing and `os:system`, `run.allowed_paths` set to `/` and a data
+    path at /etc/hostname. The server accepts them (a valid recipe), but the flow refuses the run
+    before any stage starts, naming each field, and never imports the module: a served run may
+    import reward functions only from posttrain.rewards and the worker's reward folders, and
+    read only inside the worker's folders. (One run carries both refusals: the flow lists every
+    field it refuses in one message, and each run costs a flow process.)"""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
     marker = tmp_path / "imported"
     evil = tmp_path / "evil_rewards.py"
     evil.write_text(
@@ -188,11 +205,14 @@ def test_a_ui_run_naming_reward_code_outside_the_worker_is_refused(
     )
     dep = _deployment(served, SERVED)
     params = copy.deepcopy(dep.parameters)
-    params["recipe"]["grpo"] = {
+    recipe = params["recipe"]
+    recipe["grpo"] = {
         "data": {"synthetic": {"n_examples": 40}},
         "rollout": {"prompts_per_step": 2, "samples_per_prompt": 2},
         "rewards": [{"fn": f"{evil}:hit"}, {"fn": "os:system", "name": "shell"}],
     }
+    recipe["run"]["allowed_paths"] = ["/"]
+    recipe["sft"]["data"].update(synthetic=None, path="/etc/hostname")
     client = served["client"]
     run = client.create_flow_run_from_deployment(dep.id, parameters=params)
     run = wait_for(
@@ -201,45 +221,16 @@ def test_a_ui_run_naming_reward_code_outside_the_worker_is_refused(
         180,
         every=2,
     )
-    assert run.state.name == "Failed"
+    assert run.state.name == "Failed", run.state
     message = run.state.message or ""
     for i, fn in enumerate((f"{evil}:hit", "os:system")):
         assert f"grpo.rewards.{i}.fn: {fn} is not a built-in" in message, message
     assert "allows no reward code of its own" in message
-    assert not marker.exists()
-    assert _flow_run_processes(str(run.id)) == []
-
-
-def test_served_log_lists_the_worker_folders(served: dict) -> None:
-    text = served["log"].read_text()
-    assert f"served runs may read from: {served['shared']}" in text
-    # The served recipe's own workspace.
-    assert str(served["recipes"][SERVED].parent / "ws") in text
-
-
-def test_ui_parameters_allowing_root_are_refused_before_any_stage(served: dict) -> None:
-    """A parameter set as the UI's Run form would send it (the served recipe with
-    `run.allowed_paths` set to `/` and a data path at /etc/hostname) is accepted by the server (a
-    valid recipe), but the flow refuses it before any stage starts, naming the fields."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    params = copy.deepcopy(_deployment(served, SERVED).parameters)
-    recipe = params["recipe"]
-    recipe["run"]["allowed_paths"] = ["/"]
-    recipe["sft"]["data"].update(synthetic=None, path="/etc/hostname")
-    client = served["client"]
-    run = client.create_flow_run_from_deployment(_deployment(served, SERVED).id, parameters=params)
-    run = wait_for(
-        "the refused run to end",
-        lambda: (r := client.read_flow_run(run.id)).state.is_final() and r,
-        180,
-        every=2,
-    )
-    assert run.state.name == "Failed", run.state
-    message = run.state.message or ""
     assert "run.allowed_paths.0: / is outside the folders this worker allows (" in message
     assert str(served["shared"]) in message
     assert "sft.data.path: /etc/hostname is outside this served run's" in message
+    assert not marker.exists()
+    assert _flow_run_processes(str(run.id)) == []
     # Refused before anything ran: no task run (no stage) exists for it.
     tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
     assert tasks == []
