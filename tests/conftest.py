@@ -51,21 +51,60 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A temporary Prefect server and database for the whole session (~25 s to start), only
-    for tests that ask for it. Results default into the session's temp folder, never
-    ~/.prefect/storage, so cached results cannot leak between sessions."""
+def prefect_harness(
+    prefect_server: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """In-process flows of the session talk to the session's `prefect_server`: one server per
+    test worker, not a second one (prefect's `prefect_test_harness` started its own, ~20 s and
+    ~9 CPU-s more in each worker). Tests that read Prefect back filter by their own flow run.
+    Results default into the session's temp folder, never ~/.prefect/storage, so cached results
+    cannot leak between sessions."""
+    import prefect.context
     import prefect.settings as ps
     from prefect.settings import temporary_settings
-    from prefect.testing.utilities import prefect_test_harness
 
-    updates: dict = {ps.PREFECT_RESULTS_LOCAL_STORAGE_PATH: tmp_path_factory.mktemp("results")}
+    updates: dict = {
+        ps.PREFECT_API_URL: prefect_server.api_url,
+        ps.PREFECT_RESULTS_LOCAL_STORAGE_PATH: tmp_path_factory.mktemp("results"),
+    }
     heartbeat = getattr(ps, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY", None)
     if heartbeat is not None:
         # The heartbeat thread's join costs ~1 s at the end of every flow run.
         updates[heartbeat] = None
-    with temporary_settings(updates=updates), prefect_test_harness(server_startup_timeout=120):
-        yield
+    # Also as the process-global settings (as prefect_test_harness does): a plain thread
+    # (test_flow runs a flow in one) starts without this context's variables, and would
+    # otherwise start an embedded server of its own.
+    with (
+        temporary_settings(updates=updates),
+        prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()),
+    ):
+        try:
+            yield
+        finally:
+            _drain_prefect_workers()
+
+
+def _drain_prefect_workers() -> None:
+    """Send the logs and events still queued in this process before the server stops: a
+    worker left with them retries against a stopped server at exit."""
+    import inspect
+
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def drain() -> None:
+        try:
+            pending = APILogWorker.instance().drain()
+            if inspect.isawaitable(pending):
+                await pending
+        except RuntimeError:
+            pass  # no log worker was started
+        pending = EventsWorker.drain_all()
+        if inspect.isawaitable(pending):
+            await pending
+
+    run_coro_as_sync(drain())
 
 
 @pytest.fixture(scope="session")
