@@ -117,11 +117,13 @@ class PrefectServer:
             self.proc.wait(timeout=10)
 
 
-def start_server(home: Path, port: int | None = None) -> PrefectServer:
+def start_server(home: Path, port: int | None = None, seed: bool = True) -> PrefectServer:
     """Start the server and wait until /api/health answers (~22 s on a fresh database here, so
-    `home` is seeded with a migrated one). `port` and `home` of a stopped server restart it:
-    same URL, same database."""
-    seed_home(home)
+    `home` is seeded with a migrated one unless `seed` is false: then the server migrates its
+    own). `port` and `home` of a stopped server restart it: same URL, same database."""
+    if seed:
+        seed_home(home)
+    home.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     env = server_env(home, port)
     log_path = home / "server.log"
