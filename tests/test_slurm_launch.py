@@ -53,8 +53,10 @@ pytestmark = pytest.mark.slow
 POSTTRAIN = [sys.executable, "-m", "flows.cli"]
 RUN_TIMEOUT_S = 420
 # Long enough that a killed flow's job is still training when the next run, waiting on the
-# device lock, takes over (seconds), and that run's own job when its node is downed.
-STEPS = 64
+# device lock, takes over, and that run's own job when its node is downed: both happen within
+# ~1 s (4-5 steps) of the first checkpoint (step 4), 28 steps (~6 s) before the job's end.
+# Each step more is trained by the resumed job and the local torchrun alike.
+STEPS = 32
 
 
 def _stage(recipe: Path, name: str = "sft") -> Any:
@@ -76,10 +78,12 @@ def _empty_queue(slurm_cluster: Any) -> None:
     wait_for("an empty queue before the test", lambda: not _queue(slurm_cluster), 60)
 
 
-def _start_run(recipe: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+def _start_run(
+    recipe: Path, env: dict[str, str], log: Path, *overrides: str
+) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [*POSTTRAIN, "run", str(recipe)],
+            [*POSTTRAIN, "run", str(recipe), *overrides],
             cwd=ROOT,
             env=env,
             stdout=out,
@@ -104,6 +108,8 @@ def _local_run(recipe: Path, local: Path, store: Path) -> Any:
     data = load_recipe(recipe).model_dump(mode="json")
     data["run"]["workspace"] = str(local / "ws")
     data["infra"] |= {"launcher": "local", "nnodes": 1, "devices_per_node": 2}
+    # Uninterrupted: no checkpoint is read (`checkpoint_every` is outside the fingerprint).
+    data["sft"]["checkpoint_every"] = 0
     local_recipe = write_recipe(local, data)
     run_shared("ingest", local_recipe, store)  # the Slurm runs' ingest, copied
     done = run_torchrun("sft", local_recipe, 2)
@@ -178,9 +184,10 @@ def test_two_node_sft_on_slurm_recovers_and_trains_the_local_launchers_losses(
     kept = _checkpoints(sft.out_dir)
     assert kept, "the checkpoints of the failed runs are kept"
 
-    # Run 3 resumes from the newest of them and finishes on both nodes.
+    # Run 3 resumes from the newest of them and finishes on both nodes; its own checkpoints
+    # would be read by no one (`checkpoint_every` is outside the fingerprint).
     log = tmp_path / "run3.log"
-    third = _start_run(recipe, env, log)
+    third = _start_run(recipe, env, log, "sft.checkpoint_every=0")
     assert third.wait(RUN_TIMEOUT_S) == 0, log.read_text()[-4000:]
     assert verify(sft.out_dir)[0]
     last = _last_launch(sft)
