@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from flows.post_train import post_train
 from flows.report.tables import RunResult
@@ -56,6 +57,11 @@ def _summary(uri: str) -> dict:
     return json.loads((Path(uri) / "manifest.json").read_text())["summary"]
 
 
+def _tags(card: str) -> list[str]:
+    """The model card's front-matter tags."""
+    return yaml.safe_load(card.split("---\n")[1])["tags"]
+
+
 def test_chain_runs_evaluates_each_link_and_reruns_from_an_edit(
     prefect_harness: None, tmp_path: Path
 ) -> None:
@@ -87,6 +93,9 @@ def test_chain_runs_evaluates_each_link_and_reruns_from_an_edit(
     export = _summary(by["export"].uri)
     assert export["policy"] == "grpo"
     assert export["adapter_dir"] == str(Path(by["grpo"].uri) / "adapter")
+    card = (Path(by["export"].uri) / "model" / "README.md").read_text()
+    assert "pipeline: ingest -> sft -> dpo -> grpo -> evaluate -> export." in card
+    assert _tags(card)[-3:] == ["sft", "dpo", "grpo"]
 
     # Editing DPO re-runs DPO and everything after it; ingest, sft and reward are reused. The
     # same run ships DPO's policy instead of the last link's (that this edit alone re-runs export
@@ -104,3 +113,6 @@ def test_chain_runs_evaluates_each_link_and_reruns_from_an_edit(
     by2 = {s.stage: s for s in second.stages}
     assert _summary(by2["export"].uri)["policy"] == "dpo"
     assert _summary(by2["export"].uri)["adapter_dir"] == str(Path(by2["dpo"].uri) / "adapter")
+    card = (Path(by2["export"].uri) / "model" / "README.md").read_text()
+    assert "pipeline: ingest -> sft -> dpo -> evaluate -> export." in card
+    assert _tags(card)[-2:] == ["sft", "dpo"] and "grpo" not in _tags(card)

@@ -162,6 +162,8 @@ def _card(files: dict[str, str], hub_id: str | None = None) -> str:
             "sft": {"lora": {"r": 4, "alpha": 8}, "optim": {"lr": 0.01}},
             "export": {"dtype": "bf16"},
         },
+        path=[("ingest", "ingest"), ("sft", "sft")],
+        evaluated=True,
     )
 
 
@@ -187,3 +189,18 @@ def test_model_card_front_matter_is_valid_yaml():
     meta = yaml.safe_load(_card({}, hub_id="org/tiny-base").split("---\n")[1])
     assert meta["base_model"] == "org/tiny-base"
     assert meta["base_model_relation"] == "finetune"
+
+
+def test_model_card_pipeline_and_tags_follow_the_shipped_policys_path():
+    """The sentence and tags name every kind the policy went through, not a fixed SFT chain;
+    a stage named other than its kind keeps its name, and evaluate is there only if it ran."""
+    path = [("ingest", "ingest"), ("sft", "sft"), ("dpo", "dpo"), ("grpo_long", "grpo")]
+    card = model_card("chain", {"name": "tiny"}, [], {}, {}, {}, path, evaluated=False)
+    assert "posttrain pipeline: ingest -> sft -> dpo -> grpo (grpo_long) -> export." in card
+    meta = yaml.safe_load(card.split("---\n")[1])
+    assert meta["tags"] == [
+        "posttrain", "lora", "merged-lora", "text-generation", "sft", "dpo", "grpo"
+    ]  # fmt: skip
+    card = model_card("kto", {"name": "tiny"}, [], {}, {}, {}, path[:1] + [("kto", "kto")], True)
+    assert "pipeline: ingest -> kto -> evaluate -> export." in card
+    assert "sft" not in yaml.safe_load(card.split("---\n")[1])["tags"]

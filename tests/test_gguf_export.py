@@ -279,10 +279,13 @@ def test_gguf_types_are_in_the_export_fingerprint_only() -> None:
 
 
 def test_model_card_says_how_to_run_the_gguf() -> None:
-    card = model_card("run", {"name": "llama"}, [], {}, {}, {}, {"gguf/run-q8_0.gguf": "ab" * 32})
+    path = [("ingest", "ingest"), ("sft", "sft")]
+    card = model_card(
+        "run", {"name": "llama"}, [], {}, {}, {}, path, False, {"gguf/run-q8_0.gguf": "ab" * 32}
+    )
     assert "llama-cli -m gguf/run-q8_0.gguf" in card
     assert "FROM ./run-q8_0.gguf" in card and "ab" * 32 in card
-    assert "GGUF" not in model_card("run", {"name": "llama"}, [], {}, {}, {})
+    assert "GGUF" not in model_card("run", {"name": "llama"}, [], {}, {}, {}, path, False)
 
 
 # --- llama.cpp itself, when llama-cpp-python is installed -------------------------------------

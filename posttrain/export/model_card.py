@@ -11,7 +11,8 @@ from typing import Any
 
 import yaml
 
-TAGS = ["posttrain", "lora", "sft", "merged-lora", "text-generation"]
+# Every card's tags; the kinds of the stages the shipped policy went through follow them.
+TAGS = ["posttrain", "lora", "merged-lora", "text-generation"]
 USAGE = (
     "```python\n"
     "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
@@ -58,7 +59,21 @@ def _flatten(metrics: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]
     return out
 
 
-def _front_matter(base: dict[str, Any]) -> str:
+def pipeline_text(path: list[tuple[str, str]], evaluated: bool) -> str:
+    """The stages that made the shipped policy, base first, as one chain of (stage name, kind):
+    `ingest -> sft -> dpo -> grpo (grpo_long) -> evaluate -> export`. A stage named other
+    than its kind shows its name, so two stages of one kind stay apart."""
+    steps = [kind if name == kind else f"{kind} ({name})" for name, kind in path]
+    return " -> ".join([*steps, *(["evaluate"] if evaluated else []), "export"])
+
+
+def path_tags(path: list[tuple[str, str]]) -> list[str]:
+    """TAGS, then each training kind on the path once, in order (the base's ingest is none)."""
+    kinds = [kind for _, kind in path[1:]]
+    return [*TAGS, *dict.fromkeys(kinds)]
+
+
+def _front_matter(base: dict[str, Any], tags: list[str]) -> str:
     meta: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": "text-generation"}
     # The Hub links `base_model` to a repository id and rejects anything else, so a local base
     # (a folder, or a model built from a config) is described in the card body only.
@@ -66,7 +81,7 @@ def _front_matter(base: dict[str, Any]) -> str:
         meta["base_model"] = base["hub_id"]
         # A LoRA merged into its base is a fine-tune of it ("merge" means model merging).
         meta["base_model_relation"] = "finetune"
-    meta["tags"] = TAGS
+    meta["tags"] = tags
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
 
 
@@ -77,6 +92,8 @@ def model_card(
     files: dict[str, str],
     metrics: dict[str, Any],
     recipe_sections: dict[str, Any],
+    path: list[tuple[str, str]],
+    evaluated: bool,
     gguf_files: dict[str, str] | None = None,
 ) -> str:
     """Render README.md for an export.
@@ -87,16 +104,19 @@ def model_card(
     files: relative path -> sha256 of each file in the export.
     metrics: key figures, nested dicts allowed (rendered as dotted names).
     recipe_sections: recipe section name -> its resolved settings, shown as YAML.
+    path: (stage name, kind) of the base and of every stage the shipped policy descends from,
+    base first; with `evaluated` (an evaluate stage measured it), the card's pipeline sentence
+    and tags.
     gguf_files: path relative to the export folder (`gguf/<name>-<type>.gguf`) -> sha256, for
     llama.cpp/Ollama; the card then says how to run them.
     """
     base_name = base.get("hub_id") or base.get("name") or "the base model"
     parts = [
-        _front_matter(base),
+        _front_matter(base, path_tags(path)),
         f"# {name}\n",
         f"A LoRA fine-tune of {base_name}, merged into the base weights and saved as a plain "
         "transformers checkpoint (safetensors); it loads without peft. Produced by the "
-        "posttrain pipeline (ingest -> LoRA SFT -> evaluate -> export).\n",
+        f"posttrain pipeline: {pipeline_text(path, evaluated)}.\n",
         "## Base model\n",
         _table(["field", "value"], [[k, v] for k, v in base.items()]) + "\n",
         "## Key metrics\n",

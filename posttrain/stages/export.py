@@ -201,6 +201,13 @@ def _recipe_sections(ctx: StageContext) -> dict[str, Any]:
     return sections
 
 
+def _policy_path(ctx: StageContext) -> list[tuple[str, str]]:
+    """(stage name, kind) of the base and of every stage the shipped policy descends from."""
+    graph = ctx.recipe.graph()
+    line = reversed(graph.lineage(ctx.stage.roles["policy"]))
+    return [(ctx.stage.roles["base"], "ingest"), *((n, graph.get(n).kind.name) for n in line)]
+
+
 def _write_model_card(
     ctx: StageContext, out: Path, report: dict[str, Any], ggufs: dict[str, Any]
 ) -> dict[str, str]:
@@ -214,6 +221,8 @@ def _write_model_card(
         files,
         _card_metrics(ctx, report),
         _recipe_sections(ctx),
+        _policy_path(ctx),
+        ctx.has_role("evaluation"),
         gguf_files={v["file"]: v["sha256"] for v in ggufs.values()},
     )
     (out / "README.md").write_text(card)
