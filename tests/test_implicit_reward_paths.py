@@ -77,7 +77,7 @@ def test_dpo_heldout_and_evaluate_agree(setup, loss: str) -> None:
     assert stage["margin"] == pytest.approx((rc - rr).mean().item(), rel=1e-4, abs=1e-6)
     # No pair within rounding of a tie, so the two batchings cannot flip a comparison.
     assert (rc - rr).abs().min() > 1e-4
-    assert stage["accuracy"] == (rc > rr).sum().item() / len(pairs)
+    assert stage["accuracy"] == (rc > rr).sum().item() / len(pairs) and stage["ties"] == 0.0
     assert abs(stage["margin"]) > 1e-3  # the policy was moved: a real margin, not a tie
 
 

@@ -223,3 +223,19 @@ def test_half_precision_inputs_are_upcast() -> None:
     full = sigmoid_loss(pc, pr, ref, ref, beta=1.0)[0]
     half = sigmoid_loss(pc.half(), pr.half(), ref.half(), ref.half(), beta=1.0)[0]
     assert half.dtype == torch.float32 and half.item() == full.item()
+
+
+def test_pair_accuracy_counts_a_tie_as_half() -> None:
+    """Hand-computed: above, tie, below, tie -> (1 + 0.5 + 0 + 0.5) / 4 = 0.5, ties 2/4."""
+    from posttrain.train.losses import pair_outcome, pair_tie
+    from posttrain.train.preference_losses import orpo_loss
+
+    chosen = torch.tensor([2.0, 1.0, -1.0, 0.0])
+    rejected = torch.tensor([1.0, 1.0, 0.5, 0.0])
+    assert pair_outcome(chosen, rejected).tolist() == [1.0, 0.5, 0.0, 0.5]
+    assert pair_tie(chosen, rejected).mean().item() == 0.5
+    # ORPO's metrics use the same rule: equal log-probabilities are a tie.
+    logps = torch.tensor([-4.0, -4.0]), torch.tensor([-4.0, -6.0])
+    lengths = torch.tensor([2.0, 2.0])
+    _, m = orpo_loss(logps[0], logps[1], lengths, lengths, beta=0.1)
+    assert m["correct"].tolist() == [0.5, 1.0] and m["ties"].tolist() == [1.0, 0.0]

@@ -130,7 +130,10 @@ def test_dpo_reference_is_the_sft_policy(pref) -> None:
     assert s["eval_start"]["margin"] == 0.0 and s["eval_start"]["loss"] == pytest.approx(
         0.693147, abs=1e-6
     )
-    assert s["eval_final"]["accuracy"] > 0.5
+    # At step 0 the policy is its reference: every pair ties, and a tie counts half (chance),
+    # not as wrong.
+    assert s["eval_start"]["ties"] == 1.0 and s["eval_start"]["accuracy"] == 0.5
+    assert s["eval_final"]["accuracy"] > 0.5 and s["eval_final"]["ties"] == 0.0
 
 
 def test_precomputed_reference_matches_online_and_is_reused(pref) -> None:

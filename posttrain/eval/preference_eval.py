@@ -20,6 +20,7 @@ from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.models.reward import pair_batch, pair_scores, score_sequences
 from posttrain.sections.shared import SamplingConfig
 from posttrain.train.forward_logps import forward_sequence_logps
+from posttrain.train.losses import pair_outcome, pair_tie
 from posttrain.train.preference_losses import REFERENCE_FREE, implicit_rewards
 
 log = logging.getLogger("posttrain.evaluate")
@@ -32,15 +33,18 @@ def _pair_accuracy(
     device: torch.device,
     rewards: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
 ) -> dict[str, float]:
-    """Share of `pairs` whose chosen reward is strictly above the rejected one, and the mean
-    margin; `rewards(batch)` -> (chosen [B], rejected [B]) of a `pair_batch` of them."""
-    correct = margin = 0.0
+    """Share of `pairs` whose chosen reward is above the rejected one (a tie counting half), the
+    share of ties and the mean margin; `rewards(batch)` -> (chosen [B], rejected [B]) of a
+    `pair_batch` of them."""
+    correct = ties = margin = 0.0
     for i in range(0, len(pairs), batch_size):
         b = {k: v.to(device) for k, v in pair_batch(pairs[i : i + batch_size], pad_id).items()}
         rc, rr = rewards(b)
-        correct += (rc > rr).sum().item()
+        correct += pair_outcome(rc, rr).sum().item()
+        ties += pair_tie(rc, rr).sum().item()
         margin += (rc - rr).sum().item()
-    return {"accuracy": correct / len(pairs), "margin": margin / len(pairs), "pairs": len(pairs)}
+    n = len(pairs)
+    return {"accuracy": correct / n, "ties": ties / n, "margin": margin / n, "pairs": n}
 
 
 @torch.no_grad()

@@ -42,6 +42,7 @@ from posttrain.rl.rollout.collect import RolloutBatch
 from posttrain.rl.rollout.sample import Rollout, model_inputs, response_logps
 from posttrain.rl.setup import RLRun, one_step_shapes
 from posttrain.runtime.context import StageContext
+from posttrain.train.losses import pair_outcome
 from posttrain.train.preference_losses import (
     PreferenceLoss,
     loss_hyperparameters,
@@ -232,7 +233,7 @@ def dpo_update(
         share += float(objective.detach()) / world
         for name, v in (
             ("loss", losses.detach()),
-            ("accuracy", (chosen > rejected).float()),
+            ("accuracy", pair_outcome(chosen, rejected)),
             ("margin", chosen - rejected),
             ("chosen_reward", chosen),
             ("rejected_reward", rejected),

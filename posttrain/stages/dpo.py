@@ -50,6 +50,7 @@ from posttrain.train.loop import (
     plan_steps,
     strided_batches,
 )
+from posttrain.train.losses import pair_outcome, pair_tie
 from posttrain.train.preference_losses import (
     REFERENCE_FREE,
     implicit_rewards,
@@ -173,7 +174,7 @@ def heldout_preferences(
     the mean loss on held-out pairs; the reference runs online (not at all when reference-free)."""
     model.eval()
     needs_ref = loss not in REFERENCE_FREE
-    s = {"n": 0.0, "correct": 0.0, "margin": 0.0, "loss": 0.0}
+    s = {"n": 0.0, "correct": 0.0, "ties": 0.0, "margin": 0.0, "loss": 0.0}
     for idx, batch in strided_batches(pairs, pair_batch, pad_id, batch_size, device, rank, world):
         w = 1.0 if idx else 0.0
         pc, pr, lc, lr_ = pair_logps(model, batch, chunk_tokens)
@@ -185,11 +186,13 @@ def heldout_preferences(
         cr = implicit_rewards(pc, rc, lc, beta=beta, loss=loss)
         rj = implicit_rewards(pr, rr, lr_, beta=beta, loss=loss)
         s["n"] += w * len(losses)
-        add_sums(s, {"correct": cr > rj, "margin": cr - rj, "loss": losses}, w)
+        figures = {"correct": pair_outcome(cr, rj), "ties": pair_tie(cr, rj)}
+        add_sums(s, figures | {"margin": cr - rj, "loss": losses}, w)
     model.train()
     t = {k: all_reduce_sum(v, device) for k, v in s.items()}
     n = max(1.0, t["n"])
-    return {"accuracy": t["correct"] / n, "margin": t["margin"] / n, "loss": t["loss"] / n}
+    figures = {"accuracy": t["correct"] / n, "ties": t["ties"] / n, "margin": t["margin"] / n}
+    return figures | {"loss": t["loss"] / n}
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -313,7 +316,7 @@ def dpo_step(
             sums,
             {
                 "loss": losses,
-                "correct": (cr > rj).float(),
+                "correct": pair_outcome(cr, rj),
                 "margin": cr - rj,
                 "chosen_reward": cr,
                 "rejected_reward": rj,

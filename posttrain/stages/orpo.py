@@ -46,8 +46,9 @@ def start_adapter(ctx: StageContext) -> Path | None:
 
 @torch.no_grad()
 def heldout_orpo(loop: Training, pairs: list[dict], beta: float) -> dict[str, float]:
-    """Accuracy, reward margin, ORPO loss, chosen NLL and log-odds ratio on held-out pairs."""
-    keys = ("correct", "margin", "loss", "nll", "log_odds_ratio")
+    """Accuracy (a tie counting half), ties, reward margin, ORPO loss, chosen NLL and log-odds
+    ratio on held-out pairs."""
+    keys = ("correct", "ties", "margin", "loss", "nll", "log_odds_ratio")
     s = dict.fromkeys(("n", *keys), 0.0)
     for w, batch in loop.heldout_batches(pairs):
         losses, m = orpo_loss(*pair_logps(loop.model, batch, loop.chunk_tokens), beta=beta)

@@ -30,7 +30,7 @@ from posttrain.models.reward import pair_batch, pair_scores, score_model_for_tra
 from posttrain.runtime.context import StageContext
 from posttrain.stages.common import stage_main
 from posttrain.train.loop import Draw, StepBatch, Training, add_sums, open_training, plan_steps
-from posttrain.train.losses import bradley_terry_loss
+from posttrain.train.losses import bradley_terry_loss, pair_outcome, pair_tie
 
 log = logging.getLogger("posttrain.reward")
 
@@ -38,12 +38,13 @@ log = logging.getLogger("posttrain.reward")
 @torch.no_grad()
 def heldout_pairs(loop: Training, pairs: list[dict], margin: float) -> dict[str, float]:
     """Pair accuracy, margin, loss and reward statistics over held-out pairs."""
-    acc = {k: 0.0 for k in ("n", "correct", "margin", "loss", "c", "c2", "r", "r2")}
+    acc = {k: 0.0 for k in ("n", "correct", "ties", "margin", "loss", "c", "c2", "r", "r2")}
     for w, batch in loop.heldout_batches(pairs):
         rc, rr = pair_scores(loop.model, batch)
         acc["n"] += w * rc.numel()
         loss = bradley_terry_loss(rc, rr, margin)
-        figures = {"correct": rc > rr, "margin": rc - rr, "loss": loss, "c": rc, "c2": rc**2}
+        figures = {"correct": pair_outcome(rc, rr), "ties": pair_tie(rc, rr), "margin": rc - rr}
+        figures |= {"loss": loss, "c": rc, "c2": rc**2}
         add_sums(acc, figures | {"r": rr, "r2": rr**2}, w)
     t = {k: all_reduce_sum(v, loop.device) for k, v in acc.items()}
     n = max(1.0, t["n"])
@@ -53,6 +54,7 @@ def heldout_pairs(loop: Training, pairs: list[dict], margin: float) -> dict[str,
 
     return {
         "accuracy": t["correct"] / n,
+        "ties": t["ties"] / n,
         "margin": t["margin"] / n,
         "loss": t["loss"] / n,
         "chosen_mean": t["c"] / n,
@@ -124,7 +126,8 @@ def bradley_terry_step(
         loop.tr.backward(losses.sum() * loop.world / loop.batch.global_batch_size)
         add_sums(
             sums,
-            {"loss": losses, "correct": rc > rr, "margin": rc - rr, "chosen": rc, "rejected": rr},
+            {"loss": losses, "correct": pair_outcome(rc, rr), "margin": rc - rr, "chosen": rc}
+            | {"rejected": rr},
         )
     g = loop.step_means(sums)
     return g["loss"], {

@@ -39,6 +39,19 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tenso
     return logps * mask, mask
 
 
+def pair_outcome(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """[B] 1 where chosen scores above rejected, 0.5 on a tie, 0 below: the terms of a pairwise
+    accuracy. A tie counts half, so a model that cannot tell the two apart (a policy equal to
+    its reference, at DPO's step 0) scores chance, 0.5, not 0."""
+    return (chosen > rejected).float() + 0.5 * (chosen == rejected).float()
+
+
+def pair_tie(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """[B] 1 where the pair's two scores are equal: the share of ties a held-out accuracy
+    reports beside itself."""
+    return (chosen == rejected).float()
+
+
 def bradley_terry_loss(
     chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, margin: float = 0.0
 ) -> torch.Tensor:

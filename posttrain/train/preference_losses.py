@@ -24,6 +24,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from posttrain.train.losses import pair_outcome, pair_tie
+
 LossOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 PreferenceLoss = Callable[..., LossOutput]
 
@@ -380,7 +382,8 @@ def orpo_loss(
         "chosen_reward": cr,
         "rejected_reward": rj,
         "margin": cr - rj,
-        "correct": (cr > rj).float(),
+        "correct": pair_outcome(cr, rj),
+        "ties": pair_tie(cr, rj),
         "log_odds_chosen": odds_c.detach(),
         "log_odds_rejected": odds_r.detach(),
         "log_odds_ratio": ratio.detach(),
