@@ -31,6 +31,8 @@ BUG = "this looks like a bug in posttrain: the full traceback is in the log"
 FIXES: dict[str, str] = {
     "DataError": f"correct or remove that row (or point the recipe at another file), {RERUN}",
     "PreferenceDataError": f"correct or remove that pair (or point the recipe elsewhere), {RERUN}",
+    "RowsTooLong": "raise max_seq_len to the value named above (a system prompt and tool "
+    f"schemas count against it), or shorten the rows, {RERUN}",
     "TemplateError": f"give the model a chat template that renders these rows, {RERUN}",
     "IngestError": f"correct the ingest section (model id, revision, local folder), {RERUN}",
     "HubError": f"check the hub id, revision and network (or use a local folder), {RERUN}",

@@ -9,12 +9,14 @@ refusal, the tool-less family styles of tests/chat_template_fixtures.py.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from chat_template_fixtures import FIXTURES, base_tokenizer, fixture_tokenizer, with_chat_tokens
 from tool_templates import HERMES, HERMES_GENERATION, HERMES_LAST_THINKS, STYLES
 
+from flows.failure_block import stage_failure_block
 from posttrain.data.chat import (
     IGNORE,
     _prefix_spans,
@@ -23,6 +25,7 @@ from posttrain.data.chat import (
     prompt_text,
     template_info,
 )
+from posttrain.data.errors import RowsTooLong
 from posttrain.data.loading import DataError, load_sft_rows
 from posttrain.data.sft_data import prepare
 from posttrain.sections.shared import DataConfig
@@ -207,3 +210,37 @@ def test_tool_rows_under_a_tool_template_are_prepared(tmp_path: Path) -> None:
     data = prepare(DataConfig(path=path, eval_fraction=0.25), _tok("hermes"), seed=0)
     assert len(data.train) == 3 and len(data.eval) == 1 and data.train_rows[0]["tools"] == TOOLS
     assert data.train[0] == encode_chat(_tok("hermes"), trace(), 256, tools=TOOLS)
+
+
+def test_rows_no_length_fits_say_the_max_seq_len_that_keeps_them(tmp_path: Path) -> None:
+    """Tool schemas and a system prompt eat the budget: the refusal is the user's to fix, with
+    numbers that hold. The max_seq_len it names for 90% and for all rows keeps exactly that many,
+    one token less does not."""
+    system = {"role": "system", "content": "You are a careful calculator. " * 4}
+    rows = [
+        {"messages": [system, {"role": "user", "content": "add " * i}, trace()[3]], "tools": TOOLS}
+        for i in range(1, 11)
+    ]
+    path, tok = _file(tmp_path, rows), _tok("hermes")
+
+    def kept(max_seq_len: int) -> int:
+        cfg = DataConfig(path=path, eval_fraction=0.0, max_seq_len=max_seq_len)
+        try:
+            return len(prepare(cfg, tok, seed=0).train)
+        except RowsTooLong:
+            return 0
+
+    with pytest.raises(RowsTooLong) as info:
+        prepare(DataConfig(path=path, eval_fraction=0.0, max_seq_len=16), tok, seed=0)
+    message = str(info.value)
+    assert message.startswith("sft.data: none of the 10 training rows fits sft.data.max_seq_len")
+    found = re.search(r"max_seq_len (\d+) would keep 90% of them, (\d+) all", message)
+    assert found, message
+    p90, every = int(found.group(1)), int(found.group(2))
+    assert (kept(p90), kept(p90 - 1), kept(every), kept(every - 1)) == (9, 8, 10, 9)
+    block = stage_failure_block(f"stage 'sft' failed\n--- end of the log ---\n{_line(message)}")
+    assert "bug in posttrain" not in block.text() and "raise max_seq_len" in block.fix
+
+
+def _line(message: str) -> str:
+    return f"POSTTRAIN_ERROR stage sft failed: RowsTooLong: {message}"

@@ -14,3 +14,8 @@ class DataError(ValueError):
         if len(message) > _MAX_MESSAGE:
             message = f"{message[:_MAX_MESSAGE]}... ({len(message)} characters in all)"
         super().__init__(message)
+
+
+class RowsTooLong(DataError):
+    """No row fits the section's `max_seq_len`: the message gives the rows' token counts and the
+    `max_seq_len` that would keep them."""

@@ -11,12 +11,14 @@ from typing import Any
 from posttrain.agents.tool_calls import format_of_template
 from posttrain.data.calculator import calculator_sft_rows
 from posttrain.data.chat import (
+    IGNORE,
     TemplateError,
     check_system_role,
     encode_chat,
     template_info,
     template_sha256,
 )
+from posttrain.data.errors import RowsTooLong
 from posttrain.data.guess import guess_sft_rows
 from posttrain.data.loading import (
     DataError,
@@ -83,6 +85,35 @@ def tokenize_rows(
     return out, {"rows": len(rows), "dropped": dropped, "at_max_len": truncated}
 
 
+def length_report(rows: list[dict], tokenizer: Any, cfg: DataConfig) -> str:
+    """Why no row of `rows` survived tokenization, in numbers: each row encoded again without a
+    limit (an error path only). A row needs its whole length under `on_too_long: drop`, and
+    under `truncate` its prompt (everything before the first assistant token: system prompt and
+    tool schemas included) plus one assistant token."""
+    need, unlabeled, longest = [], 0, 0
+    for r in rows:
+        enc = encode_chat(tokenizer, r["messages"], 1 << 30, tools=r.get("tools"))
+        if enc is None:  # no assistant token even uncut: no length helps this row
+            unlabeled += 1
+            continue
+        prompt = next(i for i, x in enumerate(enc["labels"]) if i and x != IGNORE)
+        longest = max(longest, prompt)
+        need.append(len(enc["input_ids"]) if cfg.on_too_long == "drop" else prompt + 1)
+    head = f"sft.data: none of the {len(rows)} training rows fits sft.data.max_seq_len"
+    head += f" {cfg.max_seq_len} (on_too_long: {cfg.on_too_long})"
+    parts = []
+    if need:
+        need.sort()
+        p90 = need[min(len(need) - 1, (9 * len(need) + 9) // 10 - 1)]
+        parts.append(
+            f"their longest prompt before the first assistant token is {longest} tokens; "
+            f"max_seq_len {p90} would keep 90% of them, {need[-1]} all"
+        )
+    if unlabeled:
+        parts.append(f"{unlabeled} have no assistant tokens at any length")
+    return f"{head}: {'; '.join(parts)}"
+
+
 def located_rows(cfg: DataConfig) -> list[tuple[str, dict]]:
     """(location, checked row) of every row, read again: only an error message needs them."""
     if cfg.synthetic is not None:
@@ -129,10 +160,7 @@ def prepare(
     data.train, tstats = tokenize_rows(train_rows, tokenizer, cfg)
     data.eval, estats = tokenize_rows(eval_rows, tokenizer, cfg)
     if not data.train:
-        raise ValueError(
-            "sft.data: no training row survived tokenization (all too long or "
-            "without assistant tokens); raise sft.data.max_seq_len"
-        )
+        raise RowsTooLong(length_report(train_rows, tokenizer, cfg))
     data.stats = {f"train_{k}": v for k, v in tstats.items()} | {
         f"eval_{k}": v for k, v in estats.items()
     }
