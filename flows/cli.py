@@ -248,7 +248,11 @@ def _foreground(out: TextIO) -> Iterator[None]:
 SELECTING = ("plan", "run", "submit")
 
 
-def add_selection_flags(p: argparse.ArgumentParser) -> None:
+def add_selection_flags(p: argparse.ArgumentParser, trains: bool = True) -> None:
+    """--until/--only; for a command that trains (run, submit), --wait-devices too."""
+    if trains:
+        what = "fail after waiting this long for devices another run holds (infra.wait_devices_s)"
+        p.add_argument("--wait-devices", type=float, metavar="SECONDS", help=what)
     for flag, what in (
         ("--until", "run (or reuse) STAGE and what it needs upstream, nothing after it"),
         ("--only", "run STAGE alone; what it needs upstream must be complete (reused)"),
@@ -309,7 +313,7 @@ def _add_recipe_commands(sub: argparse._SubParsersAction) -> None:
                 "--resolved", action="store_true", help="print the resolved recipe (YAML) too"
             )
         if name in SELECTING:
-            add_selection_flags(p)
+            add_selection_flags(p, trains=name == "run")
 
 
 def _add_workspace_commands(sub: argparse._SubParsersAction) -> None:
@@ -368,6 +372,15 @@ def _add_served_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pipeline", default="external", help="who published it (default external)")
 
 
+def recipe_overrides(args: argparse.Namespace) -> list[str]:
+    """The command's `key.path=value` overrides, flags that set a recipe field among them
+    (`--wait-devices S` is `infra.wait_devices_s=S`: one schema for recipe, CLI and UI)."""
+    overrides = list(getattr(args, "overrides", []))
+    if getattr(args, "wait_devices", None) is not None:
+        overrides.append(f"infra.wait_devices_s={args.wait_devices}")
+    return overrides
+
+
 def main(argv: list[str] | None = None) -> int:
     # Registered before Prefect is imported, so Prefect's exit hooks run first.
     exit_without_collecting()
@@ -382,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     out, err = sys.stdout, sys.stderr
     recipe = None if getattr(args, "recipe", None) is None else str(args.recipe)
     ws = None if getattr(args, "workspace", None) is None else str(args.workspace)
-    given = (recipe, getattr(args, "overrides", []), out, err)
+    given = (recipe, recipe_overrides(args), out, err)
     selection = Selection.of(args.until, args.only) if args.command in SELECTING else ALL_STAGES
     commands = {
         "launch": lambda: cmd_launch(args.stage, *given),

@@ -21,6 +21,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -35,14 +36,21 @@ from prefect.concurrency.sync import concurrency
 from prefect.context import FlowRunContext
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
+from flows.report.tables import format_duration
 from flows.stage.launch import HELD_DEVICE_LOCK, node_rank
 from flows.stage.output import artifact_key, run_logger
 from posttrain.runtime.device_lock import DeviceLock
 from posttrain.runtime.spec import PlannedStage
+from posttrain.store.locking import LockTimeout
 from posttrain.store.status import status
+from posttrain.telemetry.records import read_metrics
 
 PREFIX = "posttrain-devices"
 SLOT_POLL_S = 2.0
+
+
+class DevicesBusy(Exception):
+    """The devices stayed held by another run for the whole `infra.wait_devices_s`."""
 
 
 def reusable_without_devices(stages: list[PlannedStage]) -> bool:
@@ -84,6 +92,28 @@ def describe_device_holder(holder: dict[str, Any] | None) -> str:
     return f"pid {holder.get('pid')} ({', '.join(parts)})"
 
 
+def holder_progress(holder: dict[str, Any] | None) -> str:
+    """`: stage sft, step 40/160, ETA 2m 10s` from the stage the holder launched last (its
+    record names it) and that stage's newest training records; "" when there is none yet."""
+    out_dir = (holder or {}).get("out_dir")
+    if not out_dir:
+        return ""
+    text = f": stage {holder.get('stage')}"  # type: ignore[union-attr]
+    try:
+        train = read_metrics(Path(out_dir) / "metrics.jsonl", "train")
+    except (OSError, ValueError):
+        train = []
+    if not train:
+        return text + " (starting)"
+    last = train[-1]
+    text += f", step {last['step']:g}/{last['total_steps']:g}"
+    first = train[max(0, len(train) - 50)]  # the recent rate, not the whole stage's
+    if last["step"] > first["step"] and last["time"] > first["time"]:
+        rate = (last["time"] - first["time"]) / (last["step"] - first["step"])
+        text += f", ETA {format_duration(round((last['total_steps'] - last['step']) * rate))}"
+    return text
+
+
 def repossess_stale_slot(name: str, previous: dict[str, Any] | None) -> bool:
     """Free the slots of `name` a dead run left occupied (only while holding the flock, which
     proves no live run here holds one); whether there was any. By resetting the active slots:
@@ -100,10 +130,13 @@ def repossess_stale_slot(name: str, previous: dict[str, Any] | None) -> bool:
     return True
 
 
-def take_slot(stack: contextlib.ExitStack, name: str, run_id: str | None) -> None:
-    """Enter a slot of the limit `name` on `stack`, polling while none is free. One attempt at
-    a time, from this thread: Prefect's own wait retries in a background loop that outlives a
-    SIGTERM raised here, and the process's exit then waited for it (80 s observed)."""
+def take_slot(
+    stack: contextlib.ExitStack, name: str, run_id: str | None, deadline: float | None = None
+) -> None:
+    """Enter a slot of the limit `name` on `stack`, polling while none is free, until the
+    monotonic `deadline` (DevicesBusy after it). One attempt at a time, from this thread:
+    Prefect's own wait retries in a background loop that outlives a SIGTERM raised here, and the
+    process's exit then waited for it (80 s observed)."""
     holder = ConcurrencyLeaseHolder(type="flow_run", id=run_id) if run_id else None
     told = False
     while True:
@@ -115,8 +148,10 @@ def take_slot(stack: contextlib.ExitStack, name: str, run_id: str | None) -> Non
             cause = exc.__cause__
             if not (isinstance(cause, httpx.HTTPStatusError) and cause.response.status_code == 423):
                 raise
+        full = "has no free slot on the Prefect server (its limit is full or set to 0)"
+        if deadline is not None and time.monotonic() > deadline:
+            raise DevicesBusy(f"{name} {full}; infra.wait_devices_s ran out")
         if not told:
-            full = "has no free slot on the Prefect server (its limit is full or set to 0)"
             run_logger().info("waiting for the devices: %s %s", name, full)
             told = True
         time.sleep(SLOT_POLL_S)
@@ -130,29 +165,36 @@ def _flow_run() -> tuple[str | None, str | None]:
 
 
 @contextlib.contextmanager
-def hold_devices(name: str) -> Iterator[None]:
+def hold_devices(name: str, wait_s: float | None = None) -> Iterator[None]:
     """Wait for and hold the device set: its host flock, then a slot of its Prefect limit
-    (strict: a missing limit is an error). A failed lease renewal only warns: Prefect would
-    otherwise cancel the run, killing a stage that needs no server, to protect a slot."""
+    (strict: a missing limit is an error), for at most `wait_s` seconds in all (None: as long as
+    it takes), then DevicesBusy naming the holder. A failed lease renewal only warns: Prefect
+    would otherwise cancel the run, killing a stage that needs no server, to protect a slot."""
     log = run_logger()
     run_id, run_name = _flow_run()
     lock = DeviceLock(name)
+    deadline = None if wait_s is None else time.monotonic() + wait_s
 
     def waiting(holder: dict[str, Any] | None) -> None:
-        who = describe_device_holder(holder)
+        who = describe_device_holder(holder) + holder_progress(holder)
+        bound = "" if wait_s is None else f" (waiting at most {format_duration(round(wait_s))})"
         log.info(
-            "waiting for the devices: %s is held by another run: %s; lock %s", name, who, lock.path
+            "waiting for the devices: %s is held by %s%s; lock %s", name, who, bound, lock.path
         )
 
     # Polls, so SIGINT/SIGTERM/SIGHUP end the wait at once.
-    lock.acquire(
-        {"what": "posttrain run", "flow_run_id": run_id, "flow_run_name": run_name}, on_wait=waiting
-    )
-    token = HELD_DEVICE_LOCK.set(str(lock.path))
+    owner = {"what": "posttrain run", "flow_run_id": run_id, "flow_run_name": run_name}
+    try:
+        lock.acquire(owner, on_wait=waiting, timeout_s=wait_s)
+    except LockTimeout:
+        who = describe_device_holder(lock.holder()) + holder_progress(lock.holder())
+        waited = format_duration(round(wait_s or 0))
+        raise DevicesBusy(f"{name} stayed held for {waited} by another run: {who}") from None
+    token = HELD_DEVICE_LOCK.set(lock)
     try:
         repossess_stale_slot(name, lock.previous)
         with contextlib.ExitStack() as stack:
-            take_slot(stack, name, run_id)
+            take_slot(stack, name, run_id, deadline)
             log.info("holding %s", name)
             yield
     finally:

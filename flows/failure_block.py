@@ -207,6 +207,7 @@ def unexpected_block(exc: BaseException, log_dir: Path) -> Block:
 def known_block(exc: BaseException, sections: Mapping[str, str] | None = None) -> Block | None:
     """The block of a failure posttrain raises and explains (a stage failed, timed out or hung, a
     gate not met, a recipe or selection refused in the flow); None for anything else."""
+    from flows.devices import DevicesBusy
     from flows.stage.failures import QualityGateFailed, StageFailed, StageTimeout
     from flows.stage.hang import StageHung
     from posttrain.config.loader import RecipeError
@@ -217,6 +218,13 @@ def known_block(exc: BaseException, sections: Mapping[str, str] | None = None) -
         return stage_failure_block(str(exc), timed_out=timed_out, hung=hung, sections=sections)
     if isinstance(exc, QualityGateFailed):
         return gate_block(str(exc))
+    if isinstance(exc, DevicesBusy):
+        return Block(
+            "posttrain: the devices stayed busy (no stage ran)",
+            str(exc),
+            "run again once that run has ended, or wait longer: --wait-devices SECONDS "
+            "(infra.wait_devices_s; unset waits as long as it takes)",
+        )
     if isinstance(exc, SelectionError):  # a served run's --until/--only, refused in the flow
         return Block(
             "posttrain: stage selection refused (no stage ran)",

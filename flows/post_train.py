@@ -327,7 +327,8 @@ def on_devices(run: PipelineRun) -> Decision | None:
             log.info("%s: waiting for the devices after all", exc)
             run.records.clear()
     ensure_device_limit(slot)
-    with hold_devices(slot):  # the gate's head-to-head runs models too: it is inside
+    # The gate's head-to-head runs models too: it is inside.
+    with hold_devices(slot, run_plan.recipe.infra.wait_devices_s):
         return run.stages_and_gate(slots)
 
 

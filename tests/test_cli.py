@@ -165,3 +165,16 @@ def test_help_describes_the_stage_graph_of_the_registered_kinds(capsys) -> None:
         f"ingest -> a graph of training stages ({kinds}), each reading the stages it names -> "
         "evaluate -> promotion gate -> export" in text
     )
+
+
+def test_wait_devices_is_the_recipe_field_and_only_for_commands_that_train() -> None:
+    from flows.cli import build_parser, recipe_overrides
+
+    parser = build_parser()
+    args = parser.parse_args(["run", "r.yaml", "sft.max_steps=3", "--wait-devices", "90"])
+    assert recipe_overrides(args) == ["sft.max_steps=3", "infra.wait_devices_s=90.0"]
+    args = parser.parse_args(["submit", "r.yaml", "--wait-devices", "0"])
+    assert recipe_overrides(args) == ["infra.wait_devices_s=0.0"]
+    assert recipe_overrides(parser.parse_args(["run", "r.yaml"])) == []
+    with pytest.raises(SystemExit):
+        parser.parse_args(["plan", "r.yaml", "--wait-devices", "5"])

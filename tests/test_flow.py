@@ -257,6 +257,37 @@ def test_flow_caches_reruns_downstream_and_records_runs(
     assert "waiting for the devices after all" in log and "busy-run" in log
     assert log.index("after all") < log.index("holding posttrain-devices")
 
+    # A bounded wait (`--wait-devices`): while the other run holds the devices, training a stage
+    # of its own at step 3 of 10 at one step a second, a run with an edit to train fails after
+    # infra.wait_devices_s, naming the holder, its stage, step and ETA, and starts nothing.
+    _bounded_wait_names_the_holder(busy, ws, tmp_path / "holder-sft")
+    assert _launches(ws) == 8
+
+
+def _bounded_wait_names_the_holder(busy: DeviceLock, ws: Path, holder_stage: Path) -> None:
+    from flows.devices import DevicesBusy
+    from flows.failure_block import known_block
+
+    holder_stage.mkdir()
+    train = [{"kind": "train", "step": k, "total_steps": 10, "time": 100.0 + k} for k in (1, 2, 3)]
+    (holder_stage / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    assert busy.try_acquire({"what": "posttrain run", "flow_run_name": "busy-run"})
+    busy.update(stage="sft", out_dir=str(holder_stage))
+    infra = {"device": "cpu", "precision": "fp32", "wait_devices_s": 2}
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(DevicesBusy) as info:
+            post_train(_recipe(ws, evaluate={"max_eval_rows": 5}, infra=infra))
+    finally:
+        busy.release()
+    assert time.monotonic() - t0 < 90  # bounded: 2 s of waiting and the run's own start
+    what = str(info.value)
+    assert "stayed held for 2.0 s by another run: pid" in what and "busy-run" in what
+    assert what.endswith(": stage sft, step 3/10, ETA 7.0 s")
+    block = known_block(info.value)
+    assert block is not None and block.head == "posttrain: the devices stayed busy (no stage ran)"
+    assert "--wait-devices SECONDS" in block.fix
+
 
 @pytest.fixture(scope="module")
 def handed_side_by_side(

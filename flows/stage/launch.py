@@ -22,13 +22,14 @@ from prefect.context import FlowRunContext
 
 import posttrain
 from posttrain import hub
+from posttrain.runtime.device_lock import DeviceLock
 from posttrain.runtime.orphan import process_start
 from posttrain.runtime.spec import LAUNCH_TAG_ENV, LaunchInfo, PlannedStage
 
 # The device lock file (posttrain.runtime.device_lock) the flow holds, named in its stages' specs so
 # an orphaned stage that goes on (infra.orphan=finish) can take the devices over. A context
 # variable: several stages may be supervised at once from threads of one flow.
-HELD_DEVICE_LOCK: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+HELD_DEVICE_LOCK: contextvars.ContextVar[DeviceLock | None] = contextvars.ContextVar(
     "posttrain_device_lock", default=None
 )
 # True while a run reuses its stages without holding the devices: a stage that must run after
@@ -116,11 +117,14 @@ def launch_info(
     """How this launch of `stage` is held, for its spec: its id, the artifact lock (node 0's),
     the flow's device lock, the earlier attempt's account, and what the stage watches to notice
     that its supervisor is gone (its PID here, a beat file for an engine's remote nodes)."""
+    if devices := HELD_DEVICE_LOCK.get():
+        # A run waiting for these devices tells its user which stage holds them, and how far.
+        devices.update(stage=stage.name, out_dir=str(stage.out_dir))
     info = LaunchInfo(
         id=launch_id,
         flow_run_id=current_flow_run_id(),
         lock=lock,
-        device_lock=HELD_DEVICE_LOCK.get() if stage.launcher == "local" else None,
+        device_lock=str(devices.path) if devices and stage.launcher == "local" else None,
         earlier_attempt=earlier_attempt,
     )
     if stage.launcher == "local":

@@ -204,6 +204,13 @@ class InfraConfig(_Section):
         "before it is cancelled and fails; null = as long as the engine keeps it. The stage's "
         "own timeout (infra.timeouts) counts from when it starts running.",
     )
+    wait_devices_s: float | None = Execution(
+        None,
+        ge=0,
+        description="Seconds a run waits for its devices while another run holds them, then "
+        "fails naming the holder (`posttrain run --wait-devices`); null = as long as it takes, "
+        "telling the holder's stage, step and ETA every minute.",
+    )
     supervisor_silence_s: float = Execution(
         120,
         ge=10,

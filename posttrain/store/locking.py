@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -98,6 +99,7 @@ class FileLock:
         self._fd: int | None = None
         self._record: dict[str, Any] = {}
         self.previous: dict[str, Any] | None = None
+        self._updating = threading.Lock()
 
     def _open(self) -> int:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -131,10 +133,12 @@ class FileLock:
         return True
 
     def update(self, **fields: Any) -> None:
-        """Add `fields` to the owner record of the lock this object holds."""
+        """Add `fields` to the owner record of the lock this object holds (from any thread: the
+        flow launches stages side by side)."""
         assert self._fd is not None, "not held"
-        self._record = {**self._record, **fields}
-        _write_record(self._fd, self._record)
+        with self._updating:
+            self._record = {**self._record, **fields}
+            _write_record(self._fd, self._record)
 
     def acquire(
         self,
