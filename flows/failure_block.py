@@ -45,6 +45,10 @@ FIXES: dict[str, str] = {
     "ParentArtifactDamaged": f"delete the damaged artifact folder named above, {RERUN}",
     "RewardFunctionError": f"fix the reward function named above, {RERUN}",
     "RewardLoadError": f"fix the reward module or its name in the recipe, {RERUN}",
+    "ToolLoadError": f"fix the tool or environment named above (or its name in the recipe), "
+    f"{RERUN}",
+    "EnvironmentFailed": f"fix the environment method named above (the row it served is named), "
+    f"{RERUN}",
     "TooManyBadSteps": "lower the learning rate or check the data (non-finite losses); "
     "infra.guard.* sets how many bad steps are tolerated",
     "ExportVerificationError": "the merged export does not match base+adapter: the stage's "

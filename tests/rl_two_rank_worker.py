@@ -150,7 +150,7 @@ def episodes(d: Any, ingest: Path, sft: Path, env_file: Path) -> None:
     rollout |= {"samples_per_prompt": 2, "temperature": 1e-4}
     cfg = GRPOConfig.model_validate({"data": {"synthetic": {"n_examples": 16}}, "rollout": rollout})
     stops = model_stop_token_ids(model, tok)
-    e = episode_setup(cfg.rollout, tok, stops, "tiny")
+    e = episode_setup(cfg.rollout, tok, stops, "tiny", rewarded=bool(cfg.rewards))
     engine = build_engine(cfg.rollout, model, POLICY, d.world_size)
     policy = engine_turns(engine, sampling_of(cfg.rollout), stops, tok.pad_token_id, seed=d.rank)
 

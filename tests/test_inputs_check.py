@@ -40,9 +40,9 @@ def _jsonl(path: Path, rows: list[object]) -> Path:
     return path
 
 
-def _validate(path: Path) -> tuple[int, list[str]]:
+def _validate(path: Path, overrides: list[str] | None = None) -> tuple[int, list[str]]:
     out, err = io.StringIO(), io.StringIO()
-    code = cmd_validate(str(path), [], out, err)
+    code = cmd_validate(str(path), overrides or [], out, err)
     assert err.getvalue() == "", err.getvalue()
     return code, out.getvalue().splitlines()
 
@@ -298,3 +298,49 @@ def test_chat_template_of_a_local_base_checked_for_tool_rows(tmp_path: Path, tem
             f"chat template of {base}: prefix strategy, system turn accepted, tool calls "
             "hermes, generation prompt ok"
         ) in lines
+
+
+# An environment as TRL's docs write one for `environment_factory`: tools as documented public
+# methods, a `reset(**kwargs)`, no get_reward (the trainer's reward functions score it).
+TRL_ENV = '''
+class CalcEnv:
+    def reset(self, **kwargs):
+        self.calls = 0
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        self.calls += 1
+        return a + b
+'''
+ENV_GRPO = """
+    sft:
+      data: {{synthetic: {{n_examples: 50}}}}
+    grpo:
+      data: {{path: {d}/prompts.jsonl}}
+      rollout: {{environment: "calc_env:CalcEnv", max_turns: 2, samples_per_prompt: 2}}
+"""
+
+
+def test_an_environment_without_get_reward_needs_reward_functions_and_is_refused_at_validate(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "calc_env.py").write_text(TRL_ENV)
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    _jsonl(tmp_path / "prompts.jsonl", [{"prompt": "2+2?", "answer": "4"}] * 3)
+    tools = ["ingest.from_config.template=chatml_tools"]  # a template that renders tool calls
+    rewarded = ENV_GRPO + '      rewards: [{{fn: "my_rewards:word_overlap"}}]\n'
+    code, lines = _validate(_recipe(tmp_path, rewarded), tools)
+    assert code == 0, lines
+    assert "grpo.rollout.environment: calc_env.py:CalcEnv: tools add" in lines
+    code, lines = _validate(_recipe(tmp_path, ENV_GRPO), tools)
+    assert code == 2 and lines[0].endswith("refused: 1 problem (nothing ran)"), lines
+    assert lines[1] == (
+        "  grpo.rollout.environment: CalcEnv has no get_reward() and no step(), and grpo.rewards "
+        "is empty: its episodes would have no reward; add a get_reward() method or list reward "
+        "functions in grpo.rewards"
+    )

@@ -58,6 +58,21 @@ class EnvironmentClass:
     def has_reward(self) -> bool:
         return callable(getattr(self.cls, "get_reward", None))
 
+    @property
+    def rewards(self) -> bool:
+        """Whether its episodes get a reward of its own (get_reward, or step's rewards). As in
+        TRL, `get_reward` is optional: the stage's reward functions may score it alone."""
+        return self.has_reward or self.is_gym
+
+
+def no_reward(env: EnvironmentClass, rewards_field: str) -> str:
+    """Why episodes of `env` nothing scores are refused, naming the two ways to score them."""
+    return (
+        f"{env.cls.__name__} has no get_reward() and no step(), and {rewards_field} is empty: "
+        f"its episodes would have no reward; add a get_reward() method or list reward "
+        f"functions in {rewards_field}"
+    )
+
 
 def _public_methods(cls: type) -> list[str]:
     return [

@@ -43,9 +43,10 @@ def _reward_line(code: Any, columns: list[str] | None, report: Any) -> None:
     report.lines.append(f"{code.where}: {_short(code.ref)}: takes posttrain's call")
 
 
-def _tool_line(code: Any, report: Any) -> bool:
-    """Checks a tool or an environment; True when it gives the model tools to call."""
-    from posttrain.agents.environment import load_environment
+def _tool_line(code: Any, report: Any, rewarded: bool) -> bool:
+    """Checks a tool or an environment; True when it gives the model tools to call.
+    `rewarded`: its stage lists reward functions (an environment then needs no reward)."""
+    from posttrain.agents.environment import load_environment, no_reward
     from posttrain.agents.tools import load_tools
 
     try:
@@ -57,6 +58,10 @@ def _tool_line(code: Any, report: Any) -> bool:
     except (ToolLoadError, RewardLoadError) as exc:
         report.problems.append(f"{code.where}: {_message(code.ref, exc)}")
         return False
+    if not env.rewards and not rewarded:
+        where = code.where.removesuffix(".rollout.environment")
+        report.problems.append(f"{code.where}: {no_reward(env, f'{where}.rewards')}")
+        return False
     tools = f"tools {', '.join(env.tool_names)}" if env.tool_names else "step() environment"
     report.lines.append(f"{code.where}: {_short(code.ref)}: {tools}")
     return bool(env.tool_names)
@@ -66,6 +71,7 @@ def check_code(recipe: Recipe, refs: list[Any], peeks: dict[str, Any], report: A
     """Check every piece of code in `refs` (`loader.code_refs`); the field paths of the stages
     whose episodes give the model tools (their template must render tool calls)."""
     needs_tools: set[str] = set()
+    rewarded = {s.where for s in recipe.graph() if getattr(s.section, "rewards", None)}
     for code in refs:
         stage = code.where.split(".rewards.")[0].split(".rollout.")[0]
         if code.kind == "reward":
@@ -75,6 +81,6 @@ def check_code(recipe: Recipe, refs: list[Any], peeks: dict[str, Any], report: A
             if peek is not None and peek.rows and all("columns" in r for _, r in peek.rows):
                 columns = sorted({k for _, r in peek.rows for k in r["columns"]})
             _reward_line(code, columns, report)
-        elif _tool_line(code, report):
+        elif _tool_line(code, report, stage in rewarded):
             needs_tools.add(stage)
     return needs_tools

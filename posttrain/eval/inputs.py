@@ -109,7 +109,9 @@ def verifier_episodes(ctx: StageContext, tok: Any, stop_ids: list[int]) -> Episo
     rollout = getattr(ctx.recipe.stage(source), "rollout", None) if source else None
     if rollout is None or not rollout.episodes:
         return None
-    return episode_setup(rollout, tok, stop_ids, f"the policies evaluated on {source}'s episodes")
+    # The verifiers score these episodes, whatever the environment rewards.
+    what = f"the policies evaluated on {source}'s episodes"
+    return episode_setup(rollout, tok, stop_ids, what, rewarded=True)
 
 
 def verifier_prompts(ctx: StageContext) -> tuple[VerifyPrompts, str] | None:

@@ -141,7 +141,7 @@ def _episode_passes(
         [prompts.where[i] for i in idx],
     )
     values = list(per.values())
-    if e.env is not None:
+    if e.env is not None and e.env.rewards:  # TRL's get_reward is optional
         values.append(torch.tensor([episode_reward(r) for r in runs]))
     passed = _verdicts(values, len(idx), cfg.pass_threshold)
     return Answers(passed, [completion_text(c) for c in completions], runs)

@@ -55,7 +55,7 @@ class Rewarder:
             )
             total += fsum
             ro.scored |= {FUNCTION + label: v for label, v in per.items()}
-        if ro.episodes is not None and ro.episodes[0].env is not None:
+        if ro.episodes is not None and _env_rewards(ro.episodes[0]):
             env = torch.tensor([episode_reward(e) for e in ro.episodes], dtype=torch.float32)
             ro.scored[FUNCTION + ENVIRONMENT] = env
             total += env
@@ -75,6 +75,11 @@ class Rewarder:
 
 # The environment's reward, among the functions' in metrics and samples (`reward_fn_environment`).
 ENVIRONMENT = "environment"
+
+
+def _env_rewards(e: Any) -> bool:
+    """Whether episode `e` has an environment with a reward of its own (get_reward or step)."""
+    return e.env is not None and e.env.env.rewards
 
 
 def episode_reward(e: Any) -> float:

@@ -243,6 +243,7 @@ def rollout_setup(
         tok,
         stop_ids,
         f"{ctx.stage.name}'s policy ({ctx.stage.roles['policy']})",
+        rewarded=bool(getattr(ctx.section, "rewards", None)),
     )
     why = {
         "policy": "one update per rollout, whose own log-probs are the sampling policy's",

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posttrain.agents.environment import EnvironmentClass, Episode, load_environment
+from posttrain.agents.environment import EnvironmentClass, Episode, load_environment, no_reward
 from posttrain.agents.episodes import (
     EpisodeLimits,
     EpisodeRun,
@@ -65,19 +65,17 @@ class EpisodeSetup:
 
 
 def episode_setup(
-    cfg: RolloutConfig, tok: Any, stop_ids: list[int], model: str
+    cfg: RolloutConfig, tok: Any, stop_ids: list[int], model: str, rewarded: bool
 ) -> EpisodeSetup | None:
     """The episodes' setup (None: single-turn rollouts). `model` names the policy in the
-    refusal of a template without tools."""
+    refusal of a template without tools; `rewarded`: reward functions score the episodes (an
+    environment then needs no reward of its own; `validate` refuses the other case first)."""
     if not cfg.episodes:
         return None
     tools = load_tools(cfg.tools)
     env = load_environment(cfg.environment) if cfg.environment is not None else None
-    if env is not None and not env.has_reward and not env.is_gym:
-        raise ToolLoadError(
-            f"rollout.environment {cfg.environment}: {env.cls.__name__} has no get_reward() "
-            "and no step(); its episodes would have no reward"
-        )
+    if env is not None and not env.rewards and not rewarded:
+        raise ToolLoadError(f"rollout.environment {cfg.environment}: {no_reward(env, 'rewards')}")
     needs_tools = bool(tools) or bool(env and env.tool_names)
     fmt = require_format(tok.chat_template, model) if needs_tools else None
     limits = EpisodeLimits(
