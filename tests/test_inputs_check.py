@@ -317,6 +317,10 @@ class CalcEnv:
         self.calls += 1
         return a + b
 '''
+ENV_REWARD = """
+def env_reward(environments, **kwargs):
+    return [float(env.calls > 0) for env in environments]
+"""
 ENV_GRPO = """
     sft:
       data: {{synthetic: {{n_examples: 50}}}}
@@ -337,6 +341,20 @@ def test_an_environment_without_get_reward_needs_reward_functions_and_is_refused
     code, lines = _validate(_recipe(tmp_path, rewarded), tools)
     assert code == 0, lines
     assert "grpo.rollout.environment: calc_env.py:CalcEnv: tools add" in lines
+    # TRL's `def env_reward(environments, **kwargs)`: taken in a stage with an environment,
+    # refused in one without, naming why.
+    (tmp_path / "env_rewards.py").write_text(ENV_REWARD)
+    with_env = ENV_GRPO + '      rewards: [{{fn: "env_rewards:env_reward"}}]\n'
+    code, lines = _validate(_recipe(tmp_path, with_env), tools)
+    assert (
+        code == 0
+        and "grpo.rewards.0.fn: env_rewards.py:env_reward: takes posttrain's call" in lines
+    )
+    plain = GRPO.replace("my_rewards:{fn}", "env_rewards:env_reward")
+    code, lines = _validate(_recipe(tmp_path, plain, fn=""))
+    assert code == 2 and lines[1].endswith(
+        "needs environments, which only a stage with a rollout.environment passes"
+    ), lines
     code, lines = _validate(_recipe(tmp_path, ENV_GRPO), tools)
     assert code == 2 and lines[0].endswith("refused: 1 problem (nothing ran)"), lines
     assert lines[1] == (

@@ -305,3 +305,33 @@ def test_tools_and_environments_come_from_the_same_folders_as_reward_code(
         check_served_reach(recipe, [tmp_path], reward_roots())
     assert exc.value.errors[0].startswith("grpo.rollout.environment: ")
     assert "outside the folders environment code may come from" in exc.value.errors[0]
+
+
+def test_environments_reach_the_functions_that_take_them_as_trl_passes_them() -> None:
+    """A function written as TRL's docs write one (`def f(environments, **kwargs)`) gets each
+    episode's environment instance, in order; one that names neither `environments` nor
+    **kwargs is called without it, as before."""
+
+    class Env:
+        def __init__(self, solved: bool) -> None:
+            self.solved = solved
+
+    def env_reward(environments, **kwargs):
+        return [1.0 if e.solved else 0.0 for e in environments]
+
+    def plain(prompts, completions, completion_ids, stopped, answer):
+        return [0.5] * len(completions)
+
+    envs = [Env(True), Env(False), Env(True)]
+    n = 3
+    _, per = score_functions(
+        [_fn("env", env_reward), _fn("plain", plain)],
+        PROMPTS[:n],
+        ["1", "2", "3"],
+        [{"answer": str(i + 1)} for i in range(n)],
+        [[5, 6]] * n,
+        [True] * n,
+        [f"data.jsonl:{i + 1}" for i in range(n)],
+        environments=envs,
+    )
+    assert per["env"].tolist() == [1.0, 0.0, 1.0] and per["plain"].tolist() == [0.5] * 3

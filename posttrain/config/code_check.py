@@ -27,7 +27,7 @@ def _short(ref: str) -> str:
     return f"{module.rsplit('/', 1)[-1]}:{attr}"
 
 
-def _reward_line(code: Any, columns: list[str] | None, report: Any) -> None:
+def _reward_line(code: Any, columns: list[str] | None, report: Any, environment: bool) -> None:
     from posttrain.rewards.loader import load_function
     from posttrain.rewards.signature import call_problem
 
@@ -37,7 +37,7 @@ def _reward_line(code: Any, columns: list[str] | None, report: Any) -> None:
         report.problems.append(f"{code.where}: {_message(code.ref, exc)}")
         return
     kwargs = getattr(code.owner, "kwargs", {}) or {}
-    if problem := call_problem(fn, kwargs, columns):
+    if problem := call_problem(fn, kwargs, columns, environment):
         report.problems.append(f"{code.where}: {problem}")
         return
     report.lines.append(f"{code.where}: {_short(code.ref)}: takes posttrain's call")
@@ -72,6 +72,8 @@ def check_code(recipe: Recipe, refs: list[Any], peeks: dict[str, Any], report: A
     whose episodes give the model tools (their template must render tool calls)."""
     needs_tools: set[str] = set()
     rewarded = {s.where for s in recipe.graph() if getattr(s.section, "rewards", None)}
+    rollouts = {s.where: getattr(s.section, "rollout", None) for s in recipe.graph()}
+    with_env = {w for w, r in rollouts.items() if r is not None and r.environment is not None}
     for code in refs:
         stage = code.where.split(".rewards.")[0].split(".rollout.")[0]
         if code.kind == "reward":
@@ -80,7 +82,7 @@ def check_code(recipe: Recipe, refs: list[Any], peeks: dict[str, Any], report: A
             columns = None
             if peek is not None and peek.rows and all("columns" in r for _, r in peek.rows):
                 columns = sorted({k for _, r in peek.rows for k in r["columns"]})
-            _reward_line(code, columns, report)
+            _reward_line(code, columns, report, stage in with_env)
         elif _tool_line(code, report, stage in rewarded):
             needs_tools.add(stage)
     return needs_tools

@@ -26,7 +26,7 @@ from posttrain.kinds.evaluate import EvaluateConfig
 from posttrain.models.adapters import as_policy
 from posttrain.rewards.combine import RewardFunction, score_functions
 from posttrain.rewards.extract import completion_text
-from posttrain.rl.rewarder import episode_reward
+from posttrain.rl.rewarder import environments, episode_reward
 from posttrain.rl.rollout.multiturn import (
     EpisodeSetup,
     episode_metrics,
@@ -139,6 +139,7 @@ def _episode_passes(
         [r.ids[r.prompt_len :] for r in runs],
         [not r.truncated for r in runs],
         [prompts.where[i] for i in idx],
+        environments(runs),
     )
     values = list(per.values())
     if e.env is not None and e.env.rewards:  # TRL's get_reward is optional

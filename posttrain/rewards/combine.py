@@ -22,11 +22,12 @@ import torch
 
 from posttrain.rewards.extract import completion_text
 from posttrain.rewards.loader import bind
+from posttrain.rewards.signature import ENVIRONMENTS, takes
 from posttrain.runtime.errors import StageVerdict
 from posttrain.sections.rewards import RewardSpec
 
 # Keyword arguments the caller fills; a data column of the same name would be shadowed.
-RESERVED = ("prompts", "completions", "completion_ids", "stopped")
+RESERVED = ("prompts", "completions", "completion_ids", "stopped", ENVIRONMENTS)
 
 
 class RewardFunctionError(StageVerdict):
@@ -131,7 +132,8 @@ def _columns(exc: KeyError, args: dict[str, Any]) -> str:
     """The columns a function could have read, for a KeyError it raised: `the row's columns
     are: answer, task (beside prompts, completions, ...); did you mean answer?`."""
     columns = [k for k in args if k not in RESERVED]
-    text = f"the row's columns are: {', '.join(columns) or 'none'} (beside {', '.join(RESERVED)})"
+    given = ", ".join(k for k in RESERVED if k in args)
+    text = f"the row's columns are: {', '.join(columns) or 'none'} (beside {given})"
     key = exc.args[0] if exc.args else None
     close = difflib.get_close_matches(key, columns, n=1) if isinstance(key, str) else []
     return text + (f"; did you mean {close[0]}?" if close else "")
@@ -154,12 +156,15 @@ def score_functions(
     completion_ids: Sequence[list[int]],
     stopped: Sequence[bool],
     where: Sequence[str] = (),
+    environments: Sequence[Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(weighted sum [N], {label: values [N], NaN where None}) for N responses; a row where
     every function returned None sums to 0. `completions`: response texts (passed on as TRL's
     conversational `[{"role": "assistant", "content": text}]`) or, for episodes, the messages
     after the prompt, passed as they are; `columns`: each row's data columns, passed as one list
-    per column (None where a row lacks it); `where`: each row's data location, for errors."""
+    per column (None where a row lacks it); `where`: each row's data location, for errors;
+    `environments`: each episode's environment instance, passed as TRL passes them to the
+    functions that take them."""
     n = len(completions)
     names = sorted({k for c in columns for k in c})
     clash = [k for k in names if k in RESERVED]
@@ -177,10 +182,17 @@ def score_functions(
         "stopped": [bool(s) for s in stopped],
         **{k: [c.get(k) for c in columns] for k in names},
     }
+    if environments is not None:
+        args[ENVIRONMENTS] = list(environments)
     total = torch.zeros(n, dtype=torch.float32)
     per: dict[str, torch.Tensor] = {}
     for f in funcs:
-        vals = _call(f, args, n, where)
+        mine = (
+            args
+            if takes(f.fn, ENVIRONMENTS)
+            else {k: v for k, v in args.items() if k != ENVIRONMENTS}
+        )
+        vals = _call(f, mine, n, where)
         t = torch.tensor([math.nan if v is None else v for v in vals], dtype=torch.float32)
         per[f.label] = t
         total += f.weight * torch.nan_to_num(t, nan=0.0)

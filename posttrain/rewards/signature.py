@@ -15,13 +15,29 @@ from typing import Any
 
 # Keyword arguments the caller fills (combine.py's RESERVED, which imports torch).
 CALLER_ARGS = ("prompts", "completions", "completion_ids", "stopped")
+# Passed, as TRL passes it, in a stage whose episodes have an environment: each episode's
+# environment instance, in order; only to a function that names it or takes **kwargs.
+ENVIRONMENTS = "environments"
+
+
+def takes(fn: Callable[..., Any], name: str) -> bool:
+    """Whether `fn` accepts the keyword `name` (a parameter of that name, or **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def call_problem(
-    fn: Callable[..., Any], bound: Iterable[str], columns: Iterable[str] | None
+    fn: Callable[..., Any],
+    bound: Iterable[str],
+    columns: Iterable[str] | None,
+    environments: bool = False,
 ) -> str | None:
     """Why `fn` cannot take posttrain's call (None: it can). `bound`: the recipe's kwargs;
-    `columns`: the data columns its rows carry (None: not known now, e.g. a hub dataset)."""
+    `columns`: the data columns its rows carry (None: not known now, e.g. a hub dataset);
+    `environments`: the stage's episodes have an environment (`environments` is passed)."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -48,6 +64,9 @@ def call_problem(
         for p in params
         if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     ]
+    if ENVIRONMENTS in required and not environments:
+        return f"{shown} needs {ENVIRONMENTS}, which only a stage with a rollout.environment passes"
+    given += [ENVIRONMENTS] if environments else []
     if columns is not None and (missing := [n for n in required if n not in given]):
         have = ", ".join(sorted(columns)) or "none"
         return f"{shown} needs {', '.join(missing)}, which the data's rows lack (columns: {have})"

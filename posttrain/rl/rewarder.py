@@ -52,6 +52,7 @@ class Rewarder:
                 ids,
                 ro.stopped.tolist(),
                 [r.get("where", "") for r in rows],
+                environments(ro.episodes),
             )
             total += fsum
             ro.scored |= {FUNCTION + label: v for label, v in per.items()}
@@ -75,6 +76,13 @@ class Rewarder:
 
 # The environment's reward, among the functions' in metrics and samples (`reward_fn_environment`).
 ENVIRONMENT = "environment"
+
+
+def environments(episodes: list[Any] | None) -> list[Any] | None:
+    """Each episode's environment instance, in order (TRL's `environments`); None without."""
+    if not episodes or episodes[0].env is None:
+        return None
+    return [e.env.instance for e in episodes]
 
 
 def _env_rewards(e: Any) -> bool:
