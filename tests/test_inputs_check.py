@@ -317,6 +317,22 @@ class CalcEnv:
         self.calls += 1
         return a + b
 '''
+SECRET_ENV = """
+class Secret:
+    def reset(self, secret):
+        self.secret = secret
+
+    def step(self, message):
+        return [], 1.0, True
+
+
+class Strict:
+    def reset(self):
+        pass
+
+    def step(self, message):
+        return [], 1.0, True
+"""
 ENV_REWARD = """
 def env_reward(environments, **kwargs):
     return [float(env.calls > 0) for env in environments]
@@ -354,6 +370,19 @@ def test_an_environment_without_get_reward_needs_reward_functions_and_is_refused
     code, lines = _validate(_recipe(tmp_path, plain, fn=""))
     assert code == 2 and lines[1].endswith(
         "needs environments, which only a stage with a rollout.environment passes"
+    ), lines
+    # reset(**row_columns) is held against the data's columns, as reward functions are.
+    (tmp_path / "secret_env.py").write_text(SECRET_ENV)
+    secret = rewarded.replace("calc_env:CalcEnv", "secret_env:Secret")
+    code, lines = _validate(_recipe(tmp_path, secret), tools)
+    assert code == 2 and lines[1] == (
+        "  grpo.rollout.environment: Secret.reset(self, secret) needs secret, which the data's "
+        "rows lack (columns: answer)"
+    ), lines
+    code, lines = _validate(_recipe(tmp_path, secret.replace("Secret", "Strict")), tools)
+    assert code == 2 and lines[1] == (
+        "  grpo.rollout.environment: Strict.reset(self) does not take the columns answer: add "
+        "**kwargs"
     ), lines
     code, lines = _validate(_recipe(tmp_path, ENV_GRPO), tools)
     assert code == 2 and lines[0].endswith("refused: 1 problem (nothing ran)"), lines

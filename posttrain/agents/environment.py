@@ -74,6 +74,29 @@ def no_reward(env: EnvironmentClass, rewards_field: str) -> str:
     )
 
 
+def reset_problem(env: EnvironmentClass, columns: list[str]) -> str | None:
+    """Why `reset(**row_columns)` cannot take the data's rows (None: it can): a parameter no
+    column fills, or columns it does not take without **kwargs."""
+    try:
+        params = list(inspect.signature(env.cls.reset).parameters.values())[1:]  # not self
+    except (TypeError, ValueError):
+        return None
+    shown = f"{env.cls.__name__}.reset{inspect.signature(env.cls.reset)}"
+    required = [
+        p.name
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    if missing := [n for n in required if n not in columns]:
+        have = ", ".join(columns) or "none"
+        return f"{shown} needs {', '.join(missing)}, which the data's rows lack (columns: {have})"
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        names = {p.name for p in params}
+        if extra := [c for c in columns if c not in names]:
+            return f"{shown} does not take the columns {', '.join(extra)}: add **kwargs"
+    return None
+
+
 def _public_methods(cls: type) -> list[str]:
     return [
         n

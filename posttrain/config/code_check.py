@@ -43,10 +43,11 @@ def _reward_line(code: Any, columns: list[str] | None, report: Any, environment:
     report.lines.append(f"{code.where}: {_short(code.ref)}: takes posttrain's call")
 
 
-def _tool_line(code: Any, report: Any, rewarded: bool) -> bool:
+def _tool_line(code: Any, report: Any, rewarded: bool, columns: list[str] | None) -> bool:
     """Checks a tool or an environment; True when it gives the model tools to call.
-    `rewarded`: its stage lists reward functions (an environment then needs no reward)."""
-    from posttrain.agents.environment import load_environment, no_reward
+    `rewarded`: its stage lists reward functions (an environment then needs no reward);
+    `columns`: the data's columns (None: not known now), which `reset` takes."""
+    from posttrain.agents.environment import load_environment, no_reward, reset_problem
     from posttrain.agents.tools import load_tools
 
     try:
@@ -57,6 +58,9 @@ def _tool_line(code: Any, report: Any, rewarded: bool) -> bool:
         env = load_environment(code.ref)
     except (ToolLoadError, RewardLoadError) as exc:
         report.problems.append(f"{code.where}: {_message(code.ref, exc)}")
+        return False
+    if columns is not None and (problem := reset_problem(env, columns)):
+        report.problems.append(f"{code.where}: {problem}")
         return False
     if not env.rewards and not rewarded:
         where = code.where.removesuffix(".rollout.environment")
@@ -76,13 +80,13 @@ def check_code(recipe: Recipe, refs: list[Any], peeks: dict[str, Any], report: A
     with_env = {w for w, r in rollouts.items() if r is not None and r.environment is not None}
     for code in refs:
         stage = code.where.split(".rewards.")[0].split(".rollout.")[0]
+        peek = peeks.get(stage)
+        # The columns reward functions and reset() get are the prompt rows' (`check_prompt_row`).
+        columns = None
+        if peek is not None and peek.rows and all("columns" in r for _, r in peek.rows):
+            columns = sorted({k for _, r in peek.rows for k in r["columns"]})
         if code.kind == "reward":
-            peek = peeks.get(stage)
-            # The columns reward functions get are the prompt rows' (`check_prompt_row`).
-            columns = None
-            if peek is not None and peek.rows and all("columns" in r for _, r in peek.rows):
-                columns = sorted({k for _, r in peek.rows for k in r["columns"]})
             _reward_line(code, columns, report, stage in with_env)
-        elif _tool_line(code, report, stage in rewarded):
+        elif _tool_line(code, report, stage in rewarded, columns):
             needs_tools.add(stage)
     return needs_tools
