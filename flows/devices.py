@@ -179,7 +179,11 @@ def hold_devices(name: str, wait_s: float | None = None) -> Iterator[None]:
         who = describe_device_holder(holder) + holder_progress(holder)
         bound = "" if wait_s is None else f" (waiting at most {format_duration(round(wait_s))})"
         log.info(
-            "waiting for the devices: %s is held by %s%s; lock %s", name, who, bound, lock.path
+            "waiting for the devices: %s is held by another run: %s%s; lock %s",
+            name,
+            who,
+            bound,
+            lock.path,
         )
 
     # Polls, so SIGINT/SIGTERM/SIGHUP end the wait at once.
