@@ -191,7 +191,8 @@ def hold_devices(name: str, wait_s: float | None = None) -> Iterator[None]:
     try:
         lock.acquire(owner, on_wait=waiting, timeout_s=wait_s)
     except LockTimeout:
-        who = describe_device_holder(lock.holder()) + holder_progress(lock.holder())
+        holder = lock.holder()  # read once: the record may change between two reads
+        who = describe_device_holder(holder) + holder_progress(holder)
         waited = format_duration(round(wait_s or 0))
         raise DevicesBusy(f"{name} stayed held for {waited} by another run: {who}") from None
     token = HELD_DEVICE_LOCK.set(lock)
