@@ -163,7 +163,7 @@ def episodes(d: Any, ingest: Path, sft: Path, env_file: Path) -> None:
 
     turns = 1 if d.rank == 0 else 3
     rows = [{"prompt": [{"role": "user", "content": q}], "turns": turns} for q in ("Go.", "Play.")]
-    envs = [Episode(e.env, f"rank {d.rank} row {i}") for i in range(len(rows))]
+    envs = [Episode(e.envs[""], f"rank {d.rank} row {i}") for i in range(len(rows))]
     runs = start_episodes(rows, e.renderer, e.tools, e.schemas, envs)
     gen, sync = synced_turns(generate, d.device, runs[0].ids[:1])
     run_episodes(runs, gen, e.renderer, e.fmt, e.limits, stops, sync)

@@ -9,6 +9,8 @@ import pytest
 
 from posttrain.agents.environment import EnvironmentFailed, Episode, load_environment
 from posttrain.agents.tools import ToolLoadError
+from posttrain.data.errors import DataError
+from posttrain.rl.rollout.multiturn import EpisodeSetup
 
 ENVS = '''
 class Counter:
@@ -196,3 +198,36 @@ def test_the_guess_sft_games_are_ones_the_environment_plays_back() -> None:
             assert bounds == f"= {low} {high}" and low < int(guess) < high
             if answer is not None:
                 low, high = (int(guess), high) if answer == "higher" else (low, int(guess))
+
+
+def test_each_row_plays_the_class_its_environment_column_names(folder: Path) -> None:
+    """Several classes in one stage: a row's episode gets its own class's instance and tools,
+    reset() gets the row's columns without the `environment` one, and a row naming no class
+    fails naming its file and line."""
+    envs = {
+        n: load_environment(f"{folder}/envs.py:{c}")
+        for n, c in (("count", "Counter"), ("guess", "Guess"))
+    }
+    setup = EpisodeSetup(None, None, None, {}, None, envs, False)  # type: ignore[arg-type]
+    assert setup.routed and setup.env_rewards
+    prompts = [
+        ([{"role": "user", "content": "Go."}], {"environment": "count", "target": 2}, "p.jsonl:1"),
+        ([{"role": "user", "content": "Go."}], {"environment": "guess", "secret": 5}, "p.jsonl:2"),
+    ]
+    rows, episodes = setup.start(prompts)
+    assert [r.get("environment") for r in rows] == [None, None]
+    assert [type(e.instance).__name__ for e in episodes] == ["Counter", "Guess"]
+    assert episodes[0].reset({k: v for k, v in rows[0].items() if k != "prompt"}) == "Count to 2."
+    assert list(episodes[0].tools()) == ["increment"] and episodes[1].tools() == {}
+    with pytest.raises(DataError) as exc:
+        setup.start([([{"role": "user", "content": "Go."}], {"environment": "cuont"}, "p.jsonl:3")])
+    assert str(exc.value) == (
+        "p.jsonl:3: names environment 'cuont', which rollout.environment does not list "
+        "(count, guess); did you mean 'count'?"
+    )
+    with pytest.raises(DataError, match=r"^p.jsonl:4: has no 'environment' column naming its "):
+        setup.start([([{"role": "user", "content": "Go."}], {}, "p.jsonl:4")])
+    # One class: every row plays it, and an `environment` column is just another column.
+    single = EpisodeSetup(None, None, None, {}, None, {"": envs["count"]}, False)  # type: ignore[arg-type]
+    rows, episodes = single.start([([], {"environment": "x", "target": 1}, "p.jsonl:5")])
+    assert not single.routed and rows[0]["environment"] == "x"

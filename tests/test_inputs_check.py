@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -391,3 +392,59 @@ def test_an_environment_without_get_reward_needs_reward_functions_and_is_refused
         "is empty: its episodes would have no reward; add a get_reward() method or list reward "
         "functions in grpo.rewards"
     )
+
+
+MULTI_GRPO = """
+    sft:
+      data: {{synthetic: {{n_examples: 50}}}}
+    grpo:
+      data: {{path: {d}/multi.jsonl}}
+      rollout:
+        environment: {{calc: "calc_env:CalcEnv", secret: "secret_env:Secret"}}
+        max_turns: 2
+        samples_per_prompt: 2
+      rewards: [{{fn: "env_rewards:env_reward"}}]
+"""
+
+
+def test_several_environments_are_checked_each_and_every_row_names_one(tmp_path: Path) -> None:
+    """TRL's multi-environment shape: a mapping of classes, each row naming its own in an
+    `environment` column that reset() never gets; a row naming none is refused at validate."""
+    (tmp_path / "calc_env.py").write_text(TRL_ENV)
+    (tmp_path / "secret_env.py").write_text(SECRET_ENV)
+    (tmp_path / "env_rewards.py").write_text(ENV_REWARD)
+    rows = [
+        {"prompt": "2+2?", "environment": "calc"},
+        {"prompt": "Guess.", "environment": "secret", "secret": 3},
+    ]
+    _jsonl(tmp_path / "multi.jsonl", rows)
+    tools = ["ingest.from_config.template=chatml_tools"]
+    code, lines = _validate(_recipe(tmp_path, MULTI_GRPO), tools)
+    assert code == 0, lines
+    assert "grpo.rollout.environment.calc: calc_env.py:CalcEnv: tools add" in lines
+    assert "grpo.rollout.environment.secret: secret_env.py:Secret: step() environment" in lines
+    _jsonl(tmp_path / "multi.jsonl", [*rows, {"prompt": "Again.", "environment": "secrte"}])
+    code, lines = _validate(_recipe(tmp_path, MULTI_GRPO), tools)
+    assert code == 2 and lines[1] == (
+        f"  {tmp_path}/multi.jsonl:3: names environment 'secrte', which rollout.environment "
+        "does not list (calc, secret); did you mean 'secret'? (grpo.rollout.environment)"
+    ), lines
+    # Each class's tools are described to the template at validate: one it cannot describe is
+    # refused by its own field.
+    _jsonl(tmp_path / "multi.jsonl", rows)
+    undocumented = re.sub(r'        """Add two.*?"""\n', "", TRL_ENV, flags=re.S)
+    (tmp_path / "bad_env.py").write_text(undocumented)
+    bad = MULTI_GRPO.replace("calc_env:CalcEnv", "bad_env:CalcEnv")
+    code, lines = _validate(_recipe(tmp_path, bad), tools)
+    assert code == 2 and lines[1] == (
+        f"  grpo.rollout.environment.calc: {tmp_path}/bad_env.py:CalcEnv.add: cannot describe it "
+        "to the model: Cannot generate JSON schema for add because it has no docstring! (a tool "
+        "needs type hints on every argument and a Google-style docstring with an Args: section)"
+    ), lines
+    # Without rewards, the class that cannot score itself is named by its own field.
+    unrewarded = MULTI_GRPO.replace('      rewards: [{{fn: "env_rewards:env_reward"}}]\n', "")
+    code, lines = _validate(_recipe(tmp_path, unrewarded), tools)
+    assert code == 2 and lines[1].startswith(
+        "  grpo.rollout.environment.calc: CalcEnv has no get_reward() and no step(), and "
+        "grpo.rewards is empty"
+    ), lines

@@ -5,6 +5,8 @@ own), and the per-episode metrics by hand."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from posttrain.agents.environment import EnvironmentClass, Episode
@@ -35,7 +37,7 @@ def _run(prompt: list[int], after: list[tuple[int, int]], ended: str, **kw) -> E
 
 
 def _setup(mask_truncated: bool) -> EpisodeSetup:
-    return EpisodeSetup(None, None, None, {}, None, None, mask_truncated)  # type: ignore[arg-type]
+    return EpisodeSetup(None, None, None, {}, None, {}, mask_truncated)  # type: ignore[arg-type]
 
 
 def _episodes() -> list[EpisodeRun]:
@@ -112,7 +114,8 @@ def test_episodes_are_rewarded_over_their_messages_and_by_their_environment() ->
 
     ro = episode_rollout(runs, [[], []], PAD, _setup(False))
     rows = [{"messages": [], "columns": {}, "where": "t"}] * 2
-    Rewarder([RewardFunction("final", "f:final", 2.0, final_is_a, "sha")], None, None)(ro, rows)
+    reward = RewardFunction("final", "f:final", 2.0, final_is_a, "sha")
+    Rewarder([reward], None, None, env_rewards=True)(ro, rows)
     assert seen["prompts"] == [[{"role": "user", "content": "q"}]] * 2
     assert seen["completions"] == [[{"role": "assistant", "content": "a"}]] * 2
     assert ro.scored["fn:environment"].tolist() == [1.5, 0.25]
@@ -162,3 +165,34 @@ def test_synced_turns_on_one_process_return_the_rows_asked_for() -> None:
     assert turn([[1, 2], [3]], 3) == [[5, 5, 5], [5, 5, 5]]
     assert any_live(True) and not any_live(False)
     assert turn([], 2) == [] and calls[-1] == (0, 2)
+
+
+class _Unscored:
+    def reset(self, **columns):
+        return None
+
+    def lookup(self, key: str) -> str:
+        """Look a key up.
+
+        Args:
+            key: The key.
+        """
+        return key
+
+
+def test_only_an_episode_whose_class_scores_itself_gets_an_environment_reward() -> None:
+    """Two classes in one stage (TRL's multi-environment shape): the one without get_reward
+    gives NaN (not applicable, as a function's None), which adds nothing to the score."""
+    scored = EnvironmentClass("t:_Scored", _Scored, "sha", ["lookup"])
+    unscored = EnvironmentClass("t:_Unscored", _Unscored, "sha", ["lookup"])
+    runs = _episodes()
+    for i, (run, cls) in enumerate(zip(runs, (scored, unscored), strict=True)):
+        run.env = Episode(cls, f"t.jsonl:{i + 1}")
+        run.env.reset({})
+    ro = episode_rollout(runs, [[], []], PAD, _setup(False))
+    rows = [{"messages": [], "columns": {}, "where": "t"}] * 2
+    one = RewardFunction("one", "f:one", 1.0, lambda completions, **kw: [1.0, 1.0], "sha")
+    Rewarder([one], None, None, env_rewards=True)(ro, rows)
+    env = ro.scored["fn:environment"].tolist()
+    assert env[0] == 0.5 and math.isnan(env[1])
+    assert ro.scored["scores"].tolist() == [1.5, 1.0]

@@ -9,6 +9,10 @@
 - or, for environments that are not tool sets (games, simulators), a gym-like
   `step(assistant_message) -> (observation messages, reward, done)`.
 
+A stage may name several classes (`{name: module:Class}`, TRL's multi-environment shape): each
+prompt row names its own in its `environment` column (`ROUTE`), and its episode sees that
+class's tools and gets that class's reward only.
+
 What an environment's code does wrong (raises, returns the wrong type) fails the stage with one
 line naming the class, the method and the row (`EnvironmentFailed`); what a tool does wrong is
 the model's to read (`posttrain.agents.tool_runner`).
@@ -16,9 +20,10 @@ the model's to read (`posttrain.agents.tool_runner`).
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +33,9 @@ from posttrain.rewards.loader import RewardLoadError, load_function
 from posttrain.runtime.errors import StageVerdict
 
 RESERVED = ("reset", "step", "get_reward")
+
+# The column a prompt row names its environment class in, when a stage has several (TRL's).
+ROUTE = "environment"
 
 
 class EnvironmentFailed(StageVerdict):
@@ -94,6 +102,24 @@ def reset_problem(env: EnvironmentClass, columns: list[str]) -> str | None:
         names = {p.name for p in params}
         if extra := [c for c in columns if c not in names]:
             return f"{shown} does not take the columns {', '.join(extra)}: add **kwargs"
+    return None
+
+
+def route_problem(names: Collection[str], columns: dict[str, Any]) -> str | None:
+    """Why a prompt row with `columns` cannot pick one of the environment classes `names`
+    (None: it can)."""
+    listed = ", ".join(sorted(names))
+    got = columns.get(ROUTE)
+    if got is None:
+        return (
+            f"has no '{ROUTE}' column naming its environment (rollout.environment lists: {listed})"
+        )
+    if not isinstance(got, str) or got not in names:
+        close = difflib.get_close_matches(str(got), list(names), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return (
+            f"names environment {got!r}, which rollout.environment does not list ({listed}){hint}"
+        )
     return None
 
 

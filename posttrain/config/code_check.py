@@ -47,7 +47,7 @@ def _tool_line(code: Any, report: Any, rewarded: bool, columns: list[str] | None
     """Checks a tool or an environment; True when it gives the model tools to call.
     `rewarded`: its stage lists reward functions (an environment then needs no reward);
     `columns`: the data's columns (None: not known now), which `reset` takes."""
-    from posttrain.agents.environment import load_environment, no_reward, reset_problem
+    from posttrain.agents.environment import ROUTE, load_environment, no_reward, reset_problem
     from posttrain.agents.tools import load_tools
 
     try:
@@ -59,11 +59,13 @@ def _tool_line(code: Any, report: Any, rewarded: bool, columns: list[str] | None
     except (ToolLoadError, RewardLoadError) as exc:
         report.problems.append(f"{code.where}: {_message(code.ref, exc)}")
         return False
+    if code.index is not None and columns is not None:  # a routed class: reset never gets it
+        columns = [c for c in columns if c != ROUTE]
     if columns is not None and (problem := reset_problem(env, columns)):
         report.problems.append(f"{code.where}: {problem}")
         return False
     if not env.rewards and not rewarded:
-        where = code.where.removesuffix(".rollout.environment")
+        where = code.where.split(".rollout.")[0]
         report.problems.append(f"{code.where}: {no_reward(env, f'{where}.rewards')}")
         return False
     tools = f"tools {', '.join(env.tool_names)}" if env.tool_names else "step() environment"
@@ -89,4 +91,16 @@ def check_code(recipe: Recipe, refs: list[Any], peeks: dict[str, Any], report: A
             _reward_line(code, columns, report, stage in with_env)
         elif _tool_line(code, report, stage in rewarded, columns):
             needs_tools.add(stage)
+    for where, rollout in rollouts.items():
+        if rollout is not None and isinstance(rollout.environment, dict) and where in peeks:
+            _route_lines(where, rollout.environment, peeks[where], report)
     return needs_tools
+
+
+def _route_lines(stage: str, envs: dict[str, str], peek: Any, report: Any) -> None:
+    """Each row a stage with several environment classes read must name one of them."""
+    from posttrain.agents.environment import route_problem
+
+    for where, row in peek.rows:
+        if problem := route_problem(envs, row.get("columns", {})):
+            report.problems.append(f"{where}: {problem} ({stage}.rollout.environment)")

@@ -238,7 +238,7 @@ class CodeRef:
     kind: str  # "reward", "tool" or "environment": how errors name it
     owner: Any  # the object holding the field
     attr: str
-    index: int | None = None  # the item of a list field (tools)
+    index: int | str | None = None  # the item of a list field (tools), the key of a mapping
 
     @property
     def ref(self) -> str:
@@ -264,7 +264,11 @@ def code_refs(recipe: Recipe) -> list[CodeRef]:
             continue
         for i, _ in enumerate(rollout.tools):
             out.append(CodeRef(f"{s.where}.rollout.tools.{i}", "tool", rollout, "tools", i))
-        if rollout.environment is not None:
+        if isinstance(rollout.environment, dict):  # several classes, each by its name
+            for name in rollout.environment:
+                where = f"{s.where}.rollout.environment.{name}"
+                out.append(CodeRef(where, "environment", rollout, "environment", name))
+        elif rollout.environment is not None:
             where = f"{s.where}.rollout.environment"
             out.append(CodeRef(where, "environment", rollout, "environment"))
     for i, spec in enumerate((recipe.evaluate and recipe.evaluate.verifiers) or []):

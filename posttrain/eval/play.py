@@ -10,7 +10,6 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from posttrain.agents.environment import Episode
 from posttrain.agents.episodes import EpisodeRun, Generate, run_episodes, start_episodes
 from posttrain.eval.generation import generate_from_ids
 from posttrain.models.stop_tokens import model_stop_token_ids
@@ -44,8 +43,7 @@ def play_prompts(
 ) -> list[EpisodeRun]:
     """An episode per (messages, columns, where) prompt, played to its end by `model`'s active
     adapter under `sampling`."""
-    rows = [{"prompt": m, **c} for m, c, _ in prompts]
-    envs = [Episode(e.env, w) for _, _, w in prompts] if e.env is not None else None
+    rows, envs = e.start(prompts)
     runs = start_episodes(rows, e.renderer, e.tools, e.schemas, envs)
     generate = policy_turns(model, tok, sampling, seed, batch_size)
     run_episodes(runs, generate, e.renderer, e.fmt, e.limits, model_stop_token_ids(model, tok))

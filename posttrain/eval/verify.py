@@ -142,7 +142,7 @@ def _episode_passes(
         environments(runs),
     )
     values = list(per.values())
-    if e.env is not None and e.env.rewards:  # TRL's get_reward is optional
+    if e.env_rewards:  # TRL's get_reward is optional (NaN: that episode's class has none)
         values.append(torch.tensor([episode_reward(r) for r in runs]))
     passed = _verdicts(values, len(idx), cfg.pass_threshold)
     return Answers(passed, [completion_text(c) for c in completions], runs)

@@ -73,12 +73,12 @@ class FieldWalk:
 
     def outside(self, source: str, value: Any, owner: BaseModel, where: str) -> Any:
         """Record what an input field names (its identity) and return the field's value."""
-        if source == "code":  # a reward function or an environment; tools: a list of them
-            return (
-                [code_identity(v) for v in value]
-                if isinstance(value, list)
-                else code_identity(value)
-            )
+        if source == "code":  # a function or environment; tools: a list; environments: a mapping
+            if isinstance(value, list):
+                return [code_identity(v) for v in value]
+            if isinstance(value, dict):
+                return {k: code_identity(v) for k, v in value.items()}
+            return code_identity(value)
         if source in ("data", "model") and is_hub_id(value):
             kind: RepoType = "dataset" if source == "data" else "model"
             self.hub[where] = hub_record(value, getattr(owner, "revision", "main"), kind)

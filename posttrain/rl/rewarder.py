@@ -8,6 +8,7 @@ location a misbehaving function's error names (`posttrain.data.prompts.PromptDat
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,9 @@ class Rewarder:
     funcs: list[RewardFunction]
     rm_weight: float | None  # the reward model's weight; None: the stage has no reward model
     tokenizer: Any
+    # Whether some environment class of the stage scores its episodes itself: then every
+    # rollout, on every rank, has the `environment` values (NaN where an episode's has none).
+    env_rewards: bool = False
 
     @property
     def roles(self) -> tuple[str, ...]:  # the role forwards the reward needs from `score`
@@ -56,10 +60,10 @@ class Rewarder:
             )
             total += fsum
             ro.scored |= {FUNCTION + label: v for label, v in per.items()}
-        if ro.episodes is not None and _env_rewards(ro.episodes[0]):
+        if ro.episodes is not None and self.env_rewards:
             env = torch.tensor([episode_reward(e) for e in ro.episodes], dtype=torch.float32)
             ro.scored[FUNCTION + ENVIRONMENT] = env
-            total += env
+            total += torch.nan_to_num(env, nan=0.0)
         ro.scored["scores"] = total
 
     def conversations(self, ro: Rollout, rows: list[dict[str, Any]]) -> tuple[list, list]:
@@ -85,15 +89,12 @@ def environments(episodes: list[Any] | None) -> list[Any] | None:
     return [e.env.instance for e in episodes]
 
 
-def _env_rewards(e: Any) -> bool:
-    """Whether episode `e` has an environment with a reward of its own (get_reward or step)."""
-    return e.env is not None and e.env.env.rewards
-
-
 def episode_reward(e: Any) -> float:
     """An episode's environment reward: its get_reward() (tool environments) plus the rewards
-    its step() answered with (gym-like ones)."""
-    assert e.env is not None
+    its step() answered with (gym-like ones); NaN (not applicable) when its class has neither,
+    as a reward function's None."""
+    if e.env is None or not e.env.env.rewards:
+        return math.nan
     got = e.env.reward()
     return (0.0 if got is None else got) + e.step_reward
 

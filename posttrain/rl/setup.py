@@ -177,6 +177,9 @@ def setup(
         batch.micro_batch_size,
         (passes or scoring_passes)(cfg, placement, updates_per_rollout),
     )
+    if rollouts.episodes is not None:  # a row naming no environment fails here, not mid-run
+        for r in data.train + data.eval:
+            rollouts.episodes.environment(r["columns"], r["where"])
     engines = rollout_engines(ctx, rollouts, tr.start_step, stack)
     rollouts = replace(rollouts, engines=engines, packed=padding_free(cfg.batch, tr.model))
     reduce = partial(all_reduce_tensor, device=d.device)
@@ -252,6 +255,8 @@ def rollout_setup(
     for name, keep in zip(why, passes, strict=True):
         if not keep:
             log.info("no %s scoring pass: %s", name, why[name])
+    if episodes is not None:
+        rewarder = replace(rewarder, env_rewards=episodes.env_rewards)
     return RolloutSetup(
         model,
         tok,

@@ -435,14 +435,18 @@ class RolloutConfig(_Section):
         "a Google-style docstring, described to the chat template through `tools=`; a call "
         "that raises or times out is told to the model as an error and counted.",
     )
-    environment: str | None = Result(
+    environment: str | dict[str, str] | None = Result(
         None,
         source="code",
         description="An environment class `module:Class`, one instance per episode (TRL's "
         "`environment_factory` shape): `reset(**row_columns) -> str | None` (appended to the "
         "last user message), its public methods are the episode's tools, optional "
-        "`get_reward() -> float` scores the finished episode; or a gym-like "
-        "`step(assistant_message) -> (observation messages, reward, done)`.",
+        "`get_reward() -> float` scores the finished episode (the stage's `rewards` then may "
+        "be empty; functions taking `environments` get the episodes' instances); or a gym-like "
+        "`step(assistant_message) -> (observation messages, reward, done)`. Several classes: "
+        "a mapping `{name: module:Class}`, each prompt row naming its own in an `environment` "
+        "column (TRL's multi-environment shape; the column is not passed to `reset`); a row's "
+        "episode sees only its class's tools and gets only its class's reward.",
     )
     max_turns: int = Result(
         4,
@@ -498,7 +502,19 @@ class RolloutConfig(_Section):
                 "give rollout.tools or rollout.environment, not both: an environment's public "
                 "methods are its episodes' tools"
             )
+        if isinstance(self.environment, dict):
+            if not self.environment:
+                raise ValueError("rollout.environment: an empty mapping names no environment")
+            if bad := [k for k in self.environment if not k.strip()]:
+                raise ValueError(f"rollout.environment: environment names must not be blank {bad}")
         return self
+
+    @property
+    def environments(self) -> dict[str, str]:
+        """Each environment class by name ({} without): a mapping's own names; a single class
+        goes by ``""`` (every row plays it)."""
+        env = self.environment
+        return {} if env is None else dict(env) if isinstance(env, dict) else {"": env}
 
     @property
     def episodes(self) -> bool:

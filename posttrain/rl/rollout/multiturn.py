@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posttrain.agents.environment import EnvironmentClass, Episode, load_environment, no_reward
+from posttrain.agents.environment import (
+    ROUTE,
+    EnvironmentClass,
+    Episode,
+    load_environment,
+    no_reward,
+    route_problem,
+)
 from posttrain.agents.episodes import (
     EpisodeLimits,
     EpisodeRun,
@@ -33,6 +40,7 @@ from posttrain.agents.tool_calls import require_format
 from posttrain.agents.tool_runner import OUTCOMES, failure_counts
 from posttrain.agents.tools import ToolLoadError, load_tools
 from posttrain.data.chat import end_of_turn
+from posttrain.data.errors import DataError
 from posttrain.distributed.runtime import all_reduce_sum, min_max
 from posttrain.rewards.extract import completion_text
 from posttrain.rl.rollout.engine import RolloutEngine, left_pad, right_pad
@@ -42,22 +50,61 @@ if TYPE_CHECKING:
     from posttrain.sections.shared import RolloutConfig, SamplingConfig
 
 
+# (messages, columns, where) of a prompt row an episode is played from
+PromptRow = tuple[list[dict[str, Any]], dict[str, Any], str]
+
+
 @dataclass(frozen=True)
 class EpisodeSetup:
     """What every episode of the stage is played with; fixed for the stage."""
 
     renderer: Renderer
-    fmt: str | None  # the template's tool-call format (None: a gym environment without tools)
+    fmt: str | None  # the template's tool-call format (None: gym environments without tools)
     limits: EpisodeLimits
     tools: dict[str, Callable[..., Any]]  # rollout.tools by name (an environment brings its own)
     schemas: list[dict[str, Any]] | None
-    env: EnvironmentClass | None
+    envs: dict[str, EnvironmentClass]  # by name ({} without; a single class is "")
     mask_truncated: bool
 
+    @property
+    def routed(self) -> bool:
+        """Whether each row names its environment class (`ROUTE` column)."""
+        return bool(self.envs) and "" not in self.envs
+
+    @property
+    def env_rewards(self) -> bool:
+        """Whether some environment class scores its episodes itself (get_reward or step)."""
+        return any(e.rewards for e in self.envs.values())
+
+    def environment(self, columns: dict[str, Any], where: str) -> EnvironmentClass | None:
+        """The class a row with `columns` plays (None: no environment). Raises DataError
+        naming the row when it names none of the stage's classes."""
+        if not self.routed:
+            return self.envs.get("")
+        if problem := route_problem(self.envs, columns):
+            raise DataError(f"{where}: {problem}")
+        return self.envs[columns[ROUTE]]
+
+    def start(self, prompts: Sequence[PromptRow]) -> tuple[list[dict], list[Episode] | None]:
+        """`start_episodes`' rows and each row's environment instance (None without
+        environments). A routed row's `environment` column picked its class; `reset` does not
+        get it."""
+        if not self.envs:
+            return [{"prompt": m, **c} for m, c, _ in prompts], None
+        envs, rows = [], []
+        for messages, columns, where in prompts:
+            env = self.environment(columns, where)
+            assert env is not None
+            envs.append(Episode(env, where))
+            kept = {k: v for k, v in columns.items() if not (self.routed and k == ROUTE)}
+            rows.append({"prompt": messages, **kept})
+        return rows, envs
+
     def describe(self) -> dict[str, Any]:  # for reports
+        refs = {name: e.ref for name, e in self.envs.items()}
         return {
             "tools": [s["function"]["name"] for s in self.schemas or []],
-            "environment": self.env.ref if self.env is not None else None,
+            "environment": (refs if self.routed else refs.get("")),
             "format": self.fmt,
             "max_turns": self.limits.max_turns,
             "max_episode_tokens": self.limits.max_episode_tokens,
@@ -73,10 +120,11 @@ def episode_setup(
     if not cfg.episodes:
         return None
     tools = load_tools(cfg.tools)
-    env = load_environment(cfg.environment) if cfg.environment is not None else None
-    if env is not None and not env.rewards and not rewarded:
-        raise ToolLoadError(f"rollout.environment {cfg.environment}: {no_reward(env, 'rewards')}")
-    needs_tools = bool(tools) or bool(env and env.tool_names)
+    envs = {name: load_environment(ref) for name, ref in cfg.environments.items()}
+    for env in envs.values():
+        if not env.rewards and not rewarded:
+            raise ToolLoadError(f"rollout.environment {env.ref}: {no_reward(env, 'rewards')}")
+    needs_tools = bool(tools) or any(e.tool_names for e in envs.values())
     fmt = require_format(tok.chat_template, model) if needs_tools else None
     limits = EpisodeLimits(
         cfg.max_turns, cfg.max_new_tokens, cfg.max_episode_tokens, cfg.tool_timeout_s
@@ -87,7 +135,7 @@ def episode_setup(
         limits,
         {t.name: t.fn for t in tools},
         [t.schema for t in tools] or None,
-        env,
+        envs,
         cfg.mask_truncated,
     )
 
@@ -168,10 +216,9 @@ def play(
     sync = None
     if engine.collective:
         gen, sync = synced_turns(gen, device, rows[0]["ids"][:1])
-    envs = None
-    if e.env is not None:
-        envs = [Episode(e.env, r.get("where", "")) for r in rows]
-    prompts = [{"prompt": r["messages"], **r.get("columns", {})} for r in rows]
+    prompts, envs = e.start(
+        [(r["messages"], r.get("columns", {}), r.get("where", "")) for r in rows]
+    )
     runs = start_episodes(prompts, e.renderer, e.tools, e.schemas, envs)
     try:
         counts = run_episodes(runs, gen, e.renderer, e.fmt, e.limits, stop_ids, sync)
