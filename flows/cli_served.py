@@ -80,7 +80,14 @@ def cmd_serve(
             return EXIT_INVALID
         print(describe(recipe), file=out, flush=True)
     # pause_on_shutdown=False: a restart of this process must not silently stop retraining.
+    # Prefect's serve returns on the first Ctrl-C (SIGINT) or SIGTERM, its runs cancelled.
     serve(*deployments, pause_on_shutdown=False, print_starting_message=False)
+    print(
+        "posttrain serve: stopped; the deployments' schedules stay active, their runs wait "
+        "for the next `posttrain serve`",
+        file=out,
+        flush=True,
+    )
     return EXIT_OK
 
 

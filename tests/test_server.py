@@ -20,7 +20,9 @@ file order and build on each other, as a user's day would:
 from __future__ import annotations
 
 import copy
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -460,8 +462,18 @@ def test_ui_renders_the_report_artifact_of_a_finished_run(prefect_server: Any) -
             browser.close()
 
 
-def test_stopping_serve_keeps_the_schedules_active(served: dict) -> None:
-    stop_group(served["proc"])
+def test_one_ctrl_c_stops_serve_and_keeps_the_schedules_active(served: dict) -> None:
+    """A terminal's Ctrl-C (SIGINT to the foreground group) stops serve at once, saying so."""
+    proc = served["proc"]
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=20)
+    took = time.monotonic() - t0
+    tail = served["log"].read_text()[-2000:]
+    print(f"\nserve stopped {took:.1f} s after one SIGINT")
+    assert took < 10, tail
+    assert "posttrain serve: stopped; the deployments' schedules stay active" in tail, tail
+    assert "Traceback" not in tail, tail
     dep = _deployment(served, NIGHTLY)
     assert not dep.paused
     assert [s.active for s in dep.schedules] == [True]
