@@ -204,6 +204,13 @@ class TrainingSection(_Section):
     )
     keep_checkpoints: int = Execution(2, ge=1, description="Complete checkpoints kept on disk.")
     log_every: int = Execution(1, ge=1, description="Write metrics.jsonl every N optimizer steps.")
+    # A result: the held-out records it adds are part of the artifact's metrics.jsonl.
+    eval_every: int = Result(
+        0,
+        ge=0,
+        description="Held-out figures every N optimizer steps as well as at the start and the "
+        "end (0 = start and end only): one point per evaluation in the curves.",
+    )
 
 
 class _HeldOutSource(DataSourceFields):
