@@ -12,8 +12,10 @@ import pytest
 import yaml
 
 from flows.post_train import post_train
+from flows.report.plots import curve_spec
 from flows.report.tables import RunResult
 from posttrain.config.loader import load_recipe
+from posttrain.telemetry.records import read_metrics
 from tests.stage_helpers import SMALL_EVALUATE, write_recipe
 from tests.test_preference_stages import PREF
 
@@ -89,6 +91,12 @@ def test_chain_runs_evaluates_each_link_and_reruns_from_an_edit(
     assert [n for n, r in ev["policies"].items() if "win_rate_vs_parent" in r] == ["dpo", "grpo"]
     report = (Path(first.run_dir) / "report.md").read_text()
     assert "## Along the chain" in report and "| grpo | grpo | dpo |" in report
+    # GRPO's KL is its recipe's estimator (k3, never negative), to the DPO policy, and the
+    # report and its curve say both.
+    assert "kl_estimator=k3" in report and _summary(by["grpo"].uri)["headline"]["eval_kl"] >= 0
+    assert "- `grpo`: KL (k3) to the reference, stage `dpo`: " in report
+    kl = curve_spec("grpo", read_metrics(Path(by["grpo"].uri) / "metrics.jsonl"))[-1]
+    assert (kl.title, kl.ylabel) == ("grpo: KL to dpo (k3)", "KL to dpo (k3, nats/response)")
     assert (Path(first.run_dir) / "graph.png").stat().st_size > 10_000
     export = _summary(by["export"].uri)
     assert export["policy"] == "grpo"

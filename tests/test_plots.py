@@ -59,8 +59,11 @@ def _sft_records() -> list[dict[str, Any]]:
 
 
 def _rl_records() -> list[dict[str, Any]]:
-    # Field names as the online-RL stage writes them (posttrain/rl/metrics.py, heldout.py).
-    rows: list[dict[str, Any]] = [{"kind": "start", "total_steps": 4}]
+    # Field names as the online-RL stage writes them (posttrain/rl/setup.py, metrics.py,
+    # heldout.py): the start record names the KL's estimator and the reference's stage.
+    rows: list[dict[str, Any]] = [
+        {"kind": "start", "total_steps": 4, "kl_estimator": "k1", "reference": "sft"}
+    ]
     for step in range(1, 5):
         rows.append(
             {
@@ -139,20 +142,25 @@ def test_online_rl_stage_gets_reward_and_kl_panels(tmp_path: Path) -> None:
     _assert_png(plot.path, panels=3)
 
 
-def _grpo_records(roles: str, functions: tuple[str, ...]) -> list[dict[str, Any]]:
+def _grpo_records(
+    roles: str, functions: tuple[str, ...], evals: tuple[int, ...] = (3,)
+) -> list[dict[str, Any]]:
     """A GRPO stage's records as posttrain.rl writes them: the start record names the scoring
-    roles and the reward functions; each step and held-out record carries each function's
-    mean (`reward_fn_<label>`, `eval_reward_fn_<label>`) beside the combined `score_mean`."""
-    rows: list[dict[str, Any]] = [
-        {"kind": "start", "total_steps": 3, "roles": roles, "reward_functions": ",".join(functions)}
-    ]
+    roles, the reward functions, the KL's estimator and the reference's stage (a DPO policy
+    here: SFT -> DPO -> GRPO); each step and held-out record (at `evals`) carries each
+    function's mean (`reward_fn_<label>`, `eval_reward_fn_<label>`) beside the combined
+    `score_mean`."""
+    start = {"kind": "start", "total_steps": 3, "roles": roles}
+    start |= {"reward_functions": ",".join(functions), "kl_estimator": "k3", "reference": "dpo"}
+    rows: list[dict[str, Any]] = [start]
     for step in (1, 2, 3):
         per = {f"reward_fn_{f}": 0.1 * step * (i + 1) for i, f in enumerate(functions)}
         rows.append(
             {"kind": "train", "step": step, "loss": 0.0, "score_mean": 0.3 * step, "kl": 0.01} | per
         )
     per = {f"eval_reward_fn_{f}": 0.5 for f in functions}
-    rows += [{"kind": "eval", "step": 3, "eval_reward": 0.8, "eval_kl": 0.02} | per]
+    for step in evals:
+        rows += [{"kind": "eval", "step": step, "eval_reward": 0.8, "eval_kl": 0.02} | per]
     return rows
 
 
@@ -196,6 +204,47 @@ def test_grpo_with_reward_functions_says_so_and_draws_one_curve_per_function(
     (plot,) = plot_curves([("grpo", _write_metrics(tmp_path / "grpo", records))], tmp_path / "run")
     assert plot.panels == ("loss", "reward", "reward functions", "kl")
     _assert_png(plot.path, panels=4)
+
+
+def test_the_kl_panel_names_the_reference_s_stage_and_the_estimator() -> None:
+    spec = curve_spec("grpo", _grpo_records("policy,reference,reward", ()))
+    kl = spec[-1]
+    assert (kl.name, kl.title, kl.ylabel) == (
+        "kl",
+        "grpo: KL to dpo (k3)",
+        "KL to dpo (k3, nats/response)",
+    )
+    ax = curve_figure(spec).axes[-1]
+    assert ax.get_title() == "grpo: KL to dpo (k3)"
+    assert ax.get_ylabel() == "KL to dpo (k3, nats/response)"
+    # Records without those fields (a stage that did not write them) say only what is known.
+    bare = [r for r in _rl_records() if r["kind"] != "start"]
+    assert (curve_spec("ppo", bare)[-1].title, curve_spec("ppo", bare)[-1].ylabel) == (
+        "ppo: KL to the reference",
+        "KL to the reference (nats/response)",
+    )
+
+
+@pytest.mark.parametrize(("evals", "linestyle"), [((0, 3), "None"), ((0, 1, 2, 3), ":")])
+def test_held_out_series_are_points_at_every_evaluation(
+    evals: tuple[int, ...], linestyle: str
+) -> None:
+    """Two evaluations (start and end) are two points, not a line that reads as a trend; with
+    eval_every, a point at each evaluation, three or more joined by a dotted line."""
+    spec = curve_spec("grpo", _grpo_records("policy,reference", ("exact",), evals))
+    fig = curve_figure(spec)
+    held_out = 0
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            label = line.get_label()
+            if "held-out" in label:
+                held_out += 1
+                assert tuple(line.get_xdata()) == evals, label
+                assert line.get_marker() not in ("None", "", None), label
+                assert line.get_linestyle() == linestyle, label
+            else:  # a training curve: a line through every step, no markers
+                assert line.get_linestyle() == "-" and line.get_marker() == "None", label
+    assert held_out == 3  # the reward, the function's and the KL held-out series
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,7 @@ PREF["dpo"] = {
     "max_steps": 8,
     "checkpoint_every": 0,
     "sft_weight": 0.5,
+    "eval_every": 4,  # held-out figures at steps 0, 4 and 8
 }
 PREF["evaluate"] = {**TINY["evaluate"], "win_rate_prompts": 8}
 
@@ -134,6 +135,16 @@ def test_dpo_reference_is_the_sft_policy(pref) -> None:
     # not as wrong.
     assert s["eval_start"]["ties"] == 1.0 and s["eval_start"]["accuracy"] == 0.5
     assert s["eval_final"]["accuracy"] > 0.5 and s["eval_final"]["ties"] == 0.0
+
+
+def test_dpo_writes_a_held_out_record_at_every_evaluation(pref) -> None:
+    """eval_every 4 of 8 steps: a record at the start, at step 4 and at the end, each a point
+    of the curves; the first at chance (0.5: the policy is its reference, every pair ties)."""
+    evals = read_metrics(pref["dpo"] / "metrics.jsonl", "eval")
+    assert [r["step"] for r in evals] == [0, 4, 8]
+    assert {"eval_accuracy", "eval_margin", "eval_loss", "eval_ties"} <= set(evals[1])
+    assert evals[0]["eval_accuracy"] == 0.5 and evals[0]["eval_ties"] == 1.0
+    assert evals[-1]["eval_accuracy"] == summary(pref["dpo"])["eval_final"]["accuracy"]
 
 
 def test_precomputed_reference_matches_online_and_is_reused(pref) -> None:

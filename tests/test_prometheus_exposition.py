@@ -128,7 +128,8 @@ def test_rl_records_give_phase_shares_reward_and_kl(tmp_path: Path) -> None:
         "scoring_s": 0.4,
         "update_share": 0.4,
         "score_mean": 0.75,
-        "approx_kl": 0.02,
+        "approx_kl": 0.02,  # the update's distance from the sampling policy: not the gauge's
+        "kl": 0.03,
     }
     write(tmp_path / "grpo", [record])
     s = scrape(series)
@@ -136,9 +137,11 @@ def test_rl_records_give_phase_shares_reward_and_kl(tmp_path: Path) -> None:
     assert value(s, "posttrain_rl_phase_ratio", stage="grpo", phase="scoring") == 0.1
     assert value(s, "posttrain_rl_phase_ratio", stage="grpo", phase="update") == 0.4
     assert value(s, "posttrain_rl_reward", stage="grpo") == 0.75
-    assert value(s, "posttrain_rl_kl", stage="grpo") == 0.02
-    write(tmp_path / "grpo", [{**record, "step": 2, "kl": 0.5}])  # the scored KL wins
-    assert value(scrape(series), "posttrain_rl_kl", stage="grpo") == 0.5
+    assert value(s, "posttrain_rl_kl", stage="grpo") == 0.03
+    # A step that did not score its KL to the reference (kl.coef 0) leaves the gauge as it was.
+    unscored = {k: v for k, v in record.items() if k != "kl"}
+    write(tmp_path / "grpo", [record, {**unscored, "step": 2}])
+    assert value(scrape(series), "posttrain_rl_kl", stage="grpo") == 0.03
 
 
 def test_a_resumed_stage_s_rewritten_file_counts_each_step_once(tmp_path: Path) -> None:

@@ -92,3 +92,26 @@ def test_summary_table_columns_line_up() -> None:
     col = lines[0].index("status")
     assert [line[col:].split()[0] for line in lines[2:]] == ["reused", "ran", "reused"]
     assert "tokens_per_s=5012" in lines[3]
+
+
+def test_the_report_names_the_kl_s_estimator_and_the_reference_s_stage() -> None:
+    # SFT -> DPO -> GRPO: GRPO's reference is the DPO policy, its KL measured by k3.
+    grpo = StageRecord(
+        "grpo", "dddd111122223333", "ran", 90.0, "/ws/artifacts/grpo/dddd",
+        parents=["eeee111122223333"],
+        summary=Summary(
+            headline={"eval_reward": 0.5, "eval_kl": 0.1266, "kl_estimator": "k3"},
+            kl_estimator="k3",
+        ),
+        kind="grpo", roles={"policy": "dpo", "reference": "dpo", "reward_model": "reward"},
+    )  # fmt: skip
+    md = markdown_report("chain", "run-2", [*_records(), grpo])
+    (row,) = [line for line in md.splitlines() if line.startswith("| grpo |")]
+    assert "eval_kl=0.1266, kl_estimator=k3" in row  # beside the figure it names
+    lines = md.splitlines()
+    at = lines.index("## KL to the reference")
+    assert lines[at + 4] == (
+        "- `grpo`: KL (k3) to the reference, stage `dpo`: 0.1266 nats per held-out response"
+    )
+    # A run without an online-RL stage has no such section.
+    assert "## KL to the reference" not in markdown_report("quick", "run-1", _records())

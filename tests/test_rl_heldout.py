@@ -6,6 +6,7 @@ writes."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections import Counter
 from collections.abc import Iterator
@@ -40,8 +41,8 @@ def test_heldout_sums_and_means_by_hand() -> None:
     filler = _rollout([50.0, 70.0], [False, False])  # a rank out of prompts: weight 0
     filler.scored["fn:exact"] = torch.tensor([9.0, 9.0])
     sums: Counter[str] = Counter()
-    add_rollout_sums(sums, ro, kl=True, weight=1.0)
-    add_rollout_sums(sums, filler, kl=True, weight=0.0)
+    add_rollout_sums(sums, ro, kl="k1", weight=1.0)
+    add_rollout_sums(sums, filler, kl="k1", weight=0.0)
     means = heldout_means(sums, torch.device("cpu"), kl=True)
     assert means == {
         "reward": 2.0,
@@ -53,19 +54,41 @@ def test_heldout_sums_and_means_by_hand() -> None:
         "reward_fn_exact": 1.0,
     }
     sums = Counter()
-    add_rollout_sums(sums, ro, kl=False, weight=1.0)  # the starting policy: no KL to itself
+    add_rollout_sums(sums, ro, kl=None, weight=1.0)  # the starting policy: no KL to itself
     assert "kl" not in sums and "kl" not in heldout_means(sums, torch.device("cpu"), kl=False)
 
 
+def test_heldout_kl_is_the_recipe_s_estimator_and_the_gate_reads_it() -> None:
+    # The policy less likely than the reference on the tokens it sampled: per-token log-ratio
+    # log p - log ref of -log 2 on response 1's first token and response 2's second, 0
+    # elsewhere. k1 sums to -log 2 per response (negative, as a user saw in `eval_kl`); k3,
+    # exp(log 2) - 1 - log 2 per such token, to 1 - log 2 (>= 0).
+    ro = _rollout([1.0, 3.0], [True, False])
+    ro.scored["logps"], ro.scored["ref_logps"] = ro.scored["ref_logps"], ro.scored["logps"]
+    cfg = section("grpo", max_kl=0.25)  # GRPO's estimator: k3
+    assert cfg.kl.estimator == "k3"
+    by = {}
+    for estimator in ("k1", cfg.kl.estimator):
+        sums: Counter[str] = Counter()
+        add_rollout_sums(sums, ro, kl=estimator)
+        by[estimator] = heldout_means(sums, torch.device("cpu"), kl=True)["kl"]
+    assert by["k3"] == pytest.approx(1 - L2) and by["k3"] >= 0
+    assert by["k1"] == pytest.approx(-L2)
+    # Gated on k3: 0.307 is over max_kl 0.25, where k1's -0.693 would have passed.
+    gate = quality_gate(cfg, {"reward": 2.0, "kl": by["k3"]}, {"reward": 1.0})
+    assert gate == {"passed": False, "message": "held-out KL (k3) 0.307 exceeds max_kl 0.25"}
+    assert quality_gate(cfg, {"reward": 2.0, "kl": by["k1"]}, {"reward": 1.0})["passed"]
+
+
 def test_quality_gate_by_hand() -> None:
-    cfg = SimpleNamespace(max_kl=1.0, min_reward_gain=0.5)
+    cfg = SimpleNamespace(max_kl=1.0, min_reward_gain=0.5, kl=SimpleNamespace(estimator="k1"))
     sft = {"reward": 1.0}
     assert quality_gate(cfg, {"reward": 1.5, "kl": 1.0}, sft) == {"passed": True}
     gate = quality_gate(cfg, {"reward": 1.25, "kl": 1.5}, sft)
     assert gate["passed"] is False
     assert gate["message"] == (
-        "held-out KL 1.500 exceeds max_kl 1.0; held-out reward gain 0.2500 over the starting "
-        "policy is below min_reward_gain 0.5"
+        "held-out KL (k1) 1.500 exceeds max_kl 1.0; held-out reward gain 0.2500 over the "
+        "starting policy is below min_reward_gain 0.5"
     )
     off = SimpleNamespace(max_kl=None, min_reward_gain=None)
     assert quality_gate(off, {"reward": -9.0, "kl": 99.0}, sft) == {"passed": True}
@@ -119,11 +142,16 @@ def test_heldout_samples_each_prompt_batch_with_its_seed_and_scores_it(tiny) -> 
     assert means["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
 
 
-def test_evaluate_judges_the_starting_policy_once_on_the_same_samples(tiny, tmp_path) -> None:
+def test_evaluate_judges_the_starting_policy_once_on_the_same_samples(
+    tiny, tmp_path, caplog
+) -> None:
     s, rows = _setup(tiny), prompt_rows(tiny.tokenizer, 6)
     metrics = MetricsWriter(tmp_path / "metrics.jsonl")
     samples = tmp_path / "eval_samples.jsonl"
-    pol, sft = evaluate(s, rows, 2, None, metrics, samples)
+    with caplog.at_level(logging.INFO, logger="posttrain.rl"):
+        pol, sft = evaluate(s, rows, 2, None, metrics, samples)
+    # The log line names the estimator (GRPO's k3) the KL figure is measured by.
+    assert "), KL (k3) to the reference 0.000" in caplog.text
     assert sft == heldout(s, rows, REFERENCE)[0] and "kl" not in sft
     # The policy starts as the reference, and both sample the same prompts with the same seeds.
     assert pol["reward"] == sft["reward"] and pol["reward_gain"] == 0.0

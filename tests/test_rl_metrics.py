@@ -25,7 +25,7 @@ def _scored() -> object:
 
 
 def test_rollout_totals_by_hand() -> None:
-    totals = rollout_totals(_scored(), torch.device("cpu"))
+    totals = rollout_totals(_scored(), torch.device("cpu"), "k1")
     assert list(totals) == [
         *("reward_fn_exact", "count_fn_exact", "n", "score", "score_sq", "kl", "length"),
         "stopped",
@@ -34,6 +34,19 @@ def test_rollout_totals_by_hand() -> None:
     assert (totals["n"], totals["score"], totals["score_sq"]) == (2.0, 4.0, 10.0)
     assert totals["kl"] == pytest.approx(2 * L2)
     assert (totals["length"], totals["stopped"]) == (5.0, 1.0)
+
+
+def test_the_step_s_kl_is_the_recipe_s_estimator() -> None:
+    # Per-token log-ratio log 2 on one token of each response: k1 log 2, k2 (log 2)^2 / 2,
+    # k3 exp(-log 2) - 1 + log 2 = log 2 - 1/2 per response. Without the reference's pass the
+    # rollout has no KL to report.
+    ro, cpu = _scored(), torch.device("cpu")
+    want = {"k1": L2, "k2": 0.5 * L2**2, "k3": L2 - 0.5}
+    for estimator, per_response in want.items():
+        totals = rollout_totals(ro, cpu, estimator)
+        assert totals["kl"] == pytest.approx(2 * per_response), estimator
+    del ro.scored["ref_logps"]
+    assert "kl" not in rollout_totals(ro, cpu, "k3")
 
 
 def test_step_flops_by_hand() -> None:
@@ -49,7 +62,7 @@ def test_step_flops_by_hand() -> None:
 
 def test_train_metrics_by_hand() -> None:
     ro = _scored()
-    totals = rollout_totals(ro, torch.device("cpu"))
+    totals = rollout_totals(ro, torch.device("cpu"), "k1")
     rb = RolloutBatch(ro, 1.0, 0.5, {"informative_frac": 0.5})
     stats = UpdateStats({"policy_loss": -0.25, "kl_loss": 0.125}, 3.0, 1e-3, 2)
     got = train_metrics(totals, 0.1, (2.0, 3.0), rb, 2.0, 4.0, stats)

@@ -216,6 +216,11 @@ def test_rl_raises_heldout_reward_within_kl_bound(run, request) -> None:
 def test_grpo_trains_no_critic_and_puts_kl_in_the_loss(grpo_run) -> None:
     start = read_metrics(grpo_run / "metrics.jsonl", "start")[0]
     assert start["roles"] == "policy,reference,reward" and start["kl_placement"] == "loss"
+    # The KL it reports, gates and adapts to is the recipe's estimator, to the SFT stage.
+    assert (start["kl_estimator"], start["reference"]) == ("k3", "sft")
+    s = summary(grpo_run)
+    assert s["kl_estimator"] == "k3" and s["headline"]["kl_estimator"] == "k3"
+    assert s["eval_final"]["kl"] >= 0  # k3 is never negative
     train = read_metrics(grpo_run / "metrics.jsonl", "train")
     assert "value_loss" not in train[0] and train[-1]["kl_loss"] > 0
     # The KL rises above the 0.5 target, so the adaptive controller raises the coefficient.

@@ -40,6 +40,7 @@ class Panel:
     name: str
     ylabel: str
     series: tuple[Series, ...]
+    title: str = ""  # after the stage's name; empty: the panel's name
 
 
 # Field names as the stages write them: every training stage logs `loss` per step and most
@@ -47,9 +48,10 @@ class Panel:
 # per step (share of pairs ranked right, chosen minus rejected reward: the reward model's
 # score, or DPO's implicit beta-scaled log-ratio) and `eval_accuracy`/`eval_margin`; ppo/grpo
 # log `score_mean` (the rollout's mean reward), `reward_fn_<label>` per reward function and
-# `kl` (mean sequence KL to the reference, the SFT policy) per rollout, and `eval_reward`,
-# `eval_reward_fn_<label>` and `eval_kl` on held-out prompts. The reward panels are built per
-# stage (`_reward_panels`): their label says what the reward is.
+# `kl` (mean sequence KL to the reference by the recipe's `kl.estimator`) per rollout, and
+# `eval_reward`, `eval_reward_fn_<label>` and `eval_kl` on held-out prompts. The reward and KL
+# panels are built per stage (`_reward_panels`, `kl_panel`): their labels say what the reward
+# is, and which stage the KL is to by which estimator.
 def _panel(
     name: str, ylabel: str, train: str, train_label: str, held_out: str, held_out_label: str
 ) -> Panel:
@@ -77,14 +79,29 @@ MARGIN = _panel(
     "eval_margin",
     "held-out margin",
 )
-KL = _panel("kl", "KL to SFT policy (nats/response)", "kl", "rollout KL", "eval_kl", "held-out KL")
 FUNCTION_PREFIX = "reward_fn_"
+
+
+def _start(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The stage's (last) `start` record: what a launch said about itself."""
+    return next((r for r in reversed(records) if r.get("kind") == "start"), {})
+
+
+def kl_panel(records: Sequence[dict[str, Any]]) -> Panel:
+    """The KL panel of an RL stage, labelled from its `start` record: the reference's stage
+    and the recipe's estimator (`reference`, `kl_estimator`), e.g. "KL to dpo (k3)"."""
+    start = _start(records)
+    to = f"KL to {start['reference']}" if start.get("reference") else "KL to the reference"
+    series = (Series("train", "kl", "rollout KL"), Series("eval", "eval_kl", "held-out KL"))
+    if estimator := start.get("kl_estimator"):
+        return Panel("kl", f"{to} ({estimator}, nats/response)", series, f"{to} ({estimator})")
+    return Panel("kl", f"{to} (nats/response)", series, to)
 
 
 def reward_source(records: Sequence[dict[str, Any]]) -> str:
     """What an RL stage's reward is (the y-label of its reward panel), from its `start` record
     or else its per-function fields."""
-    start = next((r for r in records if r.get("kind") == "start"), {})
+    start = _start(records)
     roles = str(start.get("roles", "")).split(",")
     funcs = bool(start.get("reward_functions")) or any(
         k.startswith(FUNCTION_PREFIX) for r in records if r.get("kind") == "train" for k in r
@@ -126,9 +143,17 @@ class Line:
 
     @property
     def marker(self) -> str | None:
-        # Held-out points are few (start, every eval_every, end): markers keep a lone point
-        # visible, where a line of one point would draw nothing.
+        # A marker at every held-out evaluation (start, every eval_every, end), and on a lone
+        # point, which a line alone would not draw.
         return "o" if self.series.kind == "eval" or len(self.steps) == 1 else None
+
+    @property
+    def linestyle(self) -> str:
+        # Held-out evaluations are points: two (start and end) joined by a line would read as
+        # a trend between them. Three or more get a dotted line through them, to follow.
+        if self.series.kind == "eval":
+            return ":" if len(self.steps) >= 3 else "none"
+        return "-"
 
 
 @dataclass(frozen=True)
@@ -188,14 +213,16 @@ def curve_spec(stage: str, records: Sequence[dict[str, Any]]) -> tuple[PanelSpec
     if not any(r.get("kind") == "train" for r in records):
         return ()
     specs = []
-    for panel in (LOSS, ACCURACY, MARGIN, *_reward_panels(records), KL):
+    for panel in (LOSS, ACCURACY, MARGIN, *_reward_panels(records), kl_panel(records)):
         lines = [
             Line(s, *map(tuple, series_points(records, s.kind, s.field))) for s in panel.series
         ]
         lines = [line for line in lines if line.steps]
         if lines:
             specs.append(
-                PanelSpec(panel.name, f"{stage}: {panel.name}", panel.ylabel, tuple(lines))
+                PanelSpec(
+                    panel.name, f"{stage}: {panel.title or panel.name}", panel.ylabel, tuple(lines)
+                )
             )
     return tuple(specs)
 
@@ -210,7 +237,8 @@ def curve_figure(panels: Sequence[PanelSpec]) -> Figure:
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for ax, panel in zip(axes, panels, strict=True):
         for line in panel.lines:
-            style = {"marker": line.marker, "markersize": 3, "linewidth": 1.2}
+            style = {"marker": line.marker, "linestyle": line.linestyle, "linewidth": 1.2}
+            style["markersize"] = 5 if line.series.kind == "eval" else 3
             ax.plot(line.steps, line.values, label=line.series.label, **style)
         ax.set_title(panel.title)
         ax.set_xlabel(panel.xlabel)

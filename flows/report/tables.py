@@ -147,6 +147,7 @@ def markdown_report(
     lines += memory_markdown(records)
     lines += sre_markdown(records)
     lines += chain_markdown(records)
+    lines += kl_markdown(records)
     lines += teacher_markdown(records)
     by_fp = {r.fingerprint: r.stage for r in records}
     lines += ["", "## Lineage", ""]
@@ -324,6 +325,28 @@ def chain_markdown(records: Sequence[StageRecord]) -> list[str]:
         "gain columns are this policy minus its parent; win-rate judged by the reward model)."
     )
     return _md_table(header, cells, "## Along the chain", note)
+
+
+def kl_markdown(records: Sequence[StageRecord]) -> list[str]:
+    """The "## KL to the reference" section: each online-RL stage's held-out KL, with the
+    estimator it was measured (and gated) by and the stage its reference is."""
+    lines = []
+    for r in records:
+        estimator = (r.summary.model_extra or {}).get("kl_estimator")
+        if estimator is None or "eval_kl" not in r.summary.headline:
+            continue
+        to = f"stage `{r.roles['reference']}`" if "reference" in r.roles else "its reference"
+        lines.append(
+            f"- `{r.stage}`: KL ({estimator}) to the reference, {to}: "
+            f"{format_value(r.summary.headline['eval_kl'])} nats per held-out response"
+        )
+    if not lines:
+        return []
+    note = (
+        "Mean over held-out prompts of each response's summed per-token estimate: k1 (the "
+        "log-ratio) can read negative on a sample, k2 and k3 never do."
+    )
+    return ["", "## KL to the reference", "", note, "", *lines]
 
 
 def teacher_markdown(records: Sequence[StageRecord]) -> list[str]:

@@ -131,9 +131,12 @@ class StageSeries:
                 share = None if seconds is None else seconds / step_s
             if share is not None:
                 self.phases[phase] = share
+        # `kl` only: the step's KL to the reference by the recipe's estimator. `approx_kl` is
+        # the update's distance from the sampling policy, another quantity: a step that did
+        # not score its KL (kl.coef 0) leaves the gauge as it was rather than relabel it.
         for name, keys in (
             ("posttrain_rl_reward", ("score_mean", "reward_mean")),
-            ("posttrain_rl_kl", ("kl", "approx_kl")),
+            ("posttrain_rl_kl", ("kl",)),
         ):
             value = next((v for k in keys if (v := _number(r.get(k))) is not None), None)
             if value is not None:

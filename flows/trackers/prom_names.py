@@ -55,7 +55,7 @@ posttrain_memory_peak_rss_bytes | gauge | stage | Peak resident memory of rank 0
 posttrain_data_wait_ratio | gauge | stage | Share of the last step spent waiting for data
 posttrain_rl_phase_ratio | gauge | stage+phase | Share of an RL step per phase (generation, scoring, update)
 posttrain_rl_reward | gauge | stage | Mean reward of the last RL step
-posttrain_rl_kl | gauge | stage | KL to the reference of the last RL step
+posttrain_rl_kl | gauge | stage | KL to the reference of the last RL step, by the stage's kl.estimator
 posttrain_heartbeat_age_seconds | gauge | rank | Seconds since the rank's heartbeat last advanced
 posttrain_heartbeat_step | gauge | rank | Step of the rank's last heartbeat
 posttrain_health_source_present | gauge | rank+source | 1 when the rank reads this health source (nvml, infiniband, io), 0 when absent

@@ -76,6 +76,8 @@ KIND = online_kind(
     help="On-policy distillation: the student samples, a frozen teacher (`teacher`) scores "
     "every token, the student minimises reverse KL / forward KL / JSD to it.",
     order=57,
+    # 2: the held-out KL (eval_kl, max_kl) is kl.estimator's (was k1).
+    version="2",
     consumes=("policy", "reference", "teacher"),
     token_teacher=True,
 )

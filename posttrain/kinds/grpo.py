@@ -75,6 +75,7 @@ KIND = online_kind(
     module="posttrain.stages.grpo",
     help="GRPO against a reward model (needs one: `reward_model`).",
     order=50,
-    version="2",
+    # 3: the reported, gated and adapted-to KL is kl.estimator's (was k1).
+    version="3",
     consumes=("policy", "reference", "reward_model"),
 )

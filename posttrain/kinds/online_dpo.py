@@ -71,5 +71,7 @@ KIND = online_kind(
     help="Online DPO: the policy's own answers judged by the reward model and/or reward "
     "functions, each prompt's best vs worst trained as a DPO pair against the reference.",
     order=55,
+    # 2: the held-out KL (eval_kl, max_kl) is kl.estimator's (was k1).
+    version="2",
     consumes=("policy", "reference", "reward_model"),
 )

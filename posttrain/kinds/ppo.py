@@ -22,6 +22,7 @@ KIND = online_kind(
     module="posttrain.stages.ppo",
     help="PPO against a reward model (needs one: `reward_model`).",
     order=40,
-    version="2",
+    # 3: the reported, gated and adapted-to KL is kl.estimator's (was k1).
+    version="3",
     consumes=("policy", "reference", "reward_model"),
 )

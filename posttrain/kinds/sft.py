@@ -37,9 +37,6 @@ class SFTConfig(TrainingSection):
         "restart per row and attention stays inside each row (padding-free batches; with "
         "batch.padding_free: false rows are padded and packed rows see each other).",
     )
-    eval_every: int = Result(
-        0, ge=0, description="Held-out loss every N steps (0 = only at the end)."
-    )
     teacher_sampling: TeacherSampling = Field(
         default_factory=TeacherSampling,
         description="With a `teacher:` link (off-policy distillation): how the teacher answers "

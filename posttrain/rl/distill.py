@@ -109,7 +109,7 @@ def distill_step(
 
     def record(rb: RolloutBatch, t0: float, t_train: float, timing: dict[str, float]) -> None:
         ro = rb.rollout
-        totals = rollout_totals(ro, run.rollouts.device)
+        totals = rollout_totals(ro, run.rollouts.device, cfg.kl.estimator)
         flops = step_flops(ro, run.tr, 0, 1, False) + 2 * teacher.params * ro.tokens()
         write_record(run, step + 1, rb, totals, stats, t0, t_train, timing, flops)
 
@@ -168,7 +168,7 @@ def teacher_heldout(s: RolloutSetup, rows: list[dict[str, Any]], teacher: Teache
     for chunk, w, seed in heldout_batches(s, rows):
         ro = generate(ts, chunk, seed, POLICY)
         s.rewarder(ro, chunk)
-        add_rollout_sums(sums, ro, kl=False, weight=w)
+        add_rollout_sums(sums, ro, kl=None, weight=w)
     means = heldout_means(sums, s.device, kl=False)
     return {"teacher_reward": means["reward"], "teacher_stop_rate": means["stop_rate"]}
 

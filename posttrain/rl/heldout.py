@@ -1,11 +1,12 @@
 """Step 5 of online RL (`posttrain.rl.loop`), at the end and every `eval_every`
-rollouts: the held-out prompts answered by the policy and by the starting (SFT) policy, and the
-quality gate on the final figures.
+rollouts: the held-out prompts answered by the policy and by the starting policy (the
+reference), and the quality gate on the final figures.
 
 Per policy: the mean reward of one sample per held-out prompt (functions and/or reward model;
 each function's own mean as `reward_fn_<label>`), its spread, length and stop rate and, for the
-policy being trained, KL(policy || reference) per response. Prompt batch b is sampled with seed
-+ b's first row, so both policies see the same prompts under the same seeds.
+policy being trained, KL(policy || reference) per response by the recipe's `kl.estimator` (the
+one `max_kl` gates). Prompt batch b is sampled with seed + b's first row, so both policies see
+the same prompts under the same seeds.
 """
 
 from __future__ import annotations
@@ -57,10 +58,11 @@ def evaluate(
     pol["reward_gain"] = pol["reward"] - sft["reward"]
     metrics.write("eval", step=step, **{f"eval_{k}": v for k, v in pol.items()})
     log.info(
-        "held-out reward %.4f (starting policy %.4f, gain %+.4f), KL to the reference %.3f",
+        "held-out reward %.4f (starting policy %.4f, gain %+.4f), KL (%s) to the reference %.3f",
         pol["reward"],
         sft["reward"],
         pol["reward_gain"],
+        s.cfg.kl.estimator,
         pol["kl"],
     )
     if samples_path is not None:
@@ -84,8 +86,9 @@ def heldout(
     s: RolloutSetup, rows: list[dict[str, Any]], role: str, each: EachBatch | None = None
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """One sample per held-out prompt from `role` -> (means over all ranks, this rank's
-    examples)."""
+    examples); the policy's KL to the reference by the recipe's `kl.estimator`."""
     roles = ((POLICY, REFERENCE) if role == POLICY else ()) + s.rewarder.roles
+    kl = s.cfg.kl.estimator if role == POLICY else None
     sums: Counter[str] = Counter()
     examples = []
     for chunk, w, seed in heldout_batches(s, rows):
@@ -93,10 +96,10 @@ def heldout(
         score_rollout(s, ro, chunk, roles)
         if each is not None:
             each(ro, w)
-        add_rollout_sums(sums, ro, kl=role == POLICY, weight=w)
+        add_rollout_sums(sums, ro, kl=kl, weight=w)
         if w:
             examples += heldout_examples(s.tokenizer, chunk, ro)
-    return heldout_means(sums, s.device, kl=role == POLICY), examples
+    return heldout_means(sums, s.device, kl=kl is not None), examples
 
 
 def heldout_means(sums: Counter[str], device: torch.device, kl: bool) -> dict[str, float]:
@@ -137,11 +140,14 @@ def heldout_examples(tokenizer: Any, rows: list[dict[str, Any]], ro: Rollout) ->
 
 
 def quality_gate(cfg: Any, final: dict[str, float], sft: dict[str, float]) -> dict[str, Any]:
-    """{"passed": bool, "message" when not}: `max_kl` and `min_reward_gain` (off when null)."""
+    """{"passed": bool, "message" when not}: `max_kl` (on the held-out KL by the recipe's
+    `kl.estimator`) and `min_reward_gain` (off when null)."""
     problems = []
     gain = final["reward"] - sft["reward"]
     if cfg.max_kl is not None and final["kl"] > cfg.max_kl:
-        problems.append(f"held-out KL {final['kl']:.3f} exceeds max_kl {cfg.max_kl}")
+        problems.append(
+            f"held-out KL ({cfg.kl.estimator}) {final['kl']:.3f} exceeds max_kl {cfg.max_kl}"
+        )
     if cfg.min_reward_gain is not None and gain < cfg.min_reward_gain:
         problems.append(
             f"held-out reward gain {gain:.4f} over the starting policy is below min_reward_gain "

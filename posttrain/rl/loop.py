@@ -198,6 +198,7 @@ def finish(
         ctx,
         algorithm=ctx.stage.name,
         kl_placement=run.placement,
+        kl_estimator=cfg.kl.estimator,  # what eval_kl, the records' kl and max_kl measure
         kl_coef_final=run.ctl.coef,
         eval_final=final,
         eval_sft=sft,
@@ -210,6 +211,7 @@ def finish(
             sft_reward=sft["reward"],
             reward_gain=final["reward_gain"],
             eval_kl=final["kl"],
+            kl_estimator=cfg.kl.estimator,  # beside the figure it names
             **(headline_extra or {}),
         ),
     )

@@ -31,11 +31,12 @@ class UpdateStats:
     updates: int  # optimizer steps taken (a step the guard skipped counts)
 
 
-def add_rollout_sums(sums: Counter[str], ro: Rollout, kl: bool, weight: float = 1.0) -> None:
+def add_rollout_sums(sums: Counter[str], ro: Rollout, kl: str | None, weight: float = 1.0) -> None:
     """Add a scored rollout's sums (x `weight`: 0 for a filler batch) to `sums`: each reward
     function's (`add_function_sums`), the episodes' (`episode_sums`), n (sequences), score and
-    score_sq (the summed reward and its square), with `kl` the per-response KL (k1) to the
-    reference, length (response tokens) and stopped (responses that ended with a stop token)."""
+    score_sq (the summed reward and its square), with `kl` (the recipe's `kl.estimator`, None:
+    no KL) the per-response KL to the reference by that estimator, length (response tokens)
+    and stopped (responses that ended with a stop token)."""
     add_function_sums(sums, function_values(ro), weight)
     for k, v in episode_sums(ro).items():
         sums[k] += weight * v
@@ -43,16 +44,19 @@ def add_rollout_sums(sums: Counter[str], ro: Rollout, kl: bool, weight: float = 
     sums["n"] += weight * ro.n
     sums["score"] += weight * float(scores.sum())
     sums["score_sq"] += weight * float((scores**2).sum())
-    if kl:
-        sums["kl"] += weight * float(sequence_kl(ro, "k1").sum())
+    if kl is not None:
+        # The recipe's estimator, the one its penalty, `max_kl` and `kl.target` are stated in:
+        # k1's sum can be negative on a sample, k3's never is.
+        sums["kl"] += weight * float(sequence_kl(ro, kl).sum())
     sums["length"] += weight * float(ro.mask.sum())
     sums["stopped"] += weight * float(ro.stopped.sum())
 
 
-def rollout_totals(ro: Rollout, device: torch.device) -> dict[str, float]:
-    """`add_rollout_sums` of a scored rollout over all ranks (kl when it was scored)."""
+def rollout_totals(ro: Rollout, device: torch.device, estimator: str) -> dict[str, float]:
+    """`add_rollout_sums` of a scored rollout over all ranks (kl by `estimator`, the recipe's
+    `kl.estimator`, when the reference scored it)."""
     sums: Counter[str] = Counter()
-    add_rollout_sums(sums, ro, kl="ref_logps" in ro.scored)
+    add_rollout_sums(sums, ro, kl=estimator if "ref_logps" in ro.scored else None)
     return {k: all_reduce_sum(v, device) for k, v in sums.items()}
 
 

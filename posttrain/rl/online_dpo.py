@@ -87,7 +87,7 @@ def dpo_step(
     def record(rb: RolloutBatch, t0: float, t_train: float, timing: dict[str, float]) -> None:
         ro = rb.rollout
         timing = timing | judge_metrics(judged, s.device)
-        totals = rollout_totals(ro, s.device)
+        totals = rollout_totals(ro, s.device, cfg.kl.estimator)
         # No policy scoring pass: the rollout's KL would read as 0 (the held-out KL is measured).
         totals.pop("kl", None)
         # Generation and the scoring passes, then forward+backward over the pairs' rows (at the

@@ -162,6 +162,10 @@ def setup(
         roles="policy,reference" + (",reward" if has_rm else "") + (",value" if critic else ""),
         reward_functions=",".join(f.label for f in rewarder.funcs),
         kl_placement=placement,
+        # What the records' `kl` and `eval_kl` measure: the recipe's estimator, and the stage
+        # the reference is (the report's KL panel names both).
+        kl_estimator=cfg.kl.estimator,
+        reference=ctx.stage.roles["reference"],
         updates_per_rollout=updates_per_rollout,
         sequences_per_rollout=local_seqs * d.world_size,
         **data.stats,

@@ -316,8 +316,10 @@ def clipped_step(
 
     def record(rb: RolloutBatch, t0: float, t_train: float, timing: dict[str, float]) -> None:
         ro = rb.rollout
-        totals = rollout_totals(ro, s.device)
-        if "kl" in totals:  # not scored when it does not count (then the coefficient is fixed)
+        totals = rollout_totals(ro, s.device, cfg.kl.estimator)
+        # Not scored when it does not count (then the coefficient is fixed). The controller sees
+        # the recipe's estimator, the one `kl.target` is stated in and the step's `kl` reports.
+        if "kl" in totals:
             run.ctl.update(totals["kl"] / totals["n"], int(totals["n"]))
         flops = step_flops(ro, run.tr, len(s.roles), cfg.update_epochs, run.critic)
         if adv.returns is not None:

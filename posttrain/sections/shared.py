@@ -204,6 +204,13 @@ class TrainingSection(_Section):
     )
     keep_checkpoints: int = Execution(2, ge=1, description="Complete checkpoints kept on disk.")
     log_every: int = Execution(1, ge=1, description="Write metrics.jsonl every N optimizer steps.")
+    # A result: the held-out records it adds are part of the artifact's metrics.jsonl.
+    eval_every: int = Result(
+        0,
+        ge=0,
+        description="Held-out figures every N optimizer steps as well as at the start and the "
+        "end (0 = start and end only): one point per evaluation in the curves.",
+    )
 
 
 class _HeldOutSource(DataSourceFields):
@@ -525,8 +532,10 @@ class RolloutConfig(_Section):
 class KLConfig(_Section):
     estimator: Literal["k1", "k2", "k3"] = Result(
         "k1",
-        description="Per-token KL(policy || reference) estimate: k1 = log-ratio, k2 = half its "
-        "square, k3 = exp(-log-ratio) - 1 + log-ratio (unbiased, never negative).",
+        description="Per-token KL(policy || reference) estimate: k1 = log-ratio (can be "
+        "negative on a sample), k2 = half its square, k3 = exp(-log-ratio) - 1 + log-ratio "
+        "(unbiased, never negative). The penalty, each step's `kl`, the held-out `eval_kl`, "
+        "`max_kl` and the adaptive `target` all use it.",
     )
     placement: Literal["auto", "reward", "loss"] = Result(
         "auto",
@@ -538,7 +547,9 @@ class KLConfig(_Section):
         False, description="Adapt the coefficient towards `target` (proportional controller)."
     )
     target: float = Result(
-        6.0, gt=0, description="Adaptive target: KL per sequence (sum over its tokens)."
+        6.0,
+        gt=0,
+        description="Adaptive target: KL per sequence (sum over its tokens), by `estimator`.",
     )
     horizon: int = Result(10000, ge=1, description="Adaptive controller horizon, in sequences.")
 
@@ -611,13 +622,13 @@ class OnlineRLConfig(TrainingSection, TemplateGuard):
     max_kl: float | None = Result(
         None,
         gt=0,
-        description="Quality gate: held-out KL(policy || SFT) per response above this stops "
-        "the pipeline.",
+        description="Quality gate: held-out KL(policy || reference) per response, by "
+        "kl.estimator, above this stops the pipeline.",
     )
     min_reward_gain: float | None = Result(
         None,
-        description="Quality gate: held-out mean reward minus the SFT policy's below this "
-        "stops the pipeline.",
+        description="Quality gate: held-out mean reward minus the starting policy's (the "
+        "reference's) below this stops the pipeline.",
     )
 
     @model_validator(mode="after")

@@ -79,9 +79,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         return {"loss": heldout_loss(loop, data.eval)}
 
     draw = Draw(train, sequence_tokens, collate, tok.pad_token_id)
-    loop = open_training(
-        ctx, model, weights, batch, total_steps, data, draw, heldout, eval_every=cfg.eval_every
-    )
+    loop = open_training(ctx, model, weights, batch, total_steps, data, draw, heldout)
     if first := loop.heldout_at_start():
         first_eval = first["loss"]
         if first_eval is not None:

@@ -141,13 +141,11 @@ def open_training(
     data: PreparedData,
     draw: Draw,
     heldout: Callable[[Training], Figures | None],
-    *,
-    eval_every: int = 0,
     **start_fields: Any,
 ) -> Training:
     """`start_session` of an offline stage, and whether its micro-batches go padding-free.
     `heldout(loop)`: the stage's held-out figures of the model as it stands (None: no figures,
-    no record); `eval_every`: also take them every that many steps (0: start and end only)."""
+    no record), taken at the start, every `eval_every` steps of the section and at the end."""
     cfg = ctx.section
     tr = start_session(
         ctx,
@@ -162,7 +160,7 @@ def open_training(
         **data.stats,
     )
     flat = padding_free(cfg.batch, tr.model)
-    return Training(ctx, tr, batch, draw, heldout, flat, eval_every)
+    return Training(ctx, tr, batch, draw, heldout, flat, cfg.eval_every)
 
 
 @dataclass

@@ -248,13 +248,16 @@ class TrainSession:
         """Optimizer steps the guard skipped in this stage (a resumed run's included)."""
         return self.guard.skipped if self.guard else 0
 
-    def headline(self, **fields: float) -> dict[str, float]:
-        """A stage's key metrics plus its last train loss and MFU, rounded for reports, and
-        `skipped_steps` when the guard skipped any (absent otherwise: nothing to report)."""
+    def headline(self, **fields: float | str) -> dict[str, float | str]:
+        """A stage's key metrics plus its last train loss and MFU, numbers rounded for reports
+        (a word, such as what a figure measures, kept as is), and `skipped_steps` when the guard
+        skipped any (absent otherwise: nothing to report)."""
         out = {**fields, "train_loss": self.last.get("loss"), "mfu": self.last.get("mfu")}
         if self.skipped_steps:
             out["skipped_steps"] = self.skipped_steps
-        return {k: round(v, 4) for k, v in out.items() if v is not None}
+        return {
+            k: v if isinstance(v, str) else round(v, 4) for k, v in out.items() if v is not None
+        }
 
     def maybe_checkpoint(
         self, step: int, every: int, keep: int, extra: dict[str, Any] | None = None
