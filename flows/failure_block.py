@@ -27,13 +27,25 @@ RERUN = "then run again: finished stages are reused"
 BUG = "this looks like a bug in posttrain: the full traceback is in the log"
 
 # The errors a stage reports as verdicts (their `POSTTRAIN_ERROR` line names the type), with the
-# fix a person applies. Every name is a class of posttrain (tests/test_cli_terminal.py checks).
+# fix a person applies. Every name is a class of posttrain, and every class of posttrain's that
+# a stage can end with is here (tests/test_terminal.py walks them): anything else is a bug.
 FIXES: dict[str, str] = {
     "DataError": f"correct or remove that row (or point the recipe at another file), {RERUN}",
+    # These two name the field their message starts with (FIELD_FIXES) when it does.
+    "DataFileMissing": f"correct the recipe's path to it (or create the file), {RERUN}",
+    "RecipeVerdict": "change the field the message starts with as it says (`posttrain validate` "
+    f"checks the rest of the recipe without running it), {RERUN}",
     "PreferenceDataError": f"correct or remove that pair (or point the recipe elsewhere), {RERUN}",
     "RowsTooLong": "raise max_seq_len to the value named above (a system prompt and tool "
     f"schemas count against it), or shorten the rows, {RERUN}",
     "TemplateError": f"give the model a chat template that renders these rows, {RERUN}",
+    "TemplateNotIncremental": "set the stage's chat_template (with allow_template_change: true) "
+    "or ingest.chat_template to a template that renders each turn the same whatever follows it "
+    "(not one that drops earlier turns' reasoning) and ends an assistant turn with the token "
+    f"generation stops at, {RERUN}",
+    "ToolsUnsupported": "use a base whose chat template renders tool calls (Qwen2.5/3, Llama "
+    "3.1, Mistral v0.3), or set ingest.chat_template to one that does, or drop rollout.tools "
+    f"and rollout.environment, {RERUN}",
     "IngestError": f"correct the ingest section (model id, revision, local folder), {RERUN}",
     "HubError": f"check the hub id, revision and network (or use a local folder), {RERUN}",
     "MemoryPreflightError": (
@@ -43,7 +55,9 @@ FIXES: dict[str, str] = {
     "NoIntactCheckpoint": "delete the damaged checkpoints folder, or set "
     "infra.no_intact_checkpoint=restart to train from the start",
     "ParentArtifactDamaged": f"delete the damaged artifact folder named above, {RERUN}",
-    "RewardFunctionError": f"fix the reward function named above, {RERUN}",
+    "ArtifactDamaged": "delete the artifact folder named above (its stage runs again; an "
+    f"artifact written by another posttrain version reads so too), {RERUN}",
+    "RewardFunctionError": f"fix the reward function named above (or its kwargs), {RERUN}",
     "RewardLoadError": f"fix the reward module or its name in the recipe, {RERUN}",
     "ToolLoadError": f"fix the tool or environment named above (or its name in the recipe), "
     f"{RERUN}",
@@ -53,6 +67,15 @@ FIXES: dict[str, str] = {
     "infra.guard.* sets how many bad steps are tolerated",
     "ExportVerificationError": "the merged export does not match base+adapter: the stage's "
     "log has the numbers; report it with the log",
+    "GGUFUnsupported": "remove export.gguf (the safetensors export needs none), or export a "
+    f"Llama or Qwen2 family model with a byte-level BPE tokenizer, {RERUN}",
+    "GGUFVerificationError": "the GGUF file does not read back as planned (a bug in its "
+    "writer): remove that type from export.gguf to export without it, and report it with the log",
+    "ServerFailed": "read the rollout server's own log (logs/rollout-server.log in the stage's "
+    "folder), then correct rollout.server (command, api, weights, host, url) or the server, or "
+    f"raise rollout.server.request_timeout_s or startup_timeout_s for a slow one, {RERUN}",
+    "StaleRollout": "posttrain's guard on off-policy rollouts fired (a bug): set "
+    "rollout.max_staleness: 0 to train on-policy meanwhile, and report it with the log",
 }
 ERROR_MARKER = "POSTTRAIN_ERROR stage "
 LOG_RE = re.compile(r"Log: (\S+stage\.log)")
@@ -128,6 +151,23 @@ def data_fix(kind: str, section: str) -> str | None:
     )
 
 
+# Verdicts whose message starts with the recipe field to change, and their fix naming it:
+# `sft.data.path: /x does not exist` (the field, not a row), `ppo.rollout.prompts_per_step: 6
+# must be a multiple of the 4 ranks ...`.
+FIELD_FIXES = {
+    "DataFileMissing": (r"([\w.]+\.(?:path|eval_path)): ", "correct {} (or create the file)"),
+    "RecipeVerdict": (r"([\w.]+): ", "change {} as said above"),
+}
+
+
+def field_fix(kind: str, what: str) -> str | None:
+    """The fix of a verdict of FIELD_FIXES, naming the field its message starts with (None
+    without one: FIXES then has its general fix)."""
+    rule = FIELD_FIXES.get(kind)
+    named = re.match(rule[0], what) if rule else None
+    return f"{rule[1].format(named.group(1))}, {RERUN}" if rule and named else None
+
+
 def stage_failure_block(
     message: str,
     timed_out: bool = False,
@@ -173,11 +213,7 @@ def stage_failure_block(
                 steps = "\n".join(f"        {c}" for c in changes)
                 fix = f"one of\n{steps}\n        or set infra.memory_preflight=warn to try anyway"
             return Block(head, what, fix, log)
-        if kind == "DataFileMissing":  # `sft.data.path: /x does not exist`: the field, not a row
-            named = re.match(r"([\w.]+\.(?:path|eval_path)): ", what)
-            field = named.group(1) if named else "the recipe's path to it"
-            return Block(head, what, f"correct {field} (or create the file), {RERUN}", log)
-        if fix := data_fix(kind, (sections or {}).get(stage, stage)):
+        if fix := field_fix(kind, what) or data_fix(kind, (sections or {}).get(stage, stage)):
             return Block(head, what, fix, log)
         if kind in FIXES:
             return Block(head, what, FIXES[kind], log)

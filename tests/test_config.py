@@ -7,6 +7,7 @@ import yaml
 
 from posttrain.config.batch import resolve_batch
 from posttrain.config.loader import RecipeError, apply_overrides, load_recipe, validate_recipe
+from posttrain.runtime.errors import RecipeVerdict
 from tests.hub_cache import cache_recipe_hub_ids
 from tests.stage_helpers import TINY
 
@@ -239,13 +240,17 @@ def test_rl_rollout_and_update_sizes_must_fit() -> None:
 
     data = {**MINIMAL, "reward": PAIRS, "ppo": {**PROMPTS, "rollout": {"prompts_per_step": 6}}}
     r = load_recipe_data(apply_overrides(data, ["infra.devices_per_node=4"]))
-    with pytest.raises(ValueError, match="prompts_per_step 6 must be a multiple of the 4 ranks"):
+    with pytest.raises(
+        RecipeVerdict, match="ppo.rollout.prompts_per_step: 6 must be a multiple of the 4 ranks"
+    ):
         check_shapes("ppo", r.ppo, section_batch(r, "ppo"), 4)
     r = load_recipe_data(
         apply_overrides(data, ["ppo.batch={micro_batch_size: 4, grad_accum_steps: 1}"])
     )
     with pytest.raises(
-        ValueError, match=r"micro 4 x accum 1 = 4 sequences per rank, but a rollout gives 6"
+        RecipeVerdict,
+        match=r"ppo.batch: one update takes micro 4 x accum 1 = 4 sequences per "
+        "rank, but a rollout gives 6",
     ):
         check_shapes("ppo", r.ppo, section_batch(r, "ppo"), 1)
     r = load_recipe_data(

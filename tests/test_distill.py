@@ -26,6 +26,7 @@ from posttrain.models.roles import RoleModel
 from posttrain.plan.planner import plan
 from posttrain.rl.distill import check_shapes, distill_update
 from posttrain.rl.rollout.collect import collect_rollout
+from posttrain.runtime.errors import RecipeVerdict
 from posttrain.telemetry.records import read_metrics
 from tests.stage_helpers import SMALL_EVALUATE, TINY, planned_dir, run_inprocess, run_torchrun
 
@@ -66,7 +67,7 @@ def test_batch_shapes_one_step_per_rollout() -> None:
     assert check_shapes("d", cfg, ResolvedBatch(4, 1, 8, 2), 2) == (8, 1)
     with pytest.raises(ValueError, match="multiple of the 3 ranks"):
         check_shapes("d", cfg, ResolvedBatch(4, 1, 12, 3), 3)
-    with pytest.raises(ValueError, match="grad_accum_steps 2"):
+    with pytest.raises(RecipeVerdict, match=r"d.batch.grad_accum_steps: .* at 1 \(got 2\)"):
         check_shapes("d", cfg, ResolvedBatch(4, 2, 16, 2), 2)
 
 

@@ -25,6 +25,7 @@ from posttrain.data.tool_rows import (
     check_tools_column,
     clean_tool_fields,
 )
+from posttrain.runtime.errors import RecipeVerdict
 
 ROLES = ("system", "user", "assistant")
 # SFT conversations may be tool-use traces (posttrain.data.tool_rows); preference rows may not.
@@ -314,18 +315,18 @@ def data_source(cfg: Any, attr: str = "path") -> DataSource | None:
     return DataSource(str(value), split, cfg.revision, cfg.subset, dict(cfg.columns))
 
 
-def seeded_split(
-    rows: list[Any], seed: int, eval_fraction: float, what: str = ""
-) -> tuple[list, list]:
+def seeded_split(rows: list[Any], seed: int, eval_fraction: float) -> tuple[list, list]:
     """(train, held-out) by a seeded shuffle: the same in every process and every run with the
-    same seed. ValueError (prefixed `what`) when nothing is left to train on."""
+    same seed. A RecipeVerdict on the section's `data.eval_fraction` when nothing is left to
+    train on."""
     order = list(range(len(rows)))
     random.Random(seed).shuffle(order)
     n_eval = max(1, round(len(rows) * eval_fraction)) if eval_fraction > 0 else 0
     if len(rows) - n_eval < 1:
-        raise ValueError(
-            f"{what}{len(rows)} rows leave nothing to train on after the held-out split "
-            f"(eval_fraction {eval_fraction})"
+        raise RecipeVerdict(
+            "data.eval_fraction",
+            f"{eval_fraction} holds out {n_eval} of the {len(rows)} rows, which leaves nothing "
+            "to train on; give more rows, or hold out fewer (or give data.eval_path)",
         )
     held = set(order[:n_eval])
     train = [r for i, r in enumerate(rows) if i not in held]

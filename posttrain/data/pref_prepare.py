@@ -21,6 +21,7 @@ from posttrain.data.preference import (
     read_preference_rows,
     read_unpaired_rows,
 )
+from posttrain.runtime.errors import RecipeVerdict
 from posttrain.sections.shared import PreferenceDataConfig, TemplateGuard
 
 
@@ -106,13 +107,30 @@ def _encode(
     data.train, tstats = encode(tokenizer, data.train_rows, *limits, [w for w, _ in train])
     data.eval, estats = encode(tokenizer, data.eval_rows, *limits, [w for w, _ in held])
     if not data.train:
-        raise ValueError(f"no training {what} left after validation and encoding")
+        raise RecipeVerdict("data", _none_left(what, cfg, tstats, dropped))
     data.stats = (
         {f"dropped_{k}": v for k, v in dropped.items()}
         | {f"train_{k}": v for k, v in tstats.items()}
         | {f"eval_{k}": v for k, v in estats.items()}
     )
     return data
+
+
+def _none_left(
+    what: str, cfg: PreferenceDataConfig, encoded: dict[str, int], dropped: dict[str, int]
+) -> str:
+    """Why no training row is left, by count: encoding dropped every row the split kept (only
+    `no_room` rows, and only under `on_invalid: skip`: validation keeps max_prompt_len below
+    max_seq_len, so it takes a template whose response tokens carry no label), after what
+    reading dropped, by reason."""
+    text = (
+        f"none of the {encoded[f'{what}s']} training {what}s is left after encoding: "
+        f"{encoded.get('no_room', 0)} have no response token within max_seq_len "
+        f"{cfg.max_seq_len} (prompts kept to max_prompt_len {cfg.max_prompt_len})"
+    )
+    if read_out := {k: v for k, v in dropped.items() if v}:
+        text += f"; reading dropped {sum(read_out.values())} more rows: {read_out}"
+    return f"{text}; set on_invalid: error to stop at the first such row, named by file and line"
 
 
 def prepare_unpaired(cfg: PreferenceDataConfig, tokenizer: Any, seed: int) -> PreferenceData:

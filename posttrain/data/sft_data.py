@@ -52,7 +52,7 @@ def read_split(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
         rows = load_sft_rows(data_source(cfg, "path"))
     if cfg.eval_path:
         return rows, load_sft_rows(data_source(cfg, "eval_path"))
-    return seeded_split(rows, seed, cfg.eval_fraction, "sft.data: ")
+    return seeded_split(rows, seed, cfg.eval_fraction)
 
 
 def synthetic_rows(cfg: DataConfig) -> list[dict]:

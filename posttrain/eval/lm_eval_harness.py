@@ -29,6 +29,7 @@ from peft import PeftModel
 
 from posttrain.kinds.evaluate import LmEvalConfig
 from posttrain.models.adapters import merged_copy
+from posttrain.runtime.errors import RecipeVerdict
 
 log = logging.getLogger("posttrain.evaluate")
 
@@ -116,9 +117,10 @@ def task_manager(tasks: list[str], include_path: str | None) -> Any:
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         where = f" or in {include_path}" if include_path else ""
-        raise ValueError(
-            f"evaluate.lm_eval.tasks: unknown task(s) {', '.join(unknown)}: not a task of "
-            f"lm-evaluation-harness{where}"
+        raise RecipeVerdict(
+            "lm_eval.tasks",
+            f"unknown task(s) {', '.join(unknown)}: not a task of lm-evaluation-harness{where}",
+            "evaluate",
         )
     return manager
 

@@ -12,6 +12,7 @@ from transformers import AutoModelForSequenceClassification, PreTrainedModel
 from posttrain.data.batching import collate, pad_batch
 from posttrain.models.chunked import model_call
 from posttrain.models.sharded_load import CheckpointFiles, build_on_meta
+from posttrain.runtime.errors import RecipeVerdict
 
 
 def load_score_model(
@@ -77,9 +78,10 @@ def score_head(model: torch.nn.Module) -> torch.nn.Module:
     wrapper, which returns the trained copy's output)."""
     found = [m for name, m in model.named_modules() if name.split(".")[-1] == "score"]
     if not found:
-        raise ValueError(
+        raise RecipeVerdict(
+            "batch.padding_free",
             f"{type(model).__name__} has no `score` head to read padding-free scores from; "
-            "set the stage's batch.padding_free: false"
+            "set it to false",
         )
     return found[0]  # the outermost: peft's wrapper when there is one
 

@@ -26,6 +26,7 @@ from posttrain.models.loading import base_dtype, base_for_training
 from posttrain.models.roles import RoleModel
 from posttrain.models.sharded_load import adapters_stay_real, fill_from_checkpoint
 from posttrain.models.vocab import vocab_mismatch
+from posttrain.runtime.errors import RecipeVerdict
 
 log = logging.getLogger("posttrain.distill")
 
@@ -34,7 +35,7 @@ def build_teacher(ctx: Any, student_tokenizer: Any | None = None) -> tuple[RoleM
     """(the teacher placed on this rank's device(s) in eval mode with `generate` and `decode`
     registered as forward methods, its tokenizer). With `student_tokenizer` (token-level
     distillation), a teacher tokenizing with another vocabulary is refused first, before its
-    weights are read (ValueError naming both)."""
+    weights are read (a RecipeVerdict on the section's `teacher`, naming both)."""
     infra, d = ctx.recipe.infra, ctx.dist
     dtype = base_dtype(infra)
     base, tok, files = base_for_training(
@@ -43,7 +44,7 @@ def build_teacher(ctx: Any, student_tokenizer: Any | None = None) -> tuple[RoleM
     if student_tokenizer is not None:
         names = (ctx.stage.roles["base"], ctx.stage.roles["teacher"])
         if problem := vocab_mismatch(student_tokenizer, tok, names):
-            raise ValueError(f"{ctx.recipe.graph().get(ctx.stage.name).where}.teacher: {problem}")
+            raise RecipeVerdict("teacher", problem, ctx.where)
     adapter = ctx.adapter_dir("teacher")
     lm: Any = base
     if adapter is not None:

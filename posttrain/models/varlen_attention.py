@@ -30,6 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from posttrain.data.segments import Segments
+from posttrain.runtime.errors import RecipeVerdict
 
 NAME = "posttrain_varlen"
 SEGMENTS_KW = "posttrain_segments"
@@ -51,10 +52,10 @@ def varlen_sdpa_forward(
         if getattr(_STATE, "active", 0):
             # The model did not pass our keyword down to its attention: running SDPA over the
             # whole flat sequence would let rows attend to each other. Never silently.
-            raise RuntimeError(
+            raise RecipeVerdict(
+                "batch.padding_free",
                 f"{type(module).__name__} did not hand the row segments to its attention "
-                "function: this architecture cannot run padding-free batches; set the stage's "
-                "batch.padding_free: false"
+                "function: this architecture cannot run padding-free batches; set it to false",
             )
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -149,7 +150,8 @@ def confined_attention(model: torch.nn.Module) -> Iterator[bool]:
     finally:
         _STATE.active -= 1
     if getattr(_STATE, "calls", 0) == before:
-        raise RuntimeError(
-            f"{type(model).__name__}: no attention layer ran padding-free; set the stage's "
-            "batch.padding_free: false"
+        raise RecipeVerdict(
+            "batch.padding_free",
+            f"no attention layer of {type(model).__name__} ran padding-free (this architecture "
+            "cannot); set it to false",
         )

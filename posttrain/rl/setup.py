@@ -34,6 +34,7 @@ from posttrain.rl.rollout.collect import RolloutSetup
 from posttrain.rl.rollout.engine import RolloutEngine, build_engine
 from posttrain.rl.rollout.multiturn import episode_setup
 from posttrain.runtime.context import StageContext, training_base
+from posttrain.runtime.errors import RecipeVerdict
 from posttrain.telemetry import heartbeat
 from posttrain.train.micro_batches import padding_free
 from posttrain.train.session import TrainSession, start_session
@@ -41,28 +42,33 @@ from posttrain.train.session import TrainSession, start_session
 log = logging.getLogger("posttrain.rl")
 
 
-def _local_sequences(name: str, cfg: Any, world: int) -> int:
-    """Sequences per rank per rollout, or a ValueError when the prompts do not split evenly."""
+def _local_sequences(where: str, cfg: Any, world: int) -> int:
+    """Sequences per rank per rollout, or a RecipeVerdict when the prompts do not split evenly
+    over the ranks (their number is known only once the stage runs)."""
     r = cfg.rollout
     if r.prompts_per_step % world:
-        raise ValueError(
-            f"{name}.rollout.prompts_per_step {r.prompts_per_step} must be a multiple of the "
-            f"{world} ranks (each rank rolls out the same number of prompts)"
+        raise RecipeVerdict(
+            "rollout.prompts_per_step",
+            f"{r.prompts_per_step} must be a multiple of the {world} ranks (each rank rolls out "
+            "the same number of prompts)",
+            where,
         )
     return r.prompts_per_step // world * r.samples_per_prompt
 
 
-def check_shapes(name: str, cfg: Any, batch: Any, world: int) -> tuple[int, int]:
-    """(sequences per rank per rollout, optimizer updates per rollout), or a ValueError naming
-    the fields that do not fit together."""
-    local = _local_sequences(name, cfg, world)
+def check_shapes(where: str, cfg: Any, batch: Any, world: int) -> tuple[int, int]:
+    """(sequences per rank per rollout, optimizer updates per rollout), or a RecipeVerdict
+    naming the fields that do not fit together. `where`: the section's path (`ppo`)."""
+    local = _local_sequences(where, cfg, world)
     per_update = batch.micro_batch_size * batch.grad_accum_steps
     if local % per_update:
-        raise ValueError(
-            f"{name}.batch: one update takes micro {batch.micro_batch_size} x accum "
+        raise RecipeVerdict(
+            "batch",
+            f"one update takes micro {batch.micro_batch_size} x accum "
             f"{batch.grad_accum_steps} = {per_update} sequences per rank, but a rollout gives "
             f"{local} per rank (prompts_per_step / ranks x samples_per_prompt); make it a "
-            f"multiple"
+            f"multiple",
+            where,
         )
     return local, cfg.update_epochs * local // per_update
 
@@ -71,13 +77,15 @@ def one_step_shapes(kind: str, unit: str) -> Shapes:
     """The shapes of a kind that takes one optimizer step per rollout over all of it (online
     DPO, distill): nothing to accumulate. `unit`: what a step takes, for the message."""
 
-    def shapes(name: str, cfg: Any, batch: ResolvedBatch, world: int) -> tuple[int, int]:
-        local = _local_sequences(name, cfg, world)
+    def shapes(where: str, cfg: Any, batch: ResolvedBatch, world: int) -> tuple[int, int]:
+        local = _local_sequences(where, cfg, world)
         if batch.grad_accum_steps != 1:
-            raise ValueError(
-                f"{name}.batch.grad_accum_steps {batch.grad_accum_steps}: {kind} takes one "
-                f"optimizer step per rollout over all its {unit}, micro_batch_size sequences "
-                "per forward; leave grad_accum_steps at 1"
+            raise RecipeVerdict(
+                "batch.grad_accum_steps",
+                f"{kind} takes one optimizer step per rollout over all its {unit}, "
+                "micro_batch_size sequences per forward; leave grad_accum_steps at 1 (got "
+                f"{batch.grad_accum_steps})",
+                where,
             )
         return local, 1
 
@@ -114,8 +122,8 @@ class RLRun:
     template_sha: str  # the policy's chat template, as the SFT stage recorded it
 
 
-# (stage name, section, batch, ranks) -> (sequences per rank per rollout, optimizer updates per
-# rollout), or a ValueError: `check_shapes`.
+# (section path, section, batch, ranks) -> (sequences per rank per rollout, optimizer updates per
+# rollout), or a RecipeVerdict: `check_shapes`.
 Shapes = Callable[[str, Any, ResolvedBatch, int], tuple[int, int]]
 # (section, KL placement, updates per rollout) -> (score the policy, score the reference):
 # `scoring_passes`.
@@ -141,11 +149,11 @@ def setup(
     if has_rm:
         check_template(ctx, tok, "reward_model")
     # Imported from the files the resolved recipe points at (the flow checked where from).
-    funcs = load_rewards(cfg.rewards, where=f"{ctx.recipe.graph().get(name).where}.rewards")
+    funcs = load_rewards(cfg.rewards, where=f"{ctx.where}.rewards")
     rewarder = Rewarder(funcs, cfg.reward_model_weight if has_rm else None, tok)
     data = load_prompts(ctx, tok)
     batch = section_batch(ctx.recipe, name)
-    local_seqs, updates_per_rollout = shapes(name, cfg, batch, d.world_size)
+    local_seqs, updates_per_rollout = shapes(ctx.where, cfg, batch, d.world_size)
     n_rollouts = cfg.max_steps or max(
         1, math.ceil(cfg.epochs * len(data.train) / cfg.rollout.prompts_per_step)
     )
@@ -209,8 +217,11 @@ def load_prompts(ctx: StageContext, tok: Any) -> PromptData:
                 [{"prompt": r["messages"], **r["columns"]} for r in rows],
             )
     if not data.eval:
-        raise ValueError(
-            f"{ctx.stage.name}.data: no held-out prompts; set eval_fraction > 0 or eval_path"
+        raise RecipeVerdict(
+            "data.eval_fraction",
+            f"{ctx.section.data.eval_fraction} and no data.eval_path leave no held-out prompts "
+            f"(of {len(data.train)}); set eval_fraction > 0 or give eval_path",
+            ctx.where,
         )
     return data
 

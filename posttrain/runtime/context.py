@@ -48,6 +48,11 @@ class StageContext:
         """This stage's recipe section (a shorthand section or its `stages:` entry)."""
         return self.recipe.stage(self.stage.name)
 
+    @property
+    def where(self) -> str:
+        """This stage's section as a field path, which messages start with."""
+        return section_path(self.recipe, self.stage.name)
+
     def has_role(self, role: str) -> bool:
         """A stage playing `role` is among this stage's parents."""
         return self.stage.roles.get(role) in self.parents
@@ -84,6 +89,15 @@ class StageContext:
         """What this process's arithmetic depends on besides the stage's inputs
         (`posttrain.numerics.signature`): the key part of a table cached across runs."""
         return numerics.signature(self.recipe.infra, self.device_type)
+
+
+def section_path(recipe: ResolvedRecipe, name: str) -> str:
+    """Stage `name`'s section as a field path: `dpo` (a shorthand section), `stages.dpo2` (a
+    `stages:` entry), else the name itself (ingest, evaluate, export, a stage outside the
+    graph)."""
+    graph = recipe.graph()
+    node = graph.bases.get(name) or next((s for s in graph if s.name == name), None)
+    return node.where if node is not None else name
 
 
 def training_base(ctx: StageContext) -> tuple[Any, Any, Any]:

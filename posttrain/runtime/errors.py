@@ -18,3 +18,26 @@ class NoIntactCheckpoint(StageVerdict):
 
 class ParentArtifactDamaged(StageVerdict):
     """A parent stage's artifact no longer matches its manifest."""
+
+
+class RecipeVerdict(StageVerdict, ValueError):
+    """A recipe value a stage refuses at run time, where only the run shows the problem (the
+    number of ranks, the model's architecture, the rows left once data is encoded); `validate`
+    checks the rest before anything runs. The message starts with the field's path.
+
+    `field` is a path within the stage's own section (`batch.padding_free`) unless `section`
+    names the section outright (`infra`, `stages.dpo2`): code below a stage does not know
+    whether its section is `dpo` or `stages.dpo2`, so `stage_main` fills `section` in with the
+    failing stage's before it reports the verdict."""
+
+    def __init__(self, field: str, problem: str, section: str | None = None) -> None:
+        super().__init__(field, problem)
+        self.field, self.problem, self.section = field, problem, section
+
+    @property
+    def path(self) -> str:
+        """The field's full path once `section` is known (`dpo.batch.padding_free`)."""
+        return f"{self.section}.{self.field}" if self.section else self.field
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.problem}"

@@ -34,7 +34,7 @@ from posttrain import hub, numerics
 from posttrain.config.schema import ResolvedRecipe
 from posttrain.kinds import KINDS, StageKind, kind_of
 from posttrain.runtime.context import StageContext
-from posttrain.runtime.errors import ParentArtifactDamaged, StageVerdict
+from posttrain.runtime.errors import ParentArtifactDamaged, RecipeVerdict, StageVerdict
 from posttrain.runtime.exit import exit_without_collecting
 from posttrain.runtime.orphan import OrphanWatch
 from posttrain.runtime.recovery import recovery_record
@@ -396,6 +396,8 @@ def _report_failure(ctx: StageContext, exc: BaseException) -> None:
     from posttrain.runtime.diskspace import as_disk_full
     from posttrain.runtime.preflight import MemoryPreflightError
 
+    if isinstance(exc, RecipeVerdict) and exc.section is None:
+        exc.section = ctx.where  # `batch.padding_free` -> `dpo.batch.padding_free`
     tb = traceback.format_exc()
     # A full disk, wherever it struck (a json write, save_pretrained), is a verdict too.
     exc = as_disk_full(exc, f"stage {ctx.stage.name}'s output") or exc

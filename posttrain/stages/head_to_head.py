@@ -30,7 +30,8 @@ from posttrain.data.sft_data import write_rows
 from posttrain.eval.preference_eval import head_to_head
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.reward import load_reward_model
-from posttrain.runtime.context import StageContext
+from posttrain.runtime.context import StageContext, section_path
+from posttrain.runtime.errors import RecipeVerdict
 from posttrain.stages.common import stage_main
 from posttrain.workspace.promotion import HEAD_TO_HEAD, WIN_RATE_VS_CHAMPION
 
@@ -50,9 +51,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     trust = bool(ingest.get("trust_remote_code", False))
     prompts = heldout_prompts(ctx.parent_dir("reward_model"), cfg.win_rate_prompts)
     if not prompts:
-        raise ValueError(
-            f"the reward artifact {ctx.parent_dir('reward_model')} has no held-out pairs to take "
-            "prompts from (reward.data.eval_fraction or eval_path)"
+        judge = ctx.parents["reward_model"].stage
+        raise RecipeVerdict(
+            "data.eval_fraction",
+            f"the reward artifact {ctx.parent_dir('reward_model')} holds no held-out pairs, "
+            "whose prompts the head-to-head against the champion is judged on; set "
+            "eval_fraction > 0 or give data.eval_path",
+            section_path(ctx.recipe, judge),
         )
     tok = load_tokenizer(ctx.parent_dir("base") / "tokenizer")
     rm = load_reward_model(

@@ -34,6 +34,7 @@ from posttrain.distributed.runtime import all_reduce_sums, all_reduce_tensor
 from posttrain.models.adapters import policy_with_reference, reference_pass
 from posttrain.models.lora import prepare_for_training
 from posttrain.runtime.context import StageContext, training_base
+from posttrain.runtime.errors import RecipeVerdict
 from posttrain.stages.common import stage_main
 from posttrain.train.forward_logps import forward_sequence_logps
 from posttrain.train.loop import (
@@ -184,9 +185,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
     data = prepare_unpaired(cfg.data, tok, ctx.recipe.run.seed)
     batch, total_steps = plan_steps(ctx, data, len(data.train))
     if batch.global_batch_size < 2:
-        raise ValueError(
-            f"{ctx.stage.name}.batch: the KL reference point needs mismatched rows within a step; "
-            "set a global batch of at least 2"
+        raise RecipeVerdict(
+            "batch.global_batch_size",
+            f"{batch.global_batch_size} (micro {batch.micro_batch_size} x accum "
+            f"{batch.grad_accum_steps} x {batch.dp_size} ranks): the KL reference point needs "
+            "mismatched rows within a step; set a global batch of at least 2",
+            ctx.where,
         )
     warn_balance(data.stats, cfg.desirable_weight, cfg.undesirable_weight)
     hp = {

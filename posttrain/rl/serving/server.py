@@ -81,7 +81,13 @@ class RolloutServer:
 
     def _write(self, folder: Path, adapter_dir: Path) -> None:
         if self.cfg.weights == "merged":
-            merge_into(folder, self.base, adapter_dir)
+            # An adapter `merged` cannot fold (`rollout.server.weights: ...`) is a verdict that
+            # `sync` passes to every rank: raised as it is, it would end rank 0 alone while the
+            # other ranks wait for its word.
+            try:
+                merge_into(folder, self.base, adapter_dir)
+            except ValueError as e:
+                raise ServerFailed(str(e)) from None
         else:
             by_path = self.api.name == "transformers"
             adapter_version(folder, adapter_dir, self.base if by_path else None)
