@@ -312,6 +312,10 @@ def _add_recipe_commands(sub: argparse._SubParsersAction) -> None:
             p.add_argument(
                 "--resolved", action="store_true", help="print the resolved recipe (YAML) too"
             )
+            what = "read every row of every data file (not the first 5) and tokenize each "
+            what += "stage's rows as it will: bad rows by file:line, rows dropped or truncated, "
+            what += "token lengths (p50/p95/max) against the stage's limits"
+            p.add_argument("--full", action="store_true", help=what)
         if name in SELECTING:
             add_selection_flags(p, trains=name == "run")
 
@@ -406,8 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         "runs": lambda: cmd_runs(*given, ws, args.limit),
         "clean": lambda: cmd_clean(*given, ws, args.yes, args.keep_last),
         "publish-base": lambda: cmd_publish_base(str(args.model_dir), args.pipeline, out, err),
-        "validate": lambda: cmd_validate(*given, args.resolved),
-        "plan": lambda: cmd_plan(*given, selection, args.resolved),
+        "validate": lambda: cmd_validate(*given, args.resolved, args.full),
+        "plan": lambda: cmd_plan(*given, selection, args.resolved, args.full),
         "run": lambda: cmd_run(*given, selection),
         "models": lambda: cmd_models(*given),
     }

@@ -4,6 +4,7 @@ stages a run (or a selection of it) would go through."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TextIO
 
 import yaml
@@ -19,17 +20,24 @@ from posttrain.store.status import status
 
 
 def cmd_validate(
-    path: str, overrides: list[str], out: TextIO, err: TextIO, resolved: bool = False
+    path: str,
+    overrides: list[str],
+    out: TextIO,
+    err: TextIO,
+    resolved: bool = False,
+    full: bool = False,
 ) -> int:
     """The verdict on the recipe and every input it names (exit 2 on any problem), then what
-    each input is; `resolved`: the resolved recipe as YAML too."""
+    each input is; `resolved`: the resolved recipe as YAML too; `full`: every data row read
+    and tokenized (`posttrain.config.full_check`)."""
     recipe = load_or_report(path, overrides, err)
     if recipe is None:
         return EXIT_INVALID
     stages = plan(recipe).stages
     # Complete by manifest and file sizes: validate hashes no artifact (plan verifies them).
-    to_run = len(stages) - len(complete_stages(stages))
-    ok = _check_inputs(path, recipe, (len(stages), to_run), out)
+    done = complete_stages(stages)
+    ingested = _ingested(stages, done) if full else None
+    ok = _check_inputs(path, recipe, (len(stages), len(stages) - len(done)), out, ingested)
     _print_resolved(recipe, resolved, out)
     return EXIT_OK if ok else EXIT_INVALID
 
@@ -41,16 +49,31 @@ def _print_resolved(recipe: Recipe, resolved: bool, out: TextIO) -> None:
         out.write(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
 
 
-def _check_inputs(path: str, recipe: Recipe, counts: tuple[int, int], out: TextIO) -> bool:
+def _ingested(stages: Sequence[PlannedStage], done: set[str]) -> dict[str, Path]:
+    """Base name -> the saved tokenizer of its ingest artifact, for each one complete for
+    this recipe: the tokenizer its stages load, which `--full` tokenizes with."""
+    bases = [s for s in stages if KINDS[s.kind].placement == "first" and s.name in done]
+    return {s.name: s.out_dir / "tokenizer" for s in bases}
+
+
+def _check_inputs(
+    path: str,
+    recipe: Recipe,
+    counts: tuple[int, int],
+    out: TextIO,
+    ingested: dict[str, Path] | None = None,
+) -> bool:
     """Print the verdict (`recipe ok: 4 stages, 3 to run` from `counts`, or each problem and
-    the fix), then one line per input; True when nothing is wrong."""
+    the fix), then one line per input; True when nothing is wrong. `ingested` given: the full
+    check (`--full`), tokenizing with those saved tokenizers (`check_inputs`)."""
     from posttrain.config.inputs_check import check_inputs
 
-    report = check_inputs(recipe)
+    report = check_inputs(recipe, ingested=ingested)
     if report.problems:
         print(refused_head(path, len(report.problems)), file=out)
-        fix = "correct the fields named above (or create the files they name), then "
-        fix += "`posttrain validate` again; nothing ran"
+        what, again = ("rows and fields", " --full") if ingested is not None else ("fields", "")
+        fix = f"correct the {what} named above (or create the files they name), then "
+        fix += f"`posttrain validate{again}` again; nothing ran"
         print(*(f"  {line}" for line in report.problems), f"  fix:  {fix}", sep="\n", file=out)
     else:
         print(f"recipe ok: {counts[0]} stages, {counts[1]} to run", file=out)
@@ -128,9 +151,10 @@ def cmd_plan(
     err: TextIO,
     selection: Selection = ALL_STAGES,
     resolved: bool = False,
+    full: bool = False,
 ) -> int:
-    """The verdict and inputs (as `validate`), each stage's fingerprint and artifact, and every
-    input's resolved path; `resolved`: the resolved recipe as YAML too."""
+    """The verdict and inputs (as `validate`, `full` too), each stage's fingerprint and
+    artifact, and every input's resolved path; `resolved`: the resolved recipe as YAML too."""
     recipe = load_or_report(path, overrides, err)
     if recipe is None:
         return EXIT_INVALID
@@ -140,7 +164,8 @@ def cmd_plan(
         return selected
     rows = plan_rows(run_plan.stages, selected)
     to_run = sum(row[-1] not in ("complete", "not selected") for row in rows)
-    ok = _check_inputs(path, recipe, (len(rows), to_run), out)
+    ingested = _ingested(run_plan.stages, complete_stages(run_plan.stages)) if full else None
+    ok = _check_inputs(path, recipe, (len(rows), to_run), out, ingested)
     header = ("stage", "kind", "inputs", "fingerprint", "runs on", "artifact")
     print("\n" + text_table(rows, header), f"workspace: {recipe.run.workspace}", sep="\n", file=out)
     inputs = resolved_inputs(recipe)

@@ -157,7 +157,9 @@ def test_good_reward_function_and_prompt_columns(tmp_path: Path) -> None:
     code, lines = _validate(_recipe(tmp_path, GRPO, fn="word_overlap"))
     assert code == 0 and lines[0] == "recipe ok: 5 stages, 5 to run"
     prompts = tmp_path / "prompts.jsonl"
-    assert f"grpo.data.path: {prompts}: prompt (text), columns answer, 3 rows read ok" in lines
+    assert (
+        f"grpo.data.path: {prompts}: prompt (text), columns answer, all 3 rows read: 3 ok" in lines
+    )
     assert "grpo.rewards.0.fn: my_rewards.py:word_overlap: takes posttrain's call" in lines
 
 
@@ -191,7 +193,8 @@ def test_sft_shape_is_printed(tmp_path: Path, name: str) -> None:
     body = f"sft:\n  data: {{{{path: {{d}}/{name}.jsonl}}}}\n"
     code, lines = _validate(_recipe(tmp_path, body))
     assert code == 0, lines
-    assert f"sft.data.path: {data}: {shape}, 5 rows read ok" in lines  # the first 5 only
+    # The first 5 only, and the line says so.
+    assert f"sft.data.path: {data}: {shape}, first 5 rows read (--full reads all): 5 ok" in lines
 
 
 def test_ultrafeedback_pairs_shape_and_skip_count(tmp_path: Path) -> None:
@@ -206,9 +209,8 @@ def test_ultrafeedback_pairs_shape_and_skip_count(tmp_path: Path) -> None:
     code, lines = _validate(_recipe(tmp_path, body))
     assert code == 0, lines
     shape = "prompt/chosen/rejected (message lists, UltraFeedback-style)"
-    assert f"dpo.data.path: {pairs}: {shape}, 2 rows read ok, 1 would be skipped " in "\n".join(
-        lines
-    )
+    read = "all 3 rows read: 2 ok, 1 would be skipped "
+    assert f"dpo.data.path: {pairs}: {shape}, {read}" in "\n".join(lines)
 
 
 def test_verdict_counts_stages_to_run(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@
 - model: `ingest.path` exists and is a Hugging Face model folder (config.json), or a hub id
   that resolves (`loader.hub_id_errors` ran at load); weights are never loaded.
 - data: the first rows of every data file, read and checked by the stage's own reader and row
-  check (`posttrain.data.peek`), their shape named per section.
+  check (`posttrain.data.peek`), their shape named per section; with `--full` every row
+  (`posttrain.data.scan`), then tokenized as the stage will (`posttrain.config.full_check`).
 - code: every reward function, tool, environment and verifier imported by name, as the stage
   imports it, and its signature held against the call posttrain makes.
 - chat template: a local base's tokenizer, with the recipe's template installed, checked by the
@@ -74,12 +75,17 @@ def _check_model(ingest: Any, where: str, report: InputReport) -> Path | None:
     return Path(path)
 
 
-def check_inputs(recipe: Recipe, head: int | None = None) -> InputReport:
+def check_inputs(
+    recipe: Recipe, head: int | None = None, ingested: dict[str, Path] | None = None
+) -> InputReport:
     """Every input of resolved `recipe`, checked; `head`: rows read per data file (default
-    `posttrain.data.peek.HEAD`)."""
+    `posttrain.data.peek.HEAD`). `ingested` given: the full check (`--full`), every row read
+    and tokenized, with per base name the saved tokenizer folder of its complete ingest
+    artifact (`posttrain.config.full_check`)."""
     from posttrain.config.code_check import check_code
     from posttrain.config.template_check import check_template
     from posttrain.data.peek import HEAD, peek_data
+    from posttrain.data.scan import scan_data
 
     report = InputReport()
     bases = recipe.graph().bases.values()
@@ -89,12 +95,21 @@ def check_inputs(recipe: Recipe, head: int | None = None) -> InputReport:
     for s in recipe.graph():
         if s.kind.data == "none":
             continue
-        peek = peek_data(s.where, s.kind.data, s.section.data, head or HEAD)
+        if ingested is None:
+            peek = peek_data(s.where, s.kind.data, s.section.data, head or HEAD)
+        else:
+            peek = scan_data(s.where, s.kind.data, s.section.data)
         peeks[s.where] = peek
         report.lines += peek.lines
         report.problems += peek.problems
     needs_tools = check_code(recipe, code_refs(recipe), peeks, report)
     check_template(recipe, folder, peeks, needs_tools, report)
+    if ingested is not None:
+        from posttrain.config.full_check import check_full
+
+        check_full(recipe, peeks, ingested, report)
+    # The full check may find again what the template check found (one row, one template).
+    report.problems = list(dict.fromkeys(report.problems))
     return report
 
 

@@ -413,6 +413,14 @@ def encode_chat(
     """Tokenize one conversation -> {"input_ids": [T], "labels": [T]}, labels = IGNORE outside
     assistant turns. Returns None when the row is too long and on_too_long == "drop", or when
     truncation leaves no assistant token."""
+    return fit_chat(encode_chat_uncut(tokenizer, messages, tools), max_len, on_too_long)
+
+
+def encode_chat_uncut(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> dict[str, list[int]]:
+    """One conversation's every token -> {"input_ids": [T], "labels": [T]}, labels = IGNORE
+    outside assistant turns; `fit_chat` then holds it to a length."""
     text, spans = assistant_char_spans(tokenizer, messages, tools)
     # The template already contains every special token it wants; adding more would double BOS.
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -421,6 +429,16 @@ def encode_chat(
     for t, (start, _end) in enumerate(enc["offset_mapping"]):
         if any(s <= start < e for s, e in spans):
             labels[t] = ids[t]
+    return {"input_ids": ids, "labels": labels}
+
+
+def fit_chat(
+    enc: dict[str, list[int]], max_len: int, on_too_long: str = "truncate"
+) -> dict[str, list[int]] | None:
+    """An `encode_chat_uncut` encoding held to `max_len` tokens: cut at the right, or None when
+    it is longer and on_too_long == "drop", or when no assistant token is left (after the
+    first: a label at position 0 predicts nothing)."""
+    ids, labels = enc["input_ids"], enc["labels"]
     if len(ids) > max_len:
         if on_too_long == "drop":
             return None

@@ -207,9 +207,10 @@ def check_sft_row(row: Any, where: str) -> dict[str, Any]:
     raise DataError(f"{where}: expected one of {shapes}; got keys {sorted(row)}")
 
 
-def _lines(path: Path, limit: int) -> Iterator[tuple[int, bytes]]:
-    """(line number, raw line) of a file, refusing a line over `limit` bytes without ever
-    holding more than `limit` bytes of it: its length is measured by reading on in chunks."""
+def _lines(path: Path, limit: int) -> Iterator[tuple[int, bytes | DataError]]:
+    """(line number, raw line) of a file; a line over `limit` bytes comes as a DataError in its
+    place, measured without ever holding more than `limit` bytes of it (the rest is read on in
+    chunks), and the lines after it follow."""
     with open(path, "rb") as f:
         for lineno in range(1, 1 << 62):
             raw = f.readline(limit + 1)
@@ -222,11 +223,13 @@ def _lines(path: Path, limit: int) -> Iterator[tuple[int, bytes]]:
                     size += len(chunk)
                     if chunk.endswith(b"\n"):
                         break
-                raise DataError(
+                too_long = DataError(
                     f"{path}:{lineno}: line of {size} bytes is over the {limit}-byte limit "
                     f"(a missing newline, or a row far larger than training can use; "
                     f"{MAX_LINE_BYTES_ENV} raises it)"
                 )
+                yield lineno, too_long
+                continue
             yield lineno, raw
 
 
@@ -282,15 +285,29 @@ def parse_json_line(raw: bytes, where: str) -> Any:
     return value
 
 
+def jsonl_rows(path: Path, limit: int) -> Iterator[tuple[str, Any]]:
+    """(`<file>:<line>`, value) of every non-blank line; a bad line (over `limit` bytes, not
+    UTF-8, not JSON) comes with a DataError as its value, and the lines after it follow."""
+    for lineno, raw in _lines(path, limit):
+        where = f"{path}:{lineno}"
+        if isinstance(raw, DataError):
+            yield where, raw
+            continue
+        try:
+            value = parse_json_line(raw, where)
+        except DataError as exc:
+            yield where, exc
+            continue
+        if value is not None:
+            yield where, value
+
+
 def _read_jsonl(path: Path, limit: int, head: int | None = None) -> list[tuple[str, Any]]:
     out = []
-    for lineno, raw in _lines(path, limit):
-        if head is not None and len(out) >= head:
-            break
-        where = f"{path}:{lineno}"
-        value = parse_json_line(raw, where)
-        if value is not None:
-            out.append((where, value))
+    for where, value in islice(jsonl_rows(path, limit), head):
+        if isinstance(value, DataError):
+            raise value
+        out.append((where, value))
     return out
 
 
@@ -364,12 +381,17 @@ def _read_hub(src: DataSource) -> list[tuple[str, Any]]:
         snap = hub.snapshot(src.path, src.revision, "dataset")
     except hub.HubError as exc:
         raise DataError(str(exc)) from None
+    return _hub_rows(src, snap.folder, snap.commit_sha)
+
+
+def _hub_rows(src: DataSource, folder: Path, commit: str) -> list[tuple[str, Any]]:
+    """Rows of `src`'s split from its snapshot `folder` (at `commit`)."""
     label = f"{src.path}[{src.split}]"
     try:
-        ds = _datasets().load_dataset(str(snap.folder), name=src.subset, split=src.split)
+        ds = _datasets().load_dataset(str(folder), name=src.subset, split=src.split)
     except Exception as exc:  # unknown split or subset, unreadable files
         raise DataError(
-            f"{label} (subset {src.subset!r}, commit {snap.commit_sha}, {snap.folder}): "
+            f"{label} (subset {src.subset!r}, commit {commit}, {folder}): "
             f"cannot load it ({type(exc).__name__}: {exc})"
         ) from None
     rows = [(f"{label} row {i}", r) for i, r in enumerate(ds)]
@@ -394,6 +416,34 @@ def read_rows(
     else:
         rows = _read_local(src.path, max_line_bytes, head)
     return [(where, rename_columns(row, src.columns, where)) for where, row in rows]
+
+
+def scan_rows(src: DataSource) -> Iterator[tuple[str, Any]]:
+    """(location, raw row) of every row `read_rows` reads from `src`, read on past bad rows: a
+    bad row (a JSONL line that is not JSON, a row missing a column `src.columns` renames) comes
+    with a DataError as its value. A source that cannot be read at all (missing, not Parquet, a
+    hub dataset the local cache does not hold: `scan_rows` never downloads) raises DataError;
+    `posttrain validate --full` reads with it."""
+    if hub.is_hub_id(src.path):
+        folder = hub.cached_snapshot(src.path, src.revision, "dataset")
+        if folder is None:
+            raise DataNotCached(f"{src.path}@{src.revision}: not in the local hub cache")
+        rows: Iterator[tuple[str, Any]] = iter(_hub_rows(src, folder, folder.name))
+    elif Path(src.path).suffix == ".jsonl" and Path(src.path).is_file():
+        rows = jsonl_rows(Path(src.path), line_limit())
+    else:
+        rows = iter(_read_local(src.path, None, None))
+    for where, row in rows:
+        if not isinstance(row, DataError):
+            try:
+                row = rename_columns(row, src.columns, where)
+            except DataError as exc:
+                row = exc
+        yield where, row
+
+
+class DataNotCached(DataError):
+    """A hub dataset the local cache does not hold: read when its stage runs."""
 
 
 class DataFileMissing(DataError):

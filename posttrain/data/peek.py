@@ -76,12 +76,26 @@ def peek_data(where: str, shape: str, cfg: Any, head: int = HEAD) -> DataPeek:
         except DataError as exc:
             out.problems.append(f"{field_path}: {exc}")
             continue
-        out.lines.append(_checked(field_path, value, shape, cfg, located, out))
+        out.lines.append(_checked(field_path, value, shape, cfg, located, out, head))
     return out
 
 
+def rows_read(read: int, head: int | None) -> str:
+    """How much of a file a line speaks for: `first 5 rows read (--full reads all)` when the
+    check stopped at `head` rows (None: it read on to the end)."""
+    if head is not None and read >= head:
+        return f"first {read} rows read (--full reads all)"
+    return f"all {read} row{'s' * (read != 1)} read"
+
+
 def _checked(
-    field_path: str, value: str, shape: str, cfg: Any, located: list[Any], out: DataPeek
+    field_path: str,
+    value: str,
+    shape: str,
+    cfg: Any,
+    located: list[Any],
+    out: DataPeek,
+    head: int,
 ) -> str:
     """One section line for rows read from `value`. The first bad row is a problem, as it stops
     the stage; under `on_invalid: skip` bad rows are counted as the stage would skip them."""
@@ -101,7 +115,8 @@ def _checked(
             break
     shapes = list(dict.fromkeys(row_shape(shape, raw) for _, raw in located))
     renamed = f" (columns renamed: {cfg.columns})" if cfg.columns else ""
-    text = f"{field_path}: {value}: {' | '.join(shapes)}{renamed}, {ok} rows read ok"
+    read = rows_read(len(located), head)
+    text = f"{field_path}: {value}: {' | '.join(shapes)}{renamed}, {read}: {ok} ok"
     if skipped:
         text += f", {sum(skipped.values())} would be skipped ({dict(skipped)})"
     return text

@@ -322,13 +322,20 @@ def encode_reply(tokenizer: Any, prompt: Messages, reply: str, max_prompt_len: i
     return keep_prompt_tail(tokenizer, ids[:n_prompt], max_prompt_len) + ids[n_prompt:]
 
 
-def _encode_pair(
-    tokenizer: Any, row: dict[str, Any], max_len: int, max_prompt_len: int
-) -> tuple[dict[str, Any] | None, bool, bool]:
-    """(encoded pair or None for no room, prompt was truncated, a response was truncated)."""
+# One row's token counts before any cut: (prompt, prompt + response; a pair's longer side).
+Uncut = tuple[int, int]
+# What encoding one row gives: (encoded or None for no room, prompt truncated, response
+# truncated, its Uncut counts).
+Encoded = tuple[dict[str, Any] | None, bool, bool, Uncut]
+
+
+def _encode_pair(tokenizer: Any, row: dict[str, Any], max_len: int, max_prompt_len: int) -> Encoded:
+    """(encoded pair or None for no room, prompt was truncated, a response was truncated,
+    uncut counts)."""
     sides = {k: _tokenize_side(tokenizer, row["prompt"], row[k]) for k in ("chosen", "rejected")}
     (c_ids, c_np, _), (r_ids, r_np, _) = sides["chosen"], sides["rejected"]
     prompt_ids = c_ids[:c_np]
+    uncut = (c_np, max(len(c_ids), len(r_ids)))
     if prompt_ids != r_ids[:r_np]:
         raise TemplateError(
             "the prompt tokenizes differently before the chosen and the rejected response (a "
@@ -338,7 +345,7 @@ def _encode_pair(
     prompt_truncated = len(prompt_ids) > max_prompt_len
     prompt_ids = keep_prompt_tail(tokenizer, prompt_ids, max_prompt_len)
     if len(prompt_ids) >= max_len:
-        return None, prompt_truncated, False
+        return None, prompt_truncated, False, uncut
     out: dict[str, Any] = {"prompt_len": len(prompt_ids)}
     response_truncated = False
     for key, (ids, n_prompt, is_response) in sides.items():
@@ -349,21 +356,22 @@ def _encode_pair(
         out[f"{key}_ids"] = prompt_ids + rest[:room]
         out[f"{key}_labels"] = [IGNORE] * len(prompt_ids) + labels[:room]
         if all(x == IGNORE for x in labels[:room]):
-            return None, prompt_truncated, response_truncated
-    return out, prompt_truncated, response_truncated
+            return None, prompt_truncated, response_truncated, uncut
+    return out, prompt_truncated, response_truncated, uncut
 
 
 def _encode_completion(
     tokenizer: Any, row: dict[str, Any], max_len: int, max_prompt_len: int
-) -> tuple[dict[str, Any] | None, bool, bool]:
+) -> Encoded:
     """As `_encode_pair`, for one labelled row encoded as one side of a pair is: the prompt's
     tail kept, the response cut to fit max_len, labels IGNORE on the prompt."""
     ids, n_prompt, is_response = _tokenize_side(tokenizer, row["prompt"], row["completion"])
     prompt_ids = keep_prompt_tail(tokenizer, ids[:n_prompt], max_prompt_len)
     rest = ids[n_prompt:][: max(0, max_len - len(prompt_ids))]
     labels = [t if r else IGNORE for t, r in zip(rest, is_response[n_prompt:], strict=False)]
+    uncut = (n_prompt, len(ids))
     if all(x == IGNORE for x in labels):
-        return None, False, False
+        return None, False, False, uncut
     enc = {
         "ids": prompt_ids + rest,
         "labels": [IGNORE] * len(prompt_ids) + labels,
@@ -371,11 +379,11 @@ def _encode_completion(
         "desirable": row["desirable"],
         "pair": row["pair"],
     }
-    return enc, n_prompt > max_prompt_len, len(ids) - n_prompt > len(rest)
+    return enc, n_prompt > max_prompt_len, len(ids) - n_prompt > len(rest), uncut
 
 
 def _encode_rows(
-    encode_one: Callable[..., tuple[dict[str, Any] | None, bool, bool]],
+    encode_one: Callable[..., Encoded],
     count: str,
     tokenizer: Any,
     rows: Sequence[dict[str, Any]],
@@ -383,16 +391,20 @@ def _encode_rows(
     max_prompt_len: int,
     on_invalid: OnInvalid,
     wheres: Sequence[str] | None,
+    uncut: list[Uncut] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """(encoded rows, stats {count: rows in, "no_room", "prompt_truncated",
     "response_truncated"}). A no-room row raises PreferenceDataError naming its location
-    (`wheres[i]`, "row i" without) when on_invalid == "error", and is dropped otherwise."""
+    (`wheres[i]`, "row i" without) when on_invalid == "error", and is dropped otherwise.
+    `uncut`, when given, gets each row's token counts before any cut."""
     _check_on_invalid(on_invalid)
     assert wheres is None or len(wheres) == len(rows)
     out, stats = [], Counter({count: len(rows), "no_room": 0, "prompt_truncated": 0})
     stats["response_truncated"] = 0
     for i, row in enumerate(rows):
-        enc, prompt_cut, response_cut = encode_one(tokenizer, row, max_len, max_prompt_len)
+        enc, prompt_cut, response_cut, counts = encode_one(tokenizer, row, max_len, max_prompt_len)
+        if uncut is not None:
+            uncut.append(counts)
         if enc is None:
             if on_invalid == "error":
                 _fail(
@@ -416,11 +428,12 @@ def encode_completions(
     max_prompt_len: int,
     on_invalid: OnInvalid = "error",
     wheres: Sequence[str] | None = None,
+    uncut: list[Uncut] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Encode labelled rows (`check_unpaired_row`) as one side of a pair is -> (encoded, stats):
     {"ids", "labels": [T] lists, "prompt_len": int, "desirable": bool, "pair": str | None};
-    stats and no-room rows as in `_encode_rows`."""
-    args = (max_len, max_prompt_len, on_invalid, wheres)
+    stats, no-room rows and `uncut` as in `_encode_rows`."""
+    args = (max_len, max_prompt_len, on_invalid, wheres, uncut)
     return _encode_rows(_encode_completion, "rows", tokenizer, rows, *args)
 
 
@@ -448,10 +461,11 @@ def encode_pairs(
     max_prompt_len: int,
     on_invalid: OnInvalid = "error",
     wheres: Sequence[str] | None = None,
+    uncut: list[Uncut] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Encode normalised rows with `encode_pair` -> (encoded pairs, stats); see `_encode_rows`
     (`wheres` from `read_preference_rows`)."""
-    args = (max_len, max_prompt_len, on_invalid, wheres)
+    args = (max_len, max_prompt_len, on_invalid, wheres, uncut)
     return _encode_rows(_encode_pair, "pairs", tokenizer, rows, *args)
 
 

@@ -98,9 +98,13 @@ PROMPT_TASKS: dict[str, Callable[[int, int], list[dict[str, Any]]]] = {
 def encode_prompt(tokenizer: Any, msgs: Messages, max_prompt_len: int) -> list[int]:
     """Generation input: the templated prompt with the assistant header, cut to its tail; the
     same ids a preference pair's prompt part has."""
+    return keep_prompt_tail(tokenizer, prompt_ids(tokenizer, msgs), max_prompt_len)
+
+
+def prompt_ids(tokenizer: Any, msgs: Messages) -> list[int]:
+    """Every token of the templated prompt with the assistant header, before any cut."""
     text = render(tokenizer, msgs, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return keep_prompt_tail(tokenizer, ids, max_prompt_len)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @dataclass

@@ -14,7 +14,8 @@ from posttrain.data.chat import (
     IGNORE,
     TemplateError,
     check_system_role,
-    encode_chat,
+    encode_chat_uncut,
+    fit_chat,
     template_info,
     template_sha256,
 )
@@ -69,14 +70,27 @@ def synthetic_rows(cfg: DataConfig) -> list[dict]:
     return [{"messages": r["messages"]} for r in quickstart_sft_rows(s.n_examples, s.seed)]
 
 
+@dataclass(frozen=True)
+class RowFit:
+    """One row as `tokenize_rows` met it: its token counts before any cut, and its fate."""
+
+    tokens: int  # the whole conversation
+    prompt: int | None  # tokens before the first assistant token; None: no assistant token
+    kept: bool  # False: dropped (too long under `drop`, or no assistant token left)
+
+
 def tokenize_rows(
-    rows: list[dict], tokenizer: Any, cfg: DataConfig
+    rows: list[dict], tokenizer: Any, cfg: DataConfig, fits: list[RowFit] | None = None
 ) -> tuple[list[dict[str, list[int]]], dict[str, int]]:
+    """Encoded rows held to `cfg.max_seq_len` and {rows, dropped, at_max_len}; `fits`, when
+    given, gets each row's `RowFit` (what `posttrain validate --full` counts)."""
     out, dropped, truncated = [], 0, 0
     for r in rows:
-        enc = encode_chat(
-            tokenizer, r["messages"], cfg.max_seq_len, cfg.on_too_long, tools=r.get("tools")
-        )
+        uncut = encode_chat_uncut(tokenizer, r["messages"], tools=r.get("tools"))
+        enc = fit_chat(uncut, cfg.max_seq_len, cfg.on_too_long)
+        if fits is not None:
+            prompt = next((i for i, x in enumerate(uncut["labels"]) if i and x != IGNORE), None)
+            fits.append(RowFit(len(uncut["input_ids"]), prompt, enc is not None))
         if enc is None:
             dropped += 1
             continue
@@ -86,32 +100,36 @@ def tokenize_rows(
 
 
 def length_report(rows: list[dict], tokenizer: Any, cfg: DataConfig) -> str:
-    """Why no row of `rows` survived tokenization, in numbers: each row encoded again without a
-    limit (an error path only). A row needs its whole length under `on_too_long: drop`, and
-    under `truncate` its prompt (everything before the first assistant token: system prompt and
-    tool schemas included) plus one assistant token."""
-    need, unlabeled, longest = [], 0, 0
-    for r in rows:
-        enc = encode_chat(tokenizer, r["messages"], 1 << 30, tools=r.get("tools"))
-        if enc is None:  # no assistant token even uncut: no length helps this row
-            unlabeled += 1
-            continue
-        prompt = next(i for i, x in enumerate(enc["labels"]) if i and x != IGNORE)
-        longest = max(longest, prompt)
-        need.append(len(enc["input_ids"]) if cfg.on_too_long == "drop" else prompt + 1)
-    head = f"sft.data: none of the {len(rows)} training rows fits sft.data.max_seq_len"
+    """Why no row of `rows` survived tokenization, in numbers (an error path only)."""
+    fits: list[RowFit] = []
+    tokenize_rows(rows, tokenizer, cfg, fits)
+    return no_fit_text(fits, cfg)
+
+
+def no_fit_text(fits: list[RowFit], cfg: DataConfig) -> str:
+    """The `RowsTooLong` message for training rows of which none was kept (`fits`)."""
+    head = f"sft.data: none of the {len(fits)} training rows fits sft.data.max_seq_len"
     head += f" {cfg.max_seq_len} (on_too_long: {cfg.on_too_long})"
+    return f"{head}: {'; '.join(fit_advice(fits, cfg))}"
+
+
+def fit_advice(fits: list[RowFit], cfg: DataConfig) -> list[str]:
+    """What max_seq_len would keep the rows of `fits`. A row needs its whole length under
+    `on_too_long: drop`, and under `truncate` its prompt (everything before the first assistant
+    token: system prompt and tool schemas included) plus one assistant token."""
+    labeled = [(f.tokens, f.prompt) for f in fits if f.prompt is not None]
+    need = sorted(tokens if cfg.on_too_long == "drop" else prompt + 1 for tokens, prompt in labeled)
     parts = []
     if need:
-        need.sort()
+        longest = max(prompt for _, prompt in labeled)
         p90 = need[min(len(need) - 1, (9 * len(need) + 9) // 10 - 1)]
         parts.append(
             f"their longest prompt before the first assistant token is {longest} tokens; "
             f"max_seq_len {p90} would keep 90% of them, {need[-1]} all"
         )
-    if unlabeled:
+    if unlabeled := len(fits) - len(labeled):
         parts.append(f"{unlabeled} have no assistant tokens at any length")
-    return f"{head}: {'; '.join(parts)}"
+    return parts
 
 
 def located_rows(cfg: DataConfig) -> list[tuple[str, dict]]:
