@@ -7,7 +7,7 @@ import yaml
 
 from posttrain.config.batch import resolve_batch
 from posttrain.config.loader import RecipeError, apply_overrides, load_recipe, validate_recipe
-from posttrain.runtime.errors import RecipeVerdict
+from posttrain.errors import RecipeVerdict
 from tests.hub_cache import cache_recipe_hub_ids
 from tests.stage_helpers import TINY
 

@@ -20,13 +20,13 @@ from rl_tiny import MAX_PROMPT_LEN, prompt_rows, role_model, rollout_setup
 
 from posttrain.config.batch import ResolvedBatch
 from posttrain.config.loader import RecipeError, resolve, validate_recipe
+from posttrain.errors import RecipeVerdict
 from posttrain.kinds.distill import DistillConfig
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import RoleModel
 from posttrain.plan.planner import plan
 from posttrain.rl.distill import check_shapes, distill_update
 from posttrain.rl.rollout.collect import collect_rollout
-from posttrain.runtime.errors import RecipeVerdict
 from posttrain.telemetry.records import read_metrics
 from tests.stage_helpers import SMALL_EVALUATE, TINY, planned_dir, run_inprocess, run_torchrun
 

@@ -19,13 +19,13 @@ from flows.failure_block import BUG, Block, stage_failure_block
 from posttrain.agents.tool_calls import require_format
 from posttrain.config.schema import Recipe
 from posttrain.data.sft_data import prepare
+from posttrain.errors import RecipeVerdict
 from posttrain.export.gguf import pre_tokenizer_name
 from posttrain.models.reward import score_head
 from posttrain.models.varlen_attention import confined_attention
 from posttrain.rl.serving.server import RolloutServer
 from posttrain.rl.setup import check_shapes
 from posttrain.runtime.context import StageContext
-from posttrain.runtime.errors import RecipeVerdict
 from posttrain.runtime.spec import PlannedStage
 from posttrain.sections.shared import DataConfig, RolloutServerConfig
 from posttrain.stages.common import _report_failure

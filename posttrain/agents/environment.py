@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.agents.tools import ToolLoadError, describe
+from posttrain.errors import StageVerdict
 from posttrain.rewards.loader import RewardLoadError, load_function
-from posttrain.runtime.errors import StageVerdict
 
 RESERVED = ("reset", "step", "get_reward")
 

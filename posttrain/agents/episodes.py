@@ -26,7 +26,7 @@ from typing import Any
 from posttrain.agents.environment import Episode
 from posttrain.agents.tool_calls import ParsedReply, ToolCall, parse_reply
 from posttrain.agents.tool_runner import ToolResult, failure_counts, run_calls
-from posttrain.runtime.errors import StageVerdict
+from posttrain.errors import StageVerdict
 
 # generate(prompts, max_new_tokens) -> each prompt's new ids, its stop token included if any
 Generate = Callable[[list[list[int]], int], list[list[int]]]

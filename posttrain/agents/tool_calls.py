@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.runtime.errors import StageVerdict
+from posttrain.errors import StageVerdict
 
 FORMATS = ("hermes", "llama3_json", "mistral")
 

@@ -19,8 +19,8 @@ from transformers.utils.chat_template_utils import (
     TypeHintParsingException,
 )
 
+from posttrain.errors import StageVerdict
 from posttrain.rewards.loader import RewardLoadError, load_function
-from posttrain.runtime.errors import StageVerdict
 
 
 class ToolLoadError(StageVerdict, ValueError):

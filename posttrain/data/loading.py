@@ -25,7 +25,7 @@ from posttrain.data.tool_rows import (
     check_tools_column,
     clean_tool_fields,
 )
-from posttrain.runtime.errors import RecipeVerdict
+from posttrain.errors import RecipeVerdict
 
 ROLES = ("system", "user", "assistant")
 # SFT conversations may be tool-use traces (posttrain.data.tool_rows); preference rows may not.

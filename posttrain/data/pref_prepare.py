@@ -21,7 +21,7 @@ from posttrain.data.preference import (
     read_preference_rows,
     read_unpaired_rows,
 )
-from posttrain.runtime.errors import RecipeVerdict
+from posttrain.errors import RecipeVerdict
 from posttrain.sections.shared import PreferenceDataConfig, TemplateGuard
 
 

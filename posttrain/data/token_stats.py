@@ -22,6 +22,7 @@ from posttrain.data.preference import PreferenceDataError, encode_completions, e
 from posttrain.data.prompts import prompt_ids
 from posttrain.data.scan import FullPeek
 from posttrain.data.sft_data import RowFit, fit_advice, no_fit_text, tokenize_rows
+from posttrain.errors import RecipeVerdict
 
 Located = list[tuple[str, Any]]  # (where, checked row)
 
@@ -36,7 +37,7 @@ class StageTokens:
 def split_sections(where: str, shape: str, cfg: Any, seed: int, peek: FullPeek) -> dict:
     """{"train": rows, "eval": rows or None (not read: a hub dataset not in the cache)} as the
     stage splits them: `eval_path`'s rows, else a seeded share of the training rows. Raises
-    ValueError (the stage's) when nothing is left to train on."""
+    RecipeVerdict (the stage's) when nothing is left to train on."""
     if peek.generated is not None:
         rows: Located = [(f"synthetic row {i}", r) for i, r in enumerate(peek.generated)]
     else:
@@ -45,7 +46,11 @@ def split_sections(where: str, shape: str, cfg: Any, seed: int, peek: FullPeek) 
     if cfg.eval_path:
         train, held = rows, peek.sources.get("eval_path")
     else:
-        train, held = seeded_split(rows, seed, cfg.eval_fraction, f"{where}.data: ")
+        try:
+            train, held = seeded_split(rows, seed, cfg.eval_fraction)
+        except RecipeVerdict as exc:  # the stage's own refusal, named by this stage's field
+            exc.section = where
+            raise
     if shape == "unpaired":  # split over source rows, so both halves of a pair stay together
         train = [(w, r) for w, many in train for r in many]
         held = None if held is None else [(w, r) for w, many in held for r in many]

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from peft import PeftModel
 
+from posttrain.errors import RecipeVerdict
 from posttrain.kinds.evaluate import LmEvalConfig
 from posttrain.models.adapters import merged_copy
-from posttrain.runtime.errors import RecipeVerdict
 
 log = logging.getLogger("posttrain.evaluate")
 

@@ -10,9 +10,9 @@ from peft import PeftModel
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
 from posttrain.data.batching import collate, pad_batch
+from posttrain.errors import RecipeVerdict
 from posttrain.models.chunked import model_call
 from posttrain.models.sharded_load import CheckpointFiles, build_on_meta
-from posttrain.runtime.errors import RecipeVerdict
 
 
 def load_score_model(

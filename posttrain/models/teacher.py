@@ -21,12 +21,12 @@ import torch
 from peft import PeftModel
 
 from posttrain.distributed.fsdp import forward_method, place_model
+from posttrain.errors import RecipeVerdict
 from posttrain.models.adapters import POLICY
 from posttrain.models.loading import base_dtype, base_for_training
 from posttrain.models.roles import RoleModel
 from posttrain.models.sharded_load import adapters_stay_real, fill_from_checkpoint
 from posttrain.models.vocab import vocab_mismatch
-from posttrain.runtime.errors import RecipeVerdict
 
 log = logging.getLogger("posttrain.distill")
 

@@ -30,7 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from posttrain.data.segments import Segments
-from posttrain.runtime.errors import RecipeVerdict
+from posttrain.errors import RecipeVerdict
 
 NAME = "posttrain_varlen"
 SEGMENTS_KW = "posttrain_segments"

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
+from posttrain.errors import StageVerdict
 from posttrain.rewards.extract import completion_text
 from posttrain.rewards.loader import bind
 from posttrain.rewards.signature import ENVIRONMENTS, takes
-from posttrain.runtime.errors import StageVerdict
 from posttrain.sections.rewards import RewardSpec
 
 # Keyword arguments the caller fills; a data column of the same name would be shadowed.

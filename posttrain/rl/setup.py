@@ -23,6 +23,7 @@ from posttrain.data.prompts import PromptData, prepare_prompts
 from posttrain.data.sft_data import write_rows
 from posttrain.distributed.fsdp import forward_method
 from posttrain.distributed.runtime import all_reduce_tensor
+from posttrain.errors import RecipeVerdict
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.lora import prepare_for_training
 from posttrain.models.roles import RoleModel, build_roles
@@ -34,7 +35,6 @@ from posttrain.rl.rollout.collect import RolloutSetup
 from posttrain.rl.rollout.engine import RolloutEngine, build_engine
 from posttrain.rl.rollout.multiturn import episode_setup
 from posttrain.runtime.context import StageContext, training_base
-from posttrain.runtime.errors import RecipeVerdict
 from posttrain.telemetry import heartbeat
 from posttrain.train.micro_batches import padding_free
 from posttrain.train.session import TrainSession, start_session

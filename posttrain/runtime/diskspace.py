@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from posttrain.runtime.errors import StageVerdict
+from posttrain.errors import StageVerdict
 
 # Headroom over an estimate: file headers, DCP metadata, JSON, filesystem blocks.
 MARGIN = 0.10

@@ -32,9 +32,9 @@ from typing import Any
 
 from posttrain import hub, numerics
 from posttrain.config.schema import ResolvedRecipe
+from posttrain.errors import ParentArtifactDamaged, RecipeVerdict, StageVerdict
 from posttrain.kinds import KINDS, StageKind, kind_of
 from posttrain.runtime.context import StageContext
-from posttrain.runtime.errors import ParentArtifactDamaged, RecipeVerdict, StageVerdict
 from posttrain.runtime.exit import exit_without_collecting
 from posttrain.runtime.orphan import OrphanWatch
 from posttrain.runtime.recovery import recovery_record

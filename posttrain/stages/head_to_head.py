@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from posttrain.data.sft_data import write_rows
+from posttrain.errors import RecipeVerdict
 from posttrain.eval.preference_eval import head_to_head
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.reward import load_reward_model
 from posttrain.runtime.context import StageContext, section_path
-from posttrain.runtime.errors import RecipeVerdict
 from posttrain.stages.common import stage_main
 from posttrain.workspace.promotion import HEAD_TO_HEAD, WIN_RATE_VS_CHAMPION
 

@@ -31,10 +31,10 @@ from posttrain.data.batching import collate, step_indices
 from posttrain.data.pref_prepare import guard_template, prepare_unpaired
 from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import all_reduce_sums, all_reduce_tensor
+from posttrain.errors import RecipeVerdict
 from posttrain.models.adapters import policy_with_reference, reference_pass
 from posttrain.models.lora import prepare_for_training
 from posttrain.runtime.context import StageContext, training_base
-from posttrain.runtime.errors import RecipeVerdict
 from posttrain.stages.common import stage_main
 from posttrain.train.forward_logps import forward_sequence_logps
 from posttrain.train.loop import (

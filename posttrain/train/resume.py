@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from posttrain.distributed.agree import barrier, from_rank0, gather_all, rank, world
-from posttrain.runtime.errors import NoIntactCheckpoint
+from posttrain.errors import NoIntactCheckpoint
 from posttrain.train.checkpoint import (
     apply_checkpoint,
     complete_checkpoints,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from posttrain.distributed.runtime import init_distributed, shutdown
-from posttrain.runtime.errors import NoIntactCheckpoint
+from posttrain.errors import NoIntactCheckpoint
 from posttrain.train.checkpoint import (
     complete_checkpoints,
     damaged_checkpoints,

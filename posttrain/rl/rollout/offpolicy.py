@@ -32,11 +32,11 @@ from typing import Any
 import torch
 
 from posttrain.distributed.runtime import all_reduce_sum
+from posttrain.errors import StageVerdict
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import adapter_of
 from posttrain.rl.rollout.collect import RolloutSetup, score_rollout
 from posttrain.rl.rollout.sample import Rollout
-from posttrain.runtime.errors import StageVerdict
 
 
 class StaleRollout(StageVerdict):

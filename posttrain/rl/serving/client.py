@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from posttrain.runtime.errors import StageVerdict
+from posttrain.errors import StageVerdict
 
 # One INFO line per request would bury the stage's log.
 logging.getLogger("httpx").setLevel(logging.WARNING)
