@@ -106,14 +106,24 @@ def test_grpo_on_episodes_of_a_guessing_game(parents) -> None:  # noqa: F811
     final = json.loads((out / "manifest.json").read_text())["summary"]["eval_final"]
     assert 1 <= final["turns_mean"] <= 3 and "truncated_rate" in final
     # Evaluate by episode: the game is the verifier (its reward >= pass_threshold 1.0: found
-    # at the first guess), for the base, the SFT policy and the GRPO policy alike.
-    ev = run_inprocess("evaluate", recipe, "evaluate.pass_samples=2", "evaluate.pass_k=2")
+    # at the first guess), for the base, the SFT policy and the GRPO policy alike; sampled
+    # pass@k for the GRPO policy and, asked by name, the SFT policy, not the base.
+    ev = run_inprocess(
+        "evaluate",
+        recipe,
+        "evaluate.pass_samples=2",
+        "evaluate.pass_k=2",
+        "evaluate.pass_k_policies=[sft]",
+    )
     v = json.loads((ev / "eval.json").read_text())["verifier"]
     assert v["verifiers"] == [] and v["episodes"]["environment"].endswith("guess.py:Guess")
-    assert set(v["policies"]) == {"ingest", "sft", "grpo"}
-    for m in v["policies"].values():
-        assert m["prompts"] == 8 and 0.0 <= m["pass@1"] <= m["pass@2"] <= 1.0
+    assert set(v["policies"]) == {"ingest", "sft", "grpo"} and v["sampled"] == ["sft", "grpo"]
+    for name, m in v["policies"].items():
+        assert m["prompts"] == 8 and 0.0 <= m["pass@1"] <= 1.0
         assert 1 <= m["turns_mean"] <= 3 and m["tool_calls_mean"] == 0
+        assert ("pass@2" in m) == (name != "ingest")
+        if name != "ingest":
+            assert m["pass@1"] <= m["pass@2"] <= 1.0
     samples = [json.loads(x) for x in (ev / "verify_samples.jsonl").read_text().splitlines()]
     assert len(samples) == 8 and all(s["episode"][0]["role"] == "assistant" for s in samples)
     assert all(s["prompt"][-1]["content"].endswith("Answer with one number.") for s in samples)

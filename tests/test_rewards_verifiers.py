@@ -353,3 +353,29 @@ def test_pass_figures_by_hand() -> None:
     assert pass_figures(greedy, sampled, n=4, k=1) == {
         "pass@1": 0.5, "sampled_pass@1": 0.5, "prompts": 2,
     }  # fmt: skip
+
+
+def test_only_the_final_policy_samples_pass_at_k_by_default() -> None:
+    """`evaluate.pass_k_policies`: `final` samples the final policy alone; `all` every policy
+    compared; a list the named ones, and the final policy whatever the list says (its pass@k is
+    the headline's)."""
+    from posttrain.eval.verify import samples_pass_k
+
+    compared = ["ingest", "sft", "dpo", "grpo"]
+    final = "grpo"
+
+    def sampled(setting: str | list[str]) -> list[str]:
+        return [p for p in compared if samples_pass_k(p, final, setting)]
+
+    assert sampled("final") == ["grpo"]
+    assert sampled("all") == compared
+    assert sampled(["sft"]) == ["sft", "grpo"]
+    assert sampled([]) == ["grpo"]
+
+
+def test_pass_figures_of_a_policy_not_sampled_hold_no_pass_at_k() -> None:
+    """A policy evaluate did not sample has its greedy pass@1 and no pass@k key at all (not a
+    zero the report would show as a measured figure)."""
+    from posttrain.eval.verify import pass_figures
+
+    assert pass_figures([True, False, None], None, n=4, k=2) == {"pass@1": 0.5, "prompts": 2}

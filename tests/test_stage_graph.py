@@ -241,6 +241,26 @@ def test_timeouts_policies_and_export_policy_name_existing_stages() -> None:
     ]
 
 
+def test_pass_k_policies_name_policies_evaluate_compares() -> None:
+    """`evaluate.pass_k_policies` takes `final`, `all` or stage names among the policies the
+    verifier report compares (base, parent, final, `evaluate.policies`): another policy stage is
+    refused with the fix, an unknown name with the names it may take."""
+    chain = (sft(), stage("reward"), stage("dpo"), stage("grpo"))
+    for ok, listed in (("final", []), ("all", []), (["ingest", "dpo"], []), (["sft"], ["sft"])):
+        r = recipe(*chain, evaluate={"pass_k_policies": ok, "policies": listed})
+        assert r.evaluate.pass_k_policies == ok
+    assert errors(*chain, evaluate={"pass_k_policies": ["sft", "gpro"]}) == [
+        "evaluate.pass_k_policies: 'sft' is not compared (the policies evaluate compares: "
+        "ingest, dpo, grpo); add it to evaluate.policies to compare it",
+        "evaluate.pass_k_policies: no policy named 'gpro' (the policies evaluate compares: "
+        "ingest, dpo, grpo; or write `final` or `all` without brackets)",
+    ]
+    assert errors(*chain, evaluate={"pass_k_policies": "sft"}) == [
+        "evaluate.pass_k_policies.literal['final','all']: expected one of: final, all; got 'sft'",
+        "evaluate.pass_k_policies.list[str]: expected a list, got 'sft'",
+    ]
+
+
 def test_shipped_chain_recipe_reuses_the_quickstart_stages() -> None:
     quick = {
         p.name: p.fingerprint for p in plan(load_recipe(ROOT / "recipes/quickstart.yaml")).stages

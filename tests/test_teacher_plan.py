@@ -381,5 +381,7 @@ def test_a_tiny_run_with_a_teacher_reports_the_gap_closed(tmp_path: Path) -> Non
         )
     by = report["verifier"]["policies"]
     assert set(by) == {"ingest", "sft", "taught", "teacher_sft"}
+    # Only the final policy is sampled by default: the teacher has its greedy pass@1 alone.
+    assert report["verifier"]["sampled"] == ["taught"] and "pass@2" not in by["teacher_sft"]
     assert headline["pass@1_teacher"] == round(by["teacher_sft"]["pass@1"], 4)
     print("exact match", exact, "gap", gap, "pass@1", {k: v["pass@1"] for k, v in by.items()})

@@ -122,9 +122,14 @@ def test_grpo_with_reward_functions_only_then_pass_at_k(parents) -> None:
     assert [f["label"] for f in v["verifiers"]] == ["exact"]  # the first function by default
     assert v["k"] == 2 and v["samples"] == 3 and v["source"] == "grpo held-out prompts"
     assert set(v["policies"]) == {"ingest", "sft", "grpo"}
-    for m in v["policies"].values():
-        assert m["prompts"] == min(6, len(held))
-        assert 0.0 <= m["pass@1"] <= 1.0 and m["sampled_pass@1"] <= m["pass@2"] <= 1.0
+    # Every policy compared gets the greedy pass@1; by default (evaluate.pass_k_policies: final)
+    # only the final policy is sampled, and the others hold no pass@k at all.
+    assert v["sampled"] == ["grpo"]
+    for name, m in v["policies"].items():
+        assert m["prompts"] == min(6, len(held)) and 0.0 <= m["pass@1"] <= 1.0
+        assert ("pass@2" in m) == ("sampled_pass@1" in m) == (name == "grpo")
+    g = v["policies"]["grpo"]
+    assert 0.0 <= g["sampled_pass@1"] <= g["pass@2"] <= 1.0
     head = summary(ev)["headline"]
     assert head["pass@1"] == round(v["policies"]["grpo"]["pass@1"], 4)
     assert {"pass@2", "pass@1_parent", "pass@1_base"} <= set(head)

@@ -260,6 +260,8 @@ class Recipe(_RecipeStages):  # type: ignore[misc,valid-type]
                     f"evaluate.policies: {n!r} stands on the base {base!r}, the evaluated "
                     f"policy on {final!r}; compare policies of one base"
                 )
+        if self.evaluate is not None:
+            errors += _pass_k_errors(self.evaluate.pass_k_policies, self.evaluate.policies, graph)
         policy = self.export.policy if self.export is not None else None
         if policy is not None and policy not in graph.policies():
             errors.append(f"export.policy: {policy!r} is not a policy stage ({_list(graph)})")
@@ -312,3 +314,24 @@ class ResolvedRecipe(Recipe):
 
 def _list(graph: StageGraph) -> str:
     return "policy stages: " + ", ".join(graph.policies())
+
+
+def _pass_k_errors(setting: str | list[str], listed: list[str], graph: StageGraph) -> list[str]:
+    """`evaluate.pass_k_policies` as a list: each name must be a policy the verifier report
+    compares (the final policy's base, parent and teacher, the final policy, `evaluate.policies`)."""
+    final = graph.final_policy()
+    if not isinstance(setting, list) or final is None:
+        return []
+    teacher = graph.get(final).links.get("teacher")
+    compared = [graph.base_of(final), graph.parent(final), final, *listed, teacher]
+    compared = list(dict.fromkeys(n for n in compared if n))
+    known = f"the policies evaluate compares: {', '.join(compared)}"
+    return [
+        f"evaluate.pass_k_policies: {n!r} is not compared ({known}); add it to "
+        "evaluate.policies to compare it"
+        if n in graph.policies()
+        else f"evaluate.pass_k_policies: no policy named {n!r} ({known}; or write `final` or "
+        "`all` without brackets)"
+        for n in setting
+        if n not in compared
+    ]

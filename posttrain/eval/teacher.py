@@ -27,7 +27,7 @@ from posttrain.eval.inputs import (
     verifier_specs,
     verifiers_field,
 )
-from posttrain.eval.verify import verify_policy
+from posttrain.eval.verify import samples_pass_k, verify_policy
 from posttrain.models.loading import load_base
 from posttrain.models.stop_tokens import model_stop_token_ids
 from posttrain.rewards.combine import load_rewards
@@ -81,7 +81,10 @@ def teacher_scores(
         if found is not None and specs is not None:
             funcs = load_rewards(specs, where=verifiers_field(ctx))
             episodes = verifier_episodes(ctx, tok, model_stop_token_ids(model, tok))
-            out["verifier"], _ = verify_policy(model, tok, found[0], funcs, cfg, seed, episodes)
+            sample = samples_pass_k(out["stage"], ctx.stage.roles["policy"], cfg.pass_k_policies)
+            out["verifier"], _ = verify_policy(
+                model, tok, found[0], funcs, cfg, seed, episodes, sample
+            )
             log.info("verifiers: teacher %s %s", out["stage"], out["verifier"])
     finally:
         del model

@@ -6,12 +6,16 @@ pass, pass@k = 1 - C(n-c, k) / C(n, k), the chance that k samples drawn without 
 the n include a passing one; averaged over prompts. An answer passes when every verifier that
 applies to it (did not return None) gives at least `threshold`; a prompt no verifier applies to
 is left out.
+
+Sampling `pass_samples` answers per prompt is most of the cost, so only the final policy is
+sampled by default; the other policies compared get the greedy pass@1 alone
+(`evaluate.pass_k_policies`, `samples_pass_k`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,25 +162,34 @@ def _verdicts(values: list[torch.Tensor], n: int, threshold: float) -> list[bool
     return out
 
 
+def samples_pass_k(policy: str, final: str, setting: str | list[str]) -> bool:
+    """Whether `policy` gets the sampled pass@k under `evaluate.pass_k_policies` (`setting`):
+    the final policy always (its pass@k is the headline's); another only under `all` or when
+    listed by name."""
+    return policy == final or setting == "all" or (isinstance(setting, list) and policy in setting)
+
+
 def pass_figures(
-    greedy: list[bool | None], sampled: list[bool | None], n: int, k: int
+    greedy: list[bool | None], sampled: list[bool | None] | None, n: int, k: int
 ) -> dict[str, float]:
     """The report's figures from per-prompt verdicts (None: no verifier applied): greedy
     `pass@1`, the unbiased `pass@<k>` of the `n` samples per prompt (`sampled` holds prompt i's
     at [i*n, (i+1)*n)), their mean accuracy `sampled_pass@1`, and the prompts scored. With k = 1
-    the sampled pass@1 is `sampled_pass@1`: the greedy `pass@1` is never overwritten."""
+    the sampled pass@1 is `sampled_pass@1`: the greedy `pass@1` is never overwritten. `sampled`
+    None (the policy was not sampled): `pass@1` and the prompts only, no empty pass@k."""
     scored = [i for i, p in enumerate(greedy) if p is not None]
-    at_k, at_1 = [], []
-    for i in scored:
-        got = [p for p in sampled[i * n : (i + 1) * n] if p is not None]
-        if len(got) >= k:
-            c = sum(got)
-            at_k.append(pass_at_k(len(got), c, k))
-            at_1.append(c / len(got))
     out = {"pass@1": sum(bool(greedy[i]) for i in scored) / max(1, len(scored))}
-    if k > 1:
-        out[f"pass@{k}"] = sum(at_k) / max(1, len(at_k))
-    out["sampled_pass@1"] = sum(at_1) / max(1, len(at_1))
+    if sampled is not None:
+        at_k, at_1 = [], []
+        for i in scored:
+            got = [p for p in sampled[i * n : (i + 1) * n] if p is not None]
+            if len(got) >= k:
+                c = sum(got)
+                at_k.append(pass_at_k(len(got), c, k))
+                at_1.append(c / len(got))
+        if k > 1:
+            out[f"pass@{k}"] = sum(at_k) / max(1, len(at_k))
+        out["sampled_pass@1"] = sum(at_1) / max(1, len(at_1))
     out["prompts"] = len(scored)
     return out
 
@@ -189,14 +202,19 @@ def verify_policy(
     cfg: EvaluateConfig,
     seed: int,
     episodes: EpisodeSetup | None = None,
+    sample: bool = True,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """(`pass_figures`, greedy examples) of the active adapter of `model`; with `episodes`, by
-    episode, with the greedy episodes' `episode_metrics` and whole episodes in the examples."""
+    episode, with the greedy episodes' `episode_metrics` and whole episodes in the examples.
+    `sample` False: greedy answers only (no pass@k)."""
     n, k = cfg.pass_samples, cfg.pass_k
     greedy = cfg.pass_sampling.model_copy(update={"strategy": "greedy", "name": "greedy"})
     g = _passes(model, tok, prompts, funcs, greedy, 1, seed, cfg, episodes)
-    s = _passes(model, tok, prompts, funcs, cfg.pass_sampling, n, seed, cfg, episodes)
-    out = pass_figures(g.passed, s.passed, n, k)
+    sampled = None
+    if sample:
+        s = _passes(model, tok, prompts, funcs, cfg.pass_sampling, n, seed, cfg, episodes)
+        sampled = s.passed
+    out = pass_figures(g.passed, sampled, n, k)
     if g.episodes is not None:
         out |= episode_metrics(played_sums(g.episodes))
     examples = [
@@ -219,25 +237,31 @@ def verifier_report(
     source: str,
     funcs: Sequence[RewardFunction],
     policies: dict[str, str | None],
+    sampled: Collection[str],
     cfg: EvaluateConfig,
     seed: int,
     episodes: EpisodeSetup | None = None,
 ) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
     """`verify_policy` of each of `policies` (stage name -> its adapter, None = the base), in
-    order -> (the report, each policy's greedy examples)."""
+    order, sampling pass@k for those in `sampled` only -> (the report, each policy's greedy
+    examples)."""
     out: dict[str, Any] = {}
     examples: dict[str, list[dict[str, Any]]] = {}
     for name, adapter in policies.items():
         with as_policy(model, adapter):
             out[name], examples[name] = verify_policy(
-                model, tok, prompts, funcs, cfg, seed, episodes
+                model, tok, prompts, funcs, cfg, seed, episodes, sample=name in sampled
             )
-        log.info("verifiers on %d prompts: %s %s", out[name]["prompts"], name, out[name])
+        greedy_only = "" if name in sampled else " (greedy only: see evaluate.pass_k_policies)"
+        log.info(
+            "verifiers on %d prompts: %s %s%s", out[name]["prompts"], name, out[name], greedy_only
+        )
     report = {
         "verifiers": [{"label": f.label, "fn": f.fn_ref, "sha256": f.sha256} for f in funcs],
         "source": source,
         "k": cfg.pass_k,
         "samples": cfg.pass_samples,
+        "sampled": [n for n in policies if n in sampled],  # the policies with pass@k
         "threshold": cfg.pass_threshold,
         **({"episodes": episodes.describe()} if episodes is not None else {}),
         "policies": out,

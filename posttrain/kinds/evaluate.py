@@ -153,6 +153,15 @@ class EvaluateConfig(_Section):
     pass_samples: int = Result(
         8, ge=1, description="Samples per prompt for pass@k (n >= k; unbiased estimator)."
     )
+    pass_k_policies: Literal["final", "all"] | list[str] = Result(
+        "final",
+        description="Which policies get the sampled pass@k (`pass_samples` answers to each of "
+        "`pass_prompts` prompts: most of evaluate's time with verifiers). `final`: the final "
+        "policy only; `all`: every policy the verifier report compares (the base, the parent, "
+        "`policies`, a distilled policy's teacher), one more sampling pass each; or a list of "
+        "those policies by stage name, sampled besides the final policy. Every compared policy "
+        "gets the greedy pass@1 either way.",
+    )
     pass_sampling: SamplingConfig = Field(
         default_factory=lambda: SamplingConfig(
             name="pass@k", strategy="sample", temperature=1.0, max_new_tokens=48
@@ -188,7 +197,9 @@ KIND = StageKind(
     order=900,
     produces="evaluation",
     # 2: scores against the policy's parent (parent_loss, win_rate_vs_parent), not SFT.
-    version="3",
+    # 4: sampled pass@k for the final policy only by default (`pass_k_policies`): the verifier
+    # report of the other policies holds their greedy pass@1 alone.
+    version="4",
     consumes=("policy",),
     placement="last",
     timeout_s=3600,

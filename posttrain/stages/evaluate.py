@@ -14,8 +14,9 @@ that trained on conversations:
   the gap between them the stage closed (`teacher_gap_closed`); with verifiers, the teacher's
   pass@1 beside the others'.
 - With verifiers (the reward functions RL trained against, or `evaluate.verifiers`): greedy
-  pass@1 and sampled pass@k of the base, the parent, the final policy and each listed policy on
-  held-out prompts with references (`posttrain.eval.verify`).
+  pass@1 of the base, the parent, the final policy and each listed policy on held-out prompts
+  with references, and sampled pass@k of the final policy (of the others too as
+  `evaluate.pass_k_policies` asks: sampling is most of the stage's time) (`posttrain.eval.verify`).
 - Generations from held-out prompts under every sampling setting of the recipe (samples.jsonl).
 - `evaluate.speed`: decode figures of the merged tuned model (what export ships): time to first
   token, time per output token and tokens/s with the KV cache (and without, when asked).
@@ -65,7 +66,7 @@ from posttrain.eval.preference_eval import (
 from posttrain.eval.samples import policy_samples, sample_rows
 from posttrain.eval.side_by_side import HeldOut, Link, compare_policies
 from posttrain.eval.teacher import teacher_scores
-from posttrain.eval.verify import verifier_report
+from posttrain.eval.verify import samples_pass_k, verifier_report
 from posttrain.kinds.evaluate import SpeedConfig
 from posttrain.models.adapters import merged_copy
 from posttrain.models.loading import load_base
@@ -289,8 +290,9 @@ def _preferences(
 
 
 def _verifiers(ctx: StageContext, model: PeftModel, tok: Any) -> dict[str, Any] | None:
-    """Pass@1 and pass@k under the verifiers of the base, parent, final policy and
-    `evaluate.policies`; None without verifiers or prompts with references."""
+    """Pass@1 under the verifiers of the base, parent, final policy and `evaluate.policies`,
+    pass@k of those `evaluate.pass_k_policies` samples; None without verifiers or prompts with
+    references."""
     specs = verifier_specs(ctx)
     found = verifier_prompts(ctx) if specs is not None else None
     if found is None:
@@ -304,6 +306,7 @@ def _verifiers(ctx: StageContext, model: PeftModel, tok: Any) -> dict[str, Any] 
     policies = {
         n: _adapter(ctx, n) for n in dict.fromkeys(x for x in names if x) if n == base or n in graph
     }
+    setting = ctx.recipe.evaluate.pass_k_policies
     report, examples = verifier_report(
         model,
         tok,
@@ -311,6 +314,7 @@ def _verifiers(ctx: StageContext, model: PeftModel, tok: Any) -> dict[str, Any] 
         origin,
         funcs,
         policies,
+        [n for n in policies if samples_pass_k(n, final, setting)],
         ctx.recipe.evaluate,
         ctx.recipe.run.seed,
         episodes,
@@ -393,6 +397,8 @@ def _teacher(
         )
     if verified is not None and "verifier" in scores:
         verified["policies"][scores["stage"]] = scores["verifier"]
+        if "sampled_pass@1" in scores["verifier"]:  # evaluate.pass_k_policies asked for it
+            verified["sampled"].append(scores["stage"])
     return out
 
 
