@@ -29,12 +29,14 @@ class Segments:
     row_of / pos_of [N]: the row of each flat token and its position in that row.
     gather [S, L]: flat index of token j of row s (L = the longest row; slots past a row's end
     point at that row's first token and are never read by a real query: attention is causal).
+    cu_seqlens [S+1] int32: where each row starts, then N (flash varlen kernels' layout).
     """
 
     lengths: tuple[int, ...]
     row_of: torch.Tensor
     pos_of: torch.Tensor
     gather: torch.Tensor
+    cu_seqlens: torch.Tensor
 
     @classmethod
     def from_lengths(cls, lengths: list[int]) -> Segments:
@@ -45,7 +47,8 @@ class Segments:
         width = max(lengths)
         j = torch.arange(width)
         gather = starts[:, None] + torch.where(j[None, :] < lens[:, None], j[None, :], 0)
-        return cls(tuple(lengths), row_of, pos_of, gather)
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lens, 0)]).to(torch.int32)
+        return cls(tuple(lengths), row_of, pos_of, gather, cu)
 
     @property
     def rows(self) -> int:
@@ -66,6 +69,7 @@ class Segments:
             self.row_of.to(**move),
             self.pos_of.to(**move),
             self.gather.to(**move),
+            self.cu_seqlens.to(**move),
         )
 
     def row_sums(self, values: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,9 @@ used as they are. Everywhere else this module's attention function runs instead,
 duration of a padding-free forward (`confined_attention`): it gathers q/k/v into one padded
 [S, H, L, D] block per row, runs SDPA causally (its flash or memory-efficient kernel on GPU,
 the CPU flash kernel here), and scatters the outputs back to [1, N, H, D]. Linear layers and
-the MLP, most of the FLOPs, see N real tokens; attention costs what padded rows cost.
+the MLP, most of the FLOPs, see N real tokens; attention costs what padded rows cost. On CUDA
+in half precision, where torch has its own flash varlen kernel, the rows go to it as they lie
+instead (`posttrain.models.flash_varlen`): no gather, no scatter, sum(L_i^2).
 
 Right padding inside a row's block needs no mask: a real query at position t attends keys
 0..t, all real. Sliding-window models (Mistral, Qwen2 with `use_sliding_window`) get the window
@@ -31,6 +33,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from posttrain.data.segments import Segments
 from posttrain.errors import RecipeVerdict
+from posttrain.models import flash_varlen
 
 NAME = "posttrain_varlen"
 SEGMENTS_KW = "posttrain_segments"
@@ -68,6 +71,9 @@ def varlen_sdpa_forward(
             f"padding-free attention expects one flat row of {seg.tokens} tokens, "
             f"got query {tuple(query.shape)}"
         )
+    if flash_varlen.usable(query, dropout):  # CUDA, half precision: no gather, no scatter
+        window = kwargs.get("sliding_window")
+        return flash_varlen.flash_varlen(query, key, value, seg, scaling, window), None
     groups = query.shape[1] // key.shape[1]
     if seg.rows == 1:  # one row: plain causal attention, nothing to gather
         q, k, v = query, key, value
