@@ -15,8 +15,8 @@ from posttrain.runtime.token_budget import (
     resolve_token_budget,
     row_tokens,
     say,
-    sized_report,
     shape_at,
+    sized_report,
 )
 from posttrain.sections.shared import BatchConfig, RolloutBatchConfig
 
