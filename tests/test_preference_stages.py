@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -191,6 +192,21 @@ def test_template_change_is_refused_unless_allowed(pref) -> None:
         run_inprocess("dpo", pref["recipe"], *over)
     err = (planned_dir("dpo", pref["recipe"], *over) / "logs" / "error.txt").read_text()
     assert "dpo.allow_template_change: true" in err and "recorded by 'sft'" in err
+
+
+def test_dpo_by_tokens_changes_only_the_forwards(pref) -> None:
+    """Pairs regrouped into forwards of at most 100 tokens (both replies count) take the same
+    pairs per step: the same pair-normalised loss and gradient as micro-batches of 8 pairs."""
+    runs = []
+    for extra in ((), ("dpo.batch.by_tokens=100",)):
+        out = run_inprocess("dpo", pref["recipe"], "dpo.max_steps=2", *extra)
+        runs.append(read_metrics(out / "metrics.jsonl", "train"))
+        shutil.rmtree(out)  # the layout is not fingerprinted: the next run would reuse this
+    rows, budget = runs
+    assert all(r["forwards"] == 1 for r in rows) and all(r["forwards"] > 2 for r in budget)
+    for x, y in zip(rows, budget, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], abs=1e-5)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
 
 
 def test_dpo_two_ranks_match_one(pref) -> None:

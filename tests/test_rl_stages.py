@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -284,6 +285,33 @@ def test_grpo_without_kl_and_one_update_runs_no_scoring_pass(parents, capfd) -> 
     assert all("kl" not in r and "kl_loss" not in r for r in train)
     assert all(r["clip_frac"] == 0.0 and math.isfinite(r["policy_loss"]) for r in train)
     assert math.isfinite(summary(out)["eval_final"]["kl"])  # held out, still measured
+
+
+def test_grpo_by_tokens_scores_and_updates_as_by_rows(parents) -> None:
+    """`batch.by_tokens` on GRPO: the scoring passes and the update's forwards regrouped into
+    at most 40 tokens (a few rows each) instead of 8 rows: the same rollout, KL, loss and
+    gradient at the first step (the sampler's weights are the same; later steps may sample
+    differently once float rounding of the updates differs)."""
+    section = {
+        **COMMON,
+        "rollout": {"prompts_per_step": 4, "samples_per_prompt": 2, "max_new_tokens": 8},
+        "update_epochs": 2,  # a second update: the policy scoring pass runs too
+        "max_steps": 1,
+        "eval_prompts": 4,
+    }
+    runs = []
+    for tag, extra in (("rows", {}), ("tokens", {"by_tokens": 40})):
+        s = {**section, "batch": {"micro_batch_size": 8, "grad_accum_steps": 1, **extra}}
+        out = run_inprocess("grpo", recipe_with(parents, "grpo", s, f"by-{tag}"))
+        start = read_metrics(out / "metrics.jsonl", "start")[0]
+        assert start["by_tokens"] == extra.get("by_tokens")
+        runs.append(read_metrics(out / "metrics.jsonl", "train")[0])
+        shutil.rmtree(out)  # the layout is not fingerprinted: the next run would reuse this
+    rows, tokens = runs
+    assert rows["score_mean"] == tokens["score_mean"]  # the same samples
+    for key in ("loss", "policy_loss", "kl", "entropy"):
+        assert tokens[key] == pytest.approx(rows[key], abs=1e-5), key
+    assert tokens["grad_norm"] == pytest.approx(rows["grad_norm"], rel=1e-4)
 
 
 def test_gates_stop_on_kl_and_reward_gain(parents, ppo_run) -> None:

@@ -26,7 +26,7 @@ from posttrain.rl.algorithms import ALGORITHMS
 from posttrain.rl.algorithms.advantages import sequence_kl
 from posttrain.rl.losses import clipped_policy_loss, clipped_value_loss, kl_penalty
 from posttrain.rl.rollout.collect import collect_rollout
-from posttrain.rl.rollout.sample import Rollout, response_logps
+from posttrain.rl.rollout.sample import Rollout, forward_groups, response_logps, score
 from posttrain.rl.update import Advantages, compute_advantages, policy_terms, update
 from posttrain.runtime.context import StageContext
 from posttrain.runtime.spec import PlannedStage
@@ -245,14 +245,18 @@ def test_update_steps_on_the_minibatchs_global_mean_however_it_is_split(
     mask = ro.mask
     policy_loss = float(-(adv.advantages * mask).sum() / mask.sum())
     value_loss = float((0.5 * adv.returns**2 * mask).sum() / mask.sum())
-    for micro, accum, packed in ((4, 1, False), (2, 2, False), (1, 4, False), (4, 1, True)):
+    # By tokens: a budget of the longest row (each row alone or with a short one), and of two.
+    longest = int((ro.prompt_mask.sum(1) + ro.response_attn.sum(1)).max())
+    splits = [(4, 1, False, None), (2, 2, False, None), (1, 4, False, None), (4, 1, True, None)]
+    splits += [(4, 1, True, longest), (4, 1, False, 2 * longest), (1, 4, True, 2 * longest)]
+    for micro, accum, packed, by_tokens in splits:
         model = role_model(tiny, True)
         before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-        tr = _session(tmp_path / f"{aggregation}-{micro}-{packed}", world, model)
+        tr = _session(tmp_path / f"{aggregation}-{micro}-{packed}-{by_tokens}", world, model)
         batch = ResolvedBatch(micro, accum, micro * accum, 1)
-        stats = update(tr, ro, adv, cfg, batch, 0, 1, packed=packed)
+        stats = update(tr, ro, adv, cfg, batch, 0, 1, packed=packed, by_tokens=by_tokens)
         assert stats.updates == 1 and stats.lr == pytest.approx(1e-3)
-        assert stats.grad_norm == pytest.approx(want, rel=1e-5), (micro, accum, packed)
+        assert stats.grad_norm == pytest.approx(want, rel=1e-5), (micro, accum, packed, by_tokens)
         m = stats.means
         assert list(m) == ["policy_loss", "entropy", "clip_frac", "approx_kl", "kl_loss"] + [
             "value_loss",
@@ -293,6 +297,26 @@ def test_rows_laid_end_to_end_score_as_padded_ones(tiny) -> None:
         torch.testing.assert_close(packed["logp"] * m, padded["logp"] * m, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(packed["ent"] * m, padded["ent"] * m, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(values[1] * m, values[0] * m, atol=1e-5, rtol=1e-5)
+
+
+def test_scoring_by_tokens_scores_every_row_as_by_rows(tiny) -> None:
+    """`score` with a token budget: forwards regrouped longest first (`forward_groups`), the
+    log-probs and values put back in row order, equal to micro-batches of rows."""
+    cfg = section("ppo", rollout={"prompts_per_step": 4, "max_new_tokens": 6})
+    ro = _rollout_of_varied_lengths(tiny, cfg)
+    model = role_model(tiny, True)
+    lengths = (ro.prompt_mask.sum(1) + ro.response_attn.sum(1)).tolist()
+    budget = int(max(lengths))
+    groups = forward_groups(ro, torch.arange(ro.n), 2, budget, torch.device("cpu"))
+    assert sorted(i for g in groups for i in g) == list(range(ro.n))
+    assert groups != [[0, 1], [2, 3]] and all(sum(lengths[i] for i in g) <= budget or len(g) == 1
+                                              for g in groups)  # fmt: skip
+    by_rows, by_tokens = replace(ro, scored={}), replace(ro, scored={})
+    roles = (POLICY, VALUE)
+    for r, budget_ in ((by_rows, None), (by_tokens, budget)):
+        score(model, r, tiny.tokenizer, 2, 64, roles, 0, 1.0, True, budget_)
+    for k in ("logps", "values"):
+        torch.testing.assert_close(by_tokens.scored[k], by_rows.scored[k], atol=1e-5, rtol=1e-5)
 
 
 def test_the_only_update_without_scoring_passes_steps_as_with_them(tiny, world, tmp_path) -> None:

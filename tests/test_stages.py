@@ -232,6 +232,20 @@ def test_padding_free_and_token_budgets_change_nothing_but_the_layout(tiny) -> N
             assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
 
 
+def test_by_tokens_auto_on_cpu_keeps_the_rows(tiny) -> None:
+    """`batch.by_tokens: auto` on CPU: the rows' own micro-batches (one forward of 8 rows a
+    step), recorded in the start record, the pre-flight's record and the summary's memory."""
+    out = run_inprocess("sft", tiny["recipe"], "sft.max_steps=1", "sft.batch.by_tokens=auto")
+    start = read_metrics(out / "metrics.jsonl", "start")[0]
+    assert start["by_tokens"] is None and start["by_tokens_asked"] == "auto"
+    assert [r["forwards"] for r in read_metrics(out / "metrics.jsonl", "train")] == [1]
+    pre = json.loads((out / "logs" / "preflight.json").read_text())
+    assert pre["by_tokens"] is None and pre["by_tokens_asked"] == "auto"
+    memory = json.loads((out / "manifest.json").read_text())["summary"]["memory"]
+    assert memory["measured"] == "peak RSS" and memory.get("by_tokens") is None
+    shutil.rmtree(out)
+
+
 def test_bf16_base_sft_trains_fp32_adapter(tiny) -> None:
     """infra.base_dtype bf16 on CPU (slow matmul, so 4 steps): the stage holds the base in
     bf16, computes in bf16, and its step-1 loss is the fp32 run's to bf16 rounding; losses stay

@@ -193,7 +193,12 @@ def setup(
         for r in data.train + data.eval:
             rollouts.episodes.environment(r["columns"], r["where"])
     engines = rollout_engines(ctx, rollouts, tr.start_step, stack)
-    rollouts = replace(rollouts, engines=engines, packed=padding_free(cfg.batch, tr.model))
+    rollouts = replace(
+        rollouts,
+        engines=engines,
+        packed=padding_free(cfg.batch, tr.model),
+        by_tokens=ctx.by_tokens,
+    )
     reduce = partial(all_reduce_tensor, device=d.device)
     return RLRun(
         ctx, critic, placement, data, batch, n_rollouts, tr, rollouts, ctl, reduce, template_sha

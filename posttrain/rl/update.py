@@ -35,7 +35,7 @@ from posttrain.rl.losses import (
 )
 from posttrain.rl.metrics import UpdateStats, rollout_totals, step_flops
 from posttrain.rl.rollout.collect import RolloutBatch, rollout_seed
-from posttrain.rl.rollout.sample import Rollout, model_inputs, response_logps
+from posttrain.rl.rollout.sample import Rollout, forward_groups, model_inputs, response_logps
 from posttrain.rl.setup import RLRun
 from posttrain.runtime.context import StageContext
 from posttrain.train.session import TrainSession
@@ -102,10 +102,12 @@ def update(
     step: int,
     chunk_tokens: int = 0,
     packed: bool = False,
+    by_tokens: int | None = None,
 ) -> UpdateStats:
     """Step 4: `update_epochs` passes of clipped updates over one rollout; pass e shuffles the
     rows with `seed` + e. `step`: the rollout's logged step (1-based), for the guard's records.
-    `chunk_tokens`: tokens per pass through the LM head (0 = full logits)."""
+    `chunk_tokens`: tokens per pass through the LM head (0 = full logits); `by_tokens`: tokens
+    per forward (`batch.by_tokens`; None: micro_batch_size rows each)."""
     device, world = tr.dist.device, tr.dist.world_size
     per_update = batch.micro_batch_size * batch.grad_accum_steps
     # None only on ppo (token_mean); a grpo section holds its algorithm's (GRPOConfig presets).
@@ -124,9 +126,8 @@ def update(
             # divides the world back: exactly the global mean at any number of ranks.
             weights, count = loss_weights(ro.mask[rows], aggregation, cfg.rollout.max_new_tokens)
             mb = Minibatch(rows, weights, world / max(1.0, all_reduce_sum(count, device)))
-            share = minibatch_backward(
-                tr, ro, adv, mb, cfg, batch.micro_batch_size, chunk_tokens, sums, packed
-            )
+            groups = forward_groups(ro, rows, batch.micro_batch_size, by_tokens, device)
+            share = minibatch_backward(tr, ro, adv, mb, cfg, groups, chunk_tokens, sums, packed)
             objective = all_reduce_sum(share, device)  # the same on every rank, for the guard
             norm, lr = tr.optimizer_step(
                 cfg.optim.max_grad_norm, loss=objective, step=step, epoch=epoch, update=u
@@ -151,25 +152,27 @@ def minibatch_backward(
     adv: Advantages,
     mb: Minibatch,
     cfg: Any,
-    micro: int,
+    groups: list[list[int]],
     chunk_tokens: int,
     sums: Counter[str],
     packed: bool = False,
 ) -> float:
-    """Forward and backward of minibatch `mb`, `micro` rows at a time; gradients are synced
-    over ranks by the last micro-batch's backward. Adds each token statistic's sum to `sums`.
-    Returns this rank's share of the minibatch's objective (summed over ranks: the objective)."""
+    """Forward and backward of minibatch `mb`, one forward per group of its positions
+    (`forward_groups`); gradients are synced over ranks by the last forward's backward. Adds
+    each token statistic's sum to `sums`. Returns this rank's share of the minibatch's
+    objective (summed over ranks: the objective)."""
     device = tr.dist.device
     critic = adv.returns is not None
-    micros = mb.rows.split(micro)
     share = 0.0
-    for k, rows in enumerate(micros):
-        last = k == len(micros) - 1
+    for k, g in enumerate(groups):
+        last = k == len(groups) - 1
+        at = torch.tensor(g)
+        rows = mb.rows[at]
         mi = MicroBatch(
             rows,
             model_inputs(ro, rows, packed, device),
             ro.mask[rows].to(device),
-            mb.weights[k * micro : k * micro + len(rows)].to(device),
+            mb.weights[at].to(device),
             mb.scale,
         )
         grad_sync(tr.model, last and not critic)
@@ -311,7 +314,16 @@ def clipped_step(
     adv = compute_advantages(algo, rb.rollout, cfg, run.ctl.coef, run.placement, run.reduce, lag)
     update_seed = rollout_seed(s.seed, step, s.rank) + 1
     stats = update(
-        run.tr, rb.rollout, adv, cfg, run.batch, update_seed, step + 1, s.chunk_tokens, s.packed
+        run.tr,
+        rb.rollout,
+        adv,
+        cfg,
+        run.batch,
+        update_seed,
+        step + 1,
+        s.chunk_tokens,
+        s.packed,
+        s.by_tokens,
     )
 
     def record(rb: RolloutBatch, t0: float, t_train: float, timing: dict[str, float]) -> None:

@@ -17,6 +17,7 @@ from posttrain.config.graph import BASE
 from posttrain.config.schema import ResolvedRecipe
 from posttrain.kinds import KINDS, StageKind
 from posttrain.runtime.spec import PlannedStage
+from posttrain.runtime.token_budget import TokenBudget
 from posttrain.store.artifacts import ArtifactRef
 
 
@@ -38,10 +39,21 @@ class StageContext:
     kind: StageKind | None = None
     # The kind the manifest records (a stand-in's own name when `kind` is None).
     kind_name: str = ""
+    # Tokens per forward (`batch.by_tokens`, "auto" resolved by the pre-flight at stage start).
+    token_budget: TokenBudget | None = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def by_tokens(self) -> int | None:
+        """Tokens per forward of this stage's training and scoring passes (None: the rows' own
+        micro-batches): as resolved at stage start, else the recipe's number."""
+        if self.token_budget is not None:
+            return self.token_budget.tokens
+        asked = getattr(getattr(self.section, "batch", None), "by_tokens", None)
+        return asked if isinstance(asked, int) else None
 
     @property
     def section(self) -> Any:

@@ -67,6 +67,10 @@ class PreflightReport:
     capacity: Capacity
     fraction: float = SAFETY_FRACTION["cuda"]
     fixes: list[Fix] = field(default_factory=list)
+    # What the estimate was made of, for `batch.by_tokens: auto` (posttrain.runtime.token_budget).
+    model: ModelShape | None = None
+    shape: StageShape | None = None
+    layout: DeviceLayout | None = None
 
     @property
     def budget(self) -> int:
@@ -296,7 +300,16 @@ def preflight(
     est = estimate(model, shape, layout, cap.runtime_bytes)
     flipped = replace(shape, activation_checkpointing=not shape.activation_checkpointing)
     other = estimate(model, flipped, layout, cap.runtime_bytes)
-    report = PreflightReport(stage, est, other, cap, SAFETY_FRACTION[layout.device])
+    report = PreflightReport(
+        stage,
+        est,
+        other,
+        cap,
+        SAFETY_FRACTION[layout.device],
+        model=model,
+        shape=shape,
+        layout=layout,
+    )
     if not report.fits:
         # The fixes name the stage's own fields: `sft.x`, or `stages.<name>.x` for an entry.
         node = recipe.graph().get(stage)

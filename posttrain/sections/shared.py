@@ -8,7 +8,7 @@ Each stage kind's own section lives beside its registration in `posttrain/kinds/
 from __future__ import annotations
 
 import string
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -23,6 +23,9 @@ class SyntheticData(_Section):
 
 # The generated tasks (posttrain.data.synthetic, .calculator, .guess).
 SyntheticTask = Literal["quickstart", "calculator", "guess"]
+# `batch.by_tokens`: tokens per forward, "auto" (resolved at stage start:
+# posttrain.runtime.token_budget), or None (micro_batch_size rows per forward).
+TokenBudgetField = Annotated[int, Field(ge=1)] | Literal["auto"] | None
 
 
 class SFTSyntheticData(SyntheticData):
@@ -151,14 +154,15 @@ class BatchConfig(_Section):
         "attention cannot (soft-capped logits, eager attention) fall back to padding, said in "
         "the log.",
     )
-    by_tokens: int | None = Execution(
+    by_tokens: TokenBudgetField = Execution(
         None,
-        ge=1,
         description="SFT, reward, DPO, ORPO, KTO: regroup each rank's rows of a step into "
         "micro-batches of at most this many tokens (longest first) instead of "
         "micro_batch_size rows each: the same rows and loss per step, as few forwards as fit "
         "(short rows share one, a long row goes alone), bounded activation memory. A pair "
-        "counts both replies.",
+        "counts both replies. `auto`: the largest multiple of 256 the memory pre-flight "
+        "estimates to fit the device (CUDA; on CPU the rows' own micro-batches), in the log, "
+        "the start record and the summary beside the measured peak.",
     )
 
 
@@ -180,6 +184,15 @@ class RolloutBatchConfig(_Section):
         "prompts on the left and responses on the right to the widest: no compute on padding, "
         "the same results up to rounding. Models whose attention cannot (soft-capped logits, "
         "eager attention) fall back to padding, said in the log.",
+    )
+    by_tokens: TokenBudgetField = Execution(
+        None,
+        description="The scoring forwards of a rollout (every RL kind) and the forwards of "
+        "each PPO/GRPO-family update take at most this many tokens (prompt + response) each, "
+        "rows regrouped longest first, instead of micro_batch_size rows each: the same rows "
+        "per update and the same per-token loss weights, so the same scores and update "
+        "(online DPO's and distill's updates keep micro_batch_size rows). `auto`: as the SFT "
+        "batch's.",
     )
 
 

@@ -94,12 +94,39 @@ def check_data_paths(ctx: StageContext) -> None:
 
 def memory_preflight(ctx: StageContext) -> None:
     """Estimate a training stage's per-device memory before anything is loaded; refuse or warn
-    per `infra.memory_preflight` (report in logs/preflight.json and `ctx.preflight`)."""
-    from posttrain.runtime.preflight import enforce, preflight
+    per `infra.memory_preflight` (report in logs/preflight.json and `ctx.preflight`); then
+    resolve the stage's token budget (`batch.by_tokens`, `auto` from the estimate) into
+    `ctx.token_budget`."""
+    from posttrain.runtime.preflight import enforce
+    from posttrain.runtime.token_budget import resolve_token_budget, say, sized_report
 
-    mode = ctx.recipe.infra.memory_preflight
-    if mode == "off" or ctx.kind is None or not ctx.kind.trains:
+    if ctx.kind is None or not ctx.kind.trains:
         return
+    report = _preflight_report(ctx)
+    batch = getattr(ctx.section, "batch", None)
+    ctx.token_budget = resolve_token_budget(
+        getattr(batch, "by_tokens", None), report, _step_rows(ctx)
+    )
+    say(ctx.token_budget)
+    # auto: the verdict and the estimate the summary sets beside the peak are the budget's.
+    report = sized_report(report, ctx.token_budget)
+    if report is None:
+        return
+    ctx.preflight = report.record() | ctx.token_budget.record()
+    if ctx.is_main:
+        out = ctx.stage.out_dir / "logs" / "preflight.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({**ctx.preflight, "report": report.text()}, indent=2))
+    enforce(report, ctx.recipe.infra.memory_preflight)
+
+
+def _preflight_report(ctx: StageContext) -> Any:
+    """The pre-flight's PreflightReport of this stage, or None when `infra.memory_preflight`
+    is off or the estimate does not describe the base."""
+    from posttrain.runtime.preflight import preflight
+
+    if ctx.recipe.infra.memory_preflight == "off":
+        return None
     roles = [r for r in ("base", "teacher_base") if ctx.has_role(r)]  # a teacher: its own base
     dirs = {r: read_summary(ctx.role_dir(r)).model_dir for r in roles}
     try:
@@ -111,13 +138,20 @@ def memory_preflight(ctx: StageContext) -> None:
         )
     except ValueError as exc:  # a base the estimate does not describe: never block on that
         log.warning("memory pre-flight skipped: %s", exc)
-        return
-    ctx.preflight = report.record()
-    if ctx.is_main:
-        out = ctx.stage.out_dir / "logs" / "preflight.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({**ctx.preflight, "report": report.text()}, indent=2))
-    enforce(report, mode)
+        return None
+    return report
+
+
+def _step_rows(ctx: StageContext) -> int:
+    """Rows of the stage's batch one rank takes in one optimizer step (micro x accum)."""
+    from posttrain.config.loader import section_batch
+
+    batch = getattr(ctx.section, "batch", None)
+    if batch is None:
+        return 1
+    if batch.micro_batch_size is None or batch.grad_accum_steps is None:
+        batch = section_batch(ctx.recipe, ctx.stage.name)
+    return (batch.micro_batch_size or 1) * (batch.grad_accum_steps or 1)
 
 
 def measured_memory(ctx: StageContext) -> Memory:
@@ -131,7 +165,8 @@ def measured_memory(ctx: StageContext) -> Memory:
     assert ctx.preflight is not None
     device = ctx.dist.device if ctx.dist is not None else torch.device("cpu")
     snap = memory_snapshot(device)
-    out = {k: ctx.preflight[k] for k in ("estimate_gib", "capacity_gib", "fits")}
+    keys = ("estimate_gib", "capacity_gib", "fits", "by_tokens", "by_tokens_estimate_gib")
+    out = {k: ctx.preflight[k] for k in keys if ctx.preflight.get(k) is not None}
     if device.type == "cuda":
         alloc, reserved = snap["mem_peak_allocated_gib"], snap["mem_peak_reserved_gib"]
         out |= {"measured": "peak reserved", "measured_peak_gib": round(reserved, 4)}

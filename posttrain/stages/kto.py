@@ -259,7 +259,7 @@ def kto_step_batch(
     groups = regroup_step(
         [list(range(k * width, (k + 1) * width)) for k in range(len(own))],
         lambda p: completion_tokens(rows[slots[p][0]]),
-        loop.section.batch,
+        loop.ctx.by_tokens,
         loop.device,
     )
     kl_micro = [

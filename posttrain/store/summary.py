@@ -41,6 +41,10 @@ class Memory(BaseModel, extra="forbid"):
     fits: bool | None = None
     peak_allocated_gib: float | None = None  # GPU only
     estimate_over_measured: float | None = None  # absent when nothing was measured
+    # Tokens per forward the stage ran (`batch.by_tokens`, auto resolved) and, for auto, the
+    # pre-flight's estimate at that budget: beside the measured peak.
+    by_tokens: int | None = None
+    by_tokens_estimate_gib: float | None = None
 
 
 class Recovery(BaseModel, extra="forbid"):

@@ -214,7 +214,7 @@ class Training:
         rows = self.draw.rows
         idx = self.tr.step_rows(len(rows), step, self.batch, self.ctx.recipe.run.seed)
         groups = regroup_step(
-            idx, lambda i: self.draw.tokens(rows[i]), self.section.batch, self.device
+            idx, lambda i: self.draw.tokens(rows[i]), self.ctx.by_tokens, self.device
         )
         return self.lay_out(t_start, groups)
 

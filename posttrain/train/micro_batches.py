@@ -33,18 +33,19 @@ def padding_free(cfg: BatchConfig | RolloutBatchConfig, model: torch.nn.Module) 
 
 
 def regroup_step(
-    idx: list[list[int]], length: Callable[[int], int], cfg: BatchConfig, device: torch.device
+    idx: list[list[int]], length: Callable[[int], int], budget: int | None, device: torch.device
 ) -> list[list[int]]:
     """This rank's micro-batches of one step, from its rows `idx` ([accum][micro], as
-    `TrainSession.step_rows` gives them): unchanged, or with `batch.by_tokens` regrouped into
-    as many forwards as the token budget needs (`regroup_by_tokens`); every rank then runs the
-    largest count among ranks. `length(i)`: the tokens row i costs."""
-    if not cfg.by_tokens:
+    `TrainSession.step_rows` gives them): unchanged, or with a token `budget` (the stage's
+    `batch.by_tokens`, `StageContext.by_tokens`) regrouped into as many forwards as it needs
+    (`regroup_by_tokens`); every rank then runs the largest count among ranks. `length(i)`: the
+    tokens row i costs."""
+    if not budget:
         return idx
     rows = [i for ix in idx for i in ix]
-    groups = regroup_by_tokens(rows, length, cfg.by_tokens)
+    groups = regroup_by_tokens(rows, length, budget)
     if dist.is_initialized() and dist.get_world_size() > 1:
         n = torch.tensor([len(groups)], device=device)
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        groups = regroup_by_tokens(rows, length, cfg.by_tokens, at_least=int(n.item()))
+        groups = regroup_by_tokens(rows, length, budget, at_least=int(n.item()))
     return groups

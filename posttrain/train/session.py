@@ -426,6 +426,8 @@ def _start_record(
         "base_dtype": str(dtype).removeprefix("torch."),
         "peak_flops_per_device": peak[0],
         "peak_flops_source": peak[1],
+        # Tokens per forward (`batch.by_tokens`; auto: the pre-flight's budget and estimate).
+        **(ctx.token_budget.record() if getattr(ctx, "token_budget", None) else {}),
         **stage_fields,
     }
 

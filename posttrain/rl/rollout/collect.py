@@ -57,6 +57,7 @@ class RolloutSetup:
     # baseline): in process, or a server's (`posttrain.rl.rollout.server_engine`).
     engines: dict[str, RolloutEngine] = field(default_factory=dict)
     packed: bool = False  # scoring and update forwards padding-free (`batch.padding_free`)
+    by_tokens: int | None = None  # tokens per scoring and update forward (`batch.by_tokens`)
 
     @property
     def roles(self) -> tuple[str, ...]:  # what a rollout is scored by
@@ -142,6 +143,7 @@ def score_rollout(
         s.chunk_tokens,
         s.cfg.rollout.temperature,
         s.packed,
+        s.by_tokens,
     )
     if rows is not None:
         s.rewarder(ro, rows)

@@ -31,6 +31,7 @@ from posttrain.models.roles import REWARD, VALUE
 from posttrain.rl.losses import entropy_from_logits, token_logps
 from posttrain.rl.rollout.engine import RolloutEngine, left_pad
 from posttrain.sections.shared import RolloutConfig, SamplingConfig
+from posttrain.train.micro_batches import regroup_step
 
 if TYPE_CHECKING:
     from posttrain.agents.episodes import EpisodeRun
@@ -270,6 +271,20 @@ def response_logps(
     return (y[..., 0], y[..., 1]) if entropy else (y, None)
 
 
+def forward_groups(
+    ro: Rollout, rows: torch.Tensor, micro: int, by_tokens: int | None, device: torch.device
+) -> list[list[int]]:
+    """The forwards over rollout `rows` [n], as positions in `rows`: `micro` rows each in
+    order, or with `by_tokens` regrouped by their real tokens (prompt + response,
+    `regroup_step`: longest first, every rank runs as many). Each row's results and loss
+    weights are its own, so scores and updates are the same either way."""
+    n = len(rows)
+    if not by_tokens:
+        return [list(range(k, min(k + micro, n))) for k in range(0, n, micro)]
+    tokens = (ro.prompt_mask[rows].sum(1) + ro.response_attn[rows].sum(1)).tolist()  # [n]
+    return regroup_step([list(range(n))], lambda p: int(tokens[p]), by_tokens, device)
+
+
 @torch.no_grad()
 def score(
     model: torch.nn.Module,
@@ -281,18 +296,20 @@ def score(
     chunk_tokens: int = 0,
     temperature: float = 1.0,
     packed: bool = False,
+    by_tokens: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Fill `ro.scored` for the requested roles: "logps" (policy) / "ref_logps" [N, R], "values"
     [N, R] (critic), "scores" [N] (reward model, on the response re-rendered through the chat
     template exactly as its training pairs were, so it sees the end-of-turn text it learnt on).
-    `packed`: each forward's rows laid end to end instead of padded."""
+    `packed`: each forward's rows laid end to end instead of padded; `by_tokens`: forwards of
+    at most that many tokens (`forward_groups`) instead of `batch_size` rows."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     out: dict[str, list[torch.Tensor]] = {}
     names = {POLICY: "logps", REFERENCE: "ref_logps", VALUE: "values"}
-    for start in range(0, ro.n, batch_size):
-        idx = list(range(start, min(start + batch_size, ro.n)))
+    groups = forward_groups(ro, torch.arange(ro.n), batch_size, by_tokens, device)
+    for idx in groups:
         inp = model_inputs(ro, idx, packed, device)
         mask = ro.mask[idx].to(device)
         for role in (r for r in roles if r in names):
@@ -329,5 +346,11 @@ def score(
                 )
             )
     model.train(was_training)
+    # Back in row order: the forwards took the rows in `groups`' order.
+    order = torch.tensor([i for g in groups for i in g], dtype=torch.long)
+    for k in names.values():
+        if k in out:
+            y = torch.cat(out[k]).cpu()
+            out[k] = [torch.empty_like(y).index_copy_(0, order, y)]
     ro.scored |= {k: torch.cat(v).cpu() for k, v in out.items()}
     return ro.scored
