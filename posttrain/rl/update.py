@@ -128,7 +128,7 @@ def update(
                 tr, ro, adv, mb, cfg, batch.micro_batch_size, chunk_tokens, sums, packed
             )
             objective = all_reduce_sum(share, device)  # the same on every rank, for the guard
-            norm, lr = tr.optimizer_step(
+            _, norm, lr = tr.optimizer_step(
                 cfg.optim.max_grad_norm, loss=objective, step=step, epoch=epoch, update=u
             )
             norms.append(norm)

@@ -228,12 +228,15 @@ class Training:
         local_tokens = sum(self.draw.tokens(rows[i]) for g in groups for i in g)
         return StepBatch(t_start, groups, host, micro, local_tokens, time.perf_counter() - t_start)
 
-    def finish_step(self, step: int, sb: StepBatch, *, loss: float, **metrics: float) -> None:
+    def finish_step(
+        self, step: int, sb: StepBatch, *, loss: float | torch.Tensor, **metrics: float
+    ) -> None:
         """The end of optimizer step `step` (0-based), once its gradients are in: the optimizer
         step, the metrics record, held-out figures and a checkpoint when due. `loss`: the
-        step's loss over all ranks (every rank passes the same value)."""
+        step's loss over all ranks (every rank passes the same value), a Python float or a
+        0-dim device tensor the optimizer step reads with the gradient norm (one host sync)."""
         cfg, tr, done = self.section, self.tr, step + 1
-        grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=loss, step=done)
+        loss, grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=loss, step=done)
         if done % cfg.log_every == 0 or done == tr.total_steps:
             tr.record_step(
                 done,
