@@ -420,5 +420,11 @@ def model_call(model: nn.Module, batch: dict[str, Any]) -> Any:
         return model(**inputs)
     with confined_attention(model) as native:
         # Flash-attention finds the rows from the position ids itself; anything else reads
-        # them from the segments, handed down to every attention call as a keyword.
-        return model(**inputs, **({} if native else {SEGMENTS_KW: segments}))
+        # them from the segments, handed down to every attention call as a keyword, and gets
+        # an all-ones attention mask: without one, transformers looks for packed rows in the
+        # position ids with a `.all()` read to the host every forward (the segments' mask
+        # builder returns no mask either way).
+        if native:
+            return model(**inputs)
+        ones = torch.ones_like(inputs["input_ids"])  # [1, N]
+        return model(**(inputs | {"attention_mask": ones}), **{SEGMENTS_KW: segments})
