@@ -242,3 +242,34 @@ def test_no_peft_input_casts_under_autocast_trains_the_same(tmp_path: Path, drop
             shutdown()
     same = all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
     assert same == (dropout == 0.0)
+
+
+def test_step_metrics_are_read_on_logged_steps_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The preference stages' figures (`step_means`) stay on the device: a step that is not
+    logged reads only the guard's pair; a logged one also reads the figures, in one copy, equal
+    to the host arithmetic of before (all_reduce_sums, then / global batch)."""
+    from posttrain.distributed.runtime import all_reduce_sums
+    from posttrain.telemetry.records import read_metrics
+
+    loop = _loop(tmp_path, "fp32", flat=True)
+    try:
+        sums = {"pair_loss": torch.tensor(1.2345678, dtype=torch.float32), "correct": 3.0}
+        sums["margin"] = torch.tensor(-0.3, dtype=torch.float32)
+        n = loop.batch.global_batch_size
+        before = {k: v / n for k, v in all_reduce_sums(sums, loop.device).items()}
+        for step in (0, 5):  # step 6 of 6 is logged (the last), step 1 is not
+            sb = loop.step_batch(step)
+            loss, _ = sft_step(loop, sb)
+            g = loop.step_means(sums)
+            calls = _count_host_reads(monkeypatch)
+            loop.finish_step(step, sb, loss=loss, **g)
+            assert calls == (["tolist"] if step == 0 else ["tolist", "tolist"])
+            monkeypatch.undo()
+        record = read_metrics(loop.tr.metrics.path, "train")[-1]
+        assert record["step"] == 6
+        assert {k: record[k] for k in before} == before
+    finally:
+        loop.tr.metrics.close()
+        shutdown()
