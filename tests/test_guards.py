@@ -304,7 +304,7 @@ def test_session_skips_non_finite_and_spiking_steps_bit_exactly(tmp_path: Path) 
     ctx, tr, ids = _tiny_session(tmp_path, guard)
     try:
 
-        def step(n: int, scale: float) -> tuple[float, float]:
+        def step(n: int, scale: float) -> tuple[float, float, float]:
             loss = tr.model(input_ids=ids, labels=ids).loss * scale
             tr.backward(loss)
             return tr.optimizer_step(1.0, loss=float(loss.detach()), step=n)
@@ -313,7 +313,7 @@ def test_session_skips_non_finite_and_spiking_steps_bit_exactly(tmp_path: Path) 
         step(2, 1.0)
         before = _snapshot(tr)
         assert before["opt"], "AdamW state exists after two steps"
-        norm, _ = step(3, float("nan"))  # a real NaN loss and NaN gradients
+        _, norm, _ = step(3, float("nan"))  # a real NaN loss and NaN gradients
         assert norm != norm
         assert all(p.grad is None for p in tr.trainable)
         assert _same(before, _snapshot(tr)), "a skipped step changed the model or optimizer"

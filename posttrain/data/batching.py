@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from posttrain.data.chat import IGNORE
-from posttrain.data.segments import flat_batch
+from posttrain.data.segments import flat_batch, target_positions
 
 
 def epoch_permutation(n_rows: int, epoch: int, seed: int) -> list[int]:
@@ -46,7 +46,8 @@ def step_indices(
 
 
 def pad_batch(examples: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest example -> input_ids/labels/attention_mask/position_ids [B, T]."""
+    """Right-pad to the longest example -> input_ids/labels/attention_mask/position_ids [B, T]
+    and the `target_positions` [N] the chunked head scores."""
     width = max(len(e["input_ids"]) for e in examples)
     n = len(examples)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -59,7 +60,13 @@ def pad_batch(examples: list[dict[str, list[int]]], pad_id: int) -> dict[str, to
         labels[i, :t] = torch.tensor(e["labels"])
         mask[i, :t] = 1
         pos[i, :t] = torch.tensor(e.get("position_ids") or list(range(t)))
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": pos}
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "attention_mask": mask,
+        "position_ids": pos,
+        "target_positions": target_positions(labels),
+    }
 
 
 def collate(

@@ -88,7 +88,8 @@ class Segments:
 def flat_batch(examples: list[dict[str, list[int]]]) -> dict[str, Any]:
     """Rows end to end -> input_ids/labels/position_ids [1, N] and `segments`; no padding and
     no attention_mask (the segments confine attention). Rows that carry `position_ids` (rows
-    packed by `pack_examples`) keep theirs, and each packed piece counts as its own row."""
+    packed by `pack_examples`) keep theirs, and each packed piece counts as its own row; with
+    the `target_positions` [M] the chunked head scores."""
     ids: list[int] = []
     labels: list[int] = []
     pos: list[int] = []
@@ -104,12 +105,26 @@ def flat_batch(examples: list[dict[str, list[int]]]) -> dict[str, Any]:
             lab[a] = IGNORE  # the previous row's last token must not predict it
         labels += lab
         pos += p
+    label_tensor = torch.tensor([labels], dtype=torch.long)
     return {
         "input_ids": torch.tensor([ids], dtype=torch.long),
-        "labels": torch.tensor([labels], dtype=torch.long),
+        "labels": label_tensor,
         "position_ids": torch.tensor([pos], dtype=torch.long),
         "segments": Segments.from_lengths(lengths),
+        "target_positions": target_positions(label_tensor),
     }
+
+
+def target_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices [N] into the [B * T] positions of `labels` [B, T] (a host tensor) of the
+    positions that predict a label: t where labels[b, t + 1] != IGNORE. Taken here, on the host
+    side of the data loader, so the chunked LM head (`posttrain.models.chunked.head_scores`)
+    gathers and scatters by index: a boolean mask on the device has a data-dependent size, and
+    indexing by it waits for the device (one host sync per forward)."""
+    b, t = labels.shape
+    scored = labels.new_zeros((b, t), dtype=torch.bool)
+    scored[:, :-1] = labels[:, 1:] != IGNORE
+    return scored.reshape(-1).nonzero().squeeze(1)
 
 
 def batch_rows(batch: dict[str, Any]) -> int:

@@ -111,6 +111,14 @@ def all_reduce_sum(value: float | int, device: torch.device) -> float:
     return float(t.item())
 
 
+def all_reduce_on_device(t: torch.Tensor) -> torch.Tensor:
+    """Sum a device tensor over ranks in place and return it, still on the device: nothing is
+    read to the host (a loss summed here is read once, with the gradient norm, by the guard)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
 def all_reduce_sums(
     sums: dict[str, float | torch.Tensor], device: torch.device
 ) -> dict[str, float]:

@@ -268,28 +268,44 @@ def head_scores(
     chunk: int,
     entropy: bool,
     transform: LogitTransform = IDENTITY,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-position scores of `targets` [B, T] (IGNORE = not scored) from `hidden` [B, T, H]
     through `head` (an nn.Linear, not called: its weight is read) and the model's `transform`
-    -> (logp [B, T], entropy [B, T] | None), 0.0 at IGNORE positions. Unlabelled positions never reach the head: in a
-    prompt-heavy batch they are most of the tokens."""
+    -> (logp [B, T], entropy [B, T] | None), 0.0 at IGNORE positions. Unlabelled positions
+    never reach the head: in a prompt-heavy batch they are most of the tokens.
+
+    `positions` [N]: the flat indices into [B * T] of the scored positions, taken on the host
+    by the collator (`posttrain.data.segments.target_positions`): the head then gathers and
+    scatters by index without waiting for the device. Without them (targets built on the
+    device, as RL's sampled rows) they are found from `targets`, one host sync."""
     if hidden.shape[:2] != targets.shape:
         raise ValueError(
             f"the LM head sees positions {tuple(hidden.shape[:2])} but the targets are "
             f"{tuple(targets.shape)}: align the targets with the positions given to the head "
             f"(shifted labels; the last `logits_to_keep` columns when that is set)"
         )
-    mask = targets != IGNORE  # [B, T]
+    if positions is None:
+        positions = (targets != IGNORE).reshape(-1).nonzero().squeeze(1)  # [N], syncs
+    flat_hidden = hidden.reshape(-1, hidden.size(-1))  # [B * T, H]
     logp_n, ent_n = chunked_target_logps(
-        hidden[mask], head.weight, head.bias, targets[mask], chunk, entropy, transform
+        flat_hidden.index_select(0, positions),
+        head.weight,
+        head.bias,
+        targets.reshape(-1).index_select(0, positions),
+        chunk,
+        entropy,
+        transform,
     )  # [N]
-    logp = logp_n.new_zeros(targets.shape)
-    logp[mask] = logp_n
-    if ent_n is None:
-        return logp, None
-    ent = ent_n.new_zeros(targets.shape)
-    ent[mask] = ent_n
-    return logp, ent
+    logp = _scatter_scores(logp_n, positions, targets.shape)
+    return logp, (None if ent_n is None else _scatter_scores(ent_n, positions, targets.shape))
+
+
+def _scatter_scores(
+    values: torch.Tensor, positions: torch.Tensor, shape: torch.Size
+) -> torch.Tensor:
+    """values [N] at flat `positions` of a zero [B, T] tensor (differentiable)."""
+    return values.new_zeros(shape.numel()).index_copy(0, positions, values).view(shape)
 
 
 def output_head(model: nn.Module) -> nn.Linear:
@@ -312,21 +328,26 @@ def model_transform(model: nn.Module) -> LogitTransform:
 
 @contextmanager
 def scoring_head(
-    model: nn.Module, targets: torch.Tensor, chunk: int, entropy: bool = False
+    model: nn.Module,
+    targets: torch.Tensor,
+    chunk: int,
+    entropy: bool = False,
+    positions: torch.Tensor | None = None,
 ) -> Iterator[None]:
     """While active, the model's `.logits` are the log-probs of `targets` [B, T] ([B, T, 2]:
     log-prob, entropy, with `entropy`), computed by the chunked head inside the model's own
     (FSDP2 root) forward. `targets[b, t]` is the token position t predicts (shifted labels),
     IGNORE where nothing is scored. The model's own logit transform is switched off for the
     call (`_transform_off`): the chunked head applies it, and the model's forward would
-    otherwise soft-cap or scale the log-probs the head returns."""
+    otherwise soft-cap or scale the log-probs the head returns. `positions`: the scored
+    positions' flat indices, taken on the host (`head_scores`)."""
     head = output_head(model)
     transform = model_transform(model)
     had_own = "forward" in head.__dict__
     previous = head.__dict__.get("forward")
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T] | [B, T, 2]
-        logp, ent = head_scores(head, hidden, targets, chunk, entropy, transform)
+        logp, ent = head_scores(head, hidden, targets, chunk, entropy, transform, positions)
         return logp if ent is None else torch.stack([logp, ent], dim=-1)
 
     head.forward = forward
@@ -380,10 +401,10 @@ def label_logps(
     model: nn.Module, batch: dict[str, Any], chunk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward of a causal LM over `batch` (input_ids/attention_mask/position_ids/labels,
-    [B, T]) -> (log-probs [B, T-1] of labels[:, 1:], 0.0 where IGNORE; mask [B, T-1] bool),
-    through the chunked head."""
+    [B, T]; `target_positions` from the collator when it took them) -> (log-probs [B, T-1] of
+    labels[:, 1:], 0.0 where IGNORE; mask [B, T-1] bool), through the chunked head."""
     targets = shifted_targets(batch["labels"])
-    with scoring_head(model, targets, chunk):
+    with scoring_head(model, targets, chunk, positions=batch.get("target_positions")):
         logp = model_call(model, batch).logits  # [B, T]
     return logp[:, :-1], targets[:, :-1] != IGNORE
 
@@ -399,5 +420,11 @@ def model_call(model: nn.Module, batch: dict[str, Any]) -> Any:
         return model(**inputs)
     with confined_attention(model) as native:
         # Flash-attention finds the rows from the position ids itself; anything else reads
-        # them from the segments, handed down to every attention call as a keyword.
-        return model(**inputs, **({} if native else {SEGMENTS_KW: segments}))
+        # them from the segments, handed down to every attention call as a keyword, and gets
+        # an all-ones attention mask: without one, transformers looks for packed rows in the
+        # position ids with a `.all()` read to the host every forward (the segments' mask
+        # builder returns no mask either way).
+        if native:
+            return model(**inputs)
+        ones = torch.ones_like(inputs["input_ids"])  # [1, N]
+        return model(**(inputs | {"attention_mask": ones}), **{SEGMENTS_KW: segments})

@@ -259,7 +259,7 @@ def distill_update(
             sums["divergence"] += float((per_token.detach() * keep).sum())
             sums["agree"] += float((same * keep).sum())
     loss = all_reduce_sum(share, device)
-    norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=loss, step=step)
+    _, norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=loss, step=step)
     t = all_reduce_sums(dict(sums), device)
     means = {
         "loss": loss,

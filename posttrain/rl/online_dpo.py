@@ -240,6 +240,6 @@ def dpo_update(
         ):
             sums[name] += float((v * weight).sum())
     loss = all_reduce_sum(share, device)  # the mean loss over all pairs, the same on every rank
-    norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=loss, step=step)
+    _, norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=loss, step=step)
     means = {k: v / total for k, v in all_reduce_sums(dict(sums), device).items()}
     return DPOStats(means, norm, lr, 1, total, len(pairs))

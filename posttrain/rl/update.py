@@ -129,7 +129,7 @@ def update(
             groups = forward_groups(ro, rows, batch.micro_batch_size, by_tokens, device)
             share = minibatch_backward(tr, ro, adv, mb, cfg, groups, chunk_tokens, sums, packed)
             objective = all_reduce_sum(share, device)  # the same on every rank, for the guard
-            norm, lr = tr.optimizer_step(
+            _, norm, lr = tr.optimizer_step(
                 cfg.optim.max_grad_norm, loss=objective, step=step, epoch=epoch, update=u
             )
             norms.append(norm)

@@ -285,12 +285,13 @@ def training_reference(
 
 def dpo_step(
     loop: Training, sb: StepBatch, loss_fn: Any, ref_table: torch.Tensor | None
-) -> tuple[float, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
     """One step's forwards and backwards. Per micro-batch of pairs: the reference log-probs
     (zeros for a reference-free loss, from `ref_table` when precomputed, else a no-grad forward
     under the reference adapter), the policy forward, and sum(pair losses) * world /
     global_pairs (+ `sft_weight` x the chosen NLL, weighted the same) backpropagated. Returns
-    the step's mean preference loss over all ranks and its mean metrics."""
+    the step's mean preference loss over all ranks and its mean metrics, as device tensors
+    (`Training.step_means`: read by `finish_step`)."""
     cfg, model, device = loop.section, loop.model, loop.device
     n_pairs, world = loop.batch.global_batch_size, loop.world
     sums: dict[str, torch.Tensor] = {}  # in the order the metrics record lists them

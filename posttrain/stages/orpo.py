@@ -105,9 +105,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
     )
 
 
-def orpo_step(loop: Training, sb: StepBatch, beta: float) -> tuple[float, dict[str, float]]:
+def orpo_step(
+    loop: Training, sb: StepBatch, beta: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One step: one policy forward per micro-batch of pairs, sum(pair losses) * world /
-    global_pairs backpropagated. Returns the step's mean loss and metrics (in name order)."""
+    global_pairs backpropagated. Returns the step's mean loss and metrics (in name order), as
+    device tensors (`Training.step_means`: read by `finish_step`)."""
     sums: dict[str, torch.Tensor] = {}
     for k, mb in enumerate(sb.micro):
         grad_sync(loop.model, k == len(sb.micro) - 1)

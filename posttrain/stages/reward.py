@@ -113,11 +113,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 def bradley_terry_step(
     loop: Training, sb: StepBatch, margin: float
-) -> tuple[float, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One step's forwards and backwards: each micro-batch of pairs is scored (chosen and
     rejected rows in one forward) and backprops sum(pair losses) * world / global_pairs, so
     every pair of the global batch weighs the same. Returns the step's mean loss over all ranks
-    and its mean accuracy, margin and rewards."""
+    and its mean accuracy, margin and rewards, as device tensors (`Training.step_means`: read
+    by `finish_step`)."""
     sums: dict[str, torch.Tensor] = {}
     for k, mb in enumerate(sb.micro):
         grad_sync(loop.model, k == len(sb.micro) - 1)

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from posttrain.data.batching import collate, pack_examples
-from posttrain.data.chat import IGNORE, template_sha256
+from posttrain.data.chat import template_sha256
 from posttrain.data.sft_data import prepare
 from posttrain.distributed.fsdp import grad_sync
-from posttrain.distributed.runtime import all_reduce_sum
+from posttrain.distributed.runtime import all_reduce_on_device, all_reduce_sum
 from posttrain.models.adapters import trainable_adapter
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.rl.teacher_answers import teacher_rows
@@ -110,21 +110,25 @@ def sequence_tokens(row: dict[str, Any]) -> int:
     return len(row["input_ids"])
 
 
-def sft_step(loop: Training, sb: StepBatch) -> tuple[float, float]:
+def sft_step(loop: Training, sb: StepBatch) -> tuple[torch.Tensor, float]:
     """One step's forwards and backwards: each micro-batch backprops its summed NLL * world /
     N_global (the target tokens of the whole global batch), so every token weighs the same
-    however the batch is split. Returns (the step's loss per target token, N_global)."""
+    however the batch is split. Returns (the step's loss per target token as a 0-dim float64
+    device tensor, N_global): nothing is read to the host here; the optimizer step reads the
+    loss with the gradient norm, the step's one sync."""
     device = loop.device
-    # Counted on the host: int() of a device tensor would wait for the last step's update.
-    local_targets = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in sb.host)
+    # Counted on the host (the collator's `target_positions`): reading a device tensor would
+    # wait for the last step's update.
+    local_targets = sum(int(mb["target_positions"].numel()) for mb in sb.host)
     global_targets = all_reduce_sum(local_targets, device)
-    step_nll = torch.zeros((), device=device)  # summed on the device: one sync per step
+    step_nll = torch.zeros((), device=device)  # summed on the device
     for k, mb in enumerate(sb.micro):
         grad_sync(loop.model, k == len(sb.micro) - 1)
         nll, _ = forward_nll_sum(loop.model, mb, loop.chunk_tokens)
         loop.tr.backward(nll * loop.world / global_targets)
         step_nll += nll.detach().float()
-    return all_reduce_sum(float(step_nll), device) / global_targets, global_targets
+    # float64 before the sum over ranks and the division: what the host did with float().
+    return all_reduce_on_device(step_nll.double()) / global_targets, global_targets
 
 
 def kept_start_loss(loop: Training) -> float | None:

@@ -38,7 +38,7 @@ from posttrain.config.batch import ResolvedBatch
 from posttrain.config.loader import section_batch
 from posttrain.data.segments import batch_rows, layout_stats
 from posttrain.data.sft_data import write_splits
-from posttrain.distributed.runtime import all_reduce_sums, rank_batches
+from posttrain.distributed.runtime import all_reduce_on_device, rank_batches
 from posttrain.models.sharded_load import CheckpointFiles
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
@@ -115,11 +115,21 @@ def strided_batches(
 def add_sums(
     sums: dict[str, Any], values: dict[str, torch.Tensor], weight: float | None = None
 ) -> None:
-    """Add each value's sum into `sums`: detached, on the device (a step's figures, read once
-    per step); or with `weight`, as weight x a Python float (held-out figures: 0 for a filler)."""
+    """Add each value's sum into `sums`: detached, on the device (a step's figures, read on
+    logged steps only: `Training.step_means`); or with `weight`, as weight x a Python float
+    (held-out figures: 0 for a filler)."""
     for name, v in values.items():
         add = v.detach().sum() if weight is None else weight * v.sum().item()
         sums[name] = sums.get(name, 0.0) + add
+
+
+def host_floats(values: dict[str, float | torch.Tensor]) -> dict[str, float]:
+    """`values` with its device tensors read as Python floats, all in one copy."""
+    names = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
+    if not names:
+        return dict(values)  # type: ignore[arg-type]
+    read = torch.stack([values[k].detach().double().reshape(()) for k in names]).tolist()
+    return {**values, **dict(zip(names, read, strict=True))}  # type: ignore[dict-item]
 
 
 def plan_steps(ctx: Any, data: PreparedData, n_rows: int) -> tuple[ResolvedBatch, int]:
@@ -228,13 +238,23 @@ class Training:
         local_tokens = sum(self.draw.tokens(rows[i]) for g in groups for i in g)
         return StepBatch(t_start, groups, host, micro, local_tokens, time.perf_counter() - t_start)
 
-    def finish_step(self, step: int, sb: StepBatch, *, loss: float, **metrics: float) -> None:
+    def finish_step(
+        self,
+        step: int,
+        sb: StepBatch,
+        *,
+        loss: float | torch.Tensor,
+        **metrics: float | torch.Tensor,
+    ) -> None:
         """The end of optimizer step `step` (0-based), once its gradients are in: the optimizer
         step, the metrics record, held-out figures and a checkpoint when due. `loss`: the
-        step's loss over all ranks (every rank passes the same value)."""
+        step's loss over all ranks (every rank passes the same value), a Python float or a
+        0-dim device tensor the optimizer step reads with the gradient norm (one host sync).
+        `metrics` may be device tensors too (`step_means`): read on logged steps only."""
         cfg, tr, done = self.section, self.tr, step + 1
-        grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=loss, step=done)
+        loss, grad_norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=loss, step=done)
         if done % cfg.log_every == 0 or done == tr.total_steps:
+            metrics = host_floats(metrics)
             tr.record_step(
                 done,
                 loss=loss,
@@ -270,10 +290,16 @@ class Training:
             yield (1.0 if idx else 0.0), batch
         self.model.train()
 
-    def step_means(self, sums: dict[str, Any]) -> dict[str, float]:
-        """`add_sums` totals over all ranks, per row of the global batch."""
-        n = self.batch.global_batch_size
-        return {k: v / n for k, v in all_reduce_sums(sums, self.device).items()}
+    def step_means(self, sums: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """`add_sums` totals over all ranks, per row of the global batch: 0-dim float64 tensors
+        on the device, summed there in one all-reduce and read by nobody here. `finish_step`
+        reads the loss with the gradient norm (the guard's read) and the rest on logged steps
+        only (`host_floats`)."""
+        t = torch.stack(
+            [torch.as_tensor(v, device=self.device).detach().double() for v in sums.values()]
+        )
+        means = all_reduce_on_device(t) / self.batch.global_batch_size  # [len(sums)]
+        return dict(zip(sums, means.unbind(), strict=True))
 
     def evaluate(self, step: int) -> Figures | None:
         """The stage's held-out figures now, as an `eval` record at `step` (`eval_<name>`)."""

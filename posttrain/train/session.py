@@ -103,20 +103,27 @@ class TrainSession:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def optimizer_step(
-        self, max_grad_norm: float | None, *, loss: float, step: int, **record: Any
-    ) -> tuple[float, float]:
-        """Clip, check, step, schedule, zero. Returns (grad norm before clipping, lr).
+        self, max_grad_norm: float | None, *, loss: float | torch.Tensor, step: int, **record: Any
+    ) -> tuple[float, float, float]:
+        """Clip, check, step, schedule, zero. Returns (loss, grad norm before clipping, lr).
 
         `loss`: the step's loss over all ranks (every rank passes the same value, and the clipped
-        norm is global, so every rank takes the same decision without another collective).
-        `step`: 1-based; `record`: extra fields for a guard record. A bad step
-        (`posttrain.train.guard`) is skipped: gradients zeroed, neither optimizer nor schedule
-        stepped, so parameters and optimizer state stay bit-identical."""
+        norm is global, so every rank takes the same decision without another collective); a
+        0-dim device tensor is read here together with the norm. `step`: 1-based; `record`:
+        extra fields for a guard record. A bad step (`posttrain.train.guard`) is skipped:
+        gradients zeroed, neither optimizer nor schedule stepped, so parameters and optimizer
+        state stay bit-identical.
+
+        This is the step's one host sync: loss and norm come over in one copy, before the
+        update, because the guard's verdict decides on the host whether the optimizer and the
+        LR schedule step at all (a skipped step leaves both bit-identical), feeds the loss-spike
+        history and stops the stage at the step that broke it; a verdict read later would
+        have to undo updates and schedule steps already taken."""
         assert self.guard is not None, "start_session sets the guard"
         if self.scaler:
             self.scaler.unscale_(self.opt)
-        norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_grad_norm or float("inf"))
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        norm_t = torch.nn.utils.clip_grad_norm_(self.trainable, max_grad_norm or float("inf"))
+        loss, norm = _read_pair(loss, norm_t)
         lr = self.opt.param_groups[0]["lr"]
         # With a loss scaler, inf/nan gradients are its overflow signal: scaler.step skips them
         # and update() lowers the scale. The guard then judges the loss only.
@@ -145,7 +152,7 @@ class TrainSession:
         self.opt.zero_grad(set_to_none=True)
         heartbeat.beat(step=step, phase="train")
         self.guard.commit(step, loss, reason)
-        return norm, lr
+        return loss, norm, lr
 
     def record_step(
         self,
@@ -212,10 +219,10 @@ class TrainSession:
         self, local_tokens: int, seq_len: float, t_start: float, flops: float | None
     ) -> tuple[float, float, float, float]:
         """(seconds since `t_start`, tokens and FLOP/s over all ranks, MFU) of the step ending
-        now."""
+        now. No device synchronize: the guard's read in `optimizer_step` already waited for the
+        step's forwards and backwards; its optimizer kernels, still in flight, are waited for by
+        the next step's read and count there."""
         device = self.dist.device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
         dt = time.perf_counter() - t_start
         tokens = all_reduce_sum(local_tokens, device)
         cfg = self.model.config
@@ -280,6 +287,18 @@ class TrainSession:
             heartbeat.beat(phase="checkpoint")
             self.metrics.sync()
             save_checkpoint(self.ckpt_root, step, self.model, self.opt, self.sched, keep, extra)
+
+
+def _read_pair(loss: float | torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
+    """(loss, norm) as Python floats, in one device-to-host copy. float64 on the device: the
+    fp32 values convert exactly, and a float64 loss stays as computed."""
+    if hasattr(norm, "full_tensor"):  # FSDP2: the global norm of a DTensor
+        norm = norm.full_tensor()
+    if not isinstance(loss, torch.Tensor):
+        return float(loss), float(norm)
+    pair = torch.stack([loss.detach().reshape(()).double(), norm.double()])
+    loss_f, norm_f = pair.tolist()
+    return loss_f, norm_f
 
 
 def start_session(
