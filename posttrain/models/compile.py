@@ -1,0 +1,103 @@
+"""Regional compilation: each decoder block's forward through `torch.compile` (`infra.compile`).
+
+As torchtitan does, blocks are compiled one by one (`fullgraph=True`), not the whole model: all
+blocks of a model share one code object, so the graph is traced and compiled once and reused by
+every layer (compile time of one block, not of N), and what lies around the blocks (embedding,
+chunked LM head, losses, FSDP2's per-block hooks, activation checkpointing's wrapper) stays eager.
+The block's `forward` is replaced, not its `__call__`: hooks registered on the block (FSDP2's
+all-gather/reshard, checkpointing's recompute) run around the compiled body, as in eager.
+
+Packed micro-batches differ in length at every step ([1, N] with N varying, and the row layout
+[S, L] of `posttrain.data.segments`): the blocks compile with `dynamic=True`, so sizes are
+symbolic from the first trace. Only what changes a graph's structure recompiles: one row or
+several (`S == 1` is a specialised size), a sliding window shorter than the longest row or
+not, a padded batch (held-out loss) instead of a packed one. Forwards that carry a KV cache
+(generation) run the eager forward: a cache object mutates across calls and would recompile.
+
+Applied after LoRA wrapping, sharding and activation checkpointing (`posttrain.train.session`).
+`CompileStats` reads dynamo's counters, so compile time is reported apart from step time.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from posttrain.distributed.fsdp import decoder_blocks
+
+
+def compile_enabled(setting: str | bool, device: torch.device) -> bool:
+    """`infra.compile`: `auto` = on for CUDA only (inductor's CPU kernels are correct but a CPU
+    run gains less than the minute of compiling costs a short run), true/false as set."""
+    if setting == "auto":
+        return device.type == "cuda"
+    return bool(setting)
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """Replace each decoder block's forward with its compiled version; returns how many."""
+    blocks = decoder_blocks(model)
+    for block in blocks:
+        block.forward = _regional(block)  # type: ignore[method-assign]
+    return len(blocks)
+
+
+def _regional(block: nn.Module) -> Any:
+    """The block's forward: its body compiled, activation checkpointing kept around it eagerly.
+
+    transformers wraps a layer class's forward in `forward_with_checkpointing` (once per
+    subclass: FSDP2's `FSDP<Layer>` adds one). Compiling through it would trace
+    `torch.utils.checkpoint` as a higher-order op, which refuses the attention's side effect
+    (`varlen_attention` marks that it saw the segments); checkpointing the compiled body instead
+    is the same recompute, and the recompute replays the compiled graph."""
+    body = _unwrapped_forward(type(block))
+    compiled = torch.compile(functools.partial(body, block), fullgraph=True, dynamic=True)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("past_key_values") is not None:
+            return body(block, *args, **kwargs)  # generation: the cache changes at every call
+        if (
+            getattr(block, "gradient_checkpointing", False)
+            and block.training
+            and torch.is_grad_enabled()
+        ):
+            return block._gradient_checkpointing_func(functools.partial(compiled, **kwargs), *args)
+        return compiled(*args, **kwargs)
+
+    return forward
+
+
+def _unwrapped_forward(cls: type) -> Any:
+    """`cls.forward` without transformers' checkpointing wrappers (found by their code's name:
+    `functools.wraps` copies the wrapped function's name onto the wrapper, not its code)."""
+    fn = cls.forward
+    while fn.__code__.co_name == "forward_with_checkpointing":
+        fn = fn.__wrapped__
+    return fn
+
+
+@dataclass(frozen=True)
+class CompileStats:
+    """Dynamo's process-wide totals at one moment: seconds spent compiling, graphs compiled."""
+
+    seconds: float
+    graphs: int
+
+    @classmethod
+    def now(cls) -> CompileStats:
+        from torch._dynamo.utils import compilation_time_metrics, counters
+
+        # Every frame compile (trace, AOT autograd, inductor) is timed under this key.
+        seconds = sum(compilation_time_metrics.get("_compile.compile_inner", []))
+        return cls(seconds, int(counters["stats"]["unique_graphs"]))
+
+    def since(self, before: CompileStats) -> dict[str, float]:
+        """The step-record fields: compile seconds and graphs compiled since `before`."""
+        return {
+            "compile_s": round(self.seconds - before.seconds, 3),
+            "graphs_compiled": self.graphs - before.graphs,
+        }
