@@ -13,11 +13,14 @@ import torch
 from test_padding_free import llama, rows
 
 from posttrain.data.segments import flat_batch
+from posttrain.distributed.fsdp import is_sharded, place_model
+from posttrain.distributed.runtime import init_distributed, shutdown
 from posttrain.models.compile import CompileStats, compile_blocks, compile_enabled
 from posttrain.models.lora import apply_lora, prepare_for_training
 from posttrain.sections.infra import InfraConfig
-from posttrain.sections.shared import LoraConfig
+from posttrain.sections.shared import LoraConfig, OptimConfig
 from posttrain.train.forward_logps import forward_nll_sum
+from posttrain.train.optim import build_optimizer
 
 # Several rows, then one row: the two kinds of packed batch (a single row needs no gather).
 MULTI = [[19, 5, 27, 11], [7, 30, 2], [12, 12, 12, 12, 3], [9, 33]]
@@ -90,3 +93,32 @@ def test_compiled_blocks_match_eager_without_recompiling(checkpointing: bool) ->
 def test_compiled_blocks_match_eager_on_cuda() -> None:
     graphs = compare(True, "cuda")
     assert graphs == [1, 0, 0, 0, 1, 0], graphs
+
+
+def train(model: torch.nn.Module) -> list[float]:
+    """One AdamW step per layout -> the losses (a step changes the weights the next sees)."""
+    opt = build_optimizer([p for p in model.parameters() if p.requires_grad], OptimConfig(lr=1e-2))
+    losses = []
+    for lengths in MULTI + SINGLE:
+        loss, _ = loss_and_grads(model, lengths, "cpu")
+        losses.append(float(loss))
+        opt.step()
+    return losses
+
+
+@pytest.mark.slow
+def test_compiled_fsdp2_blocks_train_as_eager() -> None:
+    """FSDP2 (one rank, `shard_single_device`) with checkpointing, blocks compiled after
+    sharding: FSDP's per-block hooks run around the compiled body, losses follow eager's."""
+    torch._dynamo.reset()
+    d = init_distributed("cpu", 60, 1)
+    try:
+        eager = place_model(lora_llama(True, "cpu"), d.mesh, "fp32")
+        sharded = place_model(lora_llama(True, "cpu"), d.mesh, "fp32", shard_single_device=True)
+        assert is_sharded(sharded) and compile_blocks(sharded) == 4
+        before = CompileStats.now()
+        got, want = train(sharded), train(eager)
+        assert CompileStats.now().since(before)["graphs_compiled"] == 2  # several rows; one row
+    finally:
+        shutdown()
+    assert got == pytest.approx(want, rel=1e-5)

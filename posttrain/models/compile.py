@@ -8,8 +8,8 @@ The block's `forward` is replaced, not its `__call__`: hooks registered on the b
 all-gather/reshard, checkpointing's recompute) run around the compiled body, as in eager.
 
 Packed micro-batches differ in length at every step ([1, N] with N varying, and the row layout
-[S, L] of `posttrain.data.segments`): the blocks compile with `dynamic=True`, so sizes are
-symbolic from the first trace. Only what changes a graph's structure recompiles: one row or
+[S, L] of `posttrain.data.segments`): every size of the blocks' input tensors is marked dynamic,
+so sizes are symbolic from the first trace (the weights' sizes stay static). Only what changes a graph's structure recompiles: one row or
 several (`S == 1` is a specialised size), a sliding window shorter than the longest row or
 not, a padded batch (held-out loss) instead of a packed one. Forwards that carry a KV cache
 (generation) run the eager forward: a cache object mutates across calls and would recompile.
@@ -20,6 +20,7 @@ Applied after LoRA wrapping, sharding and activation checkpointing (`posttrain.t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -55,11 +56,12 @@ def _regional(block: nn.Module) -> Any:
     (`varlen_attention` marks that it saw the segments); checkpointing the compiled body instead
     is the same recompute, and the recompute replays the compiled graph."""
     body = _unwrapped_forward(type(block))
-    compiled = torch.compile(functools.partial(body, block), fullgraph=True, dynamic=True)
+    compiled = torch.compile(functools.partial(body, block), fullgraph=True)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("past_key_values") is not None:
             return body(block, *args, **kwargs)  # generation: the cache changes at every call
+        _sizes_dynamic((*args, *kwargs.values()))
         if (
             getattr(block, "gradient_checkpointing", False)
             and block.training
@@ -69,6 +71,22 @@ def _regional(block: nn.Module) -> Any:
         return compiled(*args, **kwargs)
 
     return forward
+
+
+def _sizes_dynamic(values: Any) -> None:
+    """Every size of every input tensor symbolic from the first trace (`dynamic=True` would
+    also make the weights' sizes symbolic: FSDP2's unsharded parameters are block inputs, and
+    symbolic head counts break SDPA's arguments). Sizes of 1 stay specialised; tensors inside
+    tuples and dataclasses (rotary cos/sin, `Segments`) count."""
+    if isinstance(values, torch.Tensor):
+        for dim in range(values.dim()):
+            torch._dynamo.maybe_mark_dynamic(values, dim)
+    elif isinstance(values, tuple | list):
+        for v in values:
+            _sizes_dynamic(v)
+    elif dataclasses.is_dataclass(values) and not isinstance(values, type):
+        for f in dataclasses.fields(values):
+            _sizes_dynamic(getattr(values, f.name))
 
 
 def _unwrapped_forward(cls: type) -> Any:
