@@ -179,8 +179,9 @@ class TrainSession:
             extra = {**extra, "nonfinite_updates": self.nonfinite_since_record}
             self.nonfinite_since_record = 0
         if self.compile_mark is not None:
-            # Compile time apart: step_time_s is wall time, compile_s the part of it dynamo spent
-            # compiling (a new kind of batch), graphs_compiled the graphs it made meanwhile.
+            # Compile time apart: compile_s = seconds dynamo spent compiling since the previous
+            # record (in this step, or in a held-out evaluation before it, which step_time_s
+            # leaves out), graphs_compiled = the graphs it made meanwhile.
             now = CompileStats.now()
             extra = {**extra, **now.since(self.compile_mark)}
             self.compile_mark = now
