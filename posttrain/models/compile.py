@@ -40,7 +40,15 @@ def compile_enabled(setting: str | bool, device: torch.device) -> bool:
 
 
 def compile_blocks(model: nn.Module) -> int:
-    """Replace each decoder block's forward with its compiled version; returns how many."""
+    """Replace each decoder block's forward with its compiled version; returns how many.
+
+    Sets inductor's `fallback_random` (process-wide): random ops in the graph (LoRA dropout)
+    then draw from torch's generator as eager does, so a compiled run takes the same dropout
+    masks as an eager one and `infra.compile` changes no result beyond float rounding. Inductor's
+    own RNG would draw other masks. Without dropout there is no random op: it costs nothing."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fallback_random = True
     blocks = decoder_blocks(model)
     for block in blocks:
         block.forward = _regional(block)  # type: ignore[method-assign]
