@@ -246,6 +246,24 @@ def test_by_tokens_auto_on_cpu_keeps_the_rows(tiny) -> None:
     shutil.rmtree(out)
 
 
+@pytest.mark.slow
+def test_compiled_blocks_train_as_eager_and_report_compile_time(tiny) -> None:
+    """infra.compile true on CPU: the same losses as eager (float rounding), the compile's
+    seconds in the first step's record (the held-out loss before step 1 compiles too, outside
+    step_time_s), and no graph compiled after."""
+    eager = _fresh_run(tiny["recipe"], "sft.max_steps=3")
+    out = run_inprocess("sft", tiny["recipe"], "sft.max_steps=3", "infra.compile=true")
+    compiled = read_metrics(out / "metrics.jsonl", "train")
+    assert read_metrics(out / "metrics.jsonl", "start")[0]["compiled_blocks"] == 2
+    assert compiled[0]["graphs_compiled"] >= 1
+    assert compiled[0]["compile_s"] > 0
+    assert [r["graphs_compiled"] for r in compiled[1:]] == [0, 0]
+    for x, y in zip(eager, compiled, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
+    shutil.rmtree(out)
+
+
 def test_bf16_base_sft_trains_fp32_adapter(tiny) -> None:
     """infra.base_dtype bf16 on CPU (slow matmul, so 4 steps): the stage holds the base in
     bf16, computes in bf16, and its step-1 loss is the fp32 run's to bf16 rounding; losses stay

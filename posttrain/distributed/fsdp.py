@@ -38,7 +38,8 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     names: set[str] = set()
     for m in model.modules():
         names |= set(getattr(m, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    # By base class too: once sharded, a block's class is FSDP2's subclass `FSDP<Block>`.
+    blocks = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not blocks:
         raise ValueError(
             f"no decoder blocks found in {type(model).__name__} "

@@ -65,17 +65,22 @@ def varlen_sdpa_forward(
         )
     if kwargs.get("softcap") is not None:
         raise RuntimeError("soft-capped attention cannot run padding-free (needs eager attention)")
-    _STATE.calls = getattr(_STATE, "calls", 0) + 1
-    if query.shape[0] != 1 or query.shape[2] != seg.tokens:
+    # A store, never a read: a compiled block replays it on every call without guarding on a
+    # value (a counter read here would recompile the block at every call).
+    _STATE.seen = True
+    # Sizes from the segments' tensors, not from `seg.lengths` (python ints): a compiled block
+    # then sees symbolic sizes and one graph serves every packed layout.
+    tokens, rows, width = seg.row_of.shape[0], seg.gather.shape[0], seg.gather.shape[1]
+    if query.shape[0] != 1 or query.shape[2] != tokens:
         raise ValueError(
-            f"padding-free attention expects one flat row of {seg.tokens} tokens, "
+            f"padding-free attention expects one flat row of {tokens} tokens, "
             f"got query {tuple(query.shape)}"
         )
     if flash_varlen.usable(query, dropout):  # CUDA, half precision: no gather, no scatter
         window = kwargs.get("sliding_window")
         return flash_varlen.flash_varlen(query, key, value, seg, scaling, window), None
     groups = query.shape[1] // key.shape[1]
-    if seg.rows == 1:  # one row: plain causal attention, nothing to gather
+    if rows == 1:  # one row: plain causal attention, nothing to gather
         q, k, v = query, key, value
     else:
         # [1, H, N, D] -> [H, S, L, D] -> [S, H, L, D]
@@ -84,7 +89,7 @@ def varlen_sdpa_forward(
         v = value[0][:, seg.gather].transpose(0, 1)
     mask, causal = None, True
     window = kwargs.get("sliding_window")
-    if window is not None and seg.max_len > window:
+    if window is not None and width > window:
         i = torch.arange(q.shape[2], device=q.device)
         d = i[:, None] - i[None, :]
         mask, causal = (d >= 0) & (d < window), False  # [L, L], as transformers' window rule
@@ -99,7 +104,7 @@ def varlen_sdpa_forward(
         enable_gqa=groups > 1,
     )  # [S, H, L, D]
     out = out.transpose(1, 2)  # [S, L, H, D]
-    if seg.rows == 1:
+    if rows == 1:
         return out.contiguous(), None
     return out[seg.row_of, seg.pos_of].unsqueeze(0), None  # [1, N, H, D]
 
@@ -150,12 +155,13 @@ def confined_attention(model: torch.nn.Module) -> Iterator[bool]:
     elif impl != NAME:
         raise RuntimeError(f"padding-free batches need sdpa or flash attention, not {impl!r}")
     _STATE.active = getattr(_STATE, "active", 0) + 1
-    before = getattr(_STATE, "calls", 0)
+    seen_before, _STATE.seen = getattr(_STATE, "seen", False), False
     try:
         yield False
     finally:
         _STATE.active -= 1
-    if getattr(_STATE, "calls", 0) == before:
+    seen, _STATE.seen = _STATE.seen, seen_before or _STATE.seen
+    if not seen:
         raise RecipeVerdict(
             "batch.padding_free",
             f"no attention layer of {type(model).__name__} ran padding-free (this architecture "

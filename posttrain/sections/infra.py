@@ -108,6 +108,16 @@ class InfraConfig(_Section):
         "`attn_implementation`): `auto` = torch SDPA (flash or memory-efficient kernels on GPU); "
         "`flash_attention_2` needs the flash-attn package and a bf16/fp16 GPU.",
     )
+    compile: Literal["auto"] | bool = Execution(
+        "auto",
+        description="Compile each decoder block of a training stage's model with torch.compile "
+        "(regional compilation, after LoRA, sharding and activation checkpointing): one graph "
+        "serves every block and every packed length, so only a new kind of batch (one row or "
+        "several, packed or padded) compiles again. `auto` = on for CUDA, off on CPU. The first "
+        "step of each kind pays the compile (`compile_s` in metrics.jsonl, apart from the step's "
+        "run time). Losses and gradients equal eager's to float rounding, so the setting is left "
+        "out of the fingerprint.",
+    )
     base_dtype: Literal["auto", "fp32", "bf16"] = Result(
         "auto",
         training_only=True,

@@ -25,6 +25,7 @@ from posttrain.config.batch import ResolvedBatch
 from posttrain.data.batching import step_indices
 from posttrain.distributed.fsdp import is_sharded, place_model
 from posttrain.distributed.runtime import DistInfo, all_reduce_sum
+from posttrain.models.compile import CompileStats, compile_blocks, compile_enabled
 from posttrain.models.loading import base_dtype, count_params
 from posttrain.models.lora import canonical_adapter_configs
 from posttrain.models.sharded_load import CheckpointFiles, fill_from_checkpoint
@@ -74,6 +75,8 @@ class TrainSession:
     skipped_since_boundary: int = 0
     # checkpoints the resume rejected as damaged: "step_N: problem (moved to step_N.damaged)"
     rejected_checkpoints: list[str] = field(default_factory=list)
+    # dynamo's totals at the last `record_step` when the blocks are compiled (`infra.compile`)
+    compile_mark: CompileStats | None = None
 
     def step_rows(self, n_rows: int, step: int, batch: ResolvedBatch, seed: int) -> list[list[int]]:
         """This rank's row indices for optimizer step `step` -> [accum][micro] (see
@@ -182,6 +185,13 @@ class TrainSession:
         if self.nonfinite_since_record:
             extra = {**extra, "nonfinite_updates": self.nonfinite_since_record}
             self.nonfinite_since_record = 0
+        if self.compile_mark is not None:
+            # Compile time apart: compile_s = seconds dynamo spent compiling since the previous
+            # record (in this step, or in a held-out evaluation before it, which step_time_s
+            # leaves out), graphs_compiled = the graphs it made meanwhile.
+            now = CompileStats.now()
+            extra = {**extra, **now.since(self.compile_mark)}
+            self.compile_mark = now
         if math.isfinite(loss):
             self.last = dict(loss=loss, grad_norm=grad_norm, tokens_per_s=rate, mfu=mfu, **extra)
         self.metrics.write(
@@ -323,6 +333,7 @@ def start_session(
     n_matmul = matmul_params(model)
     dtype = base_dtype(ctx.recipe.infra)
     model = _place(ctx, model, dtype, weights)
+    compiled = _compile(ctx, model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(trainable, optim)
     sched = build_scheduler(opt, schedule_steps or total_steps, optim)
@@ -332,6 +343,7 @@ def start_session(
     point = _resume(ctx, ckpt_root, model, opt, sched, guard)
     start_step, meta = (point.meta["step"], point.meta) if point.path is not None else (0, {})
     peak = _peak_flops(d.device, ctx.recipe.infra.precision)
+    start_fields = {"compiled_blocks": compiled, **start_fields}
     start = _start_record(ctx, batch, total_steps, start_step, counts, dtype, peak, start_fields)
     metrics = _open_metrics(ctx, start_step, start, point)
     _log_plan(counts, batch, d.world_size, total_steps)
@@ -354,6 +366,7 @@ def start_session(
         resume_meta=meta,
         guard=guard,
         rejected_checkpoints=[_rejected_line(r) for r in point.rejected],
+        compile_mark=CompileStats.now() if compiled else None,
     )
 
 
@@ -373,6 +386,16 @@ def _place(
         fill_from_checkpoint(model, weights, d.device)
     model.train()
     return model
+
+
+def _compile(ctx: Any, model: torch.nn.Module) -> int:
+    """Compile the placed model's decoder blocks when `infra.compile` says so (after LoRA,
+    sharding and activation checkpointing, as torchtitan orders them); returns how many."""
+    if not compile_enabled(ctx.recipe.infra.compile, ctx.dist.device):
+        return 0
+    n = compile_blocks(model)
+    log.info("compiling %d decoder blocks (torch.compile, one graph per kind of batch)", n)
+    return n
 
 
 def _loss_scaler(precision: str, model: torch.nn.Module, device: torch.device) -> Any:
