@@ -96,6 +96,25 @@ def test_compiled_blocks_match_eager_on_cuda() -> None:
     assert graphs == [1, 0, 0, 0, 1, 0], graphs
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_flash_varlen_blocks_do_not_recompile_on_cuda() -> None:
+    """bf16 on CUDA: attention through torch's flash varlen kernel inside the compiled blocks
+    (`posttrain.models.flash_varlen`), one graph per kind of batch whatever the lengths; the
+    loss equals eager's to bf16 rounding."""
+    torch._dynamo.reset()
+    eager, compiled = lora_llama(True, "cuda"), lora_llama(True, "cuda")
+    compile_blocks(compiled)
+    graphs = []
+    for lengths in MULTI + SINGLE:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            want, _ = loss_and_grads(eager, lengths, "cuda")
+            before = CompileStats.now()
+            got, _ = loss_and_grads(compiled, lengths, "cuda")
+        graphs.append(CompileStats.now().since(before)["graphs_compiled"])
+        torch.testing.assert_close(got, want, atol=0, rtol=2e-2)
+    assert graphs == [1, 0, 0, 0, 1, 0], graphs
+
+
 def train(model: torch.nn.Module) -> list[float]:
     """One AdamW step per layout -> the losses (a step changes the weights the next sees)."""
     opt = build_optimizer([p for p in model.parameters() if p.requires_grad], OptimConfig(lr=1e-2))

@@ -53,16 +53,19 @@ def flash_varlen(
     sliding window of that many keys (the query's own included), as transformers' rule."""
     assert VARLEN_ATTN is not None
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
+    # The longest row as gather's width [S, L], not `seg.max_len` (python ints): in a compiled
+    # block (`infra.compile`) it stays symbolic instead of recompiling at every new length.
+    longest = seg.gather.shape[1]
     # (-1, 0): causal over the whole row; (W - 1, 0): the query and the W - 1 keys before it.
-    left = -1 if window is None or seg.max_len <= window else window - 1
+    left = -1 if window is None or longest <= window else window - 1
     out = VARLEN_ATTN(
         q,
         k,
         v,
         seg.cu_seqlens,
         seg.cu_seqlens,
-        seg.max_len,
-        seg.max_len,
+        longest,
+        longest,
         scale=scaling,
         window_size=(left, 0),
         enable_gqa=query.shape[1] != key.shape[1],
