@@ -437,10 +437,14 @@ def test_several_environments_are_checked_each_and_every_row_names_one(tmp_path:
     assert _validate(_recipe(tmp_path, MULTI_GRPO), tools)[0] == 0
     out = io.StringIO()
     code = cmd_validate(str(_recipe(tmp_path, MULTI_GRPO)), tools, out, io.StringIO(), full=True)
-    assert code == 2 and (
-        f"  {tmp_path}/multi.jsonl:7: names environment 'cal', which rollout.environment does "
-        "not list (calc, secret); did you mean 'calc'? (grpo.rollout.environment)"
-    ) in out.getvalue().splitlines(), out.getvalue()
+    assert (
+        code == 2
+        and (
+            f"  {tmp_path}/multi.jsonl:7: names environment 'cal', which rollout.environment does "
+            "not list (calc, secret); did you mean 'calc'? (grpo.rollout.environment)"
+        )
+        in out.getvalue().splitlines()
+    ), out.getvalue()
     # Each class's tools are described to the template at validate: one it cannot describe is
     # refused by its own field.
     _jsonl(tmp_path / "multi.jsonl", rows)
