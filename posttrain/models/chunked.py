@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.data.chat import IGNORE
+from posttrain.models import compiled_head
 from posttrain.models.varlen_attention import SEGMENTS_KW, confined_attention
 
 
@@ -146,9 +147,66 @@ def _chunk_logits(
     return transform.apply_(F.linear(h, weight, bias).float())
 
 
+def _eager_forward_chunk(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    transform: LogitTransform,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(logp [c], lse [c], entropy [c] | None) of one chunk of rows h [c, H]."""
+    z = _chunk_logits(h, weight, bias, transform)  # [c, V]
+    lse = torch.logsumexp(z, dim=-1)  # [c]
+    logp = z.gather(1, targets[:, None]).squeeze(1) - lse
+    if not with_entropy:
+        return logp, lse, None
+    p = (z - lse[:, None]).exp_()  # [c, V] softmax
+    return logp, lse, lse - (p * z).sum(-1)
+
+
+def _eager_backward_chunk(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    ent: torch.Tensor | None,
+    g_logp: torch.Tensor | None,
+    g_ent: torch.Tensor | None,
+    transform: LogitTransform,
+    need_h: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """(dL/dh [c, H] | None, dL/du [c, V] fp32, dL/db [V] | None) of one chunk, u = h W^T + b:
+    z recomputed, dL/dz formed in z's buffer (at most two [c, V] fp32 buffers)."""
+    z = _chunk_logits(h, weight, bias, transform)  # [c, V]
+    # dl/du of the transform, taken from l before z's buffer becomes dL/dl.
+    factor = transform.grad_factor(z)  # [c, V] | float | None
+    lse_c = lse[:, None]
+    gl = g_logp[:, None] if g_logp is not None else None
+    if g_ent is not None and ent is not None:
+        p = (z - lse_c).exp()  # [c, V]
+        # dL/dz = -p * (g_logp + g_ent (z - E_p[z])) (+ g_logp at the target), in z's buffer
+        gz = z.sub_(lse_c - ent[:, None]).mul_(g_ent[:, None])
+        if gl is not None:
+            gz.add_(gl)
+        gz = gz.mul_(p).neg_()
+        del p
+    else:
+        gz = z.sub_(lse_c).exp_()  # p, in z's buffer
+        gz = gz.mul_(-gl) if gl is not None else gz.zero_()
+    if gl is not None:
+        gz[torch.arange(h.size(0), device=h.device), targets] += gl.squeeze(1)
+    if factor is not None:
+        gz = gz.mul_(factor)  # dL/dl -> dL/du (u = the head's output)
+    grad_h = (gz.to(weight.dtype) @ weight).to(h.dtype) if need_h else None
+    return grad_h, gz, (gz.sum(0) if bias is not None else None)
+
+
 class ChunkedTargetLogps(torch.autograd.Function):
-    """(hidden [N, H], weight [V, H], bias [V] | None, targets [N], chunk, entropy, transform)
-    -> (logp [N] fp32, entropy [N] fp32, or an empty tensor when not asked for)."""
+    """(hidden [N, H], weight [V, H], bias [V] | None, targets [N], chunk, entropy, transform,
+    compiled) -> (logp [N] fp32, entropy [N] fp32, or an empty tensor when not asked for).
+    `compiled`: each chunk's work through `posttrain.models.compiled_head` instead of eagerly."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -160,22 +218,25 @@ class ChunkedTargetLogps(torch.autograd.Function):
         chunk: int,
         with_entropy: bool,
         transform: LogitTransform,
+        compiled: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.size(0)
         step = chunk if chunk > 0 else max(1, n)
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logp)
         ent = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        chunk_fn = compiled_head.forward_chunk if compiled else _eager_forward_chunk
         for s in range(0, n, step):
-            z = _chunk_logits(hidden[s : s + step], weight, bias, transform)  # [c, V]
-            lse_c = torch.logsumexp(z, dim=-1)  # [c]
-            logp[s : s + step] = z.gather(1, targets[s : s + step, None]).squeeze(1) - lse_c
-            lse[s : s + step] = lse_c
-            if with_entropy:
-                p = (z - lse_c[:, None]).exp_()  # [c, V] softmax
-                ent[s : s + step] = lse_c - (p * z).sum(-1)
+            rows = slice(s, s + step)
+            logp_c, lse_c, ent_c = chunk_fn(
+                hidden[rows], weight, bias, targets[rows], transform, with_entropy
+            )
+            logp[rows], lse[rows] = logp_c, lse_c
+            if ent_c is not None:
+                ent[rows] = ent_c
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         ctx.step, ctx.with_entropy, ctx.transform = step, with_entropy, transform
+        ctx.compiled = compiled
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
         return logp, ent
@@ -198,45 +259,41 @@ class ChunkedTargetLogps(torch.autograd.Function):
             if need_b and bias is not None
             else None
         )
-        rows = torch.arange(min(step, hidden.size(0)), device=hidden.device)
+        chunk_fn: Any = _eager_backward_chunk
+        if ctx.compiled:
+            chunk_fn = compiled_head.backward_chunk
+            if g_logp is None:  # one graph either way: a zero gradient adds nothing
+                g_logp = torch.zeros_like(lse)
         for s in range(0, hidden.size(0), step):
-            h = hidden[s : s + step]
-            c = h.size(0)
-            z = _chunk_logits(h, weight, bias, ctx.transform)  # [c, V]
-            # dl/du of the transform, taken from l before z's buffer becomes dL/dl.
-            factor = ctx.transform.grad_factor(z)  # [c, V] | float | None
-            lse_c = lse[s : s + step, None]
-            gl = g_logp[s : s + step, None] if g_logp is not None else None
-            if use_ent:
-                p = (z - lse_c).exp()  # [c, V]
-                # dL/dz = -p * (g_logp + g_ent (z - E_p[z])) (+ g_logp at the target), in z's buffer
-                mean_z = lse_c - ent[s : s + step, None]
-                gz = z.sub_(mean_z).mul_(g_ent[s : s + step, None])
-                if gl is not None:
-                    gz.add_(gl)
-                gz = gz.mul_(p).neg_()
-                del p
-            else:
-                gz = z.sub_(lse_c).exp_()  # p, in z's buffer
-                gz = gz.mul_(-gl) if gl is not None else gz.zero_()
-            if gl is not None:
-                gz[rows[:c], targets[s : s + step]] += gl.squeeze(1)
-            if factor is not None:
-                gz = gz.mul_(factor)  # dL/dl -> dL/du (u = the head's output)
+            rows = slice(s, s + step)
+            h = hidden[rows]
+            gh, gz, gb = chunk_fn(
+                h,
+                weight,
+                bias,
+                targets[rows],
+                lse[rows],
+                ent[rows] if use_ent else None,
+                g_logp[rows] if g_logp is not None else None,
+                g_ent[rows] if use_ent else None,
+                ctx.transform,
+                need_h,
+            )  # [c, H] | None, [c, V] (fp32, or the weight's dtype compiled), [V] | None
             if grad_h is not None:
-                grad_h[s : s + step] = (gz.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_h[rows] = gh
             if grad_w is not None:
                 if weight.dtype == torch.float32:
                     grad_w.addmm_(gz.t(), h.float())
                 else:
                     grad_w += gz.to(weight.dtype).t() @ h.to(weight.dtype)
             if grad_b is not None:
-                grad_b += gz.sum(0)
-            del gz, z, factor
+                grad_b += gb
+            del gz, gh
         return (
             grad_h,
             grad_w.to(weight.dtype) if grad_w is not None else None,
             grad_b.to(bias.dtype) if grad_b is not None else None,
+            None,
             None,
             None,
             None,
@@ -252,12 +309,16 @@ def chunked_target_logps(
     chunk: int,
     entropy: bool = False,
     transform: LogitTransform = IDENTITY,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) [N] (and the entropy [N] of each position's distribution when `entropy`)
     from hidden states [N, H] through a head of `weight` [V, H] / `bias` [V], its output made
-    logits by `transform`; `chunk` tokens per pass (0 = all N at once). fp32 results; exact
-    gradients for hidden, weight and bias."""
-    logp, ent = ChunkedTargetLogps.apply(hidden, weight, bias, targets, chunk, entropy, transform)
+    logits by `transform`; `chunk` tokens per pass (0 = all N at once), each chunk's work
+    compiled when `compiled` (`posttrain.models.compiled_head`). fp32 results; exact gradients
+    for hidden, weight and bias."""
+    logp, ent = ChunkedTargetLogps.apply(
+        hidden, weight, bias, targets, chunk, entropy, transform, compiled
+    )
     return logp, (ent if entropy else None)
 
 
@@ -278,7 +339,10 @@ def head_scores(
     `positions` [N]: the flat indices into [B * T] of the scored positions, taken on the host
     by the collator (`posttrain.data.segments.target_positions`): the head then gathers and
     scatters by index without waiting for the device. Without them (targets built on the
-    device, as RL's sampled rows) they are found from `targets`, one host sync."""
+    device, as RL's sampled rows) they are found from `targets`, one host sync.
+
+    Each chunk's work is compiled when the head was marked so at session build
+    (`compiled_head.use_compiled_head`, `infra.logits_head`), eager otherwise."""
     if hidden.shape[:2] != targets.shape:
         raise ValueError(
             f"the LM head sees positions {tuple(hidden.shape[:2])} but the targets are "
@@ -296,6 +360,7 @@ def head_scores(
         chunk,
         entropy,
         transform,
+        compiled_head.is_compiled(head),
     )  # [N]
     logp = _scatter_scores(logp_n, positions, targets.shape)
     return logp, (None if ent_n is None else _scatter_scores(ent_n, positions, targets.shape))

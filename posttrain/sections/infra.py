@@ -118,6 +118,18 @@ class InfraConfig(_Section):
         "run time). Losses and gradients equal eager's to float rounding, so the setting is left "
         "out of the fingerprint.",
     )
+    logits_head: Literal["auto", "chunked", "compiled"] = Execution(
+        "auto",
+        description="How the chunked LM head (`logits_chunk_tokens` > 0) computes each chunk of "
+        "a training stage's log-probs, entropies and their gradients: `chunked` = eager kernels "
+        "over [chunk, vocab] fp32 buffers (the reference); `compiled` = each chunk's forward and "
+        "backward through torch.compile, which fuses the upcast, transform, log-softmax, "
+        "entropy and gradient into a few passes that write no [chunk, vocab] fp32 buffer (a bf16 "
+        "model's logits and gradient stay bf16 in memory, the arithmetic fp32). One graph for "
+        "every length. `auto` = compiled where the stage compiles its decoder blocks "
+        "(`compile`: CUDA by default), chunked otherwise. Results equal to float rounding, so "
+        "the setting is left out of the fingerprint.",
+    )
     base_dtype: Literal["auto", "fp32", "bf16"] = Result(
         "auto",
         training_only=True,

@@ -26,6 +26,7 @@ from posttrain.data.batching import step_indices
 from posttrain.distributed.fsdp import is_sharded, place_model
 from posttrain.distributed.runtime import DistInfo, all_reduce_sum
 from posttrain.models.compile import CompileStats, compile_blocks, compile_enabled
+from posttrain.models.compiled_head import logits_head_compiled, use_compiled_head
 from posttrain.models.loading import base_dtype, count_params
 from posttrain.models.lora import canonical_adapter_configs
 from posttrain.models.sharded_load import CheckpointFiles, fill_from_checkpoint
@@ -334,6 +335,7 @@ def start_session(
     dtype = base_dtype(ctx.recipe.infra)
     model = _place(ctx, model, dtype, weights)
     compiled = _compile(ctx, model)
+    head = _choose_head(ctx, model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(trainable, optim)
     sched = build_scheduler(opt, schedule_steps or total_steps, optim)
@@ -343,7 +345,7 @@ def start_session(
     point = _resume(ctx, ckpt_root, model, opt, sched, guard)
     start_step, meta = (point.meta["step"], point.meta) if point.path is not None else (0, {})
     peak = _peak_flops(d.device, ctx.recipe.infra.precision)
-    start_fields = {"compiled_blocks": compiled, **start_fields}
+    start_fields = {"compiled_blocks": compiled, "logits_head": head, **start_fields}
     start = _start_record(ctx, batch, total_steps, start_step, counts, dtype, peak, start_fields)
     metrics = _open_metrics(ctx, start_step, start, point)
     _log_plan(counts, batch, d.world_size, total_steps)
@@ -366,7 +368,7 @@ def start_session(
         resume_meta=meta,
         guard=guard,
         rejected_checkpoints=[_rejected_line(r) for r in point.rejected],
-        compile_mark=CompileStats.now() if compiled else None,
+        compile_mark=CompileStats.now() if compiled or head == "compiled" else None,
     )
 
 
@@ -396,6 +398,26 @@ def _compile(ctx: Any, model: torch.nn.Module) -> int:
     n = compile_blocks(model)
     log.info("compiling %d decoder blocks (torch.compile, one graph per kind of batch)", n)
     return n
+
+
+def _choose_head(ctx: Any, model: torch.nn.Module) -> str | None:
+    """Mark the model's LM head for `infra.logits_head` (read by every chunked scoring call:
+    `posttrain.models.chunked.head_scores`); returns the variant: compiled, chunked,
+    unchunked (`logits_chunk_tokens` 0: full logits), None for a model without a plain linear
+    LM head."""
+    infra = ctx.recipe.infra
+    lm = getattr(model, "causal_lm", model)  # a `RoleModel` (RL) holds the causal LM
+    get_head = getattr(lm, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    if type(head) is not torch.nn.Linear:
+        return None
+    if not infra.logits_chunk_tokens:
+        return "unchunked"
+    on = logits_head_compiled(infra.logits_head, infra.compile, ctx.dist.device)
+    use_compiled_head(head, on)
+    if on:
+        log.info("LM head: each chunk of %d tokens compiled", infra.logits_chunk_tokens)
+    return "compiled" if on else "chunked"
 
 
 def _loss_scaler(precision: str, model: torch.nn.Module, device: torch.device) -> Any:
