@@ -15,11 +15,22 @@ variants are printed too (they must agree), and the pre-flight estimate's logits
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/chunked_logits.py
     HF_HUB_OFFLINE=1 .venv/bin/python bench/chunked_logits.py --chunks 1024,256 --seq 512
+
+`--head` compares the two ways of computing each chunk (`infra.logits_head`) on the head alone
+instead: eager chunked vs compiled chunk (`posttrain.models.compiled_head`), N scored tokens of a
+hidden size H through the 151,936-token vocabulary, forward + backward of a DPO/RL-like
+objective (arbitrary gradients on log-probs and entropies) with and without the entropy; time
+per call (median of `--reps` after a warm-up call that compiles) and peak bytes allocated
+during one call (CUDA: max_memory_allocated; CPU: the profiler's allocator events), with the
+eager/compiled ratios. bf16 on CUDA, fp32 on CPU (CPU bf16 matmuls are ~100x slower):
+
+    .venv/bin/python bench/chunked_logits.py --head --tokens 4096 --hidden 896 --chunk 2048
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -128,6 +139,74 @@ def estimate_logits(kind: str, micro: int, seq: int, hidden: int, layers: int, c
     return estimate(shape, st, DeviceLayout(), 0).component("logits")
 
 
+def head_call(
+    h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, chunk: int, entropy: bool, compiled: bool
+) -> float:
+    """One forward + backward through the head alone; returns the objective."""
+    from posttrain.models.chunked import chunked_target_logps
+
+    lp, ent = chunked_target_logps(h, w, None, t, chunk, entropy, compiled=compiled)
+    obj = lp.sum() - (0.01 * ent.sum() if ent is not None else 0.0)
+    obj.backward()
+    h.grad = w.grad = None
+    return float(obj.detach())
+
+
+def head_peak(step: Callable[[], Any], device: torch.device) -> tuple[int, Any]:
+    """(peak bytes allocated during `step` above what was live before, its result)."""
+    if device.type != "cuda":
+        peak, out, _ = allocated_peak(step)
+        return peak, out
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, out
+
+
+def head_time(step: Callable[[], Any], device: torch.device, reps: int) -> float:
+    """Median seconds of `step` over `reps` calls."""
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def head_bench(tokens: int, hidden: int, chunk: int, reps: int, trained_head: bool) -> None:
+    """Eager chunked vs compiled chunk on the head alone; prints a table and the ratios."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    h = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
+    w = (torch.randn(VOCAB, hidden, device=device, dtype=dtype) * hidden**-0.5).requires_grad_(
+        trained_head
+    )
+    t = torch.randint(0, VOCAB, (tokens,), device=device)
+    print(
+        f"head alone on {device.type} ({dtype}): {tokens} tokens x hidden {hidden} -> vocab "
+        f"{VOCAB}, chunk {chunk}, head {'trained' if trained_head else 'frozen'}"
+    )
+    print(f"{'entropy':8} {'variant':9} {'ms':>9} {'peak MiB':>9} {'objective':>14}")
+    for entropy in (False, True):
+        rows = {}
+        for name, compiled in (("eager", False), ("compiled", True)):
+            step = functools.partial(head_call, h, w, t, chunk, entropy, compiled)
+            step()  # warm-up: compiles the graphs (compiled) or the allocator's cache
+            ms = head_time(step, device, reps) * 1e3
+            peak, obj = head_peak(step, device)
+            rows[name] = (ms, peak)
+            print(f"{entropy!s:8} {name:9} {ms:9.1f} {peak / MIB:9.1f} {obj:14.4f}")
+        (te, pe), (tc, pc) = rows["eager"], rows["compiled"]
+        print(f"{entropy!s:8} eager/compiled: time {te / tc:.2f}x, peak {pe / pc:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -140,8 +219,16 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--head", action="store_true", help="eager vs compiled chunk, head alone")
+    ap.add_argument("--tokens", type=int, default=4096, help="--head: scored tokens")
+    ap.add_argument("--chunk", type=int, default=2048, help="--head: logits_chunk_tokens")
+    ap.add_argument("--reps", type=int, default=5, help="--head: timed calls per variant")
+    ap.add_argument("--trained-head", action="store_true", help="--head: the head gets grads")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.head:
+        head_bench(args.tokens, args.hidden, args.chunk, args.reps, args.trained_head)
+        return
 
     from posttrain.distributed.runtime import init_distributed, shutdown
 

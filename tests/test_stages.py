@@ -238,6 +238,7 @@ def test_by_tokens_auto_on_cpu_keeps_the_rows(tiny) -> None:
     out = run_inprocess("sft", tiny["recipe"], "sft.max_steps=1", "sft.batch.by_tokens=auto")
     start = read_metrics(out / "metrics.jsonl", "start")[0]
     assert start["by_tokens"] is None and start["by_tokens_asked"] == "auto"
+    assert start["logits_head"] == "chunked"  # infra.logits_head auto: compile is off on CPU
     assert [r["forwards"] for r in read_metrics(out / "metrics.jsonl", "train")] == [1]
     pre = json.loads((out / "logs" / "preflight.json").read_text())
     assert pre["by_tokens"] is None and pre["by_tokens_asked"] == "auto"
@@ -257,6 +258,24 @@ def test_compiled_blocks_train_as_eager_and_report_compile_time(tiny) -> None:
     assert read_metrics(out / "metrics.jsonl", "start")[0]["compiled_blocks"] == 2
     assert compiled[0]["graphs_compiled"] >= 1
     assert compiled[0]["compile_s"] > 0
+    assert [r["graphs_compiled"] for r in compiled[1:]] == [0, 0]
+    for x, y in zip(eager, compiled, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
+    shutil.rmtree(out)
+
+
+@pytest.mark.slow
+def test_compiled_logits_head_trains_as_chunked(tiny) -> None:
+    """infra.logits_head compiled on CPU (blocks eager): the losses and gradient norms of the
+    eager chunked head step by step (float rounding), the head's two graphs compiled at the
+    first step (its held-out loss before it compiles the forward) and none after."""
+    eager = _fresh_run(tiny["recipe"], "sft.max_steps=3")
+    out = run_inprocess("sft", tiny["recipe"], "sft.max_steps=3", "infra.logits_head=compiled")
+    start = read_metrics(out / "metrics.jsonl", "start")[0]
+    assert start["logits_head"] == "compiled" and start["compiled_blocks"] == 0
+    compiled = read_metrics(out / "metrics.jsonl", "train")
+    assert compiled[0]["graphs_compiled"] >= 1
     assert [r["graphs_compiled"] for r in compiled[1:]] == [0, 0]
     for x, y in zip(eager, compiled, strict=True):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
