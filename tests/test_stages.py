@@ -271,6 +271,7 @@ def test_compiled_logits_head_trains_as_chunked(tiny) -> None:
     eager chunked head step by step (float rounding), the head's two graphs compiled at the
     first step (its held-out loss before it compiles the forward) and none after."""
     eager = _fresh_run(tiny["recipe"], "sft.max_steps=3")
+    torch._dynamo.reset()  # in-process stages: an earlier test's head graphs would serve here
     out = run_inprocess("sft", tiny["recipe"], "sft.max_steps=3", "infra.logits_head=compiled")
     start = read_metrics(out / "metrics.jsonl", "start")[0]
     assert start["logits_head"] == "compiled" and start["compiled_blocks"] == 0

@@ -12,6 +12,9 @@ Here only positions that have a label go through the head, `chunk` tokens at a t
             dH/dz     = -p (z - E_p[z]),  E_p[z] = lse - H
             then dL/dh = dL/dz W and dL/dW += dL/dz^T h (fp32 accumulator), dL/db += sum dL/dz.
 So at most two [chunk, V] fp32 buffers exist at a time instead of several [N, V] ones.
+This eager loop is the reference; `infra.logits_head: compiled` runs the same per-chunk
+functions compiled (`posttrain.models.compiled_head`), which fuses them into passes that write
+no [chunk, V] fp32 buffer.
 
 Architectures whose logits are a transform of the head's output (`LogitTransform`) get it
 applied per chunk: z above is then l = f(h W^T + b), and dL/d(hW^T+b) = dL/dl * f'. Gemma-2/3
