@@ -207,7 +207,7 @@ def head_bench(tokens: int, hidden: int, chunk: int, reps: int, trained_head: bo
         print(f"{entropy!s:8} eager/compiled: time {te / tc:.2f}x, peak {pe / pc:.2f}x")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--chunks",
@@ -224,7 +224,11 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048, help="--head: logits_chunk_tokens")
     ap.add_argument("--reps", type=int, default=5, help="--head: timed calls per variant")
     ap.add_argument("--trained-head", action="store_true", help="--head: the head gets grads")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     if args.head:
         head_bench(args.tokens, args.hidden, args.chunk, args.reps, args.trained_head)
