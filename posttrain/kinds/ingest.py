@@ -31,6 +31,7 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
     for name, row in {
         "qwen2.5-0.5b": ("qwen2", 896, 24, 14, 2, 4864, 151_665, 151_936, 32_768, True),
         "qwen2.5-1.5b": ("qwen2", 1536, 28, 12, 2, 8960, 151_665, 151_936, 32_768, True),
+        "qwen2.5-3b": ("qwen2", 2048, 36, 16, 2, 11_008, 151_665, 151_936, 32_768, True),
         "qwen2.5-7b": ("qwen2", 3584, 28, 28, 4, 18_944, 151_665, 152_064, 32_768, False),
         "llama3.1-8b": ("llama", 4096, 32, 32, 8, 14_336, 128_256, 128_256, 131_072, False),
     }.items()
@@ -44,7 +45,9 @@ TOKENIZER_FIELDS = ("vocab_size", "fill_vocab", "corpus_examples", "template")
 
 
 class FromConfigModel(_Section):
-    shape: Literal["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama3.1-8b"] | None = Result(
+    shape: (
+        Literal["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "llama3.1-8b"] | None
+    ) = Result(
         None,
         description="A public model's exact shape (width, depth, heads, vocabulary) as the "
         "default for every model field not set here; the BPE is filled to the real vocabulary "
