@@ -88,21 +88,25 @@ def gpu_plan() -> list[Config]:
     plan = [
         Config("qwen2.5-0.5b", 16384, varlen=False),
         *(Config("qwen2.5-0.5b", t) for t in (4096, 16384, 32768)),
-        *(Config("qwen2.5-0.5b", t, compiled=True) for t in (4096, 16384, 32768, 65536)),
+        *(Config("qwen2.5-0.5b", t, compiled=True) for t in (4096, 16384, 32768)),
+        *(Config("qwen2.5-0.5b", t, compiled=True, head="compiled") for t in (16384, 65536)),
         Config("qwen2.5-1.5b", 16384),
-        *(Config("qwen2.5-1.5b", t, compiled=True) for t in (16384, 32768)),
-        *(Config("qwen2.5-3b", t, compiled=True) for t in (16384, 32768)),
+        Config("qwen2.5-1.5b", 16384, compiled=True),
+        *(Config("qwen2.5-1.5b", t, compiled=True, head="compiled") for t in (16384, 32768)),
+        *(Config("qwen2.5-3b", t, compiled=True, head="compiled") for t in (16384, 32768)),
     ]
     return plan
 
 
 def smoke_plan() -> list[Config]:
-    """Every switch once, shrunk: two step sizes, eager and compiled, both attention paths."""
+    """Every switch once, shrunk: two step sizes, eager and compiled, both attention paths,
+    both heads."""
     return [
         Config("qwen2.5-0.5b", 512, varlen=False),
         Config("qwen2.5-0.5b", 512),
         Config("qwen2.5-0.5b", 256, compiled=True),
         Config("qwen2.5-0.5b", 512, compiled=True),
+        Config("qwen2.5-0.5b", 512, compiled=True, head="compiled"),
     ]
 
 
@@ -294,9 +298,24 @@ def attention_path(varlen: bool) -> Iterator[None]:
         flash_varlen.VARLEN_ATTN = kept
 
 
-# LM head variants: name -> how a placed model is switched to it. "chunked" is the stage's
-# default path (`infra.logits_chunk_tokens`, eager).
-HEADS: dict[str, Callable[[Any], None]] = {"chunked": lambda model: None}
+def head_variant(compiled: bool) -> Callable[[Any], None]:
+    """Switch a placed model's LM head to the chunked head run eagerly or each chunk's work
+    compiled (`infra.logits_head: chunked | compiled`)."""
+
+    def switch(model: Any) -> None:
+        from posttrain.models.chunked import output_head
+        from posttrain.models.compiled_head import use_compiled_head
+
+        use_compiled_head(output_head(model), compiled)
+
+    return switch
+
+
+# LM head variants: name -> how a placed model is switched to it (`infra.logits_head`).
+HEADS: dict[str, Callable[[Any], None]] = {
+    "chunked": head_variant(False),
+    "compiled": head_variant(True),
+}
 
 
 @dataclass
