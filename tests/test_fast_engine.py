@@ -144,3 +144,21 @@ def test_build_engine_makes_the_fast_engine(trained) -> None:
     engine = build_engine(cfg, model, POLICY, 2)
     assert isinstance(engine, FastEngine)
     assert (engine.collective, engine.tolerance, engine.compile) == (False, 0.5, False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the bf16 copy and its compiled step")
+def test_bf16_copy_on_cuda_passes_its_probe_and_keeps_one_graph(tiny: TinyAssets) -> None:
+    """On CUDA: the copy is bf16, the start's probe is within its bf16 tolerance, and a second
+    rollout of other prompt widths under the same cache bucket compiles nothing new."""
+    model = role_model(tiny, critic=False).cuda()
+    tok = tiny.tokenizer
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts(tok, 8)]
+    fast = FastEngine(model, POLICY)
+    assert next(fast.plain.parameters()).dtype == torch.bfloat16
+    assert fast.figures["sampler_probe_mean"] < fast.tolerance == 0.05
+    s = _sampling("sample", 32, temperature=1.0)
+    first = fast.generate(ids, s, [-1], 0, seed=0)
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    second = fast.generate([x[:-2] for x in ids], s, [-1], 0, seed=1)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled
+    assert first.shape == second.shape == (8, 32)

@@ -422,7 +422,8 @@ class RolloutConfig(_Section):
         "server (`rollout.server`: vLLM, SGLang or `transformers serve`) that gets the "
         "policy's weights after every update (`posttrain.rl.serving`).",
     )
-    compile_decode: bool = Result(
+    # Execution, as infra.compile: the compiled step computes eager's logits to float rounding.
+    compile_decode: bool = Execution(
         True,
         description="`fast` engine on CUDA: transformers' `generate` compiles the one-token "
         "decode step (torch.compile mode reduce-overhead: CUDA graphs); false decodes "
