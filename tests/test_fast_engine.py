@@ -119,6 +119,20 @@ def test_reference_copy_folds_the_reference_adapter(trained) -> None:
     assert torch.equal(FastEngine(model, REFERENCE).generate(ids, s, [-1], 0, seed=0), want)
 
 
+def test_episode_turns_keep_their_cache_on_the_copy(trained) -> None:
+    """`turns=True`: the decode loop on the merged copy keeps each row's cache, so the next
+    turn prefills only what was appended, and samples what the `hf` engine samples."""
+    model, ids = trained
+    s = _sampling("sample", 8, temperature=1.0)
+    hf, fast = HFEngine(model, POLICY, 1), FastEngine(model, POLICY)
+    out = fast.generate(ids, s, [-1], 0, seed=4, turns=True)
+    assert torch.equal(out, hf.generate(ids, s, [-1], 0, seed=4, turns=True))
+    nxt = [p + r + [5, 6, 7] for p, r in zip(ids, out.tolist(), strict=True)]
+    again = fast.generate(nxt, s, [-1], 0, seed=5, turns=True)
+    assert torch.equal(again, hf.generate(nxt, s, [-1], 0, seed=5, turns=True))
+    assert fast.reused == hf.reused > 0
+
+
 @pytest.mark.parametrize("family", ["qwen2", "gemma2"])
 def test_fast_engine_matches_hf_on_other_families(family: str) -> None:
     """Grouped KV heads (Qwen2), sliding-window layers and the logit soft-cap (Gemma-2) in the
