@@ -18,6 +18,10 @@ warm-up, medians shown):
 - generate, static:   generate with cache_implementation="static" (preallocated KV cache;
                       on GPU it is what makes torch.compile of the decode step possible)
 - decode loop:        `rollout.drop_finished=true`: finished rows leave the batch and its cache
+- fast:               `rollout.engine: fast`: a plain copy with the LoRA merged, static cache
+                      (`posttrain.rl.rollout.fast_engine`; eager on CPU, its compiled decode
+                      step is CUDA's), built once; its gen s includes the copy's refresh and
+                      probe after each update (`sync_weights`)
 keep_gathered is not a row: at world size 1 FSDP's all-gather is a no-op (bench/rl_memory.py
 measures it on 2 ranks).
 
@@ -39,7 +43,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import REWARD, RoleModel
 from posttrain.rl.losses import clipped_policy_loss, group_advantages, loss_weights
-from posttrain.rl.rollout.engine import HFEngine, build_engine
+from posttrain.rl.rollout.engine import HFEngine, RolloutEngine, build_engine
 from posttrain.rl.rollout.sample import Rollout, response_logps, sample, score
 from posttrain.sections.shared import RolloutConfig
 
@@ -97,9 +101,12 @@ def step(
     seed: int,
     args: argparse.Namespace,
     cache: str | None,
+    fast: RolloutEngine | None = None,
 ) -> dict[str, float]:
     t0 = time.perf_counter()
-    if cache:  # generate with another KV cache: the engine itself, as `sample` would call it
+    if fast is not None:  # the engine lives across steps, as in the stage
+        ro = sample(fast, prompts, [[]] * len(prompts), cfg, PAD, stops, seed)
+    elif cache:  # generate with another KV cache: the engine itself, as `sample` would call it
         engine = HFEngine(model, POLICY, 1, cache_implementation=cache)
         response = engine.generate(prompts, _sampling(cfg), stops, PAD, seed)
         ro = _rollout(prompts, response, stops)
@@ -124,6 +131,10 @@ def step(
     t_score = time.perf_counter() - t0 - t_gen
     grpo_update(model, ro, opt, args.micro, args.samples)
     t_upd = time.perf_counter() - t0 - t_gen - t_score
+    if fast is not None:  # the refresh and probe belong to sampling's cost
+        t = time.perf_counter()
+        fast.sync_weights(model)
+        t_gen += time.perf_counter() - t
     total = time.perf_counter() - t0
     return {
         "gen": t_gen,
@@ -171,6 +182,7 @@ def main() -> None:
         ("generate", False, None),
         ("generate, static", False, "static"),
         ("decode loop", True, None),
+        ("fast", False, "fast"),
     )
     n_params = None
     print(
@@ -204,13 +216,16 @@ def main() -> None:
             n_params = n_params or sum(p.numel() for p in model.parameters())
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
             rng = torch.Generator().manual_seed(2)
+            fast = None
+            if cache == "fast":
+                fast = build_engine(cfg.model_copy(update={"engine": "fast"}), model, POLICY, 1)
             runs = []
             for s in range(args.steps):
                 lens = torch.randint(16, 49, (args.prompts,), generator=rng).tolist()
                 ps = [torch.randint(3, args.vocab, (n,), generator=rng).tolist() for n in lens]
                 prompts = [p for p in ps for _ in range(args.samples)]
                 c = cfg.model_copy(update={"drop_finished": drop})
-                runs.append(step(model, opt, prompts, c, stops, 100 + s, args, cache))
+                runs.append(step(model, opt, prompts, c, stops, 100 + s, args, cache, fast))
             m = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
             base_gen = base_gen or m["gen"]
             n = args.prompts * args.samples

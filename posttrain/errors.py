@@ -20,6 +20,11 @@ class ParentArtifactDamaged(StageVerdict):
     """A parent stage's artifact no longer matches its manifest."""
 
 
+class StaleSampler(StageVerdict):
+    """A rollout engine that holds weights of its own (`rollout.engine: fast`) scores a fixed
+    probe otherwise than the trainer's weights do (`posttrain.rl.rollout.probe`)."""
+
+
 class RecipeVerdict(StageVerdict, ValueError):
     """A recipe value a stage refuses at run time, where only the run shows the problem (the
     number of ranks, the model's architecture, the rows left once data is encoded); `validate`

@@ -374,6 +374,38 @@ def test_rl_rollout_kv_cache_and_peak_phase() -> None:
     assert est.peak_phase == max(phases, key=phases.__getitem__)
 
 
+def test_fast_engine_copy_is_whole_on_every_rank_and_its_fix_names_the_engine() -> None:
+    """`rollout.engine: fast`: the merged copy (bf16 on CUDA) is a static row that sharding
+    does not shrink, the static cache is rounded up to 256 positions, and the fixes offer the
+    server engine."""
+    shape = ModelShape(64, 2, 4, 2, 16, 96, 300, tied=True)
+    st = StageShape(
+        "rl",
+        2,
+        48,
+        (Adapter("policy", 4, "all-linear", True), Adapter("reference", 4, "all-linear", False)),
+        logit_positions=16,
+        rollout_rows=64,
+        prompt_len=32,
+        new_tokens=16,
+        sampler_copy=True,
+    )
+    for world in (1, 8):
+        est = estimate(shape, st, DeviceLayout(world, device="cuda"), 0)
+        copy = [r for r in est.rows if r.name == "sampler copy"][0]
+        assert copy.bytes == shape.base_params("lm") * 2 and copy.phase == ""
+        assert "whole on every rank" in copy.note
+    kv = [r for r in est.rows if r.name == "KV cache"][0]
+    assert kv.bytes == 64 * 256 * 2 * 2 * 2 * 16 * 2
+    without = estimate(shape, replace(st, sampler_copy=False), DeviceLayout(device="cuda"), 0)
+    assert not [r for r in without.rows if r.name == "sampler copy"]
+    fixes = suggest_fixes(shape, st, DeviceLayout(device="cuda"), 1 << 10, 0, "grpo")
+    changes = [f.change for f in fixes]
+    assert "grpo.rollout.engine: server (or hf): no whole copy of the policy on every rank" in (
+        changes
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # The pre-flight: recipe -> shape, fixes, refusal
 

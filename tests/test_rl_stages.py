@@ -370,3 +370,61 @@ def test_evaluate_and_export_take_the_rl_policy(parents, ppo_run) -> None:
     assert summary(ex)["policy"] == "ppo"
     assert summary(ex)["adapter_dir"] == str(ppo_run / "adapter")
     assert summary(ex)["verification"]["max_abs_logit_diff"] < 1e-3
+
+
+def test_grpo_on_the_fast_engine_samples_as_the_hf_engine(parents) -> None:
+    """`rollout.engine: fast` runs the whole GRPO stage: its merged fp32 copy samples the first
+    rollout the `hf` engine samples (same rewards and lengths), and every step logs the probe
+    that compared the refreshed copy with the trainer."""
+    section = {
+        **COMMON,
+        "rollout": {"prompts_per_step": 4, "samples_per_prompt": 2, "max_new_tokens": 8},
+        "max_steps": 2,
+        "eval_prompts": 4,
+        "max_kl": None,
+    }
+    fast = {**section, "rollout": {**section["rollout"], "engine": "fast"}}
+    runs = {
+        tag: read_metrics(
+            run_inprocess("grpo", recipe_with(parents, "grpo", s, f"engine-{tag}"))
+            / "metrics.jsonl",
+            "train",
+        )
+        for tag, s in (("hf", section), ("fast", fast))
+    }
+    hf, fa = runs["hf"][0], runs["fast"][0]
+    for key in ("score_mean", "response_len"):
+        assert fa[key] == pytest.approx(hf[key], abs=1e-6), key
+    assert all(r["sampler_probe_mean"] < 1e-3 for r in runs["fast"])
+    assert all(r["sampler_probe_max"] < 1e-2 for r in runs["fast"])
+    assert "sampler_probe_mean" not in hf
+
+
+def test_grpo_on_the_fast_engine_on_two_sharded_ranks(parents) -> None:
+    """Under FSDP2 on 2 ranks each rank's copy is gathered whole from the shards
+    (`DTensor.full_tensor`, a collective at every refresh), samples on its own (no collective),
+    and passes the probe after every update."""
+    section = {
+        **COMMON,
+        "rollout": {
+            "prompts_per_step": 4,
+            "samples_per_prompt": 2,
+            "max_new_tokens": 8,
+            "engine": "fast",
+        },
+        "batch": {"micro_batch_size": 2, "grad_accum_steps": 1},
+        "max_steps": 2,
+        "eval_prompts": 4,
+        "max_kl": None,
+    }
+    recipe = recipe_with(parents, "grpo", section, "fast2")
+    over = (
+        "infra.devices_per_node=2",
+        *(f"{s}.batch.micro_batch_size=4" for s in ("sft", "reward")),
+    )
+    proc = run_torchrun("grpo", recipe, 2, *over)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = planned_dir("grpo", recipe, *over)
+    train = read_metrics(out / "metrics.jsonl", "train")
+    assert len(train) == 2
+    assert all(r["sampler_probe_mean"] < 1e-3 for r in train), train

@@ -124,7 +124,9 @@ def test_sample_builds_the_same_rollout_through_either_path(roles) -> None:
 
 def test_build_engine_names_the_field() -> None:
     cfg = RolloutConfig().model_copy(update={"engine": "vllm"})
-    with pytest.raises(ValueError, match=r"rollout.engine: unknown engine 'vllm'; known: \['hf'\]"):
+    with pytest.raises(
+        ValueError, match=r"rollout.engine: unknown engine 'vllm'; known: \['fast', 'hf'\]"
+    ):
         build_engine(cfg, nn.Linear(1, 1), POLICY, 1)
     with pytest.raises(ValueError, match="engine"):
         RolloutConfig(engine="vllm")

@@ -43,6 +43,7 @@ def rollout_memory(section: OnlineRLConfig, m: MemoryInputs, critic: bool) -> An
         prompt_len=prompt,
         new_tokens=new,
         keep_gathered=r.keep_gathered,
+        sampler_copy=r.engine == "fast",
         **m.common,
     )
 

@@ -268,6 +268,8 @@ class StageShape:
     prompt_len: int = 0
     new_tokens: int = 0
     keep_gathered: bool = False
+    # `rollout.engine: fast`: the policy's merged plain copy, whole on every rank.
+    sampler_copy: bool = False
     # Tokens per pass through the LM head (infra.logits_chunk_tokens); 0 = full logits.
     logits_chunk_tokens: int = 0
     # The stage's name, for reports (default the family).
@@ -423,7 +425,8 @@ def estimate(
         step_weights_row(stage, gathered, full_logits, update),
         activations_row(model, stage, c, update),
         *logits_rows(model, stage, c, full_logits, update),
-        *rollout_rows(model, stage, counts, gathered, c),
+        *sampler_rows(model, stage, layout),
+        *rollout_rows(model, stage, counts, gathered, c, layout.device),
         *teacher_rows(model, stage, shards, c, update),
     ]
     return MemoryEstimate(rows, stage.activation_checkpointing)
@@ -558,14 +561,42 @@ def logits_rows(
     return []
 
 
+SAMPLER_CACHE_BUCKET = 256  # posttrain.rl.rollout.fast_engine.CACHE_BUCKET
+
+
+def sampler_bytes(device: str) -> int:
+    """Bytes per element of the `fast` engine's copy: bf16 on CUDA, fp32 elsewhere."""
+    return 2 if device == "cuda" else 4
+
+
+def sampler_rows(model: ModelShape, stage: StageShape, layout: DeviceLayout) -> list[Row]:
+    """`rollout.engine: fast`: the policy's merged plain copy, held for the whole stage and
+    not sharded (every rank holds all of it, whatever the world size)."""
+    if stage.kind != "rl" or not stage.sampler_copy:
+        return []
+    cs = sampler_bytes(layout.device)
+    n = model.base_params("lm")
+    note = f"rollout.engine fast: {n:,} params x {cs} B, LoRA merged, whole on every rank"
+    return [Row("sampler copy", n * cs, note)]
+
+
 def rollout_rows(
-    model: ModelShape, stage: StageShape, counts: ParamCounts, gathered_step: int, c: int
+    model: ModelShape,
+    stage: StageShape,
+    counts: ParamCounts,
+    gathered_step: int,
+    c: int,
+    device: str = "cpu",
 ) -> list[Row]:
     """The rollout phase of an RL stage (none for other stages, or without rollout rows): the
-    KV cache of one `generate` call, the weights gathered while decoding, the prefill."""
+    KV cache of one `generate` call, the weights gathered while decoding, the prefill.
+    `device`: where the `fast` engine's copy and static cache live (their dtype)."""
     if stage.kind != "rl" or not stage.rollout_rows:
         return []
     ctx_len = stage.prompt_len + stage.new_tokens
+    if stage.sampler_copy:  # a static cache, its length rounded up, in the copy's dtype
+        ctx_len = -(-ctx_len // SAMPLER_CACHE_BUCKET) * SAMPLER_CACHE_BUCKET
+        c = sampler_bytes(device)
     kv = stage.rollout_rows * ctx_len * model.layers * 2 * model.kv_heads * model.head_dim * c
     kv_note = f"{stage.rollout_rows} rows x {ctx_len} tokens x {model.layers} layers"
     rows = [Row("KV cache", kv, kv_note, "rollout")]

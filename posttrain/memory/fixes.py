@@ -71,7 +71,8 @@ def suggest_fixes(
 ) -> list[Fix]:
     """Changes that lower the estimate, each with its own estimated peak: activation
     checkpointing, a smaller micro-batch (same global batch), the chunked LM head when full
-    logits are large, more shards, and for RL smaller generate calls and no keep_gathered; then
+    logits are large, more shards, and for RL smaller generate calls, no keep_gathered and no
+    `fast` engine copy; then
     all of them together when none fits alone."""
     est = Estimator(model, overhead)
     now = est.peak(shape, layout)
@@ -168,7 +169,8 @@ def chunked_head_change(
 
 
 def rollout_changes(shape: StageShape, stage: str) -> list[Change]:
-    """RL only: a quarter of the rows per `generate` call, and no keep_gathered."""
+    """RL only: a quarter of the rows per `generate` call, no keep_gathered, and no `fast`
+    engine copy."""
     if shape.kind != "rl":
         return []
     changes = []
@@ -179,6 +181,10 @@ def rollout_changes(shape: StageShape, stage: str) -> list[Change]:
     if shape.keep_gathered:
         off = {"keep_gathered": False}
         changes.append(_edit(f"{stage}.rollout.keep_gathered: false", shape, off))
+    if shape.sampler_copy:
+        # The fast engine's copy is whole on every rank: a server holds it elsewhere.
+        text = f"{stage}.rollout.engine: server (or hf): no whole copy of the policy on every rank"
+        changes.append(_edit(text, shape, {"sampler_copy": False}))
     return changes
 
 

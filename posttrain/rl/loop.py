@@ -121,8 +121,8 @@ def run_step(run: RLRun, step: int, ahead: Ahead | None, update: Update) -> None
         ahead.prefetch.wait()  # what the step waited for, of generation
         rb = replace(rb, generation_s=own + time.perf_counter() - t)
     t = time.perf_counter()
-    s.engines[POLICY].sync_weights(run.tr.model)
-    timing = {"sync_s": time.perf_counter() - t}
+    probe = s.engines[POLICY].sync_weights(run.tr.model)  # the `fast` engine's figures
+    timing = {"sync_s": time.perf_counter() - t} | probe
     if ahead is not None:
         timing["generation_overlapped_s"] = ahead.prefetch.seconds if prefetching else 0.0
     record(rb, t0, t_train, timing | sampler_metrics(rb.rollout, lag, s.device))

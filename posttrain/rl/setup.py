@@ -301,6 +301,16 @@ def rollout_engines(
     """The policy's and the reference's rollout engines, the policy's at `version` (the
     updates before a resume): in process, or a server's, stopped by `stack`."""
     cfg = ctx.section.rollout
+    if cfg.engine == "fast":
+        # The policy samples from a merged copy of its own; the reference (held-out baseline
+        # samples only) from the trainer's model, which a second full copy would not repay.
+        hf = cfg.model_copy(update={"engine": "hf"})
+        engines = {
+            POLICY: build_engine(cfg, s.model, POLICY, s.world, s.chunk_tokens),
+            REFERENCE: build_engine(hf, s.model, REFERENCE, s.world),
+        }
+        engines[POLICY].version = version
+        return engines
     if cfg.engine == "hf":
         engines = {r: build_engine(cfg, s.model, r, s.world) for r in (POLICY, REFERENCE)}
         engines[POLICY].version = version

@@ -411,12 +411,32 @@ class RolloutConfig(_Section):
         "per rollout, full-model memory while generating) instead of gathering every block at "
         "every new token.",
     )
-    engine: Literal["hf", "server"] = Result(
+    engine: Literal["hf", "fast", "server"] = Result(
         "hf",
         description="Rollout engine (`posttrain.rl.rollout.engine`): `hf` decodes in process "
-        "on the sharded role model; `server` samples from an OpenAI-compatible server "
-        "(`rollout.server`: vLLM, SGLang or `transformers serve`) that gets the policy's "
-        "weights after every update (`posttrain.rl.serving`).",
+        "on the sharded role model; `fast` decodes in process from a plain copy of the policy "
+        "with its LoRA merged (bf16 on CUDA, fp32 on CPU; every rank holds the whole copy), "
+        "refreshed after every update and probed against the trainer "
+        "(`rollout.sampler_probe_tolerance`), with a static KV cache and, on CUDA, a compiled "
+        "decode step (`rollout.compile_decode`); `server` samples from an OpenAI-compatible "
+        "server (`rollout.server`: vLLM, SGLang or `transformers serve`) that gets the "
+        "policy's weights after every update (`posttrain.rl.serving`).",
+    )
+    # Execution, as infra.compile: the compiled step computes eager's logits to float rounding.
+    compile_decode: bool = Execution(
+        True,
+        description="`fast` engine on CUDA: transformers' `generate` compiles the one-token "
+        "decode step (torch.compile mode reduce-overhead: CUDA graphs); false decodes "
+        "eagerly (same static cache). No effect on CPU.",
+    )
+    sampler_probe_tolerance: float | None = Execution(
+        None,
+        gt=0,
+        description="`fast` engine: after every weight refresh (and at the start) the copy "
+        "and the trainer score a fixed token probe; the stage fails (`StaleSampler`) when "
+        "their log-probs differ by more than this many nats per token on average. null = by "
+        "the copy's dtype: 0.001 fp32, 0.05 bf16. The figures are logged as "
+        "`sampler_probe_mean` / `sampler_probe_max`.",
     )
     # A result as a whole only in that it exists with `engine: server`; its own fields decide.
     server: RolloutServerConfig | None = Result(
@@ -511,6 +531,12 @@ class RolloutConfig(_Section):
         if self.engine != "server" and self.server is not None:
             raise ValueError(
                 f"rollout.server is read only by `engine: server` (engine is {self.engine!r})"
+            )
+        if self.drop_finished and self.engine == "fast":
+            raise ValueError(
+                "rollout.drop_finished: the `fast` engine decodes with a static KV cache and a "
+                "compiled step of fixed shape, where finished rows cost nothing extra to "
+                "keep; set drop_finished: false (or engine: hf)"
             )
         if self.max_staleness and self.engine != "server":
             raise ValueError(

@@ -68,7 +68,9 @@ class RolloutEngine(Protocol):
 
     def release(self) -> None: ...  # drop what `generate(..., turns=True)` kept
 
-    def sync_weights(self, model: torch.nn.Module) -> None: ...
+    # The updated policy's weights; returns figures for the step's metrics (the `fast`
+    # engine's stale-sampler probe), empty where there are none.
+    def sync_weights(self, model: torch.nn.Module) -> dict[str, float]: ...
 
     def take_counts(self) -> dict[str, float]: ...  # what calls since the last take saw; reset
 
@@ -129,10 +131,11 @@ class HFEngine:
 
     collective = True  # every forward of the sharded model is one
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
+    def sync_weights(self, model: torch.nn.Module) -> dict[str, float]:
         self.model = model  # decodes with the training model's own (sharded) weights
         self.prefix.clear()  # keys and values of the old weights
         self.version += 1
+        return {}  # nothing to probe: the trainer's own weights sample
 
     def take_counts(self) -> dict[str, float]:
         return {}
@@ -341,17 +344,31 @@ def _register_decode(model: torch.nn.Module) -> None:
 
 
 def build_engine(
-    cfg: RolloutConfig, model: torch.nn.Module, role: str, world: int
+    cfg: RolloutConfig, model: torch.nn.Module, role: str, world: int, chunk_tokens: int = 0
 ) -> RolloutEngine:
     """The in-process engine a recipe's `rollout.engine` names, set up from its rollout
-    section (a server's engine comes with its server: `posttrain.rl.setup.rollout_engines`)."""
+    section (a server's engine comes with its server: `posttrain.rl.setup.rollout_engines`).
+    `chunk_tokens`: the trainer's chunked head (`infra.logits_chunk_tokens`), which the `fast`
+    engine's probe scores through as the trainer does."""
     if cfg.engine == "server":
         raise ValueError(
             "rollout.engine: server engines are built around the stage's rollout server "
             "(posttrain.rl.setup.rollout_engines)"
         )
+    if cfg.engine == "fast":
+        from posttrain.rl.rollout.fast_engine import FastEngine
+
+        return FastEngine(
+            model,
+            role,
+            batch_size=cfg.generation_batch_size,
+            keep_turns=cfg.episode_cache,
+            compile=cfg.compile_decode,
+            tolerance=cfg.sampler_probe_tolerance,
+            chunk_tokens=chunk_tokens,
+        )
     if cfg.engine != "hf":
-        raise ValueError(f"rollout.engine: unknown engine {cfg.engine!r}; known: ['hf']")
+        raise ValueError(f"rollout.engine: unknown engine {cfg.engine!r}; known: ['fast', 'hf']")
     return HFEngine(
         model,
         role,

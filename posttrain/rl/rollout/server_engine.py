@@ -106,8 +106,10 @@ class ServerEngine:
     def release(self) -> None:
         pass  # the server's own prefix cache keeps what it keeps
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """The next policy version (a collective): the model's adapter, written and loaded."""
+    def sync_weights(self, model: torch.nn.Module) -> dict[str, float]:
+        """The next policy version (a collective): the model's adapter, written and loaded.
+        No probe figures: see docs/rollout-server.md (what a server's log-probs can check)."""
         if self.role != "policy":
             raise ValueError("only the policy's engine syncs weights")
         self.server.sync(model, self.server.version + 1)
+        return {}
