@@ -52,8 +52,9 @@ GRPO row (`--stages grpo`; the issue's shape, at `--sizes 11m`, an 11.4M Llama):
              reference: beta 0), the same prompts in the stage's per-step order (checked: TRL
              renders them to the stage's prompt ids and stops at the stage's stop ids), the same
              reward function (the stage's own `exact_match`, fed the `answer` column),
-             num_generations 8, per-device batch 64 and accumulation 1 (one generation of 8
-             prompts x 8 samples and one optimizer step per step), max_completion_length 32, the
+             num_generations 8, the stage's micro-batch and accumulation (64 x 1 unless
+             `--grpo-set batch.micro_batch_size=16 batch.grad_accum_steps=4`; one generation of
+             8 prompts x 8 samples and one optimizer step per step), max_completion_length 32, the
              same temperature/top-k/top-p, clip range, group-std scaling, token-mean loss
              (TRL's `dapo`), lr, AdamW, schedule and grad clipping; gradient checkpointing off
              (unless --trl-gradient-checkpointing on), fp32 CPU, no vLLM, `report_to=[]`.

@@ -179,8 +179,9 @@ def model_inputs(
     ro: Rollout, idx: list[int] | torch.Tensor, packed: bool, device: torch.device
 ) -> dict[str, Any]:
     inp = ro.packed_inputs(idx) if packed else ro.inputs(idx)
+    # Host-to-device without waiting for the device's queue (pageable memory is staged at once).
     return {
-        k: v.to(device) if torch.is_tensor(v) or isinstance(v, Segments) else v
+        k: v.to(device, non_blocking=True) if torch.is_tensor(v) or isinstance(v, Segments) else v
         for k, v in inp.items()
     }
 
@@ -244,6 +245,13 @@ def decode_responses(tokenizer: Any, ro: Rollout) -> list[str]:
     ]
 
 
+def scored_positions(mask: torch.Tensor) -> torch.Tensor:
+    """[M] the flat indices into [n * R] where the host-side `mask` [n, R] is set: the positions
+    the chunked head scores, found on the host so the forward waits for no device read."""
+    assert mask.device.type == "cpu", "positions are taken from the rollout's host mask"
+    return mask.reshape(-1).nonzero().squeeze(1)
+
+
 def response_logps(
     model: torch.nn.Module,
     role: str,
@@ -253,9 +261,12 @@ def response_logps(
     chunk_tokens: int,
     entropy: bool = False,
     temperature: float = 1.0,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(response) [n, R], entropy [n, R] | None) under `role`: through the chunked head
-    on the response tokens only (0.0 on padding) when `chunk_tokens`, else from full logits."""
+    on the response tokens only (0.0 on padding) when `chunk_tokens`, else from full logits.
+    `positions`: `scored_positions` of the mask, on the device (None: the head finds them from
+    the mask, one device read)."""
     if not chunk_tokens:
         logits = model(role, **inp, temperature=temperature)  # [n, R, V]
         return token_logps(logits, response), entropy_from_logits(logits) if entropy else None
@@ -267,6 +278,7 @@ def response_logps(
         chunk_tokens=chunk_tokens,
         entropy=entropy,
         temperature=temperature,
+        positions=positions,
     )
     return (y[..., 0], y[..., 1]) if entropy else (y, None)
 
@@ -312,6 +324,7 @@ def score(
     for idx in groups:
         inp = model_inputs(ro, idx, packed, device)
         mask = ro.mask[idx].to(device)
+        positions = scored_positions(ro.mask[idx]).to(device)
         for role in (r for r in roles if r in names):
             if role == VALUE:
                 y = model(role, **inp)
@@ -324,6 +337,7 @@ def score(
                     mask,
                     chunk_tokens,
                     temperature=temperature,
+                    positions=positions,
                 )
             out.setdefault(names[role], []).append(y.float() * mask)
     if REWARD in roles:
