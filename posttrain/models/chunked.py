@@ -176,6 +176,9 @@ class ChunkedTargetLogps(torch.autograd.Function):
                 ent[s : s + step] = lse_c - (p * z).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         ctx.step, ctx.with_entropy, ctx.transform = step, with_entropy, transform
+        # An output the loss does not use gets None, not zeros: an entropy only reported (RL
+        # without an entropy bonus) then costs its backward term nothing.
+        ctx.set_materialize_grads(False)
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
         return logp, ent

@@ -300,7 +300,10 @@ def policy_terms(
         )
         pg = w * pg
         stats |= {"is_weight": w, "is_clip_frac": truncated.float()}
-    per_token = pg - cfg.entropy_coef * entropy
+    # No entropy bonus: the entropy stays out of the graph (reported only), so the head's
+    # backward skips its term (a [chunk, vocab] exp and products per chunk) instead of
+    # propagating zeros through it.
+    per_token = pg - cfg.entropy_coef * entropy if cfg.entropy_coef else pg
     ratio_log = logp.detach() - old_logp
     stats |= {
         "policy_loss": pg,
