@@ -16,16 +16,17 @@ the critic cover), and `attn` 1 on every real token after the prompt (what the m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posttrain.data.batching import pad_batch
+from posttrain.data.batching import pad_batch, regroup_by_tokens
 from posttrain.data.chat import IGNORE
 from posttrain.data.preference import Messages, encode_reply
 from posttrain.data.segments import Segments
+from posttrain.distributed.runtime import min_max
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import REWARD, VALUE
 from posttrain.rl.losses import entropy_from_logits, token_logps
@@ -295,6 +296,33 @@ def forward_groups(
         return [list(range(k, min(k + micro, n))) for k in range(0, n, micro)]
     tokens = (ro.prompt_mask[rows].sum(1) + ro.response_attn[rows].sum(1)).tolist()  # [n]
     return regroup_step([list(range(n))], lambda p: int(tokens[p]), by_tokens, device)
+
+
+def row_tokens(ro: Rollout) -> list[int]:
+    """[N] each row's real tokens (prompt + response): what it costs a forward by tokens."""
+    return (ro.prompt_mask.sum(1) + ro.response_attn.sum(1)).tolist()
+
+
+def balanced_groups(
+    n_items: int,
+    per: int,
+    tokens: Callable[[int], int],
+    by_tokens: int | None,
+    device: torch.device,
+) -> list[list[int]]:
+    """This rank's forwards over `n_items` items (rows, or pairs of rows) as lists of item
+    positions: `per` items each in order, or with `by_tokens` regrouped so a forward carries at
+    most that many tokens (`tokens(i)`: item i's; `regroup_by_tokens`: longest first, an item
+    over the budget alone); then empty forwards until this rank runs as many as the busiest
+    (FSDP's gathers are collective; an empty one is a filler that counts for nothing). Each
+    item's loss and weight are its own, so the step is the same however they are grouped."""
+    items = list(range(n_items))
+    if by_tokens and items:
+        groups = regroup_by_tokens(items, tokens, by_tokens)
+    else:
+        groups = [items[k : k + per] for k in range(0, n_items, per)]
+    busiest = int(min_max(float(len(groups)), device)[1])
+    return groups + [[] for _ in range(busiest - len(groups))]
 
 
 @torch.no_grad()
