@@ -93,9 +93,8 @@ class MicroBatch:  # n rows of a minibatch, laid out on the device before its fi
     # `Rollout.inputs` of the rows (input_ids [n, P+R], ...) or their `packed_inputs`
     inputs: dict[str, Any]
     mask: torch.Tensor  # [n, R] 1 on response tokens
-    positions: (
-        torch.Tensor
-    )  # [M] flat indices into [n * R] of the mask's tokens (`scored_positions`)
+    # [M] flat indices into [n * R] of the mask's tokens, found on the host (`scored_positions`)
+    positions: torch.Tensor
     weights: torch.Tensor  # [n, R] each token's weight in the minibatch's objective
     scale: float  # the minibatch's
 
