@@ -52,8 +52,9 @@ GRPO row (`--stages grpo`; the issue's shape, at `--sizes 11m`, an 11.4M Llama):
              reference: beta 0), the same prompts in the stage's per-step order (checked: TRL
              renders them to the stage's prompt ids and stops at the stage's stop ids), the same
              reward function (the stage's own `exact_match`, fed the `answer` column),
-             num_generations 8, per-device batch 64 and accumulation 1 (one generation of 8
-             prompts x 8 samples and one optimizer step per step), max_completion_length 32, the
+             num_generations 8, the stage's micro-batch and accumulation (64 x 1 unless
+             `--grpo-set batch.micro_batch_size=16 batch.grad_accum_steps=4`; one generation of
+             8 prompts x 8 samples and one optimizer step per step), max_completion_length 32, the
              same temperature/top-k/top-p, clip range, group-std scaling, token-mean loss
              (TRL's `dapo`), lr, AdamW, schedule and grad clipping; gradient checkpointing off
              (unless --trl-gradient-checkpointing on), fp32 CPU, no vLLM, `report_to=[]`.
@@ -70,7 +71,9 @@ GRPO row (`--stages grpo`; the issue's shape, at `--sizes 11m`, an 11.4M Llama):
   laid its rows end to end (`batch.padding_free`, decision 61), the update took 2.37 s and the
   step 4.32 s vs 4.97 s (0.87x); with `--grpo-set rollout.drop_finished=true` then 4.12 s vs
   4.56 s (0.90x; generation 1.75 s). Either side's median moved by up to 8% between runs of
-  the same command.
+  the same command. With gradient accumulation on both sides (`--steps 12 --grpo-set
+  batch.micro_batch_size=16 --grpo-set batch.grad_accum_steps=4`, 2 shared cores, two runs):
+  median step ratio 0.85x and 0.89x (update 1.29-1.32 s, TRL's 1.73-1.79 s), docs/speed.md.
 
     pip install -e .[bench]                     # trl==1.16.0; not a runtime dependency
     HF_HUB_OFFLINE=1 .venv/bin/python bench/vs_trl.py            # 20 steps, small+medium, sft+dpo

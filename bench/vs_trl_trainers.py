@@ -300,9 +300,11 @@ def trl_grpo(recipe_path: Path, steps: int, out: Path, gc: str) -> dict[str, Any
     # Off unless asked: the shape (the stage's activation_checkpointing is off too).
     gc = "off" if gc == "default" else gc
     args = trl_args(GRPOConfig, cfg, batch, steps, seed, out, gc, **grpo_kw(cfg))
-    # One step = one generation of prompts_per_step x samples_per_prompt and one optimizer step.
+    # One step = one generation of prompts_per_step x samples_per_prompt and one optimizer step
+    # over the stage's micro x accum (TRL: steps_per_generation = accumulation, so its
+    # per-device batch x accumulation = the rollout, one generation per optimizer step).
     assert args.generation_batch_size == r.prompts_per_step * r.samples_per_prompt
-    assert args.steps_per_generation == 1 and args.gradient_accumulation_steps == 1
+    assert args.steps_per_generation == args.gradient_accumulation_steps == batch.grad_accum_steps
     # The very function the stage scores with: TRL passes the `answer` column as a keyword.
     trainer = GRPOTrainer(
         model=model, reward_funcs=[exact_match], args=args, train_dataset=ds, processing_class=tok

@@ -107,6 +107,24 @@ def _assert_function_matches(
         torch.testing.assert_close(g, r, atol=atol, rtol=rtol)
 
 
+def test_an_entropy_left_out_of_the_loss_changes_no_gradient() -> None:
+    """RL without an entropy bonus reports the entropy but leaves it out of the loss: its
+    gradient then arrives as None (set_materialize_grads off), the backward skips its term,
+    and the gradients are bit-equal to a loss that adds 0 x entropy (zeros materialized)."""
+    torch.manual_seed(0)
+    hidden = torch.randn(11, 8, requires_grad=True)
+    weight = torch.randn(13, 8, requires_grad=True)
+    targets = torch.randint(0, 13, (11,))
+    grads = []
+    for with_zero_entropy in (True, False):
+        hidden.grad = weight.grad = None
+        logp, ent = chunked_target_logps(hidden, weight, None, targets, 4, entropy=True)
+        loss = -logp.sum() + (0.0 * ent.sum() if with_zero_entropy else 0.0)
+        loss.backward()
+        grads.append((hidden.grad.clone(), weight.grad.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
 @pytest.mark.parametrize("chunk", [3, 0])
 @pytest.mark.parametrize(
     "transform",

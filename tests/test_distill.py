@@ -27,6 +27,7 @@ from posttrain.models.roles import RoleModel
 from posttrain.plan.planner import plan
 from posttrain.rl.distill import check_shapes, distill_update
 from posttrain.rl.rollout.collect import collect_rollout
+from posttrain.rl.rollout.sample import row_tokens
 from posttrain.telemetry.records import read_metrics
 from tests.stage_helpers import SMALL_EVALUATE, TINY, planned_dir, run_inprocess, run_torchrun
 
@@ -195,14 +196,16 @@ def test_distill_step_is_the_written_out_divergence_however_rows_are_split(
     ro = collect_rollout(s, prompt_rows(tiny.tokenizer, 4), 0).rollout
     assert ro.mask.sum() > 0
     norms = []
-    for micro in (4, 1):
+    # By tokens (`batch.by_tokens`): each row alone (a budget of one token) or two to a forward.
+    two = sum(sorted(row_tokens(ro))[-2:])
+    for micro, by_tokens in ((4, None), (1, None), (4, 1), (4, two)):
         student = role_model(tiny, False)
         want, agree = written_out(student, teacher, ro, cfg, vocab)
         (g_want,) = torch.autograd.grad(
             want, [p for p in student.parameters() if p.requires_grad][0]
         )
-        tr = _session(tmp_path / f"m{micro}-{cfg.loss}", world, student)
-        stats = distill_update(tr, teacher, ro, cfg, micro, vocab, step=1)
+        tr = _session(tmp_path / f"m{micro}-{by_tokens}-{cfg.loss}", world, student)
+        stats = distill_update(tr, teacher, ro, cfg, micro, vocab, 1, by_tokens=by_tokens)
         assert stats.updates == 1 and stats.tokens == int(ro.mask.sum())
         assert stats.means["loss"] == pytest.approx(want.item(), rel=1e-5)
         assert stats.means["teacher_agreement"] == pytest.approx(agree)
@@ -210,7 +213,7 @@ def test_distill_step_is_the_written_out_divergence_however_rows_are_split(
             assert stats.means["teacher_kl"] == pytest.approx(want.item(), rel=1e-5)
         assert g_want.abs().sum() > 0
         norms.append(stats.grad_norm)
-    assert norms[0] == pytest.approx(norms[1], rel=1e-4) and norms[0] > 0
+    assert norms == pytest.approx([norms[0]] * len(norms), rel=1e-4) and norms[0] > 0
 
 
 def test_a_student_equal_to_its_teacher_has_nothing_to_learn(tiny, world, tmp_path) -> None:  # noqa: F811

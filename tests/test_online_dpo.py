@@ -28,7 +28,7 @@ from posttrain.rl.online_dpo import (
 )
 from posttrain.rl.pair_select import judge_agreement, select_pairs
 from posttrain.rl.rollout.collect import collect_rollout
-from posttrain.rl.rollout.sample import Rollout, response_logps
+from posttrain.rl.rollout.sample import Rollout, response_logps, row_tokens
 from posttrain.telemetry.records import read_metrics
 from posttrain.train.preference_losses import sigmoid_loss
 from tests.stage_helpers import SMALL_EVALUATE, planned_dir, run_inprocess, run_torchrun
@@ -157,11 +157,14 @@ def test_dpo_step_loss_is_sigmoid_loss_of_hand_set_log_ratios(tiny, world, tmp_p
     by_fn, cr, rj = sigmoid_loss(pol[[0, 3]], pol[[1, 2]], ref[[0, 3]], ref[[1, 2]], beta=0.5)
     torch.testing.assert_close(by_fn, want_losses, atol=1e-5, rtol=0)
     norms = []
-    for micro in (2, 1):
+    # By tokens (`batch.by_tokens`): a budget of the longer pair's two rows, so each pair goes
+    # alone (the shorter may not share), and one of both pairs, so they share a forward.
+    pair_tokens = sorted(sum(row_tokens(ro)[i] for i in p) for p in pairs)
+    for micro, by_tokens in ((2, None), (1, None), (2, pair_tokens[1]), (1, sum(pair_tokens))):
         model = role_model(tiny, False)
-        tr = _session(tmp_path / f"m{micro}", world, model)
+        tr = _session(tmp_path / f"m{micro}-{by_tokens}", world, model)
         before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-        stats = dpo_update(tr, ro, pairs, bound_loss(cfg), cfg, micro, step=1)
+        stats = dpo_update(tr, ro, pairs, bound_loss(cfg), cfg, micro, step=1, by_tokens=by_tokens)
         assert (stats.pairs, stats.updates) == (2, 1)
         m = stats.means
         assert m["loss"] == pytest.approx(float(want_losses.mean()), abs=1e-5)
@@ -172,7 +175,7 @@ def test_dpo_step_loss_is_sigmoid_loss_of_hand_set_log_ratios(tiny, world, tmp_p
         after = [p.detach() for p in model.parameters() if p.requires_grad]
         assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
         norms.append(stats.grad_norm)
-    assert norms[0] == pytest.approx(norms[1], rel=1e-5) and norms[0] > 0
+    assert norms == pytest.approx([norms[0]] * len(norms), rel=1e-5) and norms[0] > 0
     tr = _session(tmp_path / "none", world, role_model(tiny, False))
     none = dpo_update(tr, ro, [], bound_loss(cfg), cfg, 2, step=1)
     assert (none.pairs, none.updates, none.means) == (0, 0, {})

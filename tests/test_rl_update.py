@@ -249,12 +249,16 @@ def test_update_steps_on_the_minibatchs_global_mean_however_it_is_split(
     longest = int((ro.prompt_mask.sum(1) + ro.response_attn.sum(1)).max())
     splits = [(4, 1, False, None), (2, 2, False, None), (1, 4, False, None), (4, 1, True, None)]
     splits += [(4, 1, True, longest), (4, 1, False, 2 * longest), (1, 4, True, 2 * longest)]
-    for micro, accum, packed, by_tokens in splits:
+    # Through the chunked head (its scored positions taken on the host), padded and packed.
+    splits += [(2, 2, False, None, 3), (1, 4, True, 2 * longest, 3)]
+    for micro, accum, packed, by_tokens, *chunk in splits:
         model = role_model(tiny, True)
         before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-        tr = _session(tmp_path / f"{aggregation}-{micro}-{packed}-{by_tokens}", world, model)
+        name = f"{aggregation}-{micro}-{packed}-{by_tokens}-{chunk}"
+        tr = _session(tmp_path / name, world, model)
         batch = ResolvedBatch(micro, accum, micro * accum, 1)
-        stats = update(tr, ro, adv, cfg, batch, 0, 1, packed=packed, by_tokens=by_tokens)
+        chunk_tokens = chunk[0] if chunk else 0
+        stats = update(tr, ro, adv, cfg, batch, 0, 1, chunk_tokens, packed, by_tokens)
         assert stats.updates == 1 and stats.lr == pytest.approx(1e-3)
         assert stats.grad_norm == pytest.approx(want, rel=1e-5), (micro, accum, packed, by_tokens)
         m = stats.means
@@ -388,3 +392,48 @@ def test_update_makes_one_optimizer_step_per_minibatch_and_epoch(tiny, world, tm
     # 4 sequences, minibatches of 2: 2 updates per epoch, 2 epochs; no critic, no value stats.
     assert stats.updates == 4 and "value_loss" not in stats.means
     assert math.isfinite(stats.grad_norm) and stats.grad_norm > 0
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "padding-free"])
+def test_the_update_reads_the_device_once_per_optimizer_step(tiny, world, tmp_path, packed) -> None:
+    """No host sync per micro-batch (issue 42): once a minibatch's micro-batches are laid out
+    (`lay_out`, host work), their forwards and backwards (policy through the chunked head,
+    critic, KL in the loss) read nothing; the optimizer step reads the guard's (loss, grad
+    norm) once, and the statistics of the whole update come over in one more read."""
+    from test_no_host_sync import _count_host_reads
+
+    from posttrain.rl.losses import loss_weights
+    from posttrain.rl.update import Minibatch, device_rows, lay_out, minibatch_backward
+
+    cfg = section("ppo", rollout={"prompts_per_step": 4, "max_new_tokens": 6}, entropy_coef=0.01)
+    ro = _rollout_of_varied_lengths(tiny, cfg)
+    adv = Advantages(t([1.0], [-2.0], [0.5], [3.0]) * ro.mask, ro.mask.clone(), 0.1, 0.1)
+    tr = _session(tmp_path, world, role_model(tiny, True))
+    rows = torch.arange(ro.n)
+    weights, count = loss_weights(ro.mask, "token_mean", 6)
+    micros = lay_out(
+        ro, Minibatch(rows, weights, 1 / count), [[0], [1], [2, 3]], packed, tr.dist.device
+    )
+    dev, sums = device_rows(ro, adv, tr.dist.device), {}
+    mp = pytest.MonkeyPatch()
+    calls = _count_host_reads(mp)
+    try:
+        share = minibatch_backward(tr, dev, adv, micros, cfg, 3, sums)
+        # Padded: transformers' SDPA mask builder checks each padding mask for padding (as in
+        # the SFT step's test), which posttrain leaves be; padding-free reads nothing.
+        assert calls == ([] if packed else ["__bool__"] * len(calls)), calls
+        assert packed or 0 < len(calls) <= 2 * 2 * len(micros), "at most 2 per forward"
+        calls.clear()
+        tr.optimizer_step(1.0, loss=share, step=1)
+        assert calls == ["tolist"], "one read: the guard's (loss, grad norm)"
+        from posttrain.distributed.runtime import all_reduce_sums
+
+        all_reduce_sums(sums, tr.dist.device)
+        assert calls == ["tolist"] * 2
+    finally:
+        mp.undo()
+    assert sorted(sums) == sorted(
+        ["policy_loss", "entropy", "clip_frac", "approx_kl", "kl_loss", "tokens"]
+        + ["value_loss", "value_clip_frac"]
+    )
+    assert float(sums["tokens"]) == float(ro.mask.sum())

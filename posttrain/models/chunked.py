@@ -240,6 +240,9 @@ class ChunkedTargetLogps(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         ctx.step, ctx.with_entropy, ctx.transform = step, with_entropy, transform
         ctx.compiled = compiled
+        # An output the loss does not use gets None, not zeros: an entropy only reported (RL
+        # without an entropy bonus) then costs its backward term nothing.
+        ctx.set_materialize_grads(False)
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
         return logp, ent

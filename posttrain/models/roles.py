@@ -76,6 +76,7 @@ class RoleModel(nn.Module):
         temperature: float = 1.0,
         segments: Segments | None = None,
         index: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids/attention_mask/position_ids [B, T] ->
         policy/reference: logits [B, stop-start, V] of positions start..stop-1; with `targets`
@@ -88,6 +89,9 @@ class RoleModel(nn.Module):
         Padding-free (`segments`, `Rollout.packed_inputs`): input_ids/position_ids [1, N], no
         attention mask, and `index` [B, R] the flat positions to read instead of start..stop:
         the same outputs for the B rows, with no compute on padding (not for `reward`).
+        `positions` [M]: with `targets`, the flat indices into [B * (stop-start)] of the scored
+        positions, taken on the host (`posttrain.rl.rollout.sample.scored_positions`), so the
+        head does not wait for the device to find them.
         Only the requested positions go through the LM head (a [B, T, V] tensor is the largest
         activation of a small-vocabulary-to-hidden ratio model)."""
         with active_adapter(self.lm, role):
@@ -120,7 +124,7 @@ class RoleModel(nn.Module):
         if targets is None:
             return transform.logits(self.causal_lm.get_output_embeddings()(hidden))
         head = output_head(self.causal_lm)
-        logp, ent = head_scores(head, hidden, targets, chunk_tokens, entropy, transform)
+        logp, ent = head_scores(head, hidden, targets, chunk_tokens, entropy, transform, positions)
         return logp if ent is None else torch.stack([logp, ent], dim=-1)
 
     def _hidden(
@@ -142,8 +146,12 @@ class RoleModel(nn.Module):
             ).last_hidden_state
         with confined_attention(self.causal_lm) as native:
             # Flash-attention reads the rows from the position ids; the others get them as a
-            # keyword handed down to every attention call.
-            extra = {} if native else {SEGMENTS_KW: segments}
+            # keyword handed down to every attention call, and an all-ones attention mask:
+            # without one transformers looks for packed rows in the position ids, a read to the
+            # host every forward (`posttrain.models.chunked.model_call`, the SFT step's twin).
+            extra = {}
+            if not native:
+                extra = {SEGMENTS_KW: segments, "attention_mask": torch.ones_like(input_ids)}
             return decoder(
                 input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra
             ).last_hidden_state

@@ -38,7 +38,11 @@ from typing import Any
 import torch
 
 from posttrain.distributed.fsdp import grad_sync
-from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, min_max
+from posttrain.distributed.runtime import (
+    all_reduce_on_device,
+    all_reduce_sum,
+    all_reduce_sums,
+)
 from posttrain.models.adapters import POLICY
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.teacher import build_teacher, teacher_logits
@@ -49,7 +53,7 @@ from posttrain.rl.loop import Record, run_loop, write_record
 from posttrain.rl.metrics import UpdateStats, add_rollout_sums, rollout_totals, step_flops
 from posttrain.rl.rollout.collect import RolloutBatch, RolloutSetup, generate
 from posttrain.rl.rollout.engine import build_engine
-from posttrain.rl.rollout.sample import Rollout, model_inputs
+from posttrain.rl.rollout.sample import Rollout, balanced_groups, model_inputs, row_tokens
 from posttrain.rl.setup import RLRun, one_step_shapes
 from posttrain.runtime.context import StageContext
 from posttrain.telemetry import heartbeat
@@ -104,7 +108,15 @@ def distill_step(
     heartbeat.beat(phase="update")
     cfg, micro, packed = run.ctx.section, run.batch.micro_batch_size, run.rollouts.packed
     stats = distill_update(
-        run.tr, teacher.model, rb.rollout, cfg, micro, teacher.vocab, step + 1, packed
+        run.tr,
+        teacher.model,
+        rb.rollout,
+        cfg,
+        micro,
+        teacher.vocab,
+        step + 1,
+        packed,
+        run.rollouts.by_tokens,
     )
 
     def record(rb: RolloutBatch, t0: float, t_train: float, timing: dict[str, float]) -> None:
@@ -227,9 +239,12 @@ def distill_update(
     vocab: int,
     step: int,
     packed: bool = False,
+    by_tokens: int | None = None,
 ) -> DistillStats:
     """One optimizer step of the student (`tr.model`) towards `teacher` on this rank's rollout
-    `ro`, `micro` rows per forward (module docstring). `step`: the logged step (1-based)."""
+    `ro`, `micro` rows per forward, or with `by_tokens` (`batch.by_tokens`) as many rows as fit
+    that many tokens (module docstring). `step`: the logged step (1-based). The device is read
+    for the counts, once for the guard and once for the statistics, not per forward."""
     device, world = tr.dist.device, tr.dist.world_size
     counts = all_reduce_sums(
         {"tokens": ro.mask.sum(), "answers": (ro.mask.sum(1) > 0).sum()}, device
@@ -238,29 +253,32 @@ def distill_update(
     if not tokens:
         return DistillStats({}, math.nan, math.nan, 0, 0)
     count = tokens if cfg.reduction == "token_mean" else answers
-    rows = list(range(ro.n))
-    n_micro = int(min_max(math.ceil(len(rows) / micro), device)[1])
-    sums: Counter[str] = Counter()
-    share = 0.0
-    for k in range(n_micro):
-        chunk, weight = rows[k * micro : (k + 1) * micro], 1.0
+    lengths = row_tokens(ro)
+    groups = balanced_groups(ro.n, micro, lambda i: lengths[i], by_tokens, device)
+    sums: dict[str, torch.Tensor] = {}
+    share = torch.zeros((), device=device)
+    for k, group in enumerate(groups):
+        chunk, weight = group, 1.0
         if not chunk:  # this rank is out of rows: a filler forward that counts for nothing
             chunk, weight = [0], 0.0
-        grad_sync(tr.model, k == n_micro - 1)
+        grad_sync(tr.model, k == len(groups) - 1)
         per_token, mask, s_logits, t_logits = micro_divergence(
             tr.model, teacher, ro, chunk, cfg, vocab, packed, device
         )
         objective = objective_sum(per_token, mask, cfg.reduction) * (weight * world / count)
         tr.backward(objective)
-        share += float(objective.detach()) / world
+        share = share + objective.detach() / world
         with torch.no_grad():
             keep = mask * weight
             same = (s_logits.argmax(-1) == t_logits.argmax(-1)).float()
-            sums["divergence"] += float((per_token.detach() * keep).sum())
-            sums["agree"] += float((same * keep).sum())
-    loss = all_reduce_sum(share, device)
-    _, norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=loss, step=step)
-    t = all_reduce_sums(dict(sums), device)
+            for name, v in (("divergence", per_token.detach()), ("agree", same)):
+                v = (v * keep).sum()
+                sums[name] = sums[name] + v if name in sums else v
+    # The mean loss, the same on every rank: read with the grad norm.
+    loss, norm, lr = tr.optimizer_step(
+        cfg.optim.max_grad_norm, loss=all_reduce_on_device(share), step=step
+    )
+    t = all_reduce_sums(sums, device)
     means = {
         "loss": loss,
         "teacher_kl": t["divergence"] / tokens,

@@ -23,7 +23,6 @@ has a pair takes no optimizer step.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -31,7 +30,11 @@ from typing import Any
 import torch
 
 from posttrain.distributed.fsdp import grad_sync
-from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, min_max
+from posttrain.distributed.runtime import (
+    all_reduce_on_device,
+    all_reduce_sum,
+    all_reduce_sums,
+)
 from posttrain.models.adapters import POLICY
 from posttrain.rl.algorithms.advantages import shaped_scores
 from posttrain.rl.loop import Record, run_loop, write_record
@@ -39,7 +42,14 @@ from posttrain.rl.metrics import UpdateStats, rollout_totals, step_flops, token_
 from posttrain.rl.pair_select import PairSelection, judge_agreement, select_pairs
 from posttrain.rl.rewarder import FUNCTION
 from posttrain.rl.rollout.collect import RolloutBatch
-from posttrain.rl.rollout.sample import Rollout, model_inputs, response_logps
+from posttrain.rl.rollout.sample import (
+    Rollout,
+    balanced_groups,
+    model_inputs,
+    response_logps,
+    row_tokens,
+    scored_positions,
+)
 from posttrain.rl.setup import RLRun, one_step_shapes
 from posttrain.runtime.context import StageContext
 from posttrain.train.losses import pair_outcome
@@ -81,7 +91,16 @@ def dpo_step(
     judged = judge(rb.rollout, cfg, s.rewarder.rm_weight)
     micro = max(1, run.batch.micro_batch_size // 2)
     stats = dpo_update(
-        run.tr, rb.rollout, judged.rows, loss_fn, cfg, micro, step + 1, s.chunk_tokens, s.packed
+        run.tr,
+        rb.rollout,
+        judged.rows,
+        loss_fn,
+        cfg,
+        micro,
+        step + 1,
+        s.chunk_tokens,
+        s.packed,
+        s.by_tokens,
     )
 
     def record(rb: RolloutBatch, t0: float, t_train: float, timing: dict[str, float]) -> None:
@@ -178,17 +197,18 @@ def sequence_logps(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(policy log-probs [n] with grad, reference log-probs [n], lengths [n]) of the
     responses of `rows`: sums over each response's masked tokens."""
-    mask = ro.mask[rows].to(device)  # [n, R]
+    mask = ro.mask[rows].to(device, non_blocking=True)  # [n, R]
     logp, _ = response_logps(
         model,
         POLICY,
         model_inputs(ro, rows, packed, device),
-        ro.response[rows].to(device),
+        ro.response[rows].to(device, non_blocking=True),
         mask,
         chunk_tokens,
         temperature=temperature,
+        positions=scored_positions(ro.mask[rows]).to(device, non_blocking=True),
     )  # [n, R]
-    ref = ro.scored["ref_logps"][rows].to(device)  # [n, R], 0 off the mask
+    ref = ro.scored["ref_logps"][rows].to(device, non_blocking=True)  # [n, R], 0 off the mask
     return (logp * mask).sum(1), (ref * mask).sum(1), mask.sum(1)
 
 
@@ -202,24 +222,34 @@ def dpo_update(
     step: int,
     chunk_tokens: int = 0,
     packed: bool = False,
+    by_tokens: int | None = None,
 ) -> DPOStats:
     """One optimizer step on the mean of `loss_fn` over every rank's pairs, `micro_pairs` pairs
-    per forward. Each rank backpropagates sum(its pair losses) x world / global pairs, and
-    FSDP's gradient averaging divides the world back: the global mean at any number of ranks."""
+    per forward, or with `by_tokens` (`batch.by_tokens`) as many pairs as fit that many tokens
+    (both rows of a pair in one forward). Each rank backpropagates sum(its pair losses) x world
+    / global pairs, and FSDP's gradient averaging divides the world back: the global mean at any
+    number of ranks. The device is read once for the guard and once for the statistics."""
     device, world = tr.dist.device, tr.dist.world_size
     total = int(all_reduce_sum(len(pairs), device))
     if not total:
         return DPOStats({}, math.nan, math.nan, 0, 0, 0)
-    n_micro = int(min_max(math.ceil(len(pairs) / micro_pairs), device)[1])
+    tokens = row_tokens(ro)
+    groups = balanced_groups(
+        len(pairs),
+        micro_pairs,
+        lambda p: tokens[pairs[p][0]] + tokens[pairs[p][1]],
+        by_tokens,
+        device,
+    )
     scale = world / total
-    sums: Counter[str] = Counter()
-    share = 0.0
-    for k in range(n_micro):
-        chunk = pairs[k * micro_pairs : (k + 1) * micro_pairs]
+    sums: dict[str, torch.Tensor] = {}
+    share = torch.zeros((), device=device)
+    for k, group in enumerate(groups):
+        chunk = [pairs[p] for p in group]
         weight = torch.ones(len(chunk), device=device)
         if not chunk:  # this rank is out of pairs: a filler forward that counts for nothing
             chunk, weight = [(0, 0)], torch.zeros(1, device=device)
-        grad_sync(tr.model, k == n_micro - 1)
+        grad_sync(tr.model, k == len(groups) - 1)
         rows = [c for c, _ in chunk] + [r for _, r in chunk]
         pol, ref, lengths = sequence_logps(
             tr.model, ro, rows, chunk_tokens, cfg.rollout.temperature, packed, device
@@ -230,7 +260,7 @@ def dpo_update(
         )  # [n] each
         objective = (losses * weight).sum() * scale
         tr.backward(objective)
-        share += float(objective.detach()) / world
+        share = share + objective.detach() / world
         for name, v in (
             ("loss", losses.detach()),
             ("accuracy", pair_outcome(chosen, rejected)),
@@ -238,8 +268,10 @@ def dpo_update(
             ("chosen_reward", chosen),
             ("rejected_reward", rejected),
         ):
-            sums[name] += float((v * weight).sum())
-    loss = all_reduce_sum(share, device)  # the mean loss over all pairs, the same on every rank
+            v = (v * weight).sum()
+            sums[name] = sums[name] + v if name in sums else v
+    # The mean loss over all pairs, the same on every rank: read with the grad norm.
+    loss = all_reduce_on_device(share)
     _, norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=loss, step=step)
-    means = {k: v / total for k, v in all_reduce_sums(dict(sums), device).items()}
+    means = {k: v / total for k, v in all_reduce_sums(sums, device).items()}
     return DPOStats(means, norm, lr, 1, total, len(pairs))

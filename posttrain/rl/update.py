@@ -9,7 +9,6 @@ after the KL controller's update from the rollout's KL.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -18,7 +17,7 @@ import torch
 
 from posttrain.config.batch import ResolvedBatch
 from posttrain.distributed.fsdp import grad_sync
-from posttrain.distributed.runtime import all_reduce_sum
+from posttrain.distributed.runtime import all_reduce_on_device, all_reduce_sum, all_reduce_sums
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import VALUE
 from posttrain.rl.algorithms import ALGORITHMS, Algorithm
@@ -35,7 +34,13 @@ from posttrain.rl.losses import (
 )
 from posttrain.rl.metrics import UpdateStats, rollout_totals, step_flops
 from posttrain.rl.rollout.collect import RolloutBatch, rollout_seed
-from posttrain.rl.rollout.sample import Rollout, forward_groups, model_inputs, response_logps
+from posttrain.rl.rollout.sample import (
+    Rollout,
+    forward_groups,
+    model_inputs,
+    response_logps,
+    scored_positions,
+)
 from posttrain.rl.setup import RLRun
 from posttrain.runtime.context import StageContext
 from posttrain.train.session import TrainSession
@@ -83,13 +88,56 @@ class Minibatch:
 
 
 @dataclass(frozen=True)
-class MicroBatch:  # n rows of a minibatch, on the device
-    rows: torch.Tensor  # [n] rollout row indices
+class MicroBatch:  # n rows of a minibatch, laid out on the device before its first forward
+    rows: torch.Tensor  # [n] rollout row indices, on the device (indexes `device_rows`)
     # `Rollout.inputs` of the rows (input_ids [n, P+R], ...) or their `packed_inputs`
     inputs: dict[str, Any]
     mask: torch.Tensor  # [n, R] 1 on response tokens
+    # [M] flat indices into [n * R] of the mask's tokens, found on the host (`scored_positions`)
+    positions: torch.Tensor
     weights: torch.Tensor  # [n, R] each token's weight in the minibatch's objective
     scale: float  # the minibatch's
+
+
+# The rollout's scores an update reads, [N, R] each, where the rollout has them.
+SCORED_KEYS = ("logps", "ref_logps", "behaviour_logps", "values")
+
+
+def device_rows(ro: Rollout, adv: Advantages, device: torch.device) -> dict[str, torch.Tensor]:
+    """What every micro-batch of the update reads of the rollout, copied to the device once
+    (a few [N, R] tensors): micro-batches index them there, so an extra micro-batch adds no
+    host-to-device copies of its rows (each a wait for the device on a GPU). Without a policy
+    scoring pass, "update_logps" [N, R] collects the update's own log-probs (see `update`)."""
+    host = {"response": ro.response, "mask": ro.mask, "advantages": adv.advantages}
+    host |= {"returns": adv.returns, "stale": adv.stale}
+    host |= {k: ro.scored.get(k) for k in SCORED_KEYS}
+    out = {k: v.to(device, non_blocking=True) for k, v in host.items() if v is not None}
+    if "logps" not in out:
+        out["update_logps"] = torch.zeros(ro.mask.shape, device=device)
+    return out
+
+
+def lay_out(
+    ro: Rollout, mb: Minibatch, groups: list[list[int]], packed: bool, device: torch.device
+) -> list[MicroBatch]:
+    """The micro-batches of minibatch `mb`, one per group of its positions (`forward_groups`),
+    built on the host and sent to the device before the first forward (as the SFT step's)."""
+    weights = mb.weights.to(device, non_blocking=True)
+    micros = []
+    for g in groups:
+        at = torch.tensor(g)
+        rows = mb.rows[at]
+        micros.append(
+            MicroBatch(
+                rows.to(device, non_blocking=True),
+                model_inputs(ro, rows, packed, device),
+                ro.mask[rows].to(device, non_blocking=True),
+                scored_positions(ro.mask[rows]).to(device, non_blocking=True),
+                weights[at.to(device, non_blocking=True)],
+                mb.scale,
+            )
+        )
+    return micros
 
 
 def update(
@@ -107,12 +155,14 @@ def update(
     """Step 4: `update_epochs` passes of clipped updates over one rollout; pass e shuffles the
     rows with `seed` + e. `step`: the rollout's logged step (1-based), for the guard's records.
     `chunk_tokens`: tokens per pass through the LM head (0 = full logits); `by_tokens`: tokens
-    per forward (`batch.by_tokens`; None: micro_batch_size rows each)."""
+    per forward (`batch.by_tokens`; None: micro_batch_size rows each). The device is read once
+    per optimizer step (the guard's loss and grad norm) and once at the end (the statistics)."""
     device, world = tr.dist.device, tr.dist.world_size
     per_update = batch.micro_batch_size * batch.grad_accum_steps
     # None only on ppo (token_mean); a grpo section holds its algorithm's (GRPOConfig presets).
     aggregation = cfg.loss_aggregation or "token_mean"
-    sums: Counter[str] = Counter()
+    dev = device_rows(ro, adv, device)
+    sums: dict[str, torch.Tensor] = {}
     norms: list[float] = []
     for epoch in range(cfg.update_epochs):
         g = torch.Generator().manual_seed(seed + epoch)
@@ -127,19 +177,21 @@ def update(
             weights, count = loss_weights(ro.mask[rows], aggregation, cfg.rollout.max_new_tokens)
             mb = Minibatch(rows, weights, world / max(1.0, all_reduce_sum(count, device)))
             groups = forward_groups(ro, rows, batch.micro_batch_size, by_tokens, device)
-            share = minibatch_backward(tr, ro, adv, mb, cfg, groups, chunk_tokens, sums, packed)
-            objective = all_reduce_sum(share, device)  # the same on every rank, for the guard
+            micros = lay_out(ro, mb, groups, packed, device)
+            share = minibatch_backward(tr, dev, adv, micros, cfg, chunk_tokens, sums)
+            # The same on every rank, for the guard: a device tensor, read with the grad norm.
+            objective = all_reduce_on_device(share)
             _, norm, lr = tr.optimizer_step(
                 cfg.optim.max_grad_norm, loss=objective, step=step, epoch=epoch, update=u
             )
             norms.append(norm)
-    if "logps" not in ro.scored and "update_logps" in ro.scored:
+    if "update_logps" in dev:
         # No policy scoring pass (the rollout's only update): the update's own log-probs,
         # taken before its one optimizer step, are the sampling weights'. Kept as the rollout's
         # so its KL to the reference (the step's `kl`, the adaptive controller's input) is
         # measured, not read as 0.
-        ro.scored["logps"] = ro.scored.pop("update_logps")
-    tot = {k: all_reduce_sum(v, device) for k, v in sums.items()}
+        ro.scored["logps"] = dev["update_logps"].cpu()
+    tot = all_reduce_sums(sums, device)  # one collective and one read for every statistic
     n_tok = max(1.0, tot.pop("tokens"))
     return UpdateStats(
         {k: v / n_tok for k, v in tot.items()}, sum(norms) / len(norms), lr, len(norms)
@@ -148,81 +200,73 @@ def update(
 
 def minibatch_backward(
     tr: TrainSession,
-    ro: Rollout,
+    dev: dict[str, torch.Tensor],
     adv: Advantages,
-    mb: Minibatch,
+    micros: list[MicroBatch],
     cfg: Any,
-    groups: list[list[int]],
     chunk_tokens: int,
-    sums: Counter[str],
-    packed: bool = False,
-) -> float:
-    """Forward and backward of minibatch `mb`, one forward per group of its positions
-    (`forward_groups`); gradients are synced over ranks by the last forward's backward. Adds
-    each token statistic's sum to `sums`. Returns this rank's share of the minibatch's
-    objective (summed over ranks: the objective)."""
-    device = tr.dist.device
+    sums: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """Forward and backward of a minibatch's micro-batches (`lay_out`); gradients are synced
+    over ranks by the last forward's backward. Adds each token statistic's sum to `sums`, on
+    the device. Returns this rank's share of the minibatch's objective (summed over ranks: the
+    objective), a 0-dim device tensor."""
     critic = adv.returns is not None
-    share = 0.0
-    for k, g in enumerate(groups):
-        last = k == len(groups) - 1
-        at = torch.tensor(g)
-        rows = mb.rows[at]
-        mi = MicroBatch(
-            rows,
-            model_inputs(ro, rows, packed, device),
-            ro.mask[rows].to(device),
-            mb.weights[at].to(device),
-            mb.scale,
-        )
+    share = torch.zeros((), device=tr.dist.device)
+    for k, mi in enumerate(micros):
+        last = k == len(micros) - 1
         grad_sync(tr.model, last and not critic)
-        share += policy_backward(tr, ro, adv, mi, cfg, chunk_tokens, sums)
+        share = share + policy_backward(tr, dev, adv, mi, cfg, chunk_tokens, sums)
         if critic:
             grad_sync(tr.model, last)
-            share += value_backward(tr, ro, adv, mi, cfg, sums)
+            share = share + value_backward(tr, dev, mi, cfg, sums)
     return share
+
+
+def add_sums(sums: dict[str, torch.Tensor], stats: dict[str, torch.Tensor], mask: torch.Tensor):
+    """sums[name] += the masked sum of each per-token statistic [n, R], on the device."""
+    for name, v in stats.items():
+        s = (v.detach() * mask).sum()
+        sums[name] = sums[name] + s if name in sums else s
 
 
 def policy_backward(
     tr: TrainSession,
-    ro: Rollout,
+    dev: dict[str, torch.Tensor],
     adv: Advantages,
     mi: MicroBatch,
     cfg: Any,
     chunk_tokens: int,
-    sums: Counter[str],
-) -> float:
+    sums: dict[str, torch.Tensor],
+) -> torch.Tensor:
     """The policy's objective on one micro-batch, backward; as `value_backward`."""
-    device = tr.dist.device
     logp, ent = response_logps(
         tr.model,
         POLICY,
         mi.inputs,
-        ro.response[mi.rows].to(device),
+        dev["response"][mi.rows],
         mi.mask,
         chunk_tokens,
         entropy=True,
         temperature=cfg.rollout.temperature,
+        positions=mi.positions,
     )  # [n, R] each, under the sampling temperature
     assert ent is not None
-    if "logps" not in ro.scored:  # the update's own, for the rollout's KL (see `update`)
-        own = ro.scored.setdefault("update_logps", torch.zeros(ro.mask.shape))
-        own[mi.rows] = logp.detach().float().cpu()
+    if "update_logps" in dev:  # the update's own, for the rollout's KL (see `update`)
+        dev["update_logps"][mi.rows] = logp.detach().float()
     old, ref, behaviour = (
-        ro.scored[k][mi.rows].to(device) if k in ro.scored else None
-        for k in ("logps", "ref_logps", "behaviour_logps")
+        dev[k][mi.rows] if k in dev else None for k in ("logps", "ref_logps", "behaviour_logps")
     )
     lagged = None
-    if adv.stale is not None and behaviour is not None:
-        lagged = (behaviour, adv.stale[mi.rows].to(device))
+    if "stale" in dev and behaviour is not None:
+        lagged = (behaviour, dev["stale"][mi.rows])
     per_token, stats = policy_terms(
-        logp, ent, old, ref, adv.advantages[mi.rows].to(device), cfg, adv.kl_in_loss, lagged
+        logp, ent, old, ref, dev["advantages"][mi.rows], cfg, adv.kl_in_loss, lagged
     )
     objective = (per_token * mi.weights).sum() * mi.scale
     tr.backward(objective)
-    for name, v in stats.items():
-        sums[name] += float((v.detach() * mi.mask).sum())
-    return float(objective.detach()) / tr.dist.world_size
+    add_sums(sums, stats, mi.mask)
+    return objective.detach() / tr.dist.world_size
 
 
 def policy_terms(
@@ -255,7 +299,10 @@ def policy_terms(
         )
         pg = w * pg
         stats |= {"is_weight": w, "is_clip_frac": truncated.float()}
-    per_token = pg - cfg.entropy_coef * entropy
+    # No entropy bonus: the entropy stays out of the graph (reported only), so the head's
+    # backward skips its term (a [chunk, vocab] exp and products per chunk) instead of
+    # propagating zeros through it.
+    per_token = pg - cfg.entropy_coef * entropy if cfg.entropy_coef else pg
     ratio_log = logp.detach() - old_logp
     stats |= {
         "policy_loss": pg,
@@ -274,29 +321,22 @@ def policy_terms(
 
 def value_backward(
     tr: TrainSession,
-    ro: Rollout,
-    adv: Advantages,
+    dev: dict[str, torch.Tensor],
     mi: MicroBatch,
     cfg: Any,
-    sums: Counter[str],
-) -> float:
+    sums: dict[str, torch.Tensor],
+) -> torch.Tensor:
     """The critic's objective on one micro-batch (vf_coef x the clipped value loss against the
     returns), backward; its statistics summed into `sums`. Returns this rank's share of the
-    objective (its value / world)."""
-    assert adv.returns is not None
-    device = tr.dist.device
+    objective (its value / world), on the device."""
     values = tr.model(VALUE, **mi.inputs)  # [n, R]
     vf, vclipped = clipped_value_loss(
-        values,
-        ro.scored["values"][mi.rows].to(device),
-        adv.returns[mi.rows].to(device),
-        cfg.value_clip,
+        values, dev["values"][mi.rows], dev["returns"][mi.rows], cfg.value_clip
     )
     value_objective = cfg.vf_coef * (vf * mi.weights).sum() * mi.scale
     tr.backward(value_objective)
-    sums["value_loss"] += float((vf.detach() * mi.mask).sum())
-    sums["value_clip_frac"] += float((vclipped.float() * mi.mask).sum())
-    return float(value_objective.detach()) / tr.dist.world_size
+    add_sums(sums, {"value_loss": vf, "value_clip_frac": vclipped.float()}, mi.mask)
+    return value_objective.detach() / tr.dist.world_size
 
 
 def run_online_rl(ctx: StageContext, algorithm: str) -> dict[str, Any]:

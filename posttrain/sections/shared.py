@@ -187,12 +187,11 @@ class RolloutBatchConfig(_Section):
     )
     by_tokens: TokenBudgetField = Execution(
         None,
-        description="The scoring forwards of a rollout (every RL kind) and the forwards of "
-        "each PPO/GRPO-family update take at most this many tokens (prompt + response) each, "
-        "rows regrouped longest first, instead of micro_batch_size rows each: the same rows "
-        "per update and the same per-token loss weights, so the same scores and update "
-        "(online DPO's and distill's updates keep micro_batch_size rows). `auto`: as the SFT "
-        "batch's.",
+        description="The scoring forwards of a rollout and the update's forwards (every RL "
+        "kind) take at most this many tokens (prompt + response) each, rows regrouped longest "
+        "first, instead of micro_batch_size rows each (online DPO: a pair's two rows share a "
+        "forward and count together): the same rows per update and the same loss weights, so "
+        "the same scores and update. `auto`: as the SFT batch's.",
     )
 
 

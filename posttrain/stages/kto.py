@@ -30,7 +30,7 @@ import torch
 from posttrain.data.batching import collate, step_indices
 from posttrain.data.pref_prepare import guard_template, prepare_unpaired
 from posttrain.distributed.fsdp import grad_sync
-from posttrain.distributed.runtime import all_reduce_sums, all_reduce_tensor
+from posttrain.distributed.runtime import all_reduce_on_device, all_reduce_tensor
 from posttrain.errors import RecipeVerdict
 from posttrain.models.adapters import policy_with_reference, reference_pass
 from posttrain.models.lora import prepare_for_training
@@ -282,7 +282,9 @@ def kto_step(
     """One step's forwards and backwards: first z0 over the whole global batch (no-grad
     forwards of every mismatched micro-batch, summed over ranks), so every rank uses the same
     z0; then per micro-batch the reference and policy log-probs and sum(row losses) * world /
-    global_rows backpropagated. Returns the step's mean loss over all ranks and its figures."""
+    global_rows backpropagated. Returns the step's mean loss over all ranks and its figures,
+    as device tensors (read by `finish_step`: the loss with the grad norm, the figures on logged
+    steps only)."""
     model, device, chunk = loop.model, loop.device, loop.chunk_tokens
     n_rows = loop.batch.global_batch_size
     t_kl = time.perf_counter()
@@ -290,12 +292,12 @@ def kto_step(
     z0 = kto_kl_estimate(
         torch.cat([p for p, _ in kl_logps]),
         torch.cat([r for _, r in kl_logps]),
-        lambda t: all_reduce_tensor(t, device).to(device),
+        all_reduce_on_device,  # summed over ranks where it lies: no read to the host
     )
     t_kl = time.perf_counter() - t_kl
 
     keys = ("reward_desirable", "reward_undesirable", "n_desirable", "n_undesirable")
-    sums = dict.fromkeys(("loss", *keys), 0.0)
+    sums: dict[str, Any] = dict.fromkeys(("loss", *keys), 0.0)
     t_ref = 0.0
     for k, (ix, mb) in enumerate(zip(sb.rows, sb.micro, strict=True)):
         grad_sync(model, k == len(sb.micro) - 1)
@@ -304,16 +306,18 @@ def kto_step(
             ref = _logps(model, mb, chunk)
         t_ref += time.perf_counter() - t_r
         policy = _logps(model, mb, chunk)
-        desirable = torch.tensor([loop.draw.rows[i]["desirable"] for i in ix], device=device)
-        losses, m = kto_loss(policy, ref, desirable, z0, **hp)  # [micro]
-        loop.tr.backward(losses.sum() * loop.world / n_rows)
+        desirable = torch.tensor([loop.draw.rows[i]["desirable"] for i in ix])
+        losses, m = kto_loss(policy, ref, desirable.to(device, non_blocking=True), z0, **hp)
+        loop.tr.backward(losses.sum() * loop.world / n_rows)  # losses [micro]
         add_sums(sums, {"loss": losses} | {k: m[k] for k in keys})
-    g = all_reduce_sums(sums, device)
-    g["loss"] /= n_rows
-    return g["loss"], {
+    # Sums over all ranks as 0-dim device tensors, read by nobody here: `finish_step` reads the
+    # loss with the gradient norm (the guard's read) and the figures on logged steps only.
+    totals = torch.stack([torch.as_tensor(v, device=device).double() for v in sums.values()])
+    g = dict(zip(sums, all_reduce_on_device(totals).unbind(), strict=True))
+    return g["loss"] / n_rows, {
         "reference_s": t_ref,
         "kl_s": t_kl,
-        **kto_summary({**g, "kl": float(z0)}),
+        **kto_summary({**g, "kl": z0}),
     }
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -305,10 +306,11 @@ def kto_loss(
     return losses, metrics
 
 
-def kto_summary(sums: dict[str, float]) -> dict[str, float]:
-    """`kto_loss` metrics summed over a batch -> mean rewards (0 with no rows) and margin."""
-    d = sums["reward_desirable"] / max(1.0, sums["n_desirable"])
-    u = sums["reward_undesirable"] / max(1.0, sums["n_undesirable"])
+def kto_summary(sums: dict[str, Any]) -> dict[str, Any]:
+    """`kto_loss` metrics summed over a batch -> mean rewards (0 with no rows) and margin;
+    Python floats or 0-dim tensors (a training step's, left on the device), as given."""
+    d = sums["reward_desirable"] / _at_least_one(sums["n_desirable"])
+    u = sums["reward_undesirable"] / _at_least_one(sums["n_undesirable"])
     return {
         "reward_desirable": d,
         "reward_undesirable": u,
@@ -317,6 +319,10 @@ def kto_summary(sums: dict[str, float]) -> dict[str, float]:
         "n_undesirable": sums["n_undesirable"],
         "kl": sums["kl"],
     }
+
+
+def _at_least_one(n: Any) -> Any:
+    return n.clamp(min=1.0) if isinstance(n, torch.Tensor) else max(1.0, n)
 
 
 def kto_weight_balance(

@@ -16,16 +16,17 @@ the critic cover), and `attn` 1 on every real token after the prompt (what the m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posttrain.data.batching import pad_batch
+from posttrain.data.batching import pad_batch, regroup_by_tokens
 from posttrain.data.chat import IGNORE
 from posttrain.data.preference import Messages, encode_reply
 from posttrain.data.segments import Segments
+from posttrain.distributed.runtime import min_max
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import REWARD, VALUE
 from posttrain.rl.losses import entropy_from_logits, token_logps
@@ -179,8 +180,9 @@ def model_inputs(
     ro: Rollout, idx: list[int] | torch.Tensor, packed: bool, device: torch.device
 ) -> dict[str, Any]:
     inp = ro.packed_inputs(idx) if packed else ro.inputs(idx)
+    # Host-to-device without waiting for the device's queue (pageable memory is staged at once).
     return {
-        k: v.to(device) if torch.is_tensor(v) or isinstance(v, Segments) else v
+        k: v.to(device, non_blocking=True) if torch.is_tensor(v) or isinstance(v, Segments) else v
         for k, v in inp.items()
     }
 
@@ -244,6 +246,13 @@ def decode_responses(tokenizer: Any, ro: Rollout) -> list[str]:
     ]
 
 
+def scored_positions(mask: torch.Tensor) -> torch.Tensor:
+    """[M] the flat indices into [n * R] where the host-side `mask` [n, R] is set: the positions
+    the chunked head scores, found on the host so the forward waits for no device read."""
+    assert mask.device.type == "cpu", "positions are taken from the rollout's host mask"
+    return mask.reshape(-1).nonzero().squeeze(1)
+
+
 def response_logps(
     model: torch.nn.Module,
     role: str,
@@ -253,9 +262,12 @@ def response_logps(
     chunk_tokens: int,
     entropy: bool = False,
     temperature: float = 1.0,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(response) [n, R], entropy [n, R] | None) under `role`: through the chunked head
-    on the response tokens only (0.0 on padding) when `chunk_tokens`, else from full logits."""
+    on the response tokens only (0.0 on padding) when `chunk_tokens`, else from full logits.
+    `positions`: `scored_positions` of the mask, on the device (None: the head finds them from
+    the mask, one device read)."""
     if not chunk_tokens:
         logits = model(role, **inp, temperature=temperature)  # [n, R, V]
         return token_logps(logits, response), entropy_from_logits(logits) if entropy else None
@@ -267,6 +279,7 @@ def response_logps(
         chunk_tokens=chunk_tokens,
         entropy=entropy,
         temperature=temperature,
+        positions=positions,
     )
     return (y[..., 0], y[..., 1]) if entropy else (y, None)
 
@@ -283,6 +296,33 @@ def forward_groups(
         return [list(range(k, min(k + micro, n))) for k in range(0, n, micro)]
     tokens = (ro.prompt_mask[rows].sum(1) + ro.response_attn[rows].sum(1)).tolist()  # [n]
     return regroup_step([list(range(n))], lambda p: int(tokens[p]), by_tokens, device)
+
+
+def row_tokens(ro: Rollout) -> list[int]:
+    """[N] each row's real tokens (prompt + response): what it costs a forward by tokens."""
+    return (ro.prompt_mask.sum(1) + ro.response_attn.sum(1)).tolist()
+
+
+def balanced_groups(
+    n_items: int,
+    per: int,
+    tokens: Callable[[int], int],
+    by_tokens: int | None,
+    device: torch.device,
+) -> list[list[int]]:
+    """This rank's forwards over `n_items` items (rows, or pairs of rows) as lists of item
+    positions: `per` items each in order, or with `by_tokens` regrouped so a forward carries at
+    most that many tokens (`tokens(i)`: item i's; `regroup_by_tokens`: longest first, an item
+    over the budget alone); then empty forwards until this rank runs as many as the busiest
+    (FSDP's gathers are collective; an empty one is a filler that counts for nothing). Each
+    item's loss and weight are its own, so the step is the same however they are grouped."""
+    items = list(range(n_items))
+    if by_tokens and items:
+        groups = regroup_by_tokens(items, tokens, by_tokens)
+    else:
+        groups = [items[k : k + per] for k in range(0, n_items, per)]
+    busiest = int(min_max(float(len(groups)), device)[1])
+    return groups + [[] for _ in range(busiest - len(groups))]
 
 
 @torch.no_grad()
@@ -312,6 +352,7 @@ def score(
     for idx in groups:
         inp = model_inputs(ro, idx, packed, device)
         mask = ro.mask[idx].to(device)
+        positions = scored_positions(ro.mask[idx]).to(device)
         for role in (r for r in roles if r in names):
             if role == VALUE:
                 y = model(role, **inp)
@@ -324,6 +365,7 @@ def score(
                     mask,
                     chunk_tokens,
                     temperature=temperature,
+                    positions=positions,
                 )
             out.setdefault(names[role], []).append(y.float() * mask)
     if REWARD in roles:
