@@ -33,20 +33,20 @@ guards), with tied embeddings and a LoRA model.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from posttrain.models.chunked import LogitTransform
+# `transform` below is a `posttrain.models.chunked.LogitTransform` (typed Any: chunked imports
+# this module, and an import back would make a cycle).
 
 
 def _logits(
     h: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    transform: LogitTransform,
+    transform: Any,
 ) -> torch.Tensor:
     """[c, H] -> [c, V] fp32 logits, as `chunked._chunk_logits` (out of place: in a graph the
     upcast and the transform fuse into the consumer)."""
@@ -58,7 +58,7 @@ def _forward_chunk(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     targets: torch.Tensor,
-    transform: LogitTransform,
+    transform: Any,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(logp [c], lse [c], entropy [c] | None) of one chunk."""
@@ -80,7 +80,7 @@ def _backward_chunk(
     ent: torch.Tensor | None,
     g_logp: torch.Tensor,
     g_ent: torch.Tensor | None,
-    transform: LogitTransform,
+    transform: Any,
     need_h: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """(dL/dh [c, H] in h's dtype | None, dL/du [c, V] in the weight's dtype, dL/db [V] fp32 | None)
@@ -136,7 +136,7 @@ def forward_chunk(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     targets: torch.Tensor,
-    transform: LogitTransform,
+    transform: Any,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`_forward_chunk` compiled: (logp [c], lse [c], entropy [c] | None)."""
@@ -157,7 +157,7 @@ def backward_chunk(
     ent: torch.Tensor | None,
     g_logp: torch.Tensor,
     g_ent: torch.Tensor | None,
-    transform: LogitTransform,
+    transform: Any,
     need_h: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """`_backward_chunk` compiled: (dL/dh [c, H] | None, dL/du [c, V], dL/db [V] | None); a padded
