@@ -518,7 +518,7 @@ def fast_engine(compile_decode: bool) -> Callable[[Any], Any]:
 
     def make(model: Any) -> Any:
         from posttrain.models.adapters import POLICY
-        from posttrain.rl.rollout.engine import build_engine
+        from posttrain.rl.rollout.engines import build_engine
         from posttrain.sections.shared import RolloutConfig
 
         cfg = RolloutConfig(engine="fast", compile_decode=compile_decode)

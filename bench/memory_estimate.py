@@ -295,7 +295,7 @@ def _step(name: str, folder: Path, d: Any, chunk: int) -> None:
     from posttrain.models.reward import pair_scores, score_model_for_training
     from posttrain.models.roles import VALUE, build_roles
     from posttrain.models.sharded_load import build_on_meta, fill_from_checkpoint
-    from posttrain.rl.rollout.engine import build_engine
+    from posttrain.rl.rollout.engines import build_engine
     from posttrain.rl.rollout.sample import response_logps, sample
     from posttrain.sections.shared import LoraConfig, OptimConfig, RolloutConfig
     from posttrain.train.forward_logps import forward_nll_sum, forward_sequence_logps

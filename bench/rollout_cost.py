@@ -43,7 +43,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import REWARD, RoleModel
 from posttrain.rl.losses import clipped_policy_loss, group_advantages, loss_weights
-from posttrain.rl.rollout.engine import HFEngine, RolloutEngine, build_engine
+from posttrain.rl.rollout.engine import HFEngine, RolloutEngine
+from posttrain.rl.rollout.engines import build_engine
 from posttrain.rl.rollout.sample import Rollout, response_logps, sample, score
 from posttrain.sections.shared import RolloutConfig
 

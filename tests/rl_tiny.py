@@ -18,7 +18,7 @@ from posttrain.models.stop_tokens import model_stop_token_ids
 from posttrain.rewards.combine import RewardFunction
 from posttrain.rl.rewarder import Rewarder
 from posttrain.rl.rollout.collect import RolloutSetup
-from posttrain.rl.rollout.engine import build_engine
+from posttrain.rl.rollout.engines import build_engine
 
 MAX_PROMPT_LEN = 40
 

@@ -37,7 +37,7 @@ from posttrain.models.adapters import POLICY
 from posttrain.models.loading import load_base
 from posttrain.models.roles import build_roles
 from posttrain.models.stop_tokens import model_stop_token_ids
-from posttrain.rl.rollout.engine import build_engine
+from posttrain.rl.rollout.engines import build_engine
 from posttrain.rl.rollout.multiturn import (
     engine_turns,
     episode_rollout,

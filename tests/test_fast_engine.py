@@ -18,7 +18,8 @@ import posttrain.rl.rollout.fast_engine as fast_engine
 from posttrain.errors import StaleSampler
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import RoleModel
-from posttrain.rl.rollout.engine import HFEngine, build_engine
+from posttrain.rl.rollout.engine import HFEngine
+from posttrain.rl.rollout.engines import build_engine
 from posttrain.rl.rollout.fast_engine import FastEngine
 from posttrain.sections.shared import RolloutConfig, SamplingConfig
 

@@ -24,7 +24,8 @@ from torch import nn
 from posttrain.models.adapters import POLICY
 from posttrain.models.lora import apply_lora
 from posttrain.models.roles import RoleModel
-from posttrain.rl.rollout.engine import HFEngine, build_engine
+from posttrain.rl.rollout.engine import HFEngine
+from posttrain.rl.rollout.engines import build_engine
 from posttrain.rl.rollout.sample import sample
 from posttrain.sections.shared import RolloutConfig, SamplingConfig
 

@@ -22,7 +22,7 @@ from posttrain.models.lora import apply_lora
 from posttrain.models.roles import RoleModel
 from posttrain.models.stop_tokens import end_of_turn_token, model_stop_token_ids, stop_token_ids
 from posttrain.models.tiny import EOT, IM_END
-from posttrain.rl.rollout.engine import build_engine
+from posttrain.rl.rollout.engines import build_engine
 from posttrain.rl.rollout.sample import decode_responses, sample
 from posttrain.sections.shared import RolloutConfig, SamplingConfig
 from tests.chat_template_fixtures import with_chat_tokens

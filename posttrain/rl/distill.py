@@ -52,7 +52,7 @@ from posttrain.rl.heldout import evaluate, heldout_batches, heldout_means
 from posttrain.rl.loop import Record, run_loop, write_record
 from posttrain.rl.metrics import UpdateStats, add_rollout_sums, rollout_totals, step_flops
 from posttrain.rl.rollout.collect import RolloutBatch, RolloutSetup, generate
-from posttrain.rl.rollout.engine import build_engine
+from posttrain.rl.rollout.engines import build_engine
 from posttrain.rl.rollout.sample import Rollout, balanced_groups, model_inputs, row_tokens
 from posttrain.rl.setup import RLRun, one_step_shapes
 from posttrain.runtime.context import StageContext

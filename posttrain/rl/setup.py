@@ -32,7 +32,8 @@ from posttrain.rewards.combine import load_rewards
 from posttrain.rl.losses import KLController, Reduce
 from posttrain.rl.rewarder import Rewarder
 from posttrain.rl.rollout.collect import RolloutSetup
-from posttrain.rl.rollout.engine import RolloutEngine, build_engine
+from posttrain.rl.rollout.engine import RolloutEngine
+from posttrain.rl.rollout.engines import build_engine
 from posttrain.rl.rollout.multiturn import episode_setup
 from posttrain.runtime.context import StageContext, training_base
 from posttrain.telemetry import heartbeat

@@ -32,7 +32,7 @@ from posttrain.distributed.agree import barrier, gather_all
 from posttrain.models.adapters import POLICY
 from posttrain.models.stop_tokens import model_stop_token_ids
 from posttrain.models.teacher import build_teacher
-from posttrain.rl.rollout.engine import build_engine
+from posttrain.rl.rollout.engines import build_engine
 from posttrain.rl.rollout.sample import response_mask
 from posttrain.sections.shared import SamplingConfig
 from posttrain.store.artifacts import stage_dir

@@ -41,7 +41,7 @@ from transformers.generation import (
 from posttrain.distributed.fsdp import forward_method, gathered
 from posttrain.models.decoding import generate_kwargs
 from posttrain.rl.rollout.prefix_cache import Continued, Kept, PrefixCache, full_attention
-from posttrain.sections.shared import RolloutConfig, SamplingConfig
+from posttrain.sections.shared import SamplingConfig
 
 _DECODE_REGISTERED = "_posttrain_decode_registered"
 
@@ -341,40 +341,3 @@ def _register_decode(model: torch.nn.Module) -> None:
     if not getattr(model, _DECODE_REGISTERED, False):
         forward_method(model, "decode")
         setattr(model, _DECODE_REGISTERED, True)
-
-
-def build_engine(
-    cfg: RolloutConfig, model: torch.nn.Module, role: str, world: int, chunk_tokens: int = 0
-) -> RolloutEngine:
-    """The in-process engine a recipe's `rollout.engine` names, set up from its rollout
-    section (a server's engine comes with its server: `posttrain.rl.setup.rollout_engines`).
-    `chunk_tokens`: the trainer's chunked head (`infra.logits_chunk_tokens`), which the `fast`
-    engine's probe scores through as the trainer does."""
-    if cfg.engine == "server":
-        raise ValueError(
-            "rollout.engine: server engines are built around the stage's rollout server "
-            "(posttrain.rl.setup.rollout_engines)"
-        )
-    if cfg.engine == "fast":
-        from posttrain.rl.rollout.fast_engine import FastEngine
-
-        return FastEngine(
-            model,
-            role,
-            batch_size=cfg.generation_batch_size,
-            keep_turns=cfg.episode_cache,
-            compile=cfg.compile_decode,
-            tolerance=cfg.sampler_probe_tolerance,
-            chunk_tokens=chunk_tokens,
-        )
-    if cfg.engine != "hf":
-        raise ValueError(f"rollout.engine: unknown engine {cfg.engine!r}; known: ['fast', 'hf']")
-    return HFEngine(
-        model,
-        role,
-        world,
-        batch_size=cfg.generation_batch_size,
-        keep_gathered=cfg.keep_gathered,
-        drop_finished=cfg.drop_finished,
-        keep_turns=cfg.episode_cache,
-    )
