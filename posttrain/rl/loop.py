@@ -111,6 +111,9 @@ def run_step(run: RLRun, step: int, ahead: Ahead | None, update: Update) -> None
         rb = replace(rb, scoring_s=rb.scoring_s + time.perf_counter() - t)
         ahead.snapshot.take()  # the weights the background rollout is sampled by
     record = update(run, rb, step, lag)
+    # A server's stale-sampler check, on the log-probs scoring (or the update) left: a failure
+    # ends the stage before the checkpoint and before the server gets this update.
+    checked = s.engines[POLICY].check_rollout(rb.rollout, lag)
     # Generation on this step's own path: all of it, or with `ahead` the rounds sampled now.
     own = rb.generation_s - (generated.seconds if generated is not None else 0.0)
     t_train = time.perf_counter() - t0 - own - rb.scoring_s
@@ -122,7 +125,7 @@ def run_step(run: RLRun, step: int, ahead: Ahead | None, update: Update) -> None
         rb = replace(rb, generation_s=own + time.perf_counter() - t)
     t = time.perf_counter()
     probe = s.engines[POLICY].sync_weights(run.tr.model)  # the `fast` engine's figures
-    timing = {"sync_s": time.perf_counter() - t} | probe
+    timing = {"sync_s": time.perf_counter() - t} | probe | checked
     if ahead is not None:
         timing["generation_overlapped_s"] = ahead.prefetch.seconds if prefetching else 0.0
     record(rb, t0, t_train, timing | sampler_metrics(rb.rollout, lag, s.device))

@@ -317,7 +317,9 @@ def rollout_engines(
         engines[POLICY].version = version
         return engines
     from posttrain.models.stop_tokens import end_of_turn_token
+    from posttrain.rl.rollout.sample import sampling_of
     from posttrain.rl.rollout.server_engine import ServerEngine
+    from posttrain.rl.rollout.server_probe import ServerCheck
     from posttrain.rl.serving.server import rollout_server
 
     eot = end_of_turn_token(s.tokenizer)
@@ -338,4 +340,10 @@ def rollout_engines(
     log.info(
         "rollout server: policy version %d synced in %.2f s", version, server.sync(s.model, version)
     )
-    return {POLICY: ServerEngine(server, "policy"), REFERENCE: ServerEngine(server, "reference")}
+    check = ServerCheck(
+        cfg.server.api, server.api.exact, sampling_of(cfg), cfg.sampler_probe_tolerance
+    )
+    return {
+        POLICY: ServerEngine(server, "policy", check),
+        REFERENCE: ServerEngine(server, "reference"),
+    }

@@ -74,6 +74,15 @@ class RolloutEngine(Protocol):
 
     def take_counts(self) -> dict[str, float]: ...  # what calls since the last take saw; reset
 
+    # [N, R] the sampler's own log-prob of each token of the last `generate` (NaN where it
+    # gave none), or None: an engine that returns none (a server's; `sample` keeps them).
+    def take_logps(self) -> torch.Tensor | None: ...
+
+    # The stale-sampler check of a scored rollout of this engine's (`lag` [N]: updates each
+    # row's sampler was behind): its figures, {} where there is none to make (a server's
+    # engine: `posttrain.rl.rollout.server_probe`). A collective: every rank calls it.
+    def check_rollout(self, ro: Any, lag: torch.Tensor) -> dict[str, float]: ...
+
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [N, P], mask [N, P]): each sequence right-aligned, pad_id / 0 on its left."""
@@ -139,6 +148,12 @@ class HFEngine:
 
     def take_counts(self) -> dict[str, float]:
         return {}
+
+    def take_logps(self) -> torch.Tensor | None:
+        return None  # the trainer's scoring pass is the only scorer in process
+
+    def check_rollout(self, ro: Any, lag: torch.Tensor) -> dict[str, float]:
+        return {}  # the trainer's own weights sample (`fast`: its copy is probed at the refresh)
 
     def release(self) -> None:
         self.prefix.clear()

@@ -92,7 +92,12 @@ class FastEngine(HFEngine):
         ids, attn = self.probe
         want = trainer_logps(model, self.role, ids, attn, self.chunk_tokens)
         return compare(
-            sampler_logps(self.plain, ids, attn), want, attn, self.tolerance, "fast", self.version
+            sampler_logps(self.plain, ids, attn),
+            want,
+            attn[:, 1:].bool(),
+            self.tolerance,
+            "fast",
+            self.version,
         )
 
     def sync_weights(self, model: torch.nn.Module) -> dict[str, float]:

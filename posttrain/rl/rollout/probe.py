@@ -18,6 +18,8 @@ catches a sampler that never follows, or follows wrongly, not a single skipped s
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -89,28 +91,36 @@ def _gather(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def compare(
     sampler: torch.Tensor,
     trainer: torch.Tensor,
-    attn: torch.Tensor,
+    mask: torch.Tensor,
     tolerance: float,
     engine: str,
     version: int,
+    what: str = "the probe's tokens",
 ) -> dict[str, float]:
-    """The figures {sampler_probe_mean, sampler_probe_max} (over every rank: the worst), or
-    `StaleSampler` when the mean exceeds `tolerance`. sampler/trainer [n, T-1], attn [n, T]."""
-    mask = attn[:, 1:].bool()
-    diff = (sampler - trainer).abs()[mask]
-    figures = torch.tensor([float(diff.mean()), float(diff.max())], dtype=torch.float64)
+    """The figures {sampler_probe_mean, sampler_probe_max} over the positions `mask` [n, T]
+    (bool) of sampler/trainer [n, T] log-probs (over every rank: the worst), or `StaleSampler`
+    when the mean exceeds `tolerance`. {} when no rank had a position to compare. `what`: the
+    tokens compared, as the message names them. A collective under torch.distributed."""
+    diff = (sampler - trainer).abs()[mask.bool()]
+    # -inf where this rank compared nothing: the MAX over ranks then ignores it.
+    figures = torch.tensor(
+        [float(diff.mean()), float(diff.max())] if diff.numel() else [-math.inf] * 2,
+        dtype=torch.float64,
+    )
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # Every rank fails together: one rank's verdict would leave the others in a collective.
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         figures = figures.to(device)
         dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     mean, worst = (float(x) for x in figures.cpu())
+    if mean == -math.inf:
+        return {}
     if not mean <= tolerance:  # NaN fails too
         raise StaleSampler(
             f"rollout.engine {engine!r}: after the weight refresh to policy version {version} "
-            f"the sampler scores the probe's tokens {mean:.3g} nats per token apart from the "
+            f"the sampler scores {what} {mean:.3g} nats per token apart from the "
             f"trainer on average (max {worst:.3g}; tolerance {tolerance:g}): it does not hold "
-            "the weights the trainer has (a stale or wrongly merged copy), and rollouts from it "
-            "would not be the policy's"
+            "the weights the trainer has (stale weights, or wrongly merged or loaded ones), and "
+            "rollouts from it would not be the policy's"
         )
     return {"sampler_probe_mean": mean, "sampler_probe_max": worst}

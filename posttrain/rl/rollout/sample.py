@@ -231,6 +231,9 @@ def sample(
     ids, attn = left_pad(prompts, pad_id)
     mask, stopped = response_mask(response, stops)
     ro = Rollout(ids, attn, response, mask, stopped, messages, stats=engine.take_counts())
+    logps = engine.take_logps()  # [N, R] a server's, for its stale-sampler check
+    if logps is not None:
+        ro.scored["sampler_logps"] = logps
     if versions:
         ro.versions = torch.full((len(prompts),), engine.version, dtype=torch.long)
     return ro

@@ -8,7 +8,9 @@ named (the policy version the engine stands for), or the stage fails: a rollout 
 cannot vouch for is never trained on as if it were fresh. What each call saw is counted for the
 step's metrics (`take_counts`): responses, those with the sampled ids (`exact`), the
 re-tokenised ones the server's own token count contradicts, prompts the server read as another
-length than sent.
+length than sent. The server's log-prob of each sampled token is kept for the rollout
+(`take_logps`) and, once the rollout is scored, held against the trainer's (`check_rollout`,
+`posttrain.rl.rollout.server_probe`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from collections import Counter
 import torch
 
 from posttrain.rl.rollout.engine import right_pad
+from posttrain.rl.rollout.sample import Rollout
+from posttrain.rl.rollout.server_probe import ServerCheck, completion_logps
 from posttrain.rl.serving.api import Completion, ServerError
 from posttrain.rl.serving.server import RolloutServer
 from posttrain.sections.shared import SamplingConfig
@@ -29,12 +33,12 @@ log = logging.getLogger("posttrain.serving")
 
 class ServerEngine:
     """Samples `role` ("policy": the version the server holds now; "reference": the stage's
-    reference policy) from `server`."""
+    reference policy) from `server`; `check`: the policy's stale-sampler check (None: none)."""
 
     collective = False  # generate runs no collective: ranks sample independently
 
-    def __init__(self, server: RolloutServer, role: str) -> None:
-        self.server, self.role = server, role
+    def __init__(self, server: RolloutServer, role: str, check: ServerCheck | None = None) -> None:
+        self.server, self.role, self.check = server, role, check
         # Per thread: a rollout generated ahead in the background counts apart from the
         # main thread's calls (`posttrain.rl.rollout.offpolicy`).
         self._local = threading.local()
@@ -75,7 +79,9 @@ class ServerEngine:
             raise s.client.failed(f"gave an answer that is not a completion ({e})") from None
         for c, p in zip(done, prompts, strict=True):
             self._check(c, model, len(p))
-        return right_pad([c.ids[: sampling.max_new_tokens] for c in done], pad_id)
+        out = right_pad([c.ids[: sampling.max_new_tokens] for c in done], pad_id)  # [N, R]
+        self._local.logps = completion_logps(done, out.size(1), sampling.max_new_tokens)
+        return out
 
     def _check(self, c: Completion, model: str, prompt_len: int) -> None:
         """Count what an answer says; fail on one from another model than asked."""
@@ -103,12 +109,22 @@ class ServerEngine:
         self.counts.clear()
         return out
 
+    def take_logps(self) -> torch.Tensor | None:
+        """[N, R] the server's log-prob of each token of this thread's last call (NaN where
+        it gave none), or None without a check to feed."""
+        logps, self._local.logps = getattr(self._local, "logps", None), None
+        return logps if self.check is not None else None
+
+    def check_rollout(self, ro: Rollout, lag: torch.Tensor) -> dict[str, float]:
+        """The stale-sampler check (`posttrain.rl.rollout.server_probe`) of the scored `ro`."""
+        return self.check(ro, lag) if self.check is not None else {}
+
     def release(self) -> None:
         pass  # the server's own prefix cache keeps what it keeps
 
     def sync_weights(self, model: torch.nn.Module) -> dict[str, float]:
         """The next policy version (a collective): the model's adapter, written and loaded.
-        No probe figures: see docs/rollout-server.md (what a server's log-probs can check)."""
+        No probe figures here: the first rollout after it is checked (`check_rollout`)."""
         if self.role != "policy":
             raise ValueError("only the policy's engine syncs weights")
         self.server.sync(model, self.server.version + 1)
