@@ -76,10 +76,11 @@ FIXES: dict[str, str] = {
     f"raise rollout.server.request_timeout_s or startup_timeout_s for a slow one, {RERUN}",
     "StaleRollout": "posttrain's guard on off-policy rollouts fired (a bug): set "
     "rollout.max_staleness: 0 to train on-policy meanwhile, and report it with the log",
-    "StaleSampler": "the fast rollout engine's copy of the policy did not follow the "
-    "trainer's weights (a bug, or an adapter it cannot fold, such as DoRA): set "
-    "rollout.engine: hf (or server) to sample from the trainer's weights meanwhile, and report "
-    "it with the log; a tolerance too tight for the hardware's bf16 is raised with "
+    "StaleSampler": "the rollout sampler scores tokens otherwise than the trainer's weights: "
+    "the fast engine's copy did not follow them (a bug, or an adapter it cannot fold, such as "
+    "DoRA: set rollout.engine: hf meanwhile and report it with the log), or the rollout "
+    "server holds another adapter than the policy's version (check its log for the adapter it "
+    "loaded, and restart it); a tolerance too tight for the hardware's bf16 is raised with "
     f"rollout.sampler_probe_tolerance, {RERUN}",
 }
 ERROR_MARKER = "POSTTRAIN_ERROR stage "

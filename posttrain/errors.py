@@ -21,8 +21,9 @@ class ParentArtifactDamaged(StageVerdict):
 
 
 class StaleSampler(StageVerdict):
-    """A rollout engine that holds weights of its own (`rollout.engine: fast`) scores a fixed
-    probe otherwise than the trainer's weights do (`posttrain.rl.rollout.probe`)."""
+    """A rollout engine that holds weights of its own scores tokens otherwise than the trainer's
+    weights do: the `fast` engine's copy on a fixed probe (`posttrain.rl.rollout.probe`), a
+    rollout server on the tokens it sampled (`posttrain.rl.rollout.server_probe`)."""
 
 
 class RecipeVerdict(StageVerdict, ValueError):

@@ -86,6 +86,13 @@ def test_grpo_samples_from_a_started_server(parents) -> None:  # noqa: F811
         assert 0 <= row.get("retokenized_mismatch_frac", 0) <= 1
         assert row["prompt_mismatch_frac"] == 0  # the prompt text reads back as the ids sent
         assert row["response_len"] > 0 and math_finite(row["loss"])
+        assert "sampler_probe_mean" not in row  # no log-probs to check (below)
+    stage_log = (out / "logs" / "stage.log").read_text()
+    said = (
+        "rollout.engine server (transformers): the sampler is not checked: the transformers "
+        "server returns no log-probs of the tokens it samples"
+    )
+    assert stage_log.count(said) == 1
     manifest = json.loads((out / "manifest.json").read_text())
     s = manifest["summary"]
     assert s["eval_final"]["prompts"] == 8 and s["eval_sft"]["prompts"] == 8

@@ -432,10 +432,12 @@ class RolloutConfig(_Section):
         None,
         gt=0,
         description="`fast` engine: after every weight refresh (and at the start) the copy "
-        "and the trainer score a fixed token probe; the stage fails (`StaleSampler`) when "
-        "their log-probs differ by more than this many nats per token on average. null = by "
-        "the copy's dtype: 0.001 fp32, 0.05 bf16. The figures are logged as "
-        "`sampler_probe_mean` / `sampler_probe_max`.",
+        "and the trainer score a fixed token probe; `server` engine (vLLM, SGLang; temperature "
+        "1 without top-k/top-p): the server's log-probs of the tokens it sampled are held "
+        "against the trainer's. The stage fails (`StaleSampler`) when they differ by more than "
+        "this many nats per token on average. null = by the sampler's dtype: 0.001 fp32, 0.05 "
+        "bf16 (a server: 0.05). The figures are logged as `sampler_probe_mean` / "
+        "`sampler_probe_max`.",
     )
     # A result as a whole only in that it exists with `engine: server`; its own fields decide.
     server: RolloutServerConfig | None = Result(
