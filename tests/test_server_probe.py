@@ -94,14 +94,19 @@ def test_rows_one_update_behind_are_held_against_the_snapshot_that_sampled_them(
         _check()(ro, NO_LAG)  # held against today's weights, the rows look stale
 
 
-def test_rows_without_the_servers_log_probs_are_left_out() -> None:
+def test_rows_without_the_servers_log_probs_are_left_out(caplog) -> None:
     """A re-tokenised answer (or one without log-probs) is NaN: not compared, whatever the
-    trainer says of it; a rollout with none at all gives no figures."""
+    trainer says of it; a rollout with none at all gives no figures, and the log says so."""
+    caplog.set_level(logging.INFO, logger="posttrain.serving")
     sampled = [SAMPLED[0], [math.nan] * 4]
     wild = [TRAINER[0], [-9.0] * 4]
     figures = _check()(_rollout(sampled, wild), NO_LAG)
     assert figures["sampler_probe_mean"] == pytest.approx(0.04 / 3, abs=1e-6)
     assert _check()(_rollout([[math.nan] * 4] * 2, wild), NO_LAG) == {}
+    assert [r.getMessage() for r in caplog.records] == [
+        "rollout.engine server (vllm): the sampler is not checked: no answer carried the "
+        "log-probs of its tokens"
+    ]
 
 
 def test_settings_the_two_sides_score_differently_are_not_checked_said_once(caplog) -> None:

@@ -121,6 +121,7 @@ class ServerCheck:
         assert ro.versions is not None, "the policy's rollouts carry their versions"
         what = f"the tokens it sampled ({self.api}'s log-probs)"
         version = int(ro.versions.max()) if ro.n else -1
-        return compare(
+        figures = compare(
             sampler.nan_to_num(0.0), trainer, mask, self.tolerance, "server", version, what
         )
+        return figures or self._skip("no answer carried the log-probs of its tokens")
