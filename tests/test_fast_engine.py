@@ -65,16 +65,18 @@ def _update(model: RoleModel, ids: list[list[int]]) -> None:
     [("greedy", {}), ("sample", {"temperature": 0.7, "top_k": 20, "top_p": 0.9})],
     ids=["greedy", "sample-topk-topp"],
 )
-def test_fast_engine_samples_the_tokens_hf_samples(trained, strategy, kw) -> None:
+@pytest.mark.parametrize("static", [None, True], ids=["cpu-dynamic-cache", "static-cache"])
+def test_fast_engine_samples_the_tokens_hf_samples(trained, strategy, kw, static) -> None:
     """Same tokens as `generate` on the peft model, with stops ending rows early; the copy is
-    fp32 on CPU, so merged and unmerged LoRA agree to ~1e-6 and the same seed draws the same."""
+    fp32 on CPU, so merged and unmerged LoRA agree to ~1e-6 and the same seed draws the same.
+    On CPU the engine decodes with the dynamic cache; the static one (CUDA's) too."""
     model, ids = trained
     s = _sampling(strategy, 16, **kw)
     hf = HFEngine(model, POLICY, 1)
     full = hf.generate(ids, s, [-1], 0, seed=3)
     stops = [int(full[0, 1]), int(full[2, 4])]
     want = hf.generate(ids, s, stops, 0, seed=3)
-    fast = FastEngine(model, POLICY)
+    fast = FastEngine(model, POLICY, static_cache=static)
     got = fast.generate(ids, s, stops, 0, seed=3)
     assert torch.equal(got, want)
     assert got.size(1) < 16 or bool((got == stops[0]).any() or (got == stops[1]).any())
@@ -143,7 +145,8 @@ def test_fast_engine_matches_hf_on_other_families(family: str) -> None:
     ids = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 9, 14, 20)]
     s = _sampling("sample", 12, temperature=1.0)
     want = HFEngine(model, POLICY, 1).generate(ids, s, [-1], 0, seed=3)
-    assert torch.equal(FastEngine(model, POLICY).generate(ids, s, [-1], 0, seed=3), want)
+    fast = FastEngine(model, POLICY, static_cache=True)
+    assert torch.equal(fast.generate(ids, s, [-1], 0, seed=3), want)
 
 
 def test_build_engine_and_fields() -> None:

@@ -416,8 +416,8 @@ class RolloutConfig(_Section):
         "on the sharded role model; `fast` decodes in process from a plain copy of the policy "
         "with its LoRA merged (bf16 on CUDA, fp32 on CPU; every rank holds the whole copy), "
         "refreshed after every update and probed against the trainer "
-        "(`rollout.sampler_probe_tolerance`), with a static KV cache and, on CUDA, a compiled "
-        "decode step (`rollout.compile_decode`); `server` samples from an OpenAI-compatible "
+        "(`rollout.sampler_probe_tolerance`), on CUDA with a static KV cache and a compiled "
+        "decode step (`rollout.compile_decode`), on CPU with the dynamic cache; `server` samples from an OpenAI-compatible "
         "server (`rollout.server`: vLLM, SGLang or `transformers serve`) that gets the "
         "policy's weights after every update (`posttrain.rl.serving`).",
     )
@@ -426,7 +426,7 @@ class RolloutConfig(_Section):
         True,
         description="`fast` engine on CUDA: transformers' `generate` compiles the one-token "
         "decode step (torch.compile mode reduce-overhead: CUDA graphs); false decodes "
-        "eagerly (same static cache). No effect on CPU.",
+        "eagerly with the dynamic cache. No effect on CPU.",
     )
     sampler_probe_tolerance: float | None = Execution(
         None,
@@ -535,9 +535,9 @@ class RolloutConfig(_Section):
             )
         if self.drop_finished and self.engine == "fast":
             raise ValueError(
-                "rollout.drop_finished: the `fast` engine decodes with a static KV cache and a "
-                "compiled step of fixed shape, where finished rows cost nothing extra to "
-                "keep; set drop_finished: false (or engine: hf)"
+                "rollout.drop_finished: the `fast` engine decodes on a GPU with a static KV "
+                "cache and a compiled step of fixed shape, where finished rows cost nothing "
+                "extra to keep; set drop_finished: false (or engine: hf)"
             )
         if self.max_staleness and self.engine != "server":
             raise ValueError(
