@@ -18,8 +18,17 @@ CPU seconds, memory, processes, file size, wall time and output, inside a bubble
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
+
+from posttrain.rewards import sandbox_process
 
 Status = Literal["ok", "error", "timeout", "sandbox_failure"]
 
@@ -35,6 +44,7 @@ class Limits:
     processes: int = 64
     file_mb: int = 16
     output_bytes: int = 65536
+    tmp_mb: int = 64  # size of the sandbox's private tmpfs working folder (all files together)
 
 
 @dataclass(frozen=True)
@@ -47,10 +57,148 @@ class RunResult:
     truncated: bool = False  # output past limits.output_bytes was dropped
 
 
-def unavailable() -> str | None:
-    """Why the bubblewrap sandbox cannot run on this host (not installed, no user namespaces,
-    ...) and what to install; None when a trial run succeeds."""
-    raise NotImplementedError
+# The sandbox's view of the host: read-only system folders and the few /etc files a language
+# runtime reads (the loader's cache, the alternatives symlinks); never /etc as a whole (it holds
+# host names, users and maybe credentials), /root, /home, the workspace or the host's /tmp.
+_SYSTEM_RO = [
+    "/usr",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/alternatives",
+]
+_PATH = "/usr/bin:/bin:/usr/local/bin"  # /usr/local/bin last: python images install python3 there
+_INSTALL = "install it with `apt-get install bubblewrap`"
+
+
+def _root_links() -> list[str]:
+    """/bin, /lib, /lib64, /sbin: symlinks into /usr on merged-/usr systems, binds otherwise."""
+    args: list[str] = []
+    for top in ("/bin", "/sbin", "/lib", "/lib64", "/lib32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    return args
+
+
+def _bwrap_argv(limits: Limits, status_fd: int, file_fds: dict[str, int]) -> list[str]:
+    """bwrap's command line up to (not including) the program."""
+    args = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"]
+    args += ["--new-session", "--clearenv", "--setenv", "PATH", _PATH, "--setenv", "HOME", "/tmp"]
+    args += ["--setenv", "LANG", "C.UTF-8"]
+    for path in _SYSTEM_RO:
+        args += ["--ro-bind-try", path, path]
+    args += _root_links()
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    args += ["--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp", "--chdir", "/tmp"]
+    for name, fd in file_fds.items():
+        args += ["--file", str(fd), f"/tmp/{name}"]
+    return args + ["--json-status-fd", str(status_fd)]
+
+
+def _prlimit(limits: Limits) -> list[str]:
+    """The rlimits, set inside the sandbox (after bwrap made its user namespace): RLIMIT_NPROC
+    then counts this sandbox's processes only, not every process of the host uid."""
+    mb = 1 << 20
+    return [
+        "prlimit",
+        f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",
+        f"--as={limits.memory_mb * mb}",
+        f"--nproc={limits.processes}",
+        f"--fsize={limits.file_mb * mb}",
+        "--core=0",
+        "--",
+    ]
+
+
+def _check_names(files: dict[str, str]) -> None:
+    for name in files:
+        parts = Path(name).parts
+        if not parts or Path(name).is_absolute() or ".." in parts:
+            raise ValueError(
+                f"sandbox file name {name!r} must be a relative path inside the folder"
+            )
+
+
+def _memfd(name: str, text: str) -> int:
+    fd = os.memfd_create(name.replace("/", "_"))
+    os.write(fd, text.encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _statuses(data: bytes) -> dict:
+    """bwrap's --json-status-fd: one JSON object per event ({"child-pid": ...}, {"exit-code": ...})."""
+    merged: dict = {}
+    decoder = json.JSONDecoder()
+    text, at = data.decode(errors="replace"), 0
+    while True:
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at >= len(text):
+            return merged
+        try:
+            obj, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return merged
+        merged.update(obj)
+
+
+def _run_bwrap(argv: list[str], files: dict[str, str], stdin: str, limits: Limits) -> RunResult:
+    file_fds = {name: _memfd(name, text) for name, text in files.items()}
+    status_r, status_w = os.pipe()
+    command = _bwrap_argv(limits, status_w, file_fds) + _prlimit(limits) + list(argv)
+    try:
+        outcome = sandbox_process.drive(
+            command,
+            stdin.encode(),
+            limits,
+            preexec=sandbox_process.limiter(limits, nproc=False),
+            pass_fds=(status_w, *file_fds.values()),
+            after_start=lambda: os.close(status_w),
+        )
+    except OSError as exc:  # no bwrap binary, or it could not be executed
+        return RunResult("sandbox_failure", None, "", f"bwrap could not start: {exc}", 0.0)
+    finally:
+        for fd in file_fds.values():
+            os.close(fd)
+        with contextlib.suppress(OSError):  # already closed once bwrap started
+            os.close(status_w)
+    status = _statuses(sandbox_process.read_all(status_r))
+    os.close(status_r)
+    if "exit-code" not in status and not outcome.timed_out:
+        # bwrap reports the program's exit code (a signal as 128 + its number) once the program
+        # ran; without one, bwrap failed setting the sandbox up (its own error is on stderr).
+        return outcome.result("sandbox_failure", outcome.returncode)
+    return outcome.result(None, status.get("exit-code", outcome.returncode))
+
+
+def _run_plain(argv: list[str], files: dict[str, str], stdin: str, limits: Limits) -> RunResult:
+    workdir = tempfile.mkdtemp(prefix="posttrain-run-")
+    try:
+        for name, text in files.items():
+            path = Path(workdir, name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        if os.getuid() == 0:  # the program runs as nobody: it must be able to write its folder
+            for dirpath, _, names in os.walk(workdir):
+                for entry in [dirpath, *(os.path.join(dirpath, n) for n in names)]:
+                    os.chown(entry, sandbox_process.NOBODY, sandbox_process.NOBODY)
+        env = {"PATH": _PATH, "HOME": workdir, "LANG": "C.UTF-8"}
+        outcome = sandbox_process.drive(
+            list(argv),
+            stdin.encode(),
+            limits,
+            preexec=sandbox_process.limiter(limits, nproc=True),
+            cwd=workdir,
+            env=env,
+        )
+        return outcome.result(None, outcome.returncode)
+    except OSError as exc:  # the program itself could not be started (not found, ...)
+        return RunResult("error", None, "", f"could not start {argv[0]!r}: {exc}", 0.0)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def run(
@@ -60,4 +208,40 @@ def run(
     limits: Limits,
     sandbox: Literal["bwrap", "none"] = "bwrap",
 ) -> RunResult:
-    raise NotImplementedError
+    _check_names(files)
+    if sandbox == "bwrap":
+        return _run_bwrap(argv, files, stdin, limits)
+    return _run_plain(argv, files, stdin, limits)
+
+
+def _userns_hint() -> str:
+    for path, off in (
+        ("/proc/sys/kernel/unprivileged_userns_clone", "0"),
+        ("/proc/sys/user/max_user_namespaces", "0"),
+        ("/proc/sys/kernel/apparmor_restrict_unprivileged_userns", "1"),
+    ):
+        try:
+            value = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if value == off:
+            name = path.removeprefix("/proc/sys/").replace("/", ".")
+            good = "1" if off == "0" and "clone" in name else "0" if off == "1" else "15000"
+            return f"user namespaces are off ({name}={value}): `sysctl -w {name}={good}`"
+    return ""
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why the bubblewrap sandbox cannot run on this host (not installed, no user namespaces,
+    ...) and what to install; None when a trial run succeeds. Cached per process."""
+    if shutil.which("bwrap", path=os.environ.get("PATH", "") + ":/usr/bin:/bin") is None:
+        return f"no `bwrap` (bubblewrap) on this host: {_INSTALL}"
+    if shutil.which("prlimit", path="/usr/bin:/bin") is None:
+        return "no /usr/bin/prlimit (it sets the limits inside the sandbox): `apt-get install util-linux`"
+    result = run(["true"], {}, "", Limits(wall_s=20.0))
+    if result.status == "ok":
+        return None
+    why = " ".join(result.stderr.split())[:300] or f"status {result.status}"
+    hint = _userns_hint() or _INSTALL
+    return f"bubblewrap cannot start a sandbox here ({why}); {hint}"

@@ -1,0 +1,198 @@
+"""Driving one untrusted process for `sandbox.run`: rlimits and a dropped uid in the child before
+exec, both output streams read at once (kept up to a bound, the rest drained), stdin fed without
+blocking, and the whole process group killed at the wall-clock limit and after the program ends
+(so nothing it started is left running)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import selectors
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from posttrain.rewards.sandbox import Limits, RunResult
+
+NOBODY = 65534  # the uid/gid programs run as when this process is root
+_GRACE_S = 0.5  # after the program exits: how long leftovers may hold its pipes open
+_CHUNK = 65536
+
+
+def limiter(limits: Limits, nproc: bool) -> Callable[[], None]:
+    """The child's set-up before exec. As root, RLIMIT_NPROC binds nobody: drop to `NOBODY`
+    first (setuid before the NPROC limit, or the kernel would flag the setuid as over it)."""
+    mb = 1 << 20
+
+    def apply() -> None:
+        if os.getuid() == 0:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * mb, limits.file_mb * mb))
+        if nproc:  # without bwrap: every limit here (with bwrap, prlimit sets them inside)
+            resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
+            resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+
+    return apply
+
+
+@dataclass
+class Outcome:
+    returncode: int | None
+    stdout: bytes
+    stderr: bytes
+    truncated: bool
+    timed_out: bool
+    seconds: float
+
+    def result(self, status: str | None, returncode: int | None) -> RunResult:
+        """`status` None: from how the program ended (timeout, else its exit code)."""
+        from posttrain.rewards.sandbox import RunResult
+
+        if status is None:
+            status = "timeout" if self.timed_out else "ok" if returncode == 0 else "error"
+        return RunResult(
+            status,  # type: ignore[arg-type]
+            None if self.timed_out else returncode,
+            self.stdout.decode(errors="replace"),
+            self.stderr.decode(errors="replace"),
+            round(self.seconds, 3),
+            self.truncated,
+        )
+
+
+def _exited(pid: int) -> bool:
+    """Whether the child ended, without reaping it: its pid (= the process group id) stays
+    taken until `wait`, so the group kill cannot hit a recycled pid."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+class _Pump:
+    """stdin written and stdout/stderr read through one selector: the first `keep` bytes of
+    each stream kept, the rest read and dropped (a flood never blocks the program nor fills
+    memory)."""
+
+    def __init__(self, proc: subprocess.Popen, stdin: bytes, keep: int) -> None:
+        self.keep, self.truncated = keep, False
+        self.kept: dict[int, bytearray] = {}
+        self.sel = selectors.DefaultSelector()
+        for stream in (proc.stdout, proc.stderr):
+            self.kept[stream.fileno()] = bytearray()
+            self.sel.register(stream.fileno(), selectors.EVENT_READ)
+        self.pending = memoryview(stdin)
+        self.stdin = proc.stdin
+        self.stdin_fd = proc.stdin.fileno()
+        if stdin:
+            os.set_blocking(self.stdin_fd, False)
+            self.sel.register(self.stdin_fd, selectors.EVENT_WRITE)
+        else:
+            proc.stdin.close()
+
+    def open(self) -> bool:
+        return bool(self.sel.get_map())
+
+    def step(self, timeout: float) -> None:
+        for key, _ in self.sel.select(timeout):
+            fd = key.fd
+            if fd == self.stdin_fd:
+                self._write()
+                continue
+            data = os.read(fd, _CHUNK)
+            if not data:
+                self.sel.unregister(fd)
+                continue
+            room = self.keep - len(self.kept[fd])
+            self.kept[fd] += data[: max(room, 0)]
+            self.truncated |= len(data) > room
+
+    def _write(self) -> None:
+        try:
+            self.pending = self.pending[os.write(self.stdin_fd, self.pending[:_CHUNK]) :]
+        except (BrokenPipeError, BlockingIOError) as exc:
+            if isinstance(exc, BlockingIOError):
+                return
+            self.pending = self.pending[:0]
+        if not self.pending:
+            self.sel.unregister(self.stdin_fd)
+            self.stdin.close()
+
+
+def drive(
+    command: list[str],
+    stdin: bytes,
+    limits: Limits,
+    preexec: Callable[[], None],
+    pass_fds: tuple[int, ...] = (),
+    after_start: Callable[[], None] = lambda: None,
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
+) -> Outcome:
+    """Run `command` in a new session under `limits.wall_s`; the group is killed at the end."""
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=preexec,
+        start_new_session=True,
+        pass_fds=pass_fds,
+        cwd=cwd,
+        env=env,
+    )
+    after_start()
+    pump = _Pump(proc, stdin, limits.output_bytes)
+    deadline, ended = start + limits.wall_s, False
+    try:
+        while pump.open() or not ended:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            if pump.open():
+                pump.step(min(remaining, 0.05))
+            else:
+                time.sleep(min(remaining, 0.01))
+            if not ended and _exited(proc.pid):
+                ended = True  # leftovers get a moment to close the pipes, then are killed
+                deadline = min(deadline, time.monotonic() + _GRACE_S)
+                _kill_group(proc.pid)
+        ended = ended or _exited(proc.pid)
+    finally:
+        _kill_group(proc.pid)
+        proc.wait()
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            with contextlib.suppress(OSError):
+                stream.close()
+    kept = list(pump.kept.values())
+    seconds = time.monotonic() - start
+    return Outcome(
+        proc.returncode, bytes(kept[0]), bytes(kept[1]), pump.truncated, not ended, seconds
+    )
+
+
+def read_all(fd: int) -> bytes:
+    """Whatever is in a pipe whose writers are gone (non-blocking: never waits on a straggler)."""
+    os.set_blocking(fd, False)
+    chunks = []
+    while True:
+        try:
+            data = os.read(fd, _CHUNK)
+        except BlockingIOError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    return b"".join(chunks)
