@@ -18,12 +18,12 @@ CPU seconds, memory, processes, file size, wall time and output, inside a bubble
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -44,7 +44,7 @@ class Limits:
     processes: int = 64
     file_mb: int = 16
     output_bytes: int = 65536
-    tmp_mb: int = 64  # size of the sandbox's private tmpfs working folder (all files together)
+    tmp_mb: int = 64  # bwrap: size of the private /tmp (the working folder) and of /dev/shm
 
 
 @dataclass(frozen=True)
@@ -90,11 +90,14 @@ def _bwrap_argv(limits: Limits, status_fd: int, file_fds: dict[str, int]) -> lis
     for path in _SYSTEM_RO:
         args += ["--ro-bind-try", path, path]
     args += _root_links()
-    args += ["--proc", "/proc", "--dev", "/dev"]
-    args += ["--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp", "--chdir", "/tmp"]
+    # Writable: only /tmp and /dev/shm, both size-bounded tmpfs (they live in the host's memory).
+    # bwrap's own root and /dev are tmpfs too: read-only, or writing there would be unbounded.
+    size = str(limits.tmp_mb << 20)
+    args += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm"]
+    args += ["--remount-ro", "/dev", "--size", size, "--tmpfs", "/tmp", "--chdir", "/tmp"]
     for name, fd in file_fds.items():
         args += ["--file", str(fd), f"/tmp/{name}"]
-    return args + ["--json-status-fd", str(status_fd)]
+    return args + ["--remount-ro", "/", "--json-status-fd", str(status_fd)]
 
 
 def _prlimit(limits: Limits) -> list[str]:
@@ -145,28 +148,54 @@ def _statuses(data: bytes) -> dict:
         merged.update(obj)
 
 
+def _await_gone(pid: int, timeout_s: float = 2.0) -> None:
+    """Wait for the sandbox's pid 1 (a host pid) to end: the kernel kills every process of a pid
+    namespace before its pid 1 is gone, so afterwards nothing the program started is left."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.005)
+
+
 def _run_bwrap(argv: list[str], files: dict[str, str], stdin: str, limits: Limits) -> RunResult:
     file_fds = {name: _memfd(name, text) for name, text in files.items()}
     status_r, status_w = os.pipe()
+    write_ends = [status_w]  # closed once bwrap holds it (so EOF comes when bwrap ends)
+
+    def started() -> None:
+        os.close(write_ends.pop())
+
     command = _bwrap_argv(limits, status_w, file_fds) + _prlimit(limits) + list(argv)
+    command[0] = shutil.which("bwrap", path=os.environ.get("PATH", "") + ":/usr/bin") or "bwrap"
     try:
+        # bwrap's own environment and folder too: its pid-1 monitor stays visible inside as
+        # /proc/1 (environ, cwd), so it must carry nothing of the host's (no secrets).
         outcome = sandbox_process.drive(
             command,
             stdin.encode(),
             limits,
             preexec=sandbox_process.limiter(limits, nproc=False),
             pass_fds=(status_w, *file_fds.values()),
-            after_start=lambda: os.close(status_w),
+            after_start=started,
+            cwd="/",
+            env={"PATH": _PATH, "LANG": "C.UTF-8"},
         )
     except OSError as exc:  # no bwrap binary, or it could not be executed
         return RunResult("sandbox_failure", None, "", f"bwrap could not start: {exc}", 0.0)
     finally:
         for fd in file_fds.values():
             os.close(fd)
-        with contextlib.suppress(OSError):  # already closed once bwrap started
-            os.close(status_w)
+        for fd in write_ends:  # bwrap did not start: close its end here (exactly once)
+            os.close(fd)
     status = _statuses(sandbox_process.read_all(status_r))
     os.close(status_r)
+    if "child-pid" in status:
+        _await_gone(int(status["child-pid"]))
     if "exit-code" not in status and not outcome.timed_out:
         # bwrap reports the program's exit code (a signal as 128 + its number) once the program
         # ran; without one, bwrap failed setting the sandbox up (its own error is on stderr).

@@ -173,6 +173,7 @@ def drive(
     finally:
         _kill_group(proc.pid)
         proc.wait()
+        pump.sel.close()
         for stream in (proc.stdin, proc.stdout, proc.stderr):
             with contextlib.suppress(OSError):
                 stream.close()
