@@ -37,6 +37,24 @@ install_browser() {
   fi
 }
 
+# Code rewards run model-written programs inside Debian's bubblewrap (posttrain/rewards/sandbox.py);
+# tests/test_sandbox.py (fast tier) checks its security list, so it must run wherever bwrap can
+# be installed: POSTTRAIN_REQUIRE_BWRAP=1 turns a sandbox that cannot start into a failure. The
+# quickstart needs no sandbox (its rewards run no code), so only the test commands install it.
+install_bwrap() {
+  if ! command -v bwrap >/dev/null 2>&1; then
+    if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+      echo "warning: bubblewrap is missing and cannot be installed here (needs root and" \
+        "apt-get): the sandbox tests will skip; install Debian's bubblewrap package" >&2
+      return 0
+    fi
+    echo "installing Debian's bubblewrap for the code-execution sandbox tests" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null ||
+      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; }
+  fi
+  export POSTTRAIN_REQUIRE_BWRAP=1
+}
+
 # The Slurm launcher's tests start a real 2-node cluster (tests/slurm_cluster.py): Debian's
 # slurm-wlm and munge, iproute2 for the nodes' network namespaces, and root. Where that is
 # available the tests must run, never skip.
@@ -85,6 +103,7 @@ case "${1:-}" in
   test | test-fast)
     install dev,serving,mlflow,wandb,lm-eval,kubernetes,docs
     install_prometheus
+    install_bwrap
     [ "$1" = test ] && install_browser
     [ "$1" = test ] && install_slurm
     # As root the fault tests mount small tmpfs disks: where they cannot, they fail, never skip.
