@@ -239,3 +239,22 @@ def test_without_sandbox_the_limits_still_hold(monkeypatch):
     assert loop.status == "timeout"
     big = py("open('f', 'wb').write(b'x' * (64 << 20))", sandbox="none")
     assert big.status == "error" and "File too large" in big.stderr
+
+
+def test_process_limit_binds_inside_the_sandbox():
+    code = (
+        "import os, time\n"
+        "started = 0\n"
+        "for _ in range(100):\n"
+        "    try:\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(30)\n"
+        "            os._exit(0)\n"
+        "        started += 1\n"
+        "    except OSError:\n"
+        "        break\n"
+        "print(started)\n"
+    )
+    result = py(code, Limits(wall_s=3.0, processes=8))
+    # Python itself and prlimit's exec count too: fewer than 8 children start.
+    assert result.status == "ok" and 0 < int(result.stdout) < 8, result
