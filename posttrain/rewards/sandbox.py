@@ -148,6 +148,20 @@ def _statuses(data: bytes) -> dict:
         merged.update(obj)
 
 
+def _result(outcome: sandbox_process.Outcome, status: Status | None, code: int | None) -> RunResult:
+    """`status` None: from how the program ended (timeout, else its exit code)."""
+    if status is None:
+        status = "timeout" if outcome.timed_out else "ok" if code == 0 else "error"
+    return RunResult(
+        status,
+        None if outcome.timed_out else code,
+        outcome.stdout.decode(errors="replace"),
+        outcome.stderr.decode(errors="replace"),
+        round(outcome.seconds, 3),
+        outcome.truncated,
+    )
+
+
 def _await_gone(pid: int, timeout_s: float = 2.0) -> None:
     """Wait for the sandbox's pid 1 (a host pid) to end: the kernel kills every process of a pid
     namespace before its pid 1 is gone, so afterwards nothing the program started is left."""
@@ -178,8 +192,10 @@ def _run_bwrap(argv: list[str], files: dict[str, str], stdin: str, limits: Limit
         outcome = sandbox_process.drive(
             command,
             stdin.encode(),
-            limits,
-            preexec=sandbox_process.limiter(limits, nproc=False),
+            limits.wall_s,
+            limits.output_bytes,
+            # bwrap itself: CPU and file size as a backstop (prlimit sets them all inside).
+            preexec=sandbox_process.limiter(limits.cpu_s, limits.file_mb),
             pass_fds=(status_w, *file_fds.values()),
             after_start=started,
             cwd="/",
@@ -199,8 +215,8 @@ def _run_bwrap(argv: list[str], files: dict[str, str], stdin: str, limits: Limit
     if "exit-code" not in status and not outcome.timed_out:
         # bwrap reports the program's exit code (a signal as 128 + its number) once the program
         # ran; without one, bwrap failed setting the sandbox up (its own error is on stderr).
-        return outcome.result("sandbox_failure", outcome.returncode)
-    return outcome.result(None, status.get("exit-code", outcome.returncode))
+        return _result(outcome, "sandbox_failure", outcome.returncode)
+    return _result(outcome, None, status.get("exit-code", outcome.returncode))
 
 
 def _run_plain(argv: list[str], files: dict[str, str], stdin: str, limits: Limits) -> RunResult:
@@ -218,12 +234,15 @@ def _run_plain(argv: list[str], files: dict[str, str], stdin: str, limits: Limit
         outcome = sandbox_process.drive(
             list(argv),
             stdin.encode(),
-            limits,
-            preexec=sandbox_process.limiter(limits, nproc=True),
+            limits.wall_s,
+            limits.output_bytes,
+            preexec=sandbox_process.limiter(
+                limits.cpu_s, limits.file_mb, limits.memory_mb, limits.processes
+            ),
             cwd=workdir,
             env=env,
         )
-        return outcome.result(None, outcome.returncode)
+        return _result(outcome, None, outcome.returncode)
     except OSError as exc:  # the program itself could not be started (not found, ...)
         return RunResult("error", None, "", f"could not start {argv[0]!r}: {exc}", 0.0)
     finally:

@@ -14,19 +14,18 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from posttrain.rewards.sandbox import Limits, RunResult
 
 NOBODY = 65534  # the uid/gid programs run as when this process is root
 _GRACE_S = 0.5  # after the program exits: how long leftovers may hold its pipes open
 _CHUNK = 65536
 
 
-def limiter(limits: Limits, nproc: bool) -> Callable[[], None]:
-    """The child's set-up before exec. As root, RLIMIT_NPROC binds nobody: drop to `NOBODY`
-    first (setuid before the NPROC limit, or the kernel would flag the setuid as over it)."""
+def limiter(
+    cpu_s: int, file_mb: int, memory_mb: int | None = None, processes: int | None = None
+) -> Callable[[], None]:
+    """The child's set-up before exec: the limits given (None: not here). As root, RLIMIT_NPROC
+    binds nobody: drop to `NOBODY` first (setuid before the NPROC limit, or the kernel would
+    flag the setuid as over it)."""
     mb = 1 << 20
 
     def apply() -> None:
@@ -35,11 +34,12 @@ def limiter(limits: Limits, nproc: bool) -> Callable[[], None]:
             os.setgid(NOBODY)
             os.setuid(NOBODY)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * mb, limits.file_mb * mb))
-        if nproc:  # without bwrap: every limit here (with bwrap, prlimit sets them inside)
-            resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
-            resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_mb * mb, file_mb * mb))
+        if memory_mb is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (memory_mb * mb, memory_mb * mb))
+        if processes is not None:
+            resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
 
     return apply
 
@@ -52,21 +52,6 @@ class Outcome:
     truncated: bool
     timed_out: bool
     seconds: float
-
-    def result(self, status: str | None, returncode: int | None) -> RunResult:
-        """`status` None: from how the program ended (timeout, else its exit code)."""
-        from posttrain.rewards.sandbox import RunResult
-
-        if status is None:
-            status = "timeout" if self.timed_out else "ok" if returncode == 0 else "error"
-        return RunResult(
-            status,  # type: ignore[arg-type]
-            None if self.timed_out else returncode,
-            self.stdout.decode(errors="replace"),
-            self.stderr.decode(errors="replace"),
-            round(self.seconds, 3),
-            self.truncated,
-        )
 
 
 def _exited(pid: int) -> bool:
@@ -133,14 +118,16 @@ class _Pump:
 def drive(
     command: list[str],
     stdin: bytes,
-    limits: Limits,
+    wall_s: float,
+    output_bytes: int,
     preexec: Callable[[], None],
     pass_fds: tuple[int, ...] = (),
     after_start: Callable[[], None] = lambda: None,
     cwd: str | None = None,
     env: dict[str, str] | None = None,
 ) -> Outcome:
-    """Run `command` in a new session under `limits.wall_s`; the group is killed at the end."""
+    """Run `command` in a new session for at most `wall_s`, keeping `output_bytes` of each
+    stream; its whole process group is killed at the end."""
     start = time.monotonic()
     proc = subprocess.Popen(
         command,
@@ -154,8 +141,8 @@ def drive(
         env=env,
     )
     after_start()
-    pump = _Pump(proc, stdin, limits.output_bytes)
-    deadline, ended = start + limits.wall_s, False
+    pump = _Pump(proc, stdin, output_bytes)
+    deadline, ended = start + wall_s, False
     try:
         while pump.open() or not ended:
             remaining = deadline - time.monotonic()
