@@ -18,10 +18,12 @@ CPU seconds, memory, processes, file size, wall time and output, inside a bubble
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import shutil
+import signal
 import tempfile
 import time
 from dataclasses import dataclass
@@ -162,17 +164,23 @@ def _result(outcome: sandbox_process.Outcome, status: Status | None, code: int |
     )
 
 
-def _await_gone(pid: int, timeout_s: float = 2.0) -> None:
-    """Wait for the sandbox's pid 1 (a host pid) to end: the kernel kills every process of a pid
-    namespace before its pid 1 is gone, so afterwards nothing the program started is left."""
+def _await_gone(pid: int, pid_ns: int | None, timeout_s: float = 2.0) -> None:
+    """End the sandbox's pid 1 (a host pid; bwrap's outer process is gone by now) and wait for
+    it: the kernel kills every process of a pid namespace before its pid 1 is gone, so
+    afterwards nothing the program started is left. pid 1 normally dies with bwrap
+    (--die-with-parent); the kill is the backstop, aimed only at the process still in that
+    namespace (`pid_ns`, its inode), never at a recycled pid."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            same = os.stat(f"/proc/{pid}/ns/pid").st_ino == pid_ns
         except (OSError, IndexError):
             return
-        if state in ("Z", "X"):
+        if state in ("Z", "X") or not same:
             return
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
         time.sleep(0.005)
 
 
@@ -211,7 +219,7 @@ def _run_bwrap(argv: list[str], files: dict[str, str], stdin: str, limits: Limit
     status = _statuses(sandbox_process.read_all(status_r))
     os.close(status_r)
     if "child-pid" in status:
-        _await_gone(int(status["child-pid"]))
+        _await_gone(int(status["child-pid"]), status.get("pid-namespace"))
     if "exit-code" not in status and not outcome.timed_out:
         # bwrap reports the program's exit code (a signal as 128 + its number) once the program
         # ran; without one, bwrap failed setting the sandbox up (its own error is on stderr).
