@@ -18,7 +18,14 @@ CPU seconds, memory, processes, file size, wall time and output, inside a bubble
 
 from __future__ import annotations
 
+import os
+import resource
+import signal
+import subprocess
+import tempfile
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 Status = Literal["ok", "error", "timeout", "sandbox_failure"]
@@ -60,4 +67,62 @@ def run(
     limits: Limits,
     sandbox: Literal["bwrap", "none"] = "bwrap",
 ) -> RunResult:
-    raise NotImplementedError
+    if sandbox != "none":
+        raise NotImplementedError("the bwrap sandbox lands with the sandbox helper's branch")
+    with tempfile.TemporaryDirectory(prefix="posttrain-run-") as work:
+        for name, text in files.items():
+            path = Path(work, name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        return _run_process(argv, work, stdin, limits)
+
+
+# A clean environment: nothing of the caller's (tokens, paths) reaches the program.
+_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp"}
+
+
+def _rlimits(limits: Limits) -> None:
+    """In the child before exec: the rlimits of `limits` (minimal `sandbox: none` version)."""
+    mb = 1024 * 1024
+    for which, value in (
+        (resource.RLIMIT_CPU, limits.cpu_s),
+        (resource.RLIMIT_AS, limits.memory_mb * mb),
+        (resource.RLIMIT_NPROC, limits.processes),
+        (resource.RLIMIT_FSIZE, limits.file_mb * mb),
+    ):
+        resource.setrlimit(which, (value, value))
+
+
+def _run_process(argv: list[str], cwd: str, stdin: str, limits: Limits) -> RunResult:
+    start = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=_ENV,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own process group: the wall timeout kills the tree
+            preexec_fn=lambda: _rlimits(limits),
+        )
+    except OSError as exc:
+        return RunResult("sandbox_failure", None, "", str(exc), time.monotonic() - start)
+    timed_out = False
+    try:
+        out, err = proc.communicate(stdin.encode(), timeout=limits.wall_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    cap = limits.output_bytes
+    truncated = len(out) > cap or len(err) > cap
+    status: Status = "timeout" if timed_out else ("ok" if proc.returncode == 0 else "error")
+    return RunResult(
+        status,
+        proc.returncode,
+        out[:cap].decode(errors="replace"),
+        err[:cap].decode(errors="replace"),
+        time.monotonic() - start,
+        truncated,
+    )
