@@ -130,3 +130,44 @@ def test_bad_kwargs_are_named():
         score([ADD_RIGHT], scoring="most", test_list=[MBPP])
     with pytest.raises(ValueError, match="no command for language 'rust'"):
         score([ADD_RIGHT], language="rust", test_list=[MBPP])
+
+
+class _Replies:
+    """A tokenizer whose decode gives a fixed reply per response (the first token picks it)."""
+
+    def __init__(self, replies: dict[int, str]) -> None:
+        self.replies = replies
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.replies[ids[0]]
+
+
+def test_counters_reach_the_step_record():
+    from functools import partial
+
+    import torch
+
+    from posttrain.rewards.combine import RewardFunction
+    from posttrain.rl.metrics import rollout_totals
+    from posttrain.rl.rewarder import Rewarder, counter_metrics
+    from tests.test_rl_losses import _rollout
+
+    ro = _rollout([0.0, 0.0], [True, True])  # responses start with tokens 5 and 7
+    fn = partial(code_tests, sandbox="none", timeout_s=5)
+    rewarder = Rewarder(
+        [RewardFunction("code", "posttrain.rewards.code:code_tests", 1.0, fn, "")],
+        None,
+        _Replies({5: fenced(ADD_RIGHT), 7: fenced("while True: pass\n")}),
+    )
+    rows = [{"messages": [], "columns": {"test_list": MBPP}}, {"messages": [], "columns": {}}]
+    rewarder(ro, rows)
+    assert ro.scored["scores"].tolist() == [1.0, 0.0]  # the second row has no tests: None
+    totals = rollout_totals(ro, torch.device("cpu"), "k1")
+    got = counter_metrics(totals)  # the step record's fields
+    assert got == {
+        "code_runs": 3.0,
+        "code_cache_hits": 0.0,
+        "code_timeouts": 0.0,
+        "code_errors": 0.0,
+        "code_sandbox_failures": 0.0,
+    }
