@@ -187,13 +187,17 @@ def code_tests(
     return [_score(passed[i], len(checks[i]), scoring) for i in range(n)]
 
 
+_STATUS_COUNTER = {
+    "timeout": "code_timeouts",
+    "error": "code_errors",
+    "sandbox_failure": "code_sandbox_failures",
+}
+
+
 def _count(counts: dict[str, list[float]], i: int, got: RunResult) -> None:
     counts["code_runs"][i] += 1
-    status = {"timeout": "code_timeouts", "error": "code_errors"}.get(got.status)
-    if got.status == "sandbox_failure":
-        status = "code_sandbox_failures"
-    if status:
-        counts[status][i] += 1
+    if got.status in _STATUS_COUNTER:
+        counts[_STATUS_COUNTER[got.status]][i] += 1
 
 
 def _score(passed: int, total: int, scoring: str) -> float | None:
