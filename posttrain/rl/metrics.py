@@ -12,7 +12,13 @@ import torch
 
 from posttrain.distributed.runtime import all_reduce_sum, all_reduce_sums, min_max
 from posttrain.rl.algorithms.advantages import sequence_kl
-from posttrain.rl.rewarder import add_function_sums, function_metrics, function_values
+from posttrain.rl.rewarder import (
+    add_counter_sums,
+    add_function_sums,
+    counter_metrics,
+    function_metrics,
+    function_values,
+)
 from posttrain.rl.rollout.collect import RolloutBatch
 from posttrain.rl.rollout.multiturn import episode_metrics, episode_sums
 from posttrain.rl.rollout.sample import Rollout
@@ -38,6 +44,7 @@ def add_rollout_sums(sums: Counter[str], ro: Rollout, kl: str | None, weight: fl
     no KL) the per-response KL to the reference by that estimator, length (response tokens)
     and stopped (responses that ended with a stop token)."""
     add_function_sums(sums, function_values(ro), weight)
+    add_counter_sums(sums, ro, weight)
     for k, v in episode_sums(ro).items():
         sums[k] += weight * v
     scores = ro.scored["scores"]  # [N]
@@ -95,6 +102,7 @@ def train_metrics(
     return {
         "score_mean": totals["score"] / n,
         **function_metrics(totals),
+        **counter_metrics(totals),
         "score_std": math.sqrt(max(0.0, totals["score_sq"] / n - (totals["score"] / n) ** 2)),
         **({"kl": totals["kl"] / n} if "kl" in totals else {}),
         "kl_coef": kl_coef,

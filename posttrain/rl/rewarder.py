@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from posttrain.models.roles import REWARD
+from posttrain.rewards import counters
 from posttrain.rewards.combine import RewardFunction, function_means, score_functions
 from posttrain.rl.rollout.sample import Rollout, decode_responses
 
@@ -48,6 +49,7 @@ class Rewarder:
                 for r, m in zip(ro.response, ro.response_attn, strict=True)
             ]
             prompts, completions = self.conversations(ro, rows)
+            counters.take(0)  # drop what calls on other batches left
             fsum, per = score_functions(
                 self.funcs,
                 prompts,
@@ -60,6 +62,8 @@ class Rewarder:
             )
             total += fsum
             ro.scored |= {FUNCTION + label: v for label, v in per.items()}
+            counted = counters.take(ro.n)  # the code verifier's runs, timeouts, ...
+            ro.scored |= {COUNT + k: torch.tensor(v) for k, v in counted.items()}
         if ro.episodes is not None and self.env_rewards:
             env = torch.tensor([episode_reward(e) for e in ro.episodes], dtype=torch.float32)
             ro.scored[FUNCTION + ENVIRONMENT] = env
@@ -101,6 +105,20 @@ def episode_reward(e: Any) -> float:
 
 # ro.scored key prefix of a reward function's values.
 FUNCTION = "fn:"
+# ro.scored key prefix of a reward function's per-row counters (`posttrain.rewards.counters`).
+COUNT = "count:"
+
+
+def add_counter_sums(sums: Counter[str], ro: Rollout, weight: float = 1.0) -> None:
+    """Accumulate the reward functions' counters (`code_runs`, ...) of `ro`: totals per step."""
+    for k, v in ro.scored.items():
+        if k.startswith(COUNT):
+            sums[k] += weight * float(v.sum())
+
+
+def counter_metrics(totals: dict[str, float]) -> dict[str, float]:
+    """{code_runs: total, ...} from reduced `add_counter_sums` totals."""
+    return {k.removeprefix(COUNT): v for k, v in totals.items() if k.startswith(COUNT)}
 
 
 def function_values(ro: Rollout) -> dict[str, torch.Tensor]:

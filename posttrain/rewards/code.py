@@ -1,0 +1,208 @@
+"""Code against tests: the program in a completion runs against the row's tests in the sandbox
+(`posttrain.rewards.sandbox`); the reward is the fraction of tests passed (or 1.0/0.0).
+
+Contract, as for every built-in reward: `fn(prompts, completions, **columns) -> list[float |
+None]`; the tests come from the row's columns (`posttrain.rewards.code_formats`), None for a row
+without tests. Program behaviour never raises: a crash, a timeout or a sandbox that did not start
+fails that test, and is counted (`posttrain.rewards.counters`: code_runs, code_cache_hits,
+code_timeouts, code_errors, code_sandbox_failures reach the step records).
+
+- The program: `extract: fenced` takes the LAST ```python (or ```py, or untagged ```) block of
+  the reply: models draft, then correct, and the final block is the answer (a first block is
+  often the signature restated or a sketch); no block scores 0.0. `whole` takes the reply.
+- Each test is its own process (an assert appended to the program, or stdin fed to it): one
+  assert that hangs or crashes fails alone, so `fraction` is exact; the runs go to `workers`
+  threads at once. A program that exits 0 before its assert ran (`exit(0)`) does not pass: an
+  assert check passes only when a line printed after the assert, with a random token, came out.
+- Results are cached in this process by sha256 of (program, test, command, limits, sandbox):
+  a program scored again (re-evaluated, a repeated sample) is not run again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from typing import Any
+
+from posttrain.rewards import counters
+from posttrain.rewards.code_formats import Check, row_checks, same_output
+from posttrain.rewards.extract import completion_text
+from posttrain.rewards.sandbox import Limits, RunResult, run
+
+__all__ = ["LANGUAGES", "code_tests", "extract_program"]
+
+# language: (the program's file name, the command that runs it inside the sandbox)
+LANGUAGES: dict[str, tuple[str, list[str]]] = {"python": ("main.py", ["python3", "main.py"])}
+_FENCE_TAGS = {"python": ("python", "python3", "py")}
+_FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)```", re.DOTALL)
+
+_CACHE_SIZE = 100_000
+_cache: OrderedDict[str, bool] = OrderedDict()  # key -> passed
+_cache_lock = threading.Lock()
+COUNTERS = ("code_runs", "code_cache_hits", "code_timeouts", "code_errors", "code_sandbox_failures")
+
+
+def extract_program(text: str, extract: str = "fenced", language: str = "python") -> str | None:
+    """The program of a reply: its last fenced block in `language` (or untagged), or the whole
+    reply; None when `fenced` finds no block."""
+    if extract == "whole":
+        return text
+    tags = _FENCE_TAGS.get(language, (language,))
+    blocks = [body for tag, body in _FENCE.findall(text) if tag.lower() in (*tags, "")]
+    return blocks[-1] if blocks else None
+
+
+def _cache_get(key: str) -> bool | None:
+    with _cache_lock:
+        if key not in _cache:
+            return None
+        _cache.move_to_end(key)
+        return _cache[key]
+
+
+def _cache_put(key: str, passed: bool) -> None:
+    with _cache_lock:
+        _cache[key] = passed
+        _cache.move_to_end(key)
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+
+
+def _key(program: str, check: Check, argv: list[str], limits: Limits, sandbox: str) -> str:
+    blob = json.dumps([program, asdict(check), argv, asdict(limits), sandbox])
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _run_check(
+    program: str, check: Check, file: str, argv: list[str], limits: Limits, sandbox: str
+) -> tuple[bool, RunResult]:
+    """Run one test of `program`; (passed, how the run ended)."""
+    if check.after is None:
+        got = run(argv, {file: program}, check.stdin, limits, sandbox)  # type: ignore[arg-type]
+        return got.status == "ok" and same_output(got.stdout, check.expected or ""), got
+    token = secrets.token_hex(16)
+    source = f"{program}\n\n{check.after}\nprint('\\n{token}')\n"
+    got = run(argv, {file: source}, "", limits, sandbox)  # type: ignore[arg-type]
+    return got.status == "ok" and token in got.stdout.splitlines(), got
+
+
+def _command(language: str, command: list[str] | None) -> tuple[str, list[str]]:
+    if language not in LANGUAGES and command is None:
+        raise ValueError(
+            f"code_tests: no command for language {language!r} (built in: {sorted(LANGUAGES)}); "
+            "set kwargs.command, e.g. [node, main.js], with the program's file name last"
+        )
+    if command is None:
+        return LANGUAGES[language]
+    if not command or not all(isinstance(a, str) for a in command):
+        raise ValueError(f"code_tests: command must be a list of strings, got {command!r}")
+    return command[-1], list(command)
+
+
+def _validate(extract: str, scoring: str, sandbox: str, timeout_s: float, memory_mb: int) -> None:
+    for name, value, allowed in (
+        ("extract", extract, ("fenced", "whole")),
+        ("scoring", scoring, ("fraction", "all")),
+        ("sandbox", sandbox, ("bwrap", "none")),
+    ):
+        if value not in allowed:
+            raise ValueError(f"code_tests: {name} must be one of {allowed}, got {value!r}")
+    if not timeout_s > 0 or not memory_mb > 0:
+        raise ValueError(
+            f"code_tests: timeout_s and memory_mb must be > 0, got {timeout_s}, {memory_mb}"
+        )
+
+
+def _row_columns(n: int, columns: dict[str, Any]) -> list[dict[str, Any]]:
+    """One dict of column values per row, from the per-column lists the rewarder passes."""
+    return [{k: v[i] for k, v in columns.items() if isinstance(v, list)} for i in range(n)]
+
+
+_TEST_COLUMNS = (
+    "test_list",
+    "test_setup_code",
+    "test",
+    "entry_point",
+    "inputs",
+    "outputs",
+    "input_output",
+)
+
+
+def code_tests(
+    prompts: list,
+    completions: list,
+    extract: str = "fenced",
+    scoring: str = "fraction",
+    language: str = "python",
+    command: list[str] | None = None,
+    sandbox: str = "bwrap",
+    timeout_s: float = 10.0,
+    memory_mb: int = 512,
+    workers: int | None = None,
+    **columns: Any,
+) -> list[float | None]:
+    """Per row: the fraction of its tests the completion's program passes (`scoring: all`: 1.0
+    when all pass, else 0.0); 0.0 when no program is found; None when the row has no tests."""
+    _validate(extract, scoring, sandbox, timeout_s, memory_mb)
+    file, argv = _command(language, command)
+    limits = Limits(wall_s=float(timeout_s), cpu_s=max(1, int(timeout_s)), memory_mb=memory_mb)
+    n = len(completions)
+    tests = {k: columns.get(k) for k in _TEST_COLUMNS}
+    checks = [row_checks(c) for c in _row_columns(n, tests)]
+    programs = [extract_program(completion_text(c), extract, language) for c in completions]
+    # Every (row, test) to settle: from the cache, else a run; [(row, key, program, check)]
+    todo = [
+        (i, _key(programs[i], ch, argv, limits, sandbox), programs[i], ch)
+        for i in range(n)
+        if programs[i] is not None
+        for ch in checks[i]
+    ]
+    counts = {name: [0.0] * n for name in COUNTERS}
+    passed = [0] * n
+    runs = []
+    for i, key, program, ch in todo:
+        hit = _cache_get(key)
+        if hit is None:
+            runs.append((i, key, program, ch))
+            continue
+        counts["code_cache_hits"][i] += 1
+        passed[i] += hit
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        results = pool.map(lambda r: _run_check(r[2], r[3], file, argv, limits, sandbox), runs)
+        for (i, key, _, _), (ok, got) in zip(runs, results, strict=True):
+            _count(counts, i, got)
+            passed[i] += ok
+            if got.status != "sandbox_failure":  # the host's fault: try again next time
+                _cache_put(key, ok)
+    for name, per_row in counts.items():
+        counters.record(name, per_row)
+    return [_score(passed[i], len(checks[i]), scoring) for i in range(n)]
+
+
+_STATUS_COUNTER = {
+    "timeout": "code_timeouts",
+    "error": "code_errors",
+    "sandbox_failure": "code_sandbox_failures",
+}
+
+
+def _count(counts: dict[str, list[float]], i: int, got: RunResult) -> None:
+    counts["code_runs"][i] += 1
+    if got.status in _STATUS_COUNTER:
+        counts[_STATUS_COUNTER[got.status]][i] += 1
+
+
+def _score(passed: int, total: int, scoring: str) -> float | None:
+    if total == 0:
+        return None
+    if scoring == "all":
+        return float(passed == total)
+    return passed / total
