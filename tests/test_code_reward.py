@@ -5,6 +5,7 @@ Runs with `sandbox: none` (the bwrap sandbox is tested with posttrain.rewards.sa
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -171,3 +172,36 @@ def test_counters_reach_the_step_record():
         "code_errors": 0.0,
         "code_sandbox_failures": 0.0,
     }
+
+
+def test_each_format_in_the_bwrap_sandbox():
+    """The same verdicts inside bubblewrap (skipped where it cannot run, failed instead under
+    POSTTRAIN_REQUIRE_BWRAP=1, as tests/test_sandbox.py)."""
+    if (reason := code.unavailable()) is not None:
+        if os.environ.get("POSTTRAIN_REQUIRE_BWRAP") == "1":
+            pytest.fail(f"{reason} [POSTTRAIN_REQUIRE_BWRAP=1]", pytrace=False)
+        pytest.skip(reason)
+    progs = [ADD_RIGHT, ADD_WRONG, ADD_PARTLY]
+    assert score(progs, test_list=[MBPP] * 3, sandbox="bwrap") == [1.0, 0.0, 2 / 3]
+    test = "def check(candidate):\n    assert candidate(1, 2) == 3\n"
+    assert score([ADD_RIGHT], test=[test], entry_point=["add"], sandbox="bwrap") == [1.0]
+    prog = "print(int(input()) * 2)\n"
+    got = score([prog], inputs=[["3\n", "4\n"]], outputs=[["6", "9"]], sandbox="bwrap")
+    assert got == [0.5]
+    assert counts(1)["code_sandbox_failures"] == 0
+
+
+def test_check_kwargs_says_what_validate_refuses(monkeypatch):
+    assert code.check_kwargs({}) is None  # bwrap runs on this host
+    assert code.check_kwargs({"extract": "xml"}).startswith("extract must be one of")
+    assert code.check_kwargs({"language": "cobol"}).startswith("no command for language")
+    # A host where bubblewrap cannot start (its reason as `sandbox.unavailable` gives it).
+    monkeypatch.setattr(code, "unavailable", lambda: "no `bwrap` (bubblewrap) on this host")
+    said = code.check_kwargs({"sandbox": "bwrap"})
+    assert said == (
+        "sandbox: bwrap cannot run here: no `bwrap` (bubblewrap) on this host; or set "
+        "sandbox: none (unsandboxed)"
+    )
+    assert code.check_kwargs({"sandbox": "none"}) is None
+    with pytest.raises(RuntimeError, match="code_tests: sandbox: bwrap: no `bwrap`"):
+        code_tests([[]], ["x"], sandbox="bwrap", test_list=[MBPP[:1]])

@@ -464,3 +464,26 @@ def test_several_environments_are_checked_each_and_every_row_names_one(tmp_path:
         "  grpo.rollout.environment.calc: CalcEnv has no get_reward() and no step(), and "
         "grpo.rewards is empty"
     ), lines
+
+
+CODE_GRPO = """
+    sft:
+      data: {{synthetic: {{n_examples: 50}}}}
+    grpo:
+      data: {{path: {d}/prompts.jsonl}}
+      rewards: [{{fn: "posttrain.rewards.code:code_tests", kwargs: {kwargs}}}]
+"""
+
+
+def test_code_verifier_kwargs_checked_at_validate(tmp_path: Path) -> None:
+    """The code verifier's settings are refused by field before anything runs; good ones pass
+    (this host runs bubblewrap: `scripts/dev.sh test` installs it)."""
+    _jsonl(tmp_path / "prompts.jsonl", [{"prompt": "add?", "test_list": ["assert add(1, 2) == 3"]}])
+    code, lines = _validate(_recipe(tmp_path, CODE_GRPO, kwargs="{scoring: most}"))
+    assert code == 2, lines
+    assert lines[1] == (
+        "  grpo.rewards.0.kwargs: scoring must be one of ('fraction', 'all'), got 'most'"
+    ), lines[1]
+    code, lines = _validate(_recipe(tmp_path, CODE_GRPO, kwargs="{sandbox: bwrap}"))
+    assert code == 0, lines
+    assert "grpo.rewards.0.fn: posttrain.rewards.code:code_tests: takes posttrain's call" in lines

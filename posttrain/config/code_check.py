@@ -40,6 +40,12 @@ def _reward_line(code: Any, columns: list[str] | None, report: Any, environment:
     if problem := call_problem(fn, kwargs, columns, environment):
         report.problems.append(f"{code.where}: {problem}")
         return
+    # A function may check its own kwargs and what it needs of the host (the code verifier:
+    # a sandbox that can run here), so the recipe is refused before any stage starts.
+    check = getattr(fn, "check_kwargs", None)
+    if check is not None and (problem := check(dict(kwargs))):
+        report.problems.append(f"{code.where.removesuffix('.fn')}.kwargs: {problem}")
+        return
     report.lines.append(f"{code.where}: {_short(code.ref)}: takes posttrain's call")
 
 

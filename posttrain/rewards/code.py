@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -34,7 +35,10 @@ from typing import Any
 from posttrain.rewards import counters
 from posttrain.rewards.code_formats import Check, row_checks, same_output
 from posttrain.rewards.extract import completion_text
-from posttrain.rewards.sandbox import Limits, RunResult, run
+from posttrain.rewards.sandbox import Limits, RunResult, run, unavailable
+
+log = logging.getLogger("posttrain.rewards")
+_warned_unsandboxed = threading.Event()
 
 __all__ = ["LANGUAGES", "code_tests", "extract_program"]
 
@@ -152,6 +156,7 @@ def code_tests(
     """Per row: the fraction of its tests the completion's program passes (`scoring: all`: 1.0
     when all pass, else 0.0); 0.0 when no program is found; None when the row has no tests."""
     _validate(extract, scoring, sandbox, timeout_s, memory_mb)
+    _refuse_without_sandbox(sandbox)
     file, argv = _command(language, command)
     limits = Limits(wall_s=float(timeout_s), cpu_s=max(1, int(timeout_s)), memory_mb=memory_mb)
     n = len(completions)
@@ -185,6 +190,45 @@ def code_tests(
     for name, per_row in counts.items():
         counters.record(name, per_row)
     return [_score(passed[i], len(checks[i]), scoring) for i in range(n)]
+
+
+def _refuse_without_sandbox(sandbox: str) -> None:
+    """The stage's backstop for what `validate` refuses (`check_kwargs`): bubblewrap asked for
+    and unable to run here is an error, never a silent run without it; `sandbox: none` runs
+    unsandboxed with a warning, once per process."""
+    if sandbox == "none":
+        if not _warned_unsandboxed.is_set():
+            _warned_unsandboxed.set()
+            log.warning(
+                "code_tests: sandbox: none - model-written programs run unsandboxed, with the "
+                "stage's user, files and network (only the resource limits apply)"
+            )
+        return
+    if reason := unavailable():
+        raise RuntimeError(f"code_tests: sandbox: bwrap: {reason}")
+
+
+def check_kwargs(kwargs: dict[str, Any]) -> str | None:
+    """What `validate` says of a recipe's kwargs for `code_tests` (None: fine): a setting it
+    would refuse at its first call, or bubblewrap that cannot run on this host."""
+    try:
+        _validate(
+            kwargs.get("extract", "fenced"),
+            kwargs.get("scoring", "fraction"),
+            kwargs.get("sandbox", "bwrap"),
+            kwargs.get("timeout_s", 10.0),
+            kwargs.get("memory_mb", 512),
+        )
+        _command(kwargs.get("language", "python"), kwargs.get("command"))
+    except ValueError as exc:
+        return str(exc).removeprefix("code_tests: ")
+    if kwargs.get("sandbox", "bwrap") == "bwrap" and (reason := unavailable()):
+        return f"sandbox: bwrap cannot run here: {reason}; or set sandbox: none (unsandboxed)"
+    return None
+
+
+# `validate` calls a reward function's `check_kwargs` with the recipe's kwargs, where it has one.
+code_tests.check_kwargs = check_kwargs  # type: ignore[attr-defined]
 
 
 _STATUS_COUNTER = {
