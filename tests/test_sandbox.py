@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -258,3 +259,13 @@ def test_process_limit_binds_inside_the_sandbox():
     result = py(code, Limits(wall_s=3.0, processes=8))
     # Python itself and prlimit's exec count too: fewer than 8 children start.
     assert result.status == "ok" and 0 < int(result.stdout) < 8, result
+
+
+def test_unsandboxed_run_under_a_private_temp_dir(tmp_path, monkeypatch):
+    """`sandbox: none` as root runs the program as nobody, who cannot enter a root-only temp
+    dir (a test's tmp_path, a job's private TMPDIR): its folder is made where nobody can."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    got = py("print(open('main.py').read().count('print'))", sandbox="none")
+    assert (got.status, got.stdout) == ("ok", "2\n"), got

@@ -228,13 +228,17 @@ def _run_bwrap(argv: list[str], files: dict[str, str], stdin: str, limits: Limit
 
 
 def _run_plain(argv: list[str], files: dict[str, str], stdin: str, limits: Limits) -> RunResult:
-    workdir = tempfile.mkdtemp(prefix="posttrain-run-")
+    # As root the program runs as nobody, who must reach its folder: the temp dir this process
+    # was given may sit below a root-only folder (a test's, a job's private TMPDIR), so /tmp.
+    root = os.getuid() == 0
+    shared = "/tmp" if root and os.path.isdir("/tmp") else None
+    workdir = tempfile.mkdtemp(prefix="posttrain-run-", dir=shared)
     try:
         for name, text in files.items():
             path = Path(workdir, name)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
-        if os.getuid() == 0:  # the program runs as nobody: it must be able to write its folder
+        if root:  # the program runs as nobody: it must be able to write its folder
             for dirpath, _, names in os.walk(workdir):
                 for entry in [dirpath, *(os.path.join(dirpath, n) for n in names)]:
                     os.chown(entry, sandbox_process.NOBODY, sandbox_process.NOBODY)
