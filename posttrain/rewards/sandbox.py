@@ -198,12 +198,11 @@ def _run_bwrap(argv: list[str], files: dict[str, str], stdin: str, limits: Limit
         # bwrap's own environment and folder too: its pid-1 monitor stays visible inside as
         # /proc/1 (environ, cwd), so it must carry nothing of the host's (no secrets).
         outcome = sandbox_process.drive(
-            command,
+            # bwrap itself: CPU and file size as a backstop (prlimit sets them all inside).
+            sandbox_process.limited(command, limits.cpu_s, limits.file_mb),
             stdin.encode(),
             limits.wall_s,
             limits.output_bytes,
-            # bwrap itself: CPU and file size as a backstop (prlimit sets them all inside).
-            preexec=sandbox_process.limiter(limits.cpu_s, limits.file_mb),
             pass_fds=(status_w, *file_fds.values()),
             after_start=started,
             cwd="/",
@@ -243,14 +242,14 @@ def _run_plain(argv: list[str], files: dict[str, str], stdin: str, limits: Limit
                 for entry in [dirpath, *(os.path.join(dirpath, n) for n in names)]:
                     os.chown(entry, sandbox_process.NOBODY, sandbox_process.NOBODY)
         env = {"PATH": _PATH, "HOME": workdir, "LANG": "C.UTF-8"}
+        command = sandbox_process.limited(
+            list(argv), limits.cpu_s, limits.file_mb, limits.memory_mb, limits.processes
+        )
         outcome = sandbox_process.drive(
-            list(argv),
+            command,
             stdin.encode(),
             limits.wall_s,
             limits.output_bytes,
-            preexec=sandbox_process.limiter(
-                limits.cpu_s, limits.file_mb, limits.memory_mb, limits.processes
-            ),
             cwd=workdir,
             env=env,
         )

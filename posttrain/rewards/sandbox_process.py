@@ -1,5 +1,4 @@
-"""Driving one untrusted process for `sandbox.run`: rlimits and a dropped uid in the child before
-exec, both output streams read at once (kept up to a bound, the rest drained), stdin fed without
+"""Driving one untrusted process for `sandbox.run`: rlimits (`prlimit`) and a dropped uid, both output streams read at once (kept up to a bound, the rest drained), stdin fed without
 blocking, and the whole process group killed at the wall-clock limit and after the program ends
 (so nothing it started is left running)."""
 
@@ -7,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import selectors
 import signal
 import subprocess
@@ -16,32 +14,31 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 NOBODY = 65534  # the uid/gid programs run as when this process is root
+PRLIMIT = "/usr/bin/prlimit"
 _GRACE_S = 0.5  # after the program exits: how long leftovers may hold its pipes open
 _CHUNK = 65536
 
 
-def limiter(
-    cpu_s: int, file_mb: int, memory_mb: int | None = None, processes: int | None = None
-) -> Callable[[], None]:
-    """The child's set-up before exec: the limits given (None: not here). As root, RLIMIT_NPROC
-    binds nobody: drop to `NOBODY` first (setuid before the NPROC limit, or the kernel would
-    flag the setuid as over it)."""
+def limited(
+    command: list[str],
+    cpu_s: int,
+    file_mb: int,
+    memory_mb: int | None = None,
+    processes: int | None = None,
+) -> list[str]:
+    """`command` behind util-linux's `prlimit`, which sets the limits given (None: not here)
+    and execs it. Not a `preexec_fn`: Python code between fork and exec in a process with
+    other threads (the rewarder's pool, torch's) can deadlock or crash the child, which the
+    test suite saw as a segfault in every run after torch had started its threads. As root the
+    child already runs as `NOBODY` (`drive`'s `as_nobody`: set by subprocess in C), so
+    RLIMIT_NPROC binds it."""
     mb = 1 << 20
-
-    def apply() -> None:
-        if os.getuid() == 0:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_mb * mb, file_mb * mb))
-        if memory_mb is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (memory_mb * mb, memory_mb * mb))
-        if processes is not None:
-            resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
-
-    return apply
+    limits = [f"--cpu={cpu_s}:{cpu_s + 1}", f"--fsize={file_mb * mb}", "--core=0"]
+    if memory_mb is not None:
+        limits.append(f"--as={memory_mb * mb}")
+    if processes is not None:
+        limits.append(f"--nproc={processes}")
+    return [PRLIMIT, *limits, "--", *command]
 
 
 @dataclass
@@ -120,7 +117,6 @@ def drive(
     stdin: bytes,
     wall_s: float,
     output_bytes: int,
-    preexec: Callable[[], None],
     pass_fds: tuple[int, ...] = (),
     after_start: Callable[[], None] = lambda: None,
     cwd: str | None = None,
@@ -134,8 +130,9 @@ def drive(
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        preexec_fn=preexec,
         start_new_session=True,
+        # Dropped by subprocess itself between fork and exec (C code, no Python): see `limited`.
+        **({"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.getuid() == 0 else {}),
         pass_fds=pass_fds,
         cwd=cwd,
         env=env,
