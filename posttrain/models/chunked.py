@@ -30,6 +30,7 @@ duration of a model call, so the model's own forward returns the scores as `.log
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -228,7 +229,11 @@ class ChunkedTargetLogps(torch.autograd.Function):
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logp)
         ent = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
-        chunk_fn = compiled_head.forward_chunk if compiled else _eager_forward_chunk
+        chunk_fn = (
+            functools.partial(compiled_head.forward_chunk, _eager_forward_chunk)
+            if compiled
+            else _eager_forward_chunk
+        )
         for s in range(0, n, step):
             rows = slice(s, s + step)
             logp_c, lse_c, ent_c = chunk_fn(

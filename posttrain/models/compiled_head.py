@@ -4,7 +4,7 @@ Same computation as `posttrain.models.chunked.ChunkedTargetLogps`, chunk by chun
 chunk's forward and backward is one `torch.compile`d function, so inductor fuses what the eager
 path runs as separate kernels over [c, V] fp32 buffers:
 
-  forward   z = h W^T + b (the matmul in the compute dtype: bf16 [c, V] on a bf16 model), then
+  forward   (the eager path's own per-chunk function, compiled) z = h W^T + b (the matmul in the compute dtype: bf16 [c, V] on a bf16 model), then
             ONE fused reduction reads z, upcasts to fp32 in registers, applies the transform and
             writes only [c] vectors: lse, logp (the target's logit via an index compare) and the
             entropy. Eager writes z in fp32, and p = softmax(z) for the entropy: two more [c, V]
@@ -51,24 +51,6 @@ def _logits(
     """[c, H] -> [c, V] fp32 logits, as `chunked._chunk_logits` (out of place: in a graph the
     upcast and the transform fuse into the consumer)."""
     return transform.logits(F.linear(h, weight, bias).float())
-
-
-def _forward_chunk(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    transform: Any,
-    with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(logp [c], lse [c], entropy [c] | None) of one chunk."""
-    z = _logits(h, weight, bias, transform)  # [c, V] fp32, fused away in the graph
-    lse = torch.logsumexp(z, dim=-1)  # [c]
-    logp = z.gather(1, targets[:, None]).squeeze(1) - lse
-    if not with_entropy:
-        return logp, lse, None
-    p = torch.exp(z - lse[:, None])  # [c, V]
-    return logp, lse, lse - (p * z).sum(-1)
 
 
 def _backward_chunk(
@@ -132,6 +114,7 @@ def _pad_one(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
 
 
 def forward_chunk(
+    body: Any,
     h: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -139,12 +122,14 @@ def forward_chunk(
     transform: Any,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`_forward_chunk` compiled: (logp [c], lse [c], entropy [c] | None)."""
+    """`body` (the eager chunked head's per-chunk forward, `chunked._eager_forward_chunk`)
+    compiled: (logp [c], lse [c], entropy [c] | None). Its in-place steps on the chunk's own
+    buffers are functionalised and fused by inductor like the rest."""
     c = h.size(0)
     h, targets = _pad_one(h, targets)
     _dynamic_rows(h, targets)
     weight, bias = _pad_one(weight, bias)  # detached only: V > 1
-    logp, lse, ent = _compiled(_forward_chunk)(h, weight, bias, targets, transform, with_entropy)
+    logp, lse, ent = _compiled(body)(h, weight, bias, targets, transform, with_entropy)
     return logp[:c], lse[:c], (None if ent is None else ent[:c])
 
 
