@@ -109,6 +109,84 @@ def test_crash_is_counted_as_error():
     assert c["code_errors"] == 3 and c["code_runs"] == 3
 
 
+OUTCOMES = ("code_passed", "code_wrong_answers", "code_timeouts", "code_errors")
+
+
+def test_each_outcome_with_its_reason():
+    """Per row: a wrong answer (assert fails, or exit 0 before it), a crash with its last
+    stderr line, a timeout, a reply without a block (no test runs)."""
+    replies = [
+        fenced(ADD_WRONG),
+        fenced("import sys\nsys.exit(0)\n"),
+        fenced("def add(a, b):\n    return a + c\n"),
+        fenced("while True:\n    pass\n"),
+        "I would add them.",
+    ]
+    got = code_tests([[]] * 5, replies, sandbox="none", timeout_s=0.5, test_list=[MBPP[:2]] * 5)
+    assert got == [0.0] * 5
+    notes = counters.take_notes()
+    c = counters.take(5)
+    assert {k: c[k] for k in OUTCOMES} == {
+        "code_passed": [0.0, 0.0, 0.0, 0.0, 0.0],
+        "code_wrong_answers": [2.0, 2.0, 0.0, 0.0, 0.0],
+        "code_timeouts": [0.0, 0.0, 0.0, 2.0, 0.0],
+        "code_errors": [0.0, 0.0, 2.0, 0.0, 0.0],
+    }
+    assert c["code_no_program"] == [0.0, 0.0, 0.0, 0.0, 1.0]
+    assert c["code_runs"] == [2.0, 2.0, 2.0, 2.0, 0.0]
+    assert notes == {"NameError: name 'c' is not defined": 2}
+
+
+def test_stdin_outcomes_and_a_silent_crash():
+    prog = "n = int(input())\nprint(n + 1)\n"
+    exits = "import sys\nsys.exit(3)\n"
+    got = score([prog, exits], inputs=[["1\n", "x\n"]] * 2, outputs=[["3", "1"]] * 2)
+    assert got == [0.0, 0.0]
+    notes = counters.take_notes()
+    c = counts(2)
+    assert c["code_wrong_answers"] == 1 and c["code_errors"] == 3
+    assert notes == {
+        "exit code 3 with nothing on stderr": 2,
+        "ValueError: invalid literal for int() with base 10: 'x'": 1,
+    }
+
+
+def test_a_cached_failure_keeps_its_reason():
+    crash = "def add(a, b):\n    raise KeyError('k')\n"
+    score([crash, ADD_WRONG], test_list=[MBPP] * 2)
+    counters.take(2)
+    assert score([crash, ADD_WRONG], test_list=[MBPP] * 2) == [0.0, 0.0]
+    notes = counters.take_notes()
+    c = counts(2)
+    assert c["code_runs"] == 0 and c["code_cache_hits"] == 6
+    assert c["code_errors"] == 3 and c["code_wrong_answers"] == 3
+    assert notes == {"KeyError: 'k'": 3}
+
+
+def test_apps_call_based_rows():
+    """`fn_name`: the function (or Solution().<fn_name>) called with each input's arguments;
+    an output wrapped in a one-element list compares with its element, a tuple as a list."""
+    spec = {"fn_name": "add", "inputs": [[1, 2], [0, 5]], "outputs": [[3], 5]}
+    leet = "class Solution:\n    def add(self, a, b):\n        return (a + b, 0)[0]\n"
+    pair = {"fn_name": "pair", "inputs": [[1]], "outputs": [[1, 2]]}
+    pair_prog = "def pair(x):\n    return x, x + 1\n"
+    got = score(
+        [ADD_RIGHT, ADD_PARTLY, leet, pair_prog],
+        input_output=[json.dumps(x) for x in (spec, spec, spec, pair)],
+    )
+    assert got == [1.0, 0.5, 1.0, 1.0]
+
+
+def test_workers_default_to_the_cores_of_this_rank(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert code.default_workers() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert code.default_workers() == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert code.default_workers() == 16
+
+
 def test_cache_skips_re_execution():
     score([ADD_RIGHT, ADD_WRONG], test_list=[MBPP] * 2)
     assert counts(2)["code_runs"] == 6
@@ -168,9 +246,12 @@ def test_counters_reach_the_step_record():
     assert got == {
         "code_runs": 3.0,
         "code_cache_hits": 0.0,
+        "code_passed": 3.0,
+        "code_wrong_answers": 0.0,
         "code_timeouts": 0.0,
         "code_errors": 0.0,
         "code_sandbox_failures": 0.0,
+        "code_no_program": 0.0,  # the second row has no tests: no program is missing
     }
 
 

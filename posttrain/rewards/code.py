@@ -4,8 +4,14 @@
 Contract, as for every built-in reward: `fn(prompts, completions, **columns) -> list[float |
 None]`; the tests come from the row's columns (`posttrain.rewards.code_formats`), None for a row
 without tests. Program behaviour never raises: a crash, a timeout or a sandbox that did not start
-fails that test, and is counted (`posttrain.rewards.counters`: code_runs, code_cache_hits,
-code_timeouts, code_errors, code_sandbox_failures reach the step records).
+fails that test. Each test has an outcome: `passed`, `wrong_answer` (it ran; an assert failed or
+the output differs), `timeout`, `error` (it crashed: an exception other than the test's assert,
+a non-zero exit, a limit), `sandbox_failure` (the sandbox did not start). Per row they are
+counted (`posttrain.rewards.counters`, summed into the step records and evaluate's report):
+code_runs and code_cache_hits (how the tests were settled), code_passed, code_wrong_answers,
+code_timeouts, code_errors, code_sandbox_failures (every test, run or cached, has one of these)
+and code_no_program (rows with tests whose reply had no program). A crash's last stderr line
+(`NameError: name 'x' is not defined`) is noted beside them (`counters.note`).
 
 - The program: `extract: fenced` takes the LAST ```python (or ```py, or untagged ```) block of
   the reply: models draft, then correct, and the final block is the answer (a first block is
@@ -14,8 +20,10 @@ code_timeouts, code_errors, code_sandbox_failures reach the step records).
   assert that hangs or crashes fails alone, so `fraction` is exact; the runs go to `workers`
   threads at once. A program that exits 0 before its assert ran (`exit(0)`) does not pass: an
   assert check passes only when a line printed after the assert, with a random token, came out.
-- Results are cached in this process by sha256 of (program, test, command, limits, sandbox):
-  a program scored again (re-evaluated, a repeated sample) is not run again.
+- Outcomes are cached in this process by sha256 of (program, test, command, limits, sandbox):
+  a program scored again (re-evaluated, a repeated sample) is not run again, and a cached
+  failure keeps its reason and error line. A sandbox failure is not cached (the host's fault).
+- `workers` defaults to this host's cores shared by the ranks on it (`LOCAL_WORLD_SIZE`).
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Literal
 
 from posttrain.rewards import counters
 from posttrain.rewards.code_formats import Check, row_checks, same_output
@@ -47,10 +55,22 @@ LANGUAGES: dict[str, tuple[str, list[str]]] = {"python": ("main.py", ["python3",
 _FENCE_TAGS = {"python": ("python", "python3", "py")}
 _FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
+Outcome = Literal["passed", "wrong_answer", "timeout", "error", "sandbox_failure"]
+# Each test's outcome, as the per-row counter it adds to.
+OUTCOME_COUNTERS: dict[str, str] = {
+    "passed": "code_passed",
+    "wrong_answer": "code_wrong_answers",
+    "timeout": "code_timeouts",
+    "error": "code_errors",
+    "sandbox_failure": "code_sandbox_failures",
+}
+COUNTERS = ("code_runs", "code_cache_hits", *OUTCOME_COUNTERS.values(), "code_no_program")
+_ERROR_CHARS = 160  # an error line noted is cut here: a long message would flood a report
+
 _CACHE_SIZE = 100_000
-_cache: OrderedDict[str, bool] = OrderedDict()  # key -> passed
+# key -> (outcome, the error line of an `error`)
+_cache: OrderedDict[str, tuple[Outcome, str | None]] = OrderedDict()
 _cache_lock = threading.Lock()
-COUNTERS = ("code_runs", "code_cache_hits", "code_timeouts", "code_errors", "code_sandbox_failures")
 
 
 def extract_program(text: str, extract: str = "fenced", language: str = "python") -> str | None:
@@ -63,7 +83,7 @@ def extract_program(text: str, extract: str = "fenced", language: str = "python"
     return blocks[-1] if blocks else None
 
 
-def _cache_get(key: str) -> bool | None:
+def _cache_get(key: str) -> tuple[Outcome, str | None] | None:
     with _cache_lock:
         if key not in _cache:
             return None
@@ -71,9 +91,9 @@ def _cache_get(key: str) -> bool | None:
         return _cache[key]
 
 
-def _cache_put(key: str, passed: bool) -> None:
+def _cache_put(key: str, settled: tuple[Outcome, str | None]) -> None:
     with _cache_lock:
-        _cache[key] = passed
+        _cache[key] = settled
         _cache.move_to_end(key)
         while len(_cache) > _CACHE_SIZE:
             _cache.popitem(last=False)
@@ -86,15 +106,30 @@ def _key(program: str, check: Check, argv: list[str], limits: Limits, sandbox: s
 
 def _run_check(
     program: str, check: Check, file: str, argv: list[str], limits: Limits, sandbox: str
-) -> tuple[bool, RunResult]:
-    """Run one test of `program`; (passed, how the run ended)."""
+) -> tuple[Outcome, str | None]:
+    """Run one test of `program` -> (its outcome, the error line of an `error`)."""
     if check.after is None:
         got = run(argv, {file: program}, check.stdin, limits, sandbox)  # type: ignore[arg-type]
-        return got.status == "ok" and same_output(got.stdout, check.expected or ""), got
+        return _outcome(got, got.status == "ok" and same_output(got.stdout, check.expected or ""))
     token = secrets.token_hex(16)
     source = f"{program}\n\n{check.after}\nprint('\\n{token}')\n"
     got = run(argv, {file: source}, "", limits, sandbox)  # type: ignore[arg-type]
-    return got.status == "ok" and token in got.stdout.splitlines(), got
+    return _outcome(got, got.status == "ok" and token in got.stdout.splitlines(), asserts=True)
+
+
+def _outcome(got: RunResult, passed: bool, asserts: bool = False) -> tuple[Outcome, str | None]:
+    """How a run that did not pass failed. A run that exited 0 (output differs, or it left
+    before the assert) or died of an AssertionError (the test's assert; HumanEval's check) is
+    a wrong answer; any other non-zero exit is an error, with its last stderr line."""
+    if passed:
+        return "passed", None
+    if got.status in ("timeout", "sandbox_failure"):
+        return got.status, None
+    lines = [x.strip() for x in got.stderr.splitlines() if x.strip()]
+    last = lines[-1][:_ERROR_CHARS] if lines else None
+    if got.status == "ok" or (asserts and last is not None and last.startswith("AssertionError")):
+        return "wrong_answer", None
+    return "error", last or f"exit code {got.returncode} with nothing on stderr"
 
 
 def _command(language: str, command: list[str] | None) -> tuple[str, list[str]]:
@@ -171,6 +206,8 @@ def code_tests(
         for ch in checks[i]
     ]
     counts = {name: [0.0] * n for name in COUNTERS}
+    for i in range(n):
+        counts["code_no_program"][i] = float(programs[i] is None and bool(checks[i]))
     passed = [0] * n
     runs = []
     for i, key, program, ch in todo:
@@ -179,17 +216,32 @@ def code_tests(
             runs.append((i, key, program, ch))
             continue
         counts["code_cache_hits"][i] += 1
-        passed[i] += hit
-    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        passed[i] += _settle(counts, i, hit)
+    with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
         results = pool.map(lambda r: _run_check(r[2], r[3], file, argv, limits, sandbox), runs)
-        for (i, key, _, _), (ok, got) in zip(runs, results, strict=True):
-            _count(counts, i, got)
-            passed[i] += ok
-            if got.status != "sandbox_failure":  # the host's fault: try again next time
-                _cache_put(key, ok)
+        for (i, key, _, _), settled in zip(runs, results, strict=True):
+            counts["code_runs"][i] += 1
+            passed[i] += _settle(counts, i, settled)
+            if settled[0] != "sandbox_failure":  # the host's fault: try again next time
+                _cache_put(key, settled)
     for name, per_row in counts.items():
         counters.record(name, per_row)
     return [_score(passed[i], len(checks[i]), scoring) for i in range(n)]
+
+
+def _settle(counts: dict[str, list[float]], i: int, settled: tuple[Outcome, str | None]) -> bool:
+    """Count row `i`'s test by its outcome (and note an error's line); whether it passed."""
+    outcome, line = settled
+    counts[OUTCOME_COUNTERS[outcome]][i] += 1
+    if line is not None:
+        counters.note(line)
+    return outcome == "passed"
+
+
+def default_workers() -> int:
+    """This host's cores shared by the ranks on it: each rank's reward runs at once."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, (os.cpu_count() or 1) // max(1, ranks))
 
 
 def _refuse_without_sandbox(sandbox: str) -> None:
@@ -229,19 +281,6 @@ def check_kwargs(kwargs: dict[str, Any]) -> str | None:
 
 # `validate` calls a reward function's `check_kwargs` with the recipe's kwargs, where it has one.
 code_tests.check_kwargs = check_kwargs  # type: ignore[attr-defined]
-
-
-_STATUS_COUNTER = {
-    "timeout": "code_timeouts",
-    "error": "code_errors",
-    "sandbox_failure": "code_sandbox_failures",
-}
-
-
-def _count(counts: dict[str, list[float]], i: int, got: RunResult) -> None:
-    counts["code_runs"][i] += 1
-    if got.status in _STATUS_COUNTER:
-        counts[_STATUS_COUNTER[got.status]][i] += 1
 
 
 def _score(passed: int, total: int, scoring: str) -> float | None:
