@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flows.report.failures import failures_markdown
 from flows.report.health_summary import absent_reason, health_line
 from flows.report.plots import CurvePlot
 from posttrain.store.summary import Summary
@@ -149,6 +150,7 @@ def markdown_report(
     lines += chain_markdown(records)
     lines += kl_markdown(records)
     lines += teacher_markdown(records)
+    lines += failures_markdown(records)
     by_fp = {r.fingerprint: r.stage for r in records}
     lines += ["", "## Lineage", ""]
     for r in records:

@@ -24,6 +24,7 @@ from peft import PeftModel
 
 from posttrain.agents.episodes import EpisodeRun
 from posttrain.data.chat import render
+from posttrain.eval import failures
 from posttrain.eval.generation import decode_new, generate_ids
 from posttrain.eval.play import play_prompts
 from posttrain.kinds.evaluate import EvaluateConfig
@@ -86,6 +87,8 @@ class Answers:
     passed: list[bool | None]  # None where no verifier applies
     texts: list[str]  # the answers (an episode's: its final assistant message)
     episodes: list[EpisodeRun] | None = None  # played episodes, when the verifier has them
+    # Why they failed (`posttrain.eval.failures.collect`); None: no verifier counted outcomes
+    failures: dict[str, Any] | None = None
 
 
 def _passes(
@@ -108,6 +111,7 @@ def _passes(
     texts = [render(tok, prompts.messages[i], add_generation_prompt=True) for i in idx]
     out = generate_ids(model, tok, texts, sampling, seed, cfg.batch_size)
     answers = [decode_new(tok, ids, stopped) for ids, stopped in out]
+    failures.clear()
     _, per = score_functions(
         funcs,
         [prompts.messages[i] for i in idx],
@@ -117,7 +121,8 @@ def _passes(
         [stopped for _, stopped in out],
         [prompts.where[i] for i in idx],
     )
-    return Answers(_verdicts(list(per.values()), len(idx), cfg.pass_threshold), answers)
+    why = failures.collect(len(idx))
+    return Answers(_verdicts(list(per.values()), len(idx), cfg.pass_threshold), answers, None, why)
 
 
 def _episode_passes(
@@ -135,6 +140,7 @@ def _episode_passes(
     asked = [(prompts.messages[i], prompts.columns[i], prompts.where[i]) for i in idx]
     runs = play_prompts(model, tok, e, asked, sampling, seed, cfg.batch_size)
     completions = [r.messages[r.n_prompt :] for r in runs]
+    failures.clear()
     _, per = score_functions(
         funcs,
         [r.messages[: r.n_prompt] for r in runs],
@@ -145,11 +151,11 @@ def _episode_passes(
         [prompts.where[i] for i in idx],
         environments(runs),
     )
-    values = list(per.values())
+    values, why = list(per.values()), failures.collect(len(idx))
     if e.env_rewards:  # TRL's get_reward is optional (NaN: that episode's class has none)
         values.append(torch.tensor([episode_reward(r) for r in runs]))
     passed = _verdicts(values, len(idx), cfg.pass_threshold)
-    return Answers(passed, [completion_text(c) for c in completions], runs)
+    return Answers(passed, [completion_text(c) for c in completions], runs, why)
 
 
 def _verdicts(values: list[torch.Tensor], n: int, threshold: float) -> list[bool | None]:
@@ -203,18 +209,21 @@ def verify_policy(
     seed: int,
     episodes: EpisodeSetup | None = None,
     sample: bool = True,
-) -> tuple[dict[str, float], list[dict[str, Any]]]:
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(`pass_figures`, greedy examples) of the active adapter of `model`; with `episodes`, by
     episode, with the greedy episodes' `episode_metrics` and whole episodes in the examples.
-    `sample` False: greedy answers only (no pass@k)."""
+    `sample` False: greedy answers only (no pass@k). With a verifier that counts outcomes (the
+    code verifier), `failures`: {"greedy": ..., "sampled": ...} (`posttrain.eval.failures`)."""
     n, k = cfg.pass_samples, cfg.pass_k
     greedy = cfg.pass_sampling.model_copy(update={"strategy": "greedy", "name": "greedy"})
     g = _passes(model, tok, prompts, funcs, greedy, 1, seed, cfg, episodes)
-    sampled = None
+    sampled, why = None, {"greedy": g.failures}
     if sample:
         s = _passes(model, tok, prompts, funcs, cfg.pass_sampling, n, seed, cfg, episodes)
-        sampled = s.passed
-    out = pass_figures(g.passed, sampled, n, k)
+        sampled, why["sampled"] = s.passed, s.failures
+    out: dict[str, Any] = pass_figures(g.passed, sampled, n, k)
+    if g.failures is not None:  # a verifier that runs code: why its answers failed
+        out["failures"] = why
     if g.episodes is not None:
         out |= episode_metrics(played_sums(g.episodes))
     examples = [

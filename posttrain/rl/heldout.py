@@ -5,8 +5,9 @@ reference), and the quality gate on the final figures.
 Per policy: the mean reward of one sample per held-out prompt (functions and/or reward model;
 each function's own mean as `reward_fn_<label>`), its spread, length and stop rate and, for the
 policy being trained, KL(policy || reference) per response by the recipe's `kl.estimator` (the
-one `max_kl` gates). Prompt batch b is sampled with seed + b's first row, so both policies see
-the same prompts under the same seeds.
+one `max_kl` gates), and the totals of the reward functions' counters (`code_runs`,
+`code_errors`, ...: `eval_code_runs`). Prompt batch b is sampled with seed + b's first row, so
+both policies see the same prompts under the same seeds.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from posttrain.data.sft_data import write_rows
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.rl.metrics import add_rollout_sums
-from posttrain.rl.rewarder import function_metrics, function_values
+from posttrain.rl.rewarder import counter_metrics, function_metrics, function_values
 from posttrain.rl.rollout.collect import RolloutSetup, generate, score_rollout
 from posttrain.rl.rollout.multiturn import episode_metrics, episode_record
 from posttrain.rl.rollout.sample import Rollout, decode_responses
@@ -116,6 +117,7 @@ def heldout_means(sums: Counter[str], device: torch.device, kl: bool) -> dict[st
     if kl:
         out["kl"] = t["kl"] / n
     out |= function_metrics(t)
+    out |= counter_metrics(t)  # the reward functions' totals (code_runs, code_timeouts, ...)
     out |= episode_metrics(t)
     return out
 
