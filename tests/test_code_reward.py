@@ -286,3 +286,23 @@ def test_check_kwargs_says_what_validate_refuses(monkeypatch):
     assert code.check_kwargs({"sandbox": "none"}) is None
     with pytest.raises(RuntimeError, match="code_tests: sandbox: bwrap: no `bwrap`"):
         code_tests([[]], ["x"], sandbox="bwrap", test_list=[MBPP[:1]])
+
+
+def test_report_says_why_programs_failed_and_nothing_without_outcomes():
+    from flows.report.tables import StageRecord, markdown_report
+    from posttrain.store.summary import Summary
+
+    greedy = {"tests": 6, "passed": 1, "wrong_answer": 2, "timeout": 0, "error": 3}
+    greedy |= {"sandbox_failure": 0, "no_program": 1}
+    greedy["top_errors"] = [{"line": "TypeError: a | b", "count": 3}]
+    policies = {"base": {"pass@1": 0.0}, "grpo": {"pass@1": 0.5, "failures": {"greedy": greedy}}}
+    summary = Summary.model_validate({"verifier": {"policies": policies}})
+    report = markdown_report(
+        "r", "id", [StageRecord("evaluate", "fp", "ran", 1.0, summary=summary)]
+    )
+    assert "## Why programs failed (`evaluate`)" in report
+    assert "| grpo | greedy | 6 | 1 | 2 | 0 | 3 | 0 | 1 |" in report
+    assert "- `grpo`, greedy: `TypeError: a \\| b` (3)" in report
+    plain = Summary.model_validate({"verifier": {"policies": {"base": {"pass@1": 0.0}}}})
+    report = markdown_report("r", "id", [StageRecord("evaluate", "fp", "ran", 1.0, summary=plain)])
+    assert "Why programs failed" not in report

@@ -200,3 +200,63 @@ def test_dapo_dynamic_sampling_refills_groups_that_all_score_the_same(parents) -
         # Kept groups score differently, so unless topped up, the reward varies in the batch.
         if row["topped_up_groups"] == 0:
             assert row["score_std"] > 0
+
+
+CODE = "posttrain.rewards.code:code_tests"
+MBPP_TESTS = ["assert add(1, 2) == 3", "assert add(0, 5) == 5"]
+CODE_COUNTERS = ("passed", "wrong_answers", "timeouts", "errors", "sandbox_failures")
+# The tiny model writes no fenced block: `whole` runs its replies as programs (they crash or
+# fail), `fenced` finds no program at all.
+WHOLE = {"fn": CODE, "name": "whole", "kwargs": {"extract": "whole", "sandbox": "none"}}
+FENCED = {"fn": CODE, "name": "fenced", "kwargs": {"sandbox": "none", "timeout_s": 2}}
+WHOLE["kwargs"]["timeout_s"] = 2
+OUTCOMES = ("passed", "wrong_answer", "timeout", "error", "sandbox_failure")
+
+
+def test_code_verifier_counts_held_out_and_says_why_programs_failed(parents) -> None:
+    """GRPO against MBPP-style tests: the held-out metrics hold the code counters; evaluate's
+    report says, per policy, how the tests ended and which answers had no program."""
+    from flows.report.tables import StageRecord, markdown_report
+    from posttrain.store.summary import Summary
+
+    rows = [
+        {"prompt": f"Write add(a, b) returning a + b (task {i}).", "test_list": MBPP_TESTS}
+        for i in range(16)
+    ]
+    data_path = parents["folder"] / "mbpp.jsonl"
+    data_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    section = {**GRPO, "max_steps": 2, "rewards": [WHOLE], "eval_prompts": 4}
+    section["data"] = {"path": str(data_path), "eval_fraction": 0.25, "max_prompt_len": 40}
+    evaluate = parents["data"]["evaluate"] | {"verifiers": [FENCED, WHOLE], "policies": []}
+    recipe = recipe_with(parents, "code", grpo=section, evaluate=evaluate)
+    out = run_inprocess("grpo", recipe)
+    for row in read_metrics(out / "metrics.jsonl", "eval"):
+        for who in [w for w in ("eval", "sft") if f"{w}_reward" in row]:
+            settled = sum(row[f"{who}_code_{c}"] for c in CODE_COUNTERS)
+            # One sample of each of the 4 held-out prompts, 2 tests each: run, or cached (the
+            # policy answering as the starting policy did).
+            assert settled == row[f"{who}_code_runs"] + row[f"{who}_code_cache_hits"] == 8
+
+    ev = run_inprocess("evaluate", recipe)
+    v = json.loads((ev / "eval.json").read_text())["verifier"]
+    prompts = v["policies"]["grpo"]["prompts"]
+    samples = [json.loads(x) for x in (ev / "verify_samples.jsonl").read_text().splitlines()]
+    blocks = sum("```" in s["response"] for s in samples)
+    for name, m in v["policies"].items():
+        for answers, per_prompt in (("greedy", 1), ("sampled", v["samples"])):
+            if answers == "sampled" and name not in v["sampled"]:
+                assert "sampled" not in m["failures"]
+                continue
+            f = m["failures"][answers]
+            # `whole` runs every answer's 2 tests; `fenced` finds a block in (almost) none.
+            assert f["tests"] == sum(f[o] for o in OUTCOMES) >= 2 * prompts * per_prompt
+            assert f["no_program"] <= prompts * per_prompt and len(f["top_errors"]) <= 3
+            assert sum(e["count"] for e in f["top_errors"]) <= f["error"]
+    greedy = v["policies"]["grpo"]["failures"]["greedy"]
+    assert greedy["no_program"] == prompts - blocks
+
+    record = StageRecord("evaluate", "fp", "ran", 1.0, summary=Summary.model_validate(summary(ev)))
+    report = markdown_report("r", "id", [record])
+    assert "## Why programs failed (`evaluate`)" in report
+    cells = [str(greedy[c]) for c in ("tests", *OUTCOMES, "no_program")]
+    assert "| grpo | greedy | " + " | ".join(cells) + " |" in report
