@@ -128,6 +128,7 @@ def test_grpo_with_reward_functions_only_then_pass_at_k(parents) -> None:
     for name, m in v["policies"].items():
         assert m["prompts"] == min(6, len(held)) and 0.0 <= m["pass@1"] <= 1.0
         assert ("pass@2" in m) == ("sampled_pass@1" in m) == (name == "grpo")
+        assert "failures" not in m  # a verifier that runs no code: no failure reasons
     g = v["policies"]["grpo"]
     assert 0.0 <= g["sampled_pass@1"] <= g["pass@2"] <= 1.0
     head = summary(ev)["headline"]
