@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from posttrain.config import judge_check
 from posttrain.rewards import counters
 from posttrain.rewards.combine import RewardFunctionError, load_rewards, score_functions
 from posttrain.rewards.judge_parse import parse_choice, parse_number
@@ -294,3 +295,49 @@ def test_the_rubric_and_the_judge_model_folder_enter_the_stage_fingerprint(tmp_p
     assert _prints(base, ["ppo"]) != by_folder  # its files, not only its name
     base["ppo"]["rewards"][0]["judge"] = JUDGE | {"timeout_s": 5.0, "max_concurrency": 2}
     assert _prints(base, ["ppo"]) == first  # how it is asked is not what it judges
+
+
+JUDGE_GRPO = """
+    sft:
+      data: {{synthetic: {{n_examples: 50}}}}
+    grpo:
+      data: {{path: {d}/prompts.jsonl}}
+      rewards:
+        - judge: {{{server}, model: judge-m, rubric: "{{completion}} vs {{{column}}}"}}
+"""
+
+
+@pytest.mark.parametrize(
+    ("server", "column", "line"),
+    [
+        (
+            "url: 'http://127.0.0.1:9'",
+            "answer",
+            "grpo.rewards.0.judge: judge-m at http://127.0.0.1:9, scored by number in [0, 10]",
+        ),
+        (
+            "url: 'http://127.0.0.1:9'",
+            "topic",
+            "  grpo.rewards.0.judge.rubric: {{topic}} is not a column of {d}/prompts.jsonl:1 (its "
+            "columns: answer)",
+        ),
+        (
+            "command: 'transformers serve --port {{port}}'",
+            "answer",
+            "  grpo.rewards.0.judge.command: `transformers serve` needs not_installed_xyz (not "
+            "installed): pip install 'posttrain[serving]'",
+        ),
+    ],
+)
+def test_validate_says_what_a_judge_asks_or_why_it_cannot(
+    tmp_path: Path, monkeypatch, server: str, column: str, line: str
+) -> None:
+    from test_inputs_check import _jsonl, _recipe, _validate
+
+    # A machine without one of the modules `transformers serve` needs.
+    monkeypatch.setattr(judge_check, "SERVING_MODULES", ("not_installed_xyz",))
+    _jsonl(tmp_path / "prompts.jsonl", [{"prompt": "2+2?", "answer": "4"}])
+    recipe = _recipe(tmp_path, JUDGE_GRPO, server=server, column=column)
+    code, lines = _validate(recipe)
+    assert line.format(d=tmp_path) in lines, lines
+    assert code == (0 if "scored by" in line else 2)
