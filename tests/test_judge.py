@@ -20,6 +20,7 @@ from posttrain.rewards import counters
 from posttrain.rewards.combine import RewardFunctionError, load_rewards, score_functions
 from posttrain.rewards.judge_parse import parse_choice, parse_number
 from posttrain.rewards.judge_server import judge_servers
+from posttrain.rl.serving.client import ServerFailed
 from posttrain.sections.rewards import RewardSpec
 
 CHOICES = {"A": 1.0, "B": 0.0}
@@ -341,3 +342,35 @@ def test_validate_says_what_a_judge_asks_or_why_it_cannot(
     code, lines = _validate(recipe)
     assert line.format(d=tmp_path) in lines, lines
     assert code == (0 if "scored by" in line else 2)
+
+
+def test_a_judge_command_that_dies_fails_naming_the_field_and_what_it_said(
+    tmp_path: Path,
+) -> None:
+    command = "python -c \"print('no GPU here'); raise SystemExit(3)\" {port}"
+    funcs = load_rewards(
+        [RewardSpec.model_validate({"judge": _judge(url=None, command=command)})],
+        where="grpo.rewards",
+    )
+    with pytest.raises(ServerFailed) as err, judge_servers(funcs, tmp_path):
+        pass
+    assert str(err.value).startswith("judge server http://127.0.0.1:")
+    assert str(err.value).endswith(
+        "did not come up: its process exited with code 3; it last said: no GPU here (its "
+        "process exited with code 3)"
+    )
+
+
+def test_a_judge_command_is_stopped_when_the_block_ends(tmp_path: Path) -> None:
+    from test_rollout_server import left_running
+
+    # A stdlib file server stands for the judge: healthy at `/`, stopped with the block.
+    command = "python -m http.server {port} --bind {host}"
+    judge = _judge(url=None, command=command, health_path="/")
+    funcs = load_rewards([RewardSpec.model_validate({"judge": judge})], where="grpo.rewards")
+    with judge_servers(funcs, tmp_path):
+        log = (tmp_path / "logs" / "judge-judge.log").read_text().splitlines()
+        pgid = int([x for x in log if x.startswith("== process group ")][-1].split()[-1])
+        assert left_running(pgid)
+        assert (tmp_path / "logs" / "judge-judge.json").exists()
+    assert not left_running(pgid) and not (tmp_path / "logs" / "judge-judge.json").exists()

@@ -73,7 +73,7 @@ def load_rewards(
             continue
         fn, sha = bind(s, roots)
         at = f"{where}.{i}.fn" if where else ""
-        out.append(RewardFunction(s.label, s.fn or "", s.weight, fn, sha, at))
+        out.append(RewardFunction(s.label, str(s.fn), s.weight, fn, sha, at))
     labels = [f.label for f in out]
     if len(set(labels)) != len(labels):
         raise ValueError(f"reward functions need distinct labels (set `name`), got {labels}")

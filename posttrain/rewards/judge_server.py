@@ -106,8 +106,10 @@ def _start(
     url = f"http://{HOST}:{port}"
     client = ServerClient(url, 10.0, 1, proc.last_said, "judge server")
     try:
+        cfg = judge.cfg
+        field = f"{where}.startup_timeout_s"
         waited = client.wait_healthy(
-            judge.cfg.health_path, judge.cfg.startup_timeout_s, proc.exit_reason, beat
+            cfg.health_path, cfg.startup_timeout_s, proc.exit_reason, beat, field
         )
     except BaseException:
         proc.stop()

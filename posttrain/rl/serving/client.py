@@ -114,11 +114,16 @@ class ServerClient:
         return r.status_code == 200
 
     def wait_healthy(
-        self, path: str, timeout_s: float, alive: Callable[[], str | None], beat: Callable[[], None]
+        self,
+        path: str,
+        timeout_s: float,
+        alive: Callable[[], str | None],
+        beat: Callable[[], None],
+        field: str = "rollout.server.startup_timeout_s",
     ) -> float:
         """Poll `path` until it answers 200 -> seconds waited. `alive()` returns why the server
         can no longer come up (its process ended) or None; `beat` keeps the stage's heartbeat
-        going through a long start (loading a large model)."""
+        going through a long start (loading a large model); `field` names the timeout."""
         t0 = time.monotonic()
         for wait in _backoff():
             if self.healthy(path):
@@ -126,10 +131,7 @@ class ServerClient:
             if (why := alive()) is not None:
                 raise self.failed(f"did not come up: {why}")
             if time.monotonic() - t0 > timeout_s:
-                raise self.failed(
-                    f"was not healthy at {path} within {timeout_s:g} s "
-                    "(rollout.server.startup_timeout_s)"
-                )
+                raise self.failed(f"was not healthy at {path} within {timeout_s:g} s ({field})")
             beat()
             time.sleep(wait)
         raise AssertionError("unreachable")
