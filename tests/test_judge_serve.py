@@ -1,6 +1,7 @@
 """A model as judge through a REAL `transformers serve` the judge's `command` starts, on the tiny
 model the RL tests share: rows scored through it (and nothing of it left running after), and a
-GRPO stage scored by a judge that runs to the end with judge counters in its step records."""
+GRPO stage scored by a judge that runs to the end with judge counters in its step records, and
+evaluate using that judge as its verifier."""
 
 from __future__ import annotations
 
@@ -80,11 +81,14 @@ def test_a_judge_command_scores_rows_and_leaves_nothing_running(
     assert not (tmp_path / "logs" / "judge-j.json").exists()
 
 
-def test_grpo_scored_by_a_judge_runs_and_records_its_calls(parents, tmp_path: Path) -> None:  # noqa: F811
+def test_grpo_scored_by_a_judge_records_its_calls_and_evaluate_verifies_by_it(
+    parents, tmp_path: Path
+) -> None:  # noqa: F811
     model = judge_model(parents, tmp_path / "judge-model")
     section = copy.deepcopy(GRPO) | {"max_steps": 2, "eval_prompts": 8}
     section["rewards"] = [{"judge": judge(model), "name": "j"}]
-    out = run_inprocess("grpo", recipe_with(parents, "grpo", section, "judged-grpo"))
+    recipe = recipe_with(parents, "grpo", section, "judged-grpo")
+    out = run_inprocess("grpo", recipe)
     train = read_metrics(out / "metrics.jsonl", "train")
     assert len(train) == 2
     per_step = GRPO["rollout"]["prompts_per_step"] * GRPO["rollout"]["samples_per_prompt"]
@@ -92,3 +96,9 @@ def test_grpo_scored_by_a_judge_runs_and_records_its_calls(parents, tmp_path: Pa
         assert row["judge_calls"] + row["judge_cache_hits"] == per_step
         assert row["judge_failures"] == 0 and "reward_fn_j" in row
     assert not left_running(server_pgid(out / "logs", "j"))
+    # Evaluate takes the stage's first reward, the judge, as its verifier (its own server).
+    ev = run_inprocess("evaluate", recipe)
+    v = json.loads((ev / "eval.json").read_text())["verifier"]
+    assert [f["label"] for f in v["verifiers"]] == ["j"]
+    assert all(0.0 <= m["pass@1"] <= 1.0 for m in v["policies"].values())
+    assert not left_running(server_pgid(ev / "logs", "j"))
