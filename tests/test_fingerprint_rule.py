@@ -34,6 +34,7 @@ PREFS = {"synthetic": {"n_examples": 40}, "max_seq_len": 64, "max_prompt_len": 2
 # when the number of ranks changes (micro is derived), as in most real recipes.
 BATCH = {"global_batch_size": 8, "grad_accum_steps": 1}
 REWARD_FN = {"fn": "posttrain.rewards.match:exact_match", "weight": 1.0, "name": "m"}
+JUDGE = {"url": "http://127.0.0.1:9", "model": "judge-m", "rubric": "Grade: {completion}"}
 RL = {
     "data": {"synthetic": {"n_examples": 40}},
     "rollout": {"prompts_per_step": 4, "samples_per_prompt": 2, "max_new_tokens": 8},
@@ -55,6 +56,7 @@ def _base(tmp: Path) -> dict[str, Any]:
     for kind in ("ppo", "grpo", "online_dpo"):
         data[kind] = copy.deepcopy(RL) | {"rewards": [REWARD_FN], "batch": dict(BATCH)}
     data["grpo"]["rollout"] |= {"engine": "server", "server": dict(SERVER)}
+    data["ppo"]["rewards"] = [{"judge": dict(JUDGE), "weight": 1.0}]  # a model as judge
     # A teacher is never defaulted, and a shorthand section takes no links: distill is an entry.
     data["stages"] = [
         {"kind": "distill", "name": "distill", "teacher": "sft", "batch": dict(BATCH)}
@@ -138,7 +140,10 @@ def _coupled(files: dict[str, str], section: str) -> dict[str, list[dict[str, An
         "online_dpo": "prompts.jsonl", "distill": "prompts.jsonl",
     }.get(section, "sft.jsonl")  # fmt: skip
     data_file = files[path_file]
+    # ppo's reward is a judge, which takes no kwargs: they need a function instead.
+    judge_kwargs = {"kwargs": {"k": 1}, "fn": files["rewards"], "judge": None}
     return _rollout_engine_edits(section) | {
+        **({"kwargs": [judge_kwargs]} if section == "ppo" else {}),
         "batch.micro_batch_size": [{"batch.micro_batch_size": 4, "batch.grad_accum_steps": 2}],
         "batch.grad_accum_steps": [{"batch.micro_batch_size": 2, "batch.grad_accum_steps": 4}],
         "batch.global_batch_size": [
@@ -151,7 +156,16 @@ def _coupled(files: dict[str, str], section: str) -> dict[str, list[dict[str, An
         "path": [{"source": "path", "path": files["model"]}],
         "source": [{"source": "path", "path": files["model"]}],
         "include_path": [{"include_path": files["tasks2"]}],
-        "fn": [{"fn": files["rewards"]}],
+        "fn": [{"fn": files["rewards"], "judge": None}],
+        "judge": [{"judge": dict(JUDGE), "fn": None}],
+        "judge.url": [{"judge.url": "http://127.0.0.1:10"}],
+        "judge.command": [{"judge.command": "serve --port {port}", "judge.url": None}],
+        "judge.rubric": [{"judge.rubric": "Score: {completion}"}],
+        "judge.score": [{"judge.score": "choice", "judge.choices": {"A": 1.0}}],
+        "judge.choices": [{"judge.choices": {"A": 1.0}}],
+        "judge.range": [{"judge.range": [1.0, 5.0]}],
+        "judge.api_key_env": [{"judge.api_key_env": "JUDGE_KEY"}],
+        "judge.health_path": [{"judge.health_path": "/ready"}],
         "rollout.tools": [{"rollout.tools": [files["tool"]]}],
         "rollout.environment": [{"rollout.environment": files["environment"]}],
         "max_prompt_len": [{"max_prompt_len": 20}],

@@ -83,6 +83,7 @@ def check_inputs(
     and tokenized, with per base name the saved tokenizer folder of its complete ingest
     artifact (`posttrain.config.full_check`)."""
     from posttrain.config.code_check import check_code
+    from posttrain.config.judge_check import check_judges
     from posttrain.config.template_check import check_template
     from posttrain.data.peek import HEAD, peek_data
     from posttrain.data.scan import scan_data
@@ -103,6 +104,7 @@ def check_inputs(
         report.lines += peek.lines
         report.problems += peek.problems
     needs_tools = check_code(recipe, code_refs(recipe), peeks, report)
+    check_judges(recipe, peeks, report)
     check_template(recipe, folder, peeks, needs_tools, report)
     if ingested is not None:
         from posttrain.config.full_check import check_full

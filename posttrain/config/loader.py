@@ -258,7 +258,8 @@ def code_refs(recipe: Recipe) -> list[CodeRef]:
     out = []
     for s in recipe.graph():
         for i, spec in enumerate(getattr(s.section, "rewards", None) or []):
-            out.append(CodeRef(f"{s.where}.rewards.{i}.fn", "reward", spec, "fn"))
+            if spec.fn is not None:  # a judge entry names no code
+                out.append(CodeRef(f"{s.where}.rewards.{i}.fn", "reward", spec, "fn"))
         rollout = getattr(s.section, "rollout", None)
         if rollout is None:
             continue
@@ -272,7 +273,8 @@ def code_refs(recipe: Recipe) -> list[CodeRef]:
             where = f"{s.where}.rollout.environment"
             out.append(CodeRef(where, "environment", rollout, "environment"))
     for i, spec in enumerate((recipe.evaluate and recipe.evaluate.verifiers) or []):
-        out.append(CodeRef(f"evaluate.verifiers.{i}.fn", "reward", spec, "fn"))
+        if spec.fn is not None:
+            out.append(CodeRef(f"evaluate.verifiers.{i}.fn", "reward", spec, "fn"))
     return out
 
 

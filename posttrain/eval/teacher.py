@@ -31,6 +31,7 @@ from posttrain.eval.verify import samples_pass_k, verify_policy
 from posttrain.models.loading import load_base
 from posttrain.models.stop_tokens import model_stop_token_ids
 from posttrain.rewards.combine import load_rewards
+from posttrain.rewards.judge_server import judge_servers
 from posttrain.runtime.context import StageContext
 from posttrain.sections.shared import SamplingConfig
 
@@ -82,9 +83,10 @@ def teacher_scores(
             funcs = load_rewards(specs, where=verifiers_field(ctx))
             episodes = verifier_episodes(ctx, tok, model_stop_token_ids(model, tok))
             sample = samples_pass_k(out["stage"], ctx.stage.roles["policy"], cfg.pass_k_policies)
-            out["verifier"], _ = verify_policy(
-                model, tok, found[0], funcs, cfg, seed, episodes, sample
-            )
+            with judge_servers(funcs, ctx.stage.out_dir):
+                out["verifier"], _ = verify_policy(
+                    model, tok, found[0], funcs, cfg, seed, episodes, sample
+                )
             log.info("verifiers: teacher %s %s", out["stage"], out["verifier"])
     finally:
         del model

@@ -6,7 +6,8 @@
   - the outside-world inputs those fields name, by content (`source=`): data files and
     folders, a local checkpoint, a template file, a task folder by their files' identity
     (`posttrain.store.artifacts.path_identity`), hub ids by the commit their revision resolves to,
-    reward functions by their name and their module's source;
+    reward functions by their name and their module's source, a judge's model folder by its
+    files (its name by its text);
   - what the kind adds of its own (`StageKind.inputs`: the data-parallel size for the kinds
     whose rollouts each rank samples with its own seed);
   - its parents' fingerprints, by role (the planner: `posttrain.store.artifacts.fingerprint`).
@@ -79,6 +80,10 @@ class FieldWalk:
             if isinstance(value, dict):
                 return {k: code_identity(v) for k, v in value.items()}
             return code_identity(value)
+        if source == "served_model":
+            if Path(value).expanduser().is_dir():
+                self.files[where] = path_identity(Path(value).expanduser())
+            return value
         if source in ("data", "model") and is_hub_id(value):
             kind: RepoType = "dataset" if source == "data" else "model"
             self.hub[where] = hub_record(value, getattr(owner, "revision", "main"), kind)

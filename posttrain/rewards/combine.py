@@ -22,6 +22,7 @@ import torch
 
 from posttrain.errors import StageVerdict
 from posttrain.rewards.extract import completion_text
+from posttrain.rewards.judge import JudgeReward
 from posttrain.rewards.loader import bind
 from posttrain.rewards.signature import ENVIRONMENTS, takes
 from posttrain.sections.rewards import RewardSpec
@@ -51,6 +52,8 @@ class RewardFunction:
         field path says which recipe entry it is), else `reward function <label> (<fn>)`."""
         if not self.where:
             return f"reward function {self.label} ({self.fn_ref})"
+        if self.where.endswith(".judge"):
+            return f"{self.where} ({self.fn_ref})"
         module, _, attr = self.fn_ref.rpartition(":")
         return f"{self.where} {Path(module).name if module.endswith('.py') else module}:{attr}"
 
@@ -62,9 +65,15 @@ def load_rewards(
     labels must differ. `where`: the recipe field that lists them (`grpo.rewards`)."""
     out: list[RewardFunction] = []
     for i, s in enumerate(specs):
+        if s.judge is not None:  # a model as judge: no code to import
+            judge = JudgeReward(s.judge, s.label)
+            at = f"{where}.{i}.judge" if where else ""
+            ref = f"judge {s.judge.model}"
+            out.append(RewardFunction(s.label, ref, s.weight, judge, judge.identity, at))
+            continue
         fn, sha = bind(s, roots)
         at = f"{where}.{i}.fn" if where else ""
-        out.append(RewardFunction(s.label, s.fn, s.weight, fn, sha, at))
+        out.append(RewardFunction(s.label, str(s.fn), s.weight, fn, sha, at))
     labels = [f.label for f in out]
     if len(set(labels)) != len(labels):
         raise ValueError(f"reward functions need distinct labels (set `name`), got {labels}")
@@ -90,8 +99,11 @@ def _call(
     try:
         values = f.fn(**args)
     except Exception as exc:
-        # Find the row it fails on: the batch call says only that some row did.
-        bad = next((i for i in range(n) if _raises(f.fn, args, i)), None)
+        # Find the row it fails on: the batch call says only that some row did (a judge says
+        # which, and must not be asked again row by row).
+        bad = getattr(exc, "row", None)
+        if bad is None:
+            bad = next((i for i in range(n) if _raises(f.fn, args, i)), None)
         at = (
             _row(bad, args["prompts"], args["completions"], where)
             if bad is not None

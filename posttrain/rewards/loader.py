@@ -143,6 +143,9 @@ def _has(module: Any) -> str:
 
 
 def bind(spec: RewardSpec, roots: Sequence[Path] | None = None) -> tuple[Callable[..., Any], str]:
-    """`spec`'s function with its recipe kwargs bound, and its source sha256."""
+    """`spec`'s function with its recipe kwargs bound, and its source sha256 (a function
+    entry: a judge entry has no code, `posttrain.rewards.judge`)."""
+    if spec.fn is None:
+        raise RewardLoadError("a judge entry names no function to import")
     func, sha = load_function(spec.fn, roots)
     return (partial(func, **spec.kwargs) if spec.kwargs else func), sha

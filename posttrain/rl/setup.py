@@ -29,6 +29,7 @@ from posttrain.models.lora import prepare_for_training
 from posttrain.models.roles import RoleModel, build_roles
 from posttrain.models.stop_tokens import model_stop_token_ids
 from posttrain.rewards.combine import load_rewards
+from posttrain.rewards.judge_server import judge_servers
 from posttrain.rl.losses import KLController, Reduce
 from posttrain.rl.rewarder import Rewarder
 from posttrain.rl.rollout.collect import RolloutSetup
@@ -151,6 +152,10 @@ def setup(
         check_template(ctx, tok, "reward_model")
     # Imported from the files the resolved recipe points at (the flow checked where from).
     funcs = load_rewards(cfg.rewards, where=f"{ctx.where}.rewards")
+    # A judge's server: opened (or started) now, stopped with the stage.
+    stack.enter_context(
+        judge_servers(funcs, ctx.stage.out_dir, lambda: heartbeat.beat(phase="judge"))
+    )
     rewarder = Rewarder(funcs, cfg.reward_model_weight if has_rm else None, tok)
     data = load_prompts(ctx, tok)
     batch = section_batch(ctx.recipe, name)

@@ -13,7 +13,9 @@ a nested section (or a list of them) needs no word of its own, its fields decide
   - "model": a checkpoint folder (by its files' identity) or a hub model id (by commit);
   - "template": a chat template given inline or as a file (a file by content);
   - "files": a folder whose files are read (by content);
-  - "code": a reward function `module:fn` (by its function name and its module's source).
+  - "code": a reward function `module:fn` (by its function name and its module's source);
+  - "served_model": the model a server loads by name (a judge's): a local folder by its files'
+    identity, anything else by its text (an API's model name is no hub id to resolve).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.fields import FieldInfo
 
 Effect = Literal["result", "execution"]
-Source = Literal["data", "model", "template", "files", "code"]
+Source = Literal["data", "model", "template", "files", "code", "served_model"]
 EFFECT_KEY = "fingerprint"  # in the field's JSON schema: the UI form and docs show it too
 SOURCE_KEY = "input_source"
 READERS_KEY = "fingerprint_readers"

@@ -73,6 +73,7 @@ from posttrain.models.loading import load_base
 from posttrain.models.reward import load_reward_model
 from posttrain.models.stop_tokens import model_stop_token_ids
 from posttrain.rewards.combine import load_rewards
+from posttrain.rewards.judge_server import judge_servers
 from posttrain.rl.distill_losses import teacher_gap_closed
 from posttrain.runtime.context import StageContext
 from posttrain.stages.common import stage_main
@@ -307,18 +308,19 @@ def _verifiers(ctx: StageContext, model: PeftModel, tok: Any) -> dict[str, Any] 
         n: _adapter(ctx, n) for n in dict.fromkeys(x for x in names if x) if n == base or n in graph
     }
     setting = ctx.recipe.evaluate.pass_k_policies
-    report, examples = verifier_report(
-        model,
-        tok,
-        prompts,
-        origin,
-        funcs,
-        policies,
-        [n for n in policies if samples_pass_k(n, final, setting)],
-        ctx.recipe.evaluate,
-        ctx.recipe.run.seed,
-        episodes,
-    )
+    with judge_servers(funcs, ctx.stage.out_dir):  # a judge verifier's server, if any
+        report, examples = verifier_report(
+            model,
+            tok,
+            prompts,
+            origin,
+            funcs,
+            policies,
+            [n for n in policies if samples_pass_k(n, final, setting)],
+            ctx.recipe.evaluate,
+            ctx.recipe.run.seed,
+            episodes,
+        )
     write_rows(ctx.stage.out_dir / "verify_samples.jsonl", examples[final])
     return report
 

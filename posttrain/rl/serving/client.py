@@ -31,7 +31,9 @@ class ServerFailed(StageVerdict):
 
 class ServerClient:
     """POSTs to one server, `concurrency` at a time. `last_said()` (the server's log, when the
-    stage runs it) names what the server last said in an error; without it, its last answer."""
+    stage runs it) names what the server last said in an error; without it, its last answer.
+    `what` names the server in errors (a judge's client is not the rollout server's);
+    `headers` go with every request (a judge's API key)."""
 
     def __init__(
         self,
@@ -39,14 +41,18 @@ class ServerClient:
         timeout_s: float,
         concurrency: int,
         last_said: Callable[[], str | None] | None = None,
+        what: str = "rollout server",
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.url, self.timeout_s, self.concurrency = url.rstrip("/"), timeout_s, concurrency
+        self.what = what
         self._last_said = last_said
         self._last_answer = ""
         self._lock = threading.Lock()
         self._http = httpx.Client(
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
             limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+            headers=headers,
         )
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="rollout-server")
 
@@ -60,7 +66,7 @@ class ServerClient:
 
     def failed(self, what: str) -> ServerFailed:
         return ServerFailed(
-            f"rollout server {self.url} {what}; it last said: {self.last_said()[-300:]}"
+            f"{self.what} {self.url} {what}; it last said: {self.last_said()[-300:]}"
         )
 
     def _note(self, text: str) -> None:
@@ -108,11 +114,16 @@ class ServerClient:
         return r.status_code == 200
 
     def wait_healthy(
-        self, path: str, timeout_s: float, alive: Callable[[], str | None], beat: Callable[[], None]
+        self,
+        path: str,
+        timeout_s: float,
+        alive: Callable[[], str | None],
+        beat: Callable[[], None],
+        field: str = "rollout.server.startup_timeout_s",
     ) -> float:
         """Poll `path` until it answers 200 -> seconds waited. `alive()` returns why the server
         can no longer come up (its process ended) or None; `beat` keeps the stage's heartbeat
-        going through a long start (loading a large model)."""
+        going through a long start (loading a large model); `field` names the timeout."""
         t0 = time.monotonic()
         for wait in _backoff():
             if self.healthy(path):
@@ -120,10 +131,7 @@ class ServerClient:
             if (why := alive()) is not None:
                 raise self.failed(f"did not come up: {why}")
             if time.monotonic() - t0 > timeout_s:
-                raise self.failed(
-                    f"was not healthy at {path} within {timeout_s:g} s "
-                    "(rollout.server.startup_timeout_s)"
-                )
+                raise self.failed(f"was not healthy at {path} within {timeout_s:g} s ({field})")
             beat()
             time.sleep(wait)
         raise AssertionError("unreachable")
