@@ -177,6 +177,8 @@ NOT_A_STAGE_VERDICT = {
     "ServerError": "the server engine turns it into ServerFailed, with the server's last words",
     "UndecidedField": "a recipe field the fingerprint walk cannot place: a bug",
     "DataNotCached": "validate --full only: a hub dataset not cached is read by its stage",
+    "JudgeFailed": "the rewarder turns it into RewardFunctionError, naming the judge and row",
+    "MissingColumn": "the rewarder turns it into RewardFunctionError, naming the row's columns",
 }
 
 
