@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -306,3 +309,18 @@ def test_report_says_why_programs_failed_and_nothing_without_outcomes():
     plain = Summary.model_validate({"verifier": {"policies": {"base": {"pass@1": 0.0}}}})
     report = markdown_report("r", "id", [StageRecord("evaluate", "fp", "ran", 1.0, summary=plain)])
     assert "Why programs failed" not in report
+
+
+def test_the_throughput_bench_prints_its_table():
+    """bench/code_reward.py at its smallest: every row measured, ratios and the cached line."""
+    if (reason := code.unavailable()) is not None:
+        if os.environ.get("POSTTRAIN_REQUIRE_BWRAP") == "1":
+            pytest.fail(f"{reason} [POSTTRAIN_REQUIRE_BWRAP=1]", pytrace=False)
+        pytest.skip(reason)
+    bench = Path(__file__).parents[1] / "bench" / "code_reward.py"
+    args = [sys.executable, str(bench), "--replies", "2", "--workers", "1,2", "--rounds", "1"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120, check=True).stdout
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["2", "1", "2"] and rows[0][1] == "replies"
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 and r[3].endswith("x") for r in rows[1:])
+    assert "cached: the same 6 tests again in" in out
