@@ -138,8 +138,8 @@ def equality(tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
     from posttrain.models.stop_tokens import model_stop_token_ids
     from posttrain.rl.rollout.engine import HFEngine
     from posttrain.rl.rollout.server_engine import ServerEngine
-    from posttrain.rl.serving.server import rollout_server
     from posttrain.sections.shared import RolloutServerConfig, SamplingConfig
+    from posttrain.serving.server import rollout_server
 
     torch.set_num_threads(max(1, args.threads - args.server_threads))
     arts = tmp / "ws" / "artifacts"

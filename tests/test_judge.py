@@ -20,8 +20,8 @@ from posttrain.rewards import counters
 from posttrain.rewards.combine import RewardFunctionError, load_rewards, score_functions
 from posttrain.rewards.judge_parse import parse_choice, parse_number
 from posttrain.rewards.judge_server import judge_servers
-from posttrain.rl.serving.client import ServerFailed
 from posttrain.sections.rewards import RewardSpec
+from posttrain.serving.client import ServerFailed
 
 CHOICES = {"A": 1.0, "B": 0.0}
 

@@ -14,8 +14,8 @@ import pytest
 from posttrain.rewards import counters
 from posttrain.rewards.combine import load_rewards, score_functions
 from posttrain.rewards.judge_server import judge_servers
-from posttrain.rl.serving.weights import servable_base
 from posttrain.sections.rewards import RewardSpec
+from posttrain.serving.weights import servable_base
 from posttrain.telemetry.records import read_metrics
 from tests.stage_helpers import run_inprocess
 from tests.test_rl_stages import GRPO, parents, recipe_with  # noqa: F401 (the fixture)
@@ -82,8 +82,9 @@ def test_a_judge_command_scores_rows_and_leaves_nothing_running(
 
 
 def test_grpo_scored_by_a_judge_records_its_calls_and_evaluate_verifies_by_it(
-    parents, tmp_path: Path
-) -> None:  # noqa: F811
+    parents,  # noqa: F811 (the fixture)
+    tmp_path: Path,
+) -> None:
     model = judge_model(parents, tmp_path / "judge-model")
     section = copy.deepcopy(GRPO) | {"max_steps": 2, "eval_prompts": 8}
     section["rewards"] = [{"judge": judge(model), "name": "j"}]

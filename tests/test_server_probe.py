@@ -21,10 +21,10 @@ from posttrain.errors import StaleSampler
 from posttrain.rl.rollout.sample import Rollout, sample, sampling_of
 from posttrain.rl.rollout.server_engine import ServerEngine
 from posttrain.rl.rollout.server_probe import ServerCheck, completion_logps, not_comparable
-from posttrain.rl.serving.api import VLLMAPI, Completion, ServerAPI, SGLangAPI
-from posttrain.rl.serving.client import ServerClient
-from posttrain.rl.serving.server import RolloutServer
 from posttrain.sections.shared import RolloutConfig, RolloutServerConfig
+from posttrain.serving.api import VLLMAPI, Completion, ServerAPI, SGLangAPI
+from posttrain.serving.client import ServerClient
+from posttrain.serving.server import RolloutServer
 
 STOPS = [7]
 CFG = RolloutConfig(max_new_tokens=4)  # temperature 1, no top-k/top-p: comparable

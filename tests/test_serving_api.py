@@ -1,4 +1,4 @@
-"""How rollouts are asked of each kind of server and read back (posttrain.rl.serving.api), and what
+"""How rollouts are asked of each kind of server and read back (posttrain.serving.api), and what
 the server engine checks of every answer (posttrain.rl.rollout.server_engine). The answers are
 written by hand in each server's documented shape; the slow tests run a real
 `transformers serve`."""
@@ -13,7 +13,8 @@ from fixtures_tiny import TinyAssets, tiny_assets
 from tokenizers import processors
 
 from posttrain.rl.rollout.server_engine import ServerEngine
-from posttrain.rl.serving.api import (
+from posttrain.sections.shared import RolloutServerConfig, SamplingConfig
+from posttrain.serving.api import (
     VLLMAPI,
     Completion,
     ServerError,
@@ -21,9 +22,8 @@ from posttrain.rl.serving.api import (
     TransformersAPI,
     server_api,
 )
-from posttrain.rl.serving.client import ServerClient, ServerFailed
-from posttrain.rl.serving.server import RolloutServer
-from posttrain.sections.shared import RolloutServerConfig, SamplingConfig
+from posttrain.serving.client import ServerClient, ServerFailed
+from posttrain.serving.server import RolloutServer
 
 SAMPLE = SamplingConfig(name="r", strategy="sample", temperature=0.7, top_k=20, max_new_tokens=9)
 GREEDY = SamplingConfig(name="g", strategy="greedy", max_new_tokens=5)

@@ -1,4 +1,4 @@
-"""The rollout server's process, its HTTP client and its weight folders (posttrain.rl.serving):
+"""The rollout server's process, its HTTP client and its weight folders (posttrain.serving):
 real processes, a real HTTP server of the test's own, a real tiny model and adapter."""
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from fixtures_tiny import TinyAssets, load_base, tiny_assets
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from posttrain.rl.serving.client import ServerClient, ServerFailed
-from posttrain.rl.serving.process import ServerProcess, fill_command, last_line, stop_leftover
-from posttrain.rl.serving.weights import adapter_version, merge_into, servable_base
+from posttrain.serving.client import ServerClient, ServerFailed
+from posttrain.serving.process import ServerProcess, fill_command, last_line, stop_leftover
+from posttrain.serving.weights import adapter_version, merge_into, servable_base
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_the_server_dies_with_the_process_that_started_it(tmp_path: Path) -> Non
     which ends the server and the server's own children."""
     script = (
         "import sys, time; from pathlib import Path; "
-        "from posttrain.rl.serving.process import ServerProcess; "
+        "from posttrain.serving.process import ServerProcess; "
         f"p = ServerProcess.start([sys.executable, '-c', {TREE!r}], {{}}, "
         f"Path({str(tmp_path / 's.log')!r}), Path({str(tmp_path / 'r.json')!r})); "
         "print(p.proc.pid, flush=True); time.sleep(120)"

@@ -23,11 +23,11 @@ from posttrain.errors import RecipeVerdict
 from posttrain.export.gguf import pre_tokenizer_name
 from posttrain.models.reward import score_head
 from posttrain.models.varlen_attention import confined_attention
-from posttrain.rl.serving.server import RolloutServer
 from posttrain.rl.setup import check_shapes
 from posttrain.runtime.context import StageContext
 from posttrain.runtime.spec import PlannedStage
 from posttrain.sections.shared import DataConfig, RolloutServerConfig
+from posttrain.serving.server import RolloutServer
 from posttrain.stages.common import _report_failure
 from tests.stage_helpers import TINY
 

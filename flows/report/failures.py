@@ -5,10 +5,7 @@ table, and each policy's most common error lines. Nothing when no verifier count
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # tables imports this module for its report
-    from flows.report.tables import StageRecord
+from typing import Any
 
 COLUMNS = ("passed", "wrong_answer", "timeout", "error", "sandbox_failure", "no_program")
 NOTE = (
@@ -44,16 +41,16 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     ]
 
 
-def failures_markdown(records: Sequence[StageRecord]) -> list[str]:
-    """Each evaluate stage's failure-reasons table and most common errors."""
+def failures_markdown(verifiers: Sequence[tuple[str, dict[str, Any] | None]]) -> list[str]:
+    """Each evaluate stage's failure-reasons table and most common errors, from its (stage
+    name, summary's `verifier` section) pair."""
     lines: list[str] = []
-    for r in records:
-        verifier = (r.summary.model_extra or {}).get("verifier") or {}
-        rows, errors = _rows(verifier.get("policies") or {})
+    for stage, verifier in verifiers:
+        rows, errors = _rows((verifier or {}).get("policies") or {})
         if not rows:
             continue
         header = ("policy", "answers", "tests", *(c.replace("_", " ") for c in COLUMNS))
-        lines += ["", f"## Why programs failed (`{r.stage}`)", "", NOTE, "", *_table(header, rows)]
+        lines += ["", f"## Why programs failed (`{stage}`)", "", NOTE, "", *_table(header, rows)]
         if errors:
             lines += ["", "Most common errors:", "", *errors]
     return lines

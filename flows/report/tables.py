@@ -150,7 +150,9 @@ def markdown_report(
     lines += chain_markdown(records)
     lines += kl_markdown(records)
     lines += teacher_markdown(records)
-    lines += failures_markdown(records)
+    lines += failures_markdown(
+        [(r.stage, (r.summary.model_extra or {}).get("verifier")) for r in records]
+    )
     by_fp = {r.fingerprint: r.stage for r in records}
     lines += ["", "## Lineage", ""]
     for r in records:

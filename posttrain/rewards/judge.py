@@ -35,8 +35,8 @@ from posttrain.errors import StageVerdict
 from posttrain.rewards import counters
 from posttrain.rewards.extract import completion_text
 from posttrain.rewards.judge_parse import parse_choice, parse_number
-from posttrain.rl.serving.client import ServerClient, ServerFailed
 from posttrain.sections.judge import JudgeConfig
+from posttrain.serving.client import ServerClient, ServerFailed
 from posttrain.store.artifacts import path_identity
 
 CHAT_PATH = "/v1/chat/completions"

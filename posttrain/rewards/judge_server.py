@@ -1,7 +1,7 @@
 """The judge servers of a stage: each judge's `url` opened, or its `command` started (and
 stopped however the stage ends) around the stage's use of its rewards.
 
-A judge `command` runs like `rollout.server.command` (`posttrain.rl.serving.process`: rank 0
+A judge `command` runs like `rollout.server.command` (`posttrain.serving.process`: rank 0
 starts it under a keeper, in a session of its own, with a parent-death signal; a record in
 `logs/judge-<label>.json` lets a restarted stage stop what an earlier attempt left), waits for
 its health path, and tells every rank the URL (or the reason it could not start, so every rank
@@ -21,8 +21,8 @@ from pathlib import Path
 from posttrain.distributed import agree
 from posttrain.rewards.combine import RewardFunction
 from posttrain.rewards.judge import JudgeReward
-from posttrain.rl.serving.client import ServerClient, ServerFailed
-from posttrain.rl.serving.process import ServerProcess, fill_command, stop_leftover
+from posttrain.serving.client import ServerClient, ServerFailed
+from posttrain.serving.process import ServerProcess, fill_command, stop_leftover
 
 log = logging.getLogger("posttrain.rewards")
 

@@ -325,7 +325,7 @@ def rollout_engines(
     from posttrain.rl.rollout.sample import sampling_of
     from posttrain.rl.rollout.server_engine import ServerEngine
     from posttrain.rl.rollout.server_probe import ServerCheck
-    from posttrain.rl.serving.server import rollout_server
+    from posttrain.serving.server import rollout_server
 
     eot = end_of_turn_token(s.tokenizer)
     server = stack.enter_context(

@@ -302,7 +302,7 @@ SERVER_PLACEHOLDERS = ("host", "port", "model")
 
 
 class RolloutServerConfig(_Section):
-    """An OpenAI-compatible server that samples the rollouts (`posttrain.rl.serving`): one that
+    """An OpenAI-compatible server that samples the rollouts (`posttrain.serving`): one that
     already runs (`url`), or one the stage starts and stops (`command`)."""
 
     api: Literal["transformers", "vllm", "sglang"] = Result(
@@ -419,7 +419,7 @@ class RolloutConfig(_Section):
         "(`rollout.sampler_probe_tolerance`), on CUDA with a static KV cache and a compiled "
         "decode step (`rollout.compile_decode`), on CPU with the dynamic cache; `server` samples from an OpenAI-compatible "
         "server (`rollout.server`: vLLM, SGLang or `transformers serve`) that gets the "
-        "policy's weights after every update (`posttrain.rl.serving`).",
+        "policy's weights after every update (`posttrain.serving`).",
     )
     # Execution, as infra.compile: the compiled step computes eager's logits to float rounding.
     compile_decode: bool = Execution(

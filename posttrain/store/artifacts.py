@@ -27,7 +27,7 @@ from posttrain.secrets import redact_obj
 
 MANIFEST = "manifest.json"
 # Not covered by the manifest: transient resume state, logs that a re-run appends to, and the
-# policy versions a rollout server loads (`posttrain.rl.serving.weights`; removed when the stage
+# policy versions a rollout server loads (`posttrain.serving.weights`; removed when the stage
 # ends, but a killed stage leaves them, with links to the base's weights).
 UNHASHED_DIRS = ("checkpoints", "logs", "serving")
 FINGERPRINT_LEN = 16

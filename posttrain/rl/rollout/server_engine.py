@@ -1,5 +1,5 @@
 """`ServerEngine`: the `RolloutEngine` (`posttrain.rl.rollout.engine`) that samples from a
-rollout server (`posttrain.rl.serving.server`).
+rollout server (`posttrain.serving.server`).
 
 Each prompt is one request, `max_concurrency` in flight per rank; ranks send theirs on their
 own (no collective: the server batches them), so an episode loop on this engine needs no
@@ -24,9 +24,9 @@ import torch
 from posttrain.rl.rollout.engine import right_pad
 from posttrain.rl.rollout.sample import Rollout
 from posttrain.rl.rollout.server_probe import ServerCheck, completion_logps
-from posttrain.rl.serving.api import Completion, ServerError
-from posttrain.rl.serving.server import RolloutServer
 from posttrain.sections.shared import SamplingConfig
+from posttrain.serving.api import Completion, ServerError
+from posttrain.serving.server import RolloutServer
 
 log = logging.getLogger("posttrain.serving")
 

@@ -30,8 +30,8 @@ import torch
 
 from posttrain.rl.rollout.probe import TOLERANCE, compare
 from posttrain.rl.rollout.sample import Rollout
-from posttrain.rl.serving.api import Completion
 from posttrain.sections.shared import SamplingConfig
+from posttrain.serving.api import Completion
 
 log = logging.getLogger("posttrain.serving")
 SERVER_TOLERANCE = TOLERANCE[torch.bfloat16]  # servers sample in bf16 on GPUs

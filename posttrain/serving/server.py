@@ -31,16 +31,16 @@ import torch
 
 from posttrain.distributed import agree
 from posttrain.models.adapters import POLICY
-from posttrain.rl.serving.api import ServerAPI, server_api
-from posttrain.rl.serving.client import ServerClient, ServerFailed
-from posttrain.rl.serving.process import ServerProcess, fill_command, stop_leftover
-from posttrain.rl.serving.weights import (
+from posttrain.sections.shared import RolloutServerConfig
+from posttrain.serving.api import ServerAPI, server_api
+from posttrain.serving.client import ServerClient, ServerFailed
+from posttrain.serving.process import ServerProcess, fill_command, stop_leftover
+from posttrain.serving.weights import (
     adapter_version,
     merge_into,
     servable_base,
     version_name,
 )
-from posttrain.sections.shared import RolloutServerConfig
 
 log = logging.getLogger("posttrain.serving")
 

@@ -1,7 +1,7 @@
 """A rollout server the stage starts (`rollout.server.command`), and everything that stops it.
 
 The server must not outlive its stage, however the stage ends. It is started by the stage's
-rank 0, from its main thread, under a keeper process (`posttrain.rl.serving.keeper`):
+rank 0, from its main thread, under a keeper process (`posttrain.serving.keeper`):
 - in a session of its own, so its whole process tree (vLLM's and SGLang's engine processes)
   is one process group to signal, and a terminal's SIGINT/SIGHUP reaches the stage, not it;
 - with a parent-death signal (`posttrain.runtime.orphan.die_with`) on the keeper: SIGTERM when the
@@ -84,7 +84,7 @@ class ServerProcess:
             log.write(f"== rollout server: {shlex.join(argv)}\n".encode())
             log.flush()
             proc = subprocess.Popen(
-                [sys.executable, "-m", "posttrain.rl.serving.keeper", *argv],
+                [sys.executable, "-m", "posttrain.serving.keeper", *argv],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

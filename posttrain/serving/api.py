@@ -18,7 +18,7 @@ request's inputs and the server's JSON; `posttrain.rl.rollout.server_engine` sen
   `output_token_logprobs`) out, with log-probs; LoRA adapters by name in `lora_path`.
 
 Weights: each API's requests that make a folder servable under a name (`load`) and that drop a
-name (`unload`); `posttrain.rl.serving.weights` writes the folders.
+name (`unload`); `posttrain.serving.weights` writes the folders.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`python -m posttrain.rl.serving.keeper ARGV...`: a rollout server's command, kept on a leash.
+"""`python -m posttrain.serving.keeper ARGV...`: a rollout server's command, kept on a leash.
 
 `ServerProcess.start` runs the server through this small process, the leader of the server's
 process group, which the kernel sends SIGTERM when the stage process dies (its parent-death
