@@ -165,6 +165,7 @@ def test_counters_reach_the_step_record():
     assert ro.scored["scores"].tolist() == [1.0, 0.0]  # the second row has no tests: None
     totals = rollout_totals(ro, torch.device("cpu"), "k1")
     got = counter_metrics(totals)  # the step record's fields
+    assert 0 < got.pop("reward_fn_s") < 60  # seconds inside the reward functions
     assert got == {
         "code_runs": 3.0,
         "code_cache_hits": 0.0,

@@ -24,7 +24,7 @@ from posttrain.data.sft_data import write_rows
 from posttrain.distributed.runtime import all_reduce_sum, rank_batches
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.rl.metrics import add_rollout_sums
-from posttrain.rl.rewarder import function_metrics, function_values
+from posttrain.rl.rewarder import counter_metrics, function_metrics, function_values
 from posttrain.rl.rollout.collect import RolloutSetup, generate, score_rollout
 from posttrain.rl.rollout.multiturn import episode_metrics, episode_record
 from posttrain.rl.rollout.sample import Rollout, decode_responses
@@ -116,6 +116,7 @@ def heldout_means(sums: Counter[str], device: torch.device, kl: bool) -> dict[st
     if kl:
         out["kl"] = t["kl"] / n
     out |= function_metrics(t)
+    out |= counter_metrics(t)  # code_runs, reward_fn_s, ...: totals over the held-out prompts
     out |= episode_metrics(t)
     return out
 
