@@ -117,6 +117,14 @@ def test_cache_skips_re_execution():
     assert c["code_runs"] == 0 and c["code_cache_hits"] == 6
 
 
+def test_repeats_within_one_call_run_once():
+    """GRPO's samples of one prompt often agree: each distinct (program, test) runs once."""
+    got = score([ADD_RIGHT, ADD_WRONG, ADD_RIGHT, ADD_RIGHT], test_list=[MBPP] * 4)
+    assert got == [1.0, 0.0, 1.0, 1.0]
+    c = counts(4)
+    assert c["code_runs"] == 6 and c["code_cache_hits"] == 6
+
+
 def test_workers_run_concurrently():
     sleepy = "import time\ntime.sleep(0.5)\n"
     progs = [sleepy + f"x = {i}\n" for i in range(4)]  # distinct: no cache hits

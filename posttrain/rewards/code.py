@@ -172,21 +172,30 @@ def code_tests(
     ]
     counts = {name: [0.0] * n for name in COUNTERS}
     passed = [0] * n
-    runs = []
+    runs, waiting = [], []  # the first (row, key, program, check) of each key; its repeats
+    started: set[str] = set()
     for i, key, program, ch in todo:
         hit = _cache_get(key)
         if hit is None:
-            runs.append((i, key, program, ch))
+            # A repeat within this call (GRPO's samples of one prompt often agree) waits for
+            # the one run of its key and counts as a cache hit.
+            (waiting if key in started else runs).append((i, key, program, ch))
+            started.add(key)
             continue
         counts["code_cache_hits"][i] += 1
         passed[i] += hit
+    settled: dict[str, bool] = {}
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
         results = pool.map(lambda r: _run_check(r[2], r[3], file, argv, limits, sandbox), runs)
         for (i, key, _, _), (ok, got) in zip(runs, results, strict=True):
             _count(counts, i, got)
             passed[i] += ok
+            settled[key] = ok
             if got.status != "sandbox_failure":  # the host's fault: try again next time
                 _cache_put(key, ok)
+    for i, key, _, _ in waiting:
+        counts["code_cache_hits"][i] += 1
+        passed[i] += settled[key]
     for name, per_row in counts.items():
         counters.record(name, per_row)
     return [_score(passed[i], len(checks[i]), scoring) for i in range(n)]
