@@ -136,6 +136,7 @@ def test_the_code_recipe_runs_shrunk(tmp_path: Path) -> None:
     grpo["data"]["synthetic"]["n_examples"] = 40
     grpo["rollout"] |= {"prompts_per_step": 2, "samples_per_prompt": 4}
     grpo |= {"max_steps": 2, "checkpoint_every": 0, "eval_prompts": 4, "max_kl": None}
+    grpo["batch"] = {"micro_batch_size": 8, "grad_accum_steps": 1}
     data["evaluate"] |= {"pass_prompts": 4, "pass_samples": 2, "pass_k": 2, "num_prompts": 2}
     data.pop("export")
     recipe = tmp_path / "code.yaml"
@@ -146,8 +147,9 @@ def test_the_code_recipe_runs_shrunk(tmp_path: Path) -> None:
     train = read_metrics(out / "metrics.jsonl", "train")
     assert len(train) == 2
     for record in train:
-        # 2 prompts x 4 samples x 3 asserts, each run or found in the cache
-        assert record["code_runs"] + record["code_cache_hits"] == 24, record
+        # 2 prompts x 4 samples x 3 asserts at most (a reply without a program runs nothing)
+        assert 0 <= record["code_runs"] + record["code_cache_hits"] <= 24, record
+        assert record["code_errors"] <= record["code_runs"]
         assert record["code_timeouts"] == 0 and record["code_sandbox_failures"] == 0
         assert 0 < record["reward_fn_s"] <= record["scoring_s"]
         assert "reward_fn_code_tests" in record
