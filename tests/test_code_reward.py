@@ -198,6 +198,14 @@ def test_cache_skips_re_execution():
     assert c["code_runs"] == 0 and c["code_cache_hits"] == 6
 
 
+def test_repeats_within_one_call_run_once():
+    """GRPO's samples of one prompt often agree: each distinct (program, test) runs once."""
+    got = score([ADD_RIGHT, ADD_WRONG, ADD_RIGHT, ADD_RIGHT], test_list=[MBPP] * 4)
+    assert got == [1.0, 0.0, 1.0, 1.0]
+    c = counts(4)
+    assert c["code_runs"] == 6 and c["code_cache_hits"] == 6
+
+
 def test_workers_run_concurrently():
     sleepy = "import time\ntime.sleep(0.5)\n"
     progs = [sleepy + f"x = {i}\n" for i in range(4)]  # distinct: no cache hits
@@ -246,6 +254,7 @@ def test_counters_reach_the_step_record():
     assert ro.scored["scores"].tolist() == [1.0, 0.0]  # the second row has no tests: None
     totals = rollout_totals(ro, torch.device("cpu"), "k1")
     got = counter_metrics(totals)  # the step record's fields
+    assert 0 < got.pop("reward_fn_s") < 60  # seconds inside the reward functions
     assert got == {
         "code_runs": 3.0,
         "code_cache_hits": 0.0,

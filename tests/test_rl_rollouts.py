@@ -103,7 +103,14 @@ def test_collect_rollout_samples_scores_and_rewards_the_steps_prompts(tiny) -> N
         rollout_seed(3, 2, 0),
     )
     assert torch.equal(ro.response, want.response) and torch.equal(ro.mask, want.mask)
-    assert set(ro.scored) == {"logps", "ref_logps", "values", "scores", "fn:length"}
+    assert set(ro.scored) == {
+        "logps",
+        "ref_logps",
+        "values",
+        "scores",
+        "fn:length",
+        "count:reward_fn_s",  # seconds inside the functions, per row
+    }
     torch.testing.assert_close(ro.scored["logps"], ro.scored["ref_logps"], atol=1e-6, rtol=0)
     assert (ro.scored["logps"] * ro.mask < 0).sum() == ro.mask.sum()  # log p < 0 on tokens
     assert torch.equal(ro.scored["values"], torch.zeros_like(ro.mask))

@@ -46,11 +46,18 @@ def test_from_config_tokenizer_depends_on_its_fields_and_seed_not_the_width() ->
     same = digest()
     assert digest(hidden_size=128, intermediate_size=512, num_layers=6, num_heads=8) == same
     assert digest(architecture="qwen2", embedding_rows=600) == same
-    assert set(TOKENIZER_FIELDS) == {"vocab_size", "fill_vocab", "corpus_examples", "template"}
+    assert set(TOKENIZER_FIELDS) == {
+        "vocab_size",
+        "fill_vocab",
+        "corpus_examples",
+        "corpus_task",
+        "template",
+    }
     for changed in (
         {"vocab_size": 600},
         {"fill_vocab": True, "vocab_size": 2048},
         {"corpus_examples": 500},
+        {"corpus_task": "code"},
         {"template": "chatml_tools"},
     ):
         assert digest(**changed) != same, changed

@@ -22,6 +22,7 @@ from typing import Any
 
 from posttrain.data.calculator import calculator_sft_rows
 from posttrain.data.chat import check_system_role, render
+from posttrain.data.code_tasks import code_prompts
 from posttrain.data.guess import guess_prompts
 from posttrain.data.loading import DataSource
 from posttrain.data.pref_prepare import Located, read_and_split
@@ -92,6 +93,7 @@ PROMPT_TASKS: dict[str, Callable[[int, int], list[dict[str, Any]]]] = {
     "quickstart": quickstart_prompts,
     "calculator": calculator_prompts,
     "guess": guess_prompts,
+    "code": code_prompts,
 }
 
 

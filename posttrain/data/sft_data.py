@@ -19,6 +19,7 @@ from posttrain.data.chat import (
     template_info,
     template_sha256,
 )
+from posttrain.data.code_tasks import code_sft_rows
 from posttrain.data.errors import RowsTooLong
 from posttrain.data.guess import guess_sft_rows
 from posttrain.data.loading import (
@@ -59,11 +60,13 @@ def read_split(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
 def synthetic_rows(cfg: DataConfig) -> list[dict]:
     """The rows of `cfg.synthetic`'s task, in the columns a stage keeps: the quickstart's
     messages; the calculator's messages, tools and answer (for exact match); the number
-    games' messages."""
+    games' and the code requests' messages."""
     s = cfg.synthetic
     assert s is not None
     if s.task == "guess":
         return [{"messages": r["messages"]} for r in guess_sft_rows(s.n_examples, s.seed)]
+    if s.task == "code":
+        return [{"messages": r["messages"]} for r in code_sft_rows(s.n_examples, s.seed)]
     if s.task == "calculator":
         keep = ("messages", "tools", "answer")
         return [{k: r[k] for k in keep} for r in calculator_sft_rows(s.n_examples, s.seed)]

@@ -41,7 +41,7 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
 # The from_config fields the trained tokenizer depends on (with `run.seed`, which seeds its
 # corpus and is one per recipe): two from_config bases of one recipe that agree on these
 # tokenize alike whatever their widths (posttrain.stages.ingest.from_config_tokenizer).
-TOKENIZER_FIELDS = ("vocab_size", "fill_vocab", "corpus_examples", "template")
+TOKENIZER_FIELDS = ("vocab_size", "fill_vocab", "corpus_examples", "corpus_task", "template")
 
 
 class FromConfigModel(_Section):
@@ -91,6 +91,13 @@ class FromConfigModel(_Section):
     pretrain_seq_len: int = Result(128, ge=8, description="Warm-up sequence length.")
     corpus_examples: int = Result(
         4000, ge=100, description="Synthetic examples used to train the tokenizer and warm-up."
+    )
+    corpus_task: Literal["quickstart", "code"] = Result(
+        "quickstart",
+        description="What the tokenizer and warm-up corpus hold: `quickstart`, sentences over "
+        "the quickstart skills and their chats; `code`, the code task's requests and "
+        "programs (fences, `def`, indentation, operators get merges; "
+        "posttrain.data.code_tasks), for `task: code` stages.",
     )
     template: Literal["chatml", "chatml_tools"] = Result(
         "chatml",

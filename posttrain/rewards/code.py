@@ -209,21 +209,30 @@ def code_tests(
     for i in range(n):
         counts["code_no_program"][i] = float(programs[i] is None and bool(checks[i]))
     passed = [0] * n
-    runs = []
+    runs, waiting = [], []  # the first (row, key, program, check) of each key; its repeats
+    started: set[str] = set()
     for i, key, program, ch in todo:
         hit = _cache_get(key)
         if hit is None:
-            runs.append((i, key, program, ch))
+            # A repeat within this call (GRPO's samples of one prompt often agree) waits for
+            # the one run of its key and counts as a cache hit.
+            (waiting if key in started else runs).append((i, key, program, ch))
+            started.add(key)
             continue
         counts["code_cache_hits"][i] += 1
         passed[i] += _settle(counts, i, hit)
+    done: dict[str, tuple[Outcome, str | None]] = {}
     with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
         results = pool.map(lambda r: _run_check(r[2], r[3], file, argv, limits, sandbox), runs)
         for (i, key, _, _), settled in zip(runs, results, strict=True):
             counts["code_runs"][i] += 1
             passed[i] += _settle(counts, i, settled)
+            done[key] = settled
             if settled[0] != "sandbox_failure":  # the host's fault: try again next time
                 _cache_put(key, settled)
+    for i, key, _, _ in waiting:
+        counts["code_cache_hits"][i] += 1
+        passed[i] += _settle(counts, i, done[key])
     for name, per_row in counts.items():
         counters.record(name, per_row)
     return [_score(passed[i], len(checks[i]), scoring) for i in range(n)]

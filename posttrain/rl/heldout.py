@@ -117,7 +117,7 @@ def heldout_means(sums: Counter[str], device: torch.device, kl: bool) -> dict[st
     if kl:
         out["kl"] = t["kl"] / n
     out |= function_metrics(t)
-    out |= counter_metrics(t)  # the reward functions' totals (code_runs, code_timeouts, ...)
+    out |= counter_metrics(t)  # code_runs, reward_fn_s, ...: totals over the held-out prompts
     out |= episode_metrics(t)
     return out
 

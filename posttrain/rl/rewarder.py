@@ -9,6 +9,7 @@ location a misbehaving function's error names (`posttrain.data.prompts.PromptDat
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,7 @@ class Rewarder:
             ]
             prompts, completions = self.conversations(ro, rows)
             counters.take(0)  # drop what calls on other batches left
+            t = time.perf_counter()
             fsum, per = score_functions(
                 self.funcs,
                 prompts,
@@ -62,7 +64,11 @@ class Rewarder:
             )
             total += fsum
             ro.scored |= {FUNCTION + label: v for label, v in per.items()}
+            # Seconds inside the functions, spread evenly over the rows so that the rows kept
+            # by selection carry their share: summed, the step's (and held-out's) `reward_fn_s`.
+            spent = (time.perf_counter() - t) / max(1, ro.n)
             counted = counters.take(ro.n)  # the code verifier's runs, timeouts, ...
+            counted[REWARD_FN_S] = [spent] * ro.n
             ro.scored |= {COUNT + k: torch.tensor(v) for k, v in counted.items()}
         if ro.episodes is not None and self.env_rewards:
             env = torch.tensor([episode_reward(e) for e in ro.episodes], dtype=torch.float32)
@@ -107,6 +113,8 @@ def episode_reward(e: Any) -> float:
 FUNCTION = "fn:"
 # ro.scored key prefix of a reward function's per-row counters (`posttrain.rewards.counters`).
 COUNT = "count:"
+# The counter of seconds spent inside the reward functions (every rollout that has functions).
+REWARD_FN_S = "reward_fn_s"
 
 
 def add_counter_sums(sums: Counter[str], ro: Rollout, weight: float = 1.0) -> None:

@@ -21,8 +21,8 @@ class SyntheticData(_Section):
     seed: int = Result(1234, ge=0, description="Generator seed (independent of run.seed).")
 
 
-# The generated tasks (posttrain.data.synthetic, .calculator, .guess).
-SyntheticTask = Literal["quickstart", "calculator", "guess"]
+# The generated tasks (posttrain.data.synthetic, .calculator, .guess, .code_tasks).
+SyntheticTask = Literal["quickstart", "calculator", "guess", "code"]
 # `batch.by_tokens`: tokens per forward, "auto" (resolved at stage start:
 # posttrain.runtime.token_budget), or None (micro_batch_size rows per forward).
 TokenBudgetField = Annotated[int, Field(ge=1)] | Literal["auto"] | None
@@ -36,7 +36,9 @@ class SFTSyntheticData(SyntheticData):
         "recipes/calculator.py, its result, the number as the answer) with `tools` and "
         "`answer` columns; needs a template with tools (`ingest.from_config.template: "
         "chatml_tools`). `guess`: played number games (recipes/guess_number.py's rules), each "
-        "guess a random one the 'higher'/'lower' answers so far leave.",
+        "guess a random one the 'higher'/'lower' answers so far leave. `code`: requests for a "
+        "tiny Python function (`Write a function solve(x) that returns x plus 5.`) answered "
+        "by the program in a ```python block; only combinations RL prompts never use.",
     )
 
 
@@ -47,7 +49,9 @@ class PromptSyntheticData(SyntheticData):
         "the calculator traces' system turn and question (`What is 37 + 45?`) with their "
         "`answer`; the tools are the stage's `rollout.tools`. `guess`: a number game's "
         "instructions with a `target` column, for an environment such as "
-        "recipes/guess_number.py.",
+        "recipes/guess_number.py. `code`: a tiny-function request with three asserts in "
+        "`test_list` for `posttrain.rewards.code:code_tests`; distinct combinations SFT's "
+        "`code` rows never hold (the held-out ones are new to both stages).",
     )
 
 

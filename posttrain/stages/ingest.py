@@ -39,6 +39,7 @@ from posttrain.data.chat import (
     template_markers,
     template_sha256,
 )
+from posttrain.data.code_tasks import code_corpus, code_sft_rows
 from posttrain.data.synthetic import pretrain_corpus, quickstart_sft_rows
 from posttrain.kinds.ingest import FromConfigModel, IngestConfig
 from posttrain.models.stop_tokens import end_of_turn_token
@@ -380,10 +381,15 @@ def from_config_tokenizer(fc: Any, seed: int) -> tuple[Any, list[str]]:
     plan's vocabulary check for distillation relies on that."""
     from posttrain.models.tiny import fill_vocabulary, train_tokenizer
 
-    docs = pretrain_corpus(fc.corpus_examples, seed)
+    if fc.corpus_task == "code":
+        docs = code_corpus(fc.corpus_examples, seed)
+        rows = code_sft_rows(fc.corpus_examples // 2, seed + 1)
+    else:
+        docs = pretrain_corpus(fc.corpus_examples, seed)
+        rows = quickstart_sft_rows(fc.corpus_examples // 2, seed + 1)
     if fc.template == "chatml_tools":  # merges for the call JSON, and a warm-up on it
         docs += calculator_corpus(fc.corpus_examples // 2, seed + 2)
-    chats = [r["messages"] for r in quickstart_sft_rows(fc.corpus_examples // 2, seed + 1)]
+    chats = [r["messages"] for r in rows]
     corpus = docs + [m["content"] for c in chats for m in c]
     tok = train_tokenizer(corpus, fc.vocab_size)
     if fc.fill_vocab:
