@@ -7,7 +7,11 @@ failed assert, as most of a rollout's failures do), all with distinct programs s
 the cache. Each row of the table is one configuration, timed on a cold cache (best of
 `--rounds`); the last line scores the same batch a second time (every test from the cache).
 
-    python bench/code_reward.py [--replies 32] [--workers 1,2,4] [--rounds 2]
+    python bench/code_reward.py [--replies 32] [--workers 1,2,4] [--rounds 2] [--parent-mib 512]
+
+`--parent-mib` makes this process hold that much touched memory first, as a stage holding a
+model does: what starting each program costs depends on the size of the process that starts it
+(a fork copies its page tables; a vfork does not).
 
 Ratios are to the unsandboxed run at the same worker count: the sandbox's own cost.
 """
@@ -61,11 +65,17 @@ def main() -> None:
     ap.add_argument("--replies", type=int, default=32)
     ap.add_argument("--workers", default="1,2,4")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--parent-mib", type=int, default=0)
     args = ap.parse_args()
+    held = bytearray(args.parent_mib << 20)  # zero-filled: every page touched
+    held[:: 1 << 12] = b"\1" * len(held[:: 1 << 12])
     if (why := unavailable()) is not None:
         raise SystemExit(f"bubblewrap cannot run here: {why}")
     n = args.replies
-    print(f"{n} replies x 3 asserts = {3 * n} programs, half failing; best of {args.rounds}")
+    print(
+        f"{n} replies x 3 asserts = {3 * n} programs, half failing; best of {args.rounds}; "
+        f"this process holds {len(held) >> 20} MiB"
+    )
     print(f"{'workers':>7}  {'bwrap prog/s':>12}  {'none prog/s':>11}  {'bwrap/none':>10}")
     for w in (int(x) for x in args.workers.split(",")):
         s_box, runs = timed(n, "bwrap", w, args.rounds)

@@ -11,6 +11,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -269,3 +270,39 @@ def test_unsandboxed_run_under_a_private_temp_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(private))
     got = py("print(open('main.py').read().count('print'))", sandbox="none")
     assert (got.status, got.stdout) == ("ok", "2\n"), got
+
+
+def _host_ids(marker: str) -> set[tuple[str, str, str]]:
+    """(real uid, real gid, groups) on the host of the processes running bwrap or the program
+    whose command line carries `marker` (not the launcher before it has dropped to nobody)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            status = dict(x.split(":", 1) for x in (entry / "status").read_text().splitlines())
+        except (OSError, ValueError):
+            continue
+        if marker.encode() in argv and Path(argv[0].decode()).name in ("bwrap", "python3"):
+            found.add(
+                (status["Uid"].split()[0], status["Gid"].split()[0], status["Groups"].strip())
+            )
+    return found
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="as another user, programs keep that user's uid")
+@pytest.mark.parametrize("sandbox", ["bwrap", "none"])
+def test_as_root_programs_run_as_nobody_on_the_host(sandbox):
+    """As root, the program (and bwrap around it) runs as nobody on the host, with no
+    supplementary groups: RLIMIT_NPROC binds it and it cannot signal root's processes. Seen
+    from the host's /proc while it sleeps."""
+    marker = f"uid-probe-{uuid.uuid4().hex}"
+    program = {"main.py": "import time; time.sleep(1.5)"}
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(run, ["python3", "main.py", marker], program, "", FAST, sandbox)
+        seen: set[tuple[str, str, str]] = set()
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            seen |= _host_ids(marker)
+            time.sleep(0.05)
+        assert running.result().status == "ok"
+    assert seen == {("65534", "65534", "")}, seen

@@ -298,6 +298,8 @@ def unavailable() -> str | None:
         return f"no `bwrap` (bubblewrap) on this host: {_INSTALL}"
     if shutil.which("prlimit", path="/usr/bin:/bin") is None:
         return "no /usr/bin/prlimit (it sets the limits inside the sandbox): `apt-get install util-linux`"
+    if os.getuid() == 0 and not os.access(sandbox_process.SETPRIV, os.X_OK):
+        return "no /usr/bin/setpriv (as root, programs run as nobody through it): `apt-get install util-linux`"
     result = run(["true"], {}, "", Limits(wall_s=20.0))
     if result.status == "ok":
         return None

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 NOBODY = 65534  # the uid/gid programs run as when this process is root
 PRLIMIT = "/usr/bin/prlimit"
+SETPRIV = "/usr/bin/setpriv"
 _GRACE_S = 0.5  # after the program exits: how long leftovers may hold its pipes open
 _CHUNK = 65536
 
@@ -30,8 +31,7 @@ def limited(
     and execs it. Not a `preexec_fn`: Python code between fork and exec in a process with
     other threads (the rewarder's pool, torch's) can deadlock or crash the child, which the
     test suite saw as a segfault in every run after torch had started its threads. As root the
-    child already runs as `NOBODY` (`drive`'s `as_nobody`: set by subprocess in C), so
-    RLIMIT_NPROC binds it."""
+    child already runs as `NOBODY` (`drive` puts `setpriv` first), so RLIMIT_NPROC binds it."""
     mb = 1 << 20
     limits = [f"--cpu={cpu_s}:{cpu_s + 1}", f"--fsize={file_mb * mb}", "--core=0"]
     if memory_mb is not None:
@@ -123,16 +123,19 @@ def drive(
     env: dict[str, str] | None = None,
 ) -> Outcome:
     """Run `command` in a new session for at most `wall_s`, keeping `output_bytes` of each
-    stream; its whole process group is killed at the end."""
+    stream; its whole process group is killed at the end. As root, as `NOBODY`."""
     start = time.monotonic()
+    if os.getuid() == 0:
+        # util-linux's setpriv drops the uid, not subprocess's `user=`/`group=`: with those,
+        # CPython forks instead of vforking, and copying the page tables of a stage that holds
+        # a model (torch's heap) cut the programs run per second to a third.
+        command = [SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *command]
     proc = subprocess.Popen(
         command,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
-        # Dropped by subprocess itself between fork and exec (C code, no Python): see `limited`.
-        **({"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.getuid() == 0 else {}),
         pass_fds=pass_fds,
         cwd=cwd,
         env=env,
