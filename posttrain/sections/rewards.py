@@ -29,7 +29,7 @@ class RewardSpec(_Section):
     judge: JudgeConfig | None = Result(
         None,
         description="A model as judge instead of a function: a model behind an "
-        'OpenAI-compatible server scores each response by a rubric (docs/rewards.md, "A model '
+        'OpenAI-compatible server scores each response by a rubric (docs/code-rewards.md, "A model '
         'as judge").',
     )
     weight: float = Result(1.0, description="Weight of this function in the summed reward.")
