@@ -158,3 +158,39 @@ def test_shipped_recipes_need_no_allowed_paths(
         allowed = load_recipe(path).run.allowed_paths
         assert set(allowed) <= {str(path.parent.resolve())}, path
         assert "allowed_paths" not in yaml.safe_load(path.read_text())["run"], path
+
+
+def _judged(folder: Path, model: str) -> Path:
+    """A recipe in `folder` whose GRPO stage is scored by a judge naming `model`."""
+    data = yaml.safe_load(
+        _recipe(folder, "sft.data.path", str(folder / "data" / "rows.jsonl")).read_text()
+    )
+    del data["reward"]
+    judge = {"url": "http://127.0.0.1:1", "model": model, "rubric": "{completion}"}
+    data["grpo"] = {
+        "data": {"path": str(folder / "data" / "rows.jsonl")},
+        "rewards": [{"judge": judge}],
+    }
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_a_judge_model_folder_is_relative_to_the_recipe(tmp_path: Path, monkeypatch) -> None:
+    """`judge.model: judge-model` beside the recipe is that folder wherever posttrain runs (and
+    its files are what the fingerprint takes); a name no folder has stays a name."""
+    folder = tmp_path / "recipes"
+    (folder / "judge-model").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    got = load_recipe(_judged(folder, "judge-model")).grpo.rewards[0].judge.model
+    assert got == str(folder / "judge-model")
+    assert load_recipe(_judged(folder, "gpt-judge")).grpo.rewards[0].judge.model == "gpt-judge"
+
+
+def test_a_judge_model_folder_outside_the_allowed_ones_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "recipes"
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(_judged(folder, str(tmp_path / "recipes" / ".." / "elsewhere")))
+    [line] = exc.value.errors
+    assert line.startswith(f"grpo.rewards.0.judge.model: {tmp_path / 'elsewhere'} (given as")

@@ -227,6 +227,28 @@ def input_paths(recipe: Recipe, base: Callable[[str], Path] | None = None) -> di
     lm_eval = recipe.evaluate.lm_eval if recipe.evaluate is not None else None
     if lm_eval is not None and lm_eval.include_path:
         out["evaluate.lm_eval.include_path"] = lm_eval.include_path
+    out |= _judge_folders(recipe, base)
+    return out
+
+
+def _judge_folders(recipe: Recipe, base: Callable[[str], Path] | None) -> dict[str, str]:
+    """{field path: value} of each judge `model` that is a local folder (relative to the
+    recipe's); a judge's model may also be a name its server knows, which is no path."""
+    specs = [
+        (f"{s.where}.rewards.{i}", spec)
+        for s in recipe.graph()
+        for i, spec in enumerate(getattr(s.section, "rewards", None) or [])
+    ]
+    verifiers = (recipe.evaluate and recipe.evaluate.verifiers) or []
+    specs += [(f"evaluate.verifiers.{i}", spec) for i, spec in enumerate(verifiers)]
+    out = {}
+    for where, spec in specs:
+        if spec.judge is None:
+            continue
+        at = f"{where}.judge.model"
+        folder = base(at) if base else Path.cwd()
+        if (folder / Path(spec.judge.model).expanduser()).is_dir():
+            out[at] = spec.judge.model
     return out
 
 
@@ -313,8 +335,8 @@ def _set(recipe: Recipe, where: str, value: str) -> None:
     target: Any = recipe
     if parts[0] == "stages":
         target, parts = recipe.stage(parts[1]), parts[2:]
-    for part in parts:
-        target = getattr(target, part)
+    for part in parts:  # a list's item by its index (`grpo.rewards.0.judge.model`)
+        target = target[int(part)] if part.isdigit() else getattr(target, part)
     setattr(target, attr, value)
 
 

@@ -37,7 +37,8 @@ class JudgeConfig(_Section):
         min_length=1,
         source="served_model",
         description="The model name sent in each request; for `transformers serve`, a local "
-        "model folder or hub id it loads. A local folder enters the stage's fingerprint by its "
+        "model folder (relative to the recipe's folder, and inside the folders a recipe may "
+        "read) or hub id it loads. A local folder enters the stage's fingerprint by its "
         "files, a name by its text.",
     )
     rubric: str = Result(
