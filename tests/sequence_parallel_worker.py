@@ -109,6 +109,12 @@ def worker(rank: int, world: int, init: str, out: str) -> None:
         model = tiny_lora(heads=4, kv_heads=kv_heads)
         for layout, lengths in LAYOUTS.items():
             record[f"kv{kv_heads}_{layout}"] = compare(model, packed_batch(lengths), sp)
+    # Activation checkpointing recomputes each block during backward, outside the forward's
+    # contexts: the group reaches the attention as a keyword, so the recompute exchanges too.
+    model = tiny_lora(heads=4, kv_heads=2)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    record["kv2_checkpointed"] = compare(model, packed_batch(LAYOUTS["even"]), sp)
     record["refusal"] = refusal(sp)
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()

@@ -1,7 +1,8 @@
 """Sequence parallelism (Ulysses) is exact: one packed micro-batch split between 2 gloo ranks
 (CPU, fp32) gives the unsplit batch's summed token NLL, per-token log-probs and LoRA gradients
 (summed over the group), with grouped-query attention (2 kv heads, and 1 kv head replicated to
-both ranks), a row crossing the slice boundary, and a token count that needs a padding row.
+both ranks), a row crossing the slice boundary, a token count that needs a padding row, and
+activation checkpointing (the recompute during backward exchanges as the forward did).
 The worker (tests/sequence_parallel_worker.py) runs both ways in the same processes (about 20 s
 on two CPU cores, most of it starting the processes: slow tier)."""
 
@@ -17,7 +18,7 @@ from sequence_parallel_worker import worker
 
 from posttrain.distributed.sequence_parallel import check_heads, kv_replicas
 
-CASES = ("kv2_even", "kv2_padded", "kv1_even", "kv1_padded")
+CASES = ("kv2_even", "kv2_padded", "kv1_even", "kv1_padded", "kv2_checkpointed")
 
 
 @pytest.fixture(scope="module")
