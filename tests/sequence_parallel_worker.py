@@ -19,6 +19,7 @@ from posttrain.distributed.sequence_split import shard_logps, split_batch
 from posttrain.models.chunked import label_logps
 from posttrain.models.lora import apply_lora
 from posttrain.sections.shared import LoraConfig
+from posttrain.train.loop import to_device
 
 VOCAB = 96
 # 26 tokens: the slice boundary (13) falls inside row 1 (tokens 7..19); 25 tokens: padded to 26.
@@ -70,7 +71,8 @@ def compare(model: torch.nn.Module, batch: dict[str, Any], sp: SequenceParallel)
     ref_nll.backward()
     ref_grads = lora_grads(model)
     model.zero_grad()
-    logp, _ = shard_logps(model, split_batch(batch, sp), 0)  # [1, N'/2]
+    shard = to_device(split_batch(batch, sp), torch.device("cpu"))  # as the loop moves it
+    logp, _ = shard_logps(model, shard, 0)  # [1, N'/2]
     nll = -logp.sum()
     nll.backward()
     total = nll.detach().clone()

@@ -41,6 +41,10 @@ class SequenceParallel:
     def of(cls, group: Any = None) -> SequenceParallel:
         return cls(group, dist.get_rank(group), dist.get_world_size(group))
 
+    def to(self, device: Any, non_blocking: bool = False) -> SequenceParallel:
+        """Itself: a shard's entry moves to a device with its tensors (`loop.to_device`)."""
+        return self
+
     def attention(
         self,
         attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
