@@ -42,7 +42,11 @@ from torch import nn
 
 from posttrain.data.chat import IGNORE
 from posttrain.models import compiled_head
-from posttrain.models.varlen_attention import SEGMENTS_KW, confined_attention
+from posttrain.models.varlen_attention import (
+    SEGMENTS_KW,
+    SEQUENCE_PARALLEL_KW,
+    confined_attention,
+)
 
 
 @dataclass(frozen=True)
@@ -494,13 +498,23 @@ def model_call(model: nn.Module, batch: dict[str, Any]) -> Any:
     segments = batch.get("segments")
     if segments is None:
         return model(**inputs)
+    # A sequence-parallel shard (`posttrain.distributed.sequence_split`): this rank's slice of
+    # the tokens, the segments of the whole sequence, and the group that exchanges them.
+    sp = batch.get("sequence_parallel")
     with confined_attention(model) as native:
         # Flash-attention finds the rows from the position ids itself; anything else reads
         # them from the segments, handed down to every attention call as a keyword, and gets
         # an all-ones attention mask: without one, transformers looks for packed rows in the
         # position ids with a `.all()` read to the host every forward (the segments' mask
         # builder returns no mask either way).
-        if native:
+        if native and sp is None:
             return model(**inputs)
+        if native:
+            raise ValueError(
+                "sequence parallelism runs through posttrain's varlen attention: set "
+                "infra.attention: sdpa (on CUDA in half precision it uses torch's flash varlen "
+                "kernel), not flash_attention_2"
+            )
         ones = torch.ones_like(inputs["input_ids"])  # [1, N]
-        return model(**(inputs | {"attention_mask": ones}), **{SEGMENTS_KW: segments})
+        extra = {SEGMENTS_KW: segments} | ({SEQUENCE_PARALLEL_KW: sp} if sp is not None else {})
+        return model(**(inputs | {"attention_mask": ones}), **extra)

@@ -16,6 +16,10 @@ Right padding inside a row's block needs no mask: a real query at position t att
 0..t, all real. Sliding-window models (Mistral, Qwen2 with `use_sliding_window`) get the window
 as a boolean mask when a row is longer than it. Soft-capped attention logits (Gemma-2) are not
 expressible in SDPA: such models keep padded rows (`padding_free_unsupported`).
+
+Under sequence parallelism (`posttrain.distributed.sequence_parallel`) each rank's q/k/v hold a
+slice of the tokens; the group, handed down as a keyword beside the segments, exchanges them
+for all tokens of a share of the heads around the same row-confined attention.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +39,15 @@ from posttrain.data.segments import Segments
 from posttrain.errors import RecipeVerdict
 from posttrain.models import flash_varlen
 
+if TYPE_CHECKING:
+    from posttrain.distributed.sequence_parallel import SequenceParallel
+
 NAME = "posttrain_varlen"
 SEGMENTS_KW = "posttrain_segments"
+# The sequence-parallel group of a forward whose ranks each hold a slice of the tokens
+# (`posttrain.distributed.sequence_parallel`), handed down beside the segments: a keyword, not
+# a context, so an activation-checkpointing recompute (during backward) sees it too.
+SEQUENCE_PARALLEL_KW = "posttrain_sequence_parallel"
 _STATE = threading.local()
 
 
@@ -68,6 +79,29 @@ def varlen_sdpa_forward(
     # A store, never a read: a compiled block replays it on every call without guarding on a
     # value (a counter read here would recompile the block at every call).
     _STATE.seen = True
+    sp: SequenceParallel | None = kwargs.get(SEQUENCE_PARALLEL_KW)
+    if sp is not None:
+        # This rank holds a slice of the tokens and all heads: the exchange hands it all tokens
+        # of its share of the heads, attention runs over the whole rows, and back.
+        return sp.attention(
+            lambda q, k, v: _rows_attention(q, k, v, seg, dropout, scaling, kwargs),
+            query,
+            key,
+            value,
+        ), None
+    return _rows_attention(query, key, value, seg, dropout, scaling, kwargs), None
+
+
+def _rows_attention(
+    query: torch.Tensor,  # [1, H, N, D]
+    key: torch.Tensor,  # [1, Hkv, N, D]
+    value: torch.Tensor,  # [1, Hkv, N, D]
+    seg: Segments,
+    dropout: float,
+    scaling: float | None,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """Causal attention inside each row of the flat sequence -> [1, N, H, D]."""
     # Sizes from the segments' tensors, not from `seg.lengths` (python ints): a compiled block
     # then sees symbolic sizes and one graph serves every packed layout.
     tokens, rows, width = seg.row_of.shape[0], seg.gather.shape[0], seg.gather.shape[1]
@@ -78,7 +112,7 @@ def varlen_sdpa_forward(
         )
     if flash_varlen.usable(query, dropout):  # CUDA, half precision: no gather, no scatter
         window = kwargs.get("sliding_window")
-        return flash_varlen.flash_varlen(query, key, value, seg, scaling, window), None
+        return flash_varlen.flash_varlen(query, key, value, seg, scaling, window)
     groups = query.shape[1] // key.shape[1]
     if rows == 1:  # one row: plain causal attention, nothing to gather
         q, k, v = query, key, value
@@ -105,8 +139,8 @@ def varlen_sdpa_forward(
     )  # [S, H, L, D]
     out = out.transpose(1, 2)  # [S, L, H, D]
     if rows == 1:
-        return out.contiguous(), None
-    return out[seg.row_of, seg.pos_of].unsqueeze(0), None  # [1, N, H, D]
+        return out.contiguous()
+    return out[seg.row_of, seg.pos_of].unsqueeze(0)  # [1, N, H, D]
 
 
 def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
