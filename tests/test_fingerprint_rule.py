@@ -203,6 +203,9 @@ NO_CHANGE_HERE = {
     "infra.device": ("result", "cuda needs a GPU to resolve"),
     "infra.precision": ("result", "CPU runs refuse half precision"),
     "infra.base_dtype": ("result", "a bf16 base needs a GPU"),
+    # Splits each sequence across ranks with the same results (the data-parallel size it
+    # changes reaches the print through the batch and rollout inputs, as devices_per_node's).
+    "infra.sequence_parallel": ("execution", "above 1 is refused until the stages are wired"),
     # Inherited from the online-RL section, refused unless left as they are: DPO's `beta` is
     # its KL constraint, distillation's loss is its divergence to the teacher, neither step is
     # the clipped update, and both sample with the policy they update (refuse_rl_fields).

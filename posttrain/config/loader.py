@@ -22,6 +22,7 @@ from posttrain.config.recipe_file import (
     read_yaml,
 )
 from posttrain.config.schema import Recipe, ResolvedRecipe
+from posttrain.config.sp_check import sp_errors
 from posttrain.config.vocab_check import vocab_errors
 from posttrain.data.chat import looks_like_template_file
 from posttrain.hub import HubError, RepoType, is_hub_id, resolve_sha
@@ -163,6 +164,7 @@ def resolve(
         errors.append(f"evaluate.lm_eval.include_path: {include} is not a folder of task YAMLs")
     errors.extend(gguf_errors(r))
     errors.extend(vocab_errors(r))
+    errors.extend(sp_errors(r, local_bases=True))
     for name, section in r.training_sections().items():
         try:
             b = section_batch(r, name)
@@ -503,7 +505,7 @@ def rebase_paths(recipe: Recipe, origins: Origins, root: Path) -> Recipe:
 
 def section_batch(recipe: Recipe, name: str) -> ResolvedBatch:
     """The resolved batch triple of graph stage `name`."""
-    return stage_batch(recipe.graph().get(name), recipe.infra.world_size())
+    return stage_batch(recipe.graph().get(name), recipe.infra.dp_size())
 
 
 def _extends_hint(line: str) -> str:

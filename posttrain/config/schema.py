@@ -17,6 +17,7 @@ from pydantic import ConfigDict, Field, create_model, model_validator
 
 from posttrain.config.batch import stage_batch
 from posttrain.config.graph import GraphError, StageGraph, build_graph
+from posttrain.config.sp_check import sp_errors
 from posttrain.kinds import KINDS, graph_kinds
 from posttrain.kinds.evaluate import EvaluateConfig
 from posttrain.kinds.export import ExportConfig
@@ -278,7 +279,13 @@ class Recipe(_RecipeStages):  # type: ignore[misc,valid-type]
         # probed; `posttrain.config.loader.resolve` checks it then.
         if isinstance(self.infra.devices_per_node, int):
             for s in self.graph():
-                stage_batch(s, self.infra.world_size())
+                stage_batch(s, self.infra.dp_size())
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_parallel(self) -> Recipe:
+        if errors := sp_errors(self):
+            raise GraphError(errors)
         return self
 
     def graph(self) -> StageGraph:

@@ -20,14 +20,46 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 @dataclass
 class DistInfo:
+    """This process's place in the stage's world. `mesh` is what FSDP2 shards over (all ranks;
+    with sequence parallelism the flattened dp x sp mesh); `sp_mesh` the 2-D ("dp", "sp") mesh
+    when `infra.sequence_parallel` > 1, else None. Ranks of one sequence-parallel group are
+    consecutive (rank = dp_rank x sp_size + sp_rank) and take the same rows."""
+
     rank: int
     world_size: int
     device: torch.device
     mesh: DeviceMesh
+    sp_mesh: DeviceMesh | None = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def sp_size(self) -> int:
+        """Ranks that split each sequence (1 without sequence parallelism)."""
+        return self.sp_mesh.size(1) if self.sp_mesh is not None else 1
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's slice of a sequence: 0 .. sp_size - 1."""
+        return self.rank % self.sp_size
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel groups: the ranks rows are dealt out to (`rank_batches`)."""
+        return self.world_size // self.sp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel group: every rank of it gets the same rows."""
+        return self.rank // self.sp_size
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        """The process group of this rank's sequence-parallel peers (Ulysses' all-to-all);
+        None without sequence parallelism."""
+        return self.sp_mesh.get_group("sp") if self.sp_mesh is not None else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -58,10 +90,27 @@ def data_parallel_mesh(device_type: str, world: int, local_world: int, layout: s
     return init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
+def sequence_parallel_mesh(device_type: str, world: int, sp: int) -> tuple[DeviceMesh, DeviceMesh]:
+    """(the 2-D ("dp", "sp") mesh, the 1-D "dp_sp" mesh flattened from it) for `sp` ranks per
+    sequence. FSDP2 shards over the flattened one, so parameters are split over every rank as
+    at sp = 1 (as torchtitan lays out context parallelism); the "sp" dimension's groups are the
+    consecutive ranks that split one sequence (within a node where sp divides a node's
+    devices)."""
+    if world % sp:
+        raise ValueError(f"sequence_parallel {sp} does not divide the world size {world}")
+    mesh = init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
+    return mesh, mesh["dp", "sp"]._flatten("dp_sp")
+
+
 def init_distributed(
-    device_kind: str, timeout_s: float, threads: int | None = None, layout: str = "fsdp"
+    device_kind: str,
+    timeout_s: float,
+    threads: int | None = None,
+    layout: str = "fsdp",
+    sequence_parallel: int = 1,
 ) -> DistInfo:
-    """Initialise the default process group and the data-parallel DeviceMesh of `layout`.
+    """Initialise the default process group and the data-parallel DeviceMesh of `layout`
+    (with `sequence_parallel` > 1, layout fsdp only: the dp x sp mesh, `sequence_parallel_mesh`).
 
     Backend: NCCL on CUDA, gloo on CPU. `timeout_s` bounds every collective so a rank that
     diverges fails the stage instead of hanging it. Under a multi-node torchrun the node count
@@ -93,6 +142,13 @@ def init_distributed(
             timeout=timedelta(seconds=timeout_s),
             device_id=device if device_kind == "cuda" else None,
         )
+    if sequence_parallel > 1:
+        if layout != "fsdp":
+            raise ValueError(
+                f"sequence_parallel {sequence_parallel} needs layout fsdp, not {layout}"
+            )
+        sp_mesh, mesh = sequence_parallel_mesh(device.type, world, sequence_parallel)
+        return DistInfo(rank, world, device, mesh, sp_mesh)
     mesh = data_parallel_mesh(device.type, world, local_world, layout)
     return DistInfo(rank, world, device, mesh)
 
@@ -151,7 +207,8 @@ def rank_batches(n_items: int, rank: int, world: int, batch_size: int) -> list[l
     """This rank's share of `n_items` (rank-strided) in batches, padded with empty batches so
     every rank runs the same number of forwards: FSDP all-gathers are collective, and a rank that
     stops early hangs the others. Callers run a filler forward with zero weight for an empty
-    batch."""
+    batch. `rank`/`world` are the data-parallel ones (`DistInfo.dp_rank`, `dp_size`): the ranks
+    of one sequence-parallel group get the same batches."""
     mine = list(range(rank, n_items, world))
     n_batches = math.ceil(math.ceil(n_items / world) / batch_size) if n_items else 0
     return [mine[b * batch_size : (b + 1) * batch_size] for b in range(n_batches)]

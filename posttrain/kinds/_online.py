@@ -51,7 +51,7 @@ def rollout_memory(section: OnlineRLConfig, m: MemoryInputs, critic: bool) -> An
 def rollout_inputs(recipe: Any) -> dict[str, Any]:
     """Each rank samples its own share of the prompts with its own seed: the number of ranks
     changes the rollouts, so it is part of the fingerprint. (`recipe`: a ResolvedRecipe.)"""
-    return {"dp_size": recipe.infra.world_size()}
+    return {"dp_size": recipe.infra.dp_size()}
 
 
 def online_kind(critic: bool, **kw: Any) -> StageKind:

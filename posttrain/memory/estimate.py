@@ -37,7 +37,10 @@ a teacher (distillation: a stage with a `teacher` link), on a base of its own sh
                      `answering`, not held beside the training step.
 
 shards = data-parallel ranks that split the parameters: world size (fsdp), devices per node
-(hsdp), 1 (ddp).
+(hsdp), 1 (ddp). With `infra.sequence_parallel` N the world counts the sequence-parallel ranks
+too (FSDP2 shards over the whole dp x sp mesh), and the activations row is 1/N per rank; the
+other rows (logits, rollout, teacher) are counted whole, an over-estimate until the stages split
+them.
 
 Activations saved for backward, per token and decoder block (Llama/Qwen2 block, SDPA attention,
 frozen base + LoRA; a frozen linear saves nothing, a LoRA linear saves its input and its rank-r
@@ -171,6 +174,19 @@ class ModelShape:
             qkv_bias=m.architecture == "qwen2",
         )
 
+    def sequence_split_problem(self, n: int) -> str | None:
+        """Why attention cannot be split over `n` sequence-parallel ranks (Ulysses: each rank
+        attends for heads / n query heads; key/value heads are split too, or replicated when
+        there are fewer than n), None when it can."""
+        if self.heads % n:
+            return f"its {self.heads} attention heads are not divisible by {n}"
+        if self.kv_heads % n and n % self.kv_heads:
+            return (
+                f"its {self.kv_heads} key/value heads are not divisible by {n}, nor {n} by "
+                f"{self.kv_heads} (fewer key/value heads than ranks are replicated)"
+            )
+        return None
+
     def linears(self) -> dict[str, tuple[int, int, bool]]:
         """Per block: linear name -> (in features, out features, has bias)."""
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -289,6 +305,9 @@ class DeviceLayout:
     layout: Layout = "fsdp"
     devices_per_node: int = 1
     device: Literal["cpu", "cuda"] = "cpu"
+    # Ranks that split each sequence (infra.sequence_parallel): a rank saves activations for
+    # 1/N of every micro-batch's tokens; parameters stay sharded over all `world` ranks.
+    sequence_parallel: int = 1
 
     @property
     def shards(self) -> int:
@@ -423,7 +442,7 @@ def estimate(
         Row("optimizer (AdamW)", 2 * 4 * trained // shards, "exp_avg + exp_avg_sq, fp32"),
         framework_row(layout.device, overhead_bytes),
         step_weights_row(stage, gathered, full_logits, update),
-        activations_row(model, stage, c, update),
+        activations_row(model, stage, c, update, layout.sequence_parallel),
         *logits_rows(model, stage, c, full_logits, update),
         *sampler_rows(model, stage, layout),
         *rollout_rows(model, stage, counts, gathered, c, layout.device),
@@ -523,9 +542,13 @@ def step_weights_row(stage: StageShape, gathered_step: int, full_logits: int, ph
     return Row("gathered weights", gathered_step, "FSDP2 all-gather: root + 2 blocks", phase)
 
 
-def activations_row(model: ModelShape, stage: StageShape, c: int, phase: str) -> Row:
+def activations_row(
+    model: ModelShape, stage: StageShape, c: int, phase: str, sequence_parallel: int = 1
+) -> Row:
     """What a step saves for backward: the blocks' activations (see the module docstring), the
-    final norm's input, the attention mask and the score head's input."""
+    final norm's input, the attention mask and the score head's input. With sequence
+    parallelism over N ranks each holds 1/N of them (rounded up): its slice of the tokens, and
+    inside attention the whole sequence for heads / N heads, the same bytes."""
     # The backward of one role at a time: the policy's adapter (RL: the policy's update; the
     # critic's pass has no logits and the same body, so it is not larger).
     running = tuple(a for a in stage.adapters if a.trainable)[:1]
@@ -537,7 +560,11 @@ def activations_row(model: ModelShape, stage: StageShape, c: int, phase: str) ->
     act += stage.sequences * stage.seq_len * stage.seq_len  # [B, 1, T, T] bool attention mask
     if stage.kind == "score":
         act += tokens * model.hidden * c  # score head input (trained)
-    return Row("activations", act, f"{stage.sequences} seqs x {stage.seq_len} tokens, {ac}", phase)
+    note = f"{stage.sequences} seqs x {stage.seq_len} tokens, {ac}"
+    if sequence_parallel > 1:
+        act = -(-act // sequence_parallel)
+        note += f", 1/{sequence_parallel} per rank (sequence parallel)"
+    return Row("activations", act, note, phase)
 
 
 def logits_rows(

@@ -1,8 +1,8 @@
 """The fixes a refused memory pre-flight suggests, each with its own estimated peak.
 
 Each kind of change (activation checkpointing, a smaller micro-batch, the chunked LM head, for
-RL smaller generate calls and no keep_gathered, more shards) is a `Change`: the recipe edit it
-names and the stage and layout it would give. A change becomes a `Fix` when its estimate is
+RL smaller generate calls and no keep_gathered, more shards, more sequence-parallel ranks) is a
+`Change`: the recipe edit it names and the stage and layout it would give. A change becomes a `Fix` when its estimate is
 below the stage's; when no single fix fits, the stage's own changes are tried all together.
 """
 
@@ -59,6 +59,9 @@ class Estimator:
     def logits(self, shape: StageShape, layout: DeviceLayout) -> int:
         return estimate(self.model, shape, layout, self.overhead).component("logits")
 
+    def activations(self, shape: StageShape, layout: DeviceLayout) -> int:
+        return estimate(self.model, shape, layout, self.overhead).component("activations")
+
 
 def suggest_fixes(
     model: ModelShape,
@@ -71,7 +74,7 @@ def suggest_fixes(
 ) -> list[Fix]:
     """Changes that lower the estimate, each with its own estimated peak: activation
     checkpointing, a smaller micro-batch (same global batch), the chunked LM head when full
-    logits are large, more shards, and for RL smaller generate calls, no keep_gathered and no
+    logits are large, more shards, more sequence-parallel ranks, and for RL smaller generate calls, no keep_gathered and no
     `fast` engine copy; then
     all of them together when none fits alone."""
     est = Estimator(model, overhead)
@@ -82,6 +85,7 @@ def suggest_fixes(
         *chunked_head_change(est, shape, layout, now),
         *rollout_changes(shape, stage),
         *layout_changes(est, shape, layout, budget),
+        *sequence_parallel_change(est, shape, layout, budget, accum),
     ]
     fixes = fixes_of(est, changes, layout, budget, now)
     # Every change to the stage itself at once (layout changes set no stage field).
@@ -110,7 +114,13 @@ def _edit(text: str, shape: StageShape, fields: dict[str, Any], combined: Any = 
 
 
 def _fsdp(layout: DeviceLayout, world: int) -> DeviceLayout:
-    return DeviceLayout(world, "fsdp", layout.devices_per_node, layout.device)
+    # The sequence-parallel size stays where it still divides the new world.
+    n = layout.sequence_parallel if world % layout.sequence_parallel == 0 else 1
+    return DeviceLayout(world, "fsdp", layout.devices_per_node, layout.device, n)
+
+
+def _sp(layout: DeviceLayout, n: int) -> DeviceLayout:
+    return DeviceLayout(layout.world, "fsdp", layout.devices_per_node, layout.device, n)
 
 
 def checkpointing_change(shape: StageShape, stage: str) -> list[Change]:
@@ -211,3 +221,34 @@ def smallest_fitting_world(
     worlds = (2**k for k in range(11))
     fits = (w for w in worlds if w > layout.shards and est.peak(shape, _fsdp(layout, w)) <= budget)
     return next(fits, None)
+
+
+def sequence_parallel_change(
+    est: Estimator, shape: StageShape, layout: DeviceLayout, budget: int, accum: int
+) -> list[Change]:
+    """The smallest `infra.sequence_parallel` above today's that divides the devices and the
+    model's heads and fits (else the largest such, when it lowers the peak), with the
+    accumulation that keeps the global batch (each step has world / N data-parallel ranks)."""
+    now = layout.sequence_parallel
+    if layout.layout != "fsdp" or layout.world <= now:
+        return []
+    sizes = [
+        n
+        for n in range(now + 1, layout.world + 1)
+        if layout.world % n == 0 and est.model.sequence_split_problem(n) is None
+    ]
+    if not sizes:
+        return []
+    pick = next((n for n in sizes if est.peak(shape, _sp(layout, n)) <= budget), sizes[-1])
+    before = est.activations(shape, layout)
+    after = est.activations(shape, _sp(layout, pick))
+    notes = [
+        f"activations {fmt_bytes(before)} -> {fmt_bytes(after)} per rank",
+        f"{layout.world // pick} data-parallel ranks",
+    ]
+    # The global batch is micro x accum x world / N: accum grows by N'/N to keep it.
+    new_accum, rem = divmod(accum * pick, now)
+    if not rem:
+        notes.append(f"grad_accum_steps: {new_accum} keeps the global batch")
+    text = f"infra.sequence_parallel: {pick} ({'; '.join(notes)})"
+    return [Change(text, shape, _sp(layout, pick))]

@@ -204,7 +204,7 @@ def stage_shape(recipe: Any, stage: str, teacher_dir: str | Path | None = None) 
         else None
         if getattr(section, "rewards", None)
         else _adapter("reward", getattr(section, "lora", None) or LoraConfig(), False),
-        world=recipe.infra.world_size() if isinstance(recipe.infra.devices_per_node, int) else 1,
+        world=recipe.infra.dp_size() if isinstance(recipe.infra.devices_per_node, int) else 1,
     )
     shape = replace(node.kind.memory(section, m), label=stage)
     if (teacher := node.links.get("teacher")) is not None:
@@ -238,7 +238,8 @@ def _per_node(infra: Any) -> int:
 def device_layout(recipe: Any) -> DeviceLayout:
     infra, per_node = recipe.infra, _per_node(recipe.infra)
     device = "cuda" if infra.device == "cuda" else "cpu"
-    return DeviceLayout(infra.nnodes * per_node, infra.layout, per_node, device)
+    world = infra.nnodes * per_node
+    return DeviceLayout(world, infra.layout, per_node, device, infra.sequence_parallel)
 
 
 def _cgroup_room() -> int | None:

@@ -86,6 +86,20 @@ class InfraConfig(_Section):
         "replicates across nodes and shards within a node (a 2-D mesh: inter-node traffic is "
         "only the gradient all-reduce); `ddp` replicates everything (no sharding).",
     )
+    sequence_parallel: int = Execution(
+        1,
+        ge=1,
+        description="Devices that split each sequence (Ulysses sequence parallelism): the "
+        "nnodes x devices_per_node ranks form a 2-D mesh of data-parallel groups x "
+        "`sequence_parallel` ranks; the ranks of one group take the same rows, each holds "
+        "1/N of every micro-batch's packed tokens and attention exchanges them for heads "
+        "(all-to-all). Parameters stay sharded over all ranks (layout fsdp). Data-parallel "
+        "size = nnodes x devices_per_node / sequence_parallel, so global_batch_size = "
+        "micro_batch_size x grad_accum_steps x that. N must divide the devices and the base "
+        "model's attention heads and needs padding-free batches; the pre-flight counts "
+        "activations at 1/N of the sequence. Not yet wired into the training stages: above 1 "
+        "a recipe is refused.",
+    )
     rdzv_endpoint: str | None = Execution(
         None,
         description="host:port of the c10d rendezvous (the node-rank-0 machine) when nnodes > 1 "
@@ -285,6 +299,12 @@ class InfraConfig(_Section):
         return self
 
     def world_size(self) -> int:
-        """Data-parallel size of a distributed stage: nnodes x devices_per_node (resolved)."""
+        """Processes of a distributed stage: nnodes x devices_per_node (resolved)."""
         assert isinstance(self.devices_per_node, int), "resolve() first"
         return self.nnodes * self.devices_per_node
+
+    def dp_size(self) -> int:
+        """Data-parallel size: the world over the ranks that split one sequence (resolved). A
+        world that `sequence_parallel` does not divide is refused by the recipe checks
+        (`posttrain.config.sp_check`); here it rounds down."""
+        return max(1, self.world_size() // self.sequence_parallel)

@@ -302,15 +302,20 @@ def _start_ranks(ctx: StageContext, distributed: bool) -> None:
     from posttrain.distributed.runtime import init_distributed
 
     ctx.dist = init_distributed(
-        infra.device, infra.pg_timeout_s, infra.threads_per_rank, infra.layout
+        infra.device,
+        infra.pg_timeout_s,
+        infra.threads_per_rank,
+        infra.layout,
+        infra.sequence_parallel,
     )
     ctx.rank, ctx.world_size = ctx.dist.rank, ctx.dist.world_size
+    mesh = ctx.dist.sp_mesh or ctx.dist.mesh  # with sequence parallelism: ("dp", "sp")
     log.info(
         "process group: world %d, layout %s, mesh %s %s",
         ctx.world_size,
         infra.layout,
-        tuple(ctx.dist.mesh.shape),
-        ctx.dist.mesh.mesh_dim_names,
+        tuple(mesh.shape),
+        mesh.mesh_dim_names,
     )
     if not ctx.is_main:  # one copy of the progress log, not one per rank
         logging.getLogger().setLevel(logging.WARNING)

@@ -122,7 +122,7 @@ def heldout_kto(
     table = torch.zeros(len(rows), 4, dtype=torch.float64)
     n = len(rows)
     batches = strided_batches(
-        rows, completion_batch, pad_id, loop.eval_batch_size, device, loop.rank, loop.world
+        rows, completion_batch, pad_id, loop.eval_batch_size, device, loop.dp_rank, loop.dp_size
     )
     for idx, batch in batches:
         kl_rows = [mismatched(rows[i], rows[(i + 1) % n], max_len) for i in idx or [0]]
@@ -248,8 +248,8 @@ def kto_step_batch(
         step,
         batch.micro_batch_size,
         batch.grad_accum_steps,
-        loop.rank,
-        loop.world,
+        loop.dp_rank,
+        loop.dp_size,
         seed,
     )
     slots = [

@@ -206,6 +206,16 @@ class Training:
         return self.tr.dist.world_size
 
     @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel group: the rows it is dealt (`strided_batches`)."""
+        return self.tr.dist.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel groups (world / infra.sequence_parallel)."""
+        return self.tr.dist.dp_size
+
+    @property
     def chunk_tokens(self) -> int:
         """Tokens per pass through the LM head (`infra.logits_chunk_tokens`; 0 = full logits)."""
         return self.ctx.recipe.infra.logits_chunk_tokens
@@ -283,8 +293,8 @@ class Training:
             draw.pad_id,
             self.eval_batch_size,
             self.device,
-            self.rank,
-            self.world,
+            self.dp_rank,
+            self.dp_size,
             flat,
         ):
             yield (1.0 if idx else 0.0), batch

@@ -98,8 +98,8 @@ class TrainSession:
             step,
             micro=batch.micro_batch_size,
             accum=batch.grad_accum_steps,
-            dp_size=self.dist.world_size,
-            rank=self.dist.rank,
+            dp_size=self.dist.dp_size,
+            rank=self.dist.dp_rank,
             seed=seed,
         )
 
@@ -328,7 +328,7 @@ def start_session(
     checkpoint of a base built on the meta device, each rank reading only its shards of it
     after sharding; without it, `model` is real and whole on this process."""
     d: DistInfo = ctx.dist
-    assert batch.dp_size == d.world_size, f"recipe dp {batch.dp_size} != world {d.world_size}"
+    assert batch.dp_size == d.dp_size, f"recipe dp {batch.dp_size} != mesh dp {d.dp_size}"
     heartbeat.beat(phase="setup")  # model loaded and data prepared; sharding and resume next
     counts = count_params(model)  # (total, trainable), before sharding splits the tensors
     n_matmul = matmul_params(model)

@@ -1,0 +1,84 @@
+"""Recipe checks of `infra.sequence_parallel` (Ulysses sequence parallelism), one line per
+problem, each naming its field: N must divide the devices (where known), every base model's
+attention heads (where its shape is known: `from_config` numbers at validate, a local folder's
+config.json at resolve), and needs padding-free batches; and a stage that does not split its
+sequences yet (`SP_WIRED_KINDS`) refuses N > 1 instead of silently running unsplit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from posttrain.memory.estimate import ModelShape
+
+FIELD = "infra.sequence_parallel"
+# Stage kinds whose step functions split each micro-batch's tokens across the sequence-parallel
+# ranks. None yet: the mesh, batch arithmetic and memory pre-flight are in place, the stages
+# are wired next (issue 44).
+SP_WIRED_KINDS: frozenset[str] = frozenset()
+
+
+def sp_errors(recipe: Any, local_bases: bool = False) -> list[str]:
+    """Every problem of the recipe's `infra.sequence_parallel` (none at 1). `local_bases`:
+    also read local base folders' config.json (at resolve, where paths are absolute)."""
+    n = recipe.infra.sequence_parallel
+    if n == 1:
+        return []
+    graph = recipe.graph()
+    errors = _device_errors(recipe.infra, n)
+    for base in graph.bases.values():
+        shape = _base_shape(base.section, local_bases)
+        if shape is not None and (problem := shape.sequence_split_problem(n)) is not None:
+            errors.append(
+                f"{FIELD}: {n} cannot split the attention of base {base.name!r}: {problem}"
+            )
+    for s in graph:
+        batch = getattr(s.section, "batch", None)
+        if batch is not None and not batch.padding_free:
+            errors.append(
+                f"{s.where}.batch.padding_free: false is refused with {FIELD} {n}: each rank "
+                "takes a slice of the micro-batch's packed token stream; set it true"
+            )
+    unwired = [s.name for s in graph if s.kind.name not in SP_WIRED_KINDS]
+    if unwired:
+        errors.append(
+            f"{FIELD}: {n}: sequence parallelism is not yet wired into stage "
+            f"{', '.join(unwired)}; set {FIELD}: 1"
+        )
+    return errors
+
+
+def _device_errors(infra: Any, n: int) -> list[str]:
+    """Layout fsdp, and N dividing nnodes x devices_per_node (unknown while devices_per_node
+    is `auto`)."""
+    errors = []
+    if infra.layout != "fsdp":
+        errors.append(
+            f"{FIELD}: {n} with infra.layout {infra.layout} is refused: sequence parallelism "
+            "shards parameters over the data-parallel and sequence dimensions of one mesh "
+            "(layout fsdp); use infra.layout: fsdp"
+        )
+    if isinstance(infra.devices_per_node, int) and infra.world_size() % n:
+        world = infra.world_size()
+        errors.append(
+            f"{FIELD}: {n} does not divide the {world} devices (nnodes {infra.nnodes} x "
+            f"devices_per_node {infra.devices_per_node}); pick a divisor of {world}"
+        )
+    return errors
+
+
+def _base_shape(section: Any, local: bool) -> ModelShape | None:
+    """A base's shape where known without downloading: its `from_config` numbers, or (with
+    `local`) a local folder's config.json. None otherwise (a hub id, a config the estimate does
+    not describe): not checked here."""
+    try:
+        if section.source == "from_config":
+            return ModelShape.from_recipe_model(section.from_config)
+        config = Path(section.path or "") / "config.json"
+        if local and section.path and config.is_file():
+            return ModelShape.from_hf_config(json.loads(config.read_text(encoding="utf-8")))
+    except ValueError:
+        return None
+    return None

@@ -1,0 +1,119 @@
+"""`infra.sequence_parallel` in the recipe: its refusals by field (devices, heads, layout,
+padding-free batches, stages not yet wired) and its batch arithmetic (global batch = micro x
+accumulation x devices / N)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from posttrain.config import sp_check
+from posttrain.config.loader import RecipeError, apply_overrides, resolve, validate_recipe
+from posttrain.sections.infra import InfraConfig
+
+MINIMAL = {"ingest": {"source": "from_config"}, "sft": {"data": {"synthetic": {}}}}
+BATCH = "sft.batch={micro_batch_size: 2, grad_accum_steps: 3}"
+NOT_WIRED = (
+    "infra.sequence_parallel: 2: sequence parallelism is not yet wired into stage sft; "
+    "set infra.sequence_parallel: 1"
+)
+
+
+def errors_of(overrides: list[str], data: dict = MINIMAL) -> list[str]:
+    with pytest.raises(RecipeError) as exc:
+        resolve(validate_recipe(apply_overrides(data, overrides)))
+    return exc.value.errors
+
+
+@pytest.fixture
+def sft_wired(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the next slice will have it: SFT splits its sequences."""
+    monkeypatch.setattr(sp_check, "SP_WIRED_KINDS", frozenset({"sft"}))
+
+
+def test_default_is_one_and_the_data_parallel_size_is_the_world() -> None:
+    infra = InfraConfig(devices_per_node=4, nnodes=2, rdzv_endpoint="h:1")
+    assert infra.sequence_parallel == 1 and infra.dp_size() == infra.world_size() == 8
+    assert InfraConfig(devices_per_node=4, sequence_parallel=2).dp_size() == 2
+
+
+def test_a_stage_not_wired_yet_is_refused() -> None:
+    assert errors_of(["infra.devices_per_node=2", "infra.sequence_parallel=2"]) == [NOT_WIRED]
+
+
+def test_sequence_parallel_must_divide_the_devices() -> None:
+    errs = errors_of(["infra.devices_per_node=3", "infra.sequence_parallel=2"])
+    assert errs == [
+        "infra.sequence_parallel: 2 does not divide the 3 devices (nnodes 1 x devices_per_node "
+        "3); pick a divisor of 3",
+        NOT_WIRED,
+    ]
+
+
+def test_sequence_parallel_needs_layout_fsdp() -> None:
+    errs = errors_of(["infra.devices_per_node=2", "infra.sequence_parallel=2", "infra.layout=ddp"])
+    assert errs[0] == (
+        "infra.sequence_parallel: 2 with infra.layout ddp is refused: sequence parallelism "
+        "shards parameters over the data-parallel and sequence dimensions of one mesh "
+        "(layout fsdp); use infra.layout: fsdp"
+    )
+
+
+def test_heads_must_divide_by_sequence_parallel() -> None:
+    # from_config's default shape: 4 attention heads.
+    errs = errors_of(["infra.devices_per_node=3", "infra.sequence_parallel=3"])
+    assert errs[0] == (
+        "infra.sequence_parallel: 3 cannot split the attention of base 'ingest': its 4 attention "
+        "heads are not divisible by 3"
+    )
+    # 6 query heads split over 2 ranks, but 3 key/value heads neither split nor replicate.
+    gqa = [f"ingest.from_config.{k}" for k in ("num_heads=6", "num_kv_heads=3", "hidden_size=96")]
+    errs = errors_of(["infra.devices_per_node=2", "infra.sequence_parallel=2", *gqa])
+    assert errs[0] == (
+        "infra.sequence_parallel: 2 cannot split the attention of base 'ingest': its 3 key/value "
+        "heads are not divisible by 2, nor 2 by 3 (fewer key/value heads than ranks are "
+        "replicated)"
+    )
+
+
+def test_padding_free_batches_are_needed() -> None:
+    off = "sft.batch={micro_batch_size: 2, grad_accum_steps: 1, padding_free: false}"
+    errs = errors_of(["infra.devices_per_node=2", "infra.sequence_parallel=2", off])
+    assert errs[0] == (
+        "sft.batch.padding_free: false is refused with infra.sequence_parallel 2: each rank "
+        "takes a slice of the micro-batch's packed token stream; set it true"
+    )
+
+
+def test_global_batch_counts_data_parallel_groups(sft_wired: None) -> None:
+    data = apply_overrides(MINIMAL, ["infra.devices_per_node=4", "infra.sequence_parallel=2"])
+    r = resolve(validate_recipe(apply_overrides(data, [BATCH])))
+    # 2 rows x 3 micro-batches x (4 devices / 2 per sequence) data-parallel groups.
+    assert r.sft.batch.global_batch_size == 12
+    errs = errors_of([BATCH.replace("}", ", global_batch_size: 24}")], data)
+    assert errs == [
+        "sft.batch: micro_batch_size 2 x grad_accum_steps 3 x data-parallel size 2 = 12, "
+        "but global_batch_size is 24"
+    ]
+
+
+def test_a_local_base_is_checked_at_resolve(sft_wired: None, tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    base.mkdir()
+    config = {
+        **{"num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 48},
+        **{"num_hidden_layers": 2, "intermediate_size": 96, "vocab_size": 100},
+    }
+    (base / "config.json").write_text(json.dumps(config))
+    data = {
+        "run": {"allowed_paths": [str(tmp_path)]},
+        "ingest": {"source": "path", "path": str(base)},
+        "sft": {"data": {"synthetic": {}}},
+    }
+    errs = errors_of(["infra.devices_per_node=4", "infra.sequence_parallel=4"], data)
+    assert (
+        "infra.sequence_parallel: 4 cannot split the attention of base 'ingest': its 6 "
+        "attention heads are not divisible by 4"
+    ) in errs
