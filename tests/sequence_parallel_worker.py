@@ -15,9 +15,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from posttrain.data.chat import IGNORE
 from posttrain.data.segments import flat_batch
 from posttrain.distributed.sequence_parallel import SequenceParallel, gather_tokens
-from posttrain.distributed.sequence_split import shard_logps, split_batch
 from posttrain.models.chunked import label_logps
 from posttrain.models.lora import apply_lora
+from posttrain.models.sequence_split import shard_logps, split_batch
 from posttrain.sections.shared import LoraConfig
 from posttrain.train.loop import to_device
 

@@ -1,7 +1,7 @@
 """Sequence parallelism, Ulysses style: P ranks share one packed micro-batch of N tokens.
 
 Each rank of the sequence-parallel group holds a contiguous slice of N/P tokens of the flat
-(padding-free) sequence (`posttrain.distributed.sequence_split`), so every linear layer and
+(padding-free) sequence (`posttrain.models.sequence_split`), so every linear layer and
 the MLP see N/P tokens. Attention needs whole rows, so around it the ranks exchange by
 all-to-all: q/k/v [1, H, N/P, D] (this rank's tokens, all heads) -> [1, H/P, N, D] (all tokens,
 this rank's heads); the padding-free attention runs over the full `Segments` as on one rank;

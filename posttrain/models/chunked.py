@@ -498,7 +498,7 @@ def model_call(model: nn.Module, batch: dict[str, Any]) -> Any:
     segments = batch.get("segments")
     if segments is None:
         return model(**inputs)
-    # A sequence-parallel shard (`posttrain.distributed.sequence_split`): this rank's slice of
+    # A sequence-parallel shard (`posttrain.models.sequence_split`): this rank's slice of
     # the tokens, the segments of the whole sequence, and the group that exchanges them.
     sp = batch.get("sequence_parallel")
     with confined_attention(model) as native:
