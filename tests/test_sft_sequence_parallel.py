@@ -12,6 +12,7 @@ all-to-all exchange, and the last token of slice 0 predicts the first of slice 1
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,12 +32,15 @@ STEPS = 4
 GLOBAL = 4
 ONE = ("sft.batch.micro_batch_size=4",)
 SP2 = ("infra.devices_per_node=2", "infra.sequence_parallel=2", "sft.batch.micro_batch_size=4")
+DP2 = ("infra.devices_per_node=2", "sft.batch.micro_batch_size=2")
 VARIANTS = {
     "one_rank": ONE,
     "sp2": SP2,
     "sp2_checkpointed": (*SP2, "sft.activation_checkpointing=true"),
+    "dp2": DP2,
+    "dp2_sp2": ("infra.devices_per_node=4", "infra.sequence_parallel=2", DP2[1]),
 }
-LOG_LINE = "sequence parallel: 2 ranks per group, 1 data-parallel group"
+LOG_LINE = "sequence parallel: 2 ranks per group, {}"
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +51,13 @@ def env(tmp_path_factory: pytest.TempPathFactory, shared_parents: Path) -> dict:
     # Seed 0's first step has its midpoint on a row boundary; seed 1's four steps cut rows.
     data["run"]["seed"] = 1
     data["sft"].update(
-        batch={"micro_batch_size": 4, "grad_accum_steps": 1}, max_steps=STEPS, eval_every=0
+        batch={"micro_batch_size": 4, "grad_accum_steps": 1},
+        max_steps=STEPS,
+        eval_every=0,
+        checkpoint_every=2,  # what the resume below starts from
     )
     recipes = {}
-    for name in VARIANTS:  # a workspace each: the variants share the sft fingerprint
+    for name in [*VARIANTS, "resume"]:  # a workspace each: they share the sft fingerprint
         (folder / name).mkdir()
         recipes[name] = write_recipe(folder / name, data)
         run_shared("ingest", recipes[name], shared_parents)
@@ -61,8 +68,9 @@ def _run(env: dict, name: str) -> tuple[Path, str]:
     """Run one variant once per module: (its output folder, its log)."""
     if name not in env["done"]:
         recipe, over = env["recipes"][name], VARIANTS[name]
-        if "infra.devices_per_node=2" in over:
-            proc = run_torchrun("sft", recipe, 2, *over)
+        nproc = next((int(o.split("=")[1]) for o in over if "devices_per_node" in o), 1)
+        if nproc > 1:
+            proc = run_torchrun("sft", recipe, nproc, *over)
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
             text = proc.stdout + proc.stderr
         else:
@@ -96,11 +104,46 @@ def test_the_cut_falls_inside_a_row(env: dict) -> None:
 
 @pytest.mark.parametrize("name", ["sp2", "sp2_checkpointed"])
 def test_two_sequence_parallel_ranks_match_one_rank(env: dict, name: str) -> None:
-    one, _ = _run(env, "one_rank")
     two, text = _run(env, name)
-    assert LOG_LINE in text
+    assert LOG_LINE.format("1 data-parallel group") in text
     start = _records(two, "start")[0]
     assert (start["world_size"], start["global_batch_size"]) == (2, GLOBAL)
+    _assert_same_run(_run(env, "one_rank")[0], two)
+
+
+def test_two_by_two_matches_two_data_parallel_ranks(env: dict) -> None:
+    """2 data-parallel groups x 2 sequence-parallel ranks (4 processes, micro 2 each group) ==
+    2 data-parallel ranks x micro 2 == 1 rank x micro 4."""
+    four, text = _run(env, "dp2_sp2")
+    assert LOG_LINE.format("2 data-parallel groups") in text
+    start = _records(four, "start")[0]
+    assert (start["world_size"], start["global_batch_size"]) == (4, GLOBAL)
+    _assert_same_run(_run(env, "dp2")[0], four)
+    _assert_same_run(_run(env, "one_rank")[0], four)
+
+
+def test_a_sequence_parallel_checkpoint_resumes_on_one_rank(env: dict) -> None:
+    """The 2-rank SP=2 run's step-2 checkpoint (DCP shards of 2 ranks, an RNG state each), its
+    run cut there, continues on 1 rank to the 1-rank trajectory: steps 3-4, the held-out loss
+    at the end and the adapter."""
+    sp2, _ = _run(env, "sp2")
+    recipe = env["recipes"]["resume"]
+    out = planned_dir("sft", recipe, *ONE)
+    assert out.name == sp2.name  # sequence parallelism is not part of the fingerprint
+    shutil.copytree(sp2, out)
+    # As if killed after step 3: no artifact, the checkpoint at step 2 the newest.
+    (out / "manifest.json").unlink()
+    shutil.rmtree(out / "adapter")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000002"]
+    run_inprocess("sft", recipe, *ONE)
+    starts = _records(out, "start")
+    assert [(r["start_step"], r["world_size"]) for r in starts] == [(0, 2), (2, 1)]
+    _assert_same_run(_run(env, "one_rank")[0], out)
+
+
+def _assert_same_run(one: Path, two: Path) -> None:
+    """Every step's loss, gradient norm, target and token counts, the held-out losses and the
+    trained adapter of run `two` are run `one`'s."""
     a, b = _records(one, "train"), _records(two, "train")
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     for x, y in zip(a, b, strict=True):
