@@ -1,5 +1,5 @@
 """`infra.sequence_parallel` in the recipe: its refusals by field (devices, heads, layout,
-padding-free batches, stages not yet wired) and its batch arithmetic (global batch = micro x
+padding-free batches, stages not yet wired: SFT is) and its batch arithmetic (global batch = micro x
 accumulation x devices / N)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from posttrain.sections.infra import InfraConfig
 MINIMAL = {"ingest": {"source": "from_config"}, "sft": {"data": {"synthetic": {}}}}
 BATCH = "sft.batch={micro_batch_size: 2, grad_accum_steps: 3}"
 NOT_WIRED = (
-    "infra.sequence_parallel: 2: sequence parallelism is not yet wired into stage sft; "
+    "infra.sequence_parallel: 2: sequence parallelism is not yet wired into stage reward; "
     "set infra.sequence_parallel: 1"
 )
 
@@ -27,12 +27,6 @@ def errors_of(overrides: list[str], data: dict = MINIMAL) -> list[str]:
     return exc.value.errors
 
 
-@pytest.fixture
-def sft_wired(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As the next slice will have it: SFT splits its sequences."""
-    monkeypatch.setattr(sp_check, "SP_WIRED_KINDS", frozenset({"sft"}))
-
-
 def test_default_is_one_and_the_data_parallel_size_is_the_world() -> None:
     infra = InfraConfig(devices_per_node=4, nnodes=2, rdzv_endpoint="h:1")
     assert infra.sequence_parallel == 1 and infra.dp_size() == infra.world_size() == 8
@@ -40,15 +34,19 @@ def test_default_is_one_and_the_data_parallel_size_is_the_world() -> None:
 
 
 def test_a_stage_not_wired_yet_is_refused() -> None:
-    assert errors_of(["infra.devices_per_node=2", "infra.sequence_parallel=2"]) == [NOT_WIRED]
+    """SFT is wired (no error of its own); a reward stage after it is not."""
+    assert "sft" in sp_check.SP_WIRED_KINDS
+    data = {**MINIMAL, "reward": {"data": {"synthetic": {}}}}
+    over = ["infra.devices_per_node=2", "infra.sequence_parallel=2"]
+    assert errors_of(over, data) == [NOT_WIRED]
+    resolve(validate_recipe(apply_overrides(MINIMAL, over)))  # SFT alone: accepted
 
 
 def test_sequence_parallel_must_divide_the_devices() -> None:
     errs = errors_of(["infra.devices_per_node=3", "infra.sequence_parallel=2"])
     assert errs == [
         "infra.sequence_parallel: 2 does not divide the 3 devices (nnodes 1 x devices_per_node "
-        "3); pick a divisor of 3",
-        NOT_WIRED,
+        "3); pick a divisor of 3"
     ]
 
 
@@ -87,7 +85,7 @@ def test_padding_free_batches_are_needed() -> None:
     )
 
 
-def test_global_batch_counts_data_parallel_groups(sft_wired: None) -> None:
+def test_global_batch_counts_data_parallel_groups() -> None:
     data = apply_overrides(MINIMAL, ["infra.devices_per_node=4", "infra.sequence_parallel=2"])
     r = resolve(validate_recipe(apply_overrides(data, [BATCH])))
     # 2 rows x 3 micro-batches x (4 devices / 2 per sequence) data-parallel groups.
@@ -99,7 +97,7 @@ def test_global_batch_counts_data_parallel_groups(sft_wired: None) -> None:
     ]
 
 
-def test_a_local_base_is_checked_at_resolve(sft_wired: None, tmp_path: Path) -> None:
+def test_a_local_base_is_checked_at_resolve(tmp_path: Path) -> None:
     base = tmp_path / "base"
     base.mkdir()
     config = {

@@ -54,6 +54,13 @@ def split_batch(batch: dict[str, Any], sp: SequenceParallel, pad_id: int = 0) ->
     }
 
 
+def shard_tokens(n: int, sp: SequenceParallel) -> int:
+    """The real tokens (not the padding row) in this rank's shard of a flat batch of `n` tokens:
+    the slices are ceil(n / P) wide, the padding at the end of the last ones."""
+    width = -(-n // sp.size)
+    return max(0, min(width, n - sp.rank * width))
+
+
 def shard_logps(
     model: nn.Module, shard: dict[str, Any], chunk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

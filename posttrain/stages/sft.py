@@ -5,6 +5,11 @@ Algorithm choices:
   tokens in the whole global batch: each micro-batch contributes sum(NLL) * world / N_global, and
   FSDP's gradient averaging over ranks divides the world back out. So 2 ranks x micro 4 equals
   1 rank x micro 8, and accumulation 2x2 equals 1x4, even with unequal tokens per micro-batch.
+- Sequence parallelism (`infra.sequence_parallel` P): the P ranks of a group take the same rows,
+  each a slice of every micro-batch's tokens (`Training.lay_out`). Each rank's NLL and target
+  count are its slice's, so the sums over all ranks are the global batch's (no row counted
+  twice), and the gradients of its slice's loss reach the peers' tokens through the attention
+  exchange: averaging over all world ranks again gives the global token-mean gradient.
 - Batch order is a pure function of (seed, step) (`posttrain.data.batching.step_indices`), so a
   resumed run replays nothing and skips nothing.
 - Gradient sync (reduce-scatter) only on the last micro-batch of an accumulation window.
@@ -42,11 +47,13 @@ log = logging.getLogger("posttrain.sft")
 @torch.no_grad()
 def heldout_loss(loop: Training, examples: list[dict]) -> float | None:
     """Token-weighted held-out NLL, or None without held-out rows (eval_fraction 0 and no
-    eval_path: there is no figure, and NaN would not be valid JSON in the manifest)."""
+    eval_path: there is no figure, and NaN would not be valid JSON in the manifest). With
+    sequence parallelism each rank scores its shard: the NLL and token count are per-token
+    sums, so summing them over every rank counts each token once."""
     if not examples:
         return None
     total, count = 0.0, 0.0
-    for weight, batch in loop.heldout_batches(examples, loop.flat):
+    for weight, batch in loop.heldout_batches(examples, loop.flat, split=True):
         nll, n = forward_nll_sum(loop.model, batch, loop.chunk_tokens)
         total += weight * nll.item()
         count += weight * n.item()
@@ -117,8 +124,8 @@ def sft_step(loop: Training, sb: StepBatch) -> tuple[torch.Tensor, float]:
     device tensor, N_global): nothing is read to the host here; the optimizer step reads the
     loss with the gradient norm, the step's one sync."""
     device = loop.device
-    # Counted on the host (the collator's `target_positions`): reading a device tensor would
-    # wait for the last step's update.
+    # Counted on the host (the collator's `target_positions`, a sequence-parallel shard's own):
+    # reading a device tensor would wait for the last step's update.
     local_targets = sum(int(mb["target_positions"].numel()) for mb in sb.host)
     global_targets = all_reduce_sum(local_targets, device)
     step_nll = torch.zeros((), device=device)  # summed on the device

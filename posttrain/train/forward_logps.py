@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from posttrain.models.chunked import label_logps, model_call
+from posttrain.models.sequence_split import shard_logps
 from posttrain.train.losses import token_logps, token_nll_sum
 
 
@@ -17,7 +18,12 @@ def forward_nll_sum(
     model: nn.Module, batch: dict[str, Any], chunk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_nll_sum` of one forward over `batch`: (summed NLL of the label tokens, their
-    count). `chunk` tokens per pass through the head; 0 = full logits (the unchunked path)."""
+    count). `chunk` tokens per pass through the head; 0 = full logits (the unchunked path).
+    A sequence-parallel shard (`split_batch`) scores its own targets through the head (all at
+    once with `chunk` 0: it has no labels to shift): its share of the micro-batch's sums."""
+    if "sequence_parallel" in batch:
+        logp, mask = shard_logps(model, batch, chunk)  # [1, N'/P] each
+        return -logp.sum(), mask.sum()
     if not chunk:
         return token_nll_sum(model_call(model, batch).logits, batch["labels"])
     logp, mask = label_logps(model, batch, chunk)

@@ -26,6 +26,7 @@ and headline. The loop over steps stays in the stage too, so it can be read top 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -39,11 +40,15 @@ from posttrain.config.loader import section_batch
 from posttrain.data.segments import batch_rows, layout_stats
 from posttrain.data.sft_data import write_splits
 from posttrain.distributed.runtime import all_reduce_on_device, rank_batches
+from posttrain.distributed.sequence_parallel import SequenceParallel
+from posttrain.models.sequence_split import shard_tokens, split_batch
 from posttrain.models.sharded_load import CheckpointFiles
 from posttrain.telemetry import heartbeat
 from posttrain.telemetry.metrics import memory_snapshot
 from posttrain.train.micro_batches import padding_free, regroup_step
 from posttrain.train.session import TrainSession, save_adapter, start_session
+
+log = logging.getLogger("posttrain.train")
 
 Row = dict[str, Any]
 Figures = dict[str, Any]  # a stage's held-out metrics, by name (no "eval_" prefix)
@@ -78,12 +83,17 @@ class StepBatch:
 
     t_start: float  # time.perf_counter() when the step began
     rows: list[list[int]]  # indices into `Draw.rows`, one list per micro-batch
-    host: list[dict[str, Any]]  # the micro-batches as collated on the host
+    # The micro-batches as collated on the host; with sequence parallelism, this rank's shards
+    # of them (`split_batch`: its slice of the tokens, its targets and `target_positions`).
+    host: list[dict[str, Any]]
     micro: list[dict[str, Any]]  # the same on the device
-    # This rank's tokens in the step, counted on the host: reading a device tensor would wait
-    # for the last step's update.
+    # This rank's tokens in the step (its shards' own with sequence parallelism), counted on the
+    # host: reading a device tensor would wait for the last step's update.
     local_tokens: int
     t_data: float  # seconds spent drawing and laying out the rows
+    # The step's rows' mean length in tokens (what attention's FLOPs grow with): whole rows,
+    # whatever slice of them this rank holds.
+    seq_len: float
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -102,14 +112,17 @@ def strided_batches(
     world: int,
     flat: bool = False,
     phase: str = "eval",
+    shard: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> Iterator[tuple[list[int], dict[str, Any]]]:
     """(row indices, their batch on `device`) for this rank's share of `rows`, rank-strided.
     Every rank runs the same number of forwards (FSDP's all-gathers are collective): a rank
-    short of rows gets no indices and a filler batch of the first row, to weigh 0."""
+    short of rows gets no indices and a filler batch of the first row, to weigh 0. `shard`:
+    what becomes of each collated batch on the host first (a sequence-parallel split)."""
     for idx in rank_batches(len(rows), rank, world, batch_size):
         heartbeat.beat(phase=phase)
         chunk = [rows[i] for i in idx] or rows[:1]
-        yield idx, to_device(collate(chunk, pad_id, flat), device)
+        batch = collate(chunk, pad_id, flat)
+        yield idx, to_device(shard(batch) if shard else batch, device)
 
 
 def add_sums(
@@ -170,7 +183,30 @@ def open_training(
         **data.stats,
     )
     flat = padding_free(cfg.batch, tr.model)
-    return Training(ctx, tr, batch, draw, heldout, flat, cfg.eval_every)
+    return Training(ctx, tr, batch, draw, heldout, flat, cfg.eval_every, sequence_split(tr, flat))
+
+
+def sequence_split(tr: TrainSession, flat: bool) -> SequenceParallel | None:
+    """The group this rank splits each micro-batch's tokens with (None without sequence
+    parallelism), logged once. Splitting needs padding-free micro-batches: a model that cannot
+    take them is refused here rather than trained unsplit."""
+    d = tr.dist
+    if d.sp_size == 1:
+        return None
+    if not flat:
+        raise ValueError(
+            f"infra.sequence_parallel {d.sp_size} splits padding-free micro-batches, and this "
+            "model's batches are padded (see the log line above); set infra.sequence_parallel: 1"
+        )
+    if d.is_main:
+        groups = "group" if d.dp_size == 1 else "groups"
+        log.info(
+            "sequence parallel: %d ranks per group, %d data-parallel %s",
+            d.sp_size,
+            d.dp_size,
+            groups,
+        )
+    return SequenceParallel.of(d.sp_group)
 
 
 @dataclass
@@ -184,6 +220,7 @@ class Training:
     heldout: Callable[[Training], Figures | None]
     flat: bool  # padding-free micro-batches
     eval_every: int = 0
+    sp: SequenceParallel | None = None  # the ranks this one splits its sequences with
 
     @property
     def section(self) -> Any:
@@ -239,14 +276,19 @@ class Training:
         return self.lay_out(t_start, groups)
 
     def lay_out(self, t_start: float, groups: list[list[int]]) -> StepBatch:
-        """The micro-batches of `groups` (row indices per micro-batch), on host and device."""
-        rows = self.draw.rows
-        host = [
-            self.draw.collate([rows[i] for i in g], self.draw.pad_id, self.flat) for g in groups
-        ]
+        """The micro-batches of `groups` (row indices per micro-batch), on host and device;
+        with sequence parallelism, this rank's shard of each (`split_batch`)."""
+        rows, pad_id = self.draw.rows, self.draw.pad_id
+        host = [self.draw.collate([rows[i] for i in g], pad_id, self.flat) for g in groups]
+        row_tokens = sum(self.draw.tokens(rows[i]) for g in groups for i in g)
+        seq_len = row_tokens / max(1, sum(batch_rows(mb) for mb in host))
+        local_tokens = row_tokens
+        if self.sp is not None:
+            local_tokens = sum(shard_tokens(mb["input_ids"].shape[1], self.sp) for mb in host)
+            host = [split_batch(mb, self.sp, pad_id) for mb in host]
         micro = [to_device(mb, self.device) for mb in host]
-        local_tokens = sum(self.draw.tokens(rows[i]) for g in groups for i in g)
-        return StepBatch(t_start, groups, host, micro, local_tokens, time.perf_counter() - t_start)
+        t_data = time.perf_counter() - t_start
+        return StepBatch(t_start, groups, host, micro, local_tokens, t_data, seq_len)
 
     def finish_step(
         self,
@@ -271,7 +313,7 @@ class Training:
                 grad_norm=grad_norm,
                 lr=lr,
                 local_tokens=sb.local_tokens,
-                seq_len=sb.local_tokens / max(1, sum(batch_rows(mb) for mb in sb.host)),
+                seq_len=sb.seq_len,
                 t_start=sb.t_start,
                 t_data=sb.t_data,
                 **layout_stats(sb.host, sb.local_tokens),
@@ -282,11 +324,18 @@ class Training:
             self.evaluate(done)
         tr.maybe_checkpoint(done, cfg.checkpoint_every, cfg.keep_checkpoints)
 
-    def heldout_batches(self, rows: list[Row], flat: bool = False) -> Iterator[tuple[float, Any]]:
+    def heldout_batches(
+        self, rows: list[Row], flat: bool = False, split: bool = False
+    ) -> Iterator[tuple[float, Any]]:
         """(weight, micro-batch on the device) for this rank's share of held-out `rows`
-        (`strided_batches`, `Draw.collate`d; `flat`: padding-free), the model in eval mode."""
+        (`strided_batches`, `Draw.collate`d; `flat`: padding-free), the model in eval mode.
+        `split` (flat only): with sequence parallelism, this rank's shard of each batch, whose
+        per-token sums add up over the group (per-row figures would not)."""
         self.model.eval()
-        draw = self.draw
+        draw, sp = self.draw, self.sp
+        shard = None
+        if split and flat and sp is not None:
+            shard = lambda mb: split_batch(mb, sp, draw.pad_id)  # noqa: E731
         for idx, batch in strided_batches(
             rows,
             draw.collate,
@@ -296,6 +345,7 @@ class Training:
             self.dp_rank,
             self.dp_size,
             flat,
+            shard=shard,
         ):
             yield (1.0 if idx else 0.0), batch
         self.model.train()

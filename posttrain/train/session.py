@@ -348,7 +348,7 @@ def start_session(
     start_fields = {"compiled_blocks": compiled, "logits_head": head, **start_fields}
     start = _start_record(ctx, batch, total_steps, start_step, counts, dtype, peak, start_fields)
     metrics = _open_metrics(ctx, start_step, start, point)
-    _log_plan(counts, batch, d.world_size, total_steps)
+    _log_plan(counts, batch, d.dp_size, total_steps)
     heartbeat.beat(step=start_step, phase="train")
     return TrainSession(
         model,
@@ -512,7 +512,7 @@ def _open_metrics(
     return metrics
 
 
-def _log_plan(counts: tuple[int, int], batch: ResolvedBatch, world: int, total_steps: int) -> None:
+def _log_plan(counts: tuple[int, int], batch: ResolvedBatch, dp: int, total_steps: int) -> None:
     n_total, n_trainable = counts
     log.info(
         "trainable params %s / %s (%.3f%%); micro %d x accum %d x dp %d = global %d; %d steps",
@@ -521,7 +521,7 @@ def _log_plan(counts: tuple[int, int], batch: ResolvedBatch, world: int, total_s
         100 * n_trainable / n_total,
         batch.micro_batch_size,
         batch.grad_accum_steps,
-        world,
+        dp,
         batch.global_batch_size,
         total_steps,
     )
