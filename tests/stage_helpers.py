@@ -304,9 +304,10 @@ def run_torchrun(
     *overrides: str,
     name: str | None = None,
     timeout: float = 300,
+    module: str | None = None,
 ) -> subprocess.CompletedProcess:
     """The recipe's stage (as `run_inprocess` finds it) under `torchrun --standalone` with
-    `nproc` ranks, this process its supervisor."""
+    `nproc` ranks, this process its supervisor; `module`: another entry than the kind's."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
@@ -319,7 +320,7 @@ def run_torchrun(
             "--standalone",
             f"--nproc-per-node={nproc}",
             "-m",
-            KINDS[stage].module,
+            module or KINDS[stage].module,
             "--spec",
             str(spec),
         ]

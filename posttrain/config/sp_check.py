@@ -15,9 +15,8 @@ from posttrain.memory.estimate import ModelShape
 
 FIELD = "infra.sequence_parallel"
 # Stage kinds whose step functions split each micro-batch's tokens across the sequence-parallel
-# ranks. None yet: the mesh, batch arithmetic and memory pre-flight are in place, the stages
-# are wired next (issue 44).
-SP_WIRED_KINDS: frozenset[str] = frozenset()
+# ranks (issue 44): dpo (its rows' log-prob sums all-reduced over the group).
+SP_WIRED_KINDS: frozenset[str] = frozenset({"dpo"})
 
 
 def sp_errors(recipe: Any, local_bases: bool = False) -> list[str]:

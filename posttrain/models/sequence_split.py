@@ -19,6 +19,7 @@ positions (`ShardRows`: which row each scores) and summed over the group (`shard
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,43 @@ def split_batch(batch: dict[str, Any], sp: SequenceParallel, pad_id: int = 0) ->
         "shard_rows": ShardRows(segments.row_of[cut], rows),
         "sequence_parallel": sp,
     }
+
+
+def group_of(info: Any) -> SequenceParallel | None:
+    """The sequence-parallel group of a `DistInfo` (its `sp_group`), None without one."""
+    return SequenceParallel.of(info.sp_group) if info.sp_size > 1 else None
+
+
+Collate = Callable[[list[dict[str, Any]], int, bool], dict[str, Any]]
+
+
+def splitting(collate: Collate, sp: SequenceParallel | None) -> Collate:
+    """`collate` (rows, pad_id, padding_free) -> a batch, then this rank's shard of it
+    (`split_batch`); `collate` itself without sequence parallelism. The split takes the
+    padding-free layout (the recipe refuses `batch.padding_free: false` with N > 1)."""
+    if sp is None:
+        return collate
+
+    def split(rows: list[dict[str, Any]], pad_id: int, flat: bool) -> dict[str, Any]:
+        if not flat:
+            raise ValueError(
+                "sequence parallelism splits padding-free batches, and this model takes padded "
+                "rows only (see the log's 'padding-free batches off' line); set "
+                "infra.sequence_parallel: 1"
+            )
+        return split_batch(collate(rows, pad_id, True), sp, pad_id)
+
+    return split
+
+
+def shard_tokens(shard: dict[str, Any]) -> int:
+    """The real tokens of a shard (host-side: the padding row, at the end, left out): the
+    group's shards add up to the unsplit batch's tokens."""
+    sr: ShardRows = shard["shard_rows"]
+    sp: SequenceParallel = shard["sequence_parallel"]
+    lengths, width = shard["segments"].lengths, shard["input_ids"].shape[1]
+    real = sum(lengths[: sr.rows])
+    return min(width, max(0, real - sp.rank * width))
 
 
 def shard_logps(
