@@ -117,3 +117,9 @@ def test_a_local_base_is_checked_at_resolve(sft_wired: None, tmp_path: Path) -> 
         "infra.sequence_parallel: 4 cannot split the attention of base 'ingest': its 6 "
         "attention heads are not divisible by 4"
     ) in errs
+
+
+def test_dpo_is_wired() -> None:
+    # sft is refused (not wired here); dpo, its child, is not named.
+    data = {**MINIMAL, "dpo": {"data": {"synthetic": {}}}}
+    assert errors_of(["infra.devices_per_node=2", "infra.sequence_parallel=2"], data) == [NOT_WIRED]
