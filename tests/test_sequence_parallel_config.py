@@ -115,3 +115,10 @@ def test_a_local_base_is_checked_at_resolve(tmp_path: Path) -> None:
         "infra.sequence_parallel: 4 cannot split the attention of base 'ingest': its 6 "
         "attention heads are not divisible by 4"
     ) in errs
+
+
+def test_dpo_is_wired() -> None:
+    """SFT and its DPO child both split their sequences: neither is refused."""
+    data = {**MINIMAL, "dpo": {"data": {"synthetic": {}}}}
+    over = ["infra.devices_per_node=2", "infra.sequence_parallel=2"]
+    resolve(validate_recipe(apply_overrides(data, over)))

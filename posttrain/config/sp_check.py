@@ -15,8 +15,9 @@ from posttrain.memory.estimate import ModelShape
 
 FIELD = "infra.sequence_parallel"
 # Stage kinds whose step functions split each micro-batch's tokens across the sequence-parallel
-# ranks (`posttrain.train.loop.Training.lay_out`, and their held-out forwards).
-SP_WIRED_KINDS: frozenset[str] = frozenset({"sft"})
+# ranks (`posttrain.train.loop.Training.lay_out`, and their held-out forwards); dpo also
+# all-reduces its rows' log-prob sums over the group.
+SP_WIRED_KINDS: frozenset[str] = frozenset({"sft", "dpo"})
 
 
 def sp_errors(recipe: Any, local_bases: bool = False) -> list[str]:

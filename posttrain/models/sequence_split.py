@@ -12,14 +12,19 @@ is N rounded up to a multiple of P by one padding row whose labels are all IGNOR
   all N' tokens (`posttrain.distributed.sequence_parallel`).
 
 The per-rank sums of token NLL (and the rank's log-probs) add up, over the group, to those of
-the unsplit batch; so do the gradients of replicated weights (LoRA adapters).
+the unsplit batch; so do the gradients of replicated weights (LoRA adapters). Per-row sums
+(sequence log-probs, for the preference losses) are taken on each rank over its shard's
+positions (`ShardRows`: which row each scores) and summed over the group (`shard_row_sums`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from posttrain.data.chat import IGNORE
@@ -34,6 +39,7 @@ def split_batch(batch: dict[str, Any], sp: SequenceParallel, pad_id: int = 0) ->
     scored positions, taken here on the host), the whole sequence's `segments` and `sp`."""
     ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]  # [1, N]
     lengths = list(batch["segments"].lengths)
+    rows = len(lengths)
     pad = -ids.shape[1] % sp.size
     if pad:  # a row of its own: attends to itself only, predicts and is predicted by nothing
         ids = torch.cat([ids, ids.new_full((1, pad), pad_id)], dim=1)
@@ -44,12 +50,14 @@ def split_batch(batch: dict[str, Any], sp: SequenceParallel, pad_id: int = 0) ->
     width = ids.shape[1] // sp.size
     cut = slice(sp.rank * width, (sp.rank + 1) * width)
     shard_targets = targets[:, cut]
+    segments = Segments.from_lengths(lengths)
     return {
         "input_ids": ids[:, cut],
         "position_ids": pos[:, cut],
         "targets": shard_targets,
         "target_positions": (shard_targets.reshape(-1) != IGNORE).nonzero().squeeze(1),
-        "segments": Segments.from_lengths(lengths),
+        "segments": segments,
+        "shard_rows": ShardRows(segments.row_of[cut], rows),
         "sequence_parallel": sp,
     }
 
@@ -61,6 +69,33 @@ def shard_tokens(n: int, sp: SequenceParallel) -> int:
     return max(0, min(width, n - sp.rank * width))
 
 
+def group_of(info: Any) -> SequenceParallel | None:
+    """The sequence-parallel group of a `DistInfo` (its `sp_group`), None without one."""
+    return SequenceParallel.of(info.sp_group) if info.sp_size > 1 else None
+
+
+Collate = Callable[[list[dict[str, Any]], int, bool], dict[str, Any]]
+
+
+def splitting(collate: Collate, sp: SequenceParallel | None) -> Collate:
+    """`collate` (rows, pad_id, padding_free) -> a batch, then this rank's shard of it
+    (`split_batch`); `collate` itself without sequence parallelism. The split takes the
+    padding-free layout (the recipe refuses `batch.padding_free: false` with N > 1)."""
+    if sp is None:
+        return collate
+
+    def split(rows: list[dict[str, Any]], pad_id: int, flat: bool) -> dict[str, Any]:
+        if not flat:
+            raise ValueError(
+                "sequence parallelism splits padding-free batches, and this model takes padded "
+                "rows only (see the log's 'padding-free batches off' line); set "
+                "infra.sequence_parallel: 1"
+            )
+        return split_batch(collate(rows, pad_id, True), sp, pad_id)
+
+    return split
+
+
 def shard_logps(
     model: nn.Module, shard: dict[str, Any], chunk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,3 +105,58 @@ def shard_logps(
     with scoring_head(model, targets, chunk, positions=shard["target_positions"]):
         logp = model_call(model, shard).logits  # [1, N'/P]
     return logp, targets != IGNORE
+
+
+@dataclass(frozen=True)
+class ShardRows:
+    """Which row of the whole micro-batch each position of a shard scores, for per-row sums.
+
+    row_of [N'/P]: the row of each of the shard's positions (its slice of `Segments.row_of`).
+    A position scores the next token; where that token opens the next row its target is
+    IGNORE (each row's first label is), so crediting a position to its own row loses nothing.
+    rows: the rows of the unsplit batch (the padding row, last, scores nothing and is dropped).
+    """
+
+    row_of: torch.Tensor
+    rows: int
+
+    def to(self, device: Any, non_blocking: bool = False) -> ShardRows:
+        return ShardRows(self.row_of.to(device, non_blocking=non_blocking), self.rows)
+
+
+def shard_row_sums(values: torch.Tensor, shard: dict[str, Any]) -> torch.Tensor:
+    """values [K, N'/P] (K per-position quantities of a shard, e.g. its log-probs, 0 where
+    nothing is scored) -> per-row sums [K, rows] of the WHOLE micro-batch, the same on every
+    rank of the group and differentiable: each rank sums its positions by row, and the group
+    all-reduces the parts (`_SumOverGroup`: the gradient reaches each rank's own positions)."""
+    sr: ShardRows = shard["shard_rows"]
+    sp: SequenceParallel = shard["sequence_parallel"]
+    part = values.new_zeros(values.shape[0], shard["segments"].rows)
+    part = part.index_add(1, sr.row_of, values)  # [K, rows (+ the padding row)]
+    return sum_over_group(part[:, : sr.rows], sp)
+
+
+def sum_over_group(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """The sum of `x` over the ranks of `sp`'s group, differentiable (see `_SumOverGroup`)."""
+    if sp.size == 1:
+        return x
+    return _SumOverGroup.apply(x, sp.group)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) whose backward is the identity. What consumes the sum (a preference
+    loss of whole-row log-probs) is computed alike on every rank of the group, so dL/dsum is
+    the same on each; each rank's part enters the sum with derivative 1, so its gradient is
+    dL/dsum as it stands. The group's parts then add up, through the replicated weights'
+    gradient reduction, to the unsplit batch's gradient. (Backward as an all-reduce of the
+    gradient would count it P times.)"""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None

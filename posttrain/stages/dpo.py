@@ -17,6 +17,11 @@ Algorithm choices:
 - The reference runs in eval mode (`reference_pass`): no dropout, whatever the SFT adapter was
   trained with, so its log-probs are a function of its weights alone.
 - Held-out pairs at step 0 and at the end: implicit-reward accuracy and margin.
+- Sequence parallelism (`infra.sequence_parallel` N > 1): the N ranks of a group take the same
+  pairs, each a slice of every micro-batch's tokens (`splitting`); the rows' summed log-probs
+  are all-reduced over the group (`shard_row_sums`), so every rank computes the same pair
+  losses, and figures summed over the world (step metrics, held-out, the reference table) are
+  taken from the group's first rank only.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ from posttrain.data.pref_prepare import guard_template, prepare
 from posttrain.data.segments import pair_tokens
 from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import all_reduce_sum
+from posttrain.distributed.sequence_parallel import SequenceParallel
 from posttrain.models.adapters import policy_with_reference, reference_pass
 from posttrain.models.lora import prepare_for_training
 from posttrain.models.reward import pair_batch
+from posttrain.models.sequence_split import group_of, splitting
 from posttrain.runtime.context import StageContext, training_base
 from posttrain.stages.common import stage_main
 from posttrain.store.artifacts import canonical_json, fingerprint, stage_dir
@@ -75,18 +82,23 @@ def reference_logps(
     world: int,
     chunk_tokens: int = 0,
     flat: bool = False,
+    sp: SequenceParallel | None = None,
 ) -> torch.Tensor:
-    """[N, 2] (chosen, rejected) reference log-probs of every pair, computed rank-strided
-    (`strided_batches`), then summed across ranks; `flat`: padding-free batches."""
+    """[N, 2] (chosen, rejected) reference log-probs of every pair, computed strided over the
+    data-parallel groups (`rank`/`world`: `strided_batches`), then summed across all ranks;
+    `flat`: padding-free batches; `sp`: this rank's sequence-parallel group, whose ranks share
+    each batch's tokens and hold the same log-probs (its first rank alone writes them)."""
     out = torch.zeros(len(pairs), 2, dtype=torch.float64, device=device)
+    collate = splitting(pair_batch, sp)
+    writes = sp is None or sp.rank == 0
     for idx, batch in strided_batches(
-        pairs, pair_batch, pad_id, batch_size, device, rank, world, flat, phase="reference"
+        pairs, collate, pad_id, batch_size, device, rank, world, flat, phase="reference"
     ):
         with reference_pass(model):
             c, r, _, _ = pair_logps(model, batch, chunk_tokens)
-        if idx:
+        if idx and writes:
             out[idx, 0], out[idx, 1] = c.double(), r.double()
-    if torch.distributed.is_initialized() and world > 1:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(out)
     return out
 
@@ -144,6 +156,7 @@ def cached_reference(
             loop.dp_size,
             loop.chunk_tokens,
             loop.flat,
+            group_of(loop.tr.dist),
         ),
         save=lambda logps, d: save_file({"logps": logps.cpu()}, d / REF_FILE),
         load=lambda d: load_file(d / REF_FILE)["logps"].to(loop.device),
@@ -169,14 +182,21 @@ def heldout_preferences(
     *,
     loss: str,
     beta: float,
+    sp: SequenceParallel | None = None,
 ) -> dict[str, float]:
     """Implicit-reward accuracy and margin (`implicit_rewards`, as evaluate computes them) and
-    the mean loss on held-out pairs; the reference runs online (not at all when reference-free)."""
+    the mean loss on held-out pairs; the reference runs online (not at all when reference-free).
+    `rank`/`world`: the data-parallel group's; `sp`: its sequence-parallel group (padding-free
+    shards; the group's ranks hold the same figures, counted once: from its first rank)."""
     model.eval()
     needs_ref = loss not in REFERENCE_FREE
     s = {"n": 0.0, "correct": 0.0, "ties": 0.0, "margin": 0.0, "loss": 0.0}
-    for idx, batch in strided_batches(pairs, pair_batch, pad_id, batch_size, device, rank, world):
-        w = 1.0 if idx else 0.0
+    counts = sp is None or sp.rank == 0
+    batches = strided_batches(
+        pairs, splitting(pair_batch, sp), pad_id, batch_size, device, rank, world, sp is not None
+    )
+    for idx, batch in batches:
+        w = 1.0 if idx and counts else 0.0
         pc, pr, lc, lr_ = pair_logps(model, batch, chunk_tokens)
         rc = rr = None
         if needs_ref:
@@ -223,8 +243,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
             loop.chunk_tokens,
             loss=cfg.loss,
             beta=cfg.beta,
+            sp=group_of(loop.tr.dist),
         )
 
+    # Under sequence parallelism a training micro-batch is this rank's shard of the pairs'
+    # tokens: `Training.lay_out` splits it (the reference and held-out passes split their own).
     draw = Draw(data.train, pair_tokens, pair_batch, tok.pad_token_id)
     loop = open_training(
         ctx, model, weights, batch, total_steps, data, draw, heldout, loss_type=cfg.loss
@@ -270,6 +293,8 @@ def training_reference(
     if cfg.loss in REFERENCE_FREE or not precompute:
         return None, "off"
     numerics = ctx.numerics() | {"batch_size": loop.eval_batch_size, "padding_free": loop.flat}
+    if (n := loop.tr.dist.sp_size) > 1:  # the rows' sums add up in another order
+        numerics["sequence_parallel"] = n
     key = ref_cache_key(
         ctx.role_ref("reference").fingerprint,
         loop.draw.rows,
@@ -291,9 +316,13 @@ def dpo_step(
     under the reference adapter), the policy forward, and sum(pair losses) * world /
     global_pairs (+ `sft_weight` x the chosen NLL, weighted the same) backpropagated. Returns
     the step's mean preference loss over all ranks and its mean metrics, as device tensors
-    (`Training.step_means`: read by `finish_step`)."""
+    (`Training.step_means`: read by `finish_step`). Under sequence parallelism every rank of a
+    group computes the same pair losses from the group's summed log-probs; each backpropagates
+    them through its own tokens, and the group's first rank alone counts them in the metrics."""
     cfg, model, device = loop.section, loop.model, loop.device
     n_pairs, world = loop.batch.global_batch_size, loop.world
+    shared = loop.tr.dist.sp_size > 1
+    counted = float(loop.tr.dist.sp_rank == 0)
     sums: dict[str, torch.Tensor] = {}  # in the order the metrics record lists them
     t_ref = 0.0
     for k, (ix, mb) in enumerate(zip(sb.rows, sb.micro, strict=True)):
@@ -313,20 +342,18 @@ def dpo_step(
         if cfg.sft_weight:
             loss = loss + cfg.sft_weight * nll_term(pc, lc) * len(ix) * world / n_pairs
         loop.tr.backward(loss)
-        add_sums(
-            sums,
-            {
-                "loss": losses,
-                "correct": pair_outcome(cr, rj),
-                "margin": cr - rj,
-                "chosen_reward": cr,
-                "rejected_reward": rj,
-                "policy_chosen_logps": pc,
-                "policy_rejected_logps": pr,
-                "ref_chosen_logps": rc,
-                "ref_rejected_logps": rr,
-            },
-        )
+        figures = {
+            "loss": losses,
+            "correct": pair_outcome(cr, rj),
+            "margin": cr - rj,
+            "chosen_reward": cr,
+            "rejected_reward": rj,
+            "policy_chosen_logps": pc,
+            "policy_rejected_logps": pr,
+            "ref_chosen_logps": rc,
+            "ref_rejected_logps": rr,
+        }
+        add_sums(sums, {n: v * counted for n, v in figures.items()} if shared else figures)
     g = loop.step_means(sums)
     # The preference loss judges the step; a non-finite SFT term shows in the gradient norm.
     loss = g.pop("loss")

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from posttrain.models.chunked import label_logps, model_call
-from posttrain.models.sequence_split import shard_logps
+from posttrain.models.sequence_split import shard_logps, shard_row_sums
 from posttrain.train.losses import token_logps, token_nll_sum
 
 
@@ -35,7 +35,14 @@ def forward_sequence_logps(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed label log-prob per row [B] and label count per row [B] from one forward over
     `batch` (padded, or padding-free: rows in the order they were laid out). `chunk` as in
-    `forward_nll_sum`."""
+    `forward_nll_sum`. A shard of a sequence-parallel group (`split_batch`): the sums of the
+    whole micro-batch's rows, the same on every rank of the group (`shard_row_sums`)."""
+    if "sequence_parallel" in batch:
+        logp, mask = shard_logps(model, batch, chunk)  # [1, N'/P] each
+        # One all-reduce for both: the counts ride along (no grad; exact in fp32 below 2^24).
+        dtype = torch.promote_types(logp.dtype, torch.float32)
+        sums = shard_row_sums(torch.cat([logp.to(dtype), mask.to(dtype)]), batch)  # [2, rows]
+        return sums[0], sums[1].round().long()
     if chunk:
         logp, mask = label_logps(model, batch, chunk)  # [B, T-1] each
     else:
