@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.config import sp_check
 from posttrain.config.loader import RecipeError, apply_overrides, resolve, validate_recipe
+from posttrain.kinds import KINDS
 from posttrain.sections.infra import InfraConfig
 
 MINIMAL = {"ingest": {"source": "from_config"}, "sft": {"data": {"synthetic": {}}}}
@@ -35,7 +35,7 @@ def test_default_is_one_and_the_data_parallel_size_is_the_world() -> None:
 
 def test_a_stage_not_wired_yet_is_refused() -> None:
     """SFT is wired (no error of its own); a reward stage after it is not."""
-    assert "sft" in sp_check.SP_WIRED_KINDS
+    assert KINDS["sft"].sequence_parallel and not KINDS["reward"].sequence_parallel
     data = {**MINIMAL, "reward": {"data": {"synthetic": {}}}}
     over = ["infra.devices_per_node=2", "infra.sequence_parallel=2"]
     assert errors_of(over, data) == [NOT_WIRED]

@@ -2,7 +2,7 @@
 problem, each naming its field: N must divide the devices (where known), every base model's
 attention heads (where its shape is known: `from_config` numbers at validate, a local folder's
 config.json at resolve), and needs padding-free batches; and a stage that does not split its
-sequences yet (`SP_WIRED_KINDS`) refuses N > 1 instead of silently running unsplit.
+sequences yet (its kind's `sequence_parallel`, posttrain.kinds) refuses N > 1 instead of silently running unsplit.
 """
 
 from __future__ import annotations
@@ -14,10 +14,6 @@ from typing import Any
 from posttrain.memory.estimate import ModelShape
 
 FIELD = "infra.sequence_parallel"
-# Stage kinds whose step functions split each micro-batch's tokens across the sequence-parallel
-# ranks (`posttrain.train.loop.Training.lay_out`, and their held-out forwards); dpo also
-# all-reduces its rows' log-prob sums over the group.
-SP_WIRED_KINDS: frozenset[str] = frozenset({"sft", "dpo"})
 
 
 def sp_errors(recipe: Any, local_bases: bool = False) -> list[str]:
@@ -41,7 +37,7 @@ def sp_errors(recipe: Any, local_bases: bool = False) -> list[str]:
                 f"{s.where}.batch.padding_free: false is refused with {FIELD} {n}: each rank "
                 "takes a slice of the micro-batch's packed token stream; set it true"
             )
-    unwired = [s.name for s in graph if s.kind.name not in SP_WIRED_KINDS]
+    unwired = [s.name for s in graph if not s.kind.sequence_parallel]
     if unwired:
         errors.append(
             f"{FIELD}: {n}: sequence parallelism is not yet wired into stage "

@@ -71,6 +71,10 @@ class StageKind:
     trains: bool = False
     # Distributed stages are launched with torchrun, one process per device.
     distributed: bool = False
+    # Its step functions split each micro-batch's tokens across a sequence-parallel group
+    # (`infra.sequence_parallel`); a kind without it is refused above 1 rather than run whole
+    # on every rank of a group (posttrain.config.sp_check).
+    sequence_parallel: bool = False
     # The shared recipe sections whose `Result` fields are part of its fingerprint, besides its
     # own section (posttrain.plan.fingerprints): `guard` only changes what training stages make.
     reads: tuple[str, ...] = ("run", "infra")

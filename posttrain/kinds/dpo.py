@@ -50,4 +50,6 @@ KIND = trainer(
     consumes=("policy", "reference"),
     data="pairs",
     memory=seq_memory("pairs", "policy", "reference"),
+    # Each row's log-prob sums are all-reduced over the group (models.sequence_split).
+    sequence_parallel=True,
 )

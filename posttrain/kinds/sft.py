@@ -58,4 +58,5 @@ KIND = trainer(
     data="messages",
     new_adapter_from_base=True,
     memory=seq_memory("lm", "policy"),
+    sequence_parallel=True,
 )
