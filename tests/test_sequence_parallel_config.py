@@ -122,3 +122,23 @@ def test_dpo_is_wired() -> None:
     data = {**MINIMAL, "dpo": {"data": {"synthetic": {}}}}
     over = ["infra.devices_per_node=2", "infra.sequence_parallel=2"]
     resolve(validate_recipe(apply_overrides(data, over)))
+
+
+GRPO = {
+    "data": {"synthetic": {}},
+    "rewards": [{"fn": "posttrain.rewards.match:exact_match"}],
+    "batch": {"micro_batch_size": 2, "grad_accum_steps": 1, "padding_free": True},
+    "rollout": {"samples_per_prompt": 2},
+}
+
+
+def test_grpo_is_wired_on_the_hf_engine_only() -> None:
+    """GRPO splits its forwards (accepted on `hf`); another engine is refused by its field."""
+    data = {**MINIMAL, "grpo": GRPO}
+    over = ["infra.devices_per_node=2", "infra.sequence_parallel=2"]
+    resolve(validate_recipe(apply_overrides(data, over)))
+    assert errors_of([*over, "grpo.rollout.engine=fast"], data) == [
+        "grpo.rollout.engine: fast is refused with infra.sequence_parallel 2: the ranks of a "
+        "sequence-parallel group must sample the same responses, which only the `hf` engine is "
+        "wired to do; set rollout.engine: hf"
+    ]

@@ -14,6 +14,10 @@ from typing import Any
 from posttrain.memory.estimate import ModelShape
 
 FIELD = "infra.sequence_parallel"
+# Rollout engines a sequence-parallel RL stage samples with: `hf` samples on every rank of
+# the group alike from the trainer's model (`fast` keeps a merged copy per rank, `server`
+# one server per rank; neither is checked to deal a group the same samples).
+SP_ROLLOUT_ENGINES = ("hf",)
 
 
 def sp_errors(recipe: Any, local_bases: bool = False) -> list[str]:
@@ -36,6 +40,15 @@ def sp_errors(recipe: Any, local_bases: bool = False) -> list[str]:
             errors.append(
                 f"{s.where}.batch.padding_free: false is refused with {FIELD} {n}: each rank "
                 "takes a slice of the micro-batch's packed token stream; set it true"
+            )
+    for s in graph:
+        rollout = getattr(s.section, "rollout", None)
+        engine = getattr(rollout, "engine", None)
+        if engine is not None and engine not in SP_ROLLOUT_ENGINES:
+            errors.append(
+                f"{s.where}.rollout.engine: {engine} is refused with {FIELD} {n}: the ranks of "
+                "a sequence-parallel group must sample the same responses, which only the `hf` "
+                "engine is wired to do; set rollout.engine: hf"
             )
     unwired = [s.name for s in graph if not s.kind.sequence_parallel]
     if unwired:

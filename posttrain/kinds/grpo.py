@@ -78,4 +78,7 @@ KIND = online_kind(
     # 3: the reported, gated and adapted-to KL is kl.estimator's (was k1).
     version="3",
     consumes=("policy", "reference", "reward_model"),
+    # Its scoring and update forwards split the sampled rows (`posttrain.rl.rollout.sp_shard`);
+    # on the `hf` rollout engine only (posttrain.config.sp_check).
+    sequence_parallel=True,
 )

@@ -33,10 +33,15 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from posttrain.data.segments import Segments
+from posttrain.distributed.sequence_parallel import SequenceParallel
 from posttrain.models.adapters import POLICY, REFERENCE, active_adapter, policy_with_reference
 from posttrain.models.chunked import head_scores, model_transform, output_head
 from posttrain.models.sharded_load import adapters_stay_real
-from posttrain.models.varlen_attention import SEGMENTS_KW, confined_attention
+from posttrain.models.varlen_attention import (
+    SEGMENTS_KW,
+    SEQUENCE_PARALLEL_KW,
+    confined_attention,
+)
 
 VALUE, REWARD = "value", "reward"
 LOGIT_ROLES = (POLICY, REFERENCE)
@@ -77,6 +82,7 @@ class RoleModel(nn.Module):
         segments: Segments | None = None,
         index: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        sequence_parallel: SequenceParallel | None = None,
     ) -> torch.Tensor:
         """input_ids/attention_mask/position_ids [B, T] ->
         policy/reference: logits [B, stop-start, V] of positions start..stop-1; with `targets`
@@ -92,10 +98,15 @@ class RoleModel(nn.Module):
         `positions` [M]: with `targets`, the flat indices into [B * (stop-start)] of the scored
         positions, taken on the host (`posttrain.rl.rollout.sample.scored_positions`), so the
         head does not wait for the device to find them.
+        `sequence_parallel`: input_ids/position_ids are this rank's slice of the packed tokens
+        (`posttrain.rl.rollout.sp_shard`), `segments` the whole sequence's and `index` points
+        into the slice: the group exchanges its tokens in every attention call.
         Only the requested positions go through the LM head (a [B, T, V] tensor is the largest
         activation of a small-vocabulary-to-hidden ratio model)."""
         with active_adapter(self.lm, role):
-            hidden = self._hidden(input_ids, attention_mask, position_ids, segments)
+            hidden = self._hidden(
+                input_ids, attention_mask, position_ids, segments, sequence_parallel
+            )
         if segments is not None:
             assert index is not None and role != REWARD, "padding-free: logits and values only"
             hidden = hidden[0, index]  # [1, N, H] -> [B, R, H]
@@ -133,9 +144,11 @@ class RoleModel(nn.Module):
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
         segments: Segments | None,
+        sp: SequenceParallel | None = None,
     ) -> torch.Tensor:
         """The decoder's last hidden states [B, T, H] (after the final norm); padding-free
-        [1, N, H], attention confined to each row (`posttrain.models.varlen_attention`)."""
+        [1, N, H], attention confined to each row (`posttrain.models.varlen_attention`); with
+        `sp`, [1, N/P, H] of this rank's slice, attending over the whole rows."""
         decoder = self.causal_lm.get_decoder()
         if segments is None:
             return decoder(
@@ -149,9 +162,16 @@ class RoleModel(nn.Module):
             # keyword handed down to every attention call, and an all-ones attention mask:
             # without one transformers looks for packed rows in the position ids, a read to the
             # host every forward (`posttrain.models.chunked.model_call`, the SFT step's twin).
+            if native and sp is not None:
+                raise ValueError(
+                    "sequence parallelism runs through posttrain's varlen attention: set "
+                    "infra.attention: sdpa, not flash_attention_2"
+                )
             extra = {}
             if not native:
                 extra = {SEGMENTS_KW: segments, "attention_mask": torch.ones_like(input_ids)}
+            if sp is not None:
+                extra[SEQUENCE_PARALLEL_KW] = sp
             return decoder(
                 input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra
             ).last_hidden_state

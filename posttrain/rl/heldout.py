@@ -97,8 +97,9 @@ def heldout(
         score_rollout(s, ro, chunk, roles)
         if each is not None:
             each(ro, w)
-        add_rollout_sums(sums, ro, kl=kl, weight=w)
-        if w:
+        # A sequence-parallel group's ranks sample the same: its first counts them.
+        add_rollout_sums(sums, ro, kl=kl, weight=w * s.counted)
+        if w and s.counted:
             examples += heldout_examples(s.tokenizer, chunk, ro)
     return heldout_means(sums, s.device, kl=kl is not None), examples
 

@@ -128,7 +128,7 @@ def run_step(run: RLRun, step: int, ahead: Ahead | None, update: Update) -> None
     timing = {"sync_s": time.perf_counter() - t} | probe | checked
     if ahead is not None:
         timing["generation_overlapped_s"] = ahead.prefetch.seconds if prefetching else 0.0
-    record(rb, t0, t_train, timing | sampler_metrics(rb.rollout, lag, s.device))
+    record(rb, t0, t_train, timing | sampler_metrics(rb.rollout, lag, s.device, s.counted))
     # A checkpoint at a boundary, with the KL coefficient and the data position a resume
     # starts from.
     position = data_position(step + 1, len(run.data.train), cfg.rollout.prompts_per_step, s.seed)
@@ -169,7 +169,8 @@ def write_record(
             loss=loss,
             grad_norm=stats.grad_norm,
             lr=stats.lr,
-            local_tokens=ro.tokens(),
+            # A sequence-parallel group's ranks hold the same rows: the first counts them.
+            local_tokens=ro.tokens() if run.rollouts.counted else 0,
             seq_len=ro.tokens() / ro.n,
             t_start=t0,
             t_data=0.0,

@@ -59,11 +59,15 @@ def add_rollout_sums(sums: Counter[str], ro: Rollout, kl: str | None, weight: fl
     sums["stopped"] += weight * float(ro.stopped.sum())
 
 
-def rollout_totals(ro: Rollout, device: torch.device, estimator: str) -> dict[str, float]:
+def rollout_totals(
+    ro: Rollout, device: torch.device, estimator: str, counted: float = 1.0
+) -> dict[str, float]:
     """`add_rollout_sums` of a scored rollout over all ranks (kl by `estimator`, the recipe's
-    `kl.estimator`, when the reference scored it)."""
+    `kl.estimator`, when the reference scored it); `counted`: this rank's weight (0 on a
+    sequence-parallel rank after its group's first: the same rows, counted once)."""
     sums: Counter[str] = Counter()
-    add_rollout_sums(sums, ro, kl=estimator if "ref_logps" in ro.scored else None)
+    kl = estimator if "ref_logps" in ro.scored else None
+    add_rollout_sums(sums, ro, kl=kl, weight=counted)
     return {k: all_reduce_sum(v, device) for k, v in sums.items()}
 
 
@@ -129,14 +133,17 @@ def train_metrics(
 SAMPLER_COUNTS = ("responses", "exact", "retokenized_mismatch", "prompt_mismatch")
 
 
-def sampler_metrics(ro: Rollout, lag: torch.Tensor, device: torch.device) -> dict[str, float]:
+def sampler_metrics(
+    ro: Rollout, lag: torch.Tensor, device: torch.device, counted: float = 1.0
+) -> dict[str, float]:
     """Over all ranks: `policy_version` (the oldest that sampled a row), `staleness` (updates a
     row's sampler was behind, on average) and with a server engine the shares of its counts
     (`retokenized_mismatch_frac`: where the server returns text only, the answers whose
-    re-tokenised length contradicts its own count, a floor on the true share)."""
+    re-tokenised length contradicts its own count, a floor on the true share). `counted`: as
+    `rollout_totals`'."""
     t = all_reduce_sums(
-        {"rows": float(ro.n), "lag": lag.double().sum()}
-        | {k: ro.stats.get(k, 0.0) for k in SAMPLER_COUNTS},
+        {"rows": counted * ro.n, "lag": counted * lag.double().sum()}
+        | {k: counted * ro.stats.get(k, 0.0) for k in SAMPLER_COUNTS},
         device,
     )
     oldest = min_max(float(ro.versions.min()) if ro.versions is not None else -1.0, device)[0]

@@ -38,6 +38,7 @@ from posttrain.rl.rollout.engines import build_engine
 from posttrain.rl.rollout.multiturn import episode_setup
 from posttrain.runtime.context import StageContext, training_base
 from posttrain.telemetry import heartbeat
+from posttrain.train.loop import sequence_split
 from posttrain.train.micro_batches import padding_free
 from posttrain.train.session import TrainSession, start_session
 
@@ -159,7 +160,8 @@ def setup(
     rewarder = Rewarder(funcs, cfg.reward_model_weight if has_rm else None, tok)
     data = load_prompts(ctx, tok)
     batch = section_batch(ctx.recipe, name)
-    local_seqs, updates_per_rollout = shapes(ctx.where, cfg, batch, d.world_size)
+    # Prompts are dealt to data-parallel groups: a sequence-parallel group shares its rows.
+    local_seqs, updates_per_rollout = shapes(ctx.where, cfg, batch, d.dp_size)
     n_rollouts = cfg.max_steps or max(
         1, math.ceil(cfg.epochs * len(data.train) / cfg.rollout.prompts_per_step)
     )
@@ -181,7 +183,7 @@ def setup(
         kl_estimator=cfg.kl.estimator,
         reference=ctx.stage.roles["reference"],
         updates_per_rollout=updates_per_rollout,
-        sequences_per_rollout=local_seqs * d.world_size,
+        sequences_per_rollout=local_seqs * d.dp_size,
         **data.stats,
     )
     ctl = KLController(cfg.kl.coef, cfg.kl.adaptive, cfg.kl.target, cfg.kl.horizon)
@@ -199,16 +201,25 @@ def setup(
         for r in data.train + data.eval:
             rollouts.episodes.environment(r["columns"], r["where"])
     engines = rollout_engines(ctx, rollouts, tr.start_step, stack)
+    packed = padding_free(cfg.batch, tr.model)
     rollouts = replace(
         rollouts,
         engines=engines,
-        packed=padding_free(cfg.batch, tr.model),
+        packed=packed,
         by_tokens=ctx.by_tokens,
+        sp=sequence_split(tr, packed),
+        counted=float(d.sp_rank == 0),
     )
-    reduce = partial(all_reduce_tensor, device=d.device)
+    # Statistics summed over ranks (whitening): a sequence-parallel group's rows once.
+    reduce = partial(counted_sum, counted=rollouts.counted, device=d.device)
     return RLRun(
         ctx, critic, placement, data, batch, n_rollouts, tr, rollouts, ctl, reduce, template_sha
     )
+
+
+def counted_sum(t: torch.Tensor, counted: float, device: torch.device) -> torch.Tensor:
+    """`t` x `counted` summed over ranks (`RolloutSetup.counted`)."""
+    return all_reduce_tensor(t * counted, device)
 
 
 def check_template(ctx: StageContext, tok: Any, role: str) -> str:
@@ -293,8 +304,8 @@ def rollout_setup(
         batch_size,
         ctx.recipe.infra.logits_chunk_tokens,
         ctx.recipe.run.seed,
-        d.rank,
-        d.world_size,
+        d.dp_rank,
+        d.dp_size,
         d.device,
         episodes,
         *passes,
@@ -307,18 +318,21 @@ def rollout_engines(
     """The policy's and the reference's rollout engines, the policy's at `version` (the
     updates before a resume): in process, or a server's, stopped by `stack`."""
     cfg = ctx.section.rollout
+    # Every rank keeps generation's forwards in step (each is a collective of the sharded
+    # model), a sequence-parallel group's too: not the data-parallel `s.world`.
+    world = ctx.dist.world_size
     if cfg.engine == "fast":
         # The policy samples from a merged copy of its own; the reference (held-out baseline
         # samples only) from the trainer's model, which a second full copy would not repay.
         hf = cfg.model_copy(update={"engine": "hf"})
         engines = {
-            POLICY: build_engine(cfg, s.model, POLICY, s.world, s.chunk_tokens),
-            REFERENCE: build_engine(hf, s.model, REFERENCE, s.world),
+            POLICY: build_engine(cfg, s.model, POLICY, world, s.chunk_tokens),
+            REFERENCE: build_engine(hf, s.model, REFERENCE, world),
         }
         engines[POLICY].version = version
         return engines
     if cfg.engine == "hf":
-        engines = {r: build_engine(cfg, s.model, r, s.world) for r in (POLICY, REFERENCE)}
+        engines = {r: build_engine(cfg, s.model, r, world) for r in (POLICY, REFERENCE)}
         engines[POLICY].version = version
         return engines
     from posttrain.models.stop_tokens import end_of_turn_token

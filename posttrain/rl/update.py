@@ -18,8 +18,10 @@ import torch
 from posttrain.config.batch import ResolvedBatch
 from posttrain.distributed.fsdp import grad_sync
 from posttrain.distributed.runtime import all_reduce_on_device, all_reduce_sum, all_reduce_sums
+from posttrain.distributed.sequence_parallel import SequenceParallel
 from posttrain.models.adapters import POLICY
 from posttrain.models.roles import VALUE
+from posttrain.models.sequence_split import group_of
 from posttrain.rl.algorithms import ALGORITHMS, Algorithm
 from posttrain.rl.algorithms.advantages import ADVANTAGES
 from posttrain.rl.loop import Record, run_loop, write_record
@@ -37,10 +39,11 @@ from posttrain.rl.rollout.collect import RolloutBatch, rollout_seed
 from posttrain.rl.rollout.sample import (
     Rollout,
     forward_groups,
-    model_inputs,
+    forward_inputs,
     response_logps,
     scored_positions,
 )
+from posttrain.rl.rollout.sp_shard import group_sum
 from posttrain.rl.setup import RLRun
 from posttrain.runtime.context import StageContext
 from posttrain.train.session import TrainSession
@@ -97,6 +100,9 @@ class MicroBatch:  # n rows of a minibatch, laid out on the device before its fi
     positions: torch.Tensor
     weights: torch.Tensor  # [n, R] each token's weight in the minibatch's objective
     scale: float  # the minibatch's
+    # Sequence parallelism: `inputs` are this rank's shard of the packed rows, and `mask`,
+    # `positions` and `weights` cover the response tokens it scores (`sp_shard`); None: all.
+    sp: SequenceParallel | None = None
 
 
 # The rollout's scores an update reads, [N, R] each, where the rollout has them.
@@ -118,23 +124,30 @@ def device_rows(ro: Rollout, adv: Advantages, device: torch.device) -> dict[str,
 
 
 def lay_out(
-    ro: Rollout, mb: Minibatch, groups: list[list[int]], packed: bool, device: torch.device
+    ro: Rollout,
+    mb: Minibatch,
+    groups: list[list[int]],
+    packed: bool,
+    device: torch.device,
+    sp: SequenceParallel | None = None,
 ) -> list[MicroBatch]:
     """The micro-batches of minibatch `mb`, one per group of its positions (`forward_groups`),
-    built on the host and sent to the device before the first forward (as the SFT step's)."""
-    weights = mb.weights.to(device, non_blocking=True)
+    built on the host and sent to the device before the first forward (as the SFT step's);
+    with `sp`, this rank's shard of each (`forward_inputs`)."""
     micros = []
     for g in groups:
         at = torch.tensor(g)
         rows = mb.rows[at]
+        inputs, mask = forward_inputs(ro, rows, packed, device, sp)  # mask [n, R] on the host
         micros.append(
             MicroBatch(
                 rows.to(device, non_blocking=True),
-                model_inputs(ro, rows, packed, device),
-                ro.mask[rows].to(device, non_blocking=True),
-                scored_positions(ro.mask[rows]).to(device, non_blocking=True),
-                weights[at.to(device, non_blocking=True)],
+                inputs,
+                mask.to(device, non_blocking=True),
+                scored_positions(mask).to(device, non_blocking=True),
+                (mb.weights[at] * (mask > 0)).to(device, non_blocking=True),
                 mb.scale,
+                sp,
             )
         )
     return micros
@@ -158,6 +171,7 @@ def update(
     per forward (`batch.by_tokens`; None: micro_batch_size rows each). The device is read once
     per optimizer step (the guard's loss and grad norm) and once at the end (the statistics)."""
     device, world = tr.dist.device, tr.dist.world_size
+    sp, counted = group_of(tr.dist), float(tr.dist.sp_rank == 0)
     per_update = batch.micro_batch_size * batch.grad_accum_steps
     # None only on ppo (token_mean); a grpo section holds its algorithm's (GRPOConfig presets).
     aggregation = cfg.loss_aggregation or "token_mean"
@@ -174,10 +188,12 @@ def update(
             # max_new_tokens) and a count summed over ranks (tokens or sequences). Each rank
             # scales its weighted sum by world / global count, and FSDP's gradient averaging
             # divides the world back: exactly the global mean at any number of ranks.
+            # A sequence-parallel group's ranks hold the same rows: the first counts them.
             weights, count = loss_weights(ro.mask[rows], aggregation, cfg.rollout.max_new_tokens)
-            mb = Minibatch(rows, weights, world / max(1.0, all_reduce_sum(count, device)))
+            total = all_reduce_sum(count * counted, device)
+            mb = Minibatch(rows, weights, world / max(1.0, total))
             groups = forward_groups(ro, rows, batch.micro_batch_size, by_tokens, device)
-            micros = lay_out(ro, mb, groups, packed, device)
+            micros = lay_out(ro, mb, groups, packed, device, sp)
             share = minibatch_backward(tr, dev, adv, micros, cfg, chunk_tokens, sums)
             # The same on every rank, for the guard: a device tensor, read with the grad norm.
             objective = all_reduce_on_device(share)
@@ -252,11 +268,13 @@ def policy_backward(
         positions=mi.positions,
     )  # [n, R] each, under the sampling temperature
     assert ent is not None
-    if "update_logps" in dev:  # the update's own, for the rollout's KL (see `update`)
-        dev["update_logps"][mi.rows] = logp.detach().float()
     old, ref, behaviour = (
         dev[k][mi.rows] if k in dev else None for k in ("logps", "ref_logps", "behaviour_logps")
     )
+    if mi.sp is not None:
+        logp, old = whole_rows(logp, old, mi)
+    if "update_logps" in dev:  # the update's own, for the rollout's KL (see `update`)
+        dev["update_logps"][mi.rows] = logp.detach().float()
     lagged = None
     if "stale" in dev and behaviour is not None:
         lagged = (behaviour, dev["stale"][mi.rows])
@@ -267,6 +285,20 @@ def policy_backward(
     tr.backward(objective)
     add_sums(sums, stats, mi.mask)
     return objective.detach() / tr.dist.world_size
+
+
+def whole_rows(
+    logp: torch.Tensor, old: torch.Tensor | None, mi: MicroBatch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence parallelism: `logp` [n, R] holds this rank's log-probs on the tokens it scores
+    (`mi.mask`), 0 elsewhere. -> (logp with the old log-probs on the others: ratio 1, finite
+    terms, no gradient, weight 0; the old log-probs [n, R]: the rollout's, or without a policy
+    scoring pass the group's detached log-probs summed into whole rows, as the unsplit update
+    takes its own)."""
+    mine = mi.mask > 0
+    if old is None:
+        old = group_sum(logp.detach().float() * mi.mask, mi.sp)
+    return torch.where(mine, logp, old.to(logp.dtype)), old
 
 
 def policy_terms(
@@ -368,7 +400,7 @@ def clipped_step(
 
     def record(rb: RolloutBatch, t0: float, t_train: float, timing: dict[str, float]) -> None:
         ro = rb.rollout
-        totals = rollout_totals(ro, s.device, cfg.kl.estimator)
+        totals = rollout_totals(ro, s.device, cfg.kl.estimator, s.counted)
         # Not scored when it does not count (then the coefficient is fixed). The controller sees
         # the recipe's estimator, the one `kl.target` is stated in and the step's `kl` reports.
         if "kl" in totals:

@@ -20,6 +20,7 @@ import torch
 
 from posttrain.data.batching import step_indices
 from posttrain.distributed.runtime import all_reduce_sum
+from posttrain.distributed.sequence_parallel import SequenceParallel
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import VALUE
 from posttrain.rl.losses import informative_groups
@@ -47,6 +48,8 @@ class RolloutSetup:
     batch_size: int  # sequences per scoring forward and per held-out sampling batch
     chunk_tokens: int  # tokens per pass through the LM head (0 = full logits)
     seed: int
+    # This rank's data-parallel group and their number: the ranks of a sequence-parallel
+    # group deal and sample the same prompts (`DistInfo.dp_rank`, `dp_size`).
     rank: int
     world: int
     device: torch.device
@@ -58,6 +61,11 @@ class RolloutSetup:
     engines: dict[str, RolloutEngine] = field(default_factory=dict)
     packed: bool = False  # scoring and update forwards padding-free (`batch.padding_free`)
     by_tokens: int | None = None  # tokens per scoring and update forward (`batch.by_tokens`)
+    # Sequence parallelism: the group that splits every scoring forward's packed rows (None:
+    # none), and this rank's weight in summed metrics (1 on the group's first rank, 0 on the
+    # others, which hold the same rows: counted once).
+    sp: SequenceParallel | None = None
+    counted: float = 1.0
 
     @property
     def roles(self) -> tuple[str, ...]:  # what a rollout is scored by
@@ -144,6 +152,7 @@ def score_rollout(
         s.cfg.rollout.temperature,
         s.packed,
         s.by_tokens,
+        s.sp,
     )
     if rows is not None:
         s.rewarder(ro, rows)
@@ -197,7 +206,8 @@ def collect_rollout(
         return first
     informative = informative_groups(first.rollout.scored["scores"], group)
     stats = {
-        "informative_frac": all_reduce_sum(float(informative.float().mean()), s.device) / s.world
+        "informative_frac": all_reduce_sum(s.counted * float(informative.float().mean()), s.device)
+        / s.world
     }
     if not s.cfg.dynamic_sampling:
         return replace(first, sampling=stats)
@@ -240,7 +250,7 @@ def dynamic_sampling(
     ro = Rollout.cat([k for k in kept + filler if k.n], s.tokenizer.pad_token_id)
     sampling = {
         "sampling_rounds": rounds,
-        "topped_up_groups": all_reduce_sum(float(topped), s.device),
+        "topped_up_groups": all_reduce_sum(s.counted * topped, s.device),
     }
     return RolloutBatch(ro, t_gen, t_score, sampling)
 

@@ -27,10 +27,12 @@ from posttrain.data.chat import IGNORE
 from posttrain.data.preference import Messages, encode_reply
 from posttrain.data.segments import Segments
 from posttrain.distributed.runtime import min_max
+from posttrain.distributed.sequence_parallel import SequenceParallel
 from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import REWARD, VALUE
 from posttrain.rl.losses import entropy_from_logits, token_logps
 from posttrain.rl.rollout.engine import RolloutEngine, left_pad
+from posttrain.rl.rollout.sp_shard import group_sum, shard_packed
 from posttrain.sections.shared import RolloutConfig, SamplingConfig
 from posttrain.train.micro_batches import regroup_step
 
@@ -179,12 +181,31 @@ class Rollout:
 def model_inputs(
     ro: Rollout, idx: list[int] | torch.Tensor, packed: bool, device: torch.device
 ) -> dict[str, Any]:
-    inp = ro.packed_inputs(idx) if packed else ro.inputs(idx)
+    return _to_device(ro.packed_inputs(idx) if packed else ro.inputs(idx), device)
+
+
+def _to_device(inp: dict[str, Any], device: torch.device) -> dict[str, Any]:
     # Host-to-device without waiting for the device's queue (pageable memory is staged at once).
     return {
         k: v.to(device, non_blocking=True) if torch.is_tensor(v) or isinstance(v, Segments) else v
         for k, v in inp.items()
     }
+
+
+def forward_inputs(
+    ro: Rollout,
+    idx: list[int] | torch.Tensor,
+    packed: bool,
+    device: torch.device,
+    sp: SequenceParallel | None = None,
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """(model inputs of rows `idx` on the device, the host mask [n, R] of the response tokens
+    this forward scores): every response token, or with `sp` (packed rows only) this rank's
+    shard of the packed rows and the tokens it scores (`sp_shard.shard_packed`)."""
+    if sp is None:
+        return model_inputs(ro, idx, packed, device), ro.mask[idx]
+    shard, own = shard_packed(ro.packed_inputs(idx), sp)
+    return _to_device(shard, device), ro.mask[idx] * own
 
 
 def response_mask(
@@ -340,12 +361,15 @@ def score(
     temperature: float = 1.0,
     packed: bool = False,
     by_tokens: int | None = None,
+    sp: SequenceParallel | None = None,
 ) -> dict[str, torch.Tensor]:
     """Fill `ro.scored` for the requested roles: "logps" (policy) / "ref_logps" [N, R], "values"
     [N, R] (critic), "scores" [N] (reward model, on the response re-rendered through the chat
     template exactly as its training pairs were, so it sees the end-of-turn text it learnt on).
     `packed`: each forward's rows laid end to end instead of padded; `by_tokens`: forwards of
-    at most that many tokens (`forward_groups`) instead of `batch_size` rows."""
+    at most that many tokens (`forward_groups`) instead of `batch_size` rows. `sp`: the
+    sequence-parallel group (packed rows): each rank scores its shard of every forward and the
+    group sums the parts, so every rank holds the whole scores."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -353,9 +377,9 @@ def score(
     names = {POLICY: "logps", REFERENCE: "ref_logps", VALUE: "values"}
     groups = forward_groups(ro, torch.arange(ro.n), batch_size, by_tokens, device)
     for idx in groups:
-        inp = model_inputs(ro, idx, packed, device)
-        mask = ro.mask[idx].to(device)
-        positions = scored_positions(ro.mask[idx]).to(device)
+        inp, host_mask = forward_inputs(ro, idx, packed, device, sp)
+        mask = host_mask.to(device)
+        positions = scored_positions(host_mask).to(device)
         for role in (r for r in roles if r in names):
             if role == VALUE:
                 y = model(role, **inp)
@@ -370,7 +394,8 @@ def score(
                     temperature=temperature,
                     positions=positions,
                 )
-            out.setdefault(names[role], []).append(y.float() * mask)
+            # With `sp`: this rank's tokens, summed with the group's into the whole rows.
+            out.setdefault(names[role], []).append(group_sum(y.float() * mask, sp))
     if REWARD in roles:
         texts = decode_responses(tokenizer, ro)
         seqs = [
