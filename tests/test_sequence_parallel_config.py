@@ -142,3 +142,18 @@ def test_grpo_is_wired_on_the_hf_engine_only() -> None:
         "sequence-parallel group must sample the same responses, which only the `hf` engine is "
         "wired to do; set rollout.engine: hf"
     ]
+
+
+def test_episodes_are_refused_under_sequence_parallelism() -> None:
+    """Every rank of a group plays the group's episodes itself: a tool would act twice."""
+    data = {
+        **MINIMAL,
+        "ingest": {"source": "from_config", "from_config": {"template": "chatml_tools"}},
+        "grpo": {**GRPO, "rollout": {**GRPO.get("rollout", {}), "tools": ["calculator:add"]}},
+    }
+    over = ["infra.devices_per_node=2", "infra.sequence_parallel=2"]
+    assert (
+        "grpo.rollout.tools is refused with infra.sequence_parallel 2: every rank of a "
+        "sequence-parallel group plays the same episodes, so a tool or environment would act 2 "
+        "times; set infra.sequence_parallel: 1 for episodes"
+    ) in errors_of(over, data)

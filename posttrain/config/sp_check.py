@@ -42,19 +42,36 @@ def sp_errors(recipe: Any, local_bases: bool = False) -> list[str]:
                 "takes a slice of the micro-batch's packed token stream; set it true"
             )
     for s in graph:
-        rollout = getattr(s.section, "rollout", None)
-        engine = getattr(rollout, "engine", None)
-        if engine is not None and engine not in SP_ROLLOUT_ENGINES:
-            errors.append(
-                f"{s.where}.rollout.engine: {engine} is refused with {FIELD} {n}: the ranks of "
-                "a sequence-parallel group must sample the same responses, which only the `hf` "
-                "engine is wired to do; set rollout.engine: hf"
-            )
+        errors += _rollout_errors(s, n)
     unwired = [s.name for s in graph if not s.kind.sequence_parallel]
     if unwired:
         errors.append(
             f"{FIELD}: {n}: sequence parallelism is not yet wired into stage "
             f"{', '.join(unwired)}; set {FIELD}: 1"
+        )
+    return errors
+
+
+def _rollout_errors(s: Any, n: int) -> list[str]:
+    """An RL stage's rollouts under sequence parallelism: every rank of a group samples the same
+    responses itself, so only the `hf` engine, and no episodes (a tool or an environment with
+    side effects would act once per rank)."""
+    rollout = getattr(s.section, "rollout", None)
+    if rollout is None:
+        return []
+    errors = []
+    if rollout.engine not in SP_ROLLOUT_ENGINES:
+        errors.append(
+            f"{s.where}.rollout.engine: {rollout.engine} is refused with {FIELD} {n}: the ranks "
+            "of a sequence-parallel group must sample the same responses, which only the `hf` "
+            "engine is wired to do; set rollout.engine: hf"
+        )
+    if rollout.tools or rollout.environment is not None:
+        field = "tools" if rollout.tools else "environment"
+        errors.append(
+            f"{s.where}.rollout.{field} is refused with {FIELD} {n}: every rank of a "
+            "sequence-parallel group plays the same episodes, so a tool or environment would "
+            f"act {n} times; set {FIELD}: 1 for episodes"
         )
     return errors
 
