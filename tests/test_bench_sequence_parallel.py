@@ -11,6 +11,8 @@ import pytest
 
 from bench import sequence_parallel
 
+pytestmark = pytest.mark.slow  # two torchrun launches (~12 s)
+
 
 def test_cpu_smoke_prints_every_row_and_two_ranks_hold_less(
     tmp_path: Path, capsys: pytest.CaptureFixture
