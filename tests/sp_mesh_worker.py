@@ -1,5 +1,5 @@
 """torchrun worker for tests/test_sequence_parallel_mesh.py: one gloo CPU world with
-`infra.sequence_parallel` = argv[1]; each rank prints one JSON line of what its mesh says (dp/sp
+`infra.sequence_parallel` = argv[1]; each rank writes argv[2]/rank<r>.json, what its mesh says (dp/sp
 coordinates, the sp group's ranks, the rows it is dealt) and of a tiny two-block model sharded
 over the whole dp x sp mesh (each parameter's mesh and local shard), after one forward and
 backward and an all-to-all over the sp group (Ulysses' collective).
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -70,7 +71,8 @@ def main() -> None:
         "all_to_all": got.tolist(),
         "rows": rank_batches(10, d.dp_rank, d.dp_size, 2),
     }
-    print(json.dumps(record), flush=True)
+    # A file per rank: two ranks printing at once can interleave their lines on torchrun's stdout.
+    Path(sys.argv[2], f"rank{d.rank}.json").write_text(json.dumps(record))
     shutdown()
 
 

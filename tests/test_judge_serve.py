@@ -85,7 +85,8 @@ def test_grpo_scored_by_a_judge_records_its_calls_and_evaluate_verifies_by_it(
     parents,  # noqa: F811 (the fixture)
     tmp_path: Path,
 ) -> None:
-    model = judge_model(parents, tmp_path / "judge-model")
+    # Beside the recipe: a judge's model folder must lie where a recipe may read.
+    model = judge_model(parents, parents["folder"] / f"judge-model-{tmp_path.name}")
     section = copy.deepcopy(GRPO) | {"max_steps": 2, "eval_prompts": 8}
     section["rewards"] = [{"judge": judge(model), "name": "j"}]
     recipe = recipe_with(parents, "grpo", section, "judged-grpo")

@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,12 +20,12 @@ from tests.stage_helpers import ROOT
 
 def _ranks(world: int, sp: int) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
-    cmd += ["-m", "tests.sp_mesh_worker", str(sp)]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    return sorted(records, key=lambda r: r["rank"])
+    with tempfile.TemporaryDirectory() as out_dir:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
+        cmd += ["-m", "tests.sp_mesh_worker", str(sp), out_dir]
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
 
 
 @pytest.mark.slow
