@@ -100,3 +100,22 @@ def test_orpo_sequence_parallel_matches_one_rank(tmp_path: Path, shared_parents:
         # The NLL term and the rows' log-probs: the group's sums, counted once.
         assert b["nll"] == pytest.approx(a["nll"], abs=1e-5)
         assert b["policy_chosen_logps"] == pytest.approx(a["policy_chosen_logps"], abs=1e-4)
+
+
+def test_kto_sequence_parallel_matches_one_rank(tmp_path: Path, shared_parents: Path) -> None:
+    data = {**PAIRS, "synthetic": {"n_examples": 60, "seed": 5}}
+    recipe = recipe_with(tmp_path, "kto", {"data": data, "optim": {"lr": 2e-3}})
+    for stage in ("ingest", "sft"):
+        run_shared(stage, recipe, shared_parents)
+    one, two = one_then_two(
+        "kto",
+        recipe,
+        ("eval_loss", "eval_margin", "eval_kl", "eval_pair_accuracy"),
+        ("adapter_model.safetensors",),
+    )
+    for a, b in zip(one, two, strict=True):
+        # z0 from the mismatched partners' shards (at its clamp, 0, on this tiny model: the
+        # policy's log-probs of mismatched completions fall), the rows counted once per group.
+        assert b["kl"] == pytest.approx(a["kl"], abs=1e-5)
+        assert b["margin"] == pytest.approx(a["margin"], abs=1e-5)
+        assert (b["n_desirable"], b["n_undesirable"]) == (a["n_desirable"], a["n_undesirable"])
