@@ -119,3 +119,24 @@ def test_kto_sequence_parallel_matches_one_rank(tmp_path: Path, shared_parents: 
         assert b["kl"] == pytest.approx(a["kl"], abs=1e-5)
         assert b["margin"] == pytest.approx(a["margin"], abs=1e-5)
         assert (b["n_desirable"], b["n_undesirable"]) == (a["n_desirable"], a["n_undesirable"])
+
+
+def test_reward_sequence_parallel_matches_one_rank(tmp_path: Path, shared_parents: Path) -> None:
+    section = {
+        "data": {**PAIRS, "synthetic": {"n_examples": 60, "seed": 5}},
+        "lora": {"r": 8, "alpha": 16},
+        "optim": {"lr": 1e-2},
+    }
+    recipe = recipe_with(tmp_path, "reward", section)
+    for stage in ("ingest", "sft"):
+        run_shared(stage, recipe, shared_parents)
+    one, two = one_then_two(
+        "reward",
+        recipe,
+        ("eval_accuracy", "eval_margin", "eval_loss", "eval_chosen_mean", "eval_rejected_std"),
+        ("adapter_model.safetensors",),  # the LoRA and the score head
+    )
+    for a, b in zip(one, two, strict=True):
+        # Each row's score read on the rank holding its last token, counted once per group.
+        assert b["reward_chosen"] == pytest.approx(a["reward_chosen"], abs=1e-5)
+        assert b["margin"] == pytest.approx(a["margin"], abs=1e-5)
