@@ -103,10 +103,21 @@ def test_orpo_sequence_parallel_matches_one_rank(tmp_path: Path, shared_parents:
 
 
 def test_kto_sequence_parallel_matches_one_rank(tmp_path: Path, shared_parents: Path) -> None:
-    data = {**PAIRS, "synthetic": {"n_examples": 60, "seed": 5}}
-    recipe = recipe_with(tmp_path, "kto", {"data": data, "optim": {"lr": 2e-3}})
+    # The reference is SFT trained 6 steps further, the policy SFT itself: at the first step the
+    # policy's log-probs of the mismatched completions lie above the reference's (the further
+    # trained model ties completions to their own prompts), so z0 is off its clamp at 0 there
+    # and its sum and count over the groups are tested (it then falls back to 0).
+    data = {k: copy.deepcopy(v) for k, v in TINY.items() if k != "evaluate"}
+    more = {**copy.deepcopy(TINY["sft"]), "max_steps": 6, "optim": {"lr": 1e-2}}
+    kto = {"data": {**PAIRS, "synthetic": {"n_examples": 60, "seed": 5}}, "optim": {"lr": 2e-3}}
+    data["stages"] = [
+        {"kind": "sft", "name": "sft_more", "from": "sft", **more},
+        {"kind": "kto", "name": "kto", "from": "sft", "reference": "sft_more", **STEP, **kto},
+    ]
+    recipe = write_recipe(tmp_path, data)
     for stage in ("ingest", "sft"):
         run_shared(stage, recipe, shared_parents)
+    run_inprocess("sft", recipe, name="sft_more")
     one, two = one_then_two(
         "kto",
         recipe,
@@ -114,11 +125,11 @@ def test_kto_sequence_parallel_matches_one_rank(tmp_path: Path, shared_parents: 
         ("adapter_model.safetensors",),
     )
     for a, b in zip(one, two, strict=True):
-        # z0 from the mismatched partners' shards (at its clamp, 0, on this tiny model: the
-        # policy's log-probs of mismatched completions fall), the rows counted once per group.
+        # z0 from the mismatched partners' shards, and the rows counted once per group.
         assert b["kl"] == pytest.approx(a["kl"], abs=1e-5)
         assert b["margin"] == pytest.approx(a["margin"], abs=1e-5)
         assert (b["n_desirable"], b["n_undesirable"]) == (a["n_desirable"], a["n_undesirable"])
+    assert two[0]["kl"] > 0.005, [r["kl"] for r in two]
 
 
 def test_reward_sequence_parallel_matches_one_rank(tmp_path: Path, shared_parents: Path) -> None:
