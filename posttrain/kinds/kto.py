@@ -62,4 +62,6 @@ KIND = trainer(
     # One completion per row, plus its mismatched twin for the KL reference point: two
     # sequences per row through policy and reference, as a pair is.
     memory=seq_memory("pairs", "policy", "reference"),
+    # Each row's log-prob sums (its mismatched twin's too) are all-reduced over the group.
+    sequence_parallel=True,
 )

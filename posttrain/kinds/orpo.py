@@ -48,4 +48,6 @@ KIND = trainer(
     new_adapter_from_base=True,
     # Chosen and rejected through the policy only: no reference adapter at all.
     memory=seq_memory("pairs", "policy"),
+    # Each row's log-prob sums are all-reduced over the group (models.sequence_split).
+    sequence_parallel=True,
 )

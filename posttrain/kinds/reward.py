@@ -60,4 +60,6 @@ KIND = trainer(
     consumes=("policy",),
     data="pairs",
     memory=_memory,
+    # Each row's score is read where its last token lies and summed over the group.
+    sequence_parallel=True,
 )

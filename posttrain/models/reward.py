@@ -12,6 +12,7 @@ from transformers import AutoModelForSequenceClassification, PreTrainedModel
 from posttrain.data.batching import collate, pad_batch
 from posttrain.errors import RecipeVerdict
 from posttrain.models.chunked import model_call
+from posttrain.models.sequence_split import sum_over_group
 from posttrain.models.sharded_load import CheckpointFiles, build_on_meta
 
 
@@ -99,17 +100,47 @@ def sequence_scores(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tens
     score head returns, at every position, the vector of the S rows' scores (its own output read
     at each row's last token) [1, N, S], so the model's pooling, at the last token, returns all
     S. The scores must come out of the model's own forward: under FSDP2 that output is what
-    gathers the root's weights again for backward."""
+    gathers the root's weights again for backward. A sequence-parallel shard (`split_batch`):
+    `shard_scores`."""
     segments = batch.get("segments")
     if segments is None:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return logits.squeeze(-1).float()
+    if "sequence_parallel" in batch:
+        return shard_scores(model, batch)
+    return scores_at(model, batch, segments.last_positions())
+
+
+def shard_scores(model: torch.nn.Module, shard: dict[str, Any]) -> torch.Tensor:
+    """One score per row [S] of the WHOLE micro-batch from this rank's shard of it, the same on
+    every rank of the group: each row's last token lies in one shard; the rank holding it
+    reads the row's score there (0 elsewhere) and the group sums the [S] parts, with an
+    identity backward (`sum_over_group`), so the score's gradient enters at the rank that read
+    it and reaches the other ranks' tokens through attention's exchange."""
+    sp, width = shard["sequence_parallel"], shard["input_ids"].shape[1]
+    rows = shard["shard_rows"].rows  # the padding row, last, has no score
+    last = shard["segments"].last_positions()[:rows] - sp.rank * width  # [S], shard-local
+    held = (last >= 0) & (last < width)
+    part = scores_at(model, shard, last.clamp(0, width - 1), held)  # [S]
+    return sum_over_group(part, sp)
+
+
+def scores_at(
+    model: torch.nn.Module,
+    batch: dict[str, Any],
+    last: torch.Tensor,
+    held: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The score head's output at positions `last` [S] of a padding-free batch (or shard)
+    [1, N], read through the model's own forward (see `sequence_scores`); 0 where `held` [S]
+    is False."""
     head = score_head(model)
     own = head.forward
-    last = segments.last_positions()  # [S]
 
     def rows_at_every_position(hidden: torch.Tensor) -> torch.Tensor:  # [1, N, H] -> [1, N, S]
         scores = own(hidden)[0, last, 0]  # [S]
+        if held is not None:
+            scores = torch.where(held, scores, torch.zeros_like(scores))
         return scores.expand(hidden.shape[1], -1).unsqueeze(0)
 
     head.forward = rows_at_every_position

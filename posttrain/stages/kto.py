@@ -15,6 +15,12 @@ Algorithm choices:
 - Held-out rows at step 0 and at the end: loss, mean implicit reward of desirable and
   undesirable rows, their margin, z0 (over the held-out rows shifted by one), and, for rows that
   came from pairs, pair accuracy of the implicit reward (a tie counts half: 0.5 at step 0).
+- Sequence parallelism (`infra.sequence_parallel` N > 1): the N ranks of a group take the same
+  rows, each a slice of every micro-batch's tokens: the training rows (`Training.lay_out`),
+  their mismatched partners and the held-out batches (`splitting`); each row's summed
+  log-probs are all-reduced over the group (`forward_sequence_logps`), so every rank computes
+  the same z0 and row losses, and figures summed over the world (z0's sum and count, the step
+  metrics, the held-out table) are taken from the group's first rank only.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from posttrain.distributed.runtime import all_reduce_on_device, all_reduce_tenso
 from posttrain.errors import RecipeVerdict
 from posttrain.models.adapters import policy_with_reference, reference_pass
 from posttrain.models.lora import prepare_for_training
+from posttrain.models.sequence_split import splitting
 from posttrain.runtime.context import StageContext, training_base
 from posttrain.stages.common import stage_main
 from posttrain.train.forward_logps import forward_sequence_logps
@@ -114,21 +121,24 @@ def heldout_kto(
     """Held-out KTO figures (see the module docstring); None without held-out rows. Log-probs
     of every row and of its mismatched sequence (row i's prompt, row i+1's completion) are
     gathered rank-strided into [N, 4] (policy, reference, policy KL, reference KL), summed over
-    ranks, then scored whole."""
+    ranks, then scored whole. With sequence parallelism each rank scores its shard of each
+    (padding-free) batch and the group's first rank alone writes the rows' log-probs."""
     if not rows:
         return None
     model, device, chunk, pad_id = loop.model, loop.device, loop.chunk_tokens, loop.draw.pad_id
     model.eval()
     table = torch.zeros(len(rows), 4, dtype=torch.float64)
     n = len(rows)
+    flat, writes = loop.sp is not None, loop.tr.dist.sp_rank == 0
+    collate_rows = splitting(completion_batch, loop.sp)
     batches = strided_batches(
-        rows, completion_batch, pad_id, loop.eval_batch_size, device, loop.dp_rank, loop.dp_size
+        rows, collate_rows, pad_id, loop.eval_batch_size, device, loop.dp_rank, loop.dp_size, flat
     )
     for idx, batch in batches:
         kl_rows = [mismatched(rows[i], rows[(i + 1) % n], max_len) for i in idx or [0]]
         cols = [*both_logps(model, batch, chunk)]
-        cols += both_logps(model, to_device(completion_batch(kl_rows, pad_id), device), chunk)
-        if idx:
+        cols += both_logps(model, to_device(collate_rows(kl_rows, pad_id, flat), device), chunk)
+        if idx and writes:
             table[idx] = torch.stack(cols, dim=1).double().cpu()
     model.train()
     table = all_reduce_tensor(table, device)
@@ -239,7 +249,8 @@ def kto_step_batch(
 ) -> tuple[StepBatch, list[dict[str, Any]]]:
     """This rank's rows of step `step` in micro-batches, and beside each the mismatched
     sequences of its rows (`partner_rows`) for z0. With batch.by_tokens the rows regroup and
-    keep their partners: the regrouping runs over positions in this rank's (row, partner) list."""
+    keep their partners: the regrouping runs over positions in this rank's (row, partner) list.
+    With sequence parallelism the mismatched batches are this rank's shards, as the rows' are."""
     t_start = time.perf_counter()
     rows, batch, seed = loop.draw.rows, loop.batch, loop.ctx.recipe.run.seed
     own = loop.tr.step_rows(len(rows), step, batch, seed)
@@ -262,9 +273,10 @@ def kto_step_batch(
         loop.ctx.by_tokens,
         loop.device,
     )
+    collate_kl = splitting(completion_batch, loop.sp)
     kl_micro = [
         to_device(
-            completion_batch(
+            collate_kl(
                 [mismatched(rows[slots[p][0]], rows[slots[p][1]], max_len) for p in g],
                 loop.draw.pad_id,
                 loop.flat,
@@ -284,15 +296,18 @@ def kto_step(
     z0; then per micro-batch the reference and policy log-probs and sum(row losses) * world /
     global_rows backpropagated. Returns the step's mean loss over all ranks and its figures,
     as device tensors (read by `finish_step`: the loss with the grad norm, the figures on logged
-    steps only)."""
+    steps only). Under sequence parallelism the ranks of a group hold the same rows' sums:
+    the group's first rank alone counts them (in z0 and the figures)."""
     model, device, chunk = loop.model, loop.device, loop.chunk_tokens
     n_rows = loop.batch.global_batch_size
+    counted = float(loop.tr.dist.sp_rank == 0)
     t_kl = time.perf_counter()
     kl_logps = [both_logps(model, kb, chunk) for kb in kl_micro]
     z0 = kto_kl_estimate(
         torch.cat([p for p, _ in kl_logps]),
         torch.cat([r for _, r in kl_logps]),
-        all_reduce_on_device,  # summed over ranks where it lies: no read to the host
+        # Summed over ranks where it lies (no read to the host), each group's rows once.
+        lambda totals: all_reduce_on_device(totals * counted),
     )
     t_kl = time.perf_counter() - t_kl
 
@@ -309,7 +324,8 @@ def kto_step(
         desirable = torch.tensor([loop.draw.rows[i]["desirable"] for i in ix])
         losses, m = kto_loss(policy, ref, desirable.to(device, non_blocking=True), z0, **hp)
         loop.tr.backward(losses.sum() * loop.world / n_rows)  # losses [micro]
-        add_sums(sums, {"loss": losses} | {k: m[k] for k in keys})
+        figures = {"loss": losses} | {k: m[k] for k in keys}
+        add_sums(sums, {k: v * counted for k, v in figures.items()})
     # Sums over all ranks as 0-dim device tensors, read by nobody here: `finish_step` reads the
     # loss with the gradient norm (the guard's read) and the figures on logged steps only.
     totals = torch.stack([torch.as_tensor(v, device=device).double() for v in sums.values()])

@@ -12,6 +12,12 @@ Algorithm choices:
   sum(pair losses) * world / global_pairs, as dpo does.
 - Held-out pairs at step 0 and at the end: accuracy (chosen's mean log-prob above rejected's),
   reward margin (beta x the mean log-prob difference), loss and chosen NLL.
+- Sequence parallelism (`infra.sequence_parallel` N > 1): the N ranks of a group take the same
+  pairs, each a slice of every micro-batch's tokens (`Training.lay_out`, and the held-out
+  batches' own split); the rows' summed log-probs and token counts are all-reduced over the
+  group (`forward_sequence_logps`), so every rank computes the same pair losses (the NLL term
+  included) and backpropagates them through its own tokens; figures summed over the world are
+  taken from the group's first rank only.
 """
 
 from __future__ import annotations
@@ -47,10 +53,14 @@ def start_adapter(ctx: StageContext) -> Path | None:
 @torch.no_grad()
 def heldout_orpo(loop: Training, pairs: list[dict], beta: float) -> dict[str, float]:
     """Accuracy (a tie counting half), ties, reward margin, ORPO loss, chosen NLL and log-odds
-    ratio on held-out pairs."""
+    ratio on held-out pairs. With sequence parallelism each rank scores its shard of each
+    (padding-free) batch; the group's ranks hold the same figures, counted from its first."""
     keys = ("correct", "ties", "margin", "loss", "nll", "log_odds_ratio")
     s = dict.fromkeys(("n", *keys), 0.0)
-    for w, batch in loop.heldout_batches(pairs):
+    split = loop.sp is not None
+    counted = float(loop.tr.dist.sp_rank == 0)
+    for w, batch in loop.heldout_batches(pairs, flat=split, split=split):
+        w *= counted
         losses, m = orpo_loss(*pair_logps(loop.model, batch, loop.chunk_tokens), beta=beta)
         s["n"] += w * len(losses)
         add_sums(s, {"loss": losses} | {k: m[k] for k in keys if k != "loss"}, w)
@@ -110,14 +120,18 @@ def orpo_step(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One step: one policy forward per micro-batch of pairs, sum(pair losses) * world /
     global_pairs backpropagated. Returns the step's mean loss and metrics (in name order), as
-    device tensors (`Training.step_means`: read by `finish_step`)."""
+    device tensors (`Training.step_means`: read by `finish_step`). Under sequence parallelism
+    every rank of a group computes the same pair losses from the group's summed log-probs and
+    the group's first rank alone counts them in the metrics."""
     sums: dict[str, torch.Tensor] = {}
+    counted = float(loop.tr.dist.sp_rank == 0)
     for k, mb in enumerate(sb.micro):
         grad_sync(loop.model, k == len(sb.micro) - 1)
         pc, pr, lc, lr_ = pair_logps(loop.model, mb, loop.chunk_tokens)  # [micro] each
         losses, m = orpo_loss(pc, pr, lc, lr_, beta=beta)
         loop.tr.backward(losses.sum() * loop.world / loop.batch.global_batch_size)
-        add_sums(sums, m | {"loss": losses, "policy_chosen_logps": pc, "policy_rejected_logps": pr})
+        figures = m | {"loss": losses, "policy_chosen_logps": pc, "policy_rejected_logps": pr}
+        add_sums(sums, {n: v * counted for n, v in figures.items()})
     g = dict(sorted(loop.step_means(sums).items()))
     loss = g.pop("loss")
     return loss, {"accuracy": g.pop("correct"), **g}

@@ -10,6 +10,11 @@ Algorithm choices:
   sum(losses) * world / global_pairs and FSDP's gradient averaging divides the world back out).
 - Held-out pairs at step 0 and at the end: accuracy, mean margin, reward mean/std for chosen
   and rejected. `reward.min_accuracy` becomes a gate the flow enforces before any RL stage.
+- Sequence parallelism (`infra.sequence_parallel` N > 1): the N ranks of a group take the same
+  pairs, each a slice of every micro-batch's tokens (`Training.lay_out`, and the held-out
+  batches' own split); each row's score is read on the rank holding its last token and summed
+  over the group (`shard_scores` in models/reward.py), so every rank computes the same pair
+  losses; figures summed over the world are taken from the group's first rank only.
 """
 
 from __future__ import annotations
@@ -37,9 +42,14 @@ log = logging.getLogger("posttrain.reward")
 
 @torch.no_grad()
 def heldout_pairs(loop: Training, pairs: list[dict], margin: float) -> dict[str, float]:
-    """Pair accuracy, margin, loss and reward statistics over held-out pairs."""
+    """Pair accuracy, margin, loss and reward statistics over held-out pairs. With sequence
+    parallelism each rank scores its shard of each (padding-free) batch; the group's ranks hold
+    the same scores, counted from its first."""
     acc = {k: 0.0 for k in ("n", "correct", "ties", "margin", "loss", "c", "c2", "r", "r2")}
-    for w, batch in loop.heldout_batches(pairs):
+    split = loop.sp is not None
+    counted = float(loop.tr.dist.sp_rank == 0)
+    for w, batch in loop.heldout_batches(pairs, flat=split, split=split):
+        w *= counted
         rc, rr = pair_scores(loop.model, batch)
         acc["n"] += w * rc.numel()
         loss = bradley_terry_loss(rc, rr, margin)
@@ -118,18 +128,18 @@ def bradley_terry_step(
     rejected rows in one forward) and backprops sum(pair losses) * world / global_pairs, so
     every pair of the global batch weighs the same. Returns the step's mean loss over all ranks
     and its mean accuracy, margin and rewards, as device tensors (`Training.step_means`: read
-    by `finish_step`)."""
+    by `finish_step`). Under sequence parallelism every rank of a group computes the same
+    pair losses from the group's scores; its first rank alone counts them in the metrics."""
     sums: dict[str, torch.Tensor] = {}
+    counted = float(loop.tr.dist.sp_rank == 0)
     for k, mb in enumerate(sb.micro):
         grad_sync(loop.model, k == len(sb.micro) - 1)
         rc, rr = pair_scores(loop.model, mb)  # [micro] each
         losses = bradley_terry_loss(rc, rr, margin)  # [micro]
         loop.tr.backward(losses.sum() * loop.world / loop.batch.global_batch_size)
-        add_sums(
-            sums,
-            {"loss": losses, "correct": pair_outcome(rc, rr), "margin": rc - rr, "chosen": rc}
-            | {"rejected": rr},
-        )
+        figures = {"loss": losses, "correct": pair_outcome(rc, rr), "margin": rc - rr}
+        figures |= {"chosen": rc, "rejected": rr}
+        add_sums(sums, {n: v * counted for n, v in figures.items()})
     g = loop.step_means(sums)
     return g["loss"], {
         "accuracy": g["correct"],
