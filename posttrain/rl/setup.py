@@ -148,16 +148,8 @@ def setup(
     cfg, name, d = ctx.section, ctx.stage.name, ctx.dist
     base, tok, weights = training_base(ctx)
     template_sha = check_template(ctx, tok, "policy")
-    has_rm = ctx.has_role("reward_model")
-    if has_rm:
-        check_template(ctx, tok, "reward_model")
-    # Imported from the files the resolved recipe points at (the flow checked where from).
-    funcs = load_rewards(cfg.rewards, where=f"{ctx.where}.rewards")
-    # A judge's server: opened (or started) now, stopped with the stage.
-    stack.enter_context(
-        judge_servers(funcs, ctx.stage.out_dir, lambda: heartbeat.beat(phase="judge"))
-    )
-    rewarder = Rewarder(funcs, cfg.reward_model_weight if has_rm else None, tok)
+    rewarder = stage_rewarder(ctx, tok, stack)
+    has_rm = rewarder.rm_weight is not None
     data = load_prompts(ctx, tok)
     batch = section_batch(ctx.recipe, name)
     # Prompts are dealt to data-parallel groups: a sequence-parallel group shares its rows.
@@ -215,6 +207,20 @@ def setup(
     return RLRun(
         ctx, critic, placement, data, batch, n_rollouts, tr, rollouts, ctl, reduce, template_sha
     )
+
+
+def stage_rewarder(ctx: StageContext, tok: Any, stack: ExitStack) -> Rewarder:
+    """The stage's reward functions and judges (a judge's server opened or started now, stopped
+    with `stack`), and the reward model's weight when the stage has one."""
+    has_rm = ctx.has_role("reward_model")
+    if has_rm:
+        check_template(ctx, tok, "reward_model")
+    # Imported from the files the resolved recipe points at (the flow checked where from).
+    funcs = load_rewards(ctx.section.rewards, where=f"{ctx.where}.rewards")
+    stack.enter_context(
+        judge_servers(funcs, ctx.stage.out_dir, lambda: heartbeat.beat(phase="judge"))
+    )
+    return Rewarder(funcs, ctx.section.reward_model_weight if has_rm else None, tok)
 
 
 def counted_sum(t: torch.Tensor, counted: float, device: torch.device) -> torch.Tensor:
