@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
-from posttrain.telemetry.records import read_metrics
+from tests.sp_compare import one_then_two
 from tests.stage_helpers import (
     TINY,
-    planned_dir,
-    run_inprocess,
     run_shared,
-    run_torchrun,
     write_recipe,
 )
 
@@ -37,40 +32,22 @@ RECIPE["dpo"] = {
     "sft_weight": 0.5,
     "precompute_reference": True,
 }
-SP = ("infra.devices_per_node=2", "infra.sequence_parallel=2")
-
-
-def adapter(folder: Path) -> dict:
-    return load_file(folder / "adapter" / "adapter_model.safetensors")
 
 
 def test_dpo_sequence_parallel_matches_one_rank(tmp_path: Path, shared_parents: Path) -> None:
     recipe = write_recipe(tmp_path, RECIPE)
     for stage in ("ingest", "sft"):
         run_shared(stage, recipe, shared_parents)
-    one = run_inprocess("dpo", recipe)
-    one_train = read_metrics(one / "metrics.jsonl", "train")
-    one_eval = read_metrics(one / "metrics.jsonl", "eval")
-    one_adapter = adapter(one)
-    # How the batch is split over ranks is not fingerprinted: run the split one in its place.
-    assert planned_dir("dpo", recipe, *SP) == one
-    shutil.rmtree(one)
-    proc = run_torchrun("dpo", recipe, 2, *SP)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    two_train = read_metrics(one / "metrics.jsonl", "train")
-    assert len(two_train) == len(one_train) == 3
-    for a, b in zip(one_train, two_train, strict=True):
+    runs = one_then_two("dpo", recipe)
+    assert len(runs.two_train) == len(runs.one_train) == 3
+    for a, b in zip(runs.one_train, runs.two_train, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
         # Each rank counts its shards' tokens: the world's are the rows' (+ a padding token).
         assert b["tokens"] == a["tokens"] and 0 <= b["padding_frac"] < 0.01
         assert b["ref_chosen_logps"] == pytest.approx(a["ref_chosen_logps"], abs=1e-4)
-    two_adapter = adapter(one)
-    assert two_adapter.keys() == one_adapter.keys()
-    worst = max((two_adapter[k] - one_adapter[k]).abs().max().item() for k in one_adapter)
-    assert worst < 1e-5, worst
-    two_eval = read_metrics(one / "metrics.jsonl", "eval")
-    for a, b in zip(one_eval, two_eval, strict=True):
+    assert (worst := runs.worst_weight_gap()) < 1e-5, worst
+    for a, b in zip(runs.one_eval, runs.two_eval, strict=True):
         for k in ("eval_accuracy", "eval_margin", "eval_loss"):
             assert b[k] == pytest.approx(a[k], abs=1e-5), k
-    reference = json.loads((one / "reference.json").read_text())
+    reference = json.loads((runs.folder / "reference.json").read_text())
     assert reference["precomputed"] == "miss"  # its own table: sums taken in another order

@@ -8,19 +8,15 @@ on two CPU cores: slow tier."""
 from __future__ import annotations
 
 import copy
-import shutil
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
 from posttrain.telemetry.records import read_metrics
+from tests.sp_compare import one_then_two
 from tests.stage_helpers import (
     TINY,
-    planned_dir,
-    run_inprocess,
     run_shared,
-    run_torchrun,
     write_recipe,
 )
 
@@ -43,11 +39,6 @@ RECIPE["grpo"] = {
     "checkpoint_every": 0,
     "eval_prompts": 4,
 }
-SP = ("infra.devices_per_node=2", "infra.sequence_parallel=2")
-
-
-def adapter(folder: Path) -> dict:
-    return load_file(folder / "adapter" / "adapter_model.safetensors")
 
 
 @pytest.mark.parametrize("accum", [1, 2], ids=["policy-scored", "own-logps"])
@@ -61,30 +52,16 @@ def test_grpo_sequence_parallel_matches_one_rank(
     recipe = write_recipe(tmp_path, data)
     for stage in ("ingest", "sft"):
         run_shared(stage, recipe, shared_parents)
-    one = run_inprocess("grpo", recipe)
-    one_train = read_metrics(one / "metrics.jsonl", "train")
-    one_eval = read_metrics(one / "metrics.jsonl", "eval")
-    one_adapter = adapter(one)
-    assert planned_dir("grpo", recipe, *SP) == one
-    shutil.rmtree(one)
-    proc = run_torchrun("grpo", recipe, 2, *SP)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (
-        "sequence parallel: 2 ranks per group, 1 data-parallel group" in proc.stdout + proc.stderr
-    )
-    assert read_metrics(one / "metrics.jsonl", "start")[0]["world_size"] == 2
-    two_train = read_metrics(one / "metrics.jsonl", "train")
-    assert len(two_train) == len(one_train) == 2
-    for a, b in zip(one_train, two_train, strict=True):
+    runs = one_then_two("grpo", recipe)
+    assert "sequence parallel: 2 ranks per group, 1 data-parallel group" in runs.output
+    assert read_metrics(runs.folder / "metrics.jsonl", "start")[0]["world_size"] == 2
+    assert len(runs.two_train) == len(runs.one_train) == 2
+    for a, b in zip(runs.one_train, runs.two_train, strict=True):
         for k in ("loss", "score_mean", "score_std", "kl", "response_len", "entropy"):
             assert b[k] == pytest.approx(a[k], abs=1e-5), (k, a[k], b[k])
         assert b["tokens"] == a["tokens"]  # the group's rows counted once
-    two_adapter = adapter(one)
-    assert two_adapter.keys() == one_adapter.keys()
-    worst = max((two_adapter[k] - one_adapter[k]).abs().max().item() for k in one_adapter)
-    assert worst < 5e-5, worst
-    two_eval = read_metrics(one / "metrics.jsonl", "eval")
-    assert len(two_eval) == len(one_eval)
-    for a, b in zip(one_eval, two_eval, strict=True):
+    assert (worst := runs.worst_weight_gap()) < 5e-5, worst
+    assert len(runs.two_eval) == len(runs.one_eval)
+    for a, b in zip(runs.one_eval, runs.two_eval, strict=True):
         for k in (k for k in a if k.endswith(("reward", "kl", "prompts"))):
             assert b[k] == pytest.approx(a[k], abs=1e-5), k

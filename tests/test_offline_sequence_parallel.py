@@ -7,26 +7,21 @@ ranks): slow tier."""
 from __future__ import annotations
 
 import copy
-import shutil
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
-from posttrain.telemetry.records import read_metrics
+from tests import sp_compare
 from tests.stage_helpers import (
     TINY,
-    planned_dir,
     run_inprocess,
     run_shared,
-    run_torchrun,
     write_recipe,
 )
 
 pytestmark = pytest.mark.slow
 
 PAIRS = {"eval_fraction": 0.2, "max_seq_len": 64, "max_prompt_len": 40}
-SP = ("infra.devices_per_node=2", "infra.sequence_parallel=2")
 STEP = {
     "batch": {"micro_batch_size": 4, "grad_accum_steps": 2},
     "max_steps": 3,
@@ -40,42 +35,24 @@ def recipe_with(tmp_path: Path, kind: str, section: dict) -> Path:
     return write_recipe(tmp_path, data)
 
 
-def weights(folder: Path, name: str) -> dict:
-    return load_file(folder / "adapter" / name)
-
-
 def one_then_two(
     kind: str, recipe: Path, eval_keys: tuple[str, ...], files: tuple[str, ...]
 ) -> tuple[list[dict], list[dict]]:
     """Run `kind` on 1 rank, then on 2 ranks at N = 2 in the same folder; assert the per-step
     losses, the trained `files` (under adapter/) and the held-out `eval_keys` agree. Returns
     both runs' train records for the caller's own checks."""
-    one = run_inprocess(kind, recipe)
-    one_train = read_metrics(one / "metrics.jsonl", "train")
-    one_eval = read_metrics(one / "metrics.jsonl", "eval")
-    one_w = {f: weights(one, f) for f in files}
-    # How the batch is split over ranks is not fingerprinted: run the split one in its place.
-    assert planned_dir(kind, recipe, *SP) == one
-    shutil.rmtree(one)
-    proc = run_torchrun(kind, recipe, 2, *SP)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    two_train = read_metrics(one / "metrics.jsonl", "train")
-    assert len(two_train) == len(one_train) == 3
-    for a, b in zip(one_train, two_train, strict=True):
+    runs = sp_compare.one_then_two(kind, recipe, files)
+    assert len(runs.two_train) == len(runs.one_train) == 3
+    for a, b in zip(runs.one_train, runs.two_train, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
         # Each rank counts its shards' tokens: the world's are the rows' (+ a padding token).
         assert b["tokens"] == a["tokens"] and 0 <= b["padding_frac"] < 0.01
-    for f, mine in one_w.items():
-        theirs = weights(one, f)
-        assert theirs.keys() == mine.keys()
-        worst = max((theirs[k] - mine[k]).abs().max().item() for k in mine)
-        assert worst < 5e-5, (f, worst)
-    two_eval = read_metrics(one / "metrics.jsonl", "eval")
-    assert len(two_eval) == len(one_eval) == 2
-    for a, b in zip(one_eval, two_eval, strict=True):
+    assert (worst := runs.worst_weight_gap()) < 5e-5, worst
+    assert len(runs.two_eval) == len(runs.one_eval) == 2
+    for a, b in zip(runs.one_eval, runs.two_eval, strict=True):
         for k in eval_keys:
             assert b[k] == pytest.approx(a[k], abs=1e-5), k
-    return one_train, two_train
+    return runs.one_train, runs.two_train
 
 
 def test_orpo_sequence_parallel_matches_one_rank(tmp_path: Path, shared_parents: Path) -> None:

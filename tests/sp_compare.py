@@ -1,0 +1,60 @@
+"""A stage on one rank, then on 2 ranks of one sequence-parallel group (N = 2) in the same folder,
+for the tests that prove the split run equals the unsplit one (tests/test_*sequence_parallel*)."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from posttrain.telemetry.records import read_metrics
+from tests.stage_helpers import planned_dir, run_inprocess, run_torchrun
+
+SP = ("infra.devices_per_node=2", "infra.sequence_parallel=2")
+
+
+@dataclass
+class Runs:
+    """Both runs' train and eval records and trained files (under adapter/), and the split
+    run's output."""
+
+    folder: Path
+    output: str
+    one_train: list[dict]
+    one_eval: list[dict]
+    one_files: dict[str, dict[str, torch.Tensor]]
+    two_train: list[dict]
+    two_eval: list[dict]
+    two_files: dict[str, dict[str, torch.Tensor]]
+
+    def worst_weight_gap(self) -> float:
+        """The largest elementwise difference between the runs' trained files."""
+        gaps = [0.0]
+        for f, mine in self.one_files.items():
+            theirs = self.two_files[f]
+            assert theirs.keys() == mine.keys(), f
+            gaps += [(theirs[k] - mine[k]).abs().max().item() for k in mine]
+        return max(gaps)
+
+
+def one_then_two(
+    kind: str, recipe: Path, files: tuple[str, ...] = ("adapter_model.safetensors",)
+) -> Runs:
+    """Run `kind` on 1 rank, then on 2 ranks at N = 2 in its place (how the batch is split over
+    ranks is not fingerprinted, so both plan the same folder)."""
+    one = run_inprocess(kind, recipe)
+
+    def records() -> tuple[list[dict], list[dict], dict[str, dict[str, torch.Tensor]]]:
+        metrics = one / "metrics.jsonl"
+        trained = {f: load_file(one / "adapter" / f) for f in files}
+        return read_metrics(metrics, "train"), read_metrics(metrics, "eval"), trained
+
+    first = records()
+    assert planned_dir(kind, recipe, *SP) == one
+    shutil.rmtree(one)
+    proc = run_torchrun(kind, recipe, 2, *SP)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return Runs(one, proc.stdout + proc.stderr, *first, *records())
