@@ -9,8 +9,8 @@ from typing import Literal
 from pydantic import model_validator
 
 from posttrain.sections.fields import Execution, Result, _Section
+from posttrain.sections.served import SERVER_URL_PATTERN, check_served
 
-JUDGE_PLACEHOLDERS = ("host", "port", "model")
 # The rubric's own placeholders; any other name is a data column of the rows.
 RUBRIC_FIELDS = ("prompt", "completion")
 
@@ -21,7 +21,7 @@ class JudgeConfig(_Section):
 
     url: str | None = Execution(
         None,
-        pattern=r"^https?://[^\s/]+(/.*)?$",
+        pattern=SERVER_URL_PATTERN,
         description="A running OpenAI-compatible server (`http://host:port`; requests go to "
         "`/v1/chat/completions`). The stage never stops it.",
     )
@@ -90,19 +90,7 @@ class JudgeConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> JudgeConfig:
-        if (self.url is None) == (self.command is None):
-            raise ValueError(
-                "judge: give `url` (a server that runs) or `command` (one the stage starts), "
-                "exactly one"
-            )
-        parts = [self.command] if isinstance(self.command, str) else list(self.command or [])
-        for part in parts:
-            for name in placeholders(part):
-                if name not in JUDGE_PLACEHOLDERS:
-                    raise ValueError(
-                        f"judge.command: unknown placeholder {{{name}}}; known: "
-                        + ", ".join(f"{{{p}}}" for p in JUDGE_PLACEHOLDERS)
-                    )
+        check_served("judge", self.url, self.command)
         self._check_rubric()
         lo, hi = self.range
         if self.score == "number" and not lo < hi:

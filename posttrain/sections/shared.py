@@ -7,13 +7,13 @@ Each stage kind's own section lives beside its registration in `posttrain/kinds/
 
 from __future__ import annotations
 
-import string
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from posttrain.sections.fields import Execution, Result, _Section
 from posttrain.sections.rewards import RewardSpec
+from posttrain.sections.served import SERVER_URL_PATTERN, check_served
 
 
 class SyntheticData(_Section):
@@ -301,10 +301,6 @@ class TemplateGuard(_Section):
     )
 
 
-# What `rollout.server.command` may contain, filled in when the stage starts the server.
-SERVER_PLACEHOLDERS = ("host", "port", "model")
-
-
 class RolloutServerConfig(_Section):
     """An OpenAI-compatible server that samples the rollouts (`posttrain.serving`): one that
     already runs (`url`), or one the stage starts and stops (`command`)."""
@@ -327,7 +323,7 @@ class RolloutServerConfig(_Section):
     )
     url: str | None = Execution(
         None,
-        pattern=r"^https?://[^\s/]+(/.*)?$",
+        pattern=SERVER_URL_PATTERN,
         description="A server that already runs (`http://host:port`): the stage syncs weights "
         "to it and never stops it. It must read the stage's folders (the same filesystem).",
     )
@@ -367,24 +363,12 @@ class RolloutServerConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> RolloutServerConfig:
-        if (self.url is None) == (self.command is None):
-            raise ValueError(
-                "rollout.server: give `url` (a server that runs) or `command` (one the stage "
-                "starts), exactly one"
-            )
+        check_served("rollout.server", self.url, self.command)
         if self.weights == "merged" and self.api == "vllm":
             raise ValueError(
                 "rollout.server.weights: vllm takes LoRA adapters by name; `merged` is for "
                 "`transformers` and `sglang`"
             )
-        parts = [self.command] if isinstance(self.command, str) else list(self.command or [])
-        for part in parts:
-            for _, name, _, _ in string.Formatter().parse(part):
-                if name is not None and name not in SERVER_PLACEHOLDERS:
-                    raise ValueError(
-                        f"rollout.server.command: unknown placeholder {{{name}}}; known: "
-                        + ", ".join(f"{{{p}}}" for p in SERVER_PLACEHOLDERS)
-                    )
         return self
 
 
