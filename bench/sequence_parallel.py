@@ -174,6 +174,7 @@ def estimate_rows(plan: Plan, tokens: int, n: int) -> tuple[int, int]:
         base_dtype="bf16" if cuda else "fp32",
         logits_chunk_tokens=plan.chunk,
         activation_checkpointing=plan.checkpointing,
+        padding_free=True,  # the ranks run `flat_batch`'s rows end to end, as SFT does
     )
     layout = DeviceLayout(world=n, device=plan.device, sequence_parallel=n)  # type: ignore[arg-type]
     est = estimate(model, stage, layout, overhead_bytes=0)

@@ -4,6 +4,8 @@ refused stage is told the smallest N that divides the devices and the heads and 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from posttrain.memory.estimate import Adapter, DeviceLayout, ModelShape, StageShape, estimate
 from posttrain.memory.fixes import suggest_fixes
 
@@ -24,10 +26,93 @@ def test_activations_per_rank_are_one_nth_hand_computed() -> None:
     assert "1/2 per rank (sequence parallel)" in next(
         r.note for r in two.rows if r.name == "activations"
     )
-    # Parameters are sharded over both ranks either way; nothing else changes.
-    for name in ("base weights", "adapter", "gradients", "optimizer", "logits"):
+    # Parameters are sharded over both ranks either way; the full logits are the slice's.
+    for name in ("base weights", "adapter", "gradients", "optimizer"):
         assert two.component(name) == one.component(name), name
-    assert one.total - two.total == whole // 2
+    assert one.component("logits") == 3 * 20 * 300 * 4
+    assert two.component("logits") == 3 * 10 * 300 * 4
+
+
+def test_padding_free_activations_count_no_mask_hand_computed() -> None:
+    """Padding-free rows build no [T, T] mask: each block's SDPA saves its fp32 logsumexp (4
+    heads x 4 bytes a token), split over sequence-parallel ranks, and the batch's four int64
+    index tensors (position ids, row_of, pos_of, gather: 32 bytes a token) are whole on every
+    rank."""
+    st = StageShape("lm", 2, 10, (POLICY,), padding_free=True)
+    one = estimate(SHAPE, st, DeviceLayout(world=2), 0)
+    two = estimate(SHAPE, st, DeviceLayout(world=2, sequence_parallel=2), 0)
+    split = 20 * 2 * 3952 + 20 * 64 * 4 + 2 * 20 * 4 * 4  # blocks, final norm, logsumexp
+    assert split == 163_840
+    assert one.component("activations") == split + 20 * 32 == 164_480
+    assert two.component("activations") == split // 2 + 20 * 32 == 82_560
+    note = next(r.note for r in two.rows if r.name == "activations")
+    assert note == (
+        "2 seqs x 10 tokens, no AC, row-confined, no mask, 1/2 per rank (sequence parallel)"
+    )
+    # Checkpointed: one block's logsumexp (the recomputed one).
+    ac = estimate(SHAPE, replace(st, activation_checkpointing=True), DeviceLayout(), 0)
+    blocks = 20 * 2 * 64 * 4 + 20 * 3952
+    assert ac.component("activations") == blocks + 20 * 64 * 4 + 20 * 4 * 4 + 20 * 32
+    # At long rows the mask dominated what the row-confined path holds instead.
+    long = StageShape("lm", 1, 16384, (POLICY,), logits_chunk_tokens=2048)
+    padded = estimate(SHAPE, long, DeviceLayout(), 0).component("activations")
+    free = estimate(SHAPE, replace(long, padding_free=True), DeviceLayout(), 0)
+    assert padded - free.component("activations") == 16384 * 16384 - 16384 * (2 * 16 + 32)
+
+
+def test_a_soft_capped_model_keeps_its_mask_when_padding_free() -> None:
+    """Gemma-2's soft-capped attention cannot run row-confined: it keeps padded batches."""
+    cfg = {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "intermediate_size": 96,
+        "vocab_size": 300,
+        "attn_logit_softcapping": 50.0,
+    }
+    capped = ModelShape.from_hf_config(cfg)
+    assert capped.padded_attention
+    st = StageShape("lm", 2, 10, (POLICY,), padding_free=True)
+    act = estimate(capped, st, DeviceLayout(), 0).component("activations")
+    assert act == estimate(capped, replace(st, padding_free=False), DeviceLayout(), 0).component(
+        "activations"
+    )
+    assert "[T, T] mask" in next(
+        r.note for r in estimate(capped, st, DeviceLayout(), 0).rows if r.name == "activations"
+    )
+
+
+def test_the_chunked_head_runs_on_a_ranks_slice_hand_computed() -> None:
+    """Under sequence parallelism a rank's LM head sees its slice's positions: the hidden states
+    kept for the head (and their gradient) are 1/N; the [chunk, vocab] buffers are not."""
+    st = StageShape("lm", 4, 4096, (POLICY,), logits_chunk_tokens=2048)
+    logits = {
+        n: estimate(SHAPE, st, DeviceLayout(world=4, sequence_parallel=n), 0).component("logits")
+        for n in (1, 2, 4)
+    }
+    buffers = 2 * 2048 * 300 * 4
+    assert logits == {n: buffers + 2 * (16384 // n) * 64 * 4 for n in (1, 2, 4)}
+    # A slice smaller than a chunk: the chunk is the slice.
+    short = StageShape("lm", 1, 2048, (POLICY,), logits_chunk_tokens=2048)
+    four = estimate(SHAPE, short, DeviceLayout(world=4, sequence_parallel=4), 0)
+    assert four.component("logits") == 2 * 512 * 300 * 4 + 2 * 512 * 64 * 4
+    note = next(r.note for r in four.rows if r.name == "logits")
+    assert (
+        note
+        == "chunked: 2 x 512 tokens x vocab 300 x 4 B, 512 positions per rank (sequence parallel)"
+    )
+
+
+def test_rl_head_positions_are_capped_by_the_slice_not_halved() -> None:
+    """RL scores only the response (4 of a row's 10 tokens), and one rank's slice may hold all
+    of a row's response: its head positions are min(responses, slice), not responses / N."""
+    rl = StageShape("rl", 2, 10, (POLICY,), logit_positions=4, logits_chunk_tokens=8)
+    at = {n: estimate(SHAPE, rl, DeviceLayout(world=4, sequence_parallel=n), 0) for n in (1, 2, 4)}
+    # 8 response positions; slices of 10 (N = 2) and 5 (N = 4) tokens.
+    for n, positions in ((1, 8), (2, 8), (4, 5)):
+        chunk = min(8, positions)
+        assert at[n].component("logits") == 3 * chunk * 300 * 4 + 2 * positions * 64 * 4, n
 
 
 def test_a_refused_stage_is_told_the_smallest_sequence_parallel_that_fits() -> None:

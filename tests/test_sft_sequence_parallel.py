@@ -39,7 +39,11 @@ VARIANTS = {
     "sp2_checkpointed": (*SP2, "sft.activation_checkpointing=true"),
     "dp2": DP2,
     "dp2_sp2": ("infra.devices_per_node=4", "infra.sequence_parallel=2", DP2[1]),
+    "dp4": ("infra.devices_per_node=4", "sft.batch.micro_batch_size=1"),
 }
+SP4 = ("infra.devices_per_node=4", "infra.sequence_parallel=4", "sft.batch.micro_batch_size=4")
+# Where the SP-2 run's step-2 checkpoint resumes: a workspace each, and the run's overrides.
+RESUMES = {"resume": ONE, "resume_sp2": SP2, "resume_sp4": SP4}
 LOG_LINE = "sequence parallel: 2 ranks per group, {}"
 
 
@@ -57,7 +61,7 @@ def env(tmp_path_factory: pytest.TempPathFactory, shared_parents: Path) -> dict:
         checkpoint_every=2,  # what the resume below starts from
     )
     recipes = {}
-    for name in [*VARIANTS, "resume"]:  # a workspace each: they share the sft fingerprint
+    for name in [*VARIANTS, *RESUMES]:  # a workspace each: they share the sft fingerprint
         (folder / name).mkdir()
         recipes[name] = write_recipe(folder / name, data)
         run_shared("ingest", recipes[name], shared_parents)
@@ -68,16 +72,20 @@ def _run(env: dict, name: str) -> tuple[Path, str]:
     """Run one variant once per module: (its output folder, its log)."""
     if name not in env["done"]:
         recipe, over = env["recipes"][name], VARIANTS[name]
-        nproc = next((int(o.split("=")[1]) for o in over if "devices_per_node" in o), 1)
-        if nproc > 1:
-            proc = run_torchrun("sft", recipe, nproc, *over)
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-            text = proc.stdout + proc.stderr
-        else:
-            run_inprocess("sft", recipe, *over)
-            text = ""
-        env["done"][name] = (planned_dir("sft", recipe, *over), text)
+        env["done"][name] = (planned_dir("sft", recipe, *over), _launch(recipe, over))
     return env["done"][name]
+
+
+def _launch(recipe: Path, over: tuple[str, ...]) -> str:
+    """Run sft with `over`: under torchrun when it names several devices (its log), else in
+    this process ("")."""
+    nproc = next((int(o.split("=")[1]) for o in over if "devices_per_node" in o), 1)
+    if nproc == 1:
+        run_inprocess("sft", recipe, *over)
+        return ""
+    proc = run_torchrun("sft", recipe, nproc, *over)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
 
 
 def _records(out: Path, kind: str) -> list[dict]:
@@ -122,23 +130,51 @@ def test_two_by_two_matches_two_data_parallel_ranks(env: dict) -> None:
     _assert_same_run(_run(env, "one_rank")[0], four)
 
 
+def test_two_by_two_matches_four_data_parallel_ranks(env: dict) -> None:
+    """2 DP x 2 SP (micro 2 a group) == 4 DP ranks x micro 1: the same global batch of 4."""
+    dp4, _ = _run(env, "dp4")
+    start = _records(dp4, "start")[0]
+    assert (start["world_size"], start["global_batch_size"]) == (4, GLOBAL)
+    _assert_same_run(dp4, _run(env, "dp2_sp2")[0])
+
+
 def test_a_sequence_parallel_checkpoint_resumes_on_one_rank(env: dict) -> None:
     """The 2-rank SP=2 run's step-2 checkpoint (DCP shards of 2 ranks, an RNG state each), its
     run cut there, continues on 1 rank to the 1-rank trajectory: steps 3-4, the held-out loss
     at the end and the adapter."""
-    sp2, _ = _run(env, "sp2")
-    recipe = env["recipes"]["resume"]
-    out = planned_dir("sft", recipe, *ONE)
-    assert out.name == sp2.name  # sequence parallelism is not part of the fingerprint
-    shutil.copytree(sp2, out)
-    # As if killed after step 3: no artifact, the checkpoint at step 2 the newest.
-    (out / "manifest.json").unlink()
-    shutil.rmtree(out / "adapter")
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000002"]
-    run_inprocess("sft", recipe, *ONE)
+    out = _resume_sp2_checkpoint(env, "resume")
     starts = _records(out, "start")
     assert [(r["start_step"], r["world_size"]) for r in starts] == [(0, 2), (2, 1)]
     _assert_same_run(_run(env, "one_rank")[0], out)
+
+
+@pytest.mark.parametrize(("name", "world"), [("resume_sp2", 2), ("resume_sp4", 4)])
+def test_a_sequence_parallel_checkpoint_resumes_at_another_size(
+    env: dict, name: str, world: int
+) -> None:
+    """The same SP-2 checkpoint continues at SP 2 (same size) and on 4 ranks at SP 4 (one
+    data-parallel group of 4, micro 4: the same global batch; the tiny model's 4 heads and 4
+    key/value heads split 1 a rank), each to the 1-rank trajectory."""
+    out = _resume_sp2_checkpoint(env, name)
+    starts = _records(out, "start")
+    assert [(r["start_step"], r["world_size"]) for r in starts] == [(0, 2), (2, world)]
+    assert starts[-1]["global_batch_size"] == GLOBAL
+    _assert_same_run(_run(env, "one_rank")[0], out)
+
+
+def _resume_sp2_checkpoint(env: dict, name: str) -> Path:
+    """Copy the SP-2 run into workspace `name` as if killed after step 3 (no artifact, the
+    step-2 checkpoint the newest), resume it with RESUMES[name]'s layout: its output folder."""
+    sp2, _ = _run(env, "sp2")
+    recipe, over = env["recipes"][name], RESUMES[name]
+    out = planned_dir("sft", recipe, *over)
+    assert out.name == sp2.name  # sequence parallelism is not part of the fingerprint
+    shutil.copytree(sp2, out)
+    (out / "manifest.json").unlink()
+    shutil.rmtree(out / "adapter")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000002"]
+    _launch(recipe, over)
+    return out
 
 
 def _assert_same_run(one: Path, two: Path) -> None:

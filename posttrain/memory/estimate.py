@@ -123,6 +123,10 @@ class ModelShape:
     # the chunked head's backward keeps one more [chunk, vocab] buffer
     # (posttrain/models/chunked.py).
     logit_transform: bool = False
+    # Soft-capped attention logits (Gemma-2): SDPA cannot confine attention to rows, so the model
+    # keeps padded batches and their [B, 1, T, T] mask even when `batch.padding_free` is set
+    # (posttrain.models.varlen_attention.padding_free_unsupported).
+    padded_attention: bool = False
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelShape:
@@ -156,6 +160,7 @@ class ModelShape:
             ),
             o_bias=bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            padded_attention=cfg.get("attn_logit_softcapping") is not None,
         )
 
     @classmethod
@@ -292,6 +297,9 @@ class StageShape:
     label: str = ""
     # A distillation stage's teacher (posttrain.runtime.preflight adds it from its base).
     teacher: TeacherShape | None = None
+    # `batch.padding_free`: rows laid end to end, attention confined to each row by index
+    # tensors (posttrain.models.varlen_attention) instead of a [B, 1, T, T] mask.
+    padding_free: bool = False
 
     @property
     def sequences(self) -> int:
@@ -433,7 +441,8 @@ def estimate(
     head: Literal["lm", "none"] = "none" if stage.kind == "score" else "lm"
     weights, counts = weight_rows(model, stage, shards, head)
     gathered = gathered_step_bytes(model, head, counts, c)
-    full_logits = full_logits_bytes(model, stage)
+    sp = layout.sequence_parallel
+    full_logits = full_logits_bytes(model, stage, sp)
     update = "update" if stage.kind == "rl" else "step"
     trained = counts.trainable
     rows = [
@@ -442,8 +451,8 @@ def estimate(
         Row("optimizer (AdamW)", 2 * 4 * trained // shards, "exp_avg + exp_avg_sq, fp32"),
         framework_row(layout.device, overhead_bytes),
         step_weights_row(stage, gathered, full_logits, update),
-        activations_row(model, stage, c, update, layout.sequence_parallel),
-        *logits_rows(model, stage, c, full_logits, update),
+        activations_row(model, stage, c, update, sp),
+        *logits_rows(model, stage, c, full_logits, update, sp),
         *sampler_rows(model, stage, layout),
         *rollout_rows(model, stage, counts, gathered, c, layout.device),
         *teacher_rows(model, stage, shards, c, update),
@@ -518,10 +527,21 @@ def gathered_step_bytes(
     return (model.root_params(head) + counts.heads + 2 * block) * c
 
 
-def full_logits_bytes(model: ModelShape, stage: StageShape) -> int:
-    """The stage's unchunked logits buffers: LOGIT_BUFFERS x [seqs, positions, vocab] fp32."""
+def full_logits_bytes(model: ModelShape, stage: StageShape, sequence_parallel: int = 1) -> int:
+    """The stage's unchunked logits buffers: LOGIT_BUFFERS x [head positions, vocab] fp32."""
     k = LOGIT_BUFFERS[stage.kind]
-    return k * stage.sequences * (stage.logit_positions or stage.seq_len) * model.vocab * 4
+    return k * head_positions(stage, sequence_parallel) * model.vocab * 4
+
+
+def head_positions(stage: StageShape, sequence_parallel: int = 1) -> int:
+    """Positions one rank sends through the LM head in a forward: every sequence's scored
+    positions (RL: the response's). Under sequence parallelism over N ranks a rank's head sees
+    only its slice's tokens, ceil(tokens / N) at most (an RL rank's slice may hold all of one
+    row's response, so no finer)."""
+    scored = stage.sequences * (stage.logit_positions or stage.seq_len)
+    if sequence_parallel == 1:
+        return scored
+    return min(scored, -(-stage.sequences * stage.seq_len // sequence_parallel))
 
 
 def step_weights_row(stage: StageShape, gathered_step: int, full_logits: int, phase: str) -> Row:
@@ -546,9 +566,10 @@ def activations_row(
     model: ModelShape, stage: StageShape, c: int, phase: str, sequence_parallel: int = 1
 ) -> Row:
     """What a step saves for backward: the blocks' activations (see the module docstring), the
-    final norm's input, the attention mask and the score head's input. With sequence
-    parallelism over N ranks each holds 1/N of them (rounded up): its slice of the tokens, and
-    inside attention the whole sequence for heads / N heads, the same bytes."""
+    final norm's input, what confines attention to rows (`attention_rows_bytes`) and the score
+    head's input. With sequence parallelism over N ranks each holds 1/N of them (rounded up):
+    its slice of the tokens, and inside attention the whole sequence for heads / N heads, the
+    same bytes; only the padding-free batch's index tensors are whole on every rank."""
     # The backward of one role at a time: the policy's adapter (RL: the policy's update; the
     # critic's pass has no logits and the same body, so it is not larger).
     running = tuple(a for a in stage.adapters if a.trainable)[:1]
@@ -557,33 +578,58 @@ def activations_row(
     ac = "checkpointed: block inputs + 1 block" if stage.activation_checkpointing else "no AC"
     act = tokens * (saved + (one_block if stage.activation_checkpointing else 0))
     act += tokens * model.hidden * 4  # final norm input (fp32)
-    act += stage.sequences * stage.seq_len * stage.seq_len  # [B, 1, T, T] bool attention mask
+    split, whole, how = attention_rows_bytes(model, stage)
+    act += split
     if stage.kind == "score":
         act += tokens * model.hidden * c  # score head input (trained)
-    note = f"{stage.sequences} seqs x {stage.seq_len} tokens, {ac}"
+    note = f"{stage.sequences} seqs x {stage.seq_len} tokens, {ac}, {how}"
     if sequence_parallel > 1:
         act = -(-act // sequence_parallel)
         note += f", 1/{sequence_parallel} per rank (sequence parallel)"
-    return Row("activations", act, note, phase)
+    return Row("activations", act + whole, note, phase)
+
+
+def attention_rows_bytes(model: ModelShape, stage: StageShape) -> tuple[int, int, str]:
+    """What keeps attention inside each row, beyond q/k/v and the output: (bytes that split
+    over sequence-parallel ranks, bytes every rank holds whole, a note).
+
+    Padded batches: SDPA's [B, 1, T, T] bool mask. Padding-free batches
+    (posttrain.models.varlen_attention) build no mask: SDPA runs causally on each row's
+    [S, H, L, D] block, saving its fp32 logsumexp [S, H, L] per attention call (every block's,
+    or one block's under activation checkpointing; split by heads under sequence parallelism),
+    and the batch carries four int64 index tensors of the whole sequence on every rank (the
+    position ids and the segments' row_of, pos_of and [S, L] gather)."""
+    tokens = stage.sequences * stage.seq_len
+    if not stage.padding_free or model.padded_attention:
+        return stage.sequences * stage.seq_len * stage.seq_len, 0, "[T, T] mask"
+    blocks = 1 if stage.activation_checkpointing else model.layers
+    return blocks * tokens * model.heads * 4, 4 * 8 * tokens, "row-confined, no mask"
 
 
 def logits_rows(
-    model: ModelShape, stage: StageShape, c: int, full_logits: int, phase: str
+    model: ModelShape,
+    stage: StageShape,
+    c: int,
+    full_logits: int,
+    phase: str,
+    sequence_parallel: int = 1,
 ) -> list[Row]:
-    """The LM head's buffers of a step: chunked ([chunk, vocab] buffers and the scored
-    positions' hidden states with their gradient) or full (`full_logits_bytes`); none for a
-    score head."""
+    """The LM head's buffers of a step: chunked ([chunk, vocab] buffers and the head positions'
+    hidden states with their gradient, `head_positions`: a rank's slice under sequence
+    parallelism) or full (`full_logits_bytes`); none for a score head."""
     k = LOGIT_BUFFERS[stage.kind]
     if k and stage.logits_chunk_tokens:
-        scored = stage.sequences * (stage.logit_positions or stage.seq_len)
+        scored = head_positions(stage, sequence_parallel)
         chunk = min(stage.logits_chunk_tokens, scored)
         kc = CHUNK_BUFFERS[stage.kind] + model.logit_transform
         logits = kc * chunk * model.vocab * 4 + 2 * scored * model.hidden * c
         note = f"chunked: {kc} x {chunk} tokens x vocab {model.vocab} x 4 B"
+        if sequence_parallel > 1:
+            note += f", {scored} positions per rank (sequence parallel)"
         return [Row("logits", logits, note, phase)]
     if k:
-        positions = stage.logit_positions or stage.seq_len
-        note = f"{k} x {stage.sequences} x {positions} x vocab {model.vocab} x 4 B"
+        positions = head_positions(stage, sequence_parallel)
+        note = f"{k} x {positions} positions x vocab {model.vocab} x 4 B"
         return [Row("logits", full_logits, note, phase)]
     return []
 

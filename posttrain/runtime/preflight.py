@@ -184,6 +184,7 @@ def stage_shape(recipe: Any, stage: str, teacher_dir: str | Path | None = None) 
         "activation_checkpointing": section.activation_checkpointing,
         "logits_chunk_tokens": recipe.infra.logits_chunk_tokens,
         "base_dtype": _base_dtype(recipe.infra),
+        "padding_free": section.batch.padding_free,
     }
 
     def adapter(role: str, name: str | None, trainable: bool) -> Adapter | None:
