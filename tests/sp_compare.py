@@ -1,5 +1,6 @@
-"""A stage on one rank, then on 2 ranks of one sequence-parallel group (N = 2) in the same folder,
-for the tests that prove the split run equals the unsplit one (tests/test_*sequence_parallel*)."""
+"""A stage on one rank, then on 2 ranks of one sequence-parallel group (N = 2) in the same folder
+(or any two layouts, `in_place`), for the tests that prove the split run equals the unsplit one
+(tests/test_*sequence_parallel*)."""
 
 from __future__ import annotations
 
@@ -45,16 +46,36 @@ def one_then_two(
 ) -> Runs:
     """Run `kind` on 1 rank, then on 2 ranks at N = 2 in its place (how the batch is split over
     ranks is not fingerprinted, so both plan the same folder)."""
-    one = run_inprocess(kind, recipe)
+    return in_place(kind, recipe, (1, ()), (2, SP), files)
 
-    def records() -> tuple[list[dict], list[dict], dict[str, dict[str, torch.Tensor]]]:
-        metrics = one / "metrics.jsonl"
-        trained = {f: load_file(one / "adapter" / f) for f in files}
+
+def in_place(
+    kind: str,
+    recipe: Path,
+    first: tuple[int, tuple[str, ...]],
+    then: tuple[int, tuple[str, ...]],
+    files: tuple[str, ...] = ("adapter_model.safetensors",),
+) -> Runs:
+    """Run `kind` on `first` (ranks, overrides: in this process for 1 rank, else torchrun), then
+    on `then` in its place (the same planned folder: ranks and micro-batch sizes are not
+    fingerprinted); the split run is `then`."""
+
+    def launch(ranks: int, over: tuple[str, ...]) -> tuple[Path, str]:
+        if ranks == 1:
+            return run_inprocess(kind, recipe, *over), ""
+        out = planned_dir(kind, recipe, *over)
+        proc = run_torchrun(kind, recipe, ranks, *over)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return out, proc.stdout + proc.stderr
+
+    def records(out: Path) -> tuple[list[dict], list[dict], dict[str, dict[str, torch.Tensor]]]:
+        metrics = out / "metrics.jsonl"
+        trained = {f: load_file(out / "adapter" / f) for f in files}
         return read_metrics(metrics, "train"), read_metrics(metrics, "eval"), trained
 
-    first = records()
-    assert planned_dir(kind, recipe, *SP) == one
+    one, _ = launch(*first)
+    before = records(one)
+    assert planned_dir(kind, recipe, *then[1]) == one
     shutil.rmtree(one)
-    proc = run_torchrun(kind, recipe, 2, *SP)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return Runs(one, proc.stdout + proc.stderr, *first, *records())
+    two, text = launch(*then)
+    return Runs(two, text, *before, *records(two))

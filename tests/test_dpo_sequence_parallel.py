@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sp_compare import one_then_two
+from tests.sp_compare import in_place, one_then_two
 from tests.stage_helpers import (
     TINY,
     run_shared,
@@ -51,3 +51,34 @@ def test_dpo_sequence_parallel_matches_one_rank(tmp_path: Path, shared_parents: 
             assert b[k] == pytest.approx(a[k], abs=1e-5), k
     reference = json.loads((runs.folder / "reference.json").read_text())
     assert reference["precomputed"] == "miss"  # its own table: sums taken in another order
+
+
+def test_two_by_two_matches_four_data_parallel_ranks(tmp_path: Path, shared_parents: Path) -> None:
+    """4 ranks as 2 data-parallel groups x 2 sequence-parallel ranks (micro 2 pairs a group)
+    train as 4 data-parallel ranks of micro 1: the same global batch of 2 x 2 x 2 = 1 x 2 x 4 = 8
+    pairs, the same losses and adapter. Two steps: 4 ranks on 2 cores."""
+    recipe = write_recipe(tmp_path, {**RECIPE, "dpo": {**RECIPE["dpo"], "max_steps": 2}})
+    for stage in ("ingest", "sft"):
+        run_shared(stage, recipe, shared_parents)
+    # The sft parent keeps its global batch of 8 (its fingerprint) on either layout.
+    dp4 = (
+        "infra.devices_per_node=4",
+        "dpo.batch.micro_batch_size=1",
+        "sft.batch.micro_batch_size=2",
+    )
+    dp2_sp2 = (
+        "infra.devices_per_node=4",
+        "infra.sequence_parallel=2",
+        "dpo.batch.micro_batch_size=2",
+        "sft.batch.micro_batch_size=4",
+    )
+    runs = in_place("dpo", recipe, (4, dp4), (4, dp2_sp2))
+    assert "sequence parallel: 2 ranks per group, 2 data-parallel groups" in runs.output
+    assert len(runs.two_train) == len(runs.one_train) == 2
+    for a, b in zip(runs.one_train, runs.two_train, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+        assert b["tokens"] == a["tokens"]
+    assert (worst := runs.worst_weight_gap()) < 1e-5, worst
+    for a, b in zip(runs.one_eval, runs.two_eval, strict=True):
+        for k in ("eval_accuracy", "eval_margin", "eval_loss"):
+            assert b[k] == pytest.approx(a[k], abs=1e-5), k
