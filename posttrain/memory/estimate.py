@@ -38,9 +38,10 @@ a teacher (distillation: a stage with a `teacher` link), on a base of its own sh
 
 shards = data-parallel ranks that split the parameters: world size (fsdp), devices per node
 (hsdp), 1 (ddp). With `infra.sequence_parallel` N the world counts the sequence-parallel ranks
-too (FSDP2 shards over the whole dp x sp mesh), and the activations row is 1/N per rank; the
-other rows (logits, rollout, teacher) are counted whole, an over-estimate until the stages split
-them.
+too (FSDP2 shards over the whole dp x sp mesh), the activations row is 1/N per rank (but the
+padding-free batch's index tensors) and the LM head's positions are the rank's slice
+(`head_positions`); the rollout and teacher rows are counted whole, an over-estimate until the
+stages split them.
 
 Activations saved for backward, per token and decoder block (Llama/Qwen2 block, SDPA attention,
 frozen base + LoRA; a frozen linear saves nothing, a LoRA linear saves its input and its rank-r
