@@ -15,7 +15,13 @@ import pytest
 
 from flows import terminal
 from flows.failure_block import BUG, FIXES, gate_block, stage_failure_block, unexpected_block
-from flows.stage.output import MetricsTail, add_step_listener, remove_step_listener
+from flows.stage.output import (
+    TAIL_LINES,
+    MetricsTail,
+    OutputPump,
+    add_step_listener,
+    remove_step_listener,
+)
 from flows.terminal import ProgressPrinter, QuietConsole
 
 LOG = "/ws/artifacts/sft/18ad184aa1f3a563/logs/stage.log"
@@ -94,6 +100,26 @@ def test_memory_refusal_block_lists_the_changes_that_fit() -> None:
     assert "infra.memory_preflight=warn" in text and f"full log: {LOG}" in text
     assert "component" not in text  # the estimate's table stays in the log
     assert len(text.splitlines()) <= 8
+
+
+def test_a_verdict_pushed_out_of_the_tail_by_torchrun_still_makes_the_block() -> None:
+    """A multi-rank stage's refusal is followed by torchrun's closing report (longer than the
+    tail the supervisor keeps): the block still lists the changes, not 'see the log'."""
+    fits = MEMORY_TAIL.replace(
+        "nothing above fits: this stage needs a device with at least 956.9 MiB\n", ""
+    )
+    report = [f"  rank      : {i % 2} torchrun report line {i}" for i in range(TAIL_LINES + 10)]
+    lines = ["2026-12-07 INFO [posttrain] parents ingest verified", *fits.splitlines(), *report]
+    pump = OutputPump(iter(f"{x}\n" for x in lines), io.StringIO(), logging.getLogger("t"), "sft")
+    pump.join(10)
+    tail = pump.tail_text()
+    assert tail.splitlines()[-1] == report[-1]
+    text = stage_failure_block(_stage_failed(tail)).text()
+    assert "  fix:  one of\n        sft.activation_checkpointing: true" in text
+    # Without a verdict, the tail is the last lines alone.
+    plain = OutputPump(iter(f"{x}\n" for x in report), io.StringIO(), logging.getLogger("t"), "x")
+    plain.join(10)
+    assert plain.tail_text().splitlines() == report[-TAIL_LINES:]
 
 
 def test_memory_refusal_block_says_when_no_change_fits() -> None:

@@ -18,6 +18,7 @@ from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
+from flows.failure_block import ERROR_MARKER
 from flows.stage.jsonl_tail import JsonlTail
 
 ARTIFACT_MARKER = "POSTTRAIN_ARTIFACT "
@@ -76,6 +77,9 @@ class OutputPump:
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.recent: deque[str] = deque(maxlen=SUMMARY_LINES)
         self.artifact_json: str | None = None
+        # The last verdict line (POSTTRAIN_ERROR) and up to TAIL_LINES after it: torchrun's
+        # closing report of a multi-rank stage is longer than the tail and would push it out.
+        self.verdict: list[str] = []
         self.thread = _start_thread(self._run, f"{stage}-output")
 
     def _run(self) -> None:
@@ -86,6 +90,10 @@ class OutputPump:
             self.recent.append(body)
             if body.startswith(ARTIFACT_MARKER):
                 self.artifact_json = body[len(ARTIFACT_MARKER) :]
+            if body.startswith(ERROR_MARKER):
+                self.verdict = [line]
+            elif self.verdict and len(self.verdict) < TAIL_LINES:
+                self.verdict.append(line)
             try:
                 self.log_file.write(line + "\n")
                 self.log_file.flush()
@@ -101,7 +109,12 @@ class OutputPump:
         self.thread.join(timeout)
 
     def tail_text(self) -> str:
-        return "\n".join(self.tail)
+        """The last TAIL_LINES lines, after the last verdict and its lines when they fell out
+        of them (the failure block is read from this text)."""
+        tail = list(self.tail)
+        if self.verdict and self.verdict[0] not in tail:
+            tail = [*self.verdict, "...", *tail]
+        return "\n".join(tail)
 
 
 # An RL step's mean reward over its rollout (posttrain.rl.metrics.train_metrics): the combined
