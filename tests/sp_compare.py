@@ -18,8 +18,8 @@ SP = ("infra.devices_per_node=2", "infra.sequence_parallel=2")
 
 @dataclass
 class Runs:
-    """Both runs' train and eval records and trained files (under adapter/), and the split
-    run's output."""
+    """Both runs' train and eval records and trained files (paths under the stage's folder),
+    and the split run's output."""
 
     folder: Path
     output: str
@@ -41,7 +41,7 @@ class Runs:
 
 
 def one_then_two(
-    kind: str, recipe: Path, files: tuple[str, ...] = ("adapter_model.safetensors",)
+    kind: str, recipe: Path, files: tuple[str, ...] = ("adapter/adapter_model.safetensors",)
 ) -> Runs:
     """Run `kind` on 1 rank, then on 2 ranks at N = 2 in its place (how the batch is split over
     ranks is not fingerprinted, so both plan the same folder)."""
@@ -49,7 +49,7 @@ def one_then_two(
 
     def records() -> tuple[list[dict], list[dict], dict[str, dict[str, torch.Tensor]]]:
         metrics = one / "metrics.jsonl"
-        trained = {f: load_file(one / "adapter" / f) for f in files}
+        trained = {f: load_file(one / f) for f in files}
         return read_metrics(metrics, "train"), read_metrics(metrics, "eval"), trained
 
     first = records()
