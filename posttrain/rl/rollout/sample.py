@@ -32,7 +32,7 @@ from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import REWARD, VALUE
 from posttrain.rl.losses import entropy_from_logits, token_logps
 from posttrain.rl.rollout.engine import RolloutEngine, left_pad
-from posttrain.rl.rollout.sp_shard import group_sum, shard_packed
+from posttrain.rl.rollout.sp_shard import from_first, group_sum, shard_packed
 from posttrain.sections.shared import RolloutConfig, SamplingConfig
 from posttrain.train.micro_batches import regroup_step
 
@@ -243,16 +243,22 @@ def sample(
     stop_ids: int | Sequence[int],
     seed: int,
     versions: bool = True,
+    sp: SequenceParallel | None = None,
 ) -> Rollout:
     """One response per prompt (repeat a prompt for several samples) from `engine`, seeded by
     `seed`, as a Rollout stamped with the engine's policy version (`versions`; False for the
-    reference's samples). A response ends at the first of `stop_ids` (-1 never stops)."""
+    reference's samples). A response ends at the first of `stop_ids` (-1 never stops).
+    `sp`: the ranks of a sequence-parallel group (same prompts, same seed) keep their first
+    rank's responses, so they train on one set of rows even where sampling kernels are not
+    deterministic; every rank still generates (the engine's forwards are collectives of the
+    sharded model, kept in step over the world), the others' draws are dropped."""
     stops = _ids(stop_ids)
     response = engine.generate(prompts, sampling_of(cfg), stops, pad_id, seed)  # [N, R]
+    # logps: [N, R] a server's, for its stale-sampler check (None from the in-process engines)
+    response, counts, logps = from_first((response, engine.take_counts(), engine.take_logps()), sp)
     ids, attn = left_pad(prompts, pad_id)
     mask, stopped = response_mask(response, stops)
-    ro = Rollout(ids, attn, response, mask, stopped, messages, stats=engine.take_counts())
-    logps = engine.take_logps()  # [N, R] a server's, for its stale-sampler check
+    ro = Rollout(ids, attn, response, mask, stopped, messages, stats=counts)
     if logps is not None:
         ro.scored["sampler_logps"] = logps
     if versions:
