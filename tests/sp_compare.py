@@ -19,8 +19,8 @@ SP = ("infra.devices_per_node=2", "infra.sequence_parallel=2")
 
 @dataclass
 class Runs:
-    """Both runs' train and eval records and trained files (under adapter/), and the split
-    run's output."""
+    """Both runs' train and eval records and trained files (paths under the stage's folder),
+    and the split run's output."""
 
     folder: Path
     output: str
@@ -42,7 +42,7 @@ class Runs:
 
 
 def one_then_two(
-    kind: str, recipe: Path, files: tuple[str, ...] = ("adapter_model.safetensors",)
+    kind: str, recipe: Path, files: tuple[str, ...] = ("adapter/adapter_model.safetensors",)
 ) -> Runs:
     """Run `kind` on 1 rank, then on 2 ranks at N = 2 in its place (how the batch is split over
     ranks is not fingerprinted, so both plan the same folder)."""
@@ -54,7 +54,7 @@ def in_place(
     recipe: Path,
     first: tuple[int, tuple[str, ...]],
     then: tuple[int, tuple[str, ...]],
-    files: tuple[str, ...] = ("adapter_model.safetensors",),
+    files: tuple[str, ...] = ("adapter/adapter_model.safetensors",),
 ) -> Runs:
     """Run `kind` on `first` (ranks, overrides: in this process for 1 rank, else torchrun), then
     on `then` in its place (the same planned folder: ranks and micro-batch sizes are not
@@ -70,7 +70,7 @@ def in_place(
 
     def records(out: Path) -> tuple[list[dict], list[dict], dict[str, dict[str, torch.Tensor]]]:
         metrics = out / "metrics.jsonl"
-        trained = {f: load_file(out / "adapter" / f) for f in files}
+        trained = {f: load_file(out / f) for f in files}
         return read_metrics(metrics, "train"), read_metrics(metrics, "eval"), trained
 
     one, _ = launch(*first)

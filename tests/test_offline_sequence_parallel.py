@@ -39,7 +39,7 @@ def one_then_two(
     kind: str, recipe: Path, eval_keys: tuple[str, ...], files: tuple[str, ...]
 ) -> tuple[list[dict], list[dict]]:
     """Run `kind` on 1 rank, then on 2 ranks at N = 2 in the same folder; assert the per-step
-    losses, the trained `files` (under adapter/) and the held-out `eval_keys` agree. Returns
+    losses, the trained `files` (under the stage folder) and the held-out `eval_keys` agree. Returns
     both runs' train records for the caller's own checks."""
     runs = sp_compare.one_then_two(kind, recipe, files)
     assert len(runs.two_train) == len(runs.one_train) == 3
@@ -71,7 +71,7 @@ def test_orpo_sequence_parallel_matches_one_rank(tmp_path: Path, shared_parents:
         "orpo",
         recipe,
         ("eval_accuracy", "eval_margin", "eval_loss", "eval_nll"),
-        ("adapter_model.safetensors",),
+        ("adapter/adapter_model.safetensors",),
     )
     for a, b in zip(one, two, strict=True):
         # The NLL term and the rows' log-probs: the group's sums, counted once.
@@ -99,7 +99,7 @@ def test_kto_sequence_parallel_matches_one_rank(tmp_path: Path, shared_parents: 
         "kto",
         recipe,
         ("eval_loss", "eval_margin", "eval_kl", "eval_pair_accuracy"),
-        ("adapter_model.safetensors",),
+        ("adapter/adapter_model.safetensors",),
     )
     for a, b in zip(one, two, strict=True):
         # z0 from the mismatched partners' shards, and the rows counted once per group.
@@ -122,7 +122,7 @@ def test_reward_sequence_parallel_matches_one_rank(tmp_path: Path, shared_parent
         "reward",
         recipe,
         ("eval_accuracy", "eval_margin", "eval_loss", "eval_chosen_mean", "eval_rejected_std"),
-        ("adapter_model.safetensors",),  # the LoRA and the score head
+        ("adapter/adapter_model.safetensors",),  # the LoRA and the score head
     )
     for a, b in zip(one, two, strict=True):
         # Each row's score read on the rank holding its last token, counted once per group.

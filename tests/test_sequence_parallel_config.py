@@ -16,7 +16,7 @@ from posttrain.sections.infra import InfraConfig
 MINIMAL = {"ingest": {"source": "from_config"}, "sft": {"data": {"synthetic": {}}}}
 BATCH = "sft.batch={micro_batch_size: 2, grad_accum_steps: 3}"
 NOT_WIRED = (
-    "infra.sequence_parallel: 2: sequence parallelism is not yet wired into stage ppo; "
+    "infra.sequence_parallel: 2: sequence parallelism is not yet wired into stage online_dpo; "
     "set infra.sequence_parallel: 1"
 )
 
@@ -34,9 +34,14 @@ def test_default_is_one_and_the_data_parallel_size_is_the_world() -> None:
 
 
 def test_a_stage_not_wired_yet_is_refused() -> None:
-    """SFT and reward are wired (no error of their own); a ppo stage after them is not."""
-    assert KINDS["reward"].sequence_parallel and not KINDS["ppo"].sequence_parallel
-    data = {**MINIMAL, "reward": {"data": {"synthetic": {}}}, "ppo": {"data": {"synthetic": {}}}}
+    """SFT, reward and ppo are wired (no error of their own); an online_dpo stage is not."""
+    assert KINDS["ppo"].sequence_parallel and not KINDS["online_dpo"].sequence_parallel
+    data = {
+        **MINIMAL,
+        "reward": {"data": {"synthetic": {}}},
+        "ppo": {"data": {"synthetic": {}}},
+        "online_dpo": {"data": {"synthetic": {}}},
+    }
     over = ["infra.devices_per_node=2", "infra.sequence_parallel=2"]
     assert errors_of(over, data) == [NOT_WIRED]
     resolve(validate_recipe(apply_overrides(MINIMAL, over)))  # SFT alone: accepted

@@ -25,4 +25,5 @@ KIND = online_kind(
     # 3: the reported, gated and adapted-to KL is kl.estimator's (was k1).
     version="3",
     consumes=("policy", "reference", "reward_model"),
+    sequence_parallel=True,
 )

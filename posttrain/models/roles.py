@@ -94,7 +94,8 @@ class RoleModel(nn.Module):
         log-probs are those of the distribution the rollout was drawn from).
         Padding-free (`segments`, `Rollout.packed_inputs`): input_ids/position_ids [1, N], no
         attention mask, and `index` [B, R] the flat positions to read instead of start..stop:
-        the same outputs for the B rows, with no compute on padding (not for `reward`).
+        the same outputs for the B rows, with no compute on padding (`reward`: index [B, 1],
+        each row's last token).
         `positions` [M]: with `targets`, the flat indices into [B * (stop-start)] of the scored
         positions, taken on the host (`posttrain.rl.rollout.sample.scored_positions`), so the
         head does not wait for the device to find them.
@@ -108,12 +109,14 @@ class RoleModel(nn.Module):
                 input_ids, attention_mask, position_ids, segments, sequence_parallel
             )
         if segments is not None:
-            assert index is not None and role != REWARD, "padding-free: logits and values only"
+            assert index is not None, "padding-free: the flat positions to read"
             hidden = hidden[0, index]  # [1, N, H] -> [B, R, H]
             start, stop = 0, None
         if role == REWARD:
             if self.score_head is None:
                 raise ValueError("this RoleModel was built without a reward model")
+            if segments is not None:  # [B, 1, H] at each row's last token -> [B]
+                return self.score_head(hidden[:, -1]).sum(-1).float()
             # The reward model reads the last non-pad token, wherever the padding is.
             positions = torch.arange(attention_mask.size(1), device=attention_mask.device)
             last = (positions * attention_mask).argmax(1)  # [B]

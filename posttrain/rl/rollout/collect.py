@@ -28,6 +28,7 @@ from posttrain.rl.rewarder import Rewarder
 from posttrain.rl.rollout.engine import RolloutEngine
 from posttrain.rl.rollout.multiturn import EpisodeSetup, play
 from posttrain.rl.rollout.sample import Rollout, sample, sampling_of, score
+from posttrain.rl.rollout.sp_shard import from_first
 
 
 def rollout_seed(seed: int, step: int, rank: int) -> int:
@@ -133,6 +134,7 @@ def generate(s: RolloutSetup, rows: list[dict[str, Any]], seed: int, role: str =
         s.stop_ids,
         seed,
         versions=role == POLICY,
+        sp=s.sp,
     )
 
 
@@ -155,7 +157,24 @@ def score_rollout(
         s.sp,
     )
     if rows is not None:
+        reward(s, ro, rows)
+
+
+def reward(s: RolloutSetup, ro: Rollout, rows: list[dict[str, Any]]) -> None:
+    """The rewards of `ro` (`Rewarder`) in `ro.scored`, computed once per sequence-parallel
+    group: its first rank calls the reward functions (a judge is asked, sandboxed code run,
+    once per row) and the others take every entry it wrote (scores, each function's values,
+    its counters, which the step's records count on the first rank only). The reward model's
+    scores come from `score`'s forward, which every rank ran."""
+    if s.sp is None or s.sp.size == 1:
         s.rewarder(ro, rows)
+        return
+    before = dict(ro.scored)
+    if s.sp.rank == 0:
+        s.rewarder(ro, rows)
+    # The rewarder writes new tensors (overwriting "scores"): those not there before.
+    written = {k: v for k, v in ro.scored.items() if before.get(k) is not v}
+    ro.scored |= from_first(written, s.sp)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from posttrain.models.adapters import POLICY, REFERENCE
 from posttrain.models.roles import REWARD, VALUE
 from posttrain.rl.losses import entropy_from_logits, token_logps
 from posttrain.rl.rollout.engine import RolloutEngine, left_pad
-from posttrain.rl.rollout.sp_shard import group_sum, shard_packed
+from posttrain.rl.rollout.sp_shard import from_first, group_sum, shard_packed
 from posttrain.sections.shared import RolloutConfig, SamplingConfig
 from posttrain.train.micro_batches import regroup_step
 
@@ -243,16 +243,22 @@ def sample(
     stop_ids: int | Sequence[int],
     seed: int,
     versions: bool = True,
+    sp: SequenceParallel | None = None,
 ) -> Rollout:
     """One response per prompt (repeat a prompt for several samples) from `engine`, seeded by
     `seed`, as a Rollout stamped with the engine's policy version (`versions`; False for the
-    reference's samples). A response ends at the first of `stop_ids` (-1 never stops)."""
+    reference's samples). A response ends at the first of `stop_ids` (-1 never stops).
+    `sp`: the ranks of a sequence-parallel group (same prompts, same seed) keep their first
+    rank's responses, so they train on one set of rows even where sampling kernels are not
+    deterministic; every rank still generates (the engine's forwards are collectives of the
+    sharded model, kept in step over the world), the others' draws are dropped."""
     stops = _ids(stop_ids)
     response = engine.generate(prompts, sampling_of(cfg), stops, pad_id, seed)  # [N, R]
+    # logps: [N, R] a server's, for its stale-sampler check (None from the in-process engines)
+    response, counts, logps = from_first((response, engine.take_counts(), engine.take_logps()), sp)
     ids, attn = left_pad(prompts, pad_id)
     mask, stopped = response_mask(response, stops)
-    ro = Rollout(ids, attn, response, mask, stopped, messages, stats=engine.take_counts())
-    logps = engine.take_logps()  # [N, R] a server's, for its stale-sampler check
+    ro = Rollout(ids, attn, response, mask, stopped, messages, stats=counts)
     if logps is not None:
         ro.scored["sampler_logps"] = logps
     if versions:
@@ -364,8 +370,7 @@ def score(
     sp: SequenceParallel | None = None,
 ) -> dict[str, torch.Tensor]:
     """Fill `ro.scored` for the requested roles: "logps" (policy) / "ref_logps" [N, R], "values"
-    [N, R] (critic), "scores" [N] (reward model, on the response re-rendered through the chat
-    template exactly as its training pairs were, so it sees the end-of-turn text it learnt on).
+    [N, R] (critic), "scores" [N] (reward model: `reward_model_scores`).
     `packed`: each forward's rows laid end to end instead of padded; `by_tokens`: forwards of
     at most that many tokens (`forward_groups`) instead of `batch_size` rows. `sp`: the
     sequence-parallel group (packed rows): each rank scores its shard of every forward and the
@@ -397,24 +402,7 @@ def score(
             # With `sp`: this rank's tokens, summed with the group's into the whole rows.
             out.setdefault(names[role], []).append(group_sum(y.float() * mask, sp))
     if REWARD in roles:
-        texts = decode_responses(tokenizer, ro)
-        seqs = [
-            encode_reply(tokenizer, m, t, max_prompt_len)
-            for m, t in zip(ro.messages, texts, strict=True)
-        ]
-        for start in range(0, ro.n, batch_size):
-            b = pad_batch(
-                [{"input_ids": s, "labels": s} for s in seqs[start : start + batch_size]],
-                tokenizer.pad_token_id,
-            )
-            out.setdefault("scores", []).append(
-                model(
-                    REWARD,
-                    b["input_ids"].to(device),
-                    b["attention_mask"].to(device),
-                    b["position_ids"].to(device),
-                )
-            )
+        out["scores"] = [reward_model_scores(model, ro, tokenizer, batch_size, max_prompt_len, sp)]
     model.train(was_training)
     # Back in row order: the forwards took the rows in `groups`' order.
     order = torch.tensor([i for g in groups for i in g], dtype=torch.long)
@@ -424,3 +412,50 @@ def score(
             out[k] = [torch.empty_like(y).index_copy_(0, order, y)]
     ro.scored |= {k: torch.cat(v).cpu() for k, v in out.items()}
     return ro.scored
+
+
+def reward_model_scores(
+    model: torch.nn.Module,
+    ro: Rollout,
+    tokenizer: Any,
+    batch_size: int,
+    max_prompt_len: int,
+    sp: SequenceParallel | None = None,
+) -> torch.Tensor:
+    """[N] the reward model's score of each response, re-rendered through the chat template
+    exactly as its training pairs were (so it sees the end-of-turn text it learnt on),
+    `batch_size` rows per forward, padded; with `sp`, packed and split (`split_scores`)."""
+    device = next(model.parameters()).device
+    texts = decode_responses(tokenizer, ro)
+    seqs = [
+        encode_reply(tokenizer, m, t, max_prompt_len)
+        for m, t in zip(ro.messages, texts, strict=True)
+    ]
+    out = []
+    for start in range(0, ro.n, batch_size):
+        part = seqs[start : start + batch_size]
+        if sp is not None:
+            out.append(split_scores(model, part, sp, device))
+            continue
+        b = pad_batch([{"input_ids": s, "labels": s} for s in part], tokenizer.pad_token_id)
+        inp = (b[k].to(device) for k in ("input_ids", "attention_mask", "position_ids"))
+        out.append(model(REWARD, *inp))
+    return torch.cat(out).cpu()
+
+
+def split_scores(
+    model: torch.nn.Module, seqs: list[list[int]], sp: SequenceParallel, device: torch.device
+) -> torch.Tensor:
+    """[n] the reward model's scores of `seqs`, laid end to end and split over the ranks of
+    `sp` (`shard_packed`): each row's last token lies in one rank's shard, which reads the
+    row's score there (0 elsewhere); the group sums the parts, the same on every rank."""
+    segments = Segments.from_lengths([len(s) for s in seqs])
+    whole = {
+        "input_ids": torch.tensor([t for s in seqs for t in s]).unsqueeze(0),  # [1, N]
+        "position_ids": segments.pos_of.unsqueeze(0),
+        "segments": segments,
+        "index": segments.last_positions().unsqueeze(1),  # [n, 1]
+    }
+    shard, own = shard_packed(whole, sp)  # own [n, 1]
+    y = model(REWARD, **_to_device(shard, device))  # [n]
+    return group_sum(y * own[:, 0].to(device), sp)

@@ -7,11 +7,15 @@ padding: a row of its own that nothing reads). Each response token is scored at 
 position (`index`), so on exactly one rank of the group: `own` [n, R] says where. A per-token
 quantity of the rollout (log-probs, values) is then this rank's on its own tokens and 0
 elsewhere, and its sum over the group (`group_sum`) is the unsplit forward's, on every rank.
+
+What is not a forward's is taken from the group's first rank (`from_first`): the sampled
+responses (so the group trains on one set of rows even where sampling kernels are not
+deterministic) and the reward functions' values (a judge asked, code run once per row).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -56,3 +60,16 @@ def group_sum(x: torch.Tensor, sp: SequenceParallel | None) -> torch.Tensor:
     out = x.detach().clone()
     dist.all_reduce(out, group=sp.group)
     return out
+
+
+T = TypeVar("T")
+
+
+def from_first(obj: T, sp: SequenceParallel | None) -> T:
+    """`obj` as the first rank of `sp`'s group holds it, on every rank of the group (pickled:
+    host tensors, dicts, lists; the other ranks' `obj` is ignored and may be None)."""
+    if sp is None or sp.size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, group=sp.group, group_src=0)
+    return box[0]
