@@ -276,17 +276,28 @@ def dpo_update(
         objective = (losses * weight).sum() * scale
         tr.backward(objective)
         share = share + objective.detach() * counted / world
-        for name, v in (
-            ("loss", losses.detach()),
-            ("accuracy", pair_outcome(chosen, rejected)),
-            ("margin", chosen - rejected),
-            ("chosen_reward", chosen),
-            ("rejected_reward", rejected),
-        ):
-            v = (v * weight).sum() * counted
-            sums[name] = sums[name] + v if name in sums else v
+        add_pair_sums(sums, losses.detach(), chosen, rejected, weight * counted)
     # The mean loss over all pairs, the same on every rank: read with the grad norm.
     loss = all_reduce_on_device(share)
     _, norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=loss, step=step)
     means = {k: v / total for k, v in all_reduce_sums(sums, device).items()}
     return DPOStats(means, norm, lr, 1, total, len(pairs))
+
+
+def add_pair_sums(
+    sums: dict[str, torch.Tensor],
+    losses: torch.Tensor,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    weight: torch.Tensor,
+) -> None:
+    """sums[name] += the weighted sum of each pair statistic ([n] each, on the device)."""
+    for name, v in (
+        ("loss", losses),
+        ("accuracy", pair_outcome(chosen, rejected)),
+        ("margin", chosen - rejected),
+        ("chosen_reward", chosen),
+        ("rejected_reward", rejected),
+    ):
+        v = (v * weight).sum()
+        sums[name] = sums[name] + v if name in sums else v
