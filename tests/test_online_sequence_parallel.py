@@ -2,7 +2,8 @@
 sequence-parallel group (`infra.sequence_parallel: 2`, one data-parallel group: the same prompts
 dealt, the same samples drawn with the same seed) split every scoring and update forward's
 packed rows, and give one rank's per-step figures to 1e-5, its trained adapter to 5e-5 and its
-held-out figures to 1e-5. A torchrun of 2 ranks on two CPU cores: slow tier."""
+held-out figures to 1e-5. A torchrun of 2 ranks on two CPU cores: slow tier. And (fast) the
+distillation teacher's base is checked for heads that split like the student's."""
 
 from __future__ import annotations
 
@@ -11,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.config.loader import RecipeError, apply_overrides, resolve, validate_recipe
 from posttrain.telemetry.records import read_metrics
-from tests.sp_compare import Runs, one_then_two
-from tests.stage_helpers import TINY, run_shared, write_recipe
-
-pytestmark = pytest.mark.slow
+from tests.sp_compare import SP, Runs, one_then_two
+from tests.stage_helpers import TINY, run_inprocess, run_shared, write_recipe
 
 BASE = {k: copy.deepcopy(v) for k, v in TINY.items() if k != "evaluate"}
 ONLINE = {
@@ -50,11 +50,12 @@ def _check(runs: Runs, train_keys: tuple[str, ...]) -> None:
     assert (worst := runs.worst_weight_gap()) < 5e-5, worst
     assert len(runs.two_eval) == len(runs.one_eval)
     for a, b in zip(runs.one_eval, runs.two_eval, strict=True):
-        held = tuple(k for k in a if k.endswith(("reward", "kl", "prompts", "teacher_kl")))
+        held = tuple(k for k in a if k.endswith(("reward", "kl", "prompts", "agreement", "rate")))
         assert held
         _same(a, b, held)
 
 
+@pytest.mark.slow
 def test_online_dpo_sequence_parallel_matches_one_rank(
     tmp_path: Path, shared_parents: Path
 ) -> None:
@@ -81,3 +82,63 @@ def test_online_dpo_sequence_parallel_matches_one_rank(
     assert all(r["pairs"] > 0 for r in runs.one_train[1:]), runs.one_train
     assert any(r["margin"] != 0 for r in runs.one_train[1:]), runs.one_train
     _check(runs, keys)
+
+
+# A teacher on a wider base of the same tokenizer, trained by its own SFT (tests/test_distill.py).
+TEACHER_STAGES = [
+    {"kind": "ingest", "name": "teacher_base", "source": "from_config",
+     "from_config": {**TINY["ingest"]["from_config"], "hidden_size": 96}},
+    {"kind": "sft", "name": "teacher_sft", "base": "teacher_base", **copy.deepcopy(TINY["sft"])},
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean"])
+def test_distill_sequence_parallel_matches_one_rank(
+    tmp_path: Path, shared_parents: Path, reduction: str
+) -> None:
+    """Student and teacher take the same shard of each forward's rows: the divergence of each
+    rank's own tokens adds up over the group, counted once; `sequence_mean` divides a shard's
+    sum by its answer's whole length."""
+    data = copy.deepcopy(BASE)
+    section = copy.deepcopy(ONLINE) | {
+        "rewards": [{"fn": "posttrain.rewards.match:token_similarity"}],
+        "reduction": reduction,
+        # One row per forward, answers as long as the prompts: the cut between the ranks'
+        # shards falls inside answers, which `sequence_mean` must divide by their whole length.
+        "batch": {"micro_batch_size": 1, "grad_accum_steps": 1, "padding_free": True},
+        "rollout": {"prompts_per_step": 4, "max_new_tokens": 32},
+    }
+    entry = {"kind": "distill", "name": "distill", "from": "sft", "teacher": "teacher_sft"}
+    data["stages"] = [*copy.deepcopy(TEACHER_STAGES), entry | section]
+    recipe = write_recipe(tmp_path, data)
+    for stage in ("ingest", "sft"):
+        run_shared(stage, recipe, shared_parents)
+    for kind, name in (("ingest", "teacher_base"), ("sft", "teacher_sft")):
+        run_inprocess(kind, recipe, name=name)
+    runs = one_then_two("distill", recipe)
+    keys = ("loss", "teacher_kl", "teacher_agreement", "score_mean", "response_len")
+    assert all(r["loss"] > 0 for r in runs.one_train)
+    _check(runs, keys)
+    teacher = [r for r in runs.two_eval if "teacher_reward" in r]
+    assert len(teacher) == 1  # measured once
+
+
+def test_the_teachers_base_must_split_its_heads_too() -> None:
+    """sp_check reads every base of the graph: a teacher's base with 3 heads cannot split over
+    2 ranks, though the student's 4 can; online DPO and distill themselves are wired."""
+    head = {"ingest": {"source": "from_config"}, "sft": {"data": {"synthetic": {}}}}
+    tbase = {"kind": "ingest", "name": "tbase", "source": "from_config",
+             "from_config": {"hidden_size": 96, "num_heads": 3}}  # fmt: skip
+    entry = {"kind": "distill", "name": "distill", "data": {"synthetic": {}}, "teacher": "tbase"}
+    odpo = {"kind": "online_dpo", "name": "odpo", "data": {"synthetic": {}},
+            "rewards": [{"fn": "posttrain.rewards.match:token_similarity"}]}  # fmt: skip
+    data = head | {"stages": [tbase, entry, odpo]}
+    with pytest.raises(RecipeError) as exc:
+        resolve(validate_recipe(apply_overrides(data, list(SP))))
+    assert exc.value.errors == [
+        "infra.sequence_parallel: 2 cannot split the attention of base 'tbase': its 3 attention "
+        "heads are not divisible by 2"
+    ]
+    tbase["from_config"]["num_heads"] = 4
+    resolve(validate_recipe(apply_overrides(data, list(SP))))
