@@ -207,6 +207,19 @@ def test_objective_reductions_by_hand() -> None:
         assert loss.item() == 0.0 and loss.requires_grad
 
 
+def test_shards_of_answers_add_up_with_their_whole_lengths() -> None:
+    """Sequence parallelism: two ranks each keep their shard's tokens of the same answers; with
+    the answers' whole lengths both reductions' parts add up to the unsplit sums (with the
+    shards' own counts sequence 0's mean would be mean(1, 2) + mean(3) = 4.5, not 2)."""
+    per_token = torch.tensor([[1.0, 2.0, 3.0, 0.0], [10.0, 0.0, 0.0, 0.0], [0.0] * 4])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    first = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]])  # the cut after token 2
+    lengths = mask.sum(1)
+    for reduction, whole in (("token_mean", 16.0), ("sequence_mean", 12.0)):
+        parts = [objective_sum(per_token, m, reduction, lengths) for m in (first, mask - first)]
+        assert sum(p.item() for p in parts) == pytest.approx(whole), reduction
+
+
 def test_teacher_gap_closed() -> None:
     # Student 0.30 -> 0.45, teacher 0.50: closed 0.15 of a 0.20 gap = 0.75.
     assert teacher_gap_closed(0.30, 0.45, 0.50) == pytest.approx(0.75)

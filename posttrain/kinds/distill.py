@@ -80,4 +80,7 @@ KIND = online_kind(
     version="2",
     consumes=("policy", "reference", "teacher"),
     token_teacher=True,
+    # Student and teacher take the same shard of the packed rows, each rank scoring its own
+    # tokens (rl.distill.micro_divergence); the teacher's base is checked by sp_check too.
+    sequence_parallel=True,
 )

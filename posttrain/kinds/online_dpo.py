@@ -74,4 +74,7 @@ KIND = online_kind(
     # 2: the held-out KL (eval_kl, max_kl) is kl.estimator's (was k1).
     version="2",
     consumes=("policy", "reference", "reward_model"),
+    # The pairs' rows are split over the group and their log-prob sums all-reduced
+    # (rl.online_dpo.sequence_logps).
+    sequence_parallel=True,
 )

@@ -43,8 +43,10 @@ from posttrain.distributed.runtime import (
     all_reduce_sum,
     all_reduce_sums,
 )
+from posttrain.distributed.sequence_parallel import SequenceParallel
 from posttrain.models.adapters import POLICY
 from posttrain.models.loading import load_tokenizer
+from posttrain.models.sequence_split import group_of
 from posttrain.models.teacher import build_teacher, teacher_logits
 from posttrain.models.vocab import shared_vocab_size
 from posttrain.rl.distill_losses import objective_sum, teacher_gap_closed, token_divergence
@@ -53,7 +55,7 @@ from posttrain.rl.loop import Record, run_loop, write_record
 from posttrain.rl.metrics import UpdateStats, add_rollout_sums, rollout_totals, step_flops
 from posttrain.rl.rollout.collect import RolloutBatch, RolloutSetup, generate
 from posttrain.rl.rollout.engines import build_engine
-from posttrain.rl.rollout.sample import Rollout, balanced_groups, model_inputs, row_tokens
+from posttrain.rl.rollout.sample import Rollout, balanced_groups, forward_inputs, row_tokens
 from posttrain.rl.setup import RLRun, one_step_shapes
 from posttrain.runtime.context import StageContext
 from posttrain.telemetry import heartbeat
@@ -121,7 +123,7 @@ def distill_step(
 
     def record(rb: RolloutBatch, t0: float, t_train: float, timing: dict[str, float]) -> None:
         ro = rb.rollout
-        totals = rollout_totals(ro, run.rollouts.device, cfg.kl.estimator)
+        totals = rollout_totals(ro, run.rollouts.device, cfg.kl.estimator, run.rollouts.counted)
         flops = step_flops(ro, run.tr, 0, 1, False) + 2 * teacher.params * ro.tokens()
         write_record(run, step + 1, rb, totals, stats, t0, t_train, timing, flops)
 
@@ -143,8 +145,18 @@ def evaluate_with_teacher(
     sums: Counter[str] = Counter()
 
     def score_by_teacher(ro: Rollout, w: float) -> None:
+        # Under sequence parallelism each rank of a group scores its own tokens of the same
+        # answers (`mask`), so the group's sums add up to the answers' once.
         per_token, mask, s_logits, t_logits = micro_divergence(
-            s.model, teacher.model, ro, list(range(ro.n)), s.cfg, teacher.vocab, s.packed, s.device
+            s.model,
+            teacher.model,
+            ro,
+            list(range(ro.n)),
+            s.cfg,
+            teacher.vocab,
+            s.packed,
+            s.device,
+            s.sp,
         )
         same = (s_logits.argmax(-1) == t_logits.argmax(-1)).float()
         sums["div"] += w * float((per_token * mask).sum())
@@ -180,7 +192,8 @@ def teacher_heldout(s: RolloutSetup, rows: list[dict[str, Any]], teacher: Teache
     for chunk, w, seed in heldout_batches(s, rows):
         ro = generate(ts, chunk, seed, POLICY)
         s.rewarder(ro, chunk)
-        add_rollout_sums(sums, ro, kl=None, weight=w)
+        # A sequence-parallel group's ranks sample the same answers: its first counts them.
+        add_rollout_sums(sums, ro, kl=None, weight=w * s.counted)
     means = heldout_means(sums, s.device, kl=False)
     return {"teacher_reward": means["reward"], "teacher_stop_rate": means["stop_rate"]}
 
@@ -217,17 +230,33 @@ def micro_divergence(
     vocab: int,
     packed: bool,
     device: torch.device,
+    sp: SequenceParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(per-token divergence [n, R] with grad to the student, mask [n, R], student logits
-    [n, R, vocab], teacher logits [n, R, vocab]) of rollout rows `rows`."""
-    inp = model_inputs(ro, rows, packed, device)
+    """(per-token divergence [n, R] with grad to the student, mask [n, R] of the tokens scored,
+    student logits [n, R, vocab], teacher logits [n, R, vocab]) of rollout rows `rows`. With
+    `sp` both models take this rank's shard of the packed rows (the teacher's heads split like
+    the student's) and the mask is of the tokens this rank scores (`forward_inputs`): the
+    logits elsewhere are not read."""
+    inp, scored = forward_inputs(ro, rows, packed, device, sp)  # scored [n, R] on the host
     t_logits = teacher_logits(teacher, inp, vocab)  # [n, R, vocab], no grad
     s_logits = student(POLICY, **inp)[..., :vocab]  # [n, R, vocab]
-    mask = ro.mask[rows].to(device)  # [n, R]
+    mask = scored.to(device)  # [n, R]
     per_token = token_divergence(
         s_logits, t_logits, mask, cfg.loss, beta=cfg.beta, temperature=cfg.temperature
     )
     return per_token, mask, s_logits, t_logits
+
+
+def step_counts(
+    answer_tokens: torch.Tensor, counted: float, device: torch.device
+) -> tuple[int, int]:
+    """(response tokens, answers with one) over all ranks, from each answer's length [N]; a
+    rank's weight `counted` (0 after a sequence-parallel group's first). One collective."""
+    counts = all_reduce_sums(
+        {"tokens": answer_tokens.sum() * counted, "answers": (answer_tokens > 0).sum() * counted},
+        device,
+    )
+    return int(counts["tokens"]), int(counts["answers"])
 
 
 def distill_update(
@@ -244,12 +273,15 @@ def distill_update(
     """One optimizer step of the student (`tr.model`) towards `teacher` on this rank's rollout
     `ro`, `micro` rows per forward, or with `by_tokens` (`batch.by_tokens`) as many rows as fit
     that many tokens (module docstring). `step`: the logged step (1-based). The device is read
-    for the counts, once for the guard and once for the statistics, not per forward."""
+    for the counts, once for the guard and once for the statistics, not per forward.
+    Under sequence parallelism a group's ranks hold the same rows, each scoring its shard's
+    tokens: the counts are the group's first rank's (`counted`), the divergence sums are each
+    rank's own tokens, and a `sequence_mean` answer divides by its whole length, not its
+    shard's; `world` stays all ranks (FSDP averages over all of them)."""
     device, world = tr.dist.device, tr.dist.world_size
-    counts = all_reduce_sums(
-        {"tokens": ro.mask.sum(), "answers": (ro.mask.sum(1) > 0).sum()}, device
-    )  # one collective for both
-    tokens, answers = int(counts["tokens"]), int(counts["answers"])
+    sp, counted = group_of(tr.dist), float(tr.dist.sp_rank == 0)
+    answer_tokens = ro.mask.sum(1)  # [N] each answer's whole length, on the host
+    tokens, answers = step_counts(answer_tokens, counted, device)
     if not tokens:
         return DistillStats({}, math.nan, math.nan, 0, 0)
     count = tokens if cfg.reduction == "token_mean" else answers
@@ -263,9 +295,11 @@ def distill_update(
             chunk, weight = [0], 0.0
         grad_sync(tr.model, k == len(groups) - 1)
         per_token, mask, s_logits, t_logits = micro_divergence(
-            tr.model, teacher, ro, chunk, cfg, vocab, packed, device
+            tr.model, teacher, ro, chunk, cfg, vocab, packed, device, sp
         )
-        objective = objective_sum(per_token, mask, cfg.reduction) * (weight * world / count)
+        lengths = answer_tokens[chunk].to(device, non_blocking=True)  # [n]
+        objective = objective_sum(per_token, mask, cfg.reduction, lengths)
+        objective = objective * (weight * world / count)
         tr.backward(objective)
         share = share + objective.detach() / world
         with torch.no_grad():

@@ -205,17 +205,24 @@ def token_divergence(
 
 
 def objective_sum(
-    per_token: torch.Tensor, mask: torch.Tensor, reduction: Reduction
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    reduction: Reduction,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """per_token [B, T], mask [B, T] -> a micro-batch's share of the step's loss before scaling:
     the summed divergence of its kept tokens (token_mean, TRL's "batchmean" once divided by the
     step's token count), or the sum of each answer's mean divergence (sequence_mean, divided by
-    the step's answer count). Summed, not averaged, so micro-batches and ranks add up exactly."""
+    the step's answer count). Summed, not averaged, so micro-batches and ranks add up exactly.
+    `lengths` [B]: each answer's token count for sequence_mean (None: the mask's); under
+    sequence parallelism the mask is a shard's tokens and `lengths` the whole answers', so the
+    shards' sums add up to the answers' means."""
     m = (mask != 0).to(per_token.dtype)
     if reduction == "token_mean":
         return (per_token * m).sum()
     if reduction == "sequence_mean":
-        return ((per_token * m).sum(-1) / m.sum(-1).clamp_min(1.0)).sum()
+        n = m.sum(-1) if lengths is None else lengths.to(per_token.dtype)
+        return ((per_token * m).sum(-1) / n.clamp_min(1.0)).sum()
     raise ValueError(f"unknown reduction {reduction!r}; known: ['sequence_mean', 'token_mean']")
 
 

@@ -35,7 +35,9 @@ from posttrain.distributed.runtime import (
     all_reduce_sum,
     all_reduce_sums,
 )
+from posttrain.distributed.sequence_parallel import SequenceParallel
 from posttrain.models.adapters import POLICY
+from posttrain.models.sequence_split import group_of, sum_over_group
 from posttrain.rl.algorithms.advantages import shaped_scores
 from posttrain.rl.loop import Record, run_loop, write_record
 from posttrain.rl.metrics import UpdateStats, rollout_totals, step_flops, token_train_flops
@@ -45,7 +47,7 @@ from posttrain.rl.rollout.collect import RolloutBatch
 from posttrain.rl.rollout.sample import (
     Rollout,
     balanced_groups,
-    model_inputs,
+    forward_inputs,
     response_logps,
     row_tokens,
     scored_positions,
@@ -105,8 +107,8 @@ def dpo_step(
 
     def record(rb: RolloutBatch, t0: float, t_train: float, timing: dict[str, float]) -> None:
         ro = rb.rollout
-        timing = timing | judge_metrics(judged, s.device)
-        totals = rollout_totals(ro, s.device, cfg.kl.estimator)
+        timing = timing | judge_metrics(judged, s.device, s.counted)
+        totals = rollout_totals(ro, s.device, cfg.kl.estimator, s.counted)
         # No policy scoring pass: the rollout's KL would read as 0 (the held-out KL is measured).
         totals.pop("kl", None)
         # Generation and the scoring passes, then forward+backward over the pairs' rows (at the
@@ -151,22 +153,21 @@ def judge(ro: Rollout, cfg: Any, rm_weight: float | None) -> Judged:
     return Judged(rows, sel, agreement)
 
 
-def judge_metrics(judged: Judged, device: torch.device) -> dict[str, float]:
+def judge_metrics(judged: Judged, device: torch.device, counted: float = 1.0) -> dict[str, float]:
     """The judge's figures over all ranks (`judge_agreement`: mean of the ranks that
-    measured one)."""
+    measured one). `counted`: this rank's weight (0 on a sequence-parallel rank after its
+    group's first, which judged the same rows)."""
     sel = judged.selection
     ok = judged.agreement is not None and math.isfinite(judged.agreement)
-    t = all_reduce_sums(
-        {
-            "informative": float(sel.informative),
-            "groups": float(sel.informative + sel.all_equal),
-            "all_equal": float(sel.all_equal),
-            "pairs": float(len(judged.rows)),
-            "agreement": judged.agreement if ok else 0.0,
-            "measured": float(ok),
-        },
-        device,
-    )
+    figures = {
+        "informative": float(sel.informative),
+        "groups": float(sel.informative + sel.all_equal),
+        "all_equal": float(sel.all_equal),
+        "pairs": float(len(judged.rows)),
+        "agreement": judged.agreement if ok else 0.0,
+        "measured": float(ok),
+    }
+    t = all_reduce_sums({k: v * counted for k, v in figures.items()}, device)
     out = {
         "informative_frac": t["informative"] / max(1.0, t["groups"]),
         "all_equal": t["all_equal"],
@@ -194,22 +195,31 @@ def sequence_logps(
     temperature: float,
     packed: bool,
     device: torch.device,
+    sp: SequenceParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(policy log-probs [n] with grad, reference log-probs [n], lengths [n]) of the
-    responses of `rows`: sums over each response's masked tokens."""
-    mask = ro.mask[rows].to(device, non_blocking=True)  # [n, R]
+    responses of `rows`: sums over each response's masked tokens. With `sp` the forward takes
+    this rank's shard of the packed rows and scores the tokens it holds; the group's parts add
+    up to whole rows (`sum_over_group`: identity backward, each rank's gradient reaches its own
+    tokens), the same on every rank of the group."""
+    inputs, scored = forward_inputs(ro, rows, packed, device, sp)  # scored [n, R] on the host
+    mine = scored.to(device, non_blocking=True)  # [n, R]: every response token without sp
     logp, _ = response_logps(
         model,
         POLICY,
-        model_inputs(ro, rows, packed, device),
+        inputs,
         ro.response[rows].to(device, non_blocking=True),
-        mask,
+        mine,
         chunk_tokens,
         temperature=temperature,
-        positions=scored_positions(ro.mask[rows]).to(device, non_blocking=True),
+        positions=scored_positions(scored).to(device, non_blocking=True),
     )  # [n, R]
+    pol = (logp * mine).sum(1)  # [n]: this rank's part of each row under sp
+    if sp is not None:
+        pol = sum_over_group(pol, sp)
+    mask = ro.mask[rows].to(device, non_blocking=True)  # [n, R], the whole rows
     ref = ro.scored["ref_logps"][rows].to(device, non_blocking=True)  # [n, R], 0 off the mask
-    return (logp * mask).sum(1), (ref * mask).sum(1), mask.sum(1)
+    return pol, (ref * mask).sum(1), mask.sum(1)
 
 
 def dpo_update(
@@ -228,9 +238,14 @@ def dpo_update(
     per forward, or with `by_tokens` (`batch.by_tokens`) as many pairs as fit that many tokens
     (both rows of a pair in one forward). Each rank backpropagates sum(its pair losses) x world
     / global pairs, and FSDP's gradient averaging divides the world back: the global mean at any
-    number of ranks. The device is read once for the guard and once for the statistics."""
+    number of ranks. The device is read once for the guard and once for the statistics.
+    Under sequence parallelism a group's ranks hold the same pairs and compute the same pair
+    losses (each scoring its shard of the rows): the first counts them (`counted`), so `total`
+    is the global pair count while `world` stays all ranks (FSDP averages over all of them, and
+    the group's gradient parts add up to its pairs' gradient)."""
     device, world = tr.dist.device, tr.dist.world_size
-    total = int(all_reduce_sum(len(pairs), device))
+    sp, counted = group_of(tr.dist), float(tr.dist.sp_rank == 0)
+    total = int(all_reduce_sum(len(pairs) * counted, device))
     if not total:
         return DPOStats({}, math.nan, math.nan, 0, 0, 0)
     tokens = row_tokens(ro)
@@ -252,7 +267,7 @@ def dpo_update(
         grad_sync(tr.model, k == len(groups) - 1)
         rows = [c for c, _ in chunk] + [r for _, r in chunk]
         pol, ref, lengths = sequence_logps(
-            tr.model, ro, rows, chunk_tokens, cfg.rollout.temperature, packed, device
+            tr.model, ro, rows, chunk_tokens, cfg.rollout.temperature, packed, device, sp
         )
         n = len(chunk)
         losses, chosen, rejected = loss_fn(
@@ -260,18 +275,29 @@ def dpo_update(
         )  # [n] each
         objective = (losses * weight).sum() * scale
         tr.backward(objective)
-        share = share + objective.detach() / world
-        for name, v in (
-            ("loss", losses.detach()),
-            ("accuracy", pair_outcome(chosen, rejected)),
-            ("margin", chosen - rejected),
-            ("chosen_reward", chosen),
-            ("rejected_reward", rejected),
-        ):
-            v = (v * weight).sum()
-            sums[name] = sums[name] + v if name in sums else v
+        share = share + objective.detach() * counted / world
+        add_pair_sums(sums, losses.detach(), chosen, rejected, weight * counted)
     # The mean loss over all pairs, the same on every rank: read with the grad norm.
     loss = all_reduce_on_device(share)
     _, norm, lr = tr.optimizer_step(cfg.optim.max_grad_norm, loss=loss, step=step)
     means = {k: v / total for k, v in all_reduce_sums(sums, device).items()}
     return DPOStats(means, norm, lr, 1, total, len(pairs))
+
+
+def add_pair_sums(
+    sums: dict[str, torch.Tensor],
+    losses: torch.Tensor,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    weight: torch.Tensor,
+) -> None:
+    """sums[name] += the weighted sum of each pair statistic ([n] each, on the device)."""
+    for name, v in (
+        ("loss", losses),
+        ("accuracy", pair_outcome(chosen, rejected)),
+        ("margin", chosen - rejected),
+        ("chosen_reward", chosen),
+        ("rejected_reward", rejected),
+    ):
+        v = (v * weight).sum()
+        sums[name] = sums[name] + v if name in sums else v
