@@ -1,9 +1,10 @@
 """`infra.sequence_parallel` in the recipe: its refusals by field (devices, heads, layout,
-padding-free batches, stages not yet wired: SFT is) and its batch arithmetic (global batch = micro x
+padding-free batches, a stage kind not wired) and its batch arithmetic (global batch = micro x
 accumulation x devices / N)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -33,9 +34,19 @@ def test_default_is_one_and_the_data_parallel_size_is_the_world() -> None:
     assert InfraConfig(devices_per_node=4, sequence_parallel=2).dp_size() == 2
 
 
-def test_a_stage_not_wired_yet_is_refused() -> None:
-    """SFT, reward and ppo are wired (no error of their own); an online_dpo stage is not."""
-    assert KINDS["ppo"].sequence_parallel and not KINDS["online_dpo"].sequence_parallel
+def test_every_training_stage_is_wired() -> None:
+    """Every kind that trains splits its sequences: a new one must be wired (and proven equal to
+    the unsplit run) before `sequence_parallel=True` lets a recipe use it above 1."""
+    trains = {name for name, kind in KINDS.items() if kind.trains}
+    assert trains >= {"sft", "reward", "dpo", "orpo", "kto", "ppo", "grpo", "online_dpo"}
+    assert {name for name in trains if not KINDS[name].sequence_parallel} == set()
+
+
+def test_a_stage_not_wired_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kind without the mark (as a newly added one would be) is refused by name; SFT alone
+    is accepted."""
+    unwired = dataclasses.replace(KINDS["online_dpo"], sequence_parallel=False)
+    monkeypatch.setitem(KINDS, "online_dpo", unwired)
     data = {
         **MINIMAL,
         "reward": {"data": {"synthetic": {}}},
@@ -44,7 +55,7 @@ def test_a_stage_not_wired_yet_is_refused() -> None:
     }
     over = ["infra.devices_per_node=2", "infra.sequence_parallel=2"]
     assert errors_of(over, data) == [NOT_WIRED]
-    resolve(validate_recipe(apply_overrides(MINIMAL, over)))  # SFT alone: accepted
+    resolve(validate_recipe(apply_overrides(MINIMAL, over)))
 
 
 def test_sequence_parallel_must_divide_the_devices() -> None:

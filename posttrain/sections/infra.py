@@ -97,8 +97,8 @@ class InfraConfig(_Section):
         "size = nnodes x devices_per_node / sequence_parallel, so global_batch_size = "
         "micro_batch_size x grad_accum_steps x that. N must divide the devices and the base "
         "model's attention heads and needs padding-free batches; the pre-flight counts "
-        "activations at 1/N of the sequence. Wired into sft, reward, dpo, orpo, kto, grpo, "
-        "online_dpo and distill; a recipe with any other stage is refused above 1.",
+        "activations at 1/N of the sequence. Every training stage splits its sequences; an RL "
+        "stage needs rollout.engine hf and no episodes (tools or an environment).",
     )
     rdzv_endpoint: str | None = Execution(
         None,
