@@ -185,7 +185,7 @@ def test_distill_step_is_the_written_out_divergence_however_rows_are_split(
     """Student: the trained tiny adapter; teacher: the tiny base without it (another
     distribution on the same vocabulary). The step's loss, divergence and agreement equal the
     formulas over full logits, and the gradient is the same whether the rows go in one forward
-    or one by one."""
+    or one by one, padded or packed (where the heads see the response tokens only)."""
     cfg = section(
         rollout={"prompts_per_step": 4, "max_new_tokens": 6}, optim={"max_grad_norm": None},
         **fields,
@@ -198,14 +198,22 @@ def test_distill_step_is_the_written_out_divergence_however_rows_are_split(
     norms = []
     # By tokens (`batch.by_tokens`): each row alone (a budget of one token) or two to a forward.
     two = sum(sorted(row_tokens(ro))[-2:])
-    for micro, by_tokens in ((4, None), (1, None), (4, 1), (4, two)):
+    # Packed rows (padding-free): the heads run on the response tokens only.
+    for micro, by_tokens, packed in (
+        (4, None, False),
+        (1, None, False),
+        (4, 1, False),
+        (4, two, False),
+        (4, None, True),
+        (1, None, True),
+    ):
         student = role_model(tiny, False)
         want, agree = written_out(student, teacher, ro, cfg, vocab)
         (g_want,) = torch.autograd.grad(
             want, [p for p in student.parameters() if p.requires_grad][0]
         )
-        tr = _session(tmp_path / f"m{micro}-{by_tokens}-{cfg.loss}", world, student)
-        stats = distill_update(tr, teacher, ro, cfg, micro, vocab, 1, by_tokens=by_tokens)
+        tr = _session(tmp_path / f"m{micro}-{by_tokens}-{packed}-{cfg.loss}", world, student)
+        stats = distill_update(tr, teacher, ro, cfg, micro, vocab, 1, packed, by_tokens)
         assert stats.updates == 1 and stats.tokens == int(ro.mask.sum())
         assert stats.means["loss"] == pytest.approx(want.item(), rel=1e-5)
         assert stats.means["teacher_agreement"] == pytest.approx(agree)

@@ -53,7 +53,7 @@ from posttrain.rl.distill_losses import objective_sum, teacher_gap_closed, token
 from posttrain.rl.heldout import evaluate, heldout_batches, heldout_means
 from posttrain.rl.loop import Record, run_loop, write_record
 from posttrain.rl.metrics import UpdateStats, add_rollout_sums, rollout_totals, step_flops
-from posttrain.rl.rollout.collect import RolloutBatch, RolloutSetup, generate
+from posttrain.rl.rollout.collect import RolloutBatch, RolloutSetup, generate, reward
 from posttrain.rl.rollout.engines import build_engine
 from posttrain.rl.rollout.sample import Rollout, balanced_groups, forward_inputs, row_tokens
 from posttrain.rl.setup import RLRun, one_step_shapes
@@ -147,7 +147,7 @@ def evaluate_with_teacher(
     def score_by_teacher(ro: Rollout, w: float) -> None:
         # Under sequence parallelism each rank of a group scores its own tokens of the same
         # answers (`mask`), so the group's sums add up to the answers' once.
-        per_token, mask, s_logits, t_logits = micro_divergence(
+        per_token, mask, same = micro_divergence(
             s.model,
             teacher.model,
             ro,
@@ -158,7 +158,6 @@ def evaluate_with_teacher(
             s.device,
             s.sp,
         )
-        same = (s_logits.argmax(-1) == t_logits.argmax(-1)).float()
         sums["div"] += w * float((per_token * mask).sum())
         sums["agree"] += w * float((same * mask).sum())
         sums["tokens"] += w * float(mask.sum())
@@ -186,12 +185,12 @@ def teacher_heldout(s: RolloutSetup, rows: list[dict[str, Any]], teacher: Teache
     """The teacher's own answers to the held-out prompts (in process, whatever engine the
     student samples with), rewarded like the student's: {"teacher_reward", "teacher_stop_rate"}."""
     engine_cfg = s.cfg.rollout.model_copy(update={"engine": "hf"})
-    engine = build_engine(engine_cfg, teacher.model, POLICY, s.world)
+    engine = build_engine(engine_cfg, teacher.model, POLICY, s.all_ranks)
     ts = replace(s, model=teacher.model, engines={POLICY: engine})
     sums: Counter[str] = Counter()
     for chunk, w, seed in heldout_batches(s, rows):
         ro = generate(ts, chunk, seed, POLICY)
-        s.rewarder(ro, chunk)
+        reward(s, ro, chunk)  # once per sequence-parallel group
         # A sequence-parallel group's ranks sample the same answers: its first counts them.
         add_rollout_sums(sums, ro, kl=None, weight=w * s.counted)
     means = heldout_means(sums, s.device, kl=False)
@@ -231,20 +230,38 @@ def micro_divergence(
     packed: bool,
     device: torch.device,
     sp: SequenceParallel | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(per-token divergence [n, R] with grad to the student, mask [n, R] of the tokens scored,
-    student logits [n, R, vocab], teacher logits [n, R, vocab]) of rollout rows `rows`. With
-    `sp` both models take this rank's shard of the packed rows (the teacher's heads split like
-    the student's) and the mask is of the tokens this rank scores (`forward_inputs`): the
-    logits elsewhere are not read."""
+    argmax agreement [n, R]) of rollout rows `rows`, 0 off the mask. Packed rows: both heads
+    run on the scored positions only ([1, M, vocab] each, M = the mask's tokens: no logits for
+    padding), scattered back to [n, R]. With `sp` both models take this rank's shard of the
+    packed rows (the teacher's heads split like the student's) and M is the tokens this rank
+    scores (`forward_inputs`), so the logits shrink with the group too."""
     inp, scored = forward_inputs(ro, rows, packed, device, sp)  # scored [n, R] on the host
-    t_logits = teacher_logits(teacher, inp, vocab)  # [n, R, vocab], no grad
-    s_logits = student(POLICY, **inp)[..., :vocab]  # [n, R, vocab]
+    flat = scored.reshape(-1).nonzero().squeeze(1)  # [M] on the host
+    if packed:  # index [n, R] -> [1, M]: the heads see the scored positions only
+        inp["index"] = inp["index"].reshape(1, -1)[:, flat.to(device, non_blocking=True)]
+    t_logits = teacher_logits(teacher, inp, vocab)  # [1, M | n, R, vocab], no grad
+    s_logits = student(POLICY, **inp)[..., :vocab]
     mask = scored.to(device)  # [n, R]
-    per_token = token_divergence(
-        s_logits, t_logits, mask, cfg.loss, beta=cfg.beta, temperature=cfg.temperature
-    )
-    return per_token, mask, s_logits, t_logits
+    if not packed:
+        per_token = token_divergence(
+            s_logits, t_logits, mask, cfg.loss, beta=cfg.beta, temperature=cfg.temperature
+        )
+        return per_token, mask, _agreement(s_logits, t_logits) * mask
+    ones = torch.ones(1, len(flat), device=device)
+    per_m = token_divergence(
+        s_logits, t_logits, ones, cfg.loss, beta=cfg.beta, temperature=cfg.temperature
+    )  # [1, M]
+    at = flat.to(device, non_blocking=True)
+    per_token = per_m.new_zeros(mask.numel()).index_put((at,), per_m[0]).view_as(mask)
+    same = mask.new_zeros(mask.numel()).index_put((at,), _agreement(s_logits, t_logits)[0])
+    return per_token, mask, same.view_as(mask)
+
+
+def _agreement(s_logits: torch.Tensor, t_logits: torch.Tensor) -> torch.Tensor:
+    """[..., vocab] x 2 -> [...] 1.0 where student and teacher pick the same next token."""
+    return (s_logits.detach().argmax(-1) == t_logits.argmax(-1)).float()
 
 
 def step_counts(
@@ -294,17 +311,16 @@ def distill_update(
         if not chunk:  # this rank is out of rows: a filler forward that counts for nothing
             chunk, weight = [0], 0.0
         grad_sync(tr.model, k == len(groups) - 1)
-        per_token, mask, s_logits, t_logits = micro_divergence(
+        per_token, mask, same = micro_divergence(
             tr.model, teacher, ro, chunk, cfg, vocab, packed, device, sp
         )
-        lengths = answer_tokens[chunk].to(device, non_blocking=True)  # [n]
-        objective = objective_sum(per_token, mask, cfg.reduction, lengths)
+        whole = answer_tokens[chunk].to(device, non_blocking=True)  # [n]
+        objective = objective_sum(per_token, mask, cfg.reduction, whole)
         objective = objective * (weight * world / count)
         tr.backward(objective)
         share = share + objective.detach() / world
         with torch.no_grad():
             keep = mask * weight
-            same = (s_logits.argmax(-1) == t_logits.argmax(-1)).float()
             for name, v in (("divergence", per_token.detach()), ("agree", same)):
                 v = (v * keep).sum()
                 sums[name] = sums[name] + v if name in sums else v

@@ -69,6 +69,13 @@ class RolloutSetup:
     counted: float = 1.0
 
     @property
+    def all_ranks(self) -> int:
+        """Every rank of the world, sequence-parallel ones included: an in-process engine keeps
+        generation's forwards in step over all of them (each is a collective of the sharded
+        model), not over the data-parallel `world`."""
+        return self.world * (self.sp.size if self.sp is not None else 1)
+
+    @property
     def roles(self) -> tuple[str, ...]:  # what a rollout is scored by
         logps = ((POLICY,) if self.score_policy else ()) + (
             (REFERENCE,) if self.score_reference else ()
