@@ -81,7 +81,7 @@ def test_a_refused_recipe_is_told_the_sequence_parallel_size_that_fits(
     assert "  fix:  one of\n" in block and "component" not in block, block
     (fix,) = [x.strip() for x in block.splitlines() if "infra.sequence_parallel: 2 (" in x]
     assert fix.startswith("infra.sequence_parallel: 2 (activations "), fix
-    assert "per rank; 1 data-parallel ranks; grad_accum_steps: 2 keeps the global batch)" in fix
+    assert "per rank; 1 data-parallel rank; grad_accum_steps: 2 keeps the global batch)" in fix
     assert fix.endswith("(fits)"), fix
 
     ran = _launch(recipe, *TWO, memory, "infra.sequence_parallel=2")

@@ -244,7 +244,7 @@ def sequence_parallel_change(
     after = est.activations(shape, _sp(layout, pick))
     notes = [
         f"activations {fmt_bytes(before)} -> {fmt_bytes(after)} per rank",
-        f"{layout.world // pick} data-parallel ranks",
+        f"{(dp := layout.world // pick)} data-parallel rank{'s' if dp > 1 else ''}",
     ]
     # The global batch is micro x accum x world / N: accum grows by N'/N to keep it.
     new_accum, rem = divmod(accum * pick, now)
