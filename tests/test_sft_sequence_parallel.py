@@ -4,7 +4,7 @@ The real sft stage on 2 gloo ranks with `infra.sequence_parallel: 2` (one data-p
 both ranks take the same 4 rows, each half of the packed micro-batch's tokens) against the same
 stage on 1 rank with the same global batch of 4: every step's loss, target count and token count,
 the held-out losses (step 0 and the end) and the trained adapter agree, with and without
-activation checkpointing. The micro-batches are padding-free rows laid end to end, so the cut
+activation checkpointing, and with each decoder block compiled (`infra.compile`). The micro-batches are padding-free rows laid end to end, so the cut
 between the two ranks' slices falls inside a row (checked): attention crosses it through the
 all-to-all exchange, and the last token of slice 0 predicts the first of slice 1.
 """
@@ -37,6 +37,8 @@ VARIANTS = {
     "one_rank": ONE,
     "sp2": SP2,
     "sp2_checkpointed": (*SP2, "sft.activation_checkpointing=true"),
+    # Each decoder block compiled whole (fullgraph), the all-to-alls inside its graph.
+    "sp2_compiled": (*SP2, "infra.compile=true"),
     "dp2": DP2,
     "dp2_sp2": ("infra.devices_per_node=4", "infra.sequence_parallel=2", DP2[1]),
     "dp4": ("infra.devices_per_node=4", "sft.batch.micro_batch_size=1"),
@@ -110,7 +112,7 @@ def test_the_cut_falls_inside_a_row(env: dict) -> None:
         assert any(s < mid < e for s, e in zip(starts, ends, strict=True)), (step, ends)
 
 
-@pytest.mark.parametrize("name", ["sp2", "sp2_checkpointed"])
+@pytest.mark.parametrize("name", ["sp2", "sp2_checkpointed", "sp2_compiled"])
 def test_two_sequence_parallel_ranks_match_one_rank(env: dict, name: str) -> None:
     two, text = _run(env, name)
     assert LOG_LINE.format("1 data-parallel group") in text
