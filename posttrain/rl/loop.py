@@ -169,12 +169,14 @@ def write_record(
             loss=loss,
             grad_norm=stats.grad_norm,
             lr=stats.lr,
-            # A sequence-parallel group's ranks hold the same rows: the first counts them.
+            # A sequence-parallel group's ranks hold the same rows: the first counts them, and
+            # the group's FLOPs (whole rows: sampled alike on every rank, forwards split
+            # between them) once, so MFU is the group's useful work over its N devices.
             local_tokens=ro.tokens() if run.rollouts.counted else 0,
             seq_len=ro.tokens() / ro.n,
             t_start=t0,
             t_data=0.0,
-            flops=flops,
+            flops=flops * run.rollouts.counted,
             **extra | timing,
         )
 
