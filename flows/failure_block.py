@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from flows.stage.output import ERROR_MARKER
+
 RERUN = "then run again: finished stages are reused"
 BUG = "this looks like a bug in posttrain: the full traceback is in the log"
 
@@ -83,7 +85,6 @@ FIXES: dict[str, str] = {
     "loaded, and restart it); a tolerance too tight for the hardware's bf16 is raised with "
     f"rollout.sampler_probe_tolerance, {RERUN}",
 }
-ERROR_MARKER = "POSTTRAIN_ERROR stage "
 LOG_RE = re.compile(r"Log: (\S+stage\.log)")
 FRAME_RE = re.compile(r'^\s*File "[^"]+", line \d+, in .+$')
 
