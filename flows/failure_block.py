@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from flows.stage.output import ERROR_MARKER
+from posttrain.errors import ERROR_MARKER
 
 RERUN = "then run again: finished stages are reused"
 BUG = "this looks like a bug in posttrain: the full traceback is in the log"

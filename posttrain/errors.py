@@ -7,6 +7,9 @@ names what is wrong and what to do, and a wall of frames above it would only hid
 
 from __future__ import annotations
 
+# The start of that line; the supervisor finds a stage's verdict by it (`flows.failure_block`).
+ERROR_MARKER = "POSTTRAIN_ERROR stage "
+
 
 class StageVerdict(Exception):
     """A stage cannot go on for a reason its message fully explains."""

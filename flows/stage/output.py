@@ -19,10 +19,9 @@ from prefect.logging import get_run_logger
 from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 from flows.stage.jsonl_tail import JsonlTail
+from posttrain.errors import ERROR_MARKER
 
 ARTIFACT_MARKER = "POSTTRAIN_ARTIFACT "
-# A stage's verdict line (`posttrain.stages.common`), read by `flows.failure_block`.
-ERROR_MARKER = "POSTTRAIN_ERROR stage "
 # A remote engine's launch prefixes each line with the node it came from (`[node 1] ...`);
 # the marker and torchrun's failure summary are read without it.
 NODE_PREFIX = re.compile(r"^\[node \d+\] ")

@@ -32,7 +32,7 @@ from typing import Any
 
 from posttrain import hub, numerics
 from posttrain.config.schema import ResolvedRecipe
-from posttrain.errors import ParentArtifactDamaged, RecipeVerdict, StageVerdict
+from posttrain.errors import ERROR_MARKER, ParentArtifactDamaged, RecipeVerdict, StageVerdict
 from posttrain.kinds import KINDS, StageKind, kind_of
 from posttrain.runtime.context import StageContext
 from posttrain.runtime.exit import exit_without_collecting
@@ -456,6 +456,4 @@ def _report_failure(ctx: StageContext, exc: BaseException) -> None:
             pass
     if not known:  # a verdict's text is in the line below
         print(tb, file=sys.stderr, flush=True)
-    emit_line(
-        f"POSTTRAIN_ERROR stage {ctx.stage.name} failed: {type(exc).__name__}: {exc}", sys.stderr
-    )
+    emit_line(f"{ERROR_MARKER}{ctx.stage.name} failed: {type(exc).__name__}: {exc}", sys.stderr)
