@@ -392,3 +392,35 @@ def test_a_tiny_run_with_a_teacher_reports_the_gap_closed(tmp_path: Path) -> Non
     assert report["verifier"]["sampled"] == ["taught"] and "pass@2" not in by["teacher_sft"]
     assert headline["pass@1_teacher"] == round(by["teacher_sft"]["pass@1"], 4)
     print("exact match", exact, "gap", gap, "pass@1", {k: v["pass@1"] for k, v in by.items()})
+
+
+def test_sequence_parallel_splits_the_teacher_forward_and_both_heads() -> None:
+    """At N = 2 a rank runs both models on its slice of the packed rows and both heads on the
+    answer tokens in it: ceil(micro x seq_len / 2) positions at most, and never more than the
+    answers' tokens (one rank's slice may hold a whole answer)."""
+    from dataclasses import replace
+
+    from posttrain.memory.estimate import DeviceLayout, estimate
+    from posttrain.runtime.preflight import model_shape, stage_shape
+
+    r = _qwen("qwen2.5-1.5b", world=2, rollout={"max_new_tokens": 4096})
+    shape, student = stage_shape(r, "distill"), model_shape(r)
+    assert shape.teacher is not None and shape.teacher.positions == 4096
+    micro, seq = shape.micro_batch, shape.seq_len  # prompt + 4096 new tokens
+    at = {n: estimate(student, shape, DeviceLayout(world=2, sequence_parallel=n)) for n in (1, 2)}
+    rows = {n: {row.name: row.bytes for row in at[n].rows} for n in (1, 2)}
+    half = -(-micro * seq // 2)
+    assert half < micro * 4096  # long answers: the slice is the bound
+    t_vocab, s_vocab = shape.teacher.model.vocab, student.vocab
+    assert rows[1]["teacher logits (kept)"] == micro * 4096 * t_vocab * 2
+    assert rows[2]["teacher logits (kept)"] == half * t_vocab * 2
+    assert rows[2]["distillation logits"] == 2 * half * s_vocab * 2
+    tm = shape.teacher.model
+    assert rows[2]["teacher forward"] == half * (3 * tm.hidden + 3 * tm.intermediate) * 2
+    # Few answer tokens in long rows: every one of them may lie in one slice.
+    short = replace(shape, teacher=replace(shape.teacher, positions=8))
+    two = {
+        row.name: row.bytes
+        for row in estimate(student, short, DeviceLayout(2, sequence_parallel=2)).rows
+    }
+    assert two["teacher logits (kept)"] == micro * 8 * t_vocab * 2

@@ -40,8 +40,8 @@ shards = data-parallel ranks that split the parameters: world size (fsdp), devic
 (hsdp), 1 (ddp). With `infra.sequence_parallel` N the world counts the sequence-parallel ranks
 too (FSDP2 shards over the whole dp x sp mesh), the activations row is 1/N per rank (but the
 padding-free batch's index tensors) and the LM head's positions are the rank's slice
-(`head_positions`); the rollout and teacher rows are counted whole, an over-estimate until the
-stages split them.
+(`head_positions`), and so are the teacher's forward and both distillation heads; the rollout
+rows are counted whole (every rank of a group generates).
 
 Activations saved for backward, per token and decoder block (Llama/Qwen2 block, SDPA attention,
 frozen base + LoRA; a frozen linear saves nothing, a LoRA linear saves its input and its rank-r
@@ -456,7 +456,7 @@ def estimate(
         *logits_rows(model, stage, c, full_logits, update, sp),
         *sampler_rows(model, stage, layout),
         *rollout_rows(model, stage, counts, gathered, c, layout.device),
-        *teacher_rows(model, stage, shards, c, update),
+        *teacher_rows(model, stage, shards, c, update, sp),
     ]
     return MemoryEstimate(rows, stage.activation_checkpointing)
 
@@ -688,10 +688,13 @@ def rollout_rows(
 
 
 def teacher_rows(
-    model: ModelShape, stage: StageShape, shards: int, c: int, update: str
+    model: ModelShape, stage: StageShape, shards: int, c: int, update: str, sp: int = 1
 ) -> list[Row]:
     """A teacher's rows (see the module docstring); none without a teacher. `model`: the
-    student's base (its vocabulary shapes the student's logits), `c`: compute bytes."""
+    student's base (its vocabulary shapes the student's logits), `c`: compute bytes. Under
+    sequence parallelism over `sp` ranks both models run on a rank's slice of the packed rows
+    (ceil(tokens / sp)) and both heads on the scored positions in it: at most the slice, and
+    at most every answer token (one rank's slice may hold a whole answer)."""
     t = stage.teacher
     if t is None:
         return []
@@ -707,12 +710,13 @@ def teacher_rows(
         rows.append(Row(f"{t.label} adapter", adapter * 4 // shards, note, held))
     if t.positions is None:
         return rows
-    micro, pos = stage.micro_batch, t.positions
-    teacher_logits = micro * pos * tm.vocab * c
-    logits_note = f"{micro} x {pos} x vocab {tm.vocab} x {c} B"
+    micro = stage.micro_batch
+    tokens = -(-micro * stage.seq_len // sp)  # a rank's slice of the forward's tokens
+    pos = min(micro * t.positions, tokens)  # head positions a rank scores
+    teacher_logits = pos * tm.vocab * c
+    logits_note = f"{pos} positions x vocab {tm.vocab} x {c} B"
     block = tm.block_params() + adapter // max(1, tm.layers)
     gathered = (tm.root_params("lm") + 2 * block) * c
-    tokens = micro * stage.seq_len
     forward = tokens * (3 * tm.hidden + 3 * tm.intermediate) * c
     if shards > 1:  # on one device the teacher is not wrapped: nothing is gathered
         rows.append(Row(f"{t.label} gathered weights", gathered, "root + 2 blocks", "scoring"))
@@ -721,10 +725,10 @@ def teacher_rows(
         Row(f"{t.label} logits", teacher_logits, logits_note, "scoring"),
         Row(f"{t.label} logits (kept)", teacher_logits, logits_note, update),
     ]
-    student = 2 * micro * pos * model.vocab * c
-    note = f"student's + gradient: 2 x {micro} x {pos} x vocab {model.vocab} x {c} B"
+    student = 2 * pos * model.vocab * c
+    note = f"student's + gradient: 2 x {pos} positions x vocab {model.vocab} x {c} B"
     rows.append(Row("distillation logits", student, note, update))
-    chunk = min(t.chunk_tokens, micro * pos)
+    chunk = min(t.chunk_tokens, pos)
     copies = DISTILL_CHUNK_COPIES.get(t.loss, max(DISTILL_CHUNK_COPIES.values()))
     work = copies * chunk * max(model.vocab, tm.vocab) * 4
     note = f"{t.loss}: {copies} x {chunk} rows x vocab x 4 B"
