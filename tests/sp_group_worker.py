@@ -2,7 +2,8 @@
 sample the same prompts with DIFFERENT seeds (rank r: seed 100 + r, as nondeterministic kernels
 could make them draw differently), through the in-process engine of the tiny role model, with
 and without the group (`sample(..., sp)`); then reward the group's rollout with a function that
-counts its calls (`collect.reward`). Writes what the test compares to <out>/rank<r>.json."""
+counts its calls (`collect.reward`); and sample through the `fast` engine, whose draws it
+counts. Writes what the test compares to <out>/rank<r>.json."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from fixtures_tiny import TinyAssets
 from rl_tiny import prompt_rows, role_model, rollout_setup, section
 
 from posttrain.distributed.sequence_parallel import SequenceParallel
+from posttrain.models.adapters import POLICY
 from posttrain.rewards.combine import RewardFunction
 from posttrain.rl.rewarder import Rewarder
 from posttrain.rl.rollout.collect import generate, score_rollout
+from posttrain.rl.rollout.fast_engine import FastEngine
 
 CALLS: list[int] = []  # rows per call of `counted_length` on this rank
 
@@ -43,7 +46,20 @@ def worker(rank: int, world: int, init: str, tiny: TinyAssets, out: str) -> None
     grouped = replace(s, sp=sp, counted=float(rank == 0))
     ro = generate(grouped, rows, 100 + rank)
     score_rollout(grouped, ro, rows, ())
+    # The `fast` engine's merged copy samples without a collective: the first rank alone draws.
+    fast = FastEngine(model, POLICY)  # its refresh and probe: collectives, on both ranks
+    draws: list[int] = []
+    own_generate = fast.generate
+
+    def counted_generate(*args: Any, **kwargs: Any) -> torch.Tensor:
+        draws.append(1)
+        return own_generate(*args, **kwargs)
+
+    fast.generate = counted_generate  # type: ignore[method-assign]
+    by_fast = generate(replace(grouped, engines={POLICY: fast}), rows, 100 + rank)
     record = {
+        "fast": by_fast.response.tolist(),
+        "fast_draws": len(draws),
         "alone": alone.response.tolist(),
         "grouped": ro.response.tolist(),
         "stopped": ro.stopped.tolist(),

@@ -43,19 +43,26 @@ RECIPE["grpo"] = {
 }
 
 
-@pytest.mark.parametrize("accum", [1, 2], ids=["policy-scored", "own-logps"])
+@pytest.mark.parametrize(
+    ("accum", "engine"),
+    [(1, "hf"), (2, "hf"), (1, "fast")],
+    ids=["policy-scored", "own-logps", "fast-engine"],
+)
 def test_grpo_sequence_parallel_matches_one_rank(
-    tmp_path: Path, shared_parents: Path, accum: int
+    tmp_path: Path, shared_parents: Path, accum: int, engine: str
 ) -> None:
     """accum 1: two updates per rollout, so the policy's scoring pass runs; accum 2: one
-    update, whose own log-probs (summed over the group) are the old ones."""
+    update, whose own log-probs (summed over the group) are the old ones. The `fast` engine
+    samples on the group's first rank only, from its merged copy."""
     data = copy.deepcopy(RECIPE)
     data["grpo"]["batch"]["grad_accum_steps"] = accum
+    data["grpo"]["rollout"]["engine"] = engine
     recipe = write_recipe(tmp_path, data)
     for stage in ("ingest", "sft"):
         run_shared(stage, recipe, shared_parents)
     runs = one_then_two("grpo", recipe)
     assert "sequence parallel: 2 ranks per group, 1 data-parallel group" in runs.output
+    assert (f"rollout engine {engine}:" in runs.output) == (engine == "fast")
     assert read_metrics(runs.folder / "metrics.jsonl", "start")[0]["world_size"] == 2
     assert len(runs.two_train) == len(runs.one_train) == 2
     for a, b in zip(runs.one_train, runs.two_train, strict=True):

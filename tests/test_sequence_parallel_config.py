@@ -4,6 +4,7 @@ accumulation x devices / N)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -148,15 +149,19 @@ GRPO = {
 }
 
 
-def test_grpo_is_wired_on_the_hf_engine_only() -> None:
-    """GRPO splits its forwards (accepted on `hf`); another engine is refused by its field."""
+def test_grpo_is_wired_on_the_in_process_engines_only() -> None:
+    """GRPO splits its forwards (accepted on `hf` and `fast`); a server engine is refused by
+    its field."""
     data = {**MINIMAL, "grpo": GRPO}
     over = ["infra.devices_per_node=2", "infra.sequence_parallel=2"]
     resolve(validate_recipe(apply_overrides(data, over)))
-    assert errors_of([*over, "grpo.rollout.engine=fast"], data) == [
-        "grpo.rollout.engine: fast is refused with infra.sequence_parallel 2: the ranks of a "
-        "sequence-parallel group must sample the same responses, which only the `hf` engine is "
-        "wired to do; set rollout.engine: hf"
+    resolve(validate_recipe(apply_overrides(data, [*over, "grpo.rollout.engine=fast"])))
+    served = copy.deepcopy(data)
+    served["grpo"]["rollout"] |= {"engine": "server", "server": {"url": "http://127.0.0.1:9"}}
+    assert errors_of(over, served) == [
+        "grpo.rollout.engine: server is refused with infra.sequence_parallel 2: the ranks of a "
+        "sequence-parallel group must train on the same responses, which the in-process "
+        "engines are wired to share; set rollout.engine: hf or fast"
     ]
 
 

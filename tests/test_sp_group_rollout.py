@@ -1,7 +1,8 @@
 """A sequence-parallel group trains on one set of rows, rewarded once: its 2 gloo ranks sample
 the same prompts with different seeds (what nondeterministic sampling kernels could amount to)
 and both end up with the first rank's responses; the reward functions run on the first rank
-only, and the other takes its scores and counters. The worker is tests/sp_group_worker.py
+only, and the other takes its scores and counters; an engine without collectives (`fast`)
+samples on the first rank alone. The worker is tests/sp_group_worker.py
 (process start-up dominates: slow tier)."""
 
 from __future__ import annotations
@@ -41,3 +42,11 @@ def test_rewards_run_once_per_group(records: list[dict]) -> None:
     assert second["scores"] == first["scores"] == first["lengths"]
     assert second["keys"] == first["keys"]
     assert "fn:counted" in second["keys"] and "count:reward_fn_s" in second["keys"]
+
+
+def test_a_local_engine_samples_on_the_first_rank_only(records: list[dict]) -> None:
+    """The `fast` engine's forwards are no collective: the other rank does not draw at all and
+    takes the first rank's responses."""
+    first, second = records
+    assert (first["fast_draws"], second["fast_draws"]) == (1, 0)
+    assert second["fast"] == first["fast"] and len(first["fast"]) == 4

@@ -14,10 +14,12 @@ from typing import Any
 from posttrain.memory.estimate import ModelShape
 
 FIELD = "infra.sequence_parallel"
-# Rollout engines a sequence-parallel RL stage samples with: `hf` samples on every rank of
-# the group alike from the trainer's model (`fast` keeps a merged copy per rank, `server`
-# one server per rank; neither is checked to deal a group the same samples).
-SP_ROLLOUT_ENGINES = ("hf",)
+# Rollout engines a sequence-parallel RL stage samples with: the in-process ones, whose
+# samples the group takes from its first rank (`posttrain.rl.rollout.sample.sample`): `hf`
+# samples on every rank (its forwards are collectives of the sharded model), `fast` on the
+# first rank only (its merged copy's are not). A `server` engine's weight syncs, sampler
+# checks and off-policy thread are per rank, and not proven under a group.
+SP_ROLLOUT_ENGINES = ("hf", "fast")
 
 
 def sp_errors(recipe: Any, local_bases: bool = False) -> list[str]:
@@ -63,8 +65,8 @@ def _rollout_errors(s: Any, n: int) -> list[str]:
     if rollout.engine not in SP_ROLLOUT_ENGINES:
         errors.append(
             f"{s.where}.rollout.engine: {rollout.engine} is refused with {FIELD} {n}: the ranks "
-            "of a sequence-parallel group must sample the same responses, which only the `hf` "
-            "engine is wired to do; set rollout.engine: hf"
+            "of a sequence-parallel group must train on the same responses, which the in-process "
+            "engines are wired to share; set rollout.engine: hf or fast"
         )
     if rollout.tools or rollout.environment is not None:
         field = "tools" if rollout.tools else "environment"

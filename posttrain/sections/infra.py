@@ -98,7 +98,7 @@ class InfraConfig(_Section):
         "micro_batch_size x grad_accum_steps x that. N must divide the devices and the base "
         "model's attention heads and needs padding-free batches; the pre-flight counts "
         "activations at 1/N of the sequence. Every training stage splits its sequences; an RL "
-        "stage needs rollout.engine hf and no episodes (tools or an environment).",
+        "stage needs rollout.engine hf or fast and no episodes (tools or an environment).",
     )
     rdzv_endpoint: str | None = Execution(
         None,

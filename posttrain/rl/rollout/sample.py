@@ -250,12 +250,18 @@ def sample(
     reference's samples). A response ends at the first of `stop_ids` (-1 never stops).
     `sp`: the ranks of a sequence-parallel group (same prompts, same seed) keep their first
     rank's responses, so they train on one set of rows even where sampling kernels are not
-    deterministic; every rank still generates (the engine's forwards are collectives of the
-    sharded model, kept in step over the world), the others' draws are dropped."""
+    deterministic. With a collective engine (`hf`: forwards of the sharded model, kept in step
+    over the world) every rank generates and the others' draws are dropped; otherwise only the
+    first rank generates."""
     stops = _ids(stop_ids)
-    response = engine.generate(prompts, sampling_of(cfg), stops, pad_id, seed)  # [N, R]
-    # logps: [N, R] a server's, for its stale-sampler check (None from the in-process engines)
-    response, counts, logps = from_first((response, engine.take_counts(), engine.take_logps()), sp)
+    drawn = None
+    # An engine whose forwards are no collective (the `fast` engine's merged copy) samples on
+    # the group's first rank only: the others would draw what they then drop.
+    if sp is None or sp.rank == 0 or engine.collective:
+        response = engine.generate(prompts, sampling_of(cfg), stops, pad_id, seed)  # [N, R]
+        # logps: [N, R] a server's, for its stale-sampler check (None from in-process engines)
+        drawn = (response, engine.take_counts(), engine.take_logps())
+    response, counts, logps = from_first(drawn, sp)
     ids, attn = left_pad(prompts, pad_id)
     mask, stopped = response_mask(response, stops)
     ro = Rollout(ids, attn, response, mask, stopped, messages, stats=counts)
