@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from posttrain.config import judge_check
 from posttrain.rewards import counters
+from posttrain.rewards import judge as judge_module
 from posttrain.rewards.combine import RewardFunctionError, load_rewards, score_functions
 from posttrain.rewards.judge_parse import parse_choice, parse_number
 from posttrain.rewards.judge_server import judge_servers
@@ -172,6 +173,25 @@ def _score(
         got = counters.take(rows)
     values = [None if v != v else round(float(v), 4) for v in per["judge"].tolist()]
     return values, got
+
+
+def test_the_cache_file_is_bounded_and_keeps_the_newest(
+    serve, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory keeps CACHE_SIZE judgements; the file is rewritten with them once it holds more
+    than twice as many lines, and a resumed judge reads back the newest."""
+    monkeypatch.setattr(judge_module, "CACHE_SIZE", 1)
+    server = serve(lambda n, _: (200, "6", 0.0))
+    judge = _judge(url=server.url)
+    _score(tmp_path, judge)  # 3 judgements: the third append passes 2 lines and compacts
+    (cache,) = (tmp_path / "logs").glob("judge-cache-judge.rank*.jsonl")
+    kept = [json.loads(line) for line in cache.read_text().splitlines()]
+    assert len(kept) == 1 and not list(cache.parent.glob("*.tmp"))
+    # A resumed judge: the newest reply ("6", row 3) from the file, the others asked again.
+    values, got = _score(tmp_path, judge)
+    assert values == [0.6] * 3 and got["judge_cache_hits"] == [0.0, 0.0, 1.0]
+    assert server.requests == 5
+    assert len(cache.read_text().splitlines()) <= 2
 
 
 def test_a_failed_request_is_retried_and_the_reply_scored(serve, tmp_path: Path) -> None:

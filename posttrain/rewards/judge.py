@@ -40,7 +40,9 @@ from posttrain.serving.client import ServerClient, ServerFailed
 from posttrain.store.artifacts import path_identity
 
 CHAT_PATH = "/v1/chat/completions"
-CACHE_SIZE = 100_000  # judgements kept in memory (a few hundred bytes each)
+# Judgements kept in memory (a few hundred bytes each); the cache file holds at most twice as
+# many lines before it is rewritten with these.
+CACHE_SIZE = 100_000
 
 
 class JudgeFailed(StageVerdict):
@@ -97,6 +99,7 @@ class JudgeReward:
         self.client: ServerClient | None = None
         self._cache: OrderedDict[str, str] = OrderedDict()
         self._cache_file: Path | None = None
+        self._file_lines = 0  # lines in the cache file: compacted past 2 x CACHE_SIZE
         self._lock = threading.Lock()
         self.__name__ = label  # how signature checks and logs name a function
 
@@ -111,12 +114,7 @@ class JudgeReward:
         )
         self._cache_file = cache_file
         if cache_file is not None and cache_file.is_file():
-            for line in cache_file.read_text().splitlines():
-                try:
-                    k, reply = json.loads(line)
-                except (ValueError, TypeError):
-                    continue  # a line cut short by a killed stage
-                self._cache[k] = reply
+            self._load(cache_file)
 
     def close(self) -> None:
         if self.client is not None:
@@ -236,9 +234,40 @@ class JudgeReward:
 
     def _remember(self, key: str, reply: str) -> None:
         with self._lock:
-            self._cache[key] = reply
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            self._keep(key, reply)
             if self._cache_file is not None:
                 with open(self._cache_file, "a") as f:
                     f.write(json.dumps([key, reply]) + "\n")
+                self._file_lines += 1
+                if self._file_lines > 2 * CACHE_SIZE:
+                    self._compact()
+
+    def _keep(self, key: str, reply: str) -> None:
+        """In memory, the newest last; the oldest dropped past CACHE_SIZE."""
+        self._cache[key] = reply
+        self._cache.move_to_end(key)
+        while len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+
+    def _load(self, path: Path) -> None:
+        """A resumed stage's judgements, the newest CACHE_SIZE of them (a line cut short by a
+        killed stage is skipped); a file grown past twice that is rewritten with them."""
+        lines = path.read_text().splitlines()
+        for line in lines:
+            try:
+                k, reply = json.loads(line)
+            except (ValueError, TypeError):
+                continue
+            self._keep(k, reply)
+        self._file_lines = len(lines)
+        if self._file_lines > 2 * CACHE_SIZE:
+            self._compact()
+
+    def _compact(self) -> None:
+        """The cache file rewritten with what memory keeps (at most CACHE_SIZE lines), by an
+        atomic replace: appended to for a whole run, it would grow with every judgement."""
+        assert self._cache_file is not None
+        tmp = self._cache_file.with_name(self._cache_file.name + ".tmp")
+        tmp.write_text("".join(json.dumps([k, r]) + "\n" for k, r in self._cache.items()))
+        os.replace(tmp, self._cache_file)
+        self._file_lines = len(self._cache)
