@@ -47,7 +47,7 @@ from flows.report.tables import (
     summary_table,
 )
 from posttrain.config.schema import Recipe
-from posttrain.config.served_access import ALLOWED_ENV, REWARDS_ENV
+from posttrain.config.served_access import ALLOWED_ENV, COMMANDS_ENV, REWARDS_ENV
 from posttrain.kinds import graph_kinds
 from posttrain.plan.planner import RunPlan, plan, spec_for
 from posttrain.plan.selection import ALL_STAGES, Selection
@@ -358,6 +358,9 @@ def _add_served_commands(sub: argparse._SubParsersAction) -> None:
     what = "a folder served runs may import reward functions from, besides posttrain.rewards "
     what += f"and the served recipes' own reward modules (repeatable; added to ${REWARDS_ENV})"
     p.add_argument("--allow-rewards", help=what, **folders)
+    what = "a server command served runs may start (rollout.server.command, a judge's command), "
+    what += f"exactly as written, besides the served recipes' own (repeatable; ${COMMANDS_ENV})"
+    p.add_argument("--allow-command", action="append", default=[], metavar="CMD", help=what)
     p = sub.add_parser(
         "submit",
         help="start a run of a served deployment and print its URL",
@@ -404,7 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "launch": lambda: cmd_launch(args.stage, *given),
         "serve": lambda: cmd_serve(
-            list(map(str, args.recipes)), out, err, args.allow_path, args.allow_rewards
+            list(map(str, args.recipes)),
+            out,
+            err,
+            args.allow_path,
+            args.allow_rewards,
+            args.allow_command,
         ),
         "submit": lambda: cmd_submit(*given, args.wait, selection),
         "runs": lambda: cmd_runs(*given, ws, args.limit),

@@ -11,10 +11,14 @@ from flows.prefect_env import apply_prefect_defaults
 from posttrain.config.loader import load_for_deployment
 from posttrain.config.served_access import (
     ALLOWED_ENV,
+    COMMANDS_ENV,
     REWARDS_ENV,
+    served_commands,
     served_reward_roots,
     served_roots,
+    with_commands,
     with_roots,
+    worker_commands,
 )
 from posttrain.plan.selection import ALL_STAGES, Selection
 
@@ -36,6 +40,7 @@ def cmd_serve(
     err: TextIO,
     allow_paths: list[str] | None = None,
     allow_rewards: list[str] | None = None,
+    allow_commands: list[str] | None = None,
 ) -> int:
     """Serve one deployment per recipe until stopped (SIGINT/SIGTERM); runs execute here."""
     for flag, given in (("--allow-path", allow_paths), ("--allow-rewards", allow_rewards)):
@@ -60,6 +65,14 @@ def cmd_serve(
     os.environ[REWARDS_ENV] = with_roots(os.environ.get(REWARDS_ENV), code)
     if os.environ[REWARDS_ENV]:
         print(f"served runs may import reward code from: {os.environ[REWARDS_ENV]}", file=out)
+    # Server commands likewise: the operator's and those the served recipes start.
+    started = [
+        *(allow_commands or []),
+        *(c for _, r in recipes for c in served_commands(r).values()),
+    ]
+    os.environ[COMMANDS_ENV] = with_commands(os.environ.get(COMMANDS_ENV), started)
+    if allowed := worker_commands():
+        print(f"served runs may start: {'; '.join(allowed)}", file=out)
     if _server_url(err) is None:
         return EXIT_INVALID
     apply_prefect_defaults()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from prefect.context import FlowRunContext
 
 from posttrain.config.loader import RecipeError
-from posttrain.config.served_access import ALLOWED_ENV, REWARDS_ENV, ServedReach
+from posttrain.config.served_access import ALLOWED_ENV, COMMANDS_ENV, REWARDS_ENV, ServedReach
 
 
 def is_served_run() -> bool:
@@ -27,7 +27,9 @@ def served_reach() -> ServedReach | None:
         return None
     ctx = FlowRunContext.get()
     job_env = ((ctx.flow_run.job_variables or {}) if ctx and ctx.flow_run else {}).get("env")
-    if isinstance(job_env, dict) and (env := {ALLOWED_ENV, REWARDS_ENV} & set(job_env)):
+    if isinstance(job_env, dict) and (
+        env := {ALLOWED_ENV, REWARDS_ENV, COMMANDS_ENV} & set(job_env)
+    ):
         # A work-pool worker would put a run's job variables into this process's environment.
         why = "set by the run; only the worker may set it"
         raise RecipeError([f"job_variables.env.{k}: {why}" for k in sorted(env)], "served run")

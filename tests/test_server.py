@@ -195,7 +195,8 @@ def test_ui_run_reaching_outside_the_worker_is_refused_before_any_stage(
     path at /etc/hostname. The server accepts them (a valid recipe), but the flow refuses the run
     before any stage starts, naming each field, and never imports the module: a served run may
     import reward functions only from posttrain.rewards and the worker's reward folders, and
-    read only inside the worker's folders. (One run carries both refusals: the flow lists every
+    read only inside the worker's folders, and start no server command (a judge's here) the
+    worker does not allow. (One run carries both refusals: the flow lists every
     field it refuses in one message, and each run costs a flow process.)"""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
@@ -208,10 +209,12 @@ def test_ui_run_reaching_outside_the_worker_is_refused_before_any_stage(
     dep = _deployment(served, SERVED)
     params = copy.deepcopy(dep.parameters)
     recipe = params["recipe"]
+    started = tmp_path / "started"
+    judge = {"command": f"touch {started}", "model": "m", "rubric": "Rate: {completion}"}
     recipe["grpo"] = {
         "data": {"synthetic": {"n_examples": 40}},
         "rollout": {"prompts_per_step": 2, "samples_per_prompt": 2},
-        "rewards": [{"fn": f"{evil}:hit"}, {"fn": "os:system", "name": "shell"}],
+        "rewards": [{"fn": f"{evil}:hit"}, {"fn": "os:system", "name": "shell"}, {"judge": judge}],
     }
     recipe["run"]["allowed_paths"] = ["/"]
     recipe["sft"]["data"].update(synthetic=None, path="/etc/hostname")
@@ -231,7 +234,10 @@ def test_ui_run_reaching_outside_the_worker_is_refused_before_any_stage(
     assert "run.allowed_paths.0: / is outside the folders this worker allows (" in message
     assert str(served["shared"]) in message
     assert "sft.data.path: /etc/hostname is outside this served run's" in message
-    assert not marker.exists()
+    assert (
+        f"grpo.rewards.2.judge.command: `touch {started}` is not a command this worker" in message
+    )
+    assert not marker.exists() and not started.exists()
     assert _flow_run_processes(str(run.id)) == []
     # Refused before anything ran: no task run (no stage) exists for it.
     tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))

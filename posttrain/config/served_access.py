@@ -17,14 +17,24 @@ those folders, and each input path inside its own workspace or allowed paths (th
 and the current directory, which `posttrain run` allows implicitly, are not allowed here: a
 served flow runs wherever the worker was started). `posttrain run` trusts its own recipe file,
 as before. No Prefect here: the flow decides which runs are served.
+
+A server `command` (`rollout.server.command`, a judge's `command`) is a shell command the stage
+starts: a served run may start only the commands its worker allows, exactly as written
+(`POSTTRAIN_ALLOWED_COMMANDS`, a JSON list; `posttrain serve --allow-command CMD`, and the
+commands of the recipes it serves).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
 
 from posttrain.config.loader import RecipeError, _inside, _real, input_paths
 from posttrain.config.schema import Recipe
@@ -33,6 +43,8 @@ ALLOWED_ENV = "POSTTRAIN_ALLOWED_PATHS"
 # Reward functions run code: the folders a served run may import reward modules from are a list
 # of their own (reading a data file is not executing it), set the same way as ALLOWED_ENV.
 REWARDS_ENV = "POSTTRAIN_REWARD_PATHS"
+# Server commands a served run may start (a JSON list of the exact command texts).
+COMMANDS_ENV = "POSTTRAIN_ALLOWED_COMMANDS"
 
 
 def parse_roots(value: str | None) -> list[Path]:
@@ -99,6 +111,72 @@ def check_served_rewards(recipe: Recipe, roots: list[Path]) -> list[str]:
     return errors
 
 
+def command_text(command: str | list[str]) -> str:
+    """A server command as one text, however the recipe wrote it (a string, or argv)."""
+    return command if isinstance(command, str) else shlex.join(command)
+
+
+def served_commands(recipe: Recipe) -> dict[str, str]:
+    """`field: command` of every server command in the recipe: each section that says where a
+    model is served (`posttrain.sections.served`: a `url` or a `command`), wherever it lies."""
+    found: dict[str, str] = {}
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, BaseModel):
+            fields = type(node).model_fields
+            if {"url", "command"} <= fields.keys() and node.command is not None:
+                found[f"{where}.command"] = command_text(node.command)
+            for name in fields:
+                walk(getattr(node, name), f"{where}.{name}" if where else name)
+        elif isinstance(node, list | tuple):
+            for i, item in enumerate(node):
+                walk(item, f"{where}.{i}")
+        elif isinstance(node, dict):
+            for key, item in node.items():
+                walk(item, f"{where}.{key}")
+
+    walk(recipe, "")
+    return found
+
+
+def worker_commands(env: Mapping[str, str] | None = None) -> list[str]:
+    """The server commands this worker allows served runs to start (`POSTTRAIN_ALLOWED_COMMANDS`;
+    a value that is not a JSON list of strings allows none)."""
+    try:
+        value = json.loads((os.environ if env is None else env).get(COMMANDS_ENV) or "[]")
+    except ValueError:
+        return []
+    return [c for c in value if isinstance(c, str)] if isinstance(value, list) else []
+
+
+def with_commands(current: str | None, extra: Iterable[str]) -> str:
+    """`current` (a POSTTRAIN_ALLOWED_COMMANDS value) with `extra` commands appended."""
+    commands = worker_commands({COMMANDS_ENV: current or "[]"})
+    commands += [c for c in dict.fromkeys(extra) if c not in commands]
+    return json.dumps(commands)
+
+
+def check_served_commands(recipe: Recipe, allowed: list[str]) -> list[str]:
+    """`field: message` lines for each server command of a served recipe its worker does not
+    allow. Compared as the argv the stage starts (`shlex.split`), so quoting and spacing of
+    the same command do not matter; a command that does not split is not allowed."""
+    argvs = [argv for c in allowed if (argv := _argv(c)) is not None]
+    return [
+        f"{where}: `{command}` is not a command this worker lets served runs start: serve a "
+        f"recipe with it, start `posttrain serve --allow-command {shlex.quote(command)}`, or "
+        f"add it to {COMMANDS_ENV}"
+        for where, command in served_commands(recipe).items()
+        if _argv(command) not in argvs
+    ]
+
+
+def _argv(command: str) -> list[str] | None:
+    try:
+        return shlex.split(command)
+    except ValueError:  # an unclosed quote
+        return None
+
+
 def with_roots(current: str | None, extra: Iterable[str | os.PathLike[str]]) -> str:
     """`current` (a POSTTRAIN_ALLOWED_PATHS value) with `extra` folders appended, resolved."""
     roots = parse_roots(current)
@@ -122,24 +200,30 @@ def _describe(roots: list[Path]) -> str:
 
 @dataclass(frozen=True)
 class ServedReach:
-    """What the worker running a served flow allows: the folders its runs may read from and
-    those they may import reward code from (from its environment, never from the recipe)."""
+    """What the worker running a served flow allows: the folders its runs may read from, those
+    they may import reward code from, and the server commands they may start (from its
+    environment, never from the recipe)."""
 
     roots: list[Path]
     reward_roots: list[Path]
+    commands: list[str] = field(default_factory=list)
 
     @classmethod
     def of_worker(cls, env: Mapping[str, str] | None = None) -> ServedReach:
-        return cls(worker_roots(env), reward_roots(env))
+        return cls(worker_roots(env), reward_roots(env), worker_commands(env))
 
     def check(self, recipe: Recipe) -> None:
-        """Refuse a recipe that reaches outside these folders (RecipeError, one line a field)."""
-        check_served_reach(recipe, self.roots, self.reward_roots)
+        """Refuse a recipe that reaches outside these folders or starts another command
+        (RecipeError, one line a field)."""
+        check_served_reach(recipe, self.roots, self.reward_roots, self.commands)
 
 
-def check_served_reach(recipe: Recipe, roots: list[Path], code_roots: list[Path]) -> None:
-    """Refuse a served recipe that reaches outside the worker's folders. Raises RecipeError with
-    one `field: message` line per problem; reads no file (paths are only resolved)."""
+def check_served_reach(
+    recipe: Recipe, roots: list[Path], code_roots: list[Path], commands: list[str] | None = None
+) -> None:
+    """Refuse a served recipe that reaches outside the worker's folders or starts a server
+    command it does not allow (`commands`; None: none). Raises RecipeError with one
+    `field: message` line per problem; reads no file (paths are only resolved)."""
     errors: list[str] = []
 
     def inside_worker(where: str, value: str) -> Path | None:
@@ -169,5 +253,6 @@ def check_served_reach(recipe: Recipe, roots: list[Path], code_roots: list[Path]
                 f"run.allowed_paths ({', '.join(str(p) for p in mine) or 'none allowed'})"
             )
     errors += check_served_rewards(recipe, code_roots)
+    errors += check_served_commands(recipe, commands or [])
     if errors:
         raise RecipeError(errors, "served recipe")
