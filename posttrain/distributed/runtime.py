@@ -46,6 +46,12 @@ class DistInfo:
         return self.rank % self.sp_size
 
     @property
+    def counted(self) -> float:
+        """This rank's weight in figures summed over the world: 1, or 0 on a sequence-parallel
+        rank after its group's first (the group holds the same rows: counted once)."""
+        return float(self.sp_rank == 0)
+
+    @property
     def dp_size(self) -> int:
         """Data-parallel groups: the ranks rows are dealt out to (`rank_batches`)."""
         return self.world_size // self.sp_size

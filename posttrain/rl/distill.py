@@ -296,7 +296,7 @@ def distill_update(
     rank's own tokens, and a `sequence_mean` answer divides by its whole length, not its
     shard's; `world` stays all ranks (FSDP averages over all of them)."""
     device, world = tr.dist.device, tr.dist.world_size
-    sp, counted = group_of(tr.dist), float(tr.dist.sp_rank == 0)
+    sp, counted = group_of(tr.dist), tr.dist.counted
     answer_tokens = ro.mask.sum(1)  # [N] each answer's whole length, on the host
     tokens, answers = step_counts(answer_tokens, counted, device)
     if not tokens:

@@ -244,7 +244,7 @@ def dpo_update(
     is the global pair count while `world` stays all ranks (FSDP averages over all of them, and
     the group's gradient parts add up to its pairs' gradient)."""
     device, world = tr.dist.device, tr.dist.world_size
-    sp, counted = group_of(tr.dist), float(tr.dist.sp_rank == 0)
+    sp, counted = group_of(tr.dist), tr.dist.counted
     total = int(all_reduce_sum(len(pairs) * counted, device))
     if not total:
         return DPOStats({}, math.nan, math.nan, 0, 0, 0)

@@ -200,7 +200,7 @@ def setup(
         packed=packed,
         by_tokens=ctx.by_tokens,
         sp=sequence_split(tr, packed),
-        counted=float(d.sp_rank == 0),
+        counted=d.counted,
     )
     # Statistics summed over ranks (whitening): a sequence-parallel group's rows once.
     reduce = partial(counted_sum, counted=rollouts.counted, device=d.device)

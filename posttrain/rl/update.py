@@ -171,7 +171,7 @@ def update(
     per forward (`batch.by_tokens`; None: micro_batch_size rows each). The device is read once
     per optimizer step (the guard's loss and grad norm) and once at the end (the statistics)."""
     device, world = tr.dist.device, tr.dist.world_size
-    sp, counted = group_of(tr.dist), float(tr.dist.sp_rank == 0)
+    sp, counted = group_of(tr.dist), tr.dist.counted
     per_update = batch.micro_batch_size * batch.grad_accum_steps
     # None only on ppo (token_mean); a grpo section holds its algorithm's (GRPOConfig presets).
     aggregation = cfg.loss_aggregation or "token_mean"

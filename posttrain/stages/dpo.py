@@ -322,7 +322,7 @@ def dpo_step(
     cfg, model, device = loop.section, loop.model, loop.device
     n_pairs, world = loop.batch.global_batch_size, loop.world
     shared = loop.tr.dist.sp_size > 1
-    counted = float(loop.tr.dist.sp_rank == 0)
+    counted = loop.tr.dist.counted
     sums: dict[str, torch.Tensor] = {}  # in the order the metrics record lists them
     t_ref = 0.0
     for k, (ix, mb) in enumerate(zip(sb.rows, sb.micro, strict=True)):

@@ -300,7 +300,7 @@ def kto_step(
     the group's first rank alone counts them (in z0 and the figures)."""
     model, device, chunk = loop.model, loop.device, loop.chunk_tokens
     n_rows = loop.batch.global_batch_size
-    counted = float(loop.tr.dist.sp_rank == 0)
+    counted = loop.tr.dist.counted
     t_kl = time.perf_counter()
     kl_logps = [both_logps(model, kb, chunk) for kb in kl_micro]
     z0 = kto_kl_estimate(

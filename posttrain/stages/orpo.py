@@ -58,7 +58,7 @@ def heldout_orpo(loop: Training, pairs: list[dict], beta: float) -> dict[str, fl
     keys = ("correct", "ties", "margin", "loss", "nll", "log_odds_ratio")
     s = dict.fromkeys(("n", *keys), 0.0)
     split = loop.sp is not None
-    counted = float(loop.tr.dist.sp_rank == 0)
+    counted = loop.tr.dist.counted
     for w, batch in loop.heldout_batches(pairs, flat=split, split=split):
         w *= counted
         losses, m = orpo_loss(*pair_logps(loop.model, batch, loop.chunk_tokens), beta=beta)
@@ -124,7 +124,7 @@ def orpo_step(
     every rank of a group computes the same pair losses from the group's summed log-probs and
     the group's first rank alone counts them in the metrics."""
     sums: dict[str, torch.Tensor] = {}
-    counted = float(loop.tr.dist.sp_rank == 0)
+    counted = loop.tr.dist.counted
     for k, mb in enumerate(sb.micro):
         grad_sync(loop.model, k == len(sb.micro) - 1)
         pc, pr, lc, lr_ = pair_logps(loop.model, mb, loop.chunk_tokens)  # [micro] each

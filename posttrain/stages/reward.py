@@ -47,7 +47,7 @@ def heldout_pairs(loop: Training, pairs: list[dict], margin: float) -> dict[str,
     the same scores, counted from its first."""
     acc = {k: 0.0 for k in ("n", "correct", "ties", "margin", "loss", "c", "c2", "r", "r2")}
     split = loop.sp is not None
-    counted = float(loop.tr.dist.sp_rank == 0)
+    counted = loop.tr.dist.counted
     for w, batch in loop.heldout_batches(pairs, flat=split, split=split):
         w *= counted
         rc, rr = pair_scores(loop.model, batch)
@@ -131,7 +131,7 @@ def bradley_terry_step(
     by `finish_step`). Under sequence parallelism every rank of a group computes the same
     pair losses from the group's scores; its first rank alone counts them in the metrics."""
     sums: dict[str, torch.Tensor] = {}
-    counted = float(loop.tr.dist.sp_rank == 0)
+    counted = loop.tr.dist.counted
     for k, mb in enumerate(sb.micro):
         grad_sync(loop.model, k == len(sb.micro) - 1)
         rc, rr = pair_scores(loop.model, mb)  # [micro] each
